@@ -1,0 +1,173 @@
+"""Edits: plain descriptions of what to change in which heads, applied by `heads.engine`.
+
+Three kinds, by where they act (DESIGN.md, "Edit engine"):
+
+* `LogitBias`: an additive bias on the attention logits (pre-softmax) of chosen
+  query heads, e.g. PASTA.
+* `ProbEdit`: a function of the post-softmax attention pattern, e.g. ACT;
+  `Recorder` is a `ProbEdit` that only reads the pattern.
+* `HeadOutputEdit`: a function of each head's output `z` (the input of `o_proj`,
+  `[batch, pos, n_heads, d_head]`), e.g. `HeadScale` for ablation.
+
+Every edit names one `layer` and its query `heads` (None = all), or carries a
+per-batch-row head mask `row_heads` (`[batch, n_heads]` bool) so that one forward
+pass can evaluate a different head set in every batch row. `calls` counts how
+often the engine ran the edit, so that an edit that never fired is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "AttentionCall",
+    "Edit",
+    "HeadOutputEdit",
+    "HeadScale",
+    "LogitBias",
+    "ProbEdit",
+    "Recorder",
+]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What an edit sees of one attention call (one layer, one block of query rows).
+
+    Key column `j` is absolute position `j` of the (left-padded) sequence, so a
+    prompt of padded length P occupies columns `0..P-1` and generated tokens
+    columns `>= P`. Query row `r` of the block is absolute position `q_offset + r`.
+    """
+
+    layer: int
+    batch: int
+    n_heads: int
+    q_len: int  # query rows in this block
+    k_len: int  # key columns (all positions so far)
+    q_offset: int  # absolute position of the block's first query row
+    device: torch.device
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """`[q_len]` absolute positions of the query rows."""
+        return torch.arange(self.q_offset, self.q_offset + self.q_len, device=self.device)
+
+
+@dataclass(eq=False)
+class Edit:
+    """Base of all edits: one layer, a set of query heads, optionally per batch row.
+
+    Attributes:
+        layer: layer index, 0-based.
+        heads: query-head indices in that layer; None means every head.
+        row_heads: optional `[batch, n_heads]` bool mask; row b edits the heads
+            where `row_heads[b]` is True. Overrides `heads`.
+        calls: how many attention calls ran this edit (set by the engine).
+    """
+
+    layer: int
+    heads: Sequence[int] | None = None
+    row_heads: torch.Tensor | None = None
+    calls: int = field(default=0, init=False)
+
+    def is_identity(self) -> bool:
+        """True when the edit provably changes nothing (it is then skipped)."""
+        return False
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        """`[batch or 1, n_heads]` bool mask of the (row, head) pairs this edit touches."""
+        if self.row_heads is not None:
+            if tuple(self.row_heads.shape) != (batch, n_heads):
+                raise ValueError(
+                    f"{type(self).__name__} at layer {self.layer}: row_heads has shape "
+                    f"{tuple(self.row_heads.shape)}, the call has batch {batch} x {n_heads} heads"
+                )
+            return self.row_heads.to(device=device, dtype=torch.bool)
+        mask = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
+        if self.heads is None:
+            mask[:] = True
+        else:
+            mask[0, list(self.heads)] = True
+        return mask
+
+    def head_list(self, n_heads: int) -> list[int]:
+        """The heads this edit touches in any row."""
+        if self.row_heads is not None:
+            return sorted(set(torch.nonzero(self.row_heads.any(0)).flatten().tolist()))
+        return list(range(n_heads)) if self.heads is None else sorted(set(self.heads))
+
+    def __repr__(self) -> str:
+        who = "row_heads" if self.row_heads is not None else f"heads={self.heads}"
+        return f"{type(self).__name__}(layer={self.layer}, {who})"
+
+
+@dataclass(eq=False, repr=False)
+class LogitBias(Edit):
+    """Additive attention-logit bias. Subclasses implement `bias`."""
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class ProbEdit(Edit):
+    """Function of the post-softmax attention pattern. Subclasses implement `apply`."""
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class Recorder(ProbEdit):
+    """Reads the (edited) attention pattern of one layer without changing it.
+
+    `fn(probs, call)` gets fp32 probs `[batch, n_heads, q_len, k_len]` after all
+    other edits of the layer and returns anything; results are appended to
+    `records` in call order (one per attention call and query block).
+    """
+
+    fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
+    records: list = field(default_factory=list, init=False)
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if self.fn is None:
+            self.records.append(probs.detach().clone())
+        else:
+            self.records.append(self.fn(probs, call))
+        return probs
+
+
+@dataclass(eq=False, repr=False)
+class HeadOutputEdit(Edit):
+    """Function of the heads' outputs `z` (`o_proj` input). Subclasses implement `apply`."""
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map `z` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class HeadScale(HeadOutputEdit):
+    """Multiply the chosen heads' outputs by `factor` (0 = zero ablation; 1 = no-op).
+
+    Raises:
+        ValueError: non-finite factor.
+    """
+
+    factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factor, (int, float)) or not math.isfinite(self.factor):
+            raise ValueError(f"HeadScale factor must be a finite number, got {self.factor!r}")
+
+    def is_identity(self) -> bool:
+        return self.factor == 1.0
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return z * self.factor

@@ -1,0 +1,276 @@
+"""The edit engine: applies `heads.edits` to a model inside a context manager.
+
+Attention edits run in headsteer's attention function, registered in
+`transformers`' `AttentionInterface` *and* `AttentionMaskInterface` (without the
+mask registration the model would silently run with no causal mask). Layers with
+no edit take the model's own backend path (SDPA, or eager); an edited layer builds
+an additive fp32 mask (causal + padding + the edits' logit biases) and either calls
+SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
+and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
+linearly with context. Head-output edits run in forward pre-hooks on `o_proj`.
+
+Usage::
+
+    with editing(model, [PastaBias(...), HeadScale(layer=3, heads=[1], factor=0)]):
+        logits = model.model(input_ids).logits
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit
+from .model import HeadModel
+
+__all__ = ["QUERY_BLOCK", "EditNeverFired", "editing", "registered_name"]
+
+QUERY_BLOCK = 1024
+"""Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
+
+_MIN = torch.finfo(torch.float32).min
+
+
+class EditNeverFired(RuntimeError):
+    """An edit was installed but the model never ran it (e.g. wrong layer, no forward)."""
+
+
+@dataclass
+class _LayerEdits:
+    layer: int
+    n_heads: int
+    bias: list[LogitBias] = field(default_factory=list)
+    probs: list[ProbEdit] = field(default_factory=list)
+    outputs: list[HeadOutputEdit] = field(default_factory=list)
+
+
+# id(attention module) -> its edits; a ContextVar so threads do not see each other's edits.
+_ACTIVE: ContextVar[dict[int, _LayerEdits]] = ContextVar("headsteer_active_edits", default={})  # noqa: B039
+
+_BASES = ("sdpa", "eager")
+
+
+def registered_name(base: str) -> str:
+    """Name of headsteer's attention function for a base backend (`sdpa` or `eager`)."""
+    return f"headsteer_{base}"
+
+
+def _causal_additive(q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
+    """`[1, 1, q_len, k_len]` fp32 mask: 0 where key j <= query position, else min."""
+    qpos = torch.arange(q_offset, q_offset + q_len, device=device)[:, None]
+    kpos = torch.arange(k_len, device=device)[None, :]
+    return torch.where(kpos <= qpos, 0.0, _MIN)[None, None]
+
+
+def _additive(mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`."""
+    if mask is None:
+        return _causal_additive(q_len, k_len, k_len - q_len, device)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, _MIN).to(device)
+    return mask.float().clamp(min=_MIN)
+
+
+def _edited_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    edits: _LayerEdits,
+) -> torch.Tensor:
+    """Attention of one edited layer; returns `[B, q, H, d]`."""
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    groups = n_heads // key.shape[1]
+    if groups > 1:  # GQA: every query head reads its KV head; K/V themselves are never edited
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    base = _additive(mask, q_len, k_len, query.device)
+    head_masks = {
+        id(e): e.head_mask(batch, n_heads, query.device)[:, :, None, None]
+        for e in (*edits.bias, *edits.probs)
+    }
+    for e in (*edits.bias, *edits.probs):
+        e.calls += 1
+    out = torch.empty(batch, n_heads, q_len, value.shape[-1], dtype=value.dtype, device=value.device)
+    for s in range(0, q_len, QUERY_BLOCK):
+        e_ = min(q_len, s + QUERY_BLOCK)
+        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, query.device)
+        add = base[..., s:e_, :] if base.shape[-2] > 1 else base
+        for ed in edits.bias:
+            add = add + torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
+        add = add.clamp(min=_MIN)  # several biases on a masked key must not overflow to -inf
+        q_blk = query[:, :, s:e_]
+        if not edits.probs:
+            out[:, :, s:e_] = F.scaled_dot_product_attention(
+                q_blk, key, value, attn_mask=add.to(query.dtype), scale=scaling
+            )
+            continue
+        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling + add
+        probs = torch.softmax(scores, dim=-1)
+        visible = add > _MIN / 2
+        for ed in edits.probs:
+            probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
+            probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
+        out[:, :, s:e_] = torch.matmul(probs.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous()
+
+
+def _make_attention(base: str):
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fallback
+    else:
+        fallback = None
+
+    def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        edits = _ACTIVE.get().get(id(module))
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        if edits is None or not (edits.bias or edits.probs):
+            if fallback is not None:
+                return fallback(
+                    module,
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    dropout=dropout,
+                    scaling=scaling,
+                    **kw,
+                )
+            edits = _LayerEdits(getattr(module, "layer_idx", -1), query.shape[1])
+            edits.probs.append(_IDENTITY)
+        return _edited_attention(module, query, key, value, attention_mask, scaling, edits), None
+
+    return headsteer_attention
+
+
+class _Identity(ProbEdit):
+    def apply(self, probs, call):
+        return probs
+
+
+_IDENTITY = _Identity(layer=-1)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    for base, mask_fn in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        name = registered_name(base)
+        AttentionInterface.register(name, _make_attention(base))
+        AttentionMaskInterface.register(name, mask_fn)
+
+
+_register()
+
+
+def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
+    for e in edits:
+        if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit)):
+            raise TypeError(f"not a headsteer edit: {e!r}")
+        hm.check_head(e.layer)
+        if e.heads is not None:
+            for h in e.heads:
+                hm.check_head(e.layer, h)
+        if e.row_heads is not None:
+            if e.row_heads.ndim != 2 or e.row_heads.shape[1] != hm.n_heads:
+                raise ValueError(
+                    f"row_heads must be [batch, {hm.n_heads}] bool, got shape {tuple(e.row_heads.shape)}"
+                )
+
+
+def _output_hook(edits: _LayerEdits, d_head: int):
+    def hook(module, args):
+        x = args[0]
+        z = x.view(*x.shape[:-1], edits.n_heads, d_head)
+        call = AttentionCall(edits.layer, x.shape[0], edits.n_heads, x.shape[1], -1, -1, x.device)
+        for e in edits.outputs:
+            e.calls += 1
+            mask = e.head_mask(x.shape[0], edits.n_heads, x.device)[:, None, :, None]
+            z = torch.where(mask, e.apply(z, call), z)
+        return (z.reshape(x.shape), *args[1:])
+
+    return hook
+
+
+@contextlib.contextmanager
+def editing(model: HeadModel, edits: Sequence[Edit], *, require_fired: bool = True) -> Iterator[list[Edit]]:
+    """Apply `edits` to `model` for the duration of the `with` block.
+
+    Args:
+        model: the `HeadModel` to edit.
+        edits: any mix of `LogitBias`, `ProbEdit` (incl. `Recorder`) and
+            `HeadOutputEdit`. Identity edits (`is_identity()`) are skipped, so
+            alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
+        require_fired: on normal exit, raise `EditNeverFired` if an active edit was
+            never run by the model (default True).
+
+    Yields:
+        the list of active (non-identity) edits; their `calls` count runs.
+
+    On exit — normal or by exception — the attention backend and every hook are
+    restored, so the model's logits are bitwise what they were before.
+
+    Raises:
+        ValueError: unknown layer/head, a row mask of the wrong shape, or a model
+            whose attention backend is neither `sdpa` nor `eager` (e.g.
+            FlashAttention-2). Nothing is changed on the model in that case.
+        TypeError: an object that is not an edit.
+        EditNeverFired: see `require_fired`.
+    """
+    if not isinstance(model, HeadModel):
+        raise TypeError(f"editing() needs a HeadModel, got {type(model).__name__}")
+    edits = list(edits)
+    _validate(model, edits)
+    active = [e for e in edits if not e.is_identity()]
+    attn_edits = [e for e in active if not isinstance(e, HeadOutputEdit)]
+    configs = model.attention_configs
+    old_impl = [c._attn_implementation for c in configs]
+    if attn_edits:
+        for impl in old_impl:
+            base = impl.removeprefix("headsteer_")
+            if base not in _BASES:
+                raise ValueError(
+                    f"attention backend {impl!r} is not supported for attention edits; "
+                    "load the model with attn_implementation='sdpa' or 'eager'"
+                )
+
+    table: dict[int, _LayerEdits] = {}
+    for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits
+        table[key] = _LayerEdits(v.layer, v.n_heads, list(v.bias), list(v.probs))
+    own_outputs: dict[int, _LayerEdits] = {}  # this context's head-output edits, hooked below
+    for e in active:
+        if isinstance(e, HeadOutputEdit):
+            own_outputs.setdefault(e.layer, _LayerEdits(e.layer, model.n_heads)).outputs.append(e)
+            continue
+        slot = table.setdefault(id(model.attentions[e.layer]), _LayerEdits(e.layer, model.n_heads))
+        (slot.bias if isinstance(e, LogitBias) else slot.probs).append(e)
+
+    handles = []
+    token = _ACTIVE.set(table)
+    try:
+        if attn_edits:
+            for c, impl in zip(configs, old_impl, strict=True):
+                c._attn_implementation_internal = registered_name(impl.removeprefix("headsteer_"))
+        for layer, slot in sorted(own_outputs.items()):
+            handles.append(model.out_projs[layer].register_forward_pre_hook(_output_hook(slot, model.d_head)))
+        yield active
+    finally:
+        for h in handles:
+            h.remove()
+        for c, impl in zip(configs, old_impl, strict=True):
+            c._attn_implementation_internal = impl
+        _ACTIVE.reset(token)
+    if require_fired:
+        idle = [e for e in active if e.calls == 0]
+        if idle:
+            raise EditNeverFired(f"these edits never ran: {idle}")

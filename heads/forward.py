@@ -1,0 +1,28 @@
+"""Running a model on an encoded batch (positions that ignore left padding)."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import HeadModel
+from .prompts import EncodedPrompts
+
+__all__ = ["forward"]
+
+
+@torch.no_grad()
+def forward(model: HeadModel, enc: EncodedPrompts, **kwargs) -> torch.Tensor:
+    """Logits `[B, P, d_vocab]` of `model` on the left-padded batch `enc`.
+
+    Position ids are counted over real tokens, as `generate` does, so an example
+    gives the same logits alone and inside a padded batch.
+    """
+    device = model.device
+    out = model.model(
+        input_ids=enc.input_ids.to(device),
+        attention_mask=enc.attention_mask.to(device),
+        position_ids=enc.position_ids().to(device),
+        use_cache=False,
+        **kwargs,
+    )
+    return out.logits

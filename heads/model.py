@@ -1,0 +1,193 @@
+"""`HeadModel`: one adapter over a Hugging Face causal LM that exposes its heads.
+
+Everything in headsteer talks to a model through this adapter: geometry
+(`n_layers`, `n_heads`, `n_kv_heads`, `d_head`, `d_model`, `d_vocab`), the
+attention and output-projection modules of each layer, and head-major weight
+views named as in TransformerLens (`W_Q`, `W_K`, `W_V`, `W_O`, `W_E`, `W_U`).
+Shapes are read from the real modules' weights, never from
+`hidden_size / num_attention_heads`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+__all__ = ["HeadModel"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where an architecture keeps its decoder layers and attention projections."""
+
+    layers: str  # dotted path from the causal-LM module to the ModuleList of blocks
+    attn: str  # attribute of a block holding the attention module
+    out_proj: str  # attribute of the attention module: the output projection (o_proj)
+    fused_qkv: str | None = None  # GPT-2 style Conv1D holding [W_Q | W_K | W_V]
+
+
+_LAYOUTS = {
+    "gpt2": _Layout("transformer.h", "attn", "c_proj", fused_qkv="c_attn"),
+}
+_DEFAULT_LAYOUT = _Layout("model.layers", "self_attn", "o_proj")
+
+
+def _get(obj: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class HeadModel:
+    """A loaded causal LM plus its tokenizer, seen as `[n_layers, n_heads]` attention heads.
+
+    Args:
+        model: a `transformers` causal LM (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+            `MistralForCausalLM`, `GPT2LMHeadModel`, …) whose attention goes through
+            `transformers`' `AttentionInterface`.
+        tokenizer: its (fast) tokenizer; needed for text prompts and spans.
+        name: a model id recorded in every `HeadScores` produced with this model.
+
+    Raises:
+        TypeError: `model` is not an `nn.Module` with a `config`.
+        ValueError: the architecture's decoder layers or attention projections
+            cannot be found.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: object | None = None, name: str | None = None):
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
+        self._layout = _LAYOUTS.get(getattr(cfg, "model_type", ""), _DEFAULT_LAYOUT)
+        try:
+            layers = _get(model, self._layout.layers)
+        except AttributeError:
+            # LLaVA-style wrappers keep the language model one level down.
+            try:
+                layers = _get(model, "model.language_model.layers")
+                self._layout = _Layout("model.language_model.layers", "self_attn", "o_proj")
+            except AttributeError:
+                raise ValueError(f"cannot find decoder layers of model_type={cfg.model_type!r}") from None
+        self.layers: list[nn.Module] = list(layers)
+        self.attentions: list[nn.Module] = [getattr(b, self._layout.attn) for b in self.layers]
+        self.out_projs: list[nn.Module] = [getattr(a, self._layout.out_proj) for a in self.attentions]
+        a0 = self.attentions[0]
+        self.d_head: int = int(a0.head_dim)
+        self.n_layers: int = len(self.layers)
+        in_o = self._o_weight(0).shape[0]
+        if in_o % self.d_head:
+            raise ValueError(f"o_proj input width {in_o} is not a multiple of head_dim {self.d_head}")
+        self.n_heads: int = in_o // self.d_head
+        self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
+        self.d_model: int = int(self._o_weight(0).shape[1])
+        self.d_vocab: int = int(self.model.get_output_embeddings().weight.shape[0])
+
+    # ----------------------------------------------------------------- geometry
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (`g = n_heads / n_kv_heads`; 1 without GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_head(self, head: int) -> int:
+        """The KV head that query head `head` reads keys and values from (GQA map)."""
+        self.check_head(0, head)
+        return head // self.n_groups
+
+    @property
+    def kv_group(self) -> torch.Tensor:
+        """`[n_heads]` long tensor: the KV head of every query head."""
+        return torch.arange(self.n_heads) // self.n_groups
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def attention_configs(self) -> list[object]:
+        """The distinct config objects the attention modules read `_attn_implementation` from."""
+        seen: dict[int, object] = {}
+        for a in self.attentions:
+            cfg = getattr(a, "config", self.model.config)
+            seen.setdefault(id(cfg), cfg)
+        return list(seen.values())
+
+    def check_head(self, layer: int, head: int | None = None) -> None:
+        """Raise `ValueError` naming `layer`/`head` if it is not a head of this model."""
+        for name, value, n in (("layer", layer, self.n_layers), ("head", head, self.n_heads)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if not 0 <= value < n:
+                raise ValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")
+
+    # ------------------------------------------------------------------ weights
+    def _o_weight(self, layer: int) -> torch.Tensor:
+        """Output projection as `[n_heads * d_head, d_model]` (input rows, output columns)."""
+        proj = self.out_projs[layer]
+        w = proj.weight
+        return w if self._layout.fused_qkv else w.T  # Conv1D stores [in, out]
+
+    def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V projections as `[d_model, width]` matrices."""
+        attn = self.attentions[layer]
+        if self._layout.fused_qkv:
+            w = getattr(attn, self._layout.fused_qkv).weight  # [d_model, 3 * d_model]
+            q, k, v = w.split(w.shape[1] // 3, dim=1)
+            return q, k, v
+        return attn.q_proj.weight.T, attn.k_proj.weight.T, attn.v_proj.weight.T
+
+    def _stack(self, idx: int, n: int) -> torch.Tensor:
+        mats = [self._qkv_weights(layer)[idx] for layer in range(self.n_layers)]
+        return torch.stack([m.reshape(self.d_model, n, self.d_head).permute(1, 0, 2) for m in mats]).detach()
+
+    @cached_property
+    def W_Q(self) -> torch.Tensor:  # noqa: N802 (TransformerLens name)
+        """`[n_layers, n_heads, d_model, d_head]` query weights (q = x @ W_Q[l, h])."""
+        return self._stack(0, self.n_heads)
+
+    @cached_property
+    def W_K(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_kv_heads, d_model, d_head]` key weights, one per KV head."""
+        return self._stack(1, self.n_kv_heads)
+
+    @cached_property
+    def W_V(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_kv_heads, d_model, d_head]` value weights, one per KV head."""
+        return self._stack(2, self.n_kv_heads)
+
+    @cached_property
+    def W_O(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_heads, d_head, d_model]` output weights (head output z @ W_O[l, h])."""
+        return torch.stack(
+            [
+                self._o_weight(la).reshape(self.n_heads, self.d_head, self.d_model)
+                for la in range(self.n_layers)
+            ]
+        ).detach()
+
+    @property
+    def W_E(self) -> torch.Tensor:  # noqa: N802
+        """`[d_vocab, d_model]` token embedding."""
+        return self.model.get_input_embeddings().weight.detach()
+
+    @property
+    def W_U(self) -> torch.Tensor:  # noqa: N802
+        """`[d_model, d_vocab]` unembedding (the LM head, transposed)."""
+        return self.model.get_output_embeddings().weight.detach().T
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadModel({self.name!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, "
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, d_model={self.d_model})"
+        )

@@ -1,0 +1,215 @@
+"""Prompt encoding: chat template, emphasis spans, left padding.
+
+`encode_prompts` turns user prompts (plain strings, chat message lists, or lists
+of them) into a left-padded batch with the token ranges of the emphasized spans
+in padded coordinates (methods/README.md, shared conventions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .spans import Span, char_to_token_range, find_span, parse_markup
+
+__all__ = [
+    "EncodedPrompts",
+    "Prompt",
+    "emphasis_rows",
+    "encode_prompts",
+    "normalize_prompts",
+    "position_ids",
+]
+
+Message = Mapping[str, str]
+Prompt = str | Sequence[Message]
+SpanLike = str | Span
+
+
+def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt], bool]:
+    """Return `(list of prompts, was_single)`; a chat is a list of `{"role", "content"}` dicts.
+
+    Raises:
+        ValueError: empty input or an empty prompt.
+        TypeError: anything else than strings and message lists.
+    """
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Mapping)
+    ):
+        items, single = [prompts], True
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        items, single = list(prompts), False
+    else:
+        raise TypeError(f"prompts must be a string, a chat or a list of them, got {type(prompts).__name__}")
+    if not items:
+        raise ValueError("empty prompt list")
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            if not p.strip():
+                raise ValueError(f"empty prompt at index {i}")
+        elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
+            for m in p:
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"chat message without role/content at prompt {i}: {m!r}")
+                if not isinstance(m["content"], str) or not m["content"].strip():
+                    raise ValueError(f"empty message content at prompt {i}: {m!r}")
+        else:
+            raise TypeError(f"prompt {i} is neither a string nor a chat message list: {p!r}")
+    return items, single
+
+
+@dataclass
+class EncodedPrompts:
+    """A left-padded batch and its emphasized spans.
+
+    Attributes:
+        input_ids: `[B, P]` long, left-padded.
+        attention_mask: `[B, P]` long, 0 on padding.
+        spans: per row, the emphasized token ranges `[(t0, t1), ...]` (half-open,
+            padded coordinates; never BOS, pad or special tokens).
+        texts: the rendered prompts (after the chat template, without markup).
+        char_spans: per row, the emphasized character spans in `texts`.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    spans: list[list[tuple[int, int]]]
+    texts: list[str]
+    char_spans: list[list[tuple[int, int]]]
+
+    @property
+    def batch(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def length(self) -> int:
+        """P, the padded prompt length."""
+        return self.input_ids.shape[1]
+
+    def span_mask(self, row: int | None = None, which: int | None = None) -> torch.Tensor:
+        """Bool mask over prompt columns: `[B, P]` (all rows) or `[P]` for `row`.
+
+        `which` selects one span of the row (default: the union of its spans).
+        """
+        rows = range(self.batch) if row is None else [row]
+        out = torch.zeros(len(rows), self.length, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            chosen = self.spans[r] if which is None else [self.spans[r][which]]
+            for t0, t1 in chosen:
+                out[i, t0:t1] = True
+        return out if row is None else out[0]
+
+    def position_ids(self) -> torch.Tensor:
+        """`[B, P]` positions that ignore left padding (what `generate` uses)."""
+        return position_ids(self.attention_mask)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only: `cumsum(mask) - 1`, 0 on padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _render(tokenizer, prompt: Prompt, chat: bool, markup: bool):
+    """Rendered text, char spans of markup, and the content regions of the prompt."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+    marks: list[list[tuple[int, int]]] = []
+    for m in messages:
+        if markup:
+            m["content"], sp = parse_markup(m["content"])
+        else:
+            sp = []
+        marks.append(sp)
+    if not chat:
+        if not isinstance(prompt, str):
+            raise ValueError("a chat message list needs a tokenizer with a chat template (chat=True)")
+        text = messages[0]["content"]
+        return text, marks[0], [(0, len(text))]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    spans, regions, cursor = [], [], 0
+    for m, sp in zip(messages, marks, strict=True):
+        at = text.find(m["content"], cursor)
+        if at == -1:
+            raise ValueError(
+                "the chat template changes the message text, so spans cannot be located; "
+                "pass chat=False or a pre-rendered prompt"
+            )
+        regions.append((at, at + len(m["content"])))
+        spans.extend((at + a, at + b) for a, b in sp)
+        cursor = at + len(m["content"])
+    return text, spans, regions
+
+
+def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
+    """Expand `emphasize` (see `encode_prompts`) to one list of spans per prompt.
+
+    Raises:
+        ValueError: a batch-major list whose length is not `n`.
+    """
+    if emphasize is None:
+        return [[] for _ in range(n)]
+    if isinstance(emphasize, (str, Span)):
+        return [[emphasize] for _ in range(n)]
+    emphasize = list(emphasize)
+    if emphasize and all(isinstance(e, (str, Span)) for e in emphasize):
+        return [list(emphasize) for _ in range(n)]
+    if len(emphasize) != n:
+        raise ValueError(f"emphasize has {len(emphasize)} rows for {n} prompts (batch-major layout)")
+    return [[e] if isinstance(e, (str, Span)) else list(e) for e in emphasize]
+
+
+def encode_prompts(
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    *,
+    emphasize: SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike]] | None = None,
+    chat: bool | None = None,
+    markup: bool = True,
+) -> EncodedPrompts:
+    """Render, tokenize and left-pad prompts, and map emphasized spans to token ranges.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer (offset mapping required).
+        prompts: a string, a chat (list of `{"role", "content"}`), or a list of either.
+        emphasize: substrings to emphasize, in addition to `**markup**`: one
+            substring / `Span` or a list of them for every prompt, or a batch-major
+            list with one list per prompt. Searched only inside message contents.
+        chat: apply the tokenizer's chat template (default: when it has one).
+        markup: parse `**…**` in prompt texts (default True).
+
+    Returns:
+        EncodedPrompts with spans in padded coordinates.
+
+    Raises:
+        ValueError: empty prompt, span not found, unbalanced markup, or a chat
+            without a chat template.
+    """
+    items, _ = normalize_prompts(prompts)
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    rows = emphasis_rows(emphasize, len(items))
+    special = set(tokenizer.all_special_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids, spans, texts, char_spans = [], [], [], []
+    for prompt, extra in zip(items, rows, strict=True):
+        text, cspans, regions = _render(tokenizer, prompt, chat, markup)
+        cspans = cspans + [find_span(text, s, regions) for s in extra]
+        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=not chat)
+        skip = [t in special for t in enc["input_ids"]]
+        ids.append(list(enc["input_ids"]))
+        spans.append([char_to_token_range(enc["offset_mapping"], c, skip) for c in cspans])
+        texts.append(text)
+        char_spans.append(cspans)
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for b, row in enumerate(ids):
+        pad = width - len(row)
+        input_ids[b, pad:] = torch.tensor(row, dtype=torch.long)
+        attention_mask[b, pad:] = 1
+        spans[b] = [(t0 + pad, t1 + pad) for t0, t1 in spans[b]]
+    return EncodedPrompts(input_ids, attention_mask, spans, texts, char_spans)

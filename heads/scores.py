@@ -1,0 +1,315 @@
+"""`HeadScores` (a score per `[n_layers, n_heads]`) and `HeadSet` (a selection of heads).
+
+A `HeadSet` serialises to the JSON shape PASTA users already have,
+`{"layer": [heads]}` (layer keys as strings), so a head profile is a `HeadSet`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from .model import HeadModel
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "HeadScores", "HeadSet"]
+
+SCHEMA = "headsteer/head-scores"
+SCHEMA_VERSION = 1
+
+
+def _as_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, int):
+        return value
+    raise TypeError(f"{what} must be an int, got {value!r}")
+
+
+class HeadSet:
+    """An ordered, duplicate-free set of `(layer, head)` pairs.
+
+    Build one with `HeadSet.parse(spec)` from: a `{"layer": [heads]}` dict (keys may
+    be strings, as in PASTA's JSON files), a list of layers (all heads of each), a
+    list of `(layer, head)` pairs, another `HeadSet`, or a path to a JSON file of
+    the dict shape.
+    """
+
+    def __init__(self, heads: Iterable[tuple[int, int]] = ()):
+        self.heads: tuple[tuple[int, int], ...] = tuple(sorted({(int(a), int(b)) for a, b in heads}))
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def parse(
+        cls,
+        spec: HeadSet | Mapping | Sequence | str | os.PathLike,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+    ) -> HeadSet:
+        """Parse a head selection and check it against `n_layers` x `n_heads`.
+
+        Raises:
+            ValueError: unknown layer or head (named), an empty selection, or a
+                file that is not a `{"layer": [heads]}` JSON object.
+            TypeError: a `HeadScores` (call `.top(k)` first) or another type.
+            FileNotFoundError: a path that does not exist.
+        """
+        if isinstance(spec, HeadScores):
+            raise TypeError("pass a selection of a HeadScores, e.g. scores.top(30), not the scores")
+        if isinstance(spec, (str, os.PathLike)):
+            path = Path(spec)
+            if not path.is_file():
+                raise FileNotFoundError(f"head file not found: {str(spec)!r}")
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{str(spec)!r} is not valid JSON: {err}") from None
+            if isinstance(data, Mapping) and data.get("schema") == SCHEMA:
+                raise ValueError(f"{str(spec)!r} holds HeadScores; load it and call .top(k)")
+            if not isinstance(data, Mapping):
+                raise ValueError(f'{str(spec)!r} must hold a {{"layer": [heads]}} JSON object')
+            spec = data
+        if isinstance(spec, HeadSet):
+            out = cls(spec.heads)
+        elif isinstance(spec, Mapping):
+            pairs = []
+            for layer, hs in spec.items():
+                layer = _as_int(layer, "layer")
+                if isinstance(hs, (str, bytes)) or not isinstance(hs, Iterable):
+                    raise TypeError(f"heads of layer {layer} must be a list of ints, got {hs!r}")
+                pairs.extend((layer, _as_int(h, "head")) for h in hs)
+            out = cls(pairs)
+        elif isinstance(spec, Sequence):
+            if all(not isinstance(x, (list, tuple)) for x in spec):
+                if n_heads is None:
+                    raise ValueError("a list of layers needs n_heads")
+                out = cls((_as_int(la, "layer"), h) for la in spec for h in range(n_heads))
+            else:
+                pairs = []
+                for x in spec:
+                    if not isinstance(x, (list, tuple)) or len(x) != 2:
+                        raise ValueError(f"expected a (layer, head) pair, got {x!r}")
+                    pairs.append((_as_int(x[0], "layer"), _as_int(x[1], "head")))
+                out = cls(pairs)
+        else:
+            raise TypeError(f"cannot read a head selection from {type(spec).__name__}")
+        if not out.heads:
+            raise ValueError("empty head selection")
+        out.check(n_layers, n_heads)
+        return out
+
+    def check(self, n_layers: int | None, n_heads: int | None) -> None:
+        """Raise `ValueError` naming the first head outside `n_layers` x `n_heads`."""
+        for layer, head in self.heads:
+            if n_layers is not None and not 0 <= layer < n_layers:
+                raise ValueError(f"unknown layer {layer}: the model has layers 0..{n_layers - 1}")
+            if n_heads is not None and not 0 <= head < n_heads:
+                raise ValueError(
+                    f"unknown head {head} in layer {layer}: the model has heads 0..{n_heads - 1}"
+                )
+
+    # ---------------------------------------------------------------- views
+    def by_layer(self) -> dict[int, list[int]]:
+        """`{layer: [heads]}` with int keys, layers ascending."""
+        out: dict[int, list[int]] = {}
+        for layer, head in self.heads:
+            out.setdefault(layer, []).append(head)
+        return out
+
+    def to_dict(self) -> dict[str, list[int]]:
+        """The PASTA JSON shape `{"layer": [heads]}` (string keys)."""
+        return {str(k): v for k, v in self.by_layer().items()}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write `to_dict()` as JSON; returns the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.heads)
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.heads
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HeadSet) and self.heads == other.heads
+
+    def __repr__(self) -> str:
+        return f"HeadSet({len(self)} heads: {self.to_dict()})"
+
+
+@dataclass
+class HeadScores:
+    """A score for every head: `scores[layer, head]`, plus how it was made.
+
+    Attributes:
+        scores: `[n_layers, n_heads]` float tensor (NaN = not scored).
+        method: name of the scorer (e.g. `"span_attention"`).
+        params: the scorer's parameters (JSON-serialisable).
+        model: id of the model scored.
+        n_kv_heads: KV heads per layer (for the `kv_head` column).
+        seed: random seed, when the method used one.
+    """
+
+    scores: torch.Tensor
+    method: str
+    params: dict = field(default_factory=dict)
+    model: str = ""
+    n_kv_heads: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu()
+        if self.scores.ndim != 2:
+            raise ValueError(f"scores must be [n_layers, n_heads], got shape {tuple(self.scores.shape)}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.scores.shape[1]
+
+    def kv_head(self, head: int) -> int:
+        return head // (self.n_heads // self.n_kv_heads)
+
+    # ---------------------------------------------------------------- tables
+    def to_frame(self) -> pd.DataFrame:
+        """Tidy table: one row per head, columns `layer, head, kv_head, score`."""
+        import pandas as pd
+
+        layer, head = torch.meshgrid(torch.arange(self.n_layers), torch.arange(self.n_heads), indexing="ij")
+        return pd.DataFrame(
+            {
+                "layer": layer.flatten().numpy(),
+                "head": head.flatten().numpy(),
+                "kv_head": (head.flatten() // (self.n_heads // self.n_kv_heads)).numpy(),
+                "score": self.scores.flatten().numpy(),
+            }
+        )
+
+    def _ranked(self) -> list[tuple[int, int]]:
+        """Heads by descending score; ties by (layer, head); NaN last and dropped."""
+        flat = self.scores.flatten()
+        order = sorted(
+            (i for i in range(flat.numel()) if not math.isnan(flat[i].item())),
+            key=lambda i: (-flat[i].item(), i),
+        )
+        return [divmod(i, self.n_heads) for i in order]
+
+    def top(self, k: int) -> HeadSet:
+        """The `k` highest-scoring heads (ties broken by (layer, head) order).
+
+        Raises:
+            ValueError: `k` < 1.
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        return HeadSet(self._ranked()[:k])
+
+    def per_layer(self, k: int) -> HeadSet:
+        """The `k` highest-scoring heads of every layer."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        counts: dict[int, int] = {}
+        chosen = []
+        for layer, head in self._ranked():
+            if counts.get(layer, 0) < k:
+                counts[layer] = counts.get(layer, 0) + 1
+                chosen.append((layer, head))
+        return HeadSet(chosen)
+
+    def threshold(self, t: float) -> HeadSet:
+        """Every head with score >= `t`."""
+        if not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise ValueError(f"threshold must be a finite number, got {t!r}")
+        return HeadSet(tuple(int(x) for x in ij) for ij in torch.nonzero(self.scores >= t).tolist())
+
+    # ---------------------------------------------------------------- files
+    def to_json(self) -> dict:
+        rows = [[None if math.isnan(v) else v for v in row] for row in self.scores.tolist()]
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "method": self.method,
+            "params": self.params,
+            "model": self.model,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "seed": self.seed,
+            "scores": rows,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON (schema `headsteer/head-scores`, version 1); returns the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadScores:
+        """Read a file written by `save`, checked against `model` when given.
+
+        Raises:
+            ValueError: wrong schema or version, malformed scores, or a geometry
+                (n_layers, n_heads, n_kv_heads) that differs from `model`'s.
+            FileNotFoundError: no such file.
+        """
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+            raise ValueError(f"{str(path)!r} is not a headsteer HeadScores file")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"{str(path)!r} has schema_version {data.get('schema_version')!r}; "
+                f"this headsteer reads version {SCHEMA_VERSION}"
+            )
+        rows = [[math.nan if v is None else float(v) for v in row] for row in data["scores"]]
+        out = cls(
+            torch.tensor(rows, dtype=torch.float32),
+            method=data["method"],
+            params=data.get("params") or {},
+            model=data.get("model", ""),
+            n_kv_heads=data.get("n_kv_heads"),
+            seed=data.get("seed"),
+        )
+        if (out.n_layers, out.n_heads) != (data["n_layers"], data["n_heads"]):
+            raise ValueError(f"{str(path)!r}: scores shape does not match n_layers/n_heads")
+        if model is not None:
+            want = (model.n_layers, model.n_heads, model.n_kv_heads)
+            got = (out.n_layers, out.n_heads, out.n_kv_heads)
+            if want != got:
+                raise ValueError(
+                    f"{str(path)!r} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
+                    f"this model has {want}"
+                )
+            if out.model and out.model != model.name:
+                warnings.warn(f"scores were made on {out.model!r}, loading for {model.name!r}", stacklevel=2)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadScores(method={self.method!r}, model={self.model!r}, "
+            f"[{self.n_layers}, {self.n_heads}], n_kv_heads={self.n_kv_heads})"
+        )

@@ -1,0 +1,6 @@
+"""Steering interventions and the `SteeredModel` inference wrapper."""
+
+from .model import Generation, Intervention, SteeredModel
+from .pasta import Pasta, PastaBias, pasta_column_bias
+
+__all__ = ["Generation", "Intervention", "Pasta", "PastaBias", "SteeredModel", "pasta_column_bias"]

@@ -1,0 +1,154 @@
+"""`SteeredModel`: generation with any list of interventions, batched, with KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from heads.edits import Edit
+from heads.engine import editing
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts, Prompt, encode_prompts
+
+__all__ = ["Generation", "Intervention", "SteeredModel"]
+
+
+class Intervention(Protocol):
+    """Anything that turns an encoded batch into engine edits (e.g. `Pasta`)."""
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]: ...
+
+
+@dataclass
+class Generation:
+    """Result of `SteeredModel.generate`.
+
+    Attributes:
+        texts: the generated continuations, decoded without special tokens.
+        token_ids: the generated token ids per prompt (up to and including EOS).
+        prompts: the rendered prompts (after chat template, without markup).
+        spans: emphasized token ranges per prompt, in padded coordinates.
+        steer: the interventions applied.
+    """
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompts: list[str]
+    spans: list[list[tuple[int, int]]]
+    steer: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The first (or only) continuation."""
+        return self.texts[0]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+_UNSUPPORTED = ("num_return_sequences", "num_beams", "input_ids", "attention_mask")
+
+
+class SteeredModel:
+    """Inference wrapper: `generate` with steering interventions.
+
+    Args:
+        model: a `HeadModel` (from `heads.load_model`) with a tokenizer.
+
+    Decoding rule: every intervention acts at prefill on all prompt rows and at
+    every decode step on the new row; key columns are absolute positions of the
+    left-padded sequence, so prompt columns `< P` keep their edits and generated
+    columns follow each method's spec (PASTA never scales them).
+    """
+
+    def __init__(self, model: HeadModel):
+        if not isinstance(model, HeadModel):
+            raise TypeError(f"SteeredModel needs a HeadModel (heads.load_model), got {type(model).__name__}")
+        if model.tokenizer is None:
+            raise ValueError("SteeredModel needs a HeadModel with a tokenizer")
+        self.model = model
+
+    def encode(
+        self, prompts, *, emphasize=None, chat: bool | None = None, markup: bool = True
+    ) -> EncodedPrompts:
+        """Render, tokenize and left-pad prompts (see `heads.encode_prompts`)."""
+        return encode_prompts(self.model.tokenizer, prompts, emphasize=emphasize, chat=chat, markup=markup)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        steer: Sequence[Intervention] = (),
+        *,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        emphasize=None,
+        chat: bool | None = None,
+        markup: bool = True,
+        seed: int | None = None,
+        require_fired: bool = True,
+        **generate_kwargs,
+    ) -> Generation:
+        """Generate continuations, steered by `steer`.
+
+        Args:
+            prompts: a string (with optional `**span**` markup), a chat (list of
+                `{"role", "content"}` dicts), or a list of either (batched with left
+                padding).
+            steer: interventions, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
+            max_new_tokens: tokens to generate per prompt (default 64).
+            do_sample: sample instead of greedy decoding (default False).
+            emphasize: spans to emphasize besides markup (see `heads.encode_prompts`).
+            chat: apply the chat template (default: when the tokenizer has one).
+            markup: parse `**…**` markup (default True).
+            seed: torch seed for sampling.
+            require_fired: raise if an intervention's edit never ran (default True).
+            **generate_kwargs: passed to `transformers`' `generate` (e.g. temperature).
+
+        Returns:
+            Generation with `texts` and `token_ids`.
+
+        Raises:
+            ValueError: bad prompts or spans, `max_new_tokens` < 1, or an unsupported
+                generate option (`num_return_sequences`, `num_beams`).
+            TypeError: a steer item without `edits(model, enc)`.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        for key in _UNSUPPORTED:
+            if key in generate_kwargs:
+                raise ValueError(f"generate option {key}= is not supported by SteeredModel.generate")
+        steer = list(steer)
+        for s in steer:
+            if not callable(getattr(s, "edits", None)):
+                raise TypeError(f"not an intervention (no .edits(model, enc)): {s!r}")
+        hm = self.model
+        tok = hm.tokenizer
+        enc = self.encode(prompts, emphasize=emphasize, chat=chat, markup=markup)
+        edits = [e for s in steer for e in s.edits(hm, enc)]
+        if seed is not None:
+            torch.manual_seed(seed)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        device = hm.device
+        with editing(hm, edits, require_fired=require_fired):
+            out = hm.model.generate(
+                input_ids=enc.input_ids.to(device),
+                attention_mask=enc.attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                pad_token_id=pad_id,
+                **({} if do_sample else {"temperature": None, "top_p": None, "top_k": None}),
+                **generate_kwargs,
+            )
+        new = out[:, enc.length :].tolist()
+        eos = generate_kwargs.get("eos_token_id", hm.model.generation_config.eos_token_id)
+        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        token_ids = []
+        for row in new:
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+            token_ids.append(row[:cut])
+        texts = [tok.decode(ids, skip_special_tokens=True) for ids in token_ids]
+        return Generation(texts, token_ids, enc.texts, enc.spans, steer)

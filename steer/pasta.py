@@ -1,0 +1,160 @@
+"""PASTA: post-hoc attention steering (Zhang et al., ICLR 2024, arXiv:2311.02262).
+
+Spec: methods/pasta.md. On the steered heads, the attention logits of prompt key
+columns outside the emphasized set G get `+log(alpha)` (mode `exclude`), which
+equals the paper's Eq. 2 post-softmax rescaling with generated columns treated
+like G (never scaled). The bias is `[B, 1, 1, T_k]` per head, built per call, so
+it holds at every decode step with a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from heads.edits import AttentionCall, LogitBias
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts
+from heads.scores import HeadSet
+
+__all__ = ["Pasta", "PastaBias", "pasta_column_bias"]
+
+Mode = Literal["exclude", "include", "generation"]
+MultiSpan = Literal["union", "compound"]
+
+
+@dataclass(eq=False, repr=False)
+class PastaBias(LogitBias):
+    """Logit bias `column_bias[b, j]` on prompt key columns `j < P`; 0 on generated columns.
+
+    Attributes:
+        column_bias: `[B, P]` fp32 natural-log factors (e.g. `log(0.01)`).
+    """
+
+    column_bias: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0))
+
+    def is_identity(self) -> bool:
+        return not bool(self.column_bias.any())
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        cb = self.column_bias.to(call.device)
+        if cb.shape[0] != call.batch:
+            raise ValueError(
+                f"PASTA was built for a batch of {cb.shape[0]} prompts, the model ran {call.batch} rows "
+                "(num_return_sequences / beams are not supported with steering)"
+            )
+        n_prompt = cb.shape[1]
+        if call.k_len <= n_prompt:
+            cb = cb[:, : call.k_len]
+        else:  # generated columns are never scaled
+            cb = torch.cat([cb, cb.new_zeros(cb.shape[0], call.k_len - n_prompt)], dim=1)
+        return cb[:, None, None, :]
+
+
+def pasta_column_bias(
+    enc: EncodedPrompts,
+    alpha: float,
+    scale_position: Mode = "exclude",
+    multi_span: MultiSpan = "union",
+) -> torch.Tensor:
+    """`[B, P]` log-factors that PASTA adds to prompt key columns (methods/pasta.md §2).
+
+    * `exclude`: `log(alpha)` on real prompt columns outside G (union of spans), or with
+      `compound` one `log(alpha)` per span on columns outside that span (reference code).
+    * `include`: the same with `-log(alpha)` (so `include(1/alpha) == exclude(alpha)`).
+    * `generation`: `log(alpha)` on every real prompt column.
+
+    Padding columns get 0 (they are masked anyway). Rows without a span get 0 in
+    `exclude`/`include` (unsteered).
+    """
+    log_a = math.log(alpha)
+    real = enc.attention_mask.bool()
+    if scale_position == "generation":
+        return torch.where(real, log_a, 0.0)
+    sign = 1.0 if scale_position == "exclude" else -1.0
+    out = torch.zeros(enc.batch, enc.length)
+    for b, spans in enumerate(enc.spans):
+        if not spans:
+            continue
+        if multi_span == "union":
+            outside = ~enc.span_mask(b)
+            out[b] = torch.where(outside & real[b], sign * log_a, 0.0)
+        else:
+            for k in range(len(spans)):
+                out[b] += torch.where(~enc.span_mask(b, which=k) & real[b], sign * log_a, 0.0)
+    return out
+
+
+@dataclass
+class Pasta:
+    """PASTA steering on a fixed set of heads.
+
+    Args:
+        heads: the steered heads: a `{"layer": [heads]}` dict (PASTA's JSON shape, keys
+            may be strings), a list of layers (all their heads), a list of
+            `(layer, head)` pairs, a `HeadSet` (e.g. `scores.top(30)`), or a path to a
+            JSON file of the dict shape.
+        alpha: scaling coefficient in (0, inf), default 0.01; `alpha = 1` is a no-op.
+            In `exclude` mode alpha < 1 emphasizes the span.
+        scale_position: `"exclude"` (default), `"include"` (needs alpha > 1; warns
+            otherwise because it suppresses the span) or `"generation"`.
+        multi_span: `"union"` (paper, default) or `"compound"` (reference-code parity:
+            factors alpha^m / alpha^(m-1) / 1).
+
+    Raises:
+        ValueError: alpha not finite or <= 0; unknown mode; bad heads (when applied).
+        TypeError: alpha not a number.
+
+    Source: Zhang et al. 2024, Eq. 2; reference code QingruZhang/PASTA.
+    """
+
+    heads: object
+    alpha: float = 0.01
+    scale_position: Mode = "exclude"
+    multi_span: MultiSpan = "union"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            raise TypeError(f"alpha must be a number, got {self.alpha!r}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(
+                f"alpha must be finite and > 0, got {self.alpha!r} (alpha = 0 deletes the context)"
+            )
+        if self.scale_position not in ("exclude", "include", "generation"):
+            raise ValueError(f"unknown scale_position {self.scale_position!r}")
+        if self.multi_span not in ("union", "compound"):
+            raise ValueError(f"unknown multi_span {self.multi_span!r}")
+        if self.scale_position == "include" and self.alpha < 1:
+            warnings.warn(
+                f"PASTA include mode with alpha={self.alpha} < 1 suppresses the span; "
+                "use exclude mode or alpha > 1 to emphasize it",
+                stacklevel=2,
+            )
+
+    def head_set(self, model: HeadModel) -> HeadSet:
+        """The steered heads, checked against `model`."""
+        return HeadSet.parse(self.heads, model.n_layers, model.n_heads)
+
+    @property
+    def needs_span(self) -> bool:
+        return self.scale_position != "generation"
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[PastaBias]:
+        """One `PastaBias` per steered layer for the batch `enc`.
+
+        Raises:
+            ValueError: no prompt has an emphasized span (exclude/include), bad heads.
+        """
+        heads = self.head_set(model)
+        if self.alpha == 1:
+            return []
+        if self.needs_span and not any(enc.spans):
+            raise ValueError(
+                "PASTA needs an emphasized span: mark it with **...** in the prompt or pass emphasize="
+            )
+        cb = pasta_column_bias(enc, self.alpha, self.scale_position, self.multi_span)
+        return [PastaBias(layer=layer, heads=hs, column_bias=cb) for layer, hs in heads.by_layer().items()]
