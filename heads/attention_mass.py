@@ -58,12 +58,14 @@ def span_attention(
     if model.tokenizer is None:
         raise ValueError("span_attention needs a HeadModel with a tokenizer")
     items, _ = normalize_prompts(prompts)
-    per_row = emphasis_rows(emphasize, len(items))
+    span_rows = emphasis_rows(emphasize, len(items))
     total = torch.zeros(model.n_layers, model.n_heads, dtype=torch.float64)
     n_scored = 0
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        enc = encode_prompts(model.tokenizer, chunk, emphasize=per_row[start : start + batch_size], chat=chat)
+        enc = encode_prompts(
+            model.tokenizer, chunk, emphasize=span_rows[start : start + batch_size], chat=chat
+        )
         span = enc.span_mask().to(model.device)
         has = span.any(1)
         rows = torch.zeros_like(span)
@@ -85,8 +87,8 @@ def span_attention(
             forward(model, enc)
         denom = rows.sum(1).clamp(min=1).double()  # [B]
         for layer, rec in enumerate(recorders):
-            per_row = torch.stack(rec.records).sum(0).double() / denom[:, None]  # [B, H]
-            total[layer] += per_row[has].sum(0).cpu()
+            mass = torch.stack(rec.records).sum(0).double() / denom[:, None]  # [B, H]
+            total[layer] += mass[has].sum(0).cpu()
         n_scored += int(has.sum())
     if n_scored == 0:
         raise ValueError("no prompt has an emphasized span: mark one with **...** or pass emphasize=")

@@ -87,12 +87,12 @@ class Edit:
                     f"{tuple(self.row_heads.shape)}, the call has batch {batch} x {n_heads} heads"
                 )
             return self.row_heads.to(device=device, dtype=torch.bool)
-        mask = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
-        if self.heads is None:
-            mask[:] = True
-        else:
-            mask[0, list(self.heads)] = True
-        return mask
+        cached = getattr(self, "_mask", None)
+        if cached is None or cached.shape[1] != n_heads or cached.device != device:
+            cached = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
+            cached[0, list(range(n_heads)) if self.heads is None else list(self.heads)] = True
+            self._mask = cached
+        return cached
 
     def head_list(self, n_heads: int) -> list[int]:
         """The heads this edit touches in any row."""

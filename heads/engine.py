@@ -89,37 +89,45 @@ def _edited_attention(
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
-    if groups > 1:  # GQA: every query head reads its KV head; K/V themselves are never edited
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    base = _additive(mask, q_len, k_len, query.device)
+    device = query.device
     head_masks = {
-        id(e): e.head_mask(batch, n_heads, query.device)[:, :, None, None]
-        for e in (*edits.bias, *edits.probs)
+        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*edits.bias, *edits.probs)
     }
     for e in (*edits.bias, *edits.probs):
         e.calls += 1
-    out = torch.empty(batch, n_heads, q_len, value.shape[-1], dtype=value.dtype, device=value.device)
+    if edits.probs and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    # A single decode row with no padding mask sees every key: no base mask needed.
+    base = None if (mask is None and q_len == 1) else _additive(mask, q_len, k_len, device)
+    outs = []
     for s in range(0, q_len, QUERY_BLOCK):
         e_ = min(q_len, s + QUERY_BLOCK)
-        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, query.device)
-        add = base[..., s:e_, :] if base.shape[-2] > 1 else base
+        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
+        add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
         for ed in edits.bias:
-            add = add + torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
-        add = add.clamp(min=_MIN)  # several biases on a masked key must not overflow to -inf
+            b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
+            add = b if add is None else add + b
+        if add is None:
+            add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+        else:
+            add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
         if not edits.probs:
-            out[:, :, s:e_] = F.scaled_dot_product_attention(
-                q_blk, key, value, attn_mask=add.to(query.dtype), scale=scaling
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_blk, key, value, attn_mask=add.to(query.dtype), scale=scaling, enable_gqa=groups > 1
+                )
             )
             continue
         scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling + add
-        probs = torch.softmax(scores, dim=-1)
         visible = add > _MIN / 2
+        probs = torch.where(visible, torch.softmax(scores, dim=-1), 0.0)  # fully masked rows: all 0
         for ed in edits.probs:
             probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
-        out[:, :, s:e_] = torch.matmul(probs.to(value.dtype), value)
+        outs.append(torch.matmul(probs.to(value.dtype), value))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous()
 
 

@@ -11,8 +11,11 @@ __all__ = ["forward"]
 
 
 @torch.no_grad()
-def forward(model: HeadModel, enc: EncodedPrompts, **kwargs) -> torch.Tensor:
+def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
     """Logits `[B, P, d_vocab]` of `model` on the left-padded batch `enc`.
+
+    With extra keyword arguments (e.g. `output_hidden_states=True`) the model's
+    whole output object is returned instead of the logits.
 
     Position ids are counted over real tokens, as `generate` does, so an example
     gives the same logits alone and inside a padded batch.
@@ -25,4 +28,4 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs) -> torch.Tensor:
         use_cache=False,
         **kwargs,
     )
-    return out.logits
+    return out if kwargs else out.logits

@@ -150,7 +150,7 @@ def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
     Raises:
         ValueError: a batch-major list whose length is not `n`.
     """
-    if emphasize is None:
+    if emphasize is None or (not isinstance(emphasize, (str, Span)) and len(emphasize) == 0):
         return [[] for _ in range(n)]
     if isinstance(emphasize, (str, Span)):
         return [[emphasize] for _ in range(n)]

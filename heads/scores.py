@@ -61,8 +61,8 @@ class HeadSet:
         """Parse a head selection and check it against `n_layers` x `n_heads`.
 
         Raises:
-            ValueError: unknown layer or head (named), an empty selection, or a
-                file that is not a `{"layer": [heads]}` JSON object.
+            ValueError: unknown layer or head (named), or a file that is not a
+                `{"layer": [heads]}` JSON object. An empty selection is valid.
             TypeError: a `HeadScores` (call `.top(k)` first) or another type.
             FileNotFoundError: a path that does not exist.
         """
@@ -105,8 +105,6 @@ class HeadSet:
                 out = cls(pairs)
         else:
             raise TypeError(f"cannot read a head selection from {type(spec).__name__}")
-        if not out.heads:
-            raise ValueError("empty head selection")
         out.check(n_layers, n_heads)
         return out
 

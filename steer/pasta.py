@@ -41,18 +41,23 @@ class PastaBias(LogitBias):
         return not bool(self.column_bias.any())
 
     def bias(self, call: AttentionCall) -> torch.Tensor:
-        cb = self.column_bias.to(call.device)
+        cb = self._padded(call.k_len, call.device)
         if cb.shape[0] != call.batch:
             raise ValueError(
                 f"PASTA was built for a batch of {cb.shape[0]} prompts, the model ran {call.batch} rows "
                 "(num_return_sequences / beams are not supported with steering)"
             )
-        n_prompt = cb.shape[1]
-        if call.k_len <= n_prompt:
-            cb = cb[:, : call.k_len]
-        else:  # generated columns are never scaled
-            cb = torch.cat([cb, cb.new_zeros(cb.shape[0], call.k_len - n_prompt)], dim=1)
-        return cb[:, None, None, :]
+        return cb[:, None, None, : call.k_len]
+
+    def _padded(self, k_len: int, device: torch.device) -> torch.Tensor:
+        """`column_bias` extended with zeros (generated columns are never scaled), grown by doubling."""
+        cached = getattr(self, "_cache", None)
+        if cached is None or cached.shape[1] < k_len or cached.device != device:
+            width = max(k_len, 2 * self.column_bias.shape[1], 64)
+            cached = self.column_bias.new_zeros(self.column_bias.shape[0], width)
+            cached[:, : self.column_bias.shape[1]] = self.column_bias
+            self._cache = cached.to(device)
+        return self._cache
 
 
 def pasta_column_bias(

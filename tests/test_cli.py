@@ -1,0 +1,94 @@
+"""The `headsteer` CLI, on a tiny random model saved as a local HF folder."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from viz.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_llama):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny_llama.model.save_pretrained(d)
+    tiny_llama.tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def test_generate_json(model_dir):
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "Context here. **Answer briefly.** Question?",
+            "--model",
+            model_dir,
+            "--top-k",
+            "3",
+            "--max-new-tokens",
+            "3",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(data) == {"baseline", "steered", "alpha", "heads"}
+    assert sum(len(v) for v in data["heads"].values()) == 3
+
+
+def test_generate_table_and_heads_file(model_dir, tmp_path):
+    f = tmp_path / "heads.json"
+    f.write_text('{"1": [0, 2]}')
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "Hi **there** friend",
+            "--model",
+            model_dir,
+            "--pasta-heads",
+            str(f),
+            "--max-new-tokens",
+            "2",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert "baseline" in r.stdout and "PASTA (alpha=0.01, 2 heads)" in r.stdout
+
+
+def test_report_attention_writes_html_and_csv(model_dir, tmp_path):
+    out = tmp_path / "r" / "report.html"
+    r = runner.invoke(
+        app,
+        ["report", "attention", "--prompt", "Read **this** now.", "--out", str(out), "--model", model_dir],
+    )
+    assert r.exit_code == 0, r.output
+    html = out.read_text()
+    assert "Plotly.newPlot" in html and "<script src=" not in html  # plotly.js embedded
+    assert "KV head" in html
+    lines = out.with_suffix(".csv").read_text().strip().splitlines()
+    assert lines[0] == "layer,head,kv_head,score" and len(lines) == 1 + 3 * 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "no span in this prompt", "--max-new-tokens", "2"], "emphasized span"),
+        (["generate", "a **b**", "--pasta-heads", "/nonexistent.json"], "head file not found"),
+        (["generate", "a **b**", "--alpha", "0"], "alpha must be finite and > 0"),
+        (["generate", "a **b** c", "--top-k", "0"], "k must be a positive int"),
+        (["generate", "a **b", "--max-new-tokens", "2"], "unbalanced"),
+    ],
+)
+def test_bad_input_is_one_line_error(model_dir, args, message):
+    r = runner.invoke(app, [*args, "--model", model_dir])
+    assert r.exit_code == 2
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_missing_model_folder():
+    r = runner.invoke(app, ["generate", "a **b**", "--model", "/no/such/folder"])
+    assert r.exit_code == 2 and "no model folder" in r.output

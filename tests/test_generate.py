@@ -1,0 +1,68 @@
+"""SteeredModel.generate on tiny random models."""
+
+import pytest
+import torch
+
+from steer import Pasta, SteeredModel
+
+HEADS = {"0": [1], "1": [0, 3]}
+
+
+def test_generate_single_and_batch_agree(tiny_llama):
+    sm = SteeredModel(tiny_llama)
+    prompts = ["Hi **there**, how are you?", "A much longer prompt that needs **padding** on the other row."]
+    batch = sm.generate(prompts, steer=[Pasta(HEADS)], max_new_tokens=5)
+    assert len(batch) == 2 and all(len(ids) >= 1 for ids in batch.token_ids)
+    for i, p in enumerate(prompts):
+        alone = sm.generate(p, steer=[Pasta(HEADS)], max_new_tokens=5)
+        assert alone.token_ids[0] == batch.token_ids[i]
+        assert alone.text == batch.texts[i]
+
+
+def test_generate_uses_chat_template_and_messages(tiny_llama):
+    sm = SteeredModel(tiny_llama)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say **yes**."}]
+    out = sm.generate(msgs, steer=[Pasta(HEADS)], max_new_tokens=3)
+    assert out.prompts[0].startswith("<|im_start|>system\nBe brief.")
+    assert out.prompts[0].endswith("<|im_start|>assistant\n")
+    t0, t1 = out.spans[0][0]
+    ids = tiny_llama.tokenizer(out.prompts[0], add_special_tokens=False)["input_ids"]
+    assert tiny_llama.tokenizer.decode(ids[t0:t1]).strip() == "yes"
+
+
+def test_steering_changes_tokens_and_cache_agrees(tiny_llama):
+    sm = SteeredModel(tiny_llama)
+    p = "Words words words. **Focus on this bit here.** More words follow after it."
+    base = sm.generate(p, max_new_tokens=8)
+    steer = sm.generate(p, steer=[Pasta([0, 1, 2], alpha=1e-4)], max_new_tokens=8)
+    nocache = sm.generate(p, steer=[Pasta([0, 1, 2], alpha=1e-4)], max_new_tokens=8, use_cache=False)
+    assert steer.token_ids == nocache.token_ids
+    assert steer.token_ids != base.token_ids
+
+
+def test_sampling_is_seeded(tiny_llama):
+    sm = SteeredModel(tiny_llama)
+    a = sm.generate("Tell **me**", steer=[Pasta(HEADS)], max_new_tokens=6, do_sample=True, seed=5)
+    b = sm.generate("Tell **me**", steer=[Pasta(HEADS)], max_new_tokens=6, do_sample=True, seed=5)
+    assert a.token_ids == b.token_ids
+
+
+def test_generate_bad_input_leaves_model_untouched(tiny_llama):
+    sm = SteeredModel(tiny_llama)
+    before = [p.detach().clone() for p in tiny_llama.model.parameters()]
+    with pytest.raises(ValueError, match="empty prompt"):
+        sm.generate("   ")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sm.generate("hi", max_new_tokens=0)
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        sm.generate("hi **x**", steer=[Pasta(HEADS)], num_return_sequences=2)
+    with pytest.raises(ValueError, match="'zebra' not found"):
+        sm.generate("hi there", steer=[Pasta(HEADS)], emphasize="zebra")
+    with pytest.raises(ValueError, match="unknown head 8"):
+        sm.generate("hi **x**", steer=[Pasta({"0": [8]})])
+    with pytest.raises(TypeError, match="not an intervention"):
+        sm.generate("hi", steer=["pasta"])
+    with pytest.raises(TypeError):
+        SteeredModel(tiny_llama.model)
+    assert tiny_llama.model.config._attn_implementation == "sdpa"
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_llama.model.parameters(), strict=True))

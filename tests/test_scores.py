@@ -1,0 +1,117 @@
+"""HeadScores / HeadSet, and the span-attention scorer against the eager oracle."""
+
+import json
+import math
+
+import pytest
+import torch
+from oracle import llama_forward
+
+from heads import HeadScores, HeadSet, encode_prompts, span_attention
+from heads.scores import SCHEMA_VERSION
+
+
+def _scores(n_layers=3, n_heads=4, n_kv=2):
+    torch.manual_seed(0)
+    return HeadScores(torch.rand(n_layers, n_heads), "test", {"a": 1}, "tiny-llama", n_kv, seed=3)
+
+
+def test_to_frame():
+    s = _scores()
+    df = s.to_frame()
+    assert list(df.columns) == ["layer", "head", "kv_head", "score"]
+    assert len(df) == 12
+    row = df[(df["layer"] == 2) & (df["head"] == 3)].iloc[0]
+    assert row.kv_head == 1 and row.score == pytest.approx(s.scores[2, 3].item())
+
+
+def test_top_ties_and_nan():
+    t = torch.tensor([[1.0, 3.0], [3.0, float("nan")]])
+    s = HeadScores(t, "x")
+    assert s.top(2).heads == ((0, 1), (1, 0))  # tie broken by (layer, head)
+    assert list(s._ranked()) == [(0, 1), (1, 0), (0, 0)]  # NaN dropped
+    assert s.per_layer(1) == HeadSet([(0, 1), (1, 0)])
+    assert s.threshold(2.0) == HeadSet([(0, 1), (1, 0)])
+    with pytest.raises(ValueError):
+        s.top(0)
+
+
+def test_save_load_roundtrip(tmp_path, tiny_llama):
+    s = _scores()
+    s.scores[1, 1] = float("nan")
+    p = s.save(tmp_path / "s.json")
+    back = HeadScores.load(p, model=tiny_llama)
+    assert back.method == "test" and back.params == {"a": 1} and back.seed == 3 and back.n_kv_heads == 2
+    assert torch.equal(torch.nan_to_num(back.scores, 7.0), torch.nan_to_num(s.scores, 7.0))
+    assert math.isnan(back.scores[1, 1])
+
+
+def test_load_checks_model_and_schema(tmp_path, tiny_llama):
+    p = _scores(n_layers=5).save(tmp_path / "s.json")
+    with pytest.raises(ValueError, match="n_layers, n_heads, n_kv_heads"):
+        HeadScores.load(p, model=tiny_llama)
+    data = json.loads(p.read_text())
+    data["schema_version"] = SCHEMA_VERSION + 1
+    p.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="schema_version"):
+        HeadScores.load(p)
+    (tmp_path / "x.json").write_text('{"0": [1]}')
+    with pytest.raises(ValueError, match="not a headsteer HeadScores"):
+        HeadScores.load(tmp_path / "x.json")
+
+
+def test_headset_parse(tmp_path):
+    assert HeadSet.parse({"1": [2, 0], 0: [1]}).to_dict() == {"0": [1], "1": [0, 2]}
+    assert HeadSet.parse([1], 3, 2).heads == ((1, 0), (1, 1))
+    assert HeadSet.parse([(2, 1), [0, 0]]).heads == ((0, 0), (2, 1))
+    f = HeadSet([(3, 1)]).save(tmp_path / "h.json")
+    assert json.loads(f.read_text()) == {"3": [1]}
+    assert HeadSet.parse(str(f)) == HeadSet([(3, 1)])
+    with pytest.raises(ValueError, match="unknown layer 5"):
+        HeadSet.parse({"5": [0]}, 3, 4)
+    with pytest.raises(ValueError, match="unknown head 4 in layer 0"):
+        HeadSet.parse({"0": [4]}, 3, 4)
+    with pytest.raises(TypeError, match="head must be an int"):
+        HeadSet.parse({"0": ["x"]})
+    with pytest.raises(TypeError, match="top"):
+        HeadSet.parse(_scores())
+    with pytest.raises(FileNotFoundError):
+        HeadSet.parse(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        HeadSet.parse(str(tmp_path / "bad.json"))
+
+
+def test_bad_scores_shape():
+    with pytest.raises(ValueError, match="n_layers, n_heads"):
+        HeadScores(torch.zeros(3), "x")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        HeadScores(torch.zeros(2, 4), "x", n_kv_heads=3)
+
+
+def test_span_attention_equals_oracle(tiny_llama, tokenizer):
+    prompts = ["The **red box** is on the table. Where is it?", "Read **this part** only, please."]
+    scores = span_attention(tiny_llama, prompts, chat=False, batch_size=1)
+    enc = encode_prompts(tokenizer, prompts, chat=False)
+    g = enc.span_mask()
+    per_layer = {}
+
+    def grab(layer, probs):
+        per_layer[layer] = (probs[:, :, -1, :] * g[:, None, :]).sum(-1).mean(0)
+        return probs
+
+    llama_forward(tiny_llama.model, enc.input_ids, enc.attention_mask, grab)
+    want = torch.stack([per_layer[la] for la in range(3)])
+    torch.testing.assert_close(scores.scores, want, atol=1e-6, rtol=0)
+    assert scores.method == "span_attention" and scores.model == "tiny-llama"
+
+
+def test_span_attention_after_span_rows_and_errors(tiny_llama):
+    s = span_attention(tiny_llama, "A **b** c d e f", chat=False, query="after_span")
+    assert torch.all((s.scores >= 0) & (s.scores <= 1 + 1e-6))
+    with pytest.raises(ValueError, match="no prompt has an emphasized span"):
+        span_attention(tiny_llama, "no span here", chat=False)
+    with pytest.raises(ValueError, match="query"):
+        span_attention(tiny_llama, "A **b**", query="first")
+    with pytest.raises(ValueError, match="empty prompt list"):
+        span_attention(tiny_llama, [])
