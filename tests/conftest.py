@@ -10,9 +10,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from heads import HeadModel, load_model, load_tokenizer
+from heads import HeadModel, ProbEdit, load_model, load_tokenizer
 
 VOCAB = 49152  # the embedded tokenizer's vocabulary, so tiny models read real text
+
+
+class Identity(ProbEdit):
+    """Test edit: returns the pattern unchanged (forces the eager path)."""
+
+    def apply(self, probs, call):
+        return probs
+
+
+class ZeroRow(ProbEdit):
+    """Test edit: zero the whole attention row of the chosen heads."""
+
+    def apply(self, probs, call):
+        return torch.zeros_like(probs)
 
 
 def _config(kind: str):

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
-from conftest import make_tiny
+from conftest import Identity, ZeroRow, make_tiny
 from oracle import llama_forward
 
 import heads.engine as engine
 from heads import (
     EditNeverFired,
     HeadScale,
-    ProbEdit,
     Recorder,
     editing,
     encode_prompts,
@@ -17,20 +16,6 @@ from heads import (
 )
 
 PROMPTS = ["The cat sat on the mat because it was warm.", "Paris is the capital of"]
-
-
-class ZeroRow(ProbEdit):
-    """Test edit: zero the whole attention row of the chosen heads."""
-
-    def apply(self, probs, call):
-        return torch.zeros_like(probs)
-
-
-class Identity(ProbEdit):
-    """Test edit: returns the pattern unchanged (forces the eager path)."""
-
-    def apply(self, probs, call):
-        return probs
 
 
 @pytest.fixture()

@@ -113,26 +113,17 @@ def test_kv_cache_matches_uncached_recomputation(tiny_llama, enc):
     pasta = Pasta(HEADS)
     edits = pasta.edits(tiny_llama, enc)
     n_new = 6
+    common = dict(
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        max_new_tokens=n_new,
+        do_sample=False,
+        pad_token_id=2,
+        eos_token_id=None,
+    )
     with editing(tiny_llama, edits):
-        out = tiny_llama.model.generate(
-            input_ids=enc.input_ids,
-            attention_mask=enc.attention_mask,
-            max_new_tokens=n_new,
-            do_sample=False,
-            pad_token_id=2,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        nocache = tiny_llama.model.generate(
-            input_ids=enc.input_ids,
-            attention_mask=enc.attention_mask,
-            max_new_tokens=n_new,
-            do_sample=False,
-            pad_token_id=2,
-            eos_token_id=None,
-            use_cache=False,
-        )
+        out = tiny_llama.model.generate(**common, output_logits=True, return_dict_in_generate=True)
+        nocache = tiny_llama.model.generate(**common, use_cache=False)
     assert torch.equal(out.sequences, nocache)
     seq = out.sequences
     mask = torch.cat([enc.attention_mask, torch.ones(seq.shape[0], n_new, dtype=torch.long)], 1)
