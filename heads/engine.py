@@ -76,6 +76,13 @@ def _additive(mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.d
     return mask.float().clamp(min=_MIN)
 
 
+def _in_dtype(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 additive mask cast to `dtype` without overflowing to -inf (fp16) or NaN."""
+    if dtype == torch.float32:
+        return mask
+    return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
 def _edited_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -116,7 +123,12 @@ def _edited_attention(
         if not edits.probs:
             outs.append(
                 F.scaled_dot_product_attention(
-                    q_blk, key, value, attn_mask=add.to(query.dtype), scale=scaling, enable_gqa=groups > 1
+                    q_blk,
+                    key,
+                    value,
+                    attn_mask=_in_dtype(add, query.dtype),
+                    scale=scaling,
+                    enable_gqa=groups > 1,
                 )
             )
             continue

@@ -40,9 +40,18 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _quiet_transformers() -> None:
+    """No per-weight progress bars or info logs from transformers in the terminal."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _load(model: str | None):
     from heads import load_model
 
+    _quiet_transformers()
     with err.status("loading model…"):
         return load_model(model)
 
@@ -116,6 +125,7 @@ def demo(
     from .demo import run_demo
 
     t0 = time.perf_counter()
+    _quiet_transformers()
     try:
         run_demo(out, max_new_tokens=max_new_tokens, console=console)
     except (ValueError, TypeError, FileNotFoundError) as exc:
