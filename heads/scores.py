@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,13 +31,31 @@ SCHEMA_VERSION = 1
 
 
 def _as_int(value: Any, what: str) -> int:
+    """An int from an int-like value or a decimal string (JSON keys); TypeError otherwise."""
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got {value!r}")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, numbers.Integral):
         return int(value)
-    if isinstance(value, int):
-        return value
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        return int(value)
     raise TypeError(f"{what} must be an int, got {value!r}")
+
+
+def _positive_int(k: Any, what: str = "k") -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"{what} must be a positive int, got {k!r}")
+    return int(k)
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; ValueError naming the file on bad text."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"file not found: {str(path)!r}")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
 
 
 class HeadSet:
@@ -48,7 +68,12 @@ class HeadSet:
     """
 
     def __init__(self, heads: Iterable[tuple[int, int]] = ()):
-        self.heads: tuple[tuple[int, int], ...] = tuple(sorted({(int(a), int(b)) for a, b in heads}))
+        pairs = set()
+        for x in heads:
+            if not isinstance(x, (tuple, list)) or len(x) != 2:
+                raise TypeError(f"expected a (layer, head) pair, got {x!r}")
+            pairs.add((_as_int(x[0], "layer"), _as_int(x[1], "head")))
+        self.heads: tuple[tuple[int, int], ...] = tuple(sorted(pairs))
 
     # ---------------------------------------------------------------- parsing
     @classmethod
@@ -69,13 +94,9 @@ class HeadSet:
         if isinstance(spec, HeadScores):
             raise TypeError("pass a selection of a HeadScores, e.g. scores.top(30), not the scores")
         if isinstance(spec, (str, os.PathLike)):
-            path = Path(spec)
-            if not path.is_file():
+            if not Path(spec).is_file():
                 raise FileNotFoundError(f"head file not found: {str(spec)!r}")
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{str(spec)!r} is not valid JSON: {err}") from None
+            data = _read_json(spec)
             if isinstance(data, Mapping) and data.get("schema") == SCHEMA:
                 raise ValueError(f"{str(spec)!r} holds HeadScores; load it and call .top(k)")
             if not isinstance(data, Mapping):
@@ -222,14 +243,11 @@ class HeadScores:
         Raises:
             ValueError: `k` < 1.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
-        return HeadSet(self._ranked()[:k])
+        return HeadSet(self._ranked()[: _positive_int(k)])
 
     def per_layer(self, k: int) -> HeadSet:
         """The `k` highest-scoring heads of every layer."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        k = _positive_int(k)
         counts: dict[int, int] = {}
         chosen = []
         for layer, head in self._ranked():
@@ -240,7 +258,7 @@ class HeadScores:
 
     def threshold(self, t: float) -> HeadSet:
         """Every head with score >= `t`."""
-        if not isinstance(t, (int, float)) or not math.isfinite(t):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
             raise ValueError(f"threshold must be a finite number, got {t!r}")
         return HeadSet(tuple(int(x) for x in ij) for ij in torch.nonzero(self.scores >= t).tolist())
 
@@ -261,9 +279,15 @@ class HeadScores:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write JSON (schema `headsteer/head-scores`, version 1); returns the path."""
+        """Write JSON (schema `headsteer/head-scores`, version 1; NaN as null); returns the path.
+
+        Raises:
+            ValueError: a score is +-inf (JSON cannot hold it).
+        """
+        if torch.isinf(self.scores).any():
+            raise ValueError("scores contain +-inf, which JSON cannot store; replace them first")
         path = Path(path)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        path.write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
         return path
 
     @classmethod
@@ -275,36 +299,72 @@ class HeadScores:
                 (n_layers, n_heads, n_kv_heads) that differs from `model`'s.
             FileNotFoundError: no such file.
         """
-        data = json.loads(Path(path).read_text())
+        if model is not None and not hasattr(model, "n_kv_heads"):
+            raise TypeError(f"model must be a HeadModel, got {type(model).__name__}")
+        data = _read_json(path)
+        name = str(path)
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
-            raise ValueError(f"{str(path)!r} is not a headsteer HeadScores file")
+            raise ValueError(f"{name!r} is not a headsteer HeadScores file")
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
-                f"{str(path)!r} has schema_version {data.get('schema_version')!r}; "
+                f"{name!r} has schema_version {data.get('schema_version')!r}; "
                 f"this headsteer reads version {SCHEMA_VERSION}"
             )
-        rows = [[math.nan if v is None else float(v) for v in row] for row in data["scores"]]
-        out = cls(
-            torch.tensor(rows, dtype=torch.float32),
-            method=data["method"],
-            params=data.get("params") or {},
-            model=data.get("model", ""),
-            n_kv_heads=data.get("n_kv_heads"),
-            seed=data.get("seed"),
-        )
-        if (out.n_layers, out.n_heads) != (data["n_layers"], data["n_heads"]):
-            raise ValueError(f"{str(path)!r}: scores shape does not match n_layers/n_heads")
+        out = cls._from_json(data, name)
         if model is not None:
             want = (model.n_layers, model.n_heads, model.n_kv_heads)
             got = (out.n_layers, out.n_heads, out.n_kv_heads)
             if want != got:
                 raise ValueError(
-                    f"{str(path)!r} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
+                    f"{name!r} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
                     f"this model has {want}"
                 )
             if out.model and out.model != model.name:
                 warnings.warn(f"scores were made on {out.model!r}, loading for {model.name!r}", stacklevel=2)
         return out
+
+    @classmethod
+    def _from_json(cls, data: Mapping, name: str) -> HeadScores:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"{name!r}: malformed HeadScores file: {msg}")
+
+        for key, kind in (("method", str), ("model", str), ("n_layers", int), ("n_heads", int)):
+            if key not in data:
+                raise bad(f"missing {key!r}")
+            if isinstance(data[key], bool) or not isinstance(data[key], kind):
+                raise bad(f"{key!r} must be {kind.__name__}, got {data[key]!r}")
+        n_layers, n_heads = data["n_layers"], data["n_heads"]
+        n_kv = data.get("n_kv_heads", n_heads)
+        if isinstance(n_kv, bool) or not isinstance(n_kv, int):
+            raise bad(f"'n_kv_heads' must be int, got {n_kv!r}")
+        seed = data.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise bad(f"'seed' must be int or null, got {seed!r}")
+        params = data.get("params") or {}
+        if not isinstance(params, Mapping):
+            raise bad(f"'params' must be an object, got {params!r}")
+        rows = data.get("scores")
+        if not isinstance(rows, list) or len(rows) != n_layers:
+            raise bad(f"'scores' must be a list of {n_layers} rows")
+        values = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != n_heads:
+                raise bad(f"every row of 'scores' must be a list of {n_heads} numbers or null")
+            for v in row:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise bad(f"score {v!r} is not a number")
+            values.append([math.nan if v is None else float(v) for v in row])
+        try:
+            return cls(
+                torch.tensor(values, dtype=torch.float32).reshape(n_layers, n_heads),
+                method=data["method"],
+                params=dict(params),
+                model=data["model"],
+                n_kv_heads=n_kv,
+                seed=seed,
+            )
+        except ValueError as err:
+            raise bad(str(err)) from None
 
     def __repr__(self) -> str:
         return (

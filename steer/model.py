@@ -81,7 +81,7 @@ class SteeredModel:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        steer: Sequence[Intervention] = (),
+        steer: Intervention | Sequence[Intervention] | None = (),
         *,
         max_new_tokens: int = 64,
         do_sample: bool = False,
@@ -98,7 +98,7 @@ class SteeredModel:
             prompts: a string (with optional `**span**` markup), a chat (list of
                 `{"role", "content"}` dicts), or a list of either (batched with left
                 padding).
-            steer: interventions, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
+            steer: an intervention or a list, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
             max_new_tokens: tokens to generate per prompt (default 64).
             do_sample: sample instead of greedy decoding (default False).
             emphasize: spans to emphasize besides markup (see `heads.encode_prompts`).
@@ -112,8 +112,9 @@ class SteeredModel:
             Generation with `texts` and `token_ids`.
 
         Raises:
-            ValueError: bad prompts or spans, `max_new_tokens` < 1, or an unsupported
-                generate option (`num_return_sequences`, `num_beams`).
+            ValueError: bad prompts or spans, `max_new_tokens` < 1, prompt plus new tokens
+                beyond the model's position limit, or an unsupported generate option
+                (`num_return_sequences`, `num_beams`).
             TypeError: a steer item without `edits(model, enc)`.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -121,6 +122,12 @@ class SteeredModel:
         for key in _UNSUPPORTED:
             if key in generate_kwargs:
                 raise ValueError(f"generate option {key}= is not supported by SteeredModel.generate")
+        if steer is None:
+            steer = []
+        elif callable(getattr(steer, "edits", None)):
+            steer = [steer]  # one intervention
+        elif isinstance(steer, (str, bytes)) or not isinstance(steer, Sequence):
+            raise TypeError(f"steer must be an intervention or a list of them, got {steer!r}")
         steer = list(steer)
         for s in steer:
             if not callable(getattr(s, "edits", None)):
@@ -128,6 +135,7 @@ class SteeredModel:
         hm = self.model
         tok = hm.tokenizer
         enc = self.encode(prompts, emphasize=emphasize, chat=chat, markup=markup)
+        hm.check_length(enc.length + max_new_tokens)
         edits = [e for s in steer for e in s.edits(hm, enc)]
         if seed is not None:
             torch.manual_seed(seed)

@@ -10,6 +10,7 @@ it holds at every decode step with a KV cache.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -94,7 +95,7 @@ def pasta_column_bias(
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Pasta:
     """PASTA steering on a fixed set of heads.
 
@@ -110,6 +111,9 @@ class Pasta:
         multi_span: `"union"` (paper, default) or `"compound"` (reference-code parity:
             factors alpha^m / alpha^(m-1) / 1).
 
+    Frozen: make variants with `dataclasses.replace(pasta, alpha=...)`. An empty head
+    selection or alpha = 1 is a bitwise no-op (methods/pasta.md §8).
+
     Raises:
         ValueError: alpha not finite or <= 0; unknown mode; bad heads (when applied).
         TypeError: alpha not a number.
@@ -123,7 +127,22 @@ class Pasta:
     multi_span: MultiSpan = "union"
 
     def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+        self.validate()
+        if self.scale_position == "include" and self.alpha < 1:
+            warnings.warn(
+                f"PASTA include mode with alpha={self.alpha} < 1 suppresses the span; "
+                "use exclude mode or alpha > 1 to emphasize it",
+                stacklevel=3,
+            )
+
+    def validate(self) -> None:
+        """Check alpha and the modes (also run by `edits`).
+
+        Raises:
+            TypeError: alpha not a real number.
+            ValueError: alpha not finite or <= 0; unknown mode.
+        """
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
             raise TypeError(f"alpha must be a number, got {self.alpha!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(
@@ -133,12 +152,6 @@ class Pasta:
             raise ValueError(f"unknown scale_position {self.scale_position!r}")
         if self.multi_span not in ("union", "compound"):
             raise ValueError(f"unknown multi_span {self.multi_span!r}")
-        if self.scale_position == "include" and self.alpha < 1:
-            warnings.warn(
-                f"PASTA include mode with alpha={self.alpha} < 1 suppresses the span; "
-                "use exclude mode or alpha > 1 to emphasize it",
-                stacklevel=2,
-            )
 
     def head_set(self, model: HeadModel) -> HeadSet:
         """The steered heads, checked against `model`."""
@@ -154,6 +167,7 @@ class Pasta:
         Raises:
             ValueError: no prompt has an emphasized span (exclude/include), bad heads.
         """
+        self.validate()
         heads = self.head_set(model)
         if self.alpha == 1:
             return []

@@ -92,3 +92,43 @@ def test_bad_input_is_one_line_error(model_dir, args, message):
 def test_missing_model_folder():
     r = runner.invoke(app, ["generate", "a **b**", "--model", "/no/such/folder"])
     assert r.exit_code == 2 and "no model folder" in r.output
+
+
+def test_cli_rejects_bad_paths_and_empty_heads(model_dir, tmp_path):
+    r = runner.invoke(app, ["report", "attention", "--prompt", "a **b**", "--out", str(tmp_path / "x.csv")])
+    assert r.exit_code == 2 and "must name an .html file" in r.output
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    r = runner.invoke(app, ["generate", "a **b**", "--pasta-heads", str(empty), "--model", model_dir])
+    assert r.exit_code == 2 and "selects no heads" in r.output
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = runner.invoke(app, ["demo", "--out", str(f)])
+    assert r.exit_code == 2 and "not a folder" in r.output
+
+
+def test_error_text_is_not_read_as_markup(model_dir):
+    r = runner.invoke(app, ["generate", "a ** b [/red] c", "--model", model_dir, "--max-new-tokens", "2"])
+    assert r.exit_code == 2 and "[/red]" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_emphasize_option(model_dir):
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            "Read the second line.",
+            "--emphasize",
+            "second line",
+            "--model",
+            model_dir,
+            "--top-k",
+            "2",
+            "--max-new-tokens",
+            "2",
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert sum(len(v) for v in json.loads(r.stdout.strip().splitlines()[-1])["heads"].values()) == 2

@@ -11,21 +11,35 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-app = typer.Typer(help="headsteer: attention-head scoring and attention steering.", no_args_is_help=True)
-report_app = typer.Typer(help="Write self-contained HTML reports.", no_args_is_help=True)
+app = typer.Typer(
+    help="headsteer: attention-head scoring and attention steering.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+report_app = typer.Typer(
+    help="Write self-contained HTML reports.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(report_app, name="report")
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 _STATE = {"debug": False}
+USER_ERRORS = (ValueError, TypeError, OSError)
 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", help="HF model folder (default: embedded SmolLM2-135M-Instruct)")
 ]
+EmphasizeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--emphasize", help="substring to emphasize (repeatable), besides **markup** in the prompt"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
 @app.callback()
@@ -34,9 +48,11 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 
 
 def _fail(exc: Exception) -> None:
+    """One line on stderr and exit code 2 (with --debug, the traceback first)."""
     if _STATE["debug"]:
-        raise exc
-    err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+        err.print_exception()
+    msg = " ".join(str(exc).split()) or type(exc).__name__
+    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False)
     raise typer.Exit(2)
 
 
@@ -56,6 +72,13 @@ def _load(model: str | None):
         return load_model(model)
 
 
+def _html_out(out: Path) -> None:
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"--out must name an .html file, got {str(out)!r}")
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give an .html file path")
+
+
 @app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="prompt with the span to emphasize in **double stars**")],
@@ -68,17 +91,28 @@ def generate(
     alpha: Annotated[float, typer.Option(help="PASTA scaling for tokens outside the span")] = 0.01,
     top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads auto")] = 20,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    emphasize: EmphasizeOpt = None,
     model: ModelOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Print the unsteered and the PASTA-steered answers side by side."""
+    from heads import HeadSet
+    from steer import Pasta
+
     from .steering import choose_heads, compare
 
     try:
+        Pasta({}, alpha=alpha)  # check alpha before loading anything
+        if pasta_heads != "auto" and not len(HeadSet.parse(pasta_heads)):
+            raise ValueError(f"head file {pasta_heads!r} selects no heads")
+        if top_k < 1:
+            raise ValueError(f"--top-k must be a positive int, got {top_k}")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be a positive int, got {max_new_tokens}")
         hm = _load(model)
-        heads = choose_heads(hm, prompt, pasta_heads, top_k)
-        res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+        heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
+        res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens, emphasize=emphasize)
+    except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
         print(
@@ -90,7 +124,7 @@ def generate(
     table = Table(show_lines=True)
     table.add_column("baseline", ratio=1)
     table.add_column(f"PASTA (alpha={alpha}, {len(heads)} heads)", ratio=1)
-    table.add_row(res.baseline, res.steered)
+    table.add_row(escape(res.baseline), escape(res.steered))
     console.print(table)
 
 
@@ -99,38 +133,50 @@ def report_attention(
     prompt: Annotated[str, typer.Option(help="prompt with the span in **double stars**")],
     out: Annotated[Path, typer.Option(help="HTML file to write (a CSV is written beside it)")],
     top_k: Annotated[int, typer.Option(help="heads outlined as top-k")] = 20,
+    emphasize: EmphasizeOpt = None,
     model: ModelOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the written paths as JSON")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Attention mass on the emphasized span per (layer, head): heatmap + CSV."""
     from .steering import attention_report
 
     try:
+        _html_out(out)
+        if top_k < 1:
+            raise ValueError(f"--top-k must be a positive int, got {top_k}")
         hm = _load(model)
-        html_path, csv_path, _ = attention_report(hm, prompt, out, top_k=top_k)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+        html_path, csv_path, _ = attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize)
+    except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
         print(json.dumps({"html": str(html_path), "csv": str(csv_path)}))
     else:
-        console.print(f"wrote {html_path}\nwrote {csv_path}")
+        console.print(f"wrote {html_path}\nwrote {csv_path}", highlight=False)
 
 
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="folder for the report")] = Path("out"),
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run the main job on the embedded model: a JSON instruction buried after a biography."""
     from .demo import run_demo
 
     t0 = time.perf_counter()
-    _quiet_transformers()
     try:
-        run_demo(out, max_new_tokens=max_new_tokens, console=console)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be a positive int, got {max_new_tokens}")
+        _quiet_transformers()
+        result = run_demo(out, max_new_tokens=max_new_tokens, console=err if as_json else console)
+    except USER_ERRORS as exc:
         _fail(exc)
-    console.print(f"[dim]done in {time.perf_counter() - t0:.0f} s[/dim]")
+    if as_json:
+        print(json.dumps(result))
+    else:
+        console.print(f"[dim]done in {time.perf_counter() - t0:.0f} s[/dim]")
 
 
 def run() -> None:  # pragma: no cover

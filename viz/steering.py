@@ -17,7 +17,9 @@ __all__ = ["Comparison", "attention_report", "choose_heads", "compare"]
 DEFAULT_TOP_K = 20
 
 
-def choose_heads(model: HeadModel, prompt: str, spec: str, top_k: int = DEFAULT_TOP_K) -> HeadSet:
+def choose_heads(
+    model: HeadModel, prompt: str, spec: str, top_k: int = DEFAULT_TOP_K, *, emphasize=None
+) -> HeadSet:
     """`spec` = "auto" (top-k heads by attention mass on the span: a heuristic) or a JSON file.
 
     Raises:
@@ -25,7 +27,7 @@ def choose_heads(model: HeadModel, prompt: str, spec: str, top_k: int = DEFAULT_
         FileNotFoundError: missing file.
     """
     if spec == "auto":
-        return span_attention(model, prompt).top(top_k)
+        return span_attention(model, prompt, emphasize=emphasize).top(top_k)
     return HeadSet.parse(spec, model.n_layers, model.n_heads)
 
 
@@ -39,13 +41,19 @@ class Comparison:
 
 
 def compare(
-    model: HeadModel, prompt: str, heads: HeadSet, *, alpha: float = 0.01, max_new_tokens: int = 64
+    model: HeadModel,
+    prompt: str,
+    heads: HeadSet,
+    *,
+    alpha: float = 0.01,
+    max_new_tokens: int = 64,
+    emphasize=None,
 ) -> Comparison:
     """Greedy answers without and with PASTA on `heads`, for one prompt with `**span**` markup."""
     pasta = Pasta(heads, alpha=alpha)
     sm = SteeredModel(model)
-    base = sm.generate(prompt, max_new_tokens=max_new_tokens)
-    steered = sm.generate(prompt, steer=[pasta], max_new_tokens=max_new_tokens)
+    steered = sm.generate(prompt, steer=[pasta], max_new_tokens=max_new_tokens, emphasize=emphasize)
+    base = sm.generate(prompt, max_new_tokens=max_new_tokens, emphasize=emphasize)
     return Comparison(base.prompts[0], heads, alpha, base.text, steered.text)
 
 
@@ -56,6 +64,7 @@ def attention_report(
     *,
     top_k: int = DEFAULT_TOP_K,
     comparison: Comparison | None = None,
+    emphasize=None,
 ) -> tuple[Path, Path, HeadScores]:
     """Write `out` (HTML) and `out` with suffix .csv: span attention mass per (layer, head).
 
@@ -63,7 +72,7 @@ def attention_report(
         (html path, csv path, scores).
     """
     t0 = time.perf_counter()
-    scores = span_attention(model, prompt)
+    scores = span_attention(model, prompt, emphasize=emphasize)
     out = Path(out)
     csv = out.with_suffix(".csv")
     out.parent.mkdir(parents=True, exist_ok=True)
