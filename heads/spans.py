@@ -31,7 +31,7 @@ class Span:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"span text must be a non-empty string, got {self.text!r}")
-        if not isinstance(self.occurrence, int) or self.occurrence < 0:
+        if isinstance(self.occurrence, bool) or not isinstance(self.occurrence, int) or self.occurrence < 0:
             raise ValueError(f"span occurrence must be an int >= 0, got {self.occurrence!r}")
 
 
