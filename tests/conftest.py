@@ -70,11 +70,14 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
-def make_tiny(kind: str, tokenizer, attn: str = "sdpa", seed: int = 0) -> HeadModel:
+def make_tiny(kind: str, tokenizer, attn: str = "sdpa", seed: int = 0, **overrides) -> HeadModel:
+    """A tiny random model of `kind`; `overrides` set config fields (e.g. sliding_window)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = _config(kind)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn).eval()
     return HeadModel(model, tokenizer, name=f"tiny-{kind}")

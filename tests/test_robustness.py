@@ -9,7 +9,6 @@ import torch
 from conftest import ZeroRow, make_tiny
 
 from heads import (
-    HeadModel,
     HeadScale,
     HeadScores,
     HeadSet,
@@ -91,21 +90,7 @@ def test_overlapping_contexts_in_threads_keep_steering_until_last_exit(tiny_llam
 
 
 def test_sliding_window_layers_refuse_once_the_cache_slides(tokenizer):
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    torch.manual_seed(0)
-    cfg = MistralConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=16,
-        pad_token_id=2,
-        eos_token_id=2,
-    )
-    hm = HeadModel(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), tokenizer)
+    hm = make_tiny("mistral", tokenizer, sliding_window=16)
     assert hm.sliding_window(0) == 16
     sm = SteeredModel(hm)
     short = sm.generate("A **b** c", steer=Pasta({"0": [0]}), max_new_tokens=3, chat=False)
