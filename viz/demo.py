@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -32,14 +33,14 @@ def run_demo(out: str | Path = "out", *, max_new_tokens: int = 48, console: Cons
     out = Path(out)
     with console.status("loading the embedded SmolLM2-135M-Instruct…"):
         hm = load_model()
-    console.print(Panel(DEMO_PROMPT, title="prompt (the **span** is emphasized)"))
+    console.print(Panel(escape(DEMO_PROMPT), title="prompt (the **span** is emphasized)"))
     with console.status("scoring heads and generating…"):
         heads = choose_heads(hm, DEMO_PROMPT, "auto", DEFAULT_TOP_K)
         res = compare(hm, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens)
     table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (auto: top span attention)")
     table.add_column("baseline", ratio=1)
     table.add_column("PASTA-steered", ratio=1)
-    table.add_row(res.baseline, res.steered)
+    table.add_row(escape(res.baseline), escape(res.steered))
     console.print(table)
     html_path, csv_path, _ = attention_report(hm, DEMO_PROMPT, out / "demo_report.html", comparison=res)
     console.print(f"report: {html_path.resolve()}\nscores: {csv_path.resolve()}")
