@@ -179,12 +179,16 @@ class HeadOutputEdit(Edit):
 class HeadScale(HeadOutputEdit):
     """Multiply the chosen heads' outputs by `factor` (0 = zero ablation; 1 = no-op).
 
+    `positions` (indices into each call's query positions, e.g. `[-1]` for the last
+    one) restricts the scaling; None scales every position.
+
     Raises:
         TypeError: a factor that is not a number.
         ValueError: a non-finite factor or |factor| > 1e4.
     """
 
     factor: float = 0.0
+    positions: Sequence[int] | None = None
 
     MAX_FACTOR = 1e4
     """Largest |factor| accepted: beyond it head outputs overflow in low precision."""
@@ -205,4 +209,8 @@ class HeadScale(HeadOutputEdit):
         return self.factor == 1.0
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        return z * self.factor
+        if self.positions is None:
+            return z * self.factor
+        out = z.clone()
+        out[:, list(self.positions)] *= self.factor
+        return out

@@ -154,6 +154,60 @@ def report_attention(
         console.print(f"wrote {html_path}\nwrote {csv_path}", highlight=False)
 
 
+@report_app.command("maps")
+def report_maps(
+    out: Annotated[Path, typer.Option(help="HTML file to write")],
+    relations: Annotated[str, typer.Option(help='"all" or comma-separated relation names')] = "all",
+    top: Annotated[int, typer.Option(help="top heads listed per relation")] = 20,
+    draws: Annotated[int, typer.Option(help="random-head draws in the ablation check")] = 5,
+    prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the ablation check")] = 30,
+    model: ModelOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no progress messages")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """MAPS: relation and suppression scores of every head from its weights, validated by inference."""
+    from probes.relations import relation_names
+
+    from .maps_report import maps_report
+
+    try:
+        _html_out(out)
+        if relations != "all":
+            unknown = [n.strip() for n in relations.split(",") if n.strip() not in relation_names()]
+            if unknown:
+                raise ValueError(f"unknown relation(s) {unknown}; known: {relation_names()}")
+        for name, value in (("--top", top), ("--draws", draws), ("--prompts", prompts)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value}")
+        hm = _load(model)
+        say = None if quiet or as_json else (lambda msg: err.print(f"[dim]{escape(msg)}[/dim]"))
+        path, summary = maps_report(
+            hm, out, relations=relations, top=top, draws=draws, n_prompts=prompts, progress=say
+        )
+    except USER_ERRORS as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps({"html": str(path), **summary}))
+        return
+    table = Table(title="MAPS validation")
+    for col in ("relation", "r static~dynamic", "heads", "base acc", "top ablated", "random ablated"):
+        table.add_column(col)
+    for n in summary["relations"]:
+        a = summary["ablation"][n]
+        table.add_row(
+            n,
+            f"{summary['pearson_r'][n]:.2f}",
+            str(a["n_heads"]),
+            f"{a['base']:.2f}",
+            "skipped" if a["skipped"] else f"{a['ablated']:.2f}",
+            "" if a["skipped"] else f"{a['random_mean']:.2f}",
+        )
+    console.print(table)
+    for n in summary["dropped"]:
+        console.print(f"dropped: {n} (too few single-token pairs)", highlight=False)
+    console.print(f"wrote {path}", highlight=False)
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="folder for the report")] = Path("out"),

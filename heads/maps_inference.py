@@ -1,0 +1,215 @@
+"""MAPS validated against inference (methods/maps.md §5): dynamic scores and causal ablation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .edits import AttentionCall, HeadOutputEdit, HeadScale
+from .engine import editing
+from .forward import forward
+from .maps import RelationPairs, top_k_hits
+from .model import HeadModel
+from .prompts import encode_prompts
+from .scores import HeadScores
+
+__all__ = [
+    "TEMPLATES",
+    "AblationResult",
+    "ablation_check",
+    "dynamic_scores",
+    "max_ablated_heads",
+    "pearson",
+    "relation_accuracy",
+]
+
+TEMPLATES = (
+    "No {x} means no",
+    "The story of {x} contains",
+    "This is a document about {x}",
+    "When I think about {x} I think about",
+)
+"""Neutral templates carrying the source <X> (maps.md §5, Experiment 1)."""
+
+
+class _LastZ(HeadOutputEdit):
+    """Records every head's output `z` at the last position (returns z unchanged)."""
+
+    def __init__(self, layer: int):
+        super().__init__(layer=layer)
+        self.z: list[torch.Tensor] = []
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        self.z.append(z[:, -1].detach().float())
+        return z
+
+
+def _texts(relation: RelationPairs) -> list[tuple[str, str]]:
+    if relation.texts is None:
+        raise ValueError(f"relation {relation.name!r} has no texts; load it with probes.load_relations")
+    return relation.texts
+
+
+@torch.no_grad()
+def dynamic_scores(
+    model: HeadModel,
+    relations: RelationPairs | Sequence[RelationPairs],
+    *,
+    templates: Sequence[str] = TEMPLATES,
+    max_pairs: int = 12,
+    batch_size: int = 48,
+) -> dict[str, torch.Tensor]:
+    """Dynamic relation score per (template, layer, head), `[n_templates, n_layers, n_heads]` each.
+
+    For each pair, the template is filled with the source word; the head's real output at
+    the last position, `z_h W_O^h` (no bias), is projected with U (no final norm) and scores
+    1 when the target is in its top-k (ties: lowest id). Averaged over the first
+    `max_pairs` pairs of each relation (the "with context" variant of maps.md §5).
+
+    Returns:
+        relation name -> tensor in [0, 1].
+    """
+    rels = [relations] if isinstance(relations, RelationPairs) else list(relations)
+    rows = [(r, i, src) for r in rels for i, (src, _) in enumerate(_texts(r)[:max_pairs])]
+    tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows])
+    ks = torch.tensor([r.k for r, _, _ in rows])
+    U = model.W_U.float()
+    zs = []  # per template: [n_layers, n_rows, n_heads, d_head]
+    for tpl in templates:
+        prompts = [tpl.format(x=src) for _, _, src in rows]
+        per_layer: list[list[torch.Tensor]] = [[] for _ in range(model.n_layers)]
+        for a in range(0, len(prompts), batch_size):
+            enc = encode_prompts(model.tokenizer, prompts[a : a + batch_size], chat=False, markup=False)
+            recs = [_LastZ(layer) for layer in range(model.n_layers)]
+            with editing(model, recs):
+                forward(model, enc)
+            for layer, rec in enumerate(recs):
+                per_layer[layer].append(rec.z[0])
+        zs.append(torch.stack([torch.cat(z) for z in per_layer]))
+    hits = torch.zeros(len(templates), model.n_layers, model.n_heads, len(rows))
+    for layer in range(model.n_layers):
+        ou = (model.W_O[layer].float().reshape(-1, model.d_model) @ U).view(model.n_heads, model.d_head, -1)
+        for ti in range(len(templates)):
+            for head in range(model.n_heads):
+                hit, _ = top_k_hits(zs[ti][layer][:, head] @ ou[head], tgts, ks)
+                hits[ti, layer, head] = hit.float()
+    out, start = {}, 0
+    for r in rels:
+        n = min(max_pairs, len(r.pairs))
+        out[r.name] = hits[..., start : start + n].mean(-1)
+        start += n
+    return out
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Pearson r of two equally sized arrays (NaN when either is constant)."""
+    x = np.asarray(a, dtype=np.float64).ravel()
+    y = np.asarray(b, dtype=np.float64).ravel()
+    if x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def max_ablated_heads(n_heads_total: int) -> int:
+    """Cap on heads ablated in the causal check: 30 below 300 heads, 50/100/150/250 above (§5)."""
+    for limit, n in ((300, 30), (500, 50), (1000, 100), (1500, 150)):
+        if n_heads_total < limit:
+            return n
+    return 250
+
+
+def _few_shot_prompts(
+    relation: RelationPairs, n_prompts: int, n_shots: int, seed: int
+) -> list[tuple[str, int]]:
+    texts = _texts(relation)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(min(n_prompts, len(texts))):
+        others = [j for j in range(len(texts)) if j != i]
+        shots = [others[j] for j in torch.randperm(len(others), generator=g)[:n_shots].tolist()]
+        lines = [f"{texts[j][0]} -> {texts[j][1]}" for j in shots]
+        out.append(("\n".join([*lines, f"{texts[i][0]} ->"]), relation.pairs[i][1]))
+    return out
+
+
+@torch.no_grad()
+def relation_accuracy(
+    model: HeadModel,
+    relation: RelationPairs,
+    heads: Sequence[tuple[int, int]] = (),
+    *,
+    n_prompts: int = 40,
+    n_shots: int = 3,
+    seed: int = 0,
+    batch_size: int = 40,
+) -> float:
+    """Few-shot accuracy on the relation (`src -> tgt` lines; argmax next token == target).
+
+    `heads` are zero-ablated at the last position only (maps.md §5, Experiment 2).
+    """
+    prompts = _few_shot_prompts(relation, n_prompts, n_shots, seed)
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    correct = 0
+    for a in range(0, len(prompts), batch_size):
+        chunk = prompts[a : a + batch_size]
+        enc = encode_prompts(model.tokenizer, [p for p, _ in chunk], chat=False, markup=False)
+        edits = [HeadScale(layer=la, heads=hs, factor=0.0, positions=[-1]) for la, hs in by_layer.items()]
+        with editing(model, edits):
+            pred = forward(model, enc)[:, -1].argmax(-1)
+        correct += int((pred.cpu() == torch.tensor([t for _, t in chunk])).sum())
+    return correct / len(prompts)
+
+
+@dataclass
+class AblationResult:
+    """Causal check of one relation: accuracy with its top heads vs random heads ablated."""
+
+    relation: str
+    n_heads: int
+    base: float
+    ablated: float
+    random: list[float] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def random_mean(self) -> float:
+        return float(np.mean(self.random)) if self.random else float("nan")
+
+
+def ablation_check(
+    model: HeadModel,
+    relation: RelationPairs,
+    scores: HeadScores,
+    *,
+    n_heads: int | None = None,
+    draws: int = 5,
+    seed: int = 0,
+    n_prompts: int = 40,
+    min_base: float = 0.1,
+) -> AblationResult:
+    """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
+
+    Relations whose base accuracy is below `min_base` are skipped (maps.md §5).
+    """
+    base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
+    cap = n_heads or max_ablated_heads(model.n_layers * model.n_heads)
+    ranked = [h for h in scores.top(model.n_layers * model.n_heads) if scores.scores[h].item() > 0][:cap]
+    res = AblationResult(relation.name, len(ranked), base, float("nan"))
+    if base < min_base:
+        res.skipped = f"base accuracy {base:.2f} < {min_base}"
+        return res
+    if not ranked:
+        res.skipped = "no head scores above 0"
+        return res
+    res.ablated = relation_accuracy(model, relation, ranked, n_prompts=n_prompts, seed=seed)
+    pool = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in ranked]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(draws):
+        pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[: len(ranked)].tolist()]
+        res.random.append(relation_accuracy(model, relation, pick, n_prompts=n_prompts, seed=seed))
+    return res
