@@ -29,6 +29,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/steering_overhead.py
+	$(PY) benchmarks/maps.py
 
 clean:
 	rm -rf $(VENV) out

@@ -231,8 +231,12 @@ def maps_scores(
         if key not in reps:
             reps[key] = source_representations(model, src_ids, layer, apply_first_mlp=apply_first_mlp)
         x = reps[key]
-        xv = torch.einsum("nd,kde->kne", x, model.W_V[layer].float())  # [n_kv, n_src, d_head]
-        ou = model.W_O[layer].float().reshape(model.n_heads * model.d_head, model.d_model) @ U
+        xv = torch.einsum(
+            "nd,kde->kne", x, model.layer_weights(layer)["W_V"].float()
+        )  # [n_kv, n_src, d_head]
+        ou = (
+            model.layer_weights(layer)["W_O"].float().reshape(model.n_heads * model.d_head, model.d_model) @ U
+        )
         ou = ou.view(model.n_heads, model.d_head, -1)  # [n_heads, d_head, d_vocab]
         for head in range(model.n_heads):
             xv_h = xv[model.kv_head(head)]
@@ -280,8 +284,8 @@ def salient_operations(
 
     model.check_head(layer, head)
     tok = model.tokenizer
-    w_v = model.W_V[layer, model.kv_head(head)].float()  # [d_model, d_head]
-    w_o = model.W_O[layer, head].float()  # [d_head, d_model]
+    w_v = model.layer_weights(layer)["W_V"][model.kv_head(head)].float()  # [d_model, d_head]
+    w_o = model.layer_weights(layer)["W_O"][head].float()  # [d_head, d_model]
     gram = w_o @ w_o.T
     sigma = torch.empty(model.d_vocab)
     for a in range(0, model.d_vocab, chunk):

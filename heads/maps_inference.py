@@ -91,7 +91,9 @@ def dynamic_scores(
         zs.append(torch.stack([torch.cat(z) for z in per_layer]))
     hits = torch.zeros(len(templates), model.n_layers, model.n_heads, len(rows))
     for layer in range(model.n_layers):
-        ou = (model.W_O[layer].float().reshape(-1, model.d_model) @ U).view(model.n_heads, model.d_head, -1)
+        ou = (model.layer_weights(layer)["W_O"].float().reshape(-1, model.d_model) @ U).view(
+            model.n_heads, model.d_head, -1
+        )
         for ti in range(len(templates)):
             for head in range(model.n_heads):
                 hit, _ = top_k_hits(zs[ti][layer][:, head] @ ou[head], tgts, ks)

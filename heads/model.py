@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import nn
@@ -174,34 +173,47 @@ class HeadModel:
             return q, k, v
         return attn.q_proj.weight.T, attn.k_proj.weight.T, attn.v_proj.weight.T
 
-    def _stack(self, idx: int, n: int) -> torch.Tensor:
-        mats = [self._qkv_weights(layer)[idx] for layer in range(self.n_layers)]
-        return torch.stack([m.reshape(self.d_model, n, self.d_head).permute(1, 0, 2) for m in mats]).detach()
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Head-major views (no copy) of one layer's weights, always current.
 
-    @cached_property
+        Returns `{"W_Q": [n_heads, d_model, d_head], "W_K"/"W_V": [n_kv_heads, d_model, d_head],
+        "W_O": [n_heads, d_head, d_model]}`.
+        """
+        self.check_head(layer)
+        q, k, v = self._qkv_weights(layer)
+
+        def split(m: torch.Tensor, n: int) -> torch.Tensor:
+            return m.detach().reshape(self.d_model, n, self.d_head).permute(1, 0, 2)
+
+        return {
+            "W_Q": split(q, self.n_heads),
+            "W_K": split(k, self.n_kv_heads),
+            "W_V": split(v, self.n_kv_heads),
+            "W_O": self._o_weight(layer).detach().reshape(self.n_heads, self.d_head, self.d_model),
+        }
+
+    def _stack(self, name: str) -> torch.Tensor:
+        return torch.stack([self.layer_weights(layer)[name] for layer in range(self.n_layers)])
+
+    @property
     def W_Q(self) -> torch.Tensor:  # noqa: N802 (TransformerLens name)
-        """`[n_layers, n_heads, d_model, d_head]` query weights (q = x @ W_Q[l, h])."""
-        return self._stack(0, self.n_heads)
+        """`[n_layers, n_heads, d_model, d_head]` query weights (q = x @ W_Q[l, h]); a fresh copy."""
+        return self._stack("W_Q")
 
-    @cached_property
+    @property
     def W_K(self) -> torch.Tensor:  # noqa: N802
-        """`[n_layers, n_kv_heads, d_model, d_head]` key weights, one per KV head."""
-        return self._stack(1, self.n_kv_heads)
+        """`[n_layers, n_kv_heads, d_model, d_head]` key weights, one per KV head; a fresh copy."""
+        return self._stack("W_K")
 
-    @cached_property
+    @property
     def W_V(self) -> torch.Tensor:  # noqa: N802
-        """`[n_layers, n_kv_heads, d_model, d_head]` value weights, one per KV head."""
-        return self._stack(2, self.n_kv_heads)
+        """`[n_layers, n_kv_heads, d_model, d_head]` value weights, one per KV head; a fresh copy."""
+        return self._stack("W_V")
 
-    @cached_property
+    @property
     def W_O(self) -> torch.Tensor:  # noqa: N802
-        """`[n_layers, n_heads, d_head, d_model]` output weights (head output z @ W_O[l, h])."""
-        return torch.stack(
-            [
-                self._o_weight(la).reshape(self.n_heads, self.d_head, self.d_model)
-                for la in range(self.n_layers)
-            ]
-        ).detach()
+        """`[n_layers, n_heads, d_head, d_model]` output weights (z @ W_O[l, h]); a fresh copy."""
+        return self._stack("W_O")
 
     @property
     def W_E(self) -> torch.Tensor:  # noqa: N802
