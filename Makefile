@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.headsteer-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint venv clean chromium
 
 venv: $(STAMP)
 
@@ -21,8 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/headsteer demo --out out
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q
+
+# The browser test opens reports in headless Chromium (Debian package `chromium`).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { echo "installing chromium for the browser test"; \
+	    $$(command -v sudo) apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium >/dev/null; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,6 +1,6 @@
 """headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers."""
 
-from .attention_mass import span_attention
+from .attention_mass import head_pattern, span_attention
 from .edits import AttentionCall, Edit, HeadOutputEdit, HeadScale, LogitBias, ProbEdit, Recorder
 from .engine import EditNeverFired, editing
 from .forward import forward
@@ -31,6 +31,7 @@ __all__ = [
     "encode_prompts",
     "find_span",
     "forward",
+    "head_pattern",
     "load_model",
     "load_tokenizer",
     "parse_markup",

@@ -25,6 +25,7 @@ def span_attention(
     chat: bool | None = None,
     query: Literal["last", "after_span"] = "last",
     batch_size: int = 8,
+    steer=(),
 ) -> HeadScores:
     """Attention mass on the emphasized span, per (layer, head), averaged over prompts.
 
@@ -42,6 +43,8 @@ def span_attention(
         chat: apply the chat template (default: when the tokenizer has one).
         query: which query rows to read (see above).
         batch_size: prompts per forward pass.
+        steer: interventions (objects with `.edits(model, enc)`, e.g. `steer.Pasta`)
+            applied while measuring, to see the shares after steering.
 
     Returns:
         HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
@@ -85,7 +88,8 @@ def span_attention(
             return (mass * q[:, None, :]).sum(-1)  # [B, H]
 
         recorders = [Recorder(layer=layer, fn=read) for layer in range(model.n_layers)]
-        with editing(model, recorders):
+        steering = [e for s in ([steer] if hasattr(steer, "edits") else steer) for e in s.edits(model, enc)]
+        with editing(model, [*steering, *recorders]):
             forward(model, enc)
         denom = rows.sum(1).clamp(min=1).double()  # [B]
         for layer, rec in enumerate(recorders):
@@ -104,3 +108,32 @@ def span_attention(
         model=model.name,
         n_kv_heads=model.n_kv_heads,
     )
+
+
+def head_pattern(
+    model: HeadModel,
+    prompt: Prompt,
+    layer: int,
+    head: int,
+    *,
+    emphasize=None,
+    chat: bool | None = None,
+    edits=(),
+) -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
+    """One head's attention pattern on one prompt.
+
+    Returns `(probs [T, T], tokens, spans)`: the post-softmax pattern (after any
+    `edits`, e.g. a PASTA steering), the token strings, and the emphasized token ranges.
+
+    Raises:
+        ValueError: unknown layer/head or bad prompt.
+    """
+    model.check_head(layer, head)
+    enc = encode_prompts(model.tokenizer, prompt, emphasize=emphasize, chat=chat)
+    if enc.batch != 1:
+        raise ValueError("head_pattern takes one prompt")
+    rec = Recorder(layer=layer)
+    with editing(model, [*edits, rec]):
+        forward(model, enc)
+    tokens = [model.tokenizer.decode([t]) for t in enc.input_ids[0].tolist()]
+    return torch.cat(rec.records, dim=2)[0, head], tokens, enc.spans[0]

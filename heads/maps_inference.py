@@ -177,6 +177,7 @@ class AblationResult:
     ablated: float
     random: list[float] = field(default_factory=list)
     skipped: str | None = None
+    heads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def random_mean(self) -> float:
@@ -200,8 +201,8 @@ def ablation_check(
     """
     base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
     cap = n_heads or max_ablated_heads(model.n_layers * model.n_heads)
-    ranked = [h for h in scores.top(model.n_layers * model.n_heads) if scores.scores[h].item() > 0][:cap]
-    res = AblationResult(relation.name, len(ranked), base, float("nan"))
+    ranked = [h for h in scores.ranked() if scores.scores[h].item() > 0][:cap]  # by descending score
+    res = AblationResult(relation.name, len(ranked), base, float("nan"), heads=ranked)
     if base < min_base:
         res.skipped = f"base accuracy {base:.2f} < {min_base}"
         return res

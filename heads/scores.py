@@ -237,6 +237,15 @@ class HeadScores:
         )
         return [divmod(i, self.n_heads) for i in order]
 
+    def ranked(self, k: int | None = None) -> list[tuple[int, int]]:
+        """Heads `(layer, head)` by descending score (ties by (layer, head)); NaN dropped.
+
+        Unlike `top(k)`, which returns a `HeadSet` (ordered by layer and head), this
+        keeps the score order.
+        """
+        order = self._ranked()
+        return order if k is None else order[: _positive_int(k)]
+
     def top(self, k: int) -> HeadSet:
         """The `k` highest-scoring heads (ties broken by (layer, head) order).
 
@@ -365,6 +374,33 @@ class HeadScores:
             )
         except ValueError as err:
             raise bad(str(err)) from None
+
+    def _repr_html_(self) -> str:
+        """Jupyter view: a colour-scaled layer x head table and the top 5 heads (no plotly needed)."""
+        import html
+
+        finite = self.scores[~torch.isnan(self.scores)]
+        lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 1.0)
+        span = (hi - lo) or 1.0
+
+        def cell(v: float) -> str:
+            if math.isnan(v):
+                return "<td style='background:#eee'></td>"
+            a = (v - lo) / span
+            style = f"background:rgba(49,104,142,{0.1 + 0.9 * a:.2f});width:14px"
+            return f"<td title='{v:.4f}' style='{style}'></td>"
+
+        head_row = "".join(f"<th>{h}</th>" for h in range(self.n_heads))
+        body = "".join(
+            f"<tr><th>{la}</th>{''.join(cell(v) for v in self.scores[la].tolist())}</tr>"
+            for la in range(self.n_layers)
+        )
+        top = ", ".join(f"L{la}.H{h} ({self.scores[la, h].item():.3f})" for la, h in self._ranked()[:5])
+        return (
+            f"<div><b>{html.escape(repr(self))}</b><br>top: {html.escape(top)}"
+            f"<table style='border-collapse:collapse;font-size:9px'><tr><th>layer\\head</th>{head_row}</tr>"
+            f"{body}</table></div>"
+        )
 
     def __repr__(self) -> str:
         return (

@@ -48,6 +48,17 @@ class Generation:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def _repr_html_(self) -> str:
+        """Jupyter view: each prompt's continuation."""
+        import html
+
+        rows = "".join(
+            f"<tr><td><pre style='white-space:pre-wrap'>{html.escape(p[-300:])}</pre></td>"
+            f"<td><pre style='white-space:pre-wrap'>{html.escape(t)}</pre></td></tr>"
+            for p, t in zip(self.prompts, self.texts, strict=True)
+        )
+        return f"<table><tr><th>prompt (end)</th><th>generated</th></tr>{rows}</table>"
+
 
 _UNSUPPORTED = ("num_return_sequences", "num_beams", "input_ids", "attention_mask")
 

@@ -281,3 +281,17 @@ def test_top_k_hits_equal_exact_ranks():
     hit, supp = top_k_hits(logits, tg, k)
     rank, neg = target_ranks(logits, tg)
     assert torch.equal(hit, rank < k) and torch.equal(supp, neg < k)
+
+
+def test_ablation_uses_the_highest_scoring_heads(tiny_llama, tokenizer):
+    from heads import HeadScores
+    from heads.maps_inference import ablation_check
+
+    rel = load_relations(tokenizer, "plural")["plural"]
+    s = torch.zeros(3, 4)
+    s[2, 3], s[2, 1], s[0, 0], s[1, 2] = 0.9, 0.8, 0.1, 0.05
+    res = ablation_check(
+        tiny_llama, rel, HeadScores(s, "x", n_kv_heads=2), n_heads=2, draws=2, n_prompts=4, min_base=0.0
+    )
+    assert res.heads == [(2, 3), (2, 1)] and res.n_heads == 2 and len(res.random) == 2
+    assert HeadScores(s, "x").ranked(3) == [(2, 3), (2, 1), (0, 0)]

@@ -29,7 +29,7 @@ app.add_typer(report_app, name="report")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
-_STATE = {"debug": False}
+_STATE = {"debug": False, "quiet": False}
 USER_ERRORS = (ValueError, TypeError, OSError)
 
 ModelOpt = Annotated[
@@ -42,9 +42,45 @@ EmphasizeOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="no spinners or progress bars")]
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False) -> None:
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    quiet: QuietOpt = False,
+) -> None:
     _STATE["debug"] = debug
+    _STATE["quiet"] = quiet
+
+
+def _status(msg: str):
+    """A spinner on stderr, or nothing with --quiet."""
+    import contextlib
+
+    return contextlib.nullcontext() if _STATE["quiet"] else err.status(msg)
+
+
+def _progress(total: int):
+    """A rich progress bar on stderr (disabled with --quiet); returns (context, step callback)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        disable=_STATE["quiet"],
+        transient=True,
+    )
+    task = bar.add_task("starting", total=total)
+
+    def step(msg: str) -> None:
+        bar.update(task, description=msg)
+        bar.advance(task)
+
+    return bar, step
 
 
 def _fail(exc: Exception) -> None:
@@ -68,7 +104,7 @@ def _load(model: str | None):
     from heads import load_model
 
     _quiet_transformers()
-    with err.status("loading model…"):
+    with _status("loading model…"):
         return load_model(model)
 
 
@@ -162,10 +198,11 @@ def report_maps(
     draws: Annotated[int, typer.Option(help="random-head draws in the ablation check")] = 5,
     prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the ablation check")] = 30,
     model: ModelOpt = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="no progress messages")] = False,
+    quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """MAPS: relation and suppression scores of every head from its weights, validated by inference."""
+    _STATE["quiet"] = _STATE["quiet"] or quiet
     from probes.relations import relation_names
 
     from .maps_report import maps_report
@@ -180,10 +217,12 @@ def report_maps(
             if value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value}")
         hm = _load(model)
-        say = None if quiet or as_json else (lambda msg: err.print(f"[dim]{escape(msg)}[/dim]"))
-        path, summary = maps_report(
-            hm, out, relations=relations, top=top, draws=draws, n_prompts=prompts, progress=say
-        )
+        n_rel = len(relation_names()) if relations == "all" else len(relations.split(","))
+        bar, step = _progress(n_rel + 2)
+        with bar:
+            path, summary = maps_report(
+                hm, out, relations=relations, top=top, draws=draws, n_prompts=prompts, progress=step
+            )
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
@@ -206,6 +245,37 @@ def report_maps(
     for n in summary["dropped"]:
         console.print(f"dropped: {n} (too few single-token pairs)", highlight=False)
     console.print(f"wrote {path}", highlight=False)
+
+
+@report_app.command("all")
+def report_all(
+    out: Annotated[Path, typer.Option(help="folder for the reports")] = Path("reports"),
+    draws: Annotated[int, typer.Option(help="random-head draws in the MAPS ablation check")] = 5,
+    prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the MAPS check")] = 30,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every available report on the embedded model, with an index.html linking them."""
+    from .all_reports import all_reports, report_steps
+
+    _STATE["quiet"] = _STATE["quiet"] or quiet
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+        for name, value in (("--draws", draws), ("--prompts", prompts)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value}")
+        hm = _load(None)
+        bar, step = _progress(report_steps())
+        with bar:
+            written = all_reports(hm, out, draws=draws, n_prompts=prompts, progress=step)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps({k: str(v) for k, v in written.items()}))
+    else:
+        for name, path in written.items():
+            console.print(f"{name}: {path}", highlight=False)
 
 
 @app.command()

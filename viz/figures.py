@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
+import torch
 
 from heads.scores import HeadScores, HeadSet
 
-__all__ = ["head_heatmap"]
+__all__ = ["attention_pattern", "head_heatmap", "mapped_pairs", "score_distribution", "span_share_by_layer"]
 
 
 def head_heatmap(
@@ -52,5 +53,115 @@ def head_heatmap(
         xaxis={"dtick": 1},
         height=max(320, 22 * n_layers + 120),
         width=max(420, 48 * n_heads + 220),
+    )
+    return fig
+
+
+def attention_pattern(
+    probs: torch.Tensor,
+    tokens: list[str],
+    *,
+    span: tuple[int, int] | list[tuple[int, int]] | None = None,
+    title: str = "attention pattern",
+) -> go.Figure:
+    """Heatmap of one head's attention pattern `[T, T]` (query rows, key columns).
+
+    `tokens` label both axes; `span` (token ranges, half-open) is outlined in red on
+    the key axis.
+    """
+    probs = probs.detach().float().cpu()
+    if probs.ndim != 2 or probs.shape[0] != probs.shape[1] or probs.shape[0] != len(tokens):
+        raise ValueError(f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}")
+    labels = [f"{i}:{t}" for i, t in enumerate(tokens)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=probs.tolist(),
+            x=labels,
+            y=labels,
+            colorscale="Blues",
+            colorbar={"title": "attention"},
+            hovertemplate="query %{y}<br>key %{x}<br>p %{z:.4f}<extra></extra>",
+        )
+    )
+    spans = [span] if isinstance(span, tuple) else (span or [])
+    for t0, t1 in spans:
+        fig.add_shape(
+            type="rect",
+            x0=t0 - 0.5,
+            x1=t1 - 0.5,
+            y0=-0.5,
+            y1=len(tokens) - 0.5,
+            line={"color": "red", "width": 2},
+        )
+    fig.update_layout(
+        title=title,
+        xaxis_title="key",
+        yaxis_title="query",
+        yaxis={"autorange": "reversed"},
+        height=max(400, 14 * len(tokens) + 150),
+        width=max(500, 14 * len(tokens) + 250),
+    )
+    return fig
+
+
+def span_share_by_layer(before: torch.Tensor, after: torch.Tensor, *, title: str | None = None) -> go.Figure:
+    """Line plot of the span's attention share per layer (mean over heads), before vs after steering.
+
+    `before`/`after`: `[n_layers, n_heads]` shares (e.g. `span_attention(...).scores`).
+    """
+    layers = list(range(before.shape[0]))
+    fig = go.Figure()
+    for name, s in (("unsteered", before), ("steered", after)):
+        fig.add_trace(go.Scatter(x=layers, y=s.float().mean(1).tolist(), mode="lines+markers", name=name))
+    fig.update_layout(
+        title=title or "attention share on the span (mean over heads)",
+        xaxis_title="layer",
+        yaxis_title="share of last-position attention",
+        height=380,
+    )
+    return fig
+
+
+def score_distribution(scores: HeadScores, *, title: str | None = None) -> go.Figure:
+    """Box plot of head scores per layer."""
+    fig = go.Figure()
+    for layer in range(scores.n_layers):
+        fig.add_trace(
+            go.Box(
+                y=scores.scores[layer].tolist(),
+                name=str(layer),
+                boxpoints="all",
+                marker={"size": 3},
+                showlegend=False,
+            )
+        )
+    fig.update_layout(
+        title=title or f"{scores.method}: score distribution per layer",
+        xaxis_title="layer",
+        yaxis_title="score",
+        height=380,
+    )
+    return fig
+
+
+def mapped_pairs(salient, *, title: str = "salient operations") -> go.Figure:
+    """Bar chart of a head's most amplified source tokens (sigma), labelled with their top targets.
+
+    `salient`: the DataFrame from `heads.maps.salient_operations`.
+    """
+    src = [repr(s) for s in salient["source"]]
+    targets = [", ".join(repr(t) for t in ts) for ts in salient["targets"]]
+    fig = go.Figure(
+        go.Bar(
+            x=salient["sigma"].tolist()[::-1],
+            y=src[::-1],
+            orientation="h",
+            text=targets[::-1],
+            textposition="auto",
+            hovertemplate="%{y} → %{text}<br>sigma %{x:.3f}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title, xaxis_title="sigma = ||e W_VO|| / ||e||", height=max(350, 28 * len(src) + 120)
     )
     return fig

@@ -61,7 +61,7 @@ def maps_report(
     )
     rows = []
     for n in ms.names():
-        for layer, head in ms.relation[n].top(top):
+        for layer, head in ms.relation[n].ranked(top):
             rows.append(
                 {
                     "relation": n,
@@ -90,7 +90,7 @@ def maps_report(
         ]
     )
     best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
-    lh = ms.relation[best].top(1).heads[0]
+    lh = ms.relation[best].ranked(1)[0]
     salient = salient_operations(model, *lh)
     salient["targets"] = salient["targets"].map(lambda ts: " | ".join(ts))
 

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from heads import HeadModel, HeadScores, HeadSet, span_attention
+from heads import HeadModel, HeadScores, HeadSet, head_pattern, span_attention
 from steer import Pasta, SteeredModel
 
-from .figures import head_heatmap
+from .figures import attention_pattern, head_heatmap, score_distribution, span_share_by_layer
 from .report import Report
 
 __all__ = ["Comparison", "attention_report", "choose_heads", "compare"]
@@ -33,11 +33,23 @@ def choose_heads(
 
 @dataclass
 class Comparison:
+    """Baseline vs PASTA-steered answers to one prompt."""
+
     prompt: str
     heads: HeadSet
     alpha: float
     baseline: str
     steered: str
+
+    def _repr_html_(self) -> str:
+        import html
+
+        pre = "<pre style='white-space:pre-wrap'>{}</pre>"
+        return (
+            f"<div><b>PASTA alpha={self.alpha} on {len(self.heads)} heads</b><table><tr><th>baseline</th>"
+            f"<th>steered</th></tr><tr><td>{pre.format(html.escape(self.baseline))}</td>"
+            f"<td>{pre.format(html.escape(self.steered))}</td></tr></table></div>"
+        )
 
 
 def compare(
@@ -90,7 +102,20 @@ def attention_report(
         head_heatmap(scores, top_k=top, title="share of last-position attention on the span"),
     )
     rep.table("Top heads", frame.sort_values(["score", "layer", "head"], ascending=[False, True, True]))
+    rep.figure("Score distribution per layer", score_distribution(scores))
+    best = scores.ranked(1)[0]
+    probs, tokens, spans = head_pattern(model, prompt, *best, emphasize=emphasize)
+    rep.figure(
+        f"Attention pattern of the top head L{best[0]}.H{best[1]} (span outlined)",
+        attention_pattern(probs, tokens, span=spans, title=f"layer {best[0]}, head {best[1]}"),
+    )
     if comparison is not None:
+        pasta = Pasta(comparison.heads, alpha=comparison.alpha)
+        after = span_attention(model, prompt, emphasize=emphasize, steer=[pasta])
+        rep.figure(
+            "Span attention share per layer, before and after PASTA",
+            span_share_by_layer(scores.scores, after.scores),
+        )
         rep.samples(
             f"Answers (PASTA alpha={comparison.alpha} on {len(comparison.heads)} heads)",
             comparison.prompt,
