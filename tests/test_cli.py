@@ -132,3 +132,31 @@ def test_emphasize_option(model_dir):
     )
     assert r.exit_code == 0, r.output
     assert sum(len(v) for v in json.loads(r.stdout.strip().splitlines()[-1])["heads"].values()) == 2
+
+
+def test_report_all_writes_linked_reports(model_dir, tmp_path):
+    out = tmp_path / "reports"
+    r = runner.invoke(
+        app,
+        [
+            "--quiet",
+            "report",
+            "all",
+            "--model",
+            model_dir,
+            "--draws",
+            "1",
+            "--prompts",
+            "3",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    written = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(written) == {"index", "attention", "attention_csv", "maps"}
+    index = (out / "index.html").read_text()
+    for name in ("attention.html", "attention.csv", "maps.html"):
+        assert (out / name).is_file() and f"href='{name}'" in index
+    assert "Span attention share per layer, before and after PASTA" in (out / "attention.html").read_text()

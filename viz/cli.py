@@ -252,10 +252,11 @@ def report_all(
     out: Annotated[Path, typer.Option(help="folder for the reports")] = Path("reports"),
     draws: Annotated[int, typer.Option(help="random-head draws in the MAPS ablation check")] = 5,
     prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the MAPS check")] = 30,
+    model: ModelOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Every available report on the embedded model, with an index.html linking them."""
+    """Every available report (embedded model by default), with an index.html linking them."""
     from .all_reports import all_reports, report_steps
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
@@ -265,7 +266,7 @@ def report_all(
         for name, value in (("--draws", draws), ("--prompts", prompts)):
             if value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value}")
-        hm = _load(None)
+        hm = _load(model)
         bar, step = _progress(report_steps())
         with bar:
             written = all_reports(hm, out, draws=draws, n_prompts=prompts, progress=step)
