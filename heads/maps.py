@@ -15,7 +15,8 @@ break ties by lowest token id (pitfall 5), so scores are deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "RelationPairs",
     "first_mlp",
     "k_for",
+    "positive_int",
     "maps_scores",
     "salient_operations",
     "source_representations",
@@ -37,6 +39,13 @@ __all__ = [
 
 IMPLEMENTS_THRESHOLD = 0.15
 """A head "implements" a relation when its relation score is >= 0.15 (maps.md §3)."""
+
+
+def positive_int(value, what: str) -> int:
+    """`value` as an int >= 1, else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def k_for(k_rule: str, d_vocab: int) -> int:
@@ -62,20 +71,43 @@ class RelationPairs:
     texts: list[tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.pairs, (str, bytes)) or not isinstance(self.pairs, Sequence):
+            raise TypeError(f"relation {self.name!r}: pairs must be a list of (source_id, target_id)")
         if not self.pairs:
             raise ValueError(f"relation {self.name!r} has no pairs")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"relation {self.name!r}: k must be a positive int, got {self.k!r}")
+        for pair in self.pairs:
+            if len(pair) != 2 or any(
+                isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair
+            ):
+                raise TypeError(f"relation {self.name!r}: pair {pair!r} is not two int token ids")
+        self.pairs = [(int(a), int(b)) for a, b in self.pairs]
+        self.k = positive_int(self.k, f"relation {self.name!r}: k")
+        if self.texts is not None and len(self.texts) != len(self.pairs):
+            raise ValueError(f"relation {self.name!r}: {len(self.texts)} texts for {len(self.pairs)} pairs")
+
+
+_PRE_NORM_MLP = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
 
 
 def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
-    """Output of layer 0's MLP (after its pre-MLP norm) on rows `x` `[n, d_model]`."""
+    """Output of layer 0's MLP (after its pre-MLP norm) on rows `x` `[n, d_model]`.
+
+    Raises:
+        ValueError: an architecture whose MLP input norm is not known here (e.g. post-norm
+            models such as OLMo-2); use `apply_first_mlp=False` for them.
+    """
     block = model.layers[0]
-    if hasattr(block, "post_attention_layernorm"):  # Llama, Qwen2, Mistral
+    kind = getattr(model.model.config, "model_type", "")
+    if hasattr(block, "pre_feedforward_layernorm"):  # Gemma 2/3: the MLP's own pre-norm
+        return block.mlp(block.pre_feedforward_layernorm(x))
+    if kind in _PRE_NORM_MLP and hasattr(block, "post_attention_layernorm"):  # Llama-style pre-norm
         return block.mlp(block.post_attention_layernorm(x))
-    if hasattr(block, "ln_2"):  # GPT-2
+    if kind == "gpt2":
         return block.mlp(block.ln_2(x))
-    raise ValueError(f"first-MLP source representations are not known for {type(block).__name__}")
+    raise ValueError(
+        f"the first-MLP source representation is not defined here for model_type {kind!r}; "
+        "pass apply_first_mlp=False"
+    )
 
 
 @torch.no_grad()
@@ -159,12 +191,23 @@ class MapsScores:
         """One line on what head (layer, head) does, from its relation and suppression scores.
 
         Lists the relations it implements (score >= `threshold`), else its strongest
-        ones, and the relations it suppresses most. No external LLM is used.
+        ones, and the relations it suppresses most (ties by name). No external LLM is used.
+
+        Raises:
+            ValueError: unknown layer or head, or `top` < 1.
         """
-        rel = sorted(((self.relation[n].scores[layer, head].item(), n) for n in self.names()), reverse=True)
-        sup = sorted(
-            ((self.suppression[n].scores[layer, head].item(), n) for n in self.names()), reverse=True
-        )
+        any_scores = next(iter(self.relation.values()))
+        n_layers, n_heads = any_scores.n_layers, any_scores.n_heads
+        for what, v, n in (("layer", layer, n_layers), ("head", head, n_heads)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+                raise ValueError(f"unknown {what} {v!r}: there are {n} ({what}s 0..{n - 1})")
+        top = positive_int(top, "top")
+
+        def order(table: dict[str, HeadScores]) -> list[tuple[float, str]]:
+            pairs = [(table[n].scores[layer, head].item(), n) for n in self.names()]
+            return sorted(pairs, key=lambda x: (-x[0], x[1]))
+
+        rel, sup = order(self.relation), order(self.suppression)
         fmt = lambda xs: ", ".join(f"{n} ({v:.2f})" for v, n in xs)  # noqa: E731
         impl = [x for x in rel if x[0] >= threshold]
         parts = [f"L{layer}.H{head}"]
@@ -178,15 +221,29 @@ class MapsScores:
         return "; ".join(parts)
 
 
-def _check_relations(model: HeadModel, relations: Sequence[RelationPairs]) -> None:
+def _as_relations(model: HeadModel, relations) -> list[RelationPairs]:
+    """A checked list of relations (one `RelationPairs`, a list, or a `probes` RelationSet)."""
+    if isinstance(relations, RelationPairs):
+        relations = [relations]
+    relations = getattr(relations, "relations", relations)
+    if isinstance(relations, (str, bytes)) or not isinstance(relations, Iterable):
+        raise TypeError(f"relations must be RelationPairs or a list of them, got {type(relations).__name__}")
+    relations = list(relations)
     if not relations:
         raise ValueError("no relations to score")
+    names = set()
     for r in relations:
         if not isinstance(r, RelationPairs):
             raise TypeError(f"expected RelationPairs, got {r!r}")
+        if r.name in names:
+            raise ValueError(f"relation name {r.name!r} appears twice")
+        names.add(r.name)
+        if r.k > model.d_vocab:
+            raise ValueError(f"relation {r.name!r}: k={r.k} exceeds the vocabulary ({model.d_vocab})")
         for s, t in r.pairs:
             if not (0 <= s < model.d_vocab and 0 <= t < model.d_vocab):
                 raise ValueError(f"relation {r.name!r}: token id pair {(s, t)} outside the vocabulary")
+    return relations
 
 
 @torch.no_grad()
@@ -210,19 +267,23 @@ def maps_scores(
         method `"maps_relation"` / `"maps_suppression"`.
 
     Raises:
-        ValueError: no relations, empty relations or token ids outside the vocabulary.
+        ValueError: no relations, empty or duplicate relations, k above the vocabulary size,
+            token ids outside the vocabulary, or a non-positive `pair_chunk`.
         TypeError: a relation that is not `RelationPairs`.
     """
-    _check_relations(model, relations)
+    relations = _as_relations(model, relations)
+    pair_chunk = positive_int(pair_chunk, "pair_chunk")
+    if not isinstance(apply_first_mlp, bool):
+        raise TypeError(f"apply_first_mlp must be True or False, got {apply_first_mlp!r}")
     sources = sorted({s for r in relations for s, _ in r.pairs})
     row = {s: i for i, s in enumerate(sources)}
     src_ids = torch.tensor(sources)
     p_rows = torch.tensor([row[s] for r in relations for s, _ in r.pairs])
-    p_tgts = torch.tensor([t for r in relations for _, t in r.pairs])
-    p_k = torch.tensor([r.k for r in relations for _ in r.pairs])
+    U = model.W_U.float()
+    p_tgts = torch.tensor([t for r in relations for _, t in r.pairs], device=U.device)
+    p_k = torch.tensor([r.k for r in relations for _ in r.pairs], device=U.device)
     sizes = [len(r.pairs) for r in relations]
     n_pairs = len(p_tgts)
-    U = model.W_U.float()
     hits = torch.zeros(model.n_layers, model.n_heads, n_pairs, dtype=torch.bool)
     supp = torch.zeros_like(hits)
     reps = {}
@@ -243,7 +304,8 @@ def maps_scores(
             for a in range(0, n_pairs, pair_chunk):
                 b = min(n_pairs, a + pair_chunk)
                 logits = xv_h[p_rows[a:b]] @ ou[head]  # [pairs, d_vocab]: only the rows scored
-                hits[layer, head, a:b], supp[layer, head, a:b] = top_k_hits(logits, p_tgts[a:b], p_k[a:b])
+                hit, sup = top_k_hits(logits, p_tgts[a:b], p_k[a:b])
+                hits[layer, head, a:b], supp[layer, head, a:b] = hit.cpu(), sup.cpu()
     params = {"apply_first_mlp": apply_first_mlp, "ln_folded": False, "biases": "ignored"}
     out = MapsScores({}, {}, params)
     start = 0
@@ -283,6 +345,9 @@ def salient_operations(
     import pandas as pd
 
     model.check_head(layer, head)
+    k_s, k_m, chunk = positive_int(k_s, "k_s"), positive_int(k_m, "k_m"), positive_int(chunk, "chunk")
+    if k_s > model.d_vocab or k_m > model.d_vocab:
+        raise ValueError(f"k_s={k_s} and k_m={k_m} must not exceed the vocabulary ({model.d_vocab})")
     tok = model.tokenizer
     w_v = model.layer_weights(layer)["W_V"][model.kv_head(head)].float()  # [d_model, d_head]
     w_o = model.layer_weights(layer)["W_O"][head].float()  # [d_head, d_model]

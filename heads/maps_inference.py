@@ -11,7 +11,7 @@ import torch
 from .edits import AttentionCall, HeadOutputEdit, HeadScale
 from .engine import editing
 from .forward import forward
-from .maps import RelationPairs, top_k_hits
+from .maps import RelationPairs, positive_int, top_k_hits
 from .model import HeadModel
 from .prompts import encode_prompts
 from .scores import HeadScores
@@ -73,10 +73,16 @@ def dynamic_scores(
         relation name -> tensor in [0, 1].
     """
     rels = [relations] if isinstance(relations, RelationPairs) else list(relations)
+    if not rels or not all(isinstance(r, RelationPairs) for r in rels):
+        raise ValueError("dynamic_scores needs one or more RelationPairs")
+    max_pairs, batch_size = positive_int(max_pairs, "max_pairs"), positive_int(batch_size, "batch_size")
+    templates = list(templates)
+    if not templates or any(not isinstance(t, str) or "{x}" not in t for t in templates):
+        raise ValueError(f"templates must be strings containing {{x}}, got {templates!r}")
     rows = [(r, i, src) for r in rels for i, (src, _) in enumerate(_texts(r)[:max_pairs])]
-    tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows])
-    ks = torch.tensor([r.k for r, _, _ in rows])
     U = model.W_U.float()
+    tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows], device=U.device)
+    ks = torch.tensor([r.k for r, _, _ in rows], device=U.device)
     zs = []  # per template: [n_layers, n_rows, n_heads, d_head]
     for tpl in templates:
         prompts = [tpl.format(x=src) for _, _, src in rows]
@@ -97,7 +103,7 @@ def dynamic_scores(
         for ti in range(len(templates)):
             for head in range(model.n_heads):
                 hit, _ = top_k_hits(zs[ti][layer][:, head] @ ou[head], tgts, ks)
-                hits[ti, layer, head] = hit.float()
+                hits[ti, layer, head] = hit.float().cpu()
     out, start = {}, 0
     for r in rels:
         n = min(max_pairs, len(r.pairs))
@@ -152,6 +158,9 @@ def relation_accuracy(
 
     `heads` are zero-ablated at the last position only (maps.md §5, Experiment 2).
     """
+    n_prompts, batch_size = positive_int(n_prompts, "n_prompts"), positive_int(batch_size, "batch_size")
+    if isinstance(n_shots, bool) or not isinstance(n_shots, int) or n_shots < 0:
+        raise ValueError(f"n_shots must be an int >= 0, got {n_shots!r}")
     prompts = _few_shot_prompts(relation, n_prompts, n_shots, seed)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
@@ -197,11 +206,30 @@ def ablation_check(
 ) -> AblationResult:
     """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
 
-    Relations whose base accuracy is below `min_base` are skipped (maps.md §5).
+    n is at most `n_heads` (default by model size, maps.md §5: 30 below 300 heads) and
+    at most half of all heads, so that as many other heads remain for the random draws.
+    Relations whose base accuracy is below `min_base` are skipped.
+
+    Raises:
+        ValueError: scores of another shape than the model's heads, or non-positive
+            `n_heads` / `draws`.
     """
+    if (scores.n_layers, scores.n_heads) != (model.n_layers, model.n_heads):
+        raise ValueError(
+            f"scores are [{scores.n_layers}, {scores.n_heads}], "
+            f"the model has [{model.n_layers}, {model.n_heads}]"
+        )
+    draws = positive_int(draws, "draws")
+    cap = (
+        max_ablated_heads(model.n_layers * model.n_heads)
+        if n_heads is None
+        else positive_int(n_heads, "n_heads")
+    )
+    positive = [h for h in scores.ranked() if scores.scores[h].item() > 0]  # by descending score
+    # keep as many other heads as ablated ones, so the random baseline has the same size
+    cap = min(cap, model.n_layers * model.n_heads // 2)
+    ranked = positive[:cap]
     base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
-    cap = n_heads or max_ablated_heads(model.n_layers * model.n_heads)
-    ranked = [h for h in scores.ranked() if scores.scores[h].item() > 0][:cap]  # by descending score
     res = AblationResult(relation.name, len(ranked), base, float("nan"), heads=ranked)
     if base < min_base:
         res.skipped = f"base accuracy {base:.2f} < {min_base}"

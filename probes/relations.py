@@ -41,7 +41,10 @@ def single_token_pairs(tokenizer, pairs: Sequence[Sequence[str]]) -> list[tuple[
     Returns `(source, target, source_id, target_id)` tuples; multi-token pairs are dropped.
     """
     out = []
-    for src, tgt in pairs:
+    for pair in pairs:
+        if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(w, str) and w.strip() for w in pair):
+            raise ValueError(f"a relation pair must be two non-empty words, got {pair!r}")
+        src, tgt = pair
         s, t = _one_token(tokenizer, src), _one_token(tokenizer, tgt)
         if s is not None and t is not None:
             out.append((src, tgt, s, t))
@@ -90,11 +93,14 @@ def load_relations(
         ValueError: an unknown relation name (named, with the known ones), or no
             relation left after filtering.
     """
+    if tokenizer is None or not callable(tokenizer):
+        raise TypeError("load_relations needs the model's tokenizer")
     records = {r["relation"]: r for r in _records()}
-    if names is None or names == "all":
+    if names is None or (isinstance(names, str) and names.strip() == "all"):
         wanted = list(records)
     else:
-        wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        raw = names.split(",") if isinstance(names, str) else list(names)
+        wanted = list(dict.fromkeys(n.strip() for n in raw if n.strip()))  # drop blanks and repeats
         unknown = [n for n in wanted if n not in records]
         if unknown:
             raise ValueError(f"unknown relation(s) {unknown}; known: {sorted(records)}")
@@ -107,7 +113,7 @@ def load_relations(
         kept = single_token_pairs(tokenizer, rec["pairs"])
         out.kinds[name] = rec["kind"]
         out.survived[name] = (len(rec["pairs"]), len(kept))
-        if len(kept) < min_pairs:
+        if len(kept) < max(min_pairs, 1):
             out.dropped[name] = (
                 f"{name}: only {len(kept)} of {len(rec['pairs'])} pairs are single tokens for this "
                 f"tokenizer (need {min_pairs}); relation dropped"

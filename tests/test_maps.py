@@ -295,3 +295,40 @@ def test_ablation_uses_the_highest_scoring_heads(tiny_llama, tokenizer):
     )
     assert res.heads == [(2, 3), (2, 1)] and res.n_heads == 2 and len(res.random) == 2
     assert HeadScores(s, "x").ranked(3) == [(2, 3), (2, 1), (0, 0)]
+
+
+def test_more_bad_input(tokenizer, tiny_llama):
+    hm = small_vocab(tokenizer)
+    rels = random_relations()
+    with pytest.raises(ValueError, match="2 texts for 3 pairs"):
+        RelationPairs("x", [(1, 2), (3, 4), (5, 6)], 1, texts=[("a", "b"), ("c", "d")])
+    with pytest.raises(ValueError, match="appears twice"):
+        maps_scores(hm, [rels[0], rels[0]])
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        maps_scores(hm, [RelationPairs("x", [(1, 2)], 500)])
+    with pytest.raises(ValueError, match="pair_chunk"):
+        maps_scores(hm, rels, pair_chunk=-1)
+    with pytest.raises(TypeError, match="apply_first_mlp"):
+        maps_scores(hm, rels, apply_first_mlp="no")
+    with pytest.raises(ValueError, match="k_s"):
+        salient_operations(hm, 0, 0, k_s=0)
+    assert torch.equal(
+        maps_scores(hm, rels[0]).relation["r0"].scores, maps_scores(hm, [rels[0]]).relation["r0"].scores
+    )
+    ms = maps_scores(hm, rels)
+    with pytest.raises(ValueError, match="unknown layer"):
+        ms.describe(-1, 0)
+    rel = load_relations(tokenizer, "plural")["plural"]
+    with pytest.raises(ValueError, match="templates"):
+        dynamic_scores(tiny_llama, rel, templates=["no placeholder"])
+    with pytest.raises(ValueError, match="n_prompts"):
+        relation_accuracy(tiny_llama, rel, n_prompts=0)
+    assert [r.name for r in load_relations(tokenizer, "plural, plural,").relations] == ["plural"]
+
+
+def test_first_mlp_refuses_unknown_architectures(tokenizer):
+    hm = small_vocab(tokenizer)
+    hm.model.config.model_type = "olmo2"  # a post-norm family: its MLP input norm differs
+    with pytest.raises(ValueError, match="apply_first_mlp=False"):
+        maps_scores(hm, random_relations())
+    assert maps_scores(hm, random_relations(), apply_first_mlp=False).names() == ["r0", "r1", "r2"]

@@ -92,6 +92,22 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _json(obj) -> str:
+    """Strict JSON: NaN and infinities become null."""
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False)
+
+
 def _quiet_transformers() -> None:
     """No per-weight progress bars or info logs from transformers in the terminal."""
     from transformers.utils import logging as hf_logging
@@ -185,7 +201,7 @@ def report_attention(
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
-        print(json.dumps({"html": str(html_path), "csv": str(csv_path)}))
+        print(_json({"html": str(html_path), "csv": str(csv_path)}))
     else:
         console.print(f"wrote {html_path}\nwrote {csv_path}", highlight=False)
 
@@ -226,7 +242,7 @@ def report_maps(
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
-        print(json.dumps({"html": str(path), **summary}))
+        print(_json({"html": str(path), **summary}))
         return
     table = Table(title="MAPS validation")
     for col in ("relation", "r static~dynamic", "heads", "base acc", "top ablated", "random ablated"):
@@ -273,7 +289,7 @@ def report_all(
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
-        print(json.dumps({k: str(v) for k, v in written.items()}))
+        print(_json({k: str(v) for k, v in written.items()}))
     else:
         for name, path in written.items():
             console.print(f"{name}: {path}", highlight=False)
@@ -299,7 +315,7 @@ def demo(
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
-        print(json.dumps(result))
+        print(_json(result))
     else:
         console.print(f"[dim]done in {time.perf_counter() - t0:.0f} s[/dim]")
 

@@ -61,7 +61,7 @@ def maps_report(
     )
     rows = []
     for n in ms.names():
-        for layer, head in ms.relation[n].ranked(top):
+        for layer, head in [h for h in ms.relation[n].ranked(top) if ms.relation[n].scores[h] > 0]:
             rows.append(
                 {
                     "relation": n,
