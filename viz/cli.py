@@ -124,6 +124,18 @@ def _load(model: str | None):
         return load_model(model)
 
 
+def _positive(**options: int) -> None:
+    """ValueError naming the first option (as --flag) that is not a positive int."""
+    for name, value in options.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+
+
+def _folder_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+
+
 def _html_out(out: Path) -> None:
     if out.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"--out must name an .html file, got {str(out)!r}")
@@ -157,10 +169,7 @@ def generate(
         Pasta({}, alpha=alpha)  # check alpha before loading anything
         if pasta_heads != "auto" and not len(HeadSet.parse(pasta_heads)):
             raise ValueError(f"head file {pasta_heads!r} selects no heads")
-        if top_k < 1:
-            raise ValueError(f"--top-k must be a positive int, got {top_k}")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be a positive int, got {max_new_tokens}")
+        _positive(top_k=top_k, max_new_tokens=max_new_tokens)
         hm = _load(model)
         heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
         res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens, emphasize=emphasize)
@@ -194,8 +203,7 @@ def report_attention(
 
     try:
         _html_out(out)
-        if top_k < 1:
-            raise ValueError(f"--top-k must be a positive int, got {top_k}")
+        _positive(top_k=top_k)
         hm = _load(model)
         html_path, csv_path, _ = attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize)
     except USER_ERRORS as exc:
@@ -229,9 +237,7 @@ def report_maps(
             unknown = [n.strip() for n in relations.split(",") if n.strip() not in relation_names()]
             if unknown:
                 raise ValueError(f"unknown relation(s) {unknown}; known: {relation_names()}")
-        for name, value in (("--top", top), ("--draws", draws), ("--prompts", prompts)):
-            if value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value}")
+        _positive(top=top, draws=draws, prompts=prompts)
         hm = _load(model)
         n_rel = len(relation_names()) if relations == "all" else len(relations.split(","))
         bar, step = _progress(n_rel + 2)
@@ -277,11 +283,8 @@ def report_all(
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
     try:
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {str(out)!r} exists and is not a folder")
-        for name, value in (("--draws", draws), ("--prompts", prompts)):
-            if value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value}")
+        _folder_out(out)
+        _positive(draws=draws, prompts=prompts)
         hm = _load(model)
         bar, step = _progress(report_steps())
         with bar:
@@ -306,10 +309,8 @@ def demo(
 
     t0 = time.perf_counter()
     try:
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {str(out)!r} exists and is not a folder")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be a positive int, got {max_new_tokens}")
+        _folder_out(out)
+        _positive(max_new_tokens=max_new_tokens)
         _quiet_transformers()
         result = run_demo(out, max_new_tokens=max_new_tokens, console=err if as_json else console)
     except USER_ERRORS as exc:
