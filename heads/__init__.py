@@ -1,7 +1,17 @@
 """headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers."""
 
 from .attention_mass import head_pattern, span_attention
-from .edits import AttentionCall, Edit, HeadOutputEdit, HeadScale, LogitBias, ProbEdit, Recorder
+from .edits import (
+    AttentionCall,
+    Edit,
+    HeadOutputEdit,
+    HeadScale,
+    LogitBias,
+    ProbEdit,
+    QueryEdit,
+    QueryScale,
+    Recorder,
+)
 from .engine import EditNeverFired, editing
 from .forward import forward
 from .loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
@@ -23,6 +33,8 @@ __all__ = [
     "HeadSet",
     "LogitBias",
     "ProbEdit",
+    "QueryEdit",
+    "QueryScale",
     "Recorder",
     "Span",
     "cache_dir",

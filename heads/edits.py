@@ -29,6 +29,8 @@ __all__ = [
     "Edit",
     "HeadOutputEdit",
     "HeadScale",
+    "QueryEdit",
+    "QueryScale",
     "LogitBias",
     "ProbEdit",
     "Recorder",
@@ -214,3 +216,44 @@ class HeadScale(HeadOutputEdit):
         out = z.clone()
         out[:, list(self.positions)] *= self.factor
         return out
+
+
+@dataclass(eq=False, repr=False)
+class QueryEdit(Edit):
+    """Function of the heads' queries (the q projection's output, before RoPE). Implement `apply`."""
+
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map `q` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class QueryScale(QueryEdit):
+    """Multiply the chosen query heads' query slices by `factor` (UA ablation: factor = eps).
+
+    The attention logits of the head become `factor * q.k / sqrt(d_head)`; with factor 0 the
+    pattern is exactly uniform over the visible (causal, unpadded) keys. RoPE is linear, so
+    scaling before or after it is the same (safety_heads.md §2). K and V, shared by a GQA
+    group, are never touched.
+
+    Raises:
+        TypeError / ValueError: a factor that is not a finite number.
+    """
+
+    factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.factor, bool) or not isinstance(self.factor, numbers.Real):
+            raise TypeError(f"QueryScale factor must be a number, got {self.factor!r}")
+        if not math.isfinite(self.factor) or abs(self.factor) > HeadScale.MAX_FACTOR:
+            raise ValueError(f"QueryScale factor must be finite with |factor| <= 1e4, got {self.factor!r}")
+
+    def is_identity(self) -> bool:
+        return self.factor == 1.0
+
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return q * self.factor

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit
+from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
 from .model import HeadModel
 
 __all__ = ["QUERY_BLOCK", "EditNeverFired", "editing", "registered_name"]
@@ -49,6 +49,7 @@ class _LayerEdits:
     bias: list[LogitBias] = field(default_factory=list)
     probs: list[ProbEdit] = field(default_factory=list)
     outputs: list[HeadOutputEdit] = field(default_factory=list)
+    queries: list[QueryEdit] = field(default_factory=list)
 
 
 # id(attention module) -> its edits; a ContextVar so threads do not see each other's edits.
@@ -203,7 +204,7 @@ _register()
 
 def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
     for e in edits:
-        if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit)):
+        if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit, QueryEdit)):
             raise TypeError(f"not a headsteer edit: {e!r}")
         e.validate()
         hm.check_head(e.layer)
@@ -216,6 +217,17 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             )
 
 
+def _head_edit(slot_edits, x: torch.Tensor, layer: int, n_heads: int, d_head: int) -> torch.Tensor:
+    """Apply per-head edits to `x` `[B, T, n_heads * d_head]`; returns the same shape."""
+    z = x.reshape(*x.shape[:-1], n_heads, d_head)
+    call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
+    for e in slot_edits:
+        e.calls += 1
+        mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
+        z = torch.where(mask, e.apply(z, call), z)
+    return z.reshape(x.shape)
+
+
 def _output_hook(key: int, n_heads: int, d_head: int):
     """o_proj pre-hook that applies the calling context's head-output edits (none: untouched)."""
 
@@ -223,26 +235,44 @@ def _output_hook(key: int, n_heads: int, d_head: int):
         slot = _ACTIVE.get().get(key)
         if slot is None or not slot.outputs:
             return None
-        x = args[0]
-        z = x.view(*x.shape[:-1], n_heads, d_head)
-        call = AttentionCall(slot.layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
-        for e in slot.outputs:
-            e.calls += 1
-            mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
-            z = torch.where(mask, e.apply(z, call), z)
-        return (z.reshape(x.shape), *args[1:])
+        return (_head_edit(slot.outputs, args[0], slot.layer, n_heads, d_head), *args[1:])
+
+    return hook
+
+
+def _query_hook(key: int, n_heads: int, d_head: int):
+    """q_proj forward hook (query slice of a fused QKV projection) applying query edits."""
+    width = n_heads * d_head
+
+    def hook(module, args, output):
+        slot = _ACTIVE.get().get(key)
+        if slot is None or not slot.queries:
+            return None
+        q = _head_edit(slot.queries, output[..., :width], slot.layer, n_heads, d_head)
+        return q if output.shape[-1] == width else torch.cat([q, output[..., width:]], dim=-1)
 
     return hook
 
 
 # Shared model state, reference-counted across contexts and threads:
-# id(config) -> [count, original attn implementation]; id(o_proj) -> [count, hook handle].
+# id(config) -> [count, original attn implementation]; id(module) -> [count, hook handle].
 _LOCK = threading.Lock()
 _SWITCHED: dict[int, list] = {}
 _HOOKED: dict[int, list] = {}
 
 
-def _acquire(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
+def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[torch.nn.Module, str, int]]:
+    """(module, kind, layer) for every hook the active edits need."""
+    sites = {}
+    for e in active:
+        if isinstance(e, HeadOutputEdit):
+            sites[("out", e.layer)] = (model.out_projs[e.layer], "out", e.layer)
+        elif isinstance(e, QueryEdit):
+            sites[("q", e.layer)] = (model.q_projs[e.layer], "q", e.layer)
+    return list(sites.values())
+
+
+def _acquire(model: HeadModel, switch: bool, sites) -> None:
     with _LOCK:
         if switch:
             for c in model.attention_configs:  # check all before changing any
@@ -258,17 +288,19 @@ def _acquire(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
                     slot = _SWITCHED[id(c)] = [0, base]
                     c._attn_implementation_internal = registered_name(base)
                 slot[0] += 1
-        for layer in out_layers:
-            proj = model.out_projs[layer]
-            slot = _HOOKED.get(id(proj))
+        for module, kind, layer in sites:
+            slot = _HOOKED.get(id(module))
             if slot is None:
                 key = id(model.attentions[layer])
-                handle = proj.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
-                slot = _HOOKED[id(proj)] = [0, handle]
+                if kind == "out":
+                    handle = module.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
+                else:
+                    handle = module.register_forward_hook(_query_hook(key, model.n_heads, model.d_head))
+                slot = _HOOKED[id(module)] = [0, handle]
             slot[0] += 1
 
 
-def _release(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
+def _release(model: HeadModel, switch: bool, sites) -> None:
     with _LOCK:
         if switch:
             for c in model.attention_configs:
@@ -278,14 +310,13 @@ def _release(model: HeadModel, switch: bool, out_layers: set[int]) -> None:
                     if slot[0] == 0:
                         c._attn_implementation_internal = slot[1]
                         del _SWITCHED[id(c)]
-        for layer in out_layers:
-            proj = model.out_projs[layer]
-            slot = _HOOKED.get(id(proj))
+        for module, _, _ in sites:
+            slot = _HOOKED.get(id(module))
             if slot is not None:
                 slot[0] -= 1
                 if slot[0] == 0:
                     slot[1].remove()
-                    del _HOOKED[id(proj)]
+                    del _HOOKED[id(module)]
 
 
 @contextlib.contextmanager
@@ -297,7 +328,7 @@ def editing(
     Args:
         model: the `HeadModel` to edit.
         edits: one edit or a list: any mix of `LogitBias`, `ProbEdit` (incl.
-            `Recorder`) and `HeadOutputEdit`. Identity edits (`is_identity()`) are
+            `Recorder`), `HeadOutputEdit` and `QueryEdit`. Identity edits (`is_identity()`) are
             skipped, so alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
         require_fired: on normal exit, raise `EditNeverFired` if an active edit was
             never run by the model (default True).
@@ -325,12 +356,14 @@ def editing(
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
-    switch = any(not isinstance(e, HeadOutputEdit) for e in active)
-    out_layers = {e.layer for e in active if isinstance(e, HeadOutputEdit)}
+    switch = any(isinstance(e, (LogitBias, ProbEdit)) for e in active)
+    sites = _hook_sites(model, active)
 
     table: dict[int, _LayerEdits] = {}
     for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits
-        table[key] = _LayerEdits(v.layer, v.n_heads, v.window, list(v.bias), list(v.probs), list(v.outputs))
+        table[key] = _LayerEdits(
+            v.layer, v.n_heads, v.window, list(v.bias), list(v.probs), list(v.outputs), list(v.queries)
+        )
     for e in active:
         key = id(model.attentions[e.layer])
         slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
@@ -338,16 +371,18 @@ def editing(
             slot.bias.append(e)
         elif isinstance(e, ProbEdit):
             slot.probs.append(e)
+        elif isinstance(e, QueryEdit):
+            slot.queries.append(e)
         else:
             slot.outputs.append(e)
 
-    _acquire(model, switch, out_layers)
+    _acquire(model, switch, sites)
     token = _ACTIVE.set(table)
     try:
         yield active
     finally:
         _ACTIVE.reset(token)
-        _release(model, switch, out_layers)
+        _release(model, switch, sites)
     if require_fired:
         idle = [e for e in active if e.calls == 0]
         if idle:

@@ -77,6 +77,9 @@ class HeadModel:
         self.layers: list[nn.Module] = list(layers)
         self.attentions: list[nn.Module] = [getattr(b, self._layout.attn) for b in self.layers]
         self.out_projs: list[nn.Module] = [getattr(a, self._layout.out_proj) for a in self.attentions]
+        self.q_projs: list[nn.Module] = [
+            getattr(a, self._layout.fused_qkv or "q_proj") for a in self.attentions
+        ]
         a0 = self.attentions[0]
         self.d_head: int = int(a0.head_dim)
         self.n_layers: int = len(self.layers)

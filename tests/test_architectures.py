@@ -71,3 +71,18 @@ def test_generate_cache_and_batch(tiny_any):
     assert batch.token_ids == nocache.token_ids
     alone = sm.generate(PROMPTS[1], steer=steer, max_new_tokens=4, chat=False)
     assert alone.token_ids[0] == batch.token_ids[1]
+
+
+def test_query_scale_exact_gives_uniform_pattern(tiny_any, enc):
+    from heads import QueryScale
+
+    rec = Recorder(layer=1)
+    with editing(tiny_any, [QueryScale(layer=1, heads=[3], factor=0.0), rec]):
+        forward(tiny_any, enc)
+    p = rec.records[0][:, 3]
+    real = enc.attention_mask.bool()
+    for b in range(2):
+        idx = torch.nonzero(real[b]).flatten()
+        n = len(idx)
+        want = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
+        torch.testing.assert_close(p[b][idx][:, idx], want, atol=1e-6, rtol=0)
