@@ -1,6 +1,7 @@
 """Steering interventions and the `SteeredModel` inference wrapper."""
 
+from .ablate import Ablate
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
 
-__all__ = ["Generation", "Intervention", "Pasta", "PastaBias", "SteeredModel", "pasta_column_bias"]
+__all__ = ["Ablate", "Generation", "Intervention", "Pasta", "PastaBias", "SteeredModel", "pasta_column_bias"]

@@ -66,3 +66,36 @@ def test_generate_bad_input_leaves_model_untouched(tiny_llama):
         SteeredModel(tiny_llama.model)
     assert tiny_llama.model.config._attn_implementation == "sdpa"
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_llama.model.parameters(), strict=True))
+
+
+def test_ablate_during_generation(tiny_llama):
+    from heads import HeadScale, QueryScale, editing
+    from steer import Ablate
+
+    sm = SteeredModel(tiny_llama)
+    p = "Tell me about heads and layers."
+    heads = {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}
+    ua = sm.generate(p, steer=Ablate(heads), max_new_tokens=6)
+    sc = sm.generate(p, steer=Ablate(heads, method="sc"), max_new_tokens=6)
+    with editing(tiny_llama, [QueryScale(layer=la, factor=0.0) for la in (0, 1)]):
+        want_ua = tiny_llama.model.generate(
+            **_inputs(sm, p), max_new_tokens=6, do_sample=False, pad_token_id=2
+        )
+    with editing(tiny_llama, [HeadScale(layer=la, factor=0.0) for la in (0, 1)]):
+        want_sc = tiny_llama.model.generate(
+            **_inputs(sm, p), max_new_tokens=6, do_sample=False, pad_token_id=2
+        )
+    n = _inputs(sm, p)["input_ids"].shape[1]
+    assert ua.token_ids[0] == want_ua[0, n:].tolist()[: len(ua.token_ids[0])]
+    assert sc.token_ids[0] == want_sc[0, n:].tolist()[: len(sc.token_ids[0])]
+    assert (
+        sm.generate(p, steer=Ablate(heads, eps=1.0), max_new_tokens=6).token_ids
+        == sm.generate(p, max_new_tokens=6).token_ids
+    )
+    with pytest.raises(ValueError, match="method"):
+        Ablate(heads, method="zero")
+
+
+def _inputs(sm, prompt):
+    enc = sm.encode(prompt)
+    return {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}

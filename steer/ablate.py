@@ -1,0 +1,57 @@
+"""Head ablation during generation (safety_heads.md §2 and §4).
+
+`Ablate(heads, method="ua")` turns into engine edits for `SteeredModel.generate`: every
+chosen head is ablated at every position, prompt rows and each decode step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Literal
+
+from heads.edits import Edit, HeadScale, QueryScale
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts
+from heads.scores import HeadSet
+
+__all__ = ["Ablate"]
+
+
+@dataclass(frozen=True)
+class Ablate:
+    """Ablate attention heads while generating.
+
+    Args:
+        heads: a `{"layer": [heads]}` dict, list of `(layer, head)` pairs, list of layers,
+            `HeadSet` or JSON file (as `Pasta`).
+        method: `"ua"` (query slice x eps: uniform attention, the paper's main operator,
+            default), `"sc"` (head output x eps: zero ablation as eps -> 0).
+        eps: the scale (default 0, exact); 1 is a no-op.
+
+    Raises:
+        ValueError: unknown method, a non-finite eps, or unknown heads (when applied).
+
+    Source: Zhou et al., ICLR 2025 (arXiv:2410.13708), §3.1.
+    """
+
+    heads: object
+    method: Literal["ua", "sc"] = "ua"
+    eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ua", "sc"):
+            raise ValueError(f"unknown ablation method {self.method!r}: use 'ua' or 'sc'")
+        if (
+            isinstance(self.eps, bool)
+            or not isinstance(self.eps, numbers.Real)
+            or not math.isfinite(self.eps)
+        ):
+            raise ValueError(f"eps must be a finite number, got {self.eps!r}")
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]:
+        """One edit per layer with ablated heads (all batch rows)."""
+        kind = QueryScale if self.method == "ua" else HeadScale
+        heads = HeadSet.parse(self.heads, model.n_layers, model.n_heads)
+        return [kind(layer=la, heads=hs, factor=float(self.eps)) for la, hs in heads.by_layer().items()]
