@@ -34,6 +34,7 @@ __all__ = [
     "ShipsResult",
     "ablation_edits",
     "dataset_ships",
+    "merge_scores",
     "principal_angles",
     "sahara",
     "ships",
@@ -132,6 +133,40 @@ def _evaluate(
     return torch.cat(logps), torch.cat(states)
 
 
+def _shard(heads: list[Head], shard: tuple[int, int] | None) -> list[Head]:
+    """Heads of shard i of n (every n-th head from i), for splitting a sweep across machines."""
+    if shard is None:
+        return heads
+    if (
+        not isinstance(shard, tuple)
+        or len(shard) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+        or not 0 <= shard[0] < shard[1]
+    ):
+        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+    return heads[shard[0] :: shard[1]]
+
+
+def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
+    """Merge the HeadScores of shards (NaN = not scored in that shard).
+
+    Raises:
+        ValueError: no parts, different shapes or methods, or a head scored twice.
+    """
+    if not parts:
+        raise ValueError("no shards to merge")
+    first = parts[0]
+    out = torch.full_like(first.scores, math.nan)
+    for p in parts:
+        if p.scores.shape != first.scores.shape or p.method != first.method:
+            raise ValueError("shards differ in shape or method")
+        seen = ~torch.isnan(p.scores)
+        if (seen & ~torch.isnan(out)).any():
+            raise ValueError("a head is scored in two shards")
+        out[seen] = p.scores[seen]
+    return HeadScores(out, first.method, dict(first.params), first.model, first.n_kv_heads, first.seed)
+
+
 def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> tuple[float, list[Head]]:
     if model.tokenizer is None:
         raise ValueError("safety-head scoring needs a HeadModel with a tokenizer")
@@ -172,6 +207,7 @@ def ships(
     exact: bool = False,
     template: str | None = TEMPLATE,
     max_rows: int = 64,
+    shard: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
@@ -182,6 +218,8 @@ def ships(
         ablation: `"ua"` (query x eps, default) or `"sc"` (output x eps).
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
+        shard: `(i, n)` scores only every n-th head from i; merge shards with `merge_scores`.
+        progress: called with a short message after each chunk of variants.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
@@ -191,6 +229,7 @@ def ships(
         ValueError: empty prompts, unknown heads, bad eps/ablation/max_rows.
     """
     eps, heads = _check(model, eps, exact, max_rows, heads)
+    heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
     base_lp, _ = _run(model, enc.input_ids, enc.attention_mask, [])
     lp, _ = _evaluate(
@@ -232,6 +271,7 @@ def dataset_ships(
     degrees: bool = False,
     template: str | None = TEMPLATE,
     max_rows: int = 64,
+    shard: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
@@ -245,6 +285,7 @@ def dataset_ships(
         ValueError: as `ships`, and `r_main` outside 1..N.
     """
     eps, heads = _check(model, eps, exact, max_rows, heads)
+    heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
     if isinstance(r_main, bool) or not isinstance(r_main, int) or not 1 <= r_main <= enc.batch:
         raise ValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")

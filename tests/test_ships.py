@@ -136,3 +136,19 @@ def test_bad_input(tiny_llama):
     with pytest.raises(ValueError, match="r_main"):
         dataset_ships(tiny_llama, PROMPTS, r_main=5)
     assert tiny_llama.model.config._attn_implementation == "sdpa"
+
+
+def test_shards_merge_to_the_full_sweep(tiny_llama):
+    from heads.ships import merge_scores
+
+    full = ships(tiny_llama, PROMPTS[:2]).scores
+    parts = [ships(tiny_llama, PROMPTS[:2], shard=(i, 3)).scores for i in range(3)]
+    merged = merge_scores(parts)
+    torch.testing.assert_close(merged.scores, full.scores, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="two shards"):
+        merge_scores([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="shard"):
+        ships(tiny_llama, PROMPTS, shard=(3, 3))
+    seen = []
+    ships(tiny_llama, PROMPTS[:1], heads=[(0, 0), (0, 1)], max_rows=1, progress=seen.append)
+    assert seen == ["1/2 head variants", "2/2 head variants"]
