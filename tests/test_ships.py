@@ -152,3 +152,48 @@ def test_shards_merge_to_the_full_sweep(tiny_llama):
     seen = []
     ships(tiny_llama, PROMPTS[:1], heads=[(0, 0), (0, 1)], max_rows=1, progress=seen.append)
     assert seen == ["1/2 head variants", "2/2 head variants"]
+
+
+def test_report_safety_cli(tiny_llama, tmp_path):
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from viz.cli import app
+
+    d = tmp_path / "m"
+    tiny_llama.model.save_pretrained(d)
+    tiny_llama.tokenizer.save_pretrained(d)
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(_json.dumps({"prompt": p}) for p in PROMPTS))
+    out = tmp_path / "safety.html"
+    r = CliRunner().invoke(
+        app,
+        [
+            "--quiet",
+            "report",
+            "safety",
+            "--model",
+            str(d),
+            "--prompts",
+            str(f),
+            "--steps",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    summary = _json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(summary["sahara_heads"]) == 2 and 0 <= summary["asr"]["baseline"] <= 1
+    html = out.read_text()
+    assert "Baseline refusal rate" in html and "Sahara: chosen head per step" in html
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 1}\n')
+    r = CliRunner().invoke(
+        app, ["report", "safety", "--model", str(d), "--prompts", str(bad), "--out", str(out)]
+    )
+    assert r.exit_code == 2 and "no string 'prompt'" in r.output

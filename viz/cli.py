@@ -269,6 +269,57 @@ def report_maps(
     console.print(f"wrote {path}", highlight=False)
 
 
+@report_app.command("safety")
+def report_safety(
+    out: Annotated[Path, typer.Option(help="HTML file to write")],
+    prompts: Annotated[
+        Path | None, typer.Option(help="harmful prompts: JSONL with a 'prompt' field, or one per line")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Sahara greedy steps")] = 3,
+    system_prompt: Annotated[
+        str | None, typer.Option(help="text put before the Query/Answer template")
+    ] = None,
+    score_prompts: Annotated[int, typer.Option(help="prompts used to score heads")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated per answer")] = 48,
+    model: ModelOpt = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Safety heads: Ships and dataset-level Ships heatmaps, Sahara, and ASR with heads ablated."""
+    from .safety_report import read_prompts, safety_report
+
+    _STATE["quiet"] = _STATE["quiet"] or quiet
+    try:
+        _html_out(out)
+        _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens)
+        texts = read_prompts(prompts) if prompts is not None else None
+        hm = _load(model)
+        bar, step = _progress(5)
+        with bar:
+            path, summary = safety_report(
+                hm,
+                out,
+                prompts=texts,
+                steps=steps,
+                system_prompt=system_prompt,
+                n_score=score_prompts,
+                max_new_tokens=max_new_tokens,
+                progress=step,
+            )
+    except USER_ERRORS as exc:
+        _fail(exc)
+    if as_json:
+        print(_json({"html": str(path), **summary}))
+        return
+    a = summary["asr"]
+    console.print(
+        f"ASR baseline {a['baseline']:.2f} | Sahara top-1 {a['sahara_top1']:.2f}"
+        f" | top-3 {a['sahara_top3']:.2f} | 3 random heads {a['random3_mean']:.2f}\n"
+        f"Sahara heads {summary['sahara_heads']}\nwrote {path}",
+        highlight=False,
+    )
+
+
 @report_app.command("all")
 def report_all(
     out: Annotated[Path, typer.Option(help="folder for the reports")] = Path("reports"),

@@ -1,0 +1,161 @@
+"""`headsteer report safety`: Ships, dataset-level Ships, Sahara and the ASR they explain."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from heads import HeadModel
+from heads.ships import TEMPLATE, dataset_ships, sahara, ships
+from probes.refusal import RefusalJudge, attack_success_rate
+from probes.requests import load_requests
+from steer import Ablate, SteeredModel
+
+from .figures import head_heatmap
+from .report import Report
+
+__all__ = ["read_prompts", "safety_report"]
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL file (`{"prompt": ...}` per line) or a text file (one per line).
+
+    Raises:
+        ValueError: no prompts, or a JSONL line without a string "prompt".
+        FileNotFoundError: no such file.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        if str(path).endswith(".jsonl"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
+            out.append(row["prompt"])
+        else:
+            out.append(line.strip())
+    if not out:
+        raise ValueError(f"no prompts in {str(path)!r}")
+    return out
+
+
+def safety_report(
+    model: HeadModel,
+    out: str | Path,
+    *,
+    prompts: list[str] | None = None,
+    steps: int = 3,
+    system_prompt: str | None = None,
+    n_score: int = 16,
+    max_new_tokens: int = 48,
+    random_draws: int = 3,
+    seed: int = 0,
+    progress=None,
+) -> tuple[Path, dict]:
+    """Write the safety-head report and return it with a JSON-able summary.
+
+    Heads are scored on the first `n_score` prompts (Ships, dataset-level Ships, Sahara);
+    ASR is measured on the held-out harmful test requests (or on all `prompts` when given)
+    with no head, Sahara's first head, its first three heads, and `random_draws` draws of
+    three random heads ablated (UA, exact), greedy decoding.
+    """
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    template = (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
+    score_prompts = (prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
+    eval_prompts = prompts or [r["prompt"] for r in load_requests("harmful", "test")]
+    say("Ships: every head on every scoring prompt")
+    sh = ships(model, score_prompts, template=template)
+    say("dataset-level Ships")
+    ds = dataset_ships(model, score_prompts, template=template, degrees=True)
+    say(f"Sahara: {steps} greedy steps")
+    sa = sahara(model, score_prompts, steps=steps, template=template)
+    judge = RefusalJudge(tokenizer=model.tokenizer)
+    sm = SteeredModel(model)
+    texts = [template.format(query=q) for q in eval_prompts]
+
+    def answers(heads) -> list[str]:
+        steer = [Ablate([list(h) for h in heads])] if heads else []
+        return sm.generate(texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False).texts
+
+    say("generating: baseline and ablated")
+    base = answers([])
+    top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
+    rng = random.Random(seed)
+    all_heads = [
+        (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
+    ]
+    rand_asr = []
+    for _ in range(random_draws):
+        rand_asr.append(attack_success_rate(answers(rng.sample(all_heads, 3)), judge))
+    asr = {
+        "baseline": attack_success_rate(base, judge),
+        "sahara_top1": attack_success_rate(top1, judge),
+        "sahara_top3": attack_success_rate(top3, judge),
+        "random3_mean": sum(rand_asr) / len(rand_asr),
+        "random3_draws": rand_asr,
+    }
+    rep = Report(
+        "Safety heads: Ships, dataset-level Ships, Sahara",
+        model.name,
+        {
+            "template": template,
+            "n_score": len(score_prompts),
+            "n_eval": len(eval_prompts),
+            "steps": steps,
+            "ablation": "UA (query x eps), eps 1e-5 for scoring, exact for generation",
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+        },
+    )
+    rep.text(
+        "Baseline refusal rate",
+        f"{1 - asr['baseline']:.2f} of {len(eval_prompts)} harmful requests refused with no head ablated "
+        f"(ASR {asr['baseline']:.2f}; keyword judge: refusal phrases, < 32 tokens, repetition).",
+    )
+    rep.table(
+        "ASR with heads ablated (UA, exact)",
+        pd.DataFrame(
+            [
+                {"ablated": "none", "heads": "", "ASR": asr["baseline"]},
+                {"ablated": "Sahara top-1", "heads": str(sa.heads[:1]), "ASR": asr["sahara_top1"]},
+                {"ablated": "Sahara top-3", "heads": str(sa.heads[:3]), "ASR": asr["sahara_top3"]},
+                {
+                    "ablated": f"3 random heads (mean of {random_draws})",
+                    "heads": "",
+                    "ASR": asr["random3_mean"],
+                },
+            ]
+        ),
+    )
+    rep.figure("Ships (mean KL over prompts, nats)", head_heatmap(sh.scores, top_k=10, title="Ships"))
+    rep.figure(
+        "Dataset-level Ships (principal angle, degrees)", head_heatmap(ds, top_k=10, title="dataset Ships")
+    )
+    rep.table(
+        "Sahara: chosen head per step",
+        pd.DataFrame(
+            [
+                {"step": i + 1, "layer": h[0], "head": h[1], "angle_rad": t.scores[h].item()}
+                for i, (h, t) in enumerate(zip(sa.heads, sa.steps, strict=True))
+            ]
+        ),
+    )
+    for i in range(min(3, len(eval_prompts))):
+        rep.samples(f"Sample {i + 1}", texts[i], {"baseline": base[i], "Sahara top-3 ablated": top3[i]})
+    rep.seconds = time.perf_counter() - t0
+    path = rep.save(out)
+    return path, {
+        "asr": asr,
+        "sahara_heads": [list(h) for h in sa.heads],
+        "ships_top5": [list(h) for h in sh.scores.ranked(5)],
+    }
