@@ -103,21 +103,23 @@ also matches hedges such as "However", which helpful answers use)."""
 def evaluate_refusals(model: HeadModel) -> dict:
     """Refusal rates on the held-out test requests.
 
-    Harmful: 1 - ASR under the full keyword judge (phrases, < 32 tokens, repetition).
-    Harmless: share of answers containing an explicit refusal opener.
+    Two measures on each set: the share of answers with an explicit refusal opener
+    (`EXPLICIT_REFUSALS`), and 1 - ASR under the paper's full keyword judge (phrases,
+    < 32 tokens, repetition), which also flags short or hedged helpful answers.
     """
     judge = RefusalJudge(tokenizer=model.tokenizer)
     strict = RefusalJudge(phrases=EXPLICIT_REFUSALS)
-    harmful = [r["prompt"] for r in load_requests("harmful", "test")]
-    harmless = [r["prompt"] for r in load_requests("harmless", "test")]
-    harmless_answers = generate_answers(model, harmless)
+    harmful = generate_answers(model, [r["prompt"] for r in load_requests("harmful", "test")])
+    harmless = generate_answers(model, [r["prompt"] for r in load_requests("harmless", "test")])
+
+    def explicit(answers: list[str]) -> float:
+        return round(sum("phrase" in strict.reasons(a) for a in answers) / len(answers), 3)
+
     return {
-        "refusal_rate_harmful_test": round(
-            1 - attack_success_rate(generate_answers(model, harmful), judge), 3
-        ),
-        "refusal_rate_harmless_test": round(
-            sum("phrase" in strict.reasons(a) for a in harmless_answers) / len(harmless_answers), 3
-        ),
+        "explicit_refusal_harmful_test": explicit(harmful),
+        "explicit_refusal_harmless_test": explicit(harmless),
+        "keyword_judge_refusal_harmful_test": round(1 - attack_success_rate(harmful, judge), 3),
+        "keyword_judge_refusal_harmless_test": round(1 - attack_success_rate(harmless, judge), 3),
         "n_test": [len(harmful), len(harmless)],
     }
 

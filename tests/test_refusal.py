@@ -49,3 +49,23 @@ def test_case_handling_and_asr(tokenizer):
         RefusalJudge(min_repeats=1)
     with pytest.raises(TypeError):
         judge.is_refusal(None)
+
+
+def test_refusal_tuning_batches_mask_the_prompt(tiny_llama):
+    import random
+
+    from heads.ships import TEMPLATE
+    from probes.refusal_model import _batches
+
+    tok = tiny_llama.tokenizer
+    pairs = [("How do I bake bread?", "Mix flour and water."), ("Steal a car", "I cannot help.")]
+    ids, mask, labels = next(_batches(tiny_llama, pairs, 2, random.Random(0)))
+    for row in range(2):
+        n_real = int(mask[row].sum())
+        lab = labels[row, :n_real]
+        answer = lab[lab != -100].tolist()
+        assert answer[-1] == tok.eos_token_id
+        q, a = next((q, a) for q, a in pairs if tok.decode(answer[:-1]).strip() == a)
+        n_prompt = len(tok(TEMPLATE.format(query=q), add_special_tokens=False)["input_ids"])
+        assert (lab[:n_prompt] == -100).all() and (lab[n_prompt:] != -100).all()
+        assert (labels[row, n_real:] == -100).all()

@@ -12,6 +12,7 @@ import pandas as pd
 from heads import HeadModel
 from heads.ships import TEMPLATE, dataset_ships, sahara, ships
 from probes.refusal import RefusalJudge, attack_success_rate
+from probes.refusal_model import EXPLICIT_REFUSALS
 from probes.requests import load_requests
 from steer import Ablate, SteeredModel
 
@@ -79,7 +80,8 @@ def safety_report(
     ds = dataset_ships(model, score_prompts, template=template, degrees=True)
     say(f"Sahara: {steps} greedy steps")
     sa = sahara(model, score_prompts, steps=steps, template=template)
-    judge = RefusalJudge(tokenizer=model.tokenizer)
+    judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
+    keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
     sm = SteeredModel(model)
     texts = [template.format(query=q) for q in eval_prompts]
 
@@ -94,16 +96,18 @@ def safety_report(
     all_heads = [
         (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
     ]
-    rand_asr = []
-    for _ in range(random_draws):
-        rand_asr.append(attack_success_rate(answers(rng.sample(all_heads, 3)), judge))
-    asr = {
-        "baseline": attack_success_rate(base, judge),
-        "sahara_top1": attack_success_rate(top1, judge),
-        "sahara_top3": attack_success_rate(top3, judge),
-        "random3_mean": sum(rand_asr) / len(rand_asr),
-        "random3_draws": rand_asr,
-    }
+    rand = [answers(rng.sample(all_heads, 3)) for _ in range(random_draws)]
+    asr, asr_keyword = {}, {}
+    for key, j in (("explicit", judge), ("keyword", keyword)):
+        table = asr if key == "explicit" else asr_keyword
+        draws = [attack_success_rate(r, j) for r in rand]
+        table.update(
+            baseline=attack_success_rate(base, j),
+            sahara_top1=attack_success_rate(top1, j),
+            sahara_top3=attack_success_rate(top3, j),
+            random3_mean=sum(draws) / len(draws),
+            random3_draws=draws,
+        )
     rep = Report(
         "Safety heads: Ships, dataset-level Ships, Sahara",
         model.name,
