@@ -168,6 +168,19 @@ class Recorder(ProbEdit):
         return probs
 
 
+MAX_FACTOR = 1e4
+"""Largest |factor| a scaling edit accepts: beyond it activations overflow in low precision."""
+
+
+def check_factor(edit: Edit) -> None:
+    """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
+    name, factor = type(edit).__name__, edit.factor
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(f"{name} factor must be a number, got {factor!r}")
+    if not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
+        raise ValueError(f"{name} factor must be finite with |factor| <= {MAX_FACTOR:g}, got {factor!r}")
+
+
 @dataclass(eq=False, repr=False)
 class HeadOutputEdit(Edit):
     """Function of the heads' outputs `z` (`o_proj` input). Subclasses implement `apply`."""
@@ -192,20 +205,12 @@ class HeadScale(HeadOutputEdit):
     factor: float = 0.0
     positions: Sequence[int] | None = None
 
-    MAX_FACTOR = 1e4
-    """Largest |factor| accepted: beyond it head outputs overflow in low precision."""
-
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.factor, bool) or not isinstance(self.factor, numbers.Real):
-            raise TypeError(f"HeadScale factor must be a number, got {self.factor!r}")
-        if not math.isfinite(self.factor) or abs(self.factor) > self.MAX_FACTOR:
-            raise ValueError(
-                f"HeadScale factor must be finite with |factor| <= {self.MAX_FACTOR:g}, got {self.factor!r}"
-            )
+        check_factor(self)
 
     def is_identity(self) -> bool:
         return self.factor == 1.0
@@ -247,10 +252,7 @@ class QueryScale(QueryEdit):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.factor, bool) or not isinstance(self.factor, numbers.Real):
-            raise TypeError(f"QueryScale factor must be a number, got {self.factor!r}")
-        if not math.isfinite(self.factor) or abs(self.factor) > HeadScale.MAX_FACTOR:
-            raise ValueError(f"QueryScale factor must be finite with |factor| <= 1e4, got {self.factor!r}")
+        check_factor(self)
 
     def is_identity(self) -> bool:
         return self.factor == 1.0
