@@ -124,20 +124,27 @@ def safety_report(
     rep.text(
         "Baseline refusal rate",
         f"{1 - asr['baseline']:.2f} of {len(eval_prompts)} harmful requests refused with no head ablated "
-        f"(ASR {asr['baseline']:.2f}; keyword judge: refusal phrases, < 32 tokens, repetition).",
+        '(explicit refusal openers such as "I\'m sorry" or "I cannot"). The paper\'s full keyword judge '
+        f"(41 phrases incl. hedges, < 32 tokens, repetition) counts "
+        f"{1 - asr_keyword['baseline']:.2f} as refused.",
     )
+    rows = [
+        ("none", [], "baseline"),
+        ("Sahara top-1", sa.heads[:1], "sahara_top1"),
+        ("Sahara top-3", sa.heads[:3], "sahara_top3"),
+        (f"3 random heads (mean of {random_draws})", [], "random3_mean"),
+    ]
     rep.table(
         "ASR with heads ablated (UA, exact)",
         pd.DataFrame(
             [
-                {"ablated": "none", "heads": "", "ASR": asr["baseline"]},
-                {"ablated": "Sahara top-1", "heads": str(sa.heads[:1]), "ASR": asr["sahara_top1"]},
-                {"ablated": "Sahara top-3", "heads": str(sa.heads[:3]), "ASR": asr["sahara_top3"]},
                 {
-                    "ablated": f"3 random heads (mean of {random_draws})",
-                    "heads": "",
-                    "ASR": asr["random3_mean"],
-                },
+                    "ablated": name,
+                    "heads": str(h),
+                    "ASR (explicit refusals)": asr[k],
+                    "ASR (paper keyword judge)": asr_keyword[k],
+                }
+                for name, h, k in rows
             ]
         ),
     )
