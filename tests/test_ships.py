@@ -189,6 +189,7 @@ def test_report_safety_cli(tiny_llama, tmp_path):
     assert r.exit_code == 0, r.output
     summary = _json.loads(r.stdout.strip().splitlines()[-1])
     assert len(summary["sahara_heads"]) == 2 and 0 <= summary["asr"]["baseline"] <= 1
+    assert set(summary["asr_keyword_judge"]) == set(summary["asr"])
     html = out.read_text()
     assert "Baseline refusal rate" in html and "Sahara: chosen head per step" in html
     bad = tmp_path / "bad.jsonl"

@@ -167,6 +167,7 @@ def safety_report(
     path = rep.save(out)
     return path, {
         "asr": asr,
+        "asr_keyword_judge": asr_keyword,
         "sahara_heads": [list(h) for h in sa.heads],
         "ships_top5": [list(h) for h in sh.scores.ranked(5)],
     }
