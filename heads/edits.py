@@ -1,6 +1,6 @@
 """Edits: plain descriptions of what to change in which heads, applied by `heads.engine`.
 
-Three kinds, by where they act (DESIGN.md, "Edit engine"):
+Four kinds, by where they act (DESIGN.md, "Edit engine"):
 
 * `LogitBias`: an additive bias on the attention logits (pre-softmax) of chosen
   query heads, e.g. PASTA.
@@ -8,6 +8,8 @@ Three kinds, by where they act (DESIGN.md, "Edit engine"):
   `Recorder` is a `ProbEdit` that only reads the pattern.
 * `HeadOutputEdit`: a function of each head's output `z` (the input of `o_proj`,
   `[batch, pos, n_heads, d_head]`), e.g. `HeadScale` for ablation.
+* `QueryEdit`: a function of each head's query (the q projection's output, before
+  RoPE), e.g. `QueryScale` for UA ablation.
 
 Every edit names one `layer` and its query `heads` (None = all), or carries a
 per-batch-row head mask `row_heads` (`[batch, n_heads]` bool) so that one forward

@@ -7,7 +7,8 @@ no edit take the model's own backend path (SDPA, or eager); an edited layer buil
 an additive fp32 mask (causal + padding + the edits' logit biases) and either calls
 SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
 and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
-linearly with context. Head-output edits run in forward pre-hooks on `o_proj`.
+linearly with context. Head-output edits run in forward pre-hooks on `o_proj`, query
+edits in forward hooks on the q projection (the query slice of a fused QKV).
 
 Usage::
 
