@@ -167,6 +167,17 @@ def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
     return HeadScores(out, first.method, dict(first.params), first.model, first.n_kv_heads, first.seed)
 
 
+def _head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) -> torch.Tensor:
+    """`[n_layers, n_heads, *rest]` table with `values[..., k]` at `heads[k]`, NaN elsewhere.
+
+    `values` is `[*rest, len(heads)]`.
+    """
+    out = torch.full((model.n_layers, model.n_heads, *values.shape[:-1]), math.nan)
+    for k, (layer, head) in enumerate(heads):
+        out[layer, head] = values[..., k]
+    return out
+
+
 def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> tuple[float, list[Head]]:
     if model.tokenizer is None:
         raise ValueError("safety-head scoring needs a HeadModel with a tokenizer")
@@ -237,9 +248,7 @@ def ships(
     )
     # KL >= 0; batch-size-dependent float rounding can leave about -1e-9, clamped to 0
     kl = (base_lp.exp()[None] * (base_lp[None] - lp)).sum(-1).clamp(min=0.0)  # [K, N]
-    per_prompt = torch.full((enc.batch, model.n_layers, model.n_heads), math.nan)
-    for k, (layer, head) in enumerate(heads):
-        per_prompt[:, layer, head] = kl[k]
+    per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
     return ShipsResult(per_prompt, mean)
@@ -296,9 +305,7 @@ def dataset_ships(
     ang = _angles(base, states, r_main)
     if degrees:
         ang = torch.rad2deg(ang)
-    out = torch.full((model.n_layers, model.n_heads), math.nan)
-    for k, (layer, head) in enumerate(heads):
-        out[layer, head] = ang[k]
+    out = _head_table(model, heads, ang)
     params = {
         "ablation": ablation,
         "eps": eps,
@@ -361,9 +368,7 @@ def sahara(
             progress=progress,
         )
         ang = _angles(base, states, r_main)
-        table = torch.full((model.n_layers, model.n_heads), math.nan)
-        for k, (layer, head) in enumerate(cands):
-            table[layer, head] = ang[k]
+        table = _head_table(model, cands, ang)
         params = {
             "step": step + 1,
             "group": [list(h) for h in chosen],

@@ -15,7 +15,14 @@ from importlib import resources
 
 from heads.maps import RelationPairs, k_for
 
-__all__ = ["MIN_PAIRS", "RelationSet", "load_relations", "relation_names", "single_token_pairs"]
+__all__ = [
+    "MIN_PAIRS",
+    "RelationSet",
+    "load_relations",
+    "parse_relation_names",
+    "relation_names",
+    "single_token_pairs",
+]
 
 MIN_PAIRS = 30
 
@@ -28,6 +35,27 @@ def _records() -> list[dict]:
 def relation_names() -> list[str]:
     """Names of the shipped relations, in file order."""
     return [r["relation"] for r in _records()]
+
+
+def parse_relation_names(names: Sequence[str] | str | None) -> list[str]:
+    """Relation names from a list, a comma-separated string, `"all"` or None (all).
+
+    Blanks and repeats are dropped; order is kept.
+
+    Raises:
+        ValueError: an unknown name (named, with the known ones), or no name at all.
+    """
+    known = relation_names()
+    if names is None or (isinstance(names, str) and names.strip() == "all"):
+        return known
+    raw = names.split(",") if isinstance(names, str) else list(names)
+    wanted = list(dict.fromkeys(n.strip() for n in raw if n.strip()))
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"unknown relation(s) {unknown}; known: {sorted(known)}")
+    if not wanted:
+        raise ValueError("no relation named")
+    return wanted
 
 
 def _one_token(tokenizer, word: str) -> int | None:
@@ -96,16 +124,7 @@ def load_relations(
     if tokenizer is None or not callable(tokenizer):
         raise TypeError("load_relations needs the model's tokenizer")
     records = {r["relation"]: r for r in _records()}
-    if names is None or (isinstance(names, str) and names.strip() == "all"):
-        wanted = list(records)
-    else:
-        raw = names.split(",") if isinstance(names, str) else list(names)
-        wanted = list(dict.fromkeys(n.strip() for n in raw if n.strip()))  # drop blanks and repeats
-        unknown = [n for n in wanted if n not in records]
-        if unknown:
-            raise ValueError(f"unknown relation(s) {unknown}; known: {sorted(records)}")
-        if not wanted:
-            raise ValueError("no relation named")
+    wanted = parse_relation_names(names)
     vocab = d_vocab or len(tokenizer)
     out = RelationSet([])
     for name in wanted:

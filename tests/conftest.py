@@ -93,6 +93,15 @@ def tiny_llama(tokenizer) -> HeadModel:
     return make_tiny("llama", tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_llama) -> str:
+    """`tiny_llama` saved as a local Hugging Face folder (for `--model PATH` and `load_model`)."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama.model.save_pretrained(d)
+    tiny_llama.tokenizer.save_pretrained(d)
+    return str(d)
+
+
 @pytest.fixture(params=["llama", "qwen2", "mistral", "gpt2"])
 def tiny_any(request, tokenizer) -> HeadModel:
     return make_tiny(request.param, tokenizer)

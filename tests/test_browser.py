@@ -64,10 +64,8 @@ def test_detector_sees_errors_and_blank_pages(tmp_path):
     assert plot_pixels(tmp_path / "bad.png") < 10
 
 
-def test_attention_report_renders(tiny_llama, tmp_path):
-    d = tmp_path / "m"
-    tiny_llama.model.save_pretrained(d)
-    tiny_llama.tokenizer.save_pretrained(d)
+def test_attention_report_renders(tiny_llama_dir, tmp_path):
+    d = tiny_llama_dir
     out = tmp_path / "report.html"
     r = CliRunner().invoke(
         app, ["report", "attention", "--prompt", "Read **this** now.", "--out", str(out), "--model", str(d)]

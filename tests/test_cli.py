@@ -10,12 +10,9 @@ from viz.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_llama):
-    d = tmp_path_factory.mktemp("tiny")
-    tiny_llama.model.save_pretrained(d)
-    tiny_llama.tokenizer.save_pretrained(d)
-    return str(d)
+@pytest.fixture()
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def test_generate_json(model_dir):

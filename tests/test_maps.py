@@ -234,12 +234,10 @@ def test_last_position_ablation(tiny_llama, tokenizer):
     )
 
 
-def test_report_maps_cli(tiny_llama, tmp_path):
+def test_report_maps_cli(tiny_llama_dir, tmp_path):
     from viz.cli import app
 
-    d = tmp_path / "m"
-    tiny_llama.model.save_pretrained(d)
-    tiny_llama.tokenizer.save_pretrained(d)
+    d = tiny_llama_dir
     out = tmp_path / "maps.html"
     r = CliRunner().invoke(
         app,

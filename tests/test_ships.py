@@ -154,16 +154,14 @@ def test_shards_merge_to_the_full_sweep(tiny_llama):
     assert seen == ["1/2 head variants", "2/2 head variants"]
 
 
-def test_report_safety_cli(tiny_llama, tmp_path):
+def test_report_safety_cli(tiny_llama_dir, tmp_path):
     import json as _json
 
     from typer.testing import CliRunner
 
     from viz.cli import app
 
-    d = tmp_path / "m"
-    tiny_llama.model.save_pretrained(d)
-    tiny_llama.tokenizer.save_pretrained(d)
+    d = tiny_llama_dir
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(_json.dumps({"prompt": p}) for p in PROMPTS))
     out = tmp_path / "safety.html"

@@ -227,23 +227,19 @@ def report_maps(
 ) -> None:
     """MAPS: relation and suppression scores of every head from its weights, validated by inference."""
     _STATE["quiet"] = _STATE["quiet"] or quiet
-    from probes.relations import relation_names
+    from probes.relations import parse_relation_names
 
     from .maps_report import maps_report
 
     try:
         _html_out(out)
-        if relations != "all":
-            unknown = [n.strip() for n in relations.split(",") if n.strip() not in relation_names()]
-            if unknown:
-                raise ValueError(f"unknown relation(s) {unknown}; known: {relation_names()}")
+        names = parse_relation_names(relations)  # checked before the model loads
         _positive(top=top, draws=draws, prompts=prompts)
         hm = _load(model)
-        n_rel = len(relation_names()) if relations == "all" else len(relations.split(","))
-        bar, step = _progress(n_rel + 2)
+        bar, step = _progress(len(names) + 2)
         with bar:
             path, summary = maps_report(
-                hm, out, relations=relations, top=top, draws=draws, n_prompts=prompts, progress=step
+                hm, out, relations=names, top=top, draws=draws, n_prompts=prompts, progress=step
             )
     except USER_ERRORS as exc:
         _fail(exc)
