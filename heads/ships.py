@@ -23,10 +23,10 @@ from typing import Literal
 import torch
 
 from .edits import Edit, HeadScale, QueryScale
-from .engine import editing
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores
+from .variants import RowEdits, RowScore, check_max_rows, clean_run, evaluate_variants, row_head_masks
 
 __all__ = [
     "TEMPLATE",
@@ -60,17 +60,27 @@ def ablation_edits(
     Raises:
         ValueError: unknown ablation, unknown layer/head, or a non-finite eps.
     """
+    rows = [heads for heads in variants for _ in range(n_prompts)]
+    return row_ablation_edits(model, rows, ablation=ablation, eps=eps)
+
+
+def row_ablation_edits(
+    model: HeadModel,
+    row_variants: Sequence[Sequence[Head]],
+    *,
+    ablation: Ablation = "ua",
+    eps: float = 1e-5,
+) -> list[Edit]:
+    """Edits that ablate head set `row_variants[r]` in batch row `r` (one edit per layer touched).
+
+    Raises:
+        ValueError: unknown ablation, unknown layer/head, or a non-finite eps.
+    """
     if ablation not in ("ua", "sc"):
         raise ValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
-    rows = len(variants) * n_prompts
-    masks: dict[int, torch.Tensor] = {}
-    for v, heads in enumerate(variants):
-        for layer, head in heads:
-            model.check_head(layer, head)
-            mask = masks.setdefault(layer, torch.zeros(rows, model.n_heads, dtype=torch.bool))
-            mask[v * n_prompts : (v + 1) * n_prompts, head] = True
     kind = QueryScale if ablation == "ua" else HeadScale
-    return [kind(layer=layer, row_heads=m, factor=eps) for layer, m in sorted(masks.items())]
+    masks = row_head_masks(model, row_variants)
+    return [kind(layer=layer, row_heads=m, factor=eps) for layer, m in masks.items()]
 
 
 def _encode(model: HeadModel, prompts, template: str | None) -> EncodedPrompts:
@@ -81,56 +91,26 @@ def _encode(model: HeadModel, prompts, template: str | None) -> EncodedPrompts:
     return encode_prompts(model.tokenizer, texts, chat=False, markup=False)
 
 
-def _repeat(enc: EncodedPrompts, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return enc.input_ids.repeat(k, 1), enc.attention_mask.repeat(k, 1)
+def _ablate(model: HeadModel, ablation: Ablation, eps: float) -> RowEdits:
+    def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
+        return row_ablation_edits(model, rows, ablation=ablation, eps=eps)
+
+    return row_edits
 
 
-@torch.no_grad()
-def _run(model: HeadModel, input_ids: torch.Tensor, mask: torch.Tensor, edits: list[Edit]):
-    """Last-position log-probs `[rows, V]` (fp32) and final normed states `[rows, D]`."""
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    dev = model.device
-    with editing(model, edits):
-        out = model.model(
-            input_ids=input_ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=pos.to(dev),
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-    return torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu(), out.hidden_states[-1][
-        :, -1
-    ].float().cpu()
+def _kl_from(base_logp: torch.Tensor) -> RowScore:
+    """KL(base || variant) per row, from fp32 log-softmax."""
+
+    def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+        base = base_logp[ps]
+        # KL >= 0; batch-dependent float rounding can leave about -1e-9, clamped to 0
+        return (base.exp() * (base - logp)).sum(-1).clamp(min=0.0)
+
+    return score
 
 
-def _variant_chunks(n_variants: int, n_prompts: int, max_rows: int) -> list[range]:
-    per = max(1, max_rows // n_prompts)
-    return [range(a, min(n_variants, a + per)) for a in range(0, n_variants, per)]
-
-
-def _evaluate(
-    model: HeadModel,
-    enc: EncodedPrompts,
-    variants: Sequence[Sequence[Head]],
-    *,
-    ablation: Ablation,
-    eps: float,
-    max_rows: int,
-    progress: Callable[[str], None] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs `[K, N, V]` and final states `[K, N, D]` of every variant on every prompt."""
-    n = enc.batch
-    logps, states = [], []
-    for chunk in _variant_chunks(len(variants), n, max_rows):
-        group = [variants[v] for v in chunk]
-        ids, mask = _repeat(enc, len(group))
-        lp, st = _run(model, ids, mask, ablation_edits(model, group, n, ablation=ablation, eps=eps))
-        logps.append(lp.view(len(group), n, -1))
-        states.append(st.view(len(group), n, -1))
-        if progress:
-            progress(f"{chunk.stop}/{len(variants)} head variants")
-    return torch.cat(logps), torch.cat(states)
+def _final_state(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    return final
 
 
 def _shard(heads: list[Head], shard: tuple[int, int] | None) -> list[Head]:
@@ -183,8 +163,7 @@ def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> t
         raise ValueError("safety-head scoring needs a HeadModel with a tokenizer")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps):
         raise ValueError(f"eps must be a finite number, got {eps!r}")
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    check_max_rows(max_rows)
     if heads is None:
         heads = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
     heads = [tuple(x) for x in heads]
@@ -242,12 +221,16 @@ def ships(
     eps, heads = _check(model, eps, exact, max_rows, heads)
     heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
-    base_lp, _ = _run(model, enc.input_ids, enc.attention_mask, [])
-    lp, _ = _evaluate(
-        model, enc, [[h] for h in heads], ablation=ablation, eps=eps, max_rows=max_rows, progress=progress
-    )
-    # KL >= 0; batch-size-dependent float rounding can leave about -1e-9, clamped to 0
-    kl = (base_lp.exp()[None] * (base_lp[None] - lp)).sum(-1).clamp(min=0.0)  # [K, N]
+    clean = clean_run(model, enc)
+    kl = evaluate_variants(
+        model,
+        clean,
+        [[h] for h in heads],
+        _ablate(model, ablation, eps),
+        _kl_from(clean.logp),
+        max_rows=max_rows,
+        progress=progress,
+    )  # [K, N]
     per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
@@ -298,11 +281,17 @@ def dataset_ships(
     enc = _encode(model, prompts, template)
     if isinstance(r_main, bool) or not isinstance(r_main, int) or not 1 <= r_main <= enc.batch:
         raise ValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")
-    _, base = _run(model, enc.input_ids, enc.attention_mask, [])
-    _, states = _evaluate(
-        model, enc, [[h] for h in heads], ablation=ablation, eps=eps, max_rows=max_rows, progress=progress
+    clean = clean_run(model, enc)
+    states = evaluate_variants(
+        model,
+        clean,
+        [[h] for h in heads],
+        _ablate(model, ablation, eps),
+        _final_state,
+        max_rows=max_rows,
+        progress=progress,
     )
-    ang = _angles(base, states, r_main)
+    ang = _angles(clean.final, states, r_main)
     if degrees:
         ang = torch.rad2deg(ang)
     out = _head_table(model, heads, ang)
@@ -353,21 +342,21 @@ def sahara(
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= len(heads):
         raise ValueError(f"steps must be an int in 1..{len(heads)}, got {steps!r}")
     enc = _encode(model, prompts, template)
-    _, base = _run(model, enc.input_ids, enc.attention_mask, [])
+    clean = clean_run(model, enc)
     chosen: list[Head] = []
     tables = []
     for step in range(steps):
         cands = [h for h in heads if h not in chosen]
-        _, states = _evaluate(
+        states = evaluate_variants(
             model,
-            enc,
+            clean,
             [[*chosen, h] for h in cands],
-            ablation=ablation,
-            eps=eps,
+            _ablate(model, ablation, eps),
+            _final_state,
             max_rows=max_rows,
             progress=progress,
         )
-        ang = _angles(base, states, r_main)
+        ang = _angles(clean.final, states, r_main)
         table = _head_table(model, cands, ang)
         params = {
             "step": step + 1,

@@ -64,6 +64,25 @@ def test_ua_exact_is_uniform_causal_and_cumulative_mean(tiny_llama, tokenizer):
     assert torch.equal(other.records[0][:, 3], plain.records[0][:, 3])  # same KV group: untouched
 
 
+def test_ua_exact_output_is_cumulative_mean_of_values(tiny_llama, tokenizer):
+    """safety_heads.md: with q = 0 the head outputs the running mean of its KV head's values."""
+    enc = encode_prompts(tokenizer, ["a b c d e f"], chat=False)
+    attn, d = tiny_llama.attentions[1], tiny_llama.d_head
+    seen = {}
+    h1 = attn.v_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out))
+    h2 = tiny_llama.out_projs[1].register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0]))
+    try:
+        with editing(tiny_llama, QueryScale(layer=1, heads=[2], factor=0.0)):
+            forward(tiny_llama, enc)
+    finally:
+        h1.remove()
+        h2.remove()
+    kv = tiny_llama.kv_head(2)
+    v = seen["v"][0, :, kv * d : (kv + 1) * d]
+    want = v.cumsum(0) / torch.arange(1, v.shape[0] + 1)[:, None]
+    torch.testing.assert_close(seen["z"][0, :, 2 * d : 3 * d], want, atol=1e-5, rtol=1e-5)
+
+
 def test_eps_to_zero_converges_to_exact(tiny_llama):
     heads = [(1, 1), (2, 0)]
     exact = ships(tiny_llama, PROMPTS, heads=heads, exact=True).per_prompt

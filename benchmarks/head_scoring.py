@@ -1,0 +1,104 @@
+"""Full Ships sweep (every head x 16 harmful prompts): the batched engine vs a per-head hook loop.
+
+The loop is what a practitioner writes today with TransformerLens: boot a `TransformerBridge`
+over the same weights and, for each head, run one forward of all prompts with a hook on
+`blocks.{l}.attn.hook_q` that multiplies the head's query by eps (UA ablation), then take
+KL(p_base || p_ablated) at the last position from fp32 log-softmax.
+
+The engine (`heads.ships.ships`) packs head variants into batch rows, starts each chunk at
+its head's layer from the clean residual stream, and unembeds only the last position.
+Both score the same prompts (left-padded, positions counted from the first real token, token
+tensors passed to the bridge so it adds no second BOS). The bridge switches its model to
+eager attention in place, so it gets its own copy of the weights.
+
+Prints one JSON line: {"speedup_vs_loop", "max_abs_diff", "heads", "prompts", ...}.
+Needs `transformer-lens` (`make bench` installs it with the pinned constraints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from heads import encode_prompts, load_model
+from heads.ships import TEMPLATE, ships
+from probes.requests import load_requests
+
+
+@torch.no_grad()
+def loop_ships(bridge, enc, heads: list[tuple[int, int]], eps: float) -> torch.Tensor:
+    """`[len(heads), N]` Ships from one hooked bridge forward per head."""
+    ids, mask = enc.input_ids, enc.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def last_logp(hooks):
+        logits = bridge.run_with_hooks(ids, fwd_hooks=hooks, attention_mask=mask, position_ids=pos)
+        return torch.log_softmax(logits[:, -1].float(), dim=-1)
+
+    base = last_logp([])
+    out = []
+    for layer, head in heads:
+
+        def scale_query(q, hook, head=head):  # q: [batch, pos, n_heads, d_head]
+            q = q.clone()
+            q[:, :, head] *= eps
+            return q
+
+        lp = last_logp([(f"blocks.{layer}.attn.hook_q", scale_query)])
+        out.append((base.exp() * (base - lp)).sum(-1).clamp(min=0.0))
+    return torch.stack(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--eps", type=float, default=1e-5)
+    ap.add_argument("--max-rows", type=int, default=64)
+    args = ap.parse_args()
+    from transformer_lens.model_bridge import TransformerBridge
+
+    torch.manual_seed(0)
+    hm = load_model()
+    prompts = [r["prompt"] for r in load_requests("harmful", "train")[: args.prompts]]
+    heads = [(la, h) for la in range(hm.n_layers) for h in range(hm.n_heads)]
+
+    t0 = time.perf_counter()
+    res = ships(hm, prompts, heads=heads, eps=args.eps, max_rows=args.max_rows)
+    engine_s = time.perf_counter() - t0
+
+    loop_model = load_model()
+    bridge = TransformerBridge.boot_transformers(
+        loop_model.name, hf_model=loop_model.model, tokenizer=loop_model.tokenizer
+    )
+    enc = encode_prompts(hm.tokenizer, [TEMPLATE.format(query=p) for p in prompts], chat=False, markup=False)
+    t0 = time.perf_counter()
+    loop = loop_ships(bridge, enc, heads, args.eps)  # [K, N]
+    loop_s = time.perf_counter() - t0
+
+    engine = torch.stack([res.per_prompt[:, la, h] for la, h in heads])
+    top_engine = res.scores.ranked(10)
+    top_loop = [heads[i] for i in torch.argsort(-loop.mean(1), stable=True)[:10].tolist()]
+    print(
+        json.dumps(
+            {
+                "speedup_vs_loop": round(loop_s / engine_s, 2),
+                "max_abs_diff": float((engine - loop).abs().max()),
+                "heads": len(heads),
+                "prompts": len(prompts),
+                "engine_seconds": round(engine_s, 1),
+                "loop_seconds": round(loop_s, 1),
+                "same_top10": top_engine == top_loop,
+                "max_ships": round(float(engine.max()), 4),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

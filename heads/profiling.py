@@ -1,0 +1,170 @@
+"""PASTA head profiling (Zhang et al., ICLR 2024, §3.2 Algorithm 1; methods/pasta.md §4).
+
+Every single head is steered alone with PASTA (alpha 0.01, `exclude`) and scored on a task:
+the mean change, against the unsteered model, of the log-probability of the task's target
+token at the last prompt position (a cheap likelihood metric: the first token of the right
+answer, e.g. `{` for a JSON answer or the new fact's first token). Heads are packed into batch
+rows (one head per row) on the shared variant engine (`heads.variants`), which reuses the
+clean layer prefix below each head's layer and, because PASTA leaves every row before the
+first span unchanged (all the columns such a row sees get the same bias, which softmax
+cancels), the clean keys/values of the positions before the span.
+
+`select_heads` turns per-task profiles into one head set (intersection / union / one task),
+the `{"layer": [heads]}` shape that `Pasta`, `SteeredModel` and `headsteer generate
+--pasta-heads FILE` accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from .edits import Edit
+from .model import HeadModel
+from .prompts import EncodedPrompts, encode_prompts
+from .scores import HeadScores, HeadSet, _positive_int
+from .variants import clean_run, evaluate_variants, row_head_masks
+
+__all__ = ["profile_heads", "select_heads", "target_ids"]
+
+Head = tuple[int, int]
+Selection = Literal["intersection", "union", "task"]
+
+
+def target_ids(tokenizer, targets: Sequence[str]) -> torch.Tensor:
+    """`[N]` first token id of each target string (encoded without special tokens).
+
+    Raises:
+        ValueError: an empty target or one that encodes to no token.
+    """
+    out = []
+    for t in targets:
+        if not isinstance(t, str) or not t:
+            raise ValueError(f"targets must be non-empty strings, got {t!r}")
+        ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"target {t!r} encodes to no token")
+        out.append(ids[0])
+    return torch.tensor(out)
+
+
+def _first_span_start(enc: EncodedPrompts) -> torch.Tensor:
+    """`[N]` padded position of each prompt's first span start (rows before it are unchanged)."""
+    starts = []
+    for b, spans in enumerate(enc.spans):
+        if not spans:
+            raise ValueError(f"prompt {b} has no emphasized span: PASTA profiling needs one per prompt")
+        starts.append(min(s for s, _ in spans))
+    return torch.tensor(starts)
+
+
+def profile_heads(
+    model: HeadModel,
+    prompts: Sequence,
+    targets: Sequence[str],
+    *,
+    emphasize: Sequence | None = None,
+    chat: bool | None = None,
+    alpha: float = 0.01,
+    heads: Sequence[Head] | None = None,
+    task: str = "task",
+    max_rows: int = 64,
+    reuse_positions: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> HeadScores:
+    """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
+
+    Args:
+        model: the model (with a tokenizer).
+        prompts: N prompts (strings or chats); the span to emphasize is marked with `**...**`
+            or given by `emphasize` (one substring per prompt).
+        targets: N strings; the score reads the log-prob of each one's first token at the
+            last prompt position (include a leading space where the answer follows one).
+        chat: apply the chat template (default: when the tokenizer has one); the last
+            position is then the start of the assistant turn.
+        alpha: PASTA's coefficient (default 0.01, mode `exclude`).
+        heads: heads to profile (default all `n_layers x n_heads`).
+        task: task name recorded in the scores' params.
+        max_rows: batch rows per forward.
+        reuse_positions: take positions before the span from the clean KV cache (exact up to
+            float rounding; turn off to recompute everything).
+
+    Returns:
+        HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
+        `log p_steered(target) - log p_base(target)` in nats (higher = the head helps);
+        heads not profiled are NaN. `params["base_logp"]` is the unsteered mean log-prob.
+
+    Raises:
+        ValueError: prompt/target count mismatch, a prompt without a span, bad alpha or heads.
+    """
+    from steer.pasta import Pasta, PastaBias, pasta_column_bias
+
+    if model.tokenizer is None:
+        raise ValueError("PASTA profiling needs a HeadModel with a tokenizer")
+    Pasta(heads=[], alpha=alpha)  # validates alpha
+    enc = encode_prompts(model.tokenizer, list(prompts), emphasize=emphasize, chat=chat)
+    if len(targets) != enc.batch:
+        raise ValueError(f"{enc.batch} prompts but {len(targets)} targets")
+    tgt = target_ids(model.tokenizer, targets)
+    starts = _first_span_start(enc)
+    if heads is None:
+        heads = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
+    heads = [tuple(h) for h in heads]
+    if not heads:
+        raise ValueError("no heads to profile")
+    for layer, head in heads:
+        model.check_head(layer, head)
+    bias = pasta_column_bias(enc, alpha)  # [N, T]
+
+    def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
+        cb = bias[ps, trim:]
+        masks = row_head_masks(model, rows)
+        return [PastaBias(layer=la, row_heads=m, column_bias=cb) for la, m in masks.items()]
+
+    def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+        return logp.gather(1, tgt[ps, None])[:, 0]
+
+    clean = clean_run(model, enc, keep_kv=reuse_positions)
+    base = clean.logp.gather(1, tgt[:, None])[:, 0]  # [N]
+    got = evaluate_variants(
+        model,
+        clean,
+        [[h] for h in heads],
+        row_edits,
+        score,
+        unchanged_before=starts if reuse_positions else None,
+        max_rows=max_rows,
+        progress=progress,
+    )  # [K, N]
+    delta = (got - base[None]).mean(1)
+    table = torch.full((model.n_layers, model.n_heads), float("nan"))
+    for k, (layer, head) in enumerate(heads):
+        table[layer, head] = delta[k]
+    params = {"task": task, "alpha": alpha, "n_prompts": enc.batch, "base_logp": float(base.mean())}
+    return HeadScores(table, "pasta_profile", params, model.name, model.n_kv_heads)
+
+
+def select_heads(
+    profiles: Mapping[str, HeadScores], k: int, *, mode: Selection = "intersection", task: str | None = None
+) -> HeadSet:
+    """Combine per-task profiles (Algorithm 1, step 4): the top-`k` heads of each task's ranking
+    (ties by (layer, head)), then their intersection (paper default), union, or one task's.
+
+    Raises:
+        ValueError: no profiles, bad `k`, unknown mode, or `mode="task"` without a known task.
+    """
+    if not profiles:
+        raise ValueError("no task profiles to select from")
+    k = _positive_int(k)
+    tops = {name: set(p.ranked(k)) for name, p in profiles.items()}
+    if mode == "task":
+        if task not in tops:
+            raise ValueError(f"mode='task' needs task= one of {sorted(tops)}, got {task!r}")
+        return HeadSet(tops[task])
+    if mode == "intersection":
+        return HeadSet(set.intersection(*tops.values()))
+    if mode == "union":
+        return HeadSet(set.union(*tops.values()))
+    raise ValueError(f"unknown selection mode {mode!r}: use 'intersection', 'union' or 'task'")

@@ -1,0 +1,228 @@
+"""Batched head-variant evaluation: the one core behind every head scorer.
+
+A *variant* is a set of `(layer, head)` pairs to intervene on (ablate, steer, calibrate).
+`evaluate_variants` runs K variants x N prompts as batch rows, `max_rows` per forward, each
+row with its own head mask, and returns one score per (variant, prompt). Three kinds of
+reuse make a sweep much cheaper than one forward per head (DESIGN.md, performance model):
+
+* **Layer prefix.** A head in layer `l` changes nothing below `l`: each batch starts at the
+  lowest layer its variants touch, from the clean residual stream entering that layer
+  (`heads.prefix.starting_at`).
+* **Position prefix** (optional). When an intervention provably leaves the first `s_i`
+  positions of prompt `i` unchanged in every layer (PASTA: rows before the span see only
+  columns with the same bias, so softmax cancels it), only positions `>= s` are run, with
+  the clean keys/values of the earlier positions passed as a KV cache.
+* **Unembedding.** Only the last position is unembedded (`logits_to_keep=1`).
+
+Rows are sorted by prompt length and every batch is trimmed to its own longest prompt (left
+padding), so short prompts do not pay for long ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .edits import Edit
+from .engine import editing
+from .model import HeadModel
+from .prefix import starting_at
+from .prompts import EncodedPrompts
+
+__all__ = ["CleanRun", "check_max_rows", "clean_run", "evaluate_variants", "first_layer", "row_head_masks"]
+
+Head = tuple[int, int]
+RowEdits = Callable[[list[Sequence[Head]], torch.Tensor, int], list[Edit]]
+"""`(row_variants, prompt_index [R], trim) -> edits` for a batch of R rows whose columns are
+the prompt columns `trim:` of the padded batch."""
+RowScore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(last_logp [R, V] fp32, final_state [R, D] fp32, prompt_index [R]) -> [R, *]` scores."""
+
+
+@dataclass
+class CleanRun:
+    """The unedited forward of a batch, kept for reuse by every variant.
+
+    Attributes:
+        enc: the encoded prompts (left-padded, `[N, T]`).
+        logp: `[N, V]` fp32 log-probs at the last position.
+        final: `[N, D]` fp32 final normed state at the last position.
+        residuals: `n_layers + 1` tensors `[N, T, D]`; `residuals[l]` enters layer `l`.
+        kv: per layer `(keys, values)` `[N, n_kv_heads, T, d_head]`, or None.
+    """
+
+    enc: EncodedPrompts
+    logp: torch.Tensor
+    final: torch.Tensor
+    residuals: tuple[torch.Tensor, ...]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def _forward(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    edits: Sequence[Edit],
+    *,
+    start: int = 0,
+    residual: torch.Tensor | None = None,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    keep_cache: bool = False,
+):
+    """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
+    from transformers import DynamicCache
+
+    dev = model.device
+    pos = _positions(mask)[:, mask.shape[1] - ids.shape[1] :]
+    cache = None
+    if past is not None:
+        data = [(k.to(dev), v.to(dev)) for k, v in past]
+        cache = DynamicCache(ddp_cache_data=data, config=model.model.config)
+    elif keep_cache:
+        cache = DynamicCache(config=model.model.config)
+    with editing(model, list(edits)), starting_at(model, start, residual):
+        return model.model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=pos.to(dev),
+            past_key_values=cache,
+            use_cache=cache is not None,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+
+
+def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()
+    return logp, out.hidden_states[-1][:, -1].float().cpu()
+
+
+def clean_run(
+    model: HeadModel, enc: EncodedPrompts, edits: Sequence[Edit] = (), *, keep_kv: bool = False
+) -> CleanRun:
+    """Run `enc` once (with `edits`, usually none) and keep what variants reuse.
+
+    Args:
+        keep_kv: also keep every layer's keys/values (needed for position-prefix reuse).
+    """
+    out = _forward(model, enc.input_ids, enc.attention_mask, edits, keep_cache=keep_kv)
+    logp, final = _last(out)
+    kv = None
+    if keep_kv:
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    return CleanRun(enc, logp, final, out.hidden_states, kv)
+
+
+def first_layer(variant: Sequence[Head]) -> int:
+    """The lowest layer a head variant touches: everything below it equals the clean run."""
+    return min((layer for layer, _ in variant), default=0)
+
+
+def _row_chunks(
+    variants: Sequence[Sequence[Head]], lengths: Sequence[int], max_rows: int
+) -> list[list[tuple[int, int]]]:
+    """(variant, prompt) rows grouped by the variant's first layer (ascending), sorted by prompt
+    length inside a group, cut into chunks of at most `max_rows` rows."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for v, heads in enumerate(variants):
+        groups.setdefault(first_layer(heads), []).extend((v, i) for i in range(len(lengths)))
+    chunks = []
+    for _, rows in sorted(groups.items()):
+        rows.sort(key=lambda r: (lengths[r[1]], r[0], r[1]))
+        chunks += [rows[a : a + max_rows] for a in range(0, len(rows), max_rows)]
+    return chunks
+
+
+def row_head_masks(model: HeadModel, rows: Sequence[Sequence[Head]]) -> dict[int, torch.Tensor]:
+    """Per layer touched, the `[len(rows), n_heads]` bool mask of the heads of each row's variant.
+
+    Raises:
+        ValueError / TypeError: an unknown layer or head.
+    """
+    masks: dict[int, torch.Tensor] = {}
+    for r, variant in enumerate(rows):
+        for layer, head in variant:
+            model.check_head(layer, head)
+            masks.setdefault(layer, torch.zeros(len(rows), model.n_heads, dtype=torch.bool))[r, head] = True
+    return dict(sorted(masks.items()))
+
+
+def check_max_rows(max_rows: object) -> int:
+    """Raise `ValueError` unless `max_rows` is a positive int."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    return max_rows
+
+
+def evaluate_variants(
+    model: HeadModel,
+    clean: CleanRun,
+    variants: Sequence[Sequence[Head]],
+    row_edits: RowEdits,
+    score: RowScore,
+    *,
+    unchanged_before: torch.Tensor | None = None,
+    max_rows: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """Score every head variant on every prompt of `clean.enc`; returns `[K, N, *]` (fp32).
+
+    Args:
+        clean: `clean_run(model, enc)` (with `keep_kv=True` when `unchanged_before` is given).
+        variants: K head sets; an empty set is the unedited model.
+        row_edits: builds the edits of one batch from its rows' head sets (see `RowEdits`).
+        score: turns one batch's last-position log-probs and final states into scores.
+        unchanged_before: optional `[N]` long, padded position before which the caller
+            guarantees the intervention changes no row of prompt `i` in any layer. Those
+            positions are taken from the clean KV cache instead of recomputed.
+        max_rows: batch rows per forward (the memory bound).
+        progress: called with a short message after each batch.
+
+    Raises:
+        ValueError: bad `max_rows`, or `unchanged_before` given without the clean KV.
+    """
+    check_max_rows(max_rows)
+    enc = clean.enc
+    n, width = enc.batch, enc.input_ids.shape[1]
+    lengths = enc.attention_mask.sum(-1).tolist()
+    if unchanged_before is not None and clean.kv is None:
+        raise ValueError("position-prefix reuse needs clean_run(..., keep_kv=True)")
+    out: torch.Tensor | None = None
+    done = 0
+    for chunk in _row_chunks(variants, lengths, max_rows):
+        vs = torch.tensor([v for v, _ in chunk])
+        ps = torch.tensor([i for _, i in chunk])
+        start = first_layer(variants[chunk[0][0]])
+        trim = width - max(lengths[i] for _, i in chunk)  # columns that are padding in every row
+        split = trim
+        if unchanged_before is not None:
+            # keep at least the last position; never split inside the trimmed padding
+            split = max(trim, min(int(unchanged_before[ps].min()), width - 1))
+        ids, mask = enc.input_ids[ps, split:], enc.attention_mask[ps, trim:]
+        residual = None
+        if start:
+            residual = clean.residuals[start][ps.to(clean.residuals[start].device), split:]
+        past = None
+        if split > trim:
+            kv_rows = ps.to(clean.kv[0][0].device)
+            past = [(k[kv_rows, :, trim:split], v[kv_rows, :, trim:split]) for k, v in clean.kv]
+        edits = row_edits([variants[v] for v, _ in chunk], ps, trim)
+        result = _forward(model, ids, mask, edits, start=start, residual=residual, past=past)
+        rows = score(*_last(result), ps).float()
+        if out is None:
+            out = torch.full((len(variants), n, *rows.shape[1:]), math.nan)
+        out[vs, ps] = rows
+        done += len(chunk)
+        if progress:
+            progress(f"{done // n}/{len(variants)} head variants")
+    if out is None:
+        raise ValueError("no head variants to evaluate")
+    return out

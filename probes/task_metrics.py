@@ -1,0 +1,156 @@
+"""Metrics and confidence intervals for the evaluation tasks in `probes.tasks`.
+
+- `json_metrics`: JSON validity and field accuracy (json_format).
+- `no_pronoun`: no gendered pronoun left in the output (pronoun_change).
+- `choice_correct`: the labelled choice has the strictly highest log-probability (choice tasks;
+  for counterfact this is new-fact efficacy, P(new) > P(old)).
+- `wilson_interval` / `mean_interval`: 95% intervals for rates and for means.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "choice_correct",
+    "first_json_object",
+    "json_metrics",
+    "mean_interval",
+    "no_pronoun",
+    "wilson_interval",
+]
+
+_CURLY = str.maketrans({"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2018": "'", "\u2019": "'"})
+_PRONOUN = re.compile(r"\b(?:she|he|her|his|him)\b", re.IGNORECASE)
+
+
+def first_json_object(text: str) -> str | None:
+    """The first balanced `{...}` substring of `text`, or None.
+
+    Braces inside double-quoted strings (with backslash escapes) are not counted.
+    """
+    start = text.find("{")
+    while start != -1:
+        depth, in_string, escaped = 0, False, False
+        for i in range(start, len(text)):
+            ch = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start : i + 1]
+        start = text.find("{", start + 1)  # unbalanced from here: try the next opening brace
+    return None
+
+
+def _parse(text: str) -> dict | None:
+    candidate = first_json_object(text)
+    if candidate is None:
+        return None
+    try:
+        value = json.loads(candidate)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def json_metrics(text: str, fields: Mapping[str, str]) -> dict[str, float | bool]:
+    """JSON validity and field accuracy of a generated answer.
+
+    The first balanced `{...}` object of `text` is parsed with `json.loads`; if that fails, the
+    same is tried once more after replacing curly quotes (“ ” ‘ ’) with straight ones, so typographic
+    quotes do not make an otherwise valid object invalid.
+
+    Returns:
+        `{"json_valid": bool, "field_accuracy": float}`; field accuracy is the fraction of
+        `fields` whose expected value occurs (case-insensitive, stripped) in the parsed value of
+        the same key, and 0.0 when the text holds no valid object.
+    """
+    parsed = _parse(text)
+    if parsed is None:
+        parsed = _parse(text.translate(_CURLY))
+    if parsed is None or not fields:
+        return {"json_valid": parsed is not None, "field_accuracy": 0.0}
+    hits = 0
+    for key, expected in fields.items():
+        value = parsed.get(key)
+        if value is None:
+            continue
+        got = str(value).translate(_CURLY).strip().lower()
+        hits += str(expected).translate(_CURLY).strip().lower() in got
+    return {"json_valid": True, "field_accuracy": hits / len(fields)}
+
+
+def no_pronoun(text: str) -> bool:
+    """True when `text` holds no standalone she / he / her / his / him (any case).
+
+    Word boundaries are used, so "Sheila", "then" or "hero" do not count.
+    """
+    return _PRONOUN.search(text) is None
+
+
+def choice_correct(logprobs: Sequence[float] | np.ndarray, label: int) -> bool:
+    """True when choice `label` has a strictly higher log-probability than every other choice.
+
+    Ties count as wrong. Accepts a sequence, a NumPy array or a CPU tensor of shape (n_choices,).
+
+    Raises:
+        ValueError: fewer than two choices, a non-1-D input, or `label` out of range.
+    """
+    scores = np.asarray(logprobs, dtype=float)
+    if scores.ndim != 1 or scores.size < 2:
+        raise ValueError(f"need a 1-D vector of >= 2 choice log-probs, got shape {scores.shape}")
+    if not 0 <= label < scores.size:
+        raise ValueError(f"label {label} out of range for {scores.size} choices")
+    others = np.delete(scores, label)
+    return bool(np.all(scores[label] > others))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a success rate (default 95%).
+
+    Raises:
+        ValueError: `n` < 1 or `successes` outside [0, n].
+    """
+    if n < 1:
+        raise ValueError(f"wilson_interval needs n >= 1, got {n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, {n}], got {successes}")
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def mean_interval(values: Sequence[float] | np.ndarray, z: float = 1.96) -> tuple[float, float]:
+    """Normal-approximation interval for the mean of `values` (default 95%).
+
+    Uses the sample standard deviation (ddof=1): mean ± z * sd / sqrt(n).
+
+    Raises:
+        ValueError: fewer than two values, or a non-finite value.
+    """
+    x = np.asarray(values, dtype=float).ravel()
+    if x.size < 2:
+        raise ValueError(f"mean_interval needs at least 2 values, got {x.size}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("mean_interval got a non-finite value")
+    mean = float(x.mean())
+    half = z * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean - half, mean + half
