@@ -3,5 +3,16 @@
 from .ablate import Ablate
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
+from .spotlight import Spotlight, SpotlightEdit
 
-__all__ = ["Ablate", "Generation", "Intervention", "Pasta", "PastaBias", "SteeredModel", "pasta_column_bias"]
+__all__ = [
+    "Ablate",
+    "Generation",
+    "Intervention",
+    "Pasta",
+    "PastaBias",
+    "SteeredModel",
+    "Spotlight",
+    "SpotlightEdit",
+    "pasta_column_bias",
+]

@@ -1,0 +1,197 @@
+"""SpotLight: dynamic, target-proportion attention steering (Venkateswaran & Contractor,
+arXiv:2505.12025, EACL 2026; methods/spotlight.md).
+
+In every steered layer the current share of attention on the emphasized span,
+psi = sum(W * m) / sum(W), is compared with a target tau; where psi < tau the span logits
+get a bias beta, i.e. W' = W * e^(beta m) / sum_k W_k e^(beta m_k) (the same as
+softmax(S + M + beta m), with masked entries kept exactly 0). It only ever steers up: where
+psi >= tau (or psi = 0, span invisible) the pattern is returned bitwise unchanged.
+
+* `bias="odds"` (default): beta = log[tau (1 - psi) / (psi (1 - tau))], which lands a row
+  whose share is psi exactly on tau (exact at `row` granularity).
+* `bias="ratio"` (reference code): beta = log(tau / psi); a row at psi ends at
+  tau / (1 + tau - psi), just below tau (under-correction).
+* `bias="solve"`: bisection on beta so that the pooled share equals tau (within 1e-4).
+
+Granularity: `"layer"` (reference; one psi per prompt and layer, pooled over all heads and
+query rows in the call), `"head"` (per head) or `"row"` (per head and query row). At layer or
+head granularity psi pools whatever rows are in the call: all prompt rows at prefill, only the
+new row at each decode step, so individual rows stay spread around tau and an uncached re-run
+differs from cached decoding by design. Span columns are prompt positions only; generated
+tokens are never in the span. Decode rows are steered at every step (`steer_decode=True`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from heads.edits import AttentionCall, ProbEdit
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts
+
+__all__ = ["Spotlight", "SpotlightEdit", "spotlight_bias"]
+
+Bias = Literal["odds", "ratio", "solve"]
+Granularity = Literal["layer", "head", "row"]
+_DIMS = {"layer": (1, 2), "head": (2,), "row": ()}
+
+
+def spotlight_bias(psi: torch.Tensor, tau: float, bias: Bias = "odds") -> torch.Tensor:
+    """Closed-form span bias beta for share `psi` and target `tau` (0 where no steering).
+
+    `psi` in [0, 1]; rows with psi >= tau or psi = 0 get beta = 0. Only `odds` and `ratio`.
+    """
+    steer = (psi > 0) & (psi < tau)
+    p = psi.clamp(min=1e-30)
+    if bias == "odds":
+        beta = torch.log(tau * (1 - p) / (p * (1 - tau)))
+    else:
+        beta = torch.log(tau / p)
+    return torch.where(steer, beta, 0.0)
+
+
+def _pool(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.sum(dims, keepdim=True) if dims else x
+
+
+def _share(num: torch.Tensor, den: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return _pool(num, dims) / _pool(den, dims).clamp(min=1e-30)
+
+
+def _solve(num: torch.Tensor, den: torch.Tensor, dims: tuple[int, ...], tau: float) -> torch.Tensor:
+    """beta per pool such that the pooled share of the rescaled rows equals tau (bisection).
+
+    A row with span mass n of total d becomes e^beta n d / (e^beta n + d - n); the pooled
+    share is monotone in beta, so 60 halvings of [0, 80] pin it well below 1e-4.
+    """
+    lo = torch.zeros_like(_pool(num, dims))
+    hi = torch.full_like(lo, 80.0)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        e = torch.exp(mid)
+        new_num = e * num * den / (e * num + den - num).clamp(min=1e-30)
+        below = _share(new_num, den, dims) < tau
+        lo = torch.where(below, mid, lo)
+        hi = torch.where(below, hi, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(eq=False, repr=False)
+class SpotlightEdit(ProbEdit):
+    """The SpotLight rescale on one layer (see the module docstring).
+
+    Attributes:
+        span: `[B, P]` bool, emphasized prompt columns (padded coordinates).
+        tau: target share in (0, 1).
+        bias, granularity: see `Spotlight`.
+        steer_decode: also steer decode rows (query positions >= P).
+        last_psi: the share(s) measured at the most recent call (fp32), for inspection.
+    """
+
+    span: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.bool))
+    tau: float = 0.1
+    bias: Bias = "odds"
+    granularity: Granularity = "layer"
+    steer_decode: bool = True
+    last_psi: torch.Tensor | None = field(default=None, init=False)
+
+    def is_identity(self) -> bool:
+        return not bool(self.span.any())
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        prompt_len = self.span.shape[1]
+        if not self.steer_decode and call.q_offset >= prompt_len:
+            return probs
+        if self.span.shape[0] != call.batch:
+            built = self.span.shape[0]
+            raise ValueError(f"SpotLight was built for {built} prompts, the call has {call.batch} rows")
+        m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=probs.device)
+        width = min(prompt_len, call.k_len)
+        m[:, :width] = self.span[:, :width].to(probs.device)
+        m = m[:, None, None, :]  # [B, 1, 1, K]
+        heads = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None]  # [B|1, H, 1]
+        w = probs.float()
+        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, q]; pad rows are all-zero
+        den = torch.where(heads, w.sum(-1), 0.0)
+        dims = _DIMS[self.granularity]
+        psi = _share(num, den, dims)
+        self.last_psi = psi.detach()
+        steer = (psi > 0) & (psi < self.tau)
+        if not bool(steer.any()):
+            return probs  # bitwise unchanged
+        if self.bias == "solve":
+            beta = torch.where(steer, _solve(num, den, dims, self.tau), 0.0)
+        else:
+            beta = spotlight_bias(psi, self.tau, self.bias)
+        beta = beta.expand_as(num)[..., None]  # [B, H, q, 1]
+        scaled = torch.where(m, w * torch.exp(beta), w)
+        new = scaled / scaled.sum(-1, keepdim=True).clamp(min=1e-30)
+        row_steer = steer.expand_as(num)[..., None]
+        return torch.where(row_steer, new, probs)
+
+
+def _check_tau(tau: object) -> float:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        raise TypeError(f"tau must be a number, got {tau!r}")
+    if not math.isfinite(tau) or not 0 < tau < 1:
+        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+    return float(tau)
+
+
+@dataclass(frozen=True)
+class Spotlight:
+    """SpotLight steering of every head (or of `layers`) towards the emphasized span.
+
+    Args:
+        tau: target attention share on the span, in (0, 1); default 0.1 (the paper's main
+            setting; model-dependent: the reference uses 0.2, and 0.3 over-steers 8B models).
+        bias: `"odds"` (default, exact per row), `"ratio"` (reference code) or `"solve"`.
+        granularity: `"layer"` (default, reference), `"head"` or `"row"`.
+        layers: layers to steer (default all).
+        steer_decode: steer every decode step (default True) or the prefill only.
+
+    Raises:
+        ValueError / TypeError: tau outside (0, 1), unknown bias or granularity, bad layers;
+            no emphasized span in any prompt (when applied).
+
+    Source: Venkateswaran & Contractor 2025, §3 (Eq. 5 / App. C for the odds form).
+    """
+
+    tau: float = 0.1
+    bias: Bias = "odds"
+    granularity: Granularity = "layer"
+    layers: tuple[int, ...] | None = None
+    steer_decode: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_tau(self.tau)
+        if self.bias not in ("odds", "ratio", "solve"):
+            raise ValueError(f"unknown bias {self.bias!r}: use 'odds', 'ratio' or 'solve'")
+        if self.granularity not in _DIMS:
+            raise ValueError(f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'")
+        if not isinstance(self.steer_decode, bool):
+            raise TypeError(f"steer_decode must be a bool, got {self.steer_decode!r}")
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[SpotlightEdit]:
+        """One `SpotlightEdit` per steered layer for the batch `enc`.
+
+        Raises:
+            ValueError: no prompt has an emphasized span, or an unknown layer.
+        """
+        self.validate()
+        if not any(enc.spans):
+            raise ValueError("SpotLight needs an emphasized span: mark it with **...** or pass emphasize=")
+        layers = range(model.n_layers) if self.layers is None else self.layers
+        for layer in layers:
+            model.check_head(layer, 0)
+        span = enc.span_mask()
+        kw = {"tau": self.tau, "bias": self.bias, "granularity": self.granularity}
+        return [SpotlightEdit(layer=la, span=span, steer_decode=self.steer_decode, **kw) for la in layers]
