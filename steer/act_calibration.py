@@ -1,0 +1,151 @@
+"""ACT head filtering (methods/act.md §4): calibrate one head at a time, keep the heads that help.
+
+For every candidate head (default: all heads of layers 2..L-2) ACT is applied to that head
+alone and a choice task is scored from last-position log-probs (the argmax over each choice's
+first token). Heads are packed one per batch row on the shared variant engine
+(`heads.variants`), which starts each batch at its heads' layer from the clean residual stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from heads.edits import Edit
+from heads.model import HeadModel
+from heads.prompts import encode_prompts
+from heads.scores import HeadScores, HeadSet
+from heads.sinks import SinkRule
+from heads.variants import clean_run, evaluate_variants, row_head_masks
+
+from .act import ActEdit, default_act_layers
+
+__all__ = ["ActCalibration", "calibrate_act_heads", "choice_ids"]
+
+Head = tuple[int, int]
+
+
+def choice_ids(tokenizer, choices: Sequence[Sequence[str]]) -> torch.Tensor:
+    """`[N, C]` first token of `" " + choice` for every example's choices.
+
+    Raises:
+        ValueError: examples with different numbers of choices, or two choices of one example
+            sharing a first token.
+    """
+    rows = []
+    for i, cs in enumerate(choices):
+        ids = [tokenizer(" " + c, add_special_tokens=False)["input_ids"][0] for c in cs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"example {i}: choices {list(cs)} share a first token")
+        rows.append(ids)
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("every example needs the same number of choices")
+    return torch.tensor(rows)
+
+
+def _correct_and_margin(logp: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`[R, 2]`: 1.0 if the label's choice has the highest log-prob (ties wrong), and the margin
+    log p(label) - max log p(other choices)."""
+    lp = logp.gather(1, ids)
+    right = lp.gather(1, labels[:, None])[:, 0]
+    other = lp.scatter(1, labels[:, None], -torch.inf).max(-1).values
+    return torch.stack([(right > other).float(), right - other], -1)
+
+
+@dataclass
+class ActCalibration:
+    """Result of `calibrate_act_heads`.
+
+    Attributes:
+        accuracy: HeadScores, accuracy with ACT on that head alone minus the base accuracy.
+        margin: HeadScores, the same for the mean log-prob margin of the right choice (nats).
+        base_accuracy, base_margin: the uncalibrated model's values.
+        heads: the kept heads (score above the base by more than the margin `delta`).
+    """
+
+    accuracy: HeadScores
+    margin: HeadScores
+    base_accuracy: float
+    base_margin: float
+    heads: HeadSet
+
+
+def calibrate_act_heads(
+    model: HeadModel,
+    prompts: Sequence,
+    choices: Sequence[Sequence[str]],
+    labels: Sequence[int],
+    *,
+    beta: float = 0.4,
+    rule: SinkRule | None = None,
+    heads: Sequence[Head] | None = None,
+    chat: bool | None = False,
+    keep: Literal["accuracy", "margin"] = "accuracy",
+    delta: float = 0.0,
+    max_rows: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> ActCalibration:
+    """Score every candidate head with ACT applied to it alone; keep the heads that help.
+
+    Args:
+        prompts, choices, labels: a choice task (N prompts; each with the same number of
+            choices, scored by the first token of `" " + choice`; `labels` index the right one).
+        beta, rule: ACT's parameters (default 0.4, relative rule).
+        heads: candidates (default all heads of layers 2..L-2).
+        keep: `"accuracy"` (paper: acc_h > acc_0 + delta) or `"margin"` (mean log-prob margin
+            above the base by more than delta; finer-grained on small calibration sets).
+        max_rows: batch rows per forward.
+
+    Raises:
+        ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.
+    """
+    from .act import Act
+
+    Act(beta=beta)  # validates beta
+    rule = rule or SinkRule()
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
+        raise ValueError(f"delta must be a finite number, got {delta!r}")
+    if keep not in ("accuracy", "margin"):
+        raise ValueError(f"keep must be 'accuracy' or 'margin', got {keep!r}")
+    enc = encode_prompts(model.tokenizer, list(prompts), chat=chat, markup=False)
+    if not len(choices) == len(labels) == enc.batch:
+        raise ValueError(f"{enc.batch} prompts, {len(choices)} choice lists and {len(labels)} labels")
+    ids = choice_ids(model.tokenizer, choices)
+    lab = torch.tensor(list(labels))
+    if ((lab < 0) | (lab >= ids.shape[1])).any():
+        raise ValueError(f"labels must be in 0..{ids.shape[1] - 1}")
+    if heads is None:
+        heads = [(la, h) for la in default_act_layers(model.n_layers) for h in range(model.n_heads)]
+    heads = [tuple(h) for h in heads]
+    if not heads:
+        raise ValueError("no heads to calibrate")
+    for layer, head in heads:
+        model.check_head(layer, head)
+    real = enc.attention_mask.bool()
+
+    def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
+        masks = row_head_masks(model, rows)
+        kr = real[ps, trim:]
+        return [ActEdit(layer=la, row_heads=m, key_real=kr, beta=beta, rule=rule) for la, m in masks.items()]
+
+    def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+        return _correct_and_margin(logp, ids[ps], lab[ps])
+
+    clean = clean_run(model, enc)
+    base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
+    got = evaluate_variants(
+        model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=progress
+    ).mean(1)  # [K, 2]
+    tables = torch.full((2, model.n_layers, model.n_heads), float("nan"))
+    for k, (layer, head) in enumerate(heads):
+        tables[:, layer, head] = got[k] - base
+    params = {"beta": beta, "rule": rule.rule, "n_prompts": enc.batch, "keep": keep, "delta": delta}
+    acc = HeadScores(tables[0], "act_accuracy_gain", dict(params), model.name, model.n_kv_heads)
+    mar = HeadScores(tables[1], "act_margin_gain", dict(params), model.name, model.n_kv_heads)
+    table = acc if keep == "accuracy" else mar
+    kept = HeadSet((la, h) for la, h in heads if table.scores[la, h].item() > delta)
+    return ActCalibration(acc, mar, float(base[0]), float(base[1]), kept)
