@@ -104,6 +104,10 @@ def profile_heads(
     if model.tokenizer is None:
         raise ValueError("PASTA profiling needs a HeadModel with a tokenizer")
     Pasta(heads=[], alpha=alpha)  # validates alpha
+    if emphasize is not None:
+        if len(emphasize) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(emphasize)} emphasized spans")
+        emphasize = [[e] for e in emphasize]  # batch-major: one span per prompt
     enc = encode_prompts(model.tokenizer, list(prompts), emphasize=emphasize, chat=chat)
     if len(targets) != enc.batch:
         raise ValueError(f"{enc.batch} prompts but {len(targets)} targets")

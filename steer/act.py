@@ -53,8 +53,9 @@ def calibrate_rows(probs: torch.Tensor, sinks: torch.Tensor, beta: float) -> tor
 
 
 def default_act_layers(n_layers: int) -> range:
-    """Layers 2 .. L-2 (reference LLaMA path: 2..30 of 32; SmolLM2: 2..28)."""
-    return range(2, max(2, n_layers - 1))
+    """Layers 2 .. L-2 (reference LLaMA path: 2..30 of 32; SmolLM2: 2..28); every layer for
+    models too shallow to have any (fewer than 4 layers)."""
+    return range(2, n_layers - 1) if n_layers >= 4 else range(n_layers)
 
 
 @dataclass(eq=False, repr=False)

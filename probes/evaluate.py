@@ -1,0 +1,211 @@
+"""Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
+
+Methods: `none` (the unsteered model), `pasta`, `spotlight` (both need the task's emphasized
+span) and `act`. Choice tasks are scored from last-position log-probs (argmax over each
+choice's first token, `steer.act_calibration.choice_ids`); generate tasks by greedy generation
+through `SteeredModel.generate` (KV cache on) and the task's text metrics:
+
+| task | metrics |
+|---|---|
+| json_format | `json_valid` (a parseable JSON object), `field_accuracy` (name and occupation right) |
+| pronoun_change | `no_she_he` (no she/he/her/his/him left), `occupation_named` |
+| occupation | `top1` over the 15 occupations |
+| counterfact | `efficacy` (P(new fact) > P(old fact)) |
+| sentiment | `accuracy` |
+
+Binary metrics get a Wilson interval, means a normal-approximation interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from heads import HeadModel, encode_prompts
+from heads.engine import editing
+from heads.scores import HeadSet
+
+from .task_metrics import choice_correct, json_metrics, mean_interval, no_pronoun, wilson_interval
+from .tasks import TaskExample, load_task
+
+__all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
+
+METHODS = ("none", "pasta", "spotlight", "act")
+
+
+@dataclass
+class EvalResult:
+    """`table`: one row per metric (`task, method, split, metric, value, n, low, high`);
+    `examples`: one row per example (id, per-example metric values, output text if generated)."""
+
+    table: pd.DataFrame
+    examples: pd.DataFrame
+
+
+def method_steer(
+    model: HeadModel,
+    method: str,
+    *,
+    pasta_heads=None,
+    alpha: float = 0.01,
+    tau: float = 0.1,
+    act_heads=None,
+    beta: float = 0.4,
+) -> list:
+    """The interventions of `method` (a list, empty for `none`).
+
+    `pasta_heads` / `act_heads`: any head selection `HeadSet.parse` accepts, or None for the
+    shipped profile of the embedded model (`steer.profiles`).
+
+    Raises:
+        ValueError: unknown method, or no head selection and no shipped profile for this model.
+    """
+    from steer import Pasta, Spotlight
+    from steer.act import Act
+    from steer.profiles import shipped_profile
+
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if method == "none":
+        return []
+    if method == "spotlight":
+        return [Spotlight(tau=tau)]
+    kind = "pasta" if method == "pasta" else "act"
+    heads = pasta_heads if method == "pasta" else act_heads
+    if heads is None:
+        heads = shipped_profile(kind, model.name)
+    heads = HeadSet.parse(heads, model.n_layers, model.n_heads)
+    return [Pasta(heads=heads, alpha=alpha)] if method == "pasta" else [Act(heads=heads, beta=beta)]
+
+
+def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, batch_size: int, step):
+    from steer.act_calibration import choice_ids
+
+    rows = []
+    for a in range(0, len(examples), batch_size):
+        chunk = examples[a : a + batch_size]
+        emph = [[e.emphasize] for e in chunk] if all(e.emphasize for e in chunk) else None
+        enc = encode_prompts(
+            model.tokenizer, [e.prompt for e in chunk], emphasize=emph, chat=chunk[0].chat, markup=False
+        )
+        ids = choice_ids(model.tokenizer, [e.choices for e in chunk])
+        edits = [e for s in steer for e in s.edits(model, enc)]
+        pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad(), editing(model, edits):
+            out = model.model(
+                input_ids=enc.input_ids.to(model.device),
+                attention_mask=enc.attention_mask.to(model.device),
+                position_ids=pos.to(model.device),
+                logits_to_keep=1,
+            )
+        lp = torch.log_softmax(out.logits[:, -1].float().cpu(), -1).gather(1, ids)
+        for e, row in zip(chunk, lp, strict=True):
+            ok = choice_correct(row.tolist(), e.label)  # ties count as wrong
+            rows.append({"id": e.id, "correct": ok, "predicted": e.choices[int(row.argmax())]})
+        step(len(chunk))
+    return rows
+
+
+def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max_new_tokens, step):
+    from steer import SteeredModel
+
+    sm = SteeredModel(model)
+    rows = []
+    for a in range(0, len(examples), batch_size):
+        chunk = examples[a : a + batch_size]
+        gen = sm.generate(
+            [e.prompt for e in chunk],
+            steer,
+            emphasize=[[e.emphasize] for e in chunk],
+            chat=chunk[0].chat,
+            markup=False,
+            max_new_tokens=max_new_tokens,
+        )
+        for e, text in zip(chunk, gen.texts, strict=True):
+            row = {"id": e.id, "output": text}
+            if task == "json_format":
+                m = json_metrics(text, e.fields)
+                row |= {"json_valid": bool(m["json_valid"]), "field_accuracy": float(m["field_accuracy"])}
+            else:
+                row |= {
+                    "no_she_he": no_pronoun(text),
+                    "occupation_named": e.fields["occupation"].lower() in text.lower(),
+                }
+            rows.append(row)
+        step(len(chunk))
+    return rows
+
+
+_METRICS = {
+    "json_format": [("json_valid", "binary"), ("field_accuracy", "mean")],
+    "pronoun_change": [("no_she_he", "binary"), ("occupation_named", "binary")],
+    "occupation": [("top1", "correct")],
+    "counterfact": [("efficacy", "correct")],
+    "sentiment": [("accuracy", "correct")],
+}
+
+
+def evaluate(
+    model: HeadModel,
+    task: str,
+    method: str = "none",
+    *,
+    split: str = "test",
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 48,
+    progress: Callable[[int], None] | None = None,
+    **method_options,
+) -> EvalResult:
+    """Run `method` on `task` (`probes.tasks.TASKS`) and score it.
+
+    Args:
+        split: "train", "validation" or "test" (default).
+        limit: the first `limit` examples of the split (default all).
+        batch_size: prompts per forward / generate call.
+        max_new_tokens: generation length for generate tasks (greedy).
+        progress: called with the number of examples finished in each batch.
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
+
+    Raises:
+        ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
+            without an emphasized span.
+    """
+    examples = load_task(task, split).examples
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        examples = examples[:limit]
+    if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
+        raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
+    steer = method_steer(model, method, **method_options)
+    step = progress or (lambda n: None)
+    if examples[0].scoring == "choice":
+        rows = _choice_rows(model, examples, steer, batch_size, step)
+    else:
+        rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
+    frame = pd.DataFrame(rows)
+    out = []
+    for name, kind in _METRICS[task]:
+        col = "correct" if kind == "correct" else name
+        vals = frame[col].astype(float).to_numpy()
+        if kind == "mean":
+            low, high = mean_interval(vals) if len(vals) > 1 else (float("nan"), float("nan"))
+        else:
+            low, high = wilson_interval(int(vals.sum()), len(vals))
+        out.append(
+            {
+                "task": task,
+                "method": method,
+                "split": split,
+                "metric": name,
+                "value": float(vals.mean()),
+                "n": len(vals),
+                "low": low,
+                "high": high,
+            }
+        )
+    return EvalResult(pd.DataFrame(out), frame)
