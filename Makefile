@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.headsteer-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench lint venv clean chromium
+.PHONY: demo test bench results lint venv clean chromium
 
 venv: $(STAMP)
 
@@ -34,9 +34,17 @@ chromium:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# head_scoring.py compares against a TransformerLens TransformerBridge loop: installed here only.
 bench: $(STAMP)
+	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[bench]'
 	$(PY) benchmarks/steering_overhead.py
 	$(PY) benchmarks/maps.py
+	$(PY) benchmarks/head_scoring.py
+	$(PY) benchmarks/profiling.py
+
+# The README's Results table: headsteer eval, every method on every task (about 30 minutes).
+results: $(STAMP)
+	benchmarks/eval_results.sh
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) out results

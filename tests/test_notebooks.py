@@ -30,3 +30,5 @@ def test_notebook_runs(path, tmp_path):
         assert "baseline:" in text and "PASTA   :" in text
     if path.name.startswith("02_"):
         assert "implements" in text or "strongest" in text  # the describe() line
+    if path.name.startswith("03_"):
+        assert "SpotLight:" in text and "mean share on the first token" in text

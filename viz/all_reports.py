@@ -26,7 +26,7 @@ def all_reports(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     say("attention report: scoring heads and steering the demo prompt")
-    heads = choose_heads(model, DEMO_PROMPT, "auto", DEFAULT_TOP_K)
+    heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
     comp = compare(model, DEMO_PROMPT, heads, max_new_tokens=48)
     att, csv, _ = attention_report(model, DEMO_PROMPT, out / "attention.html", comparison=comp)
     maps, _ = maps_report(model, out / "maps.html", draws=draws, n_prompts=n_prompts, progress=say)

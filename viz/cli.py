@@ -64,11 +64,12 @@ def generate(
     pasta_heads: Annotated[
         str,
         typer.Option(
-            help='"auto" (top-k heads by span attention, a heuristic) or a {"layer": [heads]} JSON file'
+            help='"auto" (the shipped PASTA profile of the embedded model, else "span"), "span" '
+            '(top-k heads by attention on the span, a heuristic) or a {"layer": [heads]} JSON file'
         ),
     ] = "auto",
     alpha: Annotated[float, typer.Option(help="PASTA scaling for tokens outside the span")] = 0.01,
-    top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads auto")] = 20,
+    top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads span")] = 20,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     emphasize: EmphasizeOpt = None,
     model: ModelOpt = None,
@@ -82,7 +83,7 @@ def generate(
 
     try:
         Pasta({}, alpha=alpha)  # check alpha before loading anything
-        if pasta_heads != "auto" and not len(HeadSet.parse(pasta_heads)):
+        if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):
             raise ValueError(f"head file {pasta_heads!r} selects no heads")
         _positive(top_k=top_k, max_new_tokens=max_new_tokens)
         hm = _load(model)

@@ -35,9 +35,9 @@ def run_demo(out: str | Path = "out", *, max_new_tokens: int = 48, console: Cons
         hm = load_model()
     console.print(Panel(escape(DEMO_PROMPT), title="prompt (the **span** is emphasized)"))
     with console.status("scoring heads and generating…"):
-        heads = choose_heads(hm, DEMO_PROMPT, "auto", DEFAULT_TOP_K)
+        heads = choose_heads(hm, DEMO_PROMPT, "span", DEFAULT_TOP_K)
         res = compare(hm, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens)
-    table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (auto: top span attention)")
+    table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (top span attention)")
     table.add_column("baseline", ratio=1)
     table.add_column("PASTA-steered", ratio=1)
     table.add_row(escape(res.baseline), escape(res.steered))

@@ -20,13 +20,25 @@ DEFAULT_TOP_K = 20
 def choose_heads(
     model: HeadModel, prompt: str, spec: str, top_k: int = DEFAULT_TOP_K, *, emphasize=None
 ) -> HeadSet:
-    """`spec` = "auto" (top-k heads by attention mass on the span: a heuristic) or a JSON file.
+    """The PASTA heads for `spec`:
+
+    * `"auto"`: the shipped multi-task PASTA profile for the embedded model
+      (`steer.profiles`); for any other model, the `"span"` heuristic;
+    * `"span"`: the `top_k` heads by attention mass on the prompt's span (a heuristic);
+    * a path to a `{"layer": [heads]}` JSON file.
 
     Raises:
         ValueError: bad `top_k`, bad file contents, unknown heads, or no span in `prompt`.
         FileNotFoundError: missing file.
     """
     if spec == "auto":
+        from steer.profiles import shipped_profile
+
+        try:
+            spec = shipped_profile("pasta", model.name)
+        except ValueError:
+            spec = "span"
+    if spec == "span":
         return span_attention(model, prompt, emphasize=emphasize).top(top_k)
     return HeadSet.parse(spec, model.n_layers, model.n_heads)
 
@@ -98,7 +110,7 @@ def attention_report(
         seconds=None,
     )
     rep.figure(
-        "Span attention mass per head (red: top-k, used by --pasta-heads auto)",
+        "Span attention mass per head (red: top-k, used by --pasta-heads span)",
         head_heatmap(scores, top_k=top, title="share of last-position attention on the span"),
     )
     rep.table("Top heads", frame.sort_values(["score", "layer", "head"], ascending=[False, True, True]))
