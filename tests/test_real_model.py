@@ -64,3 +64,48 @@ def test_demo_answer_changes_and_model_is_restored(smol):
     assert res.steered != res.baseline
     assert res.steered.lstrip().startswith("{")  # the buried JSON instruction is followed
     assert torch.equal(forward(smol, enc), before)
+
+
+def test_spotlight_lands_each_row_on_tau(smol):
+    """SpotLight, row granularity, odds form: every steered row's span share becomes tau."""
+    from steer import Spotlight
+
+    enc = encode_prompts(smol.tokenizer, DEMO_PROMPT)
+    g = enc.span_mask()[0]
+    base, after = Recorder(layer=10), Recorder(layer=10)
+    edits = [e for e in Spotlight(tau=0.3, granularity="row").edits(smol, enc) if e.layer == 10]
+    with editing(smol, [base, *edits, after]):
+        forward(smol, enc)
+    w, w2 = base.records[0][0], after.records[0][0]
+    psi, psi2 = w[..., g].sum(-1), w2[..., g].sum(-1)
+    low = (psi > 0) & (psi < 0.3)
+    assert low.sum() > 50  # the instruction gets little attention in most rows
+    torch.testing.assert_close(psi2[low], torch.full_like(psi2[low], 0.3), atol=1e-5, rtol=0)
+    assert torch.equal(w2[psi >= 0.3], w[psi >= 0.3])
+
+
+def test_act_moves_sink_mass_by_beta(smol):
+    """ACT on the real model: flagged sinks keep exactly beta of their attention, rows sum to 1."""
+    from steer.act import Act
+
+    enc = encode_prompts(smol.tokenizer, DEMO_PROMPT)
+    edits = Act(heads={12: list(range(9))}).edits(smol, enc)
+    base, after = Recorder(layer=12), Recorder(layer=12)
+    with editing(smol, [base, *edits, after]):
+        forward(smol, enc)
+    s = edits[0].sinks[0]  # [H, T]
+    assert s.any()
+    w, w2 = base.records[0][0], after.records[0][0]
+    mask = s[:, None, :].expand_as(w)
+    torch.testing.assert_close(w2[mask], 0.4 * w[mask], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(w2.sum(-1), torch.ones_like(w2.sum(-1)), atol=1e-5, rtol=0)
+    assert not s[:, 0].any()  # the first position is exempt, however much attention it gets
+
+
+def test_shipped_profiles_load_on_the_embedded_model(smol):
+    from heads import HeadSet
+    from steer.profiles import shipped_profile
+
+    for kind in ("pasta", "act"):
+        heads = HeadSet.parse(shipped_profile(kind, smol.name), smol.n_layers, smol.n_heads)
+        assert len(heads) >= 1
