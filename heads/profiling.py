@@ -25,7 +25,7 @@ from .edits import Edit
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts
 from .scores import HeadScores, HeadSet, _positive_int
-from .variants import clean_run, evaluate_variants, row_head_masks
+from .variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
 __all__ = ["profile_heads", "select_heads", "target_ids"]
 
@@ -113,13 +113,7 @@ def profile_heads(
         raise ValueError(f"{enc.batch} prompts but {len(targets)} targets")
     tgt = target_ids(model.tokenizer, targets)
     starts = _first_span_start(enc)
-    if heads is None:
-        heads = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
-    heads = [tuple(h) for h in heads]
-    if not heads:
-        raise ValueError("no heads to profile")
-    for layer, head in heads:
-        model.check_head(layer, head)
+    heads = check_heads(model, heads)
     bias = pasta_column_bias(enc, alpha)  # [N, T]
 
     def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:

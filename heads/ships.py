@@ -26,7 +26,15 @@ from .edits import Edit, HeadScale, QueryScale
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores
-from .variants import RowEdits, RowScore, check_max_rows, clean_run, evaluate_variants, row_head_masks
+from .variants import (
+    RowEdits,
+    RowScore,
+    check_heads,
+    check_max_rows,
+    clean_run,
+    evaluate_variants,
+    row_head_masks,
+)
 
 __all__ = [
     "TEMPLATE",
@@ -164,14 +172,7 @@ def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> t
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps):
         raise ValueError(f"eps must be a finite number, got {eps!r}")
     check_max_rows(max_rows)
-    if heads is None:
-        heads = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
-    heads = [tuple(x) for x in heads]
-    if not heads:
-        raise ValueError("no heads to score")
-    for layer, head in heads:
-        model.check_head(layer, head)
-    return (0.0 if exact else float(eps)), heads
+    return (0.0 if exact else float(eps)), check_heads(model, heads)
 
 
 @dataclass

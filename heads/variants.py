@@ -32,7 +32,15 @@ from .model import HeadModel
 from .prefix import starting_at
 from .prompts import EncodedPrompts
 
-__all__ = ["CleanRun", "check_max_rows", "clean_run", "evaluate_variants", "first_layer", "row_head_masks"]
+__all__ = [
+    "CleanRun",
+    "check_heads",
+    "check_max_rows",
+    "clean_run",
+    "evaluate_variants",
+    "first_layer",
+    "row_head_masks",
+]
 
 Head = tuple[int, int]
 RowEdits = Callable[[list[Sequence[Head]], torch.Tensor, int], list[Edit]]
@@ -153,6 +161,26 @@ def row_head_masks(model: HeadModel, rows: Sequence[Sequence[Head]]) -> dict[int
             model.check_head(layer, head)
             masks.setdefault(layer, torch.zeros(len(rows), model.n_heads, dtype=torch.bool))[r, head] = True
     return dict(sorted(masks.items()))
+
+
+def check_heads(
+    model: HeadModel, heads: Sequence[Sequence[int]] | None, layers: Sequence[int] | None = None
+) -> list[Head]:
+    """`heads` as a checked list of `(layer, head)` tuples; None means every head of `layers`
+    (default all layers).
+
+    Raises:
+        ValueError: an empty selection, or an unknown layer/head.
+    """
+    if heads is None:
+        layers = range(model.n_layers) if layers is None else layers
+        heads = [(la, h) for la in layers for h in range(model.n_heads)]
+    heads = [tuple(h) for h in heads]
+    if not heads:
+        raise ValueError("no heads selected")
+    for layer, head in heads:
+        model.check_head(layer, head)
+    return heads
 
 
 def check_max_rows(max_rows: object) -> int:

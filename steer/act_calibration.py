@@ -20,7 +20,7 @@ from heads.model import HeadModel
 from heads.prompts import encode_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
-from heads.variants import clean_run, evaluate_variants, row_head_masks
+from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
 from .act import ActEdit, default_act_layers
 
@@ -118,13 +118,7 @@ def calibrate_act_heads(
     lab = torch.tensor(list(labels))
     if ((lab < 0) | (lab >= ids.shape[1])).any():
         raise ValueError(f"labels must be in 0..{ids.shape[1] - 1}")
-    if heads is None:
-        heads = [(la, h) for la in default_act_layers(model.n_layers) for h in range(model.n_heads)]
-    heads = [tuple(h) for h in heads]
-    if not heads:
-        raise ValueError("no heads to calibrate")
-    for layer, head in heads:
-        model.check_head(layer, head)
+    heads = check_heads(model, heads, default_act_layers(model.n_layers))
     real = enc.attention_mask.bool()
 
     def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
