@@ -24,7 +24,11 @@ from heads.variants import check_heads, clean_run, evaluate_variants, row_head_m
 
 from .act import ActEdit, default_act_layers
 
-__all__ = ["ActCalibration", "calibrate_act_heads", "choice_ids"]
+__all__ = ["NOISE", "ActCalibration", "calibrate_act_heads", "choice_ids"]
+
+NOISE = 1e-4
+"""Gains within this of `delta` are float rounding (batch layout changes fp32 sums by ~1e-6),
+never a reason to keep a head: a no-op edit must select nothing."""
 
 Head = tuple[int, int]
 
@@ -64,7 +68,7 @@ class ActCalibration:
         accuracy: HeadScores, accuracy with ACT on that head alone minus the base accuracy.
         margin: HeadScores, the same for the mean log-prob margin of the right choice (nats).
         base_accuracy, base_margin: the uncalibrated model's values.
-        heads: the kept heads (score above the base by more than the margin `delta`).
+        heads: the kept heads (gain above `delta` by more than float noise, `NOISE`).
     """
 
     accuracy: HeadScores
@@ -97,7 +101,8 @@ def calibrate_act_heads(
         beta, rule: ACT's parameters (default 0.4, relative rule).
         heads: candidates (default all heads of layers 2..L-2).
         keep: `"accuracy"` (paper: acc_h > acc_0 + delta) or `"margin"` (mean log-prob margin
-            above the base by more than delta; finer-grained on small calibration sets).
+            above the base by more than delta; finer-grained on small calibration sets). A gain
+            must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
         max_rows: batch rows per forward.
 
     Raises:
@@ -141,5 +146,5 @@ def calibrate_act_heads(
     acc = HeadScores(tables[0], "act_accuracy_gain", dict(params), model.name, model.n_kv_heads)
     mar = HeadScores(tables[1], "act_margin_gain", dict(params), model.name, model.n_kv_heads)
     table = acc if keep == "accuracy" else mar
-    kept = HeadSet((la, h) for la, h in heads if table.scores[la, h].item() > delta)
+    kept = HeadSet((la, h) for la, h in heads if table.scores[la, h].item() > delta + NOISE)
     return ActCalibration(acc, mar, float(base[0]), float(base[1]), kept)

@@ -218,3 +218,14 @@ def test_bad_input(tiny_llama):
         calibrate_act_heads(tiny_llama, ["a b"], [["yes", "yes"]], [0])
     with pytest.raises(ValueError, match="prompts"):
         calibrate_act_heads(tiny_llama, ["a b", "c"], [["yes", "no"]], [0])
+
+
+def test_noop_calibration_keeps_no_head(tiny_llama):
+    """beta = 1 changes nothing: float noise from batch packing must not select heads."""
+    prompts = ["Is the sky blue? Answer:", "Is grass red? Answer:"]
+    for keep in ("margin", "accuracy"):
+        cal = calibrate_act_heads(
+            tiny_llama, prompts, [["yes", "no"]] * 2, [0, 1], beta=1.0, keep=keep, max_rows=3
+        )
+        assert len(cal.heads) == 0
+        assert cal.margin.scores.nan_to_num().abs().max() < 1e-4
