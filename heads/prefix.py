@@ -15,6 +15,7 @@ see exactly the inputs of a full run. Hooks on the skipped layers still fire, wh
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,8 +42,9 @@ def starting_at(model: HeadModel, layer: int, residual: torch.Tensor | None) -> 
 
     The model is restored on exit, also after an exception. Not re-entrant per model.
     """
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < model.n_layers:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < model.n_layers:
         raise ValueError(f"layer must be an int in 0..{model.n_layers - 1}, got {layer!r}")
+    layer = int(layer)
     if layer == 0:
         yield
         return

@@ -23,7 +23,7 @@ import torch
 
 from .edits import Edit
 from .model import HeadModel
-from .prompts import EncodedPrompts, encode_prompts
+from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores, HeadSet, _positive_int
 from .variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
@@ -104,11 +104,21 @@ def profile_heads(
     if model.tokenizer is None:
         raise ValueError("PASTA profiling needs a HeadModel with a tokenizer")
     Pasta(heads=[], alpha=alpha)  # validates alpha
+    if not isinstance(reuse_positions, bool):
+        raise TypeError(f"reuse_positions must be a bool, got {reuse_positions!r}")
+    items, single = normalize_prompts(prompts)
+    if isinstance(targets, str):
+        if not single:
+            raise TypeError("targets must be a list of strings, one per prompt")
+        targets = [targets]
     if emphasize is not None:
-        if len(emphasize) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(emphasize)} emphasized spans")
-        emphasize = [[e] for e in emphasize]  # batch-major: one span per prompt
-    enc = encode_prompts(model.tokenizer, list(prompts), emphasize=emphasize, chat=chat)
+        if single and not isinstance(emphasize, (list, tuple)):
+            emphasize = [emphasize]
+        if isinstance(emphasize, (str, bytes)) or len(emphasize) != len(items):
+            raise ValueError(f"{len(items)} prompts but emphasize={emphasize!r}: give one span per prompt")
+        # batch-major: one span (or a list of spans) per prompt
+        emphasize = [e if isinstance(e, (list, tuple)) else [e] for e in emphasize]
+    enc = encode_prompts(model.tokenizer, items, emphasize=emphasize, chat=chat)
     if len(targets) != enc.batch:
         raise ValueError(f"{enc.batch} prompts but {len(targets)} targets")
     tgt = target_ids(model.tokenizer, targets)
@@ -153,8 +163,17 @@ def select_heads(
     Raises:
         ValueError: no profiles, bad `k`, unknown mode, or `mode="task"` without a known task.
     """
-    if not profiles:
-        raise ValueError("no task profiles to select from")
+    if not isinstance(profiles, Mapping) or not profiles:
+        raise ValueError(f"profiles must be a non-empty {{task: HeadScores}} mapping, got {profiles!r}")
+    shapes = set()
+    for name, p in profiles.items():
+        if not isinstance(p, HeadScores):
+            raise TypeError(f"profile {name!r} must be a HeadScores, got {type(p).__name__}")
+        shapes.add(tuple(p.scores.shape))
+    if len(shapes) > 1:
+        raise ValueError(f"profiles come from models of different shapes: {sorted(shapes)}")
+    if task is not None and mode != "task":
+        raise ValueError(f"task= is only used with mode='task', got mode={mode!r}")
     k = _positive_int(k)
     tops = {name: set(p.ranked(k)) for name, p in profiles.items()}
     if mode == "task":

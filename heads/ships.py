@@ -16,6 +16,7 @@ carrying its own per-layer head mask (`row_heads`). Ablations:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -95,7 +96,9 @@ def _encode(model: HeadModel, prompts, template: str | None) -> EncodedPrompts:
     items, _ = normalize_prompts(prompts)
     if not all(isinstance(p, str) for p in items):
         raise TypeError("safety-head scoring takes plain string prompts")
-    texts = [template.format(query=p) if template else p for p in items]
+    if template is not None and (not isinstance(template, str) or "{query}" not in template):
+        raise ValueError(f"template must be None or a string containing '{{query}}', got {template!r}")
+    texts = [template.replace("{query}", p) if template is not None else p for p in items]
     return encode_prompts(model.tokenizer, texts, chat=False, markup=False)
 
 
@@ -135,6 +138,17 @@ def _shard(heads: list[Head], shard: tuple[int, int] | None) -> list[Head]:
     return heads[shard[0] :: shard[1]]
 
 
+def _encode_dataset(model: HeadModel, prompts, template: str | None, r_main: object) -> EncodedPrompts:
+    """Encode prompts for a dataset-level score: at least 2 prompts (one final state spans a
+    1-dimensional space whose angle to any other is 0) and `r_main` in 1..N."""
+    enc = _encode(model, prompts, template)
+    if enc.batch < 2:
+        raise ValueError("dataset-level Ships / Sahara need at least 2 prompts")
+    if isinstance(r_main, bool) or not isinstance(r_main, numbers.Integral) or not 1 <= r_main <= enc.batch:
+        raise ValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")
+    return enc
+
+
 def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
     """Merge the HeadScores of shards (NaN = not scored in that shard).
 
@@ -148,6 +162,10 @@ def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
     for p in parts:
         if p.scores.shape != first.scores.shape or p.method != first.method:
             raise ValueError("shards differ in shape or method")
+        if p.params != first.params or p.model != first.model:
+            raise ValueError(
+                f"shards were scored with different models or parameters: {p.params} vs {first.params}"
+            )
         seen = ~torch.isnan(p.scores)
         if (seen & ~torch.isnan(out)).any():
             raise ValueError("a head is scored in two shards")
@@ -169,8 +187,10 @@ def _head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) -
 def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> tuple[float, list[Head]]:
     if model.tokenizer is None:
         raise ValueError("safety-head scoring needs a HeadModel with a tokenizer")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps):
-        raise ValueError(f"eps must be a finite number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
+        raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool, got {exact!r}")
     check_max_rows(max_rows)
     return (0.0 if exact else float(eps)), check_heads(model, heads)
 
@@ -279,9 +299,9 @@ def dataset_ships(
     """
     eps, heads = _check(model, eps, exact, max_rows, heads)
     heads = _shard(heads, shard)
-    enc = _encode(model, prompts, template)
-    if isinstance(r_main, bool) or not isinstance(r_main, int) or not 1 <= r_main <= enc.batch:
-        raise ValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")
+    enc = _encode_dataset(model, prompts, template, r_main)
+    if not isinstance(degrees, bool):
+        raise TypeError(f"degrees must be a bool, got {degrees!r}")
     clean = clean_run(model, enc)
     states = evaluate_variants(
         model,
@@ -342,7 +362,7 @@ def sahara(
     eps, heads = _check(model, eps, exact, max_rows, heads)
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= len(heads):
         raise ValueError(f"steps must be an int in 1..{len(heads)}, got {steps!r}")
-    enc = _encode(model, prompts, template)
+    enc = _encode_dataset(model, prompts, template, r_main)
     clean = clean_run(model, enc)
     chosen: list[Head] = []
     tables = []

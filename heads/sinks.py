@@ -16,6 +16,7 @@ never sinks; columns seen by fewer than `min_support` real rows are not flagged.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -27,7 +28,7 @@ from .edits import Recorder
 from .engine import editing
 from .forward import forward
 from .model import HeadModel
-from .prompts import encode_prompts
+from .prompts import encode_prompts, normalize_prompts
 from .scores import HeadScores, _positive_int
 
 __all__ = ["SinkRule", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
@@ -113,6 +114,14 @@ class SinkStats:
 
 
 @torch.no_grad()
+def _check_rule(rule: object) -> SinkRule:
+    if rule is None:
+        return SinkRule()
+    if not isinstance(rule, SinkRule):
+        raise TypeError(f"rule must be a heads.sinks.SinkRule, e.g. SinkRule(rule='absolute'), got {rule!r}")
+    return rule
+
+
 def sink_stats(
     model: HeadModel, prompts: Sequence, *, rule: SinkRule | None = None, chat: bool | None = False
 ) -> SinkStats:
@@ -121,8 +130,8 @@ def sink_stats(
     Raises:
         ValueError: empty prompts, bad rule.
     """
-    rule = rule or SinkRule()
-    enc = encode_prompts(model.tokenizer, list(prompts), chat=chat, markup=False)
+    rule = _check_rule(rule)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
     real = enc.attention_mask.bool()
     first = real.float().argmax(-1)
     rows = torch.arange(enc.batch)
@@ -171,7 +180,11 @@ def massive_activations(model: HeadModel, prompts: Sequence, *, top: int = 10, c
     `position` counts from the first real token; `ratio_to_median` is |value| / the median
     |activation| of that layer.
     """
-    enc = encode_prompts(model.tokenizer, list(prompts), chat=chat, markup=False)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
+    real = enc.attention_mask.bool()
+    n_real = int(real.sum()) * model.d_model
+    if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 1 <= top <= n_real:
+        raise ValueError(f"top must be an int in 1..{n_real} (real tokens x d_model), got {top!r}")
     pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model.model(
         input_ids=enc.input_ids.to(model.device),
@@ -179,13 +192,13 @@ def massive_activations(model: HeadModel, prompts: Sequence, *, top: int = 10, c
         position_ids=pos.to(model.device),
         output_hidden_states=True,
     )
-    real = enc.attention_mask.bool()
     first = real.float().argmax(-1)
     tokens = [model.tokenizer.convert_ids_to_tokens(r) for r in enc.input_ids.tolist()]
     rows = []
     for la, h in enumerate(out.hidden_states):
-        x = h.float().cpu().abs() * real[..., None]
-        med = x[real].median().item()
+        mag = h.float().cpu().abs()
+        med = mag[real].median().item()
+        x = torch.where(real[..., None], mag, -1.0)  # padding never ranks
         vals, idx = x.flatten().topk(top)
         for v, i in zip(vals.tolist(), idx.tolist(), strict=True):
             b, rest = divmod(i, x.shape[1] * x.shape[2])

@@ -166,21 +166,22 @@ def row_head_masks(model: HeadModel, rows: Sequence[Sequence[Head]]) -> dict[int
 def check_heads(
     model: HeadModel, heads: Sequence[Sequence[int]] | None, layers: Sequence[int] | None = None
 ) -> list[Head]:
-    """`heads` as a checked list of `(layer, head)` tuples; None means every head of `layers`
-    (default all layers).
+    """`heads` as a checked, duplicate-free list of `(layer, head)` int tuples, sorted; None
+    means every head of `layers` (default all layers). Accepts what `HeadSet.parse` accepts
+    (pairs, a `{"layer": [heads]}` dict, a list of layers, a `HeadSet`, a JSON file).
 
     Raises:
-        ValueError: an empty selection, or an unknown layer/head.
+        ValueError / TypeError: an empty selection, a malformed item, an unknown layer/head.
     """
+    from .scores import HeadSet
+
     if heads is None:
         layers = range(model.n_layers) if layers is None else layers
         heads = [(la, h) for la in layers for h in range(model.n_heads)]
-    heads = [tuple(h) for h in heads]
-    if not heads:
+    selected = HeadSet.parse(heads, model.n_layers, model.n_heads)  # any form Pasta accepts
+    if not len(selected):
         raise ValueError("no heads selected")
-    for layer, head in heads:
-        model.check_head(layer, head)
-    return heads
+    return list(selected.heads)
 
 
 def check_max_rows(max_rows: object) -> int:
@@ -221,8 +222,17 @@ def evaluate_variants(
     enc = clean.enc
     n, width = enc.batch, enc.input_ids.shape[1]
     lengths = enc.attention_mask.sum(-1).tolist()
-    if unchanged_before is not None and clean.kv is None:
-        raise ValueError("position-prefix reuse needs clean_run(..., keep_kv=True)")
+    if isinstance(variants, (str, bytes)) or not isinstance(variants, Sequence) or not variants:
+        raise ValueError(f"variants must be a non-empty list of head sets, got {variants!r}")
+    variants = [check_heads(model, v) if len(v) else [] for v in variants]
+    if unchanged_before is not None:
+        if clean.kv is None:
+            raise ValueError("position-prefix reuse needs clean_run(..., keep_kv=True)")
+        if not isinstance(unchanged_before, torch.Tensor) or tuple(unchanged_before.shape) != (n,):
+            raise ValueError(
+                f"unchanged_before must be a [{n}] tensor of positions, got {unchanged_before!r}"
+            )
+        unchanged_before = unchanged_before.long()
     out: torch.Tensor | None = None
     done = 0
     for chunk in _row_chunks(variants, lengths, max_rows):

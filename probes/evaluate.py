@@ -174,6 +174,8 @@ def evaluate(
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
             without an emphasized span.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     examples = load_task(task, split).examples
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

@@ -9,6 +9,7 @@ first token). Heads are packed one per batch row on the shared variant engine
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -17,7 +18,7 @@ import torch
 
 from heads.edits import Edit
 from heads.model import HeadModel
-from heads.prompts import encode_prompts
+from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
@@ -37,11 +38,20 @@ def choice_ids(tokenizer, choices: Sequence[Sequence[str]]) -> torch.Tensor:
     """`[N, C]` first token of `" " + choice` for every example's choices.
 
     Raises:
-        ValueError: examples with different numbers of choices, or two choices of one example
-            sharing a first token.
+        TypeError: an example's choices are not a list of strings.
+        ValueError: fewer than 2 choices, an empty choice, examples with different numbers of
+            choices, or two choices of one example sharing a first token.
     """
     rows = []
     for i, cs in enumerate(choices):
+        if (
+            isinstance(cs, (str, bytes))
+            or not isinstance(cs, Sequence)
+            or not all(isinstance(c, str) for c in cs)
+        ):
+            raise TypeError(f"example {i}: choices must be a list of strings, got {cs!r}")
+        if len(cs) < 2 or not all(c.strip() for c in cs):
+            raise ValueError(f"example {i}: need at least 2 non-empty choices, got {list(cs)!r}")
         ids = [tokenizer(" " + c, add_special_tokens=False)["input_ids"][0] for c in cs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"example {i}: choices {list(cs)} share a first token")
@@ -110,17 +120,19 @@ def calibrate_act_heads(
     """
     from .act import Act
 
-    Act(beta=beta)  # validates beta
+    Act(beta=beta, rule=rule or SinkRule())  # validates beta and rule
     rule = rule or SinkRule()
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
         raise ValueError(f"delta must be a finite number, got {delta!r}")
     if keep not in ("accuracy", "margin"):
         raise ValueError(f"keep must be 'accuracy' or 'margin', got {keep!r}")
-    enc = encode_prompts(model.tokenizer, list(prompts), chat=chat, markup=False)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
     if not len(choices) == len(labels) == enc.batch:
         raise ValueError(f"{enc.batch} prompts, {len(choices)} choice lists and {len(labels)} labels")
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in labels):
+        raise TypeError(f"labels must be ints (indices into each example's choices), got {list(labels)!r}")
     ids = choice_ids(model.tokenizer, choices)
-    lab = torch.tensor(list(labels))
+    lab = torch.tensor([int(x) for x in labels])
     if ((lab < 0) | (lab >= ids.shape[1])).any():
         raise ValueError(f"labels must be in 0..{ids.shape[1] - 1}")
     heads = check_heads(model, heads, default_act_layers(model.n_layers))

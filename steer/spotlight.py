@@ -107,6 +107,12 @@ class SpotlightEdit(ProbEdit):
         prompt_len = self.span.shape[1]
         if not self.steer_decode and call.q_offset >= prompt_len:
             return probs
+        if self.granularity != "row" and 1 < call.q_len < call.k_len:
+            raise ValueError(
+                f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
+                f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row' for "
+                "prompts longer than heads.engine.QUERY_BLOCK"
+            )
         if self.span.shape[0] != call.batch:
             built = self.span.shape[0]
             raise ValueError(f"SpotLight was built for {built} prompts, the call has {call.batch} rows")
@@ -179,6 +185,16 @@ class Spotlight:
             raise ValueError(f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'")
         if not isinstance(self.steer_decode, bool):
             raise TypeError(f"steer_decode must be a bool, got {self.steer_decode!r}")
+        if self.layers is not None:
+            ls = self.layers
+            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)):
+                raise TypeError(f"layers must be None or a list of layer indices, got {ls!r}")
+            if not ls:
+                raise ValueError("layers is empty: SpotLight would steer nothing (None = every layer)")
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
+                raise TypeError(f"layers must be ints, got {ls!r}")
+            if len(set(ls)) != len(ls):
+                raise ValueError(f"layers has duplicates (each would steer again): {ls!r}")
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[SpotlightEdit]:
         """One `SpotlightEdit` per steered layer for the batch `enc`.
@@ -189,7 +205,7 @@ class Spotlight:
         self.validate()
         if not any(enc.spans):
             raise ValueError("SpotLight needs an emphasized span: mark it with **...** or pass emphasize=")
-        layers = range(model.n_layers) if self.layers is None else self.layers
+        layers = range(model.n_layers) if self.layers is None else [int(x) for x in self.layers]
         for layer in layers:
             model.check_head(layer, 0)
         span = enc.span_mask()

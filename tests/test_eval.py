@@ -141,6 +141,9 @@ def test_eval_and_profile_cli(tiny_llama_dir, tmp_path):
         (["eval", "--method", "none", "--task", "sentiment", "--split", "dev"], "unknown --split"),
         (["profile", "act", "--out", str(tmp_path / "a.json"), "--task", "json_format"], "choice task"),
         (["profile", "pasta", "--out", str(tmp_path / "a.txt")], ".json"),
+        (["profile", "pasta", "--out", str(tmp_path / "b.json"), "--heads", "1000"], "more than"),
+        (["eval", "--method", "none", "--task", "sentiment", "--limit", "0"], "--limit"),
+        (["eval", "--method", "none", "--task", "sentiment", "--out", str(tmp_path)], "folder"),
     ):
         r = runner.invoke(app, [*bad, "--model", tiny_llama_dir])
         assert r.exit_code == 2 and msg in r.output, (bad, r.output)

@@ -68,7 +68,11 @@ def eval_command(
             raise ValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
         if split not in SPLITS:
             raise ValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
-        _positive(batch_size=batch_size, max_new_tokens=max_new_tokens, **({"limit": limit} if limit else {}))
+        _positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
+        if limit is not None:
+            _positive(limit=limit)
+        if out is not None and out.is_dir():
+            raise ValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
         if out is not None and out.suffix.lower() != ".csv":
             raise ValueError(f"--out must name a .csv file, got {str(out)!r}")
         n = len(load_task(task, split).examples)
@@ -162,6 +166,8 @@ def profile_pasta(
                 raise ValueError(f"task {t!r} has no emphasized span to profile PASTA on")
         hm = _load(model)
         n_heads = hm.n_layers * hm.n_heads
+        if heads > n_heads:
+            raise ValueError(f"--heads {heads} is more than the model's {n_heads} heads")
         bar, step = _progress(len(tasks) * n_heads)
         profiles = {}
         with bar:
@@ -177,7 +183,8 @@ def profile_pasta(
                     task=t,
                     progress=_ticker(step, f"profiling {t}"),
                 )
-        k = next(k for k in range(1, n_heads + 1) if len(select_heads(profiles, k, mode=mode)) >= heads)
+        sizes = (k for k in range(1, n_heads + 1) if len(select_heads(profiles, k, mode=mode)) >= heads)
+        k = next(sizes, n_heads)
         chosen = select_heads(profiles, k, mode=mode)
         out.parent.mkdir(parents=True, exist_ok=True)
         chosen.save(out)
