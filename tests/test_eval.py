@@ -73,8 +73,9 @@ def test_eval_and_profile_cli(tiny_llama_dir, tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rows[0]["metric"] == "top1" and rows[0]["n"] == 3
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = data["table"]
+    assert rows[0]["metric"] == "top1" and rows[0]["n"] == 3 and data["csv"] == str(out)
     assert out.exists() and out.with_suffix(".examples.csv").exists()
     prof = tmp_path / "pasta.json"
     r = runner.invoke(
@@ -131,6 +132,8 @@ def test_eval_and_profile_cli(tiny_llama_dir, tmp_path):
             str(prof),
             "--model",
             tiny_llama_dir,
+            "--out",
+            str(tmp_path / "act.csv"),
             "--quiet",
         ],
     )

@@ -50,7 +50,10 @@ def eval_command(
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
-        Path | None, typer.Option(help="CSV for the table (per-example rows go beside it)")
+        Path | None,
+        typer.Option(
+            help="CSV for the table, per-example rows beside it [default: results/TASK.METHOD.SPLIT.csv]"
+        ),
     ] = None,
     model: ModelOpt = None,
     quiet: QuietOpt = False,
@@ -71,9 +74,11 @@ def eval_command(
         _positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
         if limit is not None:
             _positive(limit=limit)
-        if out is not None and out.is_dir():
+        if out is None:
+            out = Path("results") / f"{task}.{method}.{split}.csv"
+        if out.is_dir():
             raise ValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
-        if out is not None and out.suffix.lower() != ".csv":
+        if out.suffix.lower() != ".csv":
             raise ValueError(f"--out must name a .csv file, got {str(out)!r}")
         n = len(load_task(task, split).examples)
         hm = _load(model)
@@ -94,14 +99,13 @@ def eval_command(
                 tau=tau,
                 beta=beta,
             )
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            res.table.to_csv(out, index=False)
-            res.examples.to_csv(out.with_suffix(".examples.csv"), index=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        res.table.to_csv(out, index=False)
+        res.examples.to_csv(out.with_suffix(".examples.csv"), index=False)
     except USER_ERRORS as exc:
         _fail(exc)
     if as_json:
-        print(_json(res.table.to_dict(orient="records")))
+        print(_json({"table": res.table.to_dict(orient="records"), "csv": str(out)}))
         return
     table = Table(title=f"{task} ({split}) — {method}")
     for col in ("metric", "value", "n", "95% interval"):
@@ -109,8 +113,7 @@ def eval_command(
     for r in res.table.itertuples():
         table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]")
     console.print(table)
-    if out is not None:
-        console.print(f"wrote {out}", highlight=False)
+    console.print(f"wrote {out} (per-example rows: {out.with_suffix('.examples.csv')})", highlight=False)
 
 
 def _ticker(step, label: str):
