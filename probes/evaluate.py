@@ -196,6 +196,7 @@ def evaluate(
         vals = frame[col].astype(float).to_numpy()
         if kind == "mean":
             low, high = mean_interval(vals) if len(vals) > 1 else (float("nan"), float("nan"))
+            low, high = max(0.0, low), min(1.0, high)  # every metric here is a share in [0, 1]
         else:
             low, high = wilson_interval(int(vals.sum()), len(vals))
         out.append(

@@ -139,7 +139,12 @@ def _task_inputs(task: str, split: str, n: int):
 @profile_app.command("pasta")
 def profile_pasta(
     out: Annotated[Path, typer.Option(help='profile JSON to write ({"layer": [heads]})')],
-    task: Annotated[list[str] | None, typer.Option(help="task to profile on (repeatable)")] = None,
+    task: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="task to profile on, repeatable [default: json_format pronoun_change counterfact occupation]"
+        ),
+    ] = None,
     examples: Annotated[int, typer.Option(help="examples per task (from the start of the split)")] = 32,
     split: Annotated[str, typer.Option(help="split to profile on")] = "train",
     heads: Annotated[
