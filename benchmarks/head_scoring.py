@@ -39,8 +39,7 @@ from probes.requests import load_requests
 @torch.no_grad()
 def loop_ships(bridge, enc, heads: list[tuple[int, int]], eps: float) -> torch.Tensor:
     """`[len(heads), N]` Ships from one hooked bridge forward per head."""
-    ids, mask = enc.input_ids, enc.attention_mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = enc.input_ids, enc.attention_mask, enc.position_ids()
 
     def last_logp(hooks):
         logits = bridge.run_with_hooks(ids, fwd_hooks=hooks, attention_mask=mask, position_ids=pos)

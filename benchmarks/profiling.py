@@ -34,8 +34,7 @@ def task_inputs(name: str, split: str, n: int) -> tuple[list[str], list[str], li
     """Prompts, emphasized substrings, targets and the chat flag of the first `n` examples."""
     task = load_task(name, split)
     ex = task.examples[:n]
-    targets = [e.target if e.choices is None else " " + e.choices[e.label] for e in ex]
-    return [e.prompt for e in ex], [e.emphasize for e in ex], targets, task.chat
+    return [e.prompt for e in ex], [e.emphasize for e in ex], [e.answer for e in ex], task.chat
 
 
 @torch.no_grad()

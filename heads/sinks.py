@@ -185,13 +185,7 @@ def massive_activations(model: HeadModel, prompts: Sequence, *, top: int = 10, c
     n_real = int(real.sum()) * model.d_model
     if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 1 <= top <= n_real:
         raise ValueError(f"top must be an int in 1..{n_real} (real tokens x d_model), got {top!r}")
-    pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model.model(
-        input_ids=enc.input_ids.to(model.device),
-        attention_mask=enc.attention_mask.to(model.device),
-        position_ids=pos.to(model.device),
-        output_hidden_states=True,
-    )
+    out = forward(model, enc, output_hidden_states=True)
     first = real.float().argmax(-1)
     tokens = [model.tokenizer.convert_ids_to_tokens(r) for r in enc.input_ids.tolist()]
     rows = []

@@ -30,7 +30,7 @@ from .edits import Edit
 from .engine import editing
 from .model import HeadModel
 from .prefix import starting_at
-from .prompts import EncodedPrompts
+from .prompts import EncodedPrompts, position_ids
 
 __all__ = [
     "CleanRun",
@@ -69,10 +69,6 @@ class CleanRun:
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @torch.no_grad()
 def _forward(
     model: HeadModel,
@@ -89,7 +85,7 @@ def _forward(
     from transformers import DynamicCache
 
     dev = model.device
-    pos = _positions(mask)[:, mask.shape[1] - ids.shape[1] :]
+    pos = position_ids(mask)[:, mask.shape[1] - ids.shape[1] :]
     cache = None
     if past is not None:
         data = [(k.to(dev), v.to(dev)) for k, v in past]

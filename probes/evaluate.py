@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from heads import HeadModel, encode_prompts
+from heads import HeadModel, encode_prompts, forward
 from heads.engine import editing
 from heads.scores import HeadSet
 
@@ -93,14 +93,8 @@ def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, bat
         )
         ids = choice_ids(model.tokenizer, [e.choices for e in chunk])
         edits = [e for s in steer for e in s.edits(model, enc)]
-        pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad(), editing(model, edits):
-            out = model.model(
-                input_ids=enc.input_ids.to(model.device),
-                attention_mask=enc.attention_mask.to(model.device),
-                position_ids=pos.to(model.device),
-                logits_to_keep=1,
-            )
+        with editing(model, edits):
+            out = forward(model, enc, logits_to_keep=1)
         lp = torch.log_softmax(out.logits[:, -1].float().cpu(), -1).gather(1, ids)
         for e, row in zip(chunk, lp, strict=True):
             ok = choice_correct(row.tolist(), e.label)  # ties count as wrong

@@ -59,6 +59,12 @@ class TaskExample:
     chat: bool
     scoring: str
 
+    @property
+    def answer(self) -> str:
+        """The text whose first token is the right start of the answer: `target` for generate
+        tasks, `" " + choices[label]` for choice tasks (used by PASTA profiling)."""
+        return self.target if self.choices is None else " " + self.choices[self.label]
+
     @classmethod
     def from_row(cls, row: dict) -> TaskExample:
         """Build from one JSONL row (lists become tuples)."""

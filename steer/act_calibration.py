@@ -120,8 +120,8 @@ def calibrate_act_heads(
     """
     from .act import Act
 
-    Act(beta=beta, rule=rule or SinkRule())  # validates beta and rule
     rule = rule or SinkRule()
+    Act(beta=beta, rule=rule)  # validates beta and rule
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
         raise ValueError(f"delta must be a finite number, got {delta!r}")
     if keep not in ("accuracy", "margin"):

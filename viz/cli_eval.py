@@ -180,11 +180,10 @@ def profile_pasta(
         profiles = {}
         with bar:
             for t, ex in inputs.items():
-                targets = [e.target if e.choices is None else " " + e.choices[e.label] for e in ex]
                 profiles[t] = profile_heads(
                     hm,
                     [e.prompt for e in ex],
-                    targets,
+                    [e.answer for e in ex],
                     emphasize=[e.emphasize for e in ex],
                     chat=ex[0].chat,
                     alpha=alpha,
