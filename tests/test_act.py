@@ -229,3 +229,8 @@ def test_noop_calibration_keeps_no_head(tiny_llama):
         )
         assert len(cal.heads) == 0
         assert cal.margin.scores.nan_to_num().abs().max() < 1e-4
+
+
+def test_empty_sink_set_is_bitwise_noop():
+    p = _causal_probs(2, 3, 9)
+    assert torch.equal(calibrate_rows(p, torch.zeros(2, 3, 9, dtype=torch.bool), 0.4), p)

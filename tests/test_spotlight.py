@@ -130,3 +130,16 @@ def test_bad_input(tiny_llama):
         Spotlight().edits(tiny_llama, enc)
     with pytest.raises(ValueError, match="unknown layer"):
         Spotlight(layers=(9,)).edits(tiny_llama, encode_prompts(tiny_llama.tokenizer, PROMPTS, chat=False))
+
+
+@pytest.mark.parametrize("granularity", ["layer", "row"])
+def test_left_pad_invariance(tiny_llama, granularity):
+    steer = Spotlight(tau=0.6, granularity=granularity)
+    enc = encode_prompts(tiny_llama.tokenizer, PROMPTS, chat=False)
+    with editing(tiny_llama, steer.edits(tiny_llama, enc)):
+        batch = forward(tiny_llama, enc)
+    for b, p in enumerate(PROMPTS):
+        one = encode_prompts(tiny_llama.tokenizer, [p], chat=False)
+        with editing(tiny_llama, steer.edits(tiny_llama, one)):
+            alone = forward(tiny_llama, one)[0]
+        torch.testing.assert_close(batch[b, -alone.shape[0] :], alone, atol=1e-4, rtol=0)
