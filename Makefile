@@ -32,7 +32,7 @@ chromium:
 	    DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium >/dev/null; }
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 # head_scoring.py compares against a TransformerLens TransformerBridge loop: installed here only.
 bench: $(STAMP)
