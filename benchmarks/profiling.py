@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import editing, encode_prompts, forward, load_model
-from steer.profiling import profile_heads, target_ids
 from probes.tasks import load_task
 from steer.pasta import Pasta
+from steer.profiling import profile_heads, target_ids
 
 
 def task_inputs(name: str, split: str, n: int) -> tuple[list[str], list[str], list[str], bool]:
