@@ -1,4 +1,25 @@
-"""headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers."""
+"""headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers.
+
+Layering (DESIGN.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, `probes` <-
+`viz`. `heads` imports nothing from `steer`, `probes` or `viz`, not even inside a function.
+
+Where a head scorer lives, and why:
+
+* **Read-only scorers are here**, because they need only the model and the generic edits of
+  `heads.edits` (recorders, query/output scaling): span attention (`attention_mass`), sinks
+  and massive activations (`sinks`), MAPS from the weights and its validation (`maps`,
+  `maps_inference`, the whole study in `maps_analysis`), Ships / dataset-level Ships /
+  Sahara with UA or SC ablation (`ships`), all on the batched variant engine (`variants`).
+* **Scorers that need a method's own edit live beside that method in `steer/`**, since
+  `heads` cannot import the method: PASTA profiling (`steer.profiling.profile_heads`,
+  `select_heads`) uses `PastaBias`; ACT head calibration (`steer.act_calibration`) uses
+  `ActEdit`. They still run on `heads.variants`.
+* **Scorers that judge generated text are in `probes/`**: the safety-head study with the
+  attack success rate (`probes.safety.safety_analysis`) needs the refusal judge, and task
+  evaluation (`probes.evaluate`) the task metrics.
+
+Long-running functions report progress as numbers, `progress(done, total)` (`heads.progress`).
+"""
 
 from .attention_mass import head_pattern, span_attention
 from .edits import (

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import HeadModel
+from .progress import Progress
 from .scores import HeadScores
 
 __all__ = [
@@ -253,6 +254,7 @@ def maps_scores(
     *,
     apply_first_mlp: bool = True,
     pair_chunk: int = 1024,
+    progress: Progress | None = None,
 ) -> MapsScores:
     """Static MAPS relation and suppression scores of every head (maps.md §2, §4).
 
@@ -261,6 +263,8 @@ def maps_scores(
         relations: relations as token-id pairs with their k.
         apply_first_mlp: Ẽ = MLP_0(Norm_0(E)) for heads in layers >= 1 (default True).
         pair_chunk: pairs ranked at once (memory `pair_chunk x d_vocab` floats).
+        progress: `progress(done, total)` after each layer (`heads.progress`), in layers:
+            `total` is `n_layers`.
 
     Returns:
         MapsScores: per relation, `HeadScores` `[n_layers, n_heads]` in [0, 1] with
@@ -306,6 +310,8 @@ def maps_scores(
                 logits = xv_h[p_rows[a:b]] @ ou[head]  # [pairs, d_vocab]: only the rows scored
                 hit, sup = top_k_hits(logits, p_tgts[a:b], p_k[a:b])
                 hits[layer, head, a:b], supp[layer, head, a:b] = hit.cpu(), sup.cpu()
+        if progress is not None:
+            progress(layer + 1, model.n_layers)
     params = {"apply_first_mlp": apply_first_mlp, "ln_folded": False, "biases": "ignored"}
     out = MapsScores({}, {}, params)
     start = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,6 +25,7 @@ import torch
 
 from .edits import Edit, HeadScale, QueryScale
 from .model import HeadModel
+from .progress import Progress, offset_progress
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores
 from .variants import (
@@ -219,7 +220,7 @@ def ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -230,7 +231,8 @@ def ships(
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
         shard: `(i, n)` scores only every n-th head from i; merge shards with `merge_scores`.
-        progress: called with a short message after each chunk of variants.
+        progress: `progress(done, total)` after each batch (`heads.progress`), in
+            (head, prompt) rows: `total` is `len(heads) * N`.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
@@ -285,14 +287,15 @@ def dataset_ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
     left singular vectors of M_base and M_ablated (safety_heads.md §3). Radians unless
-    `degrees=True` (ranking is the same).
+    `degrees=True` (ranking is the same). `progress(done, total)` counts (head, prompt)
+    rows as in `ships`.
 
     Raises:
         ValueError: as `ships`, and `r_main` outside 1..N.
@@ -347,14 +350,16 @@ def sahara(
     r_main: int = 1,
     template: str | None = TEMPLATE,
     max_rows: int = 64,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> SaharaResult:
     """Sahara: greedy head-group search by dataset-level Ships (safety_heads.md §3).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
     the unablated base); the argmax joins the group. Ties go to the lowest (layer, head).
-    No threshold and no early stop.
+    No threshold and no early stop. `progress(done, total)` counts (candidate group,
+    prompt) rows over all steps: `total` is `N * (K + (K - 1) + ... + (K - steps + 1))`
+    for K candidate heads.
 
     Raises:
         ValueError: `steps` < 1 or more steps than candidate heads, and as `dataset_ships`.
@@ -366,6 +371,7 @@ def sahara(
     clean = clean_run(model, enc)
     chosen: list[Head] = []
     tables = []
+    total = enc.batch * sum(len(heads) - i for i in range(steps))
     for step in range(steps):
         cands = [h for h in heads if h not in chosen]
         states = evaluate_variants(
@@ -375,7 +381,7 @@ def sahara(
             _ablate(model, ablation, eps),
             _final_state,
             max_rows=max_rows,
-            progress=progress,
+            progress=offset_progress(progress, enc.batch * sum(len(heads) - i for i in range(step)), total),
         )
         ang = _angles(clean.final, states, r_main)
         table = _head_table(model, cands, ang)

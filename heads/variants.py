@@ -30,6 +30,7 @@ from .edits import Edit
 from .engine import editing
 from .model import HeadModel
 from .prefix import starting_at
+from .progress import Progress
 from .prompts import EncodedPrompts, position_ids
 
 __all__ = [
@@ -196,7 +197,7 @@ def evaluate_variants(
     *,
     unchanged_before: torch.Tensor | None = None,
     max_rows: int = 64,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> torch.Tensor:
     """Score every head variant on every prompt of `clean.enc`; returns `[K, N, *]` (fp32).
 
@@ -209,7 +210,8 @@ def evaluate_variants(
             guarantees the intervention changes no row of prompt `i` in any layer. Those
             positions are taken from the clean KV cache instead of recomputed.
         max_rows: batch rows per forward (the memory bound).
-        progress: called with a short message after each batch.
+        progress: `progress(done, total)` after each batch (`heads.progress`), in
+            (variant, prompt) rows: `total` is `K * N`.
 
     Raises:
         ValueError: bad `max_rows`, or `unchanged_before` given without the clean KV.
@@ -255,8 +257,8 @@ def evaluate_variants(
             out = torch.full((len(variants), n, *rows.shape[1:]), math.nan)
         out[vs, ps] = rows
         done += len(chunk)
-        if progress:
-            progress(f"{done // n}/{len(variants)} head variants")
+        if progress is not None:
+            progress(done, len(variants) * n)
     if out is None:
         raise ValueError("no head variants to evaluate")
     return out

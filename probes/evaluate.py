@@ -18,7 +18,6 @@ Binary metrics get a Wilson interval, means a normal-approximation interval.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -26,6 +25,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads.engine import editing
+from heads.progress import Progress
 from heads.scores import HeadSet
 
 from .task_metrics import choice_correct, json_metrics, mean_interval, no_pronoun, wilson_interval
@@ -151,7 +151,7 @@ def evaluate(
     limit: int | None = None,
     batch_size: int = 16,
     max_new_tokens: int = 48,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     **method_options,
 ) -> EvalResult:
     """Run `method` on `task` (`probes.tasks.TASKS`) and score it.
@@ -161,7 +161,8 @@ def evaluate(
         limit: the first `limit` examples of the split (default all).
         batch_size: prompts per forward / generate call.
         max_new_tokens: generation length for generate tasks (greedy).
-        progress: called with the number of examples finished in each batch.
+        progress: `progress(done, total)` after each batch (`heads.progress`), in examples:
+            `total` is the number of examples evaluated.
         **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
 
     Raises:
@@ -178,7 +179,13 @@ def evaluate(
     if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     steer = method_steer(model, method, **method_options)
-    step = progress or (lambda n: None)
+    finished = [0]
+
+    def step(n: int) -> None:
+        finished[0] += n
+        if progress is not None:
+            progress(finished[0], len(examples))
+
     if examples[0].scoring == "choice":
         rows = _choice_rows(model, examples, steer, batch_size, step)
     else:

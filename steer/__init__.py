@@ -1,9 +1,15 @@
-"""Steering interventions and the `SteeredModel` inference wrapper."""
+"""Steering interventions and the `SteeredModel` inference wrapper.
+
+Scorers that need a method's own edit live here beside the method: PASTA profiling
+(`steer.profiling`: `profile_heads`, `select_heads`) and ACT head calibration
+(`steer.act_calibration`). Read-only scorers are in `heads` (see its docstring).
+"""
 
 from .ablate import Ablate
 from .act import Act, ActEdit
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
+from .profiling import profile_heads, select_heads, smallest_k
 from .spotlight import Spotlight, SpotlightEdit
 
 __all__ = [
@@ -18,4 +24,7 @@ __all__ = [
     "Spotlight",
     "SpotlightEdit",
     "pasta_column_bias",
+    "profile_heads",
+    "select_heads",
+    "smallest_k",
 ]

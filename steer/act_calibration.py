@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +18,7 @@ import torch
 
 from heads.edits import Edit
 from heads.model import HeadModel
+from heads.progress import Progress
 from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
@@ -101,7 +102,7 @@ def calibrate_act_heads(
     keep: Literal["accuracy", "margin"] = "accuracy",
     delta: float = 0.0,
     max_rows: int = 64,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> ActCalibration:
     """Score every candidate head with ACT applied to it alone; keep the heads that help.
 
@@ -114,6 +115,8 @@ def calibrate_act_heads(
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
         max_rows: batch rows per forward.
+        progress: `progress(done, total)` after each batch (`heads.progress`), in
+            (head, prompt) rows: `total` is `len(heads) * N`.
 
     Raises:
         ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.

@@ -6,13 +6,13 @@ import torch
 
 import heads.engine as engine
 from heads import HeadScores, encode_prompts, forward
-from heads.profiling import profile_heads, select_heads
 from heads.ships import dataset_ships, merge_scores, sahara, ships
 from heads.sinks import massive_activations, sink_stats
 from heads.variants import check_heads
 from probes.evaluate import evaluate
 from steer import Spotlight, SteeredModel
 from steer.act_calibration import calibrate_act_heads
+from steer.profiling import profile_heads, select_heads
 
 P = ["Is the sky blue? Answer:", "Is grass red? Answer:"]
 

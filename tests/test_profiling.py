@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from heads import HeadScores, HeadSet, editing, encode_prompts, forward
-from heads.profiling import profile_heads, select_heads, target_ids
 from steer.pasta import Pasta
+from steer.profiling import profile_heads, select_heads, smallest_k, target_ids
 
 PROMPTS = [
     "Alice is a nurse in Leeds. She likes chess and rowing. **Answer in JSON.** Now",
@@ -99,3 +99,49 @@ def test_profile_bad_input(tiny_llama):
         profile_heads(tiny_llama, PROMPTS, TARGETS, chat=False, heads=[(99, 0)])
     with pytest.raises(ValueError, match="max_rows"):
         profile_heads(tiny_llama, PROMPTS, TARGETS, chat=False, max_rows=0)
+
+
+def _brute_smallest_k(profiles, n_heads, mode):
+    """Oracle: scan k = 1, 2, ... with plain top-k sets (the rule the CLI used before)."""
+    for k in range(1, 10_000):
+        tops = [set(p.ranked(k)) for p in profiles.values()]
+        chosen = set.intersection(*tops) if mode == "intersection" else set.union(*tops)
+        if len(chosen) >= n_heads:
+            return k, chosen
+    raise AssertionError("no k")
+
+
+@pytest.mark.parametrize("mode", ["intersection", "union"])
+def test_select_heads_n_heads_is_the_smallest_k_rule(mode):
+    g = torch.Generator().manual_seed(0)
+    profiles = {
+        t: HeadScores(torch.randint(0, 5, (4, 6), generator=g).float(), "pasta_profile") for t in "abc"
+    }  # many ties, so one more k can add several heads
+    profiles["a"].scores[0, 0] = float("nan")  # not profiled: never in an intersection
+    for n in range(1, 24):
+        k, chosen = _brute_smallest_k(profiles, n, mode)
+        assert smallest_k(profiles, n, mode=mode) == k
+        got = select_heads(profiles, n_heads=n, mode=mode)
+        assert got == HeadSet(chosen) == select_heads(profiles, k, mode=mode)
+        assert len(got) >= n and (k == 1 or len(select_heads(profiles, k - 1, mode=mode)) < n)
+    assert (0, 0) not in select_heads(profiles, n_heads=23, mode="intersection")
+    with pytest.raises(ValueError, match="at most 23 heads"):
+        select_heads(profiles, n_heads=24, mode="intersection")  # 24 heads, one NaN in task a
+    assert len(select_heads(profiles, n_heads=24, mode="union")) == 24
+    with pytest.raises(ValueError, match="exactly one of k and n_heads"):
+        select_heads(profiles, 3, n_heads=3)
+    with pytest.raises(ValueError, match="exactly one of k and n_heads"):
+        select_heads(profiles)
+    with pytest.raises(ValueError, match="positive"):
+        select_heads(profiles, n_heads=0)
+
+
+def test_profile_progress_is_rows_done_of_total(tiny_llama):
+    seen = []
+    profile_heads(
+        tiny_llama, PROMPTS, TARGETS, heads=HEADS, chat=False, max_rows=5, progress=lambda *a: seen.append(a)
+    )
+    assert [t for _, t in seen] == [len(HEADS) * len(PROMPTS)] * len(seen)
+    done = [d for d, _ in seen]
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert done[-1] == len(HEADS) * len(PROMPTS) and all(0 < s <= 5 for s in steps)  # max_rows=5 per batch

@@ -169,8 +169,8 @@ def test_shards_merge_to_the_full_sweep(tiny_llama):
     with pytest.raises(ValueError, match="shard"):
         ships(tiny_llama, PROMPTS, shard=(3, 3))
     seen = []
-    ships(tiny_llama, PROMPTS[:1], heads=[(0, 0), (0, 1)], max_rows=1, progress=seen.append)
-    assert seen == ["1/2 head variants", "2/2 head variants"]
+    ships(tiny_llama, PROMPTS[:1], heads=[(0, 0), (0, 1)], max_rows=1, progress=lambda *a: seen.append(a))
+    assert seen == [(1, 2), (2, 2)]  # (done, total) in (head, prompt) rows
 
 
 def test_report_safety_cli(tiny_llama_dir, tmp_path):

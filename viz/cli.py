@@ -152,7 +152,7 @@ def report_maps(
         names = parse_relation_names(relations)  # checked before the model loads
         _positive(top=top, draws=draws, prompts=prompts)
         hm = _load(model)
-        bar, step = _progress(len(names) + 2)
+        bar, step = _progress("MAPS")
         with bar:
             path, summary = maps_report(
                 hm, out, relations=names, top=top, draws=draws, n_prompts=prompts, progress=step
@@ -206,7 +206,7 @@ def report_safety(
         _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens)
         texts = read_prompts(prompts) if prompts is not None else None
         hm = _load(model)
-        bar, step = _progress(5)
+        bar, step = _progress("safety heads")
         with bar:
             path, summary = safety_report(
                 hm,
@@ -242,14 +242,14 @@ def report_all(
     as_json: JsonOpt = False,
 ) -> None:
     """Every available report (embedded model by default), with an index.html linking them."""
-    from .all_reports import all_reports, report_steps
+    from .all_reports import all_reports
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
     try:
         _folder_out(out)
         _positive(draws=draws, prompts=prompts)
         hm = _load(model)
-        bar, step = _progress(report_steps())
+        bar, step = _progress("reports")
         with bar:
             written = all_reports(hm, out, draws=draws, n_prompts=prompts, progress=step)
     except USER_ERRORS as exc:

@@ -38,8 +38,11 @@ def _status(msg: str):
     return contextlib.nullcontext() if _STATE["quiet"] else err.status(msg)
 
 
-def _progress(total: int):
-    """A rich progress bar on stderr (disabled with --quiet); returns (context, step callback)."""
+def _progress(label: str):
+    """A rich progress bar on stderr (disabled with --quiet); returns (context, update).
+
+    `update(done, total)` is a `heads.progress.Progress` callback: pass it as `progress=`.
+    """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(
@@ -51,13 +54,12 @@ def _progress(total: int):
         disable=_STATE["quiet"],
         transient=True,
     )
-    task = bar.add_task("starting", total=total)
+    task = bar.add_task(label, total=None)
 
-    def step(msg: str) -> None:
-        bar.update(task, description=msg)
-        bar.advance(task)
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
 
-    return bar, step
+    return bar, update
 
 
 def _fail(exc: Exception) -> None:

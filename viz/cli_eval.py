@@ -61,7 +61,7 @@ def eval_command(
 ) -> None:
     """Evaluate one steering method on one task: metric, n and 95% interval."""
     from probes.evaluate import METHODS, evaluate
-    from probes.tasks import SPLITS, TASKS, load_task
+    from probes.tasks import SPLITS, TASKS
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
     try:
@@ -80,9 +80,8 @@ def eval_command(
             raise ValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
         if out.suffix.lower() != ".csv":
             raise ValueError(f"--out must name a .csv file, got {str(out)!r}")
-        n = len(load_task(task, split).examples)
         hm = _load(model)
-        bar, step = _progress(min(n, limit or n))
+        bar, step = _progress(f"{task} / {method}")
         with bar:
             res = evaluate(
                 hm,
@@ -92,7 +91,7 @@ def eval_command(
                 limit=limit,
                 batch_size=batch_size,
                 max_new_tokens=max_new_tokens,
-                progress=lambda k: [step(f"{task} / {method}") for _ in range(k)],
+                progress=step,
                 pasta_heads=_heads_arg(pasta_heads),
                 act_heads=_heads_arg(act_heads),
                 alpha=alpha,
@@ -114,19 +113,6 @@ def eval_command(
         table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]")
     console.print(table)
     console.print(f"wrote {out} (per-example rows: {out.with_suffix('.examples.csv')})", highlight=False)
-
-
-def _ticker(step, label: str):
-    """Adapt the engine's "k/K head variants" progress messages to one bar step per head."""
-    done = [0]
-
-    def tick(msg: str) -> None:
-        k = int(msg.split("/")[0])
-        for _ in range(k - done[0]):
-            step(label)
-        done[0] = k
-
-    return tick
 
 
 def _task_inputs(task: str, split: str, n: int):
@@ -158,7 +144,7 @@ def profile_pasta(
 ) -> None:
     """PASTA multi-task profiling (Algorithm 1): every head steered alone, per task; the
     per-task scores are written beside the profile as `<out stem>.<task>.scores.json`."""
-    from heads.profiling import profile_heads, select_heads
+    from steer.profiling import profile_heads, select_heads, smallest_k
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
     tasks = task or ["json_format", "pronoun_change", "counterfact", "occupation"]
@@ -176,10 +162,10 @@ def profile_pasta(
         n_heads = hm.n_layers * hm.n_heads
         if heads > n_heads:
             raise ValueError(f"--heads {heads} is more than the model's {n_heads} heads")
-        bar, step = _progress(len(tasks) * n_heads)
+        bar, step = _progress("profiling " + ", ".join(tasks))
         profiles = {}
         with bar:
-            for t, ex in inputs.items():
+            for i, (t, ex) in enumerate(inputs.items()):
                 profiles[t] = profile_heads(
                     hm,
                     [e.prompt for e in ex],
@@ -188,11 +174,10 @@ def profile_pasta(
                     chat=ex[0].chat,
                     alpha=alpha,
                     task=t,
-                    progress=_ticker(step, f"profiling {t}"),
+                    progress=lambda d, total, i=i: step(i * total + d, len(tasks) * total),
                 )
-        sizes = (k for k in range(1, n_heads + 1) if len(select_heads(profiles, k, mode=mode)) >= heads)
-        k = next(sizes, n_heads)
-        chosen = select_heads(profiles, k, mode=mode)
+        k = smallest_k(profiles, heads, mode=mode)
+        chosen = select_heads(profiles, n_heads=heads, mode=mode)
         out.parent.mkdir(parents=True, exist_ok=True)
         chosen.save(out)
         for t, p in profiles.items():
@@ -223,7 +208,6 @@ def profile_act(
 ) -> None:
     """ACT head filtering: calibrate every head of layers 2..L-2 alone, keep those that help.
     The per-head gains are written beside the profile as `<out stem>.scores.json`."""
-    from steer.act import default_act_layers
     from steer.act_calibration import calibrate_act_heads
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
@@ -235,7 +219,7 @@ def profile_act(
         if ex[0].choices is None:
             raise ValueError(f"ACT calibration needs a choice task, {task!r} is scored by generation")
         hm = _load(model)
-        bar, step = _progress(len(default_act_layers(hm.n_layers)) * hm.n_heads)
+        bar, step = _progress("calibrating heads")
         with bar:
             cal = calibrate_act_heads(
                 hm,
@@ -246,7 +230,7 @@ def profile_act(
                 beta=beta,
                 keep=keep,
                 delta=delta,
-                progress=_ticker(step, "calibrating heads"),
+                progress=step,
             )
         out.parent.mkdir(parents=True, exist_ok=True)
         cal.heads.save(out)

@@ -1,25 +1,22 @@
-"""`headsteer report safety`: Ships, dataset-level Ships, Sahara and the ASR they explain."""
+"""`headsteer report safety`: Ships, dataset-level Ships, Sahara and the ASR they explain.
+
+The numbers come from `probes.safety.safety_analysis` (a `SafetyAnalysis`); this module only
+draws them (`render_safety_report`).
+"""
 
 from __future__ import annotations
 
 import json
-import random
-import time
 from pathlib import Path
 
-import pandas as pd
-
 from heads import HeadModel
-from heads.ships import TEMPLATE, dataset_ships, sahara, ships
-from probes.refusal import RefusalJudge, attack_success_rate
-from probes.refusal_model import EXPLICIT_REFUSALS
-from probes.requests import load_requests
-from steer import Ablate, SteeredModel
+from heads.progress import Progress
+from probes.safety import SafetyAnalysis, safety_analysis
 
 from .figures import head_heatmap
 from .report import Report
 
-__all__ = ["read_prompts", "safety_report"]
+__all__ = ["read_prompts", "render_safety_report", "safety_report"]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -49,6 +46,37 @@ def read_prompts(path: str | Path) -> list[str]:
     return out
 
 
+def render_safety_report(result: SafetyAnalysis) -> Report:
+    """The safety-head report of a computed `SafetyAnalysis` (nothing is recomputed).
+
+    Sections: the baseline refusal rate, ASR with heads ablated, Ships and dataset-level
+    Ships heatmaps, Sahara's chosen heads, and the first three answers side by side.
+    """
+    asr, asr_keyword, n_eval = result.asr, result.asr_keyword, len(result.eval_prompts)
+    rep = Report("Safety heads: Ships, dataset-level Ships, Sahara", result.model, dict(result.params))
+    rep.text(
+        "Baseline refusal rate",
+        f"{1 - asr['baseline']:.2f} of {n_eval} harmful requests refused with no head ablated "
+        '(explicit refusal openers such as "I\'m sorry" or "I cannot"). The paper\'s full keyword judge '
+        f"(41 phrases incl. hedges, < 32 tokens, repetition) counts "
+        f"{1 - asr_keyword['baseline']:.2f} as refused.",
+    )
+    rep.table("ASR with heads ablated (UA, exact)", result.asr_table)
+    rep.figure(
+        "Ships (mean KL over prompts, nats)", head_heatmap(result.ships.scores, top_k=10, title="Ships")
+    )
+    rep.figure(
+        "Dataset-level Ships (principal angle, degrees)",
+        head_heatmap(result.dataset_ships, top_k=10, title="dataset Ships"),
+    )
+    rep.table("Sahara: chosen head per step", result.sahara_table)
+    texts, base, top3 = result.texts, result.answers["baseline"], result.answers["sahara_top3"]
+    for i in range(min(3, n_eval)):
+        rep.samples(f"Sample {i + 1}", texts[i], {"baseline": base[i], "Sahara top-3 ablated": top3[i]})
+    rep.seconds = result.seconds
+    return rep
+
+
 def safety_report(
     model: HeadModel,
     out: str | Path,
@@ -60,114 +88,22 @@ def safety_report(
     max_new_tokens: int = 48,
     random_draws: int = 3,
     seed: int = 0,
-    progress=None,
+    progress: Progress | None = None,
 ) -> tuple[Path, dict]:
-    """Write the safety-head report and return it with a JSON-able summary.
-
-    Heads are scored on the first `n_score` prompts (Ships, dataset-level Ships, Sahara);
-    ASR is measured on the held-out harmful test requests (or on all `prompts` when given)
-    with no head, Sahara's first head, its first three heads, and `random_draws` draws of
-    three random heads ablated (UA, exact), greedy decoding.
+    """Compute the safety-head analysis (`probes.safety.safety_analysis`, same arguments),
+    write its report to `out` (HTML) and return the path with a JSON-able summary
+    (`SafetyAnalysis.summary()`).
     """
-    say = progress or (lambda msg: None)
-    t0 = time.perf_counter()
-    template = (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
-    score_prompts = (prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
-    eval_prompts = prompts or [r["prompt"] for r in load_requests("harmful", "test")]
-    say("Ships: every head on every scoring prompt")
-    sh = ships(model, score_prompts, template=template)
-    say("dataset-level Ships")
-    ds = dataset_ships(model, score_prompts, template=template, degrees=True)
-    say(f"Sahara: {steps} greedy steps")
-    sa = sahara(model, score_prompts, steps=steps, template=template)
-    judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
-    keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
-    sm = SteeredModel(model)
-    texts = [template.format(query=q) for q in eval_prompts]
-
-    def answers(heads) -> list[str]:
-        steer = [Ablate([list(h) for h in heads])] if heads else []
-        return sm.generate(texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False).texts
-
-    say("generating: baseline and ablated")
-    base = answers([])
-    top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
-    rng = random.Random(seed)
-    all_heads = [
-        (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
-    ]
-    rand = [answers(rng.sample(all_heads, 3)) for _ in range(random_draws)]
-    asr, asr_keyword = {}, {}
-    for key, j in (("explicit", judge), ("keyword", keyword)):
-        table = asr if key == "explicit" else asr_keyword
-        draws = [attack_success_rate(r, j) for r in rand]
-        table.update(
-            baseline=attack_success_rate(base, j),
-            sahara_top1=attack_success_rate(top1, j),
-            sahara_top3=attack_success_rate(top3, j),
-            random3_mean=sum(draws) / len(draws),
-            random3_draws=draws,
-        )
-    rep = Report(
-        "Safety heads: Ships, dataset-level Ships, Sahara",
-        model.name,
-        {
-            "template": template,
-            "n_score": len(score_prompts),
-            "n_eval": len(eval_prompts),
-            "steps": steps,
-            "ablation": "UA (query x eps), eps 1e-5 for scoring, exact for generation",
-            "max_new_tokens": max_new_tokens,
-            "seed": seed,
-        },
+    result = safety_analysis(
+        model,
+        prompts=prompts,
+        steps=steps,
+        system_prompt=system_prompt,
+        n_score=n_score,
+        max_new_tokens=max_new_tokens,
+        random_draws=random_draws,
+        seed=seed,
+        progress=progress,
     )
-    rep.text(
-        "Baseline refusal rate",
-        f"{1 - asr['baseline']:.2f} of {len(eval_prompts)} harmful requests refused with no head ablated "
-        '(explicit refusal openers such as "I\'m sorry" or "I cannot"). The paper\'s full keyword judge '
-        f"(41 phrases incl. hedges, < 32 tokens, repetition) counts "
-        f"{1 - asr_keyword['baseline']:.2f} as refused.",
-    )
-    rows = [
-        ("none", [], "baseline"),
-        ("Sahara top-1", sa.heads[:1], "sahara_top1"),
-        ("Sahara top-3", sa.heads[:3], "sahara_top3"),
-        (f"3 random heads (mean of {random_draws})", [], "random3_mean"),
-    ]
-    rep.table(
-        "ASR with heads ablated (UA, exact)",
-        pd.DataFrame(
-            [
-                {
-                    "ablated": name,
-                    "heads": str(h),
-                    "ASR (explicit refusals)": asr[k],
-                    "ASR (paper keyword judge)": asr_keyword[k],
-                }
-                for name, h, k in rows
-            ]
-        ),
-    )
-    rep.figure("Ships (mean KL over prompts, nats)", head_heatmap(sh.scores, top_k=10, title="Ships"))
-    rep.figure(
-        "Dataset-level Ships (principal angle, degrees)", head_heatmap(ds, top_k=10, title="dataset Ships")
-    )
-    rep.table(
-        "Sahara: chosen head per step",
-        pd.DataFrame(
-            [
-                {"step": i + 1, "layer": h[0], "head": h[1], "angle_rad": t.scores[h].item()}
-                for i, (h, t) in enumerate(zip(sa.heads, sa.steps, strict=True))
-            ]
-        ),
-    )
-    for i in range(min(3, len(eval_prompts))):
-        rep.samples(f"Sample {i + 1}", texts[i], {"baseline": base[i], "Sahara top-3 ablated": top3[i]})
-    rep.seconds = time.perf_counter() - t0
-    path = rep.save(out)
-    return path, {
-        "asr": asr,
-        "asr_keyword_judge": asr_keyword,
-        "sahara_heads": [list(h) for h in sa.heads],
-        "ships_top5": [list(h) for h in sh.scores.ranked(5)],
-    }
+    path = render_safety_report(result).save(out)
+    return path, result.summary()

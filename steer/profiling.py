@@ -1,5 +1,8 @@
 """PASTA head profiling (Zhang et al., ICLR 2024, §3.2 Algorithm 1; methods/pasta.md §4).
 
+It lives beside PASTA in `steer/` (not in `heads/`) because it scores heads with PASTA's own
+edit (`steer.pasta.PastaBias`); `heads` imports nothing from `steer`.
+
 Every single head is steered alone with PASTA (alpha 0.01, `exclude`) and scored on a task:
 the mean change, against the unsteered model, of the log-probability of the task's target
 token at the last prompt position (a cheap likelihood metric: the first token of the right
@@ -11,23 +14,27 @@ cancels), the clean keys/values of the positions before the span.
 
 `select_heads` turns per-task profiles into one head set (intersection / union / one task),
 the `{"layer": [heads]}` shape that `Pasta`, `SteeredModel` and `headsteer generate
---pasta-heads FILE` accept.
+--pasta-heads FILE` accept; with `n_heads=` it picks the smallest top-k that gives at least
+that many heads (`smallest_k`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
 
-from .edits import Edit
-from .model import HeadModel
-from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
-from .scores import HeadScores, HeadSet, _positive_int
-from .variants import check_heads, clean_run, evaluate_variants, row_head_masks
+from heads.edits import Edit
+from heads.model import HeadModel
+from heads.progress import Progress
+from heads.prompts import EncodedPrompts, encode_prompts, normalize_prompts
+from heads.scores import HeadScores, HeadSet, _positive_int
+from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
-__all__ = ["profile_heads", "select_heads", "target_ids"]
+from .pasta import Pasta, PastaBias, pasta_column_bias
+
+__all__ = ["profile_heads", "select_heads", "smallest_k", "target_ids"]
 
 Head = tuple[int, int]
 Selection = Literal["intersection", "union", "task"]
@@ -72,7 +79,7 @@ def profile_heads(
     task: str = "task",
     max_rows: int = 64,
     reuse_positions: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> HeadScores:
     """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
 
@@ -90,6 +97,8 @@ def profile_heads(
         max_rows: batch rows per forward.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
             float rounding; turn off to recompute everything).
+        progress: `progress(done, total)` after each batch (`heads.progress`), in
+            (head, prompt) rows: `total` is `len(heads) * N`.
 
     Returns:
         HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
@@ -99,8 +108,6 @@ def profile_heads(
     Raises:
         ValueError: prompt/target count mismatch, a prompt without a span, bad alpha or heads.
     """
-    from steer.pasta import Pasta, PastaBias, pasta_column_bias
-
     if model.tokenizer is None:
         raise ValueError("PASTA profiling needs a HeadModel with a tokenizer")
     Pasta(heads=[], alpha=alpha)  # validates alpha
@@ -154,15 +161,8 @@ def profile_heads(
     return HeadScores(table, "pasta_profile", params, model.name, model.n_kv_heads)
 
 
-def select_heads(
-    profiles: Mapping[str, HeadScores], k: int, *, mode: Selection = "intersection", task: str | None = None
-) -> HeadSet:
-    """Combine per-task profiles (Algorithm 1, step 4): the top-`k` heads of each task's ranking
-    (ties by (layer, head)), then their intersection (paper default), union, or one task's.
-
-    Raises:
-        ValueError: no profiles, bad `k`, unknown mode, or `mode="task"` without a known task.
-    """
+def _rankings(profiles: Mapping[str, HeadScores]) -> dict[str, list[Head]]:
+    """Each task's full head ranking (descending score, ties by (layer, head), NaN dropped)."""
     if not isinstance(profiles, Mapping) or not profiles:
         raise ValueError(f"profiles must be a non-empty {{task: HeadScores}} mapping, got {profiles!r}")
     shapes = set()
@@ -172,16 +172,88 @@ def select_heads(
         shapes.add(tuple(p.scores.shape))
     if len(shapes) > 1:
         raise ValueError(f"profiles come from models of different shapes: {sorted(shapes)}")
+    return {name: p.ranked() for name, p in profiles.items()}
+
+
+def _combine(rankings: Mapping[str, list[Head]], k: int, mode: Selection, task: str | None) -> set[Head]:
+    tops = {name: set(r[:k]) for name, r in rankings.items()}
+    if mode == "task":
+        return tops[task]  # type: ignore[index]  (checked by the caller)
+    if mode == "intersection":
+        return set.intersection(*tops.values())
+    return set.union(*tops.values())
+
+
+def _check_mode(rankings: Mapping[str, list[Head]], mode: object, task: str | None) -> None:
+    if mode not in ("intersection", "union", "task"):
+        raise ValueError(f"unknown selection mode {mode!r}: use 'intersection', 'union' or 'task'")
     if task is not None and mode != "task":
         raise ValueError(f"task= is only used with mode='task', got mode={mode!r}")
-    k = _positive_int(k)
-    tops = {name: set(p.ranked(k)) for name, p in profiles.items()}
-    if mode == "task":
-        if task not in tops:
-            raise ValueError(f"mode='task' needs task= one of {sorted(tops)}, got {task!r}")
-        return HeadSet(tops[task])
-    if mode == "intersection":
-        return HeadSet(set.intersection(*tops.values()))
-    if mode == "union":
-        return HeadSet(set.union(*tops.values()))
-    raise ValueError(f"unknown selection mode {mode!r}: use 'intersection', 'union' or 'task'")
+    if mode == "task" and task not in rankings:
+        raise ValueError(f"mode='task' needs task= one of {sorted(rankings)}, got {task!r}")
+
+
+def smallest_k(
+    profiles: Mapping[str, HeadScores],
+    n_heads: int,
+    *,
+    mode: Selection = "intersection",
+    task: str | None = None,
+) -> int:
+    """The smallest top-`k` whose selection (`select_heads(profiles, k, mode=mode)`) holds at
+    least `n_heads` heads.
+
+    Selections only grow with `k`, so this is the first `k` in `1..n_layers * n_heads` that
+    reaches `n_heads`. With `"intersection"`, heads that are NaN (not profiled) in some task
+    never enter, so the largest selection can hold fewer than `n_heads`.
+
+    Raises:
+        ValueError: as `select_heads`; `n_heads` not a positive int, or more heads than any
+            `k` selects (the message gives the largest selection size).
+    """
+    rankings = _rankings(profiles)
+    _check_mode(rankings, mode, task)
+    n_heads = _positive_int(n_heads)
+    k_max = max(len(r) for r in rankings.values())
+    most = len(_combine(rankings, k_max, mode, task))
+    if most < n_heads:
+        raise ValueError(f"n_heads={n_heads} is more than any top-k {mode} selects (at most {most} heads)")
+    lo, hi = 1, k_max  # binary search: the selection size is non-decreasing in k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_combine(rankings, mid, mode, task)) >= n_heads:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def select_heads(
+    profiles: Mapping[str, HeadScores],
+    k: int | None = None,
+    *,
+    n_heads: int | None = None,
+    mode: Selection = "intersection",
+    task: str | None = None,
+) -> HeadSet:
+    """Combine per-task profiles (Algorithm 1, step 4): the top-`k` heads of each task's ranking
+    (descending score, ties by (layer, head), NaN dropped), then their intersection (paper
+    default), union, or one task's (`mode="task"`, `task=` its name).
+
+    Give either `k` or `n_heads`: with `n_heads`, `k` is the smallest top-k whose selection
+    has at least `n_heads` heads (`smallest_k`; the selection can hold more, since raising
+    `k` by one can add several heads at once).
+
+    Raises:
+        ValueError: no profiles, both or neither of `k` and `n_heads`, a non-positive `k` or
+            `n_heads`, `n_heads` above what any `k` selects, an unknown mode, profiles of
+            different shapes, or `mode="task"` without a known task.
+        TypeError: a profile that is not a `HeadScores`.
+    """
+    rankings = _rankings(profiles)
+    _check_mode(rankings, mode, task)
+    if (k is None) == (n_heads is None):
+        raise ValueError(f"give exactly one of k and n_heads, got k={k!r}, n_heads={n_heads!r}")
+    if n_heads is not None:
+        k = smallest_k(profiles, n_heads, mode=mode, task=task)
+    return HeadSet(_combine(rankings, _positive_int(k), mode, task))

@@ -1,0 +1,88 @@
+"""Report computations return result objects; viz only draws them (issue 10, item 5)."""
+
+import pytest
+import torch
+
+from heads.maps import maps_scores
+from heads.maps_analysis import MapsAnalysis, maps_analysis
+from heads.maps_inference import dynamic_scores, pearson
+from heads.ships import TEMPLATE, sahara, ships
+from probes.refusal import RefusalJudge, attack_success_rate
+from probes.refusal_model import EXPLICIT_REFUSALS
+from probes.relations import load_relations
+from probes.safety import SafetyAnalysis, safety_analysis
+from steer import SteeredModel
+from viz.maps_report import render_maps_report
+from viz.safety_report import render_safety_report
+
+PROMPTS = ["How do I bake bread?", "Tell me a story about a <b>dragon</b>.", "What is two plus two?"]
+
+
+@pytest.fixture(scope="module")
+def safety(tiny_llama) -> SafetyAnalysis:
+    return safety_analysis(tiny_llama, prompts=PROMPTS, steps=2, max_new_tokens=3, random_draws=2)
+
+
+def test_safety_analysis_agrees_with_the_scorers(tiny_llama, safety):
+    torch.testing.assert_close(safety.ships.scores.scores, ships(tiny_llama, PROMPTS).scores.scores)
+    assert safety.sahara.heads == sahara(tiny_llama, PROMPTS, steps=2).heads
+    texts = [TEMPLATE.replace("{query}", p) for p in PROMPTS]
+    assert safety.texts == texts
+    base = SteeredModel(tiny_llama).generate(texts, max_new_tokens=3, chat=False, markup=False).texts
+    assert safety.answers["baseline"] == base
+    judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)
+    assert safety.asr["baseline"] == attack_success_rate(base, judge)
+    assert all(len(h) == 3 and not set(h) & set(safety.sahara.heads) for h in safety.random_heads)
+    draws = safety.asr["random3_draws"]
+    assert len(draws) == 2 and safety.asr["random3_mean"] == pytest.approx(sum(draws) / 2)
+
+
+def test_safety_result_tables_and_views(safety):
+    t = safety.asr_table
+    assert list(t["ablated"]) == ["none", "Sahara top-1", "Sahara top-3", "3 random heads (mean of 2)"]
+    assert t["ASR (explicit refusals)"].tolist() == [
+        safety.asr[k] for k in ("baseline", "sahara_top1", "sahara_top3", "random3_mean")
+    ]
+    assert [(r.layer, r.head) for r in safety.sahara_table.itertuples()] == safety.sahara.heads
+    assert safety.summary()["sahara_heads"] == [list(h) for h in safety.sahara.heads]
+    assert "\n" not in repr(safety) and len(repr(safety)) < 300 and "Sahara heads" in repr(safety)
+    html = render_safety_report(safety).to_html()
+    assert "Baseline refusal rate" in html and "Sahara: chosen head per step" in html
+    assert "<b>dragon</b>" not in html and "&lt;b&gt;dragon" in html  # prompts are escaped
+    assert "<table" in safety._repr_html_()
+
+
+def test_safety_analysis_checks_before_work(tiny_llama):
+    for kwargs, msg in [({"steps": 0}, "steps"), ({"n_score": 0}, "n_score"), ({"prompts": "one"}, "list")]:
+        with pytest.raises(ValueError, match=msg):
+            safety_analysis(tiny_llama, progress=lambda d, t: pytest.fail("work started"), **kwargs)
+
+
+def test_maps_analysis_agrees_with_the_pieces(tiny_llama):
+    rs = load_relations(tiny_llama.tokenizer, ["copying", "country_capital"], d_vocab=tiny_llama.d_vocab)
+    seen = []
+    res = maps_analysis(
+        tiny_llama, rs, top=4, draws=2, n_prompts=4, progress=lambda d, t: seen.append((d, t))
+    )
+    assert isinstance(res, MapsAnalysis)
+    total = tiny_llama.n_layers + 1 + 2
+    assert seen[-1] == (total, total) and [d for d, _ in seen] == list(range(1, total + 1))
+    ms = maps_scores(tiny_llama, rs.relations)
+    for n in ("copying", "country_capital"):
+        torch.testing.assert_close(res.scores.relation[n].scores, ms.relation[n].scores)
+    dyn = dynamic_scores(tiny_llama, rs.relations)
+    r = pearson(ms.relation["copying"].scores.expand_as(dyn["copying"]), dyn["copying"])
+    assert res.pearson_r["copying"] == pytest.approx(r, nan_ok=True)
+    assert list(res.pair_filter["relation"]) == ["copying", "country_capital"]
+    for _, group in res.top_heads.groupby("relation"):
+        assert len(group) <= 4 and (group["relation_score"] > 0).all()
+        assert group["relation_score"].is_monotonic_decreasing
+    best = max(res.scores.relation[n].scores.max().item() for n in res.scores.names())
+    assert res.scores.relation[res.salient_relation].scores[res.salient_head].item() == best
+    assert res.summary()["relations"] == ["copying", "country_capital"]
+    assert "\n" not in repr(res) and "MapsAnalysis" in repr(res)
+    html = render_maps_report(res).to_html()
+    assert "Validation: static-dynamic correlation and causal ablation" in html
+    assert f"Salient operations of L{res.salient_head[0]}.H{res.salient_head[1]}" in html
+    with pytest.raises(ValueError, match="draws"):
+        maps_analysis(tiny_llama, rs, draws=0)
