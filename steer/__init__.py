@@ -4,6 +4,7 @@ from .ablate import Ablate
 from .act import Act, ActEdit
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
+from .spans import UnsteeredRowsWarning
 from .spotlight import Spotlight, SpotlightEdit
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "SteeredModel",
     "Spotlight",
     "SpotlightEdit",
+    "UnsteeredRowsWarning",
     "pasta_column_bias",
 ]
