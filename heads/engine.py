@@ -8,7 +8,12 @@ an additive fp32 mask (causal + padding + the edits' logit biases) and either ca
 SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
 and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
 linearly with context. Head-output edits run in forward pre-hooks on `o_proj`, query
-edits in forward hooks on the q projection (the query slice of a fused QKV).
+edits in forward hooks on the q projection (the query slice of a fused QKV); a pre-hook on
+the attention module reads the KV cache length so that those edits, like attention edits,
+see absolute query positions (`AttentionCall.q_offset`) at prefill and at every decode step.
+
+With `output_attentions=True` inside a context, every layer returns its attention pattern
+`[B, H, q, k]` (the edited one where edits act), whatever the base backend (sdpa or eager).
 
 Usage::
 
@@ -170,7 +175,8 @@ def _make_attention(base: str):
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         # output_attentions=True: every layer returns its (edited) pattern, whatever the base
-        want = bool(kw.get("output_attentions"))
+        config = getattr(module, "config", None)
+        want = bool(kw.get("output_attentions", getattr(config, "output_attentions", False)))
         if edits is None or not (edits.bias or edits.probs):
             if fallback is not None and not want:
                 return fallback(
@@ -379,6 +385,11 @@ def editing(
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.
+
+    A forward with `output_attentions=True` inside the block returns, for every layer, the
+    pattern the model actually used (after the edits; `[B, H, q, k]` in the query dtype, fully
+    masked padding rows all 0), also on an SDPA-loaded model (whose unedited layers then take
+    the eager path for that call).
 
     Edits are seen only by the thread (and `contextvars` context) that entered the
     block: another thread running the same model meanwhile gets the unedited model.

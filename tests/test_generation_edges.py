@@ -120,17 +120,19 @@ def test_positioned_head_scale_same_with_and_without_cache(tiny_llama, where):
     assert cached.token_ids != base.token_ids  # the edit acts
 
 
-def test_positions_are_absolute_in_the_forward(tiny_llama, tokenizer):
-    """Scaling position 3 at a decode step of a cached forward equals scaling it in a full run."""
+def test_positions_are_absolute_in_the_forward(tiny_any, tokenizer):
+    """Scaling the last position at a decode step of a cached forward equals scaling it in a full
+    run, on every family (fused QKV included)."""
+    hm = tiny_any
     enc = encode_prompts(tokenizer, PROMPT, chat=False)
     ids, n = enc.input_ids, enc.length
     with torch.no_grad():
-        with editing(tiny_llama, HeadScale(layer=1, factor=0.0, positions=[n - 1])):
-            full = tiny_llama.model(input_ids=ids).logits[:, -1]
-        pre = tiny_llama.model(input_ids=ids[:, :-1], use_cache=True)
-        with editing(tiny_llama, HeadScale(layer=1, factor=0.0, positions=[n - 1])):
-            step = tiny_llama.model(input_ids=ids[:, -1:], past_key_values=pre.past_key_values).logits[:, -1]
-        plain = tiny_llama.model(input_ids=ids).logits[:, -1]
+        with editing(hm, HeadScale(layer=1, factor=0.0, positions=[n - 1])):
+            full = hm.model(input_ids=ids).logits[:, -1]
+        pre = hm.model(input_ids=ids[:, :-1], use_cache=True)
+        with editing(hm, HeadScale(layer=1, factor=0.0, positions=[n - 1])):
+            step = hm.model(input_ids=ids[:, -1:], past_key_values=pre.past_key_values).logits[:, -1]
+        plain = hm.model(input_ids=ids).logits[:, -1]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
     assert (full - plain).abs().max() > 1e-3
 
