@@ -148,3 +148,9 @@ def test_scorers_check_the_prompt_against_the_position_limit(tokenizer):
     finally:
         handle.remove()
     assert ships(hm, [ok], heads=[(0, 0)]).per_prompt.shape == (1, hm.n_layers, hm.n_heads)
+
+
+@pytest.mark.real
+def test_embedded_model_refuses_a_prompt_beyond_8192_positions(smol):
+    with pytest.raises(ValueError, match="limit of 8192 positions"):
+        ships(smol, ["word " * 8300], heads=[(0, 0)])
