@@ -104,6 +104,11 @@ class Edit:
         ):
             raise TypeError(f"row_heads must be a bool torch.Tensor [batch, n_heads], got {self.row_heads!r}")
 
+    def acts_on(self, call: AttentionCall) -> bool:
+        """False when the edit provably changes nothing in `call` (head-output and query edits
+        are then skipped and the call does not count as fired). Default True."""
+        return True
+
     def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
         """`[batch or 1, n_heads]` bool mask of the (row, head) pairs this edit touches."""
         if self.row_heads is not None:
@@ -196,12 +201,19 @@ class HeadOutputEdit(Edit):
 class HeadScale(HeadOutputEdit):
     """Multiply the chosen heads' outputs by `factor` (0 = zero ablation; 1 = no-op).
 
-    `positions` (indices into each call's query positions, e.g. `[-1]` for the last
-    one) restricts the scaling; None scales every position.
+    `positions` restricts the scaling to some query positions; None (default) scales every
+    position. A position `p >= 0` is an absolute token position of the (left-padded)
+    sequence, the same at prefill and at every decode step with or without a KV cache
+    (DESIGN.md): with a cache, position `p` of the prompt is scaled once, at prefill, and a
+    generated token's position when that token is the new row. A negative `p` counts back
+    from the last query row of each forward call: `-1` is the last position of a scoring
+    forward, and with a KV cache also every newly generated token (so `-1` alone is not
+    cache-invariant during generation). A position no call ever reaches leaves the edit
+    unfired (`editing(..., require_fired=True)` then raises `EditNeverFired`).
 
     Raises:
-        TypeError: a factor that is not a number.
-        ValueError: a non-finite factor or |factor| > 1e4.
+        TypeError: a factor that is not a number, or positions that are not a list of ints.
+        ValueError: a non-finite factor or |factor| > 1e4, or an empty `positions`.
     """
 
     factor: float = 0.0
@@ -213,16 +225,37 @@ class HeadScale(HeadOutputEdit):
     def validate(self) -> None:
         super().validate()
         check_factor(self)
+        ps = self.positions
+        if ps is None:
+            return
+        if isinstance(ps, (str, bytes)) or not isinstance(ps, Iterable):
+            raise TypeError(f"positions must be a list of ints or None, got {ps!r}")
+        ps = list(ps)
+        if any(isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in ps):
+            raise TypeError(f"positions must be ints, got {ps!r}")
+        if not ps:
+            raise ValueError("positions is empty: the edit would scale nothing (None = every position)")
 
     def is_identity(self) -> bool:
         return self.factor == 1.0
 
+    def _rows(self, call: AttentionCall) -> torch.Tensor:
+        """`[q_len]` bool: the call's query rows at the chosen positions (see the class doc)."""
+        rows = torch.zeros(call.q_len, dtype=torch.bool)
+        for p in self.positions:
+            r = int(p) - call.q_offset if p >= 0 else call.q_len + int(p)
+            if 0 <= r < call.q_len:
+                rows[r] = True
+        return rows
+
+    def acts_on(self, call: AttentionCall) -> bool:
+        return self.positions is None or bool(self._rows(call).any())
+
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if self.positions is None:
             return z * self.factor
-        out = z.clone()
-        out[:, list(self.positions)] *= self.factor
-        return out
+        rows = self._rows(call).to(z.device)[None, :, None, None]
+        return torch.where(rows, z * self.factor, z)
 
 
 @dataclass(eq=False, repr=False)

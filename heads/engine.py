@@ -8,7 +8,12 @@ an additive fp32 mask (causal + padding + the edits' logit biases) and either ca
 SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
 and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
 linearly with context. Head-output edits run in forward pre-hooks on `o_proj`, query
-edits in forward hooks on the q projection (the query slice of a fused QKV).
+edits in forward hooks on the q projection (the query slice of a fused QKV); a pre-hook on
+the attention module reads the KV cache length so that those edits, like attention edits,
+see absolute query positions (`AttentionCall.q_offset`) at prefill and at every decode step.
+
+With `output_attentions=True` inside a context, every layer returns its attention pattern
+`[B, H, q, k]` (the edited one where edits act), whatever the base backend (sdpa or eager).
 
 Usage::
 
@@ -95,8 +100,10 @@ def _edited_attention(
     mask: torch.Tensor | None,
     scaling: float,
     edits: _LayerEdits,
-) -> torch.Tensor:
-    """Attention of one edited layer; returns `[B, q, H, d]`."""
+    want_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of one edited layer: `([B, q, H, d], probs)`, with `probs` the edited pattern
+    `[B, H, q, k]` in the query dtype when `want_probs` (`output_attentions=True`), else None."""
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
@@ -112,12 +119,13 @@ def _edited_attention(
         )
     for e in (*edits.bias, *edits.probs):
         e.calls += 1
-    if edits.probs and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
+    eager = bool(edits.probs) or want_probs  # compute the pattern (else SDPA with the bias)
+    if eager and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     # A single decode row with no padding mask sees every key: no base mask needed.
     base = None if (mask is None and q_len == 1) else _additive(mask, q_len, k_len, device)
-    outs = []
+    outs, patterns = [], []
     for s in range(0, q_len, QUERY_BLOCK):
         e_ = min(q_len, s + QUERY_BLOCK)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
@@ -130,7 +138,7 @@ def _edited_attention(
         else:
             add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
-        if not edits.probs:
+        if not eager:
             outs.append(
                 F.scaled_dot_product_attention(
                     q_blk,
@@ -149,8 +157,11 @@ def _edited_attention(
             probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
+        if want_probs:
+            patterns.append(probs.to(query.dtype))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous()
+    pattern = (patterns[0] if len(patterns) == 1 else torch.cat(patterns, dim=2)) if want_probs else None
+    return out.transpose(1, 2).contiguous(), pattern
 
 
 def _make_attention(base: str):
@@ -163,8 +174,11 @@ def _make_attention(base: str):
         edits = _ACTIVE.get().get(id(module))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        # output_attentions=True: every layer returns its (edited) pattern, whatever the base
+        config = getattr(module, "config", None)
+        want = bool(kw.get("output_attentions", getattr(config, "output_attentions", False)))
         if edits is None or not (edits.bias or edits.probs):
-            if fallback is not None:
+            if fallback is not None and not want:
                 return fallback(
                     module,
                     query,
@@ -177,7 +191,7 @@ def _make_attention(base: str):
                 )
             edits = _LayerEdits(getattr(module, "layer_idx", -1), query.shape[1])
             edits.probs.append(_IDENTITY)
-        return _edited_attention(module, query, key, value, attention_mask, scaling, edits), None
+        return _edited_attention(module, query, key, value, attention_mask, scaling, edits, want)
 
     return headsteer_attention
 
@@ -218,11 +232,41 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             )
 
 
-def _head_edit(slot_edits, x: torch.Tensor, layer: int, n_heads: int, d_head: int) -> torch.Tensor:
-    """Apply per-head edits to `x` `[B, T, n_heads * d_head]`; returns the same shape."""
+# Absolute position of the first query row of the running call, per attention module (set by
+# a pre-hook on the module from the KV cache; read by the head-output and query hooks). A
+# forward runs in one thread, so a thread-local is enough.
+_OFFSETS = threading.local()
+
+
+def _offset_hook(layer: int):
+    """Attention-module pre-hook: record the call's first absolute query position (cached keys)."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        n = 0 if cache is None else int(cache.get_seq_length(layer))
+        offsets = getattr(_OFFSETS, "d", None)
+        if offsets is None:
+            offsets = _OFFSETS.d = {}
+        offsets[id(module)] = n
+
+    return hook
+
+
+def _q_offset(key: int) -> int:
+    return getattr(_OFFSETS, "d", {}).get(key, 0)
+
+
+def _head_edit(
+    slot_edits, x: torch.Tensor, layer: int, n_heads: int, d_head: int, q_offset: int = 0
+) -> torch.Tensor:
+    """Apply per-head edits to `x` `[B, T, n_heads * d_head]` (query rows at absolute positions
+    `q_offset ..`); returns the same shape. An edit that does not act on the call is skipped."""
     z = x.reshape(*x.shape[:-1], n_heads, d_head)
-    call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
+    q_len = x.shape[1]
+    call = AttentionCall(layer, x.shape[0], n_heads, q_len, q_offset + q_len, q_offset, x.device)
     for e in slot_edits:
+        if not e.acts_on(call):
+            continue
         e.calls += 1
         mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
         z = torch.where(mask, e.apply(z, call), z)
@@ -236,7 +280,8 @@ def _output_hook(key: int, n_heads: int, d_head: int):
         slot = _ACTIVE.get().get(key)
         if slot is None or not slot.outputs:
             return None
-        return (_head_edit(slot.outputs, args[0], slot.layer, n_heads, d_head), *args[1:])
+        z = _head_edit(slot.outputs, args[0], slot.layer, n_heads, d_head, _q_offset(key))
+        return (z, *args[1:])
 
     return hook
 
@@ -249,7 +294,7 @@ def _query_hook(key: int, n_heads: int, d_head: int):
         slot = _ACTIVE.get().get(key)
         if slot is None or not slot.queries:
             return None
-        q = _head_edit(slot.queries, output[..., :width], slot.layer, n_heads, d_head)
+        q = _head_edit(slot.queries, output[..., :width], slot.layer, n_heads, d_head, _q_offset(key))
         return q if output.shape[-1] == width else torch.cat([q, output[..., width:]], dim=-1)
 
     return hook
@@ -270,6 +315,8 @@ def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[torch.nn
             sites[("out", e.layer)] = (model.out_projs[e.layer], "out", e.layer)
         elif isinstance(e, QueryEdit):
             sites[("q", e.layer)] = (model.q_projs[e.layer], "q", e.layer)
+        if isinstance(e, (HeadOutputEdit, QueryEdit)):  # they need the call's absolute positions
+            sites[("pos", e.layer)] = (model.attentions[e.layer], "pos", e.layer)
     return list(sites.values())
 
 
@@ -295,6 +342,8 @@ def _acquire(model: HeadModel, switch: bool, sites) -> None:
                 key = id(model.attentions[layer])
                 if kind == "out":
                     handle = module.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
+                elif kind == "pos":
+                    handle = module.register_forward_pre_hook(_offset_hook(layer), with_kwargs=True)
                 else:
                     handle = module.register_forward_hook(_query_hook(key, model.n_heads, model.d_head))
                 slot = _HOOKED[id(module)] = [0, handle]
@@ -336,6 +385,11 @@ def editing(
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.
+
+    A forward with `output_attentions=True` inside the block returns, for every layer, the
+    pattern the model actually used (after the edits; `[B, H, q, k]` in the query dtype, fully
+    masked padding rows all 0), also on an SDPA-loaded model (whose unedited layers then take
+    the eager path for that call).
 
     Edits are seen only by the thread (and `contextvars` context) that entered the
     block: another thread running the same model meanwhile gets the unedited model.

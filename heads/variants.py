@@ -115,9 +115,16 @@ def clean_run(
 ) -> CleanRun:
     """Run `enc` once (with `edits`, usually none) and keep what variants reuse.
 
+    Every scorer on the variant engine (Ships, dataset-level Ships, Sahara, PASTA profiling,
+    ACT calibration) starts here, so the prompt length is checked here, before any compute.
+
     Args:
         keep_kv: also keep every layer's keys/values (needed for position-prefix reuse).
+
+    Raises:
+        ValueError: the padded batch is longer than the model's position limit.
     """
+    model.check_length(enc.length)
     out = _forward(model, enc.input_ids, enc.attention_mask, edits, keep_cache=keep_kv)
     logp, final = _last(out)
     kv = None

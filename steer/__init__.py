@@ -10,6 +10,7 @@ from .act import Act, ActEdit
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
 from .profiling import profile_heads, select_heads, smallest_k
+from .spans import UnsteeredRowsWarning
 from .spotlight import Spotlight, SpotlightEdit
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "SteeredModel",
     "Spotlight",
     "SpotlightEdit",
+    "UnsteeredRowsWarning",
     "pasta_column_bias",
     "profile_heads",
     "select_heads",

@@ -15,6 +15,13 @@ after i: prefill ACT is not causal (last-position scoring is unaffected). During
 `decode_sinks="frozen"` (default) keeps S from the prefill (generated tokens are never sinks)
 and calibrates each new row with it; `"running"` adds each new row to the column statistics
 and recomputes S.
+
+**Without a KV cache** (`generate(..., use_cache=False)`) every step re-runs prompt plus
+generated tokens. S is then taken from the prompt rows over the prompt columns only (the
+same pattern as at prefill, since a prompt row never sees a generated token), and the
+generated rows are calibrated in order as above, so cached and uncached generation agree.
+The whole prompt must be in one attention call: a prompt longer than the engine's query
+block (`heads.engine.QUERY_BLOCK`) is refused by `Act.edits`, before anything runs.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Literal
 
 import torch
 
+import heads.engine as engine
 from heads.edits import AttentionCall, ProbEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
@@ -83,35 +91,43 @@ class ActEdit(ProbEdit):
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         prompt_len = self.key_real.shape[1]
-        if call.q_offset == 0:  # prefill: the whole prompt in this call
-            if call.q_len != call.k_len or call.k_len != prompt_len:
+        if call.q_offset == 0:  # prefill, or an uncached re-run of prompt + generated tokens
+            if call.q_len < prompt_len or call.k_len < prompt_len or call.batch != self.key_real.shape[0]:
                 raise ValueError(
-                    f"ACT needs the whole prompt ({prompt_len} tokens) in one attention call, got "
-                    f"{call.q_len} query rows over {call.k_len} keys (prompt longer than the engine's "
-                    "query block, or a batch built for another prompt set)"
+                    f"ACT needs the whole prompt ({prompt_len} tokens, batch {self.key_real.shape[0]}) in "
+                    f"one attention call, got {call.q_len} query rows over {call.k_len} keys, batch "
+                    f"{call.batch} (prompt longer than the engine's query block, or a batch built for "
+                    "another prompt set)"
                 )
+            # the prompt rows over the prompt columns: the same in a prefill and in a re-run
             real = self.key_real.to(probs.device)
-            a, n = column_scores(probs, real)
+            a, n = column_scores(probs[..., :prompt_len, :prompt_len], real)
             self.sinks = find_sinks(a, n, real, self.rule)
             self._col, self._n = a * n[:, None], n  # running column sums, supports
-            sinks = self.sinks
-        else:
-            if self.sinks is None:
-                raise ValueError("ACT saw a decode step before the prefill of its prompt")
-            width = call.k_len
-            sinks = torch.zeros(call.batch, call.n_heads, width, dtype=torch.bool, device=probs.device)
-            if self.decode_sinks == "frozen":
-                sinks[..., :prompt_len] = self.sinks
-            else:
-                sinks[..., :prompt_len] = self._running(probs, call)
-        return calibrate_rows(probs, sinks, self.beta)
+        elif self.sinks is None:
+            raise ValueError("ACT saw a decode step before the prefill of its prompt")
+        sinks = torch.zeros(call.batch, call.n_heads, call.k_len, dtype=torch.bool, device=probs.device)
+        sinks[..., :prompt_len] = self.sinks
+        first_new = max(prompt_len - call.q_offset, 0)  # first row of the call at a generated position
+        if self.decode_sinks == "frozen" or first_new >= call.q_len:
+            return calibrate_rows(probs, sinks, self.beta)
+        # running: each generated row, in order, joins the column statistics and is calibrated with
+        # the sinks they then give (one row per call with a KV cache, all of them in a re-run)
+        parts = [calibrate_rows(probs[..., :first_new, :], sinks, self.beta)] if first_new else []
+        for r in range(first_new, call.q_len):
+            row = probs[..., r : r + 1, :]
+            sinks = sinks.clone()
+            sinks[..., :prompt_len] = self._running(row)
+            parts.append(calibrate_rows(row, sinks, self.beta))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    def _running(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        """Add the new rows to the prompt columns' statistics and re-flag (`"running"` mode)."""
+    def _running(self, rows: torch.Tensor) -> torch.Tensor:
+        """Add query rows `rows` `[B, H, r, K]` to the prompt columns' statistics and re-flag
+        (`"running"` mode); returns the new `[B, H, P]` sink set."""
         prompt_len = self.key_real.shape[1]
-        real = self.key_real.to(probs.device)
-        self._col = self._col + probs.float()[..., :prompt_len].sum(-2)
-        self._n = self._n + call.q_len * real
+        real = self.key_real.to(rows.device)
+        self._col = self._col + rows.float()[..., :prompt_len].sum(-2)
+        self._n = self._n + rows.shape[-2] * real
         a = torch.where(self._n[:, None] > 0, self._col / self._n[:, None].clamp(min=1), 0.0)
         return find_sinks(a, self._n, real, self.rule)
 
@@ -159,11 +175,23 @@ class Act:
         return HeadSet.parse(self.heads, model.n_layers, model.n_heads)
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[ActEdit]:
-        """One `ActEdit` per calibrated layer for the batch `enc`."""
+        """One `ActEdit` per calibrated layer for the batch `enc`.
+
+        Raises:
+            ValueError: a prompt longer than the engine's query block (ACT's prefill edit of each
+                row reads all later rows, so the whole prompt must be in one attention call).
+        """
         self.validate()
         heads = self.head_set(model)
         if self.beta == 1:
             return []
+        block = engine.QUERY_BLOCK
+        if enc.length > block:
+            raise ValueError(
+                f"ACT needs the whole prompt in one attention call (each row's calibration reads the "
+                f"sink columns' attention from all later rows), but the prompt has {enc.length} tokens "
+                f"and the engine runs {block} query rows per block (heads.engine.QUERY_BLOCK)"
+            )
         real = enc.attention_mask.bool()
         kw = {"beta": float(self.beta), "rule": self.rule, "decode_sinks": self.decode_sinks}
         return [ActEdit(layer=la, heads=hs, key_real=real, **kw) for la, hs in heads.by_layer().items()]

@@ -32,6 +32,9 @@ class Generation:
         prompts: the rendered prompts (after chat template, without markup).
         spans: emphasized token ranges per prompt, in padded coordinates.
         steer: the interventions applied.
+        outputs: with `return_dict_in_generate=True`, the `transformers` generate output
+            (`sequences`, and `scores`, `attentions`, ... as requested; attentions are the
+            edited patterns, see `heads.editing`); else None.
     """
 
     texts: list[str]
@@ -39,6 +42,7 @@ class Generation:
     prompts: list[str]
     spans: list[list[tuple[int, int]]]
     steer: list = field(default_factory=list)
+    outputs: object | None = None
 
     @property
     def text(self) -> str:
@@ -70,9 +74,12 @@ class SteeredModel:
         model: a `HeadModel` (from `heads.load_model`) with a tokenizer.
 
     Decoding rule: every intervention acts at prefill on all prompt rows and at
-    every decode step on the new row; key columns are absolute positions of the
-    left-padded sequence, so prompt columns `< P` keep their edits and generated
-    columns follow each method's spec (PASTA never scales them).
+    every decode step on the new row; key columns and edit positions are absolute
+    positions of the left-padded sequence, so prompt columns `< P` keep their edits
+    and generated columns follow each method's spec (PASTA never scales them). With
+    `use_cache=False` every step re-runs the whole sequence with the same absolute
+    positions, so PASTA, ACT and positioned head edits generate the same tokens as
+    with the cache (SpotLight at layer/head granularity pools differently by design).
     """
 
     def __init__(self, model: HeadModel):
@@ -117,7 +124,9 @@ class SteeredModel:
             markup: parse `**…**` markup (default True).
             seed: torch seed for sampling.
             require_fired: raise if an intervention's edit never ran (default True).
-            **generate_kwargs: passed to `transformers`' `generate` (e.g. temperature).
+            **generate_kwargs: passed to `transformers`' `generate` (e.g. temperature,
+                `use_cache=False`, or `return_dict_in_generate=True` with `output_attentions=True`
+                / `output_scores=True`: the result is then in `Generation.outputs`).
 
         Returns:
             Generation with `texts` and `token_ids`.
@@ -162,6 +171,9 @@ class SteeredModel:
                 **({} if do_sample else {"temperature": None, "top_p": None, "top_k": None}),
                 **generate_kwargs,
             )
+        raw = None
+        if not isinstance(out, torch.Tensor):  # return_dict_in_generate=True
+            raw, out = out, out.sequences
         new = out[:, enc.length :].tolist()
         eos = generate_kwargs.get("eos_token_id", hm.model.generation_config.eos_token_id)
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -170,4 +182,4 @@ class SteeredModel:
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
             token_ids.append(row[:cut])
         texts = [tok.decode(ids, skip_special_tokens=True) for ids in token_ids]
-        return Generation(texts, token_ids, enc.texts, enc.spans, steer)
+        return Generation(texts, token_ids, enc.texts, enc.spans, steer, raw)

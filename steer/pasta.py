@@ -22,6 +22,8 @@ from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
 from heads.scores import HeadSet
 
+from .spans import warn_rows_without_span
+
 __all__ = ["Pasta", "PastaBias", "pasta_column_bias"]
 
 Mode = Literal["exclude", "include", "generation"]
@@ -75,7 +77,7 @@ def pasta_column_bias(
     * `generation`: `log(alpha)` on every real prompt column.
 
     Padding columns get 0 (they are masked anyway). Rows without a span get 0 in
-    `exclude`/`include` (unsteered).
+    `exclude`/`include` (unsteered; `Pasta.edits` warns about them).
     """
     log_a = math.log(alpha)
     real = enc.attention_mask.bool()
@@ -164,6 +166,9 @@ class Pasta:
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[PastaBias]:
         """One `PastaBias` per steered layer for the batch `enc`.
 
+        In `exclude` / `include` mode a prompt of the batch without an emphasized span is
+        left unsteered, with an `UnsteeredRowsWarning` naming it (`steer.spans`).
+
         Raises:
             ValueError: no prompt has an emphasized span (exclude/include), bad heads.
         """
@@ -175,5 +180,7 @@ class Pasta:
             raise ValueError(
                 "PASTA needs an emphasized span: mark it with **...** in the prompt or pass emphasize="
             )
+        if self.needs_span:
+            warn_rows_without_span(enc, "PASTA")
         cb = pasta_column_bias(enc, self.alpha, self.scale_position, self.multi_span)
         return [PastaBias(layer=layer, heads=hs, column_bias=cb) for layer, hs in heads.by_layer().items()]

@@ -19,6 +19,8 @@ head granularity psi pools whatever rows are in the call: all prompt rows at pre
 new row at each decode step, so individual rows stay spread around tau and an uncached re-run
 differs from cached decoding by design. Span columns are prompt positions only; generated
 tokens are never in the span. Decode rows are steered at every step (`steer_decode=True`).
+A prompt without a span (psi = 0) is left unsteered; in a batch, `Spotlight.edits` warns about
+such rows (`UnsteeredRowsWarning`, `steer.spans`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ from typing import Literal
 
 import torch
 
+import heads.engine as engine
 from heads.edits import AttentionCall, ProbEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
+
+from .spans import warn_rows_without_span
 
 __all__ = ["Spotlight", "SpotlightEdit", "spotlight_bias"]
 
@@ -199,12 +204,24 @@ class Spotlight:
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[SpotlightEdit]:
         """One `SpotlightEdit` per steered layer for the batch `enc`.
 
+        A prompt of the batch without an emphasized span is left unsteered, with an
+        `UnsteeredRowsWarning` naming it (`steer.spans`).
+
         Raises:
-            ValueError: no prompt has an emphasized span, or an unknown layer.
+            ValueError: no prompt has an emphasized span, an unknown layer, or (granularity
+                `"layer"` / `"head"`) a prompt longer than the engine's query block.
         """
         self.validate()
         if not any(enc.spans):
             raise ValueError("SpotLight needs an emphasized span: mark it with **...** or pass emphasize=")
+        block = engine.QUERY_BLOCK
+        if self.granularity != "row" and enc.length > block:
+            raise ValueError(
+                f"SpotLight granularity {self.granularity!r} pools the whole prefill, but a prompt of "
+                f"{enc.length} tokens is split into query blocks of {block} rows "
+                "(heads.engine.QUERY_BLOCK): use granularity='row' for longer prompts"
+            )
+        warn_rows_without_span(enc, "SpotLight")
         layers = range(model.n_layers) if self.layers is None else [int(x) for x in self.layers]
         for layer in layers:
             model.check_head(layer, 0)

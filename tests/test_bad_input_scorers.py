@@ -120,3 +120,37 @@ def test_model_unchanged_after_errors(tiny_llama):
         SteeredModel(tiny_llama).generate(["no span"], Spotlight(), chat=False, max_new_tokens=1)
     assert all("forward" not in block.__dict__ for block in tiny_llama.layers)
     assert torch.equal(forward(tiny_llama, enc), before)
+
+
+def test_scorers_check_the_prompt_against_the_position_limit(tokenizer):
+    """A 100-token prompt on a 64-position model is refused before any forward pass."""
+    from conftest import make_tiny
+
+    hm = make_tiny("llama", tokenizer, max_position_embeddings=64)
+    long = "word " * 100
+    ok = "Is the sky blue?"
+    runs = []
+    handle = hm.model.register_forward_pre_hook(lambda m, a: runs.append(1))
+    calls = {
+        "ships": lambda: ships(hm, [ok, long], heads=[(0, 0)]),
+        "dataset_ships": lambda: dataset_ships(hm, [ok, long], heads=[(0, 0)]),
+        "sahara": lambda: sahara(hm, [ok, long], heads=[(0, 0), (1, 1)], steps=1),
+        "profile_heads": lambda: profile_heads(
+            hm, [f"**{long}** Job:"], [" pilot"], heads=[(1, 0)], chat=False
+        ),
+        "calibrate_act_heads": lambda: calibrate_act_heads(hm, [ok, long], [["yes", "no"]] * 2, [0, 1]),
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match="limit of 64 positions"):
+                call()
+            assert runs == [], name
+    finally:
+        handle.remove()
+    assert ships(hm, [ok], heads=[(0, 0)]).per_prompt.shape == (1, hm.n_layers, hm.n_heads)
+
+
+@pytest.mark.real
+def test_embedded_model_refuses_a_prompt_beyond_8192_positions(smol):
+    with pytest.raises(ValueError, match="limit of 8192 positions"):
+        ships(smol, ["word " * 8300], heads=[(0, 0)])

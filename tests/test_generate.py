@@ -99,3 +99,32 @@ def test_ablate_during_generation(tiny_llama):
 def _inputs(sm, prompt):
     enc = sm.encode(prompt)
     return {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}
+
+
+def test_generate_returns_the_edited_attentions(tokenizer):
+    """`return_dict_in_generate` + `output_attentions`: per step, every layer's edited pattern."""
+    from conftest import make_tiny
+
+    hm = make_tiny("llama", tokenizer, attn="eager")
+    alpha = 0.01
+    g = SteeredModel(hm).generate(
+        "Words here. **Look at this.** More words.",
+        steer=[Pasta({"0": [1]}, alpha=alpha)],
+        chat=False,
+        max_new_tokens=3,
+        output_attentions=True,
+        return_dict_in_generate=True,
+    )
+    att = g.outputs.attentions
+    assert len(att) == 3 and all(len(step) == hm.n_layers for step in att)
+    enc = SteeredModel(hm).encode("Words here. **Look at this.** More words.", chat=False)
+    seq = g.outputs.sequences
+    with torch.no_grad():  # layer 0 sees only tokens: the plain pattern of the same sequence
+        plain = hm.model(input_ids=seq, output_attentions=True).attentions[0][0]  # [H, T, T]
+    w = torch.ones(seq.shape[1])
+    w[: enc.length] = torch.where(enc.span_mask(0), 1.0, alpha)  # PASTA: alpha off the span
+    for step in (1, 2):  # decode steps: one new row each
+        pos = enc.length + step - 1
+        p = plain[1, pos, : pos + 1] * w[: pos + 1]
+        torch.testing.assert_close(att[step][0][0, 1, 0], p / p.sum(), atol=1e-5, rtol=0)  # steered head
+        torch.testing.assert_close(att[step][0][0, 0, 0], plain[0, pos, : pos + 1], atol=1e-5, rtol=0)
