@@ -8,7 +8,9 @@ emphasise it, VAR/VHR read it.
 
 Image span per family (half-open token ranges, padded coordinates):
 
-* LLaVA (and LLaVA-NeXT / -OneVision): every maximal run of `image_token_id`.
+* LLaVA (and LLaVA-NeXT / -OneVision): every maximal run of `image_token_id`
+  (`encode_image_prompts` also splits a run where one image ends and the next
+  begins, using the processor's replacement offsets, so each image is one span).
 * Qwen2-VL / Qwen2.5-VL: the tokens strictly between `vision_start_token_id` and
   `vision_end_token_id` (the `<|image_pad|>` run); positions are 3D M-RoPE
   (`[3, B, T]`, from the model's own `get_rope_index`).
@@ -81,6 +83,15 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends, strict=True))
 
 
+def _split(spans: list[tuple[int, int]], cuts: list[int]) -> list[tuple[int, int]]:
+    """Split half-open spans at the token indices `cuts` that fall strictly inside them."""
+    out = []
+    for s, e in spans:
+        bounds = [s, *sorted({c for c in cuts if s < c < e}), e]
+        out.extend(zip(bounds[:-1], bounds[1:], strict=True))
+    return out
+
+
 def image_spans(input_ids: torch.Tensor, config: object) -> list[list[tuple[int, int]]]:
     """Per row, the half-open token ranges of the image features (see the module docstring).
 
@@ -140,9 +151,9 @@ def image_placeholder(processor: object, config: object) -> str:
 def normalize_images(images: object, n: int) -> list[list[ImageInput]]:
     """One list of images per prompt.
 
-    `images` may be None (no images), one image (every prompt gets it; with one
-    prompt, that prompt), or a list with one entry per prompt, each an image, a
-    list of images, or None.
+    `images` may be None (no images), one image (every prompt gets it), or a list
+    with one entry per prompt, each an image, a list of images, or None. With a
+    single prompt, a flat list of images is that prompt's images.
 
     Raises:
         ValueError: a per-prompt list whose length is not `n`.
@@ -151,6 +162,8 @@ def normalize_images(images: object, n: int) -> list[list[ImageInput]]:
         return [[] for _ in range(n)]
     if not isinstance(images, (list, tuple)):
         return [[images] for _ in range(n)]
+    if n == 1 and images and not any(x is None or isinstance(x, (list, tuple)) for x in images):
+        return [list(images)]  # one prompt: a flat list holds its images
     if len(images) != n:
         raise ValueError(
             f"images has {len(images)} entries for {n} prompts (one image or list of images per prompt)"
@@ -366,9 +379,17 @@ def encode_image_prompts(
             row.append(char_to_token_range(offsets[b], (_shift(c0, reps), _shift(c1, reps)), skip))
         token_spans.append(row)
     inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    enc = EncodedPrompts(
-        input_ids, mask, token_spans, texts, cspans, image_spans=image_spans(input_ids, cfg), inputs=inputs
-    )
+    spans_img = image_spans(input_ids, cfg)
+    for b in range(len(texts)):  # adjacent images (LLaVA "<image><image>") form one run: split per image
+        real = [(t, o0) for t, (o0, o1) in enumerate(offsets[b]) if mask[b, t] and o1 > o0]
+        cuts = []
+        for r in replacements[b]:
+            if r.get("type", "image") == "image":  # the first token of this image's expansion
+                first = next((t for t, o0 in real if o0 >= r["new_span"][0]), None)
+                if first is not None:
+                    cuts.append(first)
+        spans_img[b] = _split(spans_img[b], cuts)
+    enc = EncodedPrompts(input_ids, mask, token_spans, texts, cspans, image_spans=spans_img, inputs=inputs)
     if getattr(cfg, "model_type", "") in MROPE_FAMILIES and flat:
         enc.mrope_position_ids = mrope_position_ids(model, enc)
     return enc

@@ -240,7 +240,11 @@ def load_processor(where: str | os.PathLike, config: object | None = None) -> ob
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
-        return AutoProcessor.from_pretrained(where)
+        proc = AutoProcessor.from_pretrained(where)
+        if getattr(proc, "image_processor", None) is None or getattr(proc, "tokenizer", None) is None:
+            # AutoProcessor falls back to a bare tokenizer when the processor class cannot be built
+            raise ValueError(f"AutoProcessor gave a {type(proc).__name__}, not an image + text processor")
+        return proc
     except Exception as first:  # noqa: BLE001 (transformers raises many kinds here)
         try:
             config = config if config is not None else AutoConfig.from_pretrained(where)
