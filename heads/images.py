@@ -128,6 +128,9 @@ def image_spans(input_ids: torch.Tensor, config: object) -> list[list[tuple[int,
                     )
                 if row[s + 1] == img:
                     spans.append((s + 1, e))
+            inside = sum(e - s - 1 for s, e in zip(starts, ends, strict=True))
+            if sum(t in pads for t in row) != inside:
+                raise ValueError(f"row {b}: image tokens outside a vision start/end pair")
             out.append(spans)
         return out
     return [_runs(row == img) for row in input_ids]

@@ -149,7 +149,8 @@ class SteeredModel:
         Raises:
             ValueError: bad prompts or spans, `max_new_tokens` < 1, prompt plus new tokens
                 beyond the model's position limit, or an unsupported generate option
-                (`num_return_sequences`, `num_beams`).
+                (`num_return_sequences`, `num_beams`); `images` for a model without a
+                processor, or not matching the prompts' image placeholders.
             TypeError: a steer item without `edits(model, enc)`.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

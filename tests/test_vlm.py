@@ -299,3 +299,26 @@ def test_bad_image_inputs(vlm, tiny_llama):
         encode_image_prompts(
             vlm, [[{"role": "user", "content": [{"type": "image", "image": image(0)}]}]], image(1)
         )
+
+
+def test_idefics3_split_image_gives_one_span_per_tile():
+    hm = make_tiny_vlm("idefics3")
+    improc = hm.processor.image_processor
+    improc.do_image_splitting, improc.size = True, {"longest_edge": 32}
+    enc = encode_image_prompts(hm, "What?", image(0, size=32))
+    n = IMAGE_TOKENS["idefics3"]
+    assert [e - s for s, e in enc.image_spans[0]] == [n] * 5  # 2 x 2 tiles + the global view
+    assert enc.image_mask()[0].tolist() == (enc.input_ids[0] == image_token_id(hm.model.config)).tolist()
+    assert enc.inputs["pixel_values"].shape[:2] == (1, 5)
+    g = SteeredModel(hm).generate("What?", images=image(0, size=32), steer=STEER, max_new_tokens=2)
+    assert len(g.token_ids[0]) == 2
+
+
+def test_qwen2_vl_image_tokens_outside_vision_markers_are_refused():
+    cfg = make_tiny_vlm("qwen2_vl").model.config
+    ids = torch.tensor([[5, cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id, 6]])
+    assert image_spans(ids, cfg) == [[(2, 3)]]
+    with pytest.raises(ValueError, match="outside a vision start/end"):
+        image_spans(torch.tensor([[5, cfg.image_token_id, 6]]), cfg)
+    with pytest.raises(ValueError, match="unbalanced"):
+        image_spans(torch.tensor([[cfg.vision_start_token_id, cfg.image_token_id]]), cfg)
