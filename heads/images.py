@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .prompts import EncodedPrompts, Prompt, emphasis_rows, normalize_prompts, render_prompt
+from .model import HeadModel
+from .prompts import EncodedPrompts, Prompt, SpanLike, emphasis_rows, normalize_prompts, render_prompt
 from .spans import char_to_token_range, find_span
 
 __all__ = [
@@ -44,7 +45,9 @@ __all__ = [
     "image_spans",
     "image_token_id",
     "is_vision_language",
+    "mrope_position_ids",
     "normalize_images",
+    "processor_of",
 ]
 
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
@@ -241,7 +244,7 @@ def _shift(pos: int, replacements: list[dict]) -> int:
     return pos + shift
 
 
-def processor_of(model: object) -> object:
+def processor_of(model: HeadModel) -> object:
     """The processor of a vision-language `HeadModel` (`model.processor`).
 
     Raises:
@@ -256,14 +259,15 @@ def processor_of(model: object) -> object:
     return proc
 
 
-def _rope_module(model: torch.nn.Module):
+def _rope_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module of a VLM that owns `get_rope_index` (the model or its `.model`)."""
     for m in (model, getattr(model, "model", None)):
         if m is not None and callable(getattr(m, "get_rope_index", None)):
             return m
     raise ValueError(f"{type(model).__name__} uses M-RoPE but has no get_rope_index")
 
 
-def mrope_position_ids(model: object, enc: EncodedPrompts) -> torch.Tensor:
+def mrope_position_ids(model: HeadModel, enc: EncodedPrompts) -> torch.Tensor:
     """`[3, B, P]` M-RoPE positions (temporal, height, width) of a padded batch.
 
     Computed by the model's own `get_rope_index` from the expanded ids, the mask
@@ -284,11 +288,11 @@ def mrope_position_ids(model: object, enc: EncodedPrompts) -> torch.Tensor:
 
 
 def encode_image_prompts(
-    model: object,
+    model: HeadModel,
     prompts: Prompt | Sequence[Prompt],
     images: object = None,
     *,
-    emphasize=None,
+    emphasize: SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike]] | None = None,
     chat: bool | None = None,
     markup: bool = True,
 ) -> EncodedPrompts:
