@@ -18,18 +18,14 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
     whole output object is returned instead of the logits.
 
     Position ids are counted over real tokens, as `generate` does, so an example
-    gives the same logits alone and inside a padded batch.
+    gives the same logits alone and inside a padded batch. Prompts with images
+    also pass the processor's outputs (`enc.inputs`: `pixel_values`, ...) and,
+    for M-RoPE models, `[3, B, P]` positions.
 
     Raises:
         ValueError: the batch is longer than the model's position limit.
     """
     model.check_length(enc.length)
     device = model.device
-    out = model.model(
-        input_ids=enc.input_ids.to(device),
-        attention_mask=enc.attention_mask.to(device),
-        position_ids=enc.position_ids().to(device),
-        use_cache=False,
-        **kwargs,
-    )
+    out = model.model(**enc.model_inputs(device), use_cache=False, **kwargs)
     return out if kwargs else out.logits

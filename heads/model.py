@@ -50,6 +50,8 @@ class HeadModel:
             `transformers`' `AttentionInterface`.
         tokenizer: its (fast) tokenizer; needed for text prompts and spans.
         name: a model id recorded in every `HeadScores` produced with this model.
+        processor: for a vision-language model, its processor (image processor +
+            tokenizer; `heads.images` uses it to encode prompts with images).
 
     Raises:
         TypeError: `model` is not an `nn.Module` with a `config`.
@@ -57,22 +59,34 @@ class HeadModel:
             cannot be found.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: object | None = None, name: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: object | None = None,
+        name: str | None = None,
+        processor: object | None = None,
+    ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.model = model
         self.tokenizer = tokenizer
+        self.processor = processor
         cfg = model.config
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
         self._layout = _LAYOUTS.get(getattr(cfg, "model_type", ""), _DEFAULT_LAYOUT)
         try:
             layers = _get(model, self._layout.layers)
         except AttributeError:
-            # LLaVA-style wrappers keep the language model one level down.
-            try:
-                layers = _get(model, "model.language_model.layers")
-                self._layout = _Layout("model.language_model.layers", "self_attn", "o_proj")
-            except AttributeError:
+            # Vision-language wrappers keep the language model one level down
+            # (LLaVA, Qwen2-VL: `language_model`; Idefics3 / SmolVLM: `text_model`).
+            for path in ("model.language_model.layers", "model.text_model.layers"):
+                try:
+                    layers = _get(model, path)
+                except AttributeError:
+                    continue
+                self._layout = _Layout(path, "self_attn", "o_proj")
+                break
+            else:
                 raise ValueError(f"cannot find decoder layers of model_type={cfg.model_type!r}") from None
         self.layers: list[nn.Module] = list(layers)
         self.attentions: list[nn.Module] = [getattr(b, self._layout.attn) for b in self.layers]

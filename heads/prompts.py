@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ __all__ = [
     "encode_prompts",
     "normalize_prompts",
     "position_ids",
+    "render_prompt",
 ]
 
 Message = Mapping[str, str]
@@ -74,6 +75,13 @@ class EncodedPrompts:
             padded coordinates; never BOS, pad or special tokens).
         texts: the rendered prompts (after the chat template, without markup).
         char_spans: per row, the emphasized character spans in `texts`.
+        image_spans: per row, the token ranges of image features (half-open, padded
+            coordinates; `heads.images.image_spans`); empty lists for text prompts.
+        inputs: the processor's other model inputs for prompts with images
+            (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`,
+            `mm_token_type_ids`, ...), passed to the model's forward as they are.
+        mrope_position_ids: `[3, B, P]` M-RoPE positions (Qwen2-VL with images),
+            else None.
     """
 
     input_ids: torch.Tensor
@@ -81,6 +89,13 @@ class EncodedPrompts:
     spans: list[list[tuple[int, int]]]
     texts: list[str]
     char_spans: list[list[tuple[int, int]]]
+    image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    mrope_position_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image_spans:
+            self.image_spans = [[] for _ in range(self.input_ids.shape[0])]
 
     @property
     def batch(self) -> int:
@@ -91,22 +106,58 @@ class EncodedPrompts:
         """P, the padded prompt length."""
         return self.input_ids.shape[1]
 
-    def span_mask(self, row: int | None = None, which: int | None = None) -> torch.Tensor:
+    def select_spans(self, target: str = "text") -> list[list[tuple[int, int]]]:
+        """Per row, the spans of `target`: `"text"` (emphasized text, `spans`), `"image"`
+        (`image_spans`) or `"both"` (text spans, then image spans).
+
+        Raises:
+            ValueError: an unknown target.
+        """
+        if target == "text":
+            return self.spans
+        if target == "image":
+            return self.image_spans
+        if target == "both":
+            return [t + i for t, i in zip(self.spans, self.image_spans, strict=True)]
+        raise ValueError(f"unknown span target {target!r}: use 'text', 'image' or 'both'")
+
+    def span_mask(
+        self, row: int | None = None, which: int | None = None, target: str = "text"
+    ) -> torch.Tensor:
         """Bool mask over prompt columns: `[B, P]` (all rows) or `[P]` for `row`.
 
-        `which` selects one span of the row (default: the union of its spans).
+        `which` selects one span of the row (default: the union of its spans);
+        `target` picks text, image or both kinds of span (see `select_spans`).
         """
+        spans = self.select_spans(target)
         rows = range(self.batch) if row is None else [row]
         out = torch.zeros(len(rows), self.length, dtype=torch.bool)
         for i, r in enumerate(rows):
-            chosen = self.spans[r] if which is None else [self.spans[r][which]]
+            chosen = spans[r] if which is None else [spans[r][which]]
             for t0, t1 in chosen:
                 out[i, t0:t1] = True
         return out if row is None else out[0]
 
+    def image_mask(self, row: int | None = None) -> torch.Tensor:
+        """Bool mask of image-feature columns: `[B, P]`, or `[P]` for `row`."""
+        return self.span_mask(row, target="image")
+
     def position_ids(self) -> torch.Tensor:
-        """`[B, P]` positions that ignore left padding (what `generate` uses)."""
+        """Positions that ignore left padding (what `generate` uses): `[B, P]`, or
+        `[3, B, P]` M-RoPE positions when `mrope_position_ids` is set (Qwen2-VL with images)."""
+        if self.mrope_position_ids is not None:
+            return self.mrope_position_ids
         return position_ids(self.attention_mask)
+
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Keyword arguments for the model's forward: ids, mask, positions and the processor's `inputs`."""
+        out = {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids(),
+            **self.inputs,
+        }
+        return {k: v.to(device) for k, v in out.items()} if device is not None else out
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -114,8 +165,17 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _render(tokenizer, prompt: Prompt, chat: bool, markup: bool):
-    """Rendered text, char spans of markup, and the content regions of the prompt."""
+def render_prompt(tokenizer, prompt: Prompt, chat: bool, markup: bool):
+    """Render one prompt: `(text, markup char spans, content regions)`.
+
+    The chat template is applied when `chat`; the regions are the half-open
+    character ranges of the message contents in `text` (where `emphasize=`
+    substrings are searched).
+
+    Raises:
+        ValueError: a chat without `chat=True`, or a template that drops,
+            reorders or changes messages.
+    """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     else:
@@ -223,7 +283,7 @@ def encode_prompts(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, spans, texts, char_spans = [], [], [], []
     for prompt, extra in zip(items, rows, strict=True):
-        text, cspans, regions = _render(tokenizer, prompt, chat, markup)
+        text, cspans, regions = render_prompt(tokenizer, prompt, chat, markup)
         cspans = cspans + [find_span(text, s, regions) for s in extra]
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=not chat)
         skip = [t in special for t in enc["input_ids"]]

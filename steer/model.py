@@ -10,6 +10,7 @@ import torch
 
 from heads.edits import Edit
 from heads.engine import editing
+from heads.images import encode_image_prompts
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts, Prompt, encode_prompts
 
@@ -35,6 +36,8 @@ class Generation:
         outputs: with `return_dict_in_generate=True`, the `transformers` generate output
             (`sequences`, and `scores`, `attentions`, ... as requested; attentions are the
             edited patterns, see `heads.editing`); else None.
+        image_spans: image-feature token ranges per prompt, in padded coordinates
+            (empty lists for text prompts).
     """
 
     texts: list[str]
@@ -43,6 +46,7 @@ class Generation:
     spans: list[list[tuple[int, int]]]
     steer: list = field(default_factory=list)
     outputs: object | None = None
+    image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -90,9 +94,24 @@ class SteeredModel:
         self.model = model
 
     def encode(
-        self, prompts, *, emphasize=None, chat: bool | None = None, markup: bool = True
+        self, prompts, *, images=None, emphasize=None, chat: bool | None = None, markup: bool = True
     ) -> EncodedPrompts:
-        """Render, tokenize and left-pad prompts (see `heads.encode_prompts`)."""
+        """Render, tokenize and left-pad prompts (see `heads.encode_prompts`).
+
+        On a vision-language model (one with a `processor`) prompts go through its
+        processor with `images` (see `heads.images.encode_image_prompts`).
+
+        Raises:
+            ValueError: `images` given to a model without a processor; see the encoders.
+        """
+        if getattr(self.model, "processor", None) is not None:
+            return encode_image_prompts(
+                self.model, prompts, images, emphasize=emphasize, chat=chat, markup=markup
+            )
+        if images is not None:
+            raise ValueError(
+                f"images given, but {self.model.name!r} is not a vision-language model (no processor)"
+            )
         return encode_prompts(self.model.tokenizer, prompts, emphasize=emphasize, chat=chat, markup=markup)
 
     @torch.no_grad()
@@ -101,6 +120,7 @@ class SteeredModel:
         prompts: Prompt | Sequence[Prompt],
         steer: Intervention | Sequence[Intervention] | None = (),
         *,
+        images=None,
         max_new_tokens: int = 64,
         do_sample: bool = False,
         emphasize=None,
@@ -117,6 +137,10 @@ class SteeredModel:
                 `{"role", "content"}` dicts), or a list of either (batched with left
                 padding).
             steer: an intervention or a list, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
+            images: for a vision-language model: one image (PIL), or one image / list of
+                images / None per prompt. A prompt without the image placeholder gets
+                one per image before its first user message (`heads.images`);
+                `Pasta(..., spans="image")` emphasizes the image tokens.
             max_new_tokens: tokens to generate per prompt (default 64).
             do_sample: sample instead of greedy decoding (default False).
             emphasize: spans to emphasize besides markup (see `heads.encode_prompts`).
@@ -134,7 +158,8 @@ class SteeredModel:
         Raises:
             ValueError: bad prompts or spans, `max_new_tokens` < 1, prompt plus new tokens
                 beyond the model's position limit, or an unsupported generate option
-                (`num_return_sequences`, `num_beams`).
+                (`num_return_sequences`, `num_beams`); `images` for a model without a
+                processor, or not matching the prompts' image placeholders.
             TypeError: a steer item without `edits(model, enc)`.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -154,7 +179,7 @@ class SteeredModel:
                 raise TypeError(f"not an intervention (no .edits(model, enc)): {s!r}")
         hm = self.model
         tok = hm.tokenizer
-        enc = self.encode(prompts, emphasize=emphasize, chat=chat, markup=markup)
+        enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
         hm.check_length(enc.length + max_new_tokens)
         edits = [e for s in steer for e in s.edits(hm, enc)]
         if seed is not None:
@@ -163,6 +188,7 @@ class SteeredModel:
         device = hm.device
         with editing(hm, edits, require_fired=require_fired):
             out = hm.model.generate(
+                **{k: v.to(device) for k, v in enc.inputs.items()},  # pixel_values, image_grid_thw, ...
                 input_ids=enc.input_ids.to(device),
                 attention_mask=enc.attention_mask.to(device),
                 max_new_tokens=max_new_tokens,
@@ -182,4 +208,6 @@ class SteeredModel:
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
             token_ids.append(row[:cut])
         texts = [tok.decode(ids, skip_special_tokens=True) for ids in token_ids]
-        return Generation(texts, token_ids, enc.texts, enc.spans, steer, raw)
+        return Generation(
+            texts, token_ids, enc.texts, enc.spans, steer, outputs=raw, image_spans=enc.image_spans
+        )

@@ -28,6 +28,7 @@ __all__ = ["Pasta", "PastaBias", "pasta_column_bias"]
 
 Mode = Literal["exclude", "include", "generation"]
 MultiSpan = Literal["union", "compound"]
+SpanTarget = Literal["text", "image", "both"]
 
 
 @dataclass(eq=False, repr=False)
@@ -68,8 +69,12 @@ def pasta_column_bias(
     alpha: float,
     scale_position: Mode = "exclude",
     multi_span: MultiSpan = "union",
+    spans: SpanTarget = "text",
 ) -> torch.Tensor:
     """`[B, P]` log-factors that PASTA adds to prompt key columns (methods/pasta.md §2).
+
+    G is the set of `spans` of each row: `"text"` (emphasized text, `enc.spans`),
+    `"image"` (image-feature tokens, `enc.image_spans`) or `"both"`.
 
     * `exclude`: `log(alpha)` on real prompt columns outside G (union of spans), or with
       `compound` one `log(alpha)` per span on columns outside that span (reference code).
@@ -85,15 +90,15 @@ def pasta_column_bias(
         return torch.where(real, log_a, 0.0)
     sign = 1.0 if scale_position == "exclude" else -1.0
     out = torch.zeros(enc.batch, enc.length)
-    for b, spans in enumerate(enc.spans):
-        if not spans:
+    for b, row in enumerate(enc.select_spans(spans)):
+        if not row:
             continue
         if multi_span == "union":
-            outside = ~enc.span_mask(b)
+            outside = ~enc.span_mask(b, target=spans)
             out[b] = torch.where(outside & real[b], sign * log_a, 0.0)
         else:
-            for k in range(len(spans)):
-                out[b] += torch.where(~enc.span_mask(b, which=k) & real[b], sign * log_a, 0.0)
+            for k in range(len(row)):
+                out[b] += torch.where(~enc.span_mask(b, which=k, target=spans) & real[b], sign * log_a, 0.0)
     return out
 
 
@@ -112,6 +117,9 @@ class Pasta:
             otherwise because it suppresses the span) or `"generation"`.
         multi_span: `"union"` (paper, default) or `"compound"` (reference-code parity:
             factors alpha^m / alpha^(m-1) / 1).
+        spans: which spans are emphasized: `"text"` (default: `**markup**` and
+            `emphasize=`), `"image"` (the image-feature tokens of a vision-language
+            prompt, `EncodedPrompts.image_spans`; each image is one span) or `"both"`.
 
     Frozen: make variants with `dataclasses.replace(pasta, alpha=...)`. An empty head
     selection or alpha = 1 is a bitwise no-op (methods/pasta.md §8).
@@ -127,6 +135,7 @@ class Pasta:
     alpha: float = 0.01
     scale_position: Mode = "exclude"
     multi_span: MultiSpan = "union"
+    spans: SpanTarget = "text"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -154,6 +163,8 @@ class Pasta:
             raise ValueError(f"unknown scale_position {self.scale_position!r}")
         if self.multi_span not in ("union", "compound"):
             raise ValueError(f"unknown multi_span {self.multi_span!r}")
+        if self.spans not in ("text", "image", "both"):
+            raise ValueError(f"unknown spans {self.spans!r}: use 'text', 'image' or 'both'")
 
     def head_set(self, model: HeadModel) -> HeadSet:
         """The steered heads, checked against `model`."""
@@ -176,11 +187,15 @@ class Pasta:
         heads = self.head_set(model)
         if self.alpha == 1:
             return []
-        if self.needs_span and not any(enc.spans):
+        if self.needs_span and not any(enc.select_spans(self.spans)):
+            if self.spans == "image":
+                raise ValueError(
+                    "PASTA spans='image' needs prompts with images (no image tokens in the batch)"
+                )
             raise ValueError(
                 "PASTA needs an emphasized span: mark it with **...** in the prompt or pass emphasize="
             )
         if self.needs_span:
-            warn_rows_without_span(enc, "PASTA")
-        cb = pasta_column_bias(enc, self.alpha, self.scale_position, self.multi_span)
+            warn_rows_without_span(enc, "PASTA", spans=enc.select_spans(self.spans))
+        cb = pasta_column_bias(enc, self.alpha, self.scale_position, self.multi_span, self.spans)
         return [PastaBias(layer=layer, heads=hs, column_bias=cb) for layer, hs in heads.by_layer().items()]

@@ -21,23 +21,31 @@ class UnsteeredRowsWarning(UserWarning):
     """Some prompts of a batch have no emphasized span, so a span-based method leaves them unsteered."""
 
 
-def rows_without_span(enc: EncodedPrompts) -> list[int]:
-    """Indices of the batch rows of `enc` that have no emphasized span."""
-    return [b for b, spans in enumerate(enc.spans) if not spans]
+def rows_without_span(enc: EncodedPrompts, spans: list[list[tuple[int, int]]] | None = None) -> list[int]:
+    """Indices of the batch rows of `enc` without a span (of `spans`; default `enc.spans`)."""
+    return [b for b, row in enumerate(enc.spans if spans is None else spans) if not row]
 
 
-def warn_rows_without_span(enc: EncodedPrompts, method: str, *, stacklevel: int = 3) -> list[int]:
+def warn_rows_without_span(
+    enc: EncodedPrompts,
+    method: str,
+    *,
+    spans: list[list[tuple[int, int]]] | None = None,
+    stacklevel: int = 3,
+) -> list[int]:
     """Warn (`UnsteeredRowsWarning`) if some, but not all, rows of `enc` have no span.
 
     Args:
         enc: the encoded batch.
         method: the method's name, for the message (e.g. `"PASTA"`).
+        spans: the per-row spans the method steers towards (default `enc.spans`, the
+            emphasized text; e.g. `enc.select_spans("image")` for image spans).
         stacklevel: passed to `warnings.warn`.
 
     Returns:
         the rows without a span (empty: nothing was warned).
     """
-    rows = rows_without_span(enc)
+    rows = rows_without_span(enc, spans)
     if rows and len(rows) < enc.batch:
         which = ", ".join(str(b) for b in rows)
         many = len(rows) > 1
