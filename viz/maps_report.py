@@ -26,13 +26,15 @@ def maps_report(
     top: int = 20,
     draws: int = 5,
     n_prompts: int = 30,
+    overwrite: bool = False,
     progress=None,
 ) -> tuple[Path, dict]:
     """Write the MAPS report to `out` (HTML) and return it with a JSON-able summary.
 
     Sections: pair-filter counts (and dropped relations), a relation-score heatmap per
     relation, the top heads with `describe()`, the static-vs-dynamic Pearson r per
-    relation, and the causal ablation (top heads vs `draws` random draws).
+    relation, and the causal ablation (top heads vs `draws` random draws). `out` is
+    written atomically; an existing file is refused unless `overwrite`.
     """
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -119,7 +121,7 @@ def maps_report(
     rep.table(f"Top {top} heads per relation", top_table, max_rows=top * len(ms.names()))
     rep.table(f"Salient operations of L{lh[0]}.H{lh[1]} (top head of {best})", salient)
     rep.seconds = time.perf_counter() - t0
-    path = rep.save(out)
+    path = rep.save(out, overwrite=overwrite)
     summary = {
         "relations": ms.names(),
         "dropped": list(rs.dropped),

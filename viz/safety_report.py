@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from heads import HeadModel
-from heads.ships import TEMPLATE, dataset_ships, sahara, ships
+from heads.ships import TEMPLATE, dataset_ships, fill_template, sahara, ships
 from probes.refusal import RefusalJudge, attack_success_rate
 from probes.refusal_model import EXPLICIT_REFUSALS
 from probes.requests import load_requests
@@ -19,34 +19,51 @@ from steer import Ablate, SteeredModel
 from .figures import head_heatmap
 from .report import Report
 
-__all__ = ["read_prompts", "safety_report"]
+__all__ = ["MAX_PROMPTS", "read_prompts", "safety_report", "safety_template"]
+
+MAX_PROMPTS = 10_000
+"""Cap on the prompts `read_prompts` accepts from one file (each is generated 5+ times)."""
 
 
-def read_prompts(path: str | Path) -> list[str]:
+def read_prompts(path: str | Path, limit: int | None = MAX_PROMPTS) -> list[str]:
     """Prompts from a JSONL file (`{"prompt": ...}` per line) or a text file (one per line).
 
+    The file is read line by line (never whole); blank lines are skipped.
+
     Raises:
-        ValueError: no prompts, or a JSONL line without a string "prompt".
+        ValueError: no prompts, a JSONL line without a string "prompt", or more than
+            `limit` prompts (default `MAX_PROMPTS`; None: no cap).
         FileNotFoundError: no such file.
     """
-    text = Path(path).read_text(encoding="utf-8")
     out = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        if str(path).endswith(".jsonl"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
-            out.append(row["prompt"])
-        else:
-            out.append(line.strip())
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            if str(path).endswith(".jsonl"):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
+                out.append(row["prompt"])
+            else:
+                out.append(line.strip())
+            if limit is not None and len(out) > limit:
+                raise ValueError(f"{str(path)!r} holds more than the cap of {limit} prompts")
     if not out:
         raise ValueError(f"no prompts in {str(path)!r}")
     return out
+
+
+def safety_template(system_prompt: str | None = None) -> str:
+    """The prompt template: `system_prompt` (stripped, own line) before `heads.ships.TEMPLATE`.
+
+    `{query}` is the only placeholder (see `heads.ships.fill_template`), in scoring
+    and in generation alike.
+    """
+    return (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
 
 
 def safety_report(
@@ -60,6 +77,8 @@ def safety_report(
     max_new_tokens: int = 48,
     random_draws: int = 3,
     seed: int = 0,
+    batch_size: int = 16,
+    overwrite: bool = False,
     progress=None,
 ) -> tuple[Path, dict]:
     """Write the safety-head report and return it with a JSON-able summary.
@@ -67,11 +86,16 @@ def safety_report(
     Heads are scored on the first `n_score` prompts (Ships, dataset-level Ships, Sahara);
     ASR is measured on the held-out harmful test requests (or on all `prompts` when given)
     with no head, Sahara's first head, its first three heads, and `random_draws` draws of
-    three random heads ablated (UA, exact), greedy decoding.
+    three random heads ablated (UA, exact), greedy decoding, `batch_size` prompts per
+    generate call. `{query}` in the template (system prompt included) is the only
+    placeholder, replaced the same way for scoring and generation. `out` is written
+    atomically; an existing file is refused unless `overwrite`.
     """
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    template = (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
+    template = safety_template(system_prompt)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size}")
     score_prompts = (prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
     eval_prompts = prompts or [r["prompt"] for r in load_requests("harmful", "test")]
     say("Ships: every head on every scoring prompt")
@@ -83,11 +107,17 @@ def safety_report(
     judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
     keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
     sm = SteeredModel(model)
-    texts = [template.format(query=q) for q in eval_prompts]
+    texts = fill_template(template, eval_prompts)
 
     def answers(heads) -> list[str]:
         steer = [Ablate([list(h) for h in heads])] if heads else []
-        return sm.generate(texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False).texts
+        out: list[str] = []
+        for i in range(0, len(texts), batch_size):
+            batch = texts[i : i + batch_size]
+            out += sm.generate(
+                batch, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False
+            ).texts
+        return out
 
     say("generating: baseline and ablated")
     base = answers([])
@@ -164,7 +194,7 @@ def safety_report(
     for i in range(min(3, len(eval_prompts))):
         rep.samples(f"Sample {i + 1}", texts[i], {"baseline": base[i], "Sahara top-3 ablated": top3[i]})
     rep.seconds = time.perf_counter() - t0
-    path = rep.save(out)
+    path = rep.save(out, overwrite=overwrite)
     return path, {
         "asr": asr,
         "asr_keyword_judge": asr_keyword,
