@@ -288,7 +288,7 @@ class Run:
             if isinstance(done, str):
                 head = done.split(" ", 1)[0].split("/")
                 if len(head) == 2 and all(x.isdigit() for x in head):
-                    state["done"] = int(head[0])
+                    state["done"], state["total"] = int(head[0]), max(int(head[1]), 1)
                 else:
                     state["done"] += 1
                     state["label"] = done
