@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -222,7 +223,7 @@ def _reading(where: str) -> Iterator[None]:
 
     try:
         yield
-    except (SafetensorError, OSError, RuntimeError, EOFError) as err:
+    except (SafetensorError, OSError, RuntimeError, EOFError, json.JSONDecodeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"cannot read the model in {where!r}: {first}") from err
 

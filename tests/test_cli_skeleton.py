@@ -181,17 +181,21 @@ def test_eval_and_profile_outputs_checked_before_work(no_load, tmp_path):
     )
 
 
-def test_report_all_interrupted_says_what_was_written(tiny_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "exc, code, message",
+    [(KeyboardInterrupt(), 130, "interrupted"), (ValueError("disk full"), 2, "error: disk full")],
+)
+def test_report_all_stopped_says_what_was_written(tiny_llama_dir, tmp_path, monkeypatch, exc, code, message):
     import viz.all_reports
 
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
+    def stop(*a, **k):
+        raise exc
 
-    monkeypatch.setattr(viz.all_reports, "maps_report", interrupted)
+    monkeypatch.setattr(viz.all_reports, "maps_report", stop)
     out = tmp_path / "rep"
     r = runner.invoke(app, ["--quiet", "report", "all", "--model", tiny_llama_dir, "--out", str(out)])
-    assert r.exit_code == 130, r.output
-    assert "interrupted" in r.stderr
+    assert r.exit_code == code, r.output
+    assert message in r.stderr
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("written: "))
     written, missing = line.removeprefix("written: ").split("; not written: ")
     assert written.split(", ") == [str(out / "attention.html"), str(out / "attention.csv")]

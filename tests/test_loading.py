@@ -58,10 +58,23 @@ def _saved(tmp_path, tiny_llama, tokenizer, name="m"):
     return d
 
 
-def test_corrupt_safetensors_is_one_value_error(tmp_path, tiny_llama, tokenizer):
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes(b"not a safetensors file" * 4), "header"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+            "header",
+        ),
+        (lambda d: (d / "config.json").write_text("{garbage"), "config"),
+        (lambda d: (d / "tokenizer.json").write_text("{garbage"), "property name"),
+    ],
+    ids=["garbage", "truncated", "config", "tokenizer"],
+)
+def test_damaged_model_folder_is_one_value_error(tmp_path, tiny_llama, tokenizer, damage, match):
     d = _saved(tmp_path, tiny_llama, tokenizer)
-    (d / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
-    with pytest.raises(ValueError, match="cannot read the model in .*m'.*header"):
+    damage(d)
+    with pytest.raises(ValueError, match=f"cannot read the model in .*m'.*{match}"):
         load_model(d)
 
 
