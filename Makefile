@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/headsteer demo --out out
+	$(VENV)/bin/headsteer demo --out out --force
 
 test: $(STAMP) chromium
 	$(PY) -m pytest -q

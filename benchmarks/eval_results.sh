@@ -9,7 +9,7 @@ mkdir -p results
 run() {  # task method
   local out="results/$1.$2.csv"
   [ -s "$out" ] && return 0
-  $HS --quiet eval --task "$1" --method "$2" --split test ${LIMIT:+--limit "$LIMIT"} --out "$out" >/dev/null
+  $HS --quiet eval --task "$1" --method "$2" --split test ${LIMIT:+--limit "$LIMIT"} --out "$out" --force >/dev/null
   echo "done $1 / $2" >&2
 }
 for task in json_format pronoun_change occupation counterfact; do

@@ -66,8 +66,8 @@ def main() -> None:
     )
     engine_s = time.perf_counter() - t0
     if args.save:
-        os.makedirs(args.save, exist_ok=True)
-        prof.save(os.path.join(args.save, f"{args.task}.json"))
+        # --save names a folder of benchmark outputs: a rerun replaces them
+        prof.save(os.path.join(args.save, f"{args.task}.json"), overwrite=True)
     n_heads = hm.n_layers * hm.n_heads
     step = max(1, n_heads // args.loop_heads)
     sample = [divmod(i, hm.n_heads) for i in range(0, n_heads, step)][: args.loop_heads]

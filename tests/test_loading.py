@@ -49,3 +49,104 @@ def test_low_precision_pasta_has_no_nan(tokenizer, dtype):
     torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
     with editing(hm, Pasta({"0": [0, 1], "1": [2, 3]}, alpha=1e-4).edits(hm, enc)):
         assert torch.isfinite(forward(hm, enc)).all()
+
+
+def _saved(tmp_path, tiny_llama, tokenizer, name="m"):
+    d = tmp_path / name
+    tiny_llama.model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes(b"not a safetensors file" * 4), "header"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+            "header",
+        ),
+        (lambda d: (d / "config.json").write_text("{garbage"), "config"),
+        (lambda d: (d / "tokenizer.json").write_text("{garbage"), "property name"),
+    ],
+    ids=["garbage", "truncated", "config", "tokenizer"],
+)
+def test_damaged_model_folder_is_one_value_error(tmp_path, tiny_llama, tokenizer, damage, match):
+    d = _saved(tmp_path, tiny_llama, tokenizer)
+    damage(d)
+    with pytest.raises(ValueError, match=f"cannot read the model in .*m'.*{match}"):
+        load_model(d)
+
+
+def test_pickled_weights_are_refused_unread(tmp_path, tiny_llama, tokenizer, monkeypatch):
+    d = _saved(tmp_path, tiny_llama, tokenizer)
+    torch.save(tiny_llama.model.state_dict(), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+
+    def never(*a, **k):
+        raise AssertionError("a pickle was loaded")
+
+    monkeypatch.setattr(torch, "load", never)
+    with pytest.raises(ValueError, match="only pickled weights \\(pytorch_model.bin\\).*never loads pickles"):
+        load_model(d)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match="no model weights"):
+        load_model(d)
+
+
+def test_cache_build_cleans_dead_builds_and_is_group_readable(tmp_path):
+    import os
+    import stat
+    import time
+
+    from heads.loading import _write_cache, clean_stale_cache
+
+    cache = tmp_path / "cache"
+    dead = cache / ".tmp-dead"
+    dead.mkdir(parents=True)
+    (dead / "model.safetensors").write_bytes(b"half")
+
+    def save(tmp):
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        (tmp / "config.json").write_text("{}")
+
+    old = os.umask(0o077)  # the strictest umask: the cache must still be group-readable
+    try:
+        _write_cache(cache / "model", save)
+    finally:
+        os.umask(old)
+    assert not dead.exists() and [p.name for p in cache.glob(".tmp-*")] == []
+    target = cache / "model"
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+    assert stat.S_IMODE(target.stat().st_mode) & 0o050 == 0o050
+    assert stat.S_IMODE((target / "config.json").stat().st_mode) & 0o040 == 0o040
+    # a second build finds the cache built and does not call save
+    _write_cache(target, lambda tmp: (_ for _ in ()).throw(AssertionError("rebuilt")))
+    # leftovers from a killed build are removed on the next load when nobody builds ...
+    (cache / ".tmp-killed").mkdir()
+    assert [p.name for p in clean_stale_cache(cache)] == [".tmp-killed"]
+    # ... and, while a build holds the lock, only those older than an hour
+    from heads.loading import _cache_lock
+
+    fresh, stale = cache / ".tmp-fresh", cache / ".tmp-stale"
+    fresh.mkdir(), stale.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+
+    def hold():
+        with _cache_lock(cache):
+            ready.set()
+            done.wait(30)
+
+    p = ctx.Process(target=hold)
+    p.start()
+    try:
+        assert ready.wait(30)
+        assert [x.name for x in clean_stale_cache(cache)] == [".tmp-stale"]
+        assert fresh.exists()
+    finally:
+        done.set()
+        p.join(30)

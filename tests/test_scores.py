@@ -71,7 +71,7 @@ def test_headset_parse(tmp_path):
         HeadSet.parse({"5": [0]}, 3, 4)
     with pytest.raises(ValueError, match="unknown head 4 in layer 0"):
         HeadSet.parse({"0": [4]}, 3, 4)
-    with pytest.raises(TypeError, match="head must be an int"):
+    with pytest.raises(ValueError, match="head must be an int"):
         HeadSet.parse({"0": ["x"]})
     with pytest.raises(TypeError, match="top"):
         HeadSet.parse(_scores())
@@ -115,3 +115,60 @@ def test_span_attention_after_span_rows_and_errors(tiny_llama):
         span_attention(tiny_llama, "A **b**", query="first")
     with pytest.raises(ValueError, match="empty prompt list"):
         span_attention(tiny_llama, [])
+
+
+@pytest.mark.parametrize("head", ["1.5", '"2"', "true", "null", "NaN", "2.0", "[1]", "{}"])
+def test_head_file_with_a_non_int_head_is_a_value_error(tmp_path, head):
+    f = tmp_path / "h.json"
+    f.write_text(f'{{"0": [{head}]}}')
+    with pytest.raises(ValueError, match="head must be an int"):
+        HeadSet.parse(str(f), 3, 4)
+
+
+@pytest.mark.parametrize("spec", [[(0, True)], [(None, 1)], [(0, float("nan"))], [("0", 1)], {"0": [1.0]}])
+def test_non_int_heads_in_python_are_value_errors(spec):
+    with pytest.raises(ValueError, match="must be an int"):
+        HeadSet.parse(spec)
+
+
+def test_deeply_nested_head_file_is_a_clean_value_error(tmp_path):
+    f = tmp_path / "deep.json"
+    f.write_text("[" * 100_000)
+    with pytest.raises(ValueError, match="deep.json.*not valid JSON"):
+        HeadSet.parse(str(f))
+    g = tmp_path / "deep_scores.json"
+    g.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        HeadScores.load(g)
+
+
+def test_duplicate_json_keys_are_refused(tmp_path):
+    f = tmp_path / "dup.json"
+    f.write_text('{"0": [1], "0": [2]}')
+    with pytest.raises(ValueError, match="duplicate key '0'"):
+        HeadSet.parse(str(f))
+    p = _scores().save(tmp_path / "s.json")
+    p.write_text(p.read_text().replace('"method": "test",', '"method": "test", "method": "other",'))
+    with pytest.raises(ValueError, match="duplicate key 'method'"):
+        HeadScores.load(p)
+
+
+def test_saves_refuse_to_overwrite_and_create_parents(tmp_path):
+    s = _scores()
+    p = s.save(tmp_path / "new" / "sub" / "s.json")
+    assert p.is_file()
+    with pytest.raises(ValueError, match="exists.*overwrite=True"):
+        _scores(n_layers=2).save(p)
+    assert HeadScores.load(p).n_layers == 3  # untouched
+    _scores(n_layers=2).save(p, overwrite=True)
+    assert HeadScores.load(p).n_layers == 2
+    h = HeadSet([(0, 1)]).save(tmp_path / "a" / "h.json")
+    with pytest.raises(ValueError, match="exists"):
+        HeadSet([(2, 2)]).save(h)
+    assert HeadSet.parse(str(h)) == HeadSet([(0, 1)])
+    assert HeadSet([(2, 2)]).save(h, overwrite=True) == h and HeadSet.parse(str(h)) == HeadSet([(2, 2)])
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(ValueError, match="symlink"):
+        HeadSet([(0, 1)]).save(link, overwrite=True)
+    assert not (tmp_path / "elsewhere.json").exists()

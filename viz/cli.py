@@ -1,8 +1,12 @@
-"""The `headsteer` command line."""
+"""The `headsteer` command line.
+
+Every command runs in the skeleton of `viz.cli_common.command`: the shared options
+`--model --device --dtype --quiet --json --force`, output paths checked before any
+work, a status line while the model loads, progress, one-line errors (exit 2).
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,24 +20,17 @@ from rich.table import Table
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from .cli_common import (  # noqa: E402  (after the offline switch)
-    _STATE,
-    USER_ERRORS,
     EmphasizeOpt,
-    JsonOpt,
-    ModelOpt,
-    QuietOpt,
-    _fail,
-    _folder_out,
-    _html_out,
-    _json,
-    _load,
+    Run,
+    _at_most,
     _positive,
-    _progress,
-    _quiet_transformers,
+    check_prompt,
+    command,
     console,
     err,
+    set_global,
 )
-from .cli_eval import eval_command, profile_app  # noqa: E402
+from .cli_eval import register as register_eval  # noqa: E402
 
 app = typer.Typer(
     help="headsteer: attention-head scoring and attention steering.",
@@ -45,21 +42,26 @@ report_app = typer.Typer(
     help="Write self-contained HTML reports.", no_args_is_help=True, rich_markup_mode=None
 )
 app.add_typer(report_app, name="report")
-app.add_typer(profile_app, name="profile")
-app.command("eval")(eval_command)
+register_eval(app)
+
+MAX_DRAWS = 100
+"""Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""
+MAX_FEW_SHOT = 1000
+"""Cap on `--prompts` of the MAPS check (few-shot prompts per relation)."""
+HTML = (".html", ".htm")
 
 
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-    quiet: QuietOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no status lines or progress bars")] = False,
 ) -> None:
-    _STATE["debug"] = debug
-    _STATE["quiet"] = quiet
+    set_global(debug, quiet)
 
 
-@app.command()
+@command(app)
 def generate(
+    run: Run,
     prompt: Annotated[str, typer.Argument(help="prompt with the span to emphasize in **double stars**")],
     pasta_heads: Annotated[
         str,
@@ -72,216 +74,204 @@ def generate(
     top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads span")] = 20,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     emphasize: EmphasizeOpt = None,
-    model: ModelOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
+) -> dict:
     """Print the unsteered and the PASTA-steered answers side by side."""
     from heads import HeadSet
     from steer import Pasta
 
     from .steering import choose_heads, compare
 
-    try:
-        Pasta({}, alpha=alpha)  # check alpha before loading anything
-        if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):
-            raise ValueError(f"head file {pasta_heads!r} selects no heads")
-        _positive(top_k=top_k, max_new_tokens=max_new_tokens)
-        hm = _load(model)
+    Pasta({}, alpha=alpha)  # check alpha before loading anything
+    if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):
+        raise ValueError(f"head file {pasta_heads!r} selects no heads")
+    _positive(top_k=top_k, max_new_tokens=max_new_tokens)
+    check_prompt(prompt, emphasize)
+    hm = run.load()
+    with run.status("choosing heads and generating…"):
         heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
         res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens, emphasize=emphasize)
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(
-            json.dumps(
-                {"baseline": res.baseline, "steered": res.steered, "alpha": alpha, "heads": heads.to_dict()}
-            )
-        )
-        return
     table = Table(show_lines=True)
     table.add_column("baseline", ratio=1)
     table.add_column(f"PASTA (alpha={alpha}, {len(heads)} heads)", ratio=1)
     table.add_row(escape(res.baseline), escape(res.steered))
-    console.print(table)
+    run.show(table)
+    return {"baseline": res.baseline, "steered": res.steered, "alpha": alpha, "heads": heads.to_dict()}
 
 
-@report_app.command("attention")
+@command(report_app, "attention")
 def report_attention(
+    run: Run,
     prompt: Annotated[str, typer.Option(help="prompt with the span in **double stars**")],
     out: Annotated[Path, typer.Option(help="HTML file to write (a CSV is written beside it)")],
     top_k: Annotated[int, typer.Option(help="heads outlined as top-k")] = 20,
     emphasize: EmphasizeOpt = None,
-    model: ModelOpt = None,
-    as_json: JsonOpt = False,
-) -> None:
+) -> dict:
     """Attention mass on the emphasized span per (layer, head): heatmap + CSV."""
     from .steering import attention_report
 
-    try:
-        _html_out(out)
-        _positive(top_k=top_k)
-        hm = _load(model)
-        html_path, csv_path, _ = attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize)
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json({"html": str(html_path), "csv": str(csv_path)}))
-    else:
-        console.print(f"wrote {html_path}\nwrote {csv_path}", highlight=False)
+    _positive(top_k=top_k)
+    check_prompt(prompt, emphasize, option="--prompt")
+    out = run.output(out, suffixes=HTML)
+    csv = run.output(out.with_suffix(".csv"))
+    hm = run.load()
+    with run.status("scoring heads…"):
+        attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize, overwrite=run.force)
+    return {"html": str(out), "csv": str(csv)}
 
 
-@report_app.command("maps")
+@command(report_app, "maps")
 def report_maps(
+    run: Run,
     out: Annotated[Path, typer.Option(help="HTML file to write")],
     relations: Annotated[str, typer.Option(help='"all" or comma-separated relation names')] = "all",
     top: Annotated[int, typer.Option(help="top heads listed per relation")] = 20,
-    draws: Annotated[int, typer.Option(help="random-head draws in the ablation check")] = 5,
-    prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the ablation check")] = 30,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+    draws: Annotated[
+        int, typer.Option(help=f"random-head draws in the ablation check (at most {MAX_DRAWS})")
+    ] = 5,
+    prompts: Annotated[
+        int,
+        typer.Option(help=f"few-shot prompts per relation in the ablation check (at most {MAX_FEW_SHOT})"),
+    ] = 30,
+) -> dict:
     """MAPS: relation and suppression scores of every head from its weights, validated by inference."""
-    _STATE["quiet"] = _STATE["quiet"] or quiet
     from probes.relations import parse_relation_names
 
     from .maps_report import maps_report
 
-    try:
-        _html_out(out)
-        names = parse_relation_names(relations)  # checked before the model loads
-        _positive(top=top, draws=draws, prompts=prompts)
-        hm = _load(model)
-        bar, step = _progress("MAPS")
-        with bar:
-            path, summary = maps_report(
-                hm, out, relations=names, top=top, draws=draws, n_prompts=prompts, progress=step
-            )
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json({"html": str(path), **summary}))
-        return
+    names = parse_relation_names(relations)  # checked before the model loads
+    _positive(top=top, draws=draws, prompts=prompts)
+    _at_most("--draws", draws, MAX_DRAWS)
+    _at_most("--prompts", prompts, MAX_FEW_SHOT)
+    out = run.output(out, suffixes=HTML)
+    hm = run.load()
+    with run.progress(len(names) + 2, "MAPS") as step:
+        _, summary = maps_report(
+            hm,
+            out,
+            relations=names,
+            top=top,
+            draws=draws,
+            n_prompts=prompts,
+            overwrite=run.force,
+            progress=step,
+        )
     table = Table(title="MAPS validation")
     for col in ("relation", "r static~dynamic", "heads", "base acc", "top ablated", "random ablated"):
         table.add_column(col)
     for n in summary["relations"]:
         a = summary["ablation"][n]
         table.add_row(
-            n,
+            escape(n),
             f"{summary['pearson_r'][n]:.2f}",
             str(a["n_heads"]),
             f"{a['base']:.2f}",
             "skipped" if a["skipped"] else f"{a['ablated']:.2f}",
             "" if a["skipped"] else f"{a['random_mean']:.2f}",
         )
-    console.print(table)
-    for n in summary["dropped"]:
-        console.print(f"dropped: {n} (too few single-token pairs)", highlight=False)
-    console.print(f"wrote {path}", highlight=False)
+    run.show(table, *(f"dropped: {n} (too few single-token pairs)" for n in summary["dropped"]))
+    return {"html": str(out), **summary}
 
 
-@report_app.command("safety")
+@command(report_app, "safety")
 def report_safety(
+    run: Run,
     out: Annotated[Path, typer.Option(help="HTML file to write")],
     prompts: Annotated[
-        Path | None, typer.Option(help="harmful prompts: JSONL with a 'prompt' field, or one per line")
+        Path | None,
+        typer.Option(
+            help="harmful prompts: JSONL with a 'prompt' field, or one per line (read line by line)"
+        ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Sahara greedy steps")] = 3,
     system_prompt: Annotated[
-        str | None, typer.Option(help="text put before the Query/Answer template")
+        str | None,
+        typer.Option(help="text put before the Query/Answer template ({query} in it is replaced too)"),
     ] = None,
     score_prompts: Annotated[int, typer.Option(help="prompts used to score heads")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated per answer")] = 48,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+    batch_size: Annotated[int, typer.Option(help="prompts per generate call in the ASR step")] = 16,
+) -> dict:
     """Safety heads: Ships and dataset-level Ships heatmaps, Sahara, and ASR with heads ablated."""
-    from .safety_report import read_prompts, safety_report
+    from heads.ships import fill_template
 
-    _STATE["quiet"] = _STATE["quiet"] or quiet
-    try:
-        _html_out(out)
-        _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens)
-        texts = read_prompts(prompts) if prompts is not None else None
-        hm = _load(model)
-        bar, step = _progress("safety heads")
-        with bar:
-            path, summary = safety_report(
-                hm,
-                out,
-                prompts=texts,
-                steps=steps,
-                system_prompt=system_prompt,
-                n_score=score_prompts,
-                max_new_tokens=max_new_tokens,
-                progress=step,
-            )
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json({"html": str(path), **summary}))
-        return
+    from .safety_report import read_prompts, safety_report, safety_template
+
+    _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    fill_template(safety_template(system_prompt), ["check"])  # the template, before any work
+    texts = read_prompts(prompts) if prompts is not None else None
+    out = run.output(out, suffixes=HTML)
+    hm = run.load()
+    with run.progress(5, "safety heads") as step:
+        _, summary = safety_report(
+            hm,
+            out,
+            prompts=texts,
+            steps=steps,
+            system_prompt=system_prompt,
+            n_score=score_prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            overwrite=run.force,
+            progress=step,
+        )
     a = summary["asr"]
-    console.print(
+    run.show(
         f"ASR baseline {a['baseline']:.2f} | Sahara top-1 {a['sahara_top1']:.2f}"
         f" | top-3 {a['sahara_top3']:.2f} | 3 random heads {a['random3_mean']:.2f}\n"
-        f"Sahara heads {summary['sahara_heads']}\nwrote {path}",
-        highlight=False,
+        f"Sahara heads {summary['sahara_heads']}"
     )
+    return {"html": str(out), **summary}
 
 
-@report_app.command("all")
+@command(report_app, "all")
 def report_all(
+    run: Run,
     out: Annotated[Path, typer.Option(help="folder for the reports")] = Path("reports"),
-    draws: Annotated[int, typer.Option(help="random-head draws in the MAPS ablation check")] = 5,
-    prompts: Annotated[int, typer.Option(help="few-shot prompts per relation in the MAPS check")] = 30,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
-    """Every available report (embedded model by default), with an index.html linking them."""
-    from .all_reports import all_reports
+    draws: Annotated[
+        int, typer.Option(help=f"random-head draws in the MAPS ablation check (at most {MAX_DRAWS})")
+    ] = 5,
+    prompts: Annotated[
+        int, typer.Option(help=f"few-shot prompts per relation in the MAPS check (at most {MAX_FEW_SHOT})")
+    ] = 30,
+) -> dict:
+    """Every available report (embedded model by default), with an index.html linking them.
 
-    _STATE["quiet"] = _STATE["quiet"] or quiet
-    try:
-        _folder_out(out)
-        _positive(draws=draws, prompts=prompts)
-        hm = _load(model)
-        bar, step = _progress("reports")
-        with bar:
-            written = all_reports(hm, out, draws=draws, n_prompts=prompts, progress=step)
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json({k: str(v) for k, v in written.items()}))
-    else:
-        for name, path in written.items():
-            console.print(f"{name}: {path}", highlight=False)
+    The index is written last; on an error or Ctrl-C the files written so far are named."""
+    from .all_reports import FILES, all_reports
+
+    _positive(draws=draws, prompts=prompts)
+    _at_most("--draws", draws, MAX_DRAWS)
+    _at_most("--prompts", prompts, MAX_FEW_SHOT)
+    run.folder(out, list(FILES))
+    hm = run.load()
+    with run.progress(1, "reports") as step:
+        written = all_reports(hm, out, draws=draws, n_prompts=prompts, overwrite=run.force, progress=step)
+    return {k: str(v) for k, v in written.items()}
 
 
-@app.command()
+@command(app)
 def demo(
+    run: Run,
     out: Annotated[Path, typer.Option(help="folder for the report")] = Path("out"),
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
-    as_json: JsonOpt = False,
-) -> None:
-    """Run the main job on the embedded model: a JSON instruction buried after a biography."""
+) -> dict:
+    """Run the main job (embedded model by default): a JSON instruction buried after a biography."""
     from .demo import run_demo
 
     t0 = time.perf_counter()
-    try:
-        _folder_out(out)
-        _positive(max_new_tokens=max_new_tokens)
-        _quiet_transformers()
-        result = run_demo(out, max_new_tokens=max_new_tokens, console=err if as_json else console)
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json(result))
-    else:
-        console.print(f"[dim]done in {time.perf_counter() - t0:.0f} s[/dim]")
+    _positive(max_new_tokens=max_new_tokens)
+    run.folder(out, ["demo_report.html", "demo_report.csv"])
+    hm = run.load()
+    result = run_demo(
+        out,
+        model=hm,
+        max_new_tokens=max_new_tokens,
+        console=err if run.as_json else console,
+        quiet=run.quiet,
+        overwrite=run.force,
+    )
+    run.show(f"done in {time.perf_counter() - t0:.0f} s")
+    return result
 
 
 def run() -> None:  # pragma: no cover

@@ -8,19 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .cli_common import (
-    _STATE,
-    USER_ERRORS,
-    JsonOpt,
-    ModelOpt,
-    QuietOpt,
-    _fail,
-    _json,
-    _load,
-    _positive,
-    _progress,
-    console,
-)
+from .cli_common import Run, _positive, command
 
 profile_app = typer.Typer(
     help='Profile heads and write a {"layer": [heads]} profile.', no_args_is_help=True, rich_markup_mode=None
@@ -32,10 +20,17 @@ HeadsOpt = Annotated[
 
 
 def _heads_arg(value: str) -> str | None:
-    return None if value == "auto" else value
+    """None for "auto"; a head file is parsed here, before the model loads (ValueError if bad)."""
+    if value == "auto":
+        return None
+    from heads import HeadSet
+
+    HeadSet.parse(value)
+    return value
 
 
 def eval_command(
+    run: Run,
     method: Annotated[str, typer.Option(help="none | pasta | spotlight | act")],
     task: Annotated[
         str, typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment")
@@ -55,64 +50,56 @@ def eval_command(
             help="CSV for the table, per-example rows beside it [default: results/TASK.METHOD.SPLIT.csv]"
         ),
     ] = None,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+) -> dict:
     """Evaluate one steering method on one task: metric, n and 95% interval."""
     from probes.evaluate import METHODS, evaluate
-    from probes.tasks import SPLITS, TASKS
+    from probes.tasks import SPLITS, TASKS, load_task
 
-    _STATE["quiet"] = _STATE["quiet"] or quiet
-    try:
-        if method not in METHODS:
-            raise ValueError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
-        if task not in TASKS:
-            raise ValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
-        if split not in SPLITS:
-            raise ValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
-        _positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
-        if limit is not None:
-            _positive(limit=limit)
-        if out is None:
-            out = Path("results") / f"{task}.{method}.{split}.csv"
-        if out.is_dir():
-            raise ValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
-        if out.suffix.lower() != ".csv":
-            raise ValueError(f"--out must name a .csv file, got {str(out)!r}")
-        hm = _load(model)
-        bar, step = _progress(f"{task} / {method}")
-        with bar:
-            res = evaluate(
-                hm,
-                task,
-                method,
-                split=split,
-                limit=limit,
-                batch_size=batch_size,
-                max_new_tokens=max_new_tokens,
-                progress=step,
-                pasta_heads=_heads_arg(pasta_heads),
-                act_heads=_heads_arg(act_heads),
-                alpha=alpha,
-                tau=tau,
-                beta=beta,
-            )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        res.table.to_csv(out, index=False)
-        res.examples.to_csv(out.with_suffix(".examples.csv"), index=False)
-    except USER_ERRORS as exc:
-        _fail(exc)
-    if as_json:
-        print(_json({"table": res.table.to_dict(orient="records"), "csv": str(out)}))
-        return
+    from .tables import write_csv
+
+    if method not in METHODS:
+        raise ValueError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
+    if task not in TASKS:
+        raise ValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
+    _positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    if limit is not None:
+        _positive(limit=limit)
+    pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)
+    if out is None:
+        out = Path("results") / f"{task}.{method}.{split}.csv"
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
+    out = run.output(out, suffixes=(".csv",))
+    examples_csv = run.output(out.with_suffix(".examples.csv"))
+    n = min(len(load_task(task, split).examples), limit or 10**9)
+    hm = run.load()
+    with run.progress(n, f"{task} / {method}") as step:
+        res = evaluate(
+            hm,
+            task,
+            method,
+            split=split,
+            limit=limit,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            progress=step,
+            pasta_heads=pasta_file,
+            act_heads=act_file,
+            alpha=alpha,
+            tau=tau,
+            beta=beta,
+        )
+    write_csv(out, res.table, overwrite=run.force)
+    write_csv(examples_csv, res.examples, overwrite=run.force)
     table = Table(title=f"{task} ({split}) — {method}")
     for col in ("metric", "value", "n", "95% interval"):
         table.add_column(col)
     for r in res.table.itertuples():
         table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]")
-    console.print(table)
-    console.print(f"wrote {out} (per-example rows: {out.with_suffix('.examples.csv')})", highlight=False)
+    run.show(table)
+    return {"table": res.table.to_dict(orient="records"), "csv": str(out)}
 
 
 def _task_inputs(task: str, split: str, n: int):
@@ -122,8 +109,8 @@ def _task_inputs(task: str, split: str, n: int):
     return ex
 
 
-@profile_app.command("pasta")
 def profile_pasta(
+    run: Run,
     out: Annotated[Path, typer.Option(help='profile JSON to write ({"layer": [heads]})')],
     task: Annotated[
         list[str] | None,
@@ -138,63 +125,51 @@ def profile_pasta(
     ] = 24,
     mode: Annotated[str, typer.Option(help="intersection | union")] = "intersection",
     alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+) -> dict:
     """PASTA multi-task profiling (Algorithm 1): every head steered alone, per task; the
     per-task scores are written beside the profile as `<out stem>.<task>.scores.json`."""
+    from steer import Pasta
     from steer.profiling import profile_heads, select_heads, smallest_k
 
-    _STATE["quiet"] = _STATE["quiet"] or quiet
     tasks = task or ["json_format", "pronoun_change", "counterfact", "occupation"]
-    try:
-        if out.suffix.lower() != ".json":
-            raise ValueError(f"--out must name a .json file, got {str(out)!r}")
-        if mode not in ("intersection", "union"):
-            raise ValueError(f"--mode must be 'intersection' or 'union', got {mode!r}")
-        _positive(examples=examples, heads=heads)
-        inputs = {t: _task_inputs(t, split, examples) for t in tasks}
-        for t, ex in inputs.items():
-            if not all(e.emphasize for e in ex):
-                raise ValueError(f"task {t!r} has no emphasized span to profile PASTA on")
-        hm = _load(model)
-        n_heads = hm.n_layers * hm.n_heads
-        if heads > n_heads:
-            raise ValueError(f"--heads {heads} is more than the model's {n_heads} heads")
-        bar, step = _progress("profiling " + ", ".join(tasks))
-        profiles = {}
-        with bar:
-            for i, (t, ex) in enumerate(inputs.items()):
-                profiles[t] = profile_heads(
-                    hm,
-                    [e.prompt for e in ex],
-                    [e.answer for e in ex],
-                    emphasize=[e.emphasize for e in ex],
-                    chat=ex[0].chat,
-                    alpha=alpha,
-                    task=t,
-                    progress=lambda d, total, i=i: step(i * total + d, len(tasks) * total),
-                )
-        k = smallest_k(profiles, heads, mode=mode)
-        chosen = select_heads(profiles, n_heads=heads, mode=mode)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        chosen.save(out)
-        for t, p in profiles.items():
-            p.save(out.with_name(f"{out.stem}.{t}.scores.json"))
-    except USER_ERRORS as exc:
-        _fail(exc)
-    summary = {"profile": str(out), "k": k, "heads": len(chosen), "tasks": tasks, "examples": examples}
-    if as_json:
-        print(_json(summary))
-    else:
-        console.print(
-            f"top-{k} {mode} over {', '.join(tasks)}: {len(chosen)} heads\nwrote {out}", highlight=False
-        )
+    if mode not in ("intersection", "union"):
+        raise ValueError(f"--mode must be 'intersection' or 'union', got {mode!r}")
+    _positive(examples=examples, heads=heads)
+    Pasta({}, alpha=alpha)
+    inputs = {t: _task_inputs(t, split, examples) for t in tasks}
+    for t, ex in inputs.items():
+        if not all(e.emphasize for e in ex):
+            raise ValueError(f"task {t!r} has no emphasized span to profile PASTA on")
+    out = run.output(out, suffixes=(".json",))
+    score_files = {t: run.output(out.with_name(f"{out.stem}.{t}.scores.json")) for t in tasks}
+    hm = run.load()
+    n_heads = hm.n_layers * hm.n_heads
+    if heads > n_heads:
+        raise ValueError(f"--heads {heads} is more than the model's {n_heads} heads")
+    profiles = {}
+    for t, ex in inputs.items():
+        with run.progress(n_heads, f"profiling {t}") as step:
+            profiles[t] = profile_heads(
+                hm,
+                [e.prompt for e in ex],
+                [e.answer for e in ex],
+                emphasize=[e.emphasize for e in ex],
+                chat=ex[0].chat,
+                alpha=alpha,
+                task=t,
+                progress=step,
+            )
+    k = smallest_k(profiles, heads, mode=mode)
+    chosen = select_heads(profiles, n_heads=heads, mode=mode)
+    for t, p in profiles.items():
+        p.save(score_files[t], overwrite=run.force)
+    chosen.save(out, overwrite=run.force)
+    run.show(f"top-{k} {mode} over {', '.join(tasks)}: {len(chosen)} heads")
+    return {"profile": str(out), "k": k, "heads": len(chosen), "tasks": tasks, "examples": examples}
 
 
-@profile_app.command("act")
 def profile_act(
+    run: Run,
     out: Annotated[Path, typer.Option(help='profile JSON to write ({"layer": [heads]})')],
     task: Annotated[str, typer.Option(help="choice task to calibrate on")] = "sentiment",
     examples: Annotated[int, typer.Option(help="calibration examples (from the start of the split)")] = 24,
@@ -202,42 +177,38 @@ def profile_act(
     keep: Annotated[str, typer.Option(help="accuracy | margin: what a kept head must improve")] = "margin",
     delta: Annotated[float, typer.Option(help="required improvement over the base model")] = 0.0,
     beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
-    model: ModelOpt = None,
-    quiet: QuietOpt = False,
-    as_json: JsonOpt = False,
-) -> None:
+) -> dict:
     """ACT head filtering: calibrate every head of layers 2..L-2 alone, keep those that help.
     The per-head gains are written beside the profile as `<out stem>.scores.json`."""
     from steer.act_calibration import calibrate_act_heads
 
-    _STATE["quiet"] = _STATE["quiet"] or quiet
-    try:
-        if out.suffix.lower() != ".json":
-            raise ValueError(f"--out must name a .json file, got {str(out)!r}")
-        _positive(examples=examples)
-        ex = _task_inputs(task, split, examples)
-        if ex[0].choices is None:
-            raise ValueError(f"ACT calibration needs a choice task, {task!r} is scored by generation")
-        hm = _load(model)
-        bar, step = _progress("calibrating heads")
-        with bar:
-            cal = calibrate_act_heads(
-                hm,
-                [e.prompt for e in ex],
-                [e.choices for e in ex],
-                [e.label for e in ex],
-                chat=ex[0].chat,
-                beta=beta,
-                keep=keep,
-                delta=delta,
-                progress=step,
-            )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cal.heads.save(out)
-        (cal.accuracy if keep == "accuracy" else cal.margin).save(out.with_name(f"{out.stem}.scores.json"))
-    except USER_ERRORS as exc:
-        _fail(exc)
-    summary = {
+    _positive(examples=examples)
+    if keep not in ("accuracy", "margin"):
+        raise ValueError(f"--keep must be 'accuracy' or 'margin', got {keep!r}")
+    ex = _task_inputs(task, split, examples)
+    if ex[0].choices is None:
+        raise ValueError(f"ACT calibration needs a choice task, {task!r} is scored by generation")
+    out = run.output(out, suffixes=(".json",))
+    scores_file = run.output(out.with_name(f"{out.stem}.scores.json"))
+    hm = run.load()
+    with run.progress(1, "calibrating heads") as step:
+        cal = calibrate_act_heads(
+            hm,
+            [e.prompt for e in ex],
+            [e.choices for e in ex],
+            [e.label for e in ex],
+            chat=ex[0].chat,
+            beta=beta,
+            keep=keep,
+            delta=delta,
+            progress=step,
+        )
+    (cal.accuracy if keep == "accuracy" else cal.margin).save(scores_file, overwrite=run.force)
+    cal.heads.save(out, overwrite=run.force)
+    run.show(
+        f"{len(cal.heads)} heads kept (base accuracy {cal.base_accuracy:.2f}, margin {cal.base_margin:.2f})"
+    )
+    return {
         "profile": str(out),
         "heads": len(cal.heads),
         "base_accuracy": cal.base_accuracy,
@@ -245,12 +216,11 @@ def profile_act(
         "task": task,
         "examples": examples,
     }
-    if as_json:
-        print(_json(summary))
-    else:
-        console.print(
-            f"{len(cal.heads)} heads kept "
-            f"(base accuracy {cal.base_accuracy:.2f}, margin {cal.base_margin:.2f})"
-            f"\nwrote {out}",
-            highlight=False,
-        )
+
+
+def register(app: typer.Typer) -> None:
+    """Add `eval` and `profile pasta|act` to the `headsteer` app."""
+    command(app, "eval")(eval_command)
+    command(profile_app, "pasta")(profile_pasta)
+    command(profile_app, "act")(profile_act)
+    app.add_typer(profile_app, name="profile")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from rich.console import Console
@@ -9,7 +10,8 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from heads import load_model
+from heads import HeadModel, load_model
+from heads.files import check_output
 
 from .steering import DEFAULT_TOP_K, attention_report, choose_heads, compare
 
@@ -24,26 +26,55 @@ INSTRUCTION = 'Answer in JSON format with the keys "name" and "occupation".'
 DEMO_PROMPT = f"Biography: {BIO}\n**{INSTRUCTION}**\nQuestion: Describe Maria's career."
 
 
-def run_demo(out: str | Path = "out", *, max_new_tokens: int = 48, console: Console | None = None) -> dict:
+def run_demo(
+    out: str | Path = "out",
+    *,
+    model: HeadModel | None = None,
+    max_new_tokens: int = 48,
+    console: Console | None = None,
+    quiet: bool = False,
+    overwrite: bool = False,
+) -> dict:
     """Baseline vs PASTA-steered answer on `DEMO_PROMPT`, plus the attention report.
 
+    Args:
+        out: folder for `demo_report.html` and `demo_report.csv`.
+        model: the model (default: the embedded SmolLM2-135M-Instruct, loaded here).
+        max_new_tokens: tokens generated per answer.
+        console: where the prompt and the answers are printed (default stdout).
+        quiet: no spinners.
+        overwrite: replace existing report files.
+
     Returns a dict with the two answers, the heads and the report paths.
+
+    Raises:
+        ValueError: `out` is a file, or a report file exists and `overwrite` is False.
     """
     console = console or Console()
     out = Path(out)
-    with console.status("loading the embedded SmolLM2-135M-Instruct…"):
-        hm = load_model()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} exists and is not a folder")
+    html_out = check_output(out / "demo_report.html", overwrite)
+    check_output(html_out.with_suffix(".csv"), overwrite)
+
+    def status(msg: str):
+        return contextlib.nullcontext() if quiet else console.status(msg)
+
+    if model is None:
+        with status("loading the embedded SmolLM2-135M-Instruct…"):
+            model = load_model()
     console.print(Panel(escape(DEMO_PROMPT), title="prompt (the **span** is emphasized)"))
-    with console.status("scoring heads and generating…"):
-        heads = choose_heads(hm, DEMO_PROMPT, "span", DEFAULT_TOP_K)
-        res = compare(hm, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens)
+    with status("scoring heads and generating…"):
+        heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
+        res = compare(model, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens)
     table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (top span attention)")
     table.add_column("baseline", ratio=1)
     table.add_column("PASTA-steered", ratio=1)
     table.add_row(escape(res.baseline), escape(res.steered))
     console.print(table)
-    html_path, csv_path, _ = attention_report(hm, DEMO_PROMPT, out / "demo_report.html", comparison=res)
-    console.print(f"report: {html_path.resolve()}\nscores: {csv_path.resolve()}")
+    html_path, csv_path, _ = attention_report(
+        model, DEMO_PROMPT, html_out, comparison=res, overwrite=overwrite
+    )
     return {
         "baseline": res.baseline,
         "steered": res.steered,

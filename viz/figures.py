@@ -1,13 +1,36 @@
-"""plotly figures of head scores."""
+"""plotly figures of head scores.
+
+plotly renders a small HTML subset (`<a href>`, `<b>`, `<br>`, ...) in titles, axis
+labels, tick labels and hover text. Every string a figure shows goes through
+`plain_text`, so a model name, a `HeadScores.method`, a relation name or a token
+such as `<a href=...>` is drawn as the characters it is, never as a live link.
+"""
 
 from __future__ import annotations
+
+import html
 
 import plotly.graph_objects as go
 import torch
 
 from heads.scores import HeadScores, HeadSet
 
-__all__ = ["attention_pattern", "head_heatmap", "mapped_pairs", "score_distribution", "span_share_by_layer"]
+__all__ = [
+    "attention_pattern",
+    "head_heatmap",
+    "mapped_pairs",
+    "plain_text",
+    "score_distribution",
+    "span_share_by_layer",
+]
+
+
+def plain_text(value: object) -> str:
+    """`str(value)` with `&`, `<` and `>` as HTML entities, so plotly shows it literally.
+
+    Quotes are left alone: plotly decodes `&lt;`, `&gt;`, `&amp;` but not `&quot;`.
+    """
+    return html.escape(str(value), quote=False)
 
 
 def head_heatmap(
@@ -47,7 +70,7 @@ def head_heatmap(
             line={"color": "red", "width": 2},
         )
     fig.update_layout(
-        title=title or f"{scores.method} — {scores.model}",
+        title=plain_text(title or f"{scores.method} — {scores.model}"),
         xaxis_title="head",
         yaxis_title="layer",
         xaxis={"dtick": 1},
@@ -72,7 +95,7 @@ def attention_pattern(
     probs = probs.detach().float().cpu()
     if probs.ndim != 2 or probs.shape[0] != probs.shape[1] or probs.shape[0] != len(tokens):
         raise ValueError(f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}")
-    labels = [f"{i}:{t}" for i, t in enumerate(tokens)]
+    labels = [plain_text(f"{i}:{t}") for i, t in enumerate(tokens)]
     fig = go.Figure(
         go.Heatmap(
             z=probs.tolist(),
@@ -94,7 +117,7 @@ def attention_pattern(
             line={"color": "red", "width": 2},
         )
     fig.update_layout(
-        title=title,
+        title=plain_text(title),
         xaxis_title="key",
         yaxis_title="query",
         yaxis={"autorange": "reversed"},
@@ -114,7 +137,7 @@ def span_share_by_layer(before: torch.Tensor, after: torch.Tensor, *, title: str
     for name, s in (("unsteered", before), ("steered", after)):
         fig.add_trace(go.Scatter(x=layers, y=s.float().mean(1).tolist(), mode="lines+markers", name=name))
     fig.update_layout(
-        title=title or "attention share on the span (mean over heads)",
+        title=plain_text(title or "attention share on the span (mean over heads)"),
         xaxis_title="layer",
         yaxis_title="share of last-position attention",
         height=380,
@@ -136,7 +159,7 @@ def score_distribution(scores: HeadScores, *, title: str | None = None) -> go.Fi
             )
         )
     fig.update_layout(
-        title=title or f"{scores.method}: score distribution per layer",
+        title=plain_text(title or f"{scores.method}: score distribution per layer"),
         xaxis_title="layer",
         yaxis_title="score",
         height=380,
@@ -149,8 +172,8 @@ def mapped_pairs(salient, *, title: str = "salient operations") -> go.Figure:
 
     `salient`: the DataFrame from `heads.maps.salient_operations`.
     """
-    src = [repr(s) for s in salient["source"]]
-    targets = [", ".join(repr(t) for t in ts) for ts in salient["targets"]]
+    src = [plain_text(repr(s)) for s in salient["source"]]
+    targets = [plain_text(", ".join(repr(t) for t in ts)) for ts in salient["targets"]]
     fig = go.Figure(
         go.Bar(
             x=salient["sigma"].tolist()[::-1],
@@ -162,6 +185,8 @@ def mapped_pairs(salient, *, title: str = "salient operations") -> go.Figure:
         )
     )
     fig.update_layout(
-        title=title, xaxis_title="sigma = ||e W_VO|| / ||e||", height=max(350, 28 * len(src) + 120)
+        title=plain_text(title),
+        xaxis_title="sigma = ||e W_VO|| / ||e||",
+        height=max(350, 28 * len(src) + 120),
     )
     return fig

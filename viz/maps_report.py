@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from heads import HeadModel
+from heads.files import check_output
 from heads.maps_analysis import MapsAnalysis, maps_analysis
 from heads.progress import Progress
 from probes.relations import load_relations
@@ -62,15 +63,19 @@ def maps_report(
     top: int = 20,
     draws: int = 5,
     n_prompts: int = 30,
+    overwrite: bool = False,
     progress: Progress | None = None,
 ) -> tuple[Path, dict]:
     """Compute the MAPS analysis (`heads.maps_analysis.maps_analysis` on the shipped relations,
     `probes.relations.load_relations`), write its report to `out` (HTML) and return the path
     with a JSON-able summary (`MapsAnalysis.summary()`).
 
-    `progress(done, total)` counts the analysis' steps (see `maps_analysis`).
+    `progress(done, total)` counts the analysis' steps (see `maps_analysis`). `out` is
+    checked before any work and written atomically; an existing file is refused unless
+    `overwrite` (`heads.files`).
     """
     rs = load_relations(model.tokenizer, relations, d_vocab=model.d_vocab)
+    check_output(out, overwrite)
     result = maps_analysis(model, rs, top=top, draws=draws, n_prompts=n_prompts, progress=progress)
-    path = render_maps_report(result).save(out)
+    path = render_maps_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

@@ -12,6 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from heads.files import write_text
+
 __all__ = ["Report"]
 
 _CSS = """
@@ -76,8 +78,10 @@ class Report:
             + "</body></html>"
         )
 
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_html(), encoding="utf-8")
-        return path
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the HTML atomically (`heads.files.write_text`, parents created); returns the path.
+
+        Raises:
+            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
+        """
+        return write_text(path, self.to_html(), overwrite=overwrite)

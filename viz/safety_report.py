@@ -10,37 +10,46 @@ import json
 from pathlib import Path
 
 from heads import HeadModel
+from heads.files import check_output
 from heads.progress import Progress
-from probes.safety import SafetyAnalysis, safety_analysis
+from probes.safety import SafetyAnalysis, safety_analysis, safety_template
 
 from .figures import head_heatmap
 from .report import Report
 
-__all__ = ["read_prompts", "render_safety_report", "safety_report"]
+__all__ = ["MAX_PROMPTS", "read_prompts", "render_safety_report", "safety_report", "safety_template"]
+
+MAX_PROMPTS = 10_000
+"""Cap on the prompts `read_prompts` accepts from one file (each is generated 5+ times)."""
 
 
-def read_prompts(path: str | Path) -> list[str]:
+def read_prompts(path: str | Path, limit: int | None = MAX_PROMPTS) -> list[str]:
     """Prompts from a JSONL file (`{"prompt": ...}` per line) or a text file (one per line).
 
+    The file is read line by line (never whole); blank lines are skipped.
+
     Raises:
-        ValueError: no prompts, or a JSONL line without a string "prompt".
+        ValueError: no prompts, a JSONL line without a string "prompt", or more than
+            `limit` prompts (default `MAX_PROMPTS`; None: no cap).
         FileNotFoundError: no such file.
     """
-    text = Path(path).read_text(encoding="utf-8")
     out = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        if str(path).endswith(".jsonl"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
-            out.append(row["prompt"])
-        else:
-            out.append(line.strip())
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            if str(path).endswith(".jsonl"):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
+                out.append(row["prompt"])
+            else:
+                out.append(line.strip())
+            if limit is not None and len(out) > limit:
+                raise ValueError(f"{str(path)!r} holds more than the cap of {limit} prompts")
     if not out:
         raise ValueError(f"no prompts in {str(path)!r}")
     return out
@@ -88,12 +97,18 @@ def safety_report(
     max_new_tokens: int = 48,
     random_draws: int = 3,
     seed: int = 0,
+    batch_size: int = 16,
+    overwrite: bool = False,
     progress: Progress | None = None,
 ) -> tuple[Path, dict]:
     """Compute the safety-head analysis (`probes.safety.safety_analysis`, same arguments),
     write its report to `out` (HTML) and return the path with a JSON-able summary
     (`SafetyAnalysis.summary()`).
+
+    `out` is checked before any work and written atomically; an existing file is refused
+    unless `overwrite` (`heads.files`).
     """
+    check_output(out, overwrite)
     result = safety_analysis(
         model,
         prompts=prompts,
@@ -103,7 +118,8 @@ def safety_report(
         max_new_tokens=max_new_tokens,
         random_draws=random_draws,
         seed=seed,
+        batch_size=batch_size,
         progress=progress,
     )
-    path = render_safety_report(result).save(out)
+    path = render_safety_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

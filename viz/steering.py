@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from heads import HeadModel, HeadScores, HeadSet, head_pattern, span_attention
+from heads.files import check_output
 from steer import Pasta, SteeredModel
 
 from .figures import attention_pattern, head_heatmap, score_distribution, span_share_by_layer
 from .report import Report
+from .tables import write_csv
 
 __all__ = ["Comparison", "attention_report", "choose_heads", "compare"]
 
@@ -89,19 +91,26 @@ def attention_report(
     top_k: int = DEFAULT_TOP_K,
     comparison: Comparison | None = None,
     emphasize=None,
+    overwrite: bool = False,
 ) -> tuple[Path, Path, HeadScores]:
     """Write `out` (HTML) and `out` with suffix .csv: span attention mass per (layer, head).
 
+    Both paths are checked before any compute; both are written atomically
+    (`heads.files`), the CSV through `viz.tables.write_csv` (formula cells neutralised).
+
     Returns:
         (html path, csv path, scores).
+
+    Raises:
+        ValueError: `out` or the CSV exists and `overwrite` is False, or is a symlink
+            or a folder; no span in `prompt`.
     """
     t0 = time.perf_counter()
+    out = check_output(out, overwrite)
+    csv = check_output(out.with_suffix(".csv"), overwrite)
     scores = span_attention(model, prompt, emphasize=emphasize)
-    out = Path(out)
-    csv = out.with_suffix(".csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
     frame = scores.to_frame()
-    frame.to_csv(csv, index=False)
+    write_csv(csv, frame, overwrite=overwrite)
     top = scores.top(top_k)
     rep = Report(
         "Attention mass on the emphasized span",
@@ -134,5 +143,5 @@ def attention_report(
             {"baseline": comparison.baseline, "PASTA-steered": comparison.steered},
         )
     rep.seconds = time.perf_counter() - t0
-    rep.save(out)
+    rep.save(out, overwrite=overwrite)
     return out, csv, scores
