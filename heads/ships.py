@@ -25,7 +25,7 @@ import torch
 
 from .edits import Edit, HeadScale, QueryScale
 from .model import HeadModel
-from .progress import Progress, offset_progress
+from .progress import ProgressArg, offset_progress, progress_callback
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores
 from .variants import (
@@ -220,7 +220,7 @@ def ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -231,8 +231,9 @@ def ships(
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
         shard: `(i, n)` scores only every n-th head from i; merge shards with `merge_scores`.
-        progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (head, prompt) rows: `total` is `len(heads) * N`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in (head, prompt) rows: `total` is
+            `len(heads) * N`.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
@@ -244,16 +245,17 @@ def ships(
     eps, heads = _check(model, eps, exact, max_rows, heads)
     heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
-    clean = clean_run(model, enc)
-    kl = evaluate_variants(
-        model,
-        clean,
-        [[h] for h in heads],
-        _ablate(model, ablation, eps),
-        _kl_from(clean.logp),
-        max_rows=max_rows,
-        progress=progress,
-    )  # [K, N]
+    with progress_callback(progress, "ships", "rows") as report:
+        clean = clean_run(model, enc)
+        kl = evaluate_variants(
+            model,
+            clean,
+            [[h] for h in heads],
+            _ablate(model, ablation, eps),
+            _kl_from(clean.logp),
+            max_rows=max_rows,
+            progress=report,
+        )  # [K, N]
     per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
@@ -287,15 +289,15 @@ def dataset_ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
     left singular vectors of M_base and M_ablated (safety_heads.md §3). Radians unless
-    `degrees=True` (ranking is the same). `progress(done, total)` counts (head, prompt)
-    rows as in `ships`.
+    `degrees=True` (ranking is the same). `progress` (default True: a tqdm bar; False
+    off; or `progress(done, total)`) counts (head, prompt) rows as in `ships`.
 
     Raises:
         ValueError: as `ships`, and `r_main` outside 1..N.
@@ -305,16 +307,17 @@ def dataset_ships(
     enc = _encode_dataset(model, prompts, template, r_main)
     if not isinstance(degrees, bool):
         raise TypeError(f"degrees must be a bool, got {degrees!r}")
-    clean = clean_run(model, enc)
-    states = evaluate_variants(
-        model,
-        clean,
-        [[h] for h in heads],
-        _ablate(model, ablation, eps),
-        _final_state,
-        max_rows=max_rows,
-        progress=progress,
-    )
+    with progress_callback(progress, "dataset ships", "rows") as report:
+        clean = clean_run(model, enc)
+        states = evaluate_variants(
+            model,
+            clean,
+            [[h] for h in heads],
+            _ablate(model, ablation, eps),
+            _final_state,
+            max_rows=max_rows,
+            progress=report,
+        )
     ang = _angles(clean.final, states, r_main)
     if degrees:
         ang = torch.rad2deg(ang)
@@ -350,15 +353,16 @@ def sahara(
     r_main: int = 1,
     template: str | None = TEMPLATE,
     max_rows: int = 64,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> SaharaResult:
     """Sahara: greedy head-group search by dataset-level Ships (safety_heads.md §3).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
     the unablated base); the argmax joins the group. Ties go to the lowest (layer, head).
-    No threshold and no early stop. `progress(done, total)` counts (candidate group,
-    prompt) rows over all steps: `total` is `N * (K + (K - 1) + ... + (K - steps + 1))`
+    No threshold and no early stop. `progress` (default True: a tqdm bar; False off; or
+    `progress(done, total)`) counts (candidate group, prompt) rows over all steps: `total`
+    is `N * (K + (K - 1) + ... + (K - steps + 1))`
     for K candidate heads.
 
     Raises:
@@ -368,31 +372,32 @@ def sahara(
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= len(heads):
         raise ValueError(f"steps must be an int in 1..{len(heads)}, got {steps!r}")
     enc = _encode_dataset(model, prompts, template, r_main)
-    clean = clean_run(model, enc)
-    chosen: list[Head] = []
-    tables = []
-    total = enc.batch * sum(len(heads) - i for i in range(steps))
-    for step in range(steps):
-        cands = [h for h in heads if h not in chosen]
-        states = evaluate_variants(
-            model,
-            clean,
-            [[*chosen, h] for h in cands],
-            _ablate(model, ablation, eps),
-            _final_state,
-            max_rows=max_rows,
-            progress=offset_progress(progress, enc.batch * sum(len(heads) - i for i in range(step)), total),
-        )
-        ang = _angles(clean.final, states, r_main)
-        table = _head_table(model, cands, ang)
-        params = {
-            "step": step + 1,
-            "group": [list(h) for h in chosen],
-            "ablation": ablation,
-            "eps": eps,
-            "r_main": r_main,
-        }
-        scores = HeadScores(table, "sahara_step", params, model.name, model.n_kv_heads)
-        tables.append(scores)
-        chosen.append(scores.ranked(1)[0])
+    with progress_callback(progress, "sahara", "rows") as report:
+        clean = clean_run(model, enc)
+        chosen: list[Head] = []
+        tables = []
+        total = enc.batch * sum(len(heads) - i for i in range(steps))
+        for step in range(steps):
+            cands = [h for h in heads if h not in chosen]
+            states = evaluate_variants(
+                model,
+                clean,
+                [[*chosen, h] for h in cands],
+                _ablate(model, ablation, eps),
+                _final_state,
+                max_rows=max_rows,
+                progress=offset_progress(report, enc.batch * sum(len(heads) - i for i in range(step)), total),
+            )
+            ang = _angles(clean.final, states, r_main)
+            table = _head_table(model, cands, ang)
+            params = {
+                "step": step + 1,
+                "group": [list(h) for h in chosen],
+                "ablation": ablation,
+                "eps": eps,
+                "r_main": r_main,
+            }
+            scores = HeadScores(table, "sahara_step", params, model.name, model.n_kv_heads)
+            tables.append(scores)
+            chosen.append(scores.ranked(1)[0])
     return SaharaResult(chosen, tables)

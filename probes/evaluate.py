@@ -25,7 +25,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads.engine import editing
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 from heads.scores import HeadSet
 
 from .task_metrics import choice_correct, json_metrics, mean_interval, no_pronoun, wilson_interval
@@ -151,7 +151,7 @@ def evaluate(
     limit: int | None = None,
     batch_size: int = 16,
     max_new_tokens: int = 48,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
     **method_options,
 ) -> EvalResult:
     """Run `method` on `task` (`probes.tasks.TASKS`) and score it.
@@ -161,8 +161,9 @@ def evaluate(
         limit: the first `limit` examples of the split (default all).
         batch_size: prompts per forward / generate call.
         max_new_tokens: generation length for generate tasks (greedy).
-        progress: `progress(done, total)` after each batch (`heads.progress`), in examples:
-            `total` is the number of examples evaluated.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in examples: `total` is the number of
+            examples evaluated.
         **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
 
     Raises:
@@ -180,16 +181,17 @@ def evaluate(
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     steer = method_steer(model, method, **method_options)
     finished = [0]
+    with progress_callback(progress, f"eval {task} / {method}", "examples") as report:
 
-    def step(n: int) -> None:
-        finished[0] += n
-        if progress is not None:
-            progress(finished[0], len(examples))
+        def step(n: int) -> None:
+            finished[0] += n
+            if report is not None:
+                report(finished[0], len(examples))
 
-    if examples[0].scoring == "choice":
-        rows = _choice_rows(model, examples, steer, batch_size, step)
-    else:
-        rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
+        if examples[0].scoring == "choice":
+            rows = _choice_rows(model, examples, steer, batch_size, step)
+        else:
+            rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
     frame = pd.DataFrame(rows)
     out = []
     for name, kind in _METRICS[task]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from heads import HeadModel, HeadScores
-from heads.progress import Progress, offset_progress
+from heads.progress import ProgressArg, offset_progress, progress_callback
 from heads.ships import TEMPLATE, SaharaResult, ShipsResult, dataset_ships, sahara, ships
 from steer import Ablate, SteeredModel
 
@@ -145,7 +145,7 @@ def safety_analysis(
     max_new_tokens: int = 48,
     random_draws: int = 3,
     seed: int = 0,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> SafetyAnalysis:
     """Score safety heads and measure the ASR they explain (safety_heads.md §3-§5).
 
@@ -162,8 +162,9 @@ def safety_analysis(
             test split for ASR).
         system_prompt: text put before the `Query: {query}\\nAnswer:` template.
         seed: seed of the random-head draws.
-        progress: `progress(done, total)` (`heads.progress`) in work items: the (head, prompt)
-            rows of Ships, dataset-level Ships and Sahara, then one per generated answer.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            (`heads.progress`) in work items: the (head, prompt) rows of Ships,
+            dataset-level Ships and Sahara, then one per generated answer.
 
     Raises:
         ValueError: a string for `prompts`, `steps` outside 1..L*H, non-positive counts (before any work).
@@ -189,43 +190,46 @@ def safety_analysis(
     ]
     total = sum(sizes)
     start = [sum(sizes[:i]) for i in range(len(sizes))]
-    sh = ships(model, score_prompts, template=template, progress=offset_progress(progress, start[0], total))
-    ds = dataset_ships(
-        model,
-        score_prompts,
-        template=template,
-        degrees=True,
-        progress=offset_progress(progress, start[1], total),
-    )
-    sa = sahara(
-        model,
-        score_prompts,
-        steps=steps,
-        template=template,
-        progress=offset_progress(progress, start[2], total),
-    )
-    judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
-    keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
-    sm = SteeredModel(model)
-    texts = [template.replace("{query}", q) for q in eval_prompts]
-    done = [start[3]]
+    with progress_callback(progress, "safety heads", "items") as report:
+        sh = ships(model, score_prompts, template=template, progress=offset_progress(report, start[0], total))
+        ds = dataset_ships(
+            model,
+            score_prompts,
+            template=template,
+            degrees=True,
+            progress=offset_progress(report, start[1], total),
+        )
+        sa = sahara(
+            model,
+            score_prompts,
+            steps=steps,
+            template=template,
+            progress=offset_progress(report, start[2], total),
+        )
+        judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
+        keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
+        sm = SteeredModel(model)
+        texts = [template.replace("{query}", q) for q in eval_prompts]
+        done = [start[3]]
 
-    def answers(heads) -> list[str]:
-        steer = [Ablate([list(h) for h in heads])] if heads else []
-        out = sm.generate(texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False).texts
-        done[0] += n_eval
-        if progress is not None:
-            progress(done[0], total)
-        return out
+        def answers(heads) -> list[str]:
+            steer = [Ablate([list(h) for h in heads])] if heads else []
+            out = sm.generate(
+                texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False
+            ).texts
+            done[0] += n_eval
+            if report is not None:
+                report(done[0], total)
+            return out
 
-    base = answers([])
-    top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
-    rng = random.Random(seed)
-    others = [
-        (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
-    ]
-    random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
-    rand = [answers(hs) for hs in random_heads]
+        base = answers([])
+        top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
+        rng = random.Random(seed)
+        others = [
+            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
+        ]
+        random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
+        rand = [answers(hs) for hs in random_heads]
     asr, asr_keyword = {}, {}
     for table, j in ((asr, judge), (asr_keyword, keyword)):
         draws = [attack_success_rate(r, j) for r in rand]

@@ -18,7 +18,7 @@ import torch
 
 from heads.edits import Edit
 from heads.model import HeadModel
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
@@ -102,7 +102,7 @@ def calibrate_act_heads(
     keep: Literal["accuracy", "margin"] = "accuracy",
     delta: float = 0.0,
     max_rows: int = 64,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> ActCalibration:
     """Score every candidate head with ACT applied to it alone; keep the heads that help.
 
@@ -115,8 +115,9 @@ def calibrate_act_heads(
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
         max_rows: batch rows per forward.
-        progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (head, prompt) rows: `total` is `len(heads) * N`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in (head, prompt) rows: `total` is
+            `len(heads) * N`.
 
     Raises:
         ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.
@@ -149,11 +150,12 @@ def calibrate_act_heads(
     def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         return _correct_and_margin(logp, ids[ps], lab[ps])
 
-    clean = clean_run(model, enc)
-    base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
-    got = evaluate_variants(
-        model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=progress
-    ).mean(1)  # [K, 2]
+    with progress_callback(progress, "ACT calibration", "rows") as report:
+        clean = clean_run(model, enc)
+        base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
+        got = evaluate_variants(
+            model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=report
+        ).mean(1)  # [K, 2]
     tables = torch.full((2, model.n_layers, model.n_heads), float("nan"))
     for k, (layer, head) in enumerate(heads):
         tables[:, layer, head] = got[k] - base
