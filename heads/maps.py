@@ -25,6 +25,7 @@ from .model import HeadModel
 from .progress import ProgressArg, progress_callback
 from .scores import HeadScores
 from .tokens import readable_token
+from .views import html_view, top_heads_text
 
 __all__ = [
     "MapsScores",
@@ -174,6 +175,18 @@ class MapsScores:
 
     def names(self) -> list[str]:
         return list(self.relation)
+
+    def __repr__(self) -> str:
+        tops = "; ".join(f"{n}: {top_heads_text(self.relation[n], 1)}" for n in self.names())
+        return f"MapsScores({len(self.relation)} relations, top head per relation: {tops})"
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for n in self.names():
+            s = self.relation[n]
+            rows.append((n, top_heads_text(s, 3), int((s.scores >= IMPLEMENTS_THRESHOLD).sum())))
+        header = ("relation", "top heads (relation score)", f"heads >= {IMPLEMENTS_THRESHOLD}")
+        return html_view(f"MapsScores: {len(rows)} relations", rows, header)
 
     def to_frame(self):
         """Tidy table: `relation, layer, head, kv_head, relation_score, suppression_score`."""

@@ -37,6 +37,7 @@ from .variants import (
     evaluate_variants,
     row_head_masks,
 )
+from .views import html_view, top_heads_text
 
 __all__ = [
     "TEMPLATE",
@@ -208,6 +209,18 @@ class ShipsResult:
         s = HeadScores(self.per_prompt[prompt], "ships")
         return s.ranked(k)
 
+    def __repr__(self) -> str:
+        n, n_layers, n_heads = self.per_prompt.shape
+        scored = int((~torch.isnan(self.scores.scores)).sum())
+        return (
+            f"ShipsResult({self.scores.model}: {n} prompts x {scored} of {n_layers * n_heads} heads; "
+            f"mean KL (nats) top {top_heads_text(self.scores)})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10)]
+        return html_view(repr(self), rows, ("head", "mean KL (nats)")) + self.scores._repr_html_()
+
 
 def ships(
     model: HeadModel,
@@ -339,6 +352,20 @@ class SaharaResult:
 
     heads: list[Head]
     steps: list[HeadScores] = field(default_factory=list)
+
+    def _rows(self) -> list[tuple[int, str, float]]:
+        """(step, head added, its score at that step) per step."""
+        return [
+            (i + 1, f"L{la}.H{h}", table.scores[la, h].item())
+            for i, ((la, h), table) in enumerate(zip(self.heads, self.steps, strict=False))
+        ]
+
+    def __repr__(self) -> str:
+        chosen = ", ".join(f"{head} ({score:.3g})" for _, head, score in self._rows())
+        return f"SaharaResult({len(self.heads)} steps; heads added (angle): {chosen or 'none'})"
+
+    def _repr_html_(self) -> str:
+        return html_view(repr(self), self._rows(), ("step", "head added", "angle at that step"))
 
 
 def sahara(

@@ -31,6 +31,7 @@ from .model import HeadModel
 from .prompts import encode_prompts, normalize_prompts
 from .scores import HeadScores, _positive_int
 from .tokens import readable_tokens
+from .views import html_view, top_heads_text
 
 __all__ = ["SinkRule", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
 
@@ -113,6 +114,18 @@ class SinkStats:
     first_mass: HeadScores
     n_sinks: HeadScores
     flagged: pd.DataFrame
+
+    def __repr__(self) -> str:
+        n = self.sink_mass.params.get("n_prompts", "?")
+        return (
+            f"SinkStats({self.sink_mass.model}: {n} prompts, {len(self.flagged)} flagged sinks; "
+            f"sink mass top {top_heads_text(self.sink_mass)}; "
+            f"mean first-token mass {self.first_mass.scores.nanmean().item():.3f})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = self.flagged.sort_values("score", ascending=False).head(10)
+        return html_view(repr(self), rows.itertuples(index=False), list(self.flagged.columns))
 
 
 @torch.no_grad()

@@ -13,11 +13,13 @@ through `SteeredModel.generate` (KV cache on) and the task's text metrics:
 | counterfact | `efficacy` (P(new fact) > P(old fact)) |
 | sentiment | `accuracy` |
 
-Binary metrics get a Wilson interval, means a normal-approximation interval.
+Binary metrics get a Wilson interval, means a Student-t interval (`probes.task_metrics`, through
+scipy); the table's `interval` column names the method.
 """
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 import pandas as pd
@@ -28,7 +30,14 @@ from heads.engine import editing
 from heads.progress import ProgressArg, progress_callback
 from heads.scores import HeadSet
 
-from .task_metrics import choice_correct, json_metrics, mean_interval, no_pronoun, wilson_interval
+from .task_metrics import (
+    INTERVAL_METHODS,
+    choice_correct,
+    json_metrics,
+    mean_interval,
+    no_pronoun,
+    wilson_interval,
+)
 from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
@@ -38,11 +47,27 @@ METHODS = ("none", "pasta", "spotlight", "act")
 
 @dataclass
 class EvalResult:
-    """`table`: one row per metric (`task, method, split, metric, value, n, low, high`);
-    `examples`: one row per example (id, per-example metric values, output text if generated)."""
+    """`table`: one row per metric (`task, method, split, metric, value, n, low, high,
+    interval`; `interval` names how low/high were computed: "Wilson 95%" for rates,
+    "Student t 95%" for means); `examples`: one row per example (id, per-example metric
+    values, output text if generated)."""
 
     table: pd.DataFrame
     examples: pd.DataFrame
+
+    def __repr__(self) -> str:
+        t = self.table
+        if t.empty:
+            return "EvalResult(no metrics)"
+        head = f"{t.task.iloc[0]} / {t.method.iloc[0]} ({t.split.iloc[0]}, n={t.n.iloc[0]})"
+        metrics = "; ".join(
+            f"{r.metric} {r.value:.3f} [{r.low:.3f}, {r.high:.3f}] ({r.interval})" for r in t.itertuples()
+        )
+        return f"EvalResult({head}: {metrics})"
+
+    def _repr_html_(self) -> str:
+        table = self.table.to_html(index=False, float_format="%.3f")
+        return f"<div><b>{html.escape(repr(self))}</b>{table}</div>"
 
 
 def method_steer(
@@ -212,6 +237,7 @@ def evaluate(
                 "n": len(vals),
                 "low": low,
                 "high": high,
+                "interval": INTERVAL_METHODS["mean" if kind == "mean" else "rate"],
             }
         )
     return EvalResult(pd.DataFrame(out), frame)

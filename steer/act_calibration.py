@@ -23,6 +23,7 @@ from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
+from heads.views import html_view, top_heads_text
 
 from .act import ActEdit, default_act_layers
 
@@ -87,6 +88,19 @@ class ActCalibration:
     base_accuracy: float
     base_margin: float
     heads: HeadSet
+
+    def __repr__(self) -> str:
+        return (
+            f"ActCalibration(kept {len(self.heads)} heads; base accuracy {self.base_accuracy:.3f}, "
+            f"margin {self.base_margin:.3f} nats; margin gain top {top_heads_text(self.margin)})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (f"L{la}.H{h}", self.accuracy.scores[la, h].item(), self.margin.scores[la, h].item())
+            for la, h in self.margin.ranked(10)
+        ]
+        return html_view(repr(self), rows, ("head", "accuracy gain", "margin gain (nats)"))
 
 
 def calibrate_act_heads(
