@@ -142,6 +142,7 @@ def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max
             chat=chunk[0].chat,
             markup=False,
             max_new_tokens=max_new_tokens,
+            progress=False,  # evaluate's own bar counts examples
         )
         for e, text in zip(chunk, gen.texts, strict=True):
             row = {"id": e.id, "output": text}

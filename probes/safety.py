@@ -215,7 +215,7 @@ def safety_analysis(
         def answers(heads) -> list[str]:
             steer = [Ablate([list(h) for h in heads])] if heads else []
             out = sm.generate(
-                texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False
+                texts, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False, progress=False
             ).texts
             done[0] += n_eval
             if report is not None:
