@@ -13,6 +13,7 @@ from .forward import forward
 from .model import HeadModel
 from .prompts import Prompt, emphasis_rows, encode_prompts, normalize_prompts
 from .scores import HeadScores
+from .tokens import readable_tokens
 
 __all__ = ["span_attention"]
 
@@ -123,7 +124,8 @@ def head_pattern(
     """One head's attention pattern on one prompt.
 
     Returns `(probs [T, T], tokens, spans)`: the post-softmax pattern (after any
-    `edits`, e.g. a PASTA steering), the token strings, and the emphasized token ranges.
+    `edits`, e.g. a PASTA steering), the tokens as readable text (`heads.tokens`:
+    `␣the`, `⏎`), and the emphasized token ranges.
 
     Raises:
         ValueError: unknown layer/head or bad prompt.
@@ -135,5 +137,5 @@ def head_pattern(
     rec = Recorder(layer=layer)
     with editing(model, [*edits, rec]):
         forward(model, enc)
-    tokens = [model.tokenizer.decode([t]) for t in enc.input_ids[0].tolist()]
+    tokens = readable_tokens(model.tokenizer, enc.input_ids[0])
     return torch.cat(rec.records, dim=2)[0, head], tokens, enc.spans[0]

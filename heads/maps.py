@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import HeadModel
-from .progress import Progress
+from .progress import ProgressArg, progress_callback
 from .scores import HeadScores
+from .tokens import readable_token
+from .views import html_view, top_heads_text
 
 __all__ = [
     "MapsScores",
@@ -174,6 +176,18 @@ class MapsScores:
     def names(self) -> list[str]:
         return list(self.relation)
 
+    def __repr__(self) -> str:
+        tops = "; ".join(f"{n}: {top_heads_text(self.relation[n], 1)}" for n in self.names())
+        return f"MapsScores({len(self.relation)} relations, top head per relation: {tops})"
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for n in self.names():
+            s = self.relation[n]
+            rows.append((n, top_heads_text(s, 3), int((s.scores >= IMPLEMENTS_THRESHOLD).sum())))
+        header = ("relation", "top heads (relation score)", f"heads >= {IMPLEMENTS_THRESHOLD}")
+        return html_view(f"MapsScores: {len(rows)} relations", rows, header)
+
     def to_frame(self):
         """Tidy table: `relation, layer, head, kv_head, relation_score, suppression_score`."""
         import pandas as pd
@@ -254,7 +268,7 @@ def maps_scores(
     *,
     apply_first_mlp: bool = True,
     pair_chunk: int = 1024,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> MapsScores:
     """Static MAPS relation and suppression scores of every head (maps.md §2, §4).
 
@@ -263,8 +277,8 @@ def maps_scores(
         relations: relations as token-id pairs with their k.
         apply_first_mlp: Ẽ = MLP_0(Norm_0(E)) for heads in layers >= 1 (default True).
         pair_chunk: pairs ranked at once (memory `pair_chunk x d_vocab` floats).
-        progress: `progress(done, total)` after each layer (`heads.progress`), in layers:
-            `total` is `n_layers`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each layer (`heads.progress`), in layers: `total` is `n_layers`.
 
     Returns:
         MapsScores: per relation, `HeadScores` `[n_layers, n_heads]` in [0, 1] with
@@ -291,27 +305,29 @@ def maps_scores(
     hits = torch.zeros(model.n_layers, model.n_heads, n_pairs, dtype=torch.bool)
     supp = torch.zeros_like(hits)
     reps = {}
-    for layer in range(model.n_layers):
-        key = layer == 0 or not apply_first_mlp
-        if key not in reps:
-            reps[key] = source_representations(model, src_ids, layer, apply_first_mlp=apply_first_mlp)
-        x = reps[key]
-        xv = torch.einsum(
-            "nd,kde->kne", x, model.layer_weights(layer)["W_V"].float()
-        )  # [n_kv, n_src, d_head]
-        ou = (
-            model.layer_weights(layer)["W_O"].float().reshape(model.n_heads * model.d_head, model.d_model) @ U
-        )
-        ou = ou.view(model.n_heads, model.d_head, -1)  # [n_heads, d_head, d_vocab]
-        for head in range(model.n_heads):
-            xv_h = xv[model.kv_head(head)]
-            for a in range(0, n_pairs, pair_chunk):
-                b = min(n_pairs, a + pair_chunk)
-                logits = xv_h[p_rows[a:b]] @ ou[head]  # [pairs, d_vocab]: only the rows scored
-                hit, sup = top_k_hits(logits, p_tgts[a:b], p_k[a:b])
-                hits[layer, head, a:b], supp[layer, head, a:b] = hit.cpu(), sup.cpu()
-        if progress is not None:
-            progress(layer + 1, model.n_layers)
+    with progress_callback(progress, "MAPS static scores", "layers") as report:
+        for layer in range(model.n_layers):
+            key = layer == 0 or not apply_first_mlp
+            if key not in reps:
+                reps[key] = source_representations(model, src_ids, layer, apply_first_mlp=apply_first_mlp)
+            x = reps[key]
+            xv = torch.einsum(
+                "nd,kde->kne", x, model.layer_weights(layer)["W_V"].float()
+            )  # [n_kv, n_src, d_head]
+            ou = (
+                model.layer_weights(layer)["W_O"].float().reshape(model.n_heads * model.d_head, model.d_model)
+                @ U
+            )
+            ou = ou.view(model.n_heads, model.d_head, -1)  # [n_heads, d_head, d_vocab]
+            for head in range(model.n_heads):
+                xv_h = xv[model.kv_head(head)]
+                for a in range(0, n_pairs, pair_chunk):
+                    b = min(n_pairs, a + pair_chunk)
+                    logits = xv_h[p_rows[a:b]] @ ou[head]  # [pairs, d_vocab]: only the rows scored
+                    hit, sup = top_k_hits(logits, p_tgts[a:b], p_k[a:b])
+                    hits[layer, head, a:b], supp[layer, head, a:b] = hit.cpu(), sup.cpu()
+            if report is not None:
+                report(layer + 1, model.n_layers)
     params = {"apply_first_mlp": apply_first_mlp, "ln_folded": False, "biases": "ignored"}
     out = MapsScores({}, {}, params)
     start = 0
@@ -343,7 +359,8 @@ def salient_operations(
     tokens, the top `k_m` targets of their row of M^h.
 
     Returns:
-        pandas DataFrame with columns `source, source_id, sigma, targets, target_ids`.
+        pandas DataFrame with columns `source, source_id, sigma, targets, target_ids`
+        (`source` and `targets` as readable text, `heads.tokens`: `␣cat`, `⏎`).
 
     Raises:
         ValueError: unknown layer/head.
@@ -375,10 +392,10 @@ def salient_operations(
         tgt = _topk_lowest_id(r, k_m)
         rows_list.append(
             {
-                "source": tok.decode([sid]) if tok is not None else str(sid),
+                "source": readable_token(tok, sid) if tok is not None else str(sid),
                 "source_id": sid,
                 "sigma": sigma[sid].item(),
-                "targets": [tok.decode([t]) if tok is not None else str(t) for t in tgt],
+                "targets": [readable_token(tok, t) if tok is not None else str(t) for t in tgt],
                 "target_ids": tgt,
             }
         )

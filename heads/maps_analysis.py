@@ -27,7 +27,7 @@ from .maps import (
 )
 from .maps_inference import AblationResult, ablation_check, dynamic_scores, pearson
 from .model import HeadModel
-from .progress import Progress
+from .progress import ProgressArg, progress_callback
 
 __all__ = ["MapsAnalysis", "maps_analysis"]
 
@@ -136,7 +136,7 @@ def maps_analysis(
     top: int = 20,
     draws: int = 5,
     n_prompts: int = 30,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> MapsAnalysis:
     """Run the MAPS study (Elhelo & Geva, ACL 2025; methods/maps.md §2-§5) on every head.
 
@@ -148,7 +148,8 @@ def maps_analysis(
         top: heads listed per relation in `top_heads` (default 20).
         draws: random-head draws in each relation's ablation check (default 5).
         n_prompts: few-shot prompts per relation in the ablation check (default 30).
-        progress: `progress(done, total)` (`heads.progress`) in steps: one per layer of the
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            (`heads.progress`) in steps: one per layer of the
             static maps, one for the dynamic scores, one per relation's ablation check
             (`total = L + 1 + n_relations`).
 
@@ -168,15 +169,16 @@ def maps_analysis(
     pair_filter, dropped = _pair_filter(relations)
     rels = _as_relations(model, relations)
     total = model.n_layers + 1 + len(rels)
-    say = progress or (lambda done, total: None)
-    ms = maps_scores(model, rels, progress=lambda done, _: say(done, total))
-    dyn = dynamic_scores(model, rels)
-    say(model.n_layers + 1, total)
-    corr = {n: pearson(ms.relation[n].scores.expand_as(dyn[n]), dyn[n]) for n in ms.names()}
-    abl = {}
-    for i, r in enumerate(rels):
-        abl[r.name] = ablation_check(model, r, ms.relation[r.name], draws=draws, n_prompts=n_prompts)
-        say(model.n_layers + 2 + i, total)
+    with progress_callback(progress, "MAPS analysis", "steps") as report:
+        say = report or (lambda done, total: None)
+        ms = maps_scores(model, rels, progress=lambda done, _: say(done, total))
+        dyn = dynamic_scores(model, rels)
+        say(model.n_layers + 1, total)
+        corr = {n: pearson(ms.relation[n].scores.expand_as(dyn[n]), dyn[n]) for n in ms.names()}
+        abl = {}
+        for i, r in enumerate(rels):
+            abl[r.name] = ablation_check(model, r, ms.relation[r.name], draws=draws, n_prompts=n_prompts)
+            say(model.n_layers + 2 + i, total)
     rows = []
     for n in ms.names():
         for layer, head in [h for h in ms.relation[n].ranked(top) if ms.relation[n].scores[h] > 0]:

@@ -417,14 +417,14 @@ class HeadScores:
         """Jupyter view: a colour-scaled layer x head table and the top 5 heads (no plotly needed)."""
         import html
 
-        finite = self.scores[~torch.isnan(self.scores)]
+        finite = self.scores[torch.isfinite(self.scores)]
         lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 1.0)
         span = (hi - lo) or 1.0
 
         def cell(v: float) -> str:
             if math.isnan(v):
                 return "<td style='background:#eee'></td>"
-            a = (v - lo) / span
+            a = min(1.0, max(0.0, (v - lo) / span))  # +-inf: the ends of the colour scale
             style = f"background:rgba(49,104,142,{0.1 + 0.9 * a:.2f});width:14px"
             return f"<td title='{v:.4f}' style='{style}'></td>"
 

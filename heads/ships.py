@@ -25,7 +25,7 @@ import torch
 
 from .edits import Edit, HeadScale, QueryScale
 from .model import HeadModel
-from .progress import Progress, offset_progress
+from .progress import ProgressArg, offset_progress, progress_callback
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores
 from .variants import (
@@ -37,6 +37,7 @@ from .variants import (
     evaluate_variants,
     row_head_masks,
 )
+from .views import html_view, top_heads_text
 
 __all__ = [
     "TEMPLATE",
@@ -223,6 +224,18 @@ class ShipsResult:
         s = HeadScores(self.per_prompt[prompt], "ships")
         return s.ranked(k)
 
+    def __repr__(self) -> str:
+        n, n_layers, n_heads = self.per_prompt.shape
+        scored = int((~torch.isnan(self.scores.scores)).sum())
+        return (
+            f"ShipsResult({self.scores.model}: {n} prompts x {scored} of {n_layers * n_heads} heads; "
+            f"mean KL (nats) top {top_heads_text(self.scores)})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10)]
+        return html_view(repr(self), rows, ("head", "mean KL (nats)")) + self.scores._repr_html_()
+
 
 def ships(
     model: HeadModel,
@@ -235,7 +248,7 @@ def ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -246,8 +259,9 @@ def ships(
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
         shard: `(i, n)` scores only every n-th head from i; merge shards with `merge_scores`.
-        progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (head, prompt) rows: `total` is `len(heads) * N`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in (head, prompt) rows: `total` is
+            `len(heads) * N`.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
@@ -259,16 +273,17 @@ def ships(
     eps, heads = _check(model, eps, exact, max_rows, heads)
     heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
-    clean = clean_run(model, enc)
-    kl = evaluate_variants(
-        model,
-        clean,
-        [[h] for h in heads],
-        _ablate(model, ablation, eps),
-        _kl_from(clean.logp),
-        max_rows=max_rows,
-        progress=progress,
-    )  # [K, N]
+    with progress_callback(progress, "ships", "rows") as report:
+        clean = clean_run(model, enc)
+        kl = evaluate_variants(
+            model,
+            clean,
+            [[h] for h in heads],
+            _ablate(model, ablation, eps),
+            _kl_from(clean.logp),
+            max_rows=max_rows,
+            progress=report,
+        )  # [K, N]
     per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
@@ -302,15 +317,15 @@ def dataset_ships(
     template: str | None = TEMPLATE,
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
     left singular vectors of M_base and M_ablated (safety_heads.md §3). Radians unless
-    `degrees=True` (ranking is the same). `progress(done, total)` counts (head, prompt)
-    rows as in `ships`.
+    `degrees=True` (ranking is the same). `progress` (default True: a tqdm bar; False
+    off; or `progress(done, total)`) counts (head, prompt) rows as in `ships`.
 
     Raises:
         ValueError: as `ships`, and `r_main` outside 1..N.
@@ -320,16 +335,17 @@ def dataset_ships(
     enc = _encode_dataset(model, prompts, template, r_main)
     if not isinstance(degrees, bool):
         raise TypeError(f"degrees must be a bool, got {degrees!r}")
-    clean = clean_run(model, enc)
-    states = evaluate_variants(
-        model,
-        clean,
-        [[h] for h in heads],
-        _ablate(model, ablation, eps),
-        _final_state,
-        max_rows=max_rows,
-        progress=progress,
-    )
+    with progress_callback(progress, "dataset ships", "rows") as report:
+        clean = clean_run(model, enc)
+        states = evaluate_variants(
+            model,
+            clean,
+            [[h] for h in heads],
+            _ablate(model, ablation, eps),
+            _final_state,
+            max_rows=max_rows,
+            progress=report,
+        )
     ang = _angles(clean.final, states, r_main)
     if degrees:
         ang = torch.rad2deg(ang)
@@ -352,6 +368,20 @@ class SaharaResult:
     heads: list[Head]
     steps: list[HeadScores] = field(default_factory=list)
 
+    def _rows(self) -> list[tuple[int, str, float]]:
+        """(step, head added, its score at that step) per step."""
+        return [
+            (i + 1, f"L{la}.H{h}", table.scores[la, h].item())
+            for i, ((la, h), table) in enumerate(zip(self.heads, self.steps, strict=False))
+        ]
+
+    def __repr__(self) -> str:
+        chosen = ", ".join(f"{head} ({score:.3g})" for _, head, score in self._rows())
+        return f"SaharaResult({len(self.heads)} steps; heads added (angle): {chosen or 'none'})"
+
+    def _repr_html_(self) -> str:
+        return html_view(repr(self), self._rows(), ("step", "head added", "angle at that step"))
+
 
 def sahara(
     model: HeadModel,
@@ -365,15 +395,16 @@ def sahara(
     r_main: int = 1,
     template: str | None = TEMPLATE,
     max_rows: int = 64,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> SaharaResult:
     """Sahara: greedy head-group search by dataset-level Ships (safety_heads.md §3).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
     the unablated base); the argmax joins the group. Ties go to the lowest (layer, head).
-    No threshold and no early stop. `progress(done, total)` counts (candidate group,
-    prompt) rows over all steps: `total` is `N * (K + (K - 1) + ... + (K - steps + 1))`
+    No threshold and no early stop. `progress` (default True: a tqdm bar; False off; or
+    `progress(done, total)`) counts (candidate group, prompt) rows over all steps: `total`
+    is `N * (K + (K - 1) + ... + (K - steps + 1))`
     for K candidate heads.
 
     Raises:
@@ -383,31 +414,32 @@ def sahara(
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= len(heads):
         raise ValueError(f"steps must be an int in 1..{len(heads)}, got {steps!r}")
     enc = _encode_dataset(model, prompts, template, r_main)
-    clean = clean_run(model, enc)
-    chosen: list[Head] = []
-    tables = []
-    total = enc.batch * sum(len(heads) - i for i in range(steps))
-    for step in range(steps):
-        cands = [h for h in heads if h not in chosen]
-        states = evaluate_variants(
-            model,
-            clean,
-            [[*chosen, h] for h in cands],
-            _ablate(model, ablation, eps),
-            _final_state,
-            max_rows=max_rows,
-            progress=offset_progress(progress, enc.batch * sum(len(heads) - i for i in range(step)), total),
-        )
-        ang = _angles(clean.final, states, r_main)
-        table = _head_table(model, cands, ang)
-        params = {
-            "step": step + 1,
-            "group": [list(h) for h in chosen],
-            "ablation": ablation,
-            "eps": eps,
-            "r_main": r_main,
-        }
-        scores = HeadScores(table, "sahara_step", params, model.name, model.n_kv_heads)
-        tables.append(scores)
-        chosen.append(scores.ranked(1)[0])
+    with progress_callback(progress, "sahara", "rows") as report:
+        clean = clean_run(model, enc)
+        chosen: list[Head] = []
+        tables = []
+        total = enc.batch * sum(len(heads) - i for i in range(steps))
+        for step in range(steps):
+            cands = [h for h in heads if h not in chosen]
+            states = evaluate_variants(
+                model,
+                clean,
+                [[*chosen, h] for h in cands],
+                _ablate(model, ablation, eps),
+                _final_state,
+                max_rows=max_rows,
+                progress=offset_progress(report, enc.batch * sum(len(heads) - i for i in range(step)), total),
+            )
+            ang = _angles(clean.final, states, r_main)
+            table = _head_table(model, cands, ang)
+            params = {
+                "step": step + 1,
+                "group": [list(h) for h in chosen],
+                "ablation": ablation,
+                "eps": eps,
+                "r_main": r_main,
+            }
+            scores = HeadScores(table, "sahara_step", params, model.name, model.n_kv_heads)
+            tables.append(scores)
+            chosen.append(scores.ranked(1)[0])
     return SaharaResult(chosen, tables)

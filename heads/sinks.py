@@ -30,6 +30,8 @@ from .forward import forward
 from .model import HeadModel
 from .prompts import encode_prompts, normalize_prompts
 from .scores import HeadScores, _positive_int
+from .tokens import readable_tokens
+from .views import html_view, top_heads_text
 
 __all__ = ["SinkRule", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
 
@@ -104,13 +106,26 @@ class SinkStats:
         sink_mass: HeadScores, mean share of attention (real rows) going to flagged sinks.
         first_mass: HeadScores, mean share of attention going to the first real token.
         n_sinks: HeadScores, mean number of flagged sink columns per prompt.
-        flagged: DataFrame `prompt, layer, head, position, token, score` of every flagged sink.
+        flagged: DataFrame `prompt, layer, head, position, token, score` of every flagged sink
+            (`token` as readable text, `heads.tokens`: `␣the`, `⏎`).
     """
 
     sink_mass: HeadScores
     first_mass: HeadScores
     n_sinks: HeadScores
     flagged: pd.DataFrame
+
+    def __repr__(self) -> str:
+        n = self.sink_mass.params.get("n_prompts", "?")
+        return (
+            f"SinkStats({self.sink_mass.model}: {n} prompts, {len(self.flagged)} flagged sinks; "
+            f"sink mass top {top_heads_text(self.sink_mass)}; "
+            f"mean first-token mass {self.first_mass.scores.nanmean().item():.3f})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = self.flagged.sort_values("score", ascending=False).head(10)
+        return html_view(repr(self), rows.itertuples(index=False), list(self.flagged.columns))
 
 
 @torch.no_grad()
@@ -123,15 +138,27 @@ def _check_rule(rule: object) -> SinkRule:
 
 
 def sink_stats(
-    model: HeadModel, prompts: Sequence, *, rule: SinkRule | None = None, chat: bool | None = False
+    model: HeadModel,
+    prompts: Sequence,
+    *,
+    rule: SinkRule | None = None,
+    chat: bool | None = None,
+    markup: bool = True,
 ) -> SinkStats:
     """Per (layer, head) sink statistics of the prompts' prefill patterns (methods/act.md §2).
+
+    Args:
+        prompts: a prompt or a list (strings or chats), encoded as `SteeredModel.generate`
+            encodes them, so the statistics are of the token sequence that is steered.
+        rule: how sinks are flagged (default `SinkRule()`: relative, alpha_s = 5).
+        chat: apply the chat template (default: when the tokenizer has one, as `generate`).
+        markup: strip `**…**` emphasis markup first (default True, as `generate`).
 
     Raises:
         ValueError: empty prompts, bad rule.
     """
     rule = _check_rule(rule)
-    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
     real = enc.attention_mask.bool()
     first = real.float().argmax(-1)
     rows = torch.arange(enc.batch)
@@ -149,7 +176,7 @@ def sink_stats(
     recs = [Recorder(layer=la, fn=summarise) for la in range(model.n_layers)]
     with editing(model, recs):
         forward(model, enc)
-    tokens = [model.tokenizer.convert_ids_to_tokens(r) for r in enc.input_ids.tolist()]
+    tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
     for la, rec in enumerate(recs):
         sink, fm, ns, a, s = rec.records[0]
         out["sink"][la], out["first"][la], out["n"][la] = sink, fm, ns
@@ -171,23 +198,36 @@ def sink_stats(
 
 
 @torch.no_grad()
-def massive_activations(model: HeadModel, prompts: Sequence, *, top: int = 10, chat: bool | None = False):
+def massive_activations(
+    model: HeadModel,
+    prompts: Sequence,
+    *,
+    top: int = 10,
+    chat: bool | None = None,
+    markup: bool = True,
+) -> pd.DataFrame:
     """The largest-magnitude residual-stream activations (Sun et al. 2024, "massive activations").
 
     Returns a DataFrame `layer, prompt, position, token, dim, value, ratio_to_median` of the
     `top` largest |activation| entries of the residual stream entering each layer `0..L-1`
     (`layer = L` is the final normed state, as `transformers` reports it), over real tokens;
-    `position` counts from the first real token; `ratio_to_median` is |value| / the median
-    |activation| of that layer.
+    `position` counts from the first real token; `token` is readable text (`heads.tokens`);
+    `ratio_to_median` is |value| / the median |activation| of that layer.
+
+    Prompts are encoded as `SteeredModel.generate` encodes them: the chat template when the
+    tokenizer has one (`chat=None`) and `**…**` markup stripped (`markup=True`).
+
+    Raises:
+        ValueError: empty prompts, or `top` outside 1..(real tokens x d_model).
     """
-    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
     real = enc.attention_mask.bool()
     n_real = int(real.sum()) * model.d_model
     if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 1 <= top <= n_real:
         raise ValueError(f"top must be an int in 1..{n_real} (real tokens x d_model), got {top!r}")
     out = forward(model, enc, output_hidden_states=True)
     first = real.float().argmax(-1)
-    tokens = [model.tokenizer.convert_ids_to_tokens(r) for r in enc.input_ids.tolist()]
+    tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
     rows = []
     for la, h in enumerate(out.hidden_states):
         mag = h.float().cpu().abs()

@@ -218,7 +218,8 @@ def evaluate_variants(
             positions are taken from the clean KV cache instead of recomputed.
         max_rows: batch rows per forward (the memory bound).
         progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (variant, prompt) rows: `total` is `K * N`.
+            (variant, prompt) rows: `total` is `K * N`. The engine takes only a callable
+            or None (the scorers built on it turn `progress=True` into a bar).
 
     Raises:
         ValueError: bad `max_rows`, or `unchanged_before` given without the clean KV.

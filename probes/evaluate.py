@@ -13,11 +13,13 @@ through `SteeredModel.generate` (KV cache on) and the task's text metrics:
 | counterfact | `efficacy` (P(new fact) > P(old fact)) |
 | sentiment | `accuracy` |
 
-Binary metrics get a Wilson interval, means a normal-approximation interval.
+Binary metrics get a Wilson interval, means a Student-t interval (`probes.task_metrics`, through
+scipy); the table's `interval` column names the method.
 """
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 import pandas as pd
@@ -25,10 +27,17 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads.engine import editing
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 from heads.scores import HeadSet
 
-from .task_metrics import choice_correct, json_metrics, mean_interval, no_pronoun, wilson_interval
+from .task_metrics import (
+    INTERVAL_METHODS,
+    choice_correct,
+    json_metrics,
+    mean_interval,
+    no_pronoun,
+    wilson_interval,
+)
 from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
@@ -38,11 +47,27 @@ METHODS = ("none", "pasta", "spotlight", "act")
 
 @dataclass
 class EvalResult:
-    """`table`: one row per metric (`task, method, split, metric, value, n, low, high`);
-    `examples`: one row per example (id, per-example metric values, output text if generated)."""
+    """`table`: one row per metric (`task, method, split, metric, value, n, low, high,
+    interval`; `interval` names how low/high were computed: "Wilson 95%" for rates,
+    "Student t 95%" for means); `examples`: one row per example (id, per-example metric
+    values, output text if generated)."""
 
     table: pd.DataFrame
     examples: pd.DataFrame
+
+    def __repr__(self) -> str:
+        t = self.table
+        if t.empty:
+            return "EvalResult(no metrics)"
+        head = f"{t.task.iloc[0]} / {t.method.iloc[0]} ({t.split.iloc[0]}, n={t.n.iloc[0]})"
+        metrics = "; ".join(
+            f"{r.metric} {r.value:.3f} [{r.low:.3f}, {r.high:.3f}] ({r.interval})" for r in t.itertuples()
+        )
+        return f"EvalResult({head}: {metrics})"
+
+    def _repr_html_(self) -> str:
+        table = self.table.to_html(index=False, float_format="%.3f")
+        return f"<div><b>{html.escape(repr(self))}</b>{table}</div>"
 
 
 def method_steer(
@@ -117,6 +142,7 @@ def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max
             chat=chunk[0].chat,
             markup=False,
             max_new_tokens=max_new_tokens,
+            progress=False,  # evaluate's own bar counts examples
         )
         for e, text in zip(chunk, gen.texts, strict=True):
             row = {"id": e.id, "output": text}
@@ -151,7 +177,7 @@ def evaluate(
     limit: int | None = None,
     batch_size: int = 16,
     max_new_tokens: int = 48,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
     **method_options,
 ) -> EvalResult:
     """Run `method` on `task` (`probes.tasks.TASKS`) and score it.
@@ -161,8 +187,9 @@ def evaluate(
         limit: the first `limit` examples of the split (default all).
         batch_size: prompts per forward / generate call.
         max_new_tokens: generation length for generate tasks (greedy).
-        progress: `progress(done, total)` after each batch (`heads.progress`), in examples:
-            `total` is the number of examples evaluated.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in examples: `total` is the number of
+            examples evaluated.
         **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
 
     Raises:
@@ -180,16 +207,17 @@ def evaluate(
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     steer = method_steer(model, method, **method_options)
     finished = [0]
+    with progress_callback(progress, f"eval {task} / {method}", "examples") as report:
 
-    def step(n: int) -> None:
-        finished[0] += n
-        if progress is not None:
-            progress(finished[0], len(examples))
+        def step(n: int) -> None:
+            finished[0] += n
+            if report is not None:
+                report(finished[0], len(examples))
 
-    if examples[0].scoring == "choice":
-        rows = _choice_rows(model, examples, steer, batch_size, step)
-    else:
-        rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
+        if examples[0].scoring == "choice":
+            rows = _choice_rows(model, examples, steer, batch_size, step)
+        else:
+            rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
     frame = pd.DataFrame(rows)
     out = []
     for name, kind in _METRICS[task]:
@@ -210,6 +238,7 @@ def evaluate(
                 "n": len(vals),
                 "low": low,
                 "high": high,
+                "interval": INTERVAL_METHODS["mean" if kind == "mean" else "rate"],
             }
         )
     return EvalResult(pd.DataFrame(out), frame)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from heads import HeadModel, HeadScores
-from heads.progress import Progress, offset_progress
+from heads.progress import ProgressArg, offset_progress, progress_callback
 from heads.ships import TEMPLATE, SaharaResult, ShipsResult, dataset_ships, fill_template, sahara, ships
 from steer import Ablate, SteeredModel
 
@@ -155,7 +155,7 @@ def safety_analysis(
     random_draws: int = 3,
     seed: int = 0,
     batch_size: int = 16,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> SafetyAnalysis:
     """Score safety heads and measure the ASR they explain (safety_heads.md §3-§5).
 
@@ -173,8 +173,9 @@ def safety_analysis(
         system_prompt: text put before the `Query: {query}\\nAnswer:` template.
         seed: seed of the random-head draws.
         batch_size: prompts per `generate` call when measuring ASR (default 16).
-        progress: `progress(done, total)` (`heads.progress`) in work items: the (head, prompt)
-            rows of Ships, dataset-level Ships and Sahara, then one per generated answer.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            (`heads.progress`) in work items: the (head, prompt) rows of Ships,
+            dataset-level Ships and Sahara, then one per generated answer.
 
     Raises:
         ValueError: a string for `prompts`, `steps` outside 1..L*H, non-positive counts (before any work).
@@ -202,48 +203,54 @@ def safety_analysis(
     ]
     total = sum(sizes)
     start = [sum(sizes[:i]) for i in range(len(sizes))]
-    sh = ships(model, score_prompts, template=template, progress=offset_progress(progress, start[0], total))
-    ds = dataset_ships(
-        model,
-        score_prompts,
-        template=template,
-        degrees=True,
-        progress=offset_progress(progress, start[1], total),
-    )
-    sa = sahara(
-        model,
-        score_prompts,
-        steps=steps,
-        template=template,
-        progress=offset_progress(progress, start[2], total),
-    )
-    judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
-    keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
-    sm = SteeredModel(model)
-    texts = fill_template(template, eval_prompts)
-    done = [start[3]]
+    with progress_callback(progress, "safety heads", "items") as report:
+        sh = ships(model, score_prompts, template=template, progress=offset_progress(report, start[0], total))
+        ds = dataset_ships(
+            model,
+            score_prompts,
+            template=template,
+            degrees=True,
+            progress=offset_progress(report, start[1], total),
+        )
+        sa = sahara(
+            model,
+            score_prompts,
+            steps=steps,
+            template=template,
+            progress=offset_progress(report, start[2], total),
+        )
+        judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
+        keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge
+        sm = SteeredModel(model)
+        texts = fill_template(template, eval_prompts)
+        done = [start[3]]
 
-    def answers(heads) -> list[str]:
-        steer = [Ablate([list(h) for h in heads])] if heads else []
-        out: list[str] = []
-        for i in range(0, n_eval, batch_size):
-            batch = texts[i : i + batch_size]
-            out += sm.generate(
-                batch, steer=steer, max_new_tokens=max_new_tokens, chat=False, markup=False
-            ).texts
-            done[0] += len(batch)
-            if progress is not None:
-                progress(done[0], total)
-        return out
+        def answers(heads) -> list[str]:
+            steer = [Ablate([list(h) for h in heads])] if heads else []
+            out: list[str] = []
+            for i in range(0, n_eval, batch_size):
+                batch = texts[i : i + batch_size]
+                out += sm.generate(
+                    batch,
+                    steer=steer,
+                    max_new_tokens=max_new_tokens,
+                    chat=False,
+                    markup=False,
+                    progress=False,
+                ).texts
+                done[0] += len(batch)
+                if report is not None:
+                    report(done[0], total)
+            return out
 
-    base = answers([])
-    top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
-    rng = random.Random(seed)
-    others = [
-        (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
-    ]
-    random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
-    rand = [answers(hs) for hs in random_heads]
+        base = answers([])
+        top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
+        rng = random.Random(seed)
+        others = [
+            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
+        ]
+        random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
+        rand = [answers(hs) for hs in random_heads]
     asr, asr_keyword = {}, {}
     for table, j in ((asr, judge), (asr_keyword, keyword)):
         draws = [attack_success_rate(r, j) for r in rand]

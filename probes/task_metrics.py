@@ -4,7 +4,8 @@
 - `no_pronoun`: no gendered pronoun left in the output (pronoun_change).
 - `choice_correct`: the labelled choice has the strictly highest log-probability (choice tasks;
   for counterfact this is new-fact efficacy, P(new) > P(old)).
-- `wilson_interval` / `mean_interval`: 95% intervals for rates and for means.
+- `wilson_interval` / `mean_interval`: 95% intervals for rates (Wilson) and for means
+  (Student t), through scipy; `INTERVAL_METHODS` names them for tables.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 __all__ = [
+    "INTERVAL_METHODS",
     "choice_correct",
     "first_json_object",
     "json_metrics",
@@ -24,6 +26,9 @@ __all__ = [
     "no_pronoun",
     "wilson_interval",
 ]
+
+INTERVAL_METHODS = {"rate": "Wilson 95%", "mean": "Student t 95%"}
+"""The interval named in an evaluation table's `interval` column, by metric kind."""
 
 _CURLY = str.maketrans({"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2018": "'", "\u2019": "'"})
 _PRONOUN = re.compile(r"\b(?:she|he|her|his|him)\b", re.IGNORECASE)
@@ -121,16 +126,29 @@ def choice_correct(logprobs: Sequence[float] | np.ndarray, label: int) -> bool:
     return bool(np.all(scores[label] > others))
 
 
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for a success rate (default 95%).
+def _confidence(confidence: object) -> float:
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+        raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
+    return float(confidence)
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a success rate (Wilson 1927), default 95%.
+
+    z is the two-sided normal quantile of `confidence` (`scipy.stats.norm.ppf`; 1.95996 at
+    95%). Unlike the normal (Wald) interval it stays inside [0, 1] and is not empty at 0 or n
+    successes.
 
     Raises:
-        ValueError: `n` < 1 or `successes` outside [0, n].
+        ValueError: `n` < 1, `successes` outside [0, n], or `confidence` outside (0, 1).
     """
+    from scipy.stats import norm
+
     if n < 1:
         raise ValueError(f"wilson_interval needs n >= 1, got {n}")
     if not 0 <= successes <= n:
         raise ValueError(f"successes must be in [0, {n}], got {successes}")
+    z = float(norm.ppf(0.5 + _confidence(confidence) / 2))
     p = successes / n
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
@@ -138,19 +156,24 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def mean_interval(values: Sequence[float] | np.ndarray, z: float = 1.96) -> tuple[float, float]:
-    """Normal-approximation interval for the mean of `values` (default 95%).
+def mean_interval(values: Sequence[float] | np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """Student-t interval for the mean of `values`, default 95%: mean ± t * sd / sqrt(n).
 
-    Uses the sample standard deviation (ddof=1): mean ± z * sd / sqrt(n).
+    t is the two-sided quantile of Student's t with n - 1 degrees of freedom
+    (`scipy.stats.t.ppf`; 2.131 at n = 16, 1.990 at n = 80, where the normal z = 1.960
+    under-covers), sd the sample standard deviation (ddof=1).
 
     Raises:
-        ValueError: fewer than two values, or a non-finite value.
+        ValueError: fewer than two values, a non-finite value, or `confidence` outside (0, 1).
     """
+    from scipy.stats import t as student_t
+
+    conf = _confidence(confidence)
     x = np.asarray(values, dtype=float).ravel()
     if x.size < 2:
         raise ValueError(f"mean_interval needs at least 2 values, got {x.size}")
     if not np.all(np.isfinite(x)):
         raise ValueError("mean_interval got a non-finite value")
     mean = float(x.mean())
-    half = z * float(x.std(ddof=1)) / math.sqrt(x.size)
+    half = float(student_t.ppf(0.5 + conf / 2, df=x.size - 1)) * float(x.std(ddof=1)) / math.sqrt(x.size)
     return mean - half, mean + half

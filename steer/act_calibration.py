@@ -18,11 +18,12 @@ import torch
 
 from heads.edits import Edit
 from heads.model import HeadModel
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet
 from heads.sinks import SinkRule
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
+from heads.views import html_view, top_heads_text
 
 from .act import ActEdit, default_act_layers
 
@@ -88,6 +89,19 @@ class ActCalibration:
     base_margin: float
     heads: HeadSet
 
+    def __repr__(self) -> str:
+        return (
+            f"ActCalibration(kept {len(self.heads)} heads; base accuracy {self.base_accuracy:.3f}, "
+            f"margin {self.base_margin:.3f} nats; margin gain top {top_heads_text(self.margin)})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = [
+            (f"L{la}.H{h}", self.accuracy.scores[la, h].item(), self.margin.scores[la, h].item())
+            for la, h in self.margin.ranked(10)
+        ]
+        return html_view(repr(self), rows, ("head", "accuracy gain", "margin gain (nats)"))
+
 
 def calibrate_act_heads(
     model: HeadModel,
@@ -102,7 +116,7 @@ def calibrate_act_heads(
     keep: Literal["accuracy", "margin"] = "accuracy",
     delta: float = 0.0,
     max_rows: int = 64,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> ActCalibration:
     """Score every candidate head with ACT applied to it alone; keep the heads that help.
 
@@ -115,8 +129,9 @@ def calibrate_act_heads(
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
         max_rows: batch rows per forward.
-        progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (head, prompt) rows: `total` is `len(heads) * N`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in (head, prompt) rows: `total` is
+            `len(heads) * N`.
 
     Raises:
         ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.
@@ -149,11 +164,12 @@ def calibrate_act_heads(
     def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         return _correct_and_margin(logp, ids[ps], lab[ps])
 
-    clean = clean_run(model, enc)
-    base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
-    got = evaluate_variants(
-        model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=progress
-    ).mean(1)  # [K, 2]
+    with progress_callback(progress, "ACT calibration", "rows") as report:
+        clean = clean_run(model, enc)
+        base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
+        got = evaluate_variants(
+            model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=report
+        ).mean(1)  # [K, 2]
     tables = torch.full((2, model.n_layers, model.n_heads), float("nan"))
     for k, (layer, head) in enumerate(heads):
         tables[:, layer, head] = got[k] - base

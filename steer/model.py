@@ -12,9 +12,25 @@ from heads.edits import Edit
 from heads.engine import editing
 from heads.images import encode_image_prompts
 from heads.model import HeadModel
+from heads.progress import Progress, ProgressArg, progress_callback
 from heads.prompts import EncodedPrompts, Prompt, encode_prompts
 
-__all__ = ["Generation", "Intervention", "SteeredModel"]
+__all__ = ["BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel"]
+
+BAR_MIN_PROMPTS = 8
+"""`generate(progress=True)` draws a bar only for more prompts than this (a short call stays quiet)."""
+
+
+def _step_progress(report: Progress, start: int, total: int):
+    """A `transformers` stopping criterion that never stops and reports new tokens per row."""
+    from transformers import StoppingCriteria
+
+    class _Steps(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            report(min(input_ids.shape[1] - start, total), total)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return _Steps()
 
 
 class Intervention(Protocol):
@@ -128,6 +144,7 @@ class SteeredModel:
         markup: bool = True,
         seed: int | None = None,
         require_fired: bool = True,
+        progress: ProgressArg = True,
         **generate_kwargs,
     ) -> Generation:
         """Generate continuations, steered by `steer`.
@@ -148,6 +165,9 @@ class SteeredModel:
             markup: parse `**…**` markup (default True).
             seed: torch seed for sampling.
             require_fired: raise if an intervention's edit never ran (default True).
+            progress: True (default: a tqdm bar when there are more than `BAR_MIN_PROMPTS`
+                prompts), False / None (off) or `progress(done, total)` after each decoding
+                step, in new tokens per row: `total` is `max_new_tokens` (`heads.progress`).
             **generate_kwargs: passed to `transformers`' `generate` (e.g. temperature,
                 `use_cache=False`, or `return_dict_in_generate=True` with `output_attentions=True`
                 / `output_scores=True`: the result is then in `Generation.outputs`).
@@ -186,7 +206,18 @@ class SteeredModel:
             torch.manual_seed(seed)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = hm.device
-        with editing(hm, edits, require_fired=require_fired):
+        if progress is True and enc.batch <= BAR_MIN_PROMPTS:
+            progress = False
+        with (
+            progress_callback(progress, "generate", "tokens") as report,
+            editing(hm, edits, require_fired=require_fired),
+        ):
+            if report is not None:
+                from transformers import StoppingCriteriaList
+
+                stops = list(generate_kwargs.pop("stopping_criteria", None) or [])
+                step = _step_progress(report, enc.length, max_new_tokens)
+                generate_kwargs["stopping_criteria"] = StoppingCriteriaList([*stops, step])
             out = hm.model.generate(
                 **{k: v.to(device) for k, v in enc.inputs.items()},  # pixel_values, image_grid_thw, ...
                 input_ids=enc.input_ids.to(device),
@@ -197,6 +228,8 @@ class SteeredModel:
                 **({} if do_sample else {"temperature": None, "top_p": None, "top_k": None}),
                 **generate_kwargs,
             )
+            if report is not None:
+                report(max_new_tokens, max_new_tokens)  # also when every row stopped early
         raw = None
         if not isinstance(out, torch.Tensor):  # return_dict_in_generate=True
             raw, out = out, out.sequences

@@ -27,7 +27,7 @@ import torch
 
 from heads.edits import Edit
 from heads.model import HeadModel
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 from heads.prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet, _positive_int
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
@@ -79,7 +79,7 @@ def profile_heads(
     task: str = "task",
     max_rows: int = 64,
     reuse_positions: bool = True,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> HeadScores:
     """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
 
@@ -97,8 +97,9 @@ def profile_heads(
         max_rows: batch rows per forward.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
             float rounding; turn off to recompute everything).
-        progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (head, prompt) rows: `total` is `len(heads) * N`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads.progress`), in (head, prompt) rows: `total` is
+            `len(heads) * N`.
 
     Returns:
         HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
@@ -141,18 +142,19 @@ def profile_heads(
     def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         return logp.gather(1, tgt[ps, None])[:, 0]
 
-    clean = clean_run(model, enc, keep_kv=reuse_positions)
-    base = clean.logp.gather(1, tgt[:, None])[:, 0]  # [N]
-    got = evaluate_variants(
-        model,
-        clean,
-        [[h] for h in heads],
-        row_edits,
-        score,
-        unchanged_before=starts if reuse_positions else None,
-        max_rows=max_rows,
-        progress=progress,
-    )  # [K, N]
+    with progress_callback(progress, f"PASTA profile {task}", "rows") as report:
+        clean = clean_run(model, enc, keep_kv=reuse_positions)
+        base = clean.logp.gather(1, tgt[:, None])[:, 0]  # [N]
+        got = evaluate_variants(
+            model,
+            clean,
+            [[h] for h in heads],
+            row_edits,
+            score,
+            unchanged_before=starts if reuse_positions else None,
+            max_rows=max_rows,
+            progress=report,
+        )  # [K, N]
     delta = (got - base[None]).mean(1)
     table = torch.full((model.n_layers, model.n_heads), float("nan"))
     for k, (layer, head) in enumerate(heads):

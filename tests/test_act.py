@@ -181,8 +181,9 @@ def test_sink_stats_and_massive_activations(tiny_llama):
     stats = sink_stats(tiny_llama, PROMPTS, rule=SinkRule(rule="absolute", theta=0.05))
     assert stats.sink_mass.scores.shape == (tiny_llama.n_layers, tiny_llama.n_heads)
     assert ((stats.sink_mass.scores >= 0) & (stats.sink_mass.scores <= 1 + 1e-6)).all()
-    # first-token mass against a direct recomputation from the recorded pattern
-    enc = encode_prompts(tiny_llama.tokenizer, PROMPTS, chat=False, markup=False)
+    # first-token mass against a direct recomputation from the recorded pattern, on the
+    # token sequence `generate` uses (chat template and markup by default)
+    enc = encode_prompts(tiny_llama.tokenizer, PROMPTS)
     rec = Recorder(layer=1)
     with editing(tiny_llama, rec):
         forward(tiny_llama, enc)

@@ -152,7 +152,7 @@ def test_report_all_writes_linked_reports(model_dir, tmp_path):
     )
     assert r.exit_code == 0, r.output
     written = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(written) == {"index", "attention", "attention_csv", "maps"}
+    assert set(written) == {"index", "attention", "attention_csv", "maps", "plotly_js"}
     index = (out / "index.html").read_text()
     for name in ("attention.html", "attention.csv", "maps.html"):
         assert (out / name).is_file() and f"href='{name}'" in index

@@ -160,9 +160,10 @@ def test_intervals():
     assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0
     with pytest.raises(ValueError, match="n >= 1"):
         wilson_interval(0, 0)
-    # mean 2.5, sd sqrt(5/3) -> half-width 1.96 * 1.2909944 / 2 = 1.2651745
+    # mean 2.5, sd sqrt(5/3); Student t at 3 degrees of freedom (table value 3.182446)
+    # -> half-width 3.1824463 * 1.2909944 / 2 = 2.0542603
     low, high = mean_interval([1.0, 2.0, 3.0, 4.0])
-    assert low == pytest.approx(1.2348255, abs=1e-6) and high == pytest.approx(3.7651745, abs=1e-6)
+    assert low == pytest.approx(0.4457397, abs=1e-6) and high == pytest.approx(4.5542603, abs=1e-6)
     assert mean_interval([0.5, 0.5, 0.5]) == (0.5, 0.5)
     with pytest.raises(ValueError, match="at least 2"):
         mean_interval([1.0])

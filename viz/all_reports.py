@@ -1,4 +1,9 @@
-"""`headsteer report all`: every available report into one folder, with an index page."""
+"""`headsteer report all`: every available report into one folder, with an index page.
+
+The pages share one `plotly.min.js` written beside them (`viz.report.shared_plotlyjs`), so
+the folder holds one copy of plotly.js (4.6 MB) instead of one per page; a single report
+(`headsteer report maps`, ...) stays self-contained.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,16 @@ from pathlib import Path
 
 from heads import HeadModel
 from heads.files import check_output, write_text
-from heads.progress import Progress
+from heads.progress import ProgressArg, progress_callback
 
 from .demo import DEMO_PROMPT
 from .maps_report import maps_report
+from .report import PLOTLY_JS, shared_plotlyjs
 from .steering import DEFAULT_TOP_K, attention_report, choose_heads, compare
 
 __all__ = ["FILES", "all_reports"]
 
-
-FILES = ("attention.html", "attention.csv", "maps.html", "index.html")
+FILES = (PLOTLY_JS, "attention.html", "attention.csv", "maps.html", "index.html")
 """The files `all_reports` writes into its folder, in order: the index comes last."""
 
 
@@ -27,43 +32,49 @@ def all_reports(
     draws: int = 5,
     n_prompts: int = 30,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> dict[str, Path]:
-    """Write `attention.html` (+ CSV; PASTA on the demo prompt), `maps.html`, then `index.html`.
+    """Write `plotly.min.js`, `attention.html` (+ CSV; PASTA on the demo prompt), `maps.html`
+    and `index.html` into the folder `out`; the pages load the shared `plotly.min.js`.
 
-    Every file is checked before any work and written atomically (`heads.files`);
-    the index is written last, so an index page always links to complete reports.
+    Every output path is checked before any work (`heads.files.check_output`); the index is
+    written last. `progress` (default True: a tqdm bar; False off; or `progress(done,
+    total)`, `heads.progress`) counts steps: one for the attention report, then the MAPS
+    analysis' steps (`heads.maps_analysis.maps_analysis`); `total` is known once the
+    relations are loaded.
 
-    `progress(done, total)` (`heads.progress`) counts steps: one for the attention report,
-    then the MAPS analysis' steps (`heads.maps_analysis.maps_analysis`); `total` is known once
-    the relations are loaded.
-
-    Returns name -> path of every file written.
+    Returns:
+        name -> path of every file written (`plotly_js`, `attention`, `attention_csv`,
+        `maps`, `index`).
 
     Raises:
-        ValueError: `out` is a file; one of `FILES` exists there and `overwrite` is
-            False, or is a symlink or a folder.
+        ValueError: `out` is a file; one of `FILES` exists there and `overwrite` is False, or
+            is a symlink or a folder.
     """
-    say = progress or (lambda done, total: None)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{str(out)!r} exists and is not a folder")
     for name in FILES:
         check_output(out / name, overwrite)
-    heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
-    comp = compare(model, DEMO_PROMPT, heads, max_new_tokens=48)
-    att, csv, _ = attention_report(
-        model, DEMO_PROMPT, out / "attention.html", comparison=comp, overwrite=overwrite
-    )
-    say(1, 2)
-    maps, _ = maps_report(
-        model,
-        out / "maps.html",
-        draws=draws,
-        n_prompts=n_prompts,
-        overwrite=overwrite,
-        progress=lambda d, t: say(1 + d, 1 + t),
-    )
+    with (
+        progress_callback(progress, "reports", "steps") as report,
+        shared_plotlyjs(out, overwrite=overwrite) as js,
+    ):
+        say = report or (lambda done, total: None)
+        heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
+        comp = compare(model, DEMO_PROMPT, heads, max_new_tokens=48)
+        att, csv, _ = attention_report(
+            model, DEMO_PROMPT, out / "attention.html", comparison=comp, overwrite=overwrite
+        )
+        say(1, 2)
+        maps, _ = maps_report(
+            model,
+            out / "maps.html",
+            draws=draws,
+            n_prompts=n_prompts,
+            overwrite=overwrite,
+            progress=lambda d, t: say(1 + d, 1 + t),
+        )
     items = [
         ("attention.html", "Attention mass on an emphasized span, and PASTA steering on the demo prompt"),
         ("attention.csv", "The span attention scores as a table"),
@@ -74,7 +85,9 @@ def all_reports(
         out / "index.html",
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>headsteer reports</title></head>"
         f"<body style='font-family:system-ui,sans-serif'><h1>headsteer reports</h1>"
-        f"<p>model {html.escape(model.name)}</p><ul>{links}</ul></body></html>",
+        f"<p>model {html.escape(model.name)}</p><ul>{links}</ul>"
+        f"<p>The pages load plotly.js from {PLOTLY_JS} beside them: keep the folder together.</p>"
+        "</body></html>",
         overwrite=overwrite,
     )
-    return {"index": index, "attention": att, "attention_csv": csv, "maps": maps}
+    return {"index": index, "attention": att, "attention_csv": csv, "maps": maps, "plotly_js": js}

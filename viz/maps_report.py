@@ -11,7 +11,7 @@ from pathlib import Path
 from heads import HeadModel
 from heads.files import check_output
 from heads.maps_analysis import MapsAnalysis, maps_analysis
-from heads.progress import Progress
+from heads.progress import ProgressArg
 from probes.relations import load_relations
 
 from .figures import head_heatmap
@@ -28,7 +28,13 @@ def render_maps_report(result: MapsAnalysis) -> Report:
     `describe()`, and the salient operations of the strongest head.
     """
     ms, top = result.scores, result.top
-    rep = Report("MAPS: attention-head functionality from parameters", result.model, dict(result.params))
+    names = ms.names()
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    rep = Report(
+        f"MAPS relation and suppression scores of every head ({len(names)} relations: {shown})",
+        result.model,
+        dict(result.params),
+    )
     rep.text(
         "Method",
         "Each head's OV circuit projected to the vocabulary (Elhelo & Geva, ACL 2025). Relation score = "
@@ -37,19 +43,47 @@ def render_maps_report(result: MapsAnalysis) -> Report:
         "points, and accuracy on few-shot prompts with the relation's top heads (score > 0, at most 30) "
         "zeroed at the last position versus the same number of random other heads.",
     )
-    rep.table("Relations and the single-token pair filter", result.pair_filter)
+    rep.table(
+        "Relations and the single-token pair filter",
+        result.pair_filter,
+        note="Each shipped relation with its pairs before and after keeping only pairs whose source "
+        "and target are single tokens; a relation with too few left is dropped.",
+    )
     for msg in result.dropped.values():
         rep.text("Dropped relation", msg)
-    rep.table("Validation: static-dynamic correlation and causal ablation", result.validation)
-    for n in ms.names():
+    rep.table(
+        "Validation: static-dynamic correlation and causal ablation",
+        result.validation,
+        note="Per relation: Pearson r between the static scores and the scores measured on neutral "
+        "prompts (higher means the weights predict what the head does in context), and few-shot "
+        "accuracy with no head, the relation's top heads, and as many random heads zeroed (a real "
+        "relation head drops accuracy more than random heads do).",
+    )
+    for n in names:
+        k = ms.relation[n].params.get("k", "")
         rep.figure(
             f"{n} — relation score per head",
-            head_heatmap(ms.relation[n], top_k=min(top, 10), title=f"MAPS relation score: {n}"),
+            head_heatmap(
+                ms.relation[n],
+                top_k=min(top, 10),
+                title=f"MAPS relation score: {n} (top-{k}) — {result.model}",
+            ),
+            note=f"Share of the {n} pairs whose target is among the top-{k} tokens each head's OV "
+            "circuit maps the source to (0 to 1); red boxes mark the 10 highest heads.",
         )
-    rep.table(f"Top {top} heads per relation", result.top_heads, max_rows=top * len(ms.names()))
+    rep.table(
+        f"Top {top} heads per relation",
+        result.top_heads,
+        max_rows=top * len(names),
+        note="The highest-scoring heads of each relation (score > 0), with a one-line description "
+        "of every relation they implement or suppress.",
+    )
     lh = result.salient_head
     rep.table(
-        f"Salient operations of L{lh[0]}.H{lh[1]} (top head of {result.salient_relation})", result.salient
+        f"Salient operations of L{lh[0]}.H{lh[1]} (top head of {result.salient_relation})",
+        result.salient,
+        note="The source tokens this head amplifies most (sigma: output norm over input norm) and "
+        "the tokens each is mapped to most strongly (tokens as text: ␣ is a space, ⏎ a newline).",
     )
     rep.seconds = result.seconds
     return rep
@@ -64,18 +98,22 @@ def maps_report(
     draws: int = 5,
     n_prompts: int = 30,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> tuple[Path, dict]:
     """Compute the MAPS analysis (`heads.maps_analysis.maps_analysis` on the shipped relations,
-    `probes.relations.load_relations`), write its report to `out` (HTML) and return the path
-    with a JSON-able summary (`MapsAnalysis.summary()`).
+    `probes.relations.load_relations`), write its report to `out` (HTML, checked before any
+    work; an existing file only with `overwrite=True`) and return the path with a JSON-able
+    summary (`MapsAnalysis.summary()`).
 
-    `progress(done, total)` counts the analysis' steps (see `maps_analysis`). `out` is
-    checked before any work and written atomically; an existing file is refused unless
-    `overwrite` (`heads.files`).
+    `progress` (default True: a tqdm bar; False off; or `progress(done, total)`) counts the
+    analysis' steps (see `maps_analysis`).
+
+    Raises:
+        ValueError: `out` exists and `overwrite` is False, or is a symlink; and as
+            `maps_analysis`.
     """
-    rs = load_relations(model.tokenizer, relations, d_vocab=model.d_vocab)
     check_output(out, overwrite)
+    rs = load_relations(model.tokenizer, relations, d_vocab=model.d_vocab)
     result = maps_analysis(model, rs, top=top, draws=draws, n_prompts=n_prompts, progress=progress)
     path = render_maps_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from heads import HeadModel
 from heads.files import check_output
-from heads.progress import Progress
+from heads.progress import ProgressArg
 from probes.safety import SafetyAnalysis, safety_analysis, safety_template
 
 from .figures import head_heatmap
@@ -62,7 +62,13 @@ def render_safety_report(result: SafetyAnalysis) -> Report:
     Ships heatmaps, Sahara's chosen heads, and the first three answers side by side.
     """
     asr, asr_keyword, n_eval = result.asr, result.asr_keyword, len(result.eval_prompts)
-    rep = Report("Safety heads: Ships, dataset-level Ships, Sahara", result.model, dict(result.params))
+    n_score = len(result.score_prompts)
+    rep = Report(
+        f"Safety heads: Ships, dataset-level Ships and Sahara on {n_score} harmful requests, "
+        f"attack success rate on {n_eval}",
+        result.model,
+        dict(result.params),
+    )
     rep.text(
         "Baseline refusal rate",
         f"{1 - asr['baseline']:.2f} of {n_eval} harmful requests refused with no head ablated "
@@ -70,18 +76,48 @@ def render_safety_report(result: SafetyAnalysis) -> Report:
         f"(41 phrases incl. hedges, < 32 tokens, repetition) counts "
         f"{1 - asr_keyword['baseline']:.2f} as refused.",
     )
-    rep.table("ASR with heads ablated (UA, exact)", result.asr_table)
+    rep.table(
+        "ASR with heads ablated (UA, exact)",
+        result.asr_table,
+        note="Attack success rate (share of harmful requests answered without a refusal) with no head, "
+        "Sahara's first head, its first three heads, and three random heads ablated: safety heads "
+        "raise it more than random heads do.",
+    )
     rep.figure(
-        "Ships (mean KL over prompts, nats)", head_heatmap(result.ships.scores, top_k=10, title="Ships")
+        "Ships (mean KL over prompts, nats)",
+        head_heatmap(
+            result.ships.scores,
+            top_k=10,
+            title=f"Ships: KL of the next-token distribution, head ablated — {result.model}",
+        ),
+        note=f"How much ablating each head alone changes the next-token distribution on the {n_score} "
+        "scoring requests (KL divergence in nats, mean over requests); red boxes mark the top 10.",
     )
     rep.figure(
         "Dataset-level Ships (principal angle, degrees)",
-        head_heatmap(result.dataset_ships, top_k=10, title="dataset Ships"),
+        head_heatmap(
+            result.dataset_ships,
+            top_k=10,
+            title=f"Dataset-level Ships: principal angle, head ablated — {result.model}",
+        ),
+        note="How far ablating each head alone turns the main direction of the final states over all "
+        "scoring requests (principal angle in degrees); red boxes mark the top 10.",
     )
-    rep.table("Sahara: chosen head per step", result.sahara_table)
+    rep.table(
+        "Sahara: chosen head per step",
+        result.sahara_table,
+        note="Sahara's greedy search: at each step the head whose ablation, together with the heads "
+        "already chosen, turns the final states furthest from the unablated model's.",
+    )
     texts, base, top3 = result.texts, result.answers["baseline"], result.answers["sahara_top3"]
     for i in range(min(3, n_eval)):
-        rep.samples(f"Sample {i + 1}", texts[i], {"baseline": base[i], "Sahara top-3 ablated": top3[i]})
+        rep.samples(
+            f"Sample {i + 1}",
+            texts[i],
+            {"baseline": base[i], "Sahara top-3 ablated": top3[i]},
+            note="The model's greedy answer to this request, unablated and with Sahara's first three "
+            "heads ablated.",
+        )
     rep.seconds = result.seconds
     return rep
 
@@ -99,14 +135,15 @@ def safety_report(
     seed: int = 0,
     batch_size: int = 16,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressArg = True,
 ) -> tuple[Path, dict]:
     """Compute the safety-head analysis (`probes.safety.safety_analysis`, same arguments),
-    write its report to `out` (HTML) and return the path with a JSON-able summary
-    (`SafetyAnalysis.summary()`).
+    write its report to `out` (HTML, checked before any work; an existing file only with
+    `overwrite=True`) and return the path with a JSON-able summary (`SafetyAnalysis.summary()`).
 
-    `out` is checked before any work and written atomically; an existing file is refused
-    unless `overwrite` (`heads.files`).
+    Raises:
+        ValueError: `out` exists and `overwrite` is False, or is a symlink; and as
+            `safety_analysis`.
     """
     check_output(out, overwrite)
     result = safety_analysis(
