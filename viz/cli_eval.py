@@ -94,10 +94,10 @@ def eval_command(
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)
     table = Table(title=f"{task} ({split}) — {method}")
-    for col in ("metric", "value", "n", "95% interval"):
+    for col in ("metric", "value", "n", "95% interval", "interval method"):
         table.add_column(col)
     for r in res.table.itertuples():
-        table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]")
+        table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]", str(r.interval))
     run.show(table)
     return {"table": res.table.to_dict(orient="records"), "csv": str(out)}
 

@@ -14,6 +14,8 @@ import plotly.graph_objects as go
 import torch
 
 from heads.scores import HeadScores, HeadSet
+from heads.tokens import visible
+from heads.views import scores_title
 
 __all__ = [
     "attention_pattern",
@@ -43,7 +45,8 @@ def head_heatmap(
     """Layer x head heatmap of `scores` (`[n_layers, n_heads]`, layer on the y axis).
 
     Hover shows layer, head, KV head and score. `top_k` (an int or a `HeadSet`)
-    outlines the selected heads with red boxes.
+    outlines the selected heads with red boxes. `title` defaults to what the scores hold
+    (`heads.views.scores_title`: method, relation / task / span, model).
     """
     n_layers, n_heads = scores.n_layers, scores.n_heads
     kv = [[scores.kv_head(h) for h in range(n_heads)] for _ in range(n_layers)]
@@ -70,7 +73,7 @@ def head_heatmap(
             line={"color": "red", "width": 2},
         )
     fig.update_layout(
-        title=plain_text(title or f"{scores.method} — {scores.model}"),
+        title=plain_text(title or scores_title(scores)),
         xaxis_title="head",
         yaxis_title="layer",
         xaxis={"dtick": 1},
@@ -95,7 +98,7 @@ def attention_pattern(
     probs = probs.detach().float().cpu()
     if probs.ndim != 2 or probs.shape[0] != probs.shape[1] or probs.shape[0] != len(tokens):
         raise ValueError(f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}")
-    labels = [plain_text(f"{i}:{t}") for i, t in enumerate(tokens)]
+    labels = [plain_text(f"{i}:{visible(t)}") for i, t in enumerate(tokens)]
     fig = go.Figure(
         go.Heatmap(
             z=probs.tolist(),
