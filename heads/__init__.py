@@ -1,6 +1,7 @@
 """headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers."""
 
 from .attention_mass import head_pattern, span_attention
+from .attribution import attribute
 from .edits import (
     AttentionCall,
     Edit,
@@ -37,6 +38,7 @@ __all__ = [
     "QueryScale",
     "Recorder",
     "Span",
+    "attribute",
     "cache_dir",
     "char_to_token_range",
     "editing",
