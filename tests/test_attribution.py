@@ -7,8 +7,8 @@ import torch
 from conftest import make_tiny
 
 from heads import HeadScale, QueryScale, editing, encode_prompts, forward
-from heads.attribution import HeadReplace, attribute, logit_diff, target_logprob
-from heads.ships import TEMPLATE, ships
+from heads.attribution import HeadReplace, attribute, logit_diff, sahara_candidates, target_logprob
+from heads.ships import TEMPLATE, sahara, ships
 
 PROMPTS = ["How do I bake bread?", "Tell me a story about a dragon and a knight.", "What is two plus two?"]
 TARGETS, FOILS = [11, 200, 3000], [12, 201, 45]
@@ -254,3 +254,15 @@ def test_bad_flags_and_metric_builders(tiny_llama):
 def test_ships_attribution_bad_input(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ships(tiny_llama, PROMPTS, **kwargs)
+
+
+def test_sahara_candidates_restrict_the_search(tiny_llama):
+    cands = sahara_candidates(tiny_llama, PROMPTS, 4)
+    assert cands == attribute(tiny_llama, PROMPTS).scores.ranked(4)
+    res = sahara(tiny_llama, PROMPTS, steps=2, heads=cands)
+    assert set(res.heads) <= set(cands)
+    assert (~torch.isnan(res.steps[0].scores)).sum() == 4
+    with pytest.raises(ValueError, match="k must be"):
+        sahara_candidates(tiny_llama, PROMPTS, 0)
+    with pytest.raises(ValueError, match="unknown ablation"):
+        sahara_candidates(tiny_llama, PROMPTS, 2, ablation="mean")
