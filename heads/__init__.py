@@ -22,6 +22,7 @@ Long-running functions report progress as numbers, `progress(done, total)` (`hea
 """
 
 from .attention_mass import head_pattern, span_attention
+from .attribution import attribute
 from .edits import (
     AttentionCall,
     Edit,
@@ -58,6 +59,7 @@ __all__ = [
     "QueryScale",
     "Recorder",
     "Span",
+    "attribute",
     "cache_dir",
     "char_to_token_range",
     "editing",

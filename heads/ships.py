@@ -214,10 +214,15 @@ def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> t
 
 @dataclass
 class ShipsResult:
-    """Per-prompt Ships `[N, n_layers, n_heads]` (nats; NaN = head not scored) and their mean."""
+    """Per-prompt Ships `[N, n_layers, n_heads]` (nats; NaN = head not scored) and their mean.
+
+    `estimate` is set by `method="attribution"`: the attribution estimate of every head
+    (`heads.attribution`), kept apart from the exact `scores`.
+    """
 
     per_prompt: torch.Tensor
     scores: HeadScores
+    estimate: HeadScores | None = None
 
     def top(self, prompt: int, k: int = 10) -> list[Head]:
         """The `k` heads with the largest Ships on prompt `prompt` (the paper keeps 10)."""
@@ -249,6 +254,10 @@ def ships(
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
     progress: ProgressArg = True,
+    method: Literal["exact", "attribution"] = "exact",
+    confirm: int = 0,
+    controls: int = 10,
+    seed: int = 0,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -262,14 +271,28 @@ def ships(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in (head, prompt) rows: `total` is
             `len(heads) * N`.
+        method: `"exact"` (default) or `"attribution"`: estimate every head in one pass and
+            rerun only the top `confirm` plus `controls` random heads (seeded by `seed`)
+            exactly; see `heads.attribution.confirm_ships` (not with `shard`).
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
         HeadScores of the mean over prompts (method `"ships"`).
 
     Raises:
-        ValueError: empty prompts, unknown heads, bad eps/ablation/max_rows.
+        ValueError: empty prompts, unknown heads, bad eps/ablation/max_rows/method/confirm.
     """
+    if method == "attribution":  # one-pass estimate + exact confirmation (heads/attribution.py)
+        from .attribution import confirm_ships
+
+        if shard is not None:
+            raise ValueError("method='attribution' does not take a shard")
+        kw = dict(heads=heads, ablation=ablation, eps=eps, exact=exact, template=template)
+        kw.update(max_rows=max_rows, progress=progress)
+        return confirm_ships(model, prompts, confirm=confirm, controls=controls, seed=seed, **kw)
+    if method != "exact" or confirm != 0:
+        why = f"confirm={confirm!r} needs 'attribution'"
+        raise ValueError(f"method must be 'exact' or 'attribution' ({why}), got {method!r}")
     eps, heads = _check(model, eps, exact, max_rows, heads)
     heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)

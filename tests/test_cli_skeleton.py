@@ -198,10 +198,10 @@ def test_report_all_stopped_says_what_was_written(tiny_llama_dir, tmp_path, monk
     assert message in r.stderr
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("written: "))
     written, missing = line.removeprefix("written: ").split("; not written: ")
-    assert written.split(", ") == [str(out / "attention.html"), str(out / "attention.csv")]
+    assert written.split(", ") == [str(out / n) for n in ("plotly.min.js", "attention.html", "attention.csv")]
     assert missing.strip().split(", ") == [str(out / "maps.html"), str(out / "index.html")]
     assert not (out / "index.html").exists()  # the index comes last
-    assert sorted(os.listdir(out)) == ["attention.csv", "attention.html"]  # no temporary files left
+    assert sorted(os.listdir(out)) == ["attention.csv", "attention.html", "plotly.min.js"]  # no temp files
 
 
 def test_safety_system_prompt_braces_and_batches(tiny_llama_dir, tmp_path, monkeypatch):
