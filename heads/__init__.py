@@ -20,7 +20,7 @@ Where a head scorer lives, and why:
 
 Long-running functions report progress as numbers, `progress(done, total)` (`heads.progress`).
 
-Shape letters, used in every docstring (`[B, T]` is a batch of token rows): B batch rows;
+Shape letters in docstrings (`[B, T]`: a batch of token rows): B batch rows;
 N rows of a flattened batch (prompts x variants, or examples); T token positions of a
 sequence; P the padded prompt length (the T of an encoded prompt batch, before generation);
 Q query positions and K key positions of one attention call; H query heads; G KV heads
