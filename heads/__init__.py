@@ -19,6 +19,13 @@ Where a head scorer lives, and why:
   evaluation (`probes.evaluate`) the task metrics.
 
 Long-running functions report progress as numbers, `progress(done, total)` (`heads.progress`).
+
+Shape letters in docstrings (`[B, T]`: a batch of token rows): B batch rows;
+N rows of a flattened batch (prompts x variants, or examples); T token positions of a
+sequence; P the padded prompt length (the T of an encoded prompt batch, before generation);
+Q query positions and K key positions of one attention call; H query heads; G KV heads
+(H / G query heads share one, GQA); D d_model; d d_head; L layers; V vocabulary; M head
+variants (`heads.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
 from .attention_mass import head_pattern, span_attention
@@ -39,7 +46,7 @@ from .forward import forward
 from .loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts
-from .scores import HeadScores, HeadSet
+from .scores import HeadScores, HeadSet, HeadSpec
 from .spans import Span, char_to_token_range, find_span, parse_markup
 
 __all__ = [
@@ -53,6 +60,7 @@ __all__ = [
     "HeadScale",
     "HeadScores",
     "HeadSet",
+    "HeadSpec",
     "LogitBias",
     "ProbEdit",
     "QueryEdit",

@@ -29,17 +29,22 @@ an `EncodedPrompts` with `image_spans`, the processor's other outputs
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import torch
 
 from .model import HeadModel
-from .prompts import EncodedPrompts, Prompt, SpanLike, emphasis_rows, normalize_prompts, render_prompt
+from .prompts import Emphasis, EncodedPrompts, Prompt, emphasis_rows, normalize_prompts, render_prompt
 from .spans import char_to_token_range, find_span
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "MROPE_FAMILIES",
     "ImageInput",
+    "ImageTextProcessor",
     "encode_image_prompts",
     "image_placeholder",
     "image_spans",
@@ -53,7 +58,18 @@ __all__ = [
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 """model types whose language model takes 3D M-RoPE position ids `[3, B, T]`."""
 
-ImageInput = object  # a PIL image, numpy array or tensor the model's image processor accepts
+ImageInput: TypeAlias = object
+"""A PIL image, numpy array or tensor the model's image processor accepts."""
+
+
+class ImageTextProcessor(Protocol):
+    """What headsteer uses of a vision-language processor (a `transformers.ProcessorMixin`
+    such as `LlavaProcessor`, `Qwen2VLProcessor`, `Idefics3Processor`)."""
+
+    image_token: str
+    tokenizer: PreTrainedTokenizerBase
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def is_vision_language(config: object) -> bool:
@@ -88,14 +104,14 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
 
 def _split(spans: list[tuple[int, int]], cuts: list[int]) -> list[tuple[int, int]]:
     """Split half-open spans at the token indices `cuts` that fall strictly inside them."""
-    out = []
+    out: list[tuple[int, int]] = []
     for s, e in spans:
         bounds = [s, *sorted({c for c in cuts if s < c < e}), e]
         out.extend(zip(bounds[:-1], bounds[1:], strict=True))
     return out
 
 
-def image_spans(input_ids: torch.Tensor, config: object) -> list[list[tuple[int, int]]]:
+def image_spans(input_ids: torch.Tensor, config: PreTrainedConfig) -> list[list[tuple[int, int]]]:
     """Per row, the half-open token ranges of the image features (see the module docstring).
 
     Args:
@@ -117,7 +133,7 @@ def image_spans(input_ids: torch.Tensor, config: object) -> list[list[tuple[int,
     if getattr(config, "model_type", "") in MROPE_FAMILIES:
         start_id, end_id = config.vision_start_token_id, config.vision_end_token_id
         pads = {img, getattr(config, "video_token_id", img)}
-        out = []
+        out: list[list[tuple[int, int]]] = []
         for b, row in enumerate(input_ids.tolist()):
             starts = [i for i, t in enumerate(row) if t == start_id]
             ends = [i for i, t in enumerate(row) if t == end_id]
@@ -139,7 +155,7 @@ def image_spans(input_ids: torch.Tensor, config: object) -> list[list[tuple[int,
     return [_runs(row == img) for row in input_ids]
 
 
-def image_placeholder(processor: object, config: object) -> str:
+def image_placeholder(processor: ImageTextProcessor, config: PreTrainedConfig) -> str:
     """The text a prompt holds for one image before the processor expands it.
 
     LLaVA and Idefics3: the processor's `image_token` (`"<image>"`); Qwen2-VL:
@@ -174,7 +190,7 @@ def normalize_images(images: object, n: int) -> list[list[ImageInput]]:
         raise ValueError(
             f"images has {len(images)} entries for {n} prompts (one image or list of images per prompt)"
         )
-    rows = []
+    rows: list[list[ImageInput]] = []
     for entry in images:
         if entry is None:
             rows.append([])
@@ -244,7 +260,7 @@ def _shift(pos: int, replacements: list[dict]) -> int:
     return pos + shift
 
 
-def processor_of(model: HeadModel) -> object:
+def processor_of(model: HeadModel) -> ImageTextProcessor:
     """The processor of a vision-language `HeadModel` (`model.processor`).
 
     Raises:
@@ -256,14 +272,15 @@ def processor_of(model: HeadModel) -> object:
             f"{getattr(model, 'name', 'the model')!r} has no image processor: images need a vision-language "
             "model loaded with heads.load_model(folder)"
         )
-    return proc
+    return cast(ImageTextProcessor, proc)
 
 
-def _rope_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module of a VLM that owns `get_rope_index` (the model or its `.model`)."""
+def _rope_index(model: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`get_rope_index` of a VLM (of the model or of its `.model`)."""
     for m in (model, getattr(model, "model", None)):
-        if m is not None and callable(getattr(m, "get_rope_index", None)):
-            return m
+        fn = getattr(m, "get_rope_index", None) if m is not None else None
+        if callable(fn):
+            return fn
     raise ValueError(f"{type(model).__name__} uses M-RoPE but has no get_rope_index")
 
 
@@ -279,7 +296,7 @@ def mrope_position_ids(model: HeadModel, enc: EncodedPrompts) -> torch.Tensor:
     inputs = {
         k: v for k, v in enc.inputs.items() if k in ("image_grid_thw", "video_grid_thw", "mm_token_type_ids")
     }
-    pos, _ = _rope_module(model.model).get_rope_index(
+    pos, _ = _rope_index(model.model)(
         enc.input_ids.to(model.device),
         attention_mask=enc.attention_mask.to(model.device),
         **{k: v.to(model.device) for k, v in inputs.items()},
@@ -292,7 +309,7 @@ def encode_image_prompts(
     prompts: Prompt | Sequence[Prompt],
     images: object = None,
     *,
-    emphasize: SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike]] | None = None,
+    emphasize: Emphasis = None,
     chat: bool | None = None,
     markup: bool = True,
 ) -> EncodedPrompts:
@@ -318,23 +335,24 @@ def encode_image_prompts(
             placeholders; an emphasized span over a placeholder; bad prompts or spans.
     """
     proc = processor_of(model)
-    cfg = model.model.config
+    cfg = cast("PreTrainedConfig", model.model.config)
     tok = proc.tokenizer
     placeholder = image_placeholder(proc, cfg)
     token = proc.image_token
+    batch_prompts: list[object]
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Mapping)
     ):
-        prompts = [prompts]
+        batch_prompts = [prompts]
     else:
-        prompts = list(prompts)
+        batch_prompts = list(prompts)
     embedded: list[list[ImageInput]] = []
-    converted = []
-    for p in prompts:
+    converted: list[object] = []
+    for p in batch_prompts:
         found: list[ImageInput] = []
         converted.append(_content_to_text(p, placeholder, found))
         embedded.append(found)
-    items, _ = normalize_prompts(converted)
+    items, _ = normalize_prompts(cast("list[Prompt]", converted))  # checked there
     if images is not None and any(embedded):
         raise ValueError("images given both in chat content items and in images=; use one")
     rows_images = embedded if any(embedded) else normalize_images(images, len(items))

@@ -13,10 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .model import HeadModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedConfig, ProcessorMixin
 
 __all__ = [
     "EMBEDDED_MODEL",
@@ -81,7 +85,7 @@ def _build_embedded_cache(target: Path) -> None:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         # The weights are already de-quantized fp32; drop the GGUF marker so they can be saved.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config._name_or_path = EMBEDDED_MODEL
@@ -293,7 +297,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True
         )
-    model.to(device).eval()
+    cast(torch.nn.Module, model).to(device).eval()  # nn.Module.to's signature (transformers' @wraps hides it)
     return HeadModel(model, tok, name=name)
 
 
@@ -328,7 +332,9 @@ def _qwen2_vl_image_only_class():
     return Qwen2VLImageProcessorOnly
 
 
-def image_text_processor(image_processor: object, tokenizer: object, config: object) -> object:
+def image_text_processor(
+    image_processor: object, tokenizer: object, config: PreTrainedConfig
+) -> ProcessorMixin:
     """Build a vision-language model's processor from its image processor and tokenizer.
 
     Used when `AutoProcessor` cannot load one (e.g. Qwen2-VL's processor needs a
@@ -363,7 +369,7 @@ def image_text_processor(image_processor: object, tokenizer: object, config: obj
     raise ValueError(f"no processor recipe for model_type={kind!r}; save the model's processor in its folder")
 
 
-def load_processor(where: str | os.PathLike, config: object | None = None) -> object:
+def load_processor(where: str | os.PathLike, config: PreTrainedConfig | None = None) -> ProcessorMixin:
     """The processor of a vision-language model folder.
 
     `AutoProcessor.from_pretrained` first; if that fails (a processor that needs
@@ -393,7 +399,7 @@ def load_processor(where: str | os.PathLike, config: object | None = None) -> ob
             ) from second
 
 
-def vlm_head_model(model: torch.nn.Module, processor: object, name: str | None = None) -> HeadModel:
+def vlm_head_model(model: torch.nn.Module, processor: ProcessorMixin, name: str | None = None) -> HeadModel:
     """A `HeadModel` over a vision-language model's language model, with `processor` attached.
 
     The tokenizer is `processor.tokenizer`; a tokenizer without a pad token pads with EOS.

@@ -10,10 +10,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias, TypeGuard, cast
 
 import torch
 
 from .spans import Span, char_to_token_range, find_span, parse_markup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "EncodedPrompts",
@@ -25,9 +29,14 @@ __all__ = [
     "render_prompt",
 ]
 
-Message = Mapping[str, str]
-Prompt = str | Sequence[Message]
-SpanLike = str | Span
+Message: TypeAlias = Mapping[str, str]
+"""One chat message, `{"role": ..., "content": ...}`."""
+Prompt: TypeAlias = str | Sequence[Message]
+"""A plain string or a chat (a list of messages)."""
+SpanLike: TypeAlias = str | Span
+"""Text to emphasize: a substring to find, or a `Span` (substring + occurrence)."""
+Emphasis: TypeAlias = SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike]] | None
+"""`emphasize=`: one span for every prompt, a list for every prompt, or one list per prompt."""
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt], bool]:
@@ -37,12 +46,13 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
         ValueError: empty input or an empty prompt.
         TypeError: anything else than strings and message lists.
     """
+    items: list[Prompt]
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], Mapping)
     ):
-        items, single = [prompts], True
+        items, single = [cast(Prompt, prompts)], True
     elif isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-        items, single = list(prompts), False
+        items, single = list(cast(Sequence[Prompt], prompts)), False
     else:
         raise TypeError(f"prompts must be a string, a chat or a list of them, got {type(prompts).__name__}")
     if not items:
@@ -52,7 +62,7 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
             if not p.strip():
                 raise ValueError(f"empty prompt at index {i}")
         elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
-            for m in p:
+            for m in cast(Sequence[Message], p):  # all mappings (checked above)
                 if "role" not in m or "content" not in m:
                     raise ValueError(f"chat message without role/content at prompt {i}: {m!r}")
                 if not isinstance(m["role"], str) or not isinstance(m["content"], str):
@@ -165,7 +175,19 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def render_prompt(tokenizer, prompt: Prompt, chat: bool, markup: bool):
+def _chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """`messages` rendered by the chat template, with the generation prompt (`tokenize=False`: a string)."""
+    return cast(str, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def _is_tokenizer(tokenizer: object) -> TypeGuard[PreTrainedTokenizerBase]:
+    """The run-time check `encode_prompts` makes: callable, with `all_special_ids`."""
+    return callable(tokenizer) and hasattr(tokenizer, "all_special_ids")
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, chat: bool, markup: bool
+) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
     """Render one prompt: `(text, markup char spans, content regions)`.
 
     The chat template is applied when `chat`; the regions are the half-open
@@ -195,12 +217,14 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, markup: bool):
     # Render with a sentinel in place of every message, so each message's region is known
     # exactly (the same words may also appear in the template's own text).
     sentinels = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(sentinels, tokenize=False, add_generation_prompt=True)
+    skeleton = _chat_text(tokenizer, sentinels)
     pieces = re.split("\ue000(\\d+)\ue001", skeleton)
     order = [int(i) for i in pieces[1::2]]
     if order != list(range(len(messages))):
         raise ValueError("the chat template drops or reorders messages, so spans cannot be located")
-    text, spans, regions = "", [], []
+    text = ""
+    spans: list[tuple[int, int]] = []
+    regions: list[tuple[int, int]] = []
     for k, literal in enumerate(pieces[::2]):
         text += literal
         if k < len(messages):
@@ -208,7 +232,7 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, markup: bool):
             regions.append((at, at + len(content)))
             spans.extend((at + a, at + b) for a, b in marks[k])
             text += content
-    if text != tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+    if text != _chat_text(tokenizer, messages):
         raise ValueError(
             "the chat template changes the message text, so spans cannot be located; "
             "pass chat=False or a pre-rendered prompt"
@@ -216,7 +240,7 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, markup: bool):
     return text, spans, regions
 
 
-def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
+def emphasis_rows(emphasize: Emphasis, n: int) -> list[list[SpanLike]]:
     """Expand `emphasize` (see `encode_prompts`) to one list of spans per prompt.
 
     Raises:
@@ -228,15 +252,16 @@ def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
         return [[emphasize] for _ in range(n)]
     if isinstance(emphasize, (bytes, bytearray)) or not isinstance(emphasize, Sequence):
         raise TypeError(f"emphasize must be a string, a Span or a list of them, got {emphasize!r}")
-    emphasize = list(emphasize)
-    if not emphasize:
+    entries: list[SpanLike | Sequence[SpanLike]] = [e for e in emphasize]
+    if not entries:
         return [[] for _ in range(n)]
-    if all(isinstance(e, (str, Span)) for e in emphasize):
-        return [list(emphasize) for _ in range(n)]
-    if len(emphasize) != n:
-        raise ValueError(f"emphasize has {len(emphasize)} rows for {n} prompts (batch-major layout)")
-    rows = []
-    for e in emphasize:
+    flat = [e for e in entries if isinstance(e, (str, Span))]
+    if len(flat) == len(entries):
+        return [list(flat) for _ in range(n)]
+    if len(entries) != n:
+        raise ValueError(f"emphasize has {len(entries)} rows for {n} prompts (batch-major layout)")
+    rows: list[list[SpanLike]] = []
+    for e in entries:
         row = [e] if isinstance(e, (str, Span)) else e
         if isinstance(row, (bytes, bytearray)) or not isinstance(row, Sequence):
             raise TypeError(f"emphasize rows must be lists of strings or Spans, got {e!r}")
@@ -248,17 +273,18 @@ def emphasis_rows(emphasize, n: int) -> list[list[SpanLike]]:
 
 
 def encode_prompts(
-    tokenizer,
+    tokenizer: object,
     prompts: Prompt | Sequence[Prompt],
     *,
-    emphasize: SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike]] | None = None,
+    emphasize: Emphasis = None,
     chat: bool | None = None,
     markup: bool = True,
 ) -> EncodedPrompts:
     """Render, tokenize and left-pad prompts, and map emphasized spans to token ranges.
 
     Args:
-        tokenizer: a fast Hugging Face tokenizer (offset mapping required).
+        tokenizer: a fast Hugging Face tokenizer (offset mapping required); typed `object`
+            because `HeadModel.tokenizer` may be None, and checked here.
         prompts: a string, a chat (list of `{"role", "content"}`), or a list of either.
         emphasize: substrings to emphasize, in addition to `**markup**`: one
             substring / `Span` or a list of them for every prompt, or a batch-major
@@ -273,7 +299,7 @@ def encode_prompts(
         ValueError: empty prompt, span not found, unbalanced markup, or a chat
             without a chat template.
     """
-    if not callable(tokenizer) or not hasattr(tokenizer, "all_special_ids"):
+    if not _is_tokenizer(tokenizer):
         raise TypeError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
     items, _ = normalize_prompts(prompts)
     if chat is None:
@@ -281,7 +307,10 @@ def encode_prompts(
     rows = emphasis_rows(emphasize, len(items))
     special = set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids, spans, texts, char_spans = [], [], [], []
+    ids: list[list[int]] = []
+    spans: list[list[tuple[int, int]]] = []
+    texts: list[str] = []
+    char_spans: list[list[tuple[int, int]]] = []
     for prompt, extra in zip(items, rows, strict=True):
         text, cspans, regions = render_prompt(tokenizer, prompt, chat, markup)
         cspans = cspans + [find_span(text, s, regions) for s in extra]

@@ -1,4 +1,4 @@
-"""`HeadScores` (a score per `[n_layers, n_heads]`) and `HeadSet` (a selection of heads).
+"""`HeadScores` (a score per head, `[L, H]`) and `HeadSet` (a selection of heads).
 
 A `HeadSet` serialises to the JSON shape PASTA users already have,
 `{"layer": [heads]}` (layer keys as strings), so a head profile is a `HeadSet`.
@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .model import HeadModel
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "HeadScores", "HeadSet"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "HeadScores", "HeadSet", "HeadSpec"]
 
 SCHEMA = "headsteer/head-scores"
 SCHEMA_VERSION = 1
@@ -85,6 +85,29 @@ def _read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{str(path)!r} is not valid JSON: nested too deeply") from None
 
 
+HeadSpec: TypeAlias = Union[
+    "HeadSet",
+    Mapping[int, Iterable[int]],
+    Mapping[str, Iterable[int]],
+    Sequence[tuple[int, int]],
+    Sequence[Sequence[int]],
+    Sequence[int],
+    str,
+    os.PathLike[str],
+]
+"""A head selection, in any form `HeadSet.parse` accepts.
+
+* a `HeadSet` (e.g. a `HeadScores` selection: `scores.top(k)`, `.per_layer(k)`,
+  `.threshold(t)`);
+* a `{layer: [heads]}` mapping, layer keys ints or decimal strings (PASTA's JSON shape);
+* a sequence of `(layer, head)` pairs (tuples or 2-lists);
+* a sequence of layers, meaning every head of each (needs `n_heads`);
+* a path (`str` or `os.PathLike`) to a JSON file of the mapping shape.
+
+A `HeadScores` itself is not a selection (`HeadSet.parse` raises `TypeError`).
+"""
+
+
 class HeadSet:
     """An ordered, duplicate-free set of `(layer, head)` pairs.
 
@@ -106,15 +129,15 @@ class HeadSet:
     @classmethod
     def parse(
         cls,
-        spec: HeadSet | Mapping | Sequence | str | os.PathLike,
+        spec: HeadSpec,
         n_layers: int | None = None,
         n_heads: int | None = None,
     ) -> HeadSet:
         """Parse a head selection and check it against `n_layers` x `n_heads`.
 
-        Layer keys of a dict may be decimal strings (JSON keys); every head, and
-        every layer given in a list, must be an int (bool, float, NaN, null and
-        strings are refused).
+        `spec` is a `HeadSpec` (see there for the forms). Layer keys of a dict may be
+        decimal strings (JSON keys); every head, and every layer given in a list, must
+        be an int (bool, float, NaN, null and strings are refused).
 
         Raises:
             ValueError: unknown layer or head (named); a layer or head that is not an
@@ -137,7 +160,7 @@ class HeadSet:
         if isinstance(spec, HeadSet):
             out = cls(spec.heads)
         elif isinstance(spec, Mapping):
-            pairs = []
+            pairs: list[tuple[int, int]] = []
             for layer, hs in spec.items():
                 layer = _as_int(layer, "layer", allow_str=True)
                 if isinstance(hs, (str, bytes, Mapping)) or not isinstance(hs, Iterable):
@@ -214,7 +237,7 @@ class HeadScores:
     """A score for every head: `scores[layer, head]`, plus how it was made.
 
     Attributes:
-        scores: `[n_layers, n_heads]` float tensor (NaN = not scored).
+        scores: `[L, H]` float tensor (NaN = not scored).
         method: name of the scorer (e.g. `"span_attention"`).
         params: the scorer's parameters (JSON-serialisable).
         model: id of the model scored.
@@ -246,8 +269,14 @@ class HeadScores:
     def n_heads(self) -> int:
         return self.scores.shape[1]
 
+    @property
+    def _n_groups(self) -> int:
+        """Query heads per KV head (`n_kv_heads` is set by `__post_init__`)."""
+        n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+        return self.n_heads // n_kv
+
     def kv_head(self, head: int) -> int:
-        return head // (self.n_heads // self.n_kv_heads)
+        return head // self._n_groups
 
     # ---------------------------------------------------------------- tables
     def to_frame(self) -> pd.DataFrame:
@@ -259,7 +288,7 @@ class HeadScores:
             {
                 "layer": layer.flatten().numpy(),
                 "head": head.flatten().numpy(),
-                "kv_head": (head.flatten() // (self.n_heads // self.n_kv_heads)).numpy(),
+                "kv_head": (head.flatten() // self._n_groups).numpy(),
                 "score": self.scores.flatten().numpy(),
             }
         )

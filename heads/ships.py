@@ -4,7 +4,7 @@ Spec: methods/safety_heads.md. Source: *On the Role of Attention Heads in Large 
 Model Safety*, arXiv:2410.13708, §3 (Ships, Eq. 4-5), §4 (Sahara), App. D (prompt format).
 
 All scorers evaluate many head *variants* (sets of ablated heads) in one forward pass:
-K variants x N prompts are packed into batch rows in memory-bounded chunks, each row
+M variants x N prompts are packed into batch rows in memory-bounded chunks, each row
 carrying its own per-layer head mask (`row_heads`). Ablations:
 
 * `"ua"` (default): the head's query slice times eps (`QueryScale`), so its pattern
@@ -27,7 +27,7 @@ from .edits import Edit, HeadScale, QueryScale
 from .model import HeadModel
 from .progress import ProgressArg, offset_progress, progress_callback
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
-from .scores import HeadScores
+from .scores import HeadScores, HeadSpec
 from .variants import (
     RowEdits,
     RowScore,
@@ -111,11 +111,12 @@ def fill_template(template: str | None, queries: list[str]) -> list[str]:
     return [template.replace("{query}", q) for q in queries]
 
 
-def _encode(model: HeadModel, prompts, template: str | None) -> EncodedPrompts:
+def _encode(model: HeadModel, prompts: str | Sequence[str], template: str | None) -> EncodedPrompts:
     items, _ = normalize_prompts(prompts)
-    if not all(isinstance(p, str) for p in items):
+    queries = [p for p in items if isinstance(p, str)]
+    if len(queries) != len(items):
         raise TypeError("safety-head scoring takes plain string prompts")
-    texts = fill_template(template, items)
+    texts = fill_template(template, queries)
     return encode_prompts(model.tokenizer, texts, chat=False, markup=False)
 
 
@@ -155,13 +156,19 @@ def _shard(heads: list[Head], shard: tuple[int, int] | None) -> list[Head]:
     return heads[shard[0] :: shard[1]]
 
 
-def _encode_dataset(model: HeadModel, prompts, template: str | None, r_main: object) -> EncodedPrompts:
+def _encode_dataset(
+    model: HeadModel, prompts: Sequence[str], template: str | None, r_main: object
+) -> EncodedPrompts:
     """Encode prompts for a dataset-level score: at least 2 prompts (one final state spans a
     1-dimensional space whose angle to any other is 0) and `r_main` in 1..N."""
     enc = _encode(model, prompts, template)
     if enc.batch < 2:
         raise ValueError("dataset-level Ships / Sahara need at least 2 prompts")
-    if isinstance(r_main, bool) or not isinstance(r_main, numbers.Integral) or not 1 <= r_main <= enc.batch:
+    if (
+        isinstance(r_main, bool)
+        or not isinstance(r_main, numbers.Integral)
+        or not 1 <= int(r_main) <= enc.batch
+    ):
         raise ValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")
     return enc
 
@@ -191,7 +198,7 @@ def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
 
 
 def _head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) -> torch.Tensor:
-    """`[n_layers, n_heads, *rest]` table with `values[..., k]` at `heads[k]`, NaN elsewhere.
+    """`[L, H, *rest]` table with `values[..., k]` at `heads[k]`, NaN elsewhere.
 
     `values` is `[*rest, len(heads)]`.
     """
@@ -201,7 +208,9 @@ def _head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) -
     return out
 
 
-def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> tuple[float, list[Head]]:
+def _check(
+    model: HeadModel, eps: float, exact: bool, max_rows: int, heads: HeadSpec | None
+) -> tuple[float, list[Head]]:
     if model.tokenizer is None:
         raise ValueError("safety-head scoring needs a HeadModel with a tokenizer")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
@@ -214,7 +223,7 @@ def _check(model: HeadModel, eps: float, exact: bool, max_rows: int, heads) -> t
 
 @dataclass
 class ShipsResult:
-    """Per-prompt Ships `[N, n_layers, n_heads]` (nats; NaN = head not scored) and their mean.
+    """Per-prompt Ships `[N, L, H]` (nats; NaN = head not scored) and their mean.
 
     `estimate` is set by `method="attribution"`: the attribution estimate of every head
     (`heads.attribution`), kept apart from the exact `scores`.
@@ -246,7 +255,7 @@ def ships(
     model: HeadModel,
     prompts: str | Sequence[str],
     *,
-    heads: Sequence[Head] | None = None,
+    heads: HeadSpec | None = None,
     ablation: Ablation = "ua",
     eps: float = 1e-5,
     exact: bool = False,
@@ -263,7 +272,7 @@ def ships(
 
     Args:
         model: the model; prompts are plain strings put into `template` (no chat template).
-        heads: heads to score (default all `n_layers x n_heads`), each ablated alone.
+        heads: heads to score (a `HeadSpec`; default all `L x H`), each ablated alone.
         ablation: `"ua"` (query x eps, default) or `"sc"` (output x eps).
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
@@ -306,7 +315,7 @@ def ships(
             _kl_from(clean.logp),
             max_rows=max_rows,
             progress=report,
-        )  # [K, N]
+        )  # [M, N]
     per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
@@ -331,7 +340,7 @@ def dataset_ships(
     model: HeadModel,
     prompts: Sequence[str],
     *,
-    heads: Sequence[Head] | None = None,
+    heads: HeadSpec | None = None,
     ablation: Ablation = "ua",
     eps: float = 1e-5,
     exact: bool = False,
@@ -411,7 +420,7 @@ def sahara(
     prompts: Sequence[str],
     *,
     steps: int = 3,
-    heads: Sequence[Head] | None = None,
+    heads: HeadSpec | None = None,
     ablation: Ablation = "ua",
     eps: float = 1e-5,
     exact: bool = False,
@@ -427,8 +436,8 @@ def sahara(
     the unablated base); the argmax joins the group. Ties go to the lowest (layer, head).
     No threshold and no early stop. `progress` (default True: a tqdm bar; False off; or
     `progress(done, total)`) counts (candidate group, prompt) rows over all steps: `total`
-    is `N * (K + (K - 1) + ... + (K - steps + 1))`
-    for K candidate heads.
+    is `N * (M + (M - 1) + ... + (M - steps + 1))`
+    for M candidate heads.
 
     Raises:
         ValueError: `steps` < 1 or more steps than candidate heads, and as `dataset_ships`.

@@ -1,7 +1,7 @@
 """Batched head-variant evaluation: the one core behind every head scorer.
 
 A *variant* is a set of `(layer, head)` pairs to intervene on (ablate, steer, calibrate).
-`evaluate_variants` runs K variants x N prompts as batch rows, `max_rows` per forward, each
+`evaluate_variants` runs M variants x N prompts as batch rows, `max_rows` per forward, each
 row with its own head mask, and returns one score per (variant, prompt). Three kinds of
 reuse make a sweep much cheaper than one forward per head (DESIGN.md, performance model):
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,6 +33,11 @@ from .model import HeadModel
 from .prefix import starting_at
 from .progress import Progress
 from .prompts import EncodedPrompts, position_ids
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedConfig
+
+    from .scores import HeadSpec
 
 __all__ = [
     "CleanRun",
@@ -60,7 +66,7 @@ class CleanRun:
         logp: `[N, V]` fp32 log-probs at the last position.
         final: `[N, D]` fp32 final normed state at the last position.
         residuals: `n_layers + 1` tensors `[N, T, D]`; `residuals[l]` enters layer `l`.
-        kv: per layer `(keys, values)` `[N, n_kv_heads, T, d_head]`, or None.
+        kv: per layer `(keys, values)` `[N, G, T, d]`, or None.
     """
 
     enc: EncodedPrompts
@@ -85,14 +91,15 @@ def _forward(
     """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
     from transformers import DynamicCache
 
+    config = cast("PreTrainedConfig", model.model.config)
     dev = model.device
     pos = position_ids(mask)[:, mask.shape[1] - ids.shape[1] :]
     cache = None
     if past is not None:
         data = [(k.to(dev), v.to(dev)) for k, v in past]
-        cache = DynamicCache(ddp_cache_data=data, config=model.model.config)
+        cache = DynamicCache(ddp_cache_data=data, config=config)
     elif keep_cache:
-        cache = DynamicCache(config=model.model.config)
+        cache = DynamicCache(config=config)
     with editing(model, list(edits)), starting_at(model, start, residual):
         return model.model(
             input_ids=ids.to(dev),
@@ -154,7 +161,7 @@ def _row_chunks(
 
 
 def row_head_masks(model: HeadModel, rows: Sequence[Sequence[Head]]) -> dict[int, torch.Tensor]:
-    """Per layer touched, the `[len(rows), n_heads]` bool mask of the heads of each row's variant.
+    """Per layer touched, the `[len(rows), H]` bool mask of the heads of each row's variant.
 
     Raises:
         ValueError / TypeError: an unknown layer or head.
@@ -167,9 +174,7 @@ def row_head_masks(model: HeadModel, rows: Sequence[Sequence[Head]]) -> dict[int
     return dict(sorted(masks.items()))
 
 
-def check_heads(
-    model: HeadModel, heads: Sequence[Sequence[int]] | None, layers: Sequence[int] | None = None
-) -> list[Head]:
+def check_heads(model: HeadModel, heads: HeadSpec | None, layers: Sequence[int] | None = None) -> list[Head]:
     """`heads` as a checked, duplicate-free list of `(layer, head)` int tuples, sorted; None
     means every head of `layers` (default all layers). Accepts what `HeadSet.parse` accepts
     (pairs, a `{"layer": [heads]}` dict, a list of layers, a `HeadSet`, a JSON file).
@@ -206,11 +211,11 @@ def evaluate_variants(
     max_rows: int = 64,
     progress: Progress | None = None,
 ) -> torch.Tensor:
-    """Score every head variant on every prompt of `clean.enc`; returns `[K, N, *]` (fp32).
+    """Score every head variant on every prompt of `clean.enc`; returns `[M, N, *]` (fp32).
 
     Args:
         clean: `clean_run(model, enc)` (with `keep_kv=True` when `unchanged_before` is given).
-        variants: K head sets; an empty set is the unedited model.
+        variants: M head sets; an empty set is the unedited model.
         row_edits: builds the edits of one batch from its rows' head sets (see `RowEdits`).
         score: turns one batch's last-position log-probs and final states into scores.
         unchanged_before: optional `[N]` long, padded position before which the caller
@@ -218,7 +223,7 @@ def evaluate_variants(
             positions are taken from the clean KV cache instead of recomputed.
         max_rows: batch rows per forward (the memory bound).
         progress: `progress(done, total)` after each batch (`heads.progress`), in
-            (variant, prompt) rows: `total` is `K * N`. The engine takes only a callable
+            (variant, prompt) rows: `total` is `M * N`. The engine takes only a callable
             or None (the scorers built on it turn `progress=True` into a bar).
 
     Raises:
@@ -231,8 +236,9 @@ def evaluate_variants(
     if isinstance(variants, (str, bytes)) or not isinstance(variants, Sequence) or not variants:
         raise ValueError(f"variants must be a non-empty list of head sets, got {variants!r}")
     variants = [check_heads(model, v) if len(v) else [] for v in variants]
+    clean_kv = clean.kv
     if unchanged_before is not None:
-        if clean.kv is None:
+        if clean_kv is None:
             raise ValueError("position-prefix reuse needs clean_run(..., keep_kv=True)")
         if not isinstance(unchanged_before, torch.Tensor) or tuple(unchanged_before.shape) != (n,):
             raise ValueError(
@@ -255,9 +261,9 @@ def evaluate_variants(
         if start:
             residual = clean.residuals[start][ps.to(clean.residuals[start].device), split:]
         past = None
-        if split > trim:
-            kv_rows = ps.to(clean.kv[0][0].device)
-            past = [(k[kv_rows, :, trim:split], v[kv_rows, :, trim:split]) for k, v in clean.kv]
+        if split > trim and clean_kv is not None:  # split > trim only with unchanged_before (checked)
+            kv_rows = ps.to(clean_kv[0][0].device)
+            past = [(k[kv_rows, :, trim:split], v[kv_rows, :, trim:split]) for k, v in clean_kv]
         edits = row_edits([variants[v] for v, _ in chunk], ps, trim)
         result = _forward(model, ids, mask, edits, start=start, residual=residual, past=past)
         rows = score(*_last(result), ps).float()

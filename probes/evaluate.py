@@ -28,7 +28,7 @@ import torch
 from heads import HeadModel, encode_prompts, forward
 from heads.engine import editing
 from heads.progress import ProgressArg, progress_callback
-from heads.scores import HeadSet
+from heads.scores import HeadSet, HeadSpec
 
 from .task_metrics import (
     INTERVAL_METHODS,
@@ -74,15 +74,15 @@ def method_steer(
     model: HeadModel,
     method: str,
     *,
-    pasta_heads=None,
+    pasta_heads: HeadSpec | None = None,
     alpha: float = 0.01,
     tau: float = 0.1,
-    act_heads=None,
+    act_heads: HeadSpec | None = None,
     beta: float = 0.4,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
-    `pasta_heads` / `act_heads`: any head selection `HeadSet.parse` accepts, or None for the
+    `pasta_heads` / `act_heads`: any head selection (`heads.HeadSpec`), or None for the
     shipped profile of the embedded model (`steer.profiles`).
 
     Raises:

@@ -14,7 +14,7 @@ from typing import Literal
 from heads.edits import Edit, HeadScale, QueryScale
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
-from heads.scores import HeadSet
+from heads.scores import HeadSet, HeadSpec
 
 __all__ = ["Ablate"]
 
@@ -24,8 +24,8 @@ class Ablate:
     """Ablate attention heads while generating.
 
     Args:
-        heads: a `{"layer": [heads]}` dict, list of `(layer, head)` pairs, list of layers,
-            `HeadSet` or JSON file (as `Pasta`).
+        heads: a `heads.HeadSpec`: a `{"layer": [heads]}` dict, list of `(layer, head)`
+            pairs, list of layers, `HeadSet` or JSON file (as `Pasta`).
         method: `"ua"` (query slice x eps: uniform attention, the paper's main operator,
             default), `"sc"` (head output x eps: zero ablation as eps -> 0).
         eps: the scale (default 0, exact); 1 is a no-op.
@@ -36,7 +36,7 @@ class Ablate:
     Source: Zhou et al., ICLR 2025 (arXiv:2410.13708), §3.1.
     """
 
-    heads: object
+    heads: HeadSpec
     method: Literal["ua", "sc"] = "ua"
     eps: float = 0.0
 

@@ -37,7 +37,7 @@ import heads.engine as engine
 from heads.edits import AttentionCall, ProbEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
-from heads.scores import HeadSet
+from heads.scores import HeadSet, HeadSpec
 from heads.sinks import SinkRule, column_scores, find_sinks
 
 __all__ = ["Act", "ActEdit", "calibrate_rows", "default_act_layers"]
@@ -46,7 +46,7 @@ DecodeSinks = Literal["frozen", "running"]
 
 
 def calibrate_rows(probs: torch.Tensor, sinks: torch.Tensor, beta: float) -> torch.Tensor:
-    """ACT's row calibration (methods/act.md §2). `probs` `[B, H, q, K]`, `sinks` `[B, H, K]` bool.
+    """ACT's row calibration (methods/act.md §2). `probs` `[B, H, Q, K]`, `sinks` `[B, H, K]` bool.
 
     Rows whose non-sink mass is 0 are returned unchanged.
     """
@@ -122,14 +122,20 @@ class ActEdit(ProbEdit):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _running(self, rows: torch.Tensor) -> torch.Tensor:
-        """Add query rows `rows` `[B, H, r, K]` to the prompt columns' statistics and re-flag
-        (`"running"` mode); returns the new `[B, H, P]` sink set."""
+        """Add query rows `rows` `[B, H, Q, K]` to the prompt columns' statistics and re-flag
+        (`"running"` mode); returns the new `[B, H, P]` sink set.
+
+        Raises:
+            ValueError: called before the prefill (no column statistics yet).
+        """
+        if self._col is None or self._n is None:  # set at prefill, which `apply` checks came first
+            raise ValueError("ACT saw a decode step before the prefill of its prompt")
         prompt_len = self.key_real.shape[1]
         real = self.key_real.to(rows.device)
-        self._col = self._col + rows.float()[..., :prompt_len].sum(-2)
-        self._n = self._n + rows.shape[-2] * real
-        a = torch.where(self._n[:, None] > 0, self._col / self._n[:, None].clamp(min=1), 0.0)
-        return find_sinks(a, self._n, real, self.rule)
+        col = self._col = self._col + rows.float()[..., :prompt_len].sum(-2)
+        n = self._n = self._n + rows.shape[-2] * real
+        a = torch.where(n[:, None] > 0, col / n[:, None].clamp(min=1), 0.0)
+        return find_sinks(a, n, real, self.rule)
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class Act:
     Source: Yu et al. 2024, §4 (calibration) and §5 (head filtering); reference GATECH-EIC/ACT.
     """
 
-    heads: object = None
+    heads: HeadSpec | None = None
     beta: float = 0.4
     rule: SinkRule = field(default_factory=SinkRule)
     decode_sinks: DecodeSinks = "frozen"
@@ -193,5 +199,10 @@ class Act:
                 f"and the engine runs {block} query rows per block (heads.engine.QUERY_BLOCK)"
             )
         real = enc.attention_mask.bool()
-        kw = {"beta": float(self.beta), "rule": self.rule, "decode_sinks": self.decode_sinks}
-        return [ActEdit(layer=la, heads=hs, key_real=real, **kw) for la, hs in heads.by_layer().items()]
+        beta = float(self.beta)
+        return [
+            ActEdit(
+                layer=la, heads=hs, key_real=real, beta=beta, rule=self.rule, decode_sinks=self.decode_sinks
+            )
+            for la, hs in heads.by_layer().items()
+        ]

@@ -20,7 +20,7 @@ from heads.edits import Edit
 from heads.model import HeadModel
 from heads.progress import ProgressArg, progress_callback
 from heads.prompts import encode_prompts, normalize_prompts
-from heads.scores import HeadScores, HeadSet
+from heads.scores import HeadScores, HeadSet, HeadSpec
 from heads.sinks import SinkRule
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.views import html_view, top_heads_text
@@ -111,7 +111,7 @@ def calibrate_act_heads(
     *,
     beta: float = 0.4,
     rule: SinkRule | None = None,
-    heads: Sequence[Head] | None = None,
+    heads: HeadSpec | None = None,
     chat: bool | None = False,
     keep: Literal["accuracy", "margin"] = "accuracy",
     delta: float = 0.0,
@@ -124,7 +124,7 @@ def calibrate_act_heads(
         prompts, choices, labels: a choice task (N prompts; each with the same number of
             choices, scored by the first token of `" " + choice`; `labels` index the right one).
         beta, rule: ACT's parameters (default 0.4, relative rule).
-        heads: candidates (default all heads of layers 2..L-2).
+        heads: candidates, any `HeadSpec` (default all heads of layers 2..L-2).
         keep: `"accuracy"` (paper: acc_h > acc_0 + delta) or `"margin"` (mean log-prob margin
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
@@ -169,7 +169,7 @@ def calibrate_act_heads(
         base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
         got = evaluate_variants(
             model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=report
-        ).mean(1)  # [K, 2]
+        ).mean(1)  # [M, 2]
     tables = torch.full((2, model.n_layers, model.n_heads), float("nan"))
     for k, (layer, head) in enumerate(heads):
         tables[:, layer, head] = got[k] - base

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -13,7 +13,10 @@ from heads.engine import editing
 from heads.images import encode_image_prompts
 from heads.model import HeadModel
 from heads.progress import Progress, ProgressArg, progress_callback
-from heads.prompts import EncodedPrompts, Prompt, encode_prompts
+from heads.prompts import Emphasis, EncodedPrompts, Prompt, encode_prompts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 __all__ = ["BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel"]
 
@@ -39,6 +42,14 @@ class Intervention(Protocol):
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]: ...
 
 
+class _GenerativeLM(Protocol):
+    """What `SteeredModel.generate` uses of `HeadModel.model` (a `transformers` causal LM)."""
+
+    generation_config: GenerationConfig
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 @dataclass
 class Generation:
     """Result of `SteeredModel.generate`.
@@ -60,7 +71,7 @@ class Generation:
     token_ids: list[list[int]]
     prompts: list[str]
     spans: list[list[tuple[int, int]]]
-    steer: list = field(default_factory=list)
+    steer: list[Intervention] = field(default_factory=list)
     outputs: object | None = None
     image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
 
@@ -110,7 +121,13 @@ class SteeredModel:
         self.model = model
 
     def encode(
-        self, prompts, *, images=None, emphasize=None, chat: bool | None = None, markup: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        images: object = None,
+        emphasize: Emphasis = None,
+        chat: bool | None = None,
+        markup: bool = True,
     ) -> EncodedPrompts:
         """Render, tokenize and left-pad prompts (see `heads.encode_prompts`).
 
@@ -136,16 +153,16 @@ class SteeredModel:
         prompts: Prompt | Sequence[Prompt],
         steer: Intervention | Sequence[Intervention] | None = (),
         *,
-        images=None,
+        images: object = None,
         max_new_tokens: int = 64,
         do_sample: bool = False,
-        emphasize=None,
+        emphasize: Emphasis = None,
         chat: bool | None = None,
         markup: bool = True,
         seed: int | None = None,
         require_fired: bool = True,
         progress: ProgressArg = True,
-        **generate_kwargs,
+        **generate_kwargs: Any,
     ) -> Generation:
         """Generate continuations, steered by `steer`.
 
@@ -190,7 +207,7 @@ class SteeredModel:
         if steer is None:
             steer = []
         elif callable(getattr(steer, "edits", None)):
-            steer = [steer]  # one intervention
+            steer = [cast(Intervention, steer)]  # one intervention
         elif isinstance(steer, (str, bytes)) or not isinstance(steer, Sequence):
             raise TypeError(f"steer must be an intervention or a list of them, got {steer!r}")
         steer = list(steer)
@@ -198,7 +215,8 @@ class SteeredModel:
             if not callable(getattr(s, "edits", None)):
                 raise TypeError(f"not an intervention (no .edits(model, enc)): {s!r}")
         hm = self.model
-        tok = hm.tokenizer
+        tok = cast("PreTrainedTokenizerBase", hm.tokenizer)  # checked in __init__
+        lm = cast(_GenerativeLM, hm.model)
         enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
         hm.check_length(enc.length + max_new_tokens)
         edits = [e for s in steer for e in s.edits(hm, enc)]
@@ -218,7 +236,7 @@ class SteeredModel:
                 stops = list(generate_kwargs.pop("stopping_criteria", None) or [])
                 step = _step_progress(report, enc.length, max_new_tokens)
                 generate_kwargs["stopping_criteria"] = StoppingCriteriaList([*stops, step])
-            out = hm.model.generate(
+            out = lm.generate(
                 **{k: v.to(device) for k, v in enc.inputs.items()},  # pixel_values, image_grid_thw, ...
                 input_ids=enc.input_ids.to(device),
                 attention_mask=enc.attention_mask.to(device),
@@ -234,13 +252,13 @@ class SteeredModel:
         if not isinstance(out, torch.Tensor):  # return_dict_in_generate=True
             raw, out = out, out.sequences
         new = out[:, enc.length :].tolist()
-        eos = generate_kwargs.get("eos_token_id", hm.model.generation_config.eos_token_id)
+        eos = generate_kwargs.get("eos_token_id", lm.generation_config.eos_token_id)
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         token_ids = []
         for row in new:
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
             token_ids.append(row[:cut])
-        texts = [tok.decode(ids, skip_special_tokens=True) for ids in token_ids]
+        texts = [cast(str, tok.decode(ids, skip_special_tokens=True)) for ids in token_ids]
         return Generation(
             texts, token_ids, enc.texts, enc.spans, steer, outputs=raw, image_spans=enc.image_spans
         )

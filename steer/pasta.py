@@ -3,7 +3,7 @@
 Spec: methods/pasta.md. On the steered heads, the attention logits of prompt key
 columns outside the emphasized set G get `+log(alpha)` (mode `exclude`), which
 equals the paper's Eq. 2 post-softmax rescaling with generated columns treated
-like G (never scaled). The bias is `[B, 1, 1, T_k]` per head, built per call, so
+like G (never scaled). The bias is `[B, 1, 1, K]` per head, built per call, so
 it holds at every decode step with a KV cache.
 """
 
@@ -20,7 +20,7 @@ import torch
 from heads.edits import AttentionCall, LogitBias
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
-from heads.scores import HeadSet
+from heads.scores import HeadSet, HeadSpec
 
 from .spans import warn_rows_without_span
 
@@ -107,8 +107,8 @@ class Pasta:
     """PASTA steering on a fixed set of heads.
 
     Args:
-        heads: the steered heads: a `{"layer": [heads]}` dict (PASTA's JSON shape, keys
-            may be strings), a list of layers (all their heads), a list of
+        heads: the steered heads, a `heads.HeadSpec`: a `{"layer": [heads]}` dict (PASTA's
+            JSON shape, keys may be strings), a list of layers (all their heads), a list of
             `(layer, head)` pairs, a `HeadSet` (e.g. `scores.top(30)`), or a path to a
             JSON file of the dict shape.
         alpha: scaling coefficient in (0, inf), default 0.01; `alpha = 1` is a no-op.
@@ -131,7 +131,7 @@ class Pasta:
     Source: Zhang et al. 2024, Eq. 2; reference code QingruZhang/PASTA.
     """
 
-    heads: object
+    heads: HeadSpec
     alpha: float = 0.01
     scale_position: Mode = "exclude"
     multi_span: MultiSpan = "union"

@@ -29,7 +29,7 @@ from heads.edits import Edit
 from heads.model import HeadModel
 from heads.progress import ProgressArg, progress_callback
 from heads.prompts import EncodedPrompts, encode_prompts, normalize_prompts
-from heads.scores import HeadScores, HeadSet, _positive_int
+from heads.scores import HeadScores, HeadSet, HeadSpec, _positive_int
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
 from .pasta import Pasta, PastaBias, pasta_column_bias
@@ -75,7 +75,7 @@ def profile_heads(
     emphasize: Sequence | None = None,
     chat: bool | None = None,
     alpha: float = 0.01,
-    heads: Sequence[Head] | None = None,
+    heads: HeadSpec | None = None,
     task: str = "task",
     max_rows: int = 64,
     reuse_positions: bool = True,
@@ -92,7 +92,7 @@ def profile_heads(
         chat: apply the chat template (default: when the tokenizer has one); the last
             position is then the start of the assistant turn.
         alpha: PASTA's coefficient (default 0.01, mode `exclude`).
-        heads: heads to profile (default all `n_layers x n_heads`).
+        heads: heads to profile, any `HeadSpec` (default all `L x H`).
         task: task name recorded in the scores' params.
         max_rows: batch rows per forward.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
@@ -180,7 +180,9 @@ def _rankings(profiles: Mapping[str, HeadScores]) -> dict[str, list[Head]]:
 def _combine(rankings: Mapping[str, list[Head]], k: int, mode: Selection, task: str | None) -> set[Head]:
     tops = {name: set(r[:k]) for name, r in rankings.items()}
     if mode == "task":
-        return tops[task]  # type: ignore[index]  (checked by the caller)
+        if task is None:  # unreachable: `_check_mode` ran first
+            raise ValueError("mode='task' needs task=")
+        return tops[task]
     if mode == "intersection":
         return set.intersection(*tops.values())
     return set.union(*tops.values())

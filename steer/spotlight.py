@@ -127,7 +127,7 @@ class SpotlightEdit(ProbEdit):
         m = m[:, None, None, :]  # [B, 1, 1, K]
         heads = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None]  # [B|1, H, 1]
         w = probs.float()
-        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, q]; pad rows are all-zero
+        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, Q]; pad rows are all-zero
         den = torch.where(heads, w.sum(-1), 0.0)
         dims = _DIMS[self.granularity]
         psi = _share(num, den, dims)
@@ -139,7 +139,7 @@ class SpotlightEdit(ProbEdit):
             beta = torch.where(steer, _solve(num, den, dims, self.tau), 0.0)
         else:
             beta = spotlight_bias(psi, self.tau, self.bias)
-        beta = beta.expand_as(num)[..., None]  # [B, H, q, 1]
+        beta = beta.expand_as(num)[..., None]  # [B, H, Q, 1]
         scaled = torch.where(m, w * torch.exp(beta), w)
         new = scaled / scaled.sum(-1, keepdim=True).clamp(min=1e-30)
         row_steer = steer.expand_as(num)[..., None]
@@ -149,9 +149,10 @@ class SpotlightEdit(ProbEdit):
 def _check_tau(tau: object) -> float:
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
         raise TypeError(f"tau must be a number, got {tau!r}")
-    if not math.isfinite(tau) or not 0 < tau < 1:
+    value = float(tau)
+    if not math.isfinite(value) or not 0 < value < 1:
         raise ValueError(f"tau must be in (0, 1), got {tau!r}")
-    return float(tau)
+    return value
 
 
 @dataclass(frozen=True)
@@ -226,5 +227,14 @@ class Spotlight:
         for layer in layers:
             model.check_head(layer, 0)
         span = enc.span_mask()
-        kw = {"tau": self.tau, "bias": self.bias, "granularity": self.granularity}
-        return [SpotlightEdit(layer=la, span=span, steer_decode=self.steer_decode, **kw) for la in layers]
+        return [
+            SpotlightEdit(
+                layer=la,
+                span=span,
+                steer_decode=self.steer_decode,
+                tau=self.tau,
+                bias=self.bias,
+                granularity=self.granularity,
+            )
+            for la in layers
+        ]

@@ -44,7 +44,7 @@ def test_user_strings_in_figures_are_escaped():
     )
     assert list(figs[3].data[0].x) == [
         "0:&lt;b&gt;tok&lt;/b&gt;",
-        "1:" + LINK.replace("<", "&lt;").replace(">", "&gt;"),
+        "1:" + LINK.replace("<", "&lt;").replace(">", "&gt;").replace(" ", "\u2423"),  # visible space
     ]
 
 
