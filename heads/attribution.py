@@ -51,6 +51,7 @@ import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -58,7 +59,7 @@ from .edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from .model import HeadModel
 from .progress import ProgressArg
 from .prompts import EncodedPrompts, position_ids
-from .scores import HeadScores
+from .scores import HeadScores, HeadSpec
 from .ships import TEMPLATE, ShipsResult, _encode
 from .variants import _forward, check_heads, check_max_rows
 
@@ -106,6 +107,7 @@ class HeadReplace(HeadOutputEdit):
             raise ValueError("HeadReplace values must be finite")
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        assert self.values is not None  # checked by validate()
         return self.values.to(z.device, z.dtype).expand_as(z)
 
 
@@ -452,7 +454,7 @@ def _attribute_batch(
     trim = enc.length - int(lengths.max())
     ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
     n_l, n_h, d = model.n_layers, model.n_heads, model.d_head
-    gate = {} if graddrop else None
+    gate: dict | None = {} if graddrop else None
     logp, zs, residuals = _grad_pass(model, ids, mask, gate)
 
     # the change each ablation makes to every head's output, [R, T, H, d] per layer
@@ -463,6 +465,7 @@ def _attribute_batch(
         if ablation in ("sc", "zero"):
             dz = (eps - 1.0) * z
         elif ablation == "mean":
+            assert means is not None  # computed for ablation='mean'
             dz = means[layer].reshape(1, 1, -1).to(z) - z
         else:
             edit = _layer_edit(ablation, layer, eps, saturation_fix)
@@ -510,8 +513,8 @@ def confirm_ships(
     confirm: int,
     controls: int = 10,
     seed: int = 0,
-    heads: Sequence[Head] | None = None,
-    ablation: str = "ua",
+    heads: HeadSpec | None = None,
+    ablation: Literal["ua", "sc"] = "ua",
     eps: float = 1e-5,
     exact: bool = False,
     template: str | None = TEMPLATE,
@@ -594,8 +597,8 @@ def sahara_candidates(
     prompts: Sequence[str],
     k: int,
     *,
-    heads: Sequence[Head] | None = None,
-    ablation: str = "ua",
+    heads: HeadSpec | None = None,
+    ablation: Literal["ua", "sc"] = "ua",
     eps: float = 1e-5,
     exact: bool = False,
     kl_tokens: int = 4,

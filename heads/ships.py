@@ -296,9 +296,20 @@ def ships(
 
         if shard is not None:
             raise ValueError("method='attribution' does not take a shard")
-        kw = dict(heads=heads, ablation=ablation, eps=eps, exact=exact, template=template)
-        kw.update(max_rows=max_rows, progress=progress)
-        return confirm_ships(model, prompts, confirm=confirm, controls=controls, seed=seed, **kw)
+        return confirm_ships(
+            model,
+            prompts,
+            confirm=confirm,
+            controls=controls,
+            seed=seed,
+            heads=heads,
+            ablation=ablation,
+            eps=eps,
+            exact=exact,
+            template=template,
+            max_rows=max_rows,
+            progress=progress,
+        )
     if method != "exact" or confirm != 0:
         why = f"confirm={confirm!r} needs 'attribution'"
         raise ValueError(f"method must be 'exact' or 'attribution' ({why}), got {method!r}")
