@@ -47,6 +47,7 @@ report_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(profile_app, name="profile")
 app.command("eval")(eval_command)
+app.command("serve")(__import__("viz.serve", fromlist=["serve_command"]).serve_command)
 
 
 @app.callback()
