@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from .edits import Edit
+from .executors import Executor
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from .scores import HeadScores, HeadSet, _positive_int
@@ -73,6 +74,7 @@ def profile_heads(
     max_rows: int = 64,
     reuse_positions: bool = True,
     progress: Callable[[str], None] | None = None,
+    executor: str | Executor | None = None,
 ) -> HeadScores:
     """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
 
@@ -90,6 +92,9 @@ def profile_heads(
         max_rows: batch rows per forward.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
             float rounding; turn off to recompute everything).
+        executor: `"local"`, `"ray"` or a `heads.executors.Executor`: split the heads into the
+            executor's shards, run them (Ray: as tasks, each worker loading the model once) and
+            merge them with `merge_scores`; default None runs here.
 
     Returns:
         HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
@@ -124,6 +129,22 @@ def profile_heads(
     tgt = target_ids(model.tokenizer, targets)
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
+    if executor is not None:
+        from .executors import run_shards
+        from .ships import merge_scores
+
+        kw = dict(
+            prompts=items, targets=list(targets), emphasize=emphasize, chat=chat, alpha=alpha, task=task
+        )
+        kw.update(max_rows=max_rows, reuse_positions=reuse_positions)
+        parts = run_shards(
+            "heads.profiling:profile_heads",
+            model,
+            executor,
+            lambda i, n: dict(kw, heads=heads[i::n]),
+            max_shards=len(heads),
+        )
+        return merge_scores(parts)
     bias = pasta_column_bias(enc, alpha)  # [N, T]
 
     def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
