@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from heads.attention_mass import span_attention
-from heads.edits import Edit
+from heads.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
 from heads.engine import editing
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
@@ -270,6 +270,74 @@ class _Prepared:
     steer: list
 
 
+def _pad_to(enc: EncodedPrompts, width: int, pad_id: int) -> EncodedPrompts:
+    """A one-row encoding left-padded to `width` columns (spans shifted by the padding)."""
+    pad = width - enc.length
+    if pad == 0:
+        return enc
+    ids = torch.cat([torch.full((1, pad), pad_id, dtype=torch.long), enc.input_ids], dim=1)
+    mask = torch.cat([torch.zeros((1, pad), dtype=torch.long), enc.attention_mask], dim=1)
+    spans = [[(t0 + pad, t1 + pad) for t0, t1 in enc.spans[0]]]
+    return EncodedPrompts(ids, mask, spans, enc.texts, enc.char_spans)
+
+
+def _row_call(call: AttentionCall) -> AttentionCall:
+    """The attention call as one batch row sees it."""
+    return AttentionCall(call.layer, 1, call.n_heads, call.q_len, call.k_len, call.q_offset, call.device)
+
+
+@dataclass(eq=False, repr=False)
+class _RowEdits:
+    """Edits of one layer and kind, each applied to its own batch row only (`members`)."""
+
+    layer: int
+    members: list = field(default_factory=list)  # [(row, edit)]
+
+    def _rows(self, x: torch.Tensor, call: AttentionCall, head_dim: int) -> torch.Tensor:
+        """Apply each member's `apply` to its row slice of `x` (heads on dim `head_dim`)."""
+        out = x.clone()
+        sub_call = _row_call(call)
+        for b, e in self.members:
+            sub = out[b : b + 1]
+            shape = [1] * x.ndim
+            shape[head_dim] = call.n_heads
+            mask = e.head_mask(1, call.n_heads, x.device).reshape(shape)
+            out[b : b + 1] = torch.where(mask, e.apply(sub, sub_call), sub)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowBias(_RowEdits, LogitBias):
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        out = torch.zeros(call.batch, call.n_heads, call.q_len, call.k_len, device=call.device)
+        sub_call = _row_call(call)
+        for b, e in self.members:
+            mask = e.head_mask(1, call.n_heads, call.device)[0, :, None, None]
+            out[b] += torch.where(mask, e.bias(sub_call).float()[0], 0.0)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowProbs(_RowEdits, ProbEdit):
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(probs, call, 1)  # [B, H, q, k]
+
+
+@dataclass(eq=False, repr=False)
+class _RowOutputs(_RowEdits, HeadOutputEdit):
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(z, call, 2)  # [B, q, H, d]
+
+
+@dataclass(eq=False, repr=False)
+class _RowQueries(_RowEdits, QueryEdit):
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(q, call, 2)  # [B, q, H, d]
+
+
+_WRAPPERS = {LogitBias: _RowBias, ProbEdit: _RowProbs, HeadOutputEdit: _RowOutputs, QueryEdit: _RowQueries}
+
+
 class BatchGenerator:
     """Runs batches of `ServeRequest`s, each with its own steering, on one model.
 
@@ -337,18 +405,26 @@ class BatchGenerator:
         texts = [p.enc.texts[0] for p in items]
         return EncodedPrompts(ids, mask, spans, texts, [p.enc.char_spans[0] for p in items])
 
-    def _edits(self, items: Sequence[_Prepared], enc: EncodedPrompts) -> list[Edit]:
-        """Every request's edits on the batch, each restricted to its own row."""
-        n_heads = self.model.n_heads
-        out = []
+    def _edits(self, items: Sequence[_Prepared], width: int) -> list[Edit]:
+        """Every request's edits, each seeing only its own batch row; one wrapper per (layer, kind).
+
+        A request's interventions build their edits on its own one-row encoding, left-padded
+        to the batch width `width`, so they see exactly the row (and absolute positions) they
+        run on, and the cost per layer stays one pass over the batch.
+        """
+        groups: dict[tuple[int, type], _RowEdits] = {}
         for b, p in enumerate(items):
+            enc = _pad_to(p.enc, width, self.pad_id)
             for s in p.steer:
                 for e in s.edits(self.model, enc):
-                    rows = torch.zeros(enc.batch, n_heads, dtype=torch.bool)
-                    rows[b] = e.head_mask(1, n_heads, torch.device("cpu"))[0]
-                    e.row_heads = rows
-                    out.append(e)
-        return out
+                    if e.is_identity():
+                        continue
+                    kind = next(k for k in _WRAPPERS if isinstance(e, k))
+                    key = (e.layer, kind)
+                    if key not in groups:
+                        groups[key] = _WRAPPERS[kind](layer=e.layer)
+                    groups[key].members.append((b, e))
+        return list(groups.values())
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -399,7 +475,7 @@ class BatchGenerator:
         pos = position_ids(enc.attention_mask).to(device)
         ids = enc.input_ids.to(device)
         cache = DynamicCache(config=hm.model.config)
-        with editing(hm, self._edits(items, enc), require_fired=False):
+        with editing(hm, self._edits(items, enc.length), require_fired=False):
             for _step in range(max(p.max_tokens for p in params)):
                 out = hm.model(
                     input_ids=ids,
