@@ -37,7 +37,9 @@ def plain(tiny_llama_dir):
 def offloaded(tiny_llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("offload")
     hm = load_model(tiny_llama_dir, device_map=_split_map("disk"), offload_folder=folder)
-    assert any(p.device.type == "meta" for p in hm.model.parameters())  # weights offloaded (read from disk at use)
+    assert any(
+        p.device.type == "meta" for p in hm.model.parameters()
+    )  # weights offloaded (read from disk at use)
     return hm
 
 

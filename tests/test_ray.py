@@ -108,3 +108,13 @@ def test_local_executor_and_merge_errors(tiny):
         merge_tables([torch.zeros(2), torch.tensor([math.nan, 1.0])])
     with pytest.raises(ValueError, match="not loaded from a folder"):
         ModelSpec.of(type(tiny)(tiny.model, tiny.tokenizer, name="in-memory"))
+
+
+def test_report_safety_has_ray_option():
+    from typer.testing import CliRunner
+
+    from viz.cli import app
+
+    res = CliRunner().invoke(app, ["report", "safety", "--help"])
+    assert res.exit_code == 0
+    assert "--ray" in res.output

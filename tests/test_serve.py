@@ -265,6 +265,9 @@ def test_cli_refuses_non_loopback_host():
     res = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0"])
     assert res.exit_code == 2
     assert "loopback" in res.output
+    res = CliRunner().invoke(app, ["serve", "--dtype", "float8"])
+    assert res.exit_code == 2
+    assert "--dtype" in res.output
 
 
 def test_sigterm_finishes_in_flight_requests(server, client, tiny_llama_dir):

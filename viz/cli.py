@@ -197,8 +197,13 @@ def report_safety(
     model: ModelOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
+    ray: Annotated[
+        str | None, typer.Option(help='run the Ships sweeps as Ray tasks: "local" or a cluster address')
+    ] = None,
 ) -> None:
     """Safety heads: Ships and dataset-level Ships heatmaps, Sahara, and ASR with heads ablated."""
+    from heads.executors import RayExecutor
+
     from .safety_report import read_prompts, safety_report
 
     _STATE["quiet"] = _STATE["quiet"] or quiet
@@ -218,6 +223,7 @@ def report_safety(
                 n_score=score_prompts,
                 max_new_tokens=max_new_tokens,
                 progress=step,
+                executor=None if ray is None else RayExecutor(ray),
             )
     except USER_ERRORS as exc:
         _fail(exc)

@@ -61,13 +61,15 @@ def safety_report(
     random_draws: int = 3,
     seed: int = 0,
     progress=None,
+    executor=None,
 ) -> tuple[Path, dict]:
     """Write the safety-head report and return it with a JSON-able summary.
 
     Heads are scored on the first `n_score` prompts (Ships, dataset-level Ships, Sahara);
     ASR is measured on the held-out harmful test requests (or on all `prompts` when given)
     with no head, Sahara's first head, its first three heads, and `random_draws` draws of
-    three random heads ablated (UA, exact), greedy decoding.
+    three random heads ablated (UA, exact), greedy decoding. `executor` ("local", "ray" or a
+    `heads.executors.Executor`) runs the Ships sweeps in shards (see `heads.ships.ships`).
     """
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -75,9 +77,9 @@ def safety_report(
     score_prompts = (prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
     eval_prompts = prompts or [r["prompt"] for r in load_requests("harmful", "test")]
     say("Ships: every head on every scoring prompt")
-    sh = ships(model, score_prompts, template=template)
+    sh = ships(model, score_prompts, template=template, executor=executor)
     say("dataset-level Ships")
-    ds = dataset_ships(model, score_prompts, template=template, degrees=True)
+    ds = dataset_ships(model, score_prompts, template=template, degrees=True, executor=executor)
     say(f"Sahara: {steps} greedy steps")
     sa = sahara(model, score_prompts, steps=steps, template=template)
     judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only

@@ -323,6 +323,10 @@ def serve_command(
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     max_batch: Annotated[int, typer.Option(help="most requests decoded together")] = 32,
     batch_wait_ms: Annotated[float, typer.Option(help="wait for more requests after the first (ms)")] = 20.0,
+    device_map: Annotated[
+        str | None, typer.Option(help='"auto": spread the layers over the GPUs (then CPU) with accelerate')
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="weight dtype: float32, bfloat16 or float16")] = "float32",
 ) -> None:
     """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop)."""
     from .cli_common import USER_ERRORS, _fail, _load
@@ -340,7 +344,18 @@ def serve_command(
             import uvicorn
         except ImportError:
             raise ValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
-        hm = _load(model)
+        if device_map not in (None, "auto"):
+            raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if device_map is None and dtype == "float32":
+            hm = _load(model)
+        else:
+            import torch
+
+            from heads import load_model
+
+            hm = load_model(model, device_map=device_map, dtype=getattr(torch, dtype))
         app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
     except USER_ERRORS as exc:
         _fail(exc)
