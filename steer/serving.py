@@ -590,24 +590,39 @@ class Batcher:
                 break
         return jobs
 
+    def _run(self, jobs: list[_Job]) -> list:
+        """Run `jobs` as one batch; the result or the exception of each, in order."""
+        self.batches.append(len(jobs))
+        streamed = [False] * len(jobs)
+
+        def delta(row: int, text: str) -> None:
+            streamed[row] = True
+            cb = jobs[row].on_delta
+            if cb is not None:
+                try:
+                    cb(text)
+                except Exception:  # noqa: BLE001, S110 - a vanished client must not fail the batch
+                    pass
+
+        try:
+            return self.generator.run([j.prepared for j in jobs], delta)
+        except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
+            if len(jobs) == 1:
+                return [exc]
+            error = exc
+        # One request's failure must not take the others down: rerun alone those not yet streamed.
+        return [error if streamed[i] else self._run([j])[0] for i, j in enumerate(jobs)]
+
     def _loop(self) -> None:
         while not (self._closing.is_set() and self._queue.empty()):
             jobs = self._take()
             if not jobs:
                 continue
-            self.batches.append(len(jobs))
-
-            def delta(row: int, text: str, jobs=jobs) -> None:
-                cb = jobs[row].on_delta
-                if cb is not None:
-                    cb(text)
-
-            try:
-                results = self.generator.run([j.prepared for j in jobs], delta)
-            except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
-                results = [exc] * len(jobs)
-            for j, r in zip(jobs, results, strict=True):
-                j.on_done(r)
+            for j, r in zip(jobs, self._run(jobs), strict=True):
+                try:
+                    j.on_done(r)
+                except Exception:  # noqa: BLE001, S110 - a vanished client must not stop the worker
+                    pass
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting requests, finish the queued ones, join the worker."""

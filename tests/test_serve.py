@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from heads import load_model  # noqa: E402
+from heads import ProbEdit, load_model  # noqa: E402
 from steer import Ablate, Pasta, SteeredModel  # noqa: E402
 from steer.serving import Batcher, BatchGenerator, SamplingParams, ServeRequest, parse_steer  # noqa: E402
 
@@ -223,6 +223,18 @@ def test_pasta_without_span_and_bad_json_get_400(server, client, tiny_llama_dir)
     assert _get(server[1] + "/v1/models")["data"]  # still serving
 
 
+class _Boom(ProbEdit):
+    def apply(self, probs, call):
+        raise ValueError("boom")
+
+
+class _Failing:
+    """An intervention whose edit fails inside the forward pass."""
+
+    def edits(self, model, enc):
+        return [_Boom(layer=1)]
+
+
 def test_batcher_batches_and_keeps_answers(tiny_llama):
     """In process: concurrent submissions share batches; each answer equals its run alone."""
     gen = BatchGenerator(tiny_llama)
@@ -231,30 +243,39 @@ def test_batcher_batches_and_keeps_answers(tiny_llama):
         ServeRequest("hello there", False, [], params=SamplingParams(max_tokens=4, temperature=0)),
         ServeRequest(PROMPT, True, [Ablate({"2": [3]})], params=SamplingParams(max_tokens=6, temperature=0)),
         ServeRequest("a b c", True, [], params=SamplingParams(max_tokens=3, temperature=0.7, seed=1)),
+        ServeRequest("fails", True, [_Failing()], params=SamplingParams(max_tokens=3, temperature=0)),
     ]
     prepared = [gen.prepare(r) for r in reqs]
-    alone = [gen.run([p])[0].token_ids for p in prepared]
+    with pytest.raises(ValueError, match="boom"):
+        gen.run([prepared[-1]])
+    alone = [gen.run([p])[0].token_ids for p in prepared[:-1]] + [None]
     batcher = Batcher(gen, max_batch=8, wait_s=0.5)
-    done: dict[int, list[int]] = {}
-    event = threading.Event()
 
-    def finish(i):
-        def cb(result):
-            done[i] = result.token_ids
-            if len(done) == len(prepared):
-                event.set()
+    def submit_all(items: list) -> list:
+        done: dict[int, list[int] | None] = {}
+        event = threading.Event()
 
-        return cb
+        def finish(i):
+            def cb(result):
+                done[i] = None if isinstance(result, ValueError) else result.token_ids
+                if len(done) == len(items):
+                    event.set()
 
-    for i, p in enumerate(prepared):
-        batcher.submit(p, None, finish(i))
-    assert event.wait(120)
+            return cb
+
+        for i, p in enumerate(items):
+            batcher.submit(p, None, finish(i))
+        assert event.wait(120)
+        return [done[i] for i in range(len(items))]
+
+    assert submit_all(prepared[:-1]) == alone[:-1]
+    assert batcher.batches == [4]  # one batch of four, every answer as alone
+    assert [len(x) for x in alone[:-1]] == [5, 4, 6, 3]
+    assert submit_all(prepared) == alone  # the failing request fails alone; the others are kept
+    assert batcher.batches[1:] == [5] + [1] * 5  # the batch failed, so each request ran alone
     batcher.close(30)
-    assert [done[i] for i in range(len(prepared))] == alone
-    assert [len(x) for x in alone] == [5, 4, 6, 3]
-    assert max(batcher.batches) > 1
     with pytest.raises(RuntimeError, match="shutting down"):
-        batcher.submit(prepared[0], None, finish(0))
+        batcher.submit(prepared[0], None, lambda r: None)
 
 
 def test_cli_refuses_non_loopback_host():

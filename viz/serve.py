@@ -227,6 +227,8 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
                 kind, result = await events.get()
                 if kind == "done":
                     break
+            if isinstance(result, ValueError):  # e.g. an edit that cannot run on this model
+                return error(400, _one_line(result))
             if isinstance(result, BaseException):
                 return error(500, _one_line(result), "server_error")
             if chat:
