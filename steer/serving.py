@@ -41,6 +41,7 @@ __all__ = [
     "Batcher",
     "BatchGenerator",
     "Completion",
+    "Prepared",
     "SamplingParams",
     "ServeRequest",
     "parse_steer",
@@ -264,9 +265,17 @@ class Completion:
 
 
 @dataclass
-class _Prepared:
+class Prepared:
+    """A validated request, ready to join a batch (from `BatchGenerator.prepare`).
+
+    Attributes:
+        request: the request.
+        enc: its prompt encoded alone, `[1, P]`.
+        steer: its interventions with `"auto"` heads resolved.
+    """
+
     request: ServeRequest
-    enc: EncodedPrompts  # the request alone, `[1, P]`
+    enc: EncodedPrompts
     steer: list
 
 
@@ -371,7 +380,7 @@ class BatchGenerator:
         scores = span_attention(self.model, request.prompt, emphasize=request.emphasize, chat=request.chat)
         return replace(s, heads=scores.top(AUTO_SPAN_TOP_K))
 
-    def prepare(self, request: ServeRequest) -> _Prepared:
+    def prepare(self, request: ServeRequest) -> Prepared:
         """Validate `request` alone: encode it, resolve "auto" heads, build its edits once.
 
         Raises:
@@ -389,9 +398,9 @@ class BatchGenerator:
             for e in s.edits(self.model, enc):
                 e.validate()
                 self.model.check_head(e.layer)
-        return _Prepared(request, enc, steer)
+        return Prepared(request, enc, steer)
 
-    def _stack(self, items: Sequence[_Prepared]) -> EncodedPrompts:
+    def _stack(self, items: Sequence[Prepared]) -> EncodedPrompts:
         """Left-pad the requests' encodings into one batch (spans shifted by the padding)."""
         width = max(p.enc.length for p in items)
         ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
@@ -405,7 +414,7 @@ class BatchGenerator:
         texts = [p.enc.texts[0] for p in items]
         return EncodedPrompts(ids, mask, spans, texts, [p.enc.char_spans[0] for p in items])
 
-    def _edits(self, items: Sequence[_Prepared], width: int) -> list[Edit]:
+    def _edits(self, items: Sequence[Prepared], width: int) -> list[Edit]:
         """Every request's edits, each seeing only its own batch row; one wrapper per (layer, kind).
 
         A request's interventions build their edits on its own one-row encoding, left-padded
@@ -441,7 +450,7 @@ class BatchGenerator:
     @torch.no_grad()
     def run(
         self,
-        items: Sequence[_Prepared],
+        items: Sequence[Prepared],
         on_delta: Callable[[int, str], None] | None = None,
     ) -> list[Completion]:
         """Decode prepared requests as one batch (KV cache, per-row steering and sampling).
@@ -564,7 +573,7 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="headsteer-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prepared: _Prepared, on_delta: Callable[[str], None] | None, on_done: Callable) -> None:
+    def submit(self, prepared: Prepared, on_delta: Callable[[str], None] | None, on_done: Callable) -> None:
         """Queue a prepared request.
 
         Raises:
