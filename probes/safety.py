@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from heads import HeadModel, HeadScores
+from heads.executors import Executor
 from heads.progress import ProgressArg, offset_progress, progress_callback
 from heads.ships import TEMPLATE, SaharaResult, ShipsResult, dataset_ships, fill_template, sahara, ships
 from steer import Ablate, SteeredModel
@@ -156,6 +157,7 @@ def safety_analysis(
     seed: int = 0,
     batch_size: int = 16,
     progress: ProgressArg = True,
+    executor: str | Executor | None = None,
 ) -> SafetyAnalysis:
     """Score safety heads and measure the ASR they explain (safety_heads.md §3-§5).
 
@@ -173,6 +175,8 @@ def safety_analysis(
         system_prompt: text put before the `Query: {query}\\nAnswer:` template.
         seed: seed of the random-head draws.
         batch_size: prompts per `generate` call when measuring ASR (default 16).
+        executor: `"local"`, `"ray"` or a `heads.executors.Executor`: run the Ships and
+            dataset-level Ships sweeps in shards (`heads.ships.ships`); default None: here.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads.progress`) in work items: the (head, prompt) rows of Ships,
             dataset-level Ships and Sahara, then one per generated answer.
@@ -204,12 +208,19 @@ def safety_analysis(
     total = sum(sizes)
     start = [sum(sizes[:i]) for i in range(len(sizes))]
     with progress_callback(progress, "safety heads", "items") as report:
-        sh = ships(model, score_prompts, template=template, progress=offset_progress(report, start[0], total))
+        sh = ships(
+            model,
+            score_prompts,
+            template=template,
+            executor=executor,
+            progress=offset_progress(report, start[0], total),
+        )
         ds = dataset_ships(
             model,
             score_prompts,
             template=template,
             degrees=True,
+            executor=executor,
             progress=offset_progress(report, start[1], total),
         )
         sa = sahara(

@@ -17,10 +17,12 @@ from typing import Literal
 import torch
 
 from heads.edits import Edit
+from heads.executors import Executor, run_shards
 from heads.model import HeadModel
 from heads.progress import ProgressArg, progress_callback
 from heads.prompts import encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet, HeadSpec
+from heads.ships import merge_scores
 from heads.sinks import SinkRule
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.views import html_view, top_heads_text
@@ -117,6 +119,7 @@ def calibrate_act_heads(
     delta: float = 0.0,
     max_rows: int = 64,
     progress: ProgressArg = True,
+    executor: str | Executor | None = None,
 ) -> ActCalibration:
     """Score every candidate head with ACT applied to it alone; keep the heads that help.
 
@@ -132,6 +135,9 @@ def calibrate_act_heads(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in (head, prompt) rows: `total` is
             `len(heads) * N`.
+        executor: `"local"`, `"ray"` or a `heads.executors.Executor`: split the candidates into
+            the executor's shards, run them (Ray: as tasks, each worker loading the model once)
+            and merge them; default None runs here.
 
     Raises:
         ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.
@@ -154,6 +160,21 @@ def calibrate_act_heads(
     if ((lab < 0) | (lab >= ids.shape[1])).any():
         raise ValueError(f"labels must be in 0..{ids.shape[1] - 1}")
     heads = check_heads(model, heads, default_act_layers(model.n_layers))
+    if executor is not None:
+        kw = dict(prompts=list(prompts), choices=[list(c) for c in choices], labels=[int(x) for x in labels])
+        kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta, max_rows=max_rows, progress=False)
+        parts = run_shards(
+            "steer.act_calibration:calibrate_act_heads",
+            model,
+            executor,
+            lambda i, n: dict(kw, heads=heads[i::n]),
+            max_shards=len(heads),
+        )
+        acc = merge_scores([p.accuracy for p in parts])
+        mar = merge_scores([p.margin for p in parts])
+        table = acc if keep == "accuracy" else mar
+        kept = HeadSet((la, h) for la, h in heads if table.scores[la, h].item() > delta + NOISE)
+        return ActCalibration(acc, mar, parts[0].base_accuracy, parts[0].base_margin, kept)
     real = enc.attention_mask.bool()
 
     def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:

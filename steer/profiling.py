@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from heads.edits import Edit
+from heads.executors import Executor
 from heads.model import HeadModel
 from heads.progress import ProgressArg, progress_callback
 from heads.prompts import EncodedPrompts, encode_prompts, normalize_prompts
@@ -80,6 +81,7 @@ def profile_heads(
     max_rows: int = 64,
     reuse_positions: bool = True,
     progress: ProgressArg = True,
+    executor: str | Executor | None = None,
 ) -> HeadScores:
     """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
 
@@ -100,6 +102,9 @@ def profile_heads(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in (head, prompt) rows: `total` is
             `len(heads) * N`.
+        executor: `"local"`, `"ray"` or a `heads.executors.Executor`: split the heads into the
+            executor's shards, run them (Ray: as tasks, each worker loading the model once) and
+            merge them with `merge_scores`; default None runs here.
 
     Returns:
         HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
@@ -132,6 +137,22 @@ def profile_heads(
     tgt = target_ids(model.tokenizer, targets)
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
+    if executor is not None:
+        from heads.executors import run_shards
+        from heads.ships import merge_scores
+
+        kw = dict(
+            prompts=items, targets=list(targets), emphasize=emphasize, chat=chat, alpha=alpha, task=task
+        )
+        kw.update(max_rows=max_rows, reuse_positions=reuse_positions, progress=False)
+        parts = run_shards(
+            "steer.profiling:profile_heads",
+            model,
+            executor,
+            lambda i, n: dict(kw, heads=heads[i::n]),
+            max_shards=len(heads),
+        )
+        return merge_scores(parts)
     bias = pasta_column_bias(enc, alpha)  # [N, T]
 
     def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:

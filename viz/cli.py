@@ -43,6 +43,7 @@ report_app = typer.Typer(
 )
 app.add_typer(report_app, name="report")
 register_eval(app)
+app.command("serve")(__import__("viz.serve", fromlist=["serve_command"]).serve_command)
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""
@@ -190,8 +191,12 @@ def report_safety(
     score_prompts: Annotated[int, typer.Option(help="prompts used to score heads")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated per answer")] = 48,
     batch_size: Annotated[int, typer.Option(help="prompts per generate call in the ASR step")] = 16,
+    ray: Annotated[
+        str | None, typer.Option(help='run the Ships sweeps as Ray tasks: "local" or a cluster address')
+    ] = None,
 ) -> dict:
     """Safety heads: Ships and dataset-level Ships heatmaps, Sahara, and ASR with heads ablated."""
+    from heads.executors import RayExecutor
     from heads.ships import fill_template
 
     from .safety_report import read_prompts, safety_report, safety_template
@@ -213,6 +218,7 @@ def report_safety(
             batch_size=batch_size,
             overwrite=run.force,
             progress=step,
+            executor=None if ray is None else RayExecutor(ray),
         )
     a = summary["asr"]
     run.show(

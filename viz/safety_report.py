@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from heads import HeadModel
+from heads.executors import Executor
 from heads.files import check_output
 from heads.progress import ProgressArg
 from probes.safety import SafetyAnalysis, safety_analysis, safety_template
@@ -136,10 +137,14 @@ def safety_report(
     batch_size: int = 16,
     overwrite: bool = False,
     progress: ProgressArg = True,
+    executor: str | Executor | None = None,
 ) -> tuple[Path, dict]:
     """Compute the safety-head analysis (`probes.safety.safety_analysis`, same arguments),
     write its report to `out` (HTML, checked before any work; an existing file only with
     `overwrite=True`) and return the path with a JSON-able summary (`SafetyAnalysis.summary()`).
+
+    `executor` ("local", "ray" or a `heads.executors.Executor`) runs the Ships sweeps in
+    shards (see `heads.ships.ships`).
 
     Raises:
         ValueError: `out` exists and `overwrite` is False, or is a symlink; and as
@@ -157,6 +162,7 @@ def safety_report(
         seed=seed,
         batch_size=batch_size,
         progress=progress,
+        executor=executor,
     )
     path = render_safety_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

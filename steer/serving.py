@@ -1,0 +1,639 @@
+"""Serving steered generation: per-request steering specs, and batches of requests that
+each carry their own steering, decoded together through the engine's per-row edits.
+
+The HTTP layer (`viz.serve`) turns an OpenAI-style body into a `ServeRequest`
+(`parse_steer`, `SamplingParams.from_body`), `BatchGenerator.prepare` validates it
+alone (so a bad request fails before it joins a batch), and `BatchGenerator.run`
+decodes a list of prepared requests as one left-padded batch. Every request's edits
+are restricted to its own batch row (`Edit.row_heads`), and its sampling uses its own
+`torch.Generator`, so a request gets the same tokens alone or in any batch (up to
+float round-off between batch shapes, which does not change greedy answers in the
+tests). `Batcher` is the dynamic batcher: one worker thread that collects the requests
+arriving within `wait_s` (up to `max_batch`) and runs them as one batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from heads.attention_mass import span_attention
+from heads.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from heads.engine import editing
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
+
+from .ablate import Ablate
+from .act import Act
+from .model import Intervention
+from .pasta import Pasta
+from .profiles import shipped_profile
+from .spotlight import Spotlight
+
+__all__ = [
+    "Batcher",
+    "BatchGenerator",
+    "Completion",
+    "Prepared",
+    "SamplingParams",
+    "ServeRequest",
+    "parse_steer",
+]
+
+MAX_TOKENS_DEFAULT = 128
+"""`max_tokens` when a request gives none."""
+MAX_STOP = 4
+"""Most stop strings per request (as the OpenAI API)."""
+AUTO_SPAN_TOP_K = 20
+"""Heads chosen by `"heads": "auto"` on a model without a shipped profile (span heuristic)."""
+
+_METHODS = {
+    "pasta": ("heads", "alpha", "scale_position"),
+    "spotlight": ("tau", "layers"),
+    "act": ("heads", "beta"),
+    "ablate": ("heads", "mode", "eps"),
+}
+
+
+def _heads_spec(value, method: str):
+    """A head spec from JSON: "auto", a `{"layer": [heads]}` dict or a list of [layer, head] pairs.
+
+    File paths are refused: a client must not name files on the server.
+    """
+    if value == "auto":
+        return "auto"
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    if isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        return [tuple(p) for p in value]
+    raise ValueError(
+        f'steer {method}: heads must be "auto", a {{"layer": [heads]}} object or a list of '
+        f"[layer, head] pairs, got {value!r}"
+    )
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def parse_steer(spec) -> list[Intervention]:
+    """Interventions from a request's `"steer"` field.
+
+    Args:
+        spec: None, or a list of objects `{"method": M, ...}` with M one of
+            * `"pasta"`: `heads` ("auto" = the shipped profile of the embedded model, else the
+              top-20 heads by attention on the span), `alpha` (default 0.01),
+              `scale_position` (default "exclude");
+            * `"spotlight"`: `tau` (default 0.1), `layers` (default all);
+            * `"act"`: `heads` ("auto" = the shipped ACT profile; default: layers 2..L-2),
+              `beta` (default 0.4);
+            * `"ablate"`: `heads` (required), `mode` "ua" | "sc" (default "ua"), `eps` (default 0).
+
+    Returns:
+        the interventions in order; `"heads": "auto"` stays the string "auto" until
+        `BatchGenerator.prepare` resolves it against the model.
+
+    Raises:
+        ValueError: not a list, an unknown method or field, a bad value (one line, naming it).
+    """
+    if spec is None:
+        return []
+    if not isinstance(spec, list):
+        raise ValueError(f"steer must be a list of {{'method': ...}} objects, got {spec!r}")
+    out: list[Intervention] = []
+    for i, item in enumerate(spec):
+        if not isinstance(item, Mapping) or "method" not in item:
+            raise ValueError(f"steer[{i}] must be an object with a 'method', got {item!r}")
+        method = item["method"]
+        if method not in _METHODS:
+            raise ValueError(f"steer[{i}]: unknown method {method!r}, use one of {sorted(_METHODS)}")
+        extra = set(item) - {"method", *_METHODS[method]}
+        if extra:
+            raise ValueError(f"steer[{i}] ({method}): unknown field(s) {sorted(extra)}")
+        try:
+            if method == "pasta":
+                kw = {"heads": _heads_spec(item.get("heads", "auto"), method)}
+                if "alpha" in item:
+                    kw["alpha"] = _number(item["alpha"], "alpha")
+                if "scale_position" in item:
+                    kw["scale_position"] = item["scale_position"]
+                out.append(Pasta(**kw))
+            elif method == "spotlight":
+                kw = {}
+                if "tau" in item:
+                    kw["tau"] = _number(item["tau"], "tau")
+                if item.get("layers") is not None:
+                    kw["layers"] = (
+                        tuple(item["layers"]) if isinstance(item["layers"], list) else item["layers"]
+                    )
+                out.append(Spotlight(**kw))
+            elif method == "act":
+                kw = {}
+                if item.get("heads") is not None:
+                    kw["heads"] = _heads_spec(item["heads"], method)
+                if "beta" in item:
+                    kw["beta"] = _number(item["beta"], "beta")
+                out.append(Act(**kw))
+            else:
+                if "heads" not in item:
+                    raise ValueError("ablate needs heads")
+                kw = {"heads": _heads_spec(item["heads"], method)}
+                if kw["heads"] == "auto":
+                    raise ValueError('ablate has no "auto" heads: name them')
+                if "mode" in item:
+                    kw["method"] = item["mode"]
+                if "eps" in item:
+                    kw["eps"] = _number(item["eps"], "eps")
+                out.append(Ablate(**kw))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"steer[{i}] ({method}): {exc}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters of one request (OpenAI semantics).
+
+    Attributes:
+        max_tokens: most tokens to generate, >= 1 (default 128).
+        temperature: 0 = greedy; else logits / temperature (default 1.0, as OpenAI), in [0, 2].
+        top_p: nucleus sampling mass in (0, 1] (default 1).
+        seed: seed of the request's own `torch.Generator` (default: a random one).
+        stop: up to 4 non-empty strings; the text is cut before the first one found.
+    """
+
+    max_tokens: int = MAX_TOKENS_DEFAULT
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
+        t = _number(self.temperature, "temperature")
+        if not 0 <= t <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {t!r}")
+        p = _number(self.top_p, "top_p")
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {s!r}")
+        if len(self.stop) > MAX_STOP or any(not isinstance(x, str) or not x for x in self.stop):
+            raise ValueError(f"stop must be up to {MAX_STOP} non-empty strings, got {list(self.stop)!r}")
+
+    @classmethod
+    def from_body(cls, body: Mapping, max_tokens_key: str = "max_tokens") -> SamplingParams:
+        """Read `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`.
+
+        Raises:
+            ValueError: a bad value (named), or `n` other than 1.
+        """
+        if body.get("n", 1) != 1:
+            raise ValueError(f"n must be 1, got {body.get('n')!r}")
+        stop = body.get("stop")
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        mt = body.get(max_tokens_key)
+        if mt is None:
+            mt = body.get("max_completion_tokens")
+        kw = {
+            "max_tokens": MAX_TOKENS_DEFAULT if mt is None else mt,
+            "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+            "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+            "seed": body.get("seed"),
+            "stop": stop,
+        }
+        return cls(**kw)
+
+
+@dataclass
+class ServeRequest:
+    """One generation request.
+
+    Attributes:
+        prompt: a string (`chat=False`: used as is) or a chat message list (`chat=True`).
+        chat: apply the model's chat template.
+        steer: interventions (from `parse_steer`).
+        emphasize: substrings to emphasize besides `**markup**`.
+        params: decoding parameters.
+    """
+
+    prompt: Prompt
+    chat: bool
+    steer: list = field(default_factory=list)
+    emphasize: list[str] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    """The answer to one request.
+
+    Attributes:
+        text: generated text (special tokens dropped, cut before a stop string).
+        token_ids: generated token ids (including a final EOS, if any).
+        finish_reason: "stop" (EOS or a stop string) or "length" (max_tokens).
+        prompt_tokens: tokens in the rendered prompt.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to join a batch (from `BatchGenerator.prepare`).
+
+    Attributes:
+        request: the request.
+        enc: its prompt encoded alone, `[1, P]`.
+        steer: its interventions with `"auto"` heads resolved.
+    """
+
+    request: ServeRequest
+    enc: EncodedPrompts
+    steer: list
+
+
+def _pad_to(enc: EncodedPrompts, width: int, pad_id: int) -> EncodedPrompts:
+    """A one-row encoding left-padded to `width` columns (spans shifted by the padding)."""
+    pad = width - enc.length
+    if pad == 0:
+        return enc
+    ids = torch.cat([torch.full((1, pad), pad_id, dtype=torch.long), enc.input_ids], dim=1)
+    mask = torch.cat([torch.zeros((1, pad), dtype=torch.long), enc.attention_mask], dim=1)
+    spans = [[(t0 + pad, t1 + pad) for t0, t1 in enc.spans[0]]]
+    return EncodedPrompts(ids, mask, spans, enc.texts, enc.char_spans)
+
+
+def _row_call(call: AttentionCall) -> AttentionCall:
+    """The attention call as one batch row sees it."""
+    return AttentionCall(call.layer, 1, call.n_heads, call.q_len, call.k_len, call.q_offset, call.device)
+
+
+@dataclass(eq=False, repr=False)
+class _RowEdits:
+    """Edits of one layer and kind, each applied to its own batch row only (`members`)."""
+
+    layer: int
+    members: list = field(default_factory=list)  # [(row, edit)]
+
+    def _rows(self, x: torch.Tensor, call: AttentionCall, head_dim: int) -> torch.Tensor:
+        """Apply each member's `apply` to its row slice of `x` (heads on dim `head_dim`)."""
+        out = x.clone()
+        sub_call = _row_call(call)
+        for b, e in self.members:
+            sub = out[b : b + 1]
+            shape = [1] * x.ndim
+            shape[head_dim] = call.n_heads
+            mask = e.head_mask(1, call.n_heads, x.device).reshape(shape)
+            out[b : b + 1] = torch.where(mask, e.apply(sub, sub_call), sub)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowBias(_RowEdits, LogitBias):
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        out = torch.zeros(call.batch, call.n_heads, call.q_len, call.k_len, device=call.device)
+        sub_call = _row_call(call)
+        for b, e in self.members:
+            mask = e.head_mask(1, call.n_heads, call.device)[0, :, None, None]
+            out[b] += torch.where(mask, e.bias(sub_call).float()[0], 0.0)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowProbs(_RowEdits, ProbEdit):
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(probs, call, 1)  # [B, H, q, k]
+
+
+@dataclass(eq=False, repr=False)
+class _RowOutputs(_RowEdits, HeadOutputEdit):
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(z, call, 2)  # [B, q, H, d]
+
+
+@dataclass(eq=False, repr=False)
+class _RowQueries(_RowEdits, QueryEdit):
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return self._rows(q, call, 2)  # [B, q, H, d]
+
+
+_WRAPPERS = {LogitBias: _RowBias, ProbEdit: _RowProbs, HeadOutputEdit: _RowOutputs, QueryEdit: _RowQueries}
+
+
+class BatchGenerator:
+    """Runs batches of `ServeRequest`s, each with its own steering, on one model.
+
+    Args:
+        model: a `HeadModel` with a tokenizer.
+    """
+
+    def __init__(self, model: HeadModel):
+        if not isinstance(model, HeadModel) or model.tokenizer is None:
+            raise TypeError("BatchGenerator needs a HeadModel with a tokenizer (heads.load_model)")
+        self.model = model
+        tok = model.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos = model.model.generation_config.eos_token_id
+        if eos is None:
+            eos = tok.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+    def _resolve_auto(self, s, enc: EncodedPrompts, request: ServeRequest):
+        """Replace `heads="auto"` with the shipped profile (or the span heuristic for PASTA)."""
+        if getattr(s, "heads", None) != "auto":
+            return s
+        kind = "pasta" if isinstance(s, Pasta) else "act"
+        try:
+            return replace(s, heads=shipped_profile(kind, self.model.name))
+        except ValueError:
+            if kind != "pasta":
+                raise
+        if not any(enc.spans):
+            raise ValueError("PASTA needs an emphasized span: mark it with **...** or pass emphasize")
+        scores = span_attention(self.model, request.prompt, emphasize=request.emphasize, chat=request.chat)
+        return replace(s, heads=scores.top(AUTO_SPAN_TOP_K))
+
+    def prepare(self, request: ServeRequest) -> Prepared:
+        """Validate `request` alone: encode it, resolve "auto" heads, build its edits once.
+
+        Raises:
+            ValueError: bad prompt or span, unknown heads, a method that needs a span
+                without one, or prompt + max_tokens beyond the model's positions.
+        """
+        enc = encode_prompts(
+            self.model.tokenizer, request.prompt, emphasize=request.emphasize, chat=request.chat
+        )
+        if enc.batch != 1:
+            raise ValueError("one prompt per request")
+        self.model.check_length(enc.length + request.params.max_tokens)
+        steer = [self._resolve_auto(s, enc, request) for s in request.steer]
+        for s in steer:
+            for e in s.edits(self.model, enc):
+                e.validate()
+                self.model.check_head(e.layer)
+        return Prepared(request, enc, steer)
+
+    def _stack(self, items: Sequence[Prepared]) -> EncodedPrompts:
+        """Left-pad the requests' encodings into one batch (spans shifted by the padding)."""
+        width = max(p.enc.length for p in items)
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        spans = []
+        for b, p in enumerate(items):
+            pad = width - p.enc.length
+            ids[b, pad:] = p.enc.input_ids[0]
+            mask[b, pad:] = p.enc.attention_mask[0]
+            spans.append([(t0 + pad, t1 + pad) for t0, t1 in p.enc.spans[0]])
+        texts = [p.enc.texts[0] for p in items]
+        return EncodedPrompts(ids, mask, spans, texts, [p.enc.char_spans[0] for p in items])
+
+    def _edits(self, items: Sequence[Prepared], width: int) -> list[Edit]:
+        """Every request's edits, each seeing only its own batch row; one wrapper per (layer, kind).
+
+        A request's interventions build their edits on its own one-row encoding, left-padded
+        to the batch width `width`, so they see exactly the row (and absolute positions) they
+        run on, and the cost per layer stays one pass over the batch.
+        """
+        groups: dict[tuple[int, type], _RowEdits] = {}
+        for b, p in enumerate(items):
+            enc = _pad_to(p.enc, width, self.pad_id)
+            for s in p.steer:
+                for e in s.edits(self.model, enc):
+                    if e.is_identity():
+                        continue
+                    kind = next(k for k in _WRAPPERS if isinstance(e, k))
+                    key = (e.layer, kind)
+                    if key not in groups:
+                        groups[key] = _WRAPPERS[kind](layer=e.layer)
+                    groups[key].members.append((b, e))
+        return list(groups.values())
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+        """Next token of one row from fp32 logits `[V]`."""
+        if params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1:
+            sp, idx = torch.sort(probs, descending=True)
+            keep = (sp.cumsum(0) - sp) < params.top_p  # the smallest prefix reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    @torch.no_grad()
+    def run(
+        self,
+        items: Sequence[Prepared],
+        on_delta: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
+        """Decode prepared requests as one batch (KV cache, per-row steering and sampling).
+
+        Args:
+            items: requests from `prepare`.
+            on_delta: called as `on_delta(row, text)` from this thread with each new piece
+                of a row's text (held back while it may be the start of a stop string).
+
+        Returns:
+            one `Completion` per item, in order.
+        """
+        from transformers import DynamicCache
+
+        hm = self.model
+        enc = self._stack(items)
+        n = enc.batch
+        params = [p.request.params for p in items]
+        gens = []
+        for prm in params:
+            g = torch.Generator()
+            g.manual_seed(prm.seed if prm.seed is not None else int(torch.randint(0, 2**62, (1,))))
+            gens.append(g)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        texts = [""] * n
+        sent = [0] * n
+        reason: list[str | None] = [None] * n
+        hold = [max((len(s) for s in prm.stop), default=1) - 1 for prm in params]
+        device = hm.device
+        mask = enc.attention_mask.to(device)
+        pos = position_ids(enc.attention_mask).to(device)
+        ids = enc.input_ids.to(device)
+        cache = DynamicCache(config=hm.model.config)
+        with editing(hm, self._edits(items, enc.length), require_fired=False):
+            for _step in range(max(p.max_tokens for p in params)):
+                out = hm.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                logits = out.logits[:, -1].float().cpu()
+                nxt = []
+                for b in range(n):
+                    if reason[b] is not None:
+                        nxt.append(self.pad_id)
+                        continue
+                    t = self._pick(logits[b], params[b], gens[b])
+                    nxt.append(t)
+                    tokens[b].append(t)
+                    self._advance(b, t, tokens, texts, reason, params[b])
+                    if on_delta is not None:
+                        end = len(texts[b]) if reason[b] is not None else len(texts[b]) - hold[b]
+                        while end > sent[b] and texts[b][end - 1] == "\ufffd":  # incomplete UTF-8
+                            end -= 1
+                        if end > sent[b]:
+                            on_delta(b, texts[b][sent[b] : end])
+                            sent[b] = end
+                if all(r is not None for r in reason):
+                    break
+                ids = torch.tensor(nxt, dtype=torch.long, device=device)[:, None]
+                mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+                pos = pos[:, -1:] + 1
+        return [
+            Completion(texts[b], tokens[b], reason[b] or "length", int(items[b].enc.attention_mask.sum()))
+            for b in range(n)
+        ]
+
+    def _advance(self, b, t, tokens, texts, reason, prm: SamplingParams) -> None:
+        """Update row b's text after token t; set its finish reason on EOS, stop or length."""
+        tok = self.model.tokenizer
+        if t in self.eos_ids:
+            reason[b] = "stop"
+            return
+        text = tok.decode(tokens[b], skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in prm.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            texts[b] = text[:cut]
+            reason[b] = "stop"
+            return
+        texts[b] = text
+        if len(tokens[b]) >= prm.max_tokens:
+            reason[b] = "length"
+
+
+class _Job:
+    __slots__ = ("prepared", "on_delta", "on_done")
+
+    def __init__(self, prepared, on_delta, on_done):
+        self.prepared, self.on_delta, self.on_done = prepared, on_delta, on_done
+
+
+class Batcher:
+    """Dynamic batching: one worker thread runs the queued requests in batches.
+
+    Args:
+        generator: the `BatchGenerator`.
+        max_batch: most requests per batch (default 32).
+        wait_s: after the first request arrives, wait this long for more (default 0.02 s).
+        max_queue: most requests waiting; `submit` raises `queue.Full` beyond it (default 256).
+
+    `submit(prepared, on_delta, on_done)` queues a request; `on_delta(text)` gets its text
+    pieces and `on_done(completion_or_exception)` its end, both from the worker thread.
+    `close()` stops taking requests, finishes the queued ones and joins the thread.
+    """
+
+    def __init__(
+        self, generator: BatchGenerator, *, max_batch: int = 32, wait_s: float = 0.02, max_queue: int = 256
+    ):
+        if max_batch < 1 or wait_s < 0:
+            raise ValueError(f"max_batch must be >= 1 and wait_s >= 0, got {max_batch}, {wait_s}")
+        self.generator = generator
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._closing = threading.Event()
+        self.batches: list[int] = []  # sizes of the batches run (for tests and benchmarks)
+        self._thread = threading.Thread(target=self._loop, name="headsteer-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prepared: Prepared, on_delta: Callable[[str], None] | None, on_done: Callable) -> None:
+        """Queue a prepared request.
+
+        Raises:
+            RuntimeError: the batcher is closing.
+            queue.Full: too many requests waiting.
+        """
+        if self._closing.is_set():
+            raise RuntimeError("the server is shutting down")
+        self._queue.put_nowait(_Job(prepared, on_delta, on_done))
+
+    def _take(self) -> list[_Job]:
+        try:
+            first = self._queue.get(timeout=0.1)
+        except queue.Empty:
+            return []
+        jobs = [first]
+        deadline = time.monotonic() + self.wait_s
+        while len(jobs) < self.max_batch:
+            left = deadline - time.monotonic()
+            try:
+                jobs.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _run(self, jobs: list[_Job]) -> list:
+        """Run `jobs` as one batch; the result or the exception of each, in order."""
+        self.batches.append(len(jobs))
+        streamed = [False] * len(jobs)
+
+        def delta(row: int, text: str) -> None:
+            streamed[row] = True
+            cb = jobs[row].on_delta
+            if cb is not None:
+                try:
+                    cb(text)
+                except Exception:  # noqa: BLE001, S110 - a vanished client must not fail the batch
+                    pass
+
+        try:
+            return self.generator.run([j.prepared for j in jobs], delta)
+        except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
+            if len(jobs) == 1:
+                return [exc]
+            error = exc
+        # One request's failure must not take the others down: rerun alone those not yet streamed.
+        return [error if streamed[i] else self._run([j])[0] for i, j in enumerate(jobs)]
+
+    def _loop(self) -> None:
+        while not (self._closing.is_set() and self._queue.empty()):
+            jobs = self._take()
+            if not jobs:
+                continue
+            for j, r in zip(jobs, self._run(jobs), strict=True):
+                try:
+                    j.on_done(r)
+                except Exception:  # noqa: BLE001, S110 - a vanished client must not stop the worker
+                    pass
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting requests, finish the queued ones, join the worker."""
+        self._closing.set()
+        self._thread.join(timeout)
