@@ -1,14 +1,30 @@
 """The edit engine: applies `heads.edits` to a model inside a context manager.
 
-Attention edits run in headsteer's attention function, registered in
-`transformers`' `AttentionInterface` *and* `AttentionMaskInterface` (without the
-mask registration the model would silently run with no causal mask). Layers with
-no edit take the model's own backend path (SDPA, or eager); an edited layer builds
-an additive fp32 mask (causal + padding + the edits' logit biases) and either calls
-SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
-and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
-linearly with context. Head-output edits run in forward pre-hooks on `o_proj`, query
-edits in forward hooks on the q projection (the query slice of a fused QKV).
+Every edit declares its *site* (`Edit.site`), and the engine dispatches through one table,
+`SITES` (site name -> `Site`: whether it runs inside headsteer's attention function, whether
+it needs the explicit pattern, or which module it hooks and how):
+
+* `"query"`: the queries as the attention function receives them, after any QK-norm and
+  RoPE (so a UA ablation is exact on Qwen 3, Gemma 3 and OLMo 2, and a fused QKV needs no
+  hook);
+* `"logits"`: additive biases on the (soft-capped) attention logits;
+* `"probs"`: functions of the post-softmax pattern (recorders included);
+* `"head_output"`: the heads' outputs, in a forward pre-hook on `o_proj`;
+* `"residual"`: the residual stream entering a decoder layer, in a forward pre-hook on the
+  layer (read, or replaced).
+
+Adding a hook site is one `Site` entry (the module to hook, the hook, how to register it).
+
+Attention-site edits run in headsteer's attention function, registered in `transformers`'
+`AttentionInterface` *and* `AttentionMaskInterface` (without the mask registration the model
+would silently run with no causal mask). While any such edit is active the function stands in
+for the model's attention on every layer: a layer without attention edits calls the model's own
+function (SDPA, or the family's own eager function) unchanged, a layer with only query edits
+calls it with the edited queries, and a layer with logit or pattern edits computes the family's
+attention itself (scale, soft-capping, the model's mask incl. sliding windows and bidirectional
+spans, GQA) in query blocks, so memory grows linearly with context. A keyword the model passes
+that this path does not reproduce (e.g. learned sinks `s_aux`) or dropout in training mode is a
+`ValueError`, never dropped.
 
 Usage::
 
@@ -19,18 +35,20 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
-from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from .edits import AttentionCall, Edit
 from .model import HeadModel
 
-__all__ = ["QUERY_BLOCK", "EditNeverFired", "editing", "registered_name"]
+__all__ = ["QUERY_BLOCK", "SITES", "EditNeverFired", "Site", "editing", "registered_name"]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
@@ -47,10 +65,10 @@ class _LayerEdits:
     layer: int
     n_heads: int
     window: int | None = None  # sliding-window size of the layer, if any
-    bias: list[LogitBias] = field(default_factory=list)
-    probs: list[ProbEdit] = field(default_factory=list)
-    outputs: list[HeadOutputEdit] = field(default_factory=list)
-    queries: list[QueryEdit] = field(default_factory=list)
+    sites: dict[str, list[Edit]] = field(default_factory=dict)
+
+    def get(self, site: str) -> list[Edit]:
+        return self.sites.get(site, [])
 
 
 # id(attention module) -> its edits; a ContextVar so threads do not see each other's edits.
@@ -71,9 +89,17 @@ def _causal_additive(q_len: int, k_len: int, q_offset: int, device: torch.device
     return torch.where(kpos <= qpos, 0.0, _MIN)[None, None]
 
 
-def _additive(mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`."""
+def _additive(
+    mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device, causal: bool = True
+) -> torch.Tensor:
+    """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`.
+
+    `mask=None` means "every key" for a non-causal module and "causal" otherwise (as SDPA's
+    `is_causal` does).
+    """
     if mask is None:
+        if not causal:
+            return torch.zeros(1, 1, q_len, k_len, device=device)
         return _causal_additive(q_len, k_len, k_len - q_len, device)
     if mask.dtype == torch.bool:
         return torch.where(mask, 0.0, _MIN).to(device)
@@ -87,22 +113,70 @@ def _in_dtype(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
+# Keywords transformers 5.23 passes to attention functions that the SDPA / eager paths ignore
+# too (positions are already in the rotated q/k, the mask carries windows and padding):
+_IGNORED_KW = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "token_type_ids",
+        "sliding_window",  # the registered mask function already applies it
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    }
+)
+# ... and those the edited path reproduces itself.
+_REPRODUCED_KW = frozenset({"softcap", "is_causal"})
+
+
+def _check_kwargs(layer: int, dropout: float, kw: dict) -> None:
+    """ValueError for anything the edited path would otherwise silently drop."""
+    unknown = sorted(k for k, v in kw.items() if v is not None and k not in _IGNORED_KW | _REPRODUCED_KW)
+    if unknown:
+        raise ValueError(
+            f"layer {layer}: the model passes {unknown} to its attention function; headsteer's edited "
+            "attention does not reproduce it, so it refuses rather than compute a different attention"
+        )
+    if dropout:
+        raise ValueError(
+            f"layer {layer}: attention dropout {dropout} is active (training mode); call model.eval() "
+            "before editing attention"
+        )
+
+
 def _edited_attention(
-    module: torch.nn.Module,
+    module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
     edits: _LayerEdits,
+    softcap: float | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Attention of one edited layer; returns `[B, q, H, d]`."""
+    """The family's attention with the layer's logit and pattern edits; returns `[B, Q, H, d]`.
+
+    Args:
+        query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit); key, value
+            `[B, G, K, d]`.
+        mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
+        scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
+        causal: what a None mask means (the module's `is_causal`).
+    """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
     device = query.device
+    biases, probs_edits = edits.get("logits"), edits.get("probs")
     head_masks = {
-        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*edits.bias, *edits.probs)
+        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
     }
     if edits.window is not None and k_len >= edits.window - 1:
         raise ValueError(
@@ -110,27 +184,31 @@ def _edited_attention(
             f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
             "cannot be placed; shorten the prompt or edit only full-attention layers"
         )
-    for e in (*edits.bias, *edits.probs):
+    for e in (*biases, *probs_edits):
         e.calls += 1
-    if edits.probs and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
+    explicit = bool(probs_edits) or softcap is not None  # SDPA cannot soft-cap or expose the pattern
+    if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     # A single decode row with no padding mask sees every key: no base mask needed.
-    base = None if (mask is None and q_len == 1) else _additive(mask, q_len, k_len, device)
+    base = None if (mask is None and (q_len == 1 or not causal)) else _additive(mask, q_len, k_len, device)
     outs = []
     for s in range(0, q_len, QUERY_BLOCK):
         e_ = min(q_len, s + QUERY_BLOCK)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
         add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
-        for ed in edits.bias:
+        for ed in biases:
             b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
             add = b if add is None else add + b
         if add is None:
-            add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+            if causal:
+                add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+            else:
+                add = torch.zeros(1, 1, e_ - s, k_len, device=device)
         else:
             add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
-        if not edits.probs:
+        if not explicit:
             outs.append(
                 F.scaled_dot_product_attention(
                     q_blk,
@@ -142,10 +220,13 @@ def _edited_attention(
                 )
             )
             continue
-        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling + add
-        visible = add > _MIN / 2
+        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
+        if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + add
+        visible = (add > _MIN / 2).expand_as(scores)
         probs = torch.where(visible, torch.softmax(scores, dim=-1), 0.0)  # fully masked rows: all 0
-        for ed in edits.probs:
+        for ed in probs_edits:
             probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
@@ -153,41 +234,58 @@ def _edited_attention(
     return out.transpose(1, 2).contiguous()
 
 
-def _make_attention(base: str):
-    if base == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fallback
-    else:
-        fallback = None
+def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Apply per-head edits to `z` `[B, T, H, d]` (each only on its (row, head) pairs)."""
+    for e in edits:
+        e.calls += 1
+        mask = e.head_mask(z.shape[0], z.shape[2], z.device)[:, None, :, None]
+        z = torch.where(mask, e.apply(z, call), z)
+    return z
 
+
+_EAGER: dict[type, Callable] = {}
+
+
+def _own_attention(module: nn.Module, base: str) -> Callable:
+    """The attention function the model itself would run for `module` under `base`."""
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's own eager variant
+        return lambda m, q, k, v, mask, **kw: m._upcast_and_reordered_attn(q, k, v, mask)
+    fn = _EAGER.get(type(module))
+    if fn is None:
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward to fall back to")
+        _EAGER[type(module)] = fn
+    return fn
+
+
+def _make_attention(base: str):
     def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         edits = _ACTIVE.get().get(id(module))
+        queries = edits.get("query") if edits is not None else []
+        if queries:
+            b, h, q_len, _ = query.shape
+            k_len = key.shape[2]
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, k_len - q_len, query.device)
+            query = _apply_head_edits(queries, query.transpose(1, 2), call).transpose(1, 2)
+        if edits is None or not any(SITES[s].pattern_site and edits.get(s) for s in edits.sites):
+            own = _own_attention(module, base)
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+        _check_kwargs(edits.layer, dropout, kw)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        if edits is None or not (edits.bias or edits.probs):
-            if fallback is not None:
-                return fallback(
-                    module,
-                    query,
-                    key,
-                    value,
-                    attention_mask,
-                    dropout=dropout,
-                    scaling=scaling,
-                    **kw,
-                )
-            edits = _LayerEdits(getattr(module, "layer_idx", -1), query.shape[1])
-            edits.probs.append(_IDENTITY)
-        return _edited_attention(module, query, key, value, attention_mask, scaling, edits), None
+        is_causal = kw.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        out = _edited_attention(
+            module, query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal
+        )
+        return out, None
 
     return headsteer_attention
-
-
-class _Identity(ProbEdit):
-    def apply(self, probs, call):
-        return probs
-
-
-_IDENTITY = _Identity(layer=-1)
 
 
 def _register() -> None:
@@ -203,9 +301,94 @@ def _register() -> None:
 _register()
 
 
+# ------------------------------------------------------------------------------ hook sites
+def _output_hook(key: int, model: HeadModel, layer: int):
+    """o_proj pre-hook applying the calling context's head-output edits (none: untouched)."""
+    n_heads, d_head = model.n_heads, model.d_head
+
+    def hook(module, args):
+        slot = _ACTIVE.get().get(key)
+        edits = slot.get("head_output") if slot is not None else []
+        if not edits:
+            return None
+        x = args[0]
+        call = AttentionCall(slot.layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
+        z = _apply_head_edits(edits, x.reshape(*x.shape[:-1], n_heads, d_head), call)
+        return (z.reshape(x.shape), *args[1:])
+
+    return hook
+
+
+def _residual_hook(key: int, model: HeadModel, layer: int):
+    """Decoder-layer pre-hook giving residual edits the hidden state `[B, T, D]` entering it."""
+    n_heads = model.n_heads
+
+    def hook(module, args, kwargs):
+        slot = _ACTIVE.get().get(key)
+        edits = slot.get("residual") if slot is not None else []
+        if not edits:
+            return None
+        positional = bool(args)
+        x = args[0] if positional else kwargs["hidden_states"]
+        cache = kwargs.get("past_key_values")
+        offset = int(cache.get_seq_length(layer)) if cache is not None else 0
+        call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], offset + x.shape[1], offset, x.device)
+        for e in edits:
+            e.calls += 1
+            new = e.apply(x, call)
+            if new is not None:
+                if not isinstance(new, torch.Tensor) or new.shape != x.shape:
+                    got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                    want = tuple(x.shape)
+                    raise ValueError(f"{e!r} returned {got}; a residual edit returns None or {want}")
+                x = new
+        if positional:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    return hook
+
+
+@dataclass(frozen=True)
+class Site:
+    """How the engine installs the edits of one site (see the module docstring).
+
+    Attributes:
+        name: the value of `Edit.site` this entry serves.
+        attention: applied inside headsteer's attention function (the model's attention
+            implementation is switched while such an edit is active).
+        pattern_site: the layer must compute its attention itself (logits / probs), not
+            call the model's own function.
+        module: for a hook site, `(model, layer) -> module` to hook.
+        hook: `(key, model, layer) -> hook function`; `key` is the layer's slot in the
+            active-edit table (the id of its attention module).
+        with_kwargs: register the forward pre-hook with `with_kwargs=True`.
+    """
+
+    name: str
+    attention: bool = False
+    pattern_site: bool = False
+    module: Callable[[HeadModel, int], nn.Module] | None = None
+    hook: Callable[[int, HeadModel, int], Callable] | None = None
+    with_kwargs: bool = False
+
+
+SITES: dict[str, Site] = {
+    s.name: s
+    for s in (
+        Site("query", attention=True),
+        Site("logits", attention=True, pattern_site=True),
+        Site("probs", attention=True, pattern_site=True),
+        Site("head_output", module=lambda m, la: m.out_projs[la], hook=_output_hook),
+        Site("residual", module=lambda m, la: m.layers[la], hook=_residual_hook, with_kwargs=True),
+    )
+}
+"""Every edit site, keyed by `Edit.site`."""
+
+
 def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
     for e in edits:
-        if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit, QueryEdit)):
+        if not isinstance(e, Edit) or getattr(e, "site", None) not in SITES:
             raise TypeError(f"not a headsteer edit: {e!r}")
         e.validate()
         hm.check_head(e.layer)
@@ -218,58 +401,20 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             )
 
 
-def _head_edit(slot_edits, x: torch.Tensor, layer: int, n_heads: int, d_head: int) -> torch.Tensor:
-    """Apply per-head edits to `x` `[B, T, n_heads * d_head]`; returns the same shape."""
-    z = x.reshape(*x.shape[:-1], n_heads, d_head)
-    call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], -1, -1, x.device)
-    for e in slot_edits:
-        e.calls += 1
-        mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
-        z = torch.where(mask, e.apply(z, call), z)
-    return z.reshape(x.shape)
-
-
-def _output_hook(key: int, n_heads: int, d_head: int):
-    """o_proj pre-hook that applies the calling context's head-output edits (none: untouched)."""
-
-    def hook(module, args):
-        slot = _ACTIVE.get().get(key)
-        if slot is None or not slot.outputs:
-            return None
-        return (_head_edit(slot.outputs, args[0], slot.layer, n_heads, d_head), *args[1:])
-
-    return hook
-
-
-def _query_hook(key: int, n_heads: int, d_head: int):
-    """q_proj forward hook (query slice of a fused QKV projection) applying query edits."""
-    width = n_heads * d_head
-
-    def hook(module, args, output):
-        slot = _ACTIVE.get().get(key)
-        if slot is None or not slot.queries:
-            return None
-        q = _head_edit(slot.queries, output[..., :width], slot.layer, n_heads, d_head)
-        return q if output.shape[-1] == width else torch.cat([q, output[..., width:]], dim=-1)
-
-    return hook
-
-
 # Shared model state, reference-counted across contexts and threads:
-# id(config) -> [count, original attn implementation]; id(module) -> [count, hook handle].
+# id(config) -> [count, original attn implementation]; (id(module), site) -> [count, hook handle].
 _LOCK = threading.Lock()
 _SWITCHED: dict[int, list] = {}
-_HOOKED: dict[int, list] = {}
+_HOOKED: dict[tuple[int, str], list] = {}
 
 
-def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[torch.nn.Module, str, int]]:
-    """(module, kind, layer) for every hook the active edits need."""
+def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[nn.Module, Site, int]]:
+    """(module, site, layer) for every hook the active edits need."""
     sites = {}
     for e in active:
-        if isinstance(e, HeadOutputEdit):
-            sites[("out", e.layer)] = (model.out_projs[e.layer], "out", e.layer)
-        elif isinstance(e, QueryEdit):
-            sites[("q", e.layer)] = (model.q_projs[e.layer], "q", e.layer)
+        site = SITES[e.site]
+        if site.hook is not None:
+            sites[(site.name, e.layer)] = (site.module(model, e.layer), site, e.layer)
     return list(sites.values())
 
 
@@ -289,15 +434,15 @@ def _acquire(model: HeadModel, switch: bool, sites) -> None:
                     slot = _SWITCHED[id(c)] = [0, base]
                     c._attn_implementation_internal = registered_name(base)
                 slot[0] += 1
-        for module, kind, layer in sites:
-            slot = _HOOKED.get(id(module))
+        for module, site, layer in sites:
+            slot = _HOOKED.get((id(module), site.name))
             if slot is None:
-                key = id(model.attentions[layer])
-                if kind == "out":
-                    handle = module.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
+                fn = site.hook(id(model.attentions[layer]), model, layer)
+                if site.with_kwargs:
+                    handle = module.register_forward_pre_hook(fn, with_kwargs=True)
                 else:
-                    handle = module.register_forward_hook(_query_hook(key, model.n_heads, model.d_head))
-                slot = _HOOKED[id(module)] = [0, handle]
+                    handle = module.register_forward_pre_hook(fn)
+                slot = _HOOKED[(id(module), site.name)] = [0, handle]
             slot[0] += 1
 
 
@@ -311,13 +456,13 @@ def _release(model: HeadModel, switch: bool, sites) -> None:
                     if slot[0] == 0:
                         c._attn_implementation_internal = slot[1]
                         del _SWITCHED[id(c)]
-        for module, _, _ in sites:
-            slot = _HOOKED.get(id(module))
+        for module, site, _ in sites:
+            slot = _HOOKED.get((id(module), site.name))
             if slot is not None:
                 slot[0] -= 1
                 if slot[0] == 0:
                     slot[1].remove()
-                    del _HOOKED[id(module)]
+                    del _HOOKED[(id(module), site.name)]
 
 
 @contextlib.contextmanager
@@ -328,8 +473,9 @@ def editing(
 
     Args:
         model: the `HeadModel` to edit.
-        edits: one edit or a list: any mix of `LogitBias`, `ProbEdit` (incl.
-            `Recorder`), `HeadOutputEdit` and `QueryEdit`. Identity edits (`is_identity()`) are
+        edits: one edit or a list: any mix of edits of the sites in `SITES`
+            (`QueryEdit`, `LogitBias`, `ProbEdit` incl. `Recorder`, `HeadOutputEdit`,
+            `ResidualEdit`). Identity edits (`is_identity()`) are
             skipped, so alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
         require_fired: on normal exit, raise `EditNeverFired` if an active edit was
             never run by the model (default True).
@@ -348,7 +494,8 @@ def editing(
             parameter, or a model whose attention backend is neither `sdpa` nor
             `eager` (e.g. FlashAttention-2). Nothing is changed on the model then.
             Also, from the forward pass, an attention edit on a sliding-window
-            layer once the sequence reaches the window.
+            layer once the sequence reaches the window, or a keyword the model passes to
+            its attention function that the edited path does not reproduce.
         TypeError: an object that is not an edit.
         EditNeverFired: see `require_fired`.
     """
@@ -357,25 +504,16 @@ def editing(
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
-    switch = any(isinstance(e, (LogitBias, ProbEdit)) for e in active)
+    switch = any(SITES[e.site].attention for e in active)
     sites = _hook_sites(model, active)
 
     table: dict[int, _LayerEdits] = {}
     for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits
-        table[key] = _LayerEdits(
-            v.layer, v.n_heads, v.window, list(v.bias), list(v.probs), list(v.outputs), list(v.queries)
-        )
+        table[key] = _LayerEdits(v.layer, v.n_heads, v.window, {k: list(x) for k, x in v.sites.items()})
     for e in active:
         key = id(model.attentions[e.layer])
         slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
-        if isinstance(e, LogitBias):
-            slot.bias.append(e)
-        elif isinstance(e, ProbEdit):
-            slot.probs.append(e)
-        elif isinstance(e, QueryEdit):
-            slot.queries.append(e)
-        else:
-            slot.outputs.append(e)
+        slot.sites.setdefault(e.site, []).append(e)
 
     _acquire(model, switch, sites)
     token = _ACTIVE.set(table)
