@@ -178,7 +178,9 @@ def _edited_attention(
     head_masks = {
         id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
     }
-    if edits.window is not None and k_len >= edits.window - 1:
+    # Keys beyond the queries come from the KV cache; a sliding-window cache keeps only the last
+    # window - 1 of them, so key column j is no longer absolute position j.
+    if edits.window is not None and q_len < k_len and k_len >= edits.window - 1:
         raise ValueError(
             f"layer {edits.layer} uses sliding-window attention (window {edits.window}) and the sequence "
             f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
@@ -494,7 +496,7 @@ def editing(
             parameter, or a model whose attention backend is neither `sdpa` nor
             `eager` (e.g. FlashAttention-2). Nothing is changed on the model then.
             Also, from the forward pass, an attention edit on a sliding-window
-            layer once the sequence reaches the window, or a keyword the model passes to
+            layer once a KV cache reaches the window, or a keyword the model passes to
             its attention function that the edited path does not reproduce.
         TypeError: an object that is not an edit.
         EditNeverFired: see `require_fired`.

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import HeadModel
+from .families import family_of
+from .model import HeadModel, _get
 from .scores import HeadScores
 
 __all__ = [
@@ -97,13 +98,19 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
             models such as OLMo 2), where this source representation is not defined; use
             `apply_first_mlp=False` for them.
     """
-    norm = model.mlp_norm(0)
-    if norm is None:
+    config = model.model.config  # looked up now: the family as the config names it
+    kind = getattr(config, "model_type", None)
+    try:
+        fam = family_of(config)
+    except ValueError:
+        fam = None
+    if fam is None or fam.mlp_norm is None:
         raise ValueError(
-            f"the first-MLP source representation is not defined here for model_type "
-            f"{model.family.model_type!r} (its MLP has no input norm); pass apply_first_mlp=False"
+            f"the first-MLP source representation is not defined here for model_type {kind!r} "
+            "(not a known family, or its MLP has no input norm); pass apply_first_mlp=False"
         )
-    return model.mlp(0)(norm(x))
+    block = model.layers[0]
+    return _get(block, fam.mlp)(_get(block, fam.mlp_norm)(x))
 
 
 @torch.no_grad()
