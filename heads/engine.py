@@ -160,8 +160,12 @@ def _edited_attention(
     edits: _LayerEdits,
     softcap: float | None = None,
     causal: bool = True,
-) -> torch.Tensor:
-    """The family's attention with the layer's logit and pattern edits; returns `[B, Q, H, d]`.
+    want_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The family's attention with the layer's logit and pattern edits.
+
+    Returns `([B, Q, H, d]` output, the edited pattern `[B, H, Q, K]` in the value dtype if
+    `want_probs` (`output_attentions=True`), else None).
 
     Args:
         query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit); key, value
@@ -169,6 +173,7 @@ def _edited_attention(
         mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
         scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
         causal: what a None mask means (the module's `is_causal`).
+        want_probs: also return the pattern (computes it explicitly).
     """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -188,13 +193,14 @@ def _edited_attention(
         )
     for e in (*biases, *probs_edits):
         e.calls += 1
-    explicit = bool(probs_edits) or softcap is not None  # SDPA cannot soft-cap or expose the pattern
+    # SDPA cannot soft-cap or expose the pattern
+    explicit = bool(probs_edits) or softcap is not None or want_probs
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     # A single decode row with no padding mask sees every key: no base mask needed.
     base = None if (mask is None and (q_len == 1 or not causal)) else _additive(mask, q_len, k_len, device)
-    outs = []
+    outs, patterns = [], []
     for s in range(0, q_len, QUERY_BLOCK):
         e_ = min(q_len, s + QUERY_BLOCK)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
@@ -232,8 +238,11 @@ def _edited_attention(
             probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
+        if want_probs:
+            patterns.append(probs.to(value.dtype))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous()
+    pattern = torch.cat(patterns, dim=2) if want_probs else None
+    return out.transpose(1, 2).contiguous(), pattern
 
 
 def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -282,10 +291,18 @@ def _make_attention(base: str):
             scaling = query.shape[-1] ** -0.5
         is_causal = kw.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        out = _edited_attention(
-            module, query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal
+        return _edited_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            edits,
+            kw.get("softcap"),
+            causal,
+            bool(kw.get("output_attentions")),
         )
-        return out, None
 
     return headsteer_attention
 
