@@ -255,14 +255,13 @@ def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -
 
 
 _EAGER: dict[type, Callable] = {}
+_SDPA: list[Callable] = []  # transformers' SDPA attention function, set by _register()
 
 
 def _own_attention(module: nn.Module, base: str) -> Callable:
     """The attention function the model itself would run for `module` under `base`."""
     if base == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward
+        return _SDPA[0]
     if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's own eager variant
         return lambda m, q, k, v, mask, **kw: m._upcast_and_reordered_attn(q, k, v, mask)
     fn = _EAGER.get(type(module))
@@ -309,8 +308,10 @@ def _make_attention(base: str):
 
 def _register() -> None:
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+    _SDPA[:] = [sdpa_attention_forward]
     for base, mask_fn in (("sdpa", sdpa_mask), ("eager", eager_mask)):
         name = registered_name(base)
         AttentionInterface.register(name, _make_attention(base))
