@@ -5,7 +5,10 @@ Everything in headsteer talks to a model through this adapter: geometry
 attention and output-projection modules of each layer, and head-major weight
 views named as in TransformerLens (`W_Q`, `W_K`, `W_V`, `W_O`, `W_E`, `W_U`).
 Shapes are read from the real modules' weights, never from
-`hidden_size / num_attention_heads`.
+`hidden_size / num_attention_heads`. Where the modules live and every other
+family-specific fact comes from the model-family table (`heads.families`), kept as
+`HeadModel.family`; a family not in the table, or a feature the edit engine does not
+reproduce, is refused here with a `ValueError`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ __all__ = ["HeadModel"]
 
 
 def _get(obj: object, dotted: str) -> object:
+    """`obj.a.b.c` for `dotted = "a.b.c"` (AttributeError if a part is missing)."""
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
