@@ -46,6 +46,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from .edits import AttentionCall, Edit
+from .families import family_of
 from .model import HeadModel
 
 __all__ = ["QUERY_BLOCK", "SITES", "EditNeverFired", "Site", "editing", "registered_name"]
@@ -254,7 +255,7 @@ def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -
     return z
 
 
-_EAGER: dict[type, Callable] = {}
+_EAGER: dict[type, tuple[Callable, tuple[str, str] | None]] = {}
 _SDPA: list[Callable] = []  # transformers' SDPA attention function, set by _register()
 
 
@@ -262,14 +263,18 @@ def _own_attention(module: nn.Module, base: str) -> Callable:
     """The attention function the model itself would run for `module` under `base`."""
     if base == "sdpa":
         return _SDPA[0]
-    if getattr(module, "reorder_and_upcast_attn", False):  # GPT-2's own eager variant
-        return lambda m, q, k, v, mask, **kw: m._upcast_and_reordered_attn(q, k, v, mask)
-    fn = _EAGER.get(type(module))
-    if fn is None:
+    cached = _EAGER.get(type(module))
+    if cached is None:
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
             raise ValueError(f"{type(module).__name__} has no eager_attention_forward to fall back to")
-        _EAGER[type(module)] = fn
+        config = getattr(module, "config", None)
+        variant = family_of(config).eager_variant if config is not None else None
+        cached = _EAGER[type(module)] = (fn, variant)
+    fn, variant = cached
+    if variant is not None and getattr(module, variant[0], False):  # e.g. GPT-2's upcast path
+        method = getattr(module, variant[1])
+        return lambda m, q, k, v, mask, **kw: method(q, k, v, mask)
     return fn
 
 

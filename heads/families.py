@@ -67,11 +67,17 @@ class Family:
             `"sliding_attention"`).
         softcap: the config field of attention-logit soft-capping (`c * tanh(s / c)` on the
             scaled logits before the mask), passed to the attention function as `softcap`.
+        final_softcap: the config field of soft-capping on the output logits (Gemma 2 / 3),
+            applied by the model after the unembedding; None if the family has none.
         qk_norm: `"none"`, `"per_head"` (RMSNorm over each head's `d` features) or
             `"all_heads"` (RMSNorm over the whole `[H*d]` query / `[G*d]` key).
         qk_norm_before_rope: the QK-norm is applied before RoPE (every family here).
         scaling: how the module's attention scale is set (the engine uses the `scaling`
             the module passes; this records the rule).
+        eager_variant: `(flag, method)`: when the attention module's boolean attribute
+            `flag` is true, the family's eager path is the module's own `method(q, k, v,
+            mask)` instead of the module-level `eager_attention_forward` (GPT-2's
+            `reorder_and_upcast_attn`).
         bidirectional_images: image tokens attend to each other in both directions
             (the model's mask carries it).
         text_config: vision-language entries only: the sub-config of the text model
@@ -101,9 +107,11 @@ class Family:
     gqa: bool = True
     sliding_window: str = "none"
     softcap: str | None = None
+    final_softcap: str | None = None
     qk_norm: str = "none"
     qk_norm_before_rope: bool = True
     scaling: str = "head_dim ** -0.5"
+    eager_variant: tuple[str, str] | None = None
     bidirectional_images: bool = False
     text_config: str | None = None
     vlm: str | None = None
@@ -120,6 +128,7 @@ _GEMMA = dict(
     mlp_out_norm="post_feedforward_layernorm",
     sliding_window="layer_types",
     scaling="query_pre_attn_scalar ** -0.5",
+    final_softcap="final_logit_softcapping",
 )
 
 FAMILIES: dict[str, Family] = {
@@ -146,6 +155,7 @@ FAMILIES: dict[str, Family] = {
             final_norm="ln_f",
             gqa=False,
             scaling="head_dim ** -0.5 (scale_attn_weights), / (layer + 1) (scale_attn_by_inverse_layer_idx)",
+            eager_variant=("reorder_and_upcast_attn", "_upcast_and_reordered_attn"),
             unsupported=(("add_cross_attention", "cross-attention layers"),),
         ),
         Family("gemma2", softcap="attn_logit_softcapping", **_GEMMA),

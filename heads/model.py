@@ -62,6 +62,7 @@ class HeadModel:
             attentions = [_get(b, fam.attention) for b in layers]
             out_projs = [_get(a, fam.o_proj) for a in attentions]
             q_projs = [_get(a, fam.qkv_proj or fam.q_proj) for a in attentions]
+            unembed = _get(model, fam.unembed)
         except AttributeError as e:
             raise ValueError(
                 f"model_type {cfg.model_type!r} ({type(model).__name__}) does not have the modules its "
@@ -76,6 +77,7 @@ class HeadModel:
         self.attentions: list[nn.Module] = attentions
         self.out_projs: list[nn.Module] = out_projs
         self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
+        self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
         a0 = self.attentions[0]
         self.d_head: int = int(a0.head_dim)
         self.n_layers: int = len(self.layers)
@@ -85,7 +87,7 @@ class HeadModel:
         self.n_heads: int = in_o // self.d_head
         self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
         self.d_model: int = int(self._o_weight(0).shape[1])
-        self.d_vocab: int = int(self.model.get_output_embeddings().weight.shape[0])
+        self.d_vocab: int = int(self.unembed.weight.shape[0])
 
     # ----------------------------------------------------------------- geometry
     @property
@@ -246,7 +248,7 @@ class HeadModel:
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802
         """`[d_model, d_vocab]` unembedding (the LM head, transposed)."""
-        return self.model.get_output_embeddings().weight.detach().T
+        return self.unembed.weight.detach().T
 
     def __repr__(self) -> str:
         return (
