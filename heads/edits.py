@@ -1,15 +1,18 @@
 """Edits: plain descriptions of what to change in which heads, applied by `heads.engine`.
 
-Four kinds, by where they act (DESIGN.md, "Edit engine"):
+Every edit class declares its *site*, `site` (DESIGN.md, "Edit engine"); the engine
+dispatches through its site table (`heads.engine.SITES`):
 
-* `LogitBias`: an additive bias on the attention logits (pre-softmax) of chosen
-  query heads, e.g. PASTA.
-* `ProbEdit`: a function of the post-softmax attention pattern, e.g. ACT;
+* `QueryEdit` (`"query"`): a function of each head's query as the attention function
+  receives it (after any QK-norm and RoPE), e.g. `QueryScale` for UA ablation.
+* `LogitBias` (`"logits"`): an additive bias on the attention logits (pre-softmax, after
+  any soft-capping) of chosen query heads, e.g. PASTA.
+* `ProbEdit` (`"probs"`): a function of the post-softmax attention pattern, e.g. ACT;
   `Recorder` is a `ProbEdit` that only reads the pattern.
-* `HeadOutputEdit`: a function of each head's output `z` (the input of `o_proj`,
-  `[batch, pos, n_heads, d_head]`), e.g. `HeadScale` for ablation.
-* `QueryEdit`: a function of each head's query (the q projection's output, before
-  RoPE), e.g. `QueryScale` for UA ablation.
+* `HeadOutputEdit` (`"head_output"`): a function of each head's output `z` (the input of
+  `o_proj`, `[batch, pos, n_heads, d_head]`), e.g. `HeadScale` for ablation.
+* `ResidualEdit` (`"residual"`): reads (or replaces) the residual stream entering a decoder
+  layer `[batch, pos, d_model]`, e.g. `ResidualRecorder`; VAR's sink detection.
 
 Every edit names one `layer` and its query `heads` (None = all), or carries a
 per-batch-row head mask `row_heads` (`[batch, n_heads]` bool) so that one forward
@@ -23,6 +26,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +40,8 @@ __all__ = [
     "LogitBias",
     "ProbEdit",
     "Recorder",
+    "ResidualEdit",
+    "ResidualRecorder",
 ]
 
 
@@ -72,8 +78,11 @@ class Edit:
         row_heads: optional `[batch, n_heads]` bool mask; row b edits the heads
             where `row_heads[b]` is True. Overrides `heads`.
         calls: how many attention calls ran this edit (set by the engine).
+        site: (class attribute) where the edit acts, a key of `heads.engine.SITES`;
+            None on this abstract base.
     """
 
+    site: ClassVar[str | None] = None
     layer: int
     heads: Sequence[int] | None = None
     row_heads: torch.Tensor | None = None
@@ -139,7 +148,13 @@ class Edit:
 
 @dataclass(eq=False, repr=False)
 class LogitBias(Edit):
-    """Additive attention-logit bias. Subclasses implement `bias`."""
+    """Additive attention-logit bias. Subclasses implement `bias`.
+
+    Added to the scaled (and, in soft-capping families, soft-capped) logits together with the
+    model's mask, before the softmax.
+    """
+
+    site: ClassVar[str] = "logits"
 
     def bias(self, call: AttentionCall) -> torch.Tensor:
         """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
@@ -149,6 +164,8 @@ class LogitBias(Edit):
 @dataclass(eq=False, repr=False)
 class ProbEdit(Edit):
     """Function of the post-softmax attention pattern. Subclasses implement `apply`."""
+
+    site: ClassVar[str] = "probs"
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""
@@ -191,6 +208,8 @@ def check_factor(edit: Edit) -> None:
 @dataclass(eq=False, repr=False)
 class HeadOutputEdit(Edit):
     """Function of the heads' outputs `z` (`o_proj` input). Subclasses implement `apply`."""
+
+    site: ClassVar[str] = "head_output"
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map `z` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
@@ -260,7 +279,14 @@ class HeadScale(HeadOutputEdit):
 
 @dataclass(eq=False, repr=False)
 class QueryEdit(Edit):
-    """Function of the heads' queries (the q projection's output, before RoPE). Implement `apply`."""
+    """Function of the heads' queries as attention sees them. Subclasses implement `apply`.
+
+    The engine applies it to the query the attention function receives: after any QK-norm
+    (Qwen 3, Gemma 3 per head; OLMo 2 over all heads) and after RoPE, for separate and fused
+    QKV projections alike, so a scaled head stays scaled in the logits.
+    """
+
+    site: ClassVar[str] = "query"
 
     def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map `q` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
@@ -272,9 +298,9 @@ class QueryScale(QueryEdit):
     """Multiply the chosen query heads' query slices by `factor` (UA ablation: factor = eps).
 
     The attention logits of the head become `factor * q.k / sqrt(d_head)`; with factor 0 the
-    pattern is exactly uniform over the visible (causal, unpadded) keys. RoPE is linear, so
-    scaling before or after it is the same (safety_heads.md §2). K and V, shared by a GQA
-    group, are never touched.
+    pattern is exactly uniform over the visible (causal, unpadded, in-window) keys. It acts after
+    any QK-norm, which would otherwise undo it; RoPE is linear, so scaling before or after it
+    is the same (safety_heads.md §2). K and V, shared by a GQA group, are never touched.
 
     Raises:
         TypeError / ValueError: a factor that is not a finite number.
@@ -294,3 +320,37 @@ class QueryScale(QueryEdit):
 
     def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         return q * self.factor
+
+
+@dataclass(eq=False, repr=False)
+class ResidualEdit(Edit):
+    """Reads (or replaces) the residual stream entering decoder layer `layer`.
+
+    Runs in a forward pre-hook on the layer at every forward, prefill and each decode step.
+    `heads` and `row_heads` do not apply (the residual is not per head). Subclasses implement
+    `apply`.
+    """
+
+    site: ClassVar[str] = "residual"
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        """Read `x` `[batch, T, d_model]` (the layer's input); return None, or a new tensor of the
+        same shape to feed the layer instead.
+
+        `call.q_offset` is the absolute position of `x`'s first row (the number of cached
+        positions) and `call.q_len` its length `T`.
+        """
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class ResidualRecorder(ResidualEdit):
+    """Records the residual stream entering `layer`: `records` gets one `[batch, T, d_model]` copy
+    (or `fn(x, call)`) per forward; the stream is not changed."""
+
+    fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
+    records: list = field(default_factory=list, init=False)
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> None:
+        self.records.append(x.detach().clone() if self.fn is None else self.fn(x, call))
+        return None

@@ -1,19 +1,30 @@
 """The edit engine: applies `heads.edits` to a model inside a context manager.
 
-Attention edits run in headsteer's attention function, registered in
-`transformers`' `AttentionInterface` *and* `AttentionMaskInterface` (without the
-mask registration the model would silently run with no causal mask). Layers with
-no edit take the model's own backend path (SDPA, or eager); an edited layer builds
-an additive fp32 mask (causal + padding + the edits' logit biases) and either calls
-SDPA with it (bias-only edits) or computes the pattern eagerly so that `ProbEdit`s
-and `Recorder`s can see it. Query rows are processed in blocks, so memory grows
-linearly with context. Head-output edits run in forward pre-hooks on `o_proj`, query
-edits in forward hooks on the q projection (the query slice of a fused QKV); a pre-hook on
-the attention module reads the KV cache length so that those edits, like attention edits,
-see absolute query positions (`AttentionCall.q_offset`) at prefill and at every decode step.
+Every edit declares its *site* (`Edit.site`), and the engine dispatches through one table,
+`SITES` (site name -> `Site`: whether it runs inside headsteer's attention function, whether
+it needs the explicit pattern, or which module it hooks and how):
 
-With `output_attentions=True` inside a context, every layer returns its attention pattern
-`[B, H, q, k]` (the edited one where edits act), whatever the base backend (sdpa or eager).
+* `"query"`: the queries as the attention function receives them, after any QK-norm and
+  RoPE (so a UA ablation is exact on Qwen 3, Gemma 3 and OLMo 2, and a fused QKV needs no
+  hook);
+* `"logits"`: additive biases on the (soft-capped) attention logits;
+* `"probs"`: functions of the post-softmax pattern (recorders included);
+* `"head_output"`: the heads' outputs, in a forward pre-hook on `o_proj`;
+* `"residual"`: the residual stream entering a decoder layer, in a forward pre-hook on the
+  layer (read, or replaced).
+
+Adding a hook site is one `Site` entry (the module to hook, the hook, how to register it).
+
+Attention-site edits run in headsteer's attention function, registered in `transformers`'
+`AttentionInterface` *and* `AttentionMaskInterface` (without the mask registration the model
+would silently run with no causal mask). While any such edit is active the function stands in
+for the model's attention on every layer: a layer without attention edits calls the model's own
+function (SDPA, or the family's own eager function) unchanged, a layer with only query edits
+calls it with the edited queries, and a layer with logit or pattern edits computes the family's
+attention itself (scale, soft-capping, the model's mask incl. sliding windows and bidirectional
+spans, GQA) in query blocks, so memory grows linearly with context. A keyword the model passes
+that this path does not reproduce (e.g. learned sinks `s_aux`) or dropout in training mode is a
+`ValueError`, never dropped.
 
 Usage::
 
@@ -24,18 +35,21 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
-from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from .edits import AttentionCall, Edit
+from .families import family_of
 from .model import HeadModel
 
-__all__ = ["QUERY_BLOCK", "EditNeverFired", "editing", "registered_name"]
+__all__ = ["QUERY_BLOCK", "SITES", "EditNeverFired", "Site", "editing", "registered_name"]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
@@ -52,10 +66,10 @@ class _LayerEdits:
     layer: int
     n_heads: int
     window: int | None = None  # sliding-window size of the layer, if any
-    bias: list[LogitBias] = field(default_factory=list)
-    probs: list[ProbEdit] = field(default_factory=list)
-    outputs: list[HeadOutputEdit] = field(default_factory=list)
-    queries: list[QueryEdit] = field(default_factory=list)
+    sites: dict[str, list[Edit]] = field(default_factory=dict)
+
+    def get(self, site: str) -> list[Edit]:
+        return self.sites.get(site, [])
 
 
 # id(attention module) -> its edits; a ContextVar so threads do not see each other's edits.
@@ -76,9 +90,17 @@ def _causal_additive(q_len: int, k_len: int, q_offset: int, device: torch.device
     return torch.where(kpos <= qpos, 0.0, _MIN)[None, None]
 
 
-def _additive(mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`."""
+def _additive(
+    mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device, causal: bool = True
+) -> torch.Tensor:
+    """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`.
+
+    `mask=None` means "every key" for a non-causal module and "causal" otherwise (as SDPA's
+    `is_causal` does).
+    """
     if mask is None:
+        if not causal:
+            return torch.zeros(1, 1, q_len, k_len, device=device)
         return _causal_additive(q_len, k_len, k_len - q_len, device)
     if mask.dtype == torch.bool:
         return torch.where(mask, 0.0, _MIN).to(device)
@@ -92,53 +114,110 @@ def _in_dtype(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
+# Keywords transformers 5.23 passes to attention functions that the SDPA / eager paths ignore
+# too (positions are already in the rotated q/k, the mask carries windows and padding):
+_IGNORED_KW = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "token_type_ids",
+        "sliding_window",  # the registered mask function already applies it
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    }
+)
+# ... and those the edited path reproduces itself.
+_REPRODUCED_KW = frozenset({"softcap", "is_causal"})
+
+
+def _check_kwargs(layer: int, dropout: float, kw: dict) -> None:
+    """ValueError for anything the edited path would otherwise silently drop."""
+    unknown = sorted(k for k, v in kw.items() if v is not None and k not in _IGNORED_KW | _REPRODUCED_KW)
+    if unknown:
+        raise ValueError(
+            f"layer {layer}: the model passes {unknown} to its attention function; headsteer's edited "
+            "attention does not reproduce it, so it refuses rather than compute a different attention"
+        )
+    if dropout:
+        raise ValueError(
+            f"layer {layer}: attention dropout {dropout} is active (training mode); call model.eval() "
+            "before editing attention"
+        )
+
+
 def _edited_attention(
-    module: torch.nn.Module,
+    module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
     edits: _LayerEdits,
+    softcap: float | None = None,
+    causal: bool = True,
     want_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of one edited layer: `([B, q, H, d], probs)`, with `probs` the edited pattern
-    `[B, H, q, k]` in the query dtype when `want_probs` (`output_attentions=True`), else None."""
+    """The family's attention with the layer's logit and pattern edits.
+
+    Returns `([B, Q, H, d]` output, the edited pattern `[B, H, Q, K]` in the value dtype if
+    `want_probs` (`output_attentions=True`), else None).
+
+    Args:
+        query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit); key, value
+            `[B, G, K, d]`.
+        mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
+        scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
+        causal: what a None mask means (the module's `is_causal`).
+        want_probs: also return the pattern (computes it explicitly).
+    """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
     device = query.device
+    biases, probs_edits = edits.get("logits"), edits.get("probs")
     head_masks = {
-        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*edits.bias, *edits.probs)
+        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
     }
-    if edits.window is not None and k_len >= edits.window - 1:
+    # Keys beyond the queries come from the KV cache; a sliding-window cache keeps only the last
+    # window - 1 of them, so key column j is no longer absolute position j.
+    if edits.window is not None and q_len < k_len and k_len >= edits.window - 1:
         raise ValueError(
             f"layer {edits.layer} uses sliding-window attention (window {edits.window}) and the sequence "
             f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
             "cannot be placed; shorten the prompt or edit only full-attention layers"
         )
-    for e in (*edits.bias, *edits.probs):
+    for e in (*biases, *probs_edits):
         e.calls += 1
-    eager = bool(edits.probs) or want_probs  # compute the pattern (else SDPA with the bias)
-    if eager and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
+    # SDPA cannot soft-cap or expose the pattern
+    explicit = bool(probs_edits) or softcap is not None or want_probs
+    if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     # A single decode row with no padding mask sees every key: no base mask needed.
-    base = None if (mask is None and q_len == 1) else _additive(mask, q_len, k_len, device)
+    base = None if (mask is None and (q_len == 1 or not causal)) else _additive(mask, q_len, k_len, device)
     outs, patterns = [], []
     for s in range(0, q_len, QUERY_BLOCK):
         e_ = min(q_len, s + QUERY_BLOCK)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
         add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
-        for ed in edits.bias:
+        for ed in biases:
             b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
             add = b if add is None else add + b
         if add is None:
-            add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+            if causal:
+                add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+            else:
+                add = torch.zeros(1, 1, e_ - s, k_len, device=device)
         else:
             add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
-        if not eager:
+        if not explicit:
             outs.append(
                 F.scaled_dot_product_attention(
                     q_blk,
@@ -150,64 +229,106 @@ def _edited_attention(
                 )
             )
             continue
-        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling + add
-        visible = add > _MIN / 2
+        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
+        if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + add
+        visible = (add > _MIN / 2).expand_as(scores)
         probs = torch.where(visible, torch.softmax(scores, dim=-1), 0.0)  # fully masked rows: all 0
-        for ed in edits.probs:
+        for ed in probs_edits:
             probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
         if want_probs:
-            patterns.append(probs.to(query.dtype))
+            patterns.append(probs.to(value.dtype))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    pattern = (patterns[0] if len(patterns) == 1 else torch.cat(patterns, dim=2)) if want_probs else None
+    pattern = torch.cat(patterns, dim=2) if want_probs else None
     return out.transpose(1, 2).contiguous(), pattern
 
 
-def _make_attention(base: str):
-    if base == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fallback
-    else:
-        fallback = None
+def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Apply per-head edits to `z` `[B, T, H, d]` (each only on its (row, head) pairs).
 
+    An edit that does not act on this call (`Edit.acts_on`, e.g. positions outside it) is
+    skipped and not counted as fired.
+    """
+    for e in edits:
+        if not e.acts_on(call):
+            continue
+        e.calls += 1
+        mask = e.head_mask(z.shape[0], z.shape[2], z.device)[:, None, :, None]
+        z = torch.where(mask, e.apply(z, call), z)
+    return z
+
+
+_EAGER: dict[type, tuple[Callable, tuple[str, str] | None]] = {}
+_SDPA: list[Callable] = []  # transformers' SDPA attention function, set by _register()
+
+
+def _own_attention(module: nn.Module, base: str) -> Callable:
+    """The attention function the model itself would run for `module` under `base`."""
+    if base == "sdpa":
+        return _SDPA[0]
+    cached = _EAGER.get(type(module))
+    if cached is None:
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward to fall back to")
+        config = getattr(module, "config", None)
+        variant = family_of(config).eager_variant if config is not None else None
+        cached = _EAGER[type(module)] = (fn, variant)
+    fn, variant = cached
+    if variant is not None and getattr(module, variant[0], False):  # e.g. GPT-2's upcast path
+        method = getattr(module, variant[1])
+        return lambda m, q, k, v, mask, **kw: method(q, k, v, mask)
+    return fn
+
+
+def _make_attention(base: str):
     def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         edits = _ACTIVE.get().get(id(module))
+        queries = edits.get("query") if edits is not None else []
+        if queries:
+            b, h, q_len, _ = query.shape
+            k_len = key.shape[2]
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, k_len - q_len, query.device)
+            query = _apply_head_edits(queries, query.transpose(1, 2), call).transpose(1, 2)
+        want = bool(
+            kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
+        )
+        if edits is None or not any(SITES[s].pattern_site and edits.get(s) for s in edits.sites):
+            if not (want and base == "sdpa"):
+                own = _own_attention(module, base)
+                return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+            # SDPA returns no pattern: compute it explicitly (no edit) so output_attentions holds it.
+            edits = edits or _LayerEdits(int(getattr(module, "layer_idx", -1)), query.shape[1])
+        _check_kwargs(edits.layer, dropout, kw)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        # output_attentions=True: every layer returns its (edited) pattern, whatever the base
-        config = getattr(module, "config", None)
-        want = bool(kw.get("output_attentions", getattr(config, "output_attentions", False)))
-        if edits is None or not (edits.bias or edits.probs):
-            if fallback is not None and not want:
-                return fallback(
-                    module,
-                    query,
-                    key,
-                    value,
-                    attention_mask,
-                    dropout=dropout,
-                    scaling=scaling,
-                    **kw,
-                )
-            edits = _LayerEdits(getattr(module, "layer_idx", -1), query.shape[1])
-            edits.probs.append(_IDENTITY)
-        return _edited_attention(module, query, key, value, attention_mask, scaling, edits, want)
+        is_causal = kw.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        return _edited_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            edits,
+            kw.get("softcap"),
+            causal,
+            want,
+        )
 
     return headsteer_attention
 
 
-class _Identity(ProbEdit):
-    def apply(self, probs, call):
-        return probs
-
-
-_IDENTITY = _Identity(layer=-1)
-
-
 def _register() -> None:
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+    _SDPA[:] = [sdpa_attention_forward]
     for base, mask_fn in (("sdpa", sdpa_mask), ("eager", eager_mask)):
         name = registered_name(base)
         AttentionInterface.register(name, _make_attention(base))
@@ -217,9 +338,122 @@ def _register() -> None:
 _register()
 
 
+# ------------------------------------------------------------------------------ hook sites
+def _output_hook(key: int, model: HeadModel, layer: int):
+    """o_proj pre-hook applying the calling context's head-output edits (none: untouched)."""
+    n_heads, d_head = model.n_heads, model.d_head
+
+    def hook(module, args):
+        slot = _ACTIVE.get().get(key)
+        edits = slot.get("head_output") if slot is not None else []
+        if not edits:
+            return None
+        x = args[0]
+        offset = _OFFSETS.get().get(key, 0)  # absolute position of the call's first row
+        b, t = x.shape[0], x.shape[1]
+        call = AttentionCall(slot.layer, b, n_heads, t, offset + t, offset, x.device)
+        z = _apply_head_edits(edits, x.reshape(*x.shape[:-1], n_heads, d_head), call)
+        return (z.reshape(x.shape), *args[1:])
+
+    return hook
+
+
+# id(attention module) -> cached keys before the current call (its first absolute position).
+_OFFSETS: ContextVar[dict[int, int]] = ContextVar("headsteer_call_offsets", default={})  # noqa: B039
+
+
+def _offset_hook(key: int, model: HeadModel, layer: int):
+    """Attention-module pre-hook recording the call's first absolute query position (the
+    KV-cache length), for hook sites that run after attention (`head_output`)."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        offsets = _OFFSETS.get()
+        if not offsets:  # a fresh dict per context, never the shared default
+            offsets = {}
+            _OFFSETS.set(offsets)
+        offsets[key] = int(cache.get_seq_length(layer)) if cache is not None else 0
+        return None
+
+    return hook
+
+
+def _residual_hook(key: int, model: HeadModel, layer: int):
+    """Decoder-layer pre-hook giving residual edits the hidden state `[B, T, D]` entering it."""
+    n_heads = model.n_heads
+
+    def hook(module, args, kwargs):
+        slot = _ACTIVE.get().get(key)
+        edits = slot.get("residual") if slot is not None else []
+        if not edits:
+            return None
+        positional = bool(args)
+        x = args[0] if positional else kwargs["hidden_states"]
+        cache = kwargs.get("past_key_values")
+        offset = int(cache.get_seq_length(layer)) if cache is not None else 0
+        call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], offset + x.shape[1], offset, x.device)
+        for e in edits:
+            e.calls += 1
+            new = e.apply(x, call)
+            if new is not None:
+                if not isinstance(new, torch.Tensor) or new.shape != x.shape:
+                    got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                    want = tuple(x.shape)
+                    raise ValueError(f"{e!r} returned {got}; a residual edit returns None or {want}")
+                x = new
+        if positional:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    return hook
+
+
+@dataclass(frozen=True)
+class Site:
+    """How the engine installs the edits of one site (see the module docstring).
+
+    Attributes:
+        name: the value of `Edit.site` this entry serves.
+        attention: applied inside headsteer's attention function (the model's attention
+            implementation is switched while such an edit is active).
+        pattern_site: the layer must compute its attention itself (logits / probs), not
+            call the model's own function.
+        module: for a hook site, `(model, layer) -> module` to hook.
+        hook: `(key, model, layer) -> hook function`; `key` is the layer's slot in the
+            active-edit table (the id of its attention module).
+        with_kwargs: register the forward pre-hook with `with_kwargs=True`.
+        positions: the hook runs after attention and needs the call's absolute positions:
+            the engine also hooks the layer's attention module to record them.
+    """
+
+    name: str
+    attention: bool = False
+    pattern_site: bool = False
+    module: Callable[[HeadModel, int], nn.Module] | None = None
+    hook: Callable[[int, HeadModel, int], Callable] | None = None
+    with_kwargs: bool = False
+    positions: bool = False
+
+
+_POSITIONS = Site("positions", module=lambda m, la: m.attentions[la], hook=_offset_hook, with_kwargs=True)
+"""Internal companion of the sites with `positions=True` (no edit targets it)."""
+
+SITES: dict[str, Site] = {
+    s.name: s
+    for s in (
+        Site("query", attention=True),
+        Site("logits", attention=True, pattern_site=True),
+        Site("probs", attention=True, pattern_site=True),
+        Site("head_output", module=lambda m, la: m.out_projs[la], hook=_output_hook, positions=True),
+        Site("residual", module=lambda m, la: m.layers[la], hook=_residual_hook, with_kwargs=True),
+    )
+}
+"""Every edit site, keyed by `Edit.site`."""
+
+
 def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
     for e in edits:
-        if not isinstance(e, (LogitBias, ProbEdit, HeadOutputEdit, QueryEdit)):
+        if not isinstance(e, Edit) or getattr(e, "site", None) not in SITES:
             raise TypeError(f"not a headsteer edit: {e!r}")
         e.validate()
         hm.check_head(e.layer)
@@ -232,91 +466,22 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             )
 
 
-# Absolute position of the first query row of the running call, per attention module (set by
-# a pre-hook on the module from the KV cache; read by the head-output and query hooks). A
-# forward runs in one thread, so a thread-local is enough.
-_OFFSETS = threading.local()
-
-
-def _offset_hook(layer: int):
-    """Attention-module pre-hook: record the call's first absolute query position (cached keys)."""
-
-    def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        n = 0 if cache is None else int(cache.get_seq_length(layer))
-        offsets = getattr(_OFFSETS, "d", None)
-        if offsets is None:
-            offsets = _OFFSETS.d = {}
-        offsets[id(module)] = n
-
-    return hook
-
-
-def _q_offset(key: int) -> int:
-    return getattr(_OFFSETS, "d", {}).get(key, 0)
-
-
-def _head_edit(
-    slot_edits, x: torch.Tensor, layer: int, n_heads: int, d_head: int, q_offset: int = 0
-) -> torch.Tensor:
-    """Apply per-head edits to `x` `[B, T, n_heads * d_head]` (query rows at absolute positions
-    `q_offset ..`); returns the same shape. An edit that does not act on the call is skipped."""
-    z = x.reshape(*x.shape[:-1], n_heads, d_head)
-    q_len = x.shape[1]
-    call = AttentionCall(layer, x.shape[0], n_heads, q_len, q_offset + q_len, q_offset, x.device)
-    for e in slot_edits:
-        if not e.acts_on(call):
-            continue
-        e.calls += 1
-        mask = e.head_mask(x.shape[0], n_heads, x.device)[:, None, :, None]
-        z = torch.where(mask, e.apply(z, call), z)
-    return z.reshape(x.shape)
-
-
-def _output_hook(key: int, n_heads: int, d_head: int):
-    """o_proj pre-hook that applies the calling context's head-output edits (none: untouched)."""
-
-    def hook(module, args):
-        slot = _ACTIVE.get().get(key)
-        if slot is None or not slot.outputs:
-            return None
-        z = _head_edit(slot.outputs, args[0], slot.layer, n_heads, d_head, _q_offset(key))
-        return (z, *args[1:])
-
-    return hook
-
-
-def _query_hook(key: int, n_heads: int, d_head: int):
-    """q_proj forward hook (query slice of a fused QKV projection) applying query edits."""
-    width = n_heads * d_head
-
-    def hook(module, args, output):
-        slot = _ACTIVE.get().get(key)
-        if slot is None or not slot.queries:
-            return None
-        q = _head_edit(slot.queries, output[..., :width], slot.layer, n_heads, d_head, _q_offset(key))
-        return q if output.shape[-1] == width else torch.cat([q, output[..., width:]], dim=-1)
-
-    return hook
-
-
 # Shared model state, reference-counted across contexts and threads:
-# id(config) -> [count, original attn implementation]; id(module) -> [count, hook handle].
+# id(config) -> [count, original attn implementation]; (id(module), site) -> [count, hook handle].
 _LOCK = threading.Lock()
 _SWITCHED: dict[int, list] = {}
-_HOOKED: dict[int, list] = {}
+_HOOKED: dict[tuple[int, str], list] = {}
 
 
-def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[torch.nn.Module, str, int]]:
-    """(module, kind, layer) for every hook the active edits need."""
+def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[nn.Module, Site, int]]:
+    """(module, site, layer) for every hook the active edits need."""
     sites = {}
     for e in active:
-        if isinstance(e, HeadOutputEdit):
-            sites[("out", e.layer)] = (model.out_projs[e.layer], "out", e.layer)
-        elif isinstance(e, QueryEdit):
-            sites[("q", e.layer)] = (model.q_projs[e.layer], "q", e.layer)
-        if isinstance(e, (HeadOutputEdit, QueryEdit)):  # they need the call's absolute positions
-            sites[("pos", e.layer)] = (model.attentions[e.layer], "pos", e.layer)
+        site = SITES[e.site]
+        if site.hook is not None:
+            sites[(site.name, e.layer)] = (site.module(model, e.layer), site, e.layer)
+        if site.positions:
+            sites[(_POSITIONS.name, e.layer)] = (_POSITIONS.module(model, e.layer), _POSITIONS, e.layer)
     return list(sites.values())
 
 
@@ -336,17 +501,15 @@ def _acquire(model: HeadModel, switch: bool, sites) -> None:
                     slot = _SWITCHED[id(c)] = [0, base]
                     c._attn_implementation_internal = registered_name(base)
                 slot[0] += 1
-        for module, kind, layer in sites:
-            slot = _HOOKED.get(id(module))
+        for module, site, layer in sites:
+            slot = _HOOKED.get((id(module), site.name))
             if slot is None:
-                key = id(model.attentions[layer])
-                if kind == "out":
-                    handle = module.register_forward_pre_hook(_output_hook(key, model.n_heads, model.d_head))
-                elif kind == "pos":
-                    handle = module.register_forward_pre_hook(_offset_hook(layer), with_kwargs=True)
+                fn = site.hook(id(model.attentions[layer]), model, layer)
+                if site.with_kwargs:
+                    handle = module.register_forward_pre_hook(fn, with_kwargs=True)
                 else:
-                    handle = module.register_forward_hook(_query_hook(key, model.n_heads, model.d_head))
-                slot = _HOOKED[id(module)] = [0, handle]
+                    handle = module.register_forward_pre_hook(fn)
+                slot = _HOOKED[(id(module), site.name)] = [0, handle]
             slot[0] += 1
 
 
@@ -360,13 +523,13 @@ def _release(model: HeadModel, switch: bool, sites) -> None:
                     if slot[0] == 0:
                         c._attn_implementation_internal = slot[1]
                         del _SWITCHED[id(c)]
-        for module, _, _ in sites:
-            slot = _HOOKED.get(id(module))
+        for module, site, _ in sites:
+            slot = _HOOKED.get((id(module), site.name))
             if slot is not None:
                 slot[0] -= 1
                 if slot[0] == 0:
                     slot[1].remove()
-                    del _HOOKED[id(module)]
+                    del _HOOKED[(id(module), site.name)]
 
 
 @contextlib.contextmanager
@@ -377,19 +540,15 @@ def editing(
 
     Args:
         model: the `HeadModel` to edit.
-        edits: one edit or a list: any mix of `LogitBias`, `ProbEdit` (incl.
-            `Recorder`), `HeadOutputEdit` and `QueryEdit`. Identity edits (`is_identity()`) are
+        edits: one edit or a list: any mix of edits of the sites in `SITES`
+            (`QueryEdit`, `LogitBias`, `ProbEdit` incl. `Recorder`, `HeadOutputEdit`,
+            `ResidualEdit`). Identity edits (`is_identity()`) are
             skipped, so alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
         require_fired: on normal exit, raise `EditNeverFired` if an active edit was
             never run by the model (default True).
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.
-
-    A forward with `output_attentions=True` inside the block returns, for every layer, the
-    pattern the model actually used (after the edits; `[B, H, q, k]` in the query dtype, fully
-    masked padding rows all 0), also on an SDPA-loaded model (whose unedited layers then take
-    the eager path for that call).
 
     Edits are seen only by the thread (and `contextvars` context) that entered the
     block: another thread running the same model meanwhile gets the unedited model.
@@ -402,7 +561,8 @@ def editing(
             parameter, or a model whose attention backend is neither `sdpa` nor
             `eager` (e.g. FlashAttention-2). Nothing is changed on the model then.
             Also, from the forward pass, an attention edit on a sliding-window
-            layer once the sequence reaches the window.
+            layer once a KV cache reaches the window, or a keyword the model passes to
+            its attention function that the edited path does not reproduce.
         TypeError: an object that is not an edit.
         EditNeverFired: see `require_fired`.
     """
@@ -411,25 +571,16 @@ def editing(
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
-    switch = any(isinstance(e, (LogitBias, ProbEdit)) for e in active)
+    switch = any(SITES[e.site].attention for e in active)
     sites = _hook_sites(model, active)
 
     table: dict[int, _LayerEdits] = {}
     for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits
-        table[key] = _LayerEdits(
-            v.layer, v.n_heads, v.window, list(v.bias), list(v.probs), list(v.outputs), list(v.queries)
-        )
+        table[key] = _LayerEdits(v.layer, v.n_heads, v.window, {k: list(x) for k, x in v.sites.items()})
     for e in active:
         key = id(model.attentions[e.layer])
         slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
-        if isinstance(e, LogitBias):
-            slot.bias.append(e)
-        elif isinstance(e, ProbEdit):
-            slot.probs.append(e)
-        elif isinstance(e, QueryEdit):
-            slot.queries.append(e)
-        else:
-            slot.outputs.append(e)
+        slot.sites.setdefault(e.site, []).append(e)
 
     _acquire(model, switch, sites)
     token = _ACTIVE.set(table)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import HeadModel
+from .families import family_of
+from .model import HeadModel, _get
 from .progress import ProgressArg, progress_callback
 from .scores import HeadScores
 from .tokens import readable_token
@@ -89,28 +90,30 @@ class RelationPairs:
             raise ValueError(f"relation {self.name!r}: {len(self.texts)} texts for {len(self.pairs)} pairs")
 
 
-_PRE_NORM_MLP = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
-
-
 def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
     """Output of layer 0's MLP (after its pre-MLP norm) on rows `x` `[n, d_model]`.
 
+    The pre-MLP norm comes from the family table (`Family.mlp_norm`: Llama-style
+    `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`, GPT-2's `ln_2`).
+
     Raises:
-        ValueError: an architecture whose MLP input norm is not known here (e.g. post-norm
-            models such as OLMo-2); use `apply_first_mlp=False` for them.
+        ValueError: a family whose MLP reads the raw residual with no input norm (post-norm
+            models such as OLMo 2), where this source representation is not defined; use
+            `apply_first_mlp=False` for them.
     """
+    config = model.model.config  # looked up now: the family as the config names it
+    kind = getattr(config, "model_type", None)
+    try:
+        fam = family_of(config)
+    except ValueError:
+        fam = None
+    if fam is None or fam.mlp_norm is None:
+        raise ValueError(
+            f"the first-MLP source representation is not defined here for model_type {kind!r} "
+            "(not a known family, or its MLP has no input norm); pass apply_first_mlp=False"
+        )
     block = model.layers[0]
-    kind = getattr(model.model.config, "model_type", "")
-    if hasattr(block, "pre_feedforward_layernorm"):  # Gemma 2/3: the MLP's own pre-norm
-        return block.mlp(block.pre_feedforward_layernorm(x))
-    if kind in _PRE_NORM_MLP and hasattr(block, "post_attention_layernorm"):  # Llama-style pre-norm
-        return block.mlp(block.post_attention_layernorm(x))
-    if kind == "gpt2":
-        return block.mlp(block.ln_2(x))
-    raise ValueError(
-        f"the first-MLP source representation is not defined here for model_type {kind!r}; "
-        "pass apply_first_mlp=False"
-    )
+    return _get(block, fam.mlp)(_get(block, fam.mlp_norm)(x))
 
 
 @torch.no_grad()

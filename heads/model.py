@@ -5,37 +5,26 @@ Everything in headsteer talks to a model through this adapter: geometry
 attention and output-projection modules of each layer, and head-major weight
 views named as in TransformerLens (`W_Q`, `W_K`, `W_V`, `W_O`, `W_E`, `W_U`).
 Shapes are read from the real modules' weights, never from
-`hidden_size / num_attention_heads`.
+`hidden_size / num_attention_heads`. Where the modules live and every other
+family-specific fact comes from the model-family table (`heads.families`), kept as
+`HeadModel.family`; a family not in the table, or a feature the edit engine does not
+reproduce, is refused here with a `ValueError`.
 """
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .families import Family, family_of
+
 __all__ = ["HeadModel"]
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where an architecture keeps its decoder layers and attention projections."""
-
-    layers: str  # dotted path from the causal-LM module to the ModuleList of blocks
-    attn: str  # attribute of a block holding the attention module
-    out_proj: str  # attribute of the attention module: the output projection (o_proj)
-    fused_qkv: str | None = None  # GPT-2 style Conv1D holding [W_Q | W_K | W_V]
-
-
-_LAYOUTS = {
-    "gpt2": _Layout("transformer.h", "attn", "c_proj", fused_qkv="c_attn"),
-}
-_DEFAULT_LAYOUT = _Layout("model.layers", "self_attn", "o_proj")
-
-
 def _get(obj: object, dotted: str) -> object:
+    """`obj.a.b.c` for `dotted = "a.b.c"` (AttributeError if a part is missing)."""
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
@@ -46,17 +35,22 @@ class HeadModel:
 
     Args:
         model: a `transformers` causal LM (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
-            `MistralForCausalLM`, `GPT2LMHeadModel`, …) whose attention goes through
-            `transformers`' `AttentionInterface`.
+            `Phi3ForCausalLM`, `GPT2LMHeadModel`, …) or vision-language model (LLaVA,
+            Qwen2-VL, Idefics3 / SmolVLM, Gemma 3) of a family in `heads.families.FAMILIES`;
+            for a VLM the heads are those of its language model.
         tokenizer: its (fast) tokenizer; needed for text prompts and spans.
         name: a model id recorded in every `HeadScores` produced with this model.
         processor: for a vision-language model, its processor (image processor +
             tokenizer; `heads.images` uses it to encode prompts with images).
 
+    Every family-specific fact (module paths, fused QKV, sliding windows, QK-norm, …) comes
+    from its `heads.families` entry, kept as `.family`.
+
     Raises:
         TypeError: `model` is not an `nn.Module` with a `config`.
-        ValueError: the architecture's decoder layers or attention projections
-            cannot be found.
+        ValueError: a `model_type` not in the family table, a config feature the edit engine
+            does not reproduce (refused here, before anything is changed), or a model whose
+            modules are not where its family entry says.
     """
 
     def __init__(
@@ -68,32 +62,31 @@ class HeadModel:
     ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        cfg = model.config
+        fam = family_of(cfg)  # ValueError for an unknown or refused family, before any change
+        try:
+            decoder = _get(model, fam.decoder)
+            layers = list(_get(decoder, fam.layers))
+            attentions = [_get(b, fam.attention) for b in layers]
+            out_projs = [_get(a, fam.o_proj) for a in attentions]
+            q_projs = [_get(a, fam.qkv_proj or fam.q_proj) for a in attentions]
+            unembed = _get(model, fam.unembed)
+        except AttributeError as e:
+            raise ValueError(
+                f"model_type {cfg.model_type!r} ({type(model).__name__}) does not have the modules its "
+                f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
+            ) from None
         self.model = model
         self.tokenizer = tokenizer
         self.processor = processor
-        cfg = model.config
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
-        self._layout = _LAYOUTS.get(getattr(cfg, "model_type", ""), _DEFAULT_LAYOUT)
-        try:
-            layers = _get(model, self._layout.layers)
-        except AttributeError:
-            # Vision-language wrappers keep the language model one level down
-            # (LLaVA, Qwen2-VL: `language_model`; Idefics3 / SmolVLM: `text_model`).
-            for path in ("model.language_model.layers", "model.text_model.layers"):
-                try:
-                    layers = _get(model, path)
-                except AttributeError:
-                    continue
-                self._layout = _Layout(path, "self_attn", "o_proj")
-                break
-            else:
-                raise ValueError(f"cannot find decoder layers of model_type={cfg.model_type!r}") from None
-        self.layers: list[nn.Module] = list(layers)
-        self.attentions: list[nn.Module] = [getattr(b, self._layout.attn) for b in self.layers]
-        self.out_projs: list[nn.Module] = [getattr(a, self._layout.out_proj) for a in self.attentions]
-        self.q_projs: list[nn.Module] = [
-            getattr(a, self._layout.fused_qkv or "q_proj") for a in self.attentions
-        ]
+        self.family: Family = fam
+        self.decoder: nn.Module = decoder
+        self.layers: list[nn.Module] = layers
+        self.attentions: list[nn.Module] = attentions
+        self.out_projs: list[nn.Module] = out_projs
+        self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
+        self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
         a0 = self.attentions[0]
         self.d_head: int = int(a0.head_dim)
         self.n_layers: int = len(self.layers)
@@ -103,7 +96,7 @@ class HeadModel:
         self.n_heads: int = in_o // self.d_head
         self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
         self.d_model: int = int(self._o_weight(0).shape[1])
-        self.d_vocab: int = int(self.model.get_output_embeddings().weight.shape[0])
+        self.d_vocab: int = int(self.unembed.weight.shape[0])
 
     # ----------------------------------------------------------------- geometry
     @property
@@ -139,16 +132,35 @@ class HeadModel:
         return list(seen.values())
 
     def sliding_window(self, layer: int) -> int | None:
-        """Sliding-window size of `layer`'s attention, or None for full attention."""
-        attn = self.attentions[layer]
-        if hasattr(attn, "sliding_window"):
-            return attn.sliding_window
-        cfg = getattr(attn, "config", self.model.config)
-        window = getattr(cfg, "sliding_window", None)
-        types = getattr(cfg, "layer_types", None)
-        if window is not None and types is not None and types[layer] != "sliding_attention":
+        """Sliding-window size (keys) of `layer`'s attention, or None for full attention.
+
+        Read through the family table (`Family.sliding_window`): `"all"` layers use
+        `config.sliding_window`, `"layer_types"` only the `"sliding_attention"` ones.
+        """
+        rule = self.family.sliding_window
+        if rule == "none":
             return None
-        return window
+        cfg = getattr(self.attentions[layer], "config", self.model.config)
+        window = getattr(cfg, "sliding_window", None)
+        if rule == "layer_types":
+            types = getattr(cfg, "layer_types", None)
+            if types is None or types[layer] != "sliding_attention":
+                return None
+        return int(window) if window else None
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm applied to the residual stream before the unembedding."""
+        return _get(self.decoder, self.family.final_norm)
+
+    def mlp(self, layer: int) -> nn.Module:
+        """The MLP of decoder block `layer`."""
+        return _get(self.layers[layer], self.family.mlp)
+
+    def mlp_norm(self, layer: int) -> nn.Module | None:
+        """The norm on the MLP's input in block `layer`, or None (the MLP reads the raw residual)."""
+        name = self.family.mlp_norm
+        return None if name is None else _get(self.layers[layer], name)
 
     @property
     def max_positions(self) -> int | None:
@@ -177,18 +189,23 @@ class HeadModel:
     # ------------------------------------------------------------------ weights
     def _o_weight(self, layer: int) -> torch.Tensor:
         """Output projection as `[n_heads * d_head, d_model]` (input rows, output columns)."""
-        proj = self.out_projs[layer]
-        w = proj.weight
-        return w if self._layout.fused_qkv else w.T  # Conv1D stores [in, out]
+        w = self.out_projs[layer].weight
+        return w if self.family.conv1d else w.T  # Conv1D stores [in, out]
 
     def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K, V projections as `[d_model, width]` matrices."""
-        attn = self.attentions[layer]
-        if self._layout.fused_qkv:
-            w = getattr(attn, self._layout.fused_qkv).weight  # [d_model, 3 * d_model]
-            q, k, v = w.split(w.shape[1] // 3, dim=1)
+        """Q, K, V projections as `[d_model, width]` matrices (widths H*d, G*d, G*d)."""
+        fam, attn = self.family, self.attentions[layer]
+        if fam.fused_qkv:
+            w = _get(attn, fam.qkv_proj).weight
+            w = w if fam.conv1d else w.T  # [d_model, (H + 2G) * d]
+            q_w, kv_w = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+            if w.shape[1] != q_w + 2 * kv_w:
+                raise ValueError(f"fused QKV width {w.shape[1]} is not {q_w} + 2 x {kv_w}")
+            q, k, v = w.split([q_w, kv_w, kv_w], dim=1)
             return q, k, v
-        return attn.q_proj.weight.T, attn.k_proj.weight.T, attn.v_proj.weight.T
+        mats = [_get(attn, p).weight for p in (fam.q_proj, fam.k_proj, fam.v_proj)]
+        q, k, v = (m if fam.conv1d else m.T for m in mats)
+        return q, k, v
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Head-major views (no copy) of one layer's weights, always current.
@@ -240,7 +257,7 @@ class HeadModel:
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802
         """`[d_model, d_vocab]` unembedding (the LM head, transposed)."""
-        return self.model.get_output_embeddings().weight.detach().T
+        return self.unembed.weight.detach().T
 
     def __repr__(self) -> str:
         return (

@@ -86,3 +86,24 @@ def test_query_scale_exact_gives_uniform_pattern(tiny_any, enc):
         n = len(idx)
         want = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
         torch.testing.assert_close(p[b][idx][:, idx], want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "gemma3_text", "qwen3", "olmo2", "llava", "qwen2_vl"])
+def test_pasta_generation_on_more_families(kind, tokenizer):
+    """PASTA through `SteeredModel` on the families of the family table: KV cache on and off
+    and a left-padded batch give the same tokens as single runs, and steering acts."""
+    from test_families import tiny_family_model
+
+    hm = tiny_family_model(kind, "eager", vocab_size=tokenizer.vocab_size, sliding_window=512)
+    hm.tokenizer = tokenizer
+    sm = SteeredModel(hm)
+    steer = [Pasta({"0": [0, 1], "1": [2]}, alpha=0.01)]
+    batch = sm.generate(PROMPTS, steer=steer, max_new_tokens=4, chat=False)
+    nocache = sm.generate(PROMPTS, steer=steer, max_new_tokens=4, chat=False, use_cache=False)
+    assert batch.token_ids == nocache.token_ids
+    alone = sm.generate(PROMPTS[1], steer=steer, max_new_tokens=4, chat=False)
+    assert alone.token_ids[0] == batch.token_ids[1]
+    enc = encode_prompts(tokenizer, PROMPTS, chat=False)
+    with editing(hm, Pasta({"0": [0, 1]}, alpha=0.01).edits(hm, enc)):
+        steered = forward(hm, enc)
+    assert (steered - forward(hm, enc))[enc.attention_mask.bool()].abs().max() > 1e-5

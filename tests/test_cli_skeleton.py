@@ -56,6 +56,7 @@ def test_every_command_takes_the_shared_options():
         "report all",
         "profile pasta",
         "profile act",
+        "serve",
     }
     assert all(not missing for missing in names.values()), names
 

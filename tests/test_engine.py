@@ -230,3 +230,130 @@ def test_eager_backend_model(tokenizer, enc):
     torch.testing.assert_close(abl[real], abl2[real], atol=1e-5, rtol=0)
     assert eager.model.config._attn_implementation == "eager"
     assert torch.equal(forward(eager, enc), base)
+
+
+# --------------------------------------------------------------------------- edit sites
+def test_every_edit_class_declares_a_registered_site(tiny_llama):
+    from heads.edits import (
+        Edit,
+        HeadOutputEdit,
+        LogitBias,
+        ProbEdit,
+        QueryEdit,
+        ResidualEdit,
+        ResidualRecorder,
+    )
+
+    sites = {
+        c: c.site for c in (QueryEdit, LogitBias, ProbEdit, HeadOutputEdit, ResidualEdit, ResidualRecorder)
+    }
+    assert sites[QueryEdit] == "query" and sites[ResidualRecorder] == "residual"
+    assert set(sites.values()) <= set(engine.SITES)
+    assert Edit.site is None  # the abstract base is not an edit of any site
+    with pytest.raises(TypeError, match="not a headsteer edit"):
+        with editing(tiny_llama, [Edit(layer=0)]):
+            pass
+
+
+def test_residual_recorder_reads_the_layer_input(tiny_llama, enc):
+    base = forward(tiny_llama, enc, output_hidden_states=True)
+    from heads.edits import ResidualRecorder
+
+    recs = [ResidualRecorder(layer=la) for la in range(tiny_llama.n_layers)]
+    with editing(tiny_llama, recs):
+        out = forward(tiny_llama, enc)
+    assert torch.equal(out, base.logits)  # read-only: bitwise unchanged
+    for la, rec in enumerate(recs):
+        (x,) = rec.records
+        assert torch.equal(x, base.hidden_states[la])  # hidden_states[l] enters layer l
+    assert all(not b._forward_pre_hooks for b in tiny_llama.layers)
+
+
+def test_residual_edit_replacing_the_input_equals_a_fed_residual(tiny_llama, enc):
+    """Oracle: `heads.prefix.starting_at` feeds a given residual into layer 1 another way."""
+    from heads.edits import ResidualEdit
+    from heads.prefix import starting_at
+
+    base = forward(tiny_llama, enc, output_hidden_states=True)
+    delta = torch.randn(tiny_llama.d_model, generator=torch.Generator().manual_seed(0))
+
+    class Shift(ResidualEdit):
+        def apply(self, x, call):
+            return x + delta
+
+    with editing(tiny_llama, [Shift(layer=1)]):
+        got = forward(tiny_llama, enc)
+    with starting_at(tiny_llama, 1, base.hidden_states[1] + delta):
+        want = forward(tiny_llama, enc)
+    assert torch.equal(got, want)
+    assert (got - base.logits).abs().max() > 1e-3
+
+    class Bad(ResidualEdit):
+        def apply(self, x, call):
+            return x[:, :1]
+
+    with pytest.raises(ValueError, match="residual edit returns None or"):
+        with editing(tiny_llama, [Bad(layer=0)]):
+            forward(tiny_llama, enc)
+
+
+def test_residual_edit_sees_absolute_positions_at_decode_steps(tiny_llama, tokenizer):
+    from heads.edits import ResidualRecorder
+
+    enc1 = encode_prompts(tokenizer, "one two three four", chat=False)
+    rec = ResidualRecorder(layer=2, fn=lambda x, call: (call.q_offset, call.q_len, x.shape[1]))
+    with editing(tiny_llama, [rec]):
+        tiny_llama.model.generate(
+            input_ids=enc1.input_ids,
+            attention_mask=enc1.attention_mask,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    n = enc1.length
+    assert rec.records == [(0, n, n), (n, 1, 1), (n + 1, 1, 1)]
+
+
+def test_adding_a_site_is_one_table_entry(tiny_llama, enc, monkeypatch):
+    """A new hook site (here: the MLP's input) needs one `Site` entry and an edit declaring it."""
+    from heads.edits import Edit
+
+    def mlp_hook(key, model, layer):
+        def hook(module, args):
+            slot = engine._ACTIVE.get().get(key)
+            edits = slot.get("mlp_input") if slot is not None else []
+            for e in edits:
+                e.calls += 1
+            return (args[0] * 0,) if edits else None
+
+        return hook
+
+    site = engine.Site("mlp_input", module=lambda m, la: m.mlp(la), hook=mlp_hook)
+    monkeypatch.setitem(engine.SITES, "mlp_input", site)
+
+    class ZeroMlp(Edit):
+        site = "mlp_input"
+
+    base = forward(tiny_llama, enc)
+    edit = ZeroMlp(layer=1)
+    with editing(tiny_llama, [edit]):
+        got = forward(tiny_llama, enc)
+    assert edit.calls == 1 and (got - base).abs().max() > 1e-4
+    # oracle: the same MLP input zeroed by hand
+    handle = tiny_llama.mlp(1).register_forward_pre_hook(lambda m, a: (a[0] * 0,))
+    try:
+        want = forward(tiny_llama, enc)
+    finally:
+        handle.remove()
+    assert torch.equal(got, want)
+    assert torch.equal(forward(tiny_llama, enc), base)
+
+
+def test_output_attentions_inside_editing_returns_every_layer(tokenizer, enc):
+    eager = make_tiny("llama", tokenizer, attn="eager")
+    rec = Recorder(layer=1)
+    with editing(eager, [ZeroRow(layer=1, heads=[0]), rec]):
+        out = eager.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, output_attentions=True)
+    assert len(out.attentions) == eager.n_layers
+    assert torch.equal(out.attentions[1], rec.records[0])
+    assert torch.all(out.attentions[1][:, 0] == 0)

@@ -31,6 +31,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
     set_global,
 )
 from .cli_eval import register as register_eval  # noqa: E402
+from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
     help="headsteer: attention-head scoring and attention steering.",
@@ -43,7 +44,7 @@ report_app = typer.Typer(
 )
 app.add_typer(report_app, name="report")
 register_eval(app)
-app.command("serve")(__import__("viz.serve", fromlist=["serve_command"]).serve_command)
+command(app, "serve")(serve_command)
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""

@@ -235,15 +235,19 @@ class Run:
         return [p for p, before in self.planned.items() if (now := _stat(p)) is not None and now != before]
 
     # -- model and progress
-    def load(self):
-        """Load `--model` on `--device` in `--dtype`, with a status line on stderr; a `HeadModel`."""
+    def load(self, device_map: str | dict | None = None):
+        """Load `--model` on `--device` in `--dtype`, with a status line on stderr; a `HeadModel`.
+
+        `device_map` (e.g. `"auto"`) places the layers through accelerate instead of `--device`.
+        """
         from heads import load_model
 
         dtype = check_dtype(self.dtype)
         _quiet_transformers()
         name = self.model or "the embedded SmolLM2-135M-Instruct"
-        with self.status(f"loading {name} ({self.dtype}, {self.device})…"):
-            return load_model(self.model, dtype=dtype, device=self.device)
+        where = self.device if device_map is None else f"device_map={device_map}"
+        with self.status(f"loading {name} ({self.dtype}, {where})…"):
+            return load_model(self.model, dtype=dtype, device=self.device, device_map=device_map)
 
     def status(self, msg: str):
         """A spinner on a terminal, one plain line otherwise, nothing with `--quiet`."""

@@ -32,6 +32,8 @@ from typing import Annotated
 
 import typer
 
+from .cli_common import Run
+
 __all__ = ["MAX_PROMPT_CHARS", "check_loopback", "create_app", "serve_command"]
 
 MAX_PROMPT_CHARS = 100_000
@@ -317,10 +319,7 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
 
 
 def serve_command(
-    model: Annotated[
-        str | None,
-        typer.Option(help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)"),
-    ] = None,
+    run: Run,
     host: Annotated[str, typer.Option(help="loopback address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     max_batch: Annotated[int, typer.Option(help="most requests decoded together")] = 32,
@@ -328,37 +327,21 @@ def serve_command(
     device_map: Annotated[
         str | None, typer.Option(help='"auto": spread the layers over the GPUs (then CPU) with accelerate')
     ] = None,
-    dtype: Annotated[str, typer.Option(help="weight dtype: float32, bfloat16 or float16")] = "float32",
 ) -> None:
     """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop)."""
-    from .cli_common import USER_ERRORS, _fail, _load
-
+    check_loopback(host)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    if max_batch < 1 or not 0 <= batch_wait_ms <= 10_000:
+        raise ValueError(
+            f"--max-batch must be >= 1 and --batch-wait-ms in [0, 10000], got {max_batch}, {batch_wait_ms}"
+        )
     try:
-        check_loopback(host)
-        if not 0 <= port <= 65535:
-            raise ValueError(f"--port must be in 0..65535, got {port}")
-        if max_batch < 1 or not 0 <= batch_wait_ms <= 10_000:
-            raise ValueError(
-                f"--max-batch must be >= 1 and --batch-wait-ms in [0, 10000], "
-                f"got {max_batch}, {batch_wait_ms}"
-            )
-        try:
-            import uvicorn
-        except ImportError:
-            raise ValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
-        if device_map not in (None, "auto"):
-            raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-        if device_map is None and dtype == "float32":
-            hm = _load(model)
-        else:
-            import torch
-
-            from heads import load_model
-
-            hm = load_model(model, device_map=device_map, dtype=getattr(torch, dtype))
-        app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
-    except USER_ERRORS as exc:
-        _fail(exc)
+        import uvicorn
+    except ImportError:
+        raise ValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
+    if device_map not in (None, "auto"):
+        raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
+    hm = run.load(device_map=device_map)
+    app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=600)
