@@ -26,7 +26,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -196,7 +196,13 @@ MAX_FACTOR = 1e4
 """Largest |factor| a scaling edit accepts: beyond it activations overflow in low precision."""
 
 
-def check_factor(edit: Edit) -> None:
+class _Scaling(Protocol):
+    """An edit with a scale `factor` (`HeadScale`, `QueryScale`)."""
+
+    factor: float
+
+
+def check_factor(edit: _Scaling) -> None:
     """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
     name, factor = type(edit).__name__, edit.factor
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
@@ -261,7 +267,7 @@ class HeadScale(HeadOutputEdit):
     def _rows(self, call: AttentionCall) -> torch.Tensor:
         """`[q_len]` bool: the call's query rows at the chosen positions (see the class doc)."""
         rows = torch.zeros(call.q_len, dtype=torch.bool)
-        for p in self.positions:
+        for p in self.positions or ():  # called only with positions set
             r = int(p) - call.q_offset if p >= 0 else call.q_len + int(p)
             if 0 <= r < call.q_len:
                 rows[r] = True

@@ -40,12 +40,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from .edits import AttentionCall, Edit
+from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
 from .families import family_of
 from .model import HeadModel
 
@@ -180,7 +181,8 @@ def _edited_attention(
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
     device = query.device
-    biases, probs_edits = edits.get("logits"), edits.get("probs")
+    biases = cast("list[LogitBias]", edits.get("logits"))  # the site's edits are its subclass
+    probs_edits = cast("list[ProbEdit]", edits.get("probs"))
     head_masks = {
         id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
     }
@@ -235,8 +237,8 @@ def _edited_attention(
         scores = scores + add
         visible = (add > _MIN / 2).expand_as(scores)
         probs = torch.where(visible, torch.softmax(scores, dim=-1), 0.0)  # fully masked rows: all 0
-        for ed in probs_edits:
-            probs = torch.where(head_masks[id(ed)], ed.apply(probs, call), probs)
+        for pe in probs_edits:
+            probs = torch.where(head_masks[id(pe)], pe.apply(probs, call), probs)
             probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
         if want_probs:
@@ -246,7 +248,9 @@ def _edited_attention(
     return out.transpose(1, 2).contiguous(), pattern
 
 
-def _apply_head_edits(edits: list[Edit], z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+def _apply_head_edits(
+    edits: Sequence[QueryEdit | HeadOutputEdit], z: torch.Tensor, call: AttentionCall
+) -> torch.Tensor:
     """Apply per-head edits to `z` `[B, T, H, d]` (each only on its (row, head) pairs).
 
     An edit that does not act on this call (`Edit.acts_on`, e.g. positions outside it) is
@@ -434,6 +438,12 @@ class Site:
     with_kwargs: bool = False
     positions: bool = False
 
+    def target(self, model: HeadModel, layer: int) -> nn.Module:
+        """The module this hook site hooks in `layer` (TypeError for a site without one)."""
+        if self.module is None:
+            raise TypeError(f"site {self.name!r} hooks no module")
+        return self.module(model, layer)
+
 
 _POSITIONS = Site("positions", module=lambda m, la: m.attentions[la], hook=_offset_hook, with_kwargs=True)
 """Internal companion of the sites with `positions=True` (no edit targets it)."""
@@ -449,6 +459,11 @@ SITES: dict[str, Site] = {
     )
 }
 """Every edit site, keyed by `Edit.site`."""
+
+
+def _site(e: Edit) -> Site:
+    """The `SITES` entry of a validated edit (`_validate` checked its `site` is a key)."""
+    return SITES[cast(str, e.site)]
 
 
 def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
@@ -477,11 +492,11 @@ def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[nn.Modul
     """(module, site, layer) for every hook the active edits need."""
     sites = {}
     for e in active:
-        site = SITES[e.site]
+        site = _site(e)
         if site.hook is not None:
-            sites[(site.name, e.layer)] = (site.module(model, e.layer), site, e.layer)
+            sites[(site.name, e.layer)] = (site.target(model, e.layer), site, e.layer)
         if site.positions:
-            sites[(_POSITIONS.name, e.layer)] = (_POSITIONS.module(model, e.layer), _POSITIONS, e.layer)
+            sites[(_POSITIONS.name, e.layer)] = (_POSITIONS.target(model, e.layer), _POSITIONS, e.layer)
     return list(sites.values())
 
 
@@ -571,7 +586,7 @@ def editing(
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
-    switch = any(SITES[e.site].attention for e in active)
+    switch = any(_site(e).attention for e in active)
     sites = _hook_sites(model, active)
 
     table: dict[int, _LayerEdits] = {}
@@ -580,7 +595,7 @@ def editing(
     for e in active:
         key = id(model.attentions[e.layer])
         slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
-        slot.sites.setdefault(e.site, []).append(e)
+        slot.sites.setdefault(_site(e).name, []).append(e)
 
     _acquire(model, switch, sites)
     token = _ACTIVE.set(table)

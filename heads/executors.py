@@ -171,8 +171,8 @@ class RayExecutor(Executor):
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if isinstance(num_cpus, bool) or not isinstance(num_cpus, numbers.Real) or not num_cpus > 0:
             raise ValueError(f"num_cpus must be > 0, got {num_cpus!r}")
-        self.max_retries = int(max_retries)
-        self.num_cpus = float(num_cpus)
+        self.max_retries: int = int(max_retries)
+        self.num_cpus: float = float(num_cpus)
 
     def _ray(self):
         try:

@@ -30,6 +30,7 @@ Adding a family
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TypedDict
 
 __all__ = ["FAMILIES", "Family", "family_of", "supported_model_types"]
 
@@ -123,13 +124,23 @@ class Family:
         return self.qkv_proj is not None
 
 
-_GEMMA = dict(
-    mlp_norm="pre_feedforward_layernorm",
-    mlp_out_norm="post_feedforward_layernorm",
-    sliding_window="layer_types",
-    scaling="query_pre_attn_scalar ** -0.5",
-    final_softcap="final_logit_softcapping",
-)
+class _GemmaFields(TypedDict):
+    """The `Family` fields Gemma 2 and Gemma 3 share."""
+
+    mlp_norm: str
+    mlp_out_norm: str
+    sliding_window: str
+    scaling: str
+    final_softcap: str
+
+
+_GEMMA: _GemmaFields = {
+    "mlp_norm": "pre_feedforward_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+    "sliding_window": "layer_types",
+    "scaling": "query_pre_attn_scalar ** -0.5",
+    "final_softcap": "final_logit_softcapping",
+}
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f

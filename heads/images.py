@@ -335,7 +335,7 @@ def encode_image_prompts(
             placeholders; an emphasized span over a placeholder; bad prompts or spans.
     """
     proc = processor_of(model)
-    cfg = cast("PreTrainedConfig", model.model.config)
+    cfg = model.model.config
     tok = proc.tokenizer
     placeholder = image_placeholder(proc, cfg)
     token = proc.image_token

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .families import family_of
-from .model import HeadModel, _get
+from .model import HeadModel, _module
 from .progress import ProgressArg, progress_callback
 from .scores import HeadScores
 from .tokens import readable_token
@@ -113,7 +113,7 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
             "(not a known family, or its MLP has no input norm); pass apply_first_mlp=False"
         )
     block = model.layers[0]
-    return _get(block, fam.mlp)(_get(block, fam.mlp_norm)(x))
+    return _module(block, fam.mlp)(_module(block, fam.mlp_norm)(x))
 
 
 @torch.no_grad()
@@ -337,10 +337,14 @@ def maps_scores(
     for r, n in zip(relations, sizes, strict=True):
         sl = slice(start, start + n)
         start += n
-        common = dict(model=model.name, n_kv_heads=model.n_kv_heads)
         p = {**params, "relation": r.name, "k": r.k, "n_pairs": n}
-        out.relation[r.name] = HeadScores(hits[..., sl].float().mean(-1), "maps_relation", p, **common)
-        out.suppression[r.name] = HeadScores(supp[..., sl].float().mean(-1), "maps_suppression", p, **common)
+        rel, sup = hits[..., sl].float().mean(-1), supp[..., sl].float().mean(-1)
+        out.relation[r.name] = HeadScores(
+            rel, "maps_relation", p, model=model.name, n_kv_heads=model.n_kv_heads
+        )
+        out.suppression[r.name] = HeadScores(
+            sup, "maps_suppression", p, model=model.name, n_kv_heads=model.n_kv_heads
+        )
     return out
 
 

@@ -14,11 +14,15 @@ reproduce, is refused here with a `ValueError`.
 from __future__ import annotations
 
 import numbers
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from .families import Family, family_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 __all__ = ["HeadModel"]
 
@@ -28,6 +32,16 @@ def _get(obj: object, dotted: str) -> object:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _module(obj: object, dotted: str) -> nn.Module:
+    """`_get` for a path that names a submodule."""
+    return cast(nn.Module, _get(obj, dotted))
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """`module.weight` (a projection, embedding or LM head)."""
+    return cast(torch.Tensor, module.weight)
 
 
 class HeadModel:
@@ -56,29 +70,30 @@ class HeadModel:
     def __init__(
         self,
         model: nn.Module,
-        tokenizer: object | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         name: str | None = None,
-        processor: object | None = None,
+        processor: ProcessorMixin | None = None,
     ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        model = cast("PreTrainedModel", model)
         cfg = model.config
         fam = family_of(cfg)  # ValueError for an unknown or refused family, before any change
         try:
-            decoder = _get(model, fam.decoder)
-            layers = list(_get(decoder, fam.layers))
-            attentions = [_get(b, fam.attention) for b in layers]
-            out_projs = [_get(a, fam.o_proj) for a in attentions]
-            q_projs = [_get(a, fam.qkv_proj or fam.q_proj) for a in attentions]
-            unembed = _get(model, fam.unembed)
+            decoder = _module(model, fam.decoder)
+            layers = list(cast(nn.ModuleList, _get(decoder, fam.layers)))
+            attentions = [_module(b, fam.attention) for b in layers]
+            out_projs = [_module(a, fam.o_proj) for a in attentions]
+            q_projs = [_module(a, cast(str, fam.qkv_proj or fam.q_proj)) for a in attentions]
+            unembed = _module(model, fam.unembed)
         except AttributeError as e:
             raise ValueError(
                 f"model_type {cfg.model_type!r} ({type(model).__name__}) does not have the modules its "
                 f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
             ) from None
-        self.model = model
-        self.tokenizer = tokenizer
-        self.processor = processor
+        self.model: PreTrainedModel = model
+        self.tokenizer: PreTrainedTokenizerBase | None = tokenizer
+        self.processor: ProcessorMixin | None = processor
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
         self.family: Family = fam
         self.decoder: nn.Module = decoder
@@ -88,7 +103,7 @@ class HeadModel:
         self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
         self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
         a0 = self.attentions[0]
-        self.d_head: int = int(a0.head_dim)
+        self.d_head: int = int(cast(int, a0.head_dim))
         self.n_layers: int = len(self.layers)
         in_o = self._o_weight(0).shape[0]
         if in_o % self.d_head:
@@ -96,7 +111,7 @@ class HeadModel:
         self.n_heads: int = in_o // self.d_head
         self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
         self.d_model: int = int(self._o_weight(0).shape[1])
-        self.d_vocab: int = int(self.unembed.weight.shape[0])
+        self.d_vocab: int = int(_weight(self.unembed).shape[0])
 
     # ----------------------------------------------------------------- geometry
     @property
@@ -123,9 +138,9 @@ class HeadModel:
         return next(self.model.parameters()).dtype
 
     @property
-    def attention_configs(self) -> list[object]:
+    def attention_configs(self) -> list[PreTrainedConfig]:
         """The distinct config objects the attention modules read `_attn_implementation` from."""
-        seen: dict[int, object] = {}
+        seen: dict[int, PreTrainedConfig] = {}
         for a in self.attentions:
             cfg = getattr(a, "config", self.model.config)
             seen.setdefault(id(cfg), cfg)
@@ -151,16 +166,16 @@ class HeadModel:
     @property
     def final_norm(self) -> nn.Module:
         """The norm applied to the residual stream before the unembedding."""
-        return _get(self.decoder, self.family.final_norm)
+        return _module(self.decoder, self.family.final_norm)
 
     def mlp(self, layer: int) -> nn.Module:
         """The MLP of decoder block `layer`."""
-        return _get(self.layers[layer], self.family.mlp)
+        return _module(self.layers[layer], self.family.mlp)
 
     def mlp_norm(self, layer: int) -> nn.Module | None:
         """The norm on the MLP's input in block `layer`, or None (the MLP reads the raw residual)."""
         name = self.family.mlp_norm
-        return None if name is None else _get(self.layers[layer], name)
+        return None if name is None else _module(self.layers[layer], name)
 
     @property
     def max_positions(self) -> int | None:
@@ -189,21 +204,21 @@ class HeadModel:
     # ------------------------------------------------------------------ weights
     def _o_weight(self, layer: int) -> torch.Tensor:
         """Output projection as `[n_heads * d_head, d_model]` (input rows, output columns)."""
-        w = self.out_projs[layer].weight
+        w = _weight(self.out_projs[layer])
         return w if self.family.conv1d else w.T  # Conv1D stores [in, out]
 
     def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V projections as `[d_model, width]` matrices (widths H*d, G*d, G*d)."""
         fam, attn = self.family, self.attentions[layer]
         if fam.fused_qkv:
-            w = _get(attn, fam.qkv_proj).weight
+            w = _weight(_module(attn, cast(str, fam.qkv_proj)))
             w = w if fam.conv1d else w.T  # [d_model, (H + 2G) * d]
             q_w, kv_w = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
             if w.shape[1] != q_w + 2 * kv_w:
                 raise ValueError(f"fused QKV width {w.shape[1]} is not {q_w} + 2 x {kv_w}")
             q, k, v = w.split([q_w, kv_w, kv_w], dim=1)
             return q, k, v
-        mats = [_get(attn, p).weight for p in (fam.q_proj, fam.k_proj, fam.v_proj)]
+        mats = [_weight(_module(attn, cast(str, p))) for p in (fam.q_proj, fam.k_proj, fam.v_proj)]
         q, k, v = (m if fam.conv1d else m.T for m in mats)
         return q, k, v
 
@@ -252,12 +267,12 @@ class HeadModel:
     @property
     def W_E(self) -> torch.Tensor:  # noqa: N802
         """`[d_vocab, d_model]` token embedding."""
-        return self.model.get_input_embeddings().weight.detach()
+        return _weight(self.model.get_input_embeddings()).detach()
 
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802
         """`[d_model, d_vocab]` unembedding (the LM head, transposed)."""
-        return self.unembed.weight.detach().T
+        return _weight(self.unembed).detach().T
 
     def __repr__(self) -> str:
         return (

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,8 +35,6 @@ from .progress import Progress
 from .prompts import EncodedPrompts, position_ids
 
 if TYPE_CHECKING:  # pragma: no cover
-    from transformers import PreTrainedConfig
-
     from .scores import HeadSpec
 
 __all__ = [
@@ -91,7 +89,7 @@ def _forward(
     """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
     from transformers import DynamicCache
 
-    config = cast("PreTrainedConfig", model.model.config)
+    config = model.model.config
     dev = model.device
     pos = position_ids(mask)[:, mask.shape[1] - ids.shape[1] :]
     cache = None

@@ -161,7 +161,9 @@ def calibrate_act_heads(
         raise ValueError(f"labels must be in 0..{ids.shape[1] - 1}")
     heads = check_heads(model, heads, default_act_layers(model.n_layers))
     if executor is not None:
-        kw = dict(prompts=list(prompts), choices=[list(c) for c in choices], labels=[int(x) for x in labels])
+        kw: dict[str, object] = dict(
+            prompts=list(prompts), choices=[list(c) for c in choices], labels=[int(x) for x in labels]
+        )
         kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta, max_rows=max_rows, progress=False)
         parts = run_shards(
             "steer.act_calibration:calibrate_act_heads",

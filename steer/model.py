@@ -39,7 +39,7 @@ def _step_progress(report: Progress, start: int, total: int):
 class Intervention(Protocol):
     """Anything that turns an encoded batch into engine edits (e.g. `Pasta`)."""
 
-    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]: ...
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> Sequence[Edit]: ...
 
 
 class _GenerativeLM(Protocol):

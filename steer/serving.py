@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -36,6 +37,9 @@ from .model import Intervention
 from .pasta import Pasta
 from .profiles import shipped_profile
 from .spotlight import Spotlight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "Batcher",
@@ -214,14 +218,13 @@ class SamplingParams:
         mt = body.get(max_tokens_key)
         if mt is None:
             mt = body.get("max_completion_tokens")
-        kw = {
-            "max_tokens": MAX_TOKENS_DEFAULT if mt is None else mt,
-            "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
-            "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
-            "seed": body.get("seed"),
-            "stop": stop,
-        }
-        return cls(**kw)
+        return cls(
+            max_tokens=MAX_TOKENS_DEFAULT if mt is None else mt,
+            temperature=1.0 if body.get("temperature") is None else body["temperature"],
+            top_p=1.0 if body.get("top_p") is None else body["top_p"],
+            seed=body.get("seed"),
+            stop=stop,
+        )
 
 
 @dataclass
@@ -344,7 +347,13 @@ class _RowQueries(_RowEdits, QueryEdit):
         return self._rows(q, call, 2)  # [B, q, H, d]
 
 
-_WRAPPERS = {LogitBias: _RowBias, ProbEdit: _RowProbs, HeadOutputEdit: _RowOutputs, QueryEdit: _RowQueries}
+_RowWrapper = _RowBias | _RowProbs | _RowOutputs | _RowQueries
+_WRAPPERS: dict[type[Edit], type[_RowWrapper]] = {
+    LogitBias: _RowBias,
+    ProbEdit: _RowProbs,
+    HeadOutputEdit: _RowOutputs,
+    QueryEdit: _RowQueries,
+}
 
 
 class BatchGenerator:
@@ -421,7 +430,7 @@ class BatchGenerator:
         to the batch width `width`, so they see exactly the row (and absolute positions) they
         run on, and the cost per layer stays one pass over the batch.
         """
-        groups: dict[tuple[int, type], _RowEdits] = {}
+        groups: dict[tuple[int, type], _RowWrapper] = {}
         for b, p in enumerate(items):
             enc = _pad_to(p.enc, width, self.pad_id)
             for s in p.steer:
@@ -523,11 +532,11 @@ class BatchGenerator:
 
     def _advance(self, b, t, tokens, texts, reason, prm: SamplingParams) -> None:
         """Update row b's text after token t; set its finish reason on EOS, stop or length."""
-        tok = self.model.tokenizer
+        tok = cast("PreTrainedTokenizerBase", self.model.tokenizer)  # checked in __init__
         if t in self.eos_ids:
             reason[b] = "stop"
             return
-        text = tok.decode(tokens[b], skip_special_tokens=True)
+        text = cast(str, tok.decode(tokens[b], skip_special_tokens=True))  # one sequence -> one str
         cut = min((i for i in (text.find(s) for s in prm.stop) if i >= 0), default=-1)
         if cut >= 0:
             texts[b] = text[:cut]
