@@ -2,6 +2,7 @@
 
 from .ablate import Ablate
 from .act import Act, ActEdit
+from .iti import Iti
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
 from .spotlight import Spotlight, SpotlightEdit
@@ -12,6 +13,7 @@ __all__ = [
     "ActEdit",
     "Generation",
     "Intervention",
+    "Iti",
     "Pasta",
     "PastaBias",
     "SteeredModel",
