@@ -1,9 +1,10 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
 Methods: `none` (the unsteered model), `pasta`, `spotlight` (both need the task's emphasized
-span) and `act`. Choice tasks are scored from last-position log-probs (argmax over each
-choice's first token, `steer.act_calibration.choice_ids`); generate tasks by greedy generation
-through `SteeredModel.generate` (KV cache on) and the task's text metrics:
+span), `act` and `iti` (probes fitted on the task's train split). Choice tasks are scored
+from last-position log-probs (argmax over each choice's first token,
+`steer.act_calibration.choice_ids`); generate tasks by greedy generation through
+`SteeredModel.generate` (KV cache on) and the task's text metrics:
 
 | task | metrics |
 |---|---|
@@ -33,7 +34,7 @@ from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "act")
+METHODS = ("none", "pasta", "spotlight", "act", "iti")
 
 
 @dataclass
@@ -54,11 +55,13 @@ def method_steer(
     tau: float = 0.1,
     act_heads=None,
     beta: float = 0.4,
+    iti=None,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
     `pasta_heads` / `act_heads`: any head selection `HeadSet.parse` accepts, or None for the
-    shipped profile of the embedded model (`steer.profiles`).
+    shipped profile of the embedded model (`steer.profiles`). `iti`: a fitted `steer.Iti`
+    (`evaluate` fits one on the task's train split, `probes.head_probes.fit_iti`).
 
     Raises:
         ValueError: unknown method, or no head selection and no shipped profile for this model.
@@ -73,6 +76,12 @@ def method_steer(
         return []
     if method == "spotlight":
         return [Spotlight(tau=tau)]
+    if method == "iti":
+        if iti is None:
+            raise ValueError(
+                "method 'iti' needs a fitted steer.Iti (iti=...; see probes.head_probes.fit_iti)"
+            )
+        return [iti]
     kind = "pasta" if method == "pasta" else "act"
     heads = pasta_heads if method == "pasta" else act_heads
     if heads is None:
@@ -162,7 +171,8 @@ def evaluate(
         batch_size: prompts per forward / generate call.
         max_new_tokens: generation length for generate tasks (greedy).
         progress: called with the number of examples finished in each batch.
-        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `iti` (see
+            `method_steer`); `iti_k`, `iti_alpha` for the ITI fitted when no `iti` is given.
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -177,6 +187,11 @@ def evaluate(
         examples = examples[:limit]
     if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
+    iti_opts = {k[4:]: method_options.pop(k) for k in ("iti_k", "iti_alpha") if k in method_options}
+    if method == "iti" and method_options.get("iti") is None:  # probes on the train split only
+        from .head_probes import fit_iti
+
+        method_options["iti"] = fit_iti(model, task, batch_size=batch_size, **iti_opts)
     steer = method_steer(model, method, **method_options)
     step = progress or (lambda n: None)
     if examples[0].scoring == "choice":

@@ -101,7 +101,9 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
         mask = enc.span_mask().float()
         empty = [b for b in range(batch) if mask[b].sum() == 0]
         if empty:
-            raise ValueError(f"position='span' needs an emphasized span in every prompt; row {empty[0]} has none")
+            raise ValueError(
+                f"position='span' needs an emphasized span in every prompt; row {empty[0]} has none"
+            )
         return mask / mask.sum(1, keepdim=True)
     if isinstance(position, numbers.Integral) and not isinstance(position, bool):
         real = enc.attention_mask.sum(1)
@@ -213,6 +215,7 @@ def collect_head_outputs(
             arr = np.memmap(target, dtype=np.float32, mode="w+", shape=shape)
         out = torch.from_numpy(arr)
     else:
+        arr = None
         out = torch.empty(shape, dtype=torch.float32)
     order = sorted(range(n), key=lambda i: len(str(prompts[i])))
     step = progress or (lambda k: None)
@@ -232,8 +235,8 @@ def collect_head_outputs(
             forward(model, enc, logits_to_keep=1)
         out[torch.tensor(idx)] = torch.stack([r.value for r in recs], dim=1)
         step(len(idx))
-    if isinstance(out.numpy(), np.memmap):
-        out.numpy().flush()
+    if arr is not None:
+        arr.flush()
     return out
 
 
@@ -440,7 +443,9 @@ def fit_head_probes(
     for a in range(0, n, 256):
         chunk = np.asarray(x[a : a + 256])
         if not np.isfinite(chunk).all():
-            raise ValueError(f"acts hold NaN or inf (first bad row {a + int(np.argwhere(~np.isfinite(chunk))[0][0])})")
+            raise ValueError(
+                f"acts hold NaN or inf (first bad row {a + int(np.argwhere(~np.isfinite(chunk))[0][0])})"
+            )
     if estimator is None:
         estimator = LogisticRegression(max_iter=1000)
     elif not (hasattr(estimator, "fit") and hasattr(estimator, "get_params")):
@@ -456,7 +461,11 @@ def fit_head_probes(
         folds = list(splitter.split(np.zeros(n), y))
     pairs = [(la, h) for la in range(n_layers) for h in range(n_heads)]
     workers = 1 if n_jobs is None else int(n_jobs)
-    chunks = [pairs[i :: max(1, abs(workers)) * 4] for i in range(max(1, abs(workers)) * 4)] if workers != 1 else [pairs]
+    chunks = (
+        [pairs[i :: max(1, abs(workers)) * 4] for i in range(max(1, abs(workers)) * 4)]
+        if workers != 1
+        else [pairs]
+    )
     parts = Parallel(n_jobs=workers)(
         delayed(_fit_heads)(x, c, y, folds, estimator, int(seed)) for c in chunks if c
     )
@@ -470,7 +479,13 @@ def fit_head_probes(
     acc_iv = torch.tensor([_wilson(r["correct"], n) for r in rows], dtype=torch.float32)
     auc = grid("auc")
     auc_iv = torch.tensor([_auc_interval(r["auc"], n_pos, n_neg) for r in rows], dtype=torch.float32)
-    params = {"cv": int(cv), "n": n, "n_positive": n_pos, "estimator": repr(estimator), "groups": groups is not None}
+    params = {
+        "cv": int(cv),
+        "n": n,
+        "n_positive": n_pos,
+        "estimator": repr(estimator),
+        "groups": groups is not None,
+    }
     meta = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
     d = x.shape[3]
     return ProbeResult(
@@ -483,9 +498,9 @@ def fit_head_probes(
         probe_directions=torch.tensor(np.stack([r["probe"] for r in rows]), dtype=torch.float32).reshape(
             n_layers, n_heads, d
         ),
-        mass_mean_directions=torch.tensor(np.stack([r["mass_mean"] for r in rows]), dtype=torch.float32).reshape(
-            n_layers, n_heads, d
-        ),
+        mass_mean_directions=torch.tensor(
+            np.stack([r["mass_mean"] for r in rows]), dtype=torch.float32
+        ).reshape(n_layers, n_heads, d),
         probe_sigma=grid("probe_sigma"),
         mass_mean_sigma=grid("mass_mean_sigma"),
         n=n,
@@ -543,7 +558,9 @@ def probe_data(name: str, split: str = "train", limit: int | None = None) -> Pro
 
     if name not in PROBE_TASKS:
         raise ValueError(f"unknown probe task {name!r}: use one of {PROBE_TASKS}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
+    ):
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     if name == "harmful":
         if split not in ("train", "test"):
@@ -597,6 +614,16 @@ def fit_iti(
 
     from .tasks import load_task
 
+    if (
+        isinstance(k, bool)
+        or not isinstance(k, numbers.Integral)
+        or not 1 <= k <= model.n_layers * model.n_heads
+    ):
+        raise ValueError(f"k must be an int in 1..{model.n_layers * model.n_heads}, got {k!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+        raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if direction not in ("mass_mean", "probe"):
+        raise ValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
     examples = load_task(task, "train").examples[:limit]
     if examples[0].choices is None:
         raise ValueError(f"ITI needs a choice task (counterfact, sentiment, occupation), got {task!r}")

@@ -171,7 +171,9 @@ class Iti:
         """
         HeadSet(self.heads).check(model.n_layers, model.n_heads)
         if self.directions.shape[1] != model.d_head:
-            raise ValueError(f"directions have length {self.directions.shape[1]}, the model's d_head is {model.d_head}")
+            raise ValueError(
+                f"directions have length {self.directions.shape[1]}, the model's d_head is {model.d_head}"
+            )
         out: dict[int, torch.Tensor] = {}
         for (layer, head), theta, sigma in zip(self.heads, self.directions, self.sigmas, strict=True):
             shift = out.setdefault(layer, torch.zeros(model.n_heads, model.d_head))
@@ -185,7 +187,9 @@ class Iti:
             return []
         start = self.from_position if self.from_position >= 0 else enc.length + self.from_position
         if start < 0:
-            raise ValueError(f"from_position {self.from_position} is before the prompt start (length {enc.length})")
+            raise ValueError(
+                f"from_position {self.from_position} is before the prompt start (length {enc.length})"
+            )
         by_layer: dict[int, list[int]] = {}
         for layer, head in self.heads:
             by_layer.setdefault(layer, []).append(head)
