@@ -242,3 +242,46 @@ def test_wilson_is_symmetric_reference():
 
     assert _wilson(45, 90) == pytest.approx(wilson_interval(45, 90))
     assert math.isclose(sum(_wilson(45, 90)), 1.0, abs_tol=1e-12)
+
+
+def test_probes_report_and_cli(tiny_llama, tiny_llama_dir, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from viz.cli import app
+    from viz.probes_report import direction_cosines, probes_report
+
+    out = tmp_path / "probes.html"
+    path, summary = probes_report(tiny_llama, out, tasks=["sentiment", "counterfact"], limit=10, top=3, cv=3)
+    html = path.read_text()
+    assert "held-out probe accuracy" in html and "direction cosine" in html
+    assert summary["tasks"]["counterfact"]["rows"] == 20 and summary["tasks"]["sentiment"]["rows"] == 10
+    assert 0 <= summary["cosine"]["sentiment~counterfact"] <= 1
+    with pytest.raises(ValueError, match="exists"):
+        probes_report(tiny_llama, out, tasks=["sentiment"], limit=10)
+    x, y, _ = _planted(n=40)
+    res = fit_head_probes(x, y)
+    torch.testing.assert_close(direction_cosines(res, res), torch.ones(2, 3))
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["report", "probes", "--out", str(tmp_path / "p.html"), "--tasks", "truth"])
+    assert r.exit_code == 2 and "unknown --tasks entry 'truth'" in r.output
+    cli_out = tmp_path / "cli.html"
+    args = [
+        "report",
+        "probes",
+        "--out",
+        str(cli_out),
+        "--tasks",
+        "sentiment",
+        "--limit",
+        "10",
+        "--cv",
+        "3",
+        "--json",
+    ]
+    r = runner.invoke(app, [*args, "--model", tiny_llama_dir, "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output.strip().splitlines()[-1])["tasks"]["sentiment"]["rows"] == 10
+    assert cli_out.is_file()
