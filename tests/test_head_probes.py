@@ -174,8 +174,11 @@ def test_probe_finds_planted_head_and_matches_sklearn():
 
 def test_deterministic_and_parallel_equal():
     x, y, _ = _planted(n=60, seed=1)
+    from joblib import parallel_config
+
     a = fit_head_probes(x, y, seed=7, n_jobs=1)
-    b = fit_head_probes(torch.from_numpy(x), torch.from_numpy(y), seed=7, n_jobs=2)
+    with parallel_config(backend="threading"):  # process workers take a minute to start on 2 cores
+        b = fit_head_probes(torch.from_numpy(x), torch.from_numpy(y), seed=7, n_jobs=2)
     for key in ("probe_directions", "mass_mean_directions", "probe_sigma", "auc_low"):
         assert torch.equal(getattr(a, key), getattr(b, key))
     assert torch.equal(a.accuracy.scores, b.accuracy.scores)

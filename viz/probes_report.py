@@ -11,6 +11,7 @@ share), and the cosine between the tasks' mass-mean directions in every head.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -194,7 +195,8 @@ def probes_report(
         mean_abs = float(torch.stack([cos[la, h].abs() for la, h in chosen]).mean())
         summary["cosine"][f"{a}~{b}"] = round(mean_abs, 4)
         rep.figure(
-            f"mass-mean direction cosine: {a} vs {b} (mean |cos| over both top-{top} sets {mean_abs:.3f})",
+            f"mass-mean direction cosine: {a} vs {b} (mean |cos| over both top-{top} sets {mean_abs:.3f}; "
+            f"two random directions in d_head={model.d_head}: {math.sqrt(2 / (math.pi * model.d_head)):.3f})",
             _cosine_figure(cos, f"cos({a}, {b}) per head"),
         )
         score = HeadScores(cos.abs(), f"|cos| {a}~{b}", model=model.name, n_kv_heads=model.n_kv_heads)
