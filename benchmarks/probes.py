@@ -19,15 +19,21 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# This script shares its name with the `probes` package: drop its folder from the import path
+# and put the repository root first, so `import probes` finds the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import torch
+import torch  # noqa: E402
 
-from heads import encode_prompts, forward, load_model
-from probes.head_probes import collect_head_outputs, fit_head_probes
-from probes.requests import load_requests
+from heads import encode_prompts, forward, load_model  # noqa: E402
+from probes.head_probes import collect_head_outputs, fit_head_probes  # noqa: E402
+from probes.requests import load_requests  # noqa: E402
 
 
 def main() -> None:
