@@ -172,7 +172,8 @@ def evaluate(
         max_new_tokens: generation length for generate tasks (greedy).
         progress: called with the number of examples finished in each batch.
         **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `iti` (see
-            `method_steer`); `iti_k`, `iti_alpha` for the ITI fitted when no `iti` is given.
+            `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for the ITI fitted when no
+            `iti` is given (`probes.head_probes.fit_iti`).
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -187,7 +188,8 @@ def evaluate(
         examples = examples[:limit]
     if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
-    iti_opts = {k[4:]: method_options.pop(k) for k in ("iti_k", "iti_alpha") if k in method_options}
+    keys = ("iti_k", "iti_alpha", "iti_direction")
+    iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}
     if method == "iti" and method_options.get("iti") is None:  # probes on the train split only
         from .head_probes import fit_iti
 

@@ -49,6 +49,7 @@ def eval_command(
     beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
     iti_k: Annotated[int, typer.Option(help="ITI heads (probes fitted on the train split)")] = 16,
     iti_alpha: Annotated[float, typer.Option(help="ITI strength (shift alpha * sigma)")] = 15.0,
+    iti_direction: Annotated[str, typer.Option(help="ITI direction: mass_mean | probe")] = "mass_mean",
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
@@ -102,6 +103,7 @@ def eval_command(
                 beta=beta,
                 iti_k=iti_k,
                 iti_alpha=iti_alpha,
+                iti_direction=iti_direction,
             )
         out.parent.mkdir(parents=True, exist_ok=True)
         res.table.to_csv(out, index=False)
