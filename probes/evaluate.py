@@ -1,9 +1,10 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
 Methods: `none` (the unsteered model), `pasta`, `spotlight` (both need the task's emphasized
-span) and `act`. Choice tasks are scored from last-position log-probs (argmax over each
-choice's first token, `steer.act_calibration.choice_ids`); generate tasks by greedy generation
-through `SteeredModel.generate` (KV cache on) and the task's text metrics:
+span), `act` and `iti` (probes fitted on the task's train split). Choice tasks are scored
+from last-position log-probs (argmax over each choice's first token,
+`steer.act_calibration.choice_ids`); generate tasks by greedy generation through
+`SteeredModel.generate` (KV cache on) and the task's text metrics:
 
 | task | metrics |
 |---|---|
@@ -42,7 +43,7 @@ from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "act")
+METHODS = ("none", "pasta", "spotlight", "act", "iti")
 
 
 @dataclass
@@ -79,11 +80,13 @@ def method_steer(
     tau: float = 0.1,
     act_heads: HeadSpec | None = None,
     beta: float = 0.4,
+    iti=None,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
     `pasta_heads` / `act_heads`: any head selection (`heads.HeadSpec`), or None for the
-    shipped profile of the embedded model (`steer.profiles`).
+    shipped profile of the embedded model (`steer.profiles`). `iti`: a fitted `steer.Iti`
+    (`evaluate` fits one on the task's train split, `probes.head_probes.fit_iti`).
 
     Raises:
         ValueError: unknown method, or no head selection and no shipped profile for this model.
@@ -98,6 +101,12 @@ def method_steer(
         return []
     if method == "spotlight":
         return [Spotlight(tau=tau)]
+    if method == "iti":
+        if iti is None:
+            raise ValueError(
+                "method 'iti' needs a fitted steer.Iti (iti=...; see probes.head_probes.fit_iti)"
+            )
+        return [iti]
     kind = "pasta" if method == "pasta" else "act"
     heads = pasta_heads if method == "pasta" else act_heads
     if heads is None:
@@ -190,7 +199,9 @@ def evaluate(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in examples: `total` is the number of
             examples evaluated.
-        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `iti` (see
+            `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for the ITI fitted when no
+            `iti` is given (`probes.head_probes.fit_iti`).
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -205,6 +216,12 @@ def evaluate(
         examples = examples[:limit]
     if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
+    keys = ("iti_k", "iti_alpha", "iti_direction")
+    iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}
+    if method == "iti" and method_options.get("iti") is None:  # probes on the train split only
+        from .head_probes import fit_iti
+
+        method_options["iti"] = fit_iti(model, task, batch_size=batch_size, **iti_opts)
     steer = method_steer(model, method, **method_options)
     finished = [0]
     with progress_callback(progress, f"eval {task} / {method}", "examples") as report:

@@ -7,6 +7,7 @@ Scorers that need a method's own edit live here beside the method: PASTA profili
 
 from .ablate import Ablate
 from .act import Act, ActEdit
+from .iti import Iti
 from .model import Generation, Intervention, SteeredModel
 from .pasta import Pasta, PastaBias, pasta_column_bias
 from .profiling import profile_heads, select_heads, smallest_k
@@ -19,6 +20,7 @@ __all__ = [
     "ActEdit",
     "Generation",
     "Intervention",
+    "Iti",
     "Pasta",
     "PastaBias",
     "SteeredModel",

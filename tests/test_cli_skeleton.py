@@ -54,6 +54,7 @@ def test_every_command_takes_the_shared_options():
         "report maps",
         "report safety",
         "report all",
+        "report probes",
         "profile pasta",
         "profile act",
         "serve",

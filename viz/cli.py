@@ -31,6 +31,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
     set_global,
 )
 from .cli_eval import register as register_eval  # noqa: E402
+from .cli_probes import report_probes  # noqa: E402
 from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
@@ -45,6 +46,7 @@ report_app = typer.Typer(
 app.add_typer(report_app, name="report")
 register_eval(app)
 command(app, "serve")(serve_command)
+command(report_app, "probes")(report_probes)
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""

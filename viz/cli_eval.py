@@ -31,7 +31,7 @@ def _heads_arg(value: str) -> str | None:
 
 def eval_command(
     run: Run,
-    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act")],
+    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | iti")],
     task: Annotated[
         str, typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment")
     ],
@@ -42,6 +42,9 @@ def eval_command(
     alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
     tau: Annotated[float, typer.Option(help="SpotLight target share")] = 0.1,
     beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
+    iti_k: Annotated[int, typer.Option(help="ITI heads (probes fitted on the train split)")] = 16,
+    iti_alpha: Annotated[float, typer.Option(help="ITI strength (shift alpha * sigma)")] = 15.0,
+    iti_direction: Annotated[str, typer.Option(help="ITI direction: mass_mean | probe")] = "mass_mean",
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
@@ -90,6 +93,9 @@ def eval_command(
             alpha=alpha,
             tau=tau,
             beta=beta,
+            iti_k=iti_k,
+            iti_alpha=iti_alpha,
+            iti_direction=iti_direction,
         )
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)
