@@ -17,6 +17,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -85,7 +86,7 @@ class Iti:
     alpha sigma_l^h theta_l^h)).
     """
 
-    heads: object
+    heads: HeadSet | Sequence[tuple[int, int]]  # stored as a tuple of (layer, head) pairs
     directions: torch.Tensor
     sigmas: torch.Tensor
     alpha: float = 15.0
@@ -165,13 +166,14 @@ class Iti:
         Raises:
             ValueError: unknown head, or directions not of length `model.d_head`.
         """
-        HeadSet(self.heads).check(model.n_layers, model.n_heads)
+        pairs = cast(tuple[tuple[int, int], ...], self.heads)  # normalised in __post_init__
+        HeadSet(pairs).check(model.n_layers, model.n_heads)
         if self.directions.shape[1] != model.d_head:
             raise ValueError(
                 f"directions have length {self.directions.shape[1]}, the model's d_head is {model.d_head}"
             )
         out: dict[int, torch.Tensor] = {}
-        for (layer, head), theta, sigma in zip(self.heads, self.directions, self.sigmas, strict=True):
+        for (layer, head), theta, sigma in zip(pairs, self.directions, self.sigmas, strict=True):
             shift = out.setdefault(layer, torch.zeros(model.n_heads, model.d_head))
             shift[head] = float(self.alpha) * float(sigma) * theta
         return out
