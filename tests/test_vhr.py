@@ -11,10 +11,10 @@ from heads import encode_prompts, forward
 from heads.edits import HeadScale, Recorder
 from heads.engine import editing
 from steer import SteeredModel
-from steer.vhr import Vhr, VhdProbe, default_vhr_layers, probe_inputs, select_heads_vhd, t_vhd
+from steer.vhr import VhdProbe, Vhr, default_vhr_layers, probe_inputs, select_heads_vhd, t_vhd
 from tests.conftest import make_tiny
-from tests.vlm_models import make_tiny_vlm
 from tests.vlm_models import image as tiny_image
+from tests.vlm_models import make_tiny_vlm
 
 PROMPTS = [
     "Read this. **The capital of Freedonia is Zork and it is large.** What is the capital?",
@@ -113,8 +113,8 @@ def test_vhd_equals_independent_oracle_in_first_layer(llama):
     without = torch.cat([ids[:t0], ids[t1:]])[None]
     outs = []
     for x in (ids[None], without):
-        rec = []
-        h = llama.out_projs[0].register_forward_pre_hook(lambda m, a: rec.append(a[0][0, -1]))
+        rec: list = []
+        h = llama.out_projs[0].register_forward_pre_hook(lambda m, a, rec=rec: rec.append(a[0][0, -1]))
         llama.model(input_ids=x)
         h.remove()
         outs.append(rec[0].reshape(llama.n_heads, llama.d_head))
