@@ -270,3 +270,36 @@ def test_vlm_probe_and_generate(kind):
     torch.testing.assert_close(sel.probe_logits[:b], logits, atol=1e-4, rtol=1e-4)
     gen = sm.generate(prompts, Vhr(layers=(1,)), images=images, max_new_tokens=3)
     assert len(gen.token_ids) == 2
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
+def test_cli_vision_generate_and_report(kind, tmp_path):
+    """`headsteer vision generate --image --steer var|vhr` and `report vision` on a tiny VLM folder."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tests.vlm_models import save_tiny_vlm
+    from viz.cli import app
+
+    folder = save_tiny_vlm(make_tiny_vlm(kind), tmp_path / kind)
+    img = tmp_path / "img.png"
+    tiny_image(4).save(img)
+    runner = CliRunner()
+    common = ["--model", str(folder), "--image", str(img), "--max-new-tokens", "3", "--json"]
+    r = runner.invoke(app, ["vision", "generate", "Describe the image.", "--steer", "vhr", *common])
+    assert r.exit_code == 0, r.output
+    assert set(json.loads(r.stdout)) == {"baseline", "steered", "steer"}
+    r = runner.invoke(app, ["vision", "generate", "Describe.", "--steer", "var", *common])
+    assert r.exit_code == 2 and "no known sink dims" in r.output  # unknown backbone: one line, exit 2
+    r = runner.invoke(app, ["vision", "generate", "Describe.", "--steer", "var", "--sink-dims", "5", *common])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "vision.html"
+    args = ["report", "vision", "--prompt", "Describe the image.", "--model", str(folder)]
+    args += ["--image", str(img)]
+    r = runner.invoke(app, [*args, "--sink-dims", "5", "--tau", "2", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    html = out.read_text()
+    assert "VHD per head" in html and "Image-centric heads" in html and "image grid" in html
+    r = runner.invoke(app, [*args, "--sink-dims", "5", "--out", str(out)])
+    assert r.exit_code == 2  # refuses to overwrite without --force

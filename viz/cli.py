@@ -34,6 +34,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
     err,
 )
 from .cli_eval import eval_command, profile_app  # noqa: E402
+from .cli_vision import register_vision  # noqa: E402
 
 app = typer.Typer(
     help="headsteer: attention-head scoring and attention steering.",
@@ -47,6 +48,7 @@ report_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(profile_app, name="profile")
 app.command("eval")(eval_command)
+register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
 
 @app.callback()
