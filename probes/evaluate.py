@@ -1,7 +1,8 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
-Methods: `none` (the unsteered model), `pasta`, `spotlight` (both need the task's emphasized
-span) and `act`. Choice tasks are scored from last-position log-probs (argmax over each
+Methods: `none` (the unsteered model), `pasta`, `spotlight`, `var`, `vhr` (these four need
+the task's emphasized span; VAR-text and VHR-text treat it as the "image") and `act`.
+Choice tasks are scored from last-position log-probs (argmax over each
 choice's first token, `steer.act_calibration.choice_ids`); generate tasks by greedy generation
 through `SteeredModel.generate` (KV cache on) and the task's text metrics:
 
@@ -12,6 +13,7 @@ through `SteeredModel.generate` (KV cache on) and the task's text metrics:
 | occupation | `top1` over the 15 occupations |
 | counterfact | `efficacy` (P(new fact) > P(old fact)) |
 | sentiment | `accuracy` |
+| context_qa | `context_accuracy` (P(passage's value) > P(true value)) |
 
 Binary metrics get a Wilson interval, means a normal-approximation interval.
 """
@@ -33,7 +35,7 @@ from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "act")
+METHODS = ("none", "pasta", "spotlight", "act", "var", "vhr")
 
 
 @dataclass
@@ -54,6 +56,9 @@ def method_steer(
     tau: float = 0.1,
     act_heads=None,
     beta: float = 0.4,
+    var_p: float = 0.6,
+    var_rho: float = 0.5,
+    vhr_alpha: float = 2.0,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
@@ -73,6 +78,10 @@ def method_steer(
         return []
     if method == "spotlight":
         return [Spotlight(tau=tau)]
+    if method in ("var", "vhr"):
+        from steer import Var, Vhr
+
+        return [Var(p=var_p, rho=var_rho)] if method == "var" else [Vhr(alpha=vhr_alpha)]
     kind = "pasta" if method == "pasta" else "act"
     heads = pasta_heads if method == "pasta" else act_heads
     if heads is None:
@@ -139,6 +148,7 @@ _METRICS = {
     "occupation": [("top1", "correct")],
     "counterfact": [("efficacy", "correct")],
     "sentiment": [("accuracy", "correct")],
+    "context_qa": [("context_accuracy", "correct")],
 }
 
 
@@ -163,7 +173,8 @@ def evaluate(
         max_new_tokens: generation length for generate tasks (greedy).
         progress: `progress(done, total)` after each batch (`heads.progress`), in examples:
             `total` is the number of examples evaluated.
-        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta` (see `method_steer`).
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `var_p`, `var_rho`,
+            `vhr_alpha` (see `method_steer`).
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -176,7 +187,7 @@ def evaluate(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
         examples = examples[:limit]
-    if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
+    if method in ("pasta", "spotlight", "var", "vhr") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     steer = method_steer(model, method, **method_options)
     finished = [0]

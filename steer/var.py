@@ -36,7 +36,7 @@ import torch
 from heads.edits import AttentionCall, ProbEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
-from heads.sink_dims import SinkTracker, default_tau, sink_dims_for
+from heads.sink_dims import SinkTracker, sink_dims_for, sink_tau_for
 
 from .spans import warn_rows_without_span
 
@@ -173,7 +173,8 @@ class Var:
         rho: least non-sink image ratio of a selected (image-centric) row, paper semantics
             (default 0.5; the paper quotes 0.8 general, 0.5 hallucination, 0.9 vision-centric).
         p: fraction of the sink mass moved to the image, paper semantics (default 0.6).
-        tau: sink threshold on phi (default `heads.sink_dims.default_tau`: 20 sqrt(D/4096)).
+        tau: sink threshold on phi (default `heads.sink_dims.sink_tau_for`: calibrated for
+            known backbones, else 20 sqrt(D/4096)).
         floor: least image mass of a considered row (default 0.2).
         layers: edited layers (default every layer).
         skip_last: never edit the last layer (default True, the paper's rule).
@@ -292,7 +293,7 @@ class Var:
                 region[b, t0:t1] = True
             if row:
                 start[b] = max(t1 for _, t1 in row)
-        tau = default_tau(model.d_model) if self.tau is None else float(self.tau)
+        tau = sink_tau_for(model) if self.tau is None else float(self.tau)
         tracker = SinkTracker(
             dims, tau, layers, prefill_only=self.sinks_from_prefill_only, prefill_len=enc.length
         ).attach(model)

@@ -356,3 +356,20 @@ def test_embedded_sink_dims_match_massive_activations(smol):
     top_dims = ma[ma.layer >= 2]["dim"].value_counts().index[:4].tolist()
     assert set(found.dims) <= set(top_dims)
     assert found.evidence.iloc[0]["ratio_to_median_dim"] > 100
+
+
+@pytest.mark.real
+def test_embedded_var_text_flags_first_token(smol):
+    """On SmolLM2 the calibrated tau flags the first token in layers 2-9 and 12-28 (its massive
+    value dips in layers 10-11) and few other tokens."""
+    prompt = "Answer from the passage. Passage: **The capital of France is Lisbon.** The capital of France is"
+    enc = encode_prompts(smol.tokenizer, [prompt], chat=False)
+    var = Var()
+    edits = var.edits(smol, enc)
+    with editing(smol, edits):
+        forward(smol, enc)
+    flags = var.last["tracker"].flags
+    assert [e.layer for e in edits] == list(range(smol.n_layers - 1))
+    for la in [*range(2, 10), *range(12, smol.n_layers - 1)]:
+        assert bool(flags[la][0, 0]), la
+    assert float(torch.stack([flags[la][0, 1:].float().mean() for la in range(2, 29)]).mean()) < 0.1

@@ -36,9 +36,10 @@ def _heads_arg(value: str) -> str | None:
 
 
 def eval_command(
-    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act")],
+    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | var | vhr")],
     task: Annotated[
-        str, typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment")
+        str,
+        typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment | context_qa"),
     ],
     split: Annotated[str, typer.Option(help="train | validation | test")] = "test",
     limit: Annotated[int | None, typer.Option(help="first N examples of the split")] = None,
@@ -47,6 +48,9 @@ def eval_command(
     alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
     tau: Annotated[float, typer.Option(help="SpotLight target share")] = 0.1,
     beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
+    var_p: Annotated[float, typer.Option(help="VAR fraction of sink mass moved")] = 0.6,
+    var_rho: Annotated[float, typer.Option(help="VAR least non-sink span ratio")] = 0.5,
+    vhr_alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
@@ -97,6 +101,9 @@ def eval_command(
                 alpha=alpha,
                 tau=tau,
                 beta=beta,
+                var_p=var_p,
+                var_rho=var_rho,
+                vhr_alpha=vhr_alpha,
             )
         out.parent.mkdir(parents=True, exist_ok=True)
         res.table.to_csv(out, index=False)
