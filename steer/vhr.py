@@ -299,6 +299,9 @@ class Vhr:
             True, vhr.md §3; False: only the with-image row).
         outliers: apply the outlier zeroing (default True).
         ddof: std correction for the outlier rule (0 = population, default).
+        reuse_cache: keep the probe pass's KV cache of the with-image rows (text prompts) so
+            that `SteeredModel.generate` does not prefill them again: VHR then costs one extra
+            prefill row per prompt (vhr.md §4). Default True.
 
     Raises:
         ValueError: bad alpha / layers / target (at construction), no span to remove in any
@@ -313,6 +316,7 @@ class Vhr:
     reinforce_without: bool = True
     outliers: bool = True
     ddof: int = 0
+    reuse_cache: bool = True
     last: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -371,17 +375,31 @@ class Vhr:
         kw = {"alpha": self.alpha, "reinforce_without": self.reinforce_without}
         kw |= {"outliers": self.outliers, "ddof": self.ddof, "result": res}
         probes = [VhdProbe(layer=la, select=la in layers, **kw) for la in range(n_l)]
+        keep = self.reuse_cache and not enc.inputs and enc.length > 1  # text prompts only
         with editing(model, probes):
             out = model.model(
-                **{k: v.to(model.device) for k, v in inputs.items()}, use_cache=False, logits_to_keep=1
+                **{k: v.to(model.device) for k, v in inputs.items()}, use_cache=keep, logits_to_keep=1
             )
         res.probe_logits = out.logits[:, -1].float().cpu()
+        self.last.pop("cache", None)
+        if keep and out.past_key_values is not None:
+            cache = out.past_key_values
+            cache.batch_select_indices(torch.arange(b, device=model.device))  # the with-image rows
+            cache.crop(-1)  # generate re-runs the last prompt token (one row) to start decoding
+            self.last["cache"] = (enc.input_ids, cache)
         for b_, row in enumerate(spans):  # a row without span: nothing to compare, nothing chosen
             if not row:
                 for la in layers:
                     res.heads[la][b_] = False
         res.selections += 1
         return res
+
+    def take_prefill_cache(self, enc: EncodedPrompts) -> object | None:
+        """The probe pass's KV cache of `enc`'s rows up to the last prompt token (P - 1 keys),
+        computed with the selected heads reinforced, or None; it is handed out once.
+        `SteeredModel.generate` passes it to `generate` when VHR is the only intervention."""
+        ids, cache = self.last.pop("cache", (None, None))
+        return cache if ids is not None and torch.equal(ids, enc.input_ids) else None
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[HeadScale]:
         """Select heads for the batch `enc` (one probe prefill) and return one `HeadScale` per

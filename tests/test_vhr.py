@@ -303,3 +303,22 @@ def test_cli_vision_generate_and_report(kind, tmp_path):
     assert "VHD per head" in html and "Image-centric heads" in html and "image grid" in html
     r = runner.invoke(app, [*args, "--sink-dims", "5", "--out", str(out)])
     assert r.exit_code == 2  # refuses to overwrite without --force
+
+
+def test_probe_cache_reused_one_extra_row(llama):
+    """Generation reuses the probe pass's cache: the prompt is not prefilled again (only its last
+    token re-runs), and the tokens equal those of a run without reuse."""
+    sm = SteeredModel(llama)
+    lens: list[int] = []
+    h = llama.layers[0].register_forward_pre_hook(lambda m, a: lens.append(a[0].shape[1]))
+    try:
+        reused = sm.generate(PROMPTS, Vhr(layers=(1, 3)), chat=False, max_new_tokens=6)
+        probe_and_steps = list(lens)
+        lens.clear()
+        plain = sm.generate(PROMPTS, Vhr(layers=(1, 3), reuse_cache=False), chat=False, max_new_tokens=6)
+    finally:
+        h.remove()
+    p = _enc(llama).length
+    assert probe_and_steps == [p, 1, 1, 1, 1, 1, 1]  # probe (2B rows), then one row per step
+    assert lens == [p, p, 1, 1, 1, 1, 1]  # without reuse the prompt is prefilled twice
+    assert reused.token_ids == plain.token_ids
