@@ -373,3 +373,26 @@ def test_embedded_var_text_flags_first_token(smol):
     for la in [*range(2, 10), *range(12, smol.n_layers - 1)]:
         assert bool(flags[la][0, 0]), la
     assert float(torch.stack([flags[la][0, 1:].float().mean() for la in range(2, 29)]).mean()) < 0.1
+
+
+def test_tracker_hooks_removed_with_the_edits(llama):
+    import gc
+
+    before = [len(layer._forward_pre_hooks) for layer in llama.layers]
+    var = Var(sink_dims=(DIM,), tau=TAU)
+    edits = var.edits(llama, _enc(llama))
+    assert [len(layer._forward_pre_hooks) for layer in llama.layers] != before
+    del edits
+    var.last.clear()
+    gc.collect()
+    assert [len(layer._forward_pre_hooks) for layer in llama.layers] == before
+
+
+@pytest.mark.real
+def test_eval_harness_runs_var_and_vhr(smol):
+    from probes.evaluate import evaluate
+
+    for method in ("var", "vhr"):
+        res = evaluate(smol, "context_qa", method, limit=3, batch_size=3)
+        row = res.table.iloc[0]
+        assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
