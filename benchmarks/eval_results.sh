@@ -16,4 +16,8 @@ for task in json_format pronoun_change occupation counterfact; do
   for method in none pasta spotlight act; do run "$task" "$method"; done
 done
 for method in none act; do run sentiment "$method"; done
+for method in none pasta spotlight act var vhr; do run context_qa "$method"; done
+for task in counterfact occupation; do
+  for method in var vhr; do run "$task" "$method"; done
+done
 .venv/bin/python benchmarks/results_table.py results

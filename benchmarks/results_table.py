@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-ORDER = ["none", "pasta", "spotlight", "act"]
+ORDER = ["none", "pasta", "spotlight", "act", "var", "vhr"]
 
 
 def main(folder: str = "results") -> None:

@@ -47,6 +47,7 @@ from .loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
 from .model import HeadModel
 from .prompts import EncodedPrompts, encode_prompts
 from .scores import HeadScores, HeadSet, HeadSpec
+from .sink_dims import find_sink_dims
 from .spans import Span, char_to_token_range, find_span, parse_markup
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "char_to_token_range",
     "editing",
     "encode_prompts",
+    "find_sink_dims",
     "find_span",
     "forward",
     "head_pattern",

@@ -1,10 +1,11 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
-Methods: `none` (the unsteered model), `pasta`, `spotlight` (both need the task's emphasized
-span), `act` and `iti` (probes fitted on the task's train split). Choice tasks are scored
-from last-position log-probs (argmax over each choice's first token,
-`steer.act_calibration.choice_ids`); generate tasks by greedy generation through
-`SteeredModel.generate` (KV cache on) and the task's text metrics:
+Methods: `none` (the unsteered model), `pasta`, `spotlight`, `var`, `vhr` (these four need
+the task's emphasized span; VAR-text and VHR-text treat it as the "image"), `act` and `iti`
+(probes fitted on the task's train split). Choice tasks are scored from last-position
+log-probs (argmax over each choice's first token, `steer.act_calibration.choice_ids`);
+generate tasks by greedy generation through `SteeredModel.generate` (KV cache on) and the
+task's text metrics:
 
 | task | metrics |
 |---|---|
@@ -13,6 +14,7 @@ from last-position log-probs (argmax over each choice's first token,
 | occupation | `top1` over the 15 occupations |
 | counterfact | `efficacy` (P(new fact) > P(old fact)) |
 | sentiment | `accuracy` |
+| context_qa | `context_accuracy` (P(passage's value) > P(true value)) |
 
 Binary metrics get a Wilson interval, means a Student-t interval (`probes.task_metrics`, through
 scipy); the table's `interval` column names the method.
@@ -43,7 +45,7 @@ from .tasks import TaskExample, load_task
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "act", "iti")
+METHODS = ("none", "pasta", "spotlight", "act", "var", "vhr", "iti")
 
 
 @dataclass
@@ -81,6 +83,9 @@ def method_steer(
     act_heads: HeadSpec | None = None,
     beta: float = 0.4,
     iti=None,
+    var_p: float = 0.6,
+    var_rho: float = 0.5,
+    vhr_alpha: float = 2.0,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
@@ -107,6 +112,10 @@ def method_steer(
                 "method 'iti' needs a fitted steer.Iti (iti=...; see probes.head_probes.fit_iti)"
             )
         return [iti]
+    if method in ("var", "vhr"):
+        from steer import Var, Vhr
+
+        return [Var(p=var_p, rho=var_rho)] if method == "var" else [Vhr(alpha=vhr_alpha)]
     kind = "pasta" if method == "pasta" else "act"
     heads = pasta_heads if method == "pasta" else act_heads
     if heads is None:
@@ -174,6 +183,7 @@ _METRICS = {
     "occupation": [("top1", "correct")],
     "counterfact": [("efficacy", "correct")],
     "sentiment": [("accuracy", "correct")],
+    "context_qa": [("context_accuracy", "correct")],
 }
 
 
@@ -199,9 +209,9 @@ def evaluate(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in examples: `total` is the number of
             examples evaluated.
-        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `iti` (see
-            `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for the ITI fitted when no
-            `iti` is given (`probes.head_probes.fit_iti`).
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `var_p`, `var_rho`,
+            `vhr_alpha`, `iti` (see `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for
+            the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`).
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -214,7 +224,7 @@ def evaluate(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
         examples = examples[:limit]
-    if method in ("pasta", "spotlight") and not all(e.emphasize for e in examples):
+    if method in ("pasta", "spotlight", "var", "vhr") and not all(e.emphasize for e in examples):
         raise ValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
     iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}

@@ -1,10 +1,11 @@
 """Build the evaluation task sets in `probes/data/tasks/` (written for this project).
 
-Run `python -m probes.make_tasks` to (re)write the five JSONL files; the build is seeded and
+Run `python -m probes.make_tasks` to (re)write the six JSONL files; the build is seeded and
 deterministic, so re-running gives byte-identical files. Every example is assembled from the
 hand-written lists below and fixed templates; the people, landmarks, provinces, countries and
 firms named are fictional (real cities, countries, languages and companies appear only as
-values). Choice tasks are checked against the embedded tokenizer: the first token of
+values), except in `context_qa`, whose passages contradict real, well-known facts.
+Choice tasks are checked against the embedded tokenizer: the first token of
 `" " + choice` differs between the choices of every example.
 
 See `probes/tasks.py` for the row format, the splits and the loader.
@@ -615,11 +616,112 @@ def build_sentiment(rng: random.Random, tokenizer) -> list[dict]:
     )
 
 
+# --------------------------------------------------------------------------- context_qa
+
+# Real facts the model has likely memorised; the passage of each example contradicts them.
+CONTEXT_CAPITALS = (
+    ("France", "Paris"), ("Japan", "Tokyo"), ("Germany", "Berlin"), ("Italy", "Rome"),
+    ("Spain", "Madrid"), ("Egypt", "Cairo"), ("Ireland", "Dublin"), ("Austria", "Vienna"),
+    ("Poland", "Warsaw"), ("Greece", "Athens"), ("Portugal", "Lisbon"), ("Russia", "Moscow"),
+    ("Kenya", "Nairobi"), ("Cuba", "Havana"), ("Finland", "Helsinki"), ("Sweden", "Stockholm"),
+    ("Belgium", "Brussels"), ("Hungary", "Budapest"), ("Norway", "Oslo"), ("Peru", "Lima"),
+    ("England", "London"), ("South Korea", "Seoul"), ("the Philippines", "Manila"),
+)  # fmt: skip
+CONTEXT_LANGUAGES = (
+    ("France", "French"), ("Germany", "German"), ("Spain", "Spanish"), ("Italy", "Italian"),
+    ("Portugal", "Portuguese"), ("Brazil", "Portuguese"), ("Japan", "Japanese"),
+    ("the Netherlands", "Dutch"), ("Sweden", "Swedish"), ("Poland", "Polish"), ("Greece", "Greek"),
+    ("Turkey", "Turkish"), ("Egypt", "Arabic"), ("Russia", "Russian"), ("Finland", "Finnish"),
+    ("Denmark", "Danish"), ("Norway", "Norwegian"), ("Hungary", "Hungarian"), ("Israel", "Hebrew"),
+    ("Mexico", "Spanish"), ("South Korea", "Korean"), ("England", "English"),
+)  # fmt: skip
+CONTEXT_LANDMARKS = (
+    ("the Eiffel Tower", "Paris"), ("the Colosseum", "Rome"), ("Big Ben", "London"),
+    ("the Brandenburg Gate", "Berlin"), ("the Acropolis", "Athens"), ("the Kremlin", "Moscow"),
+    ("the Sydney Opera House", "Sydney"), ("the CN Tower", "Toronto"), ("the Space Needle", "Seattle"),
+    ("the Prado Museum", "Madrid"), ("the Louvre", "Paris"), ("the Sagrada Familia", "Barcelona"),
+    ("the Rijksmuseum", "Amsterdam"), ("the Vatican Museums", "Rome"), ("St. Basil's Cathedral", "Moscow"),
+    ("the Tokyo Skytree", "Tokyo"), ("the Charles Bridge", "Prague"),
+    ("the Little Mermaid statue", "Copenhagen"),
+)  # fmt: skip
+CONTEXT_SOURCES = (
+    "According to the 2031 edition of the World Almanac,",
+    "A revised encyclopedia entry states that",
+    "In the alternate history novel used in this exercise,",
+    "The briefing document for this quiz says that",
+    "After the reforms described in this report,",
+)
+CONTEXT_FILLERS = (
+    "Officials confirmed the change in a public statement.",
+    "Schools have already updated their textbooks.",
+    "Visitors are reminded of this at every information desk.",
+    "The decision was announced after a long debate.",
+    "Maps printed since then show the new information.",
+    "Tour guides now repeat this to every group.",
+)
+CONTEXT_INSTRUCTION = "Answer the question using only the passage, even if it differs from what you know."
+
+
+def _context_relations(tokenizer) -> list[tuple[str, tuple, str, str, str]]:
+    """(kind, facts, statement, question, answer cue) with `{s}` the subject and `{v}` the value."""
+    cities = tuple(sorted({v for _, v in CONTEXT_CAPITALS + CONTEXT_LANDMARKS}))
+    langs = tuple(sorted({v for _, v in CONTEXT_LANGUAGES}))
+    keep_c, keep_l = set(_single_token(tokenizer, cities)), set(_single_token(tokenizer, langs))
+    return [
+        ("capital", tuple(f for f in CONTEXT_CAPITALS if f[1] in keep_c),
+         "the capital of {s} is {v}", "What is the capital of {s}?", "The capital of {s} is"),
+        ("language", tuple(f for f in CONTEXT_LANGUAGES if f[1] in keep_l),
+         "the official language of {s} is {v}", "What is the official language of {s}?",
+         "The official language of {s} is"),
+        ("landmark", tuple(f for f in CONTEXT_LANDMARKS if f[1] in keep_c),
+         "{s} is located in {v}", "In which city is {s}?", "{S} is located in"),
+    ]  # fmt: skip
+
+
+def build_context_qa(rng: random.Random, tokenizer) -> list[dict]:
+    """context_qa: a passage that contradicts a well-known fact, then a question about that fact.
+
+    The emphasised span is the passage; the choices are [the passage's value, the true value]
+    and the label is 0 (context-faithful). Values come from the same relation, single tokens
+    after a space, with distinct first tokens.
+    """
+    relations = _context_relations(tokenizer)
+    items, strata, seen = [], [], set()
+    i = 0
+    while len(items) < N_EXAMPLES:
+        kind, facts, statement, question, cue = relations[i % len(relations)]
+        i += 1
+        subject, true = rng.choice(facts)
+        values = sorted({v for _, v in facts} - {true})
+        new = rng.choice(values)
+        if _first_token(tokenizer, new) == _first_token(tokenizer, true):
+            continue
+        source = rng.choice(CONTEXT_SOURCES)
+        claim = statement.format(s=subject, v=new)
+        passage = f"{source} {claim}. {' '.join(rng.sample(CONTEXT_FILLERS, 2))}"
+        key = (subject, kind, new, source)
+        if key in seen:
+            continue
+        seen.add(key)
+        q = question.format(s=subject)
+        c = cue.format(s=subject, S=_cap(subject))
+        items.append(
+            {
+                "prompt": f"{CONTEXT_INSTRUCTION}\nPassage: {passage}\nQuestion: {q}\nAnswer: {c}",
+                "emphasize": passage,
+                "choices": [new, true],
+                "label": 0,
+            }
+        )
+        strata.append(kind)
+    return _rows("context_qa", items, strata, rng, chat=False, scoring="choice")
+
+
 # --------------------------------------------------------------------------- build / write
 
 
 def build_tasks(tokenizer, seed: int = SEED) -> dict[str, list[dict]]:
-    """All five task sets as rows (dicts in file order); each task has its own seeded stream.
+    """All six task sets as rows (dicts in file order); each task has its own seeded stream.
 
     Raises:
         ValueError: a choice task example whose choices share a first token.
@@ -630,6 +732,7 @@ def build_tasks(tokenizer, seed: int = SEED) -> dict[str, list[dict]]:
         "occupation": build_occupation(random.Random(f"{seed}-occupation"), tokenizer),
         "counterfact": build_counterfact(random.Random(f"{seed}-counterfact"), tokenizer),
         "sentiment": build_sentiment(random.Random(f"{seed}-sentiment"), tokenizer),
+        "context_qa": build_context_qa(random.Random(f"{seed}-context_qa"), tokenizer),
     }
     for rows in tasks.values():
         for row in rows:

@@ -13,6 +13,9 @@
   `choices` = [new, old], `label` = 0, `emphasize` = the "Currently, ..." sentence).
 - `sentiment`: 4 balanced few-shot demonstrations + a query review (plain, "choice";
   `choices` = ["positive", "negative"], no emphasis).
+- `context_qa`: a passage (`emphasize`) that contradicts a well-known real fact (a capital, an
+  official language, a landmark's city), then a question about it (plain, "choice";
+  `choices` = [the passage's value, the true value], `label` = 0: context-faithful).
 
 Every task has 200 examples with fixed splits: 90 "train", 30 "validation" and 80 "test",
 stratified by label (or relation kind / pronoun). For choice tasks the first token of
@@ -27,7 +30,7 @@ from importlib import resources
 
 __all__ = ["SPLITS", "TASKS", "Task", "TaskExample", "load_task"]
 
-TASKS = ("json_format", "pronoun_change", "occupation", "counterfact", "sentiment")
+TASKS = ("json_format", "pronoun_change", "occupation", "counterfact", "sentiment", "context_qa")
 SPLITS = ("train", "validation", "test")
 
 

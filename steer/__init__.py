@@ -13,6 +13,8 @@ from .pasta import Pasta, PastaBias, pasta_column_bias
 from .profiling import profile_heads, select_heads, smallest_k
 from .spans import UnsteeredRowsWarning
 from .spotlight import Spotlight, SpotlightEdit
+from .var import Var, VarEdit
+from .vhr import Vhr
 
 __all__ = [
     "Ablate",
@@ -27,6 +29,9 @@ __all__ = [
     "Spotlight",
     "SpotlightEdit",
     "UnsteeredRowsWarning",
+    "Var",
+    "VarEdit",
+    "Vhr",
     "pasta_column_bias",
     "profile_heads",
     "select_heads",

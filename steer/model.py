@@ -220,6 +220,10 @@ class SteeredModel:
         enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
         hm.check_length(enc.length + max_new_tokens)
         edits = [e for s in steer for e in s.edits(hm, enc)]
+        take = getattr(steer[0], "take_prefill_cache", None) if len(steer) == 1 else None
+        cache = take(enc) if callable(take) and generate_kwargs.get("use_cache", True) else None
+        if cache is not None:  # VHR's probe pass already holds the reinforced prompt (vhr.md §4)
+            generate_kwargs["past_key_values"] = cache
         if seed is not None:
             torch.manual_seed(seed)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

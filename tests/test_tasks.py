@@ -17,6 +17,7 @@ KINDS = {
     "occupation": (False, "choice"),
     "counterfact": (False, "choice"),
     "sentiment": (False, "choice"),
+    "context_qa": (False, "choice"),
 }
 
 

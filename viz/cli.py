@@ -32,6 +32,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
 )
 from .cli_eval import register as register_eval  # noqa: E402
 from .cli_probes import report_probes  # noqa: E402
+from .cli_vision import ImageOpt, register_vision, steered_pair  # noqa: E402
 from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
@@ -47,6 +48,7 @@ app.add_typer(report_app, name="report")
 register_eval(app)
 command(app, "serve")(serve_command)
 command(report_app, "probes")(report_probes)
+register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""
@@ -78,12 +80,30 @@ def generate(
     top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads span")] = 20,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     emphasize: EmphasizeOpt = None,
+    steer: Annotated[
+        str,
+        typer.Option("--steer", help="pasta | var | vhr (var/vhr: on --image, or the **marked** passage)"),
+    ] = "pasta",
+    image: ImageOpt = None,
 ) -> dict:
-    """Print the unsteered and the PASTA-steered answers side by side."""
+    """Print the unsteered and the steered (PASTA, VAR or VHR) answers side by side."""
     from heads import HeadSet
     from steer import Pasta
 
     from .steering import choose_heads, compare
+
+    if steer in ("var", "vhr"):  # the papers' defaults; `headsteer vision generate` sets them
+        _positive(max_new_tokens=max_new_tokens)
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        kw = dict(alpha=2.0, p=0.6, rho=0.5, tau=None, sink_dims=None, max_new_tokens=max_new_tokens)
+        return steered_pair(run, prompt, steer, image, **kw)
+    if steer != "pasta":
+        raise ValueError(f"--steer must be pasta, var or vhr, got {steer!r}")
+    if image is not None:
+        raise ValueError(
+            "--image needs --steer var or vhr (PASTA on an image span: Pasta(spans='image') in Python)"
+        )
 
     Pasta({}, alpha=alpha)  # check alpha before loading anything
     if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):

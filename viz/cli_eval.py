@@ -31,9 +31,10 @@ def _heads_arg(value: str) -> str | None:
 
 def eval_command(
     run: Run,
-    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | iti")],
+    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | var | vhr | iti")],
     task: Annotated[
-        str, typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment")
+        str,
+        typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment | context_qa"),
     ],
     split: Annotated[str, typer.Option(help="train | validation | test")] = "test",
     limit: Annotated[int | None, typer.Option(help="first N examples of the split")] = None,
@@ -45,6 +46,9 @@ def eval_command(
     iti_k: Annotated[int, typer.Option(help="ITI heads (probes fitted on the train split)")] = 16,
     iti_alpha: Annotated[float, typer.Option(help="ITI strength (shift alpha * sigma)")] = 15.0,
     iti_direction: Annotated[str, typer.Option(help="ITI direction: mass_mean | probe")] = "mass_mean",
+    var_p: Annotated[float, typer.Option(help="VAR fraction of sink mass moved")] = 0.6,
+    var_rho: Annotated[float, typer.Option(help="VAR least non-sink span ratio")] = 0.5,
+    vhr_alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
@@ -96,6 +100,9 @@ def eval_command(
             iti_k=iti_k,
             iti_alpha=iti_alpha,
             iti_direction=iti_direction,
+            var_p=var_p,
+            var_rho=var_rho,
+            vhr_alpha=vhr_alpha,
         )
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)

@@ -1,0 +1,316 @@
+"""VAR: visual attention redistribution (Kang et al., ICLR 2025, arXiv:2503.03321; methods/var.md),
+for images and for a marked text context.
+
+In each edited layer, sinks are the key tokens whose residual state entering the layer has a
+massive value in the backbone's sink dims (phi >= tau, `heads.sink_dims`), flagged at every
+forward (prefill and each decode step) per batch row. For every (row, head, query) the
+*unmodified* pattern a decides whether the head is image-centric there:
+
+* image mass m = sum_{j in I_v} a_j; skip when m < 0.2 (the floor);
+* non-sink image ratio r = sum_{j in I_v minus sinks} a_j / m; select when r >= rho (paper).
+
+In a selected row a fraction p of the mass on **all** sinks (text and image) moves to the
+non-sink image keys in proportion to their weights (var.md §2):
+a'_sink = (1 - p) a, a'_j = a_j + p * sum_sinks a * a_j / sum_{k in I_v minus sinks} a_k, every
+other key unchanged, so rows still sum to 1.
+
+Query rows: at prefill only rows after the image span of their batch row; at decode every new
+row. Cached keys are untouched (only the current rows' weights change). The last layer is
+skipped by default. The reference code's complements (rho_code = 1 - rho, p_code = 1 - p) are
+accepted by `Var.from_reference`.
+
+Text variant ("VAR-text"): the "image" is the emphasized context passage (`**...**` markup or
+`emphasize=`); sink mass moves to non-sink passage tokens in context-centric heads.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from heads.edits import AttentionCall, ProbEdit
+from heads.model import HeadModel
+from heads.prompts import EncodedPrompts
+from heads.sink_dims import SinkTracker, sink_dims_for, sink_tau_for
+
+from .spans import warn_rows_without_span
+
+__all__ = ["Var", "VarEdit", "var_redistribute"]
+
+
+def var_redistribute(
+    probs: torch.Tensor,
+    sink: torch.Tensor,
+    region: torch.Tensor,
+    eligible: torch.Tensor,
+    *,
+    rho: float = 0.5,
+    p: float = 0.6,
+    floor: float = 0.2,
+    require_visual_sink: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAR update of one attention call (var.md §2), vectorised over (row, head, query).
+
+    Args:
+        probs: `[B, H, Q, K]` post-softmax pattern (fp32).
+        sink: `[B, K]` bool, sink keys.
+        region: `[B, K]` bool, image (or context) keys.
+        eligible: `[B, Q]` bool, query rows VAR may edit (after the image / decode rows).
+        rho: least non-sink image ratio r to select a row (paper semantics; default 0.5).
+        p: fraction of the sink mass moved (paper semantics; default 0.6).
+        floor: least image mass m to consider a row (default 0.2).
+        require_visual_sink: select only rows whose batch row has a sink inside the image.
+
+    Returns:
+        `(new_probs, selected)`: `[B, H, Q, K]` and `[B, H, Q]` bool. Unselected rows are
+        bitwise `probs`; rows with m = 0, no non-sink image mass or no sink mass are unselected
+        (no NaN).
+    """
+    w = probs.float()
+    sink_k = sink[:, None, None, :]
+    img_k = region[:, None, None, :]
+    free_k = img_k & ~sink_k
+    m = torch.where(img_k, w, 0.0).sum(-1)
+    free = torch.where(free_k, w, 0.0).sum(-1)
+    sunk = torch.where(sink_k, w, 0.0).sum(-1)
+    r = free / m.clamp(min=1e-30)
+    sel = eligible[:, None, :] & (m >= floor) & (m > 0) & (r >= rho) & (free > 0) & (sunk > 0)
+    if require_visual_sink:
+        sel = sel & (sink & region).any(-1)[:, None, None]
+    if not bool(sel.any()):
+        return probs, sel
+    gain = (p * sunk / free.clamp(min=1e-30))[..., None]
+    new = torch.where(sink_k, w * (1 - p), torch.where(free_k, w + gain * w, w))
+    return torch.where(sel[..., None], new.to(probs.dtype), probs), sel
+
+
+@dataclass(eq=False, repr=False)
+class VarEdit(ProbEdit):
+    """VAR in one layer (a probabilities edit, run by the engine in edited layers).
+
+    Attributes:
+        region: `[B, P]` bool image / context columns (padded prompt coordinates).
+        start: `[B]` long, first prompt query position edited per row (the end of its last
+            span; rows without a span never reach it).
+        rho, p, floor, require_visual_sink: see `var_redistribute`.
+        tracker: the `SinkTracker` that flags this layer's sinks.
+        selected: `[H]` long, query rows selected so far per head (for the head map).
+        considered: `[H]` long, eligible query rows seen so far per head.
+    """
+
+    region: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.bool))
+    start: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+    rho: float = 0.5
+    p: float = 0.6
+    floor: float = 0.2
+    require_visual_sink: bool = False
+    tracker: SinkTracker | None = None
+    selected: torch.Tensor | None = field(default=None, init=False)
+    considered: torch.Tensor | None = field(default=None, init=False)
+
+    def is_identity(self) -> bool:
+        return self.p == 0 or not bool(self.region.any())
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if self.region.shape[0] != call.batch:
+            built = self.region.shape[0]
+            raise ValueError(f"VAR was built for {built} prompts, the call has {call.batch} rows")
+        dev = probs.device
+        assert self.tracker is not None  # set by Var.edits
+        sink = self.tracker.mask(self.layer, call.k_len, dev)
+        region = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=dev)
+        width = min(self.region.shape[1], call.k_len)
+        region[:, :width] = self.region[:, :width].to(dev)
+        eligible = call.query_positions[None, :] >= self.start.to(dev)[:, None]  # [B, Q]
+        new, sel = var_redistribute(
+            probs,
+            sink,
+            region,
+            eligible,
+            rho=self.rho,
+            p=self.p,
+            floor=self.floor,
+            require_visual_sink=self.require_visual_sink,
+        )
+        heads = self.head_mask(call.batch, call.n_heads, dev)[:, :, None]
+        counted = (sel & heads).sum((0, 2)).cpu()
+        seen = (eligible[:, None, :] & heads).sum((0, 2)).cpu()
+        self.selected = counted if self.selected is None else self.selected + counted
+        self.considered = seen if self.considered is None else self.considered + seen
+        return new
+
+
+_KEYS = (
+    "rho",
+    "p",
+    "tau",
+    "floor",
+    "layers",
+    "skip_last",
+    "sink_dims",
+    "target",
+    "sinks_from_prefill_only",
+    "require_visual_sink",
+    "enabled",
+)
+
+
+def _unit(name: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+    if not 0 <= float(x) <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+    return float(x)
+
+
+@dataclass(frozen=True)
+class Var:
+    """Visual attention redistribution (VAR), for an image or a marked text context.
+
+    Args:
+        rho: least non-sink image ratio of a selected (image-centric) row, paper semantics
+            (default 0.5; the paper quotes 0.8 general, 0.5 hallucination, 0.9 vision-centric).
+        p: fraction of the sink mass moved to the image, paper semantics (default 0.6).
+        tau: sink threshold on phi (default `heads.sink_dims.sink_tau_for`: calibrated for
+            known backbones, else 20 sqrt(D/4096)).
+        floor: least image mass of a considered row (default 0.2).
+        layers: edited layers (default every layer).
+        skip_last: never edit the last layer (default True, the paper's rule).
+        sink_dims: the backbone's sink dimensions (default: `heads.sink_dims.KNOWN_SINK_DIMS`
+            by config; an unknown backbone raises).
+        target: `"image"`, `"text"` (the emphasized context passage) or `"auto"` (image spans
+            where the batch has any, else the emphasized text; default).
+        sinks_from_prefill_only: flag sinks only among prompt tokens (the reference's rule;
+            default False: generated tokens too).
+        require_visual_sink: edit a row only if its image holds a sink in that layer (the
+            reference's rule; default False).
+        enabled: False gives no edits at all (bitwise baseline).
+
+    Raises:
+        ValueError: a parameter out of range or an unknown target (at construction); unknown
+            sink dims for the backbone, or no span in any prompt (when applied).
+
+    Source: Kang et al. 2025, §4 (Eq. 4-6); reference code seilk/VisAttnSink (issue #5).
+    """
+
+    rho: float = 0.5
+    p: float = 0.6
+    tau: float | None = None
+    floor: float = 0.2
+    layers: tuple[int, ...] | None = None
+    skip_last: bool = True
+    sink_dims: tuple[int, ...] | None = None
+    target: Literal["auto", "image", "text"] = "auto"
+    sinks_from_prefill_only: bool = False
+    require_visual_sink: bool = False
+    enabled: bool = True
+    last: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _unit("rho", self.rho)
+        _unit("p", self.p)
+        _unit("floor", self.floor)
+        if self.tau is not None and (
+            isinstance(self.tau, bool)
+            or not isinstance(self.tau, numbers.Real)
+            or not math.isfinite(self.tau)
+            or self.tau <= 0
+        ):
+            raise ValueError(f"tau must be a positive number, got {self.tau!r}")
+        if self.target not in ("auto", "image", "text"):
+            raise ValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
+        for name in ("skip_last", "sinks_from_prefill_only", "require_visual_sink", "enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.layers is not None:
+            ls = self.layers
+            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
+                raise ValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
+                raise ValueError(f"layers must be ints, got {ls!r}")
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> Var:
+        """A `Var` from a dict of its arguments; unknown keys (e.g. the reference README's
+        `beta`) are rejected (var.md §6.8).
+
+        Raises:
+            ValueError: an unknown key or a bad value.
+        """
+        unknown = sorted(set(config) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"unknown VAR config keys {unknown}: allowed are {', '.join(_KEYS)}")
+        kw = dict(config)
+        for k in ("layers", "sink_dims"):
+            if isinstance(kw.get(k), list):
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+    @classmethod
+    def from_reference(cls, rho_code: float, p_code: float, **kwargs) -> Var:
+        """A `Var` from the reference code's complements: rho = 1 - rho_code (it tests visual-sink
+        mass / m <= rho_code), p = 1 - p_code (its `p` is the fraction kept) (var.md §2, issue #5)."""
+        return cls(rho=1 - _unit("rho_code", rho_code), p=1 - _unit("p_code", p_code), **kwargs)
+
+    def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:
+        """Per row, the image (or context) spans VAR redistributes towards (see `target`)."""
+        if self.target == "image" or (self.target == "auto" and any(enc.image_spans)):
+            return enc.image_spans
+        return enc.spans
+
+    def edit_layers(self, model: HeadModel) -> list[int]:
+        """The edited layers on `model` (the last one dropped when `skip_last`)."""
+        layers = range(model.n_layers) if self.layers is None else [int(x) for x in self.layers]
+        for la in layers:
+            model.check_head(la, 0)
+        return sorted({la for la in layers if not (self.skip_last and la == model.n_layers - 1)})
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[VarEdit]:
+        """One `VarEdit` per edited layer for the batch `enc`, with a fresh `SinkTracker`
+        (so nothing carries over from an earlier batch) reading the residual entering each
+        edited layer. Its state is in `self.last["tracker"]` for inspection.
+
+        Raises:
+            ValueError: unknown sink dims for this backbone (pass `sink_dims=`), no span in
+                any prompt, or an unknown layer.
+        """
+        if not self.enabled:
+            return []
+        dims = sink_dims_for(model, self.sink_dims)
+        layers = self.edit_layers(model)
+        spans = self.spans(enc)
+        if not any(spans):
+            raise ValueError("VAR needs an image or a marked context passage (**...** / emphasize=)")
+        warn_rows_without_span(enc, "VAR", spans=spans)
+        if not layers:
+            return []
+        region = torch.zeros(enc.batch, enc.length, dtype=torch.bool)
+        start = torch.full((enc.batch,), torch.iinfo(torch.long).max, dtype=torch.long)
+        for b, row in enumerate(spans):
+            for t0, t1 in row:
+                region[b, t0:t1] = True
+            if row:
+                start[b] = max(t1 for _, t1 in row)
+        tau = sink_tau_for(model) if self.tau is None else float(self.tau)
+        tracker = SinkTracker(
+            dims, tau, layers, prefill_only=self.sinks_from_prefill_only, prefill_len=enc.length
+        ).attach(model)
+        self.last["tracker"] = tracker
+        return [
+            VarEdit(
+                layer=la,
+                region=region,
+                start=start,
+                tracker=tracker,
+                rho=self.rho,
+                p=self.p,
+                floor=self.floor,
+                require_visual_sink=self.require_visual_sink,
+            )
+            for la in layers
+        ]

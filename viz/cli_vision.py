@@ -1,0 +1,155 @@
+"""`headsteer vision generate` (VAR / VHR steered generation, with an image or a marked context)
+and `headsteer report vision`. Registered by `register_vision(app, report_app)` in `viz.cli`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .cli_common import Run, _positive, command
+
+vision_app = typer.Typer(
+    help="Vision-aware steering (VAR, VHR) on a vision-language model or a marked text context.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+def register_vision(app: typer.Typer, report_app: typer.Typer) -> None:
+    """Add `vision generate` to `app` and `vision` to its `report` group."""
+    app.add_typer(vision_app, name="vision")
+    command(vision_app, "generate")(vision_generate)
+    command(report_app, "vision")(report_vision)
+
+
+PROMPT_HELP = "prompt; without --image, mark the context in **double stars**"
+ImageOpt = Annotated[
+    Path | None, typer.Option("--image", help="image file (PNG/JPEG); none: the **marked** passage is used")
+]
+DimsOpt = Annotated[
+    str | None,
+    typer.Option("--sink-dims", help='sink dimensions for VAR, e.g. "1415,2533" (default: known backbones)'),
+]
+
+
+def _image(path: Path | None):
+    if path is None:
+        return None
+    from PIL import Image
+
+    if not path.is_file():
+        raise ValueError(f"--image {str(path)!r} is not a file")
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def _dims(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--sink-dims must be comma-separated ints, got {text!r}") from None
+
+
+def _steer(kind: str, alpha: float, p: float, rho: float, tau: float | None, dims: str | None):
+    from steer import Var, Vhr
+
+    if kind == "vhr":
+        return Vhr(alpha=alpha)
+    if kind == "var":
+        return Var(p=p, rho=rho, tau=tau, sink_dims=_dims(dims))
+    raise ValueError(f"--steer must be 'var' or 'vhr', got {kind!r}")
+
+
+def steered_pair(
+    run: Run,
+    prompt: str,
+    kind: str,
+    image: Path | None,
+    *,
+    alpha: float,
+    p: float,
+    rho: float,
+    tau: float | None,
+    sink_dims: str | None,
+    max_new_tokens: int,
+) -> dict:
+    """Unsteered and VAR- or VHR-steered answers to `prompt` (with `image`, or on its marked
+    passage), printed side by side; shared by `headsteer generate --steer var|vhr` and
+    `headsteer vision generate`."""
+    from steer import SteeredModel
+
+    _positive(max_new_tokens=max_new_tokens)
+    method = _steer(kind, alpha, p, rho, tau, sink_dims)
+    img = _image(image)
+    hm = run.load()
+    sm = SteeredModel(hm)
+    images = None if img is None else [img]
+    with run.status("generating…"):
+        base = sm.generate([prompt], [], images=images, max_new_tokens=max_new_tokens)
+        steered = sm.generate([prompt], method, images=images, max_new_tokens=max_new_tokens)
+    table = Table(show_lines=True)
+    table.add_column("baseline", ratio=1)
+    table.add_column(f"{kind.upper()}", ratio=1)
+    table.add_row(escape(base.text), escape(steered.text))
+    run.show(table)
+    return {"baseline": base.text, "steered": steered.text, "steer": kind}
+
+
+def vision_generate(
+    run: Run,
+    prompt: Annotated[str, typer.Argument(help=PROMPT_HELP)],
+    steer: Annotated[str, typer.Option("--steer", help="var | vhr")] = "vhr",
+    image: ImageOpt = None,
+    alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
+    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
+    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    tau: Annotated[float | None, typer.Option(help="VAR sink threshold [default: 20 sqrt(D/4096)]")] = None,
+    sink_dims: DimsOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
+) -> dict:
+    """Print the unsteered and the VAR- or VHR-steered answers side by side."""
+    return steered_pair(
+        run,
+        prompt,
+        steer,
+        image,
+        alpha=alpha,
+        p=p,
+        rho=rho,
+        tau=tau,
+        sink_dims=sink_dims,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def report_vision(
+    run: Run,
+    prompt: Annotated[str, typer.Option(help=PROMPT_HELP)],
+    out: Annotated[Path, typer.Option(help="HTML file to write")],
+    image: ImageOpt = None,
+    alpha: Annotated[float, typer.Option(help="VHR factor")] = 2.0,
+    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
+    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    tau: Annotated[float | None, typer.Option(help="VAR sink threshold")] = None,
+    sink_dims: DimsOpt = None,
+) -> dict:
+    """VHD heatmap, VAR image-centric head map and sink positions over the image grid."""
+    from steer import Var, Vhr
+
+    from .vision_report import vision_report
+
+    vhr = Vhr(alpha=alpha)
+    var = Var(p=p, rho=rho, tau=tau, sink_dims=_dims(sink_dims))
+    img = _image(image)
+    out = run.output(out, suffixes=(".html", ".htm"))
+    hm = run.load()
+    with run.status("VHD, VAR and sinks…"):
+        path, res = vision_report(hm, out, prompt, img, vhr=vhr, var=var, overwrite=run.force)
+    run.show(f"T-VHD {res.t_vhd:.3g}")
+    return {"html": str(path), "t_vhd": res.t_vhd, "vhr_heads": res.vhr_heads, "var_error": res.var_error}
