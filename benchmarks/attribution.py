@@ -60,12 +60,13 @@ def timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--small", type=int, default=4, help="prompts for the costly variants (GradDrop, SC)")
     ap.add_argument("--confirm", type=int, default=30)
     args = ap.parse_args()
 
-    hm = load_model()
+    hm = load_model(args.model)
     prompts = [r["prompt"] for r in load_requests("harmful", "train")[: args.prompts]]
     small = prompts[: args.small]
     n_l, n_h = hm.n_layers, hm.n_heads
