@@ -506,6 +506,33 @@ def _attribute_batch(
     return estimates[0]
 
 
+def _ships_estimate(
+    model: HeadModel,
+    prompts: str | Sequence[str],
+    heads: list[Head],
+    ablation: str,
+    eps: float,
+    exact: bool,
+    kl_tokens: int,
+    template: str | None,
+    max_rows: int,
+) -> ShipsResult:
+    """The attribution estimate of Ships (KL metric) for the ablations Ships has (UA, SC)."""
+    if ablation not in ("ua", "sc"):
+        raise ValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
+    return attribute(
+        model,
+        prompts,
+        heads=heads,
+        ablation=ablation,
+        eps=eps,
+        exact=exact,
+        kl_tokens=kl_tokens,
+        template=template,
+        max_rows=max_rows,
+    )
+
+
 def confirm_ships(
     model: HeadModel,
     prompts: str | Sequence[str],
@@ -548,19 +575,7 @@ def confirm_ships(
             raise ValueError(f"{name} must be an int in 0..{len(chosen)}, got {k!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    if ablation not in ("ua", "sc"):
-        raise ValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
-    est = attribute(
-        model,
-        prompts,
-        heads=chosen,
-        ablation=ablation,
-        eps=eps,
-        exact=exact,
-        kl_tokens=kl_tokens,
-        template=template,
-        max_rows=max_rows,
-    )
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
     est.estimate = est.scores
     if confirm == 0:
         return est
@@ -619,17 +634,5 @@ def sahara_candidates(
     chosen = check_heads(model, heads)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(chosen):
         raise ValueError(f"k must be an int in 1..{len(chosen)}, got {k!r}")
-    if ablation not in ("ua", "sc"):
-        raise ValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
-    est = attribute(
-        model,
-        prompts,
-        heads=chosen,
-        ablation=ablation,
-        eps=eps,
-        exact=exact,
-        kl_tokens=kl_tokens,
-        template=template,
-        max_rows=max_rows,
-    )
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
     return est.scores.ranked(k)
