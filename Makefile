@@ -41,6 +41,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/maps.py
 	$(PY) benchmarks/head_scoring.py
 	$(PY) benchmarks/profiling.py
+	$(PY) benchmarks/attribution.py
+	$(PY) benchmarks/head_probes.py
+	$(PY) benchmarks/vhr_overhead.py
+	$(PY) benchmarks/serve_load.py
 
 # The README's Results table: headsteer eval, every method on every task (about 30 minutes).
 results: $(STAMP)

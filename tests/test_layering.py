@@ -183,3 +183,11 @@ def test_planted_backwards_import_in_a_copy_of_the_tree_fails(tmp_path):
     assert len(got) == 2
     assert got[0].startswith("heads/planted.py:line 2: heads imports steer.pasta")
     assert got[1].startswith("probes/tasks.py:") and got[1].endswith("probes imports viz.cli")
+
+
+def test_no_script_shadows_a_package():
+    """`python benchmarks/x.py` puts benchmarks/ first on sys.path: a script named like a package
+    (e.g. benchmarks/probes.py) would shadow it for every benchmark."""
+    root = Path(__file__).resolve().parents[1]
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    assert not scripts & {"heads", "steer", "probes", "viz"}, scripts

@@ -19,15 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# This script shares its name with the `probes` package: drop its folder from the import path
-# and put the repository root first, so `import probes` finds the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
