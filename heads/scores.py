@@ -314,10 +314,19 @@ class HeadScores:
     def top(self, k: int) -> HeadSet:
         """The `k` highest-scoring heads (ties broken by (layer, head) order).
 
+        Warns (`UserWarning`) when `k` is at least the number of heads [L x H]: every head is
+        selected, which is rarely what a top-k meant.
+
         Raises:
             ValueError: `k` < 1.
         """
-        return HeadSet(self._ranked()[: _positive_int(k)])
+        k = _positive_int(k)
+        n = self.scores.numel()
+        if k >= n:
+            warnings.warn(
+                f"top-k {k} ≥ the model's {n} heads: every head selected", UserWarning, stacklevel=2
+            )
+        return HeadSet(self._ranked()[:k])
 
     def per_layer(self, k: int) -> HeadSet:
         """The `k` highest-scoring heads of every layer."""

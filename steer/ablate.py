@@ -16,6 +16,8 @@ from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
 from heads.scores import HeadSet, HeadSpec
 
+from .noop import empty_heads, warn_noop
+
 __all__ = ["Ablate"]
 
 
@@ -49,6 +51,10 @@ class Ablate:
             or not math.isfinite(self.eps)
         ):
             raise ValueError(f"eps must be a finite number, got {self.eps!r}")
+        if self.eps == 1:
+            warn_noop(f"Ablate eps={self.eps} is a no-op: output equals the unsteered model", stacklevel=4)
+        if empty_heads(self.heads):
+            warn_noop("Ablate with no heads ablates nothing: output equals the unsteered model", stacklevel=4)
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]:
         """One edit per layer with ablated heads (all batch rows)."""

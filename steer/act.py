@@ -40,6 +40,8 @@ from heads.prompts import EncodedPrompts
 from heads.scores import HeadSet, HeadSpec
 from heads.sinks import SinkRule, column_scores, find_sinks
 
+from .noop import empty_heads, warn_noop
+
 __all__ = ["Act", "ActEdit", "calibrate_rows", "default_act_layers"]
 
 DecodeSinks = Literal["frozen", "running"]
@@ -163,6 +165,10 @@ class Act:
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.beta == 1:
+            warn_noop(f"ACT beta={self.beta} is a no-op: output equals the unsteered model", stacklevel=4)
+        if self.heads is not None and empty_heads(self.heads):
+            warn_noop("ACT with no heads steers nothing: output equals the unsteered model", stacklevel=4)
 
     def validate(self) -> None:
         b = self.beta

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +21,7 @@ from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
 from heads.scores import HeadSet, HeadSpec
 
+from .noop import empty_heads, warn_noop
 from .spans import warn_rows_without_span
 
 __all__ = ["Pasta", "PastaBias", "pasta_column_bias"]
@@ -102,6 +102,42 @@ def pasta_column_bias(
     return out
 
 
+def check_alpha(alpha: float, scale_position: str = "exclude", *, stacklevel: int = 3) -> float:
+    """Check PASTA's `alpha` (methods/pasta.md: alpha in (0, 1) for emphasis, > 1 in include mode).
+
+    Warns (`steer.noop.NoOpWarning`, a `UserWarning`) where alpha is legal but does not
+    emphasize the span: alpha = 1 (a bitwise no-op, §8); `exclude` / `generation` with
+    alpha > 1 (down-weights the context instead); `include` with alpha < 1 (suppresses the
+    span, §7).
+
+    Returns:
+        alpha as a float.
+
+    Raises:
+        TypeError: alpha not a real number.
+        ValueError: alpha not finite or <= 0 (alpha = 0 deletes the context).
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"alpha must be a number, got {alpha!r}")
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"alpha must be finite and > 0, got {alpha!r} (alpha = 0 deletes the context)")
+    if alpha == 1:
+        warn_noop(f"PASTA alpha={alpha} is a no-op: output equals the unsteered model", stacklevel=stacklevel)
+    elif scale_position == "include" and alpha < 1:
+        warn_noop(
+            f"PASTA include mode with alpha={alpha} < 1 suppresses the span; "
+            "use exclude mode or alpha > 1 to emphasize it",
+            stacklevel=stacklevel,
+        )
+    elif scale_position != "include" and alpha > 1:
+        warn_noop(
+            f"PASTA alpha={alpha} > 1 in {scale_position} mode down-weights the span instead of "
+            "emphasizing it (alpha is in (0, 1); default 0.01)",
+            stacklevel=stacklevel,
+        )
+    return float(alpha)
+
+
 @dataclass(frozen=True)
 class Pasta:
     """PASTA steering on a fixed set of heads.
@@ -139,12 +175,9 @@ class Pasta:
 
     def __post_init__(self) -> None:
         self.validate()
-        if self.scale_position == "include" and self.alpha < 1:
-            warnings.warn(
-                f"PASTA include mode with alpha={self.alpha} < 1 suppresses the span; "
-                "use exclude mode or alpha > 1 to emphasize it",
-                stacklevel=3,
-            )
+        check_alpha(self.alpha, self.scale_position, stacklevel=5)
+        if empty_heads(self.heads):
+            warn_noop("PASTA with no heads steers nothing: output equals the unsteered model", stacklevel=4)
 
     def validate(self) -> None:
         """Check alpha and the modes (also run by `edits`).

@@ -33,7 +33,7 @@ from heads.prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from heads.scores import HeadScores, HeadSet, HeadSpec, _positive_int
 from heads.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 
-from .pasta import Pasta, PastaBias, pasta_column_bias
+from .pasta import PastaBias, check_alpha, pasta_column_bias
 
 __all__ = ["profile_heads", "select_heads", "smallest_k", "target_ids"]
 
@@ -116,7 +116,7 @@ def profile_heads(
     """
     if model.tokenizer is None:
         raise ValueError("PASTA profiling needs a HeadModel with a tokenizer")
-    Pasta(heads=[], alpha=alpha)  # validates alpha
+    check_alpha(alpha)  # validates alpha; warns on a no-op (alpha = 1) or de-emphasizing value
     if not isinstance(reuse_positions, bool):
         raise TypeError(f"reuse_positions must be a bool, got {reuse_positions!r}")
     items, single = normalize_prompts(prompts)

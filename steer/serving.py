@@ -19,6 +19,7 @@ import numbers
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
@@ -384,6 +385,12 @@ class BatchGenerator:
         except ValueError:
             if kind != "pasta":
                 raise
+        warnings.warn(
+            f'no shipped PASTA profile for {self.model.name}: heads "auto" falls back to the span '
+            f"heuristic (top {AUTO_SPAN_TOP_K} heads by attention on the span)",
+            UserWarning,
+            stacklevel=2,
+        )
         if not any(enc.spans):
             raise ValueError("PASTA needs an emphasized span: mark it with **...** or pass emphasize")
         scores = span_attention(self.model, request.prompt, emphasize=request.emphasize, chat=request.chat)

@@ -60,6 +60,7 @@ def test_every_command_takes_the_shared_options():
         "profile pasta",
         "profile act",
         "serve",
+        "build refusal-model",
     }
     assert all(not missing for missing in names.values()), names
 

@@ -29,6 +29,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
     console,
     err,
     set_global,
+    warn_line,
 )
 from .cli_eval import register as register_eval  # noqa: E402
 from .cli_probes import report_probes  # noqa: E402
@@ -44,7 +45,11 @@ app = typer.Typer(
 report_app = typer.Typer(
     help="Write self-contained HTML reports.", no_args_is_help=True, rich_markup_mode=None
 )
+build_app = typer.Typer(
+    help="Build derived models (e.g. the refusal-tuned model).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(report_app, name="report")
+app.add_typer(build_app, name="build")
 register_eval(app)
 command(app, "serve")(serve_command)
 command(report_app, "probes")(report_probes)
@@ -77,7 +82,7 @@ def generate(
         ),
     ] = "auto",
     alpha: Annotated[float, typer.Option(help="PASTA scaling for tokens outside the span")] = 0.01,
-    top_k: Annotated[int, typer.Option(help="heads chosen by --pasta-heads span")] = 20,
+    top_k: Annotated[int | None, typer.Option(help="heads chosen by --pasta-heads span (default 20)")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     emphasize: EmphasizeOpt = None,
     steer: Annotated[
@@ -88,9 +93,9 @@ def generate(
 ) -> dict:
     """Print the unsteered and the steered (PASTA, VAR or VHR) answers side by side."""
     from heads import HeadSet
-    from steer import Pasta
+    from steer.pasta import check_alpha
 
-    from .steering import choose_heads, compare
+    from .steering import DEFAULT_TOP_K, choose_heads, compare
 
     if steer in ("var", "vhr"):  # the papers' defaults; `headsteer vision generate` sets them
         _positive(max_new_tokens=max_new_tokens)
@@ -105,9 +110,12 @@ def generate(
             "--image needs --steer var or vhr (PASTA on an image span: Pasta(spans='image') in Python)"
         )
 
-    Pasta({}, alpha=alpha)  # check alpha before loading anything
+    check_alpha(alpha)  # before loading anything; warns on a no-op or a de-emphasizing alpha
     if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):
         raise ValueError(f"head file {pasta_heads!r} selects no heads")
+    if top_k is not None and pasta_heads not in ("auto", "span"):
+        warn_line(f"--top-k {top_k} is ignored: the heads come from {pasta_heads}")
+    top_k = DEFAULT_TOP_K if top_k is None else top_k
     _positive(top_k=top_k, max_new_tokens=max_new_tokens)
     check_prompt(prompt, emphasize)
     hm = run.load()
@@ -276,6 +284,39 @@ def report_all(
     with run.progress(1, "reports") as step:
         written = all_reports(hm, out, draws=draws, n_prompts=prompts, overwrite=run.force, progress=step)
     return {k: str(v) for k, v in written.items()}
+
+
+@command(build_app, "refusal-model")
+def build_refusal_model_command(
+    run: Run,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="folder for the model (default: $HEADSTEER_CACHE/smollm2-135m-refusal)"),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="torch and shuffling seed")] = 0,
+    epochs: Annotated[int, typer.Option(help="passes over the train pairs")] = 3,
+) -> dict:
+    """Fine-tune a refusal-tuned variant of the model (embedded by default) for the safety report.
+
+    Harmful train requests -> a refusal, harmless ones -> the model's own answer; seeded; saved
+    as safetensors with its tokenizer and a JSON summary (refusal rates on the test requests)."""
+    from probes.refusal_model import REFUSAL_MODEL_FILES, build_refusal_model, refusal_model_dir
+
+    _positive(epochs=epochs)
+    folder = refusal_model_dir() if out is None else out
+    run.folder(folder, list(REFUSAL_MODEL_FILES))
+    hm = run.load()
+    with run.progress(1, "refusal model") as step:
+        summary = build_refusal_model(
+            folder, model=hm, seed=seed, epochs=epochs, overwrite=run.force, progress=step
+        )
+    run.show(
+        f"explicit refusals on the test requests: harmful {summary['explicit_refusal_harmful_test']:.2f},"
+        f" harmless {summary['explicit_refusal_harmless_test']:.2f}"
+        f" (loss {summary['first_loss']} -> {summary['last_loss']}, {summary['seconds']:.0f} s)\n"
+        f"use it with --model {folder}"
+    )
+    return summary
 
 
 @command(app)

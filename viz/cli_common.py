@@ -16,6 +16,8 @@ and runs it inside one frame:
   dict is printed as strict JSON with `--json`;
 * every declared file that was written is printed (`wrote PATH`; on stderr with
   `--json`);
+* a warning raised inside (a silent fallback, a no-op parameter) is one
+  `warning: ...` line on stderr (`warn_line`), printed once;
 * a user error (`ValueError`, `TypeError`, `OSError`) is one line on stderr and
   exit 2 (the traceback only with `headsteer --debug`); Ctrl-C exits 130. Either
   way, when some declared files were already written, one more line says which
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +47,7 @@ from heads.progress import Progress
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__all__ = ["USER_ERRORS", "Run", "command", "console", "err"]
+__all__ = ["USER_ERRORS", "Run", "command", "console", "err", "warn_line"]
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -159,6 +162,34 @@ def _json(obj) -> str:
         return x
 
     return json.dumps(clean(obj), allow_nan=False)
+
+
+def warn_line(message: str) -> None:
+    """Print one `warning: ...` line on stderr (white space collapsed; also with `--quiet`).
+
+    Every warning a command raises (`warnings.warn`: a silent fallback, a no-op parameter)
+    is routed here by `command`, so the user sees one line, not a Python warning with its
+    source line.
+    """
+    msg = " ".join(str(message).split())
+    err.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Within: each distinct warning message printed once, as one line through `warn_line`."""
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        text = str(message)
+        if text not in seen:
+            seen.add(text)
+            warn_line(text)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", category=UserWarning)
+        warnings.showwarning = show
+        yield
 
 
 def _quiet_transformers() -> None:
@@ -369,9 +400,10 @@ def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], C
             shared["quiet"] = shared["quiet"] or _STATE["quiet"]
             run = Run(**shared)
             try:
-                check_device(run.device)
-                check_dtype(run.dtype)
-                result = fn(run, **kwargs)
+                with _warnings_as_lines():
+                    check_device(run.device)
+                    check_dtype(run.dtype)
+                    result = fn(run, **kwargs)
             except USER_ERRORS as exc:
                 run.fail(exc)
             except KeyboardInterrupt:

@@ -141,14 +141,14 @@ def profile_pasta(
 ) -> dict:
     """PASTA multi-task profiling (Algorithm 1): every head steered alone, per task; the
     per-task scores are written beside the profile as `<out stem>.<task>.scores.json`."""
-    from steer import Pasta
+    from steer.pasta import check_alpha
     from steer.profiling import profile_heads, select_heads, smallest_k
 
     tasks = task or ["json_format", "pronoun_change", "counterfact", "occupation"]
     if mode not in ("intersection", "union"):
         raise ValueError(f"--mode must be 'intersection' or 'union', got {mode!r}")
     _positive(examples=examples, heads=heads)
-    Pasta({}, alpha=alpha)
+    check_alpha(alpha)  # before any work; warns on a no-op alpha
     inputs = {t: _task_inputs(t, split, examples) for t in tasks}
     for t, ex in inputs.items():
         if not all(e.emphasize for e in ex):

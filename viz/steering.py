@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def choose_heads(
     * `"span"`: the `top_k` heads by attention mass on the prompt's span (a heuristic);
     * a path to a `{"layer": [heads]}` JSON file.
 
+    Warns (`UserWarning`): `"auto"` falling back to `"span"` (no shipped profile for the
+    model); `top_k` at least the model's head count (every head selected).
+
     Raises:
         ValueError: bad `top_k`, bad file contents, unknown heads, or no span in `prompt`.
         FileNotFoundError: missing file.
@@ -39,6 +43,12 @@ def choose_heads(
         try:
             spec = shipped_profile("pasta", model.name)
         except ValueError:
+            warnings.warn(
+                f"no shipped PASTA profile for {model.name}: --pasta-heads auto falls back to "
+                f"the span heuristic (top {top_k} heads by attention on the span)",
+                UserWarning,
+                stacklevel=2,
+            )
             spec = "span"
     if spec == "span":
         return span_attention(model, prompt, emphasize=emphasize).top(top_k)
