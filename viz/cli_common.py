@@ -289,12 +289,17 @@ class Run:
         err.print(escape(msg), highlight=False)
         return contextlib.nullcontext()
 
+    def say(self, msg: str) -> None:
+        """One plain line on stderr (nothing with `--quiet`)."""
+        if not self.quiet:
+            err.print(escape(msg), highlight=False)
+
     @contextlib.contextmanager
     def progress(self, total: int, label: str = "working") -> Iterator[Progress]:
         """A progress display for `total` steps; yields the callback `step(done, total)`.
 
         On a terminal, a rich bar with elapsed time and ETA; when stderr is not a
-        terminal, a plain line at most every `PLAIN_PROGRESS_EVERY_S` seconds; with
+        terminal, a plain line at most every `PLAIN_PROGRESS_EVERY_S` seconds and when done; with
         `--quiet`, nothing. `step(done, total)` is a `heads.progress.Progress`: it sets
         the absolute position and the (possibly grown) total, as the library's
         `progress=` callbacks give them.
@@ -322,7 +327,9 @@ class Run:
             state["done"], state["total"] = int(done), max(int(total), 1)
             if bar is not None:
                 bar.update(task, completed=state["done"], total=state["total"])
-            elif not self.quiet and time.monotonic() - last >= PLAIN_PROGRESS_EVERY_S:
+            elif not self.quiet and (
+                time.monotonic() - last >= PLAIN_PROGRESS_EVERY_S or state["done"] >= state["total"]
+            ):  # every few seconds, and at the end
                 last = time.monotonic()
                 elapsed = last - t0
                 frac = state["done"] / state["total"]

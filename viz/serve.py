@@ -344,4 +344,6 @@ def serve_command(
         raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
     hm = run.load(device_map=device_map)
     app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
+    run.say(f"serving {hm.name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)")
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=600)
+    run.say("server stopped")
