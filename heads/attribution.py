@@ -481,6 +481,8 @@ def _attribute_batch(
         values = metric(logp, rows.to(logp.device))
         if not isinstance(values, torch.Tensor) or tuple(values.shape) != (len(rows),):
             raise ValueError(f"the metric must return a [{len(rows)}] tensor, got {values!r}")
+        if not values.requires_grad:
+            raise ValueError("the metric does not depend on the log-probs it is given (no gradient)")
         scalars = [values.sum()]
 
     drops = list(range(n_l)) if graddrop else [None]

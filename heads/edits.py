@@ -105,9 +105,15 @@ class Edit:
         if self.heads is not None:
             if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Iterable):
                 raise TypeError(f"heads must be a list of ints or None, got {self.heads!r}")
+            self.heads = tuple(self.heads)  # a generator or an array, read once
             for h in self.heads:
                 if isinstance(h, bool) or not isinstance(h, numbers.Integral):
                     raise TypeError(f"head must be an int, got {h!r}")
+            if not self.heads:
+                raise ValueError(
+                    f"{type(self).__name__} at layer {self.layer}: heads is empty, the edit would change "
+                    "nothing (None = every head)"
+                )
         if self.row_heads is not None and (
             not isinstance(self.row_heads, torch.Tensor) or self.row_heads.dtype != torch.bool
         ):
@@ -260,6 +266,7 @@ class HeadScale(HeadOutputEdit):
             raise TypeError(f"positions must be ints, got {ps!r}")
         if not ps:
             raise ValueError("positions is empty: the edit would scale nothing (None = every position)")
+        self.positions = tuple(int(p) for p in ps)  # a generator or an array, read once
 
     def is_identity(self) -> bool:
         return self.factor == 1.0
@@ -338,6 +345,14 @@ class ResidualEdit(Edit):
     """
 
     site: ClassVar[str] = "residual"
+
+    def validate(self) -> None:
+        """As `Edit.validate`; also ValueError for `heads` / `row_heads` (not per head here)."""
+        super().validate()
+        if self.heads is not None or self.row_heads is not None:
+            raise ValueError(
+                f"{type(self).__name__} acts on the whole residual stream: heads / row_heads do not apply"
+            )
 
     def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
         """Read `x` `[batch, T, d_model]` (the layer's input); return None, or a new tensor of the

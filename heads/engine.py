@@ -400,10 +400,12 @@ def _residual_hook(key: int, model: HeadModel, layer: int):
             e.calls += 1
             new = e.apply(x, call)
             if new is not None:
-                if not isinstance(new, torch.Tensor) or new.shape != x.shape:
-                    got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-                    want = tuple(x.shape)
-                    raise ValueError(f"{e!r} returned {got}; a residual edit returns None or {want}")
+                ok = isinstance(new, torch.Tensor) and new.shape == x.shape
+                if not ok or new.dtype != x.dtype or new.device != x.device:
+                    is_t = isinstance(new, torch.Tensor)
+                    got = (tuple(new.shape), new.dtype) if is_t else type(new).__name__
+                    want = (tuple(x.shape), x.dtype, str(x.device))
+                    raise ValueError(f"{e!r} returned {got}; a residual edit returns None or a {want} tensor")
                 x = new
         if positional:
             return (x, *args[1:]), kwargs

@@ -29,6 +29,7 @@ an `EncodedPrompts` with `image_spans`, the processor's other outputs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
@@ -177,9 +178,48 @@ def normalize_images(images: object, n: int) -> list[list[ImageInput]]:
     with one entry per prompt, each an image, a list of images, or None. With a
     single prompt, a flat list of images is that prompt's images.
 
+    Each image is a PIL image, a numpy array or torch tensor `[h, w, c]` / `[c, h, w]`, or the
+    path of a local file; URLs are refused (nothing is fetched over the network).
+
     Raises:
-        ValueError: a per-prompt list whose length is not `n`.
+        ValueError: a per-prompt list whose length is not `n`, or an image that is none of
+            the above (a URL, a missing file, an empty image, another type).
     """
+    rows = _image_rows(images, n)
+    for row in rows:
+        for image in row:
+            _check_image(image)
+    return rows
+
+
+def _check_image(image: object) -> None:
+    """ValueError unless `image` is a non-empty PIL image / array / tensor or a local file."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(image, (str, os.PathLike)):
+        text = os.fspath(image)
+        if "://" in text:
+            raise ValueError(f"images must be local: URLs are not fetched, got {text!r}")
+        if not os.path.isfile(text):
+            raise ValueError(f"image file {text!r} does not exist")
+        return
+    if isinstance(image, Image.Image):
+        if image.width == 0 or image.height == 0:
+            raise ValueError(f"empty image ({image.width}x{image.height})")
+        return
+    if isinstance(image, (np.ndarray, torch.Tensor)):
+        if image.ndim not in (2, 3) or 0 in tuple(image.shape):
+            raise ValueError(
+                f"image arrays must be [h, w(, c)] and non-empty, got shape {tuple(image.shape)}"
+            )
+        return
+    raise ValueError(
+        f"an image must be a PIL image, an array, a tensor or a local file path, got {type(image).__name__}"
+    )
+
+
+def _image_rows(images: object, n: int) -> list[list[ImageInput]]:
     if images is None:
         return [[] for _ in range(n)]
     if not isinstance(images, (list, tuple)):

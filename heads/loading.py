@@ -294,6 +294,12 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+    if offload_folder is not None and device_map is None:
+        raise ValueError("offload_folder is used only with device_map (layers offloaded to disk)")
     where, name = _resolve(name_or_path)
     check_weights(where)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}

@@ -21,10 +21,12 @@ from typing import cast
 
 import torch
 
-from heads.edits import AttentionCall, HeadOutputEdit
+from heads.edits import MAX_FACTOR, AttentionCall, HeadOutputEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
 from heads.scores import HeadSet
+
+from .noop import warn_noop
 
 __all__ = ["Iti", "ItiShift"]
 
@@ -46,6 +48,10 @@ class ItiShift(HeadOutputEdit):
 
     def is_identity(self) -> bool:
         return self.shift is None or not bool(self.shift.any())
+
+    def acts_on(self, call: AttentionCall) -> bool:
+        """The call reaches `from_position` (else it is skipped and not counted as fired)."""
+        return call.q_offset + call.q_len > self.from_position
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         assert self.shift is not None  # an identity edit is never applied
@@ -118,7 +124,12 @@ class Iti:
             raise ValueError("directions hold NaN or inf")
         if not torch.isfinite(s).all() or (s < 0).any():
             raise ValueError(f"sigmas must be finite and >= 0, got {s.tolist()}")
-        _finite(self.alpha, "alpha")
+        if abs(_finite(self.alpha, "alpha")) > MAX_FACTOR:
+            raise ValueError(f"alpha must have |alpha| <= {MAX_FACTOR:g}, got {self.alpha!r}")
+        if not pairs:
+            warn_noop("ITI with no heads steers nothing: output equals the unsteered model")
+        elif float(self.alpha) != 0 and not bool((d.abs().sum(1) * s).any()):
+            warn_noop("ITI shifts are all zero (zero sigmas or directions): output equals the unsteered")
         if isinstance(self.from_position, bool) or not isinstance(self.from_position, numbers.Integral):
             raise ValueError(f"from_position must be an int, got {self.from_position!r}")
         object.__setattr__(self, "heads", tuple(pairs))
@@ -176,6 +187,8 @@ class Iti:
         for (layer, head), theta, sigma in zip(pairs, self.directions, self.sigmas, strict=True):
             shift = out.setdefault(layer, torch.zeros(model.n_heads, model.d_head))
             shift[head] = float(self.alpha) * float(sigma) * theta
+        if any(not bool(torch.isfinite(v).all()) for v in out.values()):
+            raise ValueError("ITI shift alpha * sigma * direction overflows float32 to inf")
         return out
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[ItiShift]:

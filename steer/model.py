@@ -201,6 +201,9 @@ class SteeredModel:
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        bad_seed = isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63
+        if seed is not None and bad_seed:
+            raise ValueError(f"seed must be an int in 0..2**63-1 or None, got {seed!r}")
         for key in _UNSUPPORTED:
             if key in generate_kwargs:
                 raise ValueError(f"generate option {key}= is not supported by SteeredModel.generate")

@@ -191,7 +191,7 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
     async def handle(request: Request, chat: bool):
         try:
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return error(400, "the request body is not valid JSON")
         try:
             req, stream = _parse(body, chat, model_id)
