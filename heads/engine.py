@@ -588,6 +588,7 @@ def editing(
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
+    fired_before = [e.calls for e in active]  # an edit reused from an earlier context must fire again
     switch = any(_site(e).attention for e in active)
     sites = _hook_sites(model, active)
 
@@ -607,6 +608,6 @@ def editing(
         _ACTIVE.reset(token)
         _release(model, switch, sites)
     if require_fired:
-        idle = [e for e in active if e.calls == 0]
+        idle = [e for e, n in zip(active, fired_before, strict=True) if e.calls == n]
         if idle:
             raise EditNeverFired(f"these edits never ran: {idle}")

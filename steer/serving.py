@@ -35,6 +35,7 @@ from heads.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
 from .ablate import Ablate
 from .act import Act
 from .model import Intervention
+from .noop import NoOpWarning
 from .pasta import Pasta
 from .profiles import shipped_profile
 from .spotlight import Spotlight
@@ -125,43 +126,47 @@ def parse_steer(spec) -> list[Intervention]:
         if extra:
             raise ValueError(f"steer[{i}] ({method}): unknown field(s) {sorted(extra)}")
         try:
-            if method == "pasta":
-                kw = {"heads": _heads_spec(item.get("heads", "auto"), method)}
-                if "alpha" in item:
-                    kw["alpha"] = _number(item["alpha"], "alpha")
-                if "scale_position" in item:
-                    kw["scale_position"] = item["scale_position"]
-                out.append(Pasta(**kw))
-            elif method == "spotlight":
-                kw = {}
-                if "tau" in item:
-                    kw["tau"] = _number(item["tau"], "tau")
-                if item.get("layers") is not None:
-                    kw["layers"] = (
-                        tuple(item["layers"]) if isinstance(item["layers"], list) else item["layers"]
-                    )
-                out.append(Spotlight(**kw))
-            elif method == "act":
-                kw = {}
-                if item.get("heads") is not None:
-                    kw["heads"] = _heads_spec(item["heads"], method)
-                if "beta" in item:
-                    kw["beta"] = _number(item["beta"], "beta")
-                out.append(Act(**kw))
-            else:
-                if "heads" not in item:
-                    raise ValueError("ablate needs heads")
-                kw = {"heads": _heads_spec(item["heads"], method)}
-                if kw["heads"] == "auto":
-                    raise ValueError('ablate has no "auto" heads: name them')
-                if "mode" in item:
-                    kw["method"] = item["mode"]
-                if "eps" in item:
-                    kw["eps"] = _number(item["eps"], "eps")
-                out.append(Ablate(**kw))
-        except (TypeError, ValueError) as exc:
+            with warnings.catch_warnings():  # a steering request that changes nothing is a bad request
+                warnings.simplefilter("error", NoOpWarning)
+                out.append(_intervention(method, item))
+        except (TypeError, ValueError, NoOpWarning) as exc:
             raise ValueError(f"steer[{i}] ({method}): {exc}") from None
     return out
+
+
+def _intervention(method: str, item: Mapping) -> Intervention:
+    """One intervention from a checked `"steer"` item (see `parse_steer`)."""
+    if method == "pasta":
+        kw = {"heads": _heads_spec(item.get("heads", "auto"), method)}
+        if "alpha" in item:
+            kw["alpha"] = _number(item["alpha"], "alpha")
+        if "scale_position" in item:
+            kw["scale_position"] = item["scale_position"]
+        return Pasta(**kw)
+    if method == "spotlight":
+        kw = {}
+        if "tau" in item:
+            kw["tau"] = _number(item["tau"], "tau")
+        if item.get("layers") is not None:
+            kw["layers"] = tuple(item["layers"]) if isinstance(item["layers"], list) else item["layers"]
+        return Spotlight(**kw)
+    if method == "act":
+        kw = {}
+        if item.get("heads") is not None:
+            kw["heads"] = _heads_spec(item["heads"], method)
+        if "beta" in item:
+            kw["beta"] = _number(item["beta"], "beta")
+        return Act(**kw)
+    if "heads" not in item:  # ablate
+        raise ValueError("ablate needs heads")
+    kw = {"heads": _heads_spec(item["heads"], method)}
+    if kw["heads"] == "auto":
+        raise ValueError('ablate has no "auto" heads: name them')
+    if "mode" in item:
+        kw["method"] = item["mode"]
+    if "eps" in item:
+        kw["eps"] = _number(item["eps"], "eps")
+    return Ablate(**kw)
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,29 @@ def test_attribution_metric_must_depend_on_the_log_probs(tiny_llama):
     with pytest.raises(ValueError, match="does not depend"):
         flat = lambda lp, idx: torch.zeros(lp.shape[0])  # noqa: E731
         attribute(tiny_llama, ["one two three"], metric=flat, template=None)
+
+
+def test_a_reused_edit_must_fire_again(tiny_llama):
+    from heads.engine import EditNeverFired
+
+    e = HeadScale(0, factor=0.0)
+    with editing(tiny_llama, e):
+        _logits(tiny_llama)
+    with pytest.raises(EditNeverFired):
+        with editing(tiny_llama, e):
+            pass  # no forward: the edit never ran in this context
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [{"method": "ablate", "heads": {}}],
+        [{"method": "ablate", "heads": {"0": []}}],
+        [{"method": "pasta", "alpha": 1}],
+    ],
+)
+def test_server_steering_that_changes_nothing_is_a_bad_request(spec):
+    from steer.serving import parse_steer
+
+    with pytest.raises(ValueError, match="steer\\[0\\]"):
+        parse_steer(spec)
