@@ -136,3 +136,28 @@ def test_server_steering_that_changes_nothing_is_a_bad_request(spec):
 
     with pytest.raises(ValueError, match="steer\\[0\\]"):
         parse_steer(spec)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval", "--method", "iti", "--task", "sentiment", "--iti-direction", "bogus"], "--iti-direction"),
+        (["eval", "--method", "iti", "--task", "sentiment", "--iti-k", "0"], "--iti-k"),
+        (["eval", "--method", "var", "--task", "context_qa", "--var-p", "2"], "--var-p"),
+        (["report", "probes", "--out", "p.html", "--jobs", "0"], "--jobs"),
+    ],
+)
+def test_cli_method_options_are_checked_before_the_model_loads(args, message, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import heads
+    from viz.cli import app
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(heads, "load_model", no_load)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output

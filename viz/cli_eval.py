@@ -70,7 +70,14 @@ def eval_command(
         raise ValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
-    _positive(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    _positive(batch_size=batch_size, max_new_tokens=max_new_tokens, iti_k=iti_k)
+    if iti_direction not in ("mass_mean", "probe"):
+        raise ValueError(f"--iti-direction must be mass_mean or probe, got {iti_direction!r}")
+    for flag, value in (("--var-p", var_p), ("--var-rho", var_rho)):
+        if not 0 <= value <= 1:
+            raise ValueError(f"{flag} must be in [0, 1], got {value}")
+    if not vhr_alpha > 0:
+        raise ValueError(f"--vhr-alpha must be > 0, got {vhr_alpha}")
     if limit is not None:
         _positive(limit=limit)
     pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)

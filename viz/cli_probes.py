@@ -33,6 +33,8 @@ def report_probes(
     if bad or not names:
         raise ValueError(f"unknown --tasks entry {bad[0] if bad else tasks!r}: use {', '.join(PROBE_TASKS)}")
     _positive(top=top, batch_size=batch_size)
+    if jobs == 0 or jobs < -1:
+        raise ValueError(f"--jobs must be a positive number of workers or -1 (all cores), got {jobs}")
     if cv < 2:
         raise ValueError(f"--cv must be at least 2, got {cv}")
     if limit is not None:
