@@ -118,18 +118,21 @@ class EncodedPrompts:
 
     def select_spans(self, target: str = "text") -> list[list[tuple[int, int]]]:
         """Per row, the spans of `target`: `"text"` (emphasized text, `spans`), `"image"`
-        (`image_spans`) or `"both"` (text spans, then image spans).
+        (`image_spans`), `"both"` (text spans, then image spans) or `"auto"` (the image spans
+        when the batch has any image, else the text spans).
 
         Raises:
             ValueError: an unknown target.
         """
+        if target == "auto":
+            target = "image" if any(self.image_spans) else "text"
         if target == "text":
             return self.spans
         if target == "image":
             return self.image_spans
         if target == "both":
             return [t + i for t, i in zip(self.spans, self.image_spans, strict=True)]
-        raise ValueError(f"unknown span target {target!r}: use 'text', 'image' or 'both'")
+        raise ValueError(f"unknown span target {target!r}: use 'text', 'image', 'both' or 'auto'")
 
     def span_mask(
         self, row: int | None = None, which: int | None = None, target: str = "text"

@@ -259,9 +259,7 @@ class Var:
 
     def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:
         """Per row, the image (or context) spans VAR redistributes towards (see `target`)."""
-        if self.target == "image" or (self.target == "auto" and any(enc.image_spans)):
-            return enc.image_spans
-        return enc.spans
+        return enc.select_spans(self.target)
 
     def edit_layers(self, model: HeadModel) -> list[int]:
         """The edited layers on `model` (the last one dropped when `skip_last`)."""

@@ -341,9 +341,7 @@ class Vhr:
 
     def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:
         """Per row, the spans removed in the without-image row (see `target`)."""
-        if self.target == "image" or (self.target == "auto" and any(enc.image_spans)):
-            return enc.image_spans
-        return enc.spans
+        return enc.select_spans(self.target)
 
     def target_layers(self, model: HeadModel) -> list[int]:
         """The target layers for `model`, validated (ValueError on an unknown layer)."""
