@@ -325,3 +325,134 @@ def test_probe_cache_reused_one_extra_row(llama):
     assert probe_and_steps == [p, 1, 1, 1, 1, 1, 1]  # probe (2B rows), then one row per step
     assert lens == [p, p, 1, 1, 1, 1, 1]  # without reuse the prompt is prefilled twice
     assert reused.token_ids == plain.token_ids
+
+
+# --------------------------------------------------------------------------- without_image="mask"
+def _oracle_masked(model, inputs: dict, keep: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Independent oracle of the masked branch: the plain HF forward of one row with a custom 4D
+    mask (causal, and False on the removed keys for every query) and its own positions; returns the
+    last-position head outputs `[H, d]` per layer and the last logits."""
+    p = inputs["input_ids"].shape[-1]
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    mask4 = (causal & keep[None, :])[None, None]
+    zs: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, a: zs.append(a[0][0, -1].reshape(model.n_heads, model.d_head))
+        )
+        for m in model.out_projs
+    ]
+    try:
+        out = model.model(**{**inputs, "attention_mask": mask4})
+    finally:
+        for h in hooks:
+            h.remove()
+    return zs, out.logits[0, -1]
+
+
+def _plain_heads(model, inputs: dict) -> list[torch.Tensor]:
+    zs: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, a: zs.append(a[0][0, -1].reshape(model.n_heads, model.d_head))
+        )
+        for m in model.out_projs
+    ]
+    try:
+        model.model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return zs
+
+
+def _check_masked_branch(model, enc, spans, text_inputs: dict):
+    """VHD / TA of the masked branch (alpha = 1: nothing reinforced) against the 4D-mask oracle."""
+    from steer.vhr import no_span_rows
+
+    v = Vhr(alpha=1.0, layers=(model.n_layers - 1,), without_image="mask", target="auto")
+    sel = v.select(model, enc)
+    keep = no_span_rows(model, enc, spans)[0]
+    assert not keep.all()
+    with_z = _plain_heads(model, text_inputs)
+    masked_z, masked_logits = _oracle_masked(model, text_inputs, keep)
+    for la in range(model.n_layers):
+        torch.testing.assert_close(
+            sel.vhd[0, la], (with_z[la] - masked_z[la]).norm(dim=-1), atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(sel.ta[0, la], masked_z[la].pow(2).sum(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sel.probe_logits[1], masked_logits.float(), atol=1e-4, rtol=1e-4)
+    return sel
+
+
+def test_mask_branch_equals_4d_mask_oracle_text(llama):
+    enc = _enc(llama, PROMPTS[:1])
+    inputs = {"input_ids": enc.input_ids, "position_ids": torch.arange(enc.length)[None]}
+    sel = _check_masked_branch(llama, enc, enc.spans, inputs)
+    # positions are kept: the masked branch differs from the delete branch (renumbered positions)
+    deleted = Vhr(alpha=1.0, layers=(3,)).select(llama, enc)
+    assert not torch.allclose(sel.vhd, deleted.vhd, atol=1e-4)
+    # the probe inputs of the masked branch: same ids and positions, mask 0 exactly on the span
+    inp = probe_inputs(llama, enc, enc.spans, "mask")
+    assert torch.equal(inp["input_ids"][0], inp["input_ids"][1])
+    assert torch.equal(inp["position_ids"][0], inp["position_ids"][1])
+    t0, t1 = enc.spans[0][0]
+    assert inp["attention_mask"][1].tolist() == [0 if t0 <= j < t1 else 1 for j in range(enc.length)]
+
+
+def test_mask_branch_equals_4d_mask_oracle_image():
+    vlm = make_tiny_vlm("llava")
+    sm = SteeredModel(vlm)
+    enc = sm.encode(["Describe the image."], images=[tiny_image(1)])
+    assert not enc.inputs.keys() - {"pixel_values", "image_sizes"}
+    inputs = {
+        "input_ids": enc.input_ids,
+        "position_ids": enc.position_ids(),
+        **{k: v for k, v in enc.inputs.items()},
+    }
+    _check_masked_branch(vlm, enc, enc.image_spans, inputs)
+    gen_mask = sm.generate(
+        ["Describe the image."], Vhr(layers=(1,), without_image="mask"), images=[tiny_image(1)]
+    )
+    assert len(gen_mask.token_ids[0]) >= 1
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "idefics3"])
+def test_mask_branch_runs_on_other_families(kind):
+    vlm = make_tiny_vlm(kind)
+    sm = SteeredModel(vlm)
+    enc = sm.encode(["Describe the image.", "What?"], images=[tiny_image(1), tiny_image(2)])
+    inp = probe_inputs(vlm, enc, enc.image_spans, "mask")
+    b = enc.batch
+    assert torch.equal(inp["input_ids"][:b], inp["input_ids"][b:])
+    assert torch.equal(inp["position_ids"][..., :b, :], inp["position_ids"][..., b:, :])
+    sel = Vhr(layers=(1,), without_image="mask").select(vlm, enc)
+    assert torch.isfinite(sel.vhd).all() and (sel.vhd[:, 0] > 0).any()
+
+
+def test_mask_is_default_off_and_checked(llama):
+    enc = _enc(llama)
+    assert Vhr().without_image == "delete"
+    a = Vhr(layers=(1, 3)).select(llama, enc)
+    b = Vhr(layers=(1, 3), without_image="delete").select(llama, enc)
+    assert torch.equal(a.vhd, b.vhd) and all(torch.equal(a.heads[la], b.heads[la]) for la in (1, 3))
+    assert torch.equal(
+        probe_inputs(llama, enc, enc.spans)["input_ids"],
+        probe_inputs(llama, enc, enc.spans, "delete")["input_ids"],
+    )
+    for bad in ("drop", None, 1):
+        with pytest.raises(ValueError, match="without_image"):
+            Vhr(without_image=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="without_image"):
+            probe_inputs(llama, enc, enc.spans, bad)  # type: ignore[arg-type]
+
+
+def test_mask_span_at_first_token_stays_finite(llama):
+    """A passage at the very first column leaves its own query rows with no visible key in the
+    masked branch; nothing may turn NaN (those rows are never attended to)."""
+    enc = _enc(llama, ["**Alice lives in Rome and teaches music.** Where does Alice live?"])
+    assert enc.spans[0][0][0] == 0
+    sel = Vhr(layers=(1, 3), without_image="mask").select(llama, enc)
+    assert torch.isfinite(sel.vhd).all() and torch.isfinite(sel.probe_logits).all()
+    inputs = {"input_ids": enc.input_ids, "position_ids": torch.arange(enc.length)[None]}
+    _check_masked_branch(llama, enc, enc.spans, inputs)
