@@ -300,10 +300,17 @@ def test_cli_vision_generate_and_report(kind, tmp_path):
     out = tmp_path / "vision.html"
     args = ["report", "vision", "--prompt", "Describe the image.", "--model", str(folder)]
     args += ["--image", str(img)]
-    r = runner.invoke(app, [*args, "--sink-dims", "5", "--tau", "2", "--out", str(out), "--json"])
+    r = runner.invoke(
+        app, [*args, "--sink-dims", "5", "--tau", "2", "--trace-tokens", "3", "--out", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     html = out.read_text()
     assert "VHD per head" in html and "Image-centric heads" in html and "image grid" in html
+    assert "T-VHD per generated token" in html
+    per_token = json.loads(r.stdout)["t_vhd_per_token"]
+    assert 1 <= len(per_token) <= 3 and all(x["t_vhd"] > 0 for x in per_token)
+    r = runner.invoke(app, [*args, "--trace-tokens", "-1", "--out", str(tmp_path / "x.html")])
+    assert r.exit_code == 2 and "--trace-tokens" in r.output
     r = runner.invoke(app, [*args, "--sink-dims", "5", "--out", str(out)])
     assert r.exit_code == 2  # refuses to overwrite without --force
 
@@ -456,3 +463,78 @@ def test_mask_span_at_first_token_stays_finite(llama):
     assert torch.isfinite(sel.vhd).all() and torch.isfinite(sel.probe_logits).all()
     inputs = {"input_ids": enc.input_ids, "position_ids": torch.arange(enc.length)[None]}
     _check_masked_branch(llama, enc, enc.spans, inputs)
+
+
+# --------------------------------------------------------------------------- T-VHD per decode step
+def test_vhd_trace_step0_cache_and_oracle(llama):
+    from steer.vhd_trace import vhd_trace
+
+    prompt = PROMPTS[0]
+    tr = vhd_trace(llama, prompt, chat=False, max_new_tokens=5, k=2)
+    n = len(tr.frame)
+    assert n == 5 and list(tr.frame.columns) == ["step", "token_id", "token", "t_vhd"]
+    assert tr.vhd.shape == (n, llama.n_layers, llama.n_heads)
+    # step 0 = the prefill (probe) VHD of Vhr(alpha=1).select; T-VHD from it
+    enc = _enc(llama, [prompt])
+    sel = Vhr(alpha=1.0, layers=(1,)).select(llama, enc)
+    torch.testing.assert_close(tr.vhd[0], sel.vhd[0], atol=1e-6, rtol=1e-6)
+    assert tr.frame.t_vhd[0] == pytest.approx(float(t_vhd(sel.vhd[0], k=2)), rel=1e-5)
+    torch.testing.assert_close(torch.tensor(tr.frame.t_vhd.tolist()), t_vhd(tr.vhd, k=2))
+    # the with-image row decodes exactly like plain greedy generation
+    plain = llama.model.generate(
+        input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=5, do_sample=False
+    )
+    assert tr.frame.token_id.tolist() == plain[0, enc.length :].tolist()
+    assert tr.frame.token.tolist() == [llama.tokenizer.decode([t]) for t in tr.frame.token_id]
+    # cached = uncached (full re-run of both rows every step)
+    slow = vhd_trace(llama, prompt, chat=False, max_new_tokens=5, k=2, use_cache=False)
+    assert slow.frame.token_id.tolist() == tr.frame.token_id.tolist()
+    torch.testing.assert_close(slow.vhd, tr.vhd, atol=1e-5, rtol=1e-5)
+    # independent oracle at the last step: two separate runs with the generated history
+    t0, t1 = enc.spans[0][0]
+    hist = torch.tensor(tr.frame.token_id.tolist()[:-1])
+    ids = enc.input_ids[0]
+    with_z = _plain_heads(llama, {"input_ids": torch.cat([ids, hist])[None]})
+    without_z = _plain_heads(llama, {"input_ids": torch.cat([ids[:t0], ids[t1:], hist])[None]})
+    for la in range(llama.n_layers):
+        torch.testing.assert_close(
+            tr.vhd[-1, la], (with_z[la] - without_z[la]).norm(dim=-1), atol=1e-5, rtol=1e-5
+        )
+    # mask branch, cached = uncached too
+    m1 = vhd_trace(llama, prompt, chat=False, max_new_tokens=3, without_image="mask")
+    m2 = vhd_trace(llama, prompt, chat=False, max_new_tokens=3, without_image="mask", use_cache=False)
+    torch.testing.assert_close(m1.vhd, m2.vhd, atol=1e-5, rtol=1e-5)
+
+
+def test_vhd_trace_bad_input(llama):
+    from steer.vhd_trace import vhd_trace
+
+    for kw in (
+        {"max_new_tokens": 0},
+        {"max_new_tokens": True},
+        {"k": 0},
+        {"k": llama.n_heads + 1},
+        {"reduce": "max"},
+        {"target": "audio"},
+        {"without_image": "drop"},
+    ):
+        with pytest.raises(ValueError):
+            vhd_trace(llama, PROMPTS[0], chat=False, **kw)
+    with pytest.raises(ValueError, match="one prompt"):
+        vhd_trace(llama, PROMPTS, chat=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="to remove"):
+        vhd_trace(llama, "no markup here", chat=False)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
+def test_vhd_trace_vlm_cached_equals_uncached(kind):
+    from steer.vhd_trace import vhd_trace
+
+    vlm = make_tiny_vlm(kind)
+    fast = vhd_trace(vlm, "Describe the image.", images=tiny_image(1), max_new_tokens=3)
+    slow = vhd_trace(vlm, "Describe the image.", images=tiny_image(1), max_new_tokens=3, use_cache=False)
+    assert fast.frame.token_id.tolist() == slow.frame.token_id.tolist()
+    torch.testing.assert_close(fast.vhd, slow.vhd, atol=1e-4, rtol=1e-4)
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    sel = Vhr(alpha=1.0, layers=(1,)).select(vlm, enc)
+    torch.testing.assert_close(fast.vhd[0], sel.vhd[0], atol=1e-5, rtol=1e-5)
