@@ -96,8 +96,13 @@ def var_redistribute(
     else:
         m, free, sunk = ((w * k.to(w.dtype)[:, None, None, :]).sum(-1) for k in (region, free_keys, sink))
     r = free / m.clamp(min=1e-30)
-    # free > 0 implies m > 0 (a sum of non-negative terms with a positive one)
-    sel = (m >= floor) & (r >= rho) & (free > 0) & (sunk > 0) & eligible[:, None, q0:]
+    # free > 0 implies m > 0 (a sum of non-negative terms with a positive one), and r >= rho > 0
+    # implies free > 0: the tests that cannot change the result are left out
+    sel = (m >= floor) & (r >= rho) & (sunk > 0)
+    if rho <= 0:
+        sel = sel & (free > 0)
+    if not (q_len == 1 and bool(eligible.all())):
+        sel = sel & eligible[:, None, q0:]
     if require_visual_sink:
         sel = sel & (sink & region).any(-1)[:, None, None]
     if not bool(sel.any()):

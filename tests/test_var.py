@@ -396,3 +396,104 @@ def test_eval_harness_runs_var_and_vhr(smol):
         res = evaluate(smol, "context_qa", method, limit=3, batch_size=3)
         row = res.table.iloc[0]
         assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
+
+
+# --------------------------------------------------------------------------- pitfalls (var.md §6)
+def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
+    """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
+    inputs, while the layer before it is edited; without skip_last the last layer changes too."""
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    last = llama.n_layers - 1
+
+    def pre_post(var, layer):
+        pre, post = Recorder(layer=layer), Recorder(layer=layer)
+        with planted(llama, pos), editing(llama, [pre, *var.edits(llama, enc), post]):
+            forward(llama, enc)
+        return pre.records[0], post.records[0]
+
+    skip = Var(sink_dims=(DIM,), tau=TAU, layers=(last - 1, last))
+    a, b = pre_post(skip, last)
+    assert torch.equal(a, b)  # nothing touches layer L-1
+    a, b = pre_post(skip, last - 1)
+    assert not torch.equal(a, b)  # ... while layer L-2 is edited
+    a, b = pre_post(Var(sink_dims=(DIM,), tau=TAU, layers=(last,), skip_last=False), last)
+    assert not torch.equal(a, b)
+
+
+def test_sink_dims_keyed_by_backbone_config(tokenizer):
+    """§6.5: the dims follow the backbone's config (type, width, depth), never the model's name;
+    an unknown backbone raises unless dims are given. Shapes only: built on the meta device."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from heads import HeadModel
+
+    def llava(hidden: int, layers: int, name: str) -> HeadModel:
+        text = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 128,
+            vocab_size=32,
+        )
+        vision = CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+        with torch.device("meta"):
+            model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text))
+        return HeadModel(model, tokenizer, name=name)
+
+    assert sink_dims_for(llava(4096, 32, "llava-1.5-13b")) == (1415, 2533)  # 7B config, misleading name
+    assert sink_dims_for(llava(5120, 40, "llava-1.5-7b")) == (2100, 4743)  # 13B config
+    with pytest.raises(ValueError, match="no known sink dims"):
+        sink_dims_for(llava(4096, 31, "llava-1.5-7b"))
+    assert sink_dims_for(llava(4096, 31, "x"), [7]) == (7,)
+
+
+def test_vlm_prompt_is_the_processors_own_input_and_loading_is_by_keyword(tmp_path):
+    """§6.2: the encoded row is exactly the processor's output for the rendered prompt (no
+    segment-wise re-tokenisation that drops BOS / special tokens). §6.3: loading options are
+    keyword-only and the dtype asked for is the dtype loaded."""
+    from heads import load_model
+    from tests.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    own = vlm.processor(text=enc.texts, images=[tiny_image(1)], return_tensors="pt")
+    assert enc.input_ids[0][enc.attention_mask[0].bool()].tolist() == own["input_ids"][0].tolist()
+    folder = save_tiny_vlm(vlm, tmp_path / "llava")
+    with pytest.raises(TypeError):
+        load_model(folder, torch.bfloat16)  # type: ignore[misc]
+    for dtype in (torch.float32, torch.bfloat16):
+        hm = load_model(folder, dtype=dtype)
+        assert {p.dtype for la in hm.layers for p in la.parameters()} == {dtype}
+
+
+def test_gqa_weights_per_query_head_values_repeated(llama):
+    """§6.12: on a GQA model (4 query heads, 2 KV heads) the edited weights are per query head and
+    each head's output is its edited row times its own KV head's values."""
+    assert llama.n_kv_heads < llama.n_heads
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    layer = 1
+    var = Var(sink_dims=(DIM,), tau=TAU, layers=(layer,))
+    post = Recorder(layer=layer)
+    got: dict[str, torch.Tensor] = {}
+    attn = llama.attentions[layer]
+    h1 = attn.v_proj.register_forward_hook(lambda m, a, out: got.__setitem__("v", out))
+    h2 = llama.out_projs[layer].register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0]))
+    try:
+        edits = var.edits(llama, enc)
+        with planted(llama, pos), editing(llama, [*edits, post]):
+            forward(llama, enc)
+    finally:
+        h1.remove()
+        h2.remove()
+    probs = post.records[0]  # [B, H, T, T]: one (edited) pattern per query head
+    assert probs.shape[1] == llama.n_heads
+    b, t = enc.input_ids.shape
+    v = got["v"].view(b, t, llama.n_kv_heads, llama.d_head).transpose(1, 2)  # [B, G, T, d]
+    v = v.repeat_interleave(llama.n_heads // llama.n_kv_heads, dim=1)  # query head h reads KV head h // 2
+    oracle = (probs @ v).transpose(1, 2).reshape(b, t, -1)
+    torch.testing.assert_close(got["z"], oracle, atol=1e-5, rtol=1e-5)
+    assert int(edits[0].selected.sum()) > 0  # VAR did edit rows of this layer

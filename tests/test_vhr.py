@@ -538,3 +538,25 @@ def test_vhd_trace_vlm_cached_equals_uncached(kind):
     enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
     sel = Vhr(alpha=1.0, layers=(1,)).select(vlm, enc)
     torch.testing.assert_close(fast.vhd[0], sel.vhd[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
+def test_without_rows_drop_every_image_token_and_marker(kind):
+    """§6.5 complete removal: the without-image rows hold no image token and no image-framing
+    marker (Qwen2-VL vision start / end, Idefics3 fake-image / global-image / tile tokens); every
+    other token stays, in order."""
+    from steer.vhr import _marker_ids
+
+    vlm = make_tiny_vlm(kind)
+    enc = SteeredModel(vlm).encode(["Describe the image.", "What?"], images=[tiny_image(1), tiny_image(2)])
+    inp = probe_inputs(vlm, enc, enc.image_spans)
+    b = enc.batch
+    img_id = vlm.model.config.image_token_id
+    markers = _marker_ids(vlm)
+    if kind != "llava":
+        assert markers  # the family frames its images
+    for r in range(b):
+        with_ids = enc.input_ids[r][enc.attention_mask[r].bool()].tolist()
+        without = inp["input_ids"][b + r][inp["attention_mask"][b + r].bool()].tolist()
+        assert img_id not in without and not markers & set(without)
+        assert without == [t for t in with_ids if t != img_id and t not in markers]
