@@ -223,6 +223,7 @@ def _edited_attention(
             add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
         if not explicit:
+            assert add is not None  # open rows are only skipped on the explicit path
             outs.append(
                 F.scaled_dot_product_attention(
                     q_blk,
