@@ -497,3 +497,44 @@ def test_gqa_weights_per_query_head_values_repeated(llama):
     oracle = (probs @ v).transpose(1, 2).reshape(b, t, -1)
     torch.testing.assert_close(got["z"], oracle, atol=1e-5, rtol=1e-5)
     assert int(edits[0].selected.sum()) > 0  # VAR did edit rows of this layer
+
+
+def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
+    """§6.11 (vhr.md §6.9): a LLaVA folder in the older module layout (`language_model.model.
+    layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
+    current layout (`model.language_model.layers...`) load to the same model, with the heads
+    found at `model.model.language_model`, so VAR and VHR edit the same layers."""
+    from safetensors.torch import load_file, save_file
+
+    from heads import load_model
+    from tests.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    want = forward(vlm, enc)
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    save_tiny_vlm(vlm, old_dir)
+    save_tiny_vlm(vlm, new_dir)
+    (file,) = list(new_dir.glob("*.safetensors"))
+    state = load_file(str(file))
+    assert any(k.startswith("language_model.model.layers.") for k in state)  # the older layout
+
+    def current(key: str) -> str:
+        for before, now in (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ):
+            if key.startswith(before):
+                return now + key[len(before) :]
+        return key
+
+    save_file({current(k): v for k, v in state.items()}, str(file), metadata={"format": "pt"})
+    assert any(k.startswith("model.language_model.layers.") for k in load_file(str(file)))
+    var = Var(sink_dims=(DIM,), tau=1.0)
+    for folder in (old_dir, new_dir):
+        hm = load_model(folder)
+        assert hm.layers[0] is hm.model.model.language_model.layers[0]
+        torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
+        assert [e.layer for e in var.edits(hm, enc)] == [0]
