@@ -538,3 +538,63 @@ def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
         assert hm.layers[0] is hm.model.model.language_model.layers[0]
         torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
         assert [e.layer for e in var.edits(hm, enc)] == [0]
+
+
+# --------------------------------------------------------------------------- fast paths = plain formula
+def _plain_var(probs, sink, region, eligible, *, rho=0.5, p=0.6, floor=0.2, require_visual_sink=False):
+    """var.md §2 written plainly over every row (the formulation before the speed work)."""
+    w = probs.float()
+    sink_k, img_k = sink[:, None, None, :], region[:, None, None, :]
+    free_k = img_k & ~sink_k
+    m = torch.where(img_k, w, 0.0).sum(-1)
+    free = torch.where(free_k, w, 0.0).sum(-1)
+    sunk = torch.where(sink_k, w, 0.0).sum(-1)
+    r = free / m.clamp(min=1e-30)
+    sel = eligible[:, None, :] & (m >= floor) & (m > 0) & (r >= rho) & (free > 0) & (sunk > 0)
+    if require_visual_sink:
+        sel = sel & (sink & region).any(-1)[:, None, None]
+    gain = (p * sunk / free.clamp(min=1e-30))[..., None]
+    new = torch.where(sink_k, w * (1 - p), torch.where(free_k, w + gain * w, w))
+    return torch.where(sel[..., None], new, probs), sel
+
+
+@pytest.mark.parametrize("stack_limit", [0, 1 << 22])
+def test_fast_var_update_is_bitwise_the_plain_formula(stack_limit, monkeypatch):
+    import steer.var as var_module
+
+    monkeypatch.setattr(var_module, "_STACK_LIMIT", stack_limit)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, h = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        q = int(torch.randint(1, 12, (1,), generator=g))
+        k = q + int(torch.randint(1, 60, (1,), generator=g))
+        logits = torch.randn(b, h, q, k, generator=g) * 3
+        logits[..., 0] += 3  # a strong first-token sink
+        probs = torch.softmax(logits, -1)
+        sink = torch.rand(b, k, generator=g) < 0.1
+        sink[:, 0] = True
+        region = torch.zeros(b, k, dtype=torch.bool)
+        region[:, 1 : 1 + k // 2] = True
+        start = torch.randint(0, k + 1, (b,), generator=g)
+        eligible = torch.arange(k - q, k)[None] >= start[:, None]
+        for kw in ({}, {"rho": 0.0, "floor": 0.0}, {"require_visual_sink": True}, {"p": 0.4, "rho": 0.8}):
+            want, want_sel = _plain_var(probs, sink, region, eligible, **kw)
+            got, got_sel = var_redistribute(probs, sink, region, eligible, **kw)
+            assert torch.equal(got, want) and torch.equal(got_sel, want_sel), kw
+
+
+def test_open_decode_row_needs_no_mask_bitwise():
+    """The explicit attention path skips the mask work for one decode row that sees every key;
+    the result equals the same call with an explicit all-visible mask, bit for bit."""
+    from heads.engine import _edited_attention, _LayerEdits
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    rec = Recorder(layer=0)
+    edits = _LayerEdits(0, 4, None, {"probs": [rec]})
+    open_out, open_p = _edited_attention(None, q, k, v, None, 0.25, edits, want_probs=True)
+    full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    masked_out, masked_p = _edited_attention(None, q, k, v, full, 0.25, edits, want_probs=True)
+    assert torch.equal(open_out, masked_out) and torch.equal(open_p, masked_p)
+    assert torch.equal(rec.records[0], rec.records[1])
