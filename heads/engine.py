@@ -211,15 +211,19 @@ def _edited_attention(
         for ed in biases:
             b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
             add = b if add is None else add + b
-        if add is None:
+        # every key visible (one decode row or a non-causal layer, no mask, no bias): the explicit
+        # path needs no mask (adding zeros and masking nothing would change no bit)
+        open_row = add is None and explicit and (q_len == 1 or not causal)
+        if add is None and not open_row:
             if causal:
                 add = _causal_additive(e_ - s, k_len, k_len - q_len + s, device)
             else:
                 add = torch.zeros(1, 1, e_ - s, k_len, device=device)
-        else:
+        elif add is not None:
             add = add.clamp(min=_MIN)  # stacked biases on a masked key must not overflow to -inf
         q_blk = query[:, :, s:e_]
         if not explicit:
+            assert add is not None  # open rows are only skipped on the explicit path
             outs.append(
                 F.scaled_dot_product_attention(
                     q_blk,
@@ -234,12 +238,16 @@ def _edited_attention(
         scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
         if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores + add
-        visible = (add > _MIN / 2).expand_as(scores)
-        probs = torch.where(visible, torch.softmax(scores, dim=-1), 0.0)  # fully masked rows: all 0
+        visible: torch.Tensor | None = None
+        if add is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            visible = (add > _MIN / 2).expand_as(scores)
+            probs = torch.where(visible, torch.softmax(scores + add, dim=-1), 0.0)  # fully masked rows: 0
         for pe in probs_edits:
             probs = torch.where(head_masks[id(pe)], pe.apply(probs, call), probs)
-            probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
+            if visible is not None:
+                probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         outs.append(torch.matmul(probs.to(value.dtype), value))
         if want_probs:
             patterns.append(probs.to(value.dtype))

@@ -117,19 +117,20 @@ def sink_tau_for(model: HeadModel) -> float:
     return CALIBRATED_TAU.get(_key(model), default_tau(model.d_model))
 
 
-def sink_value(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+def sink_value(x: torch.Tensor, dims: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """phi(x) = max over `dims` of |x_d| / RMS(x) (var.md §2), in fp32.
 
     Args:
         x: `[..., D]` residual states.
-        dims: the sink dimensions.
+        dims: the sink dimensions (ints, or a long tensor on `x`'s device).
 
     Returns:
         `[...]` phi, at most sqrt(D) (64 at D = 4096, 8 at D = 64).
     """
     xf = x.float()
     rms = xf.pow(2).mean(-1).add(EPS).sqrt()
-    return xf[..., list(dims)].abs().amax(-1) / rms
+    idx = dims if isinstance(dims, torch.Tensor) else list(dims)
+    return xf[..., idx].abs().amax(-1) / rms
 
 
 @dataclass
@@ -253,6 +254,8 @@ class SinkTracker:
         self.prefill_only = prefill_only
         self.prefill_len = prefill_len
         self.flags: dict[int, torch.Tensor] = {}
+        self._bufs: dict[int, torch.Tensor] = {}  # per layer, [B, capacity]; flags are its prefixes
+        self._dims_index: dict[torch.device, torch.Tensor] = {}
         self.observed = 0
         self.active = None  # callable () -> bool, or None (always active)
         self._handles: list = []
@@ -261,19 +264,34 @@ class SinkTracker:
         """Flag sinks among the rows `hidden` `[B, T, D]` at absolute positions `offset ..`."""
         if layer not in self.layers:
             return
-        phi = sink_value(hidden, self.dims)  # [B, T]
+        phi = sink_value(hidden, self._index(hidden.device))  # [B, T]
         new = phi >= self.tau
         if self.prefill_only:
             pos = torch.arange(offset, offset + new.shape[1], device=new.device)
             new = new & (pos < self.prefill_len)
-        old = self.flags.get(layer)
-        if offset == 0 or old is None or old.shape[0] != new.shape[0]:
-            old = new.new_zeros(new.shape[0], 0)
-        keep = old[:, :offset]
-        if keep.shape[1] < offset:  # unseen columns (should not happen): not sinks
-            keep = torch.cat([keep, keep.new_zeros(keep.shape[0], offset - keep.shape[1])], 1)
-        self.flags[layer] = torch.cat([keep, new], dim=1)
+        n = offset + new.shape[1]
+        buf = self._bufs.get(layer)
+        if offset == 0 or buf is None or buf.shape[0] != new.shape[0] or buf.device != new.device:
+            # a new sequence: a fresh buffer (flags handed out earlier stay as they were)
+            buf = self._bufs[layer] = new.new_zeros(new.shape[0], max(2 * n, 64))
+            seen = 0
+        else:
+            seen = self.flags[layer].shape[1]
+        if buf.shape[1] < n:  # grow by doubling: O(1) amortised per decode step
+            grown = new.new_zeros(buf.shape[0], max(n, 2 * buf.shape[1]))
+            grown[:, :seen] = buf[:, :seen]
+            buf = self._bufs[layer] = grown
+        if seen < offset:  # unseen columns (should not happen): not sinks
+            buf[:, seen:offset] = False
+        buf[:, offset:n] = new
+        self.flags[layer] = buf[:, :n]
         self.observed += 1
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        idx = self._dims_index.get(device)
+        if idx is None:
+            idx = self._dims_index[device] = torch.tensor(self.dims, dtype=torch.long, device=device)
+        return idx
 
     def mask(self, layer: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
         """`[B, k_len]` bool sink flags of layer `layer` (columns not seen: False)."""

@@ -14,6 +14,7 @@ from .profiling import profile_heads, select_heads, smallest_k
 from .spans import UnsteeredRowsWarning
 from .spotlight import Spotlight, SpotlightEdit
 from .var import Var, VarEdit
+from .vhd_trace import VhdTrace, vhd_trace
 from .vhr import Vhr
 
 __all__ = [
@@ -31,9 +32,11 @@ __all__ = [
     "UnsteeredRowsWarning",
     "Var",
     "VarEdit",
+    "VhdTrace",
     "Vhr",
     "pasta_column_bias",
     "profile_heads",
     "select_heads",
     "smallest_k",
+    "vhd_trace",
 ]

@@ -43,6 +43,10 @@ from .spans import warn_rows_without_span
 __all__ = ["Var", "VarEdit", "var_redistribute"]
 
 
+_STACK_LIMIT = 1 << 22
+"""Most elements of the `[B, H, Q, 3, K]` product summed in one op (else three separate sums)."""
+
+
 def var_redistribute(
     probs: torch.Tensor,
     sink: torch.Tensor,
@@ -70,23 +74,46 @@ def var_redistribute(
         `(new_probs, selected)`: `[B, H, Q, K]` and `[B, H, Q]` bool. Unselected rows are
         bitwise `probs`; rows with m = 0, no non-sink image mass or no sink mass are unselected
         (no NaN).
+
+    Only the query rows from the first eligible one on are computed (at prefill the rows
+    before the image are skipped); the three masses come from one product when it is small
+    (decode steps), which sums the same values in the same order as three separate sums.
     """
-    w = probs.float()
-    sink_k = sink[:, None, None, :]
-    img_k = region[:, None, None, :]
-    free_k = img_k & ~sink_k
-    m = torch.where(img_k, w, 0.0).sum(-1)
-    free = torch.where(free_k, w, 0.0).sum(-1)
-    sunk = torch.where(sink_k, w, 0.0).sum(-1)
+    bsz, n_heads, q_len, _ = probs.shape
+    none = torch.zeros(bsz, n_heads, q_len, dtype=torch.bool, device=probs.device)
+    if q_len > 1:
+        rows = eligible.any(0)
+        if not bool(rows.any()):
+            return probs, none
+        q0 = int(rows.to(torch.uint8).argmax())  # first eligible query row of any batch row
+    else:
+        q0 = 0
+    w = probs[:, :, q0:].float()
+    free_keys = region & ~sink
+    if w.numel() * 3 <= _STACK_LIMIT:
+        keys = torch.stack([region, free_keys, sink], dim=1).to(w.dtype)[:, None, None]  # [B,1,1,3,K]
+        m, free, sunk = (w.unsqueeze(-2) * keys).sum(-1).unbind(-1)
+    else:
+        m, free, sunk = ((w * k.to(w.dtype)[:, None, None, :]).sum(-1) for k in (region, free_keys, sink))
     r = free / m.clamp(min=1e-30)
-    sel = eligible[:, None, :] & (m >= floor) & (m > 0) & (r >= rho) & (free > 0) & (sunk > 0)
+    # free > 0 implies m > 0 (a sum of non-negative terms with a positive one), and r >= rho > 0
+    # implies free > 0: the tests that cannot change the result are left out
+    sel = (m >= floor) & (r >= rho) & (sunk > 0)
+    if rho <= 0:
+        sel = sel & (free > 0)
+    if not (q_len == 1 and bool(eligible.all())):
+        sel = sel & eligible[:, None, q0:]
     if require_visual_sink:
         sel = sel & (sink & region).any(-1)[:, None, None]
     if not bool(sel.any()):
-        return probs, sel
+        return probs, none
     gain = (p * sunk / free.clamp(min=1e-30))[..., None]
-    new = torch.where(sink_k, w * (1 - p), torch.where(free_k, w + gain * w, w))
-    return torch.where(sel[..., None], new.to(probs.dtype), probs), sel
+    sink_k = sink[:, None, None, :]
+    new = torch.where(sink_k, w * (1 - p), torch.where(free_keys[:, None, None, :], w + gain * w, w))
+    out = torch.where(sel[..., None], new.to(probs.dtype), probs[:, :, q0:])
+    if q0 == 0:
+        return out, sel
+    return torch.cat([probs[:, :, :q0], out], dim=2), torch.cat([none[:, :, :q0], sel], dim=2)
 
 
 @dataclass(eq=False, repr=False)
@@ -99,7 +126,8 @@ class VarEdit(ProbEdit):
             span; rows without a span never reach it).
         rho, p, floor, require_visual_sink: see `var_redistribute`.
         tracker: the `SinkTracker` that flags this layer's sinks.
-        selected: `[H]` long, query rows selected so far per head (for the head map).
+        selected: `[H]` long, query rows selected so far per head (for the head map; None
+            before the first call).
         considered: `[H]` long, eligible query rows seen so far per head.
     """
 
@@ -110,11 +138,39 @@ class VarEdit(ProbEdit):
     floor: float = 0.2
     require_visual_sink: bool = False
     tracker: SinkTracker | None = None
-    selected: torch.Tensor | None = field(default=None, init=False)
-    considered: torch.Tensor | None = field(default=None, init=False)
+    # per-row running counts on the call's device: [B, H] selected rows, [B] eligible rows
+    _sel_rows: torch.Tensor | None = field(default=None, init=False)
+    _elig_rows: torch.Tensor | None = field(default=None, init=False)
+    _dev: dict = field(default_factory=dict, init=False)  # device -> (region buffer, start)
 
     def is_identity(self) -> bool:
         return self.p == 0 or not bool(self.region.any())
+
+    @property
+    def selected(self) -> torch.Tensor | None:
+        if self._sel_rows is None:
+            return None
+        mask = self.head_mask(self._sel_rows.shape[0], self._sel_rows.shape[1], self._sel_rows.device)
+        return (self._sel_rows * mask).sum(0).cpu()
+
+    @property
+    def considered(self) -> torch.Tensor | None:
+        if self._elig_rows is None or self._sel_rows is None:
+            return None
+        mask = self.head_mask(self._sel_rows.shape[0], self._sel_rows.shape[1], self._elig_rows.device)
+        return (self._elig_rows[:, None] * mask).sum(0).cpu()
+
+    def _on(self, dev: torch.device, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`([B, k_len] region columns, [B] start)` on `dev`, from a buffer that grows by doubling."""
+        buf, start = self._dev.get(dev, (None, None))
+        if buf is None or start is None or buf.shape[1] < k_len:
+            width = max(k_len, self.region.shape[1], 2 * (0 if buf is None else buf.shape[1]))
+            buf = torch.zeros(self.region.shape[0], width, dtype=torch.bool, device=dev)
+            n = min(width, self.region.shape[1])
+            buf[:, :n] = self.region[:, :n].to(dev)
+            start = self.start.to(dev)
+            self._dev[dev] = (buf, start)
+        return buf[:, :k_len], start
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if self.region.shape[0] != call.batch:
@@ -123,10 +179,11 @@ class VarEdit(ProbEdit):
         dev = probs.device
         assert self.tracker is not None  # set by Var.edits
         sink = self.tracker.mask(self.layer, call.k_len, dev)
-        region = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=dev)
-        width = min(self.region.shape[1], call.k_len)
-        region[:, :width] = self.region[:, :width].to(dev)
-        eligible = call.query_positions[None, :] >= self.start.to(dev)[:, None]  # [B, Q]
+        region, start = self._on(dev, call.k_len)
+        if call.q_len == 1:
+            eligible = (start <= call.q_offset)[:, None]  # [B, 1]
+        else:
+            eligible = call.query_positions[None, :] >= start[:, None]  # [B, Q]
         new, sel = var_redistribute(
             probs,
             sink,
@@ -137,11 +194,12 @@ class VarEdit(ProbEdit):
             floor=self.floor,
             require_visual_sink=self.require_visual_sink,
         )
-        heads = self.head_mask(call.batch, call.n_heads, dev)[:, :, None]
-        counted = (sel & heads).sum((0, 2)).cpu()
-        seen = (eligible[:, None, :] & heads).sum((0, 2)).cpu()
-        self.selected = counted if self.selected is None else self.selected + counted
-        self.considered = seen if self.considered is None else self.considered + seen
+        n_sel, n_elig = sel.sum(-1), eligible.sum(-1)
+        if self._sel_rows is None or self._elig_rows is None or self._sel_rows.device != dev:
+            self._sel_rows, self._elig_rows = n_sel, n_elig
+        else:
+            self._sel_rows = self._sel_rows + n_sel
+            self._elig_rows = self._elig_rows + n_elig
         return new
 
 

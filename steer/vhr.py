@@ -51,6 +51,12 @@ __all__ = [
 ]
 
 Target = Literal["auto", "image", "text"]
+WithoutImage = Literal["delete", "mask"]
+
+
+def _check_without(without_image: object) -> None:
+    if without_image not in ("delete", "mask"):
+        raise ValueError(f"unknown without_image {without_image!r}: use 'delete' or 'mask'")
 
 
 def default_vhr_layers(n_layers: int) -> list[int]:
@@ -174,27 +180,47 @@ def _left_pack(x: torch.Tensor, keep: torch.Tensor, fill: int = 0) -> torch.Tens
 
 
 def probe_inputs(
-    model: HeadModel, enc: EncodedPrompts, spans: list[list[tuple[int, int]]]
+    model: HeadModel,
+    enc: EncodedPrompts,
+    spans: list[list[tuple[int, int]]],
+    without_image: WithoutImage = "delete",
 ) -> dict[str, torch.Tensor]:
     """Model inputs of VHR's probe batch: `2B` rows `[with image (enc's rows); without]`, width P.
 
-    The without-image rows keep every text token (template included) in order, drop the
-    image tokens (`no_span_rows`) and `pixel_values` for them, are left-padded to P, and get
-    positions counted over their real tokens, so both rows of a sample end at index P - 1 on
-    the same query token (vhr.md §4, §6.4). For M-RoPE models (Qwen2-VL) positions come from
-    the model's own `get_rope_index` on the probe batch: removing the image renumbers them.
+    `without_image="delete"` (default, vhr.md §2): the without-image rows keep every text token
+    (template included) in order, drop the image tokens (`no_span_rows`) and `pixel_values`
+    for them, are left-padded to P, and get positions counted over their real tokens, so both
+    rows of a sample end at index P - 1 on the same query token (vhr.md §4, §6.4). For M-RoPE
+    models (Qwen2-VL) positions come from the model's own `get_rope_index` on the probe
+    batch: removing the image renumbers them.
+
+    `without_image="mask"` (the spec's option): the without-image rows are copies of the
+    with-image rows (same ids, images and positions) whose attention mask is 0 on the removed
+    tokens, so every query gives them zero attention while no position changes.
 
     Raises:
-        ValueError: a sample whose without-image row would be empty.
+        ValueError: an unknown `without_image`, or a sample whose without-image row would be
+            empty.
     """
+    _check_without(without_image)
     keep = no_span_rows(model, enc, spans)
     if not bool(keep.any(-1).all()):
         bad = [b for b in range(enc.batch) if not bool(keep[b].any())]
         raise ValueError(f"prompts {bad} hold nothing but the image / context: no without-image row")
+    if without_image == "mask":
+        out = {
+            "input_ids": torch.cat([enc.input_ids, enc.input_ids]),
+            "attention_mask": torch.cat([enc.attention_mask, enc.attention_mask * keep]),
+        }
+        for k, v in enc.inputs.items():  # per-row and per-image tensors alike: the images repeat
+            out[k] = torch.cat([v, v])
+        pos = enc.position_ids()
+        out["position_ids"] = torch.cat([pos, pos], dim=-2)  # [2B, P] or M-RoPE [3, 2B, P]
+        return out
     pad = model.tokenizer.pad_token_id if model.tokenizer is not None else 0
     ids = torch.cat([enc.input_ids, _left_pack(enc.input_ids, keep, pad if pad is not None else 0)])
     mask = torch.cat([enc.attention_mask, _left_pack(enc.attention_mask, keep)])
-    out: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": mask}
+    out = {"input_ids": ids, "attention_mask": mask}
     mtype = getattr(model.model.config, "model_type", "")
     for k, v in enc.inputs.items():
         if k in ("mm_token_type_ids", "token_type_ids"):
@@ -303,10 +329,14 @@ class Vhr:
         reuse_cache: keep the probe pass's KV cache of the with-image rows (text prompts) so
             that `SteeredModel.generate` does not prefill them again: VHR then costs one extra
             prefill row per prompt (vhr.md §4). Default True.
+        without_image: how the without-image (without-context) row is built (vhr.md §2):
+            `"delete"` (default) removes the image / passage tokens and renumbers positions
+            contiguously; `"mask"` keeps every token and position and masks the image /
+            passage out of attention (zero attention from every query).
 
     Raises:
-        ValueError: bad alpha / layers / target (at construction), no span to remove in any
-            prompt, or an unknown layer (when applied).
+        ValueError: bad alpha / layers / target / without_image (at construction), no span to
+            remove in any prompt, or an unknown layer (when applied).
 
     Source: He et al. 2025, §3 (Eq. 2-4), Algorithm 1.
     """
@@ -318,6 +348,7 @@ class Vhr:
     outliers: bool = True
     ddof: int = 0
     reuse_cache: bool = True
+    without_image: WithoutImage = "delete"
     last: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -330,6 +361,7 @@ class Vhr:
             )
         if self.target not in ("auto", "image", "text"):
             raise ValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
+        _check_without(self.without_image)
         if self.ddof not in (0, 1):
             raise ValueError(f"ddof must be 0 or 1, got {self.ddof!r}")
         if self.layers is not None:
@@ -367,7 +399,7 @@ class Vhr:
             )
         layers = self.target_layers(model)
         model.check_length(enc.length)
-        inputs = probe_inputs(model, enc, spans)
+        inputs = probe_inputs(model, enc, spans, self.without_image)
         b, n_l, n_h = enc.batch, model.n_layers, model.n_heads
         nan = torch.full((b, n_l, n_h), float("nan"))
         res = VhrSelection(layers, {}, nan.clone(), nan.clone())

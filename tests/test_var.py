@@ -396,3 +396,205 @@ def test_eval_harness_runs_var_and_vhr(smol):
         res = evaluate(smol, "context_qa", method, limit=3, batch_size=3)
         row = res.table.iloc[0]
         assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
+
+
+# --------------------------------------------------------------------------- pitfalls (var.md §6)
+def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
+    """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
+    inputs, while the layer before it is edited; without skip_last the last layer changes too."""
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    last = llama.n_layers - 1
+
+    def pre_post(var, layer):
+        pre, post = Recorder(layer=layer), Recorder(layer=layer)
+        with planted(llama, pos), editing(llama, [pre, *var.edits(llama, enc), post]):
+            forward(llama, enc)
+        return pre.records[0], post.records[0]
+
+    skip = Var(sink_dims=(DIM,), tau=TAU, layers=(last - 1, last))
+    a, b = pre_post(skip, last)
+    assert torch.equal(a, b)  # nothing touches layer L-1
+    a, b = pre_post(skip, last - 1)
+    assert not torch.equal(a, b)  # ... while layer L-2 is edited
+    a, b = pre_post(Var(sink_dims=(DIM,), tau=TAU, layers=(last,), skip_last=False), last)
+    assert not torch.equal(a, b)
+
+
+def test_sink_dims_keyed_by_backbone_config(tokenizer):
+    """§6.5: the dims follow the backbone's config (type, width, depth), never the model's name;
+    an unknown backbone raises unless dims are given. Shapes only: built on the meta device."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from heads import HeadModel
+
+    def llava(hidden: int, layers: int, name: str) -> HeadModel:
+        text = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 128,
+            vocab_size=32,
+        )
+        vision = CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+        with torch.device("meta"):
+            model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text))
+        return HeadModel(model, tokenizer, name=name)
+
+    assert sink_dims_for(llava(4096, 32, "llava-1.5-13b")) == (1415, 2533)  # 7B config, misleading name
+    assert sink_dims_for(llava(5120, 40, "llava-1.5-7b")) == (2100, 4743)  # 13B config
+    with pytest.raises(ValueError, match="no known sink dims"):
+        sink_dims_for(llava(4096, 31, "llava-1.5-7b"))
+    assert sink_dims_for(llava(4096, 31, "x"), [7]) == (7,)
+
+
+def test_vlm_prompt_is_the_processors_own_input_and_loading_is_by_keyword(tmp_path):
+    """§6.2: the encoded row is exactly the processor's output for the rendered prompt (no
+    segment-wise re-tokenisation that drops BOS / special tokens). §6.3: loading options are
+    keyword-only and the dtype asked for is the dtype loaded."""
+    from heads import load_model
+    from tests.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    own = vlm.processor(text=enc.texts, images=[tiny_image(1)], return_tensors="pt")
+    assert enc.input_ids[0][enc.attention_mask[0].bool()].tolist() == own["input_ids"][0].tolist()
+    folder = save_tiny_vlm(vlm, tmp_path / "llava")
+    with pytest.raises(TypeError):
+        load_model(folder, torch.bfloat16)  # type: ignore[misc]
+    for dtype in (torch.float32, torch.bfloat16):
+        hm = load_model(folder, dtype=dtype)
+        assert {p.dtype for la in hm.layers for p in la.parameters()} == {dtype}
+
+
+def test_gqa_weights_per_query_head_values_repeated(llama):
+    """§6.12: on a GQA model (4 query heads, 2 KV heads) the edited weights are per query head and
+    each head's output is its edited row times its own KV head's values."""
+    assert llama.n_kv_heads < llama.n_heads
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    layer = 1
+    var = Var(sink_dims=(DIM,), tau=TAU, layers=(layer,))
+    post = Recorder(layer=layer)
+    got: dict[str, torch.Tensor] = {}
+    attn = llama.attentions[layer]
+    h1 = attn.v_proj.register_forward_hook(lambda m, a, out: got.__setitem__("v", out))
+    h2 = llama.out_projs[layer].register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0]))
+    try:
+        edits = var.edits(llama, enc)
+        with planted(llama, pos), editing(llama, [*edits, post]):
+            forward(llama, enc)
+    finally:
+        h1.remove()
+        h2.remove()
+    probs = post.records[0]  # [B, H, T, T]: one (edited) pattern per query head
+    assert probs.shape[1] == llama.n_heads
+    b, t = enc.input_ids.shape
+    v = got["v"].view(b, t, llama.n_kv_heads, llama.d_head).transpose(1, 2)  # [B, G, T, d]
+    v = v.repeat_interleave(llama.n_heads // llama.n_kv_heads, dim=1)  # query head h reads KV head h // 2
+    oracle = (probs @ v).transpose(1, 2).reshape(b, t, -1)
+    torch.testing.assert_close(got["z"], oracle, atol=1e-5, rtol=1e-5)
+    assert int(edits[0].selected.sum()) > 0  # VAR did edit rows of this layer
+
+
+def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
+    """§6.11 (vhr.md §6.9): a LLaVA folder in the older module layout (`language_model.model.
+    layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
+    current layout (`model.language_model.layers...`) load to the same model, with the heads
+    found at `model.model.language_model`, so VAR and VHR edit the same layers."""
+    from safetensors.torch import load_file, save_file
+
+    from heads import load_model
+    from tests.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    want = forward(vlm, enc)
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    save_tiny_vlm(vlm, old_dir)
+    save_tiny_vlm(vlm, new_dir)
+    (file,) = list(new_dir.glob("*.safetensors"))
+    state = load_file(str(file))
+    assert any(k.startswith("language_model.model.layers.") for k in state)  # the older layout
+
+    def current(key: str) -> str:
+        for before, now in (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ):
+            if key.startswith(before):
+                return now + key[len(before) :]
+        return key
+
+    save_file({current(k): v for k, v in state.items()}, str(file), metadata={"format": "pt"})
+    assert any(k.startswith("model.language_model.layers.") for k in load_file(str(file)))
+    var = Var(sink_dims=(DIM,), tau=1.0)
+    for folder in (old_dir, new_dir):
+        hm = load_model(folder)
+        assert hm.layers[0] is hm.model.model.language_model.layers[0]
+        torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
+        assert [e.layer for e in var.edits(hm, enc)] == [0]
+
+
+# --------------------------------------------------------------------------- fast paths = plain formula
+def _plain_var(probs, sink, region, eligible, *, rho=0.5, p=0.6, floor=0.2, require_visual_sink=False):
+    """var.md §2 written plainly over every row (the formulation before the speed work)."""
+    w = probs.float()
+    sink_k, img_k = sink[:, None, None, :], region[:, None, None, :]
+    free_k = img_k & ~sink_k
+    m = torch.where(img_k, w, 0.0).sum(-1)
+    free = torch.where(free_k, w, 0.0).sum(-1)
+    sunk = torch.where(sink_k, w, 0.0).sum(-1)
+    r = free / m.clamp(min=1e-30)
+    sel = eligible[:, None, :] & (m >= floor) & (m > 0) & (r >= rho) & (free > 0) & (sunk > 0)
+    if require_visual_sink:
+        sel = sel & (sink & region).any(-1)[:, None, None]
+    gain = (p * sunk / free.clamp(min=1e-30))[..., None]
+    new = torch.where(sink_k, w * (1 - p), torch.where(free_k, w + gain * w, w))
+    return torch.where(sel[..., None], new, probs), sel
+
+
+@pytest.mark.parametrize("stack_limit", [0, 1 << 22])
+def test_fast_var_update_is_bitwise_the_plain_formula(stack_limit, monkeypatch):
+    import steer.var as var_module
+
+    monkeypatch.setattr(var_module, "_STACK_LIMIT", stack_limit)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, h = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        q = int(torch.randint(1, 12, (1,), generator=g))
+        k = q + int(torch.randint(1, 60, (1,), generator=g))
+        logits = torch.randn(b, h, q, k, generator=g) * 3
+        logits[..., 0] += 3  # a strong first-token sink
+        probs = torch.softmax(logits, -1)
+        sink = torch.rand(b, k, generator=g) < 0.1
+        sink[:, 0] = True
+        region = torch.zeros(b, k, dtype=torch.bool)
+        region[:, 1 : 1 + k // 2] = True
+        start = torch.randint(0, k + 1, (b,), generator=g)
+        eligible = torch.arange(k - q, k)[None] >= start[:, None]
+        for kw in ({}, {"rho": 0.0, "floor": 0.0}, {"require_visual_sink": True}, {"p": 0.4, "rho": 0.8}):
+            want, want_sel = _plain_var(probs, sink, region, eligible, **kw)
+            got, got_sel = var_redistribute(probs, sink, region, eligible, **kw)
+            assert torch.equal(got, want) and torch.equal(got_sel, want_sel), kw
+
+
+def test_open_decode_row_needs_no_mask_bitwise():
+    """The explicit attention path skips the mask work for one decode row that sees every key;
+    the result equals the same call with an explicit all-visible mask, bit for bit."""
+    from heads.engine import _edited_attention, _LayerEdits
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    rec = Recorder(layer=0)
+    edits = _LayerEdits(0, 4, None, {"probs": [rec]})
+    open_out, open_p = _edited_attention(None, q, k, v, None, 0.25, edits, want_probs=True)
+    full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    masked_out, masked_p = _edited_attention(None, q, k, v, full, 0.25, edits, want_probs=True)
+    assert torch.equal(open_out, masked_out) and torch.equal(open_p, masked_p)
+    assert torch.equal(rec.records[0], rec.records[1])

@@ -300,10 +300,17 @@ def test_cli_vision_generate_and_report(kind, tmp_path):
     out = tmp_path / "vision.html"
     args = ["report", "vision", "--prompt", "Describe the image.", "--model", str(folder)]
     args += ["--image", str(img)]
-    r = runner.invoke(app, [*args, "--sink-dims", "5", "--tau", "2", "--out", str(out), "--json"])
+    r = runner.invoke(
+        app, [*args, "--sink-dims", "5", "--tau", "2", "--trace-tokens", "3", "--out", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     html = out.read_text()
     assert "VHD per head" in html and "Image-centric heads" in html and "image grid" in html
+    assert "T-VHD per generated token" in html
+    per_token = json.loads(r.stdout)["t_vhd_per_token"]
+    assert 1 <= len(per_token) <= 3 and all(x["t_vhd"] > 0 for x in per_token)
+    r = runner.invoke(app, [*args, "--trace-tokens", "-1", "--out", str(tmp_path / "x.html")])
+    assert r.exit_code == 2 and "--trace-tokens" in r.output
     r = runner.invoke(app, [*args, "--sink-dims", "5", "--out", str(out)])
     assert r.exit_code == 2  # refuses to overwrite without --force
 
@@ -325,3 +332,231 @@ def test_probe_cache_reused_one_extra_row(llama):
     assert probe_and_steps == [p, 1, 1, 1, 1, 1, 1]  # probe (2B rows), then one row per step
     assert lens == [p, p, 1, 1, 1, 1, 1]  # without reuse the prompt is prefilled twice
     assert reused.token_ids == plain.token_ids
+
+
+# --------------------------------------------------------------------------- without_image="mask"
+def _oracle_masked(model, inputs: dict, keep: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Independent oracle of the masked branch: the plain HF forward of one row with a custom 4D
+    mask (causal, and False on the removed keys for every query) and its own positions; returns the
+    last-position head outputs `[H, d]` per layer and the last logits."""
+    p = inputs["input_ids"].shape[-1]
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    mask4 = (causal & keep[None, :])[None, None]
+    zs: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, a: zs.append(a[0][0, -1].reshape(model.n_heads, model.d_head))
+        )
+        for m in model.out_projs
+    ]
+    try:
+        out = model.model(**{**inputs, "attention_mask": mask4})
+    finally:
+        for h in hooks:
+            h.remove()
+    return zs, out.logits[0, -1]
+
+
+def _plain_heads(model, inputs: dict) -> list[torch.Tensor]:
+    zs: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, a: zs.append(a[0][0, -1].reshape(model.n_heads, model.d_head))
+        )
+        for m in model.out_projs
+    ]
+    try:
+        model.model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return zs
+
+
+def _check_masked_branch(model, enc, spans, text_inputs: dict):
+    """VHD / TA of the masked branch (alpha = 1: nothing reinforced) against the 4D-mask oracle."""
+    from steer.vhr import no_span_rows
+
+    v = Vhr(alpha=1.0, layers=(model.n_layers - 1,), without_image="mask", target="auto")
+    sel = v.select(model, enc)
+    keep = no_span_rows(model, enc, spans)[0]
+    assert not keep.all()
+    with_z = _plain_heads(model, text_inputs)
+    masked_z, masked_logits = _oracle_masked(model, text_inputs, keep)
+    for la in range(model.n_layers):
+        torch.testing.assert_close(
+            sel.vhd[0, la], (with_z[la] - masked_z[la]).norm(dim=-1), atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(sel.ta[0, la], masked_z[la].pow(2).sum(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sel.probe_logits[1], masked_logits.float(), atol=1e-4, rtol=1e-4)
+    return sel
+
+
+def test_mask_branch_equals_4d_mask_oracle_text(llama):
+    enc = _enc(llama, PROMPTS[:1])
+    inputs = {"input_ids": enc.input_ids, "position_ids": torch.arange(enc.length)[None]}
+    sel = _check_masked_branch(llama, enc, enc.spans, inputs)
+    # positions are kept: the masked branch differs from the delete branch (renumbered positions)
+    deleted = Vhr(alpha=1.0, layers=(3,)).select(llama, enc)
+    assert not torch.allclose(sel.vhd, deleted.vhd, atol=1e-4)
+    # the probe inputs of the masked branch: same ids and positions, mask 0 exactly on the span
+    inp = probe_inputs(llama, enc, enc.spans, "mask")
+    assert torch.equal(inp["input_ids"][0], inp["input_ids"][1])
+    assert torch.equal(inp["position_ids"][0], inp["position_ids"][1])
+    t0, t1 = enc.spans[0][0]
+    assert inp["attention_mask"][1].tolist() == [0 if t0 <= j < t1 else 1 for j in range(enc.length)]
+
+
+def test_mask_branch_equals_4d_mask_oracle_image():
+    vlm = make_tiny_vlm("llava")
+    sm = SteeredModel(vlm)
+    enc = sm.encode(["Describe the image."], images=[tiny_image(1)])
+    assert not enc.inputs.keys() - {"pixel_values", "image_sizes"}
+    inputs = {
+        "input_ids": enc.input_ids,
+        "position_ids": enc.position_ids(),
+        **{k: v for k, v in enc.inputs.items()},
+    }
+    _check_masked_branch(vlm, enc, enc.image_spans, inputs)
+    gen_mask = sm.generate(
+        ["Describe the image."], Vhr(layers=(1,), without_image="mask"), images=[tiny_image(1)]
+    )
+    assert len(gen_mask.token_ids[0]) >= 1
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "idefics3"])
+def test_mask_branch_runs_on_other_families(kind):
+    vlm = make_tiny_vlm(kind)
+    sm = SteeredModel(vlm)
+    enc = sm.encode(["Describe the image.", "What?"], images=[tiny_image(1), tiny_image(2)])
+    inp = probe_inputs(vlm, enc, enc.image_spans, "mask")
+    b = enc.batch
+    assert torch.equal(inp["input_ids"][:b], inp["input_ids"][b:])
+    assert torch.equal(inp["position_ids"][..., :b, :], inp["position_ids"][..., b:, :])
+    sel = Vhr(layers=(1,), without_image="mask").select(vlm, enc)
+    assert torch.isfinite(sel.vhd).all() and (sel.vhd[:, 0] > 0).any()
+
+
+def test_mask_is_default_off_and_checked(llama):
+    enc = _enc(llama)
+    assert Vhr().without_image == "delete"
+    a = Vhr(layers=(1, 3)).select(llama, enc)
+    b = Vhr(layers=(1, 3), without_image="delete").select(llama, enc)
+    assert torch.equal(a.vhd, b.vhd) and all(torch.equal(a.heads[la], b.heads[la]) for la in (1, 3))
+    assert torch.equal(
+        probe_inputs(llama, enc, enc.spans)["input_ids"],
+        probe_inputs(llama, enc, enc.spans, "delete")["input_ids"],
+    )
+    for bad in ("drop", None, 1):
+        with pytest.raises(ValueError, match="without_image"):
+            Vhr(without_image=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="without_image"):
+            probe_inputs(llama, enc, enc.spans, bad)  # type: ignore[arg-type]
+
+
+def test_mask_span_at_first_token_stays_finite(llama):
+    """A passage at the very first column leaves its own query rows with no visible key in the
+    masked branch; nothing may turn NaN (those rows are never attended to)."""
+    enc = _enc(llama, ["**Alice lives in Rome and teaches music.** Where does Alice live?"])
+    assert enc.spans[0][0][0] == 0
+    sel = Vhr(layers=(1, 3), without_image="mask").select(llama, enc)
+    assert torch.isfinite(sel.vhd).all() and torch.isfinite(sel.probe_logits).all()
+    inputs = {"input_ids": enc.input_ids, "position_ids": torch.arange(enc.length)[None]}
+    _check_masked_branch(llama, enc, enc.spans, inputs)
+
+
+# --------------------------------------------------------------------------- T-VHD per decode step
+def test_vhd_trace_step0_cache_and_oracle(llama):
+    from steer.vhd_trace import vhd_trace
+
+    prompt = PROMPTS[0]
+    tr = vhd_trace(llama, prompt, chat=False, max_new_tokens=5, k=2)
+    n = len(tr.frame)
+    assert n == 5 and list(tr.frame.columns) == ["step", "token_id", "token", "t_vhd"]
+    assert tr.vhd.shape == (n, llama.n_layers, llama.n_heads)
+    # step 0 = the prefill (probe) VHD of Vhr(alpha=1).select; T-VHD from it
+    enc = _enc(llama, [prompt])
+    sel = Vhr(alpha=1.0, layers=(1,)).select(llama, enc)
+    torch.testing.assert_close(tr.vhd[0], sel.vhd[0], atol=1e-6, rtol=1e-6)
+    assert tr.frame.t_vhd[0] == pytest.approx(float(t_vhd(sel.vhd[0], k=2)), rel=1e-5)
+    torch.testing.assert_close(torch.tensor(tr.frame.t_vhd.tolist()), t_vhd(tr.vhd, k=2))
+    # the with-image row decodes exactly like plain greedy generation
+    plain = llama.model.generate(
+        input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=5, do_sample=False
+    )
+    assert tr.frame.token_id.tolist() == plain[0, enc.length :].tolist()
+    assert tr.frame.token.tolist() == [llama.tokenizer.decode([t]) for t in tr.frame.token_id]
+    # cached = uncached (full re-run of both rows every step)
+    slow = vhd_trace(llama, prompt, chat=False, max_new_tokens=5, k=2, use_cache=False)
+    assert slow.frame.token_id.tolist() == tr.frame.token_id.tolist()
+    torch.testing.assert_close(slow.vhd, tr.vhd, atol=1e-5, rtol=1e-5)
+    # independent oracle at the last step: two separate runs with the generated history
+    t0, t1 = enc.spans[0][0]
+    hist = torch.tensor(tr.frame.token_id.tolist()[:-1])
+    ids = enc.input_ids[0]
+    with_z = _plain_heads(llama, {"input_ids": torch.cat([ids, hist])[None]})
+    without_z = _plain_heads(llama, {"input_ids": torch.cat([ids[:t0], ids[t1:], hist])[None]})
+    for la in range(llama.n_layers):
+        torch.testing.assert_close(
+            tr.vhd[-1, la], (with_z[la] - without_z[la]).norm(dim=-1), atol=1e-5, rtol=1e-5
+        )
+    # mask branch, cached = uncached too
+    m1 = vhd_trace(llama, prompt, chat=False, max_new_tokens=3, without_image="mask")
+    m2 = vhd_trace(llama, prompt, chat=False, max_new_tokens=3, without_image="mask", use_cache=False)
+    torch.testing.assert_close(m1.vhd, m2.vhd, atol=1e-5, rtol=1e-5)
+
+
+def test_vhd_trace_bad_input(llama):
+    from steer.vhd_trace import vhd_trace
+
+    for kw in (
+        {"max_new_tokens": 0},
+        {"max_new_tokens": True},
+        {"k": 0},
+        {"k": llama.n_heads + 1},
+        {"reduce": "max"},
+        {"target": "audio"},
+        {"without_image": "drop"},
+    ):
+        with pytest.raises(ValueError):
+            vhd_trace(llama, PROMPTS[0], chat=False, **kw)
+    with pytest.raises(ValueError, match="one prompt"):
+        vhd_trace(llama, PROMPTS, chat=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="to remove"):
+        vhd_trace(llama, "no markup here", chat=False)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
+def test_vhd_trace_vlm_cached_equals_uncached(kind):
+    from steer.vhd_trace import vhd_trace
+
+    vlm = make_tiny_vlm(kind)
+    fast = vhd_trace(vlm, "Describe the image.", images=tiny_image(1), max_new_tokens=3)
+    slow = vhd_trace(vlm, "Describe the image.", images=tiny_image(1), max_new_tokens=3, use_cache=False)
+    assert fast.frame.token_id.tolist() == slow.frame.token_id.tolist()
+    torch.testing.assert_close(fast.vhd, slow.vhd, atol=1e-4, rtol=1e-4)
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    sel = Vhr(alpha=1.0, layers=(1,)).select(vlm, enc)
+    torch.testing.assert_close(fast.vhd[0], sel.vhd[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
+def test_without_rows_drop_every_image_token_and_marker(kind):
+    """§6.5 complete removal: the without-image rows hold no image token and no image-framing
+    marker (Qwen2-VL vision start / end, Idefics3 fake-image / global-image / tile tokens); every
+    other token stays, in order."""
+    from steer.vhr import _marker_ids
+
+    vlm = make_tiny_vlm(kind)
+    enc = SteeredModel(vlm).encode(["Describe the image.", "What?"], images=[tiny_image(1), tiny_image(2)])
+    inp = probe_inputs(vlm, enc, enc.image_spans)
+    b = enc.batch
+    img_id = vlm.model.config.image_token_id
+    markers = _marker_ids(vlm)
+    if kind != "llava":
+        assert markers  # the family frames its images
+    for r in range(b):
+        with_ids = enc.input_ids[r][enc.attention_mask[r].bool()].tolist()
+        without = inp["input_ids"][b + r][inp["attention_mask"][b + r].bool()].tolist()
+        assert img_id not in without and not markers & set(without)
+        assert without == [t for t in with_ids if t != img_id and t not in markers]

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .cli_common import Run, _positive, command
+from .cli_common import Run, _at_most, _positive, command
 
 vision_app = typer.Typer(
     help="Vision-aware steering (VAR, VHR) on a vision-language model or a marked text context.",
@@ -138,18 +138,34 @@ def report_vision(
     rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
     tau: Annotated[float | None, typer.Option(help="VAR sink threshold")] = None,
     sink_dims: DimsOpt = None,
+    trace_tokens: Annotated[
+        int, typer.Option(help="T-VHD per token over this many generated tokens (0: off)")
+    ] = 16,
 ) -> dict:
-    """VHD heatmap, VAR image-centric head map and sink positions over the image grid."""
+    """VHD heatmap, T-VHD per generated token, VAR image-centric head map and sink positions
+    over the image grid."""
     from steer import Var, Vhr
 
     from .vision_report import vision_report
 
     vhr = Vhr(alpha=alpha)
     var = Var(p=p, rho=rho, tau=tau, sink_dims=_dims(sink_dims))
+    if trace_tokens < 0:
+        raise ValueError(f"--trace-tokens must be >= 0, got {trace_tokens}")
+    _at_most("--trace-tokens", trace_tokens, 4096)
     img = _image(image)
     out = run.output(out, suffixes=(".html", ".htm"))
     hm = run.load()
     with run.status("VHD, VAR and sinks…"):
-        path, res = vision_report(hm, out, prompt, img, vhr=vhr, var=var, overwrite=run.force)
+        path, res = vision_report(
+            hm, out, prompt, img, vhr=vhr, var=var, overwrite=run.force, trace_tokens=trace_tokens
+        )
     run.show(f"T-VHD {res.t_vhd:.3g}")
-    return {"html": str(path), "t_vhd": res.t_vhd, "vhr_heads": res.vhr_heads, "var_error": res.var_error}
+    trace = None if res.trace is None else res.trace[["token", "t_vhd"]].to_dict("records")
+    return {
+        "html": str(path),
+        "t_vhd": res.t_vhd,
+        "t_vhd_per_token": trace,
+        "vhr_heads": res.vhr_heads,
+        "var_error": res.var_error,
+    }

@@ -22,6 +22,7 @@ from heads.files import check_output, write_text
 from heads.forward import forward
 from steer import SteeredModel
 from steer.var import Var
+from steer.vhd_trace import vhd_trace
 from steer.vhr import Vhr, t_vhd
 
 from .figures import head_heatmap
@@ -47,6 +48,8 @@ class VisionAnalysis:
         span_tokens: the image / context tokens (strings).
         params: the settings used.
         var_error: why VAR did not run, if it did not.
+        trace: T-VHD per generated token (`steer.vhd_trace` frame: step, token_id, token,
+            t_vhd; unsteered greedy decoding), or None when `trace_tokens` was 0.
     """
 
     vhd: HeadScores
@@ -60,6 +63,7 @@ class VisionAnalysis:
     params: dict = field(default_factory=dict)
     var_error: str | None = None
     seconds: float | None = None
+    trace: pd.DataFrame | None = None
 
 
 @torch.no_grad()
@@ -70,13 +74,18 @@ def vision_analysis(
     *,
     vhr: Vhr | None = None,
     var: Var | None = None,
+    trace_tokens: int = 16,
 ) -> VisionAnalysis:
     """Run VHR's probe pass and a VAR-edited forward on one prompt (with `image` on a VLM; a
-    `**marked**` passage otherwise) and collect the report's numbers.
+    `**marked**` passage otherwise) and collect the report's numbers; with `trace_tokens` > 0
+    also T-VHD at each of that many greedily generated tokens (`steer.vhd_trace`).
 
     Raises:
-        ValueError: no image and no marked passage; see `Vhr.select` and `Var.edits`.
+        ValueError: no image and no marked passage, a negative `trace_tokens`; see
+            `Vhr.select` and `Var.edits`.
     """
+    if isinstance(trace_tokens, bool) or not isinstance(trace_tokens, int) or trace_tokens < 0:
+        raise ValueError(f"trace_tokens must be an int >= 0, got {trace_tokens!r}")
     t0 = time.perf_counter()
     vhr = vhr or Vhr()
     var = var or Var()
@@ -110,6 +119,12 @@ def vision_analysis(
     params = {"prompt": prompt, "image": image is not None, "vhr_alpha": vhr.alpha, "var_rho": var.rho}
     params |= {"var_p": var.p, "layers_vhr": sel.layers}
     k = min(4, model.n_heads)
+    trace = None
+    if trace_tokens:
+        tr = vhd_trace(
+            model, prompt, images=image, max_new_tokens=trace_tokens, k=k, without_image=vhr.without_image
+        )
+        trace = tr.frame
     return VisionAnalysis(
         vhd,
         heads,
@@ -122,6 +137,7 @@ def vision_analysis(
         params,
         err,
         time.perf_counter() - t0,
+        trace,
     )
 
 
@@ -143,6 +159,21 @@ def render_vision_report(result: VisionAnalysis) -> Report:
     rep.figure("VHD per head", head_heatmap(result.vhd, title=f"VHD (T-VHD = {result.t_vhd:.3g})"))
     rows = [{"layer": la, "heads": str(hs), "count": len(hs)} for la, hs in result.vhr_heads.items()]
     rep.table("Heads reinforced by VHR", pd.DataFrame(rows))
+    if result.trace is not None and len(result.trace):
+        tr = result.trace
+        rep.figure(
+            "T-VHD per generated token",
+            go.Figure(
+                go.Scatter(
+                    x=tr["step"].tolist(),
+                    y=tr["t_vhd"].tolist(),
+                    mode="lines+markers+text",
+                    text=[repr(t) for t in tr["token"]],
+                    textposition="top center",
+                ),
+                layout={"xaxis_title": "generated token t", "yaxis_title": "T-VHD_t", "height": 400},
+            ),
+        )
     if result.image_centric is None:
         rep.text("VAR", f"not run: {result.var_error}")
         return rep
@@ -177,6 +208,7 @@ def vision_report(
     vhr: Vhr | None = None,
     var: Var | None = None,
     overwrite: bool = False,
+    trace_tokens: int = 16,
 ) -> tuple[Path, VisionAnalysis]:
     """Compute (`vision_analysis`) and write the vision report to `out` (HTML).
 
@@ -184,6 +216,6 @@ def vision_report(
         ValueError: an existing `out` without `overwrite`, a symlink; see `vision_analysis`.
     """
     check_output(out, overwrite)
-    result = vision_analysis(model, prompt, image, vhr=vhr, var=var)
+    result = vision_analysis(model, prompt, image, vhr=vhr, var=var, trace_tokens=trace_tokens)
     path = write_text(out, render_vision_report(result).to_html(), overwrite)
     return path, result
