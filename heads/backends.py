@@ -27,8 +27,6 @@ Both libraries are imported lazily: `import heads` does not load them.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -157,13 +155,11 @@ class NNsightBackend(Backend):
             out = self.lm.generator.output.save()
         return out
 
-    @contextlib.contextmanager
-    def trace(self, *inputs: Any, **kwargs: Any) -> Iterator[Any]:
-        """The user's own `lm.trace(...)` (with `remote` unless given)."""
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The user's own `lm.trace(...)` tracer (with `remote` unless given), to enter with `with`."""
         self._check_remote()
         kwargs.setdefault("remote", self.remote)
-        with self.lm.trace(*inputs, **kwargs) as tracer:
-            yield tracer
+        return self.lm.trace(*inputs, **kwargs)
 
 
 def make_backend(obj: object, *, remote: bool = False) -> tuple[nn.Module, Backend, Any]:
