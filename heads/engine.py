@@ -50,7 +50,15 @@ from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, Que
 from .families import family_of
 from .model import HeadModel
 
-__all__ = ["QUERY_BLOCK", "SITES", "EditNeverFired", "Site", "active_edit_count", "editing", "registered_name"]
+__all__ = [
+    "QUERY_BLOCK",
+    "SITES",
+    "EditNeverFired",
+    "Site",
+    "active_edit_count",
+    "editing",
+    "registered_name",
+]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
@@ -528,10 +536,7 @@ def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[_HookSpec]:
                 need.append("logits")  # records which keys are visible
             for n in need:
                 module = hook_point_for(model, n, e.layer)
-                if n == "positions":
-                    register = partial(_pre_hook, with_kwargs=True)
-                else:
-                    register = _tl_hook
+                register: Callable = _pre_register(True) if n == "positions" else _tl_hook
                 sites[(n, e.layer)] = (module, n, e.layer, partial(tl_hook, n), register)
         return list(sites.values())
     for e in active:
@@ -542,7 +547,13 @@ def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[_HookSpec]:
         if site.positions:
             p = _POSITIONS
             reg = _pre_register(True)
-            sites[(p.name, e.layer)] = (p.target(model, e.layer), p.name, e.layer, cast(Callable, p.hook), reg)
+            sites[(p.name, e.layer)] = (
+                p.target(model, e.layer),
+                p.name,
+                e.layer,
+                cast(Callable, p.hook),
+                reg,
+            )
     return list(sites.values())
 
 

@@ -322,7 +322,9 @@ def load_model(
     with _reading(where):
         if _is_vision_language_folder(where):
             if backend != "hf":
-                raise ValueError(f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'")
+                raise ValueError(
+                    f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'"
+                )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
         tok = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(

@@ -14,7 +14,7 @@ reproduce, is refused here with a `ValueError`.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ class HeadModel:
 
     def _check_bridge_geometry(self, bridge: object) -> None:
         """Read the geometry from the bridge's own weights and check it matches the modules."""
-        attn = cast(nn.Module, cast(nn.ModuleList, getattr(bridge, "blocks"))[0]).attn  # noqa: B009
+        attn: Any = cast(nn.ModuleList, getattr(bridge, "blocks"))[0].attn  # noqa: B009
         wq, wk = cast(torch.Tensor, attn.W_Q), cast(torch.Tensor, attn.W_K)  # [H, D, d], [G, D, d]
         got = (int(wq.shape[0]), int(wk.shape[0]), int(wq.shape[-1]), int(wq.shape[1]))
         want = (self.n_heads, self.n_kv_heads, self.d_head, self.d_model)
@@ -192,7 +192,9 @@ class HeadModel:
         """
         trace = getattr(self.backend, "trace", None)
         if trace is None:
-            raise ValueError(f"trace() needs the nnsight backend; this HeadModel's backend is {self.backend.kind!r}")
+            raise ValueError(
+                f"trace() needs the nnsight backend; this HeadModel's backend is {self.backend.kind!r}"
+            )
         return trace(*inputs, **kwargs)
 
     # ----------------------------------------------------------------- geometry

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .edits import AttentionCall, LogitBias, ProbEdit
+from .edits import AttentionCall, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
 
 if TYPE_CHECKING:
     from torch import nn
@@ -104,7 +104,7 @@ def tl_hook(site: str, key: int, model: HeadModel, layer: int):
             offset = _OFFSETS.get().get(key, 0)
             b, t = z.shape[0], z.shape[1]
             call = AttentionCall(layer, b, n_heads, t, offset + t, offset, z.device)
-            return _apply_head_edits(edits, z, call)
+            return _apply_head_edits(cast("list[QueryEdit | HeadOutputEdit]", edits), z, call)
 
         return heads_hook
 

@@ -12,11 +12,10 @@ import math
 
 import pytest
 import torch
-
-from heads import HeadModel, HeadScale, HeadScores, QueryScale, Recorder, editing, encode_prompts, forward
-from heads.edits import ResidualEdit
-
 from conftest import ZeroRow, make_tiny
+
+from heads import HeadModel, HeadScale, HeadScores, QueryScale, editing, encode_prompts, forward
+from heads.edits import ResidualEdit
 
 TOL = 1e-5
 PROMPTS = ["The **cat** sat on the mat and then", "Hello there, **dear friend**, how"]
@@ -62,7 +61,9 @@ def test_backends_and_geometry(models):
         torch.testing.assert_close(m.W_Q, models["hf"].W_Q, atol=0, rtol=0)
     # the bridge's own weights agree with the module views headsteer reads
     bridge = models["transformer_lens"].backend.native
-    torch.testing.assert_close(bridge.blocks[1].attn.W_O, models["transformer_lens"].W_O[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        bridge.blocks[1].attn.W_O, models["transformer_lens"].W_O[1], atol=1e-6, rtol=0
+    )
 
 
 EDITS = {
@@ -105,7 +106,7 @@ def test_span_attention_and_head_pattern(models):
 
 
 def test_steered_generation_every_intervention(models):
-    from steer import Ablate, Act, Pasta, SteeredModel, Spotlight
+    from steer import Ablate, Act, Pasta, Spotlight, SteeredModel
 
     steers = [
         Pasta(heads={1: [0, 1], 2: [3]}, alpha=0.01),
@@ -118,7 +119,12 @@ def test_steered_generation_every_intervention(models):
         ids, scores = {}, {}
         for name, m in models.items():
             g = SteeredModel(m).generate(
-                PROMPTS, steer=[s], max_new_tokens=5, chat=False, return_dict_in_generate=True, output_scores=True
+                PROMPTS,
+                steer=[s],
+                max_new_tokens=5,
+                chat=False,
+                return_dict_in_generate=True,
+                output_scores=True,
             )
             ids[name] = torch.tensor(g.token_ids)
             scores[name] = torch.stack(g.outputs.scores)
@@ -136,7 +142,9 @@ def test_variant_engine_scorers(models):
     _same({n: ships(m, queries, ablation="sc", progress=False).scores.scores for n, m in models.items()})
     _same({n: dataset_ships(m, queries, progress=False).scores for n, m in models.items()})
     _same({n: sahara(m, queries, steps=2, progress=False).steps[-1].scores for n, m in models.items()})
-    prof = {n: profile_heads(m, PROMPTS, [" yes", " no"], chat=False, progress=False) for n, m in models.items()}
+    prof = {
+        n: profile_heads(m, PROMPTS, [" yes", " no"], chat=False, progress=False) for n, m in models.items()
+    }
     _same({n: p.scores for n, p in prof.items()})
     cal = {
         n: calibrate_act_heads(m, PROMPTS, [["yes", "no"], ["yes", "no"]], [0, 1], progress=False)
@@ -162,7 +170,10 @@ def test_var_and_vhr(models):
     from steer.vhr import Vhr
 
     for s in (Var(sink_dims=(0, 1), tau=1e-3, layers=(1, 2)), Vhr(alpha=2.0, layers=(1, 2))):
-        ids = {n: SteeredModel(m).generate(PROMPTS, steer=[s], max_new_tokens=4, chat=False).token_ids for n, m in models.items()}
+        ids = {
+            n: SteeredModel(m).generate(PROMPTS, steer=[s], max_new_tokens=4, chat=False).token_ids
+            for n, m in models.items()
+        }
         assert ids["hf"] == ids["transformer_lens"] == ids["nnsight"], s
 
 
@@ -271,11 +282,16 @@ def test_load_model_backend_argument(tiny_llama_dir):
 
 @pytest.mark.real
 def test_embedded_model_equal_on_three_backends():
-    """The embedded SmolLM2-135M in fp32: PASTA-steered logits and greedy tokens on all three."""
+    """The embedded SmolLM2-135M in fp32: PASTA-steered logits and greedy tokens on all three.
+
+    The bridge computes attention eagerly, so HF and nnsight load with eager attention too: with
+    SDPA in the unedited layers the 30-layer logits differ by up to ~3e-5 (kernel rounding, not
+    the edit), above the 1e-5 bar.
+    """
     from heads import load_model
     from steer import Pasta, SteeredModel
 
-    models = {n: load_model(backend=n) for n in NAMES}
+    models = {n: load_model(backend=n, attn_implementation="eager") for n in NAMES}
     tok = models["hf"].tokenizer
     enc = encode_prompts(tok, ["The capital of **France** is"], chat=False)
     p = Pasta(heads={10: [0, 3], 20: [1]}, alpha=0.01)
@@ -283,7 +299,11 @@ def test_embedded_model_equal_on_three_backends():
     for n, m in models.items():
         with editing(m, p.edits(m, enc)):
             out[n] = forward(m, enc)
-        ids[n] = SteeredModel(m).generate(["The capital of **France** is"], steer=p, max_new_tokens=6, chat=False).token_ids
+        ids[n] = (
+            SteeredModel(m)
+            .generate(["The capital of **France** is"], steer=p, max_new_tokens=6, chat=False)
+            .token_ids
+        )
     _same(out)
     assert ids["hf"] == ids["transformer_lens"] == ids["nnsight"]
     assert not math.isnan(float(out["hf"].sum()))
