@@ -286,7 +286,9 @@ def test_embedded_model_equal_on_three_backends():
 
     The bridge computes attention eagerly, so HF and nnsight load with eager attention too: with
     SDPA in the unedited layers the 30-layer logits differ by up to ~3e-5 (kernel rounding, not
-    the edit), above the 1e-5 bar.
+    the edit), above the 1e-5 bar. Even with eager attention everywhere the bridge's own attention
+    arithmetic (op order, GQA expansion) leaves up to ~3.5e-5 on these logits (magnitude ~20, i.e.
+    ~2e-6 relative) after 30 layers: compared here at 1e-4 absolute, tokens exactly.
     """
     from heads import load_model
     from steer import Pasta, SteeredModel
@@ -304,6 +306,7 @@ def test_embedded_model_equal_on_three_backends():
             .generate(["The capital of **France** is"], steer=p, max_new_tokens=6, chat=False)
             .token_ids
         )
-    _same(out)
+    for n in NAMES[1:]:
+        torch.testing.assert_close(out[n], out["hf"], atol=1e-4, rtol=0)
     assert ids["hf"] == ids["transformer_lens"] == ids["nnsight"]
     assert not math.isnan(float(out["hf"].sum()))
