@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/head_probes.py
 	$(PY) benchmarks/vhr_overhead.py
 	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/backends.py
 
 # The README's Results table: headsteer eval, every method on every task (about 30 minutes).
 results: $(STAMP)

@@ -50,7 +50,15 @@ from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, Que
 from .families import family_of
 from .model import HeadModel
 
-__all__ = ["QUERY_BLOCK", "SITES", "EditNeverFired", "Site", "editing", "registered_name"]
+__all__ = [
+    "QUERY_BLOCK",
+    "SITES",
+    "EditNeverFired",
+    "Site",
+    "active_edit_count",
+    "editing",
+    "registered_name",
+]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
@@ -498,19 +506,76 @@ _SWITCHED: dict[int, list] = {}
 _HOOKED: dict[tuple[int, str], list] = {}
 
 
-def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[tuple[nn.Module, Site, int]]:
-    """(module, site, layer) for every hook the active edits need."""
-    sites = {}
+def _pre_hook(module: nn.Module, fn: Callable, with_kwargs: bool) -> Callable[[], None]:
+    return module.register_forward_pre_hook(fn, with_kwargs=with_kwargs).remove
+
+
+def _tl_hook(module: nn.Module, fn: Callable) -> Callable[[], None]:
+    """Add `fn` to a TransformerLens hook point; the remover takes out only this hook."""
+    handle = cast(Callable, module.add_hook)(fn)
+
+    def remove() -> None:
+        handle.hook.remove()
+        hooks = cast(list, getattr(module, "fwd_hooks", []))
+        if handle in hooks:
+            hooks.remove(handle)
+
+    return remove
+
+
+# (module, site name, layer, hook factory (key, model, layer) -> fn, register (module, fn) -> remover)
+_HookSpec = tuple[nn.Module, str, int, Callable[[int, HeadModel, int], Callable], Callable]
+
+
+def _hook_sites(model: HeadModel, active: Sequence[Edit]) -> list[_HookSpec]:
+    """Every hook the active edits need (on a TransformerLens bridge: its hook points)."""
+    sites: dict[tuple[str, int], _HookSpec] = {}
+    if model.backend.hook_sites:
+        from functools import partial
+
+        from .tl_sites import hook_point_for, tl_hook
+
+        for e in active:
+            name = _site(e).name
+            need = [name]
+            if name in ("query", "head_output", "residual"):
+                need.append("positions")
+            if name == "probs":
+                need.append("logits")  # records which keys are visible
+            for n in need:
+                module = hook_point_for(model, n, e.layer)
+                register: Callable = _pre_register(True) if n == "positions" else _tl_hook
+                sites[(n, e.layer)] = (module, n, e.layer, partial(tl_hook, n), register)
+        return list(sites.values())
     for e in active:
         site = _site(e)
         if site.hook is not None:
-            sites[(site.name, e.layer)] = (site.target(model, e.layer), site, e.layer)
+            reg = _pre_register(site.with_kwargs)
+            sites[(site.name, e.layer)] = (site.target(model, e.layer), site.name, e.layer, site.hook, reg)
         if site.positions:
-            sites[(_POSITIONS.name, e.layer)] = (_POSITIONS.target(model, e.layer), _POSITIONS, e.layer)
+            p = _POSITIONS
+            reg = _pre_register(True)
+            sites[(p.name, e.layer)] = (
+                p.target(model, e.layer),
+                p.name,
+                e.layer,
+                cast(Callable, p.hook),
+                reg,
+            )
     return list(sites.values())
 
 
-def _acquire(model: HeadModel, switch: bool, sites) -> None:
+def _pre_register(with_kwargs: bool) -> Callable[[nn.Module, Callable], Callable[[], None]]:
+    """A register function adding a forward pre-hook."""
+    return lambda module, fn: _pre_hook(module, fn, with_kwargs)
+
+
+def active_edit_count() -> int:
+    """How many edits the calling context has active (on any model)."""
+    return sum(len(x) for v in _ACTIVE.get().values() for x in v.sites.values())
+
+
+def _acquire(model: HeadModel, switch: bool, sites: Sequence[_HookSpec]) -> None:
     with _LOCK:
         if switch:
             for c in model.attention_configs:  # check all before changing any
@@ -526,19 +591,15 @@ def _acquire(model: HeadModel, switch: bool, sites) -> None:
                     slot = _SWITCHED[id(c)] = [0, base]
                     c._attn_implementation_internal = registered_name(base)
                 slot[0] += 1
-        for module, site, layer in sites:
-            slot = _HOOKED.get((id(module), site.name))
+        for module, name, layer, make, register in sites:
+            slot = _HOOKED.get((id(module), name))
             if slot is None:
-                fn = site.hook(id(model.attentions[layer]), model, layer)
-                if site.with_kwargs:
-                    handle = module.register_forward_pre_hook(fn, with_kwargs=True)
-                else:
-                    handle = module.register_forward_pre_hook(fn)
-                slot = _HOOKED[(id(module), site.name)] = [0, handle]
+                remove = register(module, make(id(model.attentions[layer]), model, layer))
+                slot = _HOOKED[(id(module), name)] = [0, remove]
             slot[0] += 1
 
 
-def _release(model: HeadModel, switch: bool, sites) -> None:
+def _release(model: HeadModel, switch: bool, sites: Sequence[_HookSpec]) -> None:
     with _LOCK:
         if switch:
             for c in model.attention_configs:
@@ -548,13 +609,13 @@ def _release(model: HeadModel, switch: bool, sites) -> None:
                     if slot[0] == 0:
                         c._attn_implementation_internal = slot[1]
                         del _SWITCHED[id(c)]
-        for module, site, _ in sites:
-            slot = _HOOKED.get((id(module), site.name))
+        for module, name, _, _, _ in sites:
+            slot = _HOOKED.get((id(module), name))
             if slot is not None:
                 slot[0] -= 1
                 if slot[0] == 0:
-                    slot[1].remove()
-                    del _HOOKED[(id(module), site.name)]
+                    slot[1]()
+                    del _HOOKED[(id(module), name)]
 
 
 @contextlib.contextmanager
@@ -597,8 +658,9 @@ def editing(
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
     fired_before = [e.calls for e in active]  # an edit reused from an earlier context must fire again
-    switch = any(_site(e).attention for e in active)
-    sites = _hook_sites(model, active)
+    # a TransformerLens bridge computes attention itself: its edits are hook-point hooks
+    switch = not model.backend.hook_sites and any(_site(e).attention for e in active)
+    sites = _hook_sites(model, active)  # ValueError for a hook point the backend lacks
 
     table: dict[int, _LayerEdits] = {}
     for key, v in _ACTIVE.get().items():  # nested contexts: keep the outer edits

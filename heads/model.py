@@ -14,11 +14,12 @@ reproduce, is refused here with a `ValueError`.
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from .backends import Backend, backend_kind, make_backend
 from .families import Family, family_of
 
 if TYPE_CHECKING:
@@ -34,9 +35,20 @@ def _get(obj: object, dotted: str) -> object:
     return obj
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The HF module inside a TransformerLens bridge component (itself otherwise)."""
+    if type(module).__module__.startswith("transformer_lens"):
+        inner = getattr(module, "original_component", None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return module
+
+
 def _module(obj: object, dotted: str) -> nn.Module:
-    """`_get` for a path that names a submodule."""
-    return cast(nn.Module, _get(obj, dotted))
+    """`_get` for a path that names a submodule (the HF module, also inside a bridge)."""
+    for part in dotted.split("."):
+        obj = _unwrap(cast(nn.Module, getattr(obj, part)))
+    return cast(nn.Module, obj)
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -56,12 +68,20 @@ class HeadModel:
         name: a model id recorded in every `HeadScores` produced with this model.
         processor: for a vision-language model, its processor (image processor +
             tokenizer; `heads.images` uses it to encode prompts with images).
+        remote: nnsight only: run every trace on NDIF (`trace(..., remote=True)`); see
+            `heads.backends`.
+
+    `model` may also be a TransformerLens `TransformerBridge` or an nnsight
+    `TransformersModel` / `LanguageModel` (their tokenizer is used when `tokenizer` is None);
+    `HeadModel.wrap(obj)` does the same and also accepts a `HeadModel`. The backend is kept as
+    `.backend` (`.backend.kind`: `"hf"`, `"transformer_lens"` or `"nnsight"`); forwards go
+    through `run()` / `generate()`, which use the backend's entry point (see `heads.backends`).
 
     Every family-specific fact (module paths, fused QKV, sliding windows, QK-norm, …) comes
     from its `heads.families` entry, kept as `.family`.
 
     Raises:
-        TypeError: `model` is not an `nn.Module` with a `config`.
+        TypeError: `model` is not a `transformers` model, bridge or nnsight model.
         ValueError: a `model_type` not in the family table, a config feature the edit engine
             does not reproduce (refused here, before anything is changed), or a model whose
             modules are not where its family entry says.
@@ -73,16 +93,20 @@ class HeadModel:
         tokenizer: PreTrainedTokenizerBase | None = None,
         name: str | None = None,
         processor: ProcessorMixin | None = None,
+        *,
+        remote: bool = False,
     ):
-        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-        model = cast("PreTrainedModel", model)
+        hf, backend, native_tok = make_backend(model, remote=remote)  # TypeError for anything else
+        if tokenizer is None:
+            tokenizer = native_tok
+        model = cast("PreTrainedModel", hf)
         cfg = model.config
         fam = family_of(cfg)  # ValueError for an unknown or refused family, before any change
         try:
             decoder = _module(model, fam.decoder)
-            layers = list(cast(nn.ModuleList, _get(decoder, fam.layers)))
-            attentions = [_module(b, fam.attention) for b in layers]
+            layers = [_unwrap(b) for b in cast(nn.ModuleList, _get(decoder, fam.layers))]
+            # the attention modules that run: on a TransformerLens bridge its attention components
+            attentions = [cast(nn.Module, _get(b, fam.attention)) for b in layers]
             out_projs = [_module(a, fam.o_proj) for a in attentions]
             q_projs = [_module(a, cast(str, fam.qkv_proj or fam.q_proj)) for a in attentions]
             unembed = _module(model, fam.unembed)
@@ -92,6 +116,7 @@ class HeadModel:
                 f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
             ) from None
         self.model: PreTrainedModel = model
+        self.backend: Backend = backend
         self.tokenizer: PreTrainedTokenizerBase | None = tokenizer
         self.processor: ProcessorMixin | None = processor
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
@@ -102,7 +127,7 @@ class HeadModel:
         self.out_projs: list[nn.Module] = out_projs
         self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
         self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
-        a0 = self.attentions[0]
+        a0 = _unwrap(self.attentions[0])
         self.d_head: int = int(cast(int, a0.head_dim))
         self.n_layers: int = len(self.layers)
         in_o = self._o_weight(0).shape[0]
@@ -112,6 +137,65 @@ class HeadModel:
         self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
         self.d_model: int = int(self._o_weight(0).shape[1])
         self.d_vocab: int = int(_weight(self.unembed).shape[0])
+        if backend.kind == "transformer_lens":
+            self._check_bridge_geometry(backend.native)
+
+    @classmethod
+    def wrap(
+        cls, obj: object, tokenizer: PreTrainedTokenizerBase | None = None, *, name: str | None = None
+    ) -> HeadModel:
+        """A `HeadModel` over whatever `obj` is: a `HeadModel` (returned as is), a `transformers`
+        causal LM, a TransformerLens `TransformerBridge` or an nnsight `TransformersModel` /
+        `LanguageModel` (the tokenizer defaults to the bridge's / nnsight model's own).
+
+        Raises:
+            TypeError: any other object (names its type).
+            ValueError: a family headsteer does not support, or a bridge with processed weights.
+        """
+        if isinstance(obj, HeadModel):
+            return obj
+        if backend_kind(obj) is None:
+            make_backend(obj)  # raises the TypeError naming the type
+        return cls(cast(nn.Module, obj), tokenizer, name=name)
+
+    def _check_bridge_geometry(self, bridge: object) -> None:
+        """Read the geometry from the bridge's own weights and check it matches the modules."""
+        attn: Any = cast(nn.ModuleList, getattr(bridge, "blocks"))[0].attn  # noqa: B009
+        wq, wk = cast(torch.Tensor, attn.W_Q), cast(torch.Tensor, attn.W_K)  # [H, D, d], [G, D, d]
+        got = (int(wq.shape[0]), int(wk.shape[0]), int(wq.shape[-1]), int(wq.shape[1]))
+        want = (self.n_heads, self.n_kv_heads, self.d_head, self.d_model)
+        if got != want:
+            raise ValueError(
+                f"the bridge's weights give (n_heads, n_kv_heads, d_head, d_model) = {got}, the wrapped "
+                f"model's modules {want}; refusing a bridge whose weights are not the model's"
+            )
+
+    # ------------------------------------------------------------------ running
+    def run(self, **inputs):
+        """One forward through the backend's entry point; the `transformers` output object.
+
+        `"hf"` calls the model, `"transformer_lens"` the bridge's rewired module tree (every hook
+        point fires), `"nnsight"` runs it in `trace()` (with `remote` if set).
+        """
+        return self.backend.run(self, **inputs)
+
+    def generate(self, **inputs):
+        """`transformers` `generate` through the backend's entry point (see `run`)."""
+        return self.backend.generate(self, **inputs)
+
+    def trace(self, *inputs, **kwargs):
+        """nnsight only: the user's own `trace()` on the wrapped nnsight model, to use inside
+        `heads.editing(...)` so headsteer's edits and the user's interventions act in one forward.
+
+        Raises:
+            ValueError: the backend is not nnsight.
+        """
+        trace = getattr(self.backend, "trace", None)
+        if trace is None:
+            raise ValueError(
+                f"trace() needs the nnsight backend; this HeadModel's backend is {self.backend.kind!r}"
+            )
+        return trace(*inputs, **kwargs)
 
     # ----------------------------------------------------------------- geometry
     @property
@@ -142,7 +226,7 @@ class HeadModel:
         """The distinct config objects the attention modules read `_attn_implementation` from."""
         seen: dict[int, PreTrainedConfig] = {}
         for a in self.attentions:
-            cfg = getattr(a, "config", self.model.config)
+            cfg = getattr(_unwrap(a), "config", self.model.config)
             seen.setdefault(id(cfg), cfg)
         return list(seen.values())
 
@@ -155,7 +239,7 @@ class HeadModel:
         rule = self.family.sliding_window
         if rule == "none":
             return None
-        cfg = getattr(self.attentions[layer], "config", self.model.config)
+        cfg = getattr(_unwrap(self.attentions[layer]), "config", self.model.config)
         window = getattr(cfg, "sliding_window", None)
         if rule == "layer_types":
             types = getattr(cfg, "layer_types", None)
@@ -267,7 +351,7 @@ class HeadModel:
     @property
     def W_E(self) -> torch.Tensor:  # noqa: N802
         """`[d_vocab, d_model]` token embedding."""
-        return _weight(self.model.get_input_embeddings()).detach()
+        return _weight(_unwrap(self.model.get_input_embeddings())).detach()
 
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802
@@ -277,5 +361,7 @@ class HeadModel:
     def __repr__(self) -> str:
         return (
             f"HeadModel({self.name!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, "
-            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, d_model={self.d_model})"
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, d_model={self.d_model}"
+            + ("" if self.backend.kind == "hf" else f", backend={self.backend.kind!r}")
+            + ")"
         )

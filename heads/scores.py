@@ -376,6 +376,68 @@ class HeadScores:
         return write_text(path, text, overwrite=overwrite)
 
     @classmethod
+    def from_cache(
+        cls,
+        cache: Any,
+        span: tuple[int, int] | torch.Tensor,
+        *,
+        query: int = -1,
+        model: str = "",
+        n_kv_heads: int | None = None,
+    ) -> HeadScores:
+        """Per-head attention to a span, from a TransformerLens `ActivationCache`.
+
+        The score of head (l, h) is `mean_b sum_{j in span} A[b, l, h, query, j]`, the share of
+        query row `query`'s attention on the span (as `heads.span_attention` with
+        `query="last"` for `query=-1`), read from the cache's
+        `blocks.{l}.attn.hook_pattern` `[batch, n_heads, q, k]`.
+
+        Args:
+            cache: `bridge.run_with_cache(tokens)[1]` (it must hold every layer's `hook_pattern`).
+            span: a token range `(start, end)` (half-open), or a `[batch, k]` bool mask.
+            query: the query position read (default the last).
+            model: a model id to record; n_kv_heads: KV heads per layer (GQA), if known.
+
+        Returns:
+            HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
+
+        Raises:
+            ValueError: the cache holds no `hook_pattern`, or an empty / out-of-range span.
+        """
+        keys = set(cache.keys())
+        n_layers = 0
+        while f"blocks.{n_layers}.attn.hook_pattern" in keys:
+            n_layers += 1
+        if n_layers == 0:
+            raise ValueError("the cache holds no blocks.{l}.attn.hook_pattern; run_with_cache with patterns")
+        first = cache["blocks.0.attn.hook_pattern"]
+        k_len = int(first.shape[-1])
+        if isinstance(span, torch.Tensor):
+            mask = span.to(torch.bool)
+            if mask.ndim != 2 or mask.shape[-1] != k_len or mask.shape[0] != first.shape[0]:
+                raise ValueError(f"span mask must be [batch, {k_len}] bool, got {tuple(mask.shape)}")
+        else:
+            a, b = (int(x) for x in span)
+            if not 0 <= a < b <= k_len:
+                raise ValueError(f"span {span!r} is empty or outside the {k_len} cached positions")
+            mask = torch.zeros(int(first.shape[0]), k_len, dtype=torch.bool)
+            mask[:, a:b] = True
+        if not mask.any():
+            raise ValueError("the span mask selects no position")
+        rows = []
+        for layer in range(n_layers):
+            pattern = cache[f"blocks.{layer}.attn.hook_pattern"].detach().float().cpu()  # [B, H, q, k]
+            row = pattern[:, :, query, :]  # [B, H, k]
+            rows.append((row * mask[:, None, :].float()).sum(-1).mean(0))
+        return cls(
+            torch.stack(rows),
+            method="span_attention",
+            params={"query": query, "source": "transformer_lens ActivationCache"},
+            model=model,
+            n_kv_heads=n_kv_heads,
+        )
+
+    @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadScores:
         """Read a file written by `save`, checked against `model` when given.
 

@@ -99,7 +99,7 @@ def _forward(
     elif keep_cache:
         cache = DynamicCache(config=config)
     with editing(model, list(edits)), starting_at(model, start, residual):
-        return model.model(
+        return model.run(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
             position_ids=pos.to(dev),

@@ -100,7 +100,7 @@ def generate_answers(
         enc = encode_prompts(
             tok, [TEMPLATE.format(query=q) for q in queries[a : a + batch]], chat=False, markup=False
         )
-        seq = model.model.generate(
+        seq = model.generate(
             input_ids=enc.input_ids.to(model.device),
             attention_mask=enc.attention_mask.to(model.device),
             max_new_tokens=max_new_tokens,

@@ -243,7 +243,7 @@ class SteeredModel:
                 stops = list(generate_kwargs.pop("stopping_criteria", None) or [])
                 step = _step_progress(report, enc.length, max_new_tokens)
                 generate_kwargs["stopping_criteria"] = StoppingCriteriaList([*stops, step])
-            out = lm.generate(
+            out = hm.generate(
                 **{k: v.to(device) for k, v in enc.inputs.items()},  # pixel_values, image_grid_thw, ...
                 input_ids=enc.input_ids.to(device),
                 attention_mask=enc.attention_mask.to(device),

@@ -507,7 +507,7 @@ class BatchGenerator:
         cache = DynamicCache(config=hm.model.config)
         with editing(hm, self._edits(items, enc.length), require_fired=False):
             for _step in range(max(p.max_tokens for p in params)):
-                out = hm.model(
+                out = hm.run(
                     input_ids=ids,
                     attention_mask=mask,
                     position_ids=pos,

@@ -417,7 +417,7 @@ class Vhr:
         ]
         keep = self.reuse_cache and not enc.inputs and enc.length > 1  # text prompts only
         with editing(model, probes):
-            out = model.model(
+            out = model.run(
                 **{k: v.to(model.device) for k, v in inputs.items()}, use_cache=keep, logits_to_keep=1
             )
         res.probe_logits = out.logits[:, -1].float().cpu()
