@@ -120,6 +120,13 @@ def _use_fused(edits: _LayerEdits, want_probs: bool, query: torch.Tensor) -> boo
     kernel = _KERNEL.get()
     if kernel == "blocked" or want_probs or not _layer_fusable(edits):
         return False
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        if kernel == "fused":
+            raise ValueError(
+                f"layer {edits.layer}: kernel='fused' on CPU has no backward pass (flex_attention); "
+                "run under torch.no_grad() / inference_mode() or use kernel='auto' or 'blocked'"
+            )
+        return False
     if kernel == "fused":
         return True
     q_len = query.shape[2]

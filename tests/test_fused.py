@@ -161,4 +161,7 @@ def test_bad_kernel_values(tiny_llama, enc):
     with pytest.raises(ValueError, match="span-share edits in layer 1"):
         with editing(tiny_llama, [*two.edits(tiny_llama, enc), *two.edits(tiny_llama, enc)], kernel="fused"):
             pass
+    with editing(tiny_llama, Pasta(HEADS).edits(tiny_llama, enc), kernel="fused", require_fired=False):
+        with pytest.raises(ValueError, match="no backward pass"):  # CPU flex_attention: inference only
+            tiny_llama.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
     assert torch.equal(forward(tiny_llama, enc), before)  # the model is left as it was
