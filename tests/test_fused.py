@@ -2,8 +2,11 @@
 
 Tiny random Llama with GQA 4:2, left-padded batches. The compiled kernels are shared by the
 whole session (one compile per variant: padded / unpadded mask, batch 1 / > 1, prefill /
-decode row, dtype), so these tests reuse few shapes.
+decode row, dtype), so these tests reuse few shapes. `HEADSTEER_TEST_DEVICE=cuda` runs them
+on a GPU (`benchmarks/gpu_check.py`).
 """
+
+import os
 
 import pytest
 import torch
@@ -19,6 +22,17 @@ PROMPTS = [
     "Note: **the key is under the mat.** Where is the key?",
 ]
 HEADS = {"0": [1], "1": [0, 3], "2": [2]}
+DEVICE = os.environ.get("HEADSTEER_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tokenizer):
+    """This module's own tiny GQA Llama on DEVICE (the session's stays on CPU)."""
+    from conftest import make_tiny
+
+    hm = make_tiny("llama", tokenizer)
+    hm.model.to(DEVICE)
+    return hm
 
 
 @pytest.fixture()
@@ -33,7 +47,7 @@ def _logits(hm, enc, edits, kernel):
 
 def _both(hm, enc, make):
     """Real-position logits of the blocked and the fused path, each with fresh edits."""
-    real = enc.attention_mask.bool()
+    real = enc.attention_mask.bool().to(DEVICE)
     return _logits(hm, enc, make(), "blocked")[real], _logits(hm, enc, make(), "fused")[real]
 
 
@@ -44,10 +58,12 @@ def test_kernel_matches_softmax_oracle_with_padding_gqa_and_buckets():
     k, v = torch.randn(b, 2, k_len, 16), torch.randn(b, 2, k_len, 16)
     bias = torch.randn(b, 4, k_len)
     beta, span = torch.randn(b, 4, q_len), (torch.rand(b, k_len) < 0.3).float()
+    q, k, v, bias, beta, span = (t.to(DEVICE) for t in (q, k, v, bias, beta, span))
     visible = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
     visible = visible[None, None] & (torch.arange(k_len) >= 7)  # 7 left-padding keys
     visible = visible.expand(b, 1, q_len, k_len).clone()
     visible[1, :, :, :7] = True
+    visible = visible.to(DEVICE)
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.25
     scores = scores + bias[:, :, None] + beta[..., None] * span[:, None, None]
     want = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
@@ -61,7 +77,7 @@ def test_kernel_matches_softmax_oracle_with_padding_gqa_and_buckets():
 def test_pasta_fused_equals_blocked(tiny_llama, enc, spec):
     blocked, fused = _both(tiny_llama, enc, lambda: Pasta(spec, alpha=0.01).edits(tiny_llama, enc))
     torch.testing.assert_close(fused, blocked, atol=1e-5, rtol=0)
-    plain = forward(tiny_llama, enc)[enc.attention_mask.bool()]
+    plain = forward(tiny_llama, enc)[enc.attention_mask.bool().to(DEVICE)]
     assert (fused - plain).abs().max() > 1e-2  # the steering shows
 
 
@@ -79,7 +95,7 @@ def test_spotlight_fused_equals_blocked(tiny_llama, enc, granularity, bias):
     psi_blocked = [e.last_psi for e in edits["last"]]
     fused_l = _logits(tiny_llama, enc, make(), "fused")
     psi_fused = [e.last_psi for e in edits["last"]]
-    real = enc.attention_mask.bool()
+    real = enc.attention_mask.bool().to(DEVICE)
     torch.testing.assert_close(fused_l[real], blocked_l[real], atol=1e-5, rtol=0)
     for a, b in zip(psi_fused, psi_blocked, strict=True):  # the shares the edits measured
         keep = real[:, None].expand_as(a) if a.shape[-1] == real.shape[-1] else torch.ones_like(a, dtype=bool)
@@ -105,8 +121,8 @@ def test_spotlight_with_pasta_and_row_heads(tiny_llama, enc):
 
 def test_cached_decoding_fused_equals_blocked_and_uncached(tiny_llama, enc):
     common = dict(
-        input_ids=enc.input_ids,
-        attention_mask=enc.attention_mask,
+        input_ids=enc.input_ids.to(DEVICE),
+        attention_mask=enc.attention_mask.to(DEVICE),
         max_new_tokens=4,
         do_sample=False,
         pad_token_id=2,
@@ -127,14 +143,15 @@ def test_bf16_fused_equals_blocked(tokenizer, enc):
     from conftest import make_tiny
 
     hm = make_tiny("llama", tokenizer)
-    hm.model.to(torch.bfloat16)
+    hm.model.to(device=DEVICE, dtype=torch.bfloat16)
     blocked, fused = _both(hm, enc, lambda: Pasta(HEADS, alpha=0.01).edits(hm, enc))
-    plain = forward(hm, enc)[enc.attention_mask.bool()]
+    plain = forward(hm, enc)[enc.attention_mask.bool().to(DEVICE)]
     err = (fused.float() - blocked.float()).abs().max()
     effect = (blocked.float() - plain.float()).abs().max()
     assert err <= 0.05 * effect, (err, effect)  # bf16: within rounding of the steering effect
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU threshold of kernel='auto'")
 def test_auto_runs_fused_above_the_threshold(tiny_llama, enc, monkeypatch):
     fused = _logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "fused")
     blocked = _logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "blocked")
@@ -162,6 +179,8 @@ def test_bad_kernel_values(tiny_llama, enc):
         with editing(tiny_llama, [*two.edits(tiny_llama, enc), *two.edits(tiny_llama, enc)], kernel="fused"):
             pass
     with editing(tiny_llama, Pasta(HEADS).edits(tiny_llama, enc), kernel="fused", require_fired=False):
+        if DEVICE != "cpu":
+            pytest.skip("flex_attention has a backward pass on CUDA")
         with pytest.raises(ValueError, match="no backward pass"):  # CPU flex_attention: inference only
-            tiny_llama.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
+            tiny_llama.model(input_ids=enc.input_ids.to(DEVICE), attention_mask=enc.attention_mask.to(DEVICE))
     assert torch.equal(forward(tiny_llama, enc), before)  # the model is left as it was
