@@ -42,6 +42,7 @@ __all__ = [
     "Recorder",
     "ResidualEdit",
     "ResidualRecorder",
+    "SpanShareEdit",
 ]
 
 
@@ -161,6 +162,9 @@ class LogitBias(Edit):
     """
 
     site: ClassVar[str] = "logits"
+    per_column: ClassVar[bool] = False
+    """True when `bias` never depends on the query row (shape `[batch or 1, n_heads or 1, 1,
+    k_len]`): such a bias runs in the fused kernel (`heads.fused`, `editing(kernel=...)`)."""
 
     def bias(self, call: AttentionCall) -> torch.Tensor:
         """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
@@ -196,6 +200,48 @@ class Recorder(ProbEdit):
         else:
             self.records.append(self.fn(probs, call))
         return probs
+
+
+@dataclass(eq=False, repr=False)
+class SpanShareEdit(ProbEdit):
+    """A pattern edit that depends on the pattern only through each row's share of attention on
+    a set of key columns (the *span*), and that rescales the span: `W' = softmax(S + beta m)`,
+    i.e. `W * e^(beta m)` renormalised, with a per-row bias `beta` (SpotLight).
+
+    Because only the shares are read, the fused kernel (`heads.fused`) runs it without
+    materialising the pattern: one pass gets each row's span mass and total mass, the edit
+    turns them into `beta`, a second pass applies it. Subclasses implement `span_columns`
+    and `span_beta`; `apply` (the blocked path) is derived from them.
+    """
+
+    def span_columns(self, call: AttentionCall) -> torch.Tensor:
+        """`[batch, k_len]` bool: the span's key columns in this call."""
+        raise NotImplementedError
+
+    def span_beta(self, num: torch.Tensor, den: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        """The bias `beta` broadcastable to `[batch, n_heads, q_len]` (fp32; 0 = row unchanged),
+        or None when no row changes.
+
+        Args:
+            num: fp32 `[batch, n_heads, q_len]` attention mass on the span per row (0 on the
+                (row, head) pairs the edit does not touch).
+            den: the same for the whole row (1 for a row with visible keys, else 0).
+        """
+        raise NotImplementedError
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        m = self.span_columns(call).to(probs.device)[:, None, None, :]  # [B, 1, 1, K]
+        heads = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None]  # [B|1, H, 1]
+        w = probs.float()
+        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, Q]; pad rows are all-zero
+        den = torch.where(heads, w.sum(-1), 0.0)
+        beta = self.span_beta(num, den, call)
+        if beta is None:
+            return probs  # bitwise unchanged
+        beta = beta.expand_as(num)[..., None]  # [B, H, Q, 1]
+        scaled = torch.where(m, w * torch.exp(beta), w)
+        new = scaled / scaled.sum(-1, keepdim=True).clamp(min=1e-30)
+        return torch.where(beta != 0, new, probs)
 
 
 MAX_FACTOR = 1e4

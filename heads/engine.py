@@ -46,22 +46,34 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from . import fused as _fused
+from .edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit, SpanShareEdit
 from .families import family_of
 from .model import HeadModel
 
 __all__ = [
+    "FUSED_MIN_ROWS_CPU",
+    "KERNELS",
     "QUERY_BLOCK",
     "SITES",
     "EditNeverFired",
     "Site",
     "active_edit_count",
     "editing",
+    "fusable",
     "registered_name",
 ]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
+
+KERNELS = ("auto", "fused", "blocked")
+"""Values of `editing(..., kernel=)`."""
+
+FUSED_MIN_ROWS_CPU = 2048
+"""`kernel="auto"` on CPU runs the fused kernel for calls with at least this many query rows
+(long prefills); shorter calls and decoding stay on the blocked path, whose cost has no compile
+step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of two or more rows."""
 
 _MIN = torch.finfo(torch.float32).min
 
@@ -85,6 +97,43 @@ class _LayerEdits:
 _ACTIVE: ContextVar[dict[int, _LayerEdits]] = ContextVar("headsteer_active_edits", default={})  # noqa: B039
 
 _BASES = ("sdpa", "eager")
+_KERNEL: ContextVar[str] = ContextVar("headsteer_kernel", default="auto")
+
+
+def fusable(edit: Edit) -> bool:
+    """True when `edit` can run with `kernel="fused"`: a query, head-output or residual edit
+    (these never need the pattern), a `LogitBias` with `per_column` (e.g. PASTA) or a
+    `SpanShareEdit` (e.g. SpotLight). Other pattern edits (recorders, ACT, VAR, attribution's
+    linearised scale) read the whole pattern and run on the blocked path."""
+    if isinstance(edit, LogitBias):
+        return edit.per_column
+    if isinstance(edit, ProbEdit):
+        return isinstance(edit, SpanShareEdit)
+    return True
+
+
+def _layer_fusable(edits: _LayerEdits) -> bool:
+    probs = edits.get("probs")
+    return all(fusable(e) for e in (*edits.get("logits"), *probs)) and len(probs) <= 1
+
+
+def _use_fused(edits: _LayerEdits, want_probs: bool, query: torch.Tensor) -> bool:
+    kernel = _KERNEL.get()
+    if kernel == "blocked" or want_probs or not _layer_fusable(edits):
+        return False
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        if kernel == "fused":
+            raise ValueError(
+                f"layer {edits.layer}: kernel='fused' on CPU has no backward pass (flex_attention); "
+                "run under torch.no_grad() / inference_mode() or use kernel='auto' or 'blocked'"
+            )
+        return False
+    if kernel == "fused":
+        return True
+    q_len = query.shape[2]
+    if query.device.type == "cuda":
+        return q_len > 1
+    return q_len >= FUSED_MIN_ROWS_CPU
 
 
 def registered_name(base: str) -> str:
@@ -160,6 +209,74 @@ def _check_kwargs(layer: int, dropout: float, kw: dict) -> None:
         )
 
 
+def _check_window(edits: _LayerEdits, q_len: int, k_len: int) -> None:
+    # Keys beyond the queries come from the KV cache; a sliding-window cache keeps only the last
+    # window - 1 of them, so key column j is no longer absolute position j.
+    if edits.window is not None and q_len < k_len and k_len >= edits.window - 1:
+        raise ValueError(
+            f"layer {edits.layer} uses sliding-window attention (window {edits.window}) and the sequence "
+            f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
+            "cannot be placed; shorten the prompt or edit only full-attention layers"
+        )
+
+
+def _fused_edited_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    edits: _LayerEdits,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """`_edited_attention` on the fused kernel (`heads.fused`): `[B, Q, H, d]` output.
+
+    Column logit biases are summed into one `[B, H, K]` table; a `SpanShareEdit` takes one
+    extra pass for its per-row span shares. Rows with no visible key (left-padding query rows)
+    give 0 here and the mean of the values on the blocked SDPA path; no real token reads them.
+    """
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    device = query.device
+    _check_window(edits, q_len, k_len)
+    call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, k_len - q_len, device)
+    biases = cast("list[LogitBias]", edits.get("logits"))
+    spans = cast("list[SpanShareEdit]", edits.get("probs"))
+    bias = None
+    for ed in biases:
+        ed.calls += 1
+        b = ed.bias(call).float()
+        if b.dim() != 4 or b.shape[-2] != 1:
+            raise ValueError(
+                f"{ed!r} declares per_column but its bias has shape {tuple(b.shape)}, not [B|1, H|1, 1, K]"
+            )
+        b = torch.where(ed.head_mask(batch, n_heads, device)[:, :, None], b[:, :, 0].to(device), 0.0)
+        bias = b if bias is None else bias + b
+    if bias is not None:
+        bias = bias.clamp(min=_MIN)
+    bool_mask = None if mask is None or mask.dtype == torch.bool else mask > _MIN / 2
+    if mask is not None and mask.dtype == torch.bool:
+        bool_mask = mask
+    kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap)
+    beta = span = None
+    for se in spans:
+        se.calls += 1
+        cols = se.span_columns(call).to(device)
+        span = cols.float()
+        indicator = torch.zeros_like(value)
+        indicator[..., 0] = span[:, None, :].to(value.dtype)
+        indicator[..., 1] = 1
+        mass = _fused.fused_attention(query, key, indicator, **kw).float()
+        heads = se.head_mask(batch, n_heads, device)[:, :, None]
+        num = torch.where(heads, mass[..., 0], 0.0)
+        den = torch.where(heads, mass[..., 1], 0.0)
+        got = se.span_beta(num, den, call)
+        beta = None if got is None else torch.where(heads, got.float().expand_as(num), 0.0)
+    out = _fused.fused_attention(query, key, value, beta=beta, span=span, **kw)
+    return out.transpose(1, 2).contiguous()
+
+
 def _edited_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -194,14 +311,7 @@ def _edited_attention(
     head_masks = {
         id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
     }
-    # Keys beyond the queries come from the KV cache; a sliding-window cache keeps only the last
-    # window - 1 of them, so key column j is no longer absolute position j.
-    if edits.window is not None and q_len < k_len and k_len >= edits.window - 1:
-        raise ValueError(
-            f"layer {edits.layer} uses sliding-window attention (window {edits.window}) and the sequence "
-            f"reached {k_len} keys: the KV cache no longer holds absolute positions, so attention edits "
-            "cannot be placed; shorten the prompt or edit only full-attention layers"
-        )
+    _check_window(edits, q_len, k_len)
     for e in (*biases, *probs_edits):
         e.calls += 1
     # SDPA cannot soft-cap or expose the pattern
@@ -327,6 +437,11 @@ def _make_attention(base: str):
             scaling = query.shape[-1] ** -0.5
         is_causal = kw.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if _use_fused(edits, want, query):
+            out = _fused_edited_attention(
+                query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal
+            )
+            return out, None
         return _edited_attention(
             module,
             query,
@@ -620,7 +735,7 @@ def _release(model: HeadModel, switch: bool, sites: Sequence[_HookSpec]) -> None
 
 @contextlib.contextmanager
 def editing(
-    model: HeadModel, edits: Edit | Sequence[Edit], *, require_fired: bool = True
+    model: HeadModel, edits: Edit | Sequence[Edit], *, require_fired: bool = True, kernel: str = "auto"
 ) -> Iterator[list[Edit]]:
     """Apply `edits` to `model` for the duration of the `with` block.
 
@@ -632,6 +747,15 @@ def editing(
             skipped, so alpha = 1 / factor = 1 is a bitwise no-op. Contexts nest.
         require_fired: on normal exit, raise `EditNeverFired` if an active edit was
             never run by the model (default True).
+        kernel: how edited layers compute their attention: `"blocked"` (headsteer's torch
+            attention in `QUERY_BLOCK`-row query blocks; every edit), `"fused"` (one compiled
+            `flex_attention` kernel, `heads.fused`, memory linear in the sequence; only edits
+            for which `fusable` holds) or `"auto"` (default: fused where every edit of the
+            layer is fusable and the call is long enough to repay the compile: on CPU calls
+            of at least `FUSED_MIN_ROWS_CPU` query rows, on CUDA every call of two or more
+            rows; otherwise blocked). Requests for the pattern (`output_attentions`) always
+            run blocked. Both paths compute the same attention (tests/test_fused.py: within
+            1e-5 in fp32).
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.
@@ -644,8 +768,10 @@ def editing(
 
     Raises:
         ValueError: unknown layer/head, a row mask of the wrong shape, a bad edit
-            parameter, or a model whose attention backend is neither `sdpa` nor
-            `eager` (e.g. FlashAttention-2). Nothing is changed on the model then.
+            parameter, an unknown `kernel`, `kernel="fused"` with an edit that is not
+            `fusable` (or a torch without flex_attention), or a model whose attention
+            backend is neither `sdpa` nor `eager` (e.g. FlashAttention-2).
+            Nothing is changed on the model then.
             Also, from the forward pass, an attention edit on a sliding-window
             layer once a KV cache reaches the window, or a keyword the model passes to
             its attention function that the edited path does not reproduce.
@@ -655,8 +781,30 @@ def editing(
     if not isinstance(model, HeadModel):
         raise TypeError(f"editing() needs a HeadModel, got {type(model).__name__}")
     edits = [edits] if isinstance(edits, Edit) else list(edits)
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
+    if kernel == "fused":
+        if model.backend.hook_sites:
+            raise ValueError(
+                f"kernel='fused' is not available on the {model.backend.kind} backend: its attention "
+                "runs inside the backend with edits on hook points; use kernel='auto' or 'blocked'"
+            )
+        if not _fused.available():
+            raise ValueError("kernel='fused' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+        bad = [e for e in active if not fusable(e)]
+        per_layer: dict[int, int] = {}
+        for e in active:
+            if isinstance(e, SpanShareEdit):
+                per_layer[e.layer] = per_layer.get(e.layer, 0) + 1
+        if bad or any(n > 1 for n in per_layer.values()):
+            many = [f"{n} span-share edits in layer {la}" for la, n in per_layer.items() if n > 1]
+            what: list = bad or many
+            raise ValueError(
+                f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
+                "use kernel='auto' or 'blocked'"
+            )
     fired_before = [e.calls for e in active]  # an edit reused from an earlier context must fire again
     # a TransformerLens bridge computes attention itself: its edits are hook-point hooks
     switch = not model.backend.hook_sites and any(_site(e).attention for e in active)
@@ -672,9 +820,11 @@ def editing(
 
     _acquire(model, switch, sites)
     token = _ACTIVE.set(table)
+    kernel_token = _KERNEL.set(kernel)
     try:
         yield active
     finally:
+        _KERNEL.reset(kernel_token)
         _ACTIVE.reset(token)
         _release(model, switch, sites)
     if require_fired:

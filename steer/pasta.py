@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -40,6 +40,7 @@ class PastaBias(LogitBias):
     """
 
     column_bias: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0))
+    per_column: ClassVar[bool] = True  # `[B, 1, 1, K]`: runs in the fused kernel
 
     def is_identity(self) -> bool:
         return not bool(self.column_bias.any())

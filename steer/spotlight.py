@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 
 import heads.engine as engine
-from heads.edits import AttentionCall, ProbEdit
+from heads.edits import AttentionCall, SpanShareEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
 
@@ -87,7 +87,7 @@ def _solve(num: torch.Tensor, den: torch.Tensor, dims: tuple[int, ...], tau: flo
 
 
 @dataclass(eq=False, repr=False)
-class SpotlightEdit(ProbEdit):
+class SpotlightEdit(SpanShareEdit):
     """The SpotLight rescale on one layer (see the module docstring).
 
     Attributes:
@@ -108,42 +108,33 @@ class SpotlightEdit(ProbEdit):
     def is_identity(self) -> bool:
         return not bool(self.span.any())
 
-    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        prompt_len = self.span.shape[1]
-        if not self.steer_decode and call.q_offset >= prompt_len:
-            return probs
+    def span_columns(self, call: AttentionCall) -> torch.Tensor:
+        if self.span.shape[0] != call.batch:
+            built = self.span.shape[0]
+            raise ValueError(f"SpotLight was built for {built} prompts, the call has {call.batch} rows")
+        m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=call.device)
+        width = min(self.span.shape[1], call.k_len)
+        m[:, :width] = self.span[:, :width].to(call.device)
+        return m
+
+    def span_beta(self, num: torch.Tensor, den: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        if not self.steer_decode and call.q_offset >= self.span.shape[1]:
+            return None
         if self.granularity != "row" and 1 < call.q_len < call.k_len:
             raise ValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
                 f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row' for "
                 "prompts longer than heads.engine.QUERY_BLOCK"
             )
-        if self.span.shape[0] != call.batch:
-            built = self.span.shape[0]
-            raise ValueError(f"SpotLight was built for {built} prompts, the call has {call.batch} rows")
-        m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=probs.device)
-        width = min(prompt_len, call.k_len)
-        m[:, :width] = self.span[:, :width].to(probs.device)
-        m = m[:, None, None, :]  # [B, 1, 1, K]
-        heads = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None]  # [B|1, H, 1]
-        w = probs.float()
-        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, Q]; pad rows are all-zero
-        den = torch.where(heads, w.sum(-1), 0.0)
         dims = _DIMS[self.granularity]
         psi = _share(num, den, dims)
         self.last_psi = psi.detach()
         steer = (psi > 0) & (psi < self.tau)
         if not bool(steer.any()):
-            return probs  # bitwise unchanged
+            return None
         if self.bias == "solve":
-            beta = torch.where(steer, _solve(num, den, dims, self.tau), 0.0)
-        else:
-            beta = spotlight_bias(psi, self.tau, self.bias)
-        beta = beta.expand_as(num)[..., None]  # [B, H, Q, 1]
-        scaled = torch.where(m, w * torch.exp(beta), w)
-        new = scaled / scaled.sum(-1, keepdim=True).clamp(min=1e-30)
-        row_steer = steer.expand_as(num)[..., None]
-        return torch.where(row_steer, new, probs)
+            return torch.where(steer, _solve(num, den, dims, self.tau), 0.0)
+        return spotlight_bias(psi, self.tau, self.bias)
 
 
 def _check_tau(tau: object) -> float:

@@ -310,3 +310,17 @@ def test_embedded_model_equal_on_three_backends():
         torch.testing.assert_close(out[n], out["hf"], atol=1e-4, rtol=0)
     assert ids["hf"] == ids["transformer_lens"] == ids["nnsight"]
     assert not math.isnan(float(out["hf"].sum()))
+
+
+def test_fused_kernel_refused_on_bridge(models, tokenizer):
+    """A bridge computes attention itself: kernel='fused' there is an error, not a silent no-op."""
+    from steer import Pasta
+
+    tl = models["transformer_lens"]
+    enc = encode_prompts(tokenizer, PROMPTS[:1], chat=False)
+    edits = Pasta({"0": [0]}).edits(tl, enc)
+    before = forward(tl, enc)
+    with pytest.raises(ValueError, match="kernel='fused' is not available on the transformer_lens"):
+        with editing(tl, edits, kernel="fused"):
+            pass
+    assert torch.equal(forward(tl, enc), before)  # the bridge is left as it was

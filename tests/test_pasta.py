@@ -21,12 +21,13 @@ def enc(tokenizer):
     return encode_prompts(tokenizer, PROMPTS, chat=False)
 
 
-def steered(hm, enc, pasta, *recorders, **kw):
-    with editing(hm, pasta.edits(hm, enc) + list(recorders)):
+def steered(hm, enc, pasta, *recorders, kernel="auto", **kw):
+    with editing(hm, pasta.edits(hm, enc) + list(recorders), kernel=kernel):
         return forward(hm, enc, **kw)
 
 
-def test_matches_paper_eq2_against_independent_eager_oracle(tiny_llama, enc):
+@pytest.mark.parametrize("kernel", ["blocked", "fused"])
+def test_matches_paper_eq2_against_independent_eager_oracle(tiny_llama, enc, kernel):
     alpha = 0.01
     hs = HeadSet.parse(HEADS).by_layer()
     g = enc.span_mask()
@@ -38,8 +39,8 @@ def test_matches_paper_eq2_against_independent_eager_oracle(tiny_llama, enc):
         return out
 
     want = llama_forward(tiny_llama.model, enc.input_ids, enc.attention_mask, transform)
-    recs = [Recorder(layer=la) for la in range(3)]
-    got = steered(tiny_llama, enc, Pasta(HEADS, alpha=alpha), *recs)
+    recs = [Recorder(layer=la) for la in range(3)] if kernel == "blocked" else []  # fused: no pattern
+    got = steered(tiny_llama, enc, Pasta(HEADS, alpha=alpha), *recs, kernel=kernel)
     real = enc.attention_mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
     rows = real[:, None, :, None]
@@ -109,7 +110,8 @@ def test_steered_share_follows_formula(tiny_llama, tokenizer):
     torch.testing.assert_close(after.records[0][0, 2, -1, g].sum(), want, atol=1e-6, rtol=0)
 
 
-def test_kv_cache_matches_uncached_recomputation(tiny_llama, enc):
+@pytest.mark.parametrize("kernel", ["blocked", "fused"])
+def test_kv_cache_matches_uncached_recomputation(tiny_llama, enc, kernel):
     pasta = Pasta(HEADS)
     edits = pasta.edits(tiny_llama, enc)
     n_new = 6
@@ -121,27 +123,29 @@ def test_kv_cache_matches_uncached_recomputation(tiny_llama, enc):
         pad_token_id=2,
         eos_token_id=None,
     )
-    with editing(tiny_llama, edits):
+    with editing(tiny_llama, edits, kernel=kernel):
         out = tiny_llama.model.generate(**common, output_logits=True, return_dict_in_generate=True)
         nocache = tiny_llama.model.generate(**common, use_cache=False)
     assert torch.equal(out.sequences, nocache)
     seq = out.sequences
     mask = torch.cat([enc.attention_mask, torch.ones(seq.shape[0], n_new, dtype=torch.long)], 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with editing(tiny_llama, pasta.edits(tiny_llama, enc)):  # bias built for the prompt columns only
+    # bias built for the prompt columns only
+    with editing(tiny_llama, pasta.edits(tiny_llama, enc), kernel=kernel), torch.no_grad():
         full = tiny_llama.model(input_ids=seq, attention_mask=mask, position_ids=pos).logits
     cached = torch.stack(out.logits, dim=1)
     torch.testing.assert_close(cached, full[:, enc.length - 1 : -1], atol=1e-5, rtol=0)
 
 
-def test_left_padding_and_batch_order_invariance(tiny_llama, tokenizer):
+@pytest.mark.parametrize("kernel", ["blocked", "fused"])
+def test_left_padding_and_batch_order_invariance(tiny_llama, tokenizer, kernel):
     pasta = Pasta(HEADS)
     batch = encode_prompts(tokenizer, PROMPTS, chat=False)
     rev = encode_prompts(tokenizer, PROMPTS[::-1], chat=False)
-    lb, lr = steered(tiny_llama, batch, pasta), steered(tiny_llama, rev, pasta)
+    lb, lr = steered(tiny_llama, batch, pasta, kernel=kernel), steered(tiny_llama, rev, pasta, kernel=kernel)
     for i, p in enumerate(PROMPTS):
         alone = encode_prompts(tokenizer, p, chat=False)
-        la = steered(tiny_llama, alone, pasta)[0, -1]
+        la = steered(tiny_llama, alone, pasta, kernel=kernel)[0, -1]
         torch.testing.assert_close(lb[i, -1], la, atol=1e-4, rtol=0)
         torch.testing.assert_close(lr[len(PROMPTS) - 1 - i, -1], la, atol=1e-4, rtol=0)
 
