@@ -65,8 +65,13 @@ def test_maps_analysis_agrees_with_the_pieces(tiny_llama):
         tiny_llama, rs, top=4, draws=2, n_prompts=4, progress=lambda d, t: seen.append((d, t))
     )
     assert isinstance(res, MapsAnalysis)
-    total = tiny_llama.n_layers + 1 + 2
-    assert seen[-1] == (total, total) and [d for d, _ in seen] == list(range(1, total + 1))
+    # steps: a layer each of the static maps; each forward (4 templates x batches of 48) and
+    # each layer of the dynamic scores; 2 + draws accuracy passes per relation's ablation check
+    n_rows = sum(min(12, len(r.pairs)) for r in rs.relations)
+    total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + 2 * (2 + 2)
+    done = [d for d, _ in seen]
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total} and done == sorted(done)
+    assert done[: 2 * tiny_llama.n_layers] == list(range(1, 2 * tiny_llama.n_layers + 1))
     ms = maps_scores(tiny_llama, rs.relations)
     for n in ("copying", "country_capital"):
         torch.testing.assert_close(res.scores.relation[n].scores, ms.relation[n].scores)

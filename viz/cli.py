@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from .cli_common import (  # noqa: E402  (after the offline switch)
     EmphasizeOpt,
+    OneLineUsageErrors,
     Run,
     _at_most,
     _positive,
@@ -37,6 +38,7 @@ from .cli_vision import ImageOpt, register_vision, steered_pair  # noqa: E402
 from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     help="headsteer: attention-head scoring and attention steering.",
     no_args_is_help=True,
     rich_markup_mode=None,

@@ -41,13 +41,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer._click import exceptions as click_errors  # typer 0.29 vendors click: its exceptions
+from typer.core import TyperGroup
 
 from heads.files import check_output
 from heads.progress import Progress
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__all__ = ["USER_ERRORS", "Run", "command", "console", "err", "warn_line"]
+__all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -431,6 +433,44 @@ def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], C
         return fn
 
     return decorate
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The `headsteer` group: a usage error (missing or unknown option, bad value) is one line.
+
+    click prints a usage block, a hint and the error for a usage error; here it is one line
+    on stderr, `error: <what> (see: <command> --help)`, and exit 2, like every other bad
+    input. Help (`--help`, a group called without a command) is printed as click does.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_errors.NoArgsIsHelpError as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except click_errors.UsageError as exc:
+            if not standalone_mode:
+                raise
+            where = exc.ctx.command_path if exc.ctx is not None else "headsteer"
+            msg = " ".join(exc.format_message().split()).rstrip(".")
+            err.print(f"[red]error:[/red] {escape(msg)} (see: {escape(where)} --help)", highlight=False)
+            raise SystemExit(2) from None
+        except click_errors.ClickException as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            err.print("[red]aborted[/red]", highlight=False)
+            raise SystemExit(1) from None
+        if not standalone_mode:
+            return rv
+        raise SystemExit(rv if isinstance(rv, int) else 0)
 
 
 def set_global(debug: bool, quiet: bool) -> None:
