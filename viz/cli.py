@@ -53,7 +53,7 @@ build_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(build_app, name="build")
 register_eval(app)
-command(app, "serve")(serve_command)
+command(app, "serve", writes_files=False)(serve_command)
 command(report_app, "probes")(report_probes)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
@@ -72,7 +72,7 @@ def main(
     set_global(debug, quiet)
 
 
-@command(app)
+@command(app, writes_files=False)
 def generate(
     run: Run,
     prompt: Annotated[str, typer.Argument(help="prompt with the span to emphasize in **double stars**")],
@@ -121,9 +121,18 @@ def generate(
     _positive(top_k=top_k, max_new_tokens=max_new_tokens)
     check_prompt(prompt, emphasize)
     hm = run.load()
-    with run.status("choosing heads and generating…"):
+    with run.status("choosing heads…"):
         heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
-        res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens, emphasize=emphasize)
+    with run.progress(2 * max_new_tokens, "generating (PASTA, then baseline) tokens") as step:
+        res = compare(
+            hm,
+            prompt,
+            heads,
+            alpha=alpha,
+            max_new_tokens=max_new_tokens,
+            emphasize=emphasize,
+            progress=step,
+        )
     table = Table(show_lines=True)
     table.add_column("baseline", ratio=1)
     table.add_column(f"PASTA (alpha={alpha}, {len(heads)} heads)", ratio=1)
@@ -334,14 +343,16 @@ def demo(
     _positive(max_new_tokens=max_new_tokens)
     run.folder(out, ["demo_report.html", "demo_report.csv"])
     hm = run.load()
-    result = run_demo(
-        out,
-        model=hm,
-        max_new_tokens=max_new_tokens,
-        console=err if run.as_json else console,
-        quiet=run.quiet,
-        overwrite=run.force,
-    )
+    with run.progress(2 * max_new_tokens, "generating (PASTA, then baseline) tokens") as step:
+        result = run_demo(
+            out,
+            model=hm,
+            max_new_tokens=max_new_tokens,
+            console=err if run.as_json else console,
+            quiet=run.quiet,
+            overwrite=run.force,
+            progress=step,
+        )
     run.show(f"done in {time.perf_counter() - t0:.0f} s")
     return result
 

@@ -68,6 +68,10 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="weight dtype: float32, b
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="no status line or progress bars")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace existing output files")]
+NO_FILES_FORCE_HELP = (
+    "no effect: this command writes no file (taken so that every command has the same options)"
+)
+NoFilesForceOpt = Annotated[bool, typer.Option("--force", help=NO_FILES_FORCE_HELP)]
 EmphasizeOpt = Annotated[
     list[str] | None,
     typer.Option("--emphasize", help="substring to emphasize (repeatable), besides **markup** in the prompt"),
@@ -385,23 +389,32 @@ class Run:
         raise typer.Exit(2)
 
 
-def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], Callable]:
+def command(
+    app: typer.Typer, name: str | None = None, *, writes_files: bool = True
+) -> Callable[[Callable], Callable]:
     """Register `fn(run: Run, **options) -> dict | None` as command `name` of `app`.
 
     Adds the shared options (`--model`, `--device`, `--dtype`, `--quiet`, `--json`,
     `--force`) to the command's own and runs it in the skeleton described in this
-    module's docstring. Returns `fn` unchanged.
+    module's docstring. A command that writes no file (`writes_files=False`: `generate`,
+    `serve`) still takes `--force`, so that every command has the same options; its help
+    says it has no effect there and passing it prints one warning line. Returns `fn`
+    unchanged.
     """
 
     def decorate(fn: Callable) -> Callable:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "run"]
         taken = {p.name for p in own}
+        options = dict(_SHARED)
+        if not writes_files:
+            options["force"] = (NoFilesForceOpt, False)
         extra = [
             inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-            for k, (a, d) in _SHARED.items()
+            for k, (a, d) in options.items()
             if k not in taken
         ]
+        label = name or fn.__name__.replace("_", "-")
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
 
         def wrapper(**kwargs: Any) -> None:
@@ -410,6 +423,8 @@ def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], C
             run = Run(**shared)
             try:
                 with _warnings_as_lines():
+                    if run.force and not writes_files:
+                        warn_line(f"--force has no effect: {label} writes no file")
                     check_device(run.device)
                     check_dtype(run.dtype)
                     result = fn(run, **kwargs)
