@@ -91,3 +91,24 @@ def test_maps_analysis_agrees_with_the_pieces(tiny_llama):
     assert f"Salient operations of L{res.salient_head[0]}.H{res.salient_head[1]}" in html
     with pytest.raises(ValueError, match="draws"):
         maps_analysis(tiny_llama, rs, draws=0)
+
+
+def test_safety_progress_moves_within_a_batch_of_answers(tiny_llama):
+    seen = []
+    safety_analysis(
+        tiny_llama,
+        prompts=PROMPTS,
+        steps=1,
+        max_new_tokens=3,
+        random_draws=1,
+        batch_size=16,
+        progress=lambda d, t: seen.append((d, t)),
+    )
+    done = [d for d, _ in seen]
+    total = seen[-1][1]
+    assert done == sorted(done) and done[-1] == total and {t for _, t in seen} == {total}
+    heads = tiny_llama.n_layers * tiny_llama.n_heads
+    start = 3 * len(PROMPTS) * heads  # rows of Ships, dataset Ships and one Sahara step; then answers
+    assert (total - start) % 4 == 0  # 4 answer sets: baseline, Sahara top-1, top-3, one random draw
+    # the 3 baseline answers (one batch) count after each of their 3 decoding steps: 1, 2, 3
+    assert sorted({d - start for d in done if start < d <= start + 3}) == [1, 2, 3]
