@@ -271,8 +271,11 @@ def test_probes_report_and_cli(tiny_llama, tiny_llama_dir, tmp_path):
         progress=lambda d, t: seen.append((d, t)),
     )
     total = 10 + FIT_STEPS + 20 + FIT_STEPS  # prompts collected, then a fit, per task
-    # per batch of 4 prompts, then the fit: sentiment 10 rows, counterfact 20 rows
-    assert [d for d, _ in seen] == [4, 8, 10, 60, 64, 68, 72, 76, 80, 130] and {t for _, t in seen} == {total}
+    # per batch of 4 prompts, then the fit a layer (4 of 12 heads) at a time: 50 * 4 // 12 = 16, ...
+    collect = [4, 8, 10], [64, 68, 72, 76, 80]
+    fits = [10 + 16, 10 + 33, 60], [80 + 16, 80 + 33, 130]
+    assert [d for d, _ in seen] == collect[0] + fits[0] + collect[1] + fits[1]
+    assert {t for _, t in seen} == {total}
     html = path.read_text()
     assert "held-out probe accuracy" in html and "direction cosine" in html
     assert summary["tasks"]["counterfact"]["rows"] == 20 and summary["tasks"]["sentiment"]["rows"] == 10

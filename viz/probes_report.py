@@ -77,7 +77,8 @@ def _cosine_figure(cos: torch.Tensor, title: str) -> go.Figure:
 
 FIT_STEPS = 50
 """Progress steps one task's probe fitting counts for (about the time of collecting 50 prompts'
-head outputs on the embedded model), so that the ETA stays honest across both stages."""
+head outputs on the embedded model), so that the ETA stays honest across both stages; the fit
+advances them as its heads are done."""
 
 
 def probes_report(
@@ -170,11 +171,10 @@ def probes_report(
                 n_jobs=n_jobs,
                 model=model.name,
                 n_kv_heads=model.n_kv_heads,
+                progress=(lambda d, t, at=done: report(at + FIT_STEPS * d // t, total)) if report else False,
             )
             results[task] = res
             done += FIT_STEPS
-            if report is not None:
-                report(done, total)
             majority = max(res.n_positive, res.n - res.n_positive) / res.n
             above = int((res.accuracy_low > majority).sum())
             (layer, head), *_ = res.ranked(1)
