@@ -76,6 +76,7 @@ def test_every_command_takes_the_shared_options():
         (["generate", "a **b**", "--dtype", "int8"], "--dtype must be one of"),
         (["report", "maps", "--out", "m.html", "--draws", "101"], "--draws 101 is above the cap of 100"),
         (["report", "all", "--draws", "1000"], "cap of 100"),
+        (["report", "all", "--relations", "capitals"], "unknown relation(s) ['capitals']"),
         (["report", "safety", "--out", "s.html", "--batch-size", "0"], "--batch-size must be a positive"),
     ],
 )

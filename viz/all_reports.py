@@ -33,12 +33,15 @@ def all_reports(
     *,
     draws: int = 5,
     n_prompts: int = 30,
+    relations: str | list[str] | None = "all",
     overwrite: bool = False,
     progress: ProgressArg = True,
 ) -> dict[str, Path]:
     """Write `plotly.min.js`, `attention.html` (+ CSV; PASTA on the demo prompt), `maps.html`
     and `index.html` into the folder `out`; the pages load the shared `plotly.min.js`.
 
+    `relations` (default all; names or a comma-separated string) are the MAPS relations;
+    `draws` and `n_prompts` are the MAPS check's (`heads.maps_analysis.maps_analysis`).
     Every output path is checked before any work (`heads.files.check_output`); the index is
     written last. `progress` (default True: a tqdm bar; False off; or `progress(done,
     total)`, `heads.progress`) counts steps: the decoding steps of the attention page's two
@@ -80,6 +83,7 @@ def all_reports(
         maps, _ = maps_report(
             model,
             out / "maps.html",
+            relations=relations,
             draws=draws,
             n_prompts=n_prompts,
             overwrite=overwrite,
