@@ -159,8 +159,9 @@ def maps_analysis(
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads.progress`) in steps: one per layer of the static maps, then the
             steps of `dynamic_scores` (one per forward and one per layer scored), then
-            those of each relation's `ablation_check` (one per accuracy pass: `2 + draws`);
-            the total is known before any work.
+            those of each relation's `ablation_check` (one per accuracy pass: `2 + draws`),
+            then one for the salient operations of the strongest head; the total is known
+            before any work.
 
     Returns:
         MapsAnalysis.
@@ -179,7 +180,7 @@ def maps_analysis(
     rels = _as_relations(model, relations)
     n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
     n_abl = ablation_steps(draws)
-    total = model.n_layers + n_dyn + len(rels) * n_abl
+    total = model.n_layers + n_dyn + len(rels) * n_abl + 1  # + 1: the salient operations
     with progress_callback(progress, "MAPS analysis", "steps") as report:
         ms = maps_scores(model, rels, progress=offset_progress(report, 0, total))
         dyn = dynamic_scores(model, rels, progress=offset_progress(report, model.n_layers, total))
@@ -195,6 +196,11 @@ def maps_analysis(
                 n_prompts=n_prompts,
                 progress=offset_progress(report, start + i * n_abl, total),
             )
+        best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
+        lh = ms.relation[best].ranked(1)[0]
+        salient = salient_operations(model, *lh)
+        if report is not None:
+            report(total, total)
     rows = []
     for n in ms.names():
         for layer, head in [h for h in ms.relation[n].ranked(top) if ms.relation[n].scores[h] > 0]:
@@ -224,9 +230,6 @@ def maps_analysis(
             for n in ms.names()
         ]
     )
-    best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
-    lh = ms.relation[best].ranked(1)[0]
-    salient = salient_operations(model, *lh)
     salient["targets"] = salient["targets"].map(lambda ts: " | ".join(ts))
     params = {
         **ms.params,

@@ -256,8 +256,9 @@ def test_progress_numbers_and_plain_lines(monkeypatch, capsys):
         step(3, 4)
         step(4, 4)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert [ln.split(" (")[0] for ln in lines] == ["scoring: 1/4", "scoring: 3/4", "scoring: 4/4"]
-    assert "ETA" in lines[0]
+    expected = ["scoring: 0/4", "scoring: 1/4", "scoring: 3/4", "scoring: 4/4"]  # a line at the start
+    assert [ln.split(" (")[0] for ln in lines] == expected
+    assert "ETA" in lines[1]
     with cc.Run(quiet=True).progress(2, "quiet") as step:
         step(1, 2)
     assert capsys.readouterr().err == ""

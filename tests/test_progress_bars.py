@@ -89,7 +89,7 @@ def test_nested_work_draws_one_bar(tiny_llama, capsys):
     maps_analysis(tiny_llama, rs, top=2, draws=1, n_prompts=3)
     err = capsys.readouterr().err
     n_rows = min(12, len(rs.relations[0].pairs))
-    total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + (2 + 1)
+    total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + (2 + 1) + 1
     assert "MAPS analysis" in err and f"{total}/{total}" in err
     assert "MAPS static scores" not in err  # maps_scores got the outer callable, not a bar
     assert "dynamic scores" not in err and "ablation check" not in err  # nor did the later stages

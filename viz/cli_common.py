@@ -327,6 +327,8 @@ class Run:
             )
             task = bar.add_task(escape(label), total=state["total"])
         t0 = last = time.monotonic()
+        if bar is None and not self.quiet:  # say what runs before its first step ends
+            err.print(escape(f"{label}: 0/{state['total']}"), highlight=False)
 
         def step(done: int, total: int) -> None:
             nonlocal last
