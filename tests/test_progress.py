@@ -91,3 +91,10 @@ def test_evaluate_progress_in_examples(tiny_llama):
     seen, cb = _record()
     evaluate(tiny_llama, "sentiment", "none", limit=5, batch_size=2, progress=cb)
     assert seen == [(2, 5), (4, 5), (5, 5)]
+
+
+def test_evaluate_progress_moves_while_a_batch_decodes(tiny_llama):
+    seen, cb = _record()
+    evaluate(tiny_llama, "json_format", "none", limit=4, batch_size=4, max_new_tokens=4, progress=cb)
+    _check(seen, 4)
+    assert sorted({d for d, _ in seen}) == [1, 2, 3, 4]  # 4 * step // 4 after each decoding step
