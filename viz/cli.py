@@ -53,7 +53,9 @@ build_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(build_app, name="build")
 register_eval(app)
-command(app, "serve", writes_files=False)(serve_command)
+command(app, "serve", writes_files=False, json_help="print the URL and model as one JSON line once serving")(
+    serve_command
+)
 command(report_app, "probes")(report_probes)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 

@@ -392,7 +392,7 @@ class Run:
 
 
 def command(
-    app: typer.Typer, name: str | None = None, *, writes_files: bool = True
+    app: typer.Typer, name: str | None = None, *, writes_files: bool = True, json_help: str | None = None
 ) -> Callable[[Callable], Callable]:
     """Register `fn(run: Run, **options) -> dict | None` as command `name` of `app`.
 
@@ -400,8 +400,9 @@ def command(
     `--force`) to the command's own and runs it in the skeleton described in this
     module's docstring. A command that writes no file (`writes_files=False`: `generate`,
     `serve`) still takes `--force`, so that every command has the same options; its help
-    says it has no effect there and passing it prints one warning line. Returns `fn`
-    unchanged.
+    says it has no effect there and passing it prints one warning line. `json_help` replaces
+    the help of `--json` where it means something else than "JSON instead of tables" (`serve`).
+    Returns `fn` unchanged.
     """
 
     def decorate(fn: Callable) -> Callable:
@@ -411,6 +412,8 @@ def command(
         options = dict(_SHARED)
         if not writes_files:
             options["force"] = (NoFilesForceOpt, False)
+        if json_help is not None:
+            options["as_json"] = (Annotated[bool, typer.Option("--json", help=json_help)], False)
         extra = [
             inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
             for k, (a, d) in options.items()
