@@ -478,7 +478,11 @@ def fit_head_probes(
         else [pairs[i : i + n_heads] for i in range(0, len(pairs), n_heads)]  # a layer at a time
     )
     parts = []
-    with progress_callback(progress, "head probes", "heads") as report:
+    # one BLAS thread per fit: these small fits gain nothing from more, and on a busy machine
+    # several spinning BLAS threads made them 7x slower (scikit-learn brings threadpoolctl)
+    from threadpoolctl import threadpool_limits
+
+    with progress_callback(progress, "head probes", "heads") as report, threadpool_limits(limits=1):
         done = 0
         for part in Parallel(n_jobs=workers, return_as="generator_unordered")(
             delayed(_fit_heads)(x, c, y, folds, estimator, int(seed)) for c in chunks if c
