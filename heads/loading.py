@@ -292,7 +292,7 @@ def load_model(
             pickled weights or none, or whose files are damaged (one line naming the
             folder and the first line of the reader's error); a `device_map` dict naming
             a module or parameter the model does not have (checked on an empty-weight
-            skeleton, before any weight is read).
+            skeleton, before any weight is read); `device_map` with a vision-language folder.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -304,6 +304,8 @@ def load_model(
         raise ValueError("offload_folder is used only with device_map (layers offloaded to disk)")
     where, name = _resolve(name_or_path)
     check_weights(where)
+    if device_map is not None and _is_vision_language_folder(where):
+        raise ValueError(f"device_map is not supported for vision-language folders yet ({name}); use device=")
     if isinstance(device_map, dict):
         _check_device_map(where, device_map)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
