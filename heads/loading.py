@@ -300,7 +300,9 @@ def load_model(
             vision-language model with a backend other than `"hf"`; a folder that is not a
             Hugging Face model folder, holds only
             pickled weights or none, or whose files are damaged (one line naming the
-            folder and the first line of the reader's error).
+            folder and the first line of the reader's error); a `device_map` dict naming
+            a module or parameter the model does not have (checked on an empty-weight
+            skeleton, before any weight is read); `device_map` with a vision-language folder.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -318,6 +320,10 @@ def load_model(
         raise ValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
     where, name = _resolve(name_or_path)
     check_weights(where)
+    if device_map is not None and _is_vision_language_folder(where):
+        raise ValueError(f"device_map is not supported for vision-language folders yet ({name}); use device=")
+    if isinstance(device_map, dict):
+        _check_device_map(where, device_map)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
     with _reading(where):
         if _is_vision_language_folder(where):
@@ -348,6 +354,26 @@ def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> 
 
         return TransformersModel(model, tokenizer=tokenizer)
     return model
+
+
+def _check_device_map(where: str, device_map: dict) -> None:
+    """ValueError naming the first key of `device_map` that is no module or parameter of the model.
+
+    The names come from the model built with empty (meta) weights from its config, so nothing
+    is read but the config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(where))
+    known = {n for n, _ in skeleton.named_modules()} | {n for n, _ in skeleton.named_parameters()}
+    unknown = [k for k in device_map if k not in known]
+    if unknown:
+        top = sorted({n.split(".")[0] for n in known if n})
+        raise ValueError(
+            f"device_map names {unknown[0]!r}, which is no module of this model "
+            f"(top-level modules: {', '.join(top)}; use names from model.named_modules())"
+        )
 
 
 # ------------------------------------------------------------------ vision-language models

@@ -25,9 +25,17 @@ from .maps import (
     positive_int,
     salient_operations,
 )
-from .maps_inference import AblationResult, ablation_check, dynamic_scores, pearson
+from .maps_inference import (
+    DYNAMIC_MAX_PAIRS,
+    AblationResult,
+    ablation_check,
+    ablation_steps,
+    dynamic_scores,
+    dynamic_steps,
+    pearson,
+)
 from .model import HeadModel
-from .progress import ProgressArg, progress_callback
+from .progress import ProgressArg, offset_progress, progress_callback
 
 __all__ = ["MapsAnalysis", "maps_analysis"]
 
@@ -149,9 +157,11 @@ def maps_analysis(
         draws: random-head draws in each relation's ablation check (default 5).
         n_prompts: few-shot prompts per relation in the ablation check (default 30).
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            (`heads.progress`) in steps: one per layer of the
-            static maps, one for the dynamic scores, one per relation's ablation check
-            (`total = L + 1 + n_relations`).
+            (`heads.progress`) in steps: one per layer of the static maps, then the
+            steps of `dynamic_scores` (one per forward and one per layer scored), then
+            those of each relation's `ablation_check` (one per accuracy pass: `2 + draws`),
+            then one for the salient operations of the strongest head; the total is known
+            before any work.
 
     Returns:
         MapsAnalysis.
@@ -168,17 +178,29 @@ def maps_analysis(
     )
     pair_filter, dropped = _pair_filter(relations)
     rels = _as_relations(model, relations)
-    total = model.n_layers + 1 + len(rels)
+    n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
+    n_abl = ablation_steps(draws)
+    total = model.n_layers + n_dyn + len(rels) * n_abl + 1  # + 1: the salient operations
     with progress_callback(progress, "MAPS analysis", "steps") as report:
-        say = report or (lambda done, total: None)
-        ms = maps_scores(model, rels, progress=lambda done, _: say(done, total))
-        dyn = dynamic_scores(model, rels)
-        say(model.n_layers + 1, total)
+        ms = maps_scores(model, rels, progress=offset_progress(report, 0, total))
+        dyn = dynamic_scores(model, rels, progress=offset_progress(report, model.n_layers, total))
         corr = {n: pearson(ms.relation[n].scores.expand_as(dyn[n]), dyn[n]) for n in ms.names()}
         abl = {}
+        start = model.n_layers + n_dyn
         for i, r in enumerate(rels):
-            abl[r.name] = ablation_check(model, r, ms.relation[r.name], draws=draws, n_prompts=n_prompts)
-            say(model.n_layers + 2 + i, total)
+            abl[r.name] = ablation_check(
+                model,
+                r,
+                ms.relation[r.name],
+                draws=draws,
+                n_prompts=n_prompts,
+                progress=offset_progress(report, start + i * n_abl, total),
+            )
+        best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
+        lh = ms.relation[best].ranked(1)[0]
+        salient = salient_operations(model, *lh)
+        if report is not None:
+            report(total, total)
     rows = []
     for n in ms.names():
         for layer, head in [h for h in ms.relation[n].ranked(top) if ms.relation[n].scores[h] > 0]:
@@ -208,9 +230,6 @@ def maps_analysis(
             for n in ms.names()
         ]
     )
-    best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
-    lh = ms.relation[best].ranked(1)[0]
-    salient = salient_operations(model, *lh)
     salient["targets"] = salient["targets"].map(lambda ts: " | ".join(ts))
     params = {
         **ms.params,

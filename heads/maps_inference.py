@@ -13,14 +13,18 @@ from .engine import editing
 from .forward import forward
 from .maps import RelationPairs, positive_int, top_k_hits
 from .model import HeadModel
+from .progress import ProgressArg, progress_callback
 from .prompts import encode_prompts
 from .scores import HeadScores
 
 __all__ = [
+    "DYNAMIC_MAX_PAIRS",
     "TEMPLATES",
     "AblationResult",
     "ablation_check",
+    "ablation_steps",
     "dynamic_scores",
+    "dynamic_steps",
     "max_ablated_heads",
     "pearson",
     "relation_accuracy",
@@ -33,6 +37,9 @@ TEMPLATES = (
     "When I think about {x} I think about",
 )
 """Neutral templates carrying the source <X> (maps.md §5, Experiment 1)."""
+
+DYNAMIC_MAX_PAIRS = 12
+"""Pairs per relation that `dynamic_scores` fills into the templates by default."""
 
 
 class _LastZ(HeadOutputEdit):
@@ -53,14 +60,22 @@ def _texts(relation: RelationPairs) -> list[tuple[str, str]]:
     return relation.texts
 
 
+def dynamic_steps(
+    n_layers: int, n_rows: int, *, n_templates: int = len(TEMPLATES), batch_size: int = 48
+) -> int:
+    """Progress steps of `dynamic_scores`: one per forward (template x batch), one per layer scored."""
+    return n_templates * -(-n_rows // batch_size) + n_layers
+
+
 @torch.no_grad()
 def dynamic_scores(
     model: HeadModel,
     relations: RelationPairs | Sequence[RelationPairs],
     *,
     templates: Sequence[str] = TEMPLATES,
-    max_pairs: int = 12,
+    max_pairs: int = DYNAMIC_MAX_PAIRS,
     batch_size: int = 48,
+    progress: ProgressArg = True,
 ) -> dict[str, torch.Tensor]:
     """Dynamic relation score per (template, layer, head), `[n_templates, n_layers, n_heads]` each.
 
@@ -68,6 +83,10 @@ def dynamic_scores(
     the last position, `z_h W_O^h` (no bias), is projected with U (no final norm) and scores
     1 when the target is in its top-k (ties: lowest id). Averaged over the first
     `max_pairs` pairs of each relation (the "with context" variant of maps.md §5).
+
+    `progress`: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+    (`heads.progress`) in steps: one per forward (template x batch of `batch_size`
+    prompts), then one per layer scored (`dynamic_steps`).
 
     Returns:
         relation name -> tensor in [0, 1].
@@ -83,27 +102,36 @@ def dynamic_scores(
     U = model.W_U.float()
     tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows], device=U.device)
     ks = torch.tensor([r.k for r, _, _ in rows], device=U.device)
+    total = dynamic_steps(model.n_layers, len(rows), n_templates=len(templates), batch_size=batch_size)
+    done = 0
     zs = []  # per template: [n_layers, n_rows, n_heads, d_head]
-    for tpl in templates:
-        prompts = [tpl.format(x=src) for _, _, src in rows]
-        per_layer: list[list[torch.Tensor]] = [[] for _ in range(model.n_layers)]
-        for a in range(0, len(prompts), batch_size):
-            enc = encode_prompts(model.tokenizer, prompts[a : a + batch_size], chat=False, markup=False)
-            recs = [_LastZ(layer) for layer in range(model.n_layers)]
-            with editing(model, recs):
-                forward(model, enc)
-            for layer, rec in enumerate(recs):
-                per_layer[layer].append(rec.z[0])
-        zs.append(torch.stack([torch.cat(z) for z in per_layer]))
     hits = torch.zeros(len(templates), model.n_layers, model.n_heads, len(rows))
-    for layer in range(model.n_layers):
-        ou = (model.layer_weights(layer)["W_O"].float().reshape(-1, model.d_model) @ U).view(
-            model.n_heads, model.d_head, -1
-        )
-        for ti in range(len(templates)):
-            for head in range(model.n_heads):
-                hit, _ = top_k_hits(zs[ti][layer][:, head] @ ou[head], tgts, ks)
-                hits[ti, layer, head] = hit.float().cpu()
+    with progress_callback(progress, "MAPS dynamic scores", "steps") as report:
+        for tpl in templates:
+            prompts = [tpl.format(x=src) for _, _, src in rows]
+            per_layer: list[list[torch.Tensor]] = [[] for _ in range(model.n_layers)]
+            for a in range(0, len(prompts), batch_size):
+                enc = encode_prompts(model.tokenizer, prompts[a : a + batch_size], chat=False, markup=False)
+                recs = [_LastZ(layer) for layer in range(model.n_layers)]
+                with editing(model, recs):
+                    forward(model, enc)
+                for layer, rec in enumerate(recs):
+                    per_layer[layer].append(rec.z[0])
+                done += 1
+                if report:
+                    report(done, total)
+            zs.append(torch.stack([torch.cat(z) for z in per_layer]))
+        for layer in range(model.n_layers):
+            ou = (model.layer_weights(layer)["W_O"].float().reshape(-1, model.d_model) @ U).view(
+                model.n_heads, model.d_head, -1
+            )
+            for ti in range(len(templates)):
+                for head in range(model.n_heads):
+                    hit, _ = top_k_hits(zs[ti][layer][:, head] @ ou[head], tgts, ks)
+                    hits[ti, layer, head] = hit.float().cpu()
+            done += 1
+            if report:
+                report(done, total)
     out, start = {}, 0
     for r in rels:
         n = min(max_pairs, len(r.pairs))
@@ -193,6 +221,11 @@ class AblationResult:
         return float(np.mean(self.random)) if self.random else float("nan")
 
 
+def ablation_steps(draws: int) -> int:
+    """Progress steps of `ablation_check`: the base pass, the top-heads pass and one per draw."""
+    return 2 + draws
+
+
 def ablation_check(
     model: HeadModel,
     relation: RelationPairs,
@@ -203,12 +236,17 @@ def ablation_check(
     seed: int = 0,
     n_prompts: int = 40,
     min_base: float = 0.1,
+    progress: ProgressArg = True,
 ) -> AblationResult:
     """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
 
     n is at most `n_heads` (default by model size, maps.md §5: 30 below 300 heads) and
     at most half of all heads, so that as many other heads remain for the random draws.
     Relations whose base accuracy is below `min_base` are skipped.
+
+    `progress`: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+    (`heads.progress`) in accuracy passes over the `n_prompts` few-shot prompts:
+    `total = ablation_steps(draws)`; a skipped relation jumps to the end.
 
     Raises:
         ValueError: scores of another shape than the model's heads, or non-positive
@@ -229,18 +267,27 @@ def ablation_check(
     # keep as many other heads as ablated ones, so the random baseline has the same size
     cap = min(cap, model.n_layers * model.n_heads // 2)
     ranked = positive[:cap]
-    base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
-    res = AblationResult(relation.name, len(ranked), base, float("nan"), heads=ranked)
-    if base < min_base:
-        res.skipped = f"base accuracy {base:.2f} < {min_base}"
-        return res
-    if not ranked:
-        res.skipped = "no head scores above 0"
-        return res
-    res.ablated = relation_accuracy(model, relation, ranked, n_prompts=n_prompts, seed=seed)
-    pool = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in ranked]
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(draws):
-        pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[: len(ranked)].tolist()]
-        res.random.append(relation_accuracy(model, relation, pick, n_prompts=n_prompts, seed=seed))
+    total = ablation_steps(draws)
+    with progress_callback(progress, f"ablation check ({relation.name})", "passes") as report:
+        say = report or (lambda done, total: None)
+        base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
+        say(1, total)
+        res = AblationResult(relation.name, len(ranked), base, float("nan"), heads=ranked)
+        if base < min_base:
+            res.skipped = f"base accuracy {base:.2f} < {min_base}"
+        elif not ranked:
+            res.skipped = "no head scores above 0"
+        if res.skipped:
+            say(total, total)
+            return res
+        res.ablated = relation_accuracy(model, relation, ranked, n_prompts=n_prompts, seed=seed)
+        say(2, total)
+        pool = [
+            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in ranked
+        ]
+        g = torch.Generator().manual_seed(seed)
+        for i in range(draws):
+            pick = [pool[j] for j in torch.randperm(len(pool), generator=g)[: len(ranked)].tolist()]
+            res.random.append(relation_accuracy(model, relation, pick, n_prompts=n_prompts, seed=seed))
+            say(3 + i, total)
     return res

@@ -146,13 +146,14 @@ def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, bat
     return rows
 
 
-def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max_new_tokens, step):
+def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max_new_tokens, step, partial):
     from steer import SteeredModel
 
     sm = SteeredModel(model)
     rows = []
     for a in range(0, len(examples), batch_size):
         chunk = examples[a : a + batch_size]
+        m = len(chunk)
         gen = sm.generate(
             [e.prompt for e in chunk],
             steer,
@@ -160,7 +161,8 @@ def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max
             chat=chunk[0].chat,
             markup=False,
             max_new_tokens=max_new_tokens,
-            progress=False,  # evaluate's own bar counts examples
+            # evaluate's own bar counts examples: a batch's count grows with its decoding steps
+            progress=lambda d, t, m=m: partial(m * d // t),
         )
         for e, text in zip(chunk, gen.texts, strict=True):
             row = {"id": e.id, "output": text}
@@ -208,7 +210,8 @@ def evaluate(
         max_new_tokens: generation length for generate tasks (greedy).
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads.progress`), in examples: `total` is the number of
-            examples evaluated.
+            examples evaluated; on generate tasks a batch's examples are counted in step
+            with its decoding steps.
         **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `var_p`, `var_rho`,
             `vhr_alpha`, `iti` (see `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for
             the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`).
@@ -241,10 +244,14 @@ def evaluate(
             if report is not None:
                 report(finished[0], len(examples))
 
+        def partial(n: int) -> None:  # n examples of the running batch, counted as it decodes
+            if report is not None:
+                report(finished[0] + n, len(examples))
+
         if examples[0].scoring == "choice":
             rows = _choice_rows(model, examples, steer, batch_size, step)
         else:
-            rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step)
+            rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step, partial)
     frame = pd.DataFrame(rows)
     out = []
     for name, kind in _METRICS[task]:

@@ -395,6 +395,7 @@ def fit_head_probes(
     groups=None,
     model: str = "",
     n_kv_heads: int | None = None,
+    progress: ProgressArg = True,
 ) -> ProbeResult:
     """Fit one binary classifier per head and score it by stratified K-fold cross-validation.
 
@@ -409,6 +410,9 @@ def fit_head_probes(
         n_jobs: joblib workers over heads (default 1; -1 = all cores). Results do not depend on it.
         groups: `[N]` group ids kept on one side of every fold (e.g. the two answers of one prompt).
         model, n_kv_heads: metadata for the returned `HeadScores`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            (`heads.progress`) in heads fitted: `total` is L * H, reported as chunks of heads
+            finish (a layer's heads at a time with one worker).
 
     Returns:
         ProbeResult. Accuracy is pooled over the held-out predictions of all folds (each row
@@ -471,11 +475,22 @@ def fit_head_probes(
     chunks = (
         [pairs[i :: max(1, abs(workers)) * 4] for i in range(max(1, abs(workers)) * 4)]
         if workers != 1
-        else [pairs]
+        else [pairs[i : i + n_heads] for i in range(0, len(pairs), n_heads)]  # a layer at a time
     )
-    parts = Parallel(n_jobs=workers)(
-        delayed(_fit_heads)(x, c, y, folds, estimator, int(seed)) for c in chunks if c
-    )
+    parts = []
+    # one BLAS thread per fit: these small fits gain nothing from more, and on a busy machine
+    # several spinning BLAS threads made them 7x slower (scikit-learn brings threadpoolctl)
+    from threadpoolctl import threadpool_limits
+
+    with progress_callback(progress, "head probes", "heads") as report, threadpool_limits(limits=1):
+        done = 0
+        for part in Parallel(n_jobs=workers, return_as="generator_unordered")(
+            delayed(_fit_heads)(x, c, y, folds, estimator, int(seed)) for c in chunks if c
+        ):
+            parts.append(part)
+            done += len(part)
+            if report is not None:
+                report(done, len(pairs))
     rows = sorted((r for p in parts for r in p), key=lambda r: (r["layer"], r["head"]))
     n_pos, n_neg = int(counts[1]), int(counts[0])
 

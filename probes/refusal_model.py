@@ -62,6 +62,8 @@ REFUSAL_MODEL_FILES = (
 )
 """The main files `build_refusal_model` writes into its folder (the tokenizer may add more)."""
 GENERATE_BATCH = 16
+ANSWER_TOKENS = 48
+"""Tokens generated per answer (helpful answers to learn, refusal checks on the test requests)."""
 """Prompts per `generate` call when answering requests."""
 
 
@@ -75,7 +77,7 @@ def generate_answers(
     model: HeadModel,
     queries: list[str],
     *,
-    max_new_tokens: int = 48,
+    max_new_tokens: int = ANSWER_TOKENS,
     batch: int = GENERATE_BATCH,
     progress: Progress | None = None,
 ) -> list[str]:
@@ -86,16 +88,28 @@ def generate_answers(
         queries: the requests; each is put in `heads.ships.TEMPLATE`.
         max_new_tokens: tokens generated per answer (default 48).
         batch: prompts per `generate` call (default 16), left-padded.
-        progress: `(done, total)` callback, one unit per batch; None: silent.
+        progress: `(done, total)` callback in decoding steps, `total = n_batches *
+            max_new_tokens` (a batch that stops early jumps to its end); None: silent.
 
     Returns:
         One decoded answer per query (special tokens dropped, stripped).
     """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
     from heads.prompts import encode_prompts
+
+    class _Steps(StoppingCriteria):  # never stops; reports the decoding steps of the batch
+        def __init__(self, done: int, start: int) -> None:
+            self.done, self.start = done, start
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            if progress is not None:
+                progress(self.done + min(input_ids.shape[1] - self.start, max_new_tokens), total)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     out = []
     tok = model.tokenizer
-    n_batches = math.ceil(len(queries) / batch)
+    total = math.ceil(len(queries) / batch) * max_new_tokens
     for i, a in enumerate(range(0, len(queries), batch)):
         enc = encode_prompts(
             tok, [TEMPLATE.format(query=q) for q in queries[a : a + batch]], chat=False, markup=False
@@ -106,10 +120,11 @@ def generate_answers(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tok.pad_token_id,
+            stopping_criteria=StoppingCriteriaList([_Steps(i * max_new_tokens, enc.length)]),
         )
         out += [tok.decode(s[enc.length :], skip_special_tokens=True).strip() for s in seq]
         if progress is not None:
-            progress(i + 1, n_batches)
+            progress((i + 1) * max_new_tokens, total)
     return out
 
 
@@ -145,13 +160,14 @@ def evaluate_refusals(model: HeadModel, *, progress: Progress | None = None) -> 
     Two measures on each set: the share of answers with an explicit refusal opener
     (`EXPLICIT_REFUSALS`), and 1 - ASR under the paper's full keyword judge (phrases,
     < 32 tokens, repetition), which also flags short or hedged helpful answers.
-    `progress(done, total)`: one unit per generate batch over both sets (None: silent).
+    `progress(done, total)`: decoding steps of the generate batches over both sets
+    (`ANSWER_TOKENS` per batch; None: silent).
     """
     judge = RefusalJudge(tokenizer=model.tokenizer)
     strict = RefusalJudge(phrases=EXPLICIT_REFUSALS)
     harmful_q = [r["prompt"] for r in load_requests("harmful", "test")]
     harmless_q = [r["prompt"] for r in load_requests("harmless", "test")]
-    n1, n2 = (math.ceil(len(q) / GENERATE_BATCH) for q in (harmful_q, harmless_q))
+    n1, n2 = (math.ceil(len(q) / GENERATE_BATCH) * ANSWER_TOKENS for q in (harmful_q, harmless_q))
     harmful = generate_answers(model, harmful_q, progress=offset_progress(progress, 0, n1 + n2))
     harmless = generate_answers(model, harmless_q, progress=offset_progress(progress, n1, n1 + n2))
 
@@ -194,7 +210,8 @@ def build_refusal_model(
             batch: pairs per step (default 8).
         overwrite: replace files already in `out` (the CLI's `--force`).
         progress: True (a tqdm bar), False/None, or a `(done, total)` callable; the unit is
-            one generate batch (answers, evaluation) or one training step.
+            one decoding step of the answer batches (helpful answers, evaluation) or one
+            training step.
 
     Raises:
         ValueError: `epochs`, `batch` < 1 or `lr` not > 0; `out` is a file or a symlink,
@@ -220,9 +237,12 @@ def build_refusal_model(
     harmful = [r["prompt"] for r in load_requests("harmful", "train")]
     harmless = [r["prompt"] for r in load_requests("harmless", "train")]
     n_pairs = len(harmful) + len(harmless)
-    n_answer = math.ceil(len(harmless) / GENERATE_BATCH)
-    n_train = epochs * math.ceil(n_pairs / batch)
-    n_eval = sum(math.ceil(len(load_requests(k, "test")) / GENERATE_BATCH) for k in ("harmful", "harmless"))
+    n_answer = math.ceil(len(harmless) / GENERATE_BATCH) * ANSWER_TOKENS  # decoding steps
+    n_train = epochs * math.ceil(n_pairs / batch)  # optimizer steps
+    n_eval = sum(
+        math.ceil(len(load_requests(k, "test")) / GENERATE_BATCH) * ANSWER_TOKENS
+        for k in ("harmful", "harmless")
+    )
     total = n_answer + n_train + n_eval
     with progress_callback(progress, "refusal model", unit="steps") as report:
         helpful = generate_answers(hm, harmless, progress=offset_progress(report, 0, total))

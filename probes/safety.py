@@ -179,7 +179,8 @@ def safety_analysis(
             dataset-level Ships sweeps in shards (`heads.ships.ships`); default None: here.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads.progress`) in work items: the (head, prompt) rows of Ships,
-            dataset-level Ships and Sahara, then one per generated answer.
+            dataset-level Ships and Sahara, then one per generated answer (a batch of answers
+            advances with its decoding steps).
 
     Raises:
         ValueError: a string for `prompts`, `steps` outside 1..L*H, non-positive counts (before any work).
@@ -241,13 +242,14 @@ def safety_analysis(
             out: list[str] = []
             for i in range(0, n_eval, batch_size):
                 batch = texts[i : i + batch_size]
+                at, m = done[0], len(batch)
                 out += sm.generate(
                     batch,
                     steer=steer,
                     max_new_tokens=max_new_tokens,
                     chat=False,
-                    markup=False,
-                    progress=False,
+                    markup=False,  # a batch's prompts count as done in step with its decoding
+                    progress=(lambda d, t, at=at, m=m: report(at + m * d // t, total)) if report else False,
                 ).texts
                 done[0] += len(batch)
                 if report is not None:

@@ -65,8 +65,13 @@ def test_maps_analysis_agrees_with_the_pieces(tiny_llama):
         tiny_llama, rs, top=4, draws=2, n_prompts=4, progress=lambda d, t: seen.append((d, t))
     )
     assert isinstance(res, MapsAnalysis)
-    total = tiny_llama.n_layers + 1 + 2
-    assert seen[-1] == (total, total) and [d for d, _ in seen] == list(range(1, total + 1))
+    # steps: a layer each of the static maps; each forward (4 templates x batches of 48) and
+    # each layer of the dynamic scores; 2 + draws accuracy passes per relation's ablation check
+    n_rows = sum(min(12, len(r.pairs)) for r in rs.relations)
+    total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + 2 * (2 + 2) + 1
+    done = [d for d, _ in seen]
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total} and done == sorted(done)
+    assert done[: 2 * tiny_llama.n_layers] == list(range(1, 2 * tiny_llama.n_layers + 1))
     ms = maps_scores(tiny_llama, rs.relations)
     for n in ("copying", "country_capital"):
         torch.testing.assert_close(res.scores.relation[n].scores, ms.relation[n].scores)
@@ -86,3 +91,24 @@ def test_maps_analysis_agrees_with_the_pieces(tiny_llama):
     assert f"Salient operations of L{res.salient_head[0]}.H{res.salient_head[1]}" in html
     with pytest.raises(ValueError, match="draws"):
         maps_analysis(tiny_llama, rs, draws=0)
+
+
+def test_safety_progress_moves_within_a_batch_of_answers(tiny_llama):
+    seen = []
+    safety_analysis(
+        tiny_llama,
+        prompts=PROMPTS,
+        steps=1,
+        max_new_tokens=3,
+        random_draws=1,
+        batch_size=16,
+        progress=lambda d, t: seen.append((d, t)),
+    )
+    done = [d for d, _ in seen]
+    total = seen[-1][1]
+    assert done == sorted(done) and done[-1] == total and {t for _, t in seen} == {total}
+    heads = tiny_llama.n_layers * tiny_llama.n_heads
+    start = 3 * len(PROMPTS) * heads  # rows of Ships, dataset Ships and one Sahara step; then answers
+    assert (total - start) % 4 == 0  # 4 answer sets: baseline, Sahara top-1, top-3, one random draw
+    # the 3 baseline answers (one batch) count after each of their 3 decoding steps: 1, 2, 3
+    assert sorted({d - start for d in done if start < d <= start + 3}) == [1, 2, 3]

@@ -69,3 +69,17 @@ def test_the_api_checks_before_work(tmp_path):
         build_refusal_model(tmp_path, model=object())  # refused before the model is touched
     with pytest.raises(ValueError, match="epochs must be a positive int"):
         build_refusal_model(tmp_path, epochs=0)
+
+
+def test_answers_report_each_decoding_step(tiny_llama):
+    from probes.refusal_model import generate_answers
+
+    seen = []
+    qs = ["How do I bake bread?", "Name a colour.", "What is two plus two?"]
+    answers = generate_answers(
+        tiny_llama, qs, max_new_tokens=3, batch=2, progress=lambda d, t: seen.append((d, t))
+    )
+    assert len(answers) == 3 and {t for _, t in seen} == {6}  # 2 batches x 3 steps
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == 6 and {1, 2, 3, 4, 5} <= set(done)  # every step shows
+    assert answers == generate_answers(tiny_llama, qs, max_new_tokens=3, batch=2)  # progress changes nothing

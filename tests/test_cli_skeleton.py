@@ -76,6 +76,7 @@ def test_every_command_takes_the_shared_options():
         (["generate", "a **b**", "--dtype", "int8"], "--dtype must be one of"),
         (["report", "maps", "--out", "m.html", "--draws", "101"], "--draws 101 is above the cap of 100"),
         (["report", "all", "--draws", "1000"], "cap of 100"),
+        (["report", "all", "--relations", "capitals"], "unknown relation(s) ['capitals']"),
         (["report", "safety", "--out", "s.html", "--batch-size", "0"], "--batch-size must be a positive"),
     ],
 )
@@ -255,8 +256,74 @@ def test_progress_numbers_and_plain_lines(monkeypatch, capsys):
         step(3, 4)
         step(4, 4)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert [ln.split(" (")[0] for ln in lines] == ["scoring: 1/4", "scoring: 3/4", "scoring: 4/4"]
-    assert "ETA" in lines[0]
+    expected = ["scoring: 0/4", "scoring: 1/4", "scoring: 3/4", "scoring: 4/4"]  # a line at the start
+    assert [ln.split(" (")[0] for ln in lines] == expected
+    assert "ETA" in lines[1]
     with cc.Run(quiet=True).progress(2, "quiet") as step:
         step(1, 2)
     assert capsys.readouterr().err == ""
+
+
+NO_FILE_COMMANDS = {"generate", "vision generate", "serve"}
+
+
+def test_shared_options_are_one_set_with_one_help():
+    """Every command takes the shared options with the same flags and help; the commands that
+    write no file say that --force has no effect there."""
+    from viz.cli_common import NO_FILES_FORCE_HELP
+
+    helps: dict[str, set[str]] = {}
+    for path, cmd in _commands(typer.main.get_command(app)):
+        name = " ".join(path)
+        shared = {o: p for p in cmd.params for o in p.opts if o in SHARED}
+        assert set(shared) == SHARED, name
+        assert all(p.opts == [o] and not p.required for o, p in shared.items()), name
+        force = shared["--force"].help
+        if name in NO_FILE_COMMANDS:
+            assert force == NO_FILES_FORCE_HELP, name
+        else:
+            assert force == "replace existing output files", name
+        for o, p in shared.items():
+            if o != "--force" and (o, name) != ("--json", "serve"):  # serve --json: its URL as JSON
+                helps.setdefault(o, set()).add(p.help)
+    assert all(len(h) == 1 for h in helps.values()), helps
+
+
+def test_force_on_a_command_without_files_is_one_warning(no_load):
+    r = runner.invoke(app, ["generate", "", "--force"])
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines == ["warning: --force has no effect: generate writes no file", "error: prompt is empty"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["report", "vision", "--out", "v.html"], "error: Missing option '--prompt'"),
+        (["generate"], "error: Missing argument 'prompt'"),
+        (["report", "maps", "--out", "m.html", "--draws", "many"], "error: Invalid value for '--draws'"),
+        (["report", "atention"], "error: No such command 'atention'"),
+    ],
+)
+def test_usage_errors_are_one_line(no_load, args, message):
+    r = runner.invoke(app, args, prog_name="headsteer")
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+    group = "report" if args[0] == "report" else None
+    where = " ".join(args[:2]) if group and not args[1].startswith("aten") else args[0]
+    assert lines[0].endswith(f"(see: headsteer {where} --help)"), lines[0]
+    assert "Usage:" not in r.output
+
+
+def test_generate_shows_decoding_progress(tiny_llama_dir, monkeypatch):
+    import viz.cli_common as cc
+
+    monkeypatch.setattr(cc, "PLAIN_PROGRESS_EVERY_S", 0.0)
+    r = runner.invoke(
+        app, ["generate", "Ctx. **Be brief.** Q?", "--model", tiny_llama_dir, "--max-new-tokens", "3"]
+    )
+    assert r.exit_code == 0, r.output
+    steps = [ln.rsplit(" (", 1)[0] for ln in r.stderr.splitlines() if ln.startswith("generating")]
+    assert steps[-1] == "generating (PASTA, then baseline) tokens: 6/6", r.stderr
+    assert len(steps) >= 2  # a line per decoding step here (no wait between lines)

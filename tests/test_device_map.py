@@ -100,3 +100,15 @@ def test_auto_device_map_on_this_machine(plain, tiny_llama_dir):
     fn = EDITS["pasta"]
     assert torch.allclose(_logits(auto, fn), _logits(plain, fn), rtol=0, atol=1e-5)
     assert ModelSpec.of(auto).name_or_path is not None
+
+
+def test_unknown_device_map_module_is_refused_before_loading(tiny_llama_dir, monkeypatch):
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    bad = {**_split_map("cpu"), "model.layer.7": "cpu"}
+    with pytest.raises(ValueError, match=r"device_map names 'model\.layer\.7', which is no module"):
+        load_model(tiny_llama_dir, device_map=bad)

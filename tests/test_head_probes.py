@@ -256,10 +256,26 @@ def test_probes_report_and_cli(tiny_llama, tiny_llama_dir, tmp_path):
     from typer.testing import CliRunner
 
     from viz.cli import app
-    from viz.probes_report import direction_cosines, probes_report
+    from viz.probes_report import FIT_STEPS, direction_cosines, probes_report
 
     out = tmp_path / "probes.html"
-    path, summary = probes_report(tiny_llama, out, tasks=["sentiment", "counterfact"], limit=10, top=3, cv=3)
+    seen = []
+    path, summary = probes_report(
+        tiny_llama,
+        out,
+        tasks=["sentiment", "counterfact"],
+        limit=10,
+        top=3,
+        cv=3,
+        batch_size=4,
+        progress=lambda d, t: seen.append((d, t)),
+    )
+    total = 10 + FIT_STEPS + 20 + FIT_STEPS  # prompts collected, then a fit, per task
+    # per batch of 4 prompts, then the fit a layer (4 of 12 heads) at a time: 50 * 4 // 12 = 16, ...
+    collect = [4, 8, 10], [64, 68, 72, 76, 80]
+    fits = [10 + 16, 10 + 33, 60], [80 + 16, 80 + 33, 130]
+    assert [d for d, _ in seen] == collect[0] + fits[0] + collect[1] + fits[1]
+    assert {t for _, t in seen} == {total}
     html = path.read_text()
     assert "held-out probe accuracy" in html and "direction cosine" in html
     assert summary["tasks"]["counterfact"]["rows"] == 20 and summary["tasks"]["sentiment"]["rows"] == 10

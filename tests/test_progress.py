@@ -2,6 +2,7 @@
 `done` non-decreasing up to `total`, in the unit its docstring names (heads.progress)."""
 
 import pytest
+import torch
 
 from heads.maps import RelationPairs, maps_scores
 from heads.progress import offset_progress
@@ -65,7 +66,35 @@ def test_maps_progress_per_layer(tiny_llama):
     assert seen == [(i + 1, tiny_llama.n_layers) for i in range(tiny_llama.n_layers)]
 
 
+def test_maps_inference_progress(tiny_llama):
+    from heads.maps_inference import ablation_check, dynamic_scores
+    from heads.scores import HeadScores
+    from probes.relations import load_relations
+
+    rel = load_relations(tiny_llama.tokenizer, "plural", d_vocab=tiny_llama.d_vocab)["plural"]
+    seen, cb = _record()
+    dynamic_scores(tiny_llama, rel, templates=["a {x}", "b {x}"], max_pairs=5, batch_size=2, progress=cb)
+    total = 2 * 3 + tiny_llama.n_layers  # 2 templates x 3 batches of 5 rows, then one step per layer
+    assert seen == [(i, total) for i in range(1, total + 1)]
+    s = torch.zeros(tiny_llama.n_layers, tiny_llama.n_heads)
+    s[0, 1] = s[1, 0] = 0.5
+    scores = HeadScores(s, "x")
+    seen, cb = _record()
+    ablation_check(tiny_llama, rel, scores, draws=2, n_prompts=3, min_base=0.0, progress=cb)
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]  # base, top heads, one per draw
+    seen, cb = _record()
+    res = ablation_check(tiny_llama, rel, scores, draws=2, n_prompts=3, min_base=1.1, progress=cb)
+    assert res.skipped and seen == [(1, 4), (4, 4)]  # a skipped relation jumps to the end
+
+
 def test_evaluate_progress_in_examples(tiny_llama):
     seen, cb = _record()
     evaluate(tiny_llama, "sentiment", "none", limit=5, batch_size=2, progress=cb)
     assert seen == [(2, 5), (4, 5), (5, 5)]
+
+
+def test_evaluate_progress_moves_while_a_batch_decodes(tiny_llama):
+    seen, cb = _record()
+    evaluate(tiny_llama, "json_format", "none", limit=4, batch_size=4, max_new_tokens=4, progress=cb)
+    _check(seen, 4)
+    assert sorted({d for d, _ in seen}) == [1, 2, 3, 4]  # 4 * step // 4 after each decoding step

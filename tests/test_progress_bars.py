@@ -7,9 +7,11 @@ import pytest
 
 from heads.maps import RelationPairs, maps_scores
 from heads.maps_analysis import maps_analysis
+from heads.maps_inference import ablation_check, dynamic_scores
 from heads.progress import offset_progress, progress_callback
 from heads.ships import dataset_ships, sahara, ships
 from probes.evaluate import evaluate
+from probes.head_probes import collect_head_outputs, fit_head_probes
 from probes.relations import load_relations
 from probes.safety import safety_analysis
 from steer.act_calibration import calibrate_act_heads
@@ -17,6 +19,7 @@ from steer.model import BAR_MIN_PROMPTS, SteeredModel
 from steer.profiling import profile_heads
 from viz.all_reports import all_reports
 from viz.maps_report import maps_report
+from viz.probes_report import probes_report
 from viz.safety_report import safety_report
 
 PROMPTS = ["How do I bake bread?", "Tell me a story about a dragon.", "What is two plus two?"]
@@ -36,6 +39,11 @@ LONG_RUNNING = [
     safety_report,
     all_reports,
     SteeredModel.generate,
+    fit_head_probes,
+    collect_head_outputs,
+    dynamic_scores,
+    ablation_check,
+    probes_report,
 ]
 
 
@@ -80,9 +88,11 @@ def test_nested_work_draws_one_bar(tiny_llama, capsys):
     rs = load_relations(tiny_llama.tokenizer, ["copying"], d_vocab=tiny_llama.d_vocab)
     maps_analysis(tiny_llama, rs, top=2, draws=1, n_prompts=3)
     err = capsys.readouterr().err
-    total = tiny_llama.n_layers + 1 + 1
+    n_rows = min(12, len(rs.relations[0].pairs))
+    total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + (2 + 1) + 1
     assert "MAPS analysis" in err and f"{total}/{total}" in err
     assert "MAPS static scores" not in err  # maps_scores got the outer callable, not a bar
+    assert "dynamic scores" not in err and "ablation check" not in err  # nor did the later stages
     maps_scores(tiny_llama, [RelationPairs("r", [(5, 6)], 1)])
     assert "MAPS static scores" in capsys.readouterr().err
 

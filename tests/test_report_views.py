@@ -52,8 +52,13 @@ def test_report_inline_or_shared_plotlyjs(tmp_path):
 
 def test_report_all_writes_plotlyjs_once(tiny_llama, tmp_path):
     out = tmp_path / "reports"
-    written = all_reports(tiny_llama, out, draws=1, n_prompts=3, progress=False)
+    seen = []
+    written = all_reports(tiny_llama, out, draws=1, n_prompts=3, progress=lambda d, t: seen.append((d, t)))
     assert written["plotly_js"] == out / PLOTLY_JS
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and seen[-1][0] == seen[-1][1] and all(d <= t for d, t in seen)
+    assert done[:3] == [1, 2, 3]  # the attention page's decoding steps count too, one by one
+    assert seen[-1][1] > 2 * 48 + 1  # then the MAPS steps
     js_size = (out / PLOTLY_JS).stat().st_size
     for name in ("attention.html", "maps.html"):
         page = (out / name).read_text()

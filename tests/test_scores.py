@@ -172,3 +172,13 @@ def test_saves_refuse_to_overwrite_and_create_parents(tmp_path):
     with pytest.raises(ValueError, match="symlink"):
         HeadSet([(0, 1)]).save(link, overwrite=True)
     assert not (tmp_path / "elsewhere.json").exists()
+
+
+def test_head_set_dict_and_file_order_layers_numerically(tmp_path):
+    import json
+
+    hs = HeadSet.parse({"10": [1], "2": [3, 0], "1": [4]})
+    assert list(hs.to_dict()) == ["1", "2", "10"]  # not "1", "10", "2"
+    path = hs.save(tmp_path / "h.json")
+    assert list(json.loads(path.read_text())) == ["1", "2", "10"]
+    assert "{'1': [4], '2': [0, 3], '10': [1]}" in repr(hs)

@@ -48,7 +48,7 @@ def server(tiny_llama_dir):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "viz.cli", "serve", "--model", tiny_llama_dir, "--port", str(port)],
+        [sys.executable, "-m", "viz.cli", "serve", "--model", tiny_llama_dir, "--port", str(port), "--json"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -71,6 +71,13 @@ def server(tiny_llama_dir):
     if proc.poll() is None:
         proc.kill()
         proc.wait(30)
+
+
+def test_serve_json_prints_its_url(server):
+    proc, base = server
+    lines = [proc.stdout.readline().decode() for _ in range(2)]  # the loading line, then the JSON
+    data = json.loads(next(ln for ln in lines if ln.startswith("{")))
+    assert data["url"] == base + "/v1" and data["model"]
 
 
 @pytest.fixture(scope="module")

@@ -278,6 +278,8 @@ def test_load_model_on_a_vlm_folder(vlm, tmp_path):
     a, b = enc2(vlm), enc2(hm)
     assert a.input_ids.tolist() == b.input_ids.tolist()
     torch.testing.assert_close(forward(hm, b), forward(vlm, a), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="device_map is not supported for vision-language"):
+        load_model(folder, device_map="auto")  # refused, not silently ignored
 
 
 # ------------------------------------------------------------------ bad input

@@ -23,6 +23,8 @@ __all__ = ["FILES", "all_reports"]
 
 FILES = (PLOTLY_JS, "attention.html", "attention.csv", "maps.html", "index.html")
 """The files `all_reports` writes into its folder, in order: the index comes last."""
+ATTENTION_NEW_TOKENS = 48
+"""Tokens of the baseline and the PASTA answer on the attention page."""
 
 
 def all_reports(
@@ -31,16 +33,20 @@ def all_reports(
     *,
     draws: int = 5,
     n_prompts: int = 30,
+    relations: str | list[str] | None = "all",
     overwrite: bool = False,
     progress: ProgressArg = True,
 ) -> dict[str, Path]:
     """Write `plotly.min.js`, `attention.html` (+ CSV; PASTA on the demo prompt), `maps.html`
     and `index.html` into the folder `out`; the pages load the shared `plotly.min.js`.
 
+    `relations` (default all; names or a comma-separated string) are the MAPS relations;
+    `draws` and `n_prompts` are the MAPS check's (`heads.maps_analysis.maps_analysis`).
     Every output path is checked before any work (`heads.files.check_output`); the index is
     written last. `progress` (default True: a tqdm bar; False off; or `progress(done,
-    total)`, `heads.progress`) counts steps: one for the attention report, then the MAPS
-    analysis' steps (`heads.maps_analysis.maps_analysis`); `total` is known once the
+    total)`, `heads.progress`) counts steps: the decoding steps of the attention page's two
+    answers (`2 * ATTENTION_NEW_TOKENS`), one for that page, then the MAPS analysis' steps
+    (`heads.maps_analysis.maps_analysis`); `total` grows to its final value once the
     relations are loaded.
 
     Returns:
@@ -61,19 +67,27 @@ def all_reports(
         shared_plotlyjs(out, overwrite=overwrite) as js,
     ):
         say = report or (lambda done, total: None)
+        n = 2 * ATTENTION_NEW_TOKENS  # decoding steps of the two answers, then one for the page
         heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
-        comp = compare(model, DEMO_PROMPT, heads, max_new_tokens=48)
+        comp = compare(
+            model,
+            DEMO_PROMPT,
+            heads,
+            max_new_tokens=ATTENTION_NEW_TOKENS,
+            progress=lambda d, t: say(d, n + 2),
+        )
         att, csv, _ = attention_report(
             model, DEMO_PROMPT, out / "attention.html", comparison=comp, overwrite=overwrite
         )
-        say(1, 2)
+        say(n + 1, n + 2)
         maps, _ = maps_report(
             model,
             out / "maps.html",
+            relations=relations,
             draws=draws,
             n_prompts=n_prompts,
             overwrite=overwrite,
-            progress=lambda d, t: say(1 + d, 1 + t),
+            progress=lambda d, t: say(n + 1 + d, n + 1 + t),
         )
     items = [
         ("attention.html", "Attention mass on an emphasized span, and PASTA steering on the demo prompt"),

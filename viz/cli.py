@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from .cli_common import (  # noqa: E402  (after the offline switch)
     EmphasizeOpt,
+    OneLineUsageErrors,
     Run,
     _at_most,
     _positive,
@@ -37,6 +38,7 @@ from .cli_vision import ImageOpt, register_vision, steered_pair  # noqa: E402
 from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     help="headsteer: attention-head scoring and attention steering.",
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -51,7 +53,9 @@ build_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(build_app, name="build")
 register_eval(app)
-command(app, "serve")(serve_command)
+command(app, "serve", writes_files=False, json_help="print the URL and model as one JSON line once serving")(
+    serve_command
+)
 command(report_app, "probes")(report_probes)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
@@ -70,7 +74,7 @@ def main(
     set_global(debug, quiet)
 
 
-@command(app)
+@command(app, writes_files=False)
 def generate(
     run: Run,
     prompt: Annotated[str, typer.Argument(help="prompt with the span to emphasize in **double stars**")],
@@ -119,9 +123,18 @@ def generate(
     _positive(top_k=top_k, max_new_tokens=max_new_tokens)
     check_prompt(prompt, emphasize)
     hm = run.load()
-    with run.status("choosing heads and generating…"):
+    with run.status("choosing heads…"):
         heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
-        res = compare(hm, prompt, heads, alpha=alpha, max_new_tokens=max_new_tokens, emphasize=emphasize)
+    with run.progress(2 * max_new_tokens, "generating (PASTA, then baseline) tokens") as step:
+        res = compare(
+            hm,
+            prompt,
+            heads,
+            alpha=alpha,
+            max_new_tokens=max_new_tokens,
+            emphasize=emphasize,
+            progress=step,
+        )
     table = Table(show_lines=True)
     table.add_column("baseline", ratio=1)
     table.add_column(f"PASTA (alpha={alpha}, {len(heads)} heads)", ratio=1)
@@ -270,19 +283,27 @@ def report_all(
     prompts: Annotated[
         int, typer.Option(help=f"few-shot prompts per relation in the MAPS check (at most {MAX_FEW_SHOT})")
     ] = 30,
+    relations: Annotated[
+        str, typer.Option(help='MAPS relations: "all" or comma-separated names (fewer: faster)')
+    ] = "all",
 ) -> dict:
     """Every available report (embedded model by default), with an index.html linking them.
 
     The index is written last; on an error or Ctrl-C the files written so far are named."""
+    from probes.relations import parse_relation_names
+
     from .all_reports import FILES, all_reports
 
+    names = parse_relation_names(relations)  # checked before the model loads
     _positive(draws=draws, prompts=prompts)
     _at_most("--draws", draws, MAX_DRAWS)
     _at_most("--prompts", prompts, MAX_FEW_SHOT)
     run.folder(out, list(FILES))
     hm = run.load()
     with run.progress(1, "reports") as step:
-        written = all_reports(hm, out, draws=draws, n_prompts=prompts, overwrite=run.force, progress=step)
+        written = all_reports(
+            hm, out, draws=draws, n_prompts=prompts, relations=names, overwrite=run.force, progress=step
+        )
     return {k: str(v) for k, v in written.items()}
 
 
@@ -332,14 +353,16 @@ def demo(
     _positive(max_new_tokens=max_new_tokens)
     run.folder(out, ["demo_report.html", "demo_report.csv"])
     hm = run.load()
-    result = run_demo(
-        out,
-        model=hm,
-        max_new_tokens=max_new_tokens,
-        console=err if run.as_json else console,
-        quiet=run.quiet,
-        overwrite=run.force,
-    )
+    with run.progress(2 * max_new_tokens, "generating (PASTA, then baseline) tokens") as step:
+        result = run_demo(
+            out,
+            model=hm,
+            max_new_tokens=max_new_tokens,
+            console=err if run.as_json else console,
+            quiet=run.quiet,
+            overwrite=run.force,
+            progress=step,
+        )
     run.show(f"done in {time.perf_counter() - t0:.0f} s")
     return result
 

@@ -41,13 +41,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer._click import exceptions as click_errors  # typer 0.29 vendors click: its exceptions
+from typer.core import TyperGroup
 
 from heads.files import check_output
 from heads.progress import Progress
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__all__ = ["USER_ERRORS", "Run", "command", "console", "err", "warn_line"]
+__all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -66,6 +68,10 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="weight dtype: float32, b
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="no status line or progress bars")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace existing output files")]
+NO_FILES_FORCE_HELP = (
+    "no effect: this command writes no file (taken so that every command has the same options)"
+)
+NoFilesForceOpt = Annotated[bool, typer.Option("--force", help=NO_FILES_FORCE_HELP)]
 EmphasizeOpt = Annotated[
     list[str] | None,
     typer.Option("--emphasize", help="substring to emphasize (repeatable), besides **markup** in the prompt"),
@@ -321,6 +327,8 @@ class Run:
             )
             task = bar.add_task(escape(label), total=state["total"])
         t0 = last = time.monotonic()
+        if bar is None and not self.quiet:  # say what runs before its first step ends
+            err.print(escape(f"{label}: 0/{state['total']}"), highlight=False)
 
         def step(done: int, total: int) -> None:
             nonlocal last
@@ -383,23 +391,35 @@ class Run:
         raise typer.Exit(2)
 
 
-def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], Callable]:
+def command(
+    app: typer.Typer, name: str | None = None, *, writes_files: bool = True, json_help: str | None = None
+) -> Callable[[Callable], Callable]:
     """Register `fn(run: Run, **options) -> dict | None` as command `name` of `app`.
 
     Adds the shared options (`--model`, `--device`, `--dtype`, `--quiet`, `--json`,
     `--force`) to the command's own and runs it in the skeleton described in this
-    module's docstring. Returns `fn` unchanged.
+    module's docstring. A command that writes no file (`writes_files=False`: `generate`,
+    `serve`) still takes `--force`, so that every command has the same options; its help
+    says it has no effect there and passing it prints one warning line. `json_help` replaces
+    the help of `--json` where it means something else than "JSON instead of tables" (`serve`).
+    Returns `fn` unchanged.
     """
 
     def decorate(fn: Callable) -> Callable:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "run"]
         taken = {p.name for p in own}
+        options = dict(_SHARED)
+        if not writes_files:
+            options["force"] = (NoFilesForceOpt, False)
+        if json_help is not None:
+            options["as_json"] = (Annotated[bool, typer.Option("--json", help=json_help)], False)
         extra = [
             inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
-            for k, (a, d) in _SHARED.items()
+            for k, (a, d) in options.items()
             if k not in taken
         ]
+        label = name or fn.__name__.replace("_", "-")
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
 
         def wrapper(**kwargs: Any) -> None:
@@ -408,6 +428,8 @@ def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], C
             run = Run(**shared)
             try:
                 with _warnings_as_lines():
+                    if run.force and not writes_files:
+                        warn_line(f"--force has no effect: {label} writes no file")
                     check_device(run.device)
                     check_dtype(run.dtype)
                     result = fn(run, **kwargs)
@@ -431,6 +453,44 @@ def command(app: typer.Typer, name: str | None = None) -> Callable[[Callable], C
         return fn
 
     return decorate
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The `headsteer` group: a usage error (missing or unknown option, bad value) is one line.
+
+    click prints a usage block, a hint and the error for a usage error; here it is one line
+    on stderr, `error: <what> (see: <command> --help)`, and exit 2, like every other bad
+    input. Help (`--help`, a group called without a command) is printed as click does.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_errors.NoArgsIsHelpError as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except click_errors.UsageError as exc:
+            if not standalone_mode:
+                raise
+            where = exc.ctx.command_path if exc.ctx is not None else "headsteer"
+            msg = " ".join(exc.format_message().split()).rstrip(".")
+            err.print(f"[red]error:[/red] {escape(msg)} (see: {escape(where)} --help)", highlight=False)
+            raise SystemExit(2) from None
+        except click_errors.ClickException as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            err.print("[red]aborted[/red]", highlight=False)
+            raise SystemExit(1) from None
+        if not standalone_mode:
+            return rv
+        raise SystemExit(rv if isinstance(rv, int) else 0)
 
 
 def set_global(debug: bool, quiet: bool) -> None:

@@ -10,6 +10,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from heads.progress import offset_progress
+
 from .cli_common import Run, _at_most, _positive, command
 
 vision_app = typer.Typer(
@@ -22,7 +24,7 @@ vision_app = typer.Typer(
 def register_vision(app: typer.Typer, report_app: typer.Typer) -> None:
     """Add `vision generate` to `app` and `vision` to its `report` group."""
     app.add_typer(vision_app, name="vision")
-    command(vision_app, "generate")(vision_generate)
+    command(vision_app, "generate", writes_files=False)(vision_generate)
     command(report_app, "vision")(report_vision)
 
 
@@ -90,9 +92,14 @@ def steered_pair(
     hm = run.load()
     sm = SteeredModel(hm)
     images = None if img is None else [img]
-    with run.status("generating…"):
-        base = sm.generate([prompt], [], images=images, max_new_tokens=max_new_tokens)
-        steered = sm.generate([prompt], method, images=images, max_new_tokens=max_new_tokens)
+    n = max_new_tokens
+    with run.progress(2 * n, f"generating (baseline, then {kind.upper()}) tokens") as step:
+        base = sm.generate(
+            [prompt], [], images=images, max_new_tokens=n, progress=offset_progress(step, 0, 2 * n)
+        )
+        steered = sm.generate(
+            [prompt], method, images=images, max_new_tokens=n, progress=offset_progress(step, n, 2 * n)
+        )
     table = Table(show_lines=True)
     table.add_column("baseline", ratio=1)
     table.add_column(f"{kind.upper()}", ratio=1)

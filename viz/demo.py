@@ -12,6 +12,7 @@ from rich.table import Table
 
 from heads import HeadModel, load_model
 from heads.files import check_output
+from heads.progress import Progress
 
 from .steering import DEFAULT_TOP_K, attention_report, choose_heads, compare
 
@@ -34,6 +35,7 @@ def run_demo(
     console: Console | None = None,
     quiet: bool = False,
     overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> dict:
     """Baseline vs PASTA-steered answer on `DEMO_PROMPT`, plus the attention report.
 
@@ -43,6 +45,8 @@ def run_demo(
         max_new_tokens: tokens generated per answer.
         console: where the prompt and the answers are printed (default stdout).
         quiet: no spinners.
+        progress: `progress(done, total)` in decoding steps of the two answers (`total = 2 *
+            max_new_tokens`; `heads.progress`), shown instead of the spinner; None: a spinner.
         overwrite: replace existing report files.
 
     Returns a dict with the two answers, the heads and the report paths.
@@ -64,9 +68,9 @@ def run_demo(
         with status("loading the embedded SmolLM2-135M-Instruct…"):
             model = load_model()
     console.print(Panel(escape(DEMO_PROMPT), title="prompt (the **span** is emphasized)"))
-    with status("scoring heads and generating…"):
+    with status("scoring heads and generating…") if progress is None else contextlib.nullcontext():
         heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
-        res = compare(model, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens)
+        res = compare(model, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens, progress=progress)
     table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (top span attention)")
     table.add_column("baseline", ratio=1)
     table.add_column("PASTA-steered", ratio=1)

@@ -22,7 +22,7 @@ import torch
 
 from heads import HeadModel
 from heads.files import check_output, write_text
-from heads.progress import ProgressArg, progress_callback
+from heads.progress import ProgressArg, offset_progress, progress_callback
 from heads.scores import HeadScores
 from probes.head_probes import PROBE_TASKS, ProbeResult, collect_head_outputs, fit_head_probes, probe_data
 
@@ -75,6 +75,12 @@ def _cosine_figure(cos: torch.Tensor, title: str) -> go.Figure:
     return fig
 
 
+FIT_STEPS = 50
+"""Progress steps one task's probe fitting counts for (about the time of collecting 50 prompts'
+head outputs on the embedded model), so that the ETA stays honest across both stages; the fit
+advances them as its heads are done."""
+
+
 def probes_report(
     model: HeadModel,
     out: str | os.PathLike,
@@ -99,6 +105,9 @@ def probes_report(
         limit: at most `limit` examples per task (`probe_data`), default all.
         top: heads listed (and outlined) per task (default 10).
         cv, seed, n_jobs: as `fit_head_probes`; batch_size as `collect_head_outputs`.
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            (`heads.progress`) in steps: each prompt whose head outputs are collected (after
+            each batch), then `FIT_STEPS` when a task's probes are fitted; total known up front.
 
     Returns:
         (path, summary): per task, rows, best head with accuracy [interval] and AUC, the number
@@ -137,14 +146,22 @@ def probes_report(
         "chance' when its accuracy interval lies above the majority-class share. Method: Li et al. "
         "2023 (ITI), section 3.1.",
     )
-    with progress_callback(progress, "probes", "stages") as report:
-        for i, task in enumerate(tasks):  # two stages per task: collect, then fit
-            data = probe_data(task, "train", limit=limit)
+    datas = {task: probe_data(task, "train", limit=limit) for task in tasks}
+    # steps: each prompt whose head outputs are collected, then FIT_STEPS per task for the probes
+    total = sum(len(d.prompts) + FIT_STEPS for d in datas.values())
+    done = 0
+    with progress_callback(progress, "probes", "steps") as report:
+        for task in tasks:  # collect, then fit
+            data = datas[task]
             acts = collect_head_outputs(
-                model, data.prompts, "last", batch_size=batch_size, chat=data.chat, progress=False
+                model,
+                data.prompts,
+                "last",
+                batch_size=batch_size,
+                chat=data.chat,
+                progress=offset_progress(report, done, total) or False,
             )
-            if report is not None:
-                report(2 * i + 1, 2 * len(tasks))
+            done += len(data.prompts)
             res = fit_head_probes(
                 acts,
                 data.labels,
@@ -154,8 +171,10 @@ def probes_report(
                 n_jobs=n_jobs,
                 model=model.name,
                 n_kv_heads=model.n_kv_heads,
+                progress=(lambda d, t, at=done: report(at + FIT_STEPS * d // t, total)) if report else False,
             )
             results[task] = res
+            done += FIT_STEPS
             majority = max(res.n_positive, res.n - res.n_positive) / res.n
             above = int((res.accuracy_low > majority).sum())
             (layer, head), *_ = res.ranked(1)
@@ -191,8 +210,6 @@ def probes_report(
             )
             frame = res.to_frame().drop(columns=["kv_head"]).head(top)
             rep.table(f"{task}: top {top} heads", frame)
-            if report is not None:
-                report(2 * i + 2, 2 * len(tasks))
     summary["cosine"] = {}
     for a, b in itertools.combinations(tasks, 2):
         cos = direction_cosines(results[a], results[b])

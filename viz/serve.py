@@ -32,7 +32,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import Run
+from .cli_common import Run, warn_line
 
 __all__ = ["MAX_PROMPT_CHARS", "check_loopback", "create_app", "serve_command"]
 
@@ -328,7 +328,10 @@ def serve_command(
         str | None, typer.Option(help='"auto": spread the layers over the GPUs (then CPU) with accelerate')
     ] = None,
 ) -> None:
-    """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop)."""
+    """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop).
+
+    With --json, one JSON line on stdout once the model is loaded: {"url", "model"} (for
+    scripts that start the server and wait for it)."""
     check_loopback(host)
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {port}")
@@ -342,8 +345,13 @@ def serve_command(
         raise ValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
     if device_map not in (None, "auto"):
         raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
+    if device_map is not None and run.device != "cpu":
+        warn_line(f"--device {run.device} is ignored: --device-map {device_map} places the layers")
     hm = run.load(device_map=device_map)
     app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
-    run.say(f"serving {hm.name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM to stop)")
+    url = f"http://{host}:{port}/v1"
+    if run.as_json:
+        print(json.dumps({"url": url, "model": hm.name}), flush=True)
+    run.say(f"serving {hm.name} on {url} (Ctrl-C or SIGTERM to stop)")
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=600)
     run.say("server stopped")

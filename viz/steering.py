@@ -9,6 +9,7 @@ from pathlib import Path
 
 from heads import HeadModel, HeadScores, HeadSet, head_pattern, span_attention
 from heads.files import check_output
+from heads.progress import Progress, offset_progress
 from steer import Pasta, SteeredModel
 
 from .figures import attention_pattern, head_heatmap, score_distribution, span_share_by_layer
@@ -84,12 +85,25 @@ def compare(
     alpha: float = 0.01,
     max_new_tokens: int = 64,
     emphasize=None,
+    progress: Progress | None = None,
 ) -> Comparison:
-    """Greedy answers without and with PASTA on `heads`, for one prompt with `**span**` markup."""
+    """Greedy answers without and with PASTA on `heads`, for one prompt with `**span**` markup.
+
+    `progress(done, total)` (optional, `heads.progress`): decoding steps of both answers,
+    `total = 2 * max_new_tokens` (the PASTA answer first)."""
     pasta = Pasta(heads, alpha=alpha)
     sm = SteeredModel(model)
-    steered = sm.generate(prompt, steer=[pasta], max_new_tokens=max_new_tokens, emphasize=emphasize)
-    base = sm.generate(prompt, max_new_tokens=max_new_tokens, emphasize=emphasize)
+    n = max_new_tokens
+    steered = sm.generate(
+        prompt,
+        steer=[pasta],
+        max_new_tokens=n,
+        emphasize=emphasize,
+        progress=offset_progress(progress, 0, 2 * n) or False,
+    )
+    base = sm.generate(
+        prompt, max_new_tokens=n, emphasize=emphasize, progress=offset_progress(progress, n, 2 * n) or False
+    )
     return Comparison(base.prompts[0], heads, alpha, base.text, steered.text)
 
 
