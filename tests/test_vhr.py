@@ -290,6 +290,13 @@ def test_cli_vision_generate_and_report(kind, tmp_path):
     r = runner.invoke(app, ["vision", "generate", "Describe the image.", "--steer", "vhr", *common])
     assert r.exit_code == 0, r.output
     assert set(json.loads(r.stdout)) == {"baseline", "steered", "steer"}
+    masked = [*common, "--without-image", "mask"]
+    r = runner.invoke(app, ["vision", "generate", "Describe the image.", "--steer", "vhr", *masked])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(
+        app, ["vision", "generate", "Describe.", "--steer", "vhr", *common, "--without-image", "drop"]
+    )
+    assert r.exit_code == 2 and "'drop'" in r.output  # one line naming the bad value
     r = runner.invoke(app, ["generate", "Describe the image.", "--steer", "vhr", *common])  # same command
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["steer"] == "vhr"

@@ -58,11 +58,19 @@ def _dims(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--sink-dims must be comma-separated ints, got {text!r}") from None
 
 
-def _steer(kind: str, alpha: float, p: float, rho: float, tau: float | None, dims: str | None):
+def _steer(
+    kind: str,
+    alpha: float,
+    p: float,
+    rho: float,
+    tau: float | None,
+    dims: str | None,
+    without: str = "delete",
+):
     from steer import Var, Vhr
 
     if kind == "vhr":
-        return Vhr(alpha=alpha)
+        return Vhr(alpha=alpha, without_image=without)  # type: ignore[arg-type]  # Vhr checks the value
     if kind == "var":
         return Var(p=p, rho=rho, tau=tau, sink_dims=_dims(dims))
     raise ValueError(f"--steer must be 'var' or 'vhr', got {kind!r}")
@@ -80,6 +88,7 @@ def steered_pair(
     tau: float | None,
     sink_dims: str | None,
     max_new_tokens: int,
+    without_image: str = "delete",
 ) -> dict:
     """Unsteered and VAR- or VHR-steered answers to `prompt` (with `image`, or on its marked
     passage), printed side by side; shared by `headsteer generate --steer var|vhr` and
@@ -87,7 +96,7 @@ def steered_pair(
     from steer import SteeredModel
 
     _positive(max_new_tokens=max_new_tokens)
-    method = _steer(kind, alpha, p, rho, tau, sink_dims)
+    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image)
     img = _image(image)
     hm = run.load()
     sm = SteeredModel(hm)
@@ -119,6 +128,14 @@ def vision_generate(
     tau: Annotated[float | None, typer.Option(help="VAR sink threshold [default: 20 sqrt(D/4096)]")] = None,
     sink_dims: DimsOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
+    without_image: Annotated[
+        str,
+        typer.Option(
+            "--without-image",
+            help="VHR's second probe row: 'delete' the image / passage (renumber positions) or 'mask' it "
+            "(keep positions; vhr.md section 1)",
+        ),
+    ] = "delete",
 ) -> dict:
     """Print the unsteered and the VAR- or VHR-steered answers side by side."""
     return steered_pair(
@@ -132,6 +149,7 @@ def vision_generate(
         tau=tau,
         sink_dims=sink_dims,
         max_new_tokens=max_new_tokens,
+        without_image=without_image,
     )
 
 
