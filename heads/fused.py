@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["BLOCK", "available", "bucket", "fused_attention", "warm_up"]
+__all__ = ["BLOCK", "available", "bucket", "fused_attention", "head_bucket", "warm_up"]
 
 BLOCK = 128
 """flex_attention's block size (rows and columns) used for the block-sparse mask."""
@@ -137,6 +137,17 @@ def bucket(n: int) -> int:
         if b >= blocks:
             return b * BLOCK
     return blocks * BLOCK
+
+
+def head_bucket(n: int, n_heads: int) -> int:
+    """Heads to run through the kernel for `n` edited heads of `n_heads`: the ladder value
+    1, 2, 3, 4, 5, 6, 8, 10, 12, 16, ... at or above `n`, at most `n_heads`. flex_attention
+    compiles per head count (a dynamic head dimension is specialised), so bucketing bounds
+    the compiles of a model whose layers edit different numbers of heads."""
+    for b in _LADDER:
+        if b >= n:
+            return min(b, n_heads)
+    return n_heads
 
 
 def _block_mask(partial: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
