@@ -72,8 +72,11 @@ KERNELS = ("auto", "fused", "blocked")
 
 FUSED_MIN_ROWS_CPU = 2048
 """`kernel="auto"` on CPU runs the fused kernel for calls with at least this many query rows
-(long prefills); shorter calls and decoding stay on the blocked path, whose cost has no compile
-step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of two or more rows."""
+(long prefills), and for any call of more than `QUERY_BLOCK` rows in a layer with a span-share
+edit (SpotLight at layer / head granularity pools the whole prefill, which the blocked path
+would split into query blocks); shorter calls and decoding stay on the blocked path, whose cost
+has no compile step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of
+two or more rows."""
 
 _MIN = torch.finfo(torch.float32).min
 
@@ -133,6 +136,8 @@ def _use_fused(edits: _LayerEdits, want_probs: bool, query: torch.Tensor) -> boo
     q_len = query.shape[2]
     if query.device.type == "cuda":
         return q_len > 1
+    if q_len > QUERY_BLOCK and edits.get("probs"):  # blocked would split a pooled span share
+        return True
     return q_len >= FUSED_MIN_ROWS_CPU
 
 
@@ -800,8 +805,9 @@ def editing(
             `flex_attention` kernel, `heads.fused`, memory linear in the sequence; only edits
             for which `fusable` holds) or `"auto"` (default: fused where every edit of the
             layer is fusable and the call is long enough to repay the compile: on CPU calls
-            of at least `FUSED_MIN_ROWS_CPU` query rows, on CUDA every call of two or more
-            rows; otherwise blocked). Requests for the pattern (`output_attentions`) always
+            of at least `FUSED_MIN_ROWS_CPU` query rows or of more than `QUERY_BLOCK` rows
+            with a span-share edit, on CUDA every call of two or more rows; otherwise
+            blocked). Requests for the pattern (`output_attentions`) always
             run blocked. Both paths compute the same attention (tests/test_fused.py: within
             1e-5 in fp32).
 
