@@ -202,7 +202,10 @@ class Spotlight:
 
         Raises:
             ValueError: no prompt has an emphasized span, an unknown layer, or (granularity
-                `"layer"` / `"head"`) a prompt longer than the engine's query block.
+                `"layer"` / `"head"`) a prompt longer than the engine's query block when this
+                torch has no flex_attention. With it, such a prompt runs unsplit on the fused
+                kernel (`kernel="auto"` or `"fused"`); `kernel="blocked"` or gradients on CPU
+                split it and raise `ValueError` at the prefill.
         """
         self.validate()
         if not any(enc.spans):
