@@ -72,8 +72,11 @@ KERNELS = ("auto", "fused", "blocked")
 
 FUSED_MIN_ROWS_CPU = 2048
 """`kernel="auto"` on CPU runs the fused kernel for calls with at least this many query rows
-(long prefills); shorter calls and decoding stay on the blocked path, whose cost has no compile
-step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of two or more rows."""
+(long prefills), and for any call of more than `QUERY_BLOCK` rows in a layer with a span-share
+edit (SpotLight at layer / head granularity pools the whole prefill, which the blocked path
+would split into query blocks); shorter calls and decoding stay on the blocked path, whose cost
+has no compile step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of
+two or more rows."""
 
 _MIN = torch.finfo(torch.float32).min
 
@@ -133,6 +136,8 @@ def _use_fused(edits: _LayerEdits, want_probs: bool, query: torch.Tensor) -> boo
     q_len = query.shape[2]
     if query.device.type == "cuda":
         return q_len > 1
+    if q_len > QUERY_BLOCK and edits.get("probs"):  # blocked would split a pooled span share
+        return True
     return q_len >= FUSED_MIN_ROWS_CPU
 
 
@@ -220,6 +225,28 @@ def _check_window(edits: _LayerEdits, q_len: int, k_len: int) -> None:
         )
 
 
+def _own_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """`[B, H, Q, d_v]` SDPA as transformers' `sdpa_attention_forward` runs it (the model's own
+    attention): `is_causal` only for a prefill with no mask, the mask passed as given. `key` and
+    `value` have one head per query head (no GQA)."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    is_causal = q_len > 1 and mask is None and causal
+    if is_causal and k_len > q_len:  # top-left causal alignment: only the first q_len keys
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling
+    )
+
+
 def _fused_edited_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -232,17 +259,33 @@ def _fused_edited_attention(
 ) -> torch.Tensor:
     """`_edited_attention` on the fused kernel (`heads.fused`): `[B, Q, H, d]` output.
 
-    Column logit biases are summed into one `[B, H, K]` table; a `SpanShareEdit` takes one
-    extra pass for its per-row span shares. Rows with no visible key (left-padding query rows)
-    give 0 here and the mean of the values on the blocked SDPA path; no real token reads them.
+    Only the heads some edit touches (in any batch row) run through the fused kernel; the
+    others run through the model's own SDPA (`_own_sdpa`; on CPU the fused kernel is about
+    twice as slow per head as SDPA's flash kernel, and PASTA edits a few heads per layer).
+    With a soft-cap (which SDPA lacks) every head runs fused. Column logit biases are summed
+    into one `[B, H_edited, K]` table; a `SpanShareEdit` takes one extra pass for its per-row
+    span shares. Rows with no visible key (left-padding query rows) give 0 on the fused heads
+    and what SDPA gives on the others; no real token reads them.
     """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
+    groups = n_heads // key.shape[1]
     device = query.device
     _check_window(edits, q_len, k_len)
     call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, k_len - q_len, device)
     biases = cast("list[LogitBias]", edits.get("logits"))
     spans = cast("list[SpanShareEdit]", edits.get("probs"))
+    touched = {h for ed in (*biases, *spans) for h in ed.head_list(n_heads)}
+    n_fused = _fused.head_bucket(len(touched), n_heads)
+    split = softcap is None and 0 < n_fused < n_heads
+    # the edited heads, padded with unedited ones up to the compiled head count
+    sel = sorted(touched | set(sorted(set(range(n_heads)) - touched)[: n_fused - len(touched)]))
+    sel = sel if split else list(range(n_heads))
+    index = torch.tensor(sel, device=device)
+    if split:  # the edited heads only, each with its own KV head
+        q_e, k_e, v_e = query[:, index], key[:, index // groups], value[:, index // groups]
+    else:
+        q_e, k_e, v_e = query, key, value
     bias = None
     for ed in biases:
         ed.calls += 1
@@ -254,7 +297,7 @@ def _fused_edited_attention(
         b = torch.where(ed.head_mask(batch, n_heads, device)[:, :, None], b[:, :, 0].to(device), 0.0)
         bias = b if bias is None else bias + b
     if bias is not None:
-        bias = bias.clamp(min=_MIN)
+        bias = bias.clamp(min=_MIN)[:, index] if split else bias.clamp(min=_MIN)
     bool_mask = None if mask is None or mask.dtype == torch.bool else mask > _MIN / 2
     if mask is not None and mask.dtype == torch.bool:
         bool_mask = mask
@@ -264,17 +307,27 @@ def _fused_edited_attention(
         se.calls += 1
         cols = se.span_columns(call).to(device)
         span = cols.float()
-        indicator = torch.zeros_like(value)
-        indicator[..., 0] = span[:, None, :].to(value.dtype)
+        indicator = torch.zeros_like(v_e)
+        indicator[..., 0] = span[:, None, :].to(v_e.dtype)
         indicator[..., 1] = 1
-        mass = _fused.fused_attention(query, key, indicator, **kw).float()
+        mass_e = _fused.fused_attention(q_e, k_e, indicator, **kw).float()
+        mass = mass_e.new_zeros(batch, n_heads, q_len, mass_e.shape[-1])
+        mass[:, index] = mass_e
         heads = se.head_mask(batch, n_heads, device)[:, :, None]
         num = torch.where(heads, mass[..., 0], 0.0)
         den = torch.where(heads, mass[..., 1], 0.0)
         got = se.span_beta(num, den, call)
-        beta = None if got is None else torch.where(heads, got.float().expand_as(num), 0.0)
-    out = _fused.fused_attention(query, key, value, beta=beta, span=span, **kw)
-    return out.transpose(1, 2).contiguous()
+        beta = None if got is None else torch.where(heads, got.float().expand_as(num), 0.0)[:, index]
+    out_e = _fused.fused_attention(q_e, k_e, v_e, beta=beta, span=span, **kw)
+    if not split:
+        return out_e.transpose(1, 2).contiguous()
+    out = out_e.new_empty(batch, q_len, n_heads, value.shape[-1])
+    out[:, :, index] = out_e.transpose(1, 2)
+    rest = torch.tensor(sorted(set(range(n_heads)) - set(sel)), device=device)
+    kv = rest // groups
+    own = _own_sdpa(query[:, rest], key[:, kv], value[:, kv], mask, scaling, causal)
+    out[:, :, rest] = own.transpose(1, 2)
+    return out
 
 
 def _edited_attention(
@@ -752,8 +805,9 @@ def editing(
             `flex_attention` kernel, `heads.fused`, memory linear in the sequence; only edits
             for which `fusable` holds) or `"auto"` (default: fused where every edit of the
             layer is fusable and the call is long enough to repay the compile: on CPU calls
-            of at least `FUSED_MIN_ROWS_CPU` query rows, on CUDA every call of two or more
-            rows; otherwise blocked). Requests for the pattern (`output_attentions`) always
+            of at least `FUSED_MIN_ROWS_CPU` query rows or of more than `QUERY_BLOCK` rows
+            with a span-share edit, on CUDA every call of two or more rows; otherwise
+            blocked). Requests for the pattern (`output_attentions`) always
             run blocked. Both paths compute the same attention (tests/test_fused.py: within
             1e-5 in fp32).
 

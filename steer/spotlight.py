@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 import heads.engine as engine
+from heads import fused
 from heads.edits import AttentionCall, SpanShareEdit
 from heads.model import HeadModel
 from heads.prompts import EncodedPrompts
@@ -123,8 +124,8 @@ class SpotlightEdit(SpanShareEdit):
         if self.granularity != "row" and 1 < call.q_len < call.k_len:
             raise ValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
-                f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row' for "
-                "prompts longer than heads.engine.QUERY_BLOCK"
+                f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row', or "
+                "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.QUERY_BLOCK"
             )
         dims = _DIMS[self.granularity]
         psi = _share(num, den, dims)
@@ -201,17 +202,21 @@ class Spotlight:
 
         Raises:
             ValueError: no prompt has an emphasized span, an unknown layer, or (granularity
-                `"layer"` / `"head"`) a prompt longer than the engine's query block.
+                `"layer"` / `"head"`) a prompt longer than the engine's query block when this
+                torch has no flex_attention. With it, such a prompt runs unsplit on the fused
+                kernel (`kernel="auto"` or `"fused"`); `kernel="blocked"` or gradients on CPU
+                split it and raise `ValueError` at the prefill.
         """
         self.validate()
         if not any(enc.spans):
             raise ValueError("SpotLight needs an emphasized span: mark it with **...** or pass emphasize=")
         block = engine.QUERY_BLOCK
-        if self.granularity != "row" and enc.length > block:
+        if self.granularity != "row" and enc.length > block and not fused.available():
             raise ValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but a prompt of "
                 f"{enc.length} tokens is split into query blocks of {block} rows "
-                "(heads.engine.QUERY_BLOCK): use granularity='row' for longer prompts"
+                "(heads.engine.QUERY_BLOCK) and this torch has no flex_attention for the fused "
+                "kernel: use granularity='row' for longer prompts"
             )
         warn_rows_without_span(enc, "SpotLight")
         layers = range(model.n_layers) if self.layers is None else [int(x) for x in self.layers]

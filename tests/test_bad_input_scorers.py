@@ -57,6 +57,9 @@ def test_spotlight_layers_and_long_prefill(tiny_llama, monkeypatch):
         Spotlight(layers=1)
     monkeypatch.setattr(engine, "QUERY_BLOCK", 4)
     sm = SteeredModel(tiny_llama)
+    # a pooled SpotLight over a prompt longer than a query block runs on the fused kernel
+    # (tests/test_fused.py); without flex_attention it is refused before anything runs
+    monkeypatch.setattr("heads.fused.available", lambda: False)
     with pytest.raises(ValueError, match="query blocks"):
         sm.generate(["The cat **sat on the mat** today"], Spotlight(), chat=False, max_new_tokens=1)
     assert sm.generate(

@@ -184,3 +184,45 @@ def test_bad_kernel_values(tiny_llama, enc):
         with pytest.raises(ValueError, match="no backward pass"):  # CPU flex_attention: inference only
             tiny_llama.model(input_ids=enc.input_ids.to(DEVICE), attention_mask=enc.attention_mask.to(DEVICE))
     assert torch.equal(forward(tiny_llama, enc), before)  # the model is left as it was
+
+
+def test_only_the_edited_heads_run_fused(tiny_llama, enc, monkeypatch):
+    """The fused kernel sees the edited heads only (bucketed head count); the other heads run
+    the model's own SDPA, and the logits still equal the blocked path's."""
+    import heads.fused as fz
+
+    assert [fz.head_bucket(n, 32) for n in (0, 1, 3, 7, 9, 17, 40)] == [1, 1, 3, 8, 10, 20, 32]
+    assert fz.head_bucket(3, 4) == 3 and fz.head_bucket(4, 4) == 4
+    seen: list[int] = []
+    real = fz.fused_attention
+
+    def spy(query, *a, **kw):
+        seen.append(query.shape[1])
+        return real(query, *a, **kw)
+
+    monkeypatch.setattr(fz, "fused_attention", spy)
+    blocked, fused = _both(tiny_llama, enc, lambda: Pasta(HEADS, alpha=0.01).edits(tiny_llama, enc))
+    assert seen == [1, 2, 1]  # layers 0, 1, 2 edit heads [1], [0, 3], [2] of 4
+    torch.testing.assert_close(fused, blocked, atol=1e-5, rtol=0)
+
+
+def test_pooled_spotlight_on_a_long_prompt_runs_fused(tiny_llama, tokenizer, monkeypatch):
+    """SpotLight at layer granularity pools the whole prefill: a prompt longer than a query
+    block is accepted (auto runs it fused, unsplit) and equals the one-block blocked result;
+    kernel='blocked' would split it and refuses; without flex_attention `edits` refuses."""
+    from steer.spotlight import Spotlight as SL
+
+    long_enc = encode_prompts(
+        tokenizer, ["Context: **the key is under the mat.** Where is the key? " * 3], chat=False
+    )
+    sl = SL(tau=0.5, granularity="layer")
+    one_block = _logits(tiny_llama, long_enc, sl.edits(tiny_llama, long_enc), "blocked")
+    monkeypatch.setattr(engine, "QUERY_BLOCK", 8)
+    assert long_enc.length > 8
+    auto = _logits(tiny_llama, long_enc, sl.edits(tiny_llama, long_enc), "auto")
+    torch.testing.assert_close(auto, one_block, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="query blocks"):
+        _logits(tiny_llama, long_enc, sl.edits(tiny_llama, long_enc), "blocked")
+    monkeypatch.setattr("heads.fused.available", lambda: False)
+    with pytest.raises(ValueError, match="no flex_attention"):
+        sl.edits(tiny_llama, long_enc)
