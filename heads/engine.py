@@ -120,8 +120,28 @@ def _layer_fusable(edits: _LayerEdits) -> bool:
     return all(fusable(e) for e in (*edits.get("logits"), *probs)) and len(probs) <= 1
 
 
+def _check_fusable(table: dict[int, _LayerEdits]) -> None:
+    """ValueError unless every layer's attention edits (this context's and any outer one's)
+    can run on the fused kernel."""
+    for slot in table.values():
+        pattern = [*slot.get("logits"), *slot.get("probs")]
+        bad = [e for e in pattern if not fusable(e)]
+        shares = sum(isinstance(e, SpanShareEdit) for e in pattern)
+        if bad or shares > 1:
+            what = bad or [f"{shares} span-share edits in layer {slot.layer}"]
+            raise ValueError(
+                f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
+                "use kernel='auto' or 'blocked'"
+            )
+
+
 def _use_fused(edits: _LayerEdits, want_probs: bool, query: torch.Tensor) -> bool:
     kernel = _KERNEL.get()
+    if kernel == "fused" and want_probs:
+        raise ValueError(
+            f"layer {edits.layer}: kernel='fused' never builds the attention pattern, so it cannot "
+            "return it (output_attentions=True); use kernel='auto' or 'blocked'"
+        )
     if kernel == "blocked" or want_probs or not _layer_fusable(edits):
         return False
     if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
@@ -847,18 +867,6 @@ def editing(
             )
         if not _fused.available():
             raise ValueError("kernel='fused' needs torch.nn.attention.flex_attention (torch >= 2.5)")
-        bad = [e for e in active if not fusable(e)]
-        per_layer: dict[int, int] = {}
-        for e in active:
-            if isinstance(e, SpanShareEdit):
-                per_layer[e.layer] = per_layer.get(e.layer, 0) + 1
-        if bad or any(n > 1 for n in per_layer.values()):
-            many = [f"{n} span-share edits in layer {la}" for la, n in per_layer.items() if n > 1]
-            what: list = bad or many
-            raise ValueError(
-                f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
-                "use kernel='auto' or 'blocked'"
-            )
     fired_before = [e.calls for e in active]  # an edit reused from an earlier context must fire again
     # a TransformerLens bridge computes attention itself: its edits are hook-point hooks
     switch = not model.backend.hook_sites and any(_site(e).attention for e in active)
@@ -871,6 +879,9 @@ def editing(
         key = id(model.attentions[e.layer])
         slot = table.setdefault(key, _LayerEdits(e.layer, model.n_heads, model.sliding_window(e.layer)))
         slot.sites.setdefault(_site(e).name, []).append(e)
+
+    if kernel == "fused":  # every edit the layers will see, outer contexts' included
+        _check_fusable(table)
 
     _acquire(model, switch, sites)
     token = _ACTIVE.set(table)

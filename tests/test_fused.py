@@ -183,6 +183,18 @@ def test_bad_kernel_values(tiny_llama, enc):
             pytest.skip("flex_attention has a backward pass on CUDA")
         with pytest.raises(ValueError, match="no backward pass"):  # CPU flex_attention: inference only
             tiny_llama.model(input_ids=enc.input_ids.to(DEVICE), attention_mask=enc.attention_mask.to(DEVICE))
+    # nested contexts: the inner kernel='fused' sees the outer context's edits too
+    with editing(tiny_llama, two.edits(tiny_llama, enc), require_fired=False):
+        with pytest.raises(ValueError, match="span-share edits in layer 1"):
+            with editing(tiny_llama, two.edits(tiny_llama, enc), kernel="fused"):
+                pass
+    with editing(tiny_llama, [Recorder(layer=0)], require_fired=False):
+        with pytest.raises(ValueError, match="kernel='fused' cannot run"):
+            with editing(tiny_llama, Pasta(HEADS).edits(tiny_llama, enc), kernel="fused"):
+                pass
+    with pytest.raises(ValueError, match="output_attentions"):  # fused never builds the pattern
+        with torch.no_grad(), editing(tiny_llama, Pasta(HEADS).edits(tiny_llama, enc), kernel="fused"):
+            forward(tiny_llama, enc, output_attentions=True)
     assert torch.equal(forward(tiny_llama, enc), before)  # the model is left as it was
 
 
