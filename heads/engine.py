@@ -128,7 +128,7 @@ def _check_fusable(table: dict[int, _LayerEdits]) -> None:
         bad = [e for e in pattern if not fusable(e)]
         shares = sum(isinstance(e, SpanShareEdit) for e in pattern)
         if bad or shares > 1:
-            what = bad or [f"{shares} span-share edits in layer {slot.layer}"]
+            what: list = bad or [f"{shares} span-share edits in layer {slot.layer}"]
             raise ValueError(
                 f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
                 "use kernel='auto' or 'blocked'"
