@@ -393,7 +393,7 @@ def fit_head_probes(
     estimator=None,
     n_jobs: int | None = 1,
     groups=None,
-    model: str = "",
+    model: HeadModel | str = "",
     n_kv_heads: int | None = None,
     progress: ProgressArg = True,
 ) -> ProbeResult:
@@ -409,7 +409,9 @@ def fit_head_probes(
             `LogisticRegression(max_iter=1000)`. The probe direction is its `coef_`.
         n_jobs: joblib workers over heads (default 1; -1 = all cores). Results do not depend on it.
         groups: `[N]` group ids kept on one side of every fold (e.g. the two answers of one prompt).
-        model, n_kv_heads: metadata for the returned `HeadScores`.
+        model, n_kv_heads: metadata for the returned `HeadScores`: the `HeadModel` the
+            activations came from (its name and KV heads are taken; GQA `kv_head` column), or
+            a model id with `n_kv_heads` (default None: one KV head per query head).
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads.progress`) in heads fitted: `total` is L * H, reported as chunks of heads
             finish (a layer's heads at a time with one worker).
@@ -508,6 +510,8 @@ def fit_head_probes(
         "estimator": repr(estimator),
         "groups": groups is not None,
     }
+    if isinstance(model, HeadModel):
+        model, n_kv_heads = model.name, model.n_kv_heads if n_kv_heads is None else n_kv_heads
     meta = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
     d = x.shape[3]
     return ProbeResult(

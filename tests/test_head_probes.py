@@ -307,3 +307,15 @@ def test_probes_report_and_cli(tiny_llama, tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.output.strip().splitlines()[-1])["tasks"]["sentiment"]["rows"] == 10
     assert cli_out.is_file()
+
+
+def test_fit_takes_the_model_for_its_kv_heads(tiny_llama):
+    """`model=<HeadModel>` records the model's name and GQA grouping (the README path): the
+    `kv_head` column is head // (n_heads / n_kv_heads), not the query head."""
+    x, y, _ = _planted(n=40, layers=tiny_llama.n_layers, heads=tiny_llama.n_heads, d=4)
+    res = fit_head_probes(x, y, seed=0, model=tiny_llama, progress=False)
+    frame = res.accuracy.to_frame()
+    group = tiny_llama.n_heads // tiny_llama.n_kv_heads
+    assert group > 1
+    assert (frame["kv_head"] == frame["head"] // group).all()
+    assert res.accuracy.model == tiny_llama.name

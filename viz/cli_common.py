@@ -31,6 +31,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -51,7 +52,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 __all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
 
-console = Console()
+# Not a terminal (a pipe, a log file): rich would cut tables at 80 columns; use 160 unless COLUMNS says.
+console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
 err = Console(stderr=True, soft_wrap=True)
 _STATE = {"debug": False, "quiet": False}
 USER_ERRORS = (ValueError, TypeError, OSError)
