@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -146,8 +147,9 @@ class Pasta:
     Args:
         heads: the steered heads, a `heads.HeadSpec`: a `{"layer": [heads]}` dict (PASTA's
             JSON shape, keys may be strings), a list of layers (all their heads), a list of
-            `(layer, head)` pairs, a `HeadSet` (e.g. `scores.top(30)`), or a path to a
-            JSON file of the dict shape.
+            `(layer, head)` pairs, a `HeadSet` (e.g. `scores.top(30)`), a path to a
+            JSON file of the dict shape, or `"auto"`: the shipped multi-task profile of the
+            embedded model (`steer.profiles`; ValueError at `edits` for another model).
         alpha: scaling coefficient in (0, inf), default 0.01; `alpha = 1` is a no-op.
             In `exclude` mode alpha < 1 emphasizes the span.
         scale_position: `"exclude"` (default), `"include"` (needs alpha > 1; warns
@@ -164,6 +166,7 @@ class Pasta:
     Raises:
         ValueError: alpha not finite or <= 0; unknown mode; bad heads (when applied).
         TypeError: alpha not a number.
+        FileNotFoundError: `heads` names a JSON file that does not exist.
 
     Source: Zhang et al. 2024, Eq. 2; reference code QingruZhang/PASTA.
     """
@@ -176,6 +179,8 @@ class Pasta:
 
     def __post_init__(self) -> None:
         self.validate()
+        if isinstance(self.heads, str | Path) and self.heads != "auto" and not Path(self.heads).is_file():
+            raise FileNotFoundError(f"head file not found: {str(self.heads)!r} (or use heads='auto')")
         check_alpha(self.alpha, self.scale_position, stacklevel=5)
         if empty_heads(self.heads):
             warn_noop("PASTA with no heads steers nothing: output equals the unsteered model", stacklevel=4)
@@ -194,15 +199,22 @@ class Pasta:
                 f"alpha must be finite and > 0, got {self.alpha!r} (alpha = 0 deletes the context)"
             )
         if self.scale_position not in ("exclude", "include", "generation"):
-            raise ValueError(f"unknown scale_position {self.scale_position!r}")
+            raise ValueError(
+                f"unknown scale_position {self.scale_position!r}: use 'exclude', 'include' or 'generation'"
+            )
         if self.multi_span not in ("union", "compound"):
-            raise ValueError(f"unknown multi_span {self.multi_span!r}")
+            raise ValueError(f"unknown multi_span {self.multi_span!r}: use 'union' or 'compound'")
         if self.spans not in ("text", "image", "both"):
             raise ValueError(f"unknown spans {self.spans!r}: use 'text', 'image' or 'both'")
 
     def head_set(self, model: HeadModel) -> HeadSet:
-        """The steered heads, checked against `model`."""
-        return HeadSet.parse(self.heads, model.n_layers, model.n_heads)
+        """The steered heads, checked against `model` (`"auto"`: its shipped profile)."""
+        spec = self.heads
+        if spec == "auto":
+            from .profiles import shipped_profile
+
+            spec = shipped_profile("pasta", model.name)
+        return HeadSet.parse(spec, model.n_layers, model.n_heads)
 
     @property
     def needs_span(self) -> bool:

@@ -210,3 +210,14 @@ def test_head_selection_shapes(tiny_llama):
     assert Pasta([1]).head_set(tiny_llama) == HeadSet([(1, h) for h in range(4)])
     assert Pasta([(0, 1), (2, 3)]).head_set(tiny_llama) == HeadSet([(0, 1), (2, 3)])
     assert Pasta({0: [1]}).head_set(tiny_llama) == Pasta({"0": [1]}).head_set(tiny_llama)
+
+
+def test_pasta_heads_auto_and_missing_file(tiny_llama, tmp_path):
+    """`heads="auto"` is the shipped profile (the CLI's and server's word): on a model without one
+    it is a ValueError naming the model; a missing head file fails when Pasta is built."""
+    with pytest.raises(ValueError, match="no shipped pasta head profile"):
+        Pasta("auto").head_set(tiny_llama)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        Pasta(str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="use 'exclude', 'include' or 'generation'"):
+        Pasta({"0": [0]}, scale_position="exlude")  # type: ignore[arg-type]
