@@ -91,6 +91,8 @@ class SafetyAnalysis:
         for name, key in _ROWS:
             if key == "random3_mean":
                 name = f"{name} (mean of {len(self.random_heads)})"
+            elif key == "sahara_top3" and len(self.sahara.heads) < 3:
+                name = f"{name} (Sahara found {len(self.sahara.heads)})"
             rows.append(
                 {
                     "ablated": name,
@@ -124,7 +126,8 @@ class SafetyAnalysis:
         a = self.asr
         return (
             f"SafetyAnalysis({self.model}: Sahara heads {self.sahara.heads}; ASR baseline "
-            f"{a['baseline']:.2f}, top-1 {a['sahara_top1']:.2f}, top-3 {a['sahara_top3']:.2f}, "
+            f"{a['baseline']:.2f}, top-1 {a['sahara_top1']:.2f}, "
+            f"top-{min(3, len(self.sahara.heads))} {a['sahara_top3']:.2f}, "
             f"3 random {a['random3_mean']:.2f}; {len(self.eval_prompts)} requests, {self.seconds:.1f} s)"
         )
 

@@ -39,13 +39,19 @@ def test_safety_analysis_agrees_with_the_scorers(tiny_llama, safety):
 
 def test_safety_result_tables_and_views(safety):
     t = safety.asr_table
-    assert list(t["ablated"]) == ["none", "Sahara top-1", "Sahara top-3", "3 random heads (mean of 2)"]
+    top3 = (
+        "Sahara top-3"
+        if len(safety.sahara.heads) >= 3
+        else f"Sahara top-3 (Sahara found {len(safety.sahara.heads)})"
+    )
+    assert list(t["ablated"]) == ["none", "Sahara top-1", top3, "3 random heads (mean of 2)"]
     assert t["ASR (explicit refusals)"].tolist() == [
         safety.asr[k] for k in ("baseline", "sahara_top1", "sahara_top3", "random3_mean")
     ]
     assert [(r.layer, r.head) for r in safety.sahara_table.itertuples()] == safety.sahara.heads
     assert safety.summary()["sahara_heads"] == [list(h) for h in safety.sahara.heads]
     assert "\n" not in repr(safety) and len(repr(safety)) < 300 and "Sahara heads" in repr(safety)
+    assert f"top-{min(3, len(safety.sahara.heads))} " in repr(safety)  # no top-3 label over fewer heads
     html = render_safety_report(safety).to_html()
     assert "Baseline refusal rate" in html and "Sahara: chosen head per step" in html
     assert "<b>dragon</b>" not in html and "&lt;b&gt;dragon" in html  # prompts are escaped

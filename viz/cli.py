@@ -265,9 +265,11 @@ def report_safety(
             executor=None if ray is None else RayExecutor(ray),
         )
     a = summary["asr"]
+    found = len(summary["sahara_heads"])
+    top3 = "top-3" if found >= 3 else f"top-3 (Sahara found {found})"
     run.show(
         f"ASR baseline {a['baseline']:.2f} | Sahara top-1 {a['sahara_top1']:.2f}"
-        f" | top-3 {a['sahara_top3']:.2f} | 3 random heads {a['random3_mean']:.2f}\n"
+        f" | {top3} {a['sahara_top3']:.2f} | 3 random heads {a['random3_mean']:.2f}\n"
         f"Sahara heads {summary['sahara_heads']}"
     )
     return {"html": str(out), **summary}
