@@ -402,28 +402,53 @@ class HeadScores:
             HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
 
         Raises:
-            ValueError: the cache holds no `hook_pattern`, or an empty / out-of-range span.
+            ValueError: the cache lacks some layer's `hook_pattern`; a `query` that is not an
+                int position; a span that is empty, out of range, not int / bool, or that the
+                query cannot see (in any batch row).
+            TypeError: `cache` is not a mapping of hook names (an ActivationCache).
         """
-        keys = set(cache.keys())
-        n_layers = 0
-        while f"blocks.{n_layers}.attn.hook_pattern" in keys:
-            n_layers += 1
-        if n_layers == 0:
+        if not callable(getattr(cache, "keys", None)):
+            raise TypeError(f"cache must be a TransformerLens ActivationCache, got {type(cache).__name__}")
+        found = sorted(
+            int(k.split(".")[1])
+            for k in cache.keys()
+            if k.startswith("blocks.") and k.endswith(".attn.hook_pattern") and k.split(".")[1].isdigit()
+        )
+        if not found:
             raise ValueError("the cache holds no blocks.{l}.attn.hook_pattern; run_with_cache with patterns")
+        n_layers = found[-1] + 1
+        missing = sorted(set(range(n_layers)) - set(found))
+        if missing or found[0] != 0:
+            raise ValueError(
+                f"the cache lacks hook_pattern for layers {missing}: scores need every layer "
+                "(a names_filter dropped them?)"
+            )
         first = cache["blocks.0.attn.hook_pattern"]
-        k_len = int(first.shape[-1])
+        batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
+        if isinstance(query, bool) or not isinstance(query, int) or not -q_len <= query < q_len:
+            raise ValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
+        q_abs = query % q_len + (k_len - q_len)  # absolute position of the query row
         if isinstance(span, torch.Tensor):
-            mask = span.to(torch.bool)
-            if mask.ndim != 2 or mask.shape[-1] != k_len or mask.shape[0] != first.shape[0]:
+            if span.dtype != torch.bool:
+                raise ValueError(f"span mask must be a bool tensor, got {span.dtype}")
+            mask = span.cpu()
+            if mask.ndim != 2 or mask.shape[-1] != k_len or mask.shape[0] != batch:
                 raise ValueError(f"span mask must be [batch, {k_len}] bool, got {tuple(mask.shape)}")
+            empty = [b for b in range(batch) if not mask[b, : q_abs + 1].any()]
+            if empty:
+                raise ValueError(f"span mask selects no key the query sees in batch rows {empty}")
         else:
-            a, b = (int(x) for x in span)
+            if not isinstance(span, tuple | list) or len(span) != 2:
+                raise ValueError(f"span must be (start, end) or a [batch, k] bool mask, got {span!r}")
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in span):
+                raise ValueError(f"span bounds must be ints, got {span!r}")
+            a, b = span
             if not 0 <= a < b <= k_len:
                 raise ValueError(f"span {span!r} is empty or outside the {k_len} cached positions")
-            mask = torch.zeros(int(first.shape[0]), k_len, dtype=torch.bool)
+            if a > q_abs:
+                raise ValueError(f"span {span!r} starts after query position {q_abs}: it sees none of it")
+            mask = torch.zeros(batch, k_len, dtype=torch.bool)
             mask[:, a:b] = True
-        if not mask.any():
-            raise ValueError("the span mask selects no position")
         rows = []
         for layer in range(n_layers):
             pattern = cache[f"blocks.{layer}.attn.hook_pattern"].detach().float().cpu()  # [B, H, q, k]

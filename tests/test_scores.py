@@ -182,3 +182,33 @@ def test_head_set_dict_and_file_order_layers_numerically(tmp_path):
     path = hs.save(tmp_path / "h.json")
     assert list(json.loads(path.read_text())) == ["1", "2", "10"]
     assert "{'1': [4], '2': [0, 3], '10': [1]}" in repr(hs)
+
+
+def test_from_cache_refuses_partial_caches_and_bad_positions():
+    """`HeadScores.from_cache` on a mapping shaped like an ActivationCache: the value is the span
+    share of the query row; a missing layer, a bad query, a span the query cannot see, float
+    bounds or a float mask are errors, never quietly wrong scores."""
+    torch.manual_seed(0)
+    pattern = torch.softmax(torch.randn(2, 3, 5, 5), -1)  # [B, H, q, k]
+    cache = {f"blocks.{layer}.attn.hook_pattern": pattern * (layer + 1) for layer in range(2)}
+    got = HeadScores.from_cache(cache, (1, 3), query=-1)
+    want = pattern[:, :, -1, 1:3].sum(-1).mean(0)
+    torch.testing.assert_close(got.scores, torch.stack([want, 2 * want]))
+    assert HeadScores.from_cache(cache, (1, 3), query=2).scores.shape == (2, 3)
+    with pytest.raises(ValueError, match=r"layers \[0\]"):
+        HeadScores.from_cache({"blocks.1.attn.hook_pattern": pattern}, (1, 3))
+    for bad in (5, -6, 1.5, "last", None, True):
+        with pytest.raises(ValueError, match="query must be an int"):
+            HeadScores.from_cache(cache, (1, 3), query=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sees none of it"):
+        HeadScores.from_cache(cache, (3, 5), query=1)
+    with pytest.raises(ValueError, match="bounds must be ints"):
+        HeadScores.from_cache(cache, (1.7, 3.2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bool tensor"):
+        HeadScores.from_cache(cache, torch.full((2, 5), 0.3))
+    empty_row = torch.zeros(2, 5, dtype=torch.bool)
+    empty_row[0, 1:3] = True
+    with pytest.raises(ValueError, match=r"batch rows \[1\]"):
+        HeadScores.from_cache(cache, empty_row)
+    with pytest.raises(TypeError, match="ActivationCache"):
+        HeadScores.from_cache(None, (1, 3))
