@@ -255,6 +255,7 @@ def test_progress_numbers_and_plain_lines(monkeypatch, capsys):
         step(1, 4)
         step(3, 4)
         step(4, 4)
+        step(4, 4)  # a repeated final step (several callers finishing) prints no second line
     lines = capsys.readouterr().err.strip().splitlines()
     expected = ["scoring: 0/4", "scoring: 1/4", "scoring: 3/4", "scoring: 4/4"]  # a line at the start
     assert [ln.split(" (")[0] for ln in lines] == expected

@@ -332,15 +332,20 @@ class Run:
         if bar is None and not self.quiet:  # say what runs before its first step ends
             err.print(escape(f"{label}: 0/{state['total']}"), highlight=False)
 
+        shown = (0, state["total"])  # the (done, total) last printed: a repeated final step prints once
+
         def step(done: int, total: int) -> None:
-            nonlocal last
+            nonlocal last, shown
             state["done"], state["total"] = int(done), max(int(total), 1)
             if bar is not None:
                 bar.update(task, completed=state["done"], total=state["total"])
-            elif not self.quiet and (
-                time.monotonic() - last >= PLAIN_PROGRESS_EVERY_S or state["done"] >= state["total"]
+            elif (
+                not self.quiet
+                and (state["done"], state["total"]) != shown
+                and (time.monotonic() - last >= PLAIN_PROGRESS_EVERY_S or state["done"] >= state["total"])
             ):  # every few seconds, and at the end
                 last = time.monotonic()
+                shown = (state["done"], state["total"])
                 elapsed = last - t0
                 frac = state["done"] / state["total"]
                 eta = f", ETA {elapsed * (1 - frac) / frac:.0f} s" if frac > 0 else ""
