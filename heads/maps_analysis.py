@@ -37,7 +37,7 @@ from .maps_inference import (
 from .model import HeadModel
 from .progress import ProgressArg, offset_progress, progress_callback
 
-__all__ = ["MapsAnalysis", "maps_analysis"]
+__all__ = ["MapsAnalysis", "maps_analysis", "maps_analysis_steps"]
 
 
 @dataclass
@@ -137,6 +137,15 @@ def _pair_filter(relations) -> tuple[pd.DataFrame, dict[str, str]]:
 
 
 @torch.no_grad()
+def maps_analysis_steps(model: HeadModel, relations, draws: int = 5) -> int:
+    """The progress total of `maps_analysis(model, relations, draws=draws)`, before any work:
+    one step per layer of the static maps, the `dynamic_scores` steps, `2 + draws` per
+    relation's ablation check and one for the salient operations."""
+    rels = _as_relations(model, relations)
+    n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
+    return model.n_layers + n_dyn + len(rels) * ablation_steps(positive_int(draws, "draws")) + 1
+
+
 def maps_analysis(
     model: HeadModel,
     relations,
@@ -180,7 +189,7 @@ def maps_analysis(
     rels = _as_relations(model, relations)
     n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
     n_abl = ablation_steps(draws)
-    total = model.n_layers + n_dyn + len(rels) * n_abl + 1  # + 1: the salient operations
+    total = maps_analysis_steps(model, rels, draws)
     with progress_callback(progress, "MAPS analysis", "steps") as report:
         ms = maps_scores(model, rels, progress=offset_progress(report, 0, total))
         dyn = dynamic_scores(model, rels, progress=offset_progress(report, model.n_layers, total))

@@ -59,6 +59,7 @@ def test_report_all_writes_plotlyjs_once(tiny_llama, tmp_path):
     assert done == sorted(done) and seen[-1][0] == seen[-1][1] and all(d <= t for d, t in seen)
     assert done[:3] == [1, 2, 3]  # the attention page's decoding steps count too, one by one
     assert seen[-1][1] > 2 * 48 + 1  # then the MAPS steps
+    assert {t for _, t in seen} == {seen[-1][1]}  # the total is the whole run's from the first step
     js_size = (out / PLOTLY_JS).stat().st_size
     for name in ("attention.html", "maps.html"):
         page = (out / name).read_text()

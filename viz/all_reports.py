@@ -12,7 +12,9 @@ from pathlib import Path
 
 from heads import HeadModel
 from heads.files import check_output, write_text
+from heads.maps_analysis import maps_analysis_steps
 from heads.progress import ProgressArg, progress_callback
+from probes.relations import load_relations
 
 from .demo import DEMO_PROMPT
 from .maps_report import maps_report
@@ -46,8 +48,8 @@ def all_reports(
     written last. `progress` (default True: a tqdm bar; False off; or `progress(done,
     total)`, `heads.progress`) counts steps: the decoding steps of the attention page's two
     answers (`2 * ATTENTION_NEW_TOKENS`), one for that page, then the MAPS analysis' steps
-    (`heads.maps_analysis.maps_analysis`); `total` grows to its final value once the
-    relations are loaded.
+    (`heads.maps_analysis.maps_analysis`); `total` is the whole run's, known before any
+    work (`heads.maps_analysis.maps_analysis_steps`).
 
     Returns:
         name -> path of every file written (`plotly_js`, `attention`, `attention_csv`,
@@ -68,18 +70,20 @@ def all_reports(
     ):
         say = report or (lambda done, total: None)
         n = 2 * ATTENTION_NEW_TOKENS  # decoding steps of the two answers, then one for the page
+        rs = load_relations(model.tokenizer, relations, d_vocab=model.d_vocab)
+        grand = n + 1 + maps_analysis_steps(model, rs, draws)  # the whole run, known up front
         heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
         comp = compare(
             model,
             DEMO_PROMPT,
             heads,
             max_new_tokens=ATTENTION_NEW_TOKENS,
-            progress=lambda d, t: say(d, n + 2),
+            progress=lambda d, t: say(d, grand),
         )
         att, csv, _ = attention_report(
             model, DEMO_PROMPT, out / "attention.html", comparison=comp, overwrite=overwrite
         )
-        say(n + 1, n + 2)
+        say(n + 1, grand)
         maps, _ = maps_report(
             model,
             out / "maps.html",
@@ -87,7 +91,7 @@ def all_reports(
             draws=draws,
             n_prompts=n_prompts,
             overwrite=overwrite,
-            progress=lambda d, t: say(n + 1 + d, n + 1 + t),
+            progress=lambda d, t: say(n + 1 + d, max(grand, n + 1 + t)),
         )
     items = [
         ("attention.html", "Attention mass on an emphasized span, and PASTA steering on the demo prompt"),
