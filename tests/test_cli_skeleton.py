@@ -78,10 +78,58 @@ def test_every_command_takes_the_shared_options():
         (["report", "all", "--draws", "1000"], "cap of 100"),
         (["report", "all", "--relations", "capitals"], "unknown relation(s) ['capitals']"),
         (["report", "safety", "--out", "s.html", "--batch-size", "0"], "--batch-size must be a positive"),
+        # options the chosen steering method does not use: refused, naming them
+        (["generate", "a **b**", "--steer", "vhr", "--alpha", "0.5"], "--alpha is not used by --steer vhr"),
+        (
+            [
+                "generate",
+                "a **b**",
+                "--steer",
+                "var",
+                "--pasta-heads",
+                "span",
+                "--top-k",
+                "3",
+                "--emphasize",
+                "a",
+            ],
+            "--pasta-heads, --top-k, --emphasize are not used by --steer var",
+        ),
+        (
+            ["vision", "generate", "a **b**", "--steer", "vhr", "--p", "0.3", "--rho", "0.9", "--tau", "3"]
+            + ["--sink-dims", "5"],
+            "--p, --rho, --tau, --sink-dims are not used by --steer vhr",
+        ),
+        (
+            ["vision", "generate", "a **b**", "--steer", "var", "--alpha", "3", "--without-image", "mask"],
+            "--alpha, --without-image are not used by --steer var",
+        ),
+        # vision prompts and images, checked from the arguments alone
+        (["generate", " ", "--steer", "vhr"], "prompt is empty"),
+        (["vision", "generate", ""], "prompt is empty"),
+        (["vision", "generate", "no passage"], "no **marked** context passage and no --image"),
+        (["report", "vision", "--prompt", "", "--out", "v.html"], "--prompt is empty"),
+        (["report", "vision", "--prompt", "plain", "--out", "v.html"], "--prompt has no **marked** context"),
+        (
+            ["report", "vision", "--prompt", "x", "--image", "nope.png", "--out", "v.html"],
+            "'nope.png' is not a file",
+        ),
+        (["vision", "generate", "Describe.", "--image", "nope.png"], "--image 'nope.png' is not a file"),
     ],
 )
 def test_user_errors_before_the_model_loads(no_load, args, message):
     _one_line_error(runner.invoke(app, args), message)
+
+
+def test_unreadable_image_is_refused_before_the_model_loads(no_load, tmp_path):
+    bad = tmp_path / "not-an-image.png"
+    bad.write_text("plain text")
+    for args in (
+        ["vision", "generate", "Describe."],
+        ["report", "vision", "--prompt", "x", "--out", "v.html"],
+    ):
+        r = runner.invoke(app, [*args, "--image", str(bad)])
+        _one_line_error(r, "cannot be read as an image")
 
 
 def test_bad_head_files_are_one_line_errors(no_load, tmp_path):

@@ -112,3 +112,37 @@ def test_unknown_device_map_module_is_refused_before_loading(tiny_llama_dir, mon
     bad = {**_split_map("cpu"), "model.layer.7": "cpu"}
     with pytest.raises(ValueError, match=r"device_map names 'model\.layer\.7', which is no module"):
         load_model(tiny_llama_dir, device_map=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(device_map={}), ValueError, r"device_map \{\} is empty"),
+        (dict(device_map=["cpu"]), TypeError, r"got \['cpu'\] \(list\)"),
+        (dict(device_map=0), TypeError, r"got 0 \(int\)"),
+        (dict(device_map="bogus"), ValueError, r"device_map 'bogus' is not a strategy"),
+        (dict(device_map=_split_map("meta")), ValueError, r"device_map\['model\.layers\.1'\] = 'meta'"),
+        (dict(device_map=_split_map("tpu")), ValueError, r"'tpu' is not a device"),
+        (
+            dict(device_map=_split_map(f"cuda:{torch.cuda.device_count()}")),
+            ValueError,
+            f"'cuda:{torch.cuda.device_count()}': no such GPU here",
+        ),
+        (
+            dict(device_map=_split_map("disk")),
+            ValueError,
+            r"puts 'model\.layers\.1' on 'disk': pass offload_folder",
+        ),
+        (dict(device_map="auto", device="cpu"), ValueError, r"device='cpu' and device_map='auto' both given"),
+    ],
+)
+def test_bad_device_maps_are_refused_before_loading(tiny_llama_dir, monkeypatch, kwargs, error, match):
+    """Each malformed placement is one clear error naming the value, before any weight is read."""
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    with pytest.raises(error, match=match):
+        load_model(tiny_llama_dir, **kwargs)

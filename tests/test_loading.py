@@ -33,6 +33,26 @@ def test_load_errors(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "dtype", ["float8", "", "Float32", "float8_e4m3fn", torch.float8_e4m3fn, torch.int8, 32]
+)
+def test_bad_dtype_is_refused_before_loading(tmp_path, dtype):
+    """A dtype outside heads.loading.DTYPES: ValueError naming it and the allowed names, checked
+    before the folder is even looked at (the folder does not exist)."""
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16, got "):
+        load_model(tmp_path / "missing", dtype=dtype)
+
+
+def test_dtype_by_name_matches_the_cli_list(tiny_llama_dir):
+    from heads.loading import DTYPES, check_dtype
+    from viz.cli_common import check_dtype as cli_check_dtype
+
+    assert [check_dtype(n) for n in DTYPES] == [cli_check_dtype(n) for n in DTYPES]
+    assert [check_dtype(n) for n in DTYPES] == [torch.float32, torch.bfloat16, torch.float16]
+    hm = load_model(tiny_llama_dir, dtype="bfloat16")
+    assert {p.dtype for la in hm.layers for p in la.parameters()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_pasta_has_no_nan(tokenizer, dtype):
     hm = make_tiny("llama", tokenizer)

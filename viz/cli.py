@@ -34,7 +34,7 @@ from .cli_common import (  # noqa: E402  (after the offline switch)
 )
 from .cli_eval import register as register_eval  # noqa: E402
 from .cli_probes import report_probes  # noqa: E402
-from .cli_vision import ImageOpt, register_vision, steered_pair  # noqa: E402
+from .cli_vision import ImageOpt, refuse_unused, register_vision, steered_pair  # noqa: E402
 from .serve import serve_command  # noqa: E402
 
 app = typer.Typer(
@@ -64,6 +64,8 @@ MAX_DRAWS = 100
 MAX_FEW_SHOT = 1000
 """Cap on `--prompts` of the MAPS check (few-shot prompts per relation)."""
 HTML = (".html", ".htm")
+PASTA_ALPHA = 0.01
+"""`headsteer generate --alpha` default (PASTA's scaling outside the span)."""
 
 
 @app.callback()
@@ -85,7 +87,7 @@ def generate(
             '(top-k heads by attention on the span, a heuristic) or a {"layer": [heads]} JSON file'
         ),
     ] = "auto",
-    alpha: Annotated[float, typer.Option(help="PASTA scaling for tokens outside the span")] = 0.01,
+    alpha: Annotated[float, typer.Option(help="PASTA scaling for tokens outside the span")] = PASTA_ALPHA,
     top_k: Annotated[int | None, typer.Option(help="heads chosen by --pasta-heads span (default 20)")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     emphasize: EmphasizeOpt = None,
@@ -102,9 +104,16 @@ def generate(
     from .steering import DEFAULT_TOP_K, choose_heads, compare
 
     if steer in ("var", "vhr"):  # the papers' defaults; `headsteer vision generate` sets them
+        refuse_unused(
+            steer,
+            {
+                "--alpha": alpha != PASTA_ALPHA,
+                "--pasta-heads": pasta_heads != "auto",
+                "--top-k": top_k is not None,
+                "--emphasize": bool(emphasize),
+            },
+        )
         _positive(max_new_tokens=max_new_tokens)
-        if not prompt.strip():
-            raise ValueError("prompt is empty")
         kw = dict(alpha=2.0, p=0.6, rho=0.5, tau=None, sink_dims=None, max_new_tokens=max_new_tokens)
         return steered_pair(run, prompt, steer, image, **kw)
     if steer != "pasta":

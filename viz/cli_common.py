@@ -46,6 +46,8 @@ from typer._click import exceptions as click_errors  # typer 0.29 vendors click:
 from typer.core import TyperGroup
 
 from heads.files import check_output
+from heads.loading import DTYPES
+from heads.loading import check_dtype as _check_dtype
 from heads.progress import Progress
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,7 +59,6 @@ console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Conso
 err = Console(stderr=True, soft_wrap=True)
 _STATE = {"debug": False, "quiet": False}
 USER_ERRORS = (ValueError, TypeError, OSError)
-DTYPES = ("float32", "bfloat16", "float16")
 PLAIN_PROGRESS_EVERY_S = 5.0
 """Seconds between plain progress lines when stderr is not a terminal (logs, CI, nohup)."""
 
@@ -66,7 +67,7 @@ ModelOpt = Annotated[
     str | None, typer.Option("--model", help="HF model folder (default: embedded SmolLM2-135M-Instruct)")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:N or mps")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="weight dtype: float32, bfloat16 or float16")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=f"weight dtype: {', '.join(DTYPES)}")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="no status line or progress bars")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace existing output files")]
@@ -117,12 +118,8 @@ def check_device(device: str) -> str:
 
 
 def check_dtype(dtype: str):
-    """The torch dtype named by `--dtype`; ValueError for any other name."""
-    import torch
-
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return getattr(torch, dtype)
+    """The torch dtype named by `--dtype` (one of `heads.loading.DTYPES`); ValueError for any other."""
+    return _check_dtype(dtype, option="--dtype")
 
 
 def _positive(**options: int) -> None:
@@ -286,7 +283,9 @@ class Run:
         name = self.model or "the embedded SmolLM2-135M-Instruct"
         where = self.device if device_map is None else f"device_map={device_map}"
         with self.status(f"loading {name} ({self.dtype}, {where})…"):
-            return load_model(self.model, dtype=dtype, device=self.device, device_map=device_map)
+            if device_map is not None:
+                return load_model(self.model, dtype=dtype, device_map=device_map)
+            return load_model(self.model, dtype=dtype, device=self.device)
 
     def status(self, msg: str):
         """A spinner on a terminal, one plain line otherwise, nothing with `--quiet`."""

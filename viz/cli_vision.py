@@ -45,8 +45,40 @@ def _image(path: Path | None):
 
     if not path.is_file():
         raise ValueError(f"--image {str(path)!r} is not a file")
-    with Image.open(path) as im:
-        return im.convert("RGB")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except OSError as exc:  # unreadable, or not an image PIL can decode
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"--image {str(path)!r} cannot be read as an image: {first}") from None
+
+
+def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "prompt") -> None:
+    """Refuse, before the model loads, an empty prompt, or one without an image and without a
+    **marked** context passage (VAR and VHR need the image or the passage).
+
+    Raises:
+        ValueError: naming the option.
+    """
+    from heads.spans import parse_markup
+
+    if not prompt.strip():
+        raise ValueError(f"{option} is empty")
+    _, spans = parse_markup(prompt)  # also refuses unbalanced ** markup
+    if image is None and not spans:
+        raise ValueError(f"{option} has no **marked** context passage and no --image is given")
+
+
+def refuse_unused(steer: str, given: dict[str, bool]) -> None:
+    """ValueError naming the options set to a non-default value that `--steer steer` does not use.
+
+    `given` maps each option name to whether it was given a non-default value. An option that
+    changes nothing is refused rather than warned about: the user expects it to act.
+    """
+    unused = [name for name, on in given.items() if on]
+    if unused:
+        verb, it = ("is", "it") if len(unused) == 1 else ("are", "them")
+        raise ValueError(f"{', '.join(unused)} {verb} not used by --steer {steer}; drop {it}")
 
 
 def _dims(text: str | None) -> tuple[int, ...] | None:
@@ -97,6 +129,7 @@ def steered_pair(
 
     _positive(max_new_tokens=max_new_tokens)
     method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image)
+    check_vision_prompt(prompt, image)
     img = _image(image)
     hm = run.load()
     sm = SteeredModel(hm)
@@ -138,6 +171,18 @@ def vision_generate(
     ] = "delete",
 ) -> dict:
     """Print the unsteered and the VAR- or VHR-steered answers side by side."""
+    if steer == "vhr":
+        refuse_unused(
+            steer,
+            {
+                "--p": p != 0.6,
+                "--rho": rho != 0.5,
+                "--tau": tau is not None,
+                "--sink-dims": sink_dims is not None,
+            },
+        )
+    elif steer == "var":
+        refuse_unused(steer, {"--alpha": alpha != 2.0, "--without-image": without_image != "delete"})
     return steered_pair(
         run,
         prompt,
@@ -173,6 +218,7 @@ def report_vision(
 
     from .vision_report import vision_report
 
+    check_vision_prompt(prompt, image, option="--prompt")
     vhr = Vhr(alpha=alpha)
     var = Var(p=p, rho=rho, tau=tau, sink_dims=_dims(sink_dims))
     if trace_tokens < 0:
