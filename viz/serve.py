@@ -32,7 +32,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import Run, warn_line
+from .cli_common import Run
 
 __all__ = ["MAX_PROMPT_CHARS", "check_loopback", "create_app", "serve_command"]
 
@@ -346,7 +346,10 @@ def serve_command(
     if device_map not in (None, "auto"):
         raise ValueError(f"--device-map must be 'auto', got {device_map!r}")
     if device_map is not None and run.device != "cpu":
-        warn_line(f"--device {run.device} is ignored: --device-map {device_map} places the layers")
+        raise ValueError(
+            f"--device {run.device} and --device-map {device_map} conflict: the device map places the "
+            "layers; drop --device"
+        )
     hm = run.load(device_map=device_map)
     app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
     url = f"http://{host}:{port}/v1"
