@@ -69,6 +69,9 @@ class Backend:
         """One forward of `hm`'s model (the `transformers` output object)."""
         return hm.model(**inputs)
 
+    def check(self) -> None:
+        """Raise if the backend's model can no longer be used as wrapped (checked by `editing`)."""
+
     def generate(self, hm: HeadModel, **inputs: Any) -> Any:
         """`transformers` `generate` (token ids, or the generate output object)."""
         return hm.model.generate(**inputs)  # type: ignore[operator]
@@ -86,17 +89,29 @@ class TransformerLensBackend(Backend):
     hook_sites = True
 
     def __init__(self, bridge: Any):
-        if getattr(bridge, "_weights_processed", False):
+        self.bridge = bridge
+        self.check()
+
+    @property
+    def native(self) -> object:
+        return self.bridge
+
+    def check(self) -> None:
+        """ValueError once the bridge's weights were processed (LayerNorm folding, centering)."""
+        if getattr(self.bridge, "_weights_processed", False):
             raise ValueError(
                 "this TransformerBridge has processed weights (process_weights(): LayerNorm folding / "
                 "centering), so its weights and logits are no longer the model's own; boot it without "
                 "process_weights() to use it with headsteer"
             )
-        self.bridge = bridge
 
-    @property
-    def native(self) -> object:
-        return self.bridge
+    def run(self, hm: HeadModel, **inputs: Any) -> Any:
+        self.check()
+        return super().run(hm, **inputs)
+
+    def generate(self, hm: HeadModel, **inputs: Any) -> Any:
+        self.check()
+        return super().generate(hm, **inputs)
 
     def hook_point(self, layer: int, name: str) -> nn.Module:
         """The bridge's hook point `blocks.{layer}.<name>` (e.g. `attn.hook_pattern`).
@@ -169,6 +184,8 @@ def make_backend(obj: object, *, remote: bool = False) -> tuple[nn.Module, Backe
         TypeError: `obj` is none of these (names its type).
         ValueError: a bridge with processed weights; `remote=True` for a non-nnsight model.
     """
+    if not isinstance(remote, bool):
+        raise TypeError(f"remote must be a bool, got {remote!r}")
     kind = backend_kind(obj)
     if remote and kind != "nnsight":
         raise ValueError(f"remote=True is an nnsight option; got a {kind or type(obj).__name__} model")

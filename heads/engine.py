@@ -849,14 +849,17 @@ def editing(
             Also, from the forward pass, an attention edit on a sliding-window
             layer once a KV cache reaches the window, or a keyword the model passes to
             its attention function that the edited path does not reproduce.
-        TypeError: an object that is not an edit.
+        TypeError: an object that is not an edit; a `kernel` that is not a string.
         EditNeverFired: see `require_fired`.
     """
     if not isinstance(model, HeadModel):
         raise TypeError(f"editing() needs a HeadModel, got {type(model).__name__}")
     edits = [edits] if isinstance(edits, Edit) else list(edits)
-    if not isinstance(kernel, str) or kernel not in KERNELS:
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    model.backend.check()  # e.g. a TransformerLens bridge whose weights were processed after wrapping
     _validate(model, edits)
     active = [e for e in edits if not e.is_identity()]
     if kernel == "fused":
@@ -895,4 +898,9 @@ def editing(
     if require_fired:
         idle = [e for e, n in zip(active, fired_before, strict=True) if e.calls == n]
         if idle:
-            raise EditNeverFired(f"these edits never ran: {idle}")
+            hint = (
+                " (on the nnsight backend, enter editing() outside trace(): the trace body runs apart)"
+                if model.backend.kind == "nnsight"
+                else ""
+            )
+            raise EditNeverFired(f"these edits never ran: {idle}{hint}")

@@ -150,9 +150,17 @@ class HeadModel:
 
         Raises:
             TypeError: any other object (names its type).
-            ValueError: a family headsteer does not support, or a bridge with processed weights.
+            ValueError: a family headsteer does not support, a bridge with processed weights, or
+                a `HeadModel` with a different `tokenizer` / `name` (it would be ignored).
         """
         if isinstance(obj, HeadModel):
+            if (tokenizer is not None and tokenizer is not obj.tokenizer) or (
+                name is not None and name != obj.name
+            ):
+                raise ValueError(
+                    "HeadModel.wrap got a HeadModel and a different tokenizer or name: it is returned "
+                    "as is, so build a new HeadModel over its .model instead"
+                )
             return obj
         if backend_kind(obj) is None:
             make_backend(obj)  # raises the TypeError naming the type

@@ -324,3 +324,25 @@ def test_fused_kernel_refused_on_bridge(models, tokenizer):
         with editing(tl, edits, kernel="fused"):
             pass
     assert torch.equal(forward(tl, enc), before)  # the bridge is left as it was
+
+
+def test_bridge_processed_after_wrapping_and_wrap_arguments(tokenizer):
+    """A bridge whose weights are processed after wrapping is refused at the next forward and
+    edit (not steered on folded weights); `wrap` of a HeadModel with another tokenizer or name
+    is an error rather than silently ignored; `remote` must be a bool."""
+    bridge = _bridge(make_tiny("llama", tokenizer).model, tokenizer)
+    hm = HeadModel.wrap(bridge, tokenizer)
+    enc = encode_prompts(tokenizer, PROMPTS[:1], chat=False)
+    forward(hm, enc)
+    bridge._weights_processed = True
+    with pytest.raises(ValueError, match="processed weights"):
+        forward(hm, enc)
+    with pytest.raises(ValueError, match="processed weights"):
+        with editing(hm, [HeadScale(layer=0, heads=[0], factor=2.0)]):
+            pass
+    hf = make_tiny("llama", tokenizer)
+    assert HeadModel.wrap(hf) is hf and HeadModel.wrap(hf, hf.tokenizer) is hf
+    with pytest.raises(ValueError, match="different tokenizer or name"):
+        HeadModel.wrap(hf, name="other")
+    with pytest.raises(TypeError, match="remote must be a bool"):
+        HeadModel(hf.model, tokenizer, remote=1)  # type: ignore[arg-type]
