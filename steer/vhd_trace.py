@@ -118,6 +118,10 @@ def vhd_trace(
         raise ValueError(f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {max_new_tokens!r}")
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= model.n_heads:
         raise ValueError(f"k must be an int in 1..{model.n_heads}, got {k!r}")
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
+    if chat is not None and not isinstance(chat, bool):
+        raise TypeError(f"chat must be True, False or None, got {chat!r}")
     if reduce not in ("sum", "mean"):
         raise ValueError(f"unknown reduce {reduce!r}: use 'sum' or 'mean'")
     if target not in ("auto", "image", "text"):

@@ -335,7 +335,8 @@ class Vhr:
             passage out of attention (zero attention from every query).
 
     Raises:
-        ValueError: bad alpha / layers / target / without_image (at construction), no span to
+        TypeError: `reinforce_without`, `outliers` or `reuse_cache` not a bool (at construction).
+        ValueError: bad alpha / layers / target / without_image / ddof (at construction), no span to
             remove in any prompt, or an unknown layer (when applied).
 
     Source: He et al. 2025, §3 (Eq. 2-4), Algorithm 1.
@@ -362,8 +363,11 @@ class Vhr:
         if self.target not in ("auto", "image", "text"):
             raise ValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
         _check_without(self.without_image)
-        if self.ddof not in (0, 1):
+        if isinstance(self.ddof, bool) or not isinstance(self.ddof, int) or self.ddof not in (0, 1):
             raise ValueError(f"ddof must be 0 or 1, got {self.ddof!r}")
+        for flag in ("reinforce_without", "outliers", "reuse_cache"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.layers is not None:
             ls = self.layers
             if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:

@@ -531,6 +531,15 @@ def test_vhd_trace_bad_input(llama):
         vhd_trace(llama, PROMPTS, chat=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="to remove"):
         vhd_trace(llama, "no markup here", chat=False)
+    for kw in ({"use_cache": "no"}, {"use_cache": None}, {"chat": "yes"}):
+        with pytest.raises(TypeError, match="must be True"):
+            vhd_trace(llama, PROMPTS[0], **kw)
+    for kw in ({"reinforce_without": "no"}, {"outliers": None}, {"reuse_cache": "x"}):
+        with pytest.raises(TypeError, match="must be True or False"):
+            Vhr(**kw)
+    for ddof in (True, 0.0, 2):
+        with pytest.raises(ValueError, match="ddof"):
+            Vhr(ddof=ddof)
 
 
 @pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "idefics3"])
