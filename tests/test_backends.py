@@ -175,6 +175,33 @@ def test_var_and_vhr(models):
             for n, m in models.items()
         }
         assert ids["hf"] == ids["transformer_lens"] == ids["nnsight"], s
+    from steer.vhd_trace import vhd_trace
+
+    tr = {n: vhd_trace(m, PROMPTS[0], chat=False, max_new_tokens=3, k=2) for n, m in models.items()}
+    assert tr["hf"].frame["token_id"].tolist() == tr["nnsight"].frame["token_id"].tolist()
+    assert tr["hf"].frame["token_id"].tolist() == tr["transformer_lens"].frame["token_id"].tolist()
+    _same({n: t.vhd for n, t in tr.items()})
+
+
+def test_attribution_through_each_backend(models, monkeypatch):
+    """AtP / AtP* estimates (forward + backward through the backend's entry point) agree."""
+    from heads.attribution import attribute
+
+    runs = dict.fromkeys(NAMES, 0)
+    for name, m in models.items():
+        inner = m.backend.run
+
+        def counted(hm, _inner=inner, _name=name, **inputs):
+            runs[_name] += 1
+            return _inner(hm, **inputs)
+
+        monkeypatch.setattr(m.backend, "run", counted)
+    queries = ["Paris is the capital of", "The sky is"]
+    for ablation, graddrop in (("ua", False), ("sc", True), ("mean", False)):
+        got = {n: attribute(m, queries, ablation=ablation, graddrop=graddrop) for n, m in models.items()}
+        _same({n: r.per_prompt for n, r in got.items()})
+        assert float(got["hf"].per_prompt.abs().max()) > 0
+    assert all(runs[n] >= 3 for n in NAMES), runs  # every pass went through HeadModel.run
 
 
 # ------------------------------------------------------------------------------ interop
@@ -237,6 +264,26 @@ def test_nnsight_remote_is_forwarded_and_edits_refused(tokenizer, monkeypatch):
     assert seen == [True] and logits.shape[-1] == hm.d_vocab
     with pytest.raises(ValueError, match="remote"), editing(hm, [HeadScale(layer=0, heads=[0], factor=0.0)]):
         forward(hm, enc)
+    from heads.attribution import attribute
+
+    with pytest.raises(ValueError, match="'nnsight' backend with remote=True"):
+        attribute(hm, ["Paris is the capital of"])
+    assert seen == [True]  # refused before any forward
+
+
+def test_nnsight_generate_uses_current_api(models):
+    """nnsight 0.8 deprecates `lm.generator.output`; generation reads `tracer.result` instead."""
+    import warnings
+
+    from nnsight import NNsightDeprecationWarning
+
+    from steer import SteeredModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NNsightDeprecationWarning)
+        out = SteeredModel(models["nnsight"]).generate(PROMPTS[:1], max_new_tokens=2, chat=False)
+    want = SteeredModel(models["hf"]).generate(PROMPTS[:1], max_new_tokens=2, chat=False)
+    assert out.token_ids == want.token_ids
 
 
 def test_wrap_recognises_and_refuses(models, tokenizer):
