@@ -9,8 +9,9 @@
   over a per-head loop written with the backend's own tools (goal >= 3x). The sweep is sized
   like real use: every head of every `--layer-step`-th layer from layer 1 (default 1, 4, ..., 28:
   90 heads whose mean layer, 14.5, is the mean layer of the whole model, so the layer-prefix
-  saving is that of a full sweep) x `--prompts` harmful prompts (default 16, as
-  `benchmarks/head_scoring.py`). The loop is the one a practitioner writes: per head, one
+  saving is that of a full sweep) x `--prompts` harmful prompts (default 8, keeping the whole
+  run near 15 min on a quiet 2-core machine; `--prompts 16` as `benchmarks/head_scoring.py`
+  gives the same ratios within 0.1). The loop is the one a practitioner writes: per head, one
   forward of all prompts with the head's query slice scaled by eps, then the last position of
   the logits:
   - hf: a forward hook on `q_proj` of the head's layer, `model(...)`;
@@ -24,7 +25,7 @@ Runs are interleaved (unsteered, steered, ... and engine, loop, ...) `--repeats`
 median counts; every ratio is also given from this process's CPU time (`*_cpu`), which other
 jobs on a shared machine disturb less than the wall clock. On a loaded machine use `--threads 1`:
 with more torch threads than free cores a single run can take several times its quiet time
-(measured: one unsteered HF generation at 20 s and then 70 s), which no repeat count fixes.
+(measured: the same HF generation took 20 s in one run and 70 s in another), which no repeat count fixes.
 
 Prints one JSON line: {"steered_over_unsteered", "steered_over_unsteered_cpu", "ships_speedup",
 "ships_speedup_cpu", "ships_speedup_last_only", "ships_speedup_last_only_cpu", "ships_seconds"
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument(
         "--layer-step", type=int, default=3, help="Ships over every head of layers 1, 1+STEP, ..."
     )
-    ap.add_argument("--prompts", type=int, default=16, help="harmful prompts in the Ships sweep")
+    ap.add_argument("--prompts", type=int, default=8, help="harmful prompts in the Ships sweep")
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
     ap.add_argument(
