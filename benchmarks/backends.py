@@ -11,7 +11,7 @@
   90 heads whose mean layer, 14.5, is the mean layer of the whole model, so the layer-prefix
   saving is that of a full sweep) x `--prompts` harmful prompts (default 8, keeping the whole
   run near 15 min on a quiet 2-core machine; `--prompts 16` as `benchmarks/head_scoring.py`
-  gives the same ratios within 0.1). The loop is the one a practitioner writes: per head, one
+  gave CPU-time ratios within 0.11 of these). The loop is the one a practitioner writes: per head, one
   forward of all prompts with the head's query slice scaled by eps, then the last position of
   the logits:
   - hf: a forward hook on `q_proj` of the head's layer, `model(...)`;
