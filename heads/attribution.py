@@ -42,6 +42,11 @@ saturates (grows linearly, not quadratically, in a large drop of the top token).
 backward passes each zero the gradient through layer `l'`'s residual contributions (attention
 and MLP outputs); the estimate is `1/(L-1) sum_l' |delta_m^{(l')}|` (for KL: the mean of the
 L per-drop KL estimates, each >= 0). A head's own layer contributes 0. Costs L x the backward.
+
+**Backends.** Every forward goes through the backend's entry point (`HeadModel.run`): the
+TransformerLens bridge's rewired module tree, or an nnsight `trace()` (gradients flow through
+both; head outputs are read by pre-hooks on `o_proj`, which both backends keep). nnsight with
+`remote=True` is refused: the hooks and the backward run locally.
 """
 
 from __future__ import annotations
@@ -228,7 +233,7 @@ def _grad_pass(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, gate_sta
                     handles.append(mlp.register_forward_hook(_gate_hook(gate_state, layer)))
         dev = model.device
         with torch.enable_grad():
-            out = model.model(
+            out = model.run(  # the backend's entry point (bridge tree / nnsight trace)
                 input_ids=ids.to(dev),
                 attention_mask=mask.to(dev),
                 position_ids=position_ids(mask).to(dev),
@@ -366,11 +371,17 @@ def attribute(
 
     Raises:
         ValueError: empty prompts, unknown heads/ablation/metric, bad eps, kl_tokens, max_rows,
-            a metric built for a different number of prompts, graddrop on a 1-layer model.
+            a metric built for a different number of prompts, graddrop on a 1-layer model, an
+            nnsight model with `remote=True` (gradients and hooks are local).
         TypeError: non-bool exact / saturation_fix / graddrop.
     """
     if model.tokenizer is None:
         raise ValueError("attribution needs a HeadModel with a tokenizer")
+    if getattr(model.backend, "remote", False):
+        raise ValueError(
+            f"attribution on the {model.backend.kind!r} backend with remote=True: it reads head outputs "
+            "and their gradients through local torch hooks, which do not run on NDIF (use remote=False)"
+        )
     _check_ablation(ablation)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
         raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")

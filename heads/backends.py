@@ -166,8 +166,9 @@ class NNsightBackend(Backend):
 
     def generate(self, hm: HeadModel, **inputs: Any) -> Any:
         self._check_remote()
-        with self.lm.generate(**inputs, remote=self.remote):
-            out = self.lm.generator.output.save()
+        # `tracer.result` is what `generate` returned (nnsight 0.8: `lm.generator.output` is deprecated)
+        with self.lm.generate(**inputs, remote=self.remote) as tracer:
+            out = tracer.result.save()
         return out
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -361,6 +361,7 @@ def _edited_attention(
     softcap: float | None = None,
     causal: bool = True,
     want_probs: bool = False,
+    eager: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The family's attention with the layer's logit and pattern edits.
 
@@ -374,6 +375,9 @@ def _edited_attention(
         scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
         causal: what a None mask means (the module's `is_causal`).
         want_probs: also return the pattern (computes it explicitly).
+        eager: the model's own attention is `eager`: compute the edited layer the same way
+            (matmul, softmax) rather than with SDPA, so only the edit differs from the model's
+            own arithmetic (and a TransformerLens bridge, which attends eagerly, agrees bitwise).
     """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -388,7 +392,7 @@ def _edited_attention(
     for e in (*biases, *probs_edits):
         e.calls += 1
     # SDPA cannot soft-cap or expose the pattern
-    explicit = bool(probs_edits) or softcap is not None or want_probs
+    explicit = bool(probs_edits) or softcap is not None or want_probs or eager
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
@@ -526,6 +530,7 @@ def _make_attention(base: str):
             kw.get("softcap"),
             causal,
             want,
+            base == "eager",
         )
 
     return headsteer_attention

@@ -148,7 +148,7 @@ def vhd_trace(
     eos = _eos_ids(model)
     tokens: list[int] = []
     with editing(model, recs):
-        out = model.model(**inputs, use_cache=use_cache, logits_to_keep=1)
+        out = model.run(**inputs, use_cache=use_cache, logits_to_keep=1)
         cache = out.past_key_values if use_cache else None
         mask, pos = inputs["attention_mask"], inputs["position_ids"]
         for step in range(int(max_new_tokens)):
@@ -160,7 +160,7 @@ def vhd_trace(
             mask = torch.cat([mask, mask.new_ones(2, 1)], dim=-1)
             pos = torch.cat([pos, pos[..., -1:] + 1], dim=-1)
             if use_cache:
-                out = model.model(
+                out = model.run(
                     input_ids=new,
                     attention_mask=mask,
                     position_ids=pos[..., -1:],
@@ -172,7 +172,7 @@ def vhd_trace(
                     [inputs["input_ids"], torch.tensor([tokens], device=dev).expand(2, -1)], dim=-1
                 )
                 full = {**inputs, "input_ids": ids, "attention_mask": mask, "position_ids": pos}
-                out = model.model(**full, use_cache=False, logits_to_keep=1)
+                out = model.run(**full, use_cache=False, logits_to_keep=1)
     vhd = torch.stack([torch.stack(r.vhd) for r in recs], dim=1)  # [T, L, H]
     ta = torch.stack([torch.stack(r.ta) for r in recs], dim=1)
     tvhd = t_vhd(vhd, int(k), reduce=reduce)

@@ -32,3 +32,5 @@ def test_notebook_runs(path, tmp_path):
         assert "implements" in text or "strongest" in text  # the describe() line
     if path.name.startswith("03_"):
         assert "SpotLight:" in text and "mean share on the first token" in text
+    if path.name.startswith("05_"):
+        assert "largest difference across backends" in text and "max |TL hook + PASTA" in text
