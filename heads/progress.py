@@ -37,7 +37,9 @@ or a `Progress` callable."""
 
 
 @contextmanager
-def progress_callback(progress: ProgressArg, desc: str, unit: str = "it") -> Iterator[Progress | None]:
+def progress_callback(
+    progress: ProgressArg, desc: str, unit: str = "it", *, delay: float = 0.0
+) -> Iterator[Progress | None]:
     """Turn a `progress=` argument into one `Progress` callable (None when off).
 
     Args:
@@ -45,6 +47,8 @@ def progress_callback(progress: ProgressArg, desc: str, unit: str = "it") -> Ite
             False / None (off: yields None), or a `(done, total)` callable (yielded as is).
         desc: the bar's label (e.g. `"ships"`).
         unit: the bar's unit (e.g. `"rows"`, `"layers"`).
+        delay: seconds before the bar is drawn (default 0; tqdm's `delay`): a call that ends
+            sooner shows nothing, a longer one still shows its progress.
 
     Yields:
         A callable `report(done, total)` or None.
@@ -58,7 +62,7 @@ def progress_callback(progress: ProgressArg, desc: str, unit: str = "it") -> Ite
     if progress is True:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=None, desc=desc, unit=unit, dynamic_ncols=True)
+        bar = tqdm(total=None, desc=desc, unit=unit, dynamic_ncols=True, delay=delay)
 
         def report(done: int, total: int) -> None:
             if bar.total != total:

@@ -18,10 +18,13 @@ from heads.prompts import Emphasis, EncodedPrompts, Prompt, encode_prompts
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-__all__ = ["BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel"]
+__all__ = ["BAR_DELAY_S", "BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel"]
 
 BAR_MIN_PROMPTS = 8
-"""`generate(progress=True)` draws a bar only for more prompts than this (a short call stays quiet)."""
+"""`generate(progress=True)` draws its bar at once for more prompts than this; for fewer, only
+once the call has run `BAR_DELAY_S` seconds (a short call stays quiet, a long one still shows)."""
+
+BAR_DELAY_S = 5.0
 
 
 def _step_progress(report: Progress, start: int, total: int):
@@ -182,9 +185,10 @@ class SteeredModel:
             markup: parse `**…**` markup (default True).
             seed: torch seed for sampling.
             require_fired: raise if an intervention's edit never ran (default True).
-            progress: True (default: a tqdm bar when there are more than `BAR_MIN_PROMPTS`
-                prompts), False / None (off) or `progress(done, total)` after each decoding
-                step, in new tokens per row: `total` is `max_new_tokens` (`heads.progress`).
+            progress: True (default: a tqdm bar, drawn at once for more than `BAR_MIN_PROMPTS`
+                prompts, else once the call has run `BAR_DELAY_S` = 5 s), False / None (off)
+                or `progress(done, total)` after each decoding step, in new tokens per row:
+                `total` is `max_new_tokens` (`heads.progress`).
             **generate_kwargs: passed to `transformers`' `generate` (e.g. temperature,
                 `use_cache=False`, or `return_dict_in_generate=True` with `output_attentions=True`
                 / `output_scores=True`: the result is then in `Generation.outputs`).
@@ -231,10 +235,9 @@ class SteeredModel:
             torch.manual_seed(seed)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = hm.device
-        if progress is True and enc.batch <= BAR_MIN_PROMPTS:
-            progress = False
+        delay = BAR_DELAY_S if enc.batch <= BAR_MIN_PROMPTS else 0.0
         with (
-            progress_callback(progress, "generate", "tokens") as report,
+            progress_callback(progress, "generate", "tokens", delay=delay) as report,
             editing(hm, edits, require_fired=require_fired),
         ):
             if report is not None:

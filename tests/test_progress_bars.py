@@ -97,11 +97,14 @@ def test_nested_work_draws_one_bar(tiny_llama, capsys):
     assert "MAPS static scores" in capsys.readouterr().err
 
 
-def test_generate_progress_in_decoding_steps(tiny_llama, capsys):
+def test_generate_progress_in_decoding_steps(tiny_llama, capsys, monkeypatch):
     sm = SteeredModel(tiny_llama)
     few = ["Hello there", "Good morning"]
     sm.generate(few, max_new_tokens=3)
     assert capsys.readouterr().err == ""  # a short call stays quiet by default
+    monkeypatch.setattr("steer.model.BAR_DELAY_S", 0.0)  # a long call of few prompts still shows
+    sm.generate(few, max_new_tokens=3)
+    assert "generate" in capsys.readouterr().err
     many = [f"Item {i}: the" for i in range(BAR_MIN_PROMPTS + 1)]
     seen = []
     a = sm.generate(many, max_new_tokens=4, progress=lambda d, t: seen.append((d, t)))
