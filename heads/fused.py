@@ -56,6 +56,18 @@ def available() -> bool:
     return True
 
 
+def _score_mod(bias: torch.Tensor, beta: torch.Tensor, span: torch.Tensor, softcap: float | None):
+    """The edit as a flex `score_mod`: optional soft-cap, then the per-column bias `[B, H, k]`
+    and the per-row span bias `beta[B, H, q] * span[B, k]`."""
+
+    def score_mod(s, b, h, q, k):
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        return s + bias[b, h, k] + beta[b, h, q] * span[b, k]
+
+    return score_mod
+
+
 def _kernel_causal(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -71,10 +83,7 @@ def _kernel_causal(
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    def score_mod(s, b, h, q, k):
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        return s + bias[b, h, k] + beta[b, h, q] * span[b, k]
+    score_mod = _score_mod(bias, beta, span, softcap)
 
     def mask_mod(b, h, q, k):
         return (k <= q + offset) & (k < k_real)
@@ -101,10 +110,7 @@ def _kernel_dense(
 ) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    def score_mod(s, b, h, q, k):
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        return s + bias[b, h, k] + beta[b, h, q] * span[b, k]
+    score_mod = _score_mod(bias, beta, span, softcap)
 
     def mask_mod(b, h, q, k):
         return dense[b, q, k]
