@@ -27,6 +27,7 @@ Both libraries are imported lazily: `import heads` does not load them.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -198,7 +199,9 @@ def make_backend(obj: object, *, remote: bool = False) -> tuple[nn.Module, Backe
         return lm._module, NNsightBackend(lm, remote=remote), getattr(lm, "tokenizer", None)
     if kind == "hf":
         return obj, Backend(), None  # type: ignore[return-value]
+    hint = f"; to load {obj!r} use heads.load_model({obj!r})" if isinstance(obj, str | os.PathLike) else ""
     raise TypeError(
-        f"cannot wrap a {type(obj).__module__}.{type(obj).__name__}: expected a transformers causal LM, a "
-        "TransformerLens TransformerBridge or an nnsight TransformersModel / LanguageModel"
+        f"cannot wrap a {type(obj).__module__}.{type(obj).__name__}: expected a transformers causal LM "
+        f"(PreTrainedModel), a TransformerLens TransformerBridge or an nnsight TransformersModel / "
+        f"LanguageModel{hint}"
     )
