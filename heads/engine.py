@@ -834,7 +834,8 @@ def editing(
             with a span-share edit, on CUDA every call of two or more rows; otherwise
             blocked). Requests for the pattern (`output_attentions`) always
             run blocked. Both paths compute the same attention (tests/test_fused.py: within
-            1e-5 in fp32).
+            1e-5 in fp32). With nested contexts the innermost `kernel` applies to every edited
+            layer; an inner `"fused"` is checked against the outer contexts' edits too.
 
     Yields:
         the list of active (non-identity) edits; their `calls` count runs.

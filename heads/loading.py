@@ -341,10 +341,7 @@ def load_model(
             "the layers, so pass only one"
         )
     device = "cpu" if device is None else device
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N, mps)") from None
+    _check_device(device, f"device={str(device)!r}")
     if device_map is not None:
         _check_device_map_values(device_map, offload_folder)
     if offload_folder is not None and device_map is None:
@@ -395,10 +392,15 @@ def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> 
 
 def _check_map_device(key: str, value: object) -> None:
     """ValueError unless `value` is a device accelerate can place module `key` on here."""
-    where = f"device_map[{key!r}] = {value!r}"
+    _check_device(value, f"device_map[{key!r}] = {value!r}", disk=True)
+
+
+def _check_device(value: object, where: str, *, disk: bool = False) -> None:
+    """ValueError unless `value` is a usable device here (cpu, an existing cuda:N, an available
+    mps; `"disk"` too when `disk`): never meta, which holds no weights."""
     if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
         raise ValueError(f"{where}: a device is a string (cpu, cuda:N, mps, disk) or a GPU index")
-    if value == "disk":
+    if disk and value == "disk":
         return
     try:
         dev = torch.device(value)

@@ -412,7 +412,11 @@ class HeadScores:
         found = sorted(
             int(k.split(".")[1])
             for k in cache.keys()
-            if k.startswith("blocks.") and k.endswith(".attn.hook_pattern") and k.split(".")[1].isdigit()
+            if isinstance(k, str)
+            and k.startswith("blocks.")
+            and k.endswith(".attn.hook_pattern")
+            and k.split(".")[1].isdigit()
+            and str(int(k.split(".")[1])) == k.split(".")[1]
         )
         if not found:
             raise ValueError("the cache holds no blocks.{l}.attn.hook_pattern; run_with_cache with patterns")
@@ -423,10 +427,19 @@ class HeadScores:
                 f"the cache lacks hook_pattern for layers {missing}: scores need every layer "
                 "(a names_filter dropped them?)"
             )
-        first = cache["blocks.0.attn.hook_pattern"]
+        patterns = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(n_layers)]
+        first = patterns[0]
+        for layer, p in enumerate(patterns):
+            if not isinstance(p, torch.Tensor) or p.ndim != 4 or p.shape != first.shape:
+                got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(
+                    f"blocks.{layer}.attn.hook_pattern must be a [batch, n_heads, q, k] tensor shaped "
+                    f"like layer 0's, got {got}"
+                )
         batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
-        if isinstance(query, bool) or not isinstance(query, int) or not -q_len <= query < q_len:
+        if isinstance(query, bool) or not isinstance(query, numbers.Integral) or not -q_len <= query < q_len:
             raise ValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
+        query = int(query)
         q_abs = query % q_len + (k_len - q_len)  # absolute position of the query row
         if isinstance(span, torch.Tensor):
             if span.dtype != torch.bool:
@@ -440,9 +453,9 @@ class HeadScores:
         else:
             if not isinstance(span, tuple | list) or len(span) != 2:
                 raise ValueError(f"span must be (start, end) or a [batch, k] bool mask, got {span!r}")
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in span):
+            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in span):
                 raise ValueError(f"span bounds must be ints, got {span!r}")
-            a, b = span
+            a, b = (int(x) for x in span)
             if not 0 <= a < b <= k_len:
                 raise ValueError(f"span {span!r} is empty or outside the {k_len} cached positions")
             if a > q_abs:
@@ -451,7 +464,7 @@ class HeadScores:
             mask[:, a:b] = True
         rows = []
         for layer in range(n_layers):
-            pattern = cache[f"blocks.{layer}.attn.hook_pattern"].detach().float().cpu()  # [B, H, q, k]
+            pattern = patterns[layer].detach().float().cpu()  # [B, H, q, k]
             row = pattern[:, :, query, :]  # [B, H, k]
             rows.append((row * mask[:, None, :].float()).sum(-1).mean(0))
         return cls(

@@ -437,6 +437,16 @@ def fit_head_probes(
     if x.ndim != 4:
         raise ValueError(f"acts must be [N, L, H, d], got shape {tuple(x.shape)}")
     n, n_layers, n_heads, _ = x.shape
+    if isinstance(model, HeadModel):
+        if (n_layers, n_heads) != (model.n_layers, model.n_heads):
+            raise ValueError(
+                f"acts have [L, H] = [{n_layers}, {n_heads}], the model {model.name} "
+                f"[{model.n_layers}, {model.n_heads}]"
+            )
+        if n_kv_heads is not None and n_kv_heads != model.n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} but the model has {model.n_kv_heads} KV heads")
+    elif not isinstance(model, str):
+        raise TypeError(f"model must be a HeadModel or a model id string, got {type(model).__name__}")
     y = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     if y.shape != (n,):
         raise ValueError(f"labels must have shape ({n},) to match acts, got {y.shape}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -165,7 +166,7 @@ class Pasta:
 
     Raises:
         ValueError: alpha not finite or <= 0; unknown mode; bad heads (when applied).
-        TypeError: alpha not a number.
+        TypeError: alpha not a number; `heads` of no head-spec type.
         FileNotFoundError: `heads` names a JSON file that does not exist.
 
     Source: Zhang et al. 2024, Eq. 2; reference code QingruZhang/PASTA.
@@ -179,6 +180,11 @@ class Pasta:
 
     def __post_init__(self) -> None:
         self.validate()
+        if not isinstance(self.heads, HeadSet | Mapping | list | tuple | str | Path):
+            raise TypeError(
+                f"heads must be a head spec (a {{layer: [heads]}} dict, a list of layers or (layer, head) "
+                f"pairs, a HeadSet, a JSON file path or 'auto'), got {type(self.heads).__name__}"
+            )
         if isinstance(self.heads, str | Path) and self.heads != "auto" and not Path(self.heads).is_file():
             raise FileNotFoundError(f"head file not found: {str(self.heads)!r} (or use heads='auto')")
         check_alpha(self.alpha, self.scale_position, stacklevel=5)
@@ -210,7 +216,7 @@ class Pasta:
     def head_set(self, model: HeadModel) -> HeadSet:
         """The steered heads, checked against `model` (`"auto"`: its shipped profile)."""
         spec = self.heads
-        if spec == "auto":
+        if isinstance(spec, str) and spec == "auto":
             from .profiles import shipped_profile
 
             spec = shipped_profile("pasta", model.name)

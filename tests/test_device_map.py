@@ -134,6 +134,9 @@ def test_unknown_device_map_module_is_refused_before_loading(tiny_llama_dir, mon
             r"puts 'model\.layers\.1' on 'disk': pass offload_folder",
         ),
         (dict(device_map="auto", device="cpu"), ValueError, r"device='cpu' and device_map='auto' both given"),
+        (dict(device="meta"), ValueError, r"device='meta': the meta device holds no weights"),
+        (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError, "no such GPU here"),
+        (dict(device="disk"), ValueError, r"device='disk' is not a device"),
     ],
 )
 def test_bad_device_maps_are_refused_before_loading(tiny_llama_dir, monkeypatch, kwargs, error, match):

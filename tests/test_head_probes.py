@@ -319,3 +319,10 @@ def test_fit_takes_the_model_for_its_kv_heads(tiny_llama):
     assert group > 1
     assert (frame["kv_head"] == frame["head"] // group).all()
     assert res.accuracy.model == tiny_llama.name
+    wrong, _, _ = _planted(n=40, layers=tiny_llama.n_layers, heads=tiny_llama.n_heads - 1, d=4)
+    with pytest.raises(ValueError, match=r"acts have \[L, H\]"):
+        fit_head_probes(wrong, y, model=tiny_llama, progress=False)
+    with pytest.raises(ValueError, match="n_kv_heads=4"):
+        fit_head_probes(x, y, model=tiny_llama, n_kv_heads=4, progress=False)
+    with pytest.raises(TypeError, match="model must be a HeadModel"):
+        fit_head_probes(x, y, model=3, progress=False)  # type: ignore[arg-type]

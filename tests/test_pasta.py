@@ -219,5 +219,8 @@ def test_pasta_heads_auto_and_missing_file(tiny_llama, tmp_path):
         Pasta("auto").head_set(tiny_llama)
     with pytest.raises(FileNotFoundError, match="nope.json"):
         Pasta(str(tmp_path / "nope.json"))
+    for bad in (5, None, 1.5):
+        with pytest.raises(TypeError, match="heads must be a head spec"):
+            Pasta(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="use 'exclude', 'include' or 'generation'"):
         Pasta({"0": [0]}, scale_position="exlude")  # type: ignore[arg-type]

@@ -212,3 +212,10 @@ def test_from_cache_refuses_partial_caches_and_bad_positions():
         HeadScores.from_cache(cache, empty_row)
     with pytest.raises(TypeError, match="ActivationCache"):
         HeadScores.from_cache(None, (1, 3))
+    import numpy as np
+
+    same = HeadScores.from_cache(cache, (np.int64(1), 3), query=np.int64(-1))  # numpy ints are ints
+    torch.testing.assert_close(same.scores, got.scores)
+    for bad_layer in (torch.rand(2, 3, 5, 7), torch.rand(2, 2, 5, 5), torch.rand(3, 5, 5), [[0.0]]):
+        with pytest.raises(ValueError, match="blocks.1.attn.hook_pattern must be"):
+            HeadScores.from_cache({**cache, "blocks.1.attn.hook_pattern": bad_layer}, (1, 3))
