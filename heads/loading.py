@@ -405,7 +405,8 @@ def _check_device(value: object, where: str, *, disk: bool = False) -> None:
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{where} is not a device (cpu, cuda:N, mps, disk)") from None
+        kinds = "cpu, cuda:N, mps, disk" if disk else "cpu, cuda, cuda:N, mps"
+        raise ValueError(f"{where} is not a torch device ({kinds})") from None
     if dev.type == "meta":
         raise ValueError(f"{where}: the meta device holds no weights; use cpu, cuda:N, mps or disk")
     if dev.type not in ("cpu", "cuda", "mps"):
