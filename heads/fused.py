@@ -68,6 +68,26 @@ def _score_mod(bias: torch.Tensor, beta: torch.Tensor, span: torch.Tensor, softc
     return score_mod
 
 
+def _flex(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Callable,
+    mask_mod: Callable,
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """`flex_attention` over the block mask `blocks` (with `mask_mod` on partial blocks), GQA."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    block_mask = BlockMask.from_kv_blocks(
+        *blocks, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(query.shape[2], key.shape[2])
+    )
+    return flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
+    )
+
+
 def _kernel_causal(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -81,19 +101,12 @@ def _kernel_causal(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
     score_mod = _score_mod(bias, beta, span, softcap)
 
     def mask_mod(b, h, q, k):
         return (k <= q + offset) & (k < k_real)
 
-    block_mask = BlockMask.from_kv_blocks(
-        *blocks, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(query.shape[2], key.shape[2])
-    )
-    return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
-    )
+    return _flex(query, key, value, score_mod, mask_mod, blocks, scale)
 
 
 def _kernel_dense(
@@ -108,19 +121,12 @@ def _kernel_dense(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
     score_mod = _score_mod(bias, beta, span, softcap)
 
     def mask_mod(b, h, q, k):
         return dense[b, q, k]
 
-    block_mask = BlockMask.from_kv_blocks(
-        *blocks, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(query.shape[2], key.shape[2])
-    )
-    return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True
-    )
+    return _flex(query, key, value, score_mod, mask_mod, blocks, scale)
 
 
 def _compiled(dense: bool) -> Callable:
