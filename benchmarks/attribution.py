@@ -1,9 +1,9 @@
 """Attribution patching vs the exact Ships sweep on the embedded model (every head x 16 prompts).
 
-The exact sweep (`heads.ships.ships`, UA ablation, eps = 1e-5) reruns the model once per head
-variant (batched, layer-prefix reuse); the estimate (`heads.attribution.attribute`) takes one
+The exact sweep (`heads.scorers.safety.ships.ships`, UA ablation, eps = 1e-5) reruns the model once per head
+variant (batched, layer-prefix reuse); the estimate (`heads.scorers.safety.attribution.attribute`) takes one
 forward with gradients, one backward and one delta pass per layer. Both run in this process on
-the same 16 harmful train prompts (`probes.requests`), so the ratio is measured on the same load.
+the same 16 harmful train prompts (`probes.datasets.requests`), so the ratio is measured on the same load.
 
 Figures (one JSON line):
 * `speedup_vs_exact`: exact sweep seconds / estimate seconds (default estimate: saturation fix
@@ -35,9 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import load_model
-from heads.attribution import attribute
-from heads.ships import ships
-from probes.requests import load_requests
+from heads.scorers.safety.attribution import attribute
+from heads.scorers.safety.ships import ships
+from probes.datasets.requests import load_requests
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,8 +4,8 @@
   ratio; goal >= 0.9 on each backend): 4 prompts, `--new-tokens` forced (`min_new_tokens`, so
   both generate the same number), KV cache on, PASTA on every head of layers 8, 12 and 16.
 * `ships_speedup`: a Ships sweep (UA ablation, query x 1e-5, KL at the last position) with the
-  variant engine (`heads.ships.ships`: head variants packed into batch rows, each batch starting
-  at its layer from the clean residual stream, one unembedded position, length-sorted batches)
+  variant engine (`heads.scorers.safety.ships.ships`: head variants packed into batch rows, each
+  batch starting at its layer from the clean residual stream, one unembedded position, length-sorted batches)
   over a per-head loop written with the backend's own tools (goal >= 3x). The sweep is sized
   like real use: every head of every `--layer-step`-th layer from layer 1 (default 1, 4, ..., 28:
   90 heads whose mean layer, 14.5, is the mean layer of the whole model, so the layer-prefix
@@ -49,8 +49,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import HeadModel, encode_prompts, load_model
-from heads.ships import TEMPLATE, ships
-from probes.requests import load_requests
+from heads.scorers.safety.ships import TEMPLATE, ships
+from probes.datasets.requests import load_requests
 from steer import Pasta, SteeredModel
 
 BACKENDS = ("hf", "transformer_lens", "nnsight")

@@ -26,8 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from heads import encode_prompts, forward, load_model  # noqa: E402
+from probes.datasets.requests import load_requests  # noqa: E402
 from probes.head_probes import collect_head_outputs, fit_head_probes  # noqa: E402
-from probes.requests import load_requests  # noqa: E402
 
 
 def main() -> None:

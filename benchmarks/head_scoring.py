@@ -5,7 +5,7 @@ over the same weights and, for each head, run one forward of all prompts with a 
 `blocks.{l}.attn.hook_q` that multiplies the head's query by eps (UA ablation), then take
 KL(p_base || p_ablated) at the last position from fp32 log-softmax.
 
-The engine (`heads.ships.ships`) packs head variants into batch rows, starts each chunk at
+The engine (`heads.scorers.safety.ships.ships`) packs head variants into batch rows, starts each chunk at
 its head's layer from the clean residual stream, and unembeds only the last position.
 Both score the same prompts (left-padded, positions counted from the first real token, token
 tensors passed to the bridge so it adds no second BOS). The bridge switches its model to
@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import QueryScale, editing, encode_prompts, forward, load_model
-from heads.ships import TEMPLATE, ships
-from probes.requests import load_requests
+from heads.scorers.safety.ships import TEMPLATE, ships
+from probes.datasets.requests import load_requests
 
 
 @torch.no_grad()

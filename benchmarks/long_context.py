@@ -46,7 +46,7 @@ def _one(path: str, length: int, device: str, heads_per_layer: int) -> dict:
     import torch
 
     from heads import editing, load_model
-    from steer.pasta import PastaBias
+    from steer.pasta.method import PastaBias
 
     hm = load_model(device=device)
     torch.manual_seed(0)

@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import load_model
-from heads.maps import maps_scores, source_representations
-from probes.relations import load_relations
+from heads.scorers.maps.static import maps_scores, source_representations
+from probes.datasets.relations import load_relations
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ on that head alone (`Pasta(heads=[h])`, the same engine edits), full logits, and
 change of the target token's log-prob. It is timed on `--loop-heads` heads spread over all
 layers and extrapolated to all heads; `same_ranking` compares the two rankings of those heads.
 
-The engine (`steer.profiling.profile_heads`) packs heads into batch rows, starts each batch at
+The engine (`steer.pasta.profiling.profile_heads`) packs heads into batch rows, starts each batch at
 its heads' layer from the clean residual stream, takes positions before the span from the
 clean KV cache, and unembeds only the last position.
 
@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import editing, encode_prompts, forward, load_model
-from probes.tasks import load_task
-from steer.pasta import Pasta
-from steer.profiling import profile_heads, target_ids
+from probes.datasets.tasks import load_task
+from steer.pasta.method import Pasta
+from steer.pasta.profiling import profile_heads, target_ids
 
 
 def task_inputs(name: str, split: str, n: int) -> tuple[list[str], list[str], list[str], bool]:

@@ -61,7 +61,7 @@ def main() -> None:
     import uvicorn
 
     from heads import load_model
-    from viz.serve import create_app
+    from viz.server.app import create_app
 
     hm = load_model()
     app = create_app(hm, max_batch=args.requests, wait_s=0.05)

@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from heads import load_model, span_attention
 from steer import Pasta, SteeredModel
-from steer.pasta import pasta_column_bias
+from steer.pasta.method import pasta_column_bias
 
 BIO = (
     "Maria Gonzalez was born in 1978 in Valencia, Spain. She studied marine biology at the University of "

@@ -6,31 +6,30 @@ Layering (DESIGN.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, 
 Where a head scorer lives, and why:
 
 * **Read-only scorers are here**, because they need only the model and the generic edits of
-  `heads.edits` (recorders, query/output scaling): span attention (`attention_mass`), sinks
+  `heads.engine.edits` (recorders, query/output scaling): span attention (`attention_mass`), sinks
   and massive activations (`sinks`), MAPS from the weights and its validation (`maps`,
   `maps_inference`, the whole study in `maps_analysis`), Ships / dataset-level Ships /
   Sahara with UA or SC ablation (`ships`), all on the batched variant engine (`variants`).
 * **Scorers that need a method's own edit live beside that method in `steer/`**, since
-  `heads` cannot import the method: PASTA profiling (`steer.profiling.profile_heads`,
-  `select_heads`) uses `PastaBias`; ACT head calibration (`steer.act_calibration`) uses
-  `ActEdit`. They still run on `heads.variants`.
+  `heads` cannot import the method: PASTA profiling (`steer.pasta.profiling.profile_heads`,
+  `select_heads`) uses `PastaBias`; ACT head calibration (`steer.act.calibration`) uses
+  `ActEdit`. They still run on `heads.engine.variants`.
 * **Scorers that judge generated text are in `probes/`**: the safety-head study with the
-  attack success rate (`probes.safety.safety_analysis`) needs the refusal judge, and task
-  evaluation (`probes.evaluate`) the task metrics.
+  attack success rate (`probes.studies.safety.safety_analysis`) needs the refusal judge, and task
+  evaluation (`probes.studies.evaluate`) the task metrics.
 
-Long-running functions report progress as numbers, `progress(done, total)` (`heads.progress`).
+Long-running functions report progress as numbers, `progress(done, total)` (`heads._util.progress`).
 
 Shape letters in docstrings (`[B, T]`: a batch of token rows): B batch rows;
 N rows of a flattened batch (prompts x variants, or examples); T token positions of a
 sequence; P the padded prompt length (the T of an encoded prompt batch, before generation);
 Q query positions and K key positions of one attention call; H query heads; G KV heads
 (H / G query heads share one, GQA); D d_model; d d_head; L layers; V vocabulary; M head
-variants (`heads.variants`). A head selection in any accepted form is a `HeadSpec`.
+variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
-from .attention_mass import head_pattern, span_attention
-from .attribution import attribute
-from .edits import (
+from heads.engine.editing import EditNeverFired, editing
+from heads.engine.edits import (
     AttentionCall,
     Edit,
     HeadOutputEdit,
@@ -41,14 +40,15 @@ from .edits import (
     QueryScale,
     Recorder,
 )
-from .engine import EditNeverFired, editing
-from .forward import forward
-from .loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
-from .model import HeadModel
-from .prompts import EncodedPrompts, encode_prompts
-from .scores import HeadScores, HeadSet, HeadSpec
-from .sink_dims import find_sink_dims
-from .spans import Span, char_to_token_range, find_span, parse_markup
+from heads.engine.forward import forward
+from heads.inputs.prompts import EncodedPrompts, encode_prompts
+from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
+from heads.model.adapter import HeadModel
+from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.results.scores import HeadScores, HeadSet, HeadSpec
+from heads.scorers.attention_mass import head_pattern, span_attention
+from heads.scorers.safety.attribution import attribute
+from heads.scorers.sink_dims import find_sink_dims
 
 __all__ = [
     "EMBEDDED_MODEL",

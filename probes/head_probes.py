@@ -13,7 +13,7 @@ from a Language Model" (ITI, arXiv:2306.03341, §3.1-3.2):
 
 Probe data for the shipped sets (`probe_data`):
 
-- `"harmful"`: harmful (label 1) vs harmless (label 0) requests (`probes.requests`), chat
+- `"harmful"`: harmful (label 1) vs harmless (label 0) requests (`probes.datasets.requests`), chat
   template applied, last prompt token.
 - `"sentiment"`: the sentiment task's query review, positive (1) vs negative (0), last prompt
   token (the few-shot prompt stops at "Sentiment:").
@@ -43,13 +43,13 @@ import numpy as np
 import torch
 
 from heads import HeadModel, encode_prompts, forward
-from heads.edits import AttentionCall, HeadOutputEdit
-from heads.engine import editing
-from heads.files import check_output
-from heads.progress import ProgressArg, progress_callback
-from heads.scores import HeadScores
-
-from .task_metrics import wilson_interval
+from heads._util.files import check_output
+from heads._util.progress import ProgressArg, progress_callback
+from heads.engine.editing import editing
+from heads.engine.edits import AttentionCall, HeadOutputEdit
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.scores import HeadScores
+from probes.metrics.tasks import wilson_interval
 
 __all__ = [
     "PROBE_TASKS",
@@ -104,7 +104,7 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
         mask = enc.span_mask().float()
         empty = [b for b in range(batch) if mask[b].sum() == 0]
         if empty:
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"position='span' needs an emphasized span in every prompt; row {empty[0]} has none"
             )
         return mask / mask.sum(1, keepdim=True)
@@ -114,7 +114,7 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
             n = int(real[b])
             p = int(position) if position >= 0 else n + int(position)
             if not 0 <= p < n:
-                raise ValueError(f"position {position} is outside prompt {b} ({n} tokens)")
+                raise HeadsteerValueError(f"position {position} is outside prompt {b} ({n} tokens)")
             w[b, length - n + p] = 1.0
         return w
     if callable(position):
@@ -122,19 +122,21 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
         out = torch.as_tensor(out)
         if out.dtype == torch.bool and tuple(out.shape) == (batch, length):
             if not out.any(1).all():
-                raise ValueError("the position function returned a row with no position")
+                raise HeadsteerValueError("the position function returned a row with no position")
             out = out.float()
             return out / out.sum(1, keepdim=True)
         if out.dtype in (torch.int32, torch.int64) and tuple(out.shape) == (batch,):
             if (out < 0).any() or (out >= length).any():
-                raise ValueError(f"the position function returned positions outside 0..{length - 1}: {out}")
+                raise HeadsteerValueError(
+                    f"the position function returned positions outside 0..{length - 1}: {out}"
+                )
             w[torch.arange(batch), out.long()] = 1.0
             return w
-        raise ValueError(
+        raise HeadsteerValueError(
             f"the position function must return [B] int positions or a [B, P] bool mask "
             f"(B={batch}, P={length}), got {out.dtype} {tuple(out.shape)}"
         )
-    raise ValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+    raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
 
 
 @torch.no_grad()
@@ -173,7 +175,7 @@ def collect_head_outputs(
             tensor is freed). Refused if it exists unless `overwrite`.
         overwrite: allow replacing `path`.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each batch (`heads.progress`), in prompts: `total` is N.
+            after each batch (`heads._util.progress`), in prompts: `total` is N.
 
     Returns:
         fp32 tensor `[N, L, H, d]` (CPU; memmap-backed above `max_bytes`). The model is used
@@ -186,24 +188,26 @@ def collect_head_outputs(
     Source: ITI (Li et al. 2023) §3.1 probes each head's output at the answer's last token.
     """
     if not isinstance(model, HeadModel) or model.tokenizer is None:
-        raise ValueError("collect_head_outputs needs a HeadModel with a tokenizer (heads.load_model)")
+        raise HeadsteerValueError(
+            "collect_head_outputs needs a HeadModel with a tokenizer (heads.load_model)"
+        )
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        raise HeadsteerValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if len(prompts) == 0:
-        raise ValueError("prompts is empty")
+        raise HeadsteerValueError("prompts is empty")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 0:
-        raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        raise HeadsteerValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
     if not (position in ("last", "span") or callable(position) or isinstance(position, numbers.Integral)):
-        raise ValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+        raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
     if isinstance(position, bool):
-        raise ValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+        raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
     n = len(prompts)
     emph_rows = None
     if emphasize is not None:
         if not isinstance(emphasize, Sequence) or len(emphasize) != n:
-            raise ValueError(f"emphasize must hold one entry per prompt ({n}), got {emphasize!r}")
+            raise HeadsteerValueError(f"emphasize must hold one entry per prompt ({n}), got {emphasize!r}")
         emph_rows = list(emphasize)
     shape = (n, model.n_layers, model.n_heads, model.d_head)
     nbytes = 4 * math.prod(shape)
@@ -359,7 +363,7 @@ class ProbeResult:
     def ranked(self, k: int | None = None, by: str = "accuracy") -> list[tuple[int, int]]:
         """Heads `(layer, head)` by descending held-out `by` ("accuracy" or "auc")."""
         if by not in ("accuracy", "auc"):
-            raise ValueError(f"by must be 'accuracy' or 'auc', got {by!r}")
+            raise HeadsteerValueError(f"by must be 'accuracy' or 'auc', got {by!r}")
         return getattr(self, by).ranked(k)
 
     def to_frame(self):
@@ -381,7 +385,9 @@ def _as_array(acts) -> np.ndarray:
         return acts.detach().cpu().float().numpy()
     if isinstance(acts, np.ndarray):
         return acts
-    raise ValueError(f"acts must be a torch tensor or numpy array [N, L, H, d], got {type(acts).__name__}")
+    raise HeadsteerValueError(
+        f"acts must be a torch tensor or numpy array [N, L, H, d], got {type(acts).__name__}"
+    )
 
 
 def fit_head_probes(
@@ -413,7 +419,7 @@ def fit_head_probes(
             activations came from (its name and KV heads are taken; GQA `kv_head` column), or
             a model id with `n_kv_heads` (default None: one KV head per query head).
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            (`heads.progress`) in heads fitted: `total` is L * H, reported as chunks of heads
+            (`heads._util.progress`) in heads fitted: `total` is L * H, reported as chunks of heads
             finish (a layer's heads at a time with one worker).
 
     Returns:
@@ -435,48 +441,54 @@ def fit_head_probes(
 
     x = _as_array(acts)
     if x.ndim != 4:
-        raise ValueError(f"acts must be [N, L, H, d], got shape {tuple(x.shape)}")
+        raise HeadsteerValueError(f"acts must be [N, L, H, d], got shape {tuple(x.shape)}")
     n, n_layers, n_heads, _ = x.shape
     if isinstance(model, HeadModel):
         if (n_layers, n_heads) != (model.n_layers, model.n_heads):
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"acts have [L, H] = [{n_layers}, {n_heads}], the model {model.name} "
                 f"[{model.n_layers}, {model.n_heads}]"
             )
         if n_kv_heads is not None and n_kv_heads != model.n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} but the model has {model.n_kv_heads} KV heads")
+            raise HeadsteerValueError(
+                f"n_kv_heads={n_kv_heads} but the model has {model.n_kv_heads} KV heads"
+            )
     elif not isinstance(model, str):
-        raise TypeError(f"model must be a HeadModel or a model id string, got {type(model).__name__}")
+        raise HeadsteerTypeError(
+            f"model must be a HeadModel or a model id string, got {type(model).__name__}"
+        )
     y = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
     if y.shape != (n,):
-        raise ValueError(f"labels must have shape ({n},) to match acts, got {y.shape}")
+        raise HeadsteerValueError(f"labels must have shape ({n},) to match acts, got {y.shape}")
     if y.dtype == bool:
         y = y.astype(np.int64)
     bad = sorted({v for v in y.tolist() if v not in (0, 1)}, key=repr)
     if bad:
-        raise ValueError(f"labels must be binary 0/1, got value {bad[0]!r}")
+        raise HeadsteerValueError(f"labels must be binary 0/1, got value {bad[0]!r}")
     y = y.astype(np.int64)
     if isinstance(cv, bool) or not isinstance(cv, numbers.Integral) or cv < 2:
-        raise ValueError(f"cv must be an int >= 2, got {cv!r}")
+        raise HeadsteerValueError(f"cv must be an int >= 2, got {cv!r}")
     counts = np.bincount(y, minlength=2)
     if counts.min() < cv:
-        raise ValueError(f"each class needs at least cv={cv} rows, got {counts[0]} of 0 and {counts[1]} of 1")
+        raise HeadsteerValueError(
+            f"each class needs at least cv={cv} rows, got {counts[0]} of 0 and {counts[1]} of 1"
+        )
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+        raise HeadsteerValueError(f"seed must be an int, got {seed!r}")
     for a in range(0, n, 256):
         chunk = np.asarray(x[a : a + 256])
         if not np.isfinite(chunk).all():
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"acts hold NaN or inf (first bad row {a + int(np.argwhere(~np.isfinite(chunk))[0][0])})"
             )
     if estimator is None:
         estimator = LogisticRegression(max_iter=1000)
     elif not (hasattr(estimator, "fit") and hasattr(estimator, "get_params")):
-        raise ValueError(f"estimator must be a scikit-learn classifier, got {estimator!r}")
+        raise HeadsteerValueError(f"estimator must be a scikit-learn classifier, got {estimator!r}")
     if groups is not None:
         groups = np.asarray(groups)
         if groups.shape != (n,):
-            raise ValueError(f"groups must have shape ({n},), got {groups.shape}")
+            raise HeadsteerValueError(f"groups must have shape ({n},), got {groups.shape}")
         splitter = StratifiedGroupKFold(n_splits=int(cv), shuffle=True, random_state=int(seed))
         folds = list(splitter.split(np.zeros(n), y, groups))
     else:
@@ -589,18 +601,18 @@ def probe_data(name: str, split: str = "train", limit: int | None = None) -> Pro
     Raises:
         ValueError: unknown name or split, or a bad limit.
     """
-    from .requests import load_requests
-    from .tasks import load_task
+    from probes.datasets.requests import load_requests
+    from probes.datasets.tasks import load_task
 
     if name not in PROBE_TASKS:
-        raise ValueError(f"unknown probe task {name!r}: use one of {PROBE_TASKS}")
+        raise HeadsteerValueError(f"unknown probe task {name!r}: use one of {PROBE_TASKS}")
     if limit is not None and (
         isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
     ):
-        raise ValueError(f"limit must be a positive int, got {limit!r}")
+        raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
     if name == "harmful":
         if split not in ("train", "test"):
-            raise ValueError(f"the request sets have splits 'train' and 'test', got {split!r}")
+            raise HeadsteerValueError(f"the request sets have splits 'train' and 'test', got {split!r}")
         bad = load_requests("harmful", split)[:limit]
         good = load_requests("harmless", split)[:limit]
         prompts = [[{"role": "user", "content": r["prompt"]}] for r in bad + good]
@@ -646,23 +658,24 @@ def fit_iti(
 
     Source: ITI (Li et al. 2023) §3.2, with the mass-mean direction by default (their best).
     """
+    from probes.datasets.tasks import load_task
     from steer.iti import Iti
-
-    from .tasks import load_task
 
     if (
         isinstance(k, bool)
         or not isinstance(k, numbers.Integral)
         or not 1 <= k <= model.n_layers * model.n_heads
     ):
-        raise ValueError(f"k must be an int in 1..{model.n_layers * model.n_heads}, got {k!r}")
+        raise HeadsteerValueError(f"k must be an int in 1..{model.n_layers * model.n_heads}, got {k!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
-        raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+        raise HeadsteerValueError(f"alpha must be a finite number, got {alpha!r}")
     if direction not in ("mass_mean", "probe"):
-        raise ValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
+        raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
     examples = load_task(task, "train").examples[:limit]
     if examples[0].choices is None:
-        raise ValueError(f"ITI needs a choice task (counterfact, sentiment, occupation), got {task!r}")
+        raise HeadsteerValueError(
+            f"ITI needs a choice task (counterfact, sentiment, occupation), got {task!r}"
+        )
     prompts, labels, groups = _answer_rows(examples)
     acts = collect_head_outputs(model, prompts, "last", batch_size=batch_size, chat=examples[0].chat)
     result = fit_head_probes(

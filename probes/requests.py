@@ -1,36 +1,13 @@
-"""Harmful and harmless request sets for safety-head attribution (safety_heads.md §4-5).
+"""Deprecated alias of `probes.datasets.requests` (moved in 0.2.0; this alias goes in 0.3.0)."""
 
-Written for this project: short, AdvBench-style requests with no operational content
-(`probes/data/harmful.jsonl`) and matched everyday requests (`probes/data/harmless.jsonl`),
-one `{"prompt", "category"}` object a line. A fixed split holds every 5th request of each
-file out as `"test"`; the rest is `"train"`.
-"""
+import warnings
 
-from __future__ import annotations
+from probes.datasets.requests import *  # noqa: F403
+from probes.datasets.requests import __all__  # noqa: F401
 
-import json
-from importlib import resources
-
-__all__ = ["load_requests"]
-
-_KINDS = ("harmful", "harmless")
-_SPLITS = (None, "train", "test")
-
-
-def load_requests(kind: str, split: str | None = None) -> list[dict]:
-    """Requests of `kind` ("harmful" or "harmless"), optionally one split ("train" / "test").
-
-    Returns `{"prompt", "category"}` dicts in file order.
-
-    Raises:
-        ValueError: unknown kind or split.
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"unknown request set {kind!r}: use one of {_KINDS}")
-    if split not in _SPLITS:
-        raise ValueError(f"unknown split {split!r}: use None, 'train' or 'test'")
-    text = resources.files("probes").joinpath(f"data/{kind}.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if split is None:
-        return rows
-    return [r for i, r in enumerate(rows) if (i % 5 == 4) == (split == "test")]
+warnings.warn(
+    "probes.requests moved to probes.datasets.requests; import it from there"
+    " (this alias goes in headsteer 0.3.0)",
+    DeprecationWarning,
+    stacklevel=2,
+)

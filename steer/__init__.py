@@ -1,21 +1,21 @@
 """Steering interventions and the `SteeredModel` inference wrapper.
 
 Scorers that need a method's own edit live here beside the method: PASTA profiling
-(`steer.profiling`: `profile_heads`, `select_heads`) and ACT head calibration
-(`steer.act_calibration`). Read-only scorers are in `heads` (see its docstring).
+(`steer.pasta.profiling`: `profile_heads`, `select_heads`) and ACT head calibration
+(`steer.act.calibration`). Read-only scorers are in `heads` (see its docstring).
 """
 
-from .ablate import Ablate
-from .act import Act, ActEdit
-from .iti import Iti
-from .model import Generation, Intervention, SteeredModel
-from .pasta import Pasta, PastaBias, pasta_column_bias
-from .profiling import profile_heads, select_heads, smallest_k
-from .spans import UnsteeredRowsWarning
-from .spotlight import Spotlight, SpotlightEdit
-from .var import Var, VarEdit
-from .vhd_trace import VhdTrace, vhd_trace
-from .vhr import Vhr
+from steer.ablate import Ablate
+from steer.act.method import Act, ActEdit
+from steer.iti import Iti
+from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
+from steer.pasta.profiling import profile_heads, select_heads, smallest_k
+from steer.span_rows import UnsteeredRowsWarning
+from steer.spotlight import Spotlight, SpotlightEdit
+from steer.steered_model import Generation, Intervention, SteeredModel
+from steer.var import Var, VarEdit
+from steer.vhr.method import Vhr
+from steer.vhr.trace import VhdTrace, vhd_trace
 
 __all__ = [
     "Ablate",

@@ -11,12 +11,12 @@ import numbers
 from dataclasses import dataclass
 from typing import Literal
 
-from heads.edits import Edit, HeadScale, QueryScale
-from heads.model import HeadModel
-from heads.prompts import EncodedPrompts
-from heads.scores import HeadSet, HeadSpec
-
-from .noop import empty_heads, warn_noop
+from heads.engine.edits import Edit, HeadScale, QueryScale
+from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadSet, HeadSpec
+from steer.noop import empty_heads, warn_noop
 
 __all__ = ["Ablate"]
 
@@ -44,13 +44,13 @@ class Ablate:
 
     def __post_init__(self) -> None:
         if self.method not in ("ua", "sc"):
-            raise ValueError(f"unknown ablation method {self.method!r}: use 'ua' or 'sc'")
+            raise HeadsteerValueError(f"unknown ablation method {self.method!r}: use 'ua' or 'sc'")
         if (
             isinstance(self.eps, bool)
             or not isinstance(self.eps, numbers.Real)
             or not math.isfinite(self.eps)
         ):
-            raise ValueError(f"eps must be a finite number, got {self.eps!r}")
+            raise HeadsteerValueError(f"eps must be a finite number, got {self.eps!r}")
         if self.eps == 1:
             warn_noop(f"Ablate eps={self.eps} is a no-op: output equals the unsteered model", stacklevel=4)
         if empty_heads(self.heads):

@@ -21,12 +21,12 @@ from typing import cast
 
 import torch
 
-from heads.edits import MAX_FACTOR, AttentionCall, HeadOutputEdit
-from heads.model import HeadModel
-from heads.prompts import EncodedPrompts
-from heads.scores import HeadSet
-
-from .noop import warn_noop
+from heads.engine.edits import MAX_FACTOR, AttentionCall, HeadOutputEdit
+from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadSet
+from steer.noop import warn_noop
 
 __all__ = ["Iti", "ItiShift"]
 
@@ -66,7 +66,7 @@ class ItiShift(HeadOutputEdit):
 
 def _finite(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        raise HeadsteerValueError(f"{what} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -103,35 +103,39 @@ class Iti:
         if isinstance(heads, HeadSet):
             pairs = list(heads.heads)
         elif isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
-            raise ValueError(f"heads must be a list of (layer, head) pairs or a HeadSet, got {heads!r}")
+            raise HeadsteerValueError(
+                f"heads must be a list of (layer, head) pairs or a HeadSet, got {heads!r}"
+            )
         else:
             pairs = []
             for x in heads:
                 if not isinstance(x, (tuple, list)) or len(x) != 2:
-                    raise ValueError(f"expected a (layer, head) pair, got {x!r}")
+                    raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
                 if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in x):
-                    raise ValueError(f"layer and head must be ints, got {x!r}")
+                    raise HeadsteerValueError(f"layer and head must be ints, got {x!r}")
                 pairs.append((int(x[0]), int(x[1])))
         if len(set(pairs)) != len(pairs):
-            raise ValueError(f"duplicate heads in {pairs}")
+            raise HeadsteerValueError(f"duplicate heads in {pairs}")
         d = torch.as_tensor(self.directions, dtype=torch.float32).detach().cpu()
         s = torch.as_tensor(self.sigmas, dtype=torch.float32).detach().cpu()
         if d.ndim != 2 or d.shape[0] != len(pairs):
-            raise ValueError(f"directions must be [K={len(pairs)}, d_head], got shape {tuple(d.shape)}")
+            raise HeadsteerValueError(
+                f"directions must be [K={len(pairs)}, d_head], got shape {tuple(d.shape)}"
+            )
         if s.shape != (len(pairs),):
-            raise ValueError(f"sigmas must be [K={len(pairs)}], got shape {tuple(s.shape)}")
+            raise HeadsteerValueError(f"sigmas must be [K={len(pairs)}], got shape {tuple(s.shape)}")
         if not torch.isfinite(d).all():
-            raise ValueError("directions hold NaN or inf")
+            raise HeadsteerValueError("directions hold NaN or inf")
         if not torch.isfinite(s).all() or (s < 0).any():
-            raise ValueError(f"sigmas must be finite and >= 0, got {s.tolist()}")
+            raise HeadsteerValueError(f"sigmas must be finite and >= 0, got {s.tolist()}")
         if abs(_finite(self.alpha, "alpha")) > MAX_FACTOR:
-            raise ValueError(f"alpha must have |alpha| <= {MAX_FACTOR:g}, got {self.alpha!r}")
+            raise HeadsteerValueError(f"alpha must have |alpha| <= {MAX_FACTOR:g}, got {self.alpha!r}")
         if not pairs:
             warn_noop("ITI with no heads steers nothing: output equals the unsteered model")
         elif float(self.alpha) != 0 and not bool((d.abs().sum(1) * s).any()):
             warn_noop("ITI shifts are all zero (zero sigmas or directions): output equals the unsteered")
         if isinstance(self.from_position, bool) or not isinstance(self.from_position, numbers.Integral):
-            raise ValueError(f"from_position must be an int, got {self.from_position!r}")
+            raise HeadsteerValueError(f"from_position must be an int, got {self.from_position!r}")
         object.__setattr__(self, "heads", tuple(pairs))
         object.__setattr__(self, "directions", d)
         object.__setattr__(self, "sigmas", s)
@@ -159,16 +163,18 @@ class Iti:
             ValueError: bad k or direction, or a chosen head without a direction (NaN).
         """
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+            raise HeadsteerValueError(f"k must be a positive int, got {k!r}")
         if direction not in ("mass_mean", "probe"):
-            raise ValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
+            raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
         heads = result.ranked(int(k), by=by)
         dirs = getattr(result, f"{direction}_directions")
         sig = getattr(result, f"{direction}_sigma")
         d = torch.stack([dirs[la, h] for la, h in heads])
         s = torch.stack([sig[la, h] for la, h in heads])
         if not torch.isfinite(d).all() or not torch.isfinite(s).all():
-            raise ValueError(f"a chosen head has no {direction} direction (NaN); use direction='mass_mean'")
+            raise HeadsteerValueError(
+                f"a chosen head has no {direction} direction (NaN); use direction='mass_mean'"
+            )
         return cls(heads=heads, directions=d, sigmas=s, alpha=alpha, from_position=from_position)
 
     def shifts(self, model: HeadModel) -> dict[int, torch.Tensor]:
@@ -180,7 +186,7 @@ class Iti:
         pairs = cast(tuple[tuple[int, int], ...], self.heads)  # normalised in __post_init__
         HeadSet(pairs).check(model.n_layers, model.n_heads)
         if self.directions.shape[1] != model.d_head:
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"directions have length {self.directions.shape[1]}, the model's d_head is {model.d_head}"
             )
         out: dict[int, torch.Tensor] = {}
@@ -188,7 +194,7 @@ class Iti:
             shift = out.setdefault(layer, torch.zeros(model.n_heads, model.d_head))
             shift[head] = float(self.alpha) * float(sigma) * theta
         if any(not bool(torch.isfinite(v).all()) for v in out.values()):
-            raise ValueError("ITI shift alpha * sigma * direction overflows float32 to inf")
+            raise HeadsteerValueError("ITI shift alpha * sigma * direction overflows float32 to inf")
         return out
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[ItiShift]:
@@ -198,7 +204,7 @@ class Iti:
             return []
         start = self.from_position if self.from_position >= 0 else enc.length + self.from_position
         if start < 0:
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"from_position {self.from_position} is before the prompt start (length {enc.length})"
             )
         by_layer: dict[int, list[int]] = {}

@@ -3,7 +3,7 @@
 A steering method built with a value that makes it a no-op (PASTA `alpha = 1`, ACT
 `beta = 1`, Ablate `eps = 1`, an empty head selection) still runs, bitwise equal to the
 unsteered model; the user gets one `NoOpWarning` (a `UserWarning`) saying so. The CLI prints
-it as one `warning: ...` line on stderr (`viz.cli_common`).
+it as one `warning: ...` line on stderr (`viz.cli.common`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-from heads.scores import HeadSet
+from heads.results.scores import HeadSet
 
 __all__ = ["NoOpWarning", "empty_heads", "warn_noop"]
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from heads.loading import EMBEDDED_MODEL
+from heads.errors import HeadsteerValueError
+from heads.model.loading import EMBEDDED_MODEL
 
 __all__ = ["KINDS", "profile_path", "shipped_profile"]
 
@@ -24,7 +25,7 @@ KINDS = ("pasta", "act")
 def profile_path(kind: str) -> str:
     """Path of the shipped `kind` profile file (which may not exist yet in a source checkout)."""
     if kind not in KINDS:
-        raise ValueError(f"unknown profile kind {kind!r}: use one of {KINDS}")
+        raise HeadsteerValueError(f"unknown profile kind {kind!r}: use one of {KINDS}")
     return str(resources.files("steer").joinpath(f"data/{EMBEDDED_MODEL.lower()}.{kind}.json"))
 
 
@@ -37,7 +38,7 @@ def shipped_profile(kind: str, model_name: str) -> str:
     """
     path = profile_path(kind)
     if model_name != EMBEDDED_MODEL or not Path(path).is_file():
-        raise ValueError(
+        raise HeadsteerValueError(
             f"no shipped {kind} head profile for model {model_name!r} (only {EMBEDDED_MODEL}); "
             f"run `headsteer profile {kind}` and pass the file"
         )

@@ -1,7 +1,7 @@
 """Serving steered generation: per-request steering specs, and batches of requests that
 each carry their own steering, decoded together through the engine's per-row edits.
 
-The HTTP layer (`viz.serve`) turns an OpenAI-style body into a `ServeRequest`
+The HTTP layer (`viz.server.app`) turns an OpenAI-style body into a `ServeRequest`
 (`parse_steer`, `SamplingParams.from_body`), `BatchGenerator.prepare` validates it
 alone (so a bad request fails before it joins a batch), and `BatchGenerator.run`
 decodes a list of prepared requests as one left-padded batch. Every request's edits
@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from heads.attention_mass import span_attention
-from heads.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
-from heads.engine import editing
-from heads.model import HeadModel
-from heads.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
-
-from .ablate import Ablate
-from .act import Act
-from .model import Intervention
-from .noop import NoOpWarning
-from .pasta import Pasta
-from .profiles import shipped_profile
-from .spotlight import Spotlight
+from heads.engine.editing import editing
+from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
+from heads.model.adapter import HeadModel
+from heads.scorers.attention_mass import span_attention
+from steer.ablate import Ablate
+from steer.act.method import Act
+from steer.noop import NoOpWarning
+from steer.pasta.method import Pasta
+from steer.profiles import shipped_profile
+from steer.spotlight import Spotlight
+from steer.steered_model import Intervention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -79,7 +79,7 @@ def _heads_spec(value, method: str):
         return {str(k): v for k, v in value.items()}
     if isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
         return [tuple(p) for p in value]
-    raise ValueError(
+    raise HeadsteerValueError(
         f'steer {method}: heads must be "auto", a {{"layer": [heads]}} object or a list of '
         f"[layer, head] pairs, got {value!r}"
     )
@@ -87,7 +87,7 @@ def _heads_spec(value, method: str):
 
 def _number(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise HeadsteerValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -114,23 +114,23 @@ def parse_steer(spec) -> list[Intervention]:
     if spec is None:
         return []
     if not isinstance(spec, list):
-        raise ValueError(f"steer must be a list of {{'method': ...}} objects, got {spec!r}")
+        raise HeadsteerValueError(f"steer must be a list of {{'method': ...}} objects, got {spec!r}")
     out: list[Intervention] = []
     for i, item in enumerate(spec):
         if not isinstance(item, Mapping) or "method" not in item:
-            raise ValueError(f"steer[{i}] must be an object with a 'method', got {item!r}")
+            raise HeadsteerValueError(f"steer[{i}] must be an object with a 'method', got {item!r}")
         method = item["method"]
         if method not in _METHODS:
-            raise ValueError(f"steer[{i}]: unknown method {method!r}, use one of {sorted(_METHODS)}")
+            raise HeadsteerValueError(f"steer[{i}]: unknown method {method!r}, use one of {sorted(_METHODS)}")
         extra = set(item) - {"method", *_METHODS[method]}
         if extra:
-            raise ValueError(f"steer[{i}] ({method}): unknown field(s) {sorted(extra)}")
+            raise HeadsteerValueError(f"steer[{i}] ({method}): unknown field(s) {sorted(extra)}")
         try:
             with warnings.catch_warnings():  # a steering request that changes nothing is a bad request
                 warnings.simplefilter("error", NoOpWarning)
                 out.append(_intervention(method, item))
         except (TypeError, ValueError, NoOpWarning) as exc:
-            raise ValueError(f"steer[{i}] ({method}): {exc}") from None
+            raise HeadsteerValueError(f"steer[{i}] ({method}): {exc}") from None
     return out
 
 
@@ -158,10 +158,10 @@ def _intervention(method: str, item: Mapping) -> Intervention:
             kw["beta"] = _number(item["beta"], "beta")
         return Act(**kw)
     if "heads" not in item:  # ablate
-        raise ValueError("ablate needs heads")
+        raise HeadsteerValueError("ablate needs heads")
     kw = {"heads": _heads_spec(item["heads"], method)}
     if kw["heads"] == "auto":
-        raise ValueError('ablate has no "auto" heads: name them')
+        raise HeadsteerValueError('ablate has no "auto" heads: name them')
     if "mode" in item:
         kw["method"] = item["mode"]
     if "eps" in item:
@@ -190,18 +190,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         m = self.max_tokens
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {m!r}")
+            raise HeadsteerValueError(f"max_tokens must be a positive integer, got {m!r}")
         t = _number(self.temperature, "temperature")
         if not 0 <= t <= 2:
-            raise ValueError(f"temperature must be in [0, 2], got {t!r}")
+            raise HeadsteerValueError(f"temperature must be in [0, 2], got {t!r}")
         p = _number(self.top_p, "top_p")
         if not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+            raise HeadsteerValueError(f"top_p must be in (0, 1], got {p!r}")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {s!r}")
+            raise HeadsteerValueError(f"seed must be a non-negative integer, got {s!r}")
         if len(self.stop) > MAX_STOP or any(not isinstance(x, str) or not x for x in self.stop):
-            raise ValueError(f"stop must be up to {MAX_STOP} non-empty strings, got {list(self.stop)!r}")
+            raise HeadsteerValueError(
+                f"stop must be up to {MAX_STOP} non-empty strings, got {list(self.stop)!r}"
+            )
 
     @classmethod
     def from_body(cls, body: Mapping, max_tokens_key: str = "max_tokens") -> SamplingParams:
@@ -211,7 +213,7 @@ class SamplingParams:
             ValueError: a bad value (named), or `n` other than 1.
         """
         if body.get("n", 1) != 1:
-            raise ValueError(f"n must be 1, got {body.get('n')!r}")
+            raise HeadsteerValueError(f"n must be 1, got {body.get('n')!r}")
         stop = body.get("stop")
         if stop is None:
             stop = ()
@@ -220,7 +222,7 @@ class SamplingParams:
         elif isinstance(stop, list):
             stop = tuple(stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise HeadsteerValueError(f"stop must be a string or a list of strings, got {stop!r}")
         mt = body.get(max_tokens_key)
         if mt is None:
             mt = body.get("max_completion_tokens")
@@ -371,7 +373,7 @@ class BatchGenerator:
 
     def __init__(self, model: HeadModel):
         if not isinstance(model, HeadModel) or model.tokenizer is None:
-            raise TypeError("BatchGenerator needs a HeadModel with a tokenizer (heads.load_model)")
+            raise HeadsteerTypeError("BatchGenerator needs a HeadModel with a tokenizer (heads.load_model)")
         self.model = model
         tok = model.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -397,7 +399,9 @@ class BatchGenerator:
             stacklevel=2,
         )
         if not any(enc.spans):
-            raise ValueError("PASTA needs an emphasized span: mark it with **...** or pass emphasize")
+            raise HeadsteerValueError(
+                "PASTA needs an emphasized span: mark it with **...** or pass emphasize"
+            )
         scores = span_attention(self.model, request.prompt, emphasize=request.emphasize, chat=request.chat)
         return replace(s, heads=scores.top(AUTO_SPAN_TOP_K))
 
@@ -412,7 +416,7 @@ class BatchGenerator:
             self.model.tokenizer, request.prompt, emphasize=request.emphasize, chat=request.chat
         )
         if enc.batch != 1:
-            raise ValueError("one prompt per request")
+            raise HeadsteerValueError("one prompt per request")
         self.model.check_length(enc.length + request.params.max_tokens)
         steer = [self._resolve_auto(s, enc, request) for s in request.steer]
         for s in steer:
@@ -584,7 +588,7 @@ class Batcher:
         self, generator: BatchGenerator, *, max_batch: int = 32, wait_s: float = 0.02, max_queue: int = 256
     ):
         if max_batch < 1 or wait_s < 0:
-            raise ValueError(f"max_batch must be >= 1 and wait_s >= 0, got {max_batch}, {wait_s}")
+            raise HeadsteerValueError(f"max_batch must be >= 1 and wait_s >= 0, got {max_batch}, {wait_s}")
         self.generator = generator
         self.max_batch = max_batch
         self.wait_s = wait_s

@@ -20,7 +20,7 @@ new row at each decode step, so individual rows stay spread around tau and an un
 differs from cached decoding by design. Span columns are prompt positions only; generated
 tokens are never in the span. Decode rows are steered at every step (`steer_decode=True`).
 A prompt without a span (psi = 0) is left unsteered; in a batch, `Spotlight.edits` warns about
-such rows (`UnsteeredRowsWarning`, `steer.spans`).
+such rows (`UnsteeredRowsWarning`, `steer.span_rows`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Literal
 
 import torch
 
-import heads.engine as engine
-from heads import fused
-from heads.edits import AttentionCall, SpanShareEdit
-from heads.model import HeadModel
-from heads.prompts import EncodedPrompts
-
-from .spans import warn_rows_without_span
+import heads.engine.editing as engine
+from heads.engine.edits import AttentionCall, SpanShareEdit
+from heads.engine.kernels import fused
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from steer.span_rows import warn_rows_without_span
 
 __all__ = ["Spotlight", "SpotlightEdit", "spotlight_bias"]
 
@@ -112,7 +112,9 @@ class SpotlightEdit(SpanShareEdit):
     def span_columns(self, call: AttentionCall) -> torch.Tensor:
         if self.span.shape[0] != call.batch:
             built = self.span.shape[0]
-            raise ValueError(f"SpotLight was built for {built} prompts, the call has {call.batch} rows")
+            raise HeadsteerValueError(
+                f"SpotLight was built for {built} prompts, the call has {call.batch} rows"
+            )
         m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=call.device)
         width = min(self.span.shape[1], call.k_len)
         m[:, :width] = self.span[:, :width].to(call.device)
@@ -122,10 +124,10 @@ class SpotlightEdit(SpanShareEdit):
         if not self.steer_decode and call.q_offset >= self.span.shape[1]:
             return None
         if self.granularity != "row" and 1 < call.q_len < call.k_len:
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
                 f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row', or "
-                "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.QUERY_BLOCK"
+                "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.editing.QUERY_BLOCK"
             )
         dims = _DIMS[self.granularity]
         psi = _share(num, den, dims)
@@ -140,10 +142,10 @@ class SpotlightEdit(SpanShareEdit):
 
 def _check_tau(tau: object) -> float:
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise TypeError(f"tau must be a number, got {tau!r}")
+        raise HeadsteerTypeError(f"tau must be a number, got {tau!r}")
     value = float(tau)
     if not math.isfinite(value) or not 0 < value < 1:
-        raise ValueError(f"tau must be in (0, 1), got {tau!r}")
+        raise HeadsteerValueError(f"tau must be in (0, 1), got {tau!r}")
     return value
 
 
@@ -178,27 +180,31 @@ class Spotlight:
     def validate(self) -> None:
         _check_tau(self.tau)
         if self.bias not in ("odds", "ratio", "solve"):
-            raise ValueError(f"unknown bias {self.bias!r}: use 'odds', 'ratio' or 'solve'")
+            raise HeadsteerValueError(f"unknown bias {self.bias!r}: use 'odds', 'ratio' or 'solve'")
         if self.granularity not in _DIMS:
-            raise ValueError(f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'")
+            raise HeadsteerValueError(
+                f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'"
+            )
         if not isinstance(self.steer_decode, bool):
-            raise TypeError(f"steer_decode must be a bool, got {self.steer_decode!r}")
+            raise HeadsteerTypeError(f"steer_decode must be a bool, got {self.steer_decode!r}")
         if self.layers is not None:
             ls = self.layers
             if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)):
-                raise TypeError(f"layers must be None or a list of layer indices, got {ls!r}")
+                raise HeadsteerTypeError(f"layers must be None or a list of layer indices, got {ls!r}")
             if not ls:
-                raise ValueError("layers is empty: SpotLight would steer nothing (None = every layer)")
+                raise HeadsteerValueError(
+                    "layers is empty: SpotLight would steer nothing (None = every layer)"
+                )
             if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
-                raise TypeError(f"layers must be ints, got {ls!r}")
+                raise HeadsteerTypeError(f"layers must be ints, got {ls!r}")
             if len(set(ls)) != len(ls):
-                raise ValueError(f"layers has duplicates (each would steer again): {ls!r}")
+                raise HeadsteerValueError(f"layers has duplicates (each would steer again): {ls!r}")
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[SpotlightEdit]:
         """One `SpotlightEdit` per steered layer for the batch `enc`.
 
         A prompt of the batch without an emphasized span is left unsteered, with an
-        `UnsteeredRowsWarning` naming it (`steer.spans`).
+        `UnsteeredRowsWarning` naming it (`steer.span_rows`).
 
         Raises:
             ValueError: no prompt has an emphasized span, an unknown layer, or (granularity
@@ -209,13 +215,15 @@ class Spotlight:
         """
         self.validate()
         if not any(enc.spans):
-            raise ValueError("SpotLight needs an emphasized span: mark it with **...** or pass emphasize=")
+            raise HeadsteerValueError(
+                "SpotLight needs an emphasized span: mark it with **...** or pass emphasize="
+            )
         block = engine.QUERY_BLOCK
         if self.granularity != "row" and enc.length > block and not fused.available():
-            raise ValueError(
+            raise HeadsteerValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but a prompt of "
                 f"{enc.length} tokens is split into query blocks of {block} rows "
-                "(heads.engine.QUERY_BLOCK) and this torch has no flex_attention for the fused "
+                "(heads.engine.editing.QUERY_BLOCK) and this torch has no flex_attention for the fused "
                 "kernel: use granularity='row' for longer prompts"
             )
         warn_rows_without_span(enc, "SpotLight")

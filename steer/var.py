@@ -2,7 +2,7 @@
 for images and for a marked text context.
 
 In each edited layer, sinks are the key tokens whose residual state entering the layer has a
-massive value in the backbone's sink dims (phi >= tau, `heads.sink_dims`), flagged at every
+massive value in the backbone's sink dims (phi >= tau, `heads.scorers.sink_dims`), flagged at every
 forward (prefill and each decode step) per batch row. For every (row, head, query) the
 *unmodified* pattern a decides whether the head is image-centric there:
 
@@ -33,12 +33,12 @@ from typing import Literal
 
 import torch
 
-from heads.edits import AttentionCall, ProbEdit
-from heads.model import HeadModel
-from heads.prompts import EncodedPrompts
-from heads.sink_dims import SinkTracker, sink_dims_for, sink_tau_for
-
-from .spans import warn_rows_without_span
+from heads.engine.edits import AttentionCall, ProbEdit
+from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from heads.scorers.sink_dims import SinkTracker, sink_dims_for, sink_tau_for
+from steer.span_rows import warn_rows_without_span
 
 __all__ = ["Var", "VarEdit", "var_redistribute"]
 
@@ -175,7 +175,7 @@ class VarEdit(ProbEdit):
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if self.region.shape[0] != call.batch:
             built = self.region.shape[0]
-            raise ValueError(f"VAR was built for {built} prompts, the call has {call.batch} rows")
+            raise HeadsteerValueError(f"VAR was built for {built} prompts, the call has {call.batch} rows")
         dev = probs.device
         assert self.tracker is not None  # set by Var.edits
         sink = self.tracker.mask(self.layer, call.k_len, dev)
@@ -220,9 +220,9 @@ _KEYS = (
 
 def _unit(name: str, x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
-        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
     if not 0 <= float(x) <= 1:
-        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
     return float(x)
 
 
@@ -234,12 +234,12 @@ class Var:
         rho: least non-sink image ratio of a selected (image-centric) row, paper semantics
             (default 0.5; the paper quotes 0.8 general, 0.5 hallucination, 0.9 vision-centric).
         p: fraction of the sink mass moved to the image, paper semantics (default 0.6).
-        tau: sink threshold on phi (default `heads.sink_dims.sink_tau_for`: calibrated for
+        tau: sink threshold on phi (default `heads.scorers.sink_dims.sink_tau_for`: calibrated for
             known backbones, else 20 sqrt(D/4096)).
         floor: least image mass of a considered row (default 0.2).
         layers: edited layers (default every layer).
         skip_last: never edit the last layer (default True, the paper's rule).
-        sink_dims: the backbone's sink dimensions (default: `heads.sink_dims.KNOWN_SINK_DIMS`
+        sink_dims: the backbone's sink dimensions (default: `heads.scorers.sink_dims.KNOWN_SINK_DIMS`
             by config; an unknown backbone raises).
         target: `"image"`, `"text"` (the emphasized context passage) or `"auto"` (image spans
             where the batch has any, else the emphasized text; default).
@@ -279,18 +279,18 @@ class Var:
             or not math.isfinite(self.tau)
             or self.tau <= 0
         ):
-            raise ValueError(f"tau must be a positive number, got {self.tau!r}")
+            raise HeadsteerValueError(f"tau must be a positive number, got {self.tau!r}")
         if self.target not in ("auto", "image", "text"):
-            raise ValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
+            raise HeadsteerValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
         for name in ("skip_last", "sinks_from_prefill_only", "require_visual_sink", "enabled"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise HeadsteerValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.layers is not None:
             ls = self.layers
             if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
-                raise ValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
+                raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
             if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
-                raise ValueError(f"layers must be ints, got {ls!r}")
+                raise HeadsteerValueError(f"layers must be ints, got {ls!r}")
 
     @classmethod
     def from_config(cls, config: Mapping) -> Var:
@@ -302,7 +302,7 @@ class Var:
         """
         unknown = sorted(set(config) - set(_KEYS))
         if unknown:
-            raise ValueError(f"unknown VAR config keys {unknown}: allowed are {', '.join(_KEYS)}")
+            raise HeadsteerValueError(f"unknown VAR config keys {unknown}: allowed are {', '.join(_KEYS)}")
         kw = dict(config)
         for k in ("layers", "sink_dims"):
             if isinstance(kw.get(k), list):
@@ -341,7 +341,7 @@ class Var:
         layers = self.edit_layers(model)
         spans = self.spans(enc)
         if not any(spans):
-            raise ValueError("VAR needs an image or a marked context passage (**...** / emphasize=)")
+            raise HeadsteerValueError("VAR needs an image or a marked context passage (**...** / emphasize=)")
         warn_rows_without_span(enc, "VAR", spans=spans)
         if not layers:
             return []

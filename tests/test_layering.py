@@ -65,7 +65,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
 def backward_imports(
     source: str, module: str, *, layer: str | None = None, is_package: bool = False
 ) -> list[str]:
-    """Backwards imports in `source`, the code of dotted module `module` (e.g. `"heads.maps"`).
+    """Backwards imports in `source`, the code of dotted module `module` (e.g. `"heads.scorers.maps.static"`).
 
     `layer` is the rule to apply (default the module's top-level package; `"notebooks"` for a
     notebook). Returns one `"line N: <layer> imports <name>"` per violation.
@@ -130,27 +130,39 @@ def test_every_package_module_is_walked():
     "module,source,expected",
     [
         ("heads.x", "import steer\n", ["line 1: heads imports steer"]),
-        ("heads.x", "def f():\n    from steer.pasta import Pasta\n", ["line 2: heads imports steer.pasta"]),
         (
             "heads.x",
-            "class A:\n    def m(self):\n        import probes.tasks as t\n",
-            ["line 3: heads imports probes.tasks"],
+            "def f():\n    from steer.pasta.method import Pasta\n",
+            ["line 2: heads imports steer.pasta.method"],
         ),
         (
             "heads.x",
-            "import importlib\nimportlib.import_module('viz.cli')\n",
-            ["line 2: heads imports viz.cli"],
+            "class A:\n    def m(self):\n        import probes.datasets.tasks as t\n",
+            ["line 3: heads imports probes.datasets.tasks"],
+        ),
+        (
+            "heads.x",
+            "import importlib\nimportlib.import_module('viz.cli.main')\n",
+            ["line 2: heads imports viz.cli.main"],
         ),
         ("heads.x", "__import__('steer')\n", ["line 1: heads imports steer"]),
         ("heads.x", "from .. import steer\n", ["line 1: heads imports <beyond top level>"]),
-        ("steer.x", "from probes.tasks import load_task\n", ["line 1: steer imports probes.tasks"]),
+        (
+            "steer.x",
+            "from probes.datasets.tasks import load_task\n",
+            ["line 1: steer imports probes.datasets.tasks"],
+        ),
         ("steer.x", "try:\n    import viz\nexcept ImportError:\n    pass\n", ["line 2: steer imports viz"]),
         ("probes.x", "from viz.figures import head_heatmap\n", ["line 1: probes imports viz.figures"]),
         # allowed: own package (also relative), lower layers, third-party names that only look alike
         ("heads.x", "from .maps import maps_scores\nimport torch\nimport headsteer_extra\n", []),
-        ("steer.x", "from heads.scores import HeadScores\nfrom .pasta import Pasta\n", []),
+        ("steer.x", "from heads.results.scores import HeadScores\nfrom .pasta import Pasta\n", []),
         ("probes.x", "from steer import Ablate\nfrom heads import HeadModel\nfrom . import tasks\n", []),
-        ("viz.x", "from probes.safety import safety_analysis\nfrom .figures import head_heatmap\n", []),
+        (
+            "viz.x",
+            "from probes.studies.safety import safety_analysis\nfrom .figures import head_heatmap\n",
+            [],
+        ),
     ],
 )
 def test_checker_on_planted_sources(module, source, expected):
@@ -172,17 +184,17 @@ def test_planted_backwards_import_in_a_copy_of_the_tree_fails(tmp_path):
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks")
     assert tree_violations(tmp_path) == []
     (tmp_path / "heads" / "planted.py").write_text(
-        "def f():\n    from steer.pasta import Pasta\n    return Pasta\n"
+        "def f():\n    from steer.pasta.method import Pasta\n    return Pasta\n"
     )
     nb = {"cells": [{"cell_type": "code", "source": ["%matplotlib inline\n", "import viz.figures\n"]}]}
     (tmp_path / "notebooks" / "ok.ipynb").write_text(json.dumps(nb))  # notebooks may import viz
     (tmp_path / "probes" / "tasks.py").write_text(
-        (tmp_path / "probes" / "tasks.py").read_text() + "\n\ndef _late():\n    import viz.cli\n"
+        (tmp_path / "probes" / "tasks.py").read_text() + "\n\ndef _late():\n    import viz.cli.main\n"
     )
     got = tree_violations(tmp_path)
     assert len(got) == 2
-    assert got[0].startswith("heads/planted.py:line 2: heads imports steer.pasta")
-    assert got[1].startswith("probes/tasks.py:") and got[1].endswith("probes imports viz.cli")
+    assert got[0].startswith("heads/planted.py:line 2: heads imports steer.pasta.method")
+    assert got[1].startswith("probes/tasks.py:") and got[1].endswith("probes imports viz.cli.main")
 
 
 def test_no_script_shadows_a_package():

@@ -13,9 +13,10 @@ import html
 import plotly.graph_objects as go
 import torch
 
-from heads.scores import HeadScores, HeadSet
-from heads.tokens import visible
-from heads.views import scores_title
+from heads.errors import HeadsteerValueError
+from heads.inputs.tokens import visible
+from heads.results.scores import HeadScores, HeadSet
+from heads.results.views import scores_title
 
 __all__ = [
     "attention_pattern",
@@ -46,7 +47,7 @@ def head_heatmap(
 
     Hover shows layer, head, KV head and score. `top_k` (an int or a `HeadSet`)
     outlines the selected heads with red boxes. `title` defaults to what the scores hold
-    (`heads.views.scores_title`: method, relation / task / span, model).
+    (`heads.results.views.scores_title`: method, relation / task / span, model).
     """
     n_layers, n_heads = scores.n_layers, scores.n_heads
     kv = [[scores.kv_head(h) for h in range(n_heads)] for _ in range(n_layers)]
@@ -97,7 +98,9 @@ def attention_pattern(
     """
     probs = probs.detach().float().cpu()
     if probs.ndim != 2 or probs.shape[0] != probs.shape[1] or probs.shape[0] != len(tokens):
-        raise ValueError(f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}")
+        raise HeadsteerValueError(
+            f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}"
+        )
     labels = [plain_text(f"{i}:{visible(t)}") for i, t in enumerate(tokens)]
     fig = go.Figure(
         go.Heatmap(
@@ -173,7 +176,7 @@ def score_distribution(scores: HeadScores, *, title: str | None = None) -> go.Fi
 def mapped_pairs(salient, *, title: str = "salient operations") -> go.Figure:
     """Bar chart of a head's most amplified source tokens (sigma), labelled with their top targets.
 
-    `salient`: the DataFrame from `heads.maps.salient_operations`.
+    `salient`: the DataFrame from `heads.scorers.maps.static.salient_operations`.
     """
     src = [plain_text(repr(s)) for s in salient["source"]]
     targets = [plain_text(", ".join(repr(t) for t in ts)) for ts in salient["targets"]]

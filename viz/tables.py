@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from heads.files import write_text
+from heads._util.files import write_text
 
 __all__ = ["FORMULA_PREFIXES", "neutralise_cell", "neutralise_formulas", "write_csv"]
 
@@ -35,7 +35,7 @@ def neutralise_formulas(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_csv(path: str | os.PathLike, frame: pd.DataFrame, *, overwrite: bool = False) -> Path:
-    """Write `frame` (no index) as CSV, formula cells neutralised, atomically (`heads.files`).
+    """Write `frame` (no index) as CSV, formula cells neutralised, atomically (`heads._util.files`).
 
     Missing parent folders are created. Returns the path.
 

@@ -1,0 +1,1 @@
+"""Internal helpers: safe file writing, progress reporting, shared validators."""

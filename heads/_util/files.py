@@ -1,0 +1,77 @@
+"""Writing the user's files safely: never overwrite without asking, never follow a symlink, atomic.
+
+Every file headsteer writes (head profiles, scores, reports, CSV tables) goes through
+`write_text` / `write_bytes` here:
+
+* an existing file is refused unless `overwrite=True` (the CLI's `--force`);
+* a symlink at the output path is always refused (it could point anywhere);
+* the data goes to a temporary file in the same folder, is flushed to disk, and is
+  renamed over the target, so an interrupted write never leaves a partial file;
+* missing parent folders are created.
+
+`check_output(path, overwrite)` runs the same checks without writing, so a command can
+refuse a bad output path before any expensive work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from heads.errors import HeadsteerValueError
+
+__all__ = ["check_output", "write_bytes", "write_text"]
+
+
+def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Check that `path` may be written; returns it as a `Path`.
+
+    Raises:
+        ValueError: `path` is a symlink (always refused), a folder, or an existing
+            file while `overwrite` is False. The message names the path.
+    """
+    p = Path(path).expanduser()
+    if p.is_symlink():
+        raise HeadsteerValueError(f"refusing to write through a symlink: {p}")
+    if p.is_dir():
+        raise HeadsteerValueError(f"output path is a folder, not a file: {p}")
+    if p.exists() and not overwrite:
+        raise HeadsteerValueError(f"{p} exists; pass --force (API: overwrite=True) to replace it")
+    return p
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, overwrite: bool = False) -> Path:
+    """Write `data` to `path` atomically (temporary file in the same folder, then rename).
+
+    Creates missing parent folders. Returns the path written.
+
+    Raises:
+        ValueError: see `check_output`.
+    """
+    p = check_output(path, overwrite)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        check_output(p, overwrite)  # re-check: a symlink may have appeared meanwhile
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def write_text(path: str | os.PathLike, text: str, overwrite: bool = False) -> Path:
+    """Write `text` (UTF-8) to `path` atomically; see `write_bytes`."""
+    return write_bytes(path, text.encode("utf-8"), overwrite)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

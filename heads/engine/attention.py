@@ -1,0 +1,182 @@
+"""headsteer's attention function, registered with `transformers`' attention and mask interfaces.
+
+A layer with no pattern edit calls the model's own attention (SDPA or the family's eager
+function); a layer with logit or pattern edits runs the blocked or the fused kernel
+(`use_fused` chooses)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from heads.engine.edits import (
+    AttentionCall,
+    Edit,
+    LogitBias,
+    ProbEdit,
+    SpanShareEdit,
+)
+from heads.engine.kernels.blocked import blocked_attention
+from heads.engine.kernels.common import check_kwargs
+from heads.engine.kernels.fused_layer import fused_layer_attention
+from heads.engine.sites import SITES
+from heads.engine.state import ACTIVE, FUSED_MIN_ROWS_CPU, KERNEL, QUERY_BLOCK, LayerEdits, apply_head_edits
+from heads.errors import HeadsteerValueError
+from heads.model.families import family_of
+
+__all__ = ["BASES", "check_fusable", "fusable", "registered_name", "use_fused"]
+
+BASES = ("sdpa", "eager")
+
+
+def fusable(edit: Edit) -> bool:
+    """True when `edit` can run with `kernel="fused"`: a query, head-output or residual edit
+    (these never need the pattern), a `LogitBias` with `per_column` (e.g. PASTA) or a
+    `SpanShareEdit` (e.g. SpotLight). Other pattern edits (recorders, ACT, VAR, attribution's
+    linearised scale) read the whole pattern and run on the blocked path."""
+    if isinstance(edit, LogitBias):
+        return edit.per_column
+    if isinstance(edit, ProbEdit):
+        return isinstance(edit, SpanShareEdit)
+    return True
+
+
+def _layer_fusable(edits: LayerEdits) -> bool:
+    probs = edits.get("probs")
+    return all(fusable(e) for e in (*edits.get("logits"), *probs)) and len(probs) <= 1
+
+
+def check_fusable(table: dict[int, LayerEdits]) -> None:
+    """ValueError unless every layer's attention edits (this context's and any outer one's)
+    can run on the fused kernel."""
+    for slot in table.values():
+        pattern = [*slot.get("logits"), *slot.get("probs")]
+        bad = [e for e in pattern if not fusable(e)]
+        shares = sum(isinstance(e, SpanShareEdit) for e in pattern)
+        if bad or shares > 1:
+            what: list = bad or [f"{shares} span-share edits in layer {slot.layer}"]
+            raise HeadsteerValueError(
+                f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
+                "use kernel='auto' or 'blocked'"
+            )
+
+
+def use_fused(edits: LayerEdits, want_probs: bool, query: torch.Tensor) -> bool:
+    kernel = KERNEL.get()
+    if kernel == "fused" and want_probs:
+        raise HeadsteerValueError(
+            f"layer {edits.layer}: kernel='fused' never builds the attention pattern, so it cannot "
+            "return it (output_attentions=True); use kernel='auto' or 'blocked'"
+        )
+    if kernel == "blocked" or want_probs or not _layer_fusable(edits):
+        return False
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        if kernel == "fused":
+            raise HeadsteerValueError(
+                f"layer {edits.layer}: kernel='fused' on CPU has no backward pass (flex_attention); "
+                "run under torch.no_grad() / inference_mode() or use kernel='auto' or 'blocked'"
+            )
+        return False
+    if kernel == "fused":
+        return True
+    q_len = query.shape[2]
+    if query.device.type == "cuda":
+        return q_len > 1
+    if q_len > QUERY_BLOCK and edits.get("probs"):  # blocked would split a pooled span share
+        return True
+    return q_len >= FUSED_MIN_ROWS_CPU
+
+
+def registered_name(base: str) -> str:
+    """Name of headsteer's attention function for a base backend (`sdpa` or `eager`)."""
+    return f"headsteer_{base}"
+
+
+_EAGER: dict[type, tuple[Callable, tuple[str, str] | None]] = {}
+
+
+_SDPA: list[Callable] = []  # transformers' SDPA attention function, set by _register()
+
+
+def _own_attention(module: nn.Module, base: str) -> Callable:
+    """The attention function the model itself would run for `module` under `base`."""
+    if base == "sdpa":
+        return _SDPA[0]
+    cached = _EAGER.get(type(module))
+    if cached is None:
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise HeadsteerValueError(
+                f"{type(module).__name__} has no eager_attention_forward to fall back to"
+            )
+        config = getattr(module, "config", None)
+        variant = family_of(config).eager_variant if config is not None else None
+        cached = _EAGER[type(module)] = (fn, variant)
+    fn, variant = cached
+    if variant is not None and getattr(module, variant[0], False):  # e.g. GPT-2's upcast path
+        method = getattr(module, variant[1])
+        return lambda m, q, k, v, mask, **kw: method(q, k, v, mask)
+    return fn
+
+
+def _make_attention(base: str):
+    def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        edits = ACTIVE.get().get(id(module))
+        queries = edits.get("query") if edits is not None else []
+        if queries:
+            b, h, q_len, _ = query.shape
+            k_len = key.shape[2]
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, k_len - q_len, query.device)
+            query = apply_head_edits(queries, query.transpose(1, 2), call).transpose(1, 2)
+        want = bool(
+            kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
+        )
+        if edits is None or not any(SITES[s].pattern_site and edits.get(s) for s in edits.sites):
+            if not (want and base == "sdpa"):
+                own = _own_attention(module, base)
+                return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+            # SDPA returns no pattern: compute it explicitly (no edit) so output_attentions holds it.
+            edits = edits or LayerEdits(int(getattr(module, "layer_idx", -1)), query.shape[1])
+        check_kwargs(edits.layer, dropout, kw)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        is_causal = kw.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if use_fused(edits, want, query):
+            out = fused_layer_attention(
+                query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal
+            )
+            return out, None
+        return blocked_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            edits,
+            kw.get("softcap"),
+            causal,
+            want,
+            base == "eager",
+        )
+
+    return headsteer_attention
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    _SDPA[:] = [sdpa_attention_forward]
+    for base, mask_fn in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        name = registered_name(base)
+        AttentionInterface.register(name, _make_attention(base))
+        AttentionMaskInterface.register(name, mask_fn)
+
+
+_register()

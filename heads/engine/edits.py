@@ -1,0 +1,431 @@
+"""Edits: plain descriptions of what to change in which heads, applied by `heads.engine.editing`.
+
+Every edit class declares its *site*, `site` (DESIGN.md, "Edit engine"); the engine
+dispatches through its site table (`heads.engine.editing.SITES`):
+
+* `QueryEdit` (`"query"`): a function of each head's query as the attention function
+  receives it (after any QK-norm and RoPE), e.g. `QueryScale` for UA ablation.
+* `LogitBias` (`"logits"`): an additive bias on the attention logits (pre-softmax, after
+  any soft-capping) of chosen query heads, e.g. PASTA.
+* `ProbEdit` (`"probs"`): a function of the post-softmax attention pattern, e.g. ACT;
+  `Recorder` is a `ProbEdit` that only reads the pattern.
+* `HeadOutputEdit` (`"head_output"`): a function of each head's output `z` (the input of
+  `o_proj`, `[batch, pos, n_heads, d_head]`), e.g. `HeadScale` for ablation.
+* `ResidualEdit` (`"residual"`): reads (or replaces) the residual stream entering a decoder
+  layer `[batch, pos, d_model]`, e.g. `ResidualRecorder`; VAR's sink detection.
+
+Every edit names one `layer` and its query `heads` (None = all), or carries a
+per-batch-row head mask `row_heads` (`[batch, n_heads]` bool) so that one forward
+pass can evaluate a different head set in every batch row. `calls` counts how
+often the engine ran the edit, so that an edit that never fired is an error.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import torch
+
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+
+__all__ = [
+    "AttentionCall",
+    "Edit",
+    "HeadOutputEdit",
+    "HeadScale",
+    "QueryEdit",
+    "QueryScale",
+    "LogitBias",
+    "ProbEdit",
+    "Recorder",
+    "ResidualEdit",
+    "ResidualRecorder",
+    "SpanShareEdit",
+]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What an edit sees of one attention call (one layer, one block of query rows).
+
+    Key column `j` is absolute position `j` of the (left-padded) sequence, so a
+    prompt of padded length P occupies columns `0..P-1` and generated tokens
+    columns `>= P`. Query row `r` of the block is absolute position `q_offset + r`.
+    """
+
+    layer: int
+    batch: int
+    n_heads: int
+    q_len: int  # query rows in this block
+    k_len: int  # key columns (all positions so far)
+    q_offset: int  # absolute position of the block's first query row
+    device: torch.device
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """`[q_len]` absolute positions of the query rows."""
+        return torch.arange(self.q_offset, self.q_offset + self.q_len, device=self.device)
+
+
+@dataclass(eq=False)
+class Edit:
+    """Base of all edits: one layer, a set of query heads, optionally per batch row.
+
+    Attributes:
+        layer: layer index, 0-based.
+        heads: query-head indices in that layer; None means every head.
+        row_heads: optional `[batch, n_heads]` bool mask; row b edits the heads
+            where `row_heads[b]` is True. Overrides `heads`.
+        calls: how many attention calls ran this edit (set by the engine).
+        site: (class attribute) where the edit acts, a key of `heads.engine.editing.SITES`;
+            None on this abstract base.
+    """
+
+    site: ClassVar[str | None] = None
+    layer: int
+    heads: Sequence[int] | None = None
+    row_heads: torch.Tensor | None = None
+    calls: int = field(default=0, init=False)
+
+    def is_identity(self) -> bool:
+        """True when the edit provably changes nothing (it is then skipped)."""
+        return False
+
+    def validate(self) -> None:
+        """Check the edit's fields (run again by the engine at every use).
+
+        Raises:
+            TypeError: a layer that is not an int, heads that are not a list of
+                ints, or a `row_heads` that is not a bool tensor.
+            ValueError: a bad parameter (subclasses).
+        """
+        if isinstance(self.layer, bool) or not isinstance(self.layer, numbers.Integral):
+            raise HeadsteerTypeError(f"layer must be an int, got {self.layer!r}")
+        if self.heads is not None:
+            if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Iterable):
+                raise HeadsteerTypeError(f"heads must be a list of ints or None, got {self.heads!r}")
+            self.heads = tuple(self.heads)  # a generator or an array, read once
+            for h in self.heads:
+                if isinstance(h, bool) or not isinstance(h, numbers.Integral):
+                    raise HeadsteerTypeError(f"head must be an int, got {h!r}")
+            if not self.heads:
+                raise HeadsteerValueError(
+                    f"{type(self).__name__} at layer {self.layer}: heads is empty, the edit would change "
+                    "nothing (None = every head)"
+                )
+        if self.row_heads is not None and (
+            not isinstance(self.row_heads, torch.Tensor) or self.row_heads.dtype != torch.bool
+        ):
+            raise HeadsteerTypeError(
+                f"row_heads must be a bool torch.Tensor [batch, n_heads], got {self.row_heads!r}"
+            )
+
+    def acts_on(self, call: AttentionCall) -> bool:
+        """False when the edit provably changes nothing in `call` (head-output and query edits
+        are then skipped and the call does not count as fired). Default True."""
+        return True
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        """`[batch or 1, n_heads]` bool mask of the (row, head) pairs this edit touches."""
+        if self.row_heads is not None:
+            if tuple(self.row_heads.shape) != (batch, n_heads):
+                raise HeadsteerValueError(
+                    f"{type(self).__name__} at layer {self.layer}: row_heads has shape "
+                    f"{tuple(self.row_heads.shape)}, the call has batch {batch} x {n_heads} heads"
+                )
+            return self.row_heads.to(device=device, dtype=torch.bool)
+        heads = tuple(range(n_heads)) if self.heads is None else tuple(int(h) for h in self.heads)
+        cached = getattr(self, "_mask", None)
+        if cached is None or cached[0] != (heads, n_heads, device):
+            mask = torch.zeros(1, n_heads, dtype=torch.bool, device=device)
+            mask[0, list(heads)] = True
+            cached = self._mask = ((heads, n_heads, device), mask)
+        return cached[1]
+
+    def head_list(self, n_heads: int) -> list[int]:
+        """The heads this edit touches in any row."""
+        if self.row_heads is not None:
+            return sorted(set(torch.nonzero(self.row_heads.any(0)).flatten().tolist()))
+        return list(range(n_heads)) if self.heads is None else sorted(set(self.heads))
+
+    def __repr__(self) -> str:
+        who = "row_heads" if self.row_heads is not None else f"heads={self.heads}"
+        return f"{type(self).__name__}(layer={self.layer}, {who})"
+
+
+@dataclass(eq=False, repr=False)
+class LogitBias(Edit):
+    """Additive attention-logit bias. Subclasses implement `bias`.
+
+    Added to the scaled (and, in soft-capping families, soft-capped) logits together with the
+    model's mask, before the softmax.
+    """
+
+    site: ClassVar[str] = "logits"
+    per_column: ClassVar[bool] = False
+    """True when `bias` never depends on the query row (shape `[batch or 1, n_heads or 1, 1,
+    k_len]`): such a bias runs in the fused kernel (`heads.engine.kernels.fused`, `editing(kernel=...)`)."""
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class ProbEdit(Edit):
+    """Function of the post-softmax attention pattern. Subclasses implement `apply`."""
+
+    site: ClassVar[str] = "probs"
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class Recorder(ProbEdit):
+    """Reads the (edited) attention pattern of one layer without changing it.
+
+    `fn(probs, call)` gets fp32 probs `[batch, n_heads, q_len, k_len]` after all
+    other edits of the layer and returns anything; results are appended to
+    `records` in call order (one per attention call and query block).
+    """
+
+    fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
+    records: list = field(default_factory=list, init=False)
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if self.fn is None:
+            self.records.append(probs.detach().clone())
+        else:
+            self.records.append(self.fn(probs, call))
+        return probs
+
+
+@dataclass(eq=False, repr=False)
+class SpanShareEdit(ProbEdit):
+    """A pattern edit that depends on the pattern only through each row's share of attention on
+    a set of key columns (the *span*), and that rescales the span: `W' = softmax(S + beta m)`,
+    i.e. `W * e^(beta m)` renormalised, with a per-row bias `beta` (SpotLight).
+
+    Because only the shares are read, the fused kernel (`heads.engine.kernels.fused`) runs it without
+    materialising the pattern: one pass gets each row's span mass and total mass, the edit
+    turns them into `beta`, a second pass applies it. Subclasses implement `span_columns`
+    and `span_beta`; `apply` (the blocked path) is derived from them.
+    """
+
+    def span_columns(self, call: AttentionCall) -> torch.Tensor:
+        """`[batch, k_len]` bool: the span's key columns in this call."""
+        raise NotImplementedError
+
+    def span_beta(self, num: torch.Tensor, den: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        """The bias `beta` broadcastable to `[batch, n_heads, q_len]` (fp32; 0 = row unchanged),
+        or None when no row changes.
+
+        Args:
+            num: fp32 `[batch, n_heads, q_len]` attention mass on the span per row (0 on the
+                (row, head) pairs the edit does not touch).
+            den: the same for the whole row (1 for a row with visible keys, else 0).
+        """
+        raise NotImplementedError
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        m = self.span_columns(call).to(probs.device)[:, None, None, :]  # [B, 1, 1, K]
+        heads = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None]  # [B|1, H, 1]
+        w = probs.float()
+        num = torch.where(heads, (w * m).sum(-1), 0.0)  # [B, H, Q]; pad rows are all-zero
+        den = torch.where(heads, w.sum(-1), 0.0)
+        beta = self.span_beta(num, den, call)
+        if beta is None:
+            return probs  # bitwise unchanged
+        beta = beta.expand_as(num)[..., None]  # [B, H, Q, 1]
+        scaled = torch.where(m, w * torch.exp(beta), w)
+        new = scaled / scaled.sum(-1, keepdim=True).clamp(min=1e-30)
+        return torch.where(beta != 0, new, probs)
+
+
+MAX_FACTOR = 1e4
+"""Largest |factor| a scaling edit accepts: beyond it activations overflow in low precision."""
+
+
+class _Scaling(Protocol):
+    """An edit with a scale `factor` (`HeadScale`, `QueryScale`)."""
+
+    factor: float
+
+
+def check_factor(edit: _Scaling) -> None:
+    """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
+    name, factor = type(edit).__name__, edit.factor
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise HeadsteerTypeError(f"{name} factor must be a number, got {factor!r}")
+    if not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
+        raise HeadsteerValueError(
+            f"{name} factor must be finite with |factor| <= {MAX_FACTOR:g}, got {factor!r}"
+        )
+
+
+@dataclass(eq=False, repr=False)
+class HeadOutputEdit(Edit):
+    """Function of the heads' outputs `z` (`o_proj` input). Subclasses implement `apply`."""
+
+    site: ClassVar[str] = "head_output"
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map `z` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class HeadScale(HeadOutputEdit):
+    """Multiply the chosen heads' outputs by `factor` (0 = zero ablation; 1 = no-op).
+
+    `positions` restricts the scaling to some query positions; None (default) scales every
+    position. A position `p >= 0` is an absolute token position of the (left-padded)
+    sequence, the same at prefill and at every decode step with or without a KV cache
+    (DESIGN.md): with a cache, position `p` of the prompt is scaled once, at prefill, and a
+    generated token's position when that token is the new row. A negative `p` counts back
+    from the last query row of each forward call: `-1` is the last position of a scoring
+    forward, and with a KV cache also every newly generated token (so `-1` alone is not
+    cache-invariant during generation). A position no call ever reaches leaves the edit
+    unfired (`editing(..., require_fired=True)` then raises `EditNeverFired`).
+
+    Raises:
+        TypeError: a factor that is not a number, or positions that are not a list of ints.
+        ValueError: a non-finite factor or |factor| > 1e4, or an empty `positions`.
+    """
+
+    factor: float = 0.0
+    positions: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        check_factor(self)
+        ps = self.positions
+        if ps is None:
+            return
+        if isinstance(ps, (str, bytes)) or not isinstance(ps, Iterable):
+            raise HeadsteerTypeError(f"positions must be a list of ints or None, got {ps!r}")
+        ps = list(ps)
+        if any(isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in ps):
+            raise HeadsteerTypeError(f"positions must be ints, got {ps!r}")
+        if not ps:
+            raise HeadsteerValueError(
+                "positions is empty: the edit would scale nothing (None = every position)"
+            )
+        self.positions = tuple(int(p) for p in ps)  # a generator or an array, read once
+
+    def is_identity(self) -> bool:
+        return self.factor == 1.0
+
+    def _rows(self, call: AttentionCall) -> torch.Tensor:
+        """`[q_len]` bool: the call's query rows at the chosen positions (see the class doc)."""
+        rows = torch.zeros(call.q_len, dtype=torch.bool)
+        for p in self.positions or ():  # called only with positions set
+            r = int(p) - call.q_offset if p >= 0 else call.q_len + int(p)
+            if 0 <= r < call.q_len:
+                rows[r] = True
+        return rows
+
+    def acts_on(self, call: AttentionCall) -> bool:
+        return self.positions is None or bool(self._rows(call).any())
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if self.positions is None:
+            return z * self.factor
+        rows = self._rows(call).to(z.device)[None, :, None, None]
+        return torch.where(rows, z * self.factor, z)
+
+
+@dataclass(eq=False, repr=False)
+class QueryEdit(Edit):
+    """Function of the heads' queries as attention sees them. Subclasses implement `apply`.
+
+    The engine applies it to the query the attention function receives: after any QK-norm
+    (Qwen 3, Gemma 3 per head; OLMo 2 over all heads) and after RoPE, for separate and fused
+    QKV projections alike, so a scaled head stays scaled in the logits.
+    """
+
+    site: ClassVar[str] = "query"
+
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """Map `q` `[batch, q_len, n_heads, d_head]` to a tensor of the same shape."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class QueryScale(QueryEdit):
+    """Multiply the chosen query heads' query slices by `factor` (UA ablation: factor = eps).
+
+    The attention logits of the head become `factor * q.k / sqrt(d_head)`; with factor 0 the
+    pattern is exactly uniform over the visible (causal, unpadded, in-window) keys. It acts after
+    any QK-norm, which would otherwise undo it; RoPE is linear, so scaling before or after it
+    is the same (safety_heads.md §2). K and V, shared by a GQA group, are never touched.
+
+    Raises:
+        TypeError / ValueError: a factor that is not a finite number.
+    """
+
+    factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        check_factor(self)
+
+    def is_identity(self) -> bool:
+        return self.factor == 1.0
+
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return q * self.factor
+
+
+@dataclass(eq=False, repr=False)
+class ResidualEdit(Edit):
+    """Reads (or replaces) the residual stream entering decoder layer `layer`.
+
+    Runs in a forward pre-hook on the layer at every forward, prefill and each decode step.
+    `heads` and `row_heads` do not apply (the residual is not per head). Subclasses implement
+    `apply`.
+    """
+
+    site: ClassVar[str] = "residual"
+
+    def validate(self) -> None:
+        """As `Edit.validate`; also ValueError for `heads` / `row_heads` (not per head here)."""
+        super().validate()
+        if self.heads is not None or self.row_heads is not None:
+            raise HeadsteerValueError(
+                f"{type(self).__name__} acts on the whole residual stream: heads / row_heads do not apply"
+            )
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        """Read `x` `[batch, T, d_model]` (the layer's input); return None, or a new tensor of the
+        same shape to feed the layer instead.
+
+        `call.q_offset` is the absolute position of `x`'s first row (the number of cached
+        positions) and `call.q_len` its length `T`.
+        """
+        raise NotImplementedError
+
+
+@dataclass(eq=False, repr=False)
+class ResidualRecorder(ResidualEdit):
+    """Records the residual stream entering `layer`: `records` gets one `[batch, T, d_model]` copy
+    (or `fn(x, call)`) per forward; the stream is not changed."""
+
+    fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
+    records: list = field(default_factory=list, init=False)
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> None:
+        self.records.append(x.detach().clone() if self.fn is None else self.fn(x, call))
+        return None

@@ -1,0 +1,1 @@
+"""Attention kernels for edited layers: the blocked torch path and the fused `flex_attention` path."""

@@ -1,0 +1,122 @@
+"""The blocked kernel: an edited layer's attention in torch, `QUERY_BLOCK` query rows at a time."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from heads.engine.edits import (
+    AttentionCall,
+    LogitBias,
+    ProbEdit,
+)
+from heads.engine.kernels.common import additive_mask, causal_additive, check_window, mask_in_dtype
+from heads.engine.state import MIN_LOGIT, QUERY_BLOCK, LayerEdits
+
+__all__ = ["blocked_attention"]
+
+
+def blocked_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    edits: LayerEdits,
+    softcap: float | None = None,
+    causal: bool = True,
+    want_probs: bool = False,
+    eager: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The family's attention with the layer's logit and pattern edits.
+
+    Returns `([B, Q, H, d]` output, the edited pattern `[B, H, Q, K]` in the value dtype if
+    `want_probs` (`output_attentions=True`), else None).
+
+    Args:
+        query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit); key, value
+            `[B, G, K, d]`.
+        mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
+        scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
+        causal: what a None mask means (the module's `is_causal`).
+        want_probs: also return the pattern (computes it explicitly).
+        eager: the model's own attention is `eager`: compute the edited layer the same way
+            (matmul, softmax) rather than with SDPA, so only the edit differs from the model's
+            own arithmetic (and a TransformerLens bridge, which attends eagerly, agrees bitwise).
+    """
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    groups = n_heads // key.shape[1]
+    device = query.device
+    biases = cast("list[LogitBias]", edits.get("logits"))  # the site's edits are its subclass
+    probs_edits = cast("list[ProbEdit]", edits.get("probs"))
+    head_masks = {
+        id(e): e.head_mask(batch, n_heads, device)[:, :, None, None] for e in (*biases, *probs_edits)
+    }
+    check_window(edits, q_len, k_len)
+    for e in (*biases, *probs_edits):
+        e.calls += 1
+    # SDPA cannot soft-cap or expose the pattern
+    explicit = bool(probs_edits) or softcap is not None or want_probs or eager
+    if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    # A single decode row with no padding mask sees every key: no base mask needed.
+    base = (
+        None if (mask is None and (q_len == 1 or not causal)) else additive_mask(mask, q_len, k_len, device)
+    )
+    outs, patterns = [], []
+    for s in range(0, q_len, QUERY_BLOCK):
+        e_ = min(q_len, s + QUERY_BLOCK)
+        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
+        add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
+        for ed in biases:
+            b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
+            add = b if add is None else add + b
+        # every key visible (one decode row or a non-causal layer, no mask, no bias): the explicit
+        # path needs no mask (adding zeros and masking nothing would change no bit)
+        open_row = add is None and explicit and (q_len == 1 or not causal)
+        if add is None and not open_row:
+            if causal:
+                add = causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+            else:
+                add = torch.zeros(1, 1, e_ - s, k_len, device=device)
+        elif add is not None:
+            add = add.clamp(min=MIN_LOGIT)  # stacked biases on a masked key must not overflow to -inf
+        q_blk = query[:, :, s:e_]
+        if not explicit:
+            assert add is not None  # open rows are only skipped on the explicit path
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_blk,
+                    key,
+                    value,
+                    attn_mask=mask_in_dtype(add, query.dtype),
+                    scale=scaling,
+                    enable_gqa=groups > 1,
+                )
+            )
+            continue
+        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
+        if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
+            scores = torch.tanh(scores / softcap) * softcap
+        visible: torch.Tensor | None = None
+        if add is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            visible = (add > MIN_LOGIT / 2).expand_as(scores)
+            probs = torch.where(visible, torch.softmax(scores + add, dim=-1), 0.0)  # fully masked rows: 0
+        for pe in probs_edits:
+            probs = torch.where(head_masks[id(pe)], pe.apply(probs, call), probs)
+            if visible is not None:
+                probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
+        outs.append(torch.matmul(probs.to(value.dtype), value))
+        if want_probs:
+            patterns.append(probs.to(value.dtype))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    pattern = torch.cat(patterns, dim=2) if want_probs else None
+    return out.transpose(1, 2).contiguous(), pattern

@@ -1,0 +1,102 @@
+"""An edited layer on the fused kernel: the edited heads through `flex_attention`, the rest through SDPA."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from heads.engine.edits import (
+    AttentionCall,
+    LogitBias,
+    SpanShareEdit,
+)
+from heads.engine.kernels import fused as _fused
+from heads.engine.kernels.common import check_window, own_sdpa
+from heads.engine.state import MIN_LOGIT, LayerEdits
+from heads.errors import HeadsteerValueError
+
+__all__ = ["fused_layer_attention"]
+
+
+def fused_layer_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    edits: LayerEdits,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """`blocked_attention` on the fused kernel (`heads.engine.kernels.fused`): `[B, Q, H, d]` output.
+
+    Only the heads some edit touches (in any batch row) run through the fused kernel; the
+    others run through the model's own SDPA (`own_sdpa`; on CPU the fused kernel is about
+    twice as slow per head as SDPA's flash kernel, and PASTA edits a few heads per layer).
+    With a soft-cap (which SDPA lacks) every head runs fused. Column logit biases are summed
+    into one `[B, H_edited, K]` table; a `SpanShareEdit` takes one extra pass for its per-row
+    span shares. Rows with no visible key (left-padding query rows) give 0 on the fused heads
+    and what SDPA gives on the others; no real token reads them.
+    """
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    groups = n_heads // key.shape[1]
+    device = query.device
+    check_window(edits, q_len, k_len)
+    call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, k_len - q_len, device)
+    biases = cast("list[LogitBias]", edits.get("logits"))
+    spans = cast("list[SpanShareEdit]", edits.get("probs"))
+    touched = {h for ed in (*biases, *spans) for h in ed.head_list(n_heads)}
+    n_fused = _fused.head_bucket(len(touched), n_heads)
+    split = softcap is None and 0 < n_fused < n_heads
+    # the edited heads, padded with unedited ones up to the compiled head count
+    sel = sorted(touched | set(sorted(set(range(n_heads)) - touched)[: n_fused - len(touched)]))
+    sel = sel if split else list(range(n_heads))
+    index = torch.tensor(sel, device=device)
+    if split:  # the edited heads only, each with its own KV head
+        q_e, k_e, v_e = query[:, index], key[:, index // groups], value[:, index // groups]
+    else:
+        q_e, k_e, v_e = query, key, value
+    bias = None
+    for ed in biases:
+        ed.calls += 1
+        b = ed.bias(call).float()
+        if b.dim() != 4 or b.shape[-2] != 1:
+            raise HeadsteerValueError(
+                f"{ed!r} declares per_column but its bias has shape {tuple(b.shape)}, not [B|1, H|1, 1, K]"
+            )
+        b = torch.where(ed.head_mask(batch, n_heads, device)[:, :, None], b[:, :, 0].to(device), 0.0)
+        bias = b if bias is None else bias + b
+    if bias is not None:
+        bias = bias.clamp(min=MIN_LOGIT)[:, index] if split else bias.clamp(min=MIN_LOGIT)
+    bool_mask = None if mask is None or mask.dtype == torch.bool else mask > MIN_LOGIT / 2
+    if mask is not None and mask.dtype == torch.bool:
+        bool_mask = mask
+    kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap)
+    beta = span = None
+    for se in spans:
+        se.calls += 1
+        cols = se.span_columns(call).to(device)
+        span = cols.float()
+        indicator = torch.zeros_like(v_e)
+        indicator[..., 0] = span[:, None, :].to(v_e.dtype)
+        indicator[..., 1] = 1
+        mass_e = _fused.fused_attention(q_e, k_e, indicator, **kw).float()
+        mass = mass_e.new_zeros(batch, n_heads, q_len, mass_e.shape[-1])
+        mass[:, index] = mass_e
+        heads = se.head_mask(batch, n_heads, device)[:, :, None]
+        num = torch.where(heads, mass[..., 0], 0.0)
+        den = torch.where(heads, mass[..., 1], 0.0)
+        got = se.span_beta(num, den, call)
+        beta = None if got is None else torch.where(heads, got.float().expand_as(num), 0.0)[:, index]
+    out_e = _fused.fused_attention(q_e, k_e, v_e, beta=beta, span=span, **kw)
+    if not split:
+        return out_e.transpose(1, 2).contiguous()
+    out = out_e.new_empty(batch, q_len, n_heads, value.shape[-1])
+    out[:, :, index] = out_e.transpose(1, 2)
+    rest = torch.tensor(sorted(set(range(n_heads)) - set(sel)), device=device)
+    kv = rest // groups
+    own = own_sdpa(query[:, rest], key[:, kv], value[:, kv], mask, scaling, causal)
+    out[:, :, rest] = own.transpose(1, 2)
+    return out

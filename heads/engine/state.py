@@ -1,0 +1,109 @@
+"""The engine's shared state, a leaf module: which edits are active (per thread and context), the
+chosen kernel, the reference counts of switched models and installed hooks, and the constants
+every kernel reads. It imports only the edits, so backends and kernels can use it without cycles."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+from heads.engine.edits import (
+    AttentionCall,
+    Edit,
+    HeadOutputEdit,
+    QueryEdit,
+)
+
+__all__ = [
+    "ACTIVE",
+    "FUSED_MIN_ROWS_CPU",
+    "HOOKED",
+    "KERNEL",
+    "KERNELS",
+    "LOCK",
+    "MIN_LOGIT",
+    "OFFSETS",
+    "QUERY_BLOCK",
+    "SWITCHED",
+    "LayerEdits",
+    "active_edit_count",
+    "apply_head_edits",
+]
+
+QUERY_BLOCK = 1024
+"""Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
+
+
+KERNELS = ("auto", "fused", "blocked")
+"""Values of `editing(..., kernel=)`."""
+
+
+FUSED_MIN_ROWS_CPU = 2048
+"""`kernel="auto"` on CPU runs the fused kernel for calls with at least this many query rows
+(long prefills), and for any call of more than `QUERY_BLOCK` rows in a layer with a span-share
+edit (SpotLight at layer / head granularity pools the whole prefill, which the blocked path
+would split into query blocks); shorter calls and decoding stay on the blocked path, whose cost
+has no compile step (README, "Kernels"). On CUDA, auto runs the fused kernel for every call of
+two or more rows."""
+
+
+MIN_LOGIT = torch.finfo(torch.float32).min
+
+
+@dataclass
+class LayerEdits:
+    layer: int
+    n_heads: int
+    window: int | None = None  # sliding-window size of the layer, if any
+    sites: dict[str, list[Edit]] = field(default_factory=dict)
+
+    def get(self, site: str) -> list[Edit]:
+        return self.sites.get(site, [])
+
+
+# id(attention module) -> its edits; a ContextVar so threads do not see each other's edits.
+ACTIVE: ContextVar[dict[int, LayerEdits]] = ContextVar("headsteer_active_edits", default={})  # noqa: B039
+
+
+KERNEL: ContextVar[str] = ContextVar("headsteer_kernel", default="auto")
+
+
+# id(attention module) -> cached keys before the current call (its first absolute position).
+OFFSETS: ContextVar[dict[int, int]] = ContextVar("headsteer_call_offsets", default={})  # noqa: B039
+
+
+# Shared model state, reference-counted across contexts and threads:
+# id(config) -> [count, original attn implementation]; (id(module), site) -> [count, hook handle].
+LOCK = threading.Lock()
+
+
+SWITCHED: dict[int, list] = {}
+
+
+HOOKED: dict[tuple[int, str], list] = {}
+
+
+def apply_head_edits(
+    edits: Sequence[QueryEdit | HeadOutputEdit], z: torch.Tensor, call: AttentionCall
+) -> torch.Tensor:
+    """Apply per-head edits to `z` `[B, T, H, d]` (each only on its (row, head) pairs).
+
+    An edit that does not act on this call (`Edit.acts_on`, e.g. positions outside it) is
+    skipped and not counted as fired.
+    """
+    for e in edits:
+        if not e.acts_on(call):
+            continue
+        e.calls += 1
+        mask = e.head_mask(z.shape[0], z.shape[2], z.device)[:, None, :, None]
+        z = torch.where(mask, e.apply(z, call), z)
+    return z
+
+
+def active_edit_count() -> int:
+    """How many edits the calling context has active (on any model)."""
+    return sum(len(x) for v in ACTIVE.get().values() for x in v.sites.values())

@@ -1,0 +1,1 @@
+"""Inputs: prompt encoding, emphasis spans, token helpers and images."""

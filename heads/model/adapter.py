@@ -1,0 +1,380 @@
+"""`HeadModel`: one adapter over a Hugging Face causal LM that exposes its heads.
+
+Everything in headsteer talks to a model through this adapter: geometry
+(`n_layers`, `n_heads`, `n_kv_heads`, `d_head`, `d_model`, `d_vocab`), the
+attention and output-projection modules of each layer, and head-major weight
+views named as in TransformerLens (`W_Q`, `W_K`, `W_V`, `W_O`, `W_E`, `W_U`).
+Shapes are read from the real modules' weights, never from
+`hidden_size / num_attention_heads`. Where the modules live and every other
+family-specific fact comes from the model-family table (`heads.model.families`), kept as
+`HeadModel.family`; a family not in the table, or a feature the edit engine does not
+reproduce, is refused here with a `ValueError`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from heads.backends.core import Backend, backend_kind, make_backend
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.families import Family, family_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+
+__all__ = ["HeadModel"]
+
+
+def _get(obj: object, dotted: str) -> object:
+    """`obj.a.b.c` for `dotted = "a.b.c"` (AttributeError if a part is missing)."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The HF module inside a TransformerLens bridge component (itself otherwise)."""
+    if type(module).__module__.startswith("transformer_lens"):
+        inner = getattr(module, "original_component", None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return module
+
+
+def _module(obj: object, dotted: str) -> nn.Module:
+    """`_get` for a path that names a submodule (the HF module, also inside a bridge)."""
+    for part in dotted.split("."):
+        obj = _unwrap(cast(nn.Module, getattr(obj, part)))
+    return cast(nn.Module, obj)
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """`module.weight` (a projection, embedding or LM head)."""
+    return cast(torch.Tensor, module.weight)
+
+
+class HeadModel:
+    """A loaded causal LM plus its tokenizer, seen as `[n_layers, n_heads]` attention heads.
+
+    Args:
+        model: a `transformers` causal LM (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+            `Phi3ForCausalLM`, `GPT2LMHeadModel`, …) or vision-language model (LLaVA,
+            Qwen2-VL, Idefics3 / SmolVLM, Gemma 3) of a family in `heads.model.families.FAMILIES`;
+            for a VLM the heads are those of its language model.
+        tokenizer: its (fast) tokenizer; needed for text prompts and spans.
+        name: a model id recorded in every `HeadScores` produced with this model.
+        processor: for a vision-language model, its processor (image processor +
+            tokenizer; `heads.inputs.images` uses it to encode prompts with images).
+        remote: nnsight only: run every trace on NDIF (`trace(..., remote=True)`); see
+            `heads.backends.core`.
+
+    `model` may also be a TransformerLens `TransformerBridge` or an nnsight
+    `TransformersModel` / `LanguageModel` (their tokenizer is used when `tokenizer` is None);
+    `HeadModel.wrap(obj)` does the same and also accepts a `HeadModel`. The backend is kept as
+    `.backend` (`.backend.kind`: `"hf"`, `"transformer_lens"` or `"nnsight"`); forwards go
+    through `run()` / `generate()`, which use the backend's entry point (see `heads.backends.core`).
+
+    Every family-specific fact (module paths, fused QKV, sliding windows, QK-norm, …) comes
+    from its `heads.model.families` entry, kept as `.family`.
+
+    Raises:
+        TypeError: `model` is not a `transformers` model, bridge or nnsight model.
+        ValueError: a `model_type` not in the family table, a config feature the edit engine
+            does not reproduce (refused here, before anything is changed), or a model whose
+            modules are not where its family entry says.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        name: str | None = None,
+        processor: ProcessorMixin | None = None,
+        *,
+        remote: bool = False,
+    ):
+        hf, backend, native_tok = make_backend(model, remote=remote)  # TypeError for anything else
+        if tokenizer is None:
+            tokenizer = native_tok
+        model = cast("PreTrainedModel", hf)
+        cfg = model.config
+        fam = family_of(cfg)  # ValueError for an unknown or refused family, before any change
+        try:
+            decoder = _module(model, fam.decoder)
+            layers = [_unwrap(b) for b in cast(nn.ModuleList, _get(decoder, fam.layers))]
+            # the attention modules that run: on a TransformerLens bridge its attention components
+            attentions = [cast(nn.Module, _get(b, fam.attention)) for b in layers]
+            out_projs = [_module(a, fam.o_proj) for a in attentions]
+            q_projs = [_module(a, cast(str, fam.qkv_proj or fam.q_proj)) for a in attentions]
+            unembed = _module(model, fam.unembed)
+        except AttributeError as e:
+            raise HeadsteerValueError(
+                f"model_type {cfg.model_type!r} ({type(model).__name__}) does not have the modules its "
+                f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
+            ) from None
+        self.model: PreTrainedModel = model
+        self.backend: Backend = backend
+        self.tokenizer: PreTrainedTokenizerBase | None = tokenizer
+        self.processor: ProcessorMixin | None = processor
+        self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
+        self.family: Family = fam
+        self.decoder: nn.Module = decoder
+        self.layers: list[nn.Module] = layers
+        self.attentions: list[nn.Module] = attentions
+        self.out_projs: list[nn.Module] = out_projs
+        self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
+        self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
+        a0 = _unwrap(self.attentions[0])
+        self.d_head: int = int(cast(int, a0.head_dim))
+        self.n_layers: int = len(self.layers)
+        in_o = self._o_weight(0).shape[0]
+        if in_o % self.d_head:
+            raise HeadsteerValueError(
+                f"o_proj input width {in_o} is not a multiple of head_dim {self.d_head}"
+            )
+        self.n_heads: int = in_o // self.d_head
+        self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
+        self.d_model: int = int(self._o_weight(0).shape[1])
+        self.d_vocab: int = int(_weight(self.unembed).shape[0])
+        if backend.kind == "transformer_lens":
+            self._check_bridge_geometry(backend.native)
+
+    @classmethod
+    def wrap(
+        cls, obj: object, tokenizer: PreTrainedTokenizerBase | None = None, *, name: str | None = None
+    ) -> HeadModel:
+        """A `HeadModel` over whatever `obj` is: a `HeadModel` (returned as is), a `transformers`
+        causal LM, a TransformerLens `TransformerBridge` or an nnsight `TransformersModel` /
+        `LanguageModel` (the tokenizer defaults to the bridge's / nnsight model's own).
+
+        Raises:
+            TypeError: any other object (names its type).
+            ValueError: a family headsteer does not support, a bridge with processed weights, or
+                a `HeadModel` with a different `tokenizer` / `name` (it would be ignored).
+        """
+        if isinstance(obj, HeadModel):
+            if (tokenizer is not None and tokenizer is not obj.tokenizer) or (
+                name is not None and name != obj.name
+            ):
+                raise HeadsteerValueError(
+                    "HeadModel.wrap got a HeadModel and a different tokenizer or name: it is returned "
+                    "as is, so build a new HeadModel over its .model instead"
+                )
+            return obj
+        if backend_kind(obj) is None:
+            make_backend(obj)  # raises the TypeError naming the type
+        return cls(cast(nn.Module, obj), tokenizer, name=name)
+
+    def _check_bridge_geometry(self, bridge: object) -> None:
+        """Read the geometry from the bridge's own weights and check it matches the modules."""
+        attn: Any = cast(nn.ModuleList, getattr(bridge, "blocks"))[0].attn  # noqa: B009
+        wq, wk = cast(torch.Tensor, attn.W_Q), cast(torch.Tensor, attn.W_K)  # [H, D, d], [G, D, d]
+        got = (int(wq.shape[0]), int(wk.shape[0]), int(wq.shape[-1]), int(wq.shape[1]))
+        want = (self.n_heads, self.n_kv_heads, self.d_head, self.d_model)
+        if got != want:
+            raise HeadsteerValueError(
+                f"the bridge's weights give (n_heads, n_kv_heads, d_head, d_model) = {got}, the wrapped "
+                f"model's modules {want}; refusing a bridge whose weights are not the model's"
+            )
+
+    # ------------------------------------------------------------------ running
+    def run(self, **inputs):
+        """One forward through the backend's entry point; the `transformers` output object.
+
+        `"hf"` calls the model, `"transformer_lens"` the bridge's rewired module tree (every hook
+        point fires), `"nnsight"` runs it in `trace()` (with `remote` if set).
+        """
+        return self.backend.run(self, **inputs)
+
+    def generate(self, **inputs):
+        """`transformers` `generate` through the backend's entry point (see `run`)."""
+        return self.backend.generate(self, **inputs)
+
+    def trace(self, *inputs, **kwargs):
+        """nnsight only: the user's own `trace()` on the wrapped nnsight model, to use inside
+        `heads.editing(...)` so headsteer's edits and the user's interventions act in one forward.
+
+        Raises:
+            ValueError: the backend is not nnsight.
+        """
+        trace = getattr(self.backend, "trace", None)
+        if trace is None:
+            raise HeadsteerValueError(
+                f"trace() needs the nnsight backend; this HeadModel's backend is {self.backend.kind!r}"
+            )
+        return trace(*inputs, **kwargs)
+
+    # ----------------------------------------------------------------- geometry
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (`g = n_heads / n_kv_heads`; 1 without GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_head(self, head: int) -> int:
+        """The KV head that query head `head` reads keys and values from (GQA map)."""
+        self.check_head(0, head)
+        return head // self.n_groups
+
+    @property
+    def kv_group(self) -> torch.Tensor:
+        """`[n_heads]` long tensor: the KV head of every query head."""
+        return torch.arange(self.n_heads) // self.n_groups
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def attention_configs(self) -> list[PreTrainedConfig]:
+        """The distinct config objects the attention modules read `_attn_implementation` from."""
+        seen: dict[int, PreTrainedConfig] = {}
+        for a in self.attentions:
+            cfg = getattr(_unwrap(a), "config", self.model.config)
+            seen.setdefault(id(cfg), cfg)
+        return list(seen.values())
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Sliding-window size (keys) of `layer`'s attention, or None for full attention.
+
+        Read through the family table (`Family.sliding_window`): `"all"` layers use
+        `config.sliding_window`, `"layer_types"` only the `"sliding_attention"` ones.
+        """
+        rule = self.family.sliding_window
+        if rule == "none":
+            return None
+        cfg = getattr(_unwrap(self.attentions[layer]), "config", self.model.config)
+        window = getattr(cfg, "sliding_window", None)
+        if rule == "layer_types":
+            types = getattr(cfg, "layer_types", None)
+            if types is None or types[layer] != "sliding_attention":
+                return None
+        return int(window) if window else None
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm applied to the residual stream before the unembedding."""
+        return _module(self.decoder, self.family.final_norm)
+
+    def mlp(self, layer: int) -> nn.Module:
+        """The MLP of decoder block `layer`."""
+        return _module(self.layers[layer], self.family.mlp)
+
+    def mlp_norm(self, layer: int) -> nn.Module | None:
+        """The norm on the MLP's input in block `layer`, or None (the MLP reads the raw residual)."""
+        name = self.family.mlp_norm
+        return None if name is None else _module(self.layers[layer], name)
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest sequence the model's position embeddings allow (None if unbounded)."""
+        cfg = self.model.config
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        return int(n) if n else None
+
+    def check_length(self, n_tokens: int) -> None:
+        """Raise `ValueError` if `n_tokens` exceeds `max_positions`."""
+        limit = self.max_positions
+        if limit is not None and n_tokens > limit:
+            raise HeadsteerValueError(
+                f"sequence of {n_tokens} tokens exceeds the model's limit of {limit} positions"
+            )
+
+    def check_head(self, layer: int, head: int | None = None) -> None:
+        """Raise `ValueError` naming `layer`/`head` if it is not a head of this model."""
+        for name, value, n in (("layer", layer, self.n_layers), ("head", head, self.n_heads)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise HeadsteerTypeError(f"{name} must be an int, got {value!r}")
+            if not 0 <= value < n:
+                raise HeadsteerValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")
+
+    # ------------------------------------------------------------------ weights
+    def _o_weight(self, layer: int) -> torch.Tensor:
+        """Output projection as `[n_heads * d_head, d_model]` (input rows, output columns)."""
+        w = _weight(self.out_projs[layer])
+        return w if self.family.conv1d else w.T  # Conv1D stores [in, out]
+
+    def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V projections as `[d_model, width]` matrices (widths H*d, G*d, G*d)."""
+        fam, attn = self.family, self.attentions[layer]
+        if fam.fused_qkv:
+            w = _weight(_module(attn, cast(str, fam.qkv_proj)))
+            w = w if fam.conv1d else w.T  # [d_model, (H + 2G) * d]
+            q_w, kv_w = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+            if w.shape[1] != q_w + 2 * kv_w:
+                raise HeadsteerValueError(f"fused QKV width {w.shape[1]} is not {q_w} + 2 x {kv_w}")
+            q, k, v = w.split([q_w, kv_w, kv_w], dim=1)
+            return q, k, v
+        mats = [_weight(_module(attn, cast(str, p))) for p in (fam.q_proj, fam.k_proj, fam.v_proj)]
+        q, k, v = (m if fam.conv1d else m.T for m in mats)
+        return q, k, v
+
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Head-major views (no copy) of one layer's weights, always current.
+
+        Returns `{"W_Q": [n_heads, d_model, d_head], "W_K"/"W_V": [n_kv_heads, d_model, d_head],
+        "W_O": [n_heads, d_head, d_model]}`.
+        """
+        self.check_head(layer)
+        q, k, v = self._qkv_weights(layer)
+
+        def split(m: torch.Tensor, n: int) -> torch.Tensor:
+            return m.detach().reshape(self.d_model, n, self.d_head).permute(1, 0, 2)
+
+        return {
+            "W_Q": split(q, self.n_heads),
+            "W_K": split(k, self.n_kv_heads),
+            "W_V": split(v, self.n_kv_heads),
+            "W_O": self._o_weight(layer).detach().reshape(self.n_heads, self.d_head, self.d_model),
+        }
+
+    def _stack(self, name: str) -> torch.Tensor:
+        return torch.stack([self.layer_weights(layer)[name] for layer in range(self.n_layers)])
+
+    @property
+    def W_Q(self) -> torch.Tensor:  # noqa: N802 (TransformerLens name)
+        """`[n_layers, n_heads, d_model, d_head]` query weights (q = x @ W_Q[l, h]); a fresh copy."""
+        return self._stack("W_Q")
+
+    @property
+    def W_K(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_kv_heads, d_model, d_head]` key weights, one per KV head; a fresh copy."""
+        return self._stack("W_K")
+
+    @property
+    def W_V(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_kv_heads, d_model, d_head]` value weights, one per KV head; a fresh copy."""
+        return self._stack("W_V")
+
+    @property
+    def W_O(self) -> torch.Tensor:  # noqa: N802
+        """`[n_layers, n_heads, d_head, d_model]` output weights (z @ W_O[l, h]); a fresh copy."""
+        return self._stack("W_O")
+
+    @property
+    def W_E(self) -> torch.Tensor:  # noqa: N802
+        """`[d_vocab, d_model]` token embedding."""
+        return _weight(_unwrap(self.model.get_input_embeddings())).detach()
+
+    @property
+    def W_U(self) -> torch.Tensor:  # noqa: N802
+        """`[d_model, d_vocab]` unembedding (the LM head, transposed)."""
+        return _weight(self.unembed).detach().T
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadModel({self.name!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, "
+            f"n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, d_model={self.d_model}"
+            + ("" if self.backend.kind == "hf" else f", backend={self.backend.kind!r}")
+            + ")"
+        )

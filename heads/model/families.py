@@ -1,0 +1,230 @@
+"""The model-family table: every family-specific fact headsteer relies on, in one place.
+
+One frozen `Family` per `transformers` `model_type` holds where a family keeps its decoder
+layers, attention and its q/k/v/o projections (or a fused QKV and how it splits), its MLP and
+the norms around it, the final norm and the unembedding, and the attention features the edit
+engine must reproduce exactly while it stands in for the model's attention function: GQA,
+sliding-window layers, attention-logit soft-capping, QK-norm (per head or over all heads,
+before RoPE), the scale the module passes, bidirectional attention over image tokens. A
+vision-language entry names only where its text model lives and which sub-config describes it;
+`family_of` resolves it to the text model's own entry.
+
+The engine reads the attention features from what `transformers` 5.23 hands its attention
+function (`scaling`, `softcap`, `sliding_window`, the mask, `module.is_causal`): the table
+records them so that a reader sees in one place what each family does, and so that a feature
+the engine does not reproduce (`unsupported`) is refused when `HeadModel` is built.
+
+Adding a family
+---------------
+1. Read `transformers/models/<family>/modeling_<family>.py`: the attention module's
+   `forward` (projections, any `q_norm`/`k_norm` and its width, what it passes to
+   `attention_interface(...)`) and the decoder layer's `forward` (which norm feeds the MLP).
+2. Add one `Family(...)` entry to `FAMILIES` below; only the fields that differ from the
+   Llama defaults need a value. A config flag the engine cannot reproduce goes in
+   `unsupported` so that such a model is refused at load.
+3. Add a tiny random-weight config for it to `TINY` in `tests/test_families.py`: the
+   family matrix then checks that a read-only recorder leaves the logits unchanged and that a
+   UA ablation gives exactly uniform rows, on eager and SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TypedDict
+
+from heads.errors import HeadsteerValueError
+
+__all__ = ["FAMILIES", "Family", "family_of", "supported_model_types"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Facts about one model family (one `config.model_type`).
+
+    Paths are dotted attribute paths. `decoder` starts at the loaded top model (the causal
+    LM, or the vision-language model); `layers` and `final_norm` start at the decoder;
+    `attention`, `mlp`, `mlp_norm`, `mlp_out_norm` at one decoder block; the projections at
+    the attention module; `unembed` at the top model.
+
+    Attributes:
+        model_type: the `config.model_type` this entry describes.
+        decoder: the text decoder stack (`LlamaModel`, GPT-2's `transformer`, a VLM's
+            `model.language_model`).
+        layers: the `ModuleList` of decoder blocks, `[L]`.
+        attention: a block's attention module.
+        q_proj, k_proj, v_proj: separate projections (None with a fused QKV).
+        qkv_proj: a fused projection whose output is Q `[H*d]` | K `[G*d]` | V `[G*d]`
+            (GQA widths: G KV heads), or None.
+        conv1d: projections store their weight as `[in, out]` (GPT-2 `Conv1D`) rather
+            than `nn.Linear`'s `[out, in]`.
+        o_proj: the output projection; its input is the heads' outputs `[H*d]`.
+        mlp: a block's MLP.
+        mlp_norm: the norm applied to the residual before the MLP, or None when the MLP
+            reads the raw residual (post-norm families such as OLMo 2).
+        mlp_out_norm: a norm on the MLP output before it joins the residual, or None.
+        final_norm: the norm before the unembedding.
+        unembed: the LM head `[V, D]`.
+        gqa: the family may have fewer KV heads than query heads (`num_key_value_heads`).
+        sliding_window: `"none"`; `"all"` (every layer uses `config.sliding_window` when
+            set); or `"layer_types"` (the layers whose `config.layer_types` entry is
+            `"sliding_attention"`).
+        softcap: the config field of attention-logit soft-capping (`c * tanh(s / c)` on the
+            scaled logits before the mask), passed to the attention function as `softcap`.
+        final_softcap: the config field of soft-capping on the output logits (Gemma 2 / 3),
+            applied by the model after the unembedding; None if the family has none.
+        qk_norm: `"none"`, `"per_head"` (RMSNorm over each head's `d` features) or
+            `"all_heads"` (RMSNorm over the whole `[H*d]` query / `[G*d]` key).
+        qk_norm_before_rope: the QK-norm is applied before RoPE (every family here).
+        scaling: how the module's attention scale is set (the engine uses the `scaling`
+            the module passes; this records the rule).
+        eager_variant: `(flag, method)`: when the attention module's boolean attribute
+            `flag` is true, the family's eager path is the module's own `method(q, k, v,
+            mask)` instead of the module-level `eager_attention_forward` (GPT-2's
+            `reorder_and_upcast_attn`).
+        bidirectional_images: image tokens attend to each other in both directions
+            (the model's mask carries it).
+        text_config: vision-language entries only: the sub-config of the text model
+            (`"text_config"`); `family_of` then returns the text model's family with this
+            entry's `decoder`.
+        vlm: set by `family_of` on a resolved vision-language family: the wrapper's
+            `model_type`.
+        unsupported: `(config field, reason)` pairs: a model whose config has a truthy
+            value there is refused at `HeadModel(...)` with the reason.
+    """
+
+    model_type: str
+    decoder: str = "model"
+    layers: str = "layers"
+    attention: str = "self_attn"
+    q_proj: str | None = "q_proj"
+    k_proj: str | None = "k_proj"
+    v_proj: str | None = "v_proj"
+    qkv_proj: str | None = None
+    conv1d: bool = False
+    o_proj: str = "o_proj"
+    mlp: str = "mlp"
+    mlp_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None
+    final_norm: str = "norm"
+    unembed: str = "lm_head"
+    gqa: bool = True
+    sliding_window: str = "none"
+    softcap: str | None = None
+    final_softcap: str | None = None
+    qk_norm: str = "none"
+    qk_norm_before_rope: bool = True
+    scaling: str = "head_dim ** -0.5"
+    eager_variant: tuple[str, str] | None = None
+    bidirectional_images: bool = False
+    text_config: str | None = None
+    vlm: str | None = None
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fused_qkv(self) -> bool:
+        """True when Q, K and V come from one projection (`qkv_proj`)."""
+        return self.qkv_proj is not None
+
+
+class _GemmaFields(TypedDict):
+    """The `Family` fields Gemma 2 and Gemma 3 share."""
+
+    mlp_norm: str
+    mlp_out_norm: str
+    sliding_window: str
+    scaling: str
+    final_softcap: str
+
+
+_GEMMA: _GemmaFields = {
+    "mlp_norm": "pre_feedforward_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+    "sliding_window": "layer_types",
+    "scaling": "query_pre_attn_scalar ** -0.5",
+    "final_softcap": "final_logit_softcapping",
+}
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama"),
+        Family("mistral", sliding_window="all"),
+        Family("qwen2", sliding_window="layer_types"),
+        Family("qwen2_vl_text", sliding_window="layer_types"),
+        Family("gemma"),
+        Family("phi3", q_proj=None, k_proj=None, v_proj=None, qkv_proj="qkv_proj", sliding_window="all"),
+        Family(
+            "gpt2",
+            decoder="transformer",
+            layers="h",
+            attention="attn",
+            q_proj=None,
+            k_proj=None,
+            v_proj=None,
+            qkv_proj="c_attn",
+            conv1d=True,
+            o_proj="c_proj",
+            mlp_norm="ln_2",
+            final_norm="ln_f",
+            gqa=False,
+            scaling="head_dim ** -0.5 (scale_attn_weights), / (layer + 1) (scale_attn_by_inverse_layer_idx)",
+            eager_variant=("reorder_and_upcast_attn", "_upcast_and_reordered_attn"),
+            unsupported=(("add_cross_attention", "cross-attention layers"),),
+        ),
+        Family("gemma2", softcap="attn_logit_softcapping", **_GEMMA),
+        Family("gemma3_text", qk_norm="per_head", **_GEMMA),
+        Family("qwen3", qk_norm="per_head", sliding_window="layer_types"),
+        Family("olmo2", qk_norm="all_heads", mlp_norm=None, mlp_out_norm="post_feedforward_layernorm"),
+        # vision-language models: where the text model lives; its own entry gives the rest
+        Family("llava", decoder="model.language_model", text_config="text_config"),
+        Family("qwen2_vl", decoder="model.language_model", text_config="text_config"),
+        Family("idefics3", decoder="model.text_model", text_config="text_config"),
+        Family("smolvlm", decoder="model.text_model", text_config="text_config"),
+        Family(
+            "gemma3", decoder="model.language_model", text_config="text_config", bidirectional_images=True
+        ),
+    )
+}
+"""Every supported family, keyed by `model_type`."""
+
+
+def supported_model_types() -> list[str]:
+    """The `model_type`s `family_of` accepts, sorted."""
+    return sorted(FAMILIES)
+
+
+def family_of(config: object) -> Family:
+    """The `Family` of a `transformers` config (a VLM resolves to its text model's family).
+
+    Args:
+        config: a `PretrainedConfig` (its `model_type` is looked up).
+
+    Returns:
+        the table entry; for a vision-language model the text model's entry with the
+        wrapper's `decoder` path, `vlm` set to the wrapper's `model_type` and its
+        `bidirectional_images`.
+
+    Raises:
+        ValueError: a `model_type` not in the table (the message names it and lists the
+            supported ones), or a config flag the family marks as `unsupported`.
+    """
+    kind = getattr(config, "model_type", None)
+    fam = FAMILIES.get(kind) if isinstance(kind, str) else None
+    if fam is None:
+        raise HeadsteerValueError(
+            f"model_type {kind!r} is not supported: headsteer reproduces the attention of "
+            f"{', '.join(supported_model_types())} exactly; a new family is one entry in heads/families.py"
+        )
+    if fam.text_config is not None:
+        sub = getattr(config, fam.text_config, None)
+        if sub is None:
+            raise HeadsteerValueError(f"model_type {kind!r}: config has no {fam.text_config!r}")
+        inner = family_of(sub)
+        return replace(inner, decoder=fam.decoder, vlm=kind, bidirectional_images=fam.bidirectional_images)
+    for flag, reason in fam.unsupported:
+        if getattr(config, flag, None):
+            raise HeadsteerValueError(
+                f"model_type {kind!r} with {flag}={getattr(config, flag)!r} is not supported: the edit "
+                f"engine does not reproduce {reason}"
+            )
+    return fam

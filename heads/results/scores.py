@@ -1,0 +1,596 @@
+"""`HeadScores` (a score per head, `[L, H]`) and `HeadSet` (a selection of heads).
+
+A `HeadSet` serialises to the JSON shape PASTA users already have,
+`{"layer": [heads]}` (layer keys as strings), so a head profile is a `HeadSet`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import re
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
+
+import torch
+
+from heads._util.files import write_text
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from heads.model.adapter import HeadModel
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "HeadScores", "HeadSet", "HeadSpec"]
+
+SCHEMA = "headsteer/head-scores"
+SCHEMA_VERSION = 1
+
+
+def _as_int(value: Any, what: str, *, allow_str: bool = False) -> int:
+    """An int from an int-like value (or, with `allow_str`, a decimal string: JSON keys).
+
+    Raises:
+        ValueError: a bool, float (also NaN and whole floats such as 3.0), None, a
+            string (unless `allow_str` and decimal) or any other non-integer; the
+            message names `what` and the value.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if allow_str and isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        return int(value)
+    raise HeadsteerValueError(f"{what} must be an int, got {value!r}")
+
+
+def _positive_int(k: Any, what: str = "k") -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise HeadsteerValueError(f"{what} must be a positive int, got {k!r}")
+    return int(k)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """`json` object hook: a key given twice is an error, not "the last one wins"."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeadsteerValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file strictly.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: naming the file: bad JSON text, a key repeated in one object, or
+            nesting too deep to parse (e.g. 100,000 `[`; Python's parser would raise
+            `RecursionError`).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"file not found: {str(path)!r}")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+    except ValueError as err:
+        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: nested too deeply") from None
+
+
+HeadSpec: TypeAlias = Union[
+    "HeadSet",
+    Mapping[int, Iterable[int]],
+    Mapping[str, Iterable[int]],
+    Sequence[tuple[int, int]],
+    Sequence[Sequence[int]],
+    Sequence[int],
+    str,
+    os.PathLike[str],
+]
+"""A head selection, in any form `HeadSet.parse` accepts.
+
+* a `HeadSet` (e.g. a `HeadScores` selection: `scores.top(k)`, `.per_layer(k)`,
+  `.threshold(t)`);
+* a `{layer: [heads]}` mapping, layer keys ints or decimal strings (PASTA's JSON shape);
+* a sequence of `(layer, head)` pairs (tuples or 2-lists);
+* a sequence of layers, meaning every head of each (needs `n_heads`);
+* a path (`str` or `os.PathLike`) to a JSON file of the mapping shape.
+
+A `HeadScores` itself is not a selection (`HeadSet.parse` raises `TypeError`).
+"""
+
+
+class HeadSet:
+    """An ordered, duplicate-free set of `(layer, head)` pairs.
+
+    Build one with `HeadSet.parse(spec)` from: a `{"layer": [heads]}` dict (keys may
+    be strings, as in PASTA's JSON files), a list of layers (all heads of each), a
+    list of `(layer, head)` pairs, another `HeadSet`, or a path to a JSON file of
+    the dict shape.
+    """
+
+    def __init__(self, heads: Iterable[tuple[int, int]] = ()):
+        pairs = set()
+        for x in heads:
+            if not isinstance(x, (tuple, list)) or len(x) != 2:
+                raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
+            pairs.add((_as_int(x[0], "layer"), _as_int(x[1], "head")))
+        self.heads: tuple[tuple[int, int], ...] = tuple(sorted(pairs))
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def parse(
+        cls,
+        spec: HeadSpec,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+    ) -> HeadSet:
+        """Parse a head selection and check it against `n_layers` x `n_heads`.
+
+        `spec` is a `HeadSpec` (see there for the forms). Layer keys of a dict may be
+        decimal strings (JSON keys); every head, and every layer given in a list, must
+        be an int (bool, float, NaN, null and strings are refused).
+
+        Raises:
+            ValueError: unknown layer or head (named); a layer or head that is not an
+                int; a file that is not a `{"layer": [heads]}` JSON object, repeats a
+                key, or is nested too deeply. An empty selection is valid.
+            TypeError: a `HeadScores` (call `.top(k)` first) or another type.
+            FileNotFoundError: a path that does not exist.
+        """
+        if isinstance(spec, HeadScores):
+            raise HeadsteerTypeError("pass a selection of a HeadScores, e.g. scores.top(30), not the scores")
+        if isinstance(spec, (str, os.PathLike)):
+            if not Path(spec).is_file():
+                raise FileNotFoundError(f"head file not found: {str(spec)!r}")
+            data = _read_json(spec)
+            if isinstance(data, Mapping) and data.get("schema") == SCHEMA:
+                raise HeadsteerValueError(f"{str(spec)!r} holds HeadScores; load it and call .top(k)")
+            if not isinstance(data, Mapping):
+                raise HeadsteerValueError(f'{str(spec)!r} must hold a {{"layer": [heads]}} JSON object')
+            spec = data
+        if isinstance(spec, HeadSet):
+            out = cls(spec.heads)
+        elif isinstance(spec, Mapping):
+            pairs: list[tuple[int, int]] = []
+            for layer, hs in spec.items():
+                layer = _as_int(layer, "layer", allow_str=True)
+                if isinstance(hs, (str, bytes, Mapping)) or not isinstance(hs, Iterable):
+                    raise HeadsteerValueError(f"heads of layer {layer} must be a list of ints, got {hs!r}")
+                pairs.extend((layer, _as_int(h, "head")) for h in hs)
+            out = cls(pairs)
+        elif isinstance(spec, Sequence):
+            if all(not isinstance(x, (list, tuple)) for x in spec):
+                if n_heads is None:
+                    raise HeadsteerValueError("a list of layers needs n_heads")
+                out = cls((_as_int(la, "layer"), h) for la in spec for h in range(n_heads))
+            else:
+                pairs = []
+                for x in spec:
+                    if not isinstance(x, (list, tuple)) or len(x) != 2:
+                        raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
+                    pairs.append((_as_int(x[0], "layer"), _as_int(x[1], "head")))
+                out = cls(pairs)
+        else:
+            raise HeadsteerTypeError(f"cannot read a head selection from {type(spec).__name__}")
+        out.check(n_layers, n_heads)
+        return out
+
+    def check(self, n_layers: int | None, n_heads: int | None) -> None:
+        """Raise `ValueError` naming the first head outside `n_layers` x `n_heads`."""
+        for layer, head in self.heads:
+            if n_layers is not None and not 0 <= layer < n_layers:
+                raise HeadsteerValueError(f"unknown layer {layer}: the model has layers 0..{n_layers - 1}")
+            if n_heads is not None and not 0 <= head < n_heads:
+                raise HeadsteerValueError(
+                    f"unknown head {head} in layer {layer}: the model has heads 0..{n_heads - 1}"
+                )
+
+    # ---------------------------------------------------------------- views
+    def by_layer(self) -> dict[int, list[int]]:
+        """`{layer: [heads]}` with int keys, layers ascending."""
+        out: dict[int, list[int]] = {}
+        for layer, head in self.heads:
+            out.setdefault(layer, []).append(head)
+        return out
+
+    def to_dict(self) -> dict[str, list[int]]:
+        """The PASTA JSON shape `{"layer": [heads]}` (string keys)."""
+        return {str(k): v for k, v in self.by_layer().items()}
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write `to_dict()` as JSON atomically (`heads._util.files.write_text`); returns the path.
+
+        Missing parent folders are created.
+
+        Raises:
+            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
+        """
+        return write_text(path, json.dumps(self.to_dict(), indent=1) + "\n", overwrite=overwrite)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.heads)
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.heads
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HeadSet) and self.heads == other.heads
+
+    def __repr__(self) -> str:
+        return f"HeadSet({len(self)} heads: {self.to_dict()})"
+
+
+@dataclass
+class HeadScores:
+    """A score for every head: `scores[layer, head]`, plus how it was made.
+
+    Attributes:
+        scores: `[L, H]` float tensor (NaN = not scored).
+        method: name of the scorer (e.g. `"span_attention"`).
+        params: the scorer's parameters (JSON-serialisable).
+        model: id of the model scored.
+        n_kv_heads: KV heads per layer (for the `kv_head` column).
+        seed: random seed, when the method used one.
+    """
+
+    scores: torch.Tensor
+    method: str
+    params: dict = field(default_factory=dict)
+    model: str = ""
+    n_kv_heads: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu()
+        if self.scores.ndim != 2:
+            raise HeadsteerValueError(
+                f"scores must be [n_layers, n_heads], got shape {tuple(self.scores.shape)}"
+            )
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise HeadsteerValueError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.scores.shape[1]
+
+    @property
+    def _n_groups(self) -> int:
+        """Query heads per KV head (`n_kv_heads` is set by `__post_init__`)."""
+        n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+        return self.n_heads // n_kv
+
+    def kv_head(self, head: int) -> int:
+        return head // self._n_groups
+
+    # ---------------------------------------------------------------- tables
+    def to_frame(self) -> pd.DataFrame:
+        """Tidy table: one row per head, columns `layer, head, kv_head, score`."""
+        import pandas as pd
+
+        layer, head = torch.meshgrid(torch.arange(self.n_layers), torch.arange(self.n_heads), indexing="ij")
+        return pd.DataFrame(
+            {
+                "layer": layer.flatten().numpy(),
+                "head": head.flatten().numpy(),
+                "kv_head": (head.flatten() // self._n_groups).numpy(),
+                "score": self.scores.flatten().numpy(),
+            }
+        )
+
+    def _ranked(self) -> list[tuple[int, int]]:
+        """Heads by descending score; ties by (layer, head); NaN last and dropped."""
+        flat = self.scores.flatten()
+        order = sorted(
+            (i for i in range(flat.numel()) if not math.isnan(flat[i].item())),
+            key=lambda i: (-flat[i].item(), i),
+        )
+        return [divmod(i, self.n_heads) for i in order]
+
+    def ranked(self, k: int | None = None) -> list[tuple[int, int]]:
+        """Heads `(layer, head)` by descending score (ties by (layer, head)); NaN dropped.
+
+        Unlike `top(k)`, which returns a `HeadSet` (ordered by layer and head), this
+        keeps the score order.
+        """
+        order = self._ranked()
+        return order if k is None else order[: _positive_int(k)]
+
+    def top(self, k: int) -> HeadSet:
+        """The `k` highest-scoring heads (ties broken by (layer, head) order).
+
+        Warns (`UserWarning`) when `k` is at least the number of heads [L x H]: every head is
+        selected, which is rarely what a top-k meant.
+
+        Raises:
+            ValueError: `k` < 1.
+        """
+        k = _positive_int(k)
+        n = self.scores.numel()
+        if k >= n:
+            warnings.warn(
+                f"top-k {k} ≥ the model's {n} heads: every head selected", UserWarning, stacklevel=2
+            )
+        return HeadSet(self._ranked()[:k])
+
+    def per_layer(self, k: int) -> HeadSet:
+        """The `k` highest-scoring heads of every layer."""
+        k = _positive_int(k)
+        counts: dict[int, int] = {}
+        chosen = []
+        for layer, head in self._ranked():
+            if counts.get(layer, 0) < k:
+                counts[layer] = counts.get(layer, 0) + 1
+                chosen.append((layer, head))
+        return HeadSet(chosen)
+
+    def threshold(self, t: float) -> HeadSet:
+        """Every head with score >= `t`."""
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+            raise HeadsteerValueError(f"threshold must be a finite number, got {t!r}")
+        return HeadSet(tuple(int(x) for x in ij) for ij in torch.nonzero(self.scores >= t).tolist())
+
+    # ---------------------------------------------------------------- files
+    def to_json(self) -> dict:
+        rows = [[None if math.isnan(v) else v for v in row] for row in self.scores.tolist()]
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "method": self.method,
+            "params": self.params,
+            "model": self.model,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "seed": self.seed,
+            "scores": rows,
+        }
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write JSON (schema `headsteer/head-scores`, version 1; NaN as null); returns the path.
+
+        The write is atomic (`heads._util.files.write_text`); missing parent folders are created.
+
+        Raises:
+            ValueError: a score is +-inf (JSON cannot hold it); `path` exists and
+                `overwrite` is False; `path` is a symlink or a folder.
+        """
+        if torch.isinf(self.scores).any():
+            raise HeadsteerValueError("scores contain +-inf, which JSON cannot store; replace them first")
+        text = json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n"
+        return write_text(path, text, overwrite=overwrite)
+
+    @classmethod
+    def from_cache(
+        cls,
+        cache: Any,
+        span: tuple[int, int] | torch.Tensor,
+        *,
+        query: int = -1,
+        model: str = "",
+        n_kv_heads: int | None = None,
+    ) -> HeadScores:
+        """Per-head attention to a span, from a TransformerLens `ActivationCache`.
+
+        The score of head (l, h) is `mean_b sum_{j in span} A[b, l, h, query, j]`, the share of
+        query row `query`'s attention on the span (as `heads.span_attention` with
+        `query="last"` for `query=-1`), read from the cache's
+        `blocks.{l}.attn.hook_pattern` `[batch, n_heads, q, k]`.
+
+        Args:
+            cache: `bridge.run_with_cache(tokens)[1]` (it must hold every layer's `hook_pattern`).
+            span: a token range `(start, end)` (half-open), or a `[batch, k]` bool mask.
+            query: the query position read (default the last).
+            model: a model id to record; n_kv_heads: KV heads per layer (GQA), if known.
+
+        Returns:
+            HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
+
+        Raises:
+            ValueError: the cache lacks some layer's `hook_pattern`; a `query` that is not an
+                int position; a span that is empty, out of range, not int / bool, or that the
+                query cannot see (in any batch row).
+            TypeError: `cache` is not a mapping of hook names (an ActivationCache).
+        """
+        if not callable(getattr(cache, "keys", None)):
+            raise HeadsteerTypeError(
+                f"cache must be a TransformerLens ActivationCache, got {type(cache).__name__}"
+            )
+        found = sorted(
+            int(k.split(".")[1])
+            for k in cache.keys()
+            if isinstance(k, str)
+            and k.startswith("blocks.")
+            and k.endswith(".attn.hook_pattern")
+            and k.split(".")[1].isdigit()
+            and str(int(k.split(".")[1])) == k.split(".")[1]
+        )
+        if not found:
+            raise HeadsteerValueError(
+                "the cache holds no blocks.{l}.attn.hook_pattern; run_with_cache with patterns"
+            )
+        n_layers = found[-1] + 1
+        missing = sorted(set(range(n_layers)) - set(found))
+        if missing or found[0] != 0:
+            raise HeadsteerValueError(
+                f"the cache lacks hook_pattern for layers {missing}: scores need every layer "
+                "(a names_filter dropped them?)"
+            )
+        patterns = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(n_layers)]
+        first = patterns[0]
+        for layer, p in enumerate(patterns):
+            if not isinstance(p, torch.Tensor) or p.ndim != 4 or p.shape != first.shape:
+                got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise HeadsteerValueError(
+                    f"blocks.{layer}.attn.hook_pattern must be a [batch, n_heads, q, k] tensor shaped "
+                    f"like layer 0's, got {got}"
+                )
+        batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
+        if isinstance(query, bool) or not isinstance(query, numbers.Integral) or not -q_len <= query < q_len:
+            raise HeadsteerValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
+        query = int(query)
+        q_abs = query % q_len + (k_len - q_len)  # absolute position of the query row
+        if isinstance(span, torch.Tensor):
+            if span.dtype != torch.bool:
+                raise HeadsteerValueError(f"span mask must be a bool tensor, got {span.dtype}")
+            mask = span.cpu()
+            if mask.ndim != 2 or mask.shape[-1] != k_len or mask.shape[0] != batch:
+                raise HeadsteerValueError(f"span mask must be [batch, {k_len}] bool, got {tuple(mask.shape)}")
+            empty = [b for b in range(batch) if not mask[b, : q_abs + 1].any()]
+            if empty:
+                raise HeadsteerValueError(f"span mask selects no key the query sees in batch rows {empty}")
+        else:
+            if not isinstance(span, tuple | list) or len(span) != 2:
+                raise HeadsteerValueError(
+                    f"span must be (start, end) or a [batch, k] bool mask, got {span!r}"
+                )
+            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in span):
+                raise HeadsteerValueError(f"span bounds must be ints, got {span!r}")
+            a, b = (int(x) for x in span)
+            if not 0 <= a < b <= k_len:
+                raise HeadsteerValueError(f"span {span!r} is empty or outside the {k_len} cached positions")
+            if a > q_abs:
+                raise HeadsteerValueError(
+                    f"span {span!r} starts after query position {q_abs}: it sees none of it"
+                )
+            mask = torch.zeros(batch, k_len, dtype=torch.bool)
+            mask[:, a:b] = True
+        rows = []
+        for layer in range(n_layers):
+            pattern = patterns[layer].detach().float().cpu()  # [B, H, q, k]
+            row = pattern[:, :, query, :]  # [B, H, k]
+            rows.append((row * mask[:, None, :].float()).sum(-1).mean(0))
+        return cls(
+            torch.stack(rows),
+            method="span_attention",
+            params={"query": query, "source": "transformer_lens ActivationCache"},
+            model=model,
+            n_kv_heads=n_kv_heads,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadScores:
+        """Read a file written by `save`, checked against `model` when given.
+
+        Raises:
+            ValueError: wrong schema or version, malformed scores, or a geometry
+                (n_layers, n_heads, n_kv_heads) that differs from `model`'s.
+            FileNotFoundError: no such file.
+        """
+        if model is not None and not hasattr(model, "n_kv_heads"):
+            raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+        data = _read_json(path)
+        name = str(path)
+        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+            raise HeadsteerValueError(f"{name!r} is not a headsteer HeadScores file")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise HeadsteerValueError(
+                f"{name!r} has schema_version {data.get('schema_version')!r}; "
+                f"this headsteer reads version {SCHEMA_VERSION}"
+            )
+        out = cls._from_json(data, name)
+        if model is not None:
+            want = (model.n_layers, model.n_heads, model.n_kv_heads)
+            got = (out.n_layers, out.n_heads, out.n_kv_heads)
+            if want != got:
+                raise HeadsteerValueError(
+                    f"{name!r} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
+                    f"this model has {want}"
+                )
+            if out.model and out.model != model.name:
+                warnings.warn(f"scores were made on {out.model!r}, loading for {model.name!r}", stacklevel=2)
+        return out
+
+    @classmethod
+    def _from_json(cls, data: Mapping, name: str) -> HeadScores:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"{name!r}: malformed HeadScores file: {msg}")
+
+        for key, kind in (("method", str), ("model", str), ("n_layers", int), ("n_heads", int)):
+            if key not in data:
+                raise bad(f"missing {key!r}")
+            if isinstance(data[key], bool) or not isinstance(data[key], kind):
+                raise bad(f"{key!r} must be {kind.__name__}, got {data[key]!r}")
+        n_layers, n_heads = data["n_layers"], data["n_heads"]
+        n_kv = data.get("n_kv_heads", n_heads)
+        if isinstance(n_kv, bool) or not isinstance(n_kv, int):
+            raise bad(f"'n_kv_heads' must be int, got {n_kv!r}")
+        seed = data.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise bad(f"'seed' must be int or null, got {seed!r}")
+        params = data.get("params") or {}
+        if not isinstance(params, Mapping):
+            raise bad(f"'params' must be an object, got {params!r}")
+        rows = data.get("scores")
+        if not isinstance(rows, list) or len(rows) != n_layers:
+            raise bad(f"'scores' must be a list of {n_layers} rows")
+        values = []
+        for row in rows:
+            if not isinstance(row, list) or len(row) != n_heads:
+                raise bad(f"every row of 'scores' must be a list of {n_heads} numbers or null")
+            for v in row:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise bad(f"score {v!r} is not a number")
+            values.append([math.nan if v is None else float(v) for v in row])
+        try:
+            return cls(
+                torch.tensor(values, dtype=torch.float32).reshape(n_layers, n_heads),
+                method=data["method"],
+                params=dict(params),
+                model=data["model"],
+                n_kv_heads=n_kv,
+                seed=seed,
+            )
+        except ValueError as err:
+            raise bad(str(err)) from None
+
+    def _repr_html_(self) -> str:
+        """Jupyter view: a colour-scaled layer x head table and the top 5 heads (no plotly needed)."""
+        import html
+
+        finite = self.scores[torch.isfinite(self.scores)]
+        lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 1.0)
+        span = (hi - lo) or 1.0
+
+        def cell(v: float) -> str:
+            if math.isnan(v):
+                return "<td style='background:#eee'></td>"
+            a = min(1.0, max(0.0, (v - lo) / span))  # +-inf: the ends of the colour scale
+            style = f"background:rgba(49,104,142,{0.1 + 0.9 * a:.2f});width:14px"
+            return f"<td title='{v:.4f}' style='{style}'></td>"
+
+        head_row = "".join(f"<th>{h}</th>" for h in range(self.n_heads))
+        body = "".join(
+            f"<tr><th>{la}</th>{''.join(cell(v) for v in self.scores[la].tolist())}</tr>"
+            for la in range(self.n_layers)
+        )
+        top = ", ".join(f"L{la}.H{h} ({self.scores[la, h].item():.3f})" for la, h in self._ranked()[:5])
+        return (
+            f"<div><b>{html.escape(repr(self))}</b><br>top: {html.escape(top)}"
+            f"<table style='border-collapse:collapse;font-size:9px'><tr><th>layer\\head</th>{head_row}</tr>"
+            f"{body}</table></div>"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadScores(method={self.method!r}, model={self.model!r}, "
+            f"[{self.n_layers}, {self.n_heads}], n_kv_heads={self.n_kv_heads})"
+        )

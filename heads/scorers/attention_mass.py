@@ -1,0 +1,142 @@
+"""Scorer: attention mass each head puts on an emphasized span."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from heads.engine.editing import editing
+from heads.engine.edits import AttentionCall, Recorder
+from heads.engine.forward import forward
+from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import Prompt, emphasis_rows, encode_prompts, normalize_prompts
+from heads.inputs.tokens import readable_tokens
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores
+
+__all__ = ["span_attention"]
+
+
+def span_attention(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt],
+    *,
+    emphasize=None,
+    chat: bool | None = None,
+    query: Literal["last", "after_span"] = "last",
+    batch_size: int = 8,
+    steer=(),
+) -> HeadScores:
+    """Attention mass on the emphasized span, per (layer, head), averaged over prompts.
+
+    For head (l, h) and prompt b, the score is `sum_{j in G_b} A[l, h, i, j]`, the
+    share of query row i's attention that falls on the span's tokens G_b (a number
+    in [0, 1]), with i the last prompt position (`query="last"`, the row that
+    predicts the first answer token) or averaged over all rows after the end of the
+    last span (`query="after_span"`). Prompts without a span, or (with
+    `after_span`) with no token after it, are skipped.
+
+    Args:
+        model: the model to score.
+        prompts: prompts with `**span**` markup, or plain prompts plus `emphasize`.
+        emphasize: substrings to emphasize (see `encode_prompts`).
+        chat: apply the chat template (default: when the tokenizer has one).
+        query: which query rows to read (see above).
+        batch_size: prompts per forward pass.
+        steer: interventions (objects with `.edits(model, enc)`, e.g. `steer.Pasta`)
+            applied while measuring, to see the shares after steering.
+
+    Returns:
+        HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
+
+    Raises:
+        ValueError: no prompt has a span, an unknown `query`, or bad prompts.
+
+    Source: the attention-share diagnostic of PASTA (Zhang et al., ICLR 2024,
+    arXiv:2311.02262, Sec. 3); a heuristic head ranking, not PASTA's profiling.
+    """
+    if query not in ("last", "after_span"):
+        raise HeadsteerValueError(f"query must be 'last' or 'after_span', got {query!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if model.tokenizer is None:
+        raise HeadsteerValueError("span_attention needs a HeadModel with a tokenizer")
+    items, _ = normalize_prompts(prompts)
+    span_rows = emphasis_rows(emphasize, len(items))
+    total = torch.zeros(model.n_layers, model.n_heads, dtype=torch.float64)
+    n_scored = 0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start : start + batch_size]
+        enc = encode_prompts(
+            model.tokenizer, chunk, emphasize=span_rows[start : start + batch_size], chat=chat
+        )
+        span = enc.span_mask().to(model.device)
+        has = span.any(1)
+        rows = torch.zeros_like(span)
+        if query == "last":
+            rows[:, -1] = True
+        else:
+            for b, sp in enumerate(enc.spans):
+                if sp:
+                    rows[b, max(t1 for _, t1 in sp) :] = True
+        rows &= has[:, None]
+        has &= rows.any(1)  # a span at the very end leaves no row to read: skip that prompt
+
+        def read(probs: torch.Tensor, call: AttentionCall, span=span, rows=rows) -> torch.Tensor:
+            q = rows[:, call.q_offset : call.q_offset + call.q_len].float()  # [B, q]
+            mass = (probs * span[:, None, None, : call.k_len]).sum(-1)  # [B, H, q]
+            return (mass * q[:, None, :]).sum(-1)  # [B, H]
+
+        recorders = [Recorder(layer=layer, fn=read) for layer in range(model.n_layers)]
+        steering = [e for s in ([steer] if hasattr(steer, "edits") else steer) for e in s.edits(model, enc)]
+        with editing(model, [*steering, *recorders]):
+            forward(model, enc)
+        denom = rows.sum(1).clamp(min=1).double()  # [B]
+        for layer, rec in enumerate(recorders):
+            mass = torch.stack(rec.records).sum(0).double() / denom[:, None]  # [B, H]
+            total[layer] += mass[has].sum(0).cpu()
+        n_scored += int(has.sum())
+    if n_scored == 0:
+        raise HeadsteerValueError(
+            "no prompt has an emphasized span to score: mark one with **...** or pass emphasize="
+            + (" (with query='after_span' the span must not end the prompt)" if query == "after_span" else "")
+        )
+    return HeadScores(
+        (total / n_scored).float(),
+        method="span_attention",
+        params={"query": query, "n_prompts": n_scored},
+        model=model.name,
+        n_kv_heads=model.n_kv_heads,
+    )
+
+
+def head_pattern(
+    model: HeadModel,
+    prompt: Prompt,
+    layer: int,
+    head: int,
+    *,
+    emphasize=None,
+    chat: bool | None = None,
+    edits=(),
+) -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
+    """One head's attention pattern on one prompt.
+
+    Returns `(probs [T, T], tokens, spans)`: the post-softmax pattern (after any
+    `edits`, e.g. a PASTA steering), the tokens as readable text (`heads.inputs.tokens`:
+    `␣the`, `⏎`), and the emphasized token ranges.
+
+    Raises:
+        ValueError: unknown layer/head or bad prompt.
+    """
+    model.check_head(layer, head)
+    enc = encode_prompts(model.tokenizer, prompt, emphasize=emphasize, chat=chat)
+    if enc.batch != 1:
+        raise HeadsteerValueError("head_pattern takes one prompt")
+    rec = Recorder(layer=layer)
+    with editing(model, [*edits, rec]):
+        forward(model, enc)
+    tokens = readable_tokens(model.tokenizer, enc.input_ids[0])
+    return torch.cat(rec.records, dim=2)[0, head], tokens, enc.spans[0]

@@ -1,0 +1,246 @@
+"""Attention sinks: per-head column statistics and sink detection (Yu et al., ICML 2024, ACT;
+methods/act.md §2), and massive activations of the residual stream.
+
+The sink score of key column j is the mean attention it receives from the real query rows
+that can see it, a_j = (sum over i >= j of A_ij) / n_j. Column j is a sink when
+
+* `rule="relative"` (default; the paper's rule per secondary sources): a_j > alpha_s / N,
+  alpha_s = 5, N the number of real tokens of the prompt;
+* `rule="absolute"` (reference code): a_j > theta, theta = 0.1.
+
+The first real position is exempt (`exempt="position"`, default) — the initial sink is kept —
+or, for reference parity, the first flagged column (`exempt="first_flagged"`). Pad columns are
+never sinks; columns seen by fewer than `min_support` real rows are not flagged.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+import torch
+
+from heads.engine.editing import editing
+from heads.engine.edits import Recorder
+from heads.engine.forward import forward
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import encode_prompts, normalize_prompts
+from heads.inputs.tokens import readable_tokens
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores, _positive_int
+from heads.results.views import html_view, top_heads_text
+
+__all__ = ["SinkRule", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
+
+Rule = Literal["relative", "absolute"]
+Exempt = Literal["position", "first_flagged"]
+
+
+@dataclass(frozen=True)
+class SinkRule:
+    """How sinks are flagged (see the module docstring). Defaults follow methods/act.md §3."""
+
+    rule: Rule = "relative"
+    alpha_s: float = 5.0
+    theta: float = 0.1
+    exempt: Exempt = "position"
+    min_support: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("relative", "absolute"):
+            raise HeadsteerValueError(f"unknown sink rule {self.rule!r}: use 'relative' or 'absolute'")
+        if self.exempt not in ("position", "first_flagged"):
+            raise HeadsteerValueError(f"unknown exemption {self.exempt!r}: use 'position' or 'first_flagged'")
+        for name in ("alpha_s", "theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise HeadsteerValueError(f"{name} must be a finite number > 0, got {v!r}")
+        _positive_int(self.min_support, "min_support")
+
+
+def column_scores(probs: torch.Tensor, key_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sink scores a_j and supports n_j of a prefill pattern.
+
+    Args:
+        probs: `[B, H, T, T]` attention pattern (query rows x key columns, masked entries 0).
+        key_real: `[B, T]` bool, the real (non-pad) positions.
+
+    Returns:
+        `a` `[B, H, T]` fp32 (0 where n_j = 0) and `n` `[B, T]` (real rows i >= j seeing column j).
+    """
+    real = key_real.to(probs.device)
+    t = probs.shape[-1]
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=probs.device))  # [i, j]: i >= j
+    seen = causal[None] & real[:, :, None] & real[:, None, :]  # [B, i, j]
+    n = seen.sum(1)  # [B, T]
+    col = (probs.float() * seen[:, None]).sum(-2)  # [B, H, T]
+    a = torch.where(n[:, None] > 0, col / n[:, None].clamp(min=1), 0.0)
+    return a, n
+
+
+def find_sinks(a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: SinkRule) -> torch.Tensor:
+    """`[B, H, T]` bool sink set S from column scores (`column_scores`), after the exemption."""
+    real = key_real.to(a.device)
+    n_tokens = real.sum(-1).float()[:, None, None]  # N per prompt
+    thr = rule.alpha_s / n_tokens if rule.rule == "relative" else torch.full_like(n_tokens, rule.theta)
+    flagged = (a > thr) & real[:, None] & (n >= rule.min_support)[:, None]
+    if rule.exempt == "position":
+        first = real.float().argmax(-1)  # first real position (left padding)
+        flagged[torch.arange(a.shape[0]), :, first] = False
+    else:
+        has = flagged.any(-1)
+        idx = flagged.float().argmax(-1)  # first flagged column per (b, h)
+        b, h = torch.nonzero(has, as_tuple=True)
+        flagged[b, h, idx[b, h]] = False
+    return flagged
+
+
+@dataclass
+class SinkStats:
+    """Sink statistics of every head over a prompt set.
+
+    Attributes:
+        sink_mass: HeadScores, mean share of attention (real rows) going to flagged sinks.
+        first_mass: HeadScores, mean share of attention going to the first real token.
+        n_sinks: HeadScores, mean number of flagged sink columns per prompt.
+        flagged: DataFrame `prompt, layer, head, position, token, score` of every flagged sink
+            (`token` as readable text, `heads.inputs.tokens`: `␣the`, `⏎`).
+    """
+
+    sink_mass: HeadScores
+    first_mass: HeadScores
+    n_sinks: HeadScores
+    flagged: pd.DataFrame
+
+    def __repr__(self) -> str:
+        n = self.sink_mass.params.get("n_prompts", "?")
+        return (
+            f"SinkStats({self.sink_mass.model}: {n} prompts, {len(self.flagged)} flagged sinks; "
+            f"sink mass top {top_heads_text(self.sink_mass)}; "
+            f"mean first-token mass {self.first_mass.scores.nanmean().item():.3f})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = self.flagged.sort_values("score", ascending=False).head(10)
+        return html_view(repr(self), rows.itertuples(index=False), list(self.flagged.columns))
+
+
+@torch.no_grad()
+def _check_rule(rule: object) -> SinkRule:
+    if rule is None:
+        return SinkRule()
+    if not isinstance(rule, SinkRule):
+        raise HeadsteerTypeError(
+            f"rule must be a heads.scorers.sinks.SinkRule, e.g. SinkRule(rule='absolute'), got {rule!r}"
+        )
+    return rule
+
+
+def sink_stats(
+    model: HeadModel,
+    prompts: Sequence,
+    *,
+    rule: SinkRule | None = None,
+    chat: bool | None = None,
+    markup: bool = True,
+) -> SinkStats:
+    """Per (layer, head) sink statistics of the prompts' prefill patterns (methods/act.md §2).
+
+    Args:
+        prompts: a prompt or a list (strings or chats), encoded as `SteeredModel.generate`
+            encodes them, so the statistics are of the token sequence that is steered.
+        rule: how sinks are flagged (default `SinkRule()`: relative, alpha_s = 5).
+        chat: apply the chat template (default: when the tokenizer has one, as `generate`).
+        markup: strip `**…**` emphasis markup first (default True, as `generate`).
+
+    Raises:
+        ValueError: empty prompts, bad rule.
+    """
+    rule = _check_rule(rule)
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
+    real = enc.attention_mask.bool()
+    first = real.float().argmax(-1)
+    rows = torch.arange(enc.batch)
+    out = {k: torch.zeros(model.n_layers, model.n_heads) for k in ("sink", "first", "n")}
+    records = []
+
+    def summarise(probs, call):
+        a, n = column_scores(probs, real)
+        s = find_sinks(a, n, real, rule)
+        n_rows = real.sum(-1)[:, None].float()
+        sink_share = (probs.float() * s[:, :, None, :]).sum(-1).sum(-1) / n_rows  # [B, H]
+        first_share = probs.float()[rows, :, :, first].sum(-1) / n_rows
+        return sink_share.mean(0), first_share.mean(0), s.sum(-1).float().mean(0), a, s
+
+    recs = [Recorder(layer=la, fn=summarise) for la in range(model.n_layers)]
+    with editing(model, recs):
+        forward(model, enc)
+    tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
+    for la, rec in enumerate(recs):
+        sink, fm, ns, a, s = rec.records[0]
+        out["sink"][la], out["first"][la], out["n"][la] = sink, fm, ns
+        for b, h, j in torch.nonzero(s).tolist():
+            records.append((b, la, h, j - int(first[b]), tokens[b][j], float(a[b, h, j])))
+    params = {"rule": rule.rule, "alpha_s": rule.alpha_s, "theta": rule.theta, "exempt": rule.exempt}
+    params["n_prompts"] = enc.batch
+
+    def scores(t, method):
+        return HeadScores(t, method, dict(params), model.name, model.n_kv_heads)
+
+    cols = ["prompt", "layer", "head", "position", "token", "score"]
+    return SinkStats(
+        scores(out["sink"], "sink_mass"),
+        scores(out["first"], "first_token_mass"),
+        scores(out["n"], "n_sinks"),
+        pd.DataFrame(records, columns=cols),
+    )
+
+
+@torch.no_grad()
+def massive_activations(
+    model: HeadModel,
+    prompts: Sequence,
+    *,
+    top: int = 10,
+    chat: bool | None = None,
+    markup: bool = True,
+) -> pd.DataFrame:
+    """The largest-magnitude residual-stream activations (Sun et al. 2024, "massive activations").
+
+    Returns a DataFrame `layer, prompt, position, token, dim, value, ratio_to_median` of the
+    `top` largest |activation| entries of the residual stream entering each layer `0..L-1`
+    (`layer = L` is the final normed state, as `transformers` reports it), over real tokens;
+    `position` counts from the first real token; `token` is readable text (`heads.inputs.tokens`);
+    `ratio_to_median` is |value| / the median |activation| of that layer.
+
+    Prompts are encoded as `SteeredModel.generate` encodes them: the chat template when the
+    tokenizer has one (`chat=None`) and `**…**` markup stripped (`markup=True`).
+
+    Raises:
+        ValueError: empty prompts, or `top` outside 1..(real tokens x d_model).
+    """
+    enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
+    real = enc.attention_mask.bool()
+    n_real = int(real.sum()) * model.d_model
+    if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 1 <= top <= n_real:
+        raise HeadsteerValueError(f"top must be an int in 1..{n_real} (real tokens x d_model), got {top!r}")
+    out = forward(model, enc, output_hidden_states=True)
+    first = real.float().argmax(-1)
+    tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
+    rows = []
+    for la, h in enumerate(out.hidden_states):
+        mag = h.float().cpu().abs()
+        med = mag[real].median().item()
+        x = torch.where(real[..., None], mag, -1.0)  # padding never ranks
+        vals, idx = x.flatten().topk(top)
+        for v, i in zip(vals.tolist(), idx.tolist(), strict=True):
+            b, rest = divmod(i, x.shape[1] * x.shape[2])
+            p, d = divmod(rest, x.shape[2])
+            sign = float(h[b, p, d])
+            rows.append((la, b, p - int(first[b]), tokens[b][p], d, sign, v / max(med, 1e-30)))
+    cols = ["layer", "prompt", "position", "token", "dim", "value", "ratio_to_median"]
+    return pd.DataFrame(rows, columns=cols)

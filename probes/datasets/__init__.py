@@ -1,0 +1,1 @@
+"""Data sets shipped with headsteer (tasks, requests, relation pairs) and their loaders."""

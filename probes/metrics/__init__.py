@@ -1,0 +1,1 @@
+"""Metrics: refusal detection and the task metrics."""

@@ -1,0 +1,278 @@
+"""Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
+
+Methods: `none` (the unsteered model), `pasta`, `spotlight`, `var`, `vhr` (these four need
+the task's emphasized span; VAR-text and VHR-text treat it as the "image"), `act` and `iti`
+(probes fitted on the task's train split). Choice tasks are scored from last-position
+log-probs (argmax over each choice's first token, `steer.act.calibration.choice_ids`);
+generate tasks by greedy generation through `SteeredModel.generate` (KV cache on) and the
+task's text metrics:
+
+| task | metrics |
+|---|---|
+| json_format | `json_valid` (a parseable JSON object), `field_accuracy` (name and occupation right) |
+| pronoun_change | `no_she_he` (no she/he/her/his/him left), `occupation_named` |
+| occupation | `top1` over the 15 occupations |
+| counterfact | `efficacy` (P(new fact) > P(old fact)) |
+| sentiment | `accuracy` |
+| context_qa | `context_accuracy` (P(passage's value) > P(true value)) |
+
+Binary metrics get a Wilson interval, means a Student-t interval (`probes.metrics.tasks`, through
+scipy); the table's `interval` column names the method.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from heads import HeadModel, encode_prompts, forward
+from heads._util.progress import ProgressArg, progress_callback
+from heads.engine.editing import editing
+from heads.errors import HeadsteerValueError
+from heads.results.scores import HeadSet, HeadSpec
+from probes.datasets.tasks import TaskExample, load_task
+from probes.metrics.tasks import (
+    INTERVAL_METHODS,
+    choice_correct,
+    json_metrics,
+    mean_interval,
+    no_pronoun,
+    wilson_interval,
+)
+
+__all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
+
+METHODS = ("none", "pasta", "spotlight", "act", "var", "vhr", "iti")
+
+
+@dataclass
+class EvalResult:
+    """`table`: one row per metric (`task, method, split, metric, value, n, low, high,
+    interval`; `interval` names how low/high were computed: "Wilson 95%" for rates,
+    "Student t 95%" for means); `examples`: one row per example (id, per-example metric
+    values, output text if generated)."""
+
+    table: pd.DataFrame
+    examples: pd.DataFrame
+
+    def __repr__(self) -> str:
+        t = self.table
+        if t.empty:
+            return "EvalResult(no metrics)"
+        head = f"{t.task.iloc[0]} / {t.method.iloc[0]} ({t.split.iloc[0]}, n={t.n.iloc[0]})"
+        metrics = "; ".join(
+            f"{r.metric} {r.value:.3f} [{r.low:.3f}, {r.high:.3f}] ({r.interval})" for r in t.itertuples()
+        )
+        return f"EvalResult({head}: {metrics})"
+
+    def _repr_html_(self) -> str:
+        table = self.table.to_html(index=False, float_format="%.3f")
+        return f"<div><b>{html.escape(repr(self))}</b>{table}</div>"
+
+
+def method_steer(
+    model: HeadModel,
+    method: str,
+    *,
+    pasta_heads: HeadSpec | None = None,
+    alpha: float = 0.01,
+    tau: float = 0.1,
+    act_heads: HeadSpec | None = None,
+    beta: float = 0.4,
+    iti=None,
+    var_p: float = 0.6,
+    var_rho: float = 0.5,
+    vhr_alpha: float = 2.0,
+) -> list:
+    """The interventions of `method` (a list, empty for `none`).
+
+    `pasta_heads` / `act_heads`: any head selection (`heads.HeadSpec`), or None for the
+    shipped profile of the embedded model (`steer.profiles`). `iti`: a fitted `steer.Iti`
+    (`evaluate` fits one on the task's train split, `probes.head_probes.fit_iti`).
+
+    Raises:
+        ValueError: unknown method, or no head selection and no shipped profile for this model.
+    """
+    from steer import Pasta, Spotlight
+    from steer.act.method import Act
+    from steer.profiles import shipped_profile
+
+    if method not in METHODS:
+        raise HeadsteerValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if method == "none":
+        return []
+    if method == "spotlight":
+        return [Spotlight(tau=tau)]
+    if method == "iti":
+        if iti is None:
+            raise HeadsteerValueError(
+                "method 'iti' needs a fitted steer.Iti (iti=...; see probes.head_probes.fit_iti)"
+            )
+        return [iti]
+    if method in ("var", "vhr"):
+        from steer import Var, Vhr
+
+        return [Var(p=var_p, rho=var_rho)] if method == "var" else [Vhr(alpha=vhr_alpha)]
+    kind = "pasta" if method == "pasta" else "act"
+    heads = pasta_heads if method == "pasta" else act_heads
+    if heads is None:
+        heads = shipped_profile(kind, model.name)
+    heads = HeadSet.parse(heads, model.n_layers, model.n_heads)
+    return [Pasta(heads=heads, alpha=alpha)] if method == "pasta" else [Act(heads=heads, beta=beta)]
+
+
+def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, batch_size: int, step):
+    from steer.act.calibration import choice_ids
+
+    rows = []
+    for a in range(0, len(examples), batch_size):
+        chunk = examples[a : a + batch_size]
+        emph = [[e.emphasize] for e in chunk] if all(e.emphasize for e in chunk) else None
+        enc = encode_prompts(
+            model.tokenizer, [e.prompt for e in chunk], emphasize=emph, chat=chunk[0].chat, markup=False
+        )
+        ids = choice_ids(model.tokenizer, [e.choices for e in chunk])
+        edits = [e for s in steer for e in s.edits(model, enc)]
+        with editing(model, edits):
+            out = forward(model, enc, logits_to_keep=1)
+        lp = torch.log_softmax(out.logits[:, -1].float().cpu(), -1).gather(1, ids)
+        for e, row in zip(chunk, lp, strict=True):
+            ok = choice_correct(row.tolist(), e.label)  # ties count as wrong
+            rows.append({"id": e.id, "correct": ok, "predicted": e.choices[int(row.argmax())]})
+        step(len(chunk))
+    return rows
+
+
+def _generate_rows(model: HeadModel, task: str, examples, steer, batch_size, max_new_tokens, step, partial):
+    from steer import SteeredModel
+
+    sm = SteeredModel(model)
+    rows = []
+    for a in range(0, len(examples), batch_size):
+        chunk = examples[a : a + batch_size]
+        m = len(chunk)
+        gen = sm.generate(
+            [e.prompt for e in chunk],
+            steer,
+            emphasize=[[e.emphasize] for e in chunk],
+            chat=chunk[0].chat,
+            markup=False,
+            max_new_tokens=max_new_tokens,
+            # evaluate's own bar counts examples: a batch's count grows with its decoding steps
+            progress=lambda d, t, m=m: partial(m * d // t),
+        )
+        for e, text in zip(chunk, gen.texts, strict=True):
+            row = {"id": e.id, "output": text}
+            if task == "json_format":
+                m = json_metrics(text, e.fields)
+                row |= {"json_valid": bool(m["json_valid"]), "field_accuracy": float(m["field_accuracy"])}
+            else:
+                row |= {
+                    "no_she_he": no_pronoun(text),
+                    "occupation_named": e.fields["occupation"].lower() in text.lower(),
+                }
+            rows.append(row)
+        step(len(chunk))
+    return rows
+
+
+_METRICS = {
+    "json_format": [("json_valid", "binary"), ("field_accuracy", "mean")],
+    "pronoun_change": [("no_she_he", "binary"), ("occupation_named", "binary")],
+    "occupation": [("top1", "correct")],
+    "counterfact": [("efficacy", "correct")],
+    "sentiment": [("accuracy", "correct")],
+    "context_qa": [("context_accuracy", "correct")],
+}
+
+
+def evaluate(
+    model: HeadModel,
+    task: str,
+    method: str = "none",
+    *,
+    split: str = "test",
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 48,
+    progress: ProgressArg = True,
+    **method_options,
+) -> EvalResult:
+    """Run `method` on `task` (`probes.datasets.tasks.TASKS`) and score it.
+
+    Args:
+        split: "train", "validation" or "test" (default).
+        limit: the first `limit` examples of the split (default all).
+        batch_size: prompts per forward / generate call.
+        max_new_tokens: generation length for generate tasks (greedy).
+        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+            after each batch (`heads._util.progress`), in examples: `total` is the number of
+            examples evaluated; on generate tasks a batch's examples are counted in step
+            with its decoding steps.
+        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `var_p`, `var_rho`,
+            `vhr_alpha`, `iti` (see `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for
+            the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`).
+
+    Raises:
+        ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
+            without an emphasized span.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    examples = load_task(task, split).examples
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
+        examples = examples[:limit]
+    if method in ("pasta", "spotlight", "var", "vhr") and not all(e.emphasize for e in examples):
+        raise HeadsteerValueError(f"{method} needs an emphasized span, and task {task!r} has none")
+    keys = ("iti_k", "iti_alpha", "iti_direction")
+    iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}
+    if method == "iti" and method_options.get("iti") is None:  # probes on the train split only
+        from probes.head_probes import fit_iti
+
+        method_options["iti"] = fit_iti(model, task, batch_size=batch_size, **iti_opts)
+    steer = method_steer(model, method, **method_options)
+    finished = [0]
+    with progress_callback(progress, f"eval {task} / {method}", "examples") as report:
+
+        def step(n: int) -> None:
+            finished[0] += n
+            if report is not None:
+                report(finished[0], len(examples))
+
+        def partial(n: int) -> None:  # n examples of the running batch, counted as it decodes
+            if report is not None:
+                report(finished[0] + n, len(examples))
+
+        if examples[0].scoring == "choice":
+            rows = _choice_rows(model, examples, steer, batch_size, step)
+        else:
+            rows = _generate_rows(model, task, examples, steer, batch_size, max_new_tokens, step, partial)
+    frame = pd.DataFrame(rows)
+    out = []
+    for name, kind in _METRICS[task]:
+        col = "correct" if kind == "correct" else name
+        vals = frame[col].astype(float).to_numpy()
+        if kind == "mean":
+            low, high = mean_interval(vals) if len(vals) > 1 else (float("nan"), float("nan"))
+            low, high = max(0.0, low), min(1.0, high)  # every metric here is a share in [0, 1]
+        else:
+            low, high = wilson_interval(int(vals.sum()), len(vals))
+        out.append(
+            {
+                "task": task,
+                "method": method,
+                "split": split,
+                "metric": name,
+                "value": float(vals.mean()),
+                "n": len(vals),
+                "low": low,
+                "high": high,
+                "interval": INTERVAL_METHODS["mean" if kind == "mean" else "rate"],
+            }
+        )
+    return EvalResult(pd.DataFrame(out), frame)

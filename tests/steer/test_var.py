@@ -1,0 +1,600 @@
+"""VAR and sink dims (methods/var.md §6 pitfalls and §7 acceptance checks) on tiny random models."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from heads import encode_prompts, forward
+from heads.engine.editing import editing
+from heads.engine.edits import Recorder
+from heads.scorers.sink_dims import KNOWN_SINK_DIMS, SinkTracker, default_tau, sink_dims_for, sink_value
+from steer import SteeredModel
+from steer.var import Var, var_redistribute
+from tests.support import make_tiny
+from tests.support.vlm_models import image as tiny_image
+from tests.support.vlm_models import make_tiny_vlm
+
+PROMPTS = [
+    "Context: **Alice lives in Rome and she teaches music to children there.** Where does Alice live?",
+    "Doc: **The river is long, wide and very cold in the winter months.** The river is",
+]
+DIM = 5
+TAU = 6.0
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer):
+    return make_tiny("llama", tokenizer, num_hidden_layers=4)
+
+
+def _enc(model, prompts=PROMPTS):
+    return encode_prompts(model.tokenizer, prompts, chat=False)
+
+
+@contextlib.contextmanager
+def planted(model, positions: list[list[int]], value: float = 1000.0, dim: int = DIM):
+    """Pre-hook on layer 0 that writes a massive value into `dim` at absolute `positions` per row
+    (prompt positions: only when the call starts at 0, i.e. prefill or an uncached re-run)."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length(0) > 0:
+            return None
+        x = (args[0] if args else kwargs["hidden_states"]).clone()
+        for b, ps in enumerate(positions):
+            for p in ps:
+                if p < x.shape[1]:
+                    x[b, p, dim] = value
+        if args:
+            return (x, *args[1:]), kwargs
+        kwargs["hidden_states"] = x
+        return args, kwargs
+
+    h = model.layers[0].register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+def _sink_positions(enc):
+    """Per row: the first real token and the first token of the span (a visual/context sink)."""
+    first = enc.attention_mask.float().argmax(-1).tolist()
+    return [[first[b], enc.spans[b][0][0]] for b in range(enc.batch)]
+
+
+# --------------------------------------------------------------------------- sink dims
+def test_sink_value_bound_and_planted_flags(llama):
+    x = torch.randn(3, 7, 64)
+    x[..., 3] = 1e6
+    phi = sink_value(x, [3])
+    assert float(phi.max()) <= 8.0 + 1e-4  # <= sqrt(D)
+    assert float(phi.min()) > 7.99
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    tr = SinkTracker([DIM], TAU, range(llama.n_layers)).attach(llama)
+    with planted(llama, pos):
+        forward(llama, enc)
+    want = torch.zeros(enc.batch, enc.length, dtype=torch.bool)
+    for b, ps in enumerate(pos):
+        want[b, ps] = True
+    assert torch.equal(tr.flags[0], want)  # exactly the planted positions
+    # tau = 20 at D = 64 never fires, even with a planted massive value
+    tr20 = SinkTracker([DIM], 20.0, range(llama.n_layers)).attach(llama)
+    with planted(llama, pos):
+        forward(llama, enc)
+    assert not any(bool(f.any()) for f in tr20.flags.values())
+    tr.detach()
+    tr20.detach()
+
+
+def test_known_dims_and_unknown_backbone(llama):
+    with pytest.raises(ValueError, match="no known sink dims"):
+        sink_dims_for(llama)
+    with pytest.raises(ValueError, match="no known sink dims"):
+        Var().edits(llama, _enc(llama))
+    assert sink_dims_for(llama, [1, 2]) == (1, 2)
+    with pytest.raises(ValueError, match="sink dim"):
+        sink_dims_for(llama, [64])
+    assert KNOWN_SINK_DIMS[("llama", 4096, 32)] == (1415, 2533)
+    assert default_tau(4096) == 20.0 and default_tau(576) == pytest.approx(7.5)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown VAR config keys \\['beta'\\]"):
+        Var.from_config({"beta": 0.6})
+    v = Var.from_config({"p": 0.4, "rho": 0.8, "layers": [1, 2]})
+    assert v.p == 0.4 and v.layers == (1, 2)
+    for bad in ({"p": 1.5}, {"rho": -0.1}, {"tau": 0}, {"target": "audio"}, {"enabled": 1}):
+        with pytest.raises(ValueError):
+            Var.from_config(bad)
+    r = Var.from_reference(rho_code=0.2, p_code=0.4)
+    assert r.rho == pytest.approx(0.8) and r.p == pytest.approx(0.6)
+
+
+# --------------------------------------------------------------------------- the update
+def test_degenerate_rows_unchanged_no_nan():
+    probs = torch.softmax(torch.randn(2, 3, 4, 6), -1)
+    sink = torch.zeros(2, 6, dtype=torch.bool)
+    sink[:, 0] = True
+    region = torch.zeros(2, 6, dtype=torch.bool)
+    region[0, 0] = True  # row 0: the only image key is a sink -> zero non-sink image mass
+    eligible = torch.ones(2, 4, dtype=torch.bool)
+    probs[1, :, :, 2:4] = 0.0  # row 1: m = 0 over keys 2..3
+    region[1, 2:4] = True
+    new, sel = var_redistribute(probs, sink, region, eligible, floor=0.0, rho=0.0)
+    assert not sel.any() and torch.equal(new, probs) and not torch.isnan(new).any()
+
+
+def _reference_oracle(a, sink, region, eligible, rho_code, p_code, floor=0.2):
+    """The reference code's complement form, written as loops (VisAttnSink, issue #5)."""
+    out = a.clone()
+    n = int(region.sum(-1).max())
+    bsz, nh, nq, _ = a.shape
+    for b in range(bsz):
+        img = region[b]
+        vis_sink = img & sink[b]
+        free = img & ~sink[b]
+        for h in range(nh):
+            for q in range(nq):
+                if not eligible[b, q]:
+                    continue
+                row = a[b, h, q]
+                summ = float(row[img].sum())
+                if summ < floor:
+                    continue
+                if float(row[vis_sink].sum()) / (summ + n * 1e-6) > rho_code:
+                    continue
+                fm, sm = float(row[free].sum()), float(row[sink[b]].sum())
+                if fm <= 0 or sm <= 0:
+                    continue
+                new = row.clone()
+                new[sink[b]] = row[sink[b]] * p_code
+                new[free] = row[free] + (1 - p_code) * sm * row[free] / fm
+                out[b, h, q] = new
+    return out
+
+
+def _run_recorded(model, enc, var, layer, positions):
+    pre = Recorder(layer=layer)
+    post = Recorder(layer=layer)
+    edits = var.edits(model, enc)
+    with planted(model, positions), editing(model, [pre, *edits, post]):
+        logits = forward(model, enc)
+    return logits, pre.records[0], post.records[0], edits
+
+
+def test_update_rules_and_reference_equivalence(llama):
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    var = Var(sink_dims=(DIM,), tau=TAU, rho=0.5, p=0.6, layers=(1, 2))
+    _, a, new, edits = _run_recorded(llama, enc, var, 1, pos)
+    tracker = var.last["tracker"]
+    sink = tracker.mask(1, enc.length)
+    region = edits[0].region
+    starts = edits[0].start
+    eligible = torch.arange(enc.length)[None, :] >= starts[:, None]
+    assert sink.any(-1).all()
+    torch.testing.assert_close(
+        new.sum(-1)[enc.attention_mask.bool()[:, None, :].expand(-1, 4, -1)],
+        torch.ones(1).expand(int(enc.attention_mask.sum()) * 4),
+        atol=1e-6,
+        rtol=0,
+    )
+    _, sel = var_redistribute(a, sink, region, eligible)
+    assert sel.any(), "the planted sinks should select some rows"
+    s = sel[..., None]
+    sk, img = sink[:, None, None, :], region[:, None, None, :]
+    free = img & ~sk
+    # sinks: exactly (1 - p) a; other text keys bitwise; non-sink image ratios preserved
+    assert torch.equal(torch.where(s & sk, new, 0), torch.where(s & sk, a * (1 - 0.6), 0))
+    other = s & ~sk & ~img
+    assert torch.equal(torch.where(other, new, 0), torch.where(other, a, 0))
+    ratio_new = torch.where(free, new, 0) / torch.where(free, new, 0).sum(-1, keepdim=True).clamp(min=1e-30)
+    ratio_old = torch.where(free, a, 0) / torch.where(free, a, 0).sum(-1, keepdim=True).clamp(min=1e-30)
+    torch.testing.assert_close(torch.where(s, ratio_new, 0), torch.where(s, ratio_old, 0), atol=1e-6, rtol=0)
+    # unselected rows (m < floor, r < rho, before the span) bitwise unchanged
+    assert torch.equal(torch.where(~s, new, 0), torch.where(~s, a, 0))
+    # paper (rho, p) = reference (1 - rho, 1 - p)
+    oracle = _reference_oracle(a, sink, region, eligible, rho_code=0.5, p_code=0.4)
+    torch.testing.assert_close(new, oracle, atol=1e-6, rtol=0)
+
+
+def test_p_also_at_04(llama):
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    var = Var(sink_dims=(DIM,), tau=TAU, p=0.4, layers=(1,), skip_last=True)
+    _, a, new, edits = _run_recorded(llama, enc, var, 1, pos)
+    sink = var.last["tracker"].mask(1, enc.length)
+    eligible = torch.arange(enc.length)[None, :] >= edits[0].start[:, None]
+    oracle = _reference_oracle(a, sink, edits[0].region, eligible, rho_code=0.5, p_code=0.6)
+    torch.testing.assert_close(new, oracle, atol=1e-6, rtol=0)
+
+
+def test_disabled_p0_and_no_sinks_are_baseline(llama):
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    with planted(llama, pos):
+        base = forward(llama, enc)
+        for v in (Var(sink_dims=(DIM,), tau=TAU, enabled=False), Var(sink_dims=(DIM,), tau=TAU, p=0.0)):
+            with editing(llama, v.edits(llama, enc)):
+                assert torch.equal(forward(llama, enc), base)
+        # last layer only + skip_last: nothing to edit
+        assert Var(sink_dims=(DIM,), tau=TAU, layers=(3,)).edits(llama, enc) == []
+        # no sinks (tau beyond sqrt(D)): the pattern path with VAR = the same path without it
+        idle = [Recorder(layer=la, fn=lambda p, c: None) for la in range(3)]
+        with editing(llama, idle):
+            eager = forward(llama, enc)
+        nosink = Var(sink_dims=(DIM,), tau=20.0).edits(llama, enc)
+        with editing(llama, [*idle, *nosink]):
+            assert torch.equal(forward(llama, enc), eager)
+        torch.testing.assert_close(eager, base, atol=1e-5, rtol=1e-5)
+        # VAR with sinks does change the logits
+        with editing(llama, Var(sink_dims=(DIM,), tau=TAU).edits(llama, enc)):
+            assert not torch.allclose(forward(llama, enc), base, atol=1e-4)
+
+
+def test_last_layer_skipped(llama):
+    enc = _enc(llama)
+    edits = Var(sink_dims=(DIM,), tau=TAU).edits(llama, enc)
+    assert [e.layer for e in edits] == [0, 1, 2]
+    edits = Var(sink_dims=(DIM,), tau=TAU, skip_last=False).edits(llama, enc)
+    assert [e.layer for e in edits] == [0, 1, 2, 3]
+
+
+def test_sample_isolation_and_cache(llama):
+    sm = SteeredModel(llama)
+    a_prompt, b_prompt = PROMPTS
+    enc_b = _enc(llama, [b_prompt])
+    pos_b = _sink_positions(enc_b)
+    var = Var(sink_dims=(DIM,), tau=TAU)
+    with planted(llama, pos_b):  # same absolute positions planted in A and B
+        sm.generate([a_prompt], var, chat=False, max_new_tokens=5)
+        after_a = sm.generate([b_prompt], var, chat=False, max_new_tokens=5)
+        tracker = var.last["tracker"]
+        fresh = sm.generate([b_prompt], Var(sink_dims=(DIM,), tau=TAU), chat=False, max_new_tokens=5)
+        uncached = sm.generate(
+            [b_prompt], Var(sink_dims=(DIM,), tau=TAU), chat=False, max_new_tokens=5, use_cache=False
+        )
+    assert after_a.token_ids == fresh.token_ids
+    assert uncached.token_ids == fresh.token_ids
+    # state is bounded: one flag per key column seen (prompt + generated - 1)
+    assert tracker.flags[0].shape == (1, enc_b.length + 4)
+
+
+def test_decode_edits_only_new_row(llama):
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    var = Var(sink_dims=(DIM,), tau=TAU, layers=(1,))
+    edits = var.edits(llama, enc)
+    shapes = []
+    rec = Recorder(layer=1, fn=lambda p, c: shapes.append((c.q_len, c.k_len)))
+    with planted(llama, pos), editing(llama, [*edits, rec]):
+        llama.model.generate(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    assert shapes[0] == (enc.length, enc.length)
+    assert shapes[1:] == [(1, enc.length + 1), (1, enc.length + 2)]
+    assert edits[0].considered.sum() > 0
+
+
+def test_generated_sinks_flagged_unless_prefill_only(llama):
+    enc = _enc(llama, PROMPTS[:1])
+    x = torch.zeros(1, 3, llama.d_model)
+    x[..., DIM] = 1.0
+    tr = SinkTracker([DIM], TAU, [0], prefill_only=False, prefill_len=enc.length)
+    tr.observe(0, torch.randn(1, enc.length, llama.d_model), 0)
+    tr.observe(0, x[:, :1], enc.length)
+    assert bool(tr.mask(0, enc.length + 1)[0, -1])
+    tr2 = SinkTracker([DIM], TAU, [0], prefill_only=True, prefill_len=enc.length)
+    tr2.observe(0, torch.randn(1, enc.length, llama.d_model), 0)
+    tr2.observe(0, x[:, :1], enc.length)
+    assert not bool(tr2.mask(0, enc.length + 1)[0, -1])
+
+
+def test_padded_vlm_batch_equals_single_runs():
+    vlm = make_tiny_vlm("llava")
+    sm = SteeredModel(vlm)
+    prompts = ["Describe the image in a few words please.", "What?"]
+    images = [tiny_image(1), tiny_image(2)]
+    enc = sm.encode(prompts, images=images)
+    assert enc.image_spans[0][0][0] != enc.image_spans[1][0][0]  # different image offsets
+
+    def pos_of(e):
+        first = e.attention_mask.float().argmax(-1).tolist()
+        return [[first[b], e.image_spans[b][0][0] + 1] for b in range(e.batch)]
+
+    var = Var(sink_dims=(DIM,), tau=TAU, skip_last=False)
+    with planted(vlm, pos_of(enc)):
+        base = forward(vlm, enc)[:, -1]
+        edits = var.edits(vlm, enc)
+        with editing(vlm, edits):
+            both = forward(vlm, enc)[:, -1]
+    assert sum(int(e.selected.sum()) for e in edits) > 0
+    assert not torch.allclose(both, base, atol=1e-5)
+    for i in range(2):
+        one = sm.encode([prompts[i]], images=[images[i]])
+        with planted(vlm, pos_of(one)), editing(vlm, var.edits(vlm, one)):
+            alone = forward(vlm, one)[0, -1]
+        torch.testing.assert_close(alone, both[i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "idefics3"])
+def test_other_vlm_families_run(kind):
+    vlm = make_tiny_vlm(kind)
+    sm = SteeredModel(vlm)
+    gen = sm.generate(["Describe."], Var(sink_dims=(DIM,), tau=1.0), images=[tiny_image(3)], max_new_tokens=3)
+    assert len(gen.token_ids[0]) >= 1
+
+
+@pytest.mark.real
+def test_embedded_sink_dims_match_massive_activations(smol):
+    from heads.scorers.sink_dims import find_sink_dims
+    from heads.scorers.sinks import massive_activations
+
+    prompts = [
+        "The weather today is sunny and warm.",
+        "Paris is the capital of France.",
+        "Write a short poem about the sea.",
+        "How do I bake bread at home?",
+        "The quick brown fox jumps over the lazy dog.",
+        "Explain photosynthesis in simple terms.",
+        "Numbers: one, two, three.\nDone.",
+        "Mountains are high. Rivers are long.",
+    ]
+    found = find_sink_dims(smol, prompts)
+    assert found.dims == KNOWN_SINK_DIMS[("llama", 576, 30)] == sink_dims_for(smol)
+    assert found.evidence["selected"].sum() == len(found.dims)
+    ma = massive_activations(smol, prompts[:4], top=20)
+    top_dims = ma[ma.layer >= 2]["dim"].value_counts().index[:4].tolist()
+    assert set(found.dims) <= set(top_dims)
+    assert found.evidence.iloc[0]["ratio_to_median_dim"] > 100
+
+
+@pytest.mark.real
+def test_embedded_var_text_flags_first_token(smol):
+    """On SmolLM2 the calibrated tau flags the first token in layers 2-9 and 12-28 (its massive
+    value dips in layers 10-11) and few other tokens."""
+    prompt = "Answer from the passage. Passage: **The capital of France is Lisbon.** The capital of France is"
+    enc = encode_prompts(smol.tokenizer, [prompt], chat=False)
+    var = Var()
+    edits = var.edits(smol, enc)
+    with editing(smol, edits):
+        forward(smol, enc)
+    flags = var.last["tracker"].flags
+    assert [e.layer for e in edits] == list(range(smol.n_layers - 1))
+    for la in [*range(2, 10), *range(12, smol.n_layers - 1)]:
+        assert bool(flags[la][0, 0]), la
+    assert float(torch.stack([flags[la][0, 1:].float().mean() for la in range(2, 29)]).mean()) < 0.1
+
+
+def test_tracker_hooks_removed_with_the_edits(llama):
+    import gc
+
+    before = [len(layer._forward_pre_hooks) for layer in llama.layers]
+    var = Var(sink_dims=(DIM,), tau=TAU)
+    edits = var.edits(llama, _enc(llama))
+    assert [len(layer._forward_pre_hooks) for layer in llama.layers] != before
+    del edits
+    var.last.clear()
+    gc.collect()
+    assert [len(layer._forward_pre_hooks) for layer in llama.layers] == before
+
+
+@pytest.mark.real
+def test_eval_harness_runs_var_and_vhr(smol):
+    from probes.studies.evaluate import evaluate
+
+    for method in ("var", "vhr"):
+        res = evaluate(smol, "context_qa", method, limit=3, batch_size=3)
+        row = res.table.iloc[0]
+        assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
+
+
+# --------------------------------------------------------------------------- pitfalls (var.md §6)
+def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
+    """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
+    inputs, while the layer before it is edited; without skip_last the last layer changes too."""
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    last = llama.n_layers - 1
+
+    def pre_post(var, layer):
+        pre, post = Recorder(layer=layer), Recorder(layer=layer)
+        with planted(llama, pos), editing(llama, [pre, *var.edits(llama, enc), post]):
+            forward(llama, enc)
+        return pre.records[0], post.records[0]
+
+    skip = Var(sink_dims=(DIM,), tau=TAU, layers=(last - 1, last))
+    a, b = pre_post(skip, last)
+    assert torch.equal(a, b)  # nothing touches layer L-1
+    a, b = pre_post(skip, last - 1)
+    assert not torch.equal(a, b)  # ... while layer L-2 is edited
+    a, b = pre_post(Var(sink_dims=(DIM,), tau=TAU, layers=(last,), skip_last=False), last)
+    assert not torch.equal(a, b)
+
+
+def test_sink_dims_keyed_by_backbone_config(tokenizer):
+    """§6.5: the dims follow the backbone's config (type, width, depth), never the model's name;
+    an unknown backbone raises unless dims are given. Shapes only: built on the meta device."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from heads import HeadModel
+
+    def llava(hidden: int, layers: int, name: str) -> HeadModel:
+        text = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 128,
+            vocab_size=32,
+        )
+        vision = CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+        with torch.device("meta"):
+            model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text))
+        return HeadModel(model, tokenizer, name=name)
+
+    assert sink_dims_for(llava(4096, 32, "llava-1.5-13b")) == (1415, 2533)  # 7B config, misleading name
+    assert sink_dims_for(llava(5120, 40, "llava-1.5-7b")) == (2100, 4743)  # 13B config
+    with pytest.raises(ValueError, match="no known sink dims"):
+        sink_dims_for(llava(4096, 31, "llava-1.5-7b"))
+    assert sink_dims_for(llava(4096, 31, "x"), [7]) == (7,)
+
+
+def test_vlm_prompt_is_the_processors_own_input_and_loading_is_by_keyword(tmp_path):
+    """§6.2: the encoded row is exactly the processor's output for the rendered prompt (no
+    segment-wise re-tokenisation that drops BOS / special tokens). §6.3: loading options are
+    keyword-only and the dtype asked for is the dtype loaded."""
+    from heads import load_model
+    from tests.support.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    own = vlm.processor(text=enc.texts, images=[tiny_image(1)], return_tensors="pt")
+    assert enc.input_ids[0][enc.attention_mask[0].bool()].tolist() == own["input_ids"][0].tolist()
+    folder = save_tiny_vlm(vlm, tmp_path / "llava")
+    with pytest.raises(TypeError):
+        load_model(folder, torch.bfloat16)  # type: ignore[misc]
+    for dtype in (torch.float32, torch.bfloat16):
+        hm = load_model(folder, dtype=dtype)
+        assert {p.dtype for la in hm.layers for p in la.parameters()} == {dtype}
+
+
+def test_gqa_weights_per_query_head_values_repeated(llama):
+    """§6.12: on a GQA model (4 query heads, 2 KV heads) the edited weights are per query head and
+    each head's output is its edited row times its own KV head's values."""
+    assert llama.n_kv_heads < llama.n_heads
+    enc = _enc(llama)
+    pos = _sink_positions(enc)
+    layer = 1
+    var = Var(sink_dims=(DIM,), tau=TAU, layers=(layer,))
+    post = Recorder(layer=layer)
+    got: dict[str, torch.Tensor] = {}
+    attn = llama.attentions[layer]
+    h1 = attn.v_proj.register_forward_hook(lambda m, a, out: got.__setitem__("v", out))
+    h2 = llama.out_projs[layer].register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0]))
+    try:
+        edits = var.edits(llama, enc)
+        with planted(llama, pos), editing(llama, [*edits, post]):
+            forward(llama, enc)
+    finally:
+        h1.remove()
+        h2.remove()
+    probs = post.records[0]  # [B, H, T, T]: one (edited) pattern per query head
+    assert probs.shape[1] == llama.n_heads
+    b, t = enc.input_ids.shape
+    v = got["v"].view(b, t, llama.n_kv_heads, llama.d_head).transpose(1, 2)  # [B, G, T, d]
+    v = v.repeat_interleave(llama.n_heads // llama.n_kv_heads, dim=1)  # query head h reads KV head h // 2
+    oracle = (probs @ v).transpose(1, 2).reshape(b, t, -1)
+    torch.testing.assert_close(got["z"], oracle, atol=1e-5, rtol=1e-5)
+    assert int(edits[0].selected.sum()) > 0  # VAR did edit rows of this layer
+
+
+def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
+    """§6.11 (vhr.md §6.9): a LLaVA folder in the older module layout (`language_model.model.
+    layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
+    current layout (`model.language_model.layers...`) load to the same model, with the heads
+    found at `model.model.language_model`, so VAR and VHR edit the same layers."""
+    from safetensors.torch import load_file, save_file
+
+    from heads import load_model
+    from tests.support.vlm_models import save_tiny_vlm
+
+    vlm = make_tiny_vlm("llava")
+    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
+    want = forward(vlm, enc)
+    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
+    save_tiny_vlm(vlm, old_dir)
+    save_tiny_vlm(vlm, new_dir)
+    (file,) = list(new_dir.glob("*.safetensors"))
+    state = load_file(str(file))
+    assert any(k.startswith("language_model.model.layers.") for k in state)  # the older layout
+
+    def current(key: str) -> str:
+        for before, now in (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ):
+            if key.startswith(before):
+                return now + key[len(before) :]
+        return key
+
+    save_file({current(k): v for k, v in state.items()}, str(file), metadata={"format": "pt"})
+    assert any(k.startswith("model.language_model.layers.") for k in load_file(str(file)))
+    var = Var(sink_dims=(DIM,), tau=1.0)
+    for folder in (old_dir, new_dir):
+        hm = load_model(folder)
+        assert hm.layers[0] is hm.model.model.language_model.layers[0]
+        torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
+        assert [e.layer for e in var.edits(hm, enc)] == [0]
+
+
+# --------------------------------------------------------------------------- fast paths = plain formula
+def _plain_var(probs, sink, region, eligible, *, rho=0.5, p=0.6, floor=0.2, require_visual_sink=False):
+    """var.md §2 written plainly over every row (the formulation before the speed work)."""
+    w = probs.float()
+    sink_k, img_k = sink[:, None, None, :], region[:, None, None, :]
+    free_k = img_k & ~sink_k
+    m = torch.where(img_k, w, 0.0).sum(-1)
+    free = torch.where(free_k, w, 0.0).sum(-1)
+    sunk = torch.where(sink_k, w, 0.0).sum(-1)
+    r = free / m.clamp(min=1e-30)
+    sel = eligible[:, None, :] & (m >= floor) & (m > 0) & (r >= rho) & (free > 0) & (sunk > 0)
+    if require_visual_sink:
+        sel = sel & (sink & region).any(-1)[:, None, None]
+    gain = (p * sunk / free.clamp(min=1e-30))[..., None]
+    new = torch.where(sink_k, w * (1 - p), torch.where(free_k, w + gain * w, w))
+    return torch.where(sel[..., None], new, probs), sel
+
+
+@pytest.mark.parametrize("stack_limit", [0, 1 << 22])
+def test_fast_var_update_is_bitwise_the_plain_formula(stack_limit, monkeypatch):
+    import steer.var as var_module
+
+    monkeypatch.setattr(var_module, "_STACK_LIMIT", stack_limit)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, h = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        q = int(torch.randint(1, 12, (1,), generator=g))
+        k = q + int(torch.randint(1, 60, (1,), generator=g))
+        logits = torch.randn(b, h, q, k, generator=g) * 3
+        logits[..., 0] += 3  # a strong first-token sink
+        probs = torch.softmax(logits, -1)
+        sink = torch.rand(b, k, generator=g) < 0.1
+        sink[:, 0] = True
+        region = torch.zeros(b, k, dtype=torch.bool)
+        region[:, 1 : 1 + k // 2] = True
+        start = torch.randint(0, k + 1, (b,), generator=g)
+        eligible = torch.arange(k - q, k)[None] >= start[:, None]
+        for kw in ({}, {"rho": 0.0, "floor": 0.0}, {"require_visual_sink": True}, {"p": 0.4, "rho": 0.8}):
+            want, want_sel = _plain_var(probs, sink, region, eligible, **kw)
+            got, got_sel = var_redistribute(probs, sink, region, eligible, **kw)
+            assert torch.equal(got, want) and torch.equal(got_sel, want_sel), kw
+
+
+def test_open_decode_row_needs_no_mask_bitwise():
+    """The explicit attention path skips the mask work for one decode row that sees every key;
+    the result equals the same call with an explicit all-visible mask, bit for bit."""
+    from heads.engine.editing import _edited_attention, _LayerEdits
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    rec = Recorder(layer=0)
+    edits = _LayerEdits(0, 4, None, {"probs": [rec]})
+    open_out, open_p = _edited_attention(None, q, k, v, None, 0.25, edits, want_probs=True)
+    full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    masked_out, masked_p = _edited_attention(None, q, k, v, full, 0.25, edits, want_probs=True)
+    assert torch.equal(open_out, masked_out) and torch.equal(open_p, masked_p)
+    assert torch.equal(rec.records[0], rec.records[1])

@@ -1,0 +1,5 @@
+"""The `headsteer` command line."""
+
+from viz.cli.main import app, run
+
+__all__ = ["app", "run"]

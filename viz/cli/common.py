@@ -1,0 +1,506 @@
+"""The skeleton every `headsteer` command shares: options, model loading, progress, output, errors.
+
+A command is a function `fn(run: Run, **own_options) -> dict | None` registered with
+`@command(app)`. The decorator adds the shared option set to its signature
+
+    --model, --device, --dtype, --quiet, --json, --force
+
+and runs it inside one frame:
+
+* the command checks its own options first, then declares every file it will write
+  with `run.output(...)` / `run.folder(...)` (an existing file without `--force`, a
+  symlink or a folder there: exit 2, before any work), then `run.load()` loads the
+  model with a status line and `run.progress(total, label)` gives a progress
+  callback `step(done, total)`;
+* human output goes through `run.show(...)` (nothing with `--json`); the returned
+  dict is printed as strict JSON with `--json`;
+* every declared file that was written is printed (`wrote PATH`; on stderr with
+  `--json`);
+* a warning raised inside (a silent fallback, a no-op parameter) is one
+  `warning: ...` line on stderr (`warn_line`), printed once;
+* a user error (`ValueError`, `TypeError`, `OSError`) is one line on stderr and
+  exit 2 (the traceback only with `headsteer --debug`); Ctrl-C exits 130. Either
+  way, when some declared files were already written, one more line says which
+  were and which were not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer._click import exceptions as click_errors  # typer 0.29 vendors click: its exceptions
+from typer.core import TyperGroup
+
+from heads._util.files import check_output
+from heads._util.progress import Progress
+from heads.errors import HeadsteerValueError
+from heads.model.loading import DTYPES
+from heads.model.loading import check_dtype as _check_dtype
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
+
+# Not a terminal (a pipe, a log file): rich would cut tables at 80 columns; use 160 unless COLUMNS says.
+console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
+err = Console(stderr=True, soft_wrap=True)
+_STATE = {"debug": False, "quiet": False}
+USER_ERRORS = (ValueError, TypeError, OSError)
+PLAIN_PROGRESS_EVERY_S = 5.0
+"""Seconds between plain progress lines when stderr is not a terminal (logs, CI, nohup)."""
+
+# ------------------------------------------------------------------ shared options
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="HF model folder (default: embedded SmolLM2-135M-Instruct)")
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:N or mps")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=f"weight dtype: {', '.join(DTYPES)}")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="no status line or progress bars")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="replace existing output files")]
+NO_FILES_FORCE_HELP = (
+    "no effect: this command writes no file (taken so that every command has the same options)"
+)
+NoFilesForceOpt = Annotated[bool, typer.Option("--force", help=NO_FILES_FORCE_HELP)]
+EmphasizeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--emphasize", help="substring to emphasize (repeatable), besides **markup** in the prompt"),
+]
+
+_SHARED: dict[str, tuple[Any, Any]] = {
+    "model": (ModelOpt, None),
+    "device": (DeviceOpt, "cpu"),
+    "dtype": (DtypeOpt, "float32"),
+    "quiet": (QuietOpt, False),
+    "as_json": (JsonOpt, False),
+    "force": (ForceOpt, False),
+}
+
+
+# ------------------------------------------------------------------ checks
+def check_device(device: str) -> str:
+    """The `--device` value if torch knows it and it is available here.
+
+    Raises:
+        ValueError: an unknown device string, or CUDA / MPS not available.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise HeadsteerValueError(
+            f"--device {device!r} is not a torch device (use cpu, cuda, cuda:N or mps)"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadsteerValueError(f"--device {device!r}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise HeadsteerValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise HeadsteerValueError(f"--device {device!r}: MPS is not available")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise HeadsteerValueError(f"--device {device!r}: use cpu, cuda, cuda:N or mps")
+    return device
+
+
+def check_dtype(dtype: str):
+    """The torch dtype named by `--dtype` (one of `heads.model.loading.DTYPES`); ValueError for any other."""
+    return _check_dtype(dtype, option="--dtype")
+
+
+def _positive(**options: int) -> None:
+    """ValueError naming the first option (as --flag) that is not a positive int."""
+    for name, value in options.items():
+        if value < 1:
+            raise HeadsteerValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+
+
+def _at_most(option: str, value: int, cap: int) -> None:
+    """ValueError when `value` is above `cap` (unbounded work from one option)."""
+    if value > cap:
+        raise HeadsteerValueError(f"{option} {value} is above the cap of {cap}")
+
+
+def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str = "prompt") -> str:
+    """Refuse, before the model loads, a prompt that cannot be steered.
+
+    Raises:
+        ValueError: `prompt` is empty or white space, has unbalanced `**` markup,
+            or has no emphasized span (no `**markup**` and no `--emphasize`).
+    """
+    from heads.inputs.spans import parse_markup
+
+    if not prompt.strip():
+        raise HeadsteerValueError(f"{option} is empty")
+    _, spans = parse_markup(prompt)
+    if not spans and not emphasize:
+        raise HeadsteerValueError(
+            f"{option} has no emphasized span: mark it with **double stars** or pass --emphasize"
+        )
+    return prompt
+
+
+def _json(obj) -> str:
+    """Strict JSON: NaN and infinities become null."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False)
+
+
+def warn_line(message: str) -> None:
+    """Print one `warning: ...` line on stderr (white space collapsed; also with `--quiet`).
+
+    Every warning a command raises (`warnings.warn`: a silent fallback, a no-op parameter)
+    is routed here by `command`, so the user sees one line, not a Python warning with its
+    source line.
+    """
+    msg = " ".join(str(message).split())
+    err.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Within: each distinct warning message printed once, as one line through `warn_line`."""
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        text = str(message)
+        if text not in seen:
+            seen.add(text)
+            warn_line(text)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", category=UserWarning)
+        warnings.showwarning = show
+        yield
+
+
+def _quiet_transformers() -> None:
+    """No per-weight progress bars or info logs from transformers in the terminal."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _stat(p: Path) -> tuple[int, int] | None:
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns)
+
+
+# ------------------------------------------------------------------ the run
+@dataclass
+class Run:
+    """One command's shared state: options, declared outputs, model loading, progress, output.
+
+    Attributes:
+        model: `--model` (None: the embedded model).
+        device, dtype: `--device`, `--dtype` (checked before any work).
+        quiet: `--quiet` here or on `headsteer` itself.
+        as_json: `--json`.
+        force: `--force`: declared outputs may replace existing files.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    quiet: bool = False
+    as_json: bool = False
+    force: bool = False
+    planned: dict[Path, tuple[int, int] | None] = field(default_factory=dict)
+
+    # -- outputs
+    def output(
+        self, path: str | os.PathLike, *, suffixes: tuple[str, ...] = (), option: str = "--out"
+    ) -> Path:
+        """Declare a file this command will write and check it now, before any work.
+
+        Raises:
+            ValueError: wrong suffix (when `suffixes` is given), a folder or a symlink
+                at `path`, or an existing file without `--force`.
+        """
+        p = Path(path).expanduser()
+        if suffixes and p.suffix.lower() not in suffixes:
+            article = "an" if suffixes[0] in (".html", ".htm") else "a"
+            raise HeadsteerValueError(f"{option} must name {article} {suffixes[0]} file, got {str(path)!r}")
+        check_output(p, self.force)
+        self.planned[p] = _stat(p)
+        return p
+
+    def folder(self, path: str | os.PathLike, names: list[str], *, option: str = "--out") -> list[Path]:
+        """Declare files `names` inside folder `path` (which may not exist yet); see `output`.
+
+        Raises:
+            ValueError: `path` exists and is not a folder, or is a symlink; any of the
+                files fails `output`'s checks.
+        """
+        folder = Path(path).expanduser()
+        if folder.is_symlink():
+            raise HeadsteerValueError(f"refusing to write through a symlink: {folder}")
+        if folder.exists() and not folder.is_dir():
+            raise HeadsteerValueError(f"{option} {str(path)!r} exists and is not a folder")
+        return [self.output(folder / n) for n in names]
+
+    def written(self) -> list[Path]:
+        """Declared files that this run wrote (a new file, or a replaced one), in declared order."""
+        return [p for p, before in self.planned.items() if (now := _stat(p)) is not None and now != before]
+
+    # -- model and progress
+    def load(self, device_map: str | dict | None = None):
+        """Load `--model` on `--device` in `--dtype`, with a status line on stderr; a `HeadModel`.
+
+        `device_map` (e.g. `"auto"`) places the layers through accelerate instead of `--device`.
+        """
+        from heads import load_model
+
+        dtype = check_dtype(self.dtype)
+        _quiet_transformers()
+        name = self.model or "the embedded SmolLM2-135M-Instruct"
+        where = self.device if device_map is None else f"device_map={device_map}"
+        with self.status(f"loading {name} ({self.dtype}, {where})…"):
+            if device_map is not None:
+                return load_model(self.model, dtype=dtype, device_map=device_map)
+            return load_model(self.model, dtype=dtype, device=self.device)
+
+    def status(self, msg: str):
+        """A spinner on a terminal, one plain line otherwise, nothing with `--quiet`."""
+        if self.quiet:
+            return contextlib.nullcontext()
+        if err.is_terminal:
+            return err.status(escape(msg))
+        err.print(escape(msg), highlight=False)
+        return contextlib.nullcontext()
+
+    def say(self, msg: str) -> None:
+        """One plain line on stderr (nothing with `--quiet`)."""
+        if not self.quiet:
+            err.print(escape(msg), highlight=False)
+
+    @contextlib.contextmanager
+    def progress(self, total: int, label: str = "working") -> Iterator[Progress]:
+        """A progress display for `total` steps; yields the callback `step(done, total)`.
+
+        On a terminal, a rich bar with elapsed time and ETA; when stderr is not a
+        terminal, a plain line at most every `PLAIN_PROGRESS_EVERY_S` seconds and when done; with
+        `--quiet`, nothing. `step(done, total)` is a `heads._util.progress.Progress`: it sets
+        the absolute position and the (possibly grown) total, as the library's
+        `progress=` callbacks give them.
+        """
+        state = {"done": 0, "total": max(int(total), 1), "label": label}
+        bar = None
+        if not self.quiet and err.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            )
+            task = bar.add_task(escape(label), total=state["total"])
+        t0 = last = time.monotonic()
+        if bar is None and not self.quiet:  # say what runs before its first step ends
+            err.print(escape(f"{label}: 0/{state['total']}"), highlight=False)
+
+        shown = (0, state["total"])  # the (done, total) last printed: a repeated final step prints once
+
+        def step(done: int, total: int) -> None:
+            nonlocal last, shown
+            state["done"], state["total"] = int(done), max(int(total), 1)
+            if bar is not None:
+                bar.update(task, completed=state["done"], total=state["total"])
+            elif (
+                not self.quiet
+                and (state["done"], state["total"]) != shown
+                and (time.monotonic() - last >= PLAIN_PROGRESS_EVERY_S or state["done"] >= state["total"])
+            ):  # every few seconds, and at the end
+                last = time.monotonic()
+                shown = (state["done"], state["total"])
+                elapsed = last - t0
+                frac = state["done"] / state["total"]
+                eta = f", ETA {elapsed * (1 - frac) / frac:.0f} s" if frac > 0 else ""
+                err.print(
+                    escape(f"{state['label']}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
+                    highlight=False,
+                )
+
+        if bar is None:
+            yield step
+            return
+        with bar:
+            yield step
+
+    # -- output
+    def show(self, *items: Any) -> None:
+        """Print tables or text to stdout, unless `--json`."""
+        if not self.as_json:
+            for item in items:
+                if isinstance(item, str):
+                    console.print(item, highlight=False, markup=False)
+                else:
+                    console.print(item)
+
+    def _report_files(self, *, failed: bool) -> None:
+        done = self.written()
+        if not failed:
+            out = err if self.as_json else console
+            if not (self.as_json and self.quiet):
+                for p in done:
+                    out.print(escape(f"wrote {p}"), highlight=False)
+            return
+        if done:
+            missing = [p for p in self.planned if p not in done]
+            err.print(
+                escape(
+                    f"written: {', '.join(map(str, done))}; "
+                    f"not written: {', '.join(map(str, missing)) or 'none'}"
+                ),
+                highlight=False,
+            )
+
+    def fail(self, exc: BaseException) -> None:
+        """One line on stderr (the traceback first with --debug), then exit 2."""
+        if _STATE["debug"]:
+            err.print_exception()
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        err.print(f"[red]error:[/red] {escape(msg)}", highlight=False)
+        self._report_files(failed=True)
+        raise typer.Exit(2)
+
+
+def command(
+    app: typer.Typer, name: str | None = None, *, writes_files: bool = True, json_help: str | None = None
+) -> Callable[[Callable], Callable]:
+    """Register `fn(run: Run, **options) -> dict | None` as command `name` of `app`.
+
+    Adds the shared options (`--model`, `--device`, `--dtype`, `--quiet`, `--json`,
+    `--force`) to the command's own and runs it in the skeleton described in this
+    module's docstring. A command that writes no file (`writes_files=False`: `generate`,
+    `serve`) still takes `--force`, so that every command has the same options; its help
+    says it has no effect there and passing it prints one warning line. `json_help` replaces
+    the help of `--json` where it means something else than "JSON instead of tables" (`serve`).
+    Returns `fn` unchanged.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "run"]
+        taken = {p.name for p in own}
+        options = dict(_SHARED)
+        if not writes_files:
+            options["force"] = (NoFilesForceOpt, False)
+        if json_help is not None:
+            options["as_json"] = (Annotated[bool, typer.Option("--json", help=json_help)], False)
+        extra = [
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d, annotation=a)
+            for k, (a, d) in options.items()
+            if k not in taken
+        ]
+        label = name or fn.__name__.replace("_", "-")
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
+
+        def wrapper(**kwargs: Any) -> None:
+            shared = {k: kwargs.pop(k) for k in _SHARED}
+            shared["quiet"] = shared["quiet"] or _STATE["quiet"]
+            run = Run(**shared)
+            try:
+                with _warnings_as_lines():
+                    if run.force and not writes_files:
+                        warn_line(f"--force has no effect: {label} writes no file")
+                    check_device(run.device)
+                    check_dtype(run.dtype)
+                    result = fn(run, **kwargs)
+            except USER_ERRORS as exc:
+                run.fail(exc)
+            except KeyboardInterrupt:
+                err.print("[red]interrupted[/red]", highlight=False)
+                run._report_files(failed=True)
+                raise typer.Exit(130) from None
+            if run.as_json and result is not None:
+                print(_json(result))
+            run._report_files(failed=False)
+
+        wrapper.__name__ = fn.__name__
+        wrapper.__qualname__ = fn.__qualname__
+        wrapper.__doc__ = fn.__doc__
+        wrapper.__module__ = fn.__module__
+        wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        app.command(name)(wrapper)
+        return fn
+
+    return decorate
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The `headsteer` group: a usage error (missing or unknown option, bad value) is one line.
+
+    click prints a usage block, a hint and the error for a usage error; here it is one line
+    on stderr, `error: <what> (see: <command> --help)`, and exit 2, like every other bad
+    input. Help (`--help`, a group called without a command) is printed as click does.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_errors.NoArgsIsHelpError as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except click_errors.UsageError as exc:
+            if not standalone_mode:
+                raise
+            where = exc.ctx.command_path if exc.ctx is not None else "headsteer"
+            msg = " ".join(exc.format_message().split()).rstrip(".")
+            err.print(f"[red]error:[/red] {escape(msg)} (see: {escape(where)} --help)", highlight=False)
+            raise SystemExit(2) from None
+        except click_errors.ClickException as exc:
+            if not standalone_mode:
+                raise
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            err.print("[red]aborted[/red]", highlight=False)
+            raise SystemExit(1) from None
+        if not standalone_mode:
+            return rv
+        raise SystemExit(rv if isinstance(rv, int) else 0)
+
+
+def set_global(debug: bool, quiet: bool) -> None:
+    """`headsteer --debug --quiet ...`: tracebacks on user errors; quiet for every command."""
+    _STATE["debug"] = debug
+    _STATE["quiet"] = quiet

@@ -1,0 +1,246 @@
+"""`headsteer eval` and `headsteer profile pasta|act`: measure steering methods, profile heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from heads.errors import HeadsteerValueError
+from viz.cli.common import Run, _positive, command
+
+profile_app = typer.Typer(
+    help='Profile heads and write a {"layer": [heads]} profile.', no_args_is_help=True, rich_markup_mode=None
+)
+
+HeadsOpt = Annotated[
+    str, typer.Option(help='"auto" (the shipped profile of the embedded model) or a JSON file')
+]
+
+
+def _heads_arg(value: str) -> str | None:
+    """None for "auto"; a head file is parsed here, before the model loads (ValueError if bad)."""
+    if value == "auto":
+        return None
+    from heads import HeadSet
+
+    HeadSet.parse(value)
+    return value
+
+
+def eval_command(
+    run: Run,
+    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | var | vhr | iti")],
+    task: Annotated[
+        str,
+        typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment | context_qa"),
+    ],
+    split: Annotated[str, typer.Option(help="train | validation | test")] = "test",
+    limit: Annotated[int | None, typer.Option(help="first N examples of the split")] = None,
+    pasta_heads: HeadsOpt = "auto",
+    act_heads: HeadsOpt = "auto",
+    alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
+    tau: Annotated[float, typer.Option(help="SpotLight target share")] = 0.1,
+    beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
+    iti_k: Annotated[int, typer.Option(help="ITI heads (probes fitted on the train split)")] = 16,
+    iti_alpha: Annotated[float, typer.Option(help="ITI strength (shift alpha * sigma)")] = 15.0,
+    iti_direction: Annotated[str, typer.Option(help="ITI direction: mass_mean | probe")] = "mass_mean",
+    var_p: Annotated[float, typer.Option(help="VAR fraction of sink mass moved")] = 0.6,
+    var_rho: Annotated[float, typer.Option(help="VAR least non-sink span ratio")] = 0.5,
+    vhr_alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
+    batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="CSV for the table, per-example rows beside it [default: results/TASK.METHOD.SPLIT.csv]"
+        ),
+    ] = None,
+) -> dict:
+    """Evaluate one steering method on one task: metric, n and 95% interval."""
+    from probes.datasets.tasks import SPLITS, TASKS, load_task
+    from probes.studies.evaluate import METHODS, evaluate
+    from viz.tables import write_csv
+
+    if method not in METHODS:
+        raise HeadsteerValueError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
+    if task not in TASKS:
+        raise HeadsteerValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise HeadsteerValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
+    _positive(batch_size=batch_size, max_new_tokens=max_new_tokens, iti_k=iti_k)
+    if iti_direction not in ("mass_mean", "probe"):
+        raise HeadsteerValueError(f"--iti-direction must be mass_mean or probe, got {iti_direction!r}")
+    for flag, value in (("--var-p", var_p), ("--var-rho", var_rho)):
+        if not 0 <= value <= 1:
+            raise HeadsteerValueError(f"{flag} must be in [0, 1], got {value}")
+    if not vhr_alpha > 0:
+        raise HeadsteerValueError(f"--vhr-alpha must be > 0, got {vhr_alpha}")
+    if limit is not None:
+        _positive(limit=limit)
+    pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)
+    if out is None:
+        out = Path("results") / f"{task}.{method}.{split}.csv"
+    if out.is_dir():
+        raise HeadsteerValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
+    out = run.output(out, suffixes=(".csv",))
+    examples_csv = run.output(out.with_suffix(".examples.csv"))
+    n = min(len(load_task(task, split).examples), limit or 10**9)
+    hm = run.load()
+    with run.progress(n, f"{task} / {method}") as step:
+        res = evaluate(
+            hm,
+            task,
+            method,
+            split=split,
+            limit=limit,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            progress=step,
+            pasta_heads=pasta_file,
+            act_heads=act_file,
+            alpha=alpha,
+            tau=tau,
+            beta=beta,
+            iti_k=iti_k,
+            iti_alpha=iti_alpha,
+            iti_direction=iti_direction,
+            var_p=var_p,
+            var_rho=var_rho,
+            vhr_alpha=vhr_alpha,
+        )
+    write_csv(out, res.table, overwrite=run.force)
+    write_csv(examples_csv, res.examples, overwrite=run.force)
+    table = Table(title=f"{task} ({split}) — {method}")
+    for col in ("metric", "value", "n", "95% interval", "interval method"):
+        table.add_column(col)
+    for r in res.table.itertuples():
+        table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]", str(r.interval))
+    run.show(table)
+    return {"table": res.table.to_dict(orient="records"), "csv": str(out)}
+
+
+def _task_inputs(task: str, split: str, n: int):
+    from probes.datasets.tasks import load_task
+
+    ex = load_task(task, split).examples[:n]
+    return ex
+
+
+def profile_pasta(
+    run: Run,
+    out: Annotated[Path, typer.Option(help='profile JSON to write ({"layer": [heads]})')],
+    task: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="task to profile on, repeatable [default: json_format pronoun_change counterfact occupation]"
+        ),
+    ] = None,
+    examples: Annotated[int, typer.Option(help="examples per task (from the start of the split)")] = 32,
+    split: Annotated[str, typer.Option(help="split to profile on")] = "train",
+    heads: Annotated[
+        int, typer.Option(help="smallest top-k whose intersection has at least this many heads")
+    ] = 24,
+    mode: Annotated[str, typer.Option(help="intersection | union")] = "intersection",
+    alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
+) -> dict:
+    """PASTA multi-task profiling (Algorithm 1): every head steered alone, per task; the
+    per-task scores are written beside the profile as `<out stem>.<task>.scores.json`."""
+    from steer.pasta.method import check_alpha
+    from steer.pasta.profiling import profile_heads, select_heads, smallest_k
+
+    tasks = task or ["json_format", "pronoun_change", "counterfact", "occupation"]
+    if mode not in ("intersection", "union"):
+        raise HeadsteerValueError(f"--mode must be 'intersection' or 'union', got {mode!r}")
+    _positive(examples=examples, heads=heads)
+    check_alpha(alpha)  # before any work; warns on a no-op alpha
+    inputs = {t: _task_inputs(t, split, examples) for t in tasks}
+    for t, ex in inputs.items():
+        if not all(e.emphasize for e in ex):
+            raise HeadsteerValueError(f"task {t!r} has no emphasized span to profile PASTA on")
+    out = run.output(out, suffixes=(".json",))
+    score_files = {t: run.output(out.with_name(f"{out.stem}.{t}.scores.json")) for t in tasks}
+    hm = run.load()
+    n_heads = hm.n_layers * hm.n_heads
+    if heads > n_heads:
+        raise HeadsteerValueError(f"--heads {heads} is more than the model's {n_heads} heads")
+    profiles = {}
+    for t, ex in inputs.items():
+        with run.progress(n_heads, f"profiling {t}") as step:
+            profiles[t] = profile_heads(
+                hm,
+                [e.prompt for e in ex],
+                [e.answer for e in ex],
+                emphasize=[e.emphasize for e in ex],
+                chat=ex[0].chat,
+                alpha=alpha,
+                task=t,
+                progress=step,
+            )
+    k = smallest_k(profiles, heads, mode=mode)
+    chosen = select_heads(profiles, n_heads=heads, mode=mode)
+    for t, p in profiles.items():
+        p.save(score_files[t], overwrite=run.force)
+    chosen.save(out, overwrite=run.force)
+    run.show(f"top-{k} {mode} over {', '.join(tasks)}: {len(chosen)} heads")
+    return {"profile": str(out), "k": k, "heads": len(chosen), "tasks": tasks, "examples": examples}
+
+
+def profile_act(
+    run: Run,
+    out: Annotated[Path, typer.Option(help='profile JSON to write ({"layer": [heads]})')],
+    task: Annotated[str, typer.Option(help="choice task to calibrate on")] = "sentiment",
+    examples: Annotated[int, typer.Option(help="calibration examples (from the start of the split)")] = 24,
+    split: Annotated[str, typer.Option(help="split to calibrate on")] = "train",
+    keep: Annotated[str, typer.Option(help="accuracy | margin: what a kept head must improve")] = "margin",
+    delta: Annotated[float, typer.Option(help="required improvement over the base model")] = 0.0,
+    beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
+) -> dict:
+    """ACT head filtering: calibrate every head of layers 2..L-2 alone, keep those that help.
+    The per-head gains are written beside the profile as `<out stem>.scores.json`."""
+    from steer.act.calibration import calibrate_act_heads
+
+    _positive(examples=examples)
+    if keep not in ("accuracy", "margin"):
+        raise HeadsteerValueError(f"--keep must be 'accuracy' or 'margin', got {keep!r}")
+    ex = _task_inputs(task, split, examples)
+    if ex[0].choices is None:
+        raise HeadsteerValueError(f"ACT calibration needs a choice task, {task!r} is scored by generation")
+    out = run.output(out, suffixes=(".json",))
+    scores_file = run.output(out.with_name(f"{out.stem}.scores.json"))
+    hm = run.load()
+    with run.progress(1, "calibrating heads") as step:
+        cal = calibrate_act_heads(
+            hm,
+            [e.prompt for e in ex],
+            [e.choices for e in ex],
+            [e.label for e in ex],
+            chat=ex[0].chat,
+            beta=beta,
+            keep=keep,
+            delta=delta,
+            progress=step,
+        )
+    (cal.accuracy if keep == "accuracy" else cal.margin).save(scores_file, overwrite=run.force)
+    cal.heads.save(out, overwrite=run.force)
+    run.show(
+        f"{len(cal.heads)} heads kept (base accuracy {cal.base_accuracy:.2f}, margin {cal.base_margin:.2f})"
+    )
+    return {
+        "profile": str(out),
+        "heads": len(cal.heads),
+        "base_accuracy": cal.base_accuracy,
+        "base_margin": cal.base_margin,
+        "task": task,
+        "examples": examples,
+    }
+
+
+def register(app: typer.Typer) -> None:
+    """Add `eval` and `profile pasta|act` to the `headsteer` app."""
+    command(app, "eval")(eval_command)
+    command(profile_app, "pasta")(profile_pasta)
+    command(profile_app, "act")(profile_act)
+    app.add_typer(profile_app, name="profile")

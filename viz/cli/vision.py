@@ -1,0 +1,241 @@
+"""`headsteer vision generate` (VAR / VHR steered generation, with an image or a marked context)
+and `headsteer report vision`. Registered by `register_vision(app, report_app)` in `viz.cli.main`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from heads._util.progress import offset_progress
+from heads.errors import HeadsteerValueError
+from viz.cli.common import Run, _at_most, _positive, command
+
+vision_app = typer.Typer(
+    help="Vision-aware steering (VAR, VHR) on a vision-language model or a marked text context.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+def register_vision(app: typer.Typer, report_app: typer.Typer) -> None:
+    """Add `vision generate` to `app` and `vision` to its `report` group."""
+    app.add_typer(vision_app, name="vision")
+    command(vision_app, "generate", writes_files=False)(vision_generate)
+    command(report_app, "vision")(report_vision)
+
+
+PROMPT_HELP = "prompt; without --image, mark the context in **double stars**"
+ImageOpt = Annotated[
+    Path | None, typer.Option("--image", help="image file (PNG/JPEG); none: the **marked** passage is used")
+]
+DimsOpt = Annotated[
+    str | None,
+    typer.Option("--sink-dims", help='sink dimensions for VAR, e.g. "1415,2533" (default: known backbones)'),
+]
+
+
+def _image(path: Path | None):
+    if path is None:
+        return None
+    from PIL import Image
+
+    if not path.is_file():
+        raise HeadsteerValueError(f"--image {str(path)!r} is not a file")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except OSError as exc:  # unreadable, or not an image PIL can decode
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise HeadsteerValueError(f"--image {str(path)!r} cannot be read as an image: {first}") from None
+
+
+def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "prompt") -> None:
+    """Refuse, before the model loads, an empty prompt, or one without an image and without a
+    **marked** context passage (VAR and VHR need the image or the passage).
+
+    Raises:
+        ValueError: naming the option.
+    """
+    from heads.inputs.spans import parse_markup
+
+    if not prompt.strip():
+        raise HeadsteerValueError(f"{option} is empty")
+    _, spans = parse_markup(prompt)  # also refuses unbalanced ** markup
+    if image is None and not spans:
+        raise HeadsteerValueError(f"{option} has no **marked** context passage and no --image is given")
+
+
+def refuse_unused(steer: str, given: dict[str, bool]) -> None:
+    """ValueError naming the options set to a non-default value that `--steer steer` does not use.
+
+    `given` maps each option name to whether it was given a non-default value. An option that
+    changes nothing is refused rather than warned about: the user expects it to act.
+    """
+    unused = [name for name, on in given.items() if on]
+    if unused:
+        verb, it = ("is", "it") if len(unused) == 1 else ("are", "them")
+        raise HeadsteerValueError(f"{', '.join(unused)} {verb} not used by --steer {steer}; drop {it}")
+
+
+def _dims(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise HeadsteerValueError(f"--sink-dims must be comma-separated ints, got {text!r}") from None
+
+
+def _steer(
+    kind: str,
+    alpha: float,
+    p: float,
+    rho: float,
+    tau: float | None,
+    dims: str | None,
+    without: str = "delete",
+):
+    from steer import Var, Vhr
+
+    if kind == "vhr":
+        return Vhr(alpha=alpha, without_image=without)  # type: ignore[arg-type]  # Vhr checks the value
+    if kind == "var":
+        return Var(p=p, rho=rho, tau=tau, sink_dims=_dims(dims))
+    raise HeadsteerValueError(f"--steer must be 'var' or 'vhr', got {kind!r}")
+
+
+def steered_pair(
+    run: Run,
+    prompt: str,
+    kind: str,
+    image: Path | None,
+    *,
+    alpha: float,
+    p: float,
+    rho: float,
+    tau: float | None,
+    sink_dims: str | None,
+    max_new_tokens: int,
+    without_image: str = "delete",
+) -> dict:
+    """Unsteered and VAR- or VHR-steered answers to `prompt` (with `image`, or on its marked
+    passage), printed side by side; shared by `headsteer generate --steer var|vhr` and
+    `headsteer vision generate`."""
+    from steer import SteeredModel
+
+    _positive(max_new_tokens=max_new_tokens)
+    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image)
+    check_vision_prompt(prompt, image)
+    img = _image(image)
+    hm = run.load()
+    sm = SteeredModel(hm)
+    images = None if img is None else [img]
+    n = max_new_tokens
+    with run.progress(2 * n, f"generating (baseline, then {kind.upper()}) tokens") as step:
+        base = sm.generate(
+            [prompt], [], images=images, max_new_tokens=n, progress=offset_progress(step, 0, 2 * n)
+        )
+        steered = sm.generate(
+            [prompt], method, images=images, max_new_tokens=n, progress=offset_progress(step, n, 2 * n)
+        )
+    table = Table(show_lines=True)
+    table.add_column("baseline", ratio=1)
+    table.add_column(f"{kind.upper()}", ratio=1)
+    table.add_row(escape(base.text), escape(steered.text))
+    run.show(table)
+    return {"baseline": base.text, "steered": steered.text, "steer": kind}
+
+
+def vision_generate(
+    run: Run,
+    prompt: Annotated[str, typer.Argument(help=PROMPT_HELP)],
+    steer: Annotated[str, typer.Option("--steer", help="var | vhr")] = "vhr",
+    image: ImageOpt = None,
+    alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
+    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
+    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    tau: Annotated[float | None, typer.Option(help="VAR sink threshold [default: 20 sqrt(D/4096)]")] = None,
+    sink_dims: DimsOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
+    without_image: Annotated[
+        str,
+        typer.Option(
+            "--without-image",
+            help="VHR's second probe row: 'delete' the image / passage (renumber positions) or 'mask' it "
+            "(keep positions; vhr.md section 1)",
+        ),
+    ] = "delete",
+) -> dict:
+    """Print the unsteered and the VAR- or VHR-steered answers side by side."""
+    if steer == "vhr":
+        refuse_unused(
+            steer,
+            {
+                "--p": p != 0.6,
+                "--rho": rho != 0.5,
+                "--tau": tau is not None,
+                "--sink-dims": sink_dims is not None,
+            },
+        )
+    elif steer == "var":
+        refuse_unused(steer, {"--alpha": alpha != 2.0, "--without-image": without_image != "delete"})
+    return steered_pair(
+        run,
+        prompt,
+        steer,
+        image,
+        alpha=alpha,
+        p=p,
+        rho=rho,
+        tau=tau,
+        sink_dims=sink_dims,
+        max_new_tokens=max_new_tokens,
+        without_image=without_image,
+    )
+
+
+def report_vision(
+    run: Run,
+    prompt: Annotated[str, typer.Option(help=PROMPT_HELP)],
+    out: Annotated[Path, typer.Option(help="HTML file to write")],
+    image: ImageOpt = None,
+    alpha: Annotated[float, typer.Option(help="VHR factor")] = 2.0,
+    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
+    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    tau: Annotated[float | None, typer.Option(help="VAR sink threshold")] = None,
+    sink_dims: DimsOpt = None,
+    trace_tokens: Annotated[
+        int, typer.Option(help="T-VHD per token over this many generated tokens (0: off)")
+    ] = 16,
+) -> dict:
+    """VHD heatmap, T-VHD per generated token, VAR image-centric head map and sink positions
+    over the image grid."""
+    from steer import Var, Vhr
+    from viz.reports.vision import vision_report
+
+    check_vision_prompt(prompt, image, option="--prompt")
+    vhr = Vhr(alpha=alpha)
+    var = Var(p=p, rho=rho, tau=tau, sink_dims=_dims(sink_dims))
+    if trace_tokens < 0:
+        raise HeadsteerValueError(f"--trace-tokens must be >= 0, got {trace_tokens}")
+    _at_most("--trace-tokens", trace_tokens, 4096)
+    img = _image(image)
+    out = run.output(out, suffixes=(".html", ".htm"))
+    hm = run.load()
+    with run.status("VHD, VAR and sinks…"):
+        path, res = vision_report(
+            hm, out, prompt, img, vhr=vhr, var=var, overwrite=run.force, trace_tokens=trace_tokens
+        )
+    run.show(f"T-VHD {res.t_vhd:.3g}")
+    trace = None if res.trace is None else res.trace[["token", "t_vhd"]].to_dict("records")
+    return {
+        "html": str(path),
+        "t_vhd": res.t_vhd,
+        "t_vhd_per_token": trace,
+        "vhr_heads": res.vhr_heads,
+        "var_error": res.var_error,
+    }

@@ -1,0 +1,1 @@
+"""Self-contained HTML reports (each only draws results computed elsewhere)."""
