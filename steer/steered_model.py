@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from heads._util.progress import Progress, ProgressArg, progress_callback
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.images import encode_image_prompts

@@ -1,7 +1,7 @@
-"""Edits: plain descriptions of what to change in which heads, applied by `heads.engine.editing`.
+"""Edits: plain descriptions of what to change in which heads, applied by `heads.engine.context`.
 
 Every edit class declares its *site*, `site` (DESIGN.md, "Edit engine"); the engine
-dispatches through its site table (`heads.engine.editing.SITES`):
+dispatches through its site table (`heads.engine.context.SITES`):
 
 * `QueryEdit` (`"query"`): a function of each head's query as the attention function
   receives it (after any QK-norm and RoPE), e.g. `QueryScale` for UA ablation.
@@ -81,7 +81,7 @@ class Edit:
         row_heads: optional `[batch, n_heads]` bool mask; row b edits the heads
             where `row_heads[b]` is True. Overrides `heads`.
         calls: how many attention calls ran this edit (set by the engine).
-        site: (class attribute) where the edit acts, a key of `heads.engine.editing.SITES`;
+        site: (class attribute) where the edit acts, a key of `heads.engine.context.SITES`;
             None on this abstract base.
     """
 

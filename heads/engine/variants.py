@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from heads._util.progress import Progress
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.engine.prefix import starting_at
 from heads.errors import HeadsteerValueError

@@ -24,7 +24,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids

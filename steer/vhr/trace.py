@@ -19,7 +19,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import Emphasis, Prompt

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-import heads.engine.editing as engine
+import heads.engine.context as engine
+import heads.engine.state as engine_state
 from heads import (
     EditNeverFired,
     HeadScale,
@@ -134,7 +135,7 @@ def test_query_blocks_equal_one_block(tiny_llama, enc, monkeypatch):
     recs = [Recorder(layer=1)]
     with editing(tiny_llama, [Identity(layer=la) for la in range(3)] + recs):
         full = forward(tiny_llama, enc)
-    monkeypatch.setattr(engine, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(engine_state, "QUERY_BLOCK", 3)
     recs2 = [Recorder(layer=1)]
     with editing(tiny_llama, [Identity(layer=la) for la in range(3)] + recs2):
         blocked = forward(tiny_llama, enc)
@@ -320,7 +321,7 @@ def test_adding_a_site_is_one_table_entry(tiny_llama, enc, monkeypatch):
 
     def mlp_hook(key, model, layer):
         def hook(module, args):
-            slot = engine._ACTIVE.get().get(key)
+            slot = engine_state.ACTIVE.get().get(key)
             edits = slot.get("mlp_input") if slot is not None else []
             for e in edits:
                 e.calls += 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads import encode_prompts, forward
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.scorers.sink_dims import KNOWN_SINK_DIMS, SinkTracker, default_tau, sink_dims_for, sink_value
 from steer import SteeredModel
@@ -586,7 +586,8 @@ def test_fast_var_update_is_bitwise_the_plain_formula(stack_limit, monkeypatch):
 def test_open_decode_row_needs_no_mask_bitwise():
     """The explicit attention path skips the mask work for one decode row that sees every key;
     the result equals the same call with an explicit all-visible mask, bit for bit."""
-    from heads.engine.editing import _edited_attention, _LayerEdits
+    from heads.engine.kernels.blocked import blocked_attention as _edited_attention
+    from heads.engine.state import LayerEdits as _LayerEdits
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 1, 16, generator=g)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads import encode_prompts, forward
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import HeadScale, Recorder
 from steer import SteeredModel
 from steer.vhr.method import VhdProbe, Vhr, default_vhr_layers, probe_inputs, select_heads_vhd, t_vhd

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError

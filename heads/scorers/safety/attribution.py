@@ -260,7 +260,7 @@ def _delta_pass(
         got.append(args[0].detach())
         raise _Stop
 
-    from heads.engine.editing import editing
+    from heads.engine.context import editing
 
     try:
         with editing(model, [edit], require_fired=False):
