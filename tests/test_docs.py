@@ -101,3 +101,48 @@ def test_readme_snippets_use_current_import_paths():
 @pytest.mark.parametrize("page", ["index.md", "getting-started.md", "methods/pasta.md", "benchmarks.md"])
 def test_docs_pages_exist(page):
     assert (ROOT / "docs" / page).is_file()
+
+
+def _doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_docs_name_existing_repository_paths():
+    """A backticked path into the repository (`tests/heads/test_fused.py`) exists."""
+    tops = "|".join(FOLDERS + ("docs",))
+    path_ref = re.compile(rf"`((?:{tops})/[\w./-]*[\w/])`")
+    bad = [
+        f"{page.relative_to(ROOT)}: {ref}"
+        for page in _doc_pages()
+        for ref in path_ref.findall(page.read_text(encoding="utf-8"))
+        if "*" not in ref and not (ROOT / ref).exists()
+    ]
+    assert not bad, "docs name paths that do not exist:\n" + "\n".join(bad)
+
+
+def _resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_docs_name_existing_modules_and_objects():
+    """A backticked dotted name (`heads.engine.kernels.fused.warm_up`) imports, with no deprecated alias."""
+    dotted_ref = re.compile(r"`((?:heads|steer|probes|viz)(?:\.[A-Za-z_]\w*)+)`")
+    bad = []
+    for page in _doc_pages():
+        for ref in sorted(set(dotted_ref.findall(page.read_text(encoding="utf-8")))):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", DeprecationWarning)
+                    _resolve(ref)
+            except (ImportError, AttributeError, DeprecationWarning) as exc:
+                bad.append(f"{page.relative_to(ROOT)}: {ref} ({type(exc).__name__})")
+    assert not bad, "docs name modules or objects that do not exist:\n" + "\n".join(bad)

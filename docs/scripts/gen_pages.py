@@ -97,7 +97,11 @@ def _shapes_page() -> str:
     rows = []
     for item in items:
         # "Q query positions and K key positions of one attention call" holds two letters
-        for part in re.split(r"\s+and\s+(?=[A-Za-z]\s)", item):
+        parts = re.split(r"\s+and\s+(?=[A-Za-z]\s)", item)
+        if len(parts) > 1 and " of " in parts[-1]:  # "... of one attention call" is shared
+            shared = parts[-1][parts[-1].index(" of ") :]
+            parts = [p if " of " in p else p + shared for p in parts]
+        for part in parts:
             letter, _, meaning = part.strip().partition(" ")
             rows.append(f"| `{letter}` | {meaning.strip().rstrip('.')} |")
     return "\n".join(
@@ -122,6 +126,12 @@ def _shapes_page() -> str:
 
 
 # ------------------------------------------------------------------------- API reference
+def _deprecated_alias(path: Path) -> bool:
+    """A 0.1 module kept as a re-export of its new home (`import *` plus a DeprecationWarning)."""
+    text = path.read_text(encoding="utf-8")
+    return "import *" in text and "DeprecationWarning" in text
+
+
 def _public(path: Path) -> bool:
     return not any(part.startswith("_") and part != "__init__.py" for part in path.parts)
 
@@ -138,7 +148,10 @@ def _reference() -> None:
             modules = sorted(
                 p
                 for p in init.parent.glob("*.py")
-                if p.name != "__init__.py" and not p.name.startswith("_") and p.name != "__main__.py"
+                if p.name != "__init__.py"
+                and not p.name.startswith("_")
+                and p.name != "__main__.py"
+                and not _deprecated_alias(p)
             )
             if len(parts) == 1:
                 doc_path = Path("reference", pkg, "index.md")
