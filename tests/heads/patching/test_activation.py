@@ -22,7 +22,7 @@ PAIRS = [
         "Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked", " Anna", " Tom"
     ),
 ]
-OPTS = SweepOptions(max_rows=7, progress=False)
+OPTS = SweepOptions(max_rows=16, progress=False)
 
 
 def _state(model):
@@ -165,9 +165,9 @@ def test_llama_gqa_padded_equals_oracle(tokenizer, kind):
     pairs = encode_pairs(tokenizer, PAIRS)  # unequal lengths: left padding
     assert (pairs.attention_mask == 0).any()
     positions = [5, -1] if kind in ("head_out_by_pos", "resid_pre", "attn_out", "mlp_out") else None
-    res = _check(model, pairs, kind, positions=positions)
+    res = _check(model, pairs, kind, layers=[0, 2], positions=positions)
     if kind in ("k", "v"):
-        assert res.raw.shape[:2] == (3, model.n_kv_heads)
+        assert res.raw.shape[:2] == (2, model.n_kv_heads)
 
 
 @pytest.mark.parametrize("kind", ["head_out_by_pos", "mlp_out", "v"])
