@@ -410,8 +410,18 @@ def _check_positions(pairs: PairBatch, positions: Sequence[int] | None) -> list[
     return sorted(set(out))
 
 
+# resid_pre patching is checked against a plain-hook oracle on rotary models; on GPT-2 (absolute
+# position embeddings) it disagreed with the oracle, so it is refused there until that is resolved.
+_RESID_PRE_UNVERIFIED = frozenset({"gpt2"})
+
+
 def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int]) -> tuple[list[_Site], tuple]:
     H, G = model.n_heads, model.n_kv_heads
+    if kind == "resid_pre" and model.family.model_type in _RESID_PRE_UNVERIFIED:
+        raise HeadsteerValueError(
+            f"kind='resid_pre' is not verified on {model.family.model_type!r} models (absolute position "
+            "embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
+        )
     if kind in ("resid_pre", "attn_out", "mlp_out"):
         return [_Site(la, -1, p) for la in layers for p in positions], (len(layers), len(positions))
     if kind == "head_out_by_pos":

@@ -179,6 +179,13 @@ def test_gpt2_noising_equals_oracle(tokenizer, kind):
     )
 
 
+def test_gpt2_resid_pre_is_refused_until_verified(tokenizer):
+    model = make_tiny("gpt2", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS)
+    with pytest.raises(ValueError, match="resid_pre.*not verified"):
+        patch(model, pairs, "resid_pre")
+
+
 def test_result_views_and_roundtrip(tokenizer, tmp_path):
     model = make_tiny("llama", tokenizer)
     pairs = encode_pairs(tokenizer, PAIRS)
