@@ -1,6 +1,6 @@
 """headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers.
 
-Layering (DESIGN.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, `probes` <-
+Layering (docs/architecture.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, `probes` <-
 `viz`. `heads` imports nothing from `steer`, `probes` or `viz`, not even inside a function.
 
 Where a head scorer lives, and why:
@@ -28,7 +28,7 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
-from heads.engine.editing import EditNeverFired, editing
+from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -41,6 +41,8 @@ from heads.engine.edits import (
     Recorder,
 )
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions
+from heads.errors import EditNeverFired, HeadsteerError, HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
@@ -60,6 +62,9 @@ __all__ = [
     "HeadOutputEdit",
     "HeadScale",
     "HeadScores",
+    "HeadsteerError",
+    "HeadsteerTypeError",
+    "HeadsteerValueError",
     "HeadSet",
     "HeadSpec",
     "LogitBias",
@@ -68,6 +73,7 @@ __all__ = [
     "QueryScale",
     "Recorder",
     "Span",
+    "SweepOptions",
     "attribute",
     "cache_dir",
     "char_to_token_range",

@@ -45,7 +45,7 @@ import torch
 from heads import HeadModel, encode_prompts, forward
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores

@@ -1,5 +1,5 @@
 """SpotLight: dynamic, target-proportion attention steering (Venkateswaran & Contractor,
-arXiv:2505.12025, EACL 2026; methods/spotlight.md).
+arXiv:2505.12025, EACL 2026; docs/methods/spotlight.md).
 
 In every steered layer the current share of attention on the emphasized span,
 psi = sum(W * m) / sum(W), is compared with a target tau; where psi < tau the span logits
@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-import heads.engine.editing as engine
+from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, SpanShareEdit
 from heads.engine.kernels import fused
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -127,7 +127,7 @@ class SpotlightEdit(SpanShareEdit):
             raise HeadsteerValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
                 f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row', or "
-                "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.editing.QUERY_BLOCK"
+                "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.state.QUERY_BLOCK"
             )
         dims = _DIMS[self.granularity]
         psi = _share(num, den, dims)
@@ -218,12 +218,12 @@ class Spotlight:
             raise HeadsteerValueError(
                 "SpotLight needs an emphasized span: mark it with **...** or pass emphasize="
             )
-        block = engine.QUERY_BLOCK
+        block = engine_state.QUERY_BLOCK
         if self.granularity != "row" and enc.length > block and not fused.available():
             raise HeadsteerValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but a prompt of "
                 f"{enc.length} tokens is split into query blocks of {block} rows "
-                "(heads.engine.editing.QUERY_BLOCK) and this torch has no flex_attention for the fused "
+                "(heads.engine.state.QUERY_BLOCK) and this torch has no flex_attention for the fused "
                 "kernel: use granularity='row' for longer prompts"
             )
         warn_rows_without_span(enc, "SpotLight")

@@ -77,7 +77,7 @@ class Backend:
     """Appended to an `EditNeverFired` message (what usually causes it on this backend)."""
 
     def hook_specs(self, hm: HeadModel, active: Sequence[Edit]) -> list[HookSpec]:
-        """The hooks the active edits need on this backend (placed by `heads.engine.editing`)."""
+        """The hooks the active edits need on this backend (placed by `heads.engine.context`)."""
         from heads.engine.sites import hf_hook_specs
 
         return hf_hook_specs(hm, active)

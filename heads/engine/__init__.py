@@ -1,7 +1,7 @@
 """The edit engine: `editing()` and its sites, the edits, the kernels (blocked, fused), batched variants,
 prefix reuse and the plain forward."""
 
-from heads.engine.editing import (
+from heads.engine.context import (
     FUSED_MIN_ROWS_CPU,
     KERNELS,
     QUERY_BLOCK,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from heads.engine import state
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -23,7 +24,7 @@ from heads.engine.kernels.blocked import blocked_attention
 from heads.engine.kernels.common import check_kwargs
 from heads.engine.kernels.fused_layer import fused_layer_attention
 from heads.engine.sites import SITES
-from heads.engine.state import ACTIVE, FUSED_MIN_ROWS_CPU, KERNEL, QUERY_BLOCK, LayerEdits, apply_head_edits
+from heads.engine.state import ACTIVE, KERNEL, LayerEdits, apply_head_edits
 from heads.errors import HeadsteerValueError
 from heads.model.families import family_of
 
@@ -85,9 +86,9 @@ def use_fused(edits: LayerEdits, want_probs: bool, query: torch.Tensor) -> bool:
     q_len = query.shape[2]
     if query.device.type == "cuda":
         return q_len > 1
-    if q_len > QUERY_BLOCK and edits.get("probs"):  # blocked would split a pooled span share
+    if q_len > state.QUERY_BLOCK and edits.get("probs"):  # blocked would split a pooled span share
         return True
-    return q_len >= FUSED_MIN_ROWS_CPU
+    return q_len >= state.FUSED_MIN_ROWS_CPU
 
 
 def registered_name(base: str) -> str:

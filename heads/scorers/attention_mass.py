@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError

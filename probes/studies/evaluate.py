@@ -30,7 +30,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads._util.progress import ProgressArg, progress_callback
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadSet, HeadSpec
 from probes.datasets.tasks import TaskExample, load_task

@@ -1,4 +1,4 @@
-"""ACT: attention-sink calibration (Yu et al., ICML 2024, arXiv:2406.15765; methods/act.md).
+"""ACT: attention-sink calibration (Yu et al., ICML 2024, arXiv:2406.15765; docs/methods/act.md).
 
 On calibrated heads, every query row i moves mass away from the sink columns S:
 
@@ -21,7 +21,7 @@ generated tokens. S is then taken from the prompt rows over the prompt columns o
 same pattern as at prefill, since a prompt row never sees a generated token), and the
 generated rows are calibrated in order as above, so cached and uncached generation agree.
 The whole prompt must be in one attention call: a prompt longer than the engine's query
-block (`heads.engine.editing.QUERY_BLOCK`) is refused by `Act.edits`, before anything runs.
+block (`heads.engine.state.QUERY_BLOCK`) is refused by `Act.edits`, before anything runs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-import heads.engine.editing as engine
+from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -48,7 +48,7 @@ DecodeSinks = Literal["frozen", "running"]
 
 
 def calibrate_rows(probs: torch.Tensor, sinks: torch.Tensor, beta: float) -> torch.Tensor:
-    """ACT's row calibration (methods/act.md §2). `probs` `[B, H, Q, K]`, `sinks` `[B, H, K]` bool.
+    """ACT's row calibration (docs/methods/act.md). `probs` `[B, H, Q, K]`, `sinks` `[B, H, K]` bool.
 
     Rows whose non-sink mass is 0 are returned unchanged.
     """
@@ -199,12 +199,12 @@ class Act:
         heads = self.head_set(model)
         if self.beta == 1:
             return []
-        block = engine.QUERY_BLOCK
+        block = engine_state.QUERY_BLOCK
         if enc.length > block:
             raise HeadsteerValueError(
                 f"ACT needs the whole prompt in one attention call (each row's calibration reads the "
                 f"sink columns' attention from all later rows), but the prompt has {enc.length} tokens "
-                f"and the engine runs {block} query rows per block (heads.engine.editing.QUERY_BLOCK)"
+                f"and the engine runs {block} query rows per block (heads.engine.state.QUERY_BLOCK)"
             )
         real = enc.attention_mask.bool()
         beta = float(self.beta)

@@ -160,7 +160,14 @@ def test_variant_engine_scorers(models):
     _same({n: ships(m, queries, progress=False).scores.scores for n, m in models.items()})
     _same({n: ships(m, queries, ablation="sc", progress=False).scores.scores for n, m in models.items()})
     _same({n: dataset_ships(m, queries, progress=False).scores for n, m in models.items()})
-    _same({n: sahara(m, queries, steps=2, progress=False).steps[-1].scores for n, m in models.items()})
+    groups = {n: sahara(m, queries, steps=2, progress=False) for n, m in models.items()}
+    # the first step scores every head alone: fully determined, so equal across backends
+    _same({n: g.steps[0].scores for n, g in groups.items()})
+    # later steps depend on which head won the step before; on this tiny random model all heads
+    # score ~1e-7, so float noise may pick another head: compare where both backends scored
+    last = {n: g.steps[-1].scores for n, g in groups.items()}
+    both = torch.stack([torch.isfinite(v) for v in last.values()]).all(0)
+    _same(last, both)
     prof = {
         n: profile_heads(m, PROMPTS, [" yes", " no"], chat=False, progress=False) for n, m in models.items()
     }

@@ -83,7 +83,7 @@ def test_iti_no_ops_warn_and_unreached_positions_never_fire(tiny_llama):
     with pytest.warns(NoOpWarning, match="all zero"):
         Iti(heads=[(0, 0)], directions=torch.ones(1, d), sigmas=torch.zeros(1))
     far = Iti(heads=[(0, 0)], directions=torch.ones(1, d), sigmas=torch.ones(1), from_position=10**6)
-    from heads.engine.editing import EditNeverFired
+    from heads.engine.context import EditNeverFired
 
     with pytest.raises(EditNeverFired):
         SteeredModel(tiny_llama).generate("one two", far, chat=False, max_new_tokens=2)
@@ -113,7 +113,7 @@ def test_attribution_metric_must_depend_on_the_log_probs(tiny_llama):
 
 
 def test_a_reused_edit_must_fire_again(tiny_llama):
-    from heads.engine.editing import EditNeverFired
+    from heads.engine.context import EditNeverFired
 
     e = HeadScale(0, factor=0.0)
     with editing(tiny_llama, e):

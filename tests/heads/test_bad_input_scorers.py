@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import heads.engine.editing as engine
+import heads.engine.state as engine_state
 from heads import HeadScores, encode_prompts, forward
 from heads.engine.variants import check_heads
 from heads.scorers.safety.ships import dataset_ships, merge_scores, sahara, ships
@@ -55,7 +55,7 @@ def test_spotlight_layers_and_long_prefill(tiny_llama, monkeypatch):
         Spotlight(layers=())
     with pytest.raises(TypeError, match="layers"):
         Spotlight(layers=1)
-    monkeypatch.setattr(engine, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(engine_state, "QUERY_BLOCK", 4)
     sm = SteeredModel(tiny_llama)
     # a pooled SpotLight over a prompt longer than a query block runs on the fused kernel
     # (tests/test_fused.py); without flex_attention it is refused before anything runs

@@ -1,9 +1,10 @@
-"""The edit engine: DESIGN.md invariants on tiny random models."""
+"""The edit engine: the invariants of docs/architecture.md on tiny random models."""
 
 import pytest
 import torch
 
-import heads.engine.editing as engine
+import heads.engine.context as engine
+import heads.engine.state as engine_state
 from heads import (
     EditNeverFired,
     HeadScale,
@@ -85,7 +86,7 @@ def test_rows_sum_to_one_and_masked_keys_stay_zero(tiny_llama, enc):
 
 
 def test_head_output_zero_equals_zeroed_pattern(tiny_llama, enc):
-    """Oracle from ENVIRONMENT.md: zeroing o_proj-input slices == zeroing post-softmax rows."""
+    """Oracle: zeroing a head's o_proj-input slice == zeroing its post-softmax rows."""
     with editing(tiny_llama, [HeadScale(layer=1, heads=[2], factor=0.0)]):
         a = forward(tiny_llama, enc)
     with editing(tiny_llama, [ZeroRow(layer=1, heads=[2])]):
@@ -134,7 +135,7 @@ def test_query_blocks_equal_one_block(tiny_llama, enc, monkeypatch):
     recs = [Recorder(layer=1)]
     with editing(tiny_llama, [Identity(layer=la) for la in range(3)] + recs):
         full = forward(tiny_llama, enc)
-    monkeypatch.setattr(engine, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(engine_state, "QUERY_BLOCK", 3)
     recs2 = [Recorder(layer=1)]
     with editing(tiny_llama, [Identity(layer=la) for la in range(3)] + recs2):
         blocked = forward(tiny_llama, enc)
@@ -320,7 +321,7 @@ def test_adding_a_site_is_one_table_entry(tiny_llama, enc, monkeypatch):
 
     def mlp_hook(key, model, layer):
         def hook(module, args):
-            slot = engine._ACTIVE.get().get(key)
+            slot = engine_state.ACTIVE.get().get(key)
             edits = slot.get("mlp_input") if slot is not None else []
             for e in edits:
                 e.calls += 1

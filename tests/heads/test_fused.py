@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-import heads.engine.editing as engine
+import heads.engine.state as engine_state
 from heads import HeadScale, QueryScale, Recorder, editing, encode_prompts, forward
 from heads.engine.kernels.fused import bucket, fused_attention
 from steer import Pasta
@@ -156,7 +156,7 @@ def test_auto_runs_fused_above_the_threshold(tiny_llama, enc, monkeypatch):
     fused = _logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "fused")
     blocked = _logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "blocked")
     assert torch.equal(_logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "auto"), blocked)
-    monkeypatch.setattr(engine, "FUSED_MIN_ROWS_CPU", 2)
+    monkeypatch.setattr(engine_state, "FUSED_MIN_ROWS_CPU", 2)
     assert torch.equal(_logits(tiny_llama, enc, Pasta(HEADS).edits(tiny_llama, enc), "auto"), fused)
     # a layer with a recorder stays blocked under auto, and the pattern is still recorded
     rec = Recorder(layer=1)
@@ -229,7 +229,7 @@ def test_pooled_spotlight_on_a_long_prompt_runs_fused(tiny_llama, tokenizer, mon
     )
     sl = SL(tau=0.5, granularity="layer")
     one_block = _logits(tiny_llama, long_enc, sl.edits(tiny_llama, long_enc), "blocked")
-    monkeypatch.setattr(engine, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(engine_state, "QUERY_BLOCK", 8)
     assert long_enc.length > 8
     auto = _logits(tiny_llama, long_enc, sl.edits(tiny_llama, long_enc), "auto")
     torch.testing.assert_close(auto, one_block, atol=1e-5, rtol=0)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-import heads.engine.editing as engine
+import heads.engine.state as engine_state
 from heads import EditNeverFired, HeadScale, Recorder, editing, encode_prompts
 from heads.scorers.sinks import SinkRule
 from steer import Act, Pasta, PastaBias, Spotlight, SteeredModel, UnsteeredRowsWarning
@@ -179,7 +179,7 @@ def test_act_generation_same_with_and_without_cache(tiny_llama):
 
 
 def test_act_refuses_a_prompt_longer_than_a_query_block_before_running(tiny_llama, monkeypatch):
-    monkeypatch.setattr(engine, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(engine_state, "QUERY_BLOCK", 8)
     runs = []
     handle = tiny_llama.model.register_forward_pre_hook(lambda m, a: runs.append(1))
     try:

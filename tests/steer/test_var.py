@@ -1,4 +1,4 @@
-"""VAR and sink dims (methods/var.md §6 pitfalls and §7 acceptance checks) on tiny random models."""
+"""VAR and sink dims (the rules of docs/methods/var.md) on tiny random models."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads import encode_prompts, forward
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.scorers.sink_dims import KNOWN_SINK_DIMS, SinkTracker, default_tau, sink_dims_for, sink_value
 from steer import SteeredModel
@@ -398,7 +398,7 @@ def test_eval_harness_runs_var_and_vhr(smol):
         assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
 
 
-# --------------------------------------------------------------------------- pitfalls (var.md §6)
+# ------------------------------------------------------- the reference code's pitfalls (docs/methods/var.md)
 def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
     """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
     inputs, while the layer before it is edited; without skip_last the last layer changes too."""
@@ -500,7 +500,7 @@ def test_gqa_weights_per_query_head_values_repeated(llama):
 
 
 def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
-    """§6.11 (vhr.md §6.9): a LLaVA folder in the older module layout (`language_model.model.
+    """Module paths: a LLaVA folder in the older module layout (`language_model.model.
     layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
     current layout (`model.language_model.layers...`) load to the same model, with the heads
     found at `model.model.language_model`, so VAR and VHR edit the same layers."""
@@ -542,7 +542,7 @@ def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
 
 # --------------------------------------------------------------------------- fast paths = plain formula
 def _plain_var(probs, sink, region, eligible, *, rho=0.5, p=0.6, floor=0.2, require_visual_sink=False):
-    """var.md §2 written plainly over every row (the formulation before the speed work)."""
+    """docs/methods/var.md written plainly over every row (the formulation before the speed work)."""
     w = probs.float()
     sink_k, img_k = sink[:, None, None, :], region[:, None, None, :]
     free_k = img_k & ~sink_k
@@ -586,7 +586,8 @@ def test_fast_var_update_is_bitwise_the_plain_formula(stack_limit, monkeypatch):
 def test_open_decode_row_needs_no_mask_bitwise():
     """The explicit attention path skips the mask work for one decode row that sees every key;
     the result equals the same call with an explicit all-visible mask, bit for bit."""
-    from heads.engine.editing import _edited_attention, _LayerEdits
+    from heads.engine.kernels.blocked import blocked_attention as _edited_attention
+    from heads.engine.state import LayerEdits as _LayerEdits
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 1, 16, generator=g)

@@ -1,4 +1,4 @@
-"""VHD / VHR (methods/vhr.md §6 pitfalls and §7 acceptance checks) on tiny random models."""
+"""VHD / VHR (the rules of docs/methods/vhr.md) on tiny random models."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads import encode_prompts, forward
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.edits import HeadScale, Recorder
 from steer import SteeredModel
 from steer.vhr.method import VhdProbe, Vhr, default_vhr_layers, probe_inputs, select_heads_vhd, t_vhd

@@ -51,7 +51,7 @@ def server(tiny_llama_dir):
         [
             sys.executable,
             "-m",
-            "viz.cli.main",
+            "viz.cli",
             "serve",
             "--model",
             tiny_llama_dir,

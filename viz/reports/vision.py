@@ -18,7 +18,7 @@ import torch
 
 from heads import HeadModel, HeadScores
 from heads._util.files import check_output, write_text
-from heads.engine.editing import editing
+from heads.engine.context import editing
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError
 from steer import SteeredModel

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from heads.engine import state
 from heads.engine.edits import (
     AttentionCall,
     LogitBias,
     ProbEdit,
 )
 from heads.engine.kernels.common import additive_mask, causal_additive, check_window, mask_in_dtype
-from heads.engine.state import MIN_LOGIT, QUERY_BLOCK, LayerEdits
+from heads.engine.state import MIN_LOGIT, LayerEdits
 
 __all__ = ["blocked_attention"]
 
@@ -85,8 +86,9 @@ def blocked_attention(
         None if (mask is None and (q_len == 1 or not causal)) else additive_mask(mask, q_len, k_len, device)
     )
     outs, patterns = [], []
-    for s in range(0, q_len, QUERY_BLOCK):
-        e_ = min(q_len, s + QUERY_BLOCK)
+    block = state.QUERY_BLOCK  # read at call time (tests shrink it)
+    for s in range(0, q_len, block):
+        e_ = min(q_len, s + block)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
         add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
         for ed in biases:

@@ -1,5 +1,5 @@
 """Fused steered attention: one compiled `flex_attention` kernel for edits that are score
-modifications (issue 13; used by `heads.engine.editing`, `editing(..., kernel=...)`).
+modifications (issue 13; used by `heads.engine.context`, `editing(..., kernel=...)`).
 
 `flex_attention` (torch >= 2.5) computes `softmax(score_mod(q.k * scale) + mask) v` without
 materialising the `[queries, keys]` matrix: compiled to C++ on CPU and to Triton on CUDA, so

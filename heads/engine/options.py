@@ -1,0 +1,74 @@
+"""`SweepOptions`: how a head sweep runs (rows per forward, shard, executor, progress, seed).
+
+Every scorer built on the variant engine (`heads.engine.variants`) — Ships, dataset-level Ships,
+Sahara, the attribution estimate and its confirmation, PASTA profiling, ACT head filtering, and
+the patching and circuit sweeps — takes one `options=SweepOptions(...)` instead of repeating these
+keyword arguments. None of them changes a score: they only decide how the work is split and
+reported (the seed draws random control heads where a scorer has them).
+
+    from heads import SweepOptions
+    ships(model, prompts, options=SweepOptions(max_rows=32, progress=False))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from heads._util.progress import ProgressArg
+from heads._util.validation import check_int, check_shard
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+
+if TYPE_CHECKING:
+    from heads.engine.executors import Executor
+
+__all__ = ["SweepOptions"]
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """How a sweep over head variants runs.
+
+    Attributes:
+        max_rows: batch rows per forward (default 64): the memory bound. Rows are
+            (variant, prompt) pairs, sorted by length and trimmed per batch.
+        shard: `(i, n)`: score only every n-th variant from i (merge the parts with
+            `heads.results.scores.merge_scores`); default None scores all.
+        executor: `"local"`, `"ray"` or a `heads.engine.executors.Executor` that splits the sweep
+            into its shards and merges them; default None runs here, unsharded.
+        progress: True (default: a tqdm bar), False / None (off), or a callable
+            `progress(done, total)` called after each batch.
+        seed: seeds anything random in the scorer (control heads); default 0.
+
+    Raises:
+        HeadsteerValueError: `max_rows` not a positive int, a bad `shard`, `shard` together
+            with `executor`, a non-int seed, an unknown executor name.
+        HeadsteerTypeError: `progress` of another type.
+    """
+
+    max_rows: int = 64
+    shard: tuple[int, int] | None = None
+    executor: str | Executor | None = None
+    progress: ProgressArg = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_rows", check_int("max_rows", self.max_rows, lo=1))
+        object.__setattr__(self, "shard", check_shard(self.shard))
+        object.__setattr__(self, "seed", check_int("seed", self.seed))
+        if not (self.progress is None or isinstance(self.progress, bool) or callable(self.progress)):
+            raise HeadsteerTypeError(
+                f"progress must be True, False, None or a callable (done, total), got {self.progress!r}"
+            )
+        if isinstance(self.executor, str) and self.executor not in ("local", "ray"):
+            raise HeadsteerValueError(
+                f"executor must be 'local', 'ray' or an Executor, got {self.executor!r}"
+            )
+        if self.shard is not None and self.executor is not None:
+            raise HeadsteerValueError("give shard or executor, not both: an executor makes its own shards")
+
+    def replace(self, **changes: Any) -> SweepOptions:
+        """A copy with `changes` applied (validated again)."""
+        from dataclasses import replace
+
+        return replace(self, **changes)

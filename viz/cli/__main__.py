@@ -1,0 +1,7 @@
+"""`python -m viz.cli`: the headsteer command line."""
+
+import sys
+
+from viz.cli import run
+
+sys.exit(run())
