@@ -14,7 +14,7 @@ transformers 5.23) is in exactly one of three groups:
   whose text model is listed under its own type); `NOT_APPLICABLE` says which.
 
 `support_rows()` turns the three into the rows of the support table in the docs
-(`docs/gen_families.py` writes `docs/families.md` from it), so the table and the matrix read
+(`docs/scripts/gen_families.py` writes `docs/families.md` from it), so the table and the matrix read
 the same data and cannot drift.
 """
 

@@ -15,7 +15,7 @@ built once per family and kernel) shows:
 (d) greedy generation under edits gives the same tokens with the KV cache on and off;
 (e) a left-padded batch gives, under edits, the logits of the unpadded prompt run alone.
 
-The support table in the docs (`docs/gen_families.py`) is generated from the same data.
+The support table in the docs (`docs/scripts/gen_families.py`) is generated from the same data.
 """
 
 from __future__ import annotations
@@ -313,3 +313,15 @@ def test_load_model_picks_eager_for_families_without_sdpa(tmp_path, tokenizer):
     assert hm.model.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         load_model(tmp_path / "gemma2", attn_implementation="sdpa")
+
+
+def test_docs_support_table_is_generated_from_the_table():
+    """docs/families.md is `docs/scripts/gen_families.py`'s output (regenerate it after a change)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "docs" / "scripts" / "gen_families.py"
+    spec = importlib.util.spec_from_file_location("gen_families", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (script.parents[1] / "families.md").read_text() == gen.render()
