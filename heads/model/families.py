@@ -22,9 +22,12 @@ Adding a family
 2. Add one `Family(...)` entry to `FAMILIES` below; only the fields that differ from the
    Llama defaults need a value. A config flag the engine cannot reproduce goes in
    `unsupported` so that such a model is refused at load.
-3. Add a tiny random-weight config for it to `TINY` in `tests/test_families.py`: the
-   family matrix then checks that a read-only recorder leaves the logits unchanged and that a
-   UA ablation gives exactly uniform rows, on eager and SDPA.
+3. If the family's config needs fields beyond the shared tiny ones (experts, latent ranks, a
+   window), add them to `EXTRA` in `tests/support/families.py`: the family matrix
+   (`tests/heads/test_family_matrix.py`) then checks the family on a tiny random model
+   (recorder read-only on eager and SDPA, PASTA's closed form, UA ablation, cache, padding).
+4. Or, when the engine cannot reproduce it, add it to `REFUSED` with the missing feature, and
+   regenerate the support page (`python docs/scripts/gen_families.py`).
 """
 
 from __future__ import annotations
