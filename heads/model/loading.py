@@ -370,8 +370,8 @@ def load_model(
     if isinstance(device_map, dict):
         _check_device_map(where, device_map)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
-    attn_implementation = pick_attn_implementation(where, attn_implementation)
     with _reading(where):
+        attn_implementation = pick_attn_implementation(where, attn_implementation)
         if _is_vision_language_folder(where):
             if backend != "hf":
                 raise HeadsteerValueError(
