@@ -148,7 +148,7 @@ def _make_attention(base: str):
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         if use_fused(edits, want, query):
             out = fused_layer_attention(
-                query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal
+                query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal, kw.get("s_aux")
             )
             return out, None
         return blocked_attention(
@@ -163,6 +163,7 @@ def _make_attention(base: str):
             causal,
             want,
             base == "eager",
+            kw.get("s_aux"),
         )
 
     return headsteer_attention

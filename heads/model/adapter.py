@@ -110,6 +110,7 @@ class HeadModel:
             attentions = [cast(nn.Module, _get(b, fam.attention)) for b in layers]
             out_projs = [_module(a, fam.o_proj) for a in attentions]
             q_projs = [_module(a, cast(str, fam.qkv_proj or fam.q_proj)) for a in attentions]
+            d_head = getattr(_unwrap(attentions[0]), fam.head_dim_attr)
             unembed = _module(model, fam.unembed)
         except AttributeError as e:
             raise HeadsteerValueError(
@@ -129,7 +130,7 @@ class HeadModel:
         self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
         self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
         a0 = _unwrap(self.attentions[0])
-        self.d_head: int = int(cast(int, a0.head_dim))
+        self.d_head: int = int(cast(int, d_head))  # the per-head width of the o_proj input
         self.n_layers: int = len(self.layers)
         in_o = self._o_weight(0).shape[0]
         if in_o % self.d_head:
@@ -264,7 +265,17 @@ class HeadModel:
         return _module(self.decoder, self.family.final_norm)
 
     def mlp(self, layer: int) -> nn.Module:
-        """The MLP of decoder block `layer`."""
+        """The MLP of decoder block `layer` (a mixture-of-experts block when `family.moe`).
+
+        Raises:
+            ValueError: the family's MLP is not one module (OPT, BioGPT: `fc1` / `fc2` sit in
+                the block).
+        """
+        if self.family.mlp is None:
+            raise HeadsteerValueError(
+                f"model_type {self.family.model_type!r}: the MLP is not one module (its layers sit "
+                "directly in the decoder block)"
+            )
         return _module(self.layers[layer], self.family.mlp)
 
     def mlp_norm(self, layer: int) -> nn.Module | None:
@@ -307,12 +318,25 @@ class HeadModel:
     def _qkv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V projections as `[d_model, width]` matrices (widths H*d, G*d, G*d)."""
         fam, attn = self.family, self.attentions[layer]
+        if fam.latent:
+            raise HeadsteerValueError(
+                f"model_type {fam.model_type!r} uses multi-head latent attention: queries, keys and values "
+                "are decompressed from low-rank latents (with a shared rotary key), so there are no "
+                "per-head W_Q / W_K / W_V matrices; weight-based scorers do not apply"
+            )
         if fam.fused_qkv:
             w = _weight(_module(attn, cast(str, fam.qkv_proj)))
             w = w if fam.conv1d else w.T  # [d_model, (H + 2G) * d]
             q_w, kv_w = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
             if w.shape[1] != q_w + 2 * kv_w:
                 raise HeadsteerValueError(f"fused QKV width {w.shape[1]} is not {q_w} + 2 x {kv_w}")
+            layout = fam.qkv_layout
+            if layout == "bigcode":  # GPT-BigCode: blocks with multi-query, head by head without
+                layout = "blocks" if getattr(self.model.config, "multi_query", False) else "per_head"
+            if layout == "per_head":  # [H, (q | k | v), d] (no GQA in these families)
+                per = w.reshape(self.d_model, self.n_heads, 3, self.d_head)
+                q, k, v = (per[:, :, i].reshape(self.d_model, -1) for i in range(3))
+                return q, k, v
             q, k, v = w.split([q_w, kv_w, kv_w], dim=1)
             return q, k, v
         mats = [_weight(_module(attn, cast(str, p))) for p in (fam.q_proj, fam.k_proj, fam.v_proj)]

@@ -35,6 +35,7 @@ __all__ = [
     "load_model",
     "load_processor",
     "load_tokenizer",
+    "pick_attn_implementation",
     "vlm_head_model",
 ]
 
@@ -276,7 +277,7 @@ def load_model(
     *,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     device_map: str | dict | None = None,
     offload_folder: str | os.PathLike | None = None,
     backend: str = "hf",
@@ -294,7 +295,12 @@ def load_model(
             `hm.processor` encodes prompts with images (`heads.inputs.images`).
         dtype: weight dtype, a torch dtype or its name: float32 (default), bfloat16 or float16.
         device: torch device (default CPU); not together with `device_map`.
-        attn_implementation: the attention backend outside edited layers (default
+        attn_implementation: the attention backend outside edited layers. None (default)
+            picks one the family supports: `"sdpa"`, or `"eager"` for the families whose SDPA path
+            `transformers` refuses (soft-capping, learned sinks: Gemma 2, VaultGemma, gpt-oss;
+            `Family.attn_implementation`, or the model class's own `_supports_sdpa = False`).
+            `"sdpa"` named for such a family is a `ValueError` before anything loads. Formerly
+            the default was always `"sdpa"`.
             `"sdpa"`). headsteer switches edited layers to its own attention function
             only inside an edit context. On a vision-language model it is set on the
             language model only (`text_config`); the vision tower keeps its default.
@@ -365,6 +371,7 @@ def load_model(
         _check_device_map(where, device_map)
     placed = {} if device_map is None else {"device_map": device_map, "offload_folder": offload_folder}
     with _reading(where):
+        attn_implementation = pick_attn_implementation(where, attn_implementation)
         if _is_vision_language_folder(where):
             if backend != "hf":
                 raise HeadsteerValueError(
@@ -379,6 +386,51 @@ def load_model(
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
     return HeadModel(wrap_backend(model, tok, name, backend), tok, name=name, remote=remote)
+
+
+def pick_attn_implementation(where: str | os.PathLike, requested: str | None) -> str:
+    """The attention implementation to load the folder `where` with.
+
+    `requested` None: the family's own choice (`Family.attn_implementation`), else `"eager"` when
+    the causal-LM class declares no SDPA support (`_supports_sdpa = False`), else `"sdpa"`. A
+    vision-language folder is judged by its text model.
+
+    Raises:
+        ValueError: `requested == "sdpa"` for a family whose SDPA path transformers refuses.
+    """
+    from transformers import AutoConfig
+
+    from heads.model.families import FAMILIES
+
+    config = AutoConfig.from_pretrained(where)
+    text = getattr(config, "text_config", None) or config
+    kind = getattr(text, "model_type", None)
+    fam = FAMILIES.get(kind) if isinstance(kind, str) else None
+    needs = fam.attn_implementation if fam is not None else None
+    if needs is None and not _class_supports_sdpa(text):
+        needs = "eager"
+    if requested is None:
+        return needs or "sdpa"
+    if requested == "sdpa" and needs == "eager":
+        raise HeadsteerValueError(
+            f"model_type {kind!r} does not run with attn_implementation='sdpa' in transformers "
+            "(its attention soft-caps logits or adds learned sinks): use 'eager' or leave it unset"
+        )
+    return requested
+
+
+def _class_supports_sdpa(config: object) -> bool:
+    """False when the causal-LM class of `config` declares `_supports_sdpa = False`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind) if isinstance(kind, str) else None
+    if not isinstance(cls_name, str):
+        return True
+    import transformers
+
+    cls = getattr(transformers, cls_name, None)
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> torch.nn.Module:

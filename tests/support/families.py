@@ -26,8 +26,95 @@ WINDOW = 6  # sliding-window size of the tiny sliding families: shorter than the
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
 
+MOE = dict(
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    moe_k=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+)
+MLA = dict(  # DeepSeek's `head_dim` is the rotary part of a query / key head
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,
+)
+# model_type -> config fields beyond TEXT (only what the family needs to be tiny or to show its feature)
+EXTRA: dict[str, dict] = {
+    "mixtral": dict(MOE, sliding_window=WINDOW),
+    "phimoe": dict(MOE, sliding_window=WINDOW),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "ministral3": dict(sliding_window=WINDOW),
+    "ministral": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "cwm": dict(sliding_window=WINDOW),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "qwen2_moe": dict(MOE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3_moe": dict(MOE),
+    "olmoe": dict(MOE),
+    "flex_olmo": dict(MOE),
+    "aria_text": dict(MOE),
+    "ernie4_5_moe": dict(MOE, moe_num_shared_experts=1),
+    "exaone_moe": dict(MOE, num_shared_experts=1),
+    "exaone4": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "granitemoe": dict(MOE),
+    "granitemoeshared": dict(MOE),
+    "hunyuan_v1_moe": dict(MOE),
+    "minimax_m2": dict(MOE),
+    "mellum": dict(MOE),
+    "glm4_moe": dict(MOE, first_k_dense_replace=1),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "cohere2_moe": dict(MOE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "vaultgemma": dict(
+        attn_logit_softcapping=2.0,
+        initializer_range=0.3,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "llama4_text": dict(
+        MOE,
+        intermediate_size_mlp=96,
+        attention_chunk_size=WINDOW,
+        no_rope_layers=[1, 0],
+        interleave_moe_layer_step=1,
+    ),
+    "gpt_oss": dict(MOE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "flint": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v2": dict(MOE, **MLA, first_k_dense_replace=1),
+    "deepseek_v3": dict(MOE, **MLA, first_k_dense_replace=1),
+    "glm4_moe_lite": dict(MOE, **MLA, first_k_dense_replace=1),
+    "minicpm3": dict(MLA),
+    "youtu": dict(MLA),
+    "stablelm": dict(use_parallel_residual=True, qk_layernorm=False),
+    "phi": dict(num_key_value_heads=2),
+    "gpt_neox": dict(num_key_value_heads=None, head_dim=None),
+    "persimmon": dict(qk_layernorm=True, head_dim=None),
+    "opt": dict(ffn_dim=96, word_embed_proj_dim=64, head_dim=None),
+    "biogpt": dict(head_dim=None),
+    "gpt_bigcode": dict(n_positions=128, multi_query=True),
+}
+ALIASES = {"gpt-sw3": "gpt2"}  # model types that run another family's modules
+
+
+def _generic_config(kind: str):
+    from transformers import CONFIG_MAPPING
+
+    fields = {k: v for k, v in {**TEXT, **EXTRA.get(kind, {})}.items() if v is not None}
+    return CONFIG_MAPPING[kind](**fields)
+
+
 def _tiny_config(kind: str):
     import transformers as tf
+    from transformers import CONFIG_MAPPING
 
     if kind == "llama":
         return tf.LlamaConfig(**TEXT)
@@ -96,11 +183,21 @@ def _tiny_config(kind: str):
             mm_tokens_per_image=4,
             image_token_index=5,
         )
-    raise ValueError(kind)
+    if kind in ALIASES:
+        cfg = _tiny_config(ALIASES[kind])
+        cls = CONFIG_MAPPING[kind]
+        return cls(**cfg.to_diff_dict())
+    return _generic_config(kind)
 
 
-TINY = sorted(set(FAMILIES) - {"qwen2_vl_text"})  # qwen2_vl_text is reached through qwen2_vl
-SDPA_REFUSES = {"gemma2"}  # transformers' own SDPA path raises on soft-capping
+CORE = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "gemma2", "gemma3_text", "qwen3", "olmo2")
+VLM = ("llava", "qwen2_vl", "idefics3", "smolvlm", "gemma3")
+# the families tests/heads/test_families.py checks in depth (the family matrix,
+# tests/heads/test_family_matrix.py, walks every entry of FAMILIES)
+TINY = sorted(CORE + VLM)
+SDPA_REFUSES = {
+    k for k, f in FAMILIES.items() if f.attn_implementation == "eager"
+}  # transformers refuses SDPA
 CASES = [(k, a) for k in TINY for a in ("eager", "sdpa") if not (a == "sdpa" and k in SDPA_REFUSES)]
 
 

@@ -20,6 +20,17 @@ from heads.engine.state import MIN_LOGIT, LayerEdits
 __all__ = ["blocked_attention"]
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Row softmax of fp32 `scores` `[B, H, Q, K]`; with `sinks` `[H]` each head's sink logit
+    joins the normalisation and is dropped (as gpt-oss's own eager attention does)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().to(scores.device).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    both = torch.cat([scores, sink], dim=-1)
+    both = both - both.max(dim=-1, keepdim=True).values
+    return torch.softmax(both, dim=-1)[..., :-1]
+
+
 def blocked_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -32,6 +43,7 @@ def blocked_attention(
     causal: bool = True,
     want_probs: bool = False,
     eager: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The family's attention with the layer's logit and pattern edits.
 
@@ -48,6 +60,9 @@ def blocked_attention(
         eager: the model's own attention is `eager`: compute the edited layer the same way
             (matmul, softmax) rather than with SDPA, so only the edit differs from the model's
             own arithmetic (and a TransformerLens bridge, which attends eagerly, agrees bitwise).
+        sinks: learned attention sinks `[H]` (gpt-oss `s_aux`) or None: one extra logit per
+            head joins each row's softmax and is dropped after it, so a row's probabilities
+            sum to less than 1 (Xiao et al. 2024, "attention sinks"; OpenAI gpt-oss).
     """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -62,7 +77,7 @@ def blocked_attention(
     for e in (*biases, *probs_edits):
         e.calls += 1
     # SDPA cannot soft-cap or expose the pattern
-    explicit = bool(probs_edits) or softcap is not None or want_probs or eager
+    explicit = bool(probs_edits) or softcap is not None or want_probs or eager or sinks is not None
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
@@ -107,11 +122,12 @@ def blocked_attention(
         if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
             scores = torch.tanh(scores / softcap) * softcap
         visible: torch.Tensor | None = None
-        if add is None:
-            probs = torch.softmax(scores, dim=-1)
-        else:
+        if add is not None:
             visible = (add > MIN_LOGIT / 2).expand_as(scores)
-            probs = torch.where(visible, torch.softmax(scores + add, dim=-1), 0.0)  # fully masked rows: 0
+            scores = scores + add
+        probs = _softmax(scores, sinks)
+        if visible is not None:
+            probs = torch.where(visible, probs, 0.0)  # fully masked rows: 0
         for pe in probs_edits:
             probs = torch.where(head_masks[id(pe)], pe.apply(probs, call), probs)
             if visible is not None:

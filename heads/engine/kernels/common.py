@@ -59,12 +59,13 @@ _IGNORED_KW = frozenset(
         "cu_seq_lens_k",
         "max_length_q",
         "max_length_k",
+        "output_router_logits",  # a mixture-of-experts model flag forwarded with the layer's kwargs
     }
 )
 
 
 # ... and those the edited path reproduces itself.
-_REPRODUCED_KW = frozenset({"softcap", "is_causal"})
+_REPRODUCED_KW = frozenset({"softcap", "is_causal", "s_aux"})  # s_aux: learned sinks
 
 
 def check_kwargs(layer: int, dropout: float, kw: dict) -> None:

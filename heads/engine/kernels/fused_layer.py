@@ -28,6 +28,7 @@ def fused_layer_attention(
     edits: LayerEdits,
     softcap: float | None = None,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`blocked_attention` on the fused kernel (`heads.engine.kernels.fused`): `[B, Q, H, d]` output.
 
@@ -38,7 +39,13 @@ def fused_layer_attention(
     into one `[B, H_edited, K]` table; a `SpanShareEdit` takes one extra pass for its per-row
     span shares. Rows with no visible key (left-padding query rows) give 0 on the fused heads
     and what SDPA gives on the others; no real token reads them.
+
+    Learned sinks (`sinks` `[H]`, gpt-oss) run every head fused, with one extra key column
+    appended: its key and value are zero (so its logit is 0 after scaling and soft-capping and it
+    adds nothing to the output), its column bias is the head's sink logit and every row sees it,
+    so it joins each row's normalisation exactly as the sink does in the model's own attention.
     """
+
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]
@@ -49,7 +56,7 @@ def fused_layer_attention(
     spans = cast("list[SpanShareEdit]", edits.get("probs"))
     touched = {h for ed in (*biases, *spans) for h in ed.head_list(n_heads)}
     n_fused = _fused.head_bucket(len(touched), n_heads)
-    split = softcap is None and 0 < n_fused < n_heads
+    split = softcap is None and sinks is None and 0 < n_fused < n_heads
     # the edited heads, padded with unedited ones up to the compiled head count
     sel = sorted(touched | set(sorted(set(range(n_heads)) - touched)[: n_fused - len(touched)]))
     sel = sel if split else list(range(n_heads))
@@ -73,6 +80,8 @@ def fused_layer_attention(
     bool_mask = None if mask is None or mask.dtype == torch.bool else mask > MIN_LOGIT / 2
     if mask is not None and mask.dtype == torch.bool:
         bool_mask = mask
+    if sinks is not None:  # every head runs fused here (split is False)
+        q_e, k_e, v_e, bool_mask, bias = _sink_column(q_e, k_e, v_e, bool_mask, bias, sinks, causal)
     kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap)
     beta = span = None
     for se in spans:
@@ -100,3 +109,33 @@ def fused_layer_attention(
     own = own_sdpa(query[:, rest], key[:, kv], value[:, kv], mask, scaling, causal)
     out[:, :, rest] = own.transpose(1, 2)
     return out
+
+
+def _sink_column(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append the learned-sink column: zero key and value, bias = the head's sink logit `[H]`,
+    visible from every row. Returns `(query, key, value, bool mask [B|1, 1, Q, K+1], bias
+    [B|1, H, K+1])`."""
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    device = query.device
+    key = torch.cat([key, key.new_zeros(*key.shape[:2], 1, key.shape[-1])], dim=2)
+    value = torch.cat([value, value.new_zeros(*value.shape[:2], 1, value.shape[-1])], dim=2)
+    if mask is None:
+        qpos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        kpos = torch.arange(k_len, device=device)[None, :]
+        mask = ((kpos <= qpos) | (not causal))[None, None]
+    mask = mask.expand(-1, -1, q_len, k_len)
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1, q_len, 1)], dim=-1)
+    if bias is None:
+        bias = torch.zeros(1, n_heads, k_len, device=device)
+    sink = sinks.float().to(device).reshape(1, n_heads, 1).expand(bias.shape[0], -1, -1)
+    bias = torch.cat([bias.expand(-1, n_heads, -1), sink], dim=-1)
+    return query, key, value, mask, bias

@@ -112,13 +112,21 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
         fam = family_of(config)
     except ValueError:
         fam = None
-    if fam is None or fam.mlp_norm is None:
+    if fam is None or fam.mlp_norm is None or fam.mlp is None:
         raise HeadsteerValueError(
             f"the first-MLP source representation is not defined here for model_type {kind!r} "
-            "(not a known family, or its MLP has no input norm); pass apply_first_mlp=False"
+            "(not a known family, its MLP has no input norm, or it is not one module); "
+            "pass apply_first_mlp=False"
         )
     block = model.layers[0]
-    return _module(block, fam.mlp)(_module(block, fam.mlp_norm)(x))
+    h = _module(block, fam.mlp_norm)(x)
+    if not fam.moe:
+        return _module(block, fam.mlp)(h)
+    # a mixture-of-experts block routes a [batch, seq, d_model] input (each row to its top-k
+    # experts) and may return (output, router logits): run the rows as one sequence
+    out = _module(block, fam.mlp)(h[None])
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(x.shape)
 
 
 @torch.no_grad()
