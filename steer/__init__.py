@@ -7,6 +7,7 @@ Scorers that need a method's own edit live here beside the method: PASTA profili
 
 from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
+from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
 from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
 from steer.pasta.profiling import profile_heads, select_heads, smallest_k
@@ -22,6 +23,8 @@ __all__ = [
     "Act",
     "ActEdit",
     "Generation",
+    "InstaBoost",
+    "InstaBoostBias",
     "Intervention",
     "Iti",
     "Pasta",
