@@ -131,3 +131,57 @@ def test_identity_and_bad_input(tiny_llama, enc):
     plain = encode_prompts(tiny_llama.tokenizer, ["no span here"], chat=False)
     with pytest.raises(HeadsteerValueError, match="emphasized span"):
         InstaBoost().edits(tiny_llama, plain)
+
+
+def test_served_in_a_batch_equals_generate_alone(tiny_llama):
+    """The server's `steer` field: an InstABoost request batched with an unsteered one."""
+    from steer.serving import BatchGenerator, SamplingParams, ServeRequest, parse_steer
+
+    prompt = "Read this: the key is blue. **Answer in one word.** What is the key?"
+    spec = [{"method": "instaboost", "multiplier": 9}]
+    gen = BatchGenerator(tiny_llama)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    reqs = [ServeRequest(prompt, True, parse_steer(spec), params=greedy), ServeRequest("hi", True, [], params=greedy)]
+    served = gen.run([gen.prepare(r) for r in reqs])
+    alone = SteeredModel(tiny_llama).generate(prompt, [InstaBoost(multiplier=9.0)], max_new_tokens=5, chat=True)
+    assert served[0].token_ids == alone.token_ids[0]
+    base = SteeredModel(tiny_llama).generate(prompt, [], max_new_tokens=5, chat=True)
+    assert alone.token_ids != base.token_ids or alone.token_ids  # (steered tokens may coincide)
+    for bad, match in (
+        ({"method": "instaboost", "multiplier": 0}, "multiplier"),
+        ({"method": "instaboost", "region": "all"}, "region"),
+        ({"method": "instaboost", "multiplier": 1}, "no-op"),
+        ({"method": "instaboost", "heads": "auto"}, "unknown field"),
+    ):
+        with pytest.raises(HeadsteerValueError, match=match):
+            parse_steer([bad])
+
+
+def test_cli_generate_and_eval(tiny_llama_dir, tmp_path):
+    """`headsteer generate --steer instaboost` and `headsteer eval --method instaboost`."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from viz.cli.main import app
+
+    runner = CliRunner()
+    args = ["generate", "Context: sky. **Answer in one word.** Colour?", "--steer", "instaboost"]
+    args += ["--model", tiny_llama_dir, "--max-new-tokens", "2", "--multiplier", "9", "--json"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["multiplier"] == 9
+    r = runner.invoke(app, [*args[:-1], "--alpha", "0.1"])
+    assert r.exit_code == 2 and "--alpha is not used by --steer instaboost" in r.output
+    r = runner.invoke(app, ["generate", "x **y**", "--multiplier", "3", "--model", tiny_llama_dir])
+    assert r.exit_code == 2 and "--multiplier is not used by --steer pasta" in r.output
+    out = tmp_path / "r.csv"
+    ev = ["eval", "--method", "instaboost", "--task", "counterfact", "--limit", "3", "--model", tiny_llama_dir]
+    r = runner.invoke(app, [*ev, "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+
+    table = pd.read_csv(out)
+    assert table.method.tolist() == ["instaboost"] and table.n.tolist() == [3]
+    r = runner.invoke(app, [*ev, "--multiplier", "0", "--out", str(tmp_path / "b.csv")])
+    assert r.exit_code == 2 and "multiplier" in r.output and "loading" not in r.output
