@@ -233,7 +233,8 @@ def evaluate(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
         examples = examples[:limit]
-    if method in ("pasta", "spotlight", "instaboost", "var", "vhr") and not all(e.emphasize for e in examples):
+    span_methods = ("pasta", "spotlight", "instaboost", "var", "vhr")
+    if method in span_methods and not all(e.emphasize for e in examples):
         raise HeadsteerValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
     iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}

@@ -141,12 +141,14 @@ def test_served_in_a_batch_equals_generate_alone(tiny_llama):
     spec = [{"method": "instaboost", "multiplier": 9}]
     gen = BatchGenerator(tiny_llama)
     greedy = SamplingParams(max_tokens=5, temperature=0)
-    reqs = [ServeRequest(prompt, True, parse_steer(spec), params=greedy), ServeRequest("hi", True, [], params=greedy)]
+    reqs = [
+        ServeRequest(prompt, True, parse_steer(spec), params=greedy),
+        ServeRequest("hi", True, [], params=greedy),
+    ]
     served = gen.run([gen.prepare(r) for r in reqs])
-    alone = SteeredModel(tiny_llama).generate(prompt, [InstaBoost(multiplier=9.0)], max_new_tokens=5, chat=True)
+    sm = SteeredModel(tiny_llama)
+    alone = sm.generate(prompt, [InstaBoost(multiplier=9.0)], max_new_tokens=5, chat=True)
     assert served[0].token_ids == alone.token_ids[0]
-    base = SteeredModel(tiny_llama).generate(prompt, [], max_new_tokens=5, chat=True)
-    assert alone.token_ids != base.token_ids or alone.token_ids  # (steered tokens may coincide)
     for bad, match in (
         ({"method": "instaboost", "multiplier": 0}, "multiplier"),
         ({"method": "instaboost", "region": "all"}, "region"),
@@ -176,7 +178,8 @@ def test_cli_generate_and_eval(tiny_llama_dir, tmp_path):
     r = runner.invoke(app, ["generate", "x **y**", "--multiplier", "3", "--model", tiny_llama_dir])
     assert r.exit_code == 2 and "--multiplier is not used by --steer pasta" in r.output
     out = tmp_path / "r.csv"
-    ev = ["eval", "--method", "instaboost", "--task", "counterfact", "--limit", "3", "--model", tiny_llama_dir]
+    ev = ["eval", "--method", "instaboost", "--task", "counterfact", "--limit", "3"]
+    ev += ["--model", tiny_llama_dir]
     r = runner.invoke(app, [*ev, "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     import pandas as pd

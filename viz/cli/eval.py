@@ -32,7 +32,9 @@ def _heads_arg(value: str) -> str | None:
 
 def eval_command(
     run: Run,
-    method: Annotated[str, typer.Option(help="none | pasta | spotlight | instaboost | act | var | vhr | iti")],
+    method: Annotated[
+        str, typer.Option(help="none | pasta | spotlight | instaboost | act | var | vhr | iti")
+    ],
     task: Annotated[
         str,
         typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment | context_qa"),
