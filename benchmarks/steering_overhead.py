@@ -1,4 +1,6 @@
-"""Generation throughput: unsteered (SDPA) vs PASTA through headsteer vs a reference-style PASTA.
+"""Generation throughput: unsteered (SDPA) vs PASTA through headsteer vs a reference-style PASTA;
+also InstABoost (all layers and heads, fused per-column bias) and CAA (one residual vector added at
+layer 15's output from the last prompt token on) over unsteered.
 
 Embedded SmolLM2-135M-Instruct, a ~256-token prompt, 64 new tokens, greedy, batch 1.
 The reference-style implementation does what the PASTA reference code does: eager
@@ -23,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from heads import load_model, span_attention
-from steer import Pasta, SteeredModel
+from steer import Caa, InstaBoost, Pasta, SteeredModel
 from steer.pasta.method import pasta_column_bias
 
 BIO = (
@@ -74,6 +76,9 @@ def main() -> None:
     pasta = Pasta(heads)
     enc = sm.encode(prompt)
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    boost = InstaBoost()
+    pairs = [("I love it, wonderful", "I hate it, terrible"), ("Yes, gladly", "No, never")]
+    caa = Caa.from_pairs(hm, pairs, layer=15, coefficient=4.0, progress=False)
 
     def unsteered():
         return sm.generate(prompt, **gen)
@@ -92,7 +97,19 @@ def main() -> None:
         finally:
             cfg._attn_implementation_internal = old
 
-    variants = {"unsteered": unsteered, "headsteer": headsteer, "reference": reference}
+    def instaboost():
+        return sm.generate(prompt, steer=[boost], **gen)
+
+    def caa_steer():
+        return sm.generate(prompt, steer=[caa], **gen)
+
+    variants = {
+        "unsteered": unsteered,
+        "headsteer": headsteer,
+        "reference": reference,
+        "instaboost": instaboost,
+        "caa": caa_steer,
+    }
     times = {k: [] for k in variants}
     outs = {}
     for fn in variants.values():  # warm-up
@@ -109,6 +126,8 @@ def main() -> None:
             {
                 "steered_over_unsteered": round(tps["headsteer"] / tps["unsteered"], 3),
                 "reference_over_unsteered": round(tps["reference"] / tps["unsteered"], 3),
+                "instaboost_over_unsteered": round(tps["instaboost"] / tps["unsteered"], 3),
+                "caa_over_unsteered": round(tps["caa"] / tps["unsteered"], 3),
                 "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
                 "prompt_tokens": enc.length,
                 "new_tokens": args.new_tokens,

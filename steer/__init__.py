@@ -7,6 +7,8 @@ Scorers that need a method's own edit live here beside the method: PASTA profili
 
 from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
+from steer.caa import Caa, CaaAdd, caa_vector
+from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
 from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
 from steer.pasta.profiling import profile_heads, select_heads, smallest_k
@@ -21,7 +23,11 @@ __all__ = [
     "Ablate",
     "Act",
     "ActEdit",
+    "Caa",
+    "CaaAdd",
     "Generation",
+    "InstaBoost",
+    "InstaBoostBias",
     "Intervention",
     "Iti",
     "Pasta",
@@ -34,6 +40,7 @@ __all__ = [
     "VarEdit",
     "VhdTrace",
     "Vhr",
+    "caa_vector",
     "pasta_column_bias",
     "profile_heads",
     "select_heads",

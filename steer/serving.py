@@ -34,6 +34,7 @@ from heads.model.adapter import HeadModel
 from heads.scorers.attention_mass import span_attention
 from steer.ablate import Ablate
 from steer.act.method import Act
+from steer.instaboost import InstaBoost
 from steer.noop import NoOpWarning
 from steer.pasta.method import Pasta
 from steer.profiles import shipped_profile
@@ -63,6 +64,7 @@ AUTO_SPAN_TOP_K = 20
 _METHODS = {
     "pasta": ("heads", "alpha", "scale_position"),
     "spotlight": ("tau", "layers"),
+    "instaboost": ("multiplier", "region", "layers"),
     "act": ("heads", "beta"),
     "ablate": ("heads", "mode", "eps"),
 }
@@ -100,6 +102,8 @@ def parse_steer(spec) -> list[Intervention]:
               top-20 heads by attention on the span), `alpha` (default 0.01),
               `scale_position` (default "exclude");
             * `"spotlight"`: `tau` (default 0.1), `layers` (default all);
+            * `"instaboost"`: `multiplier` (default 5), `region` "span" | "prefix" (default
+              "span"), `layers` (default all);
             * `"act"`: `heads` ("auto" = the shipped ACT profile; default: layers 2..L-2),
               `beta` (default 0.4);
             * `"ablate"`: `heads` (required), `mode` "ua" | "sc" (default "ua"), `eps` (default 0).
@@ -150,6 +154,17 @@ def _intervention(method: str, item: Mapping) -> Intervention:
         if item.get("layers") is not None:
             kw["layers"] = tuple(item["layers"]) if isinstance(item["layers"], list) else item["layers"]
         return Spotlight(**kw)
+    if method == "instaboost":
+        kw = {}
+        if "multiplier" in item:
+            kw["multiplier"] = _number(item["multiplier"], "multiplier")
+        if "region" in item:
+            kw["region"] = item["region"]
+        if item.get("layers") is not None:
+            if not isinstance(item["layers"], list):
+                raise HeadsteerValueError(f"layers must be a list of layer indices, got {item['layers']!r}")
+            kw["layers"] = tuple(item["layers"])
+        return InstaBoost(**kw)
     if method == "act":
         kw = {}
         if item.get("heads") is not None:

@@ -1,7 +1,7 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
-Methods: `none` (the unsteered model), `pasta`, `spotlight`, `var`, `vhr` (these four need
-the task's emphasized span; VAR-text and VHR-text treat it as the "image"), `act` and `iti`
+Methods: `none` (the unsteered model), `pasta`, `spotlight`, `instaboost`, `var`, `vhr` (these
+five need the task's emphasized span; VAR-text and VHR-text treat it as the "image"), `act` and `iti`
 (probes fitted on the task's train split). Choice tasks are scored from last-position
 log-probs (argmax over each choice's first token, `steer.act.calibration.choice_ids`);
 generate tasks by greedy generation through `SteeredModel.generate` (KV cache on) and the
@@ -45,7 +45,7 @@ from probes.metrics.tasks import (
 
 __all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "act", "var", "vhr", "iti")
+METHODS = ("none", "pasta", "spotlight", "instaboost", "act", "var", "vhr", "iti")
 
 
 @dataclass
@@ -86,6 +86,7 @@ def method_steer(
     var_p: float = 0.6,
     var_rho: float = 0.5,
     vhr_alpha: float = 2.0,
+    multiplier: float | None = None,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
@@ -106,6 +107,10 @@ def method_steer(
         return []
     if method == "spotlight":
         return [Spotlight(tau=tau)]
+    if method == "instaboost":
+        from steer.instaboost import DEFAULT_MULTIPLIER, InstaBoost
+
+        return [InstaBoost(multiplier=DEFAULT_MULTIPLIER if multiplier is None else multiplier)]
     if method == "iti":
         if iti is None:
             raise HeadsteerValueError(
@@ -212,7 +217,8 @@ def evaluate(
             after each batch (`heads._util.progress`), in examples: `total` is the number of
             examples evaluated; on generate tasks a batch's examples are counted in step
             with its decoding steps.
-        **method_options: `pasta_heads`, `alpha`, `tau`, `act_heads`, `beta`, `var_p`, `var_rho`,
+        **method_options: `pasta_heads`, `alpha`, `tau`, `multiplier` (InstABoost), `act_heads`,
+            `beta`, `var_p`, `var_rho`,
             `vhr_alpha`, `iti` (see `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for
             the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`).
 
@@ -227,7 +233,8 @@ def evaluate(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
         examples = examples[:limit]
-    if method in ("pasta", "spotlight", "var", "vhr") and not all(e.emphasize for e in examples):
+    span_methods = ("pasta", "spotlight", "instaboost", "var", "vhr")
+    if method in span_methods and not all(e.emphasize for e in examples):
         raise HeadsteerValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
     iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}

@@ -32,7 +32,9 @@ def _heads_arg(value: str) -> str | None:
 
 def eval_command(
     run: Run,
-    method: Annotated[str, typer.Option(help="none | pasta | spotlight | act | var | vhr | iti")],
+    method: Annotated[
+        str, typer.Option(help="none | pasta | spotlight | instaboost | act | var | vhr | iti")
+    ],
     task: Annotated[
         str,
         typer.Option(help="json_format | pronoun_change | occupation | counterfact | sentiment | context_qa"),
@@ -43,6 +45,7 @@ def eval_command(
     act_heads: HeadsOpt = "auto",
     alpha: Annotated[float, typer.Option(help="PASTA alpha")] = 0.01,
     tau: Annotated[float, typer.Option(help="SpotLight target share")] = 0.1,
+    multiplier: Annotated[float, typer.Option(help="InstABoost factor on the instruction's attention")] = 5.0,
     beta: Annotated[float, typer.Option(help="ACT sink scale")] = 0.4,
     iti_k: Annotated[int, typer.Option(help="ITI heads (probes fitted on the train split)")] = 16,
     iti_alpha: Annotated[float, typer.Option(help="ITI strength (shift alpha * sigma)")] = 15.0,
@@ -78,6 +81,10 @@ def eval_command(
             raise HeadsteerValueError(f"{flag} must be in [0, 1], got {value}")
     if not vhr_alpha > 0:
         raise HeadsteerValueError(f"--vhr-alpha must be > 0, got {vhr_alpha}")
+    if method == "instaboost":
+        from steer.instaboost import InstaBoost
+
+        InstaBoost(multiplier=multiplier)  # checked (and a no-op warned) before the model loads
     if limit is not None:
         _positive(limit=limit)
     pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)
@@ -110,6 +117,7 @@ def eval_command(
             var_p=var_p,
             var_rho=var_rho,
             vhr_alpha=vhr_alpha,
+            multiplier=multiplier,
         )
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)

@@ -68,6 +68,8 @@ MAX_FEW_SHOT = 1000
 HTML = (".html", ".htm")
 PASTA_ALPHA = 0.01
 """`headsteer generate --alpha` default (PASTA's scaling outside the span)."""
+INSTABOOST_MULTIPLIER = 5.0
+"""`headsteer generate --multiplier` default (`steer.instaboost.DEFAULT_MULTIPLIER`)."""
 
 
 @app.callback()
@@ -95,11 +97,18 @@ def generate(
     emphasize: EmphasizeOpt = None,
     steer: Annotated[
         str,
-        typer.Option("--steer", help="pasta | var | vhr (var/vhr: on --image, or the **marked** passage)"),
+        typer.Option(
+            "--steer",
+            help="pasta | instaboost | var | vhr (var/vhr: on --image, or the **marked** passage; "
+            "instaboost: all heads, on the **marked** instruction)",
+        ),
     ] = "pasta",
     image: ImageOpt = None,
+    multiplier: Annotated[
+        float, typer.Option(help="InstABoost factor on the attention to the instruction")
+    ] = INSTABOOST_MULTIPLIER,
 ) -> dict:
-    """Print the unsteered and the steered (PASTA, VAR or VHR) answers side by side."""
+    """Print the unsteered and the steered (PASTA, InstABoost, VAR or VHR) answers side by side."""
     from heads import HeadSet
     from steer.pasta.method import check_alpha
     from viz.cli.jobs import DEFAULT_TOP_K, choose_heads, compare
@@ -117,8 +126,21 @@ def generate(
         _positive(max_new_tokens=max_new_tokens)
         kw = dict(alpha=2.0, p=0.6, rho=0.5, tau=None, sink_dims=None, max_new_tokens=max_new_tokens)
         return steered_pair(run, prompt, steer, image, **kw)
+    if steer != "instaboost" and multiplier != INSTABOOST_MULTIPLIER:
+        raise HeadsteerValueError(f"--multiplier is not used by --steer {steer}; drop it")
+    if steer == "instaboost":
+        refuse_unused(
+            steer,
+            {
+                "--alpha": alpha != PASTA_ALPHA,
+                "--pasta-heads": pasta_heads != "auto",
+                "--top-k": top_k is not None,
+                "--image": image is not None,
+            },
+        )
+        return _instaboost_pair(run, prompt, multiplier, max_new_tokens, emphasize)
     if steer != "pasta":
-        raise HeadsteerValueError(f"--steer must be pasta, var or vhr, got {steer!r}")
+        raise HeadsteerValueError(f"--steer must be pasta, instaboost, var or vhr, got {steer!r}")
     if image is not None:
         raise HeadsteerValueError(
             "--image needs --steer var or vhr (PASTA on an image span: Pasta(spans='image') in Python)"
@@ -151,6 +173,29 @@ def generate(
     table.add_row(escape(res.baseline), escape(res.steered))
     run.show(table)
     return {"baseline": res.baseline, "steered": res.steered, "alpha": alpha, "heads": heads.to_dict()}
+
+
+def _instaboost_pair(run: Run, prompt: str, multiplier: float, max_new_tokens: int, emphasize) -> dict:
+    """Unsteered and InstABoost answers side by side (`headsteer generate --steer instaboost`)."""
+    from heads._util.progress import offset_progress
+    from steer import InstaBoost, SteeredModel
+
+    method = InstaBoost(multiplier=multiplier)  # checked before the model loads
+    _positive(max_new_tokens=max_new_tokens)
+    check_prompt(prompt, emphasize)
+    hm = run.load()
+    sm = SteeredModel(hm)
+    n = max_new_tokens
+    with run.progress(2 * n, "generating (baseline, then InstABoost) tokens") as step:
+        kw = dict(max_new_tokens=n, emphasize=emphasize)
+        base = sm.generate(prompt, [], progress=offset_progress(step, 0, 2 * n) or False, **kw)
+        steered = sm.generate(prompt, [method], progress=offset_progress(step, n, 2 * n) or False, **kw)
+    table = Table(show_lines=True)
+    table.add_column("baseline", ratio=1)
+    table.add_column(f"InstABoost (multiplier={multiplier:g}, all heads)", ratio=1)
+    table.add_row(escape(base.text), escape(steered.text))
+    run.show(table)
+    return {"baseline": base.text, "steered": steered.text, "steer": "instaboost", "multiplier": multiplier}
 
 
 @command(report_app, "attention")

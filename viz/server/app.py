@@ -10,7 +10,7 @@ Steering rides in extra body fields, e.g. with the `openai` client::
         extra_body={"steer": [{"method": "pasta", "heads": "auto", "alpha": 0.01}]},
     )
 
-`steer` is a list of `{"method": "pasta" | "spotlight" | "act" | "ablate", ...}` objects
+`steer` is a list of `{"method": "pasta" | "spotlight" | "instaboost" | "act" | "ablate", ...}` objects
 (see `steer.serving.parse_steer`); `emphasize` (a string or a list) marks spans besides
 `**markup**`. A bad request gets HTTP 400 with a one-line reason. Concurrent requests are
 batched dynamically (`steer.serving.Batcher`), each with its own steering on its own

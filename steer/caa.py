@@ -1,0 +1,229 @@
+"""Contrastive Activation Addition (CAA): residual-stream steering vectors (Rimsky, Gabrieli,
+Schulz, Tong, Hubinger and Turner, "Steering Llama 2 via Contrastive Activation Addition",
+ACL 2024, arXiv:2312.06681).
+
+Vector. For contrastive prompt pairs (p_i, n_i) (the same prompt ending in the behaviour's answer
+and in its opposite), read the residual stream at the output of decoder layer `layer` (the hidden
+state entering layer `layer + 1`) at the last token, and take the mean difference (paper §3):
+
+    v = (1/N) sum_i [ h_layer(p_i)[-1] - h_layer(n_i)[-1] ]          `[d_model]`
+
+Steering. Add `coefficient * v` to that residual at every position from `from_position` on:
+the last prompt token (default `from_position=-1`) and every generated token, at prefill and at
+every decode step (paper §3: "after the user's prompt"). It is a `ResidualEdit` (the pre-hook on
+layer `layer + 1`), so it runs on every backend and composes with head methods in one
+`steer=[...]` list, e.g. `[Caa(...), Pasta(...)]`.
+
+Layer convention: `layer` is the decoder block whose *output* is read and steered, as in the paper
+and the `steering-vectors` package (`layer_type="decoder_block"`, a forward hook on block
+`layer`); the last block (`n_layers - 1`) has no next layer and is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from heads._util.progress import ProgressArg, progress_callback
+from heads.engine.context import editing
+from heads.engine.edits import MAX_FACTOR, AttentionCall, ResidualEdit, ResidualRecorder
+from heads.engine.forward import forward
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts, encode_prompts
+from heads.model.adapter import HeadModel
+from steer.noop import warn_noop
+
+__all__ = ["Caa", "CaaAdd", "caa_vector"]
+
+
+@dataclass(eq=False, repr=False)
+class CaaAdd(ResidualEdit):
+    """Add `vector` to the residual entering `layer` at absolute positions `>= from_position`.
+
+    Attributes:
+        vector: `[d_model]` fp32 (already times the coefficient).
+        from_position: first steered absolute position (padded coordinates, >= 0).
+    """
+
+    vector: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    from_position: int = 0
+
+    def is_identity(self) -> bool:
+        return not bool(self.vector.any())
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        first = max(0, self.from_position - call.q_offset)
+        if first >= x.shape[1]:
+            return None
+        out = x.clone()
+        out[:, first:] = x[:, first:] + self.vector.to(device=x.device, dtype=x.dtype)
+        return out
+
+
+def _check_layer(model: HeadModel, layer: object) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise HeadsteerTypeError(f"CAA layer must be an int, got {layer!r}")
+    if not 0 <= int(layer) < model.n_layers - 1:
+        raise HeadsteerValueError(
+            f"CAA layer {layer} is outside 0..{model.n_layers - 2} (the output of layer L is the input "
+            "of layer L + 1; the last layer has none)"
+        )
+    return int(layer)
+
+
+def _check_pairs(pairs: object) -> list[tuple[str, str]]:
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
+        raise HeadsteerValueError(
+            f"pairs must be a non-empty list of (positive, negative) strings, got {pairs!r}"
+        )
+    out = []
+    for i, p in enumerate(pairs):
+        ok = isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(s, str) and s for s in p)
+        if not ok:
+            raise HeadsteerValueError(f"pairs[{i}] must be two non-empty strings, got {p!r}")
+        out.append((p[0], p[1]))
+    return out
+
+
+@torch.no_grad()
+def _last_residuals(model: HeadModel, enc: EncodedPrompts, layer: int) -> torch.Tensor:
+    """`[B, d_model]` fp32 output of block `layer` at each row's last token (left padding)."""
+    rec = ResidualRecorder(layer=layer + 1, fn=lambda x, call: x[:, -1].float().clone())
+    with editing(model, [rec]):
+        forward(model, enc, logits_to_keep=1)
+    return rec.records[0].cpu()
+
+
+def caa_vector(
+    model: HeadModel,
+    pairs: Sequence[tuple[str, str]],
+    layer: int,
+    *,
+    chat: bool = False,
+    batch_size: int = 8,
+    progress: ProgressArg = True,
+) -> torch.Tensor:
+    """The CAA steering vector: mean over pairs of the last-token residual difference.
+
+    Args:
+        model: a `HeadModel` with a tokenizer.
+        pairs: `(positive, negative)` prompt strings (used as given; `chat=True` renders each as
+            one user message with the model's chat template).
+        layer: the decoder block whose output is read (0 .. n_layers - 2).
+        batch_size: prompts per forward (default 8; rows are left-padded, so the last position
+            is every row's last token).
+        progress: True (a bar over pairs), False / None, or `progress(done, total)`.
+
+    Returns:
+        `[d_model]` fp32 vector on the CPU.
+
+    Raises:
+        ValueError: empty or malformed pairs, a layer outside 0 .. n_layers - 2, bad batch_size.
+    """
+    layer = _check_layer(model, layer)
+    items = _check_pairs(pairs)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    total = torch.zeros(model.d_model, dtype=torch.float64)
+    with progress_callback(progress, "CAA vector", "pairs") as report:
+        for a in range(0, len(items), batch_size):
+            chunk = items[a : a + batch_size]
+            texts = [p for p, _ in chunk] + [n for _, n in chunk]
+            enc = encode_prompts(model.tokenizer, texts, chat=chat, markup=False)
+            h = _last_residuals(model, enc, layer).double()
+            total += (h[: len(chunk)] - h[len(chunk) :]).sum(0)
+            if report is not None:
+                report(a + len(chunk), len(items))
+    return (total / len(items)).float()
+
+
+@dataclass(frozen=True)
+class Caa:
+    """Add `coefficient * vector` to the residual output of decoder block `layer`.
+
+    Args:
+        vector: `[d_model]` steering vector (e.g. from `caa_vector` / `Caa.from_pairs`).
+        layer: the decoder block whose output is steered (0 .. n_layers - 2).
+        coefficient: multiplier (default 1; the paper sweeps -2 .. 2); 0 is a bitwise no-op.
+        from_position: first steered position of the padded prompt; negative counts from the
+            prompt's end (default -1: the last prompt token, then every generated token);
+            None: every position.
+
+    Raises:
+        TypeError: a layer or position that is not an int.
+        ValueError: a vector that is not 1-D or holds NaN/inf, a coefficient that is not finite
+            or beyond +-1e4; when applied, a vector length other than d_model, a layer outside
+            0 .. n_layers - 2, or a position before the prompt.
+
+    Source: Rimsky et al. 2024, §3 (mean difference at the answer token; added at every
+    position after the prompt).
+    """
+
+    vector: torch.Tensor
+    layer: int
+    coefficient: float = 1.0
+    from_position: int | None = -1
+
+    def __post_init__(self) -> None:
+        v = torch.as_tensor(self.vector).detach().float().cpu()
+        if v.ndim != 1 or not len(v):
+            raise HeadsteerValueError(f"CAA vector must be 1-D [d_model], got shape {tuple(v.shape)}")
+        if not torch.isfinite(v).all():
+            raise HeadsteerValueError("CAA vector holds NaN or inf")
+        c = self.coefficient
+        if (
+            isinstance(c, bool)
+            or not isinstance(c, numbers.Real)
+            or not math.isfinite(c)
+            or abs(c) > MAX_FACTOR
+        ):
+            raise HeadsteerValueError(
+                f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {c!r}"
+            )
+        if isinstance(self.layer, bool) or not isinstance(self.layer, numbers.Integral):
+            raise HeadsteerTypeError(f"CAA layer must be an int, got {self.layer!r}")
+        p = self.from_position
+        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Integral)):
+            raise HeadsteerTypeError(f"from_position must be an int or None, got {p!r}")
+        object.__setattr__(self, "vector", v)
+        if c == 0 or not bool(v.any()):
+            warn_noop("CAA with coefficient 0 or a zero vector is a no-op: output equals the unsteered model")
+
+    @classmethod
+    def from_pairs(
+        cls,
+        model: HeadModel,
+        pairs: Sequence[tuple[str, str]],
+        layer: int,
+        coefficient: float = 1.0,
+        *,
+        from_position: int | None = -1,
+        chat: bool = False,
+        batch_size: int = 8,
+        progress: ProgressArg = True,
+    ) -> Caa:
+        """`Caa(caa_vector(model, pairs, layer, ...), layer, coefficient)` (see `caa_vector`)."""
+        v = caa_vector(model, pairs, layer, chat=chat, batch_size=batch_size, progress=progress)
+        return cls(v, layer, coefficient, from_position)
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[CaaAdd]:
+        """One `CaaAdd` on the input of layer `layer + 1` (none when the coefficient is 0)."""
+        layer = _check_layer(model, self.layer)
+        if self.vector.shape[0] != model.d_model:
+            raise HeadsteerValueError(
+                f"CAA vector has length {self.vector.shape[0]}, the model's d_model is {model.d_model}"
+            )
+        if self.coefficient == 0 or not bool(self.vector.any()):
+            return []
+        p = self.from_position
+        start = 0 if p is None else (p if p >= 0 else enc.length + p)
+        if start < 0:
+            raise HeadsteerValueError(f"from_position {p} is before the prompt start (length {enc.length})")
+        return [CaaAdd(layer=layer + 1, vector=float(self.coefficient) * self.vector, from_position=start)]
+
+    def __repr__(self) -> str:
+        return f"Caa(layer={self.layer}, coefficient={self.coefficient}, from_position={self.from_position})"
