@@ -180,6 +180,10 @@ class ProbEdit(Edit):
     """Function of the post-softmax attention pattern. Subclasses implement `apply`."""
 
     site: ClassVar[str] = "probs"
+    reads_only: ClassVar[bool] = False
+    """True for an edit whose `apply` returns the pattern unchanged (it only reads it, e.g.
+    `Recorder`): a layer whose pattern edits all read only computes its output with the model's
+    own attention (bitwise the unedited model, in every dtype) and the pattern beside it."""
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""
@@ -195,6 +199,7 @@ class Recorder(ProbEdit):
     `records` in call order (one per attention call and query block).
     """
 
+    reads_only: ClassVar[bool] = True
     fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
     records: list = field(default_factory=list, init=False)
 
