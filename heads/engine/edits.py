@@ -55,6 +55,8 @@ class AttentionCall:
     Key column `j` is absolute position `j` of the (left-padded) sequence, so a
     prompt of padded length P occupies columns `0..P-1` and generated tokens
     columns `>= P`. Query row `r` of the block is absolute position `q_offset + r`.
+    A static KV cache holds more key columns than positions: `k_len` may exceed
+    `q_offset + q_len`, the columns beyond are empty slots the mask hides.
     """
 
     layer: int
@@ -64,6 +66,7 @@ class AttentionCall:
     k_len: int  # key columns (all positions so far)
     q_offset: int  # absolute position of the block's first query row
     device: torch.device
+    split: bool = False  # the call's query rows were split into blocks; this is one of them
 
     @property
     def query_positions(self) -> torch.Tensor:

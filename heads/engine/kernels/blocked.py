@@ -101,7 +101,7 @@ def blocked_attention(
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
     for s in range(0, q_len, block):
         e_ = min(q_len, s + block)
-        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device)
+        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
         add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
         for ed in biases:
             b = torch.where(head_masks[id(ed)], checked_bias(ed, call), 0.0)
