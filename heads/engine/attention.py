@@ -158,10 +158,14 @@ def _make_attention(base: str):
             scaling = query.shape[-1] ** -0.5
         is_causal = kw.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        own = _own_attention(module, base)
+        kw_own = {k: v for k, v in kw.items() if k != "output_attentions"}
+
+        def own_out() -> torch.Tensor:
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)[0]
+
         if read_only(edits):  # the model's own output; the pattern beside it for the readers
-            own = _own_attention(module, base)
-            kw_own = {k: v for k, v in kw.items() if k != "output_attentions"}
-            out, _ = own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)
+            out = own_out()
             _, pattern = blocked_attention(
                 module,
                 query,
@@ -196,6 +200,7 @@ def _make_attention(base: str):
             want,
             base == "eager",
             q_offset,
+            own=own_out,
         )
 
     return headsteer_attention

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -41,6 +42,7 @@ def blocked_attention(
     eager: bool = False,
     q_offset: int | None = None,
     pattern_only: bool = False,
+    own: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The family's attention with the layer's logit and pattern edits.
 
@@ -60,6 +62,9 @@ def blocked_attention(
         q_offset: absolute position of the first query row (the cached positions before the
             call); None means `K - Q` (a dynamic cache). A static cache holds more key slots
             than positions, so the engine passes the real offset.
+        own: the model's own attention output `[B, Q, H, d]` (a thunk): returned instead when
+            no logit bias is active and every pattern edit returned its input unchanged (e.g.
+            SpotLight with every row above its target), so such a call is bitwise the model's.
         pattern_only: compute the pattern and run the probs edits (read-only ones: the caller
             takes the output from the model's own attention), return `(None, pattern or None)`.
 
@@ -98,6 +103,7 @@ def blocked_attention(
     low = query.dtype != torch.float32
     dtype = query.dtype
     outs, patterns = [], []
+    same = not biases  # every pattern edit returned its input itself (changed nothing)
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
     for s in range(0, q_len, block):
         e_ = min(q_len, s + block)
@@ -147,7 +153,9 @@ def blocked_attention(
             visible = (add > MIN_LOGIT / 2).expand_as(scores)
             probs = torch.where(visible, probs, 0.0)  # fully masked rows: 0
         for pe in probs_edits:
-            probs = torch.where(head_masks[id(pe)], checked_probs(pe, pe.apply(probs, call), probs), probs)
+            new = pe.apply(probs, call)
+            same = same and new is probs
+            probs = torch.where(head_masks[id(pe)], checked_probs(pe, new, probs), probs)
             if visible is not None:
                 probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
         if want_probs:
@@ -158,8 +166,9 @@ def blocked_attention(
             outs.append(torch.matmul(probs, value.float()).to(value.dtype))
         else:
             outs.append(torch.matmul(probs.to(value.dtype), value))
-    if pattern_only:
-        return None, (torch.cat(patterns, dim=2) if want_probs else None)
+    if pattern_only or (same and own is not None):  # nothing changed: the model's own output
+        pattern = torch.cat(patterns, dim=2) if want_probs else None
+        return (None if pattern_only else own()), pattern
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     pattern = torch.cat(patterns, dim=2) if want_probs else None
     return out.transpose(1, 2).contiguous(), pattern
