@@ -162,7 +162,9 @@ def _make_attention(base: str):
         kw_own = {k: v for k, v in kw.items() if k != "output_attentions"}
 
         def own_out() -> torch.Tensor:
-            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)[0]
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)[
+                0
+            ]
 
         if read_only(edits):  # the model's own output; the pattern beside it for the readers
             out = own_out()

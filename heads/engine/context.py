@@ -96,7 +96,7 @@ def _refuse_repeats(edits: Sequence[Edit]) -> None:
     for e in edits:
         if id(e) in seen:
             raise HeadsteerValueError(
-                f"{e!r} is listed twice: each edit object applies once (build a second edit to apply it twice)"
+                f"{e!r} is listed twice: each edit object applies once (build a second one to apply it twice)"
             )
         if id(e) in outer:
             raise HeadsteerValueError(
@@ -245,5 +245,7 @@ def editing(
         idle = [e for e, n in zip(active, fired_before, strict=True) if e.calls == n]
         if idle:
             hint = model.backend.never_fired_hint  # the likely cause first, then the (long) list
-            shown = ", ".join(map(repr, idle[:5])) + (f", ... ({len(idle) - 5} more)" if len(idle) > 5 else "")
+            shown = ", ".join(map(repr, idle[:5])) + (
+                f", ... ({len(idle) - 5} more)" if len(idle) > 5 else ""
+            )
             raise EditNeverFired(f"{hint}{len(idle)} edit(s) never ran: {shown}")

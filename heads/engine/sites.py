@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-import torch
 from torch import nn
 
 from heads.engine.edits import (
@@ -16,7 +15,7 @@ from heads.engine.edits import (
     Edit,
 )
 from heads.engine.state import ACTIVE, OFFSETS, apply_head_edits, cast_result
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.errors import HeadsteerTypeError
 
 if TYPE_CHECKING:
     from heads.model.adapter import HeadModel

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.engine.edits import (
     AttentionCall,
     Edit,
     HeadOutputEdit,
     QueryEdit,
 )
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
     "ACTIVE",

@@ -122,7 +122,9 @@ def _methods():
     return {
         "pasta": lambda hm, enc: Pasta(HEADS, alpha=0.01).edits(hm, enc),
         "spotlight": lambda hm, enc: Spotlight(tau=0.5, granularity="row").edits(hm, enc),
-        "act": lambda hm, enc: Act(heads={1: [1], 2: [0, 2]}, rule=SinkRule(rule="absolute", theta=0.05)).edits(hm, enc),
+        "act": lambda hm, enc: Act(
+            heads={1: [1], 2: [0, 2]}, rule=SinkRule(rule="absolute", theta=0.05)
+        ).edits(hm, enc),
         "identity": lambda hm, enc: [Identity(layer=la) for la in range(hm.n_layers)],
     }
 

@@ -27,7 +27,9 @@ def test_sink_stats_stitches_blocks(tiny_llama, monkeypatch):
     rule = SinkRule(rule="absolute", theta=0.05)
     whole, split = _both(monkeypatch, lambda: sink_stats(tiny_llama, PROMPTS, rule=rule, chat=False))
     for name in ("sink_mass", "first_mass", "n_sinks"):
-        torch.testing.assert_close(getattr(split, name).scores, getattr(whole, name).scores, atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            getattr(split, name).scores, getattr(whole, name).scores, atol=1e-6, rtol=0
+        )
     assert len(split.flagged) == len(whole.flagged) > 0
 
 

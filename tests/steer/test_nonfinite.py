@@ -25,7 +25,9 @@ def test_non_finite_steered_logits_are_an_error(tokenizer):
     hm = make_tiny("llama", tokenizer)
     hm.model.to(torch.float16)
     sm = SteeredModel(hm)
-    with pytest.raises(ValueError, match=r"generation step 0: the logits became non-finite.*_Overflow\(layer=1"):
+    with pytest.raises(
+        ValueError, match=r"generation step 0: the logits became non-finite.*_Overflow\(layer=1"
+    ):
         sm.generate(["Where is the key?"], _Steer(), max_new_tokens=3, chat=False, progress=False)
     ok = sm.generate(["Where is the key?"], max_new_tokens=3, chat=False, progress=False)  # unsteered: fine
     assert len(ok.token_ids[0]) >= 1

@@ -18,9 +18,9 @@ from heads.engine.edits import (
 from heads.engine.kernels.common import (
     additive_mask,
     causal_additive,
+    check_window,
     checked_bias,
     checked_probs,
-    check_window,
     mask_in_dtype,
 )
 from heads.engine.state import MIN_LOGIT, LayerEdits
