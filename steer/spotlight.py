@@ -123,7 +123,8 @@ class SpotlightEdit(SpanShareEdit):
     def span_beta(self, num: torch.Tensor, den: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
         if not self.steer_decode and call.q_offset >= self.span.shape[1]:
             return None
-        if self.granularity != "row" and 1 < call.q_len < call.k_len:
+        # pooled rows must be the whole prefill: not one block of it, not a multi-row call on a cache
+        if self.granularity != "row" and (call.split or (call.q_len > 1 and call.q_offset > 0)):
             raise HeadsteerValueError(
                 f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
                 f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row', or "

@@ -203,7 +203,9 @@ class SteeredModel:
             ValueError: bad prompts or spans, `max_new_tokens` < 1, prompt plus new tokens
                 beyond the model's position limit, or an unsupported generate option
                 (`num_return_sequences`, `num_beams`); `images` for a model without a
-                processor, or not matching the prompts' image placeholders.
+                processor, or not matching the prompts' image placeholders. During decoding:
+                a steered step whose logits are not finite (NaN / inf: the steering overflowed
+                the model's dtype), naming the step and the edits.
             TypeError: a steer item without `edits(model, enc)`.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -243,6 +245,12 @@ class SteeredModel:
             progress_callback(progress, "generate", "tokens", delay=delay) as report,
             editing(hm, edits, require_fired=require_fired),
         ):
+            if edits:  # a steered step whose logits overflow is an error naming the step and the edits
+                from transformers import LogitsProcessorList
+
+                procs = list(generate_kwargs.pop("logits_processor", None) or [])
+                check = _FiniteLogits(enc.length, edits, str(hm.dtype).replace("torch.", ""))
+                generate_kwargs["logits_processor"] = LogitsProcessorList([check, *procs])
             if report is not None:
                 from transformers import StoppingCriteriaList
 
@@ -275,3 +283,24 @@ class SteeredModel:
         return Generation(
             texts, token_ids, enc.texts, enc.spans, steer, outputs=raw, image_spans=enc.image_spans
         )
+
+
+class _FiniteLogits:
+    """A `transformers` logits processor that raises when a steered step's logits are not
+    finite (NaN, +inf, or a row of -inf): the steering overflowed the model's precision, and
+    decoding on would answer from garbage (e.g. an empty string)."""
+
+    def __init__(self, prompt_len: int, edits: list, dtype: str):
+        self.prompt_len, self.edits, self.dtype = prompt_len, edits, dtype
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        bad = torch.isnan(scores).any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
+        if bool(bad.any()):
+            step = input_ids.shape[1] - self.prompt_len
+            shown = ", ".join(map(repr, self.edits[:3])) + (" ..." if len(self.edits) > 3 else "")
+            raise HeadsteerValueError(
+                f"generation step {step}: the logits became non-finite (NaN / inf) in rows "
+                f"{torch.nonzero(bad).flatten().tolist()} under the edits {shown}: the steering "
+                f"overflows {self.dtype}; use a smaller scale, or load the model in float32"
+            )
+        return scores

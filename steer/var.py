@@ -237,7 +237,10 @@ class Var:
         tau: sink threshold on phi (default `heads.scorers.sink_dims.sink_tau_for`: calibrated for
             known backbones, else 20 sqrt(D/4096)).
         floor: least image mass of a considered row (default 0.2).
-        layers: edited layers (default every layer).
+        layers: edited layers (default every layer; with `skip_last`, every layer but the
+            last, the paper's rule, for images and text alike). The reference code flags sinks
+            only from layer 2 on; the measured VAR-text results use this default, so it is
+            kept: pass `layers=range(2, L - 1)` for the reference's range.
         skip_last: never edit the last layer (default True, the paper's rule).
         sink_dims: the backbone's sink dimensions (default: `heads.scorers.sink_dims.KNOWN_SINK_DIMS`
             by config; an unknown backbone raises).

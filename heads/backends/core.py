@@ -74,7 +74,7 @@ class Backend:
     """The backend computes attention itself: attention edits go on its hook points, the
     `transformers` attention function is not switched, and the fused kernel is unavailable."""
     never_fired_hint = ""
-    """Appended to an `EditNeverFired` message (what usually causes it on this backend)."""
+    """Put first in an `EditNeverFired` message (what usually causes it on this backend)."""
 
     def hook_specs(self, hm: HeadModel, active: Sequence[Edit]) -> list[HookSpec]:
         """The hooks the active edits need on this backend (placed by `heads.engine.context`)."""
@@ -159,7 +159,7 @@ class NNsightBackend(Backend):
     """Forwards inside an nnsight `trace()` / `generate()`; `remote=True` sends them to NDIF."""
 
     kind = "nnsight"
-    never_fired_hint = " (on the nnsight backend, enter editing() outside trace(): the trace body runs apart)"
+    never_fired_hint = "on the nnsight backend, enter editing() outside trace() (the trace body runs apart); "
 
     def __init__(self, lm: Any, remote: bool = False):
         if not isinstance(remote, bool):

@@ -24,11 +24,11 @@ from heads.engine.kernels.blocked import blocked_attention
 from heads.engine.kernels.common import check_kwargs
 from heads.engine.kernels.fused_layer import fused_layer_attention
 from heads.engine.sites import SITES
-from heads.engine.state import ACTIVE, KERNEL, LayerEdits, apply_head_edits
+from heads.engine.state import ACTIVE, KERNEL, OFFSETS, LayerEdits, apply_head_edits
 from heads.errors import HeadsteerValueError
 from heads.model.families import family_of
 
-__all__ = ["BASES", "check_fusable", "fusable", "registered_name", "use_fused"]
+__all__ = ["BASES", "check_fusable", "fusable", "read_only", "registered_name", "use_fused"]
 
 BASES = ("sdpa", "eager")
 
@@ -123,14 +123,26 @@ def _own_attention(module: nn.Module, base: str) -> Callable:
     return fn
 
 
+def read_only(edits: LayerEdits) -> bool:
+    """True when the layer's pattern edits only read the pattern (`ProbEdit.reads_only`, e.g.
+    `Recorder`) and no logit bias is active: the layer's output is then the model's own
+    attention, bitwise, in every dtype; the pattern is computed beside it for the readers."""
+    return not edits.get("logits") and all(getattr(e, "reads_only", False) for e in edits.get("probs"))
+
+
 def _make_attention(base: str):
     def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         edits = ACTIVE.get().get(id(module))
+        k_len, q_len = key.shape[2], query.shape[2]
+        # the call's first absolute position: the cached positions before it (recorded by the
+        # attention module's pre-hook); a static cache holds more key slots than positions
+        q_offset = OFFSETS.get().get(id(module), k_len - q_len) if edits is not None else k_len - q_len
+        if q_offset + q_len > k_len:  # a stale record (no hook ran for this call)
+            q_offset = k_len - q_len
         queries = edits.get("query") if edits is not None else []
         if queries:
-            b, h, q_len, _ = query.shape
-            k_len = key.shape[2]
-            call = AttentionCall(edits.layer, b, h, q_len, k_len, k_len - q_len, query.device)
+            b, h = query.shape[:2]
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, query.device)
             query = apply_head_edits(queries, query.transpose(1, 2), call).transpose(1, 2)
         want = bool(
             kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
@@ -146,9 +158,45 @@ def _make_attention(base: str):
             scaling = query.shape[-1] ** -0.5
         is_causal = kw.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        own = _own_attention(module, base)
+        kw_own = {k: v for k, v in kw.items() if k != "output_attentions"}
+
+        def own_out() -> torch.Tensor:
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)[
+                0
+            ]
+
+        if read_only(edits):  # the model's own output; the pattern beside it for the readers
+            out = own_out()
+            _, pattern = blocked_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling,
+                edits,
+                kw.get("softcap"),
+                causal,
+                want,
+                base == "eager",
+                sinks=kw.get("s_aux"),
+                q_offset=q_offset,
+                pattern_only=True,
+            )
+            return out, pattern
         if use_fused(edits, want, query):
             out = fused_layer_attention(
-                query, key, value, attention_mask, scaling, edits, kw.get("softcap"), causal, kw.get("s_aux")
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling,
+                edits,
+                kw.get("softcap"),
+                causal,
+                sinks=kw.get("s_aux"),
+                q_offset=q_offset,
             )
             return out, None
         return blocked_attention(
@@ -163,7 +211,9 @@ def _make_attention(base: str):
             causal,
             want,
             base == "eager",
-            kw.get("s_aux"),
+            sinks=kw.get("s_aux"),
+            q_offset=q_offset,
+            own=own_out,
         )
 
     return headsteer_attention

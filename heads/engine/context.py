@@ -87,6 +87,24 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             )
 
 
+def _refuse_repeats(edits: Sequence[Edit]) -> None:
+    """HeadsteerValueError for an edit object listed twice or already active in an outer
+    `editing` context: applying it twice would compose it with itself silently (a
+    `HeadScale(0.5)` would scale by 0.25). Equal but distinct objects are separate edits."""
+    seen: set[int] = set()
+    outer = {id(e) for slot in ACTIVE.get().values() for xs in slot.sites.values() for e in xs}
+    for e in edits:
+        if id(e) in seen:
+            raise HeadsteerValueError(
+                f"{e!r} is listed twice: each edit object applies once (build a second one to apply it twice)"
+            )
+        if id(e) in outer:
+            raise HeadsteerValueError(
+                f"{e!r} is already active in an outer editing() context: each edit object applies once"
+            )
+        seen.add(id(e))
+
+
 def _acquire(model: HeadModel, switch: bool, sites: Sequence[HookSpec]) -> None:
     with LOCK:
         if switch:
@@ -174,6 +192,8 @@ def editing(
             Also, from the forward pass, an attention edit on a sliding-window
             layer once a KV cache reaches the window, or a keyword the model passes to
             its attention function that the edited path does not reproduce.
+            The same edit object twice (listed twice, or already active in an outer
+            context).
         TypeError: an object that is not an edit; a `kernel` that is not a string.
         EditNeverFired: see `require_fired`.
     """
@@ -186,6 +206,7 @@ def editing(
         raise HeadsteerValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     model.backend.check()  # e.g. a TransformerLens bridge whose weights were processed after wrapping
     _validate(model, edits)
+    _refuse_repeats(edits)
     active = [e for e in edits if not e.is_identity()]
     if kernel == "fused":
         if model.backend.attention_via_hooks:
@@ -223,4 +244,8 @@ def editing(
     if require_fired:
         idle = [e for e, n in zip(active, fired_before, strict=True) if e.calls == n]
         if idle:
-            raise EditNeverFired(f"these edits never ran: {idle}{model.backend.never_fired_hint}")
+            hint = model.backend.never_fired_hint  # the likely cause first, then the (long) list
+            shown = ", ".join(map(repr, idle[:5])) + (
+                f", ... ({len(idle) - 5} more)" if len(idle) > 5 else ""
+            )
+            raise EditNeverFired(f"{hint}{len(idle)} edit(s) never ran: {shown}")

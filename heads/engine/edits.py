@@ -55,6 +55,8 @@ class AttentionCall:
     Key column `j` is absolute position `j` of the (left-padded) sequence, so a
     prompt of padded length P occupies columns `0..P-1` and generated tokens
     columns `>= P`. Query row `r` of the block is absolute position `q_offset + r`.
+    A static KV cache holds more key columns than positions: `k_len` may exceed
+    `q_offset + q_len`, the columns beyond are empty slots the mask hides.
     """
 
     layer: int
@@ -64,6 +66,7 @@ class AttentionCall:
     k_len: int  # key columns (all positions so far)
     q_offset: int  # absolute position of the block's first query row
     device: torch.device
+    split: bool = False  # the call's query rows were split into blocks; this is one of them
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -180,6 +183,10 @@ class ProbEdit(Edit):
     """Function of the post-softmax attention pattern. Subclasses implement `apply`."""
 
     site: ClassVar[str] = "probs"
+    reads_only: ClassVar[bool] = False
+    """True for an edit whose `apply` returns the pattern unchanged (it only reads it, e.g.
+    `Recorder`): a layer whose pattern edits all read only computes its output with the model's
+    own attention (bitwise the unedited model, in every dtype) and the pattern beside it."""
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""
@@ -195,6 +202,7 @@ class Recorder(ProbEdit):
     `records` in call order (one per attention call and query block).
     """
 
+    reads_only: ClassVar[bool] = True
     fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
     records: list = field(default_factory=list, init=False)
 

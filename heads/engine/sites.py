@@ -8,15 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-import torch
 from torch import nn
 
 from heads.engine.edits import (
     AttentionCall,
     Edit,
 )
-from heads.engine.state import ACTIVE, OFFSETS, apply_head_edits
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.engine.state import ACTIVE, OFFSETS, apply_head_edits, cast_result
+from heads.errors import HeadsteerTypeError
 
 if TYPE_CHECKING:
     from heads.model.adapter import HeadModel
@@ -88,16 +87,8 @@ def residual_hook(key: int, model: HeadModel, layer: int):
         for e in edits:
             e.calls += 1
             new = e.apply(x, call)
-            if new is not None:
-                ok = isinstance(new, torch.Tensor) and new.shape == x.shape
-                if not ok or new.dtype != x.dtype or new.device != x.device:
-                    is_t = isinstance(new, torch.Tensor)
-                    got = (tuple(new.shape), new.dtype) if is_t else type(new).__name__
-                    want = (tuple(x.shape), x.dtype, str(x.device))
-                    raise HeadsteerValueError(
-                        f"{e!r} returned {got}; a residual edit returns None or a {want} tensor"
-                    )
-                x = new
+            if new is not None:  # cast to the stream's dtype and device (a user's fp32 / CPU tensor)
+                x = cast_result(e, new, x)
         if positional:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": x}
@@ -176,7 +167,7 @@ def hf_hook_specs(model: HeadModel, active: Sequence[Edit]) -> list[HookSpec]:
         if site.hook is not None:
             reg = pre_register(site.with_kwargs)
             sites[(site.name, e.layer)] = (site.target(model, e.layer), site.name, e.layer, site.hook, reg)
-        if site.positions:
+        if site.positions or site.attention:  # attention edits see real positions (static caches)
             p = POSITIONS
             reg = pre_register(True)
             sites[(p.name, e.layer)] = (

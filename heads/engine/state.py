@@ -17,6 +17,7 @@ from heads.engine.edits import (
     HeadOutputEdit,
     QueryEdit,
 )
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
     "ACTIVE",
@@ -32,6 +33,7 @@ __all__ = [
     "LayerEdits",
     "active_edit_count",
     "apply_head_edits",
+    "cast_result",
 ]
 
 QUERY_BLOCK = 1024
@@ -93,15 +95,32 @@ def apply_head_edits(
     """Apply per-head edits to `z` `[B, T, H, d]` (each only on its (row, head) pairs).
 
     An edit that does not act on this call (`Edit.acts_on`, e.g. positions outside it) is
-    skipped and not counted as fired.
+    skipped and not counted as fired. What an edit returns is cast to `z`'s dtype and device
+    (a user's edit may add an fp32 or CPU tensor to a bf16 / GPU model).
+
+    Raises:
+        HeadsteerTypeError: an edit that returns something other than a tensor.
+        HeadsteerValueError: an edit whose result does not have `z`'s shape.
     """
     for e in edits:
         if not e.acts_on(call):
             continue
         e.calls += 1
         mask = e.head_mask(z.shape[0], z.shape[2], z.device)[:, None, :, None]
-        z = torch.where(mask, e.apply(z, call), z)
+        z = torch.where(mask, cast_result(e, e.apply(z, call), z), z)
     return z
+
+
+def cast_result(edit: Edit, new: object, like: torch.Tensor) -> torch.Tensor:
+    """`new` (what `edit` returned for `like`) in `like`'s dtype and device and with its shape."""
+    if not isinstance(new, torch.Tensor):
+        raise HeadsteerTypeError(f"{edit!r} returned {type(new).__name__}, not a torch.Tensor")
+    if new.shape != like.shape:
+        raise HeadsteerValueError(
+            f"{edit!r} returned shape {tuple(new.shape)}; it must return the shape it was given, "
+            f"{tuple(like.shape)}"
+        )
+    return new.to(device=like.device, dtype=like.dtype)
 
 
 def active_edit_count() -> int:

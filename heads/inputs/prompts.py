@@ -306,8 +306,9 @@ def encode_prompts(
         EncodedPrompts with spans in padded coordinates.
 
     Raises:
-        ValueError: empty prompt, span not found, unbalanced markup, or a chat
-            without a chat template.
+        ValueError: empty prompt, span not found, unbalanced markup, a chat
+            without a chat template, or a span with a slow (Python) tokenizer (spans
+            need the character offsets only fast tokenizers give).
     """
     if not _is_tokenizer(tokenizer):
         raise HeadsteerTypeError(
@@ -326,7 +327,14 @@ def encode_prompts(
     for prompt, extra in zip(items, rows, strict=True):
         text, cspans, regions = render_prompt(tokenizer, prompt, chat, markup)
         cspans = cspans + [find_span(text, s, regions) for s in extra]
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=not chat)
+        fast = bool(getattr(tokenizer, "is_fast", True))
+        if cspans and not fast:  # only a fast (Rust) tokenizer returns character offsets
+            raise HeadsteerValueError(
+                f"locating spans needs a fast tokenizer (character offsets); "
+                f"{type(tokenizer).__name__} is a slow Python tokenizer: load it with "
+                "AutoTokenizer.from_pretrained(..., use_fast=True) or pass no span"
+            )
+        enc = tokenizer(text, return_offsets_mapping=fast, add_special_tokens=not chat)
         skip = [t in special for t in enc["input_ids"]]
         ids.append(list(enc["input_ids"]))
         spans.append([char_to_token_range(enc["offset_mapping"], c, skip) for c in cspans])

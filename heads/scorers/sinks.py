@@ -168,7 +168,17 @@ def sink_stats(
     out = {k: torch.zeros(model.n_layers, model.n_heads) for k in ("sink", "first", "n")}
     records = []
 
+    n_rows_all = enc.input_ids.shape[1]
+    blocks: dict[int, list[torch.Tensor]] = {}
+
     def summarise(probs, call):
+        # the engine hands the prefill over in query blocks (heads.engine.state.QUERY_BLOCK):
+        # gather a layer's blocks and summarise once its last row has arrived
+        parts = blocks.setdefault(call.layer, [])
+        parts.append(probs.detach().float().clone())
+        if call.q_offset + call.q_len < n_rows_all:
+            return None
+        probs = torch.cat(blocks.pop(call.layer), dim=2)
         a, n = column_scores(probs, real)
         s = find_sinks(a, n, real, rule)
         n_rows = real.sum(-1)[:, None].float()
@@ -181,7 +191,7 @@ def sink_stats(
         forward(model, enc)
     tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
     for la, rec in enumerate(recs):
-        sink, fm, ns, a, s = rec.records[0]
+        sink, fm, ns, a, s = next(r for r in rec.records if r is not None)
         out["sink"][la], out["first"][la], out["n"][la] = sink, fm, ns
         for b, h, j in torch.nonzero(s).tolist():
             records.append((b, la, h, j - int(first[b]), tokens[b][j], float(a[b, h, j])))

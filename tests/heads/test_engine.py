@@ -293,7 +293,7 @@ def test_residual_edit_replacing_the_input_equals_a_fed_residual(tiny_llama, enc
         def apply(self, x, call):
             return x[:, :1]
 
-    with pytest.raises(ValueError, match="residual edit returns None or"):
+    with pytest.raises(ValueError, match="must return the shape it was given"):
         with editing(tiny_llama, [Bad(layer=0)]):
             forward(tiny_llama, enc)
 

@@ -334,9 +334,15 @@ class Run:
 
         shown = (0, state["total"])  # the (done, total) last printed: a repeated final step prints once
 
+        # (done, time) at the first step: it often holds a one-off cost (a prefill, a compile),
+        # so the ETA is estimated from the steps after it
+        first: tuple[int, float] | None = None
+
         def step(done: int, total: int) -> None:
-            nonlocal last, shown
+            nonlocal last, shown, first
             state["done"], state["total"] = int(done), max(int(total), 1)
+            if first is None and state["done"] > 0:
+                first = (state["done"], time.monotonic())
             if bar is not None:
                 bar.update(task, completed=state["done"], total=state["total"])
             elif (
@@ -347,8 +353,10 @@ class Run:
                 last = time.monotonic()
                 shown = (state["done"], state["total"])
                 elapsed = last - t0
-                frac = state["done"] / state["total"]
-                eta = f", ETA {elapsed * (1 - frac) / frac:.0f} s" if frac > 0 else ""
+                eta = ""
+                if first is not None and state["done"] > first[0]:  # the rate after the first step
+                    rate = (last - first[1]) / (state["done"] - first[0])
+                    eta = f", ETA {rate * (state['total'] - state['done']):.0f} s"
                 err.print(
                     escape(f"{state['label']}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
                     highlight=False,

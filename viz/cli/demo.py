@@ -71,7 +71,9 @@ def run_demo(
     with status("scoring heads and generating…") if progress is None else contextlib.nullcontext():
         heads = choose_heads(model, DEMO_PROMPT, "span", DEFAULT_TOP_K)
         res = compare(model, DEMO_PROMPT, heads, alpha=0.01, max_new_tokens=max_new_tokens, progress=progress)
-    table = Table(show_lines=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (top span attention)")
+    table = Table(
+        show_lines=True, expand=True, title=f"PASTA alpha=0.01 on {len(heads)} heads (top span attention)"
+    )
     table.add_column("baseline", ratio=1)
     table.add_column("PASTA-steered", ratio=1)
     table.add_row(escape(res.baseline), escape(res.steered))

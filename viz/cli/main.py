@@ -167,7 +167,7 @@ def generate(
             emphasize=emphasize,
             progress=step,
         )
-    table = Table(show_lines=True)
+    table = Table(show_lines=True, expand=True)  # ratio=1 columns: equal widths
     table.add_column("baseline", ratio=1)
     table.add_column(f"PASTA (alpha={alpha}, {len(heads)} heads)", ratio=1)
     table.add_row(escape(res.baseline), escape(res.steered))

@@ -142,7 +142,7 @@ def steered_pair(
         steered = sm.generate(
             [prompt], method, images=images, max_new_tokens=n, progress=offset_progress(step, n, 2 * n)
         )
-    table = Table(show_lines=True)
+    table = Table(show_lines=True, expand=True)  # ratio=1 columns: equal widths
     table.add_column("baseline", ratio=1)
     table.add_column(f"{kind.upper()}", ratio=1)
     table.add_row(escape(base.text), escape(steered.text))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -14,7 +15,14 @@ from heads.engine.edits import (
     LogitBias,
     ProbEdit,
 )
-from heads.engine.kernels.common import additive_mask, causal_additive, check_window, mask_in_dtype
+from heads.engine.kernels.common import (
+    additive_mask,
+    causal_additive,
+    check_window,
+    checked_bias,
+    checked_probs,
+    mask_in_dtype,
+)
 from heads.engine.state import MIN_LOGIT, LayerEdits
 
 __all__ = ["blocked_attention"]
@@ -44,7 +52,10 @@ def blocked_attention(
     want_probs: bool = False,
     eager: bool = False,
     sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q_offset: int | None = None,
+    pattern_only: bool = False,
+    own: Callable[[], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The family's attention with the layer's logit and pattern edits.
 
     Returns `([B, Q, H, d]` output, the edited pattern `[B, H, Q, K]` in the value dtype if
@@ -63,6 +74,22 @@ def blocked_attention(
         sinks: learned attention sinks `[H]` (gpt-oss `s_aux`) or None: one extra logit per
             head joins each row's softmax and is dropped after it, so a row's probabilities
             sum to less than 1 (Xiao et al. 2024, "attention sinks"; OpenAI gpt-oss).
+        q_offset: absolute position of the first query row (the cached positions before the
+            call); None means `K - Q` (a dynamic cache). A static cache holds more key slots
+            than positions, so the engine passes the real offset.
+        own: the model's own attention output `[B, Q, H, d]` (a thunk): returned instead when
+            no logit bias is active and every pattern edit returned its input unchanged (e.g.
+            SpotLight with every row above its target), so such a call is bitwise the model's.
+        pattern_only: compute the pattern and run the probs edits (read-only ones: the caller
+            takes the output from the model's own attention), return `(None, pattern or None)`.
+
+    Precision (bf16 / fp16): the explicit path follows the model's own order of operations.
+    With `eager`, as transformers' `eager_attention_forward`: logits `q k^T * scaling` in the
+    model's dtype (soft-capped in that dtype), the mask and any logit bias added in that dtype,
+    softmax in fp32, the pattern rounded to the model's dtype before it multiplies the values.
+    Otherwise as SDPA's kernels on bf16 / fp16 inputs: logits, softmax and the value product in
+    fp32, the output rounded once. Pattern edits always see (and return) fp32 probabilities;
+    logit biases are fp32 tensors. In fp32 both orders are the fp32 computation.
     """
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -77,29 +104,37 @@ def blocked_attention(
     for e in (*biases, *probs_edits):
         e.calls += 1
     # SDPA cannot soft-cap or expose the pattern
-    explicit = bool(probs_edits) or softcap is not None or want_probs or eager or sinks is not None
+    explicit = (
+        bool(probs_edits) or softcap is not None or want_probs or eager or pattern_only or sinks is not None
+    )
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     # A single decode row with no padding mask sees every key: no base mask needed.
+    offset = k_len - q_len if q_offset is None else q_offset
     base = (
-        None if (mask is None and (q_len == 1 or not causal)) else additive_mask(mask, q_len, k_len, device)
+        None
+        if (mask is None and (q_len == 1 or not causal))
+        else additive_mask(mask, q_len, k_len, device, causal, offset)
     )
+    low = query.dtype != torch.float32
+    dtype = query.dtype
     outs, patterns = [], []
+    same = not biases  # every pattern edit returned its input itself (changed nothing)
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
     for s in range(0, q_len, block):
         e_ = min(q_len, s + block)
-        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, k_len - q_len + s, device)
+        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
         add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
         for ed in biases:
-            b = torch.where(head_masks[id(ed)], ed.bias(call).float(), 0.0)
+            b = torch.where(head_masks[id(ed)], checked_bias(ed, call), 0.0)
             add = b if add is None else add + b
         # every key visible (one decode row or a non-causal layer, no mask, no bias): the explicit
         # path needs no mask (adding zeros and masking nothing would change no bit)
         open_row = add is None and explicit and (q_len == 1 or not causal)
         if add is None and not open_row:
             if causal:
-                add = causal_additive(e_ - s, k_len, k_len - q_len + s, device)
+                add = causal_additive(e_ - s, k_len, offset + s, device)
             else:
                 add = torch.zeros(1, 1, e_ - s, k_len, device=device)
         elif add is not None:
@@ -118,23 +153,39 @@ def blocked_attention(
                 )
             )
             continue
-        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
-        if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
-            scores = torch.tanh(scores / softcap) * softcap
+        if eager and low:  # the model's dtype, as eager_attention_forward
+            scores = torch.matmul(q_blk, key.transpose(-1, -2)) * scaling
+            if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
+                scores = torch.tanh(scores / softcap) * softcap
+            if add is not None:
+                scores = scores + mask_in_dtype(add, dtype)
+            probs = _softmax(scores.float(), sinks)
+        else:
+            scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = _softmax(scores if add is None else scores + add, sinks)
         visible: torch.Tensor | None = None
         if add is not None:
             visible = (add > MIN_LOGIT / 2).expand_as(scores)
-            scores = scores + add
-        probs = _softmax(scores, sinks)
-        if visible is not None:
             probs = torch.where(visible, probs, 0.0)  # fully masked rows: 0
         for pe in probs_edits:
-            probs = torch.where(head_masks[id(pe)], pe.apply(probs, call), probs)
+            new = pe.apply(probs, call)
+            same = same and new is probs
+            probs = torch.where(head_masks[id(pe)], checked_probs(pe, new, probs), probs)
             if visible is not None:
                 probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0
-        outs.append(torch.matmul(probs.to(value.dtype), value))
         if want_probs:
             patterns.append(probs.to(value.dtype))
+        if pattern_only:
+            continue
+        if low and not eager:  # SDPA's kernels: the value product in fp32, rounded once
+            outs.append(torch.matmul(probs, value.float()).to(value.dtype))
+        else:
+            outs.append(torch.matmul(probs.to(value.dtype), value))
+    if pattern_only or (same and own is not None):  # nothing changed: the model's own output
+        pattern = torch.cat(patterns, dim=2) if want_probs else None
+        return (None if pattern_only else own()), pattern
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     pattern = torch.cat(patterns, dim=2) if want_probs else None
     return out.transpose(1, 2).contiguous(), pattern

@@ -6,10 +6,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from heads.engine.edits import AttentionCall, Edit
 from heads.engine.state import MIN_LOGIT, LayerEdits
-from heads.errors import HeadsteerValueError
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["additive_mask", "causal_additive", "check_kwargs", "check_window", "mask_in_dtype", "own_sdpa"]
+__all__ = [
+    "additive_mask",
+    "causal_additive",
+    "check_kwargs",
+    "check_window",
+    "checked_bias",
+    "checked_probs",
+    "mask_in_dtype",
+    "own_sdpa",
+]
+
+
+def checked_bias(edit: Edit, call: AttentionCall) -> torch.Tensor:
+    """`edit.bias(call)` as an fp32 tensor on the call's device (a user's bias may be built in
+    another dtype or on the CPU); HeadsteerTypeError for anything that is not a tensor."""
+    b = edit.bias(call)  # type: ignore[attr-defined]
+    if not isinstance(b, torch.Tensor):
+        raise HeadsteerTypeError(f"{edit!r}.bias returned {type(b).__name__}, not a torch.Tensor")
+    return b.to(device=call.device, dtype=torch.float32)
+
+
+def checked_probs(edit: Edit, new: object, probs: torch.Tensor) -> torch.Tensor:
+    """A pattern edit's result as fp32 on the pattern's device, with the pattern's shape
+    (HeadsteerTypeError / HeadsteerValueError naming the edit otherwise)."""
+    if not isinstance(new, torch.Tensor):
+        raise HeadsteerTypeError(f"{edit!r}.apply returned {type(new).__name__}, not a torch.Tensor")
+    if new.shape != probs.shape:
+        raise HeadsteerValueError(
+            f"{edit!r}.apply returned shape {tuple(new.shape)}; a pattern edit returns the pattern's "
+            f"shape {tuple(probs.shape)}"
+        )
+    return new.to(device=probs.device, dtype=torch.float32)
 
 
 def causal_additive(q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
@@ -20,17 +52,22 @@ def causal_additive(q_len: int, k_len: int, q_offset: int, device: torch.device)
 
 
 def additive_mask(
-    mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device, causal: bool = True
+    mask: torch.Tensor | None,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    causal: bool = True,
+    q_offset: int | None = None,
 ) -> torch.Tensor:
     """The model's mask as an fp32 additive mask `[B or 1, 1, q_len, k_len]`.
 
     `mask=None` means "every key" for a non-causal module and "causal" otherwise (as SDPA's
-    `is_causal` does).
+    `is_causal` does), the first query row at absolute position `q_offset` (None: `k_len - q_len`).
     """
     if mask is None:
         if not causal:
             return torch.zeros(1, 1, q_len, k_len, device=device)
-        return causal_additive(q_len, k_len, k_len - q_len, device)
+        return causal_additive(q_len, k_len, k_len - q_len if q_offset is None else q_offset, device)
     if mask.dtype == torch.bool:
         return torch.where(mask, 0.0, MIN_LOGIT).to(device)
     return mask.float().clamp(min=MIN_LOGIT)

@@ -228,6 +228,7 @@ def fused_attention(
     beta: torch.Tensor | None = None,
     span: torch.Tensor | None = None,
     softcap: float | None = None,
+    q_offset: int | None = None,
 ) -> torch.Tensor:
     """`[B, H, Q, d_v]` attention output of the fused kernel (see the module docstring).
 
@@ -240,6 +241,8 @@ def fused_attention(
         beta: fp32 `[B or 1, H or 1, Q]` per-row span bias and `span` fp32 `[B or 1, K]`
             (1.0 on span columns), or None.
         softcap: `c` of `c * tanh(s / c)` applied to the scaled logits, or None.
+        q_offset: absolute position of the first query row for a causal None mask (None:
+            `K - Q`; a static KV cache holds more key slots than positions).
 
     Rows with no visible key give 0.
     """
@@ -256,7 +259,7 @@ def fused_attention(
         beta_t[..., :q_real] = beta
         span_t[..., :k_real] = span
     if mask is None:
-        offset = k_real - q_real if causal else k_real
+        offset = (k_real - q_real if q_offset is None else q_offset) if causal else k_real
         blocks = _causal_blocks(q_len, k_len, offset, k_real, device)
         dense = None
     else:

@@ -12,7 +12,7 @@ from heads.engine.edits import (
     SpanShareEdit,
 )
 from heads.engine.kernels import fused as _fused
-from heads.engine.kernels.common import check_window, own_sdpa
+from heads.engine.kernels.common import check_window, checked_bias, own_sdpa
 from heads.engine.state import MIN_LOGIT, LayerEdits
 from heads.errors import HeadsteerValueError
 
@@ -29,6 +29,7 @@ def fused_layer_attention(
     softcap: float | None = None,
     causal: bool = True,
     sinks: torch.Tensor | None = None,
+    q_offset: int | None = None,
 ) -> torch.Tensor:
     """`blocked_attention` on the fused kernel (`heads.engine.kernels.fused`): `[B, Q, H, d]` output.
 
@@ -51,7 +52,8 @@ def fused_layer_attention(
     groups = n_heads // key.shape[1]
     device = query.device
     check_window(edits, q_len, k_len)
-    call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, k_len - q_len, device)
+    offset = k_len - q_len if q_offset is None else q_offset
+    call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, offset, device)
     biases = cast("list[LogitBias]", edits.get("logits"))
     spans = cast("list[SpanShareEdit]", edits.get("probs"))
     touched = {h for ed in (*biases, *spans) for h in ed.head_list(n_heads)}
@@ -68,7 +70,7 @@ def fused_layer_attention(
     bias = None
     for ed in biases:
         ed.calls += 1
-        b = ed.bias(call).float()
+        b = checked_bias(ed, call)
         if b.dim() != 4 or b.shape[-2] != 1:
             raise HeadsteerValueError(
                 f"{ed!r} declares per_column but its bias has shape {tuple(b.shape)}, not [B|1, H|1, 1, K]"
@@ -82,7 +84,7 @@ def fused_layer_attention(
         bool_mask = mask
     if sinks is not None:  # every head runs fused here (split is False)
         q_e, k_e, v_e, bool_mask, bias = _sink_column(q_e, k_e, v_e, bool_mask, bias, sinks, causal)
-    kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap)
+    kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap, q_offset=offset)
     beta = span = None
     for se in spans:
         se.calls += 1
