@@ -21,7 +21,22 @@ from pathlib import Path
 
 from heads.errors import HeadsteerValueError
 
-__all__ = ["check_output", "write_bytes", "write_text"]
+__all__ = ["check_output", "is_file", "short_path", "write_bytes", "write_text"]
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    """`Path(path).is_file()` that answers False instead of raising for a name the file system
+    cannot hold (too long, a NUL byte)."""
+    try:
+        return Path(path).expanduser().is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def short_path(path: str | os.PathLike, limit: int = 80) -> str:
+    """`repr` of `str(path)` cut to about `limit` characters, for one-line messages."""
+    text = str(path)
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
