@@ -161,7 +161,7 @@ def parse_steer(spec) -> list[Intervention]:
         method = item["method"]
         if not isinstance(method, str) or method not in _METHODS:
             raise HeadsteerValueError(
-                f"steer[{i}].method must be one of {sorted(_METHODS)}, got {_short(method)}"
+                f"steer[{i}].method: unknown method {_short(method)}, use one of {sorted(_METHODS)}"
             )
         extra = set(item) - {"method", *_METHODS[method]}
         if extra:

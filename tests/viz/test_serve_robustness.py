@@ -303,7 +303,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(srv):
         (_chat(steer=[{"method": "pasta", "heads": {"1" * 5000: [0]}}]), "5000 digits"),
         (_chat(steer=[{"method": "pasta", "heads": {"1": [0]}, "alpha": 10**400}]), "alpha"),
         (_chat("bad \ud800 text"), "lone surrogate"),
-        (_chat(steer=[{"method": "spotlight", "layers": [10**30]}]), "layer"),
+        (_chat("the **key**", steer=[{"method": "spotlight", "layers": [10**30]}]), "layer"),
     ],
 )
 def test_bad_values_get_400_naming_the_field(srv, body, needle):
