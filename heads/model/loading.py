@@ -309,10 +309,12 @@ def check_no_remote_code(folder: str | os.PathLike) -> None:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise HeadsteerValueError(
-                f"cannot read the model: {str(f)!r} is not valid JSON ({first})"
+                f"cannot read the model in {str(folder)!r}: {name} is not valid JSON ({first})"
             ) from None
         if not isinstance(data, dict):
-            raise HeadsteerValueError(f"cannot read the model: {str(f)!r} is not a JSON object")
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(folder)!r}: {name} is not a JSON object"
+            )
         for key in _CODE_KEYS:
             if data.get(key):
                 what = ", ".join(sorted(map(str, data[key])))[:120] if isinstance(data[key], dict) else "code"
