@@ -11,6 +11,12 @@ alphas, SpotLight and head ablation) twice with the official `openai` client:
 Prints one JSON line: `requests`, `answered` (HTTP 200 with a choice), `crossed` (answers
 that differ from the same request run alone), `batched_over_sequential` (time of 1 over
 time of 2; goal >= 2 on a 2-core CPU), the two wall times and the batch sizes the server ran.
+
+3. (unless `--memory-requests 0`) peak memory: `--memory-requests` concurrent long prompts
+   (`--memory-prompt-tokens` each, one emphasized span, 2 new tokens) unsteered, then the same
+   batch with PASTA (shipped profile): `peak_rss_mb_unsteered`, `peak_rss_mb_steered` (process
+   RSS sampled every 5 ms during each batch) and `rss_steered_over_unsteered` (goal <= 1.2: a
+   per-row edit costs what a per-call one costs).
 """
 
 from __future__ import annotations
@@ -51,10 +57,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_during(fn) -> tuple[float, object]:
+    """Run `fn()`; the highest RSS (MiB) sampled every 5 ms meanwhile, and its result."""
+    peak = [_rss_mb()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        out = fn()
+    finally:
+        stop.set()
+        t.join()
+    return peak[0], out
+
+
+def _memory_phase(client, hm, args) -> dict:
+    """Peak RSS of one batch of long prompts, unsteered then PASTA-steered (see the module doc)."""
+    filler = "The archive lists many routine entries about weather, trains and markets. "
+    per = len(hm.tokenizer(filler)["input_ids"])
+    reps = max(1, args.memory_prompt_tokens // per)
+    prompts = [
+        f"Entry {i}. " + filler * reps + f"The code word is **amber {i}**. What is the code word?"
+        for i in range(args.memory_requests)
+    ]
+
+    def batch(steer):
+        def one(prompt):
+            r = client.chat.completions.create(
+                model=hm.name,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=2,
+                temperature=0,
+                extra_body={} if steer is None else {"steer": steer},
+            )
+            return r.usage.prompt_tokens
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+    base, tokens = _peak_during(lambda: batch(None))
+    steered, _ = _peak_during(lambda: batch([{"method": "pasta", "heads": "auto", "alpha": 0.01}]))
+    return {
+        "memory_requests": len(prompts),
+        "memory_prompt_tokens": max(tokens),
+        "peak_rss_mb_unsteered": round(base),
+        "peak_rss_mb_steered": round(steered),
+        "rss_steered_over_unsteered": round(steered / base, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--memory-requests", type=int, default=8)
+    ap.add_argument("--memory-prompt-tokens", type=int, default=2000)
     args = ap.parse_args()
 
     import openai
@@ -101,6 +169,7 @@ def main() -> None:
         together = list(pool.map(ask, jobs))
     t_batch = time.perf_counter() - t0
     batches = app.state.batcher.batches[batches_before:]
+    memory = _memory_phase(client, hm, args) if args.memory_requests > 0 else {}
     server.should_exit = True
     thread.join(60)
 
@@ -121,6 +190,7 @@ def main() -> None:
                 "batch_sizes": batches,
                 "max_tokens": args.max_tokens,
                 "errors": errors[:3],
+                **memory,
             }
         )
     )

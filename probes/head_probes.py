@@ -32,9 +32,11 @@ Probe data for the shipped sets (`probe_data`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -172,7 +174,10 @@ def collect_head_outputs(
         max_bytes: above `N*L*H*d*4` bytes of this (default 1 GiB) the result streams into a
             float32 `numpy.memmap` on disk; the returned tensor shares its memory.
         path: file for the memmap (default: an anonymous temporary file, deleted once the
-            tensor is freed). Refused if it exists unless `overwrite`.
+            tensor is freed). Refused if it exists unless `overwrite`. The data goes to a
+            temporary file beside it (blocks reserved up front), renamed over `path` only when
+            every batch is written: an interrupted or failed run leaves `path` (and a previous
+            file there) untouched.
         overwrite: allow replacing `path`.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads._util.progress`), in prompts: `total` is N.
@@ -183,7 +188,8 @@ def collect_head_outputs(
 
     Raises:
         ValueError: no prompts, a bad `batch_size`/`max_bytes`/`position`, an empty prompt, a
-            prompt without a span for `"span"`, or an existing `path` without `overwrite`.
+            prompt without a span for `"span"`, an existing `path` without `overwrite`, a folder
+            that cannot be written, or not enough free space for `N*L*H*d*4` bytes.
 
     Source: ITI (Li et al. 2023) §3.1 probes each head's output at the answer's last token.
     """
@@ -211,26 +217,71 @@ def collect_head_outputs(
         emph_rows = list(emphasize)
     shape = (n, model.n_layers, model.n_heads, model.d_head)
     nbytes = 4 * math.prod(shape)
-    if path is not None:
-        target = check_output(path, overwrite=overwrite)
+    target = check_output(path, overwrite=overwrite) if path is not None else None
+    tmp: str | None = None
     if nbytes > max_bytes or path is not None:
-        if path is None:
-            fd, name = tempfile.mkstemp(prefix="headsteer-acts-", suffix=".f32")
+        folder = str(target.parent) if target is not None else tempfile.gettempdir()
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        _check_space(folder, nbytes)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{target.name}." if target is not None else "headsteer-acts-", suffix=".tmp", dir=folder
+        )
+        try:
+            _reserve(fd, nbytes, folder)
             os.close(fd)
-            arr = np.memmap(name, dtype=np.float32, mode="w+", shape=shape)
-            os.unlink(name)  # the mapping keeps the data; the file goes when the tensor is freed
-        else:
-            arr = np.memmap(target, dtype=np.float32, mode="w+", shape=shape)
+            arr = np.memmap(tmp, dtype=np.float32, mode="r+", shape=shape)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            os.unlink(tmp)
+            raise
+        if target is None:
+            os.unlink(tmp)  # the mapping keeps the data; the file goes when the tensor is freed
+            tmp = None
         out = torch.from_numpy(arr)
     else:
         arr = None
         out = torch.empty(shape, dtype=torch.float32)
     order = sorted(range(n), key=lambda i: len(str(prompts[i])))
-    with progress_callback(progress, "head outputs", "prompts") as report:
-        _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report)
-    if arr is not None:
-        arr.flush()
+    try:
+        with progress_callback(progress, "head outputs", "prompts") as report:
+            _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report)
+        if arr is not None:
+            arr.flush()
+        if tmp is not None and target is not None:
+            check_output(target, overwrite=overwrite)  # still ours to replace (no symlink appeared)
+            os.replace(tmp, target)  # only now is a previous file replaced
+            tmp = None
+    finally:
+        if tmp is not None:  # interrupted or failed: the user's path is untouched
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return out
+
+
+def _check_space(folder: str, nbytes: int) -> None:
+    """ValueError when `folder`'s file system has less than `nbytes` free (checked up front)."""
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise HeadsteerValueError(
+            f"the activations need {nbytes / 2**20:.1f} MiB but {folder} has {free / 2**20:.1f} MiB free: "
+            "free space, pass another path=, or fewer prompts"
+        )
+
+
+def _reserve(fd: int, nbytes: int, folder: str) -> None:
+    """Allocate the file's blocks now, so writing through the memmap can never fault (SIGBUS) on
+    a full disk; a failure is a `ValueError` naming the folder."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # pragma: no cover - macOS / Windows: sparse, but sized
+            os.ftruncate(fd, nbytes)
+    except OSError as exc:
+        raise HeadsteerValueError(
+            f"cannot reserve {nbytes / 2**20:.1f} MiB for the activations in {folder}: {exc.strerror or exc}"
+        ) from None
 
 
 def _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report) -> None:

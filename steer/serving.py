@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from heads.engine.context import editing
-from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
+from heads.engine.edits import (
+    AttentionCall,
+    Edit,
+    HeadOutputEdit,
+    LogitBias,
+    ProbEdit,
+    QueryEdit,
+    SpanShareEdit,
+)
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
 from heads.model.adapter import HeadModel
@@ -47,6 +55,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Batcher",
     "BatchGenerator",
+    "Job",
+    "RequestCancelled",
     "Completion",
     "Prepared",
     "SamplingParams",
@@ -58,6 +68,12 @@ MAX_TOKENS_DEFAULT = 128
 """`max_tokens` when a request gives none."""
 MAX_STOP = 4
 """Most stop strings per request (as the OpenAI API)."""
+MAX_STOP_CHARS = 256
+"""Longest stop string."""
+MAX_STEER = 16
+"""Most interventions in one request's `"steer"` list."""
+MAX_SEED = 2**63 - 1
+"""Largest `seed` (a torch generator seed is a signed 64-bit integer)."""
 AUTO_SPAN_TOP_K = 20
 """Heads chosen by `"heads": "auto"` on a model without a shipped profile (span heuristic)."""
 
@@ -83,14 +99,35 @@ def _heads_spec(value, method: str):
         return [tuple(p) for p in value]
     raise HeadsteerValueError(
         f'steer {method}: heads must be "auto", a {{"layer": [heads]}} object or a list of '
-        f"[layer, head] pairs, got {value!r}"
+        f"[layer, head] pairs, got {_short(value)}"
     )
 
 
 def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HeadsteerValueError(f"{name} must be a finite number, got {_short(value)}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond float range
+        raise HeadsteerValueError(
+            f"{name} must be a finite number, got an integer of {_digits(value)} digits"
+        ) from None
+    if not math.isfinite(out):
         raise HeadsteerValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    return out
+
+
+def _digits(value: int) -> str:
+    """How many decimal digits `value` has, without `str()` (which refuses over 4300 digits)."""
+    return f"about {int(abs(value).bit_length() * 0.30103) + 1}"
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters (a huge value must not flood the error line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of {_digits(value)} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_steer(spec) -> list[Intervention]:
@@ -118,17 +155,22 @@ def parse_steer(spec) -> list[Intervention]:
     if spec is None:
         return []
     if not isinstance(spec, list):
-        raise HeadsteerValueError(f"steer must be a list of {{'method': ...}} objects, got {spec!r}")
+        raise HeadsteerValueError(f"steer must be a list of {{'method': ...}} objects, got {_short(spec)}")
+    if len(spec) > MAX_STEER:
+        raise HeadsteerValueError(f"steer has {len(spec)} items, more than the limit of {MAX_STEER}")
     out: list[Intervention] = []
     for i, item in enumerate(spec):
         if not isinstance(item, Mapping) or "method" not in item:
-            raise HeadsteerValueError(f"steer[{i}] must be an object with a 'method', got {item!r}")
+            raise HeadsteerValueError(f"steer[{i}] must be an object with a 'method', got {_short(item)}")
         method = item["method"]
-        if method not in _METHODS:
-            raise HeadsteerValueError(f"steer[{i}]: unknown method {method!r}, use one of {sorted(_METHODS)}")
+        if not isinstance(method, str) or method not in _METHODS:
+            raise HeadsteerValueError(
+                f"steer[{i}].method: unknown method {_short(method)}, use one of {sorted(_METHODS)}"
+            )
         extra = set(item) - {"method", *_METHODS[method]}
         if extra:
-            raise HeadsteerValueError(f"steer[{i}] ({method}): unknown field(s) {sorted(extra)}")
+            names = sorted(_short(x) for x in extra)
+            raise HeadsteerValueError(f"steer[{i}] ({method}): unknown field(s) {names}")
         try:
             with warnings.catch_warnings():  # a steering request that changes nothing is a bad request
                 warnings.simplefilter("error", NoOpWarning)
@@ -205,7 +247,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         m = self.max_tokens
         if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
-            raise HeadsteerValueError(f"max_tokens must be a positive integer, got {m!r}")
+            raise HeadsteerValueError(f"max_tokens must be a positive integer, got {_short(m)}")
         t = _number(self.temperature, "temperature")
         if not 0 <= t <= 2:
             raise HeadsteerValueError(f"temperature must be in [0, 2], got {t!r}")
@@ -213,11 +255,16 @@ class SamplingParams:
         if not 0 < p <= 1:
             raise HeadsteerValueError(f"top_p must be in (0, 1], got {p!r}")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0):
-            raise HeadsteerValueError(f"seed must be a non-negative integer, got {s!r}")
-        if len(self.stop) > MAX_STOP or any(not isinstance(x, str) or not x for x in self.stop):
+        if s is not None and (
+            isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= MAX_SEED
+        ):
+            raise HeadsteerValueError(f"seed must be an integer in [0, 2**63 - 1], got {_short(s)}")
+        if len(self.stop) > MAX_STOP or any(
+            not isinstance(x, str) or not x or len(x) > MAX_STOP_CHARS for x in self.stop
+        ):
             raise HeadsteerValueError(
-                f"stop must be up to {MAX_STOP} non-empty strings, got {list(self.stop)!r}"
+                f"stop must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} "
+                f"characters, got {_short(list(self.stop))}"
             )
 
     @classmethod
@@ -228,16 +275,18 @@ class SamplingParams:
             ValueError: a bad value (named), or `n` other than 1.
         """
         if body.get("n", 1) != 1:
-            raise HeadsteerValueError(f"n must be 1, got {body.get('n')!r}")
+            raise HeadsteerValueError(f"n must be 1, got {_short(body.get('n'))}")
         stop = body.get("stop")
         if stop is None:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
         elif isinstance(stop, list):
+            if len(stop) > MAX_STOP:
+                raise HeadsteerValueError(f"stop has {len(stop)} strings, more than the limit of {MAX_STOP}")
             stop = tuple(stop)
         else:
-            raise HeadsteerValueError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise HeadsteerValueError(f"stop must be a string or a list of strings, got {_short(stop)}")
         mt = body.get(max_tokens_key)
         if mt is None:
             mt = body.get("max_completion_tokens")
@@ -298,11 +347,13 @@ class Prepared:
         request: the request.
         enc: its prompt encoded alone, `[1, P]`.
         steer: its interventions with `"auto"` heads resolved.
+        seed: the seed drawn for a request without one (so a rerun draws the same tokens).
     """
 
     request: ServeRequest
     enc: EncodedPrompts
     steer: list
+    seed: int | None = None
 
 
 def _pad_to(enc: EncodedPrompts, width: int, pad_id: int) -> EncodedPrompts:
@@ -343,13 +394,69 @@ class _RowEdits:
 
 @dataclass(eq=False, repr=False)
 class _RowBias(_RowEdits, LogitBias):
+    """Every row's logit bias of one layer as one tensor that broadcasts like a per-call bias.
+
+    When each row has at most one member and every member's bias is shared by its heads
+    (PASTA: `[1, 1, 1, K]`), the bias is `[B, 1, 1, K]` and `row_heads` (`[B, H]`, each row's
+    own heads) restricts it, so a batch costs what one per-call edit costs; otherwise
+    `[B, H, 1|Q, K]` (members combined per head). `per_column` when every member is.
+    """
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
+        for b, e in self.members:
+            mask[b] |= e.head_mask(1, n_heads, device)[0]
+        return mask
+
     def bias(self, call: AttentionCall) -> torch.Tensor:
-        out = torch.zeros(call.batch, call.n_heads, call.q_len, call.k_len, device=call.device)
+        sub_call = _row_call(call)
+        parts = [(b, e, e.bias(sub_call).float()) for b, e in self.members]
+        q = max(p.shape[2] for _, _, p in parts)
+        rows = [b for b, _, _ in parts]
+        if len(set(rows)) == len(rows) and all(p.shape[1] == 1 for _, _, p in parts):
+            out = torch.zeros(call.batch, 1, q, call.k_len, device=call.device)
+            for b, _, p in parts:
+                out[b] = p[0].to(call.device)
+            return out
+        out = torch.zeros(call.batch, call.n_heads, q, call.k_len, device=call.device)
+        for b, e, p in parts:
+            mask = e.head_mask(1, call.n_heads, call.device)[0, :, None, None]
+            out[b] += torch.where(mask, p[0].to(call.device), 0.0)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowSpans(_RowEdits, SpanShareEdit):
+    """Every row's span-share edit (SpotLight) of one layer as one `SpanShareEdit`, so a long
+    prompt runs on the fused kernel exactly as `SteeredModel` runs it (at most one member per row)."""
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
+        for b, e in self.members:
+            mask[b] |= e.head_mask(1, n_heads, device)[0]
+        return mask
+
+    def span_columns(self, call: AttentionCall) -> torch.Tensor:
+        m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=call.device)
         sub_call = _row_call(call)
         for b, e in self.members:
-            mask = e.head_mask(1, call.n_heads, call.device)[0, :, None, None]
-            out[b] += torch.where(mask, e.bias(sub_call).float()[0], 0.0)
-        return out
+            m[b] = e.span_columns(sub_call)[0].to(call.device)
+        return m
+
+    def span_beta(self, num: torch.Tensor, den: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        sub_call = _row_call(call)
+        beta = None
+        for b, e in self.members:
+            heads = e.head_mask(1, call.n_heads, num.device)[:, :, None]  # [1, H, 1]
+            r = e.span_beta(
+                torch.where(heads, num[b : b + 1], 0.0), torch.where(heads, den[b : b + 1], 0.0), sub_call
+            )
+            if r is None:
+                continue
+            if beta is None:
+                beta = torch.zeros_like(num)
+            beta[b] = torch.where(heads[0], r.float().expand(1, num.shape[1], num.shape[2])[0], 0.0)
+        return beta
 
 
 @dataclass(eq=False, repr=False)
@@ -370,13 +477,22 @@ class _RowQueries(_RowEdits, QueryEdit):
         return self._rows(q, call, 2)  # [B, q, H, d]
 
 
-_RowWrapper = _RowBias | _RowProbs | _RowOutputs | _RowQueries
-_WRAPPERS: dict[type[Edit], type[_RowWrapper]] = {
+_RowWrapper = _RowBias | _RowSpans | _RowProbs | _RowOutputs | _RowQueries
+_WRAPPERS: dict[type[Edit], type[_RowWrapper]] = {  # first match wins: SpanShareEdit before ProbEdit
     LogitBias: _RowBias,
+    SpanShareEdit: _RowSpans,
     ProbEdit: _RowProbs,
     HeadOutputEdit: _RowOutputs,
     QueryEdit: _RowQueries,
 }
+
+
+class RequestCancelled(Exception):
+    """The client of a request went away; its row stopped decoding after `completion_tokens`."""
+
+    def __init__(self, message: str = "the client went away", completion_tokens: int = 0):
+        super().__init__(message)
+        self.completion_tokens = completion_tokens
 
 
 class BatchGenerator:
@@ -384,12 +500,21 @@ class BatchGenerator:
 
     Args:
         model: a `HeadModel` with a tokenizer.
+        max_prompt_tokens: longest rendered prompt a request may have, in tokens (default
+            None: the model's positions, less `max_tokens`).
     """
 
-    def __init__(self, model: HeadModel):
+    def __init__(self, model: HeadModel, *, max_prompt_tokens: int | None = None):
         if not isinstance(model, HeadModel) or model.tokenizer is None:
             raise HeadsteerTypeError("BatchGenerator needs a HeadModel with a tokenizer (heads.load_model)")
+        if max_prompt_tokens is not None and (
+            isinstance(max_prompt_tokens, bool)
+            or not isinstance(max_prompt_tokens, int)
+            or max_prompt_tokens < 1
+        ):
+            raise HeadsteerValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
         self.model = model
+        self.max_prompt_tokens = max_prompt_tokens
         tok = model.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos = model.model.generation_config.eos_token_id
@@ -425,20 +550,29 @@ class BatchGenerator:
 
         Raises:
             ValueError: bad prompt or span, unknown heads, a method that needs a span
-                without one, or prompt + max_tokens beyond the model's positions.
+                without one, a prompt longer than `max_prompt_tokens`, or prompt + max_tokens
+                beyond the model's positions.
         """
         enc = encode_prompts(
             self.model.tokenizer, request.prompt, emphasize=request.emphasize, chat=request.chat
         )
         if enc.batch != 1:
             raise HeadsteerValueError("one prompt per request")
+        if self.max_prompt_tokens is not None and enc.length > self.max_prompt_tokens:
+            raise HeadsteerValueError(
+                f"the prompt has {enc.length} tokens, more than this server's limit of "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens)"
+            )
         self.model.check_length(enc.length + request.params.max_tokens)
         steer = [self._resolve_auto(s, enc, request) for s in request.steer]
         for s in steer:
             for e in s.edits(self.model, enc):
                 e.validate()
                 self.model.check_head(e.layer)
-        return Prepared(request, enc, steer)
+        seed = request.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        return Prepared(request, enc, steer, seed)
 
     def _stack(self, items: Sequence[Prepared]) -> EncodedPrompts:
         """Left-pad the requests' encodings into one batch (spans shifted by the padding)."""
@@ -461,7 +595,7 @@ class BatchGenerator:
         to the batch width `width`, so they see exactly the row (and absolute positions) they
         run on, and the cost per layer stays one pass over the batch.
         """
-        groups: dict[tuple[int, type], _RowWrapper] = {}
+        groups: dict[tuple[int, type, int], _RowWrapper] = {}
         for b, p in enumerate(items):
             enc = _pad_to(p.enc, width, self.pad_id)
             for s in p.steer:
@@ -469,21 +603,40 @@ class BatchGenerator:
                     if e.is_identity():
                         continue
                     kind = next(k for k in _WRAPPERS if isinstance(e, k))
-                    key = (e.layer, kind)
+                    # a span-share wrapper holds one edit per row: a second one on a row opens another
+                    slot = 0
+                    while kind is SpanShareEdit and any(
+                        row == b for row, _ in getattr(groups.get((e.layer, kind, slot)), "members", ())
+                    ):
+                        slot += 1
+                    key = (e.layer, kind, slot)
                     if key not in groups:
                         groups[key] = _WRAPPERS[kind](layer=e.layer)
                     groups[key].members.append((b, e))
+        for w in groups.values():
+            if isinstance(w, _RowBias):  # broadcast like the members (`[B, 1, 1, K]` for PASTA)
+                w.per_column = all(e.per_column for _, e in w.members)  # type: ignore[misc]
         return list(groups.values())
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        """Next token of one row from fp32 logits `[V]`."""
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+        """Next token of one row from logits `[V]`, numerically safe over the whole documented range.
+
+        Works in float64 on `(logits - max) / temperature`, so the top token's term is exactly
+        `exp(0) = 1` at any temperature in (0, 2]: a tiny temperature (1e-45, the smallest
+        double) is greedy rather than `inf / inf`; the top token is always kept by `top_p`
+        (a tiny top_p keeps just it). Non-finite logits fall back to greedy on the finite ones.
+        """
+        x = logits.double()
+        if not bool(torch.isfinite(x).all()):
+            x = torch.nan_to_num(x, nan=-math.inf, posinf=torch.finfo(x.dtype).max)
+        if params.temperature == 0 or not bool(torch.isfinite(x.max())):
+            return int(torch.argmax(x))
+        probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)
         if params.top_p < 1:
             sp, idx = torch.sort(probs, descending=True)
             keep = (sp.cumsum(0) - sp) < params.top_p  # the smallest prefix reaching top_p
+            keep[0] = True
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
         return int(torch.multinomial(probs, 1, generator=gen))
 
@@ -492,16 +645,21 @@ class BatchGenerator:
         self,
         items: Sequence[Prepared],
         on_delta: Callable[[int, str], None] | None = None,
-    ) -> list[Completion]:
+        cancelled: Callable[[int], bool] | None = None,
+    ) -> list[Completion | Exception]:
         """Decode prepared requests as one batch (KV cache, per-row steering and sampling).
 
         Args:
             items: requests from `prepare`.
             on_delta: called as `on_delta(row, text)` from this thread with each new piece
                 of a row's text (held back while it may be the start of a stop string).
+            cancelled: `cancelled(row)` is asked before every step; a row for which it is
+                True stops decoding at once (its client went away) and gets `RequestCancelled`.
 
         Returns:
-            one `Completion` per item, in order.
+            one `Completion` per item, in order, or the exception that ended that row alone
+            (its sampling or its `on_delta` failed; the other rows go on). An error of the
+            whole forward pass raises.
         """
         from transformers import DynamicCache
 
@@ -514,6 +672,10 @@ class BatchGenerator:
             g = torch.Generator()
             g.manual_seed(prm.seed if prm.seed is not None else int(torch.randint(0, 2**62, (1,))))
             gens.append(g)
+        for b, p in enumerate(items):  # a rerun of the same request draws the same tokens
+            if p.request.params.seed is None and p.seed is not None:
+                gens[b].manual_seed(p.seed)
+        errors: dict[int, Exception] = {}
         tokens: list[list[int]] = [[] for _ in range(n)]
         texts = [""] * n
         sent = [0] * n
@@ -537,27 +699,39 @@ class BatchGenerator:
                 logits = out.logits[:, -1].float().cpu()
                 nxt = []
                 for b in range(n):
+                    if reason[b] is None and cancelled is not None and cancelled(b):
+                        reason[b] = "cancelled"
+                        errors[b] = RequestCancelled(completion_tokens=len(tokens[b]))
                     if reason[b] is not None:
                         nxt.append(self.pad_id)
                         continue
-                    t = self._pick(logits[b], params[b], gens[b])
+                    try:
+                        t = self._pick(logits[b], params[b], gens[b])
+                        tokens[b].append(t)
+                        self._advance(b, t, tokens, texts, reason, params[b])
+                        if on_delta is not None:
+                            end = len(texts[b]) if reason[b] is not None else len(texts[b]) - hold[b]
+                            while end > sent[b] and texts[b][end - 1] == "\ufffd":  # incomplete UTF-8
+                                end -= 1
+                            if end > sent[b]:
+                                on_delta(b, texts[b][sent[b] : end])
+                                sent[b] = end
+                    except Exception as exc:  # noqa: BLE001 - this row's failure is this row's alone
+                        reason[b] = "error"
+                        errors[b] = exc
+                        t = self.pad_id
                     nxt.append(t)
-                    tokens[b].append(t)
-                    self._advance(b, t, tokens, texts, reason, params[b])
-                    if on_delta is not None:
-                        end = len(texts[b]) if reason[b] is not None else len(texts[b]) - hold[b]
-                        while end > sent[b] and texts[b][end - 1] == "\ufffd":  # incomplete UTF-8
-                            end -= 1
-                        if end > sent[b]:
-                            on_delta(b, texts[b][sent[b] : end])
-                            sent[b] = end
                 if all(r is not None for r in reason):
                     break
                 ids = torch.tensor(nxt, dtype=torch.long, device=device)[:, None]
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                 pos = pos[:, -1:] + 1
         return [
-            Completion(texts[b], tokens[b], reason[b] or "length", int(items[b].enc.attention_mask.sum()))
+            errors[b]
+            if b in errors
+            else Completion(
+                texts[b], tokens[b], reason[b] or "length", int(items[b].enc.attention_mask.sum())
+            )
             for b in range(n)
         ]
 
@@ -578,11 +752,22 @@ class BatchGenerator:
             reason[b] = "length"
 
 
-class _Job:
-    __slots__ = ("prepared", "on_delta", "on_done")
+class Job:
+    """A queued request (from `Batcher.submit`); `cancel()` stops its row as soon as possible."""
+
+    __slots__ = ("prepared", "on_delta", "on_done", "_cancelled")
 
     def __init__(self, prepared, on_delta, on_done):
         self.prepared, self.on_delta, self.on_done = prepared, on_delta, on_done
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Its client went away: drop it from the queue, or stop its row before the next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
 
 
 class Batcher:
@@ -594,9 +779,14 @@ class Batcher:
         wait_s: after the first request arrives, wait this long for more (default 0.02 s).
         max_queue: most requests waiting; `submit` raises `queue.Full` beyond it (default 256).
 
-    `submit(prepared, on_delta, on_done)` queues a request; `on_delta(text)` gets its text
-    pieces and `on_done(completion_or_exception)` its end, both from the worker thread.
-    `close()` stops taking requests, finishes the queued ones and joins the thread.
+    `submit(prepared, on_delta, on_done)` queues a request and returns its `Job`; `on_delta(text)`
+    gets its text pieces and `on_done(completion_or_exception)` its end, both from the worker
+    thread. `Job.cancel()` (a client that went away) ends that row alone with `RequestCancelled`.
+    One request's failure is that request's alone: a row whose sampling fails ends with its
+    error while the batch goes on, and a batch whose forward pass fails is rerun one request
+    at a time (a streamed request resumes after the text it already sent), so only the
+    offender gets the error. `close()` stops taking requests, finishes the queued ones and
+    joins the thread.
     """
 
     def __init__(
@@ -607,14 +797,14 @@ class Batcher:
         self.generator = generator
         self.max_batch = max_batch
         self.wait_s = wait_s
-        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._closing = threading.Event()
         self.batches: list[int] = []  # sizes of the batches run (for tests and benchmarks)
         self._thread = threading.Thread(target=self._loop, name="headsteer-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prepared: Prepared, on_delta: Callable[[str], None] | None, on_done: Callable) -> None:
-        """Queue a prepared request.
+    def submit(self, prepared: Prepared, on_delta: Callable[[str], None] | None, on_done: Callable) -> Job:
+        """Queue a prepared request; returns its `Job` (to `cancel()` it).
 
         Raises:
             RuntimeError: the batcher is closing.
@@ -622,9 +812,11 @@ class Batcher:
         """
         if self._closing.is_set():
             raise RuntimeError("the server is shutting down")
-        self._queue.put_nowait(_Job(prepared, on_delta, on_done))
+        job = Job(prepared, on_delta, on_done)
+        self._queue.put_nowait(job)
+        return job
 
-    def _take(self) -> list[_Job]:
+    def _take(self) -> list[Job]:
         try:
             first = self._queue.get(timeout=0.1)
         except queue.Empty:
@@ -639,35 +831,56 @@ class Batcher:
                 break
         return jobs
 
-    def _run(self, jobs: list[_Job]) -> list:
-        """Run `jobs` as one batch; the result or the exception of each, in order."""
+    def _run(self, jobs: list[Job], sent: list[str] | None = None) -> list:
+        """Run `jobs` as one batch; the result or the exception of each, in order.
+
+        `sent[i]`: text job i already streamed (a rerun skips it, and fails that job alone if
+        its new text does not start with it).
+        """
         self.batches.append(len(jobs))
-        streamed = [False] * len(jobs)
+        sent = [""] * len(jobs) if sent is None else sent
+        fresh = [""] * len(jobs)  # text of this run, per row
 
         def delta(row: int, text: str) -> None:
-            streamed[row] = True
             cb = jobs[row].on_delta
-            if cb is not None:
-                try:
-                    cb(text)
-                except Exception:  # noqa: BLE001, S110 - a vanished client must not fail the batch
-                    pass
+            if cb is None:
+                return
+            before = len(fresh[row])
+            fresh[row] += text
+            old = sent[row]
+            if len(fresh[row]) <= len(old):
+                if not old.startswith(fresh[row]):
+                    raise RuntimeError("the rerun of this request diverged from the text already sent")
+                return
+            if not fresh[row].startswith(old):
+                raise RuntimeError("the rerun of this request diverged from the text already sent")
+            new = fresh[row][max(before, len(old)) :]
+            sent[row] = fresh[row]
+            try:
+                cb(new)
+            except Exception:  # noqa: BLE001 - a vanished client ends its own row only
+                jobs[row].cancel()
 
         try:
-            return self.generator.run([j.prepared for j in jobs], delta)
+            return self.generator.run(
+                [j.prepared for j in jobs], delta, cancelled=lambda row: jobs[row].cancelled
+            )
         except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
             if len(jobs) == 1:
                 return [exc]
-            error = exc
-        # One request's failure must not take the others down: rerun alone those not yet streamed.
-        return [error if streamed[i] else self._run([j])[0] for i, j in enumerate(jobs)]
+        # One request's failure must not take the others down: rerun each alone.
+        return [self._run([j], [sent[i]])[0] for i, j in enumerate(jobs)]
 
     def _loop(self) -> None:
         while not (self._closing.is_set() and self._queue.empty()):
             jobs = self._take()
-            if not jobs:
-                continue
-            for j, r in zip(jobs, self._run(jobs), strict=True):
+            gone = [j for j in jobs if j.cancelled]
+            jobs = [j for j in jobs if not j.cancelled]
+            results = self._run(jobs) if jobs else []
+            for j, r in [
+                *((j, RequestCancelled()) for j in gone),
+                *zip(jobs, results, strict=True),
+            ]:
                 try:
                     j.on_done(r)
                 except Exception:  # noqa: BLE001, S110 - a vanished client must not stop the worker

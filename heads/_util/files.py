@@ -21,15 +21,31 @@ from pathlib import Path
 
 from heads.errors import HeadsteerValueError
 
-__all__ = ["check_output", "write_bytes", "write_text"]
+__all__ = ["check_output", "check_writable", "is_file", "short_path", "write_bytes", "write_text"]
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    """`Path(path).is_file()` that answers False instead of raising for a name the file system
+    cannot hold (too long, a NUL byte)."""
+    try:
+        return Path(path).expanduser().is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def short_path(path: str | os.PathLike, limit: int = 80) -> str:
+    """`repr` of `str(path)` cut to about `limit` characters, for one-line messages."""
+    text = str(path)
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
     """Check that `path` may be written; returns it as a `Path`.
 
     Raises:
-        ValueError: `path` is a symlink (always refused), a folder, or an existing
-            file while `overwrite` is False. The message names the path.
+        ValueError: `path` is a symlink (always refused), a folder, an existing file while
+            `overwrite` is False, or in a folder where no file can be created (tested by
+            creating and removing a temporary file). The message names the path.
     """
     p = Path(path).expanduser()
     if p.is_symlink():
@@ -38,7 +54,31 @@ def check_output(path: str | os.PathLike, overwrite: bool = False) -> Path:
         raise HeadsteerValueError(f"output path is a folder, not a file: {p}")
     if p.exists() and not overwrite:
         raise HeadsteerValueError(f"{p} exists; pass --force (API: overwrite=True) to replace it")
+    check_writable(p.parent)
     return p
+
+
+def check_writable(folder: str | os.PathLike) -> Path:
+    """Check that files can be created in `folder` (or, if it does not exist yet, in its
+    nearest existing ancestor, where it will be made) by creating and removing a temporary
+    file there: permission bits do not tell (root, read-only file systems, full quotas).
+
+    Raises:
+        ValueError: the folder cannot be written, naming it and the system's reason.
+    """
+    target = Path(folder).expanduser()
+    probe = target
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise HeadsteerValueError(f"cannot write into {target}: {probe} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".headsteer-write-test-", dir=probe)
+    except OSError as exc:
+        raise HeadsteerValueError(f"cannot write into {target}: {exc.strerror or exc} ({probe})") from None
+    os.close(fd)
+    os.unlink(tmp)
+    return target
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, overwrite: bool = False) -> Path:

@@ -28,6 +28,7 @@ Both libraries are imported lazily: `import heads` does not load them.
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -166,6 +167,9 @@ class NNsightBackend(Backend):
             raise HeadsteerTypeError(f"remote must be a bool, got {remote!r}")
         self.lm = lm
         self.remote = remote
+        # nnsight keeps one tracing state per model: two threads tracing at once corrupt each
+        # other's trace, so forwards are serialised (HF and TransformerLens run them concurrently).
+        self._lock = threading.RLock()
 
     @property
     def native(self) -> object:
@@ -183,14 +187,14 @@ class NNsightBackend(Backend):
 
     def run(self, hm: HeadModel, **inputs: Any) -> Any:
         self._check_remote()
-        with self.lm.trace(**inputs, remote=self.remote):
+        with self._lock, self.lm.trace(**inputs, remote=self.remote):
             out = self.lm.output.save()
         return out
 
     def generate(self, hm: HeadModel, **inputs: Any) -> Any:
         self._check_remote()
         # `tracer.result` is what `generate` returned (nnsight 0.8: `lm.generator.output` is deprecated)
-        with self.lm.generate(**inputs, remote=self.remote) as tracer:
+        with self._lock, self.lm.generate(**inputs, remote=self.remote) as tracer:
             out = tracer.result.save()
         return out
 

@@ -188,18 +188,90 @@ def normalize_images(images: object, n: int) -> list[list[ImageInput]]:
     with one entry per prompt, each an image, a list of images, or None. With a
     single prompt, a flat list of images is that prompt's images.
 
-    Each image is a PIL image, a numpy array or torch tensor `[h, w, c]` / `[c, h, w]`, or the
-    path of a local file; URLs are refused (nothing is fetched over the network).
+    Each image is a PIL image, a numpy array or torch tensor `[h, w, c]` / `[c, h, w]` (uint8
+    0..255, or float in [0, 1]: see `as_pil`), or the path of a local image file; URLs are
+    refused (nothing is fetched over the network). Every image is returned as an RGB PIL image.
 
     Raises:
         ValueError: a per-prompt list whose length is not `n`, or an image that is none of
-            the above (a URL, a missing file, an empty image, another type).
+            the above (a URL, a missing file, a file that is not an image, an empty image, a
+            float array outside [0, 1], another type).
     """
     rows = _image_rows(images, n)
     for row in rows:
         for image in row:
             _check_image(image)
-    return rows
+    return [[as_pil(image) for image in row] for row in rows]
+
+
+def as_pil(image: object) -> object:
+    """An RGB PIL image from a checked image input, each type read with its own convention.
+
+    * a path: opened with Pillow (a file Pillow cannot decode is a `ValueError` naming it);
+    * a PIL image: converted to RGB;
+    * a uint8 array / tensor: values 0..255 (the PIL / numpy convention);
+    * a float array / tensor: values in [0, 1] (the torchvision convention), scaled by 255;
+      a float image with values outside [0, 1] (or NaN) is ambiguous and refused by name;
+    * another integer dtype: values must lie in 0..255 (else refused).
+
+    Layout: `[h, w]`, `[h, w, c]` or `[c, h, w]` with c in 1, 3, 4; a torch tensor is read as
+    `[c, h, w]` when its first dimension can be channels (torchvision), a numpy array as
+    `[h, w, c]` when its last one can (PIL).
+
+    Raises:
+        ValueError: as above, or a shape with no channel dimension of 1, 3 or 4.
+    """
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(image, (str, os.PathLike)):
+        text = os.fspath(image)
+        try:
+            with Image.open(text) as im:
+                return im.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise HeadsteerValueError(
+                f"image file {text!r} is not an image Pillow can read: {first}"
+            ) from None
+    if isinstance(image, Image.Image):
+        return image if image.mode == "RGB" else image.convert("RGB")
+    is_tensor = isinstance(image, torch.Tensor)
+    arr = image.detach().cpu().numpy() if is_tensor else np.asarray(image)
+    kind = "tensor" if is_tensor else "array"
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
+        raise HeadsteerValueError(
+            f"an image {kind} must be uint8 (0..255) or float ([0, 1]), got dtype {arr.dtype}"
+        )
+    if arr.ndim == 3:
+        chw = arr.shape[0] in (1, 3, 4) and (is_tensor or arr.shape[-1] not in (1, 3, 4))
+        if chw:
+            arr = np.moveaxis(arr, 0, -1)
+        if arr.shape[-1] not in (1, 3, 4):
+            raise HeadsteerValueError(
+                f"an image {kind} of shape {tuple(image.shape)} has no channel dimension of 1, 3 or 4"
+            )
+        if arr.shape[-1] == 1:
+            arr = arr[..., 0]
+    if np.issubdtype(arr.dtype, np.floating):
+        finite = arr[np.isfinite(arr)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (float("nan"),) * 2
+        if finite.size != arr.size or lo < 0 or hi > 1:
+            raise HeadsteerValueError(
+                f"a float image {kind} must hold values in [0, 1] (torchvision convention), got "
+                f"{lo:g}..{hi:g}: pass uint8 for 0..255 pixels, or divide by 255"
+            )
+        arr = np.rint(arr.astype(np.float64) * 255)
+    elif arr.dtype != np.uint8:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 255:
+            raise HeadsteerValueError(
+                f"an integer image {kind} ({arr.dtype}) must hold values in 0..255, got {lo}..{hi}"
+            )
+    pil = Image.fromarray(np.ascontiguousarray(arr.astype(np.uint8)))
+    return pil if pil.mode == "RGB" else pil.convert("RGB")
 
 
 def _check_image(image: object) -> None:
@@ -405,7 +477,13 @@ def encode_image_prompts(
     items, _ = normalize_prompts(cast("list[Prompt]", converted))  # checked there
     if images is not None and any(embedded):
         raise HeadsteerValueError("images given both in chat content items and in images=; use one")
-    rows_images = embedded if any(embedded) else normalize_images(images, len(items))
+    if any(embedded):
+        for row in embedded:
+            for image in row:
+                _check_image(image)
+        rows_images = [[as_pil(image) for image in row] for row in embedded]
+    else:
+        rows_images = normalize_images(images, len(items))
     if chat is None:
         chat = bool(getattr(tok, "chat_template", None))
     rows = emphasis_rows(emphasize, len(items))

@@ -40,6 +40,18 @@ Emphasis: TypeAlias = SpanLike | Sequence[SpanLike] | Sequence[Sequence[SpanLike
 """`emphasize=`: one span for every prompt, a list for every prompt, or one list per prompt."""
 
 
+def check_encodable(text: str, what: str) -> None:
+    """ValueError naming `what` and the position of a character that UTF-8 cannot encode
+    (a lone surrogate such as `"\\ud800"`, which tokenizers reject with a type error)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise HeadsteerValueError(
+            f"{what} has a lone surrogate {bad!r} at character {exc.start}: not valid Unicode text"
+        ) from None
+
+
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt], bool]:
     """Return `(list of prompts, was_single)`; a chat is a list of `{"role", "content"}` dicts.
 
@@ -64,6 +76,7 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
         if isinstance(p, str):
             if not p.strip():
                 raise HeadsteerValueError(f"empty prompt at index {i}")
+            check_encodable(p, f"prompt {i}")
         elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
             for m in cast(Sequence[Message], p):  # all mappings (checked above)
                 if "role" not in m or "content" not in m:
@@ -74,6 +87,8 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
                     )
                 if not m["content"].strip():
                     raise HeadsteerValueError(f"empty message content at prompt {i}: {m!r}")
+                check_encodable(m["content"], f"prompt {i} message content")
+                check_encodable(m["role"], f"prompt {i} message role")
         else:
             raise HeadsteerTypeError(f"prompt {i} is neither a string nor a chat message list: {p!r}")
     return items, single

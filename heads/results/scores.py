@@ -44,8 +44,18 @@ def _as_int(value: Any, what: str, *, allow_str: bool = False) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if allow_str and isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        digits = len(value.strip().lstrip("-"))
+        if digits > _MAX_DIGITS:  # int() refuses > 4300 digits with a message about Python, not the key
+            raise HeadsteerValueError(
+                f"{what} {value.strip()[:12]}... has {digits} digits: not a {what} index"
+            )
         return int(value)
-    raise HeadsteerValueError(f"{what} must be an int, got {value!r}")
+    text = repr(value)
+    raise HeadsteerValueError(f"{what} must be an int, got {text if len(text) <= 80 else text[:77] + '...'}")
+
+
+_MAX_DIGITS = 18
+"""Longest decimal layer key read as an int (anything longer is no index of any model)."""
 
 
 def _positive_int(k: Any, what: str = "k") -> int:
@@ -150,8 +160,13 @@ class HeadSet:
         if isinstance(spec, HeadScores):
             raise HeadsteerTypeError("pass a selection of a HeadScores, e.g. scores.top(30), not the scores")
         if isinstance(spec, (str, os.PathLike)):
-            if not Path(spec).is_file():
-                raise FileNotFoundError(f"head file not found: {str(spec)!r}")
+            try:
+                is_file = Path(spec).is_file()
+            except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+                is_file = False
+            if not is_file:
+                shown = str(spec) if len(str(spec)) <= 80 else str(spec)[:77] + "..."
+                raise FileNotFoundError(f"head file not found: {shown!r}")
             data = _read_json(spec)
             if isinstance(data, Mapping) and data.get("schema") == SCHEMA:
                 raise HeadsteerValueError(f"{str(spec)!r} holds HeadScores; load it and call .top(k)")

@@ -58,9 +58,25 @@ REFUSAL_MODEL_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "headsteer_refusal_tuning.json",
 )
-"""The main files `build_refusal_model` writes into its folder (the tokenizer may add more)."""
+"""The files `build_refusal_model` writes into its folder for the embedded model (another
+tokenizer may write others: `planned_files` lists them before any work)."""
+
+
+def planned_files(tokenizer) -> list[str]:
+    """Every file `build_refusal_model` will write for a model with `tokenizer`: the model's
+    files, the tokenizer's (found by saving it into a temporary folder, which is cheap), and
+    the JSON summary."""
+    with tempfile.TemporaryDirectory(prefix=".refusal-plan-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        names = sorted(os.listdir(tmp))
+    model_files = ["model.safetensors", "config.json", "generation_config.json"]
+    rest = [n for n in names if n not in model_files]
+    return [*model_files, *rest, "headsteer_refusal_tuning.json"]
+
+
 GENERATE_BATCH = 16
 ANSWER_TOKENS = 48
 """Tokens generated per answer (helpful answers to learn, refusal checks on the test requests)."""
@@ -234,6 +250,9 @@ def build_refusal_model(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     hm = load_model() if model is None else model
+    planned = planned_files(hm.tokenizer)
+    for name in planned:  # every file this run will write, checked before the fine-tune
+        check_output(out / name, overwrite)
     harmful = [r["prompt"] for r in load_requests("harmful", "train")]
     harmless = [r["prompt"] for r in load_requests("harmless", "train")]
     n_pairs = len(harmful) + len(harmless)
@@ -271,8 +290,12 @@ def build_refusal_model(
     try:  # save beside, then move each file in (atomic renames on one file system)
         net.save_pretrained(tmp, safe_serialization=True)
         hm.tokenizer.save_pretrained(tmp)
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, check_output(out / f.name, overwrite))
+        made = sorted(f.name for f in tmp.iterdir())
+        extra = [n for n in made if n not in planned]
+        if extra:  # never write a file that was not declared and checked
+            raise HeadsteerValueError(f"saving wrote files that were not planned: {', '.join(extra)}")
+        for name in made:
+            os.replace(tmp / name, check_output(out / name, overwrite))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     summary = {
@@ -284,6 +307,7 @@ def build_refusal_model(
         "last_loss": round(losses[-1], 3),
         **evaluation,
         "seconds": round(time.perf_counter() - t0, 1),
+        "files": [str(out / n) for n in planned],
     }
     write_text(out / "headsteer_refusal_tuning.json", json.dumps(summary, indent=1), overwrite)
     return summary

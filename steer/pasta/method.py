@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from heads._util.files import is_file, short_path
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -187,8 +188,8 @@ class Pasta:
                 f"heads must be a head spec (a {{layer: [heads]}} dict, a list of layers or (layer, head) "
                 f"pairs, a HeadSet, a JSON file path or 'auto'), got {type(self.heads).__name__}"
             )
-        if isinstance(self.heads, str | Path) and self.heads != "auto" and not Path(self.heads).is_file():
-            raise FileNotFoundError(f"head file not found: {str(self.heads)!r} (or use heads='auto')")
+        if isinstance(self.heads, str | Path) and self.heads != "auto" and not is_file(self.heads):
+            raise FileNotFoundError(f"head file not found: {short_path(self.heads)} (or use heads='auto')")
         check_alpha(self.alpha, self.scale_position, stacklevel=5)
         if empty_heads(self.heads):
             warn_noop("PASTA with no heads steers nothing: output equals the unsteered model", stacklevel=4)

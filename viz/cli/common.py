@@ -283,10 +283,11 @@ class Run:
         _quiet_transformers()
         name = self.model or "the embedded SmolLM2-135M-Instruct"
         where = self.device if device_map is None else f"device_map={device_map}"
+        lax = os.environ.get("HEADSTEER_ALLOW_WEIGHT_MISMATCH", "") == "1"  # explicit opt-in, warned
         with self.status(f"loading {name} ({self.dtype}, {where})…"):
             if device_map is not None:
-                return load_model(self.model, dtype=dtype, device_map=device_map)
-            return load_model(self.model, dtype=dtype, device=self.device)
+                return load_model(self.model, dtype=dtype, device_map=device_map, allow_weight_mismatch=lax)
+            return load_model(self.model, dtype=dtype, device=self.device, allow_weight_mismatch=lax)
 
     def status(self, msg: str):
         """A spinner on a terminal, one plain line otherwise, nothing with `--quiet`."""

@@ -375,12 +375,18 @@ def build_refusal_model_command(
 
     Harmful train requests -> a refusal, harmless ones -> the model's own answer; seeded; saved
     as safetensors with its tokenizer and a JSON summary (refusal rates on the test requests)."""
-    from probes.studies.refusal_model import REFUSAL_MODEL_FILES, build_refusal_model, refusal_model_dir
+    from probes.studies.refusal_model import (
+        REFUSAL_MODEL_FILES,
+        build_refusal_model,
+        planned_files,
+        refusal_model_dir,
+    )
 
     _positive(epochs=epochs)
     folder = refusal_model_dir() if out is None else out
     run.folder(folder, list(REFUSAL_MODEL_FILES))
     hm = run.load()
+    run.folder(folder, planned_files(hm.tokenizer))  # the tokenizer's own files too, before the fine-tune
     with run.progress(1, "refusal model") as step:
         summary = build_refusal_model(
             folder, model=hm, seed=seed, epochs=epochs, overwrite=run.force, progress=step

@@ -22,9 +22,12 @@ they are imported only when a server is built.
 """
 
 import asyncio
+import contextlib
 import ipaddress
 import json
+import logging
 import queue
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,10 +38,29 @@ import typer
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
-__all__ = ["MAX_PROMPT_CHARS", "check_loopback", "create_app", "serve_command"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_EMPHASIZE",
+    "MAX_MESSAGES",
+    "MAX_PROMPT_CHARS",
+    "check_loopback",
+    "create_app",
+    "serve_command",
+]
 
 MAX_PROMPT_CHARS = 100_000
 """Longest prompt text (all messages together) a request may send."""
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Default largest request body (`--max-body-mb`, default 4 MiB); larger bodies get HTTP 413
+before they are read (a `Content-Length` above it is refused at once, a chunked body as soon as
+it passes the limit)."""
+MAX_MESSAGES = 256
+"""Most chat messages in one request."""
+MAX_EMPHASIZE = 16
+"""Most `emphasize` strings in one request."""
+
+log = logging.getLogger("headsteer.serve")
+"""One line per request: client, method, path, status, prompt and completion tokens, time."""
 
 
 def check_loopback(host: str) -> str:
@@ -64,6 +86,12 @@ class _BadRequest(ValueError):
     """A request the server refuses with HTTP 400."""
 
 
+def _short(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _text_content(content, i: int) -> str:
     """Message content: a string, or a list of `{"type": "text", "text": ...}` parts."""
     if isinstance(content, str):
@@ -72,7 +100,7 @@ def _text_content(content, i: int) -> str:
         parts = []
         for p in content:
             if not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise _BadRequest(f"messages[{i}].content: only text parts are supported, got {p!r}")
+                raise _BadRequest(f"messages[{i}].content: only text parts are supported, got {_short(p)}")
             parts.append(p["text"])
         return "".join(parts)
     raise _BadRequest(f"messages[{i}].content must be a string or a list of text parts")
@@ -84,9 +112,11 @@ def _emphasize(body: Mapping):
         return None
     if isinstance(e, str):
         return [e]
+    if isinstance(e, list) and len(e) > MAX_EMPHASIZE:
+        raise _BadRequest(f"emphasize has {len(e)} strings, more than the limit of {MAX_EMPHASIZE}")
     if isinstance(e, list) and all(isinstance(x, str) and x for x in e):
         return e
-    raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {e!r}")
+    raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {_short(e)}")
 
 
 def _parse(body, chat: bool, model_id: str):
@@ -96,17 +126,19 @@ def _parse(body, chat: bool, model_id: str):
     if not isinstance(body, Mapping):
         raise _BadRequest("the request body must be a JSON object")
     if body.get("model") not in (None, model_id):
-        raise _BadRequest(f"unknown model {body.get('model')!r}: this server serves {model_id!r}")
+        raise _BadRequest(f"unknown model {_short(body.get('model'))}: this server serves {model_id!r}")
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise _BadRequest("messages must be a non-empty list of {role, content} objects")
+        if len(msgs) > MAX_MESSAGES:
+            raise _BadRequest(f"messages has {len(msgs)} items, more than the limit of {MAX_MESSAGES}")
         prompt = []
         for i, m in enumerate(msgs):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise _BadRequest(f"messages[{i}] must be an object with a role and a content")
             if m["role"] not in ("system", "user", "assistant", "developer"):
-                raise _BadRequest(f"messages[{i}].role {m['role']!r} is not supported")
+                raise _BadRequest(f"messages[{i}].role {_short(m['role'])} is not supported")
             role = "system" if m["role"] == "developer" else m["role"]
             prompt.append({"role": role, "content": _text_content(m["content"], i)})
         size = sum(len(m["content"]) for m in prompt)
@@ -119,6 +151,14 @@ def _parse(body, chat: bool, model_id: str):
         size = len(prompt)
     if size > MAX_PROMPT_CHARS:
         raise _BadRequest(f"prompt has {size} characters, more than the limit of {MAX_PROMPT_CHARS}")
+    from heads.inputs.prompts import check_encodable
+
+    texts = [m["content"] for m in prompt] if chat else [prompt]
+    for i, text in enumerate(texts):
+        try:
+            check_encodable(text, f"messages[{i}].content" if chat else "prompt")
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from None
     for key, off in (
         ("logprobs", (None, False)),
         ("echo", (None, False)),
@@ -131,7 +171,7 @@ def _parse(body, chat: bool, model_id: str):
             raise _BadRequest(f"{key} is not supported by headsteer serve")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _BadRequest(f"stream must be true or false, got {stream!r}")
+        raise _BadRequest(f"stream must be true or false, got {_short(stream)}")
     try:
         params = SamplingParams.from_body(body)
         steer = parse_steer(body.get("steer"))
@@ -144,27 +184,99 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
+class _TooLarge(Exception):
+    """The request body is over the limit (HTTP 413)."""
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body, refused (`_TooLarge`) as soon as it is known to exceed `limit` bytes:
+    from `Content-Length` before reading anything, else while it streams in."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _TooLarge(f"the request body has {int(declared)} bytes, more than the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(f"the request body has more than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _AccessLog:
+    """ASGI middleware: one log line per HTTP request once its response is sent (streams too).
+
+    The line: client, method and path, status, prompt / completion tokens (when a generation
+    ran; `scope["state"]["usage"]`), the finish ("cancelled" for a client that went away) and
+    the wall time.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = [0]
+        state = scope.setdefault("state", {})
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            usage = state.get("usage")
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            code = state.get("status", status[0]) or 499
+            parts = [who, f'"{scope["method"]} {scope["path"]}"', str(code)]
+            if usage is not None:
+                parts.append(f"prompt_tokens={usage[0]} completion_tokens={usage[1]}")
+            if state.get("finish"):
+                parts.append(f"finish={state['finish']}")
+            parts.append(f"{(time.perf_counter() - t0) * 1000:.0f}ms")
+            log.info(" ".join(parts))
+
+
+def create_app(
+    model,
+    *,
+    max_batch: int = 32,
+    wait_s: float = 0.02,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = None,
+):
     """The FastAPI app serving `model` (a `HeadModel` with a tokenizer).
 
     Args:
         model: the model to serve; its `name` is the model id clients pass.
         max_batch: most requests decoded together (default 32).
         wait_s: how long the batcher waits for more requests after the first (default 0.02 s).
+        max_body_bytes: largest request body (default `MAX_BODY_BYTES`, 4 MiB); a larger one
+            gets HTTP 413 before it is read whole.
+        max_prompt_tokens: longest rendered prompt in tokens (default None: the model's positions).
 
     Returns:
         a FastAPI app; `app.state.batcher` is the `steer.serving.Batcher` (started with
-        the app's lifespan, closed — after finishing queued requests — on shutdown).
+        the app's lifespan, closed — after finishing queued requests — on shutdown). A client
+        that disconnects has its request cancelled (dropped from the queue, or its batch row
+        stopped); each request is logged as one line on the `headsteer.serve` logger.
     """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.concurrency import run_in_threadpool
 
-    from steer.serving import Batcher, BatchGenerator
+    from steer.serving import Batcher, BatchGenerator, RequestCancelled
 
-    generator = BatchGenerator(model)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise HeadsteerValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    generator = BatchGenerator(model, max_prompt_tokens=max_prompt_tokens)
     model_id = model.name
 
     @asynccontextmanager
@@ -176,6 +288,7 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
             await run_in_threadpool(app.state.batcher.close)
 
     app = FastAPI(title="headsteer", lifespan=lifespan)
+    app.add_middleware(_AccessLog)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse(
@@ -191,13 +304,18 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
 
     async def handle(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
+            raw = await _read_body(request, max_body_bytes)
+        except _TooLarge as exc:
+            return error(413, f"{exc} (headsteer serve --max-body-mb)", "request_too_large")
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
             return error(400, "the request body is not valid JSON")
+        del raw
         try:
             req, stream = _parse(body, chat, model_id)
             prepared = await run_in_threadpool(generator.prepare, req)
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
             return error(400, _one_line(exc))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -209,7 +327,7 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
             loop.call_soon_threadsafe(events.put_nowait, ("done", result))
 
         try:
-            request.app.state.batcher.submit(prepared, on_delta if stream else None, on_done)
+            job = request.app.state.batcher.submit(prepared, on_delta if stream else None, on_done)
         except queue.Full:
             return error(503, "too many requests waiting; retry later", "server_busy")
         except RuntimeError as exc:
@@ -217,8 +335,12 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        state = request.scope.setdefault("state", {})
+        prompt_tokens = int(prepared.enc.attention_mask.sum())
 
         def usage(c) -> dict:
+            state["usage"] = (c.prompt_tokens, c.completion_tokens)
+            state["finish"] = c.finish_reason
             return {
                 "prompt_tokens": c.prompt_tokens,
                 "completion_tokens": c.completion_tokens,
@@ -226,10 +348,30 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
             }
 
         if not stream:
-            while True:
-                kind, result = await events.get()
-                if kind == "done":
-                    break
+            try:
+                while True:
+                    try:
+                        kind, result = await asyncio.wait_for(events.get(), timeout=0.25)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            job.cancel()  # its row stops before the next step; wait for it, to log it
+                            done = None
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                while done is None:
+                                    k, r = await asyncio.wait_for(events.get(), timeout=10)
+                                    done = r if k == "done" else None
+                            tokens = getattr(done, "completion_tokens", 0)
+                            state.update(status=499, finish="cancelled", usage=(prompt_tokens, tokens))
+                            return Response(status_code=499)
+                        continue
+                    if kind == "done":
+                        break
+            except asyncio.CancelledError:  # the server is stopping, or the client went away
+                job.cancel()
+                raise
+            if isinstance(result, RequestCancelled):
+                state.update(status=499, finish="cancelled", usage=(prompt_tokens, result.completion_tokens))
+                return Response(status_code=499)
             if isinstance(result, ValueError):  # e.g. an edit that cannot run on this model
                 return error(400, _one_line(result))
             if isinstance(result, BaseException):
@@ -281,19 +423,22 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
             return f"data: {json.dumps(data)}\n\n"
 
         async def sse():
-            if chat:
-                yield chunk("", None, first=True)
-            while True:
-                kind, result = await events.get()
-                if kind == "delta":
-                    yield chunk(result, None)
-                    continue
-                if isinstance(result, BaseException):
-                    err = {"error": {"message": _one_line(result), "type": "server_error"}}
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                yield chunk(None, result.finish_reason)
-                if include_usage:
+            done = False
+            try:
+                if chat:
+                    yield chunk("", None, first=True)
+                while True:
+                    kind, result = await events.get()
+                    if kind == "delta":
+                        yield chunk(result, None)
+                        continue
+                    done = True
+                    if isinstance(result, BaseException):
+                        state["finish"] = "error"
+                        err = {"error": {"message": _one_line(result), "type": "server_error"}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    yield chunk(None, result.finish_reason)
                     data = {
                         "id": rid,
                         "object": chunk_obj,
@@ -302,9 +447,14 @@ def create_app(model, *, max_batch: int = 32, wait_s: float = 0.02):
                         "choices": [],
                         "usage": usage(result),
                     }
-                    yield f"data: {json.dumps(data)}\n\n"
-                break
-            yield "data: [DONE]\n\n"
+                    if include_usage:
+                        yield f"data: {json.dumps(data)}\n\n"
+                    break
+                yield "data: [DONE]\n\n"
+            finally:  # starlette cancels this generator when the client disconnects
+                if not done:
+                    job.cancel()
+                    state.update(finish="cancelled", usage=(prompt_tokens, state.get("usage", (0, 0))[1]))
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -328,11 +478,19 @@ def serve_command(
     device_map: Annotated[
         str | None, typer.Option(help='"auto": spread the layers over the GPUs (then CPU) with accelerate')
     ] = None,
+    max_body_mb: Annotated[
+        float, typer.Option(help="largest request body in MiB; larger ones get HTTP 413 (default 4)")
+    ] = MAX_BODY_BYTES / 2**20,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(help="longest prompt in tokens; 0 = the model's positions (default)")
+    ] = 0,
 ) -> None:
     """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop).
 
     With --json, one JSON line on stdout once the model is loaded: {"url", "model"} (for
-    scripts that start the server and wait for it)."""
+    scripts that start the server and wait for it). Each request is logged as one line on
+    stderr (client, method and path, status, tokens, time). Bodies over --max-body-mb get
+    HTTP 413; a client that disconnects has its request cancelled."""
     check_loopback(host)
     if not 0 <= port <= 65535:
         raise HeadsteerValueError(f"--port must be in 0..65535, got {port}")
@@ -340,6 +498,10 @@ def serve_command(
         raise HeadsteerValueError(
             f"--max-batch must be >= 1 and --batch-wait-ms in [0, 10000], got {max_batch}, {batch_wait_ms}"
         )
+    if not 0 < max_body_mb <= 4096:
+        raise HeadsteerValueError(f"--max-body-mb must be in (0, 4096], got {max_body_mb}")
+    if max_prompt_tokens < 0:
+        raise HeadsteerValueError(f"--max-prompt-tokens must be >= 0 (0 = no limit), got {max_prompt_tokens}")
     try:
         import uvicorn
     except ImportError:
@@ -352,7 +514,19 @@ def serve_command(
             "layers; drop --device"
         )
     hm = run.load(device_map=device_map)
-    app = create_app(hm, max_batch=max_batch, wait_s=batch_wait_ms / 1000)
+    app = create_app(
+        hm,
+        max_batch=max_batch,
+        wait_s=batch_wait_ms / 1000,
+        max_body_bytes=int(max_body_mb * 2**20),
+        max_prompt_tokens=max_prompt_tokens or None,
+    )
+    if not log.handlers:  # one line per request on stderr (after --json's line on stdout)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     url = f"http://{host}:{port}/v1"
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
