@@ -236,7 +236,7 @@ SequencesArg = EncodedPrompts | torch.Tensor | str | Sequence[str] | None
 
 def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedPrompts:
     """The batch to score: repeated random tokens (None), texts (plain, no chat template), a
-    `[B, T]` id tensor (no padding) or an `EncodedPrompts`."""
+    `[B, T]` id tensor (no padding), a list of id lists (left-padded here) or an `EncodedPrompts`."""
     if sequences is None:
         return repeated_tokens(model, seed=seed)
     if isinstance(sequences, EncodedPrompts):
@@ -249,6 +249,16 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
         if sequences.numel() == 0 or ((sequences < 0) | (sequences >= model.d_vocab)).any():
             raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
         return _pack(model, sequences.long().tolist())
+    if (
+        isinstance(sequences, Sequence)
+        and not isinstance(sequences, str)
+        and sequences
+        and all(isinstance(r, (list, tuple, torch.Tensor)) and not isinstance(r, str) for r in sequences)
+    ):
+        rows = [[int(x) for x in (r.tolist() if isinstance(r, torch.Tensor) else r)] for r in sequences]
+        if any(not r or min(r) < 0 or max(r) >= model.d_vocab for r in rows):
+            raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
+        return _pack(model, rows)
     if isinstance(sequences, str) or (
         isinstance(sequences, Sequence) and all(isinstance(s, str) for s in sequences)
     ):
@@ -310,7 +320,8 @@ def pattern_scores(
     Args:
         model: the model.
         sequences: None (default: 8 rows of [BOS] + R + R, `repeated_tokens(seed=seed)`), texts
-            (encoded plainly, no chat template), a `[B, T]` token tensor, or `EncodedPrompts`.
+            (encoded plainly, no chat template), a `[B, T]` token tensor, a list of token-id lists
+            (left-padded here), or `EncodedPrompts`.
         detectors: which of `PATTERN_DETECTORS` to return.
         rows: `"target"` (rows with a target key) or `"all"` (every real row, TransformerLens'
             normalisation); see the module docstring. Not used by `"entropy"`.
