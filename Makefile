@@ -1,5 +1,6 @@
 # make demo: create .venv, install, run the main job on the embedded model.
 # make test: create .venv if needed, run the whole test suite.
+# make docs: build the documentation site into site/ (open site/index.html).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.headsteer-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench results lint venv clean chromium
+.PHONY: demo test bench results lint docs venv clean chromium
 
 venv: $(STAMP)
 
@@ -34,6 +35,11 @@ chromium:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
+# The documentation site: mkdocs-material + mkdocstrings from the docstrings, warnings are errors,
+# no network (no web fonts, no CDN). Open site/index.html.
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean
+
 # head_scoring.py compares against a TransformerLens TransformerBridge loop: installed here only.
 bench: $(STAMP)
 	$(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[bench]'
@@ -52,4 +58,4 @@ results: $(STAMP)
 	benchmarks/eval_results.sh
 
 clean:
-	rm -rf $(VENV) out results
+	rm -rf $(VENV) out results site

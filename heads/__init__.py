@@ -1,6 +1,6 @@
 """headsteer's head-scoring core: model adapter, edit engine, spans, scores and scorers.
 
-Layering (DESIGN.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, `probes` <-
+Layering (docs/architecture.md, enforced by `tests/test_layering.py`): `heads` <- `steer`, `probes` <-
 `viz`. `heads` imports nothing from `steer`, `probes` or `viz`, not even inside a function.
 
 Where a head scorer lives, and why:

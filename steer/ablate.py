@@ -1,4 +1,4 @@
-"""Head ablation during generation (safety_heads.md §2 and §4).
+"""Head ablation during generation (docs/methods/ablation.md).
 
 `Ablate(heads, method="ua")` turns into engine edits for `SteeredModel.generate`: every
 chosen head is ablated at every position, prompt rows and each decode step.

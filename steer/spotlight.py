@@ -1,5 +1,5 @@
 """SpotLight: dynamic, target-proportion attention steering (Venkateswaran & Contractor,
-arXiv:2505.12025, EACL 2026; methods/spotlight.md).
+arXiv:2505.12025, EACL 2026; docs/methods/spotlight.md).
 
 In every steered layer the current share of attention on the emphasized span,
 psi = sum(W * m) / sum(W), is compared with a target tau; where psi < tau the span logits

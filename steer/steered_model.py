@@ -232,7 +232,7 @@ class SteeredModel:
         edits = [e for s in steer for e in s.edits(hm, enc)]
         take = getattr(steer[0], "take_prefill_cache", None) if len(steer) == 1 else None
         cache = take(enc) if callable(take) and generate_kwargs.get("use_cache", True) else None
-        if cache is not None:  # VHR's probe pass already holds the reinforced prompt (vhr.md §4)
+        if cache is not None:  # VHR's probe pass already holds the reinforced prompt (docs/methods/vhr.md)
             generate_kwargs["past_key_values"] = cache
         if seed is not None:
             torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""VAR: visual attention redistribution (Kang et al., ICLR 2025, arXiv:2503.03321; methods/var.md),
+"""VAR: visual attention redistribution (Kang et al., ICLR 2025, arXiv:2503.03321; docs/methods/var.md),
 for images and for a marked text context.
 
 In each edited layer, sinks are the key tokens whose residual state entering the layer has a
@@ -10,7 +10,7 @@ forward (prefill and each decode step) per batch row. For every (row, head, quer
 * non-sink image ratio r = sum_{j in I_v minus sinks} a_j / m; select when r >= rho (paper).
 
 In a selected row a fraction p of the mass on **all** sinks (text and image) moves to the
-non-sink image keys in proportion to their weights (var.md §2):
+non-sink image keys in proportion to their weights (docs/methods/var.md):
 a'_sink = (1 - p) a, a'_j = a_j + p * sum_sinks a * a_j / sum_{k in I_v minus sinks} a_k, every
 other key unchanged, so rows still sum to 1.
 
@@ -58,7 +58,7 @@ def var_redistribute(
     floor: float = 0.2,
     require_visual_sink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAR update of one attention call (var.md §2), vectorised over (row, head, query).
+    """The VAR update of one attention call (docs/methods/var.md), vectorised over (row, head, query).
 
     Args:
         probs: `[B, H, Q, K]` post-softmax pattern (fp32).
@@ -295,7 +295,7 @@ class Var:
     @classmethod
     def from_config(cls, config: Mapping) -> Var:
         """A `Var` from a dict of its arguments; unknown keys (e.g. the reference README's
-        `beta`) are rejected (var.md §6.8).
+        `beta`) are rejected (docs/methods/var.md).
 
         Raises:
             ValueError: an unknown key or a bad value.
@@ -312,7 +312,8 @@ class Var:
     @classmethod
     def from_reference(cls, rho_code: float, p_code: float, **kwargs) -> Var:
         """A `Var` from the reference code's complements: rho = 1 - rho_code (it tests visual-sink
-        mass / m <= rho_code), p = 1 - p_code (its `p` is the fraction kept) (var.md §2, issue #5)."""
+        mass / m <= rho_code), p = 1 - p_code (its `p` is the fraction kept)
+        (docs/methods/var.md; the reference's issue #5)."""
         return cls(rho=1 - _unit("rho_code", rho_code), p=1 - _unit("p_code", p_code), **kwargs)
 
     def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:

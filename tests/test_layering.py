@@ -1,4 +1,4 @@
-"""Layering as a tested rule (DESIGN.md, "Layout"): `heads` <- `steer`, `probes` <- `viz`.
+"""Layering as a tested rule (docs/architecture.md, "Layout"): `heads` <- `steer`, `probes` <- `viz`.
 
 Every module of `heads/`, `steer/`, `probes/` and `viz/` and every code cell of the notebooks
 is parsed with `ast`; every import is checked, also those inside functions, relative ones,

@@ -1,6 +1,6 @@
 """Edits: plain descriptions of what to change in which heads, applied by `heads.engine.context`.
 
-Every edit class declares its *site*, `site` (DESIGN.md, "Edit engine"); the engine
+Every edit class declares its *site*, `site` (docs/architecture.md, "The edit engine"); the engine
 dispatches through its site table (`heads.engine.context.SITES`):
 
 * `QueryEdit` (`"query"`): a function of each head's query as the attention function
@@ -287,7 +287,7 @@ class HeadScale(HeadOutputEdit):
     `positions` restricts the scaling to some query positions; None (default) scales every
     position. A position `p >= 0` is an absolute token position of the (left-padded)
     sequence, the same at prefill and at every decode step with or without a KV cache
-    (DESIGN.md): with a cache, position `p` of the prompt is scaled once, at prefill, and a
+    (positions are absolute): with a cache, position `p` of the prompt is scaled once, at prefill, and a
     generated token's position when that token is the new row. A negative `p` counts back
     from the last query row of each forward call: `-1` is the last position of a scoring
     forward, and with a KV cache also every newly generated token (so `-1` alone is not
@@ -367,7 +367,7 @@ class QueryScale(QueryEdit):
     The attention logits of the head become `factor * q.k / sqrt(d_head)`; with factor 0 the
     pattern is exactly uniform over the visible (causal, unpadded, in-window) keys. It acts after
     any QK-norm, which would otherwise undo it; RoPE is linear, so scaling before or after it
-    is the same (safety_heads.md §2). K and V, shared by a GQA group, are never touched.
+    is the same (docs/methods/ablation.md). K and V, shared by a GQA group, are never touched.
 
     Raises:
         TypeError / ValueError: a factor that is not a finite number.

@@ -3,7 +3,7 @@
 A *variant* is a set of `(layer, head)` pairs to intervene on (ablate, steer, calibrate).
 `evaluate_variants` runs M variants x N prompts as batch rows, `max_rows` per forward, each
 row with its own head mask, and returns one score per (variant, prompt). Three kinds of
-reuse make a sweep much cheaper than one forward per head (DESIGN.md, performance model):
+reuse make a sweep much cheaper than one forward per head (docs/architecture.md, "Batched variants"):
 
 * **Layer prefix.** A head in layer `l` changes nothing below `l`: each batch starts at the
   lowest layer its variants touch, from the clean residual stream entering that layer

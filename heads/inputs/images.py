@@ -3,7 +3,7 @@
 A vision-language model (LLaVA, Qwen2-VL, Idefics3 / SmolVLM) sees an image as a
 run of placeholder tokens in its language model's input, whose embeddings the
 model replaces by the vision tower's features. headsteer treats that run as a
-*span* (DESIGN.md, "Inputs with images"; methods/var.md §6.10): PASTA can
+*span* (docs/architecture.md, "Inputs with images"): PASTA can
 emphasise it, VAR/VHR read it.
 
 Image span per family (half-open token ranges, padded coordinates):

@@ -2,7 +2,7 @@
 
 `encode_prompts` turns user prompts (plain strings, chat message lists, or lists
 of them) into a left-padded batch with the token ranges of the emphasized spans
-in padded coordinates (methods/README.md, shared conventions).
+in padded coordinates (half-open `[start, end)` token ranges, never BOS or pad).
 """
 
 from __future__ import annotations

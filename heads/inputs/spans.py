@@ -1,6 +1,6 @@
 """Spans: emphasis markup, substring spans and character -> token ranges.
 
-Source: methods/pasta.md section 5 (span mapping) and pitfall 5. Character spans
+Source: docs/methods/pasta.md (half-open offsets, never BOS or pad). Character spans
 and token ranges are half-open `[start, end)`. A token belongs to a span when its
 character range overlaps it (`s < c_end and e > c_start`), so a token that ends
 exactly at the span start (adjacent punctuation, BOS at character 0) is excluded.

@@ -1,4 +1,4 @@
-"""Sink dimensions of the residual stream and per-layer sink tokens (VAR §2, §4; methods/var.md).
+"""Sink dimensions of the residual stream and per-layer sink tokens (VAR §2, §4; docs/methods/var.md).
 
 Massive activations (Sun et al. 2024, arXiv:2402.17762) live in a few fixed residual
 dimensions of a backbone (`D_sink`); a token whose residual state entering layer l has a
@@ -48,7 +48,7 @@ __all__ = [
 EPS = 1e-6
 
 KNOWN_SINK_DIMS: dict[tuple[str, int, int], tuple[int, ...]] = {
-    # (text model_type, hidden_size, num_hidden_layers) -> D_sink (var.md §2)
+    # (text model_type, hidden_size, num_hidden_layers) -> D_sink (docs/methods/var.md)
     ("llama", 4096, 32): (1415, 2533),  # LLaMA-2-7B / LLaVA-1.5-7B (reference code)
     ("llama", 5120, 40): (2100, 4743),  # 13B: LLaVA-1.5-13B / LLaVA-1.6-vicuna-13B (reference code)
     ("qwen2", 3584, 28): (458, 2570),  # Qwen2-VL-7B (paper; no code)
@@ -108,18 +108,18 @@ def sink_dims_for(model: HeadModel, dims: Sequence[int] | None = None) -> tuple[
 
 
 def default_tau(d_model: int) -> float:
-    """Sink threshold scaled to the width: 20 * sqrt(D / 4096) (var.md §3; 7.5 at D = 576)."""
+    """Sink threshold scaled to the width: 20 * sqrt(D / 4096) (docs/methods/var.md; 7.5 at D = 576)."""
     return 20.0 * math.sqrt(d_model / 4096)
 
 
 def sink_tau_for(model: HeadModel) -> float:
     """The sink threshold of `model`: calibrated (`CALIBRATED_TAU`) for known backbones, else
-    `default_tau(d_model)` (var.md §3: scale, then calibrate)."""
+    `default_tau(d_model)` (docs/methods/var.md: scale, then calibrate)."""
     return CALIBRATED_TAU.get(_key(model), default_tau(model.d_model))
 
 
 def sink_value(x: torch.Tensor, dims: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """phi(x) = max over `dims` of |x_d| / RMS(x) (var.md §2), in fp32.
+    """phi(x) = max over `dims` of |x_d| / RMS(x) (docs/methods/var.md), in fp32.
 
     Args:
         x: `[..., D]` residual states.
@@ -159,7 +159,7 @@ def find_sink_dims(
     max_dims: int = 3,
     min_ratio: float = 100.0,
 ) -> SinkDims:
-    """Find a backbone's sink dimensions (var.md §4, "Finding D_sink").
+    """Find a backbone's sink dimensions (docs/methods/var.md, "Finding D_sink").
 
     Runs `prompts` (20-50 generic texts; no chat template), takes the residual state entering
     each layer >= `from_layer` at the first token of each prompt, ranks dims by the median of
@@ -221,7 +221,7 @@ def find_sink_dims(
 
 
 class SinkTracker:
-    """Sink flags per layer and batch row, from the residual entering each layer (var.md §2, §4).
+    """Sink flags per layer and batch row, from the residual entering each layer (docs/methods/var.md).
 
     `observe(layer, hidden, offset)` sets the flags of key columns `offset .. offset + T` of
     layer `layer` from `hidden` `[B, T, D]`: phi >= tau (and column < `prefill_len` when

@@ -1,5 +1,5 @@
 """Attention sinks: per-head column statistics and sink detection (Yu et al., ICML 2024, ACT;
-methods/act.md §2), and massive activations of the residual stream.
+docs/methods/act.md), and massive activations of the residual stream.
 
 The sink score of key column j is the mean attention it receives from the real query rows
 that can see it, a_j = (sum over i >= j of A_ij) / n_j. Column j is a sink when
@@ -42,7 +42,7 @@ Exempt = Literal["position", "first_flagged"]
 
 @dataclass(frozen=True)
 class SinkRule:
-    """How sinks are flagged (see the module docstring). Defaults follow methods/act.md §3."""
+    """How sinks are flagged (see the module docstring). Defaults follow docs/methods/act.md"""
 
     rule: Rule = "relative"
     alpha_s: float = 5.0
@@ -148,7 +148,7 @@ def sink_stats(
     chat: bool | None = None,
     markup: bool = True,
 ) -> SinkStats:
-    """Per (layer, head) sink statistics of the prompts' prefill patterns (methods/act.md §2).
+    """Per (layer, head) sink statistics of the prompts' prefill patterns (docs/methods/act.md).
 
     Args:
         prompts: a prompt or a list (strings or chats), encoded as `SteeredModel.generate`

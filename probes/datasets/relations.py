@@ -1,4 +1,4 @@
-"""Relation pairs for MAPS (methods/maps.md §3), written for this project.
+"""Relation pairs for MAPS (docs/methods/maps.md), written for this project.
 
 `probes/data/relations.jsonl` holds one relation a line:
 `{"relation", "kind", "k_rule": "copy" | "default", "pairs": [[source, target], ...]}`.

@@ -1,4 +1,4 @@
-"""Harmful and harmless request sets for safety-head attribution (safety_heads.md §4-5).
+"""Harmful and harmless request sets for safety-head attribution (docs/methods/safety.md).
 
 Written for this project: short, AdvBench-style requests with no operational content
 (`probes/data/harmful.jsonl`) and matched everyday requests (`probes/data/harmless.jsonl`),

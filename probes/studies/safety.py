@@ -1,6 +1,6 @@
 """Safety heads and the attack success rate they explain, as one result object.
 
-`safety_analysis` runs the study of methods/safety_heads.md (Zhou et al., ICLR 2025,
+`safety_analysis` runs the study of docs/methods/safety.md (Zhou et al., ICLR 2025,
 arXiv:2410.13708): Ships (§3, Eq. 4-5), dataset-level Ships and Sahara (§4) on harmful
 requests, then the attack success rate (ASR) of greedy answers with no head, Sahara's first
 head, its first three heads, and random heads ablated (UA, exact). It lives in `probes/`
@@ -171,7 +171,7 @@ def safety_analysis(
     progress: ProgressArg = True,
     executor: str | Executor | None = None,
 ) -> SafetyAnalysis:
-    """Score safety heads and measure the ASR they explain (safety_heads.md §3-§5).
+    """Score safety heads and measure the ASR they explain (docs/methods/safety.md).
 
     Heads are scored on the first `n_score` prompts (Ships, dataset-level Ships in degrees,
     Sahara with `steps` greedy steps; UA ablation, eps 1e-5). ASR is measured on the held-out

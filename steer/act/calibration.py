@@ -1,4 +1,4 @@
-"""ACT head filtering (methods/act.md §4): calibrate one head at a time, keep the heads that help.
+"""ACT head filtering (docs/methods/act.md): calibrate one head at a time, keep the heads that help.
 
 For every candidate head (default: all heads of layers 2..L-2) ACT is applied to that head
 alone and a choice task is scored from last-position log-probs (the argmax over each choice's

@@ -1,4 +1,4 @@
-"""ACT: attention-sink calibration (Yu et al., ICML 2024, arXiv:2406.15765; methods/act.md).
+"""ACT: attention-sink calibration (Yu et al., ICML 2024, arXiv:2406.15765; docs/methods/act.md).
 
 On calibrated heads, every query row i moves mass away from the sink columns S:
 
@@ -48,7 +48,7 @@ DecodeSinks = Literal["frozen", "running"]
 
 
 def calibrate_rows(probs: torch.Tensor, sinks: torch.Tensor, beta: float) -> torch.Tensor:
-    """ACT's row calibration (methods/act.md §2). `probs` `[B, H, Q, K]`, `sinks` `[B, H, K]` bool.
+    """ACT's row calibration (docs/methods/act.md). `probs` `[B, H, Q, K]`, `sinks` `[B, H, K]` bool.
 
     Rows whose non-sink mass is 0 are returned unchanged.
     """

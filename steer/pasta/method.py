@@ -1,6 +1,6 @@
 """PASTA: post-hoc attention steering (Zhang et al., ICLR 2024, arXiv:2311.02262).
 
-Spec: methods/pasta.md. On the steered heads, the attention logits of prompt key
+Spec: docs/methods/pasta.md. On the steered heads, the attention logits of prompt key
 columns outside the emphasized set G get `+log(alpha)` (mode `exclude`), which
 equals the paper's Eq. 2 post-softmax rescaling with generated columns treated
 like G (never scaled). The bias is `[B, 1, 1, K]` per head, built per call, so
@@ -74,7 +74,7 @@ def pasta_column_bias(
     multi_span: MultiSpan = "union",
     spans: SpanTarget = "text",
 ) -> torch.Tensor:
-    """`[B, P]` log-factors that PASTA adds to prompt key columns (methods/pasta.md §2).
+    """`[B, P]` log-factors that PASTA adds to prompt key columns (docs/methods/pasta.md).
 
     G is the set of `spans` of each row: `"text"` (emphasized text, `enc.spans`),
     `"image"` (image-feature tokens, `enc.image_spans`) or `"both"`.
@@ -106,7 +106,7 @@ def pasta_column_bias(
 
 
 def check_alpha(alpha: float, scale_position: str = "exclude", *, stacklevel: int = 3) -> float:
-    """Check PASTA's `alpha` (methods/pasta.md: alpha in (0, 1) for emphasis, > 1 in include mode).
+    """Check PASTA's `alpha` (docs/methods/pasta.md: alpha in (0, 1) for emphasis, > 1 in include mode).
 
     Warns (`steer.noop.NoOpWarning`, a `UserWarning`) where alpha is legal but does not
     emphasize the span: alpha = 1 (a bitwise no-op, §8); `exclude` / `generation` with
@@ -164,7 +164,7 @@ class Pasta:
             prompt, `EncodedPrompts.image_spans`; each image is one span) or `"both"`.
 
     Frozen: make variants with `dataclasses.replace(pasta, alpha=...)`. An empty head
-    selection or alpha = 1 is a bitwise no-op (methods/pasta.md §8).
+    selection or alpha = 1 is a bitwise no-op (docs/methods/pasta.md).
 
     Raises:
         ValueError: alpha not finite or <= 0; unknown mode; bad heads (when applied).

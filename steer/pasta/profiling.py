@@ -1,4 +1,4 @@
-"""PASTA head profiling (Zhang et al., ICLR 2024, §3.2 Algorithm 1; methods/pasta.md §4).
+"""PASTA head profiling (Zhang et al., ICLR 2024, §3.2 Algorithm 1; docs/methods/pasta.md).
 
 It lives beside PASTA in `steer/` (not in `heads/`) because it scores heads with PASTA's own
 edit (`steer.pasta.method.PastaBias`); `heads` imports nothing from `steer`.

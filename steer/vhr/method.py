@@ -1,5 +1,5 @@
 """VHD and VHR: vision-aware head divergence and head reinforcement (He et al., ACL 2025,
-arXiv:2412.13949; methods/vhr.md), for images and for a marked text context.
+arXiv:2412.13949; docs/methods/vhr.md), for images and for a marked text context.
 
 VHD of head i in layer l is the Euclidean distance between the head's output (its slice of
 the `o_proj` input, `[d_head]`) at the last prompt position with and without the image (or
@@ -9,7 +9,7 @@ context passage): VHD_{l,i} = ||A_{l,i}(x_V, x_T) - A_{l,i}(x_T)||_2 (§2).
 VHD after outlier zeroing (VHD > mu + sigma *and* TA = ||A(no image)||^2 > mu + sigma, population
 std), and scales their outputs by alpha at every prompt row and every decode step.
 
-Both branches run as two rows of **one** batched prefill (vhr.md §4): row b holds sample b
+Both branches run as two rows of **one** batched prefill (docs/methods/vhr.md): row b holds sample b
 with its image, row B + b the same prompt with every image token removed (left-padded to the
 same length, positions counted over real tokens, so both rows end at the same query token).
 A head-output edit in each target layer computes VHD from the two rows' last positions,
@@ -60,7 +60,7 @@ def _check_without(without_image: object) -> None:
 
 
 def default_vhr_layers(n_layers: int) -> list[int]:
-    """{1} plus the last round(14 L / 32) layers (vhr.md §3; LLaVA-1.5's {1} + 18..31 at L = 32).
+    """{1} plus the last round(14 L / 32) layers (docs/methods/vhr.md; LLaVA-1.5's {1} + 18..31 at L = 32).
 
     SmolLM2 (L = 30): [1, 17, ..., 29]; a 2-layer model: [1].
     """
@@ -72,7 +72,7 @@ def default_vhr_layers(n_layers: int) -> list[int]:
 def select_heads_vhd(
     vhd: torch.Tensor, ta: torch.Tensor, *, outliers: bool = True, ddof: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """VHR's per-layer head selection (vhr.md §2, "Outlier removal" and "Selection").
+    """VHR's per-layer head selection (docs/methods/vhr.md, "Outlier removal" and "Selection").
 
     Args:
         vhd: `[..., H]` VHD of each head (fp32).
@@ -99,7 +99,7 @@ def select_heads_vhd(
 
 
 def t_vhd(vhd: torch.Tensor, k: int = 4, *, reduce: Literal["sum", "mean"] = "sum") -> torch.Tensor:
-    """T-VHD (analysis only, vhr.md §2): sum over layers of the top-k VHD in each layer.
+    """T-VHD (analysis only, docs/methods/vhr.md): sum over layers of the top-k VHD in each layer.
 
     Args:
         vhd: `[..., L, H]` VHD (NaN entries, e.g. unscored layers, count as 0).
@@ -149,7 +149,7 @@ def no_span_rows(model: HeadModel, enc: EncodedPrompts, spans: list[list[tuple[i
 
     Every token of `spans` is dropped, and so are runs of image-framing marker tokens
     (Qwen2-VL `<|vision_start|>`/`<|vision_end|>`, Idefics3 `<fake_token_around_image>`,
-    `<global-img>`, `<row_i_col_j>`) that touch a dropped span (vhr.md §6.5).
+    `<global-img>`, `<row_i_col_j>`) that touch a dropped span (docs/methods/vhr.md).
     """
     keep = enc.attention_mask.bool().clone()
     markers = _marker_ids(model)
@@ -187,10 +187,10 @@ def probe_inputs(
 ) -> dict[str, torch.Tensor]:
     """Model inputs of VHR's probe batch: `2B` rows `[with image (enc's rows); without]`, width P.
 
-    `without_image="delete"` (default, vhr.md §2): the without-image rows keep every text token
+    `without_image="delete"` (default, docs/methods/vhr.md): the without-image rows keep every text token
     (template included) in order, drop the image tokens (`no_span_rows`) and `pixel_values`
     for them, are left-padded to P, and get positions counted over their real tokens, so both
-    rows of a sample end at index P - 1 on the same query token (vhr.md §4, §6.4). For M-RoPE
+    rows of a sample end at index P - 1 on the same query token (docs/methods/vhr.md). For M-RoPE
     models (Qwen2-VL) positions come from the model's own `get_rope_index` on the probe
     batch: removing the image renumbers them.
 
@@ -262,13 +262,13 @@ class VhrSelection:
     selections: int = 0
 
     def counts(self) -> torch.Tensor:
-        """`[B, len(layers)]` number of selected heads per sample and target layer (vhr.md §6.8)."""
+        """`[B, len(layers)]` number of selected heads per sample and target layer (docs/methods/vhr.md)."""
         return torch.stack([self.heads[la].sum(-1) for la in self.layers], dim=-1)
 
 
 @dataclass(eq=False, repr=False)
 class VhdProbe(HeadOutputEdit):
-    """The probe-pass head-output edit of one layer: VHD, selection and scaling (vhr.md §4).
+    """The probe-pass head-output edit of one layer: VHD, selection and scaling (docs/methods/vhr.md).
 
     It runs on the `2B`-row probe batch (rows `:B` with image, `B:` without). It measures VHD
     and TA at the last position; in a target layer (`select=True`) it selects and returns the
@@ -323,13 +323,13 @@ class Vhr:
             (the emphasized context passage) or `"auto"` (image spans where the batch has
             any, else the emphasized text; default).
         reinforce_without: also reinforce the without-image row in earlier layers (default
-            True, vhr.md §3; False: only the with-image row).
+            True, docs/methods/vhr.md; False: only the with-image row).
         outliers: apply the outlier zeroing (default True).
         ddof: std correction for the outlier rule (0 = population, default).
         reuse_cache: keep the probe pass's KV cache of the with-image rows (text prompts) so
             that `SteeredModel.generate` does not prefill them again: VHR then costs one extra
-            prefill row per prompt (vhr.md §4). Default True.
-        without_image: how the without-image (without-context) row is built (vhr.md §2):
+            prefill row per prompt (docs/methods/vhr.md). Default True.
+        without_image: how the without-image (without-context) row is built (docs/methods/vhr.md):
             `"delete"` (default) removes the image / passage tokens and renumbers positions
             contiguously; `"mask"` keeps every token and position and masks the image /
             passage out of attention (zero attention from every query).
@@ -388,7 +388,7 @@ class Vhr:
 
     @torch.no_grad()
     def select(self, model: HeadModel, enc: EncodedPrompts) -> VhrSelection:
-        """Run the batched probe prefill on `enc` and select heads per sample (vhr.md §4).
+        """Run the batched probe prefill on `enc` and select heads per sample (docs/methods/vhr.md).
 
         Returns:
             `VhrSelection` (heads per target layer, VHD and TA at every layer, probe logits).

@@ -1,4 +1,4 @@
-"""T-VHD per decode step (He et al., ACL 2025, arXiv:2412.13949, §2 "T-VHD"; methods/vhr.md §2).
+"""T-VHD per decode step (He et al., ACL 2025, arXiv:2412.13949, §2 "T-VHD"; docs/methods/vhr.md).
 
 `vhd_trace` decodes greedily from the with-image prompt and, at every generated position t,
 measures the VHD of every head, `||A_{l,i}(y_t | y_<t, x_V, x_T) - A_{l,i}(y_t | y_<t, x_T)||_2`,
@@ -91,7 +91,7 @@ def vhd_trace(
     without_image: WithoutImage = "delete",
     use_cache: bool = True,
 ) -> VhdTrace:
-    """VHD of every head and T-VHD at every generated token (vhr.md §2, analysis only).
+    """VHD of every head and T-VHD at every generated token (docs/methods/vhr.md, analysis only).
 
     Args:
         model: a `HeadModel` (text, or vision-language with a processor).

@@ -1,4 +1,4 @@
-"""The edit engine: DESIGN.md invariants on tiny random models."""
+"""The edit engine: the invariants of docs/architecture.md on tiny random models."""
 
 import pytest
 import torch
@@ -86,7 +86,7 @@ def test_rows_sum_to_one_and_masked_keys_stay_zero(tiny_llama, enc):
 
 
 def test_head_output_zero_equals_zeroed_pattern(tiny_llama, enc):
-    """Oracle from ENVIRONMENT.md: zeroing o_proj-input slices == zeroing post-softmax rows."""
+    """Oracle: zeroing a head's o_proj-input slice == zeroing its post-softmax rows."""
     with editing(tiny_llama, [HeadScale(layer=1, heads=[2], factor=0.0)]):
         a = forward(tiny_llama, enc)
     with editing(tiny_llama, [ZeroRow(layer=1, heads=[2])]):

@@ -1,4 +1,4 @@
-"""MAPS (methods/maps.md §7 acceptance checks) on tiny random models."""
+"""MAPS (the rules of docs/methods/maps.md) on tiny random models."""
 
 import copy
 import json

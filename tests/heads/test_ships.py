@@ -1,4 +1,4 @@
-"""Safety-head scoring (methods/safety_heads.md §7 acceptance checks) on tiny random models."""
+"""Safety-head scoring (the rules of docs/methods/safety.md) on tiny random models."""
 
 import math
 
@@ -65,7 +65,7 @@ def test_ua_exact_is_uniform_causal_and_cumulative_mean(tiny_llama, tokenizer):
 
 
 def test_ua_exact_output_is_cumulative_mean_of_values(tiny_llama, tokenizer):
-    """safety_heads.md: with q = 0 the head outputs the running mean of its KV head's values."""
+    """docs/methods/ablation.md: with q = 0 the head outputs the running mean of its KV head's values."""
     enc = encode_prompts(tokenizer, ["a b c d e f"], chat=False)
     attn, d = tiny_llama.attentions[1], tiny_llama.d_head
     seen = {}

@@ -1,4 +1,5 @@
-"""Span mapping: markup, substrings, char -> token ranges (methods/pasta.md §5, pitfall 5)."""
+"""Span mapping: markup, substrings, char -> token ranges (docs/methods/pasta.md: half-open offsets,
+never BOS or pad)."""
 
 import random
 

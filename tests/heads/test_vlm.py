@@ -1,6 +1,6 @@
 """Images in the inputs, end to end on tiny random-weight LLaVA, Qwen2-VL and Idefics3 models.
 
-DESIGN.md "Inputs with images"; methods/var.md §6.10 (image span per family).
+docs/architecture.md, "Inputs with images" (image span per family).
 The models are built from configs in code (tests/vlm_models.py): no download.
 """
 
@@ -218,7 +218,7 @@ def test_left_padded_batch_generation_equals_single_runs(vlm):
 
 def test_pasta_raises_attention_mass_on_the_image(vlm):
     """At layer 0 (same inputs) a steered head's image mass m becomes m / (m + alpha (1 - m))
-    (methods/pasta.md §2 with G = the image span); unsteered heads stay bitwise equal."""
+    (docs/methods/pasta.md with G = the image span); unsteered heads stay bitwise equal."""
     enc = enc2(vlm)
     plain, steered = Recorder(layer=0), Recorder(layer=0)
     with editing(vlm, [plain]):

@@ -1,4 +1,4 @@
-"""The keyword refusal judge on hand-written cases (safety_heads.md §7)."""
+"""The keyword refusal judge on hand-written cases (docs/methods/safety.md)."""
 
 import pytest
 

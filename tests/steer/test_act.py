@@ -1,4 +1,4 @@
-"""ACT sink calibration and sink statistics (methods/act.md §7) on tiny random models."""
+"""ACT sink calibration and sink statistics (docs/methods/act.md) on tiny random models."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""PASTA (methods/pasta.md §8 acceptance checks) on a tiny random Llama with GQA 4:2."""
+"""PASTA (the rules of docs/methods/pasta.md) on a tiny random Llama with GQA 4:2."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""PASTA head profiling (methods/pasta.md §4, §9) on tiny random models."""
+"""PASTA head profiling (docs/methods/pasta.md) on tiny random models."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""SpotLight (methods/spotlight.md §9) on a tiny random Llama with GQA."""
+"""SpotLight (docs/methods/spotlight.md) on a tiny random Llama with GQA."""
 
 import pytest
 import torch

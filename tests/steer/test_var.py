@@ -1,4 +1,4 @@
-"""VAR and sink dims (methods/var.md §6 pitfalls and §7 acceptance checks) on tiny random models."""
+"""VAR and sink dims (the rules of docs/methods/var.md) on tiny random models."""
 
 from __future__ import annotations
 
@@ -398,7 +398,7 @@ def test_eval_harness_runs_var_and_vhr(smol):
         assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
 
 
-# --------------------------------------------------------------------------- pitfalls (var.md §6)
+# ------------------------------------------------------- the reference code's pitfalls (docs/methods/var.md)
 def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
     """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
     inputs, while the layer before it is edited; without skip_last the last layer changes too."""
@@ -500,7 +500,7 @@ def test_gqa_weights_per_query_head_values_repeated(llama):
 
 
 def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
-    """§6.11 (vhr.md §6.9): a LLaVA folder in the older module layout (`language_model.model.
+    """Module paths: a LLaVA folder in the older module layout (`language_model.model.
     layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
     current layout (`model.language_model.layers...`) load to the same model, with the heads
     found at `model.model.language_model`, so VAR and VHR edit the same layers."""
@@ -542,7 +542,7 @@ def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
 
 # --------------------------------------------------------------------------- fast paths = plain formula
 def _plain_var(probs, sink, region, eligible, *, rho=0.5, p=0.6, floor=0.2, require_visual_sink=False):
-    """var.md §2 written plainly over every row (the formulation before the speed work)."""
+    """docs/methods/var.md written plainly over every row (the formulation before the speed work)."""
     w = probs.float()
     sink_k, img_k = sink[:, None, None, :], region[:, None, None, :]
     free_k = img_k & ~sink_k

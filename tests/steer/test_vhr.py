@@ -1,4 +1,4 @@
-"""VHD / VHR (methods/vhr.md §6 pitfalls and §7 acceptance checks) on tiny random models."""
+"""VHD / VHR (the rules of docs/methods/vhr.md) on tiny random models."""
 
 from __future__ import annotations
 

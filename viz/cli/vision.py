@@ -166,7 +166,7 @@ def vision_generate(
         typer.Option(
             "--without-image",
             help="VHR's second probe row: 'delete' the image / passage (renumber positions) or 'mask' it "
-            "(keep positions; vhr.md section 1)",
+            "(keep positions; docs/methods/vhr.md)",
         ),
     ] = "delete",
 ) -> dict:

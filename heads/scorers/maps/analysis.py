@@ -1,6 +1,6 @@
 """MAPS analysis: static maps of every head, validated against inference, as one result object.
 
-`maps_analysis` runs the whole MAPS study of methods/maps.md on a model: the static relation
+`maps_analysis` runs the whole MAPS study of docs/methods/maps.md on a model: the static relation
 and suppression scores of every head (§2, §4), the dynamic scores on neutral templates and
 their Pearson r against the static ones (§5), and the causal ablation check per relation
 (§5), plus the top heads per relation with `describe()` and the salient operations of the
@@ -157,7 +157,7 @@ def maps_analysis(
     n_prompts: int = 30,
     progress: ProgressArg = True,
 ) -> MapsAnalysis:
-    """Run the MAPS study (Elhelo & Geva, ACL 2025; methods/maps.md §2-§5) on every head.
+    """Run the MAPS study (Elhelo & Geva, ACL 2025; docs/methods/maps.md) on every head.
 
     Args:
         model: the model (with a tokenizer: the dynamic scores and the ablation run prompts).

@@ -1,4 +1,4 @@
-"""MAPS validated against inference (methods/maps.md §5): dynamic scores and causal ablation."""
+"""MAPS validated against inference (docs/methods/maps.md): dynamic scores and causal ablation."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ TEMPLATES = (
     "This is a document about {x}",
     "When I think about {x} I think about",
 )
-"""Neutral templates carrying the source <X> (maps.md §5, Experiment 1)."""
+"""Neutral templates carrying the source <X> (docs/methods/maps.md, Experiment 1)."""
 
 DYNAMIC_MAX_PAIRS = 12
 """Pairs per relation that `dynamic_scores` fills into the templates by default."""
@@ -85,7 +85,7 @@ def dynamic_scores(
     For each pair, the template is filled with the source word; the head's real output at
     the last position, `z_h W_O^h` (no bias), is projected with U (no final norm) and scores
     1 when the target is in its top-k (ties: lowest id). Averaged over the first
-    `max_pairs` pairs of each relation (the "with context" variant of maps.md §5).
+    `max_pairs` pairs of each relation (the "with context" variant of docs/methods/maps.md).
 
     `progress`: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
     (`heads._util.progress`) in steps: one per forward (template x batch of `batch_size`
@@ -187,7 +187,7 @@ def relation_accuracy(
 ) -> float:
     """Few-shot accuracy on the relation (`src -> tgt` lines; argmax next token == target).
 
-    `heads` are zero-ablated at the last position only (maps.md §5, Experiment 2).
+    `heads` are zero-ablated at the last position only (docs/methods/maps.md, Experiment 2).
     """
     n_prompts, batch_size = positive_int(n_prompts, "n_prompts"), positive_int(batch_size, "batch_size")
     if isinstance(n_shots, bool) or not isinstance(n_shots, int) or n_shots < 0:
@@ -243,7 +243,7 @@ def ablation_check(
 ) -> AblationResult:
     """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
 
-    n is at most `n_heads` (default by model size, maps.md §5: 30 below 300 heads) and
+    n is at most `n_heads` (default by model size, docs/methods/maps.md: 30 below 300 heads) and
     at most half of all heads, so that as many other heads remain for the random draws.
     Relations whose base accuracy is below `min_base` are skipped.
 

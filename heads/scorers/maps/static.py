@@ -1,6 +1,6 @@
 """MAPS: attention-head functionality from parameters (Elhelo & Geva, ACL 2025, arXiv:2412.11965).
 
-Spec: methods/maps.md. Head h maps source token s to target t with strength
+Spec: docs/methods/maps.md. Head h maps source token s to target t with strength
 `M^h[s, t] = (Ẽ[s] W_V^kv(h) W_O^h) · U[:, t]`, the OV circuit projected to the
 vocabulary (§2). `M` is never materialised: per layer, `W_O U` (`[n_heads * d_head,
 d_vocab]`) is formed once and every head's rows are `(Ẽ[src] W_V) (W_O^h U)`.
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 IMPLEMENTS_THRESHOLD = 0.15
-"""A head "implements" a relation when its relation score is >= 0.15 (maps.md §3)."""
+"""A head "implements" a relation when its relation score is >= 0.15 (docs/methods/maps.md)."""
 
 
 def positive_int(value, what: str) -> int:
@@ -125,7 +125,7 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
 def source_representations(
     model: HeadModel, token_ids: torch.Tensor, layer: int, *, apply_first_mlp: bool = True
 ) -> torch.Tensor:
-    """Ẽ rows `[n, d_model]` (fp32) for source tokens seen by heads of `layer` (maps.md §2)."""
+    """Ẽ rows `[n, d_model]` (fp32) for source tokens seen by heads of `layer` (docs/methods/maps.md)."""
     e = model.W_E[token_ids.to(model.W_E.device)].float()
     if layer == 0 or not apply_first_mlp:
         return e
@@ -284,7 +284,7 @@ def maps_scores(
     pair_chunk: int = 1024,
     progress: ProgressArg = True,
 ) -> MapsScores:
-    """Static MAPS relation and suppression scores of every head (maps.md §2, §4).
+    """Static MAPS relation and suppression scores of every head (docs/methods/maps.md).
 
     Args:
         model: the model (weights only; no forward pass over prompts).
@@ -370,7 +370,7 @@ def salient_operations(
     apply_first_mlp: bool = True,
     chunk: int = 8192,
 ):
-    """The head's most amplified source tokens and their top mapped targets (maps.md §2).
+    """The head's most amplified source tokens and their top mapped targets (docs/methods/maps.md).
 
     sigma_t = ||ẽ_t W_V W_O^h|| / ||ẽ_t|| over the whole vocabulary (computed through
     the Gram matrix of W_O^h, never forming |V| x d_model products); for the top `k_s`

@@ -4,7 +4,7 @@ Sources: Nanda 2023, *Attribution patching*; Syed, Rager & Conmy 2023, *Attribut
 Outperforms Automated Circuit Discovery*; Kramár, Lieberum, Shah & Nanda 2024, *AtP\\*: An
 efficient and scalable method for localizing LLM behaviour to components* (arXiv:2403.00745),
 §3.1 (AtP), §3.1.1 (attention saturation), §3.1.2 (GradDrop). Exact counterpart:
-`heads.scorers.safety.ships.ships` (methods/safety_heads.md).
+`heads.scorers.safety.ships.ships` (docs/methods/safety.md).
 
 For every head `(l, h)` and prompt `b`, the effect of an ablation on a metric `m` of the
 last-position log-probs is estimated to first order in the head's output `z` (the input of

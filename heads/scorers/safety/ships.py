@@ -1,6 +1,6 @@
 """Safety-head attribution: Ships, dataset-level Ships and Sahara (Zhou et al., ICLR 2025).
 
-Spec: methods/safety_heads.md. Source: *On the Role of Attention Heads in Large Language
+Spec: docs/methods/safety.md. Source: *On the Role of Attention Heads in Large Language
 Model Safety*, arXiv:2410.13708, §3 (Ships, Eq. 4-5), §4 (Sahara), App. D (prompt format).
 
 All scorers evaluate many head *variants* (sets of ablated heads) in one forward pass:
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 TEMPLATE = "Query: {query}\nAnswer:"
-"""The one prompt template (no chat template, no system prompt: safety_heads.md §4)."""
+"""The one prompt template (no chat template, no system prompt: docs/methods/safety.md)."""
 
 Ablation = Literal["ua", "sc"]
 Head = tuple[int, int]
@@ -394,7 +394,7 @@ def dataset_ships(
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
-    left singular vectors of M_base and M_ablated (safety_heads.md §3). Radians unless
+    left singular vectors of M_base and M_ablated (docs/methods/safety.md). Radians unless
     `degrees=True` (ranking is the same). `shard` and `executor` as in `ships`. `progress`
     (default True: a tqdm bar; False off; or `progress(done, total)`) counts (head, prompt)
     rows as in `ships`.
@@ -473,7 +473,7 @@ def sahara(
     max_rows: int = 64,
     progress: ProgressArg = True,
 ) -> SaharaResult:
-    """Sahara: greedy head-group search by dataset-level Ships (safety_heads.md §3).
+    """Sahara: greedy head-group search by dataset-level Ships (docs/methods/safety.md).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
