@@ -91,9 +91,9 @@ def _roles_by_layer(atlas: HeadAtlas) -> go.Figure:
 def _png(thumb: torch.Tensor) -> str:
     from PIL import Image
 
-    a = thumb.float()
-    a = (255 * (1 - a / a.max().clamp(min=1e-6))).clamp(0, 255).to(torch.uint8).numpy()
-    img = Image.fromarray(a, mode="L").resize((72, 72), Image.NEAREST)
+    t = thumb.float()
+    a = (255 * (1 - t / t.max().clamp(min=1e-6))).clamp(0, 255).to(torch.uint8).numpy()
+    img = Image.fromarray(a, mode="L").resize((72, 72), Image.Resampling.NEAREST)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
@@ -156,7 +156,7 @@ def render_atlas_report(atlas: HeadAtlas, params: dict | None = None) -> Report:
     thr = ", ".join(f"{k} >= {v:g}" for k, v in atlas.thresholds.items())
     rep.text(
         "Method",
-        "Each head gets the role whose detector score is highest among those at or above their threshold "
+        "Each head gets the first role, in this order, whose detector score reaches its threshold "
         f"({thr}), else 'none'. Detectors: attention on [BOS] + R + R random-token rows (previous-token, "
         "duplicate-token, induction, self, entropy), the OV circuit (copying; successor on ordinal "
         "sequences), and the needle copy-paste rate on needle-in-a-haystack prompts (retrieval).",

@@ -6,18 +6,20 @@ probe accuracy, patching scores of a task, VHD, lens KL), one column each, over
 `layer, head, kv_head`. It computes nothing that needs `steer` or `probes` (layering): scores
 from there are passed in as `HeadScores` (e.g. `scores={"patching": patch_scores}`).
 
-Role label (Dodrio's head-role overview, Wang et al. 2021): among the roles in `thresholds`
-whose score reaches its threshold, the one with the highest score (a tie goes to the role
-listed first: induction before retrieval, since a retrieval head on a repeated needle is also
-an induction head); `"none"` when no role reaches its threshold. Default thresholds
-(`ROLE_THRESHOLDS`), for scores in [0, 1]:
+Role label (Dodrio's head-role overview, Wang et al. 2021): the roles in `thresholds` are
+checked in order and the first whose score reaches its threshold is the head's role; `"none"`
+when none does. The order puts the more specific mechanism first, because the scores come from
+different data and are not comparable: an induction head also copies needles (high retrieval
+score) and may park most of its attention on the first token of plain text (high sink mass),
+so induction wins over retrieval and sink; sink is the last resort. Default order and
+thresholds (`ROLE_THRESHOLDS`), for scores in [0, 1]:
 
 | role | score | threshold |
 |---|---|---|
 | induction | attention to the token after an earlier occurrence (target rows) | 0.5 |
-| previous_token | attention to position t - 1 | 0.5 |
-| duplicate_token | attention to earlier copies of the token | 0.5 |
 | successor | succession score (OV, top-1 among the sequence's tokens) | 0.5 |
+| duplicate_token | attention to earlier copies of the token | 0.5 |
+| previous_token | attention to position t - 1 | 0.5 |
 | retrieval | needle copy-paste rate | 0.3 |
 | self | attention to the own position | 0.5 |
 | sink | attention mass on the first token (`first_token_mass`) | 0.8 |
@@ -52,31 +54,31 @@ __all__ = ["ROLE_THRESHOLDS", "HeadAtlas", "head_atlas", "pattern_thumbnails", "
 
 ROLE_THRESHOLDS: dict[str, float] = {
     "induction": 0.5,
-    "previous_token": 0.5,
-    "duplicate_token": 0.5,
     "successor": 0.5,
+    "duplicate_token": 0.5,
+    "previous_token": 0.5,
     "retrieval": 0.3,
     "self": 0.5,
     "sink": 0.8,
 }
-"""Default role thresholds (see the module docstring); the column `sink` is the first-token mass."""
+"""Default roles in precedence order with their thresholds (see the module docstring); the column
+`sink` is the first-token mass."""
 
 ATLAS_SCHEMA = "headsteer/head-atlas"
 
 
 def role_labels(frame: pd.DataFrame, thresholds: Mapping[str, float] = ROLE_THRESHOLDS) -> pd.Series:
-    """One role per row of `frame`: the role column with the highest score among those at or above
-    their threshold (ties: the first in `thresholds`), else `"none"`. Missing columns are skipped."""
+    """One role per row of `frame`: the first role of `thresholds` (in its order) whose column reaches
+    its threshold, else `"none"`. Missing columns are skipped."""
     roles = [r for r in thresholds if r in frame.columns]
     out = []
     for _, row in frame.iterrows():
-        best, best_score = "none", -math.inf
+        best = "none"
         for r in roles:
             v, t = row[r], thresholds[r]
-            if v is None or (isinstance(v, float) and math.isnan(v)) or v < t:
-                continue
-            if float(v) > best_score:
-                best, best_score = r, float(v)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)) and v >= t:
+                best = r
+                break
         out.append(best)
     return pd.Series(out, index=frame.index, name="role")
 

@@ -661,14 +661,15 @@ def needle_prompts(
         else:
             cand = _candidates(model)
             perm = cand[torch.randperm(len(cand), generator=g)]
-            key, val = perm[:2].tolist(), perm[2 : 2 + needle_words].tolist()
+            key_ids: list[int] = perm[:2].tolist()
+            val_ids: list[int] = perm[2 : 2 + needle_words].tolist()
             rest = perm[2 + needle_words :]  # the haystack never holds a key or needle token
             hay = rest[torch.randint(len(rest), (4 * n_filler,), generator=g)].tolist()
             depth = int(torch.randint(len(hay) + 1, (1,), generator=g))
-            head = ([bos] if bos is not None else []) + hay[:depth] + key
-            row = head + val + hay[depth:] + key + val
-            needles.append((len(head), len(head) + len(val)))
-            answers.append((len(row) - len(val), len(row)))
+            head = ([bos] if bos is not None else []) + hay[:depth] + key_ids
+            row = head + val_ids + hay[depth:] + key_ids + val_ids
+            needles.append((len(head), len(head) + len(val_ids)))
+            answers.append((len(row) - len(val_ids), len(row)))
         rows.append(row)
     batch = _pack(model, rows)
     pads = [batch.length - len(r) for r in rows]

@@ -394,12 +394,12 @@ def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tenso
             f"{LENS_SCHEMA_VERSION}"
         )
     lens = AttentionLens(
-        [tuple(h) for h in header["heads"]],  # type: ignore[misc]
+        [(int(h[0]), int(h[1])) for h in header["heads"]],
         header["form"],
         tensors.pop("weight"),
         tensors.pop("bias"),
         header["model"],
-        tuple(header["geometry"]),  # type: ignore[arg-type]
+        tuple(int(x) for x in header["geometry"]),  # type: ignore[arg-type]
         header.get("params", {}),
         header.get("history", []),
         tensors.pop("held_out_kl", None),
