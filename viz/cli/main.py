@@ -271,6 +271,34 @@ def report_maps(
     return {"html": str(out), **summary}
 
 
+@command(report_app, "atlas")
+def report_atlas(
+    run: Run,
+    out: Annotated[Path, typer.Option(help="HTML file to write (a CSV of the table is written beside it)")],
+    lens: Annotated[
+        Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
+    ] = None,
+    maps: Annotated[bool, typer.Option(help="MAPS relation scores (the best relation column)")] = True,
+) -> dict:
+    """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
+    from viz.reports.atlas import atlas_report, atlas_steps
+
+    if lens is not None and not lens.is_file():
+        raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
+    out = run.output(out, suffixes=HTML)
+    csv = run.output(out.with_suffix(".csv"))
+    hm = run.load()
+    with run.progress(atlas_steps(), "head atlas") as step:
+        _, summary = atlas_report(hm, out, lens=lens, maps=maps, overwrite=run.force, progress=step, csv=csv)
+    table = Table(title="Head roles")
+    table.add_column("role")
+    table.add_column("heads")
+    for role, n in summary["roles"].items():
+        table.add_row(escape(role), str(n))
+    run.show(table)
+    return {"html": str(out), "csv": str(csv), **summary}
+
+
 @command(report_app, "safety")
 def report_safety(
     run: Run,

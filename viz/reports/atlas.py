@@ -1,0 +1,271 @@
+"""`headsteer report atlas`: every head's role and scores on one page (Dodrio-style overview).
+
+The numbers come from `heads.scorers.roles.head_atlas` (a `HeadAtlas`); `atlas_report` also
+gathers what needs `probes` / `steer` (sink statistics on the shipped corpus, MAPS relations,
+PASTA's shipped profile as a 0/1 column) and this module draws them (`render_atlas_report`):
+a role map of all heads, roles per layer, a filterable table, and one card per head with its
+pattern thumbnail, scores and (with a lens) its top lens tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+
+import plotly.graph_objects as go
+import torch
+
+from heads import HeadModel
+from heads._util.files import check_output
+from heads._util.progress import ProgressArg, progress_callback
+from heads.results.scores import HeadScores
+from heads.scorers.roles import AttentionLens, HeadAtlas, detect_roles, head_atlas
+from viz.reports.base import Report
+
+__all__ = ["atlas_report", "atlas_steps", "render_atlas_report"]
+
+_COLORS = {
+    "induction": "#d62728",
+    "previous_token": "#1f77b4",
+    "duplicate_token": "#9467bd",
+    "successor": "#2ca02c",
+    "retrieval": "#ff7f0e",
+    "self": "#8c564b",
+    "sink": "#7f7f7f",
+    "none": "#f0f0f0",
+}
+
+
+class _AtlasReport(Report):
+    def block(self, heading: str, body: str, note: str | None = None) -> _AtlasReport:
+        """A section of ready HTML (`body` is trusted: built here with escaped values)."""
+        n = f"<p class='note'>{html.escape(note)}</p>" if note else ""
+        self._parts.append(f"<h2>{html.escape(heading)}</h2>{n}{body}")
+        return self
+
+
+def _role_map(atlas: HeadAtlas) -> go.Figure:
+    f = atlas.frame
+    roles = [r for r in _COLORS if r in set(f["role"])]
+    code = {r: i for i, r in enumerate(roles)}
+    n_layers, n_heads = int(f["layer"].max()) + 1, int(f["head"].max()) + 1
+    z = [[0] * n_heads for _ in range(n_layers)]
+    text = [[""] * n_heads for _ in range(n_layers)]
+    for r in f.itertuples():
+        z[r.layer][r.head] = code[r.role]
+        text[r.layer][r.head] = r.role
+    n = max(len(roles), 1)
+    scale = []
+    for i, r in enumerate(roles):
+        scale += [[i / n, _COLORS[r]], [(i + 1) / n, _COLORS[r]]]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n_heads)),
+            y=list(range(n_layers)),
+            text=text,
+            zmin=-0.5,
+            zmax=n - 0.5,
+            colorscale=scale or [[0, "#f0f0f0"], [1, "#f0f0f0"]],
+            colorbar={"tickvals": list(range(n)), "ticktext": roles, "title": "role"},
+            hovertemplate="layer %{y}<br>head %{x}<br>%{text}<extra></extra>",
+        )
+    )
+    fig.update_layout(xaxis_title="head", yaxis_title="layer", height=max(320, 18 * n_layers + 120))
+    return fig
+
+
+def _roles_by_layer(atlas: HeadAtlas) -> go.Figure:
+    counts = atlas.roles_by_layer()
+    fig = go.Figure()
+    for role in counts.columns:
+        if role == "none":
+            continue
+        fig.add_bar(x=list(counts.index), y=counts[role].tolist(), name=role, marker_color=_COLORS.get(role))
+    fig.update_layout(barmode="stack", xaxis_title="layer", yaxis_title="heads", height=320)
+    return fig
+
+
+def _png(thumb: torch.Tensor) -> str:
+    from PIL import Image
+
+    t = thumb.float()
+    a = (255 * (1 - t / t.max().clamp(min=1e-6))).clamp(0, 255).to(torch.uint8).numpy()
+    img = Image.fromarray(a, mode="L").resize((72, 72), Image.Resampling.NEAREST)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _table(atlas: HeadAtlas) -> str:
+    f = atlas.frame
+    cols = list(f.columns)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "" if v != v else f"{v:.3f}"
+        return html.escape(str(v))
+
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>" for row in f.itertuples(index=False)
+    )
+    return (
+        "<p><input id='atlas-filter' placeholder='filter rows (e.g. induction, or a layer number)' "
+        "style='width:24em' oninput=\"var q=this.value.toLowerCase();document.querySelectorAll("
+        "'#atlas-table tbody tr').forEach(function(r){r.style.display=r.textContent.toLowerCase()"
+        ".indexOf(q)>=0?'':'none'})\"></p>"
+        f"<div style='max-height:480px;overflow:auto'><table id='atlas-table'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+def _cards(atlas: HeadAtlas) -> str:
+    f = atlas.frame
+    scores = atlas.score_columns
+    out = []
+    for r in f.to_dict("records"):
+        la, h = int(r["layer"]), int(r["head"])
+        img = ""
+        if atlas.thumbnails is not None:
+            img = f"<img alt='pattern' src='data:image/png;base64,{_png(atlas.thumbnails[la, h])}'>"
+        vals = " · ".join(
+            f"{html.escape(c)} {r[c]:.2f}" for c in scores if isinstance(r[c], float) and r[c] == r[c]
+        )
+        rel = f"<br>best relation: {html.escape(str(r['best_relation']))}" if "best_relation" in r else ""
+        toks = atlas.lens_tokens.get((la, h))
+        lens = f"<br>lens tokens: {html.escape(' '.join(toks[:24]))}" if toks else ""
+        color = _COLORS.get(str(r["role"]), "#ddd")
+        out.append(
+            f"<div class='card' data-role='{html.escape(str(r['role']))}' "
+            f"style='border-left:6px solid {color};"
+            "padding:4px 8px;margin:4px;display:inline-block;width:330px;vertical-align:top;font-size:.8em'>"
+            f"<b>L{la}.H{h}</b> (KV {int(r['kv_head'])}) — {html.escape(str(r['role']))}<br>"
+            f"<div style='display:flex;gap:6px'>{img}<div>{vals}{rel}{lens}</div></div></div>"
+        )
+    return "<div>" + "".join(out) + "</div>"
+
+
+def render_atlas_report(atlas: HeadAtlas, params: dict | None = None) -> Report:
+    """The atlas page of a computed `HeadAtlas` (nothing is recomputed)."""
+    rep = _AtlasReport(
+        f"Head atlas: the role of every head ({len(atlas.frame)} heads)", atlas.model, dict(params or {})
+    )
+    thr = ", ".join(f"{k} >= {v:g}" for k, v in atlas.thresholds.items())
+    rep.text(
+        "Method",
+        "Each head gets the first role, in this order, whose detector score reaches its threshold "
+        f"({thr}), else 'none'. Detectors: attention on [BOS] + R + R random-token rows (previous-token, "
+        "duplicate-token, induction, self, entropy), the OV circuit (copying; successor on ordinal "
+        "sequences), and the needle copy-paste rate on needle-in-a-haystack prompts (retrieval).",
+    )
+    rep.figure("Role map", _role_map(atlas), note="Every head coloured by its role; hover for the name.")
+    rep.figure("Roles per layer", _roles_by_layer(atlas), note="How many heads of each role every layer has.")
+    rep.block("All scores", _table(atlas), note="One row per head; type in the box to filter rows.")
+    rep.block(
+        "Head cards",
+        _cards(atlas),
+        note="Per head: its pattern on a [BOS] + R + R row (darker = more attention; the induction stripe "
+        "sits one step right of the diagonal of the second copy), its scores, best MAPS relation and "
+        "lens tokens.",
+    )
+    return rep
+
+
+def atlas_steps() -> int:
+    """Progress steps of `atlas_report`."""
+    return 5
+
+
+def atlas_report(
+    model: HeadModel,
+    out: str | Path,
+    *,
+    lens: str | Path | None = None,
+    maps: bool = True,
+    lens_text: str = "On Monday, Anna found a small lamp at the market. On Monday, Anna found a small lamp.",
+    overwrite: bool = False,
+    progress: ProgressArg = True,
+    csv: str | Path | None = None,
+) -> tuple[HeadAtlas, dict]:
+    """Compute the atlas of `model` and write the page to `out` (and the table to `csv` if given).
+
+    Gathers the detectors, sink statistics on 16 shipped corpus texts, MAPS relations (with `maps`:
+    the shipped relations with enough single-token pairs), PASTA's shipped profile for the embedded
+    model (a 0/1 `pasta_profile` column) and, with `lens` (an `AttentionLens` file of this model),
+    the lens KL ratio and top lens tokens of `lens_text`.
+
+    Returns:
+        `(atlas, summary)`; summary: heads per role and the top heads of each detector.
+
+    Raises:
+        ValueError: `out` exists without `overwrite`; a lens file for another model.
+    """
+    from heads.scorers.maps.static import maps_scores
+    from heads.scorers.sinks import sink_stats
+    from probes.datasets.corpus import load_corpus
+    from probes.datasets.relations import load_relations
+
+    check_output(out, overwrite)
+    if csv is not None:
+        check_output(csv, overwrite)
+    trained = AttentionLens.load(lens, model) if lens is not None else None
+    extra: dict[str, HeadScores] = {}
+    with progress_callback(progress, "head atlas", "steps") as report:
+        tick = (lambda i: report(i, atlas_steps())) if report is not None else (lambda i: None)
+        tick(0)
+        det = detect_roles(model)
+        tick(1)
+        sinks = sink_stats(model, load_corpus(16), chat=False) if model.tokenizer is not None else None
+        tick(2)
+        relations = None
+        if maps and model.tokenizer is not None:
+            try:
+                rels = load_relations(model.tokenizer, d_vocab=model.d_vocab)
+                relations = maps_scores(model, rels.relations, progress=False)
+            except ValueError:
+                relations = None
+        tick(3)
+        profile = _pasta_profile(model)
+        if profile is not None:
+            extra["pasta_profile"] = profile
+        atlas = head_atlas(
+            model,
+            detectors=det,
+            scores=extra,
+            sinks=sinks,
+            maps=relations,
+            lens=trained,
+            lens_text=lens_text if trained is not None else None,
+        )
+        tick(4)
+        render_atlas_report(atlas, {"lens": str(lens) if lens else None}).save(out, overwrite=overwrite)
+        if csv is not None:
+            from heads._util.files import write_text
+
+            write_text(csv, atlas.frame.to_csv(index=False), overwrite=overwrite)
+        tick(5)
+    summary = {
+        "roles": {k: int(v) for k, v in atlas.frame["role"].value_counts().items()},
+        "top": {
+            n: [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(5)] for n, s in det.items()
+        },
+    }
+    return atlas, summary
+
+
+def _pasta_profile(model: HeadModel) -> HeadScores | None:
+    """PASTA's shipped head profile for this model as 0/1 scores, or None when none ships."""
+    from heads.results.scores import HeadSet
+    from steer.profiles import shipped_profile
+
+    try:
+        heads = HeadSet.parse(shipped_profile("pasta", model.name), model.n_layers, model.n_heads)
+    except ValueError:  # no profile for this model
+        return None
+    s = torch.zeros(model.n_layers, model.n_heads)
+    for la, h in heads:
+        s[la, h] = 1.0
+    return HeadScores(s, "pasta_profile", model=model.name, n_kv_heads=model.n_kv_heads)
