@@ -41,6 +41,7 @@ from heads.engine.edits import (
     Recorder,
 )
 from heads.engine.forward import forward
+from heads._version import __version__
 from heads.engine.options import SweepOptions
 from heads.errors import EditNeverFired, HeadsteerError, HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
@@ -53,6 +54,7 @@ from heads.scorers.safety.attribution import attribute
 from heads.scorers.sink_dims import find_sink_dims
 
 __all__ = [
+    "__version__",
     "EMBEDDED_MODEL",
     "AttentionCall",
     "Edit",

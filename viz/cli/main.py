@@ -70,10 +70,22 @@ PASTA_ALPHA = 0.01
 """`headsteer generate --alpha` default (PASTA's scaling outside the span)."""
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from heads._version import __version__
+
+        typer.echo(f"headsteer {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="no status lines or progress bars")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+    ] = False,
 ) -> None:
     set_global(debug, quiet)
 
