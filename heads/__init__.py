@@ -28,6 +28,7 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
+from heads._version import __version__
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -41,7 +42,6 @@ from heads.engine.edits import (
     Recorder,
 )
 from heads.engine.forward import forward
-from heads._version import __version__
 from heads.engine.options import SweepOptions
 from heads.errors import EditNeverFired, HeadsteerError, HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts

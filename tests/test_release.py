@@ -48,7 +48,7 @@ def test_every_package_is_typed():
 
 def test_fast_tier_and_lint_cover_the_four_packages():
     make = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert 'not real and not slow' in make
+    assert "not real and not slow" in make
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'files = \["heads", "steer", "probes", "viz"\]', pyproject)
     assert 'python_version = "3.10"' in pyproject
