@@ -1,0 +1,16 @@
+"""Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
+logit attribution and lenses (the method page is docs/methods/patching.md)."""
+
+from heads.scorers.patching.metrics import Metric, get_metric, normalise
+from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs, pairs_from_tokens
+
+__all__ = [
+    "Metric",
+    "PairBatch",
+    "PromptPair",
+    "encode_pairs",
+    "get_metric",
+    "load_pairs",
+    "normalise",
+    "pairs_from_tokens",
+]

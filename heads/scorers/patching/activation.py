@@ -1,0 +1,635 @@
+"""Activation patching (causal tracing) at every site of a kind, in batched sweeps.
+
+Denoising (default; Meng et al. 2022, "causal tracing"): run the corrupted prompt, replace the
+activation at one site by its value on the clean prompt, measure the metric. Noising: run the
+clean prompt and write the corrupted value. Denoising finds components *sufficient* to restore
+the behaviour; noising finds the *necessary* ones (Heimersheim & Nanda 2024, Sec. 2).
+
+Sites (`KINDS`), each scored on a grid:
+
+* `"resid_pre"`: the residual stream entering layer l at position t, `[L, T]`;
+* `"attn_out"` / `"mlp_out"`: the attention / MLP block output of layer l at t, `[L, T]`;
+* `"head_out"`: head h's output z (its slice of the `o_proj` input, TransformerLens' `hook_z`)
+  at every position, `[L, H]`; `"head_out_by_pos"`: at one position, `[L, H, T]`;
+* `"q"`: head h's query (all positions) `[L, H]`; `"k"` / `"v"`: keys / values of KV head g,
+  `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV head);
+* `"pattern"`: head h's attention pattern (all positions), `[L, H]`.
+
+Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows per forward;
+each batch starts at the patched layer from the base run's residual stream
+(`heads.engine.prefix.starting_at`: layer-prefix reuse); by-position kinds also skip the
+positions before the patched one, whose keys and values come from the base run's cache
+(position-prefix reuse); only the last position is unembedded. The patches are engine edits
+(`head_output`, `residual`, `probs` sites) or forward hooks on the block outputs and the q/k/v
+projections; all are removed on exit, so the model is bitwise unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from heads._util.files import write_text
+from heads._util.progress import progress_callback
+from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, Recorder, ResidualEdit
+from heads.engine.options import SweepOptions
+from heads.engine.variants import _forward
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel, _module
+from heads.results.scores import HeadScores
+from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
+from heads.scorers.patching.pairs import PairBatch
+
+__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
+
+KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
+"""The activation-patching site kinds (see the module docstring)."""
+
+SCHEMA = "headsteer/patching"
+SCHEMA_VERSION = 1
+
+
+# ------------------------------------------------------------------------------ caches
+@dataclass
+class RunCache:
+    """Every activation of one unedited run that a patch may read (all `[N, T, ...]`, padded).
+
+    Attributes:
+        logits: `[N, V]` fp32 last-position logits.
+        residuals: `L + 1` tensors `[N, T, D]`; `residuals[l]` enters layer l (the last is normed).
+        z: per layer `[N, T, H, d]` head outputs (`o_proj` input).
+        attn_out / mlp_out: per layer `[N, T, D]` block outputs.
+        qkv: per layer `(q [N, T, H*d], k [N, T, G*d], v [N, T, G*d])` projection outputs
+            (before RoPE / QK-norm, which act per position and head, so patching them is exact).
+        kv: per layer `(keys, values)` `[N, G, T, d]` as cached by the model.
+        pattern: per layer `[N, H, T, T]` fp32 attention probabilities, or None (not recorded).
+    """
+
+    logits: torch.Tensor
+    residuals: tuple[torch.Tensor, ...]
+    z: list[torch.Tensor]
+    attn_out: list[torch.Tensor]
+    mlp_out: list[torch.Tensor]
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    pattern: list[torch.Tensor] | None = None
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _qkv_modules(model: HeadModel, layer: int) -> tuple[torch.nn.Module, ...]:
+    """The modules whose outputs are q, k, v of `layer` (one fused module three times)."""
+    fam, attn = model.family, model.attentions[layer]
+    if fam.fused_qkv:
+        m = _module(attn, cast(str, fam.qkv_proj))
+        return (m, m, m)
+    return tuple(_module(attn, cast(str, p)) for p in (fam.q_proj, fam.k_proj, fam.v_proj))
+
+
+def _qkv_slices(model: HeadModel) -> tuple[slice, slice, slice]:
+    """Column slices of q, k, v in their module's output (fused: Q | K | V)."""
+    q_w, kv_w = model.n_heads * model.d_head, model.n_kv_heads * model.d_head
+    if model.family.fused_qkv:
+        return slice(0, q_w), slice(q_w, q_w + kv_w), slice(q_w + kv_w, q_w + 2 * kv_w)
+    return slice(0, q_w), slice(0, kv_w), slice(0, kv_w)
+
+
+@torch.no_grad()
+def record_run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, pattern: bool = False) -> RunCache:
+    """One unedited forward of `ids [N, T]` (left-padded, `mask [N, T]`) keeping every site's
+    activation (`RunCache`). `pattern=True` also records the attention patterns (eager path)."""
+    L = model.n_layers
+    z: list[Any] = [None] * L
+    attn: list[Any] = [None] * L
+    mlp: list[Any] = [None] * L
+    qkv: list[list[Any]] = [[None, None, None] for _ in range(L)]
+    sl = _qkv_slices(model)
+    with ExitStack() as stack:
+        for la in range(L):
+
+            def zh(mod, args, la=la):
+                x = args[0]
+                z[la] = x.reshape(*x.shape[:-1], model.n_heads, model.d_head).detach().clone()
+
+            def ah(mod, args, out, la=la):
+                attn[la] = _first(out).detach().clone()
+
+            def mh(mod, args, out, la=la):
+                mlp[la] = _first(out).detach().clone()
+
+            handles = [
+                model.out_projs[la].register_forward_pre_hook(zh),
+                model.attentions[la].register_forward_hook(ah),
+                model.mlp(la).register_forward_hook(mh),
+            ]
+            mods = _qkv_modules(model, la)
+            for j, m in enumerate(mods):
+                if j and m is mods[0]:
+                    continue
+
+                def qh(mod, args, out, la=la, j=j):
+                    o = _first(out).detach()
+                    if model.family.fused_qkv:
+                        qkv[la] = [o[..., s].clone() for s in sl]
+                    else:
+                        qkv[la][j] = o.clone()
+
+                handles.append(m.register_forward_hook(qh))
+            for h in handles:
+                stack.callback(h.remove)
+        recs = [Recorder(layer=la) for la in range(L)] if pattern else []
+        out = _forward(model, ids, mask, recs, keep_cache=True)
+    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    pat = [torch.cat(r.records, dim=2) for r in recs] if pattern else None
+    return RunCache(
+        out.logits[:, -1].float(),
+        tuple(out.hidden_states),
+        z,
+        attn,
+        mlp,
+        [cast(tuple, tuple(x)) for x in qkv],
+        kv,
+        pat,
+    )
+
+
+# ------------------------------------------------------------------------------ patch edits
+@dataclass(eq=False, repr=False)
+class _PatchZ(HeadOutputEdit):
+    """Write `source [R, T', H, d]` into the heads of `row_heads`, at the columns of `cols
+    [R, T']` (None = all); columns are those of the chunk (after trimming)."""
+
+    source: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        src = cast(torch.Tensor, self.source)[:, call.q_offset : call.q_offset + call.q_len].to(z.dtype)
+        if self.cols is None:
+            return src
+        c = self.cols[:, call.q_offset : call.q_offset + call.q_len].to(z.device)[:, :, None, None]
+        return torch.where(c, src, z)
+
+
+@dataclass(eq=False, repr=False)
+class _PatchResid(ResidualEdit):
+    """Replace the residual entering `layer` at the columns `cols [R, T']` by `source [R, T', D]`."""
+
+    source: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        sl = slice(call.q_offset, call.q_offset + call.q_len)
+        src = cast(torch.Tensor, self.source)[:, sl].to(x.dtype)
+        c = cast(torch.Tensor, self.cols)[:, sl].to(x.device)[:, :, None]
+        return torch.where(c, src, x)
+
+
+@dataclass(eq=False, repr=False)
+class _PatchPattern(ProbEdit):
+    """Replace the pattern of the heads in `row_heads` by `source [R, H, T', T']`."""
+
+    source: torch.Tensor | None = None
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        src = cast(torch.Tensor, self.source)[:, :, call.q_offset : call.q_offset + call.q_len, : call.k_len]
+        mask = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None, None]
+        return torch.where(mask, src.to(probs.dtype), probs)
+
+
+@contextmanager
+def _output_patch(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A forward hook replacing `module`'s (first) output by `fn(output)`; removed on exit."""
+
+    def hook(mod, args, out):
+        if isinstance(out, tuple):
+            return (fn(out[0]), *out[1:])
+        return fn(out)
+
+    h = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass
+class PatchResult:
+    """Scores of one activation-patching sweep.
+
+    Attributes:
+        kind: the site kind (`KINDS`).
+        direction: `"denoising"` or `"noising"`.
+        metric: the metric's name.
+        raw: `[*grid, N]` fp32 metric of the patched run per site and pair.
+        clean / corrupt: `[N]` metric of the unpatched clean / corrupted runs.
+        grid: names of the grid axes, e.g. `("layer", "head")`, `("layer", "head", "position")`.
+        labels: token strings of the position axis (pair 0's clean tokens, `""` on padding).
+        model: the model id.
+        params: other parameters (layers scored, ...).
+    """
+
+    kind: str
+    direction: str
+    metric: str
+    raw: torch.Tensor
+    clean: torch.Tensor
+    corrupt: torch.Tensor
+    grid: tuple[str, ...]
+    labels: list[str] = field(default_factory=list)
+    model: str = ""
+    n_kv_heads: int | None = None
+    params: dict = field(default_factory=dict)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """`[*grid, N]` normalised per pair (NaN for zero-gap pairs; `metrics.normalise`)."""
+        return normalise(self.raw, self.clean, self.corrupt, self.direction, warn=False)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """`[*grid]` mean normalised score over the pairs with a gap (NaN where none has)."""
+        return self.scores.nanmean(-1)
+
+    def interval(self, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(low, high)` `[*grid]`: mean +- z standard errors over pairs (normal approximation)."""
+        s = self.scores
+        ok = ~torch.isnan(s)
+        n = ok.sum(-1).clamp(min=1)
+        m = self.mean
+        var = torch.where(ok, (s - m[..., None]) ** 2, 0.0).sum(-1) / (n - 1).clamp(min=1)
+        se = (var / n).sqrt()
+        return m - z * se, m + z * se
+
+    def head_scores(self, reduce: str = "max") -> HeadScores:
+        """The mean scores as `HeadScores` `[L, H]` (head kinds; k/v give `[L, G]`). For
+        `head_out_by_pos` the positions are reduced: `"max"` (default: largest |score|, signed)
+        or `"sum"`.
+
+        Raises:
+            ValueError: a kind without a head axis (resid_pre, attn_out, mlp_out).
+        """
+        m = self.mean
+        if self.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
+            raise HeadsteerValueError(f"{self.kind!r} has no head axis; use .mean ([L, T]) instead")
+        if m.ndim == 3:
+            if reduce == "sum":
+                m = m.nansum(-1)
+            elif reduce == "max":
+                idx = m.nan_to_num(0).abs().argmax(-1, keepdim=True)
+                m = m.gather(-1, idx)[..., 0]
+            else:
+                raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
+        n_kv = m.shape[1] if self.grid[1] == "kv_head" else self.n_kv_heads
+        params = {"kind": self.kind, "direction": self.direction, "metric": self.metric, **self.params}
+        return HeadScores(m, method=f"patching.{self.kind}", params=params, model=self.model, n_kv_heads=n_kv)
+
+    def to_frame(self):
+        """Tidy table: one row per site, its grid coordinates, `score` (mean normalised),
+        `ci_low`, `ci_high`, `raw` (mean raw metric) and `token` for a position axis."""
+        import pandas as pd
+
+        m, (lo, hi) = self.mean, self.interval()
+        idx = torch.cartesian_prod(*[torch.arange(n) for n in m.shape]).reshape(-1, m.ndim)
+        cols: dict[str, Any] = {name: idx[:, j].numpy() for j, name in enumerate(self.grid)}
+        cols.update(
+            score=m.flatten().numpy(),
+            ci_low=lo.flatten().numpy(),
+            ci_high=hi.flatten().numpy(),
+            raw=self.raw.mean(-1).flatten().numpy(),
+        )
+        if "position" in self.grid and self.labels:
+            cols["token"] = [self.labels[int(p)] for p in idx[:, self.grid.index("position")]]
+        return pd.DataFrame(cols)
+
+    def to_json(self) -> dict:
+        def lst(t: torch.Tensor):
+            return [
+                None if (isinstance(v, float) and not math.isfinite(v)) else v for v in t.flatten().tolist()
+            ]
+
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "direction": self.direction,
+            "metric": self.metric,
+            "normalisation": (
+                "(patched - corrupt) / (clean - corrupt)"
+                if self.direction == "denoising"
+                else "(patched - clean) / (corrupt - clean)"
+            ),
+            "grid": list(self.grid),
+            "shape": list(self.raw.shape),
+            "raw": lst(self.raw),
+            "clean": lst(self.clean),
+            "corrupt": lst(self.corrupt),
+            "labels": self.labels,
+            "model": self.model,
+            "n_kv_heads": self.n_kv_heads,
+            "params": self.params,
+        }
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False):
+        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded)."""
+        return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PatchResult:
+        """Read a file written by `save`.
+
+        Raises:
+            ValueError: a missing file or not a patching result.
+        """
+        if not os.path.isfile(path):
+            raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
+        d = json.loads(open(path, encoding="utf-8").read())
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise HeadsteerValueError(f"{os.fspath(path)!r} is not a {SCHEMA} file")
+
+        def t(v, shape=None):
+            x = torch.tensor([math.nan if a is None else a for a in v], dtype=torch.float32)
+            return x.reshape(shape) if shape is not None else x
+
+        return cls(
+            d["kind"],
+            d["direction"],
+            d["metric"],
+            t(d["raw"], d["shape"]),
+            t(d["clean"]),
+            t(d["corrupt"]),
+            tuple(d["grid"]),
+            d.get("labels", []),
+            d.get("model", ""),
+            d.get("n_kv_heads"),
+            d.get("params", {}),
+        )
+
+
+# ------------------------------------------------------------------------------ the sweep
+@dataclass(frozen=True)
+class _Site:
+    layer: int
+    index: int  # head / KV head (-1 for block sites)
+    pos: int  # padded column (-1 = all positions)
+
+
+def _check_layers(model: HeadModel, layers: Sequence[int] | None) -> list[int]:
+    if layers is None:
+        return list(range(model.n_layers))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {layers!r}")
+    for la in layers:
+        model.check_head(la)
+    return sorted(set(int(la) for la in layers))
+
+
+def _check_positions(pairs: PairBatch, positions: Sequence[int] | None) -> list[int]:
+    T = pairs.width
+    if positions is None:
+        return list(range(T))
+    if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or not positions:
+        raise HeadsteerValueError(f"positions must be a non-empty list of columns, got {positions!r}")
+    out = []
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise HeadsteerTypeError(f"position must be an int, got {p!r}")
+        q = p + T if p < 0 else p
+        if not 0 <= q < T:
+            raise HeadsteerValueError(f"position {p} is out of range for padded length {T} (0..{T - 1})")
+        out.append(q)
+    return sorted(set(out))
+
+
+# resid_pre patching is checked against a plain-hook oracle on rotary models; on GPT-2 (absolute
+# position embeddings) it disagreed with the oracle, so it is refused there until that is resolved.
+_RESID_PRE_UNVERIFIED = frozenset({"gpt2"})
+
+
+def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int]) -> tuple[list[_Site], tuple]:
+    H, G = model.n_heads, model.n_kv_heads
+    if kind == "resid_pre" and model.family.model_type in _RESID_PRE_UNVERIFIED:
+        raise HeadsteerValueError(
+            f"kind='resid_pre' is not verified on {model.family.model_type!r} models (absolute position "
+            "embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
+        )
+    if kind in ("resid_pre", "attn_out", "mlp_out"):
+        return [_Site(la, -1, p) for la in layers for p in positions], (len(layers), len(positions))
+    if kind == "head_out_by_pos":
+        return [_Site(la, h, p) for la in layers for h in range(H) for p in positions], (
+            len(layers),
+            H,
+            len(positions),
+        )
+    n = G if kind in ("k", "v") else H
+    return [_Site(la, h, -1) for la in layers for h in range(n)], (len(layers), n)
+
+
+def _grid_names(kind: str) -> tuple[str, ...]:
+    if kind in ("resid_pre", "attn_out", "mlp_out"):
+        return ("layer", "position")
+    if kind == "head_out_by_pos":
+        return ("layer", "head", "position")
+    return ("layer", "kv_head") if kind in ("k", "v") else ("layer", "head")
+
+
+def patch(
+    model: HeadModel,
+    pairs: PairBatch,
+    kind: str = "head_out",
+    *,
+    metric: str | Metric | Callable = "logit_diff",
+    direction: str = "denoising",
+    layers: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+    options: SweepOptions | None = None,
+) -> PatchResult:
+    """Activation patching of every site of `kind` (see `KINDS`) on the pairs.
+
+    Args:
+        model: the `HeadModel` (Hugging Face backend; fp32 recommended, the metric is fp32).
+        pairs: an encoded `PairBatch` (`encode_pairs`).
+        kind: the site kind (default `"head_out"`, all positions).
+        metric: `"logit_diff"` (default), `"log_prob"`, `"prob"`, `"kl"`, a `Metric` or a user
+            function (`heads.scorers.patching.metrics`), read at the last position.
+        direction: `"denoising"` (default: clean values into the corrupted run) or `"noising"`.
+        layers: layers to score (default all); the grid's layer axis follows this list.
+        positions: padded columns to score for the by-position kinds (default all; negative
+            counts from the end).
+        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
+
+    Returns:
+        a `PatchResult` (raw metric per site and pair, the clean/corrupt metrics, normalised
+        scores, intervals, `.head_scores()`, `.to_frame()`, `.save()`).
+
+    Raises:
+        ValueError: an unknown kind / direction / metric, layers or positions out of range, a
+            metric that needs counterfactuals the pairs lack, a backend other than Hugging Face
+            — all before any forward.
+    """
+    if kind not in KINDS:
+        raise HeadsteerValueError(f"unknown patching site {kind!r}; use one of {KINDS}")
+    if direction not in DIRECTIONS:
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if not isinstance(pairs, PairBatch):
+        raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if model.backend.kind != "hf":
+        raise HeadsteerValueError(
+            f"patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
+        )
+    met = get_metric(metric)
+    met.check(pairs)
+    options = options or SweepOptions()
+    lays = _check_layers(model, layers)
+    by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+    poss = _check_positions(pairs, positions if by_pos else None)
+    model.check_length(pairs.width)
+    sites, shape = _sites(model, kind, lays, poss)
+
+    mask = pairs.attention_mask
+    clean = record_run(model, pairs.clean_ids, mask, pattern=kind == "pattern")
+    corrupt = record_run(model, pairs.corrupted_ids, mask, pattern=kind == "pattern")
+    idx = torch.arange(pairs.n)
+    m_clean = met(clean.logits, pairs, idx, clean.logits)
+    m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
+    base, src = (corrupt, clean) if direction == "denoising" else (clean, corrupt)
+    base_ids = pairs.ids("corrupted" if direction == "denoising" else "clean")
+
+    raw = torch.full((len(sites), pairs.n), math.nan)
+    lengths = pairs.lengths.tolist()
+    width = pairs.width
+    # rows (site, pair), grouped by (layer, first recomputed column), chunks of max_rows
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for s_i, s in enumerate(sites):
+        for i in range(pairs.n):
+            groups.setdefault((s.layer, s.pos if by_pos else 0), []).append((s_i, i))
+    chunks = []
+    for _, rows in sorted(groups.items()):
+        rows.sort(key=lambda r: (lengths[r[1]], r[0]))
+        chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
+    with progress_callback(options.progress, f"patching {kind}", "rows") as report:
+        done = 0
+        for chunk in chunks:
+            si = torch.tensor([s for s, _ in chunk])
+            ps = torch.tensor([i for _, i in chunk])
+            layer = sites[chunk[0][0]].layer
+            trim = width - max(lengths[i] for _, i in chunk)
+            split = trim
+            if by_pos:
+                split = max(trim, min(sites[chunk[0][0]].pos, width - 1))
+            logits = _run_chunk(
+                model,
+                kind,
+                base,
+                src,
+                base_ids,
+                mask,
+                [sites[s] for s in si.tolist()],
+                ps,
+                layer,
+                trim,
+                split,
+            )
+            raw[si, ps] = met(logits, pairs, ps, clean.logits[ps]).cpu()
+            done += len(chunk)
+            if report is not None:
+                report(done, len(sites) * pairs.n)
+    return PatchResult(
+        kind,
+        direction,
+        met.name,
+        raw.reshape(*shape, pairs.n),
+        m_clean.cpu(),
+        m_corrupt.cpu(),
+        _grid_names(kind),
+        [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
+        model.name,
+        model.n_kv_heads,
+        {"layers": lays, "positions": poss if by_pos else None, "n_pairs": pairs.n},
+    )
+
+
+def _run_chunk(
+    model: HeadModel,
+    kind: str,
+    base: RunCache,
+    src: RunCache,
+    base_ids: torch.Tensor,
+    mask: torch.Tensor,
+    sites: list[_Site],
+    ps: torch.Tensor,
+    layer: int,
+    trim: int,
+    split: int,
+) -> torch.Tensor:
+    """One forward of a chunk of rows (site, pair) from `layer` and column `split`; `[R, V]` logits."""
+    R, H = len(sites), model.n_heads
+    dev = model.device
+    ids, m = base_ids[ps, split:], mask[ps, trim:]
+    residual = base.residuals[layer][ps, split:] if layer else None
+    past = None
+    if split > trim:
+        past = [(k[ps, :, trim:split], v[ps, :, trim:split]) for k, v in base.kv]
+    cols = torch.zeros(R, mask.shape[1] - trim, dtype=torch.bool)
+    for r, s in enumerate(sites):
+        if s.pos >= trim:
+            cols[r, s.pos - trim] = True
+    offset = split - trim
+    edits: list[Edit] = []
+    with ExitStack() as stack:
+        if kind in ("head_out", "head_out_by_pos"):
+            rh = torch.zeros(R, H, dtype=torch.bool)
+            for r, s in enumerate(sites):
+                rh[r, s.index] = True
+            edits.append(
+                _PatchZ(
+                    layer=layer,
+                    row_heads=rh,
+                    source=src.z[layer][ps, trim:].to(dev),
+                    cols=cols if kind == "head_out_by_pos" else None,
+                )
+            )
+        elif kind == "resid_pre":
+            edits.append(_PatchResid(layer=layer, source=src.residuals[layer][ps, trim:].to(dev), cols=cols))
+        elif kind == "pattern":
+            rh = torch.zeros(R, H, dtype=torch.bool)
+            for r, s in enumerate(sites):
+                rh[r, s.index] = True
+            edits.append(
+                _PatchPattern(
+                    layer=layer, row_heads=rh, source=src.pattern[layer][ps][:, :, trim:, trim:].to(dev)
+                )
+            )  # type: ignore[index]
+        elif kind in ("attn_out", "mlp_out"):
+            source = (src.attn_out if kind == "attn_out" else src.mlp_out)[layer][ps, trim:].to(dev)
+            c = cols.to(dev)[:, offset:, None]
+            s_ = source[:, offset:]
+            module = model.attentions[layer] if kind == "attn_out" else model.mlp(layer)
+            stack.enter_context(_output_patch(module, lambda o: torch.where(c, s_.to(o.dtype), o)))
+        else:  # q / k / v: columns of one head in the projection output, all positions
+            j = "qkv".index(kind)
+            module = _qkv_modules(model, layer)[j]
+            sl = _qkv_slices(model)[j]
+            source = src.qkv[layer][j][ps, trim:].to(dev)  # [R, T', width of q/k/v]
+            d = model.d_head
+            colmask = torch.zeros(R, 1, source.shape[-1], dtype=torch.bool, device=dev)
+            for r, s in enumerate(sites):
+                colmask[r, 0, s.index * d : (s.index + 1) * d] = True
+
+            def fn(o: torch.Tensor, sl=sl, source=source, colmask=colmask) -> torch.Tensor:
+                o = o.clone()
+                o[..., sl] = torch.where(colmask, source.to(o.dtype), o[..., sl])
+                return o
+
+            stack.enter_context(_output_patch(module, fn))
+        out = _forward(model, ids, m, edits, start=layer, residual=residual, past=past)
+    return out.logits[:, -1].float()

@@ -1,0 +1,228 @@
+"""Metrics of a patched run and their normalisation (denoising / noising).
+
+A metric maps the last-position logits of some batch rows to one number per row. Built-ins
+(Wang et al. 2022, Sec. 3; Zhang & Nanda 2024, Sec. 3 on metric choice):
+
+* `"logit_diff"` (default): mean answer logit - mean counterfactual logit (LD = logit[c] -
+  logit[w] for single tokens). Needs counterfactual tokens.
+* `"log_prob"`: log p(answer) (log of the summed probability of the answer tokens).
+* `"prob"`: p(answer) (summed over the answer tokens).
+* `"kl"`: KL(p_clean || p_patched) over the vocabulary, with p_clean the clean run's
+  next-token distribution of the same pair (0 on the clean run).
+* a user function `fn(logits [R, V] fp32, pairs: PairBatch, index [R] long) -> [R]`; it may
+  be differentiable (EAP takes its gradient).
+
+Normalised scores (`normalise`): denoising (patch clean values into the corrupted run)
+`(M(patched) - M(corrupt)) / (M(clean) - M(corrupt))`: 0 = no recovery, 1 = the clean
+behaviour restored. Noising (patch corrupted values into the clean run)
+`(M(patched) - M(clean)) / (M(corrupt) - M(clean))`: 1 = the whole effect destroyed. A pair
+whose clean and corrupted metrics are equal (|gap| <= `tol`) has no scale: its normalised
+scores are NaN and a warning names it; nothing is divided by zero.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.scorers.patching.pairs import PairBatch
+
+__all__ = [
+    "DIRECTIONS",
+    "METRICS",
+    "Metric",
+    "ZeroGapWarning",
+    "get_metric",
+    "log_prob",
+    "logit_diff",
+    "normalise",
+    "prob",
+    "zero_gap",
+]
+
+DIRECTIONS = ("denoising", "noising")
+"""`direction=` values: denoising patches clean values into the corrupted run (default)."""
+
+UserMetric = Callable[[torch.Tensor, PairBatch, torch.Tensor], torch.Tensor]
+
+
+class ZeroGapWarning(UserWarning):
+    """Some pairs have M(clean) == M(corrupt): their normalised scores are NaN."""
+
+
+def _gather_mean(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    vals = logits.gather(-1, ids.to(logits.device))
+    m = mask.to(logits.device)
+    return (vals * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def logit_diff(logits: torch.Tensor, pairs: PairBatch, index: torch.Tensor) -> torch.Tensor:
+    """`[R]` mean answer logit minus mean counterfactual logit of pairs `index` (`logits [R, V]`).
+
+    Raises:
+        ValueError: a pair without counterfactual tokens.
+    """
+    cm = pairs.counterfactual_mask[index]
+    if not bool(cm.any(-1).all()):
+        bad = index[~cm.any(-1)].tolist()
+        raise HeadsteerValueError(f"logit_diff needs counterfactual tokens; pairs {bad} have none")
+    a = _gather_mean(logits, pairs.answers[index], pairs.answer_mask[index])
+    return a - _gather_mean(logits, pairs.counterfactuals[index], cm)
+
+
+def log_prob(logits: torch.Tensor, pairs: PairBatch, index: torch.Tensor) -> torch.Tensor:
+    """`[R]` log of the total probability of the answer tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vals = logp.gather(-1, pairs.answers[index].to(logits.device))
+    vals = vals.masked_fill(~pairs.answer_mask[index].to(logits.device), float("-inf"))
+    return torch.logsumexp(vals, dim=-1)
+
+
+def prob(logits: torch.Tensor, pairs: PairBatch, index: torch.Tensor) -> torch.Tensor:
+    """`[R]` total probability of the answer tokens."""
+    return log_prob(logits, pairs, index).exp()
+
+
+def _kl(logits: torch.Tensor, clean_logits: torch.Tensor) -> torch.Tensor:
+    p = torch.log_softmax(clean_logits.float(), dim=-1)
+    q = torch.log_softmax(logits.float(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric of last-position logits.
+
+    Attributes:
+        name: `"logit_diff"`, `"log_prob"`, `"prob"`, `"kl"` or the user function's name.
+        fn: `(logits [R, V], pairs, index [R]) -> [R]`, or for `needs_clean` metrics
+            `(logits, clean_logits [R, V]) -> [R]`.
+        needs_clean: the metric compares with the clean run's logits (KL).
+        needs_counterfactual: the metric reads the counterfactual tokens.
+    """
+
+    name: str
+    fn: Callable
+    needs_clean: bool = False
+    needs_counterfactual: bool = False
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        pairs: PairBatch,
+        index: torch.Tensor | None = None,
+        clean_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`[R]` fp32 metric of rows `logits [R, V]` belonging to pairs `index` (default all).
+
+        `clean_logits [R, V]`: the clean run's last-position logits of the same pairs (needed
+        by KL only).
+        """
+        if index is None:
+            index = torch.arange(pairs.n)
+        index = torch.as_tensor(index, dtype=torch.long)
+        if self.needs_clean:
+            if clean_logits is None:
+                raise HeadsteerValueError(f"metric {self.name!r} needs the clean logits")
+            return self.fn(logits.float(), clean_logits.float())
+        out = self.fn(logits.float(), pairs, index)
+        if not isinstance(out, torch.Tensor) or out.shape != (logits.shape[0],):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise HeadsteerValueError(
+                f"metric {self.name!r} must return one value per row, shape ({logits.shape[0]},), got {got}"
+            )
+        return out.float()
+
+    def check(self, pairs: PairBatch) -> None:
+        """ValueError before any forward when the pairs lack what the metric reads."""
+        if self.needs_counterfactual and not pairs.has_counterfactual:
+            bad = torch.nonzero(~pairs.counterfactual_mask.any(-1)).flatten().tolist()
+            raise HeadsteerValueError(
+                f"metric {self.name!r} needs a counterfactual token in every pair; pairs {bad[:10]} have none"
+            )
+
+
+METRICS: dict[str, Metric] = {
+    "logit_diff": Metric("logit_diff", logit_diff, needs_counterfactual=True),
+    "log_prob": Metric("log_prob", log_prob),
+    "prob": Metric("prob", prob),
+    "kl": Metric("kl", _kl, needs_clean=True),
+}
+"""The built-in metrics by name."""
+
+
+def get_metric(metric: str | Metric | UserMetric = "logit_diff") -> Metric:
+    """A `Metric` from a name in `METRICS`, a `Metric`, or a user function
+    `fn(logits [R, V], pairs, index [R]) -> [R]`.
+
+    Raises:
+        ValueError: an unknown name (lists the known ones).
+        TypeError: anything else.
+    """
+    if isinstance(metric, Metric):
+        return metric
+    if isinstance(metric, str):
+        if metric not in METRICS:
+            raise HeadsteerValueError(
+                f"unknown metric {metric!r}; use one of {sorted(METRICS)} or a function"
+            )
+        return METRICS[metric]
+    if callable(metric):
+        return Metric(getattr(metric, "__name__", "user"), metric)
+    raise HeadsteerTypeError(f"metric must be a name, a Metric or a function, got {type(metric).__name__}")
+
+
+def zero_gap(clean: torch.Tensor, corrupt: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
+    """`[N]` bool: pairs whose clean and corrupted metrics differ by at most `tol`."""
+    return (clean.float() - corrupt.float()).abs() <= tol
+
+
+def normalise(
+    patched: torch.Tensor,
+    clean: torch.Tensor,
+    corrupt: torch.Tensor,
+    direction: str = "denoising",
+    *,
+    tol: float = 1e-6,
+    warn: bool = True,
+) -> torch.Tensor:
+    """Normalised scores `[..., N]` of raw patched metrics `patched [..., N]`.
+
+    Args:
+        clean, corrupt: `[N]` metric of the unpatched clean / corrupted runs.
+        direction: `"denoising"`: `(patched - corrupt) / (clean - corrupt)`; `"noising"`:
+            `(patched - clean) / (corrupt - clean)`.
+        tol: a pair with `|clean - corrupt| <= tol` is flagged: NaN scores, never a division
+            by zero (`zero_gap`).
+        warn: warn (`ZeroGapWarning`) naming the flagged pairs.
+
+    Raises:
+        ValueError: an unknown direction, or shapes that do not end in N.
+    """
+    if direction not in DIRECTIONS:
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    clean, corrupt, patched = clean.float(), corrupt.float(), patched.float()
+    if clean.shape != corrupt.shape or clean.ndim != 1 or patched.shape[-1:] != clean.shape:
+        raise HeadsteerValueError(
+            f"patched {tuple(patched.shape)} must end in N and clean/corrupt be [N]: got "
+            f"{tuple(clean.shape)}, {tuple(corrupt.shape)}"
+        )
+    flagged = zero_gap(clean, corrupt, tol)
+    if flagged.any() and warn:
+        bad = torch.nonzero(flagged).flatten().tolist()
+        warnings.warn(
+            f"pairs {bad[:20]}{' ...' if len(bad) > 20 else ''} have M(clean) == M(corrupt) (no gap): "
+            "their normalised scores are NaN",
+            ZeroGapWarning,
+            stacklevel=2,
+        )
+    if direction == "denoising":
+        num, den = patched - corrupt, clean - corrupt
+    else:
+        num, den = patched - clean, corrupt - clean
+    safe = torch.where(flagged, torch.ones_like(den), den)
+    return torch.where(flagged, torch.full_like(num, float("nan")), num / safe)

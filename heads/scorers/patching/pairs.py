@@ -1,0 +1,405 @@
+"""Clean / corrupted prompt pairs for causal analysis (activation and path patching, EAP).
+
+A *pair* is a clean prompt x and a corrupted prompt x~ of the **same token length**, so that
+position t of one is aligned with position t of the other, plus the answer token(s) c (what the
+clean prompt should predict) and the counterfactual token(s) w (what the corrupted prompt
+suggests). Sources: Meng et al. 2022 (causal tracing), Wang et al. 2022 (IOI, Sec. 3),
+Zhang & Nanda 2024 (best practices: token-aligned corruptions).
+
+`encode_pairs` tokenizes a list of pairs into a `PairBatch`: the clean and the corrupted rows
+left-padded to one width `T` (they share one attention mask, since each pair has one length),
+and the answer / counterfactual ids as `[N, A]` / `[N, C]` tensors with masks. The metric is
+read at the last column (`T - 1`), the last real token of every row under left padding.
+
+Alignment is checked on token ids, never on characters: a pair whose two prompts tokenize to
+different lengths is a `ValueError` naming both lengths, never truncated or padded inside the
+pair. Answer strings must be single tokens (a `ValueError` names the string and its tokens;
+`first_token=True` takes the first token instead).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+
+__all__ = ["PairBatch", "PromptPair", "encode_pairs", "load_pairs", "pairs_from_tokens", "token_id"]
+
+Answer = str | int | Sequence[str | int]
+
+
+@dataclass(frozen=True)
+class PromptPair:
+    """One clean / corrupted pair.
+
+    Attributes:
+        clean: the clean prompt (plain text; rendered without a chat template by default).
+        corrupted: the corrupted prompt; must tokenize to the same length as `clean`.
+        answer: the correct token(s): a string (single token, usually with its leading
+            space, e.g. `" Mary"`), a token id, or a list of them.
+        counterfactual: the counterfactual token(s), same forms; None when the metric
+            does not need one (log-prob, prob, KL).
+        meta: free JSON-serialisable fields (template, split, ...).
+    """
+
+    clean: str
+    corrupted: str
+    answer: Answer
+    counterfactual: Answer | None = None
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "pair") -> PromptPair:
+        """A pair from a JSON record with keys `clean`, `corrupted`, `answer`, optional
+        `counterfactual`; other keys go to `meta`.
+
+        Raises:
+            ValueError: a missing key or a non-string prompt.
+        """
+        if not isinstance(d, Mapping):
+            raise HeadsteerTypeError(f"{where}: a pair is a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("clean", "corrupted", "answer") if k not in d]
+        if missing:
+            raise HeadsteerValueError(f"{where}: missing key(s) {missing} (need clean, corrupted, answer)")
+        meta = {k: v for k, v in d.items() if k not in ("clean", "corrupted", "answer", "counterfactual")}
+        return cls(d["clean"], d["corrupted"], d["answer"], d.get("counterfactual"), meta)
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"clean": self.clean, "corrupted": self.corrupted, "answer": self.answer}
+        if self.counterfactual is not None:
+            out["counterfactual"] = self.counterfactual
+        return {**out, **self.meta}
+
+
+@dataclass
+class PairBatch:
+    """Encoded pairs: N clean rows and N corrupted rows, left-padded to one width T.
+
+    Attributes:
+        clean_ids: `[N, T]` long, left-padded clean prompts.
+        corrupted_ids: `[N, T]` long, the corrupted prompts (same padding as the clean row).
+        attention_mask: `[N, T]` long, 0 on padding (shared: each pair has one length).
+        answers: `[N, A]` long answer ids (A = most answers of any pair; padding slots 0).
+        answer_mask: `[N, A]` bool, True on real answer slots (at least one per pair).
+        counterfactuals: `[N, C]` long counterfactual ids (C >= 1; all-False mask when absent).
+        counterfactual_mask: `[N, C]` bool.
+        pairs: the source `PromptPair`s (None entries when built from token ids).
+        tokens: per pair, the token strings of the clean row (unpadded), for labels.
+    """
+
+    clean_ids: torch.Tensor
+    corrupted_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    answers: torch.Tensor
+    answer_mask: torch.Tensor
+    counterfactuals: torch.Tensor
+    counterfactual_mask: torch.Tensor
+    pairs: list[PromptPair | None] = field(default_factory=list)
+    tokens: list[list[str]] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        """N, the number of pairs."""
+        return int(self.clean_ids.shape[0])
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def width(self) -> int:
+        """T, the padded length."""
+        return int(self.clean_ids.shape[1])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """`[N]` real token counts."""
+        return self.attention_mask.sum(-1)
+
+    @property
+    def has_counterfactual(self) -> bool:
+        return bool(self.counterfactual_mask.any(-1).all())
+
+    def ids(self, which: str) -> torch.Tensor:
+        """`clean_ids` for `"clean"`, `corrupted_ids` for `"corrupted"`."""
+        if which == "clean":
+            return self.clean_ids
+        if which == "corrupted":
+            return self.corrupted_ids
+        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {which!r}")
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> PairBatch:
+        """The pairs at `index`, re-trimmed to their own longest row."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        mask = self.attention_mask[idx]
+        trim = int(self.width - mask.sum(-1).max()) if len(idx) else 0
+        return PairBatch(
+            self.clean_ids[idx, trim:],
+            self.corrupted_ids[idx, trim:],
+            mask[:, trim:],
+            self.answers[idx],
+            self.answer_mask[idx],
+            self.counterfactuals[idx],
+            self.counterfactual_mask[idx],
+            [self.pairs[i] for i in idx.tolist()] if self.pairs else [],
+            [self.tokens[i] for i in idx.tolist()] if self.tokens else [],
+        )
+
+    def position_labels(self, row: int = 0) -> list[str]:
+        """`T` labels of the padded columns for pair `row`: its clean token strings, `""` on
+        padding (positions are aligned only across pairs of one template)."""
+        n_pad = self.width - int(self.lengths[row])
+        toks = self.tokens[row] if self.tokens else [str(t) for t in self.clean_ids[row, n_pad:].tolist()]
+        return [""] * n_pad + list(toks)
+
+    def split(self, frac: float = 0.5, seed: int = 0) -> tuple[PairBatch, PairBatch]:
+        """A seeded random split of the pairs into two batches (`frac` of them first)."""
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(self.n, generator=g)
+        k = max(1, min(self.n - 1, round(self.n * frac)))
+        return self.select(perm[:k].sort().values), self.select(perm[k:].sort().values)
+
+
+def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, where: str = "answer") -> int:
+    """The single token id of `answer` (a string tokenized without special tokens, or an id).
+
+    Raises:
+        ValueError: a string that is not exactly one token (names it and its tokens; with
+            `first_token=True` the first token is returned instead), an empty string, or an id
+            out of the vocabulary.
+        TypeError: neither a string nor an int.
+    """
+    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Integral)):
+        raise HeadsteerTypeError(f"{where} must be a string or a token id, got {answer!r}")
+    if isinstance(answer, numbers.Integral):
+        n = len(tokenizer)
+        if not 0 <= int(answer) < n:
+            raise HeadsteerValueError(f"{where} token id {answer} is outside the vocabulary 0..{n - 1}")
+        return int(answer)
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise HeadsteerValueError(f"{where} {answer!r} tokenizes to nothing")
+    if len(ids) != 1 and not first_token:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise HeadsteerValueError(
+            f"{where} {answer!r} is {len(ids)} tokens {pieces}, not one; pass first_token=True to use "
+            f"the first token {pieces[0]!r}"
+        )
+    return int(ids[0])
+
+
+def _answer_list(value: Answer | None, where: str) -> list[str | int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        out = list(value)
+        if not out:
+            raise HeadsteerValueError(f"{where} is an empty list")
+        return out
+    raise HeadsteerTypeError(f"{where} must be a string, a token id or a list of them, got {value!r}")
+
+
+def _pad_answers(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max((len(r) for r in rows), default=1))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = True
+    return ids, mask
+
+
+def pairs_from_tokens(
+    clean: Sequence[Sequence[int]],
+    corrupted: Sequence[Sequence[int]],
+    answers: Sequence[int | Sequence[int]],
+    counterfactuals: Sequence[int | Sequence[int]] | None = None,
+    *,
+    pad_id: int = 0,
+    tokens: list[list[str]] | None = None,
+    pairs: list[PromptPair | None] | None = None,
+) -> PairBatch:
+    """A `PairBatch` from token ids (no tokenizer): rows are left-padded with `pad_id`.
+
+    Raises:
+        ValueError: no pairs, lists of different lengths, an empty prompt, a pair whose clean
+            and corrupted rows differ in length (names the pair and both lengths), a pair
+            without an answer.
+    """
+    n = len(clean)
+    if n == 0:
+        raise HeadsteerValueError("no pairs given")
+    if (
+        len(corrupted) != n
+        or len(answers) != n
+        or (counterfactuals is not None and len(counterfactuals) != n)
+    ):
+        raise HeadsteerValueError(
+            f"clean ({n}), corrupted ({len(corrupted)}), answers ({len(answers)}) and counterfactuals "
+            "must have one entry per pair"
+        )
+    for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)):
+        if len(a) == 0:
+            raise HeadsteerValueError(f"pair {i}: empty clean prompt")
+        if len(a) != len(b):
+            raise HeadsteerValueError(
+                f"pair {i}: clean prompt is {len(a)} tokens, corrupted prompt is {len(b)} tokens; "
+                "positions must align (same token length)"
+            )
+    width = max(len(a) for a in clean)
+    c_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    x_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)):
+        c_ids[i, width - len(a) :] = torch.as_tensor(list(a), dtype=torch.long)
+        x_ids[i, width - len(b) :] = torch.as_tensor(list(b), dtype=torch.long)
+        mask[i, width - len(a) :] = 1
+
+    def rows(values, what: str, required: bool) -> list[list[int]]:
+        out = []
+        for i, v in enumerate(values):
+            r = [int(v)] if isinstance(v, numbers.Integral) else [int(x) for x in v]
+            if required and not r:
+                raise HeadsteerValueError(f"pair {i}: no {what} token")
+            out.append(r)
+        return out
+
+    ans, ans_mask = _pad_answers(rows(answers, "answer", True))
+    cf_rows = rows(counterfactuals, "counterfactual", False) if counterfactuals is not None else [[]] * n
+    cf, cf_mask = _pad_answers(cf_rows)
+    return PairBatch(
+        c_ids, x_ids, mask, ans, ans_mask, cf, cf_mask, list(pairs) if pairs else [None] * n, tokens or []
+    )
+
+
+def _tokenizer_of(model_or_tokenizer: Any) -> Any:
+    tok = getattr(model_or_tokenizer, "tokenizer", None)
+    if tok is not None and not callable(getattr(model_or_tokenizer, "convert_ids_to_tokens", None)):
+        return tok
+    if callable(model_or_tokenizer) and hasattr(model_or_tokenizer, "convert_ids_to_tokens"):
+        return model_or_tokenizer
+    raise HeadsteerTypeError(
+        f"need a tokenizer or a HeadModel with one, got {type(model_or_tokenizer).__name__}"
+    )
+
+
+def encode_pairs(
+    model_or_tokenizer: Any,
+    pairs: Sequence[PromptPair | Mapping[str, Any]] | str | os.PathLike,
+    *,
+    chat: bool = False,
+    first_token: bool = False,
+    add_bos: bool = False,
+) -> PairBatch:
+    """Tokenize pairs into a left-padded `PairBatch` (every check before any model work).
+
+    Args:
+        model_or_tokenizer: a `HeadModel` (its tokenizer) or a Hugging Face tokenizer.
+        pairs: `PromptPair`s, dicts with `clean`, `corrupted`, `answer`, `counterfactual`, or a
+            JSONL file of such records (`load_pairs`).
+        chat: render both prompts with the tokenizer's chat template (default False: plain
+            text, as in the IOI and causal-tracing papers). Both rows always share the template,
+            BOS and padding rule.
+        first_token: take the first token of a multi-token answer instead of raising.
+        add_bos: prepend the tokenizer's BOS id to both rows when the tokenizer does not add it
+            itself (default False: the rows are what the tokenizer gives).
+
+    Returns:
+        a `PairBatch` (pad id = the tokenizer's pad id, else 0).
+
+    Raises:
+        ValueError: no pairs; a pair whose prompts differ in token length (names both lengths);
+            an empty prompt; an answer that is not one token (names it; see `first_token`).
+        TypeError: a pair of the wrong type.
+    """
+    tok = _tokenizer_of(model_or_tokenizer)
+    if isinstance(pairs, (str, os.PathLike)):
+        pairs = load_pairs(pairs)
+    if isinstance(pairs, (PromptPair, Mapping)):
+        pairs = [pairs]  # type: ignore[list-item]
+    items = [
+        p if isinstance(p, PromptPair) else PromptPair.from_dict(p, f"pair {i}") for i, p in enumerate(pairs)
+    ]
+    if not items:
+        raise HeadsteerValueError("no pairs given")
+    bos = getattr(tok, "bos_token_id", None)
+    clean, corr, answers, cfs, tokens = [], [], [], [], []
+    for i, p in enumerate(items):
+        for name, text in (("clean", p.clean), ("corrupted", p.corrupted)):
+            if not isinstance(text, str):
+                raise HeadsteerTypeError(
+                    f"pair {i}: {name} prompt must be a string, got {type(text).__name__}"
+                )
+            if not text.strip():
+                raise HeadsteerValueError(f"pair {i}: empty {name} prompt")
+        if chat:
+            a = tok.apply_chat_template([{"role": "user", "content": p.clean}], add_generation_prompt=True)
+            b = tok.apply_chat_template(
+                [{"role": "user", "content": p.corrupted}], add_generation_prompt=True
+            )
+            a = list(a["input_ids"] if isinstance(a, Mapping) else a)
+            b = list(b["input_ids"] if isinstance(b, Mapping) else b)
+        else:
+            a = list(tok(p.clean, add_special_tokens=True)["input_ids"])
+            b = list(tok(p.corrupted, add_special_tokens=True)["input_ids"])
+            if add_bos and bos is not None:
+                if not a or a[0] != bos:
+                    a = [bos, *a]
+                if not b or b[0] != bos:
+                    b = [bos, *b]
+        if len(a) != len(b):
+            raise HeadsteerValueError(
+                f"pair {i}: clean prompt is {len(a)} tokens, corrupted prompt is {len(b)} tokens; "
+                f"positions must align (clean {p.clean!r}, corrupted {p.corrupted!r})"
+            )
+        ans = _answer_list(p.answer, f"pair {i} answer")
+        if not ans:
+            raise HeadsteerValueError(f"pair {i}: no answer token")
+        answers.append([token_id(tok, x, first_token=first_token, where=f"pair {i} answer") for x in ans])
+        cf = _answer_list(p.counterfactual, f"pair {i} counterfactual")
+        cfs.append([token_id(tok, x, first_token=first_token, where=f"pair {i} counterfactual") for x in cf])
+        clean.append(a)
+        corr.append(b)
+        tokens.append([str(t) for t in tok.convert_ids_to_tokens(a)])
+    pad = getattr(tok, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    return pairs_from_tokens(clean, corr, answers, cfs, pad_id=pad, tokens=tokens, pairs=list(items))
+
+
+def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[PromptPair]:
+    """Read pairs from a JSONL file (one JSON object per line; blank lines skipped).
+
+    Args:
+        split: keep only records whose `split` field equals it (e.g. `"train"` / `"test"`).
+
+    Raises:
+        ValueError: a missing file, a line that is not JSON (names the line), a record without
+            the required keys, or no pairs left.
+    """
+    if not os.path.isfile(path):
+        raise HeadsteerValueError(f"pairs file {os.fspath(path)!r} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise HeadsteerValueError(f"{os.fspath(path)} line {n}: not JSON ({e.msg})") from None
+            p = PromptPair.from_dict(d, f"{os.fspath(path)} line {n}")
+            if split is None or p.meta.get("split") == split:
+                out.append(p)
+    if not out:
+        raise HeadsteerValueError(
+            f"no pairs in {os.fspath(path)!r}" + (f" with split {split!r}" if split else "")
+        )
+    return out
