@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.headsteer-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench results lint docs venv clean chromium
+.PHONY: demo test test-fast bench results lint docs venv clean chromium
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 test: $(STAMP) chromium
 	$(PY) -m pytest -q
 
+# The fast tier: no real-model tests (`real`: the embedded SmolLM2) and no `slow` ones (Ray clusters).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not real and not slow"
+
 # The browser test opens reports in headless Chromium (Debian package `chromium`).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
@@ -34,6 +38,7 @@ chromium:
 	    $$(command -v sudo) apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium >/dev/null; }
 
+# ruff over the tree, mypy over heads, steer, probes and viz ([tool.mypy] in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 

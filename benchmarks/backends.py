@@ -48,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from heads import HeadModel, encode_prompts, load_model
+from heads import HeadModel, SweepOptions, encode_prompts, load_model
 from heads.scorers.safety.ships import TEMPLATE, ships
 from probes.datasets.requests import load_requests
 from steer import Pasta, SteeredModel
@@ -188,11 +188,12 @@ def main() -> None:
         enc = encode_prompts(
             hm.tokenizer, [TEMPLATE.format(query=q) for q in queries], chat=False, markup=False
         )
-        ships(hm, queries[:2], heads={layers[0]: [0]}, progress=False)  # warm-up
+        ships(hm, queries[:2], heads={layers[0]: [0]}, options=SweepOptions(progress=False))  # warm-up
         loop_ships(hm, enc, heads[:1], args.eps)
 
         def engine(hm=hm, spec=spec):
-            return ships(hm, queries, heads=spec, eps=args.eps, progress=False).per_prompt
+            quiet = SweepOptions(progress=False)
+            return ships(hm, queries, heads=spec, eps=args.eps, options=quiet).per_prompt
 
         def loop(hm=hm, enc=enc, heads=heads):
             return loop_ships(hm, enc, heads, args.eps)

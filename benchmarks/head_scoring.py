@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from heads import QueryScale, editing, encode_prompts, forward, load_model
+from heads import QueryScale, SweepOptions, editing, encode_prompts, forward, load_model
 from heads.scorers.safety.ships import TEMPLATE, ships
 from probes.datasets.requests import load_requests
 
@@ -86,7 +86,7 @@ def main() -> None:
 
     ships(hm, prompts[:2], heads=heads[:2], eps=args.eps)  # warm-up (first-call allocations)
     t0 = time.perf_counter()
-    res = ships(hm, prompts, heads=heads, eps=args.eps, max_rows=args.max_rows)
+    res = ships(hm, prompts, heads=heads, eps=args.eps, options=SweepOptions(max_rows=args.max_rows))
     engine_s = time.perf_counter() - t0
 
     loop_model = load_model()

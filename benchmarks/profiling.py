@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from heads import editing, encode_prompts, forward, load_model
+from heads import SweepOptions, editing, encode_prompts, forward, load_model
 from probes.datasets.tasks import load_task
 from steer.pasta.method import Pasta
 from steer.pasta.profiling import profile_heads, target_ids
@@ -62,7 +62,13 @@ def main() -> None:
     prompts, emphasize, targets, chat = task_inputs(args.task, "train", args.examples)
     t0 = time.perf_counter()
     prof = profile_heads(
-        hm, prompts, targets, emphasize=emphasize, chat=chat, task=args.task, max_rows=args.max_rows
+        hm,
+        prompts,
+        targets,
+        emphasize=emphasize,
+        chat=chat,
+        task=args.task,
+        options=SweepOptions(max_rows=args.max_rows),
     )
     engine_s = time.perf_counter() - t0
     if args.save:

@@ -28,6 +28,7 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
+from heads._version import __version__
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -53,6 +54,7 @@ from heads.scorers.safety.attribution import attribute
 from heads.scorers.sink_dims import find_sink_dims
 
 __all__ = [
+    "__version__",
     "EMBEDDED_MODEL",
     "AttentionCall",
     "Edit",

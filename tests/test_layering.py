@@ -7,10 +7,17 @@ and `importlib.import_module("...")` / `__import__("...")` with a literal name:
 * `heads` imports none of `steer`, `probes`, `viz`;
 * `steer` imports only `heads`;
 * `probes` imports only `heads` and `steer`;
-* nothing but `viz` and the notebooks imports `viz`.
+* nothing but `viz` and the notebooks imports `viz`;
+* no import cycle between the modules of one package (`module_cycles`), counting imports at
+  module level and inside functions alike (a function-level import is a cycle postponed, not
+  removed); only the imports under `if TYPE_CHECKING:` are left out — annotations name
+  `HeadModel` in the engine and backends that `heads.model.adapter` itself builds on, and such
+  an import never runs;
+* no module of `heads.engine` imports `heads.scorers` (`engine_violations`): scorers are built
+  on the engine, never the reverse.
 
-Tests and benchmarks are exempt. The checker is also run on planted backwards imports, so
-this test can fail.
+Tests and benchmarks are exempt. Every checker is also run on planted sources and on a copy
+of the tree with a planted cycle or upward import, so these tests can fail.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -204,3 +212,177 @@ def test_no_script_shadows_a_package():
     root = Path(__file__).resolve().parents[1]
     scripts = {p.stem for p in (root / "benchmarks").glob("*.py")}
     assert not scripts & {"heads", "steer", "probes", "viz"}, scripts
+
+
+# ---- cycles inside a package and the engine below the scorers -------------------------------------
+
+
+def _package_modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package `__init__`) for every module of the four packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            is_package = path.name == "__init__.py"
+            out[".".join(rel.parts[:-1] if is_package else rel.parts)] = (path, is_package)
+    return out
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (type-only imports)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+            if name == "TYPE_CHECKING":
+                stack += node.orelse
+                continue
+        stack += list(ast.iter_child_nodes(node))
+
+
+def import_graph(modules: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of the same top-level package it imports (sources given as text).
+
+    `from a.b import c` counts as an import of `a.b.c` where that is a module, else of `a.b`;
+    a name that is no module counts as its longest prefix that is one.
+    """
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, (source, is_package) in modules.items():
+        for node in _runtime_nodes(ast.parse(source)):
+            names = _imported(node, module, is_package)
+            if isinstance(node, ast.ImportFrom):  # `from pkg import submodule`
+                base = names[0] if node.module else None
+                if base is not None:
+                    subs = [f"{base}.{a.name}" for a in node.names]
+                    names = [s if s in modules else base for s in subs]
+            for name in names:
+                target = resolve(name)
+                if target and target != module and target.split(".")[0] == module.split(".")[0]:
+                    graph[module].add(target)
+    return graph
+
+
+def module_cycles(modules: dict[str, tuple[str, bool]]) -> list[list[str]]:
+    """The import cycles: each strongly connected set of two or more modules, sorted (Tarjan)."""
+    graph = import_graph(modules)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return sorted(out)
+
+
+def engine_violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
+    """`"<module> imports <scorer module>"` for each import of `heads.scorers` under `heads.engine`."""
+    graph = import_graph(modules)
+    return [
+        f"{m} imports {t}"
+        for m in sorted(graph)
+        if m == "heads.engine" or m.startswith("heads.engine.")
+        for t in sorted(graph[m])
+        if t == "heads.scorers" or t.startswith("heads.scorers.")
+    ]
+
+
+def _tree_sources(root: Path) -> dict[str, tuple[str, bool]]:
+    return {m: (p.read_text("utf-8"), pkg) for m, (p, pkg) in _package_modules(root).items()}
+
+
+def test_no_import_cycle_inside_a_package():
+    modules = _tree_sources(ROOT)
+    assert {"heads.scorers.safety.ships", "heads.engine.state", "viz.cli.main"} <= set(modules)
+    assert module_cycles(modules) == []
+
+
+def test_the_engine_never_imports_the_scorers():
+    assert engine_violations(_tree_sources(ROOT)) == []
+
+
+def _planted(**sources: str) -> dict[str, tuple[str, bool]]:
+    return {m.replace("__", "."): (src, False) for m, src in sources.items()}
+
+
+def test_cycle_checker_on_planted_sources():
+    a_b = _planted(heads__a="import heads.b\n", heads__b="def f():\n    from heads import a\n")
+    assert module_cycles(a_b) == [["heads.a", "heads.b"]]  # a function-level import still counts
+    three = _planted(
+        heads__a="from heads.b import x\n", heads__b="from .c import y\n", heads__c="import heads.a as a\n"
+    )
+    assert module_cycles(three) == [["heads.a", "heads.b", "heads.c"]]
+    type_only = _planted(
+        heads__a="import heads.b\n",
+        heads__b="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from heads.a import A\n",
+    )
+    assert module_cycles(type_only) == []  # annotations only: never imported at run time
+    across = _planted(heads__a="import steer.b\n", steer__b="import heads.a\n")
+    assert module_cycles(across) == []  # between packages: the layering test's business
+    chain = _planted(heads__a="import heads.b\n", heads__b="import heads.c\n", heads__c="import torch\n")
+    assert module_cycles(chain) == []
+
+
+def test_engine_checker_on_planted_sources():
+    mods = _planted(
+        heads__engine__x="def f():\n    from heads.scorers.sinks import sinks\n",
+        heads__engine__y="from heads.results.scores import HeadScores\n",
+        heads__scorers__sinks="from heads.engine.x import f\n",
+        heads__results__scores="",
+    )
+    assert engine_violations(mods) == ["heads.engine.x imports heads.scorers.sinks"]
+
+
+def test_planted_cycle_and_upward_import_in_a_copy_of_the_tree_fail(tmp_path):
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    assert module_cycles(_tree_sources(tmp_path)) == []
+    assert engine_violations(_tree_sources(tmp_path)) == []
+    state = tmp_path / "heads" / "engine" / "state.py"  # the leaf imports the scorers: both rules break
+    state.write_text(state.read_text() + "\n\ndef _late():\n    from heads.scorers.sinks import sinks\n")
+    modules = _tree_sources(tmp_path)
+    assert "heads.engine.state imports heads.scorers.sinks" in engine_violations(modules)
+    cycles = module_cycles(modules)
+    assert len(cycles) == 1 and {"heads.engine.state", "heads.scorers.sinks"} <= set(cycles[0])
+    steer_cycle = tmp_path / "steer" / "noop.py"
+    steer_cycle.write_text(steer_cycle.read_text() + "\n\ndef _late():\n    import steer.pasta.method\n")
+    assert any("steer.noop" in c for c in module_cycles(_tree_sources(tmp_path)))

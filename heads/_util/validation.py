@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["check_bool", "check_int", "check_number", "check_shard", "is_int"]
+__all__ = ["check_bool", "check_int", "check_number", "check_shard", "is_int", "is_number"]
 
 
 def is_int(value: object) -> bool:
@@ -22,54 +22,98 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+def _int_phrase(lo: int | None, hi: int | None) -> str:
+    """How a message names the allowed ints: "a positive int", "an int in 1..12", "an int >= 0"."""
+    if lo is not None and hi is not None:
+        return f"an int in {lo}..{hi}"
+    if lo == 1:
+        return "a positive int"
+    if lo is not None:
+        return f"an int >= {lo}"
+    if hi is not None:
+        return f"an int <= {hi}"
+    return "an int"
+
+
+def check_int(
+    name: str, value: object, *, lo: int | None = None, hi: int | None = None, what: str | None = None
+) -> int:
     """`value` as an `int` in `[lo, hi]` (either bound optional).
 
+    Args:
+        name: the argument's name, first word of the message.
+        value: the value to check (Python, numpy or torch integer; never a bool).
+        lo, hi: inclusive bounds (default None: unbounded).
+        what: how the message names the allowed values (default from the bounds:
+            `"a positive int"` for `lo=1`, `"an int in 1..12"`, `"an int >= 0"`, `"an int"`).
+
     Raises:
-        HeadsteerValueError: not an integer (bools included) or out of range; the message
-            names `name`, the range and the value.
+        HeadsteerValueError: `"<name> must be <what>, got <value>"` for a non-integer (bools
+            included) or a value out of range.
     """
-    where = (
-        f" in {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
-        if (lo, hi) != (None, None)
-        else ""
-    )
-    if not is_int(value):
-        raise HeadsteerValueError(f"{name} must be an int{where}, got {value!r}")
-    v = int(value)  # type: ignore[call-overload]
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise HeadsteerValueError(f"{name} must be an int{where}, got {v}")
+    v = int(value) if is_int(value) else None  # type: ignore[call-overload]
+    if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise HeadsteerValueError(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
     return v
+
+
+def is_number(value: object) -> bool:
+    """True for a real number that is not a bool (Python, numpy or torch scalars)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_number(
-    name: str, value: object, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    name: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    finite: bool = True,
+    what: str | None = None,
 ) -> float:
-    """`value` as a finite `float` in `[lo, hi]` (`(lo, hi]` with `lo_open`).
+    """`value` as a `float` in `[lo, hi]` (`(lo, hi]` with `lo_open`), finite unless `finite=False`.
+
+    Args:
+        what: how the message names the allowed values (default from the bounds:
+            `"a number in [0, 1]"`, `"a number > 0"`, `"a finite number"`, ...).
 
     Raises:
-        HeadsteerValueError: not a real number (bools included), not finite, or out of range.
+        HeadsteerValueError: `"<name> must be <what>, got <value>"` for a non-number (bools
+            included), NaN / inf (with `finite`), or a value out of range.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise HeadsteerValueError(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise HeadsteerValueError(f"{name} must be finite, got {value!r}")
-    if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise HeadsteerValueError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {value!r}")
-    if hi is not None and v > hi:
-        raise HeadsteerValueError(f"{name} must be <= {hi:g}, got {value!r}")
-    return v
+    if what is None:
+        if lo is not None and hi is not None:
+            what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        elif lo is not None:
+            what = f"a {'finite ' if finite else ''}number {'>' if lo_open else '>='} {lo:g}"
+        elif hi is not None:
+            what = f"a {'finite ' if finite else ''}number <= {hi:g}"
+        else:
+            what = "a finite number" if finite else "a number"
+    bad = not is_number(value)
+    if not bad:
+        v = float(value)  # type: ignore[arg-type]
+        bad = (
+            (finite and not math.isfinite(v))
+            or math.isnan(v)
+            or (lo is not None and (v < lo or (lo_open and v == lo)))
+            or (hi is not None and v > hi)
+        )
+    if bad:
+        raise HeadsteerValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
-def check_bool(name: str, value: object) -> bool:
-    """`value` if it is a `bool`.
+def check_bool(name: str, value: object, *, what: str = "True or False") -> bool:
+    """`value` if it is a Python `bool`.
 
     Raises:
-        HeadsteerTypeError: anything else (`0`, `1`, `"yes"`, None).
+        HeadsteerTypeError: `"<name> must be <what>, got <value>"` for anything else (`0`, `1`,
+            `"yes"`, None).
     """
     if not isinstance(value, bool):
-        raise HeadsteerTypeError(f"{name} must be True or False, got {value!r}")
+        raise HeadsteerTypeError(f"{name} must be {what}, got {value!r}")
     return value
 
 

@@ -13,13 +13,13 @@ worker dies is retried (`max_retries`), so no shard is lost. Ray is an optional 
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,18 +85,28 @@ class ModelSpec:
 _WORKER_MODELS: dict[ModelSpec, HeadModel] = {}
 
 
-def _target(name: str) -> Callable:
-    """`"package.module:function"` -> the function."""
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
+Target = Callable[..., Any]
+"""A scorer function `target(model, **kwargs)`: a module-level function, so that Ray pickles it
+by reference (its module and name) and a worker imports it: a moved function keeps working."""
 
 
-def _run_shard(spec: ModelSpec, target: str, kwargs: dict):
+def _check_target(target: object) -> Target:
+    """`target` if it is a callable (a function object, never a `"module:function"` string).
+
+    Raises:
+        HeadsteerTypeError: a string or another non-callable.
+    """
+    if isinstance(target, str) or not callable(target):
+        raise HeadsteerTypeError(f"target must be a function (the scorer itself), got {target!r}")
+    return target
+
+
+def _run_shard(spec: ModelSpec, target: Target, kwargs: dict) -> Any:
     """Ray task body: load the model once per worker process, run one shard."""
     model = _WORKER_MODELS.get(spec)
     if model is None:
         model = _WORKER_MODELS[spec] = spec.load()
-    return _target(target)(model, **kwargs)
+    return target(model, **kwargs)
 
 
 def _count(n, what: str) -> int:
@@ -112,7 +122,7 @@ class Executor:
         """How many shards to split a sweep into."""
         raise NotImplementedError
 
-    def map(self, target: str, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
+    def map(self, target: Target, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
         """`[target(model, **kw) for kw in calls]`, in order (possibly in parallel)."""
         raise NotImplementedError
 
@@ -130,11 +140,10 @@ class LocalExecutor(Executor):
     def n_shards(self) -> int:
         return self._n
 
-    def map(self, target: str, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
+    def map(self, target: Target, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
         if isinstance(model, ModelSpec):
             model = model.load()
-        fn = _target(target)
-        return [fn(model, **kw) for kw in calls]
+        return [target(model, **kw) for kw in calls]
 
 
 class RayExecutor(Executor):
@@ -197,7 +206,7 @@ class RayExecutor(Executor):
         cpus = self._ray().cluster_resources().get("CPU", 1)
         return max(1, int(math.floor(cpus / self.num_cpus)))
 
-    def map(self, target: str, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
+    def map(self, target: Target, model: HeadModel | ModelSpec, calls: Sequence[dict]) -> list:
         spec = model if isinstance(model, ModelSpec) else (self.spec or ModelSpec.of(model))
         ray = self._ray()
         task = ray.remote(num_cpus=self.num_cpus, max_retries=self.max_retries)(_run_shard)
@@ -221,7 +230,7 @@ def resolve_executor(executor: str | Executor) -> Executor:
 
 
 def run_shards(
-    target: str,
+    target: Target,
     model: HeadModel | ModelSpec,
     executor: str | Executor,
     shard_kwargs: Callable[[int, int], dict],
@@ -231,7 +240,8 @@ def run_shards(
     """Run `target(model, **shard_kwargs(i, n))` for every shard i of n with `executor`.
 
     Args:
-        target: `"module:function"` of the scorer (called with `executor=None` in the shard).
+        target: the scorer function itself (module-level, so Ray pickles it by reference;
+            called with `executor=None` in the shard).
         model: the model (or the spec workers load it from).
         executor: `"local"`, `"ray"` or an `Executor`.
         shard_kwargs: keyword arguments of shard i of n.
@@ -240,6 +250,7 @@ def run_shards(
     Returns:
         the n results, in shard order.
     """
+    target = _check_target(target)
     ex = resolve_executor(executor)
     n = ex.n_shards() if max_shards is None else max(1, min(ex.n_shards(), max_shards))
     return ex.map(target, model, [shard_kwargs(i, n) for i in range(n)])

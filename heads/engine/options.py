@@ -12,7 +12,9 @@ reported (the seed draws random control heads where a scorer has them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from heads._util.progress import ProgressArg
@@ -22,7 +24,10 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 if TYPE_CHECKING:
     from heads.engine.executors import Executor
 
-__all__ = ["SweepOptions"]
+__all__ = ["SWEEP_KEYS", "SweepOptions", "sweep_options"]
+
+SWEEP_KEYS = ("max_rows", "shard", "executor", "progress", "seed")
+"""The keyword arguments `SweepOptions` replaces (accepted, deprecated, for one release)."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,58 @@ class SweepOptions:
                 f"executor must be 'local', 'ray' or an Executor, got {self.executor!r}"
             )
         if self.shard is not None and self.executor is not None:
-            raise HeadsteerValueError("give shard or executor, not both: an executor makes its own shards")
+            raise HeadsteerValueError(
+                "pass either shard= or executor=, not both: an executor makes its own shards"
+            )
 
     def replace(self, **changes: Any) -> SweepOptions:
         """A copy with `changes` applied (validated again)."""
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+def sweep_options(
+    options: SweepOptions | None,
+    legacy: Mapping[str, Any],
+    where: str,
+    *,
+    takes: Collection[str] = SWEEP_KEYS,
+) -> SweepOptions:
+    """The `SweepOptions` a scorer runs with: `options` (default `SweepOptions()`), updated by the
+    deprecated keyword arguments in `legacy` (`max_rows=`, `shard=`, ...; a `DeprecationWarning`).
+
+    Args:
+        options: the caller's `options=` (None: the defaults).
+        legacy: the scorer's `**kwargs`: only names in `SWEEP_KEYS` are allowed.
+        where: the scorer's name, for the messages.
+        takes: the options this scorer uses; another one set to a non-default value is an error
+            (e.g. `shard` for Sahara, whose greedy steps cannot be split).
+
+    Raises:
+        TypeError: a keyword that is no sweep option (as Python says for an unknown keyword).
+        HeadsteerTypeError: `options` not a `SweepOptions`.
+        HeadsteerValueError: a bad option value, or an option this scorer does not take.
+    """
+    unknown = sorted(set(legacy) - set(SWEEP_KEYS))
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if options is None:
+        options = SweepOptions()
+    elif not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {options!r}")
+    if legacy:
+        names = ", ".join(f"{k}=" for k in legacy)
+        fill = ", ".join(f"{k}=..." for k in legacy)
+        warnings.warn(
+            f"{where}({names}) is deprecated: pass options=SweepOptions({fill}) instead "
+            "(the keywords are removed in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        options = options.replace(**legacy)
+    defaults = SweepOptions()
+    for f in fields(SweepOptions):
+        if f.name not in takes and getattr(options, f.name) != getattr(defaults, f.name):
+            raise HeadsteerValueError(f"{where} does not take {f.name}= (got {getattr(options, f.name)!r})")
+    return options

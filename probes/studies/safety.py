@@ -22,6 +22,7 @@ import pandas as pd
 from heads import HeadModel, HeadScores
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
 from heads.engine.executors import Executor
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from heads.scorers.safety.ships import (
     TEMPLATE,
@@ -225,23 +226,21 @@ def safety_analysis(
             model,
             score_prompts,
             template=template,
-            executor=executor,
-            progress=offset_progress(report, start[0], total),
+            options=SweepOptions(executor=executor, progress=offset_progress(report, start[0], total)),
         )
         ds = dataset_ships(
             model,
             score_prompts,
             template=template,
             degrees=True,
-            executor=executor,
-            progress=offset_progress(report, start[1], total),
+            options=SweepOptions(executor=executor, progress=offset_progress(report, start[1], total)),
         )
         sa = sahara(
             model,
             score_prompts,
             steps=steps,
             template=template,
-            progress=offset_progress(report, start[2], total),
+            options=SweepOptions(progress=offset_progress(report, start[2], total)),
         )
         judge = RefusalJudge(phrases=EXPLICIT_REFUSALS, min_tokens=0)  # explicit refusals only
         keyword = RefusalJudge(tokenizer=model.tokenizer)  # the paper's full keyword judge

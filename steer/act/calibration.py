@@ -12,20 +12,21 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads.engine.edits import Edit
-from heads.engine.executors import Executor, run_shards
+from heads.engine.executors import run_shards
+from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.results.views import html_view, top_heads_text
-from heads.scorers.safety.ships import merge_scores
+from heads.scorers.safety.common import merge_scores
 from heads.scorers.sinks import SinkRule
 from steer.act.method import ActEdit, default_act_layers
 
@@ -117,9 +118,8 @@ def calibrate_act_heads(
     chat: bool | None = False,
     keep: Literal["accuracy", "margin"] = "accuracy",
     delta: float = 0.0,
-    max_rows: int = 64,
-    progress: ProgressArg = True,
-    executor: str | Executor | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> ActCalibration:
     """Score every candidate head with ACT applied to it alone; keep the heads that help.
 
@@ -131,19 +131,22 @@ def calibrate_act_heads(
         keep: `"accuracy"` (paper: acc_h > acc_0 + delta) or `"margin"` (mean log-prob margin
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
-        max_rows: batch rows per forward.
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each batch (`heads._util.progress`), in (head, prompt) rows: `total` is
-            `len(heads) * N`.
-        executor: `"local"`, `"ray"` or a `heads.engine.executors.Executor`: split the candidates into
-            the executor's shards, run them (Ray: as tasks, each worker loading the model once)
-            and merge them; default None runs here.
+        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward;
+            `progress` a tqdm bar by default, in (head, prompt) rows (`total` is
+            `len(heads) * N`); `executor` (`"local"`, `"ray"` or a
+            `heads.engine.executors.Executor`) splits the candidates into the executor's shards,
+            runs them (Ray: as tasks, each worker loading the model once) and merges them;
+            default None runs here. No `shard` (pass `heads=` instead).
+        **deprecated: the 0.1 keywords `max_rows=`, `progress=`, `executor=`: still accepted
+            for this release, with a `DeprecationWarning`.
 
     Raises:
         ValueError: mismatched lengths, labels out of range, colliding choices, bad heads or keep.
     """
     from steer.act.method import Act
 
+    takes = ("max_rows", "progress", "executor")
+    opts = sweep_options(options, deprecated, "calibrate_act_heads", takes=takes)
     rule = rule or SinkRule()
     Act(beta=beta, rule=rule)  # validates beta and rule
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
@@ -164,15 +167,16 @@ def calibrate_act_heads(
     if ((lab < 0) | (lab >= ids.shape[1])).any():
         raise HeadsteerValueError(f"labels must be in 0..{ids.shape[1] - 1}")
     heads = check_heads(model, heads, default_act_layers(model.n_layers))
-    if executor is not None:
+    if opts.executor is not None:
         kw: dict[str, object] = dict(
             prompts=list(prompts), choices=[list(c) for c in choices], labels=[int(x) for x in labels]
         )
-        kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta, max_rows=max_rows, progress=False)
+        kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta)
+        kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
         parts = run_shards(
-            "steer.act.calibration:calibrate_act_heads",
+            calibrate_act_heads,
             model,
-            executor,
+            opts.executor,
             lambda i, n: dict(kw, heads=heads[i::n]),
             max_shards=len(heads),
         )
@@ -191,11 +195,11 @@ def calibrate_act_heads(
     def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         return _correct_and_margin(logp, ids[ps], lab[ps])
 
-    with progress_callback(progress, "ACT calibration", "rows") as report:
+    with progress_callback(opts.progress, "ACT calibration", "rows") as report:
         clean = clean_run(model, enc)
         base = _correct_and_margin(clean.logp, ids, lab).mean(0)  # [2]
         got = evaluate_variants(
-            model, clean, [[h] for h in heads], row_edits, score, max_rows=max_rows, progress=report
+            model, clean, [[h] for h in heads], row_edits, score, max_rows=opts.max_rows, progress=report
         ).mean(1)  # [M, 2]
     tables = torch.full((2, model.n_layers, model.n_heads), float("nan"))
     for k, (layer, head) in enumerate(heads):

@@ -21,13 +21,13 @@ that many heads (`smallest_k`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads.engine.edits import Edit
-from heads.engine.executors import Executor
+from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts, normalize_prompts
@@ -80,10 +80,9 @@ def profile_heads(
     alpha: float = 0.01,
     heads: HeadSpec | None = None,
     task: str = "task",
-    max_rows: int = 64,
     reuse_positions: bool = True,
-    progress: ProgressArg = True,
-    executor: str | Executor | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> HeadScores:
     """Profile single heads with PASTA on one task (Algorithm 1, steps 2-3).
 
@@ -98,15 +97,16 @@ def profile_heads(
         alpha: PASTA's coefficient (default 0.01, mode `exclude`).
         heads: heads to profile, any `HeadSpec` (default all `L x H`).
         task: task name recorded in the scores' params.
-        max_rows: batch rows per forward.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
             float rounding; turn off to recompute everything).
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each batch (`heads._util.progress`), in (head, prompt) rows: `total` is
-            `len(heads) * N`.
-        executor: `"local"`, `"ray"` or a `heads.engine.executors.Executor`: split the heads into the
-            executor's shards, run them (Ray: as tasks, each worker loading the model once) and
-            merge them with `merge_scores`; default None runs here.
+        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward;
+            `progress` a tqdm bar by default, in (head, prompt) rows (`total` is
+            `len(heads) * N`); `executor` (`"local"`, `"ray"` or a
+            `heads.engine.executors.Executor`) splits the heads into the executor's shards,
+            runs them (Ray: as tasks, each worker loading the model once) and merges them with
+            `merge_scores`; default None runs here. No `shard` (pass `heads=` instead).
+        **deprecated: the 0.1 keywords `max_rows=`, `progress=`, `executor=`: still accepted
+            for this release, with a `DeprecationWarning`.
 
     Returns:
         HeadScores (method `"pasta_profile"`): per head, the mean over prompts of
@@ -116,6 +116,7 @@ def profile_heads(
     Raises:
         ValueError: prompt/target count mismatch, a prompt without a span, bad alpha or heads.
     """
+    opts = sweep_options(options, deprecated, "profile_heads", takes=("max_rows", "progress", "executor"))
     if model.tokenizer is None:
         raise HeadsteerValueError("PASTA profiling needs a HeadModel with a tokenizer")
     check_alpha(alpha)  # validates alpha; warns on a no-op (alpha = 1) or de-emphasizing value
@@ -141,18 +142,19 @@ def profile_heads(
     tgt = target_ids(model.tokenizer, targets)
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
-    if executor is not None:
+    if opts.executor is not None:
         from heads.engine.executors import run_shards
-        from heads.scorers.safety.ships import merge_scores
+        from heads.scorers.safety.common import merge_scores
 
         kw = dict(
             prompts=items, targets=list(targets), emphasize=emphasize, chat=chat, alpha=alpha, task=task
         )
-        kw.update(max_rows=max_rows, reuse_positions=reuse_positions, progress=False)
+        kw.update(reuse_positions=reuse_positions)
+        kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
         parts = run_shards(
-            "steer.pasta.profiling:profile_heads",
+            profile_heads,
             model,
-            executor,
+            opts.executor,
             lambda i, n: dict(kw, heads=heads[i::n]),
             max_shards=len(heads),
         )
@@ -167,7 +169,7 @@ def profile_heads(
     def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
         return logp.gather(1, tgt[ps, None])[:, 0]
 
-    with progress_callback(progress, f"PASTA profile {task}", "rows") as report:
+    with progress_callback(opts.progress, f"PASTA profile {task}", "rows") as report:
         clean = clean_run(model, enc, keep_kv=reuse_positions)
         base = clean.logp.gather(1, tgt[:, None])[:, 0]  # [N]
         got = evaluate_variants(
@@ -177,7 +179,7 @@ def profile_heads(
             row_edits,
             score,
             unchanged_before=starts if reuse_positions else None,
-            max_rows=max_rows,
+            max_rows=opts.max_rows,
             progress=report,
         )  # [K, N]
     delta = (got - base[None]).mean(1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # starts a local Ray cluster: not in make test-fast
 
 from heads import load_model  # noqa: E402
 from heads.engine.executors import LocalExecutor, ModelSpec, RayExecutor, merge_tables  # noqa: E402

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive, command
 
@@ -185,7 +186,7 @@ def profile_pasta(
                 chat=ex[0].chat,
                 alpha=alpha,
                 task=t,
-                progress=step,
+                options=SweepOptions(progress=step),
             )
     k = smallest_k(profiles, heads, mode=mode)
     chosen = select_heads(profiles, n_heads=heads, mode=mode)
@@ -229,7 +230,7 @@ def profile_act(
             beta=beta,
             keep=keep,
             delta=delta,
-            progress=step,
+            options=SweepOptions(progress=step),
         )
     (cal.accuracy if keep == "accuracy" else cal.margin).save(scores_file, overwrite=run.force)
     cal.heads.save(out, overwrite=run.force)

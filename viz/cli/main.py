@@ -72,10 +72,22 @@ INSTABOOST_MULTIPLIER = 5.0
 """`headsteer generate --multiplier` default (`steer.instaboost.DEFAULT_MULTIPLIER`)."""
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from heads._version import __version__
+
+        typer.echo(f"headsteer {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="no status lines or progress bars")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+    ] = False,
 ) -> None:
     set_global(debug, quiet)
 

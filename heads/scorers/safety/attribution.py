@@ -56,18 +56,19 @@ import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from heads._util.progress import ProgressArg
+from heads._util.validation import check_int
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
-from heads.engine.variants import _forward, check_heads, check_max_rows
+from heads.engine.options import SweepOptions, sweep_options
+from heads.engine.variants import _forward, check_heads
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
-from heads.scorers.safety.ships import TEMPLATE, ShipsResult, _encode
+from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
 
 __all__ = [
     "HeadReplace",
@@ -341,7 +342,8 @@ def attribute(
     saturation_fix: bool = True,
     graddrop: bool = False,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> ShipsResult:
     """First-order (AtP / AtP*) estimate of every head's ablation effect, one forward + backward per batch.
 
@@ -363,7 +365,9 @@ def attribute(
         saturation_fix: AtP* §3.1.1 for `"ua"`/custom edits: exact pattern change (default);
             False linearises the softmax as plain AtP does.
         graddrop: AtP* §3.1.2 GradDrop (L extra backward passes; a score then is a magnitude).
-        max_rows: prompts per forward (the memory bound: the graph of one batch is kept).
+        options: `heads.SweepOptions`; only `max_rows` is used: prompts per forward (the
+            memory bound: the graph of one batch is kept). The 0.1 keyword `max_rows=` still
+            works, with a `DeprecationWarning`.
 
     Returns:
         ShipsResult: per-prompt estimates `[N, L, H]` and their mean as HeadScores with method
@@ -376,6 +380,7 @@ def attribute(
             nnsight model with `remote=True` (gradients and hooks are local).
         TypeError: non-bool exact / saturation_fix / graddrop.
     """
+    max_rows = sweep_options(options, deprecated, "attribute", takes=("max_rows",)).max_rows
     if model.tokenizer is None:
         raise HeadsteerValueError("attribution needs a HeadModel with a tokenizer")
     if getattr(model.backend, "remote", False):
@@ -401,9 +406,8 @@ def attribute(
         raise HeadsteerValueError(f"kl_tokens must be an int in 1..{model.d_vocab - 1}, got {kl_tokens!r}")
     if graddrop and model.n_layers < 2:
         raise HeadsteerValueError("graddrop needs at least 2 layers")
-    check_max_rows(max_rows)
     chosen = check_heads(model, heads)
-    enc = _encode(model, prompts, template)
+    enc = encode_queries(model, prompts, template)
     n_metric = getattr(metric, "n_prompts", None)
     if callable(metric) and n_metric is not None and n_metric != enc.batch:
         raise HeadsteerValueError(f"the metric was built for {n_metric} prompts, got {enc.batch} prompts")
@@ -547,7 +551,7 @@ def _ships_estimate(
         exact=exact,
         kl_tokens=kl_tokens,
         template=template,
-        max_rows=max_rows,
+        options=SweepOptions(max_rows=max_rows),
     )
 
 
@@ -557,21 +561,23 @@ def confirm_ships(
     *,
     confirm: int,
     controls: int = 10,
-    seed: int = 0,
     heads: HeadSpec | None = None,
     ablation: Literal["ua", "sc"] = "ua",
     eps: float = 1e-5,
     exact: bool = False,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
     kl_tokens: int = 4,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> ShipsResult:
     """Ships by attribution, confirmed exactly: estimate every head, rerun the best exactly.
 
     Ranks `heads` (default all) by `attribute(..., metric="kl", kl_tokens=kl_tokens)`, then
     scores the top `confirm` heads plus `controls` heads drawn at random
-    (`random.Random(seed)`) from the rest with the exact batched sweep `heads.scorers.safety.ships.ships`.
+    (`random.Random(options.seed)`) from the rest with the exact batched sweep
+    `heads.scorers.safety.ships.ships`. `options` (`heads.SweepOptions`) gives `max_rows`,
+    `progress` (of the exact sweep) and `seed`; no shard or executor. The 0.1 keywords
+    (`max_rows=`, `progress=`, `seed=`) still work, with a `DeprecationWarning`.
     On the embedded model (16 prompts, UA) the exact top 10 was found in the estimate's top 30
     6 times in 10 with `kl_tokens=1` and 9 in 10 with `kl_tokens=4` (3 more backward passes);
     see benchmarks/attribution.py.
@@ -587,32 +593,20 @@ def confirm_ships(
         ValueError: `confirm` or `controls` not an int in 0..number of heads, a non-int seed,
             and as `ships` / `attribute`.
     """
+    opts = sweep_options(options, deprecated, "confirm_ships", takes=("max_rows", "progress", "seed"))
     chosen = check_heads(model, heads)
     for name, k in (("confirm", confirm), ("controls", controls)):
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(chosen):
-            raise HeadsteerValueError(f"{name} must be an int in 0..{len(chosen)}, got {k!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise HeadsteerValueError(f"seed must be an int, got {seed!r}")
-    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
+        check_int(name, k, lo=0, hi=len(chosen))
+    seed = opts.seed
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts.max_rows)
     est.estimate = est.scores
     if confirm == 0:
         return est
     ranked = est.scores.ranked()
     top, rest = ranked[:confirm], ranked[confirm:]
     control = sorted(random.Random(seed).sample(rest, min(controls, len(rest))))
-    from heads.scorers.safety.ships import ships
-
-    res = ships(
-        model,
-        prompts,
-        heads=top + control,
-        ablation=ablation,
-        eps=eps,
-        exact=exact,
-        template=template,
-        max_rows=max_rows,
-        progress=progress,
-    )
+    eps, exact_heads = check_scoring(model, eps, exact, top + control)
+    res = exact_ships(model, prompts, exact_heads, ablation, eps, template, opts)
     params = dict(res.scores.params)
     params.update(
         method="attribution",
@@ -636,7 +630,8 @@ def sahara_candidates(
     exact: bool = False,
     kl_tokens: int = 4,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> list[Head]:
     """The `k` heads with the largest estimated Ships (KL), best first: the heads for Sahara to try.
 
@@ -649,8 +644,8 @@ def sahara_candidates(
     Raises:
         ValueError: `k` not an int in 1..number of heads, and as `attribute`.
     """
+    max_rows = sweep_options(options, deprecated, "sahara_candidates", takes=("max_rows",)).max_rows
     chosen = check_heads(model, heads)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(chosen):
-        raise HeadsteerValueError(f"k must be an int in 1..{len(chosen)}, got {k!r}")
+    check_int("k", k, lo=1, hi=len(chosen))
     est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
     return est.scores.ranked(k)

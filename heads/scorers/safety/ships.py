@@ -15,31 +15,38 @@ carrying its own per-layer head mask (`row_heads`). Ablations:
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from heads._util.progress import ProgressArg, offset_progress, progress_callback
-from heads.engine.edits import Edit, HeadScale, QueryScale
-from heads.engine.executors import Executor, merge_tables, run_shards
-from heads.engine.variants import (
-    RowEdits,
-    RowScore,
-    check_heads,
-    check_max_rows,
-    clean_run,
-    evaluate_variants,
-    row_head_masks,
-)
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts, encode_prompts, normalize_prompts
+from heads._util.progress import offset_progress, progress_callback
+from heads._util.validation import check_bool, check_int
+from heads.engine.executors import merge_tables
+from heads.engine.options import SweepOptions, sweep_options
+from heads.engine.variants import clean_run, evaluate_variants
+from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
-from heads.results.views import html_view, top_heads_text
+from heads.results.views import html_view
+from heads.scorers.safety.common import (
+    TEMPLATE,
+    Ablation,
+    Head,
+    ShipsResult,
+    ablate_rows,
+    ablation_edits,
+    check_scoring,
+    encode_dataset,
+    exact_ships,
+    fill_template,
+    final_state,
+    head_table,
+    merge_scores,
+    run_sharded,
+    shard_heads,
+)
 
 __all__ = [
     "TEMPLATE",
@@ -54,217 +61,6 @@ __all__ = [
     "ships",
 ]
 
-TEMPLATE = "Query: {query}\nAnswer:"
-"""The one prompt template (no chat template, no system prompt: docs/methods/safety.md)."""
-
-Ablation = Literal["ua", "sc"]
-Head = tuple[int, int]
-
-
-def ablation_edits(
-    model: HeadModel,
-    variants: Sequence[Sequence[Head]],
-    n_prompts: int,
-    *,
-    ablation: Ablation = "ua",
-    eps: float = 1e-5,
-) -> list[Edit]:
-    """Edits that ablate head set `variants[v]` in batch rows `v * n_prompts ... (v + 1) * n_prompts - 1`.
-
-    Raises:
-        ValueError: unknown ablation, unknown layer/head, or a non-finite eps.
-    """
-    rows = [heads for heads in variants for _ in range(n_prompts)]
-    return row_ablation_edits(model, rows, ablation=ablation, eps=eps)
-
-
-def row_ablation_edits(
-    model: HeadModel,
-    row_variants: Sequence[Sequence[Head]],
-    *,
-    ablation: Ablation = "ua",
-    eps: float = 1e-5,
-) -> list[Edit]:
-    """Edits that ablate head set `row_variants[r]` in batch row `r` (one edit per layer touched).
-
-    Raises:
-        ValueError: unknown ablation, unknown layer/head, or a non-finite eps.
-    """
-    if ablation not in ("ua", "sc"):
-        raise HeadsteerValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
-    kind = QueryScale if ablation == "ua" else HeadScale
-    masks = row_head_masks(model, row_variants)
-    return [kind(layer=layer, row_heads=m, factor=eps) for layer, m in masks.items()]
-
-
-def fill_template(template: str | None, queries: list[str]) -> list[str]:
-    """Put each query into `template`: every `{query}` is replaced, nothing else is read.
-
-    The one rule for scoring and for generation (ASR): other braces (`{oops}`, JSON)
-    stay as they are (no `str.format`). `None` leaves the queries unchanged.
-
-    Raises:
-        ValueError: `template` is not None and not a string containing `{query}`.
-    """
-    if template is None:
-        return list(queries)
-    if not isinstance(template, str) or "{query}" not in template:
-        raise HeadsteerValueError(
-            f"template must be None or a string containing '{{query}}', got {template!r}"
-        )
-    return [template.replace("{query}", q) for q in queries]
-
-
-def _encode(model: HeadModel, prompts: str | Sequence[str], template: str | None) -> EncodedPrompts:
-    items, _ = normalize_prompts(prompts)
-    queries = [p for p in items if isinstance(p, str)]
-    if len(queries) != len(items):
-        raise HeadsteerTypeError("safety-head scoring takes plain string prompts")
-    texts = fill_template(template, queries)
-    return encode_prompts(model.tokenizer, texts, chat=False, markup=False)
-
-
-def _ablate(model: HeadModel, ablation: Ablation, eps: float) -> RowEdits:
-    def row_edits(rows: list[Sequence[Head]], ps: torch.Tensor, trim: int) -> list[Edit]:
-        return row_ablation_edits(model, rows, ablation=ablation, eps=eps)
-
-    return row_edits
-
-
-def _kl_from(base_logp: torch.Tensor) -> RowScore:
-    """KL(base || variant) per row, from fp32 log-softmax."""
-
-    def score(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-        base = base_logp[ps]
-        # KL >= 0; batch-dependent float rounding can leave about -1e-9, clamped to 0
-        return (base.exp() * (base - logp)).sum(-1).clamp(min=0.0)
-
-    return score
-
-
-def _final_state(logp: torch.Tensor, final: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    return final
-
-
-def _shard(heads: list[Head], shard: tuple[int, int] | None) -> list[Head]:
-    """Heads of shard i of n (every n-th head from i), for splitting a sweep across machines."""
-    if shard is None:
-        return heads
-    if (
-        not isinstance(shard, tuple)
-        or len(shard) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
-        or not 0 <= shard[0] < shard[1]
-    ):
-        raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
-    return heads[shard[0] :: shard[1]]
-
-
-def _encode_dataset(
-    model: HeadModel, prompts: Sequence[str], template: str | None, r_main: object
-) -> EncodedPrompts:
-    """Encode prompts for a dataset-level score: at least 2 prompts (one final state spans a
-    1-dimensional space whose angle to any other is 0) and `r_main` in 1..N."""
-    enc = _encode(model, prompts, template)
-    if enc.batch < 2:
-        raise HeadsteerValueError("dataset-level Ships / Sahara need at least 2 prompts")
-    if (
-        isinstance(r_main, bool)
-        or not isinstance(r_main, numbers.Integral)
-        or not 1 <= int(r_main) <= enc.batch
-    ):
-        raise HeadsteerValueError(f"r_main must be an int in 1..{enc.batch}, got {r_main!r}")
-    return enc
-
-
-def _sharded(target: str, model: HeadModel, executor, shard, kwargs: dict) -> list:
-    """Run `target` over the executor's shards (each with `shard=(i, n)`); the parts in order."""
-    if shard is not None:
-        raise HeadsteerValueError("pass either shard= or executor=, not both")
-    if isinstance(prompts := kwargs["prompts"], str):
-        kwargs["prompts"] = [prompts]
-    kwargs["prompts"] = list(kwargs["prompts"])
-    n_heads = len(kwargs["heads"])
-    return run_shards(target, model, executor, lambda i, n: dict(kwargs, shard=(i, n)), max_shards=n_heads)
-
-
-def merge_scores(parts: Sequence[HeadScores]) -> HeadScores:
-    """Merge the HeadScores of shards (NaN = not scored in that shard).
-
-    Raises:
-        ValueError: no parts, different shapes or methods, or a head scored twice.
-    """
-    if not parts:
-        raise HeadsteerValueError("no shards to merge")
-    first = parts[0]
-    out = torch.full_like(first.scores, math.nan)
-    for p in parts:
-        if p.scores.shape != first.scores.shape or p.method != first.method:
-            raise HeadsteerValueError("shards differ in shape or method")
-        if p.params != first.params or p.model != first.model:
-            raise HeadsteerValueError(
-                f"shards were scored with different models or parameters: {p.params} vs {first.params}"
-            )
-        seen = ~torch.isnan(p.scores)
-        if (seen & ~torch.isnan(out)).any():
-            raise HeadsteerValueError("a head is scored in two shards")
-        out[seen] = p.scores[seen]
-    return HeadScores(out, first.method, dict(first.params), first.model, first.n_kv_heads, first.seed)
-
-
-def _head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) -> torch.Tensor:
-    """`[L, H, *rest]` table with `values[..., k]` at `heads[k]`, NaN elsewhere.
-
-    `values` is `[*rest, len(heads)]`.
-    """
-    out = torch.full((model.n_layers, model.n_heads, *values.shape[:-1]), math.nan)
-    for k, (layer, head) in enumerate(heads):
-        out[layer, head] = values[..., k]
-    return out
-
-
-def _check(
-    model: HeadModel, eps: float, exact: bool, max_rows: int, heads: HeadSpec | None
-) -> tuple[float, list[Head]]:
-    if model.tokenizer is None:
-        raise HeadsteerValueError("safety-head scoring needs a HeadModel with a tokenizer")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
-        raise HeadsteerValueError(f"eps must be a number in [0, 1], got {eps!r}")
-    if not isinstance(exact, bool):
-        raise HeadsteerTypeError(f"exact must be a bool, got {exact!r}")
-    check_max_rows(max_rows)
-    return (0.0 if exact else float(eps)), check_heads(model, heads)
-
-
-@dataclass
-class ShipsResult:
-    """Per-prompt Ships `[N, L, H]` (nats; NaN = head not scored) and their mean.
-
-    `estimate` is set by `method="attribution"`: the attribution estimate of every head
-    (`heads.scorers.safety.attribution`), kept apart from the exact `scores`.
-    """
-
-    per_prompt: torch.Tensor
-    scores: HeadScores
-    estimate: HeadScores | None = None
-
-    def top(self, prompt: int, k: int = 10) -> list[Head]:
-        """The `k` heads with the largest Ships on prompt `prompt` (the paper keeps 10)."""
-        s = HeadScores(self.per_prompt[prompt], "ships")
-        return s.ranked(k)
-
-    def __repr__(self) -> str:
-        n, n_layers, n_heads = self.per_prompt.shape
-        scored = int((~torch.isnan(self.scores.scores)).sum())
-        return (
-            f"ShipsResult({self.scores.model}: {n} prompts x {scored} of {n_layers * n_heads} heads; "
-            f"mean KL (nats) top {top_heads_text(self.scores)})"
-        )
-
-    def _repr_html_(self) -> str:
-        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10)]
-        return html_view(repr(self), rows, ("head", "mean KL (nats)")) + self.scores._repr_html_()
-
 
 def ships(
     model: HeadModel,
@@ -275,14 +71,11 @@ def ships(
     eps: float = 1e-5,
     exact: bool = False,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
-    shard: tuple[int, int] | None = None,
-    progress: ProgressArg = True,
     method: Literal["exact", "attribution"] = "exact",
     confirm: int = 0,
     controls: int = 10,
-    seed: int = 0,
-    executor: str | Executor | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
 
@@ -291,73 +84,54 @@ def ships(
         heads: heads to score (a `HeadSpec`; default all `L x H`), each ablated alone.
         ablation: `"ua"` (query x eps, default) or `"sc"` (output x eps).
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
-        max_rows: batch rows per forward (memory bound); variants x prompts are chunked.
-        shard: `(i, n)` scores only every n-th head from i; merge shards with `merge_scores`.
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each batch (`heads._util.progress`), in (head, prompt) rows: `total` is
-            `len(heads) * N`.
         method: `"exact"` (default) or `"attribution"`: estimate every head in one pass and
-            rerun only the top `confirm` plus `controls` random heads (seeded by `seed`)
-            exactly; see `heads.scorers.safety.attribution.confirm_ships` (not with `shard`).
-        executor: `"local"`, `"ray"` or a `heads.engine.executors.Executor`: split the sweep into the
-            executor's shards, run them (Ray: as tasks, each worker loading the model once)
-            and merge them; default None runs here without sharding.
+            rerun only the top `confirm` plus `controls` random heads (seeded by
+            `options.seed`) exactly; see `heads.scorers.safety.attribution.confirm_ships`
+            (not with a shard; an executor is not used).
+        options: how the sweep runs (`heads.SweepOptions`: `max_rows` batch rows per forward,
+            variants x prompts chunked; `shard=(i, n)` scores only every n-th head from i,
+            merge shards with `merge_scores`; `executor` `"local"`, `"ray"` or an `Executor`
+            splits the sweep into its shards, runs them (Ray: as tasks, each worker loading the
+            model once) and merges them; `progress` a tqdm bar by default, counted in
+            (head, prompt) rows: `total` is `len(heads) * N`; `seed`). Default `SweepOptions()`.
+        **deprecated: `max_rows=`, `shard=`, `progress=`, `seed=`, `executor=` as keywords
+            (0.1 style): still accepted for this release, with a `DeprecationWarning`.
 
     Returns:
         ShipsResult: per-prompt KL `[N, L, H]` (natural log, fp32 from log-softmax) and
         HeadScores of the mean over prompts (method `"ships"`).
 
     Raises:
-        ValueError: empty prompts, unknown heads, bad eps/ablation/max_rows/method/confirm.
+        HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm, bad options.
     """
-    if method == "attribution":  # one-pass estimate + exact confirmation (heads/attribution.py)
+    opts = sweep_options(options, deprecated, "ships")
+    if method == "attribution":  # one-pass estimate + exact confirmation (attribution.py)
         from heads.scorers.safety.attribution import confirm_ships
 
-        if shard is not None:
+        if opts.shard is not None:
             raise HeadsteerValueError("method='attribution' does not take a shard")
         return confirm_ships(
             model,
             prompts,
             confirm=confirm,
             controls=controls,
-            seed=seed,
             heads=heads,
             ablation=ablation,
             eps=eps,
             exact=exact,
             template=template,
-            max_rows=max_rows,
-            progress=progress,
+            options=opts.replace(executor=None),
         )
     if method != "exact" or confirm != 0:
         why = f"confirm={confirm!r} needs 'attribution'"
         raise HeadsteerValueError(f"method must be 'exact' or 'attribution' ({why}), got {method!r}")
-    eps, heads = _check(model, eps, exact, max_rows, heads)
-    if executor is not None:
-        kw = dict(
-            prompts=prompts, heads=heads, ablation=ablation, eps=eps, template=template, max_rows=max_rows
-        )
-        kw["progress"] = False  # workers draw no bars
-        parts = _sharded("heads.scorers.safety.ships:ships", model, executor, shard, kw)
+    eps, chosen = check_scoring(model, eps, exact, heads)
+    if opts.executor is not None:
+        kw = dict(prompts=prompts, heads=chosen, ablation=ablation, eps=eps, template=template)
+        parts = run_sharded(ships, model, opts, kw)
         per_prompt = merge_tables([p.per_prompt for p in parts])
         return ShipsResult(per_prompt, merge_scores([p.scores for p in parts]))
-    heads = _shard(heads, shard)
-    enc = _encode(model, prompts, template)
-    with progress_callback(progress, "ships", "rows") as report:
-        clean = clean_run(model, enc)
-        kl = evaluate_variants(
-            model,
-            clean,
-            [[h] for h in heads],
-            _ablate(model, ablation, eps),
-            _kl_from(clean.logp),
-            max_rows=max_rows,
-            progress=report,
-        )  # [M, N]
-    per_prompt = _head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]
-    params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
-    mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
-    return ShipsResult(per_prompt, mean)
+    return exact_ships(model, prompts, chosen, ablation, eps, template, opts)
 
 
 def principal_angles(a: torch.Tensor, b: torch.Tensor, r_main: int = 1) -> torch.Tensor:
@@ -385,47 +159,47 @@ def dataset_ships(
     r_main: int = 1,
     degrees: bool = False,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
-    shard: tuple[int, int] | None = None,
-    progress: ProgressArg = True,
-    executor: str | Executor | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
     left singular vectors of M_base and M_ablated (docs/methods/safety.md). Radians unless
-    `degrees=True` (ranking is the same). `shard` and `executor` as in `ships`. `progress`
-    (default True: a tqdm bar; False off; or `progress(done, total)`) counts (head, prompt)
-    rows as in `ships`.
+    `degrees=True` (ranking is the same). `options` (`heads.SweepOptions`: `max_rows`,
+    `shard`, `executor`, `progress`) as in `ships`; the bar counts (head, prompt) rows.
+    The 0.1 keywords (`max_rows=`, `shard=`, ...) still work, with a `DeprecationWarning`.
 
     Raises:
-        ValueError: as `ships`, and `r_main` outside 1..N.
+        HeadsteerValueError: as `ships`, and `r_main` outside 1..N.
+        HeadsteerTypeError: a non-bool `degrees`.
     """
-    eps, heads = _check(model, eps, exact, max_rows, heads)
-    if executor is not None:
+    takes = ("max_rows", "shard", "executor", "progress")
+    opts = sweep_options(options, deprecated, "dataset_ships", takes=takes)
+    eps, heads = check_scoring(model, eps, exact, heads)
+    if opts.executor is not None:
         kw = dict(prompts=prompts, heads=heads, ablation=ablation, eps=eps, r_main=r_main, degrees=degrees)
-        kw.update(template=template, max_rows=max_rows, progress=False)
-        return merge_scores(_sharded("heads.scorers.safety.ships:dataset_ships", model, executor, shard, kw))
-    heads = _shard(heads, shard)
-    enc = _encode_dataset(model, prompts, template, r_main)
-    if not isinstance(degrees, bool):
-        raise HeadsteerTypeError(f"degrees must be a bool, got {degrees!r}")
-    with progress_callback(progress, "dataset ships", "rows") as report:
+        kw.update(template=template)
+        return merge_scores(run_sharded(dataset_ships, model, opts, kw))
+    heads = shard_heads(heads, opts.shard)
+    enc = encode_dataset(model, prompts, template, r_main)
+    check_bool("degrees", degrees, what="a bool")
+    with progress_callback(opts.progress, "dataset ships", "rows") as report:
         clean = clean_run(model, enc)
         states = evaluate_variants(
             model,
             clean,
             [[h] for h in heads],
-            _ablate(model, ablation, eps),
-            _final_state,
-            max_rows=max_rows,
+            ablate_rows(model, ablation, eps),
+            final_state,
+            max_rows=opts.max_rows,
             progress=report,
         )
     ang = _angles(clean.final, states, r_main)
     if degrees:
         ang = torch.rad2deg(ang)
-    out = _head_table(model, heads, ang)
+    out = head_table(model, heads, ang)
     params = {
         "ablation": ablation,
         "eps": eps,
@@ -470,27 +244,29 @@ def sahara(
     exact: bool = False,
     r_main: int = 1,
     template: str | None = TEMPLATE,
-    max_rows: int = 64,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> SaharaResult:
     """Sahara: greedy head-group search by dataset-level Ships (docs/methods/safety.md).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
     the unablated base); the argmax joins the group. Ties go to the lowest (layer, head).
-    No threshold and no early stop. `progress` (default True: a tqdm bar; False off; or
-    `progress(done, total)`) counts (candidate group, prompt) rows over all steps: `total`
-    is `N * (M + (M - 1) + ... + (M - steps + 1))`
-    for M candidate heads.
+    No threshold and no early stop. `options` (`heads.SweepOptions`) gives `max_rows` and
+    `progress` (default a tqdm bar), which counts (candidate group, prompt) rows over all
+    steps: `total` is `N * (M + (M - 1) + ... + (M - steps + 1))` for M candidate heads; the
+    greedy steps depend on each other, so Sahara takes no shard or executor. The 0.1 keywords
+    (`max_rows=`, `progress=`) still work, with a `DeprecationWarning`.
 
     Raises:
-        ValueError: `steps` < 1 or more steps than candidate heads, and as `dataset_ships`.
+        HeadsteerValueError: `steps` < 1 or more steps than candidate heads, a shard or
+            executor, and as `dataset_ships`.
     """
-    eps, heads = _check(model, eps, exact, max_rows, heads)
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= len(heads):
-        raise HeadsteerValueError(f"steps must be an int in 1..{len(heads)}, got {steps!r}")
-    enc = _encode_dataset(model, prompts, template, r_main)
-    with progress_callback(progress, "sahara", "rows") as report:
+    opts = sweep_options(options, deprecated, "sahara", takes=("max_rows", "progress"))
+    eps, heads = check_scoring(model, eps, exact, heads)
+    check_int("steps", steps, lo=1, hi=len(heads))
+    enc = encode_dataset(model, prompts, template, r_main)
+    with progress_callback(opts.progress, "sahara", "rows") as report:
         clean = clean_run(model, enc)
         chosen: list[Head] = []
         tables = []
@@ -501,13 +277,13 @@ def sahara(
                 model,
                 clean,
                 [[*chosen, h] for h in cands],
-                _ablate(model, ablation, eps),
-                _final_state,
-                max_rows=max_rows,
+                ablate_rows(model, ablation, eps),
+                final_state,
+                max_rows=opts.max_rows,
                 progress=offset_progress(report, enc.batch * sum(len(heads) - i for i in range(step)), total),
             )
             ang = _angles(clean.final, states, r_main)
-            table = _head_table(model, cands, ang)
+            table = head_table(model, cands, ang)
             params = {
                 "step": step + 1,
                 "group": [list(h) for h in chosen],
