@@ -334,7 +334,8 @@ def test_shared_options_are_one_set_with_one_help():
         else:
             assert force == "replace existing output files", name
         for o, p in shared.items():
-            if o != "--force" and (o, name) not in (("--json", "serve"), ("--json", "explore")):  # URL as JSON
+            # serve / explore --json: their URL as JSON
+            if o != "--force" and (o, name) not in (("--json", "serve"), ("--json", "explore")):
                 helps.setdefault(o, set()).add(p.help)
     assert all(len(h) == 1 for h in helps.values()), helps
 
