@@ -60,6 +60,7 @@ def test_every_command_takes_the_shared_options():
         "profile pasta",
         "profile act",
         "serve",
+        "explore",
         "build refusal-model",
     }
     assert all(not missing for missing in names.values()), names
@@ -313,7 +314,7 @@ def test_progress_numbers_and_plain_lines(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-NO_FILE_COMMANDS = {"generate", "vision generate", "serve"}
+NO_FILE_COMMANDS = {"generate", "vision generate", "serve", "explore"}
 
 
 def test_shared_options_are_one_set_with_one_help():
@@ -333,7 +334,8 @@ def test_shared_options_are_one_set_with_one_help():
         else:
             assert force == "replace existing output files", name
         for o, p in shared.items():
-            if o != "--force" and (o, name) != ("--json", "serve"):  # serve --json: its URL as JSON
+            # serve / explore --json: their URL as JSON
+            if o != "--force" and (o, name) not in (("--json", "serve"), ("--json", "explore")):
                 helps.setdefault(o, set()).add(p.help)
     assert all(len(h) == 1 for h in helps.values()), helps
 

@@ -35,6 +35,7 @@ from viz.cli.common import (  # noqa: E402  (after the offline switch)
     warn_line,
 )
 from viz.cli.eval import register as register_eval  # noqa: E402
+from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.vision import ImageOpt, refuse_unused, register_vision, steered_pair  # noqa: E402
 from viz.server.app import serve_command  # noqa: E402
@@ -58,6 +59,9 @@ register_eval(app)
 command(app, "serve", writes_files=False, json_help="print the URL and model as one JSON line once serving")(
     serve_command
 )
+command(
+    app, "explore", writes_files=False, json_help="print the URL and model as one JSON line once serving"
+)(explore_command)
 command(report_app, "probes")(report_probes)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 

@@ -1,0 +1,50 @@
+"""`headsteer explore`: the interactive head explorer (`viz.explorer`) on a local port."""
+
+import ipaddress
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from heads.errors import HeadsteerValueError
+from viz.cli.common import Run
+
+__all__ = ["explore_command"]
+
+
+def explore_command(
+    run: Run,
+    host: Annotated[str, typer.Option(help="address to listen on (non-loopback: warning)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8765,
+) -> None:
+    """Open the interactive head explorer in the browser at http://HOST:PORT/ (Ctrl-C to stop).
+
+    Binding to a non-loopback host prints a warning: the explorer has no authentication."""
+    if not 0 <= port <= 65535:
+        raise HeadsteerValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    if not loop:
+        print(
+            f"warning: --host {host} is not a loopback address: anyone who can reach it can use the "
+            "explorer (it has no authentication)",
+            file=sys.stderr,
+        )
+    try:
+        import uvicorn
+    except ImportError:
+        raise HeadsteerValueError(
+            "headsteer explore needs the extra: pip install 'headsteer[serve]'"
+        ) from None
+    hm = run.load()
+    from viz.explorer.app import create_explorer
+
+    app = create_explorer(hm)
+    url = f"http://{host}:{port}/"
+    if run.as_json:
+        print(json.dumps({"url": url, "model": hm.name}), flush=True)
+    run.say(f"explorer for {hm.name} on {url} (Ctrl-C to stop)")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
