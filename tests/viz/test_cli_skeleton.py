@@ -55,6 +55,7 @@ def test_every_command_takes_the_shared_options():
         "report safety",
         "report all",
         "report probes",
+        "report atlas",
         "report vision",
         "vision generate",
         "profile pasta",

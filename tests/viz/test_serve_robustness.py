@@ -262,6 +262,31 @@ def test_disconnected_clients_are_cancelled(srv, stream):
     assert waited < 30
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """Headers and the announced body of one HTTP response (they may come in separate packets)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(4096)
+        if not part:
+            return data
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(ln.split(b":", 1)[1])
+            for ln in head.split(b"\r\n")
+            if ln.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        part = sock.recv(4096)
+        if not part:
+            break
+        body += part
+    return head + b"\r\n\r\n" + body
+
+
 # ------------------------------------------------------------------ 4: body size and bounds
 def test_body_over_the_limit_gets_413_before_it_is_read(srv):
     base, _ = srv
@@ -272,7 +297,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(srv):
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {300 * 2**20}\r\n\r\n".encode()
         )
-        head = s.recv(4096)
+        head = _read_response(s)
     assert head.startswith(b"HTTP/1.1 413") and b"--max-body-mb" in head, head
     # chunked (no Content-Length): refused once the limit is passed
     with socket.create_connection((host, int(port)), timeout=20) as s:

@@ -1,5 +1,5 @@
 """Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
-logit attribution and lenses (the method page is docs/methods/patching.md)."""
+logit attribution and lenses (see the patching docstrings; a method page is not written yet)."""
 
 from heads.scorers.patching.metrics import Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs, pairs_from_tokens
