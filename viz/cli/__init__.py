@@ -26,6 +26,9 @@ def _interrupted_while_starting(signum, frame) -> None:  # pragma: no cover - ex
 
 def run() -> None:
     """Entry point of the `headsteer` console script."""
+    # Offline unless the user says otherwise: set here, before transformers / huggingface_hub
+    # are imported (they read it at import), never at import of a viz module.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     previous = signal.signal(signal.SIGINT, _interrupted_while_starting)
     try:
         from viz.cli.main import run as main_run

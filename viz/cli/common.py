@@ -51,8 +51,6 @@ from heads.errors import HeadsteerValueError
 from heads.model.loading import DTYPES
 from heads.model.loading import check_dtype as _check_dtype
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 __all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
 
 # Not a terminal (a pipe, a log file): rich would cut tables at 80 columns; use 160 unless COLUMNS says.

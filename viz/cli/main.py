@@ -7,7 +7,6 @@ work, a status line while the model loads, progress, one-line errors (exit 2).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,10 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from heads.errors import HeadsteerValueError
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from viz.cli.common import (  # noqa: E402  (after the offline switch)
+from viz.cli.common import (
     EmphasizeOpt,
     OneLineUsageErrors,
     Run,
