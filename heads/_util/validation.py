@@ -136,3 +136,35 @@ def check_shard(shard: object) -> tuple[int, int] | None:
     if not 0 <= i < n:
         raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
     return i, n
+
+
+# ---------------------------------------------------------------- added for the head-role scorers
+__all__ += ["MAX_SEED", "check_path", "check_seed"]
+
+MAX_SEED = 2**32 - 1
+"""The largest seed `check_seed` accepts (the range every `torch.Generator` seed here is drawn from)."""
+
+
+def check_seed(name: str, value: object) -> int:
+    """`value` as an `int` seed in `0..MAX_SEED` (Python, numpy or torch integer; never a bool).
+
+    Raises:
+        HeadsteerValueError: `"<name> must be an int in 0..4294967295, got <value>"` otherwise
+            (negative seeds included, so that every seeded function accepts the same seeds).
+    """
+    return check_int(name, value, lo=0, hi=MAX_SEED)
+
+
+def check_path(name: str, value: object) -> str:
+    """`value` as a non-empty path string (a `str` or an `os.PathLike` of one).
+
+    Raises:
+        HeadsteerTypeError: `"<name> must be a file path (str or os.PathLike), got <value>"` for
+            anything else (None, bytes, a number) or an empty string.
+    """
+    import os
+
+    p = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(p, str) or not p.strip():
+        raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {value!r}")
+    return p

@@ -20,6 +20,8 @@ import torch
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_bool, check_path
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
 from heads.scorers.roles import AttentionLens, HeadAtlas, detect_roles, head_atlas
 from viz.reports.base import Report
@@ -34,8 +36,17 @@ _COLORS = {
     "retrieval": "#ff7f0e",
     "self": "#8c564b",
     "sink": "#7f7f7f",
+    "nan": "#fdd0a2",
     "none": "#f0f0f0",
 }
+_OTHER = ("#17becf", "#bcbd22", "#e377c2", "#aec7e8", "#98df8a", "#c5b0d5")
+"""Colours of roles from user thresholds (score columns that are not a shipped role)."""
+
+
+def _role_colors(roles: list[str]) -> dict[str, str]:
+    """A colour per role in `roles`: the shipped ones, then the others in turn."""
+    other = [r for r in roles if r not in _COLORS]
+    return {**_COLORS, **{r: _OTHER[i % len(_OTHER)] for i, r in enumerate(other)}}
 
 
 class _AtlasReport(Report):
@@ -48,7 +59,9 @@ class _AtlasReport(Report):
 
 def _role_map(atlas: HeadAtlas) -> go.Figure:
     f = atlas.frame
-    roles = [r for r in _COLORS if r in set(f["role"])]
+    present = set(f["role"])
+    colors = _role_colors(sorted(present))
+    roles = [r for r in _COLORS if r in present] + sorted(present - set(_COLORS))
     code = {r: i for i, r in enumerate(roles)}
     n_layers, n_heads = int(f["layer"].max()) + 1, int(f["head"].max()) + 1
     z = [[0] * n_heads for _ in range(n_layers)]
@@ -59,7 +72,7 @@ def _role_map(atlas: HeadAtlas) -> go.Figure:
     n = max(len(roles), 1)
     scale = []
     for i, r in enumerate(roles):
-        scale += [[i / n, _COLORS[r]], [(i + 1) / n, _COLORS[r]]]
+        scale += [[i / n, colors[r]], [(i + 1) / n, colors[r]]]
     fig = go.Figure(
         go.Heatmap(
             z=z,
@@ -79,11 +92,12 @@ def _role_map(atlas: HeadAtlas) -> go.Figure:
 
 def _roles_by_layer(atlas: HeadAtlas) -> go.Figure:
     counts = atlas.roles_by_layer()
+    colors = _role_colors(sorted(counts.columns))
     fig = go.Figure()
     for role in counts.columns:
         if role == "none":
             continue
-        fig.add_bar(x=list(counts.index), y=counts[role].tolist(), name=role, marker_color=_COLORS.get(role))
+        fig.add_bar(x=list(counts.index), y=counts[role].tolist(), name=role, marker_color=colors[role])
     fig.update_layout(barmode="stack", xaxis_title="layer", yaxis_title="heads", height=320)
     return fig
 
@@ -125,6 +139,7 @@ def _table(atlas: HeadAtlas) -> str:
 def _cards(atlas: HeadAtlas) -> str:
     f = atlas.frame
     scores = atlas.score_columns
+    colors = _role_colors(sorted(set(f["role"])))
     out = []
     for r in f.to_dict("records"):
         la, h = int(r["layer"]), int(r["head"])
@@ -137,7 +152,7 @@ def _cards(atlas: HeadAtlas) -> str:
         rel = f"<br>best relation: {html.escape(str(r['best_relation']))}" if "best_relation" in r else ""
         toks = atlas.lens_tokens.get((la, h))
         lens = f"<br>lens tokens: {html.escape(' '.join(toks[:24]))}" if toks else ""
-        color = _COLORS.get(str(r["role"]), "#ddd")
+        color = colors.get(str(r["role"]), "#ddd")
         out.append(
             f"<div class='card' data-role='{html.escape(str(r['role']))}' "
             f"style='border-left:6px solid {color};"
@@ -149,7 +164,19 @@ def _cards(atlas: HeadAtlas) -> str:
 
 
 def render_atlas_report(atlas: HeadAtlas, params: dict | None = None) -> Report:
-    """The atlas page of a computed `HeadAtlas` (nothing is recomputed)."""
+    """The atlas page of a computed `HeadAtlas` (nothing is recomputed).
+
+    Args:
+        atlas: the atlas (`head_atlas` or `HeadAtlas.load`).
+        params: parameters shown in the page's header (a dict; default none).
+
+    Raises:
+        HeadsteerTypeError: `atlas` not a `HeadAtlas`, `params` not a dict.
+    """
+    if not isinstance(atlas, HeadAtlas):
+        raise HeadsteerTypeError(f"atlas must be a HeadAtlas, got {type(atlas).__name__}")
+    if params is not None and not isinstance(params, dict):
+        raise HeadsteerTypeError(f"params must be a dict or None, got {type(params).__name__}")
     rep = _AtlasReport(
         f"Head atlas: the role of every head ({len(atlas.frame)} heads)", atlas.model, dict(params or {})
     )
@@ -197,19 +224,49 @@ def atlas_report(
     model (a 0/1 `pasta_profile` column) and, with `lens` (an `AttentionLens` file of this model),
     the lens KL ratio and top lens tokens of `lens_text`.
 
+    Args:
+        model: the model (a `HeadModel`).
+        out: the HTML file to write.
+        lens: an Attention Lens file of this model (default None).
+        maps: also score the MAPS relations (default True).
+        lens_text: a non-empty text whose positions the lens cards show.
+        overwrite: replace existing `out` / `csv` files (default False).
+        progress: True (a bar), False / None, or a `(done, total)` callable in steps.
+        csv: also write the table as CSV there (default None).
+
     Returns:
         `(atlas, summary)`; summary: heads per role and the top heads of each detector.
 
     Raises:
-        ValueError: `out` exists without `overwrite`; a lens file for another model.
+        HeadsteerValueError: `out` or `csv` exists without `overwrite` (or is a folder or a
+            symlink); a bad lens file or one for another model; an empty `lens_text`.
+        HeadsteerTypeError: an argument of a wrong type. All checked before any forward.
+        FileNotFoundError: no `lens` file.
     """
     from heads.scorers.maps.static import maps_scores
     from heads.scorers.sinks import sink_stats
     from probes.datasets.corpus import load_corpus
     from probes.datasets.relations import load_relations
 
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    out = check_path("out", out)
+    if lens is not None:
+        lens = check_path("lens", lens)
+    if csv is not None:
+        csv = check_path("csv", csv)
+    check_bool("maps", maps)
+    check_bool("overwrite", overwrite)
+    if not isinstance(lens_text, str) or not lens_text.strip():
+        raise HeadsteerValueError(f"lens_text must be a non-empty string, got {lens_text!r}")
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise HeadsteerTypeError(
+            f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"
+        )
     check_output(out, overwrite)
     if csv is not None:
+        if Path(csv).expanduser().resolve() == Path(out).expanduser().resolve():
+            raise HeadsteerValueError(f"csv and out are the same file: {csv!r}")
         check_output(csv, overwrite)
     trained = AttentionLens.load(lens, model) if lens is not None else None
     extra: dict[str, HeadScores] = {}

@@ -25,7 +25,13 @@ thresholds (`ROLE_THRESHOLDS`), for scores in [0, 1]:
 | sink | attention mass on the first token (`first_token_mass`) | 0.8 |
 
 The induction score is checked with the copying score in mind but not gated by it (the
-copying column is there to read).
+copying column is there to read). Thresholds may also name any other score column of the atlas
+(e.g. `{"patching": 0.2}`), which then becomes a role; a threshold must be a finite number > 0.
+
+NaN scores (a head a detector could not score, e.g. no row of its sequences had a target) are
+never silently read as "below the threshold": walking the roles in order, a NaN score on a role
+before any role is reached labels the head `"nan"` (its role cannot be decided in that order).
+`"none"` therefore always means every role score was a number below its threshold.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,13 +48,17 @@ import pandas as pd
 import torch
 
 from heads._util.files import write_text
+from heads._util.validation import check_bool, check_int, check_number, check_path, check_seed, is_int
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
-from heads.scorers.roles.detectors import detect_roles, repeated_tokens
+from heads.scorers.maps.static import MapsScores
+from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
+from heads.scorers.roles.lens import AttentionLens
+from heads.scorers.sinks import SinkStats
 
 __all__ = ["ROLE_THRESHOLDS", "HeadAtlas", "head_atlas", "pattern_thumbnails", "role_labels"]
 
@@ -65,28 +75,75 @@ ROLE_THRESHOLDS: dict[str, float] = {
 `sink` is the first-token mass."""
 
 ATLAS_SCHEMA = "headsteer/head-atlas"
+ATLAS_SCHEMA_VERSION = 1
+MAX_THUMBNAIL = 64
+"""Largest `size` of `pattern_thumbnails`."""
+
+_RESERVED = ("layer", "head", "kv_head", "role", "best_relation")
+"""Atlas columns that are not scores (no score or role may take these names)."""
+_LABELS = ("none", "nan")
+"""Labels that are not roles."""
+
+
+def _is_nan(v: object) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def role_labels(frame: pd.DataFrame, thresholds: Mapping[str, float] = ROLE_THRESHOLDS) -> pd.Series:
     """One role per row of `frame`: the first role of `thresholds` (in its order) whose column reaches
-    its threshold, else `"none"`. Missing columns are skipped."""
+    its threshold; `"nan"` when a role's score is NaN (or None) before any role is reached; else
+    `"none"`. Roles without a column in `frame` are skipped.
+
+    Args:
+        frame: an atlas frame (one row per head, numeric score columns).
+        thresholds: `{role: threshold}` in precedence order (default `ROLE_THRESHOLDS`); each role a
+            known role or a column of `frame`, each threshold a finite number > 0.
+
+    Returns:
+        Series `role` (str) on `frame`'s index.
+
+    Raises:
+        HeadsteerTypeError: `frame` not a DataFrame, `thresholds` not a mapping.
+        HeadsteerValueError: a bad threshold, a role neither known nor a column, a non-numeric
+            role column.
+    """
+    if not isinstance(frame, pd.DataFrame):
+        raise HeadsteerTypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
+    thresholds = _check_thresholds(thresholds, frame.columns)
     roles = [r for r in thresholds if r in frame.columns]
+    for r in roles:
+        if not (pd.api.types.is_numeric_dtype(frame[r]) or frame[r].map(_is_nan).all()):
+            raise HeadsteerValueError(f"role column {r!r} is not numeric ({frame[r].dtype})")
     out = []
     for _, row in frame.iterrows():
         best = "none"
         for r in roles:
             v, t = row[r], thresholds[r]
-            if v is not None and not (isinstance(v, float) and math.isnan(v)) and v >= t:
+            if _is_nan(v):
+                best = "nan"
+                break
+            if v >= t:
                 best = r
                 break
         out.append(best)
-    return pd.Series(out, index=frame.index, name="role")
+    return pd.Series(out, index=frame.index, name="role", dtype=object)
 
 
 @torch.no_grad()
 def pattern_thumbnails(model: HeadModel, *, size: int = 24, seed: int = 0) -> torch.Tensor:
-    """`[L, H, s, s]` fp16 attention patterns of every head on one [BOS] + R + R row, average-pooled
-    to `size` x `size` (the induction stripe and the previous-token diagonal stay visible)."""
+    """`[L, H, s, s]` fp16 attention patterns of every head on one [BOS] + R + R row (R of 24
+    tokens drawn with `seed`), average-pooled to `size` x `size` (the induction stripe and the
+    previous-token diagonal stay visible).
+
+    Args:
+        size: the side s, 1..`MAX_THUMBNAIL` (default 24).
+        seed: an int in 0..2**32 - 1 (default 0).
+
+    Raises:
+        HeadsteerValueError: bad `size` or `seed`; a model too small for the row (checked first).
+    """
+    size = check_int("size", size, lo=1, hi=MAX_THUMBNAIL)
+    seed = check_seed("seed", seed)
     enc = repeated_tokens(model, n_seqs=1, length=(24, 24), seed=seed)
     recs = [Recorder(layer=la) for la in range(model.n_layers)]
     with editing(model, recs):
@@ -119,12 +176,18 @@ class HeadAtlas:
 
     @property
     def score_columns(self) -> list[str]:
-        return [
-            c for c in self.frame.columns if c not in ("layer", "head", "kv_head", "role", "best_relation")
-        ]
+        """The score columns of `frame` (all but `layer, head, kv_head, role, best_relation`)."""
+        return [c for c in self.frame.columns if c not in _RESERVED]
 
     def heads_with(self, role: str) -> list[tuple[int, int]]:
-        """`(layer, head)` pairs labelled `role`, by descending score of that role."""
+        """`(layer, head)` pairs labelled `role` (also `"none"` or `"nan"`), by descending score of
+        that role; `[]` when no head has it.
+
+        Raises:
+            HeadsteerTypeError: `role` not a string.
+        """
+        if not isinstance(role, str):
+            raise HeadsteerTypeError(f"role must be a string, got {role!r}")
         sub = self.frame[self.frame["role"] == role]
         if role in self.frame.columns:
             sub = sub.sort_values(role, ascending=False)
@@ -135,18 +198,31 @@ class HeadAtlas:
         return pd.crosstab(self.frame["layer"], self.frame["role"])
 
     def relabel(self, thresholds: Mapping[str, float]) -> HeadAtlas:
-        """The same atlas with roles from other thresholds."""
-        t = _check_thresholds(thresholds)
+        """The same atlas with roles from other thresholds (see `role_labels`; the atlas itself is
+        left unchanged).
+
+        Raises:
+            HeadsteerValueError / HeadsteerTypeError: bad thresholds (see `role_labels`).
+        """
+        t = _check_thresholds(thresholds, self.frame.columns)
         frame = self.frame.copy()
         frame["role"] = role_labels(frame, t)
         return HeadAtlas(frame, self.model, t, dict(self.sources), self.thumbnails, dict(self.lens_tokens))
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the atlas as JSON (schema `headsteer/head-atlas`; NaN as null), atomically."""
+        """Write the atlas as JSON (schema `headsteer/head-atlas`; NaN as null), atomically; returns
+        the path.
+
+        Raises:
+            HeadsteerValueError: `path` exists without `overwrite`, is a folder or a symlink.
+            HeadsteerTypeError: `path` not a path, `overwrite` not a bool.
+        """
+        path = check_path("path", path)
+        check_bool("overwrite", overwrite)
         rows = json.loads(self.frame.to_json(orient="records"))
         data: dict[str, Any] = {
             "schema": ATLAS_SCHEMA,
-            "schema_version": 1,
+            "schema_version": ATLAS_SCHEMA_VERSION,
             "model": self.model,
             "thresholds": self.thresholds,
             "sources": self.sources,
@@ -160,29 +236,27 @@ class HeadAtlas:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HeadAtlas:
-        """Read a file written by `save`.
+        """Read a file written by `save`; every field is checked (schema and version, model, rows
+        with `layer, head, kv_head, role`, thresholds, sources, lens tokens, thumbnails of the
+        rows' geometry).
 
         Raises:
-            FileNotFoundError: no such file. ValueError: not an atlas file.
+            FileNotFoundError: no such file.
+            HeadsteerValueError: not an atlas file, another schema version, or a field missing or
+                malformed (the message names it).
+            HeadsteerTypeError: `path` not a path.
         """
-        p = Path(path)
+        shown = check_path("path", path)
+        p = Path(shown)
         if not p.is_file():
-            raise FileNotFoundError(f"atlas file not found: {str(path)!r}")
+            raise FileNotFoundError(f"atlas file not found: {shown!r}")
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
-        except ValueError as err:
-            raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: {err}") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise HeadsteerValueError(f"{shown!r} is not valid JSON: {err}") from None
         if not isinstance(data, dict) or data.get("schema") != ATLAS_SCHEMA:
-            raise HeadsteerValueError(f"{str(path)!r} is not a headsteer head-atlas file")
-        thumbs = data.get("thumbnails")
-        return cls(
-            pd.DataFrame(data["rows"]),
-            data["model"],
-            dict(data["thresholds"]),
-            dict(data.get("sources", {})),
-            None if thumbs is None else torch.tensor(thumbs).half(),
-            {(int(a), int(b)): list(t) for a, b, t in data.get("lens_tokens", [])},
-        )
+            raise HeadsteerValueError(f"{shown!r} is not a headsteer head-atlas file")
+        return cls(*_check_atlas_data(data, shown))
 
     def __repr__(self) -> str:
         counts = self.frame["role"].value_counts()
@@ -198,15 +272,95 @@ class HeadAtlas:
         return f"<b>{html.escape(repr(self))}</b>" + self.frame.head(20).to_html(float_format="%.3f")
 
 
-def _check_thresholds(thresholds: Mapping[str, float]) -> dict[str, float]:
+def _check_thresholds(thresholds: object, columns: Iterable[str] | None = None) -> dict[str, float]:
+    """`{role: float}`: each role a string, known (`ROLE_THRESHOLDS`) or one of `columns` when
+    given, not a reserved column or label; each threshold a finite number > 0 (numpy too)."""
     if not isinstance(thresholds, Mapping):
         raise HeadsteerTypeError(f"thresholds must be a {{role: threshold}} mapping, got {thresholds!r}")
+    cols = None if columns is None else set(columns)
     out = {}
     for k, v in thresholds.items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise HeadsteerValueError(f"threshold of {k!r} must be a number > 0, got {v!r}")
-        out[k] = float(v)
+        if not isinstance(k, str) or not k or k in _RESERVED or k in _LABELS:
+            raise HeadsteerValueError(f"role {k!r} in thresholds is not a role name")
+        if cols is not None and k not in ROLE_THRESHOLDS and k not in cols:
+            raise HeadsteerValueError(
+                f"unknown role {k!r} in thresholds: use one of {list(ROLE_THRESHOLDS)} or a score column"
+            )
+        out[k] = check_number(f"threshold of {k!r}", v, lo=0.0, lo_open=True)
     return out
+
+
+def _check_atlas_data(data: dict, path: str) -> tuple:
+    """The `HeadAtlas` fields of a loaded atlas file, each checked."""
+
+    def bad(what: str) -> HeadsteerValueError:
+        return HeadsteerValueError(f"{path!r} is not a valid head-atlas file: {what}")
+
+    version = data.get("schema_version")
+    if not is_int(version) or version != ATLAS_SCHEMA_VERSION:
+        raise HeadsteerValueError(
+            f"{path!r} has head-atlas schema_version {version!r}; this headsteer reads {ATLAS_SCHEMA_VERSION}"
+        )
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad(f"model must be a non-empty name, got {model!r}")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise bad("rows must be a non-empty list of objects")
+    for r in rows:
+        if not all(is_int(r.get(k)) and r.get(k) >= 0 for k in ("layer", "head", "kv_head")):
+            raise bad(f"a row lacks int layer, head, kv_head: {str(r)[:80]}")
+        if not isinstance(r.get("role"), str):
+            raise bad(f"a row lacks its role: {str(r)[:80]}")
+    frame = pd.DataFrame(rows)
+    try:
+        thresholds = _check_thresholds(data.get("thresholds"), frame.columns)
+    except (HeadsteerValueError, HeadsteerTypeError) as err:
+        raise bad(str(err)) from None
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict):
+        raise bad("sources must be an object")
+    tokens = {}
+    lens_tokens = data.get("lens_tokens", [])
+    if not isinstance(lens_tokens, list):
+        raise bad("lens_tokens must be a list of [layer, head, tokens]")
+    for item in lens_tokens:
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not (is_int(item[0]) and is_int(item[1]))
+            or not isinstance(item[2], list)
+            or not all(isinstance(t, str) for t in item[2])
+        ):
+            raise bad(f"lens_tokens entry {str(item)[:80]} is not [layer, head, [tokens]]")
+        tokens[(int(item[0]), int(item[1]))] = list(item[2])
+    thumbs = data.get("thumbnails")
+    if thumbs is not None:
+        L, H = int(frame["layer"].max()) + 1, int(frame["head"].max()) + 1
+        try:
+            thumbs = torch.tensor(thumbs, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise bad("thumbnails must be an [L, H, s, s] array of numbers") from None
+        if thumbs.ndim != 4 or tuple(thumbs.shape[:2]) != (L, H) or thumbs.shape[2] != thumbs.shape[3]:
+            raise bad(f"thumbnails are {tuple(thumbs.shape)}, want [{L}, {H}, s, s]")
+        thumbs = thumbs.half()
+    return frame, model, thresholds, dict(sources), thumbs, tokens
+
+
+def _check_scores(name: object, s: object, model: HeadModel) -> HeadScores:
+    """A score column for `model`'s atlas: HeadScores `[L, H]` of this model, under a free name."""
+    if not isinstance(name, str) or not name.strip():
+        raise HeadsteerValueError(f"score column names must be non-empty strings, got {name!r}")
+    if not isinstance(s, HeadScores):
+        raise HeadsteerTypeError(f"score {name!r} must be HeadScores, got {type(s).__name__}")
+    L, H = model.n_layers, model.n_heads
+    if (s.n_layers, s.n_heads) != (L, H):
+        raise HeadsteerValueError(
+            f"score {name!r} is [{s.n_layers}, {s.n_heads}], the model has [{L}, {H}] heads"
+        )
+    if s.model and s.model != model.name:
+        raise HeadsteerValueError(f"score {name!r} was computed on {s.model!r}, not on {model.name!r}")
+    return s
 
 
 def head_atlas(
@@ -214,9 +368,9 @@ def head_atlas(
     *,
     detectors: Mapping[str, HeadScores] | None = None,
     scores: Mapping[str, HeadScores] | None = None,
-    sinks: Any = None,
-    maps: Any = None,
-    lens: Any = None,
+    sinks: SinkStats | None = None,
+    maps: MapsScores | None = None,
+    lens: AttentionLens | None = None,
     lens_text: str | None = None,
     thresholds: Mapping[str, float] = ROLE_THRESHOLDS,
     thumbnails: bool = True,
@@ -225,25 +379,56 @@ def head_atlas(
     """Build the atlas of every head of `model`.
 
     Args:
-        detectors: role detector scores (`detect_roles(model)` when None: computed here).
+        model: the model (a `HeadModel`).
+        detectors: role detector scores `{name: HeadScores}` (default None: `detect_roles(model,
+            seed=seed)`, computed here after every other argument is checked).
         scores: any other `{column: HeadScores}` (span attention, Ships, probe accuracy,
-            patching, VHD, ...), each `[L, H]` of this model.
+            patching, VHD, ...), each `[L, H]` of this model (default None).
         sinks: a `heads.scorers.sinks.SinkStats` (columns `sink_mass`, `sink` = first-token mass,
-            `n_sinks`).
-        maps: a `MapsScores` (columns `best_relation`, `best_relation_score`).
-        lens: an `AttentionLens` of this model (column `lens_kl_ratio`; with `lens_text`, the
-            top lens token at each position of that text per head, for the report's cards).
-        thresholds: role thresholds (default `ROLE_THRESHOLDS`).
-        thumbnails: also keep `pattern_thumbnails` (one small forward).
+            `n_sinks`; default None).
+        maps: a `MapsScores` (columns `best_relation`, `best_relation_score`; default None).
+        lens: an `AttentionLens` of this model, trained (column `lens_kl_ratio`; with `lens_text`,
+            the top lens token at each position of that text per head, for the report's cards).
+        lens_text: a non-empty text, only with `lens` (default None).
+        thresholds: role thresholds (default `ROLE_THRESHOLDS`; see `role_labels`: known roles
+            or score columns, finite numbers > 0, numpy numbers too).
+        thumbnails: also keep `pattern_thumbnails` (one small forward; default True).
+        seed: seeds the detectors and thumbnails (an int in 0..2**32 - 1, default 0).
+
+    Returns:
+        `HeadAtlas` with one row per head (`L * H` rows).
 
     Raises:
-        ValueError: a score of another geometry, a column given twice, bad thresholds.
-        TypeError: a score that is not `HeadScores`.
+        HeadsteerValueError: a score of another geometry or model (by `HeadScores.model`), a
+            column given twice or reserved, bad thresholds, `lens_text` without `lens`, an
+            untrained lens or one of another model, a bad seed.
+        HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; `sinks`,
+            `maps`, `lens`, `detectors`, `scores` or `thumbnails` of a wrong type.
+        All checked before any forward.
     """
-    t = _check_thresholds(thresholds)
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    for arg, value in (("detectors", detectors), ("scores", scores)):
+        if value is not None and not isinstance(value, Mapping):
+            raise HeadsteerTypeError(
+                f"{arg} must be a {{name: HeadScores}} mapping, got {type(value).__name__}"
+            )
+    for arg, value, kind in (
+        ("sinks", sinks, SinkStats),
+        ("maps", maps, MapsScores),
+        ("lens", lens, AttentionLens),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise HeadsteerTypeError(f"{arg} must be a {kind.__name__} or None, got {type(value).__name__}")
+    if lens_text is not None:
+        if lens is None:
+            raise HeadsteerValueError("lens_text needs a lens")
+        if not isinstance(lens_text, str) or not lens_text.strip():
+            raise HeadsteerValueError(f"lens_text must be a non-empty string, got {lens_text!r}")
+    check_bool("thumbnails", thumbnails)
+    seed = check_seed("seed", seed)
     L, H = model.n_layers, model.n_heads
     cols: dict[str, HeadScores] = {}
-    det = detect_roles(model, seed=seed) if detectors is None else detectors
     extra = dict(scores or {})
     if sinks is not None:
         extra.setdefault("sink_mass", sinks.sink_mass)
@@ -252,17 +437,21 @@ def head_atlas(
     if lens is not None:
         lens.check_model(model)
         extra.setdefault("lens_kl_ratio", lens.kl_scores("ratio"))
-    for source in (det, extra):
-        for name, s in source.items():
-            if not isinstance(s, HeadScores):
-                raise HeadsteerTypeError(f"score {name!r} must be HeadScores, got {type(s).__name__}")
-            if (s.n_layers, s.n_heads) != (L, H):
-                raise HeadsteerValueError(
-                    f"score {name!r} is [{s.n_layers}, {s.n_heads}], the model has [{L}, {H}] heads"
-                )
-            if name in cols or name in ("layer", "head", "kv_head", "role", "best_relation"):
-                raise HeadsteerValueError(f"score column {name!r} given twice or reserved")
-            cols[name] = s
+    if maps is not None:
+        if not maps.relation:
+            raise HeadsteerValueError("maps holds no relation")
+        for n, s in maps.relation.items():
+            _check_scores(f"maps relation {n}", s, model)
+    will = [*PATTERN_DETECTORS, "copying", "successor", "retrieval"] if detectors is None else []
+    for name, s in [*(detectors or {}).items(), *extra.items()]:
+        if name in cols or name in will or name in _RESERVED or name in _LABELS:
+            raise HeadsteerValueError(f"score column {name!r} given twice or reserved")
+        cols[name] = _check_scores(name, s, model)
+    known = set(cols) | set(will) | ({"best_relation_score"} if maps is not None else set())
+    t = _check_thresholds(thresholds, known)
+    if detectors is None:
+        det = detect_roles(model, seed=seed)
+        cols = {**det, **cols}
     base = HeadScores(torch.zeros(L, H), "atlas", model=model.name, n_kv_heads=model.n_kv_heads).to_frame()
     frame = base.drop(columns=["score"])
     for name, s in cols.items():

@@ -28,12 +28,12 @@ causal keys of row i; 0 = one key, 1 = uniform).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
 
+from heads._util.validation import check_bool, check_int, check_seed, is_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
@@ -44,6 +44,9 @@ from heads.results.scores import HeadScores
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
 
 __all__ = [
+    "MAX_COPYING_TOKENS",
+    "MAX_FILLER",
+    "MAX_SEQUENCES",
     "ORDINAL_SEQUENCES",
     "PATTERN_DETECTORS",
     "copying_scores",
@@ -117,16 +120,23 @@ ORDINAL_SEQUENCES: dict[str, list[str]] = {
 here): each item's successor is the next item of its list."""
 
 
-def _positive(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise HeadsteerValueError(f"{what} must be a positive int, got {value!r}")
-    return int(value)
+MAX_SEQUENCES = 4096
+"""Most generated rows a detector builds (`n_seqs` of `repeated_tokens`, `n_prompts` of `needle_prompts`)."""
+
+MAX_COPYING_TOKENS = 8192
+"""Most source tokens `copying_scores` reads (`n_tokens`)."""
+
+MAX_FILLER = 512
+"""Most filler sentences of a needle prompt (`n_filler`); the model's context bounds it further."""
+
+
+def _positive(value: object, what: str, hi: int | None = None) -> int:
+    return check_int(what, value, lo=1, hi=hi)
 
 
 def _seed(seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise HeadsteerValueError(f"seed must be an int, got {seed!r}")
-    return int(seed)
+    """Every detector takes the same seeds: an int in 0..2**32 - 1 (`check_seed`)."""
+    return check_seed("seed", seed)
 
 
 def _special_ids(model: HeadModel) -> set[int]:
@@ -178,12 +188,21 @@ def _candidates(model: HeadModel) -> torch.Tensor:
 
 
 def random_tokens(model: HeadModel, n: int, *, seed: int = 0) -> torch.Tensor:
-    """`[n]` distinct non-special token ids drawn with `seed` (`torch.Generator`)."""
-    cand = _candidates(model)
+    """`[n]` distinct non-special token ids drawn with `seed` (`torch.Generator`, CPU).
+
+    Args:
+        n: how many ids (1 .. the number of non-special tokens).
+        seed: an int in 0..2**32 - 1 (default 0).
+
+    Raises:
+        HeadsteerValueError: `n` not a positive int or more than the non-special tokens; a bad seed.
+    """
     n = _positive(n, "n")
+    seed = _seed(seed)
+    cand = _candidates(model)
     if n > len(cand):
         raise HeadsteerValueError(f"n={n} exceeds the {len(cand)} non-special tokens of the vocabulary")
-    g = torch.Generator().manual_seed(_seed(seed))
+    g = torch.Generator().manual_seed(seed)
     return cand[torch.randperm(len(cand), generator=g)[:n]]
 
 
@@ -206,25 +225,38 @@ def repeated_tokens(
     non-special tokens (a length per row, drawn with `seed`), as in Olsson et al. 2022 and
     TransformerLens' induction demos. BOS is left out when the model has none.
 
+    Args:
+        n_seqs: rows, 1..`MAX_SEQUENCES` (default 8).
+        length: `(min, max)` length of R (ints, numpy ints too; default (25, 50)).
+        seed: an int in 0..2**32 - 1 (default 0).
+
+    Returns:
+        `EncodedPrompts` `[n_seqs, T]`, T = 2 * (longest R) + 1 with BOS.
+
     Raises:
-        ValueError: `n_seqs` < 1, a bad `length` range, or longer than the vocabulary allows.
+        HeadsteerValueError: `n_seqs` not in 1..`MAX_SEQUENCES`, a bad `length` range, R longer
+            than the non-special vocabulary, rows longer than the model's context (all checked
+            before any row is drawn), a bad seed.
     """
-    n_seqs = _positive(n_seqs, "n_seqs")
+    n_seqs = _positive(n_seqs, "n_seqs", MAX_SEQUENCES)
     if (
         not isinstance(length, (tuple, list))
         or len(length) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in length)
+        or not all(is_int(x) for x in length)
         or not 1 <= length[0] <= length[1]
     ):
         raise HeadsteerValueError(f"length must be (min, max) ints with 1 <= min <= max, got {length!r}")
-    g = torch.Generator().manual_seed(_seed(seed))
+    lo, hi = int(length[0]), int(length[1])
+    seed = _seed(seed)
     cand = _candidates(model)
-    if length[1] > len(cand):
-        raise HeadsteerValueError(f"length {length[1]} exceeds the {len(cand)} non-special tokens")
+    if hi > len(cand):
+        raise HeadsteerValueError(f"length {hi} exceeds the {len(cand)} non-special tokens")
     bos = _bos_id(model)
+    model.check_length(2 * hi + (bos is not None))
+    g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n_seqs):
-        n = int(torch.randint(length[0], length[1] + 1, (1,), generator=g))
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
         r = cand[torch.randperm(len(cand), generator=g)[:n]].tolist()
         rows.append(([bos] if bos is not None else []) + r + r)
     model.check_length(max(len(r) for r in rows))
@@ -239,12 +271,20 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
     `[B, T]` id tensor (no padding), a list of id lists (left-padded here) or an `EncodedPrompts`."""
     if sequences is None:
         return repeated_tokens(model, seed=seed)
+    if isinstance(sequences, Sequence) and not isinstance(sequences, str) and len(sequences) == 0:
+        raise HeadsteerValueError("sequences is empty: give at least one text or token row")
     if isinstance(sequences, EncodedPrompts):
+        ids = sequences.input_ids
+        if sequences.batch == 0 or ids.numel() == 0 or not _int_dtype(ids):
+            raise HeadsteerValueError("the EncodedPrompts holds no token ids (or not integer ones)")
+        if ((ids < 0) | (ids >= model.d_vocab)).any():
+            raise HeadsteerValueError("the EncodedPrompts holds ids outside the vocabulary")
         return sequences
     if isinstance(sequences, torch.Tensor):
-        if sequences.ndim != 2 or sequences.dtype not in (torch.long, torch.int, torch.int32):
+        if sequences.ndim != 2 or not _int_dtype(sequences):
             raise HeadsteerValueError(
-                f"token sequences must be a [batch, pos] integer tensor, got {tuple(sequences.shape)}"
+                "token sequences must be a [batch, pos] integer tensor, got shape "
+                f"{tuple(sequences.shape)} {sequences.dtype}"
             )
         if sequences.numel() == 0 or ((sequences < 0) | (sequences >= model.d_vocab)).any():
             raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
@@ -253,14 +293,24 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
         isinstance(sequences, Sequence)
         and not isinstance(sequences, str)
         and sequences
-        and all(isinstance(r, (list, tuple, torch.Tensor)) and not isinstance(r, str) for r in sequences)
+        and all(isinstance(r, (list, tuple, torch.Tensor)) for r in sequences)
     ):
-        rows = [[int(x) for x in (r.tolist() if isinstance(r, torch.Tensor) else r)] for r in sequences]
+        rows = []
+        for r in sequences:
+            if isinstance(r, torch.Tensor) and (r.ndim != 1 or not _int_dtype(r)):
+                raise HeadsteerValueError(
+                    f"a token row must be a 1-D integer tensor, got shape {tuple(r.shape)} {r.dtype}"
+                )
+            row = r.tolist() if isinstance(r, torch.Tensor) else list(r)
+            bad = next((x for x in row if not is_int(x)), None)
+            if bad is not None:
+                raise HeadsteerValueError(f"token ids must be ints, got {bad!r}")
+            rows.append([int(x) for x in row])
         if any(not r or min(r) < 0 or max(r) >= model.d_vocab for r in rows):
             raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
         return _pack(model, rows)
     if isinstance(sequences, str) or (
-        isinstance(sequences, Sequence) and all(isinstance(s, str) for s in sequences)
+        isinstance(sequences, Sequence) and sequences and all(isinstance(s, str) for s in sequences)
     ):
         if model.tokenizer is None:
             raise HeadsteerValueError("text sequences need a HeadModel with a tokenizer")
@@ -269,6 +319,10 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
         "sequences must be None, texts, a [batch, pos] token tensor or EncodedPrompts, "
         f"got {type(sequences).__name__}"
     )
+
+
+def _int_dtype(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def _masks(ids: torch.Tensor, real: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -296,6 +350,8 @@ def _masks(ids: torch.Tensor, real: torch.Tensor) -> dict[str, torch.Tensor]:
 def _check_detectors(detectors: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(detectors, str):
         detectors = (detectors,)
+    if not isinstance(detectors, (Sequence, set, frozenset)):
+        raise HeadsteerTypeError(f"detectors must be names of {PATTERN_DETECTORS}, got {detectors!r}")
     out = tuple(detectors)
     bad = [d for d in out if d not in PATTERN_DETECTORS]
     if bad or not out:
@@ -320,29 +376,32 @@ def pattern_scores(
     Args:
         model: the model.
         sequences: None (default: 8 rows of [BOS] + R + R, `repeated_tokens(seed=seed)`), texts
-            (encoded plainly, no chat template), a `[B, T]` token tensor, a list of token-id lists
-            (left-padded here), or `EncodedPrompts`.
-        detectors: which of `PATTERN_DETECTORS` to return.
+            (encoded plainly, no chat template), a `[B, T]` integer token tensor, a list of
+            token-id lists (ints or numpy / torch integers; left-padded here), or `EncodedPrompts`.
+        detectors: which of `PATTERN_DETECTORS` to return (a name or a list of names; default all).
         rows: `"target"` (rows with a target key) or `"all"` (every real row, TransformerLens'
             normalisation); see the module docstring. Not used by `"entropy"`.
         exclude_bos: drop the first real token's column from numerator and denominator
             (TransformerLens' `exclude_bos`).
         exclude_current_token: drop the diagonal likewise (`exclude_current_token`).
-        batch_size: sequences per forward.
-        seed: the seed of the default sequences.
+        batch_size: sequences per forward (a positive int, default 8).
+        seed: the seed of the default sequences (an int in 0..2**32 - 1, default 0).
 
     Returns:
-        `{detector: HeadScores [L, H]}` in [0, 1], method `"role_<detector>"`.
+        `{detector: HeadScores [L, H]}` in [0, 1] (NaN for a head with no counted row), method
+        `"role_<detector>"`.
 
     Raises:
-        ValueError: unknown detector or `rows`, bad sequences or `batch_size`.
+        HeadsteerValueError: unknown detector or `rows`; bad sequences (non-integer, bool or
+            float ids, ids outside the vocabulary, empty rows, longer than the model's context);
+            bad `batch_size` or `seed`. All checked before the first forward.
+        HeadsteerTypeError: a flag that is not a bool; `sequences` or `detectors` of a wrong type.
     """
     names = _check_detectors(detectors)
-    if rows not in ("target", "all"):
+    if not isinstance(rows, str) or rows not in ("target", "all"):
         raise HeadsteerValueError(f"rows must be 'target' or 'all', got {rows!r}")
-    for name, flag in (("exclude_bos", exclude_bos), ("exclude_current_token", exclude_current_token)):
-        if not isinstance(flag, bool):
-            raise HeadsteerTypeError(f"{name} must be True or False, got {flag!r}")
+    check_bool("exclude_bos", exclude_bos)
+    check_bool("exclude_current_token", exclude_current_token)
     batch_size = _positive(batch_size, "batch_size")
     seed = _seed(seed)
     enc = _sequences(model, sequences, seed)
@@ -468,16 +527,25 @@ def copying_scores(
     Geva 2025, on `n_tokens` random non-special tokens drawn with `seed`).
 
     Args:
-        k: top-k (default MAPS' copy rule: 1, or 3 for vocabularies >= 100K).
+        n_tokens: source tokens, 1..`MAX_COPYING_TOKENS` (default 512); fewer when the
+            vocabulary has fewer non-special tokens (then all of them).
+        k: top-k, 1..d_vocab (default MAPS' copy rule: 1, or 3 for vocabularies >= 100K).
         apply_first_mlp: ẽ = MLP_0(norm(E)) for heads of layers >= 1 (MAPS; False for
-            attention-only models, whose first MLP is absent or zero).
+            attention-only models, whose first MLP is absent or zero). Default True.
+        seed: an int in 0..2**32 - 1 (default 0).
 
     Returns:
         HeadScores `[L, H]` in [0, 1], method `"role_copying"`.
+
+    Raises:
+        HeadsteerValueError: `n_tokens`, `k` or `seed` out of range (checked before any work).
+        HeadsteerTypeError: `apply_first_mlp` not a bool.
     """
-    n_tokens = _positive(n_tokens, "n_tokens")
+    n_tokens = _positive(n_tokens, "n_tokens", MAX_COPYING_TOKENS)
+    k = k_for("copy", model.d_vocab) if k is None else _positive(k, "k", model.d_vocab)
+    check_bool("apply_first_mlp", apply_first_mlp)
+    seed = _seed(seed)
     ids = random_tokens(model, min(n_tokens, len(_candidates(model))), seed=seed).tolist()
-    k = k_for("copy", model.d_vocab) if k is None else _positive(k, "k")
     rel = RelationPairs("copying", [(t, t) for t in ids], k)
     s = maps_scores(model, [rel], apply_first_mlp=apply_first_mlp, progress=False).relation["copying"]
     return HeadScores(
@@ -486,7 +554,7 @@ def copying_scores(
         {"n_tokens": len(ids), "k": k, "apply_first_mlp": apply_first_mlp},
         model=model.name,
         n_kv_heads=model.n_kv_heads,
-        seed=_seed(seed),
+        seed=seed,
     )
 
 
@@ -524,29 +592,56 @@ def successor_scores(
     over the whole vocabulary).
 
     Args:
-        sequences: `{name: [items]}`: strings (each must be one token; a sequence is cut at the
-            first item that is not) or token ids; default `ORDINAL_SEQUENCES`.
+        sequences: `{name: [items]}`, each a list (or tuple, or 1-D integer tensor) of strings
+            (each must be one token; a sequence is cut at the first item that is not; needs a
+            tokenizer) or of token ids (ints, numpy / torch integers); sequences left with fewer
+            than 3 items are skipped. A bare string as a sequence is refused (it is not split
+            into letters). Default `ORDINAL_SEQUENCES`.
         apply_first_mlp: ẽ = MLP_0(norm(E)) for heads of layers >= 1 (Gould et al. use the
-            first MLP's output, as MAPS does).
+            first MLP's output, as MAPS does). Default True.
 
     Returns:
         HeadScores `[L, H]` in [0, 1], method `"role_successor"`.
 
     Raises:
-        ValueError: no sequence of >= 3 single-token items, or ids outside the vocabulary.
+        HeadsteerValueError: no sequence of >= 3 single-token items, ids outside the vocabulary,
+            a sequence mixing strings and ids, string items without a tokenizer.
+        HeadsteerTypeError: `sequences` not a mapping, a sequence that is a string or not a list,
+            `apply_first_mlp` not a bool.
     """
+    check_bool("apply_first_mlp", apply_first_mlp)
     seqs = ORDINAL_SEQUENCES if sequences is None else sequences
     if not isinstance(seqs, Mapping):
         raise HeadsteerTypeError(f"sequences must be a {{name: [items]}} mapping, got {type(seqs).__name__}")
-    if all(all(isinstance(x, int) and not isinstance(x, bool) for x in v) for v in seqs.values()):
-        id_seqs = {k: [int(x) for x in v] for k, v in seqs.items() if len(v) >= 3}
-    else:
-        id_seqs = _ordinal_ids(model, seqs)  # type: ignore[arg-type]
+    id_seqs: dict[str, list[int]] = {}
+    str_seqs: dict[str, list[str]] = {}
+    for k, v in seqs.items():
+        if not isinstance(k, str):
+            raise HeadsteerTypeError(f"sequence names must be strings, got {k!r}")
+        if isinstance(v, torch.Tensor):
+            if v.ndim != 1 or not _int_dtype(v):
+                raise HeadsteerValueError(f"sequence {k!r} must be a 1-D integer tensor, got {v.dtype}")
+            v = v.tolist()
+        if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+            raise HeadsteerTypeError(
+                f"sequence {k!r} must be a list of items (strings or token ids), got {v!r}"
+            )
+        if all(is_int(x) for x in v):
+            if any(not 0 <= int(x) < model.d_vocab for x in v):
+                raise HeadsteerValueError(f"sequence {k!r} holds ids outside the vocabulary")
+            if len(v) >= 3:
+                id_seqs[k] = [int(x) for x in v]
+        elif all(isinstance(x, str) for x in v):
+            str_seqs[k] = list(v)
+        else:
+            odd = [x for x in v if not (is_int(x) or isinstance(x, str))]
+            what = repr(odd[0]) if odd else "strings and ids mixed"
+            raise HeadsteerValueError(f"sequence {k!r} must hold only strings or only token ids, got {what}")
+    if str_seqs:
+        id_seqs.update(_ordinal_ids(model, str_seqs))
+        id_seqs = {k: id_seqs[k] for k in seqs if k in id_seqs}  # the caller's order
     if not id_seqs:
         raise HeadsteerValueError("no ordinal sequence of >= 3 single-token items to score")
-    for k, v in id_seqs.items():
-        if any(not 0 <= x < model.d_vocab for x in v):
-            raise HeadsteerValueError(f"sequence {k!r} holds ids outside the vocabulary")
     U = model.W_U.float()
     L, H = model.n_layers, model.n_heads
     hits = torch.zeros(L, H, dtype=torch.float64)
@@ -624,15 +719,40 @@ def needle_prompts(
     teacher-forced). A model without a tokenizer gets token rows instead: random haystack,
     needle = key + value tokens, and the key + value repeated at the end.
 
+    Args:
+        n_prompts: rows, 1..`MAX_SEQUENCES` (default 8).
+        n_filler: filler sentences a row (1..`MAX_FILLER`, default 12; without a tokenizer, 4
+            random tokens each).
+        needle_words: words of the needle's value (default 4; at most 16 with a tokenizer, the
+            shipped word list; without one, the non-special tokens less 3).
+        seed: an int in 0..2**32 - 1 (default 0).
+
     Returns:
         `(batch, needle token ranges, answer token ranges)` in padded coordinates, half-open.
+
+    Raises:
+        HeadsteerValueError: an argument out of range, or rows that cannot fit the model's
+            context (checked from a lower bound of the row length before any row is built).
     """
-    n_prompts = _positive(n_prompts, "n_prompts")
-    n_filler = _positive(n_filler, "n_filler")
-    needle_words = _positive(needle_words, "needle_words")
-    g = torch.Generator().manual_seed(_seed(seed))
+    n_prompts = _positive(n_prompts, "n_prompts", MAX_SEQUENCES)
+    n_filler = _positive(n_filler, "n_filler", MAX_FILLER)
     tok = model.tokenizer
+    n_cand = len(_candidates(model)) if tok is None else len(_WORDS) + 3
+    needle_words = _positive(needle_words, "needle_words", n_cand - 3)
+    seed = _seed(seed)
     bos = _bos_id(model)
+    limit = model.max_positions
+    if limit is not None:
+        if tok is None:  # exact: bos + haystack + key + value + key + value
+            least = (bos is not None) + 4 * n_filler + 4 + 2 * needle_words
+        else:  # every filler sentence is at least its shortest tokenisation
+            least = n_filler * min(len(tok(f, add_special_tokens=False)["input_ids"]) for f in _FILLER)
+        if least > limit:
+            raise HeadsteerValueError(
+                f"n_filler={n_filler} makes needle prompts of at least {least} tokens, over the model's "
+                f"limit of {limit} positions"
+            )
+    g = torch.Generator().manual_seed(seed)
     rows: list[list[int]] = []
     needles, answers = [], []
     for _ in range(n_prompts):
@@ -698,8 +818,16 @@ def retrieval_scores(
     copied (|g_h ∩ k| / |k| per prompt), averaged over prompts. Unlike Wu et al., rows count
     whether or not the model itself predicts y (the pattern is read at the same place either way).
 
+    Args:
+        n_prompts, n_filler, needle_words, seed: as in `needle_prompts` (defaults 8, 12, 4, 0).
+        batch_size: prompts per forward (a positive int, default 8).
+
     Returns:
         HeadScores `[L, H]` in [0, 1], method `"role_retrieval"`.
+
+    Raises:
+        HeadsteerValueError: an argument out of range, prompts longer than the model's context
+            (both before any forward).
     """
     batch_size = _positive(batch_size, "batch_size")
     enc, needles, answers = needle_prompts(
@@ -749,7 +877,7 @@ def retrieval_scores(
         {"n_prompts": enc.batch, "n_filler": n_filler, "needle_words": needle_words},
         model=model.name,
         n_kv_heads=model.n_kv_heads,
-        seed=_seed(seed),
+        seed=int(seed),
     )
 
 
@@ -764,8 +892,26 @@ def detect_roles(
 ) -> dict[str, HeadScores]:
     """Every detector: the pattern scores (one forward per batch), copying, successor and retrieval.
 
-    `successor` needs a tokenizer (skipped without one); `retrieval=False` skips the needle forward.
+    Args:
+        sequences: the pattern detectors' sequences (see `pattern_scores`; default repeated
+            random tokens).
+        apply_first_mlp: passed to `copying_scores` and `successor_scores` (default True).
+        seed: seeds the random sequences, copying tokens and needle prompts (0..2**32 - 1).
+        retrieval: also run `retrieval_scores` (default True; False skips the needle forward).
+        successor: also run `successor_scores` (default True; skipped without a tokenizer).
+
+    Returns:
+        `{name: HeadScores [L, H]}`: `PATTERN_DETECTORS`, `"copying"`, then `"successor"` and
+        `"retrieval"` when run.
+
+    Raises:
+        HeadsteerTypeError: a flag that is not a bool. HeadsteerValueError: a bad seed or
+            sequences (see the detectors). Checked before the first forward.
     """
+    check_bool("apply_first_mlp", apply_first_mlp)
+    check_bool("retrieval", retrieval)
+    check_bool("successor", successor)
+    seed = _seed(seed)
     out = pattern_scores(model, sequences, seed=seed)
     out["copying"] = copying_scores(model, apply_first_mlp=apply_first_mlp, seed=seed)
     if successor and model.tokenizer is not None:

@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -43,21 +42,38 @@ import torch
 
 from heads._util.files import check_output, write_bytes
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_bool, check_int, check_number, check_path, check_seed, is_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.engine.forward import forward
-from heads.errors import HeadsteerValueError
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.inputs.tokens import readable_token, readable_tokens
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 
-__all__ = ["LENS_SCHEMA", "MAX_FULL_HEADS", "AttentionLens", "LensData", "collect_lens_data", "train_lens"]
+__all__ = [
+    "LENS_SCHEMA",
+    "MAX_EPOCHS",
+    "MAX_FULL_HEADS",
+    "MAX_LR",
+    "AttentionLens",
+    "LensData",
+    "collect_lens_data",
+    "train_lens",
+]
 
 LENS_SCHEMA = "headsteer/attention-lens"
 LENS_SCHEMA_VERSION = 1
 MAX_FULL_HEADS = 8
 """Most heads a `form="full"` lens may hold (each is a `[D, V]` map)."""
+MAX_LR = 1.0
+"""Largest Adam learning rate `train_lens` accepts (a larger step only diverges)."""
+MAX_EPOCHS = 100_000
+"""Most epochs `train_lens` accepts."""
+
+_RESERVED = ("weight", "bias", "held_out_kl", "untrained_kl")
+"""Tensor names of a lens file that `AttentionLens.save(extra=...)` may not use."""
 
 Form = Literal["tuned", "full"]
 
@@ -127,12 +143,24 @@ def collect_lens_data(
     """Head outputs and model logits on `texts` (plain, no chat template), real positions only,
     at most `max_positions` (the first ones, in text order).
 
+    Args:
+        texts: a text or a non-empty list of non-empty texts.
+        heads: a head selection (`HeadSet.parse`; default every head).
+        max_positions: positions kept (a positive int, default 4096).
+        batch_size: texts per forward (a positive int, default 8).
+
+    Returns:
+        `LensData`: outputs `[n, N, D]` fp32, target logits `[N, V]` fp16, N <= `max_positions`.
+
     Raises:
-        ValueError: empty texts, unknown heads, a model without a tokenizer.
+        HeadsteerValueError: empty texts, unknown heads, a model without a tokenizer, bad
+            `max_positions` or `batch_size` (all before the first forward).
     """
     if model.tokenizer is None:
         raise HeadsteerValueError("collect_lens_data needs a HeadModel with a tokenizer")
     texts = _texts(texts)
+    max_positions = check_int("max_positions", max_positions, lo=1)
+    batch_size = check_int("batch_size", batch_size, lo=1)
     hs = _heads(model, heads)
     by_layer: dict[int, list[int]] = {}
     for la, h in hs:
@@ -201,8 +229,7 @@ class AttentionLens:
         Raises:
             ValueError: unknown form or heads; a `"full"` lens of more than `MAX_FULL_HEADS` heads.
         """
-        if form not in ("tuned", "full"):
-            raise HeadsteerValueError(f"form must be 'tuned' or 'full', got {form!r}")
+        _check_form(form)
         hs = _heads(model, heads)
         n, D, V = len(hs), model.d_model, model.d_vocab
         if form == "full" and n > MAX_FULL_HEADS:
@@ -229,13 +256,38 @@ class AttentionLens:
     # ----------------------------------------------------------------- applying
     def logits(self, model: HeadModel, outputs: torch.Tensor, *, trained: bool = True) -> torch.Tensor:
         """Lens logits `[n, N, V]` of head contributions `outputs` `[n, N, D]` (one slice per head of
-        `self.heads`); `trained=False` uses the untrained lens."""
+        `self.heads`); `trained=False` uses the untrained lens.
+
+        Raises:
+            HeadsteerValueError: another model; `outputs` not a float `[n, N, D]` tensor.
+            HeadsteerTypeError: `trained` not a bool.
+        """
+        self.check_model(model)
+        check_bool("trained", trained)
+        n, D = len(self.heads), self.geometry[2]
+        if (
+            not isinstance(outputs, torch.Tensor)
+            or not outputs.dtype.is_floating_point
+            or outputs.ndim != 3
+            or outputs.shape[0] != n
+            or outputs.shape[2] != D
+        ):
+            got = f"{tuple(outputs.shape)} {outputs.dtype}" if isinstance(outputs, torch.Tensor) else outputs
+            raise HeadsteerValueError(f"outputs must be a float [{n}, N, {D}] tensor, got {got!r}")
         w, b = (self.weight, self.bias) if trained else _untrained(self, model)
         return _apply(model, self.form, w.to(outputs.device), b.to(outputs.device), outputs)
 
     def kl(self, model: HeadModel, data: LensData, *, trained: bool = True, chunk: int = 256) -> torch.Tensor:
-        """`[n]` mean KL(p_model || p_lens) (nats) per head over `data`'s positions."""
+        """`[n]` mean KL(p_model || p_lens) (nats) per head over `data`'s positions.
+
+        Raises:
+            HeadsteerValueError: another model; `data` lacks a head of the lens; bad `chunk`.
+            HeadsteerTypeError: `data` not `LensData`, `trained` not a bool.
+        """
         self.check_model(model)
+        check_bool("trained", trained)
+        chunk = check_int("chunk", chunk, lo=1)
+        _check_data(model, data, self.heads)
         idx = [data.heads.index(h) for h in self.heads]
         total = torch.zeros(len(self.heads), dtype=torch.float64)
         n = data.outputs.shape[1]
@@ -253,16 +305,26 @@ class AttentionLens:
         Returns:
             DataFrame `position, token, lens_tokens, untrained_tokens, model_tokens` (readable text).
 
+        Args:
+            text: a non-empty text (encoded plainly, no chat template).
+            layer, head: a head of this lens (ints, numpy ints too; never bools).
+            k: tokens per position, 1..d_vocab (default 5).
+
         Raises:
-            ValueError: the head has no lens here; another model; bad `k`.
+            HeadsteerValueError: the head has no lens here or is not a head of the model; another
+                model; bad `k` or `text`.
+            HeadsteerTypeError: `layer` / `head` not ints.
         """
         import pandas as pd
 
         self.check_model(model)
+        model.check_head(layer, head)
+        layer, head = int(layer), int(head)
         if (layer, head) not in self.heads:
             raise HeadsteerValueError(f"no lens for head ({layer}, {head}); this lens has {self.heads}")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= model.d_vocab:
-            raise HeadsteerValueError(f"k must be an int in 1..{model.d_vocab}, got {k!r}")
+        k = check_int("k", k, lo=1, hi=model.d_vocab)
+        if not isinstance(text, str) or not text.strip():
+            raise HeadsteerValueError(f"text must be a non-empty string, got {text!r}")
         data = collect_lens_data(model, [text], [(layer, head)])
         i = self.heads.index((layer, head))
         sub = AttentionLens(
@@ -296,7 +358,13 @@ class AttentionLens:
 
     def kl_scores(self, which: Literal["lens", "untrained", "ratio"] = "lens") -> HeadScores:
         """Held-out KL per head as `HeadScores` `[L, H]` (NaN for heads without a lens): the
-        trained lens, the untrained one, or their ratio (lens / untrained; < 1 = the lens helps)."""
+        trained lens, the untrained one, or their ratio (lens / untrained; < 1 = the lens helps).
+
+        Raises:
+            HeadsteerValueError: unknown `which`; a lens without held-out KL (not trained).
+        """
+        if not isinstance(which, str) or which not in ("lens", "untrained", "ratio"):
+            raise HeadsteerValueError(f"which must be 'lens', 'untrained' or 'ratio', got {which!r}")
         if self.held_out_kl is None or self.untrained_kl is None:
             raise HeadsteerValueError("this lens has no held-out KL yet: train it first")
         vals = {
@@ -334,16 +402,34 @@ class AttentionLens:
             )
         return t
 
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False, extra: dict | None = None) -> Path:
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> Path:
         """Write safetensors with the JSON header in its metadata, atomically; returns the path.
 
+        Args:
+            path: the file (str or path-like).
+            overwrite: replace an existing file (default False).
+            extra: more tensors to store beside the lens (`{name: tensor}`; names other than
+                `weight`, `bias`, `held_out_kl`, `untrained_kl`), read back by `_read`.
+
         Raises:
-            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
+            HeadsteerValueError: `path` exists and `overwrite` is False, or is a symlink or a
+                folder; an `extra` name that is reserved or empty.
+            HeadsteerTypeError: `path` not a path, `overwrite` not a bool, `extra` not a mapping
+                of names to tensors.
         """
         from safetensors.torch import save
 
+        path = check_path("path", path)
+        check_bool("overwrite", overwrite)
+        extra = _check_extra(extra)
         check_output(path, overwrite)
-        tensors = {**self._tensors(), **(extra or {})}
+        tensors = {**self._tensors(), **extra}
         data = save(tensors, metadata={"headsteer": json.dumps(self._header())})
         return write_bytes(path, data, overwrite=overwrite)
 
@@ -351,10 +437,20 @@ class AttentionLens:
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> AttentionLens:
         """Read a lens file; with `model`, refuse one made for another model.
 
+        The whole header is checked (schema and version, model name and geometry, heads inside
+        that geometry and not repeated, form, at most `MAX_FULL_HEADS` full lenses) and the
+        tensors against it (`weight` / `bias` present, of the form's shapes, float and finite;
+        `held_out_kl` / `untrained_kl` both or neither, `[n]`), before a lens is built.
+
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a headsteer lens file, another schema version, or another model.
+            HeadsteerValueError: not a headsteer lens file, another schema version, a tampered
+                header or tensors (naming the bad field), or another model.
+            HeadsteerTypeError: `path` not a path, `model` not a `HeadModel`.
         """
+        path = check_path("path", path)
+        if model is not None and not isinstance(model, HeadModel):
+            raise HeadsteerTypeError(f"model must be a HeadModel or None, got {type(model).__name__}")
         lens, _ = _read(path)
         if model is not None:
             lens.check_model(model)
@@ -372,34 +468,156 @@ def _geometry(model: HeadModel) -> tuple[int, int, int, int]:
     return (model.n_layers, model.n_heads, model.d_model, model.d_vocab)
 
 
+def _check_form(form: object) -> str:
+    if not isinstance(form, str) or form not in ("tuned", "full"):
+        raise HeadsteerValueError(f"form must be 'tuned' or 'full', got {form!r}")
+    return form
+
+
+def _check_extra(extra: object) -> dict[str, torch.Tensor]:
+    """`extra` tensors of `save`: a mapping of new, non-empty names to tensors."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise HeadsteerTypeError(f"extra must be a {{name: tensor}} mapping, got {type(extra).__name__}")
+    for k, v in extra.items():
+        if not isinstance(k, str) or not k.strip():
+            raise HeadsteerValueError(f"extra tensor names must be non-empty strings, got {k!r}")
+        if k in _RESERVED:
+            raise HeadsteerValueError(
+                f"extra tensor name {k!r} is reserved for the lens ({', '.join(_RESERVED)})"
+            )
+        if not isinstance(v, torch.Tensor):
+            raise HeadsteerTypeError(f"extra tensor {k!r} must be a torch.Tensor, got {type(v).__name__}")
+    return dict(extra)
+
+
+def _check_data(model: HeadModel, data: object, heads: list[tuple[int, int]]) -> None:
+    """`data` must be `LensData` of this model's width and vocabulary holding `heads`."""
+    if not isinstance(data, LensData):
+        raise HeadsteerTypeError(f"data must be LensData (collect_lens_data), got {type(data).__name__}")
+    missing = [h for h in heads if h not in data.heads]
+    if missing:
+        raise HeadsteerValueError(f"the LensData lacks heads {missing}")
+    o, t = data.outputs, data.target_logits
+    n_pos = t.shape[0] if isinstance(t, torch.Tensor) and t.ndim == 2 else -1
+    if (
+        not isinstance(o, torch.Tensor)
+        or o.ndim != 3
+        or tuple(o.shape[::2]) != (len(data.heads), model.d_model)
+        or n_pos != o.shape[1]
+        or t.shape[1] != model.d_vocab
+        or not isinstance(data.text_index, torch.Tensor)
+        or tuple(data.text_index.shape) != (n_pos,)
+    ):
+        raise HeadsteerValueError(
+            f"the LensData does not fit this model: outputs {tuple(getattr(o, 'shape', ()))}, target logits "
+            f"{tuple(getattr(t, 'shape', ()))}; want [{len(data.heads)}, N, {model.d_model}] and "
+            f"[N, {model.d_vocab}]"
+        )
+
+
+def _bad(path: str, what: str) -> HeadsteerValueError:
+    return HeadsteerValueError(f"{path!r} is not a valid headsteer lens file: {what}")
+
+
+def _check_header(header: dict, path: str) -> tuple[list[tuple[int, int]], str, tuple[int, int, int, int]]:
+    """The heads, form and geometry of a lens header, every field checked."""
+    model = header.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad(path, f"model must be a non-empty name, got {model!r}")
+    geo = header.get("geometry")
+    if not isinstance(geo, list) or len(geo) != 4 or not all(is_int(x) and x >= 1 for x in geo):
+        raise _bad(
+            path, f"geometry must be 4 positive ints (n_layers, n_heads, d_model, d_vocab), got {geo!r}"
+        )
+    L, H = int(geo[0]), int(geo[1])
+    heads = header.get("heads")
+    if not isinstance(heads, list) or not heads:
+        raise _bad(path, f"heads must be a non-empty list of [layer, head] pairs, got {heads!r}")
+    hs = []
+    for h in heads:
+        if (
+            not isinstance(h, list)
+            or len(h) != 2
+            or not all(is_int(x) for x in h)
+            or not (0 <= h[0] < L and 0 <= h[1] < H)
+        ):
+            raise _bad(path, f"head {h!r} is not a [layer, head] pair of a {L} x {H} model")
+        hs.append((int(h[0]), int(h[1])))
+    if len(set(hs)) != len(hs):
+        raise _bad(path, "a head is listed twice")
+    form = header.get("form")
+    if not isinstance(form, str) or form not in ("tuned", "full"):
+        raise _bad(path, f"form must be 'tuned' or 'full', got {form!r}")
+    if form == "full" and len(hs) > MAX_FULL_HEADS:
+        raise _bad(path, f"{len(hs)} full lenses, at most {MAX_FULL_HEADS}")
+    if not isinstance(header.get("params", {}), dict):
+        raise _bad(path, f"params must be an object, got {header.get('params')!r}")
+    history = header.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(x, dict) for x in history):
+        raise _bad(path, "history must be a list of objects")
+    return hs, form, (int(geo[0]), int(geo[1]), int(geo[2]), int(geo[3]))
+
+
+def _check_tensors(
+    tensors: dict[str, torch.Tensor], n: int, form: str, geometry: tuple[int, int, int, int], path: str
+) -> None:
+    D, V = geometry[2], geometry[3]
+    want = {"weight": (n, D, D), "bias": (n, D)} if form == "tuned" else {"weight": (n, D, V), "bias": (n, V)}
+    for name, shape in want.items():
+        if name not in tensors:
+            raise _bad(path, f"no {name!r} tensor")
+        t = tensors[name]
+        if tuple(t.shape) != shape or not t.dtype.is_floating_point:
+            raise _bad(
+                path, f"{name} is {tuple(t.shape)} {t.dtype}, a {form} lens of {n} heads needs float {shape}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise _bad(path, f"{name} holds NaN or inf")
+    kls = [k for k in ("held_out_kl", "untrained_kl") if k in tensors]
+    if len(kls) == 1:
+        raise _bad(path, f"{kls[0]!r} without its pair")
+    for name in kls:
+        t = tensors[name]
+        if tuple(t.shape) != (n,) or not t.dtype.is_floating_point or not bool(torch.isfinite(t).all()):
+            raise _bad(path, f"{name} must be a finite float [{n}] tensor, got {tuple(t.shape)} {t.dtype}")
+
+
 def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tensor]]:
+    """A lens file's lens and its other tensors; the header is checked before the tensors are read."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     p = Path(path)
+    shown = str(path)
     if not p.is_file():
-        raise FileNotFoundError(f"lens file not found: {str(path)!r}")
+        raise FileNotFoundError(f"lens file not found: {shown!r}")
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(p))
-        header = json.loads(meta.get("headsteer", "null"))
-    except Exception as err:  # safetensors raises its own error types
-        raise HeadsteerValueError(f"{str(path)!r} is not a headsteer lens file: {err}") from None
-    if not isinstance(header, dict) or header.get("schema") != LENS_SCHEMA:
-        raise HeadsteerValueError(f"{str(path)!r} is not a headsteer lens file")
-    if header.get("schema_version") != LENS_SCHEMA_VERSION:
-        raise HeadsteerValueError(
-            f"{str(path)!r} has lens schema_version {header.get('schema_version')!r}; this headsteer reads "
-            f"{LENS_SCHEMA_VERSION}"
-        )
+            header = json.loads(meta.get("headsteer", "null"))
+            if not isinstance(header, dict) or header.get("schema") != LENS_SCHEMA:
+                raise HeadsteerValueError(f"{shown!r} is not a headsteer lens file")
+            version = header.get("schema_version")
+            if not is_int(version) or version != LENS_SCHEMA_VERSION:
+                raise HeadsteerValueError(
+                    f"{shown!r} has lens schema_version {version!r}; "
+                    f"this headsteer reads {LENS_SCHEMA_VERSION}"
+                )
+            heads, form, geometry = _check_header(header, shown)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except HeadsteerValueError:
+        raise
+    except Exception as err:  # safetensors and json raise their own error types
+        raise HeadsteerValueError(f"{shown!r} is not a headsteer lens file: {err}") from None
+    _check_tensors(tensors, len(heads), form, geometry, shown)
     lens = AttentionLens(
-        [(int(h[0]), int(h[1])) for h in header["heads"]],
-        header["form"],
+        heads,
+        form,  # type: ignore[arg-type]
         tensors.pop("weight"),
         tensors.pop("bias"),
         header["model"],
-        tuple(int(x) for x in header["geometry"]),  # type: ignore[arg-type]
+        geometry,
         header.get("params", {}),
         header.get("history", []),
         tensors.pop("held_out_kl", None),
@@ -429,10 +647,47 @@ def _kl(lens_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return (lt.exp()[None] * (lt[None] - ll)).sum(-1)
 
 
-def _check_int(v: object, what: str, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-        raise HeadsteerValueError(f"{what} must be an int >= {lo}, got {v!r}")
-    return int(v)
+_CHECKPOINT_TENSORS = ("current_weight", "current_bias", "best_kl", "adam_step", "m_w", "v_w", "m_b", "v_b")
+_RESUME_PARAMS = ("lr", "batch_positions", "held_out", "max_positions", "seed")
+"""Training parameters a resumed run must share with its checkpoint (epochs and patience may differ)."""
+
+
+def _read_checkpoint(
+    checkpoint: str, lens: AttentionLens, params: dict
+) -> tuple[AttentionLens, dict[str, torch.Tensor]]:
+    """A checkpoint of `lens`'s model, heads and form, written with the same training parameters."""
+    ck, extra = _read(checkpoint)
+    if (
+        ck.model != lens.model
+        or ck.geometry != lens.geometry
+        or ck.heads != lens.heads
+        or ck.form != lens.form
+    ):
+        raise HeadsteerValueError(f"checkpoint {checkpoint!r} is for other heads, form or model")
+    missing = [k for k in _CHECKPOINT_TENSORS if k not in extra]
+    state = ck.params.get("state")
+    if (
+        missing
+        or not isinstance(state, dict)
+        or not all(is_int(state.get(k)) and state.get(k) >= 0 for k in ("epoch", "stale"))
+    ):
+        raise HeadsteerValueError(
+            f"checkpoint {checkpoint!r} is a lens file, not a train_lens checkpoint "
+            f"(missing {missing or 'state'})"
+        )
+    for k in ("current_weight", "m_w", "v_w"):
+        if extra[k].shape != ck.weight.shape:
+            raise HeadsteerValueError(f"checkpoint {checkpoint!r}: {k} is {tuple(extra[k].shape)}")
+    for k in ("current_bias", "m_b", "v_b"):
+        if extra[k].shape != ck.bias.shape:
+            raise HeadsteerValueError(f"checkpoint {checkpoint!r}: {k} is {tuple(extra[k].shape)}")
+    differ = [k for k in _RESUME_PARAMS if ck.params.get(k) != params[k]]
+    if differ:
+        raise HeadsteerValueError(
+            f"checkpoint {checkpoint!r} was written with other {', '.join(differ)} "
+            f"({', '.join(f'{k}={ck.params.get(k)!r}' for k in differ)}): resume with the same values"
+        )
+    return ck, extra
 
 
 def train_lens(
@@ -462,36 +717,58 @@ def train_lens(
         batch_positions: positions per Adam step (all heads step together, each its own lens).
         held_out: share of the texts kept out for early stopping and the reported KL (default 0.2).
         patience: epochs without a held-out improvement of any head before stopping (default 2).
-        max_positions: real token positions collected from the corpus (default 4096).
-        seed: seeds the split and every epoch's shuffle.
-        checkpoint: a file to write after each epoch and to resume from when it exists.
+        max_positions: real token positions collected from the corpus (default 4096, >= 2).
+        seed: seeds the split and every epoch's shuffle (an int in 0..2**32 - 1, default 0).
+        checkpoint: a file to write after each epoch and to resume from when it exists (the
+            resumed call must use the same lr, batch_positions, held_out, max_positions, seed).
         progress: True (a tqdm bar), False / None, or `progress(done, total)` in epochs.
+
+    Every argument is checked before any forward: `epochs` in 1..`MAX_EPOCHS`, `lr` in
+    (0, `MAX_LR`], `held_out` in (0, 1), `batch_positions` and `patience` positive ints.
 
     Returns:
         AttentionLens with the best held-out state of every head, `held_out_kl`, `untrained_kl`,
         and `history`; `params["seconds"]` holds the training time.
 
     Raises:
-        ValueError: bad arguments (before any forward), fewer than 2 texts, or a checkpoint of
-            another model, heads or form.
+        HeadsteerValueError: bad arguments, fewer than 2 texts, LensData of another model or
+            heads, or a checkpoint of another model, heads, form or training parameters.
+        HeadsteerTypeError: `progress` or `checkpoint` of a wrong type.
     """
-    form_ok = form in ("tuned", "full")
-    if not form_ok:
-        raise HeadsteerValueError(f"form must be 'tuned' or 'full', got {form!r}")
-    epochs = _check_int(epochs, "epochs")
-    batch_positions = _check_int(batch_positions, "batch_positions")
-    patience = _check_int(patience, "patience")
-    max_positions = _check_int(max_positions, "max_positions", 2)
-    seed = _check_int(seed, "seed", 0)
-    for name, v, lo, hi in (("lr", lr, 0.0, math.inf), ("held_out", held_out, 0.0, 1.0)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (lo < v < hi):
-            raise HeadsteerValueError(f"{name} must be a number in ({lo}, {hi}), got {v!r}")
+    _check_form(form)
+    epochs = check_int("epochs", epochs, lo=1, hi=MAX_EPOCHS)
+    batch_positions = check_int("batch_positions", batch_positions, lo=1)
+    patience = check_int("patience", patience, lo=1)
+    max_positions = check_int("max_positions", max_positions, lo=2)
+    seed = check_seed("seed", seed)
+    lr = check_number("lr", lr, lo=0.0, hi=MAX_LR, lo_open=True)
+    held_out = check_number("held_out", held_out, lo=0.0, hi=1.0, lo_open=True, what="a number in (0, 1)")
+    if held_out == 1.0:
+        raise HeadsteerValueError(f"held_out must be a number in (0, 1), got {held_out!r}")
+    if checkpoint is not None:
+        checkpoint = check_path("checkpoint", checkpoint)
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise HeadsteerTypeError(
+            f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"
+        )
     lens = AttentionLens.init(model, heads, form=form)
+    resume_params = {
+        "lr": float(lr),
+        "batch_positions": batch_positions,
+        "held_out": float(held_out),
+        "max_positions": max_positions,
+        "seed": seed,
+    }
+    resume = (
+        _read_checkpoint(checkpoint, lens, resume_params)
+        if checkpoint is not None and Path(checkpoint).is_file()
+        else None
+    )
     if isinstance(texts, LensData):
-        missing = [h for h in lens.heads if h not in texts.heads]
-        if missing:
-            raise HeadsteerValueError(f"the LensData lacks heads {missing}")
+        _check_data(model, texts, lens.heads)
         data = texts
+        if data.outputs.shape[1] == 0:
+            raise HeadsteerValueError("the LensData holds no positions")
         n_texts = int(data.text_index.max()) + 1
     else:
         corpus = _texts(texts)
@@ -544,16 +821,9 @@ def train_lens(
         "n_train_positions": int(train.outputs.shape[1]),
         "n_held_out_positions": int(held.outputs.shape[1]),
     }
-    if checkpoint is not None and Path(checkpoint).is_file():
-        ck, extra = _read(checkpoint)
-        if (
-            ck.model != lens.model
-            or ck.geometry != lens.geometry
-            or ck.heads != lens.heads
-            or ck.form != form
-        ):
-            raise HeadsteerValueError(f"checkpoint {str(checkpoint)!r} is for other heads, form or model")
-        state = ck.params.get("state", {})
+    if resume is not None:
+        ck, extra = resume
+        state = ck.params["state"]
         start_epoch, stale, history = int(state["epoch"]), int(state["stale"]), list(ck.history)
         with torch.no_grad():
             w.copy_(extra["current_weight"].to(dev))
