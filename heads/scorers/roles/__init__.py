@@ -3,6 +3,9 @@ successor, retrieval), the Attention Lens, and the head atlas gathering every pe
 
 from heads.scorers.roles.atlas import ROLE_THRESHOLDS, HeadAtlas, head_atlas
 from heads.scorers.roles.detectors import (
+    MAX_COPYING_TOKENS,
+    MAX_FILLER,
+    MAX_SEQUENCES,
     ORDINAL_SEQUENCES,
     PATTERN_DETECTORS,
     copying_scores,
@@ -19,10 +22,23 @@ from heads.scorers.roles.detectors import (
     self_scores,
     successor_scores,
 )
-from heads.scorers.roles.lens import MAX_FULL_HEADS, AttentionLens, LensData, collect_lens_data, train_lens
+from heads.scorers.roles.lens import (
+    MAX_EPOCHS,
+    MAX_FULL_HEADS,
+    MAX_LR,
+    AttentionLens,
+    LensData,
+    collect_lens_data,
+    train_lens,
+)
 
 __all__ = [
+    "MAX_COPYING_TOKENS",
+    "MAX_EPOCHS",
+    "MAX_FILLER",
     "MAX_FULL_HEADS",
+    "MAX_LR",
+    "MAX_SEQUENCES",
     "ORDINAL_SEQUENCES",
     "PATTERN_DETECTORS",
     "ROLE_THRESHOLDS",

@@ -419,7 +419,10 @@ def head_atlas(
         ("lens", lens, AttentionLens),
     ):
         if value is not None and not isinstance(value, kind):
-            raise HeadsteerTypeError(f"{arg} must be a {kind.__name__} or None, got {type(value).__name__}")
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
+            raise HeadsteerTypeError(
+                f"{arg} must be {article} {kind.__name__} or None, got {type(value).__name__}"
+            )
     if lens_text is not None:
         if lens is None:
             raise HeadsteerValueError("lens_text needs a lens")
