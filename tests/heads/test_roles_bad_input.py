@@ -54,6 +54,10 @@ def det(model):
     return {"induction": ind, "previous_token": prev}
 
 
+def _roles(atlas: HeadAtlas) -> dict[tuple[int, int], str]:
+    return {(int(r.layer), int(r.head)): r.role for r in atlas.frame.itertuples()}
+
+
 def _one_line(err: pytest.ExceptionInfo, *words: str) -> None:
     msg = str(err.value)
     assert "\n" not in msg and msg
@@ -476,7 +480,7 @@ def test_head_atlas_thresholds_numpy_and_columns(model, det):
         thresholds={"induction": np.float32(0.5), "patching": np.float64(0.5), "previous_token": 1},
         thumbnails=False,
     )
-    roles = dict(zip(zip(atlas.frame["layer"], atlas.frame["head"]), atlas.frame["role"], strict=True))
+    roles = _roles(atlas)
     assert roles[(1, 0)] == "induction" and roles[(0, 3)] == "patching" and roles[(0, 0)] == "previous_token"
     assert atlas.thresholds == {"induction": 0.5, "patching": 0.5, "previous_token": 1.0}
     before = dict(atlas.thresholds), atlas.frame["role"].tolist()
@@ -502,7 +506,7 @@ def test_nan_scores_labelled_nan(model, det):
         },
         thumbnails=False,
     )
-    roles = dict(zip(zip(atlas.frame["layer"], atlas.frame["head"]), atlas.frame["role"], strict=True))
+    roles = _roles(atlas)
     assert roles[(0, 2)] == "nan" and roles[(0, 0)] == "nan" and roles[(1, 0)] == "induction"
     assert roles[(0, 1)] == "none"
     with pytest.raises(HeadsteerTypeError, match="DataFrame"):
