@@ -2,12 +2,15 @@
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
+from heads import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.roles import detect_roles, head_atlas
 from tests.support.role_models import make_role_model
 from viz.cli.main import app
-from viz.reports.atlas import render_atlas_report
+from viz.reports.atlas import atlas_report, render_atlas_report
 
 
 def test_render_hand_built_atlas(tmp_path):
@@ -34,3 +37,76 @@ def test_cli_report_atlas(tiny_llama_dir, tmp_path):
     assert r.exit_code != 0  # exists, no --force
     r = CliRunner().invoke(app, ["report", "atlas", "--out", str(tmp_path / "b.html"), "--lens", "/no/lens"])
     assert r.exit_code != 0 and "lens file not found" in r.output
+
+
+def _cheap_atlas(model, **kw):
+    from heads.results.scores import HeadScores
+
+    s = torch.zeros(model.n_layers, model.n_heads)
+    s[1, 0], s[0, 2] = 1.0, float("nan")
+    extra = torch.zeros(model.n_layers, model.n_heads)
+    extra[0, 3] = 0.9
+    return head_atlas(
+        model,
+        detectors={"induction": HeadScores(s, "x", model=model.name)},
+        scores={"patching": HeadScores(extra, "y", model=model.name)},
+        thresholds={"induction": 0.5, "patching": 0.5},
+        thumbnails=False,
+        **kw,
+    )
+
+
+def test_render_custom_and_nan_roles(tmp_path):
+    """Roles from user thresholds and the 'nan' label are drawn (colour, map, cards)."""
+    model = make_role_model()
+    atlas = _cheap_atlas(model)
+    assert set(atlas.frame["role"]) == {"induction", "patching", "nan", "none"}
+    page = render_atlas_report(atlas).save(tmp_path / "a.html").read_text()
+    assert "L0.H3</b> (KV 3) — patching" in page and "L0.H2</b> (KV 2) — nan" in page
+    with pytest.raises(HeadsteerTypeError, match="atlas must be a HeadAtlas"):
+        render_atlas_report(atlas.frame)
+    with pytest.raises(HeadsteerTypeError, match="params"):
+        render_atlas_report(atlas, ["x"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, word",
+    [
+        ({"out": None}, HeadsteerTypeError, "out must be a file path"),
+        ({"maps": "yes"}, HeadsteerTypeError, "maps"),
+        ({"overwrite": 1}, HeadsteerTypeError, "overwrite"),
+        ({"lens_text": ""}, HeadsteerValueError, "lens_text"),
+        ({"lens": 3}, HeadsteerTypeError, "lens must be a file path"),
+        ({"csv": "SAME"}, HeadsteerValueError, "same file"),
+        ({"progress": "bar"}, HeadsteerTypeError, "progress"),
+        ({"model": "hand-built-roles"}, HeadsteerTypeError, "model must be a HeadModel"),
+    ],
+)
+def test_atlas_report_arguments_first(tmp_path, monkeypatch, kwargs, error, word):
+    import viz.reports.atlas as mod
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(mod, "detect_roles", no_work)
+    out = tmp_path / "a.html"
+    kw = {"model": make_role_model(), "out": out, **kwargs}
+    if kw.get("csv") == "SAME":
+        kw["csv"] = out
+    with pytest.raises(error) as err:
+        atlas_report(kw.pop("model"), kw.pop("out"), **kw)
+    assert "\n" not in str(err.value) and word in str(err.value)
+    assert not out.exists()
+
+
+def test_cli_report_atlas_bad_lens_file(tiny_llama_dir, tmp_path):
+    """A tampered or untrained lens file: one line, exit 2, before the model loads."""
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("not a lens")
+    r = CliRunner().invoke(
+        app,
+        ["report", "atlas", "--out", str(tmp_path / "a.html"), "--model", tiny_llama_dir, "--lens", str(bad)],
+    )
+    assert r.exit_code == 2 and "not a headsteer lens file" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "a.html").exists()

@@ -293,15 +293,22 @@ def report_atlas(
     maps: Annotated[bool, typer.Option(help="MAPS relation scores (the best relation column)")] = True,
 ) -> dict:
     """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
+    from heads.scorers.roles import AttentionLens
     from viz.reports.atlas import atlas_report, atlas_steps
 
     if lens is not None and not lens.is_file():
         raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
+    # a bad or untrained lens file fails here, before the model loads
+    trained = AttentionLens.load(lens) if lens is not None else None
+    if trained is not None:
+        trained.kl_scores("ratio")
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
-        _, summary = atlas_report(hm, out, lens=lens, maps=maps, overwrite=run.force, progress=step, csv=csv)
+        _, summary = atlas_report(
+            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv
+        )
     table = Table(title="Head roles")
     table.add_column("role")
     table.add_column("heads")

@@ -210,7 +210,7 @@ def atlas_report(
     model: HeadModel,
     out: str | Path,
     *,
-    lens: str | Path | None = None,
+    lens: str | Path | AttentionLens | None = None,
     maps: bool = True,
     lens_text: str = "On Monday, Anna found a small lamp at the market. On Monday, Anna found a small lamp.",
     overwrite: bool = False,
@@ -227,7 +227,7 @@ def atlas_report(
     Args:
         model: the model (a `HeadModel`).
         out: the HTML file to write.
-        lens: an Attention Lens file of this model (default None).
+        lens: an Attention Lens of this model: a file or a loaded `AttentionLens` (default None).
         maps: also score the MAPS relations (default True).
         lens_text: a non-empty text whose positions the lens cards show.
         overwrite: replace existing `out` / `csv` files (default False).
@@ -251,7 +251,7 @@ def atlas_report(
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
     out = check_path("out", out)
-    if lens is not None:
+    if lens is not None and not isinstance(lens, AttentionLens):
         lens = check_path("lens", lens)
     if csv is not None:
         csv = check_path("csv", csv)
@@ -268,7 +268,13 @@ def atlas_report(
         if Path(csv).expanduser().resolve() == Path(out).expanduser().resolve():
             raise HeadsteerValueError(f"csv and out are the same file: {csv!r}")
         check_output(csv, overwrite)
-    trained = AttentionLens.load(lens, model) if lens is not None else None
+    if isinstance(lens, AttentionLens):
+        lens.check_model(model)
+        trained: AttentionLens | None = lens
+    else:
+        trained = AttentionLens.load(lens, model) if lens is not None else None
+    if trained is not None:
+        trained.kl_scores("ratio")  # an untrained lens is refused before the detectors run
     extra: dict[str, HeadScores] = {}
     with progress_callback(progress, "head atlas", "steps") as report:
         tick = (lambda i: report(i, atlas_steps())) if report is not None else (lambda i: None)
@@ -298,7 +304,8 @@ def atlas_report(
             lens_text=lens_text if trained is not None else None,
         )
         tick(4)
-        render_atlas_report(atlas, {"lens": str(lens) if lens else None}).save(out, overwrite=overwrite)
+        shown_lens = None if lens is None else repr(lens) if isinstance(lens, AttentionLens) else str(lens)
+        render_atlas_report(atlas, {"lens": shown_lens}).save(out, overwrite=overwrite)
         if csv is not None:
             from heads._util.files import write_text
 
