@@ -158,8 +158,9 @@ class HeadAtlas:
     """Every head's scores and role.
 
     Attributes:
-        frame: one row per head: `layer, head, kv_head`, one column per score, `role`
-            (and `best_relation` when MAPS scores were given).
+        frame: one row per head (`L * H` rows): `layer, head, kv_head`, one float column per
+            score (NaN = not scored), `role` (a role of `thresholds`, `"none"` or `"nan"`, see
+            `role_labels`) and `best_relation` when MAPS scores were given.
         model: the model's name.
         thresholds: the role thresholds used.
         sources: per score column, the `method` and `params` of the `HeadScores` behind it.

@@ -315,6 +315,12 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
         if model.tokenizer is None:
             raise HeadsteerValueError("text sequences need a HeadModel with a tokenizer")
         return encode_prompts(model.tokenizer, sequences, chat=False, markup=False)
+    if isinstance(sequences, Sequence) and any(isinstance(s, str) for s in sequences):
+        i, odd = next((i, s) for i, s in enumerate(sequences) if not isinstance(s, str))
+        raise HeadsteerTypeError(
+            f"sequences mixes texts with a {type(odd).__name__} at index {i}: "
+            "give only texts or only token rows"
+        )
     raise HeadsteerTypeError(
         "sequences must be None, texts, a [batch, pos] token tensor or EncodedPrompts, "
         f"got {type(sequences).__name__}"

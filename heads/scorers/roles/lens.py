@@ -24,7 +24,9 @@ epoch e is seeded by (seed, e)).
 
 Files: safetensors with a JSON header (`metadata["headsteer"]`: schema, model name and
 geometry, heads, form, training parameters, held-out KL) written atomically through
-`heads._util.files`; `AttentionLens.load(path, model)` refuses a file made for another model.
+`heads._util.files`; `AttentionLens.load(path, model)` refuses a file made for another model, and
+any file whose header or tensors do not hold together (heads outside the geometry, shapes of
+another form or head count, NaN / inf weights).
 """
 
 from __future__ import annotations
@@ -226,8 +228,14 @@ class AttentionLens:
     def init(cls, model: HeadModel, heads: HeadSpec | None = None, *, form: Form = "tuned") -> AttentionLens:
         """Untrained lenses: A = I, b = 0 (`"tuned"`) or W = W_U, c = 0 (`"full"`).
 
+        Args:
+            heads: a head selection (`HeadSet.parse`: pairs, "L.H" strings, a file; default every head).
+            form: `"tuned"` (weight `[n, D, D]` = I, bias `[n, D]` = 0) or `"full"` (weight
+                `[n, D, V]` = W_U, bias `[n, V]` = 0).
+
         Raises:
-            ValueError: unknown form or heads; a `"full"` lens of more than `MAX_FULL_HEADS` heads.
+            HeadsteerValueError: unknown form or heads; a `"full"` lens of more than
+                `MAX_FULL_HEADS` heads.
         """
         _check_form(form)
         hs = _heads(model, heads)
@@ -246,7 +254,10 @@ class AttentionLens:
         return cls(hs, form, w, b, model.name, _geometry(model))
 
     def check_model(self, model: HeadModel) -> None:
-        """Raise `ValueError` unless `model` is the model the lens was made for (name and geometry)."""
+        """Raise `HeadsteerValueError` unless `model` is the model the lens was made for (name and
+        geometry `(n_layers, n_heads, d_model, d_vocab)`); `HeadsteerTypeError` for a non-model."""
+        if not isinstance(model, HeadModel):
+            raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
         if model.name != self.model or _geometry(model) != self.geometry:
             raise HeadsteerValueError(
                 f"this lens was made for {self.model!r} {self.geometry} (n_layers, n_heads, d_model, "
