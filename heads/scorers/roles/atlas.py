@@ -414,15 +414,16 @@ def head_atlas(
             raise HeadsteerTypeError(
                 f"{arg} must be a {{name: HeadScores}} mapping, got {type(value).__name__}"
             )
-    for arg, value, kind in (
+    optional: tuple[tuple[str, object, type], ...] = (
         ("sinks", sinks, SinkStats),
         ("maps", maps, MapsScores),
         ("lens", lens, AttentionLens),
-    ):
-        if value is not None and not isinstance(value, kind):
+    )
+    for arg, obj, kind in optional:
+        if obj is not None and not isinstance(obj, kind):
             article = "an" if kind.__name__[0] in "AEIOU" else "a"
             raise HeadsteerTypeError(
-                f"{arg} must be {article} {kind.__name__} or None, got {type(value).__name__}"
+                f"{arg} must be {article} {kind.__name__} or None, got {type(obj).__name__}"
             )
     if lens_text is not None:
         if lens is None:

@@ -638,7 +638,7 @@ def successor_scores(
             if len(v) >= 3:
                 id_seqs[k] = [int(x) for x in v]
         elif all(isinstance(x, str) for x in v):
-            str_seqs[k] = list(v)
+            str_seqs[k] = [str(x) for x in v]
         else:
             odd = [x for x in v if not (is_int(x) or isinstance(x, str))]
             what = repr(odd[0]) if odd else "strings and ids mixed"

@@ -680,7 +680,10 @@ def _read_checkpoint(
     if (
         missing
         or not isinstance(state, dict)
-        or not all(is_int(state.get(k)) and state.get(k) >= 0 for k in ("epoch", "stale"))
+        or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in (state.get("epoch"), state.get("stale"))
+        )
     ):
         raise HeadsteerValueError(
             f"checkpoint {checkpoint!r} is a lens file, not a train_lens checkpoint "
