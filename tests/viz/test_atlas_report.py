@@ -39,6 +39,11 @@ def test_cli_report_atlas(tiny_llama_dir, tmp_path):
     assert r.exit_code != 0 and "lens file not found" in r.output
 
 
+@pytest.fixture(scope="module")
+def role_model():
+    return make_role_model()
+
+
 def _cheap_atlas(model, **kw):
     from heads.results.scores import HeadScores
 
@@ -56,10 +61,9 @@ def _cheap_atlas(model, **kw):
     )
 
 
-def test_render_custom_and_nan_roles(tmp_path):
+def test_render_custom_and_nan_roles(role_model, tmp_path):
     """Roles from user thresholds and the 'nan' label are drawn (colour, map, cards)."""
-    model = make_role_model()
-    atlas = _cheap_atlas(model)
+    atlas = _cheap_atlas(role_model)
     assert set(atlas.frame["role"]) == {"induction", "patching", "nan", "none"}
     page = render_atlas_report(atlas).save(tmp_path / "a.html").read_text()
     assert "L0.H3</b> (KV 3) — patching" in page and "L0.H2</b> (KV 2) — nan" in page
@@ -82,7 +86,7 @@ def test_render_custom_and_nan_roles(tmp_path):
         ({"model": "hand-built-roles"}, HeadsteerTypeError, "model must be a HeadModel"),
     ],
 )
-def test_atlas_report_arguments_first(tmp_path, monkeypatch, kwargs, error, word):
+def test_atlas_report_arguments_first(role_model, tmp_path, monkeypatch, kwargs, error, word):
     import viz.reports.atlas as mod
 
     def no_work(*a, **k):
@@ -90,7 +94,7 @@ def test_atlas_report_arguments_first(tmp_path, monkeypatch, kwargs, error, word
 
     monkeypatch.setattr(mod, "detect_roles", no_work)
     out = tmp_path / "a.html"
-    kw = {"model": make_role_model(), "out": out, **kwargs}
+    kw = {"model": role_model, "out": out, **kwargs}
     if kw.get("csv") == "SAME":
         kw["csv"] = out
     with pytest.raises(error) as err:
