@@ -302,8 +302,14 @@ def test_lens_load_refuses_tampered_file(model, lens_file, tmp_path, tamper, wor
     _one_line(err, word)
 
 
-def test_lens_load_good_file_and_args(model, lens_file):
+def test_lens_load_good_file_and_args(model, lens_file, tmp_path):
     lens, path, _, _ = lens_file
+    with pytest.raises(HeadsteerValueError, match="is a folder"):
+        AttentionLens.load(tmp_path)
+    with pytest.raises(HeadsteerValueError, match="is a folder"):
+        HeadAtlas.load(tmp_path)
+    extra = lens.save(tmp_path / "x.safetensors", extra={"x": torch.zeros(3, 4).T})  # non-contiguous
+    assert AttentionLens.load(extra).heads == lens.heads
     back = AttentionLens.load(path, model)
     assert back.heads == lens.heads and torch.equal(back.weight, lens.weight)
     with pytest.raises(HeadsteerTypeError, match="path"):

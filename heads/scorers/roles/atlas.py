@@ -249,6 +249,8 @@ class HeadAtlas:
         """
         shown = check_path("path", path)
         p = Path(shown)
+        if p.is_dir():
+            raise HeadsteerValueError(f"{shown!r} is a folder, not a head-atlas file")
         if not p.is_file():
             raise FileNotFoundError(f"atlas file not found: {shown!r}")
         try:

@@ -755,8 +755,8 @@ def needle_prompts(
             least = n_filler * min(len(tok(f, add_special_tokens=False)["input_ids"]) for f in _FILLER)
         if least > limit:
             raise HeadsteerValueError(
-                f"n_filler={n_filler} makes needle prompts of at least {least} tokens, over the model's "
-                f"limit of {limit} positions"
+                f"n_filler={n_filler}, needle_words={needle_words} make needle prompts of at least "
+                f"{least} tokens, over the model's limit of {limit} positions"
             )
     g = torch.Generator().manual_seed(seed)
     rows: list[list[int]] = []

@@ -500,7 +500,7 @@ def _check_extra(extra: object) -> dict[str, torch.Tensor]:
             )
         if not isinstance(v, torch.Tensor):
             raise HeadsteerTypeError(f"extra tensor {k!r} must be a torch.Tensor, got {type(v).__name__}")
-    return dict(extra)
+    return {k: v.contiguous() for k, v in extra.items()}
 
 
 def _check_data(model: HeadModel, data: object, heads: list[tuple[int, int]]) -> None:
@@ -601,6 +601,8 @@ def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tenso
 
     p = Path(path)
     shown = str(path)
+    if p.is_dir():
+        raise HeadsteerValueError(f"{shown!r} is a folder, not a lens file")
     if not p.is_file():
         raise FileNotFoundError(f"lens file not found: {shown!r}")
     try:
