@@ -557,3 +557,30 @@ def test_atlas_save_checks(model, det, tmp_path):
     assert not (tmp_path / "a.json").exists()
     with pytest.raises(HeadsteerValueError, match="size"):
         pattern_thumbnails(model, size=0)
+
+
+def test_train_lens_checkpoint_checked_before_training(model, tmp_path):
+    """A checkpoint of other training parameters, or with a tensor missing, is refused up front."""
+    g = torch.Generator().manual_seed(0)
+    n = 24
+    data = LensData(
+        [(0, 0)],
+        torch.randn(1, n, model.d_model, generator=g),
+        torch.randn(n, model.d_vocab, generator=g).half(),
+        torch.arange(n) % 4,
+        torch.zeros(n).long(),
+    )
+    ck = tmp_path / "ck.safetensors"
+    train_lens(model, data, [(0, 0)], epochs=1, progress=False, checkpoint=ck)
+    with pytest.raises(HeadsteerValueError) as err:
+        train_lens(model, data, [(0, 0)], epochs=2, lr=1e-2, progress=False, checkpoint=ck)
+    _one_line(err, "other lr")
+    from safetensors import safe_open
+
+    with safe_open(str(ck), framework="pt") as f:
+        header = json.loads(f.metadata()["headsteer"])
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "m_w"}  # noqa: SIM118
+    _write(ck, header, tensors)
+    with pytest.raises(HeadsteerValueError) as err:
+        train_lens(model, data, [(0, 0)], epochs=2, progress=False, checkpoint=ck)
+    _one_line(err, "not a train_lens checkpoint", "m_w")

@@ -697,6 +697,11 @@ def _read_checkpoint(
     for k in ("current_bias", "m_b", "v_b"):
         if extra[k].shape != ck.bias.shape:
             raise HeadsteerValueError(f"checkpoint {checkpoint!r}: {k} is {tuple(extra[k].shape)}")
+    if tuple(extra["best_kl"].shape) != (len(ck.heads),) or extra["adam_step"].numel() != 1:
+        raise HeadsteerValueError(f"checkpoint {checkpoint!r}: best_kl or adam_step has the wrong shape")
+    for k in _CHECKPOINT_TENSORS:
+        if not extra[k].dtype.is_floating_point or not bool(torch.isfinite(extra[k]).all()):
+            raise HeadsteerValueError(f"checkpoint {checkpoint!r}: {k} is not a finite float tensor")
     differ = [k for k in _RESUME_PARAMS if ck.params.get(k) != params[k]]
     if differ:
         raise HeadsteerValueError(
