@@ -3,6 +3,7 @@ logit attribution and lenses (see the patching docstrings; a method page is not 
 
 from heads.scorers.patching.metrics import Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs, pairs_from_tokens
+from heads.scorers.patching.path import path_patch
 
 __all__ = [
     "Metric",
@@ -13,4 +14,5 @@ __all__ = [
     "load_pairs",
     "normalise",
     "pairs_from_tokens",
+    "path_patch",
 ]
