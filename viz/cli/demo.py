@@ -4,9 +4,9 @@ The demo runs where the Results table shows PASTA's clear wins: the `occupation`
 biography states the occupation in its first sentence, then piles up distracting details) and
 `counterfact` (a "Previously, ... Currently, ..." update). On the first `n` test examples of
 each it measures the task metric (`probes.studies.evaluate`: top-1 over the task's choices /
-new-fact efficacy) without and with PASTA, then prints, for the examples whose answer PASTA
-changed, the two greedy continuations, cut where the answer ends (`STOP`), and writes the
-attention report of the first of them.
+new-fact efficacy) without and with PASTA, then prints, for the first examples PASTA fixed
+(wrong before, right after), the two greedy continuations, cut where the answer ends
+(`STOP`), and writes the attention report of the first of them.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ INSTRUCTION = 'Answer in JSON format with the keys "name" and "occupation".'
 DEMO_PROMPT = f"Biography: {BIO}\n**{INSTRUCTION}**\nQuestion: Describe Maria's career."
 """A JSON instruction buried after a biography (the attention report of `headsteer report all`)."""
 
-DEMO_TASKS = ("occupation", "counterfact")
+DEMO_TASKS = ("counterfact", "occupation")
 """The tasks the demo measures: PASTA's clear wins in the README's Results table."""
 DEMO_EXAMPLES = 16
 """Test examples per task the demo measures (the first of the split)."""
 SHOWN = 2
-"""Examples per task whose two answers are printed (the first whose top answer PASTA changed)."""
+"""Examples per task whose two answers are printed (the first PASTA fixed: wrong before, right after)."""
 STOP = (".", "\n")
 """A continuation ends at the first of these (kept): the answer is one short clause."""
 ALPHA = 0.01
@@ -98,7 +98,7 @@ def run_demo(
         overwrite: replace existing report files.
 
     Returns a dict: `effects` (per task: metric, n, baseline, steered, fixed, broken),
-    `examples` (the printed ones: id, task, answer, both top choices and both texts), the
+    `examples` (the printed ones, PASTA's first fixes: id, task, answer, both top choices and both texts), the
     heads and the report paths.
 
     Raises:
@@ -151,7 +151,7 @@ def run_demo(
                 int((b.correct & ~s.correct).sum()),
             )
         )
-        changed = [e for e in examples[task] if b.predicted[e.id] != s.predicted[e.id]][:SHOWN]
+        changed = [e for e in examples[task] if s.correct[e.id] and not b.correct[e.id]][:SHOWN]
         if changed:
             with status(f"generating the answers PASTA changed ({task})…"):
                 texts = _answers(model, changed, heads, max_new_tokens)
@@ -209,13 +209,13 @@ def _answers(model: HeadModel, examples: list, heads, max_new_tokens: int) -> li
 
 
 def _print(console: Console, effects: list[TaskEffect], shown: list[dict], n_heads: int) -> None:
-    table = Table(title=f"PASTA alpha={ALPHA} on {n_heads} heads, first {effects[0].n} test examples per task")
+    title = f"PASTA alpha={ALPHA} on {n_heads} heads, first {effects[0].n} test examples per task"
+    table = Table(title=title)
     for col in ("task", "metric", "baseline", "PASTA", "fixed", "broken"):
         table.add_column(col)
     for e in effects:
-        table.add_row(
-            e.task, e.metric, f"{e.baseline:.2f}", f"[bold]{e.steered:.2f}[/bold]", str(e.fixed), str(e.broken)
-        )
+        steered = f"[bold]{e.steered:.2f}[/bold]"
+        table.add_row(e.task, e.metric, f"{e.baseline:.2f}", steered, str(e.fixed), str(e.broken))
     console.print(table)
     for ex in shown:
         tail = ex["prompt"]
@@ -229,4 +229,4 @@ def _print(console: Console, effects: list[TaskEffect], shown: list[dict], n_hea
         )
         console.print(side)
     if not shown:
-        console.print("PASTA changed no top answer on these examples.")
+        console.print("PASTA fixed no answer on these examples.")
