@@ -84,6 +84,14 @@ def head_heatmap(
     return fig
 
 
+PATTERN_KEYS = 64
+"""Key columns an attention-pattern figure shows at first (from just before the span)."""
+PATTERN_ROWS = 32
+"""Query rows (the last ones) an attention-pattern figure shows at first."""
+PATTERN_HEIGHT = 640
+"""Height in px of an attention-pattern figure; its width follows the page."""
+
+
 def attention_pattern(
     probs: torch.Tensor,
     tokens: list[str],
@@ -94,13 +102,17 @@ def attention_pattern(
     """Heatmap of one head's attention pattern `[T, T]` (query rows, key columns).
 
     `tokens` label both axes; `span` (token ranges, half-open) is outlined in red on
-    the key axis.
+    the key axis. The figure fits the page width (`autosize`, no fixed width; height
+    `PATTERN_HEIGHT`) and opens on what matters: the last `PATTERN_ROWS` query rows and
+    `PATTERN_KEYS` key columns from two tokens before the first span (the whole pattern when
+    it is smaller). Zoom and pan freely; the autoscale button shows the whole pattern.
     """
     probs = probs.detach().float().cpu()
     if probs.ndim != 2 or probs.shape[0] != probs.shape[1] or probs.shape[0] != len(tokens):
         raise HeadsteerValueError(
             f"probs must be [T, T] with T = {len(tokens)} tokens, got {tuple(probs.shape)}"
         )
+    n = len(tokens)
     labels = [plain_text(f"{i}:{visible(t)}") for i, t in enumerate(tokens)]
     fig = go.Figure(
         go.Heatmap(
@@ -119,16 +131,19 @@ def attention_pattern(
             x0=t0 - 0.5,
             x1=t1 - 0.5,
             y0=-0.5,
-            y1=len(tokens) - 0.5,
+            y1=n - 0.5,
             line={"color": "red", "width": 2},
         )
+    k0 = max(0, min(t0 for t0, _ in spans) - 2) if spans else max(0, n - PATTERN_KEYS)
+    k1 = min(n, k0 + PATTERN_KEYS)
+    q0 = max(0, n - PATTERN_ROWS)
     fig.update_layout(
         title=plain_text(title),
-        xaxis_title="key",
-        yaxis_title="query",
-        yaxis={"autorange": "reversed"},
-        height=max(400, 14 * len(tokens) + 150),
-        width=max(500, 14 * len(tokens) + 250),
+        xaxis={"title": "key", "range": [k0 - 0.5, k1 - 0.5]},
+        yaxis={"title": "query", "range": [n - 0.5, q0 - 0.5]},  # reversed: the first row on top
+        autosize=True,
+        height=PATTERN_HEIGHT,
+        margin={"l": 120, "r": 20, "t": 60, "b": 120},
     )
     return fig
 

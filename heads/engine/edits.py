@@ -260,6 +260,18 @@ MAX_FACTOR = 1e4
 """Largest |factor| a scaling edit accepts: beyond it activations overflow in low precision."""
 
 
+def max_factor(dtype: torch.dtype) -> float:
+    """Largest |factor| a scaling edit may apply to activations of `dtype`.
+
+    `MAX_FACTOR` (1e4), and at most sqrt(M) where M is the largest finite value of `dtype`,
+    so that a factor times an activation of the same size stays finite: 255 in float16
+    (M = 65504), 1e4 in bfloat16 and float32 (M ~ 3.4e38). Integer dtypes: `MAX_FACTOR`.
+    """
+    if not dtype.is_floating_point:
+        return MAX_FACTOR
+    return min(MAX_FACTOR, math.floor(math.sqrt(torch.finfo(dtype).max)))
+
+
 class _Scaling(Protocol):
     """An edit with a scale `factor` (`HeadScale`, `QueryScale`)."""
 

@@ -402,6 +402,7 @@ class HeadScores:
         query: int = -1,
         model: str = "",
         n_kv_heads: int | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> HeadScores:
         """Per-head attention to a span, from a TransformerLens `ActivationCache`.
 
@@ -415,6 +416,13 @@ class HeadScores:
             span: a token range `(start, end)` (half-open), or a `[batch, k]` bool mask.
             query: the query position read (default the last).
             model: a model id to record; n_kv_heads: KV heads per layer (GQA), if known.
+            tokens: the token ids `[batch, k]` (or `[k]`) the span positions refer to, e.g.
+                `encode_prompts(...).input_ids`. The tokens the cache ran on (its `embed.hook_in`,
+                a TransformerBridge cache) must equal them. Without `tokens`, a cache whose
+                tokens start with the tokenizer's BOS from a bridge that prepends one
+                (`bridge.to_tokens(prompt)`) is refused: its positions may be one off from
+                the model's own encoding of the prompt (`encode_prompts`, `span_attention`),
+                which `tokens` settles.
 
         Returns:
             HeadScores `[n_layers, n_heads]`, method `"span_attention"`.
@@ -422,7 +430,8 @@ class HeadScores:
         Raises:
             ValueError: the cache lacks some layer's `hook_pattern`; a `query` that is not an
                 int position; a span that is empty, out of range, not int / bool, or that the
-                query cannot see (in any batch row).
+                query cannot see (in any batch row); the cache ran on other tokens than
+                `tokens`, or (without `tokens`) on a BOS the bridge prepended.
             TypeError: `cache` is not a mapping of hook names (an ActivationCache).
         """
         if not callable(getattr(cache, "keys", None)):
@@ -459,6 +468,7 @@ class HeadScores:
                     f"like layer 0's, got {got}"
                 )
         batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
+        _check_cache_tokens(cache, tokens, batch, k_len)
         if isinstance(query, bool) or not isinstance(query, numbers.Integral) or not -q_len <= query < q_len:
             raise HeadsteerValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
         query = int(query)
@@ -609,3 +619,38 @@ class HeadScores:
             f"HeadScores(method={self.method!r}, model={self.model!r}, "
             f"[{self.n_layers}, {self.n_heads}], n_kv_heads={self.n_kv_heads})"
         )
+
+
+def _check_cache_tokens(cache: Any, tokens: torch.Tensor | None, batch: int, k_len: int) -> None:
+    """ValueError unless the tokens `cache` ran on are the ones the span was located in
+    (`HeadScores.from_cache`, `tokens`)."""
+    ran = cache["embed.hook_in"] if "embed.hook_in" in cache.keys() else None
+    if not isinstance(ran, torch.Tensor) or ran.dtype.is_floating_point or ran.ndim != 2:
+        ran = None  # a HookedTransformer cache keeps no token ids
+    if tokens is not None:
+        bad = not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point
+        if bad or tokens.ndim not in (1, 2):
+            raise HeadsteerValueError(f"tokens must be a [batch, k] or [k] int tensor, got {tokens!r}")
+        want = (tokens[None] if tokens.ndim == 1 else tokens).cpu()
+        if tuple(want.shape) != (batch, k_len):
+            raise HeadsteerValueError(
+                f"tokens are {tuple(want.shape)}, the cache holds {batch} x {k_len} positions: the cache "
+                "ran on other tokens than the span was located in"
+            )
+        if ran is not None and not torch.equal(ran.cpu(), want):
+            b, p = (int(x) for x in (ran.cpu() != want).nonzero()[0])
+            raise HeadsteerValueError(
+                f"the cache ran on other tokens than the span was located in (row {b}, position {p}: "
+                f"{int(ran[b, p])} vs {int(want[b, p])}); run_with_cache(tokens) on the same ids"
+            )
+        return
+    bridge = getattr(cache, "model", None)
+    bos = getattr(getattr(bridge, "tokenizer", None), "bos_token_id", None)
+    prepends = bool(getattr(getattr(bridge, "cfg", None), "default_prepend_bos", False))
+    if ran is None or bos is None or not prepends or not bool((ran[:, 0] == bos).all()):
+        return
+    raise HeadsteerValueError(
+        f"the cache's tokens start with BOS id {bos}, which TransformerLens' to_tokens prepends: span "
+        "positions from the model's own encoding may be one off; pass tokens= (the ids the span was "
+        "located in, e.g. enc.input_ids) or use bridge.to_tokens(prompt, prepend_bos=False)"
+    )

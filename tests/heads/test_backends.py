@@ -270,6 +270,36 @@ def test_from_cache_equals_span_attention(models, tokenizer):
     assert got.scores.shape == (3, 4)
     with pytest.raises(ValueError, match="span"):
         HeadScores.from_cache(cache, (b, a))
+    same = HeadScores.from_cache(cache, (a, b), n_kv_heads=tl.n_kv_heads, tokens=enc.input_ids)
+    torch.testing.assert_close(same.scores, want.scores, atol=TOL, rtol=0)
+
+
+def test_from_cache_refuses_a_cache_run_on_other_tokens(models, tokenizer):
+    """`bridge.to_tokens(prompt)` prepends a BOS the model's own encoding lacks: every position
+    is one off from the span located by `encode_prompts`. Refused, not silently shifted."""
+    from heads import span_attention
+
+    tl = models["transformer_lens"]
+    bridge = tl.backend.native
+    enc = encode_prompts(tokenizer, PROMPTS[:1], chat=False)
+    span = enc.spans[0][0]
+    text = enc.texts[0]
+    with_bos = bridge.to_tokens(text)
+    assert with_bos.shape[1] == enc.input_ids.shape[1] + 1  # the BOS TransformerLens adds
+    _, cache = bridge.run_with_cache(with_bos)
+    with pytest.raises(ValueError, match="start with BOS id .* prepend_bos=False"):
+        HeadScores.from_cache(cache, span)
+    with pytest.raises(ValueError, match="other tokens than the span was located in"):
+        HeadScores.from_cache(cache, span, tokens=enc.input_ids)
+    shifted = with_bos[:, 1:].clone()
+    shifted[0, 0] = (shifted[0, 0] + 1) % 100
+    _, other = bridge.run_with_cache(shifted)
+    with pytest.raises(ValueError, match=r"row 0, position 0"):
+        HeadScores.from_cache(other, span, tokens=enc.input_ids)
+    _, cache = bridge.run_with_cache(bridge.to_tokens(text, prepend_bos=False))
+    got = HeadScores.from_cache(cache, span, n_kv_heads=tl.n_kv_heads)
+    want = span_attention(tl, PROMPTS[:1], chat=False)
+    torch.testing.assert_close(got.scores, want.scores, atol=TOL, rtol=0)
 
 
 def test_nnsight_remote_is_forwarded_and_edits_refused(tokenizer, monkeypatch):

@@ -379,3 +379,28 @@ def test_generate_shows_decoding_progress(tiny_llama_dir, monkeypatch):
     steps = [ln.rsplit(" (", 1)[0] for ln in r.stderr.splitlines() if ln.startswith("generating")]
     assert steps[-1] == "generating (PASTA, then baseline) tokens: 6/6", r.stderr
     assert len(steps) >= 2  # a line per decoding step here (no wait between lines)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "none", "--task", "counterfact", "--alpha", "0.1"], "--alpha is not used by --method"),
+        (["--method", "pasta", "--task", "counterfact", "--tau", "0.3"], "--tau is not used by --method"),
+        (["--method", "act", "--task", "sentiment", "--iti-k", "4", "--var-p", "0.2"], "--iti-k, --var-p"),
+        (["--method", "spotlight", "--task", "counterfact", "--beta", "0.2"], "--beta is not used"),
+        (["--method", "none", "--task", "occupation", "--max-new-tokens", "8"], "--max-new-tokens is not"),
+        (["--method", "pasta", "--task", "counterfact", "--act-heads", "x.json"], "--act-heads is not"),
+        (["--method", "spotlight", "--task", "counterfact", "--tau", "1.5"], "--tau: tau must be in (0, 1)"),
+        (["--method", "pasta", "--task", "counterfact", "--alpha", "-1"], "alpha must be finite and > 0"),
+        (["--method", "act", "--task", "sentiment", "--beta", "2"], "--beta: beta must be in [0, 1]"),
+        (["--method", "iti", "--task", "counterfact", "--iti-alpha", "1e6"], "--iti-alpha must be finite"),
+        (["--method", "iti", "--task", "json_format"], "needs a choice task"),
+        (["--method", "pasta", "--task", "sentiment"], "needs an emphasized span"),
+        (["--method", "vhr", "--task", "counterfact", "--vhr-alpha", "0"], "--vhr-alpha must be"),
+        (["--method", "none", "--task", "json_format", "--max-new-tokens", "0"], "--max-new-tokens must"),
+    ],
+)
+def test_eval_refuses_unused_options_and_checks_values_before_loading(no_load, args, message):
+    """`headsteer eval` follows `generate`'s rule: an option the method (or the task) does not use
+    is refused, and every value is checked before the model loads (`no_load` fails otherwise)."""
+    _one_line_error(runner.invoke(app, ["eval", *args]), message)

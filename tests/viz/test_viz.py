@@ -40,6 +40,26 @@ def test_attention_pattern_of_a_head(tiny_llama):
         attention_pattern(probs, tokens[:-1])
 
 
+def test_attention_pattern_fits_the_page_and_opens_on_the_span_and_last_rows():
+    """A long prompt (the demo's is ~150 tokens: 2182 x 2082 px before) opens at page width on
+    the span and the last query rows; the whole pattern is still in the figure to zoom out to."""
+    from viz.figures import PATTERN_HEIGHT, PATTERN_KEYS, PATTERN_ROWS
+
+    n, (t0, t1) = 150, (90, 101)
+    probs = torch.softmax(torch.randn(n, n), -1)
+    fig = attention_pattern(probs, [f"t{i}" for i in range(n)], span=(t0, t1))
+    lay = fig.layout
+    assert lay.width is None and lay.autosize and lay.height == PATTERN_HEIGHT
+    x0, x1 = lay.xaxis.range
+    assert x0 <= t0 - 0.5 and t1 - 0.5 <= x1 and x1 - x0 <= PATTERN_KEYS  # the span, not the BOS column
+    assert x0 > 0  # key 0 (the sink) is off the first view
+    y_bottom, y_top = lay.yaxis.range
+    assert y_bottom == n - 0.5 and y_bottom - y_top == PATTERN_ROWS  # the last rows, first row on top
+    assert len(fig.data[0].z) == n  # every row is there to zoom out to
+    small = attention_pattern(torch.eye(4), list("abcd"), span=(1, 2)).layout
+    assert small.xaxis.range == (-0.5, 3.5) and small.yaxis.range == (3.5, -0.5)  # the whole of it
+
+
 def test_other_figures():
     a, b = torch.rand(3, 4), torch.rand(3, 4)
     fig = span_share_by_layer(a, b)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +13,7 @@ from rich.table import Table
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive, command
+from viz.cli.vision import refuse_unused
 
 profile_app = typer.Typer(
     help='Profile heads and write a {"layer": [heads]} profile.', no_args_is_help=True, rich_markup_mode=None
@@ -29,6 +32,80 @@ def _heads_arg(value: str) -> str | None:
 
     HeadSet.parse(value)
     return value
+
+
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "pasta": ("pasta_heads", "alpha"),
+    "spotlight": ("tau",),
+    "instaboost": ("multiplier",),
+    "act": ("act_heads", "beta"),
+    "var": ("var_p", "var_rho"),
+    "vhr": ("vhr_alpha",),
+    "iti": ("iti_k", "iti_alpha", "iti_direction"),
+}
+"""The method options of `headsteer eval` each method uses; any other one given is refused.
+`--max-new-tokens` is used by generate-scored tasks only (json_format, pronoun_change)."""
+
+
+def _check_method_options(method: str, scoring: str, given: dict) -> None:
+    """Refuse (ValueError) the options `method` or a `scoring` task does not use but were given
+    a value other than their default (the rule of `headsteer generate`, `refuse_unused`)."""
+    defaults = {
+        name: p.default.default if hasattr(p.default, "default") else p.default
+        for name, p in inspect.signature(eval_command).parameters.items()
+        if name in given
+    }
+    used = set(METHOD_OPTIONS[method]) | ({"max_new_tokens"} if scoring == "generate" else set())
+    flags = {
+        "--" + name.replace("_", "-"): given[name] != defaults[name] for name in given if name not in used
+    }
+    refuse_unused(method, flags, option="--method")
+
+
+def _check_method_values(method: str, given: dict) -> None:
+    """Check the values of the options `method` uses, before the model loads (ValueError / TypeError,
+    naming the flag)."""
+    if method == "pasta":
+        from steer.pasta.method import check_alpha
+
+        check_alpha(given["alpha"], stacklevel=4)  # warns on a no-op alpha
+    elif method == "spotlight":
+        from steer.spotlight import Spotlight
+
+        try:
+            Spotlight(tau=given["tau"])
+        except ValueError as exc:
+            raise HeadsteerValueError(f"--tau: {exc}") from None
+    elif method == "instaboost":
+        from steer.instaboost import InstaBoost
+
+        InstaBoost(multiplier=given["multiplier"])  # checked (and a no-op warned) before the model loads
+    elif method == "act":
+        from steer.act.method import Act
+
+        try:
+            Act(beta=given["beta"])  # warns on a no-op beta
+        except ValueError as exc:
+            raise HeadsteerValueError(f"--beta: {exc}") from None
+    elif method == "var":
+        for flag, value in (("--var-p", given["var_p"]), ("--var-rho", given["var_rho"])):
+            if not 0 <= value <= 1:
+                raise HeadsteerValueError(f"{flag} must be in [0, 1], got {value}")
+    elif method == "vhr":
+        if not (math.isfinite(given["vhr_alpha"]) and given["vhr_alpha"] > 0):
+            raise HeadsteerValueError(f"--vhr-alpha must be finite and > 0, got {given['vhr_alpha']}")
+    elif method == "iti":
+        from heads.engine.edits import MAX_FACTOR
+
+        _positive(iti_k=given["iti_k"])  # its upper bound (the model's head count) is checked at fit time
+        a = given["iti_alpha"]
+        if not (math.isfinite(a) and abs(a) <= MAX_FACTOR):
+            raise HeadsteerValueError(f"--iti-alpha must be finite with |alpha| <= {MAX_FACTOR:g}, got {a}")
+        if given["iti_direction"] not in ("mass_mean", "probe"):
+            raise HeadsteerValueError(
+                f"--iti-direction must be mass_mean or probe, got {given['iti_direction']!r}"
+            )
 
 
 def eval_command(
@@ -63,7 +140,10 @@ def eval_command(
         ),
     ] = None,
 ) -> dict:
-    """Evaluate one steering method on one task: metric, n and 95% interval."""
+    """Evaluate one steering method on one task: metric, n and 95% interval.
+
+    Every option is checked before the model loads; an option the chosen method (or task)
+    does not use is refused, not ignored (`METHOD_OPTIONS`)."""
     from probes.datasets.tasks import SPLITS, TASKS, load_task
     from probes.studies.evaluate import METHODS, evaluate
     from viz.tables import write_csv
@@ -74,18 +154,31 @@ def eval_command(
         raise HeadsteerValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
     if split not in SPLITS:
         raise HeadsteerValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
-    _positive(batch_size=batch_size, max_new_tokens=max_new_tokens, iti_k=iti_k)
-    if iti_direction not in ("mass_mean", "probe"):
-        raise HeadsteerValueError(f"--iti-direction must be mass_mean or probe, got {iti_direction!r}")
-    for flag, value in (("--var-p", var_p), ("--var-rho", var_rho)):
-        if not 0 <= value <= 1:
-            raise HeadsteerValueError(f"{flag} must be in [0, 1], got {value}")
-    if not vhr_alpha > 0:
-        raise HeadsteerValueError(f"--vhr-alpha must be > 0, got {vhr_alpha}")
-    if method == "instaboost":
-        from steer.instaboost import InstaBoost
-
-        InstaBoost(multiplier=multiplier)  # checked (and a no-op warned) before the model loads
+    given = dict(
+        pasta_heads=pasta_heads,
+        act_heads=act_heads,
+        alpha=alpha,
+        tau=tau,
+        multiplier=multiplier,
+        beta=beta,
+        iti_k=iti_k,
+        iti_alpha=iti_alpha,
+        iti_direction=iti_direction,
+        var_p=var_p,
+        var_rho=var_rho,
+        vhr_alpha=vhr_alpha,
+        max_new_tokens=max_new_tokens,
+    )
+    first = load_task(task, split).examples[0]
+    _check_method_options(method, first.scoring, given)
+    _positive(batch_size=batch_size)
+    if first.scoring == "generate":
+        _positive(max_new_tokens=max_new_tokens)
+    if method in ("pasta", "spotlight", "instaboost", "var", "vhr") and not first.emphasize:
+        raise HeadsteerValueError(f"--method {method} needs an emphasized span, and task {task!r} has none")
+    if method == "iti" and first.choices is None:
+        raise HeadsteerValueError(f"--method iti needs a choice task, {task!r} is scored by generation")
+    _check_method_values(method, given)
     if limit is not None:
         _positive(limit=limit)
     pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)

@@ -115,10 +115,12 @@ def attention_report(
     comparison: Comparison | None = None,
     emphasize=None,
     overwrite: bool = False,
+    chat: bool | None = None,
 ) -> tuple[Path, Path, HeadScores]:
     """Write `out` (HTML) and `out` with suffix .csv: span attention mass per (layer, head).
 
-    Both paths are checked before any compute; both are written atomically
+    `chat`: apply the chat template (default: when the tokenizer has one), as in
+    `heads.span_attention`. Both paths are checked before any compute; both are written atomically
     (`heads._util.files`), the CSV through `viz.tables.write_csv` (formula cells neutralised).
 
     Returns:
@@ -131,7 +133,7 @@ def attention_report(
     t0 = time.perf_counter()
     out = check_output(out, overwrite)
     csv = check_output(out.with_suffix(".csv"), overwrite)
-    scores = span_attention(model, prompt, emphasize=emphasize)
+    scores = span_attention(model, prompt, emphasize=emphasize, chat=chat)
     frame = scores.to_frame()
     write_csv(csv, frame, overwrite=overwrite)
     top = scores.top(top_k)
@@ -148,14 +150,14 @@ def attention_report(
     rep.table("Top heads", frame.sort_values(["score", "layer", "head"], ascending=[False, True, True]))
     rep.figure("Score distribution per layer", score_distribution(scores))
     best = scores.ranked(1)[0]
-    probs, tokens, spans = head_pattern(model, prompt, *best, emphasize=emphasize)
+    probs, tokens, spans = head_pattern(model, prompt, *best, emphasize=emphasize, chat=chat)
     rep.figure(
         f"Attention pattern of the top head L{best[0]}.H{best[1]} (span outlined)",
         attention_pattern(probs, tokens, span=spans, title=f"layer {best[0]}, head {best[1]}"),
     )
     if comparison is not None:
         pasta = Pasta(comparison.heads, alpha=comparison.alpha)
-        after = span_attention(model, prompt, emphasize=emphasize, steer=[pasta])
+        after = span_attention(model, prompt, emphasize=emphasize, steer=[pasta], chat=chat)
         rep.figure(
             "Span attention share per layer, before and after PASTA",
             span_share_by_layer(scores.scores, after.scores),

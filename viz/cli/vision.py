@@ -69,16 +69,17 @@ def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "promp
         raise HeadsteerValueError(f"{option} has no **marked** context passage and no --image is given")
 
 
-def refuse_unused(steer: str, given: dict[str, bool]) -> None:
-    """ValueError naming the options set to a non-default value that `--steer steer` does not use.
+def refuse_unused(steer: str, given: dict[str, bool], *, option: str = "--steer") -> None:
+    """ValueError naming the options set to a non-default value that `option steer` does not use.
 
     `given` maps each option name to whether it was given a non-default value. An option that
-    changes nothing is refused rather than warned about: the user expects it to act.
+    changes nothing is refused rather than warned about: the user expects it to act. `option`
+    names the choosing option in the message (`--steer` for `generate`, `--method` for `eval`).
     """
     unused = [name for name, on in given.items() if on]
     if unused:
         verb, it = ("is", "it") if len(unused) == 1 else ("are", "them")
-        raise HeadsteerValueError(f"{', '.join(unused)} {verb} not used by --steer {steer}; drop {it}")
+        raise HeadsteerValueError(f"{', '.join(unused)} {verb} not used by {option} {steer}; drop {it}")
 
 
 def _dims(text: str | None) -> tuple[int, ...] | None:

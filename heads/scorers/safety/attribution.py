@@ -347,6 +347,10 @@ def attribute(
 ) -> ShipsResult:
     """First-order (AtP / AtP*) estimate of every head's ablation effect, one forward + backward per batch.
 
+    The estimate is a ranking to confirm, not a result: rerun its top heads exactly
+    (`confirm_ships`, `ships(method="attribution", confirm=k)`) before reading a head as
+    important; it can rank a strong head far down (weakest in the early layers).
+
     Args:
         model: the model; prompts are plain strings put into `template` (as `ships`).
         heads: heads to report (default all); every head is estimated anyway, the rest are NaN.
@@ -571,6 +575,10 @@ def confirm_ships(
     **deprecated: Any,
 ) -> ShipsResult:
     """Ships by attribution, confirmed exactly: estimate every head, rerun the best exactly.
+
+    Read `scores` (the confirmed ranking, exact) first; `estimate` is a ranking to confirm,
+    not a result: on the embedded model the two strongest heads by exact Ships (4 harmful
+    prompts) were 14th and 19th in the estimate, so `estimate.top(10)` misses them.
 
     Ranks `heads` (default all) by `attribute(..., metric="kl", kl_tokens=kl_tokens)`, then
     scores the top `confirm` heads plus `controls` heads drawn at random

@@ -87,7 +87,8 @@ def ships(
         method: `"exact"` (default) or `"attribution"`: estimate every head in one pass and
             rerun only the top `confirm` plus `controls` random heads (seeded by
             `options.seed`) exactly; see `heads.scorers.safety.attribution.confirm_ships`
-            (not with a shard; an executor is not used).
+            (not with a shard; an executor is not used). Read the result's `scores` (the
+            confirmed ranking) first: its `estimate` is a ranking to confirm, not a result.
         options: how the sweep runs (`heads.SweepOptions`: `max_rows` batch rows per forward,
             variants x prompts chunked; `shard=(i, n)` scores only every n-th head from i,
             merge shards with `merge_scores`; `executor` `"local"`, `"ray"` or an `Executor`
