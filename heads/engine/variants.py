@@ -46,6 +46,7 @@ __all__ = [
     "evaluate_variants",
     "first_layer",
     "row_head_masks",
+    "run_rows",
 ]
 
 Head = tuple[int, int]
@@ -109,6 +110,15 @@ def _forward(
             output_hidden_states=True,
             logits_to_keep=1,
         )
+
+
+run_rows = _forward
+"""Public name of the engine's row forward: `run_rows(model, ids, mask, edits, *, start=0,
+residual=None, past=None, keep_cache=False)` runs `ids [R, T']` (the columns after `past`, if
+any) with the full-length `mask [R, T]`, the `edits` applied, starting at layer `start` from
+`residual [R, T', D]` (layer-prefix reuse) and with `past` (per layer `(keys, values)`
+`[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded. Returns the
+model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with `keep_cache`)."""
 
 
 def _last(out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from heads.model.families import Family, family_of
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
-__all__ = ["HeadModel"]
+__all__ = ["HeadModel", "submodule"]
 
 
 def _get(obj: object, dotted: str) -> object:
@@ -50,6 +50,16 @@ def _module(obj: object, dotted: str) -> nn.Module:
     for part in dotted.split("."):
         obj = _unwrap(cast(nn.Module, getattr(obj, part)))
     return cast(nn.Module, obj)
+
+
+def submodule(obj: object, dotted: str) -> nn.Module:
+    """The submodule of `obj` at the dotted path `dotted` (e.g. `"self_attn.q_proj"`, a family-table
+    path), unwrapped to the Hugging Face module also inside a TransformerLens bridge.
+
+    Raises:
+        AttributeError: a part of the path is missing.
+    """
+    return _module(obj, dotted)
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

@@ -11,6 +11,7 @@ from heads.scorers.patching.logit import (
 )
 from heads.scorers.patching.metrics import Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs, pairs_from_tokens
+from heads.scorers.patching.path import path_patch
 
 __all__ = [
     "DLAResult",
@@ -27,4 +28,5 @@ __all__ = [
     "load_pairs",
     "normalise",
     "pairs_from_tokens",
+    "path_patch",
 ]

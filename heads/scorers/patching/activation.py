@@ -40,9 +40,9 @@ from heads._util.files import write_text
 from heads._util.progress import progress_callback
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, Recorder, ResidualEdit
 from heads.engine.options import SweepOptions
-from heads.engine.variants import _forward
+from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.model.adapter import HeadModel, _module
+from heads.model.adapter import HeadModel, submodule
 from heads.results.scores import HeadScores
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch
@@ -90,9 +90,9 @@ def _qkv_modules(model: HeadModel, layer: int) -> tuple[torch.nn.Module, ...]:
     """The modules whose outputs are q, k, v of `layer` (one fused module three times)."""
     fam, attn = model.family, model.attentions[layer]
     if fam.fused_qkv:
-        m = _module(attn, cast(str, fam.qkv_proj))
+        m = submodule(attn, cast(str, fam.qkv_proj))
         return (m, m, m)
-    return tuple(_module(attn, cast(str, p)) for p in (fam.q_proj, fam.k_proj, fam.v_proj))
+    return tuple(submodule(attn, cast(str, p)) for p in (fam.q_proj, fam.k_proj, fam.v_proj))
 
 
 def _qkv_slices(model: HeadModel) -> tuple[slice, slice, slice]:
@@ -147,7 +147,7 @@ def record_run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, patte
             for h in handles:
                 stack.callback(h.remove)
         recs = [Recorder(layer=la) for la in range(L)] if pattern else []
-        out = _forward(model, ids, mask, recs, keep_cache=True)
+        out = run_rows(model, ids, mask, recs, keep_cache=True)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     pat = [torch.cat(r.records, dim=2) for r in recs] if pattern else None
     return RunCache(
@@ -631,5 +631,5 @@ def _run_chunk(
                 return o
 
             stack.enter_context(_output_patch(module, fn))
-        out = _forward(model, ids, m, edits, start=layer, residual=residual, past=past)
+        out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
