@@ -50,6 +50,7 @@ from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.attention_mass import head_pattern, span_attention
+from heads.scorers.patching.path import path_patch
 from heads.scorers.safety.attribution import attribute
 from heads.scorers.sink_dims import find_sink_dims
 
@@ -89,4 +90,5 @@ __all__ = [
     "load_tokenizer",
     "parse_markup",
     "span_attention",
+    "path_patch",
 ]

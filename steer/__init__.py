@@ -10,6 +10,7 @@ from steer.act.method import Act, ActEdit
 from steer.caa import Caa, CaaAdd, caa_vector
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
+from steer.knockout import Knockout, KnockoutBias
 from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
 from steer.pasta.profiling import profile_heads, select_heads, smallest_k
 from steer.span_rows import UnsteeredRowsWarning
@@ -30,6 +31,8 @@ __all__ = [
     "InstaBoostBias",
     "Intervention",
     "Iti",
+    "Knockout",
+    "KnockoutBias",
     "Pasta",
     "PastaBias",
     "SteeredModel",

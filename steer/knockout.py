@@ -1,0 +1,201 @@
+"""Attention knockout and modification (docs/methods/patching_path.md).
+
+Knockout (Geva et al. 2023, "Dissecting Recall of Factual Associations in Auto-Regressive
+Language Models", EMNLP, arXiv:2304.14767, Sec. 3): in a window of layers (and chosen heads),
+block attention from chosen query positions to chosen key positions by setting those attention
+logits to -inf before the softmax, so each row renormalises over its other keys. Modification
+(Ortu et al. 2024, comp-mech, arXiv:2402.11655, Sec. 6): multiply those attention probabilities
+by a factor and renormalise the row, which is the same as adding `log(factor)` to the logits —
+`factor=0` is the knockout.
+
+`Knockout(...)` is a steering intervention: `SteeredModel.generate(..., steer=[Knockout(...)])`
+or `heads.editing(model, Knockout(...).edits(model, enc))`. Its edit is a `LogitBias`
+(`KnockoutBias`), so it runs on the engine's blocked path at prefill and at every decode step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from heads.engine.edits import AttentionCall, Edit, LogitBias
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from steer.noop import warn_noop
+
+__all__ = ["Knockout", "KnockoutBias"]
+
+Positions = Sequence[int] | Sequence[Sequence[int]]
+
+
+@dataclass(eq=False, repr=False)
+class KnockoutBias(LogitBias):
+    """Logit bias `log_factor` on the (query, key) pairs `queries[b] x keys[b]` of each row b.
+
+    Attributes:
+        queries: `[B, P]` bool over absolute query positions (positions `>= P` are never
+            chosen), or None: every query row, generated ones included.
+        keys: `[B, P]` bool over absolute key columns (generated columns never chosen).
+        log_factor: `log(factor)`; `-inf` blocks the pairs (knockout).
+    """
+
+    queries: torch.Tensor | None = None
+    keys: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.bool))
+    log_factor: float = -math.inf
+
+    def is_identity(self) -> bool:
+        return (
+            self.log_factor == 0.0
+            or not bool(self.keys.any())
+            or (self.queries is not None and not bool(self.queries.any()))
+        )
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        if self.keys.shape[0] != call.batch:
+            raise HeadsteerValueError(
+                f"Knockout was built for a batch of {self.keys.shape[0]} prompts, "
+                f"the model ran {call.batch} rows"
+            )
+        dev = call.device
+        P = self.keys.shape[1]
+        kcol = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=dev)
+        n = min(P, call.k_len)
+        kcol[:, :n] = self.keys[:, :n].to(dev)
+        if self.queries is None:
+            qrow = torch.ones(call.batch, call.q_len, dtype=torch.bool, device=dev)
+        else:
+            qrow = torch.zeros(call.batch, call.q_len, dtype=torch.bool, device=dev)
+            a, b = call.q_offset, min(call.q_offset + call.q_len, P)
+            if b > a:
+                qrow[:, : b - a] = self.queries[:, a:b].to(dev)
+        pair = qrow[:, None, :, None] & kcol[:, None, None, :]  # [B, 1, Q, K]
+        return torch.where(pair, self.log_factor, 0.0)
+
+
+def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
+    """`[B, P]` bool of the positions `spec` names (one list for every row, or one per row)."""
+    B, P = enc.batch, enc.length
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence) or not len(spec):
+        raise HeadsteerValueError(
+            f"{name} must be a non-empty list of positions (or one list per row), got {spec!r}"
+        )
+    rows: list[Sequence[object]]
+    if all(isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in spec):
+        if len(spec) != B:
+            raise HeadsteerValueError(f"{name} has {len(spec)} per-row lists for a batch of {B} prompts")
+        rows = list(spec)  # type: ignore[arg-type]
+    else:
+        rows = [spec] * B  # type: ignore[list-item]
+    out = torch.zeros(B, P, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        for p in row:
+            if isinstance(p, bool) or not isinstance(p, numbers.Integral):
+                raise HeadsteerTypeError(f"{name} positions must be ints, got {p!r}")
+            q = int(p) + P if p < 0 else int(p)
+            if not 0 <= q < P:
+                raise HeadsteerValueError(
+                    f"{name} position {p} is out of range for prompt length {P} (0..{P - 1})"
+                )
+            out[b, q] = True
+    return out
+
+
+@dataclass(frozen=True)
+class Knockout:
+    """Block (or scale) attention from query positions to key positions in chosen layers/heads.
+
+    Args:
+        keys: the key positions: absolute (padded) prompt positions, negative counting from the
+            end of the prompt (`-1` = its last token), one list for every row or one list per
+            row; or `"span"`: each row's emphasized spans (`**text**` markup).
+        queries: the query positions, in the same forms (default None: every query row,
+            generated tokens included).
+        layers: the window of layers (a list or range; default None: every layer).
+        heads: query heads in each of those layers (default None: every head).
+        factor: 0 (default) blocks the pairs (logit -inf); a factor > 0 multiplies their
+            attention probabilities and renormalises each row (logit + log(factor)).
+
+    Raises:
+        ValueError: a negative or non-finite factor, unknown layers / heads, positions out of
+            range, or — with factor 0 — a query row of a prompt left with no visible key (every
+            key it may see, its own position included, blocked), all when the edits are built,
+            before any forward.
+
+    Source: Geva et al., EMNLP 2023 (arXiv:2304.14767), Sec. 3 (knockout); Ortu et al., ACL 2024
+    (arXiv:2402.11655), Sec. 6 (attention modification).
+    """
+
+    keys: Positions | str
+    queries: Positions | None = None
+    layers: Sequence[int] | None = None
+    heads: Sequence[int] | None = None
+    factor: float = 0.0
+
+    def __post_init__(self) -> None:
+        f = self.factor
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+            raise HeadsteerValueError(f"factor must be a finite number >= 0 (0 = knockout), got {f!r}")
+        if f == 1:
+            warn_noop("Knockout factor=1 is a no-op: output equals the unsteered model", stacklevel=4)
+
+    def _layers_heads(self, model: HeadModel) -> tuple[list[int], list[int] | None]:
+        layers = list(range(model.n_layers)) if self.layers is None else self.layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not len(layers):
+            raise HeadsteerValueError(f"layers must be a non-empty list of layers, got {self.layers!r}")
+        for la in layers:
+            model.check_head(la)
+        heads = None
+        if self.heads is not None:
+            if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Sequence) or not self.heads:
+                raise HeadsteerValueError(
+                    f"heads must be a non-empty list of head indices, got {self.heads!r}"
+                )
+            for h in self.heads:
+                model.check_head(layers[0], h)
+            heads = sorted({int(h) for h in self.heads})
+        return sorted({int(la) for la in layers}), heads
+
+    def masks(self, enc: EncodedPrompts) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """`(queries [B, P] bool or None, keys [B, P] bool)` on `enc`'s padded positions.
+
+        Raises:
+            ValueError: positions out of range; with factor 0, a prompt query row whose every
+                visible key is blocked.
+        """
+        if isinstance(self.keys, str):
+            if self.keys != "span":
+                raise HeadsteerValueError(f"keys must be positions or 'span', got {self.keys!r}")
+            keys = enc.span_mask()
+            if not bool(keys.any()):
+                raise HeadsteerValueError("keys='span' but no prompt has an emphasized span (**text**)")
+        else:
+            keys = _resolve("keys", self.keys, enc)
+        queries = None if self.queries is None else _resolve("queries", self.queries, enc)
+        if self.factor == 0:
+            real = enc.attention_mask.bool()
+            P = enc.length
+            visible = torch.ones(P, P, dtype=torch.bool).tril()[None] & real[:, None, :]  # [B, Q, K]
+            left = visible & ~keys[:, None, :]
+            chosen = real if queries is None else queries & real
+            dead = chosen & ~left.any(-1)
+            if bool(dead.any()):
+                b, q = (int(x) for x in torch.nonzero(dead)[0])
+                raise HeadsteerValueError(
+                    f"Knockout blocks every visible key of query position {q} in prompt {b} "
+                    "(its own position included); keep at least one key per row"
+                )
+        return queries, keys
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]:
+        """One `KnockoutBias` per layer of the window (all batch rows)."""
+        layers, heads = self._layers_heads(model)
+        queries, keys = self.masks(enc)
+        logf = -math.inf if self.factor == 0 else math.log(self.factor)
+        return [
+            KnockoutBias(layer=la, heads=heads, queries=queries, keys=keys, log_factor=logf) for la in layers
+        ]
