@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from heads.scorers.patching.logit import direct_logit_attribution, logit_inspect
 from heads.scorers.patching.pairs import PairBatch, encode_pairs
 from probes.datasets.pairs import load_task_pairs
 
-__all__ = ["clean_accuracy", "main", "run_study", "top_heads"]
+__all__ = ["clean_accuracy", "knockout_experiment", "main", "run_study", "top_heads"]
 
 
 @torch.no_grad()
@@ -45,11 +46,15 @@ def clean_accuracy(model: HeadModel, pairs: PairBatch, chunk: int = 16) -> dict[
     for i in range(0, pairs.n, chunk):
         b = pairs.select(range(i, min(pairs.n, i + chunk)))
         for which in ("clean", "corrupted"):
-            lg = model.model(
-                input_ids=b.ids(which),
-                attention_mask=b.attention_mask,
-                position_ids=position_ids(b.attention_mask),
-            ).logits[:, -1].float()
+            lg = (
+                model.model(
+                    input_ids=b.ids(which),
+                    attention_mask=b.attention_mask,
+                    position_ids=position_ids(b.attention_mask),
+                )
+                .logits[:, -1]
+                .float()
+            )
             ld = lg.gather(1, b.answers[:, :1])[:, 0] - lg.gather(1, b.counterfactuals[:, :1])[:, 0]
             out[which].append(ld)
             if which == "clean":
@@ -93,58 +98,44 @@ def _dla_top(model: HeadModel, pairs: PairBatch, k: int) -> list[dict[str, Any]]
         {
             "head": f"L{i // h}H{i % h}",
             "dla": round(float(m.flatten()[i]), 4),
-            "ci": [round(float((m - 1.96 * se).flatten()[i]), 4), round(float((m + 1.96 * se).flatten()[i]), 4)],
+            "ci": [
+                round(float((m - 1.96 * se).flatten()[i]), 4),
+                round(float((m + 1.96 * se).flatten()[i]), 4),
+            ],
         }
         for i in idx
     ]
 
 
-def run_study(model: HeadModel, *, n_patch: int = 8, n_eval: int = 80, k: int = 10, log=print) -> dict:
-    """Run every part (see the module docstring) and return the results as one dict."""
+def run_study(
+    model: HeadModel, *, n_patch: int = 8, n_eval: int = 80, k: int = 10, log=print, checkpoint=None
+) -> dict:
+    """Run every part (see the module docstring) and return the results as one dict;
+    `checkpoint(res)` (optional) is called with the partial results after every step."""
     opts = SweepOptions(max_rows=64, progress=False)
-    res: dict[str, Any] = {"schema": "headsteer/patching-study", "model": model.name, "n_patch": n_patch, "k": k}
+    res: dict[str, Any] = {
+        "schema": "headsteer/patching-study",
+        "model": model.name,
+        "n_patch": n_patch,
+        "k": k,
+    }
     t0 = time.perf_counter()
 
-    def stamp(what: str) -> None:
-        log(f"[{time.perf_counter() - t0:7.1f}s] {what}")
+    def done(what: str) -> None:
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        log(f"[{res['seconds']:7.1f}s] {what}")
+        if checkpoint is not None:
+            checkpoint(res)
 
-    # ---------------------------------------------------------------- IOI
+    # cheap parts first (one or two forwards each), then the sweeps; `checkpoint` sees each step
     ioi_eval = encode_pairs(model, load_task_pairs("ioi", "test", n=n_eval))
     res["ioi"] = {"accuracy": clean_accuracy(model, ioi_eval)}
-    flip = encode_pairs(model, load_task_pairs("ioi", "test", corruption="s_flip", n=n_eval))
-    res["ioi"]["accuracy_s_flip"] = clean_accuracy(model, flip)
-    stamp(f"IOI accuracy {res['ioi']['accuracy']}")
+    done(f"IOI accuracy {res['ioi']['accuracy']}")
     res["ioi"]["dla_top"] = _dla_top(model, ioi_eval, k)
-    stamp("IOI DLA")
-    ioi = encode_pairs(model, load_task_pairs("ioi", "test", n=n_patch))
-    hp = patch(model, ioi, "head_out", options=opts)
-    res["ioi"]["head_out_top"] = top_heads(hp, k)
-    res["ioi"]["head_out_mean"] = hp.mean.tolist()
-    stamp("IOI head_out patching")
-    try:
-        from heads.scorers.patching.path import path_patch
-
-        pp = path_patch(model, ioi, receivers="logits", options=opts)
-        res["ioi"]["path_logits_top"] = top_heads(pp, k)
-        res["ioi"]["path_logits_mean"] = pp.mean.tolist()
-        stamp("IOI path patching to the logits")
-    except ImportError:  # path patching not available in this checkout
-        res["ioi"]["path_logits_top"] = None
-
-    # ---------------------------------------------------------------- Colored Objects
+    done("IOI DLA")
     co_eval = encode_pairs(model, load_task_pairs("colored_objects", "test", n=n_eval))
     res["colored_objects"] = {"accuracy": clean_accuracy(model, co_eval)}
-    stamp(f"Colored Objects accuracy {res['colored_objects']['accuracy']}")
-    co = encode_pairs(model, load_task_pairs("colored_objects", "test", n=n_patch))
-    cp = patch(model, co, "head_out", options=opts)
-    res["colored_objects"]["head_out_top"] = top_heads(cp, k)
-    res["colored_objects"]["head_out_mean"] = cp.mean.tolist()
-    a = {h["head"] for h in res["ioi"]["head_out_top"]}
-    b = {h["head"] for h in res["colored_objects"]["head_out_top"]}
-    res["colored_objects"]["overlap_with_ioi"] = {"k": k, "shared": sorted(a & b), "share": len(a & b) / k}
-    stamp("Colored Objects head_out patching")
-
-    # ---------------------------------------------------------------- comp-mech
+    done(f"Colored Objects accuracy {res['colored_objects']['accuracy']}")
     cm = encode_pairs(model, load_task_pairs("comp_mech", "test", n=n_eval))
     res["comp_mech"] = {"accuracy": clean_accuracy(model, cm)}
     insp = logit_inspection(model, cm)
@@ -164,9 +155,89 @@ def run_study(model: HeadModel, *, n_patch: int = 8, n_eval: int = 80, k: int = 
         {"head": f"L{i // h}H{i % h}", "dla": round(float(diff.flatten()[i]), 4)}
         for i in (-diff).flatten().topk(k).indices.tolist()
     ]
-    stamp("comp-mech logit inspection")
+    done("comp-mech logit inspection")
+    try:
+        half = list(range(model.n_layers // 2, model.n_layers))
+        res["ioi"]["knockout"] = knockout_experiment(model, ioi_eval, half)
+        done("IOI knockout")
+    except ImportError:  # steer.knockout not available in this checkout
+        res["ioi"]["knockout"] = None
+    ioi = encode_pairs(model, load_task_pairs("ioi", "test", n=n_patch))
+    try:
+        from heads.scorers.patching.path import path_patch
+
+        pp = path_patch(model, ioi, receivers="logits", options=opts)
+        res["ioi"]["path_logits_top"] = top_heads(pp, k)
+        res["ioi"]["path_logits_mean"] = pp.mean.tolist()
+        done("IOI path patching to the logits")
+    except ImportError:  # path patching not available in this checkout
+        res["ioi"]["path_logits_top"] = None
+    hp = patch(model, ioi, "head_out", options=opts)
+    res["ioi"]["head_out_top"] = top_heads(hp, k)
+    res["ioi"]["head_out_mean"] = hp.mean.tolist()
+    done("IOI head_out patching")
+    co = encode_pairs(model, load_task_pairs("colored_objects", "test", n=n_patch))
+    cp = patch(model, co, "head_out", options=opts)
+    res["colored_objects"]["head_out_top"] = top_heads(cp, k)
+    res["colored_objects"]["head_out_mean"] = cp.mean.tolist()
+    a = {h["head"] for h in res["ioi"]["head_out_top"]}
+    b = {h["head"] for h in res["colored_objects"]["head_out_top"]}
+    res["colored_objects"]["overlap_with_ioi"] = {"k": k, "shared": sorted(a & b), "share": len(a & b) / k}
+    done("Colored Objects head_out patching")
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
+
+
+@torch.no_grad()
+def knockout_experiment(model: HeadModel, pairs: PairBatch, layers: Sequence[int]) -> dict[str, Any]:
+    """Attention knockout (Geva et al. 2023) on IOI clean prompts: in `layers` (every head),
+    block the last position's attention to the indirect-object token, to both subject tokens,
+    or to the token before the indirect object (a control of one key, like the IO knockout);
+    the mean clean logit difference (IO - S) with 95% intervals in each case."""
+    from heads.engine.context import editing
+    from heads.inputs.prompts import EncodedPrompts, position_ids
+    from steer.knockout import Knockout
+
+    n = pairs.n
+    enc = EncodedPrompts(pairs.clean_ids, pairs.attention_mask, [[] for _ in range(n)], [""] * n, [[]] * n)
+    io_pos, s_pos, ctrl = [], [], []
+    for i in range(n):
+        row = pairs.clean_ids[i].tolist()
+        io, sub = int(pairs.answers[i, 0]), int(pairs.counterfactuals[i, 0])
+        io_pos.append([j for j, t in enumerate(row) if t == io][:1])
+        s_pos.append([j for j, t in enumerate(row) if t == sub])
+        ctrl.append([io_pos[-1][0] - 1])
+
+    def ld(keys: list[list[int]] | None) -> torch.Tensor:
+        edits = (
+            [] if keys is None else Knockout(keys=keys, queries=[-1], layers=list(layers)).edits(model, enc)
+        )
+        with editing(model, edits):
+            lg = (
+                model.model(
+                    input_ids=pairs.clean_ids,
+                    attention_mask=pairs.attention_mask,
+                    position_ids=position_ids(pairs.attention_mask),
+                )
+                .logits[:, -1]
+                .float()
+            )
+        return lg.gather(1, pairs.answers[:, :1])[:, 0] - lg.gather(1, pairs.counterfactuals[:, :1])[:, 0]
+
+    def summary(x: torch.Tensor) -> dict[str, Any]:
+        se = float(x.std()) / max(1, len(x)) ** 0.5
+        m = float(x.mean())
+        ci = [round(m - 1.96 * se, 4), round(m + 1.96 * se, 4)]
+        return {"mean": round(m, 4), "ci": ci, "positive": round(float((x > 0).float().mean()), 4)}
+
+    return {
+        "n": n,
+        "layers": [int(x) for x in layers],
+        "none": summary(ld(None)),
+        "block_io": summary(ld(io_pos)),
+        "block_s": summary(ld(s_pos)),
+        "block_token_before_io": summary(ld(ctrl)),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,8 +253,19 @@ def main(argv: list[str] | None = None) -> None:
 
     check_output(args.out, overwrite=args.force)
     model = load_model()
-    res = run_study(model, n_patch=args.n_patch, n_eval=args.n_eval, k=args.k)
-    write_text(args.out, json.dumps(res, indent=1) + "\n", overwrite=args.force)
+
+    def save(res: dict) -> None:
+        write_text(args.out, json.dumps(res, indent=1) + "\n", overwrite=True)
+
+    res = run_study(
+        model,
+        n_patch=args.n_patch,
+        n_eval=args.n_eval,
+        k=args.k,
+        log=lambda m: print(m, flush=True),
+        checkpoint=save,
+    )
+    save(res)
     print(json.dumps({k: v for k, v in res.items() if k in ("model", "seconds")}))
 
 

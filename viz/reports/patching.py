@@ -27,7 +27,16 @@ from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, lo
 from viz.figures import head_heatmap
 from viz.reports.base import Report
 
-__all__ = ["PATCHING_STEPS", "TASKS", "patching_report", "render_patching_report", "resolve_pairs"]
+__all__ = [
+    "PATCHING_STEPS",
+    "TASKS",
+    "dla_bars",
+    "lens_figure",
+    "position_heatmap",
+    "patching_report",
+    "render_patching_report",
+    "resolve_pairs",
+]
 
 TASKS = ("ioi", "colored_objects", "comp_mech")
 PATCHING_STEPS = 4
@@ -52,7 +61,7 @@ def resolve_pairs(task: str | os.PathLike, *, split: str = "test", n: int = 8) -
     return load_pairs(task)[:n]
 
 
-def _position_heatmap(
+def position_heatmap(
     values: torch.Tensor, labels: list[str], title: str, *, ylabel: str = "layer"
 ) -> go.Figure:
     """Rows x positions heatmap (`values [R, T]`), token labels on the x axis."""
@@ -72,7 +81,7 @@ def _position_heatmap(
     return fig
 
 
-def _dla_bars(dla: DLAResult, k: int = 20) -> go.Figure:
+def dla_bars(dla: DLAResult, k: int = 20) -> go.Figure:
     m = dla.heads[..., -1].mean(0)  # [L, H]
     h = m.shape[1]
     idx = m.abs().flatten().topk(min(k, m.numel())).indices.tolist()
@@ -87,7 +96,7 @@ def _dla_bars(dla: DLAResult, k: int = 20) -> go.Figure:
     return fig
 
 
-def _lens_lines(lens: LensResult) -> go.Figure:
+def lens_figure(lens: LensResult) -> go.Figure:
     n = lens.logit_diff.shape[1]
     x = list(range(n))
     fig = go.Figure()
@@ -122,17 +131,17 @@ def render_patching_report(
         by_pos = m if m.ndim == 2 else m.nan_to_num(0).abs().amax(1) * m.nan_to_num(0).sum(1).sign()
         rep.figure(
             "patching scores by position",
-            _position_heatmap(by_pos, result.labels, f"{result.kind} by layer and position"),
+            position_heatmap(by_pos, result.labels, f"{result.kind} by layer and position"),
             note="Token labels are pair 0's clean tokens (positions align across pairs of one template).",
         )
     rep.figure(
         "direct logit attribution by layer and position",
-        _position_heatmap(dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"),
+        position_heatmap(dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"),
         note="Each position's heads projected on the answer - counterfactual unembedding, with the final "
         "norm's scale frozen at that position.",
     )
-    rep.figure("DLA of the top heads", _dla_bars(dla))
-    rep.figure("logit lens", _lens_lines(lens))
+    rep.figure("DLA of the top heads", dla_bars(dla))
+    rep.figure("logit lens", lens_figure(lens))
     frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
     rep.table("top sites", frame, max_rows=25, note="Mean normalised score with a 95% interval over pairs.")
     return rep
