@@ -318,6 +318,54 @@ def report_atlas(
     return {"html": str(out), "csv": str(csv), **summary}
 
 
+@command(report_app, "patching")
+def report_patching(
+    run: Run,
+    out: Annotated[Path, typer.Option(help="HTML file to write")],
+    task: Annotated[
+        str, typer.Option(help="ioi, colored_objects, comp_mech (shipped pairs) or a pairs JSONL file")
+    ] = "ioi",
+    site: Annotated[
+        str,
+        typer.Option(help="head_out, head_out_by_pos, resid_pre, attn_out, mlp_out, q, k, v or pattern"),
+    ] = "head_out",
+    direction: Annotated[str, typer.Option(help="denoising (default) or noising")] = "denoising",
+    n: Annotated[int, typer.Option(help="pairs used (the first n of the test split or file)")] = 8,
+    split: Annotated[str, typer.Option(help="split of a shipped set: test or train")] = "test",
+) -> dict:
+    """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
+    from heads.scorers.patching.activation import KINDS
+    from heads.scorers.patching.metrics import DIRECTIONS
+    from viz.reports.patching import patching_report, resolve_pairs
+
+    if site not in KINDS:
+        raise typer.BadParameter(f"unknown site {site!r}: use one of {', '.join(KINDS)}", param_hint="--site")
+    if direction not in DIRECTIONS:
+        raise typer.BadParameter(
+            f"unknown direction {direction!r}: use one of {', '.join(DIRECTIONS)}", param_hint="--direction"
+        )
+    _positive(n=n)
+    pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
+    out = run.output(out, suffixes=HTML)
+    hm = run.load()
+    with run.progress(4, f"patching {site}") as step:
+        _, summary = patching_report(
+            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task
+        )
+    table = Table(title=f"top {site} sites ({summary['pairs']} pairs, {direction})")
+    keys = [
+        k
+        for k in ("layer", "head", "kv_head", "position", "token", "score")
+        if summary["top"] and k in summary["top"][0]
+    ]
+    for k in keys:
+        table.add_column(k)
+    for row in summary["top"]:
+        table.add_row(*(f"{row[k]:.3f}" if k == "score" else escape(str(row[k])) for k in keys))
+    run.show(table, f"clean logit difference > 0 on {summary['clean_ld_positive']:.0%} of the pairs")
+    return {"html": str(out), **summary}
+
+
 @command(report_app, "safety")
 def report_safety(
     run: Run,

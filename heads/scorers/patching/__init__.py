@@ -1,11 +1,25 @@
 """Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
 logit attribution and lenses (see the patching docstrings; a method page is not written yet)."""
 
+from heads.scorers.patching.logit import (
+    DLAResult,
+    LensResult,
+    direct_logit_attribution,
+    head_logits,
+    logit_inspection,
+    logit_lens,
+)
 from heads.scorers.patching.metrics import Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs, pairs_from_tokens
 from heads.scorers.patching.path import path_patch
 
 __all__ = [
+    "DLAResult",
+    "LensResult",
+    "direct_logit_attribution",
+    "head_logits",
+    "logit_inspection",
+    "logit_lens",
     "Metric",
     "PairBatch",
     "PromptPair",

@@ -1,0 +1,454 @@
+"""Direct logit attribution (DLA), the logit lens and comp-mech's logit inspection (no patching).
+
+One unedited forward of the clean prompts is recorded (`activation.record_run`, plus a hook on
+the final norm's input). The last residual stream before the final norm is a sum of parts:
+
+    x_L(t) = e(t) + sum_l [ sum_h z_{l,h}(t) W_O^{l,h} + b_O^l + m_l(t) ]
+
+(`e` the embeddings, `z` the head outputs `[N, T, H, d]`, `b_O` the output-projection bias,
+`m_l` the MLP output). With the final norm's scale frozen at its value in the run,
+`s(t) = 1 / sqrt(mean(x_L(t)^2) + eps)` (RMSNorm) or `1 / sqrt(var(x_L(t)) + eps)` and the
+centring (LayerNorm), the logit difference of answer c against counterfactual w is linear in
+the parts:
+
+    LD(t) = sum_parts  s(t) * part(t) . u  +  bias terms,    u = g * (W_U[:, c] - W_U[:, w])
+
+(`g` the final norm's gain; LayerNorm also centres `u`; the bias terms are the norm's bias and
+the LM head's bias, projected on the same direction). `direct_logit_attribution` returns
+every head's term at every position (`[N, L, H, T]`; at `t = T - 1` these sum with the
+embedding, bias, MLP and rest terms to the model's logit difference: the `rest` term is what
+the recorded parts do not explain, ~1e-6 on pre-norm families). Sources: Elhage et al. 2021
+(residual-stream decomposition), nostalgebraist 2020 (the logit lens), TransformerLens'
+`ActivationCache.decompose_resid` / `stack_head_results` / `apply_ln_to_stack` (the frozen-
+scale convention), Ortu et al. 2024 (Sec. 4, logit inspection of factual vs counterfactual).
+
+`logit_lens` applies the real final norm and the unembedding to the residual entering every
+layer (and the final one): the metric, the logit and rank of the answer and counterfactual
+token, and the top tokens per layer. `head_logits` (the per-head lens) gives each head's
+direct logit for the answer and for the counterfactual token at the last position (frozen
+scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
+
+Families whose sub-layer outputs pass through a norm before joining the residual (Gemma 2/3,
+OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from heads.errors import HeadsteerValueError
+from heads.inputs.tokens import readable_token
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores
+from heads.scorers.patching.activation import RunCache, record_run
+from heads.scorers.patching.pairs import PairBatch
+
+__all__ = [
+    "DLAResult",
+    "LensResult",
+    "direct_logit_attribution",
+    "head_logits",
+    "logit_inspection",
+    "logit_lens",
+]
+
+
+# ------------------------------------------------------------------------------ helpers
+def _check_family(model: HeadModel) -> None:
+    fam = model.family
+    if "post_norm" in fam.features or fam.mlp_out_norm is not None:
+        raise HeadsteerValueError(
+            f"model_type {fam.model_type!r} normalises its sub-layer outputs before they join the "
+            "residual stream; direct logit attribution is not linear in the head outputs there"
+        )
+
+
+def _which(pairs: PairBatch, which: str) -> torch.Tensor:
+    return pairs.ids(which)
+
+
+def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+    """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm."""
+    norm = model.final_norm
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps", None)
+    if eps is None:
+        raise HeadsteerValueError(
+            f"final norm {type(norm).__name__} has no eps attribute; cannot freeze its scale"
+        )
+    w = getattr(norm, "weight", None)
+    d = model.W_U.shape[0]
+    gain = torch.ones(d) if w is None else w.detach().float().cpu()
+    if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)
+        gain = 1.0 + gain
+    centred = (
+        isinstance(norm, torch.nn.LayerNorm)
+        or "LayerNorm" in type(norm).__name__
+        and not hasattr(norm, "variance_epsilon")
+    )
+    b = getattr(norm, "bias", None)
+    bias = None if b is None else b.detach().float().cpu()
+    return ("layer" if centred else "rms"), gain, bias, float(eps)
+
+
+def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
+    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU)."""
+    box: list[torch.Tensor] = []
+
+    def pre(mod, args):
+        box.append(args[0].detach().float().cpu())
+
+    h = model.final_norm.register_forward_pre_hook(pre)
+    try:
+        cache = record_run(model, ids, mask)
+    finally:
+        h.remove()
+    return cache, box[-1]
+
+
+def _scale(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`[N, T]` frozen scale of the final norm at each position."""
+    if kind == "layer":
+        return (x.var(-1, unbiased=False) + eps).rsqrt()
+    return (x.pow(2).mean(-1) + eps).rsqrt()
+
+
+def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(u_answer [N, D], u_counterfactual [N, D])`: mean unembedding columns of each pair's
+    answer / counterfactual tokens (fp32)."""
+    wu = model.W_U.float().cpu()  # [D, V]
+
+    def mean_cols(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        cols = wu[:, ids.reshape(-1)].T.reshape(*ids.shape, -1)  # [N, A, D]
+        m = mask.float()[..., None]
+        return (cols * m).sum(1) / m.sum(1).clamp(min=1)
+
+    return mean_cols(pairs.answers, pairs.answer_mask), mean_cols(
+        pairs.counterfactuals, pairs.counterfactual_mask
+    )
+
+
+def _lm_bias(model: HeadModel) -> torch.Tensor | None:
+    b = getattr(model.unembed, "bias", None)
+    return None if b is None else b.detach().float().cpu()
+
+
+def _o_matrices(model: HeadModel, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`W_O [H, d, D]` and the output bias `[D]` (or None) of `layer`, fp32 CPU."""
+    w = model._o_weight(layer).detach().float().cpu()  # [H*d, D]
+    b = getattr(model.out_projs[layer], "bias", None)
+    return w.reshape(model.n_heads, model.d_head, -1), (None if b is None else b.detach().float().cpu())
+
+
+def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
+    tok = getattr(model, "tokenizer", None)
+    labels = pairs.position_labels(row)
+    if tok is None or not pairs.tokens:
+        return labels
+    n_pad = pairs.width - int(pairs.lengths[row])
+    ids = pairs.clean_ids[row, n_pad:].tolist()
+    return [""] * n_pad + [readable_token(tok, i) for i in ids]
+
+
+# ------------------------------------------------------------------------------ DLA
+@dataclass
+class DLAResult:
+    """Direct logit attribution of one clean run (logit difference answer - counterfactual).
+
+    Attributes:
+        heads: `[N, L, H, T]` fp32 term of head (l, h)'s output at position t on the logit
+            difference read at t (frozen final-norm scale of position t; padding columns 0).
+        mlp: `[N, L, T]` the MLP terms; `attn_bias`: `[N, L, T]` the output-projection bias terms.
+        embed: `[N, T]` the embedding term (token + absolute position embeddings).
+        bias: `[N, T]` the final norm's and the LM head's bias terms.
+        rest: `[N, T]` what the recorded parts leave unexplained (`x_L` minus their sum).
+        logit_diff: `[N, T]` the model's own logit difference at every position.
+        labels: `T` token strings of pair 0's clean row (`""` on padding).
+        model: the model id.
+        params: how it was computed.
+    """
+
+    heads: torch.Tensor
+    mlp: torch.Tensor
+    attn_bias: torch.Tensor
+    embed: torch.Tensor
+    bias: torch.Tensor
+    rest: torch.Tensor
+    logit_diff: torch.Tensor
+    labels: list[str] = field(default_factory=list)
+    model: str = ""
+    n_kv_heads: int | None = None
+    params: dict = field(default_factory=dict)
+
+    def total(self) -> torch.Tensor:
+        """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
+        return (
+            self.heads.sum((1, 2))
+            + self.mlp.sum(1)
+            + self.attn_bias.sum(1)
+            + self.embed
+            + self.bias
+            + self.rest
+        )
+
+    def head_scores(self, position: int = -1) -> HeadScores:
+        """Mean over pairs of the head terms at `position` (default the last) as `HeadScores`."""
+        t = self.heads.shape[-1]
+        if not -t <= position < t:
+            raise HeadsteerValueError(f"position {position} is outside 0..{t - 1}")
+        return HeadScores(
+            self.heads[..., position].mean(0),
+            method="patching.dla",
+            params={"position": position, **self.params},
+            model=self.model,
+            n_kv_heads=self.n_kv_heads,
+        )
+
+    def by_position(self) -> torch.Tensor:
+        """`[L, H, T]` mean over pairs of the head terms at every position."""
+        return self.heads.mean(0)
+
+    def layer_terms(self) -> dict[str, torch.Tensor]:
+        """Per layer `[L]` mean terms at the last position: `"attn"` (heads + bias), `"mlp"`."""
+        return {
+            "attn": (self.heads[..., -1].sum(2) + self.attn_bias[..., -1]).mean(0),
+            "mlp": self.mlp[..., -1].mean(0),
+        }
+
+
+@torch.no_grad()
+def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str = "clean") -> DLAResult:
+    """DLA of every head, MLP and the embeddings on the logit difference, at every position.
+
+    Args:
+        model: the model (any backend that `record_run` supports; pre-norm families).
+        pairs: encoded pairs (answer and counterfactual tokens are required).
+        which: `"clean"` (default) or `"corrupted"`: the rows to run.
+
+    Returns:
+        a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
+        logit difference within float error (tested: 1e-5 on tiny fp32 models, 1e-4 on the
+        embedded model).
+
+    Raises:
+        ValueError: pairs without counterfactual tokens, a `post_norm` family, a final norm
+            without `eps`, `which` not clean/corrupted (all before the forward).
+    """
+    _check_family(model)
+    ids = _which(pairs, which)
+    if not pairs.has_counterfactual:
+        raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    kind, gain, nbias, eps = _norm_parts(model)
+    ua, uw = _directions(model, pairs)
+    du = ua - uw  # [N, D]
+    u = gain * du
+    if kind == "layer":
+        u = u - u.mean(-1, keepdim=True)
+    mask = pairs.attention_mask
+    cache, x_final = _record(model, ids, mask)
+    s = _scale(kind, x_final, eps)  # [N, T]
+    real = mask.float()
+    L, H = model.n_layers, model.n_heads
+
+    def proj(v: torch.Tensor) -> torch.Tensor:  # [N, T, D] -> [N, T]
+        return torch.einsum("ntd,nd->nt", v.float().cpu(), u) * s * real
+
+    heads = torch.zeros(pairs.n, L, H, pairs.width)
+    mlp = torch.zeros(pairs.n, L, pairs.width)
+    attn_bias = torch.zeros(pairs.n, L, pairs.width)
+    parts = cache.residuals[0].float().cpu().clone()
+    embed = proj(cache.residuals[0])
+    for la in range(L):
+        wo, bo = _o_matrices(model, la)  # [H, d, D]
+        z = cache.z[la].float().cpu()  # [N, T, H, d]
+        wu_h = torch.einsum("hdk,nk->nhd", wo, u)  # [N, H, d]
+        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :]
+        attn = cache.attn_out[la].float().cpu()
+        mlp_out = cache.mlp_out[la].float().cpu()
+        parts += attn + mlp_out
+        # what the block's attention output holds beyond the heads (the o_proj bias)
+        head_sum = torch.einsum("nthd,hdk->ntk", z, wo)
+        attn_bias[:, la] = proj(attn - head_sum)
+        mlp[:, la] = proj(mlp_out)
+    rest = proj(x_final - parts)
+    bias = torch.zeros(pairs.n, pairs.width)
+    if nbias is not None:
+        bias = bias + (du @ nbias)[:, None]
+    lb = _lm_bias(model)
+    if lb is not None:
+        ba = lb[pairs.answers] * pairs.answer_mask
+        bw = lb[pairs.counterfactuals] * pairs.counterfactual_mask
+        diff = ba.sum(-1) / pairs.answer_mask.sum(-1) - bw.sum(-1) / pairs.counterfactual_mask.sum(-1).clamp(
+            min=1
+        )
+        bias += diff[:, None]
+    bias = bias * real
+    # the model's own logit difference at every position (from the normed final residual)
+    normed = model.final_norm(x_final.to(model.device, model.dtype)).float().cpu()
+    ld = torch.einsum("ntd,nd->nt", normed, du)
+    if lb is not None:
+        ld = ld + bias
+    ld = ld * real
+    return DLAResult(
+        heads,
+        mlp,
+        attn_bias,
+        embed,
+        bias,
+        rest,
+        ld,
+        _labels(model, pairs),
+        getattr(model, "name", ""),
+        model.n_kv_heads,
+        {"which": which, "norm": kind, "frozen_scale": True},
+    )
+
+
+# ------------------------------------------------------------------------------ lenses
+@dataclass
+class LensResult:
+    """The logit lens at the last position, per layer.
+
+    Attributes:
+        answer_logit / counterfactual_logit: `[N, L + 1]` logits of the answer / counterfactual
+            token (mean over a pair's tokens) read from the residual entering layer l (index
+            `L`: the final residual, i.e. the model's output).
+        answer_rank / counterfactual_rank: `[N, L + 1]` ranks (0 = top) of the first answer /
+            counterfactual token.
+        logit_diff: `[N, L + 1]` answer minus counterfactual.
+        top_tokens: per layer, the `k` most likely tokens of pair 0.
+        head_answer / head_counterfactual: `[N, L, H]` each head's direct logit (frozen final
+            scale, last position) of the answer / counterfactual token (`head_logits`), or None.
+    """
+
+    answer_logit: torch.Tensor
+    counterfactual_logit: torch.Tensor
+    answer_rank: torch.Tensor
+    counterfactual_rank: torch.Tensor
+    logit_diff: torch.Tensor
+    top_tokens: list[list[str]] = field(default_factory=list)
+    head_answer: torch.Tensor | None = None
+    head_counterfactual: torch.Tensor | None = None
+    model: str = ""
+    params: dict = field(default_factory=dict)
+
+    def winner_share(self) -> torch.Tensor:
+        """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
+        return (self.logit_diff > 0).float().mean(0)
+
+    def to_frame(self):
+        """One row per layer: mean logits, logit difference, share where the answer wins."""
+        import pandas as pd
+
+        n = self.logit_diff.shape[1]
+        return pd.DataFrame(
+            {
+                "layer": list(range(n)),
+                "answer_logit": self.answer_logit.mean(0).numpy(),
+                "counterfactual_logit": self.counterfactual_logit.mean(0).numpy(),
+                "logit_diff": self.logit_diff.mean(0).numpy(),
+                "answer_wins": self.winner_share().numpy(),
+                "answer_rank": self.answer_rank.float().median(0).values.numpy(),
+                "counterfactual_rank": self.counterfactual_rank.float().median(0).values.numpy(),
+            }
+        )
+
+
+@torch.no_grad()
+def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
+    """The logit lens (nostalgebraist 2020): final norm + unembedding of the residual entering
+    every layer, at the last position.
+
+    Args:
+        which: `"clean"` (default) or `"corrupted"`.
+        k: top tokens kept per layer for pair 0 (default 5).
+
+    Raises:
+        ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` < 1.
+    """
+    from heads._util.validation import check_int
+
+    check_int("k", k, lo=1)
+    ids = _which(pairs, which)
+    if not pairs.has_counterfactual:
+        raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
+    cache, x_final = _record(model, ids, pairs.attention_mask)
+    resid = [r[:, -1] for r in cache.residuals[:-1]] + [x_final[:, -1]]
+    stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, D]
+    logits = model.unembed(model.final_norm(stack)).float().cpu()  # [N, L+1, V]
+
+    def gather(ids_: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        vals = logits.gather(-1, ids_[:, None, :].expand(-1, logits.shape[1], -1))
+        mm = m.float()[:, None, :]
+        return (vals * mm).sum(-1) / mm.sum(-1).clamp(min=1)
+
+    a = gather(pairs.answers, pairs.answer_mask)
+    w = gather(pairs.counterfactuals, pairs.counterfactual_mask)
+
+    def rank(first: torch.Tensor) -> torch.Tensor:
+        v = logits.gather(-1, first[:, None, None].expand(-1, logits.shape[1], 1))
+        return (logits > v).sum(-1)
+
+    tok = getattr(model, "tokenizer", None)
+    top = []
+    for la in range(logits.shape[1]):
+        idx = logits[0, la].topk(k).indices.tolist()
+        top.append([readable_token(tok, i) if tok is not None else str(i) for i in idx])
+    return LensResult(
+        a,
+        w,
+        rank(pairs.answers[:, 0]),
+        rank(pairs.counterfactuals[:, 0]),
+        a - w,
+        top,
+        model=getattr(model, "name", ""),
+        params={"which": which, "k": k},
+    )
+
+
+@torch.no_grad()
+def head_logits(
+    model: HeadModel, pairs: PairBatch, *, which: str = "clean"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's direct logit of the answer and of the counterfactual token at the last
+    position, with the final norm's scale frozen from the run (the per-head lens; Ortu et al.
+    2024's per-head inspection).
+
+    Returns:
+        `(answer [N, L, H], counterfactual [N, L, H])` fp32; their difference is the DLA head
+        term at the last position.
+
+    Raises:
+        ValueError: as `direct_logit_attribution`.
+    """
+    _check_family(model)
+    if not pairs.has_counterfactual:
+        raise HeadsteerValueError("head_logits needs a counterfactual token for every pair")
+    kind, gain, _, eps = _norm_parts(model)
+    ua, uw = _directions(model, pairs)
+    cache, x_final = _record(model, _which(pairs, which), pairs.attention_mask)
+    s = _scale(kind, x_final[:, -1], eps)  # [N]
+    out = []
+    for u in (ua, uw):
+        v = gain * u
+        if kind == "layer":
+            v = v - v.mean(-1, keepdim=True)
+        per = torch.zeros(pairs.n, model.n_layers, model.n_heads)
+        for la in range(model.n_layers):
+            wo, _ = _o_matrices(model, la)
+            z = cache.z[la][:, -1].float().cpu()  # [N, H, d]
+            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None]
+        out.append(per)
+    return out[0], out[1]
+
+
+def logit_inspection(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
+    """Comp-mech's logit inspection (Ortu et al. 2024, Sec. 4): per layer (logit lens) and per
+    head (frozen-scale direct logits) the logit of the answer ("factual" in the paper's words)
+    and of the counterfactual token. Two forwards; see `logit_lens` and `head_logits`."""
+    lens = logit_lens(model, pairs, which=which, k=k)
+    lens.head_answer, lens.head_counterfactual = head_logits(model, pairs, which=which)
+    return lens

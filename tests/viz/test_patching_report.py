@@ -1,0 +1,91 @@
+"""`headsteer report patching` and `viz.reports.patching` on tiny models; DLA / lens on other backends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from heads import HeadModel
+from heads.scorers.patching.logit import direct_logit_attribution, logit_lens
+from heads.scorers.patching.pairs import encode_pairs
+from probes.datasets.pairs import load_task_pairs
+from tests.support import make_tiny
+from viz.cli.main import app
+from viz.reports.patching import patching_report
+
+
+def test_report_page(tmp_path, tiny_llama):
+    out = tmp_path / "p.html"
+    pairs = load_task_pairs("ioi", n=3)
+    _, summary = patching_report(tiny_llama, out, pairs, site="resid_pre", progress=False, task="ioi")
+    page = out.read_text(encoding="utf-8")
+    for heading in (
+        "patching scores by position",
+        "direct logit attribution by layer",
+        "logit lens",
+        "top sites",
+    ):
+        assert heading in page
+    assert summary["pairs"] == 3 and summary["site"] == "resid_pre" and len(summary["top"]) == 5
+    with pytest.raises(ValueError, match="exists"):
+        patching_report(tiny_llama, out, pairs, progress=False)
+    with pytest.raises(ValueError, match="unknown site"):
+        patching_report(tiny_llama, tmp_path / "q.html", pairs, site="nope", progress=False)
+
+
+def test_cli_report_patching(tiny_llama_dir, tmp_path):
+    out = tmp_path / "p.html"
+    r = CliRunner().invoke(
+        app, ["report", "patching", "--out", str(out), "--model", tiny_llama_dir, "--n", "2", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["site"] == "head_out" and data["pairs"] == 2 and out.is_file()
+    assert "patching scores per head" in out.read_text(encoding="utf-8")
+    # a pairs file works too
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in load_task_pairs("colored_objects", n=2)))
+    r = CliRunner().invoke(
+        app, ["report", "patching", "--out", str(tmp_path / "c.html"), "--model", tiny_llama_dir,
+              "--task", str(f), "--site", "mlp_out", "--json"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    # bad options: one line, exit 2, before the model loads (the model path does not exist)
+    for args, word in (
+        (["--site", "nope"], "--site"),
+        (["--direction", "up"], "--direction"),
+        (["--task", "nope"], "nope"),
+        (["--n", "0"], "--n"),
+        (["--split", "dev"], "dev"),
+    ):
+        r = CliRunner().invoke(
+            app, ["report", "patching", "--out", str(tmp_path / "x.html"), "--model", "/no/model", *args]
+        )
+        assert r.exit_code == 2 and word in r.output, (args, r.output)
+
+
+def _bridge(model, tokenizer):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return TransformerBridge.boot_transformers("tiny", hf_model=model, tokenizer=tokenizer)
+
+
+def test_dla_and_lens_on_the_transformer_lens_and_nnsight_backends(tokenizer):
+    from nnsight.modeling.transformers import TransformersModel
+
+    hf = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(hf, load_task_pairs("ioi", n=2))
+    want, lens = direct_logit_attribution(hf, pairs), logit_lens(hf, pairs)
+    for other in (
+        HeadModel.wrap(_bridge(make_tiny("llama", tokenizer).model, tokenizer), tokenizer),
+        HeadModel.wrap(
+            TransformersModel(make_tiny("llama", tokenizer).model, tokenizer=tokenizer), tokenizer
+        ),
+    ):
+        got = direct_logit_attribution(other, pairs)
+        torch.testing.assert_close(got.heads, want.heads, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.total()[:, -1], want.logit_diff[:, -1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logit_lens(other, pairs).logit_diff, lens.logit_diff, atol=1e-5, rtol=0)

@@ -1,0 +1,202 @@
+"""The causal-analysis report (`headsteer report patching`): activation patching of one site kind
+on a set of prompt pairs, with direct logit attribution and the logit lens of the clean run.
+
+Sections: the patching scores (a layer x head heatmap for head kinds, a layer x position
+heatmap with token labels for the residual / block-output kinds and for `head_out_by_pos`), the
+DLA of the clean run by layer and position (token labels of pair 0: positions line up across
+pairs only when they share a template), DLA bars of the top heads, the logit-lens lines (answer
+and counterfactual logits per layer) and a table of the top sites with 95% intervals.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import plotly.graph_objects as go
+import torch
+
+from heads._util.files import check_output
+from heads._util.progress import ProgressArg, progress_callback
+from heads.errors import HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.scorers.patching.activation import KINDS, PatchResult, patch
+from heads.scorers.patching.logit import DLAResult, LensResult, direct_logit_attribution, logit_lens
+from heads.scorers.patching.metrics import DIRECTIONS
+from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs
+from viz.figures import head_heatmap
+from viz.reports.base import Report
+
+__all__ = [
+    "PATCHING_STEPS",
+    "TASKS",
+    "dla_bars",
+    "lens_figure",
+    "position_heatmap",
+    "patching_report",
+    "render_patching_report",
+    "resolve_pairs",
+]
+
+TASKS = ("ioi", "colored_objects", "comp_mech")
+PATCHING_STEPS = 4
+
+
+def resolve_pairs(task: str | os.PathLike, *, split: str = "test", n: int = 8) -> list[PromptPair]:
+    """The pairs of a shipped set (`TASKS`) or of a JSONL file, the first `n` (checked, no model).
+
+    Raises:
+        ValueError: an unknown set that is not an existing file, a bad split, `n` < 1.
+    """
+    from heads._util.validation import check_int
+    from probes.datasets.pairs import load_task_pairs
+
+    check_int("n", n, lo=1)
+    if str(task) in TASKS:
+        return load_task_pairs(str(task), split, n=n)
+    if not Path(task).is_file():
+        raise HeadsteerValueError(
+            f"--task {str(task)!r} is neither one of {', '.join(TASKS)} nor a JSONL file"
+        )
+    return load_pairs(task)[:n]
+
+
+def position_heatmap(
+    values: torch.Tensor, labels: list[str], title: str, *, ylabel: str = "layer"
+) -> go.Figure:
+    """Rows x positions heatmap (`values [R, T]`), token labels on the x axis."""
+    t = values.shape[-1]
+    x = [f"{i}:{labels[i]}" if i < len(labels) else str(i) for i in range(t)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=values.tolist(),
+            x=x,
+            y=list(range(values.shape[0])),
+            colorscale="RdBu",
+            zmid=0.0,
+            hoverongaps=False,
+        )
+    )
+    fig.update_layout(title=title, xaxis_title="position", yaxis_title=ylabel, height=560)
+    return fig
+
+
+def dla_bars(dla: DLAResult, k: int = 20) -> go.Figure:
+    m = dla.heads[..., -1].mean(0)  # [L, H]
+    h = m.shape[1]
+    idx = m.abs().flatten().topk(min(k, m.numel())).indices.tolist()
+    names = [f"L{i // h}H{i % h}" for i in idx]
+    vals = [float(m.flatten()[i]) for i in idx]
+    terms = dla.layer_terms()
+    extra = {"embed": float(dla.embed[:, -1].mean()), "all MLPs": float(terms["mlp"].sum())}
+    fig = go.Figure(go.Bar(x=names + list(extra), y=vals + list(extra.values())))
+    fig.update_layout(
+        title="direct logit attribution at the last position (mean over pairs)", yaxis_title="logit diff"
+    )
+    return fig
+
+
+def lens_figure(lens: LensResult) -> go.Figure:
+    n = lens.logit_diff.shape[1]
+    x = list(range(n))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=x, y=lens.answer_logit.mean(0).tolist(), name="answer logit"))
+    fig.add_trace(go.Scatter(x=x, y=lens.counterfactual_logit.mean(0).tolist(), name="counterfactual logit"))
+    fig.add_trace(go.Scatter(x=x, y=lens.logit_diff.mean(0).tolist(), name="logit difference"))
+    fig.add_trace(go.Scatter(x=x, y=lens.winner_share().tolist(), name="share answer wins", yaxis="y2"))
+    fig.update_layout(
+        title="logit lens (residual entering each layer; the last point is the output)",
+        xaxis_title="layer",
+        yaxis2={"overlaying": "y", "side": "right", "range": [0, 1], "title": "share"},
+    )
+    return fig
+
+
+def render_patching_report(
+    result: PatchResult, dla: DLAResult, lens: LensResult, pairs: PairBatch, params: dict | None = None
+) -> Report:
+    """The report page from computed results (no model work)."""
+    rep = Report(f"Activation patching: {result.kind}", result.model, params or {})
+    m = result.mean
+    if result.grid[:2] in (("layer", "head"), ("layer", "kv_head")):
+        hs = result.head_scores()
+        rep.figure(
+            "patching scores per head",
+            head_heatmap(
+                hs, title=f"{result.kind} {result.direction} (mean of {pairs.n} pairs)", colorscale="RdBu"
+            ),
+            note="1: the site restores the clean behaviour (denoising) / destroys it (noising); 0: none.",
+        )
+    if "position" in result.grid:
+        by_pos = m if m.ndim == 2 else m.nan_to_num(0).abs().amax(1) * m.nan_to_num(0).sum(1).sign()
+        rep.figure(
+            "patching scores by position",
+            position_heatmap(by_pos, result.labels, f"{result.kind} by layer and position"),
+            note="Token labels are pair 0's clean tokens (positions align across pairs of one template).",
+        )
+    rep.figure(
+        "direct logit attribution by layer and position",
+        position_heatmap(dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"),
+        note="Each position's heads projected on the answer - counterfactual unembedding, with the final "
+        "norm's scale frozen at that position.",
+    )
+    rep.figure("DLA of the top heads", dla_bars(dla))
+    rep.figure("logit lens", lens_figure(lens))
+    frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
+    rep.table("top sites", frame, max_rows=25, note="Mean normalised score with a 95% interval over pairs.")
+    return rep
+
+
+def patching_report(
+    model: HeadModel,
+    out: str | Path,
+    pairs: list[PromptPair],
+    *,
+    site: str = "head_out",
+    direction: str = "denoising",
+    overwrite: bool = False,
+    progress: ProgressArg = True,
+    task: str = "",
+) -> tuple[Report, dict]:
+    """Patch `site` on `pairs`, run DLA and the logit lens, and write the page to `out`.
+
+    Returns:
+        `(report, summary)`; summary: pairs, site, the clean / corrupted mean metric, the top 5
+        sites and the share of pairs with a positive clean logit difference.
+
+    Raises:
+        ValueError: an unknown site or direction, `out` exists without `overwrite` (before any work).
+    """
+    if site not in KINDS:
+        raise HeadsteerValueError(f"unknown site {site!r}: use one of {', '.join(KINDS)}")
+    if direction not in DIRECTIONS:
+        raise HeadsteerValueError(f"unknown direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
+    check_output(out, overwrite)
+    with progress_callback(progress, "patching report", "steps") as report:
+        tick = (lambda i: report(i, PATCHING_STEPS)) if report is not None else (lambda i: None)
+        tick(0)
+        batch = encode_pairs(model, pairs)
+        from heads.engine.options import SweepOptions
+
+        result = patch(model, batch, site, direction=direction, options=SweepOptions(progress=False))
+        tick(1)
+        dla = direct_logit_attribution(model, batch)
+        tick(2)
+        lens = logit_lens(model, batch)
+        tick(3)
+        params = {"task": task, "site": site, "direction": direction, "pairs": batch.n}
+        rep = render_patching_report(result, dla, lens, batch, params)
+        rep.save(out, overwrite=overwrite)
+        tick(4)
+    frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
+    cols = [c for c in frame.columns if c in ("layer", "head", "kv_head", "position", "token", "score")]
+    summary = {
+        "pairs": batch.n,
+        "site": site,
+        "direction": direction,
+        "clean_metric": float(result.clean.mean()),
+        "corrupt_metric": float(result.corrupt.mean()),
+        "clean_ld_positive": float((lens.logit_diff[:, -1] > 0).float().mean()),
+        "top": frame[cols].head(5).to_dict("records"),
+    }
+    return rep, summary
