@@ -63,7 +63,8 @@ PLAIN_PROGRESS_EVERY_S = 5.0
 
 # ------------------------------------------------------------------ shared options
 ModelOpt = Annotated[
-    str | None, typer.Option(
+    str | None,
+    typer.Option(
         "--model",
         help="HF model folder or a packaged model name, gemma-3-270m "
         "(default: embedded SmolLM2-135M-Instruct)",
