@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -208,13 +208,13 @@ class NNsightBackend(Backend):
         self._check_remote()
         kwargs.setdefault("remote", self.remote)
         tracer = self.lm.trace(*inputs, **kwargs)
-        tracer.__class__ = _locked_tracer_class(type(tracer))
+        tracer.__class__ = _locked_tracer_class(cast(Any, type(tracer)))
         tracer._headsteer_lock = self._lock
         return tracer
 
 
 @cache
-def _locked_tracer_class(base: type) -> type:
+def _locked_tracer_class(base: Any) -> type:
     """`base` (an nnsight tracer class) whose `with` block runs under `self._headsteer_lock`.
 
     nnsight finds the user's `with` block two frames above the function that reads it
@@ -223,7 +223,7 @@ def _locked_tracer_class(base: type) -> type:
     """
     from nnsight.tracing.tracer import skip_context, skippable
 
-    def __enter__(self):  # noqa: N807 - the context-manager protocol
+    def __enter__(self: Any) -> Any:  # noqa: N807 - the context-manager protocol
         self._headsteer_lock.acquire()
         try:
             self.capture()
@@ -234,7 +234,7 @@ def _locked_tracer_class(base: type) -> type:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> Any:  # noqa: N807
+    def __exit__(self: Any, *exc: Any) -> Any:  # noqa: N807
         try:
             return base.__exit__(self, *exc)
         finally:

@@ -293,7 +293,7 @@ def _write_cache(target: Path, save: Callable[[Path], None]) -> None:
 def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
     """Return `(path or hub id to load, name to record)`."""
     path = Path(name_or_path).expanduser() if name_or_path is not None else None
-    if name_or_path is None or (str(name_or_path) in PACKAGED_MODELS and not path.exists()):
+    if path is None or (str(name_or_path) in PACKAGED_MODELS and not path.exists()):
         spec = PACKAGED_MODELS[EMBEDDED_MODEL if name_or_path is None else str(name_or_path)]
         target = _embedded_cache(spec)
         if not (target / "model.safetensors").is_file():
