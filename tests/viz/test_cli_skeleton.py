@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from viz.cli.main import app
 
 runner = CliRunner()
-SHARED = {"--model", "--device", "--dtype", "--quiet", "--json", "--force"}
+SHARED = {"--model", "--device", "--dtype", "--quiet", "--json", "--force", "--allow-weight-mismatch"}
 
 
 def _commands(group, prefix=()):

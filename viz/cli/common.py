@@ -63,13 +63,26 @@ PLAIN_PROGRESS_EVERY_S = 5.0
 
 # ------------------------------------------------------------------ shared options
 ModelOpt = Annotated[
-    str | None, typer.Option("--model", help="HF model folder (default: embedded SmolLM2-135M-Instruct)")
+    str | None,
+    typer.Option(
+        "--model",
+        help="HF model folder or a packaged model name, gemma-3-270m "
+        "(default: embedded SmolLM2-135M-Instruct)",
+    ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:N or mps")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help=f"weight dtype: {', '.join(DTYPES)}")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="no status line or progress bars")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="replace existing output files")]
+AllowMismatchOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-weight-mismatch",
+        help="load a checkpoint that lacks tensors or has extra ones, with a warning listing them "
+        "(default: an error); the environment variable HEADSTEER_ALLOW_WEIGHT_MISMATCH=1 does the same",
+    ),
+]
 NO_FILES_FORCE_HELP = (
     "no effect: this command writes no file (taken so that every command has the same options)"
 )
@@ -86,6 +99,7 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "quiet": (QuietOpt, False),
     "as_json": (JsonOpt, False),
     "force": (ForceOpt, False),
+    "allow_weight_mismatch": (AllowMismatchOpt, False),
 }
 
 
@@ -223,6 +237,8 @@ class Run:
         quiet: `--quiet` here or on `headsteer` itself.
         as_json: `--json`.
         force: `--force`: declared outputs may replace existing files.
+        allow_weight_mismatch: `--allow-weight-mismatch` (or `HEADSTEER_ALLOW_WEIGHT_MISMATCH=1`):
+            `load` accepts a checkpoint with missing or unexpected tensors, warning.
     """
 
     model: str | None = None
@@ -231,6 +247,7 @@ class Run:
     quiet: bool = False
     as_json: bool = False
     force: bool = False
+    allow_weight_mismatch: bool = False
     planned: dict[Path, tuple[int, int] | None] = field(default_factory=dict)
 
     # -- outputs
@@ -281,7 +298,8 @@ class Run:
         _quiet_transformers()
         name = self.model or "the embedded SmolLM2-135M-Instruct"
         where = self.device if device_map is None else f"device_map={device_map}"
-        lax = os.environ.get("HEADSTEER_ALLOW_WEIGHT_MISMATCH", "") == "1"  # explicit opt-in, warned
+        # explicit opt-in, warned: the flag, or the documented environment variable
+        lax = self.allow_weight_mismatch or os.environ.get("HEADSTEER_ALLOW_WEIGHT_MISMATCH", "") == "1"
         with self.status(f"loading {name} ({self.dtype}, {where})…"):
             if device_map is not None:
                 return load_model(self.model, dtype=dtype, device_map=device_map, allow_weight_mismatch=lax)
