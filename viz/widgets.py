@@ -46,7 +46,9 @@ def _colour(v: float | None, lo: float, hi: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def _grid_html(title: str, rows: list[list[float | None]], row_labels: list[str], col_labels: list[str]) -> str:
+def _grid_html(
+    title: str, rows: list[list[float | None]], row_labels: list[str], col_labels: list[str]
+) -> str:
     vals = [v for row in rows for v in row if v is not None]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in col_labels)
@@ -87,7 +89,9 @@ function render({ model, el }) {
     const lo = Math.min(...vals), hi = Math.max(...vals);
     const t = document.createElement("table"); t.style.borderCollapse = "collapse"; t.style.fontSize = "9px";
     const hr = document.createElement("tr"); hr.appendChild(document.createElement("th"));
-    for (const c of d.cols) { const th = document.createElement("th"); th.textContent = c; hr.appendChild(th); }
+    for (const c of d.cols) {
+      const th = document.createElement("th"); th.textContent = c; hr.appendChild(th);
+    }
     t.appendChild(hr);
     d.rows.forEach((row, i) => {
       const tr = document.createElement("tr");
@@ -203,7 +207,7 @@ def _widget_classes():
             return (
                 f'<div class="headsteer-view"><b>Prompt</b><pre>{e(self.prompt)}</pre>'
                 f'<div style="display:flex;gap:1em"><div style="flex:1"><b>Unsteered</b>'
-                f"<pre>{e(self.plain)}</pre></div><div style=\"flex:1\"><b>Steered ({e(self.method)})</b>"
+                f'<pre>{e(self.plain)}</pre></div><div style="flex:1"><b>Steered ({e(self.method)})</b>'
                 f"<pre>{e(self.steered)}</pre></div></div></div>"
             )
 

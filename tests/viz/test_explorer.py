@@ -64,7 +64,9 @@ def fake_detectors(model, monkeypatch):
 
     def fake(*names):
         def run(m, *a, **k):
-            out = {n: HeadScores(torch.rand(m.n_layers, m.n_heads, generator=g), n, model=m.name) for n in names}
+            out = {
+                n: HeadScores(torch.rand(m.n_layers, m.n_heads, generator=g), n, model=m.name) for n in names
+            }
             return out if len(names) > 1 else out[names[0]]
 
         return run
@@ -178,7 +180,9 @@ def test_cancel_stops_generation_and_sweep(model):
     assert jobs.running() == 0
     # a cancel in the middle: the stream stops early, and the next job works
     pieces = []
-    with client.stream("POST", "/api/generate", json={"prompt": PROMPT, "max_new_tokens": 200, "job": job}) as r:
+    with client.stream(
+        "POST", "/api/generate", json={"prompt": PROMPT, "max_new_tokens": 200, "job": job}
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 ev = json.loads(line[6:])
@@ -216,7 +220,9 @@ def test_bounds_of_new_endpoints(client):
     assert r.status_code == 413 and "limit" in r.json()["error"]
     r = client.post("/api/generate", json={"prompt": PROMPT, "max_new_tokens": MAX_NEW_TOKENS + 1})
     assert r.status_code == 400 and "max_new_tokens" in r.json()["error"]
-    r = client.post("/api/patch", json={"clean": "a" * (MAX_PROMPT_CHARS + 1), "corrupted": "b", "answer": "c"})
+    r = client.post(
+        "/api/patch", json={"clean": "a" * (MAX_PROMPT_CHARS + 1), "corrupted": "b", "answer": "c"}
+    )
     assert r.status_code == 400 and "limit" in r.json()["error"]
     long = "x" * (MAX_ANSWER_CHARS + 1)
     r = client.post("/api/patch", json={"clean": "The cat", "corrupted": "The dog", "answer": long})
@@ -259,3 +265,21 @@ def test_non_loopback_host_warns(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         mod.explore_command(FakeRun(), host="127.0.0.1", port=8765)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_atlas_given_is_used_without_computing(model, tmp_path, monkeypatch):
+    from heads.scorers.roles.atlas import HeadAtlas, head_atlas
+
+    fake_detectors(model, monkeypatch)
+    atlas = head_atlas(
+        model, detectors={}, scores={"induction": span_attention(model, PROMPT)}, thumbnails=False
+    )
+    path = atlas.save(tmp_path / "atlas.json")
+    client = TestClient(create_explorer(model, atlas=HeadAtlas.load(path)))
+    assert client.get("/api/info").json()["atlas_ready"] is True
+    ev = scored(client, {"prompt": PROMPT, "score": "atlas"})
+    assert not any("progress" in e for e in ev)  # nothing computed
+    roles = ev[-1]["result"]["roles"]
+    assert [roles[la][h] for la, h in zip(atlas.frame["layer"], atlas.frame["head"], strict=True)] == list(
+        atlas.frame["role"]
+    )

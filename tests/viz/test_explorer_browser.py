@@ -102,9 +102,11 @@ def expected_text(model, prompt, heads, alpha, n):
     by_layer: dict[int, list[int]] = {}
     for la, h in heads:
         by_layer.setdefault(la, []).append(h)
-    return SteeredModel(model).generate(
-        prompt, [Pasta(heads=by_layer, alpha=alpha)], max_new_tokens=n, progress=False
-    ).text
+    return (
+        SteeredModel(model)
+        .generate(prompt, [Pasta(heads=by_layer, alpha=alpha)], max_new_tokens=n, progress=False)
+        .text
+    )
 
 
 def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):

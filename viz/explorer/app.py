@@ -36,7 +36,6 @@ stays up. Requests larger than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT
 job at a time (a lock): the engine's active edits are process-wide.
 """
 
-
 import inspect
 import json
 import math
@@ -49,8 +48,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from heads.errors import HeadsteerValueError
 from heads._util.validation import check_int, check_number
+from heads.errors import HeadsteerValueError
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -457,7 +456,11 @@ def create_explorer(model, *, atlas=None):
             f = cache["atlas"].frame
             row = f[(f["layer"] == layer) & (f["head"] == head)].iloc[0]
             out["atlas"] = {
-                k: (str(v) if isinstance(v, str) else (round(float(v), 5) if math.isfinite(float(v)) else None))
+                k: (
+                    str(v)
+                    if isinstance(v, str)
+                    else (round(float(v), 5) if math.isfinite(float(v)) else None)
+                )
                 for k, v in row.items()
                 if k not in ("layer", "head", "kv_head")
             }
