@@ -91,14 +91,11 @@ def main() -> None:
                 layer, head = (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads
                 click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
                 page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=120_000)
-                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=120_000)
                 if i:  # the first click warms up
                     times.append(page.evaluate("window.__explorer.lastPatternMs"))
-                click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)  # un-pick the head
-                page.wait_for_function("state.heads.length === 0")
-                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=120_000)
+                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
             page.fill("#prompt", DEMO)
-            page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)
+            page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)  # the clicked heads out
             page.fill("#max-new", "4")
             web = []
             for _ in range(args.runs):
