@@ -1,12 +1,6 @@
 """The head explorer (`viz.explorer`): API on a tiny model, and one real-browser load."""
 
 import json
-import re
-import shutil
-import socket
-import subprocess
-import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from heads.scorers.attention_mass import head_pattern, span_attention
 from viz.explorer import MAX_BODY_BYTES, MAX_NEW_TOKENS, create_explorer
+from viz.explorer.app import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS
 
 PROMPT = "Ignore this. **Remember the word apple** and say something"
 
@@ -43,15 +38,69 @@ def test_page_and_plotly_are_local(client):
     assert js.status_code == 200 and len(js.content) > 1_000_000
 
 
-def test_scores_grid_matches_scorer(client, model):
-    r = client.post("/api/scores", json={"prompt": PROMPT, "score": "span"})
+def scored(client, body, path="/api/scores"):
+    r = client.post(path, json=body)
     assert r.status_code == 200, r.text
-    grid = torch.tensor(r.json()["scores"])
+    ev = events(r.text)
+    assert "job" in ev[0], ev[0]
+    return ev
+
+
+def test_scores_grid_matches_scorer(client, model):
+    ev = scored(client, {"prompt": PROMPT, "score": "span"})
+    grid = torch.tensor(ev[-1]["result"]["scores"])
     assert grid.shape == (model.n_layers, model.n_heads)
     torch.testing.assert_close(grid, span_attention(model, PROMPT).scores.float(), atol=1e-4, rtol=0)
-    sinks = client.post("/api/scores", json={"prompt": PROMPT, "score": "sinks"})
-    assert sinks.status_code == 200, sinks.text
-    assert len(sinks.json()["scores"]) == model.n_layers
+    sinks = scored(client, {"prompt": PROMPT, "score": "sinks"})[-1]["result"]
+    assert len(sinks["scores"]) == model.n_layers
+
+
+def fake_detectors(model, monkeypatch):
+    """Random detector scores in place of the (slow) real detectors: the app's plumbing is tested."""
+    from heads.results.scores import HeadScores
+    from heads.scorers.roles import detectors
+
+    g = torch.Generator().manual_seed(0)
+
+    def fake(*names):
+        def run(m, *a, **k):
+            out = {
+                n: HeadScores(torch.rand(m.n_layers, m.n_heads, generator=g), n, model=m.name) for n in names
+            }
+            return out if len(names) > 1 else out[names[0]]
+
+        return run
+
+    monkeypatch.setattr(detectors, "pattern_scores", fake("induction", "previous_token", "self"))
+    for name in ("copying", "successor", "retrieval"):
+        monkeypatch.setattr(detectors, f"{name}_scores", fake(name))
+    return fake
+
+
+def test_atlas_roles_and_progress(model, monkeypatch):
+    from heads.scorers.roles.atlas import role_labels
+
+    fake_detectors(model, monkeypatch)
+    client = TestClient(create_explorer(model))
+    assert client.get("/api/info").json()["atlas_ready"] is False
+    ev = scored(client, {"prompt": PROMPT, "score": "atlas"})
+    progress = [e["progress"] for e in ev if "progress" in e]
+    assert progress == [[0, 4], [1, 4], [2, 4], [3, 4], [4, 4]]
+    assert any("status" in e for e in ev)
+    d = ev[-1]["result"]
+    assert set(d["columns"]) == {"induction", "previous_token", "self", "copying", "successor", "retrieval"}
+    cols = d["columns"]
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        [{k: cols[k][la][h] for k in cols} for la in range(model.n_layers) for h in range(model.n_heads)]
+    )
+    want = list(role_labels(frame))
+    got = [d["roles"][la][h] for la in range(model.n_layers) for h in range(model.n_heads)]
+    assert got == want and set(got) <= set(d["role_order"]) and len(set(got)) > 1
+    assert client.get("/api/info").json()["atlas_ready"] is True
+    card = client.post("/api/head", json={"prompt": PROMPT, "layer": 1, "head": 0}).json()
+    assert card["atlas"]["role"] == d["roles"][1][0]  # the card shows the atlas row once known
 
 
 def test_pattern_of_a_head(client, model):
@@ -65,18 +114,85 @@ def test_pattern_of_a_head(client, model):
     torch.testing.assert_close(got.sum(-1), torch.ones(len(tokens)), atol=1e-3, rtol=0)
 
 
+def test_head_card_lens_and_maps(client, model):
+    from heads.scorers.maps.static import salient_operations
+    from heads.scorers.roles.lens import AttentionLens
+
+    r = client.post("/api/head", json={"prompt": PROMPT, "layer": 1, "head": 2})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    from heads.inputs.prompts import encode_prompts
+
+    text = encode_prompts(model.tokenizer, PROMPT).texts[0]
+    top = AttentionLens.init(model, [(1, 2)]).top_tokens(model, text, 1, 2, k=5)
+    assert d["lens_tokens"] == list(top["untrained_tokens"].iloc[-1]) and len(d["lens_tokens"]) == 5
+    ops = salient_operations(model, 1, 2, k_s=5, k_m=3)
+    assert [m["source"] for m in d["maps"]] == list(ops["source"])
+
+
 def test_steered_stream_differs(client, model):
     heads = [[layer, h] for layer in range(model.n_layers) for h in range(model.n_heads)]
     base = {"prompt": PROMPT, "max_new_tokens": 12}
-    plain = client.post("/api/generate", json={**base, "steered": False})
-    steered = client.post("/api/generate", json={**base, "steered": True, "heads": heads, "alpha": 1e-4})
-    assert plain.status_code == steered.status_code == 200
-    pe, se = events(plain.text), events(steered.text)
+    pe = scored(client, {**base, "steered": False}, "/api/generate")
+    se = scored(client, {**base, "steered": True, "heads": heads, "alpha": 1e-4}, "/api/generate")
     assert pe[-1] == {"done": True} and se[-1] == {"done": True}
     pt = "".join(e.get("text", "") for e in pe)
     st = "".join(e.get("text", "") for e in se)
-    assert len(pe) > 2 and pt  # streamed in several pieces
+    assert len(pe) > 3 and pt  # streamed in several pieces
     assert pt != st
+
+
+def test_patching_map_matches_patch(client, model):
+    from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.pairs import PromptPair, encode_pairs
+
+    pair = {"clean": "The cat sat on the mat", "corrupted": "The dog sat on the mat", "answer": " and"}
+    ev = scored(client, pair, "/api/patch")
+    assert any("progress" in e for e in ev)
+    d = ev[-1]["result"]
+    want = patch(model, encode_pairs(model, [PromptPair(**pair)]), "head_out", metric="log_prob").mean
+    torch.testing.assert_close(torch.tensor(d["scores"], dtype=torch.float).nan_to_num(9.0),
+                               want.float().nan_to_num(9.0), atol=1e-4, rtol=0)  # fmt: skip
+    assert d["metric"] == "log_prob"
+
+
+def test_cancel_stops_generation_and_sweep(model):
+    app = create_explorer(model)
+    client = TestClient(app)
+    jobs = app.state.jobs
+    # cancel flagged before the job's work runs: it never starts and ends cancelled
+    job = "cancel-me-0001"
+    real_start = jobs.start
+
+    def start_and_cancel(j):
+        flag = real_start(j)
+        flag.set()
+        return flag
+
+    jobs.start = start_and_cancel
+    try:
+        ev = scored(client, {"prompt": PROMPT, "max_new_tokens": 50, "job": job}, "/api/generate")
+        assert ev[-1] == {"cancelled": True} and not any("text" in e for e in ev)
+        ev = scored(client, {"prompt": PROMPT, "score": "sinks", "job": job})
+        assert ev[-1] == {"cancelled": True}
+    finally:
+        jobs.start = real_start
+    assert jobs.running() == 0
+    # a cancel in the middle: the stream stops early, and the next job works
+    pieces = []
+    with client.stream(
+        "POST", "/api/generate", json={"prompt": PROMPT, "max_new_tokens": 200, "job": job}
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                ev = json.loads(line[6:])
+                pieces.append(ev)
+                if "text" in ev and sum("text" in e for e in pieces) == 2:
+                    assert client.post("/api/cancel", json={"job": job}).json()["cancelled"] is True
+    assert pieces[-1] == {"cancelled": True}
+    assert sum("text" in e for e in pieces) < 20
+    assert client.post("/api/cancel", json={"job": job}).json()["cancelled"] is False  # it is over
+    assert scored(client, {"prompt": PROMPT, "max_new_tokens": 3}, "/api/generate")[-1] == {"done": True}
 
 
 def test_bad_requests_are_one_line_and_server_survives(client):
@@ -85,22 +201,53 @@ def test_bad_requests_are_one_line_and_server_survives(client):
         {"prompt": PROMPT, "layer": 99, "head": 0},
         {"prompt": PROMPT, "layer": 0, "head": "x"},
     ):
-        r = client.post("/api/pattern", json=body)
-        assert r.status_code == 400 and "\n" not in r.json()["error"], r.text
+        for path in ("/api/pattern", "/api/head"):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and "\n" not in r.json()["error"], r.text
     r = client.post("/api/generate", json={"prompt": "no span here", "steered": True, "heads": [[0, 0]]})
     assert r.status_code == 400 and "span" in r.json()["error"]
     r = client.post("/api/scores", json={"prompt": "no span here", "score": "span"})
     assert r.status_code == 400 and "span" in r.json()["error"]
     r = client.post("/api/scores", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400
-    assert client.post("/api/scores", json={"prompt": PROMPT}).status_code == 200
+    r = client.post("/api/patch", json={"clean": "The cat sat", "corrupted": "A dog", "answer": " x"})
+    assert r.status_code == 400 and "align" in r.json()["error"], r.text
+    assert scored(client, {"prompt": PROMPT})[-1]["result"]["score"] == "span"
 
 
-def test_oversize_requests_refused(client):
+def test_bounds_of_new_endpoints(client):
     r = client.post("/api/scores", json={"prompt": "a" * (MAX_BODY_BYTES + 10)})
     assert r.status_code == 413 and "limit" in r.json()["error"]
     r = client.post("/api/generate", json={"prompt": PROMPT, "max_new_tokens": MAX_NEW_TOKENS + 1})
     assert r.status_code == 400 and "max_new_tokens" in r.json()["error"]
+    r = client.post(
+        "/api/patch", json={"clean": "a" * (MAX_PROMPT_CHARS + 1), "corrupted": "b", "answer": "c"}
+    )
+    assert r.status_code == 400 and "limit" in r.json()["error"]
+    long = "x" * (MAX_ANSWER_CHARS + 1)
+    r = client.post("/api/patch", json={"clean": "The cat", "corrupted": "The dog", "answer": long})
+    assert r.status_code == 400 and "answer" in r.json()["error"]
+    for bad in ("short", "has space inside!", 7, "x" * 65):
+        r = client.post("/api/cancel", json={"job": bad})
+        assert r.status_code == 400 and "job" in r.json()["error"]
+        r = client.post("/api/generate", json={"prompt": PROMPT, "job": bad})
+        assert r.status_code == 400 and "job" in r.json()["error"]
+    r = client.post("/api/scores", json={"prompt": PROMPT, "score": "../etc/passwd"})
+    assert r.status_code == 400 and "score" in r.json()["error"]
+
+
+def test_jobs_are_bounded():
+    from viz.explorer.app import Jobs
+
+    jobs = Jobs(limit=2)
+    jobs.start("aaaaaaaa")
+    with pytest.raises(ValueError, match="already running"):
+        jobs.start("aaaaaaaa")
+    jobs.start("bbbbbbbb")
+    with pytest.raises(ValueError, match="2 jobs"):
+        jobs.start("cccccccc")
+    jobs.end("aaaaaaaa")
+    jobs.start("cccccccc")
 
 
 def test_non_loopback_host_warns(monkeypatch, capsys):
@@ -120,42 +267,19 @@ def test_non_loopback_host_warns(monkeypatch, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+def test_atlas_given_is_used_without_computing(model, tmp_path, monkeypatch):
+    from heads.scorers.roles.atlas import HeadAtlas, head_atlas
 
-
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
-def test_page_in_headless_chromium(model, tmp_path):
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_explorer(model), host="127.0.0.1", port=port, log_level="error")
+    fake_detectors(model, monkeypatch)
+    atlas = head_atlas(
+        model, detectors={}, scores={"induction": span_attention(model, PROMPT)}, thumbnails=False
     )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(100):
-        if server.started:
-            break
-        time.sleep(0.05)
-    try:
-        shot = tmp_path / "explorer.png"
-        base = [
-            CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1100",
-            "--virtual-time-budget=10000", "--enable-logging=stderr", "--v=0",
-        ]  # fmt: skip
-        url = f"http://127.0.0.1:{port}/"
-        dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=120)
-        errors = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln and "rror" in ln]
-        assert not errors, errors
-        assert 'class="main-svg"' in dom.stdout  # Plotly drew the grid
-        assert "heatmaplayer" in dom.stdout
-        assert re.search(r'id="error"[^>]*></div>', dom.stdout), "the page shows an error"
-        subprocess.run([*base, f"--screenshot={shot}", url], capture_output=True, timeout=120)
-        assert shot.is_file() and shot.stat().st_size > 10_000
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    path = atlas.save(tmp_path / "atlas.json")
+    client = TestClient(create_explorer(model, atlas=HeadAtlas.load(path)))
+    assert client.get("/api/info").json()["atlas_ready"] is True
+    ev = scored(client, {"prompt": PROMPT, "score": "atlas"})
+    assert not any("progress" in e for e in ev)  # nothing computed
+    roles = ev[-1]["result"]["roles"]
+    assert [roles[la][h] for la, h in zip(atlas.frame["layer"], atlas.frame["head"], strict=True)] == list(
+        atlas.frame["role"]
+    )

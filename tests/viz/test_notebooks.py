@@ -43,3 +43,5 @@ def test_notebook_runs(path, tmp_path):
         assert "SpotLight:" in text and "mean share on the first token" in text
     if path.name.startswith("05_"):
         assert "largest difference across backends" in text and "max |TL hook + PASTA" in text
+    if path.name.startswith("10_"):
+        assert "static fallback has both texts: True" in text and "live widgets: True" in text

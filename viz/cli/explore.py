@@ -17,6 +17,12 @@ def explore_command(
     run: Run,
     host: Annotated[str, typer.Option(help="address to listen on (non-loopback: warning)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8765,
+    atlas: Annotated[
+        str | None,
+        typer.Option(
+            help="a saved head atlas (HeadAtlas.save) to colour the grid by; default: computed on demand"
+        ),
+    ] = None,
 ) -> None:
     """Open the interactive head explorer in the browser at http://HOST:PORT/ (Ctrl-C to stop).
 
@@ -39,10 +45,17 @@ def explore_command(
         raise HeadsteerValueError(
             "headsteer explore needs the extra: pip install 'headsteer[serve]'"
         ) from None
+    head_atlas = None
+    if atlas is not None:
+        from heads.scorers.roles.atlas import HeadAtlas
+
+        head_atlas = HeadAtlas.load(atlas)  # read before the model is loaded: a bad file fails fast
     hm = run.load()
     from viz.explorer.app import create_explorer
 
-    app = create_explorer(hm)
+    if head_atlas is not None and head_atlas.model != hm.name:
+        raise HeadsteerValueError(f"--atlas {atlas} is of model {head_atlas.model!r}, not {hm.name!r}")
+    app = create_explorer(hm, atlas=head_atlas)
     url = f"http://{host}:{port}/"
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)

@@ -1,32 +1,67 @@
-"""The head explorer: a FastAPI app serving one page and a small JSON/SSE API.
+"""The head explorer: a FastAPI app serving one page and a small JSON / server-sent-event API.
 
-Endpoints (every request carries its own prompt and heads; the server keeps no
-per-user state, so two browser tabs never see each other's choices):
+Endpoints (every request carries its own prompt and heads; the server keeps no per-user
+state, so two browser tabs never see each other's choices):
 
 - `GET /` the page; `GET /plotly.min.js` Plotly from the installed `plotly` package.
-- `GET /api/info` model shape `n_layers, n_heads, n_kv_heads`, limits, shipped PASTA heads.
-- `POST /api/scores {prompt, score}` the `[n_layers, n_heads]` grid: `score` is
-  `"span"` (`heads.scorers.attention_mass.span_attention`, last query row) or `"sinks"`
-  (`heads.scorers.sinks.sink_stats(...).sink_mass`).
+- `GET /api/info` model shape `n_layers, n_heads, n_kv_heads`, limits, score choices, the
+  shipped PASTA heads.
+- `POST /api/scores {prompt, score, job}` (event stream) the `[n_layers, n_heads]` grid:
+  `"span"` (`heads.scorers.attention_mass.span_attention`, last query row), `"sinks"`
+  (`heads.scorers.sinks.sink_stats(...).sink_mass`) or `"atlas"` (the head atlas,
+  `heads.scorers.roles.atlas.head_atlas`: a role per head and every detector score; it does not
+  depend on the prompt and is computed once per server, or loaded with `--atlas`).
 - `POST /api/pattern {prompt, layer, head}` one head's `[T, T]` pattern with token labels.
-- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens}` a server-sent-event
-  stream of `{"text": piece}` events, then `{"done": true}` (or `{"error": line}`).
+- `POST /api/head {prompt, layer, head}` the head's card: top logit-lens tokens of its output
+  at the last position (its direct logit attribution through the final norm,
+  `heads.scorers.roles.lens.AttentionLens.init` untrained), its MAPS salient operations
+  (`heads.scorers.maps.static.salient_operations`) and its atlas row when the atlas is known.
+- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream)
+  `{"text": piece}` events as tokens are generated.
+- `POST /api/patch {clean, corrupted, answer, counterfactual, job}` (event stream) the
+  `[n_layers, n_heads]` `head_out` activation-patching map (`heads.scorers.patching.patch`,
+  denoising, normalised logit difference; log-prob without a counterfactual).
+- `POST /api/cancel {job}` stops that job: a generation stops at its next token, a score or
+  patching sweep at its next progress step, a job still waiting for the model never starts.
 
-Errors are HTTP 4xx with `{"error": "<one line>"}`; the server stays up. Requests larger
-than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT_CHARS` and `max_new_tokens` above
-`MAX_NEW_TOKENS` are refused before any work. The model is used by one request at a time
-(a lock): the engine's active edits are process-wide.
+Event streams (`text/event-stream`, one JSON object per `data:` line): `{"job": id}` first,
+then `{"status": line}` / `{"progress": [done, total]}` / `{"text": piece}` while working, and
+exactly one last event: `{"result": {...}}` (`{"done": true}` for generation), `{"error": line}`
+or `{"cancelled": true}`. A job id is made by the page (8-64 characters of `[A-Za-z0-9_-]`);
+without one the server draws one. At most `MAX_JOBS` jobs run or wait at once.
+
+Errors found before the work starts are HTTP 4xx with `{"error": "<one line>"}`; the server
+stays up. Requests larger than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT_CHARS` and
+`max_new_tokens` above `MAX_NEW_TOKENS` are refused before any work. The model is used by one
+job at a time (a lock): the engine's active edits are process-wide.
 """
 
+import inspect
 import json
 import math
+import queue
+import re
+import secrets
 import threading
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from heads._util.validation import check_int, check_number
 from heads.errors import HeadsteerValueError
 
-__all__ = ["MAX_BODY_BYTES", "MAX_NEW_TOKENS", "MAX_PROMPT_CHARS", "create_explorer", "plotly_js_path"]
+__all__ = [
+    "MAX_ANSWER_CHARS",
+    "MAX_BODY_BYTES",
+    "MAX_JOBS",
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_CHARS",
+    "SCORES",
+    "Jobs",
+    "create_explorer",
+    "plotly_js_path",
+]
 
 MAX_BODY_BYTES = 32_768
 """Largest request body accepted (bytes)."""
@@ -36,7 +71,13 @@ MAX_NEW_TOKENS = 256
 """Largest `max_new_tokens` accepted."""
 MAX_HEADS = 512
 """Most (layer, head) pairs in one steering request."""
-SCORES = ("span", "sinks")
+MAX_ANSWER_CHARS = 64
+"""Longest answer / counterfactual string of a patching pair (characters)."""
+MAX_JOBS = 16
+"""Most jobs (generations, score and patching sweeps) running or waiting at once."""
+SCORES = ("span", "sinks", "atlas")
+"""Score choices of the overview grid."""
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
 def plotly_js_path() -> Path:
@@ -49,20 +90,17 @@ def _one_line(exc: BaseException) -> str:
     return text[:500]
 
 
-def _prompt(body: dict) -> str:
-    p = body.get("prompt")
+def _text(body: dict, key: str = "prompt", limit: int = MAX_PROMPT_CHARS) -> str:
+    p = body.get(key)
     if not isinstance(p, str) or not p.strip():
-        raise HeadsteerValueError("prompt must be a non-empty string")
-    if len(p) > MAX_PROMPT_CHARS:
-        raise HeadsteerValueError(f"prompt has {len(p)} characters, more than the limit {MAX_PROMPT_CHARS}")
+        raise HeadsteerValueError(f"{key} must be a non-empty string")
+    if len(p) > limit:
+        raise HeadsteerValueError(f"{key} has {len(p)} characters, more than the limit {limit}")
     return p
 
 
 def _int(body: dict, key: str, lo: int, hi: int) -> int:
-    v = body.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise HeadsteerValueError(f"{key} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
+    return check_int(key, body.get(key), lo=lo, hi=hi)
 
 
 def _heads(body: dict, n_layers: int, n_heads: int) -> dict[int, list[int]]:
@@ -91,10 +129,7 @@ def _heads(body: dict, n_layers: int, n_heads: int) -> dict[int, list[int]]:
 
 
 def _alpha(body: dict) -> float:
-    a = body.get("alpha", 0.01)
-    if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a) or a <= 0:
-        raise HeadsteerValueError(f"alpha must be a positive number, got {a!r}")
-    return float(a)
+    return check_number("alpha", body.get("alpha", 0.01), lo=0.0, lo_open=True)
 
 
 def _shipped_heads(model_name: str) -> list[list[int]]:
@@ -108,14 +143,79 @@ def _shipped_heads(model_name: str) -> list[list[int]]:
     return [[int(layer), int(h)] for layer, hs in data.items() for h in hs]
 
 
-def create_explorer(model):
+def _grid(t: Any) -> list[list[float | None]]:
+    """A `[L, H]` tensor as nested lists, NaN / inf as None (JSON has no NaN)."""
+    return [[None if not math.isfinite(v) else round(v, 5) for v in row] for row in t.float().tolist()]
+
+
+class Cancelled(Exception):
+    """Raised inside a job's work when its job was cancelled."""
+
+
+class Jobs:
+    """The running / waiting jobs of one explorer: a cancel flag per job id, at most `limit`.
+
+    The ids are made by the page (random per job), so one tab cannot name another's jobs
+    without having seen them."""
+
+    def __init__(self, limit: int = MAX_JOBS):
+        self.limit = limit
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def check_id(job: object) -> str:
+        if job is None:
+            return secrets.token_urlsafe(12)
+        if not isinstance(job, str) or not _JOB_ID.fullmatch(job):
+            raise HeadsteerValueError("job must be 8-64 characters of letters, digits, '_' or '-'")
+        return job
+
+    def start(self, job: str) -> threading.Event:
+        with self._lock:
+            if job in self._flags:
+                raise HeadsteerValueError(f"job {job!r} is already running")
+            if len(self._flags) >= self.limit:
+                raise HeadsteerValueError(f"{self.limit} jobs are already running or waiting; try again")
+            flag = self._flags[job] = threading.Event()
+            return flag
+
+    def end(self, job: str) -> None:
+        with self._lock:
+            self._flags.pop(job, None)
+
+    def cancel(self, job: str) -> bool:
+        """Flag `job` as cancelled; False when no such job runs."""
+        with self._lock:
+            flag = self._flags.get(job)
+        if flag is None:
+            return False
+        flag.set()
+        return True
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._flags)
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_explorer(model, *, atlas=None):
     """Build the explorer app for a loaded `HeadModel` (with a tokenizer).
 
+    Args:
+        model: the `HeadModel`.
+        atlas: a `HeadAtlas` of this model to colour the grid by (default None: computed with
+            `head_atlas` the first time the page asks for it, then kept).
+
     Raises:
-        ValueError: the model has no tokenizer.
+        ValueError: the model has no tokenizer; an atlas of another geometry.
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
 
     if model.tokenizer is None:
         raise HeadsteerValueError("the explorer needs a HeadModel with a tokenizer")
@@ -125,11 +225,18 @@ def create_explorer(model):
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
 
+    if atlas is not None and len(atlas.frame) != model.n_layers * model.n_heads:
+        raise HeadsteerValueError(
+            f"the atlas has {len(atlas.frame)} heads, the model {model.n_layers * model.n_heads}"
+        )
     lock = threading.Lock()
+    jobs = Jobs()
     steered_model = SteeredModel(model)
     page = resources.files("viz.explorer").joinpath("page.html").read_text(encoding="utf-8")
     shipped = _shipped_heads(model.name)
+    cache: dict[str, Any] = {"atlas": atlas}
     app = FastAPI(title="headsteer explorer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.jobs = jobs
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -155,7 +262,9 @@ def create_explorer(model):
         async def endpoint(request: Request):
             try:
                 body = await read_body(request)
-                return await fn(body)
+                if inspect.iscoroutinefunction(fn):
+                    return await fn(body)
+                return await run_in_threadpool(fn, body)  # waits for the model lock off the event loop
             except _TooLarge as exc:
                 return error(413, _one_line(exc))
             except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -163,6 +272,56 @@ def create_explorer(model):
 
         endpoint.__name__ = fn.__name__
         return endpoint
+
+    def job_stream(job: str, work: Callable[[Callable[[dict], None], threading.Event], dict]):
+        """Register `job` and return its event stream: `work(emit, flag)` runs in a thread once
+        it holds the model lock and returns the result object."""
+        flag = jobs.start(job)
+        events: queue.Queue[dict | None] = queue.Queue()
+
+        def run() -> None:
+            try:
+                got = False
+                while not got:
+                    if flag.is_set():
+                        raise Cancelled
+                    got = lock.acquire(timeout=0.05)
+                    if not got and not waiting:
+                        waiting.append(True)
+                        events.put({"status": "waiting for the model (another job runs)"})
+                try:
+                    events.put(work(events.put, flag))
+                finally:
+                    lock.release()
+            except Cancelled:
+                events.put({"cancelled": True})
+            except Exception as exc:  # reported to the page as one line; the server stays up
+                events.put({"error": _one_line(exc)})
+            finally:
+                jobs.end(job)
+                events.put(None)
+
+        waiting: list[bool] = []
+        thread = threading.Thread(target=run, daemon=True, name=f"explorer-{job}")
+
+        def stream() -> Iterator[str]:
+            yield _event({"job": job})
+            thread.start()
+            try:
+                while (ev := events.get()) is not None:
+                    yield _event(ev)
+            finally:
+                flag.set()  # the client went away: stop the work too
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def progress_of(emit: Callable[[dict], None], flag: threading.Event) -> Callable[[int, int], None]:
+        def report(done: int, total: int) -> None:
+            if flag.is_set():
+                raise Cancelled
+            emit({"progress": [int(done), int(total)]})
+
+        return report
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
@@ -182,31 +341,87 @@ def create_explorer(model):
             "n_heads": model.n_heads,
             "n_kv_heads": model.n_kv_heads,
             "scores": list(SCORES),
+            "atlas_ready": cache["atlas"] is not None,
             "shipped_heads": shipped,
             "limits": {
                 "max_body_bytes": MAX_BODY_BYTES,
                 "max_prompt_chars": MAX_PROMPT_CHARS,
                 "max_new_tokens": MAX_NEW_TOKENS,
+                "max_answer_chars": MAX_ANSWER_CHARS,
+                "max_jobs": MAX_JOBS,
             },
         }
 
+    def atlas_result(emit, flag) -> dict:
+        if cache["atlas"] is None:
+            from heads.scorers.roles.atlas import head_atlas
+            from heads.scorers.roles.detectors import (
+                copying_scores,
+                pattern_scores,
+                retrieval_scores,
+                successor_scores,
+            )
+
+            report = progress_of(emit, flag)
+            steps = [
+                ("attention patterns", lambda: pattern_scores(model)),
+                ("copying", lambda: {"copying": copying_scores(model)}),
+                ("successor", lambda: {"successor": successor_scores(model)}),
+                ("retrieval", lambda: {"retrieval": retrieval_scores(model)}),
+            ]
+            det: dict = {}
+            report(0, len(steps))
+            for i, (what, step) in enumerate(steps):
+                emit({"status": f"head atlas: {what}"})
+                det.update(step())
+                report(i + 1, len(steps))
+            cache["atlas"] = head_atlas(model, detectors=det, thumbnails=False)
+        frame = cache["atlas"].frame
+        L, H = model.n_layers, model.n_heads
+        roles = [[""] * H for _ in range(L)]
+        for la, h, r in zip(frame["layer"], frame["head"], frame["role"], strict=True):
+            roles[int(la)][int(h)] = str(r)
+        columns = {}
+        for col in cache["atlas"].score_columns:
+            grid: list[list[float | None]] = [[None] * H for _ in range(L)]
+            for la, h, v in zip(frame["layer"], frame["head"], frame[col], strict=True):
+                fv = float(v)
+                grid[int(la)][int(h)] = round(fv, 5) if math.isfinite(fv) else None
+            columns[col] = grid
+        order = [*cache["atlas"].thresholds, "none"]
+        return {"result": {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}}
+
     async def scores(body: dict):
-        prompt = _prompt(body)
+        prompt = _text(body)
         kind = body.get("score", "span")
         if kind not in SCORES:
             raise HeadsteerValueError(f"score must be one of {SCORES}, got {kind!r}")
-        with lock:
+        job = Jobs.check_id(body.get("job"))
+        if kind == "span":
+            enc = encode_prompts(model.tokenizer, prompt)
+            if not enc.spans[0]:
+                raise HeadsteerValueError("span attention needs a span: mark it in the prompt with **...**")
+
+        def work(emit, flag) -> dict:
+            if kind == "atlas":
+                return atlas_result(emit, flag)
             if kind == "span":
                 s = span_attention(model, prompt).scores
             else:
                 s = sink_stats(model, [prompt]).sink_mass.scores
-        grid = [[None if not math.isfinite(v) else round(v, 5) for v in row] for row in s.tolist()]
-        return {"score": kind, "scores": grid, "n_layers": model.n_layers, "n_heads": model.n_heads}
+            return {"result": {"score": kind, "scores": _grid(s)}}
 
-    async def pattern(body: dict):
-        prompt = _prompt(body)
-        layer = _int(body, "layer", 0, model.n_layers - 1)
-        head = _int(body, "head", 0, model.n_heads - 1)
+        return job_stream(job, work)
+
+    def check_head(body: dict) -> tuple[str, int, int]:
+        return (
+            _text(body),
+            _int(body, "layer", 0, model.n_layers - 1),
+            _int(body, "head", 0, model.n_heads - 1),
+        )
+
+    def pattern(body: dict):
+        prompt, layer, head = check_head(body)
         with lock:
             probs, tokens, spans = head_pattern(model, prompt, layer, head)
         return {
@@ -217,10 +432,47 @@ def create_explorer(model):
             "spans": [list(s) for s in spans],
         }
 
+    def head_card(body: dict):
+        prompt, layer, head = check_head(body)
+        from heads.scorers.maps.static import salient_operations
+        from heads.scorers.roles.lens import AttentionLens
+
+        text = encode_prompts(model.tokenizer, prompt).texts[0]
+        with lock:
+            lens = AttentionLens.init(model, [(layer, head)])
+            top = lens.top_tokens(model, text, layer, head, k=5)
+            ops = salient_operations(model, layer, head, k_s=5, k_m=3)
+        out: dict[str, Any] = {
+            "layer": layer,
+            "head": head,
+            "lens_tokens": list(top["untrained_tokens"].iloc[-1]),
+            "model_tokens": list(top["model_tokens"].iloc[-1]),
+            "maps": [
+                {"source": str(s), "targets": [str(t) for t in ts]}
+                for s, ts in zip(ops["source"], ops["targets"], strict=True)
+            ],
+        }
+        if cache["atlas"] is not None:
+            f = cache["atlas"].frame
+            row = f[(f["layer"] == layer) & (f["head"] == head)].iloc[0]
+            out["atlas"] = {
+                k: (
+                    str(v)
+                    if isinstance(v, str)
+                    else (round(float(v), 5) if math.isfinite(float(v)) else None)
+                )
+                for k, v in row.items()
+                if k not in ("layer", "head", "kv_head")
+            }
+        return out
+
     async def generate(body: dict):
-        prompt = _prompt(body)
-        steered = bool(body.get("steered", False))
+        prompt = _text(body)
+        steered = body.get("steered", False)
+        if not isinstance(steered, bool):
+            raise HeadsteerValueError(f"steered must be true or false, got {steered!r}")
         n_new = _int(body, "max_new_tokens", 1, MAX_NEW_TOKENS) if "max_new_tokens" in body else 32
+        job = Jobs.check_id(body.get("job"))
         steer = []
         if steered:
             heads = _heads(body, model.n_layers, model.n_heads)
@@ -228,36 +480,86 @@ def create_explorer(model):
             if not enc.spans[0]:
                 raise HeadsteerValueError("steering needs a span: mark it in the prompt with **...**")
             steer = [Pasta(heads=heads, alpha=_alpha(body))]
-        return StreamingResponse(_stream(prompt, steer, n_new), media_type="text/event-stream")
 
-    def _stream(prompt: str, steer: list, n_new: int):
-        from transformers import TextIteratorStreamer
+        def work(emit, flag) -> dict:
+            streamer = _Streamer(model.tokenizer, emit, flag)
+            steered_model.generate(prompt, steer, max_new_tokens=n_new, progress=False, streamer=streamer)
+            return {"done": True}
 
-        streamer = TextIteratorStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        failure: list[str] = []
+        return job_stream(job, work)
 
-        def work() -> None:
-            try:
-                with lock:
-                    steered_model.generate(
-                        prompt, steer, max_new_tokens=n_new, progress=False, streamer=streamer
-                    )
-            except Exception as exc:  # reported to the page as one line
-                failure.append(_one_line(exc))
-                streamer.end()
+    async def patching(body: dict):
+        clean = _text(body, "clean")
+        corrupted = _text(body, "corrupted")
+        answer = _text(body, "answer", MAX_ANSWER_CHARS)
+        cf = body.get("counterfactual")
+        cf = None if cf in (None, "") else _text(body, "counterfactual", MAX_ANSWER_CHARS)
+        job = Jobs.check_id(body.get("job"))
+        from heads.engine.options import SweepOptions
+        from heads.scorers.patching.activation import patch
+        from heads.scorers.patching.pairs import PromptPair, encode_pairs
 
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        for piece in streamer:
-            if piece:
-                yield f"data: {json.dumps({'text': piece})}\n\n"
-        thread.join()
-        end = {"error": failure[0]} if failure else {"done": True}
-        yield f"data: {json.dumps(end)}\n\n"
+        pairs = encode_pairs(model, [PromptPair(clean, corrupted, answer, cf)])  # checks before work
+        metric = "logit_diff" if cf is not None else "log_prob"
 
-    for path, fn in (("/api/scores", scores), ("/api/pattern", pattern), ("/api/generate", generate)):
+        def work(emit, flag) -> dict:
+            options = SweepOptions(progress=progress_of(emit, flag))
+            res = patch(model, pairs, "head_out", metric=metric, options=options)
+            return {
+                "result": {
+                    "scores": _grid(res.mean),
+                    "metric": metric,
+                    "clean_metric": round(float(res.clean[0]), 5),
+                    "corrupt_metric": round(float(res.corrupt[0]), 5),
+                    "tokens": res.labels,
+                }
+            }
+
+        return job_stream(job, work)
+
+    async def cancel(body: dict):
+        job = body.get("job")
+        if not isinstance(job, str) or not _JOB_ID.fullmatch(job):
+            raise HeadsteerValueError("job must be 8-64 characters of letters, digits, '_' or '-'")
+        return {"job": job, "cancelled": jobs.cancel(job)}
+
+    for path, fn in (
+        ("/api/scores", scores),
+        ("/api/pattern", pattern),
+        ("/api/head", head_card),
+        ("/api/generate", generate),
+        ("/api/patch", patching),
+        ("/api/cancel", cancel),
+    ):
         app.add_api_route(path, guarded(fn), methods=["POST"])
     return app
+
+
+def _streamer_class():
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        """Sends each decoded piece as a `{"text": ...}` event; raises `Cancelled` at the next token
+        once the job's flag is set (that ends `generate`)."""
+
+        def __init__(self, tokenizer, emit: Callable[[dict], None], flag: threading.Event):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.emit, self.flag = emit, flag
+
+        def put(self, value) -> None:
+            if self.flag.is_set():
+                raise Cancelled
+            super().put(value)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                self.emit({"text": text})
+
+    return Streamer
+
+
+def _Streamer(tokenizer, emit, flag):
+    return _streamer_class()(tokenizer, emit, flag)
 
 
 class _TooLarge(ValueError):

@@ -1,0 +1,135 @@
+"""The head explorer in headless Chromium (Playwright) on the embedded model, CPU.
+
+Figures (one JSON line):
+* `click_to_pattern_ms`: a mouse click on a grid cell to the head's `[T, T]` pattern drawn
+  (`Plotly.react` resolved), measured in the page with `performance.now()`, for a 256-token
+  prompt; the median of `--clicks` clicks on different heads (`click_to_pattern_all_ms` lists all).
+* `first_token_ratio`: time to the first streamed token of a steered generation in the page
+  (request sent to the first `text` event, browser clock) over the time to the first token of
+  `SteeredModel.generate` itself (call to the streamer's first text) with the same prompt, heads
+  and alpha; medians of `--runs` runs each.
+* `page_kb`: bytes the page loads (HTML + plotly.min.js) / 1024.
+
+Usage: `nice python benchmarks/explorer.py [--screenshot docs/img/explorer.png]` (about a minute).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.viz.test_explorer_browser import click_cell, serve  # noqa: E402
+
+DEMO = "Answer in French. **The capital of France is** the city of"
+
+
+def long_prompt(tokenizer, n: int = 256) -> str:
+    """A prompt of about `n` tokens after the chat template, with a marked span."""
+    filler = "The quick brown fox jumps over the lazy dog near the river bank. "
+    words = filler * 40
+    ids = tokenizer(words)["input_ids"]
+    body = tokenizer.decode(ids[: n - 60])
+    return f"{body} **The capital of France is** the city of"
+
+
+def sdk_first_token(sm, prompt, steer, n: int) -> float:
+    from transformers import TextStreamer
+
+    class First(TextStreamer):
+        t = None
+
+        def on_finalized_text(self, text, stream_end=False):
+            if text and self.t is None:
+                self.t = time.perf_counter()
+
+    s = First(sm.model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    sm.generate(prompt, steer, max_new_tokens=n, progress=False, streamer=s)
+    return (s.t - t0) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clicks", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--screenshot", default=None, help="write a screenshot of the page here")
+    args = ap.parse_args()
+
+    from playwright.sync_api import sync_playwright
+
+    from heads import load_model
+    from heads.inputs.prompts import encode_prompts
+    from steer.pasta.method import Pasta
+    from steer.steered_model import SteeredModel
+    from viz.explorer import create_explorer
+    from viz.explorer.app import _shipped_heads
+
+    model = load_model()
+    url, stop = serve(create_explorer(model))
+    prompt = long_prompt(model.tokenizer)
+    n_tokens = int(encode_prompts(model.tokenizer, prompt).attention_mask.sum())
+    shipped = _shipped_heads(model.name)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            sizes: list[int] = []
+            page.on("response", lambda r: sizes.append(len(r.body())) if r.request.method == "GET" else None)
+            page.goto(url)
+            page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+            page_kb = sum(sizes) / 1024
+            page.fill("#prompt", prompt)
+            page.click("#btn-score")
+            page.wait_for_function("state.jobs.size === 0", timeout=120_000)
+            times = []
+            for i in range(args.clicks + 1):
+                layer, head = (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads
+                click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
+                page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=120_000)
+                if i:  # the first click warms up
+                    times.append(page.evaluate("window.__explorer.lastPatternMs"))
+                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
+            page.fill("#prompt", DEMO)
+            page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)  # the clicked heads out
+            page.fill("#max-new", "4")
+            web = []
+            for _ in range(args.runs):
+                page.click("#btn-generate")
+                page.wait_for_selector("#out-steered[data-done='1']", timeout=120_000)
+                web.append(page.evaluate("window.__explorer.firstTokenMs"))
+            if args.screenshot:
+                page.fill("#max-new", "24")
+                page.click("#btn-shipped")
+                page.click("#btn-generate")
+                page.wait_for_selector("#out-steered[data-done='1']", timeout=300_000)
+                page.screenshot(path=args.screenshot, full_page=True)
+            browser.close()
+    finally:
+        stop()
+    by_layer: dict[int, list[int]] = {}
+    for la, h in shipped:
+        by_layer.setdefault(la, []).append(h)
+    sm = SteeredModel(model)
+    steer = [Pasta(heads=by_layer, alpha=0.01)]
+    sdk = [sdk_first_token(sm, DEMO, steer, 4) for _ in range(args.runs)]
+    out = {
+        "benchmark": "explorer",
+        "model": model.name,
+        "prompt_tokens": n_tokens,
+        "click_to_pattern_ms": round(statistics.median(times), 1),
+        "click_to_pattern_all_ms": [round(t, 1) for t in times],
+        "first_token_ms_page": round(statistics.median(web), 1),
+        "first_token_ms_sdk": round(statistics.median(sdk), 1),
+        "first_token_ratio": round(statistics.median(web) / statistics.median(sdk), 3),
+        "page_kb": round(page_kb, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The head explorer in a real browser: Playwright driving Debian's Chromium (`/usr/bin/chromium`).
+
+Screenshots of every view are written to a temporary folder whose path is printed
+(`pytest -s` shows it). Tiny random model, except the demo-prompt test (`real`).
+"""
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from viz.explorer import create_explorer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
+PROMPT = "Ignore this. **Remember the word apple** and say something"
+
+
+def serve(app):
+    """Start `app` on a free loopback port in a thread; return (url, stop)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return f"http://127.0.0.1:{port}/", stop
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from tests.support import make_tiny
+
+    return make_tiny("llama", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    address, stop = serve(create_explorer(model))
+    yield address
+    stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("explorer-screenshots")
+    print(f"\nexplorer screenshots: {d}")
+    return d
+
+
+def open_page(browser, url):
+    """A fresh tab (own browser context: nothing shared) with its console errors collected."""
+    page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+    return page, errors
+
+
+def click_cell(page, target: str, layer: int, head: int, n_layers: int, n_heads: int) -> None:
+    """Click cell (layer, head) of a Plotly heatmap (layer 0 at the bottom)."""
+    box = page.locator(f"#{target} .nsewdrag").first.bounding_box()
+    x = box["x"] + (head + 0.5) / n_heads * box["width"]
+    y = box["y"] + (1 - (layer + 0.5) / n_layers) * box["height"]
+    page.mouse.click(x, y)
+
+
+def set_heads(page, heads, alpha):
+    page.evaluate("([h, a]) => { state.heads = h; headsText(); document.getElementById('alpha').value = a; }",
+                  [heads, alpha])  # fmt: skip
+
+
+def expected_text(model, prompt, heads, alpha, n):
+    from steer.pasta.method import Pasta
+    from steer.steered_model import SteeredModel
+
+    by_layer: dict[int, list[int]] = {}
+    for la, h in heads:
+        by_layer.setdefault(la, []).append(h)
+    return (
+        SteeredModel(model)
+        .generate(prompt, [Pasta(heads=by_layer, alpha=alpha)], max_new_tokens=n, progress=False)
+        .text
+    )
+
+
+def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
+    from heads.scorers.attention_mass import head_pattern
+
+    page, errors = open_page(browser, url)
+    assert page.locator("#grid .heatmaplayer").count() == 1  # the overview grid is drawn
+    assert page.locator("#error").inner_text() == ""
+    page.locator("#overview").screenshot(path=str(shots / "overview.png"))
+    click_cell(page, "grid", 1, 2, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='1,2']", timeout=20_000)
+    _, tokens, _ = head_pattern(model, PROMPT, 1, 2)
+    ticks = page.locator("#pattern .xtick text").all_text_contents()
+    assert ticks and all(t.split(":", 1)[0].isdigit() for t in ticks) and len(ticks) <= len(tokens)
+    assert page.locator("#heads").inner_text() == "L1H2"  # the click also picked the head to steer
+    page.wait_for_selector("#head-card[data-head='1,2']", timeout=30_000)
+    assert "logit lens" in page.locator("#head-card").inner_text()
+    page.locator("#head-view").screenshot(path=str(shots / "head.png"))
+    # a bad prompt: one line in the page, and the next request works
+    page.fill("#prompt", "")
+    page.click("#btn-score")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "prompt" in page.locator("#error").inner_text()
+    page.fill("#prompt", PROMPT)
+    page.click("#btn-score")
+    page.wait_for_function("document.getElementById('error').textContent === '' && state.jobs.size === 0")
+    assert page.locator("#grid .heatmaplayer").count() == 1
+    assert not [e for e in errors if "400" not in e], errors  # only the refused request's own log line
+
+
+def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
+    """Two tabs generate at the same time with different heads; each gets its own answer."""
+    n = 6
+    all_heads = [[la, h] for la in range(model.n_layers) for h in range(model.n_heads)]
+    one_layer = [[0, h] for h in range(model.n_heads)]
+    a, errors_a = open_page(browser, url)
+    b, errors_b = open_page(browser, url)
+    for page, heads, alpha in ((a, all_heads, 1e-4), (b, one_layer, 0.5)):
+        set_heads(page, heads, alpha)
+        page.fill("#prompt", PROMPT)
+        page.fill("#max-new", str(n))
+    a.click("#btn-generate")
+    b.click("#btn-generate")
+    for page in (a, b):
+        page.wait_for_selector("#out-steered[data-done='1']", timeout=60_000)
+    got_a, got_b = a.locator("#out-steered").inner_text(), b.locator("#out-steered").inner_text()
+    assert got_a.strip() == expected_text(model, PROMPT, all_heads, 1e-4, n).strip()
+    assert got_b.strip() == expected_text(model, PROMPT, one_layer, 0.5, n).strip()
+    assert got_a != got_b
+    assert a.locator("#heads").inner_text() != b.locator("#heads").inner_text()
+    a.locator("#steering").screenshot(path=str(shots / "steering.png"))
+    # cancel: a long generation stops, the page says so, and the next one works
+    a.fill("#max-new", "250")
+    a.click("#btn-generate")
+    a.wait_for_function("document.getElementById('out-plain').textContent.length > 0", timeout=30_000)
+    a.click("#btn-cancel")
+    a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=30_000)
+    a.wait_for_function("state.jobs.size === 0")
+    assert a.locator("#out-plain").get_attribute("data-done") is None
+    a.fill("#max-new", "2")
+    a.click("#btn-generate")
+    a.wait_for_selector("#out-steered[data-done='1']", timeout=30_000)
+    assert a.locator("#error").inner_text() == ""
+    assert not errors_a and not errors_b, (errors_a, errors_b)
+
+
+def test_patching_view_clicks_through(browser, url, model, shots):
+    page, errors = open_page(browser, url)
+    page.fill("#clean", "The cat sat on the mat")
+    page.fill("#corrupted", "The dog sat on the mat")
+    page.fill("#answer", " and")
+    page.fill("#counterfactual", "")
+    page.click("#btn-patch")
+    page.wait_for_selector("#patch-grid[data-done='1']", timeout=60_000)
+    assert "log_prob" in page.locator("#patch-info").inner_text()
+    page.locator("#patching").screenshot(path=str(shots / "patching.png"))
+    click_cell(page, "patch-grid", 0, 1, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='0,1']", timeout=20_000)
+    labels = page.evaluate("document.getElementById('pattern').data[0].x.join(' ')")
+    assert "cat" in labels and "dog" not in labels  # the pattern on the clean prompt
+    assert not errors, errors
+
+
+@pytest.mark.real
+def test_demo_prompt_steered_differs_on_embedded_model(browser, smol, shots):
+    """The demo prompt with the shipped PASTA heads: the steered text is not the unsteered one."""
+    address, stop = serve(create_explorer(smol))
+    try:
+        page, errors = open_page(browser, address)
+        page.click("#btn-shipped")
+        assert page.locator("#heads").inner_text() != "(none)"
+        page.fill("#max-new", "12")
+        page.click("#btn-generate")
+        page.wait_for_selector("#out-steered[data-done='1']", timeout=120_000)
+        plain, steered = page.locator("#out-plain").inner_text(), page.locator("#out-steered").inner_text()
+        assert plain.strip() and steered.strip() and plain != steered
+        page.screenshot(path=str(shots / "embedded.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        stop()

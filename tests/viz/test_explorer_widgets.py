@@ -1,0 +1,64 @@
+"""The explorer's Jupyter widgets (`viz.widgets`): live anywidget views and their static HTML."""
+
+import html
+
+import pytest
+import torch
+
+from heads.results.scores import HeadScores
+from viz import widgets
+
+PROMPT = "Ignore this. **Remember the <b>word</b> apple** and say"
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from tests.support import make_tiny
+
+    return make_tiny("llama", tokenizer)
+
+
+def bundle_html(view) -> str:
+    if isinstance(view, widgets.StaticView):
+        return view._repr_html_()
+    data = view._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert "application/vnd.jupyter.widget-view+json" in data  # a live widget ...
+    return data["text/html"]  # ... with its static fallback
+
+
+def test_scores_grid_widget_and_fallback(monkeypatch):
+    s = HeadScores(torch.arange(6, dtype=torch.float).reshape(2, 3) / 5, "span", model="m")
+    view = widgets.scores_widget(s)
+    assert widgets.widgets_available() and not isinstance(view, widgets.StaticView)
+    assert view.data["rows"] == [[0.0, 0.2, 0.4], [0.6, 0.8, 1.0]]
+    view.selected = [1, 2]  # what a click sets
+    markup = bundle_html(view)
+    assert markup.count("<td") == 6 and "L1 / H2: 1.0000" in markup
+    monkeypatch.setattr(widgets, "widgets_available", lambda: False)
+    static = widgets.scores_widget(s)
+    assert isinstance(static, widgets.StaticView) and static.html == markup
+    with pytest.raises(TypeError, match="HeadScores"):
+        widgets.scores_widget(torch.zeros(2, 3))
+
+
+def test_pattern_and_steering_panel_escape_and_run(model):
+    from heads.scorers.attention_mass import head_pattern
+    from steer.pasta.method import Pasta
+    from steer.steered_model import SteeredModel
+
+    view = widgets.pattern_widget(model, PROMPT, 1, 0)
+    probs, tokens, _ = head_pattern(model, PROMPT, 1, 0)
+    assert len(view.data["rows"]) == len(tokens)
+    torch.testing.assert_close(torch.tensor(view.data["rows"]), probs.float(), atol=1e-4, rtol=0)
+    heads = {0: list(range(model.n_heads))}
+    panel = widgets.steering_panel(model, PROMPT, heads, alpha=0.5, max_new_tokens=4, run=True)
+    sm = SteeredModel(model)
+    assert panel.plain == sm.generate(PROMPT, [], max_new_tokens=4, progress=False).text
+    assert panel.steered == sm.generate(PROMPT, [Pasta(heads=heads, alpha=0.5)], max_new_tokens=4,
+                                        progress=False).text  # fmt: skip
+    markup = bundle_html(panel)
+    assert html.escape(PROMPT) in markup and "<b>word</b>" not in markup
+    panel._runner = lambda text: ("plain " + text, "steered")
+    panel._on_msg(panel, {"type": "generate"}, [])  # the button's message runs it again
+    assert (panel.plain, panel.steered, panel.status) == ("plain " + PROMPT, "steered", "")
