@@ -1,4 +1,4 @@
-"""Attention knockout and modification (docs/methods/patching_path.md).
+"""Attention knockout and modification (docs/methods/patching.md, "Path patching, knockout and speed").
 
 Knockout (Geva et al. 2023, "Dissecting Recall of Factual Associations in Auto-Regressive
 Language Models", EMNLP, arXiv:2304.14767, Sec. 3): in a window of layers (and chosen heads),
