@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.errors import HeadsteerTypeError, HeadsteerValueError, MissingDependency
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, load_model
 
@@ -188,7 +188,7 @@ class RayExecutor(Executor):
         try:
             import ray
         except ImportError:
-            raise ImportError("executor='ray' needs Ray: pip install 'headsteer[ray]'") from None
+            raise MissingDependency("executor='ray' needs Ray: pip install 'headsteer[ray]'") from None
         if not ray.is_initialized():
             # Workers must import this checkout of headsteer (also when it is not installed).
             root = str(Path(__file__).resolve().parents[2])

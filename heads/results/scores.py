@@ -536,8 +536,8 @@ class HeadScores:
 
     @classmethod
     def _from_json(cls, data: Mapping, name: str) -> HeadScores:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"{name!r}: malformed HeadScores file: {msg}")
+        def bad(msg: str) -> HeadsteerValueError:
+            return HeadsteerValueError(f"{name!r}: malformed HeadScores file: {msg}")
 
         for key, kind in (("method", str), ("model", str), ("n_layers", int), ("n_heads", int)):
             if key not in data:
