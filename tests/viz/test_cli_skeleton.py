@@ -412,7 +412,8 @@ def test_an_internal_bug_is_exit_1_with_a_hint(no_load, monkeypatch):
     # a plain ValueError / TypeError from inside is a bug too, not the user's input
     _boom_in_check_device(monkeypatch, TypeError("unsupported operand"))
     r = runner.invoke(app, ["generate", "a **b**"])
-    assert r.exit_code == 1 and r.stderr.startswith("internal error: TypeError: unsupported operand"), r.stderr
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("internal error: TypeError: unsupported operand"), r.stderr
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
