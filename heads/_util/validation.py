@@ -36,7 +36,13 @@ def _int_phrase(lo: int | None, hi: int | None) -> str:
 
 
 def check_int(
-    name: str, value: object, *, lo: int | None = None, hi: int | None = None, what: str | None = None
+    name: str,
+    value: object,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    what: str | None = None,
+    type_error: bool = False,
 ) -> int:
     """`value` as an `int` in `[lo, hi]` (either bound optional).
 
@@ -46,14 +52,17 @@ def check_int(
         lo, hi: inclusive bounds (default None: unbounded).
         what: how the message names the allowed values (default from the bounds:
             `"a positive int"` for `lo=1`, `"an int in 1..12"`, `"an int >= 0"`, `"an int"`).
+        type_error: raise `HeadsteerTypeError` (not `HeadsteerValueError`) for a value that is
+            not an integer at all (default False); an integer out of range is always a value error.
 
     Raises:
         HeadsteerValueError: `"<name> must be <what>, got <value>"` for a non-integer (bools
-            included) or a value out of range.
+            included; `HeadsteerTypeError` with `type_error`) or a value out of range.
     """
     v = int(value) if is_int(value) else None  # type: ignore[call-overload]
     if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise HeadsteerValueError(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
+        error = HeadsteerTypeError if (v is None and type_error) else HeadsteerValueError
+        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
     return v
 
 
@@ -69,10 +78,12 @@ def check_number(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
+    hi_open: bool = False,
     finite: bool = True,
     what: str | None = None,
 ) -> float:
-    """`value` as a `float` in `[lo, hi]` (`(lo, hi]` with `lo_open`), finite unless `finite=False`.
+    """`value` as a `float` in `[lo, hi]` (`(lo, ...` with `lo_open`, `..., hi)` with `hi_open`),
+    finite unless `finite=False`.
 
     Args:
         what: how the message names the allowed values (default from the bounds:
@@ -84,11 +95,11 @@ def check_number(
     """
     if what is None:
         if lo is not None and hi is not None:
-            what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
         elif lo is not None:
             what = f"a {'finite ' if finite else ''}number {'>' if lo_open else '>='} {lo:g}"
         elif hi is not None:
-            what = f"a {'finite ' if finite else ''}number <= {hi:g}"
+            what = f"a {'finite ' if finite else ''}number {'<' if hi_open else '<='} {hi:g}"
         else:
             what = "a finite number" if finite else "a number"
     bad = not is_number(value)
@@ -98,7 +109,7 @@ def check_number(
             (finite and not math.isfinite(v))
             or math.isnan(v)
             or (lo is not None and (v < lo or (lo_open and v == lo)))
-            or (hi is not None and v > hi)
+            or (hi is not None and (v > hi or (hi_open and v == hi)))
         )
     if bad:
         raise HeadsteerValueError(f"{name} must be {what}, got {value!r}")

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import progress_callback
+from heads._util.validation import check_bool
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
@@ -120,8 +121,7 @@ def profile_heads(
     if model.tokenizer is None:
         raise HeadsteerValueError("PASTA profiling needs a HeadModel with a tokenizer")
     check_alpha(alpha)  # validates alpha; warns on a no-op (alpha = 1) or de-emphasizing value
-    if not isinstance(reuse_positions, bool):
-        raise HeadsteerTypeError(f"reuse_positions must be a bool, got {reuse_positions!r}")
+    check_bool("reuse_positions", reuse_positions, what="a bool")
     items, single = normalize_prompts(prompts)
     if isinstance(targets, str):
         if not single:

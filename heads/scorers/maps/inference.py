@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
@@ -190,8 +191,7 @@ def relation_accuracy(
     `heads` are zero-ablated at the last position only (docs/methods/maps.md, Experiment 2).
     """
     n_prompts, batch_size = positive_int(n_prompts, "n_prompts"), positive_int(batch_size, "batch_size")
-    if isinstance(n_shots, bool) or not isinstance(n_shots, int) or n_shots < 0:
-        raise HeadsteerValueError(f"n_shots must be an int >= 0, got {n_shots!r}")
+    check_int("n_shots", n_shots, lo=0)
     prompts = _few_shot_prompts(relation, n_prompts, n_shots, seed)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:

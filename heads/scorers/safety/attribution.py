@@ -52,7 +52,6 @@ both; head outputs are read by pre-hooks on `o_proj`, which both backends keep).
 from __future__ import annotations
 
 import math
-import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from typing import Any, Literal
 
 import torch
 
-from heads._util.validation import check_int
+from heads._util.validation import check_bool, check_int, check_number, is_int
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import _forward, check_heads
@@ -176,7 +175,7 @@ def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
         raise HeadsteerValueError(f"{what} must be a non-empty list of token ids, got {ids!r}")
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+        if not is_int(t) or t < 0:
             raise HeadsteerValueError(f"{what} must hold non-negative int token ids, got {t!r}")
     return torch.tensor([int(t) for t in ids], dtype=torch.long)
 
@@ -389,11 +388,9 @@ def attribute(
             "and their gradients through local torch hooks, which do not run on NDIF (use remote=False)"
         )
     _check_ablation(ablation)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
-        raise HeadsteerValueError(f"eps must be a number in [0, 1], got {eps!r}")
+    check_number("eps", eps, lo=0, hi=1)
     for name, flag in (("exact", exact), ("saturation_fix", saturation_fix), ("graddrop", graddrop)):
-        if not isinstance(flag, bool):
-            raise HeadsteerTypeError(f"{name} must be a bool, got {flag!r}")
+        check_bool(name, flag, what="a bool")
     if not (metric == "kl" or callable(metric)):
         raise HeadsteerValueError(
             f"metric must be 'kl' or a callable (logp, prompt_index) -> [R], got {metric!r}"
