@@ -166,26 +166,9 @@ def _make_attention(base: str):
                 0
             ]
 
-        if read_only(edits):  # the model's own output; the pattern beside it for the readers
-            out = own_out()
-            _, pattern = blocked_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling,
-                edits,
-                kw.get("softcap"),
-                causal,
-                want,
-                base == "eager",
-                sinks=kw.get("s_aux"),
-                q_offset=q_offset,
-                pattern_only=True,
-            )
-            return out, pattern
-        if use_fused(edits, want, query):
+        # Read-only edits: the model's own output, with the pattern beside it for the readers.
+        only_read = read_only(edits)
+        if not only_read and use_fused(edits, want, query):
             out = fused_layer_attention(
                 query,
                 key,
@@ -199,7 +182,8 @@ def _make_attention(base: str):
                 q_offset=q_offset,
             )
             return out, None
-        return blocked_attention(
+        own_output = own_out() if only_read else None
+        out, pattern = blocked_attention(
             module,
             query,
             key,
@@ -213,8 +197,10 @@ def _make_attention(base: str):
             base == "eager",
             sinks=kw.get("s_aux"),
             q_offset=q_offset,
-            own=own_out,
+            pattern_only=only_read,
+            own=None if only_read else own_out,
         )
+        return (own_output, pattern) if only_read else (out, pattern)
 
     return headsteer_attention
 

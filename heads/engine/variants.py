@@ -195,8 +195,7 @@ def check_heads(model: HeadModel, heads: HeadSpec | None, layers: Sequence[int] 
 
 def check_max_rows(max_rows: object) -> int:
     """Raise `ValueError` unless `max_rows` is a positive int."""
-    check_int("max_rows", max_rows, lo=1)
-    return max_rows
+    return check_int("max_rows", max_rows, lo=1)
 
 
 def evaluate_variants(

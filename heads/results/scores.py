@@ -359,7 +359,7 @@ class HeadScores:
     def threshold(self, t: float) -> HeadSet:
         """Every head with score >= `t`."""
         check_number("threshold", t)
-        return HeadSet(tuple(int(x) for x in ij) for ij in torch.nonzero(self.scores >= t).tolist())
+        return HeadSet((int(i), int(j)) for i, j in torch.nonzero(self.scores >= t).tolist())
 
     # ---------------------------------------------------------------- files
     def to_json(self) -> dict:

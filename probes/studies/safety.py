@@ -13,7 +13,6 @@ the `SafetyAnalysis`
 from __future__ import annotations
 
 import html
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from heads._util.validation import check_int
 from heads.engine.executors import Executor
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
+from heads.scorers.controls import other_heads, random_head_draws
 from heads.scorers.safety.ships import (
     TEMPLATE,
     SaharaResult,
@@ -267,11 +267,8 @@ def safety_analysis(
 
         base = answers([])
         top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
-        rng = random.Random(seed)
-        others = [
-            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
-        ]
-        random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
+        others = other_heads(model.n_layers, model.n_heads, sa.heads)
+        random_heads = random_head_draws(others, 3, random_draws, seed, generator="python")
         rand = [answers(hs) for hs in random_heads]
     asr, asr_keyword = {}, {}
     for table, j in ((asr, judge), (asr_keyword, keyword)):

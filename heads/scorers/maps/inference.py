@@ -17,6 +17,7 @@ from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.scorers.controls import other_heads, random_head_draws
 from heads.scorers.maps.static import RelationPairs, positive_int, top_k_hits
 
 __all__ = [
@@ -285,12 +286,8 @@ def ablation_check(
             return res
         res.ablated = relation_accuracy(model, relation, ranked, n_prompts=n_prompts, seed=seed)
         say(2, total)
-        pool = [
-            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in ranked
-        ]
-        g = torch.Generator().manual_seed(seed)
-        for i in range(draws):
-            pick = [pool[j] for j in torch.randperm(len(pool), generator=g)[: len(ranked)].tolist()]
+        pool = other_heads(model.n_layers, model.n_heads, ranked)
+        for i, pick in enumerate(random_head_draws(pool, len(ranked), draws, seed)):
             res.random.append(relation_accuracy(model, relation, pick, n_prompts=n_prompts, seed=seed))
             say(3 + i, total)
     return res

@@ -52,7 +52,6 @@ both; head outputs are read by pre-hooks on `o_proj`, which both backends keep).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,6 +66,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
+from heads.scorers.controls import random_head_draws
 from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
 
 __all__ = [
@@ -601,7 +601,8 @@ def confirm_ships(
         return est
     ranked = est.scores.ranked()
     top, rest = ranked[:confirm], ranked[confirm:]
-    control = sorted(random.Random(seed).sample(rest, min(controls, len(rest))))
+    (control,) = random_head_draws(rest, min(controls, len(rest)), 1, seed, generator="python")
+    control = sorted(control)
     eps, exact_heads = check_scoring(model, eps, exact, top + control)
     res = exact_ships(model, prompts, exact_heads, ablation, eps, template, opts)
     params = dict(res.scores.params)
