@@ -40,6 +40,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -583,7 +584,7 @@ def fit_head_probes(
     }
     if isinstance(model, HeadModel):
         model, n_kv_heads = model.name, model.n_kv_heads if n_kv_heads is None else n_kv_heads
-    meta = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
+    meta: dict[str, Any] = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
     d = x.shape[3]
     return ProbeResult(
         accuracy=HeadScores(acc, "probe_accuracy", **meta),

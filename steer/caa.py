@@ -66,13 +66,13 @@ class CaaAdd(ResidualEdit):
 
 
 def _check_layer(model: HeadModel, layer: object) -> int:
-    check_int("CAA layer", layer, type_error=True)
-    if not 0 <= int(layer) < model.n_layers - 1:
+    layer = check_int("CAA layer", layer, type_error=True)
+    if not 0 <= layer < model.n_layers - 1:
         raise HeadsteerValueError(
             f"CAA layer {layer} is outside 0..{model.n_layers - 2} (the output of layer L is the input "
             "of layer L + 1; the last layer has none)"
         )
-    return int(layer)
+    return layer
 
 
 def _check_pairs(pairs: object) -> list[tuple[str, str]]:

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_number, is_int, is_number
+from heads._util.validation import check_layer_list, check_number, is_number
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -284,11 +284,7 @@ class Var:
             if not isinstance(getattr(self, name), bool):
                 raise HeadsteerValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.layers is not None:
-            ls = self.layers
-            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
-                raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
-            if any(not is_int(x) for x in ls):
-                raise HeadsteerValueError(f"layers must be ints, got {ls!r}")
+            check_layer_list("layers", self.layers)
 
     @classmethod
     def from_config(cls, config: Mapping) -> Var:

@@ -11,13 +11,25 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["check_bool", "check_int", "check_number", "check_shard", "is_int", "is_number"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_layer_list",
+    "check_number",
+    "check_shard",
+    "is_int",
+    "is_number",
+]
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeIs[int]:
     """True for an integer that is not a bool (Python, numpy or torch scalar integers)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -59,14 +71,14 @@ def check_int(
         HeadsteerValueError: `"<name> must be <what>, got <value>"` for a non-integer (bools
             included; `HeadsteerTypeError` with `type_error`) or a value out of range.
     """
-    v = int(value) if is_int(value) else None  # type: ignore[call-overload]
+    v = int(value) if is_int(value) else None
     if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
         error = HeadsteerTypeError if (v is None and type_error) else HeadsteerValueError
         raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
     return v
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeIs[float]:
     """True for a real number that is not a bool (Python, numpy or torch scalars)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -126,6 +138,20 @@ def check_bool(name: str, value: object, *, what: str = "True or False") -> bool
     if not isinstance(value, bool):
         raise HeadsteerTypeError(f"{name} must be {what}, got {value!r}")
     return value
+
+
+def check_layer_list(name: str, value: object) -> None:
+    """Refuse anything but a non-empty list, tuple or range of ints (layer indices) for `name`.
+
+    Raises:
+        HeadsteerValueError: `"<name> must be a non-empty list of layer indices, got ..."` for a
+            string, another type or an empty list; `"<name> must be ints, got ..."` for a non-int
+            entry (bools included).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)) or not value:
+        raise HeadsteerValueError(f"{name} must be a non-empty list of layer indices, got {value!r}")
+    if any(not is_int(x) for x in value):
+        raise HeadsteerValueError(f"{name} must be ints, got {value!r}")
 
 
 def check_shard(shard: object) -> tuple[int, int] | None:

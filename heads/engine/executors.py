@@ -34,6 +34,7 @@ __all__ = [
     "RayExecutor",
     "merge_tables",
     "resolve_executor",
+    "run_head_shards",
     "run_shards",
 ]
 
@@ -251,6 +252,16 @@ def run_shards(
     ex = resolve_executor(executor)
     n = ex.n_shards() if max_shards is None else max(1, min(ex.n_shards(), max_shards))
     return ex.map(target, model, [shard_kwargs(i, n) for i in range(n)])
+
+
+def run_head_shards(
+    target: Target, model: HeadModel | ModelSpec, executor: str | Executor, kwargs: dict, heads: Sequence
+) -> list:
+    """`run_shards` with the heads dealt round-robin: shard i of n runs `target(model, **kwargs,
+    heads=heads[i::n])`; at most `len(heads)` shards (none empty). The n results, in shard order."""
+    return run_shards(
+        target, model, executor, lambda i, n: dict(kwargs, heads=heads[i::n]), max_shards=len(heads)
+    )
 
 
 def merge_tables(parts: Sequence[torch.Tensor]) -> torch.Tensor:

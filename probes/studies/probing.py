@@ -193,6 +193,11 @@ def probe_study(
                 progress=offset_progress(report, done, total) or False,
             )
             done += len(data.prompts)
+
+            def fit_progress(d: int, t: int, at: int = done) -> None:
+                if report is not None:
+                    report(at + FIT_STEPS * d // t, total)
+
             res = fit_head_probes(
                 acts,
                 data.labels,
@@ -202,7 +207,7 @@ def probe_study(
                 n_jobs=n_jobs,
                 model=model.name,
                 n_kv_heads=model.n_kv_heads,
-                progress=(lambda d, t, at=done: report(at + FIT_STEPS * d // t, total)) if report else False,
+                progress=fit_progress if report else False,
             )
             done += FIT_STEPS
             majority = max(res.n_positive, res.n - res.n_positive) / res.n

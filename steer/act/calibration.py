@@ -17,7 +17,7 @@ import torch
 from heads._util.progress import progress_callback
 from heads._util.validation import check_number, is_int
 from heads.engine.edits import Edit
-from heads.engine.executors import run_shards
+from heads.engine.executors import run_head_shards
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -171,13 +171,7 @@ def calibrate_act_heads(
         )
         kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta)
         kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
-        parts = run_shards(
-            calibrate_act_heads,
-            model,
-            opts.executor,
-            lambda i, n: dict(kw, heads=heads[i::n]),
-            max_shards=len(heads),
-        )
+        parts = run_head_shards(calibrate_act_heads, model, opts.executor, kw, heads)
         acc = merge_scores([p.accuracy for p in parts])
         mar = merge_scores([p.margin for p in parts])
         table = acc if keep == "accuracy" else mar

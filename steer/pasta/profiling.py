@@ -143,7 +143,7 @@ def profile_heads(
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
     if opts.executor is not None:
-        from heads.engine.executors import run_shards
+        from heads.engine.executors import run_head_shards
         from heads.scorers.safety.common import merge_scores
 
         kw = dict(
@@ -151,13 +151,7 @@ def profile_heads(
         )
         kw.update(reuse_positions=reuse_positions)
         kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
-        parts = run_shards(
-            profile_heads,
-            model,
-            opts.executor,
-            lambda i, n: dict(kw, heads=heads[i::n]),
-            max_shards=len(heads),
-        )
+        parts = run_head_shards(profile_heads, model, opts.executor, kw, heads)
         return merge_scores(parts)
     bias = pasta_column_bias(enc, alpha)  # [N, T]
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_int, check_number, is_int
+from heads._util.validation import check_int, check_layer_list, check_number
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -300,7 +300,7 @@ class VhdProbe(HeadOutputEdit):
 
 
 def _check_alpha(alpha: object) -> float:
-    check_number("alpha", alpha)
+    alpha = check_number("alpha", alpha)
     if float(alpha) <= 0:
         raise HeadsteerValueError(f"alpha must be > 0 (1 = no-op, < 1 suppresses), got {alpha!r}")
     if float(alpha) > 1e4:
@@ -366,11 +366,7 @@ class Vhr:
             if not isinstance(getattr(self, flag), bool):
                 raise HeadsteerTypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.layers is not None:
-            ls = self.layers
-            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
-                raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
-            if any(not is_int(x) for x in ls):
-                raise HeadsteerValueError(f"layers must be ints, got {ls!r}")
+            check_layer_list("layers", self.layers)
 
     def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:
         """Per row, the spans removed in the without-image row (see `target`)."""

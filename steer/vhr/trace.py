@@ -183,5 +183,5 @@ def vhd_trace(
     frame = pd.DataFrame(
         {"step": range(len(tokens)), "token_id": tokens, "token": texts, "t_vhd": tvhd.tolist()}
     )
-    text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+    text = str(tok.decode(tokens, skip_special_tokens=True)) if tok is not None else ""
     return VhdTrace(frame, vhd, ta, text, int(k), reduce)
