@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from heads import HeadModel, encode_prompts, forward
+from heads import EncodedPrompts, HeadModel, encode_prompts, forward
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, check_number, is_int
@@ -246,7 +246,17 @@ def collect_head_outputs(
     order = sorted(range(n), key=lambda i: len(str(prompts[i])))
     try:
         with progress_callback(progress, "head outputs", "prompts") as report:
-            _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report)
+
+            def encode(idx: list[int]) -> EncodedPrompts:
+                return encode_prompts(
+                    model.tokenizer,
+                    [prompts[i] for i in idx],
+                    emphasize=None if emph_rows is None else [emph_rows[i] for i in idx],
+                    chat=chat,
+                    markup=markup,
+                )
+
+            _collect(model, encode, position, order, batch_size, out, report)
         if arr is not None:
             arr.flush()
         if tmp is not None and target is not None:
@@ -284,18 +294,13 @@ def _reserve(fd: int, nbytes: int, folder: str) -> None:
         ) from None
 
 
-def _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report) -> None:
-    """Fill `out` `[N, L, H, d]` batch by batch (see `collect_head_outputs`)."""
-    n = len(prompts)
+def _collect(model, encode, position, order, batch_size, out, report) -> None:
+    """Fill `out` `[N, L, H, d]` batch by batch (see `collect_head_outputs`); `encode(idx)` encodes
+    the prompts at the indices `idx` of `order`'s batch."""
+    n = len(order)
     for a in range(0, n, batch_size):
         idx = order[a : a + batch_size]
-        enc = encode_prompts(
-            model.tokenizer,
-            [prompts[i] for i in idx],
-            emphasize=None if emph_rows is None else [emph_rows[i] for i in idx],
-            chat=chat,
-            markup=markup,
-        )
+        enc = encode(idx)
         w = _weights(enc, position)
         index = w.argmax(1) if bool((w.max(1).values == 1).all()) else None
         recs = [_HeadOutputRecorder(layer=la, select=w, index=index) for la in range(model.n_layers)]

@@ -419,7 +419,7 @@ def attribute(
     for a in range(0, enc.batch, max_rows):
         rows = torch.arange(a, min(a + max_rows, enc.batch))
         per_prompt[rows] = _attribute_batch(
-            model, enc, rows, ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means
+            model, enc, rows, _BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
         )
     keep = torch.zeros(model.n_layers, model.n_heads, dtype=torch.bool)
     for layer, head in chosen:
@@ -454,19 +454,26 @@ def _layer_edit(ablation, layer: int, eps: float, saturation_fix: bool) -> Edit:
     return _LinearisedScale(layer, eps)
 
 
+@dataclass(frozen=True)
+class _BatchSetup:
+    """What `_attribute_batch` needs of `attribute`'s checked arguments (the same for every batch);
+    `means`: the per-layer head means of `ablation="mean"`, else None."""
+
+    ablation: Any
+    eps: float
+    metric: Any
+    kl_tokens: int
+    saturation_fix: bool
+    graddrop: bool
+    means: list[torch.Tensor] | None
+
+
 def _attribute_batch(
-    model: HeadModel,
-    enc: EncodedPrompts,
-    rows: torch.Tensor,
-    ablation,
-    eps: float,
-    metric,
-    kl_tokens: int,
-    saturation_fix: bool,
-    graddrop: bool,
-    means: list[torch.Tensor] | None,
+    model: HeadModel, enc: EncodedPrompts, rows: torch.Tensor, setup: _BatchSetup
 ) -> torch.Tensor:
     """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch)."""
+    ablation, eps, metric, kl_tokens = setup.ablation, setup.eps, setup.metric, setup.kl_tokens
+    saturation_fix, graddrop, means = setup.saturation_fix, setup.graddrop, setup.means
     lengths = enc.attention_mask[rows].sum(-1)
     trim = enc.length - int(lengths.max())
     ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
