@@ -8,9 +8,10 @@ Python, but `layer=True` is always a mistake).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_bool",
+    "check_forwarded",
     "check_int",
     "check_layer_list",
     "check_number",
@@ -152,6 +154,20 @@ def check_layer_list(name: str, value: object) -> None:
         raise HeadsteerValueError(f"{name} must be a non-empty list of layer indices, got {value!r}")
     if any(not is_int(x) for x in value):
         raise HeadsteerValueError(f"{name} must be ints, got {value!r}")
+
+
+def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) -> None:
+    """Refuse, before any work, a keyword in `kwargs` that `target` (which `where` forwards them
+    to) does not take, or one of its positional parameters.
+
+    Raises:
+        HeadsteerTypeError: `"<where>() got an unexpected keyword argument '<name>'"`.
+    """
+    params = inspect.signature(target).parameters
+    taken = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = sorted(set(kwargs) - taken)
+    if unknown:
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 def check_shard(shard: object) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -22,7 +23,7 @@ import torch
 from heads import HeadModel
 from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_int
+from heads._util.validation import check_forwarded, check_int
 from heads.results.scores import HeadScores
 from probes.studies.probing import (
     FIT_STEPS,
@@ -67,14 +68,10 @@ def probes_report(
     out: str | os.PathLike,
     *,
     tasks: Sequence[str] = REPORT_TASKS,
-    limit: int | None = None,
     top: int = 10,
-    cv: int = 5,
-    seed: int = 0,
-    batch_size: int = 16,
-    n_jobs: int = 1,
     overwrite: bool = False,
     progress: ProgressArg = True,
+    **study: Any,
 ) -> tuple[os.PathLike, dict]:
     """Write the probes report (HTML) and return its path and a JSON-able summary.
 
@@ -83,9 +80,10 @@ def probes_report(
         out: the HTML file; refused if it exists unless `overwrite`.
         tasks: probe tasks (`probes.head_probes.PROBE_TASKS`; default harmful, sentiment,
             counterfact), each on its train split.
-        limit: at most `limit` examples per task (`probe_data`), default all.
         top: heads listed (and outlined) per task (default 10).
-        cv, seed, n_jobs: as `fit_head_probes`; batch_size as `collect_head_outputs`.
+        study: the other keyword arguments of `probes.studies.probing.probe_study`, passed on:
+            `limit` (at most `limit` examples per task, default all), `cv` (5), `seed` (0),
+            `n_jobs` (1) as `fit_head_probes`; `batch_size` (16) as `collect_head_outputs`.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads._util.progress`) in steps: each prompt whose head outputs are collected (after
             each batch), then `FIT_STEPS` when a task's probes are fitted; total known up front.
@@ -95,25 +93,17 @@ def probes_report(
         of heads above chance, and the mean |cosine| of each task pair over their top heads.
 
     Raises:
+        HeadsteerTypeError: a keyword `probe_study` does not take.
         ValueError: an unknown task, an existing `out` without `overwrite`, or bad numbers.
     """
+    check_forwarded("probes_report", study, probe_study)
     tasks = check_probe_tasks(tasks)
     top = check_int("top", top, lo=1)
     check_output(out, overwrite=overwrite)
     t0 = time.perf_counter()
-    study = probe_study(
-        model,
-        tasks=tasks,
-        limit=limit,
-        top=top,
-        cv=cv,
-        seed=seed,
-        batch_size=batch_size,
-        n_jobs=n_jobs,
-        progress=progress,
-    )
-    summary: dict = study.summary()
-    rep = Report("Per-head linear probes", model.name, study.params)
+    result = probe_study(model, tasks=tasks, top=top, progress=progress, **study)
+    summary: dict = result.summary()
+    rep = Report("Per-head linear probes", model.name, result.params)
     rep.text(
         "How to read this",
         "Each head's output (its slice of the o_proj input) at the last token is a d_head vector; a "
@@ -123,7 +113,7 @@ def probes_report(
         "chance' when its accuracy interval lies above the majority-class share. Method: Li et al. "
         "2023 (ITI), section 3.1.",
     )
-    for task, tp in study.tasks.items():
+    for task, tp in result.tasks.items():
         res, best, above = tp.result, tp.best, tp.above_chance
         layer, head = best["head"]
         verdict = (
@@ -143,8 +133,8 @@ def probes_report(
         )
         frame = res.to_frame().drop(columns=["kv_head"]).head(top)
         rep.table(f"{task}: top {top} heads", frame)
-    for (a, b), cos in study.cosines.items():
-        mean_abs = study.mean_abs_cosine(a, b)
+    for (a, b), cos in result.cosines.items():
+        mean_abs = result.mean_abs_cosine(a, b)
         rep.figure(
             f"mass-mean direction cosine: {a} vs {b} (mean |cos| over both top-{top} sets {mean_abs:.3f}; "
             f"two random directions in d_head={model.d_head}: {math.sqrt(2 / (math.pi * model.d_head)):.3f})",
