@@ -43,7 +43,13 @@ from heads.engine.edits import (
 )
 from heads.engine.forward import forward
 from heads.engine.options import SweepOptions
-from heads.errors import EditNeverFired, HeadsteerError, HeadsteerTypeError, HeadsteerValueError
+from heads.errors import (
+    EditNeverFired,
+    HeadsteerError,
+    HeadsteerTypeError,
+    HeadsteerValueError,
+    MissingDependency,
+)
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
@@ -71,6 +77,7 @@ __all__ = [
     "HeadSet",
     "HeadSpec",
     "LogitBias",
+    "MissingDependency",
     "ProbEdit",
     "QueryEdit",
     "QueryScale",

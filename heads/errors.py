@@ -5,15 +5,22 @@
   model family. The message names the bad value.
 * `HeadsteerTypeError` (also a `TypeError`): an argument of the wrong type.
 * `EditNeverFired` (also a `RuntimeError`): an edit was installed but the model never ran it.
+* `MissingDependency` (also an `ImportError`): an optional extra (Ray, ...) is not installed.
 
 Catching the built-in base (`except ValueError`) keeps working. The CLI prints a
-`HeadsteerError` as one line and exits 2; any other exception is reported as a bug (its
-traceback with `headsteer --debug`).
+`HeadsteerError` as one line and exits 2; any other exception is reported as a bug, one
+`internal error: ...` line and exit 1 (its traceback with `headsteer --debug` or `HEADSTEER_DEBUG=1`).
 """
 
 from __future__ import annotations
 
-__all__ = ["EditNeverFired", "HeadsteerError", "HeadsteerTypeError", "HeadsteerValueError"]
+__all__ = [
+    "EditNeverFired",
+    "HeadsteerError",
+    "HeadsteerTypeError",
+    "HeadsteerValueError",
+    "MissingDependency",
+]
 
 
 class HeadsteerError(Exception):
@@ -30,3 +37,7 @@ class HeadsteerTypeError(HeadsteerError, TypeError):
 
 class EditNeverFired(HeadsteerError, RuntimeError):
     """An edit was installed but the model never ran it (e.g. wrong layer, no forward)."""
+
+
+class MissingDependency(HeadsteerError, ImportError):
+    """An optional dependency (an extra such as `headsteer[ray]`) is not installed; the message says how."""

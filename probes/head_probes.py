@@ -40,13 +40,15 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from heads import HeadModel, encode_prompts, forward
+from heads import EncodedPrompts, HeadModel, encode_prompts, forward
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int, check_number, is_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -110,7 +112,7 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
                 f"position='span' needs an emphasized span in every prompt; row {empty[0]} has none"
             )
         return mask / mask.sum(1, keepdim=True)
-    if isinstance(position, numbers.Integral) and not isinstance(position, bool):
+    if is_int(position):
         real = enc.attention_mask.sum(1)
         for b in range(batch):
             n = int(real[b])
@@ -201,10 +203,8 @@ def collect_head_outputs(
         raise HeadsteerValueError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise HeadsteerValueError("prompts is empty")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 0:
-        raise HeadsteerValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+    check_int("batch_size", batch_size, lo=1)
+    check_int("max_bytes", max_bytes, lo=0, what="a non-negative int")
     if not (position in ("last", "span") or callable(position) or isinstance(position, numbers.Integral)):
         raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
     if isinstance(position, bool):
@@ -246,7 +246,17 @@ def collect_head_outputs(
     order = sorted(range(n), key=lambda i: len(str(prompts[i])))
     try:
         with progress_callback(progress, "head outputs", "prompts") as report:
-            _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report)
+
+            def encode(idx: list[int]) -> EncodedPrompts:
+                return encode_prompts(
+                    model.tokenizer,
+                    [prompts[i] for i in idx],
+                    emphasize=None if emph_rows is None else [emph_rows[i] for i in idx],
+                    chat=chat,
+                    markup=markup,
+                )
+
+            _collect(model, encode, position, order, batch_size, out, report)
         if arr is not None:
             arr.flush()
         if tmp is not None and target is not None:
@@ -284,18 +294,13 @@ def _reserve(fd: int, nbytes: int, folder: str) -> None:
         ) from None
 
 
-def _collect(model, prompts, position, order, batch_size, emph_rows, chat, markup, out, report) -> None:
-    """Fill `out` `[N, L, H, d]` batch by batch (see `collect_head_outputs`)."""
-    n = len(prompts)
+def _collect(model, encode, position, order, batch_size, out, report) -> None:
+    """Fill `out` `[N, L, H, d]` batch by batch (see `collect_head_outputs`); `encode(idx)` encodes
+    the prompts at the indices `idx` of `order`'s batch."""
+    n = len(order)
     for a in range(0, n, batch_size):
         idx = order[a : a + batch_size]
-        enc = encode_prompts(
-            model.tokenizer,
-            [prompts[i] for i in idx],
-            emphasize=None if emph_rows is None else [emph_rows[i] for i in idx],
-            chat=chat,
-            markup=markup,
-        )
+        enc = encode(idx)
         w = _weights(enc, position)
         index = w.argmax(1) if bool((w.max(1).values == 1).all()) else None
         recs = [_HeadOutputRecorder(layer=la, select=w, index=index) for la in range(model.n_layers)]
@@ -517,14 +522,13 @@ def fit_head_probes(
     if bad:
         raise HeadsteerValueError(f"labels must be binary 0/1, got value {bad[0]!r}")
     y = y.astype(np.int64)
-    if isinstance(cv, bool) or not isinstance(cv, numbers.Integral) or cv < 2:
-        raise HeadsteerValueError(f"cv must be an int >= 2, got {cv!r}")
+    check_int("cv", cv, lo=2)
     counts = np.bincount(y, minlength=2)
     if counts.min() < cv:
         raise HeadsteerValueError(
             f"each class needs at least cv={cv} rows, got {counts[0]} of 0 and {counts[1]} of 1"
         )
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    if not is_int(seed):
         raise HeadsteerValueError(f"seed must be an int, got {seed!r}")
     for a in range(0, n, 256):
         chunk = np.asarray(x[a : a + 256])
@@ -585,7 +589,7 @@ def fit_head_probes(
     }
     if isinstance(model, HeadModel):
         model, n_kv_heads = model.name, model.n_kv_heads if n_kv_heads is None else n_kv_heads
-    meta = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
+    meta: dict[str, Any] = dict(params=params, model=model, n_kv_heads=n_kv_heads, seed=int(seed))
     d = x.shape[3]
     return ProbeResult(
         accuracy=HeadScores(acc, "probe_accuracy", **meta),
@@ -657,9 +661,7 @@ def probe_data(name: str, split: str = "train", limit: int | None = None) -> Pro
 
     if name not in PROBE_TASKS:
         raise HeadsteerValueError(f"unknown probe task {name!r}: use one of {PROBE_TASKS}")
-    if limit is not None and (
-        isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
-    ):
+    if limit is not None and (not is_int(limit) or limit < 1):
         raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
     if name == "harmful":
         if split not in ("train", "test"):
@@ -718,8 +720,7 @@ def fit_iti(
         or not 1 <= k <= model.n_layers * model.n_heads
     ):
         raise HeadsteerValueError(f"k must be an int in 1..{model.n_layers * model.n_heads}, got {k!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
-        raise HeadsteerValueError(f"alpha must be a finite number, got {alpha!r}")
+    check_number("alpha", alpha)
     if direction not in ("mass_mean", "probe"):
         raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
     examples = load_task(task, "train").examples[:limit]

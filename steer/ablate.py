@@ -6,11 +6,10 @@ chosen head is ablated at every position, prompt rows and each decode step.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Literal
 
+from heads._util.validation import check_number
 from heads.engine.edits import Edit, HeadScale, QueryScale, max_factor
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -48,12 +47,7 @@ class Ablate:
     def __post_init__(self) -> None:
         if self.method not in ("ua", "sc"):
             raise HeadsteerValueError(f"unknown ablation method {self.method!r}: use 'ua' or 'sc'")
-        if (
-            isinstance(self.eps, bool)
-            or not isinstance(self.eps, numbers.Real)
-            or not math.isfinite(self.eps)
-        ):
-            raise HeadsteerValueError(f"eps must be a finite number, got {self.eps!r}")
+        check_number("eps", self.eps)
         if self.eps == 1:
             warn_noop(f"Ablate eps={self.eps} is a no-op: output equals the unsteered model", stacklevel=4)
         if empty_heads(self.heads):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int, is_int
 from heads.engine.context import editing
 from heads.engine.edits import MAX_FACTOR, AttentionCall, ResidualEdit, ResidualRecorder
 from heads.engine.forward import forward
@@ -65,14 +66,13 @@ class CaaAdd(ResidualEdit):
 
 
 def _check_layer(model: HeadModel, layer: object) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise HeadsteerTypeError(f"CAA layer must be an int, got {layer!r}")
-    if not 0 <= int(layer) < model.n_layers - 1:
+    layer = check_int("CAA layer", layer, type_error=True)
+    if not 0 <= layer < model.n_layers - 1:
         raise HeadsteerValueError(
             f"CAA layer {layer} is outside 0..{model.n_layers - 2} (the output of layer L is the input "
             "of layer L + 1; the last layer has none)"
         )
-    return int(layer)
+    return layer
 
 
 def _check_pairs(pairs: object) -> list[tuple[str, str]]:
@@ -126,8 +126,7 @@ def caa_vector(
     """
     layer = _check_layer(model, layer)
     items = _check_pairs(pairs)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, lo=1)
     total = torch.zeros(model.d_model, dtype=torch.float64)
     with progress_callback(progress, "CAA vector", "pairs") as report:
         for a in range(0, len(items), batch_size):
@@ -184,10 +183,9 @@ class Caa:
             raise HeadsteerValueError(
                 f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {c!r}"
             )
-        if isinstance(self.layer, bool) or not isinstance(self.layer, numbers.Integral):
-            raise HeadsteerTypeError(f"CAA layer must be an int, got {self.layer!r}")
+        check_int("CAA layer", self.layer, type_error=True)
         p = self.from_position
-        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Integral)):
+        if p is not None and (not is_int(p)):
             raise HeadsteerTypeError(f"from_position must be an int or None, got {p!r}")
         object.__setattr__(self, "vector", v)
         if c == 0 or not bool(v.any()):

@@ -31,12 +31,12 @@ real prompt token from the first up to the end of the row's last span.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from heads._util.validation import is_int, is_number
 from heads.engine.edits import MAX_FACTOR
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -111,7 +111,7 @@ class InstaBoost:
 
     def __post_init__(self) -> None:
         m = self.multiplier
-        if isinstance(m, bool) or not isinstance(m, numbers.Real):
+        if not is_number(m):
             raise HeadsteerTypeError(f"InstaBoost multiplier must be a number, got {m!r}")
         if not math.isfinite(m) or m <= 0 or m > MAX_FACTOR:
             raise HeadsteerValueError(f"InstaBoost multiplier must be in (0, {MAX_FACTOR:g}], got {m!r}")
@@ -119,7 +119,7 @@ class InstaBoost:
             raise HeadsteerValueError(f"unknown InstaBoost region {self.region!r}: use 'span' or 'prefix'")
         if self.layers is not None:
             layers = tuple(self.layers)
-            if any(isinstance(la, bool) or not isinstance(la, numbers.Integral) for la in layers):
+            if any(not is_int(la) for la in layers):
                 raise HeadsteerTypeError(f"InstaBoost layers must be ints, got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(int(la) for la in layers))
             if not layers:

@@ -13,14 +13,13 @@ reference implementation (the last token, then each new one).
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 
+from heads._util.validation import check_int, check_number, is_int
 from heads.engine.edits import MAX_FACTOR, AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -65,9 +64,7 @@ class ItiShift(HeadOutputEdit):
 
 
 def _finite(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise HeadsteerValueError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+    return check_number(what, value)
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ class Iti:
             for x in heads:
                 if not isinstance(x, (tuple, list)) or len(x) != 2:
                     raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
-                if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in x):
+                if any(not is_int(v) for v in x):
                     raise HeadsteerValueError(f"layer and head must be ints, got {x!r}")
                 pairs.append((int(x[0]), int(x[1])))
         if len(set(pairs)) != len(pairs):
@@ -134,7 +131,7 @@ class Iti:
             warn_noop("ITI with no heads steers nothing: output equals the unsteered model")
         elif float(self.alpha) != 0 and not bool((d.abs().sum(1) * s).any()):
             warn_noop("ITI shifts are all zero (zero sigmas or directions): output equals the unsteered")
-        if isinstance(self.from_position, bool) or not isinstance(self.from_position, numbers.Integral):
+        if not is_int(self.from_position):
             raise HeadsteerValueError(f"from_position must be an int, got {self.from_position!r}")
         object.__setattr__(self, "heads", tuple(pairs))
         object.__setattr__(self, "directions", d)
@@ -162,8 +159,7 @@ class Iti:
         Raises:
             ValueError: bad k or direction, or a chosen head without a direction (NaN).
         """
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise HeadsteerValueError(f"k must be a positive int, got {k!r}")
+        check_int("k", k, lo=1)
         if direction not in ("mass_mean", "probe"):
             raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
         heads = result.ranked(int(k), by=by)

@@ -15,7 +15,6 @@ arriving within `wait_s` (up to `max_batch`) and runs them as one batch.
 from __future__ import annotations
 
 import math
-import numbers
 import queue
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from heads._util.validation import is_int, is_number
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -104,7 +104,7 @@ def _heads_spec(value, method: str):
 
 
 def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         raise HeadsteerValueError(f"{name} must be a finite number, got {_short(value)}")
     try:
         out = float(value)
@@ -246,7 +246,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         m = self.max_tokens
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+        if not is_int(m) or m < 1:
             raise HeadsteerValueError(f"max_tokens must be a positive integer, got {_short(m)}")
         t = _number(self.temperature, "temperature")
         if not 0 <= t <= 2:
@@ -255,9 +255,7 @@ class SamplingParams:
         if not 0 < p <= 1:
             raise HeadsteerValueError(f"top_p must be in (0, 1], got {p!r}")
         s = self.seed
-        if s is not None and (
-            isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= MAX_SEED
-        ):
+        if s is not None and (not is_int(s) or not 0 <= s <= MAX_SEED):
             raise HeadsteerValueError(f"seed must be an integer in [0, 2**63 - 1], got {_short(s)}")
         if len(self.stop) > MAX_STOP or any(
             not isinstance(x, str) or not x or len(x) > MAX_STOP_CHARS for x in self.stop

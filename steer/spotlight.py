@@ -26,12 +26,12 @@ such rows (`UnsteeredRowsWarning`, `steer.span_rows`).
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from heads._util.validation import check_bool, is_int, is_number
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, SpanShareEdit
 from heads.engine.kernels import fused
@@ -142,7 +142,7 @@ class SpotlightEdit(SpanShareEdit):
 
 
 def _check_tau(tau: object) -> float:
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+    if not is_number(tau):
         raise HeadsteerTypeError(f"tau must be a number, got {tau!r}")
     value = float(tau)
     if not math.isfinite(value) or not 0 < value < 1:
@@ -186,8 +186,7 @@ class Spotlight:
             raise HeadsteerValueError(
                 f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'"
             )
-        if not isinstance(self.steer_decode, bool):
-            raise HeadsteerTypeError(f"steer_decode must be a bool, got {self.steer_decode!r}")
+        check_bool("steer_decode", self.steer_decode, what="a bool")
         if self.layers is not None:
             ls = self.layers
             if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)):
@@ -196,7 +195,7 @@ class Spotlight:
                 raise HeadsteerValueError(
                     "layers is empty: SpotLight would steer nothing (None = every layer)"
                 )
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
+            if any(not is_int(x) for x in ls):
                 raise HeadsteerTypeError(f"layers must be ints, got {ls!r}")
             if len(set(ls)) != len(ls):
                 raise HeadsteerValueError(f"layers has duplicates (each would steer again): {ls!r}")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from heads._util.progress import Progress, ProgressArg, progress_callback
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -208,8 +209,7 @@ class SteeredModel:
                 the model's dtype), naming the step and the edits.
             TypeError: a steer item without `edits(model, enc)`.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise HeadsteerValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, lo=1)
         bad_seed = isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63
         if seed is not None and bad_seed:
             raise HeadsteerValueError(f"seed must be an int in 0..2**63-1 or None, got {seed!r}")

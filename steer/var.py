@@ -26,13 +26,13 @@ Text variant ("VAR-text"): the "image" is the emphasized context passage (`**...
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from heads._util.validation import check_layer_list, check_number, is_number
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -219,7 +219,7 @@ _KEYS = (
 
 
 def _unit(name: str, x: object) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+    if not is_number(x) or not math.isfinite(x):
         raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
     if not 0 <= float(x) <= 1:
         raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
@@ -276,24 +276,15 @@ class Var:
         _unit("rho", self.rho)
         _unit("p", self.p)
         _unit("floor", self.floor)
-        if self.tau is not None and (
-            isinstance(self.tau, bool)
-            or not isinstance(self.tau, numbers.Real)
-            or not math.isfinite(self.tau)
-            or self.tau <= 0
-        ):
-            raise HeadsteerValueError(f"tau must be a positive number, got {self.tau!r}")
+        if self.tau is not None:
+            check_number("tau", self.tau, lo=0, lo_open=True, what="a positive number")
         if self.target not in ("auto", "image", "text"):
             raise HeadsteerValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
         for name in ("skip_last", "sinks_from_prefill_only", "require_visual_sink", "enabled"):
             if not isinstance(getattr(self, name), bool):
                 raise HeadsteerValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.layers is not None:
-            ls = self.layers
-            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
-                raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
-                raise HeadsteerValueError(f"layers must be ints, got {ls!r}")
+            check_layer_list("layers", self.layers)
 
     @classmethod
     def from_config(cls, config: Mapping) -> Var:

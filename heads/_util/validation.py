@@ -8,16 +8,30 @@ Python, but `layer=True` is always a mistake).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["check_bool", "check_int", "check_number", "check_shard", "is_int", "is_number"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+__all__ = [
+    "check_bool",
+    "check_forwarded",
+    "check_int",
+    "check_layer_list",
+    "check_number",
+    "check_shard",
+    "is_int",
+    "is_number",
+]
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeIs[int]:
     """True for an integer that is not a bool (Python, numpy or torch scalar integers)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -36,7 +50,13 @@ def _int_phrase(lo: int | None, hi: int | None) -> str:
 
 
 def check_int(
-    name: str, value: object, *, lo: int | None = None, hi: int | None = None, what: str | None = None
+    name: str,
+    value: object,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    what: str | None = None,
+    type_error: bool = False,
 ) -> int:
     """`value` as an `int` in `[lo, hi]` (either bound optional).
 
@@ -46,18 +66,21 @@ def check_int(
         lo, hi: inclusive bounds (default None: unbounded).
         what: how the message names the allowed values (default from the bounds:
             `"a positive int"` for `lo=1`, `"an int in 1..12"`, `"an int >= 0"`, `"an int"`).
+        type_error: raise `HeadsteerTypeError` (not `HeadsteerValueError`) for a value that is
+            not an integer at all (default False); an integer out of range is always a value error.
 
     Raises:
         HeadsteerValueError: `"<name> must be <what>, got <value>"` for a non-integer (bools
-            included) or a value out of range.
+            included; `HeadsteerTypeError` with `type_error`) or a value out of range.
     """
-    v = int(value) if is_int(value) else None  # type: ignore[call-overload]
+    v = int(value) if is_int(value) else None
     if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise HeadsteerValueError(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
+        error = HeadsteerTypeError if (v is None and type_error) else HeadsteerValueError
+        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
     return v
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeIs[float]:
     """True for a real number that is not a bool (Python, numpy or torch scalars)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -69,10 +92,12 @@ def check_number(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
+    hi_open: bool = False,
     finite: bool = True,
     what: str | None = None,
 ) -> float:
-    """`value` as a `float` in `[lo, hi]` (`(lo, hi]` with `lo_open`), finite unless `finite=False`.
+    """`value` as a `float` in `[lo, hi]` (`(lo, ...` with `lo_open`, `..., hi)` with `hi_open`),
+    finite unless `finite=False`.
 
     Args:
         what: how the message names the allowed values (default from the bounds:
@@ -84,11 +109,11 @@ def check_number(
     """
     if what is None:
         if lo is not None and hi is not None:
-            what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
         elif lo is not None:
             what = f"a {'finite ' if finite else ''}number {'>' if lo_open else '>='} {lo:g}"
         elif hi is not None:
-            what = f"a {'finite ' if finite else ''}number <= {hi:g}"
+            what = f"a {'finite ' if finite else ''}number {'<' if hi_open else '<='} {hi:g}"
         else:
             what = "a finite number" if finite else "a number"
     bad = not is_number(value)
@@ -98,7 +123,7 @@ def check_number(
             (finite and not math.isfinite(v))
             or math.isnan(v)
             or (lo is not None and (v < lo or (lo_open and v == lo)))
-            or (hi is not None and v > hi)
+            or (hi is not None and (v > hi or (hi_open and v == hi)))
         )
     if bad:
         raise HeadsteerValueError(f"{name} must be {what}, got {value!r}")
@@ -115,6 +140,34 @@ def check_bool(name: str, value: object, *, what: str = "True or False") -> bool
     if not isinstance(value, bool):
         raise HeadsteerTypeError(f"{name} must be {what}, got {value!r}")
     return value
+
+
+def check_layer_list(name: str, value: object) -> None:
+    """Refuse anything but a non-empty list, tuple or range of ints (layer indices) for `name`.
+
+    Raises:
+        HeadsteerValueError: `"<name> must be a non-empty list of layer indices, got ..."` for a
+            string, another type or an empty list; `"<name> must be ints, got ..."` for a non-int
+            entry (bools included).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)) or not value:
+        raise HeadsteerValueError(f"{name} must be a non-empty list of layer indices, got {value!r}")
+    if any(not is_int(x) for x in value):
+        raise HeadsteerValueError(f"{name} must be ints, got {value!r}")
+
+
+def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) -> None:
+    """Refuse, before any work, a keyword in `kwargs` that `target` (which `where` forwards them
+    to) does not take, or one of its positional parameters.
+
+    Raises:
+        HeadsteerTypeError: `"<where>() got an unexpected keyword argument '<name>'"`.
+    """
+    params = inspect.signature(target).parameters
+    taken = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = sorted(set(kwargs) - taken)
+    if unknown:
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
 
 
 def check_shard(shard: object) -> tuple[int, int] | None:

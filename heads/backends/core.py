@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from heads._util.validation import check_bool
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:
@@ -164,8 +165,7 @@ class NNsightBackend(Backend):
     never_fired_hint = "on the nnsight backend, enter editing() outside trace() (the trace body runs apart); "
 
     def __init__(self, lm: Any, remote: bool = False):
-        if not isinstance(remote, bool):
-            raise HeadsteerTypeError(f"remote must be a bool, got {remote!r}")
+        check_bool("remote", remote, what="a bool")
         self.lm = lm
         self.remote = remote
         # nnsight keeps one tracing state per model: two threads tracing at once corrupt each
@@ -250,8 +250,7 @@ def make_backend(obj: object, *, remote: bool = False) -> tuple[nn.Module, Backe
         TypeError: `obj` is none of these (names its type).
         ValueError: a bridge with processed weights; `remote=True` for a non-nnsight model.
     """
-    if not isinstance(remote, bool):
-        raise HeadsteerTypeError(f"remote must be a bool, got {remote!r}")
+    check_bool("remote", remote, what="a bool")
     kind = backend_kind(obj)
     if remote and kind != "nnsight":
         raise HeadsteerValueError(

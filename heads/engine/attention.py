@@ -21,7 +21,7 @@ from heads.engine.edits import (
     SpanShareEdit,
 )
 from heads.engine.kernels.blocked import blocked_attention
-from heads.engine.kernels.common import check_kwargs
+from heads.engine.kernels.common import AttentionInputs, check_kwargs
 from heads.engine.kernels.fused_layer import fused_layer_attention
 from heads.engine.sites import SITES
 from heads.engine.state import ACTIVE, KERNEL, OFFSETS, LayerEdits, apply_head_edits
@@ -166,55 +166,24 @@ def _make_attention(base: str):
                 0
             ]
 
-        if read_only(edits):  # the model's own output; the pattern beside it for the readers
-            out = own_out()
-            _, pattern = blocked_attention(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling,
-                edits,
-                kw.get("softcap"),
-                causal,
-                want,
-                base == "eager",
-                sinks=kw.get("s_aux"),
-                q_offset=q_offset,
-                pattern_only=True,
-            )
-            return out, pattern
-        if use_fused(edits, want, query):
-            out = fused_layer_attention(
-                query,
-                key,
-                value,
-                attention_mask,
-                scaling,
-                edits,
-                kw.get("softcap"),
-                causal,
-                sinks=kw.get("s_aux"),
-                q_offset=q_offset,
-            )
-            return out, None
-        return blocked_attention(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling,
-            edits,
-            kw.get("softcap"),
-            causal,
-            want,
-            base == "eager",
-            sinks=kw.get("s_aux"),
-            q_offset=q_offset,
-            own=own_out,
+        # Read-only edits: the model's own output, with the pattern beside it for the readers.
+        only_read = read_only(edits)
+        inputs = AttentionInputs(
+            query, key, value, attention_mask, scaling, kw.get("softcap"), causal, kw.get("s_aux"), q_offset
         )
+        if not only_read and use_fused(edits, want, query):
+            return fused_layer_attention(inputs, edits), None
+        own_output = own_out() if only_read else None
+        out, pattern = blocked_attention(
+            module,
+            inputs,
+            edits,
+            want_probs=want,
+            eager=base == "eager",
+            pattern_only=only_read,
+            own=None if only_read else own_out,
+        )
+        return (own_output, pattern) if only_read else (out, pattern)
 
     return headsteer_attention
 

@@ -23,13 +23,13 @@ often the engine ran the edit, so that an edit that never fired is an error.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
 
+from heads._util.validation import check_int, is_int, is_number
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
@@ -106,15 +106,13 @@ class Edit:
                 ints, or a `row_heads` that is not a bool tensor.
             ValueError: a bad parameter (subclasses).
         """
-        if isinstance(self.layer, bool) or not isinstance(self.layer, numbers.Integral):
-            raise HeadsteerTypeError(f"layer must be an int, got {self.layer!r}")
+        check_int("layer", self.layer, type_error=True)
         if self.heads is not None:
             if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Iterable):
                 raise HeadsteerTypeError(f"heads must be a list of ints or None, got {self.heads!r}")
             self.heads = tuple(self.heads)  # a generator or an array, read once
             for h in self.heads:
-                if isinstance(h, bool) or not isinstance(h, numbers.Integral):
-                    raise HeadsteerTypeError(f"head must be an int, got {h!r}")
+                check_int("head", h, type_error=True)
             if not self.heads:
                 raise HeadsteerValueError(
                     f"{type(self).__name__} at layer {self.layer}: heads is empty, the edit would change "
@@ -281,7 +279,7 @@ class _Scaling(Protocol):
 def check_factor(edit: _Scaling) -> None:
     """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
     name, factor = type(edit).__name__, edit.factor
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+    if not is_number(factor):
         raise HeadsteerTypeError(f"{name} factor must be a number, got {factor!r}")
     if not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
         raise HeadsteerValueError(
@@ -334,7 +332,7 @@ class HeadScale(HeadOutputEdit):
         if isinstance(ps, (str, bytes)) or not isinstance(ps, Iterable):
             raise HeadsteerTypeError(f"positions must be a list of ints or None, got {ps!r}")
         ps = list(ps)
-        if any(isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in ps):
+        if any(not is_int(p) for p in ps):
             raise HeadsteerTypeError(f"positions must be ints, got {ps!r}")
         if not ps:
             raise HeadsteerValueError(

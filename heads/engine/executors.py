@@ -14,7 +14,6 @@ worker dies is retried (`max_retries`), so no shard is lost. Ray is an optional 
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from typing import Any
 
 import torch
 
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads._util.validation import check_int, check_number
+from heads.errors import HeadsteerTypeError, HeadsteerValueError, MissingDependency
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, load_model
 
@@ -34,6 +34,7 @@ __all__ = [
     "RayExecutor",
     "merge_tables",
     "resolve_executor",
+    "run_head_shards",
     "run_shards",
 ]
 
@@ -110,8 +111,7 @@ def _run_shard(spec: ModelSpec, target: Target, kwargs: dict) -> Any:
 
 
 def _count(n, what: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise HeadsteerValueError(f"{what} must be a positive int, got {n!r}")
+    check_int(what, n, lo=1)
     return int(n)
 
 
@@ -177,10 +177,8 @@ class RayExecutor(Executor):
         self.address = address
         self.spec = spec
         self._n = None if n_shards is None else _count(n_shards, "n_shards")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral) or max_retries < 0:
-            raise HeadsteerValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
-        if isinstance(num_cpus, bool) or not isinstance(num_cpus, numbers.Real) or not num_cpus > 0:
-            raise HeadsteerValueError(f"num_cpus must be > 0, got {num_cpus!r}")
+        check_int("max_retries", max_retries, lo=0)
+        check_number("num_cpus", num_cpus, lo=0, lo_open=True, finite=False, what="> 0")
         self.max_retries: int = int(max_retries)
         self.num_cpus: float = float(num_cpus)
 
@@ -188,7 +186,7 @@ class RayExecutor(Executor):
         try:
             import ray
         except ImportError:
-            raise ImportError("executor='ray' needs Ray: pip install 'headsteer[ray]'") from None
+            raise MissingDependency("executor='ray' needs Ray: pip install 'headsteer[ray]'") from None
         if not ray.is_initialized():
             # Workers must import this checkout of headsteer (also when it is not installed).
             root = str(Path(__file__).resolve().parents[2])
@@ -254,6 +252,16 @@ def run_shards(
     ex = resolve_executor(executor)
     n = ex.n_shards() if max_shards is None else max(1, min(ex.n_shards(), max_shards))
     return ex.map(target, model, [shard_kwargs(i, n) for i in range(n)])
+
+
+def run_head_shards(
+    target: Target, model: HeadModel | ModelSpec, executor: str | Executor, kwargs: dict, heads: Sequence
+) -> list:
+    """`run_shards` with the heads dealt round-robin: shard i of n runs `target(model, **kwargs,
+    heads=heads[i::n])`; at most `len(heads)` shards (none empty). The n results, in shard order."""
+    return run_shards(
+        target, model, executor, lambda i, n: dict(kwargs, heads=heads[i::n]), max_shards=len(heads)
+    )
 
 
 def merge_tables(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -99,13 +99,13 @@ def sweep_options(
             (e.g. `shard` for Sahara, whose greedy steps cannot be split).
 
     Raises:
-        TypeError: a keyword that is no sweep option (as Python says for an unknown keyword).
-        HeadsteerTypeError: `options` not a `SweepOptions`.
+        HeadsteerTypeError: a keyword that is no sweep option (worded as Python words an unknown
+            keyword), or `options` not a `SweepOptions`.
         HeadsteerValueError: a bad option value, or an option this scorer does not take.
     """
     unknown = sorted(set(legacy) - set(SWEEP_KEYS))
     if unknown:
-        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
     if options is None:
         options = SweepOptions()
     elif not isinstance(options, SweepOptions):

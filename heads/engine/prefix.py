@@ -15,12 +15,12 @@ see exactly the inputs of a full run. Hooks on the skipped layers still fire, wh
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from heads._util.validation import check_int
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -43,8 +43,7 @@ def starting_at(model: HeadModel, layer: int, residual: torch.Tensor | None) -> 
 
     The model is restored on exit, also after an exception. Not re-entrant per model.
     """
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < model.n_layers:
-        raise HeadsteerValueError(f"layer must be an int in 0..{model.n_layers - 1}, got {layer!r}")
+    check_int("layer", layer, lo=0, hi=model.n_layers - 1)
     layer = int(layer)
     if layer == 0:
         yield

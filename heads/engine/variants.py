@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from heads._util.progress import Progress
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.engine.prefix import starting_at
@@ -204,9 +205,7 @@ def check_heads(model: HeadModel, heads: HeadSpec | None, layers: Sequence[int] 
 
 def check_max_rows(max_rows: object) -> int:
     """Raise `ValueError` unless `max_rows` is a positive int."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise HeadsteerValueError(f"max_rows must be a positive int, got {max_rows!r}")
-    return max_rows
+    return check_int("max_rows", max_rows, lo=1)
 
 
 def evaluate_variants(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from heads._util.validation import check_int
 from heads.errors import HeadsteerValueError
 
 __all__ = ["MARKER", "Span", "char_to_token_range", "find_span", "parse_markup"]
@@ -33,8 +34,7 @@ class Span:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise HeadsteerValueError(f"span text must be a non-empty string, got {self.text!r}")
-        if isinstance(self.occurrence, bool) or not isinstance(self.occurrence, int) or self.occurrence < 0:
-            raise HeadsteerValueError(f"span occurrence must be an int >= 0, got {self.occurrence!r}")
+        check_int("span occurrence", self.occurrence, lo=0)
 
 
 def parse_markup(text: str, marker: str = MARKER) -> tuple[str, list[tuple[int, int]]]:

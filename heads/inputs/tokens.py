@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import torch
 
+from heads._util.validation import check_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["MARKERS", "readable_token", "readable_tokens", "visible"]
@@ -97,8 +98,7 @@ def readable_token(tokenizer, token_id: int) -> str:
     """
     if isinstance(token_id, torch.Tensor):
         token_id = token_id.item()
-    if isinstance(token_id, bool) or not isinstance(token_id, int):
-        raise HeadsteerTypeError(f"token_id must be an int, got {token_id!r}")
+    check_int("token_id", token_id, type_error=True)
     return visible(_piece(tokenizer, token_id))
 
 

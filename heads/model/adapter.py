@@ -13,12 +13,12 @@ reproduce, is refused here with a `ValueError`.
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from heads._util.validation import is_int
 from heads.backends.core import Backend, backend_kind, make_backend
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.families import Family, family_of
@@ -314,7 +314,7 @@ class HeadModel:
         for name, value, n in (("layer", layer, self.n_layers), ("head", head, self.n_heads)):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_int(value):
                 raise HeadsteerTypeError(f"{name} must be an int, got {value!r}")
             if not 0 <= value < n:
                 raise HeadsteerValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")

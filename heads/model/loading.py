@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from heads._util.validation import check_bool
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -626,8 +627,7 @@ def load_model(
         raise HeadsteerValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
     if remote and backend != "nnsight":
         raise HeadsteerValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
-    if not isinstance(allow_weight_mismatch, bool):
-        raise HeadsteerTypeError(f"allow_weight_mismatch must be a bool, got {allow_weight_mismatch!r}")
+    check_bool("allow_weight_mismatch", allow_weight_mismatch, what="a bool")
     where, name = _resolve(name_or_path)
     check_weights(where)
     check_no_remote_code(where)

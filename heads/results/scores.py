@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import re
 import warnings
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from heads._util.files import write_text
+from heads._util.validation import check_int, check_number, is_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +41,7 @@ def _as_int(value: Any, what: str, *, allow_str: bool = False) -> int:
             string (unless `allow_str` and decimal) or any other non-integer; the
             message names `what` and the value.
     """
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_int(value):
         return int(value)
     if allow_str and isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
         digits = len(value.strip().lstrip("-"))
@@ -59,8 +59,7 @@ _MAX_DIGITS = 18
 
 
 def _positive_int(k: Any, what: str = "k") -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise HeadsteerValueError(f"{what} must be a positive int, got {k!r}")
+    check_int(what, k, lo=1)
     return int(k)
 
 
@@ -359,9 +358,8 @@ class HeadScores:
 
     def threshold(self, t: float) -> HeadSet:
         """Every head with score >= `t`."""
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
-            raise HeadsteerValueError(f"threshold must be a finite number, got {t!r}")
-        return HeadSet(tuple(int(x) for x in ij) for ij in torch.nonzero(self.scores >= t).tolist())
+        check_number("threshold", t)
+        return HeadSet((int(i), int(j)) for i, j in torch.nonzero(self.scores >= t).tolist())
 
     # ---------------------------------------------------------------- files
     def to_json(self) -> dict:
@@ -469,7 +467,7 @@ class HeadScores:
                 )
         batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
         _check_cache_tokens(cache, tokens, batch, k_len)
-        if isinstance(query, bool) or not isinstance(query, numbers.Integral) or not -q_len <= query < q_len:
+        if not is_int(query) or not -q_len <= query < q_len:
             raise HeadsteerValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
         query = int(query)
         q_abs = query % q_len + (k_len - q_len)  # absolute position of the query row
@@ -487,7 +485,7 @@ class HeadScores:
                 raise HeadsteerValueError(
                     f"span must be (start, end) or a [batch, k] bool mask, got {span!r}"
                 )
-            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in span):
+            if not all(is_int(x) for x in span):
                 raise HeadsteerValueError(f"span bounds must be ints, got {span!r}")
             a, b = (int(x) for x in span)
             if not 0 <= a < b <= k_len:
@@ -546,8 +544,8 @@ class HeadScores:
 
     @classmethod
     def _from_json(cls, data: Mapping, name: str) -> HeadScores:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"{name!r}: malformed HeadScores file: {msg}")
+        def bad(msg: str) -> HeadsteerValueError:
+            return HeadsteerValueError(f"{name!r}: malformed HeadScores file: {msg}")
 
         for key, kind in (("method", str), ("model", str), ("n_layers", int), ("n_heads", int)):
             if key not in data:

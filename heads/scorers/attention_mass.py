@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
@@ -59,8 +60,7 @@ def span_attention(
     """
     if query not in ("last", "after_span"):
         raise HeadsteerValueError(f"query must be 'last' or 'after_span', got {query!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, lo=1)
     if model.tokenizer is None:
         raise HeadsteerValueError("span_attention needs a HeadModel with a tokenizer")
     items, _ = normalize_prompts(prompts)

@@ -20,7 +20,6 @@ massive value there is a *sink* at that layer (BOS, ".", "\\n", and in LMMs some
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from heads._util.validation import check_int, is_int
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
@@ -81,7 +81,7 @@ def _check_dims(dims: object, width: int) -> tuple[int, ...]:
         raise HeadsteerValueError(f"sink dims must be a non-empty list of ints, got {dims!r}")
     out = []
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= int(d) < width:
+        if not is_int(d) or not 0 <= int(d) < width:
             raise HeadsteerValueError(f"sink dim {d!r} is not an int in 0..{width - 1} (d_model = {width})")
         out.append(int(d))
     if len(set(out)) != len(out):
@@ -177,10 +177,8 @@ def find_sink_dims(
     if not items:
         raise HeadsteerValueError("find_sink_dims needs prompts")
     n_l = model.n_layers
-    if isinstance(from_layer, bool) or not isinstance(from_layer, int) or not 0 <= from_layer < n_l:
-        raise HeadsteerValueError(f"from_layer must be an int in 0..{model.n_layers - 1}, got {from_layer!r}")
-    if isinstance(max_dims, bool) or not isinstance(max_dims, int) or max_dims < 1:
-        raise HeadsteerValueError(f"max_dims must be a positive int, got {max_dims!r}")
+    check_int("from_layer", from_layer, lo=0, hi=n_l - 1, what=f"an int in 0..{model.n_layers - 1}")
+    check_int("max_dims", max_dims, lo=1)
     if not isinstance(min_ratio, (int, float)) or not min_ratio > 1:
         raise HeadsteerValueError(f"min_ratio must be a number > 1, got {min_ratio!r}")
     enc = encode_prompts(model.tokenizer, items, chat=False, markup=False)

@@ -15,8 +15,6 @@ never sinks; columns seen by fewer than `min_support` real rows are not flagged.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,6 +22,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
+from heads._util.validation import check_int, check_number
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.forward import forward
@@ -57,8 +56,7 @@ class SinkRule:
             raise HeadsteerValueError(f"unknown exemption {self.exempt!r}: use 'position' or 'first_flagged'")
         for name in ("alpha_s", "theta"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise HeadsteerValueError(f"{name} must be a finite number > 0, got {v!r}")
+            check_number(name, v, lo=0, lo_open=True)
         _positive_int(self.min_support, "min_support")
 
 
@@ -236,8 +234,7 @@ def massive_activations(
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
     real = enc.attention_mask.bool()
     n_real = int(real.sum()) * model.d_model
-    if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 1 <= top <= n_real:
-        raise HeadsteerValueError(f"top must be an int in 1..{n_real} (real tokens x d_model), got {top!r}")
+    check_int("top", top, lo=1, hi=n_real, what=f"an int in 1..{n_real} (real tokens x d_model)")
     out = forward(model, enc, output_hidden_states=True)
     first = real.float().argmax(-1)
     tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]

@@ -13,7 +13,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
-from heads.errors import HeadsteerValueError
+from heads._util.validation import check_int
 
 __all__ = ["CORPUS_SEED", "build_corpus", "load_corpus"]
 
@@ -146,8 +146,8 @@ def load_corpus(n: int | None = None) -> list[str]:
     Raises:
         ValueError: `n` < 1.
     """
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise HeadsteerValueError(f"n must be a positive int, got {n!r}")
+    if n is not None:
+        check_int("n", n, lo=1)
     text = resources.files("probes").joinpath("data/corpus.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
     return rows if n is None else rows[:n]

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from heads._util.validation import check_number
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -129,9 +130,7 @@ def choice_correct(logprobs: Sequence[float] | np.ndarray, label: int) -> bool:
 
 
 def _confidence(confidence: object) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
-        raise HeadsteerValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
-    return float(confidence)
+    return check_number("confidence", confidence, lo=0, hi=1, lo_open=True, hi_open=True)
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -1,2 +1,2 @@
 """Studies built from the scorers and the metrics: task evaluation, the safety study,
-the refusal-tuned model."""
+the per-head probe study, the refusal-tuned model."""

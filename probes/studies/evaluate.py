@@ -30,6 +30,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadSet, HeadSpec
@@ -226,12 +227,10 @@ def evaluate(
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
             without an emphasized span.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, lo=1)
     examples = load_task(task, split).examples
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
+        check_int("limit", limit, lo=1)
         examples = examples[:limit]
     span_methods = ("pasta", "spotlight", "instaboost", "var", "vhr")
     if method in span_methods and not all(e.emphasize for e in examples):

@@ -27,6 +27,7 @@ import torch
 from heads import cache_dir, load_model
 from heads._util.files import check_output, write_text
 from heads._util.progress import Progress, ProgressArg, offset_progress, progress_callback
+from heads._util.validation import check_int
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.safety.ships import TEMPLATE
@@ -235,8 +236,7 @@ def build_refusal_model(
             before any work).
     """
     for name, v in (("epochs", epochs), ("batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise HeadsteerValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(name, v, lo=1)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise HeadsteerValueError(f"lr must be a finite number > 0, got {lr!r}")
     out = Path(out).expanduser() if out is not None else refusal_model_dir()

@@ -13,7 +13,6 @@ the `SafetyAnalysis`
 from __future__ import annotations
 
 import html
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -21,9 +20,11 @@ import pandas as pd
 
 from heads import HeadModel, HeadScores
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
+from heads._util.validation import check_int
 from heads.engine.executors import Executor
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
+from heads.scorers.controls import other_heads, random_head_draws
 from heads.scorers.safety.ships import (
     TEMPLATE,
     SaharaResult,
@@ -201,14 +202,11 @@ def safety_analysis(
     t0 = time.perf_counter()
     n_heads = model.n_layers * model.n_heads
     for name, v in (("n_score", n_score), ("max_new_tokens", max_new_tokens), ("random_draws", random_draws)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise HeadsteerValueError(f"{name} must be a positive int, got {v!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= n_heads:
-        raise HeadsteerValueError(f"steps must be an int in 1..{n_heads}, got {steps!r}")
+        check_int(name, v, lo=1)
+    check_int("steps", steps, lo=1, hi=n_heads)
     if isinstance(prompts, str):
         raise HeadsteerValueError(f"prompts must be a list of requests, got the string {prompts!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise HeadsteerValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, lo=1)
     template = safety_template(system_prompt)
     score_prompts = list(prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]
     eval_prompts = list(prompts or [r["prompt"] for r in load_requests("harmful", "test")])
@@ -269,11 +267,8 @@ def safety_analysis(
 
         base = answers([])
         top1, top3 = answers(sa.heads[:1]), answers(sa.heads[:3])
-        rng = random.Random(seed)
-        others = [
-            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in sa.heads
-        ]
-        random_heads = [rng.sample(others, 3) for _ in range(random_draws)]
+        others = other_heads(model.n_layers, model.n_heads, sa.heads)
+        random_heads = random_head_draws(others, 3, random_draws, seed, generator="python")
         rand = [answers(hs) for hs in random_heads]
     asr, asr_keyword = {}, {}
     for table, j in ((asr, judge), (asr_keyword, keyword)):

@@ -8,8 +8,6 @@ first token). Heads are packed one per batch row on the shared variant engine
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,8 +15,9 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import progress_callback
+from heads._util.validation import check_number, is_int
 from heads.engine.edits import Edit
-from heads.engine.executors import run_shards
+from heads.engine.executors import run_head_shards
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -149,8 +148,7 @@ def calibrate_act_heads(
     opts = sweep_options(options, deprecated, "calibrate_act_heads", takes=takes)
     rule = rule or SinkRule()
     Act(beta=beta, rule=rule)  # validates beta and rule
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
-        raise HeadsteerValueError(f"delta must be a finite number, got {delta!r}")
+    check_number("delta", delta)
     if keep not in ("accuracy", "margin"):
         raise HeadsteerValueError(f"keep must be 'accuracy' or 'margin', got {keep!r}")
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
@@ -158,7 +156,7 @@ def calibrate_act_heads(
         raise HeadsteerValueError(
             f"{enc.batch} prompts, {len(choices)} choice lists and {len(labels)} labels"
         )
-    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in labels):
+    if not all(is_int(x) for x in labels):
         raise HeadsteerTypeError(
             f"labels must be ints (indices into each example's choices), got {list(labels)!r}"
         )
@@ -173,13 +171,7 @@ def calibrate_act_heads(
         )
         kw.update(beta=beta, rule=rule, chat=chat, keep=keep, delta=delta)
         kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
-        parts = run_shards(
-            calibrate_act_heads,
-            model,
-            opts.executor,
-            lambda i, n: dict(kw, heads=heads[i::n]),
-            max_shards=len(heads),
-        )
+        parts = run_head_shards(calibrate_act_heads, model, opts.executor, kw, heads)
         acc = merge_scores([p.accuracy for p in parts])
         mar = merge_scores([p.margin for p in parts])
         table = acc if keep == "accuracy" else mar

@@ -27,12 +27,12 @@ block (`heads.engine.state.QUERY_BLOCK`) is refused by `Act.edits`, before anyth
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from heads._util.validation import is_number
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -172,7 +172,7 @@ class Act:
 
     def validate(self) -> None:
         b = self.beta
-        if isinstance(b, bool) or not isinstance(b, numbers.Real):
+        if not is_number(b):
             raise HeadsteerTypeError(f"beta must be a number, got {b!r}")
         if not math.isfinite(b) or not 0 <= b <= 1:
             raise HeadsteerValueError(f"beta must be in [0, 1], got {b!r}")

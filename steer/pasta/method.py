@@ -10,7 +10,6 @@ it holds at every decode step with a KV cache.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import ClassVar, Literal
 import torch
 
 from heads._util.files import is_file, short_path
+from heads._util.validation import is_number
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -121,7 +121,7 @@ def check_alpha(alpha: float, scale_position: str = "exclude", *, stacklevel: in
         TypeError: alpha not a real number.
         ValueError: alpha not finite or <= 0 (alpha = 0 deletes the context).
     """
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+    if not is_number(alpha):
         raise HeadsteerTypeError(f"alpha must be a number, got {alpha!r}")
     if not math.isfinite(alpha) or alpha <= 0:
         raise HeadsteerValueError(
@@ -201,7 +201,7 @@ class Pasta:
             TypeError: alpha not a real number.
             ValueError: alpha not finite or <= 0; unknown mode.
         """
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
+        if not is_number(self.alpha):
             raise HeadsteerTypeError(f"alpha must be a number, got {self.alpha!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise HeadsteerValueError(

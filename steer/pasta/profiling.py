@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import progress_callback
+from heads._util.validation import check_bool
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
@@ -120,8 +121,7 @@ def profile_heads(
     if model.tokenizer is None:
         raise HeadsteerValueError("PASTA profiling needs a HeadModel with a tokenizer")
     check_alpha(alpha)  # validates alpha; warns on a no-op (alpha = 1) or de-emphasizing value
-    if not isinstance(reuse_positions, bool):
-        raise HeadsteerTypeError(f"reuse_positions must be a bool, got {reuse_positions!r}")
+    check_bool("reuse_positions", reuse_positions, what="a bool")
     items, single = normalize_prompts(prompts)
     if isinstance(targets, str):
         if not single:
@@ -143,7 +143,7 @@ def profile_heads(
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
     if opts.executor is not None:
-        from heads.engine.executors import run_shards
+        from heads.engine.executors import run_head_shards
         from heads.scorers.safety.common import merge_scores
 
         kw = dict(
@@ -151,13 +151,7 @@ def profile_heads(
         )
         kw.update(reuse_positions=reuse_positions)
         kw.update(options=SweepOptions(max_rows=opts.max_rows, progress=False))
-        parts = run_shards(
-            profile_heads,
-            model,
-            opts.executor,
-            lambda i, n: dict(kw, heads=heads[i::n]),
-            max_shards=len(heads),
-        )
+        parts = run_head_shards(profile_heads, model, opts.executor, kw, heads)
         return merge_scores(parts)
     bias = pasta_column_bias(enc, alpha)  # [N, T]
 

@@ -24,14 +24,13 @@ or `emphasize=`); the no-context row deletes the passage's tokens.
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from heads._util.validation import check_int, check_layer_list, check_number
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -112,8 +111,7 @@ def t_vhd(vhd: torch.Tensor, k: int = 4, *, reduce: Literal["sum", "mean"] = "su
     Raises:
         ValueError: k outside 1..H or an unknown reduce.
     """
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= vhd.shape[-1]:
-        raise HeadsteerValueError(f"k must be an int in 1..{vhd.shape[-1]}, got {k!r}")
+    check_int("k", k, lo=1, hi=vhd.shape[-1])
     if reduce not in ("sum", "mean"):
         raise HeadsteerValueError(f"unknown reduce {reduce!r}: use 'sum' or 'mean'")
     top = torch.nan_to_num(vhd.float(), nan=0.0).topk(int(k), dim=-1).values
@@ -302,8 +300,7 @@ class VhdProbe(HeadOutputEdit):
 
 
 def _check_alpha(alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
-        raise HeadsteerValueError(f"alpha must be a finite number, got {alpha!r}")
+    alpha = check_number("alpha", alpha)
     if float(alpha) <= 0:
         raise HeadsteerValueError(f"alpha must be > 0 (1 = no-op, < 1 suppresses), got {alpha!r}")
     if float(alpha) > 1e4:
@@ -369,11 +366,7 @@ class Vhr:
             if not isinstance(getattr(self, flag), bool):
                 raise HeadsteerTypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.layers is not None:
-            ls = self.layers
-            if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)) or not ls:
-                raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {ls!r}")
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in ls):
-                raise HeadsteerValueError(f"layers must be ints, got {ls!r}")
+            check_layer_list("layers", self.layers)
 
     def spans(self, enc: EncodedPrompts) -> list[list[tuple[int, int]]]:
         """Per row, the spans removed in the without-image row (see `target`)."""

@@ -11,7 +11,6 @@ model is not steered.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +18,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
+from heads._util.validation import check_bool, check_int, is_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -112,7 +112,7 @@ def vhd_trace(
         ValueError: a bad `max_new_tokens`, `k`, `reduce`, `target` or `without_image`, or a
             prompt with nothing to remove (all checked before any forward pass).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+    if not is_int(max_new_tokens):
         raise HeadsteerValueError(
             f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {max_new_tokens!r}"
         )
@@ -120,10 +120,8 @@ def vhd_trace(
         raise HeadsteerValueError(
             f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {max_new_tokens!r}"
         )
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= model.n_heads:
-        raise HeadsteerValueError(f"k must be an int in 1..{model.n_heads}, got {k!r}")
-    if not isinstance(use_cache, bool):
-        raise HeadsteerTypeError(f"use_cache must be True or False, got {use_cache!r}")
+    check_int("k", k, lo=1, hi=model.n_heads)
+    check_bool("use_cache", use_cache)
     if chat is not None and not isinstance(chat, bool):
         raise HeadsteerTypeError(f"chat must be True, False or None, got {chat!r}")
     if reduce not in ("sum", "mean"):
@@ -185,5 +183,5 @@ def vhd_trace(
     frame = pd.DataFrame(
         {"step": range(len(tokens)), "token_id": tokens, "token": texts, "t_vhd": tvhd.tolist()}
     )
-    text = tok.decode(tokens, skip_special_tokens=True) if tok is not None else ""
+    text = str(tok.decode(tokens, skip_special_tokens=True)) if tok is not None else ""
     return VhdTrace(frame, vhd, ta, text, int(k), reduce)

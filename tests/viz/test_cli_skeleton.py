@@ -239,7 +239,11 @@ def test_eval_and_profile_outputs_checked_before_work(no_load, tmp_path):
 
 @pytest.mark.parametrize(
     "exc, code, message",
-    [(KeyboardInterrupt(), 130, "interrupted"), (ValueError("disk full"), 2, "error: disk full")],
+    [
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (OSError("disk full"), 2, "error: disk full"),
+        (ZeroDivisionError("a bug"), 1, "internal error: ZeroDivisionError: a bug"),
+    ],
 )
 def test_report_all_stopped_says_what_was_written(tiny_llama_dir, tmp_path, monkeypatch, exc, code, message):
     import viz.reports.all
@@ -404,3 +408,53 @@ def test_eval_refuses_unused_options_and_checks_values_before_loading(no_load, a
     """`headsteer eval` follows `generate`'s rule: an option the method (or the task) does not use
     is refused, and every value is checked before the model loads (`no_load` fails otherwise)."""
     _one_line_error(runner.invoke(app, ["eval", *args]), message)
+
+
+def _boom_in_check_device(monkeypatch, exc):
+    import viz.cli.common as cc
+
+    def boom(device):
+        raise exc
+
+    monkeypatch.setattr(cc, "check_device", boom)
+
+
+def test_bad_option_value_is_one_line_exit_2(no_load):
+    _one_line_error(
+        runner.invoke(app, ["generate", "a **b**", "--max-new-tokens", "0"]),
+        "--max-new-tokens must be a positive int, got 0",
+    )
+
+
+def test_an_internal_bug_is_exit_1_with_a_hint(no_load, monkeypatch):
+    monkeypatch.delenv("HEADSTEER_DEBUG", raising=False)
+    _boom_in_check_device(monkeypatch, ZeroDivisionError("division by zero"))
+    r = runner.invoke(app, ["generate", "a **b**"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines() == [
+        "internal error: ZeroDivisionError: division by zero (rerun with --debug for the traceback)"
+    ]
+    # a plain ValueError / TypeError from inside is a bug too, not the user's input
+    _boom_in_check_device(monkeypatch, TypeError("unsupported operand"))
+    r = runner.invoke(app, ["generate", "a **b**"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("internal error: TypeError: unsupported operand"), r.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(no_load, monkeypatch, how):
+    from heads.errors import HeadsteerValueError
+
+    monkeypatch.delenv("HEADSTEER_DEBUG", raising=False)
+    args = ["--debug"] if how == "flag" else []
+    if how == "env":
+        monkeypatch.setenv("HEADSTEER_DEBUG", "1")
+    _boom_in_check_device(monkeypatch, ZeroDivisionError("division by zero"))
+    r = runner.invoke(app, [*args, "generate", "a **b**"])
+    assert r.exit_code == 1, r.output
+    assert "Traceback" in r.stderr and "boom" in r.stderr, r.stderr  # the frame that raised
+    assert r.stderr.strip().splitlines()[-1] == "internal error: ZeroDivisionError: division by zero"
+    _boom_in_check_device(monkeypatch, HeadsteerValueError("--device 'x' is bad"))
+    r = runner.invoke(app, [*args, "generate", "a **b**"])
+    assert r.exit_code == 2 and "Traceback" in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: --device 'x' is bad"

@@ -18,10 +18,12 @@ and runs it inside one frame:
   `--json`);
 * a warning raised inside (a silent fallback, a no-op parameter) is one
   `warning: ...` line on stderr (`warn_line`), printed once;
-* a user error (`ValueError`, `TypeError`, `OSError`) is one line on stderr and
-  exit 2 (the traceback only with `headsteer --debug`); Ctrl-C exits 130. Either
-  way, when some declared files were already written, one more line says which
-  were and which were not.
+* a user error (a `heads.errors.HeadsteerError`, a bad option, an `OSError` about a
+  path) is one line `error: ...` on stderr and exit 2; any other exception is a bug:
+  one line `internal error: <Type>: <message> (rerun with --debug for the traceback)`
+  and exit 1. `headsteer --debug` (or `HEADSTEER_DEBUG=1`) prints the traceback first,
+  in both cases. Ctrl-C exits 130. Whatever the failure, when some declared files were
+  already written, one more line says which were and which were not.
 """
 
 from __future__ import annotations
@@ -47,17 +49,38 @@ from typer.core import TyperGroup
 
 from heads._util.files import check_output
 from heads._util.progress import Progress
-from heads.errors import HeadsteerValueError
+from heads.errors import HeadsteerError, HeadsteerValueError
 from heads.model.loading import DTYPES
 from heads.model.loading import check_dtype as _check_dtype
 
-__all__ = ["USER_ERRORS", "OneLineUsageErrors", "Run", "command", "console", "err", "warn_line"]
+__all__ = [
+    "BUG_EXIT",
+    "USER_ERRORS",
+    "USER_ERROR_EXIT",
+    "OneLineUsageErrors",
+    "Run",
+    "command",
+    "console",
+    "debug_enabled",
+    "err",
+    "report_bug",
+    "warn_line",
+]
 
 # Not a terminal (a pipe, a log file): rich would cut tables at 80 columns; use 160 unless COLUMNS says.
 console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
 err = Console(stderr=True, soft_wrap=True)
 _STATE = {"debug": False, "quiet": False}
-USER_ERRORS = (ValueError, TypeError, OSError)
+USER_ERRORS: tuple[type[BaseException], ...] = (HeadsteerError, OSError)
+"""What the CLI reports as the user's error (one line, exit 2): headsteer's own errors (bad
+values, refused models, a missing extra) and an `OSError` about a path (not found, no permission,
+disk full). Every other exception is a bug (`report_bug`, exit 1)."""
+USER_ERROR_EXIT = 2
+"""Exit status for a user error (a bad option or value), as click uses for usage errors."""
+BUG_EXIT = 1
+"""Exit status for an internal error (a bug in headsteer or a library it calls)."""
+DEBUG_ENV = "HEADSTEER_DEBUG"
+"""Environment variable: `HEADSTEER_DEBUG=1` is `headsteer --debug` (tracebacks)."""
 PLAIN_PROGRESS_EVERY_S = 5.0
 """Seconds between plain progress lines when stderr is not a terminal (logs, CI, nohup)."""
 
@@ -414,13 +437,41 @@ class Run:
             )
 
     def fail(self, exc: BaseException) -> None:
-        """One line on stderr (the traceback first with --debug), then exit 2."""
-        if _STATE["debug"]:
+        """A user error: one line on stderr (the traceback first with --debug), then exit 2."""
+        if debug_enabled():
             err.print_exception()
-        msg = " ".join(str(exc).split()) or type(exc).__name__
-        err.print(f"[red]error:[/red] {escape(msg)}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(_one_line(exc))}", highlight=False)
         self._report_files(failed=True)
-        raise typer.Exit(2)
+        raise typer.Exit(USER_ERROR_EXIT)
+
+    def crash(self, exc: BaseException) -> None:
+        """A bug: `report_bug`'s line (the traceback first with --debug), then exit 1."""
+        report_bug(exc)
+        self._report_files(failed=True)
+        raise typer.Exit(BUG_EXIT)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def debug_enabled() -> bool:
+    """Whether tracebacks are shown: `headsteer --debug`, or `HEADSTEER_DEBUG` set to 1 / true / yes."""
+    return _STATE["debug"] or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def report_bug(exc: BaseException) -> None:
+    """Print an unexpected exception as a bug on stderr (its traceback first with --debug).
+
+    The line is `internal error: <Type>: <message> (rerun with --debug for the traceback)`;
+    with --debug the traceback comes first and the hint is left out.
+    """
+    if debug_enabled():
+        err.print_exception()
+    hint = "" if debug_enabled() else " (rerun with --debug for the traceback)"
+    msg = " ".join(str(exc).split())
+    what = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+    err.print(f"[red]internal error:[/red] {escape(what)}{hint}", highlight=False)
 
 
 def command(
@@ -471,6 +522,10 @@ def command(
                 err.print("[red]interrupted[/red]", highlight=False)
                 run._report_files(failed=True)
                 raise typer.Exit(130) from None
+            except (typer.Exit, typer.Abort, click_errors.ClickException):
+                raise  # click's own flow (a command may raise typer.Exit or BadParameter)
+            except Exception as exc:  # a bug, not the user's input
+                run.crash(exc)
             if run.as_json and result is not None:
                 print(_json(result))
             run._report_files(failed=False)
@@ -520,12 +575,26 @@ class OneLineUsageErrors(TyperGroup):
                 raise
             err.print("[red]aborted[/red]", highlight=False)
             raise SystemExit(1) from None
+        except typer.Exit:
+            raise
+        except USER_ERRORS as exc:  # outside a command (e.g. in an option callback)
+            if not standalone_mode:
+                raise
+            if debug_enabled():
+                err.print_exception()
+            err.print(f"[red]error:[/red] {escape(_one_line(exc))}", highlight=False)
+            raise SystemExit(USER_ERROR_EXIT) from None
+        except Exception as exc:  # a bug outside a command
+            if not standalone_mode:
+                raise
+            report_bug(exc)
+            raise SystemExit(BUG_EXIT) from None
         if not standalone_mode:
             return rv
         raise SystemExit(rv if isinstance(rv, int) else 0)
 
 
 def set_global(debug: bool, quiet: bool) -> None:
-    """`headsteer --debug --quiet ...`: tracebacks on user errors; quiet for every command."""
+    """`headsteer --debug --quiet ...`: tracebacks on every error; quiet for every command."""
     _STATE["debug"] = debug
     _STATE["quiet"] = quiet

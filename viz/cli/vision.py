@@ -32,6 +32,8 @@ PROMPT_HELP = "prompt; without --image, mark the context in **double stars**"
 ImageOpt = Annotated[
     Path | None, typer.Option("--image", help="image file (PNG/JPEG); none: the **marked** passage is used")
 ]
+VarPOpt = Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")]
+VarRhoOpt = Annotated[float, typer.Option(help="VAR: least non-sink image ratio")]
 DimsOpt = Annotated[
     str | None,
     typer.Option("--sink-dims", help='sink dimensions for VAR, e.g. "1415,2533" (default: known backbones)'),
@@ -157,8 +159,8 @@ def vision_generate(
     steer: Annotated[str, typer.Option("--steer", help="var | vhr")] = "vhr",
     image: ImageOpt = None,
     alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
-    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
-    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    p: VarPOpt = 0.6,
+    rho: VarRhoOpt = 0.5,
     tau: Annotated[float | None, typer.Option(help="VAR sink threshold [default: 20 sqrt(D/4096)]")] = None,
     sink_dims: DimsOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
@@ -205,8 +207,8 @@ def report_vision(
     out: Annotated[Path, typer.Option(help="HTML file to write")],
     image: ImageOpt = None,
     alpha: Annotated[float, typer.Option(help="VHR factor")] = 2.0,
-    p: Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")] = 0.6,
-    rho: Annotated[float, typer.Option(help="VAR: least non-sink image ratio")] = 0.5,
+    p: VarPOpt = 0.6,
+    rho: VarRhoOpt = 0.5,
     tau: Annotated[float | None, typer.Option(help="VAR sink threshold")] = None,
     sink_dims: DimsOpt = None,
     trace_tokens: Annotated[

@@ -1,20 +1,20 @@
 """`headsteer report probes`: per-head linear probes on the shipped probe tasks.
 
-For each task (`probes.head_probes.probe_data`: harmful vs harmless requests, sentiment labels,
-counterfact "answer from the context" vs "from memory") the report collects every head's output
-at the last token of the train split, fits a logistic-regression probe per head (stratified
-5-fold CV) and shows: a layer x head heatmap of held-out accuracy (top heads outlined), the top
-heads with 95% intervals, how many heads beat chance (Wilson lower bound above the majority
-share), and the cosine between the tasks' mass-mean directions in every head.
+The study is computed in `probes.studies.probing.probe_study` (for each task, every head's
+output at the last token of the train split and a logistic-regression probe per head,
+stratified 5-fold CV); this report only draws it: a layer x head heatmap of held-out accuracy
+(top heads outlined), the top heads with 95% intervals, how many heads beat chance (Wilson lower
+bound above the majority share), and the cosine between the tasks' mass-mean directions in
+every head.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -22,35 +22,21 @@ import torch
 
 from heads import HeadModel
 from heads._util.files import check_output, write_text
-from heads._util.progress import ProgressArg, offset_progress, progress_callback
-from heads.errors import HeadsteerValueError
+from heads._util.progress import ProgressArg
+from heads._util.validation import check_forwarded, check_int
 from heads.results.scores import HeadScores
-from probes.head_probes import PROBE_TASKS, ProbeResult, collect_head_outputs, fit_head_probes, probe_data
+from probes.studies.probing import (
+    FIT_STEPS,
+    REPORT_TASKS,
+    check_probe_tasks,
+    direction_cosines,
+    probe_study,
+)
 from viz.figures import head_heatmap
 from viz.reports.base import Report
 
-__all__ = ["REPORT_TASKS", "direction_cosines", "probes_report", "summary_frame"]
-
-REPORT_TASKS = ("harmful", "sentiment", "counterfact")
-
-
-def direction_cosines(a: ProbeResult, b: ProbeResult, *, kind: str = "mass_mean") -> torch.Tensor:
-    """`[L, H]` cosine between two probe results' directions in every head.
-
-    Args:
-        kind: "mass_mean" (default) or "probe".
-
-    Raises:
-        ValueError: unknown kind, or results of different shapes.
-    """
-    if kind not in ("mass_mean", "probe"):
-        raise HeadsteerValueError(f"kind must be 'mass_mean' or 'probe', got {kind!r}")
-    da, db = getattr(a, f"{kind}_directions"), getattr(b, f"{kind}_directions")
-    if da.shape != db.shape:
-        raise HeadsteerValueError(
-            f"probe results of different shapes: {tuple(da.shape)} vs {tuple(db.shape)}"
-        )
-    return torch.nn.functional.cosine_similarity(da, db, dim=-1)
+__all__ = ["FIT_STEPS", "REPORT_TASKS", "direction_cosines", "probes_report", "summary_frame"]
+# FIT_STEPS, REPORT_TASKS and direction_cosines live in probes.studies.probing (re-exported here).
 
 
 def _cosine_figure(cos: torch.Tensor, title: str) -> go.Figure:
@@ -77,25 +63,15 @@ def _cosine_figure(cos: torch.Tensor, title: str) -> go.Figure:
     return fig
 
 
-FIT_STEPS = 50
-"""Progress steps one task's probe fitting counts for (about the time of collecting 50 prompts'
-head outputs on the embedded model), so that the ETA stays honest across both stages; the fit
-advances them as its heads are done."""
-
-
 def probes_report(
     model: HeadModel,
     out: str | os.PathLike,
     *,
     tasks: Sequence[str] = REPORT_TASKS,
-    limit: int | None = None,
     top: int = 10,
-    cv: int = 5,
-    seed: int = 0,
-    batch_size: int = 16,
-    n_jobs: int = 1,
     overwrite: bool = False,
     progress: ProgressArg = True,
+    **study: Any,
 ) -> tuple[os.PathLike, dict]:
     """Write the probes report (HTML) and return its path and a JSON-able summary.
 
@@ -104,9 +80,10 @@ def probes_report(
         out: the HTML file; refused if it exists unless `overwrite`.
         tasks: probe tasks (`probes.head_probes.PROBE_TASKS`; default harmful, sentiment,
             counterfact), each on its train split.
-        limit: at most `limit` examples per task (`probe_data`), default all.
         top: heads listed (and outlined) per task (default 10).
-        cv, seed, n_jobs: as `fit_head_probes`; batch_size as `collect_head_outputs`.
+        study: the other keyword arguments of `probes.studies.probing.probe_study`, passed on:
+            `limit` (at most `limit` examples per task, default all), `cv` (5), `seed` (0),
+            `n_jobs` (1) as `fit_head_probes`; `batch_size` (16) as `collect_head_outputs`.
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             (`heads._util.progress`) in steps: each prompt whose head outputs are collected (after
             each batch), then `FIT_STEPS` when a task's probes are fitted; total known up front.
@@ -116,31 +93,17 @@ def probes_report(
         of heads above chance, and the mean |cosine| of each task pair over their top heads.
 
     Raises:
+        HeadsteerTypeError: a keyword `probe_study` does not take.
         ValueError: an unknown task, an existing `out` without `overwrite`, or bad numbers.
     """
-    tasks = list(tasks)
-    bad = [t for t in tasks if t not in PROBE_TASKS]
-    if bad or not tasks:
-        raise HeadsteerValueError(
-            f"unknown probe task {bad[0] if bad else tasks!r}: use some of {PROBE_TASKS}"
-        )
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise HeadsteerValueError(f"top must be a positive int, got {top!r}")
+    check_forwarded("probes_report", study, probe_study)
+    tasks = check_probe_tasks(tasks)
+    top = check_int("top", top, lo=1)
     check_output(out, overwrite=overwrite)
     t0 = time.perf_counter()
-    results: dict[str, ProbeResult] = {}
-    summary: dict = {"tasks": {}}
-    rep = Report(
-        "Per-head linear probes",
-        model.name,
-        {
-            "tasks": tasks,
-            "limit": limit,
-            "cv": cv,
-            "seed": seed,
-            "probe": "LogisticRegression(max_iter=1000)",
-        },
-    )
+    result = probe_study(model, tasks=tasks, top=top, progress=progress, **study)
+    summary: dict = result.summary()
+    rep = Report("Per-head linear probes", model.name, result.params)
     rep.text(
         "How to read this",
         "Each head's output (its slice of the o_proj input) at the last token is a d_head vector; a "
@@ -150,76 +113,28 @@ def probes_report(
         "chance' when its accuracy interval lies above the majority-class share. Method: Li et al. "
         "2023 (ITI), section 3.1.",
     )
-    datas = {task: probe_data(task, "train", limit=limit) for task in tasks}
-    # steps: each prompt whose head outputs are collected, then FIT_STEPS per task for the probes
-    total = sum(len(d.prompts) + FIT_STEPS for d in datas.values())
-    done = 0
-    with progress_callback(progress, "probes", "steps") as report:
-        for task in tasks:  # collect, then fit
-            data = datas[task]
-            acts = collect_head_outputs(
-                model,
-                data.prompts,
-                "last",
-                batch_size=batch_size,
-                chat=data.chat,
-                progress=offset_progress(report, done, total) or False,
-            )
-            done += len(data.prompts)
-            res = fit_head_probes(
-                acts,
-                data.labels,
-                cv=cv,
-                seed=seed,
-                groups=data.groups,
-                n_jobs=n_jobs,
-                model=model.name,
-                n_kv_heads=model.n_kv_heads,
-                progress=(lambda d, t, at=done: report(at + FIT_STEPS * d // t, total)) if report else False,
-            )
-            results[task] = res
-            done += FIT_STEPS
-            majority = max(res.n_positive, res.n - res.n_positive) / res.n
-            above = int((res.accuracy_low > majority).sum())
-            (layer, head), *_ = res.ranked(1)
-            best = {
-                "head": [layer, head],
-                "accuracy": round(float(res.accuracy.scores[layer, head]), 4),
-                "interval": [
-                    round(float(res.accuracy_low[layer, head]), 4),
-                    round(float(res.accuracy_high[layer, head]), 4),
-                ],
-                "auc": round(float(res.auc.scores[layer, head]), 4),
-            }
-            summary["tasks"][task] = {
-                "rows": res.n,
-                "majority": round(majority, 4),
-                "above_chance": above,
-                "best": best,
-            }
-            verdict = (
-                f"{above} of {model.n_layers * model.n_heads} heads beat chance"
-                if above
-                else "no head beats chance: the probes are at chance on this task"
-            )
-            rep.text(
-                f"{task}: {data.description}",
-                f"{res.n} rows ({res.n_positive} with label 1), majority share {majority:.2f}. Best head "
-                f"L{layer}H{head}: accuracy {best['accuracy']:.3f} [{best['interval'][0]:.3f}, "
-                f"{best['interval'][1]:.3f}], AUC {best['auc']:.3f}. {verdict}.",
-            )
-            rep.figure(
-                f"{task}: held-out probe accuracy",
-                head_heatmap(res.accuracy, title=f"{task}: accuracy", top_k=top),
-            )
-            frame = res.to_frame().drop(columns=["kv_head"]).head(top)
-            rep.table(f"{task}: top {top} heads", frame)
-    summary["cosine"] = {}
-    for a, b in itertools.combinations(tasks, 2):
-        cos = direction_cosines(results[a], results[b])
-        chosen = sorted(set(results[a].ranked(top)) | set(results[b].ranked(top)))
-        mean_abs = float(torch.stack([cos[la, h].abs() for la, h in chosen]).mean())
-        summary["cosine"][f"{a}~{b}"] = round(mean_abs, 4)
+    for task, tp in result.tasks.items():
+        res, best, above = tp.result, tp.best, tp.above_chance
+        layer, head = best["head"]
+        verdict = (
+            f"{above} of {model.n_layers * model.n_heads} heads beat chance"
+            if above
+            else "no head beats chance: the probes are at chance on this task"
+        )
+        rep.text(
+            f"{task}: {tp.description}",
+            f"{res.n} rows ({res.n_positive} with label 1), majority share {tp.majority:.2f}. Best head "
+            f"L{layer}H{head}: accuracy {best['accuracy']:.3f} [{best['interval'][0]:.3f}, "
+            f"{best['interval'][1]:.3f}], AUC {best['auc']:.3f}. {verdict}.",
+        )
+        rep.figure(
+            f"{task}: held-out probe accuracy",
+            head_heatmap(res.accuracy, title=f"{task}: accuracy", top_k=top),
+        )
+        frame = res.to_frame().drop(columns=["kv_head"]).head(top)
+        rep.table(f"{task}: top {top} heads", frame)
+    for (a, b), cos in result.cosines.items():
+        mean_abs = result.mean_abs_cosine(a, b)
         rep.figure(
             f"mass-mean direction cosine: {a} vs {b} (mean |cos| over both top-{top} sets {mean_abs:.3f}; "
             f"two random directions in d_head={model.d_head}: {math.sqrt(2 / (math.pi * model.d_head)):.3f})",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg
-from heads.engine.executors import Executor
+from heads._util.validation import check_forwarded
 from heads.errors import HeadsteerValueError
 from probes.studies.safety import SafetyAnalysis, safety_analysis, safety_template
 from viz.figures import head_heatmap
@@ -127,42 +128,29 @@ def safety_report(
     model: HeadModel,
     out: str | Path,
     *,
-    prompts: list[str] | None = None,
-    steps: int = 3,
-    system_prompt: str | None = None,
-    n_score: int = 16,
-    max_new_tokens: int = 48,
-    random_draws: int = 3,
-    seed: int = 0,
-    batch_size: int = 16,
     overwrite: bool = False,
     progress: ProgressArg = True,
-    executor: str | Executor | None = None,
+    **analysis: Any,
 ) -> tuple[Path, dict]:
-    """Compute the safety-head analysis (`probes.studies.safety.safety_analysis`, same arguments),
-    write its report to `out` (HTML, checked before any work; an existing file only with
-    `overwrite=True`) and return the path with a JSON-able summary (`SafetyAnalysis.summary()`).
+    """Compute the safety-head analysis (`probes.studies.safety.safety_analysis`), write its
+    report to `out` (HTML, checked before any work; an existing file only with `overwrite=True`)
+    and return the path with a JSON-able summary (`SafetyAnalysis.summary()`).
 
-    `executor` ("local", "ray" or a `heads.engine.executors.Executor`) runs the Ships sweeps in
-    shards (see `heads.scorers.safety.ships.ships`).
+    Args:
+        analysis: the keyword arguments of `safety_analysis`, passed on: `prompts`, `steps` (3),
+            `system_prompt`, `n_score` (16), `max_new_tokens` (48), `random_draws` (3), `seed`
+            (0), `batch_size` (16), `executor` ("local", "ray" or a
+            `heads.engine.executors.Executor`: runs the Ships sweeps in shards, see
+            `heads.scorers.safety.ships.ships`).
+        progress: as `safety_analysis` (default True: a bar).
 
     Raises:
+        HeadsteerTypeError: a keyword `safety_analysis` does not take.
         ValueError: `out` exists and `overwrite` is False, or is a symlink; and as
             `safety_analysis`.
     """
+    check_forwarded("safety_report", analysis, safety_analysis)
     check_output(out, overwrite)
-    result = safety_analysis(
-        model,
-        prompts=prompts,
-        steps=steps,
-        system_prompt=system_prompt,
-        n_score=n_score,
-        max_new_tokens=max_new_tokens,
-        random_draws=random_draws,
-        seed=seed,
-        batch_size=batch_size,
-        progress=progress,
-        executor=executor,
-    )
+    result = safety_analysis(model, progress=progress, **analysis)
     path = render_safety_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

@@ -18,9 +18,9 @@ import torch
 
 from heads import HeadModel, HeadScores
 from heads._util.files import check_output, write_text
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.forward import forward
-from heads.errors import HeadsteerValueError
 from steer import SteeredModel
 from steer.var import Var
 from steer.vhr.method import Vhr, t_vhd
@@ -84,8 +84,7 @@ def vision_analysis(
         ValueError: no image and no marked passage, a negative `trace_tokens`; see
             `Vhr.select` and `Var.edits`.
     """
-    if isinstance(trace_tokens, bool) or not isinstance(trace_tokens, int) or trace_tokens < 0:
-        raise HeadsteerValueError(f"trace_tokens must be an int >= 0, got {trace_tokens!r}")
+    check_int("trace_tokens", trace_tokens, lo=0)
     t0 = time.perf_counter()
     vhr = vhr or Vhr()
     var = var or Var()

@@ -35,6 +35,7 @@ from typing import Annotated
 
 import typer
 
+from heads._util.validation import check_int
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
@@ -274,8 +275,7 @@ def create_app(
 
     from steer.serving import Batcher, BatchGenerator, RequestCancelled
 
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise HeadsteerValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    check_int("max_body_bytes", max_body_bytes, lo=1)
     generator = BatchGenerator(model, max_prompt_tokens=max_prompt_tokens)
     model_id = model.name
 

@@ -16,6 +16,7 @@ from heads.engine.edits import (
     ProbEdit,
 )
 from heads.engine.kernels.common import (
+    AttentionInputs,
     additive_mask,
     causal_additive,
     check_window,
@@ -41,18 +42,11 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
 
 def blocked_attention(
     module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
+    inputs: AttentionInputs,
     edits: LayerEdits,
-    softcap: float | None = None,
-    causal: bool = True,
+    *,
     want_probs: bool = False,
     eager: bool = False,
-    sinks: torch.Tensor | None = None,
-    q_offset: int | None = None,
     pattern_only: bool = False,
     own: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -62,19 +56,18 @@ def blocked_attention(
     `want_probs` (`output_attentions=True`), else None).
 
     Args:
-        query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit); key, value
-            `[B, G, K, d]`.
-        mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
-        scaling: the module's logit scale; softcap: `c` of `c * tanh(s / c)` or None.
-        causal: what a None mask means (the module's `is_causal`).
+        inputs: the call's query `[B, H, Q, d]` (after QK-norm, RoPE and any query edit), key and
+            value `[B, G, K, d]`, mask (bool or additive, `[B or 1, 1, Q, K]`, or None), logit
+            scale, soft-cap (`c` of `c * tanh(s / c)` or None), `causal` (what a None mask
+            means: the module's `is_causal`), sinks and q_offset (below).
         want_probs: also return the pattern (computes it explicitly).
         eager: the model's own attention is `eager`: compute the edited layer the same way
             (matmul, softmax) rather than with SDPA, so only the edit differs from the model's
             own arithmetic (and a TransformerLens bridge, which attends eagerly, agrees bitwise).
-        sinks: learned attention sinks `[H]` (gpt-oss `s_aux`) or None: one extra logit per
+        inputs.sinks: learned attention sinks `[H]` (gpt-oss `s_aux`) or None: one extra logit per
             head joins each row's softmax and is dropped after it, so a row's probabilities
             sum to less than 1 (Xiao et al. 2024, "attention sinks"; OpenAI gpt-oss).
-        q_offset: absolute position of the first query row (the cached positions before the
+        inputs.q_offset: absolute position of the first query row (the cached positions before the
             call); None means `K - Q` (a dynamic cache). A static cache holds more key slots
             than positions, so the engine passes the real offset.
         own: the model's own attention output `[B, Q, H, d]` (a thunk): returned instead when
@@ -91,6 +84,9 @@ def blocked_attention(
     fp32, the output rounded once. Pattern edits always see (and return) fp32 probabilities;
     logit biases are fp32 tensors. In fp32 both orders are the fp32 computation.
     """
+    query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+    scaling, softcap, causal = inputs.scaling, inputs.softcap, inputs.causal
+    sinks, q_offset = inputs.sinks, inputs.q_offset
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]
     groups = n_heads // key.shape[1]

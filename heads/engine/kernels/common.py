@@ -3,6 +3,8 @@ checks, and the model's own SDPA for the heads no edit touches."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -11,6 +13,7 @@ from heads.engine.state import MIN_LOGIT, LayerEdits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
+    "AttentionInputs",
     "additive_mask",
     "causal_additive",
     "check_kwargs",
@@ -20,6 +23,32 @@ __all__ = [
     "mask_in_dtype",
     "own_sdpa",
 ]
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One attention call's inputs, as the registered attention function hands them to a kernel.
+
+    Attributes:
+        query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit).
+        key, value: `[B, G, K, d]` (H a multiple of G).
+        mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
+        scaling: the module's logit scale.
+        softcap: `c` of `c * tanh(s / c)` (Gemma 2) or None (default).
+        causal: what a None mask means (the module's `is_causal`; default True).
+        sinks: learned attention sinks `[H]` (gpt-oss `s_aux`) or None (default).
+        q_offset: absolute position of the first query row, or None (default: `K - Q`).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    scaling: float
+    softcap: float | None = None
+    causal: bool = True
+    sinks: torch.Tensor | None = None
+    q_offset: int | None = None
 
 
 def checked_bias(edit: Edit, call: AttentionCall) -> torch.Tensor:

@@ -12,25 +12,14 @@ from heads.engine.edits import (
     SpanShareEdit,
 )
 from heads.engine.kernels import fused as _fused
-from heads.engine.kernels.common import check_window, checked_bias, own_sdpa
+from heads.engine.kernels.common import AttentionInputs, check_window, checked_bias, own_sdpa
 from heads.engine.state import MIN_LOGIT, LayerEdits
 from heads.errors import HeadsteerValueError
 
 __all__ = ["fused_layer_attention"]
 
 
-def fused_layer_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    edits: LayerEdits,
-    softcap: float | None = None,
-    causal: bool = True,
-    sinks: torch.Tensor | None = None,
-    q_offset: int | None = None,
-) -> torch.Tensor:
+def fused_layer_attention(inputs: AttentionInputs, edits: LayerEdits) -> torch.Tensor:
     """`blocked_attention` on the fused kernel (`heads.engine.kernels.fused`): `[B, Q, H, d]` output.
 
     Only the heads some edit touches (in any batch row) run through the fused kernel; the
@@ -46,6 +35,9 @@ def fused_layer_attention(
     adds nothing to the output), its column bias is the head's sink logit and every row sees it,
     so it joins each row's normalisation exactly as the sink does in the model's own attention.
     """
+    query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+    scaling, softcap, causal = inputs.scaling, inputs.softcap, inputs.causal
+    sinks, q_offset = inputs.sinks, inputs.q_offset
 
     batch, n_heads, q_len, _ = query.shape
     k_len = key.shape[2]

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
@@ -16,6 +17,7 @@ from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.scorers.controls import other_heads, random_head_draws
 from heads.scorers.maps.static import RelationPairs, positive_int, top_k_hits
 
 __all__ = [
@@ -190,8 +192,7 @@ def relation_accuracy(
     `heads` are zero-ablated at the last position only (docs/methods/maps.md, Experiment 2).
     """
     n_prompts, batch_size = positive_int(n_prompts, "n_prompts"), positive_int(batch_size, "batch_size")
-    if isinstance(n_shots, bool) or not isinstance(n_shots, int) or n_shots < 0:
-        raise HeadsteerValueError(f"n_shots must be an int >= 0, got {n_shots!r}")
+    check_int("n_shots", n_shots, lo=0)
     prompts = _few_shot_prompts(relation, n_prompts, n_shots, seed)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
@@ -285,12 +286,8 @@ def ablation_check(
             return res
         res.ablated = relation_accuracy(model, relation, ranked, n_prompts=n_prompts, seed=seed)
         say(2, total)
-        pool = [
-            (la, h) for la in range(model.n_layers) for h in range(model.n_heads) if (la, h) not in ranked
-        ]
-        g = torch.Generator().manual_seed(seed)
-        for i in range(draws):
-            pick = [pool[j] for j in torch.randperm(len(pool), generator=g)[: len(ranked)].tolist()]
+        pool = other_heads(model.n_layers, model.n_heads, ranked)
+        for i, pick in enumerate(random_head_draws(pool, len(ranked), draws, seed)):
             res.random.append(relation_accuracy(model, relation, pick, n_prompts=n_prompts, seed=seed))
             say(3 + i, total)
     return res

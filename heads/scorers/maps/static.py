@@ -15,13 +15,13 @@ break ties by lowest token id (pitfall 5), so scores are deterministic.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_bool, check_int, is_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel, _module
@@ -48,8 +48,7 @@ IMPLEMENTS_THRESHOLD = 0.15
 
 def positive_int(value, what: str) -> int:
     """`value` as an int >= 1, else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise HeadsteerValueError(f"{what} must be a positive int, got {value!r}")
+    check_int(what, value, lo=1)
     return int(value)
 
 
@@ -83,9 +82,7 @@ class RelationPairs:
         if not self.pairs:
             raise HeadsteerValueError(f"relation {self.name!r} has no pairs")
         for pair in self.pairs:
-            if len(pair) != 2 or any(
-                isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair
-            ):
+            if len(pair) != 2 or any(not is_int(x) for x in pair):
                 raise HeadsteerTypeError(f"relation {self.name!r}: pair {pair!r} is not two int token ids")
         self.pairs = [(int(a), int(b)) for a, b in self.pairs]
         self.k = positive_int(self.k, f"relation {self.name!r}: k")
@@ -230,7 +227,7 @@ class MapsScores:
         any_scores = next(iter(self.relation.values()))
         n_layers, n_heads = any_scores.n_layers, any_scores.n_heads
         for what, v, n in (("layer", layer, n_layers), ("head", head, n_heads)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < n:
+            if not is_int(v) or not 0 <= v < n:
                 raise HeadsteerValueError(f"unknown {what} {v!r}: there are {n} ({what}s 0..{n - 1})")
         top = positive_int(top, "top")
 
@@ -313,8 +310,7 @@ def maps_scores(
     """
     relations = _as_relations(model, relations)
     pair_chunk = positive_int(pair_chunk, "pair_chunk")
-    if not isinstance(apply_first_mlp, bool):
-        raise HeadsteerTypeError(f"apply_first_mlp must be True or False, got {apply_first_mlp!r}")
+    check_bool("apply_first_mlp", apply_first_mlp)
     sources = sorted({s for r in relations for s, _ in r.pairs})
     row = {s: i for i, s in enumerate(sources)}
     src_ids = torch.tensor(sources)

@@ -52,15 +52,13 @@ both; head outputs are read by pre-hooks on `o_proj`, which both backends keep).
 from __future__ import annotations
 
 import math
-import numbers
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from heads._util.validation import check_int
+from heads._util.validation import check_bool, check_int, check_number, is_int
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import _forward, check_heads
@@ -68,6 +66,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
+from heads.scorers.controls import random_head_draws
 from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
 
 __all__ = [
@@ -176,7 +175,7 @@ def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
         raise HeadsteerValueError(f"{what} must be a non-empty list of token ids, got {ids!r}")
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+        if not is_int(t) or t < 0:
             raise HeadsteerValueError(f"{what} must hold non-negative int token ids, got {t!r}")
     return torch.tensor([int(t) for t in ids], dtype=torch.long)
 
@@ -393,11 +392,9 @@ def attribute(
             "and their gradients through local torch hooks, which do not run on NDIF (use remote=False)"
         )
     _check_ablation(ablation)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
-        raise HeadsteerValueError(f"eps must be a number in [0, 1], got {eps!r}")
+    check_number("eps", eps, lo=0, hi=1)
     for name, flag in (("exact", exact), ("saturation_fix", saturation_fix), ("graddrop", graddrop)):
-        if not isinstance(flag, bool):
-            raise HeadsteerTypeError(f"{name} must be a bool, got {flag!r}")
+        check_bool(name, flag, what="a bool")
     if not (metric == "kl" or callable(metric)):
         raise HeadsteerValueError(
             f"metric must be 'kl' or a callable (logp, prompt_index) -> [R], got {metric!r}"
@@ -426,7 +423,7 @@ def attribute(
     for a in range(0, enc.batch, max_rows):
         rows = torch.arange(a, min(a + max_rows, enc.batch))
         per_prompt[rows] = _attribute_batch(
-            model, enc, rows, ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means
+            model, enc, rows, _BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
         )
     keep = torch.zeros(model.n_layers, model.n_heads, dtype=torch.bool)
     for layer, head in chosen:
@@ -461,19 +458,26 @@ def _layer_edit(ablation, layer: int, eps: float, saturation_fix: bool) -> Edit:
     return _LinearisedScale(layer, eps)
 
 
+@dataclass(frozen=True)
+class _BatchSetup:
+    """What `_attribute_batch` needs of `attribute`'s checked arguments (the same for every batch);
+    `means`: the per-layer head means of `ablation="mean"`, else None."""
+
+    ablation: Any
+    eps: float
+    metric: Any
+    kl_tokens: int
+    saturation_fix: bool
+    graddrop: bool
+    means: list[torch.Tensor] | None
+
+
 def _attribute_batch(
-    model: HeadModel,
-    enc: EncodedPrompts,
-    rows: torch.Tensor,
-    ablation,
-    eps: float,
-    metric,
-    kl_tokens: int,
-    saturation_fix: bool,
-    graddrop: bool,
-    means: list[torch.Tensor] | None,
+    model: HeadModel, enc: EncodedPrompts, rows: torch.Tensor, setup: _BatchSetup
 ) -> torch.Tensor:
     """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch)."""
+    ablation, eps, metric, kl_tokens = setup.ablation, setup.eps, setup.metric, setup.kl_tokens
+    saturation_fix, graddrop, means = setup.saturation_fix, setup.graddrop, setup.means
     lengths = enc.attention_mask[rows].sum(-1)
     trim = enc.length - int(lengths.max())
     ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
@@ -612,7 +616,8 @@ def confirm_ships(
         return est
     ranked = est.scores.ranked()
     top, rest = ranked[:confirm], ranked[confirm:]
-    control = sorted(random.Random(seed).sample(rest, min(controls, len(rest))))
+    (control,) = random_head_draws(rest, min(controls, len(rest)), 1, seed, generator="python")
+    control = sorted(control)
     eps, exact_heads = check_scoring(model, eps, exact, top + control)
     res = exact_ships(model, prompts, exact_heads, ablation, eps, template, opts)
     params = dict(res.scores.params)
