@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from heads.engine.variants import _forward
+from heads.inputs.prompts import position_ids
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel, _module, _unwrap
 
@@ -537,8 +537,15 @@ def run_graph(
     if patch is not None and corr is None:
         raise HeadsteerValueError("patching edges needs the corrupted run's activations (corr=)")
     runner = _Runner(model, graph, patch=patch, corr=corr, grad=grad, record=record, embed=embed)
+    dev = model.device
     with _hooks(runner):
-        out = _forward(model, ids, mask, [])
+        out = model.run(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=position_ids(mask).to(dev),
+            use_cache=False,
+            logits_to_keep=1,
+        )
     return out.logits[:, -1].float(), runner
 
 
