@@ -229,7 +229,8 @@ class Circuit:
     def __repr__(self) -> str:
         f = "" if self.faithfulness is None else f", faithfulness={self.faithfulness:.3f}"
         return (
-            f"Circuit({self.graph.model!r}, method={self.method!r}, edges={self.n_edges}/{self.graph.n_edges}, "
+            f"Circuit({self.graph.model!r}, method={self.method!r}, "
+            f"edges={self.n_edges}/{self.graph.n_edges}, "
             f"heads={len(self.heads.heads)}{f})"
         )
 
@@ -268,7 +269,7 @@ class Circuit:
         """Write the circuit as JSON (schema `headsteer/circuit`, version 1); returns the path.
 
         Raises:
-            FileExistsError: `path` exists and `overwrite` is False.
+            ValueError: `path` exists and `overwrite` is False, or is a symlink / folder.
         """
         text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
         return str(write_text(path, text, overwrite=overwrite))
@@ -365,7 +366,8 @@ def select(
         mask = torch.nan_to_num(v, nan=-float("inf")) >= t
     if prune_dangling:
         mask = prune(g, mask)
-    params = {"n": n, "threshold": threshold, "absolute": absolute, "n_pairs": scores.n_pairs, **scores.params}
+    params = {"n": n, "threshold": threshold, "absolute": absolute, "n_pairs": scores.n_pairs}
+    params.update(scores.params)
     return Circuit(g, mask, scores.scores, scores.method, scores.metric, scores.exact, params=params)
 
 

@@ -40,8 +40,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from heads.inputs.prompts import position_ids
 from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel, _module, _unwrap
 
 __all__ = ["Acts", "Graph", "check_family", "graph_of", "run_graph"]

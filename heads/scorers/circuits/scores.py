@@ -128,7 +128,9 @@ def _grads(
     return torch.cat(out).detach().float(), (runner.acts() if record else None), logits.detach()
 
 
-def _record(model: HeadModel, graph: Graph, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Acts]:
+def _record(
+    model: HeadModel, graph: Graph, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, Acts]:
     with torch.no_grad():
         logits, runner = run_graph(model, graph, ids, mask, record=True)
     return logits, runner.acts()
