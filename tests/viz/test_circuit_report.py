@@ -29,7 +29,8 @@ def test_circuit_figure_and_curve(tiny_llama):
 
 def test_cli_report_circuit(tiny_llama_dir, tmp_path):
     out = tmp_path / "c.html"
-    args = ["report", "circuit", "--out", str(out), "--model", tiny_llama_dir, "--pairs", "2", "--sizes", "10,100"]
+    args = ["report", "circuit", "--out", str(out), "--model", tiny_llama_dir, "--pairs", "2"]
+    args += ["--sizes", "10,100"]
     r = CliRunner().invoke(app, [*args, "--method", "eap", "--size", "10", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
