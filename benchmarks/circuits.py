@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,7 +49,7 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()))
 
 
-def _accuracy(model, pairs, heads) -> torch.Tensor:
+def _accuracy(model: Any, pairs: Any, heads: Any) -> torch.Tensor:
     """`[N]` 1.0 where the clean prompt's answer logit beats the counterfactual's, with `heads` ablated."""
     from heads import editing
     from heads.inputs.prompts import position_ids
@@ -66,7 +67,8 @@ def _accuracy(model, pairs, heads) -> torch.Tensor:
         )
     logits = out.logits[:, -1].float()
     idx = torch.arange(pairs.n)
-    return (logits[idx, pairs.answers[:, 0]] > logits[idx, pairs.counterfactuals[:, 0]]).float()
+    won = logits[idx, pairs.answers[:, 0]] > logits[idx, pairs.counterfactuals[:, 0]]
+    return cast(torch.Tensor, won.float())
 
 
 def _boot(x: torch.Tensor, n: int = 2000, seed: int = 0) -> list[float]:
@@ -75,7 +77,7 @@ def _boot(x: torch.Tensor, n: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(means.quantile(0.025)), 3), round(float(means.quantile(0.975)), 3)]
 
 
-def study(args) -> dict:
+def study(args: argparse.Namespace) -> dict:
     from heads import HeadSet
     from heads.scorers.circuits import select
 

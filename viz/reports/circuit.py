@@ -9,6 +9,7 @@ head) and the top edges table. The circuit itself is saved beside the page as JS
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from heads import HeadModel
@@ -17,7 +18,7 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads.scorers.circuits import SIZES, Circuit, edge_scores, evaluate, faithfulness_curve, select
 from heads.scorers.circuits.circuit import _check_sizes, _n_of
 from heads.scorers.circuits.graph import graph_of
-from heads.scorers.patching import encode_pairs, load_pairs
+from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
 from viz.reports.base import Report
 
@@ -32,7 +33,7 @@ def circuit_steps() -> int:
     return 4
 
 
-def task_pairs(model: HeadModel, task: str | os.PathLike, n: int, split: str = "test"):
+def task_pairs(model: HeadModel, task: str | os.PathLike, n: int, split: str = "test") -> PairBatch:
     """A `PairBatch` of the first `n` pairs of a shipped task or of a JSONL pairs file.
 
     Raises:
@@ -56,7 +57,7 @@ def circuit_report(
     n_pairs: int = 16,
     size: float = 5.0,
     steps: int = 5,
-    sizes=SIZES,
+    sizes: Sequence[float] = SIZES,
     overwrite: bool = False,
     circuit_json: str | Path | None = None,
     progress: ProgressArg = True,

@@ -79,9 +79,8 @@ def prune(graph: Graph, mask: torch.Tensor) -> torch.Tensor:
         for u in range(U, -1, -1):
             if u < U:
                 live[u] = bool((m[u] & target_live).any())
-            downs = d2n[:, u] if u <= U else None
-            if downs is not None:
-                target_live |= downs & bool(live[u] and fed[u])
+            if bool(live[u] and fed[u]):
+                target_live |= d2n[:, u]
         new = m & fed[:U, None] & target_live[None, :]
         if torch.equal(new, m):
             return new
@@ -286,8 +285,8 @@ class Circuit:
             geo = d["geometry"]
             graph = Graph(int(geo["n_layers"]), int(geo["n_heads"]), int(geo["n_kv_heads"]), str(d["model"]))
             edges, scores = list(d["edges"]), list(d["scores"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise HeadsteerValueError(f"{where}: malformed circuit file ({e})") from None
+        except (KeyError, TypeError, ValueError) as err:
+            raise HeadsteerValueError(f"{where}: malformed circuit file ({err})") from None
         if model is not None:
             graph.check_model(model)
         e = torch.nonzero(graph.valid)

@@ -32,7 +32,7 @@ by name (`check_family`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -277,7 +277,7 @@ class Acts:
 
 
 def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out
+    return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
 
 
 def _diag(out: torch.Tensor, k: int, d: int) -> torch.Tensor:
@@ -388,7 +388,7 @@ class _Runner:
         finally:
             self.busy = False
 
-    def _norm1_pre(self, la: int):
+    def _norm1_pre(self, la: int) -> Callable[..., Any]:
         def hook(mod, args):
             if self.busy:
                 return None
@@ -415,7 +415,7 @@ class _Runner:
             self.normed[la] = self._call(norm1, x[None] + delta)
         return self.normed[la]
 
-    def _proj_hook(self, la: int, which: str, norm1: nn.Module):
+    def _proj_hook(self, la: int, which: str, norm1: nn.Module) -> Callable[..., Any]:
         H, G, d = self.H, self.G, self.d
         sl = {"q": slice(0, H), "k": slice(H, H + G), "v": slice(H + G, H + 2 * G)}[which]
 
@@ -431,7 +431,7 @@ class _Runner:
 
         return hook
 
-    def _fused_hook(self, la: int, norm1: nn.Module):
+    def _fused_hook(self, la: int, norm1: nn.Module) -> Callable[..., Any]:
         H, G, d = self.H, self.G, self.d
         qw, kw = H * d, G * d
 
@@ -449,7 +449,7 @@ class _Runner:
 
         return hook
 
-    def _o_pre(self, la: int):
+    def _o_pre(self, la: int) -> Callable[..., Any]:
         H, d = self.H, self.d
 
         def hook(mod, args):
@@ -467,7 +467,7 @@ class _Runner:
 
         return hook
 
-    def _mlp_hook(self, la: int):
+    def _mlp_hook(self, la: int) -> Callable[..., Any]:
         def hook(mod, args, out):
             if self.busy:
                 return None
@@ -481,7 +481,7 @@ class _Runner:
 
         return hook
 
-    def _resid_hook(self, down: int, norm: nn.Module):
+    def _resid_hook(self, down: int, norm: nn.Module) -> Callable[..., Any]:
         def hook(mod, args, out):
             if self.busy:
                 return None
@@ -553,4 +553,4 @@ def embed_output(model: HeadModel, ids: torch.Tensor) -> torch.Tensor:
     """`[R, T, D]` the embedding module's output for `ids` (no hooks)."""
     emb = _unwrap(model.model.get_input_embeddings())
     with torch.no_grad():
-        return emb(ids.to(model.device))
+        return cast(torch.Tensor, emb(ids.to(model.device)))

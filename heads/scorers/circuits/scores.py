@@ -102,7 +102,13 @@ def _chunks(n: int, size: int) -> list[torch.Tensor]:
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-def _metric(metric: Metric, logits: torch.Tensor, pairs: PairBatch, index: torch.Tensor, clean=None):
+def _metric(
+    metric: Metric,
+    logits: torch.Tensor,
+    pairs: PairBatch,
+    index: torch.Tensor,
+    clean: torch.Tensor | None = None,
+) -> torch.Tensor:
     return metric(logits, pairs, index, clean_logits=clean)
 
 
@@ -114,7 +120,7 @@ def _grads(
     embed: tuple[torch.Tensor, float] | None,
     clean_logits: torch.Tensor | None,
     record: bool,
-):
+) -> tuple[torch.Tensor, Acts | None, torch.Tensor]:
     """`([Dn, R, T, D] dM/dv_in, acts or None, logits)` of one run with grad deltas."""
     idx = torch.arange(sub.n)
     with torch.enable_grad():
