@@ -56,6 +56,7 @@ from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.attention_mass import head_pattern, span_attention
+from heads.scorers.circuits import Circuit, find_circuit
 from heads.scorers.patching.path import path_patch
 from heads.scorers.safety.attribution import attribute
 from heads.scorers.sink_dims import find_sink_dims
@@ -85,6 +86,8 @@ __all__ = [
     "Span",
     "SweepOptions",
     "attribute",
+    "Circuit",
+    "find_circuit",
     "cache_dir",
     "char_to_token_range",
     "editing",

@@ -56,6 +56,8 @@ def test_every_command_takes_the_shared_options():
         "report all",
         "report probes",
         "report atlas",
+        "report patching",
+        "report circuit",
         "report vision",
         "vision generate",
         "profile pasta",

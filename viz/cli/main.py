@@ -366,6 +366,64 @@ def report_patching(
     return {"html": str(out), **summary}
 
 
+@command(report_app, "circuit")
+def report_circuit(
+    run: Run,
+    out: Annotated[Path, typer.Option(help="HTML file to write (the circuit JSON is written beside it)")],
+    task: Annotated[
+        str, typer.Option(help="ioi, colored_objects, or a JSONL pairs file (clean, corrupted, answer, ...)")
+    ] = "ioi",
+    method: Annotated[str, typer.Option(help="eap or eap-ig")] = "eap-ig",
+    pairs: Annotated[int, typer.Option(help="pairs to score (at most 256)")] = 16,
+    size: Annotated[float, typer.Option(help="circuit size in % of the edges, in (0, 100]")] = 5.0,
+    steps: Annotated[int, typer.Option(help="EAP-IG interpolation steps")] = 5,
+    sizes: Annotated[
+        str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
+    ] = "0.1,0.2,0.5,1,2,5,10,20,50,100",
+) -> dict:
+    """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
+    from viz.reports.circuit import TASKS, circuit_report, circuit_steps
+
+    if method not in ("eap", "eap-ig"):
+        raise HeadsteerValueError(f"--method must be eap or eap-ig, got {method!r}")
+    if task not in TASKS and not Path(task).is_file():
+        raise typer.BadParameter(
+            f"{task!r} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
+        )
+    _positive(pairs=pairs, steps=steps)
+    _at_most("--pairs", pairs, 256)
+    if not 0 < size <= 100:
+        raise HeadsteerValueError(f"--size must be in (0, 100] (% of edges), got {size}")
+    try:
+        curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
+    except ValueError:
+        raise HeadsteerValueError(f"--sizes must be comma-separated numbers, got {sizes!r}") from None
+    if not curve_sizes or any(not 0 < x <= 100 for x in curve_sizes):
+        raise HeadsteerValueError(f"--sizes must be in (0, 100] (% of edges), got {sizes!r}")
+    out = run.output(out, suffixes=HTML)
+    js = run.output(out.with_suffix(".json"))
+    hm = run.load()
+    with run.progress(circuit_steps(), "circuit") as step:
+        _, summary = circuit_report(
+            hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
+            overwrite=run.force, circuit_json=js, progress=step,
+        )  # fmt: skip
+    table = Table(title=f"Circuit ({method})")
+    for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):
+        table.add_column(col)
+    table.add_row(
+        f"{summary['edges']}/{summary['graph_edges']}",
+        str(summary["heads"]),
+        f"{summary['faithfulness']:.3f}",
+        f"{summary['cpr']:.3f}",
+        f"{summary['cpr_random']:.3f}",
+        f"{summary['cmd']:.3f}",
+        f"{summary['cmd_random']:.3f}",
+    )
+    run.show(table)
+    return {"html": str(out), "circuit": str(js), **summary}
+
+
 @command(report_app, "safety")
 def report_safety(
     run: Run,

@@ -1,0 +1,547 @@
+"""Circuits: selection, pruning, exact faithfulness, the faithfulness curve, save / load.
+
+A circuit C is a set of edges. It is evaluated exactly (Hanna et al. 2024, Sec. 4; MIB,
+Mueller et al. 2025, Sec. 3.1) by running each clean prompt x with **every edge not in C
+corrupted** (its source's contribution taken from x~):
+
+    f(C) = (M(C) - M(x~)) / (M(x) - M(x~)),    M averaged over pairs,
+
+so the full graph has f = 1 and the empty circuit f = 0. Selection keeps the top n edges by
+|score| (or by score) or those above a threshold, then prunes dangling parts: edges whose
+source is not fed from the input through the circuit, and edges into nodes that no longer
+reach the logits (a KV input feeds every query head of its group).
+
+Faithfulness curve: f at circuit sizes of 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100 % of the
+edges (MIB's sizes), for the method's ranking and for random circuits of the same sizes.
+MIB's summaries are areas over the edge fraction k in [0, 1] (trapezoid rule):
+CPR = area under f(k) (higher is better), CMD = area under |1 - f(k)| (lower is better).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heads._util.files import write_text
+from heads._util.progress import ProgressArg
+from heads._util.validation import check_int, check_number
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores, HeadSet
+from heads.scorers.circuits.graph import Graph, graph_of
+from heads.scorers.circuits.scores import EdgeScores, _check_pairs, edge_scores, patched_metrics, run_metrics
+from heads.scorers.patching.metrics import Metric, get_metric
+from heads.scorers.patching.pairs import PairBatch
+
+__all__ = [
+    "SIZES",
+    "Circuit",
+    "areas",
+    "evaluate",
+    "faithfulness_curve",
+    "find_circuit",
+    "prune",
+    "select",
+]
+
+SCHEMA = "headsteer/circuit"
+SCHEMA_VERSION = 1
+SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+"""Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
+
+
+# ------------------------------------------------------------------------------ pruning
+def prune(graph: Graph, mask: torch.Tensor) -> torch.Tensor:
+    """`[U, Dn]` bool: `mask` without dangling edges (repeated until nothing changes).
+
+    An edge u -> v is kept when u is fed (u is the input, or has a kept edge from a fed node
+    into one of its inputs) and v's node reaches the logits through kept edges.
+    """
+    m = mask.clone() & graph.valid
+    d2n = graph.down_to_node()  # [Dn, U + 1]
+    U = graph.n_upstream
+    while True:
+        # fed: forward in node order (upstream index order is topological)
+        fed = torch.zeros(U + 1, dtype=torch.bool)
+        fed[0] = True
+        for u in range(1, U + 1):
+            downs = d2n[:, u]
+            fed[u] = bool((m[:, downs] & fed[:U, None]).any())
+        # live: reaches the logits
+        live = torch.zeros(U + 1, dtype=torch.bool)
+        live[U] = True
+        target_live = torch.zeros(graph.n_downstream, dtype=torch.bool)
+        for u in range(U, -1, -1):
+            if u < U:
+                live[u] = bool((m[u] & target_live).any())
+            if bool(live[u] and fed[u]):
+                target_live |= d2n[:, u]
+        new = m & fed[:U, None] & target_live[None, :]
+        if torch.equal(new, m):
+            return new
+        m = new
+
+
+def _check_sizes(sizes: Any) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(s) for s in sizes)
+    except (TypeError, ValueError):
+        raise HeadsteerValueError(f"sizes must be numbers in (0, 100] (% of edges), got {sizes!r}") from None
+    if not vals or any(not (0 < v <= 100) or math.isnan(v) for v in vals):
+        raise HeadsteerValueError(f"sizes must be in (0, 100] (% of edges), got {sizes!r}")
+    return tuple(sorted(set(vals)))
+
+
+def _n_of(graph: Graph, size: float) -> int:
+    return max(1, min(graph.n_edges, round(size / 100.0 * graph.n_edges)))
+
+
+def _top_mask(graph: Graph, ranking: torch.Tensor, n: int) -> torch.Tensor:
+    m = torch.zeros(graph.n_upstream, graph.n_downstream, dtype=torch.bool)
+    top = ranking[:n]
+    m[top[:, 0], top[:, 1]] = True
+    return m
+
+
+# ------------------------------------------------------------------------------ the result
+@dataclass
+class Circuit:
+    """A circuit: a set of edges of a model's graph, their scores and its faithfulness.
+
+    Attributes:
+        graph: the `Graph`.
+        mask: `[U, Dn]` bool, the circuit's edges (after pruning).
+        scores: `[U, Dn]` the scores of every edge (NaN off the graph), from `EdgeScores`.
+        method, metric: how the scores were made.
+        exact: `[U, Dn]` exact scores of confirmed edges (NaN elsewhere), or None.
+        faithfulness: f(C) when evaluated, else None.
+        curve: the faithfulness curve (`faithfulness_curve`'s dict), or None.
+        params: free JSON-serialisable fields (n, threshold, n_pairs, ...).
+    """
+
+    graph: Graph
+    mask: torch.Tensor
+    scores: torch.Tensor
+    method: str = ""
+    metric: str = "logit_diff"
+    exact: torch.Tensor | None = None
+    faithfulness: float | None = None
+    curve: dict | None = None
+    params: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- views
+    @property
+    def n_edges(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def edges(self) -> torch.Tensor:
+        """`[E, 2]` (upstream, downstream) of the circuit's edges, by decreasing |score|."""
+        e = torch.nonzero(self.mask)
+        v = self.scores[e[:, 0], e[:, 1]].abs()
+        return e[torch.argsort(torch.nan_to_num(v, nan=-1.0), descending=True, stable=True)]
+
+    def edge_names(self) -> list[str]:
+        return self.graph.edge_names(self.edges)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Names of the circuit's nodes: the sources of its edges, and logits when it has any edge."""
+        up = self.graph.upstream_names()
+        src = torch.nonzero(self.mask.any(1)).flatten().tolist()
+        return [up[i] for i in src] + (["logits"] if self.n_edges else [])
+
+    def node_importance(self) -> torch.Tensor:
+        """`[U + 1]` summed |score| of the circuit edges touching each node (logits last);
+        a KV input's edges are shared evenly by its group's query heads."""
+        g = self.graph
+        s = torch.nan_to_num(self.scores.abs() * self.mask, nan=0.0)
+        out = torch.zeros(g.n_upstream + 1)
+        out[: g.n_upstream] += s.sum(1)
+        d2n = g.down_to_node().float()
+        share = d2n / d2n.sum(1, keepdim=True).clamp(min=1)
+        out += s.sum(0) @ share
+        return out
+
+    @property
+    def heads(self) -> HeadSet:
+        """The circuit's attention heads (those with an outgoing circuit edge; after pruning these
+        are fed from the input and reach the logits) as a `HeadSet`, the form `steer.Ablate`
+        and the other head steerers take: `Ablate(circuit.heads)`."""
+        g = self.graph
+        src = self.mask.any(1)
+        return HeadSet(
+            (la, h) for la in range(g.n_layers) for h in range(g.n_heads) if bool(src[g.head_node(la, h)])
+        )
+
+    def head_scores(self, in_circuit: bool = False) -> HeadScores:
+        """`[L, H]` `HeadScores`: per head, the summed |score| of its edges (out-edges plus its
+        q / k / v in-edges, KV edges shared by the group); every edge of the graph unless
+        `in_circuit`."""
+        g = self.graph
+        c = Circuit(g, self.mask if in_circuit else g.valid, self.scores)
+        imp = c.node_importance()
+        idx = torch.tensor([[g.head_node(la, h) for h in range(g.n_heads)] for la in range(g.n_layers)])
+        return HeadScores(
+            imp[idx].float(),
+            f"circuit_{self.method}" if self.method else "circuit",
+            params={"metric": self.metric, "in_circuit": in_circuit},
+            model=g.model,
+            n_kv_heads=g.n_kv_heads,
+        )
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per circuit edge: edge, source, target, input (q/k/v/mlp/
+        logits), source / target layer, score, exact (NaN unless confirmed)."""
+        import pandas as pd
+
+        e = self.edges
+        names = self.graph.edge_names(e)
+        rows = []
+        up_layer = self.graph.upstream_layer()
+        S = self.graph.per_layer
+        for (u, d), name in zip(e.tolist(), names, strict=True):
+            src, dst = name.split("->")
+            kind = dst[dst.index("<") + 1 : -1] if "<" in dst else ("logits" if dst == "logits" else "mlp")
+            rows.append(
+                {
+                    "edge": name,
+                    "source": src,
+                    "target": dst,
+                    "input": kind,
+                    "source_layer": int(up_layer[u]),
+                    "target_layer": d // S if dst != "logits" else self.graph.n_layers,
+                    "score": float(self.scores[u, d]),
+                    "exact": float(self.exact[u, d]) if self.exact is not None else float("nan"),
+                }
+            )
+        return pd.DataFrame(
+            rows,
+            columns=["edge", "source", "target", "input", "source_layer", "target_layer", "score", "exact"],
+        )
+
+    def __repr__(self) -> str:
+        f = "" if self.faithfulness is None else f", faithfulness={self.faithfulness:.3f}"
+        return (
+            f"Circuit({self.graph.model!r}, method={self.method!r}, "
+            f"edges={self.n_edges}/{self.graph.n_edges}, "
+            f"heads={len(self.heads.heads)}{f})"
+        )
+
+    # ---------------------------------------------------------------- save / load
+    def to_dict(self) -> dict:
+        def num(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        g = self.graph
+        e = torch.nonzero(g.valid)
+        all_scores = [num(float(v)) for v in self.scores[e[:, 0], e[:, 1]].tolist()]
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "model": g.model,
+            "geometry": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads},
+            "method": self.method,
+            "metric": self.metric,
+            "edges": self.edge_names(),
+            "scores": all_scores,
+            "exact": (
+                None
+                if self.exact is None
+                else {
+                    n: float(self.exact[u, d])
+                    for (u, d), n in zip(e.tolist(), g.edge_names(e), strict=True)
+                    if not math.isnan(float(self.exact[u, d]))
+                }
+            ),
+            "faithfulness": self.faithfulness,
+            "curve": self.curve,
+            "params": self.params,
+        }
+
+    def save(self, path: str | os.PathLike, overwrite: bool = False) -> str:
+        """Write the circuit as JSON (schema `headsteer/circuit`, version 1); returns the path.
+
+        Raises:
+            ValueError: `path` exists and `overwrite` is False, or is a symlink / folder.
+        """
+        text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
+        return str(write_text(path, text, overwrite=overwrite))
+
+    @classmethod
+    def from_dict(cls, d: Any, model: HeadModel | None = None, where: str = "circuit") -> Circuit:
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise HeadsteerValueError(f"{where}: not a headsteer circuit (schema must be {SCHEMA!r})")
+        if d.get("version") != SCHEMA_VERSION:
+            raise HeadsteerValueError(
+                f"{where}: circuit schema version {d.get('version')!r}, this headsteer reads {SCHEMA_VERSION}"
+            )
+        try:
+            geo = d["geometry"]
+            graph = Graph(int(geo["n_layers"]), int(geo["n_heads"]), int(geo["n_kv_heads"]), str(d["model"]))
+            edges, scores = list(d["edges"]), list(d["scores"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise HeadsteerValueError(f"{where}: malformed circuit file ({err})") from None
+        if model is not None:
+            graph.check_model(model)
+        e = torch.nonzero(graph.valid)
+        if len(scores) != len(e):
+            raise HeadsteerValueError(
+                f"{where}: {len(scores)} scores for a graph of {len(e)} edges (another model geometry)"
+            )
+        full = torch.full((graph.n_upstream, graph.n_downstream), float("nan"))
+        full[e[:, 0], e[:, 1]] = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+        mask = torch.zeros_like(full, dtype=torch.bool)
+        for name in edges:
+            u, v = graph.parse_edge(name)
+            mask[u, v] = True
+        exact = None
+        if d.get("exact") is not None:
+            exact = torch.full_like(full, float("nan"))
+            for name, val in d["exact"].items():
+                u, v = graph.parse_edge(name)
+                exact[u, v] = float(val)
+        return cls(
+            graph,
+            mask,
+            full,
+            str(d.get("method", "")),
+            str(d.get("metric", "")),
+            exact,
+            d.get("faithfulness"),
+            d.get("curve"),
+            dict(d.get("params") or {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Circuit:
+        """Read a circuit saved by `save`; with `model`, check it has the circuit's geometry.
+
+        Raises:
+            ValueError: a missing or malformed file, another schema version, or a model whose
+                (n_layers, n_heads, n_kv_heads) differ from the circuit's.
+        """
+        if not os.path.isfile(path):
+            raise HeadsteerValueError(f"circuit file {os.fspath(path)!r} does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise HeadsteerValueError(f"{os.fspath(path)}: not JSON ({e.msg})") from None
+        return cls.from_dict(d, model, where=os.fspath(path))
+
+
+# ------------------------------------------------------------------------------ selection
+def select(
+    scores: EdgeScores,
+    n: int | None = None,
+    *,
+    threshold: float | None = None,
+    absolute: bool = True,
+    prune_dangling: bool = True,
+) -> Circuit:
+    """A circuit of the top `n` edges (by |score|, or by -score with `absolute=False`: the
+    edges whose corruption lowers the metric most), or of the edges with |score| >= threshold.
+
+    Raises:
+        ValueError: neither or both of n and threshold; n outside 1..E.
+    """
+    if not isinstance(scores, EdgeScores):
+        raise HeadsteerTypeError(f"scores must be EdgeScores, got {type(scores).__name__}")
+    g = scores.graph
+    if (n is None) == (threshold is None):
+        raise HeadsteerValueError("give exactly one of n= (top-n edges) or threshold=")
+    if n is not None:
+        n = check_int("n", n, lo=1, hi=g.n_edges)
+        mask = _top_mask(g, scores.ranking(absolute), n)
+    else:
+        t = check_number("threshold", threshold)
+        v = scores.scores.abs() if absolute else -scores.scores
+        mask = torch.nan_to_num(v, nan=-float("inf")) >= t
+    if prune_dangling:
+        mask = prune(g, mask)
+    params = {"n": n, "threshold": threshold, "absolute": absolute, "n_pairs": scores.n_pairs}
+    params.update(scores.params)
+    return Circuit(g, mask, scores.scores, scores.method, scores.metric, scores.exact, params=params)
+
+
+# ------------------------------------------------------------------------------ evaluation
+def evaluate(
+    model: HeadModel,
+    pairs: PairBatch,
+    circuits: Circuit | torch.Tensor | list[Circuit],
+    *,
+    metric: str | Metric | Any = "logit_diff",
+    batch_rows: int = 64,
+    progress: ProgressArg = None,
+) -> torch.Tensor:
+    """`[K]` exact faithfulness f(C) of K circuits (every non-circuit edge corrupted).
+
+    Args:
+        circuits: a `Circuit`, a list of them, or `[K, U, Dn]` bool edge masks.
+
+    Raises:
+        ValueError: masks of another graph's shape; a model other than the circuit's geometry.
+    """
+    graph = graph_of(model)
+    if isinstance(circuits, Circuit):
+        circuits = [circuits]
+    if isinstance(circuits, list):
+        for c in circuits:
+            c.graph.check_model(model)
+        masks = torch.stack([c.mask for c in circuits]) if circuits else torch.zeros(0)
+    else:
+        masks = torch.as_tensor(circuits, dtype=torch.bool)
+    if masks.ndim != 3 or tuple(masks.shape[1:]) != (graph.n_upstream, graph.n_downstream):
+        raise HeadsteerValueError(
+            f"circuit masks must be [K, {graph.n_upstream}, {graph.n_downstream}], got {tuple(masks.shape)}"
+        )
+    met = get_metric(metric)
+    pairs = _check_pairs(model, pairs, met)
+    clean, corr = run_metrics(model, pairs, met)
+    patches = graph.valid[None] & ~masks
+    vals = patched_metrics(
+        model, pairs, patches, metric=met, batch_rows=batch_rows, progress=progress, desc="faithfulness"
+    )
+    gap = clean.mean() - corr.mean()
+    if abs(float(gap)) < 1e-8:
+        raise HeadsteerValueError(
+            "M(clean) equals M(corrupted) on average: faithfulness has no scale for these pairs"
+        )
+    return ((vals.mean(-1) - corr.mean()) / gap).float()
+
+
+def areas(fractions: Any, faith: Any) -> tuple[float, float]:
+    """`(CPR, CMD)`: trapezoid areas of f and of |1 - f| over the edge fractions k in [0, 1]
+    (NaN with fewer than two sizes)."""
+    x = torch.as_tensor(fractions, dtype=torch.float64)
+    f = torch.as_tensor(faith, dtype=torch.float64)
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    return float(torch.trapezoid(f, x)), float(torch.trapezoid((1 - f).abs(), x))
+
+
+def faithfulness_curve(
+    model: HeadModel,
+    pairs: PairBatch,
+    scores: EdgeScores,
+    *,
+    sizes: Any = SIZES,
+    absolute: bool = True,
+    random: bool = True,
+    seed: int = 0,
+    metric: str | Metric | Any | None = None,
+    batch_rows: int = 64,
+    progress: ProgressArg = None,
+) -> dict:
+    """The faithfulness curve of `scores`' ranking (and of random circuits of the same sizes).
+
+    Args:
+        sizes: circuit sizes in % of the edges, each in (0, 100] (default `SIZES`).
+        random: also evaluate one random circuit per size (seeded by `seed`), pruned alike.
+        metric: default the metric the scores were made with.
+
+    Returns:
+        `{"sizes": [%], "n_edges": [requested], "n_kept": [after pruning], "faithfulness": [f],
+        "cpr", "cmd", and with random: "random", "n_kept_random", "cpr_random", "cmd_random"}`.
+
+    Raises:
+        ValueError: a size outside (0, 100]; scores of another graph.
+    """
+    sz = _check_sizes(sizes)
+    graph = graph_of(model)
+    if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
+        raise HeadsteerValueError("the scores are for another model geometry")
+    met = get_metric(metric if metric is not None else scores.metric)
+    ns = [_n_of(graph, s) for s in sz]
+    ranking = scores.ranking(absolute)
+    masks = [prune(graph, _top_mask(graph, ranking, n)) for n in ns]
+    if random:
+        gen = torch.Generator().manual_seed(seed)
+        edges = torch.nonzero(graph.valid)
+        perm = edges[torch.randperm(len(edges), generator=gen)]
+        masks += [prune(graph, _top_mask(graph, perm, n)) for n in ns]
+    f = evaluate(model, pairs, torch.stack(masks), metric=met, batch_rows=batch_rows, progress=progress)
+    x = [s / 100.0 for s in sz]
+    k = len(sz)
+    cpr, cmd = areas(x, f[:k])
+    out: dict[str, Any] = {
+        "sizes": list(sz),
+        "n_edges": ns,
+        "n_kept": [int(m.sum()) for m in masks[:k]],
+        "faithfulness": [float(v) for v in f[:k]],
+        "cpr": cpr,
+        "cmd": cmd,
+    }
+    if random:
+        cr, cd = areas(x, f[k:])
+        out.update(
+            random=[float(v) for v in f[k:]],
+            n_kept_random=[int(m.sum()) for m in masks[k:]],
+            cpr_random=cr,
+            cmd_random=cd,
+            seed=seed,
+        )
+    return out
+
+
+def find_circuit(
+    model: HeadModel,
+    pairs: PairBatch,
+    *,
+    method: str = "eap-ig",
+    n: int | None = None,
+    size: float | None = None,
+    threshold: float | None = None,
+    steps: int = 5,
+    metric: str | Metric | Any = "logit_diff",
+    confirm: int = 0,
+    curve: bool = True,
+    sizes: Any = SIZES,
+    batch_size: int = 8,
+    batch_rows: int = 64,
+    progress: ProgressArg = True,
+) -> Circuit:
+    """Score every edge, select a circuit, evaluate it exactly and (optionally) its curve.
+
+    Args:
+        method: `"eap"` or `"eap-ig"` (default) or `"exact"`.
+        n / size / threshold: the circuit: top `n` edges, the top `size` % of the edges, or
+            |score| >= threshold (default: size = 5 %).
+        confirm: rerun the top `confirm` edges exactly (`EdgeScores.exact`).
+        curve: also compute the faithfulness curve over `sizes` with a random baseline.
+
+    Raises:
+        ValueError: bad arguments (checked before any forward; see `edge_scores`, `select`).
+    """
+    if sum(x is not None for x in (n, size, threshold)) > 1:
+        raise HeadsteerValueError("give at most one of n=, size= or threshold=")
+    graph = graph_of(model)
+    if size is not None:
+        (size,) = _check_sizes([size])
+    if curve:
+        _check_sizes(sizes)
+    if n is None and threshold is None:
+        n = _n_of(graph, 5.0 if size is None else size)
+    met = get_metric(metric)
+    sc = edge_scores(
+        model,
+        pairs,
+        method=method,
+        steps=steps,
+        metric=met,
+        confirm=confirm,
+        batch_size=batch_size,
+        batch_rows=batch_rows,
+        progress=progress,
+    )
+    c = select(sc, n, threshold=threshold)
+    c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
+    if curve:
+        c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes, metric=met, batch_rows=batch_rows)
+    return c

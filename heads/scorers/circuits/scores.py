@@ -1,0 +1,367 @@
+"""Edge scores: EAP, EAP-IG (over the inputs) and exact edge patching.
+
+For an edge u -> v, with x the clean and x~ the corrupted prompt of a pair and M the metric
+(default: logit difference at the last position):
+
+* **EAP** (Syed et al. 2024, Eq. 2; Nanda 2023 "attribution patching"):
+  `score(u -> v) = (a_u(x~) - a_u(x)) . dM/dv_in (x)`, summed over positions and averaged over
+  pairs: one corrupted forward (to cache a_u(x~)) and one clean forward + backward. The
+  gradient dM/dv_in is taken with respect to a zero delta added to v's own input, so each
+  head's q, k and v inputs (k / v per KV head) get their own gradient.
+* **EAP-IG, inputs** (Hanna et al. 2024, Sec. 3.2, Eq. 3): the gradient is averaged over m
+  runs (default 5) whose input embeddings are `e(x~) + (k/m) (e(x) - e(x~))`, k = 1..m (a
+  Riemann sum of integrated gradients from x~ to x); the activation difference is the same.
+* **Exact** edge patching: `score(u -> v) = M(x with only u -> v corrupted) - M(x)`, averaged
+  over pairs (the oracle; Conmy et al. 2023 patch edges one at a time the same way). Batched:
+  each (edge, pair) is one row of a forward.
+
+Sign convention: both EAP and exact scores estimate the *change* in M when the edge is
+corrupted (negative = the edge carries the behaviour, for a metric higher on x).
+
+Memory: the activation differences are `[U, R, T, D]` for a chunk of R pairs (`batch_size`,
+default 8); pairs are processed in chunks and the scores summed, never by dropping positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, run_graph
+from heads.scorers.patching.metrics import Metric, get_metric
+from heads.scorers.patching.pairs import PairBatch
+
+__all__ = ["METHODS", "EdgeScores", "edge_scores", "exact_scores", "patched_metrics", "run_metrics"]
+
+METHODS = ("eap", "eap-ig", "exact")
+"""`method=` values of `edge_scores`."""
+
+
+@dataclass
+class EdgeScores:
+    """Scores of every edge of a graph.
+
+    Attributes:
+        graph: the `Graph`.
+        scores: `[U, Dn]` fp32; NaN where there is no edge (`graph.valid` False).
+        method: `"eap"`, `"eap-ig"` or `"exact"`.
+        metric: the metric's name.
+        n_pairs: pairs averaged over.
+        exact: `[U, Dn]` exact scores of the confirmed edges (NaN elsewhere), or None.
+        params: the call's parameters (steps, confirm, ...).
+    """
+
+    graph: Graph
+    scores: torch.Tensor
+    method: str
+    metric: str = "logit_diff"
+    n_pairs: int = 0
+    exact: torch.Tensor | None = None
+    params: dict = field(default_factory=dict)
+
+    def edges(self) -> torch.Tensor:
+        """`[E, 2]` long (upstream, downstream) of every edge, in graph order."""
+        return torch.nonzero(self.graph.valid)
+
+    def values(self) -> torch.Tensor:
+        """`[E]` the scores of `edges()`."""
+        e = self.edges()
+        return self.scores[e[:, 0], e[:, 1]]
+
+    def ranking(self, absolute: bool = True) -> torch.Tensor:
+        """`[E, 2]` edges from the most to the least important (by |score| or by -score)."""
+        e, v = self.edges(), self.values()
+        key = v.abs() if absolute else -v
+        order = torch.argsort(torch.nan_to_num(key, nan=-float("inf")), descending=True, stable=True)
+        return e[order]
+
+
+def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
+    if not isinstance(pairs, PairBatch):
+        raise HeadsteerTypeError(
+            f"pairs must be a PairBatch (heads.scorers.patching.encode_pairs), got {type(pairs).__name__}"
+        )
+    if pairs.clean_ids.shape != pairs.corrupted_ids.shape:
+        raise HeadsteerValueError(
+            f"clean {tuple(pairs.clean_ids.shape)} and corrupted {tuple(pairs.corrupted_ids.shape)} "
+            "ids must have one shape (pairs of equal token length)"
+        )
+    metric.check(pairs)
+    model.check_length(pairs.width)
+    return pairs
+
+
+def _chunks(n: int, size: int) -> list[torch.Tensor]:
+    return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def _metric(
+    metric: Metric,
+    logits: torch.Tensor,
+    pairs: PairBatch,
+    index: torch.Tensor,
+    clean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return metric(logits, pairs, index, clean_logits=clean)
+
+
+def _grads(
+    model: HeadModel,
+    graph: Graph,
+    sub: PairBatch,
+    metric: Metric,
+    embed: tuple[torch.Tensor, float] | None,
+    clean_logits: torch.Tensor | None,
+    record: bool,
+) -> tuple[torch.Tensor, Acts | None, torch.Tensor]:
+    """`([Dn, R, T, D] dM/dv_in, acts or None, logits)` of one run with grad deltas."""
+    idx = torch.arange(sub.n)
+    with torch.enable_grad():
+        logits, runner = run_graph(
+            model, graph, sub.clean_ids, sub.attention_mask, grad=True, record=record, embed=embed
+        )
+        m = _metric(metric, logits, sub, idx, clean_logits).sum()
+        deltas = list(runner.deltas.values())
+        gr = torch.autograd.grad(m, deltas, allow_unused=True)
+    out = [torch.zeros_like(d) if g is None else g for d, g in zip(deltas, gr, strict=True)]
+    return torch.cat(out).detach().float(), (runner.acts() if record else None), logits.detach()
+
+
+def _record(
+    model: HeadModel, graph: Graph, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, Acts]:
+    with torch.no_grad():
+        logits, runner = run_graph(model, graph, ids, mask, record=True)
+    return logits, runner.acts()
+
+
+def edge_scores(
+    model: HeadModel,
+    pairs: PairBatch,
+    *,
+    method: str = "eap-ig",
+    steps: int = 5,
+    metric: str | Metric | Any = "logit_diff",
+    confirm: int = 0,
+    batch_size: int = 8,
+    batch_rows: int = 64,
+    progress: ProgressArg = True,
+) -> EdgeScores:
+    """Score every edge of `model`'s graph on clean / corrupted `pairs`.
+
+    Args:
+        model: a `HeadModel` of a family the graph supports (`graph.check_family`).
+        pairs: a `PairBatch` (`heads.scorers.patching.encode_pairs` / `pairs_from_tokens`).
+        method: `"eap"`, `"eap-ig"` (default) or `"exact"` (every edge patched exactly: slow).
+        steps: m, the EAP-IG interpolation steps (default 5, Hanna et al. 2024); ignored by EAP.
+        metric: a metric name of `heads.scorers.patching.METRICS`, a `Metric` or a
+            differentiable function `(logits [R, V], pairs, index [R]) -> [R]`.
+        confirm: rerun the top `confirm` edges (by |score|) with exact edge patching; their
+            exact scores land in `.exact` (default 0: none).
+        batch_size: pairs per chunk of the gradient runs (bounds memory).
+        batch_rows: rows per forward of the exact runs (edge x pair).
+        progress: True (a bar), False, or a `(done, total)` callable; unit: forwards.
+
+    Returns:
+        an `EdgeScores` (`[U, Dn]`, NaN off the graph).
+
+    Raises:
+        ValueError: an unknown method, steps <= 0, confirm < 0, a refused family (named), pairs
+            whose rows differ in length, a metric the pairs cannot feed; all before any forward.
+    """
+    if method not in METHODS:
+        raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_int("steps", steps, lo=1)
+    check_int("confirm", confirm, lo=0)
+    check_int("batch_size", batch_size, lo=1)
+    check_int("batch_rows", batch_rows, lo=1)
+    graph = graph_of(model)
+    met = get_metric(metric)
+    pairs = _check_pairs(model, pairs, met)
+    if confirm > graph.n_edges:
+        raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
+    if method == "exact":
+        return exact_scores(model, pairs, metric=met, batch_rows=batch_rows, progress=progress)
+    U, Dn = graph.n_upstream, graph.n_downstream
+    total = torch.zeros(U, Dn, dtype=torch.float64)
+    n_runs = 1 if method == "eap" else steps
+    chunks = _chunks(pairs.n, batch_size)
+    w_o = [model.layer_weights(la)["W_O"].float() for la in range(graph.n_layers)]
+    with progress_callback(progress, method, "forwards") as report:
+        done, want = 0, len(chunks) * (n_runs + 1)
+        for idx in chunks:
+            sub = pairs.select(idx)
+            _, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
+            clean_logits = None
+            if met.needs_clean:
+                clean_logits, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
+            done += 1
+            if report:
+                report(done, want)
+            grad_sum: torch.Tensor | None = None
+            clean: Acts | None = None
+            e_corr = embed_output(model, sub.corrupted_ids) if method == "eap-ig" else None
+            for k in range(1, n_runs + 1):
+                embed = None if e_corr is None or k == n_runs else (e_corr, k / n_runs)
+                g, acts, _ = _grads(model, graph, sub, met, embed, clean_logits, record=k == n_runs)
+                grad_sum = g if grad_sum is None else grad_sum + g
+                if acts is not None:
+                    clean = acts
+                done += 1
+                if report:
+                    report(done, want)
+            assert grad_sum is not None and clean is not None
+            grad = grad_sum / n_runs
+            m = sub.attention_mask.to(grad.device, grad.dtype)[None, :, :, None]
+            diff = (corr.upstream(w_o) - clean.upstream(w_o)).float() * m  # [U, R, T, D]
+            total += (diff.reshape(U, -1) @ grad.reshape(Dn, -1).T).double().cpu()
+    scores = (total / pairs.n).float()
+    scores[~graph.valid] = float("nan")
+    out = EdgeScores(graph, scores, method, met.name, pairs.n, params={"steps": steps, "confirm": confirm})
+    if confirm:
+        top = out.ranking()[:confirm]
+        ex = exact_scores(model, pairs, edges=top, metric=met, batch_rows=batch_rows, progress=progress)
+        out.exact = ex.scores
+    return out
+
+
+def run_metrics(
+    model: HeadModel, pairs: PairBatch, metric: Metric, batch_size: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([N] M(x), [N] M(x~))` of the unpatched clean and corrupted runs."""
+    graph = graph_of(model)
+    clean, corr = [], []
+    for idx in _chunks(pairs.n, batch_size):
+        sub = pairs.select(idx)
+        lc, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
+        lx, _ = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
+        i = torch.arange(sub.n)
+        clean.append(_metric(metric, lc, sub, i, lc).cpu())
+        corr.append(_metric(metric, lx, sub, i, lc).cpu())
+    return torch.cat(clean), torch.cat(corr)
+
+
+def patched_metrics(
+    model: HeadModel,
+    pairs: PairBatch,
+    patches: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+    n_patches: int | None = None,
+    *,
+    metric: Metric,
+    batch_rows: int = 64,
+    progress: ProgressArg = None,
+    desc: str = "patching",
+) -> torch.Tensor:
+    """`[K, N]` M of every pair with edge set k corrupted.
+
+    Args:
+        patches: `[K, U, Dn]` bool, or a function `ks [k] long -> [k, U, Dn] bool` building
+            the patches of a block on demand (then `n_patches` = K).
+
+    Rows are (patch k, pair n), `batch_rows` per forward; the clean and corrupted runs of a
+    chunk of pairs are recorded once and reused by every block of patches.
+    """
+    graph = graph_of(model)
+    if callable(patches):
+        make = patches
+        K = int(n_patches or 0)
+    else:
+        dense = patches
+        K = dense.shape[0]
+
+        def make(ks: torch.Tensor) -> torch.Tensor:
+            return dense[ks]
+
+    out = torch.empty(K, pairs.n)
+    n_pc = max(1, min(pairs.n, batch_rows))
+    per = max(1, batch_rows // n_pc)
+    pchunks = _chunks(pairs.n, n_pc)
+    with progress_callback(progress, desc, "forwards") as report:
+        done, want = 0, len(pchunks) * (2 + -(-K // per))
+        for pidx in pchunks:
+            sub = pairs.select(pidx)
+            clean_logits, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
+            _, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
+            done += 2
+            if report:
+                report(done, want)
+            n = sub.n
+            for k0 in range(0, K, per):
+                ks = torch.arange(k0, min(K, k0 + per))
+                rows_pair = torch.arange(n).repeat(len(ks))
+                patch = make(ks).to(model.device).repeat_interleave(n, dim=0)
+                with torch.no_grad():
+                    logits, _ = run_graph(
+                        model,
+                        graph,
+                        sub.clean_ids[rows_pair],
+                        sub.attention_mask[rows_pair],
+                        patch=patch,
+                        corr=corr.rows(rows_pair.to(corr.input.device)),
+                    )
+                vals = _metric(metric, logits, sub, rows_pair, clean_logits[rows_pair])
+                out[k0 : k0 + len(ks), int(pidx[0]) : int(pidx[-1]) + 1] = vals.reshape(len(ks), n).cpu()
+                done += 1
+                if report:
+                    report(done, want)
+    return out
+
+
+def exact_scores(
+    model: HeadModel,
+    pairs: PairBatch,
+    *,
+    edges: torch.Tensor | None = None,
+    metric: str | Metric | Any = "logit_diff",
+    batch_rows: int = 64,
+    progress: ProgressArg = True,
+) -> EdgeScores:
+    """Exact edge patching: `M(x with u -> v corrupted) - M(x)`, averaged over pairs.
+
+    Args:
+        edges: `[E, 2]` (upstream, downstream) edges to score (default: every edge: E forwards
+            rows per pair, slow beyond small models).
+
+    Returns:
+        an `EdgeScores` with NaN on edges not scored.
+
+    Raises:
+        ValueError: an edge that is not in the graph.
+    """
+    graph = graph_of(model)
+    met = get_metric(metric)
+    pairs = _check_pairs(model, pairs, met)
+    valid = graph.valid
+    if edges is None:
+        edges = torch.nonzero(valid)
+    edges = torch.as_tensor(edges, dtype=torch.long).reshape(-1, 2)
+    if len(edges) and (
+        (edges < 0).any()
+        or (edges[:, 0] >= graph.n_upstream).any()
+        or (edges[:, 1] >= graph.n_downstream).any()
+        or not bool(valid[edges[:, 0], edges[:, 1]].all())
+    ):
+        raise HeadsteerValueError("edges must be (upstream, downstream) pairs of the graph (see Graph.valid)")
+    check_int("batch_rows", batch_rows, lo=1)
+    E = len(edges)
+    clean, _ = run_metrics(model, pairs, met)
+    U, Dn = graph.n_upstream, graph.n_downstream
+
+    def make(ks: torch.Tensor) -> torch.Tensor:
+        p = torch.zeros(len(ks), U, Dn, dtype=torch.bool)
+        p[torch.arange(len(ks)), edges[ks, 0], edges[ks, 1]] = True
+        return p
+
+    vals = patched_metrics(
+        model, pairs, make, E, metric=met, batch_rows=batch_rows, progress=progress, desc="exact"
+    )
+    scores = torch.full((U, Dn), float("nan"))
+    scores[edges[:, 0], edges[:, 1]] = (vals - clean[None]).mean(-1)
+    return EdgeScores(graph, scores, "exact", met.name, pairs.n)
