@@ -175,19 +175,40 @@ def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str
     """Refuse, before the model loads, a prompt that cannot be steered.
 
     Raises:
-        ValueError: `prompt` is empty or white space, has unbalanced `**` markup,
-            or has no emphasized span (no `**markup**` and no `--emphasize`).
+        ValueError: `prompt` (or an `--emphasize` value) is empty or white space, has unbalanced
+            `**` markup, or has no emphasized span (no `**markup**` and no `--emphasize`).
     """
     from heads.inputs.spans import parse_markup
 
     if not prompt.strip():
         raise HeadsteerValueError(f"{option} is empty")
+    for e in emphasize or ():
+        if not e.strip():
+            raise HeadsteerValueError(f"--emphasize is empty or white space: {e!r}")
     _, spans = parse_markup(prompt)
     if not spans and not emphasize:
         raise HeadsteerValueError(
             f"{option} has no emphasized span: mark it with **double stars** or pass --emphasize"
         )
     return prompt
+
+
+def check_head_file(path: str, heads, *, option: str = "--pasta-heads") -> None:
+    """Refuse, before the model loads, a parsed `{"layer": [heads]}` file (`heads`, a `HeadSet`)
+    that selects no heads or names a negative layer or head; the range against the model's
+    geometry is checked once it is loaded.
+
+    Raises:
+        ValueError: naming `option` and the file.
+    """
+    if not len(heads):
+        raise HeadsteerValueError(f"{option} {path!r} selects no heads")
+    bad = [(la, h) for la, h in heads if la < 0 or h < 0]
+    if bad:
+        la, h = bad[0]
+        raise HeadsteerValueError(
+            f"{option} {path!r} names a negative layer or head: layer {la}, head {h} (both must be >= 0)"
+        )
 
 
 def _json(obj) -> str:

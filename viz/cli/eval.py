@@ -24,13 +24,15 @@ HeadsOpt = Annotated[
 ]
 
 
-def _heads_arg(value: str) -> str | None:
-    """None for "auto"; a head file is parsed here, before the model loads (ValueError if bad)."""
+def _heads_arg(value: str, option: str) -> str | None:
+    """None for "auto"; a head file is parsed here, before the model loads (ValueError if bad:
+    no heads, a negative layer or head)."""
     if value == "auto":
         return None
     from heads import HeadSet
+    from viz.cli.common import check_head_file
 
-    HeadSet.parse(value)
+    check_head_file(value, HeadSet.parse(value), option=option)
     return value
 
 
@@ -90,11 +92,15 @@ def _check_method_values(method: str, given: dict) -> None:
             raise HeadsteerValueError(f"--beta: {exc}") from None
     elif method == "var":
         for flag, value in (("--var-p", given["var_p"]), ("--var-rho", given["var_rho"])):
-            if not 0 <= value <= 1:
+            if not 0 <= value <= 1:  # NaN fails too
                 raise HeadsteerValueError(f"{flag} must be in [0, 1], got {value}")
     elif method == "vhr":
-        if not (math.isfinite(given["vhr_alpha"]) and given["vhr_alpha"] > 0):
-            raise HeadsteerValueError(f"--vhr-alpha must be finite and > 0, got {given['vhr_alpha']}")
+        from steer.vhr.method import Vhr
+
+        try:
+            Vhr(alpha=given["vhr_alpha"])  # the library's bounds (> 0, <= 1e4), before the model loads
+        except ValueError as exc:
+            raise HeadsteerValueError(f"--vhr-alpha {str(exc).removeprefix('alpha ')}") from None
     elif method == "iti":
         from heads.engine.edits import MAX_FACTOR
 
@@ -181,7 +187,8 @@ def eval_command(
     _check_method_values(method, given)
     if limit is not None:
         _positive(limit=limit)
-    pasta_file, act_file = _heads_arg(pasta_heads), _heads_arg(act_heads)
+    pasta_file = _heads_arg(pasta_heads, "--pasta-heads")
+    act_file = _heads_arg(act_heads, "--act-heads")
     if out is None:
         out = Path("results") / f"{task}.{method}.{split}.csv"
     if out.is_dir():

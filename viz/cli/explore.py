@@ -2,6 +2,7 @@
 
 import ipaddress
 import json
+import socket
 import sys
 from typing import Annotated
 
@@ -10,7 +11,30 @@ import typer
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
-__all__ = ["explore_command"]
+__all__ = ["check_listen", "explore_command"]
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuse, before the model loads, a `host` that does not resolve or a `port` that cannot be
+    bound there (in use, no permission): a socket is bound and closed again (SO_REUSEADDR, as
+    uvicorn does, so a port in TIME_WAIT is not refused).
+
+    Raises:
+        ValueError: naming `--host` or `--port` and the reason.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise HeadsteerValueError(f"--host {host!r} does not resolve: {exc}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise HeadsteerValueError(
+                f"--port {port} cannot be bound on {host}: {exc.strerror or exc}"
+            ) from None
 
 
 def explore_command(
@@ -45,6 +69,7 @@ def explore_command(
         raise HeadsteerValueError(
             "headsteer explore needs the extra: pip install 'headsteer[serve]'"
         ) from None
+    check_listen(host, port)
     head_atlas = None
     if atlas is not None:
         from heads.scorers.roles.atlas import HeadAtlas

@@ -23,6 +23,7 @@ from viz.cli.common import (
     Run,
     _at_most,
     _positive,
+    check_head_file,
     check_prompt,
     command,
     console,
@@ -133,6 +134,7 @@ def generate(
                 "--pasta-heads": pasta_heads != "auto",
                 "--top-k": top_k is not None,
                 "--emphasize": bool(emphasize),
+                "--multiplier": multiplier != INSTABOOST_MULTIPLIER,
             },
         )
         _positive(max_new_tokens=max_new_tokens)
@@ -159,8 +161,8 @@ def generate(
         )
 
     check_alpha(alpha)  # before loading anything; warns on a no-op or a de-emphasizing alpha
-    if pasta_heads not in ("auto", "span") and not len(HeadSet.parse(pasta_heads)):
-        raise HeadsteerValueError(f"head file {pasta_heads!r} selects no heads")
+    if pasta_heads not in ("auto", "span"):
+        check_head_file(pasta_heads, HeadSet.parse(pasta_heads), option="--pasta-heads")
     if top_k is not None and pasta_heads not in ("auto", "span"):
         warn_line(f"--top-k {top_k} is ignored: the heads come from {pasta_heads}")
     top_k = DEFAULT_TOP_K if top_k is None else top_k
@@ -331,7 +333,13 @@ def report_patching(
     ] = "head_out",
     direction: Annotated[str, typer.Option(help="denoising (default) or noising")] = "denoising",
     n: Annotated[int, typer.Option(help="pairs used (the first n of the test split or file)")] = 8,
-    split: Annotated[str, typer.Option(help="split of a shipped set: test or train")] = "test",
+    split: Annotated[
+        str | None,
+        typer.Option(
+            help="split: of a shipped set, test (default) or train; of a file, the records whose "
+            '"split" field equals it [default: every record]'
+        ),
+    ] = None,
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.activation import KINDS
@@ -390,8 +398,14 @@ def report_circuit(
         raise typer.BadParameter(
             f"{task!r} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
         )
+    from heads.scorers.circuits.scores import MAX_STEPS
+    from heads.scorers.patching import load_pairs
+
+    if method == "eap":
+        refuse_unused(method, {"--steps": steps != 5}, option="--method")
     _positive(pairs=pairs, steps=steps)
     _at_most("--pairs", pairs, 256)
+    _at_most("--steps", steps, MAX_STEPS)
     if not 0 < size <= 100:
         raise HeadsteerValueError(f"--size must be in (0, 100] (% of edges), got {size}")
     try:
@@ -400,6 +414,8 @@ def report_circuit(
         raise HeadsteerValueError(f"--sizes must be comma-separated numbers, got {sizes!r}") from None
     if not curve_sizes or any(not 0 < x <= 100 for x in curve_sizes):
         raise HeadsteerValueError(f"--sizes must be in (0, 100] (% of edges), got {sizes!r}")
+    if task not in TASKS:
+        load_pairs(task)  # a bad pairs file fails here, before the model loads
     out = run.output(out, suffixes=HTML)
     js = run.output(out.with_suffix(".json"))
     hm = run.load()

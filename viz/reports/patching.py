@@ -42,8 +42,11 @@ TASKS = ("ioi", "colored_objects", "comp_mech")
 PATCHING_STEPS = 4
 
 
-def resolve_pairs(task: str | os.PathLike, *, split: str = "test", n: int = 8) -> list[PromptPair]:
+def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int = 8) -> list[PromptPair]:
     """The pairs of a shipped set (`TASKS`) or of a JSONL file, the first `n` (checked, no model).
+
+    `split`: of a shipped set, default `"test"`; of a file, keep only the records whose `split`
+    field equals it (default None: every record).
 
     Raises:
         ValueError: an unknown set that is not an existing file, a bad split, `n` < 1.
@@ -53,12 +56,12 @@ def resolve_pairs(task: str | os.PathLike, *, split: str = "test", n: int = 8) -
 
     check_int("n", n, lo=1)
     if str(task) in TASKS:
-        return load_task_pairs(str(task), split, n=n)
+        return load_task_pairs(str(task), split or "test", n=n)
     if not Path(task).is_file():
         raise HeadsteerValueError(
             f"--task {str(task)!r} is neither one of {', '.join(TASKS)} nor a JSONL file"
         )
-    return load_pairs(task)[:n]
+    return load_pairs(task, split)[:n]
 
 
 def position_heatmap(

@@ -38,9 +38,20 @@ from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, ru
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch
 
-__all__ = ["METHODS", "EdgeScores", "edge_scores", "exact_scores", "patched_metrics", "run_metrics"]
+__all__ = [
+    "MAX_STEPS",
+    "METHODS",
+    "EdgeScores",
+    "edge_scores",
+    "exact_scores",
+    "patched_metrics",
+    "run_metrics",
+]
 
 METHODS = ("eap", "eap-ig", "exact")
+MAX_STEPS = 100
+"""Cap on EAP-IG's interpolation steps `m` (each is a forward and a backward per pair; the paper
+uses 5-50)."""
 """`method=` values of `edge_scores`."""
 
 
@@ -160,7 +171,8 @@ def edge_scores(
         model: a `HeadModel` of a family the graph supports (`graph.check_family`).
         pairs: a `PairBatch` (`heads.scorers.patching.encode_pairs` / `pairs_from_tokens`).
         method: `"eap"`, `"eap-ig"` (default) or `"exact"` (every edge patched exactly: slow).
-        steps: m, the EAP-IG interpolation steps (default 5, Hanna et al. 2024); ignored by EAP.
+        steps: m, the EAP-IG interpolation steps (default 5, at most `MAX_STEPS` = 100, Hanna et al.
+            2024); ignored by EAP.
         metric: a metric name of `heads.scorers.patching.METRICS`, a `Metric` or a
             differentiable function `(logits [R, V], pairs, index [R]) -> [R]`.
         confirm: rerun the top `confirm` edges (by |score|) with exact edge patching; their
@@ -173,12 +185,13 @@ def edge_scores(
         an `EdgeScores` (`[U, Dn]`, NaN off the graph).
 
     Raises:
-        ValueError: an unknown method, steps <= 0, confirm < 0, a refused family (named), pairs
-            whose rows differ in length, a metric the pairs cannot feed; all before any forward.
+        ValueError: an unknown method, steps outside [1, `MAX_STEPS`], confirm < 0, a refused family
+            (named), pairs whose rows differ in length, a metric the pairs cannot feed; all before any
+            forward.
     """
     if method not in METHODS:
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
-    check_int("steps", steps, lo=1)
+    check_int("steps", steps, lo=1, hi=MAX_STEPS)
     check_int("confirm", confirm, lo=0)
     check_int("batch_size", batch_size, lo=1)
     check_int("batch_rows", batch_rows, lo=1)

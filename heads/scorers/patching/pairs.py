@@ -381,20 +381,27 @@ def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[Prompt
         split: keep only records whose `split` field equals it (e.g. `"train"` / `"test"`).
 
     Raises:
-        ValueError: a missing file, a line that is not JSON (names the line), a record without
-            the required keys, or no pairs left.
+        ValueError: a missing file or a directory, a line that is not UTF-8 or not JSON (names the
+            file and the line), a record without the required keys, or no pairs left.
     """
+    shown = os.fspath(path)
+    if os.path.isdir(path):
+        raise HeadsteerValueError(f"pairs file {shown!r} is a directory, not a JSONL file")
     if not os.path.isfile(path):
-        raise HeadsteerValueError(f"pairs file {os.fspath(path)!r} does not exist")
+        raise HeadsteerValueError(f"pairs file {shown!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise HeadsteerValueError(f"pairs file {shown!r} line {n}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HeadsteerValueError(f"{os.fspath(path)} line {n}: not JSON ({e.msg})") from None
+                raise HeadsteerValueError(f"{shown} line {n}: not JSON ({e.msg})") from None
             p = PromptPair.from_dict(d, f"{os.fspath(path)} line {n}")
             if split is None or p.meta.get("split") == split:
                 out.append(p)

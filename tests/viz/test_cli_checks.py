@@ -1,0 +1,152 @@
+"""`headsteer` options refused before the model loads: unused options per method, library
+bounds, empty --emphasize, negative head files, bad pairs files, --split on files, explore's
+host and port."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from viz.cli.main import app
+
+runner = CliRunner()
+REC = {"clean": "a b", "corrupted": "a c", "answer": " b"}
+
+
+@pytest.fixture()
+def no_load(monkeypatch):
+    """Loading the model fails the test: the command must stop before it."""
+    import heads
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(heads, "load_model", boom)
+
+
+def _one_line_error(r, message, code=2):
+    assert r.exit_code == code, r.output
+    assert message in r.output, r.output
+    assert "Traceback" not in r.output
+    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("loading ", "warning: "))]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+@pytest.mark.parametrize("steer", ["var", "vhr"])
+def test_generate_var_vhr_refuse_multiplier(no_load, steer):
+    r = runner.invoke(app, ["generate", "Hi **there**", "--steer", steer, "--multiplier", "3"])
+    _one_line_error(r, f"--multiplier is not used by --steer {steer}")
+
+
+def test_generate_unused_option_table_is_complete(no_load):
+    # every method option of generate is refused by the methods that do not use it
+    cases = {
+        "pasta": [["--multiplier", "3"], ["--image", "x.png"]],
+        "instaboost": [["--alpha", "0.1"], ["--pasta-heads", "span"], ["--top-k", "3"], ["--image", "x.png"]],
+        "var": [["--alpha", "0.1"], ["--pasta-heads", "span"], ["--top-k", "3"], ["--emphasize", "x"]],
+    }
+    for steer, opts in cases.items():
+        for opt in opts:
+            r = runner.invoke(app, ["generate", "Hi **there**", "--steer", steer, *opt])
+            assert r.exit_code == 2, (steer, opt, r.output)
+            assert opt[0] in r.stderr and "error: " in r.stderr, (steer, opt, r.stderr)
+
+
+def test_eval_method_options_cover_every_option():
+    import inspect
+
+    from viz.cli.eval import METHOD_OPTIONS, eval_command
+
+    common = {"run", "method", "task", "split", "limit", "batch_size", "out", "max_new_tokens"}
+    opts = set(inspect.signature(eval_command).parameters) - common
+    assert opts == {o for used in METHOD_OPTIONS.values() for o in used}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "vhr", "--vhr-alpha", "1e300"], "alpha must be <= 1e4"),
+        (["--method", "vhr", "--vhr-alpha", "0"], "alpha must be > 0"),
+        (["--method", "var", "--var-p", "nan"], "--var-p must be in [0, 1]"),
+        (["--method", "instaboost", "--multiplier", "1e300"], "multiplier"),
+    ],
+)
+def test_eval_library_bounds_before_load(no_load, tmp_path, args, message):
+    r = runner.invoke(app, ["eval", "--task", "counterfact", "--out", str(tmp_path / "e.csv"), *args])
+    _one_line_error(r, message)
+
+
+@pytest.mark.parametrize("steer", ["pasta", "instaboost"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_generate_empty_emphasize(no_load, steer, value):
+    r = runner.invoke(app, ["generate", "Hi there", "--steer", steer, "--emphasize", value])
+    _one_line_error(r, "--emphasize is empty")
+
+
+@pytest.mark.parametrize("text", ['{"0": [-1]}', '{"-2": [0]}'])
+def test_negative_head_file_before_load(no_load, tmp_path, text):
+    f = tmp_path / "h.json"
+    f.write_text(text)
+    _one_line_error(runner.invoke(app, ["generate", "a **b**", "--pasta-heads", str(f)]), "negative")
+    r = runner.invoke(
+        app, ["eval", "--method", "pasta", "--task", "counterfact", "--pasta-heads", str(f),
+              "--out", str(tmp_path / "e.csv")],
+    )  # fmt: skip
+    _one_line_error(r, "negative")
+
+
+@pytest.mark.parametrize("report", ["patching", "circuit"])
+def test_bad_pairs_files_before_load(no_load, tmp_path, report):
+    out = str(tmp_path / "r.html")
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x81\n")
+    _one_line_error(runner.invoke(app, ["report", report, "--task", str(binary), "--out", out]), "not UTF-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(REC) + "\n{oops\n")
+    _one_line_error(runner.invoke(app, ["report", report, "--task", str(bad), "--out", out]), "line 2")
+
+
+def test_circuit_steps_checks(no_load, tmp_path):
+    out = str(tmp_path / "c.html")
+    r = runner.invoke(app, ["report", "circuit", "--method", "eap", "--steps", "7", "--out", out])
+    _one_line_error(r, "--steps is not used by --method eap")
+    r = runner.invoke(app, ["report", "circuit", "--steps", "1000", "--out", out])
+    _one_line_error(r, "--steps 1000 is above the cap of 100")
+
+
+def test_edge_scores_bounds_steps():
+    from heads.errors import HeadsteerValueError
+    from heads.scorers.circuits.scores import MAX_STEPS, edge_scores
+
+    with pytest.raises(HeadsteerValueError, match="steps"):
+        edge_scores(None, None, steps=MAX_STEPS + 1)
+
+
+def test_patching_split_on_a_file(no_load, tmp_path):
+    from viz.reports.patching import resolve_pairs
+
+    f = tmp_path / "p.jsonl"
+    rows = [{**REC, "answer": f" {i}", "split": "train" if i % 2 else "test"} for i in range(4)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.answer for p in resolve_pairs(f, split="train", n=8)] == [" 1", " 3"]
+    assert len(resolve_pairs(f, n=8)) == 4
+    r = runner.invoke(
+        app,
+        ["report", "patching", "--task", str(f), "--split", "validation", "--out", str(tmp_path / "r.html")],
+    )
+    _one_line_error(r, "with split 'validation'")
+
+
+def test_explore_host_and_port_before_load(no_load):
+    pytest.importorskip("uvicorn")
+    _one_line_error(runner.invoke(app, ["explore", "--host", "not a host"]), "does not resolve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _one_line_error(
+            runner.invoke(app, ["explore", "--port", str(port)]), f"--port {port} cannot be bound"
+        )
