@@ -161,7 +161,9 @@ class ScalingVis:
     def __post_init__(self) -> None:
         w = _weight("ScalingVis weight", self.weight)
         if self.target not in ("auto", "image", "text"):
-            raise HeadsteerValueError(f"unknown ScalingVis target {self.target!r}: use 'auto', 'image' or 'text'")
+            raise HeadsteerValueError(
+                f"unknown ScalingVis target {self.target!r}: use 'auto', 'image' or 'text'"
+            )
         object.__setattr__(self, "layers", _layers("ScalingVis", self.layers))
         if w == 1:
             warn_noop("ScalingVis weight=1 is a no-op: output equals the unsteered model", stacklevel=4)
@@ -222,10 +224,14 @@ class AdaptVis:
         if not math.isfinite(t) or not 0 <= t <= 1:
             raise HeadsteerValueError(f"AdaptVis threshold must be in [0, 1], got {t!r}")
         if self.target not in ("auto", "image", "text"):
-            raise HeadsteerValueError(f"unknown AdaptVis target {self.target!r}: use 'auto', 'image' or 'text'")
+            raise HeadsteerValueError(
+                f"unknown AdaptVis target {self.target!r}: use 'auto', 'image' or 'text'"
+            )
         object.__setattr__(self, "layers", _layers("AdaptVis", self.layers))
         if self.weight1 == 1 and self.weight2 == 1:
-            warn_noop("AdaptVis weight1=weight2=1 is a no-op: output equals the unsteered model", stacklevel=4)
+            warn_noop(
+                "AdaptVis weight1=weight2=1 is a no-op: output equals the unsteered model", stacklevel=4
+            )
 
     def choose(self, confidence: torch.Tensor) -> torch.Tensor:
         """`[B]` alpha per prompt: `weight1` where `confidence < threshold`, else `weight2`."""

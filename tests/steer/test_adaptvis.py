@@ -46,7 +46,10 @@ def _reference_llama(text_model, lm_head, embeds, image_cols, weight):
         q = att.q_proj(x).view(1, T, -1, d).transpose(1, 2)
         k = att.k_proj(x).view(1, T, -1, d).transpose(1, 2)
         v = att.v_proj(x).view(1, T, -1, d).transpose(1, 2)
-        q, k = _rope(q, pos, cfg.rope_parameters["rope_theta"]), _rope(k, pos, cfg.rope_parameters["rope_theta"])
+        q, k = (
+            _rope(q, pos, cfg.rope_parameters["rope_theta"]),
+            _rope(k, pos, cfg.rope_parameters["rope_theta"]),
+        )
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         attn_weights = torch.matmul(q, k.transpose(2, 3)) / d**0.5
@@ -130,14 +133,17 @@ def test_generate_and_decode_steps_unedited(vlm):
     assert len(gen.token_ids[0]) >= 1
     # the text variant on a text-only model, with the fused / SDPA path elsewhere untouched
     tiny = make_tiny("llama", sm.model.tokenizer, num_hidden_layers=2)
-    enc = encode_prompts(tiny.tokenizer, ["Context: **Alice lives in Rome.** Where does Alice live?"], chat=False)
+    enc = encode_prompts(
+        tiny.tokenizer, ["Context: **Alice lives in Rome.** Where does Alice live?"], chat=False
+    )
     base = forward(tiny, enc)
     with editing(tiny, ScalingVis(2.0).edits(tiny, enc)):
         got = forward(tiny, enc)
     assert (got[0, -1] - base[0, -1]).abs().max() > 1e-4
     torch.testing.assert_close(got[0, :-1], base[0, :-1], atol=1e-5, rtol=1e-5)  # blocked vs SDPA
-    out = SteeredModel(tiny).generate(["Context: **Alice lives in Rome.** Where?"], ScalingVis(2.0), chat=False,
-                                      max_new_tokens=2)
+    out = SteeredModel(tiny).generate(
+        ["Context: **Alice lives in Rome.** Where?"], ScalingVis(2.0), chat=False, max_new_tokens=2
+    )
     assert len(out.token_ids[0]) >= 1
 
 
