@@ -69,7 +69,7 @@ def _reference_item(model, item, null="N/A"):
     m = min(s.shape[-1], n.shape[-1])
     cal = s[:, :, :m] - n[:, :, :m]
     spans = enc.spans[0][:-1]
-    per_head, per_doc_all = [], []
+    per_head = []
     for t0, t1 in spans:
         cur = cal[:, :, t0:t1]
         thr = cur.mean(dim=-1) - 2 * cur.std(dim=-1)
