@@ -176,6 +176,7 @@ def qrhead_scores(
     null_query: str = DEFAULT_NULL_QUERY,
     chat: bool | None = None,
     progress: ProgressArg = True,
+    tokens: Sequence[QrTokens] | None = None,
 ) -> HeadScores:
     """QR score of every head: the mean over `items` of the gold passage's calibrated score.
 
@@ -186,6 +187,7 @@ def qrhead_scores(
         null_query: the calibration query (default `"N/A"`).
         chat: apply the chat template (default: when the tokenizer has one).
         progress: a tqdm bar (default), False, or a `(done, total)` callable, per item.
+        tokens: precomputed `qr_tokens` of the items, in order (skips the prefills).
 
     Returns:
         HeadScores `[L, H]`, method `"qrhead"` (higher = a better query-focused retrieval head).
@@ -197,10 +199,12 @@ def qrhead_scores(
     (`lme_eval`, `score_heads`) and `AttnBasedRetriever.score_docs_per_head_for_detection`.
     """
     checked = _items(items)
+    if tokens is not None and len(tokens) != len(checked):
+        raise HeadsteerValueError(f"tokens has {len(tokens)} entries for {len(checked)} items")
     total = torch.zeros(model.n_layers, model.n_heads)
     with progress_callback(progress, "qrhead", "items") as report:
         for k, (q, ps, g) in enumerate(checked):
-            tok = qr_tokens(model, q, ps, null_query=null_query, chat=chat)
+            tok = qr_tokens(model, q, ps, null_query=null_query, chat=chat) if tokens is None else tokens[k]
             total += passage_scores(tok.scores, tok.spans)[..., g]
             if report is not None:
                 report(k + 1, len(checked))
