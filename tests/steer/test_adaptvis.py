@@ -167,3 +167,17 @@ def test_no_span_and_bad_layer_raise_before_the_probe(vlm):
     enc = SteeredModel(vlm).encode(["Where?"], images=[tiny_image(1)])
     with pytest.raises(HeadsteerValueError, match="outside the model"):
         AdaptVis(layers=[7]).edits(vlm, enc)
+
+
+def test_same_logits_on_the_three_backends(tokenizer):
+    from tests.heads.test_backends import PROMPTS, _same, _three
+
+    models = _three(tokenizer)
+    out = {}
+    for name, m in models.items():
+        enc = encode_prompts(m.tokenizer, PROMPTS, chat=False)
+        with editing(m, AdaptVis(weight1=2.5, weight2=2.5).edits(m, enc)):
+            out[name] = forward(m, enc)[:, -1]
+        base = forward(m, enc)[:, -1]
+        assert (out[name] - base).abs().max() > 1e-4, name
+    _same(out)
