@@ -120,7 +120,8 @@ def build(seed: int = SEED, n: int = N_ITEMS, n_train: int = N_TRAIN) -> list[di
             passages.append(FACTS[attr][2].format(p=o, v=rng.choice(vals)))
         for o in others[3:6]:  # other people, other facts
             a = rng.choice([x for x in attrs if x != attr])
-            passages.append(FACTS[a][rng.choice([1, 2])].format(p=o, v=rng.choice(FACTS[a][3])))
+            template = (FACTS[a][1], FACTS[a][2])[rng.choice([1, 2]) - 1]
+            passages.append(template.format(p=o, v=rng.choice(FACTS[a][3])))
         order = list(range(len(passages)))
         rng.shuffle(order)
         rows.append(
