@@ -7,6 +7,7 @@ Scorers that need a method's own edit live here beside the method: PASTA profili
 
 from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
+from steer.adaptvis import AdaptVis, AdaptVisScale, ScalingVis
 from steer.caa import Caa, CaaAdd, caa_vector
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
@@ -49,4 +50,7 @@ __all__ = [
     "select_heads",
     "smallest_k",
     "vhd_trace",
+    "AdaptVis",
+    "AdaptVisScale",
+    "ScalingVis",
 ]

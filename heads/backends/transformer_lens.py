@@ -132,7 +132,8 @@ def tl_hook(site: str, key: int, model: HeadModel, layer: int):
                 for e in biases:
                     e.calls += 1
                     mask = e.head_mask(b, h, scores.device)[:, :, None, None]
-                    add = add + torch.where(mask, e.bias(call).float(), 0.0)
+                    b_e = e.score_bias(scores.float(), call) if e.reads_scores else e.bias(call)
+                    add = add + torch.where(mask, b_e.float(), 0.0)
                 out = (scores.float() + add).clamp(min=MIN_LOGIT).to(scores.dtype)
             if probs:
                 _fresh(_VISIBLE)[key] = out > MIN_LOGIT / 2

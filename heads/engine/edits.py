@@ -171,8 +171,17 @@ class LogitBias(Edit):
     """True when `bias` never depends on the query row (shape `[batch or 1, n_heads or 1, 1,
     k_len]`): such a bias runs in the fused kernel (`heads.engine.kernels.fused`, `editing(kernel=...)`)."""
 
+    reads_scores: ClassVar[bool] = False
+    """True for a bias that is a function of the logits themselves (`score_bias`, e.g. AdaptVis's
+    temperature on the image columns): it runs on the blocked path, after the logits are formed."""
+
     def bias(self, call: AttentionCall) -> torch.Tensor:
         """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
+        raise NotImplementedError
+
+    def score_bias(self, scores: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        """With `reads_scores`: the bias as a function of the fp32 logits `scores` `[batch,
+        n_heads, q_len, k_len]` (scaled and soft-capped, before the mask), same shape or broadcastable."""
         raise NotImplementedError
 
 

@@ -22,6 +22,7 @@ from heads.engine.kernels.common import (
     check_window,
     checked_bias,
     checked_probs,
+    checked_score_bias,
     mask_in_dtype,
 )
 from heads.engine.state import MIN_LOGIT, LayerEdits
@@ -38,6 +39,17 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     both = torch.cat([scores, sink], dim=-1)
     both = both - both.max(dim=-1, keepdim=True).values
     return torch.softmax(both, dim=-1)[..., :-1]
+
+
+def _with_score_biases(
+    scores: torch.Tensor, reading: list[LogitBias], head_masks: dict, call: AttentionCall
+) -> torch.Tensor:
+    """`scores` plus each logit-reading bias's `score_bias` (fp32, on its heads), in `scores`' dtype."""
+    if not reading:
+        return scores
+    s32 = scores.float()
+    add = sum(torch.where(head_masks[id(e)], checked_score_bias(e, s32, call), 0.0) for e in reading)
+    return (s32 + add).to(scores.dtype)
 
 
 def blocked_attention(
@@ -100,8 +112,16 @@ def blocked_attention(
     for e in (*biases, *probs_edits):
         e.calls += 1
     # SDPA cannot soft-cap or expose the pattern
+    reading = [e for e in biases if e.reads_scores]  # biases that are functions of the logits
+    biases = [e for e in biases if not e.reads_scores]
     explicit = (
-        bool(probs_edits) or softcap is not None or want_probs or eager or pattern_only or sinks is not None
+        bool(probs_edits)
+        or bool(reading)
+        or softcap is not None
+        or want_probs
+        or eager
+        or pattern_only
+        or sinks is not None
     )
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
@@ -116,7 +136,7 @@ def blocked_attention(
     low = query.dtype != torch.float32
     dtype = query.dtype
     outs, patterns = [], []
-    same = not biases  # every pattern edit returned its input itself (changed nothing)
+    same = not biases and not reading  # every pattern edit returned its input itself (changed nothing)
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
     for s in range(0, q_len, block):
         e_ = min(q_len, s + block)
@@ -153,6 +173,7 @@ def blocked_attention(
             scores = torch.matmul(q_blk, key.transpose(-1, -2)) * scaling
             if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
                 scores = torch.tanh(scores / softcap) * softcap
+            scores = _with_score_biases(scores, reading, head_masks, call)
             if add is not None:
                 scores = scores + mask_in_dtype(add, dtype)
             probs = _softmax(scores.float(), sinks)
@@ -160,6 +181,7 @@ def blocked_attention(
             scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
+            scores = _with_score_biases(scores, reading, head_masks, call)
             probs = _softmax(scores if add is None else scores + add, sinks)
         visible: torch.Tensor | None = None
         if add is not None:

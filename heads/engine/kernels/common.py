@@ -20,6 +20,7 @@ __all__ = [
     "check_window",
     "checked_bias",
     "checked_probs",
+    "checked_score_bias",
     "mask_in_dtype",
     "own_sdpa",
 ]
@@ -57,6 +58,15 @@ def checked_bias(edit: Edit, call: AttentionCall) -> torch.Tensor:
     b = edit.bias(call)  # type: ignore[attr-defined]
     if not isinstance(b, torch.Tensor):
         raise HeadsteerTypeError(f"{edit!r}.bias returned {type(b).__name__}, not a torch.Tensor")
+    return b.to(device=call.device, dtype=torch.float32)
+
+
+def checked_score_bias(edit: Edit, scores: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """`edit.score_bias(scores, call)` as an fp32 tensor on the call's device (HeadsteerTypeError
+    for anything that is not a tensor)."""
+    b = edit.score_bias(scores, call)  # type: ignore[attr-defined]
+    if not isinstance(b, torch.Tensor):
+        raise HeadsteerTypeError(f"{edit!r}.score_bias returned {type(b).__name__}, not a torch.Tensor")
     return b.to(device=call.device, dtype=torch.float32)
 
 

@@ -1,0 +1,1 @@
+"""Retrieval-head scorers: QRHead (query-focused retrieval heads) and its attention retriever."""
