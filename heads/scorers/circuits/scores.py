@@ -36,7 +36,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, run_graph
 from heads.scorers.patching.metrics import Metric, get_metric
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "MAX_STEPS",
@@ -118,6 +118,7 @@ def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
             f"clean {tuple(pairs.clean_ids.shape)} and corrupted {tuple(pairs.corrupted_ids.shape)} "
             "ids must have one shape (pairs of equal token length)"
         )
+    check_vocab(pairs, model.d_vocab)
     metric.check(pairs)
     model.check_length(pairs.width)
     return pairs

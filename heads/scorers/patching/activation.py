@@ -45,12 +45,15 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel, submodule
 from heads.results.scores import HeadScores
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
+
+BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+"""The kinds scored per position (the ones that take `positions`)."""
 
 SCHEMA = "headsteer/patching"
 SCHEMA_VERSION = 1
@@ -472,7 +475,9 @@ def patch(
         scores, intervals, `.head_scores()`, `.to_frame()`, `.save()`).
 
     Raises:
-        ValueError: an unknown kind / direction / metric, layers or positions out of range, a
+        TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
+        ValueError: an unknown kind / direction / metric, layers or positions out of range,
+            positions for a kind that patches every position, ids outside the vocabulary, a
             metric that needs counterfactuals the pairs lack, a backend other than Hugging Face
             — all before any forward.
     """
@@ -482,6 +487,9 @@ def patch(
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if options is not None and not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
+    check_vocab(pairs, model.d_vocab)
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
             f"patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
@@ -491,6 +499,11 @@ def patch(
     options = options or SweepOptions()
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+    if positions is not None and not by_pos:
+        raise HeadsteerValueError(
+            f"positions are only taken by the by-position kinds {BY_POSITION}, not kind={kind!r} "
+            "(it patches every position)"
+        )
     poss = _check_positions(pairs, positions if by_pos else None)
     model.check_length(pairs.width)
     sites, shape = _sites(model, kind, lays, poss)
