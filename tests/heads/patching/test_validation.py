@@ -224,3 +224,21 @@ def test_load_round_trip_and_reduce(saved, tmp_path):
     with pytest.raises(HeadsteerValueError, match="reduce"):
         res.head_scores(reduce="x")
     assert torch.allclose(res.head_scores("sum").scores.nan_to_num(), res.mean.nansum(-1))
+
+
+# ------------------------------------------------------------------------------ HeadScores.from_cache
+def test_from_cache_refuses_mismatched_hook_in_and_bad_model():
+    from heads.results.scores import HeadScores
+
+    pattern = torch.softmax(torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(0)), -1)
+    cache = {f"blocks.{la}.attn.hook_pattern": pattern for la in range(2)}
+    tokens = torch.arange(10).reshape(2, 5)
+    ok = HeadScores.from_cache({**cache, "embed.hook_in": tokens.clone()}, (1, 3), tokens=tokens)
+    torch.testing.assert_close(ok.scores[0], pattern[:, :, -1, 1:3].sum(-1).mean(0))
+    for ran in (torch.arange(12).reshape(2, 6), torch.arange(5).reshape(1, 5)):
+        with pytest.raises(HeadsteerValueError, match="embed.hook_in"):
+            HeadScores.from_cache({**cache, "embed.hook_in": ran}, (1, 3), tokens=tokens)
+    with pytest.raises(HeadsteerTypeError, match="model"):
+        HeadScores.from_cache(cache, (1, 3), model=5)  # type: ignore[arg-type]
+    with pytest.raises(HeadsteerTypeError, match="n_kv_heads"):
+        HeadScores.from_cache(cache, (1, 3), n_kv_heads="2")  # type: ignore[arg-type]
