@@ -105,7 +105,9 @@ def _edge_index(graph: Graph) -> dict[str, tuple[int, int]]:
     return dict(zip(graph.edge_names(e), (tuple(x) for x in e.tolist()), strict=True))
 
 
-def _parse(graph: Graph, index: dict, name: str, field_name: str, where: str) -> tuple[int, int]:
+def _parse(
+    graph: Graph, index: dict[str, tuple[int, int]], name: str, field_name: str, where: str
+) -> tuple[int, int]:
     """`(u, v)` of edge `name` (a lookup in `index`); a name not there gets `Graph.parse_edge`'s
     message, prefixed with the file and field."""
     if name in index:
