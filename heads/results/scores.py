@@ -430,12 +430,17 @@ class HeadScores:
                 int position; a span that is empty, out of range, not int / bool, or that the
                 query cannot see (in any batch row); the cache ran on other tokens than
                 `tokens`, or (without `tokens`) on a BOS the bridge prepended.
-            TypeError: `cache` is not a mapping of hook names (an ActivationCache).
+            TypeError: `cache` is not a mapping of hook names (an ActivationCache); `model` not
+                a string; `n_kv_heads` not an int.
         """
         if not callable(getattr(cache, "keys", None)):
             raise HeadsteerTypeError(
                 f"cache must be a TransformerLens ActivationCache, got {type(cache).__name__}"
             )
+        if not isinstance(model, str):
+            raise HeadsteerTypeError(f"model must be a model id string, got {model!r}")
+        if n_kv_heads is not None and not is_int(n_kv_heads):
+            raise HeadsteerTypeError(f"n_kv_heads must be an int or None, got {n_kv_heads!r}")
         found = sorted(
             int(k.split(".")[1])
             for k in cache.keys()
@@ -634,6 +639,11 @@ def _check_cache_tokens(cache: Any, tokens: torch.Tensor | None, batch: int, k_l
             raise HeadsteerValueError(
                 f"tokens are {tuple(want.shape)}, the cache holds {batch} x {k_len} positions: the cache "
                 "ran on other tokens than the span was located in"
+            )
+        if ran is not None and tuple(ran.shape) != tuple(want.shape):
+            raise HeadsteerValueError(
+                f"the cache ran on {tuple(ran.shape)} tokens (embed.hook_in), tokens are "
+                f"{tuple(want.shape)}: the cache ran on other tokens than the span was located in"
             )
         if ran is not None and not torch.equal(ran.cpu(), want):
             b, p = (int(x) for x in (ran.cpu() != want).nonzero()[0])

@@ -22,9 +22,10 @@ from heads.scorers.circuits.circuit import (
     select,
 )
 from heads.scorers.circuits.graph import Graph, check_family, graph_of
-from heads.scorers.circuits.scores import METHODS, EdgeScores, edge_scores, exact_scores
+from heads.scorers.circuits.scores import MAX_STEPS, METHODS, EdgeScores, edge_scores, exact_scores
 
 __all__ = [
+    "MAX_STEPS",
     "METHODS",
     "SIZES",
     "Circuit",

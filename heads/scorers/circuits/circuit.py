@@ -29,12 +29,20 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_bool, check_int, check_number, check_seed, is_number
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
 from heads.scorers.circuits.graph import Graph, graph_of
-from heads.scorers.circuits.scores import EdgeScores, _check_pairs, edge_scores, patched_metrics, run_metrics
+from heads.scorers.circuits.scores import (
+    METHODS,
+    EdgeScores,
+    _check_pairs,
+    check_steps,
+    edge_scores,
+    patched_metrics,
+    run_metrics,
+)
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch
 
@@ -53,6 +61,62 @@ SCHEMA = "headsteer/circuit"
 SCHEMA_VERSION = 1
 SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 """Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
+
+MAX_LAYERS = 1024
+"""The most layers a circuit file may name (bounds what `Circuit.load` allocates)."""
+MAX_HEADS = 1024
+"""The most query heads per layer a circuit file may name."""
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _graph_of_dict(d: dict, where: str) -> Graph:
+    """The `Graph` a circuit dict names, its geometry checked (positive ints, bounded, G | H)
+    before anything is allocated."""
+    geo = d.get("geometry")
+    if not isinstance(geo, dict):
+        raise HeadsteerValueError(f"{where}: geometry must be a mapping, got {_short(geo)}")
+    L = check_int(f"{where}: geometry.n_layers", geo.get("n_layers"), lo=1, hi=MAX_LAYERS)
+    H = check_int(f"{where}: geometry.n_heads", geo.get("n_heads"), lo=1, hi=MAX_HEADS)
+    G = check_int(f"{where}: geometry.n_kv_heads", geo.get("n_kv_heads"), lo=1, hi=H)
+    if H % G:
+        raise HeadsteerValueError(f"{where}: geometry.n_kv_heads {G} does not divide n_heads {H}")
+    name = d.get("model", "")
+    if not isinstance(name, str):
+        raise HeadsteerValueError(f"{where}: model must be a string, got {_short(name)}")
+    return Graph(L, H, G, name)
+
+
+def _n_edges(graph: Graph) -> int:
+    """The graph's edge count, computed without allocating its `[U, Dn]` mask."""
+    H, S = graph.n_heads, graph.per_layer
+    total = graph.n_upstream  # into the logits
+    for la in range(graph.n_layers):
+        before = 1 + la * (H + 1)
+        total += (S - 1) * before + before + H
+    return total
+
+
+def _edge_index(graph: Graph) -> dict[str, tuple[int, int]]:
+    e = torch.nonzero(graph.valid)
+    return dict(zip(graph.edge_names(e), (tuple(x) for x in e.tolist()), strict=True))
+
+
+def _parse(
+    graph: Graph, index: dict[str, tuple[int, int]], name: str, field_name: str, where: str
+) -> tuple[int, int]:
+    """`(u, v)` of edge `name` (a lookup in `index`); a name not there gets `Graph.parse_edge`'s
+    message, prefixed with the file and field."""
+    if name in index:
+        return index[name]
+    try:
+        graph.parse_edge(name)
+    except HeadsteerValueError as err:
+        raise HeadsteerValueError(f"{where}: {field_name}: {err}") from None
+    raise HeadsteerValueError(f"{where}: {field_name}: {name!r} is not an edge")  # pragma: no cover
 
 
 # ------------------------------------------------------------------------------ pruning
@@ -88,12 +152,17 @@ def prune(graph: Graph, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_sizes(sizes: Any) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(s) for s in sizes)
-    except (TypeError, ValueError):
-        raise HeadsteerValueError(f"sizes must be numbers in (0, 100] (% of edges), got {sizes!r}") from None
-    if not vals or any(not (0 < v <= 100) or math.isnan(v) for v in vals):
-        raise HeadsteerValueError(f"sizes must be in (0, 100] (% of edges), got {sizes!r}")
+    """`sizes` (a non-empty list / tuple of real numbers in (0, 100], never a string or bool) as a
+    sorted tuple of distinct floats."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range, torch.Tensor)):
+        raise HeadsteerValueError(f"sizes must be a list of numbers in (0, 100] (% of edges), got {sizes!r}")
+    items = sizes.tolist() if isinstance(sizes, torch.Tensor) else list(sizes)
+    if not items:
+        raise HeadsteerValueError(f"sizes must be a non-empty list of numbers in (0, 100], got {sizes!r}")
+    vals = tuple(
+        check_number("sizes", s, lo=0, hi=100, lo_open=True, what="numbers in (0, 100] (% of edges)")
+        for s in items
+    )
     return tuple(sorted(set(vals)))
 
 
@@ -277,34 +346,67 @@ class Circuit:
     def from_dict(cls, d: Any, model: HeadModel | None = None, where: str = "circuit") -> Circuit:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{where}: not a headsteer circuit (schema must be {SCHEMA!r})")
-        if d.get("version") != SCHEMA_VERSION:
+        if d.get("version") != SCHEMA_VERSION or isinstance(d.get("version"), bool):
             raise HeadsteerValueError(
                 f"{where}: circuit schema version {d.get('version')!r}, this headsteer reads {SCHEMA_VERSION}"
             )
-        try:
-            geo = d["geometry"]
-            graph = Graph(int(geo["n_layers"]), int(geo["n_heads"]), int(geo["n_kv_heads"]), str(d["model"]))
-            edges, scores = list(d["edges"]), list(d["scores"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise HeadsteerValueError(f"{where}: malformed circuit file ({err})") from None
+        graph = _graph_of_dict(d, where)
         if model is not None:
             graph.check_model(model)
-        e = torch.nonzero(graph.valid)
-        if len(scores) != len(e):
+        scores = d.get("scores")
+        if not isinstance(scores, list) or any(s is not None and not is_number(s) for s in scores):
             raise HeadsteerValueError(
-                f"{where}: {len(scores)} scores for a graph of {len(e)} edges (another model geometry)"
+                f"{where}: scores must be a list of numbers (or null), got {_short(scores)}"
             )
+        n_edges = _n_edges(graph)
+        if len(scores) != n_edges:
+            raise HeadsteerValueError(
+                f"{where}: {len(scores)} scores for a graph of {n_edges} edges (another model geometry)"
+            )
+        edges = d.get("edges")
+        if not isinstance(edges, list) or not all(isinstance(x, str) for x in edges):
+            raise HeadsteerValueError(f"{where}: edges must be a list of edge names, got {_short(edges)}")
+        raw_exact = d.get("exact")
+        if raw_exact is not None and (
+            not isinstance(raw_exact, dict)
+            or not all(isinstance(k, str) and is_number(v) for k, v in raw_exact.items())
+        ):
+            raise HeadsteerValueError(
+                f"{where}: exact must be null or a mapping edge name -> number, got {_short(raw_exact)}"
+            )
+        faith = d.get("faithfulness")
+        if faith is not None and not is_number(faith):
+            raise HeadsteerValueError(f"{where}: faithfulness must be a number or null, got {faith!r}")
+        curve = d.get("curve")
+        if curve is not None and not isinstance(curve, dict):
+            raise HeadsteerValueError(f"{where}: curve must be a mapping or null, got {_short(curve)}")
+        params = d.get("params")
+        if params is not None and not isinstance(params, dict):
+            raise HeadsteerValueError(f"{where}: params must be a mapping or null, got {_short(params)}")
+        for key in ("method", "metric"):
+            if not isinstance(d.get(key, ""), str):
+                raise HeadsteerValueError(f"{where}: {key} must be a string, got {d.get(key)!r}")
+        e = torch.nonzero(graph.valid)
         full = torch.full((graph.n_upstream, graph.n_downstream), float("nan"))
-        full[e[:, 0], e[:, 1]] = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+        full[e[:, 0], e[:, 1]] = torch.tensor(
+            [float("nan") if s is None else float(s) for s in scores], dtype=full.dtype
+        )
+        index = _edge_index(graph)
+
         mask = torch.zeros_like(full, dtype=torch.bool)
         for name in edges:
-            u, v = graph.parse_edge(name)
+            u, v = _parse(graph, index, name, "edges", where)
             mask[u, v] = True
+        pruned = (params or {}).get("prune_dangling", True) is not False  # select(prune_dangling=False)
+        if pruned and bool((prune(graph, mask) != mask).any()):
+            raise HeadsteerValueError(
+                f"{where}: edges include dangling edges (not fed from the input or not reaching the logits)"
+            )
         exact = None
-        if d.get("exact") is not None:
+        if raw_exact is not None:
             exact = torch.full_like(full, float("nan"))
-            for name, val in d["exact"].items():
-                u, v = graph.parse_edge(name)
+            for name, val in raw_exact.items():
+                u, v = _parse(graph, index, name, "exact", where)
                 exact[u, v] = float(val)
         return cls(
             graph,
@@ -313,9 +415,9 @@ class Circuit:
             str(d.get("method", "")),
             str(d.get("metric", "")),
             exact,
-            d.get("faithfulness"),
-            d.get("curve"),
-            dict(d.get("params") or {}),
+            None if faith is None else float(faith),
+            curve,
+            dict(params or {}),
         )
 
     @classmethod
@@ -333,6 +435,8 @@ class Circuit:
                 d = json.load(f)
         except json.JSONDecodeError as e:
             raise HeadsteerValueError(f"{os.fspath(path)}: not JSON ({e.msg})") from None
+        except UnicodeDecodeError:
+            raise HeadsteerValueError(f"{os.fspath(path)}: not a UTF-8 text (JSON) file") from None
         return cls.from_dict(d, model, where=os.fspath(path))
 
 
@@ -365,7 +469,13 @@ def select(
         mask = torch.nan_to_num(v, nan=-float("inf")) >= t
     if prune_dangling:
         mask = prune(g, mask)
-    params = {"n": n, "threshold": threshold, "absolute": absolute, "n_pairs": scores.n_pairs}
+    params = {
+        "n": n,
+        "threshold": threshold,
+        "absolute": absolute,
+        "prune_dangling": prune_dangling,
+        "n_pairs": scores.n_pairs,
+    }
     params.update(scores.params)
     return Circuit(g, mask, scores.scores, scores.method, scores.metric, scores.exact, params=params)
 
@@ -388,11 +498,16 @@ def evaluate(
     Raises:
         ValueError: masks of another graph's shape; a model other than the circuit's geometry.
     """
+    check_int("batch_rows", batch_rows, lo=1)
     graph = graph_of(model)
     if isinstance(circuits, Circuit):
         circuits = [circuits]
     if isinstance(circuits, list):
         for c in circuits:
+            if not isinstance(c, Circuit):
+                raise HeadsteerTypeError(
+                    f"circuits must be Circuits or [K, U, Dn] masks, got {type(c).__name__}"
+                )
             c.graph.check_model(model)
         masks = torch.stack([c.mask for c in circuits]) if circuits else torch.zeros(0)
     else:
@@ -451,9 +566,17 @@ def faithfulness_curve(
         "cpr", "cmd", and with random: "random", "n_kept_random", "cpr_random", "cmd_random"}`.
 
     Raises:
-        ValueError: a size outside (0, 100]; scores of another graph.
+        ValueError: sizes not a list of numbers in (0, 100] (a string or a bool is refused);
+            scores of another graph; a bad seed or batch_rows.
+        TypeError: scores not `EdgeScores`.
     """
     sz = _check_sizes(sizes)
+    if not isinstance(scores, EdgeScores):
+        raise HeadsteerTypeError(f"scores must be EdgeScores (edge_scores), got {type(scores).__name__}")
+    check_bool("absolute", absolute)
+    check_bool("random", random)
+    seed = check_seed("seed", seed)
+    check_int("batch_rows", batch_rows, lo=1)
     graph = graph_of(model)
     if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
         raise HeadsteerValueError("the scores are for another model geometry")
@@ -526,6 +649,17 @@ def find_circuit(
         (size,) = _check_sizes([size])
     if curve:
         _check_sizes(sizes)
+    if method not in METHODS:
+        raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_steps(method, steps)
+    check_int("confirm", confirm, lo=0, hi=graph.n_edges)
+    check_int("batch_size", batch_size, lo=1)
+    check_int("batch_rows", batch_rows, lo=1)
+    check_bool("curve", curve)
+    if n is not None:
+        check_int("n", n, lo=1, hi=graph.n_edges)
+    if threshold is not None:
+        check_number("threshold", threshold)
     if n is None and threshold is None:
         n = _n_of(graph, 5.0 if size is None else size)
     met = get_metric(metric)

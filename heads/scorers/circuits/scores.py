@@ -36,7 +36,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, run_graph
 from heads.scorers.patching.metrics import Metric, get_metric
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "MAX_STEPS",
@@ -49,10 +49,12 @@ __all__ = [
 ]
 
 METHODS = ("eap", "eap-ig", "exact")
-MAX_STEPS = 100
-"""Cap on EAP-IG's interpolation steps `m` (each is a forward and a backward per pair; the paper
-uses 5-50)."""
 """`method=` values of `edge_scores`."""
+MAX_STEPS = 100
+"""The most EAP-IG interpolation steps `edge_scores` accepts (each step is a forward and backward
+over every pair)."""
+DEFAULT_STEPS = 5
+"""EAP-IG's default interpolation steps m (Hanna et al. 2024)."""
 
 
 @dataclass
@@ -94,6 +96,19 @@ class EdgeScores:
         return e[order]
 
 
+def check_steps(method: str, steps: object) -> int:
+    """`steps` as an int in 1..MAX_STEPS; only `"eap-ig"` takes steps, so another method with a
+    non-default `steps` is refused rather than silently recorded.
+
+    Raises:
+        HeadsteerValueError: steps not an int in 1..MAX_STEPS, or steps != 5 with method eap / exact.
+    """
+    n = check_int("steps", steps, lo=1, hi=MAX_STEPS)
+    if method != "eap-ig" and n != DEFAULT_STEPS:
+        raise HeadsteerValueError(f"steps={n} is only used by method='eap-ig', not method={method!r}")
+    return n
+
+
 def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(
@@ -104,6 +119,7 @@ def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
             f"clean {tuple(pairs.clean_ids.shape)} and corrupted {tuple(pairs.corrupted_ids.shape)} "
             "ids must have one shape (pairs of equal token length)"
         )
+    check_vocab(pairs, model.d_vocab)
     metric.check(pairs)
     model.check_length(pairs.width)
     return pairs
@@ -171,8 +187,8 @@ def edge_scores(
         model: a `HeadModel` of a family the graph supports (`graph.check_family`).
         pairs: a `PairBatch` (`heads.scorers.patching.encode_pairs` / `pairs_from_tokens`).
         method: `"eap"`, `"eap-ig"` (default) or `"exact"` (every edge patched exactly: slow).
-        steps: m, the EAP-IG interpolation steps (default 5, at most `MAX_STEPS` = 100, Hanna et al.
-            2024); ignored by EAP.
+        steps: m, the EAP-IG interpolation steps, 1..MAX_STEPS (default 5, Hanna et al. 2024);
+            only "eap-ig" takes it (another method with steps != 5 is refused).
         metric: a metric name of `heads.scorers.patching.METRICS`, a `Metric` or a
             differentiable function `(logits [R, V], pairs, index [R]) -> [R]`.
         confirm: rerun the top `confirm` edges (by |score|) with exact edge patching; their
@@ -185,13 +201,13 @@ def edge_scores(
         an `EdgeScores` (`[U, Dn]`, NaN off the graph).
 
     Raises:
-        ValueError: an unknown method, steps outside [1, `MAX_STEPS`], confirm < 0, a refused family
-            (named), pairs whose rows differ in length, a metric the pairs cannot feed; all before any
-            forward.
+        ValueError: an unknown method, steps outside 1..MAX_STEPS (or given to eap / exact),
+            confirm < 0, a refused family (named), pairs
+            whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
     if method not in METHODS:
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
-    check_int("steps", steps, lo=1, hi=MAX_STEPS)
+    check_steps(method, steps)
     check_int("confirm", confirm, lo=0)
     check_int("batch_size", batch_size, lo=1)
     check_int("batch_rows", batch_rows, lo=1)

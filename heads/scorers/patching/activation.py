@@ -38,6 +38,7 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import progress_callback
+from heads._util.validation import is_int, is_number
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, Recorder, ResidualEdit
 from heads.engine.options import SweepOptions
 from heads.engine.variants import run_rows
@@ -45,12 +46,15 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel, submodule
 from heads.results.scores import HeadScores
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
+
+BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+"""The kinds scored per position (the ones that take `positions`)."""
 
 SCHEMA = "headsteer/patching"
 SCHEMA_VERSION = 1
@@ -278,6 +282,8 @@ class PatchResult:
         Raises:
             ValueError: a kind without a head axis (resid_pre, attn_out, mlp_out).
         """
+        if reduce not in ("max", "sum"):
+            raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
         m = self.mean
         if self.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
             raise HeadsteerValueError(f"{self.kind!r} has no head axis; use .mean ([L, T]) instead")
@@ -348,30 +354,95 @@ class PatchResult:
         """Read a file written by `save`.
 
         Raises:
-            ValueError: a missing file or not a patching result.
+            ValueError: a missing file, not UTF-8 JSON, not a patching result, or any field
+                malformed (see `from_json`).
         """
         if not os.path.isfile(path):
             raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
-        d = json.loads(open(path, encoding="utf-8").read())
+        where = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise HeadsteerValueError(f"{where}: not JSON ({e.msg})") from None
+        except UnicodeDecodeError:
+            raise HeadsteerValueError(f"{where}: not a UTF-8 text (JSON) file") from None
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{os.fspath(path)!r} is not a {SCHEMA} file")
+            raise HeadsteerValueError(f"{where!r} is not a {SCHEMA} file")
+        return cls.from_json(d, where)
 
-        def t(v, shape=None):
-            x = torch.tensor([math.nan if a is None else a for a in v], dtype=torch.float32)
-            return x.reshape(shape) if shape is not None else x
+    @classmethod
+    def from_json(cls, d: dict, where: str = "patching result") -> PatchResult:
+        """The `PatchResult` of a `to_json` dict, every field checked.
 
+        Raises:
+            ValueError: `"<where>: <field> ..."` for another schema version, a missing or
+                malformed field, an unknown kind / direction, a grid or shape that does not fit
+                the kind, raw / clean / corrupt of the wrong length or not numbers.
+        """
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise HeadsteerValueError(
+                f"{where}: schema_version {version!r}, this headsteer reads {SCHEMA_VERSION}"
+            )
+        kind = d.get("kind")
+        if kind not in (*KINDS, "path"):
+            raise HeadsteerValueError(f"{where}: kind must be one of {(*KINDS, 'path')}, got {kind!r}")
+        direction = d.get("direction")
+        if direction not in DIRECTIONS:
+            raise HeadsteerValueError(f"{where}: direction must be one of {DIRECTIONS}, got {direction!r}")
+        for key in ("metric", "model"):
+            if not isinstance(d.get(key, ""), str):
+                raise HeadsteerValueError(f"{where}: {key} must be a string, got {d.get(key)!r}")
+        grid = d.get("grid")
+        want_grid = ("layer", "head") if kind == "path" else _grid_names(kind)
+        if not isinstance(grid, list) or tuple(grid) != want_grid:
+            raise HeadsteerValueError(
+                f"{where}: grid must be {list(want_grid)} for kind {kind!r}, got {grid!r}"
+            )
+        shape = d.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != len(want_grid) + 1
+            or not all(is_int(x) and x >= 1 for x in shape)
+        ):
+            raise HeadsteerValueError(
+                f"{where}: shape must be {len(want_grid) + 1} positive ints ({', '.join(want_grid)}, pair), "
+                f"got {shape!r}"
+            )
+        n_pairs = int(shape[-1])
+
+        def numbers(key: str, n: int) -> torch.Tensor:
+            v = d.get(key)
+            if not isinstance(v, list) or any(a is not None and not is_number(a) for a in v):
+                text = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+                raise HeadsteerValueError(f"{where}: {key} must be a list of numbers (or null), got {text}")
+            if len(v) != n:
+                raise HeadsteerValueError(f"{where}: {key} has {len(v)} values, the shape {shape} needs {n}")
+            return torch.tensor([math.nan if a is None else float(a) for a in v], dtype=torch.float32)
+
+        raw = numbers("raw", math.prod(int(x) for x in shape)).reshape([int(x) for x in shape])
+        labels = d.get("labels", [])
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            raise HeadsteerValueError(f"{where}: labels must be a list of strings, got {labels!r}")
+        n_kv = d.get("n_kv_heads")
+        if n_kv is not None and not (is_int(n_kv) and n_kv >= 1):
+            raise HeadsteerValueError(f"{where}: n_kv_heads must be a positive int or null, got {n_kv!r}")
+        params = d.get("params", {})
+        if not isinstance(params, dict):
+            raise HeadsteerValueError(f"{where}: params must be a mapping, got {params!r}")
         return cls(
-            d["kind"],
-            d["direction"],
-            d["metric"],
-            t(d["raw"], d["shape"]),
-            t(d["clean"]),
-            t(d["corrupt"]),
-            tuple(d["grid"]),
-            d.get("labels", []),
+            kind,
+            direction,
+            d.get("metric", ""),
+            raw,
+            numbers("clean", n_pairs),
+            numbers("corrupt", n_pairs),
+            tuple(grid),
+            labels,
             d.get("model", ""),
-            d.get("n_kv_heads"),
-            d.get("params", {}),
+            None if n_kv is None else int(n_kv),
+            params,
         )
 
 
@@ -472,7 +543,9 @@ def patch(
         scores, intervals, `.head_scores()`, `.to_frame()`, `.save()`).
 
     Raises:
-        ValueError: an unknown kind / direction / metric, layers or positions out of range, a
+        TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
+        ValueError: an unknown kind / direction / metric, layers or positions out of range,
+            positions for a kind that patches every position, ids outside the vocabulary, a
             metric that needs counterfactuals the pairs lack, a backend other than Hugging Face
             — all before any forward.
     """
@@ -482,6 +555,9 @@ def patch(
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if options is not None and not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
+    check_vocab(pairs, model.d_vocab)
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
             f"patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
@@ -491,6 +567,11 @@ def patch(
     options = options or SweepOptions()
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+    if positions is not None and not by_pos:
+        raise HeadsteerValueError(
+            f"positions are only taken by the by-position kinds {BY_POSITION}, not kind={kind!r} "
+            "(it patches every position)"
+        )
     poss = _check_positions(pairs, positions if by_pos else None)
     model.check_length(pairs.width)
     sites, shape = _sites(model, kind, lays, poss)

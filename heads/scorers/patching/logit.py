@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads.errors import HeadsteerValueError
+from heads._util.validation import check_int
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.scorers.patching.activation import RunCache, record_run
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "DLAResult",
@@ -67,6 +68,18 @@ def _check_family(model: HeadModel) -> None:
 
 def _which(pairs: PairBatch, which: str) -> torch.Tensor:
     return pairs.ids(which)
+
+
+def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
+    """Refuse, before any forward, pairs that are not a `PairBatch`, ids outside the model's
+    vocabulary, a padded width over the model's context, `which` not clean / corrupted."""
+    if not isinstance(pairs, PairBatch):
+        raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if which not in ("clean", "corrupted"):
+        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {which!r}")
+    check_vocab(pairs, model.d_vocab)
+    model.check_length(pairs.width)
+    return pairs
 
 
 def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
@@ -235,8 +248,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
 
     Raises:
         ValueError: pairs without counterfactual tokens, a `post_norm` family, a final norm
-            without `eps`, `which` not clean/corrupted (all before the forward).
+            without `eps`, `which` not clean/corrupted, ids outside the vocabulary, prompts
+            longer than the model's context (all before the forward).
+        TypeError: pairs not a `PairBatch`.
     """
+    _check_input(model, pairs, which)
     _check_family(model)
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
@@ -367,11 +383,12 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
         k: top tokens kept per layer for pair 0 (default 5).
 
     Raises:
-        ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` < 1.
+        ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` not in
+            1..d_vocab, ids outside the vocabulary, prompts longer than the model's context.
+        TypeError: pairs not a `PairBatch`.
     """
-    from heads._util.validation import check_int
-
-    check_int("k", k, lo=1)
+    _check_input(model, pairs, which)
+    check_int("k", k, lo=1, hi=model.d_vocab)
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
@@ -424,6 +441,7 @@ def head_logits(
     Raises:
         ValueError: as `direct_logit_attribution`.
     """
+    _check_input(model, pairs, which)
     _check_family(model)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("head_logits needs a counterfactual token for every pair")
@@ -449,6 +467,8 @@ def logit_inspection(model: HeadModel, pairs: PairBatch, *, which: str = "clean"
     """Comp-mech's logit inspection (Ortu et al. 2024, Sec. 4): per layer (logit lens) and per
     head (frozen-scale direct logits) the logit of the answer ("factual" in the paper's words)
     and of the counterfactual token. Two forwards; see `logit_lens` and `head_logits`."""
+    _check_input(model, pairs, which)
+    _check_family(model)  # before logit_lens' forward: head_logits refuses these families
     lens = logit_lens(model, pairs, which=which, k=k)
     lens.head_answer, lens.head_counterfactual = head_logits(model, pairs, which=which)
     return lens

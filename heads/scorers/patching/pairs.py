@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from heads._util.validation import check_int, is_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["PairBatch", "PromptPair", "encode_pairs", "load_pairs", "pairs_from_tokens", "token_id"]
@@ -217,6 +218,59 @@ def _pad_answers(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _check_token_row(where: str, row: object) -> list[int]:
+    """`row` (a list / tuple / 1-D tensor of token ids) as a list of ints >= 0.
+
+    Raises:
+        HeadsteerTypeError: a string, a non-list, or an entry that is not an int (floats and bools
+            included: `1.7` is never silently truncated).
+        HeadsteerValueError: a negative id.
+    """
+    if isinstance(row, torch.Tensor):
+        if row.ndim != 1 or row.dtype.is_floating_point or row.dtype == torch.bool:
+            raise HeadsteerTypeError(
+                f"{where} must be a 1-D list of int token ids, got a {row.dtype} {tuple(row.shape)} tensor"
+            )
+        row = row.tolist()
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        raise HeadsteerTypeError(f"{where} must be a list of int token ids, got {row!r}")
+    out = []
+    for x in row:
+        if not is_int(x):
+            raise HeadsteerTypeError(f"{where} token ids must be ints, got {x!r}")
+        if int(x) < 0:
+            raise HeadsteerValueError(f"{where} token id {int(x)} is negative")
+        out.append(int(x))
+    return out
+
+
+def check_vocab(pairs: PairBatch, d_vocab: int, where: str = "pairs") -> None:
+    """Refuse, before any forward, a `PairBatch` whose ids (prompts, padding, answers,
+    counterfactuals) fall outside the model's vocabulary `0..d_vocab - 1`.
+
+    Raises:
+        HeadsteerTypeError: `pairs` not a `PairBatch`.
+        HeadsteerValueError: `"<where>: <field> token id <id> is outside the vocabulary 0..V-1"`.
+    """
+    if not isinstance(pairs, PairBatch):
+        raise HeadsteerTypeError(f"{where} must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    fields = (
+        ("clean", pairs.clean_ids, None),
+        ("corrupted", pairs.corrupted_ids, None),
+        ("answer", pairs.answers, pairs.answer_mask),
+        ("counterfactual", pairs.counterfactuals, pairs.counterfactual_mask),
+    )
+    for name, ids, mask in fields:
+        vals = ids if mask is None else ids[mask.bool()]
+        if vals.numel() == 0:
+            continue
+        bad = vals[(vals < 0) | (vals >= d_vocab)]
+        if bad.numel():
+            raise HeadsteerValueError(
+                f"{where}: {name} token id {int(bad[0])} is outside the vocabulary 0..{d_vocab - 1}"
+            )
+
+
 def pairs_from_tokens(
     clean: Sequence[Sequence[int]],
     corrupted: Sequence[Sequence[int]],
@@ -234,9 +288,20 @@ def pairs_from_tokens(
             and corrupted rows differ in length (names the pair and both lengths), a pair
             without an answer.
     """
+    for name, value in (("clean", clean), ("corrupted", corrupted), ("answers", answers)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
+            raise HeadsteerTypeError(f"{name} must be a list (one entry per pair), got {value!r}")
+    if counterfactuals is not None and (
+        isinstance(counterfactuals, (str, bytes)) or not isinstance(counterfactuals, (Sequence, torch.Tensor))
+    ):
+        raise HeadsteerTypeError(f"counterfactuals must be a list or None, got {counterfactuals!r}")
+    pad_id = check_int("pad_id", pad_id, lo=0)
     n = len(clean)
     if n == 0:
         raise HeadsteerValueError("no pairs given")
+    for name, value in (("clean", clean), ("corrupted", corrupted)):
+        for i, row in enumerate(value):
+            _check_token_row(f"pair {i} {name}", row)
     if (
         len(corrupted) != n
         or len(answers) != n
@@ -266,7 +331,11 @@ def pairs_from_tokens(
     def rows(values, what: str, required: bool) -> list[list[int]]:
         out = []
         for i, v in enumerate(values):
-            r = [int(v)] if isinstance(v, numbers.Integral) else [int(x) for x in v]
+            r = (
+                [check_int(f"pair {i} {what}", v, lo=0, what="a token id (an int >= 0)")]
+                if (isinstance(v, numbers.Integral) and not isinstance(v, bool))
+                else _check_token_row(f"pair {i} {what}", v)
+            )
             if required and not r:
                 raise HeadsteerValueError(f"pair {i}: no {what} token")
             out.append(r)

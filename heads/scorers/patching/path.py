@@ -63,7 +63,7 @@ from heads.scorers.patching.activation import (
     record_run,
 )
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric
-from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
 
@@ -94,6 +94,10 @@ def _check_receivers(
         if c not in RECEIVER_INPUTS:
             raise HeadsteerValueError(f"unknown receiver input {c!r}; use one of {RECEIVER_INPUTS}")
     if isinstance(receivers, str) and receivers == "logits":
+        if comps != ("q",):
+            raise HeadsteerValueError(
+                f"inputs={inputs!r} needs receiver heads; receivers='logits' patches the residual stream"
+            )
         return None, comps
     if isinstance(receivers, str) and not receivers.endswith(".json"):
         raise HeadsteerValueError(f"receivers must be 'logits' or a head selection, got {receivers!r}")
@@ -149,7 +153,9 @@ def path_patch(
         mean normalised scores as `HeadScores`.
 
     Raises:
-        ValueError: unknown senders / receivers / inputs / mlp mode / direction / metric,
+        TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
+        ValueError: unknown senders / receivers / inputs / mlp mode / direction / metric, inputs
+            other than "q" with receivers "logits", ids outside the vocabulary,
             positions out of range, a backend other than Hugging Face — before any forward.
     """
     if direction not in DIRECTIONS:
@@ -158,6 +164,9 @@ def path_patch(
         raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {mlp!r}")
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if options is not None and not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
+    check_vocab(pairs, model.d_vocab)
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
             f"path patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"

@@ -215,7 +215,7 @@ def test_gpt2_denoising_frozen(tokenizer, receivers):
         pairs,
         senders=[0] if receivers != "logits" else None,
         receivers=receivers,
-        inputs="v",
+        inputs="v" if receivers != "logits" else "q",  # the logits take no inputs
         mlp="frozen",
         direction="denoising",
     )
