@@ -587,6 +587,7 @@ def test_open_decode_row_needs_no_mask_bitwise():
     """The explicit attention path skips the mask work for one decode row that sees every key;
     the result equals the same call with an explicit all-visible mask, bit for bit."""
     from heads.engine.kernels.blocked import blocked_attention as _edited_attention
+    from heads.engine.kernels.common import AttentionInputs
     from heads.engine.state import LayerEdits as _LayerEdits
 
     g = torch.Generator().manual_seed(1)
@@ -594,8 +595,8 @@ def test_open_decode_row_needs_no_mask_bitwise():
     k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
     rec = Recorder(layer=0)
     edits = _LayerEdits(0, 4, None, {"probs": [rec]})
-    open_out, open_p = _edited_attention(None, q, k, v, None, 0.25, edits, want_probs=True)
+    open_out, open_p = _edited_attention(None, AttentionInputs(q, k, v, None, 0.25), edits, want_probs=True)
     full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    masked_out, masked_p = _edited_attention(None, q, k, v, full, 0.25, edits, want_probs=True)
+    masked_out, masked_p = _edited_attention(None, AttentionInputs(q, k, v, full, 0.25), edits, want_probs=True)
     assert torch.equal(open_out, masked_out) and torch.equal(open_p, masked_p)
     assert torch.equal(rec.records[0], rec.records[1])
