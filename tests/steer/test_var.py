@@ -597,6 +597,8 @@ def test_open_decode_row_needs_no_mask_bitwise():
     edits = _LayerEdits(0, 4, None, {"probs": [rec]})
     open_out, open_p = _edited_attention(None, AttentionInputs(q, k, v, None, 0.25), edits, want_probs=True)
     full = torch.ones(2, 1, 1, 9, dtype=torch.bool)
-    masked_out, masked_p = _edited_attention(None, AttentionInputs(q, k, v, full, 0.25), edits, want_probs=True)
+    masked_out, masked_p = _edited_attention(
+        None, AttentionInputs(q, k, v, full, 0.25), edits, want_probs=True
+    )
     assert torch.equal(open_out, masked_out) and torch.equal(open_p, masked_p)
     assert torch.equal(rec.records[0], rec.records[1])
