@@ -406,8 +406,8 @@ def head_atlas(
             column given twice or reserved, bad thresholds, `lens_text` without `lens`, an
             untrained lens or one of another model, a bad seed.
         HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; `sinks`,
-            `maps`, `lens`, `detectors`, `scores` or `thumbnails` of a wrong type.
-        All checked before any forward.
+            `maps`, `lens`, `detectors`, `scores` or `thumbnails` of a wrong type (all checked
+            before any forward).
     """
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
