@@ -575,7 +575,7 @@ def demo(
     out: Annotated[Path, typer.Option(help="folder for the report")] = Path("out"),
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 48,
 ) -> dict:
-    """Run the main job (embedded model by default): a JSON instruction buried after a biography."""
+    """PASTA measured on counterfact and occupation (embedded model by default), with the answers it fixed."""
     from viz.cli.demo import run_demo
 
     t0 = time.perf_counter()
