@@ -513,6 +513,37 @@ def _grid_names(kind: str) -> tuple[str, ...]:
     return ("layer", "kv_head") if kind in ("k", "v") else ("layer", "head")
 
 
+def check_sweep_inputs(
+    model: HeadModel,
+    pairs: object,
+    options: SweepOptions | None,
+    metric: str | Metric | Callable,
+    *,
+    what: str,
+) -> tuple[Metric, SweepOptions]:
+    """The checks every patching sweep makes before any forward: `pairs` a `PairBatch` whose ids
+    are in the vocabulary, `options` a `SweepOptions` or None, the Hugging Face backend, a metric
+    the pairs can feed. Returns `(metric, options)` (default `SweepOptions()`).
+
+    Raises:
+        HeadsteerTypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
+        HeadsteerValueError: ids outside the vocabulary, another backend (named with `what`), a
+            metric the pairs cannot feed.
+    """
+    if not isinstance(pairs, PairBatch):
+        raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if options is not None and not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
+    check_vocab(pairs, model.d_vocab)
+    if model.backend.kind != "hf":
+        raise HeadsteerValueError(
+            f"{what} runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
+        )
+    met = get_metric(metric)
+    met.check(pairs)
+    return met, options or SweepOptions()
+
+
 def patch(
     model: HeadModel,
     pairs: PairBatch,
@@ -553,18 +584,7 @@ def patch(
         raise HeadsteerValueError(f"unknown patching site {kind!r}; use one of {KINDS}")
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if not isinstance(pairs, PairBatch):
-        raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
-    if options is not None and not isinstance(options, SweepOptions):
-        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
-    check_vocab(pairs, model.d_vocab)
-    if model.backend.kind != "hf":
-        raise HeadsteerValueError(
-            f"patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
-        )
-    met = get_metric(metric)
-    met.check(pairs)
-    options = options or SweepOptions()
+    met, options = check_sweep_inputs(model, pairs, options, metric, what="patching")
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
     if positions is not None and not by_pos:

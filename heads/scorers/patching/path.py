@@ -49,7 +49,7 @@ from heads._util.progress import progress_callback
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
 from heads.engine.variants import check_heads, run_rows
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadSet, HeadSpec
 from heads.scorers.patching.activation import (
@@ -60,10 +60,11 @@ from heads.scorers.patching.activation import (
     _PatchZ,
     _qkv_modules,
     _qkv_slices,
+    check_sweep_inputs,
     record_run,
 )
-from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric
-from heads.scorers.patching.pairs import PairBatch, check_vocab
+from heads.scorers.patching.metrics import DIRECTIONS, Metric
+from heads.scorers.patching.pairs import PairBatch
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
 
@@ -162,18 +163,7 @@ def path_patch(
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if mlp not in MLP_MODES:
         raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {mlp!r}")
-    if not isinstance(pairs, PairBatch):
-        raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
-    if options is not None and not isinstance(options, SweepOptions):
-        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
-    check_vocab(pairs, model.d_vocab)
-    if model.backend.kind != "hf":
-        raise HeadsteerValueError(
-            f"path patching runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
-        )
-    met = get_metric(metric)
-    met.check(pairs)
-    options = options or SweepOptions()
+    met, options = check_sweep_inputs(model, pairs, options, metric, what="path patching")
     sends = check_heads(model, senders)
     recv, comps = _check_receivers(model, receivers, inputs)
     poss = None if positions is None else _check_positions(pairs, positions)
