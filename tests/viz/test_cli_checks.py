@@ -6,33 +6,17 @@ from __future__ import annotations
 
 import json
 import socket
+from functools import partial
 
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.cli import one_line_error
 from viz.cli.main import app
 
 runner = CliRunner()
 REC = {"clean": "a b", "corrupted": "a c", "answer": " b"}
-
-
-@pytest.fixture()
-def no_load(monkeypatch):
-    """Loading the model fails the test: the command must stop before it."""
-    import heads
-
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(heads, "load_model", boom)
-
-
-def _one_line_error(r, message, code=2):
-    assert r.exit_code == code, r.output
-    assert message in r.output, r.output
-    assert "Traceback" not in r.output
-    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("loading ", "warning: "))]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+_one_line_error = partial(one_line_error, ignore=("loading ", "warning: "))
 
 
 @pytest.mark.parametrize("steer", ["var", "vhr"])

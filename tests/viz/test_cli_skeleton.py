@@ -8,6 +8,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from tests.support.cli import one_line_error
 from viz.cli.main import app
 
 runner = CliRunner()
@@ -20,25 +21,6 @@ def _commands(group, prefix=()):
             yield from _commands(cmd, (*prefix, name))
         else:
             yield (*prefix, name), cmd
-
-
-@pytest.fixture()
-def no_load(monkeypatch):
-    """Loading the model fails the test: the command must stop before it."""
-    import heads
-
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(heads, "load_model", boom)
-
-
-def _one_line_error(r, message, code=2):
-    assert r.exit_code == code, r.output
-    assert message in r.output, r.output
-    assert "Traceback" not in r.output
-    lines = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("loading ")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
 
 
 def test_every_command_takes_the_shared_options():
@@ -122,7 +104,7 @@ def test_every_command_takes_the_shared_options():
     ],
 )
 def test_user_errors_before_the_model_loads(no_load, args, message):
-    _one_line_error(runner.invoke(app, args), message)
+    one_line_error(runner.invoke(app, args), message)
 
 
 def test_unreadable_image_is_refused_before_the_model_loads(no_load, tmp_path):
@@ -133,13 +115,13 @@ def test_unreadable_image_is_refused_before_the_model_loads(no_load, tmp_path):
         ["report", "vision", "--prompt", "x", "--out", "v.html"],
     ):
         r = runner.invoke(app, [*args, "--image", str(bad)])
-        _one_line_error(r, "cannot be read as an image")
+        one_line_error(r, "cannot be read as an image")
 
 
 def test_bad_head_files_are_one_line_errors(no_load, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000)
-    _one_line_error(
+    one_line_error(
         runner.invoke(app, ["generate", "a **b**", "--pasta-heads", str(deep)]), "nested too deeply"
     )
     for text, message in (
@@ -148,9 +130,9 @@ def test_bad_head_files_are_one_line_errors(no_load, tmp_path):
     ):
         f = tmp_path / "h.json"
         f.write_text(text)
-        _one_line_error(runner.invoke(app, ["generate", "a **b**", "--pasta-heads", str(f)]), message)
+        one_line_error(runner.invoke(app, ["generate", "a **b**", "--pasta-heads", str(f)]), message)
         args = ["eval", "--method", "pasta", "--task", "counterfact", "--pasta-heads", str(f)]
-        _one_line_error(runner.invoke(app, args), message)
+        one_line_error(runner.invoke(app, args), message)
 
 
 def test_damaged_or_pickled_model_folders(tiny_llama, tokenizer, tmp_path):
@@ -158,13 +140,13 @@ def test_damaged_or_pickled_model_folders(tiny_llama, tokenizer, tmp_path):
     tiny_llama.model.save_pretrained(bad)
     tokenizer.save_pretrained(bad)
     (bad / "model.safetensors").write_bytes(b"\x00" * 64)
-    _one_line_error(runner.invoke(app, ["generate", "a **b**", "--model", str(bad)]), "cannot read the model")
+    one_line_error(runner.invoke(app, ["generate", "a **b**", "--model", str(bad)]), "cannot read the model")
     pick = tmp_path / "pickled"
     tiny_llama.model.save_pretrained(pick)
     tokenizer.save_pretrained(pick)
     (pick / "model.safetensors").unlink()
     torch.save({"x": torch.zeros(1)}, pick / "pytorch_model.bin")
-    _one_line_error(runner.invoke(app, ["generate", "a **b**", "--model", str(pick)]), "never loads pickles")
+    one_line_error(runner.invoke(app, ["generate", "a **b**", "--model", str(pick)]), "never loads pickles")
 
 
 def test_report_attention_refuses_to_overwrite_and_lists_files(tiny_llama_dir, tmp_path, monkeypatch):
@@ -187,9 +169,9 @@ def test_report_attention_refuses_to_overwrite_and_lists_files(tiny_llama_dir, t
 
     real = heads.load_model
     monkeypatch.setattr(heads, "load_model", lambda *a, **k: pytest.fail("loaded before the path check"))
-    _one_line_error(runner.invoke(app, args), "exists; pass --force")
+    one_line_error(runner.invoke(app, args), "exists; pass --force")
     out.unlink()  # only the CSV is left: still refused, before work
-    _one_line_error(runner.invoke(app, args), "a.csv exists")
+    one_line_error(runner.invoke(app, args), "a.csv exists")
     assert not out.exists()
     monkeypatch.setattr(heads, "load_model", real)
     r = runner.invoke(app, [*args, "--force", "--json"])
@@ -210,10 +192,10 @@ def test_symlinked_outputs_are_refused(no_load, tmp_path):
     link.symlink_to(target)
     for force in ([], ["--force"]):
         r = runner.invoke(app, ["report", "attention", "--prompt", "a **b**", "--out", str(link), *force])
-        _one_line_error(r, "symlink")
+        one_line_error(r, "symlink")
     folder_link = tmp_path / "reports"
     folder_link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    _one_line_error(runner.invoke(app, ["report", "all", "--out", str(folder_link)]), "symlink")
+    one_line_error(runner.invoke(app, ["report", "all", "--out", str(folder_link)]), "symlink")
     assert target.read_text() == "keep me"
 
 
@@ -221,20 +203,18 @@ def test_eval_and_profile_outputs_checked_before_work(no_load, tmp_path):
     out = tmp_path / "e.csv"
     out.with_suffix(".examples.csv").write_text("old")
     r = runner.invoke(app, ["eval", "--method", "none", "--task", "sentiment", "--out", str(out)])
-    _one_line_error(r, "e.examples.csv exists")
+    one_line_error(r, "e.examples.csv exists")
     prof = tmp_path / "p.json"
     (tmp_path / "p.counterfact.scores.json").write_text("{}")
     r = runner.invoke(app, ["profile", "pasta", "--out", str(prof), "--task", "counterfact"])
-    _one_line_error(r, "p.counterfact.scores.json exists")
+    one_line_error(r, "p.counterfact.scores.json exists")
     (tmp_path / "q.scores.json").write_text("{}")
     r = runner.invoke(app, ["profile", "act", "--out", str(tmp_path / "q.json")])
-    _one_line_error(r, "q.scores.json exists")
+    one_line_error(r, "q.scores.json exists")
     (tmp_path / "rep").mkdir()
     (tmp_path / "rep" / "index.html").write_text("mine")
-    _one_line_error(
-        runner.invoke(app, ["report", "all", "--out", str(tmp_path / "rep")]), "index.html exists"
-    )
-    _one_line_error(
+    one_line_error(runner.invoke(app, ["report", "all", "--out", str(tmp_path / "rep")]), "index.html exists")
+    one_line_error(
         runner.invoke(app, ["demo", "--out", str(tmp_path / "rep" / "index.html")]), "not a folder"
     )
 
@@ -409,7 +389,7 @@ def test_generate_shows_decoding_progress(tiny_llama_dir, monkeypatch):
 def test_eval_refuses_unused_options_and_checks_values_before_loading(no_load, args, message):
     """`headsteer eval` follows `generate`'s rule: an option the method (or the task) does not use
     is refused, and every value is checked before the model loads (`no_load` fails otherwise)."""
-    _one_line_error(runner.invoke(app, ["eval", *args]), message)
+    one_line_error(runner.invoke(app, ["eval", *args]), message)
 
 
 def _boom_in_check_device(monkeypatch, exc):
@@ -422,7 +402,7 @@ def _boom_in_check_device(monkeypatch, exc):
 
 
 def test_bad_option_value_is_one_line_exit_2(no_load):
-    _one_line_error(
+    one_line_error(
         runner.invoke(app, ["generate", "a **b**", "--max-new-tokens", "0"]),
         "--max-new-tokens must be a positive int, got 0",
     )
