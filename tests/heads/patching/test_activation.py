@@ -10,23 +10,9 @@ from heads.scorers.patching.activation import PatchResult, _qkv_modules, _qkv_sl
 from heads.scorers.patching.metrics import get_metric
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
 from tests.support import make_tiny
+from tests.support.patching import PAIRS, state_copy
 
-PAIRS = [
-    PromptPair(
-        "When Mary and John went to the store, John gave a drink to",
-        "When Mary and John went to the store, Mary gave a drink to",
-        " Mary",
-        " John",
-    ),
-    PromptPair(
-        "Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked", " Anna", " Tom"
-    ),
-]
 OPTS = SweepOptions(max_rows=16, progress=False)
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.model.state_dict().items()}
 
 
 @torch.no_grad()
@@ -133,7 +119,7 @@ def _oracle(model, pairs, kind, layer, index, pos, direction="denoising"):
 
 
 def _check(model, pairs, kind, direction="denoising", layers=None, positions=None, **kw):
-    before = _state(model)
+    before = state_copy(model)
     res = patch(
         model, pairs, kind, direction=direction, layers=layers, positions=positions, options=OPTS, **kw
     )

@@ -11,25 +11,11 @@ from heads.inputs.prompts import position_ids
 from heads.scorers.patching import path_patch
 from heads.scorers.patching.activation import _qkv_modules, _qkv_slices
 from heads.scorers.patching.metrics import get_metric
-from heads.scorers.patching.pairs import PromptPair, encode_pairs
+from heads.scorers.patching.pairs import encode_pairs
 from tests.support import make_tiny
+from tests.support.patching import PAIRS, state_copy
 
-PAIRS = [
-    PromptPair(
-        "When Mary and John went to the store, John gave a drink to",
-        "When Mary and John went to the store, Mary gave a drink to",
-        " Mary",
-        " John",
-    ),
-    PromptPair(
-        "Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked", " Anna", " Tom"
-    ),
-]
 OPTS = SweepOptions(max_rows=7, progress=False)
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.model.state_dict().items()}
 
 
 @torch.no_grad()
@@ -140,7 +126,7 @@ def _check(
     direction="noising",
     positions=None,
 ):
-    before = _state(model)
+    before = state_copy(model)
     res = path_patch(
         model,
         pairs,

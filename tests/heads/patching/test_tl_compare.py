@@ -15,6 +15,7 @@ from heads.scorers.patching import encode_pairs, path_patch
 from heads.scorers.patching.activation import patch
 from heads.scorers.patching.pairs import PromptPair
 from tests.support import make_tiny
+from tests.support.patching import state_copy
 
 P = pytest.importorskip("transformer_lens.patching")
 
@@ -48,10 +49,6 @@ def _pair(kind, tokenizer):
     return hf, bridge, pairs
 
 
-def _state(model):
-    return {k: v.clone() for k, v in model.model.state_dict().items()}
-
-
 def _ld(pairs):
     c, w = pairs.answers[:, 0], pairs.counterfactuals[:, 0]
     rows = torch.arange(pairs.n)
@@ -68,7 +65,7 @@ def test_head_out_equals_transformer_lens(tokenizer, kind):
     hf, bridge, pairs = _pair(kind, tokenizer)
     _, clean_cache = bridge.run_with_cache(pairs.clean_ids)
     metric = _ld(pairs)
-    before = _state(hf)
+    before = state_copy(hf)
     ours = patch(hf, pairs, "head_out", options=OPTS)
     assert all(torch.equal(v, before[k]) for k, v in hf.model.state_dict().items())
     tl = P.get_act_patch_attn_head_out_all_pos(
@@ -108,7 +105,7 @@ def test_path_equals_direct_path(tokenizer, kind, components):
     metric = _ld(pairs)
     L, H = hf.n_layers, hf.n_heads
     sender = (0, 1)
-    before = _state(hf)
+    before = state_copy(hf)
     for comp in components:
         tl = P.get_act_patch_direct_path(
             bridge,
