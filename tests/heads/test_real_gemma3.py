@@ -5,9 +5,10 @@ layers (512 keys) between global ones (one in six), a query scale of `query_pre_
 ** -0.5`, per-head RMSNorm on queries and keys before RoPE, two RoPE bases, and no logit
 soft-capping. On the real weights: the recorder is read-only and records the model's own
 eager attention (with a window shortened to 6 keys so that the short prompt crosses it),
-PASTA moves span attention by its closed form and helps on a base-model task, the
-quickstart runs, and Ships scores and ranks heads like a plain KL computed here. The model
-loads once per session (the `gemma3` fixture in tests/conftest.py)."""
+PASTA changes the answer margins of a base-model task, the quickstart runs, and Ships scores
+and ranks heads like a plain KL computed here. The geometry and PASTA's closed form on the
+span share are checked on both real families (tests/heads/test_real_model.py, the `real_model`
+fixture). The model loads once per session (the `gemma3` fixture in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,18 @@ import torch
 from heads import QueryScale, Recorder, editing, encode_prompts, forward, span_attention
 from heads.model.loading import GEMMA3_MODEL
 from steer import Pasta
+from tests.support.real_models import GEMMA3_PROMPT
 
 pytestmark = pytest.mark.real
 
-# A base-model prompt (no chat template): plain text that the answer continues.
-PROMPT = (
-    "Bio: Ann is a nurse in Oslo who loves chess. **Reply in French.** Question: what is her job?\nAnswer:"
-)
+PROMPT = GEMMA3_PROMPT  # a base-model prompt (no chat template): plain text the answer continues
 WINDOW = 6
 
 
 def test_geometry_and_attention_features(gemma3):
     cfg = gemma3.model.config
     assert gemma3.name == GEMMA3_MODEL and cfg.model_type == "gemma3_text"
-    assert (gemma3.n_layers, gemma3.n_heads, gemma3.n_kv_heads, gemma3.d_head) == (18, 4, 1, 256)
+    # (n_layers, n_heads, n_kv_heads, d_head, d_model) = (18, 4, 1, 256, 640): test_real_model.py
     assert {"sliding_window", "qk_norm", "gqa"} <= set(gemma3.family.features)
     assert gemma3.family.qk_norm == "per_head" and gemma3.family.qk_norm_before_rope
     # the features the engine reproduces, read from the real config
@@ -90,30 +89,6 @@ def test_recorder_is_read_only_and_records_the_models_own_attention(gemma3):
             assert beyond > 1e-4, la  # a global layer looks back past the window
         else:
             assert beyond == 0.0, la
-
-
-@torch.no_grad()
-def test_pasta_moves_span_share_by_the_formula(gemma3):
-    """On the lowest steered layer, each head's span share s becomes s / (s + alpha (1 - s))."""
-    alpha = 0.01
-    heads = span_attention(gemma3, PROMPT).top(8)
-    first = min(la for la, _ in heads)
-    hs = heads.by_layer()[first]
-    enc = encode_prompts(gemma3.tokenizer, PROMPT)
-    g = enc.span_mask()[0]
-    base, after = Recorder(layer=first), Recorder(layer=first)
-    with editing(gemma3, [base]):
-        forward(gemma3, enc)
-    with editing(gemma3, Pasta(heads, alpha=alpha).edits(gemma3, enc) + [after]):
-        forward(gemma3, enc)
-    s = base.records[0][0, hs][..., g].sum(-1)  # [heads, T]
-    s_new = after.records[0][0, hs][..., g].sum(-1)
-    rows = g.cumsum(0).bool()  # rows that can see the span
-    want = s / (s + alpha * (1 - s))
-    torch.testing.assert_close(s_new[:, rows], want[:, rows], atol=1e-5, rtol=0)
-    assert torch.all(s_new[:, -1] > s[:, -1])
-    others = [h for h in range(gemma3.n_heads) if h not in hs]
-    assert torch.equal(base.records[0][:, others], after.records[0][:, others])
 
 
 @torch.no_grad()

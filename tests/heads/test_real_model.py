@@ -1,43 +1,58 @@
-"""Real effects on the embedded SmolLM2-135M-Instruct (30 layers x 9 heads, 3 KV heads)."""
+"""Real effects on the embedded SmolLM2-135M-Instruct (30 layers x 9 heads, 3 KV heads), and
+the checks both real families share (the `real_model` fixture: SmolLM2, then the base
+Gemma-3-270m of tests/heads/test_real_gemma3.py; specs in tests/support/real_models.py)."""
 
 import pytest
 import torch
 
 from heads import EMBEDDED_MODEL, Recorder, cache_dir, editing, encode_prompts, forward, span_attention
 from steer import Pasta
+from tests.support.real_models import SPECS
 from viz.cli.demo import DEMO_PROMPT
 from viz.cli.jobs import compare
 
 pytestmark = pytest.mark.real
 
 
+# ------------------------------------------------------------------- both real families
+def test_geometry(real_model):
+    spec = SPECS[real_model.name]
+    hm = real_model
+    assert (hm.n_layers, hm.n_heads, hm.n_kv_heads, hm.d_head, hm.d_model) == spec.geometry
+
+
+@torch.no_grad()
+def test_pasta_moves_span_share_by_the_formula(real_model):
+    """On the lowest steered layer, each head's span share s becomes s / (s + alpha (1 - s))
+    exactly, on every row that can see the span (prefill); the last row's share rises; the
+    layer's other heads are bitwise unchanged."""
+    hm, spec = real_model, SPECS[real_model.name]
+    alpha = 0.01
+    heads = span_attention(hm, spec.prompt).top(spec.top_k)
+    first = min(la for la, _ in heads)
+    hs = heads.by_layer()[first]
+    enc = encode_prompts(hm.tokenizer, spec.prompt)
+    g = enc.span_mask()[0]
+    base, after = Recorder(layer=first), Recorder(layer=first)
+    with editing(hm, [base]):
+        forward(hm, enc)
+    with editing(hm, Pasta(heads, alpha=alpha).edits(hm, enc) + [after]):
+        forward(hm, enc)
+    s = base.records[0][0, hs][..., g].sum(-1)  # [heads, T]
+    s_new = after.records[0][0, hs][..., g].sum(-1)
+    rows = g.cumsum(0).bool()  # rows that can see the span
+    want = s / (s + alpha * (1 - s))
+    torch.testing.assert_close(s_new[:, rows], want[:, rows], atol=1e-5, rtol=0)
+    assert torch.all(s_new[:, -1] > s[:, -1])
+    others = [h for h in range(hm.n_heads) if h not in hs]
+    assert torch.equal(base.records[0][:, others], after.records[0][:, others])
+
+
+# ------------------------------------------------------------------- the embedded model
 def test_embedded_geometry_and_cache(smol):
-    assert (smol.n_layers, smol.n_heads, smol.n_kv_heads, smol.d_head, smol.d_model) == (30, 9, 3, 64, 576)
     assert smol.name == EMBEDDED_MODEL
     assert smol.model.config._attn_implementation == "sdpa"
     assert any(p.name == "model.safetensors" for p in cache_dir().rglob("model.safetensors"))
-
-
-def test_pasta_raises_span_share_by_the_formula(smol):
-    """On the lowest steered layer, span share s -> s / (s + alpha (1 - s)) exactly (prefill, last row)."""
-    alpha = 0.01
-    heads = span_attention(smol, DEMO_PROMPT).top(20)
-    first = min(la for la, _ in heads)
-    hs = heads.by_layer()[first]
-    enc = encode_prompts(smol.tokenizer, DEMO_PROMPT)
-    g = enc.span_mask()[0]
-    base, after = Recorder(layer=first), Recorder(layer=first)
-    with editing(smol, [base]):
-        forward(smol, enc)
-    with editing(smol, Pasta(heads, alpha=alpha).edits(smol, enc) + [after]):
-        forward(smol, enc)
-    s = base.records[0][0, hs, -1][:, g].sum(-1)
-    s_new = after.records[0][0, hs, -1][:, g].sum(-1)
-    want = s / (s + alpha * (1 - s))
-    torch.testing.assert_close(s_new, want, atol=1e-5, rtol=0)
-    assert torch.all(s_new > s)
-    others = [h for h in range(smol.n_heads) if h not in hs]
-    assert torch.equal(base.records[0][:, others], after.records[0][:, others])
 
 
 def test_span_share_rises_in_every_steered_head(smol):
