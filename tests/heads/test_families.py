@@ -20,21 +20,14 @@ from heads import HeadModel, LogitBias, QueryScale, Recorder, editing
 from heads.model.families import family_of, supported_model_types
 from tests.support.families import (
     CASES,
-    N_VOCAB,
     TINY,
     _tiny_config,
+    family_inputs,
+    shared_family_model,
     tiny_family_model,
 )
 
-
-def _inputs(seq: int = 12, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows of random text tokens (no image / special ids); row 1 left-padded by `pad`."""
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(10, N_VOCAB, (2, seq), generator=g)
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, :pad] = 0
-    ids[1, :pad] = 0
-    return ids, mask
+_inputs = family_inputs  # the same two rows as the family matrix (tests/support/families.py)
 
 
 @torch.no_grad()
@@ -57,7 +50,7 @@ def _visible(hm: HeadModel, layer: int, mask: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module", params=CASES, ids=[f"{k}-{a}" for k, a in CASES])
 def case(request) -> HeadModel:
     kind, attn = request.param
-    return tiny_family_model(kind, attn)
+    return shared_family_model(kind, attn)  # built once, shared with the family matrix
 
 
 def test_recorder_on_every_layer_leaves_logits_unchanged(case):
@@ -113,7 +106,7 @@ class _ColumnBias(LogitBias):
 def test_cached_generation_equals_uncached_under_edits(kind):
     """KV cache on and off, left-padded batch: the same greedy tokens under logit, query and
     pattern edits (windows longer than the run, so the cache keeps absolute positions)."""
-    hm = tiny_family_model(kind, "eager", sliding_window=64)
+    hm = shared_family_model(kind, "eager", long=True)  # windows of 64 keys (the matrix's model)
     ids, mask = _inputs(seq=8, pad=2)
     edits = lambda: [  # noqa: E731
         _ColumnBias(layer=0, heads=[0, 3]),
@@ -145,7 +138,7 @@ def test_cached_generation_equals_uncached_under_edits(kind):
 def test_weight_views_reproduce_the_projections():
     """W_Q / W_K / W_V / W_O read from separate, fused-Linear (Phi-3) and Conv1D (GPT-2) weights."""
     for kind in ("phi3", "gpt2", "olmo2", "llava"):
-        hm = tiny_family_model(kind)
+        hm = shared_family_model(kind)
         fam = hm.family
         x = torch.randn(5, hm.d_model)
         attn = hm.attentions[0]
@@ -171,7 +164,7 @@ def test_weight_views_reproduce_the_projections():
 # ----------------------------------------------------------------- the issue's examples
 def test_gemma2_softcap_recorder_is_read_only():
     """Issue 16: a Recorder on layer 1 of Gemma 2 (cap 2.0, eager) changed the logits by 0.087."""
-    hm = tiny_family_model("gemma2", "eager")
+    hm = shared_family_model("gemma2", "eager")
     assert hm.family.softcap == "attn_logit_softcapping" and hm.model.config.attn_logit_softcapping == 2.0
     ids, mask = _inputs()
     plain = _logits(hm, ids, mask)
@@ -212,7 +205,7 @@ def test_qk_norm_ua_acts_after_the_norm(kind):
 
 def test_phi3_fused_qkv_loads_and_edits():
     """Issue 16: Phi-3 failed with `'Phi3Attention' object has no attribute 'q_proj'`."""
-    hm = tiny_family_model("phi3", "sdpa")
+    hm = shared_family_model("phi3", "sdpa")
     assert hm.family.fused_qkv and (hm.n_heads, hm.n_kv_heads) == (4, 2)
     assert hm.q_projs[0] is hm.attentions[0].qkv_proj
     ids, mask = _inputs()
@@ -243,7 +236,7 @@ def test_scaling_and_causality_flags_are_reproduced(kind, flags, attn):
         got = _logits(hm, ids, mask)
     real = mask.bool()
     assert (got[real] - plain[real]).abs().max().item() <= 1e-5
-    reference = tiny_family_model(kind, attn)  # the flags change the plain model itself
+    reference = shared_family_model(kind, attn)  # the flags change the plain model itself
     assert (_logits(reference, ids, mask) - plain)[real].abs().max().item() > 1e-5
 
 
@@ -272,7 +265,7 @@ def test_refused_config_feature_names_the_flag():
 def test_unreproduced_attention_kwarg_raises_never_dropped():
     from transformers import AttentionInterface
 
-    hm = tiny_family_model("llama", "sdpa")
+    hm = shared_family_model("llama", "sdpa")
     fn = AttentionInterface()["headsteer_sdpa"]
     q = torch.randn(1, 4, 3, 16)
     k = v = torch.randn(1, 2, 3, 16)
@@ -286,7 +279,7 @@ def test_unreproduced_attention_kwarg_raises_never_dropped():
 
 
 def test_vlm_resolves_to_its_text_family():
-    hm = tiny_family_model("llava")
+    hm = shared_family_model("llava")
     assert (hm.family.model_type, hm.family.vlm, hm.family.decoder) == (
         "llama",
         "llava",

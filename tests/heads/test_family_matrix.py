@@ -30,7 +30,14 @@ from heads import HeadModel, ProbEdit, QueryScale, Recorder, editing
 from heads.model.families import FAMILIES, FEATURES, REFUSED, family_of
 from heads.model.support import NOT_APPLICABLE, causal_lm_types, status_of, support_rows
 from steer.pasta.method import PastaBias
-from tests.support.families import N_VOCAB, SDPA_REFUSES, _tiny_config, tiny_family_model
+from tests.support.families import (
+    N_VOCAB,
+    SDPA_REFUSES,
+    _tiny_config,
+    family_inputs,
+    shared_family_model,
+    tiny_family_model,
+)
 from tests.support.oracle import pasta_eq2
 
 EXACT = sorted(k for k, f in FAMILIES.items() if f.text_config is None and k in set(causal_lm_types()))
@@ -38,22 +45,18 @@ ALPHA = 0.05
 SPAN = (4, 8)  # the emphasised key columns of the tests' prompts
 
 
+# The family's tiny model, built once per session and kernel and shared with test_families.py
+# (`long`: windows and chunks of 64 keys, so that a KV cache keeps absolute positions).
+_model = shared_family_model
+_inputs = family_inputs
+
+
 @cache
-def _model(kind: str, attn: str = "eager", long: bool = False) -> HeadModel:
-    """The family's tiny model, built once per kernel; `long`: windows and chunks of 64 keys, so
-    that a KV cache keeps absolute positions over a short generation."""
-    if long:
-        return tiny_family_model(kind, attn, sliding_window=64, attention_chunk_size=64)
-    return tiny_family_model(kind, attn)
-
-
-def _inputs(seq: int = 12, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(10, N_VOCAB, (2, seq), generator=g)
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, :pad] = 0
-    ids[1, :pad] = 0
-    return ids, mask
+def _plain(kind: str, attn: str = "eager") -> torch.Tensor:
+    """The unedited logits of `_model(kind, attn)` on `_inputs()`, computed once (the tests only
+    read them)."""
+    ids, mask = _inputs()
+    return _logits(_model(kind, attn), ids, mask)
 
 
 @torch.no_grad()
@@ -143,7 +146,7 @@ def test_recorder_on_every_layer_is_read_only(kind):
         if attn == "sdpa" and kind in SDPA_REFUSES:
             continue
         hm = _model(kind, attn)
-        plain = _logits(hm, ids, mask)
+        plain = _plain(kind, attn)
         with editing(hm, [Recorder(layer=la) for la in range(hm.n_layers)]):
             got = _logits(hm, ids, mask)
         assert (got[real] - plain[real]).abs().max().item() <= 1e-5, attn
@@ -161,7 +164,7 @@ def test_pasta_on_one_head_matches_the_closed_form(kind):
     with editing(hm, [oracle]):
         want = _logits(hm, ids, mask)
     assert (steered[real] - want[real]).abs().max().item() <= 1e-5
-    assert (steered[real] - _logits(hm, ids, mask)[real]).abs().max().item() > 1e-6  # it acts
+    assert (steered[real] - _plain(kind)[real]).abs().max().item() > 1e-6  # it acts
 
 
 @pytest.mark.parametrize("kind", EXACT)
@@ -236,7 +239,7 @@ def test_left_padded_batch_equals_single_runs_under_edits(kind):
 # ------------------------------------------------------------------------------ features
 def test_learned_sinks_in_both_kernels():
     """gpt-oss: PASTA on the fused kernel equals the blocked kernel and the oracle (the sink column)."""
-    hm = _model("gpt_oss")
+    hm = tiny_family_model("gpt_oss")  # its own: the sinks are changed below
     assert "learned_sinks" in hm.family.features
     with torch.no_grad():
         for attn in hm.attentions:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from heads import HeadModel
@@ -213,3 +215,24 @@ def tiny_family_model(kind: str, attn: str = "eager", seed: int = 0, **overrides
     auto = AutoModelForImageTextToText if hasattr(cfg, "text_config") else AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=torch.float32, attn_implementation=attn).eval()
     return HeadModel(model, None, name=f"tiny-{kind}")
+
+
+@cache
+def shared_family_model(kind: str, attn: str = "eager", long: bool = False) -> HeadModel:
+    """`tiny_family_model(kind, attn)` built once per session, shared by tests/heads/test_families.py
+    and tests/heads/test_family_matrix.py (read-only users: a test that changes weights builds
+    its own). `long`: windows and chunks of 64 keys, so that a KV cache keeps absolute positions
+    over a short generation."""
+    if long:
+        return tiny_family_model(kind, attn, sliding_window=64, attention_chunk_size=64)
+    return tiny_family_model(kind, attn)
+
+
+def family_inputs(seq: int = 12, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of random text tokens (no image / special ids); row 1 left-padded by `pad`."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(10, N_VOCAB, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, mask
