@@ -73,8 +73,8 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     from heads import load_model
-    from heads.scorers.attention_mass import head_pattern
     from heads.inputs.prompts import encode_prompts
+    from heads.scorers.attention_mass import head_pattern
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer import create_explorer
@@ -100,7 +100,9 @@ def main() -> None:
                 ".reduce((a, e) => a + e.transferSize, 0)) / 1024"
             )
             page.fill("#prompt", prompt)  # the input event: the page prepares the prompt
-            page.wait_for_function("(p) => window.__explorer.preparedPrompt === p", arg=prompt, timeout=600_000)
+            page.wait_for_function(
+                "(p) => window.__explorer.preparedPrompt === p", arg=prompt, timeout=600_000
+            )
             times = []
             for i in range(args.clicks):
                 layer, head = (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads

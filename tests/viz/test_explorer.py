@@ -130,7 +130,9 @@ def test_patterns_are_recorded_once_per_tab_and_prompt(model, monkeypatch):
     tab = "tab-aaaa-0001"
     assert client.post("/api/prepare", json={"prompt": PROMPT, "tab": tab}).json()["cached"] is True
     for layer, head in ((0, 0), (1, 2), (model.n_layers - 1, model.n_heads - 1)):
-        d = client.post("/api/pattern", json={"prompt": PROMPT, "layer": layer, "head": head, "tab": tab}).json()
+        d = client.post(
+            "/api/pattern", json={"prompt": PROMPT, "layer": layer, "head": head, "tab": tab}
+        ).json()
         want = head_pattern(model, PROMPT, layer, head)[0]
         assert d["cached"] is True
         torch.testing.assert_close(torch.tensor(d["probs"]), want.float(), atol=3e-4, rtol=0)

@@ -116,7 +116,8 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     assert page.locator("#grid .heatmaplayer").count() == 1  # the overview grid is drawn
     assert page.locator("#error").inner_text() == ""
     page.locator("#overview").screenshot(path=str(shots / "overview.png"))
-    assert page.evaluate("window.__explorer.preparedPrompt") == page.input_value("#prompt")  # recorded at load
+    prepared = page.evaluate("window.__explorer.preparedPrompt")
+    assert prepared == page.input_value("#prompt")  # every head's pattern recorded at load
     click_cell(page, "grid", 1, 2, model.n_layers, model.n_heads)
     page.wait_for_selector("#pattern[data-head='1,2']", timeout=20_000)
     assert page.evaluate("performance.getEntriesByName('click-to-pattern').length") == 1
@@ -188,7 +189,7 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=30_000)
     a.wait_for_function("state.jobs.size === 0")
     done = [a.locator(f"#{o}").get_attribute("data-done") for o in ("out-plain", "out-steered")]
-    assert done != ["1", "1"]  # the stream that was cancelled (plain, or steered if plain had ended) is not done
+    assert done != ["1", "1"]  # the cancelled stream (plain, or steered if plain had ended) is not done
     a.fill("#max-new", "2")
     a.click("#btn-generate")
     a.wait_for_selector("#out-steered[data-done='1']", timeout=30_000)
@@ -206,7 +207,8 @@ def test_patching_view_clicks_through(browser, url, model, shots):
     page.wait_for_selector("#patch-pos[data-done='1']", timeout=60_000)
     assert "log_prob" in page.locator("#patch-info").inner_text()
     pos = page.evaluate("document.getElementById('patch-pos').data[0]")
-    assert len(pos["z"]) == model.n_layers and len(pos["x"]) == len(pos["z"][0]) and "cat" in " ".join(pos["x"])
+    assert len(pos["z"]) == model.n_layers and len(pos["x"]) == len(pos["z"][0])
+    assert "cat" in " ".join(pos["x"])
     page.locator("#patching").screenshot(path=str(shots / "patching.png"))
     # the score picker offers the patching map: the overview grid is coloured by it
     page.select_option("#score", "patching")

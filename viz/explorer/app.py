@@ -445,7 +445,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
 
     def tab_of(body: dict) -> str:
         tab = body.get("tab", "")
-        if tab != "" and (not isinstance(tab, str) or not _JOB_ID.fullmatch(tab)):
+        if not isinstance(tab, str) or (tab != "" and not _JOB_ID.fullmatch(tab)):
             raise HeadsteerValueError("tab must be 8-64 characters of letters, digits, '_' or '-'")
         return tab
 
@@ -547,7 +547,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
 
         return job_stream(job, work)
 
-    def span_share_by_layer(prompt: str, steer: list) -> dict[str, list[float]]:
+    def span_share_by_layer(prompt: str, steer: list) -> dict[str, list[float | None]]:
         """The last position's attention share on the span per layer (mean over heads), without
         and with `steer`: `span_attention(...).scores.mean(1)`, `[L]` each."""
         before = span_attention(model, prompt).scores.mean(1)

@@ -17,6 +17,7 @@ from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
 from heads.inputs.prompts import encode_prompts
 from heads.inputs.tokens import readable_tokens
+from heads.model.adapter import HeadModel
 
 __all__ = ["PATTERN_CACHE_BYTES", "PatternCache", "Patterns", "all_patterns"]
 
@@ -49,7 +50,7 @@ def pattern_bytes(n_layers: int, n_heads: int, n_tokens: int) -> int:
     return 2 * n_layers * n_heads * n_tokens * n_tokens
 
 
-def all_patterns(model, prompt: str) -> Patterns:
+def all_patterns(model: HeadModel, prompt: str) -> Patterns:
     """Every layer's `[H, T, T]` pattern of `prompt` from one forward (the model's own attention:
     the recorders only read). Raises what `encode_prompts` raises on a bad prompt."""
     enc = encode_prompts(model.tokenizer, prompt)
