@@ -4,7 +4,8 @@ Figures (one JSON line):
 * `click_to_pattern_ms`: a mouse click on a grid cell (the click event's `timeStamp`) to the
   head's `[T, T]` pattern drawn (`Plotly.react` resolved; `performance.now()`, also recorded as
   the `click-to-pattern` performance measure), for a 256-token prompt; the median of `--clicks`
-  clicks on different heads, the first click included (`click_to_pattern_all_ms` lists all).
+  clicks on different heads, the first click included (`click_to_pattern_all_ms` lists all);
+  `click_to_data_ms` the part up to the pattern's JSON parsed (the rest is Plotly drawing).
   What is warm: the page is loaded and its grid drawn, and the page's own `/api/prepare` for
   the prompt (sent 0.5 s after the prompt stops changing: one forward recording every head's
   pattern for this tab) has returned, as it has for a user who clicks a head after typing.
@@ -103,12 +104,13 @@ def main() -> None:
             page.wait_for_function(
                 "(p) => window.__explorer.preparedPrompt === p", arg=prompt, timeout=600_000
             )
-            times = []
+            times, fetched = [], []
             for i in range(args.clicks):
                 layer, head = (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads
                 click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
                 page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=120_000)
                 times.append(page.evaluate("window.__explorer.lastPatternMs"))
+                fetched.append(page.evaluate("window.__explorer.lastPatternFetchMs"))
                 page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
             page.fill("#prompt", DEMO)
             page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)  # the clicked heads out
@@ -149,6 +151,7 @@ def main() -> None:
         "prompt_tokens": n_tokens,
         "click_to_pattern_ms": round(statistics.median(times), 1),
         "click_to_pattern_all_ms": [round(t, 1) for t in times],
+        "click_to_data_ms": round(statistics.median(fetched), 1),
         "pattern_forward_ms": round(statistics.median(forward_ms), 1),
         "click_vs_forward": round(statistics.median(times) / statistics.median(forward_ms), 3),
         "first_token_ms_page": round(statistics.median(web), 1),

@@ -121,11 +121,11 @@ def test_pattern_of_a_head(client, model):
 def test_patterns_are_recorded_once_per_tab_and_prompt(model, monkeypatch):
     """One forward records every head (each equal to `head_pattern`); later clicks only read;
     another tab or prompt gets its own entry; a prompt over the budget falls back to one head."""
-    from viz.explorer import app as app_mod
+    from viz.explorer import patterns as patterns_mod
 
     calls = []
-    real = app_mod.all_patterns
-    monkeypatch.setattr(app_mod, "all_patterns", lambda m, p: calls.append(p) or real(m, p))
+    real = patterns_mod.all_patterns
+    monkeypatch.setattr(patterns_mod, "all_patterns", lambda m, p: calls.append(p) or real(m, p))
     client = TestClient(create_explorer(model))
     tab = "tab-aaaa-0001"
     assert client.post("/api/prepare", json={"prompt": PROMPT, "tab": tab}).json()["cached"] is True

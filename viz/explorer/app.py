@@ -61,7 +61,6 @@ from typing import Any
 
 from heads._util.validation import check_int, check_number
 from heads.errors import HeadsteerValueError
-from viz.explorer.patterns import PATTERN_CACHE_BYTES, PatternCache, Patterns, all_patterns, pattern_bytes
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -69,6 +68,7 @@ __all__ = [
     "MAX_JOBS",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS",
+    "PATTERN_CACHE_BYTES",
     "SCORES",
     "Jobs",
     "create_explorer",
@@ -87,6 +87,8 @@ MAX_ANSWER_CHARS = 64
 """Longest answer / counterfactual string of a patching pair (characters)."""
 MAX_JOBS = 16
 """Most jobs (generations, score and patching sweeps) running or waiting at once."""
+PATTERN_CACHE_BYTES = 512 * 2**20
+"""Default byte budget of the per-tab pattern cache (`viz.explorer.patterns.PatternCache`)."""
 SCORES = ("span", "sinks", "atlas")
 """Score choices of the overview grid."""
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
@@ -238,6 +240,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     from heads.scorers.sinks import sink_stats
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
+    from viz.explorer.patterns import PatternCache, Patterns, all_patterns, pattern_bytes
 
     if atlas is not None and len(atlas.frame) != model.n_layers * model.n_heads:
         raise HeadsteerValueError(
@@ -479,7 +482,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         else:
             probs, tokens, spans = got.probs[layer, head], got.tokens, got.spans
         probs = (probs.float() * 1e4).round() / 1e4  # 4 decimals: a smaller, faster response
-        return {
+        body = {
             "layer": layer,
             "head": head,
             "probs": probs.tolist(),
@@ -487,6 +490,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             "spans": [list(s) for s in spans],
             "cached": got is not None,
         }
+        return JSONResponse(body)  # plain json.dumps: FastAPI's per-value encoder is slow on [T, T]
 
     def head_card(body: dict):
         prompt, layer, head = check_head(body)

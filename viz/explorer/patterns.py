@@ -19,10 +19,7 @@ from heads.inputs.prompts import encode_prompts
 from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
 
-__all__ = ["PATTERN_CACHE_BYTES", "PatternCache", "Patterns", "all_patterns"]
-
-PATTERN_CACHE_BYTES = 512 * 2**20
-"""Default byte budget of a `PatternCache` (fp16 patterns of every cached prompt together)."""
+__all__ = ["PatternCache", "Patterns", "all_patterns", "pattern_bytes"]
 
 
 @dataclass(frozen=True)
@@ -67,12 +64,13 @@ def all_patterns(model: HeadModel, prompt: str) -> Patterns:
 
 
 class PatternCache:
-    """`Patterns` per (tab, prompt), least recently used dropped once over `budget` bytes.
+    """`Patterns` per (tab, prompt), least recently used dropped once over `budget` bytes
+    (the explorer's default: `viz.explorer.app.PATTERN_CACHE_BYTES`).
 
     Thread-safe. A prompt whose patterns alone exceed the budget is not cached (`fits` is
     False for it: the caller computes the one head it needs instead)."""
 
-    def __init__(self, budget: int = PATTERN_CACHE_BYTES):
+    def __init__(self, budget: int):
         self.budget = budget
         self._items: OrderedDict[tuple[str, str], Patterns] = OrderedDict()
         self._lock = threading.Lock()
