@@ -1,7 +1,8 @@
 """The head explorer: a FastAPI app serving one page and a small JSON / server-sent-event API.
 
-Endpoints (every request carries its own prompt and heads; the server keeps no per-user
-state, so two browser tabs never see each other's choices):
+Endpoints (every request carries its own prompt and heads, so two browser tabs never see
+each other's choices; the one per-tab thing kept is the pattern cache, keyed by the tab's
+random id and the prompt):
 
 - `GET /` the page; `GET /plotly.min.js` Plotly from the installed `plotly` package.
 - `GET /api/info` model shape `n_layers, n_heads, n_kv_heads`, limits, score choices, the
