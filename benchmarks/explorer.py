@@ -1,20 +1,31 @@
 """The head explorer in headless Chromium (Playwright) on the embedded model, CPU.
 
 Figures (one JSON line):
-* `click_to_pattern_ms`: a mouse click on a grid cell to the head's `[T, T]` pattern drawn
-  (`Plotly.react` resolved), measured in the page with `performance.now()`, for a 256-token
-  prompt; the median of `--clicks` clicks on different heads (`click_to_pattern_all_ms` lists all).
+* `click_to_pattern_ms`: a mouse click on a grid cell (the click event's `timeStamp`) to the
+  head's `[T, T]` pattern drawn (`Plotly.react` resolved; `performance.now()`, also recorded as
+  the `click-to-pattern` performance measure), for a 256-token prompt; the median of `--clicks`
+  clicks on different heads, the first click included (`click_to_pattern_all_ms` lists all);
+  `click_to_data_ms` the part up to the pattern's JSON parsed (the rest is Plotly drawing).
+  What is warm: the page is loaded and its grid drawn, and the page's own `/api/prepare` for
+  the prompt (sent 0.5 s after the prompt stops changing: one forward recording every head's
+  pattern for this tab) has returned, as it has for a user who clicks a head after typing.
+  No click on that prompt has been made before the first timed one.
+* `pattern_forward_ms`: the baseline in the same run, `head_pattern` (one forward for one head,
+  what each click cost before the cache) timed in Python on the same prompt, median of
+  `--clicks`; `click_vs_forward` = `click_to_pattern_ms / pattern_forward_ms`.
 * `first_token_ratio`: time to the first streamed token of a steered generation in the page
   (request sent to the first `text` event, browser clock) over the time to the first token of
   `SteeredModel.generate` itself (call to the streamer's first text) with the same prompt, heads
   and alpha; medians of `--runs` runs each.
-* `page_kb`: bytes the page loads (HTML + plotly.min.js) / 1024.
+* `page_kb`: bytes the page loads (HTML + plotly.min.js, decoded) / 1024; `page_kb_transferred`
+  the bytes on the wire (browser resource timing `transferSize`: plotly is sent gzipped).
 
 Usage: `nice python benchmarks/explorer.py [--screenshot docs/img/explorer.png]` (about a minute).
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -64,6 +75,7 @@ def main() -> None:
 
     from heads import load_model
     from heads.inputs.prompts import encode_prompts
+    from heads.scorers.attention_mass import head_pattern
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer import create_explorer
@@ -83,16 +95,22 @@ def main() -> None:
             page.goto(url)
             page.wait_for_selector("body[data-ready='1']", timeout=120_000)
             page_kb = sum(sizes) / 1024
-            page.fill("#prompt", prompt)
-            page.click("#btn-score")
-            page.wait_for_function("state.jobs.size === 0", timeout=120_000)
-            times = []
-            for i in range(args.clicks + 1):
+            wire_kb = page.evaluate(
+                "(performance.getEntriesByType('navigation')[0].transferSize + performance"
+                ".getEntriesByType('resource').filter((e) => e.name.endsWith('.js'))"
+                ".reduce((a, e) => a + e.transferSize, 0)) / 1024"
+            )
+            page.fill("#prompt", prompt)  # the input event: the page prepares the prompt
+            page.wait_for_function(
+                "(p) => window.__explorer.preparedPrompt === p", arg=prompt, timeout=600_000
+            )
+            times, fetched = [], []
+            for i in range(args.clicks):
                 layer, head = (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads
                 click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
                 page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=120_000)
-                if i:  # the first click warms up
-                    times.append(page.evaluate("window.__explorer.lastPatternMs"))
+                times.append(page.evaluate("window.__explorer.lastPatternMs"))
+                fetched.append(page.evaluate("window.__explorer.lastPatternFetchMs"))
                 page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
             page.fill("#prompt", DEMO)
             page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)  # the clicked heads out
@@ -102,18 +120,28 @@ def main() -> None:
                 page.click("#btn-generate")
                 page.wait_for_selector("#out-steered[data-done='1']", timeout=120_000)
                 web.append(page.evaluate("window.__explorer.firstTokenMs"))
-            if args.screenshot:
+            if args.screenshot:  # the demo prompt: a head's pattern and card, a steered run
+                layer, head = shipped[0] if shipped else (0, 0)
+                click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
+                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
                 page.fill("#max-new", "24")
                 page.click("#btn-shipped")
                 page.click("#btn-generate")
+                page.wait_for_selector("#span-share[data-done='1']", timeout=300_000)
                 page.wait_for_selector("#out-steered[data-done='1']", timeout=300_000)
                 page.screenshot(path=args.screenshot, full_page=True)
+                print(f"wrote {args.screenshot}", file=sys.stderr)
             browser.close()
     finally:
         stop()
     by_layer: dict[int, list[int]] = {}
     for la, h in shipped:
         by_layer.setdefault(la, []).append(h)
+    forward_ms = []
+    for i in range(args.clicks):
+        t0 = time.perf_counter()
+        head_pattern(model, prompt, (3 + 5 * i) % model.n_layers, (1 + 2 * i) % model.n_heads)
+        forward_ms.append((time.perf_counter() - t0) * 1000)
     sm = SteeredModel(model)
     steer = [Pasta(heads=by_layer, alpha=0.01)]
     sdk = [sdk_first_token(sm, DEMO, steer, 4) for _ in range(args.runs)]
@@ -123,10 +151,15 @@ def main() -> None:
         "prompt_tokens": n_tokens,
         "click_to_pattern_ms": round(statistics.median(times), 1),
         "click_to_pattern_all_ms": [round(t, 1) for t in times],
+        "click_to_data_ms": round(statistics.median(fetched), 1),
+        "pattern_forward_ms": round(statistics.median(forward_ms), 1),
+        "click_vs_forward": round(statistics.median(times) / statistics.median(forward_ms), 3),
         "first_token_ms_page": round(statistics.median(web), 1),
         "first_token_ms_sdk": round(statistics.median(sdk), 1),
         "first_token_ratio": round(statistics.median(web) / statistics.median(sdk), 3),
         "page_kb": round(page_kb, 1),
+        "page_kb_transferred": round(wire_kb, 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(out))
 

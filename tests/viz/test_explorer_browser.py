@@ -116,8 +116,11 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     assert page.locator("#grid .heatmaplayer").count() == 1  # the overview grid is drawn
     assert page.locator("#error").inner_text() == ""
     page.locator("#overview").screenshot(path=str(shots / "overview.png"))
+    # every head's pattern recorded for the page's prompt at load
+    page.wait_for_function("window.__explorer.preparedPrompt === document.getElementById('prompt').value")
     click_cell(page, "grid", 1, 2, model.n_layers, model.n_heads)
     page.wait_for_selector("#pattern[data-head='1,2']", timeout=20_000)
+    assert page.evaluate("performance.getEntriesByName('click-to-pattern').length") == 1
     _, tokens, _ = head_pattern(model, PROMPT, 1, 2)
     ticks = page.locator("#pattern .xtick text").all_text_contents()
     assert ticks and all(t.split(":", 1)[0].isdigit() for t in ticks) and len(ticks) <= len(tokens)
@@ -134,11 +137,26 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     page.click("#btn-score")
     page.wait_for_function("document.getElementById('error').textContent === '' && state.jobs.size === 0")
     assert page.locator("#grid .heatmaplayer").count() == 1
+    # a prompt over the limit: one line on a click, then the next click works
+    page.fill("#prompt", "x" * 4001)
+    click_cell(page, "grid", 0, 0, model.n_layers, model.n_heads)
+    page.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "limit" in page.locator("#error").inner_text() and "\n" not in page.locator("#error").inner_text()
+    # markup in the prompt is drawn as text in the pattern's labels, never as page elements
+    page.fill("#prompt", "**a** <b>x</b><img src=y onerror=alert(1)>")
+    click_cell(page, "grid", 0, 1, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='0,1']", timeout=20_000)
+    assert page.locator("#error").inner_text() == ""
+    assert page.locator("#pattern img, #pattern b").count() == 0
+    labels = page.evaluate("document.getElementById('pattern').data[0].x.join(' ')")
+    assert "&lt;" in labels and "<" not in labels  # escaped for Plotly, which decodes entities
     assert not [e for e in errors if "400" not in e], errors  # only the refused request's own log line
 
 
 def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     """Two tabs generate at the same time with different heads; each gets its own answer."""
+    from heads.scorers.attention_mass import span_attention
+
     n = 6
     all_heads = [[la, h] for la in range(model.n_layers) for h in range(model.n_heads)]
     one_layer = [[0, h] for h in range(model.n_heads)]
@@ -157,6 +175,12 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     assert got_b.strip() == expected_text(model, PROMPT, one_layer, 0.5, n).strip()
     assert got_a != got_b
     assert a.locator("#heads").inner_text() != b.locator("#heads").inner_text()
+    # the span share per layer, unsteered and steered, drawn after the run
+    a.wait_for_selector("#span-share[data-done='1']", timeout=30_000)
+    drawn = a.evaluate("document.getElementById('span-share').data.map((t) => t.y)")
+    want_before = span_attention(model, PROMPT).scores.mean(1).tolist()
+    assert len(drawn) == 2 and drawn[0] == pytest.approx(want_before, abs=1e-4)
+    assert all(s > u for u, s in zip(*drawn, strict=True))  # PASTA on every head raises the span share
     a.locator("#steering").screenshot(path=str(shots / "steering.png"))
     # cancel: a long generation stops, the page says so, and the next one works
     a.fill("#max-new", "250")
@@ -165,7 +189,8 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     a.click("#btn-cancel")
     a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=30_000)
     a.wait_for_function("state.jobs.size === 0")
-    assert a.locator("#out-plain").get_attribute("data-done") is None
+    done = [a.locator(f"#{o}").get_attribute("data-done") for o in ("out-plain", "out-steered")]
+    assert done != ["1", "1"]  # the cancelled stream (plain, or steered if plain had ended) is not done
     a.fill("#max-new", "2")
     a.click("#btn-generate")
     a.wait_for_selector("#out-steered[data-done='1']", timeout=30_000)
@@ -180,9 +205,17 @@ def test_patching_view_clicks_through(browser, url, model, shots):
     page.fill("#answer", " and")
     page.fill("#counterfactual", "")
     page.click("#btn-patch")
-    page.wait_for_selector("#patch-grid[data-done='1']", timeout=60_000)
+    page.wait_for_selector("#patch-pos[data-done='1']", timeout=60_000)
     assert "log_prob" in page.locator("#patch-info").inner_text()
+    pos = page.evaluate("document.getElementById('patch-pos').data[0]")
+    assert len(pos["z"]) == model.n_layers and len(pos["x"]) == len(pos["z"][0])
+    assert "cat" in " ".join(pos["x"])
     page.locator("#patching").screenshot(path=str(shots / "patching.png"))
+    # the score picker offers the patching map: the overview grid is coloured by it
+    page.select_option("#score", "patching")
+    page.wait_for_function("state.grid.score === 'patching'")
+    heads_map = page.evaluate("document.getElementById('patch-grid').data[0].z")
+    assert page.evaluate("document.getElementById('grid').data[0].z") == heads_map
     click_cell(page, "patch-grid", 0, 1, model.n_layers, model.n_heads)
     page.wait_for_selector("#pattern[data-head='0,1']", timeout=20_000)
     labels = page.evaluate("document.getElementById('pattern').data[0].x.join(' ')")

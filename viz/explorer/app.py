@@ -1,7 +1,8 @@
 """The head explorer: a FastAPI app serving one page and a small JSON / server-sent-event API.
 
-Endpoints (every request carries its own prompt and heads; the server keeps no per-user
-state, so two browser tabs never see each other's choices):
+Endpoints (every request carries its own prompt and heads, so two browser tabs never see
+each other's choices; the one per-tab thing kept is the pattern cache, keyed by the tab's
+random id and the prompt):
 
 - `GET /` the page; `GET /plotly.min.js` Plotly from the installed `plotly` package.
 - `GET /api/info` model shape `n_layers, n_heads, n_kv_heads`, limits, score choices, the
@@ -11,16 +12,26 @@ state, so two browser tabs never see each other's choices):
   (`heads.scorers.sinks.sink_stats(...).sink_mass`) or `"atlas"` (the head atlas,
   `heads.scorers.roles.atlas.head_atlas`: a role per head and every detector score; it does not
   depend on the prompt and is computed once per server, or loaded with `--atlas`).
-- `POST /api/pattern {prompt, layer, head}` one head's `[T, T]` pattern with token labels.
+- `POST /api/prepare {prompt, tab}` records every head's pattern on the prompt in one forward
+  and keeps them for that tab (`viz.explorer.patterns.PatternCache`); the page sends it when the
+  prompt stops changing, so a click finds the patterns ready.
+- `POST /api/pattern {prompt, layer, head, tab}` one head's `[T, T]` pattern with token labels
+  (4 decimals), read from the tab's cache (filled first when missing; a prompt too large for the
+  cache budget runs one forward for that head).
 - `POST /api/head {prompt, layer, head}` the head's card: top logit-lens tokens of its output
   at the last position (its direct logit attribution through the final norm,
   `heads.scorers.roles.lens.AttentionLens.init` untrained), its MAPS salient operations
   (`heads.scorers.maps.static.salient_operations`) and its atlas row when the atlas is known.
 - `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream)
-  `{"text": piece}` events as tokens are generated.
+  `{"text": piece}` events as tokens are generated; a steered run then sends
+  `{"span_share": {"before": [L], "after": [L]}}`: per layer, the last prompt position's
+  attention share on the `**…**` span averaged over heads
+  (`heads.scorers.attention_mass.span_attention(...).scores.mean(1)`), unsteered and steered.
 - `POST /api/patch {clean, corrupted, answer, counterfactual, job}` (event stream) the
   `[n_layers, n_heads]` `head_out` activation-patching map (`heads.scorers.patching.patch`,
-  denoising, normalised logit difference; log-prob without a counterfactual).
+  denoising, normalised logit difference; log-prob without a counterfactual), sent as a
+  `{"heads_map": ...}` event as soon as it is done, then the `[n_layers, T]` `resid_pre` map
+  (the residual stream entering each layer at each position) in the result, with the tokens.
 - `POST /api/cancel {job}` stops that job: a generation stops at its next token, a score or
   patching sweep at its next progress step, a job still waiting for the model never starts.
 
@@ -36,6 +47,7 @@ stays up. Requests larger than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT
 job at a time (a lock): the engine's active edits are process-wide.
 """
 
+import gzip
 import inspect
 import json
 import math
@@ -57,6 +69,7 @@ __all__ = [
     "MAX_JOBS",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS",
+    "PATTERN_CACHE_BYTES",
     "SCORES",
     "Jobs",
     "create_explorer",
@@ -75,6 +88,8 @@ MAX_ANSWER_CHARS = 64
 """Longest answer / counterfactual string of a patching pair (characters)."""
 MAX_JOBS = 16
 """Most jobs (generations, score and patching sweeps) running or waiting at once."""
+PATTERN_CACHE_BYTES = 512 * 2**20
+"""Default byte budget of the per-tab pattern cache (`viz.explorer.patterns.PatternCache`)."""
 SCORES = ("span", "sinks", "atlas")
 """Score choices of the overview grid."""
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
@@ -202,19 +217,21 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_explorer(model, *, atlas=None):
+def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CACHE_BYTES):
     """Build the explorer app for a loaded `HeadModel` (with a tokenizer).
 
     Args:
         model: the `HeadModel`.
         atlas: a `HeadAtlas` of this model to colour the grid by (default None: computed with
             `head_atlas` the first time the page asks for it, then kept).
+        pattern_cache_bytes: byte budget of the per-tab pattern cache (`PatternCache`,
+            default `PATTERN_CACHE_BYTES`, 512 MiB; 0 turns it off: a forward per click).
 
     Raises:
         ValueError: the model has no tokenizer; an atlas of another geometry.
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.concurrency import run_in_threadpool
 
     if model.tokenizer is None:
@@ -224,6 +241,7 @@ def create_explorer(model, *, atlas=None):
     from heads.scorers.sinks import sink_stats
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
+    from viz.explorer.patterns import PatternCache, Patterns, all_patterns, pattern_bytes
 
     if atlas is not None and len(atlas.frame) != model.n_layers * model.n_heads:
         raise HeadsteerValueError(
@@ -235,6 +253,7 @@ def create_explorer(model, *, atlas=None):
     page = resources.files("viz.explorer").joinpath("page.html").read_text(encoding="utf-8")
     shipped = _shipped_heads(model.name)
     cache: dict[str, Any] = {"atlas": atlas}
+    patterns = PatternCache(pattern_cache_bytes)
     app = FastAPI(title="headsteer explorer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jobs = jobs
 
@@ -330,8 +349,16 @@ def create_explorer(model, *, atlas=None):
         )
 
     @app.get("/plotly.min.js")
-    async def plotly_js():
-        return FileResponse(plotly_js_path(), media_type="application/javascript")
+    async def plotly_js(request: Request):
+        if "gzip" not in request.headers.get("accept-encoding", ""):
+            return FileResponse(plotly_js_path(), media_type="application/javascript")
+        if "plotly_gz" not in cache:  # compressed once per server: about a third of the bytes
+            cache["plotly_gz"] = await run_in_threadpool(gzip.compress, plotly_js_path().read_bytes(), 6)
+        return Response(
+            cache["plotly_gz"],
+            media_type="application/javascript",
+            headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding", "Cache-Control": "max-age=3600"},
+        )
 
     @app.get("/api/info")
     async def info():
@@ -420,17 +447,51 @@ def create_explorer(model, *, atlas=None):
             _int(body, "head", 0, model.n_heads - 1),
         )
 
+    def tab_of(body: dict) -> str:
+        tab = body.get("tab", "")
+        if not isinstance(tab, str) or (tab != "" and not _JOB_ID.fullmatch(tab)):
+            raise HeadsteerValueError("tab must be 8-64 characters of letters, digits, '_' or '-'")
+        return tab
+
+    def patterns_of(prompt: str, tab: str) -> Patterns | None:
+        """The prompt's cached patterns, computed now (one forward) when missing; None when they
+        would not fit the cache (the caller then computes one head)."""
+        got = patterns.get(tab, prompt)
+        if got is not None:
+            return got
+        n_tokens = int(encode_prompts(model.tokenizer, prompt).attention_mask.sum())  # checks first
+        if not patterns.fits(pattern_bytes(model.n_layers, model.n_heads, n_tokens)):
+            return None
+        with lock:
+            got = patterns.get(tab, prompt)  # another request may have computed it meanwhile
+            if got is None:
+                got = all_patterns(model, prompt)
+                patterns.put(tab, prompt, got)
+        return got
+
+    def prepare(body: dict):
+        prompt, tab = _text(body), tab_of(body)
+        got = patterns_of(prompt, tab)
+        return {"cached": got is not None, "tokens": None if got is None else len(got.tokens)}
+
     def pattern(body: dict):
         prompt, layer, head = check_head(body)
-        with lock:
-            probs, tokens, spans = head_pattern(model, prompt, layer, head)
-        return {
+        got = patterns_of(prompt, tab_of(body))
+        if got is None:
+            with lock:
+                probs, tokens, spans = head_pattern(model, prompt, layer, head)
+        else:
+            probs, tokens, spans = got.probs[layer, head], got.tokens, got.spans
+        probs = (probs.float() * 1e4).round() / 1e4  # 4 decimals: a smaller, faster response
+        body = {
             "layer": layer,
             "head": head,
-            "probs": [[round(v, 5) for v in row] for row in probs.float().tolist()],
+            "probs": probs.tolist(),
             "tokens": tokens,
             "spans": [list(s) for s in spans],
+            "cached": got is not None,
         }
+        return JSONResponse(body)  # plain json.dumps: FastAPI's per-value encoder is slow on [T, T]
 
     def head_card(body: dict):
         prompt, layer, head = check_head(body)
@@ -484,9 +545,19 @@ def create_explorer(model, *, atlas=None):
         def work(emit, flag) -> dict:
             streamer = _Streamer(model.tokenizer, emit, flag)
             steered_model.generate(prompt, steer, max_new_tokens=n_new, progress=False, streamer=streamer)
+            if steer:
+                emit({"status": "span share per layer, before and after steering"})
+                emit({"span_share": span_share_by_layer(prompt, steer)})
             return {"done": True}
 
         return job_stream(job, work)
+
+    def span_share_by_layer(prompt: str, steer: list) -> dict[str, list[float | None]]:
+        """The last position's attention share on the span per layer (mean over heads), without
+        and with `steer`: `span_attention(...).scores.mean(1)`, `[L]` each."""
+        before = span_attention(model, prompt).scores.mean(1)
+        after = span_attention(model, prompt, steer=steer).scores.mean(1)
+        return {"before": _grid(before[None])[0], "after": _grid(after[None])[0]}
 
     async def patching(body: dict):
         clean = _text(body, "clean")
@@ -504,16 +575,18 @@ def create_explorer(model, *, atlas=None):
 
         def work(emit, flag) -> dict:
             options = SweepOptions(progress=progress_of(emit, flag))
+            emit({"status": "patching head outputs (layer x head)"})
             res = patch(model, pairs, "head_out", metric=metric, options=options)
-            return {
-                "result": {
-                    "scores": _grid(res.mean),
-                    "metric": metric,
-                    "clean_metric": round(float(res.clean[0]), 5),
-                    "corrupt_metric": round(float(res.corrupt[0]), 5),
-                    "tokens": res.labels,
-                }
+            heads = {
+                "scores": _grid(res.mean),
+                "metric": metric,
+                "clean_metric": round(float(res.clean[0]), 5),
+                "corrupt_metric": round(float(res.corrupt[0]), 5),
             }
+            emit({"heads_map": heads})  # drawn while the position sweep runs
+            emit({"status": "patching the residual stream (layer x position)"})
+            pos = patch(model, pairs, "resid_pre", metric=metric, options=options)
+            return {"result": {**heads, "positions": _grid(pos.mean), "tokens": pos.labels}}
 
         return job_stream(job, work)
 
@@ -525,6 +598,7 @@ def create_explorer(model, *, atlas=None):
 
     for path, fn in (
         ("/api/scores", scores),
+        ("/api/prepare", prepare),
         ("/api/pattern", pattern),
         ("/api/head", head_card),
         ("/api/generate", generate),
