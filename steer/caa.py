@@ -27,6 +27,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -254,7 +255,7 @@ def _check_name(name: object) -> str:
     return name
 
 
-def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, overwrite: bool = False):
+def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, overwrite: bool = False) -> Path:
     """Write named CAA vectors to one safetensors file (atomic; `overwrite` to replace a file).
 
     Each vector is stored as a `[d_model]` fp32 tensor under its name, its `layer` in the file's

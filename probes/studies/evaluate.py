@@ -175,6 +175,7 @@ def caa_pairs(task: str, split: str = "train", limit: int | None = None) -> list
         )
     pairs = []
     for i, e in enumerate(examples):
+        assert e.choices is not None and e.label is not None  # every example of a choice task
         n = len(e.choices)
         wrong = (e.label + 1 + i % (n - 1)) % n
         pairs.append((f"{e.prompt} {e.choices[e.label]}", f"{e.prompt} {e.choices[wrong]}"))

@@ -155,7 +155,7 @@ def steered_pair(
     """Unsteered and VAR-, VHR-, AdaptVis- or ScalingVis-steered answers to `prompt` (with `image`,
     or on its marked passage), printed side by side; shared by `headsteer generate --steer
     var|vhr|adaptvis|scalingvis` and `headsteer vision generate`."""
-    from steer import SteeredModel
+    from steer import AdaptVis, SteeredModel
 
     _positive(max_new_tokens=max_new_tokens)
     method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image, adaptvis)
@@ -178,8 +178,8 @@ def steered_pair(
     table.add_column(label, ratio=1)
     table.add_row(escape(base.text), escape(steered.text))
     run.show(table)
-    out = {"baseline": base.text, "steered": steered.text, "steer": kind}
-    if kind == "adaptvis":  # the probe's confidence and the factor it picked
+    out: dict[str, object] = {"baseline": base.text, "steered": steered.text, "steer": kind}
+    if isinstance(method, AdaptVis):  # the probe's confidence and the factor it picked
         out["confidence"] = float(method.last["confidence"][0])
         out["weight"] = float(method.last["weight"][0])
     return out
