@@ -13,10 +13,11 @@ run() {  # task method
   echo "done $1 / $2" >&2
 }
 for task in json_format pronoun_change occupation counterfact; do
-  for method in none pasta spotlight act; do run "$task" "$method"; done
+  for method in none pasta spotlight instaboost act; do run "$task" "$method"; done
 done
-for method in none act; do run sentiment "$method"; done
-for method in none pasta spotlight act var vhr; do run context_qa "$method"; done
+for method in none act caa; do run sentiment "$method"; done
+for method in none pasta spotlight instaboost act caa var vhr; do run context_qa "$method"; done
+for task in counterfact occupation; do run "$task" caa; done
 for task in counterfact occupation; do
   for method in var vhr; do run "$task" "$method"; done
 done

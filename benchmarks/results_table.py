@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-ORDER = ["none", "pasta", "spotlight", "act", "var", "vhr"]
+ORDER = ["none", "pasta", "spotlight", "instaboost", "act", "caa", "var", "vhr", "adaptvis", "scalingvis"]
 
 
 def main(folder: str = "results") -> None:

@@ -8,7 +8,7 @@ Scorers that need a method's own edit live here beside the method: PASTA profili
 from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
 from steer.adaptvis import AdaptVis, AdaptVisScale, ScalingVis
-from steer.caa import Caa, CaaAdd, caa_vector
+from steer.caa import Caa, CaaAdd, caa_vector, load_caa_vectors, save_caa_vectors
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
 from steer.knockout import Knockout, KnockoutBias
@@ -45,6 +45,8 @@ __all__ = [
     "VhdTrace",
     "Vhr",
     "caa_vector",
+    "load_caa_vectors",
+    "save_caa_vectors",
     "pasta_column_bias",
     "profile_heads",
     "select_heads",

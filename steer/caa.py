@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -38,7 +41,12 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.model.adapter import HeadModel
 from steer.noop import warn_noop
 
-__all__ = ["Caa", "CaaAdd", "caa_vector"]
+__all__ = ["Caa", "CaaAdd", "caa_vector", "load_caa_vectors", "save_caa_vectors"]
+
+MAX_VECTORS = 64
+"""Most vectors in one CAA vector file (`load_caa_vectors`)."""
+MAX_NAME = 64
+"""Longest vector name in a CAA vector file."""
 
 
 @dataclass(eq=False, repr=False)
@@ -208,13 +216,22 @@ class Caa:
         v = caa_vector(model, pairs, layer, chat=chat, batch_size=batch_size, progress=progress)
         return cls(v, layer, coefficient, from_position)
 
-    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[CaaAdd]:
-        """One `CaaAdd` on the input of layer `layer + 1` (none when the coefficient is 0)."""
+    def check(self, model: HeadModel) -> int:
+        """The layer, after checking it and the vector length against `model`.
+
+        Raises:
+            ValueError: a layer outside 0 .. n_layers - 2, a vector length other than d_model.
+        """
         layer = _check_layer(model, self.layer)
         if self.vector.shape[0] != model.d_model:
             raise HeadsteerValueError(
                 f"CAA vector has length {self.vector.shape[0]}, the model's d_model is {model.d_model}"
             )
+        return layer
+
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[CaaAdd]:
+        """One `CaaAdd` on the input of layer `layer + 1` (none when the coefficient is 0)."""
+        layer = self.check(model)
         if self.coefficient == 0 or not bool(self.vector.any()):
             return []
         p = self.from_position
@@ -225,3 +242,91 @@ class Caa:
 
     def __repr__(self) -> str:
         return f"Caa(layer={self.layer}, coefficient={self.coefficient}, from_position={self.from_position})"
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_NAME:
+        raise HeadsteerValueError(
+            f"CAA vector name must be 1..{MAX_NAME} letters, digits, '_', '.' or '-', got {name!r}"
+        )
+    return name
+
+
+def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, overwrite: bool = False) -> Path:
+    """Write named CAA vectors to one safetensors file (atomic; `overwrite` to replace a file).
+
+    Each vector is stored as a `[d_model]` fp32 tensor under its name, its `layer` in the file's
+    metadata (`"layer.<name>"`); the coefficient and `from_position` are not stored (a user of the
+    file picks them). Read back with `load_caa_vectors`; `headsteer serve --caa-vector FILE` serves them.
+
+    Returns:
+        the path written.
+
+    Raises:
+        ValueError: no vectors, more than `MAX_VECTORS`, a bad name (letters, digits, `_ . -`),
+            a value that is not a `Caa`; see `heads._util.files.check_output` for the path.
+    """
+    from safetensors.torch import save
+
+    from heads._util.files import write_bytes
+
+    if not isinstance(vectors, Mapping) or not vectors or len(vectors) > MAX_VECTORS:
+        raise HeadsteerValueError(f"vectors must map 1..{MAX_VECTORS} names to Caa objects")
+    tensors, meta = {}, {"format": "headsteer-caa"}
+    for name, caa in vectors.items():
+        _check_name(name)
+        if not isinstance(caa, Caa):
+            raise HeadsteerTypeError(f"vectors[{name!r}] must be a Caa, got {type(caa).__name__}")
+        tensors[name] = caa.vector.contiguous()
+        meta[f"layer.{name}"] = str(caa.layer)
+    return write_bytes(path, save(tensors, metadata=meta), overwrite=overwrite)
+
+
+def load_caa_vectors(path: str | os.PathLike) -> dict[str, Caa]:
+    """Named `Caa`s (coefficient 1) from a file written by `save_caa_vectors`.
+
+    Safetensors only (no pickle is ever read). Every vector is checked: 1-D, finite, with an
+    integer layer in the metadata.
+
+    Raises:
+        ValueError: a missing or unreadable file, not a headsteer CAA file, more than
+            `MAX_VECTORS` vectors, a bad name, a vector that is not 1-D / finite or has no layer.
+    """
+    from safetensors import safe_open
+
+    from heads._util.files import is_file, short_path
+
+    if not is_file(path):
+        raise HeadsteerValueError(f"CAA vector file {short_path(path)} is not a file")
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = list(f.keys())
+            if meta.get("format") != "headsteer-caa":
+                raise HeadsteerValueError(
+                    f"{short_path(path)} is not a headsteer CAA vector file (write it with save_caa_vectors)"
+                )
+            if not names or len(names) > MAX_VECTORS:
+                raise HeadsteerValueError(
+                    f"{short_path(path)} holds {len(names)} vectors, not 1..{MAX_VECTORS}"
+                )
+            tensors = {n: f.get_tensor(n) for n in names}
+    except HeadsteerValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse failure of the file is one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise HeadsteerValueError(f"CAA vector file {short_path(path)} cannot be read: {first}") from None
+    out = {}
+    for name, v in tensors.items():
+        _check_name(name)
+        layer = meta.get(f"layer.{name}", "")
+        if not re.fullmatch(r"\d{1,6}", layer):
+            raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)} has no integer layer")
+        try:
+            out[name] = Caa(v.float(), int(layer))
+        except ValueError as exc:
+            raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)}: {exc}") from None
+    return out

@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
@@ -34,6 +34,7 @@ from heads.engine.edits import (
     LogitBias,
     ProbEdit,
     QueryEdit,
+    ResidualEdit,
     SpanShareEdit,
 )
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -42,6 +43,8 @@ from heads.model.adapter import HeadModel
 from heads.scorers.attention_mass import span_attention
 from steer.ablate import Ablate
 from steer.act.method import Act
+from steer.adaptvis import AdaptVis, ScalingVis
+from steer.caa import Caa
 from steer.instaboost import InstaBoost
 from steer.noop import NoOpWarning
 from steer.pasta.method import Pasta
@@ -83,6 +86,9 @@ _METHODS = {
     "instaboost": ("multiplier", "region", "layers"),
     "act": ("heads", "beta"),
     "ablate": ("heads", "mode", "eps"),
+    "adaptvis": ("weight1", "weight2", "threshold", "layers"),
+    "scalingvis": ("weight", "layers"),
+    "caa": ("vector", "coefficient"),
 }
 
 
@@ -130,7 +136,7 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def parse_steer(spec) -> list[Intervention]:
+def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Intervention]:
     """Interventions from a request's `"steer"` field.
 
     Args:
@@ -143,7 +149,15 @@ def parse_steer(spec) -> list[Intervention]:
               "span"), `layers` (default all);
             * `"act"`: `heads` ("auto" = the shipped ACT profile; default: layers 2..L-2),
               `beta` (default 0.4);
-            * `"ablate"`: `heads` (required), `mode` "ua" | "sc" (default "ua"), `eps` (default 0).
+            * `"ablate"`: `heads` (required), `mode` "ua" | "sc" (default "ua"), `eps` (default 0);
+            * `"adaptvis"`: `weight1` (default 0.5), `weight2` (default 1.5), `threshold`
+              (default 0.4), `layers` (default all): AdaptVis on the emphasized passage (the
+              server is text-only, so the text variant);
+            * `"scalingvis"`: `weight` (default 0.8), `layers` (default all);
+            * `"caa"`: `vector` (the name of a vector the server loaded, `caa_vectors`; may be
+              left out when it loaded exactly one), `coefficient` (default 1). A request can
+              only name vectors: it never gives a file or the numbers.
+        caa_vectors: the server's named CAA vectors (`steer.caa.load_caa_vectors`; default none).
 
     Returns:
         the interventions in order; `"heads": "auto"` stays the string "auto" until
@@ -174,14 +188,45 @@ def parse_steer(spec) -> list[Intervention]:
         try:
             with warnings.catch_warnings():  # a steering request that changes nothing is a bad request
                 warnings.simplefilter("error", NoOpWarning)
-                out.append(_intervention(method, item))
+                out.append(_intervention(method, item, caa_vectors or {}))
         except (TypeError, ValueError, NoOpWarning) as exc:
             raise HeadsteerValueError(f"steer[{i}] ({method}): {exc}") from None
     return out
 
 
-def _intervention(method: str, item: Mapping) -> Intervention:
+def _layers_field(item: Mapping) -> dict:
+    if item.get("layers") is None:
+        return {}
+    if not isinstance(item["layers"], list):
+        raise HeadsteerValueError(f"layers must be a list of layer indices, got {_short(item['layers'])}")
+    return {"layers": tuple(item["layers"])}
+
+
+def _caa(item: Mapping, vectors: Mapping[str, Caa]) -> Caa:
+    if not vectors:
+        raise HeadsteerValueError("this server has no CAA vectors (start it with --caa-vector FILE)")
+    name = item.get("vector")
+    if name is None:
+        if len(vectors) != 1:
+            raise HeadsteerValueError(f"vector is required: this server has {sorted(vectors)}")
+        name = next(iter(vectors))
+    if not isinstance(name, str) or name not in vectors:
+        raise HeadsteerValueError(f"unknown vector {_short(name)}: this server has {sorted(vectors)}")
+    base = vectors[name]
+    c = _number(item["coefficient"], "coefficient") if "coefficient" in item else 1.0
+    return Caa(base.vector, base.layer, c, base.from_position)
+
+
+def _intervention(method: str, item: Mapping, caa_vectors: Mapping[str, Caa]) -> Intervention:
     """One intervention from a checked `"steer"` item (see `parse_steer`)."""
+    if method in ("adaptvis", "scalingvis"):
+        kw: dict = {"target": "text", **_layers_field(item)}
+        for name in _METHODS[method]:
+            if name != "layers" and name in item:
+                kw[name] = _number(item[name], name)
+        return AdaptVis(**kw) if method == "adaptvis" else ScalingVis(**kw)
+    if method == "caa":
+        return _caa(item, caa_vectors)
     if method == "pasta":
         kw = {"heads": _heads_spec(item.get("heads", "auto"), method)}
         if "alpha" in item:
@@ -197,15 +242,11 @@ def _intervention(method: str, item: Mapping) -> Intervention:
             kw["layers"] = tuple(item["layers"]) if isinstance(item["layers"], list) else item["layers"]
         return Spotlight(**kw)
     if method == "instaboost":
-        kw = {}
+        kw = _layers_field(item)
         if "multiplier" in item:
             kw["multiplier"] = _number(item["multiplier"], "multiplier")
         if "region" in item:
             kw["region"] = item["region"]
-        if item.get("layers") is not None:
-            if not isinstance(item["layers"], list):
-                raise HeadsteerValueError(f"layers must be a list of layer indices, got {item['layers']!r}")
-            kw["layers"] = tuple(item["layers"])
         return InstaBoost(**kw)
     if method == "act":
         kw = {}
@@ -424,6 +465,49 @@ class _RowBias(_RowEdits, LogitBias):
 
 
 @dataclass(eq=False, repr=False)
+class _RowScoreBias(_RowEdits, LogitBias):
+    """Every row's logit-reading bias (AdaptVis / ScalingVis) of one layer: each member's
+    `score_bias` on its own row's logits and heads, `[B, H, q_len, k_len]` (blocked kernel)."""
+
+    reads_scores: ClassVar[bool] = True
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
+        for b, e in self.members:
+            mask[b] |= e.head_mask(1, n_heads, device)[0]
+        return mask
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        raise NotImplementedError("a function of the logits: see score_bias")
+
+    def score_bias(self, scores: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        sub_call = _row_call(call)
+        out = torch.zeros(call.batch, scores.shape[1], call.q_len, call.k_len, device=call.device)
+        for b, e in self.members:
+            mask = e.head_mask(1, call.n_heads, call.device)[0, :, None, None]
+            part = e.score_bias(scores[b : b + 1], sub_call).float().to(call.device)
+            out[b] += torch.where(mask, part[0].expand(scores.shape[1], call.q_len, call.k_len), 0.0)
+        return out
+
+
+@dataclass(eq=False, repr=False)
+class _RowResiduals(_RowEdits, ResidualEdit):
+    """Every row's residual edit (CAA) of one layer, each applied to its own batch row."""
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        sub_call = _row_call(call)
+        out = None
+        for b, e in self.members:
+            new = e.apply(x[b : b + 1] if out is None else out[b : b + 1], sub_call)
+            if new is None:
+                continue
+            if out is None:
+                out = x.clone()
+            out[b : b + 1] = new.to(dtype=x.dtype, device=x.device)
+        return out
+
+
+@dataclass(eq=False, repr=False)
 class _RowSpans(_RowEdits, SpanShareEdit):
     """Every row's span-share edit (SpotLight) of one layer as one `SpanShareEdit`, so a long
     prompt runs on the fused kernel exactly as `SteeredModel` runs it (at most one member per row)."""
@@ -475,14 +559,25 @@ class _RowQueries(_RowEdits, QueryEdit):
         return self._rows(q, call, 2)  # [B, q, H, d]
 
 
-_RowWrapper = _RowBias | _RowSpans | _RowProbs | _RowOutputs | _RowQueries
+_RowWrapper = _RowBias | _RowScoreBias | _RowSpans | _RowProbs | _RowOutputs | _RowQueries | _RowResiduals
 _WRAPPERS: dict[type[Edit], type[_RowWrapper]] = {  # first match wins: SpanShareEdit before ProbEdit
     LogitBias: _RowBias,
     SpanShareEdit: _RowSpans,
     ProbEdit: _RowProbs,
     HeadOutputEdit: _RowOutputs,
     QueryEdit: _RowQueries,
+    ResidualEdit: _RowResiduals,
 }
+
+
+def _wrapper(e: Edit) -> type[_RowWrapper]:
+    """The per-row wrapper class of edit `e` (`_WRAPPERS`; a logit-reading bias gets its own)."""
+    if isinstance(e, LogitBias) and e.reads_scores:
+        return _RowScoreBias
+    for kind, wrapper in _WRAPPERS.items():
+        if isinstance(e, kind):
+            return wrapper
+    raise HeadsteerTypeError(f"{type(e).__name__} cannot be served: no per-row form of its edit site")
 
 
 class RequestCancelled(Exception):
@@ -600,16 +695,16 @@ class BatchGenerator:
                 for e in s.edits(self.model, enc):
                     if e.is_identity():
                         continue
-                    kind = next(k for k in _WRAPPERS if isinstance(e, k))
+                    kind = _wrapper(e)
                     # a span-share wrapper holds one edit per row: a second one on a row opens another
                     slot = 0
-                    while kind is SpanShareEdit and any(
+                    while kind is _RowSpans and any(
                         row == b for row, _ in getattr(groups.get((e.layer, kind, slot)), "members", ())
                     ):
                         slot += 1
                     key = (e.layer, kind, slot)
                     if key not in groups:
-                        groups[key] = _WRAPPERS[kind](layer=e.layer)
+                        groups[key] = kind(layer=e.layer)
                     groups[key].members.append((b, e))
         for w in groups.values():
             if isinstance(w, _RowBias):  # broadcast like the members (`[B, 1, 1, K]` for PASTA)

@@ -1,9 +1,11 @@
 """Evaluation harness: one steering method on one task, with the task's metrics and 95% intervals.
 
-Methods: `none` (the unsteered model), `pasta`, `spotlight`, `instaboost`, `var`, `vhr` (these
-five need the task's emphasized span; VAR-text and VHR-text treat it as the "image"), `act` and `iti`
-(probes fitted on the task's train split). Choice tasks are scored from last-position
-log-probs (argmax over each choice's first token, `steer.act.calibration.choice_ids`);
+Methods: `none` (the unsteered model), `pasta`, `spotlight`, `instaboost`, `var`, `vhr`, `adaptvis`,
+`scalingvis` (these seven need the task's emphasized span; the VAR, VHR, AdaptVis and ScalingVis
+text variants treat it as the "image"), `act`, `iti` (probes fitted on the task's train split) and
+`caa` (a CAA vector from contrastive pairs of the task's train split, `fit_caa`; choice tasks).
+Choice tasks are scored from last-position log-probs (argmax over each choice's first token,
+`steer.act.calibration.choice_ids`);
 generate tasks by greedy generation through `SteeredModel.generate` (KV cache on) and the
 task's text metrics:
 
@@ -44,9 +46,16 @@ from probes.metrics.tasks import (
     wilson_interval,
 )
 
-__all__ = ["METHODS", "EvalResult", "evaluate", "method_steer"]
+__all__ = ["METHODS", "EvalResult", "caa_pairs", "evaluate", "fit_caa", "method_steer"]
 
-METHODS = ("none", "pasta", "spotlight", "instaboost", "act", "var", "vhr", "iti")
+METHODS = (
+    "none", "pasta", "spotlight", "instaboost", "act", "var", "vhr", "iti", "adaptvis", "scalingvis", "caa",
+)  # fmt: skip
+SPAN_METHODS = ("pasta", "spotlight", "instaboost", "var", "vhr", "adaptvis", "scalingvis")
+"""Methods that steer towards the task's emphasized span (a task without one is refused)."""
+CAA_COEFFICIENT = 4.0
+"""`fit_caa` / `headsteer eval --method caa` default coefficient (docs/methods/caa.md: picked on
+the validation splits of counterfact and sentiment from 1, 2, 4, 8 on the embedded model)."""
 
 
 @dataclass
@@ -88,12 +97,19 @@ def method_steer(
     var_rho: float = 0.5,
     vhr_alpha: float = 2.0,
     multiplier: float | None = None,
+    weight: float | None = None,
+    weight1: float | None = None,
+    weight2: float | None = None,
+    threshold: float | None = None,
+    caa=None,
 ) -> list:
     """The interventions of `method` (a list, empty for `none`).
 
     `pasta_heads` / `act_heads`: any head selection (`heads.HeadSpec`), or None for the
     shipped profile of the embedded model (`steer.profiles`). `iti`: a fitted `steer.Iti`
-    (`evaluate` fits one on the task's train split, `probes.head_probes.fit_iti`).
+    (`evaluate` fits one on the task's train split, `probes.head_probes.fit_iti`). `weight`
+    (ScalingVis), `weight1`, `weight2`, `threshold` (AdaptVis): None for the method's defaults.
+    `caa`: a `steer.Caa` (`evaluate` fits one on the task's train split, `fit_caa`).
 
     Raises:
         ValueError: unknown method, or no head selection and no shipped profile for this model.
@@ -118,6 +134,17 @@ def method_steer(
                 "method 'iti' needs a fitted steer.Iti (iti=...; see probes.head_probes.fit_iti)"
             )
         return [iti]
+    if method in ("adaptvis", "scalingvis"):
+        from steer.adaptvis import AdaptVis, ScalingVis
+
+        given = dict(weight=weight, weight1=weight1, weight2=weight2, threshold=threshold)
+        keys = ("weight",) if method == "scalingvis" else ("weight1", "weight2", "threshold")
+        kw = {k: given[k] for k in keys if given[k] is not None}
+        return [ScalingVis(**kw)] if method == "scalingvis" else [AdaptVis(**kw)]
+    if method == "caa":
+        if caa is None:
+            raise HeadsteerValueError("method 'caa' needs a steer.Caa (caa=...; see fit_caa)")
+        return [caa]
     if method in ("var", "vhr"):
         from steer import Var, Vhr
 
@@ -128,6 +155,61 @@ def method_steer(
         heads = shipped_profile(kind, model.name)
     heads = HeadSet.parse(heads, model.n_layers, model.n_heads)
     return [Pasta(heads=heads, alpha=alpha)] if method == "pasta" else [Act(heads=heads, beta=beta)]
+
+
+def caa_pairs(task: str, split: str = "train", limit: int | None = None) -> list[tuple[str, str]]:
+    """Contrastive pairs of a choice task: `(prompt + " " + right choice, prompt + " " + a wrong one)`.
+
+    The wrong choice of example i is `choices[(label + 1 + i % (n - 1)) % n]` (the other one of
+    two; cycling through the wrong ones of more). The right answer is each example's own, so
+    across examples the answer words are balanced (the paper's A/B design) and the mean difference
+    is the direction of answering right, not of one answer word.
+
+    Raises:
+        ValueError: an unknown task or split, or a task scored by generation.
+    """
+    examples = load_task(task, split).examples[:limit]
+    if examples[0].choices is None:
+        raise HeadsteerValueError(
+            f"CAA needs a choice task (contrastive answers), {task!r} is scored by generation"
+        )
+    pairs = []
+    for i, e in enumerate(examples):
+        assert e.choices is not None and e.label is not None  # every example of a choice task
+        n = len(e.choices)
+        wrong = (e.label + 1 + i % (n - 1)) % n
+        pairs.append((f"{e.prompt} {e.choices[e.label]}", f"{e.prompt} {e.choices[wrong]}"))
+    return pairs
+
+
+def fit_caa(
+    model: HeadModel,
+    task: str,
+    *,
+    layer: int | None = None,
+    coefficient: float = CAA_COEFFICIENT,
+    batch_size: int = 8,
+    limit: int | None = None,
+    progress: ProgressArg = False,
+):
+    """`steer.Caa` from the train split of a choice task (`caa_pairs`; never its test split).
+
+    Args:
+        layer: the decoder block whose output is read and steered (default `n_layers // 2`).
+        coefficient: the multiplier (default `CAA_COEFFICIENT`).
+
+    Raises:
+        ValueError: a task without choices, a bad layer or coefficient (see `steer.Caa`).
+
+    Source: Rimsky et al. 2024 §3 (mean difference at the answer token over A/B pairs).
+    """
+    from steer.caa import Caa
+
+    pairs = caa_pairs(task, "train", limit)
+    layer = model.n_layers // 2 if layer is None else layer
+    return Caa.from_pairs(
+        model, pairs, layer, coefficient, chat=False, batch_size=batch_size, progress=progress
+    )
 
 
 def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, batch_size: int, step):
@@ -219,9 +301,10 @@ def evaluate(
             examples evaluated; on generate tasks a batch's examples are counted in step
             with its decoding steps.
         **method_options: `pasta_heads`, `alpha`, `tau`, `multiplier` (InstABoost), `act_heads`,
-            `beta`, `var_p`, `var_rho`,
-            `vhr_alpha`, `iti` (see `method_steer`); `iti_k`, `iti_alpha`, `iti_direction` for
-            the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`).
+            `beta`, `var_p`, `var_rho`, `vhr_alpha`, `weight` (ScalingVis), `weight1`, `weight2`,
+            `threshold` (AdaptVis), `iti`, `caa` (see `method_steer`); `iti_k`, `iti_alpha`,
+            `iti_direction` for the ITI fitted when no `iti` is given (`probes.head_probes.fit_iti`);
+            `caa_layer`, `caa_coefficient` for the CAA fitted when no `caa` is given (`fit_caa`).
 
     Raises:
         ValueError: unknown task / split / method, bad limit, or pasta/spotlight on a task
@@ -232,8 +315,7 @@ def evaluate(
     if limit is not None:
         check_int("limit", limit, lo=1)
         examples = examples[:limit]
-    span_methods = ("pasta", "spotlight", "instaboost", "var", "vhr")
-    if method in span_methods and not all(e.emphasize for e in examples):
+    if method in SPAN_METHODS and not all(e.emphasize for e in examples):
         raise HeadsteerValueError(f"{method} needs an emphasized span, and task {task!r} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
     iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}
@@ -241,6 +323,11 @@ def evaluate(
         from probes.head_probes import fit_iti
 
         method_options["iti"] = fit_iti(model, task, batch_size=batch_size, **iti_opts)
+    caa_opts = {k[4:]: method_options.pop(k) for k in ("caa_layer", "caa_coefficient") if k in method_options}
+    if method == "caa" and method_options.get("caa") is None:  # pairs from the train split only
+        if caa_opts.get("coefficient") is None:
+            caa_opts.pop("coefficient", None)
+        method_options["caa"] = fit_caa(model, task, **caa_opts)
     steer = method_steer(model, method, **method_options)
     finished = [0]
     with progress_callback(progress, f"eval {task} / {method}", "examples") as report:

@@ -45,6 +45,9 @@ METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
     "var": ("var_p", "var_rho"),
     "vhr": ("vhr_alpha",),
     "iti": ("iti_k", "iti_alpha", "iti_direction"),
+    "adaptvis": ("weight1", "weight2", "threshold"),
+    "scalingvis": ("weight",),
+    "caa": ("caa_layer", "caa_coefficient"),
 }
 """The method options of `headsteer eval` each method uses; any other one given is refused.
 `--max-new-tokens` is used by generate-scored tasks only (json_format, pronoun_change)."""
@@ -101,6 +104,23 @@ def _check_method_values(method: str, given: dict) -> None:
             Vhr(alpha=given["vhr_alpha"])  # the library's bounds (> 0, <= 1e4), before the model loads
         except ValueError as exc:
             raise HeadsteerValueError(f"--vhr-alpha {str(exc).removeprefix('alpha ')}") from None
+    elif method == "adaptvis":
+        from steer.adaptvis import AdaptVis
+
+        AdaptVis(weight1=given["weight1"], weight2=given["weight2"], threshold=given["threshold"])
+    elif method == "scalingvis":
+        from steer.adaptvis import ScalingVis
+
+        ScalingVis(weight=given["weight"])  # the library's bounds; warns on a no-op weight
+    elif method == "caa":
+        import torch
+
+        from steer.caa import Caa
+
+        layer = given["caa_layer"]
+        if layer is not None and layer < 0:
+            raise HeadsteerValueError(f"--caa-layer must be >= 0, got {layer}")
+        Caa(torch.ones(1), 0, given["caa_coefficient"])  # the coefficient's bounds; warns on 0
     elif method == "iti":
         from heads.engine.edits import MAX_FACTOR
 
@@ -117,7 +137,10 @@ def _check_method_values(method: str, given: dict) -> None:
 def eval_command(
     run: Run,
     method: Annotated[
-        str, typer.Option(help="none | pasta | spotlight | instaboost | act | var | vhr | iti")
+        str,
+        typer.Option(
+            help="none | pasta | spotlight | instaboost | act | var | vhr | iti | adaptvis | scalingvis | caa"
+        ),
     ],
     task: Annotated[
         str,
@@ -137,6 +160,15 @@ def eval_command(
     var_p: Annotated[float, typer.Option(help="VAR fraction of sink mass moved")] = 0.6,
     var_rho: Annotated[float, typer.Option(help="VAR least non-sink span ratio")] = 0.5,
     vhr_alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
+    weight: Annotated[float, typer.Option(help="ScalingVis factor on the last token's span logits")] = 0.8,
+    weight1: Annotated[float, typer.Option(help="AdaptVis factor below --threshold")] = 0.5,
+    weight2: Annotated[float, typer.Option(help="AdaptVis factor otherwise")] = 1.5,
+    threshold: Annotated[float, typer.Option(help="AdaptVis confidence threshold in [0, 1]")] = 0.4,
+    caa_layer: Annotated[
+        int | None,
+        typer.Option(help="CAA layer (vector from train-split answer pairs) [default: n_layers // 2]"),
+    ] = None,
+    caa_coefficient: Annotated[float, typer.Option(help="CAA coefficient")] = 4.0,
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
     out: Annotated[
@@ -151,7 +183,7 @@ def eval_command(
     Every option is checked before the model loads; an option the chosen method (or task)
     does not use is refused, not ignored (`METHOD_OPTIONS`)."""
     from probes.datasets.tasks import SPLITS, TASKS, load_task
-    from probes.studies.evaluate import METHODS, evaluate
+    from probes.studies.evaluate import METHODS, SPAN_METHODS, evaluate
     from viz.tables import write_csv
 
     if method not in METHODS:
@@ -173,6 +205,12 @@ def eval_command(
         var_p=var_p,
         var_rho=var_rho,
         vhr_alpha=vhr_alpha,
+        weight=weight,
+        weight1=weight1,
+        weight2=weight2,
+        threshold=threshold,
+        caa_layer=caa_layer,
+        caa_coefficient=caa_coefficient,
         max_new_tokens=max_new_tokens,
     )
     first = load_task(task, split).examples[0]
@@ -180,10 +218,10 @@ def eval_command(
     _positive(batch_size=batch_size)
     if first.scoring == "generate":
         _positive(max_new_tokens=max_new_tokens)
-    if method in ("pasta", "spotlight", "instaboost", "var", "vhr") and not first.emphasize:
+    if method in SPAN_METHODS and not first.emphasize:
         raise HeadsteerValueError(f"--method {method} needs an emphasized span, and task {task!r} has none")
-    if method == "iti" and first.choices is None:
-        raise HeadsteerValueError(f"--method iti needs a choice task, {task!r} is scored by generation")
+    if method in ("iti", "caa") and first.choices is None:
+        raise HeadsteerValueError(f"--method {method} needs a choice task, {task!r} is scored by generation")
     _check_method_values(method, given)
     if limit is not None:
         _positive(limit=limit)
@@ -219,6 +257,9 @@ def eval_command(
             var_rho=var_rho,
             vhr_alpha=vhr_alpha,
             multiplier=multiplier,
+            **(dict(weight=weight) if method == "scalingvis" else {}),
+            **(dict(weight1=weight1, weight2=weight2, threshold=threshold) if method == "adaptvis" else {}),
+            **(dict(caa_layer=caa_layer, caa_coefficient=caa_coefficient) if method == "caa" else {}),
         )
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)

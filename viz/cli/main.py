@@ -34,7 +34,13 @@ from viz.cli.common import (
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
-from viz.cli.vision import ImageOpt, refuse_unused, register_vision, steered_pair  # noqa: E402
+from viz.cli.vision import (  # noqa: E402
+    VISION_METHODS,
+    ImageOpt,
+    refuse_unused,
+    register_vision,
+    steered_pair,
+)
 from viz.server.app import serve_command  # noqa: E402
 
 app = typer.Typer(
@@ -112,8 +118,9 @@ def generate(
         str,
         typer.Option(
             "--steer",
-            help="pasta | instaboost | var | vhr (var/vhr: on --image, or the **marked** passage; "
-            "instaboost: all heads, on the **marked** instruction)",
+            help="pasta | instaboost | var | vhr | adaptvis | scalingvis (var/vhr/adaptvis/scalingvis: "
+            "on --image, or the **marked** passage, with the papers' defaults; instaboost: all heads, "
+            "on the **marked** instruction)",
         ),
     ] = "pasta",
     image: ImageOpt = None,
@@ -121,12 +128,13 @@ def generate(
         float, typer.Option(help="InstABoost factor on the attention to the instruction")
     ] = INSTABOOST_MULTIPLIER,
 ) -> dict:
-    """Print the unsteered and the steered (PASTA, InstABoost, VAR or VHR) answers side by side."""
+    """Print the unsteered and the steered (PASTA, InstABoost, VAR, VHR, AdaptVis or ScalingVis)
+    answers side by side (`headsteer vision generate` sets the vision methods' options)."""
     from heads import HeadSet
     from steer.pasta.method import check_alpha
     from viz.cli.jobs import DEFAULT_TOP_K, choose_heads, compare
 
-    if steer in ("var", "vhr"):  # the papers' defaults; `headsteer vision generate` sets them
+    if steer in VISION_METHODS:  # the papers' defaults; `headsteer vision generate` sets them
         refuse_unused(
             steer,
             {
@@ -154,10 +162,13 @@ def generate(
         )
         return _instaboost_pair(run, prompt, multiplier, max_new_tokens, emphasize)
     if steer != "pasta":
-        raise HeadsteerValueError(f"--steer must be pasta, instaboost, var or vhr, got {steer!r}")
+        raise HeadsteerValueError(
+            f"--steer must be pasta, instaboost, var, vhr, adaptvis or scalingvis, got {steer!r}"
+        )
     if image is not None:
         raise HeadsteerValueError(
-            "--image needs --steer var or vhr (PASTA on an image span: Pasta(spans='image') in Python)"
+            "--image needs --steer var, vhr, adaptvis or scalingvis (PASTA on an image span: "
+            "Pasta(spans='image') in Python)"
         )
 
     check_alpha(alpha)  # before loading anything; warns on a no-op or a de-emphasizing alpha

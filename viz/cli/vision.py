@@ -1,5 +1,6 @@
-"""`headsteer vision generate` (VAR / VHR steered generation, with an image or a marked context)
-and `headsteer report vision`. Registered by `register_vision(app, report_app)` in `viz.cli.main`."""
+"""`headsteer vision generate` (VAR / VHR / AdaptVis / ScalingVis steered generation, with an image
+or a marked context) and `headsteer report vision`. Registered by `register_vision(app, report_app)`
+in `viz.cli.main`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _at_most, _positive, command
 
 vision_app = typer.Typer(
-    help="Vision-aware steering (VAR, VHR) on a vision-language model or a marked text context.",
+    help="Vision-aware steering (VAR, VHR, AdaptVis, ScalingVis) on a vision-language model or a marked "
+    "text context.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
@@ -34,6 +36,12 @@ ImageOpt = Annotated[
 ]
 VarPOpt = Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")]
 VarRhoOpt = Annotated[float, typer.Option(help="VAR: least non-sink image ratio")]
+VISION_METHODS = ("var", "vhr", "adaptvis", "scalingvis")
+"""The `--steer` choices of `headsteer vision generate`."""
+WeightOpt = Annotated[float, typer.Option(help="ScalingVis: factor on the last token's image logits")]
+Weight1Opt = Annotated[float, typer.Option(help="AdaptVis: factor when the confidence is below --threshold")]
+Weight2Opt = Annotated[float, typer.Option(help="AdaptVis: factor otherwise")]
+ThresholdOpt = Annotated[float, typer.Option(help="AdaptVis: confidence threshold in [0, 1]")]
 DimsOpt = Annotated[
     str | None,
     typer.Option("--sink-dims", help='sink dimensions for VAR, e.g. "1415,2533" (default: known backbones)'),
@@ -57,7 +65,7 @@ def _image(path: Path | None):
 
 def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "prompt") -> None:
     """Refuse, before the model loads, an empty prompt, or one without an image and without a
-    **marked** context passage (VAR and VHR need the image or the passage).
+    **marked** context passage (VAR, VHR, AdaptVis and ScalingVis need the image or the passage).
 
     Raises:
         ValueError: naming the option.
@@ -101,14 +109,32 @@ def _steer(
     tau: float | None,
     dims: str | None,
     without: str = "delete",
+    adaptvis: dict | None = None,
 ):
-    from steer import Var, Vhr
+    """The intervention of `--steer kind`; `adaptvis`: `weight`, `weight1`, `weight2`, `threshold`
+    (default: the methods' defaults). Every value is checked here, before the model loads."""
+    from steer import AdaptVis, ScalingVis, Var, Vhr
+    from steer.adaptvis import DEFAULT_SCALING_WEIGHT, DEFAULT_THRESHOLD, DEFAULT_WEIGHT1, DEFAULT_WEIGHT2
 
+    av = {
+        "weight": DEFAULT_SCALING_WEIGHT,
+        "weight1": DEFAULT_WEIGHT1,
+        "weight2": DEFAULT_WEIGHT2,
+        "threshold": DEFAULT_THRESHOLD,
+        **(adaptvis or {}),
+    }
     if kind == "vhr":
         return Vhr(alpha=alpha, without_image=without)  # type: ignore[arg-type]  # Vhr checks the value
     if kind == "var":
         return Var(p=p, rho=rho, tau=tau, sink_dims=_dims(dims))
-    raise HeadsteerValueError(f"--steer must be 'var' or 'vhr', got {kind!r}")
+    if kind == "scalingvis":
+        return ScalingVis(weight=av["weight"])
+    if kind == "adaptvis":
+        return AdaptVis(weight1=av["weight1"], weight2=av["weight2"], threshold=av["threshold"])
+    raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {kind!r}")
+
+
+_LABELS = {"var": "VAR", "vhr": "VHR", "adaptvis": "AdaptVis", "scalingvis": "ScalingVis"}
 
 
 def steered_pair(
@@ -124,21 +150,23 @@ def steered_pair(
     sink_dims: str | None,
     max_new_tokens: int,
     without_image: str = "delete",
+    adaptvis: dict | None = None,
 ) -> dict:
-    """Unsteered and VAR- or VHR-steered answers to `prompt` (with `image`, or on its marked
-    passage), printed side by side; shared by `headsteer generate --steer var|vhr` and
-    `headsteer vision generate`."""
-    from steer import SteeredModel
+    """Unsteered and VAR-, VHR-, AdaptVis- or ScalingVis-steered answers to `prompt` (with `image`,
+    or on its marked passage), printed side by side; shared by `headsteer generate --steer
+    var|vhr|adaptvis|scalingvis` and `headsteer vision generate`."""
+    from steer import AdaptVis, SteeredModel
 
     _positive(max_new_tokens=max_new_tokens)
-    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image)
+    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image, adaptvis)
     check_vision_prompt(prompt, image)
     img = _image(image)
     hm = run.load()
     sm = SteeredModel(hm)
     images = None if img is None else [img]
     n = max_new_tokens
-    with run.progress(2 * n, f"generating (baseline, then {kind.upper()}) tokens") as step:
+    label = _LABELS[kind]
+    with run.progress(2 * n, f"generating (baseline, then {label}) tokens") as step:
         base = sm.generate(
             [prompt], [], images=images, max_new_tokens=n, progress=offset_progress(step, 0, 2 * n)
         )
@@ -147,16 +175,20 @@ def steered_pair(
         )
     table = Table(show_lines=True, expand=True)  # ratio=1 columns: equal widths
     table.add_column("baseline", ratio=1)
-    table.add_column(f"{kind.upper()}", ratio=1)
+    table.add_column(label, ratio=1)
     table.add_row(escape(base.text), escape(steered.text))
     run.show(table)
-    return {"baseline": base.text, "steered": steered.text, "steer": kind}
+    out: dict[str, object] = {"baseline": base.text, "steered": steered.text, "steer": kind}
+    if isinstance(method, AdaptVis):  # the probe's confidence and the factor it picked
+        out["confidence"] = float(method.last["confidence"][0])
+        out["weight"] = float(method.last["weight"][0])
+    return out
 
 
 def vision_generate(
     run: Run,
     prompt: Annotated[str, typer.Argument(help=PROMPT_HELP)],
-    steer: Annotated[str, typer.Option("--steer", help="var | vhr")] = "vhr",
+    steer: Annotated[str, typer.Option("--steer", help="var | vhr | adaptvis | scalingvis")] = "vhr",
     image: ImageOpt = None,
     alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
     p: VarPOpt = 0.6,
@@ -172,20 +204,28 @@ def vision_generate(
             "(keep positions; docs/methods/vhr.md)",
         ),
     ] = "delete",
+    weight: WeightOpt = 0.8,
+    weight1: Weight1Opt = 0.5,
+    weight2: Weight2Opt = 1.5,
+    threshold: ThresholdOpt = 0.4,
 ) -> dict:
-    """Print the unsteered and the VAR- or VHR-steered answers side by side."""
-    if steer == "vhr":
-        refuse_unused(
-            steer,
-            {
-                "--p": p != 0.6,
-                "--rho": rho != 0.5,
-                "--tau": tau is not None,
-                "--sink-dims": sink_dims is not None,
-            },
-        )
-    elif steer == "var":
-        refuse_unused(steer, {"--alpha": alpha != 2.0, "--without-image": without_image != "delete"})
+    """Print the unsteered and the VAR-, VHR-, AdaptVis- or ScalingVis-steered answers side by side."""
+    if steer not in VISION_METHODS:
+        raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {steer!r}")
+    given = {  # option -> (set to a non-default value, the methods that use it)
+        "--alpha": (alpha != 2.0, ("vhr",)),
+        "--without-image": (without_image != "delete", ("vhr",)),
+        "--p": (p != 0.6, ("var",)),
+        "--rho": (rho != 0.5, ("var",)),
+        "--tau": (tau is not None, ("var",)),
+        "--sink-dims": (sink_dims is not None, ("var",)),
+        "--weight": (weight != 0.8, ("scalingvis",)),
+        "--weight1": (weight1 != 0.5, ("adaptvis",)),
+        "--weight2": (weight2 != 1.5, ("adaptvis",)),
+        "--threshold": (threshold != 0.4, ("adaptvis",)),
+    }
+    refuse_unused(steer, {name: on and steer not in users for name, (on, users) in given.items()})
+    adaptvis = dict(weight=weight, weight1=weight1, weight2=weight2, threshold=threshold)
     return steered_pair(
         run,
         prompt,
@@ -198,6 +238,7 @@ def vision_generate(
         sink_dims=sink_dims,
         max_new_tokens=max_new_tokens,
         without_image=without_image,
+        adaptvis=adaptvis,
     )
 
 

@@ -10,10 +10,11 @@ Steering rides in extra body fields, e.g. with the `openai` client::
         extra_body={"steer": [{"method": "pasta", "heads": "auto", "alpha": 0.01}]},
     )
 
-`steer` is a list of `{"method": "pasta" | "spotlight" | "instaboost" | "act" | "ablate", ...}` objects
-(see `steer.serving.parse_steer`); `emphasize` (a string or a list) marks spans besides
-`**markup**`. A bad request gets HTTP 400 with a one-line reason. Concurrent requests are
-batched dynamically (`steer.serving.Batcher`), each with its own steering on its own
+`steer` is a list of `{"method": "pasta" | "spotlight" | "instaboost" | "act" | "ablate" |
+"adaptvis" | "scalingvis" | "caa", ...}` objects (see `steer.serving.parse_steer`; CAA vectors
+are loaded at start with `--caa-vector FILE` and named by requests); `emphasize` (a string or
+a list) marks spans besides `**markup**`. A bad request gets HTTP 400 with a one-line reason.
+Concurrent requests are batched dynamically (`steer.serving.Batcher`), each with its own steering on its own
 batch row. The server listens on loopback addresses only; SIGTERM stops accepting
 requests and lets the in-flight ones finish.
 
@@ -31,6 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -120,7 +122,7 @@ def _emphasize(body: Mapping):
     raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {_short(e)}")
 
 
-def _parse(body, chat: bool, model_id: str):
+def _parse(body, chat: bool, model_id: str, caa_vectors=None):
     """A `ServeRequest` from an OpenAI body; `_BadRequest` names the bad field."""
     from steer.serving import SamplingParams, ServeRequest, parse_steer
 
@@ -175,7 +177,7 @@ def _parse(body, chat: bool, model_id: str):
         raise _BadRequest(f"stream must be true or false, got {_short(stream)}")
     try:
         params = SamplingParams.from_body(body)
-        steer = parse_steer(body.get("steer"))
+        steer = parse_steer(body.get("steer"), caa_vectors)
     except (TypeError, ValueError) as exc:
         raise _BadRequest(str(exc)) from None
     return ServeRequest(prompt, chat, steer, _emphasize(body), params), stream
@@ -250,6 +252,7 @@ def create_app(
     wait_s: float = 0.02,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_prompt_tokens: int | None = None,
+    caa_vectors=None,
 ):
     """The FastAPI app serving `model` (a `HeadModel` with a tokenizer).
 
@@ -260,6 +263,8 @@ def create_app(
         max_body_bytes: largest request body (default `MAX_BODY_BYTES`, 4 MiB); a larger one
             gets HTTP 413 before it is read whole.
         max_prompt_tokens: longest rendered prompt in tokens (default None: the model's positions).
+        caa_vectors: named `steer.Caa` vectors a request may name (`{"method": "caa", "vector":
+            NAME}`; `steer.caa.load_caa_vectors`); each is checked against `model` here.
 
     Returns:
         a FastAPI app; `app.state.batcher` is the `steer.serving.Batcher` (started with
@@ -276,6 +281,12 @@ def create_app(
     from steer.serving import Batcher, BatchGenerator, RequestCancelled
 
     check_int("max_body_bytes", max_body_bytes, lo=1)
+    caa_vectors = dict(caa_vectors or {})
+    for name, caa in caa_vectors.items():
+        try:
+            caa.check(model)
+        except ValueError as exc:
+            raise HeadsteerValueError(f"CAA vector {name!r}: {exc}") from None
     generator = BatchGenerator(model, max_prompt_tokens=max_prompt_tokens)
     model_id = model.name
 
@@ -313,7 +324,7 @@ def create_app(
             return error(400, "the request body is not valid JSON")
         del raw
         try:
-            req, stream = _parse(body, chat, model_id)
+            req, stream = _parse(body, chat, model_id, caa_vectors)
             prepared = await run_in_threadpool(generator.prepare, req)
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             return error(400, _one_line(exc))
@@ -484,13 +495,22 @@ def serve_command(
     max_prompt_tokens: Annotated[
         int, typer.Option(help="longest prompt in tokens; 0 = the model's positions (default)")
     ] = 0,
+    caa_vector: Annotated[
+        Path | None,
+        typer.Option(
+            "--caa-vector",
+            help="safetensors file of named CAA vectors (steer.save_caa_vectors); requests name them: "
+            '{"method": "caa", "vector": NAME}',
+        ),
+    ] = None,
 ) -> None:
     """Serve steered generation over an OpenAI-compatible HTTP API (Ctrl-C / SIGTERM to stop).
 
     With --json, one JSON line on stdout once the model is loaded: {"url", "model"} (for
     scripts that start the server and wait for it). Each request is logged as one line on
     stderr (client, method and path, status, tokens, time). Bodies over --max-body-mb get
-    HTTP 413; a client that disconnects has its request cancelled."""
+    HTTP 413; a client that disconnects has its request cancelled. --caa-vector loads named
+    CAA vectors at start (checked before the model loads, and against it once loaded)."""
     check_loopback(host)
     if not 0 <= port <= 65535:
         raise HeadsteerValueError(f"--port must be in 0..65535, got {port}")
@@ -513,6 +533,11 @@ def serve_command(
             f"--device {run.device} and --device-map {device_map} conflict: the device map places the "
             "layers; drop --device"
         )
+    caa_vectors = None
+    if caa_vector is not None:
+        from steer.caa import load_caa_vectors
+
+        caa_vectors = load_caa_vectors(caa_vector)  # a bad file fails here, before the model loads
     hm = run.load(device_map=device_map)
     app = create_app(
         hm,
@@ -520,6 +545,7 @@ def serve_command(
         wait_s=batch_wait_ms / 1000,
         max_body_bytes=int(max_body_mb * 2**20),
         max_prompt_tokens=max_prompt_tokens or None,
+        caa_vectors=caa_vectors,
     )
     if not log.handlers:  # one line per request on stderr (after --json's line on stdout)
         handler = logging.StreamHandler(sys.stderr)
