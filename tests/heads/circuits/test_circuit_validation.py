@@ -66,6 +66,9 @@ def _fake(m):
         ({"seed": -1}, "seed"),
         ({"batch_rows": 0}, "batch_rows"),
         ({"random": 1}, "random"),
+        ({"n_random": 0}, "n_random"),
+        ({"n_random": 1001}, "n_random"),
+        ({"n_random": 2.0}, "n_random"),
     ],
 )
 def test_faithfulness_curve_refuses(qwen2, no_forward, kw, match):

@@ -192,6 +192,38 @@ def test_exact_one_edge_equals_two_run_oracle(qwen2):
     assert ex.scores[edges[1, 0], edges[1, 1]].item() == pytest.approx(want_k, abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
+def test_sliced_projection_equals_the_module_path(kind, monkeypatch):
+    """The sliced-weight projection of per-head copies (and patching only the active inputs)
+    gives the numbers of calling the module on every copy: EAP scores, exact scores of edges
+    into q / k / v / MLP / logits, and a many-edge faithfulness evaluation."""
+    import heads.scorers.circuits.graph as graph_mod
+
+    m = tiny_family_model(kind)
+    p = _pairs(2)
+    g = graph_of(m)
+    edges = torch.tensor(
+        [
+            [g.head_node(0, 1), g.q_input(1, 2)],
+            [g.head_node(0, 0), g.k_input(1, 0)],
+            [0, g.v_input(1, g.n_kv_heads - 1)],
+            [g.mlp_node(0), g.mlp_input(1)],
+            [g.head_node(1, 0), g.logits_input],
+        ]
+    )
+    masks = torch.rand(3, g.n_upstream, g.n_downstream, generator=torch.Generator().manual_seed(0)) < 0.5
+    got = []
+    for fast in (True, False):
+        monkeypatch.setattr(graph_mod, "_FAST_LINEAR", fast)
+        eap = edge_scores(m, p, method="eap", progress=False).values()
+        ex = exact_scores(m, p, edges=edges, batch_rows=4, progress=False).scores[edges[:, 0], edges[:, 1]]
+        got.append((eap, ex, evaluate(m, p, masks & g.valid, batch_rows=3)))
+    for a, b in zip(got[0], got[1], strict=True):
+        assert not a.isnan().any()
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+    assert got[0][1].abs().max() > 1e-6
+
+
 # ------------------------------------------------------------------------------ circuits
 def test_pruning_drops_dangling_edges(qwen2):
     g = graph_of(qwen2)
@@ -219,6 +251,16 @@ def test_faithfulness_full_one_empty_zero_and_curve(qwen2, tmp_path):
     x = [0.05, 0.5, 1.0]
     area = torch.trapezoid(torch.tensor(cur["faithfulness"]), torch.tensor(x))
     assert cur["cpr"] == pytest.approx(float(area))
+    # several random draws: the mean curve, and CPR / CMD averaged over the draws' own areas
+    many = faithfulness_curve(qwen2, p, sc, sizes=(5, 50, 100), n_random=3, seed=0)
+    assert many["random_draws"][0] == pytest.approx(cur["random"], abs=1e-6)  # draw 0 = seed 0's
+    assert len(many["random_draws"]) == 3 and many["random_draws"][1] != many["random_draws"][0]
+    mean = torch.tensor(many["random_draws"]).mean(0)
+    assert many["random"] == pytest.approx(mean.tolist(), abs=1e-6)
+    xs = torch.tensor(x)
+    cmds = [float(torch.trapezoid((1 - torch.tensor(d)).abs(), xs)) for d in many["random_draws"]]
+    assert many["cmd_random"] == pytest.approx(sum(cmds) / 3)
+    assert many["cpr_random"] == pytest.approx(float(torch.trapezoid(mean, torch.tensor(x))))
     c = select(sc, 12)
     assert c.n_edges <= 12 and torch.equal(prune(g, c.mask), c.mask)
     df = c.to_frame()
