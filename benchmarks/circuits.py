@@ -8,7 +8,8 @@
    forward, edges grouped by downstream input), timed: a random `--sample` of it first, the
    rest after the curves (so a partial run already has the speed-up). Exact patching of the
    whole graph is not run: its cost is extrapolated as seconds per timed edge x all edges
-   (`exact_edges_timed` says how many were timed), and `speedup_vs_exact` = that / the EAP-IG time (same pairs, same run).
+   (`exact_edges_timed` says how many were timed), and `speedup_vs_exact` = that / the EAP-IG
+   time (same pairs, same run).
 3. `spearman_top200`: Spearman of EAP-IG vs exact scores on EAP-IG's top `--k` edges;
    `top20_recall`: the share of the exact top 20 *of the candidate set* (by |score|) that are
    in EAP-IG's top 100 (an edge outside both top-k lists is never scored exactly).
@@ -20,8 +21,9 @@
 pairs (top `--size` % of the edges), then ablate its heads (`steer.Ablate(circuit.heads)`,
 uniform attention) and, `--draws` times, the same number of random heads, and measure IOI
 accuracy (logit of the indirect object > logit of the subject at the last position) on
-`--test` test pairs: 95 % bootstrap intervals over pairs; for random heads, also a two-level
-bootstrap (draws resampled, then pairs).
+`--test` test pairs: 95 % bootstrap intervals over pairs; for random heads, the pooled
+draws' interval over pairs and a two-level bootstrap (draws resampled, then pairs), and the
+interval of the circuit-minus-random gap (pairs and draws resampled).
 
 Prints one JSON line (also written to `--out` after each stage, so a partial run keeps what it
 measured): speedup_vs_exact, exact_edges_timed, spearman_top200, top20_recall, cpr_eap_ig,
@@ -82,6 +84,17 @@ def _boot(x: torch.Tensor, n: int = 2000, seed: int = 0) -> list[float]:
     return [round(float(means.quantile(0.025)), 3), round(float(means.quantile(0.975)), 3)]
 
 
+def _boot_draws(acc: torch.Tensor, n: int = 2000, seed: int = 0) -> list[float]:
+    """95 % interval of the mean accuracy of `acc [draws, N]` under a two-level bootstrap:
+    draws resampled with replacement, then pairs (the same pair indices for every draw)."""
+    g = torch.Generator().manual_seed(seed)
+    k, m = acc.shape
+    di = torch.randint(0, k, (n, k), generator=g)
+    pi = torch.randint(0, m, (n, m), generator=g)
+    means = torch.stack([acc[di[b]][:, pi[b]].mean() for b in range(n)])
+    return [round(float(means.quantile(0.025)), 3), round(float(means.quantile(0.975)), 3)]
+
+
 def study(args: argparse.Namespace) -> dict:
     from heads import HeadSet
     from heads.scorers.circuits import select
@@ -102,7 +115,7 @@ def study(args: argparse.Namespace) -> dict:
         pick = torch.randperm(graph.n_layers * graph.n_heads, generator=g)[:k].tolist()
         draws.append(_accuracy(model, test, HeadSet((i // graph.n_heads, i % graph.n_heads) for i in pick)))
     pooled = torch.cat(draws)
-    return {
+    res = {
         "benchmark": "circuits_ablation_study",
         "model": model.name,
         "train_pairs": train.n,
@@ -115,8 +128,23 @@ def study(args: argparse.Namespace) -> dict:
         "acc_circuit_ablated_ci": _boot(abl),
         "acc_random_ablated": round(float(pooled.mean()), 3),
         "acc_random_ablated_ci": _boot(pooled),
+        "acc_random_ablated_ci_draws": _boot_draws(torch.stack(draws)),
         "acc_random_draws": [round(float(d.mean()), 3) for d in draws],
+        "circuit_minus_random_ci": _boot_gap(abl, torch.stack(draws)),
+        "loadavg": _load(),
     }
+    return res
+
+
+def _boot_gap(abl: torch.Tensor, acc: torch.Tensor, n: int = 2000, seed: int = 1) -> list[float]:
+    """95 % interval of acc(circuit ablated) - acc(random heads ablated), pairs resampled jointly
+    (the same test pairs in both) and random draws resampled."""
+    g = torch.Generator().manual_seed(seed)
+    k, m = acc.shape
+    di = torch.randint(0, k, (n, k), generator=g)
+    pi = torch.randint(0, m, (n, m), generator=g)
+    gaps = torch.stack([abl[pi[b]].mean() - acc[di[b]][:, pi[b]].mean() for b in range(n)])
+    return [round(float(gaps.quantile(0.025)), 3), round(float(gaps.quantile(0.975)), 3)]
 
 
 def _load() -> list[float]:

@@ -433,14 +433,19 @@ class _Runner:
         A plain `nn.Linear` with no other hooks is sliced to the heads' rows of its weight (one
         projection's cost instead of a); any other module is called on every copy."""
         d = self.d
-        lin = _FAST_LINEAR and type(mod) is nn.Linear and not mod._forward_pre_hooks
-        if lin and len(mod._forward_hooks) == 1:
-            w = cast(torch.Tensor, mod.weight)
+        if (
+            _FAST_LINEAR
+            and type(mod) is nn.Linear
+            and not mod._forward_pre_hooks
+            and len(mod._forward_hooks) == 1
+        ):
+            lin = cast(nn.Linear, mod)
+            w = lin.weight
             hd = heads.to(w.device)
             wk = w.reshape(-1, d, w.shape[-1])[hd]  # [a, d, D]
             out = torch.einsum("krtD,kdD->rtkd", part.to(w.dtype), wk)
-            if mod.bias is not None:
-                out = out + mod.bias.reshape(-1, d)[hd]
+            if lin.bias is not None:
+                out = out + lin.bias.reshape(-1, d)[hd]
             return out
         full = self._call(mod, part)  # [a, R, T, K d]
         a = part.shape[0]

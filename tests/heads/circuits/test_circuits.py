@@ -296,6 +296,55 @@ def test_circuit_heads_hand_off_to_ablate(qwen2):
     assert sorted(la for e in edits for la in [e.layer]) == sorted({la for la, _ in c.heads.heads})
 
 
+@pytest.mark.parametrize("via", ["HeadScale", "Ablate-sc"])
+def test_circuit_heads_reinforced_like_vhr(qwen2, via):
+    """VHR's reinforcement (He et al. 2025, Sec. 3: o_{l,i} <- alpha o_{l,i}, the `HeadScale`
+    edit `steer.Vhr` applies) takes `circuit.heads` directly: the logits equal a plain pre-hook
+    on o_proj that multiplies the circuit heads' slices by alpha, and differ from the unedited
+    ones."""
+    from heads import editing
+    from heads.engine.edits import HeadScale
+    from steer import Ablate
+
+    alpha, d = 2.0, qwen2.d_head
+    p = _pairs(2)
+    c = select(edge_scores(qwen2, p, method="eap", progress=False), 20)
+    by_layer = c.heads.by_layer()
+    assert by_layer and len(c.heads.heads) < qwen2.n_layers * qwen2.n_heads  # some heads left out
+    edits: list = []
+    if via == "HeadScale":
+        edits = [HeadScale(layer=la, heads=hs, factor=alpha) for la, hs in by_layer.items()]
+    else:
+        edits = Ablate(c.heads, method="sc", eps=alpha).edits(qwen2, None)  # type: ignore[arg-type]
+    ids, mask = p.clean_ids, p.attention_mask
+    base = _model_logits(qwen2, ids, mask)
+    with editing(qwen2, edits):
+        got = _model_logits(qwen2, ids, mask)
+
+    def oracle(chosen: dict[int, list[int]]) -> torch.Tensor:
+        def scale(la):
+            def hook(mod, args):
+                z = args[0].clone()
+                for hd in chosen[la]:
+                    z[..., hd * d : (hd + 1) * d] *= alpha
+                return (z, *args[1:])
+
+            return hook
+
+        hs = [qwen2.out_projs[la].register_forward_pre_hook(scale(la)) for la in chosen]
+        try:
+            out: torch.Tensor = _model_logits(qwen2, ids, mask)
+            return out
+        finally:
+            for x in hs:
+                x.remove()
+
+    assert torch.allclose(got, oracle(by_layer), atol=1e-5)
+    assert (got - base).abs().max() > 1e-3
+    every = {la: list(range(qwen2.n_heads)) for la in range(qwen2.n_layers)}
+    assert (got - oracle(every)).abs().max() > 1e-3  # the circuit's heads, not all of them
+
+
 def test_bad_input_before_any_forward(qwen2):
     p = _pairs(2)
     calls = []
