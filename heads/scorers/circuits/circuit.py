@@ -568,7 +568,7 @@ def faithfulness_curve(
     Returns:
         `{"sizes": [%], "n_edges": [requested], "n_kept": [after pruning], "faithfulness": [f],
         "cpr", "cmd", and with random: "random" (mean curve), "n_kept_random" (first draw),
-        "cpr_random", "cmd_random", "random_draws" ([n_random][sizes] curves),
+        "cpr_random", "cmd_random", "random_draws" (`[n_random, sizes]` curves),
         "cpr_random_draws", "cmd_random_draws", "seed"}`.
 
     Raises:
