@@ -550,6 +550,7 @@ def faithfulness_curve(
     absolute: bool = True,
     random: bool = True,
     seed: int = 0,
+    n_random: int = 1,
     metric: str | Metric | Any | None = None,
     batch_rows: int = 64,
     progress: ProgressArg = None,
@@ -558,12 +559,17 @@ def faithfulness_curve(
 
     Args:
         sizes: circuit sizes in % of the edges, each in (0, 100] (default `SIZES`).
-        random: also evaluate one random circuit per size (seeded by `seed`), pruned alike.
+        random: also evaluate random circuits of the same sizes (one per size and draw, each
+            draw a random edge order seeded by `seed`), pruned alike.
+        n_random: random draws, 1..1000 (default 1); the random curve is the mean over draws,
+            `cpr_random` / `cmd_random` the means of the draws' CPR / CMD.
         metric: default the metric the scores were made with.
 
     Returns:
         `{"sizes": [%], "n_edges": [requested], "n_kept": [after pruning], "faithfulness": [f],
-        "cpr", "cmd", and with random: "random", "n_kept_random", "cpr_random", "cmd_random"}`.
+        "cpr", "cmd", and with random: "random" (mean curve), "n_kept_random" (first draw),
+        "cpr_random", "cmd_random", "random_draws" (`[n_random, sizes]` curves),
+        "cpr_random_draws", "cmd_random_draws", "seed"}`.
 
     Raises:
         ValueError: sizes not a list of numbers in (0, 100] (a string or a bool is refused);
@@ -576,6 +582,7 @@ def faithfulness_curve(
     check_bool("absolute", absolute)
     check_bool("random", random)
     seed = check_seed("seed", seed)
+    n_random = check_int("n_random", n_random, lo=1, hi=1000)
     check_int("batch_rows", batch_rows, lo=1)
     graph = graph_of(model)
     if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
@@ -587,8 +594,9 @@ def faithfulness_curve(
     if random:
         gen = torch.Generator().manual_seed(seed)
         edges = torch.nonzero(graph.valid)
-        perm = edges[torch.randperm(len(edges), generator=gen)]
-        masks += [prune(graph, _top_mask(graph, perm, n)) for n in ns]
+        for _ in range(n_random):
+            perm = edges[torch.randperm(len(edges), generator=gen)]
+            masks += [prune(graph, _top_mask(graph, perm, n)) for n in ns]
     f = evaluate(model, pairs, torch.stack(masks), metric=met, batch_rows=batch_rows, progress=progress)
     x = [s / 100.0 for s in sz]
     k = len(sz)
@@ -602,12 +610,16 @@ def faithfulness_curve(
         "cmd": cmd,
     }
     if random:
-        cr, cd = areas(x, f[k:])
+        draws = f[k:].reshape(n_random, k)
+        ar = [areas(x, d) for d in draws]
         out.update(
-            random=[float(v) for v in f[k:]],
-            n_kept_random=[int(m.sum()) for m in masks[k:]],
-            cpr_random=cr,
-            cmd_random=cd,
+            random=[float(v) for v in draws.mean(0)],
+            n_kept_random=[int(m.sum()) for m in masks[k : 2 * k]],
+            cpr_random=sum(a for a, _ in ar) / n_random,
+            cmd_random=sum(b for _, b in ar) / n_random,
+            random_draws=[[float(v) for v in d] for d in draws],
+            cpr_random_draws=[a for a, _ in ar],
+            cmd_random_draws=[b for _, b in ar],
             seed=seed,
         )
     return out

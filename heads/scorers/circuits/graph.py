@@ -46,6 +46,10 @@ from heads.model.adapter import HeadModel, _module, _unwrap
 
 __all__ = ["Acts", "Graph", "check_family", "graph_of", "run_graph"]
 
+_FAST_LINEAR = True
+"""Project per-head copies through a plain `nn.Linear` by slicing its weight (tests switch it
+off to check the module path gives the same numbers)."""
+
 ATTN_NORMS = ("input_layernorm", "ln_1")
 """Attribute names of the norm applied to the residual before the attention (Llama-like, GPT-2)."""
 
@@ -280,13 +284,6 @@ def _first(out: Any) -> torch.Tensor:
     return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
 
 
-def _diag(out: torch.Tensor, k: int, d: int) -> torch.Tensor:
-    """Block k of row k: `out [K, R, T, K*d]` -> `[R, T, K*d]` (head k's features from its own input)."""
-    idx = torch.arange(k, device=out.device)
-    sel = out.reshape(k, *out.shape[1:-1], k, d)[idx, ..., idx, :]  # [K, R, T, d]
-    return sel.permute(1, 2, 0, 3).reshape(*out.shape[1:-1], k * d)
-
-
 class _Runner:
     """Hooks for one decomposed forward of R rows (see the module docstring).
 
@@ -316,39 +313,52 @@ class _Runner:
         self.H, self.G, self.d = H, G, d
         self.w_o = [model.layer_weights(la)["W_O"] for la in range(L)]
         self.x: list[torch.Tensor | None] = [None] * L  # residual entering each layer's attention
-        self.normed: list[torch.Tensor | None] = [None] * L  # [H + 2G, R, T, D] per-input normed residuals
+        # per layer (norm(x + delta) [a, R, T, D], active [a]) of its active q / k / v inputs
+        self.normed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
         self.z: list[Any] = [None] * L
         self.mlp: list[Any] = [None] * L
         self.inp: torch.Tensor | None = None
         self.deltas: dict[str, torch.Tensor] = {}  # grad mode: the injected zero deltas
-        self.diff: torch.Tensor | None = None  # [U, R, T, D] a_u(x~) - a_u(run), filled as computed
+        self.diff: torch.Tensor | None = None  # [R, U, T*D] a_u(x~) - a_u(run), filled as computed
         self.busy = False
         self.n_before = graph.n_before()
 
     # -------------------------------------------------------------- deltas
-    def _delta(self, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor | None:
-        """`[hi - lo, R, T, D]` delta of downstream inputs lo..hi-1 (None when nothing is patched)."""
+    def _delta(self, lo: int, hi: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(delta [a, R, T, D], active [a] long)`: the deltas of the downstream inputs lo + active
+        (those with an edge patched in some row, all of lo..hi-1 in grad mode); None when nothing
+        is patched. Only the upstream nodes patched in some row enter the sum."""
         if self.grad:
             key = f"{lo}:{hi}"
             t = torch.zeros(hi - lo, *x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
             self.deltas[key] = t
-            return t
+            return t, torch.arange(hi - lo)
         if self.patch is None:
             return None
         n = int(self.n_before[lo])
         p = self.patch[:, :n, lo:hi]
         if not bool(p.any()):
             return None
-        diff = cast(torch.Tensor, self.diff)[:n]
-        return torch.einsum("urtD,ruk->krtD", diff, p.to(diff.dtype)).to(x.dtype)
+        used = torch.nonzero(p.any(dim=2).any(dim=0))[:, 0]
+        active = torch.nonzero(p.any(dim=1).any(dim=0))[:, 0]
+        full = cast(torch.Tensor, self.diff)
+        if len(used) == n:  # every upstream node: a view, no copy
+            diff = full[:, :n]
+        else:
+            diff = full[:, used.to(full.device)]
+            p = p[:, used]
+        p = p[:, :, active].to(full.device, full.dtype)  # [R, u, a]
+        delta = torch.bmm(p.transpose(1, 2), diff)  # [R, a, T*D]
+        return delta.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype), active
 
     def _set_diff(self, u0: int, value: torch.Tensor) -> None:
         if self.patch is None:
             return
         if self.diff is None:
             U = self.g.n_upstream
-            self.diff = torch.zeros(U, *value.shape[1:], dtype=torch.float32, device=value.device)
-        self.diff[u0 : u0 + value.shape[0]] = value.float()
+            R = value.shape[1]
+            self.diff = torch.zeros(R, U, value[0, 0].numel(), dtype=torch.float32, device=value.device)
+        self.diff[:, u0 : u0 + value.shape[0]] = value.float().transpose(0, 1).flatten(2)
 
     # -------------------------------------------------------------- hooks
     def install(self, stack: ExitStack) -> None:
@@ -404,48 +414,87 @@ class _Runner:
 
         return hook
 
-    def _normed(self, la: int, norm1: nn.Module) -> torch.Tensor | None:
-        """`[H + 2G, R, T, D]` norm(x_l + delta) per q / k / v input of layer la (None: unpatched)."""
+    def _normed(self, la: int, norm1: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(norm(x_l + delta) [a, R, T, D], active [a])` for the active q / k / v inputs of layer
+        la (indices 0..H+2G-1 as in the layer's downstream order; None: nothing patched)."""
         if self.normed[la] is None:
             x = cast(torch.Tensor, self.x[la])
             lo = self.g.q_input(la, 0)
-            delta = self._delta(lo, lo + self.H + 2 * self.G, x)
-            if delta is None:
+            got = self._delta(lo, lo + self.H + 2 * self.G, x)
+            if got is None:
                 return None
-            self.normed[la] = self._call(norm1, x[None] + delta)
+            delta, active = got
+            self.normed[la] = (self._call(norm1, x[None] + delta), active)
         return self.normed[la]
+
+    def _project(self, mod: nn.Module, part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """`[R, T, a, d]`: head `heads[i]`'s block of `mod(part[i])` (`part [a, R, T, D]`).
+
+        A plain `nn.Linear` with no other hooks is sliced to the heads' rows of its weight (one
+        projection's cost instead of a); any other module is called on every copy."""
+        d = self.d
+        if (
+            _FAST_LINEAR
+            and type(mod) is nn.Linear
+            and not mod._forward_pre_hooks
+            and len(mod._forward_hooks) == 1
+        ):
+            lin = cast(nn.Linear, mod)
+            w = lin.weight
+            hd = heads.to(w.device)
+            wk = w.reshape(-1, d, w.shape[-1])[hd]  # [a, d, D]
+            out = torch.einsum("krtD,kdD->rtkd", part.to(w.dtype), wk)
+            if lin.bias is not None:
+                out = out + lin.bias.reshape(-1, d)[hd]
+            return out
+        full = self._call(mod, part)  # [a, R, T, K d]
+        a = part.shape[0]
+        full = full.reshape(a, *full.shape[1:-1], -1, d)
+        idx = torch.arange(a, device=full.device)
+        return full[idx, ..., heads.to(full.device), :].permute(1, 2, 0, 3)
 
     def _proj_hook(self, la: int, which: str, norm1: nn.Module) -> Callable[..., Any]:
         H, G, d = self.H, self.G, self.d
-        sl = {"q": slice(0, H), "k": slice(H, H + G), "v": slice(H + G, H + 2 * G)}[which]
+        lo, hi = {"q": (0, H), "k": (H, H + G), "v": (H + G, H + 2 * G)}[which]
 
         def hook(mod, args, out):
             if self.busy:
                 return None
-            normed = self._normed(la, norm1)
-            if normed is None:
+            got = self._normed(la, norm1)
+            if got is None:
                 return None
-            part = normed[sl]
-            k = part.shape[0]
-            return _diag(self._call(mod, part), k, d).to(_first(out).dtype)
+            normed, active = got
+            sel = (active >= lo) & (active < hi)
+            if not bool(sel.any()):
+                return None
+            heads = active[sel] - lo
+            blocks = self._project(mod, normed[sel.to(normed.device)], heads)  # [R, T, a, d]
+            o = _first(out)
+            if len(heads) == hi - lo and bool((heads == torch.arange(hi - lo)).all()):
+                return blocks.reshape(o.shape).to(o.dtype)
+            new = o.reshape(*o.shape[:-1], hi - lo, d).clone()
+            new[..., heads.to(o.device), :] = blocks.to(o.dtype)
+            return new.reshape(o.shape)
 
         return hook
 
     def _fused_hook(self, la: int, norm1: nn.Module) -> Callable[..., Any]:
-        H, G, d = self.H, self.G, self.d
-        qw, kw = H * d, G * d
+        d = self.d
 
         def hook(mod, args, out):
             if self.busy:
                 return None
-            normed = self._normed(la, norm1)
-            if normed is None:
+            got = self._normed(la, norm1)
+            if got is None:
                 return None
-            full = self._call(mod, normed)  # [H + 2G, R, T, qw + 2 kw]
-            q = _diag(full[:H, ..., :qw], H, d)
-            k = _diag(full[H : H + G, ..., qw : qw + kw], G, d)
-            v = _diag(full[H + G :, ..., qw + kw :], G, d)
-            return torch.cat([q, k, v], dim=-1).to(_first(out).dtype)
+            normed, active = got
+            full = self._call(mod, normed)  # [a, R, T, qw + 2 kw]
+            o = _first(out)
+            new = o.clone()
+            # input i of the layer (q heads, then k, then v KV heads) owns feature block i
+            for i, j in enumerate(active.tolist()):
+                new[..., j * d : (j + 1) * d] = full[i, ..., j * d : (j + 1) * d].to(o.dtype)
+            return new
 
         return hook
 
@@ -486,10 +535,10 @@ class _Runner:
             if self.busy:
                 return None
             x = args[0]
-            delta = self._delta(down, down + 1, x)
-            if delta is None:
+            got = self._delta(down, down + 1, x)
+            if got is None:
                 return None
-            new = self._call(norm, x + delta[0])
+            new = self._call(norm, x + got[0][0])
             return (new, *out[1:]) if isinstance(out, tuple) else new
 
         return hook

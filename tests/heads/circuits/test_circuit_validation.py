@@ -66,6 +66,9 @@ def _fake(m):
         ({"seed": -1}, "seed"),
         ({"batch_rows": 0}, "batch_rows"),
         ({"random": 1}, "random"),
+        ({"n_random": 0}, "n_random"),
+        ({"n_random": 1001}, "n_random"),
+        ({"n_random": 2.0}, "n_random"),
     ],
 )
 def test_faithfulness_curve_refuses(qwen2, no_forward, kw, match):
@@ -223,3 +226,94 @@ def test_unpruned_circuit_round_trips(qwen2, tmp_path):
     c.mask[0, g.mlp_input(0)] = True  # a dangling edge, kept on purpose
     back = Circuit.load(c.save(tmp_path / "u.json"))
     assert torch.equal(back.mask, c.mask)
+
+
+# ------------------------------------------------------------------------------ the issue's list
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def _forwards(m) -> list[int]:
+    calls: list[int] = []
+    m.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["phi", "gemma2"])
+def test_refused_family_named_before_any_forward(kind):
+    """Parallel blocks (phi) and sub-layer output norms (gemma2): every entry point names the
+    family in one line and runs nothing."""
+    m = tiny_family_model(kind)
+    calls = _forwards(m)
+    from heads.scorers.circuits import exact_scores
+
+    g = graph_of(tiny_family_model("qwen2"))
+    fake = EdgeScores(g, torch.zeros(g.n_upstream, g.n_downstream), "eap")
+    for call in (
+        lambda: graph_of(m),
+        lambda: edge_scores(m, _pairs(), progress=False),
+        lambda: exact_scores(m, _pairs(), progress=False),
+        lambda: find_circuit(m, _pairs(), progress=False),
+        lambda: faithfulness_curve(m, _pairs(), fake),
+        lambda: evaluate(m, _pairs(), torch.zeros(1, g.n_upstream, g.n_downstream, dtype=torch.bool)),
+    ):
+        with pytest.raises(HeadsteerValueError, match=f"model_type '{kind}'") as err:
+            call()
+        _one_line(err)
+    assert not calls
+
+
+def test_pairs_of_unequal_length_refused(qwen2, no_forward):
+    with pytest.raises(HeadsteerValueError) as err:
+        pairs_from_tokens([[5, 6, 7]], [[5, 6]], [5], [6])
+    _one_line(err)
+    # a PairBatch whose corrupted ids were widened afterwards: refused by the scorers themselves
+    p = _pairs()
+    p.corrupted_ids = torch.cat([p.corrupted_ids, p.corrupted_ids[:, :1]], dim=1)
+    for call in (
+        lambda: edge_scores(qwen2, p, progress=False),
+        lambda: find_circuit(qwen2, p, progress=False),
+        lambda: evaluate(qwen2, p, select(_fake(qwen2), 5)),
+    ):
+        with pytest.raises(HeadsteerValueError, match="one shape") as err:
+            call()
+        _one_line(err)
+
+
+def test_circuit_file_for_another_geometry_refused(saved, tmp_path):
+    c, _ = saved
+    path = c.save(tmp_path / "c.json")
+    other = tiny_family_model("gpt2")  # 4 KV heads, not 2
+    calls = _forwards(other)
+    with pytest.raises(HeadsteerValueError, match="n_kv_heads") as err:
+        Circuit.load(path, model=other)
+    _one_line(err)
+    with pytest.raises(HeadsteerValueError, match="n_kv_heads") as err:
+        evaluate(other, _pairs(), Circuit.load(path))
+    _one_line(err)
+    assert not calls
+
+
+@pytest.mark.parametrize("steps", [0, -1, -5])
+def test_m_not_positive_refused(qwen2, no_forward, steps):
+    for call in (
+        lambda: edge_scores(qwen2, _pairs(), method="eap-ig", steps=steps, progress=False),
+        lambda: find_circuit(qwen2, _pairs(), method="eap-ig", steps=steps, progress=False),
+    ):
+        with pytest.raises(HeadsteerValueError, match="steps") as err:
+            call()
+        assert str(steps) in _one_line(err)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 100.001, 1e9, float("inf")])
+def test_sizes_outside_0_100_refused(qwen2, no_forward, bad):
+    for call in (
+        lambda: faithfulness_curve(qwen2, _pairs(), _fake(qwen2), sizes=[5, bad]),
+        lambda: find_circuit(qwen2, _pairs(), size=bad, progress=False),
+        lambda: find_circuit(qwen2, _pairs(), sizes=[bad], progress=False),
+    ):
+        with pytest.raises(HeadsteerValueError, match="size") as err:
+            call()
+        _one_line(err)

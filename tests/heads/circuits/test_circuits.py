@@ -192,6 +192,38 @@ def test_exact_one_edge_equals_two_run_oracle(qwen2):
     assert ex.scores[edges[1, 0], edges[1, 1]].item() == pytest.approx(want_k, abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2"])
+def test_sliced_projection_equals_the_module_path(kind, monkeypatch):
+    """The sliced-weight projection of per-head copies (and patching only the active inputs)
+    gives the numbers of calling the module on every copy: EAP scores, exact scores of edges
+    into q / k / v / MLP / logits, and a many-edge faithfulness evaluation."""
+    import heads.scorers.circuits.graph as graph_mod
+
+    m = tiny_family_model(kind)
+    p = _pairs(2)
+    g = graph_of(m)
+    edges = torch.tensor(
+        [
+            [g.head_node(0, 1), g.q_input(1, 2)],
+            [g.head_node(0, 0), g.k_input(1, 0)],
+            [0, g.v_input(1, g.n_kv_heads - 1)],
+            [g.mlp_node(0), g.mlp_input(1)],
+            [g.head_node(1, 0), g.logits_input],
+        ]
+    )
+    masks = torch.rand(3, g.n_upstream, g.n_downstream, generator=torch.Generator().manual_seed(0)) < 0.5
+    got = []
+    for fast in (True, False):
+        monkeypatch.setattr(graph_mod, "_FAST_LINEAR", fast)
+        eap = edge_scores(m, p, method="eap", progress=False).values()
+        ex = exact_scores(m, p, edges=edges, batch_rows=4, progress=False).scores[edges[:, 0], edges[:, 1]]
+        got.append((eap, ex, evaluate(m, p, masks & g.valid, batch_rows=3)))
+    for a, b in zip(got[0], got[1], strict=True):
+        assert not a.isnan().any()
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+    assert got[0][1].abs().max() > 1e-6
+
+
 # ------------------------------------------------------------------------------ circuits
 def test_pruning_drops_dangling_edges(qwen2):
     g = graph_of(qwen2)
@@ -219,6 +251,16 @@ def test_faithfulness_full_one_empty_zero_and_curve(qwen2, tmp_path):
     x = [0.05, 0.5, 1.0]
     area = torch.trapezoid(torch.tensor(cur["faithfulness"]), torch.tensor(x))
     assert cur["cpr"] == pytest.approx(float(area))
+    # several random draws: the mean curve, and CPR / CMD averaged over the draws' own areas
+    many = faithfulness_curve(qwen2, p, sc, sizes=(5, 50, 100), n_random=3, seed=0)
+    assert many["random_draws"][0] == pytest.approx(cur["random"], abs=1e-6)  # draw 0 = seed 0's
+    assert len(many["random_draws"]) == 3 and many["random_draws"][1] != many["random_draws"][0]
+    mean = torch.tensor(many["random_draws"]).mean(0)
+    assert many["random"] == pytest.approx(mean.tolist(), abs=1e-6)
+    xs = torch.tensor(x)
+    cmds = [float(torch.trapezoid((1 - torch.tensor(d)).abs(), xs)) for d in many["random_draws"]]
+    assert many["cmd_random"] == pytest.approx(sum(cmds) / 3)
+    assert many["cpr_random"] == pytest.approx(float(torch.trapezoid(mean, torch.tensor(x))))
     c = select(sc, 12)
     assert c.n_edges <= 12 and torch.equal(prune(g, c.mask), c.mask)
     df = c.to_frame()
@@ -252,6 +294,55 @@ def test_circuit_heads_hand_off_to_ablate(qwen2):
     assert c.heads.heads and all(0 <= la < 2 and 0 <= h < 4 for la, h in c.heads.heads)
     edits = Ablate(c.heads).edits(qwen2, None)  # type: ignore[arg-type]
     assert sorted(la for e in edits for la in [e.layer]) == sorted({la for la, _ in c.heads.heads})
+
+
+@pytest.mark.parametrize("via", ["HeadScale", "Ablate-sc"])
+def test_circuit_heads_reinforced_like_vhr(qwen2, via):
+    """VHR's reinforcement (He et al. 2025, Sec. 3: o_{l,i} <- alpha o_{l,i}, the `HeadScale`
+    edit `steer.Vhr` applies) takes `circuit.heads` directly: the logits equal a plain pre-hook
+    on o_proj that multiplies the circuit heads' slices by alpha, and differ from the unedited
+    ones."""
+    from heads import editing
+    from heads.engine.edits import HeadScale
+    from steer import Ablate
+
+    alpha, d = 2.0, qwen2.d_head
+    p = _pairs(2)
+    c = select(edge_scores(qwen2, p, method="eap", progress=False), 20)
+    by_layer = c.heads.by_layer()
+    assert by_layer and len(c.heads.heads) < qwen2.n_layers * qwen2.n_heads  # some heads left out
+    edits: list = []
+    if via == "HeadScale":
+        edits = [HeadScale(layer=la, heads=hs, factor=alpha) for la, hs in by_layer.items()]
+    else:
+        edits = Ablate(c.heads, method="sc", eps=alpha).edits(qwen2, None)  # type: ignore[arg-type]
+    ids, mask = p.clean_ids, p.attention_mask
+    base = _model_logits(qwen2, ids, mask)
+    with editing(qwen2, edits):
+        got = _model_logits(qwen2, ids, mask)
+
+    def oracle(chosen: dict[int, list[int]]) -> torch.Tensor:
+        def scale(la):
+            def hook(mod, args):
+                z = args[0].clone()
+                for hd in chosen[la]:
+                    z[..., hd * d : (hd + 1) * d] *= alpha
+                return (z, *args[1:])
+
+            return hook
+
+        hs = [qwen2.out_projs[la].register_forward_pre_hook(scale(la)) for la in chosen]
+        try:
+            out: torch.Tensor = _model_logits(qwen2, ids, mask)
+            return out
+        finally:
+            for x in hs:
+                x.remove()
+
+    assert torch.allclose(got, oracle(by_layer), atol=1e-5)
+    assert (got - base).abs().max() > 1e-3
+    every = {la: list(range(qwen2.n_heads)) for la in range(qwen2.n_layers)}
+    assert (got - oracle(every)).abs().max() > 1e-3  # the circuit's heads, not all of them
 
 
 def test_bad_input_before_any_forward(qwen2):
