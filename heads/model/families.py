@@ -19,8 +19,9 @@ Adding a family
 1. Read `transformers/models/<family>/modeling_<family>.py`: the attention module's
    `forward` (projections, any `q_norm`/`k_norm` and its width, what it passes to
    `attention_interface(...)`) and the decoder layer's `forward` (which norm feeds the MLP).
-2. Add one `Family(...)` entry to `FAMILIES` below; only the fields that differ from the
-   Llama defaults need a value. A config flag the engine cannot reproduce goes in
+2. Add one entry to `FAMILIES` below: `_llama_like(model_type, *features, **fields)` for a
+   family whose modules sit where Llama's do, else `Family(...)`; only the fields that differ
+   from the Llama defaults need a value. A config flag the engine cannot reproduce goes in
    `unsupported` so that such a model is refused at load.
 3. If the family's config needs fields beyond the shared tiny ones (experts, latent ranks, a
    window), add them to `EXTRA` in `tests/support/families.py`: the family matrix
@@ -190,7 +191,12 @@ FEATURES: dict[str, str] = {
 
 
 def _llama_like(model_type: str, *features: str, **fields) -> Family:
-    """A family whose modules sit where Llama's do (`model.layers[i].self_attn.{q,k,v,o}_proj`)."""
+    """A family whose modules sit where Llama's do (`model.layers[i].self_attn.{q,k,v,o}_proj`).
+
+    `features` are the `FEATURES` it has besides `"gqa"` (which every such family may use);
+    `moe` is set when `"moe"` is among them; `fields` are the other `Family` fields that
+    differ from the defaults.
+    """
     moe = "moe" in features
     return Family(model_type, moe=moe, features=("gqa", *features), **fields)
 
@@ -200,11 +206,11 @@ _POST_NORM: dict = {"mlp_norm": None, "mlp_out_norm": "post_feedforward_layernor
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("llama", features=("gqa",)),
-        Family("mistral", sliding_window="all", features=("gqa", "sliding_window")),
-        Family("qwen2", sliding_window="layer_types", features=("gqa", "sliding_window")),
-        Family("qwen2_vl_text", sliding_window="layer_types", features=("gqa", "sliding_window")),
-        Family("gemma", features=("gqa",)),
+        _llama_like("llama"),
+        _llama_like("mistral", "sliding_window", sliding_window="all"),
+        _llama_like("qwen2", "sliding_window", sliding_window="layer_types"),
+        _llama_like("qwen2_vl_text", "sliding_window", sliding_window="layer_types"),
+        _llama_like("gemma"),
         Family(
             "phi3",
             q_proj=None,
@@ -232,22 +238,19 @@ FAMILIES: dict[str, Family] = {
             eager_variant=("reorder_and_upcast_attn", "_upcast_and_reordered_attn"),
             unsupported=(("add_cross_attention", "cross-attention layers"),),
         ),
-        Family(
+        _llama_like(
             "gemma2",
+            "sliding_window",
+            "softcap",
+            "post_norm",
             softcap="attn_logit_softcapping",
             attn_implementation="eager",
-            features=("gqa", "sliding_window", "softcap", "post_norm"),
             **_GEMMA,
         ),
-        Family(
-            "gemma3_text",
-            qk_norm="per_head",
-            features=("gqa", "sliding_window", "qk_norm", "post_norm"),
-            **_GEMMA,
-        ),
-        Family("qwen3", qk_norm="per_head", sliding_window="layer_types", features=("gqa", "qk_norm")),
-        Family("olmo2", qk_norm="all_heads", features=("gqa", "qk_norm", "post_norm"), **_POST_NORM),
-        # ---- Llama-like decoders: same module paths, features read from what the module passes
+        _llama_like("gemma3_text", "sliding_window", "qk_norm", "post_norm", qk_norm="per_head", **_GEMMA),
+        _llama_like("qwen3", "qk_norm", qk_norm="per_head", sliding_window="layer_types"),
+        _llama_like("olmo2", "qk_norm", "post_norm", qk_norm="all_heads", **_POST_NORM),
+        # ---- more Llama-like decoders: same module paths, features read from what the module passes
         _llama_like("arcee"),
         _llama_like("apertus", "qk_norm", qk_norm="per_head", mlp_norm="feedforward_layernorm"),
         _llama_like("aria_text", "moe"),

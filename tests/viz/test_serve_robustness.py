@@ -412,3 +412,33 @@ def test_row_pasta_bias_broadcasts(tiny_llama, monkeypatch):
     mask = gen._edits(prepared, max(p.enc.length for p in prepared))[0].head_mask(3, 4, torch.device("cpu"))
     assert mask.tolist() == [[True, False, True, False], [False] * 4, [False, False, False, True]]
     assert isinstance(Pasta(heads={"1": [0]}), Pasta)
+
+
+def test_row_pasta_kernel_masks_are_not_per_head(tiny_llama, monkeypatch):
+    """A batch whose rows steer different heads hands SDPA no `[B, H, Q, K]` mask: every mask
+    the kernel sees is `[B|1, 1, Q, K]` (the model's own, or the model's plus a row's bias)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    gen = BatchGenerator(tiny_llama)
+    one = parse_steer([{"method": "pasta", "heads": {"0": [0, 2], "1": [1]}, "alpha": 0.01}])
+    two = parse_steer([{"method": "pasta", "heads": {"1": [1, 3]}, "alpha": 0.2}])
+    params = SamplingParams(max_tokens=2, temperature=0)
+    reqs = [
+        ServeRequest("the key is **blue** ok then", False, one, params=params),
+        ServeRequest("a **red** one", False, two, params=params),
+        ServeRequest("plain words here", False, [], params=params),
+    ]
+    prepared = [gen.prepare(r) for r in reqs]
+    alone = [gen.run([p])[0].token_ids for p in prepared]
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None:
+            seen.append(tuple(attn_mask.shape))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    out = gen.run(prepared)
+    assert seen and all(s[0] in (1, 3) and s[1] == 1 for s in seen), sorted(set(seen))
+    assert [o.token_ids for o in out] == alone  # each answer is that of its request alone

@@ -24,6 +24,7 @@ from heads.engine.kernels.common import (
     checked_probs,
     checked_score_bias,
     mask_in_dtype,
+    own_sdpa,
 )
 from heads.engine.state import MIN_LOGIT, LayerEdits
 
@@ -50,6 +51,78 @@ def _with_score_biases(
     s32 = scores.float()
     add = sum(torch.where(head_masks[id(e)], checked_score_bias(e, s32, call), 0.0) for e in reading)
     return (s32 + add).to(scores.dtype)
+
+
+def _as_4d(b: torch.Tensor) -> torch.Tensor:
+    """A bias broadcastable to `[B, H, Q, K]` with its leading broadcast dims made explicit."""
+    return b.reshape((1,) * (4 - b.dim()) + tuple(b.shape)) if b.dim() < 4 else b
+
+
+def _biased_sdpa(
+    inputs: AttentionInputs, biases: list[LogitBias], head_masks: dict, layer: int
+) -> torch.Tensor:
+    """`[B, Q, H, d]` output of a layer whose only pattern edits are logit biases that do not read
+    the logits (e.g. PASTA), through SDPA, without a mask as wide as the heads.
+
+    The heads no bias touches in any row run once through the model's own SDPA (`own_sdpa`,
+    the model's mask as given). The touched heads are grouped by which biases edit them in which
+    batch rows; each group runs `QUERY_BLOCK` query rows at a time with one additive mask, the
+    model's mask plus the group's biases, each zero on the rows it does not edit. A bias shared
+    by its heads (PASTA's `[B|1, 1, 1, K]`, a server batch's per-row `[B, 1, 1, K]`) thus gives
+    a `[B, 1, Q_blk, K]` mask, whatever the head count and however many rows are steered; a
+    per-head bias `[B|1, H, ., K]` gives `[B, H_group, Q_blk, K]`.
+    """
+    query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
+    scaling, causal = inputs.scaling, inputs.causal
+    batch, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    groups = n_heads // key.shape[1]
+    device = query.device
+    offset = k_len - q_len if inputs.q_offset is None else inputs.q_offset
+    # which rows each bias edits, per head: [n_biases, B, H] -> one signature per head
+    rows = torch.stack([head_masks[id(ed)][:, :, 0, 0].expand(batch, n_heads) for ed in biases])
+    signature = rows.permute(2, 0, 1).reshape(n_heads, -1).cpu()  # [H, n_biases * B]
+    by_sig: dict[tuple[bool, ...], list[int]] = {}
+    for h in range(n_heads):
+        sig = tuple(signature[h].tolist())
+        if any(sig):
+            by_sig.setdefault(sig, []).append(h)
+    touched = sorted(h for hs in by_sig.values() for h in hs)
+    out = query.new_empty(batch, n_heads, q_len, value.shape[-1])
+    rest = sorted(set(range(n_heads)) - set(touched))
+    if rest:
+        r = torch.tensor(rest, device=device)
+        out[:, r] = own_sdpa(query[:, r], key[:, r // groups], value[:, r // groups], mask, scaling, causal)
+    block = state.QUERY_BLOCK  # read at call time (tests shrink it)
+    for s in range(0, q_len, block):
+        e_ = min(q_len, s + block)
+        call = AttentionCall(layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
+        if mask is None:  # one decode row or a non-causal layer: every key is visible
+            base = causal_additive(e_ - s, k_len, offset + s, device) if causal and q_len > 1 else None
+        else:
+            m = mask if mask.shape[-2] == 1 else mask[..., s:e_, :]
+            base = additive_mask(m, e_ - s, k_len, device, causal, offset + s)
+        bias_blk = [_as_4d(checked_bias(ed, call)) for ed in biases]
+        for sig, hs in by_sig.items():
+            idx = torch.tensor(hs, device=device)
+            add = base
+            for i, b in enumerate(bias_blk):
+                on = sig[i * batch : (i + 1) * batch]  # the rows where bias i edits the group's heads
+                if not any(on):
+                    continue
+                b = b[:, idx] if b.shape[1] > 1 else b
+                b = torch.where(torch.tensor(on, device=device).reshape(-1, 1, 1, 1), b, 0.0)
+                add = b if add is None else add + b
+            assert add is not None and add is not base  # every group has a bias on some row
+            add = add.clamp_(min=MIN_LOGIT)  # a fresh tensor: stacked biases on a masked key stay finite
+            out[:, idx, s:e_] = F.scaled_dot_product_attention(
+                query[:, idx, s:e_],
+                key[:, idx // groups],
+                value[:, idx // groups],
+                attn_mask=mask_in_dtype(add, query.dtype),
+                scale=scaling,
+            )
+    return out.transpose(1, 2).contiguous()
 
 
 def blocked_attention(
@@ -123,6 +196,8 @@ def blocked_attention(
         or pattern_only
         or sinks is not None
     )
+    if not explicit and biases:
+        return _biased_sdpa(inputs, biases, head_masks, edits.layer), None
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)

@@ -61,7 +61,7 @@ import torch
 from heads._util.validation import check_bool, check_int, check_number, is_int
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from heads.engine.options import SweepOptions, sweep_options
-from heads.engine.variants import _forward, check_heads
+from heads.engine.variants import check_heads, run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
@@ -266,7 +266,7 @@ def _delta_pass(
         with editing(model, [edit], require_fired=False):
             handle = model.out_projs[layer].register_forward_pre_hook(read)  # after the engine's hook
             try:
-                _forward(model, ids, mask, [], start=layer, residual=residual if layer else None)
+                run_rows(model, ids, mask, [], start=layer, residual=residual if layer else None)
             finally:
                 handle.remove()
     except _Stop:
@@ -304,7 +304,7 @@ def _head_means(model: HeadModel, enc: EncodedPrompts, max_rows: int) -> list[to
         for a in range(0, enc.batch, max_rows):
             ids, mask = enc.input_ids[a : a + max_rows], enc.attention_mask[a : a + max_rows]
             state["mask"] = mask
-            _forward(model, ids, mask, [])
+            run_rows(model, ids, mask, [])
     finally:
         for h in handles:
             h.remove()

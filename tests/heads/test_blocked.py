@@ -1,0 +1,123 @@
+"""The blocked kernel's SDPA path for logit biases (PASTA-like): exact against a dense oracle,
+and the mask it hands SDPA is never as wide as the heads (issue 29, item 7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from heads.engine import state
+from heads.engine.edits import AttentionCall, LogitBias
+from heads.engine.kernels.blocked import blocked_attention
+from heads.engine.kernels.common import AttentionInputs, own_sdpa
+from heads.engine.state import MIN_LOGIT, LayerEdits
+
+B, H, G, Q, PAST, D = 3, 6, 2, 10, 4, 8
+K = PAST + Q
+
+
+@dataclass(eq=False, repr=False)
+class TableBias(LogitBias):
+    """A fixed bias `table` (broadcastable to `[B, H, Q, K]`; rows `q_offset..` taken when it has Q rows)."""
+
+    per_column: ClassVar[bool] = False
+    table: torch.Tensor | None = None
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        assert self.table is not None
+        if self.table.shape[-2] == 1:
+            return self.table
+        return self.table[..., call.q_offset - PAST : call.q_offset - PAST + call.q_len, :]
+
+
+def _inputs(seed: int = 0) -> AttentionInputs:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Q, D, generator=g)
+    k, v = torch.randn(B, G, K, D, generator=g), torch.randn(B, G, K, D, generator=g)
+    pos = torch.arange(PAST, K)[:, None]
+    causal = torch.arange(K)[None, :] <= pos  # [Q, K]
+    pad = torch.ones(B, K, dtype=torch.bool)
+    pad[1, :3] = False  # row 1 left-padded by 3, row 2 by 1
+    pad[2, :1] = False
+    mask = causal[None, None] & pad[:, None, None, :]
+    return AttentionInputs(q, k, v, mask, D**-0.5, q_offset=PAST)
+
+
+def _biases() -> list[TableBias]:
+    g = torch.Generator().manual_seed(1)
+    rows = torch.zeros(B, H, dtype=torch.bool)  # each row its own heads (a server batch)
+    rows[0, [0, 2]] = True
+    rows[2, [2, 3]] = True
+    column = TableBias(layer=0, row_heads=rows, table=torch.randn(B, 1, 1, K, generator=g))
+    shared = TableBias(layer=0, heads=[2, 5], table=torch.randn(1, 1, 1, K, generator=g))
+    return [column, shared]
+
+
+def _oracle(inputs: AttentionInputs, biases: list[TableBias]) -> torch.Tensor:
+    """Dense float64 attention: logits + the model's mask + every bias on its (row, head) pairs."""
+    q = inputs.query.double()
+    k = inputs.key.double().repeat_interleave(H // G, 1)
+    v = inputs.value.double().repeat_interleave(H // G, 1)
+    assert inputs.mask is not None
+    scores = q @ k.transpose(-1, -2) * inputs.scaling
+    add = torch.where(inputs.mask, 0.0, MIN_LOGIT).double().expand(B, H, Q, K)
+    for e in biases:
+        assert e.table is not None
+        on = e.head_mask(B, H, torch.device("cpu"))[:, :, None, None]
+        add = add + torch.where(on, e.table.double(), 0.0)
+    return (torch.softmax(scores + add, -1) @ v).transpose(1, 2)  # [B, Q, H, d]
+
+
+def _layer(biases: list[TableBias]) -> LayerEdits:
+    return LayerEdits(0, H, sites={"logits": list(biases)})
+
+
+def test_biased_sdpa_matches_dense_oracle_and_leaves_other_heads_the_models(monkeypatch):
+    monkeypatch.setattr(state, "QUERY_BLOCK", 4)  # three query blocks of 4, 4, 2 rows
+    inputs = _inputs()
+    biases = _biases()
+    out, pattern = blocked_attention(None, inputs, _layer(biases))  # type: ignore[arg-type]
+    assert pattern is None and out is not None and out.shape == (B, Q, H, D)
+    want = _oracle(inputs, biases)
+    assert torch.allclose(out.double(), want, atol=1e-5), float((out.double() - want).abs().max())
+    # heads 1 and 4 carry no bias in any row: bitwise the model's own SDPA
+    rest = torch.tensor([1, 4])
+    own = own_sdpa(
+        inputs.query[:, rest],
+        inputs.key[:, rest // (H // G)],
+        inputs.value[:, rest // (H // G)],
+        inputs.mask,
+        inputs.scaling,
+        True,
+    )
+    assert torch.equal(out[:, :, rest], own.transpose(1, 2))
+    assert all(e.calls == 1 for e in biases)
+
+
+def test_biased_sdpa_mask_is_never_per_head_for_shared_biases(monkeypatch):
+    """PASTA-like biases (`[B|1, 1, 1, K]`) reach SDPA as masks `[B, 1, Q_blk, K]` at most:
+    no `[B, H, Q, K]` tensor, whatever rows and heads they edit."""
+    monkeypatch.setattr(state, "QUERY_BLOCK", 4)
+    seen: list[tuple[int, ...]] = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        seen.append(tuple(attn_mask.shape) if attn_mask is not None else ())
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    blocked_attention(None, _inputs(), _layer(_biases()))  # type: ignore[arg-type]
+    masks = [s for s in seen if s]
+    # the untouched heads' call (the model's mask, all Q rows) and one call per head group and block
+    assert masks and all(s[1] == 1 for s in masks), masks
+    assert sum(s[-2] == Q for s in masks) == 1 and max(s[-2] for s in masks if s[-2] != Q) == 4
+    # a per-head bias [1, H, Q, K] gives masks only as wide as the heads of its group
+    dense = TableBias(layer=0, heads=[0, 3], table=torch.randn(1, H, Q, K))
+    seen.clear()
+    out, _ = blocked_attention(None, _inputs(), _layer([dense]))  # type: ignore[arg-type]
+    assert out is not None
+    assert {s[1] for s in seen if s} == {1, 2}  # rest heads: the model's mask; heads 0, 3: 2 wide
+    assert torch.allclose(out.double(), _oracle(_inputs(), [dense]), atol=1e-5)
