@@ -264,7 +264,8 @@ def _labels(retain: torch.Tensor, remove: torch.Tensor, gated: torch.Tensor, t: 
 
 @dataclass
 class GatingResult:
-    """The three CHG fits and the taxonomy.
+    """The three CHG fits and the taxonomy. Gates are means over the M gate sets; NaN for heads
+    left out by `heads=`.
 
     Attributes:
         gates: HeadScores `[L, H]` of the unregularised gates G (method `"chg"`).
@@ -272,7 +273,6 @@ class GatingResult:
         remove: HeadScores of G- (`lam < 0`, method `"chg_remove"`): the facilitation score.
         labels: `[L][H]` strings from `LABELS`.
         history: per stage (`"none"`, `"retain"`, `"remove"`), the training loss's NLL per update.
-        Gates are means over the M gate sets; NaN for heads left out by `heads=`.
     """
 
     gates: HeadScores
