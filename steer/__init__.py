@@ -9,6 +9,7 @@ from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
 from steer.adaptvis import AdaptVis, AdaptVisScale, ScalingVis
 from steer.caa import Caa, CaaAdd, caa_vector, load_caa_vectors, save_caa_vectors
+from steer.head_gates import HeadGates
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
 from steer.knockout import Knockout, KnockoutBias
@@ -28,6 +29,7 @@ __all__ = [
     "Caa",
     "CaaAdd",
     "Generation",
+    "HeadGates",
     "InstaBoost",
     "InstaBoostBias",
     "Intervention",

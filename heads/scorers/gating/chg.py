@@ -1,0 +1,560 @@
+"""Causal Head Gating, CHG (Nam, Conklin, Yang, Griffiths, Cohen and Leslie, "Causal Head Gating: A
+Framework for Interpreting Roles of Attention Heads in Transformers", NeurIPS 2025, arXiv:2505.13737;
+public code `jonhanke/nam_causal-head-gating`; docs/methods/head_gating.md).
+
+Gates. One logit `a[l, h]` per query head (L layers, H query heads; under GQA a gate is per query
+head, the shared K/V are never touched); the gate `g = sigmoid(a)` scales the head's output
+`z[l, h]` (its `[d]` slice of the `o_proj` input) at every position, through the engine's
+`head_output` site (`HeadGate`). The model's weights stay frozen; only `a` is trained.
+
+Objective (paper Eq. 2, with the code's means):
+
+    loss(a) = mean_{n in batch} NLL_n(a) - lam * mean_{l,h} clamp(a[l, h], -c, c)       (scalar)
+
+where `NLL_n` is the mean negative log-likelihood of row n's target tokens (the `loss_mask`
+positions, each predicted from the position before it) under the gated model, `lam` the
+regularisation weight (default 0.1) and `c` the logit clamp (default 4, the paper's "clipped
+inverse sigmoid"). Three fits with Adam (lr 1.0, gradient norm clipped to 1.0, batches of 32):
+
+1. `lam = 0` from `a = logit(u)`, `u ~ U(0, 1)` per head (`steps` updates): the plain gates G;
+2. `lam = +reg_weight` from G's logits (`reg_steps` updates): G+, pushed towards 1 (retain);
+3. `lam = -reg_weight` from G's logits (`reg_steps` updates): G-, pushed towards 0 (remove).
+
+Taxonomy (paper Sec. 3, threshold 0.5): a head is *interfering* when G+ < 0.5 (removed although
+the regulariser asks to keep it), *facilitating* when G- >= 0.5 (kept although the regulariser
+asks to remove it), and *irrelevant* otherwise (its gate follows the regulariser).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from heads._util.files import write_text
+from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int, check_number, check_seed
+from heads.engine.context import editing
+from heads.engine.edits import AttentionCall, HeadOutputEdit
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores, HeadSet, HeadSpec, _read_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = [
+    "LABELS",
+    "GateTask",
+    "GatingResult",
+    "HeadGate",
+    "gate_edits",
+    "gate_heads",
+    "gate_task",
+    "gated_nll",
+]
+
+LABELS = ("facilitating", "interfering", "irrelevant", "ungated")
+"""The head labels: the paper's three, and `"ungated"` for a head left out by `heads=`."""
+
+SCHEMA = "headsteer/head-gating"
+SCHEMA_VERSION = 1
+
+
+# ------------------------------------------------------------------------------ the edit
+@dataclass(eq=False, repr=False)
+class HeadGate(HeadOutputEdit):
+    """Scale every head's output `z` of `layer` by its gate: `z[..., h, :] * gate[h]`.
+
+    Attributes:
+        gate: `[H]` (one gate per query head), or `[M, H]` for M gate sets evaluated at once:
+            the batch is then M copies of each row, row `b * M + m` gated by `gate[m]`. The tensor
+            may require grad (CHG training differentiates through it).
+
+    Raises:
+        TypeError: `gate` is not a floating-point tensor.
+        ValueError: `gate` is not 1-d or 2-d, or holds NaN / inf.
+    """
+
+    site: ClassVar[str] = "head_output"
+    gate: torch.Tensor = field(default_factory=lambda: torch.ones(0))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        g = self.gate
+        if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
+            raise HeadsteerTypeError(f"HeadGate gate must be a float tensor [H] or [M, H], got {g!r}")
+        if g.ndim not in (1, 2):
+            raise HeadsteerValueError(f"HeadGate gate must be [H] or [M, H], got shape {tuple(g.shape)}")
+        if not bool(torch.isfinite(g.detach()).all()):
+            raise HeadsteerValueError(f"HeadGate at layer {self.layer}: gates must be finite")
+
+    def is_identity(self) -> bool:
+        return not self.gate.requires_grad and bool((self.gate == 1).all())
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        g = self.gate.to(device=z.device, dtype=z.dtype)
+        if g.shape[-1] != z.shape[2]:
+            raise HeadsteerValueError(
+                f"HeadGate at layer {self.layer} has {g.shape[-1]} gates for {z.shape[2]} heads"
+            )
+        if g.ndim == 1:
+            return z * g[None, None, :, None]
+        m = g.shape[0]
+        if z.shape[0] % m:
+            raise HeadsteerValueError(f"HeadGate: batch {z.shape[0]} is not a multiple of {m} gate sets")
+        zz = z.reshape(z.shape[0] // m, m, *z.shape[1:])  # [B, M, T, H, d]
+        return (zz * g[None, :, None, :, None]).reshape(z.shape)
+
+
+def gate_edits(model: HeadModel, gates: torch.Tensor) -> list[HeadGate]:
+    """One `HeadGate` per layer from `gates` `[L, H]` (or `[M, L, H]` for M gate sets).
+
+    Raises:
+        ValueError: a shape other than the model's `[n_layers, n_heads]`.
+    """
+    if not isinstance(gates, torch.Tensor):
+        raise HeadsteerTypeError(f"gates must be a tensor [L, H], got {type(gates).__name__}")
+    if tuple(gates.shape[-2:]) != (model.n_layers, model.n_heads) or gates.ndim not in (2, 3):
+        raise HeadsteerValueError(
+            f"gates must be [{model.n_layers}, {model.n_heads}] (or [M, L, H]), got {tuple(gates.shape)}"
+        )
+    return [HeadGate(layer=la, gate=gates[..., la, :]) for la in range(model.n_layers)]
+
+
+# ------------------------------------------------------------------------------ the task
+@dataclass
+class GateTask:
+    """Token rows for CHG, right-padded (as the reference's datasets).
+
+    Attributes:
+        input_ids: `[N, T]` long.
+        attention_mask: `[N, T]` long, 0 on padding.
+        loss_mask: `[N, T]` bool, True on the target tokens (each predicted from the position
+            before it; position 0 is never a target).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def check(self, model: HeadModel) -> None:
+        """ValueError for shapes that disagree, a row without targets, a target at position 0 or on
+        padding, token ids outside the vocabulary, or rows beyond the model's position limit."""
+        ids, am, lm = self.input_ids, self.attention_mask, self.loss_mask
+        if not all(isinstance(x, torch.Tensor) for x in (ids, am, lm)):
+            raise HeadsteerTypeError("GateTask fields must be tensors")
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+            raise HeadsteerValueError(f"input_ids must be [N, T] with N >= 1, T >= 2, got {tuple(ids.shape)}")
+        if am.shape != ids.shape or lm.shape != ids.shape:
+            raise HeadsteerValueError("input_ids, attention_mask and loss_mask must have one shape")
+        if ids.dtype.is_floating_point or lm.dtype != torch.bool:
+            raise HeadsteerValueError("input_ids must be integer and loss_mask bool")
+        if not bool(lm.any(-1).all()):
+            raise HeadsteerValueError(
+                f"rows {torch.nonzero(~lm.any(-1)).flatten().tolist()} have no target token"
+            )
+        if bool(lm[:, 0].any()) or bool((lm & (am == 0)).any()):
+            raise HeadsteerValueError("a target token at position 0 or on padding")
+        if int(ids.min()) < 0 or int(ids.max()) >= model.d_vocab:
+            raise HeadsteerValueError(f"token ids must be in 0..{model.d_vocab - 1}")
+        model.check_length(int(ids.shape[1]))
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def rows(self, index: torch.Tensor) -> GateTask:
+        """The rows at `index`, trimmed to their longest row (right padding)."""
+        am = self.attention_mask[index]
+        t = int(am.sum(-1).max())
+        return GateTask(self.input_ids[index, :t], am[:, :t], self.loss_mask[index, :t])
+
+
+def gate_task(model: HeadModel, prompts: Sequence[str], targets: Sequence[str]) -> GateTask:
+    """Rows `prompt + target` (no chat template), the loss on the target's tokens.
+
+    The prompt is tokenized with the tokenizer's special tokens (BOS if it adds one), the target
+    without; e.g. an IOI pair gives prompt = the clean prompt and target = `" Mary"`.
+
+    Raises:
+        ValueError: no prompts, a length mismatch, an empty prompt or a target of no tokens.
+    """
+    tok = model.tokenizer
+    if tok is None:
+        raise HeadsteerTypeError("gate_task needs a model with a tokenizer")
+    for name, xs in (("prompts", prompts), ("targets", targets)):
+        if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence) or not xs:
+            raise HeadsteerValueError(f"{name} must be a non-empty list of strings, got {xs!r}")
+        if any(not isinstance(x, str) for x in xs):
+            raise HeadsteerValueError(f"{name} must be strings")
+    if len(prompts) != len(targets):
+        raise HeadsteerValueError(f"{len(prompts)} prompts for {len(targets)} targets")
+    rows, masks = [], []
+    for p, t in zip(prompts, targets, strict=True):
+        a = list(tok(p).input_ids)
+        b = list(tok(t, add_special_tokens=False).input_ids)
+        if not a or not b:
+            raise HeadsteerValueError(f"empty prompt or target: {p[:40]!r} / {t!r}")
+        rows.append(a + b)
+        masks.append([False] * len(a) + [True] * len(b))
+    width = max(len(r) for r in rows)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    am = torch.zeros(len(rows), width, dtype=torch.long)
+    lm = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = 1
+        lm[i, : len(r)] = torch.tensor(m)
+    return GateTask(ids, am, lm)
+
+
+def gated_nll(model: HeadModel, task: GateTask, gates: torch.Tensor | None) -> torch.Tensor:
+    """Mean NLL (nats) of each row's target tokens under `gates`: `[N]` for gates `[L, H]` (or
+    None, the plain model), `[N, M]` for M gate sets `[M, L, H]`. Differentiable in `gates`.
+
+    Only the logits from the first predicting position on are computed (`logits_to_keep`).
+    """
+    ids, am, lm = task.input_ids, task.attention_mask, task.loss_mask
+    n, t = ids.shape
+    m = 1 if gates is None or gates.ndim == 2 else int(gates.shape[0])
+    first = int(torch.nonzero(lm.any(0)).min()) - 1  # the first position whose logits are used
+    keep = t - first
+    dev = model.device
+    run_ids, run_am = ids.repeat_interleave(m, 0).to(dev), am.repeat_interleave(m, 0).to(dev)
+    edits = [] if gates is None else gate_edits(model, gates)
+    with editing(model, edits):
+        logits = model.run(
+            input_ids=run_ids, attention_mask=run_am, use_cache=False, logits_to_keep=keep
+        ).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)  # [N*M, keep-1, V] predicting first+1 .. t-1
+    target = run_ids[:, first + 1 :]
+    mask = lm.repeat_interleave(m, 0)[:, first + 1 :].to(dev).float()
+    nll = -logp.gather(-1, target[..., None])[..., 0]
+    per_row = (nll * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_row if gates is None or gates.ndim == 2 else per_row.reshape(n, m)
+
+
+# ------------------------------------------------------------------------------ results
+def _labels(retain: torch.Tensor, remove: torch.Tensor, gated: torch.Tensor, t: float) -> list[list[str]]:
+    out = []
+    for la in range(retain.shape[0]):
+        row = []
+        for h in range(retain.shape[1]):
+            if not bool(gated[la, h]):
+                row.append("ungated")
+            elif float(retain[la, h]) < t:
+                row.append("interfering")
+            elif float(remove[la, h]) >= t:
+                row.append("facilitating")
+            else:
+                row.append("irrelevant")
+        out.append(row)
+    return out
+
+
+@dataclass
+class GatingResult:
+    """The three CHG fits and the taxonomy. Gates are means over the M gate sets; NaN for heads
+    left out by `heads=`.
+
+    Attributes:
+        gates: HeadScores `[L, H]` of the unregularised gates G (method `"chg"`).
+        retain: HeadScores of G+ (`lam > 0`, method `"chg_retain"`).
+        remove: HeadScores of G- (`lam < 0`, method `"chg_remove"`): the facilitation score.
+        labels: `[L][H]` strings from `LABELS`.
+        history: per stage (`"none"`, `"retain"`, `"remove"`), the training loss's NLL per update.
+    """
+
+    gates: HeadScores
+    retain: HeadScores
+    remove: HeadScores
+    labels: list[list[str]]
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def scores(self) -> HeadScores:
+        """G- (`remove`): high = the head is needed even under pressure to remove it."""
+        return self.remove
+
+    def heads(self, label: str) -> HeadSet:
+        """The heads with `label` (one of `LABELS`)."""
+        if label not in LABELS:
+            raise HeadsteerValueError(f"unknown label {label!r}: use one of {', '.join(LABELS)}")
+        return HeadSet((la, h) for la, row in enumerate(self.labels) for h, x in enumerate(row) if x == label)
+
+    def counts(self) -> dict[str, int]:
+        """How many heads carry each label."""
+        flat = [x for row in self.labels for x in row]
+        return {k: flat.count(k) for k in LABELS if k in flat}
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per head: `layer, head, kv_head, gate, retain, remove, label`."""
+        df = self.gates.to_frame().rename(columns={"score": "gate"})
+        df["retain"] = self.retain.scores.flatten().numpy()
+        df["remove"] = self.remove.scores.flatten().numpy()
+        df["label"] = [x for row in self.labels for x in row]
+        return df
+
+    def to_json(self) -> dict:
+        def grid(s: HeadScores) -> list:
+            return [[None if math.isnan(v) else v for v in row] for row in s.scores.tolist()]
+
+        g = self.gates
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "model": g.model,
+            "params": g.params,
+            "seed": g.seed,
+            "n_kv_heads": g.n_kv_heads,
+            "gates": grid(g),
+            "retain": grid(self.retain),
+            "remove": grid(self.remove),
+            "labels": self.labels,
+            "history": self.history,
+        }
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write JSON (schema `headsteer/head-gating`, version 1) atomically; returns the path.
+
+        Raises:
+            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
+        """
+        return write_text(
+            path, json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n", overwrite=overwrite
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> GatingResult:
+        """Read a file written by `save` (checked against `model`'s geometry when given).
+
+        Raises:
+            ValueError: not a head-gating file, another version, malformed grids or labels, or a
+                geometry other than `model`'s. FileNotFoundError: no such file.
+        """
+        data = _read_json(path)
+        name = str(path)
+        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+            raise HeadsteerValueError(f"{name!r} is not a headsteer head-gating file")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise HeadsteerValueError(f"{name!r} has schema_version {data.get('schema_version')!r}")
+
+        def grid(key: str, method: str) -> HeadScores:
+            rows = data.get(key)
+            if not isinstance(rows, list) or not rows or any(not isinstance(r, list) for r in rows):
+                raise HeadsteerValueError(f"{name!r}: {key!r} must be a list of equal rows")
+            if len({len(r) for r in rows}) != 1:
+                raise HeadsteerValueError(f"{name!r}: {key!r} must be a list of equal rows")
+            vals = [[math.nan if v is None else v for v in r] for r in rows]
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for r in vals for v in r):
+                raise HeadsteerValueError(f"{name!r}: {key!r} holds a value that is not a number")
+            return HeadScores(
+                torch.tensor(vals, dtype=torch.float32),
+                method=method,
+                params=dict(data.get("params") or {}),
+                model=str(data.get("model", "")),
+                n_kv_heads=data.get("n_kv_heads"),
+                seed=data.get("seed"),
+            )
+
+        g, r, m = grid("gates", "chg"), grid("retain", "chg_retain"), grid("remove", "chg_remove")
+        labels = data.get("labels")
+        shape = (g.n_layers, g.n_heads)
+        if r.scores.shape != g.scores.shape or m.scores.shape != g.scores.shape:
+            raise HeadsteerValueError(f"{name!r}: the three gate grids differ in shape")
+        if (
+            not isinstance(labels, list)
+            or len(labels) != shape[0]
+            or any(not isinstance(row, list) or len(row) != shape[1] for row in labels)
+            or any(x not in LABELS for row in labels for x in row)
+        ):
+            raise HeadsteerValueError(f"{name!r}: labels must be an [L][H] grid of {LABELS}")
+        if model is not None and (model.n_layers, model.n_heads, model.n_kv_heads) != (*shape, g.n_kv_heads):
+            raise HeadsteerValueError(f"{name!r} was fitted on a model of another geometry")
+        hist = data.get("history") or {}
+        return cls(g, r, m, [list(row) for row in labels], {str(k): list(v) for k, v in hist.items()})
+
+    def __repr__(self) -> str:
+        g = self.gates
+        return f"GatingResult({g.model!r}, [{g.n_layers}, {g.n_heads}], {self.counts()})"
+
+
+# ------------------------------------------------------------------------------ training
+def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """An endless stream of shuffled batches (a new permutation per pass; the last may be short)."""
+    while True:
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, size):
+            yield perm[i : i + size]
+
+
+def _check_init(init: object) -> tuple[float, float]:
+    if isinstance(init, (str, bytes)) or not isinstance(init, Sequence) or len(init) != 2:
+        raise HeadsteerValueError(f"init must be a pair (low, high) in [0, 1], got {init!r}")
+    lo = check_number("init low", init[0], lo=0.0, hi=1.0)
+    hi = check_number("init high", init[1], lo=0.0, hi=1.0)
+    if lo > hi:
+        raise HeadsteerValueError(f"init must have low <= high, got {init!r}")
+    return lo, hi
+
+
+def gate_heads(
+    model: HeadModel,
+    task: GateTask,
+    *,
+    steps: int = 500,
+    reg_steps: int | None = None,
+    lr: float = 1.0,
+    reg_weight: float = 0.1,
+    clamp: float = 4.0,
+    batch_size: int = 32,
+    grad_norm: float | None = 1.0,
+    init: tuple[float, float] = (0.0, 1.0),
+    n_masks: int = 1,
+    heads: HeadSpec | None = None,
+    threshold: float = 0.5,
+    seed: int = 0,
+    progress: ProgressArg = True,
+) -> GatingResult:
+    """Fit CHG gates on `task` with the model frozen (module docstring) and label every head.
+
+    Args:
+        model: the model (in eval mode; its weights are only read).
+        task: the rows and their target tokens (`gate_task(model, prompts, targets)`).
+        steps: Adam updates of the unregularised fit (default 500, the reference's).
+        reg_steps: updates of each regularised fit (default: `steps`; the reference's 500).
+        lr: Adam learning rate of all three fits (default 1.0, the reference's).
+        reg_weight: lam, the regularisation weight (default 0.1).
+        clamp: c, the logit clamp of the regulariser (default 4.0).
+        batch_size: rows per update (default 32; fewer rows than that: all of them).
+        grad_norm: gradient-norm clip (default 1.0; None: none).
+        init: the uniform range of the initial gates (default (0, 1)).
+        n_masks: gate sets fitted at once from different random inits (default 1, the trainer's;
+            the reference's high-level API uses 10); results are their mean.
+        heads: the heads that get a gate (a `HeadSpec`; default all); the others stay at 1.
+        threshold: the taxonomy threshold (default 0.5).
+        seed: seeds the initial gates and the batch order (default 0).
+        progress: a tqdm bar (default), False, or a `(done, total)` callable, per update.
+
+    Returns:
+        GatingResult (G, G+, G-, labels, NLL history).
+
+    Raises:
+        ValueError: a bad number (steps / reg_steps / batch_size / n_masks < 1, lr / clamp /
+            grad_norm <= 0, reg_weight < 0, init outside [0, 1], threshold outside (0, 1)), an
+            unknown or empty head selection, a bad task, a model in training mode. All checked
+            before any forward pass; the model is left exactly as it was.
+
+    Source: arXiv:2505.13737 Sec. 3 (Eq. 2, the taxonomy); reference `core/trainer.py`
+    (`CHGTrainer`: defaults, the clamped-logit regulariser, the three stages).
+    """
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
+    steps = check_int("steps", steps, lo=1)
+    reg_steps = steps if reg_steps is None else check_int("reg_steps", reg_steps, lo=1)
+    lr = check_number("lr", lr, lo=0.0, lo_open=True)
+    reg_weight = check_number("reg_weight", reg_weight, lo=0.0)
+    clamp = check_number("clamp", clamp, lo=0.0, lo_open=True)
+    batch_size = check_int("batch_size", batch_size, lo=1)
+    if grad_norm is not None:
+        grad_norm = check_number("grad_norm", grad_norm, lo=0.0, lo_open=True)
+    lo, hi = _check_init(init)
+    n_masks = check_int("n_masks", n_masks, lo=1)
+    threshold = check_number("threshold", threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    seed = check_seed("seed", seed)
+    if not isinstance(task, GateTask):
+        raise HeadsteerTypeError(f"task must be a GateTask (see gate_task), got {type(task).__name__}")
+    task.check(model)
+    gated = torch.ones(model.n_layers, model.n_heads, dtype=torch.bool)
+    if heads is not None:
+        chosen = HeadSet.parse(heads, model.n_layers, model.n_heads)
+        if not len(chosen):
+            raise HeadsteerValueError("heads selects no head: nothing to gate")
+        gated = torch.zeros_like(gated)
+        for la, h in chosen:
+            gated[la, h] = True
+    if model.model.training:
+        raise HeadsteerValueError(
+            "the model is in training mode (dropout would vary the gated loss); call .eval()"
+        )
+
+    dev = model.device
+    gen = torch.Generator().manual_seed(seed)
+    u = lo + (hi - lo) * torch.rand(n_masks, model.n_layers, model.n_heads, generator=gen)
+    u = u.clamp(1e-6, 1 - 1e-6)
+    start = torch.log(u / (1 - u))
+    on = gated.to(dev)
+    batches = _batches(len(task), batch_size, gen)
+    history: dict[str, list[float]] = {}
+    total = steps + 2 * reg_steps
+
+    def fit(stage: str, logits0: torch.Tensor, lam: float, n: int, done: int, report: Any) -> torch.Tensor:
+        a = logits0.clone().to(dev).requires_grad_(True)
+        opt = torch.optim.Adam([a], lr=lr)
+        losses = history.setdefault(stage, [])
+        for i in range(n):
+            rows = task.rows(next(batches))
+            g = torch.where(on, torch.sigmoid(a), torch.ones((), device=dev))
+            nll = gated_nll(model, rows, g).mean()
+            loss = nll
+            if lam != 0:
+                loss = loss - lam * a.clamp(-clamp, clamp)[:, on].mean()
+            (grad,) = torch.autograd.grad(loss, [a])
+            grad = torch.where(on, grad, 0.0)
+            if grad_norm is not None:  # torch.nn.utils.clip_grad_norm_ on the one tensor
+                coef = grad_norm / (float(grad.norm()) + 1e-6)
+                if coef < 1:
+                    grad = grad * coef
+            a.grad = grad
+            opt.step()
+            a.grad = None
+            losses.append(float(nll.detach()))
+            if report is not None:
+                report(done + i + 1, total)
+        return a.detach().cpu()
+
+    with progress_callback(progress, "chg", "updates") as report:
+        a0 = fit("none", start, 0.0, steps, 0, report)
+        a_pos = fit("retain", a0, reg_weight, reg_steps, steps, report)
+        a_neg = fit("remove", a0, -reg_weight, reg_steps, steps + reg_steps, report)
+
+    def mean_gate(a: torch.Tensor) -> torch.Tensor:
+        return torch.where(gated, torch.sigmoid(a).mean(0), torch.tensor(math.nan))
+
+    params: dict[str, Any] = {
+        "steps": steps,
+        "reg_steps": reg_steps,
+        "lr": lr,
+        "reg_weight": reg_weight,
+        "clamp": clamp,
+        "batch_size": batch_size,
+        "grad_norm": grad_norm,
+        "init": [lo, hi],
+        "n_masks": n_masks,
+        "threshold": threshold,
+        "n_rows": len(task),
+        "n_gated": int(gated.sum()),
+    }
+
+    def scores(a: torch.Tensor, method: str) -> HeadScores:
+        return HeadScores(
+            mean_gate(a),
+            method=method,
+            params=params,
+            model=model.name,
+            n_kv_heads=model.n_kv_heads,
+            seed=seed,
+        )
+
+    g, gp, gm = scores(a0, "chg"), scores(a_pos, "chg_retain"), scores(a_neg, "chg_remove")
+    return GatingResult(g, gp, gm, _labels(gp.scores, gm.scores, gated, threshold), history)
