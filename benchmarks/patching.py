@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -59,7 +60,7 @@ OBJECTS = [" drink", " book", " ball", " gift"]
 
 def ioi_pairs(n: int) -> list[PromptPair]:
     """`n` IOI-like pairs (deterministic), ABC corruption."""
-    out = []
+    out: list[PromptPair] = []
     k = 0
     while len(out) < n:
         a, b, c = NAMES[k % 11], NAMES[(k * 3 + 1) % 11], NAMES[(k * 7 + 2) % 11]
@@ -134,7 +135,7 @@ def main() -> None:
 
     model = load_model()
     tl = load_model(backend="transformer_lens")
-    bridge = tl.backend.native
+    bridge: Any = tl.backend.native
     pairs = encode_pairs(model.tokenizer, ioi_pairs(args.pairs))
     assert bool(pairs.attention_mask.all()), "the template pairs must share one token length"
     L, H, T, N = model.n_layers, model.n_heads, pairs.width, pairs.n
