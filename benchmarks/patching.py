@@ -17,9 +17,15 @@ Figures (one JSON line, every ratio measured in this run, on the same load):
   is measured on the subset) — and the line says so (`extrapolated_from`).
 * `max_abs_diff_vs_transformer_lens`: largest |difference| of the raw metric (logit difference,
   per pair) on the cells both ran.
-* `engine_over_lower_bound`: engine sweep time over the work lower bound: the sum over variants
-  (layer l, head, position p) of the layers and positions that must be recomputed,
-  `(L - l) / L * (T - p) / T` forward-equivalents, times one forward's measured time.
+* `engine_over_lower_bound`: engine sweep time over the work lower bound. A variant (layer l,
+  head, position p) on N pairs must recompute layers l..L-1 at positions p..T-1 (earlier layers
+  and, under causal attention, earlier positions equal the base run). The bound is the sum over
+  variants of `N * (L - l) / L` forward-equivalents, each priced at one *unedited* forward's
+  measured time per row at the same batch shape: `--max-rows` rows of the `T - p` columns after
+  a `p`-column KV cache (`run_rows(..., past=...)`, last position unembedded), measured once per
+  distinct `p` (best of two). Pricing per row of a full `--max-rows` batch makes the bound
+  conservative for smaller final chunks. For the full-grid extrapolation the per-row time of an
+  unmeasured `p` is interpolated linearly between the measured ones (`lower_bound_shapes`).
 * `path_patching_speedup`: the three-run loop written plainly (one whole forward per sender with
   every other head frozen by hooks; its two base runs counted once) over `path_patch(model,
   pairs)` (all senders -> logits, MLPs recomputed); with `--loop-senders` < 270 the loop runs on
@@ -35,6 +41,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,7 +60,7 @@ OBJECTS = [" drink", " book", " ball", " gift"]
 
 def ioi_pairs(n: int) -> list[PromptPair]:
     """`n` IOI-like pairs (deterministic), ABC corruption."""
-    out = []
+    out: list[PromptPair] = []
     k = 0
     while len(out) < n:
         a, b, c = NAMES[k % 11], NAMES[(k * 3 + 1) % 11], NAMES[(k * 7 + 2) % 11]
@@ -123,11 +130,12 @@ def main() -> None:
     ap.add_argument("--tl-cells", type=int, default=0, help="TransformerLens cells (0 = every engine cell)")
     ap.add_argument("--loop-senders", type=int, default=0, help="senders in the three-run loop (0 = all)")
     ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--skip-path", action="store_true", help="leave out the path-patching comparison")
     args = ap.parse_args()
 
     model = load_model()
     tl = load_model(backend="transformer_lens")
-    bridge = tl.backend.native
+    bridge: Any = tl.backend.native
     pairs = encode_pairs(model.tokenizer, ioi_pairs(args.pairs))
     assert bool(pairs.attention_mask.all()), "the template pairs must share one token length"
     L, H, T, N = model.n_layers, model.n_heads, pairs.width, pairs.n
@@ -157,10 +165,36 @@ def main() -> None:
     )
     t_sweep = max(t_engine - t_rec, 1e-9)  # the sweep without its two recorded runs
 
-    def work(lays, poss):
-        return sum((L - la) / L * (T - p) / T for la in lays for p in poss) * H
+    # the lower bound's unit: one unedited forward per row at the sweep's batch shape, per p
+    R = args.max_rows
+    rep = torch.arange(R) % N
+    ids_r, mask_r = pairs.corrupted_ids[rep], pairs.attention_mask[rep]
+    base_kv = record_run(model, ids_r, mask_r).kv
+    row_time: dict[int, float] = {}
+    for p in positions:
+        past = [(k[:, :, :p], v[:, :, :p]) for k, v in base_kv] if p else None
+        row_time[p] = (
+            min(
+                timed(lambda p=p, past=past: run_rows(model, ids_r[:, p:], mask_r, [], past=past))[1]
+                for _ in range(2)
+            )
+            / R
+        )
 
-    lb_sub = work(layers, positions) * fwd
+    def per_row(p: int) -> float:
+        if p in row_time:
+            return row_time[p]
+        ks = sorted(row_time)
+        lo = max([k for k in ks if k <= p], default=ks[0])
+        hi = min([k for k in ks if k >= p], default=ks[-1])
+        if lo == hi:
+            return row_time[lo]
+        return row_time[lo] + (row_time[hi] - row_time[lo]) * (p - lo) / (hi - lo)
+
+    def work(lays, poss):  # seconds
+        return sum(N * H * (L - la) / L * per_row(p) for la in lays for p in poss)
+
+    lb_sub = work(layers, positions)
     engine_over_lb = t_sweep / lb_sub
 
     cells = [(la, p, h) for la in layers for p in positions for h in range(H)]
@@ -189,28 +223,39 @@ def main() -> None:
     per_cell = t_tl / n_tl
     full_cells = L * H * T
     tl_full = t_cache + per_cell * full_cells
-    engine_full = t_rec + engine_over_lb * work(range(L), range(T)) * fwd
+    engine_full = t_rec + engine_over_lb * work(range(L), range(T))
     subset = len(cells) < full_cells or n_tl < len(cells)
 
     # path patching: all senders -> logits vs the plain three-run loop
-    senders = [(la, h) for la in range(L) for h in range(H)]
-    pres, t_path = timed(
-        lambda: path_patch(
-            model, pairs, options=SweepOptions(max_rows=max(args.max_rows, 512), progress=False)
+    path: dict = {}
+    if not args.skip_path:
+        senders = [(la, h) for la in range(L) for h in range(H)]
+        pres, t_path = timed(
+            lambda: path_patch(
+                model, pairs, options=SweepOptions(max_rows=max(args.max_rows, 512), progress=False)
+            )
         )
-    )
-    n_loop = len(senders) if args.loop_senders <= 0 else args.loop_senders
-    loop_s = [senders[round(i * (len(senders) - 1) / max(n_loop - 1, 1))] for i in range(n_loop)]
-    (loop, t_loop) = timed(lambda: three_run_loop(model, pairs, loop_s))
-    idx = torch.arange(N)
-    from heads.scorers.patching.metrics import get_metric
+        n_loop = len(senders) if args.loop_senders <= 0 else args.loop_senders
+        loop_s = [senders[round(i * (len(senders) - 1) / max(n_loop - 1, 1))] for i in range(n_loop)]
+        (loop, t_loop) = timed(lambda: three_run_loop(model, pairs, loop_s))
+        idx = torch.arange(N)
+        from heads.scorers.patching.metrics import get_metric
 
-    met = get_metric()
-    clean_logits = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
-    path_diff = max(float((pres.raw[s] - met(loop[s], pairs, idx, clean_logits)).abs().max()) for s in loop_s)
-    # the loop's two base runs are 2 of its n_loop + 2 forwards; the rest scales per sender
-    t_loop_full = t_loop * (len(senders) + 2) / (n_loop + 2)
+        met = get_metric()
+        clean_logits = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
+        path_diff = max(
+            float((pres.raw[s] - met(loop[s], pairs, idx, clean_logits)).abs().max()) for s in loop_s
+        )
+        # the loop's two base runs are 2 of its n_loop + 2 forwards; the rest scales per sender
+        t_loop_full = t_loop * (len(senders) + 2) / (n_loop + 2)
 
+        path = {
+            "path_patching_speedup": round(t_loop_full / t_path, 2),
+            "path_max_abs_diff": path_diff,
+            "path_engine_s": round(t_path, 2),
+            "path_loop_s": round(t_loop, 2),
+            "path_loop_senders": n_loop,
+        }
     line = {
         "benchmark": "patching",
         "model": model.name,
@@ -220,25 +265,29 @@ def main() -> None:
         "speedup_vs_transformer_lens": round(tl_full / engine_full, 2),
         "max_abs_diff_vs_transformer_lens": diff,
         "engine_over_lower_bound": round(engine_over_lb, 3),
-        "path_patching_speedup": round(t_loop_full / t_path, 2),
-        "path_max_abs_diff": path_diff,
+        **{k: v for k, v in path.items() if k in ("path_patching_speedup", "path_max_abs_diff")},
         "forward_s": round(fwd, 3),
         "engine_s": round(t_engine, 2),
         "engine_cells": len(cells),
         "tl_s": round(t_tl + t_cache, 2),
         "tl_cells": n_tl,
-        "path_engine_s": round(t_path, 2),
-        "path_loop_s": round(t_loop, 2),
-        "path_loop_senders": n_loop,
+        **{
+            k: v
+            for k, v in path.items()
+            if k.startswith("path_") and k not in ("path_patching_speedup", "path_max_abs_diff")
+        },
+        "lower_bound_shapes": {str(p): round(t * R, 3) for p, t in sorted(row_time.items())},
+        "max_rows": R,
         "torch_threads": torch.get_num_threads(),
     }
-    if subset or n_loop < len(senders):
+    n_loop = int(path.get("path_loop_senders", 270))
+    if subset or n_loop < L * H:
         line["tl_extrapolated_from"] = (
             f"engine on layers every {args.layer_step} x positions every {args.pos_step} (+ last) "
             "x all heads "
             f"({len(cells)} cells), TransformerLens on {n_tl} of those cells, each extrapolated to the "
             f"{full_cells}-cell grid (TL per cell, engine by its measured time over the work lower bound); "
-            f"three-run loop on {n_loop} of {len(senders)} senders, extrapolated per sender"
+            f"three-run loop on {n_loop} of {L * H} senders, extrapolated per sender"
         )
         line["speedup_on_subset_cells"] = round((t_cache + per_cell * len(cells)) / t_engine, 2)
     print(json.dumps(line))

@@ -34,7 +34,16 @@ from heads.scorers.patching.logit import direct_logit_attribution, logit_inspect
 from heads.scorers.patching.pairs import PairBatch, encode_pairs
 from probes.datasets.pairs import load_task_pairs
 
-__all__ = ["clean_accuracy", "knockout_experiment", "main", "run_study", "top_heads"]
+__all__ = [
+    "clean_accuracy",
+    "colored_objects_patching",
+    "comp_mech_layers",
+    "knockout_experiment",
+    "main",
+    "run_study",
+    "top_heads",
+    "wilson_interval",
+]
 
 
 @torch.no_grad()
@@ -107,6 +116,75 @@ def _dla_top(model: HeadModel, pairs: PairBatch, k: int) -> list[dict[str, Any]]
     ]
 
 
+def wilson_interval(wins: torch.Tensor, n: int, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(low, high)` Wilson score interval (default 95%) of the share `wins / n`, elementwise.
+
+    `wins` any shape (counts, float); `n` > 0 trials. Wilson (1927); unlike the normal
+    approximation it stays inside [0, 1] and is not degenerate at 0 or n wins."""
+    p = wins.float() / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * torch.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return centre - half, centre + half
+
+
+def comp_mech_layers(model: HeadModel, pairs: PairBatch, k: int = 10) -> dict[str, Any]:
+    """Competition of mechanisms per layer (Ortu et al. 2024, Sec. 4: logit inspection).
+
+    Per layer l (0 = embeddings, `L` = the output), over the N pairs: the share where the
+    current (factual, in-context) token out-scores the earlier (counterfactual) one with its 95%
+    Wilson interval, the mean logits of both and their difference with 95% normal intervals, and
+    the `k` heads whose direct logit most favours either token. Every list has `L + 1` entries."""
+    insp = logit_inspection(model, pairs)
+    n = int(insp.logit_diff.shape[0])
+    wins = (insp.logit_diff > 0).float().sum(0)
+    lo, hi = wilson_interval(wins, n)
+
+    def mean_ci(x: torch.Tensor) -> dict[str, list[float]]:
+        m, se = x.mean(0), x.std(0) / n**0.5
+        return {
+            "mean": [round(float(v), 4) for v in m],
+            "ci_low": [round(float(v), 4) for v in m - 1.96 * se],
+            "ci_high": [round(float(v), 4) for v in m + 1.96 * se],
+        }
+
+    out: dict[str, Any] = {
+        "n": n,
+        "current_wins_share": [round(float(x), 4) for x in wins / n],
+        "current_wins_ci": [[round(float(a), 4), round(float(b), 4)] for a, b in zip(lo, hi, strict=True)],
+        "current_logit": mean_ci(insp.answer_logit),
+        "earlier_logit": mean_ci(insp.counterfactual_logit),
+        "logit_diff": mean_ci(insp.logit_diff),
+    }
+    assert insp.head_answer is not None and insp.head_counterfactual is not None
+    diff = (insp.head_answer - insp.head_counterfactual).mean(0)
+    h = diff.shape[1]
+    for key, sign in (("heads_for_current", 1), ("heads_for_earlier", -1)):
+        out[key] = [
+            {"head": f"L{i // h}H{i % h}", "dla": round(float(diff.flatten()[i]), 4)}
+            for i in (sign * diff).flatten().topk(k).indices.tolist()
+        ]
+    return out
+
+
+def colored_objects_patching(
+    model: HeadModel, n_patch: int, ioi_top: Sequence[str], k: int = 10, options: SweepOptions | None = None
+) -> dict[str, Any]:
+    """Head-output activation patching (denoising, all positions) on `n_patch` Colored Objects
+    test pairs: the top `k` heads with 95% intervals and the overlap `|top_k(CO) & ioi_top| / k`
+    with IOI's top heads by the same patching (Merullo et al. 2024, Sec. 4)."""
+    co = encode_pairs(model, load_task_pairs("colored_objects", "test", n=n_patch))
+    cp = patch(model, co, "head_out", options=options or SweepOptions(max_rows=64, progress=False))
+    top = top_heads(cp, k)
+    shared = sorted(set(ioi_top) & {h["head"] for h in top})
+    return {
+        "n": int(co.n),
+        "head_out_top": top,
+        "head_out_mean": cp.mean.tolist(),
+        "overlap_with_ioi": {"k": k, "shared": shared, "share": len(shared) / k},
+    }
+
+
 def run_study(
     model: HeadModel, *, n_patch: int = 8, n_eval: int = 80, k: int = 10, log=print, checkpoint=None
 ) -> dict:
@@ -138,23 +216,10 @@ def run_study(
     done(f"Colored Objects accuracy {res['colored_objects']['accuracy']}")
     cm = encode_pairs(model, load_task_pairs("comp_mech", "test", n=n_eval))
     res["comp_mech"] = {"accuracy": clean_accuracy(model, cm)}
-    insp = logit_inspection(model, cm)
-    res["comp_mech"]["layers"] = {
-        "current_wins_share": [round(float(x), 4) for x in insp.winner_share()],
-        "current_logit": [round(float(x), 4) for x in insp.answer_logit.mean(0)],
-        "earlier_logit": [round(float(x), 4) for x in insp.counterfactual_logit.mean(0)],
-    }
-    assert insp.head_answer is not None and insp.head_counterfactual is not None
-    diff = (insp.head_answer - insp.head_counterfactual).mean(0)
-    h = diff.shape[1]
-    res["comp_mech"]["heads_for_current"] = [
-        {"head": f"L{i // h}H{i % h}", "dla": round(float(diff.flatten()[i]), 4)}
-        for i in diff.flatten().topk(k).indices.tolist()
-    ]
-    res["comp_mech"]["heads_for_earlier"] = [
-        {"head": f"L{i // h}H{i % h}", "dla": round(float(diff.flatten()[i]), 4)}
-        for i in (-diff).flatten().topk(k).indices.tolist()
-    ]
+    cm_layers = comp_mech_layers(model, cm, k)
+    res["comp_mech"]["heads_for_current"] = cm_layers.pop("heads_for_current")
+    res["comp_mech"]["heads_for_earlier"] = cm_layers.pop("heads_for_earlier")
+    res["comp_mech"]["layers"] = cm_layers
     done("comp-mech logit inspection")
     try:
         half = list(range(model.n_layers // 2, model.n_layers))
@@ -176,13 +241,8 @@ def run_study(
     res["ioi"]["head_out_top"] = top_heads(hp, k)
     res["ioi"]["head_out_mean"] = hp.mean.tolist()
     done("IOI head_out patching")
-    co = encode_pairs(model, load_task_pairs("colored_objects", "test", n=n_patch))
-    cp = patch(model, co, "head_out", options=opts)
-    res["colored_objects"]["head_out_top"] = top_heads(cp, k)
-    res["colored_objects"]["head_out_mean"] = cp.mean.tolist()
-    a = {h["head"] for h in res["ioi"]["head_out_top"]}
-    b = {h["head"] for h in res["colored_objects"]["head_out_top"]}
-    res["colored_objects"]["overlap_with_ioi"] = {"k": k, "shared": sorted(a & b), "share": len(a & b) / k}
+    ioi_top = [h["head"] for h in res["ioi"]["head_out_top"]]
+    res["colored_objects"].update(colored_objects_patching(model, n_patch, ioi_top, k, opts))
     done("Colored Objects head_out patching")
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
@@ -247,7 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-eval", type=int, default=80)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument(
+        "--parts",
+        default="all",
+        help="'all' (default), or a comma list of co_patch,comp_mech: recompute only those parts "
+        "into the existing --out (needs --force; co_patch reads IOI's head_out_top from it)",
+    )
     args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",")]
+    if parts != ["all"] and any(p not in ("co_patch", "comp_mech") for p in parts):
+        raise SystemExit(f"--parts must be 'all' or a comma list of co_patch, comp_mech; got {args.parts!r}")
     from heads import load_model
     from heads._util.files import check_output, write_text
 
@@ -257,6 +326,26 @@ def main(argv: list[str] | None = None) -> None:
     def save(res: dict) -> None:
         write_text(args.out, json.dumps(res, indent=1) + "\n", overwrite=True)
 
+    if parts != ["all"]:
+        with open(args.out, encoding="utf-8") as f:
+            res = json.load(f)
+        t0 = time.perf_counter()
+        if "comp_mech" in parts:
+            cm = encode_pairs(model, load_task_pairs("comp_mech", "test", n=args.n_eval))
+            cm_layers = comp_mech_layers(model, cm, args.k)
+            res["comp_mech"]["heads_for_current"] = cm_layers.pop("heads_for_current")
+            res["comp_mech"]["heads_for_earlier"] = cm_layers.pop("heads_for_earlier")
+            res["comp_mech"]["layers"] = cm_layers
+            print(f"[{time.perf_counter() - t0:7.1f}s] comp-mech layers", flush=True)
+            save(res)
+        if "co_patch" in parts:
+            ioi_top = [h["head"] for h in res["ioi"]["head_out_top"]]
+            res["colored_objects"].update(colored_objects_patching(model, args.n_patch, ioi_top, args.k))
+            print(f"[{time.perf_counter() - t0:7.1f}s] Colored Objects head_out patching", flush=True)
+            save(res)
+        res.setdefault("parts_seconds", {})[args.parts] = round(time.perf_counter() - t0, 1)
+        save(res)
+        return
     res = run_study(
         model,
         n_patch=args.n_patch,

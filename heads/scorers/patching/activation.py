@@ -522,22 +522,24 @@ def check_sweep_inputs(
     what: str,
 ) -> tuple[Metric, SweepOptions]:
     """The checks every patching sweep makes before any forward: `pairs` a `PairBatch` whose ids
-    are in the vocabulary, `options` a `SweepOptions` or None, the Hugging Face backend, a metric
-    the pairs can feed. Returns `(metric, options)` (default `SweepOptions()`).
+    are in the vocabulary, `options` a `SweepOptions` or None, a local backend (Hugging Face,
+    TransformerLens or nnsight without `remote=True`), a metric the pairs can feed. Returns
+    `(metric, options)` (default `SweepOptions()`).
 
     Raises:
         HeadsteerTypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
-        HeadsteerValueError: ids outside the vocabulary, another backend (named with `what`), a
-            metric the pairs cannot feed.
+        HeadsteerValueError: ids outside the vocabulary, nnsight with `remote=True` (named with
+            `what`), a metric the pairs cannot feed.
     """
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if options is not None and not isinstance(options, SweepOptions):
         raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
     check_vocab(pairs, model.d_vocab)
-    if model.backend.kind != "hf":
+    if getattr(model.backend, "remote", False):
         raise HeadsteerValueError(
-            f"{what} runs on the Hugging Face backend, got {model.backend.kind!r}; wrap the HF model"
+            f"{what} cannot run on nnsight with remote=True: its patches are local hooks and edits "
+            "that NDIF does not run; use remote=False"
         )
     met = get_metric(metric)
     met.check(pairs)
@@ -558,7 +560,8 @@ def patch(
     """Activation patching of every site of `kind` (see `KINDS`) on the pairs.
 
     Args:
-        model: the `HeadModel` (Hugging Face backend; fp32 recommended, the metric is fp32).
+        model: the `HeadModel` on any local backend (Hugging Face, TransformerLens, nnsight;
+            tests/heads/patching/test_backends.py: equal within 1e-5); fp32 recommended.
         pairs: an encoded `PairBatch` (`encode_pairs`).
         kind: the site kind (default `"head_out"`, all positions).
         metric: `"logit_diff"` (default), `"log_prob"`, `"prob"`, `"kl"`, a `Metric` or a user
@@ -577,8 +580,8 @@ def patch(
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: an unknown kind / direction / metric, layers or positions out of range,
             positions for a kind that patches every position, ids outside the vocabulary, a
-            metric that needs counterfactuals the pairs lack, a backend other than Hugging Face
-            — all before any forward.
+            metric that needs counterfactuals the pairs lack, nnsight with `remote=True` — all
+            before any forward.
     """
     if kind not in KINDS:
         raise HeadsteerValueError(f"unknown patching site {kind!r}; use one of {KINDS}")

@@ -131,7 +131,7 @@ def path_patch(
     """Path patching of every sender head to `receivers`, in batched sweeps.
 
     Args:
-        model: the `HeadModel` (Hugging Face backend; fp32 recommended, the metric is fp32).
+        model: the `HeadModel` on any local backend (HF, TransformerLens, nnsight); fp32 recommended.
         pairs: an encoded `PairBatch` (`encode_pairs`).
         senders: the sender heads, any `HeadSpec` form (default: every head); each is patched
             alone.
@@ -157,7 +157,7 @@ def path_patch(
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: unknown senders / receivers / inputs / mlp mode / direction / metric, inputs
             other than "q" with receivers "logits", ids outside the vocabulary,
-            positions out of range, a backend other than Hugging Face — before any forward.
+            positions out of range, nnsight with `remote=True` — before any forward.
     """
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
