@@ -196,7 +196,10 @@ def blocked_attention(
         or pattern_only
         or sinks is not None
     )
-    if not explicit and biases:
+    # A prompt (Q > 1) runs its biases by head group, never through a [B, H, Q, K] mask. A decode
+    # step (Q = 1) keeps one SDPA call: its [B, H, 1, K] mask is smaller than the layer's KV cache,
+    # and the per-group calls would cost more than they save (the steering-overhead benchmark).
+    if not explicit and biases and q_len > 1:
         return _biased_sdpa(inputs, biases, head_masks, edits.layer), None
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
