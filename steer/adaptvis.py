@@ -129,7 +129,10 @@ def _scale_edits(
     ls = range(model.n_layers) if layers is None else layers
     bad = [la for la in ls if not 0 <= la < model.n_layers]
     if bad:
-        raise HeadsteerValueError(f"AdaptVis layer(s) {bad} outside the model's 0..{model.n_layers - 1}")
+        raise HeadsteerValueError(
+            f"AdaptVis layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+            f"0..{model.n_layers - 1}"
+        )
     if bool((weight == 1).all()):
         return []
     return [AdaptVisScale(layer=la, region=region, weight=weight, row=row) for la in sorted(set(ls))]

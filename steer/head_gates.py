@@ -50,6 +50,10 @@ class HeadGates:
             raise HeadsteerValueError(f"which must be 'remove', 'retain' or 'gates', got {self.which!r}")
         if not isinstance(self.binary, bool):
             raise HeadsteerTypeError(f"binary must be True or False, got {self.binary!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+            raise HeadsteerTypeError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
+        if not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
+            raise HeadsteerValueError(f"threshold must be in (0, 1), got {self.threshold!r}")
         g = self.values()
         if bool(torch.isinf(g).any()):
             raise HeadsteerValueError("HeadGates: gates must be finite (NaN = no gate)")

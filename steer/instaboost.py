@@ -144,7 +144,8 @@ class InstaBoost:
         bad = [la for la in layers if not 0 <= la < model.n_layers]
         if bad:
             raise HeadsteerValueError(
-                f"InstaBoost layer(s) {bad} outside the model's 0..{model.n_layers - 1}"
+                f"InstaBoost layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+                f"0..{model.n_layers - 1}"
             )
         if not any(enc.spans):
             raise HeadsteerValueError(

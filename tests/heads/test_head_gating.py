@@ -208,3 +208,28 @@ def test_real_model_gates_on_ioi(smol):
     r = gate_heads(smol, t, steps=3, reg_steps=1, batch_size=8, progress=False)
     assert r.gates.scores.shape == (30, 9) and r.history["none"][-1] < r.history["none"][0] + 1.0
     assert torch.allclose(gated_nll(smol, t, torch.ones(30, 9)), gated_nll(smol, t, None))
+
+
+def test_breaker_bounds_and_malformed_files(tmp_path):
+    """Unbounded sizes, a bad threshold and malformed gating files are one-line errors."""
+    import json
+
+    from heads.scorers.gating import chg
+
+    for bad in (float("nan"), 0.0, 1.0, 5):
+        with pytest.raises(HeadsteerValueError, match="threshold"):
+            HeadGates(torch.rand(3, 4), binary=True, threshold=bad)
+    with pytest.raises(HeadsteerTypeError, match="threshold"):
+        HeadGates(torch.rand(3, 4), threshold="x")  # type: ignore[arg-type]
+    g = [[0.5, 0.5], [0.5, 0.5]]
+    labels = [["irrelevant", "irrelevant"], ["irrelevant", "irrelevant"]]
+    good = {"schema": chg.SCHEMA, "schema_version": chg.SCHEMA_VERSION, "gates": g, "retain": g}
+    good |= {"remove": g, "labels": labels, "history": {"loss": [1.0]}, "params": {}}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert GatingResult.load(tmp_path / "good.json").counts()["irrelevant"] == 4  # the base file loads
+    bads = (("history", [1, 2]), ("history", {"a": 5}), ("params", "ab"), ("gates", [[10**400, 1], [1, 1]]))
+    for field, value in bads:
+        p = tmp_path / f"{field}.json"
+        p.write_text(json.dumps({**good, field: value}))
+        with pytest.raises(HeadsteerValueError, match=field if field != "gates" else "gating"):
+            GatingResult.load(p)

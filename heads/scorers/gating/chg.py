@@ -116,6 +116,12 @@ class HeadGate(HeadOutputEdit):
         return (zz * g[None, :, None, :, None]).reshape(z.shape)
 
 
+MAX_STEPS = 100_000
+"""Upper bound on `steps` / `reg_steps` (the paper trains 500 per stage)."""
+MAX_MASKS = 64
+"""Upper bound on `n_masks` (each gate set copies every batch row once)."""
+
+
 def gate_edits(model: HeadModel, gates: torch.Tensor) -> list[HeadGate]:
     """One `HeadGate` per layer from `gates` `[L, H]` (or `[M, L, H]` for M gate sets).
 
@@ -344,6 +350,16 @@ class GatingResult:
         """
         data = _read_json(path)
         name = str(path)
+        try:
+            return cls._from_data(data, name, model)
+        except HeadsteerValueError:
+            raise
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:  # a malformed field
+            raise HeadsteerValueError(f"{name!r} is not a valid head-gating file: {e}") from None
+
+    @classmethod
+    def _from_data(cls, data: object, name: str, model: HeadModel | None) -> GatingResult:
+        """`load`'s checks and construction on the parsed JSON `data` of file `name`."""
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{name!r} is not a headsteer head-gating file")
         if data.get("schema_version") != SCHEMA_VERSION:
@@ -382,6 +398,8 @@ class GatingResult:
         if model is not None and (model.n_layers, model.n_heads, model.n_kv_heads) != (*shape, g.n_kv_heads):
             raise HeadsteerValueError(f"{name!r} was fitted on a model of another geometry")
         hist = data.get("history") or {}
+        if not isinstance(hist, Mapping) or any(not isinstance(v, list) for v in hist.values()):
+            raise HeadsteerValueError(f"{name!r}: history must be an object of lists")
         return cls(g, r, m, [list(row) for row in labels], {str(k): list(v) for k, v in hist.items()})
 
     def __repr__(self) -> str:
@@ -462,7 +480,11 @@ def gate_heads(
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
     steps = check_int("steps", steps, lo=1)
     reg_steps = steps if reg_steps is None else check_int("reg_steps", reg_steps, lo=1)
-    lr = check_number("lr", lr, lo=0.0, lo_open=True)
+    if max(steps, reg_steps) > MAX_STEPS:
+        raise HeadsteerValueError(
+            f"steps and reg_steps must be at most {MAX_STEPS}, got {max(steps, reg_steps)}"
+        )
+    lr = check_number("lr", lr, lo=0.0, lo_open=True, hi=1e6)
     reg_weight = check_number("reg_weight", reg_weight, lo=0.0)
     clamp = check_number("clamp", clamp, lo=0.0, lo_open=True)
     batch_size = check_int("batch_size", batch_size, lo=1)
@@ -470,6 +492,8 @@ def gate_heads(
         grad_norm = check_number("grad_norm", grad_norm, lo=0.0, lo_open=True)
     lo, hi = _check_init(init)
     n_masks = check_int("n_masks", n_masks, lo=1)
+    if n_masks > MAX_MASKS:
+        raise HeadsteerValueError(f"n_masks must be at most {MAX_MASKS}, got {n_masks}")
     threshold = check_number("threshold", threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     seed = check_seed("seed", seed)
     if not isinstance(task, GateTask):
