@@ -431,8 +431,18 @@ class _RowEdits:
         return out
 
 
+class _RowHeads(_RowEdits):
+    """Row edits whose `head_mask` is each row's own members' heads (`[B, H]`), not all heads."""
+
+    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
+        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
+        for b, e in self.members:
+            mask[b] |= e.head_mask(1, n_heads, device)[0]
+        return mask
+
+
 @dataclass(eq=False, repr=False)
-class _RowBias(_RowEdits, LogitBias):
+class _RowBias(_RowHeads, LogitBias):
     """Every row's logit bias of one layer as one tensor that broadcasts like a per-call bias.
 
     When each row has at most one member and every member's bias is shared by its heads
@@ -440,12 +450,6 @@ class _RowBias(_RowEdits, LogitBias):
     own heads) restricts it, so a batch costs what one per-call edit costs; otherwise
     `[B, H, 1|Q, K]` (members combined per head). `per_column` when every member is.
     """
-
-    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
-        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
-        for b, e in self.members:
-            mask[b] |= e.head_mask(1, n_heads, device)[0]
-        return mask
 
     def bias(self, call: AttentionCall) -> torch.Tensor:
         sub_call = _row_call(call)
@@ -465,17 +469,11 @@ class _RowBias(_RowEdits, LogitBias):
 
 
 @dataclass(eq=False, repr=False)
-class _RowScoreBias(_RowEdits, LogitBias):
+class _RowScoreBias(_RowHeads, LogitBias):
     """Every row's logit-reading bias (AdaptVis / ScalingVis) of one layer: each member's
     `score_bias` on its own row's logits and heads, `[B, H, q_len, k_len]` (blocked kernel)."""
 
     reads_scores: ClassVar[bool] = True
-
-    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
-        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
-        for b, e in self.members:
-            mask[b] |= e.head_mask(1, n_heads, device)[0]
-        return mask
 
     def bias(self, call: AttentionCall) -> torch.Tensor:
         raise NotImplementedError("a function of the logits: see score_bias")
@@ -508,15 +506,9 @@ class _RowResiduals(_RowEdits, ResidualEdit):
 
 
 @dataclass(eq=False, repr=False)
-class _RowSpans(_RowEdits, SpanShareEdit):
+class _RowSpans(_RowHeads, SpanShareEdit):
     """Every row's span-share edit (SpotLight) of one layer as one `SpanShareEdit`, so a long
     prompt runs on the fused kernel exactly as `SteeredModel` runs it (at most one member per row)."""
-
-    def head_mask(self, batch: int, n_heads: int, device: torch.device) -> torch.Tensor:
-        mask = torch.zeros(batch, n_heads, dtype=torch.bool, device=device)
-        for b, e in self.members:
-            mask[b] |= e.head_mask(1, n_heads, device)[0]
-        return mask
 
     def span_columns(self, call: AttentionCall) -> torch.Tensor:
         m = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=call.device)
