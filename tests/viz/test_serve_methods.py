@@ -5,10 +5,6 @@ other requests; bad values get one-line 400s; a request can name a vector, never
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +21,8 @@ from heads.errors import HeadsteerValueError  # noqa: E402
 from steer import AdaptVis, Caa, Pasta, ScalingVis, SteeredModel  # noqa: E402
 from steer.caa import load_caa_vectors, save_caa_vectors  # noqa: E402
 from steer.serving import BatchGenerator, SamplingParams, ServeRequest, parse_steer  # noqa: E402
-from tests.viz.test_serve import _free_port  # noqa: E402
+from tests.support.serve import serve_subprocess  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The **key** is"
 PAIRS = [("I love it, wonderful", "I hate it, terrible"), ("Yes, gladly", "No, never")]
 
@@ -160,32 +155,10 @@ def test_caa_vector_file_round_trip_and_refusals(tiny_llama, caa_file, tmp_path)
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir, caa_file, tmp_path_factory):
     """`headsteer serve --model tiny --caa-vector FILE` in a subprocess on a free loopback port."""
-    port = _free_port()
     logf = tmp_path_factory.mktemp("serve-methods") / "stderr.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "viz.cli", "serve", "--model", tiny_llama_dir, "--port", str(port)]
-    with open(logf, "wb") as err:
-        proc = subprocess.Popen(
-            [*cmd, "--caa-vector", str(caa_file[0]), "--batch-wait-ms", "200"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {logf.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(base + "/v1/models", timeout=5).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
-    yield base
-    proc.kill()
-    proc.wait(30)
+    args = ["--caa-vector", str(caa_file[0]), "--batch-wait-ms", "200"]
+    with serve_subprocess(tiny_llama_dir, args, logf) as base:
+        yield base
 
 
 def _post(base: str, body: dict) -> tuple[int, dict]:

@@ -8,10 +8,7 @@ and has a timeout."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -37,46 +34,18 @@ from steer.serving import (  # noqa: E402
     _RowBias,
     parse_steer,
 )
+from tests.support.serve import serve_subprocess  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS_LONG = 440
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def srv(tiny_llama_dir, tmp_path_factory):
     """`headsteer serve` on the tiny model: 1 MiB bodies, 200 prompt tokens, 300 ms batch wait."""
-    port = _free_port()
     logf = tmp_path_factory.mktemp("serve") / "stderr.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    with open(logf, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "viz.cli", "serve", "--model", tiny_llama_dir, "--port", str(port)]
-            + ["--batch-wait-ms", "300", "--max-body-mb", "1", "--max-prompt-tokens", "200"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {logf.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(base + "/v1/models", timeout=5).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
-    yield base, logf
-    proc.kill()
-    proc.wait(30)
+    args = ["--batch-wait-ms", "300", "--max-body-mb", "1", "--max-prompt-tokens", "200"]
+    with serve_subprocess(tiny_llama_dir, args, logf) as base:
+        yield base, logf
 
 
 def _post(base: str, body, path: str = "/v1/chat/completions", timeout: float = 60) -> tuple[int, dict]:
