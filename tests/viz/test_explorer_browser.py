@@ -154,6 +154,14 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     labels = page.evaluate("document.getElementById('pattern').data[0].x.join(' ')")
     assert "&lt;" in labels and "<" not in labels  # escaped for Plotly, which decodes entities
     assert not [e for e in errors if "400" not in e], errors  # only the refused request's own log line
+    # two clicks in quick succession (no wait: Plotly's hover lags the pointer): each picks its own
+    # cell, and the pattern shown is the last click's even if the first one's answer comes later
+    page.fill("#prompt", PROMPT)
+    click_cell(page, "grid", 2, 0, model.n_layers, model.n_heads)
+    click_cell(page, "grid", 2, 3, model.n_layers, model.n_heads)
+    assert page.locator("#heads").inner_text().endswith("L2H0 L2H3")
+    page.wait_for_selector("#head-card[data-head='2,3']")
+    assert page.locator("#pattern").get_attribute("data-head") == "2,3"
 
 
 def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
