@@ -202,6 +202,20 @@ def _llama_like(model_type: str, *features: str, **fields) -> Family:
 
 
 _POST_NORM: dict = {"mlp_norm": None, "mlp_out_norm": "post_feedforward_layernorm"}
+# GPT-2's module names (`transformer.h[i].attn.c_attn` fused q/k/v, `ln_2`, `ln_f`), shared by
+# GPT-BigCode
+_GPT2_LAYOUT: dict = {
+    "decoder": "transformer",
+    "layers": "h",
+    "attention": "attn",
+    "q_proj": None,
+    "k_proj": None,
+    "v_proj": None,
+    "qkv_proj": "c_attn",
+    "o_proj": "c_proj",
+    "mlp_norm": "ln_2",
+    "final_norm": "ln_f",
+}
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -222,17 +236,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "gpt2",
-            decoder="transformer",
-            layers="h",
-            attention="attn",
-            q_proj=None,
-            k_proj=None,
-            v_proj=None,
-            qkv_proj="c_attn",
+            **_GPT2_LAYOUT,
             conv1d=True,
-            o_proj="c_proj",
-            mlp_norm="ln_2",
-            final_norm="ln_f",
             gqa=False,
             scaling="head_dim ** -0.5 (scale_attn_weights), / (layer + 1) (scale_attn_by_inverse_layer_idx)",
             eager_variant=("reorder_and_upcast_attn", "_upcast_and_reordered_attn"),
@@ -449,17 +454,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "gpt_bigcode",
-            decoder="transformer",
-            layers="h",
-            attention="attn",
-            q_proj=None,
-            k_proj=None,
-            v_proj=None,
-            qkv_proj="c_attn",
+            **_GPT2_LAYOUT,
             qkv_layout="bigcode",
-            o_proj="c_proj",
-            mlp_norm="ln_2",
-            final_norm="ln_f",
             features=("multi_query",),
             unsupported=(("add_cross_attention", "cross-attention layers"),),
         ),
