@@ -182,8 +182,9 @@ def check_image_model(model: HeadModel, where: str = "image pairs") -> str:
         )
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
-            f"{where} run on the Hugging Face backend only, not {model.backend.kind!r} (its vision "
-            "tower is not wrapped); wrap the transformers model itself"
+            f"{where} run on the Hugging Face backend only, not {model.backend.kind!r}: the image "
+            "embeddings are computed and written with plain hooks on the transformers model; wrap "
+            "that model itself (heads.load_model(folder))"
         )
     processor_of(model)
     return vlm

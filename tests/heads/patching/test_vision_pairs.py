@@ -338,3 +338,18 @@ def test_unsupported_vlm_families_refused():
     qwen = make_tiny_vlm("qwen2_vl")
     with pytest.raises(ValueError, match="not supported on model_type 'qwen2_vl'.*M-RoPE"):
         encode_image_pairs(qwen, colour_pairs(1))
+
+
+def test_nnsight_backend_refused_for_image_pairs():
+    from nnsight.modeling.transformers import TransformersModel
+
+    from heads import HeadModel
+
+    model, pairs = _vlm("llava")
+    tok = model.processor.tokenizer
+    wrapped = HeadModel(TransformersModel(model.model, tokenizer=tok), tok, processor=model.processor)
+    assert wrapped.backend.kind == "nnsight"
+    with pytest.raises(ValueError, match="Hugging Face backend only, not 'nnsight'"):
+        encode_image_pairs(wrapped, colour_pairs(1))
+    with pytest.raises(ValueError, match="Hugging Face backend only, not 'nnsight'"):
+        patch(wrapped, pairs, "head_out")
