@@ -9,8 +9,9 @@ same columns) and differ only in the image features the vision tower writes ther
 
 `heads.scorers.patching.patch` takes an `ImagePairBatch` like a text `PairBatch`: every site
 kind, both directions, every metric; the position axis then includes the image tokens, whose
-labels are `"<image 0>"`, `"<image 1>"`, ... (`"<image j.k>"` for token k of image j when a
-prompt holds several images) and `positions="image"` scores the image columns only.
+labels are `"<image 0>"`, `"<image 1>"`, ... (`"<image j.k>"` for token k of image span j when
+a prompt has several spans: an Idefics3 image split into tiles gives one span per tile and one
+for the global view) and `positions="image"` scores the image columns only.
 
 How it runs: the vision tower and the projector run once per side (`language_model_inputs`:
 the embeddings the VLM passes to its language model, image features merged in); every
@@ -98,12 +99,14 @@ class ImagePairBatch(PairBatch):
         image_spans: per pair, the half-open `(t0, t1)` padded columns of its image tokens
             (the same on both sides).
         vlm: the `model_type` the batch was encoded for.
+        image_pairs: the source `ImagePair`s (their `meta`), one per pair (`pairs` holds None).
     """
 
     clean_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     corrupted_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
     vlm: str = ""
+    image_pairs: list[ImagePair] = field(default_factory=list)
 
     @property
     def has_images(self) -> bool:
@@ -154,6 +157,7 @@ class ImagePairBatch(PairBatch):
             corrupted_inputs={k: v[idx] for k, v in self.corrupted_inputs.items()},
             image_spans=[[(s - trim, e - trim) for s, e in self.image_spans[i]] for i in idx.tolist()],
             vlm=self.vlm,
+            image_pairs=[self.image_pairs[i] for i in idx.tolist()] if self.image_pairs else [],
         )
 
 
@@ -192,7 +196,8 @@ def check_image_model(model: HeadModel, where: str = "image pairs") -> str:
 
 def image_labels(tokens: Sequence[str], spans: Sequence[tuple[int, int]]) -> list[str]:
     """`tokens` (one row, unpadded) with the image tokens in `spans` (unpadded columns)
-    relabelled `"<image k>"` (one image) or `"<image j.k>"` (token k of image j)."""
+    relabelled `"<image k>"` (one span) or `"<image j.k>"` (token k of span j: several spans,
+    e.g. the tiles and the global view of an Idefics3 split image)."""
     out = list(tokens)
     for j, (s, e) in enumerate(spans):
         for k, t in enumerate(range(s, e)):
@@ -326,6 +331,7 @@ def encode_image_pairs(
             [(s + width - lengths[i], e + width - lengths[i]) for s, e in spans[i]] for i in range(n)
         ],
         vlm=vlm,
+        image_pairs=items,
     )
 
 

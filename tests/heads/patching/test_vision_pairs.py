@@ -261,6 +261,7 @@ def test_select_and_split_keep_images():
     model, pairs = _vlm("llava")
     one = pairs.select([1])
     assert isinstance(one, ImagePairBatch) and one.width < pairs.width
+    assert one.image_pairs[0].prompt == "Colour?" and len(pairs.image_pairs) == 2
     assert torch.equal(one.clean_inputs["pixel_values"], pairs.clean_inputs["pixel_values"][1:])
     s, e = one.image_spans[0][0]
     assert one.tokens[0][s:e] == [f"<image {k}>" for k in range(e - s)]
@@ -353,3 +354,20 @@ def test_nnsight_backend_refused_for_image_pairs():
         encode_image_pairs(wrapped, colour_pairs(1))
     with pytest.raises(ValueError, match="Hugging Face backend only, not 'nnsight'"):
         patch(wrapped, pairs, "head_out")
+
+
+def test_idefics3_split_images_label_each_tile_and_equal_oracle():
+    model = make_tiny_vlm("idefics3")
+    improc = model.processor.image_processor
+    improc.do_image_splitting, improc.size = True, {"longest_edge": 32}
+    ps = colour_pairs(2, size=32, seed=2)
+    pairs = encode_image_pairs(model, ps)
+    n = IMAGE_TOKENS["idefics3"]
+    assert [e - s for s, e in pairs.image_spans[0]] == [n] * 5  # 2 x 2 tiles + the global view
+    assert pairs.clean_inputs["pixel_values"].shape[:2] == (2, 5)
+    (s0, _), (s1, _) = pairs.image_spans[0][:2]
+    assert pairs.position_labels(0)[s0 : s0 + 2] == ["<image 0.0>", "<image 0.1>"]
+    assert pairs.position_labels(0)[s1] == "<image 1.0>"
+    last = pairs.image_spans[0][-1][0]
+    res = _check(model, pairs, "resid_pre", positions=[s0, s1 + 1, last, pairs.width - 1])
+    assert res.labels == ["<image 0.0>", "<image 1.1>", "<image 4.0>", res.labels[-1]]
