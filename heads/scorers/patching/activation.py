@@ -47,6 +47,12 @@ from heads.model.adapter import HeadModel, submodule
 from heads.results.scores import HeadScores
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, check_vocab
+from heads.scorers.patching.vision import (
+    ImagePairBatch,
+    check_image_model,
+    language_model_inputs,
+    replaced_embeddings,
+)
 
 __all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
 
@@ -74,6 +80,8 @@ class RunCache:
             (before RoPE / QK-norm, which act per position and head, so patching them is exact).
         kv: per layer `(keys, values)` `[N, G, T, d]` as cached by the model.
         pattern: per layer `[N, H, T, T]` fp32 attention probabilities, or None (not recorded).
+        embeds: `[N, T, D]` the language model's input embeddings with image features (vision
+            pairs: `vision.language_model_inputs`), or None (text: the ids are embedded).
     """
 
     logits: torch.Tensor
@@ -84,6 +92,7 @@ class RunCache:
     qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     pattern: list[torch.Tensor] | None = None
+    embeds: torch.Tensor | None = None
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -108,9 +117,17 @@ def _qkv_slices(model: HeadModel) -> tuple[slice, slice, slice]:
 
 
 @torch.no_grad()
-def record_run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, pattern: bool = False) -> RunCache:
+def record_run(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    pattern: bool = False,
+    embeds: torch.Tensor | None = None,
+) -> RunCache:
     """One unedited forward of `ids [N, T]` (left-padded, `mask [N, T]`) keeping every site's
-    activation (`RunCache`). `pattern=True` also records the attention patterns (eager path)."""
+    activation (`RunCache`). `pattern=True` also records the attention patterns (eager path);
+    `embeds [N, T, D]` replaces the token embeddings (vision pairs: image features included)."""
     L = model.n_layers
     z: list[Any] = [None] * L
     attn: list[Any] = [None] * L
@@ -151,6 +168,8 @@ def record_run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, patte
             for h in handles:
                 stack.callback(h.remove)
         recs = [Recorder(layer=la) for la in range(L)] if pattern else []
+        if embeds is not None:
+            stack.enter_context(replaced_embeddings(model, embeds))
         out = run_rows(model, ids, mask, recs, keep_cache=True)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     pat = [torch.cat(r.records, dim=2) for r in recs] if pattern else None
@@ -163,6 +182,7 @@ def record_run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, patte
         [cast(tuple, tuple(x)) for x in qkv],
         kv,
         pat,
+        embeds,
     )
 
 
@@ -464,10 +484,14 @@ def _check_layers(model: HeadModel, layers: Sequence[int] | None) -> list[int]:
     return sorted(set(int(la) for la in layers))
 
 
-def _check_positions(pairs: PairBatch, positions: Sequence[int] | None) -> list[int]:
+def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) -> list[int]:
     T = pairs.width
     if positions is None:
         return list(range(T))
+    if isinstance(positions, str) and positions == "image":
+        if not isinstance(pairs, ImagePairBatch):
+            raise HeadsteerValueError("positions='image' needs vision pairs (encode_image_pairs)")
+        return pairs.image_columns()
     if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or not positions:
         raise HeadsteerValueError(f"positions must be a non-empty list of columns, got {positions!r}")
     out = []
@@ -520,22 +544,27 @@ def check_sweep_inputs(
     metric: str | Metric | Callable,
     *,
     what: str,
+    images: bool = False,
 ) -> tuple[Metric, SweepOptions]:
     """The checks every patching sweep makes before any forward: `pairs` a `PairBatch` whose ids
     are in the vocabulary, `options` a `SweepOptions` or None, a local backend (Hugging Face,
     TransformerLens or nnsight without `remote=True`), a metric the pairs can feed. Returns
-    `(metric, options)` (default `SweepOptions()`).
+    `(metric, options)` (default `SweepOptions()`). Vision pairs only with `images=True`, on a
+    model `vision.check_image_model` accepts.
 
     Raises:
         HeadsteerTypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         HeadsteerValueError: ids outside the vocabulary, nnsight with `remote=True` (named with
-            `what`), a metric the pairs cannot feed.
+            `what`), a metric the pairs cannot feed, vision pairs without `images=True` or on a
+            text-only / unsupported model.
     """
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if options is not None and not isinstance(options, SweepOptions):
         raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
-    check_vocab(pairs, model.d_vocab)
+    if pairs.has_images and images:
+        check_image_model(model)  # a text-only model named before the vocabulary check
+    check_vocab(pairs, model.d_vocab, images=images)
     if getattr(model.backend, "remote", False):
         raise HeadsteerValueError(
             f"{what} cannot run on nnsight with remote=True: its patches are local hooks and edits "
@@ -554,7 +583,7 @@ def patch(
     metric: str | Metric | Callable = "logit_diff",
     direction: str = "denoising",
     layers: Sequence[int] | None = None,
-    positions: Sequence[int] | None = None,
+    positions: Sequence[int] | str | None = None,
     options: SweepOptions | None = None,
 ) -> PatchResult:
     """Activation patching of every site of `kind` (see `KINDS`) on the pairs.
@@ -562,14 +591,17 @@ def patch(
     Args:
         model: the `HeadModel` on any local backend (Hugging Face, TransformerLens, nnsight;
             tests/heads/patching/test_backends.py: equal within 1e-5); fp32 recommended.
-        pairs: an encoded `PairBatch` (`encode_pairs`).
+        pairs: an encoded `PairBatch` (`encode_pairs`), or vision pairs (`ImagePairBatch`,
+            `heads.scorers.patching.vision.encode_image_pairs`) on a supported VLM: the
+            positions then include the image tokens (labels `"<image k>"`).
         kind: the site kind (default `"head_out"`, all positions).
         metric: `"logit_diff"` (default), `"log_prob"`, `"prob"`, `"kl"`, a `Metric` or a user
             function (`heads.scorers.patching.metrics`), read at the last position.
         direction: `"denoising"` (default: clean values into the corrupted run) or `"noising"`.
         layers: layers to score (default all); the grid's layer axis follows this list.
         positions: padded columns to score for the by-position kinds (default all; negative
-            counts from the end).
+            counts from the end), or `"image"` (vision pairs: the image-token columns,
+            `ImagePairBatch.image_columns`).
         options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
 
     Returns:
@@ -580,14 +612,15 @@ def patch(
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: an unknown kind / direction / metric, layers or positions out of range,
             positions for a kind that patches every position, ids outside the vocabulary, a
-            metric that needs counterfactuals the pairs lack, nnsight with `remote=True` — all
-            before any forward.
+            metric that needs counterfactuals the pairs lack, nnsight with `remote=True`, vision
+            pairs on a text-only or unsupported model (`vision.check_image_model`),
+            `positions="image"` without vision pairs — all before any forward.
     """
     if kind not in KINDS:
         raise HeadsteerValueError(f"unknown patching site {kind!r}; use one of {KINDS}")
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    met, options = check_sweep_inputs(model, pairs, options, metric, what="patching")
+    met, options = check_sweep_inputs(model, pairs, options, metric, what="patching", images=True)
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
     if positions is not None and not by_pos:
@@ -600,8 +633,12 @@ def patch(
     sites, shape = _sites(model, kind, lays, poss)
 
     mask = pairs.attention_mask
-    clean = record_run(model, pairs.clean_ids, mask, pattern=kind == "pattern")
-    corrupt = record_run(model, pairs.corrupted_ids, mask, pattern=kind == "pattern")
+    emb: dict[str, torch.Tensor | None] = {"clean": None, "corrupted": None}
+    if isinstance(pairs, ImagePairBatch):  # the vision tower runs once per side
+        for side in emb:
+            emb[side] = language_model_inputs(model, pairs.ids(side), mask, pairs.image_inputs(side))
+    clean = record_run(model, pairs.clean_ids, mask, pattern=kind == "pattern", embeds=emb["clean"])
+    corrupt = record_run(model, pairs.corrupted_ids, mask, pattern=kind == "pattern", embeds=emb["corrupted"])
     idx = torch.arange(pairs.n)
     m_clean = met(clean.logits, pairs, idx, clean.logits)
     m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
@@ -658,8 +695,18 @@ def patch(
         [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
         model.name,
         model.n_kv_heads,
-        {"layers": lays, "positions": poss if by_pos else None, "n_pairs": pairs.n},
+        _params(pairs, lays, poss if by_pos else None),
     )
+
+
+def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None) -> dict:
+    """The result's `params`; for vision pairs also `image_positions`: the indices along the
+    position axis whose columns are image tokens in pair 0."""
+    out: dict[str, Any] = {"layers": layers, "positions": positions, "n_pairs": pairs.n}
+    if isinstance(pairs, ImagePairBatch):
+        cols = set(pairs.image_mask[0].nonzero().flatten().tolist())
+        out["image_positions"] = [j for j, p in enumerate(positions or []) if p in cols]
+    return out
 
 
 def _run_chunk(
@@ -690,6 +737,8 @@ def _run_chunk(
     offset = split - trim
     edits: list[Edit] = []
     with ExitStack() as stack:
+        if base.embeds is not None:  # vision pairs: the base run's image features
+            stack.enter_context(replaced_embeddings(model, base.embeds[ps.to(base.embeds.device), split:]))
         if kind in ("head_out", "head_out_by_pos"):
             rh = torch.zeros(R, H, dtype=torch.bool)
             for r, s in enumerate(sites):

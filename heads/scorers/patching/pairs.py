@@ -124,6 +124,11 @@ class PairBatch:
         return self.attention_mask.sum(-1)
 
     @property
+    def has_images(self) -> bool:
+        """True for vision pairs (`heads.scorers.patching.vision.ImagePairBatch`)."""
+        return False
+
+    @property
     def has_counterfactual(self) -> bool:
         return bool(self.counterfactual_mask.any(-1).all())
 
@@ -244,16 +249,23 @@ def _check_token_row(where: str, row: object) -> list[int]:
     return out
 
 
-def check_vocab(pairs: PairBatch, d_vocab: int, where: str = "pairs") -> None:
+def check_vocab(pairs: PairBatch, d_vocab: int, where: str = "pairs", *, images: bool = False) -> None:
     """Refuse, before any forward, a `PairBatch` whose ids (prompts, padding, answers,
-    counterfactuals) fall outside the model's vocabulary `0..d_vocab - 1`.
+    counterfactuals) fall outside the model's vocabulary `0..d_vocab - 1`, and vision pairs
+    unless `images=True` (only activation patching runs their images).
 
     Raises:
         HeadsteerTypeError: `pairs` not a `PairBatch`.
-        HeadsteerValueError: `"<where>: <field> token id <id> is outside the vocabulary 0..V-1"`.
+        HeadsteerValueError: `"<where>: <field> token id <id> is outside the vocabulary 0..V-1"`;
+            vision pairs where `images` is False.
     """
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"{where} must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if pairs.has_images and not images:
+        raise HeadsteerValueError(
+            f"{where}: vision pairs (encode_image_pairs) are taken by activation patching (patch) "
+            "only; this analysis would run their prompts without the images"
+        )
     fields = (
         ("clean", pairs.clean_ids, None),
         ("corrupted", pairs.corrupted_ids, None),
