@@ -216,3 +216,45 @@ def test_serve_refuses_a_bad_vector_file_before_loading(no_load, tmp_path):
     bad.write_text("not safetensors")
     r = CliRunner().invoke(app, ["serve", "--caa-vector", str(bad)])
     one_line_error(r, "cannot be read", ignore=("loading ", "warning: "))
+
+
+def _raw_caa_file(path: Path, vector: torch.Tensor) -> Path:
+    """A CAA vector file written without `save_caa_vectors` (as a hostile or foreign tool would)."""
+    from safetensors.torch import save_file
+
+    save_file({"v": vector}, path, metadata={"format": "headsteer-caa", "layer.v": "1"})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("vector", "needle"),
+    [
+        (torch.full((64,), 1e38), "reaches 1e\\+38"),  # finite float32, but the next norm overflows
+        (torch.full((64,), 1e39, dtype=torch.float64), "beyond float32's range"),
+    ],
+)
+def test_huge_vector_file_is_refused_by_the_loader_and_serve(no_load, tmp_path, vector, needle):
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli.main import app
+
+    path = _raw_caa_file(tmp_path / "big.safetensors", vector)
+    with pytest.raises(HeadsteerValueError, match=f"CAA vector 'v' in .*big.safetensors.*: CAA .*{needle}"):
+        load_caa_vectors(path)
+    r = CliRunner().invoke(app, ["serve", "--caa-vector", str(path)])
+    one_line_error(r, needle.replace("\\", ""), ignore=("loading ", "warning: "))
+
+
+def test_request_coefficient_that_overflows_is_a_bad_request(tiny_llama):
+    """A vector that is fine at coefficient 1 but overflows at the request's coefficient: one
+    line from `parse_steer` (the 400 of the server), naming the product."""
+    big = Caa(torch.full((tiny_llama.d_model,), 1e16), 1)
+    with pytest.raises(
+        HeadsteerValueError, match=r"steer\[0\] \(caa\): CAA coefficient x vector reaches 1e\+20"
+    ):
+        parse_steer([{"method": "caa", "vector": "big", "coefficient": 1e4}], {"big": big})
+    assert (
+        parse_steer([{"method": "caa", "vector": "big", "coefficient": 10}], {"big": big})[0].coefficient
+        == 10
+    )

@@ -120,7 +120,10 @@ def _check_method_values(method: str, given: dict) -> None:
         layer = given["caa_layer"]
         if layer is not None and layer < 0:
             raise HeadsteerValueError(f"--caa-layer must be >= 0, got {layer}")
-        Caa(torch.ones(1), 0, given["caa_coefficient"])  # the coefficient's bounds; warns on 0
+        try:
+            Caa(torch.ones(1), 0, given["caa_coefficient"])  # the coefficient's bounds; warns on 0
+        except ValueError as exc:
+            raise HeadsteerValueError(f"--caa-coefficient: {exc}") from None
     elif method == "iti":
         from heads.engine.edits import MAX_FACTOR
 
