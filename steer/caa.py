@@ -180,7 +180,7 @@ class Caa:
 
     Raises:
         TypeError: a layer or position that is not an int.
-        ValueError: a vector that is not 1-D or holds NaN/inf, a coefficient
+        ValueError: a vector that is not 1-D, not floating point or holds NaN/inf, a coefficient
             that is not finite or beyond +-1e4, `|coefficient * vector|` above `MAX_ENTRY`
             (about 1.8e19); when applied, a vector length other than d_model, a layer outside
             0 .. n_layers - 2, a `|coefficient * vector|` entry beyond the model dtype's range
@@ -197,6 +197,10 @@ class Caa:
 
     def __post_init__(self) -> None:
         raw = torch.as_tensor(self.vector).detach()
+        if not raw.is_floating_point():  # an int / bool vector is a wrong file or a mask, not a direction
+            raise HeadsteerValueError(
+                f"CAA vector must be floating point, got dtype {_dtype_name(raw.dtype)}"
+            )
         if raw.ndim != 1 or not len(raw):
             raise HeadsteerValueError(f"CAA vector must be 1-D [d_model], got shape {tuple(raw.shape)}")
         if not torch.isfinite(raw).all():
@@ -322,12 +326,14 @@ def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, ove
 def load_caa_vectors(path: str | os.PathLike) -> dict[str, Caa]:
     """Named `Caa`s (coefficient 1) from a file written by `save_caa_vectors`.
 
-    Safetensors only (no pickle is ever read). Every vector is checked: 1-D, finite, with an
-    integer layer in the metadata.
+    Safetensors only (no pickle is ever read). Every vector is checked as stored (never cast
+    first): floating point (an int or bool tensor is refused by its dtype's name), 1-D, finite,
+    every entry within `MAX_ENTRY`, with an integer layer in the metadata.
 
     Raises:
         ValueError: a missing or unreadable file, not a headsteer CAA file, more than
-            `MAX_VECTORS` vectors, a bad name, a vector that is not 1-D / finite or has no layer.
+            `MAX_VECTORS` vectors, a bad name, a vector that is not floating point, not 1-D,
+            not finite, beyond `MAX_ENTRY` or has no layer.
     """
     from safetensors import safe_open
 

@@ -258,3 +258,26 @@ def test_request_coefficient_that_overflows_is_a_bad_request(tiny_llama):
         parse_steer([{"method": "caa", "vector": "big", "coefficient": 10}], {"big": big})[0].coefficient
         == 10
     )
+
+
+@pytest.mark.parametrize(
+    ("vector", "dtype"),
+    [(torch.ones(64, dtype=torch.int64), "int64"), (torch.ones(64, dtype=torch.bool), "bool")],
+)
+def test_non_float_vector_file_is_refused_by_dtype_name(no_load, tmp_path, vector, dtype):
+    """An int or bool tensor is not cast to float: the file is refused, naming the dtype."""
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli.main import app
+
+    path = _raw_caa_file(tmp_path / "ints.safetensors", vector)
+    with pytest.raises(
+        HeadsteerValueError, match=f"CAA vector 'v' in .*must be floating point, got dtype {dtype}$"
+    ):
+        load_caa_vectors(path)
+    with pytest.raises(HeadsteerValueError, match=f"got dtype {dtype}"):
+        Caa(vector, 1)
+    assert Caa(vector.to(torch.bfloat16), 1).vector.dtype == torch.float32  # any float dtype: kept
+    r = CliRunner().invoke(app, ["serve", "--caa-vector", str(path)])
+    one_line_error(r, f"must be floating point, got dtype {dtype}", ignore=("loading ", "warning: "))
