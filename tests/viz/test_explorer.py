@@ -283,6 +283,22 @@ def test_bad_requests_are_one_line_and_server_survives(client):
     assert scored(client, {"prompt": PROMPT})[-1]["result"]["score"] == "span"
 
 
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b'{"prompt": "a **b**", "layer": ' + b"9" * 5000 + b', "head": 0}', "too large: an integer of 5000"),
+        (b"{not json", "not valid JSON: Expecting property name"),
+        (b"[" * 20_000, "nested too deeply"),
+    ],
+)
+def test_unparsable_body_names_the_problem(client, data, needle):
+    """A 5000-digit integer (beyond Python's `int(str)` limit) is "too large", not "not valid JSON"."""
+    for path in ("/api/pattern", "/api/scores"):
+        r = client.post(path, content=data, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and needle in r.json()["error"], r.text
+        assert "\n" not in r.json()["error"]
+
+
 def test_bounds_of_new_endpoints(client):
     r = client.post("/api/scores", json={"prompt": "a" * (MAX_BODY_BYTES + 10)})
     assert r.status_code == 413 and "limit" in r.json()["error"]

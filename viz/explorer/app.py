@@ -60,7 +60,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_int, check_number, load_json_body
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -269,10 +269,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raw += part
             if len(raw) > MAX_BODY_BYTES:
                 raise _TooLarge(f"request body is larger than the limit {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw or b"null")
-        except ValueError:
-            raise HeadsteerValueError("request body is not valid JSON") from None
+        body = load_json_body(raw)  # one line: invalid JSON, a too-large number, too deep
         if not isinstance(body, dict):
             raise HeadsteerValueError("request body must be a JSON object")
         return body
