@@ -53,9 +53,10 @@ METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
 `--max-new-tokens` is used by generate-scored tasks only (json_format, pronoun_change)."""
 
 
-def _check_method_options(method: str, scoring: str, given: dict) -> None:
-    """Refuse (ValueError) the options `method` or a `scoring` task does not use but were given
-    a value other than their default (the rule of `headsteer generate`, `refuse_unused`)."""
+def _check_method_options(run: Run, method: str, scoring: str, given: dict) -> None:
+    """Refuse (ValueError) the options `method` or a `scoring` task does not use but the user
+    gave, even at their default value (`Run.gave`; the rule of `headsteer generate`,
+    `refuse_unused`)."""
     defaults = {
         name: p.default.default if hasattr(p.default, "default") else p.default
         for name, p in inspect.signature(eval_command).parameters.items()
@@ -63,7 +64,9 @@ def _check_method_options(method: str, scoring: str, given: dict) -> None:
     }
     used = set(METHOD_OPTIONS[method]) | ({"max_new_tokens"} if scoring == "generate" else set())
     flags = {
-        "--" + name.replace("_", "-"): given[name] != defaults[name] for name in given if name not in used
+        "--" + name.replace("_", "-"): run.gave(name, given[name], defaults[name])
+        for name in given
+        if name not in used
     }
     refuse_unused(method, flags, option="--method")
 
@@ -217,7 +220,7 @@ def eval_command(
         max_new_tokens=max_new_tokens,
     )
     first = load_task(task, split).examples[0]
-    _check_method_options(method, first.scoring, given)
+    _check_method_options(run, method, first.scoring, given)
     _positive(batch_size=batch_size)
     if first.scoring == "generate":
         _positive(max_new_tokens=max_new_tokens)
