@@ -299,6 +299,24 @@ def test_unparsable_body_names_the_problem(client, data, needle):
         assert "\n" not in r.json()["error"]
 
 
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_noop_alpha_is_400_with_the_cli_warning_text(client, alpha):
+    """alpha 1 (a no-op) or above 1 (de-emphasizes the span): HTTP 400 whose message is the
+    warning `headsteer generate --alpha` prints before running (it used to run silently)."""
+    import warnings
+
+    from steer.pasta.method import check_alpha
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_alpha(alpha)
+    want = str(caught[0].message)
+    r = client.post(
+        "/api/generate", json={"prompt": PROMPT, "steered": True, "heads": [[0, 0]], "alpha": alpha}
+    )
+    assert r.status_code == 400 and r.json()["error"] == want, r.text
+
+
 def test_bounds_of_new_endpoints(client):
     r = client.post("/api/scores", json={"prompt": "a" * (MAX_BODY_BYTES + 10)})
     assert r.status_code == 413 and "limit" in r.json()["error"]

@@ -281,3 +281,29 @@ def test_non_float_vector_file_is_refused_by_dtype_name(no_load, tmp_path, vecto
     assert Caa(vector.to(torch.bfloat16), 1).vector.dtype == torch.float32  # any float dtype: kept
     r = CliRunner().invoke(app, ["serve", "--caa-vector", str(path)])
     one_line_error(r, f"must be floating point, got dtype {dtype}", ignore=("loading ", "warning: "))
+
+
+@pytest.mark.parametrize(
+    ("args", "entry"),
+    [
+        (["--alpha", "1"], {"method": "pasta", "alpha": 1}),
+        (["--steer", "instaboost", "--multiplier", "1"], {"method": "instaboost", "multiplier": 1}),
+    ],
+)
+def test_noop_is_a_cli_warning_and_a_400_with_the_same_text(tiny_llama_dir, args, entry):
+    """The CLI warns and runs (exit 0); the server refuses (400 from `parse_steer`); the message
+    is the same sentence, the server's prefixed by the entry (docs/serving.md)."""
+    from typer.testing import CliRunner
+
+    from viz.cli.main import app
+
+    prompt = "Hi **there** friend"
+    r = CliRunner().invoke(
+        app, ["generate", prompt, "--model", tiny_llama_dir, "--max-new-tokens", "1", "--json", *args]
+    )
+    assert r.exit_code == 0, r.output
+    lines = [ln.removeprefix("warning: ") for ln in r.stderr.splitlines() if "no-op" in ln]
+    assert len(lines) == 1 and r.stderr.count("warning: ") >= 1, r.stderr
+    with pytest.raises(HeadsteerValueError) as info:
+        parse_steer([entry])
+    assert str(info.value) == f"steer[0] ({entry['method']}): {lines[0]}"

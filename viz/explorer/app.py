@@ -22,7 +22,9 @@ random id and the prompt):
   at the last position (its direct logit attribution through the final norm,
   `heads.scorers.roles.lens.AttentionLens.init` untrained), its MAPS salient operations
   (`heads.scorers.maps.static.salient_operations`) and its atlas row when the atlas is known.
-- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream)
+- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream; an
+  `alpha` of 1, a no-op, or above 1, which de-emphasizes the span, is HTTP 400 with the warning
+  text `headsteer generate --alpha` prints, `steer.noop.refusing_noop`)
   `{"text": piece}` events as tokens are generated; a steered run then sends
   `{"span_share": {"before": [L], "after": [L]}}`: per layer, the last prompt position's
   attention share on the `**…**` span averaged over heads
@@ -239,6 +241,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     from heads.inputs.prompts import encode_prompts
     from heads.scorers.attention_mass import head_pattern, span_attention
     from heads.scorers.sinks import sink_stats
+    from steer.noop import refusing_noop
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer.patterns import PatternCache, Patterns, all_patterns, pattern_bytes
@@ -537,7 +540,8 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             enc = encode_prompts(model.tokenizer, prompt)
             if not enc.spans[0]:
                 raise HeadsteerValueError("steering needs a span: mark it in the prompt with **...**")
-            steer = [Pasta(heads=heads, alpha=_alpha(body))]
+            with refusing_noop():  # alpha 1 (a no-op) or above 1: HTTP 400 with the CLI's warning text
+                steer = [Pasta(heads=heads, alpha=_alpha(body))]
 
         def work(emit, flag) -> dict:
             streamer = _Streamer(model.tokenizer, emit, flag)
