@@ -189,3 +189,26 @@ def test_profile_pasta_heads_checked_from_the_config_before_load(no_load, tiny_l
         ["profile", "pasta", "--model", tiny_llama_dir, "--heads", "13", "--out", str(tmp_path / "p.json")],
     )
     _one_line_error(r, "--heads 13 is more than the model's 12 heads")
+
+
+def test_eval_writes_results_in_the_current_directory_as_the_caa_page_says(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Without --out, `headsteer eval` writes `results/TASK.METHOD.SPLIT.csv` and its
+    `.examples.csv` in the current directory, and nothing else; docs/methods/caa.md says so."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs/methods/caa.md").read_text()
+    for text in (
+        "**current directory**",
+        "results/counterfact.caa.test.csv",
+        ".examples.csv",
+        "--out FILE.csv",
+    ):
+        assert text in page, text
+    monkeypatch.chdir(tmp_path)
+    args = ["eval", "--model", tiny_llama_dir, "--method", "caa", "--task", "sentiment", "--limit", "2"]
+    r = runner.invoke(app, [*args, "--caa-layer", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["results/sentiment.caa.test.csv", "results/sentiment.caa.test.examples.csv"]

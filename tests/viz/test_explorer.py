@@ -385,3 +385,36 @@ def test_atlas_given_is_used_without_computing(model, tmp_path, monkeypatch):
     assert [roles[la][h] for la, h in zip(atlas.frame["layer"], atlas.frame["head"], strict=True)] == list(
         atlas.frame["role"]
     )
+
+
+def test_docs_list_every_endpoint_and_response_field(client):
+    """docs/explorer.md's HTTP API table has a row per API route, and each row names every
+    field of that endpoint's JSON response (read from real responses)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs/explorer.md").read_text()
+    rows = {
+        ln.split("|")[1].strip(): ln for ln in page.splitlines() if ln.startswith("| `") and "/api/" in ln
+    }
+    routes = {r.path for r in client.app.routes if getattr(r, "path", "").startswith("/api/")}
+    assert {k.split()[1].strip("`") for k in rows} == routes
+    tab = "tab-" + "x" * 8
+    replies = {
+        "GET /api/info": client.get("/api/info").json(),
+        "POST /api/prepare": client.post("/api/prepare", json={"prompt": PROMPT, "tab": tab}).json(),
+        "POST /api/pattern": client.post(
+            "/api/pattern", json={"prompt": PROMPT, "layer": 0, "head": 1}
+        ).json(),
+        "POST /api/head": client.post("/api/head", json={"prompt": PROMPT, "layer": 0, "head": 1}).json(),
+        "POST /api/cancel": client.post("/api/cancel", json={"job": "j" * 8}).json(),
+    }
+    replies["GET /api/info"].update(replies["GET /api/info"].pop("limits"))
+    for endpoint, reply in replies.items():
+        row = next(v for k, v in rows.items() if k.startswith(f"`{endpoint}`"))
+        for key in reply:
+            assert f"`{key}`" in row, (endpoint, key)
+    stream = events(client.post("/api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}).text)
+    generate_row = next(v for k, v in rows.items() if "/api/generate" in k)
+    for ev in stream:
+        for key in ev:
+            assert f'"{key}"' in generate_row or key in ("job", "status"), key  # events: {"key": ...}

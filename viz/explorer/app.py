@@ -1,6 +1,7 @@
 """The head explorer: a FastAPI app serving one page and a small JSON / server-sent-event API.
 
-Endpoints (every request carries its own prompt and heads, so two browser tabs never see
+Endpoints (each one's request and response fields: docs/explorer.md, "HTTP API"; every
+request carries its own prompt and heads, so two browser tabs never see
 each other's choices; the one per-tab thing kept is the pattern cache, keyed by the tab's
 random id and the prompt):
 
