@@ -47,6 +47,11 @@ MAX_VECTORS = 64
 """Most vectors in one CAA vector file (`load_caa_vectors`)."""
 MAX_NAME = 64
 """Longest vector name in a CAA vector file."""
+MAX_ENTRY = math.sqrt(torch.finfo(torch.float32).max)
+"""Largest `|coefficient * vector|` entry (about 1.8e19): the next layer's norm squares the
+residual in float32, so a larger entry makes it inf and the model's output collapses
+(greedy generation on SmolLM2-135M returns an empty text from 1e20 on). `Caa.check` also
+bounds it by the model dtype's largest value (65504 in float16)."""
 
 
 @dataclass(eq=False, repr=False)
@@ -71,6 +76,19 @@ class CaaAdd(ResidualEdit):
         out = x.clone()
         out[:, first:] = x[:, first:] + self.vector.to(device=x.device, dtype=x.dtype)
         return out
+
+
+def _peak(vector: torch.Tensor, coefficient: float) -> float:
+    """`max |coefficient * vector|`, in float64 (finite for any finite float32 vector)."""
+    return abs(float(coefficient)) * float(vector.abs().max())
+
+
+def _check_peak(peak: float, limit: float, why: str) -> None:
+    if not peak <= limit:
+        raise HeadsteerValueError(
+            f"CAA coefficient x vector reaches {peak:.3g}, more than {limit:.3g} ({why}); "
+            "use a smaller coefficient or vector"
+        )
 
 
 def _check_layer(model: HeadModel, layer: object) -> int:
@@ -162,9 +180,11 @@ class Caa:
 
     Raises:
         TypeError: a layer or position that is not an int.
-        ValueError: a vector that is not 1-D or holds NaN/inf, a coefficient that is not finite
-            or beyond +-1e4; when applied, a vector length other than d_model, a layer outside
-            0 .. n_layers - 2, or a position before the prompt.
+        ValueError: a vector that is not 1-D, not floating point or holds NaN/inf, a coefficient
+            that is not finite or beyond +-1e4, `|coefficient * vector|` above `MAX_ENTRY`
+            (about 1.8e19); when applied, a vector length other than d_model, a layer outside
+            0 .. n_layers - 2, a `|coefficient * vector|` entry beyond the model dtype's range
+            (e.g. 65504 in float16), or a position before the prompt.
 
     Source: Rimsky et al. 2024, §3 (mean difference at the answer token; added at every
     position after the prompt).
@@ -176,11 +196,19 @@ class Caa:
     from_position: int | None = -1
 
     def __post_init__(self) -> None:
-        v = torch.as_tensor(self.vector).detach().float().cpu()
-        if v.ndim != 1 or not len(v):
-            raise HeadsteerValueError(f"CAA vector must be 1-D [d_model], got shape {tuple(v.shape)}")
-        if not torch.isfinite(v).all():
+        raw = torch.as_tensor(self.vector).detach()
+        if not raw.is_floating_point():  # an int / bool vector is a wrong file or a mask, not a direction
+            raise HeadsteerValueError(
+                f"CAA vector must be floating point, got dtype {_dtype_name(raw.dtype)}"
+            )
+        if raw.ndim != 1 or not len(raw):
+            raise HeadsteerValueError(f"CAA vector must be 1-D [d_model], got shape {tuple(raw.shape)}")
+        if not torch.isfinite(raw).all():
             raise HeadsteerValueError("CAA vector holds NaN or inf")
+        v = raw.float().cpu()
+        if not torch.isfinite(v).all():  # a float64 value beyond float32's range
+            big = float(raw.double().abs().max())
+            raise HeadsteerValueError(f"CAA vector holds {big:.3g}, beyond float32's range (3.4e38)")
         c = self.coefficient
         if (
             isinstance(c, bool)
@@ -191,6 +219,7 @@ class Caa:
             raise HeadsteerValueError(
                 f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {c!r}"
             )
+        _check_peak(_peak(v, c), MAX_ENTRY, "the next layer's norm would square it past float32's range")
         check_int("CAA layer", self.layer, type_error=True)
         p = self.from_position
         if p is not None and (not is_int(p)):
@@ -220,13 +249,18 @@ class Caa:
         """The layer, after checking it and the vector length against `model`.
 
         Raises:
-            ValueError: a layer outside 0 .. n_layers - 2, a vector length other than d_model.
+            ValueError: a layer outside 0 .. n_layers - 2, a vector length other than d_model,
+                a `|coefficient * vector|` entry beyond the largest value of the model's dtype.
         """
         layer = _check_layer(model, self.layer)
         if self.vector.shape[0] != model.d_model:
             raise HeadsteerValueError(
                 f"CAA vector has length {self.vector.shape[0]}, the model's d_model is {model.d_model}"
             )
+        dtype = model.dtype
+        if dtype.is_floating_point:
+            top = float(torch.finfo(dtype).max)
+            _check_peak(_peak(self.vector, self.coefficient), top, f"the largest {_dtype_name(dtype)} value")
         return layer
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[CaaAdd]:
@@ -242,6 +276,10 @@ class Caa:
 
     def __repr__(self) -> str:
         return f"Caa(layer={self.layer}, coefficient={self.coefficient}, from_position={self.from_position})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -288,12 +326,14 @@ def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, ove
 def load_caa_vectors(path: str | os.PathLike) -> dict[str, Caa]:
     """Named `Caa`s (coefficient 1) from a file written by `save_caa_vectors`.
 
-    Safetensors only (no pickle is ever read). Every vector is checked: 1-D, finite, with an
-    integer layer in the metadata.
+    Safetensors only (no pickle is ever read). Every vector is checked as stored (never cast
+    first): floating point (an int or bool tensor is refused by its dtype's name), 1-D, finite,
+    every entry within `MAX_ENTRY`, with an integer layer in the metadata.
 
     Raises:
         ValueError: a missing or unreadable file, not a headsteer CAA file, more than
-            `MAX_VECTORS` vectors, a bad name, a vector that is not 1-D / finite or has no layer.
+            `MAX_VECTORS` vectors, a bad name, a vector that is not floating point, not 1-D,
+            not finite, beyond `MAX_ENTRY` or has no layer.
     """
     from safetensors import safe_open
 
@@ -326,7 +366,7 @@ def load_caa_vectors(path: str | os.PathLike) -> dict[str, Caa]:
         if not re.fullmatch(r"\d{1,6}", layer):
             raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)} has no integer layer")
         try:
-            out[name] = Caa(v.float(), int(layer))
+            out[name] = Caa(v, int(layer))  # checked in its own dtype
         except ValueError as exc:
             raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)}: {exc}") from None
     return out

@@ -46,7 +46,7 @@ from steer.act.method import Act
 from steer.adaptvis import AdaptVis, ScalingVis
 from steer.caa import Caa
 from steer.instaboost import InstaBoost
-from steer.noop import NoOpWarning
+from steer.noop import refusing_noop
 from steer.pasta.method import Pasta
 from steer.profiles import shipped_profile
 from steer.spotlight import Spotlight
@@ -164,7 +164,10 @@ def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Inte
         `BatchGenerator.prepare` resolves it against the model.
 
     Raises:
-        ValueError: not a list, an unknown method or field, a bad value (one line, naming it).
+        ValueError: not a list, an unknown method or field, a bad value (one line, naming it);
+            a value that makes the entry a no-op or silently do something else (PASTA alpha 1 or
+            above 1, no heads, ACT beta 1, ...): the `NoOpWarning` text the CLI and the Python
+            API print before running (`steer.noop.refusing_noop`).
     """
     if spec is None:
         return []
@@ -186,10 +189,9 @@ def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Inte
             names = sorted(_short(x) for x in extra)
             raise HeadsteerValueError(f"steer[{i}] ({method}): unknown field(s) {names}")
         try:
-            with warnings.catch_warnings():  # a steering request that changes nothing is a bad request
-                warnings.simplefilter("error", NoOpWarning)
+            with refusing_noop():  # a steering request that changes nothing is a bad request
                 out.append(_intervention(method, item, caa_vectors or {}))
-        except (TypeError, ValueError, NoOpWarning) as exc:
+        except (TypeError, ValueError) as exc:
             raise HeadsteerValueError(f"steer[{i}] ({method}): {exc}") from None
     return out
 

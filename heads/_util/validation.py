@@ -28,7 +28,12 @@ __all__ = [
     "check_shard",
     "is_int",
     "is_number",
+    "load_json_body",
 ]
+
+MAX_JSON_INT_DIGITS = 4300
+"""Most decimal digits of one integer in a JSON request body (Python's own default limit for
+`int(str)`, `sys.get_int_max_str_digits()`); a longer one is refused by `load_json_body`."""
 
 
 def is_int(value: object) -> TypeIs[int]:
@@ -221,3 +226,49 @@ def check_path(name: str, value: object) -> str:
     if not isinstance(p, str) or not p.strip():
         raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {value!r}")
     return p
+
+
+def _json_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_JSON_INT_DIGITS:
+        raise _NumberTooLarge(
+            f"a number in the request body is too large: an integer of {digits} digits, "
+            f"more than the limit of {MAX_JSON_INT_DIGITS}"
+        )
+    return int(text)
+
+
+class _NumberTooLarge(ValueError):
+    pass
+
+
+def load_json_body(raw: bytes | str) -> object:
+    """The JSON value of an HTTP request body (`headsteer serve`, `headsteer explore`).
+
+    Args:
+        raw: the body (UTF-8 bytes or text; empty: None).
+
+    Returns:
+        the parsed value (any JSON type; the caller checks it is an object).
+
+    Raises:
+        ValueError: one line: an integer of more than `MAX_JSON_INT_DIGITS` digits ("a number
+            in the request body is too large ..."; Python's `int` refuses to convert it), a
+            nesting too deep to parse, or any other invalid JSON / UTF-8 ("the request body is
+            not valid JSON: <where>").
+    """
+    import json
+
+    if not raw:
+        return None
+    try:
+        return json.loads(raw, parse_int=_json_int)
+    except _NumberTooLarge as exc:
+        raise HeadsteerValueError(str(exc)) from None
+    except RecursionError:
+        raise HeadsteerValueError("the request body is nested too deeply to parse") from None
+    except UnicodeDecodeError:
+        raise HeadsteerValueError("the request body is not valid UTF-8 JSON") from None
+    except ValueError as exc:  # json.JSONDecodeError: the message names line and column
+        where = str(exc).splitlines()[0][:200]
+        raise HeadsteerValueError(f"the request body is not valid JSON: {where}") from None

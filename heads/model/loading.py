@@ -45,6 +45,7 @@ __all__ = [
     "load_processor",
     "load_tokenizer",
     "pick_attn_implementation",
+    "read_geometry",
     "vlm_head_model",
 ]
 
@@ -481,6 +482,30 @@ def check_config(folder: str | os.PathLike) -> None:
                         f"cannot read the model in {str(folder)!r}: unknown rope_scaling rope_type "
                         f"{kind!r} (known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
                     )
+
+
+def read_geometry(name_or_path: str | os.PathLike | None = None) -> tuple[int, int]:
+    """`(n_layers, n_heads)` of a model from its config alone, before any weight is read.
+
+    Args:
+        name_or_path: as `load_model` (None: the embedded model; its cache is built the first
+            time, as `load_model` would).
+
+    Returns:
+        the config's `num_hidden_layers` and `num_attention_heads` (a vision-language model's
+        `text_config`), what `HeadModel.n_layers` / `n_heads` will be once it is loaded.
+
+    Raises:
+        ValueError / FileNotFoundError: as `load_model` for a missing folder or a bad config
+            (`check_config`).
+    """
+    from transformers import AutoConfig
+
+    where, _ = _resolve(name_or_path)
+    check_config(where)
+    config = AutoConfig.from_pretrained(where, trust_remote_code=False)
+    text = getattr(config, "text_config", None) or config
+    return int(text.num_hidden_layers), int(text.num_attention_heads)
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

@@ -116,3 +116,37 @@ def test_same_vector_and_logits_on_three_backends(tokenizer):
     for name in ("transformer_lens", "nnsight"):
         torch.testing.assert_close(vecs[name], vecs["hf"], atol=1e-5, rtol=0)
         torch.testing.assert_close(logits[name][real], logits["hf"][real], atol=1e-5, rtol=0)
+
+
+def test_overflowing_vector_or_product_is_refused_before_any_forward(tiny_llama, tiny_llama_dir):
+    """A vector whose `coefficient * vector` would overflow is refused with one line: past
+    `MAX_ENTRY` (the next norm squares it past float32: the output collapses, generation is
+    empty), past float32 itself (a float64 vector), or past the model dtype's largest value."""
+    from steer.caa import MAX_ENTRY
+
+    d = tiny_llama.d_model
+    enc = encode_prompts(tiny_llama.tokenizer, [PROMPT], chat=False, markup=False)
+    assert 1.8e19 < MAX_ENTRY < 1.9e19
+    for vector, c, needle in [
+        (torch.full((d,), 1e38), 1.0, "reaches 1e\\+38"),  # finite in float32, still refused
+        (torch.full((d,), 1e18), 100.0, "reaches 1e\\+20"),  # the product, not the vector
+        (torch.full((d,), 1e39, dtype=torch.float64), 1.0, "beyond float32's range"),
+        (torch.full((d,), float("inf")), 1.0, "NaN or inf"),
+    ]:
+        with pytest.raises(HeadsteerValueError, match=needle):
+            Caa(vector, 0, c)
+    assert Caa(torch.full((d,), MAX_ENTRY * 0.99), 0, 1.0).check(tiny_llama) == 0  # within: kept
+    with pytest.raises(HeadsteerValueError, match="coefficient"):
+        Caa(torch.ones(d), 0, float("nan"))
+    half = Caa(torch.full((d,), 1e4), 0, 10.0)  # 1e5: fine in float32, beyond float16's 65504
+    assert half.check(tiny_llama) == 0
+    from heads import load_model
+
+    fp16 = load_model(tiny_llama_dir, dtype=torch.float16)
+    calls = []
+    fp16.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(HeadsteerValueError, match="reaches 1e\\+05, more than 6.55e\\+04 .*float16"):
+        SteeredModel(fp16).generate(PROMPT, [half], max_new_tokens=2, progress=False)
+    assert calls == []  # refused before any forward
+    with pytest.raises(HeadsteerValueError, match="float16"):
+        half.edits(fp16, enc)

@@ -154,3 +154,61 @@ def test_eval_caa_and_adaptvis_cli_equal_the_api(tiny_llama_dir, tiny_llama, tmp
     assert json.loads(r.stdout.strip().splitlines()[-1])["table"][0]["value"] == pytest.approx(
         av.table.value[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "caa", "--caa-layer", "2"], "--caa-layer 2 is outside 0..1: the model has 3 layers"),
+        (["--method", "caa", "--caa-layer", "99"], "--caa-layer 99 is outside 0..1"),
+        (["--method", "iti", "--iti-k", "13"], "--iti-k 13 is more than the model's 12 heads (3 layers x 4)"),
+    ],
+)
+def test_eval_geometry_options_checked_from_the_config_before_load(
+    no_load, tiny_llama, tiny_llama_dir, tmp_path, args, message
+):
+    """`--caa-layer` / `--iti-k` beyond the model's layers / heads: one line, exit 2, from the
+    config alone (the weights are never loaded: `no_load`)."""
+    assert (tiny_llama.n_layers, tiny_llama.n_heads) == (3, 4)
+    r = runner.invoke(
+        app,
+        ["eval", "--model", tiny_llama_dir, "--task", "sentiment", "--out", str(tmp_path / "e.csv"), *args],
+    )
+    _one_line_error(r, message)
+
+
+def test_read_geometry_equals_the_loaded_model(tiny_llama, tiny_llama_dir):
+    from heads.model.loading import read_geometry
+
+    assert read_geometry(tiny_llama_dir) == (tiny_llama.n_layers, tiny_llama.n_heads)
+
+
+def test_profile_pasta_heads_checked_from_the_config_before_load(no_load, tiny_llama_dir, tmp_path):
+    r = runner.invoke(
+        app,
+        ["profile", "pasta", "--model", tiny_llama_dir, "--heads", "13", "--out", str(tmp_path / "p.json")],
+    )
+    _one_line_error(r, "--heads 13 is more than the model's 12 heads")
+
+
+def test_eval_writes_results_in_the_current_directory_as_the_caa_page_says(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Without --out, `headsteer eval` writes `results/TASK.METHOD.SPLIT.csv` and its
+    `.examples.csv` in the current directory, and nothing else; docs/methods/caa.md says so."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs/methods/caa.md").read_text()
+    for text in (
+        "**current directory**",
+        "results/counterfact.caa.test.csv",
+        ".examples.csv",
+        "--out FILE.csv",
+    ):
+        assert text in page, text
+    monkeypatch.chdir(tmp_path)
+    args = ["eval", "--model", tiny_llama_dir, "--method", "caa", "--task", "sentiment", "--limit", "2"]
+    r = runner.invoke(app, [*args, "--caa-layer", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["results/sentiment.caa.test.csv", "results/sentiment.caa.test.examples.csv"]

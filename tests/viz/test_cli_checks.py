@@ -39,6 +39,44 @@ def test_generate_unused_option_table_is_complete(no_load):
             assert opt[0] in r.stderr and "error: " in r.stderr, (steer, opt, r.stderr)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["generate", "Hi **there**", "--steer", "vhr", "--alpha", "0.01"],
+            "--alpha is not used by --steer vhr",
+        ),
+        (
+            ["generate", "Hi **there**", "--steer", "var", "--pasta-heads", "auto"],
+            "--pasta-heads is not used",
+        ),
+        (["generate", "Hi **there**", "--multiplier", "5"], "--multiplier is not used by --steer pasta"),
+        (["generate", "Hi **there**", "--steer", "instaboost", "--alpha", "0.01"], "--alpha is not used"),
+        (["vision", "generate", "**ctx** q", "--steer", "var", "--weight", "0.8"], "--weight is not used"),
+        (
+            ["vision", "generate", "**ctx** q", "--steer", "vhr", "--p", "0.6"],
+            "--p is not used by --steer vhr",
+        ),
+        (
+            ["vision", "generate", "**ctx** q", "--without-image", "delete", "--steer", "var"],
+            "--without-image",
+        ),
+        (
+            ["eval", "--method", "pasta", "--task", "counterfact", "--caa-coefficient", "4"],
+            "--caa-coefficient",
+        ),
+        (["eval", "--method", "caa", "--task", "counterfact", "--alpha", "0.01"], "--alpha is not used"),
+        (["eval", "--method", "none", "--task", "counterfact", "--max-new-tokens", "48"], "--max-new-tokens"),
+        (["report", "circuit", "--method", "eap", "--steps", "5", "--out", "c.html"], "--steps is not used"),
+    ],
+)
+def test_unused_option_given_at_its_default_is_refused(no_load, tmp_path, monkeypatch, args, message):
+    """An option the chosen method does not use is refused when the user gives it, even at its
+    default value (click's parameter source, not a comparison with the default)."""
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(runner.invoke(app, args), message)
+
+
 def test_eval_method_options_cover_every_option():
     import inspect
 
@@ -134,3 +172,11 @@ def test_explore_host_and_port_before_load(no_load):
         _one_line_error(
             runner.invoke(app, ["explore", "--port", str(port)]), f"--port {port} cannot be bound"
         )
+
+
+def test_run_gave_falls_back_to_the_default_outside_click():
+    from viz.cli.common import Run
+
+    assert not Run().gave("alpha", 0.01, 0.01) and Run().gave("alpha", 0.5, 0.01)
+    given = Run(user_set=frozenset({"alpha"}))
+    assert given.gave("alpha", 0.01, 0.01) and not given.gave("tau", 0.3, 0.1)

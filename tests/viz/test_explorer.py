@@ -283,6 +283,40 @@ def test_bad_requests_are_one_line_and_server_survives(client):
     assert scored(client, {"prompt": PROMPT})[-1]["result"]["score"] == "span"
 
 
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b'{"prompt": "a **b**", "layer": ' + b"9" * 5000 + b', "head": 0}', "too large: an integer of 5000"),
+        (b"{not json", "not valid JSON: Expecting property name"),
+        (b"[" * 20_000, "nested too deeply"),
+    ],
+)
+def test_unparsable_body_names_the_problem(client, data, needle):
+    """A 5000-digit integer (beyond Python's `int(str)` limit) is "too large", not "not valid JSON"."""
+    for path in ("/api/pattern", "/api/scores"):
+        r = client.post(path, content=data, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and needle in r.json()["error"], r.text
+        assert "\n" not in r.json()["error"]
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_noop_alpha_is_400_with_the_cli_warning_text(client, alpha):
+    """alpha 1 (a no-op) or above 1 (de-emphasizes the span): HTTP 400 whose message is the
+    warning `headsteer generate --alpha` prints before running (it used to run silently)."""
+    import warnings
+
+    from steer.pasta.method import check_alpha
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_alpha(alpha)
+    want = str(caught[0].message)
+    r = client.post(
+        "/api/generate", json={"prompt": PROMPT, "steered": True, "heads": [[0, 0]], "alpha": alpha}
+    )
+    assert r.status_code == 400 and r.json()["error"] == want, r.text
+
+
 def test_bounds_of_new_endpoints(client):
     r = client.post("/api/scores", json={"prompt": "a" * (MAX_BODY_BYTES + 10)})
     assert r.status_code == 413 and "limit" in r.json()["error"]
@@ -351,3 +385,36 @@ def test_atlas_given_is_used_without_computing(model, tmp_path, monkeypatch):
     assert [roles[la][h] for la, h in zip(atlas.frame["layer"], atlas.frame["head"], strict=True)] == list(
         atlas.frame["role"]
     )
+
+
+def test_docs_list_every_endpoint_and_response_field(client):
+    """docs/explorer.md's HTTP API table has a row per API route, and each row names every
+    field of that endpoint's JSON response (read from real responses)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs/explorer.md").read_text()
+    rows = {
+        ln.split("|")[1].strip(): ln for ln in page.splitlines() if ln.startswith("| `") and "/api/" in ln
+    }
+    routes = {r.path for r in client.app.routes if getattr(r, "path", "").startswith("/api/")}
+    assert {k.split()[1].strip("`") for k in rows} == routes
+    tab = "tab-" + "x" * 8
+    replies = {
+        "GET /api/info": client.get("/api/info").json(),
+        "POST /api/prepare": client.post("/api/prepare", json={"prompt": PROMPT, "tab": tab}).json(),
+        "POST /api/pattern": client.post(
+            "/api/pattern", json={"prompt": PROMPT, "layer": 0, "head": 1}
+        ).json(),
+        "POST /api/head": client.post("/api/head", json={"prompt": PROMPT, "layer": 0, "head": 1}).json(),
+        "POST /api/cancel": client.post("/api/cancel", json={"job": "j" * 8}).json(),
+    }
+    replies["GET /api/info"].update(replies["GET /api/info"].pop("limits"))
+    for endpoint, reply in replies.items():
+        row = next(v for k, v in rows.items() if k.startswith(f"`{endpoint}`"))
+        for key in reply:
+            assert f"`{key}`" in row, (endpoint, key)
+    stream = events(client.post("/api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}).text)
+    generate_row = next(v for k, v in rows.items() if "/api/generate" in k)
+    for ev in stream:
+        for key in ev:
+            assert f'"{key}"' in generate_row or key in ("job", "status"), key  # events: {"key": ...}

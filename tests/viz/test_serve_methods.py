@@ -216,3 +216,94 @@ def test_serve_refuses_a_bad_vector_file_before_loading(no_load, tmp_path):
     bad.write_text("not safetensors")
     r = CliRunner().invoke(app, ["serve", "--caa-vector", str(bad)])
     one_line_error(r, "cannot be read", ignore=("loading ", "warning: "))
+
+
+def _raw_caa_file(path: Path, vector: torch.Tensor) -> Path:
+    """A CAA vector file written without `save_caa_vectors` (as a hostile or foreign tool would)."""
+    from safetensors.torch import save_file
+
+    save_file({"v": vector}, path, metadata={"format": "headsteer-caa", "layer.v": "1"})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("vector", "needle"),
+    [
+        (torch.full((64,), 1e38), "reaches 1e\\+38"),  # finite float32, but the next norm overflows
+        (torch.full((64,), 1e39, dtype=torch.float64), "beyond float32's range"),
+    ],
+)
+def test_huge_vector_file_is_refused_by_the_loader_and_serve(no_load, tmp_path, vector, needle):
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli.main import app
+
+    path = _raw_caa_file(tmp_path / "big.safetensors", vector)
+    with pytest.raises(HeadsteerValueError, match=f"CAA vector 'v' in .*big.safetensors.*: CAA .*{needle}"):
+        load_caa_vectors(path)
+    r = CliRunner().invoke(app, ["serve", "--caa-vector", str(path)])
+    one_line_error(r, needle.replace("\\", ""), ignore=("loading ", "warning: "))
+
+
+def test_request_coefficient_that_overflows_is_a_bad_request(tiny_llama):
+    """A vector that is fine at coefficient 1 but overflows at the request's coefficient: one
+    line from `parse_steer` (the 400 of the server), naming the product."""
+    big = Caa(torch.full((tiny_llama.d_model,), 1e16), 1)
+    with pytest.raises(
+        HeadsteerValueError, match=r"steer\[0\] \(caa\): CAA coefficient x vector reaches 1e\+20"
+    ):
+        parse_steer([{"method": "caa", "vector": "big", "coefficient": 1e4}], {"big": big})
+    assert (
+        parse_steer([{"method": "caa", "vector": "big", "coefficient": 10}], {"big": big})[0].coefficient
+        == 10
+    )
+
+
+@pytest.mark.parametrize(
+    ("vector", "dtype"),
+    [(torch.ones(64, dtype=torch.int64), "int64"), (torch.ones(64, dtype=torch.bool), "bool")],
+)
+def test_non_float_vector_file_is_refused_by_dtype_name(no_load, tmp_path, vector, dtype):
+    """An int or bool tensor is not cast to float: the file is refused, naming the dtype."""
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli.main import app
+
+    path = _raw_caa_file(tmp_path / "ints.safetensors", vector)
+    with pytest.raises(
+        HeadsteerValueError, match=f"CAA vector 'v' in .*must be floating point, got dtype {dtype}$"
+    ):
+        load_caa_vectors(path)
+    with pytest.raises(HeadsteerValueError, match=f"got dtype {dtype}"):
+        Caa(vector, 1)
+    assert Caa(vector.to(torch.bfloat16), 1).vector.dtype == torch.float32  # any float dtype: kept
+    r = CliRunner().invoke(app, ["serve", "--caa-vector", str(path)])
+    one_line_error(r, f"must be floating point, got dtype {dtype}", ignore=("loading ", "warning: "))
+
+
+@pytest.mark.parametrize(
+    ("args", "entry"),
+    [
+        (["--alpha", "1"], {"method": "pasta", "alpha": 1}),
+        (["--steer", "instaboost", "--multiplier", "1"], {"method": "instaboost", "multiplier": 1}),
+    ],
+)
+def test_noop_is_a_cli_warning_and_a_400_with_the_same_text(tiny_llama_dir, args, entry):
+    """The CLI warns and runs (exit 0); the server refuses (400 from `parse_steer`); the message
+    is the same sentence, the server's prefixed by the entry (docs/serving.md)."""
+    from typer.testing import CliRunner
+
+    from viz.cli.main import app
+
+    prompt = "Hi **there** friend"
+    r = CliRunner().invoke(
+        app, ["generate", prompt, "--model", tiny_llama_dir, "--max-new-tokens", "1", "--json", *args]
+    )
+    assert r.exit_code == 0, r.output
+    lines = [ln.removeprefix("warning: ") for ln in r.stderr.splitlines() if "no-op" in ln]
+    assert len(lines) == 1 and r.stderr.count("warning: ") >= 1, r.stderr
+    with pytest.raises(HeadsteerValueError) as info:
+        parse_steer([entry])
+    assert str(info.value) == f"steer[0] ({entry['method']}): {lines[0]}"

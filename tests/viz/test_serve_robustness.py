@@ -314,6 +314,24 @@ def test_bad_values_get_400_naming_the_field(srv, body, needle):
     assert needle in message and "\n" not in message and len(message) < 400, message
 
 
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b'{"messages": [], "seed": ' + b"7" * 5000 + b"}", "too large: an integer of 5000 digits"),
+        (b'{"seed": -' + b"1" * 4301 + b"}", "too large: an integer of 4301 digits"),
+        (b"{not json", "not valid JSON: Expecting property name"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": "\xff"}', "not valid UTF-8"),
+    ],
+)
+def test_unparsable_body_gets_400_naming_the_problem(srv, data, needle):
+    """A 5000-digit integer is beyond Python's `int(str)` limit: the 400 says the number is too
+    large (not "not valid JSON"); other unparsable bodies say where."""
+    status, reply = _post(srv[0], data)
+    message = _message(reply)
+    assert status == 400 and needle in message and "\n" not in message and len(message) < 400, message
+
+
 # ------------------------------------------------------------------ 5: one log line per request
 def test_one_log_line_per_request(srv):
     base, logf = srv

@@ -283,6 +283,9 @@ class Run:
         force: `--force`: declared outputs may replace existing files.
         allow_weight_mismatch: `--allow-weight-mismatch` (or `HEADSTEER_ALLOW_WEIGHT_MISMATCH=1`):
             `load` accepts a checkpoint with missing or unexpected tensors, warning.
+        user_set: the command's own parameters the user gave (on the command line or through
+            an environment variable: click's `ctx.get_parameter_source(name)` is not DEFAULT /
+            DEFAULT_MAP), by Python name; None outside a click command (see `gave`).
     """
 
     model: str | None = None
@@ -293,6 +296,16 @@ class Run:
     force: bool = False
     allow_weight_mismatch: bool = False
     planned: dict[Path, tuple[int, int] | None] = field(default_factory=dict)
+    user_set: frozenset[str] | None = None
+
+    def gave(self, name: str, value: object = None, default: object = None) -> bool:
+        """Whether the user gave option `name` (its Python name, e.g. `"caa_layer"`), even at
+        its default value: an option that a chosen method does not use is refused when given at
+        all, not only when it differs from its default. Outside a click command (`user_set` is
+        None: the command called from Python) it falls back to `value != default`."""
+        if self.user_set is None:
+            return value != default
+        return name in self.user_set
 
     # -- outputs
     def output(
@@ -495,6 +508,19 @@ def report_bug(exc: BaseException) -> None:
     err.print(f"[red]internal error:[/red] {escape(what)}{hint}", highlight=False)
 
 
+def _user_set(names) -> frozenset[str] | None:
+    """The names among `names` whose value the user gave (not click's default); None without
+    a click context."""
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return None
+    defaults = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    return frozenset(n for n in names if ctx.get_parameter_source(n) not in defaults)
+
+
 def command(
     app: typer.Typer, name: str | None = None, *, writes_files: bool = True, json_help: str | None = None
 ) -> Callable[[Callable], Callable]:
@@ -529,7 +555,7 @@ def command(
         def wrapper(**kwargs: Any) -> None:
             shared = {k: kwargs.pop(k) for k in _SHARED}
             shared["quiet"] = shared["quiet"] or _STATE["quiet"]
-            run = Run(**shared)
+            run = Run(**shared, user_set=_user_set(kwargs))
             try:
                 with _warnings_as_lines():
                     if run.force and not writes_files:

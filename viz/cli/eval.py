@@ -53,9 +53,10 @@ METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
 `--max-new-tokens` is used by generate-scored tasks only (json_format, pronoun_change)."""
 
 
-def _check_method_options(method: str, scoring: str, given: dict) -> None:
-    """Refuse (ValueError) the options `method` or a `scoring` task does not use but were given
-    a value other than their default (the rule of `headsteer generate`, `refuse_unused`)."""
+def _check_method_options(run: Run, method: str, scoring: str, given: dict) -> None:
+    """Refuse (ValueError) the options `method` or a `scoring` task does not use but the user
+    gave, even at their default value (`Run.gave`; the rule of `headsteer generate`,
+    `refuse_unused`)."""
     defaults = {
         name: p.default.default if hasattr(p.default, "default") else p.default
         for name, p in inspect.signature(eval_command).parameters.items()
@@ -63,7 +64,9 @@ def _check_method_options(method: str, scoring: str, given: dict) -> None:
     }
     used = set(METHOD_OPTIONS[method]) | ({"max_new_tokens"} if scoring == "generate" else set())
     flags = {
-        "--" + name.replace("_", "-"): given[name] != defaults[name] for name in given if name not in used
+        "--" + name.replace("_", "-"): run.gave(name, given[name], defaults[name])
+        for name in given
+        if name not in used
     }
     refuse_unused(method, flags, option="--method")
 
@@ -120,11 +123,14 @@ def _check_method_values(method: str, given: dict) -> None:
         layer = given["caa_layer"]
         if layer is not None and layer < 0:
             raise HeadsteerValueError(f"--caa-layer must be >= 0, got {layer}")
-        Caa(torch.ones(1), 0, given["caa_coefficient"])  # the coefficient's bounds; warns on 0
+        try:
+            Caa(torch.ones(1), 0, given["caa_coefficient"])  # the coefficient's bounds; warns on 0
+        except ValueError as exc:
+            raise HeadsteerValueError(f"--caa-coefficient: {exc}") from None
     elif method == "iti":
         from heads.engine.edits import MAX_FACTOR
 
-        _positive(iti_k=given["iti_k"])  # its upper bound (the model's head count) is checked at fit time
+        _positive(iti_k=given["iti_k"])  # its upper bound (the model's head count): `_check_geometry`
         a = given["iti_alpha"]
         if not (math.isfinite(a) and abs(a) <= MAX_FACTOR):
             raise HeadsteerValueError(f"--iti-alpha must be finite with |alpha| <= {MAX_FACTOR:g}, got {a}")
@@ -132,6 +138,25 @@ def _check_method_values(method: str, given: dict) -> None:
             raise HeadsteerValueError(
                 f"--iti-direction must be mass_mean or probe, got {given['iti_direction']!r}"
             )
+
+
+def _check_geometry(run: Run, method: str, caa_layer: int | None, iti_k: int) -> None:
+    """Check the options whose range is the model's geometry (`--caa-layer` in 0..n_layers - 2,
+    `--iti-k` in 1..n_layers * n_heads) against `--model`'s config, read before the weights
+    (`heads.model.loading.read_geometry`). Raises ValueError naming the flag."""
+    from heads.model.loading import read_geometry
+
+    n_layers, n_heads = read_geometry(run.model)
+    if method == "caa" and caa_layer is not None and caa_layer > n_layers - 2:
+        raise HeadsteerValueError(
+            f"--caa-layer {caa_layer} is outside 0..{n_layers - 2}: the model has {n_layers} layers "
+            "(the output of layer L is steered as the input of layer L + 1; the last layer has none)"
+        )
+    if method == "iti" and iti_k > n_layers * n_heads:
+        raise HeadsteerValueError(
+            f"--iti-k {iti_k} is more than the model's {n_layers * n_heads} heads "
+            f"({n_layers} layers x {n_heads})"
+        )
 
 
 def eval_command(
@@ -180,8 +205,9 @@ def eval_command(
 ) -> dict:
     """Evaluate one steering method on one task: metric, n and 95% interval.
 
-    Every option is checked before the model loads; an option the chosen method (or task)
-    does not use is refused, not ignored (`METHOD_OPTIONS`)."""
+    Every option is checked before the model loads (`--caa-layer` and `--iti-k` against the
+    layer and head counts of `--model`'s config, read before its weights); an option the chosen
+    method (or task) does not use is refused, not ignored (`METHOD_OPTIONS`)."""
     from probes.datasets.tasks import SPLITS, TASKS, load_task
     from probes.studies.evaluate import METHODS, SPAN_METHODS, evaluate
     from viz.tables import write_csv
@@ -214,7 +240,7 @@ def eval_command(
         max_new_tokens=max_new_tokens,
     )
     first = load_task(task, split).examples[0]
-    _check_method_options(method, first.scoring, given)
+    _check_method_options(run, method, first.scoring, given)
     _positive(batch_size=batch_size)
     if first.scoring == "generate":
         _positive(max_new_tokens=max_new_tokens)
@@ -234,6 +260,8 @@ def eval_command(
     out = run.output(out, suffixes=(".csv",))
     examples_csv = run.output(out.with_suffix(".examples.csv"))
     n = min(len(load_task(task, split).examples), limit or 10**9)
+    if (method == "caa" and caa_layer is not None) or method == "iti":
+        _check_geometry(run, method, caa_layer, iti_k)  # from the config, before any weight is read
     hm = run.load()
     with run.progress(n, f"{task} / {method}") as step:
         res = evaluate(
@@ -312,10 +340,13 @@ def profile_pasta(
             raise HeadsteerValueError(f"task {t!r} has no emphasized span to profile PASTA on")
     out = run.output(out, suffixes=(".json",))
     score_files = {t: run.output(out.with_name(f"{out.stem}.{t}.scores.json")) for t in tasks}
-    hm = run.load()
-    n_heads = hm.n_layers * hm.n_heads
+    from heads.model.loading import read_geometry
+
+    n_layers, per_layer = read_geometry(run.model)  # the config, before any weight is read
+    n_heads = n_layers * per_layer
     if heads > n_heads:
         raise HeadsteerValueError(f"--heads {heads} is more than the model's {n_heads} heads")
+    hm = run.load()
     profiles = {}
     for t, ex in inputs.items():
         with run.progress(n_heads, f"profiling {t}") as step:

@@ -138,26 +138,26 @@ def generate(
         refuse_unused(
             steer,
             {
-                "--alpha": alpha != PASTA_ALPHA,
-                "--pasta-heads": pasta_heads != "auto",
-                "--top-k": top_k is not None,
-                "--emphasize": bool(emphasize),
-                "--multiplier": multiplier != INSTABOOST_MULTIPLIER,
+                "--alpha": run.gave("alpha", alpha, PASTA_ALPHA),
+                "--pasta-heads": run.gave("pasta_heads", pasta_heads, "auto"),
+                "--top-k": run.gave("top_k", top_k, None),
+                "--emphasize": run.gave("emphasize", emphasize, None),
+                "--multiplier": run.gave("multiplier", multiplier, INSTABOOST_MULTIPLIER),
             },
         )
         _positive(max_new_tokens=max_new_tokens)
         kw = dict(alpha=2.0, p=0.6, rho=0.5, tau=None, sink_dims=None, max_new_tokens=max_new_tokens)
         return steered_pair(run, prompt, steer, image, **kw)
-    if steer != "instaboost" and multiplier != INSTABOOST_MULTIPLIER:
+    if steer != "instaboost" and run.gave("multiplier", multiplier, INSTABOOST_MULTIPLIER):
         raise HeadsteerValueError(f"--multiplier is not used by --steer {steer}; drop it")
     if steer == "instaboost":
         refuse_unused(
             steer,
             {
-                "--alpha": alpha != PASTA_ALPHA,
-                "--pasta-heads": pasta_heads != "auto",
-                "--top-k": top_k is not None,
-                "--image": image is not None,
+                "--alpha": run.gave("alpha", alpha, PASTA_ALPHA),
+                "--pasta-heads": run.gave("pasta_heads", pasta_heads, "auto"),
+                "--top-k": run.gave("top_k", top_k, None),
+                "--image": run.gave("image", image, None),
             },
         )
         return _instaboost_pair(run, prompt, multiplier, max_new_tokens, emphasize)
@@ -413,7 +413,7 @@ def report_circuit(
     from heads.scorers.patching import load_pairs
 
     if method == "eap":
-        refuse_unused(method, {"--steps": steps != 5}, option="--method")
+        refuse_unused(method, {"--steps": run.gave("steps", steps, 5)}, option="--method")
     _positive(pairs=pairs, steps=steps)
     _at_most("--pairs", pairs, 256)
     _at_most("--steps", steps, MAX_STEPS)

@@ -80,9 +80,10 @@ def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "promp
 
 
 def refuse_unused(steer: str, given: dict[str, bool], *, option: str = "--steer") -> None:
-    """ValueError naming the options set to a non-default value that `option steer` does not use.
+    """ValueError naming the options the user gave that `option steer` does not use.
 
-    `given` maps each option name to whether it was given a non-default value. An option that
+    `given` maps each option name to whether the user gave it (`Run.gave`: on the command line
+    even at its default value, so `--weight 0.8` with a method that has no weight is refused). An option that
     changes nothing is refused rather than warned about: the user expects it to act. `option`
     names the choosing option in the message (`--steer` for `generate`, `--method` for `eval`).
     """
@@ -212,17 +213,17 @@ def vision_generate(
     """Print the unsteered and the VAR-, VHR-, AdaptVis- or ScalingVis-steered answers side by side."""
     if steer not in VISION_METHODS:
         raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {steer!r}")
-    given = {  # option -> (set to a non-default value, the methods that use it)
-        "--alpha": (alpha != 2.0, ("vhr",)),
-        "--without-image": (without_image != "delete", ("vhr",)),
-        "--p": (p != 0.6, ("var",)),
-        "--rho": (rho != 0.5, ("var",)),
-        "--tau": (tau is not None, ("var",)),
-        "--sink-dims": (sink_dims is not None, ("var",)),
-        "--weight": (weight != 0.8, ("scalingvis",)),
-        "--weight1": (weight1 != 0.5, ("adaptvis",)),
-        "--weight2": (weight2 != 1.5, ("adaptvis",)),
-        "--threshold": (threshold != 0.4, ("adaptvis",)),
+    given = {  # option -> (given by the user, even at its default; the methods that use it)
+        "--alpha": (run.gave("alpha", alpha, 2.0), ("vhr",)),
+        "--without-image": (run.gave("without_image", without_image, "delete"), ("vhr",)),
+        "--p": (run.gave("p", p, 0.6), ("var",)),
+        "--rho": (run.gave("rho", rho, 0.5), ("var",)),
+        "--tau": (run.gave("tau", tau, None), ("var",)),
+        "--sink-dims": (run.gave("sink_dims", sink_dims, None), ("var",)),
+        "--weight": (run.gave("weight", weight, 0.8), ("scalingvis",)),
+        "--weight1": (run.gave("weight1", weight1, 0.5), ("adaptvis",)),
+        "--weight2": (run.gave("weight2", weight2, 1.5), ("adaptvis",)),
+        "--threshold": (run.gave("threshold", threshold, 0.4), ("adaptvis",)),
     }
     refuse_unused(steer, {name: on and steer not in users for name, (on, users) in given.items()})
     adaptvis = dict(weight=weight, weight1=weight1, weight2=weight2, threshold=threshold)

@@ -1,6 +1,7 @@
 """The head explorer: a FastAPI app serving one page and a small JSON / server-sent-event API.
 
-Endpoints (every request carries its own prompt and heads, so two browser tabs never see
+Endpoints (each one's request and response fields: docs/explorer.md, "HTTP API"; every
+request carries its own prompt and heads, so two browser tabs never see
 each other's choices; the one per-tab thing kept is the pattern cache, keyed by the tab's
 random id and the prompt):
 
@@ -22,7 +23,9 @@ random id and the prompt):
   at the last position (its direct logit attribution through the final norm,
   `heads.scorers.roles.lens.AttentionLens.init` untrained), its MAPS salient operations
   (`heads.scorers.maps.static.salient_operations`) and its atlas row when the atlas is known.
-- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream)
+- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream; an
+  `alpha` of 1, a no-op, or above 1, which de-emphasizes the span, is HTTP 400 with the warning
+  text `headsteer generate --alpha` prints, `steer.noop.refusing_noop`)
   `{"text": piece}` events as tokens are generated; a steered run then sends
   `{"span_share": {"before": [L], "after": [L]}}`: per layer, the last prompt position's
   attention share on the `**…**` span averaged over heads
@@ -60,7 +63,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_int, check_number, load_json_body
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -239,6 +242,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     from heads.inputs.prompts import encode_prompts
     from heads.scorers.attention_mass import head_pattern, span_attention
     from heads.scorers.sinks import sink_stats
+    from steer.noop import refusing_noop
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer.patterns import PatternCache, Patterns, all_patterns, pattern_bytes
@@ -269,10 +273,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raw += part
             if len(raw) > MAX_BODY_BYTES:
                 raise _TooLarge(f"request body is larger than the limit {MAX_BODY_BYTES} bytes")
-        try:
-            body = json.loads(raw or b"null")
-        except ValueError:
-            raise HeadsteerValueError("request body is not valid JSON") from None
+        body = load_json_body(raw)  # one line: invalid JSON, a too-large number, too deep
         if not isinstance(body, dict):
             raise HeadsteerValueError("request body must be a JSON object")
         return body
@@ -540,7 +541,8 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             enc = encode_prompts(model.tokenizer, prompt)
             if not enc.spans[0]:
                 raise HeadsteerValueError("steering needs a span: mark it in the prompt with **...**")
-            steer = [Pasta(heads=heads, alpha=_alpha(body))]
+            with refusing_noop():  # alpha 1 (a no-op) or above 1: HTTP 400 with the CLI's warning text
+                steer = [Pasta(heads=heads, alpha=_alpha(body))]
 
         def work(emit, flag) -> dict:
             streamer = _Streamer(model.tokenizer, emit, flag)

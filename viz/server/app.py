@@ -33,11 +33,11 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, load_json_body
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
@@ -319,9 +319,9 @@ def create_app(
         except _TooLarge as exc:
             return error(413, f"{exc} (headsteer serve --max-body-mb)", "request_too_large")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return error(400, "the request body is not valid JSON")
+            body: Any = load_json_body(raw)  # one line: invalid JSON, a too-large number, too deep
+        except ValueError as exc:
+            return error(400, _one_line(exc))
         del raw
         try:
             req, stream = _parse(body, chat, model_id, caa_vectors)
