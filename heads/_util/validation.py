@@ -11,8 +11,9 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
@@ -29,11 +30,15 @@ __all__ = [
     "is_int",
     "is_number",
     "load_json_body",
+    "parse_json",
+    "read_json_file",
+    "read_jsonl_file",
 ]
 
 MAX_JSON_INT_DIGITS = 4300
-"""Most decimal digits of one integer in a JSON request body (Python's own default limit for
-`int(str)`, `sys.get_int_max_str_digits()`); a longer one is refused by `load_json_body`."""
+"""Most decimal digits of one integer in JSON a user gives (a request body, a file; Python's own
+default limit for `int(str)`, `sys.get_int_max_str_digits()`); a longer one is refused by
+`parse_json` with one line, not Python's advice to raise the limit."""
 
 
 def is_int(value: object) -> TypeIs[int]:
@@ -220,7 +225,6 @@ def check_path(name: str, value: object) -> str:
         HeadsteerTypeError: `"<name> must be a file path (str or os.PathLike), got <value>"` for
             anything else (None, bytes, a number) or an empty string.
     """
-    import os
 
     p = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(p, str) or not p.strip():
@@ -228,18 +232,113 @@ def check_path(name: str, value: object) -> str:
     return p
 
 
+class _NumberTooLarge(ValueError):
+    """An integer of more than `MAX_JSON_INT_DIGITS` digits (its digit count in `digits`)."""
+
+    def __init__(self, digits: int) -> None:
+        super().__init__(digits)
+        self.digits = digits
+
+
 def _json_int(text: str) -> int:
     digits = len(text) - text.startswith("-")
     if digits > MAX_JSON_INT_DIGITS:
-        raise _NumberTooLarge(
-            f"a number in the request body is too large: an integer of {digits} digits, "
-            f"more than the limit of {MAX_JSON_INT_DIGITS}"
-        )
+        raise _NumberTooLarge(digits)
     return int(text)
 
 
-class _NumberTooLarge(ValueError):
-    pass
+def parse_json(
+    text: bytes | str,
+    where: str,
+    *,
+    line: int | None = None,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """The JSON value of `text`, every failure one line naming `where`.
+
+    The one JSON parser for what a user gives headsteer: request bodies (`load_json_body`),
+    JSON files (`read_json_file`: head files, saved results, atlases, model configs) and JSONL
+    lines (`read_jsonl_file`: pairs / task files, prompt files).
+
+    Args:
+        text: the JSON text (UTF-8 bytes or str).
+        where: what the text is, as the messages name it (`"the request body"`, `"'h.json'"`,
+            `"'pairs.jsonl' line 3"`).
+        line: the text is line `line` of a JSONL file (default None: a whole document); the
+            position of a syntax error is then given as a column only.
+        object_pairs_hook: as `json.loads` (default None: plain dicts); a `ValueError` it raises
+            (e.g. a duplicate key) becomes `"<where> is not valid JSON: <its message>"`.
+
+    Raises:
+        HeadsteerValueError: one line, never Python's advice to call
+            `sys.set_int_max_str_digits()`:
+            `"a number in <where> is too large: an integer of N digits, more than the limit of
+            4300"` (`MAX_JSON_INT_DIGITS`: Python's own `int(str)` limit);
+            `"<where> is not valid JSON: <reason> (line L, column C)"` (`(column C)` with `line`);
+            `"<where> is not valid JSON: nested too deeply to parse"`;
+            `"<where> is not valid JSON: not valid UTF-8 text"`.
+    """
+    import json
+
+    try:
+        return json.loads(text, parse_int=_json_int, object_pairs_hook=object_pairs_hook)
+    except _NumberTooLarge as exc:
+        raise HeadsteerValueError(
+            f"a number in {where} is too large: an integer of {exc.digits} digits, "
+            f"more than the limit of {MAX_JSON_INT_DIGITS}"
+        ) from None
+    except RecursionError:
+        raise HeadsteerValueError(f"{where} is not valid JSON: nested too deeply to parse") from None
+    except UnicodeDecodeError:
+        raise HeadsteerValueError(f"{where} is not valid JSON: not valid UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        at = f"column {exc.colno}" if line is not None else f"line {exc.lineno}, column {exc.colno}"
+        raise HeadsteerValueError(f"{where} is not valid JSON: {exc.msg} ({at})") from None
+    except ValueError as exc:  # the hook's own check (a duplicate key), one line of it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise HeadsteerValueError(f"{where} is not valid JSON: {first}") from None
+
+
+def read_json_file(
+    path: str | os.PathLike,
+    *,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """The JSON value of the file at `path` (read whole), parsed by `parse_json`.
+
+    Args:
+        path: the file (the caller has checked it exists and is a file).
+        object_pairs_hook: as `parse_json` (default None).
+
+    Raises:
+        HeadsteerValueError: as `parse_json`, `where` the path's repr (`"'h.json' is not valid
+            JSON: Expecting value (line 1, column 5)"`).
+        OSError: the file cannot be read (FileNotFoundError for a missing one).
+    """
+    from heads._util.files import short_path
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    return parse_json(raw, short_path(os.fspath(path), 200), object_pairs_hook=object_pairs_hook)
+
+
+def read_jsonl_file(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """`(line number, JSON value)` of each non-blank line of the JSONL file at `path`, read line
+    by line (never whole), numbered from 1.
+
+    Raises:
+        HeadsteerValueError: as `parse_json`, `where` `"'<path>' line N"` (`"'p.jsonl' line 3 is
+            not valid JSON: Expecting value (column 1)"`, `"a number in 'p.jsonl' line 3 is too
+            large: ..."`, `"'p.jsonl' line 2 is not valid JSON: not valid UTF-8 text"`).
+        OSError: the file cannot be opened (FileNotFoundError for a missing one).
+    """
+    from heads._util.files import short_path
+
+    shown = short_path(os.fspath(path), 200)
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield n, parse_json(raw, f"{shown} line {n}", line=n)
 
 
 def load_json_body(raw: bytes | str) -> object:
@@ -252,23 +351,12 @@ def load_json_body(raw: bytes | str) -> object:
         the parsed value (any JSON type; the caller checks it is an object).
 
     Raises:
-        ValueError: one line: an integer of more than `MAX_JSON_INT_DIGITS` digits ("a number
-            in the request body is too large ..."; Python's `int` refuses to convert it), a
-            nesting too deep to parse, or any other invalid JSON / UTF-8 ("the request body is
-            not valid JSON: <where>").
+        ValueError: one line (`parse_json`, `where` "the request body"): an integer of more
+            than `MAX_JSON_INT_DIGITS` digits ("a number in the request body is too large ...";
+            Python's `int` refuses to convert it), a nesting too deep to parse, or any other
+            invalid JSON / UTF-8 ("the request body is not valid JSON: <reason> (line L,
+            column C)").
     """
-    import json
-
     if not raw:
         return None
-    try:
-        return json.loads(raw, parse_int=_json_int)
-    except _NumberTooLarge as exc:
-        raise HeadsteerValueError(str(exc)) from None
-    except RecursionError:
-        raise HeadsteerValueError("the request body is nested too deeply to parse") from None
-    except UnicodeDecodeError:
-        raise HeadsteerValueError("the request body is not valid UTF-8 JSON") from None
-    except ValueError as exc:  # json.JSONDecodeError: the message names line and column
-        where = str(exc).splitlines()[0][:200]
-        raise HeadsteerValueError(f"the request body is not valid JSON: {where}") from None
+    return parse_json(raw, "the request body")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from heads._util.validation import check_bool
+from heads._util.validation import check_bool, parse_json
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -383,7 +383,10 @@ def check_no_remote_code(folder: str | os.PathLike) -> None:
 
     Raises:
         ValueError: a config file of the folder has an `auto_map` (custom classes), naming the
-            file and what it maps; or a config file that is not a JSON object.
+            file and what it maps; or a config file that is not a JSON object, not valid JSON
+            (`"cannot read the model in '<folder>': 'config.json' is not valid JSON: ... (line L,
+            column C)"`) or holds an integer of more than 4300 digits (`"... a number in
+            'config.json' is too large ..."`).
     """
     path = Path(folder)
     for name in _CONFIG_FILES:
@@ -391,12 +394,13 @@ def check_no_remote_code(folder: str | os.PathLike) -> None:
         if not f.is_file():
             continue
         try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            data = parse_json(f.read_bytes(), repr(name))  # one line: not JSON, a number too large
+        except OSError as err:
             raise HeadsteerValueError(
-                f"cannot read the model in {str(folder)!r}: {name} is not valid JSON ({first})"
+                f"cannot read the model in {str(folder)!r}: {name} cannot be read ({err.strerror or err})"
             ) from None
+        except HeadsteerValueError as err:
+            raise HeadsteerValueError(f"cannot read the model in {str(folder)!r}: {err}") from None
         if not isinstance(data, dict):
             raise HeadsteerValueError(
                 f"cannot read the model in {str(folder)!r}: {name} is not a JSON object"
@@ -420,15 +424,19 @@ def check_config(folder: str | os.PathLike) -> None:
     Raises:
         ValueError: "cannot read the model: ..." naming the field: a count that is not a
             positive int (`num_attention_heads: 0`, `num_hidden_layers: 0`, `head_dim: 0`),
-            heads that do not divide the KV heads, or a config transformers cannot parse
-            (e.g. an unknown `rope_scaling.rope_type`), with its first line.
+            heads that do not divide the KV heads, a config.json that is not valid JSON or
+            holds an integer of more than 4300 digits (`parse_json`'s line), or a config
+            transformers cannot parse (e.g. an unknown `rope_scaling.rope_type`), with its
+            first line.
     """
     from transformers import AutoConfig
 
     try:
-        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raw = parse_json((Path(folder) / "config.json").read_bytes(), "'config.json'")
+    except OSError:  # a missing config.json: transformers names it
         raw = {}
+    except HeadsteerValueError as err:  # one line: not JSON (line, column), a number too large
+        raise HeadsteerValueError(f"cannot read the model in {str(folder)!r}: {err}") from None
     raws = [raw] + (
         [raw["text_config"]] if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else []
     )

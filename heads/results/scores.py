@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import check_int, check_number, is_int
+from heads._util.validation import check_int, check_number, is_int, read_json_file
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,25 +74,18 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file strictly.
+    """Parse a JSON file strictly (`heads._util.validation.read_json_file`).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: naming the file: bad JSON text, a key repeated in one object, or
-            nesting too deep to parse (e.g. 100,000 `[`; Python's parser would raise
-            `RecursionError`).
+        ValueError: one line naming the file: bad JSON text (line and column), a key repeated
+            in one object, an integer of more than 4300 digits ("a number in '<file>' is too
+            large ..."), or nesting too deep to parse (e.g. 100,000 `[`).
     """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"file not found: {str(path)!r}")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    except ValueError as err:
-        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    except RecursionError:
-        raise HeadsteerValueError(f"{str(path)!r} is not valid JSON: nested too deeply") from None
+    return read_json_file(path, object_pairs_hook=_no_duplicate_keys)
 
 
 HeadSpec: TypeAlias = Union[

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from heads._util.validation import check_number
+from heads._util.validation import MAX_JSON_INT_DIGITS, check_number
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -66,13 +66,19 @@ def first_json_object(text: str) -> str | None:
     return None
 
 
+def _int_or_text(digits: str) -> int | str:
+    """A JSON integer as an `int`, or as its text past Python's 4300-digit `int(str)` limit
+    (still valid JSON; compared as text by `json_metrics`, as every value is)."""
+    return int(digits) if len(digits.lstrip("-")) <= MAX_JSON_INT_DIGITS else digits
+
+
 def _parse(text: str) -> dict | None:
     candidate = first_json_object(text)
     if candidate is None:
         return None
     try:
-        value = json.loads(candidate)
-    except json.JSONDecodeError:
+        value = json.loads(candidate, parse_int=_int_or_text)
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deeply to parse
         return None
     return value if isinstance(value, dict) else None
 

@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         write_text(args.out, json.dumps(res, indent=1) + "\n", overwrite=True)
 
     if parts != ["all"]:
-        with open(args.out, encoding="utf-8") as f:
-            res = json.load(f)
+        from heads._util.validation import read_json_file
+
+        res = read_json_file(args.out)  # one line: not JSON (line, column), a number too large
         t0 = time.perf_counter()
         if "comp_mech" in parts:
             cm = encode_pairs(model, load_task_pairs("comp_mech", "test", n=args.n_eval))

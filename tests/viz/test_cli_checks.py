@@ -125,10 +125,44 @@ def test_bad_pairs_files_before_load(no_load, tmp_path, report):
     out = str(tmp_path / "r.html")
     binary = tmp_path / "bin.jsonl"
     binary.write_bytes(b"\xff\xfe\x00\x81\n")
-    _one_line_error(runner.invoke(app, ["report", report, "--task", str(binary), "--out", out]), "not UTF-8")
+    _one_line_error(
+        runner.invoke(app, ["report", report, "--task", str(binary), "--out", out]), "not valid UTF-8"
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(REC) + "\n{oops\n")
     _one_line_error(runner.invoke(app, ["report", report, "--task", str(bad), "--out", out]), "line 2")
+
+
+BIG = "7" * 5000
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "a **b**", "--pasta-heads"],
+        ["eval", "--method", "pasta", "--task", "counterfact", "--pasta-heads"],
+        ["eval", "--method", "act", "--task", "counterfact", "--act-heads"],
+    ],
+)
+def test_head_file_with_a_5000_digit_integer_is_one_line(no_load, tmp_path, args):
+    f = tmp_path / "h.json"
+    f.write_text('{"0": [' + BIG + "]}")
+    r = runner.invoke(
+        app, [*args, str(f), *(["--out", str(tmp_path / "e.csv")] if args[0] == "eval" else [])]
+    )
+    _one_line_error(
+        r, f"a number in {str(f)!r} is too large: an integer of 5000 digits, more than the limit of 4300"
+    )
+    assert "set_int_max_str_digits" not in r.output
+
+
+@pytest.mark.parametrize("report", ["patching", "circuit"])
+def test_task_file_with_a_5000_digit_integer_is_one_line(no_load, tmp_path, report):
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(REC) + "\n" + json.dumps({**REC, "id": 0}).replace("0}", BIG + "}") + "\n")
+    r = runner.invoke(app, ["report", report, "--task", str(f), "--out", str(tmp_path / "r.html")])
+    _one_line_error(r, f"a number in {str(f)!r} line 2 is too large: an integer of 5000 digits")
+    assert "set_int_max_str_digits" not in r.output
 
 
 def test_circuit_steps_checks(no_load, tmp_path):

@@ -6,14 +6,13 @@ draws them (`render_safety_report`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_forwarded
+from heads._util.validation import check_forwarded, read_jsonl_file
 from heads.errors import HeadsteerValueError
 from probes.studies.safety import SafetyAnalysis, safety_analysis, safety_template
 from viz.figures import head_heatmap
@@ -31,27 +30,27 @@ def read_prompts(path: str | Path, limit: int | None = MAX_PROMPTS) -> list[str]
     The file is read line by line (never whole); blank lines are skipped.
 
     Raises:
-        ValueError: no prompts, a JSONL line without a string "prompt", or more than
-            `limit` prompts (default `MAX_PROMPTS`; None: no cap).
+        ValueError: no prompts, a JSONL line that is not JSON or holds an integer of more than
+            4300 digits (one line naming the file and line), a JSONL line without a string
+            "prompt", or more than `limit` prompts (default `MAX_PROMPTS`; None: no cap).
         FileNotFoundError: no such file.
     """
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            if str(path).endswith(".jsonl"):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise HeadsteerValueError(f"{str(path)!r} line {i + 1} is not JSON: {err}") from None
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    raise HeadsteerValueError(f"{str(path)!r} line {i + 1} has no string 'prompt'")
-                out.append(row["prompt"])
-            else:
-                out.append(line.strip())
+    if str(path).endswith(".jsonl"):
+        for n, row in read_jsonl_file(path):  # one line: not JSON (column), a number too large
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise HeadsteerValueError(f"{str(path)!r} line {n} has no string 'prompt'")
+            out.append(row["prompt"])
             if limit is not None and len(out) > limit:
                 raise HeadsteerValueError(f"{str(path)!r} holds more than the cap of {limit} prompts")
+    else:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                out.append(line.strip())
+                if limit is not None and len(out) > limit:
+                    raise HeadsteerValueError(f"{str(path)!r} holds more than the cap of {limit} prompts")
     if not out:
         raise HeadsteerValueError(f"no prompts in {str(path)!r}")
     return out

@@ -425,18 +425,16 @@ class Circuit:
         """Read a circuit saved by `save`; with `model`, check it has the circuit's geometry.
 
         Raises:
-            ValueError: a missing or malformed file, another schema version, or a model whose
+            ValueError: a missing or malformed file (not UTF-8 JSON, with line and column; an
+                integer of more than 4300 digits: "a number in '<file>' is too large ..."),
+                another schema version, or a model whose
                 (n_layers, n_heads, n_kv_heads) differ from the circuit's.
         """
         if not os.path.isfile(path):
             raise HeadsteerValueError(f"circuit file {os.fspath(path)!r} does not exist")
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise HeadsteerValueError(f"{os.fspath(path)}: not JSON ({e.msg})") from None
-        except UnicodeDecodeError:
-            raise HeadsteerValueError(f"{os.fspath(path)}: not a UTF-8 text (JSON) file") from None
+        from heads._util.validation import read_json_file
+
+        d = read_json_file(path)  # one line: not JSON (line, column), not UTF-8, a number too large
         return cls.from_dict(d, model, where=os.fspath(path))
 
 

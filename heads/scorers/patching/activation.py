@@ -374,19 +374,16 @@ class PatchResult:
         """Read a file written by `save`.
 
         Raises:
-            ValueError: a missing file, not UTF-8 JSON, not a patching result, or any field
-                malformed (see `from_json`).
+            ValueError: a missing file, not UTF-8 JSON (line and column), an integer of more
+                than 4300 digits ("a number in '<file>' is too large ..."), not a patching
+                result, or any field malformed (see `from_json`).
         """
         if not os.path.isfile(path):
             raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
+        from heads._util.validation import read_json_file
+
         where = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise HeadsteerValueError(f"{where}: not JSON ({e.msg})") from None
-        except UnicodeDecodeError:
-            raise HeadsteerValueError(f"{where}: not a UTF-8 text (JSON) file") from None
+        d = read_json_file(path)  # one line: not JSON (line, column), not UTF-8, a number too large
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{where!r} is not a {SCHEMA} file")
         return cls.from_json(d, where)

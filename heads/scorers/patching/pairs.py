@@ -19,7 +19,6 @@ pair. Answer strings must be single tokens (a `ValueError` names the string and 
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -462,30 +461,23 @@ def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[Prompt
         split: keep only records whose `split` field equals it (e.g. `"train"` / `"test"`).
 
     Raises:
-        ValueError: a missing file or a directory, a line that is not UTF-8 or not JSON (names the
-            file and the line), a record without the required keys, or no pairs left.
+        ValueError: a missing file or a directory, a line that is not UTF-8 or not JSON or holds
+            an integer of more than 4300 digits (one line naming the file and the line:
+            `"'p.jsonl' line 3 is not valid JSON: ..."`, `"a number in 'p.jsonl' line 3 is too
+            large ..."`), a record without the required keys, or no pairs left.
     """
     shown = os.fspath(path)
     if os.path.isdir(path):
         raise HeadsteerValueError(f"pairs file {shown!r} is a directory, not a JSONL file")
     if not os.path.isfile(path):
         raise HeadsteerValueError(f"pairs file {shown!r} does not exist")
+    from heads._util.validation import read_jsonl_file
+
     out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise HeadsteerValueError(f"pairs file {shown!r} line {n}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise HeadsteerValueError(f"{shown} line {n}: not JSON ({e.msg})") from None
-            p = PromptPair.from_dict(d, f"{os.fspath(path)} line {n}")
-            if split is None or p.meta.get("split") == split:
-                out.append(p)
+    for n, d in read_jsonl_file(path):  # one line: not JSON (column), not UTF-8, a number too large
+        p = PromptPair.from_dict(d, f"{os.fspath(path)} line {n}")
+        if split is None or p.meta.get("split") == split:
+            out.append(p)
     if not out:
         raise HeadsteerValueError(
             f"no pairs in {os.fspath(path)!r}" + (f" with split {split!r}" if split else "")

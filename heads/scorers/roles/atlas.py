@@ -48,7 +48,15 @@ import pandas as pd
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import check_bool, check_int, check_number, check_path, check_seed, is_int
+from heads._util.validation import (
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    check_seed,
+    is_int,
+    read_json_file,
+)
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.forward import forward
@@ -243,8 +251,9 @@ class HeadAtlas:
 
         Raises:
             FileNotFoundError: no such file.
-            HeadsteerValueError: not an atlas file, another schema version, or a field missing or
-                malformed (the message names it).
+            HeadsteerValueError: not UTF-8 JSON (line and column) or an integer of more than 4300
+                digits ("a number in '<file>' is too large ..."), not an atlas file, another
+                schema version, or a field missing or malformed (the message names it).
             HeadsteerTypeError: `path` not a path.
         """
         shown = check_path("path", path)
@@ -253,10 +262,7 @@ class HeadAtlas:
             raise HeadsteerValueError(f"{shown!r} is a folder, not a head-atlas file")
         if not p.is_file():
             raise FileNotFoundError(f"atlas file not found: {shown!r}")
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise HeadsteerValueError(f"{shown!r} is not valid JSON: {err}") from None
+        data = read_json_file(p)  # one line: not JSON (line, column), not UTF-8, a number too large
         if not isinstance(data, dict) or data.get("schema") != ATLAS_SCHEMA:
             raise HeadsteerValueError(f"{shown!r} is not a headsteer head-atlas file")
         return cls(*_check_atlas_data(data, shown))

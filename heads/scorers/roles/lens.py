@@ -44,7 +44,15 @@ import torch
 
 from heads._util.files import check_output, write_bytes
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_bool, check_int, check_number, check_path, check_seed, is_int
+from heads._util.validation import (
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    check_seed,
+    is_int,
+    parse_json,
+)
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.engine.forward import forward
@@ -456,7 +464,8 @@ class AttentionLens:
         Raises:
             FileNotFoundError: no such file.
             HeadsteerValueError: not a headsteer lens file, another schema version, a tampered
-                header or tensors (naming the bad field), or another model.
+                header or tensors (naming the bad field; a header that is not JSON or holds an
+                integer of more than 4300 digits: `parse_json`'s one line), or another model.
             HeadsteerTypeError: `path` not a path, `model` not a `HeadModel`.
         """
         path = check_path("path", path)
@@ -608,7 +617,7 @@ def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tenso
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
-            header = json.loads(meta.get("headsteer", "null"))
+            header = parse_json(meta.get("headsteer", "null"), f"the header of {shown!r}")
             if not isinstance(header, dict) or header.get("schema") != LENS_SCHEMA:
                 raise HeadsteerValueError(f"{shown!r} is not a headsteer lens file")
             version = header.get("schema_version")

@@ -15,7 +15,9 @@ REC = {"clean": "a b", "corrupted": "a c", "answer": " b"}
 def test_binary_file_names_the_file_and_line(tmp_path):
     f = tmp_path / "bin.jsonl"
     f.write_bytes(json.dumps(REC).encode() + b"\n\xff\xfe\x00\x81\n")
-    with pytest.raises(HeadsteerValueError, match=r"bin\.jsonl.*line 2: not UTF-8"):
+    with pytest.raises(
+        HeadsteerValueError, match=r"bin\.jsonl. line 2 is not valid JSON: not valid UTF-8 text"
+    ):
         load_pairs(f)
 
 
@@ -29,7 +31,9 @@ def test_directory_is_named_a_directory(tmp_path):
 def test_invalid_json_line_is_named(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps(REC) + "\n\n{not json\n")
-    with pytest.raises(HeadsteerValueError, match=r"p\.jsonl line 3: not JSON"):
+    with pytest.raises(
+        HeadsteerValueError, match=r"p\.jsonl. line 3 is not valid JSON: Expecting property name"
+    ):
         load_pairs(f)
 
 
