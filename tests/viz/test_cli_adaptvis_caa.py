@@ -177,6 +177,38 @@ def test_eval_geometry_options_checked_from_the_config_before_load(
     _one_line_error(r, message)
 
 
+_HEAD_FILE_COMMANDS = {
+    "eval pasta": ["eval", "--method", "pasta", "--task", "counterfact", "--pasta-heads"],
+    "eval act": ["eval", "--method", "act", "--task", "counterfact", "--act-heads"],
+    "generate": ["generate", "the **key** is", "--pasta-heads"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(_HEAD_FILE_COMMANDS))
+@pytest.mark.parametrize(
+    ("heads", "message"),
+    [
+        ({"3": [0]}, "names layer 3, head 0, outside the model: it has layers 0..2 and heads 0..3 per layer"),
+        ({"0": [1], "2": [4]}, "names layer 2, head 4, outside the model: it has layers 0..2 and heads 0..3"),
+    ],
+)
+def test_head_files_checked_from_the_config_before_load(
+    no_load, tiny_llama_dir, tmp_path, command, heads, message
+):
+    """A head file naming a layer or head the model (3 layers x 4 heads) lacks: one line, exit
+    2, from the config alone (`no_load`); a file inside the model passes on to the loading."""
+    f = tmp_path / "h.json"
+    args = [*_HEAD_FILE_COMMANDS[command], str(f), "--model", tiny_llama_dir]
+    if command != "generate":
+        args += ["--out", str(tmp_path / "e.csv")]
+    option = args[args.index(str(f)) - 1]
+    f.write_text(json.dumps(heads))
+    _one_line_error(runner.invoke(app, args), f"{option} {str(f)!r} {message}")
+    f.write_text(json.dumps({"0": [0], "2": [3]}))
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1 and "internal error: AssertionError: the model was loaded" in r.output, r.output
+
+
 def test_read_geometry_equals_the_loaded_model(tiny_llama, tiny_llama_dir):
     from heads.model.loading import read_geometry
 

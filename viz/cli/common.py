@@ -193,13 +193,21 @@ def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str
     return prompt
 
 
-def check_head_file(path: str, heads, *, option: str = "--pasta-heads") -> None:
+def check_head_file(
+    path: str, heads, *, option: str = "--pasta-heads", geometry: tuple[int, int] | None = None
+) -> None:
     """Refuse, before the model loads, a parsed `{"layer": [heads]}` file (`heads`, a `HeadSet`)
-    that selects no heads or names a negative layer or head; the range against the model's
-    geometry is checked once it is loaded.
+    that selects no heads or names a negative layer or head, or (with `geometry`) a layer or
+    head outside the model.
+
+    Args:
+        geometry: `(n_layers, n_heads)` of the model, from its config before any weight is read
+            (`heads.model.loading.read_geometry`; default None: the range is checked once the
+            model is loaded).
 
     Raises:
-        ValueError: naming `option` and the file.
+        ValueError: naming `option` and the file (and, out of range, the head and the model's
+            layers / heads).
     """
     if not len(heads):
         raise HeadsteerValueError(f"{option} {path!r} selects no heads")
@@ -209,6 +217,15 @@ def check_head_file(path: str, heads, *, option: str = "--pasta-heads") -> None:
         raise HeadsteerValueError(
             f"{option} {path!r} names a negative layer or head: layer {la}, head {h} (both must be >= 0)"
         )
+    if geometry is not None:
+        n_layers, n_heads = geometry
+        outside = [(la, h) for la, h in heads if la >= n_layers or h >= n_heads]
+        if outside:
+            la, h = outside[0]
+            raise HeadsteerValueError(
+                f"{option} {path!r} names layer {la}, head {h}, outside the model: it has layers "
+                f"0..{n_layers - 1} and heads 0..{n_heads - 1} per layer"
+            )
 
 
 def _json(obj) -> str:

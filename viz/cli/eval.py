@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -14,6 +14,9 @@ from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive, command
 from viz.cli.vision import refuse_unused
+
+if TYPE_CHECKING:
+    from heads import HeadSet
 
 profile_app = typer.Typer(
     help='Profile heads and write a {"layer": [heads]} profile.', no_args_is_help=True, rich_markup_mode=None
@@ -24,16 +27,18 @@ HeadsOpt = Annotated[
 ]
 
 
-def _heads_arg(value: str, option: str) -> str | None:
-    """None for "auto"; a head file is parsed here, before the model loads (ValueError if bad:
-    no heads, a negative layer or head)."""
+def _heads_arg(value: str, option: str) -> tuple[str | None, HeadSet | None]:
+    """`(None, None)` for "auto"; a head file's path and heads, parsed here, before the model
+    loads (ValueError if bad: not JSON, no heads, a negative layer or head; its range against
+    the model is `_check_geometry`'s)."""
     if value == "auto":
-        return None
+        return None, None
     from heads import HeadSet
     from viz.cli.common import check_head_file
 
-    check_head_file(value, HeadSet.parse(value), option=option)
-    return value
+    heads = HeadSet.parse(value)
+    check_head_file(value, heads, option=option)
+    return value, heads
 
 
 METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -140,13 +145,24 @@ def _check_method_values(method: str, given: dict) -> None:
             )
 
 
-def _check_geometry(run: Run, method: str, caa_layer: int | None, iti_k: int) -> None:
+def _check_geometry(
+    run: Run,
+    method: str,
+    caa_layer: int | None,
+    iti_k: int,
+    head_files: dict[str, tuple[str, HeadSet]] | None = None,
+) -> None:
     """Check the options whose range is the model's geometry (`--caa-layer` in 0..n_layers - 2,
-    `--iti-k` in 1..n_layers * n_heads) against `--model`'s config, read before the weights
-    (`heads.model.loading.read_geometry`). Raises ValueError naming the flag."""
+    `--iti-k` in 1..n_layers * n_heads, the heads of a `--pasta-heads` / `--act-heads` file:
+    `head_files`, option -> (path, heads), in 0..n_layers - 1 x 0..n_heads - 1) against
+    `--model`'s config, read before the weights (`heads.model.loading.read_geometry`).
+    Raises ValueError naming the flag (and the file)."""
     from heads.model.loading import read_geometry
+    from viz.cli.common import check_head_file
 
     n_layers, n_heads = read_geometry(run.model)
+    for option, (path, heads) in (head_files or {}).items():
+        check_head_file(path, heads, option=option, geometry=(n_layers, n_heads))
     if method == "caa" and caa_layer is not None and caa_layer > n_layers - 2:
         raise HeadsteerValueError(
             f"--caa-layer {caa_layer} is outside 0..{n_layers - 2}: the model has {n_layers} layers "
@@ -205,9 +221,10 @@ def eval_command(
 ) -> dict:
     """Evaluate one steering method on one task: metric, n and 95% interval.
 
-    Every option is checked before the model loads (`--caa-layer` and `--iti-k` against the
-    layer and head counts of `--model`'s config, read before its weights); an option the chosen
-    method (or task) does not use is refused, not ignored (`METHOD_OPTIONS`)."""
+    Every option is checked before the model loads (`--caa-layer`, `--iti-k` and the heads of a
+    `--pasta-heads` / `--act-heads` file against the layer and head counts of `--model`'s
+    config, read before its weights); an option the chosen method (or task) does not use is
+    refused, not ignored (`METHOD_OPTIONS`)."""
     from probes.datasets.tasks import SPLITS, TASKS, load_task
     from probes.studies.evaluate import METHODS, SPAN_METHODS, evaluate
     from viz.tables import write_csv
@@ -251,8 +268,10 @@ def eval_command(
     _check_method_values(method, given)
     if limit is not None:
         _positive(limit=limit)
-    pasta_file = _heads_arg(pasta_heads, "--pasta-heads")
-    act_file = _heads_arg(act_heads, "--act-heads")
+    pasta_file, pasta_set = _heads_arg(pasta_heads, "--pasta-heads")
+    act_file, act_set = _heads_arg(act_heads, "--act-heads")
+    files = (("--pasta-heads", pasta_file, pasta_set), ("--act-heads", act_file, act_set))
+    head_files = {opt: (path, hs) for opt, path, hs in files if path is not None and hs is not None}
     if out is None:
         out = Path("results") / f"{task}.{method}.{split}.csv"
     if out.is_dir():
@@ -260,8 +279,8 @@ def eval_command(
     out = run.output(out, suffixes=(".csv",))
     examples_csv = run.output(out.with_suffix(".examples.csv"))
     n = min(len(load_task(task, split).examples), limit or 10**9)
-    if (method == "caa" and caa_layer is not None) or method == "iti":
-        _check_geometry(run, method, caa_layer, iti_k)  # from the config, before any weight is read
+    if (method == "caa" and caa_layer is not None) or method == "iti" or head_files:
+        _check_geometry(run, method, caa_layer, iti_k, head_files)  # the config, before any weight
     hm = run.load()
     with run.progress(n, f"{task} / {method}") as step:
         res = evaluate(

@@ -172,13 +172,20 @@ def generate(
         )
 
     check_alpha(alpha)  # before loading anything; warns on a no-op or a de-emphasizing alpha
+    file_heads = None
     if pasta_heads not in ("auto", "span"):
-        check_head_file(pasta_heads, HeadSet.parse(pasta_heads), option="--pasta-heads")
+        file_heads = HeadSet.parse(pasta_heads)
+        check_head_file(pasta_heads, file_heads, option="--pasta-heads")
     if top_k is not None and pasta_heads not in ("auto", "span"):
         warn_line(f"--top-k {top_k} is ignored: the heads come from {pasta_heads}")
     top_k = DEFAULT_TOP_K if top_k is None else top_k
     _positive(top_k=top_k, max_new_tokens=max_new_tokens)
     check_prompt(prompt, emphasize)
+    if file_heads is not None:  # its range, from the model's config before any weight is read
+        from heads.model.loading import read_geometry
+
+        geometry = read_geometry(run.model)
+        check_head_file(pasta_heads, file_heads, option="--pasta-heads", geometry=geometry)
     hm = run.load()
     with run.status("choosing heads…"):
         heads = choose_heads(hm, prompt, pasta_heads, top_k, emphasize=emphasize)
