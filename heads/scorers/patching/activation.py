@@ -19,7 +19,8 @@ Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows 
 each batch starts at the patched layer from the base run's residual stream
 (`heads.engine.prefix.starting_at`: layer-prefix reuse); by-position kinds also skip the
 positions before the patched one, whose keys and values come from the base run's cache
-(position-prefix reuse); only the last position is unembedded. The patches are engine edits
+(position-prefix reuse); only the last position is unembedded, and for a metric that reads a
+few tokens (`logit_diff`) only their columns (`unembed_only`). The patches are engine edits
 (`head_output`, `residual`, `probs` sites) or forward hooks on the block outputs and the q/k/v
 projections; all are removed on exit, so the model is bitwise unchanged afterwards.
 """
@@ -48,7 +49,7 @@ from heads.results.scores import HeadScores
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
-__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
+__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run", "unembed_only"]
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
@@ -223,6 +224,45 @@ def _output_patch(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Te
         yield
     finally:
         h.remove()
+
+
+@contextmanager
+def unembed_only(model: HeadModel, columns: torch.Tensor | None):
+    """Within the block the LM head computes only the vocabulary `columns` (`[K]` long) of its
+    output; the other columns are NaN. For metrics that read a few tokens (`Metric.columns`,
+    e.g. `logit_diff`): the unembedding of a chunk's last position costs `K / V` of the full one.
+    Each computed logit is the same dot product as in the full head (fp32: equal within
+    rounding). A no-op for `columns=None`, a backend other than Hugging Face, an LM head that is
+    not a plain `nn.Linear`, or more than half the vocabulary. The head is restored on exit."""
+    head = model.unembed
+    if (
+        columns is None
+        or model.backend.kind != "hf"
+        or type(head) is not torch.nn.Linear
+        or columns.numel() * 2 > head.out_features
+    ):
+        yield
+        return
+    cols = columns.to(head.weight.device)
+    weight = head.weight.detach()[cols]
+    bias = None if head.bias is None else head.bias.detach()[cols]
+    width = head.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_full((*x.shape[:-1], width), math.nan)
+        b = None if bias is None else bias.to(x.dtype)
+        out[..., cols] = torch.nn.functional.linear(x, weight.to(x.dtype), b)
+        return out
+
+    saved = head.__dict__.get("forward")  # accelerate may have wrapped it on the instance
+    head.__dict__["forward"] = forward  # an instance attribute shadows the class method
+    try:
+        yield
+    finally:
+        if saved is None:
+            head.__dict__.pop("forward", None)
+        else:
+            head.__dict__["forward"] = saved
 
 
 # ------------------------------------------------------------------------------ results
@@ -620,7 +660,11 @@ def patch(
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
-    with progress_callback(options.progress, f"patching {kind}", "rows") as report:
+    columns = met.columns(pairs) if met.columns is not None else None
+    with (
+        progress_callback(options.progress, f"patching {kind}", "rows") as report,
+        unembed_only(model, columns),
+    ):
         done = 0
         for chunk in chunks:
             si = torch.tensor([s for s, _ in chunk])

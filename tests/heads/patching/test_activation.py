@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from heads import SweepOptions
-from heads.scorers.patching.activation import PatchResult, _qkv_modules, _qkv_slices, patch, record_run
-from heads.scorers.patching.metrics import get_metric
+from heads.scorers.patching.activation import (
+    PatchResult,
+    _qkv_modules,
+    _qkv_slices,
+    patch,
+    record_run,
+    unembed_only,
+)
+from heads.scorers.patching.metrics import get_metric, token_columns
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
 from tests.support import make_tiny
 from tests.support.patching import PAIRS, state_copy
@@ -218,3 +225,25 @@ def test_bad_input_before_forward(tokenizer):
     finally:
         h.remove()
     assert not calls
+
+
+def test_unembed_only_computes_the_metric_columns_and_restores_the_head(tokenizer):
+    model = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS)
+    cols = token_columns(pairs)
+    want = {int(t) for p in PAIRS for t in tokenizer.encode(p.answer + p.counterfactual)}
+    assert set(cols.tolist()) == want  # the answers and counterfactuals, once each
+    assert get_metric("logit_diff").columns is token_columns and get_metric("kl").columns is None
+    before = state_copy(model)
+    full = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
+    with unembed_only(model, cols):
+        part = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
+    others = torch.ones(full.shape[-1], dtype=torch.bool)
+    others[cols] = False
+    assert torch.allclose(part[:, cols], full[:, cols], atol=1e-5, rtol=0)
+    assert torch.isnan(part[:, others]).all()  # never read, never computed
+    assert "forward" not in model.unembed.__dict__  # the class method shows through again
+    assert torch.equal(record_run(model, pairs.clean_ids, pairs.attention_mask).logits, full)
+    assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())
+    with unembed_only(model, torch.arange(full.shape[-1])):  # most of the vocabulary: no-op
+        assert "forward" not in model.unembed.__dict__
