@@ -19,10 +19,13 @@ Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows 
 each batch starts at the patched layer from the base run's residual stream
 (`heads.engine.prefix.starting_at`: layer-prefix reuse); by-position kinds also skip the
 positions before the patched one, whose keys and values come from the base run's cache
-(position-prefix reuse); only the last position is unembedded, and for a metric that reads a
-few tokens (`logit_diff`) only their columns (`unembed_only`). The patches are engine edits
-(`head_output`, `residual`, `probs` sites) or forward hooks on the block outputs and the q/k/v
-projections; all are removed on exit, so the model is bitwise unchanged afterwards.
+(position-prefix reuse); `head_out_by_pos` at position p of layer l changes only column p of
+layer l's output, so that layer runs on column p alone and the later layers start from it
+beside the base run's residual of the columns after p; only the last position is unembedded,
+and for a metric that reads a few tokens (`logit_diff`) only their columns (`unembed_only`).
+The patches are engine edits (`head_output`, `residual`, `probs` sites) or forward hooks on the
+block outputs and the q/k/v projections; all are removed on exit, so the model is bitwise
+unchanged afterwards.
 """
 
 from __future__ import annotations
@@ -779,5 +782,57 @@ def _run_chunk(
                 return o
 
             stack.enter_context(_output_patch(module, fn))
-        out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
+        if kind == "head_out_by_pos" and layer < model.n_layers - 1 and trim <= split < mask.shape[1] - 1:
+            # the patch changes only column `split` of layer `layer`'s output (the later columns'
+            # keys, values and queries in that layer are the base run's): run that one column
+            # through `layer`, then layers `layer + 1 ..` on columns `split ..` from its output
+            # beside the base run's residual of the later columns
+            entering = _one_column_output(model, ids[:, :1], m[:, : offset + 1], edits, layer, residual, past)
+            later = base.residuals[layer + 1][ps, split + 1 :].to(entering.device, entering.dtype)
+            residual = torch.cat([entering, later], dim=1)
+            out = run_rows(model, ids, m, [], start=layer + 1, residual=residual, past=past)
+        else:
+            out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
+
+
+class _Stop(Exception):
+    """Raised by a forward hook to end a forward once the wanted activation is recorded."""
+
+
+def _one_column_output(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    edits: list[Edit],
+    layer: int,
+    residual: torch.Tensor | None,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """`[R, 1, D]`: the output of decoder layer `layer` at the one column `ids [R, 1]` (after
+    `past`, `mask` up to that column) with `edits`, from `residual` (its slice at that column,
+    or None for layer 0); the forward stops there."""
+    seen: list[torch.Tensor] = []
+
+    def stop(mod, args, out):
+        seen.append(_first(out))
+        raise _Stop
+
+    h = model.layers[layer].register_forward_hook(stop)
+    try:
+        run_rows(
+            model,
+            ids,
+            mask,
+            edits,
+            start=layer,
+            residual=None if residual is None else residual[:, :1],
+            past=past,
+        )
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    if not seen:  # pragma: no cover - the hook always fires on a decoder layer
+        raise HeadsteerValueError(f"layer {layer} did not run")
+    return seen[0]

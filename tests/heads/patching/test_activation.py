@@ -152,13 +152,18 @@ def _check(model, pairs, kind, direction="denoising", layers=None, positions=Non
     return res
 
 
-@pytest.mark.parametrize("kind", ["head_out", "resid_pre", "attn_out", "q", "k", "pattern"])
+@pytest.mark.parametrize(
+    "kind", ["head_out", "head_out_by_pos", "resid_pre", "attn_out", "q", "k", "pattern"]
+)
 def test_llama_gqa_padded_equals_oracle(tokenizer, kind):
     model = make_tiny("llama", tokenizer)  # GQA 4:2, 3 layers
     pairs = encode_pairs(tokenizer, PAIRS)  # unequal lengths: left padding
     assert (pairs.attention_mask == 0).any()
     positions = [5, -1] if kind in ("head_out_by_pos", "resid_pre", "attn_out", "mlp_out") else None
-    res = _check(model, pairs, kind, layers=[0, 2], positions=positions)
+    layers = [0, 2]
+    if kind == "head_out_by_pos":  # column 0 is padding in one pair; layers below the last one
+        positions, layers = [0, 5, -2, -1], [0, 1, 2]
+    res = _check(model, pairs, kind, layers=layers, positions=positions)
     if kind in ("k", "v"):
         assert res.raw.shape[:2] == (2, model.n_kv_heads)
 
