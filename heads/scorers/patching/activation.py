@@ -729,7 +729,7 @@ def _run_chunk(
     residual = base.residuals[layer][ps, split:] if layer else None
     past = None
     if split > trim:
-        past = [(k[ps, :, trim:split], v[ps, :, trim:split]) for k, v in base.kv]
+        past = prefix_cache(base, ps, trim, split, layer)
     cols = torch.zeros(R, mask.shape[1] - trim, dtype=torch.bool)
     for r, s in enumerate(sites):
         if s.pos >= trim:
@@ -794,6 +794,20 @@ def _run_chunk(
         else:
             out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
+
+
+def prefix_cache(
+    base: RunCache, ps: torch.Tensor, trim: int, split: int, start: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer `(keys, values)` of the base run at columns `trim:split` for the rows of pairs
+    `ps` (`[R, G, split - trim, d]`), for a forward that starts at layer `start`. The layers
+    below `start` are never computed, so they get pair `ps[0]`'s slice alone (`[1, G, ...]`):
+    the cache reads only their length, and the rows are not copied for nothing."""
+    rows = ps[:1]
+    return [
+        (k[ps if la >= start else rows, :, trim:split], v[ps if la >= start else rows, :, trim:split])
+        for la, (k, v) in enumerate(base.kv)
+    ]
 
 
 class _Stop(Exception):

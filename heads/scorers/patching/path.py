@@ -64,6 +64,7 @@ from heads.scorers.patching.activation import (
     _qkv_modules,
     _qkv_slices,
     check_sweep_inputs,
+    prefix_cache,
     record_run,
     unembed_only,
 )
@@ -319,7 +320,7 @@ def _run_chunk(
         residual = base.residuals[start][ps, split:] if start else None
         past = None
         if split > trim:
-            past = [(k[ps, :, trim:split], v[ps, :, trim:split]) for k, v in base.kv]
+            past = prefix_cache(base, ps, trim, split, start)
         return residual, past
 
     rh = torch.zeros(R, H, dtype=torch.bool)
