@@ -23,6 +23,9 @@ positions before the patched one, whose keys and values come from the base run's
 layer l's output, so that layer runs on column p alone and the later layers start from it
 beside the base run's residual of the columns after p; only the last position is unembedded,
 and for a metric that reads a few tokens (`logit_diff`) only their columns (`unembed_only`).
+A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
+before the first token where the two prompts differ) patches nothing: it gets the base run's
+metric without a forward.
 The patches are engine edits (`head_output`, `residual`, `probs` sites) or forward hooks on the
 block outputs and the q/k/v projections; all are removed on exit, so the model is bitwise
 unchanged afterwards.
@@ -655,10 +658,16 @@ def patch(
     lengths = pairs.lengths.tolist()
     width = pairs.width
     # rows (site, pair), grouped by (layer, first recomputed column), chunks of max_rows
+    # a row whose source activation equals the base run's bitwise patches nothing: its metric is
+    # the base run's (e.g. every position before the first token where the prompts differ)
+    m_base = m_corrupt if direction == "denoising" else m_clean
+    same = _unchanged(model, kind, base, src, sites, pairs.n)
+    raw[same] = m_base.cpu().expand(len(sites), -1)[same]
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for s_i, s in enumerate(sites):
         for i in range(pairs.n):
-            groups.setdefault((s.layer, s.pos if by_pos else 0), []).append((s_i, i))
+            if not same[s_i, i]:
+                groups.setdefault((s.layer, s.pos if by_pos else 0), []).append((s_i, i))
     chunks = []
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
@@ -668,7 +677,7 @@ def patch(
         progress_callback(options.progress, f"patching {kind}", "rows") as report,
         unembed_only(model, columns),
     ):
-        done = 0
+        done = int(same.sum())
         for chunk in chunks:
             si = torch.tensor([s for s, _ in chunk])
             ps = torch.tensor([i for _, i in chunk])
@@ -707,6 +716,46 @@ def patch(
         model.n_kv_heads,
         {"layers": lays, "positions": poss if by_pos else None, "n_pairs": pairs.n},
     )
+
+
+def _unchanged(
+    model: HeadModel, kind: str, base: RunCache, src: RunCache, sites: list[_Site], n: int
+) -> torch.Tensor:
+    """`[S, N]` bool: site s of pair i reads a source activation bitwise equal to the base
+    run's at that site (all its positions / columns), so patching it is the identity."""
+    H, G, d = model.n_heads, model.n_kv_heads, model.d_head
+    maps: dict[int, torch.Tensor] = {}
+
+    def eq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a == b).cpu()
+
+    def equal_map(la: int) -> torch.Tensor:
+        if kind in ("head_out", "head_out_by_pos"):
+            m = eq(src.z[la], base.z[la]).all(-1)  # [N, T, H]
+            return m if kind == "head_out_by_pos" else m.all(1)
+        if kind in ("resid_pre", "attn_out", "mlp_out"):
+            a = {"resid_pre": src.residuals, "attn_out": src.attn_out, "mlp_out": src.mlp_out}[kind][la]
+            b = {"resid_pre": base.residuals, "attn_out": base.attn_out, "mlp_out": base.mlp_out}[kind][la]
+            return eq(a, b).all(-1)  # [N, T]
+        if kind == "pattern":
+            return eq(cast(list, src.pattern)[la], cast(list, base.pattern)[la]).all(-1).all(-1)  # [N, H]
+        j = "qkv".index(kind)
+        a, b = src.qkv[la][j], base.qkv[la][j]
+        heads = H if kind == "q" else G
+        return eq(a.reshape(*a.shape[:2], heads, d), b.reshape(*b.shape[:2], heads, d)).all(-1).all(1)
+
+    out = torch.zeros(len(sites), n, dtype=torch.bool)
+    for s_i, s in enumerate(sites):
+        if s.layer not in maps:
+            maps[s.layer] = equal_map(s.layer)
+        m = maps[s.layer]
+        if kind == "head_out_by_pos":
+            out[s_i] = m[:, s.pos, s.index]
+        elif kind in ("resid_pre", "attn_out", "mlp_out"):
+            out[s_i] = m[:, s.pos]
+        else:
+            out[s_i] = m[:, s.index]
+    return out
 
 
 def _run_chunk(

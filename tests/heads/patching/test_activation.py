@@ -252,3 +252,20 @@ def test_unembed_only_computes_the_metric_columns_and_restores_the_head(tokenize
     assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())
     with unembed_only(model, torch.arange(full.shape[-1])):  # most of the vocabulary: no-op
         assert "forward" not in model.unembed.__dict__
+
+
+def test_sites_equal_in_both_runs_get_the_base_metric_without_a_forward(tokenizer):
+    model = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS)
+    calls = []
+    h = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:  # column 0 is padding or the shared first word: every head's output there is the same
+        res = patch(model, pairs, "head_out_by_pos", positions=[0], options=OPTS)
+        assert len(calls) == 2  # the clean and the corrupted run only
+        assert torch.equal(res.raw[:, :, 0], res.corrupt.expand(3, 4, -1))
+        calls.clear()
+        res = patch(model, pairs, "head_out_by_pos", positions=[0, -1], direction="noising", options=OPTS)
+        assert len(calls) > 2 and torch.equal(res.raw[:, :, 0], res.clean.expand(3, 4, -1))
+        assert not torch.equal(res.raw[:, :, 1], res.clean.expand(3, 4, -1))  # the last column differs
+    finally:
+        h.remove()
