@@ -30,7 +30,8 @@ Figures (one JSON line, every ratio measured in this run, on the same load):
   first token where the prompts differ: 9 of the 14 here) patch nothing and must recompute
   nothing, so the bound counts only the changed rows (`changed_rows_share` of all);
   `engine_over_bound_of_every_variant` counts every row (the definition before the engine
-  skipped those rows).
+  skipped those rows), and `speedup_if_every_row_changed` is the speedup the same engine speed
+  would give on pairs that differ from their first token (every row then changes).
 * `engine_over_tight_bound`: the same over a tighter bound: a patch of layer l's head output at
   column p changes only column p of that layer's output, so the bound counts layer l at column
   p alone (one layer of a one-column forward, `per_row(T - 1) / L`) and layers l+1..L-1 at
@@ -312,6 +313,9 @@ def main() -> None:
         "engine_over_tight_bound": round(engine_over_tight, 3),
         "engine_over_bound_of_every_variant": round(engine_over_every, 3),
         "changed_rows_share": round(float(changed.sum()) / (L * T * H * N), 3),
+        "speedup_if_every_row_changed": round(
+            tl_full / (t_rec + engine_over_lb * work(range(L), range(T), every=True)), 2
+        ),
         **{k: v for k, v in path.items() if k in ("path_patching_speedup", "path_max_abs_diff")},
         "forward_s": round(fwd, 3),
         "engine_s": round(t_engine, 2),
