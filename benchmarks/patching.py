@@ -45,8 +45,11 @@ Figures (one JSON line, every ratio measured in this run, on the same load):
 `OMP_NUM_THREADS=1` on a shared CPU machine the other jobs then do not enter the ratios (they
 still share caches and memory bandwidth); the default `wall` is what a GPU run needs.
 
-Usage: `OMP_NUM_THREADS=2 nice -n 10 python benchmarks/patching.py` (the full grid: hours on two
-busy cores); `--layer-step 6 --pos-step 5 --tl-cells 4 --loop-senders 3` for a subset.
+Usage: `OMP_NUM_THREADS=1 python benchmarks/patching.py --tl-cells 12 --loop-senders 6
+--max-rows 288 --clock process` (the engine on the full grid, TransformerLens and the loop on a
+few cells / senders: about 6 CPU minutes); `--layer-step 10 --pos-step 3 --tl-cells 3
+--loop-senders 2 --pairs 8` for a quick look. Without `--tl-cells` TransformerLens runs every
+cell (one forward each: hours on CPU).
 """
 
 from __future__ import annotations

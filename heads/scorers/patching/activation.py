@@ -239,13 +239,15 @@ def unembed_only(model: HeadModel, columns: torch.Tensor | None):
     e.g. `logit_diff`): the unembedding of a chunk's last position costs `K / V` of the full one.
     Each computed logit is the same dot product as in the full head (fp32: equal within
     rounding). A no-op for `columns=None`, a backend other than Hugging Face, an LM head that is
-    not a plain `nn.Linear`, or more than half the vocabulary. The head is restored on exit."""
+    not a plain `nn.Linear` or whose `forward` is wrapped on the instance (accelerate's
+    `device_map` hooks), or more than half the vocabulary. The head is restored on exit."""
     head = model.unembed
     if (
         columns is None
         or model.backend.kind != "hf"
         or type(head) is not torch.nn.Linear
         or columns.numel() * 2 > head.out_features
+        or "forward" in head.__dict__  # accelerate's device hooks (device_map) or another wrapper
     ):
         yield
         return
@@ -260,15 +262,11 @@ def unembed_only(model: HeadModel, columns: torch.Tensor | None):
         out[..., cols] = torch.nn.functional.linear(x, weight.to(x.dtype), b)
         return out
 
-    saved = head.__dict__.get("forward")  # accelerate may have wrapped it on the instance
     head.__dict__["forward"] = forward  # an instance attribute shadows the class method
     try:
         yield
     finally:
-        if saved is None:
-            head.__dict__.pop("forward", None)
-        else:
-            head.__dict__["forward"] = saved
+        head.__dict__.pop("forward", None)
 
 
 # ------------------------------------------------------------------------------ results

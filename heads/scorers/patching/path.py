@@ -272,20 +272,17 @@ def _out_width(model: HeadModel, mods: tuple[torch.nn.Module, ...], module: torc
 def _frozen_attention(module: torch.nn.Module, output: torch.Tensor) -> Iterator[None]:
     """Within the block `module` (an attention module) is not computed: it returns `(output,
     None)`, `output [R, T', D]` (the base run's attention output: every head frozen), as the
-    decoder layers of `transformers` unpack it. Restored on exit."""
+    decoder layers of `transformers` unpack it. Only for a module without an instance `forward`
+    (the caller checks). Restored on exit."""
 
     def forward(*args, **kwargs):
         return output, None
 
-    saved = module.__dict__.get("forward")  # accelerate may have wrapped it on the instance
     module.__dict__["forward"] = forward  # an instance attribute shadows the class method
     try:
         yield
     finally:
-        if saved is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = saved
+        module.__dict__.pop("forward", None)
 
 
 def _run_chunk(
@@ -338,7 +335,11 @@ def _run_chunk(
     last = L - 1 if recv is None else max(la for la, _ in recv)
     # every head above the sender is frozen; with receivers = the logits (Hugging Face backend)
     # those layers' attention is not run at all: its output is the base run's (`_frozen_attention`)
-    skip = recv is None and model.backend.kind == "hf"
+    skip = (
+        recv is None
+        and model.backend.kind == "hf"
+        and not any("forward" in model.attentions[la].__dict__ for la in range(layer + 1, L))
+    )  # not under accelerate's device hooks (device_map), which wrap `forward` on the instance
     if not skip:
         for la in range(layer + 1, min(last + 1, L)):
             edits.append(_PatchZ(layer=la, source=base.z[la][ps, trim:].to(dev)))  # every head frozen
