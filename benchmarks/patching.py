@@ -26,13 +26,30 @@ Figures (one JSON line, every ratio measured in this run, on the same load):
   distinct `p` (best of two). Pricing per row of a full `--max-rows` batch makes the bound
   conservative for smaller final chunks. For the full-grid extrapolation the per-row time of an
   unmeasured `p` is interpolated linearly between the measured ones (`lower_bound_shapes`).
+  Rows whose clean and corrupted head outputs are bitwise equal (every position before the
+  first token where the prompts differ: 9 of the 14 here) patch nothing and must recompute
+  nothing, so the bound counts only the changed rows (`changed_rows_share` of all);
+  `engine_over_bound_of_every_variant` counts every row (the definition before the engine
+  skipped those rows), and `speedup_if_every_row_changed` is the speedup the same engine speed
+  would give on pairs that differ from their first token (every row then changes).
+* `engine_over_tight_bound`: the same over a tighter bound: a patch of layer l's head output at
+  column p changes only column p of that layer's output, so the bound counts layer l at column
+  p alone (one layer of a one-column forward, `per_row(T - 1) / L`) and layers l+1..L-1 at
+  columns p..T-1 — what `patch(..., "head_out_by_pos")` now recomputes.
 * `path_patching_speedup`: the three-run loop written plainly (one whole forward per sender with
   every other head frozen by hooks; its two base runs counted once) over `path_patch(model,
   pairs)` (all senders -> logits, MLPs recomputed); with `--loop-senders` < 270 the loop runs on
   that many senders (spread) and is extrapolated per sender. `path_max_abs_diff` compares them.
 
-Usage: `OMP_NUM_THREADS=2 nice -n 10 python benchmarks/patching.py` (the full grid: hours on two
-busy cores); `--layer-step 6 --pos-step 5 --tl-cells 4 --loop-senders 3` for a subset.
+`--clock process` times every side in CPU seconds of this process (`time.process_time`): with
+`OMP_NUM_THREADS=1` on a shared CPU machine the other jobs then do not enter the ratios (they
+still share caches and memory bandwidth); the default `wall` is what a GPU run needs.
+
+Usage: `OMP_NUM_THREADS=1 python benchmarks/patching.py --tl-cells 12 --loop-senders 6
+--max-rows 288 --clock process` (the engine on the full grid, TransformerLens and the loop on a
+few cells / senders: about 6 CPU minutes); `--layer-step 10 --pos-step 3 --tl-cells 3
+--loop-senders 2 --pairs 8` for a quick look. Without `--tl-cells` TransformerLens runs every
+cell (one forward each: hours on CPU).
 """
 
 from __future__ import annotations
@@ -74,10 +91,13 @@ def ioi_pairs(n: int) -> list[PromptPair]:
     return out
 
 
+CLOCK = time.perf_counter  # --clock process: time.process_time (CPU seconds of this process)
+
+
 def timed(fn):
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = fn()
-    return out, time.perf_counter() - t0
+    return out, CLOCK() - t0
 
 
 @torch.no_grad()
@@ -131,7 +151,16 @@ def main() -> None:
     ap.add_argument("--loop-senders", type=int, default=0, help="senders in the three-run loop (0 = all)")
     ap.add_argument("--max-rows", type=int, default=64)
     ap.add_argument("--skip-path", action="store_true", help="leave out the path-patching comparison")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="wall: time.perf_counter; process: CPU seconds of this process (time.process_time), "
+        "insensitive to other jobs on a shared CPU machine when run with one thread (CPU only)",
+    )
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "process" else time.perf_counter
 
     model = load_model()
     tl = load_model(backend="transformer_lens")
@@ -154,11 +183,15 @@ def main() -> None:
     if positions[-1] != T - 1:
         positions.append(T - 1)
     opts = SweepOptions(max_rows=args.max_rows, progress=False)
-    (_, t_rec) = timed(
+    ((rec_clean, rec_corrupt), t_rec) = timed(
         lambda: (
             record_run(model, pairs.clean_ids, pairs.attention_mask),
             record_run(model, pairs.corrupted_ids, pairs.attention_mask),
         )
+    )
+    # [L, T, H]: pairs whose clean and corrupted head output differ there (the others are no-ops)
+    changed = torch.stack(
+        [(rec_clean.z[la] != rec_corrupt.z[la]).any(-1).sum(0).float().cpu() for la in range(L)]
     )
     res, t_engine = timed(
         lambda: patch(model, pairs, "head_out_by_pos", layers=layers, positions=positions, options=opts)
@@ -191,11 +224,26 @@ def main() -> None:
             return row_time[lo]
         return row_time[lo] + (row_time[hi] - row_time[lo]) * (p - lo) / (hi - lo)
 
-    def work(lays, poss):  # seconds
-        return sum(N * H * (L - la) / L * per_row(p) for la in lays for p in poss)
+    def work(lays, poss, every=False):  # seconds; rows: the changed (head, pair)s, or every one
+        return sum(
+            (N * H if every else float(changed[la, p].sum())) * (L - la) / L * per_row(p)
+            for la in lays
+            for p in poss
+        )
+
+    def tight_work(lays, poss):  # layer l at column p only (what head_out_by_pos now runs)
+        last = per_row(T - 1) / L
+        return sum(
+            float(changed[la, p].sum())
+            * ((L - la - 1) / L * per_row(p) + (last if la < L - 1 or p == T - 1 else 0.0))
+            for la in lays
+            for p in poss
+        )
 
     lb_sub = work(layers, positions)
-    engine_over_lb = t_sweep / lb_sub
+    engine_over_lb = t_sweep / max(lb_sub, 1e-9)
+    engine_over_tight = t_sweep / max(tight_work(layers, positions), 1e-9)
+    engine_over_every = t_sweep / work(layers, positions, every=True)
 
     cells = [(la, p, h) for la in layers for p in positions for h in range(H)]
     n_tl = len(cells) if args.tl_cells <= 0 else min(args.tl_cells, len(cells))
@@ -265,6 +313,12 @@ def main() -> None:
         "speedup_vs_transformer_lens": round(tl_full / engine_full, 2),
         "max_abs_diff_vs_transformer_lens": diff,
         "engine_over_lower_bound": round(engine_over_lb, 3),
+        "engine_over_tight_bound": round(engine_over_tight, 3),
+        "engine_over_bound_of_every_variant": round(engine_over_every, 3),
+        "changed_rows_share": round(float(changed.sum()) / (L * T * H * N), 3),
+        "speedup_if_every_row_changed": round(
+            tl_full / (t_rec + engine_over_lb * work(range(L), range(T), every=True)), 2
+        ),
         **{k: v for k, v in path.items() if k in ("path_patching_speedup", "path_max_abs_diff")},
         "forward_s": round(fwd, 3),
         "engine_s": round(t_engine, 2),
@@ -279,6 +333,7 @@ def main() -> None:
         "lower_bound_shapes": {str(p): round(t * R, 3) for p, t in sorted(row_time.items())},
         "max_rows": R,
         "torch_threads": torch.get_num_threads(),
+        "clock": args.clock,
     }
     n_loop = int(path.get("path_loop_senders", 270))
     if subset or n_loop < L * H:

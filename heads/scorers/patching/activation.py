@@ -19,9 +19,16 @@ Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows 
 each batch starts at the patched layer from the base run's residual stream
 (`heads.engine.prefix.starting_at`: layer-prefix reuse); by-position kinds also skip the
 positions before the patched one, whose keys and values come from the base run's cache
-(position-prefix reuse); only the last position is unembedded. The patches are engine edits
-(`head_output`, `residual`, `probs` sites) or forward hooks on the block outputs and the q/k/v
-projections; all are removed on exit, so the model is bitwise unchanged afterwards.
+(position-prefix reuse); `head_out_by_pos` at position p of layer l changes only column p of
+layer l's output, so that layer runs on column p alone and the later layers start from it
+beside the base run's residual of the columns after p; only the last position is unembedded,
+and for a metric that reads a few tokens (`logit_diff`) only their columns (`unembed_only`).
+A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
+before the first token where the two prompts differ) patches nothing: it gets the base run's
+metric without a forward.
+The patches are engine edits (`head_output`, `residual`, `probs` sites) or forward hooks on the
+block outputs and the q/k/v projections; all are removed on exit, so the model is bitwise
+unchanged afterwards.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from heads.scorers.patching.vision import (
     replaced_embeddings,
 )
 
-__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run"]
+__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run", "unembed_only"]
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
@@ -243,6 +250,43 @@ def _output_patch(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Te
         yield
     finally:
         h.remove()
+
+
+@contextmanager
+def unembed_only(model: HeadModel, columns: torch.Tensor | None):
+    """Within the block the LM head computes only the vocabulary `columns` (`[K]` long) of its
+    output; the other columns are NaN. For metrics that read a few tokens (`Metric.columns`,
+    e.g. `logit_diff`): the unembedding of a chunk's last position costs `K / V` of the full one.
+    Each computed logit is the same dot product as in the full head (fp32: equal within
+    rounding). A no-op for `columns=None`, a backend other than Hugging Face, an LM head that is
+    not a plain `nn.Linear` or whose `forward` is wrapped on the instance (accelerate's
+    `device_map` hooks), or more than half the vocabulary. The head is restored on exit."""
+    head = model.unembed
+    if (
+        columns is None
+        or model.backend.kind != "hf"
+        or type(head) is not torch.nn.Linear
+        or columns.numel() * 2 > head.out_features
+        or "forward" in head.__dict__  # accelerate's device hooks (device_map) or another wrapper
+    ):
+        yield
+        return
+    cols = columns.to(head.weight.device)
+    weight = head.weight.detach()[cols]
+    bias = None if head.bias is None else head.bias.detach()[cols]
+    width = head.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_full((*x.shape[:-1], width), math.nan)
+        b = None if bias is None else bias.to(x.dtype)
+        out[..., cols] = torch.nn.functional.linear(x, weight.to(x.dtype), b)
+        return out
+
+    head.__dict__["forward"] = forward  # an instance attribute shadows the class method
+    try:
+        yield
+    finally:
+        head.__dict__.pop("forward", None)
 
 
 # ------------------------------------------------------------------------------ results
@@ -646,16 +690,26 @@ def patch(
     lengths = pairs.lengths.tolist()
     width = pairs.width
     # rows (site, pair), grouped by (layer, first recomputed column), chunks of max_rows
+    # a row whose source activation equals the base run's bitwise patches nothing: its metric is
+    # the base run's (e.g. every position before the first token where the prompts differ)
+    m_base = m_corrupt if direction == "denoising" else m_clean
+    same = _unchanged(model, kind, base, src, sites, pairs.n)
+    raw[same] = m_base.cpu().expand(len(sites), -1)[same]
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for s_i, s in enumerate(sites):
         for i in range(pairs.n):
-            groups.setdefault((s.layer, s.pos if by_pos else 0), []).append((s_i, i))
+            if not same[s_i, i]:
+                groups.setdefault((s.layer, s.pos if by_pos else 0), []).append((s_i, i))
     chunks = []
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
-    with progress_callback(options.progress, f"patching {kind}", "rows") as report:
-        done = 0
+    columns = met.columns(pairs) if met.columns is not None else None
+    with (
+        progress_callback(options.progress, f"patching {kind}", "rows") as report,
+        unembed_only(model, columns),
+    ):
+        done = int(same.sum())
         for chunk in chunks:
             si = torch.tensor([s for s, _ in chunk])
             ps = torch.tensor([i for _, i in chunk])
@@ -706,6 +760,46 @@ def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None) ->
     return out
 
 
+def _unchanged(
+    model: HeadModel, kind: str, base: RunCache, src: RunCache, sites: list[_Site], n: int
+) -> torch.Tensor:
+    """`[S, N]` bool: site s of pair i reads a source activation bitwise equal to the base
+    run's at that site (all its positions / columns), so patching it is the identity."""
+    H, G, d = model.n_heads, model.n_kv_heads, model.d_head
+    maps: dict[int, torch.Tensor] = {}
+
+    def eq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a == b).cpu()
+
+    def equal_map(la: int) -> torch.Tensor:
+        if kind in ("head_out", "head_out_by_pos"):
+            m = eq(src.z[la], base.z[la]).all(-1)  # [N, T, H]
+            return m if kind == "head_out_by_pos" else m.all(1)
+        if kind in ("resid_pre", "attn_out", "mlp_out"):
+            a = {"resid_pre": src.residuals, "attn_out": src.attn_out, "mlp_out": src.mlp_out}[kind][la]
+            b = {"resid_pre": base.residuals, "attn_out": base.attn_out, "mlp_out": base.mlp_out}[kind][la]
+            return eq(a, b).all(-1)  # [N, T]
+        if kind == "pattern":
+            return eq(cast(list, src.pattern)[la], cast(list, base.pattern)[la]).all(-1).all(-1)  # [N, H]
+        j = "qkv".index(kind)
+        a, b = src.qkv[la][j], base.qkv[la][j]
+        heads = H if kind == "q" else G
+        return eq(a.reshape(*a.shape[:2], heads, d), b.reshape(*b.shape[:2], heads, d)).all(-1).all(1)
+
+    out = torch.zeros(len(sites), n, dtype=torch.bool)
+    for s_i, s in enumerate(sites):
+        if s.layer not in maps:
+            maps[s.layer] = equal_map(s.layer)
+        m = maps[s.layer]
+        if kind == "head_out_by_pos":
+            out[s_i] = m[:, s.pos, s.index]
+        elif kind in ("resid_pre", "attn_out", "mlp_out"):
+            out[s_i] = m[:, s.pos]
+        else:
+            out[s_i] = m[:, s.index]
+    return out
+
+
 def _run_chunk(
     model: HeadModel,
     kind: str,
@@ -726,7 +820,7 @@ def _run_chunk(
     residual = base.residuals[layer][ps, split:] if layer else None
     past = None
     if split > trim:
-        past = [(k[ps, :, trim:split], v[ps, :, trim:split]) for k, v in base.kv]
+        past = prefix_cache(base, ps, trim, split, layer)
     cols = torch.zeros(R, mask.shape[1] - trim, dtype=torch.bool)
     for r, s in enumerate(sites):
         if s.pos >= trim:
@@ -781,5 +875,71 @@ def _run_chunk(
                 return o
 
             stack.enter_context(_output_patch(module, fn))
-        out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
+        if kind == "head_out_by_pos" and layer < model.n_layers - 1 and trim <= split < mask.shape[1] - 1:
+            # the patch changes only column `split` of layer `layer`'s output (the later columns'
+            # keys, values and queries in that layer are the base run's): run that one column
+            # through `layer`, then layers `layer + 1 ..` on columns `split ..` from its output
+            # beside the base run's residual of the later columns
+            entering = _one_column_output(model, ids[:, :1], m[:, : offset + 1], edits, layer, residual, past)
+            later = base.residuals[layer + 1][ps, split + 1 :].to(entering.device, entering.dtype)
+            residual = torch.cat([entering, later], dim=1)
+            out = run_rows(model, ids, m, [], start=layer + 1, residual=residual, past=past)
+        else:
+            out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
+
+
+def prefix_cache(
+    base: RunCache, ps: torch.Tensor, trim: int, split: int, start: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer `(keys, values)` of the base run at columns `trim:split` for the rows of pairs
+    `ps` (`[R, G, split - trim, d]`), for a forward that starts at layer `start`. The layers
+    below `start` are never computed, so they get pair `ps[0]`'s slice alone (`[1, G, ...]`):
+    the cache reads only their length, and the rows are not copied for nothing."""
+    rows = ps[:1]
+    return [
+        (k[ps if la >= start else rows, :, trim:split], v[ps if la >= start else rows, :, trim:split])
+        for la, (k, v) in enumerate(base.kv)
+    ]
+
+
+class _Stop(Exception):
+    """Raised by a forward hook to end a forward once the wanted activation is recorded."""
+
+
+def _one_column_output(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    edits: list[Edit],
+    layer: int,
+    residual: torch.Tensor | None,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """`[R, 1, D]`: the output of decoder layer `layer` at the one column `ids [R, 1]` (after
+    `past`, `mask` up to that column) with `edits`, from `residual` (its slice at that column,
+    or None for layer 0); the forward stops there."""
+    seen: list[torch.Tensor] = []
+
+    def stop(mod, args, out):
+        seen.append(_first(out))
+        raise _Stop
+
+    h = model.layers[layer].register_forward_hook(stop)
+    try:
+        run_rows(
+            model,
+            ids,
+            mask,
+            edits,
+            start=layer,
+            residual=None if residual is None else residual[:, :1],
+            past=past,
+        )
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    if not seen:  # pragma: no cover - the hook always fires on a decoder layer
+        raise HeadsteerValueError(f"layer {layer} did not run")
+    return seen[0]

@@ -41,6 +41,7 @@ __all__ = [
     "logit_diff",
     "normalise",
     "prob",
+    "token_columns",
     "zero_gap",
 ]
 
@@ -103,12 +104,17 @@ class Metric:
             `(logits, clean_logits [R, V]) -> [R]`.
         needs_clean: the metric compares with the clean run's logits (KL).
         needs_counterfactual: the metric reads the counterfactual tokens.
+        columns: optional `columns(pairs) -> [K]` long: the only vocabulary columns `fn`
+            reads (of every row); the sweeps then unembed only those columns and fill the
+            others with NaN (`logit_diff`: the answer and counterfactual tokens). None
+            (default, and for user functions): `fn` may read every column.
     """
 
     name: str
     fn: Callable
     needs_clean: bool = False
     needs_counterfactual: bool = False
+    columns: Callable[[PairBatch], torch.Tensor] | None = None
 
     def __call__(
         self,
@@ -146,8 +152,15 @@ class Metric:
             )
 
 
+def token_columns(pairs: PairBatch) -> torch.Tensor:
+    """`[K]` long: the distinct answer and counterfactual token ids of `pairs` (what
+    `logit_diff` reads)."""
+    ids = (pairs.answers[pairs.answer_mask], pairs.counterfactuals[pairs.counterfactual_mask])
+    return torch.unique(torch.cat(ids).long())
+
+
 METRICS: dict[str, Metric] = {
-    "logit_diff": Metric("logit_diff", logit_diff, needs_counterfactual=True),
+    "logit_diff": Metric("logit_diff", logit_diff, needs_counterfactual=True, columns=token_columns),
     "log_prob": Metric("log_prob", log_prob),
     "prob": Metric("prob", prob),
     "kl": Metric("kl", _kl, needs_clean=True),

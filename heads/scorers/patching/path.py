@@ -30,8 +30,11 @@ on the engine's row forward (`heads.engine.variants.run_rows`):
 * step 2 starts at the sender's layer from the base run's residual (layer-prefix reuse);
 * every later head's output is frozen, so positions no longer interact above the sender's
   layer: with receivers = the logits only the last position is computed (the earlier ones' keys
-  and values come from the base run's cache), and with head receivers step 2 stops at the last
-  receiver layer;
+  and values come from the base run's cache) and, on the Hugging Face backend, the attention of
+  the layers above the sender is not run at all (its output is the base run's); with head
+  receivers step 2 stops at the last receiver layer;
+* for a metric that reads a few tokens (`logit_diff`) only their logits are computed
+  (`heads.scorers.patching.activation.unembed_only`);
 * step 3 starts at the first receiver layer above the sender;
 * with sender `positions` given, the columns before the first of them are unchanged in both
   steps and come from the base run's cache (position-prefix reuse).
@@ -40,8 +43,8 @@ on the engine's row forward (`heads.engine.variants.run_rows`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -61,7 +64,9 @@ from heads.scorers.patching.activation import (
     _qkv_modules,
     _qkv_slices,
     check_sweep_inputs,
+    prefix_cache,
     record_run,
+    unembed_only,
 )
 from heads.scorers.patching.metrics import DIRECTIONS, Metric
 from heads.scorers.patching.pairs import PairBatch
@@ -196,7 +201,8 @@ def path_patch(
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
     total = sum(len(c) for c in chunks)
-    with progress_callback(options.progress, "path patching", "rows") as report:
+    columns = met.columns(pairs) if met.columns is not None else None
+    with progress_callback(options.progress, "path patching", "rows") as report, unembed_only(model, columns):
         done = 0
         for chunk in chunks:
             ps = torch.tensor([i for _, i in chunk])
@@ -262,6 +268,23 @@ def _out_width(model: HeadModel, mods: tuple[torch.nn.Module, ...], module: torc
     return q_w + 2 * kv_w if model.family.fused_qkv else (q_w if module is mods[0] else kv_w)
 
 
+@contextmanager
+def _frozen_attention(module: torch.nn.Module, output: torch.Tensor) -> Iterator[None]:
+    """Within the block `module` (an attention module) is not computed: it returns `(output,
+    None)`, `output [R, T', D]` (the base run's attention output: every head frozen), as the
+    decoder layers of `transformers` unpack it. Only for a module without an instance `forward`
+    (the caller checks). Restored on exit."""
+
+    def forward(*args, **kwargs):
+        return output, None
+
+    module.__dict__["forward"] = forward  # an instance attribute shadows the class method
+    try:
+        yield
+    finally:
+        module.__dict__.pop("forward", None)
+
+
 def _run_chunk(
     model: HeadModel,
     base: RunCache,
@@ -294,7 +317,7 @@ def _run_chunk(
         residual = base.residuals[start][ps, split:] if start else None
         past = None
         if split > trim:
-            past = [(k[ps, :, trim:split], v[ps, :, trim:split]) for k, v in base.kv]
+            past = prefix_cache(base, ps, trim, split, start)
         return residual, past
 
     rh = torch.zeros(R, H, dtype=torch.bool)
@@ -310,12 +333,24 @@ def _run_chunk(
         _PatchZ(layer=layer, row_heads=rh, source=src.z[layer][ps, trim:].to(dev), cols=cols)
     ]
     last = L - 1 if recv is None else max(la for la, _ in recv)
-    for la in range(layer + 1, min(last + 1, L)):
-        edits.append(_PatchZ(layer=la, source=base.z[la][ps, trim:].to(dev)))  # every head frozen
+    # every head above the sender is frozen; with receivers = the logits (Hugging Face backend)
+    # those layers' attention is not run at all: its output is the base run's (`_frozen_attention`)
+    skip = (
+        recv is None
+        and model.backend.kind == "hf"
+        and not any("forward" in model.attentions[la].__dict__ for la in range(layer + 1, L))
+    )  # not under accelerate's device hooks (device_map), which wrap `forward` on the instance
+    if not skip:
+        for la in range(layer + 1, min(last + 1, L)):
+            edits.append(_PatchZ(layer=la, source=base.z[la][ps, trim:].to(dev)))  # every head frozen
     recorded: dict[tuple[int, int], torch.Tensor] = {}
     targets = [] if recv is None else [la for la in sorted({la for la, _ in recv}) if la > layer]
     residual, past = prefix(layer)
     with ExitStack() as stack:
+        if skip:
+            for la in range(layer + 1, L):
+                source = base.attn_out[la][ps, split:].to(dev)
+                stack.enter_context(_frozen_attention(model.attentions[la], source))
         if mlp == "frozen":
             for la in range(layer, min(last + 1, L)):
                 source = base.mlp_out[la][ps, split:].to(dev)

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from heads import SweepOptions
-from heads.scorers.patching.activation import PatchResult, _qkv_modules, _qkv_slices, patch, record_run
-from heads.scorers.patching.metrics import get_metric
+from heads.scorers.patching.activation import (
+    PatchResult,
+    _qkv_modules,
+    _qkv_slices,
+    patch,
+    record_run,
+    unembed_only,
+)
+from heads.scorers.patching.metrics import get_metric, token_columns
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
 from tests.support import make_tiny
 from tests.support.patching import PAIRS, state_copy
@@ -145,13 +152,18 @@ def _check(model, pairs, kind, direction="denoising", layers=None, positions=Non
     return res
 
 
-@pytest.mark.parametrize("kind", ["head_out", "resid_pre", "attn_out", "q", "k", "pattern"])
+@pytest.mark.parametrize(
+    "kind", ["head_out", "head_out_by_pos", "resid_pre", "attn_out", "q", "k", "pattern"]
+)
 def test_llama_gqa_padded_equals_oracle(tokenizer, kind):
     model = make_tiny("llama", tokenizer)  # GQA 4:2, 3 layers
     pairs = encode_pairs(tokenizer, PAIRS)  # unequal lengths: left padding
     assert (pairs.attention_mask == 0).any()
     positions = [5, -1] if kind in ("head_out_by_pos", "resid_pre", "attn_out", "mlp_out") else None
-    res = _check(model, pairs, kind, layers=[0, 2], positions=positions)
+    layers = [0, 2]
+    if kind == "head_out_by_pos":  # column 0 is padding in one pair; layers below the last one
+        positions, layers = [0, 5, -2, -1], [0, 1, 2]
+    res = _check(model, pairs, kind, layers=layers, positions=positions)
     if kind in ("k", "v"):
         assert res.raw.shape[:2] == (2, model.n_kv_heads)
 
@@ -218,3 +230,42 @@ def test_bad_input_before_forward(tokenizer):
     finally:
         h.remove()
     assert not calls
+
+
+def test_unembed_only_computes_the_metric_columns_and_restores_the_head(tokenizer):
+    model = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS)
+    cols = token_columns(pairs)
+    want = {int(t) for p in PAIRS for t in tokenizer.encode(p.answer + p.counterfactual)}
+    assert set(cols.tolist()) == want  # the answers and counterfactuals, once each
+    assert get_metric("logit_diff").columns is token_columns and get_metric("kl").columns is None
+    before = state_copy(model)
+    full = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
+    with unembed_only(model, cols):
+        part = record_run(model, pairs.clean_ids, pairs.attention_mask).logits
+    others = torch.ones(full.shape[-1], dtype=torch.bool)
+    others[cols] = False
+    assert torch.allclose(part[:, cols], full[:, cols], atol=1e-5, rtol=0)
+    assert torch.isnan(part[:, others]).all()  # never read, never computed
+    assert "forward" not in model.unembed.__dict__  # the class method shows through again
+    assert torch.equal(record_run(model, pairs.clean_ids, pairs.attention_mask).logits, full)
+    assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())
+    with unembed_only(model, torch.arange(full.shape[-1])):  # most of the vocabulary: no-op
+        assert "forward" not in model.unembed.__dict__
+
+
+def test_sites_equal_in_both_runs_get_the_base_metric_without_a_forward(tokenizer):
+    model = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS)
+    calls = []
+    h = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:  # column 0 is padding or the shared first word: every head's output there is the same
+        res = patch(model, pairs, "head_out_by_pos", positions=[0], options=OPTS)
+        assert len(calls) == 2  # the clean and the corrupted run only
+        assert torch.equal(res.raw[:, :, 0], res.corrupt.expand(3, 4, -1))
+        calls.clear()
+        res = patch(model, pairs, "head_out_by_pos", positions=[0, -1], direction="noising", options=OPTS)
+        assert len(calls) > 2 and torch.equal(res.raw[:, :, 0], res.clean.expand(3, 4, -1))
+        assert not torch.equal(res.raw[:, :, 1], res.clean.expand(3, 4, -1))  # the last column differs
+    finally:
+        h.remove()
