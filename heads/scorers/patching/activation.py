@@ -875,7 +875,13 @@ def _run_chunk(
                 return o
 
             stack.enter_context(_output_patch(module, fn))
-        if kind == "head_out_by_pos" and layer < model.n_layers - 1 and trim <= split < mask.shape[1] - 1:
+        one_column = base.embeds is None  # vision pairs: the embeddings hook covers every column
+        if (
+            one_column
+            and kind == "head_out_by_pos"
+            and layer < model.n_layers - 1
+            and trim <= split < mask.shape[1] - 1
+        ):
             # the patch changes only column `split` of layer `layer`'s output (the later columns'
             # keys, values and queries in that layer are the base run's): run that one column
             # through `layer`, then layers `layer + 1 ..` on columns `split ..` from its output
