@@ -319,9 +319,18 @@ class _Runner:
         self.mlp: list[Any] = [None] * L
         self.inp: torch.Tensor | None = None
         self.deltas: dict[str, torch.Tensor] = {}  # grad mode: the injected zero deltas
-        self.diff: torch.Tensor | None = None  # [R, U, T*D] a_u(x~) - a_u(run), filled as computed
+        # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes patched in some row only (u of
+        # them, in upstream order), filled as computed
+        self.diff: torch.Tensor | None = None
         self.busy = False
         self.n_before = graph.n_before()
+        if patch is not None:
+            # the union of the rows' patches, once: which downstream inputs are active and which
+            # upstream nodes are used, without scanning the [R, U, Dn] patch again per sub-layer
+            self.union = patch.any(dim=0).cpu()  # [U, Dn]
+            used = self.union.any(dim=1)  # [U]
+            self.n_used = int(used.sum())
+            self.up_pos = torch.where(used, torch.cumsum(used.long(), 0) - 1, -1)  # [U] -> diff column
 
     # -------------------------------------------------------------- deltas
     def _delta(self, lo: int, hi: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -336,29 +345,51 @@ class _Runner:
         if self.patch is None:
             return None
         n = int(self.n_before[lo])
-        p = self.patch[:, :n, lo:hi]
-        if not bool(p.any()):
+        pu = self.union[:n, lo:hi]
+        if not bool(pu.any()):
             return None
-        used = torch.nonzero(p.any(dim=2).any(dim=0))[:, 0]
-        active = torch.nonzero(p.any(dim=1).any(dim=0))[:, 0]
+        used = torch.nonzero(pu.any(dim=1))[:, 0]
+        active = torch.nonzero(pu.any(dim=0))[:, 0]
         full = cast(torch.Tensor, self.diff)
+        cols = self.up_pos[used]
+        p = self.patch[:, :n, lo:hi]
         if len(used) == n:  # every upstream node: a view, no copy
             diff = full[:, :n]
         else:
-            diff = full[:, used.to(full.device)]
-            p = p[:, used]
-        p = p[:, :, active].to(full.device, full.dtype)  # [R, u, a]
+            if int(cols[-1]) == len(cols) - 1:  # the first len(used) columns: a view
+                diff = full[:, : len(cols)]
+            else:
+                diff = full[:, cols.to(full.device)]
+            p = p[:, used.to(p.device)]
+        p = p[:, :, active.to(p.device)].to(full.device, full.dtype)  # [R, u, a]
         delta = torch.bmm(p.transpose(1, 2), diff)  # [R, a, T*D]
         return delta.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype), active
 
-    def _set_diff(self, u0: int, value: torch.Tensor) -> None:
+    def _used(self, u0: int, k: int) -> torch.Tensor | None:
+        """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row patches (None: none)."""
+        if self.patch is None:
+            return None
+        sel = torch.nonzero(self.up_pos[u0 : u0 + k] >= 0)[:, 0]
+        return sel if len(sel) else None
+
+    def _set_diff(self, u0: int, value: torch.Tensor, sel: torch.Tensor | None = None) -> None:
+        """Store `value [j, R, T, D]`, the diffs of upstream nodes `u0 + sel` (default: u0 ..
+        u0+j-1, of which only the used ones are kept)."""
         if self.patch is None:
             return
+        if sel is None:
+            sel = self._used(u0, value.shape[0])
+            if sel is None:
+                return
+            value = value[sel.to(value.device)] if len(sel) < value.shape[0] else value
         if self.diff is None:
-            U = self.g.n_upstream
             R = value.shape[1]
-            self.diff = torch.zeros(R, U, value[0, 0].numel(), dtype=torch.float32, device=value.device)
-        self.diff[:, u0 : u0 + value.shape[0]] = value.float().transpose(0, 1).flatten(2)
+            self.diff = torch.zeros(
+                R, self.n_used, value[0, 0].numel(), dtype=torch.float32, device=value.device
+            )
+        # the used nodes of one sub-layer get consecutive columns (up_pos counts used nodes in order)
+        c0 = int(self.up_pos[u0 + int(sel[0])])
+        self.diff[:, c0 : c0 + len(sel)] = value.float().transpose(0, 1).flatten(2)
 
     # -------------------------------------------------------------- hooks
     def install(self, stack: ExitStack) -> None:
@@ -407,7 +438,7 @@ class _Runner:
             self.normed[la] = None
             if la == 0:
                 self.inp = x.detach() if self.record else None
-                if self.patch is not None:
+                if self._used(0, 1) is not None:
                     corr = cast(Acts, self.corr)
                     self._set_diff(0, (corr.input.to(x.device) - x)[None])
             return None
@@ -507,11 +538,14 @@ class _Runner:
             z = args[0].reshape(*args[0].shape[:-1], H, d)
             if self.record:
                 self.z[la] = z.detach()
-            if self.patch is not None:
+            u0 = self.g.head_node(la, 0)
+            sel = self._used(u0, H)
+            if sel is not None:  # only the heads some row patches
                 zc = cast(Acts, self.corr).z[la].to(z.device)
                 w = self.w_o[la]
-                diff = torch.einsum("rthd,hdD->hrtD", (zc - z).to(w.dtype), w)
-                self._set_diff(self.g.head_node(la, 0), diff)
+                hs = sel.to(z.device)
+                diff = torch.einsum("rthd,hdD->hrtD", (zc[..., hs, :] - z[..., hs, :]).to(w.dtype), w[hs])
+                self._set_diff(u0, diff, sel)
             return None
 
         return hook
@@ -523,7 +557,7 @@ class _Runner:
             o = _first(out)
             if self.record:
                 self.mlp[la] = o.detach()
-            if self.patch is not None:
+            if self._used(self.g.mlp_node(la), 1) is not None:
                 mc = cast(Acts, self.corr).mlp[la].to(o.device)
                 self._set_diff(self.g.mlp_node(la), (mc - o)[None])
             return None
