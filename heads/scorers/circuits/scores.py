@@ -34,7 +34,14 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, run_graph
+from heads.scorers.circuits.graph import (
+    Acts,
+    Graph,
+    embed_output,
+    first_patched_layer,
+    graph_of,
+    run_graph,
+)
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -298,7 +305,9 @@ def patched_metrics(
             recorded here), as `(values, clean, corrupted)`.
 
     Rows are (patch k, pair n), `batch_rows` per forward; the clean and corrupted runs of a
-    chunk of pairs are recorded once and reused by every block of patches. Given as a tensor,
+    chunk of pairs are recorded once and reused by every block of patches. A forward whose
+    patches touch no input below layer l skips layers 0 .. l-1 (their outputs are the clean
+    run's: `run_graph(skip=)`), so exact patching of edges into late layers costs less. Given as a tensor,
     identical patches are run once and an empty patch (nothing corrupted: the model's own
     forward) takes the clean run's M without a forward.
     """
@@ -330,7 +339,7 @@ def patched_metrics(
         done, want = 0, len(pchunks) * (2 + -(-K // per))
         for pidx in pchunks:
             sub = pairs.select(pidx)
-            clean_logits, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
+            clean_logits, clean_acts = _record(model, graph, sub.clean_ids, sub.attention_mask)
             corr_logits, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
             i = torch.arange(sub.n)
             lo, hi = int(pidx[0]), int(pidx[-1]) + 1
@@ -343,7 +352,11 @@ def patched_metrics(
             for k0 in range(0, K, per):
                 ks = torch.arange(k0, min(K, k0 + per))
                 rows_pair = torch.arange(n).repeat(len(ks))
-                patch = make(ks).to(model.device).repeat_interleave(n, dim=0)
+                block = make(ks)
+                l0 = first_patched_layer(graph, block)  # below it the rows are the clean run
+                patch = block.to(model.device).repeat_interleave(n, dim=0)
+                rows_dev = rows_pair.to(corr.input.device)
+                skip = (l0, clean_acts.rows(rows_dev)) if l0 > 0 else None
                 with torch.no_grad():
                     logits, _ = run_graph(
                         model,
@@ -351,7 +364,8 @@ def patched_metrics(
                         sub.clean_ids[rows_pair],
                         sub.attention_mask[rows_pair],
                         patch=patch,
-                        corr=corr.rows(rows_pair.to(corr.input.device)),
+                        corr=corr.rows(rows_dev),
+                        skip=skip,
                     )
                 vals = _metric(metric, logits, sub, rows_pair, clean_logits[rows_pair])
                 out[k0 : k0 + len(ks), lo:hi] = vals.reshape(len(ks), n).cpu()
