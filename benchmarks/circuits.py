@@ -3,13 +3,15 @@
 1. EAP-IG (m = `--steps`, default 5) and EAP over every edge of SmolLM2-135M's graph
    (input, 270 heads with q / k / v inputs per KV head, 30 MLPs, logits: 70,651 edges) on the
    first `--pairs` IOI test pairs (ABC corruption), timed.
-2. Exact edge patching of a *candidate set* of edges: the union of the top `--k` edges of
-   EAP-IG and the top `--k` of EAP (each edge x pair one forward row, `--batch-rows` rows per
-   forward, edges grouped by downstream input), timed: a random `--sample` of it first, the
-   rest after the curves (so a partial run already has the speed-up). Exact patching of the
-   whole graph is not run: its cost is extrapolated as seconds per timed edge x all edges
+2. Exact edge patching, timed on a uniform random `--sample` of *all* edges first (so a partial
+   run already has the speed-up; uniform because a forward skips the layers below its first
+   patched input, so an edge's cost depends on its target's layer). Exact patching of the
+   whole graph is not run: its cost is extrapolated as seconds per sampled edge x all edges
    (`exact_edges_timed` says how many were timed), and `speedup_vs_exact` = that / the EAP-IG
-   time (same pairs, same run).
+   time (same pairs, same run). After the curves, a *candidate set* is scored exactly: the
+   union of the top `--k` edges of EAP-IG and the top `--k` of EAP (each edge x pair one
+   forward row, `--batch-rows` rows per forward, edges grouped by downstream input), timed
+   apart (`exact_candidates_s_per_edge`).
 3. `spearman_top200`: Spearman of EAP-IG vs exact scores on EAP-IG's top `--k` edges;
    `top20_recall`: the share of the exact top 20 *of the candidate set* (by |score|) that are
    in EAP-IG's top 100 (an edge outside both top-k lists is never scored exactly).
