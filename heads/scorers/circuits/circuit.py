@@ -41,7 +41,6 @@ from heads.scorers.circuits.scores import (
     check_steps,
     edge_scores,
     patched_metrics,
-    run_metrics,
 )
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch
@@ -516,11 +515,18 @@ def evaluate(
         )
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
-    clean, corr = run_metrics(model, pairs, met)
     patches = graph.valid[None] & ~masks
-    vals = patched_metrics(
-        model, pairs, patches, metric=met, batch_rows=batch_rows, progress=progress, desc="faithfulness"
+    got: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = patched_metrics(
+        model,
+        pairs,
+        patches,
+        metric=met,
+        batch_rows=batch_rows,
+        progress=progress,
+        desc="faithfulness",
+        return_runs=True,
     )
+    vals, clean, corr = got
     gap = clean.mean() - corr.mean()
     if abs(float(gap)) < 1e-8:
         raise HeadsteerValueError(

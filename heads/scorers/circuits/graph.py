@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -45,6 +45,10 @@ from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel, _module, _unwrap
 
 __all__ = ["Acts", "Graph", "check_family", "graph_of", "run_graph"]
+
+_SKIP_LAYERS = True
+"""Let `run_graph(skip=)` replace the decoder layers below the first patched input by the clean
+run's recorded outputs (tests switch it off to check the full forward gives the same numbers)."""
 
 _FAST_LINEAR = True
 """Project per-head copies through a plain `nn.Linear` by slicing its weight (tests switch it
@@ -263,14 +267,27 @@ class Acts:
         z: per layer `[R, T, H, d]` head outputs (the `o_proj` input); head h writes
             `z[..., h, :] @ W_O[l, h]` to the residual.
         mlp: per layer `[R, T, D]` MLP outputs.
+        resid: per layer `[R, T, D]` the decoder layer's output (the residual after it), or
+            None where the layer did not return one tensor (then no layer is skipped, see
+            `run_graph(skip=)`); empty when not recorded.
     """
 
     input: torch.Tensor
     z: list[torch.Tensor]
     mlp: list[torch.Tensor]
+    resid: list[torch.Tensor | None] = field(default_factory=list)
 
     def rows(self, index: torch.Tensor) -> Acts:
-        return Acts(self.input[index], [z[index] for z in self.z], [m[index] for m in self.mlp])
+        return Acts(
+            self.input[index],
+            [z[index] for z in self.z],
+            [m[index] for m in self.mlp],
+            [None if r is None else r[index] for r in self.resid],
+        )
+
+    def can_skip(self, n_layers: int) -> bool:
+        """Whether every layer's output was recorded as one tensor (layers can be skipped)."""
+        return len(self.resid) == n_layers and all(r is not None for r in self.resid)
 
     def upstream(self, w_o: list[torch.Tensor]) -> torch.Tensor:
         """`[U, R, T, D]` every upstream node's output (`w_o`: per layer `[H, d, D]`)."""
@@ -294,6 +311,9 @@ class _Runner:
         record: keep this run's `Acts` (detached).
         embed: `(e_corr [R, T, D], alpha)`: the embedding output becomes
             `e_corr + alpha (e - e_corr)` (EAP-IG over the inputs).
+        skip: `(l0, clean)`: layers 0 .. l0-1 are not run; each returns the clean run's recorded
+            output (`clean.resid`, R rows), and the diffs of their upstream nodes are taken from
+            `clean` (the run equals the clean run below the first patched input).
     """
 
     def __init__(
@@ -306,8 +326,10 @@ class _Runner:
         grad: bool = False,
         record: bool = False,
         embed: tuple[torch.Tensor, float] | None = None,
+        skip: tuple[int, Acts] | None = None,
     ):
         self.m, self.g = model, graph
+        self.skip = skip
         self.patch, self.corr, self.grad, self.record, self.embed = patch, corr, grad, record, embed
         L, H, G, d = graph.n_layers, graph.n_heads, graph.n_kv_heads, model.d_head
         self.H, self.G, self.d = H, G, d
@@ -317,11 +339,21 @@ class _Runner:
         self.normed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
         self.z: list[Any] = [None] * L
         self.mlp: list[Any] = [None] * L
+        self.resid: list[torch.Tensor | None] = [None] * L
         self.inp: torch.Tensor | None = None
         self.deltas: dict[str, torch.Tensor] = {}  # grad mode: the injected zero deltas
-        self.diff: torch.Tensor | None = None  # [R, U, T*D] a_u(x~) - a_u(run), filled as computed
+        # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes patched in some row only (u of
+        # them, in upstream order), filled as computed
+        self.diff: torch.Tensor | None = None
         self.busy = False
         self.n_before = graph.n_before()
+        if patch is not None:
+            # the union of the rows' patches, once: which downstream inputs are active and which
+            # upstream nodes are used, without scanning the [R, U, Dn] patch again per sub-layer
+            self.union = patch.any(dim=0).cpu()  # [U, Dn]
+            used = self.union.any(dim=1)  # [U]
+            self.n_used = int(used.sum())
+            self.up_pos = torch.where(used, torch.cumsum(used.long(), 0) - 1, -1)  # [U] -> diff column
 
     # -------------------------------------------------------------- deltas
     def _delta(self, lo: int, hi: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -336,29 +368,51 @@ class _Runner:
         if self.patch is None:
             return None
         n = int(self.n_before[lo])
-        p = self.patch[:, :n, lo:hi]
-        if not bool(p.any()):
+        pu = self.union[:n, lo:hi]
+        if not bool(pu.any()):
             return None
-        used = torch.nonzero(p.any(dim=2).any(dim=0))[:, 0]
-        active = torch.nonzero(p.any(dim=1).any(dim=0))[:, 0]
+        used = torch.nonzero(pu.any(dim=1))[:, 0]
+        active = torch.nonzero(pu.any(dim=0))[:, 0]
         full = cast(torch.Tensor, self.diff)
+        cols = self.up_pos[used]
+        p = self.patch[:, :n, lo:hi]
         if len(used) == n:  # every upstream node: a view, no copy
             diff = full[:, :n]
         else:
-            diff = full[:, used.to(full.device)]
-            p = p[:, used]
-        p = p[:, :, active].to(full.device, full.dtype)  # [R, u, a]
+            if int(cols[-1]) == len(cols) - 1:  # the first len(used) columns: a view
+                diff = full[:, : len(cols)]
+            else:
+                diff = full[:, cols.to(full.device)]
+            p = p[:, used.to(p.device)]
+        p = p[:, :, active.to(p.device)].to(full.device, full.dtype)  # [R, u, a]
         delta = torch.bmm(p.transpose(1, 2), diff)  # [R, a, T*D]
         return delta.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype), active
 
-    def _set_diff(self, u0: int, value: torch.Tensor) -> None:
+    def _used(self, u0: int, k: int) -> torch.Tensor | None:
+        """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row patches (None: none)."""
+        if self.patch is None:
+            return None
+        sel = torch.nonzero(self.up_pos[u0 : u0 + k] >= 0)[:, 0]
+        return sel if len(sel) else None
+
+    def _set_diff(self, u0: int, value: torch.Tensor, sel: torch.Tensor | None = None) -> None:
+        """Store `value [j, R, T, D]`, the diffs of upstream nodes `u0 + sel` (default: u0 ..
+        u0+j-1, of which only the used ones are kept)."""
         if self.patch is None:
             return
+        if sel is None:
+            sel = self._used(u0, value.shape[0])
+            if sel is None:
+                return
+            value = value[sel.to(value.device)] if len(sel) < value.shape[0] else value
         if self.diff is None:
-            U = self.g.n_upstream
             R = value.shape[1]
-            self.diff = torch.zeros(R, U, value[0, 0].numel(), dtype=torch.float32, device=value.device)
-        self.diff[:, u0 : u0 + value.shape[0]] = value.float().transpose(0, 1).flatten(2)
+            self.diff = torch.zeros(
+                R, self.n_used, value[0, 0].numel(), dtype=torch.float32, device=value.device
+            )
+        # the used nodes of one sub-layer get consecutive columns (up_pos counts used nodes in order)
+        c0 = int(self.up_pos[u0 + int(sel[0])])
+        self.diff[:, c0 : c0 + len(sel)] = value.float().transpose(0, 1).flatten(2)
 
     # -------------------------------------------------------------- hooks
     def install(self, stack: ExitStack) -> None:
@@ -372,8 +426,14 @@ class _Runner:
                 return e_corr.to(out.dtype) + alpha * (out - e_corr.to(out.dtype))
 
             stack.callback(emb.register_forward_hook(eh).remove)
+        n_skip = 0 if self.skip is None else self.skip[0]
         for la in range(g.n_layers):
             block = m.layers[la]
+            if self.record:
+                stack.callback(block.register_forward_hook(self._block_hook(la)).remove)
+            if la < n_skip:
+                self._replace_forward(stack, block, la)
+                continue
             norm1 = cast(nn.Module, _attn_norm(block))
             attn = m.attentions[la]
             stack.callback(norm1.register_forward_pre_hook(self._norm1_pre(la)).remove)
@@ -391,6 +451,50 @@ class _Runner:
         fn = m.final_norm
         stack.callback(fn.register_forward_hook(self._resid_hook(g.logits_input, fn)).remove)
 
+    def _block_hook(self, la: int) -> Callable[..., Any]:
+        def hook(mod, args, out):
+            self.resid[la] = out.detach() if isinstance(out, torch.Tensor) else None
+            return None
+
+        return hook
+
+    def _replace_forward(self, stack: ExitStack, block: nn.Module, la: int) -> None:
+        """Layer la returns the clean run's output without computing (`skip`); the diffs of its
+        upstream nodes come from the clean run's activations."""
+        l0, clean = cast(tuple[int, Acts], self.skip)
+        out = cast(torch.Tensor, clean.resid[la])
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if la == 0:
+                self._input_diff(clean.input.to(out.device))
+            self._head_diff(la, clean.z[la].to(out.device))
+            self._mlp_diff(la, clean.mlp[la].to(out.device))
+            return out
+
+        block.forward = forward
+        stack.callback(block.__dict__.pop, "forward", None)
+
+    def _input_diff(self, x: torch.Tensor) -> None:
+        if self._used(0, 1) is not None:
+            corr = cast(Acts, self.corr)
+            self._set_diff(0, (corr.input.to(x.device) - x)[None])
+
+    def _head_diff(self, la: int, z: torch.Tensor) -> None:
+        """Store the diffs of layer la's patched heads (`z [R, T, H, d]`: this run's head outputs)."""
+        u0 = self.g.head_node(la, 0)
+        sel = self._used(u0, self.H)
+        if sel is not None:  # only the heads some row patches
+            zc = cast(Acts, self.corr).z[la].to(z.device)
+            w = self.w_o[la]
+            hs = sel.to(z.device)
+            diff = torch.einsum("rthd,hdD->hrtD", (zc[..., hs, :] - z[..., hs, :]).to(w.dtype), w[hs])
+            self._set_diff(u0, diff, sel)
+
+    def _mlp_diff(self, la: int, o: torch.Tensor) -> None:
+        if self._used(self.g.mlp_node(la), 1) is not None:
+            mc = cast(Acts, self.corr).mlp[la].to(o.device)
+            self._set_diff(self.g.mlp_node(la), (mc - o)[None])
+
     def _call(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         self.busy = True
         try:
@@ -407,9 +511,7 @@ class _Runner:
             self.normed[la] = None
             if la == 0:
                 self.inp = x.detach() if self.record else None
-                if self.patch is not None:
-                    corr = cast(Acts, self.corr)
-                    self._set_diff(0, (corr.input.to(x.device) - x)[None])
+                self._input_diff(x)
             return None
 
         return hook
@@ -507,11 +609,7 @@ class _Runner:
             z = args[0].reshape(*args[0].shape[:-1], H, d)
             if self.record:
                 self.z[la] = z.detach()
-            if self.patch is not None:
-                zc = cast(Acts, self.corr).z[la].to(z.device)
-                w = self.w_o[la]
-                diff = torch.einsum("rthd,hdD->hrtD", (zc - z).to(w.dtype), w)
-                self._set_diff(self.g.head_node(la, 0), diff)
+            self._head_diff(la, z)
             return None
 
         return hook
@@ -523,9 +621,7 @@ class _Runner:
             o = _first(out)
             if self.record:
                 self.mlp[la] = o.detach()
-            if self.patch is not None:
-                mc = cast(Acts, self.corr).mlp[la].to(o.device)
-                self._set_diff(self.g.mlp_node(la), (mc - o)[None])
+            self._mlp_diff(la, o)
             return None
 
         return hook
@@ -544,7 +640,7 @@ class _Runner:
         return hook
 
     def acts(self) -> Acts:
-        return Acts(cast(torch.Tensor, self.inp), list(self.z), list(self.mlp))
+        return Acts(cast(torch.Tensor, self.inp), list(self.z), list(self.mlp), list(self.resid))
 
     def grads(self, ordered: list[torch.Tensor]) -> torch.Tensor:
         """`[Dn, R, T, D]` the gradients of the deltas, in downstream order."""
@@ -569,6 +665,7 @@ def run_graph(
     grad: bool = False,
     record: bool = False,
     embed: tuple[torch.Tensor, float] | None = None,
+    skip: tuple[int, Acts] | None = None,
 ) -> tuple[torch.Tensor, _Runner]:
     """One decomposed forward of `ids [R, T]` (`mask [R, T]`, left-padded).
 
@@ -579,13 +676,33 @@ def run_graph(
             then holds them (keys `"lo:hi"` in downstream order).
         record: keep the run's `Acts` (`runner.acts()`).
         embed: EAP-IG: `(e_corr [R, T, D], alpha)` interpolates the embedding output.
+        skip: `(l0, clean)` with `clean` the clean run's recorded `Acts` for the R rows: when no
+            row patches an input below layer l0, layers 0 .. l0-1 are not computed (each returns
+            `clean.resid`); the logits are those of the full forward (up to float rounding).
+            Ignored unless `patch` is given, nothing is recorded or differentiated, every layer
+            output was recorded as one tensor and the layers have no instance `forward`
+            (accelerate hooks); raises ValueError when a row patches an input below l0.
 
     Returns:
         `(logits [R, V] fp32 at the last position, runner)`.
     """
     if patch is not None and corr is None:
         raise HeadsteerValueError("patching edges needs the corrupted run's activations (corr=)")
-    runner = _Runner(model, graph, patch=patch, corr=corr, grad=grad, record=record, embed=embed)
+    if skip is not None:
+        l0, clean = skip
+        if (
+            not _SKIP_LAYERS
+            or patch is None
+            or grad
+            or record
+            or l0 <= 0
+            or not clean.can_skip(graph.n_layers)
+            or any("forward" in vars(model.layers[la]) for la in range(min(l0, graph.n_layers)))
+        ):
+            skip = None
+        elif first_patched_layer(graph, patch) < l0:
+            raise HeadsteerValueError(f"skip={l0} layers, but a row patches an input below layer {l0}")
+    runner = _Runner(model, graph, patch=patch, corr=corr, grad=grad, record=record, embed=embed, skip=skip)
     dev = model.device
     with _hooks(runner):
         out = model.run(
@@ -603,3 +720,9 @@ def embed_output(model: HeadModel, ids: torch.Tensor) -> torch.Tensor:
     emb = _unwrap(model.model.get_input_embeddings())
     with torch.no_grad():
         return cast(torch.Tensor, emb(ids.to(model.device)))
+
+
+def first_patched_layer(graph: Graph, patch: torch.Tensor) -> int:
+    """The lowest layer with a patched input in `patch [R, U, Dn]` (L: only the logits or nothing)."""
+    down = torch.nonzero(patch.any(dim=0).any(dim=0))
+    return graph.n_layers if len(down) == 0 else int(down[0, 0]) // graph.per_layer

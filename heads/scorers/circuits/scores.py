@@ -34,7 +34,14 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.scorers.circuits.graph import Acts, Graph, embed_output, graph_of, run_graph
+from heads.scorers.circuits.graph import (
+    Acts,
+    Graph,
+    embed_output,
+    first_patched_layer,
+    graph_of,
+    run_graph,
+)
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -287,28 +294,44 @@ def patched_metrics(
     batch_rows: int = 64,
     progress: ProgressArg = None,
     desc: str = "patching",
-) -> torch.Tensor:
+    return_runs: bool = False,
+) -> Any:
     """`[K, N]` M of every pair with edge set k corrupted.
 
     Args:
         patches: `[K, U, Dn]` bool, or a function `ks [k] long -> [k, U, Dn] bool` building
             the patches of a block on demand (then `n_patches` = K).
+        return_runs: also return `[N] M(x)` and `[N] M(x~)` of the unpatched runs (the ones
+            recorded here), as `(values, clean, corrupted)`.
 
     Rows are (patch k, pair n), `batch_rows` per forward; the clean and corrupted runs of a
-    chunk of pairs are recorded once and reused by every block of patches.
+    chunk of pairs are recorded once and reused by every block of patches. A forward whose
+    patches touch no input below layer l skips layers 0 .. l-1 (their outputs are the clean
+    run's: `run_graph(skip=)`), so exact patching of edges into late layers costs less. Given as a tensor,
+    identical patches are run once and an empty patch (nothing corrupted: the model's own
+    forward) takes the clean run's M without a forward.
     """
     graph = graph_of(model)
+    empty: torch.Tensor | None = None  # [K] bool: the patch corrupts nothing
+    back: torch.Tensor | None = None  # [K] long: the distinct patch each one is
     if callable(patches):
         make = patches
         K = int(n_patches or 0)
     else:
-        dense = patches
+        shape = tuple(patches.shape[1:])
+        flat = torch.as_tensor(patches).bool().reshape(patches.shape[0], -1)
+        empty = ~flat.any(dim=1)
+        uniq, back = torch.unique(flat, dim=0, return_inverse=True)
+        keep = uniq.any(dim=1)  # distinct non-empty patches
+        dense: torch.Tensor = uniq[keep].reshape(-1, *shape)
+        back = (torch.cumsum(keep.long(), 0) - 1)[back]  # -> row of dense (-1: empty)
         K = dense.shape[0]
 
         def make(ks: torch.Tensor) -> torch.Tensor:
             return dense[ks]
 
     out = torch.empty(K, pairs.n)
+    clean_m, corr_m = torch.empty(pairs.n), torch.empty(pairs.n)
     n_pc = max(1, min(pairs.n, batch_rows))
     per = max(1, batch_rows // n_pc)
     pchunks = _chunks(pairs.n, n_pc)
@@ -316,8 +339,12 @@ def patched_metrics(
         done, want = 0, len(pchunks) * (2 + -(-K // per))
         for pidx in pchunks:
             sub = pairs.select(pidx)
-            clean_logits, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
-            _, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
+            clean_logits, clean_acts = _record(model, graph, sub.clean_ids, sub.attention_mask)
+            corr_logits, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
+            i = torch.arange(sub.n)
+            lo, hi = int(pidx[0]), int(pidx[-1]) + 1
+            clean_m[lo:hi] = _metric(metric, clean_logits, sub, i, clean_logits).cpu()
+            corr_m[lo:hi] = _metric(metric, corr_logits, sub, i, clean_logits).cpu()
             done += 2
             if report:
                 report(done, want)
@@ -325,7 +352,11 @@ def patched_metrics(
             for k0 in range(0, K, per):
                 ks = torch.arange(k0, min(K, k0 + per))
                 rows_pair = torch.arange(n).repeat(len(ks))
-                patch = make(ks).to(model.device).repeat_interleave(n, dim=0)
+                block = make(ks)
+                l0 = first_patched_layer(graph, block)  # below it the rows are the clean run
+                patch = block.to(model.device).repeat_interleave(n, dim=0)
+                rows_dev = rows_pair.to(corr.input.device)
+                skip = (l0, clean_acts.rows(rows_dev)) if l0 > 0 else None
                 with torch.no_grad():
                     logits, _ = run_graph(
                         model,
@@ -333,14 +364,21 @@ def patched_metrics(
                         sub.clean_ids[rows_pair],
                         sub.attention_mask[rows_pair],
                         patch=patch,
-                        corr=corr.rows(rows_pair.to(corr.input.device)),
+                        corr=corr.rows(rows_dev),
+                        skip=skip,
                     )
                 vals = _metric(metric, logits, sub, rows_pair, clean_logits[rows_pair])
-                out[k0 : k0 + len(ks), int(pidx[0]) : int(pidx[-1]) + 1] = vals.reshape(len(ks), n).cpu()
+                out[k0 : k0 + len(ks), lo:hi] = vals.reshape(len(ks), n).cpu()
                 done += 1
                 if report:
                     report(done, want)
-    return out
+    if back is not None:
+        assert empty is not None
+        full = torch.empty(len(back), pairs.n)
+        full[~empty] = out[back[~empty]]
+        full[empty] = clean_m
+        out = full
+    return (out, clean_m, corr_m) if return_runs else out
 
 
 def exact_scores(
@@ -380,7 +418,6 @@ def exact_scores(
         raise HeadsteerValueError("edges must be (upstream, downstream) pairs of the graph (see Graph.valid)")
     check_int("batch_rows", batch_rows, lo=1)
     E = len(edges)
-    clean, _ = run_metrics(model, pairs, met)
     U, Dn = graph.n_upstream, graph.n_downstream
 
     def make(ks: torch.Tensor) -> torch.Tensor:
@@ -388,8 +425,16 @@ def exact_scores(
         p[torch.arange(len(ks)), edges[ks, 0], edges[ks, 1]] = True
         return p
 
-    vals = patched_metrics(
-        model, pairs, make, E, metric=met, batch_rows=batch_rows, progress=progress, desc="exact"
+    vals, clean, _ = patched_metrics(
+        model,
+        pairs,
+        make,
+        E,
+        metric=met,
+        batch_rows=batch_rows,
+        progress=progress,
+        desc="exact",
+        return_runs=True,
     )
     scores = torch.full((U, Dn), float("nan"))
     scores[edges[:, 0], edges[:, 1]] = (vals - clean[None]).mean(-1)

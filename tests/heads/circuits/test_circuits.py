@@ -224,6 +224,49 @@ def test_sliced_projection_equals_the_module_path(kind, monkeypatch):
     assert got[0][1].abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_skipped_layers_give_the_full_forward(kind, monkeypatch):
+    """Exact patching of every edge with the layers below each batch's first patched input
+    skipped (their clean outputs reused) gives the scores of running every layer, and the
+    skip happens: layer 0's attention norm runs fewer times."""
+    import heads.scorers.circuits.graph as graph_mod
+    from heads.scorers.circuits.graph import ATTN_NORMS, first_patched_layer
+
+    m = tiny_family_model(kind)
+    p = _pairs(2)
+    g = graph_of(m)
+    assert g.n_layers >= 2
+    block0 = m.layers[0]
+    norm0 = next(getattr(block0, n) for n in ATTN_NORMS if hasattr(block0, n))
+    calls = [0]
+    handle = norm0.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
+    got, n_calls = [], []
+    try:
+        for skip in (True, False):
+            monkeypatch.setattr(graph_mod, "_SKIP_LAYERS", skip)
+            calls[0] = 0
+            ex = exact_scores(m, p, batch_rows=8, progress=False)
+            got.append(ex.values())
+            n_calls.append(calls[0])
+    finally:
+        handle.remove()
+    assert not got[0].isnan().any()
+    assert torch.allclose(got[0], got[1], atol=1e-6, rtol=1e-5), (got[0] - got[1]).abs().max()
+    assert got[0].abs().max() > 1e-6
+    assert n_calls[0] < n_calls[1]
+    # a patch below the skipped layers is refused, not silently mis-run
+    monkeypatch.setattr(graph_mod, "_SKIP_LAYERS", True)
+    patch = torch.zeros(1, g.n_upstream, g.n_downstream, dtype=torch.bool)
+    patch[0, 0, g.q_input(0, 0)] = True
+    assert first_patched_layer(g, patch) == 0
+    with torch.no_grad():
+        _, rc = run_graph(m, g, p.clean_ids[:1], p.attention_mask[:1], record=True)
+        with pytest.raises(HeadsteerValueError, match="below layer 1"):
+            run_graph(
+                m, g, p.clean_ids[:1], p.attention_mask[:1], patch=patch, corr=rc.acts(), skip=(1, rc.acts())
+            )
+
+
 # ------------------------------------------------------------------------------ circuits
 def test_pruning_drops_dangling_edges(qwen2):
     g = graph_of(qwen2)
