@@ -195,6 +195,26 @@ def test_head_gates_steer_equals_zero_ablation_when_binary(tiny):
         sm.generate(prompts, steer=HeadGates(torch.ones(2, 2) * 0.5), **kw)
 
 
+def test_head_gates_steer_equals_the_gated_forward_chg_trains(tiny):
+    """Soft gates through `SteeredModel.generate` give the first-token logits of the forward CHG
+    trains through (`gate_edits`, right-padded rows), so a gate's effect on a logit difference
+    measured in training is the effect of steering with it."""
+    g = _gates(tiny, seed=3)
+    t = gate_task(tiny, PROMPTS, TARGETS)
+    last = t.attention_mask.sum(-1) - 1 - t.loss_mask.sum(-1)  # the position before each target
+    with torch.no_grad(), editing(tiny, gate_edits(tiny, g)):
+        full = tiny.model(input_ids=t.input_ids, attention_mask=t.attention_mask).logits
+    want = full[torch.arange(len(PROMPTS)), last]
+    kw = dict(max_new_tokens=1, chat=False, markup=False, progress=False)
+    kw |= dict(return_dict_in_generate=True, output_logits=True)
+    out = SteeredModel(tiny).generate(PROMPTS, steer=HeadGates(g), **kw)  # type: ignore[arg-type]
+    got = out.outputs.logits[0]  # type: ignore[attr-defined]
+    plain = SteeredModel(tiny).generate(PROMPTS, **kw)  # type: ignore[arg-type]
+    base = plain.outputs.logits[0]  # type: ignore[attr-defined]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert float((got - base).abs().max()) > 1e-3  # the gates changed the logits
+
+
 @pytest.mark.real
 def test_real_model_gates_on_ioi(smol):
     from probes.datasets.pairs import load_task_pairs
