@@ -12,7 +12,14 @@ random id and the prompt):
   `"span"` (`heads.scorers.attention_mass.span_attention`, last query row), `"sinks"`
   (`heads.scorers.sinks.sink_stats(...).sink_mass`) or `"atlas"` (the head atlas,
   `heads.scorers.roles.atlas.head_atlas`: a role per head and every detector score; it does not
-  depend on the prompt and is computed once per server, or loaded with `--atlas`).
+  depend on the prompt and is computed once per server, or loaded with `--atlas`), `"dla"`
+  (each head's direct logit of the model's top next token at the last position,
+  `heads.scorers.patching.logit.head_logits`), `"ships"` (`heads.scorers.safety.ships.ships`
+  on the prompt, its defaults), `"maps"` (each head's best static MAPS relation score on the
+  shipped relations, `heads.scorers.maps.static.maps_scores(...).best_relation()`, once per
+  server) or `"probes"` (per-head probe accuracy on `PROBE_TASK`,
+  `probes.head_probes.fit_head_probes`, once per server). The `"dla"` / `"ships"` grids are
+  kept for the last `SCORE_CACHE_PROMPTS` prompts.
 - `POST /api/prepare {prompt, tab}` records every head's pattern on the prompt in one forward
   and keeps them for that tab (`viz.explorer.patterns.PatternCache`); the page sends it when the
   prompt stops changing, so a click finds the patterns ready.
@@ -22,7 +29,10 @@ random id and the prompt):
 - `POST /api/head {prompt, layer, head}` the head's card: top logit-lens tokens of its output
   at the last position (its direct logit attribution through the final norm,
   `heads.scorers.roles.lens.AttentionLens.init` untrained), its MAPS salient operations
-  (`heads.scorers.maps.static.salient_operations`) and its atlas row when the atlas is known.
+  (`heads.scorers.maps.static.salient_operations`), its value in each of the dla / ships / maps /
+  probes scores already computed (`scores`, read from the caches) and its atlas row when the
+  atlas is known. Lens tokens (per prompt and head) and MAPS operations (per head) are kept
+  (`CARD_CACHE` entries), so a second card for the same head computes nothing.
 - `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream; an
   `alpha` of 1, a no-op, or above 1, which de-emphasizes the span, is HTTP 400 with the warning
   text `headsteer generate --alpha` prints, `steer.noop.refusing_noop`)
@@ -73,6 +83,8 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS",
     "PATTERN_CACHE_BYTES",
+    "PROBE_LIMIT",
+    "PROBE_TASK",
     "SCORES",
     "Jobs",
     "create_explorer",
@@ -93,8 +105,16 @@ MAX_JOBS = 16
 """Most jobs (generations, score and patching sweeps) running or waiting at once."""
 PATTERN_CACHE_BYTES = 512 * 2**20
 """Default byte budget of the per-tab pattern cache (`viz.explorer.patterns.PatternCache`)."""
-SCORES = ("span", "sinks", "atlas")
+SCORES = ("span", "sinks", "atlas", "dla", "ships", "maps", "probes")
 """Score choices of the overview grid."""
+PROBE_TASK = "harmful"
+"""The shipped probe task (`probes.head_probes.probe_data`) of the `"probes"` score."""
+PROBE_LIMIT = 32
+"""Examples per class of `PROBE_TASK` the `"probes"` score fits on (its train split)."""
+SCORE_CACHE_PROMPTS = 16
+"""Prompts whose prompt-dependent grids (`"dla"`, `"ships"`) are kept, least recent out."""
+CARD_CACHE = 256
+"""Head cards (per prompt and head) kept, least recent out."""
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
@@ -164,6 +184,31 @@ def _shipped_heads(model_name: str) -> list[list[int]]:
 def _grid(t: Any) -> list[list[float | None]]:
     """A `[L, H]` tensor as nested lists, NaN / inf as None (JSON has no NaN)."""
     return [[None if not math.isfinite(v) else round(v, 5) for v in row] for row in t.float().tolist()]
+
+
+class _Lru:
+    """A small thread-safe least-recently-used map (at most `size` entries)."""
+
+    def __init__(self, size: int):
+        from collections import OrderedDict
+
+        self.size = size
+        self._d: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            if key not in self._d:
+                return None
+            self._d.move_to_end(key)
+            return self._d[key]
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._d[key] = value
+            self._d.move_to_end(key)
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
 
 
 class Cancelled(Exception):
@@ -256,7 +301,9 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     steered_model = SteeredModel(model)
     page = resources.files("viz.explorer").joinpath("page.html").read_text(encoding="utf-8")
     shipped = _shipped_heads(model.name)
-    cache: dict[str, Any] = {"atlas": atlas}
+    cache: dict[str, Any] = {"atlas": atlas, "maps": None, "probes": None}
+    prompt_scores = _Lru(SCORE_CACHE_PROMPTS * 2)  # (kind, prompt) -> result of "dla" / "ships"
+    cards = _Lru(CARD_CACHE)  # ("lens", prompt, layer, head) / ("maps", layer, head) -> card parts
     patterns = PatternCache(pattern_cache_bytes)
     app = FastAPI(title="headsteer explorer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jobs = jobs
@@ -419,20 +466,122 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         order = [*cache["atlas"].thresholds, "none"]
         return {"result": {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}}
 
+    def dla_result(prompt: str, emit, flag) -> dict:
+        """Each head's direct logit of the model's top next token at the last position:
+        `heads.scorers.patching.logit.head_logits` (frozen final-norm scale), answer part."""
+        from heads.engine.forward import forward
+        from heads.inputs.tokens import readable_token
+        from heads.scorers.patching.logit import head_logits
+        from heads.scorers.patching.pairs import PromptPair, encode_pairs
+
+        report = progress_of(emit, flag)
+        text = encode_prompts(model.tokenizer, prompt).texts[0]  # rendered as the card's lens reads it
+        report(0, 2)
+        emit({"status": "DLA: the model's top next token"})
+        enc = encode_prompts(model.tokenizer, text, chat=False, markup=False)
+        top, second = forward(model, enc, logits_to_keep=1).logits[0, -1].float().topk(2).indices.tolist()
+        report(1, 2)
+        emit({"status": "DLA: each head's direct logit of that token"})
+        pairs = encode_pairs(model, [PromptPair(text, text, int(top), int(second))])
+        answer, _ = head_logits(model, pairs)
+        report(2, 2)
+        return {"score": "dla", "scores": _grid(answer[0]), "token": readable_token(model.tokenizer, int(top))}
+
+    def ships_result(prompt: str, emit, flag) -> dict:
+        """Ships (`heads.scorers.safety.ships.ships`, its defaults) on the prompt's plain text."""
+        from heads.engine.options import SweepOptions
+        from heads.scorers.safety.ships import ships
+
+        text = encode_prompts(model.tokenizer, prompt, chat=False).texts[0]  # markup removed
+        emit({"status": "Ships: ablating each head alone"})
+        res = ships(model, text, options=SweepOptions(progress=progress_of(emit, flag)))
+        return {"score": "ships", "scores": _grid(res.scores.scores)}
+
+    def maps_result(relations, emit, flag) -> dict:
+        """The static MAPS scores on the shipped relations, computed once per server; the grid is
+        each head's best relation score (`MapsScores.best_relation`)."""
+        if cache["maps"] is None:
+            from heads.scorers.maps.static import maps_scores
+
+            emit({"status": "MAPS: relation scores of every head (per layer)"})
+            cache["maps"] = maps_scores(model, relations, progress=progress_of(emit, flag))
+        ms = cache["maps"]
+        best, which = ms.best_relation()
+        columns = {n: _grid(ms.relation[n].scores) for n in ms.names()}
+        return {"score": "maps", "scores": _grid(best.scores), "best_relation": which, "columns": columns}
+
+    def probes_result(emit, flag) -> dict:
+        """Per-head probe accuracy on the shipped `PROBE_TASK` set (`probes.head_probes`),
+        computed once per server: head outputs at the last token, then one probe per head."""
+        from heads._util.progress import offset_progress
+        from probes.head_probes import collect_head_outputs, fit_head_probes, probe_data
+
+        data = probe_data(PROBE_TASK, "train", limit=PROBE_LIMIT)
+        if cache["probes"] is None:
+            n, total = len(data.prompts), len(data.prompts) + model.n_layers * model.n_heads
+            report = progress_of(emit, flag)
+            emit({"status": f"probes: head outputs on {n} {PROBE_TASK} / harmless prompts"})
+            acts = collect_head_outputs(
+                model, data.prompts, "last", chat=data.chat, progress=offset_progress(report, 0, total)
+            )
+            emit({"status": "probes: one probe per head (5-fold held-out accuracy)"})
+            cache["probes"] = fit_head_probes(
+                acts,
+                data.labels,
+                groups=data.groups,
+                model=model,
+                progress=offset_progress(report, n, total),
+            )
+        res = cache["probes"]
+        return {
+            "score": "probes",
+            "scores": _grid(res.accuracy.scores),
+            "columns": {"auc": _grid(res.auc.scores)},
+            "task": PROBE_TASK,
+            "description": data.description,
+            "n": res.n,
+        }
+
     async def scores(body: dict):
         prompt = _text(body)
         kind = body.get("score", "span")
         if kind not in SCORES:
             raise HeadsteerValueError(f"score must be one of {SCORES}, got {kind!r}")
         job = Jobs.check_id(body.get("job"))
+        relations = None
         if kind == "span":
             enc = encode_prompts(model.tokenizer, prompt)
             if not enc.spans[0]:
                 raise HeadsteerValueError("span attention needs a span: mark it in the prompt with **...**")
+        elif kind == "dla":
+            from heads.scorers.patching.logit import check_dla_model
+
+            check_dla_model(model)  # a post-norm family or a final norm without eps: HTTP 400
+            encode_prompts(model.tokenizer, prompt)
+        elif kind == "maps" and cache["maps"] is None:
+            from probes.datasets.relations import load_relations
+
+            relations = load_relations(model.tokenizer, d_vocab=model.d_vocab).relations
+        elif kind == "probes" and cache["probes"] is None:
+            if not getattr(model.tokenizer, "chat_template", None):
+                raise HeadsteerValueError(
+                    f"the probes score needs a chat template (the {PROBE_TASK} requests are chats); "
+                    "this tokenizer has none"
+                )
 
         def work(emit, flag) -> dict:
             if kind == "atlas":
                 return atlas_result(emit, flag)
+            if kind in ("dla", "ships"):
+                got = prompt_scores.get((kind, prompt))
+                if got is None:
+                    got = (dla_result if kind == "dla" else ships_result)(prompt, emit, flag)
+                    prompt_scores.put((kind, prompt), got)
+                return {"result": got}
+            if kind == "maps":
+                return {"result": maps_result(relations, emit, flag)}
+            if kind == "probes":
+                return {"result": probes_result(emit, flag)}
             if kind == "span":
                 s = span_attention(model, prompt).scores
             else:
@@ -494,26 +643,55 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         }
         return JSONResponse(body)  # plain json.dumps: FastAPI's per-value encoder is slow on [T, T]
 
+    def head_scores(prompt: str, layer: int, head: int) -> dict[str, float | None]:
+        """The head's value in every new score already computed (for this prompt where it
+        depends on the prompt), read from the caches: nothing is computed here."""
+        got: dict[str, float | None] = {}
+        for kind in ("dla", "ships"):
+            res = prompt_scores.get((kind, prompt))
+            if res is not None:
+                got[kind] = res["scores"][layer][head]
+        if cache["maps"] is not None:
+            got["maps"] = _grid(cache["maps"].best_relation()[0].scores)[layer][head]
+        if cache["probes"] is not None:
+            got["probes"] = _grid(cache["probes"].accuracy.scores)[layer][head]
+        return got
+
     def head_card(body: dict):
         prompt, layer, head = check_head(body)
         from heads.scorers.maps.static import salient_operations
         from heads.scorers.roles.lens import AttentionLens
 
         text = encode_prompts(model.tokenizer, prompt).texts[0]
-        with lock:
-            lens = AttentionLens.init(model, [(layer, head)])
-            top = lens.top_tokens(model, text, layer, head, k=5)
-            ops = salient_operations(model, layer, head, k_s=5, k_m=3)
+        lens_key, maps_key = ("lens", text, layer, head), ("maps", layer, head)
+        lens_part, maps_part = cards.get(lens_key), cards.get(maps_key)
+        if lens_part is None or maps_part is None:
+            with lock:
+                if lens_part is None:
+                    lens = AttentionLens.init(model, [(layer, head)])
+                    top = lens.top_tokens(model, text, layer, head, k=5)
+                    lens_part = {
+                        "lens_tokens": list(top["untrained_tokens"].iloc[-1]),
+                        "model_tokens": list(top["model_tokens"].iloc[-1]),
+                    }
+                    cards.put(lens_key, lens_part)
+                if maps_part is None:
+                    ops = salient_operations(model, layer, head, k_s=5, k_m=3)
+                    maps_part = [
+                        {"source": str(s), "targets": [str(t) for t in ts]}
+                        for s, ts in zip(ops["source"], ops["targets"], strict=True)
+                    ]
+                    cards.put(maps_key, maps_part)
         out: dict[str, Any] = {
             "layer": layer,
             "head": head,
-            "lens_tokens": list(top["untrained_tokens"].iloc[-1]),
-            "model_tokens": list(top["model_tokens"].iloc[-1]),
-            "maps": [
-                {"source": str(s), "targets": [str(t) for t in ts]}
-                for s, ts in zip(ops["source"], ops["targets"], strict=True)
-            ],
+            "lens_tokens": list(lens_part["lens_tokens"]),
+            "model_tokens": list(lens_part["model_tokens"]),
+            "maps": [dict(m) for m in maps_part],
+            "scores": head_scores(prompt, layer, head),
         }
+        if cache["maps"] is not None:
+            out["maps_describe"] = cache["maps"].describe(layer, head)
         if cache["atlas"] is not None:
             f = cache["atlas"].frame
             row = f[(f["layer"] == layer) & (f["head"] == head)].iloc[0]

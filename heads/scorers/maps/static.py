@@ -201,6 +201,32 @@ class MapsScores:
         header = ("relation", "top heads (relation score)", f"heads >= {IMPLEMENTS_THRESHOLD}")
         return html_view(f"MapsScores: {len(rows)} relations", rows, header)
 
+    def best_relation(self) -> tuple[HeadScores, list[list[str]]]:
+        """Each head's strongest relation: its highest relation score over the relations
+        (`HeadScores` `[L, H]`, method `"maps_best_relation"`; NaN scores count as -1) and that
+        relation's name per head (`[L][H]`, ties to the first relation in `names()` order).
+
+        This is the atlas' `best_relation_score` / `best_relation` columns.
+
+        Raises:
+            ValueError: no relation.
+        """
+        names = self.names()
+        if not names:
+            raise HeadsteerValueError("MapsScores holds no relation")
+        first = self.relation[names[0]]
+        stack = torch.stack([self.relation[n].scores for n in names])  # [R, L, H]
+        best = stack.nan_to_num(-1.0).max(0)
+        which = [[names[i] for i in row] for row in best.indices.tolist()]
+        scores = HeadScores(
+            best.values,
+            "maps_best_relation",
+            {**self.params, "relations": names},
+            model=first.model,
+            n_kv_heads=first.n_kv_heads,
+        )
+        return scores, which
+
     def to_frame(self):
         """Tidy table: `relation, layer, head, kv_head, relation_score, suppression_score`."""
         import pandas as pd

@@ -49,6 +49,7 @@ from heads.scorers.patching.pairs import PairBatch, check_vocab
 __all__ = [
     "DLAResult",
     "LensResult",
+    "check_dla_model",
     "direct_logit_attribution",
     "head_logits",
     "logit_inspection",
@@ -64,6 +65,18 @@ def _check_family(model: HeadModel) -> None:
             f"model_type {fam.model_type!r} normalises its sub-layer outputs before they join the "
             "residual stream; direct logit attribution is not linear in the head outputs there"
         )
+
+
+def check_dla_model(model: HeadModel) -> None:
+    """Refuse, before any forward, a model that `direct_logit_attribution`, `head_logits` and
+    `logit_inspection` cannot decompose: a `post_norm` family (sub-layer outputs normalised
+    before they join the residual) or a final norm without an `eps` to freeze its scale.
+
+    Raises:
+        ValueError: either case, one line naming it.
+    """
+    _check_family(model)
+    _norm_parts(model)
 
 
 def _which(pairs: PairBatch, which: str) -> torch.Tensor:

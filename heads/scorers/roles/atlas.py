@@ -470,11 +470,9 @@ def head_atlas(
     for name, s in cols.items():
         frame[name] = s.scores.flatten().numpy()
     if maps is not None:
-        names = maps.names()
-        stack = torch.stack([maps.relation[n].scores for n in names])  # [R, L, H]
-        best = stack.nan_to_num(-1.0).max(0)
-        frame["best_relation"] = [names[i] for i in best.indices.flatten().tolist()]
-        frame["best_relation_score"] = best.values.flatten().numpy()
+        best, which = maps.best_relation()
+        frame["best_relation"] = [n for row in which for n in row]
+        frame["best_relation_score"] = best.scores.flatten().numpy()
     frame["role"] = role_labels(frame, t)
     sources = {n: {"method": s.method, "params": s.params} for n, s in cols.items()}
     tokens: dict[tuple[int, int], list[str]] = {}
