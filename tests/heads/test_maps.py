@@ -66,6 +66,28 @@ def test_chunked_scores_equal_dense_product(tokenizer):
     assert ms.relation["r0"].scores.shape == (3, 4)
 
 
+def test_best_relation_is_the_per_head_maximum_and_the_atlas_columns(tokenizer):
+    """`MapsScores.best_relation`: per head the highest relation score (ties to the first
+    relation) and its name; NaN counts as -1; the atlas' best_relation columns are the same."""
+    from heads.scorers.roles.atlas import head_atlas
+
+    hm = small_vocab(tokenizer)
+    ms = maps_scores(hm, random_relations(), progress=False)
+    ms.relation["r1"].scores[0, 0] = float("nan")
+    best, which = ms.best_relation()
+    assert best.method == "maps_best_relation" and best.params["relations"] == ["r0", "r1", "r2"]
+    for la in range(hm.n_layers):
+        for h in range(hm.n_heads):
+            vals = [ms.relation[n].scores[la, h].item() for n in ms.names()]
+            vals = [-1.0 if v != v else v for v in vals]
+            i = vals.index(max(vals))  # the first of equal maxima
+            assert best.scores[la, h].item() == vals[i] and which[la][h] == ms.names()[i]
+    assert len({n for row in which for n in row}) > 1  # not one relation everywhere
+    frame = head_atlas(hm, detectors={}, maps=ms, thumbnails=False).frame
+    assert list(frame["best_relation"]) == [n for row in which for n in row]
+    assert frame["best_relation_score"].tolist() == best.scores.flatten().tolist()
+
+
 def test_suppression_equals_scoring_negated_model(tokenizer):
     hm = small_vocab(tokenizer)
     neg = HeadModel(copy.deepcopy(hm.model), None)

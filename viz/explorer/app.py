@@ -485,7 +485,11 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         pairs = encode_pairs(model, [PromptPair(text, text, int(top), int(second))])
         answer, _ = head_logits(model, pairs)
         report(2, 2)
-        return {"score": "dla", "scores": _grid(answer[0]), "token": readable_token(model.tokenizer, int(top))}
+        return {
+            "score": "dla",
+            "scores": _grid(answer[0]),
+            "token": readable_token(model.tokenizer, int(top)),
+        }
 
     def ships_result(prompt: str, emit, flag) -> dict:
         """Ships (`heads.scorers.safety.ships.ships`, its defaults) on the prompt's plain text."""
