@@ -234,6 +234,32 @@ def test_patching_view_clicks_through(browser, url, model, shots):
     assert not errors, errors
 
 
+def test_picking_dla_recolours_the_grid(browser, url, model):
+    """The score menu's `dla`: the grid is redrawn with the library's per-head direct logits of
+    the top next token (`head_logits`), on a diverging scale, and the hover names the score."""
+    from heads.engine.forward import forward
+    from heads.inputs.prompts import encode_prompts
+    from heads.scorers.patching.logit import head_logits
+    from heads.scorers.patching.pairs import PromptPair, encode_pairs
+
+    page, errors = open_page(browser, url)
+    before = page.evaluate("document.getElementById('grid').data[0].z")
+    page.select_option("#score", "dla")
+    page.wait_for_function("state.grid.score === 'dla' && state.jobs.size === 0")
+    trace = page.evaluate(
+        "(() => { const t = document.getElementById('grid').data[0];"
+        " return { z: t.z, zmid: t.zmid, text: t.text[1][2] }; })()"
+    )
+    text = encode_prompts(model.tokenizer, page.input_value("#prompt")).texts[0]  # the page's demo prompt
+    logits = forward(model, encode_prompts(model.tokenizer, text, chat=False, markup=False))[0, -1]
+    top, second = logits.topk(2).indices.tolist()
+    want = head_logits(model, encode_pairs(model, [PromptPair(text, text, top, second)]))[0][0]
+    assert trace["z"] != before
+    assert trace["z"] == [[pytest.approx(v, abs=1e-5) for v in row] for row in want.tolist()]
+    assert trace["zmid"] == 0 and "dla score" in trace["text"]
+    assert page.locator("#error").inner_text() == "" and not errors, errors
+
+
 @pytest.mark.real
 def test_demo_prompt_steered_differs_on_embedded_model(browser, smol, shots):
     """The demo prompt with the shipped PASTA heads: the steered text is not the unsteered one."""
