@@ -16,6 +16,8 @@ prompts, generations) are HTML-escaped in the static views and set with `textCon
 import html
 from typing import Any
 
+from heads.errors import HeadsteerValueError
+
 __all__ = ["StaticView", "pattern_widget", "scores_widget", "steering_panel", "widgets_available"]
 
 
@@ -258,23 +260,33 @@ def pattern_widget(model, prompt: str, layer: int, head: int):
     return _grid(data)
 
 
-def steering_panel(model, prompt: str, heads: dict[int, list[int]], *, alpha: float = 0.01,
-                   max_new_tokens: int = 24, run: bool = False):  # fmt: skip
-    """A prompt box and a Generate button: greedy unsteered and PASTA-steered continuations.
+def steering_panel(model, prompt: str, heads: dict[int, list[int]] | None = None, *, alpha: float = 0.01,
+                   steer: list | None = None, max_new_tokens: int = 24, run: bool = False):  # fmt: skip
+    """A prompt box and a Generate button: greedy unsteered and steered continuations.
 
     Args:
         prompt: the starting prompt (`**...**` marks the span).
         heads: PASTA heads `{layer: [head, ...]}`; alpha: PASTA's alpha (default 0.01).
+        steer: instead of `heads` / `alpha`, any list of interventions
+            (`[Spotlight(tau=0.3)]`, `[Act(), Pasta(...)]`, ...), as `SteeredModel.generate` takes.
         max_new_tokens: tokens per continuation (default 24).
         run: generate once now (default False), e.g. so a headless run shows the texts.
 
     Raises:
-        ValueError: bad heads / alpha (from `Pasta`), before any generation.
+        ValueError: bad heads / alpha (from `Pasta`), both or neither of `heads` and `steer`,
+            an empty `steer`; before any generation.
     """
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
 
-    steer = [Pasta(heads=heads, alpha=alpha)]
+    if (heads is None) == (steer is None):
+        raise HeadsteerValueError(
+            "steering_panel needs heads (PASTA) or steer (a list of interventions), not both"
+        )
+    if steer is not None and (not isinstance(steer, list) or not steer):
+        raise HeadsteerValueError(f"steer must be a non-empty list of interventions, got {steer!r:.80}")
+    steer = list(steer) if steer is not None else [Pasta(heads=heads, alpha=alpha)]  # type: ignore[arg-type]
+    method = " + ".join(type(s).__name__ for s in steer)
     sm = SteeredModel(model)
 
     def runner(text: str) -> tuple[str, str]:
@@ -284,12 +296,12 @@ def steering_panel(model, prompt: str, heads: dict[int, list[int]], *, alpha: fl
 
     if widgets_available():
         _, panel_cls = _widget_classes()
-        panel = panel_cls(runner, prompt=prompt, method="PASTA")
+        panel = panel_cls(runner, prompt=prompt, method=method)
         return panel.run() if run else panel
     plain, steered = runner(prompt) if run else ("", "")
     e = html.escape
     return StaticView(
         f'<div class="headsteer-view"><b>Prompt</b><pre>{e(prompt)}</pre>'
         f'<div style="display:flex;gap:1em"><div style="flex:1"><b>Unsteered</b><pre>{e(plain)}</pre></div>'
-        f'<div style="flex:1"><b>Steered (PASTA)</b><pre>{e(steered)}</pre></div></div></div>'
+        f'<div style="flex:1"><b>Steered ({e(method)})</b><pre>{e(steered)}</pre></div></div></div>'
     )

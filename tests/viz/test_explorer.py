@@ -639,3 +639,73 @@ def test_dla_on_an_unsupported_model_is_400_before_work(tokenizer):
     r = client.post("/api/scores", json={"prompt": PROMPT, "score": "dla"})
     assert r.status_code == 400 and "eps" in r.json()["error"] and "\n" not in r.json()["error"]
     assert "result" in scored(client, {"prompt": PROMPT, "score": "ships"})[-1]
+
+
+def _steer_cases():
+    from steer import Ablate, Act, InstaBoost, Pasta, Spotlight
+
+    return [  # (method, request fields, the same intervention built directly)
+        ("pasta", {"alpha": 1e-3, "heads": [[0, 0], [1, 1]]}, Pasta(heads={0: [0], 1: [1]}, alpha=1e-3)),
+        ("spotlight", {"tau": 0.6}, Spotlight(tau=0.6)),
+        ("instaboost", {"multiplier": 20.0}, InstaBoost(multiplier=20.0)),
+        ("act", {"beta": 0.0, "heads": [[0, 0], [1, 2]]}, Act(heads={0: [0], 1: [2]}, beta=0.0)),
+        ("ablate", {"eps": 0.0, "heads": [[0, 1], [1, 0]]}, Ablate(heads={0: [1], 1: [0]}, eps=0.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=["pasta", "spotlight", "instaboost", "act", "ablate"])
+def test_each_steering_method_streams_what_generate_gives(client, model, case):
+    """Every method of the panel: the streamed steered text is `SteeredModel.generate`'s text for
+    the same intervention built in Python."""
+    from steer.steered_model import SteeredModel
+
+    method, fields, intervention = _steer_cases()[case]
+    body = {"prompt": PROMPT, "max_new_tokens": 10, "steered": True, "method": method, **fields}
+    evs = scored(client, body, "/api/generate")
+    assert evs[-1] == {"done": True}, evs[-1]
+    got = "".join(e.get("text", "") for e in evs)
+    sm = SteeredModel(model)
+    want = sm.generate(PROMPT, [intervention], max_new_tokens=10, progress=False).texts[0]
+    plain = sm.generate(PROMPT, [], max_new_tokens=10, progress=False).texts[0]
+    assert got == want
+    assert any("span_share" in e for e in evs)  # the prompt has a span: the chart is drawn
+    if method == "act":  # random weights put no token over ACT's sink threshold: nothing to calibrate
+        return
+    assert want != plain, f"{method} at {fields} does not change the tiny model's text"
+
+
+def test_steering_methods_listed_and_checked(client):
+    info = client.get("/api/info").json()
+    assert set(info["steer_methods"]) == {"pasta", "spotlight", "instaboost", "act", "ablate"}
+    assert info["steer_methods"]["spotlight"] == {
+        "parameter": "tau",
+        "default": 0.1,
+        "heads": "refused",
+        "span": True,
+    }
+    base = {"prompt": PROMPT, "steered": True}
+    cases = [
+        ({"method": "nope"}, "unknown method 'nope'"),
+        ({"method": ["pasta"]}, "unknown method ['pasta']"),
+        ({"method": "spotlight", "heads": [[0, 0]]}, "spotlight steers every head"),
+        ({"method": "spotlight", "alpha": 0.1}, "spotlight does not use alpha: its parameter is tau"),
+        ({"method": "spotlight", "tau": 1.5}, "tau"),
+        ({"method": "instaboost", "multiplier": 1.0}, "no-op"),  # a no-op is refused
+        ({"method": "act", "beta": 2}, "beta must be in [0, 1], got 2"),
+        ({"method": "ablate"}, "heads must be a non-empty list"),
+        ({"method": "ablate", "heads": [[0, 0]], "eps": 1}, "no-op"),  # eps 1 is a no-op
+        ({"method": "ablate", "heads": [[0, 0]], "mode": "xx"}, "unknown ablation method 'xx'"),
+        ({"method": "pasta", "heads": [[0, 99]]}, "bad head [0, 99]"),
+    ]
+    for fields, needle in cases:
+        r = client.post("/api/generate", json={**base, **fields})
+        assert r.status_code == 400, (fields, r.text)
+        msg = r.json()["error"]
+        assert needle in msg and "\n" not in msg and "steer[0]" not in msg, (fields, msg)
+    r = client.post("/api/generate", json={"prompt": "no span", "steered": True, "method": "instaboost"})
+    assert r.status_code == 400 and "instaboost needs a span" in r.json()["error"]
+    # ACT and ablation need no span: the same prompt without one runs
+    evs = scored(
+        client, {"prompt": "no span", "steered": True, "method": "act", "max_new_tokens": 2}, "/api/generate"
+    )
+    assert evs[-1] == {"done": True} and not any("span_share" in e for e in evs)

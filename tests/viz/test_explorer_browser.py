@@ -94,7 +94,7 @@ def click_cell(page, target: str, layer: int, head: int, n_layers: int, n_heads:
 
 
 def set_heads(page, heads, alpha):
-    page.evaluate("([h, a]) => { state.heads = h; headsText(); document.getElementById('alpha').value = a; }",
+    page.evaluate("([h, a]) => { state.heads = h; headsText(); document.getElementById('param').value = a; }",
                   [heads, alpha])  # fmt: skip
 
 
@@ -207,6 +207,32 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     a.wait_for_selector("#out-steered[data-done='1']", timeout=90_000)
     assert a.locator("#error").inner_text() == ""
     assert not errors_a and not errors_b, (errors_a, errors_b)
+
+
+def test_method_picker_runs_spotlight(browser, url, model):
+    """Picking SpotLight in the panel: its parameter box, no heads sent, and the text
+    `SteeredModel.generate` gives with `Spotlight(tau)`."""
+    from steer import Spotlight
+    from steer.steered_model import SteeredModel
+
+    page, errors = open_page(browser, url)
+    page.select_option("#method", "spotlight")
+    assert page.locator("#param-name").inner_text() == "tau"
+    assert page.locator("#steered-title").inner_text() == "Steered (SpotLight)"
+    page.evaluate("state.heads = [[0, 0]]; headsText();")  # clicked heads are not sent to SpotLight
+    page.fill("#param", "0.6")
+    page.fill("#prompt", PROMPT)
+    page.fill("#max-new", "6")
+    page.click("#btn-generate")
+    page.wait_for_selector("#out-steered[data-done='1']", timeout=60_000)
+    want = SteeredModel(model).generate(PROMPT, [Spotlight(tau=0.6)], max_new_tokens=6, progress=False)
+    assert page.locator("#out-steered").inner_text().strip() == want.texts[0].strip()
+    assert page.locator("#out-steered").inner_text() != page.locator("#out-plain").inner_text()
+    page.select_option("#method", "act")
+    assert (
+        page.locator("#param-name").inner_text() == "beta" and page.locator("#param").input_value() == "0.4"
+    )
+    assert page.locator("#error").inner_text() == "" and not errors, errors
 
 
 def test_patching_view_clicks_through(browser, url, model, shots):

@@ -62,3 +62,17 @@ def test_pattern_and_steering_panel_escape_and_run(model):
     panel._runner = lambda text: ("plain " + text, "steered")
     panel._on_msg(panel, {"type": "generate"}, [])  # the button's message runs it again
     assert (panel.plain, panel.steered, panel.status) == ("plain " + PROMPT, "steered", "")
+
+
+def test_steering_panel_takes_any_interventions(model):
+    from steer import InstaBoost
+    from steer.steered_model import SteeredModel
+
+    boost = InstaBoost(multiplier=20.0)
+    panel = widgets.steering_panel(model, PROMPT, steer=[boost], max_new_tokens=4, run=True)
+    want = SteeredModel(model).generate(PROMPT, [boost], max_new_tokens=4, progress=False).text
+    assert panel.steered == want and panel.steered != panel.plain
+    assert "InstaBoost" in bundle_html(panel)
+    for kwargs in ({}, {"heads": {0: [0]}, "steer": [boost]}, {"steer": []}):
+        with pytest.raises(ValueError, match="steer"):
+            widgets.steering_panel(model, PROMPT, **kwargs)

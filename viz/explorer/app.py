@@ -33,10 +33,11 @@ random id and the prompt):
   probes scores already computed (`scores`, read from the caches) and its atlas row when the
   atlas is known. Lens tokens (per prompt and head) and MAPS operations (per head) are kept
   (`CARD_CACHE` entries), so a second card for the same head computes nothing.
-- `POST /api/generate {prompt, steered, heads, alpha, max_new_tokens, job}` (event stream; an
-  `alpha` of 1, a no-op, or above 1, which de-emphasizes the span, is HTTP 400 with the warning
-  text `headsteer generate --alpha` prints, `steer.noop.refusing_noop`)
-  `{"text": piece}` events as tokens are generated; a steered run then sends
+- `POST /api/generate {prompt, steered, method, heads, <parameter>, max_new_tokens, job}` (event
+  stream; `method` one of `viz.explorer.steering.STEER_METHODS`, built by `steer.serving.parse_steer`;
+  a no-op value such as PASTA's `alpha` 1 is HTTP 400 with the warning text the CLI prints,
+  `steer.noop.refusing_noop`)
+  `{"text": piece}` events as tokens are generated; a steered run on a prompt with a span then sends
   `{"span_share": {"before": [L], "after": [L]}}`: per layer, the last prompt position's
   attention share on the `**…**` span averaged over heads
   (`heads.scorers.attention_mass.span_attention(...).scores.mean(1)`), unsteered and steered.
@@ -73,8 +74,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from heads._util.validation import check_int, check_number, load_json_body
+from heads._util.validation import check_int, load_json_body
 from heads.errors import HeadsteerValueError
+from viz.explorer.steering import STEER_METHODS, parse_steering
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -164,10 +166,6 @@ def _heads(body: dict, n_layers: int, n_heads: int) -> dict[int, list[int]]:
         if pair[1] not in out[pair[0]]:
             out[pair[0]].append(pair[1])
     return out
-
-
-def _alpha(body: dict) -> float:
-    return check_number("alpha", body.get("alpha", 0.01), lo=0.0, lo_open=True)
 
 
 def _shipped_heads(model_name: str) -> list[list[int]]:
@@ -287,8 +285,6 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     from heads.inputs.prompts import encode_prompts
     from heads.scorers.attention_mass import head_pattern, span_attention
     from heads.scorers.sinks import sink_stats
-    from steer.noop import refusing_noop
-    from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer.patterns import PatternCache, Patterns, all_patterns, pattern_bytes
 
@@ -418,6 +414,10 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             "scores": list(SCORES),
             "atlas_ready": cache["atlas"] is not None,
             "shipped_heads": shipped,
+            "steer_methods": {
+                name: {"parameter": m.parameter, "default": m.default, "heads": m.heads, "span": m.span}
+                for name, m in STEER_METHODS.items()
+            },
             "limits": {
                 "max_body_bytes": MAX_BODY_BYTES,
                 "max_prompt_chars": MAX_PROMPT_CHARS,
@@ -718,18 +718,15 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         n_new = _int(body, "max_new_tokens", 1, MAX_NEW_TOKENS) if "max_new_tokens" in body else 32
         job = Jobs.check_id(body.get("job"))
         steer = []
+        span = False
         if steered:
-            heads = _heads(body, model.n_layers, model.n_heads)
-            enc = encode_prompts(model.tokenizer, prompt)
-            if not enc.spans[0]:
-                raise HeadsteerValueError("steering needs a span: mark it in the prompt with **...**")
-            with refusing_noop():  # alpha 1 (a no-op) or above 1: HTTP 400 with the CLI's warning text
-                steer = [Pasta(heads=heads, alpha=_alpha(body))]
+            span = bool(encode_prompts(model.tokenizer, prompt).spans[0])
+            steer = parse_steering(body, lambda b: _heads(b, model.n_layers, model.n_heads), lambda: span)
 
         def work(emit, flag) -> dict:
             streamer = _Streamer(model.tokenizer, emit, flag)
             steered_model.generate(prompt, steer, max_new_tokens=n_new, progress=False, streamer=streamer)
-            if steer:
+            if steer and span:
                 emit({"status": "span share per layer, before and after steering"})
                 emit({"span_share": span_share_by_layer(prompt, steer)})
             return {"done": True}
