@@ -211,6 +211,24 @@ def test_salient_operations_sigma(tokenizer):
     assert list(df["sigma"]) == sorted(df["sigma"], reverse=True)
 
 
+def test_salient_operations_with_shared_sources_are_the_same(tokenizer):
+    """`vocabulary_sources` computed once and passed to every head gives each head's own result."""
+    from heads.scorers.maps.static import vocabulary_sources
+
+    hm = small_vocab(tokenizer)
+    shared = vocabulary_sources(hm, 1, chunk=7)
+    assert torch.equal(shared, vocabulary_sources(hm, 2, chunk=7))  # the same for every layer above 0
+    torch.testing.assert_close(shared, source_representations(hm, torch.arange(hm.d_vocab), 1))
+    for layer, head in ((1, 2), (2, 0)):
+        want = salient_operations(hm, layer, head, k_s=6, k_m=3)
+        got = salient_operations(hm, layer, head, k_s=6, k_m=3, sources=shared)
+        assert list(got["source_id"]) == list(want["source_id"])
+        assert list(got["target_ids"]) == list(want["target_ids"])
+        torch.testing.assert_close(torch.tensor(got["sigma"]), torch.tensor(want["sigma"]))
+    with pytest.raises(ValueError, match=r"sources must be \[d_vocab, d_model\]"):
+        salient_operations(hm, 1, 2, sources=shared[:-1])
+
+
 def test_dynamic_scores_match_hooked_recomputation(tiny_llama, tokenizer):
     rs = load_relations(tokenizer, "plural")
     rel = rs["plural"]

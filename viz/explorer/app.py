@@ -117,6 +117,8 @@ SCORE_CACHE_PROMPTS = 16
 """Prompts whose prompt-dependent grids (`"dla"`, `"ships"`) are kept, least recent out."""
 CARD_CACHE = 256
 """Head cards (per prompt and head) kept, least recent out."""
+MAX_SOURCES_BYTES = 512 * 2**20
+"""Largest vocabulary source matrix `[V, D]` fp32 the head card keeps for MAPS (bytes)."""
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
@@ -297,7 +299,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     steered_model = SteeredModel(model)
     page = resources.files("viz.explorer").joinpath("page.html").read_text(encoding="utf-8")
     shipped = _shipped_heads(model.name)
-    cache: dict[str, Any] = {"atlas": atlas, "maps": None, "probes": None}
+    cache: dict[str, Any] = {"atlas": atlas, "maps": None, "probes": None, "sources": None}
     prompt_scores = _Lru(SCORE_CACHE_PROMPTS * 2)  # (kind, prompt) -> result of "dla" / "ships"
     cards = _Lru(CARD_CACHE)  # ("lens", prompt, layer, head) / ("maps", layer, head) -> card parts
     patterns = PatternCache(pattern_cache_bytes)
@@ -661,6 +663,18 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             got["probes"] = _grid(cache["probes"].accuracy.scores)[layer][head]
         return got
 
+    def sources_of(layer: int):
+        """Ẽ of the whole vocabulary for MAPS' salient operations, kept once for every layer
+        above 0 when it fits `MAX_SOURCES_BYTES` (it is most of a card's first cost); call
+        under the lock."""
+        from heads.scorers.maps.static import vocabulary_sources
+
+        if layer == 0 or model.d_vocab * model.d_model * 4 > MAX_SOURCES_BYTES:
+            return None
+        if cache.get("sources") is None:
+            cache["sources"] = vocabulary_sources(model, layer)
+        return cache["sources"]
+
     def head_card(body: dict):
         prompt, layer, head = check_head(body)
         from heads.scorers.maps.static import salient_operations
@@ -680,7 +694,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
                     }
                     cards.put(lens_key, lens_part)
                 if maps_part is None:
-                    ops = salient_operations(model, layer, head, k_s=5, k_m=3)
+                    ops = salient_operations(model, layer, head, k_s=5, k_m=3, sources=sources_of(layer))
                     maps_part = [
                         {"source": str(s), "targets": [str(t) for t in ts]}
                         for s, ts in zip(ops["source"], ops["targets"], strict=True)

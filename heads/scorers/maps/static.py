@@ -40,6 +40,7 @@ __all__ = [
     "source_representations",
     "target_ranks",
     "top_k_hits",
+    "vocabulary_sources",
 ]
 
 IMPLEMENTS_THRESHOLD = 0.15
@@ -135,6 +136,27 @@ def source_representations(
     if layer == 0 or not apply_first_mlp:
         return e
     return first_mlp(model, e.to(model.dtype)).float()
+
+
+def vocabulary_sources(
+    model: HeadModel, layer: int, *, apply_first_mlp: bool = True, chunk: int = 8192
+) -> torch.Tensor:
+    """Ẽ of every vocabulary token `[V, D]` fp32 for heads of `layer`, `chunk` rows at a time
+    (`source_representations` over `arange(V)`; the same for every layer above 0), to pass to
+    `salient_operations(sources=...)` for many heads.
+
+    Raises:
+        ValueError: unknown layer; `chunk` not a positive int.
+    """
+    model.check_head(layer)
+    chunk = positive_int(chunk, "chunk")
+    parts = [
+        source_representations(
+            model, torch.arange(a, min(model.d_vocab, a + chunk)), layer, apply_first_mlp=apply_first_mlp
+        )
+        for a in range(0, model.d_vocab, chunk)
+    ]
+    return torch.cat(parts)
 
 
 def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,6 +421,7 @@ def salient_operations(
     k_m: int = 5,
     apply_first_mlp: bool = True,
     chunk: int = 8192,
+    sources: torch.Tensor | None = None,
 ):
     """The head's most amplified source tokens and their top mapped targets (docs/methods/maps.md).
 
@@ -406,12 +429,18 @@ def salient_operations(
     the Gram matrix of W_O^h, never forming |V| x d_model products); for the top `k_s`
     tokens, the top `k_m` targets of their row of M^h.
 
+    Args:
+        sources: Ẽ of the whole vocabulary `[V, D]` fp32, `vocabulary_sources(model, layer)`,
+            to share across heads (it is the same for every layer above 0 and is most of the
+            cost: the first MLP over |V| tokens); default None: computed here, `chunk` rows at
+            a time.
+
     Returns:
         pandas DataFrame with columns `source, source_id, sigma, targets, target_ids`
         (`source` and `targets` as readable text, `heads.inputs.tokens`: `␣cat`, `⏎`).
 
     Raises:
-        ValueError: unknown layer/head.
+        ValueError: unknown layer/head; `sources` not `[V, D]`.
     """
     import pandas as pd
 
@@ -424,15 +453,26 @@ def salient_operations(
     w_o = model.layer_weights(layer)["W_O"][head].float()  # [d_head, d_model]
     gram = w_o @ w_o.T
     sigma = torch.empty(model.d_vocab)
+    if sources is not None and tuple(sources.shape) != (model.d_vocab, model.d_model):
+        raise HeadsteerValueError(
+            f"sources must be [d_vocab, d_model] = [{model.d_vocab}, {model.d_model}], "
+            f"got {list(sources.shape)}"
+        )
     for a in range(0, model.d_vocab, chunk):
         ids = torch.arange(a, min(model.d_vocab, a + chunk))
-        x = source_representations(model, ids, layer, apply_first_mlp=apply_first_mlp)
+        if sources is None:
+            x = source_representations(model, ids, layer, apply_first_mlp=apply_first_mlp)
+        else:
+            x = sources[a : a + len(ids)].float()
         xv = x @ w_v
         num = ((xv @ gram) * xv).sum(1).clamp(min=0).sqrt()
         sigma[a : a + len(ids)] = num / x.norm(dim=1).clamp(min=1e-12)
     order = _topk_lowest_id(sigma, k_s)
     src = torch.tensor(order)
-    x = source_representations(model, src, layer, apply_first_mlp=apply_first_mlp)
+    if sources is None:
+        x = source_representations(model, src, layer, apply_first_mlp=apply_first_mlp)
+    else:
+        x = sources[src].float()
     rows = (x @ w_v @ w_o) @ model.W_U.float()
     rows_list = []
     for i, sid in enumerate(order):
