@@ -146,3 +146,18 @@ def test_docs_name_existing_modules_and_objects():
             except (ImportError, AttributeError, DeprecationWarning) as exc:
                 bad.append(f"{page.relative_to(ROOT)}: {ref} ({type(exc).__name__})")
     assert not bad, "docs name modules or objects that do not exist:\n" + "\n".join(bad)
+
+
+def test_generated_pages_never_shadow_committed_ones():
+    """A page `docs/scripts/gen_pages.py` writes at build time replaces a committed page of the
+    same name in the site: none of its literal page names, nor its `reference/` folder, may
+    exist under docs/ (families.md once did, and the site showed a stale table)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "docs" / "scripts" / "gen_pages.py").read_text()
+    names = re.findall(r'mkdocs_gen_files\.open\("([^"]+)"', script)
+    assert "shapes.md" in names and "families.md" not in names
+    for name in names:
+        assert not (root / "docs" / name).exists(), name
+    assert not (root / "docs" / "reference").exists()

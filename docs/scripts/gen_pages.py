@@ -1,6 +1,7 @@
 """Pages generated at build time by mkdocs-gen-files (run by `make docs`), so they cannot drift.
 
-* `families.md`: the model-family table, from `heads.model.families.FAMILIES`;
+(`families.md` is committed: `docs/scripts/gen_families.py` writes it and a test checks it.)
+
 * `shapes.md`: the shape-letter glossary, from the `heads` package docstring;
 * `reference/`: one API page per package and subpackage of heads, steer, probes and viz,
   rendered by mkdocstrings from the docstrings, with its `SUMMARY.md` for literate-nav.
@@ -18,69 +19,6 @@ import mkdocs_gen_files
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 PACKAGES = ("heads", "steer", "probes", "viz")
-
-
-# ------------------------------------------------------------------------- families table
-def _families_page() -> str:
-    from heads.model.families import FAMILIES
-
-    def code(x: object) -> str:
-        return f"`{x}`" if x else "–"
-
-    text_rows, vlm_rows = [], []
-    for name, f in sorted(FAMILIES.items()):
-        if f.text_config:
-            extra = "bidirectional attention over image tokens" if f.bidirectional_images else ""
-            vlm_rows.append(f"| `{name}` | `{f.decoder}` | `{f.text_config}` | {extra or '–'} |")
-            continue
-        qkv = f"fused `{f.qkv_proj}`" if f.fused_qkv else "separate"
-        if f.conv1d:
-            qkv += " (Conv1D)"
-        window = {"none": "–", "all": "every layer", "layer_types": "per `layer_types`"}.get(
-            f.sliding_window, f.sliding_window
-        )
-        qk = {"none": "–", "per_head": "per head", "all_heads": "over all heads"}.get(f.qk_norm, f.qk_norm)
-        softcap = ", ".join(x for x in (f.softcap and "attention", f.final_softcap and "final logits") if x)
-        refused = "; ".join(f"`{k}` ({why})" for k, why in f.unsupported)
-        text_rows.append(
-            f"| `{name}` | {qkv} | {'yes' if f.gqa else 'no'} | {window} | {softcap or '–'} | {qk} "
-            f"| {code(f.mlp_norm)} | `{f.scaling}` | {refused or '–'} |"
-        )
-    return "\n".join(
-        [
-            "# Model families",
-            "",
-            "Generated at build time from `heads.model.families.FAMILIES`; the table is the code.",
-            "`load_model(folder)` accepts a local Hugging Face folder whose `config.model_type` is one of",
-            "these. Every feature listed is reproduced exactly while an edit is active (a read-only",
-            "recorder on every layer leaves the logits unchanged, and a UA ablation gives exactly",
-            "uniform rows, on eager and SDPA attention: the family matrix in the tests). A model with",
-            "a feature the engine cannot reproduce is refused when it loads.",
-            "",
-            "## Text models",
-            "",
-            "| `model_type` | Q/K/V projections | GQA | sliding window | soft-capping | QK-norm "
-            "| MLP input norm | attention scale | refused when set |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *text_rows,
-            "",
-            "## Vision-language models",
-            "",
-            "Only the language model is edited; its family is the text model's own entry above.",
-            "",
-            "| `model_type` | text model | text config | notes |",
-            "|---|---|---|---|",
-            *vlm_rows,
-            "",
-            "## Adding a family",
-            "",
-            "Read the family's attention module and decoder layer in `transformers`, add one",
-            "`Family(...)` entry to `FAMILIES` (only the fields that differ from the Llama defaults),",
-            "and add a tiny random-weight config to the family test matrix. The docstring of",
-            "[`heads.model.families`](reference/heads/heads.model.md) lists every field.",
-            "",
-        ]
-    )
 
 
 # ------------------------------------------------------------------------- shape letters
@@ -169,8 +107,6 @@ def _reference() -> None:
         fh.writelines(nav.build_literate_nav())
 
 
-with mkdocs_gen_files.open("families.md", "w") as fh:
-    fh.write(_families_page())
 with mkdocs_gen_files.open("shapes.md", "w") as fh:
     fh.write(_shapes_page())
 _reference()
