@@ -38,9 +38,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 from heads.engine.attention import BASES, check_fusable, fusable, registered_name
-from heads.engine.edits import (
-    Edit,
-)
+from heads.engine.edits import Edit, check_combined_factors
 from heads.engine.kernels import fused as _fused
 from heads.engine.sites import SITES, HookSpec, Site, site_of
 from heads.engine.state import (
@@ -85,6 +83,7 @@ def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
             raise HeadsteerValueError(
                 f"row_heads must be [batch, {hm.n_heads}] bool, got shape {tuple(e.row_heads.shape)}"
             )
+    check_combined_factors(edits, hm.n_heads, hm.dtype)
 
 
 def _refuse_repeats(edits: Sequence[Edit]) -> None:

@@ -45,6 +45,8 @@ __all__ = [
     "ResidualEdit",
     "ResidualRecorder",
     "SpanShareEdit",
+    "check_combined_factors",
+    "max_factor",
 ]
 
 
@@ -456,3 +458,31 @@ class ResidualRecorder(ResidualEdit):
     def apply(self, x: torch.Tensor, call: AttentionCall) -> None:
         self.records.append(x.detach().clone() if self.fn is None else self.fn(x, call))
         return None
+
+
+def check_combined_factors(edits: Iterable[Edit], n_heads: int, dtype: torch.dtype) -> None:
+    """HeadsteerValueError when the `HeadScale` (or the `QueryScale`) edits that reach one head
+    multiply to more than `max_factor(dtype)`: each factor may be in bounds while their product
+    overflows (eight `HeadScale(1e4)` on one head give 1e32, whose square in the next norm is not
+    finite in float32). Other edits are not looked at.
+
+    Args:
+        edits: the edits applied together (one `editing` context, or one request's steering).
+        n_heads: query heads per layer (an edit with `heads=None` reaches all of them).
+        dtype: the model's dtype.
+    """
+    bound = max_factor(dtype)
+    product: dict[tuple[str, int, int], float] = {}
+    for e in edits:
+        if not isinstance(e, HeadScale | QueryScale):
+            continue
+        for h in range(n_heads) if e.heads is None else e.heads:
+            key = (type(e).__name__, e.layer, h)
+            product[key] = product.get(key, 1.0) * abs(float(e.factor))
+            if product[key] > bound:
+                name = str(dtype).replace("torch.", "")
+                raise HeadsteerValueError(
+                    f"the {key[0]} factors on layer {e.layer} head {h} multiply to {product[key]:g}, "
+                    f"more than {bound:g} ({name} would overflow): steer each head once, or with a "
+                    "smaller factor"
+                )

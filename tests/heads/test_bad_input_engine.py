@@ -159,3 +159,25 @@ def test_cli_method_options_are_checked_before_the_model_loads(args, message, mo
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2, r.output
     assert message in r.output
+
+
+def test_scaling_factors_that_multiply_past_the_dtype_bound_are_refused(tiny_llama):
+    """Each `HeadScale(1e4)` is in bounds, eight of them on one head give 1e32 (its square
+    overflows float32 in the next norm): refused before any forward, naming layer and head;
+    the product of two in-bounds factors runs."""
+    from steer import Ablate
+
+    base = _logits(tiny_llama)
+    stacked = [HeadScale(1, heads=[2], factor=1e4) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"HeadScale factors on layer 1 head 2 multiply to 1e\+08"):
+        with editing(tiny_llama, stacked):
+            pass
+    assert torch.equal(_logits(tiny_llama), base)  # the model is as it was
+    with editing(tiny_llama, [HeadScale(1, heads=[2], factor=50.0), HeadScale(1, factor=100.0)]):
+        _logits(tiny_llama)  # 5000 on head 2: within 1e4
+    sm = SteeredModel(tiny_llama)
+    ablate = [Ablate(heads={1: [0]}, method="sc", eps=1e4) for _ in range(8)]
+    with pytest.raises(ValueError, match="layer 1 head 0 multiply to"):
+        sm.generate("one two three", ablate, max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="QueryScale factors on layer 0 head 1"):
+        sm.generate("one two", [Ablate(heads={0: [1]}, eps=200.0)] * 2, max_new_tokens=1, progress=False)
