@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.engine.edits import Edit, max_factor
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -47,13 +48,17 @@ class HeadGates:
 
     def __post_init__(self) -> None:
         if self.which not in ("remove", "retain", "gates"):
-            raise HeadsteerValueError(f"which must be 'remove', 'retain' or 'gates', got {self.which!r}")
+            raise HeadsteerValueError(
+                f"which must be 'remove', 'retain' or 'gates', got {short_repr(self.which)}"
+            )
         if not isinstance(self.binary, bool):
-            raise HeadsteerTypeError(f"binary must be True or False, got {self.binary!r}")
+            raise HeadsteerTypeError(f"binary must be True or False, got {short_repr(self.binary)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise HeadsteerTypeError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
+            raise HeadsteerTypeError(
+                f"threshold must be a number in (0, 1), got {short_repr(self.threshold)}"
+            )
         if not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
-            raise HeadsteerValueError(f"threshold must be in (0, 1), got {self.threshold!r}")
+            raise HeadsteerValueError(f"threshold must be in (0, 1), got {short_repr(self.threshold)}")
         g = self.values()
         if bool(torch.isinf(g).any()):
             raise HeadsteerValueError("HeadGates: gates must be finite (NaN = no gate)")

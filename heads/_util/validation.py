@@ -64,7 +64,7 @@ def _size_of(value: object) -> str:
         sign = "a negative int" if value < 0 else "an int"
         return f"{sign} of {int_digits(value)} digits"
     name = type(value).__name__
-    article = "an" if name[:1].lower() in "aeioun" and not name.startswith("nu") else "a"
+    article = "an" if name[:1].lower() in "aeiou" or name == "ndarray" else "a"
     if isinstance(value, str):
         return f"a str of {len(value)} characters"
     if isinstance(value, (bytes, bytearray)):
@@ -222,7 +222,7 @@ def check_int(
     v = int(value) if is_int(value) else None
     if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
         error = HeadsteerTypeError if (v is None and type_error) else HeadsteerValueError
-        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
+        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {short_repr(value)}")
     return v
 
 
@@ -272,7 +272,7 @@ def check_number(
             or (hi is not None and (v > hi or (hi_open and v == hi)))
         )
     if bad:
-        raise HeadsteerValueError(f"{name} must be {what}, got {value!r}")
+        raise HeadsteerValueError(f"{name} must be {what}, got {short_repr(value)}")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -284,7 +284,7 @@ def check_bool(name: str, value: object, *, what: str = "True or False") -> bool
             `"yes"`, None).
     """
     if not isinstance(value, bool):
-        raise HeadsteerTypeError(f"{name} must be {what}, got {value!r}")
+        raise HeadsteerTypeError(f"{name} must be {what}, got {short_repr(value)}")
     return value
 
 
@@ -297,9 +297,11 @@ def check_layer_list(name: str, value: object) -> None:
             entry (bools included).
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)) or not value:
-        raise HeadsteerValueError(f"{name} must be a non-empty list of layer indices, got {value!r}")
+        raise HeadsteerValueError(
+            f"{name} must be a non-empty list of layer indices, got {short_repr(value)}"
+        )
     if any(not is_int(x) for x in value):
-        raise HeadsteerValueError(f"{name} must be ints, got {value!r}")
+        raise HeadsteerValueError(f"{name} must be ints, got {short_repr(value)}")
 
 
 def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) -> None:
@@ -313,7 +315,7 @@ def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) 
     taken = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     unknown = sorted(set(kwargs) - taken)
     if unknown:
-        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {short_repr(unknown[0])}")
 
 
 def check_shard(shard: object) -> tuple[int, int] | None:
@@ -330,10 +332,10 @@ def check_shard(shard: object) -> tuple[int, int] | None:
         or len(shard) != 2
         or not all(is_int(x) for x in shard)
     ):
-        raise HeadsteerValueError(f"shard must be a pair (i, n) of ints, got {shard!r}")
+        raise HeadsteerValueError(f"shard must be a pair (i, n) of ints, got {short_repr(shard)}")
     i, n = int(shard[0]), int(shard[1])
     if not 0 <= i < n:
-        raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+        raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {short_repr(shard)}")
     return i, n
 
 
@@ -364,7 +366,7 @@ def check_path(name: str, value: object) -> str:
 
     p = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(p, str) or not p.strip():
-        raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {value!r}")
+        raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {short_repr(value)}")
     return p
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
@@ -25,7 +26,7 @@ def check_listen(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
-        raise HeadsteerValueError(f"--host {host!r} does not resolve: {exc}") from None
+        raise HeadsteerValueError(f"--host {short_repr(host)} does not resolve: {exc}") from None
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -79,7 +80,9 @@ def explore_command(
     from viz.explorer.app import create_explorer
 
     if head_atlas is not None and head_atlas.model != hm.name:
-        raise HeadsteerValueError(f"--atlas {atlas} is of model {head_atlas.model!r}, not {hm.name!r}")
+        raise HeadsteerValueError(
+            f"--atlas {atlas} is of model {short_repr(head_atlas.model)}, not {short_repr(hm.name)}"
+        )
     app = create_explorer(hm, atlas=head_atlas)
     url = f"http://{host}:{port}/"
     if run.as_json:
