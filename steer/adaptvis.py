@@ -34,7 +34,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from heads._util.validation import short_repr
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -58,7 +58,7 @@ DEFAULT_WEIGHT1, DEFAULT_WEIGHT2, DEFAULT_THRESHOLD = 0.5, 1.5, 0.4
 def _weight(name: str, x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise HeadsteerTypeError(f"{name} must be a number, got {short_repr(x)}")
-    if not math.isfinite(x) or not 0 <= x <= MAX_WEIGHT:
+    if not is_number(x) or not math.isfinite(x) or not 0 <= x <= MAX_WEIGHT:  # 10**400: no float
         raise HeadsteerValueError(f"{name} must be in [0, {MAX_WEIGHT:g}], got {short_repr(x)}")
     return float(x)
 
@@ -228,7 +228,7 @@ class AdaptVis:
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
             raise HeadsteerTypeError(f"AdaptVis threshold must be a number, got {short_repr(t)}")
-        if not math.isfinite(t) or not 0 <= t <= 1:
+        if not is_number(t) or not math.isfinite(t) or not 0 <= t <= 1:
             raise HeadsteerValueError(f"AdaptVis threshold must be in [0, 1], got {short_repr(t)}")
         if self.target not in ("auto", "image", "text"):
             raise HeadsteerValueError(

@@ -22,7 +22,6 @@ and the `steering-vectors` package (`layer_type="decoder_block"`, a forward hook
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, is_int, short_repr
+from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import MAX_FACTOR, AttentionCall, ResidualEdit, ResidualRecorder
 from heads.engine.forward import forward
@@ -210,12 +209,7 @@ class Caa:
             big = float(raw.double().abs().max())
             raise HeadsteerValueError(f"CAA vector holds {big:.3g}, beyond float32's range (3.4e38)")
         c = self.coefficient
-        if (
-            isinstance(c, bool)
-            or not isinstance(c, numbers.Real)
-            or not math.isfinite(c)
-            or abs(c) > MAX_FACTOR
-        ):
+        if isinstance(c, bool) or not is_number(c) or not math.isfinite(c) or abs(c) > MAX_FACTOR:
             raise HeadsteerValueError(
                 f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {short_repr(c)}"
             )

@@ -7,11 +7,12 @@ every position, prompt rows and each decode step, through the engine's `head_out
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-from heads._util.validation import short_repr
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import Edit, max_factor
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -53,11 +54,11 @@ class HeadGates:
             )
         if not isinstance(self.binary, bool):
             raise HeadsteerTypeError(f"binary must be True or False, got {short_repr(self.binary)}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, numbers.Real):
             raise HeadsteerTypeError(
                 f"threshold must be a number in (0, 1), got {short_repr(self.threshold)}"
             )
-        if not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
+        if not is_number(self.threshold) or not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
             raise HeadsteerValueError(f"threshold must be in (0, 1), got {short_repr(self.threshold)}")
         g = self.values()
         if bool(torch.isinf(g).any()):

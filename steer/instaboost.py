@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import is_int, is_number, short_repr
+from heads._util.validation import is_int, is_number, is_real, short_repr
 from heads.engine.edits import MAX_FACTOR
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -111,9 +111,9 @@ class InstaBoost:
 
     def __post_init__(self) -> None:
         m = self.multiplier
-        if not is_number(m):
+        if not is_real(m):
             raise HeadsteerTypeError(f"InstaBoost multiplier must be a number, got {short_repr(m)}")
-        if not math.isfinite(m) or m <= 0 or m > MAX_FACTOR:
+        if not is_number(m) or not math.isfinite(m) or m <= 0 or m > MAX_FACTOR:
             raise HeadsteerValueError(
                 f"InstaBoost multiplier must be in (0, {MAX_FACTOR:g}], got {short_repr(m)}"
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads._util.validation import short_repr
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import AttentionCall, Edit, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -139,7 +139,7 @@ class Knockout:
 
     def __post_init__(self) -> None:
         f = self.factor
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+        if not is_number(f) or not math.isfinite(f) or f < 0:
             raise HeadsteerValueError(
                 f"factor must be a finite number >= 0 (0 = knockout), got {short_repr(f)}"
             )

@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_bool, is_int, is_number, short_repr
+from heads._util.validation import check_bool, is_int, is_number, is_real, short_repr
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, SpanShareEdit
 from heads.engine.kernels import fused
@@ -143,9 +143,9 @@ class SpotlightEdit(SpanShareEdit):
 
 
 def _check_tau(tau: object) -> float:
-    if not is_number(tau):
+    if not is_real(tau):
         raise HeadsteerTypeError(f"tau must be a number, got {short_repr(tau)}")
-    value = float(tau)
+    value = float(tau) if is_number(tau) else math.inf  # 10**400: no float holds it
     if not math.isfinite(value) or not 0 < value < 1:
         raise HeadsteerValueError(f"tau must be in (0, 1), got {short_repr(tau)}")
     return value

@@ -30,6 +30,7 @@ __all__ = [
     "int_digits",
     "is_int",
     "is_number",
+    "is_real",
     "load_json_body",
     "parse_json",
     "read_json_file",
@@ -226,9 +227,25 @@ def check_int(
     return v
 
 
-def is_number(value: object) -> TypeIs[float]:
-    """True for a real number that is not a bool (Python, numpy or torch scalars)."""
+def is_real(value: object) -> bool:
+    """True for a real number of any size that is not a bool: the type check of a number
+    argument (a `TypeError` otherwise); `is_number` also asks that a float can hold it."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeIs[float]:
+    """True for a real number that is not a bool (Python, numpy or torch scalars) and that a
+    float can hold: an int such as `10**400`, which `float()` refuses (OverflowError), is not
+    a number here (NaN and inf are: `check_number` refuses them)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    if isinstance(value, float):
+        return True
+    try:
+        float(value)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
 
 
 def check_number(

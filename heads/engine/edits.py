@@ -29,7 +29,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from heads._util.validation import check_int, is_int, is_number, short_repr
+from heads._util.validation import check_int, is_int, is_number, is_real, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
@@ -290,9 +290,9 @@ class _Scaling(Protocol):
 def check_factor(edit: _Scaling) -> None:
     """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
     name, factor = type(edit).__name__, edit.factor
-    if not is_number(factor):
+    if not is_real(factor):
         raise HeadsteerTypeError(f"{name} factor must be a number, got {short_repr(factor)}")
-    if not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
+    if not is_number(factor) or not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
         raise HeadsteerValueError(
             f"{name} factor must be finite with |factor| <= {MAX_FACTOR:g}, got {short_repr(factor)}"
         )

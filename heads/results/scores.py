@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import check_int, check_number, is_int, read_json_file, short_repr
+from heads._util.validation import check_int, check_number, is_int, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -574,7 +574,7 @@ class HeadScores:
             if not isinstance(row, list) or len(row) != n_heads:
                 raise bad(f"every row of 'scores' must be a list of {n_heads} numbers or null")
             for v in row:
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                if v is not None and not is_number(v):
                     raise bad(f"score {short_repr(v)} is not a number")
             values.append([math.nan if v is None else float(v) for v in row])
         try:

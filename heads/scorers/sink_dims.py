@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from heads._util.validation import check_int, is_int, short_repr
+from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
@@ -181,7 +181,7 @@ def find_sink_dims(
     n_l = model.n_layers
     check_int("from_layer", from_layer, lo=0, hi=n_l - 1, what=f"an int in 0..{model.n_layers - 1}")
     check_int("max_dims", max_dims, lo=1)
-    if not isinstance(min_ratio, (int, float)) or not min_ratio > 1:
+    if not is_number(min_ratio) or not min_ratio > 1 or not math.isfinite(min_ratio):
         raise HeadsteerValueError(f"min_ratio must be a number > 1, got {short_repr(min_ratio)}")
     enc = encode_prompts(model.tokenizer, items, chat=False, markup=False)
     out = forward(model, enc, output_hidden_states=True)

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import is_number, short_repr
+from heads._util.validation import is_number, is_real, short_repr
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -172,9 +172,9 @@ class Act:
 
     def validate(self) -> None:
         b = self.beta
-        if not is_number(b):
+        if not is_real(b):
             raise HeadsteerTypeError(f"beta must be a number, got {short_repr(b)}")
-        if not math.isfinite(b) or not 0 <= b <= 1:
+        if not is_number(b) or not math.isfinite(b) or not 0 <= b <= 1:
             raise HeadsteerValueError(f"beta must be in [0, 1], got {short_repr(b)}")
         if self.decode_sinks not in ("frozen", "running"):
             raise HeadsteerValueError(

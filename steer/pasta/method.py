@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 import torch
 
 from heads._util.files import is_file, short_path
-from heads._util.validation import is_number, short_repr
+from heads._util.validation import is_number, is_real, short_repr
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -121,9 +121,9 @@ def check_alpha(alpha: float, scale_position: str = "exclude", *, stacklevel: in
         TypeError: alpha not a real number.
         ValueError: alpha not finite or <= 0 (alpha = 0 deletes the context).
     """
-    if not is_number(alpha):
+    if not is_real(alpha):
         raise HeadsteerTypeError(f"alpha must be a number, got {short_repr(alpha)}")
-    if not math.isfinite(alpha) or alpha <= 0:
+    if not is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
         raise HeadsteerValueError(
             f"alpha must be finite and > 0, got {short_repr(alpha)} (alpha = 0 deletes the context)"
         )
@@ -201,9 +201,9 @@ class Pasta:
             TypeError: alpha not a real number.
             ValueError: alpha not finite or <= 0; unknown mode.
         """
-        if not is_number(self.alpha):
+        if not is_real(self.alpha):
             raise HeadsteerTypeError(f"alpha must be a number, got {short_repr(self.alpha)}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
+        if not is_number(self.alpha) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise HeadsteerValueError(
                 f"alpha must be finite and > 0, got {short_repr(self.alpha)} (alpha = 0 deletes the context)"
             )

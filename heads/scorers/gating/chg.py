@@ -39,7 +39,7 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, check_number, check_seed, short_repr
+from heads._util.validation import check_int, check_number, check_seed, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -380,7 +380,7 @@ class GatingResult:
                     f"{short_repr(name)}: {short_repr(key)} must be a list of equal rows"
                 )
             vals = [[math.nan if v is None else v for v in r] for r in rows]
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for r in vals for v in r):
+            if any(not is_number(v) for r in vals for v in r):
                 raise HeadsteerValueError(
                     f"{short_repr(name)}: {short_repr(key)} holds a value that is not a number"
                 )
