@@ -70,7 +70,7 @@ def _size_of(value: object) -> str:
         return f"a str of {len(value)} characters"
     if isinstance(value, (bytes, bytearray)):
         return f"a {name} value of {len(value)} bytes"
-    shape = getattr(value, "shape", None)
+    shape: Any = getattr(value, "shape", None)
     if isinstance(shape, tuple) or type(shape).__name__ == "Size":
         return f"{article} {name} of shape {tuple(shape)}"
     try:
@@ -127,17 +127,25 @@ class _ReprWriter:
             self.put("{...}" if t is dict else "[...]")
             return
         if not value:
-            self.put({list: "[]", tuple: "()", set: "set()", frozenset: "frozenset()", dict: "{}"}[t])
+            empty: dict[type, str] = {
+                list: "[]",
+                tuple: "()",
+                set: "set()",
+                frozenset: "frozenset()",
+                dict: "{}",
+            }
+            self.put(empty[t])
             return
         self.stack.add(id(value))
         try:
-            opener, closer = {
+            brackets: dict[type, tuple[str, str]] = {
                 list: ("[", "]"),
                 tuple: ("(", ")"),
                 set: ("{", "}"),
                 frozenset: ("frozenset({", "})"),
                 dict: ("{", "}"),
-            }[t]
+            }
+            opener, closer = brackets[t]
             self.put(opener)
             for i, item in enumerate(value.items() if t is dict else value):
                 if i:
