@@ -522,7 +522,7 @@ def serve_command(
     if max_prompt_tokens < 0:
         raise HeadsteerValueError(f"--max-prompt-tokens must be >= 0 (0 = no limit), got {max_prompt_tokens}")
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the extra, checked before anything binds or loads
     except ImportError:
         raise HeadsteerValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
     if device_map not in (None, "auto"):
@@ -532,29 +532,35 @@ def serve_command(
             f"--device {run.device} and --device-map {device_map} conflict: the device map places the "
             "layers; drop --device"
         )
-    caa_vectors = None
-    if caa_vector is not None:
-        from steer.caa import load_caa_vectors
+    from viz.cli.listen import listen_socket, run_uvicorn, url_of
 
-        caa_vectors = load_caa_vectors(caa_vector)  # a bad file fails here, before the model loads
-    hm = run.load(device_map=device_map)
-    app = create_app(
-        hm,
-        max_batch=max_batch,
-        wait_s=batch_wait_ms / 1000,
-        max_body_bytes=int(max_body_mb * 2**20),
-        max_prompt_tokens=max_prompt_tokens or None,
-        caa_vectors=caa_vectors,
-    )
+    sock = listen_socket(host, port)  # bound and held before the slow load: a busy port fails now
+    try:
+        caa_vectors = None
+        if caa_vector is not None:
+            from steer.caa import load_caa_vectors
+
+            caa_vectors = load_caa_vectors(caa_vector)  # a bad file fails here, before the model loads
+        hm = run.load(device_map=device_map)
+        app = create_app(
+            hm,
+            max_batch=max_batch,
+            wait_s=batch_wait_ms / 1000,
+            max_body_bytes=int(max_body_mb * 2**20),
+            max_prompt_tokens=max_prompt_tokens or None,
+            caa_vectors=caa_vectors,
+        )
+    except BaseException:
+        sock.close()
+        raise
     if not log.handlers:  # one line per request on stderr (after --json's line on stdout)
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    url = f"http://{host}:{port}/v1"
+    url = f"{url_of(sock)}/v1"  # the real port with --port 0; an IPv6 host in brackets
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
     run.say(f"serving {hm.name} on {url} (Ctrl-C or SIGTERM to stop)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=600)
-    run.say("server stopped")
+    run_uvicorn(app, sock, say=run.say, timeout_graceful_shutdown=600)
