@@ -12,8 +12,6 @@ import os
 import signal
 import sys
 
-from heads._util.validation import short_repr
-
 __all__ = ["app", "run"]
 
 INTERRUPTED_EXIT = 130
@@ -48,4 +46,4 @@ def __getattr__(name: str):
         from viz.cli.main import app
 
         return app
-    raise AttributeError(f"module 'viz.cli' has no attribute {short_repr(name)}")
+    raise AttributeError(f"module 'viz.cli' has no attribute {name!r}")
