@@ -224,9 +224,8 @@ class Spotlight:
         block = engine_state.QUERY_BLOCK
         if self.granularity != "row" and enc.length > block and not fused.available():
             raise HeadsteerValueError(
-                f"SpotLight granularity {short_repr(self.granularity)} pools the whole prefill, but a "
-                "prompt of "
-                f"{enc.length} tokens is split into query blocks of {block} rows "
+                f"SpotLight granularity {short_repr(self.granularity)} pools the whole prefill, but a prompt "
+                f"of {enc.length} tokens is split into query blocks of {block} rows "
                 "(heads.engine.state.QUERY_BLOCK) and this torch has no flex_attention for the fused "
                 "kernel: use granularity='row' for longer prompts"
             )

@@ -115,8 +115,7 @@ def _acquire(model: HeadModel, switch: bool, sites: Sequence[HookSpec]) -> None:
                 if id(c) not in SWITCHED and c._attn_implementation not in BASES:
                     raise HeadsteerValueError(
                         f"attention backend {short_repr(c._attn_implementation)} is not supported for "
-                        "attention "
-                        "edits; load the model with attn_implementation='sdpa' or 'eager'"
+                        "attention edits; load the model with attn_implementation='sdpa' or 'eager'"
                     )
             for c in model.attention_configs:
                 slot = SWITCHED.get(id(c))

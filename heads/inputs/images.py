@@ -393,8 +393,7 @@ def processor_of(model: HeadModel) -> ImageTextProcessor:
     if proc is None:
         raise HeadsteerValueError(
             f"{short_repr(getattr(model, 'name', 'the model'))} has no image processor: images need a "
-            "vision-language "
-            "model loaded with heads.load_model(folder)"
+            "vision-language model loaded with heads.load_model(folder)"
         )
     return cast(ImageTextProcessor, proc)
 

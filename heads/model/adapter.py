@@ -124,9 +124,8 @@ class HeadModel:
             unembed = _module(model, fam.unembed)
         except AttributeError as e:
             raise HeadsteerValueError(
-                f"model_type {short_repr(cfg.model_type)} ({type(model).__name__}) does not have the "
-                "modules its "
-                f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
+                f"model_type {short_repr(cfg.model_type)} ({type(model).__name__}) does not have the modules "
+                f"its family entry names ({e}); load it with its causal-LM or image-text-to-text class"
             ) from None
         self.model: PreTrainedModel = model
         self.backend: Backend = backend
@@ -332,10 +331,9 @@ class HeadModel:
         fam, attn = self.family, self.attentions[layer]
         if fam.latent:
             raise HeadsteerValueError(
-                f"model_type {short_repr(fam.model_type)} uses multi-head latent attention: queries, "
-                "keys and values "
-                "are decompressed from low-rank latents (with a shared rotary key), so there are no "
-                "per-head W_Q / W_K / W_V matrices; weight-based scorers do not apply"
+                f"model_type {short_repr(fam.model_type)} uses multi-head latent attention: queries, keys "
+                "and values are decompressed from low-rank latents (with a shared rotary key), so there are "
+                "no per-head W_Q / W_K / W_V matrices; weight-based scorers do not apply"
             )
         if fam.fused_qkv:
             w = _weight(_module(attn, cast(str, fam.qkv_proj)))

@@ -627,7 +627,6 @@ def family_of(config: object) -> Family:
         if getattr(config, flag, None):
             raise HeadsteerValueError(
                 f"model_type {short_repr(kind)} with {flag}={short_repr(getattr(config, flag))} is not "
-                "supported: the edit "
-                f"engine does not reproduce {reason}"
+                f"supported: the edit engine does not reproduce {reason}"
             )
     return fam

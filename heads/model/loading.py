@@ -648,8 +648,7 @@ def load_model(
     if device is not None and device_map is not None:
         raise HeadsteerValueError(
             f"device={short_repr(str(device))} and device_map={short_repr(device_map)} both given: "
-            "device_map places "
-            "the layers, so pass only one"
+            "device_map places the layers, so pass only one"
         )
     device = "cpu" if device is None else device
     _check_device(device, f"device={str(device)!r}")

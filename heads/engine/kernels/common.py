@@ -83,8 +83,7 @@ def checked_probs(edit: Edit, new: object, probs: torch.Tensor) -> torch.Tensor:
     if new.shape != probs.shape:
         raise HeadsteerValueError(
             f"{short_repr(edit)}.apply returned shape {tuple(new.shape)}; a pattern edit returns the "
-            "pattern's "
-            f"shape {tuple(probs.shape)}"
+            f"pattern's shape {tuple(probs.shape)}"
         )
     return new.to(device=probs.device, dtype=torch.float32)
 

@@ -113,9 +113,8 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
         fam = None
     if fam is None or fam.mlp_norm is None or fam.mlp is None:
         raise HeadsteerValueError(
-            f"the first-MLP source representation is not defined here for model_type {short_repr(kind)} "
-            "(not a known family, its MLP has no input norm, or it is not one module); "
-            "pass apply_first_mlp=False"
+            f"the first-MLP source representation is not defined here for model_type {short_repr(kind)} (not "
+            "a known family, its MLP has no input norm, or it is not one module); pass apply_first_mlp=False"
         )
     block = model.layers[0]
     h = _module(block, fam.mlp_norm)(x)

@@ -566,8 +566,7 @@ def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int])
     if kind == "resid_pre" and model.family.model_type in _RESID_PRE_UNVERIFIED:
         raise HeadsteerValueError(
             f"kind='resid_pre' is not verified on {short_repr(model.family.model_type)} models (absolute "
-            "position "
-            "embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
+            "position embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
         )
     if kind in ("resid_pre", "attn_out", "mlp_out"):
         return [_Site(la, -1, p) for la in layers for p in positions], (len(layers), len(positions))

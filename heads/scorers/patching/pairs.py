@@ -193,9 +193,8 @@ def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, wh
     if len(ids) != 1 and not first_token:
         pieces = tokenizer.convert_ids_to_tokens(ids)
         raise HeadsteerValueError(
-            f"{where} {short_repr(answer)} is {len(ids)} tokens {pieces}, not one; pass first_token=True "
-            "to use "
-            f"the first token {short_repr(pieces[0])}"
+            f"{where} {short_repr(answer)} is {len(ids)} tokens {pieces}, not one; pass first_token=True to "
+            f"use the first token {short_repr(pieces[0])}"
         )
     return int(ids[0])
 

@@ -270,8 +270,7 @@ class AttentionLens:
         if model.name != self.model or _geometry(model) != self.geometry:
             raise HeadsteerValueError(
                 f"this lens was made for {short_repr(self.model)} {self.geometry} (n_layers, n_heads, "
-                "d_model, "
-                f"d_vocab); the model is {short_repr(model.name)} {_geometry(model)}"
+                f"d_model, d_vocab); the model is {short_repr(model.name)} {_geometry(model)}"
             )
 
     # ----------------------------------------------------------------- applying
