@@ -265,7 +265,9 @@ class Caa:
         p = self.from_position
         start = 0 if p is None else (p if p >= 0 else enc.length + p)
         if start < 0:
-            raise HeadsteerValueError(f"from_position {p} is before the prompt start (length {enc.length})")
+            raise HeadsteerValueError(
+                f"from_position {short_repr(p)} is before the prompt start (length {enc.length})"
+            )
         return [CaaAdd(layer=layer + 1, vector=float(self.coefficient) * self.vector, from_position=start)]
 
     def __repr__(self) -> str:

@@ -100,7 +100,7 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
             q = int(p) + P if p < 0 else int(p)
             if not 0 <= q < P:
                 raise HeadsteerValueError(
-                    f"{name} position {p} is out of range for prompt length {P} (0..{P - 1})"
+                    f"{name} position {short_repr(p)} is out of range for prompt length {P} (0..{P - 1})"
                 )
             out[b, q] = True
     return out

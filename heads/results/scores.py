@@ -173,7 +173,7 @@ class HeadSet:
                 layer = _as_int(layer, "layer", allow_str=True)
                 if isinstance(hs, (str, bytes, Mapping)) or not isinstance(hs, Iterable):
                     raise HeadsteerValueError(
-                        f"heads of layer {layer} must be a list of ints, got {short_repr(hs)}"
+                        f"heads of layer {short_repr(layer)} must be a list of ints, got {short_repr(hs)}"
                     )
                 pairs.extend((layer, _as_int(h, "head")) for h in hs)
             out = cls(pairs)
@@ -198,10 +198,13 @@ class HeadSet:
         """Raise `ValueError` naming the first head outside `n_layers` x `n_heads`."""
         for layer, head in self.heads:
             if n_layers is not None and not 0 <= layer < n_layers:
-                raise HeadsteerValueError(f"unknown layer {layer}: the model has layers 0..{n_layers - 1}")
+                raise HeadsteerValueError(
+                    f"unknown layer {short_repr(layer)}: the model has layers 0..{n_layers - 1}"
+                )
             if n_heads is not None and not 0 <= head < n_heads:
                 raise HeadsteerValueError(
-                    f"unknown head {head} in layer {layer}: the model has heads 0..{n_heads - 1}"
+                    f"unknown head {short_repr(head)} in layer {short_repr(layer)}: the model has heads "
+                    f"0..{n_heads - 1}"
                 )
 
     # ---------------------------------------------------------------- views

@@ -142,3 +142,20 @@ def test_score_file_with_huge_fields_stays_short(tmp_path):
     data["scores"][0][0] = "s" * 100_000
     p.write_text(json.dumps(data))
     assert "a str of 100000 characters" in _short_error(lambda: HeadScores.load(p))
+
+
+def test_huge_head_and_layer_indices_stay_short(tiny_llama):
+    """A head spec's ints are formatted into "unknown head ..." messages: a 5000-digit one used
+    to hit Python's int-to-str limit (a ValueError advising sys.set_int_max_str_digits)."""
+    from heads import HeadSet
+    from steer import SteeredModel
+
+    msg = _short_error(lambda: HeadSet.parse([[0, BIG_INT]], 3, 4))
+    assert msg == "unknown head an int of 5001 digits in layer 0: the model has heads 0..3"
+    assert "unknown layer an int of 5001 digits" in _short_error(
+        lambda: HeadSet.parse({0: [1], BIG_INT: [0]}, 3, 4)
+    )
+    msg = _short_error(
+        lambda: SteeredModel(tiny_llama).generate("Hi **there**", Pasta(heads=[BIG_INT]), max_new_tokens=1)
+    )
+    assert "5001 digits" in msg and "set_int_max_str_digits" not in msg

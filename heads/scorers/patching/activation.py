@@ -551,7 +551,9 @@ def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) ->
             raise HeadsteerTypeError(f"position must be an int, got {short_repr(p)}")
         q = p + T if p < 0 else p
         if not 0 <= q < T:
-            raise HeadsteerValueError(f"position {p} is out of range for padded length {T} (0..{T - 1})")
+            raise HeadsteerValueError(
+                f"position {short_repr(p)} is out of range for padded length {T} (0..{T - 1})"
+            )
         out.append(q)
     return sorted(set(out))
 

@@ -211,7 +211,7 @@ class DLAResult:
         """Mean over pairs of the head terms at `position` (default the last) as `HeadScores`."""
         t = self.heads.shape[-1]
         if not -t <= position < t:
-            raise HeadsteerValueError(f"position {position} is outside 0..{t - 1}")
+            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
         return HeadScores(
             self.heads[..., position].mean(0),
             method="patching.dla",
