@@ -134,7 +134,7 @@ def _scale_edits(
     bad = [la for la in ls if not 0 <= la < model.n_layers]
     if bad:
         raise HeadsteerValueError(
-            f"AdaptVis layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+            f"AdaptVis layer(s) {short_repr(bad[:5])}{' ...' if len(bad) > 5 else ''} outside the model's "
             f"0..{model.n_layers - 1}"
         )
     if bool((weight == 1).all()):

@@ -94,7 +94,8 @@ def _check_layer(model: HeadModel, layer: object) -> int:
     layer = check_int("CAA layer", layer, type_error=True)
     if not 0 <= layer < model.n_layers - 1:
         raise HeadsteerValueError(
-            f"CAA layer {layer} is outside 0..{model.n_layers - 2} (the output of layer L is the input "
+            f"CAA layer {short_repr(layer)} is outside 0..{model.n_layers - 2} (the output of layer L is "
+            "the input "
             "of layer L + 1; the last layer has none)"
         )
     return layer

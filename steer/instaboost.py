@@ -148,7 +148,8 @@ class InstaBoost:
         bad = [la for la in layers if not 0 <= la < model.n_layers]
         if bad:
             raise HeadsteerValueError(
-                f"InstaBoost layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+                f"InstaBoost layer(s) {short_repr(bad[:5])}{' ...' if len(bad) > 5 else ''} outside the "
+                "model's "
                 f"0..{model.n_layers - 1}"
             )
         if not any(enc.spans):

@@ -307,7 +307,7 @@ class HeadModel:
         limit = self.max_positions
         if limit is not None and n_tokens > limit:
             raise HeadsteerValueError(
-                f"sequence of {n_tokens} tokens exceeds the model's limit of {limit} positions"
+                f"sequence of {short_repr(n_tokens)} tokens exceeds the model's limit of {limit} positions"
             )
 
     def check_head(self, layer: int, head: int | None = None) -> None:
@@ -318,7 +318,9 @@ class HeadModel:
             if not is_int(value):
                 raise HeadsteerTypeError(f"{name} must be an int, got {short_repr(value)}")
             if not 0 <= value < n:
-                raise HeadsteerValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")
+                raise HeadsteerValueError(
+                    f"unknown {name} {short_repr(value)}: this model has {n} ({name}s 0..{n - 1})"
+                )
 
     # ------------------------------------------------------------------ weights
     def _o_weight(self, layer: int) -> torch.Tensor:

@@ -339,7 +339,9 @@ class HeadScores:
         n = self.scores.numel()
         if k >= n:
             warnings.warn(
-                f"top-k {k} ≥ the model's {n} heads: every head selected", UserWarning, stacklevel=2
+                f"top-k {short_repr(k)} ≥ the model's {n} heads: every head selected",
+                UserWarning,
+                stacklevel=2,
             )
         return HeadSet(self._ranked()[:k])
 

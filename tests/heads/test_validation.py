@@ -159,3 +159,28 @@ def test_huge_head_and_layer_indices_stay_short(tiny_llama):
         lambda: SteeredModel(tiny_llama).generate("Hi **there**", Pasta(heads=[BIG_INT]), max_new_tokens=1)
     )
     assert "5001 digits" in msg and "set_int_max_str_digits" not in msg
+
+
+def test_huge_layer_indices_of_steering_methods_stay_short(tiny_llama):
+    from heads import HeadScale, editing
+    from steer import AdaptVis, Caa, InstaBoost, Spotlight, SteeredModel
+
+    sm = SteeredModel(tiny_llama)
+    runs = {
+        "unknown layer an int of 5001 digits": lambda: sm.generate("Hi **a**", Spotlight(layers=[BIG_INT])),
+        "InstaBoost layer(s) [<an int of 5001 digits>]": lambda: sm.generate(
+            "Hi **a**", InstaBoost(layers=[BIG_INT])
+        ),
+        "AdaptVis layer(s) [<an int of 5001 digits>]": lambda: sm.generate(
+            "Hi **a**", AdaptVis(layers=[BIG_INT])
+        ),
+        "CAA layer an int of 5001 digits": lambda: sm.generate("Hi", Caa(torch.ones(64), BIG_INT)),
+        "unknown head an int of 5001 digits": lambda: editing(
+            tiny_llama, HeadScale(layer=0, heads=[BIG_INT])
+        ).__enter__(),
+        "sequence of an int of 5001 digits tokens": lambda: sm.generate("Hi", max_new_tokens=BIG_INT),
+    }
+    for expected, run in runs.items():
+        assert expected in _short_error(run)
+    with pytest.warns(UserWarning, match="top-k an int of 5001 digits"):
+        HeadScores(torch.rand(3, 4), method="m").top(BIG_INT)
