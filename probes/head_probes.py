@@ -48,7 +48,7 @@ import torch
 from heads import EncodedPrompts, HeadModel, encode_prompts, forward
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, check_number, is_int
+from heads._util.validation import check_int, check_number, is_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -140,7 +140,9 @@ def _weights(enc, position: PositionSpec) -> torch.Tensor:
             f"the position function must return [B] int positions or a [B, P] bool mask "
             f"(B={batch}, P={length}), got {out.dtype} {tuple(out.shape)}"
         )
-    raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+    raise HeadsteerValueError(
+        f"position must be 'last', 'span', an int or a callable, got {short_repr(position)}"
+    )
 
 
 @torch.no_grad()
@@ -206,14 +208,20 @@ def collect_head_outputs(
     check_int("batch_size", batch_size, lo=1)
     check_int("max_bytes", max_bytes, lo=0, what="a non-negative int")
     if not (position in ("last", "span") or callable(position) or isinstance(position, numbers.Integral)):
-        raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+        raise HeadsteerValueError(
+            f"position must be 'last', 'span', an int or a callable, got {short_repr(position)}"
+        )
     if isinstance(position, bool):
-        raise HeadsteerValueError(f"position must be 'last', 'span', an int or a callable, got {position!r}")
+        raise HeadsteerValueError(
+            f"position must be 'last', 'span', an int or a callable, got {short_repr(position)}"
+        )
     n = len(prompts)
     emph_rows = None
     if emphasize is not None:
         if not isinstance(emphasize, Sequence) or len(emphasize) != n:
-            raise HeadsteerValueError(f"emphasize must hold one entry per prompt ({n}), got {emphasize!r}")
+            raise HeadsteerValueError(
+                f"emphasize must hold one entry per prompt ({n}), got {short_repr(emphasize)}"
+            )
         emph_rows = list(emphasize)
     shape = (n, model.n_layers, model.n_heads, model.d_head)
     nbytes = 4 * math.prod(shape)
@@ -419,7 +427,7 @@ class ProbeResult:
     def ranked(self, k: int | None = None, by: str = "accuracy") -> list[tuple[int, int]]:
         """Heads `(layer, head)` by descending held-out `by` ("accuracy" or "auc")."""
         if by not in ("accuracy", "auc"):
-            raise HeadsteerValueError(f"by must be 'accuracy' or 'auc', got {by!r}")
+            raise HeadsteerValueError(f"by must be 'accuracy' or 'auc', got {short_repr(by)}")
         return getattr(self, by).ranked(k)
 
     def to_frame(self):
@@ -520,7 +528,7 @@ def fit_head_probes(
         y = y.astype(np.int64)
     bad = sorted({v for v in y.tolist() if v not in (0, 1)}, key=repr)
     if bad:
-        raise HeadsteerValueError(f"labels must be binary 0/1, got value {bad[0]!r}")
+        raise HeadsteerValueError(f"labels must be binary 0/1, got value {short_repr(bad[0])}")
     y = y.astype(np.int64)
     check_int("cv", cv, lo=2)
     counts = np.bincount(y, minlength=2)
@@ -529,7 +537,7 @@ def fit_head_probes(
             f"each class needs at least cv={cv} rows, got {counts[0]} of 0 and {counts[1]} of 1"
         )
     if not is_int(seed):
-        raise HeadsteerValueError(f"seed must be an int, got {seed!r}")
+        raise HeadsteerValueError(f"seed must be an int, got {short_repr(seed)}")
     for a in range(0, n, 256):
         chunk = np.asarray(x[a : a + 256])
         if not np.isfinite(chunk).all():
@@ -539,7 +547,7 @@ def fit_head_probes(
     if estimator is None:
         estimator = LogisticRegression(max_iter=1000)
     elif not (hasattr(estimator, "fit") and hasattr(estimator, "get_params")):
-        raise HeadsteerValueError(f"estimator must be a scikit-learn classifier, got {estimator!r}")
+        raise HeadsteerValueError(f"estimator must be a scikit-learn classifier, got {short_repr(estimator)}")
     if groups is not None:
         groups = np.asarray(groups)
         if groups.shape != (n,):
@@ -660,12 +668,14 @@ def probe_data(name: str, split: str = "train", limit: int | None = None) -> Pro
     from probes.datasets.tasks import load_task
 
     if name not in PROBE_TASKS:
-        raise HeadsteerValueError(f"unknown probe task {name!r}: use one of {PROBE_TASKS}")
+        raise HeadsteerValueError(f"unknown probe task {short_repr(name)}: use one of {PROBE_TASKS}")
     if limit is not None and (not is_int(limit) or limit < 1):
-        raise HeadsteerValueError(f"limit must be a positive int, got {limit!r}")
+        raise HeadsteerValueError(f"limit must be a positive int, got {short_repr(limit)}")
     if name == "harmful":
         if split not in ("train", "test"):
-            raise HeadsteerValueError(f"the request sets have splits 'train' and 'test', got {split!r}")
+            raise HeadsteerValueError(
+                f"the request sets have splits 'train' and 'test', got {short_repr(split)}"
+            )
         bad = load_requests("harmful", split)[:limit]
         good = load_requests("harmless", split)[:limit]
         prompts = [[{"role": "user", "content": r["prompt"]}] for r in bad + good]
@@ -719,14 +729,16 @@ def fit_iti(
         or not isinstance(k, numbers.Integral)
         or not 1 <= k <= model.n_layers * model.n_heads
     ):
-        raise HeadsteerValueError(f"k must be an int in 1..{model.n_layers * model.n_heads}, got {k!r}")
+        raise HeadsteerValueError(
+            f"k must be an int in 1..{model.n_layers * model.n_heads}, got {short_repr(k)}"
+        )
     check_number("alpha", alpha)
     if direction not in ("mass_mean", "probe"):
-        raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
+        raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {short_repr(direction)}")
     examples = load_task(task, "train").examples[:limit]
     if examples[0].choices is None:
         raise HeadsteerValueError(
-            f"ITI needs a choice task (counterfact, sentiment, occupation), got {task!r}"
+            f"ITI needs a choice task (counterfact, sentiment, occupation), got {short_repr(task)}"
         )
     prompts, labels, groups = _answer_rows(examples)
     acts = collect_head_outputs(model, prompts, "last", batch_size=batch_size, chat=examples[0].chat)

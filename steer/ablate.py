@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from heads._util.validation import check_number
+from heads._util.validation import check_number, short_repr
 from heads.engine.edits import Edit, HeadScale, QueryScale, max_factor
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -46,7 +46,7 @@ class Ablate:
 
     def __post_init__(self) -> None:
         if self.method not in ("ua", "sc"):
-            raise HeadsteerValueError(f"unknown ablation method {self.method!r}: use 'ua' or 'sc'")
+            raise HeadsteerValueError(f"unknown ablation method {short_repr(self.method)}: use 'ua' or 'sc'")
         check_number("eps", self.eps)
         if self.eps == 1:
             warn_noop(f"Ablate eps={self.eps} is a no-op: output equals the unsteered model", stacklevel=4)

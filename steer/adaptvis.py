@@ -34,6 +34,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -56,9 +57,9 @@ DEFAULT_WEIGHT1, DEFAULT_WEIGHT2, DEFAULT_THRESHOLD = 0.5, 1.5, 0.4
 
 def _weight(name: str, x: object) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise HeadsteerTypeError(f"{name} must be a number, got {x!r}")
-    if not math.isfinite(x) or not 0 <= x <= MAX_WEIGHT:
-        raise HeadsteerValueError(f"{name} must be in [0, {MAX_WEIGHT:g}], got {x!r}")
+        raise HeadsteerTypeError(f"{name} must be a number, got {short_repr(x)}")
+    if not is_number(x) or not math.isfinite(x) or not 0 <= x <= MAX_WEIGHT:  # 10**400: no float
+        raise HeadsteerValueError(f"{name} must be in [0, {MAX_WEIGHT:g}], got {short_repr(x)}")
     return float(x)
 
 
@@ -66,9 +67,11 @@ def _layers(name: str, layers: object) -> tuple[int, ...] | None:
     if layers is None:
         return None
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple, range)) or not layers:
-        raise HeadsteerValueError(f"{name} layers must be a non-empty list of layer indices, got {layers!r}")
+        raise HeadsteerValueError(
+            f"{name} layers must be a non-empty list of layer indices, got {short_repr(layers)}"
+        )
     if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in layers):
-        raise HeadsteerTypeError(f"{name} layers must be ints, got {layers!r}")
+        raise HeadsteerTypeError(f"{name} layers must be ints, got {short_repr(layers)}")
     return tuple(int(x) for x in layers)
 
 
@@ -113,7 +116,8 @@ def _region(enc: EncodedPrompts, target: Target, method: str) -> torch.Tensor:
     spans = enc.select_spans(target)
     if not any(spans):
         raise HeadsteerValueError(
-            f"{method} needs an image or a marked context passage (**...** / emphasize=), target={target!r}"
+            f"{method} needs an image or a marked context passage (**...** / emphasize=), "
+            f"target={short_repr(target)}"
         )
     warn_rows_without_span(enc, method, spans=spans, stacklevel=4)
     region = torch.zeros(enc.batch, enc.length, dtype=torch.bool)
@@ -130,7 +134,7 @@ def _scale_edits(
     bad = [la for la in ls if not 0 <= la < model.n_layers]
     if bad:
         raise HeadsteerValueError(
-            f"AdaptVis layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+            f"AdaptVis layer(s) {short_repr(bad[:5])}{' ...' if len(bad) > 5 else ''} outside the model's "
             f"0..{model.n_layers - 1}"
         )
     if bool((weight == 1).all()):
@@ -165,7 +169,7 @@ class ScalingVis:
         w = _weight("ScalingVis weight", self.weight)
         if self.target not in ("auto", "image", "text"):
             raise HeadsteerValueError(
-                f"unknown ScalingVis target {self.target!r}: use 'auto', 'image' or 'text'"
+                f"unknown ScalingVis target {short_repr(self.target)}: use 'auto', 'image' or 'text'"
             )
         object.__setattr__(self, "layers", _layers("ScalingVis", self.layers))
         if w == 1:
@@ -223,12 +227,12 @@ class AdaptVis:
         _weight("AdaptVis weight2", self.weight2)
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
-            raise HeadsteerTypeError(f"AdaptVis threshold must be a number, got {t!r}")
-        if not math.isfinite(t) or not 0 <= t <= 1:
-            raise HeadsteerValueError(f"AdaptVis threshold must be in [0, 1], got {t!r}")
+            raise HeadsteerTypeError(f"AdaptVis threshold must be a number, got {short_repr(t)}")
+        if not is_number(t) or not math.isfinite(t) or not 0 <= t <= 1:
+            raise HeadsteerValueError(f"AdaptVis threshold must be in [0, 1], got {short_repr(t)}")
         if self.target not in ("auto", "image", "text"):
             raise HeadsteerValueError(
-                f"unknown AdaptVis target {self.target!r}: use 'auto', 'image' or 'text'"
+                f"unknown AdaptVis target {short_repr(self.target)}: use 'auto', 'image' or 'text'"
             )
         object.__setattr__(self, "layers", _layers("AdaptVis", self.layers))
         if self.weight1 == 1 and self.weight2 == 1:

@@ -22,7 +22,6 @@ and the `steering-vectors` package (`layer_type="decoder_block"`, a forward hook
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, is_int
+from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import MAX_FACTOR, AttentionCall, ResidualEdit, ResidualRecorder
 from heads.engine.forward import forward
@@ -95,7 +94,8 @@ def _check_layer(model: HeadModel, layer: object) -> int:
     layer = check_int("CAA layer", layer, type_error=True)
     if not 0 <= layer < model.n_layers - 1:
         raise HeadsteerValueError(
-            f"CAA layer {layer} is outside 0..{model.n_layers - 2} (the output of layer L is the input "
+            f"CAA layer {short_repr(layer)} is outside 0..{model.n_layers - 2} (the output of layer L is "
+            "the input "
             "of layer L + 1; the last layer has none)"
         )
     return layer
@@ -104,13 +104,13 @@ def _check_layer(model: HeadModel, layer: object) -> int:
 def _check_pairs(pairs: object) -> list[tuple[str, str]]:
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
         raise HeadsteerValueError(
-            f"pairs must be a non-empty list of (positive, negative) strings, got {pairs!r}"
+            f"pairs must be a non-empty list of (positive, negative) strings, got {short_repr(pairs)}"
         )
     out = []
     for i, p in enumerate(pairs):
         ok = isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(s, str) and s for s in p)
         if not ok:
-            raise HeadsteerValueError(f"pairs[{i}] must be two non-empty strings, got {p!r}")
+            raise HeadsteerValueError(f"pairs[{i}] must be two non-empty strings, got {short_repr(p)}")
         out.append((p[0], p[1]))
     return out
 
@@ -210,20 +210,15 @@ class Caa:
             big = float(raw.double().abs().max())
             raise HeadsteerValueError(f"CAA vector holds {big:.3g}, beyond float32's range (3.4e38)")
         c = self.coefficient
-        if (
-            isinstance(c, bool)
-            or not isinstance(c, numbers.Real)
-            or not math.isfinite(c)
-            or abs(c) > MAX_FACTOR
-        ):
+        if isinstance(c, bool) or not is_number(c) or not math.isfinite(c) or abs(c) > MAX_FACTOR:
             raise HeadsteerValueError(
-                f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {c!r}"
+                f"CAA coefficient must be a finite number within +-{MAX_FACTOR:g}, got {short_repr(c)}"
             )
         _check_peak(_peak(v, c), MAX_ENTRY, "the next layer's norm would square it past float32's range")
         check_int("CAA layer", self.layer, type_error=True)
         p = self.from_position
         if p is not None and (not is_int(p)):
-            raise HeadsteerTypeError(f"from_position must be an int or None, got {p!r}")
+            raise HeadsteerTypeError(f"from_position must be an int or None, got {short_repr(p)}")
         object.__setattr__(self, "vector", v)
         if c == 0 or not bool(v.any()):
             warn_noop("CAA with coefficient 0 or a zero vector is a no-op: output equals the unsteered model")
@@ -271,7 +266,9 @@ class Caa:
         p = self.from_position
         start = 0 if p is None else (p if p >= 0 else enc.length + p)
         if start < 0:
-            raise HeadsteerValueError(f"from_position {p} is before the prompt start (length {enc.length})")
+            raise HeadsteerValueError(
+                f"from_position {short_repr(p)} is before the prompt start (length {enc.length})"
+            )
         return [CaaAdd(layer=layer + 1, vector=float(self.coefficient) * self.vector, from_position=start)]
 
     def __repr__(self) -> str:
@@ -288,7 +285,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_NAME:
         raise HeadsteerValueError(
-            f"CAA vector name must be 1..{MAX_NAME} letters, digits, '_', '.' or '-', got {name!r}"
+            f"CAA vector name must be 1..{MAX_NAME} letters, digits, '_', '.' or '-', got {short_repr(name)}"
         )
     return name
 
@@ -317,7 +314,7 @@ def save_caa_vectors(path: str | os.PathLike, vectors: Mapping[str, Caa], *, ove
     for name, caa in vectors.items():
         _check_name(name)
         if not isinstance(caa, Caa):
-            raise HeadsteerTypeError(f"vectors[{name!r}] must be a Caa, got {type(caa).__name__}")
+            raise HeadsteerTypeError(f"vectors[{short_repr(name)}] must be a Caa, got {type(caa).__name__}")
         tensors[name] = caa.vector.contiguous()
         meta[f"layer.{name}"] = str(caa.layer)
     return write_bytes(path, save(tensors, metadata=meta), overwrite=overwrite)
@@ -364,9 +361,11 @@ def load_caa_vectors(path: str | os.PathLike) -> dict[str, Caa]:
         _check_name(name)
         layer = meta.get(f"layer.{name}", "")
         if not re.fullmatch(r"\d{1,6}", layer):
-            raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)} has no integer layer")
+            raise HeadsteerValueError(
+                f"CAA vector {short_repr(name)} in {short_path(path)} has no integer layer"
+            )
         try:
             out[name] = Caa(v, int(layer))  # checked in its own dtype
         except ValueError as exc:
-            raise HeadsteerValueError(f"CAA vector {name!r} in {short_path(path)}: {exc}") from None
+            raise HeadsteerValueError(f"CAA vector {short_repr(name)} in {short_path(path)}: {exc}") from None
     return out

@@ -7,10 +7,12 @@ every position, prompt rows and each decode step, through the engine's `head_out
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import Edit, max_factor
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -47,13 +49,17 @@ class HeadGates:
 
     def __post_init__(self) -> None:
         if self.which not in ("remove", "retain", "gates"):
-            raise HeadsteerValueError(f"which must be 'remove', 'retain' or 'gates', got {self.which!r}")
+            raise HeadsteerValueError(
+                f"which must be 'remove', 'retain' or 'gates', got {short_repr(self.which)}"
+            )
         if not isinstance(self.binary, bool):
-            raise HeadsteerTypeError(f"binary must be True or False, got {self.binary!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
-            raise HeadsteerTypeError(f"threshold must be a number in (0, 1), got {self.threshold!r}")
-        if not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
-            raise HeadsteerValueError(f"threshold must be in (0, 1), got {self.threshold!r}")
+            raise HeadsteerTypeError(f"binary must be True or False, got {short_repr(self.binary)}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, numbers.Real):
+            raise HeadsteerTypeError(
+                f"threshold must be a number in (0, 1), got {short_repr(self.threshold)}"
+            )
+        if not is_number(self.threshold) or not 0.0 < float(self.threshold) < 1.0:  # NaN fails too
+            raise HeadsteerValueError(f"threshold must be in (0, 1), got {short_repr(self.threshold)}")
         g = self.values()
         if bool(torch.isinf(g).any()):
             raise HeadsteerValueError("HeadGates: gates must be finite (NaN = no gate)")

@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import is_int, is_number
+from heads._util.validation import is_int, is_number, is_real, short_repr
 from heads.engine.edits import MAX_FACTOR
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -111,16 +111,20 @@ class InstaBoost:
 
     def __post_init__(self) -> None:
         m = self.multiplier
-        if not is_number(m):
-            raise HeadsteerTypeError(f"InstaBoost multiplier must be a number, got {m!r}")
-        if not math.isfinite(m) or m <= 0 or m > MAX_FACTOR:
-            raise HeadsteerValueError(f"InstaBoost multiplier must be in (0, {MAX_FACTOR:g}], got {m!r}")
+        if not is_real(m):
+            raise HeadsteerTypeError(f"InstaBoost multiplier must be a number, got {short_repr(m)}")
+        if not is_number(m) or not math.isfinite(m) or m <= 0 or m > MAX_FACTOR:
+            raise HeadsteerValueError(
+                f"InstaBoost multiplier must be in (0, {MAX_FACTOR:g}], got {short_repr(m)}"
+            )
         if self.region not in ("span", "prefix"):
-            raise HeadsteerValueError(f"unknown InstaBoost region {self.region!r}: use 'span' or 'prefix'")
+            raise HeadsteerValueError(
+                f"unknown InstaBoost region {short_repr(self.region)}: use 'span' or 'prefix'"
+            )
         if self.layers is not None:
             layers = tuple(self.layers)
             if any(not is_int(la) for la in layers):
-                raise HeadsteerTypeError(f"InstaBoost layers must be ints, got {self.layers!r}")
+                raise HeadsteerTypeError(f"InstaBoost layers must be ints, got {short_repr(self.layers)}")
             object.__setattr__(self, "layers", tuple(int(la) for la in layers))
             if not layers:
                 warn_noop("InstaBoost with no layers steers nothing: output equals the unsteered model")
@@ -144,7 +148,8 @@ class InstaBoost:
         bad = [la for la in layers if not 0 <= la < model.n_layers]
         if bad:
             raise HeadsteerValueError(
-                f"InstaBoost layer(s) {bad[:5]}{' ...' if len(bad) > 5 else ''} outside the model's "
+                f"InstaBoost layer(s) {short_repr(bad[:5])}{' ...' if len(bad) > 5 else ''} outside the "
+                "model's "
                 f"0..{model.n_layers - 1}"
             )
         if not any(enc.spans):

@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from heads._util.validation import check_int, check_number, is_int
+from heads._util.validation import check_int, check_number, is_int, short_repr
 from heads.engine.edits import MAX_FACTOR, AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -101,15 +101,15 @@ class Iti:
             pairs = list(heads.heads)
         elif isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
             raise HeadsteerValueError(
-                f"heads must be a list of (layer, head) pairs or a HeadSet, got {heads!r}"
+                f"heads must be a list of (layer, head) pairs or a HeadSet, got {short_repr(heads)}"
             )
         else:
             pairs = []
             for x in heads:
                 if not isinstance(x, (tuple, list)) or len(x) != 2:
-                    raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
+                    raise HeadsteerValueError(f"expected a (layer, head) pair, got {short_repr(x)}")
                 if any(not is_int(v) for v in x):
-                    raise HeadsteerValueError(f"layer and head must be ints, got {x!r}")
+                    raise HeadsteerValueError(f"layer and head must be ints, got {short_repr(x)}")
                 pairs.append((int(x[0]), int(x[1])))
         if len(set(pairs)) != len(pairs):
             raise HeadsteerValueError(f"duplicate heads in {pairs}")
@@ -126,13 +126,15 @@ class Iti:
         if not torch.isfinite(s).all() or (s < 0).any():
             raise HeadsteerValueError(f"sigmas must be finite and >= 0, got {s.tolist()}")
         if abs(_finite(self.alpha, "alpha")) > MAX_FACTOR:
-            raise HeadsteerValueError(f"alpha must have |alpha| <= {MAX_FACTOR:g}, got {self.alpha!r}")
+            raise HeadsteerValueError(
+                f"alpha must have |alpha| <= {MAX_FACTOR:g}, got {short_repr(self.alpha)}"
+            )
         if not pairs:
             warn_noop("ITI with no heads steers nothing: output equals the unsteered model")
         elif float(self.alpha) != 0 and not bool((d.abs().sum(1) * s).any()):
             warn_noop("ITI shifts are all zero (zero sigmas or directions): output equals the unsteered")
         if not is_int(self.from_position):
-            raise HeadsteerValueError(f"from_position must be an int, got {self.from_position!r}")
+            raise HeadsteerValueError(f"from_position must be an int, got {short_repr(self.from_position)}")
         object.__setattr__(self, "heads", tuple(pairs))
         object.__setattr__(self, "directions", d)
         object.__setattr__(self, "sigmas", s)
@@ -161,7 +163,9 @@ class Iti:
         """
         check_int("k", k, lo=1)
         if direction not in ("mass_mean", "probe"):
-            raise HeadsteerValueError(f"direction must be 'mass_mean' or 'probe', got {direction!r}")
+            raise HeadsteerValueError(
+                f"direction must be 'mass_mean' or 'probe', got {short_repr(direction)}"
+            )
         heads = result.ranked(int(k), by=by)
         dirs = getattr(result, f"{direction}_directions")
         sig = getattr(result, f"{direction}_sigma")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heads._util.validation import is_number, short_repr
 from heads.engine.edits import AttentionCall, Edit, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -82,7 +83,7 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
     B, P = enc.batch, enc.length
     if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence) or not len(spec):
         raise HeadsteerValueError(
-            f"{name} must be a non-empty list of positions (or one list per row), got {spec!r}"
+            f"{name} must be a non-empty list of positions (or one list per row), got {short_repr(spec)}"
         )
     rows: list[Sequence[object]]
     if all(isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in spec):
@@ -95,11 +96,11 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
     for b, row in enumerate(rows):
         for p in row:
             if isinstance(p, bool) or not isinstance(p, numbers.Integral):
-                raise HeadsteerTypeError(f"{name} positions must be ints, got {p!r}")
+                raise HeadsteerTypeError(f"{name} positions must be ints, got {short_repr(p)}")
             q = int(p) + P if p < 0 else int(p)
             if not 0 <= q < P:
                 raise HeadsteerValueError(
-                    f"{name} position {p} is out of range for prompt length {P} (0..{P - 1})"
+                    f"{name} position {short_repr(p)} is out of range for prompt length {P} (0..{P - 1})"
                 )
             out[b, q] = True
     return out
@@ -138,22 +139,26 @@ class Knockout:
 
     def __post_init__(self) -> None:
         f = self.factor
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
-            raise HeadsteerValueError(f"factor must be a finite number >= 0 (0 = knockout), got {f!r}")
+        if not is_number(f) or not math.isfinite(f) or f < 0:
+            raise HeadsteerValueError(
+                f"factor must be a finite number >= 0 (0 = knockout), got {short_repr(f)}"
+            )
         if f == 1:
             warn_noop("Knockout factor=1 is a no-op: output equals the unsteered model", stacklevel=4)
 
     def _layers_heads(self, model: HeadModel) -> tuple[list[int], list[int] | None]:
         layers = list(range(model.n_layers)) if self.layers is None else self.layers
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not len(layers):
-            raise HeadsteerValueError(f"layers must be a non-empty list of layers, got {self.layers!r}")
+            raise HeadsteerValueError(
+                f"layers must be a non-empty list of layers, got {short_repr(self.layers)}"
+            )
         for la in layers:
             model.check_head(la)
         heads = None
         if self.heads is not None:
             if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Sequence) or not self.heads:
                 raise HeadsteerValueError(
-                    f"heads must be a non-empty list of head indices, got {self.heads!r}"
+                    f"heads must be a non-empty list of head indices, got {short_repr(self.heads)}"
                 )
             for h in self.heads:
                 model.check_head(layers[0], h)
@@ -169,7 +174,7 @@ class Knockout:
         """
         if isinstance(self.keys, str):
             if self.keys != "span":
-                raise HeadsteerValueError(f"keys must be positions or 'span', got {self.keys!r}")
+                raise HeadsteerValueError(f"keys must be positions or 'span', got {short_repr(self.keys)}")
             keys = enc.span_mask()
             if not bool(keys.any()):
                 raise HeadsteerValueError("keys='span' but no prompt has an emphasized span (**text**)")

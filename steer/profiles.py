@@ -14,6 +14,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.loading import EMBEDDED_MODEL
 
@@ -25,7 +26,7 @@ KINDS = ("pasta", "act")
 def profile_path(kind: str) -> str:
     """Path of the shipped `kind` profile file (which may not exist yet in a source checkout)."""
     if kind not in KINDS:
-        raise HeadsteerValueError(f"unknown profile kind {kind!r}: use one of {KINDS}")
+        raise HeadsteerValueError(f"unknown profile kind {short_repr(kind)}: use one of {KINDS}")
     return str(resources.files("steer").joinpath(f"data/{EMBEDDED_MODEL.lower()}.{kind}.json"))
 
 
@@ -39,7 +40,7 @@ def shipped_profile(kind: str, model_name: str) -> str:
     path = profile_path(kind)
     if model_name != EMBEDDED_MODEL or not Path(path).is_file():
         raise HeadsteerValueError(
-            f"no shipped {kind} head profile for model {model_name!r} (only {EMBEDDED_MODEL}); "
+            f"no shipped {kind} head profile for model {short_repr(model_name)} (only {EMBEDDED_MODEL}); "
             f"run `headsteer profile {kind}` and pass the file"
         )
     return path

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
-from heads._util.validation import is_int, is_number
+from heads._util.validation import is_int, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -105,35 +105,14 @@ def _heads_spec(value, method: str):
         return [tuple(p) for p in value]
     raise HeadsteerValueError(
         f'steer {method}: heads must be "auto", a {{"layer": [heads]}} object or a list of '
-        f"[layer, head] pairs, got {_short(value)}"
+        f"[layer, head] pairs, got {short_repr(value)}"
     )
 
 
 def _number(value, name: str) -> float:
-    if not is_number(value):
-        raise HeadsteerValueError(f"{name} must be a finite number, got {_short(value)}")
-    try:
-        out = float(value)
-    except OverflowError:  # an int beyond float range
-        raise HeadsteerValueError(
-            f"{name} must be a finite number, got an integer of {_digits(value)} digits"
-        ) from None
-    if not math.isfinite(out):
-        raise HeadsteerValueError(f"{name} must be a finite number, got {value!r}")
-    return out
-
-
-def _digits(value: int) -> str:
-    """How many decimal digits `value` has, without `str()` (which refuses over 4300 digits)."""
-    return f"about {int(abs(value).bit_length() * 0.30103) + 1}"
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters (a huge value must not flood the error line)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
-        return f"an integer of {_digits(value)} digits"
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if not is_number(value) or not math.isfinite(float(value)):
+        raise HeadsteerValueError(f"{name} must be a finite number, got {short_repr(value)}")
+    return float(value)
 
 
 def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Intervention]:
@@ -172,21 +151,23 @@ def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Inte
     if spec is None:
         return []
     if not isinstance(spec, list):
-        raise HeadsteerValueError(f"steer must be a list of {{'method': ...}} objects, got {_short(spec)}")
+        raise HeadsteerValueError(
+            f"steer must be a list of {{'method': ...}} objects, got {short_repr(spec)}"
+        )
     if len(spec) > MAX_STEER:
         raise HeadsteerValueError(f"steer has {len(spec)} items, more than the limit of {MAX_STEER}")
     out: list[Intervention] = []
     for i, item in enumerate(spec):
         if not isinstance(item, Mapping) or "method" not in item:
-            raise HeadsteerValueError(f"steer[{i}] must be an object with a 'method', got {_short(item)}")
+            raise HeadsteerValueError(f"steer[{i}] must be an object with a 'method', got {short_repr(item)}")
         method = item["method"]
         if not isinstance(method, str) or method not in _METHODS:
             raise HeadsteerValueError(
-                f"steer[{i}].method: unknown method {_short(method)}, use one of {sorted(_METHODS)}"
+                f"steer[{i}].method: unknown method {short_repr(method)}, use one of {sorted(_METHODS)}"
             )
         extra = set(item) - {"method", *_METHODS[method]}
         if extra:
-            names = sorted(_short(x) for x in extra)
+            names = sorted(short_repr(x) for x in extra)
             raise HeadsteerValueError(f"steer[{i}] ({method}): unknown field(s) {names}")
         try:
             with refusing_noop():  # a steering request that changes nothing is a bad request
@@ -200,7 +181,7 @@ def _layers_field(item: Mapping) -> dict:
     if item.get("layers") is None:
         return {}
     if not isinstance(item["layers"], list):
-        raise HeadsteerValueError(f"layers must be a list of layer indices, got {_short(item['layers'])}")
+        raise HeadsteerValueError(f"layers must be a list of layer indices, got {short_repr(item['layers'])}")
     return {"layers": tuple(item["layers"])}
 
 
@@ -213,7 +194,7 @@ def _caa(item: Mapping, vectors: Mapping[str, Caa]) -> Caa:
             raise HeadsteerValueError(f"vector is required: this server has {sorted(vectors)}")
         name = next(iter(vectors))
     if not isinstance(name, str) or name not in vectors:
-        raise HeadsteerValueError(f"unknown vector {_short(name)}: this server has {sorted(vectors)}")
+        raise HeadsteerValueError(f"unknown vector {short_repr(name)}: this server has {sorted(vectors)}")
     base = vectors[name]
     c = _number(item["coefficient"], "coefficient") if "coefficient" in item else 1.0
     return Caa(base.vector, base.layer, c, base.from_position)
@@ -290,22 +271,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         m = self.max_tokens
         if not is_int(m) or m < 1:
-            raise HeadsteerValueError(f"max_tokens must be a positive integer, got {_short(m)}")
+            raise HeadsteerValueError(f"max_tokens must be a positive integer, got {short_repr(m)}")
         t = _number(self.temperature, "temperature")
         if not 0 <= t <= 2:
-            raise HeadsteerValueError(f"temperature must be in [0, 2], got {t!r}")
+            raise HeadsteerValueError(f"temperature must be in [0, 2], got {short_repr(t)}")
         p = _number(self.top_p, "top_p")
         if not 0 < p <= 1:
-            raise HeadsteerValueError(f"top_p must be in (0, 1], got {p!r}")
+            raise HeadsteerValueError(f"top_p must be in (0, 1], got {short_repr(p)}")
         s = self.seed
         if s is not None and (not is_int(s) or not 0 <= s <= MAX_SEED):
-            raise HeadsteerValueError(f"seed must be an integer in [0, 2**63 - 1], got {_short(s)}")
+            raise HeadsteerValueError(f"seed must be an integer in [0, 2**63 - 1], got {short_repr(s)}")
         if len(self.stop) > MAX_STOP or any(
             not isinstance(x, str) or not x or len(x) > MAX_STOP_CHARS for x in self.stop
         ):
             raise HeadsteerValueError(
                 f"stop must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} "
-                f"characters, got {_short(list(self.stop))}"
+                f"characters, got {short_repr(list(self.stop))}"
             )
 
     @classmethod
@@ -316,7 +297,7 @@ class SamplingParams:
             ValueError: a bad value (named), or `n` other than 1.
         """
         if body.get("n", 1) != 1:
-            raise HeadsteerValueError(f"n must be 1, got {_short(body.get('n'))}")
+            raise HeadsteerValueError(f"n must be 1, got {short_repr(body.get('n'))}")
         stop = body.get("stop")
         if stop is None:
             stop = ()
@@ -327,7 +308,7 @@ class SamplingParams:
                 raise HeadsteerValueError(f"stop has {len(stop)} strings, more than the limit of {MAX_STOP}")
             stop = tuple(stop)
         else:
-            raise HeadsteerValueError(f"stop must be a string or a list of strings, got {_short(stop)}")
+            raise HeadsteerValueError(f"stop must be a string or a list of strings, got {short_repr(stop)}")
         mt = body.get(max_tokens_key)
         if mt is None:
             mt = body.get("max_completion_tokens")
@@ -599,7 +580,9 @@ class BatchGenerator:
             or not isinstance(max_prompt_tokens, int)
             or max_prompt_tokens < 1
         ):
-            raise HeadsteerValueError(f"max_prompt_tokens must be a positive int, got {max_prompt_tokens!r}")
+            raise HeadsteerValueError(
+                f"max_prompt_tokens must be a positive int, got {short_repr(max_prompt_tokens)}"
+            )
         self.model = model
         self.max_prompt_tokens = max_prompt_tokens
         tok = model.tokenizer

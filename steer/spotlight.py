@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_bool, is_int, is_number
+from heads._util.validation import check_bool, is_int, is_number, is_real, short_repr
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, SpanShareEdit
 from heads.engine.kernels import fused
@@ -126,7 +126,8 @@ class SpotlightEdit(SpanShareEdit):
         # pooled rows must be the whole prefill: not one block of it, not a multi-row call on a cache
         if self.granularity != "row" and (call.split or (call.q_len > 1 and call.q_offset > 0)):
             raise HeadsteerValueError(
-                f"SpotLight granularity {self.granularity!r} pools the whole prefill, but the engine split "
+                f"SpotLight granularity {short_repr(self.granularity)} pools the whole prefill, but the "
+                "engine split "
                 f"it into query blocks ({call.q_len} of {call.k_len} rows): use granularity='row', or "
                 "kernel='auto' / 'fused' (no grad) for prompts longer than heads.engine.state.QUERY_BLOCK"
             )
@@ -142,11 +143,11 @@ class SpotlightEdit(SpanShareEdit):
 
 
 def _check_tau(tau: object) -> float:
-    if not is_number(tau):
-        raise HeadsteerTypeError(f"tau must be a number, got {tau!r}")
-    value = float(tau)
+    if not is_real(tau):
+        raise HeadsteerTypeError(f"tau must be a number, got {short_repr(tau)}")
+    value = float(tau) if is_number(tau) else math.inf  # 10**400: no float holds it
     if not math.isfinite(value) or not 0 < value < 1:
-        raise HeadsteerValueError(f"tau must be in (0, 1), got {tau!r}")
+        raise HeadsteerValueError(f"tau must be in (0, 1), got {short_repr(tau)}")
     return value
 
 
@@ -181,24 +182,26 @@ class Spotlight:
     def validate(self) -> None:
         _check_tau(self.tau)
         if self.bias not in ("odds", "ratio", "solve"):
-            raise HeadsteerValueError(f"unknown bias {self.bias!r}: use 'odds', 'ratio' or 'solve'")
+            raise HeadsteerValueError(f"unknown bias {short_repr(self.bias)}: use 'odds', 'ratio' or 'solve'")
         if self.granularity not in _DIMS:
             raise HeadsteerValueError(
-                f"unknown granularity {self.granularity!r}: use 'layer', 'head' or 'row'"
+                f"unknown granularity {short_repr(self.granularity)}: use 'layer', 'head' or 'row'"
             )
         check_bool("steer_decode", self.steer_decode, what="a bool")
         if self.layers is not None:
             ls = self.layers
             if isinstance(ls, (str, bytes)) or not isinstance(ls, (list, tuple, range)):
-                raise HeadsteerTypeError(f"layers must be None or a list of layer indices, got {ls!r}")
+                raise HeadsteerTypeError(
+                    f"layers must be None or a list of layer indices, got {short_repr(ls)}"
+                )
             if not ls:
                 raise HeadsteerValueError(
                     "layers is empty: SpotLight would steer nothing (None = every layer)"
                 )
             if any(not is_int(x) for x in ls):
-                raise HeadsteerTypeError(f"layers must be ints, got {ls!r}")
+                raise HeadsteerTypeError(f"layers must be ints, got {short_repr(ls)}")
             if len(set(ls)) != len(ls):
-                raise HeadsteerValueError(f"layers has duplicates (each would steer again): {ls!r}")
+                raise HeadsteerValueError(f"layers has duplicates (each would steer again): {short_repr(ls)}")
 
     def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[SpotlightEdit]:
         """One `SpotlightEdit` per steered layer for the batch `enc`.
@@ -221,8 +224,8 @@ class Spotlight:
         block = engine_state.QUERY_BLOCK
         if self.granularity != "row" and enc.length > block and not fused.available():
             raise HeadsteerValueError(
-                f"SpotLight granularity {self.granularity!r} pools the whole prefill, but a prompt of "
-                f"{enc.length} tokens is split into query blocks of {block} rows "
+                f"SpotLight granularity {short_repr(self.granularity)} pools the whole prefill, but a prompt "
+                f"of {enc.length} tokens is split into query blocks of {block} rows "
                 "(heads.engine.state.QUERY_BLOCK) and this torch has no flex_attention for the fused "
                 "kernel: use granularity='row' for longer prompts"
             )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from heads._util.progress import Progress, ProgressArg, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -150,7 +150,8 @@ class SteeredModel:
             )
         if images is not None:
             raise HeadsteerValueError(
-                f"images given, but {self.model.name!r} is not a vision-language model (no processor)"
+                f"images given, but {short_repr(self.model.name)} is not a vision-language model (no "
+                "processor)"
             )
         return encode_prompts(self.model.tokenizer, prompts, emphasize=emphasize, chat=chat, markup=markup)
 
@@ -212,7 +213,7 @@ class SteeredModel:
         check_int("max_new_tokens", max_new_tokens, lo=1)
         bad_seed = isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63
         if seed is not None and bad_seed:
-            raise HeadsteerValueError(f"seed must be an int in 0..2**63-1 or None, got {seed!r}")
+            raise HeadsteerValueError(f"seed must be an int in 0..2**63-1 or None, got {short_repr(seed)}")
         for key in _UNSUPPORTED:
             if key in generate_kwargs:
                 raise HeadsteerValueError(f"generate option {key}= is not supported by SteeredModel.generate")
@@ -221,11 +222,13 @@ class SteeredModel:
         elif callable(getattr(steer, "edits", None)):
             steer = [cast(Intervention, steer)]  # one intervention
         elif isinstance(steer, (str, bytes)) or not isinstance(steer, Sequence):
-            raise HeadsteerTypeError(f"steer must be an intervention or a list of them, got {steer!r}")
+            raise HeadsteerTypeError(
+                f"steer must be an intervention or a list of them, got {short_repr(steer)}"
+            )
         steer = list(steer)
         for s in steer:
             if not callable(getattr(s, "edits", None)):
-                raise HeadsteerTypeError(f"not an intervention (no .edits(model, enc)): {s!r}")
+                raise HeadsteerTypeError(f"not an intervention (no .edits(model, enc)): {short_repr(s)}")
         hm = self.model
         tok = cast("PreTrainedTokenizerBase", hm.tokenizer)  # checked in __init__
         lm = cast(_GenerativeLM, hm.model)

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_layer_list, check_number, is_number
+from heads._util.validation import check_layer_list, check_number, is_number, short_repr
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -220,9 +220,9 @@ _KEYS = (
 
 def _unit(name: str, x: object) -> float:
     if not is_number(x) or not math.isfinite(x):
-        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
+        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {short_repr(x)}")
     if not 0 <= float(x) <= 1:
-        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {x!r}")
+        raise HeadsteerValueError(f"{name} must be a number in [0, 1], got {short_repr(x)}")
     return float(x)
 
 
@@ -279,10 +279,12 @@ class Var:
         if self.tau is not None:
             check_number("tau", self.tau, lo=0, lo_open=True, what="a positive number")
         if self.target not in ("auto", "image", "text"):
-            raise HeadsteerValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
+            raise HeadsteerValueError(
+                f"unknown target {short_repr(self.target)}: use 'auto', 'image' or 'text'"
+            )
         for name in ("skip_last", "sinks_from_prefill_only", "require_visual_sink", "enabled"):
             if not isinstance(getattr(self, name), bool):
-                raise HeadsteerValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise HeadsteerValueError(f"{name} must be a bool, got {short_repr(getattr(self, name))}")
         if self.layers is not None:
             check_layer_list("layers", self.layers)
 

@@ -17,6 +17,7 @@ import math
 import plotly.graph_objects as go
 import torch
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.circuits import Circuit
 
@@ -64,7 +65,7 @@ def circuit_figure(circuit: Circuit, *, max_edges: int = 400, title: str | None 
     if not isinstance(circuit, Circuit):
         raise HeadsteerTypeError(f"circuit_figure needs a Circuit, got {type(circuit).__name__}")
     if isinstance(max_edges, bool) or not isinstance(max_edges, int) or max_edges < 1:
-        raise HeadsteerValueError(f"max_edges must be a positive int, got {max_edges!r}")
+        raise HeadsteerValueError(f"max_edges must be a positive int, got {short_repr(max_edges)}")
     g = circuit.graph
     pos = _positions(circuit)
     names = [*g.upstream_names(), "logits"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["Progress", "ProgressArg", "offset_progress", "progress_callback"]
@@ -99,7 +100,9 @@ def offset_progress(progress: Progress | None, offset: int, total: int) -> Progr
     if progress is None or progress is False:
         return None
     if not callable(progress):
-        raise HeadsteerTypeError(f"offset_progress needs a (done, total) callable, got {progress!r}")
+        raise HeadsteerTypeError(
+            f"offset_progress needs a (done, total) callable, got {short_repr(progress)}"
+        )
 
     def stage(done: int, _stage_total: int) -> None:
         progress(min(offset + done, total), total)

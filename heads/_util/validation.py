@@ -27,18 +27,163 @@ __all__ = [
     "check_layer_list",
     "check_number",
     "check_shard",
+    "int_digits",
     "is_int",
     "is_number",
+    "is_real",
     "load_json_body",
     "parse_json",
     "read_json_file",
     "read_jsonl_file",
+    "short_repr",
 ]
 
 MAX_JSON_INT_DIGITS = 4300
 """Most decimal digits of one integer in JSON a user gives (a request body, a file; Python's own
 default limit for `int(str)`, `sys.get_int_max_str_digits()`); a longer one is refused by
 `parse_json` with one line, not Python's advice to raise the limit."""
+
+
+def int_digits(n: int) -> int:
+    """How many decimal digits `abs(n)` has (1 for 0), computed from `n.bit_length()`, never
+    `str(n)` (which Python refuses over 4300 digits)."""
+    m = abs(int(n))
+    if m < 10:
+        return 1
+    d = int((m.bit_length() - 1) * 0.30102999566398120) + 1  # exact or one short
+    while d > 1 and m < 10 ** (d - 1):
+        d -= 1
+    while m >= 10**d:
+        d += 1
+    return d
+
+
+def _size_of(value: object) -> str:
+    """How `short_repr` names the size of a value it cut: "an int of 5000 digits", "a str of
+    1000000 characters", "a list of 1000000 items", "an ndarray of shape (1000, 1000)"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        sign = "a negative int" if value < 0 else "an int"
+        return f"{sign} of {int_digits(value)} digits"
+    name = type(value).__name__
+    article = "an" if name[:1].lower() in "aeiou" or name == "ndarray" else "a"
+    if isinstance(value, str):
+        return f"a str of {len(value)} characters"
+    if isinstance(value, (bytes, bytearray)):
+        return f"a {name} value of {len(value)} bytes"
+    shape: Any = getattr(value, "shape", None)
+    if isinstance(shape, tuple) or type(shape).__name__ == "Size":
+        return f"{article} {name} of shape {tuple(shape)}"
+    try:
+        n = len(value)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - no size to name
+        return f"{article} {name}"
+    return f"{article} {name} of {n} {'key' if isinstance(value, Mapping) else 'item'}{'s' * (n != 1)}"
+
+
+class _Full(Exception):
+    """`_ReprWriter` wrote past its budget."""
+
+
+class _ReprWriter:
+    """`repr(value)` written piece by piece up to `budget` characters (never building the repr of
+    a huge value whole); `exact` turns False where it wrote a stand-in (a huge int)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.parts: list[str] = []
+        self.size = 0
+        self.exact = True
+        self.stack: set[int] = set()
+
+    def put(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+        if self.size > self.budget:
+            raise _Full
+
+    def write(self, value: object) -> None:
+        t = type(value)
+        if t is int:
+            if int_digits(value) > self.budget:  # type: ignore[arg-type]
+                self.exact = False
+                self.put(f"<{_size_of(value)}>")
+            else:
+                self.put(repr(value))
+        elif t in (str, bytes, bytearray):
+            self.put(repr(value[: self.budget + 2]))  # type: ignore[index]
+            if len(value) > self.budget + 2:  # type: ignore[arg-type]
+                raise _Full
+        elif t in (list, tuple, set, frozenset, dict):
+            self.write_container(value)
+        else:
+            text = repr(value)
+            if "\n" in text:  # numpy / torch reprs: one line
+                text = " ".join(text.split())
+            self.put(text)
+
+    def write_container(self, value: Any) -> None:
+        t = type(value)
+        if id(value) in self.stack:
+            self.put("{...}" if t is dict else "[...]")
+            return
+        if not value:
+            empty: dict[type, str] = {
+                list: "[]",
+                tuple: "()",
+                set: "set()",
+                frozenset: "frozenset()",
+                dict: "{}",
+            }
+            self.put(empty[t])
+            return
+        self.stack.add(id(value))
+        try:
+            brackets: dict[type, tuple[str, str]] = {
+                list: ("[", "]"),
+                tuple: ("(", ")"),
+                set: ("{", "}"),
+                frozenset: ("frozenset({", "})"),
+                dict: ("{", "}"),
+            }
+            opener, closer = brackets[t]
+            self.put(opener)
+            for i, item in enumerate(value.items() if t is dict else value):
+                if i:
+                    self.put(", ")
+                if t is dict:
+                    self.write(item[0])
+                    self.put(": ")
+                    self.write(item[1])
+                else:
+                    self.write(item)
+            self.put("," + closer if t is tuple and len(value) == 1 else closer)
+        finally:
+            self.stack.discard(id(value))
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """`repr(value)` for a one-line message, cut to `limit` characters.
+
+    A value whose repr fits is given whole (the exact `repr`). A longer one is cut to `limit`
+    characters with "..." and its size named, so that a huge value never floods the error line:
+    `"'aaaa...' (a str of 1000000 characters)"`, `"[0, 1, 2, ...] (a list of 1000000 items)"`,
+    `"an int of 5000 digits"`. The repr is written piece by piece (a 10^6-item list is never
+    turned into one string) and an int too large for `str()` (Python's 4300-digit limit) never
+    raises: its digits are counted from its bit length.
+    """
+    limit = max(int(limit), 8)
+    if isinstance(value, int) and not isinstance(value, bool) and int_digits(value) > limit:
+        return _size_of(value)
+    writer = _ReprWriter(limit)
+    try:
+        writer.write(value)
+    except _Full:
+        text = "".join(writer.parts)[: limit - 3]
+        return f"{text}... ({_size_of(value)})"
+    except Exception:  # noqa: BLE001 - a repr that raises must not hide the real error
+        return f"<{_size_of(value)}>"
+    text = "".join(writer.parts)
+    return text if writer.exact else f"{text} ({_size_of(value)})"
 
 
 def is_int(value: object) -> TypeIs[int]:
@@ -86,13 +231,29 @@ def check_int(
     v = int(value) if is_int(value) else None
     if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
         error = HeadsteerTypeError if (v is None and type_error) else HeadsteerValueError
-        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {value!r}")
+        raise error(f"{name} must be {what or _int_phrase(lo, hi)}, got {short_repr(value)}")
     return v
 
 
-def is_number(value: object) -> TypeIs[float]:
-    """True for a real number that is not a bool (Python, numpy or torch scalars)."""
+def is_real(value: object) -> bool:
+    """True for a real number of any size that is not a bool: the type check of a number
+    argument (a `TypeError` otherwise); `is_number` also asks that a float can hold it."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeIs[float]:
+    """True for a real number that is not a bool (Python, numpy or torch scalars) and that a
+    float can hold: an int such as `10**400`, which `float()` refuses (OverflowError), is not
+    a number here (NaN and inf are: `check_number` refuses them)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    if isinstance(value, float):
+        return True
+    try:
+        float(value)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
 
 
 def check_number(
@@ -136,7 +297,7 @@ def check_number(
             or (hi is not None and (v > hi or (hi_open and v == hi)))
         )
     if bad:
-        raise HeadsteerValueError(f"{name} must be {what}, got {value!r}")
+        raise HeadsteerValueError(f"{name} must be {what}, got {short_repr(value)}")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -148,7 +309,7 @@ def check_bool(name: str, value: object, *, what: str = "True or False") -> bool
             `"yes"`, None).
     """
     if not isinstance(value, bool):
-        raise HeadsteerTypeError(f"{name} must be {what}, got {value!r}")
+        raise HeadsteerTypeError(f"{name} must be {what}, got {short_repr(value)}")
     return value
 
 
@@ -161,9 +322,11 @@ def check_layer_list(name: str, value: object) -> None:
             entry (bools included).
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)) or not value:
-        raise HeadsteerValueError(f"{name} must be a non-empty list of layer indices, got {value!r}")
+        raise HeadsteerValueError(
+            f"{name} must be a non-empty list of layer indices, got {short_repr(value)}"
+        )
     if any(not is_int(x) for x in value):
-        raise HeadsteerValueError(f"{name} must be ints, got {value!r}")
+        raise HeadsteerValueError(f"{name} must be ints, got {short_repr(value)}")
 
 
 def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) -> None:
@@ -177,7 +340,7 @@ def check_forwarded(where: str, kwargs: Mapping[str, object], target: Callable) 
     taken = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     unknown = sorted(set(kwargs) - taken)
     if unknown:
-        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {short_repr(unknown[0])}")
 
 
 def check_shard(shard: object) -> tuple[int, int] | None:
@@ -194,10 +357,10 @@ def check_shard(shard: object) -> tuple[int, int] | None:
         or len(shard) != 2
         or not all(is_int(x) for x in shard)
     ):
-        raise HeadsteerValueError(f"shard must be a pair (i, n) of ints, got {shard!r}")
+        raise HeadsteerValueError(f"shard must be a pair (i, n) of ints, got {short_repr(shard)}")
     i, n = int(shard[0]), int(shard[1])
     if not 0 <= i < n:
-        raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+        raise HeadsteerValueError(f"shard must be (i, n) with 0 <= i < n, got {short_repr(shard)}")
     return i, n
 
 
@@ -228,7 +391,7 @@ def check_path(name: str, value: object) -> str:
 
     p = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(p, str) or not p.strip():
-        raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {value!r}")
+        raise HeadsteerTypeError(f"{name} must be a file path (str or os.PathLike), got {short_repr(value)}")
     return p
 
 

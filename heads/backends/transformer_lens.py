@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from heads._util.validation import short_repr
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, LogitBias, ProbEdit, QueryEdit
 from heads.engine.sites import HookSpec, pre_register, residual_hook, site_of
 from heads.engine.state import ACTIVE, MIN_LOGIT, apply_head_edits
@@ -71,7 +72,8 @@ def hook_point_for(model: HeadModel, site: str, layer: int) -> nn.Module:
     if site == "query":
         if model.family.qk_norm != "none":
             raise HeadsteerValueError(
-                f"{model.family.model_type!r} normalises queries per head (QK-norm): the bridge has no hook "
+                f"{short_repr(model.family.model_type)} normalises queries per head (QK-norm): the "
+                "bridge has no hook "
                 "point after it, so query edits (UA ablation) cannot run on the transformer_lens backend"
             )
         try:
@@ -171,7 +173,7 @@ def tl_hook(site: str, key: int, model: HeadModel, layer: int):
 
         return resid_hook
 
-    raise HeadsteerValueError(f"no TransformerLens hook for site {site!r}")
+    raise HeadsteerValueError(f"no TransformerLens hook for site {short_repr(site)}")
 
 
 class _Offset:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+from heads._util.validation import short_repr
 from heads.engine.attention import BASES, check_fusable, fusable, registered_name
 from heads.engine.edits import Edit, check_combined_factors
 from heads.engine.kernels import fused as _fused
@@ -73,7 +74,7 @@ __all__ = [
 def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
     for e in edits:
         if not isinstance(e, Edit) or getattr(e, "site", None) not in SITES:
-            raise HeadsteerTypeError(f"not a headsteer edit: {e!r}")
+            raise HeadsteerTypeError(f"not a headsteer edit: {short_repr(e)}")
         e.validate()
         hm.check_head(e.layer)
         if e.heads is not None:
@@ -95,11 +96,13 @@ def _refuse_repeats(edits: Sequence[Edit]) -> None:
     for e in edits:
         if id(e) in seen:
             raise HeadsteerValueError(
-                f"{e!r} is listed twice: each edit object applies once (build a second one to apply it twice)"
+                f"{short_repr(e)} is listed twice: each edit object applies once (build a second one to "
+                "apply it twice)"
             )
         if id(e) in outer:
             raise HeadsteerValueError(
-                f"{e!r} is already active in an outer editing() context: each edit object applies once"
+                f"{short_repr(e)} is already active in an outer editing() context: each edit object "
+                "applies once"
             )
         seen.add(id(e))
 
@@ -110,8 +113,8 @@ def _acquire(model: HeadModel, switch: bool, sites: Sequence[HookSpec]) -> None:
             for c in model.attention_configs:  # check all before changing any
                 if id(c) not in SWITCHED and c._attn_implementation not in BASES:
                     raise HeadsteerValueError(
-                        f"attention backend {c._attn_implementation!r} is not supported for attention "
-                        "edits; load the model with attn_implementation='sdpa' or 'eager'"
+                        f"attention backend {short_repr(c._attn_implementation)} is not supported for "
+                        "attention edits; load the model with attn_implementation='sdpa' or 'eager'"
                     )
             for c in model.attention_configs:
                 slot = SWITCHED.get(id(c))
@@ -200,9 +203,9 @@ def editing(
         raise HeadsteerTypeError(f"editing() needs a HeadModel, got {type(model).__name__}")
     edits = [edits] if isinstance(edits, Edit) else list(edits)
     if not isinstance(kernel, str):
-        raise HeadsteerTypeError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        raise HeadsteerTypeError(f"kernel must be one of {KERNELS}, got {short_repr(kernel)}")
     if kernel not in KERNELS:
-        raise HeadsteerValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        raise HeadsteerValueError(f"kernel must be one of {KERNELS}, got {short_repr(kernel)}")
     model.backend.check()  # e.g. a TransformerLens bridge whose weights were processed after wrapping
     _validate(model, edits)
     _refuse_repeats(edits)

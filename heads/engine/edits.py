@@ -29,7 +29,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from heads._util.validation import check_int, is_int, is_number
+from heads._util.validation import check_int, is_int, is_number, is_real, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
@@ -111,7 +111,9 @@ class Edit:
         check_int("layer", self.layer, type_error=True)
         if self.heads is not None:
             if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Iterable):
-                raise HeadsteerTypeError(f"heads must be a list of ints or None, got {self.heads!r}")
+                raise HeadsteerTypeError(
+                    f"heads must be a list of ints or None, got {short_repr(self.heads)}"
+                )
             self.heads = tuple(self.heads)  # a generator or an array, read once
             for h in self.heads:
                 check_int("head", h, type_error=True)
@@ -124,7 +126,7 @@ class Edit:
             not isinstance(self.row_heads, torch.Tensor) or self.row_heads.dtype != torch.bool
         ):
             raise HeadsteerTypeError(
-                f"row_heads must be a bool torch.Tensor [batch, n_heads], got {self.row_heads!r}"
+                f"row_heads must be a bool torch.Tensor [batch, n_heads], got {short_repr(self.row_heads)}"
             )
 
     def acts_on(self, call: AttentionCall) -> bool:
@@ -290,11 +292,11 @@ class _Scaling(Protocol):
 def check_factor(edit: _Scaling) -> None:
     """TypeError / ValueError unless `edit.factor` is a finite number with |factor| <= MAX_FACTOR."""
     name, factor = type(edit).__name__, edit.factor
-    if not is_number(factor):
-        raise HeadsteerTypeError(f"{name} factor must be a number, got {factor!r}")
-    if not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
+    if not is_real(factor):
+        raise HeadsteerTypeError(f"{name} factor must be a number, got {short_repr(factor)}")
+    if not is_number(factor) or not math.isfinite(factor) or abs(factor) > MAX_FACTOR:
         raise HeadsteerValueError(
-            f"{name} factor must be finite with |factor| <= {MAX_FACTOR:g}, got {factor!r}"
+            f"{name} factor must be finite with |factor| <= {MAX_FACTOR:g}, got {short_repr(factor)}"
         )
 
 
@@ -341,10 +343,10 @@ class HeadScale(HeadOutputEdit):
         if ps is None:
             return
         if isinstance(ps, (str, bytes)) or not isinstance(ps, Iterable):
-            raise HeadsteerTypeError(f"positions must be a list of ints or None, got {ps!r}")
+            raise HeadsteerTypeError(f"positions must be a list of ints or None, got {short_repr(ps)}")
         ps = list(ps)
         if any(not is_int(p) for p in ps):
-            raise HeadsteerTypeError(f"positions must be ints, got {ps!r}")
+            raise HeadsteerTypeError(f"positions must be ints, got {short_repr(ps)}")
         if not ps:
             raise HeadsteerValueError(
                 "positions is empty: the edit would scale nothing (None = every position)"

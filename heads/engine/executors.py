@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_int, check_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError, MissingDependency
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, load_model
@@ -70,7 +70,7 @@ class ModelSpec:
         if Path(model.name).expanduser().joinpath("config.json").is_file():
             return cls(str(Path(model.name).expanduser().resolve()), dtype, attn)
         raise HeadsteerValueError(
-            f"model {model.name!r} was not loaded from a folder, so workers cannot reload it: "
+            f"model {short_repr(model.name)} was not loaded from a folder, so workers cannot reload it: "
             "pass model=ModelSpec(...) with a path or a loader"
         )
 
@@ -98,7 +98,7 @@ def _check_target(target: object) -> Target:
         HeadsteerTypeError: a string or another non-callable.
     """
     if isinstance(target, str) or not callable(target):
-        raise HeadsteerTypeError(f"target must be a function (the scorer itself), got {target!r}")
+        raise HeadsteerTypeError(f"target must be a function (the scorer itself), got {short_repr(target)}")
     return target
 
 
@@ -173,7 +173,7 @@ class RayExecutor(Executor):
         spec: ModelSpec | None = None,
     ):
         if spec is not None and not isinstance(spec, ModelSpec):
-            raise HeadsteerTypeError(f"spec must be a ModelSpec, got {spec!r}")
+            raise HeadsteerTypeError(f"spec must be a ModelSpec, got {short_repr(spec)}")
         self.address = address
         self.spec = spec
         self._n = None if n_shards is None else _count(n_shards, "n_shards")
@@ -224,7 +224,7 @@ def resolve_executor(executor: str | Executor) -> Executor:
         return LocalExecutor()
     if executor == "ray":
         return RayExecutor()
-    raise HeadsteerValueError(f"executor must be 'local', 'ray' or an Executor, got {executor!r}")
+    raise HeadsteerValueError(f"executor must be 'local', 'ray' or an Executor, got {short_repr(executor)}")
 
 
 def run_shards(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_int, check_shard
+from heads._util.validation import check_int, check_shard, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:
@@ -63,11 +63,12 @@ class SweepOptions:
         object.__setattr__(self, "seed", check_int("seed", self.seed))
         if not (self.progress is None or isinstance(self.progress, bool) or callable(self.progress)):
             raise HeadsteerTypeError(
-                f"progress must be True, False, None or a callable (done, total), got {self.progress!r}"
+                "progress must be True, False, None or a callable (done, total), got "
+                f"{short_repr(self.progress)}"
             )
         if isinstance(self.executor, str) and self.executor not in ("local", "ray"):
             raise HeadsteerValueError(
-                f"executor must be 'local', 'ray' or an Executor, got {self.executor!r}"
+                f"executor must be 'local', 'ray' or an Executor, got {short_repr(self.executor)}"
             )
         if self.shard is not None and self.executor is not None:
             raise HeadsteerValueError(
@@ -105,11 +106,11 @@ def sweep_options(
     """
     unknown = sorted(set(legacy) - set(SWEEP_KEYS))
     if unknown:
-        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {short_repr(unknown[0])}")
     if options is None:
         options = SweepOptions()
     elif not isinstance(options, SweepOptions):
-        raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {options!r}")
+        raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {short_repr(options)}")
     if legacy:
         names = ", ".join(f"{k}=" for k in legacy)
         fill = ", ".join(f"{k}=..." for k in legacy)
@@ -123,5 +124,7 @@ def sweep_options(
     defaults = SweepOptions()
     for f in fields(SweepOptions):
         if f.name not in takes and getattr(options, f.name) != getattr(defaults, f.name):
-            raise HeadsteerValueError(f"{where} does not take {f.name}= (got {getattr(options, f.name)!r})")
+            raise HeadsteerValueError(
+                f"{where} does not take {f.name}= (got {short_repr(getattr(options, f.name))})"
+            )
     return options

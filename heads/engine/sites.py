@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
+from heads._util.validation import short_repr
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -125,7 +126,7 @@ class Site:
     def target(self, model: HeadModel, layer: int) -> nn.Module:
         """The module this hook site hooks in `layer` (TypeError for a site without one)."""
         if self.module is None:
-            raise HeadsteerTypeError(f"site {self.name!r} hooks no module")
+            raise HeadsteerTypeError(f"site {short_repr(self.name)} hooks no module")
         return self.module(model, layer)
 
 

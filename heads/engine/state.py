@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -114,10 +115,10 @@ def apply_head_edits(
 def cast_result(edit: Edit, new: object, like: torch.Tensor) -> torch.Tensor:
     """`new` (what `edit` returned for `like`) in `like`'s dtype and device and with its shape."""
     if not isinstance(new, torch.Tensor):
-        raise HeadsteerTypeError(f"{edit!r} returned {type(new).__name__}, not a torch.Tensor")
+        raise HeadsteerTypeError(f"{short_repr(edit)} returned {type(new).__name__}, not a torch.Tensor")
     if new.shape != like.shape:
         raise HeadsteerValueError(
-            f"{edit!r} returned shape {tuple(new.shape)}; it must return the shape it was given, "
+            f"{short_repr(edit)} returned shape {tuple(new.shape)}; it must return the shape it was given, "
             f"{tuple(like.shape)}"
         )
     return new.to(device=like.device, dtype=like.dtype)

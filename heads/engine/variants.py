@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from heads._util.progress import Progress
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.engine.prefix import starting_at
@@ -242,7 +242,9 @@ def evaluate_variants(
     n, width = enc.batch, enc.input_ids.shape[1]
     lengths = enc.attention_mask.sum(-1).tolist()
     if isinstance(variants, (str, bytes)) or not isinstance(variants, Sequence) or not variants:
-        raise HeadsteerValueError(f"variants must be a non-empty list of head sets, got {variants!r}")
+        raise HeadsteerValueError(
+            f"variants must be a non-empty list of head sets, got {short_repr(variants)}"
+        )
     variants = [check_heads(model, v) if len(v) else [] for v in variants]
     clean_kv = clean.kv
     if unchanged_before is not None:
@@ -250,7 +252,7 @@ def evaluate_variants(
             raise HeadsteerValueError("position-prefix reuse needs clean_run(..., keep_kv=True)")
         if not isinstance(unchanged_before, torch.Tensor) or tuple(unchanged_before.shape) != (n,):
             raise HeadsteerValueError(
-                f"unchanged_before must be a [{n}] tensor of positions, got {unchanged_before!r}"
+                f"unchanged_before must be a [{n}] tensor of positions, got {short_repr(unchanged_before)}"
             )
         unchanged_before = unchanged_before.long()
     out: torch.Tensor | None = None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import (
     Emphasis,
@@ -100,7 +101,7 @@ def image_token_id(config: object) -> int:
         if isinstance(value, int):
             return value
     raise HeadsteerValueError(
-        f"model_type={getattr(config, 'model_type', '?')!r} has no image_token_id in its config"
+        f"model_type={short_repr(getattr(config, 'model_type', '?'))} has no image_token_id in its config"
     )
 
 
@@ -282,7 +283,7 @@ def _check_image(image: object) -> None:
     if isinstance(image, (str, os.PathLike)):
         text = os.fspath(image)
         if "://" in text:
-            raise HeadsteerValueError(f"images must be local: URLs are not fetched, got {text!r}")
+            raise HeadsteerValueError(f"images must be local: URLs are not fetched, got {short_repr(text)}")
         if not os.path.isfile(text):
             raise HeadsteerValueError(f"image file {text!r} does not exist")
         return
@@ -348,7 +349,7 @@ def _content_to_text(prompt: object, placeholder: str, found: list[ImageInput]) 
                 else:
                     raise HeadsteerValueError(
                         "chat content items must be {'type': 'image'} or {'type': 'text', 'text': str}, "
-                        f"got {item!r}"
+                        f"got {short_repr(item)}"
                     )
             m = dict(m, content="".join(parts))
         out.append(m)
@@ -391,8 +392,8 @@ def processor_of(model: HeadModel) -> ImageTextProcessor:
     proc = getattr(model, "processor", None)
     if proc is None:
         raise HeadsteerValueError(
-            f"{getattr(model, 'name', 'the model')!r} has no image processor: images need a vision-language "
-            "model loaded with heads.load_model(folder)"
+            f"{short_repr(getattr(model, 'name', 'the model'))} has no image processor: images need a "
+            "vision-language model loaded with heads.load_model(folder)"
         )
     return cast(ImageTextProcessor, proc)
 
@@ -496,7 +497,7 @@ def encode_image_prompts(
         text, spans, regions = render_prompt(tok, prompt, chat, markup)
         if text.count(token) != k:
             raise HeadsteerValueError(
-                f"prompt {i} holds {text.count(token)} image placeholders {token!r} for {k} images"
+                f"prompt {i} holds {text.count(token)} image placeholders {short_repr(token)} for {k} images"
             )
         spans = spans + [find_span(text, s, regions) for s in extra]
         texts.append(text)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeAlias, TypeGuard, cast
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 
@@ -48,7 +49,7 @@ def check_encodable(text: str, what: str) -> None:
     except UnicodeEncodeError as exc:
         bad = text[exc.start]
         raise HeadsteerValueError(
-            f"{what} has a lone surrogate {bad!r} at character {exc.start}: not valid Unicode text"
+            f"{what} has a lone surrogate {short_repr(bad)} at character {exc.start}: not valid Unicode text"
         ) from None
 
 
@@ -80,17 +81,21 @@ def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> tuple[list[Prompt],
         elif isinstance(p, Sequence) and p and all(isinstance(m, Mapping) for m in p):
             for m in cast(Sequence[Message], p):  # all mappings (checked above)
                 if "role" not in m or "content" not in m:
-                    raise HeadsteerValueError(f"chat message without role/content at prompt {i}: {m!r}")
+                    raise HeadsteerValueError(
+                        f"chat message without role/content at prompt {i}: {short_repr(m)}"
+                    )
                 if not isinstance(m["role"], str) or not isinstance(m["content"], str):
                     raise HeadsteerTypeError(
-                        f"chat message role and content must be strings at prompt {i}: {m!r}"
+                        f"chat message role and content must be strings at prompt {i}: {short_repr(m)}"
                     )
                 if not m["content"].strip():
-                    raise HeadsteerValueError(f"empty message content at prompt {i}: {m!r}")
+                    raise HeadsteerValueError(f"empty message content at prompt {i}: {short_repr(m)}")
                 check_encodable(m["content"], f"prompt {i} message content")
                 check_encodable(m["role"], f"prompt {i} message role")
         else:
-            raise HeadsteerTypeError(f"prompt {i} is neither a string nor a chat message list: {p!r}")
+            raise HeadsteerTypeError(
+                f"prompt {i} is neither a string nor a chat message list: {short_repr(p)}"
+            )
     return items, single
 
 
@@ -152,7 +157,9 @@ class EncodedPrompts:
             return self.image_spans
         if target == "both":
             return [t + i for t, i in zip(self.spans, self.image_spans, strict=True)]
-        raise HeadsteerValueError(f"unknown span target {target!r}: use 'text', 'image', 'both' or 'auto'")
+        raise HeadsteerValueError(
+            f"unknown span target {short_repr(target)}: use 'text', 'image', 'both' or 'auto'"
+        )
 
     def span_mask(
         self, row: int | None = None, which: int | None = None, target: str = "text"
@@ -276,7 +283,9 @@ def emphasis_rows(emphasize: Emphasis, n: int) -> list[list[SpanLike]]:
     if isinstance(emphasize, (str, Span)):
         return [[emphasize] for _ in range(n)]
     if isinstance(emphasize, (bytes, bytearray)) or not isinstance(emphasize, Sequence):
-        raise HeadsteerTypeError(f"emphasize must be a string, a Span or a list of them, got {emphasize!r}")
+        raise HeadsteerTypeError(
+            f"emphasize must be a string, a Span or a list of them, got {short_repr(emphasize)}"
+        )
     entries: list[SpanLike | Sequence[SpanLike]] = [e for e in emphasize]
     if not entries:
         return [[] for _ in range(n)]
@@ -289,10 +298,10 @@ def emphasis_rows(emphasize: Emphasis, n: int) -> list[list[SpanLike]]:
     for e in entries:
         row = [e] if isinstance(e, (str, Span)) else e
         if isinstance(row, (bytes, bytearray)) or not isinstance(row, Sequence):
-            raise HeadsteerTypeError(f"emphasize rows must be lists of strings or Spans, got {e!r}")
+            raise HeadsteerTypeError(f"emphasize rows must be lists of strings or Spans, got {short_repr(e)}")
         for x in row:
             if not isinstance(x, (str, Span)):
-                raise HeadsteerTypeError(f"span to emphasize must be a string or Span, got {x!r}")
+                raise HeadsteerTypeError(f"span to emphasize must be a string or Span, got {short_repr(x)}")
         rows.append(list(row))
     return rows
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["MARKER", "Span", "char_to_token_range", "find_span", "parse_markup"]
@@ -33,7 +33,7 @@ class Span:
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
-            raise HeadsteerValueError(f"span text must be a non-empty string, got {self.text!r}")
+            raise HeadsteerValueError(f"span text must be a non-empty string, got {short_repr(self.text)}")
         check_int("span occurrence", self.occurrence, lo=0)
 
 
@@ -53,7 +53,9 @@ def parse_markup(text: str, marker: str = MARKER) -> tuple[str, list[tuple[int, 
     """
     parts = text.split(marker)
     if len(parts) % 2 == 0:
-        raise HeadsteerValueError(f"unbalanced {marker!r} markup in prompt: {text[:80]!r}")
+        raise HeadsteerValueError(
+            f"unbalanced {short_repr(marker)} markup in prompt: {short_repr(text[:80])}"
+        )
     clean: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = 0
@@ -95,7 +97,7 @@ def find_span(
             seen += 1
             at = text.find(sp.text, at + 1, r1)
     which = "" if sp.occurrence == 0 else f" (occurrence {sp.occurrence}; found {seen})"
-    raise HeadsteerValueError(f"span {sp.text!r} not found in the prompt{which}")
+    raise HeadsteerValueError(f"span {short_repr(sp.text)} not found in the prompt{which}")
 
 
 def char_to_token_range(

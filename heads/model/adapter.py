@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from heads._util.validation import is_int
+from heads._util.validation import is_int, short_repr
 from heads.backends.core import Backend, backend_kind, make_backend
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.families import Family, family_of
@@ -124,8 +124,8 @@ class HeadModel:
             unembed = _module(model, fam.unembed)
         except AttributeError as e:
             raise HeadsteerValueError(
-                f"model_type {cfg.model_type!r} ({type(model).__name__}) does not have the modules its "
-                f"family entry names ({e}); load it with its causal-LM or image-text-to-text class"
+                f"model_type {short_repr(cfg.model_type)} ({type(model).__name__}) does not have the modules "
+                f"its family entry names ({e}); load it with its causal-LM or image-text-to-text class"
             ) from None
         self.model: PreTrainedModel = model
         self.backend: Backend = backend
@@ -215,7 +215,8 @@ class HeadModel:
         trace = getattr(self.backend, "trace", None)
         if trace is None:
             raise HeadsteerValueError(
-                f"trace() needs the nnsight backend; this HeadModel's backend is {self.backend.kind!r}"
+                "trace() needs the nnsight backend; this HeadModel's backend is "
+                f"{short_repr(self.backend.kind)}"
             )
         return trace(*inputs, **kwargs)
 
@@ -283,7 +284,7 @@ class HeadModel:
         """
         if self.family.mlp is None:
             raise HeadsteerValueError(
-                f"model_type {self.family.model_type!r}: the MLP is not one module (its layers sit "
+                f"model_type {short_repr(self.family.model_type)}: the MLP is not one module (its layers sit "
                 "directly in the decoder block)"
             )
         return _module(self.layers[layer], self.family.mlp)
@@ -306,7 +307,7 @@ class HeadModel:
         limit = self.max_positions
         if limit is not None and n_tokens > limit:
             raise HeadsteerValueError(
-                f"sequence of {n_tokens} tokens exceeds the model's limit of {limit} positions"
+                f"sequence of {short_repr(n_tokens)} tokens exceeds the model's limit of {limit} positions"
             )
 
     def check_head(self, layer: int, head: int | None = None) -> None:
@@ -315,9 +316,11 @@ class HeadModel:
             if value is None:
                 continue
             if not is_int(value):
-                raise HeadsteerTypeError(f"{name} must be an int, got {value!r}")
+                raise HeadsteerTypeError(f"{name} must be an int, got {short_repr(value)}")
             if not 0 <= value < n:
-                raise HeadsteerValueError(f"unknown {name} {value}: this model has {n} ({name}s 0..{n - 1})")
+                raise HeadsteerValueError(
+                    f"unknown {name} {short_repr(value)}: this model has {n} ({name}s 0..{n - 1})"
+                )
 
     # ------------------------------------------------------------------ weights
     def _o_weight(self, layer: int) -> torch.Tensor:
@@ -330,9 +333,9 @@ class HeadModel:
         fam, attn = self.family, self.attentions[layer]
         if fam.latent:
             raise HeadsteerValueError(
-                f"model_type {fam.model_type!r} uses multi-head latent attention: queries, keys and values "
-                "are decompressed from low-rank latents (with a shared rotary key), so there are no "
-                "per-head W_Q / W_K / W_V matrices; weight-based scorers do not apply"
+                f"model_type {short_repr(fam.model_type)} uses multi-head latent attention: queries, keys "
+                "and values are decompressed from low-rank latents (with a shared rotary key), so there are "
+                "no per-head W_Q / W_K / W_V matrices; weight-based scorers do not apply"
             )
         if fam.fused_qkv:
             w = _weight(_module(attn, cast(str, fam.qkv_proj)))

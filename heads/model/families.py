@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TypedDict
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["FAMILIES", "FEATURES", "REFUSED", "Family", "family_of", "supported_model_types"]
@@ -605,25 +606,27 @@ def family_of(config: object) -> Family:
     if fam is None and isinstance(kind, str) and kind in REFUSED:
         feature, reason = REFUSED[kind]
         raise HeadsteerValueError(
-            f"model_type {kind!r} is not supported: headsteer's edit engine does not reproduce its "
+            f"model_type {short_repr(kind)} is not supported: headsteer's edit engine does not reproduce its "
             f"attention exactly (missing feature: {feature}: {reason})"
         )
     if fam is None:
         raise HeadsteerValueError(
-            f"model_type {kind!r} is not supported: headsteer reproduces the attention of "
+            f"model_type {short_repr(kind)} is not supported: headsteer reproduces the attention of "
             f"{', '.join(supported_model_types())} exactly; a new family is one entry in "
             "heads/model/families.py"
         )
     if fam.text_config is not None:
         sub = getattr(config, fam.text_config, None)
         if sub is None:
-            raise HeadsteerValueError(f"model_type {kind!r}: config has no {fam.text_config!r}")
+            raise HeadsteerValueError(
+                f"model_type {short_repr(kind)}: config has no {short_repr(fam.text_config)}"
+            )
         inner = family_of(sub)
         return replace(inner, decoder=fam.decoder, vlm=kind, bidirectional_images=fam.bidirectional_images)
     for flag, reason in fam.unsupported:
         if getattr(config, flag, None):
             raise HeadsteerValueError(
-                f"model_type {kind!r} with {flag}={getattr(config, flag)!r} is not supported: the edit "
-                f"engine does not reproduce {reason}"
+                f"model_type {short_repr(kind)} with {flag}={short_repr(getattr(config, flag))} is not "
+                f"supported: the edit engine does not reproduce {reason}"
             )
     return fam

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from heads._util.validation import check_bool, parse_json
+from heads._util.validation import check_bool, parse_json, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -73,7 +73,7 @@ def check_dtype(dtype: str | torch.dtype, *, option: str = "dtype") -> torch.dty
             return dtype
     elif isinstance(dtype, str) and dtype in DTYPES:
         return cast(torch.dtype, getattr(torch, dtype))
-    raise HeadsteerValueError(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    raise HeadsteerValueError(f"{option} must be one of {', '.join(DTYPES)}, got {short_repr(dtype)}")
 
 
 def cache_dir() -> Path:
@@ -449,7 +449,8 @@ def check_config(folder: str | os.PathLike) -> None:
                 and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
             ):
                 raise HeadsteerValueError(
-                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got {value!r}"
+                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got "
+                    f"{short_repr(value)}"
                 )
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -471,7 +472,8 @@ def check_config(folder: str | os.PathLike) -> None:
             value = getattr(cfg, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HeadsteerValueError(
-                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got {value!r}"
+                    f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got "
+                    f"{short_repr(value)}"
                 )
         heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
         if isinstance(heads, int) and isinstance(kv, int) and kv >= 1 and heads % kv:
@@ -488,7 +490,7 @@ def check_config(folder: str | os.PathLike) -> None:
                 if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
                     raise HeadsteerValueError(
                         f"cannot read the model in {str(folder)!r}: unknown rope_scaling rope_type "
-                        f"{kind!r} (known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+                        f"{short_repr(kind)} (known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
                     )
 
 
@@ -645,8 +647,8 @@ def load_model(
     dtype = check_dtype(dtype)
     if device is not None and device_map is not None:
         raise HeadsteerValueError(
-            f"device={str(device)!r} and device_map={device_map!r} both given: device_map places "
-            "the layers, so pass only one"
+            f"device={short_repr(str(device))} and device_map={short_repr(device_map)} both given: "
+            "device_map places the layers, so pass only one"
         )
     device = "cpu" if device is None else device
     _check_device(device, f"device={str(device)!r}")
@@ -657,9 +659,9 @@ def load_model(
     from heads.backends.core import BACKENDS
 
     if backend not in BACKENDS:
-        raise HeadsteerValueError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+        raise HeadsteerValueError(f"unknown backend {short_repr(backend)}: one of {', '.join(BACKENDS)}")
     if remote and backend != "nnsight":
-        raise HeadsteerValueError(f"remote=True needs backend='nnsight', got backend={backend!r}")
+        raise HeadsteerValueError(f"remote=True needs backend='nnsight', got backend={short_repr(backend)}")
     check_bool("allow_weight_mismatch", allow_weight_mismatch, what="a bool")
     where, name = _resolve(name_or_path)
     check_weights(where)
@@ -677,7 +679,7 @@ def load_model(
         if _is_vision_language_folder(where):
             if backend != "hf":
                 raise HeadsteerValueError(
-                    f"backend={backend!r} is for causal LMs; load vision-language models with 'hf'"
+                    f"backend={short_repr(backend)} is for causal LMs; load vision-language models with 'hf'"
                 )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
@@ -722,7 +724,7 @@ def pick_attn_implementation(where: str | os.PathLike, requested: str | None) ->
         return needs or "sdpa"
     if requested == "sdpa" and needs == "eager":
         raise HeadsteerValueError(
-            f"model_type {kind!r} does not run with attn_implementation='sdpa' in transformers "
+            f"model_type {short_repr(kind)} does not run with attn_implementation='sdpa' in transformers "
             "(its attention soft-caps logits or adds learned sinks): use 'eager' or leave it unset"
         )
     return requested
@@ -821,25 +823,26 @@ def _check_device_map_values(device_map: object, offload_folder: object) -> None
     if isinstance(device_map, str):
         if device_map not in DEVICE_MAP_STRATEGIES:
             raise HeadsteerValueError(
-                f"device_map {device_map!r} is not a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}); "
+                f"device_map {short_repr(device_map)} is not a strategy "
+                f"({', '.join(DEVICE_MAP_STRATEGIES)}); "
                 "for one device use device=, for a placement pass a dict {module name: device}"
             )
         return
     if not isinstance(device_map, dict):
         raise HeadsteerTypeError(
             f"device_map must be a strategy string ('auto') or a dict {{module name: device}}, "
-            f"got {device_map!r} ({type(device_map).__name__})"
+            f"got {short_repr(device_map)} ({type(device_map).__name__})"
         )
     if not device_map:
         raise HeadsteerValueError("device_map {} is empty: name a device for each module, or use 'auto'")
     for key, value in device_map.items():
         if not isinstance(key, str):
-            raise HeadsteerValueError(f"device_map key {key!r} is not a module name (a string)")
+            raise HeadsteerValueError(f"device_map key {short_repr(key)} is not a module name (a string)")
         _check_map_device(key, value)
     disk = [k for k, v in device_map.items() if v == "disk"]
     if disk and offload_folder is None:
         raise HeadsteerValueError(
-            f"device_map puts {disk[0]!r} on 'disk': pass offload_folder= for its weights"
+            f"device_map puts {short_repr(disk[0])} on 'disk': pass offload_folder= for its weights"
         )
 
 
@@ -860,7 +863,7 @@ def _check_device_map(where: str, device_map: dict) -> None:
     if unknown:
         top = sorted({n.split(".")[0] for n in known if n})
         raise HeadsteerValueError(
-            f"device_map names {unknown[0]!r}, which is no module of this model "
+            f"device_map names {short_repr(unknown[0])}, which is no module of this model "
             f"(top-level modules: {', '.join(top)}; use names from model.named_modules())"
         )
 
@@ -931,7 +934,7 @@ def image_text_processor(
         seq_len = int((vision.image_size // vision.patch_size) ** 2 / config.scale_factor**2)
         return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len)
     raise HeadsteerValueError(
-        f"no processor recipe for model_type={kind!r}; save the model's processor in its folder"
+        f"no processor recipe for model_type={short_repr(kind)}; save the model's processor in its folder"
     )
 
 

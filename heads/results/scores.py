@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import check_int, check_number, is_int, read_json_file
+from heads._util.validation import check_int, check_number, is_int, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,7 +68,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     out: dict = {}
     for key, value in pairs:
         if key in out:
-            raise HeadsteerValueError(f"duplicate key {key!r}")
+            raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
         out[key] = value
     return out
 
@@ -124,7 +124,7 @@ class HeadSet:
         pairs = set()
         for x in heads:
             if not isinstance(x, (tuple, list)) or len(x) != 2:
-                raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
+                raise HeadsteerValueError(f"expected a (layer, head) pair, got {short_repr(x)}")
             pairs.add((_as_int(x[0], "layer"), _as_int(x[1], "head")))
         self.heads: tuple[tuple[int, int], ...] = tuple(sorted(pairs))
 
@@ -172,7 +172,9 @@ class HeadSet:
             for layer, hs in spec.items():
                 layer = _as_int(layer, "layer", allow_str=True)
                 if isinstance(hs, (str, bytes, Mapping)) or not isinstance(hs, Iterable):
-                    raise HeadsteerValueError(f"heads of layer {layer} must be a list of ints, got {hs!r}")
+                    raise HeadsteerValueError(
+                        f"heads of layer {short_repr(layer)} must be a list of ints, got {short_repr(hs)}"
+                    )
                 pairs.extend((layer, _as_int(h, "head")) for h in hs)
             out = cls(pairs)
         elif isinstance(spec, Sequence):
@@ -184,7 +186,7 @@ class HeadSet:
                 pairs = []
                 for x in spec:
                     if not isinstance(x, (list, tuple)) or len(x) != 2:
-                        raise HeadsteerValueError(f"expected a (layer, head) pair, got {x!r}")
+                        raise HeadsteerValueError(f"expected a (layer, head) pair, got {short_repr(x)}")
                     pairs.append((_as_int(x[0], "layer"), _as_int(x[1], "head")))
                 out = cls(pairs)
         else:
@@ -196,10 +198,13 @@ class HeadSet:
         """Raise `ValueError` naming the first head outside `n_layers` x `n_heads`."""
         for layer, head in self.heads:
             if n_layers is not None and not 0 <= layer < n_layers:
-                raise HeadsteerValueError(f"unknown layer {layer}: the model has layers 0..{n_layers - 1}")
+                raise HeadsteerValueError(
+                    f"unknown layer {short_repr(layer)}: the model has layers 0..{n_layers - 1}"
+                )
             if n_heads is not None and not 0 <= head < n_heads:
                 raise HeadsteerValueError(
-                    f"unknown head {head} in layer {layer}: the model has heads 0..{n_heads - 1}"
+                    f"unknown head {short_repr(head)} in layer {short_repr(layer)}: the model has heads "
+                    f"0..{n_heads - 1}"
                 )
 
     # ---------------------------------------------------------------- views
@@ -334,7 +339,9 @@ class HeadScores:
         n = self.scores.numel()
         if k >= n:
             warnings.warn(
-                f"top-k {k} ≥ the model's {n} heads: every head selected", UserWarning, stacklevel=2
+                f"top-k {short_repr(k)} ≥ the model's {n} heads: every head selected",
+                UserWarning,
+                stacklevel=2,
             )
         return HeadSet(self._ranked()[:k])
 
@@ -431,9 +438,9 @@ class HeadScores:
                 f"cache must be a TransformerLens ActivationCache, got {type(cache).__name__}"
             )
         if not isinstance(model, str):
-            raise HeadsteerTypeError(f"model must be a model id string, got {model!r}")
+            raise HeadsteerTypeError(f"model must be a model id string, got {short_repr(model)}")
         if n_kv_heads is not None and not is_int(n_kv_heads):
-            raise HeadsteerTypeError(f"n_kv_heads must be an int or None, got {n_kv_heads!r}")
+            raise HeadsteerTypeError(f"n_kv_heads must be an int or None, got {short_repr(n_kv_heads)}")
         found = sorted(
             int(k.split(".")[1])
             for k in cache.keys()
@@ -466,7 +473,9 @@ class HeadScores:
         batch, q_len, k_len = int(first.shape[0]), int(first.shape[-2]), int(first.shape[-1])
         _check_cache_tokens(cache, tokens, batch, k_len)
         if not is_int(query) or not -q_len <= query < q_len:
-            raise HeadsteerValueError(f"query must be an int position in [-{q_len}, {q_len}), got {query!r}")
+            raise HeadsteerValueError(
+                f"query must be an int position in [-{q_len}, {q_len}), got {short_repr(query)}"
+            )
         query = int(query)
         q_abs = query % q_len + (k_len - q_len)  # absolute position of the query row
         if isinstance(span, torch.Tensor):
@@ -481,16 +490,18 @@ class HeadScores:
         else:
             if not isinstance(span, tuple | list) or len(span) != 2:
                 raise HeadsteerValueError(
-                    f"span must be (start, end) or a [batch, k] bool mask, got {span!r}"
+                    f"span must be (start, end) or a [batch, k] bool mask, got {short_repr(span)}"
                 )
             if not all(is_int(x) for x in span):
-                raise HeadsteerValueError(f"span bounds must be ints, got {span!r}")
+                raise HeadsteerValueError(f"span bounds must be ints, got {short_repr(span)}")
             a, b = (int(x) for x in span)
             if not 0 <= a < b <= k_len:
-                raise HeadsteerValueError(f"span {span!r} is empty or outside the {k_len} cached positions")
+                raise HeadsteerValueError(
+                    f"span {short_repr(span)} is empty or outside the {k_len} cached positions"
+                )
             if a > q_abs:
                 raise HeadsteerValueError(
-                    f"span {span!r} starts after query position {q_abs}: it sees none of it"
+                    f"span {short_repr(span)} starts after query position {q_abs}: it sees none of it"
                 )
             mask = torch.zeros(batch, k_len, dtype=torch.bool)
             mask[:, a:b] = True
@@ -521,10 +532,10 @@ class HeadScores:
         data = _read_json(path)
         name = str(path)
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{name!r} is not a headsteer HeadScores file")
+            raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer HeadScores file")
         if data.get("schema_version") != SCHEMA_VERSION:
             raise HeadsteerValueError(
-                f"{name!r} has schema_version {data.get('schema_version')!r}; "
+                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}; "
                 f"this headsteer reads version {SCHEMA_VERSION}"
             )
         out = cls._from_json(data, name)
@@ -533,7 +544,7 @@ class HeadScores:
             got = (out.n_layers, out.n_heads, out.n_kv_heads)
             if want != got:
                 raise HeadsteerValueError(
-                    f"{name!r} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
+                    f"{short_repr(name)} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
                     f"this model has {want}"
                 )
             if out.model and out.model != model.name:
@@ -547,19 +558,19 @@ class HeadScores:
 
         for key, kind in (("method", str), ("model", str), ("n_layers", int), ("n_heads", int)):
             if key not in data:
-                raise bad(f"missing {key!r}")
+                raise bad(f"missing {short_repr(key)}")
             if isinstance(data[key], bool) or not isinstance(data[key], kind):
-                raise bad(f"{key!r} must be {kind.__name__}, got {data[key]!r}")
+                raise bad(f"{short_repr(key)} must be {kind.__name__}, got {short_repr(data[key])}")
         n_layers, n_heads = data["n_layers"], data["n_heads"]
         n_kv = data.get("n_kv_heads", n_heads)
         if isinstance(n_kv, bool) or not isinstance(n_kv, int):
-            raise bad(f"'n_kv_heads' must be int, got {n_kv!r}")
+            raise bad(f"'n_kv_heads' must be int, got {short_repr(n_kv)}")
         seed = data.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise bad(f"'seed' must be int or null, got {seed!r}")
+            raise bad(f"'seed' must be int or null, got {short_repr(seed)}")
         params = data.get("params") or {}
         if not isinstance(params, Mapping):
-            raise bad(f"'params' must be an object, got {params!r}")
+            raise bad(f"'params' must be an object, got {short_repr(params)}")
         rows = data.get("scores")
         if not isinstance(rows, list) or len(rows) != n_layers:
             raise bad(f"'scores' must be a list of {n_layers} rows")
@@ -568,8 +579,8 @@ class HeadScores:
             if not isinstance(row, list) or len(row) != n_heads:
                 raise bad(f"every row of 'scores' must be a list of {n_heads} numbers or null")
             for v in row:
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                    raise bad(f"score {v!r} is not a number")
+                if v is not None and not is_number(v):
+                    raise bad(f"score {short_repr(v)} is not a number")
             values.append([math.nan if v is None else float(v) for v in row])
         try:
             return cls(
@@ -626,7 +637,9 @@ def _check_cache_tokens(cache: Any, tokens: torch.Tensor | None, batch: int, k_l
     if tokens is not None:
         bad = not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point
         if bad or tokens.ndim not in (1, 2):
-            raise HeadsteerValueError(f"tokens must be a [batch, k] or [k] int tensor, got {tokens!r}")
+            raise HeadsteerValueError(
+                f"tokens must be a [batch, k] or [k] int tensor, got {short_repr(tokens)}"
+            )
         want = (tokens[None] if tokens.ndim == 1 else tokens).cpu()
         if tuple(want.shape) != (batch, k_len):
             raise HeadsteerValueError(

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
@@ -59,7 +59,7 @@ def span_attention(
     arXiv:2311.02262, Sec. 3); a heuristic head ranking, not PASTA's profiling.
     """
     if query not in ("last", "after_span"):
-        raise HeadsteerValueError(f"query must be 'last' or 'after_span', got {query!r}")
+        raise HeadsteerValueError(f"query must be 'last' or 'after_span', got {short_repr(query)}")
     check_int("batch_size", batch_size, lo=1)
     if model.tokenizer is None:
         raise HeadsteerValueError("span_attention needs a HeadModel with a tokenizer")

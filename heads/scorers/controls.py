@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["Head", "other_heads", "random_head_draws"]
@@ -59,4 +59,4 @@ def random_head_draws(
     if generator == "python":
         rng = random.Random(seed)
         return [rng.sample(list(pool), size) for _ in range(draws)]
-    raise HeadsteerValueError(f"generator must be 'torch' or 'python', got {generator!r}")
+    raise HeadsteerValueError(f"generator must be 'torch' or 'python', got {short_repr(generator)}")

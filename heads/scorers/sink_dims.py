@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from heads._util.validation import check_int, is_int
+from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
@@ -78,14 +78,16 @@ def _key(model: HeadModel) -> tuple[str, int, int]:
 
 def _check_dims(dims: object, width: int) -> tuple[int, ...]:
     if isinstance(dims, (str, bytes)) or not isinstance(dims, (list, tuple, range)) or not dims:
-        raise HeadsteerValueError(f"sink dims must be a non-empty list of ints, got {dims!r}")
+        raise HeadsteerValueError(f"sink dims must be a non-empty list of ints, got {short_repr(dims)}")
     out = []
     for d in dims:
         if not is_int(d) or not 0 <= int(d) < width:
-            raise HeadsteerValueError(f"sink dim {d!r} is not an int in 0..{width - 1} (d_model = {width})")
+            raise HeadsteerValueError(
+                f"sink dim {short_repr(d)} is not an int in 0..{width - 1} (d_model = {width})"
+            )
         out.append(int(d))
     if len(set(out)) != len(out):
-        raise HeadsteerValueError(f"sink dims have duplicates: {dims!r}")
+        raise HeadsteerValueError(f"sink dims have duplicates: {short_repr(dims)}")
     return tuple(out)
 
 
@@ -179,8 +181,8 @@ def find_sink_dims(
     n_l = model.n_layers
     check_int("from_layer", from_layer, lo=0, hi=n_l - 1, what=f"an int in 0..{model.n_layers - 1}")
     check_int("max_dims", max_dims, lo=1)
-    if not isinstance(min_ratio, (int, float)) or not min_ratio > 1:
-        raise HeadsteerValueError(f"min_ratio must be a number > 1, got {min_ratio!r}")
+    if not is_number(min_ratio) or not min_ratio > 1 or not math.isfinite(min_ratio):
+        raise HeadsteerValueError(f"min_ratio must be a number > 1, got {short_repr(min_ratio)}")
     enc = encode_prompts(model.tokenizer, items, chat=False, markup=False)
     out = forward(model, enc, output_hidden_states=True)
     real = enc.attention_mask.bool()

@@ -22,7 +22,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_int, check_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.forward import forward
@@ -51,9 +51,13 @@ class SinkRule:
 
     def __post_init__(self) -> None:
         if self.rule not in ("relative", "absolute"):
-            raise HeadsteerValueError(f"unknown sink rule {self.rule!r}: use 'relative' or 'absolute'")
+            raise HeadsteerValueError(
+                f"unknown sink rule {short_repr(self.rule)}: use 'relative' or 'absolute'"
+            )
         if self.exempt not in ("position", "first_flagged"):
-            raise HeadsteerValueError(f"unknown exemption {self.exempt!r}: use 'position' or 'first_flagged'")
+            raise HeadsteerValueError(
+                f"unknown exemption {short_repr(self.exempt)}: use 'position' or 'first_flagged'"
+            )
         for name in ("alpha_s", "theta"):
             v = getattr(self, name)
             check_number(name, v, lo=0, lo_open=True)
@@ -133,7 +137,8 @@ def _check_rule(rule: object) -> SinkRule:
         return SinkRule()
     if not isinstance(rule, SinkRule):
         raise HeadsteerTypeError(
-            f"rule must be a heads.scorers.sinks.SinkRule, e.g. SinkRule(rule='absolute'), got {rule!r}"
+            "rule must be a heads.scorers.sinks.SinkRule, e.g. SinkRule(rule='absolute'), got "
+            f"{short_repr(rule)}"
         )
     return rule
 

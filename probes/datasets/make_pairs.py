@@ -33,6 +33,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -129,11 +130,12 @@ def _check_pair(tokenizer, row: dict) -> None:
     a, b = _ids(tokenizer, row["clean"]), _ids(tokenizer, row["corrupted"])
     if len(a) != len(b):
         raise HeadsteerValueError(
-            f"{row['id']}: clean is {len(a)} tokens, corrupted is {len(b)} tokens ({row['clean']!r})"
+            f"{row['id']}: clean is {len(a)} tokens, corrupted is {len(b)} tokens "
+            f"({short_repr(row['clean'])})"
         )
     for key in ("answer", "counterfactual"):
         if len(tokenizer(row[key], add_special_tokens=False)["input_ids"]) != 1:
-            raise HeadsteerValueError(f"{row['id']}: {key} {row[key]!r} is not one token")
+            raise HeadsteerValueError(f"{row['id']}: {key} {short_repr(row[key])} is not one token")
     if row["answer"] == row["counterfactual"]:
         raise HeadsteerValueError(f"{row['id']}: answer equals counterfactual")
 

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["N_EXAMPLES", "OUT_DIR", "SEED", "build_tasks", "check_choices", "dump_jsonl", "main"]
@@ -306,7 +307,9 @@ def check_choices(tokenizer, choices: Sequence[str]) -> None:
     for choice in choices:
         tid = _first_token(tokenizer, choice)
         if tid in seen:
-            raise HeadsteerValueError(f"choices {seen[tid]!r} and {choice!r} share their first token {tid}")
+            raise HeadsteerValueError(
+                f"choices {short_repr(seen[tid])} and {short_repr(choice)} share their first token {tid}"
+            )
         seen[tid] = choice
 
 

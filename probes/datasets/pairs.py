@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
 from heads.scorers.patching.pairs import PromptPair, load_pairs
 
@@ -33,7 +33,7 @@ CORRUPTIONS = {"ioi": ("abc", "s_flip"), "colored_objects": ("object",), "comp_m
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in allowed:
-        raise HeadsteerValueError(f"unknown {name} {value!r}: use one of {', '.join(allowed)}")
+        raise HeadsteerValueError(f"unknown {name} {short_repr(value)}: use one of {', '.join(allowed)}")
     return value
 
 

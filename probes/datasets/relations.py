@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.maps.static import RelationPairs, k_for
 
@@ -72,7 +73,7 @@ def single_token_pairs(tokenizer, pairs: Sequence[Sequence[str]]) -> list[tuple[
     out = []
     for pair in pairs:
         if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(w, str) and w.strip() for w in pair):
-            raise HeadsteerValueError(f"a relation pair must be two non-empty words, got {pair!r}")
+            raise HeadsteerValueError(f"a relation pair must be two non-empty words, got {short_repr(pair)}")
         src, tgt = pair
         s, t = _one_token(tokenizer, src), _one_token(tokenizer, tgt)
         if s is not None and t is not None:

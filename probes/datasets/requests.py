@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["load_requests"]
@@ -28,9 +29,9 @@ def load_requests(kind: str, split: str | None = None) -> list[dict]:
         ValueError: unknown kind or split.
     """
     if kind not in _KINDS:
-        raise HeadsteerValueError(f"unknown request set {kind!r}: use one of {_KINDS}")
+        raise HeadsteerValueError(f"unknown request set {short_repr(kind)}: use one of {_KINDS}")
     if split not in _SPLITS:
-        raise HeadsteerValueError(f"unknown split {split!r}: use None, 'train' or 'test'")
+        raise HeadsteerValueError(f"unknown split {short_repr(split)}: use None, 'train' or 'test'")
     text = resources.files("probes").joinpath(f"data/{kind}.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     if split is None:

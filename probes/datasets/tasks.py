@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["SPLITS", "TASKS", "Task", "TaskExample", "load_task"]
@@ -90,7 +91,7 @@ class TaskExample:
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
-        raise HeadsteerValueError(f"unknown split {split!r}: use one of {SPLITS}")
+        raise HeadsteerValueError(f"unknown split {short_repr(split)}: use one of {SPLITS}")
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,13 @@ def load_task(name: str, split: str | None = None) -> Task:
         ValueError: unknown task or split (the bad value is named).
     """
     if name not in TASKS:
-        raise HeadsteerValueError(f"unknown task {name!r}: use one of {TASKS}")
+        raise HeadsteerValueError(f"unknown task {short_repr(name)}: use one of {TASKS}")
     if split is not None:
         _check_split(split)
     text = resources.files("probes").joinpath(f"data/tasks/{name}.jsonl").read_text(encoding="utf-8")
     examples = tuple(TaskExample.from_row(json.loads(line)) for line in text.splitlines() if line.strip())
     if not examples:
-        raise HeadsteerValueError(f"task {name!r} has no examples")
+        raise HeadsteerValueError(f"task {short_repr(name)} has no examples")
     task = Task(name, examples, examples[0].chat, examples[0].scoring)
     if split is None:
         return task

@@ -20,6 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["REFUSAL_PHRASES", "RefusalJudge", "attack_success_rate", "normalize_apostrophes"]
@@ -100,7 +101,7 @@ class RefusalJudge:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "min_tokens" else 2):
                 raise HeadsteerValueError(
-                    f"{name} must be an int >= {0 if name == 'min_tokens' else 2}, got {v!r}"
+                    f"{name} must be an int >= {0 if name == 'min_tokens' else 2}, got {short_repr(v)}"
                 )
 
     def reasons(self, response: str) -> list[str]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from heads._util.validation import MAX_JSON_INT_DIGITS, check_number
+from heads._util.validation import MAX_JSON_INT_DIGITS, check_number, short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = [
@@ -130,7 +130,7 @@ def choice_correct(logprobs: Sequence[float] | np.ndarray, label: int) -> bool:
     if scores.ndim != 1 or scores.size < 2:
         raise HeadsteerValueError(f"need a 1-D vector of >= 2 choice log-probs, got shape {scores.shape}")
     if not 0 <= label < scores.size:
-        raise HeadsteerValueError(f"label {label} out of range for {scores.size} choices")
+        raise HeadsteerValueError(f"label {short_repr(label)} out of range for {scores.size} choices")
     others = np.delete(scores, label)
     return bool(np.all(scores[label] > others))
 

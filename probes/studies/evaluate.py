@@ -32,7 +32,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadSet, HeadSpec
@@ -119,7 +119,7 @@ def method_steer(
     from steer.profiles import shipped_profile
 
     if method not in METHODS:
-        raise HeadsteerValueError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+        raise HeadsteerValueError(f"unknown method {short_repr(method)}: use one of {', '.join(METHODS)}")
     if method == "none":
         return []
     if method == "spotlight":
@@ -171,7 +171,7 @@ def caa_pairs(task: str, split: str = "train", limit: int | None = None) -> list
     examples = load_task(task, split).examples[:limit]
     if examples[0].choices is None:
         raise HeadsteerValueError(
-            f"CAA needs a choice task (contrastive answers), {task!r} is scored by generation"
+            f"CAA needs a choice task (contrastive answers), {short_repr(task)} is scored by generation"
         )
     pairs = []
     for i, e in enumerate(examples):
@@ -316,7 +316,7 @@ def evaluate(
         check_int("limit", limit, lo=1)
         examples = examples[:limit]
     if method in SPAN_METHODS and not all(e.emphasize for e in examples):
-        raise HeadsteerValueError(f"{method} needs an emphasized span, and task {task!r} has none")
+        raise HeadsteerValueError(f"{method} needs an emphasized span, and task {short_repr(task)} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
     iti_opts = {k[4:]: method_options.pop(k) for k in keys if k in method_options}
     if method == "iti" and method_options.get("iti") is None:  # probes on the train split only

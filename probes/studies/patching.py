@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.engine.options import SweepOptions
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.activation import PatchResult, patch
@@ -316,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",")]
     if parts != ["all"] and any(p not in ("co_patch", "comp_mech") for p in parts):
-        raise SystemExit(f"--parts must be 'all' or a comma list of co_patch, comp_mech; got {args.parts!r}")
+        raise SystemExit(
+            f"--parts must be 'all' or a comma list of co_patch, comp_mech; got {short_repr(args.parts)}"
+        )
     from heads import load_model
     from heads._util.files import check_output, write_text
 

@@ -21,7 +21,7 @@ import torch
 
 from heads import HeadModel
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
 from probes.head_probes import PROBE_TASKS, ProbeResult, collect_head_outputs, fit_head_probes, probe_data
 
@@ -54,7 +54,7 @@ def direction_cosines(a: ProbeResult, b: ProbeResult, *, kind: str = "mass_mean"
         HeadsteerValueError: unknown kind, or results of different shapes.
     """
     if kind not in ("mass_mean", "probe"):
-        raise HeadsteerValueError(f"kind must be 'mass_mean' or 'probe', got {kind!r}")
+        raise HeadsteerValueError(f"kind must be 'mass_mean' or 'probe', got {short_repr(kind)}")
     da, db = getattr(a, f"{kind}_directions"), getattr(b, f"{kind}_directions")
     if da.shape != db.shape:
         raise HeadsteerValueError(
@@ -138,7 +138,7 @@ def check_probe_tasks(tasks: Sequence[str]) -> list[str]:
     bad = [t for t in tasks if t not in PROBE_TASKS]
     if bad or not tasks:
         raise HeadsteerValueError(
-            f"unknown probe task {bad[0] if bad else tasks!r}: use some of {PROBE_TASKS}"
+            f"unknown probe task {short_repr(bad[0] if bad else tasks)}: use some of {PROBE_TASKS}"
         )
     return tasks
 

@@ -27,7 +27,7 @@ import torch
 from heads import cache_dir, load_model
 from heads._util.files import check_output, write_text
 from heads._util.progress import Progress, ProgressArg, offset_progress, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, is_number, short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.safety.ships import TEMPLATE
@@ -237,8 +237,8 @@ def build_refusal_model(
     """
     for name, v in (("epochs", epochs), ("batch", batch)):
         check_int(name, v, lo=1)
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise HeadsteerValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if not (is_number(lr) and math.isfinite(lr) and lr > 0):
+        raise HeadsteerValueError(f"lr must be a finite number > 0, got {short_repr(lr)}")
     out = Path(out).expanduser() if out is not None else refusal_model_dir()
     if out.is_symlink():
         raise HeadsteerValueError(f"refusing to write through a symlink: {out}")

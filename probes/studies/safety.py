@@ -20,7 +20,7 @@ import pandas as pd
 
 from heads import HeadModel, HeadScores
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.executors import Executor
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
@@ -205,7 +205,7 @@ def safety_analysis(
         check_int(name, v, lo=1)
     check_int("steps", steps, lo=1, hi=n_heads)
     if isinstance(prompts, str):
-        raise HeadsteerValueError(f"prompts must be a list of requests, got the string {prompts!r}")
+        raise HeadsteerValueError(f"prompts must be a list of requests, got the string {short_repr(prompts)}")
     check_int("batch_size", batch_size, lo=1)
     template = safety_template(system_prompt)
     score_prompts = list(prompts or [r["prompt"] for r in load_requests("harmful", "train")])[:n_score]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import check_number, is_int
+from heads._util.validation import check_number, is_int, short_repr
 from heads.engine.edits import Edit
 from heads.engine.executors import run_head_shards
 from heads.engine.options import SweepOptions, sweep_options
@@ -53,9 +53,11 @@ def choice_ids(tokenizer, choices: Sequence[Sequence[str]]) -> torch.Tensor:
             or not isinstance(cs, Sequence)
             or not all(isinstance(c, str) for c in cs)
         ):
-            raise HeadsteerTypeError(f"example {i}: choices must be a list of strings, got {cs!r}")
+            raise HeadsteerTypeError(f"example {i}: choices must be a list of strings, got {short_repr(cs)}")
         if len(cs) < 2 or not all(c.strip() for c in cs):
-            raise HeadsteerValueError(f"example {i}: need at least 2 non-empty choices, got {list(cs)!r}")
+            raise HeadsteerValueError(
+                f"example {i}: need at least 2 non-empty choices, got {short_repr(list(cs))}"
+            )
         ids = [tokenizer(" " + c, add_special_tokens=False)["input_ids"][0] for c in cs]
         if len(set(ids)) != len(ids):
             raise HeadsteerValueError(f"example {i}: choices {list(cs)} share a first token")
@@ -150,7 +152,7 @@ def calibrate_act_heads(
     Act(beta=beta, rule=rule)  # validates beta and rule
     check_number("delta", delta)
     if keep not in ("accuracy", "margin"):
-        raise HeadsteerValueError(f"keep must be 'accuracy' or 'margin', got {keep!r}")
+        raise HeadsteerValueError(f"keep must be 'accuracy' or 'margin', got {short_repr(keep)}")
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=False)
     if not len(choices) == len(labels) == enc.batch:
         raise HeadsteerValueError(
@@ -158,7 +160,7 @@ def calibrate_act_heads(
         )
     if not all(is_int(x) for x in labels):
         raise HeadsteerTypeError(
-            f"labels must be ints (indices into each example's choices), got {list(labels)!r}"
+            f"labels must be ints (indices into each example's choices), got {short_repr(list(labels))}"
         )
     ids = choice_ids(model.tokenizer, choices)
     lab = torch.tensor([int(x) for x in labels])

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import is_number
+from heads._util.validation import is_number, is_real, short_repr
 from heads.engine import state as engine_state
 from heads.engine.edits import AttentionCall, ProbEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -172,16 +172,18 @@ class Act:
 
     def validate(self) -> None:
         b = self.beta
-        if not is_number(b):
-            raise HeadsteerTypeError(f"beta must be a number, got {b!r}")
-        if not math.isfinite(b) or not 0 <= b <= 1:
-            raise HeadsteerValueError(f"beta must be in [0, 1], got {b!r}")
+        if not is_real(b):
+            raise HeadsteerTypeError(f"beta must be a number, got {short_repr(b)}")
+        if not is_number(b) or not math.isfinite(b) or not 0 <= b <= 1:
+            raise HeadsteerValueError(f"beta must be in [0, 1], got {short_repr(b)}")
         if self.decode_sinks not in ("frozen", "running"):
             raise HeadsteerValueError(
-                f"unknown decode_sinks {self.decode_sinks!r}: use 'frozen' or 'running'"
+                f"unknown decode_sinks {short_repr(self.decode_sinks)}: use 'frozen' or 'running'"
             )
         if not isinstance(self.rule, SinkRule):
-            raise HeadsteerTypeError(f"rule must be a heads.scorers.sinks.SinkRule, got {self.rule!r}")
+            raise HeadsteerTypeError(
+                f"rule must be a heads.scorers.sinks.SinkRule, got {short_repr(self.rule)}"
+            )
 
     def head_set(self, model: HeadModel) -> HeadSet:
         if self.heads is None:

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 import torch
 
 from heads._util.files import is_file, short_path
-from heads._util.validation import is_number
+from heads._util.validation import is_number, is_real, short_repr
 from heads.engine.edits import AttentionCall, LogitBias
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
@@ -121,11 +121,11 @@ def check_alpha(alpha: float, scale_position: str = "exclude", *, stacklevel: in
         TypeError: alpha not a real number.
         ValueError: alpha not finite or <= 0 (alpha = 0 deletes the context).
     """
-    if not is_number(alpha):
-        raise HeadsteerTypeError(f"alpha must be a number, got {alpha!r}")
-    if not math.isfinite(alpha) or alpha <= 0:
+    if not is_real(alpha):
+        raise HeadsteerTypeError(f"alpha must be a number, got {short_repr(alpha)}")
+    if not is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
         raise HeadsteerValueError(
-            f"alpha must be finite and > 0, got {alpha!r} (alpha = 0 deletes the context)"
+            f"alpha must be finite and > 0, got {short_repr(alpha)} (alpha = 0 deletes the context)"
         )
     if alpha == 1:
         warn_noop(f"PASTA alpha={alpha} is a no-op: output equals the unsteered model", stacklevel=stacklevel)
@@ -201,20 +201,25 @@ class Pasta:
             TypeError: alpha not a real number.
             ValueError: alpha not finite or <= 0; unknown mode.
         """
-        if not is_number(self.alpha):
-            raise HeadsteerTypeError(f"alpha must be a number, got {self.alpha!r}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
+        if not is_real(self.alpha):
+            raise HeadsteerTypeError(f"alpha must be a number, got {short_repr(self.alpha)}")
+        if not is_number(self.alpha) or not math.isfinite(self.alpha) or self.alpha <= 0:
             raise HeadsteerValueError(
-                f"alpha must be finite and > 0, got {self.alpha!r} (alpha = 0 deletes the context)"
+                f"alpha must be finite and > 0, got {short_repr(self.alpha)} (alpha = 0 deletes the context)"
             )
         if self.scale_position not in ("exclude", "include", "generation"):
             raise HeadsteerValueError(
-                f"unknown scale_position {self.scale_position!r}: use 'exclude', 'include' or 'generation'"
+                f"unknown scale_position {short_repr(self.scale_position)}: use 'exclude', 'include' or "
+                "'generation'"
             )
         if self.multi_span not in ("union", "compound"):
-            raise HeadsteerValueError(f"unknown multi_span {self.multi_span!r}: use 'union' or 'compound'")
+            raise HeadsteerValueError(
+                f"unknown multi_span {short_repr(self.multi_span)}: use 'union' or 'compound'"
+            )
         if self.spans not in ("text", "image", "both"):
-            raise HeadsteerValueError(f"unknown spans {self.spans!r}: use 'text', 'image' or 'both'")
+            raise HeadsteerValueError(
+                f"unknown spans {short_repr(self.spans)}: use 'text', 'image' or 'both'"
+            )
 
     def head_set(self, model: HeadModel) -> HeadSet:
         """The steered heads, checked against `model` (`"auto"`: its shipped profile)."""

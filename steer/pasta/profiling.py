@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import check_bool
+from heads._util.validation import check_bool, short_repr
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants, row_head_masks
@@ -51,10 +51,10 @@ def target_ids(tokenizer, targets: Sequence[str]) -> torch.Tensor:
     out = []
     for t in targets:
         if not isinstance(t, str) or not t:
-            raise HeadsteerValueError(f"targets must be non-empty strings, got {t!r}")
+            raise HeadsteerValueError(f"targets must be non-empty strings, got {short_repr(t)}")
         ids = tokenizer(t, add_special_tokens=False)["input_ids"]
         if not ids:
-            raise HeadsteerValueError(f"target {t!r} encodes to no token")
+            raise HeadsteerValueError(f"target {short_repr(t)} encodes to no token")
         out.append(ids[0])
     return torch.tensor(out)
 
@@ -132,7 +132,7 @@ def profile_heads(
             emphasize = [emphasize]
         if isinstance(emphasize, (str, bytes)) or len(emphasize) != len(items):
             raise HeadsteerValueError(
-                f"{len(items)} prompts but emphasize={emphasize!r}: give one span per prompt"
+                f"{len(items)} prompts but emphasize={short_repr(emphasize)}: give one span per prompt"
             )
         # batch-major: one span (or a list of spans) per prompt
         emphasize = [e if isinstance(e, (list, tuple)) else [e] for e in emphasize]
@@ -188,12 +188,14 @@ def _rankings(profiles: Mapping[str, HeadScores]) -> dict[str, list[Head]]:
     """Each task's full head ranking (descending score, ties by (layer, head), NaN dropped)."""
     if not isinstance(profiles, Mapping) or not profiles:
         raise HeadsteerValueError(
-            f"profiles must be a non-empty {{task: HeadScores}} mapping, got {profiles!r}"
+            f"profiles must be a non-empty {{task: HeadScores}} mapping, got {short_repr(profiles)}"
         )
     shapes = set()
     for name, p in profiles.items():
         if not isinstance(p, HeadScores):
-            raise HeadsteerTypeError(f"profile {name!r} must be a HeadScores, got {type(p).__name__}")
+            raise HeadsteerTypeError(
+                f"profile {short_repr(name)} must be a HeadScores, got {type(p).__name__}"
+            )
         shapes.add(tuple(p.scores.shape))
     if len(shapes) > 1:
         raise HeadsteerValueError(f"profiles come from models of different shapes: {sorted(shapes)}")
@@ -213,11 +215,15 @@ def _combine(rankings: Mapping[str, list[Head]], k: int, mode: Selection, task: 
 
 def _check_mode(rankings: Mapping[str, list[Head]], mode: object, task: str | None) -> None:
     if mode not in ("intersection", "union", "task"):
-        raise HeadsteerValueError(f"unknown selection mode {mode!r}: use 'intersection', 'union' or 'task'")
+        raise HeadsteerValueError(
+            f"unknown selection mode {short_repr(mode)}: use 'intersection', 'union' or 'task'"
+        )
     if task is not None and mode != "task":
-        raise HeadsteerValueError(f"task= is only used with mode='task', got mode={mode!r}")
+        raise HeadsteerValueError(f"task= is only used with mode='task', got mode={short_repr(mode)}")
     if mode == "task" and task not in rankings:
-        raise HeadsteerValueError(f"mode='task' needs task= one of {sorted(rankings)}, got {task!r}")
+        raise HeadsteerValueError(
+            f"mode='task' needs task= one of {sorted(rankings)}, got {short_repr(task)}"
+        )
 
 
 def smallest_k(
@@ -282,7 +288,9 @@ def select_heads(
     rankings = _rankings(profiles)
     _check_mode(rankings, mode, task)
     if (k is None) == (n_heads is None):
-        raise HeadsteerValueError(f"give exactly one of k and n_heads, got k={k!r}, n_heads={n_heads!r}")
+        raise HeadsteerValueError(
+            f"give exactly one of k and n_heads, got k={short_repr(k)}, n_heads={short_repr(n_heads)}"
+        )
     if n_heads is not None:
         k = smallest_k(profiles, n_heads, mode=mode, task=task)
     return HeadSet(_combine(rankings, _positive_int(k), mode, task))

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_int, check_layer_list, check_number
+from heads._util.validation import check_int, check_layer_list, check_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -55,7 +55,9 @@ WithoutImage = Literal["delete", "mask"]
 
 def _check_without(without_image: object) -> None:
     if without_image not in ("delete", "mask"):
-        raise HeadsteerValueError(f"unknown without_image {without_image!r}: use 'delete' or 'mask'")
+        raise HeadsteerValueError(
+            f"unknown without_image {short_repr(without_image)}: use 'delete' or 'mask'"
+        )
 
 
 def default_vhr_layers(n_layers: int) -> list[int]:
@@ -113,7 +115,7 @@ def t_vhd(vhd: torch.Tensor, k: int = 4, *, reduce: Literal["sum", "mean"] = "su
     """
     check_int("k", k, lo=1, hi=vhd.shape[-1])
     if reduce not in ("sum", "mean"):
-        raise HeadsteerValueError(f"unknown reduce {reduce!r}: use 'sum' or 'mean'")
+        raise HeadsteerValueError(f"unknown reduce {short_repr(reduce)}: use 'sum' or 'mean'")
     top = torch.nan_to_num(vhd.float(), nan=0.0).topk(int(k), dim=-1).values
     per_layer = top.sum(-1) if reduce == "sum" else top.mean(-1)
     return per_layer.sum(-1)
@@ -302,9 +304,9 @@ class VhdProbe(HeadOutputEdit):
 def _check_alpha(alpha: object) -> float:
     alpha = check_number("alpha", alpha)
     if float(alpha) <= 0:
-        raise HeadsteerValueError(f"alpha must be > 0 (1 = no-op, < 1 suppresses), got {alpha!r}")
+        raise HeadsteerValueError(f"alpha must be > 0 (1 = no-op, < 1 suppresses), got {short_repr(alpha)}")
     if float(alpha) > 1e4:
-        raise HeadsteerValueError(f"alpha must be <= 1e4, got {alpha!r}")
+        raise HeadsteerValueError(f"alpha must be <= 1e4, got {short_repr(alpha)}")
     return float(alpha)
 
 
@@ -358,13 +360,17 @@ class Vhr:
                 stacklevel=3,
             )
         if self.target not in ("auto", "image", "text"):
-            raise HeadsteerValueError(f"unknown target {self.target!r}: use 'auto', 'image' or 'text'")
+            raise HeadsteerValueError(
+                f"unknown target {short_repr(self.target)}: use 'auto', 'image' or 'text'"
+            )
         _check_without(self.without_image)
         if isinstance(self.ddof, bool) or not isinstance(self.ddof, int) or self.ddof not in (0, 1):
-            raise HeadsteerValueError(f"ddof must be 0 or 1, got {self.ddof!r}")
+            raise HeadsteerValueError(f"ddof must be 0 or 1, got {short_repr(self.ddof)}")
         for flag in ("reinforce_without", "outliers", "reuse_cache"):
             if not isinstance(getattr(self, flag), bool):
-                raise HeadsteerTypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+                raise HeadsteerTypeError(
+                    f"{flag} must be True or False, got {short_repr(getattr(self, flag))}"
+                )
         if self.layers is not None:
             check_layer_list("layers", self.layers)
 

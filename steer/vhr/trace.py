@@ -18,7 +18,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from heads._util.validation import check_bool, check_int, is_int
+from heads._util.validation import check_bool, check_int, is_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -114,27 +114,27 @@ def vhd_trace(
     """
     if not is_int(max_new_tokens):
         raise HeadsteerValueError(
-            f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {max_new_tokens!r}"
+            f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {short_repr(max_new_tokens)}"
         )
     if not 1 <= int(max_new_tokens) <= MAX_NEW_TOKENS:
         raise HeadsteerValueError(
-            f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {max_new_tokens!r}"
+            f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}, got {short_repr(max_new_tokens)}"
         )
     check_int("k", k, lo=1, hi=model.n_heads)
     check_bool("use_cache", use_cache)
     if chat is not None and not isinstance(chat, bool):
-        raise HeadsteerTypeError(f"chat must be True, False or None, got {chat!r}")
+        raise HeadsteerTypeError(f"chat must be True, False or None, got {short_repr(chat)}")
     if reduce not in ("sum", "mean"):
-        raise HeadsteerValueError(f"unknown reduce {reduce!r}: use 'sum' or 'mean'")
+        raise HeadsteerValueError(f"unknown reduce {short_repr(reduce)}: use 'sum' or 'mean'")
     if target not in ("auto", "image", "text"):
-        raise HeadsteerValueError(f"unknown target {target!r}: use 'auto', 'image' or 'text'")
+        raise HeadsteerValueError(f"unknown target {short_repr(target)}: use 'auto', 'image' or 'text'")
     _check_without(without_image)
     one_chat = (
         isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
     )
     if not (isinstance(prompt, str) or one_chat):
         raise HeadsteerValueError(
-            f"vhd_trace takes one prompt (a string or one chat message list), got {prompt!r:.80}"
+            f"vhd_trace takes one prompt (a string or one chat message list), got {short_repr(prompt)}"
         )
     imgs = None if images is None else (images if isinstance(images, (list, tuple)) else [images])
     enc = SteeredModel(model).encode([prompt], images=imgs, emphasize=emphasize, chat=chat)

@@ -251,5 +251,5 @@ def test_breaker_bounds_and_malformed_files(tmp_path):
     for field, value in bads:
         p = tmp_path / f"{field}.json"
         p.write_text(json.dumps({**good, field: value}))
-        with pytest.raises(HeadsteerValueError, match=field if field != "gates" else "gating"):
+        with pytest.raises(HeadsteerValueError, match=field):  # gates 10**400: "not a number"
             GatingResult.load(p)

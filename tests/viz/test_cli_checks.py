@@ -196,16 +196,76 @@ def test_patching_split_on_a_file(no_load, tmp_path):
     _one_line_error(r, "with split 'validation'")
 
 
-def test_explore_host_and_port_before_load(no_load):
+def _loader_never_called(monkeypatch):
+    """`Run.load` (the model load of every command) fails the test: the command must stop first."""
+    from viz.cli.common import Run
+
+    monkeypatch.setattr(Run, "load", lambda *a, **k: pytest.fail("the model loader was called"))
+
+
+@pytest.mark.parametrize("command", ["serve", "explore"])
+def test_a_port_in_use_is_refused_before_the_model_loads(no_load, monkeypatch, command):
     pytest.importorskip("uvicorn")
-    _one_line_error(runner.invoke(app, ["explore", "--host", "not a host"]), "does not resolve")
+    _loader_never_called(monkeypatch)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _one_line_error(
-            runner.invoke(app, ["explore", "--port", str(port)]), f"--port {port} cannot be bound"
-        )
+        r = runner.invoke(app, [command, "--port", str(port)])
+        _one_line_error(r, f"--port {port} cannot be bound on 127.0.0.1:{port}: ")
+        assert "in use" in r.stderr, r.stderr
+
+
+def test_explore_host_before_load(no_load, monkeypatch):
+    pytest.importorskip("uvicorn")
+    _loader_never_called(monkeypatch)
+    _one_line_error(runner.invoke(app, ["explore", "--host", "not a host"]), "does not resolve")
+    _one_line_error(runner.invoke(app, ["serve", "--port", "70000"]), "--port must be in 0..65535, got 70000")
+
+
+def test_listen_socket_port_0_holds_a_real_port():
+    from viz.cli.listen import host_port, listen_socket, url_of
+
+    with listen_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port > 0 and url_of(sock) == f"http://127.0.0.1:{port}"
+        with socket.socket() as other:  # held: nobody else can take it while the model loads
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # listening already: the connection is queued in the backlog
+    assert host_port("::1", 8000) == "[::1]:8000" and host_port("localhost", 1) == "localhost:1"
+    try:
+        six = listen_socket("::1", 0)
+    except Exception:  # noqa: BLE001 - no IPv6 loopback in this sandbox
+        return
+    with six:
+        assert url_of(six) == f"http://[::1]:{six.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(("command", "path"), [("serve", "/v1"), ("explore", "/")])
+def test_port_0_prints_the_real_port(tiny_llama, monkeypatch, command, path):
+    """`--port 0 --json` prints the port the system chose (the socket handed to uvicorn is the
+    one bound before the load), never `:0`."""
+    pytest.importorskip("uvicorn")
+    import viz.cli.explore
+    import viz.cli.listen
+    from viz.cli.common import Run
+
+    monkeypatch.setattr(Run, "load", lambda *a, **k: tiny_llama)
+    served = []
+
+    def fake_run(app_, sock, **kw):
+        served.append(sock.getsockname()[1])
+        sock.close()
+
+    monkeypatch.setattr(viz.cli.listen, "run_uvicorn", fake_run)
+    monkeypatch.setattr(viz.cli.explore, "run_uvicorn", fake_run)
+    r = runner.invoke(app, [command, "--port", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(served) == 1 and served[0] > 0
+    assert line["url"] == f"http://127.0.0.1:{served[0]}{path}"
 
 
 def test_run_gave_falls_back_to_the_default_outside_click():

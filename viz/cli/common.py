@@ -49,6 +49,7 @@ from typer.core import TyperGroup
 
 from heads._util.files import check_output
 from heads._util.progress import Progress
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerError, HeadsteerValueError
 from heads.model.loading import DTYPES
 from heads.model.loading import check_dtype as _check_dtype
@@ -139,17 +140,19 @@ def check_device(device: str) -> str:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise HeadsteerValueError(
-            f"--device {device!r} is not a torch device (use cpu, cuda, cuda:N or mps)"
+            f"--device {short_repr(device)} is not a torch device (use cpu, cuda, cuda:N or mps)"
         ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise HeadsteerValueError(f"--device {device!r}: no CUDA device is available")
+            raise HeadsteerValueError(f"--device {short_repr(device)}: no CUDA device is available")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise HeadsteerValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+            raise HeadsteerValueError(
+                f"--device {short_repr(device)}: only {torch.cuda.device_count()} CUDA devices"
+            )
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise HeadsteerValueError(f"--device {device!r}: MPS is not available")
+        raise HeadsteerValueError(f"--device {short_repr(device)}: MPS is not available")
     elif dev.type not in ("cpu", "cuda", "mps"):
-        raise HeadsteerValueError(f"--device {device!r}: use cpu, cuda, cuda:N or mps")
+        raise HeadsteerValueError(f"--device {short_repr(device)}: use cpu, cuda, cuda:N or mps")
     return device
 
 
@@ -184,7 +187,7 @@ def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str
         raise HeadsteerValueError(f"{option} is empty")
     for e in emphasize or ():
         if not e.strip():
-            raise HeadsteerValueError(f"--emphasize is empty or white space: {e!r}")
+            raise HeadsteerValueError(f"--emphasize is empty or white space: {short_repr(e)}")
     _, spans = parse_markup(prompt)
     if not spans and not emphasize:
         raise HeadsteerValueError(

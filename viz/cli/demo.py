@@ -22,6 +22,7 @@ from rich.table import Table
 from heads import HeadModel, load_model
 from heads._util.files import check_output
 from heads._util.progress import Progress
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.jobs import DEFAULT_TOP_K, Comparison, attention_report, choose_heads
 
@@ -108,7 +109,7 @@ def run_demo(
     from probes.studies.evaluate import evaluate
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-        raise HeadsteerValueError(f"n must be an int >= 2, got {n!r}")
+        raise HeadsteerValueError(f"n must be an int >= 2, got {short_repr(n)}")
     console = console or Console()
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
+from heads._util.validation import short_repr
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive, command
@@ -141,7 +142,7 @@ def _check_method_values(method: str, given: dict) -> None:
             raise HeadsteerValueError(f"--iti-alpha must be finite with |alpha| <= {MAX_FACTOR:g}, got {a}")
         if given["iti_direction"] not in ("mass_mean", "probe"):
             raise HeadsteerValueError(
-                f"--iti-direction must be mass_mean or probe, got {given['iti_direction']!r}"
+                f"--iti-direction must be mass_mean or probe, got {short_repr(given['iti_direction'])}"
             )
 
 
@@ -230,11 +231,11 @@ def eval_command(
     from viz.tables import write_csv
 
     if method not in METHODS:
-        raise HeadsteerValueError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
+        raise HeadsteerValueError(f"unknown --method {short_repr(method)}: use one of {', '.join(METHODS)}")
     if task not in TASKS:
-        raise HeadsteerValueError(f"unknown --task {task!r}: use one of {', '.join(TASKS)}")
+        raise HeadsteerValueError(f"unknown --task {short_repr(task)}: use one of {', '.join(TASKS)}")
     if split not in SPLITS:
-        raise HeadsteerValueError(f"unknown --split {split!r}: use one of {', '.join(SPLITS)}")
+        raise HeadsteerValueError(f"unknown --split {short_repr(split)}: use one of {', '.join(SPLITS)}")
     given = dict(
         pasta_heads=pasta_heads,
         act_heads=act_heads,
@@ -262,9 +263,13 @@ def eval_command(
     if first.scoring == "generate":
         _positive(max_new_tokens=max_new_tokens)
     if method in SPAN_METHODS and not first.emphasize:
-        raise HeadsteerValueError(f"--method {method} needs an emphasized span, and task {task!r} has none")
+        raise HeadsteerValueError(
+            f"--method {method} needs an emphasized span, and task {short_repr(task)} has none"
+        )
     if method in ("iti", "caa") and first.choices is None:
-        raise HeadsteerValueError(f"--method {method} needs a choice task, {task!r} is scored by generation")
+        raise HeadsteerValueError(
+            f"--method {method} needs a choice task, {short_repr(task)} is scored by generation"
+        )
     _check_method_values(method, given)
     if limit is not None:
         _positive(limit=limit)
@@ -350,13 +355,13 @@ def profile_pasta(
 
     tasks = task or ["json_format", "pronoun_change", "counterfact", "occupation"]
     if mode not in ("intersection", "union"):
-        raise HeadsteerValueError(f"--mode must be 'intersection' or 'union', got {mode!r}")
+        raise HeadsteerValueError(f"--mode must be 'intersection' or 'union', got {short_repr(mode)}")
     _positive(examples=examples, heads=heads)
     check_alpha(alpha)  # before any work; warns on a no-op alpha
     inputs = {t: _task_inputs(t, split, examples) for t in tasks}
     for t, ex in inputs.items():
         if not all(e.emphasize for e in ex):
-            raise HeadsteerValueError(f"task {t!r} has no emphasized span to profile PASTA on")
+            raise HeadsteerValueError(f"task {short_repr(t)} has no emphasized span to profile PASTA on")
     out = run.output(out, suffixes=(".json",))
     score_files = {t: run.output(out.with_name(f"{out.stem}.{t}.scores.json")) for t in tasks}
     from heads.model.loading import read_geometry
@@ -404,10 +409,12 @@ def profile_act(
 
     _positive(examples=examples)
     if keep not in ("accuracy", "margin"):
-        raise HeadsteerValueError(f"--keep must be 'accuracy' or 'margin', got {keep!r}")
+        raise HeadsteerValueError(f"--keep must be 'accuracy' or 'margin', got {short_repr(keep)}")
     ex = _task_inputs(task, split, examples)
     if ex[0].choices is None:
-        raise HeadsteerValueError(f"ACT calibration needs a choice task, {task!r} is scored by generation")
+        raise HeadsteerValueError(
+            f"ACT calibration needs a choice task, {short_repr(task)} is scored by generation"
+        )
     out = run.output(out, suffixes=(".json",))
     scores_file = run.output(out.with_name(f"{out.stem}.scores.json"))
     hm = run.load()

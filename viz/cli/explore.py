@@ -2,39 +2,17 @@
 
 import ipaddress
 import json
-import socket
 import sys
 from typing import Annotated
 
 import typer
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
+from viz.cli.listen import listen_socket, run_uvicorn, url_of
 
-__all__ = ["check_listen", "explore_command"]
-
-
-def check_listen(host: str, port: int) -> None:
-    """Refuse, before the model loads, a `host` that does not resolve or a `port` that cannot be
-    bound there (in use, no permission): a socket is bound and closed again (SO_REUSEADDR, as
-    uvicorn does, so a port in TIME_WAIT is not refused).
-
-    Raises:
-        ValueError: naming `--host` or `--port` and the reason.
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise HeadsteerValueError(f"--host {host!r} does not resolve: {exc}") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            raise HeadsteerValueError(
-                f"--port {port} cannot be bound on {host}: {exc.strerror or exc}"
-            ) from None
+__all__ = ["explore_command"]
 
 
 def explore_command(
@@ -64,25 +42,31 @@ def explore_command(
             file=sys.stderr,
         )
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the extra, checked before anything binds or loads
     except ImportError:
         raise HeadsteerValueError(
             "headsteer explore needs the extra: pip install 'headsteer[serve]'"
         ) from None
-    check_listen(host, port)
-    head_atlas = None
-    if atlas is not None:
-        from heads.scorers.roles.atlas import HeadAtlas
+    sock = listen_socket(host, port)  # bound and held before the slow load: a busy port fails now
+    try:
+        head_atlas = None
+        if atlas is not None:
+            from heads.scorers.roles.atlas import HeadAtlas
 
-        head_atlas = HeadAtlas.load(atlas)  # read before the model is loaded: a bad file fails fast
-    hm = run.load()
-    from viz.explorer.app import create_explorer
+            head_atlas = HeadAtlas.load(atlas)  # read before the model is loaded: a bad file fails fast
+        hm = run.load()
+        from viz.explorer.app import create_explorer
 
-    if head_atlas is not None and head_atlas.model != hm.name:
-        raise HeadsteerValueError(f"--atlas {atlas} is of model {head_atlas.model!r}, not {hm.name!r}")
-    app = create_explorer(hm, atlas=head_atlas)
-    url = f"http://{host}:{port}/"
+        if head_atlas is not None and head_atlas.model != hm.name:
+            raise HeadsteerValueError(
+                f"--atlas {atlas} is of model {short_repr(head_atlas.model)}, not {short_repr(hm.name)}"
+            )
+        app = create_explorer(hm, atlas=head_atlas)
+    except BaseException:
+        sock.close()
+        raise
+    url = f"{url_of(sock)}/"  # the real port with --port 0; an IPv6 host in brackets
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
     run.say(f"explorer for {hm.name} on {url} (Ctrl-C to stop)")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_uvicorn(app, sock, say=run.say)

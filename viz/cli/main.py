@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import (
     EmphasizeOpt,
@@ -163,7 +164,7 @@ def generate(
         return _instaboost_pair(run, prompt, multiplier, max_new_tokens, emphasize)
     if steer != "pasta":
         raise HeadsteerValueError(
-            f"--steer must be pasta, instaboost, var, vhr, adaptvis or scalingvis, got {steer!r}"
+            f"--steer must be pasta, instaboost, var, vhr, adaptvis or scalingvis, got {short_repr(steer)}"
         )
     if image is not None:
         raise HeadsteerValueError(
@@ -365,10 +366,13 @@ def report_patching(
     from viz.reports.patching import patching_report, resolve_pairs
 
     if site not in KINDS:
-        raise typer.BadParameter(f"unknown site {site!r}: use one of {', '.join(KINDS)}", param_hint="--site")
+        raise typer.BadParameter(
+            f"unknown site {short_repr(site)}: use one of {', '.join(KINDS)}", param_hint="--site"
+        )
     if direction not in DIRECTIONS:
         raise typer.BadParameter(
-            f"unknown direction {direction!r}: use one of {', '.join(DIRECTIONS)}", param_hint="--direction"
+            f"unknown direction {short_repr(direction)}: use one of {', '.join(DIRECTIONS)}",
+            param_hint="--direction",
         )
     _positive(n=n)
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
@@ -411,10 +415,10 @@ def report_circuit(
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
 
     if method not in ("eap", "eap-ig"):
-        raise HeadsteerValueError(f"--method must be eap or eap-ig, got {method!r}")
+        raise HeadsteerValueError(f"--method must be eap or eap-ig, got {short_repr(method)}")
     if task not in TASKS and not Path(task).is_file():
         raise typer.BadParameter(
-            f"{task!r} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
+            f"{short_repr(task)} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
         )
     from heads.scorers.circuits.scores import MAX_STEPS
     from heads.scorers.patching import load_pairs
@@ -429,9 +433,11 @@ def report_circuit(
     try:
         curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
-        raise HeadsteerValueError(f"--sizes must be comma-separated numbers, got {sizes!r}") from None
+        raise HeadsteerValueError(
+            f"--sizes must be comma-separated numbers, got {short_repr(sizes)}"
+        ) from None
     if not curve_sizes or any(not 0 < x <= 100 for x in curve_sizes):
-        raise HeadsteerValueError(f"--sizes must be in (0, 100] (% of edges), got {sizes!r}")
+        raise HeadsteerValueError(f"--sizes must be in (0, 100] (% of edges), got {short_repr(sizes)}")
     if task not in TASKS:
         load_pairs(task)  # a bad pairs file fails here, before the model loads
     out = run.output(out, suffixes=HTML)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive
 
@@ -32,7 +33,7 @@ def report_probes(
     bad = [t for t in names if t not in PROBE_TASKS]
     if bad or not names:
         raise HeadsteerValueError(
-            f"unknown --tasks entry {bad[0] if bad else tasks!r}: use {', '.join(PROBE_TASKS)}"
+            f"unknown --tasks entry {short_repr(bad[0] if bad else tasks)}: use {', '.join(PROBE_TASKS)}"
         )
     _positive(top=top, batch_size=batch_size)
     if jobs == 0 or jobs < -1:

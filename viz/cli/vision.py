@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from heads._util.progress import offset_progress
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _at_most, _positive, command
 
@@ -99,7 +100,9 @@ def _dims(text: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise HeadsteerValueError(f"--sink-dims must be comma-separated ints, got {text!r}") from None
+        raise HeadsteerValueError(
+            f"--sink-dims must be comma-separated ints, got {short_repr(text)}"
+        ) from None
 
 
 def _steer(
@@ -132,7 +135,7 @@ def _steer(
         return ScalingVis(weight=av["weight"])
     if kind == "adaptvis":
         return AdaptVis(weight1=av["weight1"], weight2=av["weight2"], threshold=av["threshold"])
-    raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {kind!r}")
+    raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {short_repr(kind)}")
 
 
 _LABELS = {"var": "VAR", "vhr": "VHR", "adaptvis": "AdaptVis", "scalingvis": "ScalingVis"}
@@ -212,7 +215,9 @@ def vision_generate(
 ) -> dict:
     """Print the unsteered and the VAR-, VHR-, AdaptVis- or ScalingVis-steered answers side by side."""
     if steer not in VISION_METHODS:
-        raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {steer!r}")
+        raise HeadsteerValueError(
+            f"--steer must be one of {', '.join(VISION_METHODS)}, got {short_repr(steer)}"
+        )
     given = {  # option -> (given by the user, even at its default; the methods that use it)
         "--alpha": (run.gave("alpha", alpha, 2.0), ("vhr",)),
         "--without-image": (run.gave("without_image", without_image, "delete"), ("vhr",)),

@@ -20,7 +20,7 @@ import torch
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_bool, check_path
+from heads._util.validation import check_bool, check_path, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
 from heads.scorers.roles import AttentionLens, HeadAtlas, detect_roles, head_atlas
@@ -258,7 +258,7 @@ def atlas_report(
     check_bool("maps", maps)
     check_bool("overwrite", overwrite)
     if not isinstance(lens_text, str) or not lens_text.strip():
-        raise HeadsteerValueError(f"lens_text must be a non-empty string, got {lens_text!r}")
+        raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise HeadsteerTypeError(
             f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"

@@ -18,6 +18,7 @@ import torch
 
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.activation import KINDS, PatchResult, patch
@@ -59,7 +60,7 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
         return load_task_pairs(str(task), split or "test", n=n)
     if not Path(task).is_file():
         raise HeadsteerValueError(
-            f"--task {str(task)!r} is neither one of {', '.join(TASKS)} nor a JSONL file"
+            f"--task {short_repr(str(task))} is neither one of {', '.join(TASKS)} nor a JSONL file"
         )
     return load_pairs(task, split)[:n]
 
@@ -171,9 +172,11 @@ def patching_report(
         ValueError: an unknown site or direction, `out` exists without `overwrite` (before any work).
     """
     if site not in KINDS:
-        raise HeadsteerValueError(f"unknown site {site!r}: use one of {', '.join(KINDS)}")
+        raise HeadsteerValueError(f"unknown site {short_repr(site)}: use one of {', '.join(KINDS)}")
     if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"unknown direction {direction!r}: use one of {', '.join(DIRECTIONS)}")
+        raise HeadsteerValueError(
+            f"unknown direction {short_repr(direction)}: use one of {', '.join(DIRECTIONS)}"
+        )
     check_output(out, overwrite)
     with progress_callback(progress, "patching report", "steps") as report:
         tick = (lambda i: report(i, PATCHING_STEPS)) if report is not None else (lambda i: None)

@@ -37,7 +37,7 @@ from typing import Annotated, Any
 
 import typer
 
-from heads._util.validation import check_int, load_json_body
+from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
 
@@ -80,19 +80,14 @@ def check_loopback(host: str) -> str:
         ok = False
     if not ok:
         raise HeadsteerValueError(
-            f"--host {host!r} is not a loopback address: headsteer serve listens on 127.0.0.1 / ::1 only"
+            f"--host {short_repr(host)} is not a loopback address: headsteer serve listens on 127.0.0.1 "
+            "/ ::1 only"
         )
     return host
 
 
 class _BadRequest(ValueError):
     """A request the server refuses with HTTP 400."""
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _text_content(content, i: int) -> str:
@@ -103,7 +98,9 @@ def _text_content(content, i: int) -> str:
         parts = []
         for p in content:
             if not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise _BadRequest(f"messages[{i}].content: only text parts are supported, got {_short(p)}")
+                raise _BadRequest(
+                    f"messages[{i}].content: only text parts are supported, got {short_repr(p)}"
+                )
             parts.append(p["text"])
         return "".join(parts)
     raise _BadRequest(f"messages[{i}].content must be a string or a list of text parts")
@@ -119,7 +116,7 @@ def _emphasize(body: Mapping):
         raise _BadRequest(f"emphasize has {len(e)} strings, more than the limit of {MAX_EMPHASIZE}")
     if isinstance(e, list) and all(isinstance(x, str) and x for x in e):
         return e
-    raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {_short(e)}")
+    raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {short_repr(e)}")
 
 
 def _parse(body, chat: bool, model_id: str, caa_vectors=None):
@@ -129,7 +126,9 @@ def _parse(body, chat: bool, model_id: str, caa_vectors=None):
     if not isinstance(body, Mapping):
         raise _BadRequest("the request body must be a JSON object")
     if body.get("model") not in (None, model_id):
-        raise _BadRequest(f"unknown model {_short(body.get('model'))}: this server serves {model_id!r}")
+        raise _BadRequest(
+            f"unknown model {short_repr(body.get('model'))}: this server serves {short_repr(model_id)}"
+        )
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -141,7 +140,7 @@ def _parse(body, chat: bool, model_id: str, caa_vectors=None):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise _BadRequest(f"messages[{i}] must be an object with a role and a content")
             if m["role"] not in ("system", "user", "assistant", "developer"):
-                raise _BadRequest(f"messages[{i}].role {_short(m['role'])} is not supported")
+                raise _BadRequest(f"messages[{i}].role {short_repr(m['role'])} is not supported")
             role = "system" if m["role"] == "developer" else m["role"]
             prompt.append({"role": role, "content": _text_content(m["content"], i)})
         size = sum(len(m["content"]) for m in prompt)
@@ -174,7 +173,7 @@ def _parse(body, chat: bool, model_id: str, caa_vectors=None):
             raise _BadRequest(f"{key} is not supported by headsteer serve")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _BadRequest(f"stream must be true or false, got {_short(stream)}")
+        raise _BadRequest(f"stream must be true or false, got {short_repr(stream)}")
     try:
         params = SamplingParams.from_body(body)
         steer = parse_steer(body.get("steer"), caa_vectors)
@@ -286,7 +285,7 @@ def create_app(
         try:
             caa.check(model)
         except ValueError as exc:
-            raise HeadsteerValueError(f"CAA vector {name!r}: {exc}") from None
+            raise HeadsteerValueError(f"CAA vector {short_repr(name)}: {exc}") from None
     generator = BatchGenerator(model, max_prompt_tokens=max_prompt_tokens)
     model_id = model.name
 
@@ -523,39 +522,45 @@ def serve_command(
     if max_prompt_tokens < 0:
         raise HeadsteerValueError(f"--max-prompt-tokens must be >= 0 (0 = no limit), got {max_prompt_tokens}")
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the extra, checked before anything binds or loads
     except ImportError:
         raise HeadsteerValueError("headsteer serve needs the extra: pip install 'headsteer[serve]'") from None
     if device_map not in (None, "auto"):
-        raise HeadsteerValueError(f"--device-map must be 'auto', got {device_map!r}")
+        raise HeadsteerValueError(f"--device-map must be 'auto', got {short_repr(device_map)}")
     if device_map is not None and run.device != "cpu":
         raise HeadsteerValueError(
             f"--device {run.device} and --device-map {device_map} conflict: the device map places the "
             "layers; drop --device"
         )
-    caa_vectors = None
-    if caa_vector is not None:
-        from steer.caa import load_caa_vectors
+    from viz.cli.listen import listen_socket, run_uvicorn, url_of
 
-        caa_vectors = load_caa_vectors(caa_vector)  # a bad file fails here, before the model loads
-    hm = run.load(device_map=device_map)
-    app = create_app(
-        hm,
-        max_batch=max_batch,
-        wait_s=batch_wait_ms / 1000,
-        max_body_bytes=int(max_body_mb * 2**20),
-        max_prompt_tokens=max_prompt_tokens or None,
-        caa_vectors=caa_vectors,
-    )
+    sock = listen_socket(host, port)  # bound and held before the slow load: a busy port fails now
+    try:
+        caa_vectors = None
+        if caa_vector is not None:
+            from steer.caa import load_caa_vectors
+
+            caa_vectors = load_caa_vectors(caa_vector)  # a bad file fails here, before the model loads
+        hm = run.load(device_map=device_map)
+        app = create_app(
+            hm,
+            max_batch=max_batch,
+            wait_s=batch_wait_ms / 1000,
+            max_body_bytes=int(max_body_mb * 2**20),
+            max_prompt_tokens=max_prompt_tokens or None,
+            caa_vectors=caa_vectors,
+        )
+    except BaseException:
+        sock.close()
+        raise
     if not log.handlers:  # one line per request on stderr (after --json's line on stdout)
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%dT%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    url = f"http://{host}:{port}/v1"
+    url = f"{url_of(sock)}/v1"  # the real port with --port 0; an IPv6 host in brackets
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
     run.say(f"serving {hm.name} on {url} (Ctrl-C or SIGTERM to stop)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=600)
-    run.say("server stopped")
+    run_uvicorn(app, sock, say=run.say, timeout_graceful_shutdown=600)

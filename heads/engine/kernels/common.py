@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from heads._util.validation import short_repr
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.state import MIN_LOGIT, LayerEdits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -57,7 +58,7 @@ def checked_bias(edit: Edit, call: AttentionCall) -> torch.Tensor:
     another dtype or on the CPU); HeadsteerTypeError for anything that is not a tensor."""
     b = edit.bias(call)  # type: ignore[attr-defined]
     if not isinstance(b, torch.Tensor):
-        raise HeadsteerTypeError(f"{edit!r}.bias returned {type(b).__name__}, not a torch.Tensor")
+        raise HeadsteerTypeError(f"{short_repr(edit)}.bias returned {type(b).__name__}, not a torch.Tensor")
     return b.to(device=call.device, dtype=torch.float32)
 
 
@@ -66,7 +67,9 @@ def checked_score_bias(edit: Edit, scores: torch.Tensor, call: AttentionCall) ->
     for anything that is not a tensor)."""
     b = edit.score_bias(scores, call)  # type: ignore[attr-defined]
     if not isinstance(b, torch.Tensor):
-        raise HeadsteerTypeError(f"{edit!r}.score_bias returned {type(b).__name__}, not a torch.Tensor")
+        raise HeadsteerTypeError(
+            f"{short_repr(edit)}.score_bias returned {type(b).__name__}, not a torch.Tensor"
+        )
     return b.to(device=call.device, dtype=torch.float32)
 
 
@@ -74,11 +77,13 @@ def checked_probs(edit: Edit, new: object, probs: torch.Tensor) -> torch.Tensor:
     """A pattern edit's result as fp32 on the pattern's device, with the pattern's shape
     (HeadsteerTypeError / HeadsteerValueError naming the edit otherwise)."""
     if not isinstance(new, torch.Tensor):
-        raise HeadsteerTypeError(f"{edit!r}.apply returned {type(new).__name__}, not a torch.Tensor")
+        raise HeadsteerTypeError(
+            f"{short_repr(edit)}.apply returned {type(new).__name__}, not a torch.Tensor"
+        )
     if new.shape != probs.shape:
         raise HeadsteerValueError(
-            f"{edit!r}.apply returned shape {tuple(new.shape)}; a pattern edit returns the pattern's "
-            f"shape {tuple(probs.shape)}"
+            f"{short_repr(edit)}.apply returned shape {tuple(new.shape)}; a pattern edit returns the "
+            f"pattern's shape {tuple(probs.shape)}"
         )
     return new.to(device=probs.device, dtype=torch.float32)
 

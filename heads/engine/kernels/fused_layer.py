@@ -6,6 +6,7 @@ from typing import cast
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.engine.edits import (
     AttentionCall,
     LogitBias,
@@ -65,7 +66,8 @@ def fused_layer_attention(inputs: AttentionInputs, edits: LayerEdits) -> torch.T
         b = checked_bias(ed, call)
         if b.dim() != 4 or b.shape[-2] != 1:
             raise HeadsteerValueError(
-                f"{ed!r} declares per_column but its bias has shape {tuple(b.shape)}, not [B|1, H|1, 1, K]"
+                f"{short_repr(ed)} declares per_column but its bias has shape {tuple(b.shape)}, not "
+                "[B|1, H|1, 1, K]"
             )
         b = torch.where(ed.head_mask(batch, n_heads, device)[:, :, None], b[:, :, 0].to(device), 0.0)
         bias = b if bias is None else bias + b

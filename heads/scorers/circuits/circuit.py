@@ -29,7 +29,7 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_bool, check_int, check_number, check_seed, is_number
+from heads._util.validation import check_bool, check_int, check_number, check_seed, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
@@ -67,17 +67,12 @@ MAX_HEADS = 1024
 """The most query heads per layer a circuit file may name."""
 
 
-def _short(value: Any) -> str:
-    r = repr(value)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
 def _graph_of_dict(d: dict, where: str) -> Graph:
     """The `Graph` a circuit dict names, its geometry checked (positive ints, bounded, G | H)
     before anything is allocated."""
     geo = d.get("geometry")
     if not isinstance(geo, dict):
-        raise HeadsteerValueError(f"{where}: geometry must be a mapping, got {_short(geo)}")
+        raise HeadsteerValueError(f"{where}: geometry must be a mapping, got {short_repr(geo)}")
     L = check_int(f"{where}: geometry.n_layers", geo.get("n_layers"), lo=1, hi=MAX_LAYERS)
     H = check_int(f"{where}: geometry.n_heads", geo.get("n_heads"), lo=1, hi=MAX_HEADS)
     G = check_int(f"{where}: geometry.n_kv_heads", geo.get("n_kv_heads"), lo=1, hi=H)
@@ -85,7 +80,7 @@ def _graph_of_dict(d: dict, where: str) -> Graph:
         raise HeadsteerValueError(f"{where}: geometry.n_kv_heads {G} does not divide n_heads {H}")
     name = d.get("model", "")
     if not isinstance(name, str):
-        raise HeadsteerValueError(f"{where}: model must be a string, got {_short(name)}")
+        raise HeadsteerValueError(f"{where}: model must be a string, got {short_repr(name)}")
     return Graph(L, H, G, name)
 
 
@@ -115,7 +110,7 @@ def _parse(
         graph.parse_edge(name)
     except HeadsteerValueError as err:
         raise HeadsteerValueError(f"{where}: {field_name}: {err}") from None
-    raise HeadsteerValueError(f"{where}: {field_name}: {name!r} is not an edge")  # pragma: no cover
+    raise HeadsteerValueError(f"{where}: {field_name}: {short_repr(name)} is not an edge")  # pragma: no cover
 
 
 # ------------------------------------------------------------------------------ pruning
@@ -154,10 +149,14 @@ def _check_sizes(sizes: Any) -> tuple[float, ...]:
     """`sizes` (a non-empty list / tuple of real numbers in (0, 100], never a string or bool) as a
     sorted tuple of distinct floats."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, range, torch.Tensor)):
-        raise HeadsteerValueError(f"sizes must be a list of numbers in (0, 100] (% of edges), got {sizes!r}")
+        raise HeadsteerValueError(
+            f"sizes must be a list of numbers in (0, 100] (% of edges), got {short_repr(sizes)}"
+        )
     items = sizes.tolist() if isinstance(sizes, torch.Tensor) else list(sizes)
     if not items:
-        raise HeadsteerValueError(f"sizes must be a non-empty list of numbers in (0, 100], got {sizes!r}")
+        raise HeadsteerValueError(
+            f"sizes must be a non-empty list of numbers in (0, 100], got {short_repr(sizes)}"
+        )
     vals = tuple(
         check_number("sizes", s, lo=0, hi=100, lo_open=True, what="numbers in (0, 100] (% of edges)")
         for s in items
@@ -344,10 +343,13 @@ class Circuit:
     @classmethod
     def from_dict(cls, d: Any, model: HeadModel | None = None, where: str = "circuit") -> Circuit:
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{where}: not a headsteer circuit (schema must be {SCHEMA!r})")
+            raise HeadsteerValueError(
+                f"{where}: not a headsteer circuit (schema must be {short_repr(SCHEMA)})"
+            )
         if d.get("version") != SCHEMA_VERSION or isinstance(d.get("version"), bool):
             raise HeadsteerValueError(
-                f"{where}: circuit schema version {d.get('version')!r}, this headsteer reads {SCHEMA_VERSION}"
+                f"{where}: circuit schema version {short_repr(d.get('version'))}, this headsteer reads "
+                f"{SCHEMA_VERSION}"
             )
         graph = _graph_of_dict(d, where)
         if model is not None:
@@ -355,7 +357,7 @@ class Circuit:
         scores = d.get("scores")
         if not isinstance(scores, list) or any(s is not None and not is_number(s) for s in scores):
             raise HeadsteerValueError(
-                f"{where}: scores must be a list of numbers (or null), got {_short(scores)}"
+                f"{where}: scores must be a list of numbers (or null), got {short_repr(scores)}"
             )
         n_edges = _n_edges(graph)
         if len(scores) != n_edges:
@@ -364,27 +366,29 @@ class Circuit:
             )
         edges = d.get("edges")
         if not isinstance(edges, list) or not all(isinstance(x, str) for x in edges):
-            raise HeadsteerValueError(f"{where}: edges must be a list of edge names, got {_short(edges)}")
+            raise HeadsteerValueError(f"{where}: edges must be a list of edge names, got {short_repr(edges)}")
         raw_exact = d.get("exact")
         if raw_exact is not None and (
             not isinstance(raw_exact, dict)
             or not all(isinstance(k, str) and is_number(v) for k, v in raw_exact.items())
         ):
             raise HeadsteerValueError(
-                f"{where}: exact must be null or a mapping edge name -> number, got {_short(raw_exact)}"
+                f"{where}: exact must be null or a mapping edge name -> number, got {short_repr(raw_exact)}"
             )
         faith = d.get("faithfulness")
         if faith is not None and not is_number(faith):
-            raise HeadsteerValueError(f"{where}: faithfulness must be a number or null, got {faith!r}")
+            raise HeadsteerValueError(
+                f"{where}: faithfulness must be a number or null, got {short_repr(faith)}"
+            )
         curve = d.get("curve")
         if curve is not None and not isinstance(curve, dict):
-            raise HeadsteerValueError(f"{where}: curve must be a mapping or null, got {_short(curve)}")
+            raise HeadsteerValueError(f"{where}: curve must be a mapping or null, got {short_repr(curve)}")
         params = d.get("params")
         if params is not None and not isinstance(params, dict):
-            raise HeadsteerValueError(f"{where}: params must be a mapping or null, got {_short(params)}")
+            raise HeadsteerValueError(f"{where}: params must be a mapping or null, got {short_repr(params)}")
         for key in ("method", "metric"):
             if not isinstance(d.get(key, ""), str):
-                raise HeadsteerValueError(f"{where}: {key} must be a string, got {d.get(key)!r}")
+                raise HeadsteerValueError(f"{where}: {key} must be a string, got {short_repr(d.get(key))}")
         e = torch.nonzero(graph.valid)
         full = torch.full((graph.n_upstream, graph.n_downstream), float("nan"))
         full[e[:, 0], e[:, 1]] = torch.tensor(
@@ -666,7 +670,7 @@ def find_circuit(
     if curve:
         _check_sizes(sizes)
     if method not in METHODS:
-        raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
     check_steps(method, steps)
     check_int("confirm", confirm, lo=0, hi=graph.n_edges)
     check_int("batch_size", batch_size, lo=1)

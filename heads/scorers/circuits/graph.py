@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel, _module, _unwrap
@@ -84,26 +85,30 @@ def check_family(model: HeadModel) -> None:
     name = fam.model_type
     for feat, why in _REFUSED_FEATURES.items():
         if feat in fam.features:
-            raise HeadsteerValueError(f"circuit graphs do not support model_type {name!r}: {why}")
+            raise HeadsteerValueError(f"circuit graphs do not support model_type {short_repr(name)}: {why}")
     if fam.mlp_out_norm is not None or fam.mlp is None or fam.mlp_norm is None:
         raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {name!r}: its MLP is not a pre-normed single module"
+            f"circuit graphs do not support model_type {short_repr(name)}: its MLP is not a pre-normed "
+            "single module"
         )
     if fam.fused_qkv and fam.qkv_layout != "blocks":
         raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {name!r}: fused QKV layout {fam.qkv_layout!r}"
+            f"circuit graphs do not support model_type {short_repr(name)}: fused QKV layout "
+            f"{short_repr(fam.qkv_layout)}"
         )
     if fam.vlm is not None:
         raise HeadsteerValueError(
-            f"circuit graphs do not support vision-language model {fam.vlm!r} (text decoders only)"
+            f"circuit graphs do not support vision-language model {short_repr(fam.vlm)} (text decoders only)"
         )
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
-            f"circuit graphs need the plain transformers backend, got backend {model.backend.kind!r}"
+            "circuit graphs need the plain transformers backend, got backend "
+            f"{short_repr(model.backend.kind)}"
         )
     if _attn_norm(model.layers[0]) is None:
         raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {name!r}: no attention norm among {ATTN_NORMS}"
+            f"circuit graphs do not support model_type {short_repr(name)}: no attention norm among "
+            f"{ATTN_NORMS}"
         )
 
 
@@ -207,14 +212,14 @@ class Graph:
             ValueError: an unknown node name or a pair that is not an edge.
         """
         if not isinstance(name, str) or "->" not in name:
-            raise HeadsteerValueError(f"edge name must look like 'a0.h1->m2', got {name!r}")
+            raise HeadsteerValueError(f"edge name must look like 'a0.h1->m2', got {short_repr(name)}")
         a, b = name.split("->", 1)
         up, down = self.upstream_names(), self.downstream_names()
         if a not in up or b not in down:
-            raise HeadsteerValueError(f"edge {name!r} names a node this graph does not have")
+            raise HeadsteerValueError(f"edge {short_repr(name)} names a node this graph does not have")
         u, d = up.index(a), down.index(b)
         if not bool(self.valid[u, d]):
-            raise HeadsteerValueError(f"{name!r} is not an edge: {a} is not upstream of {b}")
+            raise HeadsteerValueError(f"{short_repr(name)} is not an edge: {a} is not upstream of {b}")
         return u, d
 
     # ---------------------------------------------------------------- node maps

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.circuits.graph import (
@@ -112,7 +112,9 @@ def check_steps(method: str, steps: object) -> int:
     """
     n = check_int("steps", steps, lo=1, hi=MAX_STEPS)
     if method != "eap-ig" and n != DEFAULT_STEPS:
-        raise HeadsteerValueError(f"steps={n} is only used by method='eap-ig', not method={method!r}")
+        raise HeadsteerValueError(
+            f"steps={n} is only used by method='eap-ig', not method={short_repr(method)}"
+        )
     return n
 
 
@@ -213,7 +215,7 @@ def edge_scores(
             whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
     if method not in METHODS:
-        raise HeadsteerValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
     check_steps(method, steps)
     check_int("confirm", confirm, lo=0)
     check_int("batch_size", batch_size, lo=1)

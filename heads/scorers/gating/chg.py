@@ -39,7 +39,7 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, check_number, check_seed
+from heads._util.validation import check_int, check_number, check_seed, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -92,7 +92,9 @@ class HeadGate(HeadOutputEdit):
         super().validate()
         g = self.gate
         if not isinstance(g, torch.Tensor) or not g.dtype.is_floating_point:
-            raise HeadsteerTypeError(f"HeadGate gate must be a float tensor [H] or [M, H], got {g!r}")
+            raise HeadsteerTypeError(
+                f"HeadGate gate must be a float tensor [H] or [M, H], got {short_repr(g)}"
+            )
         if g.ndim not in (1, 2):
             raise HeadsteerValueError(f"HeadGate gate must be [H] or [M, H], got shape {tuple(g.shape)}")
         if not bool(torch.isfinite(g.detach()).all()):
@@ -199,7 +201,7 @@ def gate_task(model: HeadModel, prompts: Sequence[str], targets: Sequence[str]) 
         raise HeadsteerTypeError("gate_task needs a model with a tokenizer")
     for name, xs in (("prompts", prompts), ("targets", targets)):
         if isinstance(xs, (str, bytes)) or not isinstance(xs, Sequence) or not xs:
-            raise HeadsteerValueError(f"{name} must be a non-empty list of strings, got {xs!r}")
+            raise HeadsteerValueError(f"{name} must be a non-empty list of strings, got {short_repr(xs)}")
         if any(not isinstance(x, str) for x in xs):
             raise HeadsteerValueError(f"{name} must be strings")
     if len(prompts) != len(targets):
@@ -209,7 +211,7 @@ def gate_task(model: HeadModel, prompts: Sequence[str], targets: Sequence[str]) 
         a = list(tok(p).input_ids)
         b = list(tok(t, add_special_tokens=False).input_ids)
         if not a or not b:
-            raise HeadsteerValueError(f"empty prompt or target: {p[:40]!r} / {t!r}")
+            raise HeadsteerValueError(f"empty prompt or target: {short_repr(p[:40])} / {short_repr(t)}")
         rows.append(a + b)
         masks.append([False] * len(a) + [True] * len(b))
     width = max(len(r) for r in rows)
@@ -295,7 +297,7 @@ class GatingResult:
     def heads(self, label: str) -> HeadSet:
         """The heads with `label` (one of `LABELS`)."""
         if label not in LABELS:
-            raise HeadsteerValueError(f"unknown label {label!r}: use one of {', '.join(LABELS)}")
+            raise HeadsteerValueError(f"unknown label {short_repr(label)}: use one of {', '.join(LABELS)}")
         return HeadSet((la, h) for la, row in enumerate(self.labels) for h, x in enumerate(row) if x == label)
 
     def counts(self) -> dict[str, int]:
@@ -355,25 +357,33 @@ class GatingResult:
         except HeadsteerValueError:
             raise
         except (TypeError, ValueError, AttributeError, OverflowError) as e:  # a malformed field
-            raise HeadsteerValueError(f"{name!r} is not a valid head-gating file: {e}") from None
+            raise HeadsteerValueError(f"{short_repr(name)} is not a valid head-gating file: {e}") from None
 
     @classmethod
     def _from_data(cls, data: object, name: str, model: HeadModel | None) -> GatingResult:
         """`load`'s checks and construction on the parsed JSON `data` of file `name`."""
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{name!r} is not a headsteer head-gating file")
+            raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer head-gating file")
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(f"{name!r} has schema_version {data.get('schema_version')!r}")
+            raise HeadsteerValueError(
+                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}"
+            )
 
         def grid(key: str, method: str) -> HeadScores:
             rows = data.get(key)
             if not isinstance(rows, list) or not rows or any(not isinstance(r, list) for r in rows):
-                raise HeadsteerValueError(f"{name!r}: {key!r} must be a list of equal rows")
+                raise HeadsteerValueError(
+                    f"{short_repr(name)}: {short_repr(key)} must be a list of equal rows"
+                )
             if len({len(r) for r in rows}) != 1:
-                raise HeadsteerValueError(f"{name!r}: {key!r} must be a list of equal rows")
+                raise HeadsteerValueError(
+                    f"{short_repr(name)}: {short_repr(key)} must be a list of equal rows"
+                )
             vals = [[math.nan if v is None else v for v in r] for r in rows]
-            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for r in vals for v in r):
-                raise HeadsteerValueError(f"{name!r}: {key!r} holds a value that is not a number")
+            if any(not is_number(v) for r in vals for v in r):
+                raise HeadsteerValueError(
+                    f"{short_repr(name)}: {short_repr(key)} holds a value that is not a number"
+                )
             return HeadScores(
                 torch.tensor(vals, dtype=torch.float32),
                 method=method,
@@ -387,19 +397,19 @@ class GatingResult:
         labels = data.get("labels")
         shape = (g.n_layers, g.n_heads)
         if r.scores.shape != g.scores.shape or m.scores.shape != g.scores.shape:
-            raise HeadsteerValueError(f"{name!r}: the three gate grids differ in shape")
+            raise HeadsteerValueError(f"{short_repr(name)}: the three gate grids differ in shape")
         if (
             not isinstance(labels, list)
             or len(labels) != shape[0]
             or any(not isinstance(row, list) or len(row) != shape[1] for row in labels)
             or any(x not in LABELS for row in labels for x in row)
         ):
-            raise HeadsteerValueError(f"{name!r}: labels must be an [L][H] grid of {LABELS}")
+            raise HeadsteerValueError(f"{short_repr(name)}: labels must be an [L][H] grid of {LABELS}")
         if model is not None and (model.n_layers, model.n_heads, model.n_kv_heads) != (*shape, g.n_kv_heads):
-            raise HeadsteerValueError(f"{name!r} was fitted on a model of another geometry")
+            raise HeadsteerValueError(f"{short_repr(name)} was fitted on a model of another geometry")
         hist = data.get("history") or {}
         if not isinstance(hist, Mapping) or any(not isinstance(v, list) for v in hist.values()):
-            raise HeadsteerValueError(f"{name!r}: history must be an object of lists")
+            raise HeadsteerValueError(f"{short_repr(name)}: history must be an object of lists")
         return cls(g, r, m, [list(row) for row in labels], {str(k): list(v) for k, v in hist.items()})
 
     def __repr__(self) -> str:
@@ -418,11 +428,11 @@ def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
 
 def _check_init(init: object) -> tuple[float, float]:
     if isinstance(init, (str, bytes)) or not isinstance(init, Sequence) or len(init) != 2:
-        raise HeadsteerValueError(f"init must be a pair (low, high) in [0, 1], got {init!r}")
+        raise HeadsteerValueError(f"init must be a pair (low, high) in [0, 1], got {short_repr(init)}")
     lo = check_number("init low", init[0], lo=0.0, hi=1.0)
     hi = check_number("init high", init[1], lo=0.0, hi=1.0)
     if lo > hi:
-        raise HeadsteerValueError(f"init must have low <= high, got {init!r}")
+        raise HeadsteerValueError(f"init must have low <= high, got {short_repr(init)}")
     return lo, hi
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
@@ -60,7 +60,7 @@ class _LastZ(HeadOutputEdit):
 def _texts(relation: RelationPairs) -> list[tuple[str, str]]:
     if relation.texts is None:
         raise HeadsteerValueError(
-            f"relation {relation.name!r} has no texts; load it with probes.load_relations"
+            f"relation {short_repr(relation.name)} has no texts; load it with probes.load_relations"
         )
     return relation.texts
 
@@ -102,7 +102,7 @@ def dynamic_scores(
     max_pairs, batch_size = positive_int(max_pairs, "max_pairs"), positive_int(batch_size, "batch_size")
     templates = list(templates)
     if not templates or any(not isinstance(t, str) or "{x}" not in t for t in templates):
-        raise HeadsteerValueError(f"templates must be strings containing {{x}}, got {templates!r}")
+        raise HeadsteerValueError(f"templates must be strings containing {{x}}, got {short_repr(templates)}")
     rows = [(r, i, src) for r in rels for i, (src, _) in enumerate(_texts(r)[:max_pairs])]
     U = model.W_U.float()
     tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows], device=U.device)

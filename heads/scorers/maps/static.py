@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_bool, check_int, is_int
+from heads._util.validation import check_bool, check_int, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel, _module
@@ -56,7 +56,7 @@ def positive_int(value, what: str) -> int:
 def k_for(k_rule: str, d_vocab: int) -> int:
     """Top-k for a relation: copying 1 / other 10, or 3 / 25 when the vocabulary is >= 100K."""
     if k_rule not in ("copy", "default"):
-        raise HeadsteerValueError(f"unknown k_rule {k_rule!r}: use 'copy' or 'default'")
+        raise HeadsteerValueError(f"unknown k_rule {short_repr(k_rule)}: use 'copy' or 'default'")
     big = d_vocab >= 100_000
     if k_rule == "copy":
         return 3 if big else 1
@@ -78,18 +78,20 @@ class RelationPairs:
     def __post_init__(self) -> None:
         if isinstance(self.pairs, (str, bytes)) or not isinstance(self.pairs, Sequence):
             raise HeadsteerTypeError(
-                f"relation {self.name!r}: pairs must be a list of (source_id, target_id)"
+                f"relation {short_repr(self.name)}: pairs must be a list of (source_id, target_id)"
             )
         if not self.pairs:
-            raise HeadsteerValueError(f"relation {self.name!r} has no pairs")
+            raise HeadsteerValueError(f"relation {short_repr(self.name)} has no pairs")
         for pair in self.pairs:
             if len(pair) != 2 or any(not is_int(x) for x in pair):
-                raise HeadsteerTypeError(f"relation {self.name!r}: pair {pair!r} is not two int token ids")
+                raise HeadsteerTypeError(
+                    f"relation {short_repr(self.name)}: pair {short_repr(pair)} is not two int token ids"
+                )
         self.pairs = [(int(a), int(b)) for a, b in self.pairs]
         self.k = positive_int(self.k, f"relation {self.name!r}: k")
         if self.texts is not None and len(self.texts) != len(self.pairs):
             raise HeadsteerValueError(
-                f"relation {self.name!r}: {len(self.texts)} texts for {len(self.pairs)} pairs"
+                f"relation {short_repr(self.name)}: {len(self.texts)} texts for {len(self.pairs)} pairs"
             )
 
 
@@ -112,9 +114,8 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
         fam = None
     if fam is None or fam.mlp_norm is None or fam.mlp is None:
         raise HeadsteerValueError(
-            f"the first-MLP source representation is not defined here for model_type {kind!r} "
-            "(not a known family, its MLP has no input norm, or it is not one module); "
-            "pass apply_first_mlp=False"
+            f"the first-MLP source representation is not defined here for model_type {short_repr(kind)} (not "
+            "a known family, its MLP has no input norm, or it is not one module); pass apply_first_mlp=False"
         )
     block = model.layers[0]
     h = _module(block, fam.mlp_norm)(x)
@@ -276,7 +277,9 @@ class MapsScores:
         n_layers, n_heads = any_scores.n_layers, any_scores.n_heads
         for what, v, n in (("layer", layer, n_layers), ("head", head, n_heads)):
             if not is_int(v) or not 0 <= v < n:
-                raise HeadsteerValueError(f"unknown {what} {v!r}: there are {n} ({what}s 0..{n - 1})")
+                raise HeadsteerValueError(
+                    f"unknown {what} {short_repr(v)}: there are {n} ({what}s 0..{n - 1})"
+                )
         top = positive_int(top, "top")
 
         def order(table: dict[str, HeadScores]) -> list[tuple[float, str]]:
@@ -312,18 +315,18 @@ def _as_relations(model: HeadModel, relations) -> list[RelationPairs]:
     names = set()
     for r in relations:
         if not isinstance(r, RelationPairs):
-            raise HeadsteerTypeError(f"expected RelationPairs, got {r!r}")
+            raise HeadsteerTypeError(f"expected RelationPairs, got {short_repr(r)}")
         if r.name in names:
-            raise HeadsteerValueError(f"relation name {r.name!r} appears twice")
+            raise HeadsteerValueError(f"relation name {short_repr(r.name)} appears twice")
         names.add(r.name)
         if r.k > model.d_vocab:
             raise HeadsteerValueError(
-                f"relation {r.name!r}: k={r.k} exceeds the vocabulary ({model.d_vocab})"
+                f"relation {short_repr(r.name)}: k={r.k} exceeds the vocabulary ({model.d_vocab})"
             )
         for s, t in r.pairs:
             if not (0 <= s < model.d_vocab and 0 <= t < model.d_vocab):
                 raise HeadsteerValueError(
-                    f"relation {r.name!r}: token id pair {(s, t)} outside the vocabulary"
+                    f"relation {short_repr(r.name)}: token id pair {(s, t)} outside the vocabulary"
                 )
     return relations
 

@@ -45,7 +45,7 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import progress_callback
-from heads._util.validation import is_int, is_number
+from heads._util.validation import is_int, is_number, short_repr
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, Recorder, ResidualEdit
 from heads.engine.options import SweepOptions
 from heads.engine.variants import run_rows
@@ -347,10 +347,10 @@ class PatchResult:
             ValueError: a kind without a head axis (resid_pre, attn_out, mlp_out).
         """
         if reduce not in ("max", "sum"):
-            raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
+            raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
         m = self.mean
         if self.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
-            raise HeadsteerValueError(f"{self.kind!r} has no head axis; use .mean ([L, T]) instead")
+            raise HeadsteerValueError(f"{short_repr(self.kind)} has no head axis; use .mean ([L, T]) instead")
         if m.ndim == 3:
             if reduce == "sum":
                 m = m.nansum(-1)
@@ -358,7 +358,7 @@ class PatchResult:
                 idx = m.nan_to_num(0).abs().argmax(-1, keepdim=True)
                 m = m.gather(-1, idx)[..., 0]
             else:
-                raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {reduce!r}")
+                raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
         n_kv = m.shape[1] if self.grid[1] == "kv_head" else self.n_kv_heads
         params = {"kind": self.kind, "direction": self.direction, "metric": self.metric, **self.params}
         return HeadScores(m, method=f"patching.{self.kind}", params=params, model=self.model, n_kv_heads=n_kv)
@@ -444,22 +444,26 @@ class PatchResult:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION or isinstance(version, bool):
             raise HeadsteerValueError(
-                f"{where}: schema_version {version!r}, this headsteer reads {SCHEMA_VERSION}"
+                f"{where}: schema_version {short_repr(version)}, this headsteer reads {SCHEMA_VERSION}"
             )
         kind = d.get("kind")
         if kind not in (*KINDS, "path"):
-            raise HeadsteerValueError(f"{where}: kind must be one of {(*KINDS, 'path')}, got {kind!r}")
+            raise HeadsteerValueError(
+                f"{where}: kind must be one of {(*KINDS, 'path')}, got {short_repr(kind)}"
+            )
         direction = d.get("direction")
         if direction not in DIRECTIONS:
-            raise HeadsteerValueError(f"{where}: direction must be one of {DIRECTIONS}, got {direction!r}")
+            raise HeadsteerValueError(
+                f"{where}: direction must be one of {DIRECTIONS}, got {short_repr(direction)}"
+            )
         for key in ("metric", "model"):
             if not isinstance(d.get(key, ""), str):
-                raise HeadsteerValueError(f"{where}: {key} must be a string, got {d.get(key)!r}")
+                raise HeadsteerValueError(f"{where}: {key} must be a string, got {short_repr(d.get(key))}")
         grid = d.get("grid")
         want_grid = ("layer", "head") if kind == "path" else _grid_names(kind)
         if not isinstance(grid, list) or tuple(grid) != want_grid:
             raise HeadsteerValueError(
-                f"{where}: grid must be {list(want_grid)} for kind {kind!r}, got {grid!r}"
+                f"{where}: grid must be {list(want_grid)} for kind {short_repr(kind)}, got {short_repr(grid)}"
             )
         shape = d.get("shape")
         if (
@@ -469,7 +473,7 @@ class PatchResult:
         ):
             raise HeadsteerValueError(
                 f"{where}: shape must be {len(want_grid) + 1} positive ints ({', '.join(want_grid)}, pair), "
-                f"got {shape!r}"
+                f"got {short_repr(shape)}"
             )
         n_pairs = int(shape[-1])
 
@@ -485,13 +489,15 @@ class PatchResult:
         raw = numbers("raw", math.prod(int(x) for x in shape)).reshape([int(x) for x in shape])
         labels = d.get("labels", [])
         if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
-            raise HeadsteerValueError(f"{where}: labels must be a list of strings, got {labels!r}")
+            raise HeadsteerValueError(f"{where}: labels must be a list of strings, got {short_repr(labels)}")
         n_kv = d.get("n_kv_heads")
         if n_kv is not None and not (is_int(n_kv) and n_kv >= 1):
-            raise HeadsteerValueError(f"{where}: n_kv_heads must be a positive int or null, got {n_kv!r}")
+            raise HeadsteerValueError(
+                f"{where}: n_kv_heads must be a positive int or null, got {short_repr(n_kv)}"
+            )
         params = d.get("params", {})
         if not isinstance(params, dict):
-            raise HeadsteerValueError(f"{where}: params must be a mapping, got {params!r}")
+            raise HeadsteerValueError(f"{where}: params must be a mapping, got {short_repr(params)}")
         return cls(
             kind,
             direction,
@@ -519,7 +525,9 @@ def _check_layers(model: HeadModel, layers: Sequence[int] | None) -> list[int]:
     if layers is None:
         return list(range(model.n_layers))
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
-        raise HeadsteerValueError(f"layers must be a non-empty list of layer indices, got {layers!r}")
+        raise HeadsteerValueError(
+            f"layers must be a non-empty list of layer indices, got {short_repr(layers)}"
+        )
     for la in layers:
         model.check_head(la)
     return sorted(set(int(la) for la in layers))
@@ -534,14 +542,18 @@ def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) ->
             raise HeadsteerValueError("positions='image' needs vision pairs (encode_image_pairs)")
         return pairs.image_columns()
     if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or not positions:
-        raise HeadsteerValueError(f"positions must be a non-empty list of columns, got {positions!r}")
+        raise HeadsteerValueError(
+            f"positions must be a non-empty list of columns, got {short_repr(positions)}"
+        )
     out = []
     for p in positions:
         if isinstance(p, bool) or not isinstance(p, int):
-            raise HeadsteerTypeError(f"position must be an int, got {p!r}")
+            raise HeadsteerTypeError(f"position must be an int, got {short_repr(p)}")
         q = p + T if p < 0 else p
         if not 0 <= q < T:
-            raise HeadsteerValueError(f"position {p} is out of range for padded length {T} (0..{T - 1})")
+            raise HeadsteerValueError(
+                f"position {short_repr(p)} is out of range for padded length {T} (0..{T - 1})"
+            )
         out.append(q)
     return sorted(set(out))
 
@@ -555,8 +567,8 @@ def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int])
     H, G = model.n_heads, model.n_kv_heads
     if kind == "resid_pre" and model.family.model_type in _RESID_PRE_UNVERIFIED:
         raise HeadsteerValueError(
-            f"kind='resid_pre' is not verified on {model.family.model_type!r} models (absolute position "
-            "embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
+            f"kind='resid_pre' is not verified on {short_repr(model.family.model_type)} models (absolute "
+            "position embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
         )
     if kind in ("resid_pre", "attn_out", "mlp_out"):
         return [_Site(la, -1, p) for la in layers for p in positions], (len(layers), len(positions))
@@ -602,7 +614,7 @@ def check_sweep_inputs(
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if options is not None and not isinstance(options, SweepOptions):
-        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {options!r}")
+        raise HeadsteerTypeError(f"options must be a SweepOptions or None, got {short_repr(options)}")
     if pairs.has_images and images:
         check_image_model(model)  # a text-only model named before the vocabulary check
     check_vocab(pairs, model.d_vocab, images=images)
@@ -658,15 +670,15 @@ def patch(
             `positions="image"` without vision pairs — all before any forward.
     """
     if kind not in KINDS:
-        raise HeadsteerValueError(f"unknown patching site {kind!r}; use one of {KINDS}")
+        raise HeadsteerValueError(f"unknown patching site {short_repr(kind)}; use one of {KINDS}")
     if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
     met, options = check_sweep_inputs(model, pairs, options, metric, what="patching", images=True)
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
     if positions is not None and not by_pos:
         raise HeadsteerValueError(
-            f"positions are only taken by the by-position kinds {BY_POSITION}, not kind={kind!r} "
+            f"positions are only taken by the by-position kinds {BY_POSITION}, not kind={short_repr(kind)} "
             "(it patches every position)"
         )
     poss = _check_positions(pairs, positions if by_pos else None)

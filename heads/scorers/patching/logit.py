@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
@@ -62,7 +62,7 @@ def _check_family(model: HeadModel) -> None:
     fam = model.family
     if "post_norm" in fam.features or fam.mlp_out_norm is not None:
         raise HeadsteerValueError(
-            f"model_type {fam.model_type!r} normalises its sub-layer outputs before they join the "
+            f"model_type {short_repr(fam.model_type)} normalises its sub-layer outputs before they join the "
             "residual stream; direct logit attribution is not linear in the head outputs there"
         )
 
@@ -89,7 +89,7 @@ def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if which not in ("clean", "corrupted"):
-        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {which!r}")
+        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
     check_vocab(pairs, model.d_vocab)
     model.check_length(pairs.width)
     return pairs
@@ -224,7 +224,7 @@ class DLAResult:
         """Mean over pairs of the head terms at `position` (default the last) as `HeadScores`."""
         t = self.heads.shape[-1]
         if not -t <= position < t:
-            raise HeadsteerValueError(f"position {position} is outside 0..{t - 1}")
+            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
         return HeadScores(
             self.heads[..., position].mean(0),
             method="patching.dla",

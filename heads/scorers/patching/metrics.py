@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.patching.pairs import PairBatch
 
@@ -133,13 +134,14 @@ class Metric:
         index = torch.as_tensor(index, dtype=torch.long)
         if self.needs_clean:
             if clean_logits is None:
-                raise HeadsteerValueError(f"metric {self.name!r} needs the clean logits")
+                raise HeadsteerValueError(f"metric {short_repr(self.name)} needs the clean logits")
             return self.fn(logits.float(), clean_logits.float())
         out = self.fn(logits.float(), pairs, index)
         if not isinstance(out, torch.Tensor) or out.shape != (logits.shape[0],):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise HeadsteerValueError(
-                f"metric {self.name!r} must return one value per row, shape ({logits.shape[0]},), got {got}"
+                f"metric {short_repr(self.name)} must return one value per row, shape "
+                f"({logits.shape[0]},), got {got}"
             )
         return out.float()
 
@@ -148,7 +150,8 @@ class Metric:
         if self.needs_counterfactual and not pairs.has_counterfactual:
             bad = torch.nonzero(~pairs.counterfactual_mask.any(-1)).flatten().tolist()
             raise HeadsteerValueError(
-                f"metric {self.name!r} needs a counterfactual token in every pair; pairs {bad[:10]} have none"
+                f"metric {short_repr(self.name)} needs a counterfactual token in every pair; pairs "
+                f"{bad[:10]} have none"
             )
 
 
@@ -181,7 +184,7 @@ def get_metric(metric: str | Metric | UserMetric = "logit_diff") -> Metric:
     if isinstance(metric, str):
         if metric not in METRICS:
             raise HeadsteerValueError(
-                f"unknown metric {metric!r}; use one of {sorted(METRICS)} or a function"
+                f"unknown metric {short_repr(metric)}; use one of {sorted(METRICS)} or a function"
             )
         return METRICS[metric]
     if callable(metric):
@@ -217,7 +220,7 @@ def normalise(
         ValueError: an unknown direction, or shapes that do not end in N.
     """
     if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
     clean, corrupt, patched = clean.float(), corrupt.float(), patched.float()
     if clean.shape != corrupt.shape or clean.ndim != 1 or patched.shape[-1:] != clean.shape:
         raise HeadsteerValueError(

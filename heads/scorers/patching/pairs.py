@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, is_int
+from heads._util.validation import check_int, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["PairBatch", "PromptPair", "encode_pairs", "load_pairs", "pairs_from_tokens", "token_id"]
@@ -137,7 +137,7 @@ class PairBatch:
             return self.clean_ids
         if which == "corrupted":
             return self.corrupted_ids
-        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {which!r}")
+        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
 
     def select(self, index: Sequence[int] | torch.Tensor) -> PairBatch:
         """The pairs at `index`, re-trimmed to their own longest row."""
@@ -181,7 +181,7 @@ def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, wh
         TypeError: neither a string nor an int.
     """
     if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Integral)):
-        raise HeadsteerTypeError(f"{where} must be a string or a token id, got {answer!r}")
+        raise HeadsteerTypeError(f"{where} must be a string or a token id, got {short_repr(answer)}")
     if isinstance(answer, numbers.Integral):
         n = len(tokenizer)
         if not 0 <= int(answer) < n:
@@ -189,12 +189,12 @@ def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, wh
         return int(answer)
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise HeadsteerValueError(f"{where} {answer!r} tokenizes to nothing")
+        raise HeadsteerValueError(f"{where} {short_repr(answer)} tokenizes to nothing")
     if len(ids) != 1 and not first_token:
         pieces = tokenizer.convert_ids_to_tokens(ids)
         raise HeadsteerValueError(
-            f"{where} {answer!r} is {len(ids)} tokens {pieces}, not one; pass first_token=True to use "
-            f"the first token {pieces[0]!r}"
+            f"{where} {short_repr(answer)} is {len(ids)} tokens {pieces}, not one; pass first_token=True to "
+            f"use the first token {short_repr(pieces[0])}"
         )
     return int(ids[0])
 
@@ -209,7 +209,9 @@ def _answer_list(value: Answer | None, where: str) -> list[str | int]:
         if not out:
             raise HeadsteerValueError(f"{where} is an empty list")
         return out
-    raise HeadsteerTypeError(f"{where} must be a string, a token id or a list of them, got {value!r}")
+    raise HeadsteerTypeError(
+        f"{where} must be a string, a token id or a list of them, got {short_repr(value)}"
+    )
 
 
 def _pad_answers(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +239,11 @@ def _check_token_row(where: str, row: object) -> list[int]:
             )
         row = row.tolist()
     if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-        raise HeadsteerTypeError(f"{where} must be a list of int token ids, got {row!r}")
+        raise HeadsteerTypeError(f"{where} must be a list of int token ids, got {short_repr(row)}")
     out = []
     for x in row:
         if not is_int(x):
-            raise HeadsteerTypeError(f"{where} token ids must be ints, got {x!r}")
+            raise HeadsteerTypeError(f"{where} token ids must be ints, got {short_repr(x)}")
         if int(x) < 0:
             raise HeadsteerValueError(f"{where} token id {int(x)} is negative")
         out.append(int(x))
@@ -301,11 +303,11 @@ def pairs_from_tokens(
     """
     for name, value in (("clean", clean), ("corrupted", corrupted), ("answers", answers)):
         if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
-            raise HeadsteerTypeError(f"{name} must be a list (one entry per pair), got {value!r}")
+            raise HeadsteerTypeError(f"{name} must be a list (one entry per pair), got {short_repr(value)}")
     if counterfactuals is not None and (
         isinstance(counterfactuals, (str, bytes)) or not isinstance(counterfactuals, (Sequence, torch.Tensor))
     ):
-        raise HeadsteerTypeError(f"counterfactuals must be a list or None, got {counterfactuals!r}")
+        raise HeadsteerTypeError(f"counterfactuals must be a list or None, got {short_repr(counterfactuals)}")
     pad_id = check_int("pad_id", pad_id, lo=0)
     n = len(clean)
     if n == 0:
@@ -438,7 +440,7 @@ def encode_pairs(
         if len(a) != len(b):
             raise HeadsteerValueError(
                 f"pair {i}: clean prompt is {len(a)} tokens, corrupted prompt is {len(b)} tokens; "
-                f"positions must align (clean {p.clean!r}, corrupted {p.corrupted!r})"
+                f"positions must align (clean {short_repr(p.clean)}, corrupted {short_repr(p.corrupted)})"
             )
         ans = _answer_list(p.answer, f"pair {i} answer")
         if not ans:
@@ -480,6 +482,6 @@ def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[Prompt
             out.append(p)
     if not out:
         raise HeadsteerValueError(
-            f"no pairs in {os.fspath(path)!r}" + (f" with split {split!r}" if split else "")
+            f"no pairs in {os.fspath(path)!r}" + (f" with split {short_repr(split)}" if split else "")
         )
     return out

@@ -49,6 +49,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from heads._util.progress import progress_callback
+from heads._util.validation import short_repr
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
 from heads.engine.variants import check_heads, run_rows
@@ -94,19 +95,22 @@ def _check_receivers(
         comps = tuple(dict.fromkeys(inputs))
     else:
         raise HeadsteerValueError(
-            f"inputs must be one of {RECEIVER_INPUTS} or a list of them, got {inputs!r}"
+            f"inputs must be one of {RECEIVER_INPUTS} or a list of them, got {short_repr(inputs)}"
         )
     for c in comps:
         if c not in RECEIVER_INPUTS:
-            raise HeadsteerValueError(f"unknown receiver input {c!r}; use one of {RECEIVER_INPUTS}")
+            raise HeadsteerValueError(f"unknown receiver input {short_repr(c)}; use one of {RECEIVER_INPUTS}")
     if isinstance(receivers, str) and receivers == "logits":
         if comps != ("q",):
             raise HeadsteerValueError(
-                f"inputs={inputs!r} needs receiver heads; receivers='logits' patches the residual stream"
+                f"inputs={short_repr(inputs)} needs receiver heads; receivers='logits' patches the "
+                "residual stream"
             )
         return None, comps
     if isinstance(receivers, str) and not receivers.endswith(".json"):
-        raise HeadsteerValueError(f"receivers must be 'logits' or a head selection, got {receivers!r}")
+        raise HeadsteerValueError(
+            f"receivers must be 'logits' or a head selection, got {short_repr(receivers)}"
+        )
     kv = any(c in ("k", "v") for c in comps)
     if kv and "q" in comps and model.n_kv_heads != model.n_heads:
         raise HeadsteerValueError(
@@ -165,9 +169,9 @@ def path_patch(
             positions out of range, nnsight with `remote=True` — before any forward.
     """
     if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
     if mlp not in MLP_MODES:
-        raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {mlp!r}")
+        raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {short_repr(mlp)}")
     met, options = check_sweep_inputs(model, pairs, options, metric, what="path patching")
     sends = check_heads(model, senders)
     recv, comps = _check_receivers(model, receivers, inputs)

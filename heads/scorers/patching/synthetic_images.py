@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
 from heads.scorers.patching.vision import ImagePair
 
@@ -39,14 +39,16 @@ def _rgb(colour: str | Sequence[int], what: str) -> tuple[int, int, int]:
     if isinstance(colour, str):
         if colour not in COLOURS:
             raise HeadsteerValueError(
-                f"{what} {colour!r} is not one of {sorted(COLOURS)} (or pass an RGB triple)"
+                f"{what} {short_repr(colour)} is not one of {sorted(COLOURS)} (or pass an RGB triple)"
             )
         return COLOURS[colour]
     vals = list(colour)
     if len(vals) != 3 or not all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in vals
     ):
-        raise HeadsteerValueError(f"{what} must be a colour name or three ints 0..255, got {colour!r}")
+        raise HeadsteerValueError(
+            f"{what} must be a colour name or three ints 0..255, got {short_repr(colour)}"
+        )
     return (vals[0], vals[1], vals[2])
 
 
@@ -97,7 +99,7 @@ def minimal_image_pair(
         target = rng.choice(cells)
     else:
         if not (isinstance(cell, (tuple, list)) and len(cell) == 2 and all(isinstance(x, int) for x in cell)):
-            raise HeadsteerValueError(f"cell must be (row, column) ints, got {cell!r}")
+            raise HeadsteerValueError(f"cell must be (row, column) ints, got {short_repr(cell)}")
         target = (int(cell[0]), int(cell[1]))
         if target not in cells:
             raise HeadsteerValueError(f"cell {target} is outside the {grid}x{grid} grid")
@@ -134,7 +136,7 @@ def colour_pairs(
     n = check_int("n", n, lo=1, hi=100_000)
     names = list(colours)
     if len(set(names)) < 2:
-        raise HeadsteerValueError(f"colours needs at least two different names, got {names!r}")
+        raise HeadsteerValueError(f"colours needs at least two different names, got {short_repr(names)}")
     for c in names:
         _rgb(c, "colour")
     rng = random.Random(seed)

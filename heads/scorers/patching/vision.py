@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.images import ImageInput, encode_image_prompts, normalize_images, processor_of
 from heads.inputs.prompts import EncodedPrompts, Prompt, position_ids
@@ -144,7 +145,7 @@ class ImagePairBatch(PairBatch):
             return self.clean_inputs
         if which == "corrupted":
             return self.corrupted_inputs
-        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {which!r}")
+        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
 
     def select(self, index: Sequence[int] | torch.Tensor) -> ImagePairBatch:
         """The pairs at `index`, re-trimmed to their own longest row (spans shifted with it)."""
@@ -170,7 +171,7 @@ def check_image_model(model: HeadModel, where: str = "image pairs") -> str:
     vlm = model.family.vlm
     if vlm is None:
         raise HeadsteerValueError(
-            f"{model.name!r} is a text-only model ({model.family.model_type}): {where} need a "
+            f"{short_repr(model.name)} is a text-only model ({model.family.model_type}): {where} need a "
             "vision-language model (LLaVA, Idefics3 / SmolVLM) loaded with heads.load_model(folder)"
         )
     if vlm not in SUPPORTED:
@@ -182,11 +183,12 @@ def check_image_model(model: HeadModel, where: str = "image pairs") -> str:
             else "a layout the patching engine is not checked on"
         )
         raise HeadsteerValueError(
-            f"{where} are not supported on model_type {vlm!r}: it uses {why}; supported: {SUPPORTED}"
+            f"{where} are not supported on model_type {short_repr(vlm)}: it uses {why}; supported: "
+            f"{SUPPORTED}"
         )
     if model.backend.kind != "hf":
         raise HeadsteerValueError(
-            f"{where} run on the Hugging Face backend only, not {model.backend.kind!r}: the image "
+            f"{where} run on the Hugging Face backend only, not {short_repr(model.backend.kind)}: the image "
             "embeddings are computed and written with plain hooks on the transformers model; wrap "
             "that model itself (heads.load_model(folder))"
         )
@@ -210,7 +212,9 @@ def _check_pair(i: int, p: object) -> ImagePair:
         raise HeadsteerTypeError(f"pair {i} must be an ImagePair, got {type(p).__name__}")
     for side in ("clean_image", "corrupted_image"):
         if isinstance(getattr(p, side), (list, tuple)) or getattr(p, side) is None:
-            raise HeadsteerValueError(f"pair {i}: {side} must be one image, got {getattr(p, side)!r}")
+            raise HeadsteerValueError(
+                f"pair {i}: {side} must be one image, got {short_repr(getattr(p, side))}"
+            )
     return p
 
 
@@ -301,7 +305,8 @@ def encode_image_pairs(
         for k, v in enc.inputs.items():
             if v.shape[0] != n:
                 raise HeadsteerValueError(
-                    f"the processor's {side} {k!r} has shape {tuple(v.shape)}, not one row per pair ({n})"
+                    f"the processor's {side} {short_repr(k)} has shape {tuple(v.shape)}, not one row per "
+                    f"pair ({n})"
                 )
     lengths = enc_c.attention_mask.sum(-1).tolist()
     rows = [enc_c.input_ids[i, enc_c.length - lengths[i] :].tolist() for i in range(n)]
@@ -380,7 +385,8 @@ def language_model_inputs(
     if x is None or tuple(x.shape) != want:
         got = None if x is None else tuple(x.shape)
         raise HeadsteerValueError(
-            f"{model.family.vlm!r} passed inputs_embeds {got} to its language model, expected {want}"
+            f"{short_repr(model.family.vlm)} passed inputs_embeds {got} to its language model, expected "
+            f"{want}"
         )
     return x
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -62,14 +62,16 @@ LATE_INSTRUCTION = "Please find information that are relevant to the following q
 
 def _check_texts(question: object, passages: object) -> tuple[str, list[str]]:
     if not isinstance(question, str) or not question.strip():
-        raise HeadsteerValueError(f"question must be a non-empty string, got {question!r}")
+        raise HeadsteerValueError(f"question must be a non-empty string, got {short_repr(question)}")
     if isinstance(passages, (str, bytes)) or not isinstance(passages, Sequence) or len(passages) < 2:
-        raise HeadsteerValueError(f"passages must be a list of at least 2 strings, got {passages!r}")
+        raise HeadsteerValueError(
+            f"passages must be a list of at least 2 strings, got {short_repr(passages)}"
+        )
     for p in passages:
         if not isinstance(p, str) or not p.strip():
-            raise HeadsteerValueError(f"every passage must be a non-empty string, got {p!r}")
+            raise HeadsteerValueError(f"every passage must be a non-empty string, got {short_repr(p)}")
         if "**" in p or "**" in question:
-            raise HeadsteerValueError(f"'**' is markup here; remove it from the texts: {p[:40]!r}")
+            raise HeadsteerValueError(f"'**' is markup here; remove it from the texts: {short_repr(p[:40])}")
     return question, list(passages)
 
 
@@ -132,7 +134,7 @@ def qr_tokens(
             `**` in a text; the prompt longer than the model's position limit.
     """
     if not isinstance(null_query, str) or not null_query.strip():
-        raise HeadsteerValueError(f"null_query must be a non-empty string, got {null_query!r}")
+        raise HeadsteerValueError(f"null_query must be a non-empty string, got {short_repr(null_query)}")
     prompt, null = qr_prompt(question, passages), qr_prompt(null_query, passages)
     if model.tokenizer is None:
         raise HeadsteerTypeError("QRHead needs a model with a tokenizer")
@@ -157,12 +159,14 @@ def passage_scores(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.T
 def _items(items: object) -> list[tuple[str, list[str], int]]:
     if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence) or not items:
         raise HeadsteerValueError(
-            f"items must be a non-empty list of {{question, passages, gold}} dicts, got {items!r}"
+            f"items must be a non-empty list of {{question, passages, gold}} dicts, got {short_repr(items)}"
         )
     out = []
     for i, it in enumerate(items):
         if not isinstance(it, Mapping) or not {"question", "passages", "gold"} <= set(it):
-            raise HeadsteerValueError(f"item {i} must be a dict with question, passages, gold; got {it!r}")
+            raise HeadsteerValueError(
+                f"item {i} must be a dict with question, passages, gold; got {short_repr(it)}"
+            )
         q, ps = _check_texts(it["question"], it["passages"])
         g = check_int(f"item {i} gold", it["gold"], lo=0, hi=len(ps) - 1)
         out.append((q, ps, g))
@@ -223,7 +227,7 @@ def _head_index(model: HeadModel, heads: object) -> tuple[torch.Tensor, torch.Te
     pairs = list(heads) if isinstance(heads, (HeadSet, list, tuple)) else None
     if not pairs:
         raise HeadsteerValueError(
-            f"heads must be a non-empty HeadSet or list of (layer, head), got {heads!r}"
+            f"heads must be a non-empty HeadSet or list of (layer, head), got {short_repr(heads)}"
         )
     for la, h in pairs:
         model.check_head(la, h)

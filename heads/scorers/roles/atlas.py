@@ -56,6 +56,7 @@ from heads._util.validation import (
     check_seed,
     is_int,
     read_json_file,
+    short_repr,
 )
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
@@ -121,7 +122,7 @@ def role_labels(frame: pd.DataFrame, thresholds: Mapping[str, float] = ROLE_THRE
     roles = [r for r in thresholds if r in frame.columns]
     for r in roles:
         if not (pd.api.types.is_numeric_dtype(frame[r]) or frame[r].map(_is_nan).all()):
-            raise HeadsteerValueError(f"role column {r!r} is not numeric ({frame[r].dtype})")
+            raise HeadsteerValueError(f"role column {short_repr(r)} is not numeric ({frame[r].dtype})")
     out = []
     for _, row in frame.iterrows():
         best = "none"
@@ -196,7 +197,7 @@ class HeadAtlas:
             HeadsteerTypeError: `role` not a string.
         """
         if not isinstance(role, str):
-            raise HeadsteerTypeError(f"role must be a string, got {role!r}")
+            raise HeadsteerTypeError(f"role must be a string, got {short_repr(role)}")
         sub = self.frame[self.frame["role"] == role]
         if role in self.frame.columns:
             sub = sub.sort_values(role, ascending=False)
@@ -285,15 +286,18 @@ def _check_thresholds(thresholds: object, columns: Iterable[str] | None = None) 
     """`{role: float}`: each role a string, known (`ROLE_THRESHOLDS`) or one of `columns` when
     given, not a reserved column or label; each threshold a finite number > 0 (numpy too)."""
     if not isinstance(thresholds, Mapping):
-        raise HeadsteerTypeError(f"thresholds must be a {{role: threshold}} mapping, got {thresholds!r}")
+        raise HeadsteerTypeError(
+            f"thresholds must be a {{role: threshold}} mapping, got {short_repr(thresholds)}"
+        )
     cols = None if columns is None else set(columns)
     out = {}
     for k, v in thresholds.items():
         if not isinstance(k, str) or not k or k in _RESERVED or k in _LABELS:
-            raise HeadsteerValueError(f"role {k!r} in thresholds is not a role name")
+            raise HeadsteerValueError(f"role {short_repr(k)} in thresholds is not a role name")
         if cols is not None and k not in ROLE_THRESHOLDS and k not in cols:
             raise HeadsteerValueError(
-                f"unknown role {k!r} in thresholds: use one of {list(ROLE_THRESHOLDS)} or a score column"
+                f"unknown role {short_repr(k)} in thresholds: use one of {list(ROLE_THRESHOLDS)} or a "
+                "score column"
             )
         out[k] = check_number(f"threshold of {k!r}", v, lo=0.0, lo_open=True)
     return out
@@ -308,11 +312,12 @@ def _check_atlas_data(data: dict, path: str) -> tuple:
     version = data.get("schema_version")
     if not is_int(version) or version != ATLAS_SCHEMA_VERSION:
         raise HeadsteerValueError(
-            f"{path!r} has head-atlas schema_version {version!r}; this headsteer reads {ATLAS_SCHEMA_VERSION}"
+            f"{path!r} has head-atlas schema_version {short_repr(version)}; this headsteer reads "
+            f"{ATLAS_SCHEMA_VERSION}"
         )
     model = data.get("model")
     if not isinstance(model, str) or not model:
-        raise bad(f"model must be a non-empty name, got {model!r}")
+        raise bad(f"model must be a non-empty name, got {short_repr(model)}")
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise bad("rows must be a non-empty list of objects")
@@ -359,16 +364,18 @@ def _check_atlas_data(data: dict, path: str) -> tuple:
 def _check_scores(name: object, s: object, model: HeadModel) -> HeadScores:
     """A score column for `model`'s atlas: HeadScores `[L, H]` of this model, under a free name."""
     if not isinstance(name, str) or not name.strip():
-        raise HeadsteerValueError(f"score column names must be non-empty strings, got {name!r}")
+        raise HeadsteerValueError(f"score column names must be non-empty strings, got {short_repr(name)}")
     if not isinstance(s, HeadScores):
-        raise HeadsteerTypeError(f"score {name!r} must be HeadScores, got {type(s).__name__}")
+        raise HeadsteerTypeError(f"score {short_repr(name)} must be HeadScores, got {type(s).__name__}")
     L, H = model.n_layers, model.n_heads
     if (s.n_layers, s.n_heads) != (L, H):
         raise HeadsteerValueError(
-            f"score {name!r} is [{s.n_layers}, {s.n_heads}], the model has [{L}, {H}] heads"
+            f"score {short_repr(name)} is [{s.n_layers}, {s.n_heads}], the model has [{L}, {H}] heads"
         )
     if s.model and s.model != model.name:
-        raise HeadsteerValueError(f"score {name!r} was computed on {s.model!r}, not on {model.name!r}")
+        raise HeadsteerValueError(
+            f"score {short_repr(name)} was computed on {short_repr(s.model)}, not on {short_repr(model.name)}"
+        )
     return s
 
 
@@ -437,7 +444,7 @@ def head_atlas(
         if lens is None:
             raise HeadsteerValueError("lens_text needs a lens")
         if not isinstance(lens_text, str) or not lens_text.strip():
-            raise HeadsteerValueError(f"lens_text must be a non-empty string, got {lens_text!r}")
+            raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
     check_bool("thumbnails", thumbnails)
     seed = check_seed("seed", seed)
     L, H = model.n_layers, model.n_heads
@@ -458,7 +465,7 @@ def head_atlas(
     will = [*PATTERN_DETECTORS, "copying", "successor", "retrieval"] if detectors is None else []
     for name, s in [*(detectors or {}).items(), *extra.items()]:
         if name in cols or name in will or name in _RESERVED or name in _LABELS:
-            raise HeadsteerValueError(f"score column {name!r} given twice or reserved")
+            raise HeadsteerValueError(f"score column {short_repr(name)} given twice or reserved")
         cols[name] = _check_scores(name, s, model)
     known = set(cols) | set(will) | ({"best_relation_score"} if maps is not None else set())
     t = _check_thresholds(thresholds, known)

@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from heads._util.validation import check_bool, check_int, check_seed, is_int
+from heads._util.validation import check_bool, check_int, check_seed, is_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
@@ -245,7 +245,9 @@ def repeated_tokens(
         or not all(is_int(x) for x in length)
         or not 1 <= length[0] <= length[1]
     ):
-        raise HeadsteerValueError(f"length must be (min, max) ints with 1 <= min <= max, got {length!r}")
+        raise HeadsteerValueError(
+            f"length must be (min, max) ints with 1 <= min <= max, got {short_repr(length)}"
+        )
     lo, hi = int(length[0]), int(length[1])
     seed = _seed(seed)
     cand = _candidates(model)
@@ -304,7 +306,7 @@ def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedP
             row = r.tolist() if isinstance(r, torch.Tensor) else list(r)
             bad = next((x for x in row if not is_int(x)), None)
             if bad is not None:
-                raise HeadsteerValueError(f"token ids must be ints, got {bad!r}")
+                raise HeadsteerValueError(f"token ids must be ints, got {short_repr(bad)}")
             rows.append([int(x) for x in row])
         if any(not r or min(r) < 0 or max(r) >= model.d_vocab for r in rows):
             raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
@@ -357,11 +359,15 @@ def _check_detectors(detectors: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(detectors, str):
         detectors = (detectors,)
     if not isinstance(detectors, (Sequence, set, frozenset)):
-        raise HeadsteerTypeError(f"detectors must be names of {PATTERN_DETECTORS}, got {detectors!r}")
+        raise HeadsteerTypeError(
+            f"detectors must be names of {PATTERN_DETECTORS}, got {short_repr(detectors)}"
+        )
     out = tuple(detectors)
     bad = [d for d in out if d not in PATTERN_DETECTORS]
     if bad or not out:
-        raise HeadsteerValueError(f"unknown detector {bad or out!r}: use some of {PATTERN_DETECTORS}")
+        raise HeadsteerValueError(
+            f"unknown detector {short_repr(bad or out)}: use some of {PATTERN_DETECTORS}"
+        )
     return out
 
 
@@ -405,7 +411,7 @@ def pattern_scores(
     """
     names = _check_detectors(detectors)
     if not isinstance(rows, str) or rows not in ("target", "all"):
-        raise HeadsteerValueError(f"rows must be 'target' or 'all', got {rows!r}")
+        raise HeadsteerValueError(f"rows must be 'target' or 'all', got {short_repr(rows)}")
     check_bool("exclude_bos", exclude_bos)
     check_bool("exclude_current_token", exclude_current_token)
     batch_size = _positive(batch_size, "batch_size")
@@ -623,18 +629,21 @@ def successor_scores(
     str_seqs: dict[str, list[str]] = {}
     for k, v in seqs.items():
         if not isinstance(k, str):
-            raise HeadsteerTypeError(f"sequence names must be strings, got {k!r}")
+            raise HeadsteerTypeError(f"sequence names must be strings, got {short_repr(k)}")
         if isinstance(v, torch.Tensor):
             if v.ndim != 1 or not _int_dtype(v):
-                raise HeadsteerValueError(f"sequence {k!r} must be a 1-D integer tensor, got {v.dtype}")
+                raise HeadsteerValueError(
+                    f"sequence {short_repr(k)} must be a 1-D integer tensor, got {v.dtype}"
+                )
             v = v.tolist()
         if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
             raise HeadsteerTypeError(
-                f"sequence {k!r} must be a list of items (strings or token ids), got {v!r}"
+                f"sequence {short_repr(k)} must be a list of items (strings or token ids), got "
+                f"{short_repr(v)}"
             )
         if all(is_int(x) for x in v):
             if any(not 0 <= int(x) < model.d_vocab for x in v):
-                raise HeadsteerValueError(f"sequence {k!r} holds ids outside the vocabulary")
+                raise HeadsteerValueError(f"sequence {short_repr(k)} holds ids outside the vocabulary")
             if len(v) >= 3:
                 id_seqs[k] = [int(x) for x in v]
         elif all(isinstance(x, str) for x in v):
@@ -642,7 +651,9 @@ def successor_scores(
         else:
             odd = [x for x in v if not (is_int(x) or isinstance(x, str))]
             what = repr(odd[0]) if odd else "strings and ids mixed"
-            raise HeadsteerValueError(f"sequence {k!r} must hold only strings or only token ids, got {what}")
+            raise HeadsteerValueError(
+                f"sequence {short_repr(k)} must hold only strings or only token ids, got {what}"
+            )
     if str_seqs:
         id_seqs.update(_ordinal_ids(model, str_seqs))
         id_seqs = {k: id_seqs[k] for k in seqs if k in id_seqs}  # the caller's order

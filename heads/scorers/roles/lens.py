@@ -52,6 +52,7 @@ from heads._util.validation import (
     check_seed,
     is_int,
     parse_json,
+    short_repr,
 )
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
@@ -268,8 +269,8 @@ class AttentionLens:
             raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
         if model.name != self.model or _geometry(model) != self.geometry:
             raise HeadsteerValueError(
-                f"this lens was made for {self.model!r} {self.geometry} (n_layers, n_heads, d_model, "
-                f"d_vocab); the model is {model.name!r} {_geometry(model)}"
+                f"this lens was made for {short_repr(self.model)} {self.geometry} (n_layers, n_heads, "
+                f"d_model, d_vocab); the model is {short_repr(model.name)} {_geometry(model)}"
             )
 
     # ----------------------------------------------------------------- applying
@@ -292,7 +293,7 @@ class AttentionLens:
             or outputs.shape[2] != D
         ):
             got = f"{tuple(outputs.shape)} {outputs.dtype}" if isinstance(outputs, torch.Tensor) else outputs
-            raise HeadsteerValueError(f"outputs must be a float [{n}, N, {D}] tensor, got {got!r}")
+            raise HeadsteerValueError(f"outputs must be a float [{n}, N, {D}] tensor, got {short_repr(got)}")
         w, b = (self.weight, self.bias) if trained else _untrained(self, model)
         return _apply(model, self.form, w.to(outputs.device), b.to(outputs.device), outputs)
 
@@ -343,7 +344,7 @@ class AttentionLens:
             raise HeadsteerValueError(f"no lens for head ({layer}, {head}); this lens has {self.heads}")
         k = check_int("k", k, lo=1, hi=model.d_vocab)
         if not isinstance(text, str) or not text.strip():
-            raise HeadsteerValueError(f"text must be a non-empty string, got {text!r}")
+            raise HeadsteerValueError(f"text must be a non-empty string, got {short_repr(text)}")
         data = collect_lens_data(model, [text], [(layer, head)])
         i = self.heads.index((layer, head))
         sub = AttentionLens(
@@ -383,7 +384,9 @@ class AttentionLens:
             HeadsteerValueError: unknown `which`; a lens without held-out KL (not trained).
         """
         if not isinstance(which, str) or which not in ("lens", "untrained", "ratio"):
-            raise HeadsteerValueError(f"which must be 'lens', 'untrained' or 'ratio', got {which!r}")
+            raise HeadsteerValueError(
+                f"which must be 'lens', 'untrained' or 'ratio', got {short_repr(which)}"
+            )
         if self.held_out_kl is None or self.untrained_kl is None:
             raise HeadsteerValueError("this lens has no held-out KL yet: train it first")
         vals = {
@@ -392,7 +395,9 @@ class AttentionLens:
             "ratio": self.held_out_kl / self.untrained_kl.clamp(min=1e-12),
         }
         if which not in vals:
-            raise HeadsteerValueError(f"which must be 'lens', 'untrained' or 'ratio', got {which!r}")
+            raise HeadsteerValueError(
+                f"which must be 'lens', 'untrained' or 'ratio', got {short_repr(which)}"
+            )
         L, H = self.geometry[0], self.geometry[1]
         s = torch.full((L, H), math.nan)
         for (la, h), v in zip(self.heads, vals[which].tolist(), strict=True):
@@ -490,7 +495,7 @@ def _geometry(model: HeadModel) -> tuple[int, int, int, int]:
 
 def _check_form(form: object) -> str:
     if not isinstance(form, str) or form not in ("tuned", "full"):
-        raise HeadsteerValueError(f"form must be 'tuned' or 'full', got {form!r}")
+        raise HeadsteerValueError(f"form must be 'tuned' or 'full', got {short_repr(form)}")
     return form
 
 
@@ -502,13 +507,15 @@ def _check_extra(extra: object) -> dict[str, torch.Tensor]:
         raise HeadsteerTypeError(f"extra must be a {{name: tensor}} mapping, got {type(extra).__name__}")
     for k, v in extra.items():
         if not isinstance(k, str) or not k.strip():
-            raise HeadsteerValueError(f"extra tensor names must be non-empty strings, got {k!r}")
+            raise HeadsteerValueError(f"extra tensor names must be non-empty strings, got {short_repr(k)}")
         if k in _RESERVED:
             raise HeadsteerValueError(
-                f"extra tensor name {k!r} is reserved for the lens ({', '.join(_RESERVED)})"
+                f"extra tensor name {short_repr(k)} is reserved for the lens ({', '.join(_RESERVED)})"
             )
         if not isinstance(v, torch.Tensor):
-            raise HeadsteerTypeError(f"extra tensor {k!r} must be a torch.Tensor, got {type(v).__name__}")
+            raise HeadsteerTypeError(
+                f"extra tensor {short_repr(k)} must be a torch.Tensor, got {type(v).__name__}"
+            )
     return {k: v.contiguous() for k, v in extra.items()}
 
 
@@ -545,16 +552,17 @@ def _check_header(header: dict, path: str) -> tuple[list[tuple[int, int]], str, 
     """The heads, form and geometry of a lens header, every field checked."""
     model = header.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad(path, f"model must be a non-empty name, got {model!r}")
+        raise _bad(path, f"model must be a non-empty name, got {short_repr(model)}")
     geo = header.get("geometry")
     if not isinstance(geo, list) or len(geo) != 4 or not all(is_int(x) and x >= 1 for x in geo):
         raise _bad(
-            path, f"geometry must be 4 positive ints (n_layers, n_heads, d_model, d_vocab), got {geo!r}"
+            path,
+            f"geometry must be 4 positive ints (n_layers, n_heads, d_model, d_vocab), got {short_repr(geo)}",
         )
     L, H = int(geo[0]), int(geo[1])
     heads = header.get("heads")
     if not isinstance(heads, list) or not heads:
-        raise _bad(path, f"heads must be a non-empty list of [layer, head] pairs, got {heads!r}")
+        raise _bad(path, f"heads must be a non-empty list of [layer, head] pairs, got {short_repr(heads)}")
     hs = []
     for h in heads:
         if (
@@ -563,17 +571,17 @@ def _check_header(header: dict, path: str) -> tuple[list[tuple[int, int]], str, 
             or not all(is_int(x) for x in h)
             or not (0 <= h[0] < L and 0 <= h[1] < H)
         ):
-            raise _bad(path, f"head {h!r} is not a [layer, head] pair of a {L} x {H} model")
+            raise _bad(path, f"head {short_repr(h)} is not a [layer, head] pair of a {L} x {H} model")
         hs.append((int(h[0]), int(h[1])))
     if len(set(hs)) != len(hs):
         raise _bad(path, "a head is listed twice")
     form = header.get("form")
     if not isinstance(form, str) or form not in ("tuned", "full"):
-        raise _bad(path, f"form must be 'tuned' or 'full', got {form!r}")
+        raise _bad(path, f"form must be 'tuned' or 'full', got {short_repr(form)}")
     if form == "full" and len(hs) > MAX_FULL_HEADS:
         raise _bad(path, f"{len(hs)} full lenses, at most {MAX_FULL_HEADS}")
     if not isinstance(header.get("params", {}), dict):
-        raise _bad(path, f"params must be an object, got {header.get('params')!r}")
+        raise _bad(path, f"params must be an object, got {short_repr(header.get('params'))}")
     history = header.get("history", [])
     if not isinstance(history, list) or not all(isinstance(x, dict) for x in history):
         raise _bad(path, "history must be a list of objects")
@@ -587,7 +595,7 @@ def _check_tensors(
     want = {"weight": (n, D, D), "bias": (n, D)} if form == "tuned" else {"weight": (n, D, V), "bias": (n, V)}
     for name, shape in want.items():
         if name not in tensors:
-            raise _bad(path, f"no {name!r} tensor")
+            raise _bad(path, f"no {short_repr(name)} tensor")
         t = tensors[name]
         if tuple(t.shape) != shape or not t.dtype.is_floating_point:
             raise _bad(
@@ -597,7 +605,7 @@ def _check_tensors(
             raise _bad(path, f"{name} holds NaN or inf")
     kls = [k for k in ("held_out_kl", "untrained_kl") if k in tensors]
     if len(kls) == 1:
-        raise _bad(path, f"{kls[0]!r} without its pair")
+        raise _bad(path, f"{short_repr(kls[0])} without its pair")
     for name in kls:
         t = tensors[name]
         if tuple(t.shape) != (n,) or not t.dtype.is_floating_point or not bool(torch.isfinite(t).all()):
@@ -623,7 +631,7 @@ def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tenso
             version = header.get("schema_version")
             if not is_int(version) or version != LENS_SCHEMA_VERSION:
                 raise HeadsteerValueError(
-                    f"{shown!r} has lens schema_version {version!r}; "
+                    f"{shown!r} has lens schema_version {short_repr(version)}; "
                     f"this headsteer reads {LENS_SCHEMA_VERSION}"
                 )
             heads, form, geometry = _check_header(header, shown)
@@ -715,7 +723,8 @@ def _read_checkpoint(
     if differ:
         raise HeadsteerValueError(
             f"checkpoint {checkpoint!r} was written with other {', '.join(differ)} "
-            f"({', '.join(f'{k}={ck.params.get(k)!r}' for k in differ)}): resume with the same values"
+            f"({', '.join(f'{k}={short_repr(ck.params.get(k))}' for k in differ)}): resume with the same "
+            "values"
         )
     return ck, extra
 
@@ -774,7 +783,7 @@ def train_lens(
     lr = check_number("lr", lr, lo=0.0, hi=MAX_LR, lo_open=True)
     held_out = check_number("held_out", held_out, lo=0.0, hi=1.0, lo_open=True, what="a number in (0, 1)")
     if held_out == 1.0:
-        raise HeadsteerValueError(f"held_out must be a number in (0, 1), got {held_out!r}")
+        raise HeadsteerValueError(f"held_out must be a number in (0, 1), got {short_repr(held_out)}")
     if checkpoint is not None:
         checkpoint = check_path("checkpoint", checkpoint)
     if not (progress is None or isinstance(progress, bool) or callable(progress)):

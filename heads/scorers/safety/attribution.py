@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 import torch
 
-from heads._util.validation import check_bool, check_int, check_number, is_int
+from heads._util.validation import check_bool, check_int, check_number, is_int, short_repr
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, run_rows
@@ -108,7 +108,9 @@ class HeadReplace(HeadOutputEdit):
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.values, torch.Tensor) or self.values.ndim != 2:
-            raise HeadsteerTypeError(f"values must be a [n_heads, d_head] tensor, got {self.values!r}")
+            raise HeadsteerTypeError(
+                f"values must be a [n_heads, d_head] tensor, got {short_repr(self.values)}"
+            )
         if not torch.isfinite(self.values).all():
             raise HeadsteerValueError("HeadReplace values must be finite")
 
@@ -173,10 +175,10 @@ def logit_diff(targets: Sequence[int], foils: Sequence[int]) -> Metric:
 
 def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
-        raise HeadsteerValueError(f"{what} must be a non-empty list of token ids, got {ids!r}")
+        raise HeadsteerValueError(f"{what} must be a non-empty list of token ids, got {short_repr(ids)}")
     for t in ids:
         if not is_int(t) or t < 0:
-            raise HeadsteerValueError(f"{what} must hold non-negative int token ids, got {t!r}")
+            raise HeadsteerValueError(f"{what} must hold non-negative int token ids, got {short_repr(t)}")
     return torch.tensor([int(t) for t in ids], dtype=torch.long)
 
 
@@ -281,7 +283,7 @@ def _check_ablation(ablation) -> None:
         return
     if ablation not in _ABLATIONS:
         raise HeadsteerValueError(
-            f"unknown ablation {ablation!r}: use one of {_ABLATIONS} or a callable layer -> Edit"
+            f"unknown ablation {short_repr(ablation)}: use one of {_ABLATIONS} or a callable layer -> Edit"
         )
 
 
@@ -388,7 +390,8 @@ def attribute(
         raise HeadsteerValueError("attribution needs a HeadModel with a tokenizer")
     if getattr(model.backend, "remote", False):
         raise HeadsteerValueError(
-            f"attribution on the {model.backend.kind!r} backend with remote=True: it reads head outputs "
+            f"attribution on the {short_repr(model.backend.kind)} backend with remote=True: it reads "
+            "head outputs "
             "and their gradients through local torch hooks, which do not run on NDIF (use remote=False)"
         )
     _check_ablation(ablation)
@@ -397,14 +400,16 @@ def attribute(
         check_bool(name, flag, what="a bool")
     if not (metric == "kl" or callable(metric)):
         raise HeadsteerValueError(
-            f"metric must be 'kl' or a callable (logp, prompt_index) -> [R], got {metric!r}"
+            f"metric must be 'kl' or a callable (logp, prompt_index) -> [R], got {short_repr(metric)}"
         )
     if (
         isinstance(kl_tokens, bool)
         or not isinstance(kl_tokens, int)
         or not 1 <= kl_tokens <= model.d_vocab - 1
     ):
-        raise HeadsteerValueError(f"kl_tokens must be an int in 1..{model.d_vocab - 1}, got {kl_tokens!r}")
+        raise HeadsteerValueError(
+            f"kl_tokens must be an int in 1..{model.d_vocab - 1}, got {short_repr(kl_tokens)}"
+        )
     if graddrop and model.n_layers < 2:
         raise HeadsteerValueError("graddrop needs at least 2 layers")
     chosen = check_heads(model, heads)
@@ -450,7 +455,7 @@ def _layer_edit(ablation, layer: int, eps: float, saturation_fix: bool) -> Edit:
         edit = ablation(layer)
         if not isinstance(edit, Edit) or edit.layer != layer:
             raise HeadsteerValueError(
-                f"ablation({layer}) must return an Edit for layer {layer}, got {edit!r}"
+                f"ablation({layer}) must return an Edit for layer {layer}, got {short_repr(edit)}"
             )
         return edit
     if saturation_fix:
@@ -508,7 +513,9 @@ def _attribute_batch(
     else:
         values = metric(logp, rows.to(logp.device))
         if not isinstance(values, torch.Tensor) or tuple(values.shape) != (len(rows),):
-            raise HeadsteerValueError(f"the metric must return a [{len(rows)}] tensor, got {values!r}")
+            raise HeadsteerValueError(
+                f"the metric must return a [{len(rows)}] tensor, got {short_repr(values)}"
+            )
         if not values.requires_grad:
             raise HeadsteerValueError("the metric does not depend on the log-probs it is given (no gradient)")
         scalars = [values.sum()]
@@ -549,7 +556,7 @@ def _ships_estimate(
 ) -> ShipsResult:
     """The attribution estimate of Ships (KL metric) for the ablations Ships has (UA, SC)."""
     if ablation not in ("ua", "sc"):
-        raise HeadsteerValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
+        raise HeadsteerValueError(f"unknown ablation {short_repr(ablation)}: use 'ua' or 'sc'")
     return attribute(
         model,
         prompts,

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import check_bool, check_int, check_number
+from heads._util.validation import check_bool, check_int, check_number, short_repr
 from heads.engine.edits import Edit, HeadScale, QueryScale
 from heads.engine.executors import Target, run_shards
 from heads.engine.options import SweepOptions
@@ -92,7 +92,7 @@ def row_ablation_edits(
         ValueError: unknown ablation, unknown layer/head, or a non-finite eps.
     """
     if ablation not in ("ua", "sc"):
-        raise HeadsteerValueError(f"unknown ablation {ablation!r}: use 'ua' or 'sc'")
+        raise HeadsteerValueError(f"unknown ablation {short_repr(ablation)}: use 'ua' or 'sc'")
     kind = QueryScale if ablation == "ua" else HeadScale
     masks = row_head_masks(model, row_variants)
     return [kind(layer=layer, row_heads=m, factor=eps) for layer, m in masks.items()]
@@ -111,7 +111,7 @@ def fill_template(template: str | None, queries: list[str]) -> list[str]:
         return list(queries)
     if not isinstance(template, str) or "{query}" not in template:
         raise HeadsteerValueError(
-            f"template must be None or a string containing '{{query}}', got {template!r}"
+            f"template must be None or a string containing '{{query}}', got {short_repr(template)}"
         )
     return [template.replace("{query}", q) for q in queries]
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import offset_progress, progress_callback
-from heads._util.validation import check_bool, check_int
+from heads._util.validation import check_bool, check_int, short_repr
 from heads.engine.executors import merge_tables
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import clean_run, evaluate_variants
@@ -125,7 +125,9 @@ def ships(
         )
     if method != "exact" or confirm != 0:
         why = f"confirm={confirm!r} needs 'attribution'"
-        raise HeadsteerValueError(f"method must be 'exact' or 'attribution' ({why}), got {method!r}")
+        raise HeadsteerValueError(
+            f"method must be 'exact' or 'attribution' ({why}), got {short_repr(method)}"
+        )
     eps, chosen = check_scoring(model, eps, exact, heads)
     if opts.executor is not None:
         kw = dict(prompts=prompts, heads=chosen, ablation=ablation, eps=eps, template=template)
