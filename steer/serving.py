@@ -36,6 +36,7 @@ from heads.engine.edits import (
     QueryEdit,
     ResidualEdit,
     SpanShareEdit,
+    check_combined_factors,
 )
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
@@ -50,7 +51,7 @@ from steer.noop import refusing_noop
 from steer.pasta.method import Pasta
 from steer.profiles import shipped_profile
 from steer.spotlight import Spotlight
-from steer.steered_model import Intervention
+from steer.steered_model import Intervention, check_new_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -633,12 +634,13 @@ class BatchGenerator:
                 f"the prompt has {enc.length} tokens, more than this server's limit of "
                 f"{self.max_prompt_tokens} (--max-prompt-tokens)"
             )
-        self.model.check_length(enc.length + request.params.max_tokens)
+        check_new_tokens(self.model, enc.length, request.params.max_tokens, "max_tokens")
         steer = [self._resolve_auto(s, enc, request) for s in request.steer]
-        for s in steer:
-            for e in s.edits(self.model, enc):
-                e.validate()
-                self.model.check_head(e.layer)
+        edits = [e for s in steer for e in s.edits(self.model, enc)]
+        for e in edits:
+            e.validate()
+            self.model.check_head(e.layer)
+        check_combined_factors(edits, self.model.n_heads, self.model.dtype)  # stacked entries
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))

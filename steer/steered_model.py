@@ -20,7 +20,7 @@ from heads.model.adapter import HeadModel
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-__all__ = ["BAR_DELAY_S", "BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel"]
+__all__ = ["BAR_DELAY_S", "BAR_MIN_PROMPTS", "Generation", "Intervention", "SteeredModel", "check_new_tokens"]
 
 BAR_MIN_PROMPTS = 8
 """`generate(progress=True)` draws its bar at once for more prompts than this; for fewer, only
@@ -39,6 +39,17 @@ def _step_progress(report: Progress, start: int, total: int):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     return _Steps()
+
+
+def check_new_tokens(hm: HeadModel, prompt_tokens: int, new_tokens: int, name: str) -> None:
+    """HeadsteerValueError naming `name` (`max_new_tokens`, or the server's `max_tokens`) when
+    the prompt's `prompt_tokens` plus `new_tokens` exceed the model's positions."""
+    limit = hm.max_positions
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise HeadsteerValueError(
+            f"{name}={short_repr(new_tokens)} with the prompt's {prompt_tokens} tokens exceeds the "
+            f"model's limit of {limit} positions (at most {max(limit - prompt_tokens, 0)} new tokens here)"
+        )
 
 
 class Intervention(Protocol):
@@ -233,7 +244,7 @@ class SteeredModel:
         tok = cast("PreTrainedTokenizerBase", hm.tokenizer)  # checked in __init__
         lm = cast(_GenerativeLM, hm.model)
         enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
-        hm.check_length(enc.length + max_new_tokens)
+        check_new_tokens(hm, enc.length, max_new_tokens, "max_new_tokens")
         edits = [e for s in steer for e in s.edits(hm, enc)]
         take = getattr(steer[0], "take_prefill_cache", None) if len(steer) == 1 else None
         cache = take(enc) if callable(take) and generate_kwargs.get("use_cache", True) else None

@@ -16,6 +16,7 @@ prompts, generations) are HTML-escaped in the static views and set with `textCon
 import html
 from typing import Any
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["StaticView", "pattern_widget", "scores_widget", "steering_panel", "widgets_available"]
@@ -284,7 +285,7 @@ def steering_panel(model, prompt: str, heads: dict[int, list[int]] | None = None
             "steering_panel needs heads (PASTA) or steer (a list of interventions), not both"
         )
     if steer is not None and (not isinstance(steer, list) or not steer):
-        raise HeadsteerValueError(f"steer must be a non-empty list of interventions, got {steer!r:.80}")
+        raise HeadsteerValueError(f"steer must be a non-empty list of interventions, got {short_repr(steer)}")
     steer = list(steer) if steer is not None else [Pasta(heads=heads, alpha=alpha)]  # type: ignore[arg-type]
     method = " + ".join(type(s).__name__ for s in steer)
     sm = SteeredModel(model)

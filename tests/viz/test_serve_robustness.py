@@ -303,6 +303,28 @@ def test_body_over_the_limit_gets_413_before_it_is_read(srv):
         (_chat(steer=[{"method": "pasta", "heads": {"1": [0]}, "alpha": 10**400}]), "alpha"),
         (_chat("bad \ud800 text"), "lone surrogate"),
         (_chat("the **key**", steer=[{"method": "spotlight", "layers": [10**30]}]), "layer"),
+        # OpenAI fields the server does not implement: refused by name, never silently ignored
+        (_chat(logit_bias={"1": 100}), "logit_bias is not supported"),
+        (_chat(presence_penalty=2), "presence_penalty is not supported"),
+        (_chat(frequency_penalty="x"), "frequency_penalty is not supported"),
+        (_chat(response_format={"type": "json_object"}), "response_format is not supported"),
+        (_chat(top_logprobs=5), "top_logprobs is not supported"),
+        (_chat(top_k=40), "top_k is not supported"),
+        (_chat(user=[1]), "user must be a str"),
+        (_chat(stream_options="x"), "stream_options must be an object"),
+        # compared with their type: true is not 1, 0 is not false
+        (_chat(n=True), "n must be 1"),
+        (_chat(n=1.0), "n must be 1"),
+        (_chat(best_of=True), "best_of is not supported"),
+        (_chat(echo=0), "echo is not supported"),
+        (_chat(logprobs=0), "logprobs is not supported"),
+        (_chat(max_tokens=2**70), "max_tokens=1180591620717411303424 with the prompt's"),
+        (_chat(max_tokens=int("9" * 4000)), "max_tokens=an int of 4000 digits"),
+        # stacked entries whose factors multiply past float32's bound on one head
+        (
+            _chat(steer=[{"method": "ablate", "heads": {"1": [0]}, "mode": "sc", "eps": 10000}] * 8),
+            "multiply to",
+        ),
     ],
 )
 def test_bad_values_get_400_naming_the_field(srv, body, needle):
@@ -330,6 +352,26 @@ def test_unparsable_body_gets_400_naming_the_problem(srv, data, needle):
     status, reply = _post(srv[0], data)
     message = _message(reply)
     assert status == 400 and needle in message and "\n" not in message and len(message) < 400, message
+
+
+def test_client_gone_while_sending_its_body_is_one_log_line(srv):
+    """A client that closes before its announced body arrived: one 499 access line, no
+    traceback in the server's log, and the next request is answered."""
+    base, logf = srv
+    host, port = base.removeprefix("http://").split(":")
+    before = logf.read_text().count("Traceback")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"a":'
+        )
+        time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while not any(" 499 " in ln for ln in _log_lines(logf, '"POST /v1/chat/completions"')[-3:]):
+        assert time.monotonic() < deadline, logf.read_text()[-2000:]
+        time.sleep(0.1)
+    assert _post(base, _chat(max_tokens=1, temperature=0))[0] == 200
+    assert logf.read_text().count("Traceback") == before, logf.read_text()[-3000:]
 
 
 # ------------------------------------------------------------------ 5: one log line per request

@@ -74,7 +74,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from heads._util.validation import check_int, load_json_body
+from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
 from viz.explorer.steering import STEER_METHODS, parse_steering
 
@@ -162,7 +162,7 @@ def _heads(body: dict, n_layers: int, n_heads: int) -> dict[int, list[int]]:
         )
         if not ok or not (0 <= pair[0] < n_layers and 0 <= pair[1] < n_heads):
             raise HeadsteerValueError(
-                f"bad head {pair!r}: need [layer, head] with layer < {n_layers}, head < {n_heads}"
+                f"bad head {short_repr(pair)}: need [layer, head] with layer < {n_layers}, head < {n_heads}"
             )
         out.setdefault(pair[0], [])
         if pair[1] not in out[pair[0]]:
@@ -552,7 +552,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         prompt = _text(body)
         kind = body.get("score", "span")
         if kind not in SCORES:
-            raise HeadsteerValueError(f"score must be one of {SCORES}, got {kind!r}")
+            raise HeadsteerValueError(f"score must be one of {SCORES}, got {short_repr(kind)}")
         job = Jobs.check_id(body.get("job"))
         relations = None
         if kind == "span":
@@ -728,7 +728,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         prompt = _text(body)
         steered = body.get("steered", False)
         if not isinstance(steered, bool):
-            raise HeadsteerValueError(f"steered must be true or false, got {steered!r}")
+            raise HeadsteerValueError(f"steered must be true or false, got {short_repr(steered)}")
         n_new = _int(body, "max_new_tokens", 1, MAX_NEW_TOKENS) if "max_new_tokens" in body else 32
         job = Jobs.check_id(body.get("job"))
         steer = []

@@ -18,6 +18,7 @@ prints, `steer.noop.refusing_noop`).
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["STEER_METHODS", "SteerMethod", "parse_steering"]
@@ -78,7 +79,7 @@ def parse_steering(
 
     method = body.get("method", "pasta")
     if not isinstance(method, str) or method not in STEER_METHODS:
-        raise HeadsteerValueError(f"unknown method {method!r:.80}: use one of {sorted(STEER_METHODS)}")
+        raise HeadsteerValueError(f"unknown method {short_repr(method)}: use one of {sorted(STEER_METHODS)}")
     spec = STEER_METHODS[method]
     allowed = _COMMON | {spec.parameter, *spec.extra}
     other = sorted(str(k) for k in body if k not in allowed)

@@ -119,6 +119,56 @@ def _emphasize(body: Mapping):
     raise _BadRequest(f"emphasize must be a string or a list of non-empty strings, got {short_repr(e)}")
 
 
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    # OpenAI fields headsteer serve does not implement, each with the values that ask for
+    # nothing (compared with their type: `true` is not 1, `0` is not false); any other value is
+    # HTTP 400 naming the field, never silently ignored
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+_TYPED = {"user": str, "stream_options": Mapping, "parallel_tool_calls": bool, "metadata": Mapping}
+"""Accepted OpenAI fields that change nothing here, type-checked so a malformed one is named."""
+
+
+def _same(a: object, b: object) -> bool:
+    """`a == b` with the same type (so `True` is not `1` and `0` is not `False`)."""
+    return type(a) is type(b) and a == b
+
+
+def _refuse_unsupported(body: Mapping) -> None:
+    for key, off in _UNSUPPORTED.items():
+        if key in body and not any(_same(body[key], o) for o in off):
+            raise _BadRequest(f"{key} is not supported by headsteer serve, got {short_repr(body[key])}")
+    n = body.get("n")
+    if n is not None and not _same(n, 1):
+        raise _BadRequest(f"n must be 1 (one answer per request), got {short_repr(n)}")
+    for key, kind in _TYPED.items():
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            want = "an object" if kind is Mapping else f"a {kind.__name__}"
+            raise _BadRequest(f"{key} must be {want}, got {short_repr(body[key])}")
+    if isinstance(body.get("stream_options"), Mapping):
+        usage = body["stream_options"].get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise _BadRequest(f"stream_options.include_usage must be true or false, got {short_repr(usage)}")
+
+
 def _parse(body, chat: bool, model_id: str, caa_vectors=None):
     """A `ServeRequest` from an OpenAI body; `_BadRequest` names the bad field."""
     from steer.serving import SamplingParams, ServeRequest, parse_steer
@@ -161,16 +211,7 @@ def _parse(body, chat: bool, model_id: str, caa_vectors=None):
             check_encodable(text, f"messages[{i}].content" if chat else "prompt")
         except ValueError as exc:
             raise _BadRequest(str(exc)) from None
-    for key, off in (
-        ("logprobs", (None, False)),
-        ("echo", (None, False)),
-        ("best_of", (None, 1)),
-        ("suffix", (None,)),
-        ("tools", (None, [])),
-        ("functions", (None, [])),
-    ):
-        if body.get(key) not in off:
-            raise _BadRequest(f"{key} is not supported by headsteer serve")
+    _refuse_unsupported(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _BadRequest(f"stream must be true or false, got {short_repr(stream)}")
@@ -197,7 +238,7 @@ async def _read_body(request, limit: int) -> bytes:
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise _TooLarge(f"the request body has {int(declared)} bytes, more than the limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():  # a client gone mid-body: ClientDisconnect, see the caller
         size += len(chunk)
         if size > limit:
             raise _TooLarge(f"the request body has more than the limit of {limit} bytes")
@@ -313,10 +354,14 @@ def create_app(
         }
 
     async def handle(request: Request, chat: bool):
+        from starlette.requests import ClientDisconnect
+
         try:
             raw = await _read_body(request, max_body_bytes)
         except _TooLarge as exc:
             return error(413, f"{exc} (headsteer serve --max-body-mb)", "request_too_large")
+        except ClientDisconnect:  # gone before its body arrived: the access log's one 499 line
+            return Response(status_code=499)
         try:
             body: Any = load_json_body(raw)  # one line: invalid JSON, a too-large number, too deep
         except ValueError as exc:
