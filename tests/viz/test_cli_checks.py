@@ -279,7 +279,10 @@ def test_run_gave_falls_back_to_the_default_outside_click():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-new-tokens", "100000"], "--max-new-tokens 100000 does not fit: the model has 8192 positions"),
+        (
+            ["--max-new-tokens", "100000"],
+            "--max-new-tokens 100000 does not fit: the model has 8192 positions",
+        ),
         (["--steer", "instaboost", "--max-new-tokens", "9000"], "--max-new-tokens 9000 does not fit"),
         (["--emphasize", "zzz"], "--emphasize 'zzz' is not in the prompt"),
         (["--model", ""], "--model is empty"),
