@@ -46,6 +46,7 @@ __all__ = [
     "load_tokenizer",
     "pick_attn_implementation",
     "read_geometry",
+    "read_max_positions",
     "vlm_head_model",
 ]
 
@@ -509,13 +510,36 @@ def read_geometry(name_or_path: str | os.PathLike | None = None) -> tuple[int, i
         ValueError / FileNotFoundError: as `load_model` for a missing folder or a bad config
             (`check_config`).
     """
+    text = _text_config(name_or_path)
+    return int(text.num_hidden_layers), int(text.num_attention_heads)
+
+
+def read_max_positions(name_or_path: str | os.PathLike | None = None) -> int | None:
+    """The longest sequence a model's position embeddings allow, from its config alone (before
+    any weight is read): what `HeadModel.max_positions` will be once it is loaded.
+
+    Args:
+        name_or_path: as `load_model` (None: the embedded model).
+
+    Returns:
+        `max_position_embeddings` (or `n_positions`) of the config (a vision-language model's
+        `text_config`), None when the config sets neither.
+
+    Raises:
+        ValueError / FileNotFoundError: as `read_geometry`.
+    """
+    text = _text_config(name_or_path)
+    n = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return int(n) if n else None
+
+
+def _text_config(name_or_path: str | os.PathLike | None):
     from transformers import AutoConfig
 
     where, _ = _resolve(name_or_path)
     check_config(where)
     config = AutoConfig.from_pretrained(where, trust_remote_code=False)
-    text = getattr(config, "text_config", None) or config
-    return int(text.num_hidden_layers), int(text.num_attention_heads)
+    return getattr(config, "text_config", None) or config
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

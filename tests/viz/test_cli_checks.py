@@ -274,3 +274,38 @@ def test_run_gave_falls_back_to_the_default_outside_click():
     assert not Run().gave("alpha", 0.01, 0.01) and Run().gave("alpha", 0.5, 0.01)
     given = Run(user_set=frozenset({"alpha"}))
     assert given.gave("alpha", 0.01, 0.01) and not given.gave("tau", 0.3, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--max-new-tokens", "100000"],
+            "--max-new-tokens 100000 does not fit: the model has 8192 positions",
+        ),
+        (["--steer", "instaboost", "--max-new-tokens", "9000"], "--max-new-tokens 9000 does not fit"),
+        (["--emphasize", "zzz"], "--emphasize 'zzz' is not in the prompt"),
+        (["--model", ""], "--model is empty"),
+        (["--model", "  "], "--model is empty"),
+    ],
+)
+def test_generate_checks_before_load(no_load, args, message):
+    """Found by a breaker: each of these was refused only after the model had loaded (or, for
+    an empty --model, announced the embedded model and then refused '')."""
+    r = runner.invoke(app, ["generate", "Bio: Ann is a **nurse**. Job?", *args])
+    _one_line_error(r, message)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("Bio **\udcff nurse** x", "prompt is not valid UTF-8: byte 0xff at character 6"),
+        ("Bio **\udced\udca0\udc80 nurse** x", "prompt is not valid UTF-8: byte 0xed at character 6"),
+        ("Bio **\ud800 nurse** x", "prompt has a lone surrogate"),
+    ],
+)
+def test_prompt_bytes_that_are_not_utf8_are_named_before_load(no_load, prompt, message):
+    """Bytes that are not UTF-8 on the command line reach Python as U+DC80..U+DCFF (surrogate
+    escapes): named as bytes, not as a "lone surrogate" of "prompt 0", before the model loads."""
+    r = runner.invoke(app, ["generate", prompt])
+    _one_line_error(r, message)

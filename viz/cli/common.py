@@ -185,15 +185,34 @@ def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str
 
     if not prompt.strip():
         raise HeadsteerValueError(f"{option} is empty")
+    check_text(prompt, option)
     for e in emphasize or ():
         if not e.strip():
             raise HeadsteerValueError(f"--emphasize is empty or white space: {short_repr(e)}")
-    _, spans = parse_markup(prompt)
+        check_text(e, "--emphasize")
+    plain, spans = parse_markup(prompt)
     if not spans and not emphasize:
         raise HeadsteerValueError(
             f"{option} has no emphasized span: mark it with **double stars** or pass --emphasize"
         )
+    for e in emphasize or ():
+        if e not in plain:
+            raise HeadsteerValueError(f"--emphasize {short_repr(e)} is not in the {option.lstrip('-')}")
     return prompt
+
+
+def check_text(text: str, option: str) -> None:
+    """Refuse text from the command line that is not valid Unicode: bytes that are not UTF-8
+    (Python hands them over as the surrogates U+DC80..U+DCFF) or a lone surrogate, naming the
+    option and the position."""
+    from heads.inputs.prompts import check_encodable
+
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            raise HeadsteerValueError(
+                f"{option} is not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}"
+            )
+    check_encodable(text, option)
 
 
 def check_head_file(
@@ -317,6 +336,24 @@ class Run:
     allow_weight_mismatch: bool = False
     planned: dict[Path, tuple[int, int] | None] = field(default_factory=dict)
     user_set: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not str(self.model).strip():
+            raise HeadsteerValueError(
+                "--model is empty: give a model folder, or leave --model out for the embedded model"
+            )
+
+    def check_new_tokens(self, max_new_tokens: int, option: str = "--max-new-tokens") -> None:
+        """Refuse, from `--model`'s config before any weight is read, a `max_new_tokens` that
+        no prompt leaves room for (at least the model's positions)."""
+        from heads.model.loading import read_max_positions
+
+        limit = read_max_positions(self.model)
+        if limit is not None and max_new_tokens >= limit:
+            raise HeadsteerValueError(
+                f"{option} {short_repr(max_new_tokens)} does not fit: the model has {limit} positions "
+                "for the prompt and the new tokens together"
+            )
 
     def gave(self, name: str, value: object = None, default: object = None) -> bool:
         """Whether the user gave option `name` (its Python name, e.g. `"caa_layer"`), even at

@@ -262,6 +262,7 @@ def eval_command(
     _positive(batch_size=batch_size)
     if first.scoring == "generate":
         _positive(max_new_tokens=max_new_tokens)
+        run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     if method in SPAN_METHODS and not first.emphasize:
         raise HeadsteerValueError(
             f"--method {method} needs an emphasized span, and task {short_repr(task)} has none"

@@ -147,6 +147,7 @@ def generate(
             },
         )
         _positive(max_new_tokens=max_new_tokens)
+        run.check_new_tokens(max_new_tokens)  # from the config, before the weights
         kw = dict(alpha=2.0, p=0.6, rho=0.5, tau=None, sink_dims=None, max_new_tokens=max_new_tokens)
         return steered_pair(run, prompt, steer, image, **kw)
     if steer != "instaboost" and run.gave("multiplier", multiplier, INSTABOOST_MULTIPLIER):
@@ -181,6 +182,7 @@ def generate(
         warn_line(f"--top-k {top_k} is ignored: the heads come from {pasta_heads}")
     top_k = DEFAULT_TOP_K if top_k is None else top_k
     _positive(top_k=top_k, max_new_tokens=max_new_tokens)
+    run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     check_prompt(prompt, emphasize)
     if file_heads is not None:  # its range, from the model's config before any weight is read
         from heads.model.loading import read_geometry
@@ -215,6 +217,7 @@ def _instaboost_pair(run: Run, prompt: str, multiplier: float, max_new_tokens: i
 
     method = InstaBoost(multiplier=multiplier)  # checked before the model loads
     _positive(max_new_tokens=max_new_tokens)
+    run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     check_prompt(prompt, emphasize)
     hm = run.load()
     sm = SteeredModel(hm)
@@ -492,6 +495,7 @@ def report_safety(
     from viz.reports.safety import read_prompts, safety_report, safety_template
 
     _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     fill_template(safety_template(system_prompt), ["check"])  # the template, before any work
     texts = read_prompts(prompts) if prompts is not None else None
     out = run.output(out, suffixes=HTML)
@@ -604,6 +608,7 @@ def demo(
 
     t0 = time.perf_counter()
     _positive(max_new_tokens=max_new_tokens)
+    run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     run.folder(out, ["demo_report.html", "demo_report.csv"])
     hm = run.load()
     with run.progress(2 * max_new_tokens, "generating (PASTA, then baseline) tokens") as step:

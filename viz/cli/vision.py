@@ -162,6 +162,7 @@ def steered_pair(
     from steer import AdaptVis, SteeredModel
 
     _positive(max_new_tokens=max_new_tokens)
+    run.check_new_tokens(max_new_tokens)  # from the config, before the weights
     method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image, adaptvis)
     check_vision_prompt(prompt, image)
     img = _image(image)
