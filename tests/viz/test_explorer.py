@@ -709,3 +709,32 @@ def test_steering_methods_listed_and_checked(client):
         client, {"prompt": "no span", "steered": True, "method": "act", "max_new_tokens": 2}, "/api/generate"
     )
     assert evs[-1] == {"done": True} and not any("span_share" in e for e in evs)
+
+
+def test_unknown_and_misplaced_fields_are_400(client):
+    """A typo must not silently run the default (`"scores"` for `"score"`), and steering fields
+    without `"steered": true` must not silently give unsteered text (found by a breaker)."""
+    cases = [
+        ("/api/scores", {"prompt": PROMPT, "scores": "sinks"}, "unknown field(s) ['scores']"),
+        ("/api/pattern", {"prompt": PROMPT, "layer": 0, "head": 0, "bogus": 1}, "unknown field(s) ['bogus']"),
+        ("/api/cancel", {"job": "j" * 8, "tab": "x"}, "unknown field(s) ['tab']"),
+        ("/api/patch", {"clean": "a", "corrupted": "b", "answer": "c", "metric": "x"}, "['metric']"),
+        ("/api/generate", {"prompt": PROMPT, "method": "zzz", "heads": [[0, 0]]}, 'add "steered": true'),
+        ("/api/generate", {"prompt": PROMPT, "alpha": 0.1}, "alpha only apply to a steered run"),
+        ("/api/generate", {"prompt": PROMPT, "bogus": 1}, "unknown field(s) ['bogus']"),
+    ]
+    for path, body, needle in cases:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and needle in r.json()["error"], (path, r.text)
+    assert scored(client, {"prompt": PROMPT, "max_new_tokens": 1}, "/api/generate")[-1] == {"done": True}
+
+
+def test_edit_errors_are_400_before_the_job(client):
+    """What an intervention refuses only when its edits are built (an ablation eps beyond the
+    dtype, stacked factors) is HTTP 400 before any job starts, not an error event in a stream."""
+    r = client.post(
+        "/api/generate",
+        json={"prompt": PROMPT, "steered": True, "method": "ablate", "heads": [[0, 0]], "eps": 1e30},
+    )
+    assert r.status_code == 400 and "overflows float32" in r.json()["error"], r.text
+    assert scored(client, {"prompt": PROMPT, "max_new_tokens": 1}, "/api/generate")[-1] == {"done": True}

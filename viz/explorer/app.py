@@ -76,7 +76,7 @@ from typing import Any
 
 from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
-from viz.explorer.steering import STEER_METHODS, parse_steering
+from viz.explorer.steering import STEER_FIELDS, STEER_METHODS, check_edits, parse_steering
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -119,6 +119,16 @@ CARD_CACHE = 256
 """Head cards (per prompt and head) kept, least recent out."""
 MAX_SOURCES_BYTES = 512 * 2**20
 """Largest vocabulary source matrix `[V, D]` fp32 the head card keeps for MAPS (bytes)."""
+FIELDS: dict[str, frozenset[str]] = {
+    "/api/scores": frozenset({"prompt", "score", "job"}),
+    "/api/prepare": frozenset({"prompt", "tab"}),
+    "/api/pattern": frozenset({"prompt", "layer", "head", "tab"}),
+    "/api/head": frozenset({"prompt", "layer", "head"}),
+    "/api/generate": frozenset({"prompt", "steered", "max_new_tokens", "job"}) | STEER_FIELDS,
+    "/api/patch": frozenset({"clean", "corrupted", "answer", "counterfactual", "job"}),
+    "/api/cancel": frozenset({"job"}),
+}
+"""The fields each `POST` endpoint takes; any other is HTTP 400 naming it."""
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
@@ -281,6 +291,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     from fastapi import FastAPI, Request
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
 
     if model.tokenizer is None:
         raise HeadsteerValueError("the explorer needs a HeadModel with a tokenizer")
@@ -323,15 +334,22 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raise HeadsteerValueError("request body must be a JSON object")
         return body
 
-    def guarded(fn):
+    def guarded(fn, fields: frozenset[str]):
         async def endpoint(request: Request):
             try:
                 body = await read_body(request)
+                unknown = sorted(str(k) for k in body if k not in fields)
+                if unknown:  # a typo ("scores" for "score") must not silently run the default
+                    raise HeadsteerValueError(
+                        f"unknown field(s) {short_repr(unknown)}: this endpoint takes {sorted(fields)}"
+                    )
                 if inspect.iscoroutinefunction(fn):
                     return await fn(body)
                 return await run_in_threadpool(fn, body)  # waits for the model lock off the event loop
             except _TooLarge as exc:
                 return error(413, _one_line(exc))
+            except ClientDisconnect:  # the client left before its body arrived: nothing to answer
+                return Response(status_code=499)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 return error(400, _one_line(exc))
 
@@ -736,6 +754,12 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         if steered:
             span = bool(encode_prompts(model.tokenizer, prompt).spans[0])
             steer = parse_steering(body, lambda b: _heads(b, model.n_layers, model.n_heads), lambda: span)
+            check_edits(model, prompt, steer)  # e.g. an ablation factor the dtype cannot hold
+        elif set(body) & STEER_FIELDS:
+            raise HeadsteerValueError(
+                f"{', '.join(sorted(set(body) & STEER_FIELDS))} only apply to a steered run: add "
+                '"steered": true'
+            )
 
         def work(emit, flag) -> dict:
             streamer = _Streamer(model.tokenizer, emit, flag)
@@ -800,7 +824,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         ("/api/patch", patching),
         ("/api/cancel", cancel),
     ):
-        app.add_api_route(path, guarded(fn), methods=["POST"])
+        app.add_api_route(path, guarded(fn, FIELDS[path]), methods=["POST"])
     return app
 
 

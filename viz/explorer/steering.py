@@ -17,11 +17,15 @@ prints, `steer.noop.refusing_noop`).
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
-__all__ = ["STEER_METHODS", "SteerMethod", "parse_steering"]
+if TYPE_CHECKING:
+    from heads.model.adapter import HeadModel
+
+__all__ = ["STEER_FIELDS", "STEER_METHODS", "SteerMethod", "check_edits", "parse_steering"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ STEER_METHODS: dict[str, SteerMethod] = {
     "ablate": SteerMethod("eps", 0.0, "required", False, ("mode",)),
 }
 """The steering methods of the explorer's panel, by request name."""
+
+STEER_FIELDS = frozenset(
+    {"method", "heads"} | {f for m in STEER_METHODS.values() for f in (m.parameter, *m.extra)}
+)
+"""The request fields of a steered `/api/generate` beside the prompt, `max_new_tokens` and `job`."""
 
 _COMMON = {"prompt", "steered", "max_new_tokens", "job", "method", "heads"}
 
@@ -104,3 +113,23 @@ def parse_steering(
         return parse_steer([item])
     except HeadsteerValueError as exc:  # the server's message, without its "steer[0] (pasta): "
         raise HeadsteerValueError(str(exc).removeprefix(f"steer[0] ({method}): ")) from None
+
+
+def check_edits(model: "HeadModel", prompt: str, steer: list) -> None:
+    """Build the interventions' edits on the prompt once, before the job starts, so that what
+    they refuse only when applied (an ablation `eps` beyond the model's dtype, scaling factors
+    that multiply past it on one head, a layer outside the model) is HTTP 400, not an error
+    event in the stream.
+
+    Raises:
+        HeadsteerValueError: as the edits raise (one line).
+    """
+    from heads.engine.edits import check_combined_factors
+    from heads.inputs.prompts import encode_prompts
+
+    enc = encode_prompts(model.tokenizer, prompt)
+    edits = [e for s in steer for e in s.edits(model, enc)]
+    for e in edits:
+        e.validate()
+        model.check_head(e.layer)
+    check_combined_factors(edits, model.n_heads, model.dtype)
