@@ -716,6 +716,11 @@ def test_unknown_and_misplaced_fields_are_400(client):
     without `"steered": true` must not silently give unsteered text (found by a breaker)."""
     cases = [
         ("/api/scores", {"prompt": PROMPT, "scores": "sinks"}, "unknown field(s) ['scores']"),
+        *[
+            ("/api/scores", {"prompt": "a **b", "score": k}, "unbalanced '**' markup")
+            for k in ("sinks", "ships")
+        ],
+        ("/api/scores", {"prompt": "a \ud800 b", "score": "sinks"}, "lone surrogate"),
         ("/api/pattern", {"prompt": PROMPT, "layer": 0, "head": 0, "bogus": 1}, "unknown field(s) ['bogus']"),
         ("/api/cancel", {"job": "j" * 8, "tab": "x"}, "unknown field(s) ['tab']"),
         ("/api/patch", {"clean": "a", "corrupted": "b", "answer": "c", "metric": "x"}, "['metric']"),
@@ -723,8 +728,8 @@ def test_unknown_and_misplaced_fields_are_400(client):
         ("/api/generate", {"prompt": PROMPT, "alpha": 0.1}, "alpha only apply to a steered run"),
         ("/api/generate", {"prompt": PROMPT, "bogus": 1}, "unknown field(s) ['bogus']"),
     ]
-    for path, body, needle in cases:
-        r = client.post(path, json=body)
+    for path, body, needle in cases:  # json.dumps escapes a lone surrogate as \ud800
+        r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and needle in r.json()["error"], (path, r.text)
     assert scored(client, {"prompt": PROMPT, "max_new_tokens": 1}, "/api/generate")[-1] == {"done": True}
 

@@ -573,15 +573,14 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raise HeadsteerValueError(f"score must be one of {SCORES}, got {short_repr(kind)}")
         job = Jobs.check_id(body.get("job"))
         relations = None
+        enc = encode_prompts(model.tokenizer, prompt)  # bad markup, a lone surrogate: 400 for every kind
         if kind == "span":
-            enc = encode_prompts(model.tokenizer, prompt)
             if not enc.spans[0]:
                 raise HeadsteerValueError("span attention needs a span: mark it in the prompt with **...**")
         elif kind == "dla":
             from heads.scorers.patching.logit import check_dla_model
 
             check_dla_model(model)  # a post-norm family or a final norm without eps: HTTP 400
-            encode_prompts(model.tokenizer, prompt)
         elif kind == "maps" and cache["maps"] is None:
             from probes.datasets.relations import load_relations
 
