@@ -28,6 +28,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 from steer.noop import warn_noop
+from steer.span_rows import warn_rows_without_span
 
 __all__ = ["Knockout", "KnockoutBias"]
 
@@ -178,6 +179,7 @@ class Knockout:
             keys = enc.span_mask()
             if not bool(keys.any()):
                 raise HeadsteerValueError("keys='span' but no prompt has an emphasized span (**text**)")
+            warn_rows_without_span(enc, "Knockout")  # a row without a span is not knocked out
         else:
             keys = _resolve("keys", self.keys, enc)
         queries = None if self.queries is None else _resolve("queries", self.queries, enc)

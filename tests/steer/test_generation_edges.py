@@ -10,7 +10,7 @@ import torch
 import heads.engine.state as engine_state
 from heads import EditNeverFired, HeadScale, Recorder, editing, encode_prompts
 from heads.scorers.sinks import SinkRule
-from steer import Act, Pasta, PastaBias, Spotlight, SteeredModel, UnsteeredRowsWarning
+from steer import Act, InstaBoost, Knockout, Pasta, PastaBias, Spotlight, SteeredModel, UnsteeredRowsWarning
 from tests.support import make_tiny
 
 PROMPT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -194,7 +194,9 @@ def test_act_refuses_a_prompt_longer_than_a_query_block_before_running(tiny_llam
 
 
 @pytest.mark.parametrize(
-    "method", [Pasta({"0": [1], "1": [0, 3]}), Spotlight(tau=0.5)], ids=["pasta", "spotlight"]
+    "method",
+    [Pasta({"0": [1], "1": [0, 3]}), Spotlight(tau=0.5), InstaBoost(multiplier=20.0), Knockout(keys="span")],
+    ids=["pasta", "spotlight", "instaboost", "knockout"],
 )
 def test_rows_without_a_span_are_reported(tiny_llama, method):
     sm = SteeredModel(tiny_llama)
