@@ -743,3 +743,61 @@ def test_edit_errors_are_400_before_the_job(client):
     )
     assert r.status_code == 400 and "overflows float32" in r.json()["error"], r.text
     assert scored(client, {"prompt": PROMPT, "max_new_tokens": 1}, "/api/generate")[-1] == {"done": True}
+
+
+def test_a_client_that_leaves_cancels_its_jobs(model, monkeypatch):
+    """Closing the page (or a script dropping its stream) stops its jobs: a running generation
+    at its next token, a job still waiting for the model before it starts; the job slots are
+    freed (found by a breaker: orphaned jobs ran to the end and held the slots)."""
+    import time
+
+    import requests
+
+    import viz.explorer.app as explorer_app
+    from tests.viz.test_explorer_browser import serve
+
+    real = explorer_app._Streamer
+
+    def slow(tokenizer, emit, flag):  # 50 ms a token: 200 tokens would take 10 s
+        s = real(tokenizer, emit, flag)
+        put = s.put
+
+        def slow_put(value):
+            time.sleep(0.05)
+            put(value)
+
+        s.put = slow_put
+        return s
+
+    monkeypatch.setattr(explorer_app, "_Streamer", slow)
+    app = create_explorer(model)
+    url, stop = serve(app)
+    try:
+        body = {"prompt": PROMPT, "max_new_tokens": 200}
+        first = requests.post(
+            url + "api/generate", json={**body, "job": "leaver-run-1"}, stream=True, timeout=30
+        )
+        lines = first.iter_lines()
+        assert b"job" in next(lines)
+        while b'"text"' not in next(lines):
+            pass
+        waiting = [  # queued behind the first: they wait for the model
+            requests.post(
+                url + "api/generate", json={**body, "job": f"leaver-wait-{i}"}, stream=True, timeout=30
+            )
+            for i in range(3)
+        ]
+        for r in waiting:
+            assert b"job" in next(r.iter_lines())
+        assert app.state.jobs.running() == 4
+        t0 = time.monotonic()
+        for r in (first, *waiting):
+            r.close()
+        while app.state.jobs.running() and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert app.state.jobs.running() == 0, "the jobs of a gone client still run or wait"
+        assert time.monotonic() - t0 < 5  # far less than the 10 s the generation alone would take
+        done = requests.post(url + "api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}, timeout=30)
+        assert done.status_code == 200 and '"done": true' in done.text
+    finally:
+        stop()

@@ -61,6 +61,7 @@ stays up. Requests larger than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT
 job at a time (a lock): the engine's active edits are process-wide.
 """
 
+import asyncio
 import gzip
 import inspect
 import json
@@ -69,7 +70,7 @@ import queue
 import re
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,8 @@ CARD_CACHE = 256
 """Head cards (per prompt and head) kept, least recent out."""
 MAX_SOURCES_BYTES = 512 * 2**20
 """Largest vocabulary source matrix `[V, D]` fp32 the head card keeps for MAPS (bytes)."""
+POLL_S = 0.02
+"""How often a job's event stream looks for new events (seconds)."""
 FIELDS: dict[str, frozenset[str]] = {
     "/api/scores": frozenset({"prompt", "score", "job"}),
     "/api/prepare": frozenset({"prompt", "tab"}),
@@ -387,14 +390,29 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         waiting: list[bool] = []
         thread = threading.Thread(target=run, daemon=True, name=f"explorer-{job}")
 
-        def stream() -> Iterator[str]:
-            yield _event({"job": job})
-            thread.start()
+        async def stream() -> AsyncIterator[str]:
+            # async, so a client that goes away cancels this generator at its next await (a sync
+            # one would sit in a thread blocked on the queue and never learn it): its `finally`
+            # sets the flag, and the work stops at its next token or progress step, or never
+            # starts if it still waits for the model
+            started = False
             try:
-                while (ev := events.get()) is not None:
+                yield _event({"job": job})
+                thread.start()
+                started = True
+                while True:
+                    try:
+                        ev = events.get_nowait()
+                    except queue.Empty:
+                        await asyncio.sleep(POLL_S)
+                        continue
+                    if ev is None:
+                        break
                     yield _event(ev)
             finally:
-                flag.set()  # the client went away: stop the work too
+                flag.set()  # the client went away (or the job ended): stop the work too
+                if not started:
+                    jobs.end(job)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
