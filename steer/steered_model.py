@@ -251,7 +251,7 @@ class SteeredModel:
         if cache is not None:  # VHR's probe pass already holds the reinforced prompt (docs/methods/vhr.md)
             generate_kwargs["past_key_values"] = cache
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(seed)  # checked on entry
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = hm.device
         delay = BAR_DELAY_S if enc.batch <= BAR_MIN_PROMPTS else 0.0

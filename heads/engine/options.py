@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_int, check_shard, short_repr
+from heads._util.validation import check_int, check_seed, check_shard, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class SweepOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_rows", check_int("max_rows", self.max_rows, lo=1))
         object.__setattr__(self, "shard", check_shard(self.shard))
-        object.__setattr__(self, "seed", check_int("seed", self.seed))
+        object.__setattr__(self, "seed", check_seed("seed", self.seed))
         if not (self.progress is None or isinstance(self.progress, bool) or callable(self.progress)):
             raise HeadsteerTypeError(
                 "progress must be True, False, None or a callable (done, total), got "

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_int, check_seed, short_repr
 from heads.errors import HeadsteerValueError
 
 __all__ = ["Head", "other_heads", "random_head_draws"]
@@ -52,6 +52,7 @@ def random_head_draws(
     """
     size = check_int("size", size, lo=0, hi=len(pool))
     draws = check_int("draws", draws, lo=0)
+    seed = check_seed("seed", seed)
     if generator == "torch":
         g = torch.Generator().manual_seed(seed)
         perms = [torch.randperm(len(pool), generator=g)[:size].tolist() for _ in range(draws)]

@@ -27,7 +27,7 @@ import torch
 from heads import cache_dir, load_model
 from heads._util.files import check_output, write_text
 from heads._util.progress import Progress, ProgressArg, offset_progress, progress_callback
-from heads._util.validation import check_int, is_number, short_repr
+from heads._util.validation import check_int, check_seed, is_number, short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.safety.ships import TEMPLATE
@@ -247,7 +247,7 @@ def build_refusal_model(
     for name in REFUSAL_MODEL_FILES:
         check_output(out / name, overwrite)
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
+    torch.manual_seed(check_seed("seed", seed))
     rng = random.Random(seed)
     hm = load_model() if model is None else model
     planned = planned_files(hm.tokenizer)

@@ -309,3 +309,25 @@ def test_prompt_bytes_that_are_not_utf8_are_named_before_load(no_load, prompt, m
     escapes): named as bytes, not as a "lone surrogate" of "prompt 0", before the model loads."""
     r = runner.invoke(app, ["generate", prompt])
     _one_line_error(r, message)
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+@pytest.mark.parametrize(
+    "command", [["build", "refusal-model"], ["report", "probes", "--out", "p.html"]], ids=["build", "probes"]
+)
+def test_seed_out_of_range_before_load(no_load, tmp_path, monkeypatch, command, seed):
+    """`--seed 2**64` was an "internal error" after the model loaded (torch's overflow)."""
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, [*command, "--seed", seed])
+    _one_line_error(r, "--seed must be")
+
+
+def test_library_seeds_are_checked():
+    from heads import SweepOptions
+    from heads.scorers.controls import random_head_draws
+
+    for seed in (2**64, -1, True, 1.5):
+        with pytest.raises((ValueError, TypeError), match="seed"):
+            SweepOptions(seed=seed)
+        with pytest.raises((ValueError, TypeError), match="seed"):
+            random_head_draws([(0, 0), (0, 1)], 1, 1, seed, generator="python")

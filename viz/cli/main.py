@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from heads._util.validation import short_repr
+from heads._util.validation import check_seed, short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import (
     EmphasizeOpt,
@@ -580,6 +580,7 @@ def build_refusal_model_command(
     )
 
     _positive(epochs=epochs)
+    check_seed("--seed", seed)
     folder = refusal_model_dir() if out is None else out
     run.folder(folder, list(REFUSAL_MODEL_FILES))
     hm = run.load()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from heads._util.validation import short_repr
+from heads._util.validation import check_seed, short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive
 
@@ -36,6 +36,7 @@ def report_probes(
             f"unknown --tasks entry {short_repr(bad[0] if bad else tasks)}: use {', '.join(PROBE_TASKS)}"
         )
     _positive(top=top, batch_size=batch_size)
+    check_seed("--seed", seed)
     if jobs == 0 or jobs < -1:
         raise HeadsteerValueError(
             f"--jobs must be a positive number of workers or -1 (all cores), got {jobs}"

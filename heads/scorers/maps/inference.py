@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_int, check_seed, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
@@ -166,7 +166,7 @@ def _few_shot_prompts(
     relation: RelationPairs, n_prompts: int, n_shots: int, seed: int
 ) -> list[tuple[str, int]]:
     texts = _texts(relation)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed("seed", seed))
     out = []
     for i in range(min(n_prompts, len(texts))):
         others = [j for j in range(len(texts)) if j != i]

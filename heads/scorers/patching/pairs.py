@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, is_int, short_repr
+from heads._util.validation import check_int, check_seed, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["PairBatch", "PromptPair", "encode_pairs", "load_pairs", "pairs_from_tokens", "token_id"]
@@ -165,7 +165,7 @@ class PairBatch:
 
     def split(self, frac: float = 0.5, seed: int = 0) -> tuple[PairBatch, PairBatch]:
         """A seeded random split of the pairs into two batches (`frac` of them first)."""
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(check_seed("seed", seed))
         perm = torch.randperm(self.n, generator=g)
         k = max(1, min(self.n - 1, round(self.n * frac)))
         return self.select(perm[:k].sort().values), self.select(perm[k:].sort().values)
