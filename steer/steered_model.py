@@ -112,6 +112,8 @@ class Generation:
 
 
 _UNSUPPORTED = ("num_return_sequences", "num_beams", "input_ids", "attention_mask")
+_RUNS_CODE = ("custom_generate", "trust_remote_code")
+"""`transformers.generate` options that load and run Python from a folder or the Hub: refused."""
 
 
 class SteeredModel:
@@ -228,6 +230,12 @@ class SteeredModel:
         for key in _UNSUPPORTED:
             if key in generate_kwargs:
                 raise HeadsteerValueError(f"generate option {key}= is not supported by SteeredModel.generate")
+        for key in _RUNS_CODE:
+            if key in generate_kwargs:
+                raise HeadsteerValueError(
+                    f"generate option {key}= would load and run Python code from a folder or the Hub: "
+                    "headsteer never runs a model's or a folder's own code"
+                )
         if steer is None:
             steer = []
         elif callable(getattr(steer, "edits", None)):

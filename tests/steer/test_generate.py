@@ -128,3 +128,19 @@ def test_generate_returns_the_edited_attentions(tokenizer):
         p = plain[1, pos, : pos + 1] * w[: pos + 1]
         torch.testing.assert_close(att[step][0][0, 1, 0], p / p.sum(), atol=1e-5, rtol=0)  # steered head
         torch.testing.assert_close(att[step][0][0, 0, 0], plain[0, pos, : pos + 1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("key", ["custom_generate", "trust_remote_code"])
+def test_generate_options_that_run_code_are_refused(tiny_llama, tmp_path, key):
+    """`custom_generate=<folder>` made transformers import and run the folder's generate.py
+    (or ask on stdin whether to); refused before anything is read (found by a breaker)."""
+    code = tmp_path / "custom_generate"
+    code.mkdir()
+    marker = tmp_path / "RAN"
+    (code / "generate.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\ndef generate(*a, **k):\n    pass\n"
+    )
+    value = str(tmp_path) if key == "custom_generate" else True
+    with pytest.raises(ValueError, match=f"{key}= would load and run Python code"):
+        SteeredModel(tiny_llama).generate("Hi", [], max_new_tokens=1, **{key: value})
+    assert not marker.exists()
