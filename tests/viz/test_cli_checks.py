@@ -331,3 +331,18 @@ def test_library_seeds_are_checked():
             SweepOptions(seed=seed)
         with pytest.raises((ValueError, TypeError), match="seed"):
             random_head_draws([(0, 0), (0, 1)], 1, 1, seed, generator="python")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["build", "refusal-model", "--out", ""],
+        ["report", "attention", "--prompt", "a **b**", "--out", ""],
+        ["eval", "--task", "counterfact", "--out="],
+    ],
+)
+def test_an_empty_path_option_is_refused(no_load, args):
+    """click reads `--out ''` as the current folder: `build refusal-model` then started a
+    fine-tune writing into the working folder (found by a breaker)."""
+    r = runner.invoke(app, args)
+    _one_line_error(r, "--out is empty: give a path")

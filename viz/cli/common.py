@@ -646,6 +646,32 @@ def command(
     return decorate
 
 
+def _path_options(group: Any) -> set[str]:
+    """The option names (`--out`, ...) of every command of `group` whose type is a `Path`."""
+    import typing
+
+    names: set[str] = set()
+    for cmd in group.commands.values():
+        if hasattr(cmd, "commands"):
+            names |= _path_options(cmd)
+        for param in cmd.params:
+            ann = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+            if ann is Path or Path in typing.get_args(ann):
+                names.update(o for o in param.opts if o.startswith("--"))
+    return names
+
+
+def _refuse_empty_paths(group: Any, argv: list[str]) -> None:
+    """A path option given an empty string (`--out ''`) is a usage error: click would read it
+    as the current folder and, for `build refusal-model`, start a fine-tune writing there."""
+    paths = _path_options(group)
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        empty = (eq and value == "") or (not eq and i + 1 < len(argv) and argv[i + 1] == "")
+        if name in paths and empty and not value:
+            raise click_errors.UsageError(f"{name} is empty: give a path")
+
+
 class OneLineUsageErrors(TyperGroup):
     """The `headsteer` group: a usage error (missing or unknown option, bad value) is one line.
 
@@ -656,6 +682,8 @@ class OneLineUsageErrors(TyperGroup):
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         try:
+            argv = kwargs.get("args", args[0] if args else None)
+            _refuse_empty_paths(self, sys.argv[1:] if argv is None else list(argv))
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click_errors.NoArgsIsHelpError as exc:
             if not standalone_mode:
