@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from heads._util.validation import check_bool, parse_json, short_repr
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads._util.validation import check_bool, is_number, parse_json, short_repr
+from heads.errors import HeadsteerError, HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -417,6 +418,18 @@ def check_no_remote_code(folder: str | os.PathLike) -> None:
 
 _POSITIVE_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
 _OPTIONAL_POSITIVE = ("head_dim", "num_key_value_heads", "intermediate_size", "max_position_embeddings")
+_FIELD_MAX = {
+    # far above any real model; a config beyond them would only hang building the modules
+    "num_hidden_layers": 10_000,
+    "num_attention_heads": 10_000,
+    "num_key_value_heads": 10_000,
+    "head_dim": 100_000,
+    "hidden_size": 1_000_000,
+    "intermediate_size": 10_000_000,
+    "vocab_size": 100_000_000,
+    "max_position_embeddings": 1_000_000_000,
+}
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 
 
 def check_config(folder: str | os.PathLike) -> None:
@@ -452,6 +465,18 @@ def check_config(folder: str | os.PathLike) -> None:
                 raise HeadsteerValueError(
                     f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got "
                     f"{short_repr(value)}"
+                )
+            if key in cfg_raw and value is not None and value > _FIELD_MAX[key]:
+                raise HeadsteerValueError(
+                    f"cannot read the model in {str(folder)!r}: {key} {short_repr(value)} is beyond "
+                    f"any real model (at most {_FIELD_MAX[key]:,})"
+                )
+        for key in _EPS_FIELDS:
+            value = cfg_raw.get(key)
+            if value is not None and not (is_number(value) and math.isfinite(value) and value > 0):
+                raise HeadsteerValueError(
+                    f"cannot read the model in {str(folder)!r}: {key} must be a finite number > 0, "
+                    f"got {short_repr(value)}"
                 )
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
@@ -578,14 +603,36 @@ def _reading(where: str) -> Iterator[None]:
         raise HeadsteerValueError(f"cannot read the model in {where!r}: {first}") from err
 
 
+def _tokenizer(where: str):
+    """`AutoTokenizer.from_pretrained(where)`, any failure (no tokenizer files: transformers'
+    five-line "Couldn't instantiate the backend tokenizer") as one line naming the folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError) as err:
+        if isinstance(err, HeadsteerError):
+            raise
+        folder = Path(where)
+        if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(where)!r}: it has no tokenizer (none of "
+                f"{', '.join(_TOKENIZER_FILES)})"
+            ) from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HeadsteerValueError(f"cannot read the model in {str(where)!r}: tokenizer: {first}") from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(name_or_path: str | os.PathLike | None = None):
     """Load only the tokenizer (the embedded model's when `name_or_path` is None)."""
-    from transformers import AutoTokenizer
 
     where, _ = _resolve(name_or_path)
     check_no_remote_code(where)
     with _reading(where):
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=False)
+        return _tokenizer(where)
 
 
 def load_model(
@@ -666,7 +713,7 @@ def load_model(
             outside `DTYPES`. All are checked before any weight is read.
         TypeError: a `device_map` that is neither a string nor a dict (a list, an int).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dtype = check_dtype(dtype)
     if device is not None and device_map is not None:
@@ -706,7 +753,7 @@ def load_model(
                     f"backend={short_repr(backend)} is for causal LMs; load vision-language models with 'hf'"
                 )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
-        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
+        tok = _tokenizer(where)
         model, info = AutoModelForCausalLM.from_pretrained(
             where,
             dtype=dtype,
@@ -717,6 +764,7 @@ def load_model(
             **placed,
         )
     _check_loading_info(where, info, allow_weight_mismatch)
+    check_weights_values(where, model)
     if device_map is None:
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
@@ -770,6 +818,39 @@ def _class_supports_sdpa(config: object) -> bool:
 
 class WeightMismatchWarning(UserWarning):
     """A checkpoint loaded with `allow_weight_mismatch=True` lacks tensors or has extra ones."""
+
+
+def check_weights_values(where: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Refuse weights a model cannot compute with: a parameter that is not floating point (an
+    int64 tensor saved under a weight's name) or holds NaN / inf.
+
+    Raises:
+        ValueError: one line naming the folder and the first such tensor.
+    """
+    from safetensors import safe_open
+
+    folder = Path(where)
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        with safe_open(str(f), "pt") as st:  # the header only: transformers casts on load
+            for name in st.keys():
+                kind = st.get_slice(name).get_dtype()
+                if name.endswith((".weight", ".bias")) and not kind.startswith(("F", "BF")):
+                    raise HeadsteerValueError(
+                        f"cannot read the model in {str(where)!r}: {name} is stored as {kind}, not a "
+                        "floating-point tensor"
+                    )
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        if not param.dtype.is_floating_point:
+            kind = str(param.dtype).replace("torch.", "")
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(where)!r}: {name} is {kind}, not a floating-point tensor"
+            )
+        if not bool(torch.isfinite(param).all()):
+            raise HeadsteerValueError(
+                f"cannot read the model in {str(where)!r}: {name} holds NaN or inf values"
+            )
 
 
 def _check_loading_info(where: str, info: dict, allow: bool) -> None:
@@ -1021,5 +1102,6 @@ def _load_vision_language(where: str, name: str, dtype, device, attn_implementat
         use_safetensors=True,
         trust_remote_code=False,
     )
+    check_weights_values(where, model)
     model.to(device)
     return vlm_head_model(model, load_processor(where, model.config), name=name)

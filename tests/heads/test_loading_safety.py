@@ -91,6 +91,9 @@ def test_unexpected_tensor_is_an_error(tiny_llama_dir, tmp_path):
         ({"head_dim": 0}, "head_dim"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"rope_scaling": {"rope_type": "nope", "factor": 2.0}}, "nope"),
+        ({"num_hidden_layers": 10**12}, "num_hidden_layers 1000000000000 is beyond any real model"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be a finite number > 0"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite number > 0"),
     ],
 )
 def test_damaged_config_is_one_value_error(tiny_llama_dir, tmp_path, changes, needle):
@@ -165,3 +168,34 @@ def test_hub_name_in_the_local_cache_loads_from_it(tiny_llama_dir, tmp_path, mon
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hm = load_model("someone/tiny")
     assert hm.name == "someone/tiny" and hm.n_layers == 3
+
+
+@pytest.mark.parametrize("bad", ["int64", "nan"])
+def test_weights_that_cannot_compute_are_refused(tiny_llama_dir, tmp_path, bad):
+    """An int64 tensor under a weight's name, or NaN weights, loaded silently (found by a breaker)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    key = next(k for k in tensors if k.endswith("q_proj.weight"))
+    if bad == "int64":
+        tensors[key] = tensors[key].to(torch.int64)
+    else:
+        tensors[key][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(
+        HeadsteerValueError, match="stored as I64, not a floating-point tensor|holds NaN or inf"
+    ) as info:
+        load_model(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_without_tokenizer_files_is_one_line(tiny_llama_dir, tmp_path):
+    folder = _copy(tiny_llama_dir, tmp_path / "m")
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            f.unlink()
+    with pytest.raises(HeadsteerValueError, match=r"has no tokenizer \(none of tokenizer.json") as info:
+        load_model(folder)
+    assert "\n" not in str(info.value)

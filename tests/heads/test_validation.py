@@ -178,7 +178,9 @@ def test_huge_layer_indices_of_steering_methods_stay_short(tiny_llama):
         "unknown head an int of 5001 digits": lambda: editing(
             tiny_llama, HeadScale(layer=0, heads=[BIG_INT])
         ).__enter__(),
-        "max_new_tokens=an int of 5001 digits with the prompt": lambda: sm.generate("Hi", max_new_tokens=BIG_INT),
+        "max_new_tokens=an int of 5001 digits with the prompt": lambda: sm.generate(
+            "Hi", max_new_tokens=BIG_INT
+        ),
     }
     for expected, run in runs.items():
         assert expected in _short_error(run)
