@@ -801,3 +801,98 @@ def test_a_client_that_leaves_cancels_its_jobs(model, monkeypatch):
         assert done.status_code == 200 and '"done": true' in done.text
     finally:
         stop()
+
+
+def test_prompts_and_pairs_are_checked_before_any_job(client):
+    """Found by a breaker: each of these was an HTTP 200 stream ending in an error event (or an
+    all-null map, or a silent 200) instead of a 400 before the work."""
+    long = "\u0800" * 3000  # 3000 characters, far more tokens than the explorer takes
+    cases = [
+        ("/api/prepare", {"prompt": long}, "tokens"),
+        ("/api/pattern", {"prompt": long, "layer": 0, "head": 0}, "tokens"),
+        ("/api/scores", {"prompt": long, "score": "sinks"}, "tokens"),
+        ("/api/generate", {"prompt": long, "max_new_tokens": 1}, "tokens"),
+        ("/api/generate", {"prompt": "a **b", "max_new_tokens": 1}, "unbalanced '**' markup"),
+        ("/api/generate", {"prompt": "a \ud800 b"}, "prompt has a lone surrogate"),
+        (
+            "/api/patch",
+            {"clean": "The cat \ud800", "corrupted": "The dog x", "answer": " a"},
+            "clean has a lone",
+        ),
+        (
+            "/api/patch",
+            {"clean": "The cat sat", "corrupted": "The cat sat", "answer": " on"},
+            "the same text",
+        ),
+        (
+            "/api/patch",
+            {"clean": "The cat sat", "corrupted": "The dog sat", "answer": " on", "counterfactual": " on"},
+            "counterfactual is the answer",
+        ),
+    ]
+    for path, body, needle in cases:
+        r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and needle in r.json()["error"], (path, r.text[:300])
+
+
+def test_pattern_json_has_four_decimals(client, model):
+    r = client.post("/api/pattern", json={"prompt": PROMPT, "layer": 0, "head": 1})
+    values = [v for row in r.json()["probs"] for v in row]
+    assert all(len(repr(v).split(".")[-1]) <= 4 for v in values), [v for v in values if len(repr(v)) > 6][:3]
+
+
+def test_cross_site_requests_are_refused(model):
+    """A page of another site can send a text/plain POST without asking (no CORS preflight), and a
+    DNS-rebinding page reaches the loopback port under its own Host name: both refused."""
+    from viz.explorer.app import LOOPBACK_HOSTS
+
+    guarded = TestClient(create_explorer(model, hosts=LOOPBACK_HOSTS), base_url="http://127.0.0.1:8765")
+    body = json.dumps({"prompt": "hi", "max_new_tokens": 1})
+    r = guarded.post("/api/generate", content=body, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]
+    r = guarded.get("/api/info", headers={"Host": "attacker.example:8765"})
+    assert r.status_code == 403 and "attacker.example" in r.json()["error"]
+    assert guarded.get("/api/info").status_code == 200
+    assert guarded.get("/api/info", headers={"Host": "[::1]:8765"}).status_code == 200
+    assert guarded.get("/api/info", headers={"Host": "localhost"}).status_code == 200
+
+
+def test_a_client_gone_before_its_stream_starts_frees_the_slot(model):
+    """A client that closes its socket right after sending the request (before the first event)
+    left its job registered for ever; 16 of them locked every job endpoint (found by a breaker)."""
+    import socket
+    import time
+
+    from tests.viz.test_explorer_browser import serve
+
+    app = create_explorer(model)
+    url, stop = serve(app)
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    try:
+        for i in range(20):
+            body = json.dumps({"prompt": "hi", "max_new_tokens": 1, "job": f"leakjob{i:04d}"}).encode()
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(
+                    b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+        deadline = time.monotonic() + 10
+        while app.state.jobs.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.state.jobs.running() == 0
+        import requests
+
+        r = requests.post(url + "api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}, timeout=30)
+        assert r.status_code == 200 and '"done": true' in r.text, r.text
+    finally:
+        stop()
+
+
+def test_a_white_space_answer_is_a_token(client):
+    """`"\\n"` or `" "` is a one-token answer, not an empty one (found by a breaker)."""
+    r = client.post("/api/patch", json={"clean": "The cat sat", "corrupted": "The dog sat", "answer": "\n"})
+    assert r.status_code == 200, r.text
+    assert scored(client, {"clean": "The cat sat", "corrupted": "The dog sat", "answer": " "}, "/api/patch")[
+        -1
+    ].get("result")

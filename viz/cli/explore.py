@@ -55,13 +55,14 @@ def explore_command(
 
             head_atlas = HeadAtlas.load(atlas)  # read before the model is loaded: a bad file fails fast
         hm = run.load()
-        from viz.explorer.app import create_explorer
+        from viz.explorer.app import LOOPBACK_HOSTS, create_explorer
 
         if head_atlas is not None and head_atlas.model != hm.name:
             raise HeadsteerValueError(
                 f"--atlas {atlas} is of model {short_repr(head_atlas.model)}, not {short_repr(hm.name)}"
             )
-        app = create_explorer(hm, atlas=head_atlas)
+        hosts = (*LOOPBACK_HOSTS, host) if loop else None  # loopback: refuse other Host names
+        app = create_explorer(hm, atlas=head_atlas, hosts=hosts)
     except BaseException:
         sock.close()
         raise

@@ -70,13 +70,14 @@ import queue
 import re
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import check_encodable
 from viz.explorer.steering import STEER_FIELDS, STEER_METHODS, check_edits, parse_steering
 
 __all__ = [
@@ -85,6 +86,8 @@ __all__ = [
     "MAX_JOBS",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS",
+    "LOOPBACK_HOSTS",
+    "MAX_PATTERN_TOKENS",
     "PATTERN_CACHE_BYTES",
     "PROBE_LIMIT",
     "PROBE_TASK",
@@ -118,6 +121,10 @@ SCORE_CACHE_PROMPTS = 16
 """Prompts whose prompt-dependent grids (`"dla"`, `"ships"`) are kept, least recent out."""
 CARD_CACHE = 256
 """Head cards (per prompt and head) kept, least recent out."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""The `Host` names `headsteer explore` accepts when it listens on a loopback address."""
+MAX_PATTERN_TOKENS = 2048
+"""Longest prompt (tokens) the explorer takes: its `[T, T]` pattern is sent to the page."""
 MAX_SOURCES_BYTES = 512 * 2**20
 """Largest vocabulary source matrix `[V, D]` fp32 the head card keeps for MAPS (bytes)."""
 POLL_S = 0.02
@@ -145,12 +152,15 @@ def _one_line(exc: BaseException) -> str:
     return text[:500]
 
 
-def _text(body: dict, key: str = "prompt", limit: int = MAX_PROMPT_CHARS) -> str:
+def _text(body: dict, key: str = "prompt", limit: int = MAX_PROMPT_CHARS, *, space: bool = False) -> str:
+    """`body[key]`, a non-empty string of at most `limit` characters (white space alone only
+    with `space`: a patching answer may be the token "\\n" or " ")."""
     p = body.get(key)
-    if not isinstance(p, str) or not p.strip():
+    if not isinstance(p, str) or not (p if space else p.strip()):
         raise HeadsteerValueError(f"{key} must be a non-empty string")
     if len(p) > limit:
         raise HeadsteerValueError(f"{key} has {len(p)} characters, more than the limit {limit}")
+    check_encodable(p, key)  # a lone surrogate, named by field (the tokenizer's own error does not)
     return p
 
 
@@ -278,7 +288,9 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CACHE_BYTES):
+def create_explorer(
+    model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CACHE_BYTES, hosts: Collection[str] | None = None
+):
     """Build the explorer app for a loaded `HeadModel` (with a tokenizer).
 
     Args:
@@ -287,12 +299,15 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             `head_atlas` the first time the page asks for it, then kept).
         pattern_cache_bytes: byte budget of the per-tab pattern cache (`PatternCache`,
             default `PATTERN_CACHE_BYTES`, 512 MiB; 0 turns it off: a forward per click).
+        hosts: the host names a request's `Host` header may name (`headsteer explore` on a
+            loopback address passes `LOOPBACK_HOSTS`, so a DNS-rebinding page cannot read the
+            API); default None: any.
 
     Raises:
         ValueError: the model has no tokenizer; an atlas of another geometry.
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
+    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import ClientDisconnect
 
@@ -319,6 +334,15 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     patterns = PatternCache(pattern_cache_bytes)
     app = FastAPI(title="headsteer explorer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.jobs = jobs
+    allowed = None if hosts is None else {h.lower() for h in hosts}
+
+    @app.middleware("http")
+    async def check_host(request: Request, call_next):
+        name = request.headers.get("host", "").lower()
+        name = name[1 : name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+        if allowed is not None and name not in allowed:
+            return error(403, f"Host {short_repr(name)} is not this server's: open it at its own address")
+        return await call_next(request)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -332,6 +356,9 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raw += part
             if len(raw) > MAX_BODY_BYTES:
                 raise _TooLarge(f"request body is larger than the limit {MAX_BODY_BYTES} bytes")
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # a cross-origin page can only send text/plain without asking
+            raise _Forbidden(f"a request body must be application/json, got {short_repr(kind or None)}")
         body = load_json_body(raw)  # one line: invalid JSON, a too-large number, too deep
         if not isinstance(body, dict):
             raise HeadsteerValueError("request body must be a JSON object")
@@ -351,6 +378,8 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
                 return await run_in_threadpool(fn, body)  # waits for the model lock off the event loop
             except _TooLarge as exc:
                 return error(413, _one_line(exc))
+            except _Forbidden as exc:
+                return error(415, _one_line(exc))
             except ClientDisconnect:  # the client left before its body arrived: nothing to answer
                 return Response(status_code=499)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -395,11 +424,10 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             # one would sit in a thread blocked on the queue and never learn it): its `finally`
             # sets the flag, and the work stops at its next token or progress step, or never
             # starts if it still waits for the model
-            started = False
             try:
                 yield _event({"job": job})
                 thread.start()
-                started = True
+                started.append(True)
                 while True:
                     try:
                         ev = events.get_nowait()
@@ -411,10 +439,14 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
                     yield _event(ev)
             finally:
                 flag.set()  # the client went away (or the job ended): stop the work too
-                if not started:
-                    jobs.end(job)
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        def closed() -> None:  # however the response ends, even before the stream ever ran
+            flag.set()
+            if not started:  # the thread never started: nothing else frees the slot
+                jobs.end(job)
+
+        started: list[bool] = []
+        return _JobStream(stream(), closed)
 
     def progress_of(emit: Callable[[dict], None], flag: threading.Event) -> Callable[[int, int], None]:
         def report(done: int, total: int) -> None:
@@ -591,7 +623,7 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
             raise HeadsteerValueError(f"score must be one of {SCORES}, got {short_repr(kind)}")
         job = Jobs.check_id(body.get("job"))
         relations = None
-        enc = encode_prompts(model.tokenizer, prompt)  # bad markup, a lone surrogate: 400 for every kind
+        enc = encoded(prompt)  # bad markup, too many tokens: 400 for every kind
         if kind == "span":
             if not enc.spans[0]:
                 raise HeadsteerValueError("span attention needs a span: mark it in the prompt with **...**")
@@ -631,6 +663,21 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
 
         return job_stream(job, work)
 
+    def encoded(prompt: str, new_tokens: int = 0):
+        """The prompt encoded as every endpoint runs it, refused (400) before any job when it
+        does not fit the model's positions with `new_tokens` more, or when a `[T, T]` pattern
+        of it would pass `MAX_PATTERN_TOKENS`."""
+        from steer.steered_model import check_new_tokens
+
+        enc = encode_prompts(model.tokenizer, prompt)
+        check_new_tokens(model, enc.length, new_tokens, "max_new_tokens")
+        if enc.length > MAX_PATTERN_TOKENS:
+            raise HeadsteerValueError(
+                f"the prompt has {enc.length} tokens, more than the explorer's limit of "
+                f"{MAX_PATTERN_TOKENS} (a [T, T] pattern of it would be {enc.length**2:,} numbers)"
+            )
+        return enc
+
     def check_head(body: dict) -> tuple[str, int, int]:
         return (
             _text(body),
@@ -662,18 +709,20 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
 
     def prepare(body: dict):
         prompt, tab = _text(body), tab_of(body)
+        encoded(prompt)
         got = patterns_of(prompt, tab)
         return {"cached": got is not None, "tokens": None if got is None else len(got.tokens)}
 
     def pattern(body: dict):
         prompt, layer, head = check_head(body)
+        encoded(prompt)
         got = patterns_of(prompt, tab_of(body))
         if got is None:
             with lock:
                 probs, tokens, spans = head_pattern(model, prompt, layer, head)
         else:
             probs, tokens, spans = got.probs[layer, head], got.tokens, got.spans
-        probs = (probs.float() * 1e4).round() / 1e4  # 4 decimals: a smaller, faster response
+        probs = (probs.double() * 1e4).round() / 1e4  # 4 decimals, in float64 so the JSON has 4 too
         body = {
             "layer": layer,
             "head": head,
@@ -767,9 +816,9 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
         n_new = _int(body, "max_new_tokens", 1, MAX_NEW_TOKENS) if "max_new_tokens" in body else 32
         job = Jobs.check_id(body.get("job"))
         steer = []
-        span = False
+        enc = encoded(prompt, n_new)  # bad markup, too many tokens: 400 before the job
+        span = bool(enc.spans[0])
         if steered:
-            span = bool(encode_prompts(model.tokenizer, prompt).spans[0])
             steer = parse_steering(body, lambda b: _heads(b, model.n_layers, model.n_heads), lambda: span)
             check_edits(model, prompt, steer)  # e.g. an ablation factor the dtype cannot hold
         elif set(body) & STEER_FIELDS:
@@ -798,14 +847,18 @@ def create_explorer(model, *, atlas=None, pattern_cache_bytes: int = PATTERN_CAC
     async def patching(body: dict):
         clean = _text(body, "clean")
         corrupted = _text(body, "corrupted")
-        answer = _text(body, "answer", MAX_ANSWER_CHARS)
+        answer = _text(body, "answer", MAX_ANSWER_CHARS, space=True)
         cf = body.get("counterfactual")
-        cf = None if cf in (None, "") else _text(body, "counterfactual", MAX_ANSWER_CHARS)
+        cf = None if cf in (None, "") else _text(body, "counterfactual", MAX_ANSWER_CHARS, space=True)
         job = Jobs.check_id(body.get("job"))
         from heads.engine.options import SweepOptions
         from heads.scorers.patching.activation import patch
         from heads.scorers.patching.pairs import PromptPair, encode_pairs
 
+        if clean == corrupted:
+            raise HeadsteerValueError("clean and corrupted are the same text: nothing to patch")
+        if cf is not None and cf == answer:
+            raise HeadsteerValueError("counterfactual is the answer: their logit difference is always 0")
         pairs = encode_pairs(model, [PromptPair(clean, corrupted, answer, cf)])  # checks before work
         metric = "logit_diff" if cf is not None else "log_prob"
 
@@ -872,8 +925,36 @@ def _Streamer(tokenizer, emit, flag):
     return _streamer_class()(tokenizer, emit, flag)
 
 
+def _job_stream_class():
+    from starlette.responses import StreamingResponse
+
+    class JobStream(StreamingResponse):
+        """An event stream that calls `on_close` once its response is over, whether it was sent,
+        cut by the client, or never started (a client gone right after its request)."""
+
+        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+            super().__init__(content, media_type="text/event-stream")
+            self.on_close = on_close
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.on_close()
+
+    return JobStream
+
+
+def _JobStream(content: AsyncIterator[str], on_close: Callable[[], None]):
+    return _job_stream_class()(content, on_close)
+
+
 class _TooLarge(ValueError):
     """A request refused with HTTP 413."""
+
+
+class _Forbidden(ValueError):
+    """A request refused with HTTP 415 (a body that is not JSON)."""
 
 
 _CSP = (
