@@ -866,6 +866,14 @@ def test_a_client_gone_before_its_stream_starts_frees_the_slot(model):
     from tests.viz.test_explorer_browser import serve
 
     app = create_explorer(model)
+    seen = []  # every request that reached the job registry (a refused one included)
+    real_start = app.state.jobs.start
+
+    def counting_start(job):
+        seen.append(job)
+        return real_start(job)
+
+    app.state.jobs.start = counting_start
     url, stop = serve(app)
     host, port = url.removeprefix("http://").rstrip("/").split(":")
     try:
@@ -877,10 +885,10 @@ def test_a_client_gone_before_its_stream_starts_frees_the_slot(model):
                     + f"Content-Length: {len(body)}\r\n\r\n".encode()
                     + body
                 )
-        deadline = time.monotonic() + 10
-        while app.state.jobs.running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert app.state.jobs.running() == 0
+        deadline = time.monotonic() + 20
+        while (len(seen) < 20 or app.state.jobs.running()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server may take the 20 requests after the sockets closed
+        assert len(seen) == 20 and app.state.jobs.running() == 0, (len(seen), app.state.jobs.running())
         import requests
 
         r = requests.post(url + "api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}, timeout=30)
