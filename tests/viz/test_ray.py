@@ -77,11 +77,13 @@ def test_profiling_and_act_calibration_on_ray(cluster, tiny):
 
 
 def _load_or_die(path: str, marker: str):
-    """Worker loader that kills its own process the first time (the marker file exists)."""
-    if os.path.exists(marker):
+    """Worker loader that kills its own process the first time (the marker file exists). Two
+    workers may start at once: removing the marker is the claim, so exactly one of them dies."""
+    try:
         os.remove(marker)
-        os._exit(1)
-    return load_model(path)
+    except FileNotFoundError:
+        return load_model(path)
+    os._exit(1)
 
 
 def test_killed_worker_shard_is_retried(cluster, tiny, tiny_llama_dir, tmp_path):
