@@ -78,6 +78,18 @@ from typing import Any
 from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import check_encodable
+from viz.explorer.scores import (
+    PROBE_LIMIT,
+    PROBE_TASK,
+    Cancelled,
+    atlas_result,
+    dla_result,
+    grid,
+    maps_result,
+    probes_result,
+    progress_reporter,
+    ships_result,
+)
 from viz.explorer.steering import STEER_FIELDS, STEER_METHODS, check_edits, parse_steering
 
 __all__ = [
@@ -113,10 +125,6 @@ PATTERN_CACHE_BYTES = 512 * 2**20
 """Default byte budget of the per-tab pattern cache (`viz.explorer.patterns.PatternCache`)."""
 SCORES = ("span", "sinks", "atlas", "dla", "ships", "maps", "probes")
 """Score choices of the overview grid."""
-PROBE_TASK = "harmful"
-"""The shipped probe task (`probes.head_probes.probe_data`) of the `"probes"` score."""
-PROBE_LIMIT = 32
-"""Examples per class of `PROBE_TASK` the `"probes"` score fits on (its train split)."""
 SCORE_CACHE_PROMPTS = 16
 """Prompts whose prompt-dependent grids (`"dla"`, `"ships"`) are kept, least recent out."""
 CARD_CACHE = 256
@@ -204,11 +212,6 @@ def _shipped_heads(model_name: str) -> list[list[int]]:
     return [[int(layer), int(h)] for layer, hs in data.items() for h in hs]
 
 
-def _grid(t: Any) -> list[list[float | None]]:
-    """A `[L, H]` tensor as nested lists, NaN / inf as None (JSON has no NaN)."""
-    return [[None if not math.isfinite(v) else round(v, 5) for v in row] for row in t.float().tolist()]
-
-
 class _Lru:
     """A small thread-safe least-recently-used map (at most `size` entries)."""
 
@@ -232,10 +235,6 @@ class _Lru:
             self._d.move_to_end(key)
             while len(self._d) > self.size:
                 self._d.popitem(last=False)
-
-
-class Cancelled(Exception):
-    """Raised inside a job's work when its job was cancelled."""
 
 
 class Jobs:
@@ -448,14 +447,6 @@ def create_explorer(
         started: list[bool] = []
         return _JobStream(stream(), closed)
 
-    def progress_of(emit: Callable[[dict], None], flag: threading.Event) -> Callable[[int, int], None]:
-        def report(done: int, total: int) -> None:
-            if flag.is_set():
-                raise Cancelled
-            emit({"progress": [int(done), int(total)]})
-
-        return report
-
     @app.get("/", response_class=HTMLResponse)
     async def index():
         return HTMLResponse(
@@ -497,125 +488,6 @@ def create_explorer(
             },
         }
 
-    def atlas_result(emit, flag) -> dict:
-        if cache["atlas"] is None:
-            from heads.scorers.roles.atlas import head_atlas
-            from heads.scorers.roles.detectors import (
-                copying_scores,
-                pattern_scores,
-                retrieval_scores,
-                successor_scores,
-            )
-
-            report = progress_of(emit, flag)
-            steps = [
-                ("attention patterns", lambda: pattern_scores(model)),
-                ("copying", lambda: {"copying": copying_scores(model)}),
-                ("successor", lambda: {"successor": successor_scores(model)}),
-                ("retrieval", lambda: {"retrieval": retrieval_scores(model)}),
-            ]
-            det: dict = {}
-            report(0, len(steps))
-            for i, (what, step) in enumerate(steps):
-                emit({"status": f"head atlas: {what}"})
-                det.update(step())
-                report(i + 1, len(steps))
-            cache["atlas"] = head_atlas(model, detectors=det, thumbnails=False)
-        frame = cache["atlas"].frame
-        L, H = model.n_layers, model.n_heads
-        roles = [[""] * H for _ in range(L)]
-        for la, h, r in zip(frame["layer"], frame["head"], frame["role"], strict=True):
-            roles[int(la)][int(h)] = str(r)
-        columns = {}
-        for col in cache["atlas"].score_columns:
-            grid: list[list[float | None]] = [[None] * H for _ in range(L)]
-            for la, h, v in zip(frame["layer"], frame["head"], frame[col], strict=True):
-                fv = float(v)
-                grid[int(la)][int(h)] = round(fv, 5) if math.isfinite(fv) else None
-            columns[col] = grid
-        order = [*cache["atlas"].thresholds, "none"]
-        return {"result": {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}}
-
-    def dla_result(prompt: str, emit, flag) -> dict:
-        """Each head's direct logit of the model's top next token at the last position:
-        `heads.scorers.patching.logit.head_logits` (frozen final-norm scale), answer part."""
-        from heads.engine.forward import forward
-        from heads.inputs.tokens import readable_token
-        from heads.scorers.patching.logit import head_logits
-        from heads.scorers.patching.pairs import PromptPair, encode_pairs
-
-        report = progress_of(emit, flag)
-        text = encode_prompts(model.tokenizer, prompt).texts[0]  # rendered as the card's lens reads it
-        report(0, 2)
-        emit({"status": "DLA: the model's top next token"})
-        enc = encode_prompts(model.tokenizer, text, chat=False, markup=False)
-        top, second = forward(model, enc, logits_to_keep=1).logits[0, -1].float().topk(2).indices.tolist()
-        report(1, 2)
-        emit({"status": "DLA: each head's direct logit of that token"})
-        pairs = encode_pairs(model, [PromptPair(text, text, int(top), int(second))])
-        answer, _ = head_logits(model, pairs)
-        report(2, 2)
-        return {
-            "score": "dla",
-            "scores": _grid(answer[0]),
-            "token": readable_token(model.tokenizer, int(top)),
-        }
-
-    def ships_result(prompt: str, emit, flag) -> dict:
-        """Ships (`heads.scorers.safety.ships.ships`, its defaults) on the prompt's plain text."""
-        from heads.engine.options import SweepOptions
-        from heads.scorers.safety.ships import ships
-
-        text = encode_prompts(model.tokenizer, prompt, chat=False).texts[0]  # markup removed
-        emit({"status": "Ships: ablating each head alone"})
-        res = ships(model, text, options=SweepOptions(progress=progress_of(emit, flag)))
-        return {"score": "ships", "scores": _grid(res.scores.scores)}
-
-    def maps_result(relations, emit, flag) -> dict:
-        """The static MAPS scores on the shipped relations, computed once per server; the grid is
-        each head's best relation score (`MapsScores.best_relation`)."""
-        if cache["maps"] is None:
-            from heads.scorers.maps.static import maps_scores
-
-            emit({"status": "MAPS: relation scores of every head (per layer)"})
-            cache["maps"] = maps_scores(model, relations, progress=progress_of(emit, flag))
-        ms = cache["maps"]
-        best, which = ms.best_relation()
-        columns = {n: _grid(ms.relation[n].scores) for n in ms.names()}
-        return {"score": "maps", "scores": _grid(best.scores), "best_relation": which, "columns": columns}
-
-    def probes_result(emit, flag) -> dict:
-        """Per-head probe accuracy on the shipped `PROBE_TASK` set (`probes.head_probes`),
-        computed once per server: head outputs at the last token, then one probe per head."""
-        from heads._util.progress import offset_progress
-        from probes.head_probes import collect_head_outputs, fit_head_probes, probe_data
-
-        data = probe_data(PROBE_TASK, "train", limit=PROBE_LIMIT)
-        if cache["probes"] is None:
-            n, total = len(data.prompts), len(data.prompts) + model.n_layers * model.n_heads
-            report = progress_of(emit, flag)
-            emit({"status": f"probes: head outputs on {n} {PROBE_TASK} / harmless prompts"})
-            acts = collect_head_outputs(
-                model, data.prompts, "last", chat=data.chat, progress=offset_progress(report, 0, total)
-            )
-            emit({"status": "probes: one probe per head (5-fold held-out accuracy)"})
-            cache["probes"] = fit_head_probes(
-                acts,
-                data.labels,
-                groups=data.groups,
-                model=model,
-                progress=offset_progress(report, n, total),
-            )
-        res = cache["probes"]
-        return {
-            "score": "probes",
-            "scores": _grid(res.accuracy.scores),
-            "columns": {"auc": _grid(res.auc.scores)},
-            "task": PROBE_TASK,
-            "description": data.description,
-            "n": res.n,
-        }
-
     async def scores(body: dict):
         prompt = _text(body)
         kind = body.get("score", "span")
@@ -644,22 +516,22 @@ def create_explorer(
 
         def work(emit, flag) -> dict:
             if kind == "atlas":
-                return atlas_result(emit, flag)
+                return atlas_result(model, cache, emit, flag)
             if kind in ("dla", "ships"):
                 got = prompt_scores.get((kind, prompt))
                 if got is None:
-                    got = (dla_result if kind == "dla" else ships_result)(prompt, emit, flag)
+                    got = (dla_result if kind == "dla" else ships_result)(model, prompt, emit, flag)
                     prompt_scores.put((kind, prompt), got)
                 return {"result": got}
             if kind == "maps":
-                return {"result": maps_result(relations, emit, flag)}
+                return {"result": maps_result(model, cache, relations, emit, flag)}
             if kind == "probes":
-                return {"result": probes_result(emit, flag)}
+                return {"result": probes_result(model, cache, emit, flag)}
             if kind == "span":
                 s = span_attention(model, prompt).scores
             else:
                 s = sink_stats(model, [prompt]).sink_mass.scores
-            return {"result": {"score": kind, "scores": _grid(s)}}
+            return {"result": {"score": kind, "scores": grid(s)}}
 
         return job_stream(job, work)
 
@@ -742,9 +614,9 @@ def create_explorer(
             if res is not None:
                 got[kind] = res["scores"][layer][head]
         if cache["maps"] is not None:
-            got["maps"] = _grid(cache["maps"].best_relation()[0].scores)[layer][head]
+            got["maps"] = grid(cache["maps"].best_relation()[0].scores)[layer][head]
         if cache["probes"] is not None:
-            got["probes"] = _grid(cache["probes"].accuracy.scores)[layer][head]
+            got["probes"] = grid(cache["probes"].accuracy.scores)[layer][head]
         return got
 
     def sources_of(layer: int):
@@ -842,7 +714,7 @@ def create_explorer(
         and with `steer`: `span_attention(...).scores.mean(1)`, `[L]` each."""
         before = span_attention(model, prompt).scores.mean(1)
         after = span_attention(model, prompt, steer=steer).scores.mean(1)
-        return {"before": _grid(before[None])[0], "after": _grid(after[None])[0]}
+        return {"before": grid(before[None])[0], "after": grid(after[None])[0]}
 
     async def patching(body: dict):
         clean = _text(body, "clean")
@@ -863,11 +735,11 @@ def create_explorer(
         metric = "logit_diff" if cf is not None else "log_prob"
 
         def work(emit, flag) -> dict:
-            options = SweepOptions(progress=progress_of(emit, flag))
+            options = SweepOptions(progress=progress_reporter(emit, flag))
             emit({"status": "patching head outputs (layer x head)"})
             res = patch(model, pairs, "head_out", metric=metric, options=options)
             heads = {
-                "scores": _grid(res.mean),
+                "scores": grid(res.mean),
                 "metric": metric,
                 "clean_metric": round(float(res.clean[0]), 5),
                 "corrupt_metric": round(float(res.corrupt[0]), 5),
@@ -875,7 +747,7 @@ def create_explorer(
             emit({"heads_map": heads})  # drawn while the position sweep runs
             emit({"status": "patching the residual stream (layer x position)"})
             pos = patch(model, pairs, "resid_pre", metric=metric, options=options)
-            return {"result": {**heads, "positions": _grid(pos.mean), "tokens": pos.labels}}
+            return {"result": {**heads, "positions": grid(pos.mean), "tokens": pos.labels}}
 
         return job_stream(job, work)
 

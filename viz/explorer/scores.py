@@ -1,0 +1,185 @@
+"""The explorer's score jobs: the grids of `/api/scores` that need more than one forward.
+
+Each function runs inside a job (`viz.explorer.app`'s `job_stream`): it reports progress with
+`progress_reporter(emit, flag)`, which raises `Cancelled` once the job's flag is set, and
+returns the result object of the job's last event. The prompt-independent results (the atlas,
+MAPS, the probes) are kept in the server's `cache` dict, so a second request costs nothing.
+"""
+
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from heads.inputs.prompts import encode_prompts
+
+if TYPE_CHECKING:
+    from heads.model.adapter import HeadModel
+
+__all__ = [
+    "PROBE_LIMIT",
+    "PROBE_TASK",
+    "Cancelled",
+    "atlas_result",
+    "dla_result",
+    "grid",
+    "maps_result",
+    "probes_result",
+    "progress_reporter",
+    "ships_result",
+]
+
+Emit = Callable[[dict], None]
+"""Sends one event of the job's stream."""
+
+PROBE_TASK = "harmful"
+"""The shipped probe task (`probes.head_probes.probe_data`) of the `"probes"` score."""
+PROBE_LIMIT = 32
+"""Examples per class of `PROBE_TASK` the `"probes"` score fits on (its train split)."""
+
+
+class Cancelled(Exception):
+    """Raised inside a job's work when its job was cancelled."""
+
+
+def grid(t: Any) -> list[list[float | None]]:
+    """A `[L, H]` tensor as nested lists, NaN / inf as None (JSON has no NaN)."""
+    return [[None if not math.isfinite(v) else round(v, 5) for v in row] for row in t.float().tolist()]
+
+
+def progress_reporter(emit: Emit, flag: threading.Event) -> Callable[[int, int], None]:
+    """A library `progress=` callback that sends `{"progress": [done, total]}` events and raises
+    `Cancelled` once the job's `flag` is set (so a scorer stops at its next step)."""
+
+    def report(done: int, total: int) -> None:
+        if flag.is_set():
+            raise Cancelled
+        emit({"progress": [int(done), int(total)]})
+
+    return report
+
+
+def atlas_result(model: "HeadModel", cache: dict, emit: Emit, flag: threading.Event) -> dict:
+    """The head atlas's roles and score columns (`heads.scorers.roles.atlas.head_atlas`), the
+    detectors run once per server (kept in `cache["atlas"]`), with progress per detector."""
+    if cache["atlas"] is None:
+        from heads.scorers.roles.atlas import head_atlas
+        from heads.scorers.roles.detectors import (
+            copying_scores,
+            pattern_scores,
+            retrieval_scores,
+            successor_scores,
+        )
+
+        report = progress_reporter(emit, flag)
+        steps = [
+            ("attention patterns", lambda: pattern_scores(model)),
+            ("copying", lambda: {"copying": copying_scores(model)}),
+            ("successor", lambda: {"successor": successor_scores(model)}),
+            ("retrieval", lambda: {"retrieval": retrieval_scores(model)}),
+        ]
+        det: dict = {}
+        report(0, len(steps))
+        for i, (what, step) in enumerate(steps):
+            emit({"status": f"head atlas: {what}"})
+            det.update(step())
+            report(i + 1, len(steps))
+        cache["atlas"] = head_atlas(model, detectors=det, thumbnails=False)
+    frame = cache["atlas"].frame
+    L, H = model.n_layers, model.n_heads
+    roles = [[""] * H for _ in range(L)]
+    for la, h, r in zip(frame["layer"], frame["head"], frame["role"], strict=True):
+        roles[int(la)][int(h)] = str(r)
+    columns = {}
+    for col in cache["atlas"].score_columns:
+        grid: list[list[float | None]] = [[None] * H for _ in range(L)]
+        for la, h, v in zip(frame["layer"], frame["head"], frame[col], strict=True):
+            fv = float(v)
+            grid[int(la)][int(h)] = round(fv, 5) if math.isfinite(fv) else None
+        columns[col] = grid
+    order = [*cache["atlas"].thresholds, "none"]
+    return {"result": {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}}
+
+
+def dla_result(model: "HeadModel", prompt: str, emit: Emit, flag: threading.Event) -> dict:
+    """Each head's direct logit of the model's top next token at the last position:
+    `heads.scorers.patching.logit.head_logits` (frozen final-norm scale), answer part."""
+    from heads.engine.forward import forward
+    from heads.inputs.tokens import readable_token
+    from heads.scorers.patching.logit import head_logits
+    from heads.scorers.patching.pairs import PromptPair, encode_pairs
+
+    report = progress_reporter(emit, flag)
+    text = encode_prompts(model.tokenizer, prompt).texts[0]  # rendered as the card's lens reads it
+    report(0, 2)
+    emit({"status": "DLA: the model's top next token"})
+    enc = encode_prompts(model.tokenizer, text, chat=False, markup=False)
+    top, second = forward(model, enc, logits_to_keep=1).logits[0, -1].float().topk(2).indices.tolist()
+    report(1, 2)
+    emit({"status": "DLA: each head's direct logit of that token"})
+    pairs = encode_pairs(model, [PromptPair(text, text, int(top), int(second))])
+    answer, _ = head_logits(model, pairs)
+    report(2, 2)
+    return {
+        "score": "dla",
+        "scores": grid(answer[0]),
+        "token": readable_token(model.tokenizer, int(top)),
+    }
+
+
+def ships_result(model: "HeadModel", prompt: str, emit: Emit, flag: threading.Event) -> dict:
+    """Ships (`heads.scorers.safety.ships.ships`, its defaults) on the prompt's plain text."""
+    from heads.engine.options import SweepOptions
+    from heads.scorers.safety.ships import ships
+
+    text = encode_prompts(model.tokenizer, prompt, chat=False).texts[0]  # markup removed
+    emit({"status": "Ships: ablating each head alone"})
+    res = ships(model, text, options=SweepOptions(progress=progress_reporter(emit, flag)))
+    return {"score": "ships", "scores": grid(res.scores.scores)}
+
+
+def maps_result(model: "HeadModel", cache: dict, relations: Any, emit: Emit, flag: threading.Event) -> dict:
+    """The static MAPS scores on the shipped relations, computed once per server; the grid is
+    each head's best relation score (`MapsScores.best_relation`)."""
+    if cache["maps"] is None:
+        from heads.scorers.maps.static import maps_scores
+
+        emit({"status": "MAPS: relation scores of every head (per layer)"})
+        cache["maps"] = maps_scores(model, relations, progress=progress_reporter(emit, flag))
+    ms = cache["maps"]
+    best, which = ms.best_relation()
+    columns = {n: grid(ms.relation[n].scores) for n in ms.names()}
+    return {"score": "maps", "scores": grid(best.scores), "best_relation": which, "columns": columns}
+
+
+def probes_result(model: "HeadModel", cache: dict, emit: Emit, flag: threading.Event) -> dict:
+    """Per-head probe accuracy on the shipped `PROBE_TASK` set (`probes.head_probes`),
+    computed once per server: head outputs at the last token, then one probe per head."""
+    from heads._util.progress import offset_progress
+    from probes.head_probes import collect_head_outputs, fit_head_probes, probe_data
+
+    data = probe_data(PROBE_TASK, "train", limit=PROBE_LIMIT)
+    if cache["probes"] is None:
+        n, total = len(data.prompts), len(data.prompts) + model.n_layers * model.n_heads
+        report = progress_reporter(emit, flag)
+        emit({"status": f"probes: head outputs on {n} {PROBE_TASK} / harmless prompts"})
+        acts = collect_head_outputs(
+            model, data.prompts, "last", chat=data.chat, progress=offset_progress(report, 0, total)
+        )
+        emit({"status": "probes: one probe per head (5-fold held-out accuracy)"})
+        cache["probes"] = fit_head_probes(
+            acts,
+            data.labels,
+            groups=data.groups,
+            model=model,
+            progress=offset_progress(report, n, total),
+        )
+    res = cache["probes"]
+    return {
+        "score": "probes",
+        "scores": grid(res.accuracy.scores),
+        "columns": {"auc": grid(res.auc.scores)},
+        "task": PROBE_TASK,
+        "description": data.description,
+        "n": res.n,
+    }
