@@ -61,16 +61,12 @@ stays up. Requests larger than `MAX_BODY_BYTES`, prompts longer than `MAX_PROMPT
 job at a time (a lock): the engine's active edits are process-wide.
 """
 
-import asyncio
 import gzip
 import inspect
 import json
 import math
-import queue
-import re
-import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -78,6 +74,7 @@ from typing import Any
 from heads._util.validation import check_int, load_json_body, short_repr
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import check_encodable
+from viz.explorer.jobs import JOB_ID, MAX_JOBS, Jobs, job_stream, one_line
 from viz.explorer.scores import (
     PROBE_LIMIT,
     PROBE_TASK,
@@ -119,8 +116,7 @@ MAX_HEADS = 512
 """Most (layer, head) pairs in one steering request."""
 MAX_ANSWER_CHARS = 64
 """Longest answer / counterfactual string of a patching pair (characters)."""
-MAX_JOBS = 16
-"""Most jobs (generations, score and patching sweeps) running or waiting at once."""
+
 PATTERN_CACHE_BYTES = 512 * 2**20
 """Default byte budget of the per-tab pattern cache (`viz.explorer.patterns.PatternCache`)."""
 SCORES = ("span", "sinks", "atlas", "dla", "ships", "maps", "probes")
@@ -135,8 +131,7 @@ MAX_PATTERN_TOKENS = 2048
 """Longest prompt (tokens) the explorer takes: its `[T, T]` pattern is sent to the page."""
 MAX_SOURCES_BYTES = 512 * 2**20
 """Largest vocabulary source matrix `[V, D]` fp32 the head card keeps for MAPS (bytes)."""
-POLL_S = 0.02
-"""How often a job's event stream looks for new events (seconds)."""
+
 FIELDS: dict[str, frozenset[str]] = {
     "/api/scores": frozenset({"prompt", "score", "job"}),
     "/api/prepare": frozenset({"prompt", "tab"}),
@@ -147,17 +142,11 @@ FIELDS: dict[str, frozenset[str]] = {
     "/api/cancel": frozenset({"job"}),
 }
 """The fields each `POST` endpoint takes; any other is HTTP 400 naming it."""
-_JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
 def plotly_js_path() -> Path:
     """`plotly.min.js` of the installed `plotly` package (served locally, never a CDN)."""
     return Path(str(resources.files("plotly").joinpath("package_data/plotly.min.js")))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:500]
 
 
 def _text(body: dict, key: str = "prompt", limit: int = MAX_PROMPT_CHARS, *, space: bool = False) -> str:
@@ -235,56 +224,6 @@ class _Lru:
             self._d.move_to_end(key)
             while len(self._d) > self.size:
                 self._d.popitem(last=False)
-
-
-class Jobs:
-    """The running / waiting jobs of one explorer: a cancel flag per job id, at most `limit`.
-
-    The ids are made by the page (random per job), so one tab cannot name another's jobs
-    without having seen them."""
-
-    def __init__(self, limit: int = MAX_JOBS):
-        self.limit = limit
-        self._flags: dict[str, threading.Event] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def check_id(job: object) -> str:
-        if job is None:
-            return secrets.token_urlsafe(12)
-        if not isinstance(job, str) or not _JOB_ID.fullmatch(job):
-            raise HeadsteerValueError("job must be 8-64 characters of letters, digits, '_' or '-'")
-        return job
-
-    def start(self, job: str) -> threading.Event:
-        with self._lock:
-            if job in self._flags:
-                raise HeadsteerValueError(f"job {job!r} is already running")
-            if len(self._flags) >= self.limit:
-                raise HeadsteerValueError(f"{self.limit} jobs are already running or waiting; try again")
-            flag = self._flags[job] = threading.Event()
-            return flag
-
-    def end(self, job: str) -> None:
-        with self._lock:
-            self._flags.pop(job, None)
-
-    def cancel(self, job: str) -> bool:
-        """Flag `job` as cancelled; False when no such job runs."""
-        with self._lock:
-            flag = self._flags.get(job)
-        if flag is None:
-            return False
-        flag.set()
-        return True
-
-    def running(self) -> int:
-        with self._lock:
-            return len(self._flags)
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 def create_explorer(
@@ -376,76 +315,16 @@ def create_explorer(
                     return await fn(body)
                 return await run_in_threadpool(fn, body)  # waits for the model lock off the event loop
             except _TooLarge as exc:
-                return error(413, _one_line(exc))
+                return error(413, one_line(exc))
             except _Forbidden as exc:
-                return error(415, _one_line(exc))
+                return error(415, one_line(exc))
             except ClientDisconnect:  # the client left before its body arrived: nothing to answer
                 return Response(status_code=499)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
-                return error(400, _one_line(exc))
+                return error(400, one_line(exc))
 
         endpoint.__name__ = fn.__name__
         return endpoint
-
-    def job_stream(job: str, work: Callable[[Callable[[dict], None], threading.Event], dict]):
-        """Register `job` and return its event stream: `work(emit, flag)` runs in a thread once
-        it holds the model lock and returns the result object."""
-        flag = jobs.start(job)
-        events: queue.Queue[dict | None] = queue.Queue()
-
-        def run() -> None:
-            try:
-                got = False
-                while not got:
-                    if flag.is_set():
-                        raise Cancelled
-                    got = lock.acquire(timeout=0.05)
-                    if not got and not waiting:
-                        waiting.append(True)
-                        events.put({"status": "waiting for the model (another job runs)"})
-                try:
-                    events.put(work(events.put, flag))
-                finally:
-                    lock.release()
-            except Cancelled:
-                events.put({"cancelled": True})
-            except Exception as exc:  # reported to the page as one line; the server stays up
-                events.put({"error": _one_line(exc)})
-            finally:
-                jobs.end(job)
-                events.put(None)
-
-        waiting: list[bool] = []
-        thread = threading.Thread(target=run, daemon=True, name=f"explorer-{job}")
-
-        async def stream() -> AsyncIterator[str]:
-            # async, so a client that goes away cancels this generator at its next await (a sync
-            # one would sit in a thread blocked on the queue and never learn it): its `finally`
-            # sets the flag, and the work stops at its next token or progress step, or never
-            # starts if it still waits for the model
-            try:
-                yield _event({"job": job})
-                thread.start()
-                started.append(True)
-                while True:
-                    try:
-                        ev = events.get_nowait()
-                    except queue.Empty:
-                        await asyncio.sleep(POLL_S)
-                        continue
-                    if ev is None:
-                        break
-                    yield _event(ev)
-            finally:
-                flag.set()  # the client went away (or the job ended): stop the work too
-
-        def closed() -> None:  # however the response ends, even before the stream ever ran
-            flag.set()
-            if not started:  # the thread never started: nothing else frees the slot
-                jobs.end(job)
-
-        started: list[bool] = []
-        return _JobStream(stream(), closed)
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
@@ -533,7 +412,7 @@ def create_explorer(
                 s = sink_stats(model, [prompt]).sink_mass.scores
             return {"result": {"score": kind, "scores": grid(s)}}
 
-        return job_stream(job, work)
+        return job_stream(jobs, lock, job, work)
 
     def encoded(prompt: str, new_tokens: int = 0):
         """The prompt encoded as every endpoint runs it, refused (400) before any job when it
@@ -559,7 +438,7 @@ def create_explorer(
 
     def tab_of(body: dict) -> str:
         tab = body.get("tab", "")
-        if not isinstance(tab, str) or (tab != "" and not _JOB_ID.fullmatch(tab)):
+        if not isinstance(tab, str) or (tab != "" and not JOB_ID.fullmatch(tab)):
             raise HeadsteerValueError("tab must be 8-64 characters of letters, digits, '_' or '-'")
         return tab
 
@@ -707,7 +586,7 @@ def create_explorer(
                 emit({"span_share": span_share_by_layer(prompt, steer)})
             return {"done": True}
 
-        return job_stream(job, work)
+        return job_stream(jobs, lock, job, work)
 
     def span_share_by_layer(prompt: str, steer: list) -> dict[str, list[float | None]]:
         """The last position's attention share on the span per layer (mean over heads), without
@@ -749,11 +628,11 @@ def create_explorer(
             pos = patch(model, pairs, "resid_pre", metric=metric, options=options)
             return {"result": {**heads, "positions": grid(pos.mean), "tokens": pos.labels}}
 
-        return job_stream(job, work)
+        return job_stream(jobs, lock, job, work)
 
     async def cancel(body: dict):
         job = body.get("job")
-        if not isinstance(job, str) or not _JOB_ID.fullmatch(job):
+        if not isinstance(job, str) or not JOB_ID.fullmatch(job):
             raise HeadsteerValueError("job must be 8-64 characters of letters, digits, '_' or '-'")
         return {"job": job, "cancelled": jobs.cancel(job)}
 
@@ -795,30 +674,6 @@ def _streamer_class():
 
 def _Streamer(tokenizer, emit, flag):
     return _streamer_class()(tokenizer, emit, flag)
-
-
-def _job_stream_class():
-    from starlette.responses import StreamingResponse
-
-    class JobStream(StreamingResponse):
-        """An event stream that calls `on_close` once its response is over, whether it was sent,
-        cut by the client, or never started (a client gone right after its request)."""
-
-        def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-            super().__init__(content, media_type="text/event-stream")
-            self.on_close = on_close
-
-        async def __call__(self, scope, receive, send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.on_close()
-
-    return JobStream
-
-
-def _JobStream(content: AsyncIterator[str], on_close: Callable[[], None]):
-    return _job_stream_class()(content, on_close)
 
 
 class _TooLarge(ValueError):

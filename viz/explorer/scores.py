@@ -1,6 +1,6 @@
 """The explorer's score jobs: the grids of `/api/scores` that need more than one forward.
 
-Each function runs inside a job (`viz.explorer.app`'s `job_stream`): it reports progress with
+Each function runs inside a job (`viz.explorer.jobs.job_stream`): it reports progress with
 `progress_reporter(emit, flag)`, which raises `Cancelled` once the job's flag is set, and
 returns the result object of the job's last event. The prompt-independent results (the atlas,
 MAPS, the probes) are kept in the server's `cache` dict, so a second request costs nothing.
