@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 import torch
 
 from heads._util.validation import is_int, is_number, short_repr
-from heads.engine.context import editing
+from heads.engine.context import editing, validate_edits
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -36,7 +36,6 @@ from heads.engine.edits import (
     QueryEdit,
     ResidualEdit,
     SpanShareEdit,
-    check_combined_factors,
 )
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
@@ -636,11 +635,7 @@ class BatchGenerator:
             )
         check_new_tokens(self.model, enc.length, request.params.max_tokens, "max_tokens")
         steer = [self._resolve_auto(s, enc, request) for s in request.steer]
-        edits = [e for s in steer for e in s.edits(self.model, enc)]
-        for e in edits:
-            e.validate()
-            self.model.check_head(e.layer)
-        check_combined_factors(edits, self.model.n_heads, self.model.dtype)  # stacked entries
+        validate_edits(self.model, [e for s in steer for e in s.edits(self.model, enc)])  # as editing() will
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))

@@ -68,10 +68,20 @@ __all__ = [
     "editing",
     "fusable",
     "registered_name",
+    "validate_edits",
 ]
 
 
-def _validate(hm: HeadModel, edits: Sequence[Edit]) -> None:
+def validate_edits(hm: HeadModel, edits: Sequence[Edit]) -> None:
+    """Check `edits` against `hm` as `editing` does before it activates them: each is a headsteer
+    edit with valid fields, on a layer and heads of the model, and the scaling factors that reach
+    one head do not multiply past the dtype's bound (`check_combined_factors`).
+
+    Raises:
+        HeadsteerTypeError: not a headsteer edit.
+        HeadsteerValueError: a bad field, an unknown layer or head, `row_heads` not
+            `[batch, n_heads]`, or stacked factors beyond the dtype.
+    """
     for e in edits:
         if not isinstance(e, Edit) or getattr(e, "site", None) not in SITES:
             raise HeadsteerTypeError(f"not a headsteer edit: {short_repr(e)}")
@@ -207,7 +217,7 @@ def editing(
     if kernel not in KERNELS:
         raise HeadsteerValueError(f"kernel must be one of {KERNELS}, got {short_repr(kernel)}")
     model.backend.check()  # e.g. a TransformerLens bridge whose weights were processed after wrapping
-    _validate(model, edits)
+    validate_edits(model, edits)
     _refuse_repeats(edits)
     active = [e for e in edits if not e.is_identity()]
     if kernel == "fused":

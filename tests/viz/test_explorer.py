@@ -224,12 +224,9 @@ def test_patching_map_matches_patch(client, model):
     torch.testing.assert_close(got.nan_to_num(9.0), pos.mean.float().nan_to_num(9.0), atol=1e-4, rtol=0)
 
 
-def test_cancel_stops_generation_and_sweep(model):
-    app = create_explorer(model)
-    client = TestClient(app)
-    jobs = app.state.jobs
-    # cancel flagged before the job's work runs: it never starts and ends cancelled
-    job = "cancel-me-0001"
+def cancel_on_start(jobs):
+    """Make every job of `jobs` cancelled as soon as it registers (before its work runs);
+    returns the real `start` to put back."""
     real_start = jobs.start
 
     def start_and_cancel(j):
@@ -238,6 +235,16 @@ def test_cancel_stops_generation_and_sweep(model):
         return flag
 
     jobs.start = start_and_cancel
+    return real_start
+
+
+def test_cancel_stops_generation_and_sweep(model):
+    app = create_explorer(model)
+    client = TestClient(app)
+    jobs = app.state.jobs
+    # cancel flagged before the job's work runs: it never starts and ends cancelled
+    job = "cancel-me-0001"
+    real_start = cancel_on_start(jobs)
     try:
         ev = scored(client, {"prompt": PROMPT, "max_new_tokens": 50, "job": job}, "/api/generate")
         assert ev[-1] == {"cancelled": True} and not any("text" in e for e in ev)
@@ -603,14 +610,7 @@ def test_new_scores_cancelled_before_start(model, kind):
     app = create_explorer(model)
     client = TestClient(app)
     jobs = app.state.jobs
-    real_start = jobs.start
-
-    def start_and_cancel(j):
-        flag = real_start(j)
-        flag.set()
-        return flag
-
-    jobs.start = start_and_cancel
+    cancel_on_start(jobs)
     ev = scored(client, {"prompt": PROMPT, "score": kind, "job": f"pre-{kind}-0001"})
     assert ev[-1] == {"cancelled": True} and not any("progress" in e for e in ev)
     assert jobs.running() == 0

@@ -444,11 +444,12 @@ def create_explorer(
 
     def patterns_of(prompt: str, tab: str) -> Patterns | None:
         """The prompt's cached patterns, computed now (one forward) when missing; None when they
-        would not fit the cache (the caller then computes one head)."""
+        would not fit the cache (the caller then computes one head). A cached prompt passed
+        `encoded` when it was put, so a click on it encodes nothing."""
         got = patterns.get(tab, prompt)
         if got is not None:
             return got
-        n_tokens = int(encode_prompts(model.tokenizer, prompt).attention_mask.sum())  # checks first
+        n_tokens = int(encoded(prompt).attention_mask.sum())  # 400 before any forward
         if not patterns.fits(pattern_bytes(model.n_layers, model.n_heads, n_tokens)):
             return None
         with lock:
@@ -460,13 +461,11 @@ def create_explorer(
 
     def prepare(body: dict):
         prompt, tab = _text(body), tab_of(body)
-        encoded(prompt)
         got = patterns_of(prompt, tab)
         return {"cached": got is not None, "tokens": None if got is None else len(got.tokens)}
 
     def pattern(body: dict):
         prompt, layer, head = check_head(body)
-        encoded(prompt)
         got = patterns_of(prompt, tab_of(body))
         if got is None:
             with lock:
@@ -571,7 +570,7 @@ def create_explorer(
         span = bool(enc.spans[0])
         if steered:
             steer = parse_steering(body, lambda b: _heads(b, model.n_layers, model.n_heads), lambda: span)
-            check_edits(model, prompt, steer)  # e.g. an ablation factor the dtype cannot hold
+            check_edits(model, enc, steer)  # e.g. an ablation factor the dtype cannot hold
         elif set(body) & STEER_FIELDS:
             raise HeadsteerValueError(
                 f"{', '.join(sorted(set(body) & STEER_FIELDS))} only apply to a steered run: add "

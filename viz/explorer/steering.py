@@ -23,6 +23,7 @@ from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 
 if TYPE_CHECKING:
+    from heads.inputs.prompts import EncodedPrompts
     from heads.model.adapter import HeadModel
 
 __all__ = ["STEER_FIELDS", "STEER_METHODS", "SteerMethod", "check_edits", "parse_steering"]
@@ -115,21 +116,15 @@ def parse_steering(
         raise HeadsteerValueError(str(exc).removeprefix(f"steer[0] ({method}): ")) from None
 
 
-def check_edits(model: "HeadModel", prompt: str, steer: list) -> None:
-    """Build the interventions' edits on the prompt once, before the job starts, so that what
-    they refuse only when applied (an ablation `eps` beyond the model's dtype, scaling factors
-    that multiply past it on one head, a layer outside the model) is HTTP 400, not an error
-    event in the stream.
+def check_edits(model: "HeadModel", enc: "EncodedPrompts", steer: list) -> None:
+    """Build the interventions' edits on the encoded prompt once, before the job starts, so that
+    what they refuse only when applied (an ablation `eps` beyond the model's dtype, scaling
+    factors that multiply past it on one head, a layer outside the model) is HTTP 400, not an
+    error event in the stream (`heads.engine.context.validate_edits`, what `editing` checks).
 
     Raises:
-        HeadsteerValueError: as the edits raise (one line).
+        HeadsteerValueError / HeadsteerTypeError: as the edits raise (one line).
     """
-    from heads.engine.edits import check_combined_factors
-    from heads.inputs.prompts import encode_prompts
+    from heads.engine.context import validate_edits
 
-    enc = encode_prompts(model.tokenizer, prompt)
-    edits = [e for s in steer for e in s.edits(model, enc)]
-    for e in edits:
-        e.validate()
-        model.check_head(e.layer)
-    check_combined_factors(edits, model.n_heads, model.dtype)
+    validate_edits(model, [e for s in steer for e in s.edits(model, enc)])
