@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from heads.inputs.prompts import EncodedPrompts
@@ -11,7 +13,7 @@ __all__ = ["forward"]
 
 
 @torch.no_grad()
-def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
+def forward(model: HeadModel, enc: EncodedPrompts, **kwargs: Any) -> Any:
     """Logits `[B, P, d_vocab]` of `model` on the left-padded batch `enc`.
 
     With extra keyword arguments (e.g. `output_hidden_states=True`) the model's
