@@ -118,9 +118,7 @@ def norm_parts(
     if eps is None:
         eps = getattr(norm, "eps", None)
     if eps is None:
-        raise HeadsteerValueError(
-            f"norm {type(norm).__name__} has no eps attribute; cannot freeze its scale"
-        )
+        raise HeadsteerValueError(f"norm {type(norm).__name__} has no eps attribute; cannot freeze its scale")
     w = getattr(norm, "weight", None)
     gain = torch.ones(dim) if w is None else w.detach().float().cpu()
     if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)

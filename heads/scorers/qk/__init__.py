@@ -8,6 +8,14 @@ counterpart from the decomposition.
 """
 
 from heads.scorers.qk.attribution import BY, qk_attribution
+from heads.scorers.qk.composition import composition_scores, data_composition_scores
 from heads.scorers.qk.family import ACCEPTED, check_qk_model
 
-__all__ = ["ACCEPTED", "BY", "check_qk_model", "qk_attribution"]
+__all__ = [
+    "ACCEPTED",
+    "BY",
+    "check_qk_model",
+    "composition_scores",
+    "data_composition_scores",
+    "qk_attribution",
+]

@@ -18,68 +18,16 @@ terms equal the oracle's (1e-5); the product's logits and `max_error` agree with
 
 from __future__ import annotations
 
-import sys
 from contextlib import ExitStack
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from heads.scorers.qk import qk_attribution
 from tests.support.families import tiny_family_model
+from tests.support.qk_oracle import NAME, STATE, Stop, frozen, sigma, switch
 
-NAME = "qk_oracle_capture"
 TOL = 1e-5
-
-
-class _Stop(Exception):
-    pass
-
-
-_STATE: dict = {}
-
-
-def _capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    if getattr(module, "layer_idx", None) == _STATE.get("layer"):
-        _STATE["q"], _STATE["k"], _STATE["scaling"] = query.detach(), key.detach(), scaling
-        _STATE["softcap"] = kw.get("softcap")
-        if _STATE.get("stop"):
-            raise _Stop
-    own = sys.modules[type(module).__module__].eager_attention_forward
-    return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw)
-
-
-AttentionInterface.register(NAME, _capture)
-AttentionMaskInterface.register(NAME, eager_mask)
-
-
-def _sigma(norm, x: torch.Tensor) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", None) or norm.eps
-    x = x.float()
-    if isinstance(norm, torch.nn.LayerNorm):
-        return (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
-    return (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-
-
-def _frozen(norm, sigma_run: torch.Tensor):
-    """The norm with its scale frozen at `sigma_run` (its own gain / bias conventions kept)."""
-    own = type(norm).forward
-
-    def forward(x):
-        y = own(norm, x)
-        beta = getattr(norm, "bias", None)
-        shift = 0.0 if beta is None else beta
-        return (y - shift) * (_sigma(norm, x) / sigma_run) + shift
-
-    return forward
-
-
-def _switch(hm, name):
-    old = [(c, c._attn_implementation) for c in hm.attention_configs]
-    for c, _ in old:
-        c._attn_implementation_internal = name
-    return lambda: [setattr(c, "_attn_implementation_internal", o) for c, o in old]
 
 
 def _o_weight(hm, layer):
@@ -95,7 +43,7 @@ def _oracle(hm, ids: torch.Tensor, layer: int):
     H, d = hm.n_heads, hm.d_head
     post = "post_norm" in fam.features
     rec: dict = {"x": {}, "z": {}, "mlp": {}, "attn_pre": {}, "qn": None, "kn": None}
-    restore = _switch(hm, NAME)
+    restore = switch(hm, NAME)
     with ExitStack() as st:
         st.callback(restore)
         for la in range(layer + 1):
@@ -134,10 +82,10 @@ def _oracle(hm, ids: torch.Tensor, layer: int):
                     rec[nm[:2]] = args[0].detach().float()
 
                 st.callback(mod.register_forward_pre_hook(nh).remove)
-        _STATE.update(layer=layer, stop=False)
+        STATE.update(layer=layer, stop=False)
         with torch.no_grad():
             m(input_ids=ids, use_cache=False)
-    q_real, k_real, scaling = _STATE["q"][0].float(), _STATE["k"][0].float(), _STATE["scaling"]
+    q_real, k_real, scaling = STATE["q"][0].float(), STATE["k"][0].float(), STATE["scaling"]
 
     # components of the residual entering `layer`
     names, comps = [], []
@@ -153,12 +101,12 @@ def _oracle(hm, ids: torch.Tensor, layer: int):
     for la in range(layer):
         block = hm.layers[la]
         w = _o_weight(hm, la).reshape(H, d, -1)
-        sig = _sigma(block.post_attention_layernorm, rec["attn_pre"][la]) if post else None
+        sig = sigma(block.post_attention_layernorm, rec["attn_pre"][la]) if post else None
         for h in range(H):
             r = rec["z"][la][:, h] @ w[h]
             if post:
                 with torch.no_grad():
-                    r = _frozen(block.post_attention_layernorm, sig)(r)
+                    r = frozen(block.post_attention_layernorm, sig)(r)
             names.append(f"L{la}H{h}")
             comps.append(r)
         b = getattr(hm.out_projs[la], "bias", None)
@@ -175,14 +123,14 @@ def _oracle(hm, ids: torch.Tensor, layer: int):
     rows = torch.cat([stack, torch.zeros(1, T, stack.shape[-1])])
     norm_in = getattr(block, "input_layernorm", None) or getattr(block, "ln_1", None)
     with ExitStack() as st, torch.no_grad():
-        st.callback(_switch(hm, NAME))
+        st.callback(switch(hm, NAME))
         if norm_in is not None:
-            norm_in.forward = _frozen(norm_in, _sigma(norm_in, rec["x"][layer]))
+            norm_in.forward = frozen(norm_in, sigma(norm_in, rec["x"][layer]))
             st.callback(norm_in.__dict__.pop, "forward")
         for nm in ("q_norm", "k_norm"):
             mod = getattr(attn, nm, None)
             if mod is not None:
-                mod.forward = _frozen(mod, _sigma(mod, rec[nm[:2]]))
+                mod.forward = frozen(mod, sigma(mod, rec[nm[:2]]))
                 st.callback(mod.__dict__.pop, "forward")
 
         def replace(mod, args, kwargs):
@@ -191,13 +139,13 @@ def _oracle(hm, ids: torch.Tensor, layer: int):
             return args, {**kwargs, "hidden_states": rows.to(kwargs["hidden_states"].dtype)}
 
         st.callback(block.register_forward_pre_hook(replace, with_kwargs=True).remove)
-        _STATE.update(layer=layer, stop=True)
+        STATE.update(layer=layer, stop=True)
         n = rows.shape[0]
         try:
             m(input_ids=ids.expand(n, -1), position_ids=torch.arange(T).expand(n, -1), use_cache=False)
-        except _Stop:
+        except Stop:
             pass
-    return names, _STATE["q"].float(), _STATE["k"].float(), q_real, k_real, scaling
+    return names, STATE["q"].float(), STATE["k"].float(), q_real, k_real, scaling
 
 
 FAMILIES = [
@@ -233,7 +181,7 @@ def test_terms_match_an_independent_oracle(kind, extra):
     for k in range(query + 1):
         assert (r.terms(0, query, k) - oracle_terms[k]).abs().max() < TOL, (kind, k)
     assert (r.score()[0, 0] - real[: query + 1]).abs().max() < TOL
-    cap = _STATE["softcap"]
+    cap = STATE["softcap"]
     model_logits = real if cap is None else cap * torch.tanh(real / cap)
     assert (r.logits[0, 0].double() - model_logits[: query + 1]).abs().max() < TOL
     assert r.max_error() < TOL
