@@ -28,6 +28,7 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
+from heads._util import aliases as _aliases
 from heads._version import __version__
 from heads.engine.context import editing
 from heads.engine.edits import (
@@ -110,3 +111,5 @@ __all__ = [
     "data_composition_scores",
     "qk_attribution",
 ]
+
+_aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

@@ -33,6 +33,7 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
+from heads.results.stability import Stability, check_stability
 from heads.scorers.circuits.graph import Graph, graph_of
 from heads.scorers.circuits.scores import (
     METHODS,
@@ -189,6 +190,9 @@ class Circuit:
         faithfulness: f(C) when evaluated, else None.
         curve: the faithfulness curve (`faithfulness_curve`'s dict), or None.
         params: free JSON-serialisable fields (n, threshold, n_pairs, ...).
+        stability: the bootstrap over pairs of the edge ranking, with each edge's inclusion
+            frequency in the re-selected circuit (`find_circuit(stability=B)`), or None; saved
+            on its own (`Stability.save`).
     """
 
     graph: Graph
@@ -200,6 +204,7 @@ class Circuit:
     faithfulness: float | None = None
     curve: dict | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     # ---------------------------------------------------------------- views
     @property
@@ -649,6 +654,7 @@ def find_circuit(
     batch_size: int = 8,
     batch_rows: int = 64,
     progress: ProgressArg = True,
+    stability: int = 0,
 ) -> Circuit:
     """Score every edge, select a circuit, evaluate it exactly and (optionally) its curve.
 
@@ -658,6 +664,9 @@ def find_circuit(
             |score| >= threshold (default: size = 5 %).
         confirm: rerun the top `confirm` edges exactly (`EdgeScores.exact`).
         curve: also compute the faithfulness curve over `sizes` with a random baseline.
+        stability: bootstrap resamples of the pairs (default 0: none; e.g. 100): the circuit is
+            re-selected (same rule, pruned) on each resample's mean per-pair edge scores, giving
+            every edge's inclusion frequency (`circuit.stability`; no extra forward).
 
     Raises:
         ValueError: bad arguments (checked before any forward; see `edge_scores`, `select`).
@@ -676,6 +685,9 @@ def find_circuit(
     check_int("batch_size", batch_size, lo=1)
     check_int("batch_rows", batch_rows, lo=1)
     check_bool("curve", curve)
+    stability = check_stability(stability)
+    if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
+        raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
     if n is not None:
         check_int("n", n, lo=1, hi=graph.n_edges)
     if threshold is not None:
@@ -695,6 +707,16 @@ def find_circuit(
         progress=progress,
     )
     c = select(sc, n, threshold=threshold)
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        def reselect(values: torch.Tensor) -> torch.Tensor:
+            full = torch.full_like(sc.scores, float("nan"))
+            full[graph.valid] = values
+            again = EdgeScores(graph, full, sc.method, sc.metric, sc.n_pairs)
+            return select(again, n, threshold=threshold).mask[graph.valid]
+
+        c.stability = sc.bootstrap(stability, k=c.n_edges, templates=pair_templates(pairs), select=reselect)
     c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
     if curve:
         c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes, metric=met, batch_rows=batch_rows)

@@ -35,6 +35,7 @@ OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import Stability, check_stability
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -208,6 +210,8 @@ class DLAResult:
         labels: `T` token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
+        stability: the bootstrap over pairs of the last position's head ranking
+            (`direct_logit_attribution(stability=B)`, `.bootstrap()`), or None.
     """
 
     heads: torch.Tensor
@@ -221,6 +225,7 @@ class DLAResult:
     model: str = ""
     n_kv_heads: int | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     def total(self) -> torch.Tensor:
         """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
@@ -238,12 +243,37 @@ class DLAResult:
         t = self.heads.shape[-1]
         if not -t <= position < t:
             raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        st = self.stability
+        if st is not None and st.params.get("position") not in (position, position - t):
+            st = None
         return HeadScores(
             self.heads[..., position].mean(0),
             method="patching.dla",
             params={"position": position, **self.params},
             model=self.model,
             n_kv_heads=self.n_kv_heads,
+            stability=st,
+        )
+
+    def bootstrap(
+        self, n_resamples: int = 100, *, position: int = -1, absolute: bool = False, **kwargs: Any
+    ) -> Stability:
+        """The bootstrap `Stability` of the head ranking at `position` over the pairs, from the
+        per-pair head terms (no forward pass; `heads.scorers.stability.grid_stability`, keywords
+        `k`, `seed`, `templates`, `by`). `absolute`: rank by |term| (default: by term, as `top`)."""
+        from heads.scorers.stability import grid_stability
+
+        t = self.heads.shape[-1]
+        if not -t <= position < t:
+            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        return grid_stability(
+            self.heads[..., position],
+            n_resamples,
+            absolute=absolute,
+            method="patching.dla",
+            model=self.model,
+            params={"position": position},
+            **kwargs,
         )
 
     def by_position(self) -> torch.Tensor:
@@ -259,13 +289,17 @@ class DLAResult:
 
 
 @torch.no_grad()
-def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str = "clean") -> DLAResult:
+def direct_logit_attribution(
+    model: HeadModel, pairs: PairBatch, *, which: str = "clean", stability: int = 0
+) -> DLAResult:
     """DLA of every head, MLP and the embeddings on the logit difference, at every position.
 
     Args:
         model: the model (any backend that `record_run` supports; pre-norm families).
         pairs: encoded pairs (answer and counterfactual tokens are required).
         which: `"clean"` (default) or `"corrupted"`: the rows to run.
+        stability: bootstrap resamples of the pairs (default 0: none; e.g. 100) for the
+            stability of the last position's head ranking (`result.stability`, no extra forward).
 
     Returns:
         a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
@@ -283,6 +317,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    stability = check_stability(stability)
+    if stability:
+        from heads.scorers.stability import check_samples
+
+        check_samples(pairs.n, stability)
     kind, gain, nbias, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
     du = ua - uw  # [N, D]
@@ -334,7 +373,7 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     if lb is not None:
         ld = ld + bias
     ld = ld * real
-    return DLAResult(
+    result = DLAResult(
         heads,
         mlp,
         attn_bias,
@@ -347,6 +386,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
         model.n_kv_heads,
         {"which": which, "norm": kind, "frozen_scale": True},
     )
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+    return result
 
 
 # ------------------------------------------------------------------------------ lenses
