@@ -302,7 +302,8 @@ class Stability:
         p_top_k: `[I]` share of resamples with the item in the top k.
         in_top_k: `[I]` bool, in the full-sample top k.
         jaccard: `[B]` top-k Jaccard of each resample with the full-sample top k.
-        k, n_samples (N), n_resamples (B), seed, absolute, by ("pairs" / "templates").
+        k: the top-k size; `n_samples`: N, the pairs (or templates) resampled; `n_resamples`:
+            B; `seed`; `absolute`: ranked by |score|; `by`: `"pairs"` or `"templates"`.
         shape: `[L, H]` when the items are the heads of a model, else None.
         templates: the agreement across templates (`n_templates`, `pairs_per_template`,
             `kendall_tau` and `jaccard` means, `pairwise` rows `[i, j, tau, jaccard]`), or None.
