@@ -20,7 +20,19 @@ import pandas as pd
 
 from probes.studies.baselines import baseline_table
 
-ORDER = ["none", "pasta", "spotlight", "instaboost", "act", "caa", "var", "vhr", "adaptvis", "scalingvis", "iti"]
+ORDER = [
+    "none",
+    "pasta",
+    "spotlight",
+    "instaboost",
+    "act",
+    "caa",
+    "var",
+    "vhr",
+    "adaptvis",
+    "scalingvis",
+    "iti",
+]
 
 
 def _runs(folder: str) -> dict[tuple[str, str, bool], Path]:
@@ -67,7 +79,9 @@ def baselines(runs: dict[tuple[str, str, bool], Path]) -> pd.DataFrame:
         }
         ex = {c: pd.read_csv(p.with_suffix(".examples.csv")) for c, p in files.items()}
         n = min(len(e) for e in ex.values())  # runs of different --limit: their common first n
-        tables.append(baseline_table(task, method, {c: e.iloc[:n].reset_index(drop=True) for c, e in ex.items()}))
+        tables.append(
+            baseline_table(task, method, {c: e.iloc[:n].reset_index(drop=True) for c, e in ex.items()})
+        )
     return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
 
 
@@ -90,7 +104,8 @@ def baseline_lines(table: pd.DataFrame) -> list[str]:
     notes = []
     order = {m: i for i, m in enumerate(ORDER)}
     for (task, metric, method), g in sorted(
-        table.groupby(["task", "metric", "method"]), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))
+        table.groupby(["task", "metric", "method"]),
+        key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99)),
     ):
         r = {row.condition: row for row in g.itertuples()}
         lines.append(
@@ -99,7 +114,9 @@ def baseline_lines(table: pd.DataFrame) -> list[str]:
             f"{diff(r['prompt + method'])} |"
         )
         if not r["method"].beats_prompt:
-            notes.append(f"{task} {metric}: {method} does not beat the prompt ({diff(r['method']).rstrip(' ✗')})")
+            notes.append(
+                f"{task} {metric}: {method} does not beat the prompt ({diff(r['method']).rstrip(' ✗')})"
+            )
     return [*lines, "", *(f"- {n}" for n in notes)]
 
 
