@@ -54,7 +54,7 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def _proj(x: torch.Tensor, lin: torch.nn.Linear, heads: list[int], d: int) -> torch.Tensor:
-    """Per-head projection of per-head inputs `x [B, T, H, D]` with rows `heads[h]` of `lin`: `[B, H, T, d]`."""
+    """`[B, H, T, d]`: per-head inputs `x [B, T, H, D]` projected by the row block `heads[h]` of `lin`."""
     w = lin.weight.view(-1, d, lin.weight.shape[1])[heads]  # [H, d, D]
     out = torch.einsum("bthD,hdD->bhtd", x, w)
     if lin.bias is not None:
