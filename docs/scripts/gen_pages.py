@@ -162,6 +162,8 @@ def _notebook_page(path: Path) -> str:
             continue
         kept = []
         for out in cell.get("outputs", []):
+            if out.get("name") == "stderr" and "it/s]" in out.get("text", ""):
+                continue  # a progress bar's last frame (loading weights)
             html = out.get("data", {}).get("text/html")
             if html is not None:
                 if PLOTLY_INIT in html:

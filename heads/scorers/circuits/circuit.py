@@ -23,6 +23,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -304,6 +305,44 @@ class Circuit:
             f"edges={self.n_edges}/{self.graph.n_edges}, "
             f"heads={len(self.heads.heads)}{f})"
         )
+
+    # ---------------------------------------------------------------- MIB format
+    def to_mib(
+        self,
+        path: str | os.PathLike,
+        *,
+        d_model: int | None = None,
+        binary: bool = False,
+        overwrite: bool = False,
+    ) -> list[Path]:
+        """Write the circuit in MIB's circuit-track format: one JSON of importance scores for every
+        edge (`in_graph` = this circuit), or with `binary=True` a folder of the nine binary
+        circuits at 0.1 .. 50 % of the edges; returns the paths. MIB's importance is -score
+        (module `heads.scorers.circuits.mib`: naming, sign, GQA).
+
+        Raises:
+            ValueError: no `d_model` (given, or recorded by `edge_scores`), an existing file
+                without `overwrite`, a symlink, a folder for a file or the reverse.
+        """
+        from heads.scorers.circuits.mib import write_mib
+
+        width = d_model if d_model is not None else self.params.get("d_model")
+        if width is None:
+            raise HeadsteerValueError("MIB's cfg needs the model width: pass d_model=")
+        return write_mib(
+            self.graph, self.scores, self.mask, path, d_model=width, binary=binary, overwrite=overwrite
+        )
+
+    @classmethod
+    def from_mib(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Circuit:
+        """Read a circuit in MIB's format (importance scores or a binary circuit): `scores` =
+        -importance, the `in_graph` edges pruned; `model` checks the geometry and gives the KV
+        heads. Raises ValueError for a missing or malformed file (`mib.read_mib`)."""
+        from heads.scorers.circuits.mib import read_mib
+
+        graph, scores, mask, d_model = read_mib(path, model)
+        params = {"d_model": d_model, "source": os.fspath(path)}
+        return cls(graph, prune(graph, mask), scores, "mib", params=params)
 
     # ---------------------------------------------------------------- save / load
     def to_dict(self) -> dict:

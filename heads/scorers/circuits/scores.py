@@ -307,7 +307,7 @@ def edge_scores(
             total += per.double().sum(0)
     scores = (total / pairs.n).float()
     scores[~graph.valid] = float("nan")
-    params = {"steps": steps, "confirm": confirm}
+    params = {"steps": steps, "confirm": confirm, "d_model": model.d_model}
     out = EdgeScores(graph, scores, method, met.name, pairs.n, params=params, per_pair=torch.cat(per_pair))
     if confirm:
         top = out.ranking()[:confirm]
@@ -490,4 +490,5 @@ def exact_scores(
     index[valid] = torch.arange(int(valid.sum()))
     per_pair = torch.full((pairs.n, int(valid.sum())), float("nan"))
     per_pair[:, index[edges[:, 0], edges[:, 1]]] = (vals - clean[None]).T
-    return EdgeScores(graph, scores, "exact", met.name, pairs.n, per_pair=per_pair)
+    params = {"d_model": model.d_model}
+    return EdgeScores(graph, scores, "exact", met.name, pairs.n, params=params, per_pair=per_pair)

@@ -56,6 +56,7 @@ __all__ = [
     "head_logits",
     "logit_inspection",
     "logit_lens",
+    "norm_parts",
 ]
 
 
@@ -99,17 +100,29 @@ def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
 
 def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
     """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm."""
-    norm = model.final_norm
+    return norm_parts(model, model.final_norm, model.W_U.shape[0])
+
+
+def norm_parts(
+    model: HeadModel, norm: torch.nn.Module, dim: int
+) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+    """What the frozen-scale convention needs of one norm module of `model` (the final norm, a
+    block's input or output norm, a QK-norm): `(kind, gain, bias, eps)`, with `kind` `"rms"`
+    (RMSNorm: `gain * x / sqrt(mean(x^2) + eps)`) or `"layer"` (LayerNorm: centred, `var`),
+    `gain` `[dim]` fp32 (Gemma's `1 + weight` applied; ones without a weight), `bias` `[dim]` or
+    None.
+
+    Raises:
+        ValueError: a norm without an `eps` / `variance_epsilon` attribute (its scale cannot be
+            frozen).
+    """
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
     if eps is None:
-        raise HeadsteerValueError(
-            f"final norm {type(norm).__name__} has no eps attribute; cannot freeze its scale"
-        )
+        raise HeadsteerValueError(f"norm {type(norm).__name__} has no eps attribute; cannot freeze its scale")
     w = getattr(norm, "weight", None)
-    d = model.W_U.shape[0]
-    gain = torch.ones(d) if w is None else w.detach().float().cpu()
+    gain = torch.ones(dim) if w is None else w.detach().float().cpu()
     if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)
         gain = 1.0 + gain
     centred = (
