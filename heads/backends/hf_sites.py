@@ -29,9 +29,9 @@ from heads.engine.activations import apply_activation_edits
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.state import ACTIVE, OFFSETS
 from heads.errors import HeadsteerValueError
-from heads.model.parts import ModelParts
+from heads.model.parts import ModelParts, norm_stats
 
-__all__ = ["Hook", "cache_length", "fresh", "norm_stats"]
+__all__ = ["Hook", "cache_length", "fresh"]
 
 Hook = Callable[..., Any]
 
@@ -255,28 +255,6 @@ def qkv_out(key: int, layer: int, parts: ModelParts, which: tuple[str, ...]) -> 
 
 
 # ---------------------------------------------------------------------------------- the final norm
-def norm_stats(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(scale [.., 1], normalized [.., D])` of a norm's input `x`, in fp32 (as TransformerLens'
-    `hook_scale` / `hook_normalized`): `scale = sqrt(mean(x_c ** 2) + eps)`, `normalized = x_c /
-    scale`, where `x_c` is `x` centred for a LayerNorm and `x` itself for an RMSNorm."""
-    x32 = x.float()
-    centred = isinstance(module, nn.LayerNorm) or (
-        "layernorm" in type(module).__name__.lower() and "rms" not in type(module).__name__.lower()
-    )
-    if centred:
-        x32 = x32 - x32.mean(-1, keepdim=True)
-    eps = next(
-        (
-            getattr(module, a)
-            for a in ("eps", "variance_epsilon", "epsilon")
-            if getattr(module, a, None) is not None
-        ),
-        1e-5,
-    )
-    scale = (x32.pow(2).mean(-1, keepdim=True) + float(eps)).sqrt()
-    return scale, x32 / scale
-
-
 def final_norm(key: int, parts: ModelParts, offset_key: int) -> Hook:
     """Forward hook on the final norm: `ln_final.scale` `[B, T, 1]` and `ln_final.normalized`
     `[B, T, D]` (read only) edits. A replaced scale `s'` gives the output `b + (out - b) * s / s'`

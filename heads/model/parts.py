@@ -19,7 +19,7 @@ from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.families import Family
 
-__all__ = ["ModelParts", "get_path", "submodule", "unwrap"]
+__all__ = ["ModelParts", "centred", "get_path", "norm_stats", "submodule", "unwrap"]
 
 
 def get_path(obj: object, dotted: str) -> object:
@@ -170,3 +170,28 @@ class ModelParts:
             f"model_type {short_repr(self.family.model_type)} has no absolute position embedding "
             "(hook_pos_embed exists only for learned absolute positions, e.g. GPT-2)"
         )
+
+
+def centred(module: nn.Module) -> bool:
+    """True for a LayerNorm (it subtracts the mean), False for an RMSNorm (by its class)."""
+    name = type(module).__name__.lower()
+    return isinstance(module, nn.LayerNorm) or ("layernorm" in name and "rms" not in name)
+
+
+def norm_stats(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(scale [.., 1], normalized [.., D])` of a norm's input `x`, in fp32 (as TransformerLens'
+    `hook_scale` / `hook_normalized`): `scale = sqrt(mean(x_c ** 2) + eps)`, `normalized = x_c /
+    scale`, where `x_c` is `x` centred for a LayerNorm and `x` itself for an RMSNorm."""
+    x32 = x.float()
+    if centred(module):
+        x32 = x32 - x32.mean(-1, keepdim=True)
+    eps = next(
+        (
+            getattr(module, a)
+            for a in ("eps", "variance_epsilon", "epsilon")
+            if getattr(module, a, None) is not None
+        ),
+        1e-5,
+    )
+    scale = (x32.pow(2).mean(-1, keepdim=True) + float(eps)).sqrt()
+    return scale, x32 / scale

@@ -214,3 +214,32 @@ def test_parallel_block_has_no_resid_mid_and_post_norm_sites():
     pre, out, raw, mid = (r.records[0] for r in recs)
     assert torch.equal(mid, pre + out)
     torch.testing.assert_close(out, olmo.layers[1].post_attention_layernorm(raw), atol=0, rtol=0)
+
+
+def test_forward_output_attentions_gives_the_patterns_in_and_out_of_editing(tokenizer, enc):
+    """On an SDPA model (whose kernel returns no pattern) `output_attentions=True` gave an empty
+    tuple outside `editing()` and the patterns inside; now both give them, equal to the eager
+    model's own `attentions` (the same weights) on the real query rows."""
+    from tests.support import ZeroRow
+
+    sdpa, eager = make_tiny("llama", tokenizer), make_tiny("llama", tokenizer, attn="eager")
+    real = enc.attention_mask.bool()
+    with torch.no_grad():
+        want = eager.model(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            position_ids=(enc.attention_mask.cumsum(-1) - 1).clamp(min=0),
+            output_attentions=True,
+        ).attentions
+    outside = forward(sdpa, enc, output_attentions=True)
+    with editing(sdpa, [Recorder(layer=0)]):
+        inside = forward(sdpa, enc, output_attentions=True)
+    assert torch.equal(outside.logits, forward(sdpa, enc))
+    for out in (outside, inside):
+        assert len(out.attentions) == sdpa.n_layers
+        for got, ref in zip(out.attentions, want, strict=True):
+            for b in range(len(PROMPTS)):  # padded query rows: zeros here, uniform in eager
+                torch.testing.assert_close(got[b][:, real[b]], ref[b][:, real[b]], atol=1e-6, rtol=0)
+    with editing(sdpa, [ZeroRow(layer=1, heads=[2])]):  # the edited pattern, as the model used it
+        edited = forward(sdpa, enc, output_attentions=True).attentions
+    assert torch.all(edited[1][:, 2] == 0) and torch.equal(edited[0], outside.attentions[0])
