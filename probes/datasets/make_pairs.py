@@ -21,8 +21,9 @@ Sets (see `probes/datasets/pairs.py` for the loader):
 - `comp_mech` (competition of mechanisms; Ortu et al. 2024), built from the project's
   `counterfact` task (`probes/data/tasks/counterfact.jsonl`): "Previously, S was O. Currently,
   S is N. S is" -> N; the corruption swaps the two values. Answer = the current value N,
-  counterfactual = the earlier value O. `template`: the cue's phrasing (`COMP_MECH_PHRASES`). The subjects are fictional, so the competing
-  mechanism is the earlier in-context statement, not knowledge stored in the weights.
+  counterfactual = the earlier value O. `template`: the cue's phrasing (`COMP_MECH_PHRASES`).
+  The subjects are fictional, so the competing mechanism is the earlier in-context statement,
+  not knowledge stored in the weights.
 """
 
 from __future__ import annotations
