@@ -18,8 +18,9 @@ it (computed without the rotation); `data_composition_scores` reads the rotated 
 decomposition and is exact. The baseline is the mean score of random Gaussian factors of the
 same shapes (`baseline`, Elhage et al.); `CompositionScores.q / .k / .v` subtract it.
 
-Norms are computed without forming any `d_model x d_model` matrix: with `W_V = Q_V R_V` (QR),
-`||W_V W_O M||_F = ||R_V W_O M||_F`, so every pair costs a `[d, D] x [D, d]` product.
+Norms are computed without forming any `d_model x d_model` matrix: with `R_V` a square root of
+`W_V^T W_V`, `||W_V W_O M||_F = ||R_V W_O M||_F`, so every pair costs a `[d, D] x [D, d]` product
+(one GEMM per reader layer).
 """
 
 from __future__ import annotations
@@ -42,8 +43,17 @@ __all__ = ["baseline", "composition_scores", "data_composition_scores"]
 
 
 def _r(w: torch.Tensor) -> torch.Tensor:
-    """`[..., d, d]` R of the QR decomposition of `w [..., D, d]` (`||w M|| = ||R M||`)."""
-    return cast(torch.Tensor, torch.linalg.qr(w, mode="r")[1])
+    """`[..., d, d]` a square root R of `w^T w` for `w [..., D, d]` (`R^T R = w^T w`), so that
+    `||w M||_F = ||R M||_F` for any M: the QR's R up to a rotation, from the Cholesky factor of
+    the fp64 Gram matrix (far cheaper than a batched QR on CPU); a rank-deficient `w` takes the
+    symmetric root from an eigendecomposition instead."""
+    g = w.double().transpose(-1, -2) @ w.double()
+    low, info = torch.linalg.cholesky_ex(g)
+    if bool((info == 0).all()):
+        return low.transpose(-1, -2).to(w.dtype)
+    vals, vecs = torch.linalg.eigh(g)
+    root = (vecs * vals.clamp(min=0).sqrt()[..., None, :]) @ vecs.transpose(-1, -2)
+    return cast(torch.Tensor, root.to(w.dtype))
 
 
 def baseline(d_model: int, d_head: int, *, n_samples: int = 100, seed: int = 0) -> float:
@@ -124,12 +134,13 @@ def composition_scores(
             "k": k @ _r(q).transpose(1, 2),  # W_K R(W_Q)^T: W_QK^T
             "v": v @ _r(o.transpose(1, 2)).transpose(1, 2),  # W_V R(W_O^T)^T: W_OV
         }
-        p = writers[:la].reshape(la * H, d, -1)  # [n_w, d, D]
-        for kind, s in readers.items():  # s [H, D, d]
-            prod = torch.einsum("wdD,hDe->whde", p, s)
-            num = torch.linalg.matrix_norm(prod)  # [n_w, H]
+        p = writers[:la].reshape(la * H * d, -1)  # [n_w d, D]
+        s_all = torch.cat([s.permute(1, 0, 2).reshape(s.shape[1], -1) for s in readers.values()], 1)
+        prod = (p @ s_all).reshape(la * H, d, 3, H, d)  # one GEMM: every writer x reader x kind
+        num = prod.pow(2).sum((1, 4)).sqrt()  # [n_w, 3, H]
+        for i, (kind, s) in enumerate(readers.items()):  # s [H, D, d]
             den = w_norm[:la].reshape(-1, 1) * torch.linalg.matrix_norm(s)[None]
-            raw[kind][:la, :, la] = (num / den).reshape(la, H, H)
+            raw[kind][:la, :, la] = (num[:, i] / den).reshape(la, H, H)
     base = baseline(model.d_model, d, n_samples=n_samples, seed=seed) if subtract_baseline else 0.0
     return CompositionScores(
         raw,

@@ -256,3 +256,15 @@ def test_refuses_latent_attention_by_name():
         composition_scores(hm)
     with pytest.raises(ValueError, match="multi-head latent attention"):
         qk_attribution(hm, torch.tensor([3, 4, 5]), (0, 0))
+
+
+def test_square_root_of_the_gram_matrix_also_when_rank_deficient():
+    from heads.scorers.qk.composition import _r
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 40, 6, generator=g, dtype=torch.float64)
+    low = full.clone()
+    low[:, :, 5] = low[:, :, 0]  # rank 5 of 6: no Cholesky factor
+    for w in (full, low):
+        r = _r(w)
+        assert torch.allclose(r.transpose(-1, -2) @ r, w.transpose(-1, -2) @ w, atol=1e-8)
