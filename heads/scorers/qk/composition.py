@@ -50,7 +50,7 @@ def _r(w: torch.Tensor) -> torch.Tensor:
     g = w.double().transpose(-1, -2) @ w.double()
     low, info = torch.linalg.cholesky_ex(g)
     if bool((info == 0).all()):
-        return low.transpose(-1, -2).to(w.dtype)
+        return cast(torch.Tensor, low.transpose(-1, -2).to(w.dtype))
     vals, vecs = torch.linalg.eigh(g)
     root = (vecs * vals.clamp(min=0).sqrt()[..., None, :]) @ vecs.transpose(-1, -2)
     return cast(torch.Tensor, root.to(w.dtype))
