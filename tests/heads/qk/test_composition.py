@@ -268,3 +268,19 @@ def test_square_root_of_the_gram_matrix_also_when_rank_deficient():
     for w in (full, low):
         r = _r(w)
         assert torch.allclose(r.transpose(-1, -2) @ r, w.transpose(-1, -2) @ w, atol=1e-8)
+
+
+def test_chosen_readers_give_the_same_columns(tokenizer):
+    hm = make_tiny("llama", tokenizer)
+    full = composition_scores(hm)
+    part = composition_scores(hm, readers=[(2, 3), (1, 0)])
+    for kind in "qkv":
+        for la, h in ((2, 3), (1, 0)):
+            a, b = part.raw[kind][:, :, la, h], full.raw[kind][:, :, la, h]
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            assert torch.allclose(a.nan_to_num(), b.nan_to_num(), atol=1e-6)
+        assert torch.isnan(part.raw[kind][:, :, 2, 0]).all()
+    with pytest.raises(ValueError, match="unknown layer 5"):
+        composition_scores(hm, readers=[(5, 0)])
+    with pytest.raises(ValueError, match="readers must be"):
+        composition_scores(hm, readers=[])
