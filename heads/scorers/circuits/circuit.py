@@ -51,6 +51,7 @@ __all__ = [
     "SIZES",
     "Circuit",
     "areas",
+    "circuit_stability",
     "evaluate",
     "faithfulness_curve",
     "find_circuit",
@@ -677,6 +678,42 @@ def faithfulness_curve(
     return out
 
 
+def circuit_stability(
+    scores: EdgeScores,
+    n_resamples: int = 100,
+    *,
+    n: int | None = None,
+    threshold: float | None = None,
+    pairs: PairBatch | None = None,
+    seed: int = 0,
+) -> Stability:
+    """Bootstrap over pairs of a circuit: the edge ranking's `Stability` (top k = the circuit's
+    size) with `inclusion`, each edge's share of resamples whose circuit, re-selected by the same
+    rule (top `n` by |score| or `threshold`, pruned) on the resample's mean per-pair scores, holds
+    it. `pairs` gives the template ids (agreement across templates). No forward pass.
+
+    Raises:
+        ValueError: scores without per-pair values, fewer than 2 pairs, not exactly one of n /
+            threshold, a bad n_resamples or seed.
+    """
+    from heads.scorers.stability import pair_templates
+
+    if (n is None) == (threshold is None):
+        raise HeadsteerValueError("give exactly one of n= (top-n edges) or threshold=")
+    graph = scores.graph
+    point = select(scores, n, threshold=threshold)
+
+    def reselect(values: torch.Tensor) -> torch.Tensor:
+        full = torch.full_like(scores.scores, float("nan"))
+        full[graph.valid] = values
+        again = EdgeScores(graph, full, scores.method, scores.metric, scores.n_pairs)
+        return select(again, n, threshold=threshold).mask[graph.valid]
+
+    templates = pair_templates(pairs) if pairs is not None else None
+    k = max(1, point.n_edges)
+    return scores.bootstrap(n_resamples, k=k, seed=seed, templates=templates, select=reselect)
+
+
 def find_circuit(
     model: HeadModel,
     pairs: PairBatch,
@@ -747,15 +784,7 @@ def find_circuit(
     )
     c = select(sc, n, threshold=threshold)
     if stability:
-        from heads.scorers.stability import pair_templates
-
-        def reselect(values: torch.Tensor) -> torch.Tensor:
-            full = torch.full_like(sc.scores, float("nan"))
-            full[graph.valid] = values
-            again = EdgeScores(graph, full, sc.method, sc.metric, sc.n_pairs)
-            return select(again, n, threshold=threshold).mask[graph.valid]
-
-        c.stability = sc.bootstrap(stability, k=c.n_edges, templates=pair_templates(pairs), select=reselect)
+        c.stability = circuit_stability(sc, stability, n=n, threshold=threshold, pairs=pairs)
     c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
     if curve:
         c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes, metric=met, batch_rows=batch_rows)
