@@ -315,6 +315,9 @@ def report_atlas(
         Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
     ] = None,
     maps: Annotated[bool, typer.Option(help="MAPS relation scores (the best relation column)")] = True,
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the detector sequences: stable top-k heads (0: none)")
+    ] = 0,
 ) -> dict:
     """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
     from heads.scorers.roles import AttentionLens
@@ -322,6 +325,9 @@ def report_atlas(
 
     if lens is not None and not lens.is_file():
         raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
     # a bad or untrained lens file fails here, before the model loads
@@ -331,7 +337,7 @@ def report_atlas(
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
-            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv
+            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv, stability=stability
         )
     table = Table(title="Head roles")
     table.add_column("role")
