@@ -9,10 +9,10 @@
    whole graph is not run: its cost is extrapolated as seconds per sampled edge x all edges
    (`exact_edges_timed` says how many were timed, default 128), and `speedup_vs_exact` = that /
    the EAP-IG time (same pairs, same run); `speedup_vs_exact_extrapolation_factor` (all edges /
-   timed edges) says how far the headline is extrapolated. After the curves, a *candidate set* is scored exactly: the
-   union of the top `--k` edges of EAP-IG and the top `--k` of EAP (each edge x pair one
-   forward row, `--batch-rows` rows per forward, edges grouped by downstream input), timed
-   apart (`exact_candidates_s_per_edge`).
+   timed edges) says how far the headline is extrapolated. After the curves, a *candidate set*
+   is scored exactly: the union of the top `--k` edges of EAP-IG and the top `--k` of EAP
+   (each edge x pair one forward row, `--batch-rows` rows per forward, edges grouped by
+   downstream input), timed apart (`exact_candidates_s_per_edge`).
 3. `spearman_top200`: Spearman of EAP-IG vs exact scores on EAP-IG's top `--k` edges;
    `top20_recall`: the share of the exact top 20 *of the candidate set* (by |score|) that are
    in EAP-IG's top 100 (an edge outside both top-k lists is never scored exactly).
