@@ -35,6 +35,7 @@ from viz.cli.common import (
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
+from viz.cli.qk import report_qk  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
     ImageOpt,
@@ -67,6 +68,7 @@ command(
     app, "explore", writes_files=False, json_help="print the URL and model as one JSON line once serving"
 )(explore_command)
 command(report_app, "probes")(report_probes)
+command(report_app, "qk")(report_qk)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
 MAX_DRAWS = 100
@@ -119,9 +121,9 @@ def generate(
         str,
         typer.Option(
             "--steer",
-            help="pasta | instaboost | var | vhr | adaptvis | scalingvis (var/vhr/adaptvis/scalingvis: "
-            "on --image, or the **marked** passage, with the papers' defaults; instaboost: all heads, "
-            "on the **marked** instruction)",
+            help="pasta | instaboost | var | vhr | adaptvis | scalingvis | carve | modulation (the vision "
+            "methods: on --image, or the **marked** passage, with the defaults; carve: --image only; "
+            "instaboost: all heads, on the **marked** instruction)",
         ),
     ] = "pasta",
     image: ImageOpt = None,
