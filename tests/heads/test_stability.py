@@ -149,6 +149,8 @@ def test_patching_dla_attribution_stability_reuse_the_pairs(llama):
     assert res.head_scores().stability is st and res.head_scores("sum").stability is None
     again = res.bootstrap(20, templates=[0, 1] * 3)
     assert torch.equal(again.p_top_k, st.p_top_k)  # seeded: the same resamples
+    late = patch(llama, p, "head_out", layers=[1], stability=5).stability
+    assert late.names[0] == "L1.H0"  # a sweep of some layers names them by their own index
     dla = direct_logit_attribution(llama, p, stability=15)
     assert dla.stability is not None
     torch.testing.assert_close(dla.stability.score.reshape(2, -1), dla.heads[..., -1].mean(0))
