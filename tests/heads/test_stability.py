@@ -108,6 +108,9 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     (tmp_path / "v2.json").write_text(text)
     with pytest.raises(HeadsteerValueError, match="schema_version"):
         Stability.load(tmp_path / "v2.json")
+    from heads.results.protocol import Result
+
+    assert isinstance(st, Result) and Stability.SCHEMA == "headsteer/stability"
     frame = st.to_frame()
     assert list(frame["rank"]) == sorted(frame["rank"]) and {"p_top_k", "stable", "layer"} <= set(frame)
 
