@@ -360,10 +360,15 @@ def test_jobs_are_bounded():
 
 
 def test_non_loopback_host_warns(monkeypatch, capsys):
+    import sys
+
     from viz.cli import explore as mod
 
     class FakeRun:
         as_json = False
+
+        def say(self, msg):
+            print(msg, file=sys.stderr)
 
         def load(self):
             raise SystemExit(0)  # stop before loading anything

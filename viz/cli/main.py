@@ -121,9 +121,9 @@ def generate(
         str,
         typer.Option(
             "--steer",
-            help="pasta | instaboost | var | vhr | adaptvis | scalingvis (var/vhr/adaptvis/scalingvis: "
-            "on --image, or the **marked** passage, with the papers' defaults; instaboost: all heads, "
-            "on the **marked** instruction)",
+            help="pasta | instaboost | var | vhr | adaptvis | scalingvis | carve | modulation (the vision "
+            "methods: on --image, or the **marked** passage, with the defaults; carve: --image only; "
+            "instaboost: all heads, on the **marked** instruction)",
         ),
     ] = "pasta",
     image: ImageOpt = None,
