@@ -19,13 +19,14 @@ Routes:
   rotary applied by hand (the cached `hook_cos` / `hook_sin`, rotate-half), the same marginals.
 
 Figures (one JSON line, every ratio measured in this run): `speedup_vs_cache_route` (cache-route
-CPU seconds over ours, A + B: the CPU time of each route's process, so the other jobs on a shared
-machine stay out of the ratio; `speedup_wall_clock` beside it), `memory_ratio_vs_cache_route` (our peak RSS above the loaded model
-over the cache route's), each route's peak over a plain forward at the same length
-(`memory_ratio_vs_plain_forward_*`), `max_abs_sum_error` (ours: largest |sum of terms - the
-model's own logit| over every cell of A and B), `max_abs_diff_vs_cache_route` (largest difference
-of the marginals between the routes), `cells` (A + B). Each route runs in a fresh subprocess
-(model loaded, one short warm-up forward, then the timed work with RSS sampled every 2 ms).
+CPU seconds over ours, A + B: the CPU time of each route's process, so the other jobs on a
+shared machine stay out of the ratio; `speedup_wall_clock` beside it),
+`memory_ratio_vs_cache_route` (our peak RSS above the loaded model over the cache route's), each
+route's peak over a plain forward at the same length (`memory_ratio_vs_plain_forward_*`),
+`max_abs_sum_error` (ours: largest |sum of terms - the model's own logit| over every cell of A
+and B), `max_abs_diff_vs_cache_route` (largest difference of the marginals between the routes),
+`cells` (A + B). Each route runs in a fresh subprocess (model loaded, one short warm-up forward,
+then the timed work with RSS sampled every 2 ms).
 The load average at the start is in the line: these machines are shared.
 
 Usage: `python benchmarks/qk_attribution.py` (512 tokens; a few minutes on 2 CPU cores);
@@ -247,7 +248,9 @@ def main() -> None:
         "memory_mb_ours": round(ours["memory_mb"], 1),
         "memory_mb_cache_route": round(tl["memory_mb"], 1),
         "memory_ratio_vs_plain_forward_ours": round(ours["memory_mb"] / max(plain["memory_mb"], 1e-6), 2),
-        "memory_ratio_vs_plain_forward_cache_route": round(tl["memory_mb"] / max(plain["memory_mb"], 1e-6), 2),
+        "memory_ratio_vs_plain_forward_cache_route": round(
+            tl["memory_mb"] / max(plain["memory_mb"], 1e-6), 2
+        ),
         "memory_measure": "RSS peak above the loaded model",
         "load_average": round(load, 2),
         "device": "cpu",
