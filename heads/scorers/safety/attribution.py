@@ -227,7 +227,9 @@ def _grad_pass(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, gate_sta
             if not z.requires_grad:
                 z = z.detach().requires_grad_(True)
             zs[layer] = z
-            return z
+            # a new tensor, so that every backend passes it on (a bridge's hook point may hand
+            # its hook a copy of the value it uses when the hook returns nothing)
+            return z.view_as(z)
 
         return fn
 
