@@ -7,11 +7,11 @@ Screenshots of every view are written to a temporary folder whose path is printe
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import wait_until
 from viz.explorer import create_explorer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -29,10 +29,8 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: server.started or not thread.is_alive(), "the explorer's uvicorn starts")
+    assert server.started, "uvicorn stopped before it started"
 
     def stop():
         server.should_exit = True
@@ -49,10 +47,17 @@ def model(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def url(model):
-    address, stop = serve(create_explorer(model))
-    yield address
+def served(model):
+    """(url, app) of one explorer on the tiny model, shared by the module's tests."""
+    app = create_explorer(model)
+    address, stop = serve(app)
+    yield address, app
     stop()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +169,11 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     assert page.locator("#pattern").get_attribute("data-head") == "2,3"
 
 
-def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
+def test_two_tabs_steer_differently_and_cancel(browser, served, model, shots):
     """Two tabs generate at the same time with different heads; each gets its own answer."""
     from heads.scorers.attention_mass import span_attention
 
+    url, app = served
     n = 6
     all_heads = [[la, h] for la in range(model.n_layers) for h in range(model.n_heads)]
     one_layer = [[0, h] for h in range(model.n_heads)]
@@ -193,15 +199,21 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     assert len(drawn) == 2 and drawn[0] == pytest.approx(want_before, abs=1e-4)
     assert all(s > u for u, s in zip(*drawn, strict=True))  # PASTA on every head raises the span share
     a.locator("#steering").screenshot(path=str(shots / "steering.png"))
-    # cancel: a long generation stops, the page says so, and the next one works
+    # cancel: a generation that cannot end on its own (the model is busy: the test holds its
+    # lock) stops, the page says so, its slot is freed, and the next one works
+    jobs, lock = app.state.jobs, app.state.explorer.lock
     a.fill("#max-new", "250")
-    a.click("#btn-generate")
-    a.wait_for_function("document.getElementById('out-plain').textContent.length > 0", timeout=90_000)
-    a.click("#btn-cancel")
-    a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=90_000)
-    a.wait_for_function("state.jobs.size === 0")
+    with lock:
+        a.click("#btn-generate")
+        a.wait_for_function(
+            "document.getElementById('status').textContent.startsWith('waiting for the model')"
+        )
+        a.click("#btn-cancel")
+        a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=90_000)
+        a.wait_for_function("state.jobs.size === 0")
+        wait_until(lambda: jobs.running() == 0, "the cancelled job frees its slot while the model is busy")
     done = [a.locator(f"#{o}").get_attribute("data-done") for o in ("out-plain", "out-steered")]
-    assert done != ["1", "1"]  # the cancelled stream (plain, or steered if plain had ended) is not done
+    assert done == [None, None] and a.locator("#out-plain").inner_text() == ""  # it never ran
     a.fill("#max-new", "2")
     a.click("#btn-generate")
     a.wait_for_selector("#out-steered[data-done='1']", timeout=90_000)
