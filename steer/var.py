@@ -354,7 +354,7 @@ class Var:
         prefill_only = self.sinks_from_prefill_only
         tracker = SinkTracker(dims, tau, layers, prefill_only=prefill_only, prefill_len=enc.length)
         self.last["tracker"] = tracker
-        return [
+        edits: list[Edit] = [
             VarEdit(
                 layer=la,
                 region=region,
@@ -366,4 +366,5 @@ class Var:
                 require_visual_sink=self.require_visual_sink,
             )
             for la in layers
-        ] + tracker.edits()  # the residual reads that flag the sinks
+        ]
+        return [*edits, *tracker.edits()]  # the residual reads that flag the sinks

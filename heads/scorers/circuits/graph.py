@@ -407,7 +407,7 @@ class _Runner:
                 out = out + bias[hd]
             return out
         mod, lo, hi = lp.proj[which]
-        full = mod.forward(part)[..., lo:hi]  # [a, R, T, n d]
+        full: torch.Tensor = mod.forward(part)[..., lo:hi]  # [a, R, T, n d]
         a = part.shape[0]
         full = full.reshape(a, *full.shape[1:-1], -1, d)
         idx = torch.arange(a, device=full.device)

@@ -209,7 +209,8 @@ def _gate(state: dict, layer: int) -> Callable[[torch.Tensor, AttentionCall], to
     """An `attn_out` / `mlp_out` edit function: the value through `_Gate` (GradDrop)."""
 
     def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        return _Gate.apply(x, state, layer)
+        out: torch.Tensor = _Gate.apply(x, state, layer)
+        return out
 
     return fn
 

@@ -95,8 +95,8 @@ def _oracle(m, p, head: int, target: str) -> tuple[float, float]:
     w_o = block0.self_attn.o_proj.weight.detach().T  # [H d, D]
     d = m.d_head
     share = {}
+    box: dict = {}
     for name, ids in (("clean", p.clean_ids), ("corr", p.corrupted_ids)):
-        box = {}
         h1 = block0.self_attn.o_proj.register_forward_pre_hook(lambda mod, a: box.update(z=a[0]))
         h2 = post.register_forward_pre_hook(lambda mod, a: box.update(a=a[0]))
         _logits(m, ids, p.attention_mask)
@@ -120,9 +120,8 @@ def _oracle(m, p, head: int, target: str) -> tuple[float, float]:
     def run(add):
         h = where.register_forward_pre_hook(lambda mod, a: (a[0] + add, *a[1:]))
         try:
-            out = m.model(
-                input_ids=p.clean_ids, attention_mask=p.attention_mask, position_ids=position_ids(p.attention_mask)
-            )
+            mask = p.attention_mask
+            out = m.model(input_ids=p.clean_ids, attention_mask=mask, position_ids=position_ids(mask))
         finally:
             h.remove()
         return metric(out.logits[:, -1].float())
