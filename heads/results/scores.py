@@ -21,7 +21,7 @@ import torch
 from heads._util.files import write_text
 from heads._util.validation import check_int, check_number, is_int, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.results.protocol import check_geometry, read_json, read_result, write_result
+from heads.results.storage import check_geometry, read_json, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -64,7 +64,7 @@ def _positive_int(k: Any, what: str = "k") -> int:
     return int(k)
 
 
-_read_json = read_json  # the strict JSON reader of every result file (heads.results.protocol)
+_read_json = read_json  # the strict JSON reader of every result file (heads.results.storage)
 
 
 HeadSpec: TypeAlias = Union[
