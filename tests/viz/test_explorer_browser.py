@@ -375,3 +375,31 @@ def test_a_base_model_defaults_to_raw_text(browser, model, tokenizer):
         assert not errors, errors
     finally:
         stop()
+
+
+def test_typing_never_piles_prepares_up(browser, served, monkeypatch):
+    """The page sends a prepare after every pause in typing; while the model is busy, each new
+    one cancels the previous (the page aborts it and the server supersedes it), so only the last
+    prompt is recorded once the model is free (found by a breaker: 120 abandoned prepares
+    delayed a generation by minutes)."""
+    from viz.explorer import patterns
+
+    url, app = served
+    page, errors = open_page(browser, url)
+    jobs, lock = app.state.jobs, app.state.explorer.lock
+    recorded: list[str] = []
+    real = patterns.all_patterns
+    monkeypatch.setattr(patterns, "all_patterns", lambda m, p, **k: recorded.append(p) or real(m, p, **k))
+    starts: list[str] = []
+    real_start = jobs.start
+    monkeypatch.setattr(jobs, "start", lambda j: starts.append(j) or real_start(j))
+    prompts = [f"{PROMPT} draft {i}" for i in range(4)]
+    with lock:  # the model is busy: every prepare waits
+        for i, p in enumerate(prompts):
+            page.fill("#prompt", p)
+            wait_until(lambda i=i: len(starts) == i + 1, "the page sent its prepare")
+            wait_until(lambda: jobs.running() == 1, "the previous prepare is cancelled, one waits")
+    wait_until(lambda: jobs.running() == 0, "the last prepare ran")
+    page.wait_for_function(f"window.__explorer.preparedPrompt === {prompts[-1]!r}")
+    assert recorded == [prompts[-1]]  # the superseded drafts never ran the model
+    assert not errors, errors
