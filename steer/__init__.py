@@ -15,6 +15,7 @@ from steer.iti import Iti
 from steer.knockout import Knockout, KnockoutBias
 from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
 from steer.pasta.profiling import profile_heads, select_heads, smallest_k
+from steer.pattern_injection import PatternEdit, PatternInjection
 from steer.span_rows import UnsteeredRowsWarning
 from steer.spotlight import Spotlight, SpotlightEdit
 from steer.steered_model import Generation, Intervention, SteeredModel
@@ -38,6 +39,8 @@ __all__ = [
     "KnockoutBias",
     "Pasta",
     "PastaBias",
+    "PatternEdit",
+    "PatternInjection",
     "SteeredModel",
     "Spotlight",
     "SpotlightEdit",

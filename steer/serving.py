@@ -49,6 +49,7 @@ from steer.instaboost import InstaBoost
 from steer.noop import refusing_noop
 from steer.pasta.method import Pasta
 from steer.profiles import shipped_profile
+from steer.sampling import draw, fresh_seed, row_generator
 from steer.spotlight import Spotlight
 from steer.steered_model import Intervention, check_new_tokens
 
@@ -638,7 +639,7 @@ class BatchGenerator:
         validate_edits(self.model, [e for s in steer for e in s.edits(self.model, enc)])  # as editing() will
         seed = request.params.seed
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)))
+            seed = fresh_seed()
         return Prepared(request, enc, steer, seed)
 
     def _stack(self, items: Sequence[Prepared]) -> EncodedPrompts:
@@ -705,7 +706,7 @@ class BatchGenerator:
             keep = (sp.cumsum(0) - sp) < params.top_p  # the smallest prefix reaching top_p
             keep[0] = True
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return draw(probs, gen)
 
     @torch.no_grad()
     def run(
@@ -734,14 +735,9 @@ class BatchGenerator:
         enc = self._stack(items)
         n = enc.batch
         params = [p.request.params for p in items]
-        gens = []
-        for prm in params:
-            g = torch.Generator()
-            g.manual_seed(prm.seed if prm.seed is not None else int(torch.randint(0, 2**62, (1,))))
-            gens.append(g)
-        for b, p in enumerate(items):  # a rerun of the same request draws the same tokens
-            if p.request.params.seed is None and p.seed is not None:
-                gens[b].manual_seed(p.seed)
+        # each row its own generator (steer.sampling); a rerun of the same request draws the same tokens
+        seeds = [p.seed if p.seed is not None else p.request.params.seed for p in items]
+        gens = [row_generator(fresh_seed() if s is None else s) for s in seeds]
         errors: dict[int, Exception] = {}
         tokens: list[list[int]] = [[] for _ in range(n)]
         texts = [""] * n

@@ -197,13 +197,12 @@ def test_planted_backwards_import_in_a_copy_of_the_tree_fails(tmp_path):
     )
     nb = {"cells": [{"cell_type": "code", "source": ["%matplotlib inline\n", "import viz.figures\n"]}]}
     (tmp_path / "notebooks" / "ok.ipynb").write_text(json.dumps(nb))  # notebooks may import viz
-    (tmp_path / "probes" / "tasks.py").write_text(
-        (tmp_path / "probes" / "tasks.py").read_text() + "\n\ndef _late():\n    import viz.cli.main\n"
-    )
+    tasks = tmp_path / "probes" / "datasets" / "tasks.py"
+    tasks.write_text(tasks.read_text() + "\n\ndef _late():\n    import viz.cli.main\n")
     got = tree_violations(tmp_path)
     assert len(got) == 2
     assert got[0].startswith("heads/planted.py:line 2: heads imports steer.pasta.method")
-    assert got[1].startswith("probes/tasks.py:") and got[1].endswith("probes imports viz.cli.main")
+    assert got[1].startswith("probes/datasets/tasks.py:") and got[1].endswith("probes imports viz.cli.main")
 
 
 def test_no_script_shadows_a_package():

@@ -362,6 +362,9 @@ def report_patching(
             '"split" field equals it [default: every record]'
         ),
     ] = None,
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the pairs for the rankings' stability (0: none)")
+    ] = 0,
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.activation import KINDS
@@ -378,13 +381,17 @@ def report_patching(
             param_hint="--direction",
         )
     _positive(n=n)
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
     hm = run.load()
     with run.progress(4, f"patching {site}") as step:
         _, summary = patching_report(
-            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task
-        )
+            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task,
+            stability=stability,
+        )  # fmt: skip
     table = Table(title=f"top {site} sites ({summary['pairs']} pairs, {direction})")
     keys = [
         k
@@ -413,6 +420,9 @@ def report_circuit(
     sizes: Annotated[
         str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
     ] = "0.1,0.2,0.5,1,2,5,10,20,50,100",
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the pairs: each edge's inclusion frequency (0: none)")
+    ] = 0,
 ) -> dict:
     """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
@@ -429,6 +439,9 @@ def report_circuit(
     if method == "eap":
         refuse_unused(method, {"--steps": run.gave("steps", steps, 5)}, option="--method")
     _positive(pairs=pairs, steps=steps)
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     _at_most("--pairs", pairs, 256)
     _at_most("--steps", steps, MAX_STEPS)
     if not 0 < size <= 100:
@@ -449,7 +462,7 @@ def report_circuit(
     with run.progress(circuit_steps(), "circuit") as step:
         _, summary = circuit_report(
             hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
-            overwrite=run.force, circuit_json=js, progress=step,
+            overwrite=run.force, circuit_json=js, progress=step, stability=stability,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")
     for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):

@@ -35,6 +35,7 @@ OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import Stability, check_stability
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -54,6 +56,7 @@ __all__ = [
     "head_logits",
     "logit_inspection",
     "logit_lens",
+    "norm_parts",
 ]
 
 
@@ -97,17 +100,29 @@ def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
 
 def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
     """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm."""
-    norm = model.final_norm
+    return norm_parts(model, model.final_norm, model.W_U.shape[0])
+
+
+def norm_parts(
+    model: HeadModel, norm: torch.nn.Module, dim: int
+) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+    """What the frozen-scale convention needs of one norm module of `model` (the final norm, a
+    block's input or output norm, a QK-norm): `(kind, gain, bias, eps)`, with `kind` `"rms"`
+    (RMSNorm: `gain * x / sqrt(mean(x^2) + eps)`) or `"layer"` (LayerNorm: centred, `var`),
+    `gain` `[dim]` fp32 (Gemma's `1 + weight` applied; ones without a weight), `bias` `[dim]` or
+    None.
+
+    Raises:
+        ValueError: a norm without an `eps` / `variance_epsilon` attribute (its scale cannot be
+            frozen).
+    """
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
     if eps is None:
-        raise HeadsteerValueError(
-            f"final norm {type(norm).__name__} has no eps attribute; cannot freeze its scale"
-        )
+        raise HeadsteerValueError(f"norm {type(norm).__name__} has no eps attribute; cannot freeze its scale")
     w = getattr(norm, "weight", None)
-    d = model.W_U.shape[0]
-    gain = torch.ones(d) if w is None else w.detach().float().cpu()
+    gain = torch.ones(dim) if w is None else w.detach().float().cpu()
     if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)
         gain = 1.0 + gain
     centred = (
@@ -195,6 +210,8 @@ class DLAResult:
         labels: `T` token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
+        stability: the bootstrap over pairs of the last position's head ranking
+            (`direct_logit_attribution(stability=B)`, `.bootstrap()`), or None.
     """
 
     heads: torch.Tensor
@@ -208,6 +225,7 @@ class DLAResult:
     model: str = ""
     n_kv_heads: int | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     def total(self) -> torch.Tensor:
         """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
@@ -225,12 +243,37 @@ class DLAResult:
         t = self.heads.shape[-1]
         if not -t <= position < t:
             raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        st = self.stability
+        if st is not None and st.params.get("position") not in (position, position - t):
+            st = None
         return HeadScores(
             self.heads[..., position].mean(0),
             method="patching.dla",
             params={"position": position, **self.params},
             model=self.model,
             n_kv_heads=self.n_kv_heads,
+            stability=st,
+        )
+
+    def bootstrap(
+        self, n_resamples: int = 100, *, position: int = -1, absolute: bool = False, **kwargs: Any
+    ) -> Stability:
+        """The bootstrap `Stability` of the head ranking at `position` over the pairs, from the
+        per-pair head terms (no forward pass; `heads.scorers.stability.grid_stability`, keywords
+        `k`, `seed`, `templates`, `by`). `absolute`: rank by |term| (default: by term, as `top`)."""
+        from heads.scorers.stability import grid_stability
+
+        t = self.heads.shape[-1]
+        if not -t <= position < t:
+            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        return grid_stability(
+            self.heads[..., position],
+            n_resamples,
+            absolute=absolute,
+            method="patching.dla",
+            model=self.model,
+            params={"position": position},
+            **kwargs,
         )
 
     def by_position(self) -> torch.Tensor:
@@ -246,13 +289,17 @@ class DLAResult:
 
 
 @torch.no_grad()
-def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str = "clean") -> DLAResult:
+def direct_logit_attribution(
+    model: HeadModel, pairs: PairBatch, *, which: str = "clean", stability: int = 0
+) -> DLAResult:
     """DLA of every head, MLP and the embeddings on the logit difference, at every position.
 
     Args:
         model: the model (any backend that `record_run` supports; pre-norm families).
         pairs: encoded pairs (answer and counterfactual tokens are required).
         which: `"clean"` (default) or `"corrupted"`: the rows to run.
+        stability: bootstrap resamples of the pairs (default 0: none; e.g. 100) for the
+            stability of the last position's head ranking (`result.stability`, no extra forward).
 
     Returns:
         a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
@@ -270,6 +317,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    stability = check_stability(stability)
+    if stability:
+        from heads.scorers.stability import check_samples
+
+        check_samples(pairs.n, stability)
     kind, gain, nbias, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
     du = ua - uw  # [N, D]
@@ -321,7 +373,7 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     if lb is not None:
         ld = ld + bias
     ld = ld * real
-    return DLAResult(
+    result = DLAResult(
         heads,
         mlp,
         attn_bias,
@@ -334,6 +386,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
         model.n_kv_heads,
         {"which": which, "norm": kind, "frozen_scale": True},
     )
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+    return result
 
 
 # ------------------------------------------------------------------------------ lenses
