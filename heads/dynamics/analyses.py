@@ -150,15 +150,44 @@ def _icl(model: HeadModel, *, n: int = 16, length: int | None = None, seed: int 
 
 
 def _induction_phase(
-    model: HeadModel, *, n: int = 16, length: int | None = None, seed: int = 0
+    model: HeadModel,
+    *,
+    n: int = 16,
+    length: int | None = None,
+    seed: int = 0,
+    composition: bool = True,
+    composition_rows: int = 2,
 ) -> dict[str, Any]:
-    """ICL score plus the previous-token and induction detectors, on the same repeated tokens."""
+    """ICL score, the previous-token and induction detectors (on the same repeated tokens), and
+    the K-composition of the top previous-token head into the top induction head.
+
+    The induction head is the best `induction` head of layers >= 1; the previous-token head the
+    best `previous_token` head of an earlier layer. Scalars `k_composition` (measured on the
+    first `composition_rows` rows: `data_composition_scores`, exact with RoPE, logit units) and
+    `k_composition_weights` (`composition_scores`, from the weights without RoPE, minus the random
+    baseline); per-head `k_composition_into_induction` (every earlier head's measured
+    K-composition into the induction head; NaN for heads not earlier).
+    """
     from heads.dynamics.icl import icl_score, icl_sequences
     from heads.scorers.roles.detectors import pattern_scores
 
     enc = icl_sequences(model, n=n, length=length, seed=seed)
     out: dict[str, Any] = dict(icl_score(model, enc))
-    out.update(pattern_scores(model, enc, detectors=("previous_token", "induction")))
+    det = pattern_scores(model, enc, detectors=("previous_token", "induction"))
+    out.update(det)
+    if composition and model.n_layers > 1:
+        from heads.scorers.qk.composition import composition_scores, data_composition_scores
+
+        ind = det["induction"].scores.nan_to_num(-1.0)
+        ind[0] = -1.0
+        rl, rh = divmod(int(ind.argmax()), model.n_heads)
+        prev = det["previous_token"].scores[:rl].nan_to_num(-1.0)
+        wl, wh = divmod(int(prev.argmax()), model.n_heads)
+        data = data_composition_scores(model, enc.input_ids[: max(1, composition_rows)])
+        into = data.raw["k"][:, :, rl, rh].clone()
+        out["k_composition_into_induction"] = HeadScores(into, "k_composition", model=model.name)
+        out["k_composition"] = float(into[wl, wh])
+        out["k_composition_weights"] = float(composition_scores(model).k[wl, wh, rl, rh])
     return out
 
 

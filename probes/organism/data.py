@@ -70,8 +70,8 @@ def batch_rows(
     repeat_fraction: float = 0.5,
     min_segment: int = 4,
     vocab_size: int | None = None,
-) -> torch.Tensor:
-    """The training batch of `step`: `[batch, context]` token ids (see the module docstring).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training batch of `step` (see the module docstring).
 
     Args:
         step: the step number (0-based); with `seed` it alone fixes the batch.
@@ -82,6 +82,10 @@ def batch_rows(
         repeat_fraction: share of rows that are repeated random segments, in [0, 1].
         min_segment: shortest segment R.
         vocab_size: ids drawn below it (default: the tokenizer's length).
+
+    Returns:
+        `(ids [batch, context], repeated [batch] bool)`: the token ids, and which rows are
+        repeated random segments (the others are corpus windows).
 
     Raises:
         HeadsteerValueError: a bad count, fraction or seed.
@@ -95,16 +99,17 @@ def batch_rows(
         raise HeadsteerValueError(f"repeat_fraction must be in [0, 1], got {repeat_fraction!r}")
     cand = _candidates(tokenizer, vocab_size or len(tokenizer))
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    rows = []
+    rows, kinds = [], []
     for _ in range(batch):
-        if float(torch.rand((), generator=g)) < repeat_fraction:
+        kinds.append(float(torch.rand((), generator=g)) < repeat_fraction)
+        if kinds[-1]:
             n = int(torch.randint(min_segment, context // 2 + 1, (1,), generator=g))
             seg = cand[torch.randint(0, len(cand), (n,), generator=g)]
             body = seg.repeat((context - 1) // n + 1)[: context - 1]
         else:
             body = corpus.window(context - 1, g)
         rows.append(torch.cat([torch.tensor([tokenizer.bos_token_id]), body]))
-    return torch.stack(rows)
+    return torch.stack(rows), torch.tensor(kinds, dtype=torch.bool)
 
 
 def icl_rows(

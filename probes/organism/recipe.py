@@ -208,6 +208,11 @@ def _deterministic(threads: int) -> Iterator[None]:
         torch.set_num_threads(before_threads)
 
 
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(sum(kept) / len(kept)) if kept else None
+
+
 def _save(model: Any, tokenizer: Any, folder: Path, meta: dict) -> None:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -219,8 +224,10 @@ def train_organism(spec: OrganismSpec, folder: str | Path, *, progress: Progress
 
     Writes `folder/step-NNNNNN/` per checkpoint step (a Hugging Face folder: `config.json`,
     `model.safetensors`, the tokenizer's files and `headsteer_checkpoint.json` with `step`,
-    `tokens`, `train_loss` (the mean loss of the steps since the previous checkpoint) and the
-    spec), and `folder/training_log.json` (the loss of every step, the seconds taken).
+    `tokens`, `train_loss` (the mean loss of the steps since the previous checkpoint),
+    `train_loss_repeated` / `train_loss_text` (the same over the repeated-segment rows / the corpus
+    rows only; None when there were none) and the spec), and `folder/training_log.json` (the loss
+    of every step, overall and by row kind, the seconds taken).
     Callers that need an atomic result write into a temporary folder (`build_organism` does).
 
     Args:
@@ -257,13 +264,16 @@ def train_organism(spec: OrganismSpec, folder: str | Path, *, progress: Progress
             lr=spec.lr,
             betas=(0.9, 0.95),
         )
-        since: list[float] = []
+        since: list[tuple[float, float | None, float | None]] = []
+        by_kind: dict[str, list[float | None]] = {"repeated": [], "text": []}
         for step in range(spec.steps + 1):
             if step in saves:
                 meta = {
                     "step": step,
                     "tokens": step * spec.batch * spec.context,
-                    "train_loss": float(sum(since) / len(since)) if since else None,
+                    "train_loss": _mean([s[0] for s in since]),
+                    "train_loss_repeated": _mean([s[1] for s in since]),
+                    "train_loss_text": _mean([s[2] for s in since]),
                     "spec": spec.to_dict(),
                 }
                 model.eval()
@@ -274,7 +284,7 @@ def train_organism(spec: OrganismSpec, folder: str | Path, *, progress: Progress
                 break
             for group in opt.param_groups:
                 group["lr"] = spec.lr * min(1.0, (step + 1) / max(spec.warmup, 1))
-            x = batch_rows(
+            x, repeated = batch_rows(
                 step,
                 batch=spec.batch,
                 context=spec.context,
@@ -283,18 +293,27 @@ def train_organism(spec: OrganismSpec, folder: str | Path, *, progress: Progress
                 seed=spec.seed,
                 repeat_fraction=spec.repeat_fraction,
             )
-            loss = model(input_ids=x, labels=x).loss
+            logits = model(input_ids=x).logits
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none"
+            ).view(x.shape[0], -1)
+            loss = nll.mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            row = nll.detach().mean(1)
             losses.append(loss.item())
-            since.append(losses[-1])
+            by_kind["repeated"].append(row[repeated].mean().item() if repeated.any() else None)
+            by_kind["text"].append(row[~repeated].mean().item() if (~repeated).any() else None)
+            since.append((losses[-1], by_kind["repeated"][-1], by_kind["text"][-1]))
             if progress is not None:
                 progress(step + 1, spec.steps)
     seconds = time.perf_counter() - t0
     log = {
         "spec": spec.to_dict(),
         "losses": losses,
+        "losses_repeated": by_kind["repeated"],
+        "losses_text": by_kind["text"],
         "seconds": seconds,
         "checkpoints": sorted(saves),
         "torch": torch.__version__,

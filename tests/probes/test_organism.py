@@ -39,11 +39,16 @@ def test_cut_tokenizer_keeps_the_first_ids_and_encodes_every_text(cut, tokenizer
 def test_batches_depend_only_on_seed_and_step(cut):
     corpus = CorpusStream(cut)
     kw = dict(batch=6, context=24, tokenizer=cut, corpus=corpus, repeat_fraction=0.5)
-    a, b = batch_rows(3, seed=1, **kw), batch_rows(3, seed=1, **kw)
-    assert torch.equal(a, b) and not torch.equal(a, batch_rows(4, seed=1, **kw))
-    assert not torch.equal(a, batch_rows(3, seed=2, **kw))
-    assert (a[:, 0] == cut.bos_token_id).all() and a.shape == (6, 24)
-    rep = batch_rows(0, seed=0, **{**kw, "repeat_fraction": 1.0})
+    (a, kinds), (b, _) = batch_rows(3, seed=1, **kw), batch_rows(3, seed=1, **kw)
+    assert torch.equal(a, b) and not torch.equal(a, batch_rows(4, seed=1, **kw)[0])
+    assert not torch.equal(a, batch_rows(3, seed=2, **kw)[0])
+    assert (a[:, 0] == cut.bos_token_id).all() and a.shape == (6, 24) and kinds.shape == (6,)
+    text = corpus.ids.tolist()
+    for row, rep_row in zip(a[:, 1:].tolist(), kinds.tolist(), strict=True):
+        if not rep_row:  # a corpus row is a window of the corpus stream
+            assert any(text[i : i + 23] == row for i in range(len(text) - 22))
+    rep, kinds = batch_rows(0, seed=0, **{**kw, "repeat_fraction": 1.0})
+    assert kinds.all()
     for row in rep[:, 1:]:  # each row is a segment repeated: some period n <= 11 fits the row
         assert any(torch.equal(row[n:], row[:-n]) for n in range(4, 12))
     icl = icl_rows(cut, n=3, context=21)

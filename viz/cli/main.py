@@ -35,6 +35,7 @@ from viz.cli.common import (
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
+from viz.cli.training import register_training  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
     ImageOpt,
@@ -68,6 +69,7 @@ command(
 )(explore_command)
 command(report_app, "probes")(report_probes)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
+register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""
