@@ -87,7 +87,7 @@ def main() -> None:
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer import create_explorer
-    from viz.explorer.app import _shipped_heads
+    from viz.explorer.state import shipped_heads as _shipped_heads
 
     model = load_model()
     url, stop = serve(create_explorer(model))

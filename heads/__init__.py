@@ -30,6 +30,7 @@ variants (`heads.engine.variants`). A head selection in any accepted form is a `
 
 from heads._util import aliases as _aliases
 from heads._version import __version__
+from heads.engine.activations import ActivationEdit, ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -43,6 +44,7 @@ from heads.engine.edits import (
     Recorder,
 )
 from heads.engine.forward import forward
+from heads.engine.hooks import hook_names, record, run_with_hooks
 from heads.engine.options import SweepOptions
 from heads.errors import (
     EditNeverFired,
@@ -55,6 +57,7 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.results.activations import ActivationCache
 from heads.results.composition import CompositionScores
 from heads.results.qk import QKAttribution
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
@@ -110,6 +113,12 @@ __all__ = [
     "composition_scores",
     "data_composition_scores",
     "qk_attribution",
+    "ActivationCache",
+    "ActivationEdit",
+    "ActivationRecorder",
+    "hook_names",
+    "record",
+    "run_with_hooks",
 ]
 
 _aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

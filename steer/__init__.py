@@ -9,6 +9,7 @@ from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
 from steer.adaptvis import AdaptVis, AdaptVisScale, ScalingVis
 from steer.caa import Caa, CaaAdd, caa_vector, load_caa_vectors, save_caa_vectors
+from steer.carve import Carve, CarveMaps
 from steer.head_gates import HeadGates
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
@@ -22,6 +23,7 @@ from steer.steered_model import Generation, Intervention, SteeredModel
 from steer.var import Var, VarEdit
 from steer.vhr.method import Vhr
 from steer.vhr.trace import VhdTrace, vhd_trace
+from steer.visual_modulation import ModulationBias, VisualModulation
 
 __all__ = [
     "Ablate",
@@ -29,6 +31,8 @@ __all__ = [
     "ActEdit",
     "Caa",
     "CaaAdd",
+    "Carve",
+    "CarveMaps",
     "Generation",
     "HeadGates",
     "InstaBoost",
@@ -37,6 +41,7 @@ __all__ = [
     "Iti",
     "Knockout",
     "KnockoutBias",
+    "ModulationBias",
     "Pasta",
     "PastaBias",
     "PatternEdit",
@@ -49,6 +54,7 @@ __all__ = [
     "VarEdit",
     "VhdTrace",
     "Vhr",
+    "VisualModulation",
     "caa_vector",
     "load_caa_vectors",
     "save_caa_vectors",

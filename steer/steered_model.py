@@ -193,6 +193,8 @@ class SteeredModel:
                 `{"role", "content"}` dicts), or a list of either (batched with left
                 padding).
             steer: an intervention or a list, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
+                An intervention with `refine_images(model, prompts, images, chat=, emphasize=,
+                markup=)` (e.g. `Carve`) first replaces the images; the batch is encoded again.
             images: for a vision-language model: one image (PIL), or one image / list of
                 images / None per prompt. A prompt without the image placeholder gets
                 one per image before its first user message (`heads.inputs.images`);
@@ -260,6 +262,12 @@ class SteeredModel:
         lm = cast(_GenerativeLM, hm.model)
         enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
         check_new_tokens(hm, enc.length, max_new_tokens, "max_new_tokens")
+        for s in steer:  # input refinement (CARVE): answer on the images the method returns
+            refine = getattr(s, "refine_images", None)
+            if callable(refine):
+                images = refine(hm, prompts, images, chat=chat, emphasize=emphasize, markup=markup)
+                enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
+                check_new_tokens(hm, enc.length, max_new_tokens, "max_new_tokens")
         edits = [e for s in steer for e in s.edits(hm, enc)]
         take = getattr(steer[0], "take_prefill_cache", None) if len(steer) == 1 else None
         cache = take(enc) if callable(take) and generate_kwargs.get("use_cache", True) else None

@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
     from heads.model.adapter import HeadModel
-    from heads.results.stability import Stability
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "HeadScores", "HeadSet", "HeadSpec"]
 
@@ -267,7 +266,8 @@ class HeadScores:
     model: str = ""
     n_kv_heads: int | None = None
     seed: int | None = None
-    stability: Stability | None = field(default=None, compare=False, repr=False)
+    # a `heads.results.stability.Stability` (typed Any: that module builds on this one)
+    stability: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu()

@@ -11,16 +11,13 @@ uses, and reads the pairs' template ids.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
 from heads.results.stability import DEFAULT_RESAMPLES, Stability, check_stability, stability_of
-
-if TYPE_CHECKING:  # pragma: no cover
-    from heads.scorers.patching.activation import PatchResult
 
 __all__ = [
     "attach",
@@ -122,7 +119,7 @@ def attach(
 
 
 def patch_stability(
-    result: PatchResult,
+    result: Any,  # a `heads.scorers.patching.activation.PatchResult` (that module builds on this one)
     n_resamples: int = DEFAULT_RESAMPLES,
     *,
     k: int = 10,

@@ -56,3 +56,19 @@ def test_cli_report_circuit_stability(tiny_llama_dir, tmp_path):
     page = out.read_text()
     assert "Edge inclusion frequency" in page and "Edge stability" in page
     one_line_error(CliRunner().invoke(app, [*args, "--stability", "1", "--force"]), "--stability")
+
+
+def test_atlas_columns_and_page_show_stability(tmp_path, tiny_llama):
+    from heads.scorers.roles import HeadAtlas, head_atlas
+    from heads.scorers.roles.detectors import pattern_scores
+    from viz.reports.atlas import render_atlas_report
+
+    det = pattern_scores(tiny_llama, stability=10)
+    atlas = head_atlas(tiny_llama, detectors=det, thumbnails=False)
+    p = det["induction"].stability.p_top_k.numpy()
+    assert (atlas.frame["induction_p_top_k"].to_numpy() == p).all()
+    assert atlas.sources["induction"]["stability"]["n_resamples"] == 10
+    back = HeadAtlas.load(atlas.save(tmp_path / "a.json"))
+    assert back.sources["induction"]["stability"] == atlas.sources["induction"]["stability"]
+    page = render_atlas_report(atlas).to_html()
+    assert "Stability of the role rankings" in page and "induction_p_top_k" in page

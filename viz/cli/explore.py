@@ -70,4 +70,5 @@ def explore_command(
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
     run.say(f"explorer for {hm.name} on {url} (Ctrl-C to stop)")
-    run_uvicorn(app, sock, say=run.say)
+    # Ctrl-C / SIGTERM: every job is cancelled as Cancel does, so the server is gone at once
+    run_uvicorn(app, sock, say=run.say, on_stop=app.state.jobs.stop_all)

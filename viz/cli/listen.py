@@ -68,12 +68,20 @@ def url_of(sock: socket.socket) -> str:
 
 
 def run_uvicorn(
-    app: Any, sock: socket.socket, *, say: Callable[[str], None] | None = None, **config: Any
+    app: Any,
+    sock: socket.socket,
+    *,
+    say: Callable[[str], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
+    **config: Any,
 ) -> None:
     """Serve `app` on the listening `sock` with uvicorn until Ctrl-C / SIGTERM; then print
     "server stopped" (with `say`, default a line on stderr) and close the socket.
 
     Args:
+        on_stop: called once the server starts to stop (after Ctrl-C / SIGTERM, before it waits
+            for the open connections to close), in the server's event loop: `headsteer explore`
+            cancels its jobs there, so their streams end at once instead of running to the end.
         config: more `uvicorn.Config` options (default `log_level="warning"`).
 
     Raises:
@@ -81,8 +89,14 @@ def run_uvicorn(
     """
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            if on_stop is not None:
+                on_stop()
+            await super().shutdown(sockets=sockets)
+
     config.setdefault("log_level", "warning")
-    server = uvicorn.Server(uvicorn.Config(app, **config))
+    server = Server(uvicorn.Config(app, **config))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises the SIGINT it caught, once shut down

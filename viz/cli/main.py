@@ -35,6 +35,7 @@ from viz.cli.common import (
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
+from viz.cli.qk import report_qk  # noqa: E402
 from viz.cli.training import register_training  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
@@ -68,6 +69,7 @@ command(
     app, "explore", writes_files=False, json_help="print the URL and model as one JSON line once serving"
 )(explore_command)
 command(report_app, "probes")(report_probes)
+command(report_app, "qk")(report_qk)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
 
@@ -121,9 +123,9 @@ def generate(
         str,
         typer.Option(
             "--steer",
-            help="pasta | instaboost | var | vhr | adaptvis | scalingvis (var/vhr/adaptvis/scalingvis: "
-            "on --image, or the **marked** passage, with the papers' defaults; instaboost: all heads, "
-            "on the **marked** instruction)",
+            help="pasta | instaboost | var | vhr | adaptvis | scalingvis | carve | modulation (the vision "
+            "methods: on --image, or the **marked** passage, with the defaults; carve: --image only; "
+            "instaboost: all heads, on the **marked** instruction)",
         ),
     ] = "pasta",
     image: ImageOpt = None,
@@ -317,6 +319,9 @@ def report_atlas(
         Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
     ] = None,
     maps: Annotated[bool, typer.Option(help="MAPS relation scores (the best relation column)")] = True,
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the detector sequences: stable top-k heads (0: none)")
+    ] = 0,
 ) -> dict:
     """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
     from heads.scorers.roles import AttentionLens
@@ -324,6 +329,9 @@ def report_atlas(
 
     if lens is not None and not lens.is_file():
         raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
     # a bad or untrained lens file fails here, before the model loads
@@ -333,7 +341,7 @@ def report_atlas(
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
-            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv
+            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv, stability=stability
         )
     table = Table(title="Head roles")
     table.add_column("role")

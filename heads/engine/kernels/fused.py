@@ -56,7 +56,9 @@ def available() -> bool:
     return True
 
 
-def _score_mod(bias: torch.Tensor, beta: torch.Tensor, span: torch.Tensor, softcap: float | None):
+def _score_mod(
+    bias: torch.Tensor, beta: torch.Tensor, span: torch.Tensor, softcap: float | None
+) -> Callable[..., torch.Tensor]:
     """The edit as a flex `score_mod`: optional soft-cap, then the per-column bias `[B, H, k]`
     and the per-row span bias `beta[B, H, q] * span[B, k]`."""
 
@@ -282,7 +284,8 @@ def fused_attention(
             out = _compiled(False)(query, key, value, bias_t, beta_t, span_t, off, kr, blocks, scale, softcap)
         else:
             out = _compiled(True)(query, key, value, bias_t, beta_t, span_t, dense, blocks, scale, softcap)
-    return out[:, :, :q_real] if q_len != q_real else out
+    result: torch.Tensor = out[:, :, :q_real] if q_len != q_real else out
+    return result
 
 
 def warm_up(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:

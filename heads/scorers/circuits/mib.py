@@ -52,7 +52,6 @@ from heads.scorers.patching.metrics import get_metric
 
 if TYPE_CHECKING:  # pragma: no cover
     from heads.model.adapter import HeadModel
-    from heads.scorers.circuits.circuit import Circuit
     from heads.scorers.patching.metrics import Metric
     from heads.scorers.patching.pairs import PairBatch
 
@@ -307,7 +306,7 @@ def _faithfulness(
 def mib_curve(
     model: HeadModel,
     pairs: PairBatch,
-    scores: EdgeScores | Circuit,
+    scores: EdgeScores | Any,  # or a `Circuit` (its module builds on this one: no import here)
     *,
     absolute: bool = True,
     metric: str | Metric | Any | None = None,

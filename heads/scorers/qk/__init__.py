@@ -8,12 +8,15 @@ counterpart from the decomposition.
 """
 
 from heads.scorers.qk.attribution import BY, qk_attribution
+from heads.scorers.qk.circuits import CircuitQK, circuit_qk
 from heads.scorers.qk.composition import composition_scores, data_composition_scores
 from heads.scorers.qk.family import ACCEPTED, check_qk_model
 
 __all__ = [
     "ACCEPTED",
     "BY",
+    "CircuitQK",
+    "circuit_qk",
     "check_qk_model",
     "composition_scores",
     "data_composition_scores",

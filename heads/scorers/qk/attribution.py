@@ -212,7 +212,6 @@ def _source_side(
     N, P = cols.shape
     T = rec.resid[0].shape[1]
     H = model.n_heads
-    here = parts[-1]
     ys, pats, invs = [], [], []
     for la in range(len(parts) - 1):
         pl = parts[la]
@@ -230,20 +229,17 @@ def _source_side(
     U = len(ys) * H
     if not U:
         return torch.zeros(N, P, against.shape[1], 0, max(lengths), dtype=torch.float64)
-    y = torch.cat(ys, 1)  # [N, U, T, d]
+    y = torch.cat(ys, 1)  # [N, U, T, d] each source's projected value
     pat = torch.cat(pats, 1)  # [N, U, P, T]
-    inv_o = torch.stack(invs, 1).repeat_interleave(H, 1)  # [N, U, P]
-    res = torch.empty(N, P, against.shape[1], U, T, dtype=torch.float64)
-    d = y.shape[-1]
-    for p in range(P):  # one destination position at a time (memory U x T x d)
-        vec = y * (inv_o[:, :, p] * sd.inv[:, p : p + 1])[:, :, None, None]
-        vec = vec.reshape(N, U * T, d)
-        if sd.qk_factor is not None:
-            vec = vec * sd.qk_factor[:, 0, p][:, None, :]
-        if here.rotary is not None and kind != "v":
-            vec = here.rotary(vec[:, :, None, :], sd.positions[:, p : p + 1])[:, :, 0]
-        vec = vec.reshape(N, U, T, d) * pat[:, :, p, :, None]
-        res[:, p] = torch.einsum("nutd,nrd->nrut", vec, against) * scale
+    coef = torch.stack(invs, 1).repeat_interleave(H, 1) * sd.inv[:, None, :]  # [N, U, P]
+    # R_p(f * v) . w = v . (f * (B_p w)): rotate the other side instead of every source
+    w = against[:, None].expand(N, P, -1, -1)  # [N, P, R, d]
+    if sd.rot is not None:
+        w = torch.einsum("npij,nprj->npri", sd.rot, w)
+    if sd.qk_factor is not None:
+        w = w * sd.qk_factor[:, 0, :, None, :]
+    res = torch.einsum("nutd,nprd->nprut", y, w) * scale
+    res = res * (coef[..., None] * pat).permute(0, 2, 1, 3)[:, :, None]  # [N, P, 1, U, T]
     out = torch.zeros(N, P, against.shape[1], U, max(lengths), dtype=torch.float64)
     for n, length in enumerate(lengths):
         out[n, ..., :length] = res[n, ..., T - length :]

@@ -169,6 +169,16 @@ class LayerParts:
         read the raw residual, `C diag(gain) w`."""
         return w if self.in_norm is None else self.in_norm.reading(w.transpose(0, 1)).transpose(0, 1)
 
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """`[N, P, d, d]` the rotary map at each position as a matrix `B` (`R_p v = v @ B[n, p]`),
+        built by the family's own rotary function on the basis vectors; None without RoPE."""
+        if self.rotary is None:
+            return None
+        d = self.W_Q.shape[-1]
+        N, P = positions.shape
+        eye = torch.eye(d, dtype=torch.float64)[None, :, None, :].expand(N, d, P, d)
+        return self.rotary(eye.contiguous(), positions).permute(0, 2, 1, 3)  # [N, P, i, j]
+
     def write(self) -> torch.Tensor:
         """`W_O` `[H, d, D]` folded with the output norm's gain (post-norm families)."""
         return self.W_O if self.out_norm is None else self.W_O * self.out_norm.gain

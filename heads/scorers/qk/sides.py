@@ -138,7 +138,7 @@ class Side:
         inv: `[N, P]` the input norm's frozen 1/scale at each position.
         qk_factor: `[N, X, P, d]` the QK-norm's gain over its frozen scale, or None.
         w_read: `[X, D, d]` the projection folded with the input norm's gain (and centring).
-        positions: `[N, P]` the rotary positions.
+        rot: `[N, P, d, d]` the rotary maps as matrices (`R_p v = v @ rot[n, p]`), or None.
     """
 
     vectors: torch.Tensor
@@ -147,17 +147,7 @@ class Side:
     inv: torch.Tensor
     qk_factor: torch.Tensor | None
     w_read: torch.Tensor
-    positions: torch.Tensor
-
-    def finish(self, parts: LayerParts, v: torch.Tensor, kind: str) -> torch.Tensor:
-        """Apply the per-position maps after the input norm (QK-norm factor, rotary) to
-        projected, input-scaled vectors `v [N, Y, X, P, d]`."""
-        if self.qk_factor is not None:
-            v = v * self.qk_factor[:, None]
-        if parts.rotary is not None and kind != "v":
-            N, Y, X, P, d = v.shape
-            v = parts.rotary(v.reshape(N, Y * X, P, d), self.positions).reshape(N, Y, X, P, d)
-        return v
+    rot: torch.Tensor | None
 
 
 def _constant(parts: LayerParts, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -218,8 +208,8 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
         if shift is not None:
             vectors[:, -1] = vectors[:, -1] + shift[None, :, None, :]
             full = full + shift[None, :, None, :]
-    if parts.rotary is not None and kind != "v":
-        C1 = vectors.shape[1]
-        vectors = parts.rotary(vectors.reshape(N, C1 * X, P, d), positions).reshape(N, C1, X, P, d)
-        full = parts.rotary(full, positions)
-    return Side(vectors, [*comps.names, "bias"], full, inv, factor, w_read, positions)
+    rot = parts.rotation(positions) if kind != "v" else None
+    if rot is not None:
+        vectors = torch.einsum("ncxpi,npij->ncxpj", vectors, rot)
+        full = torch.einsum("nxpi,npij->nxpj", full, rot)
+    return Side(vectors, [*comps.names, "bias"], full, inv, factor, w_read, rot)

@@ -918,6 +918,7 @@ def detect_roles(
     seed: int = 0,
     retrieval: bool = True,
     successor: bool = True,
+    stability: int = 0,
 ) -> dict[str, HeadScores]:
     """Every detector: the pattern scores (one forward per batch), copying, successor and retrieval.
 
@@ -928,6 +929,8 @@ def detect_roles(
         seed: seeds the random sequences, copying tokens and needle prompts (0..2**32 - 1).
         retrieval: also run `retrieval_scores` (default True; False skips the needle forward).
         successor: also run `successor_scores` (default True; skipped without a tokenizer).
+        stability: bootstrap resamples of the sequences for the pattern detectors' rankings
+            (`pattern_scores(stability=)`; default 0: none).
 
     Returns:
         `{name: HeadScores [L, H]}`: `PATTERN_DETECTORS`, `"copying"`, then `"successor"` and
@@ -941,7 +944,7 @@ def detect_roles(
     check_bool("retrieval", retrieval)
     check_bool("successor", successor)
     seed = _seed(seed)
-    out = pattern_scores(model, sequences, seed=seed)
+    out = pattern_scores(model, sequences, seed=seed, stability=stability)
     out["copying"] = copying_scores(model, apply_first_mlp=apply_first_mlp, seed=seed)
     if successor and model.tokenizer is not None:
         out["successor"] = successor_scores(model, apply_first_mlp=apply_first_mlp)

@@ -256,3 +256,31 @@ def test_refuses_latent_attention_by_name():
         composition_scores(hm)
     with pytest.raises(ValueError, match="multi-head latent attention"):
         qk_attribution(hm, torch.tensor([3, 4, 5]), (0, 0))
+
+
+def test_square_root_of_the_gram_matrix_also_when_rank_deficient():
+    from heads.scorers.qk.composition import _r
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 40, 6, generator=g, dtype=torch.float64)
+    low = full.clone()
+    low[:, :, 5] = low[:, :, 0]  # rank 5 of 6: no Cholesky factor
+    for w in (full, low):
+        r = _r(w)
+        assert torch.allclose(r.transpose(-1, -2) @ r, w.transpose(-1, -2) @ w, atol=1e-8)
+
+
+def test_chosen_readers_give_the_same_columns(tokenizer):
+    hm = make_tiny("llama", tokenizer)
+    full = composition_scores(hm)
+    part = composition_scores(hm, readers=[(2, 3), (1, 0)])
+    for kind in "qkv":
+        for la, h in ((2, 3), (1, 0)):
+            a, b = part.raw[kind][:, :, la, h], full.raw[kind][:, :, la, h]
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            assert torch.allclose(a.nan_to_num(), b.nan_to_num(), atol=1e-6)
+        assert torch.isnan(part.raw[kind][:, :, 2, 0]).all()
+    with pytest.raises(ValueError, match="unknown layer 5"):
+        composition_scores(hm, readers=[(5, 0)])
+    with pytest.raises(ValueError, match="readers must be"):
+        composition_scores(hm, readers=[])
