@@ -152,19 +152,23 @@ def phase_change_figure(phase: PhaseChange) -> go.Figure:
         "induction": "rgba(44,160,44,0.15)",
         "previous_token": "rgba(31,119,180,0.15)",
     }
-    for key, colour in colours.items():
+    windows: dict[tuple[int, int], list[str]] = {}
+    for key in colours:
         e = phase.jumps.get(key)
         if e is not None and e.step is not None and e.window[0] is not None:
-            fig.add_vrect(
-                x0=e.window[0],
-                x1=e.step,
-                fillcolor=colour,
-                line_width=0,
-                annotation_text=key,
-                annotation_position="top left",
-                row="all",
-                col=1,
-            )
+            windows.setdefault((e.window[0], e.step), []).append(key)
+    for (lo, hi), keys in windows.items():
+        fig.add_vrect(x0=lo, x1=hi, fillcolor=colours[keys[0]], line_width=0, row="all", col=1)
+        fig.add_annotation(
+            x=hi,
+            y=1,
+            yref="y domain",
+            text=plain_text(", ".join(keys) + f" jump ({lo}, {hi}]"),
+            showarrow=False,
+            xanchor="left",
+            row=1,
+            col=1,
+        )
     fig.update_layout(height=230 * len(rows), title="the induction phase change", hovermode="x unified")
     fig.update_xaxes(title_text="step", row=len(rows), col=1)
     return fig

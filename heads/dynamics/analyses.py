@@ -51,18 +51,34 @@ def _detectors(
     length: list[int] | None = None,
     seed: int = 0,
 ) -> dict[str, HeadScores]:
-    from heads.scorers.roles.detectors import PATTERN_DETECTORS, pattern_scores, repeated_tokens
+    from heads.scorers.roles.detectors import PATTERN_DETECTORS, pattern_scores
 
-    span = (25, 50) if length is None else tuple(length)
-    enc = repeated_tokens(model, n_seqs=n_seqs, length=span, seed=seed)  # type: ignore[arg-type]
+    enc = _repeated(model, length, n_seqs, seed)
     return pattern_scores(model, enc, detectors=tuple(detectors or PATTERN_DETECTORS), seed=seed)
 
 
-def _atlas(model: HeadModel, *, seed: int = 0, retrieval: bool = True, successor: bool = True) -> Any:
+def _repeated(model: HeadModel, length: list[int] | None, n_seqs: int, seed: int) -> Any:
+    """The detectors' repeated random tokens, R of (25, 50) tokens capped by the model's positions."""
+    from heads.scorers.roles.detectors import repeated_tokens
+
+    if length is None:
+        cap = 50 if model.max_positions is None else max(1, (model.max_positions - 1) // 2)
+        span = (min(25, cap), min(50, cap))
+    else:
+        span = (int(length[0]), int(length[1]))
+    return repeated_tokens(model, n_seqs=n_seqs, length=span, seed=seed)
+
+
+def _atlas(model: HeadModel, *, seed: int = 0, retrieval: bool | None = None, successor: bool = True) -> Any:
+    """`head_atlas` with `detect_roles`; `retrieval` None: only when the model has at least 512
+    positions (the needle prompts are about 300 tokens)."""
     from heads.scorers.roles.atlas import head_atlas
     from heads.scorers.roles.detectors import detect_roles
 
-    det = detect_roles(model, seed=seed, retrieval=retrieval, successor=successor)
+    if retrieval is None:
+        retrieval = model.max_positions is None or model.max_positions >= 512
+    enc = _repeated(model, None, 8, seed)
+    det = detect_roles(model, enc, seed=seed, retrieval=retrieval, successor=successor)
     return head_atlas(model, detectors=det, thumbnails=False, seed=seed)
 
 

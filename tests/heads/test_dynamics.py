@@ -95,7 +95,8 @@ def test_steps_override_is_checked(tmp_path):
 
 # ---------------------------------------------------------------------------- runner
 def test_results_equal_the_analysis_run_by_hand_on_each_checkpoint(run_dir):
-    s = over_checkpoints(run_dir, "induction_phase", {"n": 2, "length": 8}, progress=False)
+    params = {"n": 2, "length": 8, "composition": False}  # composition: tests/probes/test_phase_change.py
+    s = over_checkpoints(run_dir, "induction_phase", params, progress=False)
     assert s.steps == [0, 1, 2, 4]
     for folder, step in zip(sorted(run_dir.glob("step-*")), s.steps, strict=True):
         hm = load_model(folder)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heads import HeadsteerValueError, load_model
+from heads.model.loading import no_empty_init_warning
 from probes.datasets.corpus import load_corpus
 from probes.organism.build import MANIFEST, build_organism
 from probes.organism.data import CorpusStream, batch_rows, icl_rows
@@ -96,7 +97,8 @@ def test_intermediate_size_zero_is_refused_outside_attention_only_families(tmp_p
         num_key_value_heads=2,
         max_position_embeddings=32,
     )
-    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "q")
+    with no_empty_init_warning():
+        Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "q")
     with pytest.raises(HeadsteerValueError, match="intermediate_size must be a positive int"):
         load_model(tmp_path / "q")
 
