@@ -64,18 +64,20 @@ def json_object(raw: bytes, *, not_object: str = "request body must be a JSON ob
     return body
 
 
-def validated(cls: type[M], body: Mapping[str, Any], context: Mapping[str, Any] | None = None) -> M:
+def validated(
+    cls: type[M], body: Mapping[str, Any], context: Mapping[str, Any] | None = None, *, known: bool = True
+) -> M:
     """`cls.model_validate(body, context=context)`, its failure one line.
 
-    Fields `cls` does not have are named first, all of them ("unknown field(s) ['bogus']: this
-    endpoint takes [...]": a typo must never silently run a default); then the first failing
-    field in the model's order, with the message its validator raised.
+    With `known` (default), fields `cls` does not have are named first, all of them ("unknown
+    field(s) ['bogus']: this endpoint takes [...]": a typo must never silently run a default);
+    then the first failing check in the model's order, with the message its validator raised.
 
     Raises:
         HeadsteerValueError: as above.
         HeadsteerTypeError: a validator's type error (raised as is).
     """
-    unknown = sorted(str(k) for k in body if k not in cls.model_fields)
+    unknown = sorted(str(k) for k in body if k not in cls.model_fields) if known else []
     if unknown:
         raise HeadsteerValueError(
             f"unknown field(s) {short_repr(unknown)}: this endpoint takes {sorted(cls.model_fields)}"
