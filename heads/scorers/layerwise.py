@@ -140,7 +140,7 @@ def run_layer(
     """Layer `layer` alone with gradients from `x` (`[R, T, D]`, the residual entering it; make it
     a leaf that requires grad to get the gradient that reaches it), with `edits` (of that layer):
     the stream leaving the layer `[R, T, D]`, or for the last layer the logits `[R, V]` at the last
-    position (fp32)."""
+    position (the model's dtype)."""
     last = layer == model.n_layers - 1
     box: list[torch.Tensor] = []
     site_edits: list[Edit] = [ActivationEdit("residual", layer, _replace(x)), *edits]
@@ -154,5 +154,5 @@ def run_layer(
             out = _run(model, ids, mask)
         except _Stop:
             return box[-1]
-    logits: torch.Tensor = out.logits[:, -1].float()
+    logits: torch.Tensor = out.logits[:, -1]
     return logits

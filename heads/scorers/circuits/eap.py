@@ -188,7 +188,7 @@ def _layer_step(
     out = run_layer(model, ids, mask, la, x, edits)
     with torch.enable_grad():
         if last:
-            target = cast(Loss, loss)(out)
+            target = cast(Loss, loss)(out.float())
             grads = torch.autograd.grad(target, leaves, allow_unused=True)
         else:
             grads = torch.autograd.grad(
