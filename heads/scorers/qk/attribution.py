@@ -324,7 +324,8 @@ def qk_attributions(
         its `k_side [N, C + 1, K, d]`).
 
     Raises:
-        as `qk_attribution`, at the call (before the forward, which runs at the first item).
+        HeadsteerValueError: as `qk_attribution`, at the call (before the forward, which runs
+            at the first item).
     """
     check_qk_model(model)
     if heads is None:
