@@ -4,6 +4,7 @@ specs itself (`heads.backends`)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -27,6 +28,7 @@ __all__ = [
     "SITES",
     "HookSpec",
     "Site",
+    "call_cache",
     "hf_hook_specs",
     "pre_hook",
     "pre_register",
@@ -36,6 +38,37 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ hook sites
+_CACHE_NAMES = ("past_key_values", "layer_past")
+_CACHE_INDEX: dict[type, int | None] = {}
+
+
+def _cache_index(module: nn.Module) -> int | None:
+    """Position of the cache parameter among `module.forward`'s positional arguments, or None."""
+    kind = type(module)
+    if kind not in _CACHE_INDEX:
+        try:
+            params = list(inspect.signature(kind.forward).parameters)[1:]  # without self
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            params = []
+        _CACHE_INDEX[kind] = next((i for i, p in enumerate(params) if p in _CACHE_NAMES), None)
+    return _CACHE_INDEX[kind]
+
+
+def call_cache(module: nn.Module, args: tuple, kwargs: dict):
+    """The KV cache a decoder block or attention module was called with, or None.
+
+    Families name and pass it differently: `past_key_values` as a keyword (most), `layer_past`
+    (GPT-NeoX, GPT-BigCode), or positionally (GPT-2's blocks get it as their second argument).
+    Reading only the `past_key_values` keyword made every position-aware edit of those families
+    start at column 0 after a cache (e.g. a prefix-reusing patch, a cached generation step)."""
+    for name in _CACHE_NAMES:
+        cache = kwargs.get(name)
+        if cache is not None:
+            return cache
+    i = _cache_index(module)
+    return args[i] if i is not None and i < len(args) else None
+
+
 def _output_hook(key: int, model: HeadModel, layer: int):
     """o_proj pre-hook applying the calling context's head-output edits (none: untouched)."""
     n_heads, d_head = model.n_heads, model.d_head
@@ -60,7 +93,7 @@ def _offset_hook(key: int, model: HeadModel, layer: int):
     KV-cache length), for hook sites that run after attention (`head_output`)."""
 
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = call_cache(module, args, kwargs)
         offsets = OFFSETS.get()
         if not offsets:  # a fresh dict per context, never the shared default
             offsets = {}
@@ -82,7 +115,7 @@ def residual_hook(key: int, model: HeadModel, layer: int):
             return None
         positional = bool(args)
         x = args[0] if positional else kwargs["hidden_states"]
-        cache = kwargs.get("past_key_values")
+        cache = call_cache(module, args, kwargs)
         offset = int(cache.get_seq_length(layer)) if cache is not None else 0
         call = AttentionCall(layer, x.shape[0], n_heads, x.shape[1], offset + x.shape[1], offset, x.device)
         for e in edits:

@@ -29,6 +29,7 @@ import torch
 
 from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.forward import forward
+from heads.engine.sites import call_cache
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
@@ -314,7 +315,7 @@ class SinkTracker:
                 if me is None or (me.active is not None and not me.active()):
                     return None
                 hidden = args[0] if args else kwargs["hidden_states"]
-                cache = kwargs.get("past_key_values")
+                cache = call_cache(module, args, kwargs)  # GPT-2 passes it positionally
                 offset = 0 if cache is None else int(cache.get_seq_length(layer))
                 me.observe(layer, hidden, offset)
                 return None
