@@ -35,6 +35,7 @@ OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -96,27 +97,50 @@ def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
 
 
 def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
-    """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm."""
+    """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm.
+
+    The kind, gain and bias are read from the norm's own function, not from its class or its
+    parameter names (Gemma's and Nemotron's norms multiply by `1 + weight`, OLMo's has no
+    weight, Cohere's is a LayerNorm with an RMSNorm's attribute names): the norm is applied to
+    `0` (which gives its bias), to a vector `x` of alternating +-1 and to `x + 3` (equal to `x`'s
+    output iff the norm centres), and the gain is `(N(x) - N(0)) * sqrt(var + eps) / x_c`
+    elementwise (`x_c` = `x` centred for a LayerNorm, `var` its mean square; no entry of `x_c`
+    is 0). `eps` is the norm's `variance_epsilon` / `eps` attribute, or, for a norm that keeps it
+    inside its forward (OLMo's 1e-5), solved from `N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m +
+    eps)` at `a = 1e-3`.
+
+    Raises:
+        ValueError: a norm without an eps attribute whose eps cannot be measured.
+    """
     norm = model.final_norm
+    d = model.d_model
+    x = torch.ones(d)
+    x[1::2] = -1.0
+
+    def run(v: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return norm(v[None].to(model.device, model.dtype)).float().cpu()[0]
+
+    zero, at_x, shifted = run(torch.zeros(d)), run(x), run(x + 3.0)
+    centred = bool(torch.allclose(at_x, shifted, rtol=1e-2, atol=1e-3 * float(at_x.abs().max())))
+    xc = x - x.mean() if centred else x
+    ms = float(xc.pow(2).mean())
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
-    if eps is None:
-        raise HeadsteerValueError(
-            f"final norm {type(norm).__name__} has no eps attribute; cannot freeze its scale"
-        )
-    w = getattr(norm, "weight", None)
-    d = model.W_U.shape[0]
-    gain = torch.ones(d) if w is None else w.detach().float().cpu()
-    if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)
-        gain = 1.0 + gain
-    centred = (
-        isinstance(norm, torch.nn.LayerNorm)
-        or "LayerNorm" in type(norm).__name__
-        and not hasattr(norm, "variance_epsilon")
-    )
-    b = getattr(norm, "bias", None)
-    bias = None if b is None else b.detach().float().cpu()
+    if (
+        eps is None
+    ):  # a constant inside forward (OLMo): solve N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
+        a = 1e-3
+        r = float(((run(a * x) - zero) / (at_x - zero)).mean())
+        eps = a * a * ms * (1 - r * r) / (r * r - a * a)
+        if not eps > 0:
+            raise HeadsteerValueError(
+                f"final norm {type(norm).__name__} has no eps attribute and none could be measured; "
+                "cannot freeze its scale"
+            )
+    gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
+    bias = zero if bool(zero.abs().max() > 0) else None
     return ("layer" if centred else "rms"), gain, bias, float(eps)
 
 
@@ -155,6 +179,52 @@ def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch
     return mean_cols(pairs.answers, pairs.answer_mask), mean_cols(
         pairs.counterfactuals, pairs.counterfactual_mask
     )
+
+
+def _logit_scale(model: HeadModel) -> tuple[float, bool]:
+    """`(c, before_unembed)`: the constant the model multiplies its output logits by (Cohere's
+    `logit_scale`; 1 / Granite's `logits_scaling`; 1 if none) and whether it is applied to the
+    normed state before the unembedding (MiniCPM3) rather than to the logits."""
+    spec = model.family.logit_scale
+    if spec is None:
+        return 1.0, False
+    field, op = spec
+    value = float(getattr(_config(model), field))
+    return (value if op == "mul" else 1.0 / value), op == "div_hidden"
+
+
+def _config(model: HeadModel) -> Any:
+    cfg = model.model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _final_softcap(model: HeadModel) -> float | None:
+    """The cap of the model's output-logit soft-cap (`c * tanh(logits / c)`), or None."""
+    field = model.family.final_softcap
+    cap = getattr(_config(model), field, None) if field is not None else None
+    return float(cap) if cap else None
+
+
+def output_logits(model: HeadModel, normed: torch.Tensor) -> torch.Tensor:
+    """The model's own output logits `[..., V]` from final-normed states `normed [..., D]`: the
+    unembedding, then every step the model's head takes after it (a constant logit scale,
+    Cohere / Granite / MiniCPM3; the output soft-cap, Gemma 2 / 3, NanoChat), in the model's
+    dtype. The logit lens reads each layer through it."""
+    scale, before = _logit_scale(model)
+    logits = model.unembed(normed * scale if before else normed)
+    if not before and scale != 1.0:
+        logits = logits * scale
+    cap = _final_softcap(model)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _residual_scale(model: HeadModel, layer: int) -> float:
+    """The factor block `layer` applies to its attention and MLP outputs before they join the
+    residual stream (Granite's `residual_multiplier`; 1 for most families)."""
+    name = model.family.residual_scale
+    return 1.0 if name is None else float(getattr(model.layers[layer], name))
 
 
 def _lm_bias(model: HeadModel) -> torch.Tensor | None:
@@ -272,7 +342,8 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
     kind, gain, nbias, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
-    du = ua - uw  # [N, D]
+    scale, _ = _logit_scale(model)
+    du = (ua - uw) * scale  # [N, D]: the logit scale is linear, it folds into the direction
     u = gain * du
     if kind == "layer":
         u = u - u.mean(-1, keepdim=True)
@@ -292,14 +363,15 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     embed = proj(cache.residuals[0])
     for la in range(L):
         wo, bo = _o_matrices(model, la)  # [H, d, D]
+        r = _residual_scale(model, la)  # what the block's outputs are scaled by on joining the stream
         z = cache.z[la].float().cpu()  # [N, T, H, d]
         wu_h = torch.einsum("hdk,nk->nhd", wo, u)  # [N, H, d]
-        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :]
-        attn = cache.attn_out[la].float().cpu()
-        mlp_out = cache.mlp_out[la].float().cpu()
+        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :] * r
+        attn = cache.attn_out[la].float().cpu() * r
+        mlp_out = cache.mlp_out[la].float().cpu() * r
         parts += attn + mlp_out
         # what the block's attention output holds beyond the heads (the o_proj bias)
-        head_sum = torch.einsum("nthd,hdk->ntk", z, wo)
+        head_sum = torch.einsum("nthd,hdk->ntk", z, wo) * r
         attn_bias[:, la] = proj(attn - head_sum)
         mlp[:, la] = proj(mlp_out)
     rest = proj(x_final - parts)
@@ -313,9 +385,10 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
         diff = ba.sum(-1) / pairs.answer_mask.sum(-1) - bw.sum(-1) / pairs.counterfactual_mask.sum(-1).clamp(
             min=1
         )
-        bias += diff[:, None]
+        bias += diff[:, None] * (1.0 if _logit_scale(model)[1] else scale)
     bias = bias * real
-    # the model's own logit difference at every position (from the normed final residual)
+    # the model's own logit difference at every position (from the normed final residual),
+    # before any output soft-cap
     normed = model.final_norm(x_final.to(model.device, model.dtype)).float().cpu()
     ld = torch.einsum("ntd,nd->nt", normed, du)
     if lb is not None:
@@ -408,7 +481,7 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
     cache, x_final = _record(model, ids, pairs.attention_mask)
     resid = [r[:, -1] for r in cache.residuals[:-1]] + [x_final[:, -1]]
     stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, D]
-    logits = model.unembed(model.final_norm(stack)).float().cpu()  # [N, L+1, V]
+    logits = output_logits(model, model.final_norm(stack)).float().cpu()  # [N, L+1, V]
 
     def gather(ids_: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         vals = logits.gather(-1, ids_[:, None, :].expand(-1, logits.shape[1], -1))
@@ -462,16 +535,17 @@ def head_logits(
     ua, uw = _directions(model, pairs)
     cache, x_final = _record(model, _which(pairs, which), pairs.attention_mask)
     s = _scale(kind, x_final[:, -1], eps)  # [N]
+    scale, _ = _logit_scale(model)
     out = []
     for u in (ua, uw):
-        v = gain * u
+        v = gain * u * scale
         if kind == "layer":
             v = v - v.mean(-1, keepdim=True)
         per = torch.zeros(pairs.n, model.n_layers, model.n_heads)
         for la in range(model.n_layers):
             wo, _ = _o_matrices(model, la)
             z = cache.z[la][:, -1].float().cpu()  # [N, H, d]
-            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None]
+            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None] * _residual_scale(model, la)
         out.append(per)
     return out[0], out[1]
 
