@@ -603,13 +603,12 @@ def create_explorer(
         job = Jobs.check_id(body.get("job"))
         from heads.engine.options import SweepOptions
         from heads.scorers.patching.activation import patch
-        from heads.scorers.patching.pairs import PromptPair, encode_pairs
+        from heads.scorers.patching.pairs import PromptPair, check_pairs_differ, encode_pairs
 
-        if clean == corrupted:
-            raise HeadsteerValueError("clean and corrupted are the same text: nothing to patch")
-        if cf is not None and cf == answer:
-            raise HeadsteerValueError("counterfactual is the answer: their logit difference is always 0")
-        pairs = encode_pairs(model, [PromptPair(clean, corrupted, answer, cf)])  # checks before work
+        pair = PromptPair(clean, corrupted, answer, cf)
+        check_pairs_differ([pair])  # the API's and the CLI's check: same text, answer as counterfactual
+        pairs = encode_pairs(model, [pair])  # checks before work
+        check_pairs_differ(pairs, counterfactual=cf is not None)  # the same on tokens
         metric = "logit_diff" if cf is not None else "log_prob"
 
         def work(emit, flag) -> dict:
