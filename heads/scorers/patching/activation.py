@@ -11,8 +11,12 @@ Sites (`KINDS`), each scored on a grid:
 * `"attn_out"` / `"mlp_out"`: the attention / MLP block output of layer l at t, `[L, T]`;
 * `"head_out"`: head h's output z (its slice of the `o_proj` input, TransformerLens' `hook_z`)
   at every position, `[L, H]`; `"head_out_by_pos"`: at one position, `[L, H, T]`;
-* `"q"`: head h's query (all positions) `[L, H]`; `"k"` / `"v"`: keys / values of KV head g,
-  `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV head);
+* `"q"`: head h's query (all positions) as the attention function reads it, after any QK-norm
+  and RoPE (the engine's query site), `[L, H]`; `"k"` / `"v"`: KV head g's columns of the key /
+  value projection output (before RoPE / QK-norm, which act per position and head), in every
+  fused layout, `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV
+  head). Refused by name where a family has no such site (`check_kind`): `k` / `v` on latent
+  attention, `k` where the key norm spans all heads, `mlp_out` where the MLP is not one module;
 * `"pattern"`: head h's attention pattern (all positions), `[L, H]`.
 
 Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows per forward;
@@ -26,9 +30,11 @@ and for a metric that reads a few tokens (`logit_diff`) only their columns (`une
 A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
 before the first token where the two prompts differ) patches nothing: it gets the base run's
 metric without a forward.
-The patches are engine edits (`head_output`, `residual`, `probs` sites) or forward hooks on the
-block outputs and the q/k/v projections; all are removed on exit, so the model is bitwise
-unchanged afterwards.
+The patches are engine edits (`head_output`, `residual`, `query`, `probs` sites) or forward hooks
+on the block outputs and the k / v projections; all are removed on exit, so the model is bitwise
+unchanged afterwards. Each kind equals a one-hook whole-model loop on every family headsteer
+accepts, prompts longer than a sliding window included (tests/heads/patching/
+test_family_patching.py).
 """
 
 from __future__ import annotations
@@ -586,9 +592,11 @@ def patch(
 
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
-        ValueError: an unknown kind / direction / metric, layers or positions out of range,
-            positions for a kind that patches every position, ids outside the vocabulary, a
-            metric that needs counterfactuals the pairs lack, nnsight with `remote=True`, vision
+        ValueError: an unknown kind / direction / metric, a kind the family does not have
+            (`check_kind`), layers or positions out of range, positions for a kind that patches
+            every position, ids outside the vocabulary, a metric that needs counterfactuals the
+            pairs lack, a pair that cannot show an effect (`pairs.check_pairs_differ`: names
+            it), nnsight with `remote=True`, vision
             pairs on a text-only or unsupported model (`vision.check_image_model`),
             `positions="image"` without vision pairs — all before any forward.
     """

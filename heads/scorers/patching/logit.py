@@ -22,14 +22,17 @@ the recorded parts do not explain, ~1e-6 on pre-norm families). Sources: Elhage 
 `ActivationCache.decompose_resid` / `stack_head_results` / `apply_ln_to_stack` (the frozen-
 scale convention), Ortu et al. 2024 (Sec. 4, logit inspection of factual vs counterfactual).
 
-`logit_lens` applies the real final norm and the unembedding to the residual entering every
-layer (and the final one): the metric, the logit and rank of the answer and counterfactual
-token, and the top tokens per layer. `head_logits` (the per-head lens) gives each head's
-direct logit for the answer and for the counterfactual token at the last position (frozen
-scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
+`logit_lens` applies the model's own output function (the real final norm, the unembedding and
+any logit scale and output soft-cap after it: `output_logits`) to the residual entering every
+layer (and the final one, so its last entry is the model's output): the metric, the logit and
+rank of the answer and counterfactual token, and the top tokens per layer. `head_logits` (the
+per-head lens) gives each head's direct logit for the answer and for the counterfactual token at
+the last position (frozen scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
 
 Families whose sub-layer outputs pass through a norm before joining the residual (Gemma 2/3,
-OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
+OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there. DLA is a linear
+decomposition of the logit difference before any output soft-cap (Gemma 2 / 3, NanoChat): the
+cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logit_diff`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "DLAResult",
+    "output_logits",
     "LensResult",
     "check_dla_model",
     "direct_logit_attribution",
@@ -254,6 +258,11 @@ def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
 class DLAResult:
     """Direct logit attribution of one clean run (logit difference answer - counterfactual).
 
+    A linear decomposition of the logit difference *before any output soft-cap* (Gemma 2 / 3,
+    NanoChat cap the logits after the unembedding; no sum of terms reproduces the cap). Every
+    term is in logit units, with the model's constant logit scale (Cohere, Granite, MiniCPM3)
+    folded in and each block's residual multiplier (Granite, MiniCPM3) applied to its terms.
+
     Attributes:
         heads: `[N, L, H, T]` fp32 term of head (l, h)'s output at position t on the logit
             difference read at t (frozen final-norm scale of position t; padding columns 0).
@@ -261,7 +270,8 @@ class DLAResult:
         embed: `[N, T]` the embedding term (token + absolute position embeddings).
         bias: `[N, T]` the final norm's and the LM head's bias terms.
         rest: `[N, T]` what the recorded parts leave unexplained (`x_L` minus their sum).
-        logit_diff: `[N, T]` the model's own logit difference at every position.
+        logit_diff: `[N, T]` the model's own logit difference at every position, before any
+            output soft-cap (equal to the output's where the family has none).
         labels: `T` token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
@@ -326,8 +336,9 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
 
     Returns:
         a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
-        logit difference within float error (tested: 1e-5 on tiny fp32 models, 1e-4 on the
-        embedded model).
+        logit difference before any output soft-cap within float error (tested: 1e-5 on a tiny
+        fp32 model of every family DLA accepts, with logit scales and residual multipliers
+        switched on; 1e-4 on the embedded model).
 
     Raises:
         ValueError: pairs without counterfactual tokens, a `post_norm` family, a final norm
@@ -414,6 +425,10 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
 class LensResult:
     """The logit lens at the last position, per layer.
 
+    Entry l (< L) is the model's own output function (final norm, unembedding, logit scale,
+    output soft-cap: `output_logits`) applied to the residual entering layer l; entry L is the
+    model's output itself.
+
     Attributes:
         answer_logit / counterfactual_logit: `[N, L + 1]` logits of the answer / counterfactual
             token (mean over a pair's tokens) read from the residual entering layer l (index
@@ -461,8 +476,10 @@ class LensResult:
 
 @torch.no_grad()
 def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
-    """The logit lens (nostalgebraist 2020): final norm + unembedding of the residual entering
-    every layer, at the last position.
+    """The logit lens (nostalgebraist 2020): the model's output function (final norm,
+    unembedding and every step after it: a logit scale, the output soft-cap; `output_logits`) of
+    the residual entering every layer, at the last position. The last entry is the model's
+    output (tested on every family).
 
     Args:
         which: `"clean"` (default) or `"corrupted"`.

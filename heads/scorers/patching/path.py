@@ -16,10 +16,13 @@ or chosen heads' query / key / value inputs), with base prompt x and source prom
 `"denoising"` (x corrupted, x~ clean). Scores are normalised as activation patching's
 (`heads.scorers.patching.metrics.normalise`).
 
-Receivers' inputs are the outputs of their q / k / v projections (before RoPE and any QK-norm,
-which act per position and head, so replacing them is the same as replacing the rotated
-vectors). Under GQA, keys and values belong to a KV head: k / v receivers are `(layer, kv_head)`
-pairs, and patching one changes the keys / values every query head of its group reads.
+Receivers' inputs: a q receiver's query as the attention function reads it (after any QK-norm
+and RoPE, the engine's query site); a k / v receiver's KV-head columns of the key / value
+projection output (before RoPE and QK-norm, which act per position and head), in every fused
+layout; `k` / `v` are refused where `activation.patch` refuses them (latent attention; `k` where
+the key norm spans all heads). Under GQA, keys and values belong to a KV head: k / v receivers
+are `(layer, kv_head)` pairs, and patching one changes the keys / values every query head of its
+group reads.
 With `mlp="frozen"` and `direction="denoising"` a q receiver's result equals TransformerLens'
 `patching.get_act_patch_direct_path` (the sender's write added to the receiver's own copy of
 the residual, everything else corrupted), tested.
@@ -172,8 +175,10 @@ def path_patch(
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: unknown senders / receivers / inputs / mlp mode / direction / metric, inputs
-            other than "q" with receivers "logits", ids outside the vocabulary,
-            positions out of range, nnsight with `remote=True` — before any forward.
+            other than "q" with receivers "logits", a k / v input the family does not have,
+            ids outside the vocabulary, positions out of range, a pair that cannot show an
+            effect (`pairs.check_pairs_differ`), nnsight with `remote=True` — before any
+            forward.
     """
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
