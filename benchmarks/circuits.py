@@ -7,11 +7,12 @@
    run already has the speed-up; uniform because a forward skips the layers below its first
    patched input, so an edge's cost depends on its target's layer). Exact patching of the
    whole graph is not run: its cost is extrapolated as seconds per sampled edge x all edges
-   (`exact_edges_timed` says how many were timed), and `speedup_vs_exact` = that / the EAP-IG
-   time (same pairs, same run). After the curves, a *candidate set* is scored exactly: the
-   union of the top `--k` edges of EAP-IG and the top `--k` of EAP (each edge x pair one
-   forward row, `--batch-rows` rows per forward, edges grouped by downstream input), timed
-   apart (`exact_candidates_s_per_edge`).
+   (`exact_edges_timed` says how many were timed, default 128), and `speedup_vs_exact` = that /
+   the EAP-IG time (same pairs, same run); `speedup_vs_exact_extrapolation_factor` (all edges /
+   timed edges) says how far the headline is extrapolated. After the curves, a *candidate set*
+   is scored exactly: the union of the top `--k` edges of EAP-IG and the top `--k` of EAP
+   (each edge x pair one forward row, `--batch-rows` rows per forward, edges grouped by
+   downstream input), timed apart (`exact_candidates_s_per_edge`).
 3. `spearman_top200`: Spearman of EAP-IG vs exact scores on EAP-IG's top `--k` edges;
    `top20_recall`: the share of the exact top 20 *of the candidate set* (by |score|) that are
    in EAP-IG's top 100 (an edge outside both top-k lists is never scored exactly).
@@ -159,7 +160,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--k", type=int, default=200, help="top-k edges of each method scored exactly")
     ap.add_argument("--batch-rows", type=int, default=128)
-    ap.add_argument("--sample", type=int, default=16, help="candidate edges timed before the curves")
+    ap.add_argument("--sample", type=int, default=128, help="edges timed exactly before the curves")
+    ap.add_argument("--skip-curves", action="store_true", help="no faithfulness curves (short run)")
     ap.add_argument("--random-draws", type=int, default=3, help="random circuits per size")
     ap.add_argument("--out", default="")
     ap.add_argument("--study", action="store_true", help="the circuit-ablation study instead")
@@ -232,12 +234,13 @@ def main() -> None:
     res["exact_timed_s"] = round(s_sample, 2)
     res["exact_all_edges_s_extrapolated"] = round(per_edge * graph.n_edges, 1)
     res["speedup_vs_exact"] = round(per_edge * graph.n_edges / res["eap_ig_s"], 1)
+    res["speedup_vs_exact_extrapolation_factor"] = round(graph.n_edges / len(sample), 1)
     res["loadavg_exact"] = _load()
     dump()
 
     # 2. faithfulness curves
     t = time.perf_counter()
-    for name, sc in (("eap_ig", ig), ("eap", eap)):
+    for name, sc in () if args.skip_curves else (("eap_ig", ig), ("eap", eap)):
         rnd = name == "eap_ig"
         cur = faithfulness_curve(
             model,

@@ -13,6 +13,10 @@ Figures (one JSON line):
 * `pattern_forward_ms`: the baseline in the same run, `head_pattern` (one forward for one head,
   what each click cost before the cache) timed in Python on the same prompt while the server is
   up and idle, median of `--clicks`; `click_vs_forward` = `click_to_pattern_ms / pattern_forward_ms`.
+* `click_uncached_ms`: the same click on a prompt the server has not prepared (a new prompt per
+  click, the page's delayed prepare cancelled): the click's own request records the prompt's
+  patterns first (one forward over every head), then answers; `click_uncached_vs_forward` is
+  it over `pattern_forward_ms`. This is what a click costs before the prepare has returned.
 * `first_token_ratio`: time to the first streamed token of a steered generation in the page
   (request sent to the first `text` event, browser clock) over the time to the first token of
   `SteeredModel.generate` itself (call to the streamer's first text) with the same prompt, heads
@@ -87,7 +91,7 @@ def main() -> None:
     from steer.pasta.method import Pasta
     from steer.steered_model import SteeredModel
     from viz.explorer import create_explorer
-    from viz.explorer.app import _shipped_heads
+    from viz.explorer.state import shipped_heads as _shipped_heads
 
     model = load_model()
     url, stop = serve(create_explorer(model))
@@ -119,6 +123,17 @@ def main() -> None:
                 page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=120_000)
                 times.append(page.evaluate("window.__explorer.lastPatternMs"))
                 fetched.append(page.evaluate("window.__explorer.lastPatternFetchMs"))
+                page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
+            # uncached clicks: a prompt the server has not seen, the page's delayed prepare
+            # cancelled, so the click's own request records the prompt's patterns first
+            cold = []
+            for i in range(args.clicks):
+                page.fill("#prompt", f"{prompt} {i}")
+                page.evaluate("clearTimeout(prepareTimer)")
+                layer, head = (4 + 5 * i) % model.n_layers, (2 + 2 * i) % model.n_heads
+                click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
+                page.wait_for_selector(f"#pattern[data-head='{layer},{head}']", timeout=600_000)
+                cold.append(page.evaluate("window.__explorer.lastPatternMs"))
                 page.wait_for_selector(f"#head-card[data-head='{layer},{head}']", timeout=600_000)
             page.fill("#prompt", DEMO)
             page.evaluate("(h) => { state.heads = h; headsText(); }", shipped)  # the clicked heads out
@@ -164,6 +179,9 @@ def main() -> None:
         "click_to_data_ms": round(statistics.median(fetched), 1),
         "pattern_forward_ms": round(statistics.median(forward_ms), 1),
         "click_vs_forward": round(statistics.median(times) / statistics.median(forward_ms), 3),
+        "click_uncached_ms": round(statistics.median(cold), 1),
+        "click_uncached_all_ms": [round(t, 1) for t in cold],
+        "click_uncached_vs_forward": round(statistics.median(cold) / statistics.median(forward_ms), 3),
         "first_token_ms_page": round(statistics.median(web), 1),
         "first_token_ms_sdk": round(statistics.median(sdk), 1),
         "first_token_ratio": round(statistics.median(web) / statistics.median(sdk), 3),

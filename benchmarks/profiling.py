@@ -1,9 +1,10 @@
 """PASTA profiling of every head on 32 examples of one task: batched engine vs one head at a time.
 
 The loop is what a practitioner writes: for each head, one forward of all examples with PASTA
-on that head alone (`Pasta(heads=[h])`, the same engine edits), full logits, and the mean
-change of the target token's log-prob. It is timed on `--loop-heads` heads spread over all
-layers and extrapolated to all heads; `same_ranking` compares the two rankings of those heads.
+on that head alone (`Pasta(heads=[h])`, the same engine edits), only the last position
+unembedded (`logits_to_keep=1`), and the mean change of the target token's log-prob. It is
+timed on `--loop-heads` heads spread over all layers and extrapolated to all heads;
+`same_ranking` compares the two rankings of those heads.
 
 The engine (`steer.pasta.profiling.profile_heads`) packs heads into batch rows, starts each batch at
 its heads' layer from the clean residual stream, takes positions before the span from the
@@ -37,15 +38,21 @@ def task_inputs(name: str, split: str, n: int) -> tuple[list[str], list[str], li
     return [e.prompt for e in ex], [e.emphasize for e in ex], [e.answer for e in ex], task.chat
 
 
+def _last_logits(hm, enc) -> torch.Tensor:
+    """`[B, V]` last-position logits, unembedding only that position (`logits_to_keep=1`, as a
+    user who needs one position writes it)."""
+    return forward(hm, enc, logits_to_keep=1).logits[:, -1].float()
+
+
 @torch.no_grad()
 def loop_profile(hm, prompts, emphasize, targets, chat, heads) -> list[float]:
     enc = encode_prompts(hm.tokenizer, prompts, emphasize=emphasize, chat=chat)
     tgt = target_ids(hm.tokenizer, targets)[:, None]
-    base = torch.log_softmax(forward(hm, enc)[:, -1].float(), -1).gather(1, tgt)[:, 0]
+    base = torch.log_softmax(_last_logits(hm, enc), -1).gather(1, tgt)[:, 0]
     out = []
     for h in heads:
         with editing(hm, Pasta(heads=[h]).edits(hm, enc)):
-            lp = torch.log_softmax(forward(hm, enc)[:, -1].float(), -1).gather(1, tgt)[:, 0]
+            lp = torch.log_softmax(_last_logits(hm, enc), -1).gather(1, tgt)[:, 0]
         out.append((lp - base).mean().item())
     return out
 
@@ -97,6 +104,8 @@ def main() -> None:
                 "heads": n_heads,
                 "examples": len(prompts),
                 "task": args.task,
+                "loop_logits": "last position only (logits_to_keep=1)",
+                "load_average_1m": round(os.getloadavg()[0], 2),
             }
         )
     )

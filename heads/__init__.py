@@ -28,7 +28,9 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
+from heads._util import aliases as _aliases
 from heads._version import __version__
+from heads.engine.activations import ActivationEdit, ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import (
     AttentionCall,
@@ -42,6 +44,7 @@ from heads.engine.edits import (
     Recorder,
 )
 from heads.engine.forward import forward
+from heads.engine.hooks import hook_names, record, run_with_hooks
 from heads.engine.options import SweepOptions
 from heads.errors import (
     EditNeverFired,
@@ -54,10 +57,14 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.results.activations import ActivationCache
+from heads.results.composition import CompositionScores
+from heads.results.qk import QKAttribution
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.attention_mass import head_pattern, span_attention
 from heads.scorers.circuits import Circuit, find_circuit
 from heads.scorers.patching.path import path_patch
+from heads.scorers.qk import composition_scores, data_composition_scores, qk_attribution
 from heads.scorers.safety.attribution import attribute
 from heads.scorers.sink_dims import find_sink_dims
 
@@ -101,4 +108,17 @@ __all__ = [
     "parse_markup",
     "span_attention",
     "path_patch",
+    "CompositionScores",
+    "QKAttribution",
+    "composition_scores",
+    "data_composition_scores",
+    "qk_attribution",
+    "ActivationCache",
+    "ActivationEdit",
+    "ActivationRecorder",
+    "hook_names",
+    "record",
+    "run_with_hooks",
 ]
+
+_aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

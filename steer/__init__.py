@@ -9,18 +9,21 @@ from steer.ablate import Ablate
 from steer.act.method import Act, ActEdit
 from steer.adaptvis import AdaptVis, AdaptVisScale, ScalingVis
 from steer.caa import Caa, CaaAdd, caa_vector, load_caa_vectors, save_caa_vectors
+from steer.carve import Carve, CarveMaps
 from steer.head_gates import HeadGates
 from steer.instaboost import InstaBoost, InstaBoostBias
 from steer.iti import Iti
 from steer.knockout import Knockout, KnockoutBias
 from steer.pasta.method import Pasta, PastaBias, pasta_column_bias
 from steer.pasta.profiling import profile_heads, select_heads, smallest_k
+from steer.pattern_injection import PatternEdit, PatternInjection
 from steer.span_rows import UnsteeredRowsWarning
 from steer.spotlight import Spotlight, SpotlightEdit
 from steer.steered_model import Generation, Intervention, SteeredModel
 from steer.var import Var, VarEdit
 from steer.vhr.method import Vhr
 from steer.vhr.trace import VhdTrace, vhd_trace
+from steer.visual_modulation import ModulationBias, VisualModulation
 
 __all__ = [
     "Ablate",
@@ -28,6 +31,8 @@ __all__ = [
     "ActEdit",
     "Caa",
     "CaaAdd",
+    "Carve",
+    "CarveMaps",
     "Generation",
     "HeadGates",
     "InstaBoost",
@@ -36,8 +41,11 @@ __all__ = [
     "Iti",
     "Knockout",
     "KnockoutBias",
+    "ModulationBias",
     "Pasta",
     "PastaBias",
+    "PatternEdit",
+    "PatternInjection",
     "SteeredModel",
     "Spotlight",
     "SpotlightEdit",
@@ -46,6 +54,7 @@ __all__ = [
     "VarEdit",
     "VhdTrace",
     "Vhr",
+    "VisualModulation",
     "caa_vector",
     "load_caa_vectors",
     "save_caa_vectors",

@@ -48,9 +48,12 @@ from steer.caa import Caa
 from steer.instaboost import InstaBoost
 from steer.noop import refusing_noop
 from steer.pasta.method import Pasta
+from steer.pattern_injection import PatternInjection
 from steer.profiles import shipped_profile
+from steer.sampling import draw, fresh_seed, row_generator
 from steer.spotlight import Spotlight
 from steer.steered_model import Intervention, check_new_tokens
+from steer.visual_modulation import VisualModulation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,7 +92,12 @@ _METHODS = {
     "adaptvis": ("weight1", "weight2", "threshold", "layers"),
     "scalingvis": ("weight", "layers"),
     "caa": ("vector", "coefficient"),
+    "pattern_injection": ("heads", "pattern", "weight", "mode"),
+    "modulation": ("gamma", "local_ratio", "regions", "layers"),
+    "carve": ("general", "keep"),
 }
+MAX_SERVED_TEMPLATE = 512
+"""Largest T of a `[T, T]` pattern template given in a request (a JSON list of T lists)."""
 
 
 def _heads_spec(value, method: str):
@@ -135,7 +143,16 @@ def parse_steer(spec, caa_vectors: Mapping[str, Caa] | None = None) -> list[Inte
             * `"scalingvis"`: `weight` (default 0.8), `layers` (default all);
             * `"caa"`: `vector` (the name of a vector the server loaded, `caa_vectors`; may be
               left out when it loaded exactly one), `coefficient` (default 1). A request can
-              only name vectors: it never gives a file or the numbers.
+              only name vectors: it never gives a file or the numbers;
+            * `"pattern_injection"`: `heads` (required: a `{"layer": [heads]}` object or
+              [layer, head] pairs), `pattern` (a name, default "previous-token", or a `[T, T]`
+              list of lists of non-negative numbers, T <= 512), `weight` (default 1), `mode`
+              "mix" | "mask" (default "mix");
+            * `"modulation"`: head-specific visual modulation on the emphasized passage (the text
+              variant): `gamma` (default 1), `local_ratio` (default 0.1), `regions` (default 2),
+              `layers` (default the deeper half);
+            * `"carve"`: refused with a one-line reason: CARVE refines the request's image, and
+              this server takes text only.
         caa_vectors: the server's named CAA vectors (`steer.caa.load_caa_vectors`; default none).
 
     Returns:
@@ -200,6 +217,30 @@ def _caa(item: Mapping, vectors: Mapping[str, Caa]) -> Caa:
     return Caa(base.vector, base.layer, c, base.from_position)
 
 
+def _pattern_injection(item: Mapping) -> PatternInjection:
+    if "heads" not in item:
+        raise HeadsteerValueError("pattern_injection needs heads")
+    kw: dict = {"heads": _heads_spec(item["heads"], "pattern_injection")}
+    if kw["heads"] == "auto":
+        raise HeadsteerValueError('pattern_injection has no "auto" heads: name them')
+    pattern = item.get("pattern", "previous-token")
+    if isinstance(pattern, list):
+        rows = len(pattern)
+        if not 1 <= rows <= MAX_SERVED_TEMPLATE or not all(
+            isinstance(r, list) and len(r) == rows and all(is_number(x) for x in r) for r in pattern
+        ):
+            raise HeadsteerValueError(
+                f"pattern must be a name or a [T, T] list of lists of numbers with T <= {MAX_SERVED_TEMPLATE}"
+            )
+        pattern = torch.tensor(pattern, dtype=torch.float32)
+    kw["pattern"] = pattern
+    if "weight" in item:
+        kw["weight"] = _number(item["weight"], "weight")
+    if "mode" in item:
+        kw["mode"] = item["mode"]
+    return PatternInjection(**kw)
+
+
 def _intervention(method: str, item: Mapping, caa_vectors: Mapping[str, Caa]) -> Intervention:
     """One intervention from a checked `"steer"` item (see `parse_steer`)."""
     if method in ("adaptvis", "scalingvis"):
@@ -210,6 +251,21 @@ def _intervention(method: str, item: Mapping, caa_vectors: Mapping[str, Caa]) ->
         return AdaptVis(**kw) if method == "adaptvis" else ScalingVis(**kw)
     if method == "caa":
         return _caa(item, caa_vectors)
+    if method == "carve":
+        raise HeadsteerValueError(
+            "CARVE refines the prompt's image and this server takes text only: use `headsteer vision "
+            "generate --steer carve --image ...` or SteeredModel.generate(..., images=...)"
+        )
+    if method == "modulation":
+        kw = {"target": "text", **_layers_field(item)}
+        for name in ("gamma", "local_ratio"):
+            if name in item:
+                kw[name] = _number(item[name], name)
+        if "regions" in item:
+            kw["regions"] = item["regions"]
+        return VisualModulation(**kw)
+    if method == "pattern_injection":
+        return _pattern_injection(item)
     if method == "pasta":
         kw = {"heads": _heads_spec(item.get("heads", "auto"), method)}
         if "alpha" in item:
@@ -638,7 +694,7 @@ class BatchGenerator:
         validate_edits(self.model, [e for s in steer for e in s.edits(self.model, enc)])  # as editing() will
         seed = request.params.seed
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)))
+            seed = fresh_seed()
         return Prepared(request, enc, steer, seed)
 
     def _stack(self, items: Sequence[Prepared]) -> EncodedPrompts:
@@ -705,7 +761,7 @@ class BatchGenerator:
             keep = (sp.cumsum(0) - sp) < params.top_p  # the smallest prefix reaching top_p
             keep[0] = True
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return draw(probs, gen)
 
     @torch.no_grad()
     def run(
@@ -734,14 +790,9 @@ class BatchGenerator:
         enc = self._stack(items)
         n = enc.batch
         params = [p.request.params for p in items]
-        gens = []
-        for prm in params:
-            g = torch.Generator()
-            g.manual_seed(prm.seed if prm.seed is not None else int(torch.randint(0, 2**62, (1,))))
-            gens.append(g)
-        for b, p in enumerate(items):  # a rerun of the same request draws the same tokens
-            if p.request.params.seed is None and p.seed is not None:
-                gens[b].manual_seed(p.seed)
+        # each row its own generator (steer.sampling); a rerun of the same request draws the same tokens
+        seeds = [p.seed if p.seed is not None else p.request.params.seed for p in items]
+        gens = [row_generator(fresh_seed() if s is None else s) for s in seeds]
         errors: dict[int, Exception] = {}
         tokens: list[list[int]] = [[] for _ in range(n)]
         texts = [""] * n

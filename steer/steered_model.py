@@ -16,6 +16,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.images import encode_image_prompts
 from heads.inputs.prompts import Emphasis, EncodedPrompts, Prompt, encode_prompts
 from heads.model.adapter import HeadModel
+from steer.sampling import seeded_generate_kwargs
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -192,6 +193,8 @@ class SteeredModel:
                 `{"role", "content"}` dicts), or a list of either (batched with left
                 padding).
             steer: an intervention or a list, e.g. `[Pasta(heads=profile)]`; empty = unsteered.
+                An intervention with `refine_images(model, prompts, images, chat=, emphasize=,
+                markup=)` (e.g. `Carve`) first replaces the images; the batch is encoded again.
             images: for a vision-language model: one image (PIL), or one image / list of
                 images / None per prompt. A prompt without the image placeholder gets
                 one per image before its first user message (`heads.inputs.images`);
@@ -201,7 +204,11 @@ class SteeredModel:
             emphasize: spans to emphasize besides markup (see `heads.encode_prompts`).
             chat: apply the chat template (default: when the tokenizer has one).
             markup: parse `**…**` markup (default True).
-            seed: torch seed for sampling.
+            seed: with `do_sample`, each prompt's tokens are drawn from its own generator
+                seeded with `seed` (`steer.sampling`): the same prompt and seed give the same
+                tokens alone, at any position of a batch, and from any thread (up to float
+                round-off between batch shapes); torch's global generator is neither read nor
+                moved. Default None: `transformers`' sampling from the global generator.
             require_fired: raise if an intervention's edit never ran (default True).
             progress: True (default: a tqdm bar, drawn at once for more than `BAR_MIN_PROMPTS`
                 prompts, else once the call has run `BAR_DELAY_S` = 5 s), False / None (off)
@@ -217,7 +224,9 @@ class SteeredModel:
         Raises:
             ValueError: bad prompts or spans, `max_new_tokens` < 1, prompt plus new tokens
                 beyond the model's position limit, or an unsupported generate option
-                (`num_return_sequences`, `num_beams`); `images` for a model without a
+                (`num_return_sequences`, `num_beams`; with `seed` and `do_sample`, an option
+                that is not plain sampling, e.g. `assistant_model`, or `watermarking_config`);
+                `images` for a model without a
                 processor, or not matching the prompts' image placeholders. During decoding:
                 a steered step whose logits are not finite (NaN / inf: the steering overflowed
                 the model's dtype), naming the step and the edits.
@@ -253,13 +262,17 @@ class SteeredModel:
         lm = cast(_GenerativeLM, hm.model)
         enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
         check_new_tokens(hm, enc.length, max_new_tokens, "max_new_tokens")
+        for s in steer:  # input refinement (CARVE): answer on the images the method returns
+            refine = getattr(s, "refine_images", None)
+            if callable(refine):
+                images = refine(hm, prompts, images, chat=chat, emphasize=emphasize, markup=markup)
+                enc = self.encode(prompts, images=images, emphasize=emphasize, chat=chat, markup=markup)
+                check_new_tokens(hm, enc.length, max_new_tokens, "max_new_tokens")
         edits = [e for s in steer for e in s.edits(hm, enc)]
         take = getattr(steer[0], "take_prefill_cache", None) if len(steer) == 1 else None
         cache = take(enc) if callable(take) and generate_kwargs.get("use_cache", True) else None
         if cache is not None:  # VHR's probe pass already holds the reinforced prompt (docs/methods/vhr.md)
             generate_kwargs["past_key_values"] = cache
-        if seed is not None:
-            torch.manual_seed(seed)  # checked on entry
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = hm.device
         delay = BAR_DELAY_S if enc.batch <= BAR_MIN_PROMPTS else 0.0
@@ -279,21 +292,29 @@ class SteeredModel:
                 stops = list(generate_kwargs.pop("stopping_criteria", None) or [])
                 step = _step_progress(report, enc.length, max_new_tokens)
                 generate_kwargs["stopping_criteria"] = StoppingCriteriaList([*stops, step])
+            sampler = None
+            if do_sample and seed is not None:  # each row its own generator (steer.sampling)
+                generate_kwargs, sampler = seeded_generate_kwargs(
+                    lm.generation_config, generate_kwargs, seed, enc.batch
+                )
+            opts: dict[str, Any] = {"do_sample": do_sample, "pad_token_id": pad_id}
+            if not do_sample:
+                opts.update(temperature=None, top_p=None, top_k=None)
+            opts.update(generate_kwargs)
             out = hm.generate(
                 **{k: v.to(device) for k, v in enc.inputs.items()},  # pixel_values, image_grid_thw, ...
                 input_ids=enc.input_ids.to(device),
                 attention_mask=enc.attention_mask.to(device),
                 max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                pad_token_id=pad_id,
-                **({} if do_sample else {"temperature": None, "top_p": None, "top_k": None}),
-                **generate_kwargs,
+                **opts,
             )
             if report is not None:
                 report(max_new_tokens, max_new_tokens)  # also when every row stopped early
         raw = None
         if not isinstance(out, torch.Tensor):  # return_dict_in_generate=True
             raw, out = out, out.sequences
+            if sampler is not None and getattr(raw, "scores", None) is not None:
+                raw.scores = tuple(sampler.scores)  # the warped scores, not the sampler's pick
         new = out[:, enc.length :].tolist()
         eos = generate_kwargs.get("eos_token_id", lm.generation_config.eos_token_id)
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}

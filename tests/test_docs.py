@@ -161,3 +161,13 @@ def test_generated_pages_never_shadow_committed_ones():
     for name in names:
         assert not (root / "docs" / name).exists(), name
     assert not (root / "docs" / "reference").exists()
+
+
+def test_every_scorer_subpackage_is_in_the_architecture_page():
+    """docs/architecture.md lists every subpackage of `heads/scorers/` (its inventory went stale
+    once: patching, circuits and roles were missing)."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    subpackages = sorted(p.parent.name for p in (ROOT / "heads" / "scorers").glob("*/__init__.py"))
+    assert subpackages
+    missing = [name for name in subpackages if f"`scorers/{name}/`" not in page]
+    assert not missing, f"docs/architecture.md does not list heads/scorers/ subpackages {missing}"

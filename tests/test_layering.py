@@ -9,10 +9,9 @@ and `importlib.import_module("...")` / `__import__("...")` with a literal name:
 * `probes` imports only `heads` and `steer`;
 * nothing but `viz` and the notebooks imports `viz`;
 * no import cycle between the modules of one package (`module_cycles`), counting imports at
-  module level and inside functions alike (a function-level import is a cycle postponed, not
-  removed); only the imports under `if TYPE_CHECKING:` are left out — annotations name
-  `HeadModel` in the engine and backends that `heads.model.adapter` itself builds on, and such
-  an import never runs;
+  module level, inside functions and under `if TYPE_CHECKING:` alike (a function-level import
+  is a cycle postponed, not removed; a type-only import still ties the modules' designs: the
+  backends are leaves that never name `HeadModel`, the adapter builds on them);
 * no module of `heads.engine` imports `heads.scorers` (`engine_violations`): scorers are built
   on the engine, never the reverse.
 
@@ -25,7 +24,6 @@ from __future__ import annotations
 import ast
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -197,13 +195,12 @@ def test_planted_backwards_import_in_a_copy_of_the_tree_fails(tmp_path):
     )
     nb = {"cells": [{"cell_type": "code", "source": ["%matplotlib inline\n", "import viz.figures\n"]}]}
     (tmp_path / "notebooks" / "ok.ipynb").write_text(json.dumps(nb))  # notebooks may import viz
-    (tmp_path / "probes" / "tasks.py").write_text(
-        (tmp_path / "probes" / "tasks.py").read_text() + "\n\ndef _late():\n    import viz.cli.main\n"
-    )
+    tasks = tmp_path / "probes" / "datasets" / "tasks.py"
+    tasks.write_text(tasks.read_text() + "\n\ndef _late():\n    import viz.cli.main\n")
     got = tree_violations(tmp_path)
     assert len(got) == 2
     assert got[0].startswith("heads/planted.py:line 2: heads imports steer.pasta.method")
-    assert got[1].startswith("probes/tasks.py:") and got[1].endswith("probes imports viz.cli.main")
+    assert got[1].startswith("probes/datasets/tasks.py:") and got[1].endswith("probes imports viz.cli.main")
 
 
 def test_no_script_shadows_a_package():
@@ -228,21 +225,6 @@ def _package_modules(root: Path) -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (type-only imports)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If):
-            test = node.test
-            name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
-            if name == "TYPE_CHECKING":
-                stack += node.orelse
-                continue
-        stack += list(ast.iter_child_nodes(node))
-
-
 def import_graph(modules: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
     """module -> the modules of the same top-level package it imports (sources given as text).
 
@@ -257,7 +239,7 @@ def import_graph(modules: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, (source, is_package) in modules.items():
-        for node in _runtime_nodes(ast.parse(source)):
+        for node in ast.walk(ast.parse(source)):
             names = _imported(node, module, is_package)
             if isinstance(node, ast.ImportFrom):  # `from pkg import submodule`
                 base = names[0] if node.module else None
@@ -355,7 +337,7 @@ def test_cycle_checker_on_planted_sources():
         heads__a="import heads.b\n",
         heads__b="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from heads.a import A\n",
     )
-    assert module_cycles(type_only) == []  # annotations only: never imported at run time
+    assert module_cycles(type_only) == [["heads.a", "heads.b"]]  # a type-only import counts too
     across = _planted(heads__a="import steer.b\n", steer__b="import heads.a\n")
     assert module_cycles(across) == []  # between packages: the layering test's business
     chain = _planted(heads__a="import heads.b\n", heads__b="import heads.c\n", heads__c="import torch\n")
@@ -383,6 +365,19 @@ def test_planted_cycle_and_upward_import_in_a_copy_of_the_tree_fail(tmp_path):
     assert "heads.engine.state imports heads.scorers.sinks" in engine_violations(modules)
     cycles = module_cycles(modules)
     assert len(cycles) == 1 and {"heads.engine.state", "heads.scorers.sinks"} <= set(cycles[0])
+    state.write_text(
+        state.read_text().replace("\n\ndef _late():\n    from heads.scorers.sinks import sinks\n", "")
+    )
+    assert module_cycles(_tree_sources(tmp_path)) == []
+    # a type-only import closes a cycle as well: a backend naming the adapter that builds on it
+    hf = tmp_path / "heads" / "backends" / "hf.py"
+    hf.write_text(
+        hf.read_text() + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+        "    from heads.model.adapter import HeadModel\n"
+    )
+    cycles = module_cycles(_tree_sources(tmp_path))
+    assert len(cycles) == 1 and {"heads.backends.hf", "heads.model.adapter"} <= set(cycles[0])
+    hf.write_text(hf.read_text().split("\n\nfrom typing import TYPE_CHECKING")[0])
     steer_cycle = tmp_path / "steer" / "noop.py"
     steer_cycle.write_text(steer_cycle.read_text() + "\n\ndef _late():\n    import steer.pasta.method\n")
     assert any("steer.noop" in c for c in module_cycles(_tree_sources(tmp_path)))

@@ -16,6 +16,7 @@ import torch
 from heads.errors import HeadsteerValueError
 from heads.inputs.tokens import visible
 from heads.results.scores import HeadScores, HeadSet
+from heads.results.stability import Stability
 from heads.results.views import scores_title
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "plain_text",
     "score_distribution",
     "span_share_by_layer",
+    "stability_bars",
 ]
 
 
@@ -209,5 +211,45 @@ def mapped_pairs(salient, *, title: str = "salient operations") -> go.Figure:
         title=plain_text(title),
         xaxis_title="sigma = ||e W_VO|| / ||e||",
         height=max(350, 28 * len(src) + 120),
+    )
+    return fig
+
+
+def stability_bars(stability: Stability, k: int | None = None, *, title: str | None = None) -> go.Figure:
+    """The top `k` items (default: the stability's top k, at least 10) by full-sample rank: the
+    score with its 95 % bootstrap interval as error bars, the rank interval and P(in top k) in the
+    hover text; stable items (`Stability.stable`) drawn dark with a star in their label.
+
+    Raises:
+        HeadsteerValueError: `k` < 1.
+    """
+    k = max(stability.k, 10) if k is None else k
+    if k < 1:
+        raise HeadsteerValueError(f"k must be >= 1, got {k}")
+    f = stability.to_frame().head(k)
+    names = [plain_text(n) + (" *" if s else "") for n, s in zip(f["item"], f["stable"], strict=True)]
+    hover = [
+        f"rank {r.rank} [{r.rank_low}, {r.rank_high}]<br>P(top {stability.k}) {r.p_top_k:.2f}"
+        for r in f.itertuples()
+    ]
+    fig = go.Figure(
+        go.Bar(
+            x=names,
+            y=f["score"],
+            error_y={"type": "data", "symmetric": False, "array": f["high"] - f["score"],
+                     "arrayminus": f["score"] - f["low"]},
+            marker_color=["#1f3b73" if s else "#9db4d8" for s in f["stable"]],
+            hovertext=hover,
+        )
+    )  # fmt: skip
+    s = stability.summary()
+    fig.update_layout(
+        title=plain_text(
+            title
+            or f"{stability.method or 'ranking'}: top {k}, 95% bootstrap intervals "
+            f"({stability.n_resamples} resamples); * stable in the top {stability.k}; "
+            f"top-{stability.k} Jaccard {s['jaccard_mean']:.2f}"
+        ),
+        yaxis_title="score",
     )
     return fig

@@ -4,15 +4,23 @@
 
 * `shapes.md`: the shape-letter glossary, from the `heads` package docstring;
 * `reference/`: one API page per package and subpackage of heads, steer, probes and viz,
-  rendered by mkdocstrings from the docstrings, with its `SUMMARY.md` for literate-nav.
+  rendered by mkdocstrings from the docstrings, with its `SUMMARY.md` for literate-nav;
+* `api.md`: the public API, one line per name each package exports (`__all__`);
+* `notebooks/`: every notebook of `notebooks/` as a page, with the outputs of its last run by
+  the test suite (`tests/viz/test_notebooks.py` keeps each executed copy in
+  `.cache/notebooks/`; a copy whose code differs from the notebook is stale and not used), and
+  plotly.js once for all of them (`assets/plotly.min.js`).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import mkdocs_gen_files
 
@@ -64,12 +72,6 @@ def _shapes_page() -> str:
 
 
 # ------------------------------------------------------------------------- API reference
-def _deprecated_alias(path: Path) -> bool:
-    """A 0.1 module kept as a re-export of its new home (`import *` plus a DeprecationWarning)."""
-    text = path.read_text(encoding="utf-8")
-    return "import *" in text and "DeprecationWarning" in text
-
-
 def _public(path: Path) -> bool:
     return not any(part.startswith("_") and part != "__init__.py" for part in path.parts)
 
@@ -86,10 +88,7 @@ def _reference() -> None:
             modules = sorted(
                 p
                 for p in init.parent.glob("*.py")
-                if p.name != "__init__.py"
-                and not p.name.startswith("_")
-                and p.name != "__main__.py"
-                and not _deprecated_alias(p)
+                if p.name != "__init__.py" and not p.name.startswith("_") and p.name != "__main__.py"
             )
             if len(parts) == 1:
                 doc_path = Path("reference", pkg, "index.md")
@@ -107,6 +106,103 @@ def _reference() -> None:
         fh.writelines(nav.build_literate_nav())
 
 
+# ------------------------------------------------------------------------- public API
+def _first_line(obj: object) -> str:
+    doc = inspect.getdoc(obj) or ""
+    line = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
+    return line.replace("|", "\\|")
+
+
+def _api_page() -> str:
+    lines = [
+        "# Public API",
+        "",
+        "Every name the four packages export (their `__all__`), with the first line of its",
+        "docstring; the [API reference](reference/heads/index.md) has the whole docstrings.",
+        "Generated from the code at build time.",
+        "",
+    ]
+    for pkg in PACKAGES:
+        mod = importlib.import_module(pkg)
+        names = list(getattr(mod, "__all__", []))
+        if not names:
+            continue
+        lines += [f"## `{pkg}`", "", "| name | what it is |", "|---|---|"]
+        for name in names:
+            if name.startswith("__"):
+                continue
+            obj = getattr(mod, name)
+            kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
+            lines.append(f"| `{pkg}.{name}` ({kind}) | {_first_line(obj)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- notebooks
+EXECUTED = ROOT / ".cache" / "notebooks"
+PLOTLY_INIT = "plotly.js v"  # the text/html output that carries the whole plotly.js
+CDN_SCRIPT = re.compile(r'<script src="https?://[^"]*"></script>')
+
+
+def _code(nb: Any) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def _notebook_page(path: Path) -> str:
+    import nbformat
+    from nbconvert import MarkdownExporter
+
+    nb = nbformat.read(path, as_version=4)
+    ran = EXECUTED / path.name
+    executed = ran.is_file() and _code(nbformat.read(ran, as_version=4)) == _code(nb)
+    if executed:
+        nb = nbformat.read(ran, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("name") == "stderr" and "it/s]" in out.get("text", ""):
+                continue  # a progress bar's last frame (loading weights)
+            html = out.get("data", {}).get("text/html")
+            if html is not None:
+                if PLOTLY_INIT in html:
+                    continue  # plotly.js comes once, from assets/
+                # no network: drop script tags that fetch from the web (MathJax)
+                out["data"]["text/html"] = CDN_SCRIPT.sub("", html).strip()
+            kept.append(out)
+        cell["outputs"] = kept
+    body, _ = MarkdownExporter().from_notebook_node(nb)
+    src = f"notebooks/{path.name}"
+    note = (
+        f"*The notebook `{src}`, as the test suite last ran it "
+        "(`HEADSTEER_NOTEBOOK_SIZE=small`: smaller inputs where a step is long).*"
+        if executed
+        else f"*The notebook `{src}` without outputs: run `make test` before `make docs` to include "
+        "the outputs of its run.*"
+    )
+    return f'<script src="../assets/plotly.min.js"></script>\n\n{note}\n\n{body}'
+
+
+def _notebooks() -> None:
+    import plotly.offline
+
+    with mkdocs_gen_files.open("assets/plotly.min.js", "w") as fh:
+        fh.write(plotly.offline.get_plotlyjs())
+    nav = mkdocs_gen_files.Nav()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        name = f"{path.stem}.md"
+        title = path.stem.split("_", 1)[-1].replace("_", " ")
+        nav[title[0].upper() + title[1:]] = name
+        with mkdocs_gen_files.open(f"notebooks/{name}", "w") as fh:
+            fh.write(_notebook_page(path))
+    with mkdocs_gen_files.open("notebooks/SUMMARY.md", "w") as fh:
+        fh.writelines(nav.build_literate_nav())
+
+
 with mkdocs_gen_files.open("shapes.md", "w") as fh:
     fh.write(_shapes_page())
+with mkdocs_gen_files.open("api.md", "w") as fh:
+    fh.write(_api_page())
 _reference()
+_notebooks()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from heads.engine import state
+from heads.engine.activations import apply_activation_edits
 from heads.engine.edits import (
     AttentionCall,
     Edit,
@@ -24,7 +26,7 @@ from heads.engine.kernels.blocked import blocked_attention
 from heads.engine.kernels.common import AttentionInputs, check_kwargs
 from heads.engine.kernels.fused_layer import fused_layer_attention
 from heads.engine.sites import SITES
-from heads.engine.state import ACTIVE, KERNEL, OFFSETS, LayerEdits, apply_head_edits
+from heads.engine.state import ACTIVE, KERNEL, OFFSETS, LayerEdits
 from heads.errors import HeadsteerValueError
 from heads.model.families import family_of
 
@@ -34,19 +36,22 @@ BASES = ("sdpa", "eager")
 
 
 def fusable(edit: Edit) -> bool:
-    """True when `edit` can run with `kernel="fused"`: a query, head-output or residual edit
-    (these never need the pattern), a `LogitBias` with `per_column` (e.g. PASTA) or a
-    `SpanShareEdit` (e.g. SpotLight). Other pattern edits (recorders, ACT, VAR, attribution's
-    linearised scale) read the whole pattern and run on the blocked path."""
+    """True when `edit` can run with `kernel="fused"`: a query, head-output, residual or other
+    activation edit (these never need the pattern; not a read of `attn_scores`), a `LogitBias`
+    with `per_column` (e.g. PASTA) or a `SpanShareEdit` (e.g. SpotLight). Other pattern edits
+    (recorders, ACT, VAR, attribution's linearised scale) read the whole pattern and run on the
+    blocked path."""
     if isinstance(edit, LogitBias):
         return edit.per_column
     if isinstance(edit, ProbEdit):
         return isinstance(edit, SpanShareEdit)
-    return True
+    return edit.site != "attn_scores"  # a read of the explicit logits
 
 
 def _layer_fusable(edits: LayerEdits) -> bool:
     probs = edits.get("probs")
+    if edits.get("attn_scores"):  # a scores read needs the explicit logits
+        return False
     return all(fusable(e) for e in (*edits.get("logits"), *probs)) and len(probs) <= 1
 
 
@@ -55,7 +60,7 @@ def check_fusable(table: dict[int, LayerEdits]) -> None:
     can run on the fused kernel."""
     for slot in table.values():
         pattern = [*slot.get("logits"), *slot.get("probs")]
-        bad = [e for e in pattern if not fusable(e)]
+        bad = [e for e in pattern if not fusable(e)] + slot.get("attn_scores")
         shares = sum(isinstance(e, SpanShareEdit) for e in pattern)
         if bad or shares > 1:
             what: list = bad or [f"{shares} span-share edits in layer {slot.layer}"]
@@ -130,8 +135,17 @@ def read_only(edits: LayerEdits) -> bool:
     return not edits.get("logits") and all(getattr(e, "reads_only", False) for e in edits.get("probs"))
 
 
-def _make_attention(base: str):
-    def headsteer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+def _make_attention(base: str) -> Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def headsteer_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kw: Any,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         edits = ACTIVE.get().get(id(module))
         k_len, q_len = key.shape[2], query.shape[2]
         # the call's first absolute position: the cached positions before it (recorded by the
@@ -140,17 +154,20 @@ def _make_attention(base: str):
         if q_offset + q_len > k_len:  # a stale record (no hook ran for this call)
             q_offset = k_len - q_len
         queries = edits.get("query") if edits is not None else []
-        if queries:
+        if queries and edits is not None:
             b, h = query.shape[:2]
             call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, query.device)
-            query = apply_head_edits(queries, query.transpose(1, 2), call).transpose(1, 2)
+            query = apply_activation_edits(queries, query.transpose(1, 2), call, head_axis=2).transpose(1, 2)
         want = bool(
             kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
         )
         if edits is None or not any(SITES[s].pattern_site and edits.get(s) for s in edits.sites):
             if not (want and base == "sdpa"):
                 own = _own_attention(module, base)
-                return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
+                result: tuple[torch.Tensor | None, torch.Tensor | None] = own(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
+                )
+                return result
             # SDPA returns no pattern: compute it explicitly (no edit) so output_attentions holds it.
             edits = edits or LayerEdits(int(getattr(module, "layer_idx", -1)), query.shape[1])
         check_kwargs(edits.layer, dropout, kw)
@@ -162,9 +179,10 @@ def _make_attention(base: str):
         kw_own = {k: v for k, v in kw.items() if k != "output_attentions"}
 
         def own_out() -> torch.Tensor:
-            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own)[
-                0
-            ]
+            out: torch.Tensor = own(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw_own
+            )[0]
+            return out
 
         # Read-only edits: the model's own output, with the pattern beside it for the readers.
         only_read = read_only(edits)

@@ -38,27 +38,29 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 from heads._util.validation import short_repr
-from heads.engine.attention import BASES, check_fusable, fusable, registered_name
+from heads.engine.activations import ActivationEdit, ActivationRecorder
+from heads.engine.attention import check_fusable, fusable, registered_name
 from heads.engine.edits import Edit, check_combined_factors
 from heads.engine.kernels import fused as _fused
-from heads.engine.sites import SITES, HookSpec, Site, site_of
+from heads.engine.sites import SITES, Site, site_of
 from heads.engine.state import (
     ACTIVE,
     FUSED_MIN_ROWS_CPU,
-    HOOKED,
     KERNEL,
     KERNELS,
-    LOCK,
     QUERY_BLOCK,
-    SWITCHED,
     LayerEdits,
+    acquire,
     active_edit_count,
+    release,
 )
 from heads.errors import EditNeverFired, HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
 __all__ = [
     "FUSED_MIN_ROWS_CPU",
+    "ActivationEdit",
+    "ActivationRecorder",
     "KERNELS",
     "QUERY_BLOCK",
     "SITES",
@@ -87,12 +89,19 @@ def validate_edits(hm: HeadModel, edits: Sequence[Edit]) -> None:
             raise HeadsteerTypeError(f"not a headsteer edit: {short_repr(e)}")
         e.validate()
         hm.check_head(e.layer)
+        site = site_of(e)
+        n = hm.n_kv_heads if site.heads == "kv" else hm.n_heads
         if e.heads is not None:
             for h in e.heads:
+                if site.heads == "kv" and not 0 <= h < n:
+                    raise HeadsteerValueError(
+                        f"unknown KV head {short_repr(h)} at site {site.name!r}: this model has {n} "
+                        f"(0..{n - 1})"
+                    )
                 hm.check_head(e.layer, h)
-        if e.row_heads is not None and (e.row_heads.ndim != 2 or e.row_heads.shape[1] != hm.n_heads):
+        if e.row_heads is not None and (e.row_heads.ndim != 2 or e.row_heads.shape[1] != n):
             raise HeadsteerValueError(
-                f"row_heads must be [batch, {hm.n_heads}] bool, got shape {tuple(e.row_heads.shape)}"
+                f"row_heads must be [batch, {n}] bool, got shape {tuple(e.row_heads.shape)}"
             )
     check_combined_factors(edits, hm.n_heads, hm.dtype)
 
@@ -115,49 +124,6 @@ def _refuse_repeats(edits: Sequence[Edit]) -> None:
                 "applies once"
             )
         seen.add(id(e))
-
-
-def _acquire(model: HeadModel, switch: bool, sites: Sequence[HookSpec]) -> None:
-    with LOCK:
-        if switch:
-            for c in model.attention_configs:  # check all before changing any
-                if id(c) not in SWITCHED and c._attn_implementation not in BASES:
-                    raise HeadsteerValueError(
-                        f"attention backend {short_repr(c._attn_implementation)} is not supported for "
-                        "attention edits; load the model with attn_implementation='sdpa' or 'eager'"
-                    )
-            for c in model.attention_configs:
-                slot = SWITCHED.get(id(c))
-                if slot is None:
-                    base = c._attn_implementation
-                    slot = SWITCHED[id(c)] = [0, base]
-                    c._attn_implementation_internal = registered_name(base)
-                slot[0] += 1
-        for module, name, layer, make, register in sites:
-            slot = HOOKED.get((id(module), name))
-            if slot is None:
-                remove = register(module, make(id(model.attentions[layer]), model, layer))
-                slot = HOOKED[(id(module), name)] = [0, remove]
-            slot[0] += 1
-
-
-def _release(model: HeadModel, switch: bool, sites: Sequence[HookSpec]) -> None:
-    with LOCK:
-        if switch:
-            for c in model.attention_configs:
-                slot = SWITCHED.get(id(c))
-                if slot is not None:
-                    slot[0] -= 1
-                    if slot[0] == 0:
-                        c._attn_implementation_internal = slot[1]
-                        del SWITCHED[id(c)]
-        for module, name, _, _, _ in sites:
-            slot = HOOKED.get((id(module), name))
-            if slot is not None:
-                slot[0] -= 1
-                if slot[0] == 0:
-                    slot[1]()
-                    del HOOKED[(id(module), name)]
 
 
 @contextlib.contextmanager
@@ -229,9 +195,8 @@ def editing(
         if not _fused.available():
             raise HeadsteerValueError("kernel='fused' needs torch.nn.attention.flex_attention (torch >= 2.5)")
     fired_before = [e.calls for e in active]  # an edit reused from an earlier context must fire again
-    # a backend that computes attention itself (TransformerLens) takes its edits on hook points
-    switch = not model.backend.attention_via_hooks and any(site_of(e).attention for e in active)
-    sites = model.backend.hook_specs(model, active)  # ValueError for a hook point the backend lacks
+    # where the backend puts each site: hooks, the attention switch (ValueError for a site the model lacks)
+    placements = model.backend.placements(active)
 
     table: dict[int, LayerEdits] = {}
     for key, v in ACTIVE.get().items():  # nested contexts: keep the outer edits
@@ -244,7 +209,7 @@ def editing(
     if kernel == "fused":  # every edit the layers will see, outer contexts' included
         check_fusable(table)
 
-    _acquire(model, switch, sites)
+    keys = acquire(placements)
     token = ACTIVE.set(table)
     kernel_token = KERNEL.set(kernel)
     try:
@@ -252,7 +217,7 @@ def editing(
     finally:
         KERNEL.reset(kernel_token)
         ACTIVE.reset(token)
-        _release(model, switch, sites)
+        release(keys)
     if require_fired:
         idle = [e for e, n in zip(active, fired_before, strict=True) if e.calls == n]
         if idle:

@@ -110,7 +110,7 @@ def _run_shard(spec: ModelSpec, target: Target, kwargs: dict) -> Any:
     return target(model, **kwargs)
 
 
-def _count(n, what: str) -> int:
+def _count(n: int, what: str) -> int:
     check_int(what, n, lo=1)
     return int(n)
 
@@ -208,7 +208,8 @@ class RayExecutor(Executor):
         spec = model if isinstance(model, ModelSpec) else (self.spec or ModelSpec.of(model))
         ray = self._ray()
         task = ray.remote(num_cpus=self.num_cpus, max_retries=self.max_retries)(_run_shard)
-        return ray.get([task.remote(spec, target, dict(kw)) for kw in calls])
+        results: list = ray.get([task.remote(spec, target, dict(kw)) for kw in calls])
+        return results
 
 
 def resolve_executor(executor: str | Executor) -> Executor:

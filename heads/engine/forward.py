@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from heads.engine.context import editing
+from heads.engine.edits import Recorder
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 
@@ -11,11 +15,18 @@ __all__ = ["forward"]
 
 
 @torch.no_grad()
-def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
+def forward(model: HeadModel, enc: EncodedPrompts, **kwargs: Any) -> Any:
     """Logits `[B, P, d_vocab]` of `model` on the left-padded batch `enc`.
 
     With extra keyword arguments (e.g. `output_hidden_states=True`) the model's
     whole output object is returned instead of the logits.
+
+    `output_attentions=True` gives every layer's pattern `[B, H, P, P]` (the model's dtype) in
+    `out.attentions` on every backend and attention implementation, inside an `editing()`
+    context or not: the patterns are read at the engine's `probs` site (one `Recorder` per
+    layer, after any pattern edit of an enclosing context), so an SDPA model (whose own kernel
+    returns none) and a TransformerLens or nnsight model give the same tuple. Rows of left
+    padding are all zero.
 
     Position ids are counted over real tokens, as `generate` does, so an example
     gives the same logits alone and inside a padded batch. Prompts with images
@@ -27,5 +38,13 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs):
     """
     model.check_length(enc.length)
     device = model.device
+    if kwargs.get("output_attentions"):
+        kwargs = {k: v for k, v in kwargs.items() if k != "output_attentions"}
+        recs = [Recorder(layer=la) for la in range(model.n_layers)]
+        with editing(model, recs):
+            out = model.run(**enc.model_inputs(device), use_cache=False, **kwargs)
+        dtype = model.dtype
+        out.attentions = tuple(torch.cat(r.records, dim=2).to(dtype) for r in recs)  # query blocks joined
+        return out
     out = model.run(**enc.model_inputs(device), use_cache=False, **kwargs)
     return out if kwargs else out.logits

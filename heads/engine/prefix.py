@@ -11,6 +11,13 @@ their input through and layer `l-1` returns the cached residual. Embeddings, mas
 positional tables are still built by the model as usual (cheap), so the layers from `l` on
 see exactly the inputs of a full run. Hooks on the skipped layers still fire, which keeps
 `output_hidden_states` well formed (the entries below `l` are then meaningless).
+
+Per thread: the backend places a dispatching wrapper on the skipped blocks
+(`Backend.skip_placements`, reference-counted across contexts and threads like every hook) and
+the skip itself is a `ContextVar` entry (`Backend.layer_skip`), so another thread running the
+same model meanwhile, with another start layer or none, computes its own forward; the last
+context to exit removes the wrappers (the model is then bitwise as before, also after an
+exception).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from heads._util.validation import check_int
+from heads.engine.state import acquire, release
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -41,7 +49,9 @@ def starting_at(model: HeadModel, layer: int, residual: torch.Tensor | None) -> 
     Raises:
         ValueError: `layer` out of range, or `residual` is not `[batch, seq, d_model]`.
 
-    The model is restored on exit, also after an exception. Not re-entrant per model.
+    The model is restored on exit, also after an exception. Per thread: other threads' forwards
+    are not skipped (module docstring). Nested in one thread, the inner context's plan applies
+    to the blocks it names.
     """
     check_int("layer", layer, lo=0, hi=model.n_layers - 1)
     layer = int(layer)
@@ -52,26 +62,10 @@ def starting_at(model: HeadModel, layer: int, residual: torch.Tensor | None) -> 
         shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
         raise HeadsteerValueError(f"residual must be [batch, seq, {model.d_model}], got {shape}")
 
-    def passthrough(hidden_states, *args, **kwargs):
-        return hidden_states
-
-    def feed(hidden_states, *args, **kwargs):
-        if hidden_states.shape != residual.shape:
-            want, got = tuple(residual.shape), tuple(hidden_states.shape)
-            raise HeadsteerValueError(f"cached residual {want} does not match the batch {got}")
-        return residual.to(hidden_states.device, hidden_states.dtype)
-
-    skipped = model.layers[:layer]
-    # accelerate (device_map) may already have put a wrapped `forward` on the instance
-    saved = [block.__dict__.get("forward") for block in skipped]
-    for block in skipped[:-1]:
-        block.forward = passthrough
-    skipped[-1].forward = feed
+    backend = model.backend
+    keys = acquire(backend.skip_placements(layer))  # shared, reference-counted dispatch wrappers
     try:
-        yield
+        with backend.layer_skip(layer, residual):
+            yield
     finally:
-        for block, old in zip(skipped, saved, strict=True):
-            if old is None:
-                del block.forward  # the class method shows through again
-            else:
-                block.forward = old
+        release(keys)

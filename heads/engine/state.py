@@ -1,11 +1,12 @@
 """The engine's shared state, a leaf module: which edits are active (per thread and context), the
-chosen kernel, the reference counts of switched models and installed hooks, and the constants
+chosen kernel, the reference counts of what the backends installed (hooks, attention switches,
+layer-skip wrappers), and the constants
 every kernel reads. It imports only the edits, so backends and kernels can use it without cycles."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -23,18 +24,19 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 __all__ = [
     "ACTIVE",
     "FUSED_MIN_ROWS_CPU",
-    "HOOKED",
+    "INSTALLED",
     "KERNEL",
     "KERNELS",
     "LOCK",
     "MIN_LOGIT",
     "OFFSETS",
     "QUERY_BLOCK",
-    "SWITCHED",
     "LayerEdits",
+    "acquire",
     "active_edit_count",
     "apply_head_edits",
     "cast_result",
+    "release",
 ]
 
 QUERY_BLOCK = 1024
@@ -79,15 +81,50 @@ KERNEL: ContextVar[str] = ContextVar("headsteer_kernel", default="auto")
 OFFSETS: ContextVar[dict[int, int]] = ContextVar("headsteer_call_offsets", default={})  # noqa: B039
 
 
-# Shared model state, reference-counted across contexts and threads:
-# id(config) -> [count, original attn implementation]; (id(module), site) -> [count, hook handle].
+# Shared model state, reference-counted across contexts and threads: placement key (a backend's
+# `Placement.key`: a hook, an attention switch, a layer-skip wrapper) -> [count, remover].
 LOCK = threading.Lock()
 
 
-SWITCHED: dict[int, list] = {}
+INSTALLED: dict[Hashable, list] = {}
 
 
-HOOKED: dict[tuple[int, str], list] = {}
+def acquire(placements: Sequence[tuple[Hashable, Callable[[], Callable[[], None]]]]) -> list[Hashable]:
+    """Install each `(key, install)` not yet installed, count one more user of each; returns the
+    keys to hand to `release`. If an install raises, what this call installed is removed again
+    (and the counts restored) before the error propagates: the model is left as it was."""
+    done: list[Hashable] = []
+    with LOCK:
+        try:
+            for key, install in placements:
+                if key in done:
+                    continue
+                slot = INSTALLED.get(key)
+                if slot is None:
+                    slot = INSTALLED[key] = [0, install()]
+                slot[0] += 1
+                done.append(key)
+        except BaseException:
+            _release(done)
+            raise
+    return done
+
+
+def release(keys: Sequence[Hashable]) -> None:
+    """One user fewer of each key; the last user's release removes it (in reverse order)."""
+    with LOCK:
+        _release(keys)
+
+
+def _release(keys: Sequence[Hashable]) -> None:
+    for key in reversed(keys):
+        slot = INSTALLED.get(key)
+        if slot is None:
+            continue
+        slot[0] -= 1
+        if slot[0] == 0:
+            del INSTALLED[key]
+            slot[1]()
 
 
 def apply_head_edits(

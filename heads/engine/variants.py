@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,7 +88,7 @@ def _forward(
     residual: torch.Tensor | None = None,
     past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     keep_cache: bool = False,
-):
+) -> Any:
     """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
     from transformers import DynamicCache
 
@@ -125,7 +125,7 @@ any) with the full-length `mask [R, T]`, the `edits` applied, starting at layer 
 model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with `keep_cache`)."""
 
 
-def _last(out) -> tuple[torch.Tensor, torch.Tensor]:
+def _last(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()
     return logp, out.hidden_states[-1][:, -1].float().cpu()
 

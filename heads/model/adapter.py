@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from heads._util.validation import is_int, short_repr
-from heads.backends.core import Backend, backend_kind, make_backend
+from heads.backends.base import Backend
+from heads.backends.core import make_backend
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.model.families import Family, family_of
+from heads.model.families import Family
+from heads.model.parts import submodule, unwrap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -29,37 +31,8 @@ if TYPE_CHECKING:
 __all__ = ["HeadModel", "submodule"]
 
 
-def _get(obj: object, dotted: str) -> object:
-    """`obj.a.b.c` for `dotted = "a.b.c"` (AttributeError if a part is missing)."""
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The HF module inside a TransformerLens bridge component (itself otherwise)."""
-    if type(module).__module__.startswith("transformer_lens"):
-        inner = getattr(module, "original_component", None)
-        if isinstance(inner, nn.Module):
-            return inner
-    return module
-
-
-def _module(obj: object, dotted: str) -> nn.Module:
-    """`_get` for a path that names a submodule (the HF module, also inside a bridge)."""
-    for part in dotted.split("."):
-        obj = _unwrap(cast(nn.Module, getattr(obj, part)))
-    return cast(nn.Module, obj)
-
-
-def submodule(obj: object, dotted: str) -> nn.Module:
-    """The submodule of `obj` at the dotted path `dotted` (e.g. `"self_attn.q_proj"`, a family-table
-    path), unwrapped to the Hugging Face module also inside a TransformerLens bridge.
-
-    Raises:
-        AttributeError: a part of the path is missing.
-    """
-    return _module(obj, dotted)
+_module = submodule
+_unwrap = unwrap  # the names the scorers imported before `heads.model.parts`
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -81,6 +54,8 @@ class HeadModel:
             tokenizer; `heads.inputs.images` uses it to encode prompts with images).
         remote: nnsight only: run every trace on NDIF (`trace(..., remote=True)`); see
             `heads.backends.core`.
+        backend: the backend to run through, built on `model` (`heads.backends.core.make_backend`,
+            as `load_model` and `HeadModel.wrap` do); None (default) builds it here.
 
     `model` may also be a TransformerLens `TransformerBridge` or an nnsight
     `TransformersModel` / `LanguageModel` (their tokenizer is used when `tokenizer` is None);
@@ -106,50 +81,37 @@ class HeadModel:
         processor: ProcessorMixin | None = None,
         *,
         remote: bool = False,
+        backend: Backend | None = None,
     ):
-        hf, backend, native_tok = make_backend(model, remote=remote)  # TypeError for anything else
-        if tokenizer is None:
-            tokenizer = native_tok
-        model = cast("PreTrainedModel", hf)
+        if backend is None:
+            backend, native_tok = make_backend(model, remote=remote)  # TypeError for anything else
+            tokenizer = native_tok if tokenizer is None else tokenizer
+        elif not isinstance(backend, Backend) or (
+            model is not backend.module and model is not backend.native
+        ):
+            raise HeadsteerTypeError(
+                f"backend must be a heads.backends Backend built on this model, got {type(backend).__name__}"
+            )
+        parts = backend.parts
+        model = cast("PreTrainedModel", backend.module)
         cfg = model.config
-        fam = family_of(cfg)  # ValueError for an unknown or refused family, before any change
-        try:
-            decoder = _module(model, fam.decoder)
-            layers = [_unwrap(b) for b in cast(nn.ModuleList, _get(decoder, fam.layers))]
-            # the attention modules that run: on a TransformerLens bridge its attention components
-            attentions = [cast(nn.Module, _get(b, fam.attention)) for b in layers]
-            out_projs = [_module(a, fam.o_proj) for a in attentions]
-            q_projs = [_module(a, cast(str, fam.qkv_proj or fam.q_proj)) for a in attentions]
-            d_head = getattr(_unwrap(attentions[0]), fam.head_dim_attr)
-            unembed = _module(model, fam.unembed)
-        except AttributeError as e:
-            raise HeadsteerValueError(
-                f"model_type {short_repr(cfg.model_type)} ({type(model).__name__}) does not have the modules "
-                f"its family entry names ({e}); load it with its causal-LM or image-text-to-text class"
-            ) from None
         self.model: PreTrainedModel = model
         self.backend: Backend = backend
         self.tokenizer: PreTrainedTokenizerBase | None = tokenizer
         self.processor: ProcessorMixin | None = processor
         self.name = name or getattr(cfg, "_name_or_path", None) or type(model).__name__
-        self.family: Family = fam
-        self.decoder: nn.Module = decoder
-        self.layers: list[nn.Module] = layers
-        self.attentions: list[nn.Module] = attentions
-        self.out_projs: list[nn.Module] = out_projs
-        self.q_projs: list[nn.Module] = q_projs  # the module computing the queries (maybe a fused QKV)
-        self.unembed: nn.Module = unembed  # the LM head, weight [d_vocab, d_model]
-        a0 = _unwrap(self.attentions[0])
-        self.d_head: int = int(cast(int, d_head))  # the per-head width of the o_proj input
-        self.n_layers: int = len(self.layers)
-        in_o = self._o_weight(0).shape[0]
-        if in_o % self.d_head:
-            raise HeadsteerValueError(
-                f"o_proj input width {in_o} is not a multiple of head_dim {self.d_head}"
-            )
-        self.n_heads: int = in_o // self.d_head
-        self.n_kv_heads: int = self.n_heads // int(getattr(a0, "num_key_value_groups", 1))
-        self.d_model: int = int(self._o_weight(0).shape[1])
+        self.family: Family = backend.family
+        self.decoder: nn.Module = parts.decoder
+        self.layers: list[nn.Module] = parts.layers
+        self.attentions: list[nn.Module] = parts.attentions  # on a bridge: its attention components
+        self.out_projs: list[nn.Module] = parts.out_projs
+        self.q_projs: list[nn.Module] = parts.q_projs  # the module computing the queries (maybe a fused QKV)
+        self.unembed: nn.Module = parts.unembed  # the LM head, weight [d_vocab, d_model]
+        self.d_head: int = parts.d_head  # the per-head width of the o_proj input
+        self.n_layers: int = parts.n_layers
+        self.n_heads: int = parts.n_heads
+        self.n_kv_heads: int = parts.n_kv_heads
+        self.d_model: int = parts.d_model
         self.d_vocab: int = int(_weight(self.unembed).shape[0])
         if backend.kind == "transformer_lens":
             self._check_bridge_geometry(backend.native)
@@ -176,9 +138,8 @@ class HeadModel:
                     "as is, so build a new HeadModel over its .model instead"
                 )
             return obj
-        if backend_kind(obj) is None:
-            make_backend(obj)  # raises the TypeError naming the type
-        return cls(cast(nn.Module, obj), tokenizer, name=name)
+        backend, native_tok = make_backend(obj)
+        return cls(cast(nn.Module, obj), tokenizer or native_tok, name=name, backend=backend)
 
     def _check_bridge_geometry(self, bridge: object) -> None:
         """Read the geometry from the bridge's own weights and check it matches the modules."""
@@ -199,11 +160,11 @@ class HeadModel:
         `"hf"` calls the model, `"transformer_lens"` the bridge's rewired module tree (every hook
         point fires), `"nnsight"` runs it in `trace()` (with `remote` if set).
         """
-        return self.backend.run(self, **inputs)
+        return self.backend.run(**inputs)
 
     def generate(self, **inputs):
         """`transformers` `generate` through the backend's entry point (see `run`)."""
-        return self.backend.generate(self, **inputs)
+        return self.backend.generate(**inputs)
 
     def trace(self, *inputs, **kwargs):
         """nnsight only: the user's own `trace()` on the wrapped nnsight model, to use inside
@@ -249,7 +210,7 @@ class HeadModel:
         """The distinct config objects the attention modules read `_attn_implementation` from."""
         seen: dict[int, PreTrainedConfig] = {}
         for a in self.attentions:
-            cfg = getattr(_unwrap(a), "config", self.model.config)
+            cfg = getattr(unwrap(a), "config", self.model.config)
             seen.setdefault(id(cfg), cfg)
         return list(seen.values())
 
@@ -262,7 +223,7 @@ class HeadModel:
         rule = self.family.sliding_window
         if rule == "none":
             return None
-        cfg = getattr(_unwrap(self.attentions[layer]), "config", self.model.config)
+        cfg = getattr(unwrap(self.attentions[layer]), "config", self.model.config)
         window = getattr(cfg, "sliding_window", None)
         if rule == "layer_types":
             types = getattr(cfg, "layer_types", None)
@@ -401,7 +362,7 @@ class HeadModel:
     @property
     def W_E(self) -> torch.Tensor:  # noqa: N802
         """`[d_vocab, d_model]` token embedding."""
-        return _weight(_unwrap(self.model.get_input_embeddings())).detach()
+        return _weight(unwrap(self.model.get_input_embeddings())).detach()
 
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802

@@ -67,6 +67,8 @@ class Family:
         mlp_norm: the norm applied to the residual before the MLP, or None when the MLP
             reads the raw residual (post-norm families such as OLMo 2).
         mlp_out_norm: a norm on the MLP output before it joins the residual, or None.
+        attn_out_norm: a norm on the attention output before it joins the residual (post-norm
+            families: Gemma 2 / 3, OLMo 2 / 3), or None.
         final_norm: the norm before the unembedding.
         unembed: the LM head `[V, D]`.
         gqa: the family may have fewer KV heads than query heads (`num_key_value_heads`).
@@ -129,6 +131,7 @@ class Family:
     mlp: str | None = "mlp"
     mlp_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None
+    attn_out_norm: str | None = None
     final_norm: str = "norm"
     unembed: str = "lm_head"
     gqa: bool = True
@@ -167,6 +170,7 @@ class _GemmaFields(TypedDict):
 
     mlp_norm: str
     mlp_out_norm: str
+    attn_out_norm: str
     sliding_window: str
     scaling: str
     final_softcap: str
@@ -175,6 +179,7 @@ class _GemmaFields(TypedDict):
 _GEMMA: _GemmaFields = {
     "mlp_norm": "pre_feedforward_layernorm",
     "mlp_out_norm": "post_feedforward_layernorm",
+    "attn_out_norm": "post_attention_layernorm",
     "sliding_window": "layer_types",
     "scaling": "query_pre_attn_scalar ** -0.5",
     "final_softcap": "final_logit_softcapping",
@@ -211,7 +216,11 @@ def _llama_like(model_type: str, *features: str, **fields) -> Family:
     return Family(model_type, moe=moe, features=("gqa", *features), **fields)
 
 
-_POST_NORM: dict = {"mlp_norm": None, "mlp_out_norm": "post_feedforward_layernorm"}
+_POST_NORM: dict = {
+    "mlp_norm": None,
+    "mlp_out_norm": "post_feedforward_layernorm",
+    "attn_out_norm": "post_attention_layernorm",
+}
 _GRANITE: dict = {"logit_scale": ("logits_scaling", "div"), "residual_scale": "residual_multiplier"}
 _COHERE_SCALE = ("logit_scale", "mul")
 # GPT-2's module names (`transformer.h[i].attn.c_attn` fused q/k/v, `ln_2`, `ln_f`), shared by
@@ -288,7 +297,12 @@ FAMILIES: dict[str, Family] = {
         ),
         _llama_like("flex_olmo", "qk_norm", "post_norm", "moe", qk_norm="all_heads", **_POST_NORM),
         _llama_like("glm", "partial_rotary"),
-        _llama_like("glm4", "partial_rotary", mlp_out_norm="post_mlp_layernorm"),
+        _llama_like(
+            "glm4",
+            "partial_rotary",
+            mlp_out_norm="post_mlp_layernorm",
+            attn_out_norm="post_self_attn_layernorm",
+        ),
         _llama_like("glm4_moe", "partial_rotary", "qk_norm", "moe", qk_norm="per_head"),
         _llama_like("granite", "logit_scaling", scaling="attention_multiplier", **_GRANITE),
         _llama_like(
@@ -314,6 +328,7 @@ FAMILIES: dict[str, Family] = {
             "hyperclovax",
             "logit_scaling",
             mlp_out_norm="post_norm2",
+            attn_out_norm="post_norm1",
             logit_scale=("logits_scaling", "mul"),
             residual_scale="residual_multiplier",
         ),

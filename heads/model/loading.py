@@ -768,7 +768,11 @@ def load_model(
     if device_map is None:
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
-    return HeadModel(wrap_backend(model, tok, name, backend), tok, name=name, remote=remote)
+    from heads.backends.core import make_backend
+
+    native = wrap_backend(model, tok, name, backend)
+    made, _ = make_backend(native, remote=remote)
+    return HeadModel(native, tok, name=name, backend=made)
 
 
 def pick_attn_implementation(where: str | os.PathLike, requested: str | None) -> str:

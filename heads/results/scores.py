@@ -256,6 +256,8 @@ class HeadScores:
         model: id of the model scored.
         n_kv_heads: KV heads per layer (for the `kv_head` column).
         seed: random seed, when the method used one.
+        stability: the bootstrap `heads.results.stability.Stability` of the ranking, when the
+            analysis was asked for one (`stability=`); not saved with the scores.
     """
 
     scores: torch.Tensor
@@ -264,6 +266,8 @@ class HeadScores:
     model: str = ""
     n_kv_heads: int | None = None
     seed: int | None = None
+    # a `heads.results.stability.Stability` (typed Any: that module builds on this one)
+    stability: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu()

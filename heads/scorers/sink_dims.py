@@ -28,8 +28,8 @@ import pandas as pd
 import torch
 
 from heads._util.validation import check_int, is_int, is_number, short_repr
+from heads.backends.hf_sites import cache_length
 from heads.engine.forward import forward
-from heads.engine.sites import call_cache
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
@@ -315,8 +315,7 @@ class SinkTracker:
                 if me is None or (me.active is not None and not me.active()):
                     return None
                 hidden = args[0] if args else kwargs["hidden_states"]
-                cache = call_cache(module, args, kwargs)  # GPT-2 passes it positionally
-                offset = 0 if cache is None else int(cache.get_seq_length(layer))
+                offset = cache_length(args, kwargs, layer)  # GPT-2 passes it positionally
                 me.observe(layer, hidden, offset)
                 return None
 

@@ -17,12 +17,13 @@ Sets (see `probes/datasets/pairs.py` for the loader):
 - `colored_objects` (after BIG-bench's reasoning_about_colored_objects, as used by Merullo et
   al. 2024): three coloured objects on a surface and "What color is the X?"; the corruption
   asks about another object of the list. Answer = X's colour, counterfactual = the other
-  object's colour.
+  object's colour. One phrasing (`template` 0).
 - `comp_mech` (competition of mechanisms; Ortu et al. 2024), built from the project's
   `counterfact` task (`probes/data/tasks/counterfact.jsonl`): "Previously, S was O. Currently,
   S is N. S is" -> N; the corruption swaps the two values. Answer = the current value N,
-  counterfactual = the earlier value O. The subjects are fictional, so the competing
-  mechanism is the earlier in-context statement, not knowledge stored in the weights.
+  counterfactual = the earlier value O. `template`: the cue's phrasing (`COMP_MECH_PHRASES`).
+  The subjects are fictional, so the competing mechanism is the earlier in-context statement,
+  not knowledge stored in the weights.
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
                 "corrupted": corrupted,
                 "answer": " " + cols[k],
                 "counterfactual": " " + cols[other],
+                "template": 0,  # one phrasing (COLORED_TEMPLATE)
                 "query": objs[k],
                 "query_slot": k,
                 "other": objs[other],
@@ -263,6 +265,21 @@ def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
 def _counterfact_rows() -> list[dict]:
     path = Path(__file__).resolve().parents[1] / "data" / "tasks" / "counterfact.jsonl"
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+COMP_MECH_PHRASES = (
+    "is located in", "the official language of", "the capital of", "the headquarters of", "works for",
+    "plays the", "plays", "is a citizen of",
+)  # fmt: skip
+"""The cue phrasings of the counterfact relations (`make_tasks._counterfact_relations`): a pair's
+`template` is the index of the first one its cue contains."""
+
+
+def _comp_mech_template(cue: str) -> int:
+    for i, phrase in enumerate(COMP_MECH_PHRASES):
+        if phrase in cue.lower():
+            return i
+    raise HeadsteerValueError(f"comp_mech: no known phrasing in the cue {short_repr(cue)}")
 
 
 def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
@@ -286,6 +303,7 @@ def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
             "corrupted": corrupted,
             "answer": " " + new,
             "counterfactual": " " + old,
+            "template": _comp_mech_template(cue),
             "source_id": r["id"],
         }
         if len(_ids(tokenizer, prompt)) != len(_ids(tokenizer, corrupted)):

@@ -8,7 +8,7 @@ values), except in `context_qa`, whose passages contradict real, well-known fact
 Choice tasks are checked against the embedded tokenizer: the first token of
 `" " + choice` differs between the choices of every example.
 
-See `probes/tasks.py` for the row format, the splits and the loader.
+See `probes/datasets/tasks.py` for the row format, the splits and the loader.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import torch
 
 from heads import HeadModel, encode_prompts, forward
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_bool, check_int, short_repr
 from heads.engine.context import editing
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadSet, HeadSpec
@@ -60,10 +60,10 @@ the validation splits of counterfact and sentiment from 1, 2, 4, 8 on the embedd
 
 @dataclass
 class EvalResult:
-    """`table`: one row per metric (`task, method, split, metric, value, n, low, high,
-    interval`; `interval` names how low/high were computed: "Wilson 95%" for rates,
-    "Student t 95%" for means); `examples`: one row per example (id, per-example metric
-    values, output text if generated)."""
+    """`table`: one row per metric (`task, method, prompt, split, metric, value, n, low, high,
+    interval`; `prompt` True for the prompting baseline (`evaluate(prompt=True)`); `interval`
+    names how low/high were computed: "Wilson 95%" for rates, "Student t 95%" for means);
+    `examples`: one row per example (id, per-example metric values, output text if generated)."""
 
     table: pd.DataFrame
     examples: pd.DataFrame
@@ -72,7 +72,10 @@ class EvalResult:
         t = self.table
         if t.empty:
             return "EvalResult(no metrics)"
-        head = f"{t.task.iloc[0]} / {t.method.iloc[0]} ({t.split.iloc[0]}, n={t.n.iloc[0]})"
+        method = t.method.iloc[0]
+        if "prompt" in t and bool(t.prompt.iloc[0]):
+            method = "prompt" if method == "none" else f"prompt + {method}"
+        head = f"{t.task.iloc[0]} / {method} ({t.split.iloc[0]}, n={t.n.iloc[0]})"
         metrics = "; ".join(
             f"{r.metric} {r.value:.3f} [{r.low:.3f}, {r.high:.3f}] ({r.interval})" for r in t.itertuples()
         )
@@ -287,6 +290,7 @@ def evaluate(
     batch_size: int = 16,
     max_new_tokens: int = 48,
     progress: ProgressArg = True,
+    prompt: bool = False,
     **method_options,
 ) -> EvalResult:
     """Run `method` on `task` (`probes.datasets.tasks.TASKS`) and score it.
@@ -296,6 +300,9 @@ def evaluate(
         limit: the first `limit` examples of the split (default all).
         batch_size: prompts per forward / generate call.
         max_new_tokens: generation length for generate tasks (greedy).
+        prompt: the prompting baseline: every prompt gets the task's instruction asking for the
+            steered behaviour (`probes.datasets.instructions`; default False). With a method:
+            "prompt + method" (the method's vectors, probes and head profiles are the same).
         progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
             after each batch (`heads._util.progress`), in examples: `total` is the number of
             examples evaluated; on generate tasks a batch's examples are counted in step
@@ -311,10 +318,15 @@ def evaluate(
             without an emphasized span.
     """
     check_int("batch_size", batch_size, lo=1)
+    check_bool("prompt", prompt)
     examples = load_task(task, split).examples
     if limit is not None:
         check_int("limit", limit, lo=1)
         examples = examples[:limit]
+    if prompt:
+        from probes.datasets.instructions import with_instruction
+
+        examples = tuple(with_instruction(e, task) for e in examples)
     if method in SPAN_METHODS and not all(e.emphasize for e in examples):
         raise HeadsteerValueError(f"{method} needs an emphasized span, and task {short_repr(task)} has none")
     keys = ("iti_k", "iti_alpha", "iti_direction")
@@ -359,6 +371,7 @@ def evaluate(
             {
                 "task": task,
                 "method": method,
+                "prompt": prompt,
                 "split": split,
                 "metric": name,
                 "value": float(vals.mean()),

@@ -222,7 +222,8 @@ def build_refusal_model(
     Args:
         out: folder to write (default `refusal_model_dir()`); created with its parents.
         model: the model to tune, in place (default: `load_model()`, the embedded model).
-        seed: torch and shuffling seed (default 0).
+        seed: torch and shuffling seed (default 0); torch's global generator is seeded inside
+            `torch.random.fork_rng`, so the caller's generator state is the same afterwards.
         epochs: passes over the pairs (default 3); lr: AdamW learning rate (default 3e-5);
             batch: pairs per step (default 8).
         overwrite: replace files already in `out` (the CLI's `--force`).
@@ -235,6 +236,34 @@ def build_refusal_model(
             or holds one of `REFUSAL_MODEL_FILES` while `overwrite` is False (all checked
             before any work).
     """
+    check_seed("seed", seed)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the caller's generator state comes back after
+        torch.manual_seed(seed)
+        return _build_refusal_model(
+            out,
+            model=model,
+            seed=seed,
+            epochs=epochs,
+            lr=lr,
+            batch=batch,
+            overwrite=overwrite,
+            progress=progress,
+        )
+
+
+def _build_refusal_model(
+    out: str | os.PathLike | None = None,
+    *,
+    model: HeadModel | None = None,
+    seed: int = 0,
+    epochs: int = 3,
+    lr: float = 3e-5,
+    batch: int = 8,
+    overwrite: bool = False,
+    progress: ProgressArg = True,
+) -> dict:
+    """`build_refusal_model` under its seeded, forked torch generator."""
     for name, v in (("epochs", epochs), ("batch", batch)):
         check_int(name, v, lo=1)
     if not (is_number(lr) and math.isfinite(lr) and lr > 0):
@@ -247,7 +276,6 @@ def build_refusal_model(
     for name in REFUSAL_MODEL_FILES:
         check_output(out / name, overwrite)
     t0 = time.perf_counter()
-    torch.manual_seed(check_seed("seed", seed))
     rng = random.Random(seed)
     hm = load_model() if model is None else model
     planned = planned_files(hm.tokenizer)

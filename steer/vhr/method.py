@@ -43,6 +43,7 @@ __all__ = [
     "VhdProbe",
     "VhrSelection",
     "default_vhr_layers",
+    "measure_vhd",
     "no_span_rows",
     "probe_inputs",
     "select_heads_vhd",
@@ -299,6 +300,36 @@ class VhdProbe(HeadOutputEdit):
         other = chosen if self.reinforce_without else torch.zeros_like(chosen)
         rows = torch.cat([chosen, other])[:, None, :, None]  # [2B, 1, H, 1]
         return torch.where(rows, z * self.alpha, z)
+
+
+@torch.no_grad()
+def measure_vhd(
+    model: HeadModel,
+    enc: EncodedPrompts,
+    spans: list[list[tuple[int, int]]],
+    without_image: WithoutImage = "delete",
+    extra: list | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """VHD and TA of every head at the last prompt position, measured on the *unmodified* model
+    from one batched probe prefill (`probe_inputs`: rows `:B` with the image, `B:` without; no
+    head is reinforced). `extra` edits run in the same pass (e.g. recorders of the with-image
+    rows' attention); they see all `2B` rows.
+
+    Returns:
+        `(vhd, ta)`, each `[B, L, H]` fp32.
+
+    Raises:
+        ValueError: an unknown `without_image`, a sample holding nothing but the span.
+    """
+    model.check_length(enc.length)
+    inputs = probe_inputs(model, enc, spans, without_image)
+    b, n_l, n_h = enc.batch, model.n_layers, model.n_heads
+    nan = torch.full((b, n_l, n_h), float("nan"))
+    res = VhrSelection(list(range(n_l)), {}, nan.clone(), nan.clone())
+    probes = [VhdProbe(layer=la, select=False, result=res) for la in range(n_l)]
+    with editing(model, [*probes, *(extra or [])]):
+        model.run(**{k: v.to(model.device) for k, v in inputs.items()}, use_cache=False, logits_to_keep=1)
+    return res.vhd, res.ta
 
 
 def _check_alpha(alpha: object) -> float:

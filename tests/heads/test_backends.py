@@ -217,9 +217,9 @@ def test_attribution_through_each_backend(models, monkeypatch):
     for name, m in models.items():
         inner = m.backend.run
 
-        def counted(hm, _inner=inner, _name=name, **inputs):
+        def counted(_inner=inner, _name=name, **inputs):
             runs[_name] += 1
-            return _inner(hm, **inputs)
+            return _inner(**inputs)
 
         monkeypatch.setattr(m.backend, "run", counted)
     queries = ["Paris is the capital of", "The sky is"]

@@ -315,38 +315,23 @@ def test_residual_edit_sees_absolute_positions_at_decode_steps(tiny_llama, token
     assert rec.records == [(0, n, n), (n, 1, 1), (n + 1, 1, 1)]
 
 
-def test_adding_a_site_is_one_table_entry(tiny_llama, enc, monkeypatch):
-    """A new hook site (here: the MLP's input) needs one `Site` entry and an edit declaring it."""
+def test_a_site_without_a_placement_is_refused_before_any_change(tiny_llama, enc, monkeypatch):
+    """A site is a table entry (`heads.engine.sites.SITES`) plus its placement in each backend: an
+    entry no backend places is a ValueError at `editing()`, and nothing was installed."""
     from heads.engine.edits import Edit
 
-    def mlp_hook(key, model, layer):
-        def hook(module, args):
-            slot = engine_state.ACTIVE.get().get(key)
-            edits = slot.get("mlp_input") if slot is not None else []
-            for e in edits:
-                e.calls += 1
-            return (args[0] * 0,) if edits else None
-
-        return hook
-
-    site = engine.Site("mlp_input", module=lambda m, la: m.mlp(la), hook=mlp_hook)
-    monkeypatch.setitem(engine.SITES, "mlp_input", site)
+    monkeypatch.setitem(
+        engine.SITES, "mlp_input", engine.Site("mlp_input", "blocks.{l}.mlp.hook_in", "[B, T, D]")
+    )
 
     class ZeroMlp(Edit):
         site = "mlp_input"
 
     base = forward(tiny_llama, enc)
-    edit = ZeroMlp(layer=1)
-    with editing(tiny_llama, [edit]):
-        got = forward(tiny_llama, enc)
-    assert edit.calls == 1 and (got - base).abs().max() > 1e-4
-    # oracle: the same MLP input zeroed by hand
-    handle = tiny_llama.mlp(1).register_forward_pre_hook(lambda m, a: (a[0] * 0,))
-    try:
-        want = forward(tiny_llama, enc)
-    finally:
-        handle.remove()
-    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="no placement for site 'mlp_input'"):
+        with editing(tiny_llama, [ZeroMlp(layer=1)]):
+            pass
+    assert not engine_state.INSTALLED
     assert torch.equal(forward(tiny_llama, enc), base)
 
 

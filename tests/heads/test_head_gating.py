@@ -11,7 +11,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.gating import GateTask, GatingResult, gate_edits, gate_heads, gate_task, gated_nll
 from steer import Ablate, HeadGates, SteeredModel
 from tests.support import make_tiny
-from tests.support.chg_reference import load_reference
+from tests.support.chg_reference import reference_forward, reference_logp
 from tests.support.oracle import llama_forward
 from tests.support.patching import state_copy
 
@@ -38,23 +38,20 @@ def _gates(tiny, seed=0):
     return torch.rand(tiny.n_layers, tiny.n_heads, generator=torch.Generator().manual_seed(seed))
 
 
-def test_gated_forward_equals_the_reference(tiny, task, tmp_path):
-    chg_cls = load_reference(tmp_path)
-    if chg_cls is None:
-        pytest.skip("no local mirror of jonhanke/nam_causal-head-gating")
-    ref = chg_cls(tiny.model)
+def test_gated_forward_equals_the_reference(tiny, task):
+    """The reference's gated forward and log-probability (tests/support/chg_reference.py)."""
     g = _gates(tiny)
     row = task.rows(torch.tensor([0]))  # one row, no padding (the reference runs without a mask)
+    both = torch.stack([g, torch.ones_like(g)])  # M = 2 gate sets
     with torch.no_grad():
-        want_logits = ref(row.input_ids, g)
-        want = -ref.get_logp(g, row.input_ids, row.loss_mask, agg="mean")
+        want_logits = reference_forward(tiny.model, row.input_ids, g)
+        want = -reference_logp(tiny.model, g, row.input_ids, row.loss_mask, agg="mean")
+        ref_stacked = -reference_logp(tiny.model, both, row.input_ids, row.loss_mask, agg="mean")
         with editing(tiny, gate_edits(tiny, g)):
             got_logits = tiny.model(row.input_ids).logits
         got = gated_nll(tiny, row, g)
-        stacked = gated_nll(tiny, row, torch.stack([g, torch.ones_like(g)]))  # M = 2 gate sets
-        ref_stacked = -ref.get_logp(
-            torch.stack([g, torch.ones_like(g)]), row.input_ids, row.loss_mask, agg="mean"
-        )
+        stacked = gated_nll(tiny, row, both)
+    assert not torch.allclose(want_logits, tiny.model(row.input_ids).logits, atol=1e-3)  # the gates act
     assert torch.allclose(got_logits, want_logits, atol=1e-5)
     assert torch.allclose(got, want, atol=1e-5)
     assert torch.allclose(stacked, ref_stacked, atol=1e-5)

@@ -74,3 +74,75 @@ def test_ships_with_prefix_reuse_equals_full_runs(tiny_llama, tokenizer, ablatio
             lp = torch.log_softmax(forward(tiny_llama, enc)[:, -1].float(), -1)
         want = (base.exp() * (base - lp)).sum(-1)
         torch.testing.assert_close(res.per_prompt[:, layer, head], want, atol=1e-5, rtol=1e-4)
+
+
+def test_threads_with_different_prefix_starts_each_get_their_own_result(tiny_llama, tokenizer):
+    """Several threads run `starting_at` with different start layers (and batch sizes) on one model
+    at the same moment (a barrier inside each forward keeps them all in flight together): each
+    gets its single-thread logits bit for bit, one thread's bad residual raises only there, and
+    the model is bitwise restored afterwards (issue: three threads once raised "cached residual
+    ... does not match the batch", returned wrong maps, or left the model broken)."""
+    import threading
+
+    from heads.engine import state as engine_state
+    from heads.engine.edits import ResidualEdit
+
+    hm = tiny_llama
+    enc = encode_prompts(tokenizer, PROMPTS, chat=False, markup=False)
+    pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = hm.model(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            position_ids=pos,
+            output_hidden_states=True,
+        )
+    plans = [(0, 3), (1, 2), (2, 3), (1, 1), (2, 2)]  # (start layer, batch rows)
+
+    def run(start: int, rows: int, meet=None, residual=None):
+        res = full.hidden_states[start][:rows] if residual is None else residual
+        edits = [] if meet is None else [meet]
+        with torch.no_grad(), editing(hm, edits), starting_at(hm, start, res):
+            return hm.model(
+                input_ids=enc.input_ids[:rows],
+                attention_mask=enc.attention_mask[:rows],
+                position_ids=pos[:rows],
+            ).logits
+
+    alone = [run(s, r) for s, r in plans]
+    barrier = threading.Barrier(len(plans) + 1)
+
+    class Meet(ResidualEdit):
+        def apply(self, x, call):
+            barrier.wait(timeout=30)  # every thread is inside its forward, its skips installed
+            return None
+
+    got: dict[int, object] = {}
+
+    def worker(i: int) -> None:
+        try:
+            got[i] = run(*plans[i], meet=Meet(layer=hm.n_layers - 1))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got[i] = e
+
+    def bad() -> None:
+        try:
+            with starting_at(hm, 2, torch.zeros(1, 2, hm.d_model)):
+                barrier.wait(timeout=30)
+                hm.model(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
+        except ValueError as e:
+            got["bad"] = e
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(plans))]
+    threads.append(threading.Thread(target=bad))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "does not match the batch" in str(got["bad"])
+    for i in range(len(plans)):
+        assert isinstance(got[i], torch.Tensor), got[i]
+        assert torch.equal(got[i], alone[i]), plans[i]
+    assert not engine_state.INSTALLED
+    assert all("forward" not in block.__dict__ for block in hm.layers)
+    torch.testing.assert_close(forward(hm, enc), full.logits, atol=0, rtol=0)

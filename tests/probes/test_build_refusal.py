@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from heads import load_model
@@ -46,8 +47,12 @@ def test_build_refusal_model_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypat
     assert r.exit_code == 2 and "exists; pass --force" in r.stderr
     monkeypatch.setattr(heads, "load_model", real)
     # --force rebuilds; the same seed gives the same losses (seeded and reproducible)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
     r = runner.invoke(app, [*args, "--force", "--json", "--quiet"])
     assert r.exit_code == 0, r.output
+    assert torch.equal(torch.rand(3), expected)  # seeded on a forked generator: the caller's is as it was
     again = json.loads(r.stdout.strip().splitlines()[-1])
     assert (again["first_loss"], again["last_loss"]) == (summary["first_loss"], summary["last_loss"])
 

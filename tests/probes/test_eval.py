@@ -150,3 +150,44 @@ def test_eval_and_profile_cli(tiny_llama_dir, tmp_path):
     ):
         r = runner.invoke(app, [*bad, "--model", tiny_llama_dir])
         assert r.exit_code == 2 and msg in r.output, (bad, r.output)
+
+
+def test_profile_act_files_hold_each_heads_margin_gain(tokenizer, tmp_path):
+    """`profile act`: the scores file holds, per candidate head (layers 2..L-2), the mean margin
+    log p(right) - max log p(other) with ACT on that head alone minus the base model's (each
+    recomputed here with one plain forward), and the profile keeps exactly the heads whose gain
+    is above 0 (by more than float noise, 1e-4)."""
+    from heads import HeadScores, editing
+    from steer import Act
+    from tests.support import make_tiny
+
+    hm = make_tiny("llama", tokenizer, num_hidden_layers=5)
+    folder = tmp_path / "tiny5"
+    hm.model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    act = tmp_path / "act.json"
+    args = ["profile", "act", "--out", str(act), "--examples", "3", "--model", str(folder), "--quiet"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    gains = HeadScores.load(tmp_path / "act.scores.json").scores
+    ex = load_task("sentiment", "train").examples[:3]
+    enc = encode_prompts(tokenizer, [e.prompt for e in ex], chat=ex[0].chat, markup=False)
+    ids = choice_ids(tokenizer, [e.choices for e in ex])
+    labels = torch.tensor([e.label for e in ex])
+
+    def margin(edits) -> float:
+        with torch.no_grad(), editing(hm, edits):
+            lp = torch.log_softmax(forward(hm, enc)[:, -1].float(), -1).gather(1, ids)
+        right = lp.gather(1, labels[:, None])[:, 0]
+        other = lp.scatter(1, labels[:, None], -torch.inf).max(-1).values
+        return float((right - other).mean())
+
+    base = margin([])
+    want = torch.full_like(gains, float("nan"))
+    for la in (2, 3):
+        for h in range(hm.n_heads):
+            want[la, h] = margin(Act(heads={la: [h]}, beta=0.4).edits(hm, enc)) - base
+    torch.testing.assert_close(gains, want, atol=1e-5, rtol=0, equal_nan=True)
+    assert float(want[2:4].abs().max()) > 1e-4  # ACT moves the margin
+    kept = {(la, h) for la in (2, 3) for h in range(hm.n_heads) if want[la, h] > 1e-4}
+    assert set(HeadSet.parse(str(act)).heads) == kept

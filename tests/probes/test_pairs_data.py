@@ -78,3 +78,13 @@ def test_bad_arguments():
         with pytest.raises(HeadsteerValueError, match=word):
             load_task_pairs(**kwargs)
     assert len(load_task_pairs("ioi", n=5)) == 5
+
+
+def test_every_shipped_pair_carries_its_template():
+    from probes.datasets.pairs import load_task_pairs
+
+    want = {"ioi": 15, "colored_objects": 1, "comp_mech": 8}  # phrasings per set
+    for name, n in want.items():
+        pairs = load_task_pairs(name, split=None, corruption="all" if name == "ioi" else None)
+        ids = {p.meta["template"] for p in pairs}
+        assert ids == set(range(n)), name

@@ -82,7 +82,18 @@ def test_eval_method_options_cover_every_option():
 
     from viz.cli.eval import METHOD_OPTIONS, eval_command
 
-    common = {"run", "method", "task", "split", "limit", "batch_size", "out", "max_new_tokens"}
+    common = {
+        "run",
+        "method",
+        "task",
+        "split",
+        "limit",
+        "batch_size",
+        "out",
+        "max_new_tokens",
+        "prompt",
+        "baselines",
+    }
     opts = set(inspect.signature(eval_command).parameters) - common
     assert opts == {o for used in METHOD_OPTIONS.values() for o in used}
 

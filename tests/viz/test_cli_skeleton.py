@@ -40,6 +40,7 @@ def test_every_command_takes_the_shared_options():
         "report atlas",
         "report patching",
         "report circuit",
+        "report qk",
         "report vision",
         "vision generate",
         "profile pasta",

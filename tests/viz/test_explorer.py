@@ -125,7 +125,7 @@ def test_patterns_are_recorded_once_per_tab_and_prompt(model, monkeypatch):
 
     calls = []
     real = patterns_mod.all_patterns
-    monkeypatch.setattr(patterns_mod, "all_patterns", lambda m, p: calls.append(p) or real(m, p))
+    monkeypatch.setattr(patterns_mod, "all_patterns", lambda m, p, **k: calls.append(p) or real(m, p, **k))
     client = TestClient(create_explorer(model))
     tab = "tab-aaaa-0001"
     assert client.post("/api/prepare", json={"prompt": PROMPT, "tab": tab}).json()["cached"] is True
@@ -360,10 +360,15 @@ def test_jobs_are_bounded():
 
 
 def test_non_loopback_host_warns(monkeypatch, capsys):
+    import sys
+
     from viz.cli import explore as mod
 
     class FakeRun:
         as_json = False
+
+        def say(self, msg):
+            print(msg, file=sys.stderr)
 
         def load(self):
             raise SystemExit(0)  # stop before loading anything
@@ -394,6 +399,16 @@ def test_atlas_given_is_used_without_computing(model, tmp_path, monkeypatch):
     )
 
 
+def route_paths(routes) -> list[str]:
+    """The paths of `routes`, those of included routers too (FastAPI keeps an included router
+    as one entry, its routes under `original_router`)."""
+    out = []
+    for r in routes:
+        sub = getattr(r, "original_router", None)
+        out += route_paths(sub.routes) if sub is not None else [getattr(r, "path", "")]
+    return out
+
+
 def test_docs_list_every_endpoint_and_response_field(client):
     """docs/explorer.md's HTTP API table has a row per API route, and each row names every
     field of that endpoint's JSON response (read from real responses)."""
@@ -403,7 +418,7 @@ def test_docs_list_every_endpoint_and_response_field(client):
     rows = {
         ln.split("|")[1].strip(): ln for ln in page.splitlines() if ln.startswith("| `") and "/api/" in ln
     }
-    routes = {r.path for r in client.app.routes if getattr(r, "path", "").startswith("/api/")}
+    routes = {p for p in route_paths(client.app.routes) if p.startswith("/api/")}
     assert {k.split()[1].strip("`") for k in rows} == routes
     tab = "tab-" + "x" * 8
     replies = {
@@ -753,7 +768,7 @@ def test_a_client_that_leaves_cancels_its_jobs(model, monkeypatch):
 
     import requests
 
-    import viz.explorer.app as explorer_app
+    import viz.explorer.routes.generate as explorer_app
     from tests.viz.test_explorer_browser import serve
 
     real = explorer_app._Streamer

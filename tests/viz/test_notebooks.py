@@ -1,10 +1,14 @@
 """Every notebook in notebooks/ runs top to bottom without error, and its figures survive export
 (`jupyter nbconvert --to html`: each plotly figure as HTML, plotly.js inlined once).
 
+Each executed notebook is kept in `.cache/notebooks/` (ignored by git): `make docs` renders it
+into the site with its outputs (docs/scripts/gen_pages.py).
+
 The suite runs them with `HEADSTEER_NOTEBOOK_SIZE=small`: a notebook whose work is long reads it
 in its first cell and uses smaller inputs (fewer generated tokens, prompts or pairs; the same
 cells run); unset, a user gets the full sizes."""
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -12,7 +16,20 @@ import pytest
 from nbclient import NotebookClient
 from nbconvert import HTMLExporter
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+EXECUTED = ROOT / ".cache" / "notebooks"
+
+
+def keep_executed(nb: nbformat.NotebookNode, name: str) -> Path:
+    """Write the executed notebook to `.cache/notebooks/name` (atomically) for the docs site."""
+    EXECUTED.mkdir(parents=True, exist_ok=True)
+    out = EXECUTED / name
+    tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
+    nbformat.write(nb, tmp)
+    os.replace(tmp, out)
+    return out
+
 
 pytestmark = pytest.mark.real
 
@@ -40,6 +57,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     assert html.count('class="plotly-graph-div"') >= len(figures)
     assert html.count("Plotly.newPlot(") >= len(figures)
     assert "plotly.js v" in html and len(html) < 12_000_000  # plotly.js inlined once (~4.8 MB)
+    kept = keep_executed(nb, path.name)
+    assert nbformat.read(kept, as_version=4).cells == nb.cells
     if path.name.startswith("01_"):
         assert "baseline:" in text and "PASTA   :" in text
     if path.name.startswith("02_"):

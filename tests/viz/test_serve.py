@@ -85,8 +85,11 @@ def server(tiny_llama_dir):
 
 def test_serve_json_prints_its_url(server):
     proc, base = server
-    lines = [proc.stdout.readline().decode() for _ in range(2)]  # the loading line, then the JSON
-    data = json.loads(next(ln for ln in lines if ln.startswith("{")))
+    lines = []  # the listening line, the loading line, then the JSON
+    while not (lines and lines[-1].startswith("{")) and len(lines) < 5:
+        lines.append(proc.stdout.readline().decode())
+    data = json.loads(lines[-1])
+    assert lines[0].startswith("server listening on " + base + "/v1"), lines  # at bind time, before the load
     assert data["url"] == base + "/v1" and data["model"]
 
 

@@ -195,7 +195,7 @@ def _open_and_drop(base: str, body: dict, after_s: float = 0.2) -> None:
     data = json.dumps(body).encode()
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(data)}\r\n\r\n".encode()
             + data
         )
@@ -263,7 +263,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(srv):
     # a declared 300 MB body: refused from its Content-Length, before a byte of it is sent
     with socket.create_connection((host, int(port)), timeout=20) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {300 * 2**20}\r\n\r\n".encode()
         )
         head = _read_response(s)
@@ -271,7 +271,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(srv):
     # chunked (no Content-Length): refused once the limit is passed
     with socket.create_connection((host, int(port)), timeout=20) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
         piece = b"x" * 65536
@@ -362,7 +362,7 @@ def test_client_gone_while_sending_its_body_is_one_log_line(srv):
     before = logf.read_text().count("Traceback")
     with socket.create_connection((host, int(port)), timeout=20) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"a":'
         )
         time.sleep(0.5)

@@ -213,6 +213,22 @@ def eval_command(
     caa_coefficient: Annotated[float, typer.Option(help="CAA coefficient")] = 4.0,
     batch_size: Annotated[int, typer.Option(help="prompts per forward")] = 16,
     max_new_tokens: Annotated[int, typer.Option(help="tokens generated on generate tasks")] = 48,
+    prompt: Annotated[
+        bool,
+        typer.Option(
+            "--prompt",
+            help="the prompting baseline: the task's instruction asking for the steered behaviour "
+            "before every prompt (with a method: prompt + method)",
+        ),
+    ] = False,
+    baselines: Annotated[
+        bool,
+        typer.Option(
+            "--baselines",
+            help="run none, prompt, METHOD and prompt + METHOD on the same examples: 95%% bootstrap "
+            "intervals and the paired difference to the prompt",
+        ),
+    ] = False,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -232,6 +248,11 @@ def eval_command(
 
     if method not in METHODS:
         raise HeadsteerValueError(f"unknown --method {short_repr(method)}: use one of {', '.join(METHODS)}")
+    if baselines and (prompt or method == "none"):
+        raise HeadsteerValueError(
+            "--baselines runs none, prompt, METHOD and prompt + METHOD itself: give a --method other "
+            "than none, without --prompt"
+        )
     if task not in TASKS:
         raise HeadsteerValueError(f"unknown --task {short_repr(task)}: use one of {', '.join(TASKS)}")
     if split not in SPLITS:
@@ -279,7 +300,8 @@ def eval_command(
     files = (("--pasta-heads", pasta_file, pasta_set), ("--act-heads", act_file, act_set))
     head_files = {opt: (path, hs) for opt, path, hs in files if path is not None and hs is not None}
     if out is None:
-        out = Path("results") / f"{task}.{method}.{split}.csv"
+        tag = ".baselines" if baselines else (".prompt" if prompt else "")
+        out = Path("results") / f"{task}.{method}{tag}.{split}.csv"
     if out.is_dir():
         raise HeadsteerValueError(f"--out {str(out)!r} is a folder; give a .csv file path")
     out = run.output(out, suffixes=(".csv",))
@@ -288,7 +310,10 @@ def eval_command(
     if (method == "caa" and caa_layer is not None) or method == "iti" or head_files:
         _check_geometry(run, method, caa_layer, iti_k, head_files)  # the config, before any weight
     hm = run.load()
-    with run.progress(n, f"{task} / {method}") as step:
+    if baselines:
+        return _baselines(run, hm, task, method, split, limit, n, out, examples_csv, given, batch_size)
+    label = ("prompt" if method == "none" else f"prompt + {method}") if prompt else method
+    with run.progress(n, f"{task} / {label}") as step:
         res = evaluate(
             hm,
             task,
@@ -298,6 +323,7 @@ def eval_command(
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             progress=step,
+            prompt=prompt,
             pasta_heads=pasta_file,
             act_heads=act_file,
             alpha=alpha,
@@ -316,13 +342,55 @@ def eval_command(
         )
     write_csv(out, res.table, overwrite=run.force)
     write_csv(examples_csv, res.examples, overwrite=run.force)
-    table = Table(title=f"{task} ({split}) — {method}")
+    table = Table(title=f"{task} ({split}) — {label}")
     for col in ("metric", "value", "n", "95% interval", "interval method"):
         table.add_column(col)
     for r in res.table.itertuples():
         table.add_row(r.metric, f"{r.value:.3f}", str(r.n), f"[{r.low:.3f}, {r.high:.3f}]", str(r.interval))
     run.show(table)
     return {"table": res.table.to_dict(orient="records"), "csv": str(out)}
+
+
+def _method_kwargs(method: str, given: dict) -> dict:
+    """The `evaluate` keywords of `method`'s options (as `eval_command` passes them)."""
+    out = {k: given[k] for k in METHOD_OPTIONS[method]}
+    for k in ("pasta_heads", "act_heads"):
+        if out.get(k) == "auto":
+            out[k] = None
+    return out
+
+
+def _baselines(run: Run, hm, task, method, split, limit, n, out, examples_csv, given, batch_size) -> dict:
+    """`headsteer eval --baselines`: none / prompt / method / prompt + method, bootstrap table."""
+    from probes.studies.baselines import evaluate_baselines
+    from viz.tables import write_csv
+
+    with run.progress(4 * n, f"{task} / baselines of {method}") as step:
+        res = evaluate_baselines(
+            hm,
+            task,
+            method,
+            split=split,
+            limit=limit,
+            progress=step,
+            batch_size=batch_size,
+            max_new_tokens=given["max_new_tokens"],
+            **_method_kwargs(method, given),
+        )
+    write_csv(out, res.table, overwrite=run.force)
+    write_csv(examples_csv, res.examples, overwrite=run.force)
+    table = Table(title=f"{task} ({split}) — {method} against the prompting baseline")
+    for col in ("metric", "condition", "value", "95% interval", f"{method} - prompt [95%]"):
+        table.add_column(col)
+    for r in res.table.itertuples():
+        diff = ""
+        if r.beats_prompt is not None:
+            verdict = "beats the prompt" if r.beats_prompt else "does not beat the prompt"
+            diff = f"{r.diff:+.3f} [{r.diff_low:+.3f}, {r.diff_high:+.3f}] {verdict}"
+        name = r.condition.replace("method", method)
+        table.add_row(r.metric, name, f"{r.value:.3f}", f"[{r.low:.3f}, {r.high:.3f}]", diff)
+    run.show(table)
+    return {"table": res.table.to_dict(orient="records"), "csv": str(out), "interval": "bootstrap 95%"}
 
 
 def _task_inputs(task: str, split: str, n: int):

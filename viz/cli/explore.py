@@ -1,6 +1,5 @@
 """`headsteer explore`: the interactive head explorer (`viz.explorer`) on a local port."""
 
-import ipaddress
 import json
 import sys
 from typing import Annotated
@@ -10,7 +9,7 @@ import typer
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run
-from viz.cli.listen import listen_socket, run_uvicorn, url_of
+from viz.cli.listen import bind_report, bound_to_loopback, listen_socket, run_uvicorn, url_of
 
 __all__ = ["explore_command"]
 
@@ -32,16 +31,6 @@ def explore_command(
     if not 0 <= port <= 65535:
         raise HeadsteerValueError(f"--port must be in 0..65535, got {port}")
     try:
-        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loop = False
-    if not loop:
-        print(
-            f"warning: --host {host} is not a loopback address: anyone who can reach it can use the "
-            "explorer (it has no authentication)",
-            file=sys.stderr,
-        )
-    try:
         import uvicorn  # noqa: F401 - the extra, checked before anything binds or loads
     except ImportError:
         raise HeadsteerValueError(
@@ -49,20 +38,27 @@ def explore_command(
         ) from None
     sock = listen_socket(host, port)  # bound and held before the slow load: a busy port fails now
     try:
+        # decided by the address bound, not by how --host spells it (LOCALHOST, localhost., 127.1)
+        if not bound_to_loopback(sock):
+            print(
+                f"warning: --host {host} is not a loopback address: anyone who can reach it can use the "
+                "explorer (it has no authentication)",
+                file=sys.stderr,
+            )
         head_atlas = None
         if atlas is not None:
             from heads.scorers.roles.atlas import HeadAtlas
 
             head_atlas = HeadAtlas.load(atlas)  # read before the model is loaded: a bad file fails fast
+        hosts = bind_report(run, sock, host, "explorer")  # the URL now, before the slow load
         hm = run.load()
-        from viz.explorer.app import LOOPBACK_HOSTS, create_explorer
+        from viz.explorer.app import create_explorer
 
         if head_atlas is not None and head_atlas.model != hm.name:
             raise HeadsteerValueError(
                 f"--atlas {atlas} is of model {short_repr(head_atlas.model)}, not {short_repr(hm.name)}"
             )
-        hosts = (*LOOPBACK_HOSTS, host) if loop else None  # loopback: refuse other Host names
-        app = create_explorer(hm, atlas=head_atlas, hosts=hosts)
+        app = create_explorer(hm, atlas=head_atlas, hosts=hosts)  # loopback: refuse other Host names
     except BaseException:
         sock.close()
         raise
@@ -70,4 +66,5 @@ def explore_command(
     if run.as_json:
         print(json.dumps({"url": url, "model": hm.name}), flush=True)
     run.say(f"explorer for {hm.name} on {url} (Ctrl-C to stop)")
-    run_uvicorn(app, sock, say=run.say)
+    # Ctrl-C / SIGTERM: every job is cancelled as Cancel does, so the server is gone at once
+    run_uvicorn(app, sock, say=run.say, on_stop=app.state.jobs.stop_all)

@@ -35,6 +35,7 @@ from viz.cli.common import (
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
+from viz.cli.qk import report_qk  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
     ImageOpt,
@@ -67,6 +68,7 @@ command(
     app, "explore", writes_files=False, json_help="print the URL and model as one JSON line once serving"
 )(explore_command)
 command(report_app, "probes")(report_probes)
+command(report_app, "qk")(report_qk)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 
 MAX_DRAWS = 100
@@ -119,9 +121,9 @@ def generate(
         str,
         typer.Option(
             "--steer",
-            help="pasta | instaboost | var | vhr | adaptvis | scalingvis (var/vhr/adaptvis/scalingvis: "
-            "on --image, or the **marked** passage, with the papers' defaults; instaboost: all heads, "
-            "on the **marked** instruction)",
+            help="pasta | instaboost | var | vhr | adaptvis | scalingvis | carve | modulation (the vision "
+            "methods: on --image, or the **marked** passage, with the defaults; carve: --image only; "
+            "instaboost: all heads, on the **marked** instruction)",
         ),
     ] = "pasta",
     image: ImageOpt = None,
@@ -315,6 +317,9 @@ def report_atlas(
         Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
     ] = None,
     maps: Annotated[bool, typer.Option(help="MAPS relation scores (the best relation column)")] = True,
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the detector sequences: stable top-k heads (0: none)")
+    ] = 0,
 ) -> dict:
     """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
     from heads.scorers.roles import AttentionLens
@@ -322,6 +327,9 @@ def report_atlas(
 
     if lens is not None and not lens.is_file():
         raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
     # a bad or untrained lens file fails here, before the model loads
@@ -331,7 +339,7 @@ def report_atlas(
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
-            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv
+            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv, stability=stability
         )
     table = Table(title="Head roles")
     table.add_column("role")
@@ -362,6 +370,9 @@ def report_patching(
             '"split" field equals it [default: every record]'
         ),
     ] = None,
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the pairs for the rankings' stability (0: none)")
+    ] = 0,
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.activation import KINDS
@@ -378,13 +389,17 @@ def report_patching(
             param_hint="--direction",
         )
     _positive(n=n)
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
     hm = run.load()
     with run.progress(4, f"patching {site}") as step:
         _, summary = patching_report(
-            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task
-        )
+            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task,
+            stability=stability,
+        )  # fmt: skip
     table = Table(title=f"top {site} sites ({summary['pairs']} pairs, {direction})")
     keys = [
         k
@@ -414,6 +429,9 @@ def report_circuit(
     sizes: Annotated[
         str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
     ] = "0.1,0.2,0.5,1,2,5,10,20,50,100",
+    stability: Annotated[
+        int, typer.Option(help="bootstrap resamples of the pairs: each edge's inclusion frequency (0: none)")
+    ] = 0,
 ) -> dict:
     """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
@@ -430,6 +448,9 @@ def report_circuit(
     if method == "eap":
         refuse_unused(method, {"--steps": run.gave("steps", steps, 5)}, option="--method")
     _positive(pairs=pairs, steps=steps)
+    from heads.results.stability import check_stability
+
+    check_stability(stability, "--stability")
     _at_most("--pairs", pairs, 256)
     _at_most("--steps", steps, MAX_STEPS)
     if not 0 < size <= 100:
@@ -450,7 +471,7 @@ def report_circuit(
     with run.progress(circuit_steps(), "circuit") as step:
         _, summary = circuit_report(
             hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
-            overwrite=run.force, circuit_json=js, progress=step,
+            overwrite=run.force, circuit_json=js, progress=step, stability=stability,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")
     for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):

@@ -1,6 +1,6 @@
-"""`headsteer vision generate` (VAR / VHR / AdaptVis / ScalingVis steered generation, with an image
-or a marked context) and `headsteer report vision`. Registered by `register_vision(app, report_app)`
-in `viz.cli.main`."""
+"""`headsteer vision generate` (VAR / VHR / AdaptVis / ScalingVis / CARVE / head-specific visual
+modulation steered generation, with an image or a marked context) and `headsteer report vision`.
+Registered by `register_vision(app, report_app)` in `viz.cli.main`."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _at_most, _positive, command
 
 vision_app = typer.Typer(
-    help="Vision-aware steering (VAR, VHR, AdaptVis, ScalingVis) on a vision-language model or a marked "
-    "text context.",
+    help="Vision-aware steering (VAR, VHR, AdaptVis, ScalingVis, CARVE, visual modulation) on a "
+    "vision-language model or a marked text context.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
@@ -37,12 +37,19 @@ ImageOpt = Annotated[
 ]
 VarPOpt = Annotated[float, typer.Option(help="VAR: fraction of sink mass moved")]
 VarRhoOpt = Annotated[float, typer.Option(help="VAR: least non-sink image ratio")]
-VISION_METHODS = ("var", "vhr", "adaptvis", "scalingvis")
+VISION_METHODS = ("var", "vhr", "adaptvis", "scalingvis", "carve", "modulation")
 """The `--steer` choices of `headsteer vision generate`."""
 WeightOpt = Annotated[float, typer.Option(help="ScalingVis: factor on the last token's image logits")]
 Weight1Opt = Annotated[float, typer.Option(help="AdaptVis: factor when the confidence is below --threshold")]
 Weight2Opt = Annotated[float, typer.Option(help="AdaptVis: factor otherwise")]
 ThresholdOpt = Annotated[float, typer.Option(help="AdaptVis: confidence threshold in [0, 1]")]
+GeneralOpt = Annotated[str, typer.Option(help="CARVE: the general instruction contrasted with the prompt")]
+KeepOpt = Annotated[float, typer.Option(help="CARVE: share of the image's pixels kept, in (0, 1]")]
+GammaOpt = Annotated[float, typer.Option(help="modulation: amplification strength (0 = no-op)")]
+LocalRatioOpt = Annotated[
+    float, typer.Option(help="modulation: share of the tokens the local stream selects")
+]
+RegionsOpt = Annotated[int, typer.Option(help="modulation: grid blocks per side of the spatial stream")]
 DimsOpt = Annotated[
     str | None,
     typer.Option("--sink-dims", help='sink dimensions for VAR, e.g. "1415,2533" (default: known backbones)'),
@@ -64,7 +71,9 @@ def _image(path: Path | None):
         raise HeadsteerValueError(f"--image {str(path)!r} cannot be read as an image: {first}") from None
 
 
-def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "prompt") -> None:
+def check_vision_prompt(
+    prompt: str, image: Path | None, *, option: str = "prompt", needs_image: str | None = None
+) -> None:
     """Refuse, before the model loads, an empty prompt, or one without an image and without a
     **marked** context passage (VAR, VHR, AdaptVis and ScalingVis need the image or the passage).
 
@@ -75,6 +84,8 @@ def check_vision_prompt(prompt: str, image: Path | None, *, option: str = "promp
 
     if not prompt.strip():
         raise HeadsteerValueError(f"{option} is empty")
+    if needs_image is not None and image is None:
+        raise HeadsteerValueError(f"{needs_image} needs --image (it refines the image; no text variant)")
     _, spans = parse_markup(prompt)  # also refuses unbalanced ** markup
     if image is None and not spans:
         raise HeadsteerValueError(f"{option} has no **marked** context passage and no --image is given")
@@ -114,10 +125,13 @@ def _steer(
     dims: str | None,
     without: str = "delete",
     adaptvis: dict | None = None,
+    carve: dict | None = None,
+    modulation: dict | None = None,
 ):
-    """The intervention of `--steer kind`; `adaptvis`: `weight`, `weight1`, `weight2`, `threshold`
-    (default: the methods' defaults). Every value is checked here, before the model loads."""
-    from steer import AdaptVis, ScalingVis, Var, Vhr
+    """The intervention of `--steer kind`; `adaptvis`: `weight`, `weight1`, `weight2`, `threshold`;
+    `carve`: `general`, `keep`; `modulation`: `gamma`, `local_ratio`, `regions` (default: the
+    methods' defaults). Every value is checked here, before the model loads."""
+    from steer import AdaptVis, Carve, ScalingVis, Var, Vhr, VisualModulation
     from steer.adaptvis import DEFAULT_SCALING_WEIGHT, DEFAULT_THRESHOLD, DEFAULT_WEIGHT1, DEFAULT_WEIGHT2
 
     av = {
@@ -135,10 +149,21 @@ def _steer(
         return ScalingVis(weight=av["weight"])
     if kind == "adaptvis":
         return AdaptVis(weight1=av["weight1"], weight2=av["weight2"], threshold=av["threshold"])
+    if kind == "carve":
+        return Carve(**(carve or {}))
+    if kind == "modulation":
+        return VisualModulation(**(modulation or {}))
     raise HeadsteerValueError(f"--steer must be one of {', '.join(VISION_METHODS)}, got {short_repr(kind)}")
 
 
-_LABELS = {"var": "VAR", "vhr": "VHR", "adaptvis": "AdaptVis", "scalingvis": "ScalingVis"}
+_LABELS = {
+    "var": "VAR",
+    "vhr": "VHR",
+    "adaptvis": "AdaptVis",
+    "scalingvis": "ScalingVis",
+    "carve": "CARVE",
+    "modulation": "visual modulation",
+}
 
 
 def steered_pair(
@@ -155,16 +180,18 @@ def steered_pair(
     max_new_tokens: int,
     without_image: str = "delete",
     adaptvis: dict | None = None,
+    carve: dict | None = None,
+    modulation: dict | None = None,
 ) -> dict:
-    """Unsteered and VAR-, VHR-, AdaptVis- or ScalingVis-steered answers to `prompt` (with `image`,
-    or on its marked passage), printed side by side; shared by `headsteer generate --steer
-    var|vhr|adaptvis|scalingvis` and `headsteer vision generate`."""
-    from steer import AdaptVis, SteeredModel
+    """Unsteered and VAR-, VHR-, AdaptVis-, ScalingVis-, CARVE- or modulation-steered answers to
+    `prompt` (with `image`, or on its marked passage), printed side by side; shared by `headsteer
+    generate --steer <vision method>` and `headsteer vision generate`."""
+    from steer import AdaptVis, Carve, SteeredModel, VisualModulation
 
     _positive(max_new_tokens=max_new_tokens)
     run.check_new_tokens(max_new_tokens)  # from the config, before the weights
-    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image, adaptvis)
-    check_vision_prompt(prompt, image)
+    method = _steer(kind, alpha, p, rho, tau, sink_dims, without_image, adaptvis, carve, modulation)
+    check_vision_prompt(prompt, image, needs_image="--steer carve" if kind == "carve" else None)
     img = _image(image)
     hm = run.load()
     sm = SteeredModel(hm)
@@ -187,13 +214,31 @@ def steered_pair(
     if isinstance(method, AdaptVis):  # the probe's confidence and the factor it picked
         out["confidence"] = float(method.last["confidence"][0])
         out["weight"] = float(method.last["weight"][0])
+    if isinstance(method, Carve) and method.last.get("maps"):  # the pixels kept, the contrast map
+        m = method.last["maps"][0][0]
+        out["kept"] = round(float(m.mask.float().mean()), 4)
+        out["contrast"] = [round(float(x), 5) for x in m.contrast]
+        out["grid"] = list(m.task.grid)
+    if isinstance(method, VisualModulation) and method.last.get("selection"):  # tokens and heads chosen
+        sel = method.last["selection"][0]
+        out["selected_tokens"] = [
+            int(t) for s_ in sel for t in (s_.selected.nonzero().flatten() + s_.span[0])
+        ]
+        sens = method.last["sensitivity"][0]
+        out["sensitivity"] = {
+            str(la): [round(float(x), 4) for x in sens[la]]
+            for la in range(sens.shape[0])
+            if not sens[la].isnan().any()
+        }
     return out
 
 
 def vision_generate(
     run: Run,
     prompt: Annotated[str, typer.Argument(help=PROMPT_HELP)],
-    steer: Annotated[str, typer.Option("--steer", help="var | vhr | adaptvis | scalingvis")] = "vhr",
+    steer: Annotated[
+        str, typer.Option("--steer", help="var | vhr | adaptvis | scalingvis | carve | modulation")
+    ] = "vhr",
     image: ImageOpt = None,
     alpha: Annotated[float, typer.Option(help="VHR factor on the selected heads")] = 2.0,
     p: VarPOpt = 0.6,
@@ -213,15 +258,21 @@ def vision_generate(
     weight1: Weight1Opt = 0.5,
     weight2: Weight2Opt = 1.5,
     threshold: ThresholdOpt = 0.4,
+    general: GeneralOpt = "Describe the image.",
+    keep: KeepOpt = 0.5,
+    gamma: GammaOpt = 1.0,
+    local_ratio: LocalRatioOpt = 0.1,
+    regions: RegionsOpt = 2,
 ) -> dict:
-    """Print the unsteered and the VAR-, VHR-, AdaptVis- or ScalingVis-steered answers side by side."""
+    """Print the unsteered and the VAR-, VHR-, AdaptVis-, ScalingVis-, CARVE- or modulation-steered
+    answers side by side."""
     if steer not in VISION_METHODS:
         raise HeadsteerValueError(
             f"--steer must be one of {', '.join(VISION_METHODS)}, got {short_repr(steer)}"
         )
     given = {  # option -> (given by the user, even at its default; the methods that use it)
         "--alpha": (run.gave("alpha", alpha, 2.0), ("vhr",)),
-        "--without-image": (run.gave("without_image", without_image, "delete"), ("vhr",)),
+        "--without-image": (run.gave("without_image", without_image, "delete"), ("vhr", "modulation")),
         "--p": (run.gave("p", p, 0.6), ("var",)),
         "--rho": (run.gave("rho", rho, 0.5), ("var",)),
         "--tau": (run.gave("tau", tau, None), ("var",)),
@@ -230,9 +281,16 @@ def vision_generate(
         "--weight1": (run.gave("weight1", weight1, 0.5), ("adaptvis",)),
         "--weight2": (run.gave("weight2", weight2, 1.5), ("adaptvis",)),
         "--threshold": (run.gave("threshold", threshold, 0.4), ("adaptvis",)),
+        "--general": (run.gave("general", general, "Describe the image."), ("carve",)),
+        "--keep": (run.gave("keep", keep, 0.5), ("carve",)),
+        "--gamma": (run.gave("gamma", gamma, 1.0), ("modulation",)),
+        "--local-ratio": (run.gave("local_ratio", local_ratio, 0.1), ("modulation",)),
+        "--regions": (run.gave("regions", regions, 2), ("modulation",)),
     }
     refuse_unused(steer, {name: on and steer not in users for name, (on, users) in given.items()})
     adaptvis = dict(weight=weight, weight1=weight1, weight2=weight2, threshold=threshold)
+    carve = dict(general=general, keep=keep)
+    modulation = dict(gamma=gamma, local_ratio=local_ratio, regions=regions, without_image=without_image)
     return steered_pair(
         run,
         prompt,
@@ -246,6 +304,8 @@ def vision_generate(
         max_new_tokens=max_new_tokens,
         without_image=without_image,
         adaptvis=adaptvis,
+        carve=carve,
+        modulation=modulation,
     )
 
 

@@ -1,10 +1,19 @@
-"""The explorer's jobs: long computations that answer with an event stream and can be cancelled.
+"""The explorer's jobs: everything that runs the model, within one limit, each cancellable.
 
-A job registers its id in `Jobs` (at most `MAX_JOBS`), waits for the model lock in a thread,
-runs, and sends `{"job": id}`, then status / progress / text events, then exactly one last
-event (`result`, `error` or `cancelled`). `Jobs.cancel` sets its flag: the work stops at its
-next token or progress step, and a job still waiting never starts. A client that goes away
-sets the flag too, and the job's slot is freed however its response ends.
+A job registers its id in `Jobs` (at most `MAX_JOBS` running or waiting), waits for the model
+lock in a thread, runs, and ends. Two shapes:
+
+- `job_stream` (`/api/scores`, `/api/generate`, `/api/patch`): an event stream: `{"job": id}`,
+  then status / progress / text events, then exactly one last event (`result`, `error` or
+  `cancelled`).
+- `run_job` (`/api/prepare`, `/api/pattern`, `/api/head`: one forward or two): the JSON answer
+  of the work, or `{"cancelled": true}`.
+
+`Jobs.cancel` sets a job's flag: the work stops at its next token, progress step or layer, and
+a job still waiting for the model never starts. A client that goes away sets the flag too, and
+the slot is freed however the response ends. `Jobs.stop_all` (the server stopping: Ctrl-C,
+SIGTERM) cancels every job and ends every response at once, without waiting for work that
+only stops at its next step.
 """
 
 import asyncio
@@ -18,29 +27,34 @@ from typing import Any
 
 from heads.errors import HeadsteerValueError
 from viz.explorer.scores import Cancelled
+from viz.web.body import one_line
 
-__all__ = ["MAX_JOBS", "POLL_S", "JOB_ID", "Jobs", "event", "job_stream", "one_line"]
+__all__ = ["MAX_JOBS", "POLL_S", "JOB_ID", "Jobs", "event", "job_stream", "one_line", "run_job"]
 
 MAX_JOBS = 16
-"""Most jobs (generations, score and patching sweeps) running or waiting at once."""
+"""Most jobs (generations, sweeps, pattern recordings, head cards) running or waiting at once."""
 POLL_S = 0.02
-"""How often a job's event stream looks for new events (seconds)."""
+"""How often a job's event stream looks for new events, and a waiting job at its flag (seconds)."""
 JOB_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 """A job (or tab) id: 8-64 characters of letters, digits, `_` or `-`."""
 
 Work = Callable[[Callable[[dict], None], threading.Event], dict]
-"""A job's work: `work(emit, flag)` -> the object of its last event."""
+"""A job's work: `work(emit, flag)` -> the object of its last event (its answer)."""
 
 
 class Jobs:
     """The running / waiting jobs of one explorer: a cancel flag per job id, at most `limit`.
 
     The ids are made by the page (random per job), so one tab cannot name another's jobs
-    without having seen them."""
+    without having seen them. `supersede(key, job)` cancels the job last registered under `key`
+    (a tab's previous prepare or head card), so the page's requests never pile up."""
 
     def __init__(self, limit: int = MAX_JOBS):
         self.limit = limit
+        self.stopping = threading.Event()
+        """Set once by `stop_all`: every job is cancelled and no new one starts."""
         self._flags: dict[str, threading.Event] = {}
+        self._latest: dict[Any, str] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -53,6 +67,8 @@ class Jobs:
 
     def start(self, job: str) -> threading.Event:
         with self._lock:
+            if self.stopping.is_set():
+                raise HeadsteerValueError("the explorer is stopping")
             if job in self._flags:
                 raise HeadsteerValueError(f"job {job!r} is already running")
             if len(self._flags) >= self.limit:
@@ -63,6 +79,8 @@ class Jobs:
     def end(self, job: str) -> None:
         with self._lock:
             self._flags.pop(job, None)
+            for key in [k for k, v in self._latest.items() if v == job]:
+                del self._latest[key]
 
     def cancel(self, job: str) -> bool:
         """Flag `job` as cancelled; False when no such job runs."""
@@ -72,6 +90,22 @@ class Jobs:
             return False
         flag.set()
         return True
+
+    def supersede(self, key: Any, job: str) -> None:
+        """Cancel the job last registered under `key` (if it still runs) and register `job`."""
+        with self._lock:
+            before = self._latest.get(key)
+            self._latest[key] = job
+        if before is not None and before != job:
+            self.cancel(before)
+
+    def stop_all(self) -> None:
+        """Cancel every job and refuse new ones (the server is stopping)."""
+        with self._lock:
+            self.stopping.set()
+            flags = list(self._flags.values())
+        for flag in flags:
+            flag.set()
 
     def running(self) -> int:
         with self._lock:
@@ -83,46 +117,61 @@ def event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def one_line(exc: BaseException) -> str:
-    """`exc` as one line of at most 500 characters (its type when it has no message)."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:500]
-
-
-def job_stream(jobs: "Jobs", lock: threading.Lock, job: str, work: Work) -> Any:
-    """Register `job` in `jobs` and return its event-stream response: `work(emit, flag)` runs
-    in a thread once it holds the model `lock` and returns the object of the last event.
-
-    Raises:
-        HeadsteerValueError: the id is already running, or `jobs` is full (HTTP 400).
-    """
-    flag = jobs.start(job)
-    events: queue.Queue[dict | None] = queue.Queue()
+def _runner(
+    jobs: Jobs,
+    lock: threading.Lock,
+    job: str,
+    flag: threading.Event,
+    work: Work,
+    put: Callable[[dict | None], None],
+    failed: Callable[[BaseException], None] | None = None,
+) -> Callable[[], None]:
+    """The thread body of a job: wait for the model `lock` (giving up once `flag` is set), run
+    `work(put, flag)`, `put` its answer, `{"cancelled": true}` or `{"error": line}` (the
+    exception also given to `failed`), then None; the slot is freed whatever happens."""
 
     def run() -> None:
         try:
-            got = False
+            got = said = False
             while not got:
                 if flag.is_set():
                     raise Cancelled
                 got = lock.acquire(timeout=0.05)
-                if not got and not waiting:
-                    waiting.append(True)
-                    events.put({"status": "waiting for the model (another job runs)"})
+                if not got and not said:
+                    said = True
+                    put({"status": "waiting for the model (another job runs)"})
             try:
-                events.put(work(events.put, flag))
+                if flag.is_set():
+                    raise Cancelled
+                put(work(put, flag))
             finally:
                 lock.release()
         except Cancelled:
-            events.put({"cancelled": True})
+            put({"cancelled": True})
         except Exception as exc:  # reported to the page as one line; the server stays up
-            events.put({"error": one_line(exc)})
+            if failed is not None:
+                failed(exc)
+            put({"error": one_line(exc)})
         finally:
             jobs.end(job)
-            events.put(None)
+            put(None)
 
-    waiting: list[bool] = []
-    thread = threading.Thread(target=run, daemon=True, name=f"explorer-{job}")
+    return run
+
+
+def job_stream(jobs: Jobs, lock: threading.Lock, job: str, work: Work) -> Any:
+    """Register `job` in `jobs` and return its event-stream response: `work(emit, flag)` runs
+    in a thread once it holds the model `lock` and returns the object of the last event.
+
+    Raises:
+        HeadsteerValueError: the id is already running, `jobs` is full or stopping (HTTP 400).
+    """
+    flag = jobs.start(job)
+    events: queue.Queue[dict | None] = queue.Queue()
+    thread = threading.Thread(
+        target=_runner(jobs, lock, job, flag, work, events.put), daemon=True, name=f"explorer-{job}"
+    )
+    started: list[bool] = []
 
     async def stream() -> AsyncIterator[str]:
         # async, so a client that goes away cancels this generator at its next await (a sync
@@ -137,9 +186,12 @@ def job_stream(jobs: "Jobs", lock: threading.Lock, job: str, work: Work) -> Any:
                 try:
                     ev = events.get_nowait()
                 except queue.Empty:
+                    if jobs.stopping.is_set():  # the server stops: end now, not at the work's next step
+                        yield event({"cancelled": True})
+                        break
                     await asyncio.sleep(POLL_S)
                     continue
-                if ev is None:
+                if ev is None:  # after the slot was freed: a client that saw the last event finds it free
                     break
                 yield event(ev)
         finally:
@@ -150,8 +202,65 @@ def job_stream(jobs: "Jobs", lock: threading.Lock, job: str, work: Work) -> Any:
         if not started:  # the thread never started: nothing else frees the slot
             jobs.end(job)
 
-    started: list[bool] = []
     return _job_stream_response(stream(), closed)
+
+
+async def run_job(
+    jobs: Jobs, lock: threading.Lock, job: str, work: Work, request: Any, *, supersede: Any = None
+) -> dict:
+    """Register `job`, run `work(emit, flag)` in a thread once it holds the model `lock`, and
+    return its answer: the object it returned, `{"cancelled": True}` (cancelled, superseded, the
+    client gone or the server stopping) or `{"error": line, "exception": exc}`; `emit`'s
+    events are dropped. With `supersede` (a key such as `("prepare", tab)`), the job last run
+    under that key is cancelled (`Jobs.supersede`).
+
+    The client's `http.disconnect` (read from `request.receive` once its body is in) sets the
+    job's flag: a job still waiting for the model never starts, one that runs stops at its next
+    check.
+
+    Raises:
+        HeadsteerValueError: the id is already running, `jobs` is full or stopping (HTTP 400).
+    """
+    flag = jobs.start(job)
+    if supersede is not None:
+        jobs.supersede(supersede, job)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[dict] = loop.create_future()
+    answer: list[dict] = []
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        if not done.done():
+            last = answer[-1]
+            done.set_result({**last, "exception": errors[-1]} if "error" in last and errors else last)
+
+    def put(ev: dict | None) -> None:
+        if ev is None:
+            loop.call_soon_threadsafe(finish)
+        elif "status" not in ev and "progress" not in ev:
+            answer.append(ev)
+
+    run = _runner(jobs, lock, job, flag, work, put, errors.append)
+    threading.Thread(target=run, daemon=True, name=f"explorer-{job}").start()
+
+    async def left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def stopping() -> None:
+        while not jobs.stopping.is_set():
+            await asyncio.sleep(POLL_S)
+
+    watchers: list[asyncio.Future[Any]] = [asyncio.ensure_future(left()), asyncio.ensure_future(stopping())]
+    try:
+        await asyncio.wait([done, *watchers], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in watchers:
+            w.cancel()
+    if done.done():
+        return done.result()
+    flag.set()  # the client left or the server stops: the thread frees the slot when it ends
+    return {"cancelled": True}
 
 
 def _job_stream_class() -> Any:

@@ -19,7 +19,11 @@ from heads.inputs.prompts import encode_prompts
 from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
 
-__all__ = ["PatternCache", "Patterns", "all_patterns", "pattern_bytes"]
+__all__ = ["PatternCache", "Patterns", "Stopped", "all_patterns", "pattern_bytes"]
+
+
+class Stopped(Exception):
+    """`all_patterns` was stopped by its `stop` event (the explorer's job was cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,25 @@ def pattern_bytes(n_layers: int, n_heads: int, n_tokens: int) -> int:
     return 2 * n_layers * n_heads * n_tokens * n_tokens
 
 
-def all_patterns(model: HeadModel, prompt: str) -> Patterns:
+def all_patterns(
+    model: HeadModel, prompt: str, *, chat: bool | None = None, stop: threading.Event | None = None
+) -> Patterns:
     """Every layer's `[H, T, T]` pattern of `prompt` from one forward (the model's own attention:
-    the recorders only read). Raises what `encode_prompts` raises on a bad prompt."""
-    enc = encode_prompts(model.tokenizer, prompt)
+    the recorders only read).
+
+    Args:
+        chat: apply the chat template (default: when the tokenizer has one, as `encode_prompts`).
+        stop: an event that, once set, stops the forward at the next layer (`Stopped`).
+
+    Raises:
+        ValueError: what `encode_prompts` raises on a bad prompt.
+        Stopped: `stop` was set.
+    """
+    enc = encode_prompts(model.tokenizer, prompt, chat=chat)
 
     def keep(probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if stop is not None and stop.is_set():
+            raise Stopped
         return probs[0].detach().to(torch.float16).cpu()  # [H, q, K]
 
     recorders = [Recorder(layer=layer, fn=keep) for layer in range(model.n_layers)]
@@ -72,25 +89,28 @@ class PatternCache:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._items: OrderedDict[tuple[str, str], Patterns] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str, bool], Patterns] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, tab: str, prompt: str) -> Patterns | None:
+    def get(self, tab: str, prompt: str, *, chat: bool = True) -> Patterns | None:
+        """The patterns of `prompt` (rendered with the chat template or not) for `tab`, or None."""
+        key = (tab, prompt, chat)
         with self._lock:
-            got = self._items.get((tab, prompt))
+            got = self._items.get(key)
             if got is not None:
-                self._items.move_to_end((tab, prompt))
+                self._items.move_to_end(key)
             return got
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
 
-    def put(self, tab: str, prompt: str, patterns: Patterns) -> None:
+    def put(self, tab: str, prompt: str, patterns: Patterns, *, chat: bool = True) -> None:
         if not self.fits(patterns.nbytes):
             return
+        key = (tab, prompt, chat)
         with self._lock:
-            self._items.pop((tab, prompt), None)
-            self._items[(tab, prompt)] = patterns
+            self._items.pop(key, None)
+            self._items[key] = patterns
             while self.nbytes() > self.budget:
                 self._items.popitem(last=False)
 

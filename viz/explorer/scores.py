@@ -20,6 +20,7 @@ __all__ = [
     "PROBE_LIMIT",
     "PROBE_TASK",
     "Cancelled",
+    "FIRST_MLP_DETECTORS",
     "atlas_result",
     "dla_result",
     "grid",
@@ -36,6 +37,8 @@ PROBE_TASK = "harmful"
 """The shipped probe task (`probes.head_probes.probe_data`) of the `"probes"` score."""
 PROBE_LIMIT = 32
 """Examples per class of `PROBE_TASK` the `"probes"` score fits on (its train split)."""
+FIRST_MLP_DETECTORS = ("copying", "successor")
+"""The atlas detectors that read MAPS' first-MLP source representation (`apply_first_mlp`)."""
 
 
 class Cancelled(Exception):
@@ -59,9 +62,15 @@ def progress_reporter(emit: Emit, flag: threading.Event) -> Callable[[int, int],
     return report
 
 
-def atlas_result(model: "HeadModel", cache: dict, emit: Emit, flag: threading.Event) -> dict:
+def atlas_result(
+    model: "HeadModel", cache: dict, emit: Emit, flag: threading.Event, no_first_mlp: str | None = None
+) -> dict:
     """The head atlas's roles and score columns (`heads.scorers.roles.atlas.head_atlas`), the
-    detectors run once per server (kept in `cache["atlas"]`), with progress per detector."""
+    detectors run once per server (kept in `cache["atlas"]`), with progress per detector.
+
+    `no_first_mlp`: why MAPS' first-MLP source representation is not defined for this model
+    (`ExplorerState.maps_refusal`); the copying and successor detectors, which read it, are
+    then left out, named in the result's `skipped` (`{detector: reason}`)."""
     if cache["atlas"] is None:
         from heads.scorers.roles.atlas import head_atlas
         from heads.scorers.roles.detectors import (
@@ -78,6 +87,9 @@ def atlas_result(model: "HeadModel", cache: dict, emit: Emit, flag: threading.Ev
             ("successor", lambda: {"successor": successor_scores(model)}),
             ("retrieval", lambda: {"retrieval": retrieval_scores(model)}),
         ]
+        if no_first_mlp is not None:
+            steps = [s for s in steps if s[0] not in FIRST_MLP_DETECTORS]
+            cache["atlas_skipped"] = {d: no_first_mlp for d in FIRST_MLP_DETECTORS}
         det: dict = {}
         report(0, len(steps))
         for i, (what, step) in enumerate(steps):
@@ -98,19 +110,23 @@ def atlas_result(model: "HeadModel", cache: dict, emit: Emit, flag: threading.Ev
             grid[int(la)][int(h)] = round(fv, 5) if math.isfinite(fv) else None
         columns[col] = grid
     order = [*cache["atlas"].thresholds, "none"]
-    return {"result": {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}}
+    out = {"score": "atlas", "roles": roles, "role_order": order, "columns": columns}
+    if cache.get("atlas_skipped"):
+        out["skipped"] = dict(cache["atlas_skipped"])
+    return {"result": out}
 
 
-def dla_result(model: "HeadModel", prompt: str, emit: Emit, flag: threading.Event) -> dict:
+def dla_result(model: "HeadModel", prompt: str, chat: bool, emit: Emit, flag: threading.Event) -> dict:
     """Each head's direct logit of the model's top next token at the last position:
-    `heads.scorers.patching.logit.head_logits` (frozen final-norm scale), answer part."""
+    `heads.scorers.patching.logit.head_logits` (frozen final-norm scale), answer part, on the
+    prompt rendered with the chat template or not (`chat`)."""
     from heads.engine.forward import forward
     from heads.inputs.tokens import readable_token
     from heads.scorers.patching.logit import head_logits
     from heads.scorers.patching.pairs import PromptPair, encode_pairs
 
     report = progress_reporter(emit, flag)
-    text = encode_prompts(model.tokenizer, prompt).texts[0]  # rendered as the card's lens reads it
+    text = encode_prompts(model.tokenizer, prompt, chat=chat).texts[0]  # rendered as the card's lens reads it
     report(0, 2)
     emit({"status": "DLA: the model's top next token"})
     enc = encode_prompts(model.tokenizer, text, chat=False, markup=False)

@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     from heads.inputs.prompts import EncodedPrompts
     from heads.model.adapter import HeadModel
 
-__all__ = ["STEER_FIELDS", "STEER_METHODS", "SteerMethod", "check_edits", "parse_steering"]
+__all__ = [
+    "STEER_FIELDS",
+    "STEER_METHODS",
+    "SteerMethod",
+    "check_edits",
+    "check_window_room",
+    "parse_heads",
+    "parse_steering",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,40 @@ STEER_FIELDS = frozenset(
 )
 """The request fields of a steered `/api/generate` beside the prompt, `max_new_tokens` and `job`."""
 
-_COMMON = {"prompt", "steered", "max_new_tokens", "job", "method", "heads"}
+_COMMON = {"prompt", "steered", "max_new_tokens", "job", "raw", "method", "heads"}
+
+MAX_HEADS = 512
+"""Most (layer, head) pairs in one steering request."""
+
+
+def parse_heads(raw: object, n_layers: int, n_heads: int) -> dict[int, list[int]]:
+    """The request's `heads` (`[[layer, head], ...]`, at most `MAX_HEADS`) as `{layer: [heads]}`
+    in the order given, repeats dropped.
+
+    Raises:
+        HeadsteerValueError: not a non-empty list of `[layer, head]` int pairs inside the model.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise HeadsteerValueError(
+            "heads must be a non-empty list of [layer, head] pairs: click heads in the grid"
+        )
+    if len(raw) > MAX_HEADS:
+        raise HeadsteerValueError(f"heads has {len(raw)} pairs, more than the limit {MAX_HEADS}")
+    out: dict[int, list[int]] = {}
+    for pair in raw:
+        ok = (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+        )
+        if not ok or not (0 <= pair[0] < n_layers and 0 <= pair[1] < n_heads):
+            raise HeadsteerValueError(
+                f"bad head {short_repr(pair)}: need [layer, head] with layer < {n_layers}, head < {n_heads}"
+            )
+        out.setdefault(pair[0], [])
+        if pair[1] not in out[pair[0]]:
+            out[pair[0]].append(pair[1])
+    return out
 
 
 def parse_steering(
@@ -128,3 +169,30 @@ def check_edits(model: "HeadModel", enc: "EncodedPrompts", steer: list) -> None:
     from heads.engine.context import validate_edits
 
     validate_edits(model, [e for s in steer for e in s.edits(model, enc)])
+
+
+def check_window_room(model: "HeadModel", enc: "EncodedPrompts", steer: list, new_tokens: int) -> None:
+    """Refuse, before the job starts, a steered generation that the engine would stop part-way:
+    an attention edit (a logit bias or a pattern edit) on a sliding-window layer cannot be placed
+    once a decoding step's keys reach the window less one (the KV cache then no longer holds
+    absolute positions: `heads.engine.kernels.common.check_window`). Decoding step `i` (1..N-1)
+    sees `T + i` keys, so `T` prompt tokens and `N >= 2` new tokens fail when `T + N >= window`.
+
+    Raises:
+        HeadsteerValueError: naming `max_new_tokens`, the layer, its window and the most new
+            tokens that fit.
+    """
+    from heads.engine.edits import LogitBias, ProbEdit
+
+    if new_tokens < 2:
+        return
+    t = enc.length
+    for e in (e for s in steer for e in s.edits(model, enc)):
+        window = model.sliding_window(e.layer) if isinstance(e, (LogitBias, ProbEdit)) else None
+        if window is not None and t + new_tokens >= window:
+            room = max(window - t - 1, 1)
+            raise HeadsteerValueError(
+                f"max_new_tokens={new_tokens}: layer {e.layer} uses sliding-window attention (window "
+                f"{window}) and the prompt's {t} tokens plus {new_tokens} new ones reach it; its attention "
+                f"edits cannot be placed past that (at most {room} new tokens here, or a shorter prompt)"
+            )

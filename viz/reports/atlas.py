@@ -23,6 +23,7 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_bool, check_path, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
+from heads.results.stability import check_stability
 from heads.scorers.roles import AttentionLens, HeadAtlas, detect_roles, head_atlas
 from viz.reports.base import Report
 
@@ -190,6 +191,19 @@ def render_atlas_report(atlas: HeadAtlas, params: dict | None = None) -> Report:
     )
     rep.figure("Role map", _role_map(atlas), note="Every head coloured by its role; hover for the name.")
     rep.figure("Roles per layer", _roles_by_layer(atlas), note="How many heads of each role every layer has.")
+    stable = {n: s["stability"] for n, s in atlas.sources.items() if isinstance(s.get("stability"), dict)}
+    if stable:
+        lines = [
+            f"{n}: top-{s['k']} Jaccard {s['jaccard_mean']:.2f} "
+            f"[{s['jaccard_low']:.2f}, {s['jaccard_high']:.2f}] over {s['n_resamples']} resamples of "
+            f"{s['n_samples']} sequences; stable top-{s['k']}: " + (", ".join(s["stable"]) or "none")
+            for n, s in stable.items()
+        ]
+        rep.text(
+            "Stability of the role rankings",
+            " | ".join(lines) + ". A head is stable when it is in the top k of at least 95% of the "
+            "bootstrap resamples; the <role>_p_top_k columns give that share for every head.",
+        )
     rep.block("All scores", _table(atlas), note="One row per head; type in the box to filter rows.")
     rep.block(
         "Head cards",
@@ -216,6 +230,7 @@ def atlas_report(
     overwrite: bool = False,
     progress: ProgressArg = True,
     csv: str | Path | None = None,
+    stability: int = 0,
 ) -> tuple[HeadAtlas, dict]:
     """Compute the atlas of `model` and write the page to `out` (and the table to `csv` if given).
 
@@ -233,6 +248,8 @@ def atlas_report(
         overwrite: replace existing `out` / `csv` files (default False).
         progress: True (a bar), False / None, or a `(done, total)` callable in steps.
         csv: also write the table as CSV there (default None).
+        stability: bootstrap resamples of the detectors' sequences (default 0: none): the
+            pattern detectors' stable top-k heads on the page and `<role>_p_top_k` columns.
 
     Returns:
         `(atlas, summary)`; summary: heads per role and the top heads of each detector.
@@ -257,6 +274,7 @@ def atlas_report(
         csv = check_path("csv", csv)
     check_bool("maps", maps)
     check_bool("overwrite", overwrite)
+    stability = check_stability(stability)
     if not isinstance(lens_text, str) or not lens_text.strip():
         raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
@@ -279,7 +297,7 @@ def atlas_report(
     with progress_callback(progress, "head atlas", "steps") as report:
         tick = (lambda i: report(i, atlas_steps())) if report is not None else (lambda i: None)
         tick(0)
-        det = detect_roles(model)
+        det = detect_roles(model, stability=stability)
         tick(1)
         sinks = sink_stats(model, load_corpus(16), chat=False) if model.tokenizer is not None else None
         tick(2)

@@ -15,8 +15,10 @@ from pathlib import Path
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
+from heads.errors import HeadsteerValueError
+from heads.results.stability import check_stability
 from heads.scorers.circuits import SIZES, Circuit, edge_scores, evaluate, faithfulness_curve, select
-from heads.scorers.circuits.circuit import _check_sizes, _n_of
+from heads.scorers.circuits.circuit import _check_sizes, _n_of, circuit_stability
 from heads.scorers.circuits.graph import graph_of
 from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
@@ -61,12 +63,18 @@ def circuit_report(
     overwrite: bool = False,
     circuit_json: str | Path | None = None,
     progress: ProgressArg = True,
+    stability: int = 0,
 ) -> tuple[Circuit, dict]:
     """Score every edge on `n_pairs` pairs of `task`, select the top `size` % of the edges,
     evaluate it and its faithfulness curve exactly, and write the page to `out`.
 
+    `stability`: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
+    frequency in the re-selected circuit and the ranking's stability, on the page and in the
+    summary (`circuit_stability`, no extra forward).
+
     Returns:
-        `(circuit, summary)`; summary: edges, heads, faithfulness, CPR / CMD (method and random).
+        `(circuit, summary)`; summary: edges, heads, faithfulness, CPR / CMD (method and random),
+        and with `stability` its summary (top-k Jaccard, stable edges).
 
     Raises:
         ValueError: `out` (or `circuit_json`) exists without `overwrite`; a refused family; bad
@@ -76,15 +84,20 @@ def circuit_report(
     if circuit_json is not None:
         check_output(circuit_json, overwrite)
     graph = graph_of(model)
+    stability = check_stability(stability)
     (size,) = _check_sizes([size])
     sizes = _check_sizes(sizes)
     pairs = task_pairs(model, task, n_pairs)
+    if stability and pairs.n < 2:
+        raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
     with progress_callback(progress, "circuit report", "steps") as report:
         tick = (lambda i: report(i, circuit_steps())) if report is not None else (lambda i: None)
         tick(0)
         sc = edge_scores(model, pairs, method=method, steps=steps, progress=False)
         tick(1)
         c = select(sc, _n_of(graph, size))
+        if stability:
+            c.stability = circuit_stability(sc, stability, n=_n_of(graph, size), pairs=pairs)
         c.faithfulness = float(evaluate(model, pairs, c)[0])
         tick(2)
         c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes)
@@ -116,6 +129,29 @@ def circuit_report(
             head_heatmap(hs),
             note="Per head, the summed |score| of all its edges (the head-level view, a HeadScores).",
         )
+        if c.stability is not None:
+            from viz.figures import stability_bars
+
+            st = c.stability
+            rep.figure(
+                "Edge stability",
+                stability_bars(st, 20),
+                note=f"Bootstrap over the {pairs.n} pairs ({st.n_resamples} resamples): each edge's score "
+                "with its 95% interval; * stable: in the top k of at least 95% of the resamples.",
+            )
+            inc = st.to_frame().sort_values("inclusion", ascending=False, kind="stable")
+            rep.table(
+                "Edge inclusion frequency",
+                inc[["item", "inclusion", "p_top_k", "rank", "rank_low", "rank_high"]],
+                max_rows=40,
+                note="Share of resamples whose circuit (same size, pruned) holds the edge.",
+            )
+            share = dict(
+                zip(
+                    st.names, (st.inclusion if st.inclusion is not None else st.p_top_k).tolist(), strict=True
+                )
+            )
+            frame["inclusion"] = [share[e] for e in frame["edge"]]
         rep.table("Top edges", frame, max_rows=40, note="Circuit edges by decreasing |score|.")
         rep.save(out, overwrite=overwrite)
         if circuit_json is not None:
@@ -133,4 +169,7 @@ def circuit_report(
         "cmd_random": curve["cmd_random"],
         "top_edges": frame["edge"].head(10).tolist(),
     }
+    if c.stability is not None:
+        s = c.stability.summary()
+        summary["stability"] = {k: v for k, v in s.items() if k != "stable"} | {"stable": s["stable"][:20]}
     return c, summary

@@ -25,6 +25,7 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.stability import check_stability
 from heads.scorers.patching.activation import KINDS, PatchResult, patch
 from heads.scorers.patching.logit import (
     DLAResult,
@@ -35,7 +36,7 @@ from heads.scorers.patching.logit import (
 )
 from heads.scorers.patching.metrics import DIRECTIONS
 from heads.scorers.patching.pairs import PairBatch, PromptPair, check_pairs_differ, encode_pairs, load_pairs
-from viz.figures import head_heatmap
+from viz.figures import head_heatmap, stability_bars
 from viz.reports.base import Report
 
 __all__ = [
@@ -185,6 +186,22 @@ def render_patching_report(
             "final norm's scale frozen at that position (before any output soft-cap).",
         )
         rep.figure("DLA of the top heads", dla_bars(dla))
+    dla_st = dla.stability if dla is not None else None
+    for name, st in (("patching", result.stability), ("direct logit attribution", dla_st)):
+        if st is not None:
+            rep.figure(
+                f"Stability of the {name} ranking",
+                stability_bars(st),
+                note=f"Bootstrap over the {st.n_samples} pairs ({st.n_resamples} resamples, no new forward): "
+                "95% intervals; * stable: in the top k of at least 95% of the resamples"
+                + (
+                    f"; across {st.templates['n_templates']} templates: Kendall tau "
+                    f"{st.templates['kendall_tau']:.2f}, top-{st.k} Jaccard {st.templates['jaccard']:.2f}"
+                    if st.templates
+                    else ""
+                )
+                + ".",
+            )
     if lens is not None:
         rep.figure("logit lens", lens_figure(lens))
     frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
@@ -202,8 +219,13 @@ def patching_report(
     overwrite: bool = False,
     progress: ProgressArg = True,
     task: str = "",
+    stability: int = 0,
 ) -> tuple[Report, dict]:
     """Patch `site` on `pairs`, run DLA and the logit lens, and write the page to `out`.
+
+    `stability`: bootstrap resamples of the pairs for the head rankings of patching and DLA
+    (default 0: none; no extra forward): error bars and stable top-k markers on the page, the
+    summaries in the returned summary.
 
     Returns:
         `(report, summary)`; summary: pairs, site, the clean / corrupted mean metric, the top 5
@@ -223,6 +245,9 @@ def patching_report(
             f"unknown direction {short_repr(direction)}: use one of {', '.join(DIRECTIONS)}"
         )
     check_output(out, overwrite)
+    stability = check_stability(stability)
+    if stability and site in ("resid_pre", "attn_out", "mlp_out"):
+        raise HeadsteerValueError(f"--stability ranks heads; site {short_repr(site)} has no head axis")
     check_pairs_differ(pairs)  # the pairs' text, before any model work
     left_out = sections_left_out(model)
     with progress_callback(progress, "patching report", "steps") as report:
@@ -231,9 +256,14 @@ def patching_report(
         batch = encode_pairs(model, pairs)
         from heads.engine.options import SweepOptions
 
-        result = patch(model, batch, site, direction=direction, options=SweepOptions(progress=False))
+        opts = SweepOptions(progress=False)
+        result = patch(model, batch, site, direction=direction, options=opts, stability=stability)
         tick(1)
-        dla = None if "direct logit attribution" in left_out else direct_logit_attribution(model, batch)
+        dla = (
+            None
+            if "direct logit attribution" in left_out
+            else direct_logit_attribution(model, batch, stability=stability)
+        )
         tick(2)
         lens = logit_lens(model, batch)
         tick(3)
@@ -253,4 +283,8 @@ def patching_report(
         "clean_ld_positive": float((lens.logit_diff[:, -1] > 0).float().mean()),
         "top": frame[cols].head(5).to_dict("records"),
     }
+    for name, st in (("stability", result.stability), ("dla_stability", dla.stability if dla else None)):
+        if st is not None:
+            s = st.summary()
+            summary[name] = {k: v for k, v in s.items() if k != "stable"} | {"stable": s["stable"]}
     return rep, summary

@@ -22,9 +22,11 @@ from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.forward import forward
 from steer import SteeredModel
+from steer.carve import Carve, CarveMaps
 from steer.var import Var
 from steer.vhr.method import Vhr, t_vhd
 from steer.vhr.trace import vhd_trace
+from steer.visual_modulation import TokenSelection, VisualModulation
 from viz.figures import head_heatmap
 from viz.reports.base import Report
 
@@ -50,6 +52,10 @@ class VisionAnalysis:
         var_error: why VAR did not run, if it did not.
         trace: T-VHD per generated token (`steer.vhr.trace` frame: step, token_id, token,
             t_vhd; unsteered greedy decoding), or None when `trace_tokens` was 0.
+        selection: the head-specific visual modulation's dual-stream token selection of the
+            first image (or passage), `steer.visual_modulation.TokenSelection`.
+        sensitivity: `HeadScores` of each head's visual sensitivity (VHD / max over the edited layers).
+        carve: CARVE's maps of the image (`steer.carve.CarveMaps`), or None without an image.
     """
 
     vhd: HeadScores
@@ -64,6 +70,9 @@ class VisionAnalysis:
     var_error: str | None = None
     seconds: float | None = None
     trace: pd.DataFrame | None = None
+    selection: TokenSelection | None = None
+    sensitivity: HeadScores | None = None
+    carve: CarveMaps | None = None
 
 
 @torch.no_grad()
@@ -75,10 +84,14 @@ def vision_analysis(
     vhr: Vhr | None = None,
     var: Var | None = None,
     trace_tokens: int = 16,
+    modulation: VisualModulation | None = None,
+    carve: Carve | None = None,
 ) -> VisionAnalysis:
     """Run VHR's probe pass and a VAR-edited forward on one prompt (with `image` on a VLM; a
     `**marked**` passage otherwise) and collect the report's numbers; with `trace_tokens` > 0
-    also T-VHD at each of that many greedily generated tokens (`steer.vhr.trace`).
+    also T-VHD at each of that many greedily generated tokens (`steer.vhr.trace`). Also the
+    head-specific visual modulation's token selection and head sensitivity (`modulation`, default
+    `VisualModulation()`), and with an image CARVE's contrast maps (`carve`, default `Carve()`).
 
     Raises:
         ValueError: no image and no marked passage, a negative `trace_tokens`; see
@@ -115,6 +128,13 @@ def vision_analysis(
             sinks[la] = flags[0, cols]
     except ValueError as exc:
         err = str(exc)
+    vm = modulation or VisualModulation()
+    selection, vhd_probe = vm.probe(model, enc)
+    sens = vm.sensitivity(vhd_probe, vm.target_layers(model))[0]
+    sensitivity = HeadScores(sens, "visual_sensitivity", {"layers": vm.target_layers(model)}, model.name)
+    carve_maps = None
+    if image is not None:
+        carve_maps = (carve or Carve()).maps(model, [prompt], [image])[0][0]
     params = {"prompt": prompt, "image": image is not None, "vhr_alpha": vhr.alpha, "var_rho": var.rho}
     params |= {"var_p": var.p, "layers_vhr": sel.layers}
     k = min(4, model.n_heads)
@@ -137,6 +157,9 @@ def vision_analysis(
         err,
         time.perf_counter() - t0,
         trace,
+        selection[0][0] if selection and selection[0] else None,
+        sensitivity,
+        carve_maps,
     )
 
 
@@ -173,6 +196,7 @@ def render_vision_report(result: VisionAnalysis) -> Report:
                 layout={"xaxis_title": "generated token t", "yaxis_title": "T-VHD_t", "height": 400},
             ),
         )
+    _modulation_and_carve(rep, result)
     if result.image_centric is None:
         rep.text("VAR", f"not run: {result.var_error}")
         return rep
@@ -196,6 +220,41 @@ def render_vision_report(result: VisionAnalysis) -> Report:
     )
     rep.seconds = result.seconds
     return rep
+
+
+def _modulation_and_carve(rep: Report, result: VisionAnalysis) -> None:
+    """The token-selection view and head sensitivity (visual modulation), and CARVE's maps."""
+    sel = result.selection
+    if sel is not None:
+        kind = sel.local.long() + 2 * sel.spatial.long()  # 0 none, 1 local, 2 spatial, 3 both
+        rows_, cols_ = sel.grid
+        rep.figure(
+            "Visual modulation: selected tokens over the grid",
+            go.Figure(
+                go.Heatmap(
+                    z=kind.reshape(rows_, cols_).tolist(),
+                    zmin=0,
+                    zmax=3,
+                    colorscale=[[0, "#eeeeee"], [0.33, "#1f77b4"], [0.66, "#ff7f0e"], [1, "#2ca02c"]],
+                    colorbar={"tickvals": [0, 1, 2, 3], "ticktext": ["-", "local", "spatial", "both"]},
+                ),
+                layout={"yaxis": {"autorange": "reversed"}, "height": 360},
+            ),
+            note=f"{int(sel.selected.sum())} of {sel.selected.numel()} tokens selected (local stream: "
+            "feature contrast to grid neighbours; spatial stream: the most attended token of each block).",
+        )
+    if result.sensitivity is not None:
+        rep.figure(
+            "Visual modulation: head sensitivity (VHD / max)",
+            head_heatmap(result.sensitivity, title="sensitivity s (edited layers)"),
+        )
+    if result.carve is not None:
+        from viz.reports.carve import carve_figures
+
+        figs = carve_figures(result.carve)
+        rep.figure("CARVE: entropy and convergence of the image attention by depth", figs["depth"])
+        rep.figure("CARVE: task / general attention, contrast and kept pixels", figs["maps"])
+        rep.figure("CARVE: input and refined image", figs["images"])
 
 
 def vision_report(

@@ -10,6 +10,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from heads.engine import state
+from heads.engine.activations import apply_activation_edits
 from heads.engine.edits import (
     AttentionCall,
     LogitBias,
@@ -184,6 +185,7 @@ def blocked_attention(
     check_window(edits, q_len, k_len)
     for e in (*biases, *probs_edits):
         e.calls += 1
+    score_reads = edits.get("attn_scores")  # reads of the masked logits (`attn_scores` site)
     # SDPA cannot soft-cap or expose the pattern
     reading = [e for e in biases if e.reads_scores]  # biases that are functions of the logits
     biases = [e for e in biases if not e.reads_scores]
@@ -195,6 +197,7 @@ def blocked_attention(
         or eager
         or pattern_only
         or sinks is not None
+        or bool(score_reads)
     )
     # A prompt (Q > 1) runs its biases by head group, never through a [B, H, Q, K] mask. A decode
     # step (Q = 1) keeps one SDPA call: its [B, H, 1, K] mask is smaller than the layer's KV cache,
@@ -260,7 +263,11 @@ def blocked_attention(
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             scores = _with_score_biases(scores, reading, head_masks, call)
-            probs = _softmax(scores if add is None else scores + add, sinks)
+            if add is not None:
+                scores = scores + add
+            probs = _softmax(scores, sinks)
+        if score_reads:  # fp32, masked keys at the fp32 minimum (as TransformerLens' hook_attn_scores)
+            apply_activation_edits(score_reads, scores.float().clamp(min=MIN_LOGIT), call)
         visible: torch.Tensor | None = None
         if add is not None:
             visible = (add > MIN_LOGIT / 2).expand_as(scores)
@@ -281,7 +288,7 @@ def blocked_attention(
             outs.append(torch.matmul(probs.to(value.dtype), value))
     if pattern_only or (same and own is not None):  # nothing changed: the model's own output
         pattern = torch.cat(patterns, dim=2) if want_probs else None
-        return (None if pattern_only else own()), pattern
+        return (None if pattern_only or own is None else own()), pattern
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     pattern = torch.cat(patterns, dim=2) if want_probs else None
     return out.transpose(1, 2).contiguous(), pattern

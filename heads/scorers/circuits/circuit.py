@@ -23,6 +23,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
+from heads.results.stability import Stability, check_stability
 from heads.scorers.circuits.graph import Graph, graph_of
 from heads.scorers.circuits.scores import (
     METHODS,
@@ -49,6 +51,7 @@ __all__ = [
     "SIZES",
     "Circuit",
     "areas",
+    "circuit_stability",
     "evaluate",
     "faithfulness_curve",
     "find_circuit",
@@ -189,6 +192,9 @@ class Circuit:
         faithfulness: f(C) when evaluated, else None.
         curve: the faithfulness curve (`faithfulness_curve`'s dict), or None.
         params: free JSON-serialisable fields (n, threshold, n_pairs, ...).
+        stability: the bootstrap over pairs of the edge ranking, with each edge's inclusion
+            frequency in the re-selected circuit (`find_circuit(stability=B)`), or None; saved
+            on its own (`Stability.save`).
     """
 
     graph: Graph
@@ -200,6 +206,7 @@ class Circuit:
     faithfulness: float | None = None
     curve: dict | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     # ---------------------------------------------------------------- views
     @property
@@ -299,6 +306,44 @@ class Circuit:
             f"edges={self.n_edges}/{self.graph.n_edges}, "
             f"heads={len(self.heads.heads)}{f})"
         )
+
+    # ---------------------------------------------------------------- MIB format
+    def to_mib(
+        self,
+        path: str | os.PathLike,
+        *,
+        d_model: int | None = None,
+        binary: bool = False,
+        overwrite: bool = False,
+    ) -> list[Path]:
+        """Write the circuit in MIB's circuit-track format: one JSON of importance scores for every
+        edge (`in_graph` = this circuit), or with `binary=True` a folder of the nine binary
+        circuits at 0.1 .. 50 % of the edges; returns the paths. MIB's importance is -score
+        (module `heads.scorers.circuits.mib`: naming, sign, GQA).
+
+        Raises:
+            ValueError: no `d_model` (given, or recorded by `edge_scores`), an existing file
+                without `overwrite`, a symlink, a folder for a file or the reverse.
+        """
+        from heads.scorers.circuits.mib import write_mib
+
+        width = d_model if d_model is not None else self.params.get("d_model")
+        if width is None:
+            raise HeadsteerValueError("MIB's cfg needs the model width: pass d_model=")
+        return write_mib(
+            self.graph, self.scores, self.mask, path, d_model=width, binary=binary, overwrite=overwrite
+        )
+
+    @classmethod
+    def from_mib(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Circuit:
+        """Read a circuit in MIB's format (importance scores or a binary circuit): `scores` =
+        -importance, the `in_graph` edges pruned; `model` checks the geometry and gives the KV
+        heads. Raises ValueError for a missing or malformed file (`mib.read_mib`)."""
+        from heads.scorers.circuits.mib import read_mib
+
+        graph, scores, mask, d_model = read_mib(path, model)
+        params = {"d_model": d_model, "source": os.fspath(path)}
+        return cls(graph, prune(graph, mask), scores, "mib", params=params)
 
     # ---------------------------------------------------------------- save / load
     def to_dict(self) -> dict:
@@ -633,6 +678,42 @@ def faithfulness_curve(
     return out
 
 
+def circuit_stability(
+    scores: EdgeScores,
+    n_resamples: int = 100,
+    *,
+    n: int | None = None,
+    threshold: float | None = None,
+    pairs: PairBatch | None = None,
+    seed: int = 0,
+) -> Stability:
+    """Bootstrap over pairs of a circuit: the edge ranking's `Stability` (top k = the circuit's
+    size) with `inclusion`, each edge's share of resamples whose circuit, re-selected by the same
+    rule (top `n` by |score| or `threshold`, pruned) on the resample's mean per-pair scores, holds
+    it. `pairs` gives the template ids (agreement across templates). No forward pass.
+
+    Raises:
+        ValueError: scores without per-pair values, fewer than 2 pairs, not exactly one of n /
+            threshold, a bad n_resamples or seed.
+    """
+    from heads.scorers.stability import pair_templates
+
+    if (n is None) == (threshold is None):
+        raise HeadsteerValueError("give exactly one of n= (top-n edges) or threshold=")
+    graph = scores.graph
+    point = select(scores, n, threshold=threshold)
+
+    def reselect(values: torch.Tensor) -> torch.Tensor:
+        full = torch.full_like(scores.scores, float("nan"))
+        full[graph.valid] = values
+        again = EdgeScores(graph, full, scores.method, scores.metric, scores.n_pairs)
+        return select(again, n, threshold=threshold).mask[graph.valid]
+
+    templates = pair_templates(pairs) if pairs is not None else None
+    k = max(1, point.n_edges)
+    return scores.bootstrap(n_resamples, k=k, seed=seed, templates=templates, select=reselect)
+
+
 def find_circuit(
     model: HeadModel,
     pairs: PairBatch,
@@ -649,6 +730,7 @@ def find_circuit(
     batch_size: int = 8,
     batch_rows: int = 64,
     progress: ProgressArg = True,
+    stability: int = 0,
 ) -> Circuit:
     """Score every edge, select a circuit, evaluate it exactly and (optionally) its curve.
 
@@ -658,6 +740,9 @@ def find_circuit(
             |score| >= threshold (default: size = 5 %).
         confirm: rerun the top `confirm` edges exactly (`EdgeScores.exact`).
         curve: also compute the faithfulness curve over `sizes` with a random baseline.
+        stability: bootstrap resamples of the pairs (default 0: none; e.g. 100): the circuit is
+            re-selected (same rule, pruned) on each resample's mean per-pair edge scores, giving
+            every edge's inclusion frequency (`circuit.stability`; no extra forward).
 
     Raises:
         ValueError: bad arguments (checked before any forward; see `edge_scores`, `select`).
@@ -676,6 +761,9 @@ def find_circuit(
     check_int("batch_size", batch_size, lo=1)
     check_int("batch_rows", batch_rows, lo=1)
     check_bool("curve", curve)
+    stability = check_stability(stability)
+    if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
+        raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
     if n is not None:
         check_int("n", n, lo=1, hi=graph.n_edges)
     if threshold is not None:
@@ -695,6 +783,8 @@ def find_circuit(
         progress=progress,
     )
     c = select(sc, n, threshold=threshold)
+    if stability:
+        c.stability = circuit_stability(sc, stability, n=n, threshold=threshold, pairs=pairs)
     c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
     if curve:
         c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes, metric=met, batch_rows=batch_rows)

@@ -34,6 +34,7 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.stability import Stability, stability_of
 from heads.scorers.circuits.graph import (
     Acts,
     Graph,
@@ -76,6 +77,8 @@ class EdgeScores:
         n_pairs: pairs averaged over.
         exact: `[U, Dn]` exact scores of the confirmed edges (NaN elsewhere), or None.
         params: the call's parameters (steps, confirm, ...).
+        per_pair: `[N, E]` each pair's score of every edge (`edges()` order; `scores` is their
+            mean), kept for the bootstrap (`bootstrap`), or None.
     """
 
     graph: Graph
@@ -85,6 +88,7 @@ class EdgeScores:
     n_pairs: int = 0
     exact: torch.Tensor | None = None
     params: dict = field(default_factory=dict)
+    per_pair: torch.Tensor | None = None
 
     def edges(self) -> torch.Tensor:
         """`[E, 2]` long (upstream, downstream) of every edge, in graph order."""
@@ -101,6 +105,41 @@ class EdgeScores:
         key = v.abs() if absolute else -v
         order = torch.argsort(torch.nan_to_num(key, nan=-float("inf")), descending=True, stable=True)
         return e[order]
+
+    def bootstrap(
+        self,
+        n_resamples: int = 100,
+        *,
+        k: int = 100,
+        seed: int = 0,
+        templates: list | None = None,
+        by: str = "pairs",
+        absolute: bool = True,
+        select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> Stability:
+        """The bootstrap `Stability` of the edge ranking (by |score| unless `absolute=False`)
+        over the pairs, from `per_pair` (no forward pass; `heads.results.stability.stability_of`).
+        `select`: `[E]` scores -> `[E]` bool, a circuit's edges (`Stability.inclusion`).
+
+        Raises:
+            ValueError: no per-pair values, fewer than 2 pairs, bad arguments.
+        """
+        if self.per_pair is None:
+            raise HeadsteerValueError("these edge scores keep no per-pair values (loaded or built by hand)")
+        return stability_of(
+            self.per_pair,
+            n_resamples=n_resamples,
+            k=k,
+            seed=seed,
+            absolute=absolute,
+            names=self.graph.edge_names(self.edges()),
+            templates=templates,
+            by=by,
+            select=select,
+            method=f"circuit.{self.method}",
+            model=self.graph.model,
+            params={"metric": self.metric},
+        )
 
 
 def check_steps(method: str, steps: object) -> int:
@@ -229,6 +268,8 @@ def edge_scores(
         return exact_scores(model, pairs, metric=met, batch_rows=batch_rows, progress=progress)
     U, Dn = graph.n_upstream, graph.n_downstream
     total = torch.zeros(U, Dn, dtype=torch.float64)
+    per_pair: list[torch.Tensor] = []  # [R, E] per chunk
+    valid = graph.valid
     n_runs = 1 if method == "eap" else steps
     chunks = _chunks(pairs.n, batch_size)
     w_o = [model.layer_weights(la)["W_O"].float() for la in range(graph.n_layers)]
@@ -259,10 +300,15 @@ def edge_scores(
             grad = grad_sum / n_runs
             m = sub.attention_mask.to(grad.device, grad.dtype)[None, :, :, None]
             diff = (corr.upstream(w_o) - clean.upstream(w_o)).float() * m  # [U, R, T, D]
-            total += (diff.reshape(U, -1) @ grad.reshape(Dn, -1).T).double().cpu()
+            r = sub.n
+            per = torch.bmm(diff.reshape(U, r, -1).transpose(0, 1), grad.reshape(Dn, r, -1).permute(1, 2, 0))
+            per = per.cpu()  # [R, U, Dn]: each pair's score of every (u, v)
+            per_pair.append(per[:, valid])
+            total += per.double().sum(0)
     scores = (total / pairs.n).float()
     scores[~graph.valid] = float("nan")
-    out = EdgeScores(graph, scores, method, met.name, pairs.n, params={"steps": steps, "confirm": confirm})
+    params = {"steps": steps, "confirm": confirm, "d_model": model.d_model}
+    out = EdgeScores(graph, scores, method, met.name, pairs.n, params=params, per_pair=torch.cat(per_pair))
     if confirm:
         top = out.ranking()[:confirm]
         ex = exact_scores(model, pairs, edges=top, metric=met, batch_rows=batch_rows, progress=progress)
@@ -440,4 +486,9 @@ def exact_scores(
     )
     scores = torch.full((U, Dn), float("nan"))
     scores[edges[:, 0], edges[:, 1]] = (vals - clean[None]).mean(-1)
-    return EdgeScores(graph, scores, "exact", met.name, pairs.n)
+    index = torch.full((U, Dn), -1, dtype=torch.long)
+    index[valid] = torch.arange(int(valid.sum()))
+    per_pair = torch.full((pairs.n, int(valid.sum())), float("nan"))
+    per_pair[:, index[edges[:, 0], edges[:, 1]]] = (vals - clean[None]).T
+    params = {"d_model": model.d_model}
+    return EdgeScores(graph, scores, "exact", met.name, pairs.n, params=params, per_pair=per_pair)

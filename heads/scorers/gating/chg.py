@@ -45,6 +45,8 @@ from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec, _read_json
+from heads.results.stability import check_stability
+from heads.scorers.stability import attach, check_samples
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -453,6 +455,7 @@ def gate_heads(
     threshold: float = 0.5,
     seed: int = 0,
     progress: ProgressArg = True,
+    stability: int = 0,
 ) -> GatingResult:
     """Fit CHG gates on `task` with the model frozen (module docstring) and label every head.
 
@@ -473,6 +476,9 @@ def gate_heads(
         threshold: the taxonomy threshold (default 0.5).
         seed: seeds the initial gates and the batch order (default 0).
         progress: a tqdm bar (default), False, or a `(done, total)` callable, per update.
+        stability: bootstrap resamples of the `n_masks` gate fits (default 0: none; needs
+            n_masks >= 2) for each ranking's stability (`result.gates.stability`, `.retain`,
+            `.remove`: over the fits' gates, no extra training).
 
     Returns:
         GatingResult (G, G+, G-, labels, NLL history).
@@ -504,6 +510,8 @@ def gate_heads(
     n_masks = check_int("n_masks", n_masks, lo=1)
     if n_masks > MAX_MASKS:
         raise HeadsteerValueError(f"n_masks must be at most {MAX_MASKS}, got {n_masks}")
+    stability = check_stability(stability)
+    check_samples(n_masks, stability, "gate fits (n_masks)")
     threshold = check_number("threshold", threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     seed = check_seed("seed", seed)
     if not isinstance(task, GateTask):
@@ -581,7 +589,7 @@ def gate_heads(
     }
 
     def scores(a: torch.Tensor, method: str) -> HeadScores:
-        return HeadScores(
+        out = HeadScores(
             mean_gate(a),
             method=method,
             params=params,
@@ -589,6 +597,8 @@ def gate_heads(
             n_kv_heads=model.n_kv_heads,
             seed=seed,
         )
+        per_fit = torch.where(gated, torch.sigmoid(a), torch.tensor(math.nan))  # [M, L, H]
+        return attach(out, per_fit, stability)
 
     g, gp, gm = scores(a0, "chg"), scores(a_pos, "chg_retain"), scores(a_neg, "chg_remove")
     return GatingResult(g, gp, gm, _labels(gp.scores, gm.scores, gated, threshold), history)

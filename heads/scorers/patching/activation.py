@@ -58,6 +58,7 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import Stability, check_stability
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
 from heads.scorers.patching.record import (
@@ -213,6 +214,8 @@ class PatchResult:
         labels: token strings of the position axis (pair 0's clean tokens, `""` on padding).
         model: the model id.
         params: other parameters (layers scored, ...).
+        stability: the bootstrap over pairs of the head ranking (`patch(stability=B)`,
+            `.bootstrap()`), or None.
     """
 
     kind: str
@@ -226,6 +229,7 @@ class PatchResult:
     model: str = ""
     n_kv_heads: int | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     @property
     def scores(self) -> torch.Tensor:
@@ -282,7 +286,20 @@ class PatchResult:
                 raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
         n_kv = m.shape[1] if self.grid[1] == "kv_head" else self.n_kv_heads
         params = {"kind": self.kind, "direction": self.direction, "metric": self.metric, **self.params}
-        return HeadScores(m, method=f"patching.{self.kind}", params=params, model=self.model, n_kv_heads=n_kv)
+        st = self.stability
+        if st is not None and st.params.get("reduce", "max") != reduce:
+            st = None
+        return HeadScores(
+            m, method=f"patching.{self.kind}", params=params, model=self.model, n_kv_heads=n_kv, stability=st
+        )
+
+    def bootstrap(self, n_resamples: int = 100, **kwargs: Any) -> Stability:
+        """The bootstrap `Stability` of the head ranking over the pairs, from the per-pair scores
+        (no forward pass): `heads.scorers.stability.patch_stability` (its keywords: `k`, `seed`,
+        `templates`, `by`, `reduce`)."""
+        from heads.scorers.stability import patch_stability
+
+        return patch_stability(self, n_resamples, **kwargs)
 
     def to_frame(self):
         """Tidy table: one row per site, its grid coordinates, `score` (mean normalised),
@@ -328,6 +345,7 @@ class PatchResult:
             "model": self.model,
             "n_kv_heads": self.n_kv_heads,
             "params": self.params,
+            **({} if self.stability is None else {"stability": self.stability.to_json()}),
         }
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False):
@@ -431,6 +449,9 @@ class PatchResult:
             d.get("model", ""),
             None if n_kv is None else int(n_kv),
             params,
+            None
+            if d.get("stability") is None
+            else Stability.from_json(d["stability"], f"{where}: stability"),
         )
 
 
@@ -567,6 +588,7 @@ def patch(
     layers: Sequence[int] | None = None,
     positions: Sequence[int] | str | None = None,
     options: SweepOptions | None = None,
+    stability: int = 0,
 ) -> PatchResult:
     """Activation patching of every site of `kind` (see `KINDS`) on the pairs.
 
@@ -585,6 +607,9 @@ def patch(
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
         options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
+        stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
+            none; e.g. 100): `result.stability`, from the per-pair scores with no extra forward
+            (`PatchResult.bootstrap`; the pairs' template ids give the agreement across templates).
 
     Returns:
         a `PatchResult` (raw metric per site and pair, the clean/corrupt metrics, normalised
@@ -602,6 +627,9 @@ def patch(
     """
     if kind not in KINDS:
         raise HeadsteerValueError(f"unknown patching site {short_repr(kind)}; use one of {KINDS}")
+    stability = check_stability(stability)
+    if stability and kind in ("resid_pre", "attn_out", "mlp_out"):
+        raise HeadsteerValueError(f"stability ranks heads; kind={short_repr(kind)} has no head axis")
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
     met, options = check_sweep_inputs(model, pairs, options, metric, what="patching", images=True)
@@ -615,6 +643,10 @@ def patch(
         )
     poss = _check_positions(pairs, positions if by_pos else None)
     model.check_length(pairs.width)
+    if stability:
+        from heads.scorers.stability import check_samples
+
+        check_samples(pairs.n, stability)
     sites, shape = _sites(model, kind, lays, poss)
 
     mask = pairs.attention_mask
@@ -680,7 +712,7 @@ def patch(
             done += len(chunk)
             if report is not None:
                 report(done, len(sites) * pairs.n)
-    return PatchResult(
+    result = PatchResult(
         kind,
         direction,
         met.name,
@@ -693,6 +725,11 @@ def patch(
         model.n_kv_heads,
         _params(pairs, lays, poss if by_pos else None),
     )
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+    return result
 
 
 def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None) -> dict:

@@ -47,6 +47,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import Stability, check_stability
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -59,6 +60,7 @@ __all__ = [
     "head_logits",
     "logit_inspection",
     "logit_lens",
+    "norm_parts",
 ]
 
 
@@ -101,7 +103,17 @@ def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
 
 
 def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
-    """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm.
+    """(kind "rms" | "layer", gain [D], bias [D] or None, eps) of the final norm."""
+    return norm_parts(model, model.final_norm, model.W_U.shape[0])
+
+
+def norm_parts(
+    model: HeadModel, norm: torch.nn.Module, dim: int
+) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+    """What the frozen-scale convention needs of one norm module of `model` (the final norm, a
+    block's input or output norm, a QK-norm): `(kind, gain, bias, eps)`, with `kind` `"rms"`
+    (RMSNorm: `gain * x / sqrt(mean(x^2) + eps)`) or `"layer"` (LayerNorm: centred, `var`),
+    `gain` `[dim]` fp32, `bias` `[dim]` or None.
 
     The kind, gain and bias are read from the norm's own function, not from its class or its
     parameter names (Gemma's and Nemotron's norms multiply by `1 + weight`, OLMo's has no
@@ -114,34 +126,33 @@ def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | Non
     eps)` at `a = 1e-3`.
 
     Raises:
-        ValueError: a norm without an eps attribute whose eps cannot be measured.
+        ValueError: a norm without an eps attribute whose eps cannot be measured (its scale
+            cannot be frozen).
     """
-    norm = model.final_norm
-    d = model.d_model
-    x = torch.ones(d)
+    x = torch.ones(dim)
     x[1::2] = -1.0
+    param = next(norm.parameters(), None)
+    device, dtype = (param.device, param.dtype) if param is not None else (model.device, model.dtype)
 
     def run(v: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return norm(v[None].to(model.device, model.dtype)).float().cpu()[0]
+            return norm(v[None].to(device, dtype)).float().cpu()[0]
 
-    zero, at_x, shifted = run(torch.zeros(d)), run(x), run(x + 3.0)
+    zero, at_x, shifted = run(torch.zeros(dim)), run(x), run(x + 3.0)
     centred = bool(torch.allclose(at_x, shifted, rtol=1e-2, atol=1e-3 * float(at_x.abs().max())))
     xc = x - x.mean() if centred else x
     ms = float(xc.pow(2).mean())
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
-    if (
-        eps is None
-    ):  # a constant inside forward (OLMo): solve N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
+    if eps is None:  # a constant inside forward (OLMo): N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
         a = 1e-3
         r = float(((run(a * x) - zero) / (at_x - zero)).mean())
         eps = a * a * ms * (1 - r * r) / (r * r - a * a)
         if not eps > 0:
             raise HeadsteerValueError(
-                f"final norm {type(norm).__name__} has no eps attribute and none could be measured; "
-                "cannot freeze its scale"
+                f"norm {type(norm).__name__} has no eps attribute and none could be measured; cannot "
+                "freeze its scale"
             )
     gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
     bias = zero if bool(zero.abs().max() > 0) else None
@@ -275,6 +286,8 @@ class DLAResult:
         labels: `T` token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
+        stability: the bootstrap over pairs of the last position's head ranking
+            (`direct_logit_attribution(stability=B)`, `.bootstrap()`), or None.
     """
 
     heads: torch.Tensor
@@ -288,6 +301,7 @@ class DLAResult:
     model: str = ""
     n_kv_heads: int | None = None
     params: dict = field(default_factory=dict)
+    stability: Stability | None = None
 
     def total(self) -> torch.Tensor:
         """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
@@ -305,12 +319,37 @@ class DLAResult:
         t = self.heads.shape[-1]
         if not -t <= position < t:
             raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        st = self.stability
+        if st is not None and st.params.get("position") not in (position, position - t):
+            st = None
         return HeadScores(
             self.heads[..., position].mean(0),
             method="patching.dla",
             params={"position": position, **self.params},
             model=self.model,
             n_kv_heads=self.n_kv_heads,
+            stability=st,
+        )
+
+    def bootstrap(
+        self, n_resamples: int = 100, *, position: int = -1, absolute: bool = False, **kwargs: Any
+    ) -> Stability:
+        """The bootstrap `Stability` of the head ranking at `position` over the pairs, from the
+        per-pair head terms (no forward pass; `heads.scorers.stability.grid_stability`, keywords
+        `k`, `seed`, `templates`, `by`). `absolute`: rank by |term| (default: by term, as `top`)."""
+        from heads.scorers.stability import grid_stability
+
+        t = self.heads.shape[-1]
+        if not -t <= position < t:
+            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
+        return grid_stability(
+            self.heads[..., position],
+            n_resamples,
+            absolute=absolute,
+            method="patching.dla",
+            model=self.model,
+            params={"position": position},
+            **kwargs,
         )
 
     def by_position(self) -> torch.Tensor:
@@ -326,13 +365,17 @@ class DLAResult:
 
 
 @torch.no_grad()
-def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str = "clean") -> DLAResult:
+def direct_logit_attribution(
+    model: HeadModel, pairs: PairBatch, *, which: str = "clean", stability: int = 0
+) -> DLAResult:
     """DLA of every head, MLP and the embeddings on the logit difference, at every position.
 
     Args:
         model: the model (any backend that `record_run` supports; pre-norm families).
         pairs: encoded pairs (answer and counterfactual tokens are required).
         which: `"clean"` (default) or `"corrupted"`: the rows to run.
+        stability: bootstrap resamples of the pairs (default 0: none; e.g. 100) for the
+            stability of the last position's head ranking (`result.stability`, no extra forward).
 
     Returns:
         a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
@@ -351,6 +394,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    stability = check_stability(stability)
+    if stability:
+        from heads.scorers.stability import check_samples
+
+        check_samples(pairs.n, stability)
     kind, gain, nbias, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
     scale, _ = _logit_scale(model)
@@ -405,7 +453,7 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
     if lb is not None:
         ld = ld + bias
     ld = ld * real
-    return DLAResult(
+    result = DLAResult(
         heads,
         mlp,
         attn_bias,
@@ -418,6 +466,11 @@ def direct_logit_attribution(model: HeadModel, pairs: PairBatch, *, which: str =
         model.n_kv_heads,
         {"which": which, "norm": kind, "frozen_scale": True},
     )
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+    return result
 
 
 # ------------------------------------------------------------------------------ lenses

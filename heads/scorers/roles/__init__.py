@@ -1,7 +1,9 @@
 """Head roles: detectors (previous-token, duplicate-token, induction, self, entropy, copying,
-successor, retrieval), the Attention Lens, and the head atlas gathering every per-head score."""
+successor, retrieval), named attention patterns and their discovery (`clusters`), the Attention
+Lens, and the head atlas gathering every per-head score."""
 
 from heads.scorers.roles.atlas import ROLE_THRESHOLDS, HeadAtlas, head_atlas
+from heads.scorers.roles.clusters import PatternClusters, pattern_clusters, pattern_features, record_pattern
 from heads.scorers.roles.detectors import (
     MAX_COPYING_TOKENS,
     MAX_FILLER,
@@ -31,6 +33,7 @@ from heads.scorers.roles.lens import (
     collect_lens_data,
     train_lens,
 )
+from heads.scorers.roles.named import NAMED_PATTERNS, named_support
 
 __all__ = [
     "MAX_COPYING_TOKENS",
@@ -39,6 +42,8 @@ __all__ = [
     "MAX_FULL_HEADS",
     "MAX_LR",
     "MAX_SEQUENCES",
+    "NAMED_PATTERNS",
+    "PatternClusters",
     "ORDINAL_SEQUENCES",
     "PATTERN_DETECTORS",
     "ROLE_THRESHOLDS",
@@ -52,10 +57,14 @@ __all__ = [
     "entropy_scores",
     "head_atlas",
     "induction_scores",
+    "named_support",
     "needle_prompts",
+    "pattern_clusters",
+    "pattern_features",
     "pattern_scores",
     "previous_token_scores",
     "random_tokens",
+    "record_pattern",
     "repeated_tokens",
     "retrieval_scores",
     "self_scores",

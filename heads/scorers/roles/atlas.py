@@ -64,6 +64,7 @@ from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import check_stability
 from heads.scorers.maps.static import MapsScores
 from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
 from heads.scorers.roles.lens import AttentionLens
@@ -391,6 +392,7 @@ def head_atlas(
     thresholds: Mapping[str, float] = ROLE_THRESHOLDS,
     thumbnails: bool = True,
     seed: int = 0,
+    stability: int = 0,
 ) -> HeadAtlas:
     """Build the atlas of every head of `model`.
 
@@ -410,6 +412,10 @@ def head_atlas(
             or score columns, finite numbers > 0, numpy numbers too).
         thumbnails: also keep `pattern_thumbnails` (one small forward; default True).
         seed: seeds the detectors and thumbnails (an int in 0..2**32 - 1, default 0).
+        stability: bootstrap resamples of the detectors' sequences (default 0: none) when the
+            detectors are computed here. Every column whose `HeadScores` carries a `stability`
+            gets a `<column>_p_top_k` column (share of resamples with the head in the top k) and
+            its summary in `sources[<column>]["stability"]` (k, Jaccard, the stable heads).
 
     Returns:
         `HeadAtlas` with one row per head (`L * H` rows).
@@ -447,6 +453,7 @@ def head_atlas(
             raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
     check_bool("thumbnails", thumbnails)
     seed = check_seed("seed", seed)
+    stability = check_stability(stability)
     L, H = model.n_layers, model.n_heads
     cols: dict[str, HeadScores] = {}
     extra = dict(scores or {})
@@ -470,7 +477,7 @@ def head_atlas(
     known = set(cols) | set(will) | ({"best_relation_score"} if maps is not None else set())
     t = _check_thresholds(thresholds, known)
     if detectors is None:
-        det = detect_roles(model, seed=seed)
+        det = detect_roles(model, seed=seed, stability=stability)
         cols = {**det, **cols}
     base = HeadScores(torch.zeros(L, H), "atlas", model=model.name, n_kv_heads=model.n_kv_heads).to_frame()
     frame = base.drop(columns=["score"])
@@ -481,7 +488,11 @@ def head_atlas(
         frame["best_relation"] = [n for row in which for n in row]
         frame["best_relation_score"] = best.scores.flatten().numpy()
     frame["role"] = role_labels(frame, t)
-    sources = {n: {"method": s.method, "params": s.params} for n, s in cols.items()}
+    sources: dict[str, dict] = {n: {"method": s.method, "params": s.params} for n, s in cols.items()}
+    for n, s in cols.items():
+        if s.stability is not None and s.stability.shape == [L, H]:
+            frame[f"{n}_p_top_k"] = s.stability.p_top_k.numpy()
+            sources[n]["stability"] = s.stability.summary()
     tokens: dict[tuple[int, int], list[str]] = {}
     if lens is not None and lens_text is not None:
         for la, h in lens.heads:

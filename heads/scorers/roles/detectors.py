@@ -41,7 +41,9 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
+from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
+from heads.scorers.stability import attach, check_samples
 
 __all__ = [
     "MAX_COPYING_TOKENS",
@@ -382,6 +384,7 @@ def pattern_scores(
     exclude_current_token: bool = False,
     batch_size: int = 8,
     seed: int = 0,
+    stability: int = 0,
 ) -> dict[str, HeadScores]:
     """Pattern-based role scores of every head, all from the same forward passes.
 
@@ -398,6 +401,8 @@ def pattern_scores(
         exclude_current_token: drop the diagonal likewise (`exclude_current_token`).
         batch_size: sequences per forward (a positive int, default 8).
         seed: the seed of the default sequences (an int in 0..2**32 - 1, default 0).
+        stability: bootstrap resamples of the sequences (default 0: none; e.g. 100) for each
+            ranking's stability, `scores.stability` (from the per-sequence scores, no extra forward).
 
     Returns:
         `{detector: HeadScores [L, H]}` in [0, 1] (NaN for a head with no counted row), method
@@ -416,13 +421,16 @@ def pattern_scores(
     check_bool("exclude_current_token", exclude_current_token)
     batch_size = _positive(batch_size, "batch_size")
     seed = _seed(seed)
+    stability = check_stability(stability)
     enc = _sequences(model, sequences, seed)
     model.check_length(enc.length)
+    check_samples(enc.batch, stability, "sequences")
     dev = model.device
     pattern_names = [n for n in names if n != "entropy"]
     L, H = model.n_layers, model.n_heads
     total = {n: torch.zeros(L, H, dtype=torch.float64) for n in names}
     count = {n: torch.zeros(L, H, dtype=torch.float64) for n in names}
+    per_seq = {n: torch.full((enc.batch, L, H), math.nan) for n in names} if stability else {}
     for start in range(0, enc.batch, batch_size):
         ids = enc.input_ids[start : start + batch_size]
         real = enc.attention_mask[start : start + batch_size].bool()
@@ -482,6 +490,8 @@ def pattern_scores(
                 per = torch.where(has, num / den.clamp(min=1e-30), 0.0)
                 total[n][la] += per.sum(0)
                 count[n][la] += has.double().sum(0)
+                if stability:
+                    per_seq[n][start : start + len(ids), la] = torch.where(has, per, math.nan).float()
     params = {
         "rows": rows,
         "exclude_bos": exclude_bos,
@@ -503,6 +513,8 @@ def pattern_scores(
             n_kv_heads=model.n_kv_heads,
             seed=seed if sequences is None else None,
         )
+        if stability:
+            attach(out[n], per_seq[n], stability)
     return out
 
 
@@ -906,6 +918,7 @@ def detect_roles(
     seed: int = 0,
     retrieval: bool = True,
     successor: bool = True,
+    stability: int = 0,
 ) -> dict[str, HeadScores]:
     """Every detector: the pattern scores (one forward per batch), copying, successor and retrieval.
 
@@ -916,6 +929,8 @@ def detect_roles(
         seed: seeds the random sequences, copying tokens and needle prompts (0..2**32 - 1).
         retrieval: also run `retrieval_scores` (default True; False skips the needle forward).
         successor: also run `successor_scores` (default True; skipped without a tokenizer).
+        stability: bootstrap resamples of the sequences for the pattern detectors' rankings
+            (`pattern_scores(stability=)`; default 0: none).
 
     Returns:
         `{name: HeadScores [L, H]}`: `PATTERN_DETECTORS`, `"copying"`, then `"successor"` and
@@ -929,7 +944,7 @@ def detect_roles(
     check_bool("retrieval", retrieval)
     check_bool("successor", successor)
     seed = _seed(seed)
-    out = pattern_scores(model, sequences, seed=seed)
+    out = pattern_scores(model, sequences, seed=seed, stability=stability)
     out["copying"] = copying_scores(model, apply_first_mlp=apply_first_mlp, seed=seed)
     if successor and model.tokenizer is not None:
         out["successor"] = successor_scores(model, apply_first_mlp=apply_first_mlp)

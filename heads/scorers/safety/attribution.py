@@ -66,8 +66,10 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
+from heads.results.stability import check_stability
 from heads.scorers.controls import random_head_draws
 from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
+from heads.scorers.stability import attach, check_samples
 
 __all__ = [
     "HeadReplace",
@@ -344,6 +346,7 @@ def attribute(
     graddrop: bool = False,
     template: str | None = TEMPLATE,
     options: SweepOptions | None = None,
+    stability: int = 0,
     **deprecated: Any,
 ) -> ShipsResult:
     """First-order (AtP / AtP*) estimate of every head's ablation effect, one forward + backward per batch.
@@ -373,6 +376,9 @@ def attribute(
         options: `heads.SweepOptions`; only `max_rows` is used: prompts per forward (the
             memory bound: the graph of one batch is kept). The 0.1 keyword `max_rows=` still
             works, with a `DeprecationWarning`.
+        stability: bootstrap resamples of the prompts (default 0: none; e.g. 100) for the
+            ranking's stability, `result.scores.stability` (from the per-prompt estimates, no
+            extra forward; `heads.results.stability`).
 
     Returns:
         ShipsResult: per-prompt estimates `[N, L, H]` and their mean as HeadScores with method
@@ -412,8 +418,10 @@ def attribute(
         )
     if graddrop and model.n_layers < 2:
         raise HeadsteerValueError("graddrop needs at least 2 layers")
+    stability = check_stability(stability)
     chosen = check_heads(model, heads)
     enc = encode_queries(model, prompts, template)
+    check_samples(enc.batch, stability, "prompts")
     n_metric = getattr(metric, "n_prompts", None)
     if callable(metric) and n_metric is not None and n_metric != enc.batch:
         raise HeadsteerValueError(f"the metric was built for {n_metric} prompts, got {enc.batch} prompts")
@@ -447,7 +455,7 @@ def attribute(
     }
     method = "ships_attribution" if metric == "kl" else "attribution"
     scores = HeadScores(per_prompt.mean(0), method, params, model.name, model.n_kv_heads)
-    return ShipsResult(per_prompt, scores)
+    return ShipsResult(per_prompt, attach(scores, per_prompt, stability))
 
 
 def _layer_edit(ablation, layer: int, eps: float, saturation_fix: bool) -> Edit:

@@ -29,6 +29,7 @@ from heads.engine.variants import clean_run, evaluate_variants
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
+from heads.results.stability import check_stability
 from heads.results.views import html_view
 from heads.scorers.safety.common import (
     TEMPLATE,
@@ -47,6 +48,7 @@ from heads.scorers.safety.common import (
     run_sharded,
     shard_heads,
 )
+from heads.scorers.stability import attach, check_samples
 
 __all__ = [
     "TEMPLATE",
@@ -75,6 +77,7 @@ def ships(
     confirm: int = 0,
     controls: int = 10,
     options: SweepOptions | None = None,
+    stability: int = 0,
     **deprecated: Any,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
@@ -95,6 +98,8 @@ def ships(
             splits the sweep into its shards, runs them (Ray: as tasks, each worker loading the
             model once) and merges them; `progress` a tqdm bar by default, counted in
             (head, prompt) rows: `total` is `len(heads) * N`; `seed`). Default `SweepOptions()`.
+        stability: bootstrap resamples of the prompts (default 0: none; e.g. 100) for the
+            ranking's stability, `result.scores.stability` (from `per_prompt`, no extra forward).
         **deprecated: `max_rows=`, `shard=`, `progress=`, `seed=`, `executor=` as keywords
             (0.1 style): still accepted for this release, with a `DeprecationWarning`.
 
@@ -106,6 +111,24 @@ def ships(
         HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm, bad options.
     """
     opts = sweep_options(options, deprecated, "ships")
+    stability = check_stability(stability)
+    if stability:
+        check_samples(1 if isinstance(prompts, str) else len(prompts), stability, "prompts")
+        res = ships(
+            model,
+            prompts,
+            heads=heads,
+            ablation=ablation,
+            eps=eps,
+            exact=exact,
+            template=template,
+            method=method,
+            confirm=confirm,
+            controls=controls,
+            options=opts,
+        )
+        attach(res.scores, res.per_prompt, stability)
+        return res
     if method == "attribution":  # one-pass estimate + exact confirmation (attribution.py)
         from heads.scorers.safety.attribution import confirm_ships
 

@@ -1,0 +1,231 @@
+"""TransformerLens-style access to any activation: `record` (a cache) and `run_with_hooks`.
+
+Both run ONE forward through the engine's sites (`heads.engine.sites`), on every backend, and
+name the activations as TransformerLens does (`hook_embed`, `blocks.3.hook_resid_mid`,
+`blocks.3.attn.hook_k`, `ln_final.hook_scale`, ...; `hook_names(model)` lists a model's):
+
+    cache = heads.record(model, ["The cat sat"], names=lambda n: n.endswith("hook_z"))
+    cache["blocks.2.attn.hook_z"]                        # [B, T, H, d]
+
+    def knock(z, hook):                                   # TransformerLens' fn(tensor, hook)
+        z[:, :, 3] = 0
+        return z
+    logits = heads.run_with_hooks(model, ["The cat sat"], fwd_hooks=[("blocks.2.attn.hook_z", knock)])
+
+Hooks and records compose with steering edits (call them inside `heads.editing(...)`), are seen
+only by the calling thread, and are removed when the call returns (also on an exception).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from heads._util.validation import short_repr
+from heads.engine.activations import ActivationEdit, ActivationRecorder
+from heads.engine.context import editing
+from heads.engine.edits import AttentionCall, Edit, ProbEdit, Recorder
+from heads.engine.sites import SITES
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts, encode_prompts
+from heads.model.adapter import HeadModel
+from heads.results.activations import ActivationCache
+
+__all__ = ["HookInfo", "hook_names", "record", "run_with_hooks"]
+
+_BY_HOOK = {s.hook: n for n, s in SITES.items() if n != "logits"}
+"""TransformerLens hook name template -> engine site (the logit-bias site shares its name)."""
+
+Names = str | Sequence[str] | Callable[[str], bool] | None
+
+
+@dataclass(frozen=True)
+class HookInfo:
+    """What a `run_with_hooks` function gets as `hook`: `name` (the TransformerLens name), `call`
+    (the engine's `AttentionCall`: batch, absolute position of the first row, ...); `layer()` as
+    TransformerLens' `HookPoint.layer()`."""
+
+    name: str
+    call: AttentionCall
+
+    def layer(self) -> int:
+        return self.call.layer
+
+
+def _split(name: str) -> tuple[str, int]:
+    """`(engine site, layer)` of a TransformerLens hook name (ValueError for an unknown one)."""
+    layer = 0
+    template = name
+    if name.startswith("blocks."):
+        head, _, rest = name[len("blocks.") :].partition(".")
+        if head.isdigit():
+            layer, template = int(head), "blocks.{l}." + rest
+    site = _BY_HOOK.get(template)
+    if site is None:
+        raise HeadsteerValueError(
+            f"unknown hook name {short_repr(name)}: names as TransformerLens', e.g. "
+            "'blocks.0.hook_resid_pre' (hook_names(model) lists them)"
+        )
+    return site, layer
+
+
+def _has(model: HeadModel, site: str) -> bool:
+    try:
+        model.backend.placements([ActivationRecorder(site, 0) if site != "probs" else Recorder(layer=0)])
+    except HeadsteerValueError:
+        return False
+    return True
+
+
+def hook_names(model: HeadModel) -> list[str]:
+    """Every TransformerLens hook name `record` / `run_with_hooks` know on `model` (a site the
+    model lacks, e.g. `hook_pos_embed` with rotary positions, is left out)."""
+    names = []
+    rotary = not _has(model, "pos_embed")  # learned absolute positions: no rotary queries
+    for template, site in _BY_HOOK.items():
+        if (site == "query" and not rotary) or not _has(model, site):
+            continue
+        if SITES[site].scope == "model":
+            names.append(template)
+        else:
+            names += [template.replace("{l}", str(la)) for la in range(model.n_layers)]
+    return names
+
+
+def _select(model: HeadModel, names: Names) -> list[str]:
+    every = hook_names(model)
+    if names is None:
+        return every
+    if callable(names) and not isinstance(names, str):
+        return [n for n in every if names(n)]
+    wanted = [names] if isinstance(names, str) else list(names)
+    for n in wanted:
+        if not isinstance(n, str):
+            raise HeadsteerTypeError(
+                f"names must be hook names, a list of them or a predicate; got {short_repr(n)}"
+            )
+        site, layer = _split(n)
+        model.check_head(layer)
+        if n not in every:
+            raise HeadsteerValueError(f"{model.family.model_type!r} has no {n} (see hook_names(model))")
+    return list(dict.fromkeys(wanted))
+
+
+def _encode(model: HeadModel, inputs: str | Sequence[str] | EncodedPrompts) -> EncodedPrompts:
+    if isinstance(inputs, EncodedPrompts):
+        return inputs
+    if isinstance(inputs, str) or (isinstance(inputs, Sequence) and all(isinstance(p, str) for p in inputs)):
+        return encode_prompts(model.tokenizer, inputs, chat=False, markup=False)
+    raise HeadsteerTypeError(
+        f"prompts must be a string, a list of strings or EncodedPrompts, got {type(inputs).__name__}"
+    )
+
+
+def _run(model: HeadModel, enc: EncodedPrompts) -> torch.Tensor:
+    model.check_length(enc.length)
+    logits: torch.Tensor = model.run(**enc.model_inputs(model.device), use_cache=False).logits
+    return logits
+
+
+def record(
+    model: HeadModel, prompts: str | Sequence[str] | EncodedPrompts, names: Names = None
+) -> ActivationCache:
+    """The activations of one forward of `prompts`, keyed by TransformerLens hook names.
+
+    Args:
+        model: the `HeadModel` (any backend).
+        prompts: a string or a list (encoded as raw text: no chat template, no `**markup**`,
+            left-padded) or `EncodedPrompts`.
+        names: which activations to keep: None (default) every one `hook_names(model)` lists, a
+            name, a list of names, or a predicate `name -> bool` (TransformerLens' `names_filter`).
+            Only what is kept is computed: a pattern or score matrix `[B, H, T, T]` is built
+            only when a `hook_pattern` / `hook_attn_scores` name is kept.
+
+    Returns:
+        an `ActivationCache` (batch first; `hook_k` / `hook_v` with KV heads under GQA; patterns
+        and scores in fp32); `cache.logits` holds the logits `[B, T, V]`. No gradient is kept
+        (for autograd through activations use `ActivationRecorder(..., detach=False)` in
+        `editing()`).
+
+    Raises:
+        ValueError: an unknown name, or one the model does not have; a layer beyond the model.
+        TypeError: names or prompts of another type.
+    """
+    keep = _select(model, names)
+    enc = _encode(model, prompts)
+    recs: dict[str, Edit] = {}
+    for n in keep:
+        site, layer = _split(n)
+        recs[n] = Recorder(layer=layer) if site == "probs" else ActivationRecorder(site, layer)
+    with torch.no_grad(), editing(model, list(recs.values())):
+        logits = _run(model, enc)
+    cache = {}
+    for n, r in recs.items():
+        records = getattr(r, "records")  # noqa: B009 - both recorder kinds keep `records`
+        cache[n] = records[0] if len(records) == 1 else torch.cat(records, dim=2)  # query blocks
+    out = ActivationCache(cache, model)
+    out.logits = logits
+    return out
+
+
+class _PatternHook(ProbEdit):
+    """A user's function at `hook_pattern` (fp32 `[B, H, Q, K]`; None leaves it)."""
+
+    def __init__(self, layer: int, name: str, fn: Callable):
+        super().__init__(layer=layer)
+        self.name, self.fn = name, fn
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        new = self.fn(probs, HookInfo(self.name, call))
+        return probs if new is None else new
+
+
+def _bound(fn: Callable, name: str) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor | None]:
+    def call_fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+        out: torch.Tensor | None = fn(x, HookInfo(name, call))
+        return out
+
+    return call_fn
+
+
+def run_with_hooks(
+    model: HeadModel,
+    prompts: str | Sequence[str] | EncodedPrompts,
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Callable]] = (),
+) -> torch.Tensor:
+    """Logits `[B, T, V]` of one forward of `prompts` with the user's hook functions.
+
+    Args:
+        model: the `HeadModel` (any backend).
+        prompts: as `record`.
+        fwd_hooks: `(name or predicate, fn)` pairs as TransformerLens': `fn(tensor, hook)` gets the
+            activation (batch first) and a `HookInfo` (`hook.name`, `hook.layer()`, `hook.call`)
+            and returns None (a read) or a tensor of the same shape that replaces it. A predicate
+            selects every name of `hook_names(model)` it accepts.
+
+    Gradients flow (no `no_grad`): a loss from the logits backpropagates through the hooks'
+    replacements. `hook_attn_scores` is read only (a replacement is a ValueError; bias the
+    logits with a `LogitBias` edit instead); `hook_pattern` functions see one query block of
+    rows at a time on long sequences (`call.q_offset`).
+
+    Raises:
+        ValueError / TypeError: as `record` for the names; a replacement of another shape.
+    """
+    edits: list[Edit] = []
+    for entry in fwd_hooks:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and callable(entry[1])):
+            raise HeadsteerTypeError(
+                f"fwd_hooks entries are (name or predicate, fn) pairs, got {short_repr(entry)}"
+            )
+        which, fn = entry
+        for n in _select(model, which):
+            site, layer = _split(n)
+            if site == "probs":
+                edits.append(_PatternHook(layer, n, fn))
+            else:
+                edits.append(ActivationEdit(site, layer, _bound(fn, n)))
+    enc = _encode(model, prompts)
+    with editing(model, edits):
+        return _run(model, enc)

@@ -1,0 +1,353 @@
+"""QK attribution: why a head attends where it does, as an exact sum of component pairs.
+
+For head h of layer l, a query position q and key positions k, the pre-softmax logit is
+bilinear in the residual stream entering the layer. With every norm's scale frozen at its value
+in the run (input norm per position, post-norm per position, QK-norm per head and position —
+the frozen-scale convention of direct logit attribution), each side is affine in the residual's
+components, so
+
+    s(q, k) = scale * sum_{i, j} a_i(q) . b_j(k)        (before any soft-cap)
+
+with `a_i(q)` component i's share of the query (rotated by q's RoPE) and `b_j(k)` component j's
+share of the key (rotated by k's, shared by the query heads of one KV head under GQA); the
+constant of each side (norm and projection biases) is the component `"bias"`. Gemma 2's
+soft-cap `c tanh(s / c)` acts after the sum: the decomposition is of `s` before the cap.
+Learned sinks (gpt-oss) are a separate softmax logit (`QKAttribution.sink`), not a cell.
+ALiBi families are refused at load by the engine; multi-head latent attention is refused here.
+
+`by="source_token"` splits each upstream head's marginal over the source positions that head
+read: a head's output is `sum_u A[t, u] v(u) W_O`, so with its pattern frozen its share of the
+query / key is a sum over u, exactly.
+
+Sources: Elhage et al. 2021 (QK circuit, the residual stream as a sum of components); Kamath,
+Ameisen et al. 2025, "Tracing Attention Computation Through Feature Interactions" (QK
+attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the frozen scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from heads._util.validation import check_bool, is_int, short_repr
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
+from heads.inputs.tokens import readable_token
+from heads.model.adapter import HeadModel
+from heads.results.qk import QKAttribution
+from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
+from heads.scorers.qk.record import Recording, record
+from heads.scorers.qk.sides import Side, components, side
+
+__all__ = ["BY", "encode_input", "parse_head", "qk_attribution", "resolve_positions"]
+
+BY = ("component", "source_token")
+
+
+def parse_head(model: HeadModel, head: object) -> tuple[int, int]:
+    """`(layer, head)` from a pair or a `"L.H"` string, checked against `model`.
+
+    Raises:
+        ValueError: a malformed string or an unknown layer / head.
+        TypeError: anything else.
+    """
+    if isinstance(head, str):
+        parts = head.strip().split(".")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise HeadsteerValueError(f"head must look like 'L.H' (e.g. '5.1'), got {short_repr(head)}")
+        pair = (int(parts[0]), int(parts[1]))
+    elif isinstance(head, (tuple, list)) and len(head) == 2 and all(is_int(x) for x in head):
+        pair = (int(head[0]), int(head[1]))
+    else:
+        raise HeadsteerTypeError(f"head must be (layer, head) or 'L.H', got {short_repr(head)}")
+    model.check_head(*pair)
+    return pair
+
+
+def encode_input(
+    model: HeadModel, prompts: object, chat: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+    """`(ids [N, T], mask [N, T], tokens)` from text prompts (with the model's tokenizer), an
+    `EncodedPrompts`, or token ids (`[T]` or `[N, T]` long, no padding).
+
+    Raises:
+        ValueError: empty prompts, ids outside the vocabulary, a prompt longer than the model's
+            context, no tokenizer for text.
+        TypeError: another kind of input.
+    """
+    tok = model.tokenizer
+    if isinstance(prompts, EncodedPrompts):
+        ids, mask = prompts.input_ids, prompts.attention_mask
+    elif isinstance(prompts, torch.Tensor):
+        if prompts.dtype not in (torch.int64, torch.int32) or prompts.dim() not in (1, 2):
+            raise HeadsteerTypeError(
+                "token ids must be an integer tensor [T] or [N, T], got "
+                f"{prompts.dtype} of shape {tuple(prompts.shape)}"
+            )
+        ids = (prompts[None] if prompts.dim() == 1 else prompts).long()
+        if ids.numel() == 0:
+            raise HeadsteerValueError("empty prompt: no token ids")
+        mask = torch.ones_like(ids)
+    else:
+        if tok is None:
+            raise HeadsteerValueError("text prompts need a HeadModel with a tokenizer (or pass token ids)")
+        check_bool("chat", chat)
+        enc = encode_prompts(tok, prompts, chat=chat, markup=False)  # type: ignore[arg-type]
+        ids, mask = enc.input_ids, enc.attention_mask
+    if bool((mask.sum(1) == 0).any()):
+        raise HeadsteerValueError("empty prompt: a row has no token")
+    real = ids[mask.bool()]
+    if int(real.min()) < 0 or int(real.max()) >= model.d_vocab:
+        raise HeadsteerValueError(f"token ids must be in 0..{model.d_vocab - 1}")
+    model.check_length(ids.shape[1])
+    tokens = []
+    for n in range(ids.shape[0]):
+        row = ids[n][mask[n].bool()].tolist()
+        tokens.append([readable_token(tok, i) for i in row] if tok is not None else [str(i) for i in row])
+    return ids, mask, tokens
+
+
+def _positions(value: object, name: str) -> list[int]:
+    if is_int(value):
+        return [int(value)]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise HeadsteerValueError(
+            f"{name} must be a position or a non-empty list of positions, got {short_repr(value)}"
+        )
+    if not all(is_int(x) for x in value):
+        raise HeadsteerValueError(f"{name} must be ints, got {short_repr(value)}")
+    return [int(x) for x in value]
+
+
+def resolve_positions(lengths: list[int], query: object, keys: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(queries [N, Q], keys [N, K])` token positions per prompt (negatives count from each
+    prompt's end; `keys=None`: every position up to the last query, -1 past a prompt's end).
+
+    Raises:
+        ValueError: a position outside a prompt, a key after a query, a repeated position.
+    """
+    qs = _positions(query, "query")
+    ks = None if keys is None else _positions(keys, "keys")
+    out_q, out_k = [], []
+    for n, length in enumerate(lengths):
+        row = []
+        for q in qs:
+            p = q if q >= 0 else length + q
+            if not 0 <= p < length:
+                raise HeadsteerValueError(
+                    f"query position {short_repr(q)} is outside prompt {n} (positions 0..{length - 1})"
+                )
+            row.append(p)
+        if len(set(row)) != len(row):
+            raise HeadsteerValueError(f"query positions repeat in prompt {n}: {row}")
+        out_q.append(row)
+        if ks is not None:
+            krow = []
+            for k in ks:
+                p = k if k >= 0 else length + k
+                if not 0 <= p < length:
+                    raise HeadsteerValueError(
+                        f"key position {short_repr(k)} is outside prompt {n} (positions 0..{length - 1})"
+                    )
+                if p > min(row):
+                    raise HeadsteerValueError(
+                        f"key {short_repr(k)} (position {p}) is after query {min(row)} in prompt {n}: a head "
+                        "attends only to earlier positions"
+                    )
+                krow.append(p)
+            if len(set(krow)) != len(krow):
+                raise HeadsteerValueError(f"key positions repeat in prompt {n}: {krow}")
+            out_k.append(krow)
+    if ks is None:
+        width = max(max(r) for r in out_q) + 1
+        out_k = [[p if p <= max(r) else -1 for p in range(width)] for r in out_q]
+    return torch.tensor(out_q), torch.tensor(out_k)
+
+
+def _rows(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    return x[torch.arange(x.shape[0])[:, None], cols]
+
+
+def _cells(t: torch.Tensor, qcols: torch.Tensor, kcols: torch.Tensor) -> torch.Tensor:
+    """`t [N, T, T]` at rows `qcols [N, Q]` and columns `kcols [N, K]` -> `[N, Q, K]`."""
+    n = torch.arange(t.shape[0])[:, None, None]
+    return t[n, qcols[:, :, None], kcols[:, None, :]]
+
+
+def _visible(model: HeadModel, layer: int, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    q, k = queries[:, :, None], keys[:, None, :]
+    vis = (k >= 0) & (k <= q)
+    w = model.sliding_window(layer)
+    return vis & (q - k < w) if w is not None else vis
+
+
+def _values(parts: LayerParts, x: torch.Tensor) -> torch.Tensor:
+    """`[N, T, G, d]` the layer's values recomputed from its input residual `x [N, T, D]`."""
+    y = x.double() if parts.in_norm is None else parts.in_norm.apply(x)
+    v = torch.einsum("ntD,gDd->ntgd", y, parts.W_V)
+    return v if parts.b_V is None else v + parts.b_V
+
+
+def _source_side(
+    model: HeadModel,
+    rec: Recording,
+    parts: list[LayerParts],
+    sd: Side,
+    kind: str,
+    cols: torch.Tensor,
+    against: torch.Tensor,
+    scale: float,
+    lengths: list[int],
+) -> torch.Tensor:
+    """`[N, P, R, U, T]`: each upstream head's marginal on one side of the head, split over the
+    source positions it read (U = layer x H upstream heads, T = the longest prompt; source index
+    = token position within the prompt).
+
+    `sd` is the side of the one head (X = 1) at padded columns `cols [N, P]`; `against [N, R, d]`
+    the other side's whole vectors (the marginal is `scale * share . against`). With head
+    (l', h')'s pattern A frozen its share at position t is `sum_u A[t, u] v(u) W_O' ...`: the maps
+    of `side` applied to each source's value vector.
+    """
+    N, P = cols.shape
+    T = rec.resid[0].shape[1]
+    H = model.n_heads
+    ys, pats, invs = [], [], []
+    for la in range(len(parts) - 1):
+        pl = parts[la]
+        v = _values(pl, rec.resid[la])[:, :, torch.arange(H) // (H // model.n_kv_heads)]  # [N, T, H, d]
+        m = torch.einsum("hdD,De->hde", pl.write(), sd.w_read[0])  # [H, d, d]
+        ys.append(torch.einsum("nuhd,hde->nhue", v, m))  # [N, H, T, d]
+        pats.append(
+            rec.pattern[la][torch.arange(N)[:, None, None], torch.arange(H)[None, :, None], cols[:, None, :]]
+        )
+        inv_o = torch.ones(N, P, dtype=torch.float64)
+        if pl.out_norm is not None:
+            pre = torch.einsum("nphd,hdD->npD", _rows(rec.z[la], cols), pl.W_O)
+            inv_o = 1.0 / pl.out_norm.scale(pre if pl.b_O is None else pre + pl.b_O)
+        invs.append(inv_o)
+    U = len(ys) * H
+    if not U:
+        return torch.zeros(N, P, against.shape[1], 0, max(lengths), dtype=torch.float64)
+    y = torch.cat(ys, 1)  # [N, U, T, d] each source's projected value
+    pat = torch.cat(pats, 1)  # [N, U, P, T]
+    coef = torch.stack(invs, 1).repeat_interleave(H, 1) * sd.inv[:, None, :]  # [N, U, P]
+    # R_p(f * v) . w = v . (f * (B_p w)): rotate the other side instead of every source
+    w = against[:, None].expand(N, P, -1, -1)  # [N, P, R, d]
+    if sd.rot is not None:
+        w = torch.einsum("npij,nprj->npri", sd.rot, w)
+    if sd.qk_factor is not None:
+        w = w * sd.qk_factor[:, 0, :, None, :]
+    res = torch.einsum("nutd,nprd->nprut", y, w) * scale
+    res = res * (coef[..., None] * pat).permute(0, 2, 1, 3)[:, :, None]  # [N, P, 1, U, T]
+    out = torch.zeros(N, P, against.shape[1], U, max(lengths), dtype=torch.float64)
+    for n, length in enumerate(lengths):
+        out[n, ..., :length] = res[n, ..., T - length :]
+    return out
+
+
+@torch.no_grad()
+def qk_attribution(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor,
+    head: tuple[int, int] | str,
+    *,
+    query: int | Sequence[int] = -1,
+    keys: int | Sequence[int] | None = None,
+    by: str = "component",
+    chat: bool = False,
+) -> QKAttribution:
+    """Decompose head `head`'s attention logits at (query, key) cells into query-side x key-side
+    component terms (module docstring: the math and the frozen-scale convention).
+
+    Args:
+        model: a `HeadModel` of an accepted family (`heads.scorers.qk.family.ACCEPTED`: Llama,
+            Mistral, Qwen 2 / 3, Gemma 1 / 2 / 3, OLMo 2, GPT-2, Phi-3, gpt-oss), transformers or
+            nnsight backend.
+        prompts: a string, a chat, a list of them (encoded with the model's tokenizer, `chat`
+            template only if asked), an `EncodedPrompts`, or token ids `[T]` / `[N, T]`.
+        head: `(layer, head)` or `"L.H"`.
+        query: query position(s), token indices within each prompt (negative: from its end;
+            default -1, the last token).
+        keys: key position(s) (each at or before every query), or None (default): every position
+            up to the query.
+        by: `"component"` (default) or `"source_token"`: also split each upstream head's
+            marginal over the source positions it read (`QKAttribution.sources`; one more
+            pattern per layer is recorded: for short prompts).
+        chat: apply the tokenizer's chat template to text prompts (default False: positions are
+            those of the text itself).
+
+    Returns:
+        a `QKAttribution`: per prompt, the `[C + 1]` component vectors of each side
+        (`q_side [N, C + 1, Q, d]`, `k_side [N, C + 1, K, d]`, fp64), the model's own logits and
+        pattern at the cells; `terms()`, marginals, `score()`, `max_error()` (the sum of terms
+        against the model's logits: ~1e-6 in fp32), `top_pairs()`, `head_scores()`.
+
+    Raises:
+        ValueError: an unknown head, a position outside a prompt, a key after a query, empty
+            prompts, an unknown `by`, a refused family (multi-head latent attention named) —
+            all before the forward.
+        TypeError: a head or prompts of the wrong type.
+    """
+    check_qk_model(model)
+    layer, h = parse_head(model, head)
+    if by not in BY:
+        raise HeadsteerValueError(f"by must be one of {BY}, got {short_repr(by)}")
+    ids, mask, tokens = encode_input(model, prompts, chat)
+    lengths = mask.sum(1).tolist()
+    queries, keyp = resolve_positions(lengths, query, keys)
+    g = model.kv_head(h)
+    sources = by == "source_token"
+    parts = [layer_parts(model, la) for la in range(layer + 1)]
+    rec = record(
+        model, ids, mask, upto=layer, patterns=range(layer + 1) if sources else [layer], logits={layer: [h]}
+    )
+    T = ids.shape[1]
+    pad = torch.tensor([T - n for n in lengths])[:, None]
+    qcols = pad + queries
+    kcols = pad + keyp.clamp(min=0)
+    pos = position_ids(mask)
+    sq = side(
+        components(model, rec, parts[:layer], layer, qcols, pos), parts[layer], "q", [h], _rows(pos, qcols)
+    )
+    sk = side(
+        components(model, rec, parts[:layer], layer, kcols, pos), parts[layer], "k", [g], _rows(pos, kcols)
+    )
+    scale = parts[layer].scaling
+    valid = (keyp[:, None, :] >= 0) & (keyp[:, None, :] <= queries[:, :, None])
+    logits = torch.where(valid, _cells(rec.logits[layer][:, 0], qcols, kcols), torch.nan)
+    pattern = torch.where(valid, _cells(rec.pattern[layer][:, h], qcols, kcols), torch.nan)
+    src = None
+    names = [n for n in sq.names if n.startswith("L") and "H" in n]
+    if sources:
+        src = {
+            "query": _source_side(model, rec, parts, sq, "q", qcols, sk.total[:, 0], scale, lengths),
+            "key": _source_side(model, rec, parts, sk, "k", kcols, sq.total[:, 0], scale, lengths).transpose(
+                1, 2
+            ),
+        }
+    sinks = parts[layer].sinks
+    return QKAttribution(
+        model=getattr(model, "name", ""),
+        layer=layer,
+        head=h,
+        kv_head=g,
+        n_layers=model.n_layers,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        names=sq.names,
+        queries=queries,
+        keys=keyp,
+        q_side=sq.vectors[:, :, 0],
+        k_side=sk.vectors[:, :, 0],
+        scale=scale,
+        logits=logits,
+        pattern=pattern,
+        visible=_visible(model, layer, queries, keyp),
+        softcap=parts[layer].softcap,
+        sink=None if sinks is None else float(sinks[h]),
+        sources=src,
+        source_heads=names if sources else [],
+        tokens=tokens,
+        params={"by": by, "chat": chat, "frozen_scale": True, "cap": "after the sum"},
+    )
