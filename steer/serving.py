@@ -46,6 +46,7 @@ from steer.act.method import Act
 from steer.adaptvis import AdaptVis, ScalingVis
 from steer.caa import Caa
 from steer.instaboost import InstaBoost
+from steer.kv_window import check_window_room
 from steer.noop import refusing_noop
 from steer.pasta.method import Pasta
 from steer.pattern_injection import PatternInjection
@@ -676,8 +677,9 @@ class BatchGenerator:
 
         Raises:
             ValueError: bad prompt or span, unknown heads, a method that needs a span
-                without one, a prompt longer than `max_prompt_tokens`, or prompt + max_tokens
-                beyond the model's positions.
+                without one, a prompt longer than `max_prompt_tokens`, prompt + max_tokens
+                beyond the model's positions, or an attention edit on a sliding-window layer
+                that the decoding would reach (`steer.kv_window.check_window_room`).
         """
         enc = encode_prompts(
             self.model.tokenizer, request.prompt, emphasize=request.emphasize, chat=request.chat
@@ -692,6 +694,7 @@ class BatchGenerator:
         check_new_tokens(self.model, enc.length, request.params.max_tokens, "max_tokens")
         steer = [self._resolve_auto(s, enc, request) for s in request.steer]
         validate_edits(self.model, [e for s in steer for e in s.edits(self.model, enc)])  # as editing() will
+        check_window_room(self.model, enc, steer, request.params.max_tokens, "max_tokens")  # not part-way
         seed = request.params.seed
         if seed is None:
             seed = fresh_seed()

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 
 from heads._util.validation import check_layer_list, check_number, is_number, short_repr
-from heads.engine.edits import AttentionCall, ProbEdit
+from heads.engine.edits import AttentionCall, Edit, ProbEdit
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
@@ -323,10 +323,11 @@ class Var:
             model.check_head(la, 0)
         return sorted({la for la in layers if not (self.skip_last and la == model.n_layers - 1)})
 
-    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[VarEdit]:
-        """One `VarEdit` per edited layer for the batch `enc`, with a fresh `SinkTracker`
-        (so nothing carries over from an earlier batch) reading the residual entering each
-        edited layer. Its state is in `self.last["tracker"]` for inspection.
+    def edits(self, model: HeadModel, enc: EncodedPrompts) -> list[Edit]:
+        """One `VarEdit` per edited layer for the batch `enc`, then the `residual`-site reads of a
+        fresh `SinkTracker` (so nothing carries over from an earlier batch) that flag the sinks
+        entering each edited layer (`SinkTracker.edits`; apply all of them in one `editing()`).
+        The tracker's state is in `self.last["tracker"]` for inspection.
 
         Raises:
             ValueError: unknown sink dims for this backbone (pass `sink_dims=`), no span in
@@ -350,11 +351,10 @@ class Var:
             if row:
                 start[b] = max(t1 for _, t1 in row)
         tau = sink_tau_for(model) if self.tau is None else float(self.tau)
-        tracker = SinkTracker(
-            dims, tau, layers, prefill_only=self.sinks_from_prefill_only, prefill_len=enc.length
-        ).attach(model)
+        prefill_only = self.sinks_from_prefill_only
+        tracker = SinkTracker(dims, tau, layers, prefill_only=prefill_only, prefill_len=enc.length)
         self.last["tracker"] = tracker
-        return [
+        edits: list[Edit] = [
             VarEdit(
                 layer=la,
                 region=region,
@@ -367,3 +367,4 @@ class Var:
             )
             for la in layers
         ]
+        return [*edits, *tracker.edits()]  # the residual reads that flag the sinks

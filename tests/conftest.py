@@ -57,3 +57,33 @@ def real_model(request) -> HeadModel:
     """Each real model in turn (`smol`, then `gemma3`; each loaded once per session): the checks
     both families share (tests/heads/test_real_model.py, specs in tests/support/real_models.py)."""
     return request.getfixturevalue(request.param)
+
+
+# ---------------------------------------------------------------- skips not on the allow-list
+_UNLISTED_SKIPS: list[str] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    from tests.support.skips import unlisted_skip
+
+    got = unlisted_skip(report)
+    if got is not None:
+        _UNLISTED_SKIPS.append(got)
+
+
+def pytest_collectreport(report) -> None:  # a module skipped at import (importorskip)
+    pytest_runtest_logreport(report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _UNLISTED_SKIPS:
+        terminalreporter.section("skips not on the allow-list (tests/support/skips.py)", red=True)
+        for line in _UNLISTED_SKIPS:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Fail a passing run that skipped a test for a reason not on `ALLOWED_SKIPS`."""
+    allowed = os.environ.get("HEADSTEER_ALLOW_SKIPS") == "1"
+    if _UNLISTED_SKIPS and exitstatus == pytest.ExitCode.OK and not allowed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -17,6 +17,7 @@ Where each site goes (module paths from the family table, `heads.model.parts`):
 | `mlp_out` | forward hook on the post-MLP norm (post-norm families), else the MLP |
 | `mlp_out_pre_norm` | forward hook on the MLP (post-norm families only) |
 | `resid_post` | forward hook on the block |
+| `ln1.scale`, `ln2.scale`, `ln1_post.scale`, `ln2_post.scale` | forward hook on that norm |
 | `ln_final.*` | forward hook on the final norm |
 
 Clean-prefix reuse (`layer_skip`) puts a dispatching `forward` on the skipped blocks while any
@@ -58,7 +59,12 @@ def forward_hook(module: nn.Module, fn: Callable) -> Callable[[], Callable[[], N
 
 
 def _residual_multiplier(config: object) -> float | None:
+    """The factor a family multiplies each sub-layer's output by before adding it to the stream
+    (Granite, HyperCLOVA X: `residual_multiplier`; MiniCPM3: `scale_depth / sqrt(n_layers)`)."""
     value = getattr(config, "residual_multiplier", None)
+    depth = getattr(config, "scale_depth", None)
+    if depth is not None:
+        value = float(depth) / float(getattr(config, "num_hidden_layers", 1)) ** 0.5
     return None if value in (None, 1, 1.0) else float(value)
 
 
@@ -177,8 +183,8 @@ class HFBackend(Backend):
 
     def _parallel(self) -> bool:
         fam, cfg = self.family, self.parts.config
-        if fam.model_type == "gpt_neox":
-            return bool(getattr(cfg, "use_parallel_residual", True))
+        if fam.model_type in ("gpt_neox", "stablelm"):  # parallel or not by the config
+            return bool(getattr(cfg, "use_parallel_residual", fam.model_type == "gpt_neox"))
         return "parallel_block" in fam.features
 
     def _mlp_added_module(self, layer: int) -> nn.Module:
@@ -205,12 +211,22 @@ class HFBackend(Backend):
             dec = parts.decoder
             if name.startswith("ln_final"):
                 norm = parts.final_norm
-                fn = hs.final_norm(key, parts, id(dec))
+                fn = hs.norm_out(key, parts, id(dec))
                 return [self._model_in(), Placement((id(norm), "ln_final"), forward_hook(norm, fn))]
             module = parts.embed if name == "embed" else parts.pos_embed
             fn = hs.stream_out(key, 0, parts, name, offset_key=id(dec))
             return [self._model_in(), Placement((id(module), name), forward_hook(module, fn))]
         need = [self._layer_in(layer)]
+        if name in ("ln1.scale", "ln2.scale", "ln1_post.scale", "ln2_post.scale"):
+            prefix = name.split(".")[0]
+            norm = parts.norm(layer, prefix)
+            if prefix == "ln2" and fam.attn_norm == fam.mlp_norm:
+                raise HeadsteerValueError(
+                    f"site 'ln2.scale': model_type {short_repr(fam.model_type)} feeds attention and MLP from "
+                    "one norm (use ln1.scale)"
+                )
+            fn = hs.norm_out(key, parts, key, prefix, layer)
+            return [*need, Placement((id(norm), prefix), forward_hook(norm, fn))]
         if name in ("q", "k", "v"):
             proj = parts.projection(layer, name)
             which = ("q", "k", "v") if fam.fused_qkv else (name,)

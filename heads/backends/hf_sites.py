@@ -40,6 +40,16 @@ Hook = Callable[..., Any]
 _LAYER_OFFSET: ContextVar[dict[int, int]] = ContextVar("headsteer_layer_offsets", default={})  # noqa: B039
 _MID: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_resid_mid", default={})  # noqa: B039
 _ADDED: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_mlp_added", default={})  # noqa: B039
+# key -> (B, T) of the stream entering the block (an MoE block may return its output as [B * T, D])
+_SHAPE: ContextVar[dict[int, tuple[int, int]]] = ContextVar("headsteer_stream_shape", default={})  # noqa: B039
+
+
+def _as_stream(key: int, x: torch.Tensor) -> torch.Tensor:
+    """`x` as `[B, T, D]` when a module returned it flattened to `[B * T, D]` (Llama 4's MoE)."""
+    shape = _SHAPE.get().get(key)
+    if x.dim() == 2 and shape is not None and x.shape[0] == shape[0] * shape[1]:
+        return x.view(*shape, x.shape[-1])
+    return x
 
 
 def fresh(var: ContextVar[dict[int, Any]]) -> dict[int, Any]:
@@ -94,11 +104,12 @@ def layer_in(key: int, layer: int, parts: ModelParts) -> Hook:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         offset = cache_length(args, kwargs, layer)
         fresh(_LAYER_OFFSET)[key] = offset
+        positional = bool(args)
+        x = args[0] if positional else kwargs["hidden_states"]
+        fresh(_SHAPE)[key] = (x.shape[0], x.shape[1])
         edits = _edits(key, "residual")
         if not edits:
             return None
-        positional = bool(args)
-        x = args[0] if positional else kwargs["hidden_states"]
         x = apply_activation_edits(edits, x, _call(layer, x, n_heads, offset))
         if positional:
             return (x, *args[1:]), kwargs
@@ -135,10 +146,11 @@ def stream_out(key: int, layer: int, parts: ModelParts, site: str, offset_key: i
         edits = _edits(key, site)
         if not edits:
             return None
-        x = _first(output)
+        raw = _first(output)
+        x = _as_stream(key, raw)
         offset = _LAYER_OFFSET.get().get(where, 0)
         y = apply_activation_edits(edits, x, _call(layer, x, n_heads, offset))
-        return None if y is x else _with_first(output, y)
+        return None if y is x else _with_first(output, y.reshape(raw.shape))
 
     return hook
 
@@ -152,7 +164,7 @@ def mlp_added(key: int, layer: int, parts: ModelParts, site: str) -> Hook:
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         new = inner(module, args, output)
         if key in _MID.get() and site == "mlp_out":
-            fresh(_ADDED)[key] = _first(output if new is None else new)
+            fresh(_ADDED)[key] = _as_stream(key, _first(output if new is None else new))
         return new
 
     return hook
@@ -258,19 +270,20 @@ def qkv_out(key: int, layer: int, parts: ModelParts, which: tuple[str, ...]) -> 
 
 
 # ---------------------------------------------------------------------------------- the final norm
-def final_norm(key: int, parts: ModelParts, offset_key: int) -> Hook:
-    """Forward hook on the final norm: `ln_final.scale` `[B, T, 1]` and `ln_final.normalized`
-    `[B, T, D]` (read only) edits. A replaced scale `s'` gives the output `b + (out - b) * s / s'`
-    (the norm's own weight and bias, the new denominator)."""
+def norm_out(key: int, parts: ModelParts, offset_key: int, prefix: str = "ln_final", layer: int = 0) -> Hook:
+    """Forward hook on a norm (`prefix`: `ln_final`, or a block's `ln1`, `ln2`, `ln1_post`,
+    `ln2_post`): `{prefix}.scale` `[B, T, 1]` and `ln_final.normalized` `[B, T, D]` (read only)
+    edits. A replaced scale `s'` gives the output `b + (out - b) * s / s'` (the norm's own weight
+    and bias, the new denominator)."""
     n_heads = parts.n_heads
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        scales, normals = _edits(key, "ln_final.scale"), _edits(key, "ln_final.normalized")
+        scales, normals = _edits(key, f"{prefix}.scale"), _edits(key, f"{prefix}.normalized")
         if not scales and not normals:
             return None
         x = args[0]
         scale, normalized = norm_stats(module, x)
-        call = _call(0, x, n_heads, _LAYER_OFFSET.get().get(offset_key, 0))
+        call = _call(layer, x, n_heads, _LAYER_OFFSET.get().get(offset_key, 0))
         apply_activation_edits(normals, normalized, call)  # read only: a replacement raises
         new = apply_activation_edits(scales, scale, call)
         if new is scale:

@@ -58,6 +58,7 @@ _ADDED: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_tl_added", d
 
 _HEAD_SITES = {"q", "k", "v", "query", "head_output"}
 _POST_NORM_SITES = {"attn_out", "mlp_out", "resid_mid", "attn_out_pre_norm", "mlp_out_pre_norm"}
+_POST_NORM_SITES |= {"ln1_post.scale", "ln2_post.scale"}
 
 
 def tl_add_hook(module: nn.Module, fn: Callable) -> Callable[[], Callable[[], None]]:
@@ -297,7 +298,15 @@ class TransformerLensBackend(HFBackend):
             ]
         if name == "resid_post":
             return [positions, self._tl(tl_hook_name(name, layer), _resid_post_hook(key, layer, n_heads))]
-        if name in ("attn_out_pre_norm", "mlp_out_pre_norm"):
+        if name in ("ln1.scale", "ln2.scale", "ln1_post.scale", "ln2_post.scale"):
+            prefix = name.split(".")[0]
+            parts.norm(layer, prefix)  # ValueError for a norm the family lacks
+            if prefix == "ln2" and fam.attn_norm == fam.mlp_norm:
+                raise HeadsteerValueError(
+                    f"site 'ln2.scale': model_type {short_repr(fam.model_type)} feeds attention and MLP "
+                    "from one norm (use ln1.scale)"
+                )
+        if name in ("attn_out_pre_norm", "mlp_out_pre_norm", "ln1_post.scale", "ln2_post.scale"):
             raise HeadsteerValueError(
                 f"site {name!r}: model_type {short_repr(fam.model_type)} has no norm on the sub-layer output"
             )

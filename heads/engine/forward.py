@@ -8,6 +8,8 @@ import torch
 
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
+from heads.engine.state import KERNEL
+from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 
@@ -26,7 +28,8 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs: Any) -> Any:
     context or not: the patterns are read at the engine's `probs` site (one `Recorder` per
     layer, after any pattern edit of an enclosing context), so an SDPA model (whose own kernel
     returns none) and a TransformerLens or nnsight model give the same tuple. Rows of left
-    padding are all zero.
+    padding are all zero. Inside `editing(..., kernel="fused")` it is a ValueError (that kernel
+    never builds the pattern).
 
     Position ids are counted over real tokens, as `generate` does, so an example
     gives the same logits alone and inside a padded batch. Prompts with images
@@ -34,11 +37,17 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs: Any) -> Any:
     for M-RoPE models, `[3, B, P]` positions.
 
     Raises:
-        ValueError: the batch is longer than the model's position limit.
+        ValueError: the batch is longer than the model's position limit; `output_attentions`
+            with `kernel="fused"`.
     """
     model.check_length(enc.length)
     device = model.device
     if kwargs.get("output_attentions"):
+        if KERNEL.get() == "fused":
+            raise HeadsteerValueError(
+                "kernel='fused' never builds the attention pattern, so it cannot return it "
+                "(output_attentions=True); use kernel='auto' or 'blocked'"
+            )
         kwargs = {k: v for k, v in kwargs.items() if k != "output_attentions"}
         recs = [Recorder(layer=la) for la in range(model.n_layers)]
         with editing(model, recs):

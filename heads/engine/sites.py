@@ -23,6 +23,8 @@ heads, d head width, D d_model; `{l}` the layer):
 | `resid_mid` | `blocks.{l}.hook_resid_mid` | `[B, T, D]` | sequential blocks only |
 | `mlp_out` | `blocks.{l}.hook_mlp_out` | `[B, T, D]` | the value the MLP adds to the stream |
 | `resid_post` | `blocks.{l}.hook_resid_post` | `[B, T, D]` | the stream leaving block l |
+| `ln1.scale`, `ln2.scale` | `blocks.{l}.ln1.hook_scale`, `ln2` | `[B, T, 1]` | attention / MLP input norm |
+| `ln1_post.scale`, ... | `blocks.{l}.ln1_post.hook_scale`, ... | `[B, T, 1]` | post-norms (Gemma 2 / 3) |
 | `ln_final.scale` | `ln_final.hook_scale` | `[B, T, 1]` | the final norm's denominator (fp32) |
 | `ln_final.normalized` | `ln_final.hook_normalized` | `[B, T, D]` | read only: input / scale (fp32) |
 
@@ -98,6 +100,10 @@ SITES: dict[str, Site] = {
         Site("mlp_out", "blocks.{l}.hook_mlp_out", "[B, T, D]"),
         Site("mlp_out_pre_norm", "blocks.{l}.ln2_post.hook_in", "[B, T, D]"),
         Site("resid_post", "blocks.{l}.hook_resid_post", "[B, T, D]"),
+        Site("ln1.scale", "blocks.{l}.ln1.hook_scale", "[B, T, 1]"),
+        Site("ln2.scale", "blocks.{l}.ln2.hook_scale", "[B, T, 1]"),
+        Site("ln1_post.scale", "blocks.{l}.ln1_post.hook_scale", "[B, T, 1]"),
+        Site("ln2_post.scale", "blocks.{l}.ln2_post.hook_scale", "[B, T, 1]"),
         Site("ln_final.scale", "ln_final.hook_scale", "[B, T, 1]", scope="model"),
         Site("ln_final.normalized", "ln_final.hook_normalized", "[B, T, D]", scope="model", replace=False),
     )

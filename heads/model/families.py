@@ -64,6 +64,8 @@ class Family:
             than `nn.Linear`'s `[out, in]`.
         o_proj: the output projection; its input is the heads' outputs `[H*d]`.
         mlp: a block's MLP.
+        attn_norm: the norm applied to the residual before the attention, or None (post-norm
+            families such as OLMo 2, whose attention reads the raw stream).
         mlp_norm: the norm applied to the residual before the MLP, or None when the MLP
             reads the raw residual (post-norm families such as OLMo 2).
         mlp_out_norm: a norm on the MLP output before it joins the residual, or None.
@@ -129,6 +131,7 @@ class Family:
     conv1d: bool = False
     o_proj: str = "o_proj"
     mlp: str | None = "mlp"
+    attn_norm: str | None = "input_layernorm"
     mlp_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None
     attn_out_norm: str | None = None
@@ -217,6 +220,7 @@ def _llama_like(model_type: str, *features: str, **fields) -> Family:
 
 
 _POST_NORM: dict = {
+    "attn_norm": None,
     "mlp_norm": None,
     "mlp_out_norm": "post_feedforward_layernorm",
     "attn_out_norm": "post_attention_layernorm",
@@ -235,6 +239,7 @@ _GPT2_LAYOUT: dict = {
     "qkv_proj": "c_attn",
     "o_proj": "c_proj",
     "mlp_norm": "ln_2",
+    "attn_norm": "ln_1",
     "final_norm": "ln_f",
 }
 
@@ -278,7 +283,13 @@ FAMILIES: dict[str, Family] = {
         _llama_like("olmo2", "qk_norm", "post_norm", qk_norm="all_heads", **_POST_NORM),
         # ---- more Llama-like decoders: same module paths, features read from what the module passes
         _llama_like("arcee"),
-        _llama_like("apertus", "qk_norm", qk_norm="per_head", mlp_norm="feedforward_layernorm"),
+        _llama_like(
+            "apertus",
+            "qk_norm",
+            qk_norm="per_head",
+            mlp_norm="feedforward_layernorm",
+            attn_norm="attention_layernorm",
+        ),
         _llama_like("aria_text", "moe"),
         _llama_like("cwm", "sliding_window", sliding_window="layer_types"),
         _llama_like("ernie4_5"),
@@ -515,6 +526,7 @@ FAMILIES: dict[str, Family] = {
             decoder="model.decoder",
             o_proj="out_proj",
             mlp=None,
+            attn_norm="self_attn_layer_norm",
             mlp_norm="final_layer_norm",
             final_norm="final_layer_norm",
             gqa=False,
@@ -524,6 +536,7 @@ FAMILIES: dict[str, Family] = {
             decoder="biogpt",
             o_proj="out_proj",
             mlp=None,
+            attn_norm="self_attn_layer_norm",
             mlp_norm="final_layer_norm",
             final_norm="layer_norm",
             unembed="output_projection",

@@ -119,10 +119,9 @@ class ModelParts:
 
     def part(self, layer: int, dotted: str | None, what: str) -> nn.Module:
         """The submodule `dotted` of block `layer` (ValueError naming `what` when the family has none)."""
-        if dotted is None:
-            raise HeadsteerValueError(
-                f"model_type {short_repr(self.family.model_type)} has no {what} (its family entry names none)"
-            )
+        module = None if dotted is None else getattr(self.layers[layer], dotted.split(".")[0], None)
+        if dotted is None or module is None:  # e.g. StableLM's post-attention norm with a parallel block
+            raise HeadsteerValueError(f"model_type {short_repr(self.family.model_type)} has no {what}")
         return submodule(self.layers[layer], dotted)
 
     def mlp(self, layer: int) -> nn.Module:
@@ -144,6 +143,22 @@ class ModelParts:
                 "latent attention decompresses it from a low-rank latent)"
             )
         return submodule(self.attentions[layer], path)
+
+    def norm(self, layer: int, which: str) -> nn.Module:
+        """A block's norm by its TransformerLens name: `ln1` (before the attention), `ln2` (before
+        the MLP), `ln1_post` / `ln2_post` (on the attention / MLP output, post-norm families).
+
+        Raises:
+            ValueError: the family has no such norm.
+        """
+        fam = self.family
+        path = {
+            "ln1": fam.attn_norm,
+            "ln2": fam.mlp_norm,
+            "ln1_post": fam.attn_out_norm,
+            "ln2_post": fam.mlp_out_norm,
+        }[which]
+        return self.part(layer, path, f"{which} norm")
 
     @property
     def final_norm(self) -> nn.Module:

@@ -11,8 +11,6 @@ Where it differs from a TransformerLens cache on the same weights:
 * the rows of left padding: `hook_pattern` is all zero there (TransformerLens: uniform);
 * `hook_pos_embed` exists only for learned absolute positions (GPT-2, OPT); a TransformerLens
   bridge of a rotary model names its rotary table so;
-* `apply_ln_to_stack` (and `apply_ln=True`) scales by the final norm only (`layer=None` or
-  `n_layers`): the per-block norm scales are not recorded (a ValueError names it);
 * `hook_attn_scores` holds the scores as the engine computes them in fp32 (masked keys at the
   fp32 minimum, as the bridge's).
 """
@@ -53,6 +51,8 @@ _SHORT = {
     "pattern": "blocks.{l}.attn.hook_pattern",
     "attn_scores": "blocks.{l}.attn.hook_attn_scores",
     "scale": "ln_final.hook_scale",
+    "ln1_scale": "blocks.{l}.ln1.hook_scale",
+    "ln2_scale": "blocks.{l}.ln2.hook_scale",
     "normalized": "ln_final.hook_normalized",
 }
 
@@ -158,32 +158,40 @@ class ActivationCache:
         has_batch_dim: bool = True,
         recompute_ln: bool = False,
     ) -> torch.Tensor:
-        """Scale a stack of residual components `[..., B, T, D]` as the final norm scales their sum:
-        centred (LayerNorm families), divided by `ln_final.hook_scale` `[B, T, 1]` (recorded, or
-        computed from `blocks.{L-1}.hook_resid_post`); the norm's weight and bias are not applied
-        (as TransformerLens). The scale is the run's own (frozen), so the scaled components add
-        up to the normalised stream. `recompute_ln=True` instead applies the final norm itself
-        (weight and bias included) to each component with its own statistics (the logit lens;
-        TransformerLens' `accumulated_resid(apply_ln=True)` at the final layer does this).
+        """Scale a stack of residual components `[..., B, T, D]` as the norm read by `layer` scales
+        their sum (`layer` None or `n_layers`: the final norm; else block `layer`'s `ln1`, or its
+        `ln2` with `mlp_input`): centred (LayerNorm), divided by that norm's `hook_scale` `[B, T,
+        1]` (recorded, or computed from the stream it reads); the norm's weight and bias are not
+        applied (as TransformerLens). The scale is the run's own (frozen), so the scaled
+        components add up to the normalised stream. `recompute_ln=True` at the final layer
+        instead applies the final norm itself (weight and bias included) to each component with
+        its own statistics (the logit lens; TransformerLens' `accumulated_resid(apply_ln=True)`
+        at the final layer does this).
 
         Raises:
-            ValueError: `layer` below `n_layers` (the per-block norm scales are not recorded),
-                or `mlp_input`.
+            ValueError: `mlp_input` at the final layer; a norm the family does not have.
         """
-        if self._layers(layer) != self.model.n_layers or mlp_input:
-            raise HeadsteerValueError(
-                "apply_ln_to_stack scales by the final norm only (layer=None): the per-block norm scales "
-                "are not recorded"
+        n = self.model.n_layers
+        layer = self._layers(layer)
+        if layer == n:
+            if mlp_input:
+                raise HeadsteerValueError("mlp_input applies to a block's input (layer < n_layers)")
+            norm, name, stream = self.model.final_norm, "ln_final.hook_scale", ("resid_post", n - 1)
+        else:
+            which = "ln2" if mlp_input else "ln1"
+            norm = self.model.backend.parts.norm(layer, which)
+            name, stream = (
+                f"blocks.{layer}.{which}.hook_scale",
+                ("resid_mid" if mlp_input else "resid_pre", layer),
             )
-        norm = self.model.final_norm
-        if recompute_ln:
+        if recompute_ln and layer == n:
             return torch.stack([norm(c) for c in residual_stack])
         if centred(norm):
             residual_stack = residual_stack - residual_stack.mean(-1, keepdim=True)
-        if "ln_final.hook_scale" in self.cache_dict:
-            scale = self.cache_dict["ln_final.hook_scale"]
+        if name in self.cache_dict:
+            scale = self.cache_dict[name]
         else:
-            scale = norm_stats(norm, self[("resid_post", self.model.n_layers - 1)])[0]
+            scale = norm_stats(norm, self[stream])[0]
         scale = _pos(scale, pos_slice, -2)
         if has_batch_dim and batch_slice is not None:
             scale = _pos(scale, batch_slice, 0)

@@ -163,17 +163,21 @@ class QKAttribution:
         d = (self.capped().double() - self.logits.double()).abs()[self.valid]
         return float(d.max()) if d.numel() else 0.0
 
-    def query_marginals(self) -> torch.Tensor:
+    def query_marginals(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`[N, Q, K, C + 1]`: component i's query share against the whole key,
-        `scale * a_i(q) . k(k)` (sums over i to `score()`)."""
-        _, k = self._totals()
-        return self._masked(torch.einsum("ncqd,nkd->nqkc", self.q_side, k) * self.scale)
+        `scale * a_i(q) . k(k)` (sums over i to `score()`), in `dtype` (default the sides')."""
+        a, (_, k) = self.q_side, self._totals()
+        if dtype is not None:
+            a, k = a.to(dtype), k.to(dtype)
+        return self._masked(torch.einsum("ncqd,nkd->nqkc", a, k) * self.scale)
 
-    def key_marginals(self) -> torch.Tensor:
+    def key_marginals(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`[N, Q, K, C + 1]`: the whole query against component j's key share,
-        `scale * q(q) . b_j(k)` (sums over j to `score()`)."""
-        q, _ = self._totals()
-        return self._masked(torch.einsum("nqd,nckd->nqkc", q, self.k_side) * self.scale)
+        `scale * q(q) . b_j(k)` (sums over j to `score()`), in `dtype` (default the sides')."""
+        b, (q, _) = self.k_side, self._totals()
+        if dtype is not None:
+            b, q = b.to(dtype), q.to(dtype)
+        return self._masked(torch.einsum("nqd,nckd->nqkc", q, b) * self.scale)
 
     def marginals(self, side: str) -> torch.Tensor:
         """`query_marginals()` (side `"query"`) or `key_marginals()` (`"key"`)."""

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import check_int, check_number, is_int, is_number, read_json_file, short_repr
+from heads._util.validation import check_int, check_number, is_int, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.storage import check_geometry, read_json, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -63,29 +64,7 @@ def _positive_int(k: Any, what: str = "k") -> int:
     return int(k)
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """`json` object hook: a key given twice is an error, not "the last one wins"."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
-        out[key] = value
-    return out
-
-
-def _read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file strictly (`heads._util.validation.read_json_file`).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: one line naming the file: bad JSON text (line and column), a key repeated
-            in one object, an integer of more than 4300 digits ("a number in '<file>' is too
-            large ..."), or nesting too deep to parse (e.g. 100,000 `[`).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"file not found: {str(path)!r}")
-    return read_json_file(path, object_pairs_hook=_no_duplicate_keys)
+_read_json = read_json  # the strict JSON reader of every result file (heads.results.storage)
 
 
 HeadSpec: TypeAlias = Union[
@@ -392,8 +371,8 @@ class HeadScores:
         """
         if torch.isinf(self.scores).any():
             raise HeadsteerValueError("scores contain +-inf, which JSON cannot store; replace them first")
-        text = json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n"
-        return write_text(path, text, overwrite=overwrite)
+        body = self.to_json()
+        return write_result(path, body.pop("schema"), body.pop("schema_version"), body, overwrite=overwrite)
 
     @classmethod
     def from_cache(
@@ -531,28 +510,12 @@ class HeadScores:
                 (n_layers, n_heads, n_kv_heads) that differs from `model`'s.
             FileNotFoundError: no such file.
         """
-        if model is not None and not hasattr(model, "n_kv_heads"):
-            raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
-        data = _read_json(path)
+        data = read_result(path, SCHEMA, SCHEMA_VERSION, "HeadScores")
         name = str(path)
-        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer HeadScores file")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}; "
-                f"this headsteer reads version {SCHEMA_VERSION}"
-            )
         out = cls._from_json(data, name)
-        if model is not None:
-            want = (model.n_layers, model.n_heads, model.n_kv_heads)
-            got = (out.n_layers, out.n_heads, out.n_kv_heads)
-            if want != got:
-                raise HeadsteerValueError(
-                    f"{short_repr(name)} was scored on a model with (n_layers, n_heads, n_kv_heads)={got}, "
-                    f"this model has {want}"
-                )
-            if out.model and out.model != model.name:
-                warnings.warn(f"scores were made on {out.model!r}, loading for {model.name!r}", stacklevel=2)
+        check_geometry(path, (out.n_layers, out.n_heads, out.n_kv_heads), model)
+        if model is not None and out.model and out.model != model.name:
+            warnings.warn(f"scores were made on {out.model!r}, loading for {model.name!r}", stacklevel=2)
         return out
 
     @classmethod

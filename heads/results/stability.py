@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -311,6 +311,9 @@ class Stability:
             holds the item, or None.
         method, model, params: what was ranked.
     """
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
     names: list[str]
     score: torch.Tensor

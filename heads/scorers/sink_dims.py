@@ -12,23 +12,23 @@ massive value there is a *sink* at that layer (BOS, ".", "\\n", and in LMMs some
   |x_d| / RMS(x) at the first token, keep the few far above the rest, with the evidence.
 * `SinkTracker`: flags sinks per layer from the residual entering the layer, at every forward
   (prefill and each decode step), per batch row, as a `[B, K]` key mask kept alongside the
-  KV cache. It reads the residual with its own forward pre-hook on each decoder layer;
-  `observe(layer, hidden, offset)` is the whole logic, so the hook can be swapped for the
-  engine's "residual entering a layer" edit site once that lands.
+  KV cache. It reads the residual at the engine's `residual` site (`resid_pre`): its `edits()`
+  go into the same `editing()` context as the edits that use the flags, on every backend and
+  per thread; `observe(layer, hidden, offset)` is the whole logic.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
 from heads._util.validation import check_int, is_int, is_number, short_repr
-from heads.backends.hf_sites import cache_length
+from heads.engine.activations import ActivationEdit
+from heads.engine.edits import AttentionCall
 from heads.engine.forward import forward
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
@@ -229,9 +229,10 @@ class SinkTracker:
     `prefill_only`). A call with `offset == 0` starts a new sequence (flags reset), so state
     never leaks from one sample to the next. `mask(layer, k_len)` is the `[B, k_len]` flags.
 
-    `attach(model)` installs the reading as forward pre-hooks on the decoder layers; the hooks
-    hold only a weak reference and are removed by `detach()` or when the tracker is
-    garbage-collected. `active` gates them (e.g. to the engine context that uses the tracker).
+    `edits()` are the engine edits that read the residual entering each tracked layer (site
+    `residual`, `[B, T, D]`, absolute offset `call.q_offset`): apply them in the `editing()`
+    context of the edits that read the flags, listed before those (the residual of a layer is
+    read before its attention runs). Nothing is installed on the model outside that context.
 
     Args:
         dims: the sink dimensions.
@@ -259,8 +260,6 @@ class SinkTracker:
         self._bufs: dict[int, torch.Tensor] = {}  # per layer, [B, capacity]; flags are its prefixes
         self._dims_index: dict[torch.device, torch.Tensor] = {}
         self.observed = 0
-        self.active = None  # callable () -> bool, or None (always active)
-        self._handles: list = []
 
     def observe(self, layer: int, hidden: torch.Tensor, offset: int) -> None:
         """Flag sinks among the rows `hidden` `[B, T, D]` at absolute positions `offset ..`."""
@@ -303,35 +302,12 @@ class SinkTracker:
         f = f[:, :k_len]
         return f if device is None else f.to(device)
 
-    def attach(self, model: HeadModel) -> SinkTracker:
-        """Install forward pre-hooks on the tracked decoder layers of `model` (idempotent)."""
-        if self._handles:
-            return self
-        ref = weakref.ref(self)
+    def edits(self) -> list[ActivationEdit]:
+        """One `residual`-site read per tracked layer, calling `observe` (see the class docstring)."""
+        return [ActivationEdit("residual", la, self._reader(la)) for la in self.layers]
 
-        def make(layer: int):
-            def hook(module, args, kwargs):
-                me = ref()
-                if me is None or (me.active is not None and not me.active()):
-                    return None
-                hidden = args[0] if args else kwargs["hidden_states"]
-                offset = cache_length(args, kwargs, layer)  # GPT-2 passes it positionally
-                me.observe(layer, hidden, offset)
-                return None
+    def _reader(self, layer: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(hidden: torch.Tensor, call: AttentionCall) -> None:
+            self.observe(layer, hidden, call.q_offset)
 
-            return hook
-
-        for la in self.layers:
-            self._handles.append(model.layers[la].register_forward_pre_hook(make(la), with_kwargs=True))
-        weakref.finalize(self, _remove_all, list(self._handles))
-        return self
-
-    def detach(self) -> None:
-        """Remove the hooks."""
-        _remove_all(self._handles)
-        self._handles = []
-
-
-def _remove_all(handles: list) -> None:
-    for h in handles:
-        h.remove()
+        return fn

@@ -141,7 +141,7 @@ def patch_stability(
     if result.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
         raise HeadsteerValueError(f"patching kind {result.kind!r} has no head axis to rank")
     per = result.scores.movedim(-1, 0)  # [N, L, H(, T)]
-    return grid_stability(
+    st = grid_stability(
         per,
         n_resamples,
         k=k,
@@ -153,3 +153,8 @@ def patch_stability(
         model=result.model,
         params={"direction": result.direction, "metric": result.metric, "reduce": reduce},
     )
+    layers = result.params.get("layers")
+    if isinstance(layers, list) and len(layers) == per.shape[1]:  # a sweep of some layers: their names
+        h = per.shape[2]
+        st.names = [f"L{layers[i // h]}.H{i % h}" for i in range(len(st.names))]
+    return st

@@ -329,3 +329,33 @@ def test_docs_support_table_is_generated_from_the_table():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert (root / "docs/families.md").read_text() == gen.render()
+
+
+@pytest.mark.parametrize("kind", EXACT)
+def test_every_stream_site_reads_without_change_and_adds_up(kind):
+    """Every activation site the family has (`heads.hook_names`, patterns left out) is read in one
+    forward without changing a bit of the logits; in a sequential block the stream is the sum
+    the block forms (`resid_mid = resid_pre + attn_out`, `resid_post = resid_mid + mlp_out`, bit
+    for bit), and a replacement by the value read is the identity."""
+    from heads.engine.activations import ActivationEdit, ActivationRecorder
+    from heads.engine.hooks import _split, hook_names
+
+    ids, mask = _inputs()
+    hm = _model(kind, "eager")
+    names = [n for n in hook_names(hm) if not n.endswith(("hook_pattern", "hook_attn_scores", "hook_rot_q"))]
+    recs = {n: ActivationRecorder(*_split(n)) for n in names}
+    with editing(hm, list(recs.values())):
+        got = _logits(hm, ids, mask)
+    assert torch.equal(got, _plain(kind, "eager"))
+    last = hm.n_layers - 1
+    if f"blocks.{last}.hook_resid_mid" in recs:
+        (pre,), (attn,), (mid,) = (
+            recs[f"blocks.{last}.{h}"].records for h in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid")
+        )
+        (mlp,), (post,) = (recs[f"blocks.{last}.{h}"].records for h in ("hook_mlp_out", "hook_resid_post"))
+        assert torch.equal(mid, pre + attn) and torch.equal(post, mid + mlp)
+        ident = [
+            ActivationEdit(s, last, lambda x, call: x.clone()) for s in ("resid_mid", "mlp_out", "attn_out")
+        ]
+        with editing(hm, ident):
+            assert torch.equal(_logits(hm, ids, mask), got)

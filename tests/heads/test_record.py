@@ -70,8 +70,6 @@ def test_record_equals_transformer_lens_cache(pair, monkeypatch):
             ("accumulated_resid", {"incl_mid": True}),
             ("accumulated_resid", {"layer": 1, "pos_slice": -1}),
         ):
-            if apply_ln and kw.get("layer", L) not in (-1, L):
-                continue  # only the final norm's scale is recorded (module docstring)
             ours, ours_labels = getattr(cache, fn)(return_labels=True, apply_ln=apply_ln, **kw)
             theirs, labels = getattr(tl, fn)(return_labels=True, apply_ln=apply_ln, **kw)
             assert ours_labels == labels, (fn, kw)
@@ -79,8 +77,10 @@ def test_record_equals_transformer_lens_cache(pair, monkeypatch):
     stack = cache.decompose_resid()
     _close(stack.sum(0), cache["resid_post", L - 1], "components add up to the stream")
     _close(cache.apply_ln_to_stack(stack).sum(0), cache["ln_final.hook_normalized"], "frozen final scale")
-    with pytest.raises(ValueError, match="final norm only"):
-        cache.apply_ln_to_stack(stack, layer=1)
+    mid = cache.decompose_resid(layer=1, mlp_input=True)  # the stream block 1's MLP norm reads
+    ln2 = hm.mlp_norm(1)
+    want = (ln2(cache["resid_mid", 1]) - getattr(ln2, "bias", 0)) / ln2.weight
+    _close(cache.apply_ln_to_stack(mid, 1, mlp_input=True).sum(0), want, "block 1's ln2, frozen scale")
 
 
 def test_names_limit_what_is_kept_and_computed(pair, monkeypatch):

@@ -208,12 +208,18 @@ def test_parallel_block_has_no_resid_mid_and_post_norm_sites():
     # OLMo 2: attn_out is the post-norm's output (the value added), attn_out_pre_norm its input
     olmo = tiny_family_model("olmo2")
     ids, mask = family_inputs()
-    recs = [ActivationRecorder(s, 1) for s in ("residual", "attn_out", "attn_out_pre_norm", "resid_mid")]
+    sites = ("residual", "attn_out", "attn_out_pre_norm", "resid_mid", "ln1_post.scale")
+    recs = [ActivationRecorder(s, 1) for s in sites]
     with editing(olmo, recs):
         olmo.model(input_ids=ids, attention_mask=mask)
-    pre, out, raw, mid = (r.records[0] for r in recs)
+    pre, out, raw, mid, scale = (r.records[0] for r in recs)
     assert torch.equal(mid, pre + out)
-    torch.testing.assert_close(out, olmo.layers[1].post_attention_layernorm(raw), atol=0, rtol=0)
+    norm = olmo.layers[1].post_attention_layernorm
+    torch.testing.assert_close(out, norm(raw), atol=0, rtol=0)
+    torch.testing.assert_close(out, norm.weight * raw / scale, atol=1e-5, rtol=0)  # the frozen scale
+    with pytest.raises(ValueError, match="no ln1 norm"):  # OLMo 2's attention reads the raw stream
+        with editing(olmo, [ActivationRecorder("ln1.scale", 0)]):
+            pass
 
 
 def test_forward_output_attentions_gives_the_patterns_in_and_out_of_editing(tokenizer, enc):

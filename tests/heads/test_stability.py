@@ -108,6 +108,9 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     (tmp_path / "v2.json").write_text(text)
     with pytest.raises(HeadsteerValueError, match="schema_version"):
         Stability.load(tmp_path / "v2.json")
+    from heads.results.protocol import Result
+
+    assert isinstance(st, Result) and Stability.SCHEMA == "headsteer/stability"
     frame = st.to_frame()
     assert list(frame["rank"]) == sorted(frame["rank"]) and {"p_top_k", "stable", "layer"} <= set(frame)
 
@@ -149,6 +152,8 @@ def test_patching_dla_attribution_stability_reuse_the_pairs(llama):
     assert res.head_scores().stability is st and res.head_scores("sum").stability is None
     again = res.bootstrap(20, templates=[0, 1] * 3)
     assert torch.equal(again.p_top_k, st.p_top_k)  # seeded: the same resamples
+    late = patch(llama, p, "head_out", layers=[1], stability=5).stability
+    assert late.names[0] == "L1.H0"  # a sweep of some layers names them by their own index
     dla = direct_logit_attribution(llama, p, stability=15)
     assert dla.stability is not None
     torch.testing.assert_close(dla.stability.score.reshape(2, -1), dla.heads[..., -1].mean(0))

@@ -12,7 +12,7 @@ from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.scorers.sink_dims import KNOWN_SINK_DIMS, SinkTracker, default_tau, sink_dims_for, sink_value
 from steer import SteeredModel
-from steer.var import Var, var_redistribute
+from steer.var import Var, VarEdit, var_redistribute
 from tests.support import make_tiny
 from tests.support.vlm_models import image as tiny_image
 from tests.support.vlm_models import make_tiny_vlm
@@ -75,20 +75,19 @@ def test_sink_value_bound_and_planted_flags(llama):
     assert float(phi.min()) > 7.99
     enc = _enc(llama)
     pos = _sink_positions(enc)
-    tr = SinkTracker([DIM], TAU, range(llama.n_layers)).attach(llama)
-    with planted(llama, pos):
+    tr = SinkTracker([DIM], TAU, range(llama.n_layers))
+    with planted(llama, pos), editing(llama, tr.edits()):
         forward(llama, enc)
     want = torch.zeros(enc.batch, enc.length, dtype=torch.bool)
     for b, ps in enumerate(pos):
         want[b, ps] = True
     assert torch.equal(tr.flags[0], want)  # exactly the planted positions
     # tau = 20 at D = 64 never fires, even with a planted massive value
-    tr20 = SinkTracker([DIM], 20.0, range(llama.n_layers)).attach(llama)
-    with planted(llama, pos):
+    tr20 = SinkTracker([DIM], 20.0, range(llama.n_layers))
+    with planted(llama, pos), editing(llama, tr20.edits()):
         forward(llama, enc)
     assert not any(bool(f.any()) for f in tr20.flags.values())
-    tr.detach()
-    tr20.detach()
+    assert tr20.observed == llama.n_layers  # one read per layer
 
 
 def test_known_dims_and_unknown_backbone(llama):
@@ -240,9 +239,9 @@ def test_disabled_p0_and_no_sinks_are_baseline(llama):
 def test_last_layer_skipped(llama):
     enc = _enc(llama)
     edits = Var(sink_dims=(DIM,), tau=TAU).edits(llama, enc)
-    assert [e.layer for e in edits] == [0, 1, 2]
+    assert [e.layer for e in edits if isinstance(e, VarEdit)] == [0, 1, 2]
     edits = Var(sink_dims=(DIM,), tau=TAU, skip_last=False).edits(llama, enc)
-    assert [e.layer for e in edits] == [0, 1, 2, 3]
+    assert [e.layer for e in edits if isinstance(e, VarEdit)] == [0, 1, 2, 3]
 
 
 def test_sample_isolation_and_cache(llama):
@@ -317,7 +316,7 @@ def test_padded_vlm_batch_equals_single_runs():
         edits = var.edits(vlm, enc)
         with editing(vlm, edits):
             both = forward(vlm, enc)[:, -1]
-    assert sum(int(e.selected.sum()) for e in edits) > 0
+    assert sum(int(e.selected.sum()) for e in edits if isinstance(e, VarEdit)) > 0
     assert not torch.allclose(both, base, atol=1e-5)
     for i in range(2):
         one = sm.encode([prompts[i]], images=[images[i]])
@@ -383,23 +382,31 @@ def test_embedded_var_text_flags_first_token(smol):
     with editing(smol, edits):
         forward(smol, enc)
     flags = var.last["tracker"].flags
-    assert [e.layer for e in edits] == list(range(smol.n_layers - 1))
+    assert [e.layer for e in edits if isinstance(e, VarEdit)] == list(range(smol.n_layers - 1))
     for la in [*range(2, 10), *range(12, smol.n_layers - 1)]:
         assert bool(flags[la][0, 0]), la
     assert float(torch.stack([flags[la][0, 1:].float().mean() for la in range(2, 29)]).mean()) < 0.1
 
 
-def test_tracker_hooks_removed_with_the_edits(llama):
-    import gc
+def test_tracker_reads_through_the_engine_only_while_editing(llama):
+    """The sink tracker installs nothing itself: its residual reads are engine edits, placed while
+    the `editing()` context runs and gone after it (no hook left on the model)."""
 
-    before = [len(layer._forward_pre_hooks) for layer in llama.layers]
+    def hooks():
+        return [len(layer._forward_pre_hooks) + len(layer._forward_hooks) for layer in llama.layers]
+
+    before = hooks()
     var = Var(sink_dims=(DIM,), tau=TAU)
-    edits = var.edits(llama, _enc(llama))
-    assert [len(layer._forward_pre_hooks) for layer in llama.layers] != before
-    del edits
-    var.last.clear()
-    gc.collect()
-    assert [len(layer._forward_pre_hooks) for layer in llama.layers] == before
+    enc = _enc(llama)
+    edits = var.edits(llama, enc)
+    assert hooks() == before
+    reads = [e for e in edits if not isinstance(e, VarEdit)]
+    assert [(e.site, e.layer) for e in reads] == [("residual", la) for la in range(llama.n_layers - 1)]
+    with editing(llama, edits):
+        assert hooks() != before
+        forward(llama, enc)
+    assert hooks() == before
+    assert var.last["tracker"].observed == llama.n_layers - 1
 
 
 @pytest.mark.real
@@ -551,7 +558,7 @@ def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
         hm = load_model(folder)
         assert hm.layers[0] is hm.model.model.language_model.layers[0]
         torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
-        assert [e.layer for e in var.edits(hm, enc)] == [0]
+        assert [e.layer for e in var.edits(hm, enc) if isinstance(e, VarEdit)] == [0]
 
 
 # --------------------------------------------------------------------------- fast paths = plain formula

@@ -7,11 +7,11 @@ Screenshots of every view are written to a temporary folder whose path is printe
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import wait_until
 from viz.explorer import create_explorer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -29,10 +29,8 @@ def serve(app):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: server.started or not thread.is_alive(), "the explorer's uvicorn starts")
+    assert server.started, "uvicorn stopped before it started"
 
     def stop():
         server.should_exit = True
@@ -49,10 +47,17 @@ def model(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def url(model):
-    address, stop = serve(create_explorer(model))
-    yield address
+def served(model):
+    """(url, app) of one explorer on the tiny model, shared by the module's tests."""
+    app = create_explorer(model)
+    address, stop = serve(app)
+    yield address, app
     stop()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +132,16 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     _, tokens, _ = head_pattern(model, PROMPT, 1, 2)
     ticks = page.locator("#pattern .xtick text").all_text_contents()
     assert ticks and all(t.split(":", 1)[0].isdigit() for t in ticks) and len(ticks) <= len(tokens)
-    assert page.locator("#heads").inner_text() == "L1H2"  # the click also picked the head to steer
     page.wait_for_selector("#head-card[data-head='1,2']", timeout=90_000)
     assert "logit lens" in page.locator("#head-card").inner_text()
+    # looking is not selecting: the click showed the head, the steered heads are unchanged
+    assert page.locator("#heads").inner_text() == "(none)"
+    page.click("#btn-steer-head")  # the card's button selects it ...
+    assert page.locator("#heads").inner_text() == "L1H2"
+    assert page.evaluate("document.getElementById('grid').data[2].x") == [2]  # circled on the grid
+    assert page.locator("#btn-steer-head").inner_text() == "stop steering this head"
+    page.click("#btn-steer-head")  # ... and unselects it
+    assert page.locator("#heads").inner_text() == "(none)"
     page.locator("#head-view").screenshot(path=str(shots / "head.png"))
     # a bad prompt: one line in the page, and the next request works
     page.fill("#prompt", "")
@@ -159,15 +171,22 @@ def test_load_click_pattern_and_bad_prompt(browser, url, model, shots):
     page.fill("#prompt", PROMPT)
     click_cell(page, "grid", 2, 0, model.n_layers, model.n_heads)
     click_cell(page, "grid", 2, 3, model.n_layers, model.n_heads)
-    assert page.locator("#heads").inner_text().endswith("L2H0 L2H3")
     page.wait_for_selector("#head-card[data-head='2,3']")
+    assert page.locator("#pattern").get_attribute("data-head") == "2,3"
+    assert page.locator("#heads").inner_text() == "(none)"
+    # shift-click selects a head without looking at it
+    page.keyboard.down("Shift")
+    click_cell(page, "grid", 0, 1, model.n_layers, model.n_heads)
+    page.keyboard.up("Shift")
+    page.wait_for_function("document.getElementById('heads').textContent === 'L0H1'")
     assert page.locator("#pattern").get_attribute("data-head") == "2,3"
 
 
-def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
+def test_two_tabs_steer_differently_and_cancel(browser, served, model, shots):
     """Two tabs generate at the same time with different heads; each gets its own answer."""
     from heads.scorers.attention_mass import span_attention
 
+    url, app = served
     n = 6
     all_heads = [[la, h] for la in range(model.n_layers) for h in range(model.n_heads)]
     one_layer = [[0, h] for h in range(model.n_heads)]
@@ -193,15 +212,21 @@ def test_two_tabs_steer_differently_and_cancel(browser, url, model, shots):
     assert len(drawn) == 2 and drawn[0] == pytest.approx(want_before, abs=1e-4)
     assert all(s > u for u, s in zip(*drawn, strict=True))  # PASTA on every head raises the span share
     a.locator("#steering").screenshot(path=str(shots / "steering.png"))
-    # cancel: a long generation stops, the page says so, and the next one works
+    # cancel: a generation that cannot end on its own (the model is busy: the test holds its
+    # lock) stops, the page says so, its slot is freed, and the next one works
+    jobs, lock = app.state.jobs, app.state.explorer.lock
     a.fill("#max-new", "250")
-    a.click("#btn-generate")
-    a.wait_for_function("document.getElementById('out-plain').textContent.length > 0", timeout=90_000)
-    a.click("#btn-cancel")
-    a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=90_000)
-    a.wait_for_function("state.jobs.size === 0")
+    with lock:
+        a.click("#btn-generate")
+        a.wait_for_function(
+            "document.getElementById('status').textContent.startsWith('waiting for the model')"
+        )
+        a.click("#btn-cancel")
+        a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=90_000)
+        a.wait_for_function("state.jobs.size === 0")
+        wait_until(lambda: jobs.running() == 0, "the cancelled job frees its slot while the model is busy")
     done = [a.locator(f"#{o}").get_attribute("data-done") for o in ("out-plain", "out-steered")]
-    assert done != ["1", "1"]  # the cancelled stream (plain, or steered if plain had ended) is not done
+    assert done == [None, None] and a.locator("#out-plain").inner_text() == ""  # it never ran
     a.fill("#max-new", "2")
     a.click("#btn-generate")
     a.wait_for_selector("#out-steered[data-done='1']", timeout=90_000)
@@ -303,3 +328,78 @@ def test_demo_prompt_steered_differs_on_embedded_model(browser, smol, shots):
         assert not errors, errors
     finally:
         stop()
+
+
+def test_raw_text_switch_and_every_token_labelled(browser, url, model, tokenizer):
+    """The raw-text switch (off by default on a model with a chat template) sends the prompt as
+    it is: the pattern's tokens are `head_pattern(..., chat=False)`'s; "label every token" labels
+    each of a long prompt's tokens, which the default axis thins out."""
+    from heads.scorers.attention_mass import head_pattern
+
+    page, errors = open_page(browser, url)
+    assert page.is_checked("#raw") is False
+    long = " ".join(f"word{i}" for i in range(40))
+    page.fill("#prompt", long)
+    click_cell(page, "grid", 1, 0, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='1,0']")
+    chat_tokens = head_pattern(model, long, 1, 0)[1]
+    assert page.evaluate("state.pattern.tokens") == chat_tokens  # with the template
+    page.check("#raw")
+    page.evaluate("document.getElementById('pattern').removeAttribute('data-head')")
+    click_cell(page, "grid", 1, 0, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='1,0']")
+    raw_tokens = head_pattern(model, long, 1, 0, chat=False)[1]
+    assert page.evaluate("state.pattern.tokens") == raw_tokens and len(raw_tokens) < len(chat_tokens)
+    shown = page.locator("#pattern .xtick text").all_text_contents()
+    assert len(shown) < len(raw_tokens)  # the default axis thins a long prompt's labels
+    page.check("#all-ticks")
+    page.wait_for_selector("#pattern[data-ticks='all']")
+    shown = page.locator("#pattern .xtick text").all_text_contents()
+    assert shown == [f"{i}:{t}" for i, t in enumerate(raw_tokens)]
+    assert page.locator("#pattern .ytick text").count() == len(raw_tokens)
+    assert page.locator("#error").inner_text() == "" and not errors, errors
+
+
+def test_a_base_model_defaults_to_raw_text(browser, model, tokenizer):
+    """A tokenizer without a chat template (a base model): the switch starts on."""
+    import copy
+
+    from heads import HeadModel
+
+    base_tok = copy.deepcopy(tokenizer)
+    base_tok.chat_template = None
+    address, stop = serve(create_explorer(HeadModel(model.model, base_tok, name="tiny-base")))
+    try:
+        page, errors = open_page(browser, address)
+        assert page.is_checked("#raw") is True and page.is_checked("#patch-raw") is True
+        assert not errors, errors
+    finally:
+        stop()
+
+
+def test_typing_never_piles_prepares_up(browser, served, monkeypatch):
+    """The page sends a prepare after every pause in typing; while the model is busy, each new
+    one cancels the previous (the page aborts it and the server supersedes it), so only the last
+    prompt is recorded once the model is free (found by a breaker: 120 abandoned prepares
+    delayed a generation by minutes)."""
+    from viz.explorer import patterns
+
+    url, app = served
+    page, errors = open_page(browser, url)
+    jobs, lock = app.state.jobs, app.state.explorer.lock
+    recorded: list[str] = []
+    real = patterns.all_patterns
+    monkeypatch.setattr(patterns, "all_patterns", lambda m, p, **k: recorded.append(p) or real(m, p, **k))
+    starts: list[str] = []
+    real_start = jobs.start
+    monkeypatch.setattr(jobs, "start", lambda j: starts.append(j) or real_start(j))
+    prompts = [f"{PROMPT} draft {i}" for i in range(4)]
+    with lock:  # the model is busy: every prepare waits
+        for i, p in enumerate(prompts):
+            page.fill("#prompt", p)
+            wait_until(lambda i=i: len(starts) == i + 1, "the page sent its prepare")
+            wait_until(lambda: jobs.running() == 1, "the previous prepare is cancelled, one waits")
+    wait_until(lambda: jobs.running() == 0, "the last prepare ran")
+    page.wait_for_function(f"window.__explorer.preparedPrompt === {prompts[-1]!r}")
+    assert recorded == [prompts[-1]]  # the superseded drafts never ran the model
+    assert not errors, errors

@@ -9,22 +9,15 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import pytest
 import requests
 
+from tests.support.waiting import wait_until
 from viz.explorer import create_explorer
 
 PROMPT = "Ignore this. **Remember the word apple** and say something"
-LIMIT_S = 60  # a bound for a broken build only: every wait ends on a state
-
-
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.01)
+LIMIT_S = 60  # a request's timeout: every wait below ends on a state (`wait_until`)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ __all__ = [
     "STEER_METHODS",
     "SteerMethod",
     "check_edits",
-    "check_window_room",
     "parse_heads",
     "parse_steering",
 ]
@@ -169,30 +168,3 @@ def check_edits(model: "HeadModel", enc: "EncodedPrompts", steer: list) -> None:
     from heads.engine.context import validate_edits
 
     validate_edits(model, [e for s in steer for e in s.edits(model, enc)])
-
-
-def check_window_room(model: "HeadModel", enc: "EncodedPrompts", steer: list, new_tokens: int) -> None:
-    """Refuse, before the job starts, a steered generation that the engine would stop part-way:
-    an attention edit (a logit bias or a pattern edit) on a sliding-window layer cannot be placed
-    once a decoding step's keys reach the window less one (the KV cache then no longer holds
-    absolute positions: `heads.engine.kernels.common.check_window`). Decoding step `i` (1..N-1)
-    sees `T + i` keys, so `T` prompt tokens and `N >= 2` new tokens fail when `T + N >= window`.
-
-    Raises:
-        HeadsteerValueError: naming `max_new_tokens`, the layer, its window and the most new
-            tokens that fit.
-    """
-    from heads.engine.edits import LogitBias, ProbEdit
-
-    if new_tokens < 2:
-        return
-    t = enc.length
-    for e in (e for s in steer for e in s.edits(model, enc)):
-        window = model.sliding_window(e.layer) if isinstance(e, (LogitBias, ProbEdit)) else None
-        if window is not None and t + new_tokens >= window:
-            room = max(window - t - 1, 1)
-            raise HeadsteerValueError(
-                f"max_new_tokens={new_tokens}: layer {e.layer} uses sliding-window attention (window "
-                f"{window}) and the prompt's {t} tokens plus {new_tokens} new ones reach it; its attention "
-                f"edits cannot be placed past that (at most {room} new tokens here, or a shorter prompt)"
-            )

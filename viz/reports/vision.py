@@ -23,7 +23,7 @@ from heads.engine.context import editing
 from heads.engine.forward import forward
 from steer import SteeredModel
 from steer.carve import Carve, CarveMaps
-from steer.var import Var
+from steer.var import Var, VarEdit
 from steer.vhr.method import Vhr, t_vhd
 from steer.vhr.trace import vhd_trace
 from steer.visual_modulation import TokenSelection, VisualModulation
@@ -121,7 +121,8 @@ def vision_analysis(
         tracker = var.last["tracker"]
         ratio = torch.full((model.n_layers, model.n_heads), float("nan"))
         for e in edits:
-            ratio[e.layer] = e.selected.float() / e.considered.float().clamp(min=1)
+            if isinstance(e, VarEdit):  # the others are the sink tracker's residual reads
+                ratio[e.layer] = e.selected.float() / e.considered.float().clamp(min=1)
         image_centric = HeadScores(ratio, "var_image_centric", {"rho": var.rho, "p": var.p}, model.name)
         sinks = torch.zeros(model.n_layers, n, dtype=torch.bool)
         for la, flags in tracker.flags.items():

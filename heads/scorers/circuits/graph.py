@@ -1,265 +1,166 @@
-"""The computational graph of a model and its decomposed forward (edge patching by hooks).
+"""The decomposed forward of a circuit graph (`heads.scorers.circuits.layout`), on the engine's sites.
 
-Nodes (Conmy et al. 2023; Hanna et al. 2024, Sec. 2): `input` (the residual entering layer
-0: token plus position embeddings, scaled as the model scales them), every attention head
-`a{l}.h{h}`, every MLP `m{l}` and `logits`. The *upstream* nodes are those that write to the
-residual stream (input, heads, MLPs), U = 1 + L (H + 1) of them, indexed
+Every node input of the graph (`heads.scorers.circuits.graph`) is the sum of the upstream
+nodes' outputs (plus constant biases), so patching edge u -> v means v_in' = v_in - a_u(run) +
+a_u(x~): only u's contribution to v's input is replaced by its corrupted value. The run is the
+model's own forward with edits at the engine's sites (`heads.engine.activations`), the same on
+every backend (`hf`, `transformer_lens`, `nnsight`) and per thread:
 
-    input = 0,   head (l, h) = 1 + l (H + 1) + h,   MLP l = 1 + l (H + 1) + H.
+* `residual` (`resid_pre`) of layer l reads x_l, the stream entering the block;
+* `q` / `k` / `v` of layer l (the projections' outputs, before QK-norm and RoPE) replace the
+  patched heads' blocks by the projection of `norm(x_l + delta_v)` (the block's attention norm,
+  its own module's arithmetic; the head's rows of the projection weight);
+* `head_output` (`z`) of layer l reads the heads' outputs, split per head with W_O;
+* `attn_out_pre_norm` (post-norm families) reads the post-attention norm's input, whose scale
+  `s` (per position) is frozen for the heads' shares: head h adds `gain * (z_h W_O[h]) / s`;
+* `resid_mid` gets the MLP input's delta (the MLP reads `norm(x_mid + delta)`) and `resid_post`
+  takes it back out of the stream, so only the MLP sees it; `resid_post` of the last layer gets
+  the logits' delta (the final norm's input);
+* `mlp_out` reads the MLP's output (post-norm families: its post-norm's, what joins the stream).
 
-The *downstream inputs* are what reads the residual stream, Dn = L (H + 2 G + 1) + 1 of them,
-indexed with S = H + 2 G + 1 per layer:
-
-    q of head (l, h) = l S + h,   k of KV head (l, g) = l S + H + g,
-    v of KV head (l, g) = l S + H + G + g,   MLP l input = l S + H + 2 G,   logits = L S.
-
-Under grouped-query attention (G < H) the keys and values are computed once per KV head, so
-edges into k / v go to the KV head `a{l}.g{g}` shared by its group. An edge u -> v exists when
-u is upstream of v (`Graph.valid`, `[U, Dn]` bool).
-
-Decomposed forward: the residual stream entering any sub-layer is the sum of the upstream
-nodes' outputs (plus the constant biases of the output projections), so patching edge u -> v
-means v_in' = v_in - a_u(run) + a_u(x~): only u's contribution to v's input is replaced by its
-corrupted value. This is done with hooks on the model's own modules, never by re-writing
-attention: a pre-hook on the attention norm reads the residual x_l; hooks on the q / k / v
-projections replace their output, head by head, by the projection of `norm(x_l + delta_v)`
-(the module called on one input per head, its own head's block kept); a pre-hook on `o_proj`
-reads the head outputs z and splits them per head with W_O; the MLP norm and the final norm
-are re-run on `x + delta`. With nothing patched the model's own path runs, so the logits are
-the model's. Families where this sum decomposition is not the model's computation are refused
-by name (`check_family`).
+With nothing patched no site changes a value, so the logits are the model's. Layers below the
+first patched input can be skipped (`run_graph(skip=)`): the engine's layer-prefix reuse
+(`heads.engine.prefix.starting_at`, per thread) feeds the clean run's residual to the first
+computed layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from heads._util.validation import short_repr
+from heads.engine.activations import ActivationEdit
+from heads.engine.context import editing
+from heads.engine.edits import AttentionCall, Edit
+from heads.engine.prefix import starting_at
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import position_ids
-from heads.model.adapter import HeadModel, _module, _unwrap
+from heads.model.adapter import HeadModel
+from heads.model.parts import norm_stats, submodule, unwrap
+from heads.scorers.circuits.layout import (
+    ATTN_NORMS,
+    Graph,
+    attn_norm,
+    check_family,
+    first_patched_layer,
+    graph_of,
+)
 
-__all__ = ["Acts", "Graph", "check_family", "graph_of", "run_graph"]
+__all__ = [
+    "ATTN_NORMS",
+    "Acts",
+    "Graph",
+    "LayerParts",
+    "check_family",
+    "embed_output",
+    "first_patched_layer",
+    "graph_of",
+    "layer_parts",
+    "run_graph",
+]
 
 _SKIP_LAYERS = True
-"""Let `run_graph(skip=)` replace the decoder layers below the first patched input by the clean
-run's recorded outputs (tests switch it off to check the full forward gives the same numbers)."""
+"""Let `run_graph(skip=)` start the forward at the first patched layer from the clean run's
+residual (tests switch it off to check the full forward gives the same numbers)."""
 
 _FAST_LINEAR = True
-"""Project per-head copies through a plain `nn.Linear` by slicing its weight (tests switch it
-off to check the module path gives the same numbers)."""
-
-ATTN_NORMS = ("input_layernorm", "ln_1")
-"""Attribute names of the norm applied to the residual before the attention (Llama-like, GPT-2)."""
-
-_REFUSED_FEATURES = {
-    "parallel_block": "attention and MLP read the same residual (parallel block)",
-    "post_norm": "norms on the sub-layer outputs: a node's output is not its share of the residual",
-    "latent_attention": "multi-head latent attention has no per-head q/k/v projections",
-}
+"""Project per-head copies by the head's rows of the projection weight (tests switch it off to
+check that calling the projection module on every copy gives the same numbers)."""
 
 
-def _attn_norm(block: nn.Module) -> nn.Module | None:
-    for name in ATTN_NORMS:
-        m = getattr(block, name, None)
-        if isinstance(m, nn.Module):
-            return m
-    return None
-
-
-def check_family(model: HeadModel) -> None:
-    """Raise a one-line `ValueError` naming the family when its forward is not a sum of node outputs.
-
-    Refused: parallel attention + MLP blocks (GPT-J, GPT-NeoX, Phi, Cohere, StableLM), norms
-    on sub-layer outputs (Gemma 2 / 3, OLMo 2), an MLP output norm, latent attention, fused
-    per-head QKV layouts, MLPs that are not one module, vision-language wrappers, blocks
-    without a recognised attention norm, and backends other than plain `transformers`.
-    """
-    fam = model.family
-    name = fam.model_type
-    for feat, why in _REFUSED_FEATURES.items():
-        if feat in fam.features:
-            raise HeadsteerValueError(f"circuit graphs do not support model_type {short_repr(name)}: {why}")
-    if fam.mlp_out_norm is not None or fam.mlp is None or fam.mlp_norm is None:
-        raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {short_repr(name)}: its MLP is not a pre-normed "
-            "single module"
-        )
-    if fam.fused_qkv and fam.qkv_layout != "blocks":
-        raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {short_repr(name)}: fused QKV layout "
-            f"{short_repr(fam.qkv_layout)}"
-        )
-    if fam.vlm is not None:
-        raise HeadsteerValueError(
-            f"circuit graphs do not support vision-language model {short_repr(fam.vlm)} (text decoders only)"
-        )
-    if model.backend.kind != "hf":
-        raise HeadsteerValueError(
-            "circuit graphs need the plain transformers backend, got backend "
-            f"{short_repr(model.backend.kind)}"
-        )
-    if _attn_norm(model.layers[0]) is None:
-        raise HeadsteerValueError(
-            f"circuit graphs do not support model_type {short_repr(name)}: no attention norm among "
-            f"{ATTN_NORMS}"
-        )
-
-
-@dataclass(frozen=True)
-class Graph:
-    """The node / edge layout of a model with L layers, H query heads and G KV heads.
+# ------------------------------------------------------------------------------ model parts
+@dataclass
+class LayerParts:
+    """What the decomposition needs of one block.
 
     Attributes:
-        n_layers, n_heads, n_kv_heads: L, H, G.
-        model: the model name (recorded in saved circuits).
+        norm1: the attention's input norm (Identity when the family has none, e.g. OLMo 2).
+        w: `{"q": [H, D, d], "k": [G, D, d], "v": [G, D, d]}` head-major projection weights.
+        b: the same keys, `[n, d]` biases or None.
+        proj: `{"q" | "k" | "v": (module, lo, hi)}`: the module computing it and the feature range
+            of its output that holds it (the fused QKV for all three).
+        w_o: `[H, d, D]` output weights.
+        post: the post-attention norm (post-norm families) or None.
+        gain: `[D]` fp32 gain of `post` (Gemma's `1 + weight`), or None.
     """
 
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    model: str = ""
-
-    # ---------------------------------------------------------------- sizes and indices
-    @property
-    def per_layer(self) -> int:
-        """S = H + 2 G + 1 downstream inputs per layer."""
-        return self.n_heads + 2 * self.n_kv_heads + 1
-
-    @property
-    def n_upstream(self) -> int:
-        """U = 1 + L (H + 1) nodes that write to the residual stream."""
-        return 1 + self.n_layers * (self.n_heads + 1)
-
-    @property
-    def n_downstream(self) -> int:
-        """Dn = L S + 1 inputs that read it."""
-        return self.n_layers * self.per_layer + 1
-
-    def head_node(self, layer: int, head: int) -> int:
-        return 1 + layer * (self.n_heads + 1) + head
-
-    def mlp_node(self, layer: int) -> int:
-        return 1 + layer * (self.n_heads + 1) + self.n_heads
-
-    def q_input(self, layer: int, head: int) -> int:
-        return layer * self.per_layer + head
-
-    def k_input(self, layer: int, kv: int) -> int:
-        return layer * self.per_layer + self.n_heads + kv
-
-    def v_input(self, layer: int, kv: int) -> int:
-        return layer * self.per_layer + self.n_heads + self.n_kv_heads + kv
-
-    def mlp_input(self, layer: int) -> int:
-        return layer * self.per_layer + self.n_heads + 2 * self.n_kv_heads
-
-    @property
-    def logits_input(self) -> int:
-        return self.n_layers * self.per_layer
-
-    def n_before(self) -> torch.Tensor:
-        """`[Dn]` long: how many upstream nodes precede each downstream input (its possible sources)."""
-        H, S = self.n_heads, self.per_layer
-        out = torch.empty(self.n_downstream, dtype=torch.long)
-        for la in range(self.n_layers):
-            out[la * S : (la + 1) * S - 1] = 1 + la * (H + 1)
-            out[la * S + S - 1] = 1 + la * (H + 1) + H
-        out[-1] = self.n_upstream
-        return out
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """`[U, Dn]` bool: the edges of the graph (u upstream of v)."""
-        return torch.arange(self.n_upstream)[:, None] < self.n_before()[None, :]
-
-    @property
-    def n_edges(self) -> int:
-        return int(self.valid.sum())
-
-    # ---------------------------------------------------------------- names
-    def upstream_names(self) -> list[str]:
-        names = ["input"]
-        for la in range(self.n_layers):
-            names += [f"a{la}.h{h}" for h in range(self.n_heads)] + [f"m{la}"]
-        return names
-
-    def downstream_names(self) -> list[str]:
-        H, G = self.n_heads, self.n_kv_heads
-        names: list[str] = []
-        for la in range(self.n_layers):
-            names += [f"a{la}.h{h}<q>" for h in range(H)]
-            kv = "h" if G == H else "g"
-            names += [f"a{la}.{kv}{g}<k>" for g in range(G)] + [f"a{la}.{kv}{g}<v>" for g in range(G)]
-            names.append(f"m{la}")
-        return [*names, "logits"]
-
-    def edge_names(self, index: torch.Tensor) -> list[str]:
-        """Names `"u->v"` of edges `index [E, 2]` (upstream, downstream)."""
-        up, down = self.upstream_names(), self.downstream_names()
-        return [f"{up[u]}->{down[d]}" for u, d in index.tolist()]
-
-    def parse_edge(self, name: str) -> tuple[int, int]:
-        """`(u, v)` of an edge name `"a0.h1->m2"`.
-
-        Raises:
-            ValueError: an unknown node name or a pair that is not an edge.
-        """
-        if not isinstance(name, str) or "->" not in name:
-            raise HeadsteerValueError(f"edge name must look like 'a0.h1->m2', got {short_repr(name)}")
-        a, b = name.split("->", 1)
-        up, down = self.upstream_names(), self.downstream_names()
-        if a not in up or b not in down:
-            raise HeadsteerValueError(f"edge {short_repr(name)} names a node this graph does not have")
-        u, d = up.index(a), down.index(b)
-        if not bool(self.valid[u, d]):
-            raise HeadsteerValueError(f"{short_repr(name)} is not an edge: {a} is not upstream of {b}")
-        return u, d
-
-    # ---------------------------------------------------------------- node maps
-    def upstream_layer(self) -> torch.Tensor:
-        """`[U]` the layer of each upstream node (-1 for input)."""
-        out = torch.full((self.n_upstream,), -1, dtype=torch.long)
-        for la in range(self.n_layers):
-            s = 1 + la * (self.n_heads + 1)
-            out[s : s + self.n_heads + 1] = la
-        return out
-
-    def down_to_node(self) -> torch.Tensor:
-        """`[Dn, U + 1]` bool: which nodes each downstream input belongs to (column U = logits);
-        a KV input belongs to every query head of its group."""
-        H, G = self.n_heads, self.n_kv_heads
-        m = torch.zeros(self.n_downstream, self.n_upstream + 1, dtype=torch.bool)
-        grp = H // G
-        for la in range(self.n_layers):
-            for h in range(H):
-                m[self.q_input(la, h), self.head_node(la, h)] = True
-                m[self.k_input(la, h // grp), self.head_node(la, h)] = True
-                m[self.v_input(la, h // grp), self.head_node(la, h)] = True
-            m[self.mlp_input(la), self.mlp_node(la)] = True
-        m[self.logits_input, self.n_upstream] = True
-        return m
-
-    def check_model(self, model: HeadModel) -> None:
-        """ValueError when `model`'s geometry is not this graph's."""
-        got = (model.n_layers, model.n_heads, model.n_kv_heads)
-        want = (self.n_layers, self.n_heads, self.n_kv_heads)
-        if got != want:
-            raise HeadsteerValueError(
-                f"the circuit is for (n_layers, n_heads, n_kv_heads) = {want}, the model has {got}"
-            )
+    norm1: nn.Module
+    w: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor | None]
+    proj: dict[str, tuple[nn.Module, int, int]]
+    w_o: torch.Tensor
+    post: nn.Module | None = None
+    gain: torch.Tensor | None = None
 
 
-def graph_of(model: HeadModel) -> Graph:
-    """The `Graph` of `model` (refuses families it cannot decompose, see `check_family`)."""
-    check_family(model)
-    return Graph(model.n_layers, model.n_heads, model.n_kv_heads, model.name)
+def _gain(model: HeadModel, norm: nn.Module) -> torch.Tensor:
+    """`[D]` fp32 gain of an RMS / LayerNorm module (Gemma multiplies by `1 + weight`)."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return torch.ones(model.d_model)
+    gain = w.detach().float()
+    return 1.0 + gain if "gemma" in model.family.model_type else gain
+
+
+def layer_parts(model: HeadModel, la: int) -> LayerParts:
+    """The `LayerParts` of block `la` of `model` (a family `check_family` accepts)."""
+    fam = model.family
+    block = model.layers[la]
+    norm = attn_norm(block)
+    ws = model.layer_weights(la)
+    H, G, d = model.n_heads, model.n_kv_heads, model.d_head
+    widths = {"q": H * d, "k": G * d, "v": G * d}
+    proj: dict[str, tuple[nn.Module, int, int]] = {}
+    b: dict[str, torch.Tensor | None] = {}
+    lo = 0
+    for which in ("q", "k", "v"):
+        mod = unwrap(model.backend.parts.projection(la, which))
+        if fam.fused_qkv:
+            proj[which] = (mod, lo, lo + widths[which])
+        else:
+            proj[which] = (mod, 0, widths[which])
+        bias = getattr(mod, "bias", None)
+        b[which] = (
+            None
+            if not isinstance(bias, torch.Tensor)
+            else bias.detach()[proj[which][1] : proj[which][2]].reshape(-1, d)
+        )
+        lo += widths[which]
+    post = None if fam.attn_out_norm is None else submodule(block, fam.attn_out_norm)
+    return LayerParts(
+        norm1=nn.Identity() if norm is None else unwrap(norm),
+        w={"q": ws["W_Q"], "k": ws["W_K"], "v": ws["W_V"]},
+        b=b,
+        proj=proj,
+        w_o=ws["W_O"],
+        post=post,
+        gain=None if post is None else _gain(model, post),
+    )
+
+
+def head_shares(
+    z: torch.Tensor,
+    w_o: torch.Tensor,
+    heads: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    gain: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[h, R, T, D]` what heads `heads` (default all) of `z [R, T, H, d]` add to the stream:
+    `z_h W_O[h]` (`w_o [H, d, D]`), times `gain / scale` under a post-norm whose scale
+    `scale [R, T, 1]` is frozen at its value in the run."""
+    if heads is not None:
+        z = z[..., heads.to(z.device), :]
+        w_o = w_o[heads.to(w_o.device)]
+    out = torch.einsum("rthd,hdD->hrtD", z.to(w_o.dtype), w_o)
+    if scale is not None:
+        assert gain is not None
+        out = out * (gain.to(out.device, out.dtype) / scale.to(out.device, out.dtype))
+    return out
 
 
 # ------------------------------------------------------------------------------ activations
@@ -269,18 +170,20 @@ class Acts:
 
     Attributes:
         input: `[R, T, D]` the residual entering layer 0.
-        z: per layer `[R, T, H, d]` head outputs (the `o_proj` input); head h writes
-            `z[..., h, :] @ W_O[l, h]` to the residual.
-        mlp: per layer `[R, T, D]` MLP outputs.
-        resid: per layer `[R, T, D]` the decoder layer's output (the residual after it), or
-            None where the layer did not return one tensor (then no layer is skipped, see
-            `run_graph(skip=)`); empty when not recorded.
+        z: per layer `[R, T, H, d]` head outputs (the `o_proj` input).
+        mlp: per layer `[R, T, D]` MLP outputs (what the MLP adds to the stream).
+        resid: per layer `[R, T, D]` the stream leaving the layer, or empty when not recorded.
+        scale: per layer `[R, T, 1]` fp32 scale of the post-attention norm (post-norm families;
+            head h adds `gain * z_h W_O[h] / scale`), or empty.
+        gain: per layer `[D]` the post-attention norm's gain, or empty.
     """
 
     input: torch.Tensor
     z: list[torch.Tensor]
     mlp: list[torch.Tensor]
     resid: list[torch.Tensor | None] = field(default_factory=list)
+    scale: list[torch.Tensor] = field(default_factory=list)
+    gain: list[torch.Tensor] = field(default_factory=list)
 
     def rows(self, index: torch.Tensor) -> Acts:
         return Acts(
@@ -288,37 +191,40 @@ class Acts:
             [z[index] for z in self.z],
             [m[index] for m in self.mlp],
             [None if r is None else r[index] for r in self.resid],
+            [s[index] for s in self.scale],
+            self.gain,
         )
 
     def can_skip(self, n_layers: int) -> bool:
-        """Whether every layer's output was recorded as one tensor (layers can be skipped)."""
+        """Whether every layer's output was recorded (layers can be skipped)."""
         return len(self.resid) == n_layers and all(r is not None for r in self.resid)
+
+    def head_out(self, la: int, w_o: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """`[h, R, T, D]` what the heads (`heads`, default all) of layer `la` add to the stream."""
+        if self.scale:
+            return head_shares(self.z[la], w_o, heads, self.scale[la], self.gain[la])
+        return head_shares(self.z[la], w_o, heads)
 
     def upstream(self, w_o: list[torch.Tensor]) -> torch.Tensor:
         """`[U, R, T, D]` every upstream node's output (`w_o`: per layer `[H, d, D]`)."""
         out = [self.input[None]]
-        for z, w, m in zip(self.z, w_o, self.mlp, strict=True):
-            out += [torch.einsum("rthd,hdD->hrtD", z.to(w.dtype), w), m[None]]
+        for la, (w, m) in enumerate(zip(w_o, self.mlp, strict=True)):
+            out += [self.head_out(la, w), m[None]]
         return torch.cat(out)
 
 
-def _first(out: Any) -> torch.Tensor:
-    return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
-
-
 class _Runner:
-    """Hooks for one decomposed forward of R rows (see the module docstring).
+    """The edits of one decomposed forward of R rows (see the module docstring).
 
     Args:
-        patch: `[R, U, Dn]` bool/float edges to corrupt per row, or None.
+        patch: `[R, U, Dn]` bool edges to corrupt per row, or None.
         corr: the corrupted run's `Acts` (R rows), needed with `patch`.
         grad: inject zero deltas that require grad at every downstream input (EAP).
         record: keep this run's `Acts` (detached).
         embed: `(e_corr [R, T, D], alpha)`: the embedding output becomes
             `e_corr + alpha (e - e_corr)` (EAP-IG over the inputs).
-        skip: `(l0, clean)`: layers 0 .. l0-1 are not run; each returns the clean run's recorded
-            output (`clean.resid`, R rows), and the diffs of their upstream nodes are taken from
-            `clean` (the run equals the clean run below the first patched input).
+        skip: `(l0, clean)`: layers 0 .. l0-1 are not run; the diffs of their upstream nodes are
+            taken from `clean` (the run equals the clean run below the first patched input).
     """
 
     def __init__(
@@ -336,21 +242,24 @@ class _Runner:
         self.m, self.g = model, graph
         self.skip = skip
         self.patch, self.corr, self.grad, self.record, self.embed = patch, corr, grad, record, embed
-        L, H, G, d = graph.n_layers, graph.n_heads, graph.n_kv_heads, model.d_head
-        self.H, self.G, self.d = H, G, d
-        self.w_o = [model.layer_weights(la)["W_O"] for la in range(L)]
-        self.x: list[torch.Tensor | None] = [None] * L  # residual entering each layer's attention
+        L, H, G = graph.n_layers, graph.n_heads, graph.n_kv_heads
+        self.H, self.G, self.d = H, G, model.d_head
+        self.parts = [layer_parts(model, la) for la in range(L)]
+        self.post = model.family.attn_out_norm is not None
+        self.x: list[torch.Tensor | None] = [None] * L  # residual entering each layer
         # per layer (norm(x + delta) [a, R, T, D], active [a]) of its active q / k / v inputs
         self.normed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
         self.z: list[Any] = [None] * L
+        self.zrun: list[Any] = [None] * L  # this run's z, until the post-norm scale is read
         self.mlp: list[Any] = [None] * L
         self.resid: list[torch.Tensor | None] = [None] * L
+        self.scale: list[Any] = [None] * L
+        self.mlp_delta: list[torch.Tensor | None] = [None] * L
         self.inp: torch.Tensor | None = None
         self.deltas: dict[str, torch.Tensor] = {}  # grad mode: the injected zero deltas
         # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes patched in some row only (u of
         # them, in upstream order), filled as computed
         self.diff: torch.Tensor | None = None
-        self.busy = False
         self.n_before = graph.n_before()
         if patch is not None:
             # the union of the rows' patches, once: which downstream inputs are active and which
@@ -400,16 +309,8 @@ class _Runner:
         sel = torch.nonzero(self.up_pos[u0 : u0 + k] >= 0)[:, 0]
         return sel if len(sel) else None
 
-    def _set_diff(self, u0: int, value: torch.Tensor, sel: torch.Tensor | None = None) -> None:
-        """Store `value [j, R, T, D]`, the diffs of upstream nodes `u0 + sel` (default: u0 ..
-        u0+j-1, of which only the used ones are kept)."""
-        if self.patch is None:
-            return
-        if sel is None:
-            sel = self._used(u0, value.shape[0])
-            if sel is None:
-                return
-            value = value[sel.to(value.device)] if len(sel) < value.shape[0] else value
+    def _set_diff(self, u0: int, value: torch.Tensor, sel: torch.Tensor) -> None:
+        """Store `value [j, R, T, D]`, the diffs of upstream nodes `u0 + sel`."""
         if self.diff is None:
             R = value.shape[1]
             self.diff = torch.zeros(
@@ -419,109 +320,67 @@ class _Runner:
         c0 = int(self.up_pos[u0 + int(sel[0])])
         self.diff[:, c0 : c0 + len(sel)] = value.float().transpose(0, 1).flatten(2)
 
-    # -------------------------------------------------------------- hooks
-    def install(self, stack: ExitStack) -> None:
-        m, g = self.m, self.g
-        fam = m.family
-        if self.embed is not None:
-            emb = m.model.get_input_embeddings()
-            e_corr, alpha = self.embed
-
-            def eh(mod, args, out):
-                return e_corr.to(out.dtype) + alpha * (out - e_corr.to(out.dtype))
-
-            stack.callback(emb.register_forward_hook(eh).remove)
-        n_skip = 0 if self.skip is None else self.skip[0]
-        for la in range(g.n_layers):
-            block = m.layers[la]
-            if self.record:
-                stack.callback(block.register_forward_hook(self._block_hook(la)).remove)
-            if la < n_skip:
-                self._replace_forward(stack, block, la)
-                continue
-            norm1 = cast(nn.Module, _attn_norm(block))
-            attn = m.attentions[la]
-            stack.callback(norm1.register_forward_pre_hook(self._norm1_pre(la)).remove)
-            if fam.fused_qkv:
-                mod = _module(attn, cast(str, fam.qkv_proj))
-                stack.callback(mod.register_forward_hook(self._fused_hook(la, norm1)).remove)
-            else:
-                for which, name in (("q", fam.q_proj), ("k", fam.k_proj), ("v", fam.v_proj)):
-                    mod = _module(attn, cast(str, name))
-                    stack.callback(mod.register_forward_hook(self._proj_hook(la, which, norm1)).remove)
-            stack.callback(m.out_projs[la].register_forward_pre_hook(self._o_pre(la)).remove)
-            norm2 = cast(nn.Module, m.mlp_norm(la))
-            stack.callback(norm2.register_forward_hook(self._resid_hook(g.mlp_input(la), norm2)).remove)
-            stack.callback(m.mlp(la).register_forward_hook(self._mlp_hook(la)).remove)
-        fn = m.final_norm
-        stack.callback(fn.register_forward_hook(self._resid_hook(g.logits_input, fn)).remove)
-
-    def _block_hook(self, la: int) -> Callable[..., Any]:
-        def hook(mod, args, out):
-            self.resid[la] = out.detach() if isinstance(out, torch.Tensor) else None
-            return None
-
-        return hook
-
-    def _replace_forward(self, stack: ExitStack, block: nn.Module, la: int) -> None:
-        """Layer la returns the clean run's output without computing (`skip`); the diffs of its
-        upstream nodes come from the clean run's activations."""
-        l0, clean = cast(tuple[int, Acts], self.skip)
-        out = cast(torch.Tensor, clean.resid[la])
-
-        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if la == 0:
-                self._input_diff(clean.input.to(out.device))
-            self._head_diff(la, clean.z[la].to(out.device))
-            self._mlp_diff(la, clean.mlp[la].to(out.device))
-            return out
-
-        block.forward = forward
-        stack.callback(block.__dict__.pop, "forward", None)
-
     def _input_diff(self, x: torch.Tensor) -> None:
         if self._used(0, 1) is not None:
             corr = cast(Acts, self.corr)
-            self._set_diff(0, (corr.input.to(x.device) - x)[None])
+            self._set_diff(0, (corr.input.to(x.device) - x)[None], torch.zeros(1, dtype=torch.long))
 
-    def _head_diff(self, la: int, z: torch.Tensor) -> None:
-        """Store the diffs of layer la's patched heads (`z [R, T, H, d]`: this run's head outputs)."""
+    def _head_diff(self, la: int, z: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Store the diffs of layer la's patched heads (`z [R, T, H, d]`: this run's head outputs,
+        `scale`: this run's post-attention norm scale or None)."""
         u0 = self.g.head_node(la, 0)
         sel = self._used(u0, self.H)
         if sel is not None:  # only the heads some row patches
-            zc = cast(Acts, self.corr).z[la].to(z.device)
-            w = self.w_o[la]
-            hs = sel.to(z.device)
-            diff = torch.einsum("rthd,hdD->hrtD", (zc[..., hs, :] - z[..., hs, :]).to(w.dtype), w[hs])
-            self._set_diff(u0, diff, sel)
+            corr = cast(Acts, self.corr)
+            w = self.parts[la].w_o
+            mine = head_shares(z, w, sel, scale, self.parts[la].gain)
+            theirs = corr.head_out(la, w, sel)
+            self._set_diff(u0, theirs.to(mine.device) - mine, sel)
 
     def _mlp_diff(self, la: int, o: torch.Tensor) -> None:
         if self._used(self.g.mlp_node(la), 1) is not None:
             mc = cast(Acts, self.corr).mlp[la].to(o.device)
-            self._set_diff(self.g.mlp_node(la), (mc - o)[None])
+            self._set_diff(self.g.mlp_node(la), (mc - o)[None], torch.zeros(1, dtype=torch.long))
 
-    def _call(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        self.busy = True
-        try:
-            return _first(mod(x))
-        finally:
-            self.busy = False
+    # -------------------------------------------------------------- the edits
+    def edits(self) -> list[Edit]:
+        """Every site edit of this run (layers below the skip start get none)."""
+        g = self.g
+        n_skip = 0 if self.skip is None else self.skip[0]
+        out: list[Edit] = []
+        if self.embed is not None:
+            e_corr, alpha = self.embed
 
-    def _norm1_pre(self, la: int) -> Callable[..., Any]:
-        def hook(mod, args):
-            if self.busy:
-                return None
-            x = args[0]
+            def interpolate(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+                ec = e_corr.to(x.device, x.dtype)
+                return ec + alpha * (x - ec)
+
+            out.append(ActivationEdit("embed", 0, interpolate))
+        for la in range(n_skip, g.n_layers):
+            out.append(ActivationEdit("residual", la, self._resid_pre(la)))
+            for which in ("q", "k", "v"):
+                out.append(ActivationEdit(which, la, self._qkv(la, which)))
+            out.append(ActivationEdit("head_output", la, self._z(la)))
+            if self.post:
+                out.append(ActivationEdit("attn_out_pre_norm", la, self._attn_pre(la)))
+            if self.grad or (self.patch is not None and bool(self.union[:, g.mlp_input(la)].any())):
+                out.append(ActivationEdit("resid_mid", la, self._resid_mid(la)))
+            out.append(ActivationEdit("mlp_out", la, self._mlp(la)))
+            out.append(ActivationEdit("resid_post", la, self._resid_post(la)))
+        return out
+
+    def _resid_pre(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(x: torch.Tensor, call: AttentionCall) -> None:
             self.x[la] = x
             self.normed[la] = None
+            self.mlp_delta[la] = None
             if la == 0:
                 self.inp = x.detach() if self.record else None
                 self._input_diff(x)
-            return None
 
-        return hook
+        return fn
 
-    def _normed(self, la: int, norm1: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _normed(self, la: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(norm(x_l + delta) [a, R, T, D], active [a])` for the active q / k / v inputs of layer
         la (indices 0..H+2G-1 as in the layer's downstream order; None: nothing patched)."""
         if self.normed[la] is None:
@@ -531,43 +390,35 @@ class _Runner:
             if got is None:
                 return None
             delta, active = got
-            self.normed[la] = (self._call(norm1, x[None] + delta), active)
+            self.normed[la] = (self.parts[la].norm1.forward(x[None] + delta), active)
         return self.normed[la]
 
-    def _project(self, mod: nn.Module, part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """`[R, T, a, d]`: head `heads[i]`'s block of `mod(part[i])` (`part [a, R, T, D]`).
-
-        A plain `nn.Linear` with no other hooks is sliced to the heads' rows of its weight (one
-        projection's cost instead of a); any other module is called on every copy."""
-        d = self.d
-        if (
-            _FAST_LINEAR
-            and type(mod) is nn.Linear
-            and not mod._forward_pre_hooks
-            and len(mod._forward_hooks) == 1
-        ):
-            lin = cast(nn.Linear, mod)
-            w = lin.weight
+    def _project(self, la: int, which: str, part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """`[R, T, a, d]`: head `heads[i]`'s block of `which`'s projection of `part[i]`
+        (`part [a, R, T, D]`): the head's rows of the weight (`graph._FAST_LINEAR`), else the
+        projection module's own `forward` on every copy, sliced."""
+        lp, d = self.parts[la], self.d
+        if _FAST_LINEAR:
+            w = lp.w[which]
             hd = heads.to(w.device)
-            wk = w.reshape(-1, d, w.shape[-1])[hd]  # [a, d, D]
-            out = torch.einsum("krtD,kdD->rtkd", part.to(w.dtype), wk)
-            if lin.bias is not None:
-                out = out + lin.bias.reshape(-1, d)[hd]
+            out = torch.einsum("krtD,kDd->rtkd", part.to(w.dtype), w[hd])
+            bias = lp.b[which]
+            if bias is not None:
+                out = out + bias[hd]
             return out
-        full = self._call(mod, part)  # [a, R, T, K d]
+        mod, lo, hi = lp.proj[which]
+        full: torch.Tensor = mod.forward(part)[..., lo:hi]  # [a, R, T, n d]
         a = part.shape[0]
         full = full.reshape(a, *full.shape[1:-1], -1, d)
         idx = torch.arange(a, device=full.device)
         return full[idx, ..., heads.to(full.device), :].permute(1, 2, 0, 3)
 
-    def _proj_hook(self, la: int, which: str, norm1: nn.Module) -> Callable[..., Any]:
-        H, G, d = self.H, self.G, self.d
+    def _qkv(self, la: int, which: str) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor | None]:
+        H, G = self.H, self.G
         lo, hi = {"q": (0, H), "k": (H, H + G), "v": (H + G, H + 2 * G)}[which]
 
-        def hook(mod, args, out):
-            if self.busy:
-                return None
-            got = self._normed(la, norm1)
+        def fn(o: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+            got = self._normed(la)
             if got is None:
                 return None
             normed, active = got
@@ -575,88 +426,97 @@ class _Runner:
             if not bool(sel.any()):
                 return None
             heads = active[sel] - lo
-            blocks = self._project(mod, normed[sel.to(normed.device)], heads)  # [R, T, a, d]
-            o = _first(out)
+            blocks = self._project(la, which, normed[sel.to(normed.device)], heads)  # [R, T, a, d]
             if len(heads) == hi - lo and bool((heads == torch.arange(hi - lo)).all()):
-                return blocks.reshape(o.shape).to(o.dtype)
-            new = o.reshape(*o.shape[:-1], hi - lo, d).clone()
-            new[..., heads.to(o.device), :] = blocks.to(o.dtype)
-            return new.reshape(o.shape)
-
-        return hook
-
-    def _fused_hook(self, la: int, norm1: nn.Module) -> Callable[..., Any]:
-        d = self.d
-
-        def hook(mod, args, out):
-            if self.busy:
-                return None
-            got = self._normed(la, norm1)
-            if got is None:
-                return None
-            normed, active = got
-            full = self._call(mod, normed)  # [a, R, T, qw + 2 kw]
-            o = _first(out)
+                return blocks.to(o.dtype)
             new = o.clone()
-            # input i of the layer (q heads, then k, then v KV heads) owns feature block i
-            for i, j in enumerate(active.tolist()):
-                new[..., j * d : (j + 1) * d] = full[i, ..., j * d : (j + 1) * d].to(o.dtype)
+            new[..., heads.to(o.device), :] = blocks.to(o.dtype)
             return new
 
-        return hook
+        return fn
 
-    def _o_pre(self, la: int) -> Callable[..., Any]:
-        H, d = self.H, self.d
-
-        def hook(mod, args):
-            if self.busy:
-                return None
-            z = args[0].reshape(*args[0].shape[:-1], H, d)
+    def _z(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(z: torch.Tensor, call: AttentionCall) -> None:
             if self.record:
                 self.z[la] = z.detach()
-            self._head_diff(la, z)
-            return None
+            if self.post:  # the diffs need the post-norm's scale: at attn_out_pre_norm
+                self.zrun[la] = z
+            else:
+                self._head_diff(la, z, None)
 
-        return hook
+        return fn
 
-    def _mlp_hook(self, la: int) -> Callable[..., Any]:
-        def hook(mod, args, out):
-            if self.busy:
-                return None
-            o = _first(out)
-            if self.record:
-                self.mlp[la] = o.detach()
-            self._mlp_diff(la, o)
-            return None
+    def _attn_pre(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        post = self.parts[la].post
 
-        return hook
+        def fn(x: torch.Tensor, call: AttentionCall) -> None:
+            scale, _ = norm_stats(cast(nn.Module, post), x)
+            self.scale[la] = scale.detach() if self.record else scale
+            self._head_diff(la, cast(torch.Tensor, self.zrun[la]), scale)
 
-    def _resid_hook(self, down: int, norm: nn.Module) -> Callable[..., Any]:
-        def hook(mod, args, out):
-            if self.busy:
-                return None
-            x = args[0]
+        return fn
+
+    def _resid_mid(self, la: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor | None]:
+        down = self.g.mlp_input(la)
+
+        def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
             got = self._delta(down, down + 1, x)
             if got is None:
                 return None
-            new = self._call(norm, x + got[0][0])
-            return (new, *out[1:]) if isinstance(out, tuple) else new
+            delta = got[0][0]
+            self.mlp_delta[la] = delta
+            return x + delta
 
-        return hook
+        return fn
+
+    def _mlp(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(o: torch.Tensor, call: AttentionCall) -> None:
+            if self.record:
+                self.mlp[la] = o.detach()
+            self._mlp_diff(la, o)
+
+        return fn
+
+    def _resid_post(self, la: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor | None]:
+        last = la == self.g.n_layers - 1
+
+        def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
+            new = x
+            delta = self.mlp_delta[la]
+            if delta is not None:  # the MLP's delta leaves the stream with the block
+                new = new - delta
+            if last:
+                got = self._delta(self.g.logits_input, self.g.logits_input + 1, x)
+                if got is not None:
+                    new = new + got[0][0]
+            if self.record:
+                self.resid[la] = new.detach()
+            return None if new is x else new
+
+        return fn
+
+    # -------------------------------------------------------------- results
+    def skipped_diffs(self) -> None:
+        """The diffs of the skipped layers' upstream nodes, from the clean run (`skip`)."""
+        if self.skip is None:
+            return
+        l0, clean = self.skip
+        if self._used(0, 1) is not None:
+            self._input_diff(clean.input.to(self.m.device))
+        for la in range(l0):
+            self._head_diff(la, clean.z[la], clean.scale[la] if clean.scale else None)
+            self._mlp_diff(la, clean.mlp[la])
 
     def acts(self) -> Acts:
-        return Acts(cast(torch.Tensor, self.inp), list(self.z), list(self.mlp), list(self.resid))
-
-    def grads(self, ordered: list[torch.Tensor]) -> torch.Tensor:
-        """`[Dn, R, T, D]` the gradients of the deltas, in downstream order."""
-        return torch.cat(ordered)
-
-
-@contextmanager
-def _hooks(runner: _Runner) -> Iterator[_Runner]:
-    with ExitStack() as stack:
-        runner.install(stack)
-        yield runner
+        post = self.post
+        return Acts(
+            cast(torch.Tensor, self.inp),
+            list(self.z),
+            list(self.mlp),
+            list(self.resid),
+            list(self.scale) if post else [],
+            [cast(torch.Tensor, p.gain) for p in self.parts] if post else [],
+        )
 
 
 def run_graph(
@@ -682,11 +542,11 @@ def run_graph(
         record: keep the run's `Acts` (`runner.acts()`).
         embed: EAP-IG: `(e_corr [R, T, D], alpha)` interpolates the embedding output.
         skip: `(l0, clean)` with `clean` the clean run's recorded `Acts` for the R rows: when no
-            row patches an input below layer l0, layers 0 .. l0-1 are not computed (each returns
-            `clean.resid`); the logits are those of the full forward (up to float rounding).
-            Ignored unless `patch` is given, nothing is recorded or differentiated, every layer
-            output was recorded as one tensor and the layers have no instance `forward`
-            (accelerate hooks); raises ValueError when a row patches an input below l0.
+            row patches an input below layer l0, layers 0 .. l0-1 are not computed (the engine's
+            layer-prefix reuse feeds `clean.resid[l0 - 1]` to layer l0); the logits are those of
+            the full forward (up to float rounding). Ignored unless `patch` is given, nothing is
+            recorded or differentiated and every layer output was recorded; raises ValueError
+            when a row patches an input below l0.
 
     Returns:
         `(logits [R, V] fp32 at the last position, runner)`.
@@ -702,14 +562,20 @@ def run_graph(
             or record
             or l0 <= 0
             or not clean.can_skip(graph.n_layers)
-            or any("forward" in vars(model.layers[la]) for la in range(min(l0, graph.n_layers)))
         ):
             skip = None
         elif first_patched_layer(graph, patch) < l0:
             raise HeadsteerValueError(f"skip={l0} layers, but a row patches an input below layer {l0}")
+        else:  # only the logits patched: the last layer still runs (the engine starts at a layer)
+            skip = (min(l0, graph.n_layers - 1), clean)
     runner = _Runner(model, graph, patch=patch, corr=corr, grad=grad, record=record, embed=embed, skip=skip)
+    runner.skipped_diffs()
     dev = model.device
-    with _hooks(runner):
+    with ExitStack() as stack:
+        if skip is not None:
+            resid = cast(torch.Tensor, skip[1].resid[skip[0] - 1])
+            stack.enter_context(starting_at(model, skip[0], resid.to(dev)))
+        stack.enter_context(editing(model, runner.edits(), require_fired=False))
         out = model.run(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
@@ -721,13 +587,7 @@ def run_graph(
 
 
 def embed_output(model: HeadModel, ids: torch.Tensor) -> torch.Tensor:
-    """`[R, T, D]` the embedding module's output for `ids` (no hooks)."""
-    emb = _unwrap(model.model.get_input_embeddings())
+    """`[R, T, D]` the embedding module's output for `ids` (its own `forward`, no site edits)."""
+    emb = unwrap(model.backend.parts.embed)
     with torch.no_grad():
-        return cast(torch.Tensor, emb(ids.to(model.device)))
-
-
-def first_patched_layer(graph: Graph, patch: torch.Tensor) -> int:
-    """The lowest layer with a patched input in `patch [R, U, Dn]` (L: only the logits or nothing)."""
-    down = torch.nonzero(patch.any(dim=0).any(dim=0))
-    return graph.n_layers if len(down) == 0 else int(down[0, 0]) // graph.per_layer
+        return cast(torch.Tensor, emb.forward(ids.to(model.device)))

@@ -7,7 +7,7 @@ every pair of heads from the weights, and `data_composition_scores` its data-dep
 counterpart from the decomposition.
 """
 
-from heads.scorers.qk.attribution import BY, qk_attribution
+from heads.scorers.qk.attribution import BY, qk_attribution, qk_attributions
 from heads.scorers.qk.circuits import CircuitQK, circuit_qk
 from heads.scorers.qk.composition import composition_scores, data_composition_scores
 from heads.scorers.qk.family import ACCEPTED, check_qk_model
@@ -21,4 +21,5 @@ __all__ = [
     "composition_scores",
     "data_composition_scores",
     "qk_attribution",
+    "qk_attributions",
 ]

@@ -26,7 +26,7 @@ attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the froz
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
 from heads.scorers.qk.sides import Side, components, side
 
-__all__ = ["BY", "encode_input", "parse_head", "qk_attribution", "resolve_positions"]
+__all__ = ["BY", "encode_input", "parse_head", "qk_attribution", "qk_attributions", "resolve_positions"]
 
 BY = ("component", "source_token")
 
@@ -290,64 +290,173 @@ def qk_attribution(
         TypeError: a head or prompts of the wrong type.
     """
     check_qk_model(model)
-    layer, h = parse_head(model, head)
+    pair = parse_head(model, head)
+    _check_by(by)
+    ids, mask, tokens = encode_input(model, prompts, chat)
+    queries, keyp = resolve_positions(mask.sum(1).tolist(), query, keys)
+    return next(_attribute(model, ids, mask, tokens, [pair], queries, keyp, by, chat))
+
+
+def _check_by(by: object) -> None:
     if by not in BY:
         raise HeadsteerValueError(f"by must be one of {BY}, got {short_repr(by)}")
+
+
+def qk_attributions(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor,
+    heads: Sequence[tuple[int, int]] | None = None,
+    *,
+    query: int | Sequence[int] = -1,
+    keys: int | Sequence[int] | None = None,
+    by: str = "component",
+    chat: bool = False,
+) -> Iterator[QKAttribution]:
+    """`qk_attribution` of many heads from one forward: yields one `QKAttribution` per head, in
+    layer order (heads of one layer share their components; a KV group its key side).
+
+    Args:
+        heads: `[(layer, head), ...]` (default None: every head of the model).
+        query, keys, by, chat: as `qk_attribution`.
+
+    Returns:
+        an iterator (consume it head by head to keep memory at one layer's results: each holds
+        its `k_side [N, C + 1, K, d]`).
+
+    Raises:
+        HeadsteerValueError: as `qk_attribution`, at the call (before the forward, which runs
+            at the first item).
+    """
+    check_qk_model(model)
+    if heads is None:
+        pairs = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
+    else:
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence) or not heads:
+            raise HeadsteerValueError(
+                f"heads must be a non-empty list of (layer, head), got {short_repr(heads)}"
+            )
+        pairs = sorted({parse_head(model, x) for x in heads})
+    _check_by(by)
     ids, mask, tokens = encode_input(model, prompts, chat)
+    queries, keyp = resolve_positions(mask.sum(1).tolist(), query, keys)
+    return _attribute(model, ids, mask, tokens, pairs, queries, keyp, by, chat)
+
+
+@torch.no_grad()
+def _attribute(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: list[list[str]],
+    heads: list[tuple[int, int]],
+    queries: torch.Tensor,
+    keyp: torch.Tensor,
+    by: str,
+    chat: bool,
+) -> Iterator[QKAttribution]:
+    """One recording forward for every head in `heads` (sorted by layer), then each layer's
+    sides for its heads at once."""
     lengths = mask.sum(1).tolist()
-    queries, keyp = resolve_positions(lengths, query, keys)
-    g = model.kv_head(h)
+    top = max(la for la, _ in heads)
+    by_layer: dict[int, list[int]] = {}
+    for la, h in heads:
+        by_layer.setdefault(la, []).append(h)
     sources = by == "source_token"
-    parts = [layer_parts(model, la) for la in range(layer + 1)]
-    rec = record(
-        model, ids, mask, upto=layer, patterns=range(layer + 1) if sources else [layer], logits={layer: [h]}
-    )
     T = ids.shape[1]
     pad = torch.tensor([T - n for n in lengths])[:, None]
     qcols = pad + queries
     kcols = pad + keyp.clamp(min=0)
+    parts = [layer_parts(model, la) for la in range(top + 1)]
+    rec = record(
+        model,
+        ids,
+        mask,
+        upto=top,
+        patterns=range(top + 1) if sources else sorted(by_layer),
+        logits=by_layer,
+        rows=qcols,
+        full_patterns=sources,
+    )
     pos = position_ids(mask)
-    sq = side(
-        components(model, rec, parts[:layer], layer, qcols, pos), parts[layer], "q", [h], _rows(pos, qcols)
-    )
-    sk = side(
-        components(model, rec, parts[:layer], layer, kcols, pos), parts[layer], "k", [g], _rows(pos, kcols)
-    )
-    scale = parts[layer].scaling
     valid = (keyp[:, None, :] >= 0) & (keyp[:, None, :] <= queries[:, :, None])
-    logits = torch.where(valid, _cells(rec.logits[layer][:, 0], qcols, kcols), torch.nan)
-    pattern = torch.where(valid, _cells(rec.pattern[layer][:, h], qcols, kcols), torch.nan)
-    src = None
-    names = [n for n in sq.names if n.startswith("L") and "H" in n]
-    if sources:
-        src = {
-            "query": _source_side(model, rec, parts, sq, "q", qcols, sk.total[:, 0], scale, lengths),
-            "key": _source_side(model, rec, parts, sk, "k", kcols, sq.total[:, 0], scale, lengths).transpose(
-                1, 2
-            ),
-        }
-    sinks = parts[layer].sinks
-    return QKAttribution(
-        model=getattr(model, "name", ""),
-        layer=layer,
-        head=h,
-        kv_head=g,
-        n_layers=model.n_layers,
-        n_heads=model.n_heads,
-        n_kv_heads=model.n_kv_heads,
-        names=sq.names,
-        queries=queries,
-        keys=keyp,
-        q_side=sq.vectors[:, :, 0],
-        k_side=sk.vectors[:, :, 0],
-        scale=scale,
-        logits=logits,
-        pattern=pattern,
-        visible=_visible(model, layer, queries, keyp),
-        softcap=parts[layer].softcap,
-        sink=None if sinks is None else float(sinks[h]),
-        sources=src,
-        source_heads=names if sources else [],
-        tokens=tokens,
-        params={"by": by, "chat": chat, "frozen_scale": True, "cap": "after the sum"},
+    kidx = kcols[:, None, :].expand(-1, queries.shape[1], -1)
+    params = {"by": by, "chat": chat, "frozen_scale": True, "cap": "after the sum"}
+    for layer in sorted(by_layer):
+        hs = by_layer[layer]
+        kvs = sorted({model.kv_head(h) for h in hs})
+        pl = parts[layer]
+        sq = side(components(model, rec, parts[:layer], layer, qcols, pos), pl, "q", hs, _rows(pos, qcols))
+        sk = side(components(model, rec, parts[:layer], layer, kcols, pos), pl, "k", kvs, _rows(pos, kcols))
+        names = [n for n in sq.names if n.startswith("L") and "H" in n]
+        for i, h in enumerate(hs):
+            g = model.kv_head(h)
+            j = kvs.index(g)
+            lg = rec.logits[layer][:, i].gather(2, kidx)  # [N, Q, K]
+            pat = rec.pattern[layer][:, h]  # [N, T, T] (source split) or [N, Q, T]
+            pat = _cells(pat, qcols, kcols) if sources else pat.gather(2, kidx)
+            src = None
+            if sources:
+                one_q = _one(sq, i)
+                one_k = _one(sk, j)
+                src = {
+                    "query": _source_side(
+                        model,
+                        rec,
+                        parts[: layer + 1],
+                        one_q,
+                        "q",
+                        qcols,
+                        one_k.total[:, 0],
+                        pl.scaling,
+                        lengths,
+                    ),
+                    "key": _source_side(
+                        model,
+                        rec,
+                        parts[: layer + 1],
+                        one_k,
+                        "k",
+                        kcols,
+                        one_q.total[:, 0],
+                        pl.scaling,
+                        lengths,
+                    ).transpose(1, 2),
+                }
+            yield QKAttribution(
+                model=getattr(model, "name", ""),
+                layer=layer,
+                head=h,
+                kv_head=g,
+                n_layers=model.n_layers,
+                n_heads=model.n_heads,
+                n_kv_heads=model.n_kv_heads,
+                names=sq.names,
+                queries=queries,
+                keys=keyp,
+                q_side=sq.vectors[:, :, i],
+                k_side=sk.vectors[:, :, j],
+                scale=pl.scaling,
+                logits=torch.where(valid, lg, torch.nan),
+                pattern=torch.where(valid, pat, torch.nan),
+                visible=_visible(model, layer, queries, keyp),
+                softcap=pl.softcap,
+                sink=None if pl.sinks is None else float(pl.sinks[h]),
+                sources=src,
+                source_heads=names if sources else [],
+                tokens=tokens,
+                params=dict(params),
+            )
+        del sq, sk
+
+
+def _one(sd: Side, i: int) -> Side:
+    """The side of head i alone (X = 1)."""
+    return Side(
+        sd.vectors[:, :, i : i + 1],
+        sd.names,
+        sd.total[:, i : i + 1],
+        sd.inv,
+        None if sd.qk_factor is None else sd.qk_factor[:, i : i + 1],
+        sd.w_read[i : i + 1],
+        sd.rot,
     )

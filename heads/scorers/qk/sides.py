@@ -172,8 +172,15 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
     inv = torch.ones(N, P, dtype=torch.float64) if parts.in_norm is None else 1.0 / parts.in_norm.scale(x)
     per_layer = []
     for z, w_o, inv_o in comps.heads:  # head h of layer l' reads through W_O' W_read
-        m = torch.einsum("hdD,xDe->hxde", w_o, w_read)  # [H, X, d, d]
-        per_layer.append(torch.einsum("nphd,hxde->nhxpe", z, m) * (inv_o * inv)[:, None, None, :, None])
+        H, dz, D = w_o.shape
+        via_weights = H * dz * D * X * d + N * P * H * X * dz * d  # compose W_O' W_read, then apply
+        via_resid = N * P * H * dz * D + N * P * H * D * X * d  # each head's residual vector first
+        if via_weights <= via_resid:  # many positions: the [H, X, d, d] product once
+            m = torch.einsum("hdD,xDe->hxde", w_o, w_read)
+            a = torch.einsum("nphd,hxde->nhxpe", z, m)
+        else:  # few positions (one query per head): never form the weight product
+            a = torch.einsum("nphD,xDe->nhxpe", torch.einsum("nphd,hdD->nphD", z, w_o), w_read)
+        per_layer.append(a * (inv_o * inv)[:, None, None, :, None])
     out = []
     for name, r in zip(comps.names, comps.resid, strict=True):
         if r is not None:

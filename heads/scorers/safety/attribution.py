@@ -59,6 +59,8 @@ from typing import Any, Literal
 import torch
 
 from heads._util.validation import check_bool, check_int, check_number, is_int, short_repr
+from heads.engine.activations import ActivationEdit
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, run_rows
@@ -185,7 +187,7 @@ def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
 
 
 class _Stop(Exception):
-    """Raised from an o_proj pre-hook to end a delta pass once the layer's z is read."""
+    """Raised from a `head_output` read to end a delta pass once the layer's z is read."""
 
 
 class _Gate(torch.autograd.Function):
@@ -203,80 +205,80 @@ class _Gate(torch.autograd.Function):
         return grad, None, None
 
 
-def _gate_hook(state: dict, layer: int):
-    def hook(module, args, output):
-        if isinstance(output, tuple):
-            return (_Gate.apply(output[0], state, layer), *output[1:])
-        return _Gate.apply(output, state, layer)
+def _gate(state: dict, layer: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    """An `attn_out` / `mlp_out` edit function: the value through `_Gate` (GradDrop)."""
 
-    return hook
+    def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        out: torch.Tensor = _Gate.apply(x, state, layer)
+        return out
+
+    return fn
 
 
 def _grad_pass(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, gate_state: dict | None):
-    """Forward with gradients; returns (last logp [B, V], z per layer [B, T, H*d], residuals)."""
-    zs: list[torch.Tensor | None] = [None] * model.n_layers
-    handles = []
+    """Forward with gradients; returns (last logp [B, V], z per layer [B, T, H, d], residuals).
 
-    def capture(layer: int):
-        def hook(module, args):
-            z = args[0]
+    The heads' outputs are read at the engine's `head_output` site (kept live, in the autograd
+    graph; made a leaf that requires grad when the weights do not); GradDrop gates each layer's
+    `attn_out` and `mlp_out`."""
+    zs: list[torch.Tensor | None] = [None] * model.n_layers
+
+    def capture(layer: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+        def fn(z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
             if not z.requires_grad:
                 z = z.detach().requires_grad_(True)
             zs[layer] = z
-            return (z, *args[1:])
+            # a new tensor, so that every backend passes it on (a bridge's hook point may hand
+            # its hook a copy of the value it uses when the hook returns nothing)
+            return z.view_as(z)
 
-        return hook
+        return fn
 
-    try:
-        for layer, proj in enumerate(model.out_projs):
-            handles.append(proj.register_forward_pre_hook(capture(layer)))
-        if gate_state is not None:
-            for layer, (attn, block) in enumerate(zip(model.attentions, model.layers, strict=True)):
-                handles.append(attn.register_forward_hook(_gate_hook(gate_state, layer)))
-                mlp = getattr(block, "mlp", None)
-                if mlp is not None:
-                    handles.append(mlp.register_forward_hook(_gate_hook(gate_state, layer)))
-        dev = model.device
-        with torch.enable_grad():
-            out = model.run(  # the backend's entry point (bridge tree / nnsight trace)
-                input_ids=ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=position_ids(mask).to(dev),
-                use_cache=False,
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
-            last = out.logits[:, -1]  # fp32 at least (fp64 models stay fp64)
-            logp = torch.log_softmax(last.to(torch.promote_types(last.dtype, torch.float32)), dim=-1)
-    finally:
-        for h in handles:
-            h.remove()
+    edits: list[Edit] = [ActivationEdit("head_output", la, capture(la)) for la in range(model.n_layers)]
+    if gate_state is not None:
+        for layer in range(model.n_layers):
+            edits.append(ActivationEdit("attn_out", layer, _gate(gate_state, layer)))
+            edits.append(ActivationEdit("mlp_out", layer, _gate(gate_state, layer)))
+    dev = model.device
+    with torch.enable_grad(), editing(model, edits):
+        out = model.run(  # the backend's entry point (bridge tree / nnsight trace)
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=position_ids(mask).to(dev),
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        last = out.logits[:, -1]  # fp32 at least (fp64 models stay fp64)
+        logp = torch.log_softmax(last.to(torch.promote_types(last.dtype, torch.float32)), dim=-1)
     return logp, zs, [h.detach() for h in out.hidden_states]
 
 
 def _delta_pass(
     model: HeadModel, ids, mask, layer: int, edit: Edit, residual: torch.Tensor, clean_z: torch.Tensor
 ) -> torch.Tensor:
-    """`z_edited - z_clean` of `layer` (`[B, T, H*d]`) from a forward of that layer alone."""
+    """`z_edited - z_clean` of `layer` (`[B, T, H, d]`) from a forward of that layer alone: the
+    engine starts at `layer` from the clean `residual`, applies `edit`, and a `head_output` read
+    listed after it stops the forward once z is known."""
     got: list[torch.Tensor] = []
 
-    def read(module, args):
-        got.append(args[0].detach())
+    def read(z: torch.Tensor, call: AttentionCall) -> None:
+        got.append(z.detach())
         raise _Stop
 
-    from heads.engine.context import editing
-
     try:
-        with editing(model, [edit], require_fired=False):
-            handle = model.out_projs[layer].register_forward_pre_hook(read)  # after the engine's hook
-            try:
-                run_rows(model, ids, mask, [], start=layer, residual=residual if layer else None)
-            finally:
-                handle.remove()
+        run_rows(
+            model,
+            ids,
+            mask,
+            [edit, ActivationEdit("head_output", layer, read)],
+            start=layer,
+            residual=residual if layer else None,
+        )
     except _Stop:
         pass
     if not got:
-        raise RuntimeError(f"the delta pass never reached o_proj of layer {layer}")
+        raise RuntimeError(f"the delta pass never reached the head outputs of layer {layer}")
     return got[0] - clean_z
 
 
@@ -290,30 +292,26 @@ def _check_ablation(ablation) -> None:
 
 
 def _head_means(model: HeadModel, enc: EncodedPrompts, max_rows: int) -> list[torch.Tensor]:
-    """Per layer, `[n_heads, d_head]` mean head output over every real position of every prompt."""
-    sums = [torch.zeros(model.n_heads * model.d_head, dtype=torch.float64) for _ in range(model.n_layers)]
-    handles = []
+    """Per layer, `[n_heads, d_head]` mean head output over every real position of every prompt
+    (read at the engine's `head_output` site)."""
+    H, d = model.n_heads, model.d_head
+    sums = [torch.zeros(H, d, dtype=torch.float64) for _ in range(model.n_layers)]
     state: dict = {}
 
-    def add(layer: int):
-        def hook(module, args):
-            m = state["mask"].to(args[0].device, torch.float64)[..., None]
-            sums[layer] += (args[0].double() * m).sum((0, 1)).cpu()
+    def add(layer: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(z: torch.Tensor, call: AttentionCall) -> None:
+            m = state["mask"].to(z.device, torch.float64)[..., None, None]
+            sums[layer] += (z.double() * m).sum((0, 1)).cpu()
 
-        return hook
+        return fn
 
-    try:
-        for layer, proj in enumerate(model.out_projs):
-            handles.append(proj.register_forward_pre_hook(add(layer)))
-        for a in range(0, enc.batch, max_rows):
-            ids, mask = enc.input_ids[a : a + max_rows], enc.attention_mask[a : a + max_rows]
-            state["mask"] = mask
-            run_rows(model, ids, mask, [])
-    finally:
-        for h in handles:
-            h.remove()
+    reads: list[Edit] = [ActivationEdit("head_output", layer, add(layer)) for layer in range(model.n_layers)]
+    for a in range(0, enc.batch, max_rows):
+        ids, mask = enc.input_ids[a : a + max_rows], enc.attention_mask[a : a + max_rows]
+        state["mask"] = mask
+        run_rows(model, ids, mask, reads)
     n = float(enc.attention_mask.sum())
-    return [(s / n).float().reshape(model.n_heads, model.d_head) for s in sums]
+    return [(s / n).float() for s in sums]
 
 
 def _coarse_kl(p_top: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -494,7 +492,7 @@ def _attribute_batch(
     lengths = enc.attention_mask[rows].sum(-1)
     trim = enc.length - int(lengths.max())
     ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
-    n_l, n_h, d = model.n_layers, model.n_heads, model.d_head
+    n_l, n_h = model.n_layers, model.n_heads
     gate: dict | None = {} if graddrop else None
     logp, zs, residuals = _grad_pass(model, ids, mask, gate)
 
@@ -507,11 +505,10 @@ def _attribute_batch(
             dz = (eps - 1.0) * z
         elif ablation == "mean":
             assert means is not None  # computed for ablation='mean'
-            dz = means[layer].reshape(1, 1, -1).to(z) - z
+            dz = means[layer].to(z) - z
         else:
             edit = _layer_edit(ablation, layer, eps, saturation_fix)
             dz = _delta_pass(model, ids, mask, layer, edit, residuals[layer], z)
-        dz = dz.reshape(*dz.shape[:2], n_h, d)
         deltas.append(torch.where(real, dz, 0.0))
 
     # metric scalars: per-row log p of the top clean tokens (KL) or the metric itself

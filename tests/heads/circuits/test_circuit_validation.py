@@ -241,10 +241,10 @@ def _forwards(m) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["phi", "gemma2"])
+@pytest.mark.parametrize("kind", ["phi", "gpt_neox"])
 def test_refused_family_named_before_any_forward(kind):
-    """Parallel blocks (phi) and sub-layer output norms (gemma2): every entry point names the
-    family in one line and runs nothing."""
+    """Parallel blocks (phi, GPT-NeoX): every entry point names the family in one line and runs
+    nothing. (The post-norm families are covered: tests/heads/circuits/test_post_norm.py.)"""
     m = tiny_family_model(kind)
     calls = _forwards(m)
     from heads.scorers.circuits import exact_scores

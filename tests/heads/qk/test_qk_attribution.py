@@ -168,3 +168,29 @@ def test_model_unchanged(llama):
     qk_attribution(llama, ids, (2, 3), by="source_token")
     assert torch.equal(llama.model(input_ids=ids).logits, before)
     assert not math.isnan(float(before.sum()))
+
+
+@pytest.mark.parametrize("by", ["component", "source_token"])
+def test_many_heads_from_one_forward_equal_one_at_a_time(llama, by):
+    from heads.scorers.qk import qk_attributions
+
+    prompts = ["The cat sat on the mat and the cat", "One two three four"]
+    heads = [(2, 1), (1, 3), (2, 0)]
+    many = list(qk_attributions(llama, prompts, heads, query=[-1, -3], by=by))
+    assert [(r.layer, r.head) for r in many] == sorted(heads)
+    for r in many:
+        one = qk_attribution(llama, prompts, (r.layer, r.head), query=[-1, -3], by=by)
+        # an earlier layer whose logits are read runs the engine's explicit attention: float
+        # rounding (~1e-7) apart from the model's own kernel, so the sides agree to 1e-6
+        assert torch.allclose(r.q_side, one.q_side, atol=1e-6) and torch.allclose(
+            r.k_side, one.k_side, atol=1e-6
+        )
+        assert torch.equal(r.logits.isnan(), one.logits.isnan())
+        assert torch.allclose(r.logits.nan_to_num(), one.logits.nan_to_num(), atol=1e-6)
+        assert torch.allclose(r.pattern.nan_to_num(), one.pattern.nan_to_num(), atol=1e-6)
+        assert r.max_error() < 1e-5
+        if by == "source_token":
+            assert torch.allclose(r.sources["key"], one.sources["key"], atol=1e-6)
+    assert len(list(qk_attributions(llama, "a b c", None))) == 12
+    with pytest.raises(HeadsteerValueError, match="heads must be"):
+        qk_attributions(llama, "a b c", [])

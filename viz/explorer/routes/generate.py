@@ -7,12 +7,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter
 
 from heads.errors import HeadsteerValueError
+from steer.kv_window import check_window_room
 from viz.explorer.jobs import job_stream
 from viz.explorer.requests import CancelRequest, GenerateRequest
 from viz.explorer.routes.common import State, body
 from viz.explorer.scores import Cancelled, grid
 from viz.explorer.state import ExplorerState
-from viz.explorer.steering import STEER_FIELDS, check_edits, check_window_room, parse_heads, parse_steering
+from viz.explorer.steering import STEER_FIELDS, check_edits, parse_heads, parse_steering
 
 __all__ = ["router", "span_share_by_layer"]
 

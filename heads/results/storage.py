@@ -1,0 +1,115 @@
+"""The file I/O every result shares (`heads.results.protocol` documents the protocol): strict
+JSON reading, the header and schema checks of `save` / `load`, and the model-geometry check.
+
+A leaf of `heads.results`: the result classes import it, and the protocol (which names
+`HeadScores`) re-exports it, so no module of the package imports another in a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from heads._util.files import write_text
+from heads._util.validation import read_json_file, short_repr
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from heads.model.adapter import HeadModel
+
+__all__ = ["check_geometry", "read_json", "read_result", "write_result"]
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """`json` object hook: a key given twice is an error, not "the last one wins"."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
+        out[key] = value
+    return out
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file strictly (`heads._util.validation.read_json_file`, and a key given twice
+    in one object is an error).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: one line naming the file: bad JSON text (line and column), a repeated key, an
+            integer of more than 4300 digits, or nesting too deep to parse.
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"file not found: {str(path)!r}")
+    return read_json_file(path, object_pairs_hook=_no_duplicate_keys)
+
+
+def write_result(
+    path: str | os.PathLike, schema: str, version: int, payload: Mapping[str, Any], *, overwrite: bool = False
+) -> Path:
+    """Write `{"schema", "schema_version", **payload}` as JSON to `path`; returns the path.
+
+    Atomic (temporary file, then rename), missing parent folders created; NaN must already be
+    None in `payload` (JSON has no NaN).
+
+    Raises:
+        ValueError: `path` exists and `overwrite` is False; `path` is a symlink or a folder; a
+            value JSON cannot hold (NaN, inf) is in `payload`.
+    """
+    body = {"schema": schema, "schema_version": version, **payload}
+    try:
+        text = json.dumps(body, indent=1, allow_nan=False) + "\n"
+    except ValueError:
+        raise HeadsteerValueError(
+            f"a {schema} result holds NaN or +-inf, which a JSON file cannot store"
+        ) from None
+    return write_text(path, text, overwrite=overwrite)
+
+
+def read_result(path: str | os.PathLike, schema: str, version: int, what: str) -> Mapping[str, Any]:
+    """The JSON object of a file `write_result` wrote with `schema` and `version`.
+
+    Args:
+        path: the file.
+        schema, version: what the file must declare.
+        what: the result's name for messages (`"HeadScores"`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: one line naming the file: not JSON (line and column), a repeated key, not a
+            `what` file (another or no schema), or another schema version.
+    """
+    data = read_json(path)
+    name = short_repr(str(path))
+    if not isinstance(data, Mapping) or data.get("schema") != schema:
+        raise HeadsteerValueError(f"{name} is not a headsteer {what} file")
+    got = data.get("schema_version")
+    if got != version or isinstance(got, bool):
+        raise HeadsteerValueError(
+            f"{name} has schema_version {short_repr(got)}; this headsteer reads version {version}"
+        )
+    return data
+
+
+def check_geometry(
+    path: str | os.PathLike, got: tuple[int, int, int | None], model: HeadModel | None
+) -> None:
+    """Check a loaded result's `(n_layers, n_heads, n_kv_heads)` against `model` (None: no check).
+
+    Raises:
+        TypeError: `model` is not a `HeadModel`.
+        ValueError: the geometries differ (the message names both).
+    """
+    if model is None:
+        return
+    if not hasattr(model, "n_kv_heads"):
+        raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    want = (model.n_layers, model.n_heads, model.n_kv_heads)
+    if tuple(got) != want:
+        raise HeadsteerValueError(
+            f"{short_repr(str(path))} was computed on a model with (n_layers, n_heads, n_kv_heads)="
+            f"{tuple(got)}, this model has {want}"
+        )
