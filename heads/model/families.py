@@ -118,6 +118,11 @@ class Family:
             `"eager"`; None keeps `"sdpa"`.
         features: the attention features the engine reproduces for this family, by name (see
             `FEATURES`); shown in the generated support table.
+        attention_only: the family's config may set `intermediate_size: 0`: an attention-only
+            model (Elhage et al. 2021; the organism of `headsteer build organism`). Its MLP
+            projections then have no rows, so the MLP adds exactly 0 to the residual stream and
+            every analysis sees a zero MLP term; the loader refuses `intermediate_size: 0` for
+            the other families (their MLPs may carry biases or norms that do not vanish).
     """
 
     model_type: str
@@ -156,6 +161,7 @@ class Family:
     moe: bool = False
     attn_implementation: str | None = None
     features: tuple[str, ...] = ()
+    attention_only: bool = False
 
     @property
     def latent(self) -> bool:
@@ -246,7 +252,7 @@ _GPT2_LAYOUT: dict = {
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        _llama_like("llama"),
+        _llama_like("llama", attention_only=True),
         _llama_like("mistral", "sliding_window", sliding_window="all"),
         _llama_like("qwen2", "sliding_window", sliding_window="layer_types"),
         _llama_like("qwen2_vl_text", "sliding_window", sliding_window="layer_types"),

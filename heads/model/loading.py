@@ -45,6 +45,7 @@ __all__ = [
     "load_model",
     "load_processor",
     "load_tokenizer",
+    "no_empty_init_warning",
     "pick_attn_implementation",
     "read_geometry",
     "read_max_positions",
@@ -432,13 +433,33 @@ _FIELD_MAX = {
 _EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 
 
+@contextlib.contextmanager
+def no_empty_init_warning() -> Iterator[None]:
+    """Within: torch's "Initializing zero-element tensors is a no-op" warning is not shown (the
+    MLP of an attention-only model, `intermediate_size: 0`, has zero-element weights)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        yield
+
+
+def _attention_only(model_type: object) -> bool:
+    """Whether `model_type`'s family accepts `intermediate_size: 0` (`Family.attention_only`)."""
+    from heads.model.families import FAMILIES
+
+    fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    return fam is not None and fam.attention_only
+
+
 def check_config(folder: str | os.PathLike) -> None:
     """Read a model folder's config (no custom code) and check the fields headsteer relies on.
 
     Raises:
         ValueError: "cannot read the model: ..." naming the field: a count that is not a
-            positive int (`num_attention_heads: 0`, `num_hidden_layers: 0`, `head_dim: 0`),
-            heads that do not divide the KV heads, a config.json that is not valid JSON or
+            positive int (`num_attention_heads: 0`, `num_hidden_layers: 0`, `head_dim: 0`;
+            `intermediate_size: 0` is accepted only for a family marked `attention_only`,
+            Llama), heads that do not divide the KV heads, a config.json that is not valid JSON or
             holds an integer of more than 4300 digits (`parse_json`'s line), or a config
             transformers cannot parse (e.g. an unknown `rope_scaling.rope_type`), with its
             first line.
@@ -457,6 +478,8 @@ def check_config(folder: str | os.PathLike) -> None:
     for cfg_raw in raws if isinstance(raw, dict) else []:  # before transformers divides by them
         for key in (*_POSITIVE_FIELDS, *_OPTIONAL_POSITIVE):
             value = cfg_raw.get(key)
+            if key == "intermediate_size" and value == 0 and _attention_only(cfg_raw.get("model_type")):
+                continue
             if (
                 key in cfg_raw
                 and value is not None
@@ -496,6 +519,12 @@ def check_config(folder: str | os.PathLike) -> None:
             if not hasattr(cfg, key):
                 continue
             value = getattr(cfg, key)
+            if (
+                key == "intermediate_size"
+                and value == 0
+                and _attention_only(getattr(cfg, "model_type", None))
+            ):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HeadsteerValueError(
                     f"cannot read the model in {str(folder)!r}: {key} must be a positive int, got "
@@ -754,15 +783,16 @@ def load_model(
                 )
             return _load_vision_language(where, name, dtype, device, attn_implementation)
         tok = _tokenizer(where)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            where,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            use_safetensors=True,
-            trust_remote_code=False,
-            output_loading_info=True,
-            **placed,
-        )
+        with no_empty_init_warning():  # an attention-only model's MLP has no rows
+            model, info = AutoModelForCausalLM.from_pretrained(
+                where,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                use_safetensors=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+                **placed,
+            )
     _check_loading_info(where, info, allow_weight_mismatch)
     check_weights_values(where, model)
     if device_map is None:
