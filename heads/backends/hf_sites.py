@@ -63,8 +63,11 @@ def fresh(var: ContextVar[dict[int, Any]]) -> dict[int, Any]:
 
 def cache_length(args: tuple, kwargs: dict, layer: int = 0) -> int:
     """Cached positions before this call: the KV cache among a module's arguments (keyword
-    `past_key_values`, or positional as GPT-2's blocks take it), 0 without one."""
+    `past_key_values`, `layer_past` as GPT-NeoX's and GPT-BigCode's blocks and attention take it,
+    or positional as GPT-2's blocks take it), 0 without one."""
     cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("layer_past")
     if cache is None:
         cache = next((a for a in args if hasattr(a, "get_seq_length")), None)
     if cache is None:
