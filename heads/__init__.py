@@ -57,6 +57,7 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.planning import MemoryPlan, MemoryRequest, plan_memory
 from heads.results.activations import ActivationCache
 from heads.results.composition import CompositionScores
 from heads.results.evaluation import PairEvaluation
@@ -123,6 +124,9 @@ __all__ = [
     "run_with_hooks",
     "PairEvaluation",
     "evaluate_pairs",
+    "MemoryPlan",
+    "MemoryRequest",
+    "plan_memory",
 ]
 
 _aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

@@ -48,6 +48,7 @@ def test_every_command_takes_the_shared_options():
         "serve",
         "explore",
         "build refusal-model",
+        "plan",
     }
     assert all(not missing for missing in names.values()), names
 
