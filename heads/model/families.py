@@ -34,7 +34,7 @@ Adding a family
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -205,7 +205,7 @@ FEATURES: dict[str, str] = {
 """Every feature a `Family.features` may name, with what it means."""
 
 
-def _llama_like(model_type: str, *features: str, **fields) -> Family:
+def _llama_like(model_type: str, *features: str, **fields: Any) -> Family:
     """A family whose modules sit where Llama's do (`model.layers[i].self_attn.{q,k,v,o}_proj`).
 
     `features` are the `FEATURES` it has besides `"gqa"` (which every such family may use);
