@@ -5,16 +5,23 @@ pattern (`head_pattern`), and the attention between two named positions of promp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
-from heads.engine.edits import AttentionCall, Recorder
+from heads.engine.edits import AttentionCall, Edit, Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts, Prompt, emphasis_rows, encode_prompts, normalize_prompts
+from heads.inputs.prompts import (
+    Emphasis,
+    EncodedPrompts,
+    Prompt,
+    emphasis_rows,
+    encode_prompts,
+    normalize_prompts,
+)
 from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
@@ -27,11 +34,11 @@ def span_attention(
     model: HeadModel,
     prompts: Prompt | Sequence[Prompt],
     *,
-    emphasize=None,
+    emphasize: Emphasis = None,
     chat: bool | None = None,
     query: Literal["last", "after_span"] = "last",
     batch_size: int = 8,
-    steer=(),
+    steer: Any = (),
 ) -> HeadScores:
     """Attention mass on the emphasized span, per (layer, head), averaged over prompts.
 
@@ -87,7 +94,9 @@ def span_attention(
         rows &= has[:, None]
         has &= rows.any(1)  # a span at the very end leaves no row to read: skip that prompt
 
-        def read(probs: torch.Tensor, call: AttentionCall, span=span, rows=rows) -> torch.Tensor:
+        def read(
+            probs: torch.Tensor, call: AttentionCall, span: torch.Tensor = span, rows: torch.Tensor = rows
+        ) -> torch.Tensor:
             q = rows[:, call.q_offset : call.q_offset + call.q_len].float()  # [B, q]
             mass = (probs * span[:, None, None, : call.k_len]).sum(-1)  # [B, H, q]
             return (mass * q[:, None, :]).sum(-1)  # [B, H]
@@ -121,9 +130,9 @@ def head_pattern(
     layer: int,
     head: int,
     *,
-    emphasize=None,
+    emphasize: Emphasis = None,
     chat: bool | None = None,
-    edits=(),
+    edits: Sequence[Edit] = (),
 ) -> tuple[torch.Tensor, list[str], list[tuple[int, int]]]:
     """One head's attention pattern on one prompt.
 
@@ -154,7 +163,7 @@ def position_attention(
     *,
     which: str = "clean",
     batch_size: int = 16,
-    steer=(),
+    steer: Any = (),
 ) -> HeadScores:
     """Attention from one named position to another, per head, averaged over the pairs.
 

@@ -31,7 +31,15 @@ from heads._util.validation import check_int, check_seed, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_tokens
 
-__all__ = ["PairBatch", "PromptPair", "encode_pairs", "load_pairs", "pairs_from_tokens", "token_id"]
+__all__ = [
+    "PairBatch",
+    "PromptPair",
+    "check_pairs_differ",
+    "encode_pairs",
+    "load_pairs",
+    "pairs_from_tokens",
+    "token_id",
+]
 
 Answer = str | int | Sequence[str | int]
 
@@ -326,6 +334,58 @@ def check_vocab(pairs: PairBatch, d_vocab: int, where: str = "pairs", *, images:
             raise HeadsteerValueError(
                 f"{where}: {name} token id {int(bad[0])} is outside the vocabulary 0..{d_vocab - 1}"
             )
+
+
+def _describe(pairs: PairBatch | Sequence[PromptPair], i: int) -> str:
+    p = pairs[i] if not isinstance(pairs, PairBatch) else (pairs.pairs[i] if pairs.pairs else None)
+    if p is not None:
+        return f"clean {short_repr(p.clean)}, corrupted {short_repr(p.corrupted)}"
+    assert isinstance(pairs, PairBatch)
+    ids = pairs.clean_ids[i][pairs.attention_mask[i].bool()].tolist()
+    return f"clean tokens {ids[:8]}{' ...' if len(ids) > 8 else ''}"
+
+
+def check_pairs_differ(pairs: PairBatch | Sequence[PromptPair], *, counterfactual: bool = True) -> None:
+    """Refuse, before any forward, a pair that cannot show any effect: its clean and corrupted
+    prompts are the same (text, or for a `PairBatch` the same tokens: every site's two values are
+    equal, so every score is 0 / 0), or (with `counterfactual`, for metrics that read it such as
+    the logit difference) its counterfactual tokens are its answer tokens (the metric is 0 on
+    every run). One shared check: the patching sweeps, `headsteer report patching` (on the pairs'
+    text, before the model loads) and the explorer call it. Vision pairs share their prompt by
+    design and are not compared on tokens.
+
+    Raises:
+        ValueError: `"pair <i> (clean '...', corrupted '...'): ..."`, the first such pair.
+    """
+    if isinstance(pairs, PairBatch):
+        for i in range(pairs.n):
+            real = pairs.attention_mask[i].bool()
+            if not pairs.has_images and torch.equal(pairs.clean_ids[i][real], pairs.corrupted_ids[i][real]):
+                raise HeadsteerValueError(
+                    f"pair {i} ({_describe(pairs, i)}): clean and corrupted are the same text (the same "
+                    "tokens): nothing to patch"
+                )
+            ans = set(pairs.answers[i][pairs.answer_mask[i]].tolist())
+            cf = set(pairs.counterfactuals[i][pairs.counterfactual_mask[i]].tolist())
+            if counterfactual and cf and cf == ans:
+                raise HeadsteerValueError(
+                    f"pair {i} ({_describe(pairs, i)}): the counterfactual is the answer (token ids "
+                    f"{sorted(ans)}): their logit difference is always 0"
+                )
+        return
+    for i, p in enumerate(pairs):
+        if p.clean == p.corrupted:
+            raise HeadsteerValueError(
+                f"pair {i} ({_describe(pairs, i)}): clean and corrupted are the same text: nothing to patch"
+            )
+        if counterfactual and p.counterfactual is not None:
+            a_list = _answer_list(p.answer, f"pair {i} answer")
+            c_list = _answer_list(p.counterfactual, f"pair {i} counterfactual")
+            if set(map(repr, a_list)) == set(map(repr, c_list)):
+                raise HeadsteerValueError(
+                    f"pair {i} ({_describe(pairs, i)}): the counterfactual is the answer "
+                    f"({short_repr(p.answer)}): their logit difference is always 0"
+                )
 
 
 def pairs_from_tokens(
