@@ -217,7 +217,9 @@ def position_attention(
             sub.ids(which), sub.attention_mask, [[] for _ in range(n)], [""] * n, [[] for _ in range(n)]
         )
 
-        def read(probs: torch.Tensor, call: AttentionCall, qs=qs, ks=ks) -> torch.Tensor:
+        def read(
+            probs: torch.Tensor, call: AttentionCall, qs: torch.Tensor = qs, ks: torch.Tensor = ks
+        ) -> torch.Tensor:
             rows = qs - call.q_offset
             inside = (rows >= 0) & (rows < call.q_len)
             b = torch.arange(probs.shape[0])[inside]

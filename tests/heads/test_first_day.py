@@ -123,14 +123,18 @@ def _ioi_pair(**positions):
     return PromptPair(clean, corrupted, " Mary", " John", positions=positions)
 
 
+def _short_pair(**positions):
+    from heads.scorers.patching import PromptPair
+
+    clean, corrupted = "Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked"
+    return PromptPair(clean, corrupted, " Anna", " Tom", positions=positions)
+
+
 def test_pairs_carry_named_positions(tokenizer):
     from heads.scorers.patching import encode_pairs
     from probes.datasets.pairs import load_task_pairs
 
-    from heads.scorers.patching import PromptPair
-
-    short = PromptPair("Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked", " Anna", " Tom",
-                       positions={"IO": "Anna", "S1": [14, 17], "S2": [24, 27]})  # fmt: skip
+    short = _short_pair(IO="Anna", S1=[14, 17], S2=[24, 27])
     b = encode_pairs(tokenizer, [_ioi_pair(IO="Mary", S1=[14, 18], S2=[38, 42]), short])
     assert b.position_names == ["END", "IO", "S1", "S2"]
     for row, (io, s) in enumerate((("Mary", "John"), ("Anna", "Tom"))):
@@ -177,8 +181,7 @@ def test_position_attention_equals_an_oracle(tiny_llama):
     from heads.scorers.patching import encode_pairs
     from tests.support.oracle import llama_forward
 
-    short = type(_ioi_pair())("Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked", " Anna",
-                              " Tom", positions={"IO": "Anna"})  # fmt: skip
+    short = _short_pair(IO="Anna")
     items = [_ioi_pair(IO="Mary"), short]
     pairs = encode_pairs(tiny_llama, items)
     got = position_attention(tiny_llama, pairs, "END", "IO", batch_size=1)
