@@ -23,6 +23,7 @@ __all__ = [
     "load_relations",
     "parse_relation_names",
     "relation_names",
+    "relation_records",
     "single_token_pairs",
 ]
 
@@ -32,6 +33,11 @@ MIN_PAIRS = 30
 def _records() -> list[dict]:
     text = resources.files("probes").joinpath("data/relations.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def relation_records() -> list[dict]:
+    """The shipped relations as written: `{"relation", "kind", "k_rule", "pairs"}` dicts."""
+    return _records()
 
 
 def relation_names() -> list[str]:

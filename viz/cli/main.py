@@ -36,6 +36,7 @@ from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.qk import report_qk  # noqa: E402
+from viz.cli.training import register_training  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
     ImageOpt,
@@ -70,6 +71,7 @@ command(
 command(report_app, "probes")(report_probes)
 command(report_app, "qk")(report_qk)
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
+register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
 
 MAX_DRAWS = 100
 """Cap on `--draws` (random-head draws in the MAPS ablation check; each is a full pass)."""
@@ -411,6 +413,7 @@ def report_patching(
     for row in summary["top"]:
         table.add_row(*(f"{row[k]:.3f}" if k == "score" else escape(str(row[k])) for k in keys))
     run.show(table, f"clean logit difference > 0 on {summary['clean_ld_positive']:.0%} of the pairs")
+    run.show(*(f"left out {name}: {why}" for name, why in summary["left_out"].items()))
     return {"html": str(out), **summary}
 
 

@@ -18,8 +18,10 @@ For an edge u -> v, with x the clean and x~ the corrupted prompt of a pair and M
 Sign convention: both EAP and exact scores estimate the *change* in M when the edge is
 corrupted (negative = the edge carries the behaviour, for a metric higher on x).
 
-Memory: the activation differences are `[U, R, T, D]` for a chunk of R pairs (`batch_size`,
-default 8); pairs are processed in chunks and the scores summed, never by dropping positions.
+Memory grows linearly in the prompt (`heads.scorers.circuits.eap`): the activation differences
+are kept per layer (`[R, T, H, d]` for the heads, `[R, T, D]` for the MLPs) and the gradients
+come one layer at a time, for a chunk of R pairs (`batch_size`, default 8); pairs are processed
+in chunks and the scores summed, never by dropping positions.
 """
 
 from __future__ import annotations
@@ -35,14 +37,8 @@ from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.stability import Stability, stability_of
-from heads.scorers.circuits.graph import (
-    Acts,
-    Graph,
-    embed_output,
-    first_patched_layer,
-    graph_of,
-    run_graph,
-)
+from heads.scorers.circuits.eap import eap_chunk
+from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -187,28 +183,6 @@ def _metric(
     return metric(logits, pairs, index, clean_logits=clean)
 
 
-def _grads(
-    model: HeadModel,
-    graph: Graph,
-    sub: PairBatch,
-    metric: Metric,
-    embed: tuple[torch.Tensor, float] | None,
-    clean_logits: torch.Tensor | None,
-    record: bool,
-) -> tuple[torch.Tensor, Acts | None, torch.Tensor]:
-    """`([Dn, R, T, D] dM/dv_in, acts or None, logits)` of one run with grad deltas."""
-    idx = torch.arange(sub.n)
-    with torch.enable_grad():
-        logits, runner = run_graph(
-            model, graph, sub.clean_ids, sub.attention_mask, grad=True, record=record, embed=embed
-        )
-        m = _metric(metric, logits, sub, idx, clean_logits).sum()
-        deltas = list(runner.deltas.values())
-        gr = torch.autograd.grad(m, deltas, allow_unused=True)
-    out = [torch.zeros_like(d) if g is None else g for d, g in zip(deltas, gr, strict=True)]
-    return torch.cat(out).detach().float(), (runner.acts() if record else None), logits.detach()
-
-
 def _record(
     model: HeadModel, graph: Graph, ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, Acts]:
@@ -243,7 +217,8 @@ def edge_scores(
             exact scores land in `.exact` (default 0: none).
         batch_size: pairs per chunk of the gradient runs (bounds memory).
         batch_rows: rows per forward of the exact runs (edge x pair).
-        progress: True (a bar), False, or a `(done, total)` callable; unit: forwards.
+        progress: True (a bar), False, or a `(done, total)` callable; unit: chunks of pairs
+            (EAP / EAP-IG) or forwards (exact).
 
     Returns:
         an `EdgeScores` (`[U, Dn]`, NaN off the graph).
@@ -272,39 +247,35 @@ def edge_scores(
     valid = graph.valid
     n_runs = 1 if method == "eap" else steps
     chunks = _chunks(pairs.n, batch_size)
-    w_o = [model.layer_weights(la)["W_O"].float() for la in range(graph.n_layers)]
-    with progress_callback(progress, method, "forwards") as report:
-        done, want = 0, len(chunks) * (n_runs + 1)
-        for idx in chunks:
+    with progress_callback(progress, method, "pair chunks") as report:
+        for done, idx in enumerate(chunks, 1):
             sub = pairs.select(idx)
-            _, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
             clean_logits = None
             if met.needs_clean:
                 clean_logits, _ = _record(model, graph, sub.clean_ids, sub.attention_mask)
-            done += 1
-            if report:
-                report(done, want)
-            grad_sum: torch.Tensor | None = None
-            clean: Acts | None = None
-            e_corr = embed_output(model, sub.corrupted_ids) if method == "eap-ig" else None
-            for k in range(1, n_runs + 1):
-                embed = None if e_corr is None or k == n_runs else (e_corr, k / n_runs)
-                g, acts, _ = _grads(model, graph, sub, met, embed, clean_logits, record=k == n_runs)
-                grad_sum = g if grad_sum is None else grad_sum + g
-                if acts is not None:
-                    clean = acts
-                done += 1
-                if report:
-                    report(done, want)
-            assert grad_sum is not None and clean is not None
-            grad = grad_sum / n_runs
-            m = sub.attention_mask.to(grad.device, grad.dtype)[None, :, :, None]
-            diff = (corr.upstream(w_o) - clean.upstream(w_o)).float() * m  # [U, R, T, D]
-            r = sub.n
-            per = torch.bmm(diff.reshape(U, r, -1).transpose(0, 1), grad.reshape(Dn, r, -1).permute(1, 2, 0))
-            per = per.cpu()  # [R, U, Dn]: each pair's score of every (u, v)
+            rows = torch.arange(sub.n)
+
+            def loss(
+                logits: torch.Tensor,
+                sub: PairBatch = sub,
+                rows: torch.Tensor = rows,
+                ref: torch.Tensor | None = clean_logits,
+            ) -> torch.Tensor:
+                return _metric(met, logits, sub, rows, ref).sum()
+
+            per = eap_chunk(
+                model,
+                graph,
+                sub.clean_ids,
+                sub.corrupted_ids,
+                sub.attention_mask,
+                loss,
+                steps=None if method == "eap" else n_runs,
+            )  # [R, U, Dn]: each pair's score of every (u, v)
             per_pair.append(per[:, valid])
             total += per.double().sum(0)
+            if report:
+                report(done, len(chunks))
     scores = (total / pairs.n).float()
     scores[~graph.valid] = float("nan")
     params = {"steps": steps, "confirm": confirm, "d_model": model.d_model}

@@ -43,10 +43,13 @@ backward passes each zero the gradient through layer `l'`'s residual contributio
 and MLP outputs); the estimate is `1/(L-1) sum_l' |delta_m^{(l')}|` (for KL: the mean of the
 L per-drop KL estimates, each >= 0). A head's own layer contributes 0. Costs L x the backward.
 
-**Backends.** Every forward goes through the backend's entry point (`HeadModel.run`): the
-TransformerLens bridge's rewired module tree, or an nnsight `trace()` (gradients flow through
-both; head outputs are read by pre-hooks on `o_proj`, which both backends keep). nnsight with
-`remote=True` is refused: the hooks and the backward run locally.
+**Memory and backends.** The gradients come one layer at a time (`heads.scorers.safety.atp`,
+`heads.scorers.layerwise`): memory grows linearly in the prompt, about one layer's activations
+plus a residual-stream copy every ~sqrt(L) layers, never the whole model's graph. Every forward
+goes through the backend's entry point (`HeadModel.run`: the TransformerLens bridge's rewired
+module tree, or an nnsight `trace()`) with the engine's site edits (`head_output`, the residual
+stream), so the numbers are the same on `hf`, `transformer_lens` and `nnsight`. nnsight with
+`remote=True` is refused: the edits and the backward run locally.
 """
 
 from __future__ import annotations
@@ -60,16 +63,16 @@ import torch
 
 from heads._util.validation import check_bool, check_int, check_number, is_int, short_repr
 from heads.engine.activations import ActivationEdit
-from heads.engine.context import editing
-from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryScale
+from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit
 from heads.engine.options import SweepOptions, sweep_options
 from heads.engine.variants import check_heads, run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts, position_ids
+from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
 from heads.results.stability import check_stability
 from heads.scorers.controls import random_head_draws
+from heads.scorers.safety.atp import BatchSetup, attribute_batch
 from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
 from heads.scorers.stability import attach, check_samples
 
@@ -88,7 +91,6 @@ Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`(last_logp [R, V] fp32, prompt_index [R] long) -> [R]`: a differentiable per-prompt metric."""
 
 _ABLATIONS = ("ua", "sc", "zero", "mean")
-_REST_FLOOR = 1e-4  # smallest predicted "rest" mass, relative to the clean one
 
 
 @dataclass(eq=False, repr=False)
@@ -121,19 +123,6 @@ class HeadReplace(HeadOutputEdit):
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         assert self.values is not None  # checked by validate()
         return self.values.to(z.device, z.dtype).expand_as(z)
-
-
-class _LinearisedScale(ProbEdit):
-    """Pattern `A + (f - 1) A (log A - sum_k A log A)`: `softmax(f s)` linearised at f = 1."""
-
-    def __init__(self, layer: int, factor: float):
-        super().__init__(layer=layer)
-        self.factor = float(factor)
-
-    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        logp = torch.where(probs > 0, probs.clamp(min=1e-45).log(), 0.0)
-        centred = logp - (probs * logp).sum(-1, keepdim=True)
-        return probs + (self.factor - 1.0) * probs * centred
 
 
 def target_logprob(targets: Sequence[int]) -> Metric:
@@ -186,102 +175,6 @@ def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
     return torch.tensor([int(t) for t in ids], dtype=torch.long)
 
 
-class _Stop(Exception):
-    """Raised from a `head_output` read to end a delta pass once the layer's z is read."""
-
-
-class _Gate(torch.autograd.Function):
-    """Identity whose backward is zero while `state["drop"] == layer` (GradDrop)."""
-
-    @staticmethod
-    def forward(ctx, x, state, layer):  # noqa: D102
-        ctx.state, ctx.layer = state, layer
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        if ctx.state.get("drop") == ctx.layer:
-            return torch.zeros_like(grad), None, None
-        return grad, None, None
-
-
-def _gate(state: dict, layer: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
-    """An `attn_out` / `mlp_out` edit function: the value through `_Gate` (GradDrop)."""
-
-    def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        out: torch.Tensor = _Gate.apply(x, state, layer)
-        return out
-
-    return fn
-
-
-def _grad_pass(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, gate_state: dict | None):
-    """Forward with gradients; returns (last logp [B, V], z per layer [B, T, H, d], residuals).
-
-    The heads' outputs are read at the engine's `head_output` site (kept live, in the autograd
-    graph; made a leaf that requires grad when the weights do not); GradDrop gates each layer's
-    `attn_out` and `mlp_out`."""
-    zs: list[torch.Tensor | None] = [None] * model.n_layers
-
-    def capture(layer: int) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
-        def fn(z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-            if not z.requires_grad:
-                z = z.detach().requires_grad_(True)
-            zs[layer] = z
-            # a new tensor, so that every backend passes it on (a bridge's hook point may hand
-            # its hook a copy of the value it uses when the hook returns nothing)
-            return z.view_as(z)
-
-        return fn
-
-    edits: list[Edit] = [ActivationEdit("head_output", la, capture(la)) for la in range(model.n_layers)]
-    if gate_state is not None:
-        for layer in range(model.n_layers):
-            edits.append(ActivationEdit("attn_out", layer, _gate(gate_state, layer)))
-            edits.append(ActivationEdit("mlp_out", layer, _gate(gate_state, layer)))
-    dev = model.device
-    with torch.enable_grad(), editing(model, edits):
-        out = model.run(  # the backend's entry point (bridge tree / nnsight trace)
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=position_ids(mask).to(dev),
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-        last = out.logits[:, -1]  # fp32 at least (fp64 models stay fp64)
-        logp = torch.log_softmax(last.to(torch.promote_types(last.dtype, torch.float32)), dim=-1)
-    return logp, zs, [h.detach() for h in out.hidden_states]
-
-
-def _delta_pass(
-    model: HeadModel, ids, mask, layer: int, edit: Edit, residual: torch.Tensor, clean_z: torch.Tensor
-) -> torch.Tensor:
-    """`z_edited - z_clean` of `layer` (`[B, T, H, d]`) from a forward of that layer alone: the
-    engine starts at `layer` from the clean `residual`, applies `edit`, and a `head_output` read
-    listed after it stops the forward once z is known."""
-    got: list[torch.Tensor] = []
-
-    def read(z: torch.Tensor, call: AttentionCall) -> None:
-        got.append(z.detach())
-        raise _Stop
-
-    try:
-        run_rows(
-            model,
-            ids,
-            mask,
-            [edit, ActivationEdit("head_output", layer, read)],
-            start=layer,
-            residual=residual if layer else None,
-        )
-    except _Stop:
-        pass
-    if not got:
-        raise RuntimeError(f"the delta pass never reached the head outputs of layer {layer}")
-    return got[0] - clean_z
-
-
 def _check_ablation(ablation) -> None:
     if callable(ablation):
         return
@@ -312,22 +205,6 @@ def _head_means(model: HeadModel, enc: EncodedPrompts, max_rows: int) -> list[to
         run_rows(model, ids, mask, reads)
     n = float(enc.attention_mask.sum())
     return [(s / n).float() for s in sums]
-
-
-def _coarse_kl(p_top: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """KL(coarse p || coarse p') for predicted log-prob changes `delta` `[B, m, *]` of the top-m
-    tokens with clean probs `p_top` `[B, m]`; the rest class takes the remaining mass."""
-    shape = (*p_top.shape, *([1] * (delta.dim() - 2)))
-    p = p_top.double().reshape(shape)
-    d = delta.double().clamp(max=50.0)
-    rest = (1.0 - p.sum(1, keepdim=True)).clamp(min=1e-12)
-    new = p * d.exp()
-    new_rest = (1.0 - new.sum(1, keepdim=True)).clamp(min=0.0)
-    new_rest = torch.maximum(new_rest, rest * _REST_FLOOR)
-    total = new.sum(1, keepdim=True) + new_rest
-    new, new_rest = new / total, new_rest / total
-    kl = (p * (p.log() - new.log())).sum(1) + (rest * (rest.log() - new_rest.log()))[:, 0]
-    return kl.clamp(min=0.0).float()
 
 
 def attribute(
@@ -433,8 +310,8 @@ def attribute(
     per_prompt = torch.zeros(enc.batch, model.n_layers, model.n_heads)
     for a in range(0, enc.batch, max_rows):
         rows = torch.arange(a, min(a + max_rows, enc.batch))
-        per_prompt[rows] = _attribute_batch(
-            model, enc, rows, _BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
+        per_prompt[rows] = attribute_batch(
+            model, enc, rows, BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
         )
     keep = torch.zeros(model.n_layers, model.n_heads, dtype=torch.bool)
     for layer, head in chosen:
@@ -454,98 +331,6 @@ def attribute(
     method = "ships_attribution" if metric == "kl" else "attribution"
     scores = HeadScores(per_prompt.mean(0), method, params, model.name, model.n_kv_heads)
     return ShipsResult(per_prompt, attach(scores, per_prompt, stability))
-
-
-def _layer_edit(ablation, layer: int, eps: float, saturation_fix: bool) -> Edit:
-    if callable(ablation):
-        edit = ablation(layer)
-        if not isinstance(edit, Edit) or edit.layer != layer:
-            raise HeadsteerValueError(
-                f"ablation({layer}) must return an Edit for layer {layer}, got {short_repr(edit)}"
-            )
-        return edit
-    if saturation_fix:
-        return QueryScale(layer=layer, factor=eps)
-    return _LinearisedScale(layer, eps)
-
-
-@dataclass(frozen=True)
-class _BatchSetup:
-    """What `_attribute_batch` needs of `attribute`'s checked arguments (the same for every batch);
-    `means`: the per-layer head means of `ablation="mean"`, else None."""
-
-    ablation: Any
-    eps: float
-    metric: Any
-    kl_tokens: int
-    saturation_fix: bool
-    graddrop: bool
-    means: list[torch.Tensor] | None
-
-
-def _attribute_batch(
-    model: HeadModel, enc: EncodedPrompts, rows: torch.Tensor, setup: _BatchSetup
-) -> torch.Tensor:
-    """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch)."""
-    ablation, eps, metric, kl_tokens = setup.ablation, setup.eps, setup.metric, setup.kl_tokens
-    saturation_fix, graddrop, means = setup.saturation_fix, setup.graddrop, setup.means
-    lengths = enc.attention_mask[rows].sum(-1)
-    trim = enc.length - int(lengths.max())
-    ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
-    n_l, n_h = model.n_layers, model.n_heads
-    gate: dict | None = {} if graddrop else None
-    logp, zs, residuals = _grad_pass(model, ids, mask, gate)
-
-    # the change each ablation makes to every head's output, [R, T, H, d] per layer
-    real = mask.to(logp.device, torch.bool)[:, :, None, None]
-    deltas = []
-    for layer in range(n_l):
-        z = zs[layer].detach()
-        if ablation in ("sc", "zero"):
-            dz = (eps - 1.0) * z
-        elif ablation == "mean":
-            assert means is not None  # computed for ablation='mean'
-            dz = means[layer].to(z) - z
-        else:
-            edit = _layer_edit(ablation, layer, eps, saturation_fix)
-            dz = _delta_pass(model, ids, mask, layer, edit, residuals[layer], z)
-        deltas.append(torch.where(real, dz, 0.0))
-
-    # metric scalars: per-row log p of the top clean tokens (KL) or the metric itself
-    if metric == "kl":
-        p_top, top = logp.detach().exp().topk(kl_tokens, dim=-1)  # [R, m]
-        scalars = [logp.gather(-1, top[:, j : j + 1]).sum() for j in range(kl_tokens)]
-    else:
-        values = metric(logp, rows.to(logp.device))
-        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (len(rows),):
-            raise HeadsteerValueError(
-                f"the metric must return a [{len(rows)}] tensor, got {short_repr(values)}"
-            )
-        if not values.requires_grad:
-            raise HeadsteerValueError("the metric does not depend on the log-probs it is given (no gradient)")
-        scalars = [values.sum()]
-
-    drops = list(range(n_l)) if graddrop else [None]
-    estimates = []
-    for drop in drops:
-        if gate is not None:
-            gate["drop"] = drop
-        effects = []
-        for j, s in enumerate(scalars):
-            last = drop == drops[-1] and j == len(scalars) - 1
-            grads = torch.autograd.grad(s, zs, retain_graph=not last, allow_unused=True)
-            eff = torch.zeros(len(rows), n_l, n_h)
-            for layer, (g, dz) in enumerate(zip(grads, deltas, strict=True)):
-                if g is not None:
-                    eff[:, layer] = (g.reshape(dz.shape) * dz).sum((1, 3)).float().cpu()
-            effects.append(eff)
-        if metric == "kl":
-            estimates.append(_coarse_kl(p_top.cpu(), torch.stack(effects, 1)))
-        else:
-            estimates.append(effects[0].abs() if graddrop else effects[0])
-    if graddrop:
-        return torch.stack(estimates).sum(0) / (n_l - 1)
-    return estimates[0]
 
 
 def _ships_estimate(

@@ -1,0 +1,177 @@
+"""`over_checkpoints`: one analysis on every checkpoint of a series, one model in memory at a time,
+with per-checkpoint results written atomically so a killed run resumes where it stopped."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from heads._util.files import check_writable, short_path, write_text
+from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_bool, read_json_file
+from heads.dynamics.analyses import Analysis, tidy
+from heads.dynamics.checkpoints import Checkpoint, find_checkpoints
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.dynamics import CheckpointSeries
+
+__all__ = ["RUN_FILE", "over_checkpoints", "part_name"]
+
+RUN_FILE = "run.json"
+"""The file in a results folder naming the run (analysis, parameters, checkpoints)."""
+_PART_SCHEMA = "headsteer/checkpoint-part"
+
+
+def part_name(c: Checkpoint) -> str:
+    """The file of one checkpoint's result in a results folder (`step-000000100.json`)."""
+    return f"step-{c.step:09d}.json"
+
+
+def _identity(analysis: Analysis, series: list[Checkpoint]) -> dict:
+    return {"schema": _PART_SCHEMA, **analysis.identity(), "checkpoints": [c.describe() for c in series]}
+
+
+def _prepare(folder: Path, ident: dict, overwrite: bool) -> None:
+    """Check the results folder: a new one, or one of the same run (resume)."""
+    if folder.is_symlink():
+        raise HeadsteerValueError(f"refusing to write through a symlink: {folder}")
+    if folder.exists() and not folder.is_dir():
+        raise HeadsteerValueError(f"results folder {short_path(folder)} exists and is not a folder")
+    check_writable(folder)
+    run = folder / RUN_FILE
+    if not run.is_file():
+        return
+    try:
+        old = read_json_file(run)
+    except HeadsteerValueError:
+        old = None
+    same = isinstance(old, dict) and old == json.loads(json.dumps(ident))
+    if same:
+        return
+    if not overwrite:
+        raise HeadsteerValueError(
+            f"{short_path(folder)} holds the results of another run (other analysis, parameters or "
+            "checkpoints); use another folder, or overwrite=True (--force) to discard them"
+        )
+    for p in folder.glob("step-*.json"):
+        p.unlink()
+    run.unlink()
+
+
+def _read_part(path: Path, c: Checkpoint, ident: dict) -> dict | None:
+    try:
+        part = read_json_file(path)
+    except (OSError, HeadsteerValueError):
+        return None  # unreadable: computed again
+    if (
+        not isinstance(part, dict)
+        or part.get("checkpoint") != c.describe()
+        or part.get("analysis") != ident["analysis"]
+        or part.get("params") != ident["params"]
+    ):
+        return None
+    return part
+
+
+def over_checkpoints(
+    checkpoints: Any,
+    analysis: Any,
+    params: Mapping[str, Any] | None = None,
+    *,
+    steps: Sequence[int] | None = None,
+    results_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    load_kwargs: Mapping[str, Any] | None = None,
+    progress: ProgressArg = True,
+) -> CheckpointSeries:
+    """Run one analysis on each checkpoint of a series; a tidy `CheckpointSeries`.
+
+    Checkpoints are loaded one at a time (`heads.load_model(path, **load_kwargs)`) and released
+    before the next, so memory holds one model. Everything is checked before the first load:
+    the analysis and its parameters (`Analysis.of`), every folder (a model folder or a folder of
+    them, its config, safetensors weights) and the results folder.
+
+    Args:
+        checkpoints: model folders, folders of checkpoint folders, loaded `HeadModel`s, or a
+            `{label: folder}` mapping (`heads.dynamics.find_checkpoints`); ordered by the step in
+            each folder's metadata or name.
+        analysis: a name in `heads.dynamics.ANALYSES` (`"detectors"`, `"atlas"`, `"dla"`,
+            `"patching"`, `"circuit"`, `"ships"`, `"maps"`, `"icl"`, `"induction_phase"`), a
+            callable `fn(model, **params)` returning `HeadScores`, a dict of them, a `Circuit`, a
+            `HeadAtlas` or numbers, an `Analysis`, or a request (`run(model)`, `to_json()`).
+        params: the analysis' keyword parameters, JSON values (e.g. `{"pairs": [...]}`).
+        steps: override the steps (one int per checkpoint found).
+        results_dir: a folder for per-checkpoint results (`step-NNNNNNNNN.json`, each written
+            atomically, and `run.json`). A rerun with the same analysis, parameters and
+            checkpoints reuses the results there and computes only the missing ones (resume);
+            None (default): nothing is written.
+        overwrite: discard the results of another run found in `results_dir` (default False: a
+            `HeadsteerValueError`).
+        load_kwargs: keyword arguments of `load_model` (e.g. `{"dtype": "float32"}`).
+        progress: True (a tqdm bar), False / None, or `progress(done, total)` in checkpoints.
+
+    Returns:
+        `CheckpointSeries`; each checkpoint's metadata numbers (e.g. `train_loss`) are added as
+        scalars, and its `seconds` (load + analysis) recorded.
+
+    Raises:
+        HeadsteerValueError / HeadsteerTypeError: bad checkpoints, analysis, parameters, results
+            folder (see `find_checkpoints`, `Analysis.of`), all before any model is loaded; what
+            the analysis raises on a checkpoint.
+    """
+    from heads.model.loading import check_config, check_weights, load_model
+
+    job = Analysis.of(analysis, params)
+    check_bool("overwrite", overwrite)
+    if load_kwargs is not None and not isinstance(load_kwargs, Mapping):
+        raise HeadsteerTypeError(f"load_kwargs must be a dict, got {type(load_kwargs).__name__}")
+    series = find_checkpoints(checkpoints, steps=steps)
+    for c in series:
+        if c.path is not None:
+            check_weights(c.path)
+            check_config(c.path)
+    ident = _identity(job, series)
+    folder = None if results_dir is None else Path(os.fspath(results_dir)).expanduser()
+    if folder is not None:
+        _prepare(folder, ident, overwrite)
+    short = job.name if ":" not in job.name else job.name.rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+    parts: list[dict] = []
+    with progress_callback(progress, "checkpoints", "ckpt") as report:
+        if report is not None:
+            report(0, len(series))
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_text(folder / RUN_FILE, json.dumps(ident, indent=1) + "\n", overwrite=True)
+        for i, c in enumerate(series):
+            part = None if folder is None else _read_part(folder / part_name(c), c, ident)
+            if part is None:
+                t0 = time.perf_counter()
+                model = c.model if c.model is not None else load_model(c.path, **dict(load_kwargs or {}))
+                result = job.run(model)
+                rows = tidy(result, short)
+                del model, result
+                gc.collect()
+                rows.scalars += [{"metric": k, "value": v} for k, v in c.meta.items()]
+                part = {
+                    "schema": _PART_SCHEMA,
+                    **job.identity(),
+                    "checkpoint": c.describe(),
+                    "seconds": time.perf_counter() - t0,
+                    "rows": rows.to_json(),
+                }
+                if folder is not None:
+                    text = json.dumps(part, allow_nan=False) + "\n"
+                    write_text(folder / part_name(c), text, overwrite=True)
+            parts.append(part)
+            if report is not None:
+                report(i + 1, len(series))
+    return CheckpointSeries.from_parts(ident_public(job), parts)
+
+
+def ident_public(job: Analysis) -> dict:
+    """The analysis identity stored in the result."""
+    return {"analysis": job.name, "params": job.params}

@@ -1,0 +1,299 @@
+"""EAP and EAP-IG edge scores in memory linear in the prompt (`heads.scorers.circuits.scores`).
+
+score(u -> v) = sum over positions of (a_u(x~) - a_u(x)) . dM/dv_in, averaged over the
+interpolation steps for EAP-IG. Nothing of size `[edges, T, D]` is kept:
+
+* the activation differences are kept compactly, per layer: the heads' `z(x~) - z(x)`
+  `[R, T, H, d]` (post-norm families: `z / s`, the frozen scale per run) and the MLPs'
+  `[R, T, D]`, one corrupted and one clean forward without gradients;
+* the gradients come one layer at a time (`heads.scorers.layerwise`): layer l runs alone from its
+  recorded input with zero deltas added at its q / k / v sites, the MLP's input (`resid_mid`,
+  taken back out at `resid_post`) and, in the last layer, the final norm's input; the gradient
+  at a head's q input in the residual stream is the q-site gradient through W_Q[h] and the
+  attention norm's Jacobian (one vector-Jacobian product of the norm per head);
+* each layer's downstream gradients `[S, R, T, D]` meet the differences of every node below
+  (the heads' projected through W_O, a few heads at a time) and are dropped.
+
+Peak memory: about 2 L + L / every + every + S residual-stream copies per pair chunk plus one
+layer's graph, against L (H + 1) + L (H + 2 G + 1) copies for the dense edge form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from heads.engine.activations import ActivationEdit
+from heads.engine.edits import AttentionCall, Edit
+from heads.model.adapter import HeadModel
+from heads.model.parts import norm_stats
+from heads.scorers.circuits.graph import LayerParts, embed_output, layer_parts
+from heads.scorers.circuits.layout import Graph
+from heads.scorers.layerwise import default_every, inputs_down, record_inputs, run_layer
+
+__all__ = ["HEAD_CHUNK", "eap_chunk"]
+
+HEAD_CHUNK = 4
+"""Heads whose outputs are projected to the residual stream at once when scoring (bounds memory)."""
+
+Loss = Callable[[torch.Tensor], torch.Tensor]
+"""`logits [R, V] fp32 -> scalar`: the metric summed over the rows."""
+
+
+class _Nodes:
+    """Reads of the upstream nodes' outputs in one forward: the corrupted run stores them, the
+    clean run subtracts its own (so the store holds `a(x~) - a(x)`)."""
+
+    def __init__(self, model: HeadModel, parts: list[LayerParts]):
+        L = model.n_layers
+        self.parts = parts
+        self.post = parts[0].post is not None
+        self.input: torch.Tensor | None = None
+        self.z: list[torch.Tensor | None] = [None] * L
+        self.mlp: list[torch.Tensor | None] = [None] * L
+        self._z: list[torch.Tensor | None] = [None] * L  # post-norm: z until its scale is read
+        self.sign = 1.0  # +1 while recording the corrupted run, -1 for the clean one
+
+    def _put(self, store: list[torch.Tensor | None], la: int, value: torch.Tensor) -> None:
+        v = value.detach().float()
+        if self.sign > 0:
+            store[la] = v.clone()
+        else:
+            cast(torch.Tensor, store[la]).sub_(v)
+
+    def edits(self) -> list[Edit]:
+        out: list[Edit] = [ActivationEdit("residual", 0, self._input)]
+        for la in range(len(self.z)):
+            out.append(ActivationEdit("head_output", la, self._head(la)))
+            if self.post:
+                out.append(ActivationEdit("attn_out_pre_norm", la, self._scale(la)))
+            out.append(ActivationEdit("mlp_out", la, self._mlp(la)))
+        return out
+
+    def _input(self, x: torch.Tensor, call: AttentionCall) -> None:
+        v = x.detach().float()
+        self.input = v.clone() if self.sign > 0 else cast(torch.Tensor, self.input).sub_(v)
+
+    def _head(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(z: torch.Tensor, call: AttentionCall) -> None:
+            if self.post:
+                self._z[la] = z.detach()
+            else:
+                self._put(self.z, la, z)
+
+        return fn
+
+    def _scale(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        post = cast(nn.Module, self.parts[la].post)
+
+        def fn(x: torch.Tensor, call: AttentionCall) -> None:
+            scale, _ = norm_stats(post, x)  # [R, T, 1] fp32
+            z = cast(torch.Tensor, self._z[la])
+            self._z[la] = None
+            self._put(self.z, la, z.float() / scale[..., None])
+
+        return fn
+
+    def _mlp(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(o: torch.Tensor, call: AttentionCall) -> None:
+            self._put(self.mlp, la, o)
+
+        return fn
+
+    def mask(self, mask: torch.Tensor) -> None:
+        """Zero the differences at padding positions (`mask [R, T]`)."""
+        m = mask.to(cast(torch.Tensor, self.input).device, torch.float32)
+        cast(torch.Tensor, self.input).mul_(m[..., None])
+        for z, o in zip(self.z, self.mlp, strict=True):
+            cast(torch.Tensor, z).mul_(m[..., None, None])
+            cast(torch.Tensor, o).mul_(m[..., None])
+
+
+def _add(delta: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return x + delta.to(x.dtype)
+
+    return fn
+
+
+def _interpolate(e_corr: torch.Tensor, alpha: float) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    """The embedding output becomes `e(x~) + alpha (e(x) - e(x~))` (EAP-IG over the inputs)."""
+
+    def fn(e: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        c = e_corr.to(e.device, e.dtype)
+        return c + alpha * (e - c)
+
+    return fn
+
+
+def _residual_grads(part: LayerParts, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`[n, R, T, D]` the gradient at each of n heads' own copy of the residual entering the
+    attention norm, from the gradients `g [R, T, n, d]` at the heads' projections (weights
+    `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`."""
+    proj = torch.einsum("rtnd,nDd->nrtD", g.to(w.dtype), w)
+    if isinstance(part.norm1, nn.Identity):
+        return proj.float()
+    with torch.enable_grad():
+        xc = x.detach().requires_grad_(True)
+        out = part.norm1.forward(xc)
+        try:
+            (res,) = torch.autograd.grad(out, xc, grad_outputs=proj.to(out.dtype), is_grads_batched=True)
+        except RuntimeError:  # a norm without batching rules: one product per head
+            res = torch.stack(
+                [
+                    torch.autograd.grad(out, xc, grad_outputs=p.to(out.dtype), retain_graph=True)[0]
+                    for p in proj
+                ]
+            )
+    return res.float()
+
+
+def _layer_step(
+    model: HeadModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x_in: torch.Tensor,
+    g_out: torch.Tensor | None,
+    loss: Loss | None,
+    parts: LayerParts,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `la` with gradients: `(dM / d(stream entering la) [R, T, D], the gradients at its
+    downstream inputs [S', R, T, D] in graph order: q heads, k, v, MLP, and logits in the last
+    layer)`."""
+    H, G, d = graph.n_heads, graph.n_kv_heads, model.d_head
+    R, T, D = x_in.shape
+    last = la == graph.n_layers - 1
+    dt = x_in.dtype
+    x = x_in.detach().requires_grad_(True)
+    zeros = {
+        "q": torch.zeros(R, T, H, d, dtype=dt, device=x.device, requires_grad=True),
+        "k": torch.zeros(R, T, G, d, dtype=dt, device=x.device, requires_grad=True),
+        "v": torch.zeros(R, T, G, d, dtype=dt, device=x.device, requires_grad=True),
+    }
+    d_mlp = torch.zeros(R, T, D, dtype=dt, device=x.device, requires_grad=True)
+    leaves = [x, *zeros.values(), d_mlp]
+    edits: list[Edit] = [ActivationEdit(w, la, _add(z)) for w, z in zeros.items()]
+    edits.append(ActivationEdit("resid_mid", la, _add(d_mlp)))
+    if last:
+        d_logits = torch.zeros(R, T, D, dtype=dt, device=x.device, requires_grad=True)
+        leaves.append(d_logits)
+        edits.append(ActivationEdit("resid_post", la, _add(d_logits - d_mlp)))
+    else:
+        edits.append(ActivationEdit("resid_post", la, _add(-d_mlp)))
+    out = run_layer(model, ids, mask, la, x, edits)
+    with torch.enable_grad():
+        if last:
+            target = cast(Loss, loss)(out.float())
+            grads = torch.autograd.grad(target, leaves, allow_unused=True)
+        else:
+            grads = torch.autograd.grad(
+                out, leaves, grad_outputs=cast(torch.Tensor, g_out), allow_unused=True
+            )
+    got = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads, strict=True)]
+    g_in = got[0]
+    blocks = [
+        _residual_grads(parts, x_in, g, parts.w[w]) for w, g in zip(("q", "k", "v"), got[1:4], strict=True)
+    ]
+    blocks += [t.float()[None] for t in got[4:]]
+    return g_in, torch.cat(blocks)
+
+
+def _score_layer(
+    scores: torch.Tensor,
+    graph: Graph,
+    la: int,
+    g_down: torch.Tensor,
+    diffs: _Nodes,
+    w_o: list[torch.Tensor],
+) -> None:
+    """Add `(a_u(x~) - a_u(x)) . g_v` for the downstream inputs v of layer `la` (`g_down [S', R,
+    T, D]`) and every upstream node u up to layer `la` into `scores [R, U, Dn]` (entries that
+    are not edges are zeroed by the caller)."""
+    H = graph.n_heads
+    lo = graph.q_input(la, 0)
+    hi = lo + g_down.shape[0]
+    g = g_down.to(w_o[0].device)
+    inp = cast(torch.Tensor, diffs.input).to(g.device)
+    scores[:, 0, lo:hi] += torch.einsum("rtD,srtD->rs", inp, g).to(scores.device)
+    for lp in range(la + 1):
+        dz = cast(torch.Tensor, diffs.z[lp]).to(g.device)
+        for h0 in range(0, H, HEAD_CHUNK):
+            hs = slice(h0, min(H, h0 + HEAD_CHUNK))
+            proj = torch.einsum("rthd,hdD->hrtD", dz[:, :, hs], w_o[lp][hs])
+            u0 = graph.head_node(lp, h0)
+            scores[:, u0 : u0 + proj.shape[0], lo:hi] += torch.einsum("hrtD,srtD->rhs", proj, g).to(
+                scores.device
+            )
+        dm = cast(torch.Tensor, diffs.mlp[lp]).to(g.device)
+        u = graph.mlp_node(lp)
+        scores[:, u, lo:hi] += torch.einsum("rtD,srtD->rs", dm, g).to(scores.device)
+
+
+def eap_chunk(
+    model: HeadModel,
+    graph: Graph,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    mask: torch.Tensor,
+    loss: Loss,
+    *,
+    steps: int | None = None,
+    every: int | None = None,
+) -> torch.Tensor:
+    """`[R, U, Dn]` fp32 EAP scores of every (u, v) for the R pairs (each pair's own score; 0
+    where there is no edge), or EAP-IG over the inputs with `steps` interpolation points
+    k / steps, k = 1..steps (Hanna et al. 2024, Eq. 3).
+
+    Args:
+        clean_ids, corrupted_ids, mask: `[R, T]` (left-padded, equal lengths).
+        loss: the metric summed over the rows, from the logits `[R, V]` at the last position.
+        steps: None for EAP, m for EAP-IG.
+        every: layers per recomputed segment of the layer-by-layer backward (default ~sqrt(L)).
+    """
+    L = graph.n_layers
+    every = default_every(L) if every is None else every
+    sparse_layers = list(range(0, L, every))
+    parts = [layer_parts(model, la) for la in range(L)]
+    w_o = [
+        p.w_o.float() if p.gain is None else p.w_o.float() * p.gain.to(p.w_o.device)[None, None]
+        for p in parts
+    ]
+    diffs = _Nodes(model, parts)
+    record_inputs(model, corrupted_ids, mask, [], diffs.edits())
+    diffs.sign = -1.0
+    _, clean_sparse = record_inputs(model, clean_ids, mask, sparse_layers, diffs.edits())
+    diffs.mask(mask)
+    R = clean_ids.shape[0]
+    scores = torch.zeros(R, graph.n_upstream, graph.n_downstream)
+    n_runs = 1 if steps is None else steps
+    e_corr = embed_output(model, corrupted_ids) if steps is not None else None
+    for k in range(n_runs, 0, -1):
+        if k == n_runs:
+            sparse = clean_sparse
+        else:
+            ec, alpha = cast(torch.Tensor, e_corr), k / n_runs
+
+            def interpolate(
+                e: torch.Tensor, call: AttentionCall, ec: torch.Tensor = ec, a: float = alpha
+            ) -> torch.Tensor:
+                c = ec.to(e.device, e.dtype)
+                return c + a * (e - c)
+
+            _, sparse = record_inputs(
+                model, clean_ids, mask, sparse_layers, [ActivationEdit("embed", 0, interpolate)]
+            )
+        step = torch.zeros_like(scores)
+        g_out: torch.Tensor | None = None
+        for la, x_in in inputs_down(model, clean_ids, mask, sparse, every):
+            g_out, g_down = _layer_step(model, graph, clean_ids, mask, la, x_in, g_out, loss, parts[la])
+            _score_layer(step, graph, la, g_down, diffs, w_o)
+            del g_down
+        scores += step
+    scores /= n_runs
+    scores[:, ~graph.valid] = 0.0
+    return scores

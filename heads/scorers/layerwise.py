@@ -1,0 +1,158 @@
+"""Gradients one layer at a time: the backward of the gradient-based analyses in memory linear in
+the prompt, on the engine's sites (every backend, per thread).
+
+A backward through the whole model keeps every layer's activations (tens of residual-stream
+copies per layer). Here a no-grad forward records the residual stream entering every `every`-th
+layer (`record_inputs`); the backward then walks the layers from the top: a segment of `every`
+layers is recomputed without gradients to get each layer's input (`inputs_down`), and each layer
+runs alone with gradients (`run_layer`: the engine's layer-prefix reuse starts the forward at the
+layer, a `resid_post` read stops it after the layer), so one layer's graph is alive at a time.
+The gradient reaching the stream entering layer l is passed to layer l - 1 as the gradient of its
+output. Peak memory: about `L / every + every` residual copies, one layer's graph, and what the
+analysis keeps.
+
+This is exact: a layer's forward alone from its recorded input computes what it computes inside
+the whole forward (the same modules, masks, positions and kernels), so the gradients are those of
+one backward through the model (up to float rounding in the order of the sums).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from heads.engine.activations import ActivationEdit, ActivationRecorder
+from heads.engine.context import editing
+from heads.engine.edits import AttentionCall, Edit
+from heads.engine.prefix import starting_at
+from heads.inputs.prompts import position_ids
+from heads.model.adapter import HeadModel
+
+__all__ = ["default_every", "inputs_down", "record_inputs", "run_layer"]
+
+
+class _Stop(Exception):
+    """Ends a forward once the layer that was asked for has run."""
+
+
+def default_every(n_layers: int) -> int:
+    """Layers per recomputed segment: about sqrt(L) (then L / every + every is smallest)."""
+    return max(1, round(math.sqrt(n_layers)))
+
+
+def _run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    dev = model.device
+    return model.run(
+        input_ids=ids.to(dev),
+        attention_mask=mask.to(dev),
+        position_ids=position_ids(mask).to(dev),
+        use_cache=False,
+        logits_to_keep=1,
+    )
+
+
+def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    def fn(old: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return x
+
+    return fn
+
+
+def _stop(box: list[torch.Tensor]) -> Callable[[torch.Tensor, AttentionCall], None]:
+    def fn(y: torch.Tensor, call: AttentionCall) -> None:
+        box.append(y)
+        raise _Stop
+
+    return fn
+
+
+@torch.no_grad()
+def record_inputs(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layers: Sequence[int],
+    edits: Sequence[Edit] = (),
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One forward without gradients: `(logits [R, V] fp32 at the last position, {l: [R, T, D] the
+    residual entering layer l for l in layers})`, with `edits` applied too."""
+    recs = {la: ActivationRecorder("residual", la) for la in sorted(set(layers))}
+    with editing(model, [*edits, *recs.values()], require_fired=False):
+        out = _run(model, ids, mask)
+    return out.logits[:, -1].float(), {la: r.records[-1] for la, r in recs.items()}
+
+
+@torch.no_grad()
+def _segment(
+    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, start: int, stop: int, x: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """The residual entering layers start+1 .. stop-1, from `x` entering `start` (no gradients):
+    the stream leaving layers start .. stop-2, the forward stopped after layer stop-2."""
+    if stop - start <= 1:
+        return {}
+    recs = {la + 1: ActivationRecorder("resid_post", la) for la in range(start, stop - 1)}
+    box: list[torch.Tensor] = []
+    edits: list[Edit] = [ActivationEdit("residual", start, _replace(x)), *recs.values()]
+    edits.append(ActivationEdit("resid_post", stop - 2, _stop(box)))  # after its recorder
+    with ExitStack() as stack:
+        stack.enter_context(starting_at(model, start, x if start else None))
+        stack.enter_context(editing(model, edits, require_fired=False))
+        try:
+            _run(model, ids, mask)
+        except _Stop:
+            pass
+    return {la: r.records[-1] for la, r in recs.items()}
+
+
+def inputs_down(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    sparse: dict[int, torch.Tensor],
+    every: int,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`(l, [R, T, D] the residual entering layer l)` for l = L-1 .. 0, from the residuals `sparse`
+    recorded at layers 0, every, 2 every, ... (`record_inputs`); each segment is recomputed
+    without gradients when the walk reaches it, and its entries are dropped once yielded (`sparse`
+    is emptied as the walk goes down)."""
+    L = model.n_layers
+    for start in sorted(sparse, reverse=True):
+        stop = min(start + every, L)
+        x = sparse.pop(start)
+        seg = _segment(model, ids, mask, start, stop, x)
+        seg[start] = x
+        for la in range(stop - 1, start - 1, -1):
+            yield la, seg.pop(la)
+
+
+def run_layer(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    edits: Sequence[Edit] = (),
+) -> torch.Tensor:
+    """Layer `layer` alone with gradients from `x` (`[R, T, D]`, the residual entering it; make it
+    a leaf that requires grad to get the gradient that reaches it), with `edits` (of that layer):
+    the stream leaving the layer `[R, T, D]`, or for the last layer the logits `[R, V]` at the last
+    position (the model's dtype)."""
+    last = layer == model.n_layers - 1
+    box: list[torch.Tensor] = []
+    site_edits: list[Edit] = [ActivationEdit("residual", layer, _replace(x)), *edits]
+    if not last:
+        site_edits.append(ActivationEdit("resid_post", layer, _stop(box)))
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(starting_at(model, layer, x.detach() if layer else None))
+        stack.enter_context(editing(model, site_edits, require_fired=False))
+        try:
+            out = _run(model, ids, mask)
+        except _Stop:
+            return box[-1]
+    logits: torch.Tensor = out.logits[:, -1]
+    return logits

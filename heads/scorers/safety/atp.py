@@ -1,0 +1,307 @@
+"""The AtP / AtP* estimate of one batch of prompts, in memory linear in the prompt.
+
+`heads.scorers.safety.attribution.attribute` (the public API and the method) runs this per
+batch. For every head (l, h) and prompt the estimate is `sum_t dm/dz . (z_ablated - z)`; the
+gradients come one layer at a time (`heads.scorers.layerwise`): a no-grad forward records the
+residual entering every ~sqrt(L)-th layer, then each layer runs alone from its recomputed input
+with a zero added to its heads' outputs (`head_output` site, whose gradient is dm/dz), and the
+gradient at its input goes down to the layer below. The change `z_ablated - z` of layer l is made
+while layer l is processed (from its clean z; the delta pass of an attention edit starts at l
+from the same input), so no `[L, T, H, d]` store is needed either.
+
+Each metric scalar (the `kl_tokens` log-probs for KL, or the metric) is a *flow*: its own
+gradient through the layers, all taken from one forward of each layer. GradDrop (AtP* §3.1.2)
+adds a flow per scalar and dropped layer l': above l' it is the plain flow, at l' the gradient
+passes the layer by the residual stream only (its attention and MLP outputs get none, so its
+heads get 0), below it goes on as usual. Drops are taken a few at a time (each group one walk
+down the layers) to bound the number of flows kept at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from heads._util.validation import short_repr
+from heads.engine.activations import ActivationEdit
+from heads.engine.edits import AttentionCall, Edit, ProbEdit, QueryScale
+from heads.engine.variants import run_rows
+from heads.errors import HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
+from heads.model.adapter import HeadModel
+from heads.scorers.layerwise import default_every, inputs_down, record_inputs, run_layer
+
+__all__ = ["BatchSetup", "attribute_batch", "coarse_kl", "layer_edit"]
+
+REST_FLOOR = 1e-4  # smallest predicted "rest" mass, relative to the clean one
+MAX_FLOWS = 8
+"""GradDrop flows (dropped layer x metric scalar) carried down the layers at once."""
+
+Flow = tuple[int | None, int]
+"""`(dropped layer or None, metric scalar index)`."""
+
+
+class LinearisedScale(ProbEdit):
+    """Pattern `A + (f - 1) A (log A - sum_k A log A)`: `softmax(f s)` linearised at f = 1."""
+
+    def __init__(self, layer: int, factor: float):
+        super().__init__(layer=layer)
+        self.factor = float(factor)
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        logp = torch.where(probs > 0, probs.clamp(min=1e-45).log(), 0.0)
+        centred = logp - (probs * logp).sum(-1, keepdim=True)
+        return probs + (self.factor - 1.0) * probs * centred
+
+
+def layer_edit(ablation: Any, layer: int, eps: float, saturation_fix: bool) -> Edit:
+    """The edit of `layer` whose pattern change the delta pass computes (UA or a custom edit)."""
+    if callable(ablation):
+        edit = ablation(layer)
+        if not isinstance(edit, Edit) or edit.layer != layer:
+            raise HeadsteerValueError(
+                f"ablation({layer}) must return an Edit for layer {layer}, got {short_repr(edit)}"
+            )
+        return edit
+    if saturation_fix:
+        return QueryScale(layer=layer, factor=eps)
+    return LinearisedScale(layer, eps)
+
+
+class _Stop(Exception):
+    """Raised from a `head_output` read to end a delta pass once the layer's z is read."""
+
+
+def delta_pass(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    edit: Edit,
+    residual: torch.Tensor,
+    clean_z: torch.Tensor,
+) -> torch.Tensor:
+    """`z_edited - z_clean` of `layer` (`[B, T, H, d]`) from a forward of that layer alone: the
+    engine starts at `layer` from the clean `residual`, applies `edit`, and a `head_output` read
+    listed after it stops the forward once z is known."""
+    got: list[torch.Tensor] = []
+
+    def read(z: torch.Tensor, call: AttentionCall) -> None:
+        got.append(z.detach())
+        raise _Stop
+
+    try:
+        run_rows(
+            model,
+            ids,
+            mask,
+            [edit, ActivationEdit("head_output", layer, read)],
+            start=layer,
+            residual=residual if layer else None,
+        )
+    except _Stop:
+        pass
+    if not got:
+        raise RuntimeError(f"the delta pass never reached the head outputs of layer {layer}")
+    return got[0] - clean_z
+
+
+def coarse_kl(p_top: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """KL(coarse p || coarse p') for predicted log-prob changes `delta` `[B, m, *]` of the top-m
+    tokens with clean probs `p_top` `[B, m]`; the rest class takes the remaining mass."""
+    shape = (*p_top.shape, *([1] * (delta.dim() - 2)))
+    p = p_top.double().reshape(shape)
+    d = delta.double().clamp(max=50.0)
+    rest = (1.0 - p.sum(1, keepdim=True)).clamp(min=1e-12)
+    new = p * d.exp()
+    new_rest = (1.0 - new.sum(1, keepdim=True)).clamp(min=0.0)
+    new_rest = torch.maximum(new_rest, rest * REST_FLOOR)
+    total = new.sum(1, keepdim=True) + new_rest
+    new, new_rest = new / total, new_rest / total
+    kl = (p * (p.log() - new.log())).sum(1) + (rest * (rest.log() - new_rest.log()))[:, 0]
+    return kl.clamp(min=0.0).float()
+
+
+@dataclass(frozen=True)
+class BatchSetup:
+    """What `attribute_batch` needs of `attribute`'s checked arguments (the same for every batch);
+    `means`: the per-layer head means of `ablation="mean"`, else None."""
+
+    ablation: Any
+    eps: float
+    metric: Any
+    kl_tokens: int
+    saturation_fix: bool
+    graddrop: bool
+    means: list[torch.Tensor] | None
+
+
+class _Walk:
+    """One walk down the layers carrying the plain flows and the flows of some dropped layers."""
+
+    def __init__(
+        self,
+        model: HeadModel,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        rows: torch.Tensor,
+        setup: BatchSetup,
+        real: torch.Tensor,
+        scalars: Callable[[torch.Tensor], list[torch.Tensor]],
+        drops: list[int],
+    ):
+        self.m, self.ids, self.mask, self.rows, self.setup = model, ids, mask, rows, setup
+        self.real = real  # [R, T, 1, 1] bool
+        self.scalars = scalars
+        self.drops = drops
+        R, L, H = len(rows), model.n_layers, model.n_heads
+        self.n_scalars = 0
+        self.effects: dict[Flow, torch.Tensor] = {}
+        self.shape = (R, L, H)
+
+    def _dz(self, la: int, z: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
+        s = self.setup
+        if s.ablation in ("sc", "zero"):
+            dz = (s.eps - 1.0) * z
+        elif s.ablation == "mean":
+            dz = cast(list[torch.Tensor], s.means)[la].to(z) - z
+        else:
+            edit = layer_edit(s.ablation, la, s.eps, s.saturation_fix)
+            dz = delta_pass(self.m, self.ids, self.mask, la, edit, x_in, z)
+        return torch.where(self.real.to(dz.device), dz, 0.0)
+
+    def run(self, sparse: dict[int, torch.Tensor], every: int) -> dict[Flow, torch.Tensor]:
+        m = self.m
+        L = m.n_layers
+        g_next: dict[Flow, torch.Tensor] = {}
+        for la, x_in in inputs_down(m, self.ids, self.mask, sparse, every):
+            x = x_in.detach().requires_grad_(True)
+            box: list[torch.Tensor] = []
+            zeta: list[torch.Tensor] = []
+
+            edits: list[Edit] = [ActivationEdit("head_output", la, _tap(box, zeta))]
+            top = la == L - 1
+            if top:
+                post = torch.zeros_like(x, requires_grad=True)
+                edits.append(ActivationEdit("resid_post", la, _plus(post)))
+            out = run_layer(m, self.ids, self.mask, la, x, edits)
+            dz = self._dz(la, box[0], x_in)
+            leaves = [x, zeta[0]]
+            grads: dict[Flow, tuple[torch.Tensor, torch.Tensor]] = {}
+            with torch.enable_grad():
+                if top:
+                    values = self.scalars(out)
+                    self.n_scalars = len(values)
+                    for j, s in enumerate(values):
+                        gx, gz, gpost = torch.autograd.grad(
+                            s, [*leaves, post], retain_graph=True, allow_unused=True
+                        )
+                        grads[(None, j)] = (_z(gx, x), _z(gz, zeta[0]))
+                        g_next[(None, j)] = _z(gpost, post)  # the gradient leaving the top layer
+                keys = [k for k in g_next if not (top and k[0] is None)]
+                for i, key in enumerate(keys):
+                    drop = key[0]
+                    if drop is not None and drop == la:
+                        continue  # handled below: the stream passes the dropped layer untouched
+                    last = i == len(keys) - 1
+                    gx, gz = torch.autograd.grad(
+                        out, leaves, grad_outputs=g_next[key], retain_graph=not last, allow_unused=True
+                    )
+                    grads[key] = (_z(gx, x), _z(gz, zeta[0]))
+            for d in self.drops:  # new flows: the plain flow's gradient leaving layer d, passed by
+                if d == la:  # the residual stream only; d's heads get 0
+                    for j in range(self.n_scalars):
+                        grads[(d, j)] = (g_next[(None, j)], torch.zeros_like(zeta[0]))
+            g_next = {}
+            for key, (gx, gz) in grads.items():
+                eff = self.effects.setdefault(key, torch.zeros(self.shape))
+                eff[:, la] = (gz * dz).sum((1, 3)).float().cpu()
+                g_next[key] = gx
+            del out
+        for d in self.drops:  # above the dropped layer a drop's flow is the plain one
+            for j in range(self.n_scalars):
+                self.effects[(d, j)][:, d + 1 :] = self.effects[(None, j)][:, d + 1 :]
+        return self.effects
+
+
+def _tap(
+    box: list[torch.Tensor], zeta: list[torch.Tensor]
+) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    """A `head_output` edit keeping z (`box`) and adding a zero leaf (`zeta`) whose gradient is dm/dz."""
+
+    def fn(z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        box.append(z.detach())
+        leaf = torch.zeros_like(z, requires_grad=True)
+        zeta.append(leaf)
+        return z + leaf
+
+    return fn
+
+
+def _plus(leaf: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    def fn(y: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return y + leaf
+
+    return fn
+
+
+def _z(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g.detach()
+
+
+def attribute_batch(
+    model: HeadModel, enc: EncodedPrompts, rows: torch.Tensor, setup: BatchSetup
+) -> torch.Tensor:
+    """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch)."""
+    metric, kl_tokens = setup.metric, setup.kl_tokens
+    lengths = enc.attention_mask[rows].sum(-1)
+    trim = enc.length - int(lengths.max())
+    ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
+    L = model.n_layers
+    every = default_every(L)
+    layers = list(range(0, L, every))
+    logits, sparse = record_inputs(model, ids, mask, layers)
+    logp0 = _logp(logits)
+    real = mask.to(torch.bool)[:, :, None, None]
+    p_top: torch.Tensor | None = None
+    if metric == "kl":
+        p_top, top = logp0.exp().topk(kl_tokens, dim=-1)  # [R, m]
+
+    def scalars(last_logits: torch.Tensor) -> list[torch.Tensor]:
+        logp = _logp(last_logits)
+        if metric == "kl":
+            return [logp.gather(-1, top[:, j : j + 1].to(logp.device)).sum() for j in range(kl_tokens)]
+        values = metric(logp, rows.to(logp.device))
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (len(rows),):
+            raise HeadsteerValueError(
+                f"the metric must return a [{len(rows)}] tensor, got {short_repr(values)}"
+            )
+        if not values.requires_grad:
+            raise HeadsteerValueError("the metric does not depend on the log-probs it is given (no gradient)")
+        return [values.sum()]
+
+    def estimate(effects: Sequence[torch.Tensor]) -> torch.Tensor:
+        if metric == "kl":
+            return coarse_kl(cast(torch.Tensor, p_top).cpu(), torch.stack(list(effects), 1))
+        return effects[0]
+
+    if not setup.graddrop:
+        eff = _Walk(model, ids, mask, rows, setup, real, scalars, []).run(sparse, every)
+        return estimate([eff[(None, j)] for j in range(len(eff))])
+    n_scalars = 1 if metric != "kl" else kl_tokens
+    per_group = max(1, MAX_FLOWS // n_scalars)
+    total = torch.zeros(len(rows), L, model.n_heads)
+    for g0 in range(0, L, per_group):
+        drops = list(range(g0, min(L, g0 + per_group)))
+        eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(dict(sparse), every)
+        for d in drops:
+            est = estimate([eff[(d, j)] for j in range(n_scalars)])
+            total += est if metric == "kl" else est.abs()
+    return total / (L - 1)
+
+
+def _logp(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
