@@ -2,9 +2,10 @@
 
 Run `python -m probes.datasets.make_tasks` to (re)write the six JSONL files; the build is seeded and
 deterministic, so re-running gives byte-identical files. Every example is assembled from the
-hand-written lists of `probes.datasets.task_words` and fixed templates; the people, landmarks, provinces, countries and
-firms named are fictional (real cities, countries, languages and companies appear only as
-values), except in `context_qa`, whose passages contradict real, well-known facts.
+hand-written lists of `probes.datasets.task_words` and fixed templates; the people, landmarks,
+provinces, countries and firms named are fictional (real cities, countries, languages and
+companies appear only as values), except in `context_qa`, whose passages contradict real,
+well-known facts.
 Choice tasks are checked against the embedded tokenizer: the first token of
 `" " + choice` differs between the choices of every example.
 
