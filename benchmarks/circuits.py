@@ -40,7 +40,7 @@ import argparse
 import json
 import os
 import time
-from typing import Any, cast
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,25 +60,12 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _accuracy(model: Any, pairs: Any, heads: Any) -> torch.Tensor:
-    """`[N]` 1.0 where the clean prompt's answer logit beats the counterfactual's, with `heads` ablated."""
-    from heads import editing
-    from heads.inputs.prompts import position_ids
+    """`[N]` 1.0 where the clean prompt's answer logit beats the counterfactual's, with `heads`
+    ablated (`heads.evaluate_pairs` with `steer.Ablate`, the product's own evaluation)."""
+    from heads import evaluate_pairs
     from steer import Ablate
 
-    edits = Ablate(heads).edits(model, None) if heads else []  # type: ignore[arg-type]
-    ids, mask = pairs.clean_ids, pairs.attention_mask
-    with torch.no_grad(), editing(model, edits):
-        out = model.run(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=position_ids(mask),
-            use_cache=False,
-            logits_to_keep=1,
-        )
-    logits = out.logits[:, -1].float()
-    idx = torch.arange(pairs.n)
-    won = logits[idx, pairs.answers[:, 0]] > logits[idx, pairs.counterfactuals[:, 0]]
-    return cast(torch.Tensor, won.float())
+    return evaluate_pairs(model, pairs, steer=[Ablate(heads)] if heads else []).correct.float()
 
 
 def _boot(x: torch.Tensor, n: int = 2000, seed: int = 0) -> list[float]:

@@ -59,10 +59,12 @@ from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
 from heads.results.activations import ActivationCache
 from heads.results.composition import CompositionScores
+from heads.results.evaluation import PairEvaluation
 from heads.results.qk import QKAttribution
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
-from heads.scorers.attention_mass import head_pattern, span_attention
+from heads.scorers.attention_mass import head_pattern, position_attention, span_attention
 from heads.scorers.circuits import Circuit, find_circuit
+from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.path import path_patch
 from heads.scorers.qk import composition_scores, data_composition_scores, qk_attribution
 from heads.scorers.safety.attribution import attribute
@@ -119,6 +121,9 @@ __all__ = [
     "hook_names",
     "record",
     "run_with_hooks",
+    "PairEvaluation",
+    "evaluate_pairs",
+    "position_attention",
 ]
 
 _aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

@@ -20,10 +20,12 @@ Built-in analyses (`ANALYSES`), each a thin call of the toolkit's own function:
 | `maps` | `maps_scores` on `{relation: [[source, target], ...]}` | `maps.<relation>` |
 | `icl` | `heads.dynamics.icl.icl_score` | scalars `icl_score`, `loss_first`, `loss_second` |
 | `induction_phase` | `icl` + the previous-token and induction detectors, one load | both |
+| `composition` | `composition_scores` or `data_composition_scores` | top pairs as edges; per head in / out |
+| `qk_attribution` | `qk_attribution(model, prompts, head)` at the last position | upstream heads' marginal |
 
 A result becomes rows by its type (`tidy`): `HeadScores` (metric: its `method`, or the key of
 a mapping), a mapping of them, a `HeadAtlas` (score columns + roles), a `Circuit` (head
-importance + edges), anything with `head_scores()`, numbers (scalars).
+importance + edges), anything with `head_scores()`, numbers (scalars), or a `Tidy` of rows.
 """
 
 from __future__ import annotations
@@ -207,6 +209,71 @@ def _induction_phase(
     return out
 
 
+def _composition(
+    model: HeadModel,
+    *,
+    kinds: list[str] | None = None,
+    top: int = 200,
+    data: bool = False,
+    n: int = 4,
+    seed: int = 0,
+) -> Tidy:
+    """Q- / K- / V-composition between heads (`composition_scores`, minus the random baseline; or
+    measured on `n` repeated-token rows with `data=True`): the `top` writer -> reader pairs of each
+    kind as edges (`"L0.H3" -> "L1.H0"`, metric `"<kind>_composition"`), and per head the largest
+    composition out of it and into it (`"<kind>_composition_out"` / `"_in"`)."""
+    import torch
+
+    from heads.dynamics.icl import icl_sequences
+    from heads.scorers.qk.composition import composition_scores, data_composition_scores
+
+    if data:
+        cs = data_composition_scores(model, icl_sequences(model, n=n, seed=seed).input_ids)
+    else:
+        cs = composition_scores(model, seed=seed)
+    out = Tidy()
+    for kind in kinds or ["q", "k", "v"]:
+        for (l1, h1), (l2, h2), v in cs.top(kind, top):
+            out.edges.append(
+                {
+                    "metric": f"{kind}_composition",
+                    "source": f"L{l1}.H{h1}",
+                    "target": f"L{l2}.H{h2}",
+                    "score": v,
+                }
+            )
+        t = cs.get(kind)
+        for name, red in (
+            ("out", t.flatten(2).nan_to_num(-torch.inf).amax(-1)),
+            ("in", t.flatten(0, 1).nan_to_num(-torch.inf).amax(0)),
+        ):
+            red = torch.where(torch.isinf(red), torch.nan, red)
+            out.scores += _head_rows(HeadScores(red, "composition"), f"{kind}_composition_{name}")
+    return out
+
+
+def _qk_attribution(
+    model: HeadModel,
+    *,
+    head: list[int],
+    side: str = "key",
+    prompts: list[str] | None = None,
+    n: int = 4,
+    length: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`qk_attribution` of one head at the last position (`prompts`, default `n` repeated-token
+    rows): each upstream head's mean `side` marginal (`head_scores(side)`), and `max_error`."""
+    from heads.dynamics.icl import icl_sequences
+    from heads.scorers.qk.attribution import qk_attribution
+
+    src: Any = (
+        prompts if prompts is not None else icl_sequences(model, n=n, length=length, seed=seed).input_ids
+    )
+    r = qk_attribution(model, src, (int(head[0]), int(head[1])))
+    return {f"qk_attribution.{side}": r.head_scores(side), "qk_max_error": float(r.max_error())}
+
+
 ANALYSES: dict[str, Callable[..., Any]] = {
     "detectors": _detectors,
     "atlas": _atlas,
@@ -217,6 +284,8 @@ ANALYSES: dict[str, Callable[..., Any]] = {
     "maps": _maps,
     "icl": _icl,
     "induction_phase": _induction_phase,
+    "composition": _composition,
+    "qk_attribution": _qk_attribution,
 }
 """Built-in analyses by name (see the module docstring); each takes `(model, **params)`."""
 
@@ -367,7 +436,12 @@ def _add(out: Tidy, result: Any, name: str) -> None:
     from heads.scorers.circuits import Circuit
     from heads.scorers.roles.atlas import HeadAtlas
 
-    if isinstance(result, HeadScores):
+    if isinstance(result, Tidy):
+        out.scores += result.scores
+        out.scalars += result.scalars
+        out.edges += result.edges
+        out.roles += result.roles
+    elif isinstance(result, HeadScores):
         out.scores += _head_rows(result, name)
     elif isinstance(result, HeadAtlas):
         f = result.frame

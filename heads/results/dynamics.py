@@ -15,20 +15,19 @@ functions of `heads.dynamics`, which take a `CheckpointSeries`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
 
-from heads._util.files import write_text
-from heads._util.validation import check_path, read_json_file, short_repr
+from heads._util.validation import check_path, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
+from heads.results.storage import read_result, write_result
 
 __all__ = ["SERIES_SCHEMA", "SERIES_SCHEMA_VERSION", "CheckpointSeries"]
 
@@ -55,6 +54,9 @@ class CheckpointSeries:
         analysis: `{"analysis": name, "params": {...}}`: what ran on each checkpoint.
         checkpoints, scores, scalars, edges, roles: the tables.
     """
+
+    SCHEMA: ClassVar[str] = SERIES_SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SERIES_SCHEMA_VERSION
 
     analysis: dict
     checkpoints: pd.DataFrame
@@ -126,13 +128,15 @@ class CheckpointSeries:
         return int(step)
 
     def head_scores(self, step: int | None = None, metric: str | None = None) -> HeadScores:
-        """The `[L, H]` `HeadScores` of `metric` at `step` (default: the last checkpoint; the only
-        metric when there is one).
+        """The `[L, H]` `HeadScores` of `metric` at `step` (default: the last checkpoint and the
+        first metric of the series).
 
         Raises:
             HeadsteerValueError: an unknown step or metric.
         """
-        metric = self._check_metric(metric, self.metrics, "metric")
+        metric = self._check_metric(
+            metric if metric is not None else next(iter(self.metrics), None), self.metrics, "metric"
+        )
         step = self._check_step(step)
         sub = self.scores[(self.scores["metric"] == metric) & (self.scores["step"] == step)]
         n_layers, n_heads = int(sub["layer"].max()) + 1, int(sub["head"].max()) + 1
@@ -160,21 +164,16 @@ class CheckpointSeries:
     # ------------------------------------------------------------------ files
     def to_json(self) -> dict:
         """JSON-ready dict (schema `headsteer/checkpoint-series`; NaN as null)."""
+        return {"schema": SERIES_SCHEMA, "schema_version": SERIES_SCHEMA_VERSION, **self._payload()}
 
+    def _payload(self) -> dict:
         def rows(df: pd.DataFrame) -> list[dict]:
-            out = []
-            for r in df.to_dict("records"):
-                out.append(
-                    {k: (None if isinstance(v, float) and math.isnan(v) else _plain(v)) for k, v in r.items()}
-                )
-            return out
+            return [
+                {k: (None if isinstance(v, float) and math.isnan(v) else _plain(v)) for k, v in r.items()}
+                for r in df.to_dict("records")
+            ]
 
-        return {
-            "schema": SERIES_SCHEMA,
-            "schema_version": SERIES_SCHEMA_VERSION,
-            "analysis": self.analysis,
-            **{k: rows(getattr(self, k)) for k in _COLUMNS},
-        }
+        return {"analysis": self.analysis, **{k: rows(getattr(self, k)) for k in _COLUMNS}}
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write the series as JSON, atomically; returns the path.
@@ -182,8 +181,13 @@ class CheckpointSeries:
         Raises:
             HeadsteerValueError: `path` exists without `overwrite`, is a folder or a symlink.
         """
-        text = json.dumps(self.to_json(), allow_nan=False) + "\n"
-        return write_text(check_path("path", path), text, overwrite=overwrite)
+        return write_result(
+            check_path("path", path),
+            SERIES_SCHEMA,
+            SERIES_SCHEMA_VERSION,
+            self._payload(),
+            overwrite=overwrite,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: Any = None) -> CheckpointSeries:  # noqa: ARG003
@@ -191,16 +195,9 @@ class CheckpointSeries:
         a series spans several models).
 
         Raises:
-            HeadsteerValueError: not a checkpoint-series file, or a newer schema version.
+            HeadsteerValueError: not a checkpoint-series file, or another schema version.
         """
-        data = read_json_file(check_path("path", path))
-        if not isinstance(data, dict) or data.get("schema") != SERIES_SCHEMA:
-            raise HeadsteerValueError(f"{str(path)!r} is not a {SERIES_SCHEMA} file")
-        if data.get("schema_version") != SERIES_SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{str(path)!r} has schema_version {short_repr(data.get('schema_version'))}; this headsteer "
-                f"reads {SERIES_SCHEMA_VERSION}"
-            )
+        data = read_result(check_path("path", path), SERIES_SCHEMA, SERIES_SCHEMA_VERSION, "CheckpointSeries")
         frames = {}
         for k in _COLUMNS:
             rows = data.get(k, [])
@@ -209,7 +206,7 @@ class CheckpointSeries:
             frames[k] = _frame(rows, k)
         frames["scores"]["score"] = frames["scores"]["score"].astype(float)
         frames["scalars"]["value"] = frames["scalars"]["value"].astype(float)
-        return cls(data.get("analysis", {}), **frames)
+        return cls(dict(data.get("analysis", {})), **frames)
 
     def __repr__(self) -> str:
         return (

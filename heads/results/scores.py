@@ -64,6 +64,21 @@ def _positive_int(k: Any, what: str = "k") -> int:
     return int(k)
 
 
+RANK_BY = ("score", "abs", "-score")
+"""How `HeadScores.top` / `ranked` / `per_layer` rank heads: by score, by |score|, by -score."""
+
+
+def _rank_key(scores: torch.Tensor, by: str) -> torch.Tensor:
+    """The values ranked in descending order for `by` (one of `RANK_BY`); NaN stays NaN."""
+    if by == "score":
+        return scores
+    if by == "abs":
+        return scores.abs()
+    if by == "-score":
+        return -scores
+    raise HeadsteerValueError(f"by must be one of {', '.join(RANK_BY)}, got {short_repr(by)}")
+
+
 _read_json = read_json  # the strict JSON reader of every result file (heads.results.storage)
 
 
@@ -221,7 +236,9 @@ class HeadSet:
         return isinstance(other, HeadSet) and self.heads == other.heads
 
     def __repr__(self) -> str:
-        return f"HeadSet({len(self)} heads: {self.to_dict()})"
+        """`HeadSet(3 heads: {20: [0], 24: [4, 7]})`: layers as ints (`to_dict` keeps PASTA's
+        string keys for JSON)."""
+        return f"HeadSet({len(self)} heads: {self.by_layer()})"
 
 
 @dataclass
@@ -291,34 +308,45 @@ class HeadScores:
             }
         )
 
-    def _ranked(self) -> list[tuple[int, int]]:
-        """Heads by descending score; ties by (layer, head); NaN last and dropped."""
-        flat = self.scores.flatten()
+    def _ranked(self, by: str = "score") -> list[tuple[int, int]]:
+        """Heads by descending key (`_rank_key`); ties by (layer, head); NaN last and dropped."""
+        flat = _rank_key(self.scores, by).flatten()
         order = sorted(
             (i for i in range(flat.numel()) if not math.isnan(flat[i].item())),
             key=lambda i: (-flat[i].item(), i),
         )
         return [divmod(i, self.n_heads) for i in order]
 
-    def ranked(self, k: int | None = None) -> list[tuple[int, int]]:
+    def ranked(self, k: int | None = None, *, by: str = "score") -> list[tuple[int, int]]:
         """Heads `(layer, head)` by descending score (ties by (layer, head)); NaN dropped.
 
         Unlike `top(k)`, which returns a `HeadSet` (ordered by layer and head), this
-        keeps the score order.
+        keeps the score order. `by` as in `top`.
+
+        Raises:
+            ValueError: `k` < 1, an unknown `by`.
         """
-        order = self._ranked()
+        order = self._ranked(by)
         return order if k is None else order[: _positive_int(k)]
 
-    def top(self, k: int) -> HeadSet:
-        """The `k` highest-scoring heads (ties broken by (layer, head) order).
+    def top(self, k: int, *, by: str = "score") -> HeadSet:
+        """The `k` highest-ranked heads (ties broken by (layer, head) order).
+
+        Args:
+            k: how many heads.
+            by: the ranking: `"score"` (default: the largest scores), `"abs"` (the largest
+                |score|: for signed scores such as patching effects, DLA or edge attributions,
+                where a strongly negative head matters as much as a positive one) or
+                `"-score"` (the most negative scores). NaN scores are never selected.
 
         Warns (`UserWarning`) when `k` is at least the number of heads [L x H]: every head is
         selected, which is rarely what a top-k meant.
 
         Raises:
-            ValueError: `k` < 1.
+            ValueError: `k` < 1, an unknown `by`.
         """
         k = _positive_int(k)
+        order = self._ranked(by)
         n = self.scores.numel()
         if k >= n:
             warnings.warn(
@@ -326,14 +354,18 @@ class HeadScores:
                 UserWarning,
                 stacklevel=2,
             )
-        return HeadSet(self._ranked()[:k])
+        return HeadSet(order[:k])
 
-    def per_layer(self, k: int) -> HeadSet:
-        """The `k` highest-scoring heads of every layer."""
+    def per_layer(self, k: int, *, by: str = "score") -> HeadSet:
+        """The `k` highest-ranked heads of every layer (`by` as in `top`).
+
+        Raises:
+            ValueError: `k` < 1, an unknown `by`.
+        """
         k = _positive_int(k)
         counts: dict[int, int] = {}
         chosen = []
-        for layer, head in self._ranked():
+        for layer, head in self._ranked(by):
             if counts.get(layer, 0) < k:
                 counts[layer] = counts.get(layer, 0) + 1
                 chosen.append((layer, head))

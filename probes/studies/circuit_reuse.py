@@ -33,6 +33,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,10 +69,17 @@ def circuit_overlap(a: Circuit, b: Circuit) -> dict[str, Any]:
     edges_b = dict(zip(fb["edge"], fb["score"], strict=True))
     jh, wh = overlap(heads_a, heads_b)
     je, we = overlap(edges_a, edges_b)
+    top = {}
+    for k in (10, 20):
+        ta = sorted(heads_a, key=lambda n: -heads_a[n])[:k]
+        tb = sorted(heads_b, key=lambda n: -heads_b[n])[:k]
+        j, _ = overlap({n: heads_a[n] for n in ta}, {n: heads_b[n] for n in tb})
+        top[f"top{k}"] = {"jaccard": j, "shared": sorted(set(ta) & set(tb)), "a": ta, "b": tb}
     return {
         "heads": {"a": len(heads_a), "b": len(heads_b), "shared": sorted(set(heads_a) & set(heads_b))},
         "heads_jaccard": jh,
         "heads_weighted": wh,
+        "heads_by_importance": top,
         "edges": {"a": len(edges_a), "b": len(edges_b), "shared": len(set(edges_a) & set(edges_b))},
         "edges_jaccard": je,
         "edges_weighted": we,
@@ -233,8 +241,10 @@ def run_study(
     controls: int = 3,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    save_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Every part of the module docstring; one JSON-ready dict."""
+    """Every part of the module docstring; one JSON-ready dict (`save_dir`: also write the two
+    circuits there as `<task>.circuit.json`)."""
     from heads.scorers.roles.atlas import head_atlas
     from heads.scorers.roles.detectors import detect_roles
 
@@ -262,6 +272,9 @@ def run_study(
         circuits[name] = c
         res[name] = {"edges": c.n_edges, "heads": len(c.heads), "faithfulness": c.faithfulness}
         done(f"{name} circuit: {c.n_edges} edges, {len(c.heads)} heads, faithfulness {c.faithfulness:.3f}")
+    if save_dir is not None:
+        for name, c in circuits.items():
+            c.save(f"{save_dir}/{name}.circuit.json", overwrite=True)
     res["overlap"] = circuit_overlap(circuits["ioi"], circuits["colored_objects"])
     atlas = head_atlas(model, detectors=detect_roles(model, seed=seed), thumbnails=False, seed=seed)
     roles = {
@@ -293,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
 
     check_output(args.out, overwrite=args.force)
     res = run_study(
-        load_model(), n_pairs=args.n_pairs, n_eval=args.n_eval, k=args.k, log=lambda m: print(m, flush=True)
+        load_model(),
+        n_pairs=args.n_pairs,
+        n_eval=args.n_eval,
+        k=args.k,
+        log=lambda m: print(m, flush=True),
+        save_dir=str(Path(args.out).parent),
     )
     write_text(args.out, json.dumps(res, indent=1) + "\n", overwrite=args.force)
 

@@ -31,6 +31,7 @@ from heads._util.validation import short_repr
 from heads.engine.options import SweepOptions
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.activation import PatchResult, patch
+from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.logit import direct_logit_attribution, logit_inspection
 from heads.scorers.patching.pairs import PairBatch, encode_pairs
 from probes.datasets.pairs import load_task_pairs
@@ -47,36 +48,18 @@ __all__ = [
 ]
 
 
-@torch.no_grad()
 def clean_accuracy(model: HeadModel, pairs: PairBatch, chunk: int = 16) -> dict[str, float]:
-    """Share of pairs with a positive clean / corrupted logit difference and top-1 accuracy."""
-    out: dict[str, list[torch.Tensor]] = {"clean": [], "corrupted": [], "top1": []}
-    from heads.inputs.prompts import position_ids
-
-    for i in range(0, pairs.n, chunk):
-        b = pairs.select(range(i, min(pairs.n, i + chunk)))
-        for which in ("clean", "corrupted"):
-            lg = (
-                model.model(
-                    input_ids=b.ids(which),
-                    attention_mask=b.attention_mask,
-                    position_ids=position_ids(b.attention_mask),
-                )
-                .logits[:, -1]
-                .float()
-            )
-            ld = lg.gather(1, b.answers[:, :1])[:, 0] - lg.gather(1, b.counterfactuals[:, :1])[:, 0]
-            out[which].append(ld)
-            if which == "clean":
-                out["top1"].append((lg.argmax(-1) == b.answers[:, 0]).float())
-    clean, corr, top1 = (torch.cat(out[k]) for k in ("clean", "corrupted", "top1"))
+    """Share of pairs with a positive clean / corrupted logit difference, their mean logit
+    differences and top-1 accuracy (`heads.evaluate_pairs` on the clean and corrupted prompts)."""
+    clean = evaluate_pairs(model, pairs, batch_size=chunk)
+    corr = evaluate_pairs(model, pairs, which="corrupted", batch_size=chunk)
     return {
         "n": int(pairs.n),
-        "clean_ld_positive": float((clean > 0).float().mean()),
-        "clean_ld_mean": float(clean.mean()),
-        "corrupted_ld_positive": float((corr > 0).float().mean()),
-        "corrupted_ld_mean": float(corr.mean()),
-        "clean_top1": float(top1.mean()),
+        "clean_ld_positive": clean.accuracy,
+        "clean_ld_mean": clean.mean_logit_diff,
+        "corrupted_ld_positive": corr.accuracy,
+        "corrupted_ld_mean": corr.mean_logit_diff,
+        "clean_top1": clean.top1_accuracy,
     }
 
 

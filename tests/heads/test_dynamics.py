@@ -25,6 +25,7 @@ from heads.dynamics import (
     persistence,
     role_timelines,
 )
+from heads.results.protocol import Result
 from heads.scorers.roles.detectors import pattern_scores
 from tests.support.organism import tiny_run
 
@@ -160,6 +161,7 @@ def test_bad_analysis_or_params_fail_before_any_model_loads(run_dir, monkeypatch
 
 def test_series_round_trips_through_json(run_dir, tmp_path):
     s = over_checkpoints(run_dir, "detectors", {"n_seqs": 2, "length": [4, 6]}, progress=False)
+    assert isinstance(s, Result)
     path = s.save(tmp_path / "s.json")
     back = CheckpointSeries.load(path)
     pd.testing.assert_frame_equal(back.scores, s.scores)
@@ -167,6 +169,24 @@ def test_series_round_trips_through_json(run_dir, tmp_path):
     with pytest.raises(HeadsteerValueError, match="exists"):
         s.save(path)
     assert list(s.matrix("induction").index) == s.steps
+
+
+def test_composition_and_qk_analyses_match_their_functions(run_dir):
+    from heads.scorers.qk.attribution import qk_attribution
+    from heads.scorers.qk.composition import composition_scores
+
+    last = run_dir / "step-000004"
+    s = over_checkpoints([last], "composition", {"kinds": ["k"], "top": 3}, progress=False)
+    want = composition_scores(load_model(last)).top("k", 3)
+    got = list(s.edges[["source", "target", "score"]].itertuples(index=False, name=None))
+    assert [(a, b) for a, b, _ in got] == [(f"L{w[0]}.H{w[1]}", f"L{r[0]}.H{r[1]}") for w, r, _ in want]
+    assert [v for _, _, v in got] == pytest.approx([v for _, _, v in want])
+    q = over_checkpoints([last], "qk_attribution", {"head": [1, 0], "n": 2, "length": 6}, progress=False)
+    from heads.dynamics import icl_sequences
+
+    hm = load_model(last)
+    ref = qk_attribution(hm, icl_sequences(hm, n=2, length=6).input_ids, (1, 0)).head_scores("key")
+    torch.testing.assert_close(q.head_scores(None, "qk_attribution.key").scores, ref.scores, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------- icl

@@ -181,7 +181,7 @@ def test_head_set_dict_and_file_order_layers_numerically(tmp_path):
     assert list(hs.to_dict()) == ["1", "2", "10"]  # not "1", "10", "2"
     path = hs.save(tmp_path / "h.json")
     assert list(json.loads(path.read_text())) == ["1", "2", "10"]
-    assert "{'1': [4], '2': [0, 3], '10': [1]}" in repr(hs)
+    assert "{1: [4], 2: [0, 3], 10: [1]}" in repr(hs)  # int layers, numeric order
 
 
 def test_from_cache_refuses_partial_caches_and_bad_positions():

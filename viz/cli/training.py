@@ -81,7 +81,8 @@ def report_training(
         typer.Option(
             "--analysis",
             help="induction_phase (default), detectors, atlas, dla, patching, circuit, ships, maps, "
-            "icl; repeat for several",
+            'icl, composition, qk_attribution (needs --params \'{"qk_attribution": {"head": [L, H]}}\'); '
+            "repeat for several",
         ),
     ] = None,
     task: Annotated[

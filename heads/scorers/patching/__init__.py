@@ -1,6 +1,7 @@
 """Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
 logit attribution and lenses (see the patching docstrings; a method page is not written yet)."""
 
+from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.logit import (
     DLAResult,
     LensResult,
@@ -31,6 +32,7 @@ __all__ = [
     "PairBatch",
     "PromptPair",
     "encode_pairs",
+    "evaluate_pairs",
     "get_metric",
     "load_pairs",
     "normalise",
