@@ -92,15 +92,18 @@ def _forward(
     """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
     from transformers import DynamicCache
 
-    config = model.model.config
     dev = model.device
     pos = position_ids(mask)[:, mask.shape[1] - ids.shape[1] :]
+    # full-length cache layers on every layer (no `config`): a config makes sliding-window and
+    # chunked layers keep only their last window of keys, so a kept cache would miss the columns a
+    # later row forward reads and a passed prefix would be cut; the model's own mask still applies
+    # each layer's window over the full keys
     cache = None
     if past is not None:
         data = [(k.to(dev), v.to(dev)) for k, v in past]
-        cache = DynamicCache(ddp_cache_data=data, config=config)
+        cache = DynamicCache(ddp_cache_data=data)
     elif keep_cache:
-        cache = DynamicCache(config=config)
+        cache = DynamicCache()
     with editing(model, list(edits)), starting_at(model, start, residual):
         return model.run(
             input_ids=ids.to(dev),

@@ -34,7 +34,7 @@ Adding a family
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -79,8 +79,15 @@ class Family:
             `"sliding_attention"`).
         softcap: the config field of attention-logit soft-capping (`c * tanh(s / c)` on the
             scaled logits before the mask), passed to the attention function as `softcap`.
-        final_softcap: the config field of soft-capping on the output logits (Gemma 2 / 3),
-            applied by the model after the unembedding; None if the family has none.
+        final_softcap: the config field of soft-capping on the output logits (Gemma 2 / 3,
+            NanoChat), applied by the model after the unembedding; None if the family has none.
+        logit_scale: `(config field, op)` of a constant the model applies to its output logits:
+            `"mul"` (Cohere `logit_scale`, HyperCLOVA X `logits_scaling`), `"div"` (Granite
+            `logits_scaling`) or `"div_hidden"` (MiniCPM3: the final normed state divided before
+            the unembedding); None if the family has none.
+        residual_scale: the decoder block's attribute scaling each sub-layer output before it
+            joins the residual stream (Granite / HyperCLOVA X `residual_multiplier`, MiniCPM3
+            `residual_scale`); None if the outputs join unscaled.
         qk_norm: `"none"`, `"per_head"` (RMSNorm over each head's `d` features) or
             `"all_heads"` (RMSNorm over the whole `[H*d]` query / `[G*d]` key).
         qk_norm_before_rope: the QK-norm is applied before RoPE (every family here).
@@ -139,6 +146,8 @@ class Family:
     sliding_window: str = "none"
     softcap: str | None = None
     final_softcap: str | None = None
+    logit_scale: tuple[str, str] | None = None
+    residual_scale: str | None = None
     qk_norm: str = "none"
     qk_norm_before_rope: bool = True
     scaling: str = "head_dim ** -0.5"
@@ -205,7 +214,7 @@ FEATURES: dict[str, str] = {
 """Every feature a `Family.features` may name, with what it means."""
 
 
-def _llama_like(model_type: str, *features: str, **fields) -> Family:
+def _llama_like(model_type: str, *features: str, **fields: Any) -> Family:
     """A family whose modules sit where Llama's do (`model.layers[i].self_attn.{q,k,v,o}_proj`).
 
     `features` are the `FEATURES` it has besides `"gqa"` (which every such family may use);
@@ -222,6 +231,8 @@ _POST_NORM: dict = {
     "mlp_out_norm": "post_feedforward_layernorm",
     "attn_out_norm": "post_attention_layernorm",
 }
+_GRANITE: dict = {"logit_scale": ("logits_scaling", "div"), "residual_scale": "residual_multiplier"}
+_COHERE_SCALE = ("logit_scale", "mul")
 # GPT-2's module names (`transformer.h[i].attn.c_attn` fused q/k/v, `ln_2`, `ln_f`), shared by
 # GPT-BigCode
 _GPT2_LAYOUT: dict = {
@@ -310,17 +321,34 @@ FAMILIES: dict[str, Family] = {
             attn_out_norm="post_self_attn_layernorm",
         ),
         _llama_like("glm4_moe", "partial_rotary", "qk_norm", "moe", qk_norm="per_head"),
-        _llama_like("granite", "logit_scaling", scaling="attention_multiplier"),
+        _llama_like("granite", "logit_scaling", scaling="attention_multiplier", **_GRANITE),
         _llama_like(
-            "granitemoe", "logit_scaling", "moe", scaling="attention_multiplier", mlp="block_sparse_moe"
+            "granitemoe",
+            "logit_scaling",
+            "moe",
+            scaling="attention_multiplier",
+            mlp="block_sparse_moe",
+            **_GRANITE,
         ),
         _llama_like(
-            "granitemoeshared", "logit_scaling", "moe", scaling="attention_multiplier", mlp="block_sparse_moe"
+            "granitemoeshared",
+            "logit_scaling",
+            "moe",
+            scaling="attention_multiplier",
+            mlp="block_sparse_moe",
+            **_GRANITE,
         ),
         _llama_like("helium"),
         _llama_like("hunyuan_v1_dense", "qk_norm", qk_norm="per_head", qk_norm_before_rope=False),
         _llama_like("hunyuan_v1_moe", "qk_norm", "moe", qk_norm="per_head", qk_norm_before_rope=False),
-        _llama_like("hyperclovax", "logit_scaling", mlp_out_norm="post_norm2", attn_out_norm="post_norm1"),
+        _llama_like(
+            "hyperclovax",
+            "logit_scaling",
+            mlp_out_norm="post_norm2",
+            attn_out_norm="post_norm1",
+            logit_scale=("logits_scaling", "mul"),
+            residual_scale="residual_multiplier",
+        ),
         _llama_like("internlm3"),
         _llama_like("iquestcoder"),
         _llama_like("jais2"),
@@ -329,7 +357,7 @@ FAMILIES: dict[str, Family] = {
         _llama_like("ministral", "sliding_window", sliding_window="layer_types"),
         _llama_like("ministral3", "sliding_window", sliding_window="all"),
         _llama_like("mixtral", "sliding_window", "moe", sliding_window="all"),
-        _llama_like("nanochat", "qk_norm", qk_norm="per_head"),
+        _llama_like("nanochat", "qk_norm", qk_norm="per_head", final_softcap="final_logit_softcapping"),
         _llama_like("nemotron", "partial_rotary"),
         _llama_like("olmo"),
         _llama_like(
@@ -351,7 +379,9 @@ FAMILIES: dict[str, Family] = {
         _llama_like("smollm3", "nope_layers", "sliding_window", sliding_window="layer_types"),
         _llama_like("stablelm", "partial_rotary", "parallel_block"),
         _llama_like("starcoder2", "sliding_window", sliding_window="all"),
-        _llama_like("cohere", "parallel_block", "logit_scaling", mlp_norm="input_layernorm"),
+        _llama_like(
+            "cohere", "parallel_block", "logit_scaling", mlp_norm="input_layernorm", logit_scale=_COHERE_SCALE
+        ),
         _llama_like(
             "cohere2",
             "parallel_block",
@@ -359,14 +389,17 @@ FAMILIES: dict[str, Family] = {
             "logit_scaling",
             mlp_norm="input_layernorm",
             sliding_window="layer_types",
+            logit_scale=_COHERE_SCALE,
         ),
         _llama_like(
             "cohere2_moe",
             "parallel_block",
             "sliding_window",
             "moe",
+            "logit_scaling",
             mlp_norm="input_layernorm",
             sliding_window="layer_types",
+            logit_scale=_COHERE_SCALE,
         ),
         _llama_like(
             "vaultgemma",
@@ -435,6 +468,9 @@ FAMILIES: dict[str, Family] = {
         _llama_like(
             "minicpm3",
             "latent_attention",
+            "logit_scaling",
+            logit_scale=("logits_scaling", "div_hidden"),
+            residual_scale="residual_scale",
             q_proj="q_b_proj",
             k_proj=None,
             v_proj=None,

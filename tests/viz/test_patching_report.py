@@ -89,3 +89,61 @@ def test_dla_and_lens_on_the_transformer_lens_and_nnsight_backends(tokenizer):
         torch.testing.assert_close(got.heads, want.heads, atol=1e-5, rtol=0)
         torch.testing.assert_close(got.total()[:, -1], want.logit_diff[:, -1], atol=1e-5, rtol=0)
         torch.testing.assert_close(logit_lens(other, pairs).logit_diff, lens.logit_diff, atol=1e-5, rtol=0)
+
+
+def _post_norm_model(tokenizer) -> HeadModel:
+    """A tiny OLMo 2 (sub-layer outputs normed before they join the residual, as Gemma 2 / 3) that
+    reads the embedded tokenizer's text."""
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    from tests.support import VOCAB
+
+    torch.manual_seed(0)
+    cfg = Olmo2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return HeadModel(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), tokenizer)
+
+
+def test_report_on_a_post_norm_family_draws_every_section_that_applies(tmp_path, tokenizer):
+    """DLA refuses post-norm families; the report used to end there and write nothing (issue 39
+    item 12). It now draws the patching map and the lens and says what it left out and why."""
+    hm = _post_norm_model(tokenizer)
+    out = tmp_path / "p.html"
+    _, summary = patching_report(hm, out, load_task_pairs("ioi", n=2), progress=False)
+    page = out.read_text(encoding="utf-8")
+    assert "patching scores per head" in page and "logit lens" in page
+    assert "sections left out" in page and "direct logit attribution by layer" not in page
+    assert "normalises its sub-layer outputs" in summary["left_out"]["direct logit attribution"]
+    d = tmp_path / "olmo2"
+    hm.model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    r = CliRunner().invoke(
+        app, ["report", "patching", "--out", str(tmp_path / "c.html"), "--model", str(d), "--n", "2"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "left out direct logit attribution" in r.stdout and (tmp_path / "c.html").is_file()
+
+
+def test_cli_refuses_a_pair_that_cannot_show_an_effect_before_the_model_loads(tmp_path):
+    f = tmp_path / "pairs.jsonl"
+    rows = [
+        {"clean": "The cat sat", "corrupted": "The dog sat", "answer": " on", "counterfactual": " in"},
+        {"clean": "A b c", "corrupted": "A b c", "answer": " d", "counterfactual": " e"},
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = CliRunner().invoke(
+        app,
+        ["report", "patching", "--out", str(tmp_path / "x.html"), "--model", "/no/model", "--task", str(f)],
+    )
+    assert r.exit_code == 2 and "pair 1 (clean 'A b c', corrupted 'A b c')" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x.html").exists()

@@ -413,6 +413,7 @@ def report_patching(
     for row in summary["top"]:
         table.add_row(*(f"{row[k]:.3f}" if k == "score" else escape(str(row[k])) for k in keys))
     run.show(table, f"clean logit difference > 0 on {summary['clean_ld_positive']:.0%} of the pairs")
+    run.show(*(f"left out {name}: {why}" for name, why in summary["left_out"].items()))
     return {"html": str(out), **summary}
 
 

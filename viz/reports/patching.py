@@ -6,6 +6,10 @@ heatmap with token labels for the residual / block-output kinds and for `head_ou
 DLA of the clean run by layer and position (token labels of pair 0: positions line up across
 pairs only when they share a template), DLA bars of the top heads, the logit-lens lines (answer
 and counterfactual logits per layer) and a table of the top sites with 95% intervals.
+
+Every section that applies to the model is drawn; one that does not (DLA on a family whose
+sub-layer outputs are normed before they join the residual stream, e.g. Gemma 2 / 3) is left
+out, and the page says which and why ("sections left out"), checked before any forward.
 """
 
 from __future__ import annotations
@@ -23,9 +27,15 @@ from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.stability import check_stability
 from heads.scorers.patching.activation import KINDS, PatchResult, patch
-from heads.scorers.patching.logit import DLAResult, LensResult, direct_logit_attribution, logit_lens
+from heads.scorers.patching.logit import (
+    DLAResult,
+    LensResult,
+    check_dla_model,
+    direct_logit_attribution,
+    logit_lens,
+)
 from heads.scorers.patching.metrics import DIRECTIONS
-from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs
+from heads.scorers.patching.pairs import PairBatch, PromptPair, check_pairs_differ, encode_pairs, load_pairs
 from viz.figures import head_heatmap, stability_bars
 from viz.reports.base import Report
 
@@ -38,10 +48,22 @@ __all__ = [
     "patching_report",
     "render_patching_report",
     "resolve_pairs",
+    "sections_left_out",
 ]
 
 TASKS = ("ioi", "colored_objects", "comp_mech")
 PATCHING_STEPS = 4
+
+
+def sections_left_out(model: HeadModel) -> dict[str, str]:
+    """`{section: reason}` of the report's sections that do not apply to `model` (no forward):
+    direct logit attribution where `check_dla_model` refuses the family."""
+    out: dict[str, str] = {}
+    try:
+        check_dla_model(model)
+    except HeadsteerValueError as e:
+        out["direct logit attribution"] = str(e)
+    return out
 
 
 def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int = 8) -> list[PromptPair]:
@@ -51,7 +73,9 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
     field equals it (default None: every record).
 
     Raises:
-        ValueError: an unknown set that is not an existing file, a bad split, `n` < 1.
+        ValueError: an unknown set that is not an existing file, a bad split, `n` < 1, a pair with
+            the same clean and corrupted text or an answer equal to its counterfactual
+            (`check_pairs_differ`, naming the pair).
     """
     from heads._util.validation import check_int
     from probes.datasets.pairs import load_task_pairs
@@ -63,7 +87,9 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
         raise HeadsteerValueError(
             f"--task {short_repr(str(task))} is neither one of {', '.join(TASKS)} nor a JSONL file"
         )
-    return load_pairs(task, split)[:n]
+    pairs = load_pairs(task, split)[:n]
+    check_pairs_differ(pairs)  # a pair that cannot show an effect, before the model loads
+    return pairs
 
 
 def position_heatmap(
@@ -118,10 +144,21 @@ def lens_figure(lens: LensResult) -> go.Figure:
 
 
 def render_patching_report(
-    result: PatchResult, dla: DLAResult, lens: LensResult, pairs: PairBatch, params: dict | None = None
+    result: PatchResult,
+    dla: DLAResult | None,
+    lens: LensResult | None,
+    pairs: PairBatch,
+    params: dict | None = None,
+    left_out: dict[str, str] | None = None,
 ) -> Report:
-    """The report page from computed results (no model work)."""
+    """The report page from computed results (no model work). A section whose result is None is
+    not drawn; `left_out` maps each such section to the reason, listed on the page."""
     rep = Report(f"Activation patching: {result.kind}", result.model, params or {})
+    if left_out:
+        rep.text(
+            "sections left out",
+            "; ".join(f"{name}: {why}" for name, why in left_out.items()),
+        )
     m = result.mean
     if result.grid[:2] in (("layer", "head"), ("layer", "kv_head")):
         hs = result.head_scores()
@@ -139,14 +176,18 @@ def render_patching_report(
             position_heatmap(by_pos, result.labels, f"{result.kind} by layer and position"),
             note="Token labels are pair 0's clean tokens (positions align across pairs of one template).",
         )
-    rep.figure(
-        "direct logit attribution by layer and position",
-        position_heatmap(dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"),
-        note="Each position's heads projected on the answer - counterfactual unembedding, with the final "
-        "norm's scale frozen at that position.",
-    )
-    rep.figure("DLA of the top heads", dla_bars(dla))
-    for name, st in (("patching", result.stability), ("direct logit attribution", dla.stability)):
+    if dla is not None:
+        rep.figure(
+            "direct logit attribution by layer and position",
+            position_heatmap(
+                dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"
+            ),
+            note="Each position's heads projected on the answer - counterfactual unembedding, with the "
+            "final norm's scale frozen at that position (before any output soft-cap).",
+        )
+        rep.figure("DLA of the top heads", dla_bars(dla))
+    dla_st = dla.stability if dla is not None else None
+    for name, st in (("patching", result.stability), ("direct logit attribution", dla_st)):
         if st is not None:
             rep.figure(
                 f"Stability of the {name} ranking",
@@ -161,7 +202,8 @@ def render_patching_report(
                 )
                 + ".",
             )
-    rep.figure("logit lens", lens_figure(lens))
+    if lens is not None:
+        rep.figure("logit lens", lens_figure(lens))
     frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
     rep.table("top sites", frame, max_rows=25, note="Mean normalised score with a 95% interval over pairs.")
     return rep
@@ -187,10 +229,14 @@ def patching_report(
 
     Returns:
         `(report, summary)`; summary: pairs, site, the clean / corrupted mean metric, the top 5
-        sites and the share of pairs with a positive clean logit difference.
+        sites, the share of pairs with a positive clean logit difference and `left_out`
+        (`sections_left_out`: the sections not drawn for this model, with the reason, also
+        listed on the page).
 
     Raises:
-        ValueError: an unknown site or direction, `out` exists without `overwrite` (before any work).
+        ValueError: an unknown site or direction, `out` exists without `overwrite`, a pair that
+            cannot show an effect (`check_pairs_differ`), a site kind the family does not have
+            (before any work).
     """
     if site not in KINDS:
         raise HeadsteerValueError(f"unknown site {short_repr(site)}: use one of {', '.join(KINDS)}")
@@ -202,6 +248,8 @@ def patching_report(
     stability = check_stability(stability)
     if stability and site in ("resid_pre", "attn_out", "mlp_out"):
         raise HeadsteerValueError(f"--stability ranks heads; site {short_repr(site)} has no head axis")
+    check_pairs_differ(pairs)  # the pairs' text, before any model work
+    left_out = sections_left_out(model)
     with progress_callback(progress, "patching report", "steps") as report:
         tick = (lambda i: report(i, PATCHING_STEPS)) if report is not None else (lambda i: None)
         tick(0)
@@ -211,17 +259,22 @@ def patching_report(
         opts = SweepOptions(progress=False)
         result = patch(model, batch, site, direction=direction, options=opts, stability=stability)
         tick(1)
-        dla = direct_logit_attribution(model, batch, stability=stability)
+        dla = (
+            None
+            if "direct logit attribution" in left_out
+            else direct_logit_attribution(model, batch, stability=stability)
+        )
         tick(2)
         lens = logit_lens(model, batch)
         tick(3)
         params = {"task": task, "site": site, "direction": direction, "pairs": batch.n}
-        rep = render_patching_report(result, dla, lens, batch, params)
+        rep = render_patching_report(result, dla, lens, batch, params, left_out)
         rep.save(out, overwrite=overwrite)
         tick(4)
     frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
     cols = [c for c in frame.columns if c in ("layer", "head", "kv_head", "position", "token", "score")]
     summary = {
+        "left_out": left_out,
         "pairs": batch.n,
         "site": site,
         "direction": direction,
@@ -230,7 +283,7 @@ def patching_report(
         "clean_ld_positive": float((lens.logit_diff[:, -1] > 0).float().mean()),
         "top": frame[cols].head(5).to_dict("records"),
     }
-    for name, st in (("stability", result.stability), ("dla_stability", dla.stability)):
+    for name, st in (("stability", result.stability), ("dla_stability", dla.stability if dla else None)):
         if st is not None:
             s = st.summary()
             summary[name] = {k: v for k, v in s.items() if k != "stable"} | {"stable": s["stable"]}

@@ -11,8 +11,12 @@ Sites (`KINDS`), each scored on a grid:
 * `"attn_out"` / `"mlp_out"`: the attention / MLP block output of layer l at t, `[L, T]`;
 * `"head_out"`: head h's output z (its slice of the `o_proj` input, TransformerLens' `hook_z`)
   at every position, `[L, H]`; `"head_out_by_pos"`: at one position, `[L, H, T]`;
-* `"q"`: head h's query (all positions) `[L, H]`; `"k"` / `"v"`: keys / values of KV head g,
-  `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV head);
+* `"q"`: head h's query (all positions) as the attention function reads it, after any QK-norm
+  and RoPE (the engine's query site), `[L, H]`; `"k"` / `"v"`: KV head g's columns of the key /
+  value projection output (before RoPE / QK-norm, which act per position and head), in every
+  fused layout, `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV
+  head). Refused by name where a family has no such site (`check_kind`): `k` / `v` on latent
+  attention, `k` where the key norm spans all heads, `mlp_out` where the MLP is not one module;
 * `"pattern"`: head h's attention pattern (all positions), `[L, H]`.
 
 Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows per forward;
@@ -26,9 +30,11 @@ and for a metric that reads a few tokens (`logit_diff`) only their columns (`une
 A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
 before the first token where the two prompts differ) patches nothing: it gets the base run's
 metric without a forward.
-The patches are engine edits (`head_output`, `residual`, `probs` sites) or forward hooks on the
-block outputs and the q/k/v projections; all are removed on exit, so the model is bitwise
-unchanged afterwards.
+The patches are engine edits (`head_output`, `residual`, `query`, `probs` sites) or forward hooks
+on the block outputs and the k / v projections; all are removed on exit, so the model is bitwise
+unchanged afterwards. Each kind equals a one-hook whole-model loop on every family headsteer
+accepts, prompts longer than a sliding window included (tests/heads/patching/
+test_family_patching.py).
 """
 
 from __future__ import annotations
@@ -46,15 +52,24 @@ import torch
 from heads._util.files import write_text
 from heads._util.progress import progress_callback
 from heads._util.validation import is_int, is_number, short_repr
-from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, Recorder, ResidualEdit
+from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryEdit, ResidualEdit
 from heads.engine.options import SweepOptions
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.model.adapter import HeadModel, submodule
+from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability, check_stability
-from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise
-from heads.scorers.patching.pairs import PairBatch, check_vocab
+from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
+from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
+from heads.scorers.patching.record import (
+    RunCache,
+    _qkv_modules,
+    _qkv_slices,  # noqa: F401 - importable from here as before
+    check_kv_kind,
+    first_output,
+    kv_columns,
+    record_run,
+)
 from heads.scorers.patching.vision import (
     ImagePairBatch,
     check_image_model,
@@ -74,126 +89,6 @@ SCHEMA = "headsteer/patching"
 SCHEMA_VERSION = 1
 
 
-# ------------------------------------------------------------------------------ caches
-@dataclass
-class RunCache:
-    """Every activation of one unedited run that a patch may read (all `[N, T, ...]`, padded).
-
-    Attributes:
-        logits: `[N, V]` fp32 last-position logits.
-        residuals: `L + 1` tensors `[N, T, D]`; `residuals[l]` enters layer l (the last is normed).
-        z: per layer `[N, T, H, d]` head outputs (`o_proj` input).
-        attn_out / mlp_out: per layer `[N, T, D]` block outputs.
-        qkv: per layer `(q [N, T, H*d], k [N, T, G*d], v [N, T, G*d])` projection outputs
-            (before RoPE / QK-norm, which act per position and head, so patching them is exact).
-        kv: per layer `(keys, values)` `[N, G, T, d]` as cached by the model.
-        pattern: per layer `[N, H, T, T]` fp32 attention probabilities, or None (not recorded).
-        embeds: `[N, T, D]` the language model's input embeddings with image features (vision
-            pairs: `vision.language_model_inputs`), or None (text: the ids are embedded).
-    """
-
-    logits: torch.Tensor
-    residuals: tuple[torch.Tensor, ...]
-    z: list[torch.Tensor]
-    attn_out: list[torch.Tensor]
-    mlp_out: list[torch.Tensor]
-    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    pattern: list[torch.Tensor] | None = None
-    embeds: torch.Tensor | None = None
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _qkv_modules(model: HeadModel, layer: int) -> tuple[torch.nn.Module, ...]:
-    """The modules whose outputs are q, k, v of `layer` (one fused module three times)."""
-    fam, attn = model.family, model.attentions[layer]
-    if fam.fused_qkv:
-        m = submodule(attn, cast(str, fam.qkv_proj))
-        return (m, m, m)
-    return tuple(submodule(attn, cast(str, p)) for p in (fam.q_proj, fam.k_proj, fam.v_proj))
-
-
-def _qkv_slices(model: HeadModel) -> tuple[slice, slice, slice]:
-    """Column slices of q, k, v in their module's output (fused: Q | K | V)."""
-    q_w, kv_w = model.n_heads * model.d_head, model.n_kv_heads * model.d_head
-    if model.family.fused_qkv:
-        return slice(0, q_w), slice(q_w, q_w + kv_w), slice(q_w + kv_w, q_w + 2 * kv_w)
-    return slice(0, q_w), slice(0, kv_w), slice(0, kv_w)
-
-
-@torch.no_grad()
-def record_run(
-    model: HeadModel,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    pattern: bool = False,
-    embeds: torch.Tensor | None = None,
-) -> RunCache:
-    """One unedited forward of `ids [N, T]` (left-padded, `mask [N, T]`) keeping every site's
-    activation (`RunCache`). `pattern=True` also records the attention patterns (eager path);
-    `embeds [N, T, D]` replaces the token embeddings (vision pairs: image features included)."""
-    L = model.n_layers
-    z: list[Any] = [None] * L
-    attn: list[Any] = [None] * L
-    mlp: list[Any] = [None] * L
-    qkv: list[list[Any]] = [[None, None, None] for _ in range(L)]
-    sl = _qkv_slices(model)
-    with ExitStack() as stack:
-        for la in range(L):
-
-            def zh(mod, args, la=la):
-                x = args[0]
-                z[la] = x.reshape(*x.shape[:-1], model.n_heads, model.d_head).detach().clone()
-
-            def ah(mod, args, out, la=la):
-                attn[la] = _first(out).detach().clone()
-
-            def mh(mod, args, out, la=la):
-                mlp[la] = _first(out).detach().clone()
-
-            handles = [
-                model.out_projs[la].register_forward_pre_hook(zh),
-                model.attentions[la].register_forward_hook(ah),
-                model.mlp(la).register_forward_hook(mh),
-            ]
-            mods = _qkv_modules(model, la)
-            for j, m in enumerate(mods):
-                if j and m is mods[0]:
-                    continue
-
-                def qh(mod, args, out, la=la, j=j):
-                    o = _first(out).detach()
-                    if model.family.fused_qkv:
-                        qkv[la] = [o[..., s].clone() for s in sl]
-                    else:
-                        qkv[la][j] = o.clone()
-
-                handles.append(m.register_forward_hook(qh))
-            for h in handles:
-                stack.callback(h.remove)
-        recs = [Recorder(layer=la) for la in range(L)] if pattern else []
-        if embeds is not None:
-            stack.enter_context(replaced_embeddings(model, embeds))
-        out = run_rows(model, ids, mask, recs, keep_cache=True)
-    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    pat = [torch.cat(r.records, dim=2) for r in recs] if pattern else None
-    return RunCache(
-        out.logits[:, -1].float(),
-        tuple(out.hidden_states),
-        z,
-        attn,
-        mlp,
-        [cast(tuple, tuple(x)) for x in qkv],
-        kv,
-        pat,
-        embeds,
-    )
-
-
 # ------------------------------------------------------------------------------ patch edits
 @dataclass(eq=False, repr=False)
 class _PatchZ(HeadOutputEdit):
@@ -209,6 +104,20 @@ class _PatchZ(HeadOutputEdit):
             return src
         c = self.cols[:, call.q_offset : call.q_offset + call.q_len].to(z.device)[:, :, None, None]
         return torch.where(c, src, z)
+
+
+@dataclass(eq=False, repr=False)
+class _PatchQuery(QueryEdit):
+    """Write `source [R, T', H, d_q]` (queries after QK-norm and RoPE) into the heads of
+    `row_heads`, at every column of the chunk; `source`'s first column is the chunk's column
+    `start`."""
+
+    source: torch.Tensor | None = None
+    start: int = 0
+
+    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        a = call.q_offset - self.start
+        return cast(torch.Tensor, self.source)[:, a : a + call.q_len].to(q.dtype)
 
 
 @dataclass(eq=False, repr=False)
@@ -328,17 +237,29 @@ class PatchResult:
         return normalise(self.raw, self.clean, self.corrupt, self.direction, warn=False)
 
     @property
+    def gap_pairs(self) -> torch.Tensor:
+        """`[N]` bool: the pairs whose clean and corrupted metrics differ (`metrics.zero_gap`);
+        the others have no scale and are left out of every mean."""
+        return ~zero_gap(self.clean, self.corrupt)
+
+    @property
     def mean(self) -> torch.Tensor:
-        """`[*grid]` mean normalised score over the pairs with a gap (NaN where none has)."""
-        return self.scores.nanmean(-1)
+        """`[*grid]` mean normalised score over the pairs with a gap, the same pairs in every cell
+        (NaN where no pair has a gap, and in a cell where a kept pair's score is NaN: a cell
+        never averages a different set of pairs)."""
+        ok = self.gap_pairs
+        if not bool(ok.any()):
+            return torch.full(self.raw.shape[:-1], math.nan)
+        return self.scores[..., ok].mean(-1)
 
     def interval(self, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(low, high)` `[*grid]`: mean +- z standard errors over pairs (normal approximation)."""
-        s = self.scores
-        ok = ~torch.isnan(s)
-        n = ok.sum(-1).clamp(min=1)
+        """`(low, high)` `[*grid]`: mean +- z standard errors over the pairs with a gap (normal
+        approximation; the same pairs as `mean`)."""
+        ok = self.gap_pairs
+        s = self.scores[..., ok]
+        n = max(int(ok.sum()), 1)
         m = self.mean
-        var = torch.where(ok, (s - m[..., None]) ** 2, 0.0).sum(-1) / (n - 1).clamp(min=1)
+        var = ((s - m[..., None]) ** 2).sum(-1) / max(n - 1, 1)
         se = (var / n).sqrt()
         return m - z * se, m + z * se
 
@@ -579,18 +500,23 @@ def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) ->
     return sorted(set(out))
 
 
-# resid_pre patching is checked against a plain-hook oracle on rotary models; on GPT-2 (absolute
-# position embeddings) it disagreed with the oracle, so it is refused there until that is resolved.
-_RESID_PRE_UNVERIFIED = frozenset({"gpt2"})
+def check_kind(model: HeadModel, kind: str) -> None:
+    """Refuse, before any forward, a site kind the model's family does not have.
+
+    Raises:
+        ValueError: `mlp_out` on a family whose MLP is not one module (OPT, BioGPT: `fc1` /
+            `fc2` sit in the block); `k` / `v` where `record.check_kv_kind` refuses them.
+    """
+    if kind == "mlp_out" and model.family.mlp is None:
+        raise HeadsteerValueError(
+            f"kind='mlp_out' is not available on {short_repr(model.family.model_type)}: its MLP is not one "
+            "module (the layers sit in the decoder block); patch 'resid_pre', 'attn_out' or heads instead"
+        )
+    check_kv_kind(model, kind)
 
 
 def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int]) -> tuple[list[_Site], tuple]:
     H, G = model.n_heads, model.n_kv_heads
-    if kind == "resid_pre" and model.family.model_type in _RESID_PRE_UNVERIFIED:
-        raise HeadsteerValueError(
-            f"kind='resid_pre' is not verified on {short_repr(model.family.model_type)} models (absolute "
-            "position embeddings); patch 'attn_out' / 'mlp_out' or heads instead"
-        )
     if kind in ("resid_pre", "attn_out", "mlp_out"):
         return [_Site(la, -1, p) for la in layers for p in positions], (len(layers), len(positions))
     if kind == "head_out_by_pos":
@@ -629,8 +555,10 @@ def check_sweep_inputs(
     Raises:
         HeadsteerTypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         HeadsteerValueError: ids outside the vocabulary, nnsight with `remote=True` (named with
-            `what`), a metric the pairs cannot feed, vision pairs without `images=True` or on a
-            text-only / unsupported model.
+            `what`), a metric the pairs cannot feed, a pair that cannot show an effect (same
+            prompts, or a counterfactual equal to the answer for a metric that reads it:
+            `pairs.check_pairs_differ`), vision pairs without `images=True` or on a text-only /
+            unsupported model.
     """
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
@@ -646,6 +574,7 @@ def check_sweep_inputs(
         )
     met = get_metric(metric)
     met.check(pairs)
+    check_pairs_differ(pairs, counterfactual=met.needs_counterfactual)
     return met, options or SweepOptions()
 
 
@@ -688,9 +617,11 @@ def patch(
 
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
-        ValueError: an unknown kind / direction / metric, layers or positions out of range,
-            positions for a kind that patches every position, ids outside the vocabulary, a
-            metric that needs counterfactuals the pairs lack, nnsight with `remote=True`, vision
+        ValueError: an unknown kind / direction / metric, a kind the family does not have
+            (`check_kind`), layers or positions out of range, positions for a kind that patches
+            every position, ids outside the vocabulary, a metric that needs counterfactuals the
+            pairs lack, a pair that cannot show an effect (`pairs.check_pairs_differ`: names
+            it), nnsight with `remote=True`, vision
             pairs on a text-only or unsupported model (`vision.check_image_model`),
             `positions="image"` without vision pairs — all before any forward.
     """
@@ -702,6 +633,7 @@ def patch(
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
     met, options = check_sweep_inputs(model, pairs, options, metric, what="patching", images=True)
+    check_kind(model, kind)
     lays = _check_layers(model, layers)
     by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
     if positions is not None and not by_pos:
@@ -722,8 +654,9 @@ def patch(
     if isinstance(pairs, ImagePairBatch):  # the vision tower runs once per side
         for side in emb:
             emb[side] = language_model_inputs(model, pairs.ids(side), mask, pairs.image_inputs(side))
-    clean = record_run(model, pairs.clean_ids, mask, pattern=kind == "pattern", embeds=emb["clean"])
-    corrupt = record_run(model, pairs.corrupted_ids, mask, pattern=kind == "pattern", embeds=emb["corrupted"])
+    rec = {"pattern": kind == "pattern", "query": kind == "q", "keys": kind in ("k", "v")}
+    clean = record_run(model, pairs.clean_ids, mask, embeds=emb["clean"], **rec)
+    corrupt = record_run(model, pairs.corrupted_ids, mask, embeds=emb["corrupted"], **rec)
     idx = torch.arange(pairs.n)
     m_clean = met(clean.logits, pairs, idx, clean.logits)
     m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
@@ -814,7 +747,7 @@ def _unchanged(
 ) -> torch.Tensor:
     """`[S, N]` bool: site s of pair i reads a source activation bitwise equal to the base
     run's at that site (all its positions / columns), so patching it is the identity."""
-    H, G, d = model.n_heads, model.n_kv_heads, model.d_head
+    G, d = model.n_kv_heads, model.d_head
     maps: dict[int, torch.Tensor] = {}
 
     def eq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -830,10 +763,11 @@ def _unchanged(
             return eq(a, b).all(-1)  # [N, T]
         if kind == "pattern":
             return eq(cast(list, src.pattern)[la], cast(list, base.pattern)[la]).all(-1).all(-1)  # [N, H]
+        if kind == "q":
+            return eq(cast(list, src.query)[la], cast(list, base.query)[la]).all(-1).all(1)  # [N, H]
         j = "qkv".index(kind)
         a, b = src.qkv[la][j], base.qkv[la][j]
-        heads = H if kind == "q" else G
-        return eq(a.reshape(*a.shape[:2], heads, d), b.reshape(*b.shape[:2], heads, d)).all(-1).all(1)
+        return eq(a.reshape(*a.shape[:2], G, d), b.reshape(*b.shape[:2], G, d)).all(-1).all(1)
 
     out = torch.zeros(len(sites), n, dtype=torch.bool)
     for s_i, s in enumerate(sites):
@@ -907,21 +841,34 @@ def _run_chunk(
             c = cols.to(dev)[:, offset:, None]
             s_ = source[:, offset:]
             module = model.attentions[layer] if kind == "attn_out" else model.mlp(layer)
-            stack.enter_context(_output_patch(module, lambda o: torch.where(c, s_.to(o.dtype), o)))
-        else:  # q / k / v: columns of one head in the projection output, all positions
+
+            def block(o: torch.Tensor, c=c, s_=s_) -> torch.Tensor:
+                # a MoE block may return its rows flattened (Llama 4: [R * T', D])
+                return torch.where(c, s_.to(o.dtype), o.reshape(s_.shape)).reshape(o.shape)
+
+            stack.enter_context(_output_patch(module, block))
+        elif kind == "q":  # the query heads as attention reads them (after QK-norm and RoPE)
+            rh = torch.zeros(R, H, dtype=torch.bool)
+            for r, s in enumerate(sites):
+                rh[r, s.index] = True
+            edits.append(
+                _PatchQuery(layer=layer, row_heads=rh, source=cast(list, src.query)[layer][ps, trim:].to(dev))
+            )
+        else:  # k / v: one KV head's columns of the projection output, all positions
             j = "qkv".index(kind)
             module = _qkv_modules(model, layer)[j]
-            sl = _qkv_slices(model)[j]
-            source = src.qkv[layer][j][ps, trim:].to(dev)  # [R, T', width of q/k/v]
-            d = model.d_head
-            colmask = torch.zeros(R, 1, source.shape[-1], dtype=torch.bool, device=dev)
-            for r, s in enumerate(sites):
-                colmask[r, 0, s.index * d : (s.index + 1) * d] = True
+            n = model.n_kv_heads
+            source = src.qkv[layer][j][ps, trim:].to(dev)  # [R, T', G * d] head-major
+            every = kv_columns(model, j, range(n)).to(dev)
+            rows = [kv_columns(model, j, [s.index]).to(dev) for s in sites]
 
-            def fn(o: torch.Tensor, sl=sl, source=source, colmask=colmask) -> torch.Tensor:
-                o = o.clone()
-                o[..., sl] = torch.where(colmask, source.to(o.dtype), o[..., sl])
-                return o
+            def fn(o: torch.Tensor, source=source, every=every, rows=rows) -> torch.Tensor:
+                new = o.clone()
+                new[..., every] = source[:, offset:].to(o.dtype)  # every head from the source ...
+                keep = torch.ones(R, 1, o.shape[-1], dtype=torch.bool, device=o.device)
+                for r, c in enumerate(rows):
+                    keep[r, 0, c] = False
+                return torch.where(keep, o, new)  # ... kept only in each row's KV head
 
             stack.enter_context(_output_patch(module, fn))
         one_column = base.embeds is None  # vision pairs: the embeddings hook covers every column
@@ -977,7 +924,7 @@ def _one_column_output(
     seen: list[torch.Tensor] = []
 
     def stop(mod, args, out):
-        seen.append(_first(out))
+        seen.append(first_output(out))
         raise _Stop
 
     h = model.layers[layer].register_forward_hook(stop)

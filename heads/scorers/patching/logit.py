@@ -22,14 +22,17 @@ the recorded parts do not explain, ~1e-6 on pre-norm families). Sources: Elhage 
 `ActivationCache.decompose_resid` / `stack_head_results` / `apply_ln_to_stack` (the frozen-
 scale convention), Ortu et al. 2024 (Sec. 4, logit inspection of factual vs counterfactual).
 
-`logit_lens` applies the real final norm and the unembedding to the residual entering every
-layer (and the final one): the metric, the logit and rank of the answer and counterfactual
-token, and the top tokens per layer. `head_logits` (the per-head lens) gives each head's
-direct logit for the answer and for the counterfactual token at the last position (frozen
-scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
+`logit_lens` applies the model's own output function (the real final norm, the unembedding and
+any logit scale and output soft-cap after it: `output_logits`) to the residual entering every
+layer (and the final one, so its last entry is the model's output): the metric, the logit and
+rank of the answer and counterfactual token, and the top tokens per layer. `head_logits` (the
+per-head lens) gives each head's direct logit for the answer and for the counterfactual token at
+the last position (frozen scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
 
 Families whose sub-layer outputs pass through a norm before joining the residual (Gemma 2/3,
-OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there.
+OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there. DLA is a linear
+decomposition of the logit difference before any output soft-cap (Gemma 2 / 3, NanoChat): the
+cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logit_diff`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "DLAResult",
+    "output_logits",
     "LensResult",
     "check_dla_model",
     "direct_logit_attribution",
@@ -109,29 +113,49 @@ def norm_parts(
     """What the frozen-scale convention needs of one norm module of `model` (the final norm, a
     block's input or output norm, a QK-norm): `(kind, gain, bias, eps)`, with `kind` `"rms"`
     (RMSNorm: `gain * x / sqrt(mean(x^2) + eps)`) or `"layer"` (LayerNorm: centred, `var`),
-    `gain` `[dim]` fp32 (Gemma's `1 + weight` applied; ones without a weight), `bias` `[dim]` or
-    None.
+    `gain` `[dim]` fp32, `bias` `[dim]` or None.
+
+    The kind, gain and bias are read from the norm's own function, not from its class or its
+    parameter names (Gemma's and Nemotron's norms multiply by `1 + weight`, OLMo's has no
+    weight, Cohere's is a LayerNorm with an RMSNorm's attribute names): the norm is applied to
+    `0` (which gives its bias), to a vector `x` of alternating +-1 and to `x + 3` (equal to `x`'s
+    output iff the norm centres), and the gain is `(N(x) - N(0)) * sqrt(var + eps) / x_c`
+    elementwise (`x_c` = `x` centred for a LayerNorm, `var` its mean square; no entry of `x_c`
+    is 0). `eps` is the norm's `variance_epsilon` / `eps` attribute, or, for a norm that keeps it
+    inside its forward (OLMo's 1e-5), solved from `N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m +
+    eps)` at `a = 1e-3`.
 
     Raises:
-        ValueError: a norm without an `eps` / `variance_epsilon` attribute (its scale cannot be
-            frozen).
+        ValueError: a norm without an eps attribute whose eps cannot be measured (its scale
+            cannot be frozen).
     """
+    x = torch.ones(dim)
+    x[1::2] = -1.0
+    param = next(norm.parameters(), None)
+    device, dtype = (param.device, param.dtype) if param is not None else (model.device, model.dtype)
+
+    def run(v: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return norm(v[None].to(device, dtype)).float().cpu()[0]
+
+    zero, at_x, shifted = run(torch.zeros(dim)), run(x), run(x + 3.0)
+    centred = bool(torch.allclose(at_x, shifted, rtol=1e-2, atol=1e-3 * float(at_x.abs().max())))
+    xc = x - x.mean() if centred else x
+    ms = float(xc.pow(2).mean())
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = getattr(norm, "eps", None)
-    if eps is None:
-        raise HeadsteerValueError(f"norm {type(norm).__name__} has no eps attribute; cannot freeze its scale")
-    w = getattr(norm, "weight", None)
-    gain = torch.ones(dim) if w is None else w.detach().float().cpu()
-    if "gemma" in model.family.model_type:  # Gemma's RMSNorm multiplies by (1 + weight)
-        gain = 1.0 + gain
-    centred = (
-        isinstance(norm, torch.nn.LayerNorm)
-        or "LayerNorm" in type(norm).__name__
-        and not hasattr(norm, "variance_epsilon")
-    )
-    b = getattr(norm, "bias", None)
-    bias = None if b is None else b.detach().float().cpu()
+    if eps is None:  # a constant inside forward (OLMo): N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
+        a = 1e-3
+        r = float(((run(a * x) - zero) / (at_x - zero)).mean())
+        eps = a * a * ms * (1 - r * r) / (r * r - a * a)
+        if not eps > 0:
+            raise HeadsteerValueError(
+                f"norm {type(norm).__name__} has no eps attribute and none could be measured; cannot "
+                "freeze its scale"
+            )
+    gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
+    bias = zero if bool(zero.abs().max() > 0) else None
     return ("layer" if centred else "rms"), gain, bias, float(eps)
 
 
@@ -172,6 +196,52 @@ def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch
     )
 
 
+def _logit_scale(model: HeadModel) -> tuple[float, bool]:
+    """`(c, before_unembed)`: the constant the model multiplies its output logits by (Cohere's
+    `logit_scale`; 1 / Granite's `logits_scaling`; 1 if none) and whether it is applied to the
+    normed state before the unembedding (MiniCPM3) rather than to the logits."""
+    spec = model.family.logit_scale
+    if spec is None:
+        return 1.0, False
+    field, op = spec
+    value = float(getattr(_config(model), field))
+    return (value if op == "mul" else 1.0 / value), op == "div_hidden"
+
+
+def _config(model: HeadModel) -> Any:
+    cfg = model.model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def _final_softcap(model: HeadModel) -> float | None:
+    """The cap of the model's output-logit soft-cap (`c * tanh(logits / c)`), or None."""
+    field = model.family.final_softcap
+    cap = getattr(_config(model), field, None) if field is not None else None
+    return float(cap) if cap else None
+
+
+def output_logits(model: HeadModel, normed: torch.Tensor) -> torch.Tensor:
+    """The model's own output logits `[..., V]` from final-normed states `normed [..., D]`: the
+    unembedding, then every step the model's head takes after it (a constant logit scale,
+    Cohere / Granite / MiniCPM3; the output soft-cap, Gemma 2 / 3, NanoChat), in the model's
+    dtype. The logit lens reads each layer through it."""
+    scale, before = _logit_scale(model)
+    logits = model.unembed(normed * scale if before else normed)
+    if not before and scale != 1.0:
+        logits = logits * scale
+    cap = _final_softcap(model)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _residual_scale(model: HeadModel, layer: int) -> float:
+    """The factor block `layer` applies to its attention and MLP outputs before they join the
+    residual stream (Granite's `residual_multiplier`; 1 for most families)."""
+    name = model.family.residual_scale
+    return 1.0 if name is None else float(getattr(model.layers[layer], name))
+
+
 def _lm_bias(model: HeadModel) -> torch.Tensor | None:
     b = getattr(model.unembed, "bias", None)
     return None if b is None else b.detach().float().cpu()
@@ -199,6 +269,11 @@ def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
 class DLAResult:
     """Direct logit attribution of one clean run (logit difference answer - counterfactual).
 
+    A linear decomposition of the logit difference *before any output soft-cap* (Gemma 2 / 3,
+    NanoChat cap the logits after the unembedding; no sum of terms reproduces the cap). Every
+    term is in logit units, with the model's constant logit scale (Cohere, Granite, MiniCPM3)
+    folded in and each block's residual multiplier (Granite, MiniCPM3) applied to its terms.
+
     Attributes:
         heads: `[N, L, H, T]` fp32 term of head (l, h)'s output at position t on the logit
             difference read at t (frozen final-norm scale of position t; padding columns 0).
@@ -206,7 +281,8 @@ class DLAResult:
         embed: `[N, T]` the embedding term (token + absolute position embeddings).
         bias: `[N, T]` the final norm's and the LM head's bias terms.
         rest: `[N, T]` what the recorded parts leave unexplained (`x_L` minus their sum).
-        logit_diff: `[N, T]` the model's own logit difference at every position.
+        logit_diff: `[N, T]` the model's own logit difference at every position, before any
+            output soft-cap (equal to the output's where the family has none).
         labels: `T` token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
@@ -303,8 +379,9 @@ def direct_logit_attribution(
 
     Returns:
         a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
-        logit difference within float error (tested: 1e-5 on tiny fp32 models, 1e-4 on the
-        embedded model).
+        logit difference before any output soft-cap within float error (tested: 1e-5 on a tiny
+        fp32 model of every family DLA accepts, with logit scales and residual multipliers
+        switched on; 1e-4 on the embedded model).
 
     Raises:
         ValueError: pairs without counterfactual tokens, a `post_norm` family, a final norm
@@ -324,7 +401,8 @@ def direct_logit_attribution(
         check_samples(pairs.n, stability)
     kind, gain, nbias, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
-    du = ua - uw  # [N, D]
+    scale, _ = _logit_scale(model)
+    du = (ua - uw) * scale  # [N, D]: the logit scale is linear, it folds into the direction
     u = gain * du
     if kind == "layer":
         u = u - u.mean(-1, keepdim=True)
@@ -344,14 +422,15 @@ def direct_logit_attribution(
     embed = proj(cache.residuals[0])
     for la in range(L):
         wo, bo = _o_matrices(model, la)  # [H, d, D]
+        r = _residual_scale(model, la)  # what the block's outputs are scaled by on joining the stream
         z = cache.z[la].float().cpu()  # [N, T, H, d]
         wu_h = torch.einsum("hdk,nk->nhd", wo, u)  # [N, H, d]
-        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :]
-        attn = cache.attn_out[la].float().cpu()
-        mlp_out = cache.mlp_out[la].float().cpu()
+        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :] * r
+        attn = cache.attn_out[la].float().cpu() * r
+        mlp_out = cache.mlp_out[la].float().cpu() * r
         parts += attn + mlp_out
         # what the block's attention output holds beyond the heads (the o_proj bias)
-        head_sum = torch.einsum("nthd,hdk->ntk", z, wo)
+        head_sum = torch.einsum("nthd,hdk->ntk", z, wo) * r
         attn_bias[:, la] = proj(attn - head_sum)
         mlp[:, la] = proj(mlp_out)
     rest = proj(x_final - parts)
@@ -365,9 +444,10 @@ def direct_logit_attribution(
         diff = ba.sum(-1) / pairs.answer_mask.sum(-1) - bw.sum(-1) / pairs.counterfactual_mask.sum(-1).clamp(
             min=1
         )
-        bias += diff[:, None]
+        bias += diff[:, None] * (1.0 if _logit_scale(model)[1] else scale)
     bias = bias * real
-    # the model's own logit difference at every position (from the normed final residual)
+    # the model's own logit difference at every position (from the normed final residual),
+    # before any output soft-cap
     normed = model.final_norm(x_final.to(model.device, model.dtype)).float().cpu()
     ld = torch.einsum("ntd,nd->nt", normed, du)
     if lb is not None:
@@ -397,6 +477,10 @@ def direct_logit_attribution(
 @dataclass
 class LensResult:
     """The logit lens at the last position, per layer.
+
+    Entry l (< L) is the model's own output function (final norm, unembedding, logit scale,
+    output soft-cap: `output_logits`) applied to the residual entering layer l; entry L is the
+    model's output itself.
 
     Attributes:
         answer_logit / counterfactual_logit: `[N, L + 1]` logits of the answer / counterfactual
@@ -445,8 +529,10 @@ class LensResult:
 
 @torch.no_grad()
 def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
-    """The logit lens (nostalgebraist 2020): final norm + unembedding of the residual entering
-    every layer, at the last position.
+    """The logit lens (nostalgebraist 2020): the model's output function (final norm,
+    unembedding and every step after it: a logit scale, the output soft-cap; `output_logits`) of
+    the residual entering every layer, at the last position. The last entry is the model's
+    output (tested on every family).
 
     Args:
         which: `"clean"` (default) or `"corrupted"`.
@@ -465,7 +551,7 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
     cache, x_final = _record(model, ids, pairs.attention_mask)
     resid = [r[:, -1] for r in cache.residuals[:-1]] + [x_final[:, -1]]
     stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, D]
-    logits = model.unembed(model.final_norm(stack)).float().cpu()  # [N, L+1, V]
+    logits = output_logits(model, model.final_norm(stack)).float().cpu()  # [N, L+1, V]
 
     def gather(ids_: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         vals = logits.gather(-1, ids_[:, None, :].expand(-1, logits.shape[1], -1))
@@ -519,16 +605,17 @@ def head_logits(
     ua, uw = _directions(model, pairs)
     cache, x_final = _record(model, _which(pairs, which), pairs.attention_mask)
     s = _scale(kind, x_final[:, -1], eps)  # [N]
+    scale, _ = _logit_scale(model)
     out = []
     for u in (ua, uw):
-        v = gain * u
+        v = gain * u * scale
         if kind == "layer":
             v = v - v.mean(-1, keepdim=True)
         per = torch.zeros(pairs.n, model.n_layers, model.n_heads)
         for la in range(model.n_layers):
             wo, _ = _o_matrices(model, la)
             z = cache.z[la][:, -1].float().cpu()  # [N, H, d]
-            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None]
+            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None] * _residual_scale(model, la)
         out.append(per)
     return out[0], out[1]
 

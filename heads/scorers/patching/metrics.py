@@ -57,9 +57,12 @@ class ZeroGapWarning(UserWarning):
 
 
 def _gather_mean(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[R]` mean of each row's logits at its real token slots (`mask`); padded slots are never
+    read: their id is a placeholder whose logit may be anything, NaN included (the sweeps
+    compute only the answer columns, `unembed_only`), and NaN * 0 is NaN."""
     vals = logits.gather(-1, ids.to(logits.device))
-    m = mask.to(logits.device)
-    return (vals * m).sum(-1) / m.sum(-1).clamp(min=1)
+    m = mask.to(logits.device).bool()
+    return torch.where(m, vals, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def logit_diff(logits: torch.Tensor, pairs: PairBatch, index: torch.Tensor) -> torch.Tensor:

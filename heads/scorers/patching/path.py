@@ -16,10 +16,13 @@ or chosen heads' query / key / value inputs), with base prompt x and source prom
 `"denoising"` (x corrupted, x~ clean). Scores are normalised as activation patching's
 (`heads.scorers.patching.metrics.normalise`).
 
-Receivers' inputs are the outputs of their q / k / v projections (before RoPE and any QK-norm,
-which act per position and head, so replacing them is the same as replacing the rotated
-vectors). Under GQA, keys and values belong to a KV head: k / v receivers are `(layer, kv_head)`
-pairs, and patching one changes the keys / values every query head of its group reads.
+Receivers' inputs: a q receiver's query as the attention function reads it (after any QK-norm
+and RoPE, the engine's query site); a k / v receiver's KV-head columns of the key / value
+projection output (before RoPE and QK-norm, which act per position and head), in every fused
+layout; `k` / `v` are refused where `activation.patch` refuses them (latent attention; `k` where
+the key norm spans all heads). Under GQA, keys and values belong to a KV head: k / v receivers
+are `(layer, kv_head)` pairs, and patching one changes the keys / values every query head of its
+group reads.
 With `mlp="frozen"` and `direction="denoising"` a q receiver's result equals TransformerLens'
 `patching.get_act_patch_direct_path` (the sender's write added to the receiver's own copy of
 the residual, everything else corrupted), tested.
@@ -58,19 +61,24 @@ from heads.model.adapter import HeadModel
 from heads.results.scores import HeadSet, HeadSpec
 from heads.scorers.patching.activation import (
     PatchResult,
-    RunCache,
     _check_positions,
     _output_patch,
+    _PatchQuery,
     _PatchZ,
-    _qkv_modules,
-    _qkv_slices,
     check_sweep_inputs,
     prefix_cache,
-    record_run,
     unembed_only,
 )
 from heads.scorers.patching.metrics import DIRECTIONS, Metric
 from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.record import (
+    RunCache,
+    _qkv_modules,
+    _QueryRecorder,
+    check_kv_kind,
+    kv_columns,
+    record_run,
+)
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
 
@@ -111,6 +119,8 @@ def _check_receivers(
         raise HeadsteerValueError(
             f"receivers must be 'logits' or a head selection, got {short_repr(receivers)}"
         )
+    for c in comps:
+        check_kv_kind(model, c)
     kv = any(c in ("k", "v") for c in comps)
     if kv and "q" in comps and model.n_kv_heads != model.n_heads:
         raise HeadsteerValueError(
@@ -165,8 +175,10 @@ def path_patch(
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: unknown senders / receivers / inputs / mlp mode / direction / metric, inputs
-            other than "q" with receivers "logits", ids outside the vocabulary,
-            positions out of range, nnsight with `remote=True` — before any forward.
+            other than "q" with receivers "logits", a k / v input the family does not have,
+            ids outside the vocabulary, positions out of range, a pair that cannot show an
+            effect (`pairs.check_pairs_differ`), nnsight with `remote=True` — before any
+            forward.
     """
     if direction not in DIRECTIONS:
         raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
@@ -244,16 +256,14 @@ def path_patch(
 def _receiver_columns(
     model: HeadModel, layer: int, heads: list[int], comps: tuple[str, ...]
 ) -> list[tuple[torch.nn.Module, torch.Tensor]]:
-    """Per projection module of `layer`, the bool `[width]` mask of the receiver heads' columns."""
+    """Per projection module of `layer`, the bool `[width]` mask of the receiver KV heads' key /
+    value columns (every fused layout, `record.kv_columns`)."""
     mods = _qkv_modules(model, layer)
-    sls = _qkv_slices(model)
-    d = model.d_head
     out: dict[int, tuple[torch.nn.Module, list[int]]] = {}
     for c in comps:
         j = "qkv".index(c)
         cols = out.setdefault(id(mods[j]), (mods[j], []))[1]
-        for h in heads:
-            cols.extend(range(sls[j].start + h * d, sls[j].start + (h + 1) * d))
+        cols.extend(kv_columns(model, j, heads).tolist())
     res = []
     for module, cols in out.values():
         w = getattr(module, "out_features", None) or _out_width(model, mods, module)
@@ -360,8 +370,13 @@ def _run_chunk(
                 source = base.mlp_out[la][ps, split:].to(dev)
                 stack.enter_context(_output_patch(model.mlp(la), lambda o, s=source: s.to(o.dtype)))
         plan: dict[int, list[tuple[torch.nn.Module, torch.Tensor]]] = {}
+        queries: dict[int, _QueryRecorder] = {}
+        kv_comps = tuple(c for c in comps if c != "q")
         for la in targets:
-            plan[la] = _receiver_columns(model, la, [h for lr, h in recv or () if lr == la], comps)
+            if "q" in comps:  # the receivers' queries as attention reads them (engine query site)
+                queries[la] = _QueryRecorder(layer=la)
+                edits.append(queries[la])
+            plan[la] = _receiver_columns(model, la, [h for lr, h in recv or () if lr == la], kv_comps)
             for module, _ in plan[la]:
                 mid = id(module)
 
@@ -385,6 +400,11 @@ def _run_chunk(
     # step 3: the base run with only the receivers' inputs replaced
     start = targets[0]
     residual, past = prefix(start)
+    put_q: list[Edit] = []
+    for la, rec_q in queries.items():
+        rq = torch.zeros(R, H, dtype=torch.bool)
+        rq[:, [h for lr, h in recv or () if lr == la]] = True
+        put_q.append(_PatchQuery(layer=la, row_heads=rq, source=rec_q.records[0], start=split - trim))
     with ExitStack() as stack:
         for la in targets:
             for module, colmask in plan[la]:
@@ -397,5 +417,5 @@ def _run_chunk(
                     return (new, *out[1:]) if isinstance(out, tuple) else new
 
                 stack.callback(module.register_forward_hook(put).remove)
-        out = run_rows(model, ids, m, [], start=start, residual=residual, past=past)
+        out = run_rows(model, ids, m, put_q, start=start, residual=residual, past=past)
     return out.logits[:, -1].float()

@@ -177,11 +177,13 @@ def test_gpt2_noising_equals_oracle(tokenizer, kind):
     )
 
 
-def test_gpt2_resid_pre_is_refused_until_verified(tokenizer):
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_gpt2_resid_pre_equals_oracle(tokenizer, direction):
+    """Was refused on GPT-2: its blocks get the KV cache positionally, so the residual edit read no
+    cache, took the patched column as column 0 and wrote the wrong position after a reused prefix."""
     model = make_tiny("gpt2", tokenizer)
     pairs = encode_pairs(tokenizer, PAIRS)
-    with pytest.raises(ValueError, match="resid_pre.*not verified"):
-        patch(model, pairs, "resid_pre")
+    _check(model, pairs, "resid_pre", direction=direction, positions=[1, 5, -2, -1])
 
 
 def test_result_views_and_roundtrip(tokenizer, tmp_path):

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter
 
-from heads.errors import HeadsteerValueError
 from viz.explorer.jobs import job_stream
 from viz.explorer.requests import PatchRequest
 from viz.explorer.routes.common import State, body
@@ -31,7 +30,7 @@ def kind_refusal(st: ExplorerState, kind: str) -> str | None:
     from heads.scorers.patching import activation
 
     try:
-        activation._sites(st.model, kind, [0], [0])  # noqa: SLF001 - the library's own per-family refusal
+        activation.check_kind(st.model, kind)  # the library's own per-family refusal
     except ValueError as exc:
         return one_line(exc)
     return None
@@ -41,15 +40,13 @@ def kind_refusal(st: ExplorerState, kind: str) -> str | None:
 async def patching(req: Annotated[PatchRequest, body(PatchRequest)], st: State) -> Any:
     from heads.engine.options import SweepOptions
     from heads.scorers.patching.activation import patch
-    from heads.scorers.patching.pairs import PromptPair, encode_pairs
+    from heads.scorers.patching.pairs import PromptPair, check_pairs_differ, encode_pairs
 
-    if req.clean == req.corrupted:
-        raise HeadsteerValueError("clean and corrupted are the same text: nothing to patch")
-    if req.counterfactual is not None and req.counterfactual == req.answer:
-        raise HeadsteerValueError("counterfactual is the answer: their logit difference is always 0")
     model = st.model
     pair = PromptPair(req.clean, req.corrupted, req.answer, req.counterfactual)
+    check_pairs_differ([pair])  # the library's check: the same text, the answer as counterfactual
     pairs = encode_pairs(model, [pair], chat=st.chat(req.raw))  # checks before work
+    check_pairs_differ(pairs, counterfactual=req.counterfactual is not None)  # the same on tokens
     metric = "logit_diff" if req.counterfactual is not None else "log_prob"
     no_positions = kind_refusal(st, "resid_pre")
 
