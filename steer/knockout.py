@@ -106,9 +106,9 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
     if all(isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in spec):
         if len(spec) != B:
             raise HeadsteerValueError(f"{name} has {len(spec)} per-row lists for a batch of {B} prompts")
-        rows = list(spec)  # type: ignore[arg-type]
+        rows = list(spec)
     else:
-        rows = [spec] * B  # type: ignore[list-item]
+        rows = [spec] * B
     out = torch.zeros(B, P, dtype=torch.bool)
     for b, row in enumerate(rows):
         for p in row:
