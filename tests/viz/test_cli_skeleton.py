@@ -49,6 +49,8 @@ def test_every_command_takes_the_shared_options():
         "explore",
         "build refusal-model",
         "plan",
+        "build organism",
+        "report training",
     }
     assert all(not missing for missing in names.values()), names
 
