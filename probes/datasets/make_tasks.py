@@ -18,6 +18,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -293,11 +294,12 @@ def _cap(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def _first_token(tokenizer, text: str) -> int:
-    return tokenizer(" " + text, add_special_tokens=False)["input_ids"][0]
+def _first_token(tokenizer: Any, text: str) -> int:
+    first: int = tokenizer(" " + text, add_special_tokens=False)["input_ids"][0]
+    return first
 
 
-def check_choices(tokenizer, choices: Sequence[str]) -> None:
+def check_choices(tokenizer: Any, choices: Sequence[str]) -> None:
     """Check that the first tokens of `" " + choice` are pairwise distinct.
 
     Raises:
@@ -313,7 +315,7 @@ def check_choices(tokenizer, choices: Sequence[str]) -> None:
         seen[tid] = choice
 
 
-def _single_token(tokenizer, words: Sequence[str]) -> tuple[str, ...]:
+def _single_token(tokenizer: Any, words: Sequence[str]) -> tuple[str, ...]:
     """The words that are one token with a leading space (the preferred choice candidates)."""
     return tuple(w for w in words if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1)
 
@@ -467,7 +469,7 @@ def build_pronoun_change(rng: random.Random) -> list[dict]:
 # --------------------------------------------------------------------------- occupation
 
 
-def build_occupation(rng: random.Random, tokenizer) -> list[dict]:
+def build_occupation(rng: random.Random, tokenizer: Any) -> list[dict]:
     """occupation: BiasBios-style; the first sentence states the occupation, then distractors."""
     check_choices(tokenizer, OCCUPATIONS)
     people = _People(rng)
@@ -520,7 +522,7 @@ def build_occupation(rng: random.Random, tokenizer) -> list[dict]:
 # --------------------------------------------------------------------------- counterfact
 
 
-def _counterfact_relations(tokenizer) -> list[tuple[str, str, str, str, tuple[str, ...]]]:
+def _counterfact_relations(tokenizer: Any) -> list[tuple[str, str, str, str, tuple[str, ...]]]:
     """(kind, subject kind, past template, present template, single-token values)."""
     cities = _single_token(tokenizer, CHOICE_CITIES)
     countries = _single_token(tokenizer, COUNTRIES)
@@ -556,11 +558,12 @@ def _subject(rng: random.Random, kind: str, people: _People, used: set[str]) -> 
             return subject
 
 
-def build_counterfact(rng: random.Random, tokenizer) -> list[dict]:
+def build_counterfact(rng: random.Random, tokenizer: Any) -> list[dict]:
     """counterfact: an old and a new fact about a fictional subject, then a completion cue."""
     relations = _counterfact_relations(tokenizer)
-    people, used = _People(rng), set()
-    items, strata = [], []
+    people, used = _People(rng), set[str]()
+    items: list[dict] = []
+    strata: list[str] = []
     for i in range(N_EXAMPLES):
         kind, subject_kind, past, present, values = relations[i % len(relations)]
         subject = _subject(rng, subject_kind, people, used)
@@ -594,7 +597,7 @@ def _review_pool() -> dict[int, list[str]]:
     return pool
 
 
-def build_sentiment(rng: random.Random, tokenizer) -> list[dict]:
+def build_sentiment(rng: random.Random, tokenizer: Any) -> list[dict]:
     """sentiment: 4 balanced demonstrations (2 per label, shuffled), then the query review."""
     check_choices(tokenizer, SENTIMENT_CHOICES)
     pool = _review_pool()
@@ -667,7 +670,7 @@ CONTEXT_FILLERS = (
 CONTEXT_INSTRUCTION = "Answer the question using only the passage, even if it differs from what you know."
 
 
-def _context_relations(tokenizer) -> list[tuple[str, tuple, str, str, str]]:
+def _context_relations(tokenizer: Any) -> list[tuple[str, tuple, str, str, str]]:
     """(kind, facts, statement, question, answer cue) with `{s}` the subject and `{v}` the value."""
     cities = tuple(sorted({v for _, v in CONTEXT_CAPITALS + CONTEXT_LANDMARKS}))
     langs = tuple(sorted({v for _, v in CONTEXT_LANGUAGES}))
@@ -683,7 +686,7 @@ def _context_relations(tokenizer) -> list[tuple[str, tuple, str, str, str]]:
     ]  # fmt: skip
 
 
-def build_context_qa(rng: random.Random, tokenizer) -> list[dict]:
+def build_context_qa(rng: random.Random, tokenizer: Any) -> list[dict]:
     """context_qa: a passage that contradicts a well-known fact, then a question about that fact.
 
     The emphasised span is the passage; the choices are [the passage's value, the true value]
@@ -691,7 +694,9 @@ def build_context_qa(rng: random.Random, tokenizer) -> list[dict]:
     after a space, with distinct first tokens.
     """
     relations = _context_relations(tokenizer)
-    items, strata, seen = [], [], set()
+    items: list[dict] = []
+    strata: list[str] = []
+    seen: set[tuple] = set()
     i = 0
     while len(items) < N_EXAMPLES:
         kind, facts, statement, question, cue = relations[i % len(relations)]
@@ -725,7 +730,7 @@ def build_context_qa(rng: random.Random, tokenizer) -> list[dict]:
 # --------------------------------------------------------------------------- build / write
 
 
-def build_tasks(tokenizer, seed: int = SEED) -> dict[str, list[dict]]:
+def build_tasks(tokenizer: Any, seed: int = SEED) -> dict[str, list[dict]]:
     """All six task sets as rows (dicts in file order); each task has its own seeded stream.
 
     Raises:
