@@ -84,6 +84,15 @@ def test_default_circuit_is_the_smallest_reaching_the_documented_faithfulness(qw
     assert c.params["faithfulness_target"] == DEFAULT_FAITHFULNESS
     quiet = find_circuit(qwen2, p, method="eap", sizes=sizes, curve=False, faithfulness=0.9, progress=False)
     assert quiet.curve is None and quiet.faithfulness >= 0.9
+    # the request form carries the same target to find_circuit
+    from heads import CircuitRequest, SweepOptions, run
+
+    req = CircuitRequest.from_json(
+        CircuitRequest(method="eap", sizes=sizes, curve=False, faithfulness=0.9).to_json()
+    )
+    assert torch.equal(run(qwen2, req, p, options=SweepOptions(progress=False)).mask, quiet.mask)
+    with pytest.raises(ValueError, match="at most one of"):
+        CircuitRequest(size=5, faithfulness=0.5)
     with pytest.raises(ValueError, match="at most one of"):
         find_circuit(qwen2, p, size=5, faithfulness=0.5, progress=False)
 
