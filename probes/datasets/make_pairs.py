@@ -42,6 +42,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -126,16 +127,16 @@ COLORED_TEMPLATE = "On the {surface}, I see {items}. What color is the {query}? 
 # --------------------------------------------------------------------------- helpers
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def _single(tokenizer, words: Sequence[str]) -> tuple[str, ...]:
+def _single(tokenizer: Any, words: Sequence[str]) -> tuple[str, ...]:
     """The words that are one token after a space."""
     return tuple(w for w in words if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1)
 
 
-def _check_pair(tokenizer, row: dict) -> None:
+def _check_pair(tokenizer: Any, row: dict) -> None:
     """Raise unless the two prompts align on token ids and both answers are single tokens."""
     a, b = _ids(tokenizer, row["clean"]), _ids(tokenizer, row["corrupted"])
     if len(a) != len(b):
@@ -188,7 +189,7 @@ def _distinct(rng: random.Random, pool: Sequence[str], k: int, exclude: Sequence
 # --------------------------------------------------------------------------- IOI
 
 
-def build_ioi(rng: random.Random, tokenizer) -> list[dict]:
+def build_ioi(rng: random.Random, tokenizer: Any) -> list[dict]:
     """IOI pairs: every clean prompt twice, with the `"abc"` and the `"s_flip"` corruption.
 
     The ids are `ioi-<nnn>-abc` / `ioi-<nnn>-s_flip` (nnn = the clean prompt); both rows of a
@@ -247,13 +248,15 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
+def build_colored_objects(rng: random.Random, tokenizer: Any) -> list[dict]:
     """Colored Objects pairs: the corrupted prompt asks about another object of the list.
 
     Half train, half test within each queried slot (first, second, third object).
     """
     colors, things = _single(tokenizer, COLORS), _single(tokenizer, COLORED_THINGS)
-    items, strata, seen = [], [], set()
+    items: list[dict] = []
+    strata: list[str] = []
+    seen: set[tuple] = set()
     while len(items) < N_COLORED:
         k = len(items) % N_OBJECTS_SHOWN
         objs = _distinct(rng, things, N_OBJECTS_SHOWN)
@@ -320,7 +323,7 @@ def _comp_mech_template(cue: str) -> int:
     raise HeadsteerValueError(f"comp_mech: no known phrasing in the cue {short_repr(cue)}")
 
 
-def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
+def build_comp_mech(rng: random.Random, tokenizer: Any) -> list[dict]:
     """Competition-of-mechanisms pairs from the `counterfact` task: the corruption swaps the
     earlier and the current value in the two context sentences (rows whose swap changes the
     token length are skipped). The split is the counterfact row's ("validation" -> "train")."""
@@ -356,7 +359,7 @@ def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
 # --------------------------------------------------------------------------- build / write
 
 
-def build_pairs(tokenizer, seed: int = SEED) -> dict[str, list[dict]]:
+def build_pairs(tokenizer: Any, seed: int = SEED) -> dict[str, list[dict]]:
     """Every pair set as rows (dicts in file order); each set has its own seeded stream.
 
     Raises:
