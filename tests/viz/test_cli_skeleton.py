@@ -48,6 +48,8 @@ def test_every_command_takes_the_shared_options():
         "serve",
         "explore",
         "build refusal-model",
+        "build organism",
+        "report training",
     }
     assert all(not missing for missing in names.values()), names
 
