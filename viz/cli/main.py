@@ -34,6 +34,7 @@ from viz.cli.common import (
 )
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
+from viz.cli.plan import register_plan  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.qk import report_qk  # noqa: E402
 from viz.cli.training import register_training  # noqa: E402
@@ -62,6 +63,7 @@ build_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(build_app, name="build")
 register_eval(app)
+register_plan(app)  # `headsteer plan`
 command(app, "serve", writes_files=False, json_help="print the URL and model as one JSON line once serving")(
     serve_command
 )
