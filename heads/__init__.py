@@ -59,6 +59,7 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.planning import MemoryPlan, MemoryRequest, plan_memory
 from heads.results.activations import ActivationCache
 from heads.results.composition import CompositionScores
 from heads.results.evaluation import PairEvaluation
@@ -158,6 +159,9 @@ __all__ = [
     "run_with_hooks",
     "PairEvaluation",
     "evaluate_pairs",
+    "MemoryPlan",
+    "MemoryRequest",
+    "plan_memory",
     "position_attention",
     # the analyses (the front door: issue 38), their requests and results
     "patch",

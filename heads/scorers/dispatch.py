@@ -123,6 +123,7 @@ def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOpti
         batch_rows=o.max_rows,
         progress=o.progress,
         stability=r.stability,
+        faithfulness=r.faithfulness,
     )
 
 

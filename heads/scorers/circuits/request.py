@@ -14,7 +14,7 @@ from heads.results.stability import check_stability
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.request_base import Request, check_choice
 
-__all__ = ["DEFAULT_SIZE", "DEFAULT_STEPS", "MAX_STEPS", "METHODS", "SIZES", "CircuitRequest", "check_sizes"]
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "METHODS", "SIZES", "CircuitRequest", "check_sizes"]
 
 METHODS = ("eap", "eap-ig", "exact")
 """`method=` values: edge attribution patching, its integrated-gradients form, exact patching."""
@@ -27,9 +27,6 @@ DEFAULT_STEPS = 5
 
 SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 """Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
-
-DEFAULT_SIZE = 5.0
-"""The circuit's size when none of `n`, `size`, `threshold` is given, in % of the edges."""
 
 
 def check_sizes(sizes: Any, name: str = "sizes") -> tuple[float, ...]:
@@ -62,8 +59,10 @@ class CircuitRequest(Request):
 
     Attributes:
         method: `"eap"`, `"eap-ig"` (default) or `"exact"`.
-        n / size / threshold: the circuit: the top `n` edges, the top `size` % of the edges, or
-            |score| >= threshold; at most one (default: `size=5`).
+        n / size / threshold / faithfulness: the circuit: the top `n` edges, the top `size` % of
+            the edges, |score| >= threshold, or the smallest size of `sizes` whose faithfulness
+            reaches `faithfulness`; at most one (default: the smallest size reaching
+            `heads.scorers.circuits.DEFAULT_FAITHFULNESS`, 0.3).
         steps: EAP-IG interpolation steps (default 5; 1..100; only `"eap-ig"` takes another value).
         metric: `"logit_diff"` (default), another `heads.scorers.patching.metrics` name, a `Metric`
             or a function (not JSON).
@@ -73,8 +72,9 @@ class CircuitRequest(Request):
         stability: bootstrap resamples of the pairs for each edge's inclusion frequency (0: none).
 
     Raises:
-        HeadsteerValueError: two of n / size / threshold, an unknown method or metric, steps out of
-            range or given to a method without steps, a size outside (0, 100], a negative confirm.
+        HeadsteerValueError: two of n / size / threshold / faithfulness, an unknown method or
+            metric, steps out of range or given to a method without steps, a size outside (0, 100],
+            a negative confirm.
     """
 
     NAME = "find_circuit"
@@ -89,10 +89,11 @@ class CircuitRequest(Request):
     curve: bool = True
     sizes: Sequence[float] = SIZES
     stability: int = 0
+    faithfulness: float | None = None
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.n, self.size, self.threshold)) > 1:
-            raise HeadsteerValueError("give at most one of n=, size= or threshold=")
+        if sum(x is not None for x in (self.n, self.size, self.threshold, self.faithfulness)) > 1:
+            raise HeadsteerValueError("give at most one of n=, size=, threshold= or faithfulness=")
         check_choice("method", self.method, METHODS)
         steps = check_int("steps", self.steps, lo=1, hi=MAX_STEPS)
         if self.method != "eap-ig" and steps != DEFAULT_STEPS:
@@ -107,6 +108,8 @@ class CircuitRequest(Request):
             object.__setattr__(self, "size", check_sizes([self.size], "size")[0])
         if self.threshold is not None:
             object.__setattr__(self, "threshold", check_number("threshold", self.threshold))
+        if self.faithfulness is not None:
+            object.__setattr__(self, "faithfulness", check_number("faithfulness", self.faithfulness))
         object.__setattr__(self, "confirm", check_int("confirm", self.confirm, lo=0))
         check_bool("curve", self.curve)
         object.__setattr__(self, "sizes", check_sizes(self.sizes))
