@@ -316,7 +316,13 @@ def report_maps(
 @command(report_app, "atlas")
 def report_atlas(
     run: Run,
-    out: Annotated[Path, typer.Option(help="HTML file to write (a CSV of the table is written beside it)")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="HTML file to write; beside it a CSV of the table and the atlas JSON "
+            "that `headsteer explore --atlas` reads (same name, .csv and .json)"
+        ),
+    ],
     lens: Annotated[
         Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
     ] = None,
@@ -336,6 +342,7 @@ def report_atlas(
     check_stability(stability, "--stability")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
+    atlas_json = run.output(out.with_suffix(".json"))
     # a bad or untrained lens file fails here, before the model loads
     trained = AttentionLens.load(lens) if lens is not None else None
     if trained is not None:
@@ -343,7 +350,15 @@ def report_atlas(
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
-            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv, stability=stability
+            hm,
+            out,
+            lens=trained,
+            maps=maps,
+            overwrite=run.force,
+            progress=step,
+            csv=csv,
+            stability=stability,
+            atlas_json=atlas_json,
         )
     table = Table(title="Head roles")
     table.add_column("role")
@@ -351,7 +366,7 @@ def report_atlas(
     for role, n in summary["roles"].items():
         table.add_row(escape(role), str(n))
     run.show(table)
-    return {"html": str(out), "csv": str(csv), **summary}
+    return {"html": str(out), "csv": str(csv), "json": str(atlas_json), **summary}
 
 
 @command(report_app, "patching")
