@@ -38,11 +38,12 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from heads._util.validation import check_int, short_repr
+from heads.engine.unembed import logit_transform, output_logits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
@@ -160,18 +161,10 @@ def norm_parts(
 
 
 def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
-    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU)."""
-    box: list[torch.Tensor] = []
-
-    def pre(mod, args):
-        box.append(args[0].detach().float().cpu())
-
-    h = model.final_norm.register_forward_pre_hook(pre)
-    try:
-        cache = record_run(model, ids, mask)
-    finally:
-        h.remove()
-    return cache, box[-1]
+    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU): the stream leaving the
+    last block (the engine's `resid_post` site, read by the same forward)."""
+    cache = record_run(model, ids, mask, final=True)
+    return cache, cast(torch.Tensor, cache.final).float().cpu()
 
 
 def _scale(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -197,42 +190,10 @@ def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch
 
 
 def _logit_scale(model: HeadModel) -> tuple[float, bool]:
-    """`(c, before_unembed)`: the constant the model multiplies its output logits by (Cohere's
-    `logit_scale`; 1 / Granite's `logits_scaling`; 1 if none) and whether it is applied to the
-    normed state before the unembedding (MiniCPM3) rather than to the logits."""
-    spec = model.family.logit_scale
-    if spec is None:
-        return 1.0, False
-    field, op = spec
-    value = float(getattr(_config(model), field))
-    return (value if op == "mul" else 1.0 / value), op == "div_hidden"
-
-
-def _config(model: HeadModel) -> Any:
-    cfg = model.model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _final_softcap(model: HeadModel) -> float | None:
-    """The cap of the model's output-logit soft-cap (`c * tanh(logits / c)`), or None."""
-    field = model.family.final_softcap
-    cap = getattr(_config(model), field, None) if field is not None else None
-    return float(cap) if cap else None
-
-
-def output_logits(model: HeadModel, normed: torch.Tensor) -> torch.Tensor:
-    """The model's own output logits `[..., V]` from final-normed states `normed [..., D]`: the
-    unembedding, then every step the model's head takes after it (a constant logit scale,
-    Cohere / Granite / MiniCPM3; the output soft-cap, Gemma 2 / 3, NanoChat), in the model's
-    dtype. The logit lens reads each layer through it."""
-    scale, before = _logit_scale(model)
-    logits = model.unembed(normed * scale if before else normed)
-    if not before and scale != 1.0:
-        logits = logits * scale
-    cap = _final_softcap(model)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    """`(c, before_unembed)`: the constant the model multiplies its output logits by (1 if none)
+    and whether it scales the normed state before the unembedding (`engine.unembed`)."""
+    scale, before, _ = logit_transform(model)
+    return scale, before
 
 
 def _residual_scale(model: HeadModel, layer: int) -> float:
