@@ -129,8 +129,10 @@ run_rows = _forward
 residual=None, past=None, keep_cache=False)` runs `ids [R, T']` (the columns after `past`, if
 any) with the full-length `mask [R, T]`, the `edits` applied, starting at layer `start` from
 `residual [R, T', D]` (layer-prefix reuse) and with `past` (per layer `(keys, values)`
-`[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded. Returns the
-model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with `keep_cache`)."""
+`[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded (within
+`heads.engine.unembed.unembed_columns` only its wanted vocabulary columns, the others NaN).
+Returns the model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with
+`keep_cache`)."""
 
 
 def _last(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
