@@ -98,16 +98,20 @@ SCHEMA_VERSION = 1
 @dataclass(eq=False, repr=False)
 class _PatchZ(HeadOutputEdit):
     """Write `source [R, T', H, d]` into the heads of `row_heads`, at the columns of `cols
-    [R, T']` (None = all); columns are those of the chunk (after trimming)."""
+    [R, T']` (None = all); columns are those of the chunk (after trimming), from the chunk's
+    column `start` on (a forward that computes only the columns after a cached prefix needs
+    only theirs)."""
 
     source: torch.Tensor | None = None
     cols: torch.Tensor | None = None
+    start: int = 0
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        src = cast(torch.Tensor, self.source)[:, call.q_offset : call.q_offset + call.q_len].to(z.dtype)
+        a = call.q_offset - self.start
+        src = cast(torch.Tensor, self.source)[:, a : a + call.q_len].to(z.dtype)
         if self.cols is None:
             return src
-        c = self.cols[:, call.q_offset : call.q_offset + call.q_len].to(z.device)[:, :, None, None]
+        c = self.cols[:, a : a + call.q_len].to(z.device)[:, :, None, None]
         return torch.where(c, src, z)
 
 

@@ -163,7 +163,7 @@ def norm_parts(
 def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
     """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU): the stream leaving the
     last block (the engine's `resid_post` site, read by the same forward)."""
-    cache = record_run(model, ids, mask, final=True)
+    cache = record_run(model, ids, mask, final=True, keys=False)
     return cache, cast(torch.Tensor, cache.final).float().cpu()
 
 

@@ -33,8 +33,10 @@ on the engine's row forward (`heads.engine.variants.run_rows`):
 * step 2 starts at the sender's layer from the base run's residual (layer-prefix reuse);
 * every later head's output is frozen, so positions no longer interact above the sender's
   layer: with receivers = the logits only the last position is computed (the earlier ones' keys
-  and values come from the base run's cache); with head receivers step 2 stops at the last
-  receiver layer's attention (`capture.StopAt`);
+  and values come from the base run's cache) and, on the Hugging Face backend, the attention of
+  the layers above the sender is not run at all (it returns o_proj of the base run's head
+  outputs: `heads.engine.prefix.attention_given`, per thread); with head receivers step 2 stops
+  at the last receiver layer's attention (`capture.StopAt`);
 * for a metric that reads a few tokens (`logit_diff`) only their logits are computed
   (`heads.scorers.patching.activation.unembed_only`);
 * step 3 starts at the first receiver layer above the sender;
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -54,6 +57,7 @@ from heads._util.validation import short_repr
 from heads.engine.activations import ActivationRecorder
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
+from heads.engine.prefix import attention_given
 from heads.engine.variants import check_heads, run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
@@ -185,8 +189,8 @@ def path_patch(
     model.check_length(pairs.width)
 
     mask = pairs.attention_mask
-    clean = record_run(model, pairs.clean_ids, mask)
-    corrupt = record_run(model, pairs.corrupted_ids, mask)
+    clean = record_run(model, pairs.clean_ids, mask, keys=False)
+    corrupt = record_run(model, pairs.corrupted_ids, mask, keys=False)
     idx = torch.arange(pairs.n)
     m_clean = met(clean.logits, pairs, idx, clean.logits)
     m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
@@ -291,12 +295,30 @@ def _run_chunk(
         for p in poss:
             if p >= trim:
                 cols[:, p - trim] = True
+    # the forward computes the columns from `split` on: the sources hold only those (a copy of
+    # every layer's outputs at every column would cost more than the attention it replaces)
+    at = split - trim
     edits: list[Edit] = [
-        _PatchZ(layer=layer, row_heads=rh, source=src.z[layer][ps, trim:].to(dev), cols=cols)
+        _PatchZ(
+            layer=layer,
+            row_heads=rh,
+            source=src.z[layer][ps, split:].to(dev),
+            cols=None if cols is None else cols[:, at:],
+            start=at,
+        )
     ]
     last = L - 1 if recv is None else max(la for la, _ in recv)
-    for la in range(layer + 1, min(last + 1, L)):
-        edits.append(_PatchZ(layer=la, source=base.z[la][ps, trim:].to(dev)))  # every head frozen
+    # every head above the sender is frozen; with receivers = the logits (Hugging Face backend)
+    # those layers' attention is not run at all: it returns o_proj of the base run's head outputs
+    # (`heads.engine.prefix.attention_given`, per thread), the output it would compute
+    given: dict[int, torch.Tensor] = {}
+    if recv is None and model.backend.kind == "hf":
+        with torch.no_grad():
+            for la in range(layer + 1, L):
+                given[la] = model.out_projs[la](base.z[la][ps, split:].to(dev).flatten(-2))
+    else:
+        for la in range(layer + 1, min(last + 1, L)):
+            edits.append(_PatchZ(layer=la, source=base.z[la][ps, split:].to(dev), start=at))
     if mlp == "frozen":
         every = torch.ones(R, width - trim, dtype=torch.bool, device=dev)
         for la in range(layer, min(last + 1, L)):
@@ -311,7 +333,8 @@ def _run_chunk(
         edits.append(StopAt("head_output", targets[-1]))
     residual, past = prefix(layer)
     try:
-        out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
+        with attention_given(model, given) if given else nullcontext():
+            out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     except ForwardStopped:
         out = None
     if recv is None:
