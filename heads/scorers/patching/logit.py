@@ -124,11 +124,12 @@ def norm_parts(
     elementwise (`x_c` = `x` centred for a LayerNorm, `var` its mean square; no entry of `x_c`
     is 0). `eps` is the norm's `variance_epsilon` / `eps` attribute, or, for a norm that keeps it
     inside its forward (OLMo's 1e-5), solved from `N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m +
-    eps)` at `a = 1e-3`.
+    eps)` at `a = 1e-3` (at most 1e-2). The read form is then checked against the norm on a
+    vector it has not seen.
 
     Raises:
-        ValueError: a norm without an eps attribute whose eps cannot be measured (its scale
-            cannot be frozen).
+        ValueError: a norm without an eps attribute whose eps cannot be measured, or whose
+            function is not the read RMSNorm / LayerNorm form (its scale cannot be frozen).
     """
     x = torch.ones(dim)
     x[1::2] = -1.0
@@ -149,14 +150,26 @@ def norm_parts(
     if eps is None:  # a constant inside forward (OLMo): N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
         a = 1e-3
         r = float(((run(a * x) - zero) / (at_x - zero)).mean())
-        eps = a * a * ms * (1 - r * r) / (r * r - a * a)
-        if not eps > 0:
+        eps = a * a * ms * (1 - r * r) / (r * r - a * a) if r * r != a * a else 0.0
+        if not 0 < eps <= 1e-2:  # a norm's eps is small (1e-5, 1e-6); not a norm otherwise
             raise HeadsteerValueError(
-                f"norm {type(norm).__name__} has no eps attribute and none could be measured; cannot "
-                "freeze its scale"
+                f"norm {type(norm).__name__} has no eps attribute and none could be measured (it does "
+                "not divide by sqrt(mean(x^2) + eps)); cannot freeze its scale"
             )
     gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
     bias = zero if bool(zero.abs().max() > 0) else None
+    # the read form must be the norm's function: check it on a vector it has not seen
+    v = torch.randn(dim, generator=torch.Generator().manual_seed(0)) * 3 + 0.5
+    vc = v - v.mean() if centred else v
+    want = gain * vc / float((vc.pow(2).mean() + float(eps)) ** 0.5) + (0.0 if bias is None else bias)
+    got = run(v)
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        raise HeadsteerValueError(
+            f"norm {type(norm).__name__} is not an RMSNorm or a LayerNorm of its input (gain * x / "
+            "sqrt(mean(x^2) + eps) + bias, x centred for a LayerNorm), so its scale cannot be frozen "
+            f"(eps {'read' if hasattr(norm, 'eps') or hasattr(norm, 'variance_epsilon') else 'measured'}: "
+            f"{float(eps):.3g})"
+        )
     return ("layer" if centred else "rms"), gain, bias, float(eps)
 
 
