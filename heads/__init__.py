@@ -62,7 +62,7 @@ from heads.results.composition import CompositionScores
 from heads.results.evaluation import PairEvaluation
 from heads.results.qk import QKAttribution
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
-from heads.scorers.attention_mass import head_pattern, span_attention
+from heads.scorers.attention_mass import head_pattern, position_attention, span_attention
 from heads.scorers.circuits import Circuit, find_circuit
 from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.path import path_patch
@@ -123,6 +123,7 @@ __all__ = [
     "run_with_hooks",
     "PairEvaluation",
     "evaluate_pairs",
+    "position_attention",
 ]
 
 _aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)

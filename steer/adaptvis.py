@@ -190,7 +190,8 @@ def first_token_confidence(model: HeadModel, enc: EncodedPrompts) -> torch.Tenso
     """
     model.check_length(enc.length)
     out = model.run(**enc.model_inputs(model.device), use_cache=False, logits_to_keep=1)
-    return out.logits[:, -1].float().softmax(-1).max(-1).values.cpu()
+    confidence: torch.Tensor = out.logits[:, -1].float().softmax(-1).max(-1).values.cpu()
+    return confidence
 
 
 @dataclass(frozen=True)

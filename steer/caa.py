@@ -121,7 +121,8 @@ def _last_residuals(model: HeadModel, enc: EncodedPrompts, layer: int) -> torch.
     rec = ResidualRecorder(layer=layer + 1, fn=lambda x, call: x[:, -1].float().clone())
     with editing(model, [rec]):
         forward(model, enc, logits_to_keep=1)
-    return rec.records[0].cpu()
+    last: torch.Tensor = rec.records[0].cpu()
+    return last
 
 
 def caa_vector(

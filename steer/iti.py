@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -142,7 +142,7 @@ class Iti:
     @classmethod
     def from_probes(
         cls,
-        result,
+        result: Any,
         k: int = 16,
         *,
         alpha: float = 15.0,

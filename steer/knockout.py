@@ -10,7 +10,9 @@ by a factor and renormalise the row, which is the same as adding `log(factor)` t
 
 `Knockout(...)` is a steering intervention: `SteeredModel.generate(..., steer=[Knockout(...)])`
 or `heads.editing(model, Knockout(...).edits(model, enc))`. Its edit is a `LogitBias`
-(`KnockoutBias`), so it runs on the engine's blocked path at prefill and at every decode step.
+(`KnockoutBias`), so it runs on the engine's blocked path at prefill and at every decode step, and,
+being a query-row term times a key-column term (`LogitBias.rank_one`), on the fused kernel too
+(`editing(..., kernel="fused")`, and `"auto"` for long prompts): memory linear in the prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -57,7 +60,10 @@ class KnockoutBias(LogitBias):
             or (self.queries is not None and not bool(self.queries.any()))
         )
 
-    def bias(self, call: AttentionCall) -> torch.Tensor:
+    rank_one: ClassVar[bool] = True  # queries x keys: runs on the fused kernel too (long prompts)
+
+    def _rows_cols(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """`([B, Q] bool chosen query rows of the call, [B, K] bool chosen key columns)`."""
         if self.keys.shape[0] != call.batch:
             raise HeadsteerValueError(
                 f"Knockout was built for a batch of {self.keys.shape[0]} prompts, "
@@ -75,8 +81,18 @@ class KnockoutBias(LogitBias):
             a, b = call.q_offset, min(call.q_offset + call.q_len, P)
             if b > a:
                 qrow[:, : b - a] = self.queries[:, a:b].to(dev)
+        return qrow, kcol
+
+    def bias(self, call: AttentionCall) -> torch.Tensor:
+        qrow, kcol = self._rows_cols(call)
         pair = qrow[:, None, :, None] & kcol[:, None, None, :]  # [B, 1, Q, K]
         return torch.where(pair, self.log_factor, 0.0)
+
+    def row_column_bias(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(beta [B, 1, Q], cols [B, K])`: `log_factor` on the chosen query rows, 1 on the chosen
+        key columns (the fused kernel adds `beta * cols`; the blocked path uses `bias`)."""
+        qrow, kcol = self._rows_cols(call)
+        return torch.where(qrow, self.log_factor, 0.0)[:, None, :], kcol.float()
 
 
 def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
@@ -90,9 +106,9 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
     if all(isinstance(x, Sequence) and not isinstance(x, (str, bytes)) for x in spec):
         if len(spec) != B:
             raise HeadsteerValueError(f"{name} has {len(spec)} per-row lists for a batch of {B} prompts")
-        rows = list(spec)  # type: ignore[arg-type]
+        rows = list(spec)
     else:
-        rows = [spec] * B  # type: ignore[list-item]
+        rows = [spec] * B
     out = torch.zeros(B, P, dtype=torch.bool)
     for b, row in enumerate(rows):
         for p in row:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -306,7 +306,7 @@ class Var:
         return cls(**kw)
 
     @classmethod
-    def from_reference(cls, rho_code: float, p_code: float, **kwargs) -> Var:
+    def from_reference(cls, rho_code: float, p_code: float, **kwargs: Any) -> Var:
         """A `Var` from the reference code's complements: rho = 1 - rho_code (it tests visual-sink
         mass / m <= rho_code), p = 1 - p_code (its `p` is the fraction kept)
         (docs/methods/var.md; the reference's issue #5)."""

@@ -62,14 +62,12 @@ def fresh(var: ContextVar[dict[int, Any]]) -> dict[int, Any]:
 
 
 def cache_length(args: tuple, kwargs: dict, layer: int = 0) -> int:
-    """Cached positions before this call: the KV cache among a module's arguments (keyword
-    `past_key_values`, `layer_past` as GPT-NeoX's and GPT-BigCode's blocks and attention take it,
-    or positional as GPT-2's blocks take it), 0 without one."""
+    """Cached positions before this call: the KV cache among a module's arguments, under any
+    name (`past_key_values`; `layer_past` in GPT-BigCode's attention; positional as GPT-2's
+    blocks take it), else `cache_position[0]`, else 0."""
     cache = kwargs.get("past_key_values")
     if cache is None:
-        cache = kwargs.get("layer_past")
-    if cache is None:
-        cache = next((a for a in args if hasattr(a, "get_seq_length")), None)
+        cache = next((a for a in (*args, *kwargs.values()) if hasattr(a, "get_seq_length")), None)
     if cache is None:
         position = kwargs.get("cache_position")
         return int(position[0]) if isinstance(position, torch.Tensor) and position.numel() else 0

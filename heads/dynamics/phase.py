@@ -52,6 +52,15 @@ class PhaseChange:
     role_emergence: dict[str, Emergence] = field(default_factory=dict)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    @property
+    def detected(self) -> bool:
+        """Whether there is a phase change to read: the best induction head holds the role (its
+        score reaches the role threshold and stays) by the last checkpoint. When it does not, the
+        midpoint rule still returns steps, but they are the middle of a change that did not
+        happen (e.g. a run stopped on the plateau)."""
+        e = self.role_emergence.get("induction")
+        return e is not None and e.step is not None
+
     def steps(self) -> dict[str, int | None]:
         """`{quantity: jump step}`."""
         return {k: e.step for k, e in self.jumps.items()}
@@ -59,7 +68,8 @@ class PhaseChange:
     def summary(self) -> dict[str, Any]:
         """JSON-ready numbers: per quantity its jump step, window, threshold, first and last value;
         `spread`: the largest difference between the jump steps of ICL, induction and previous
-        token (0: the same checkpoint); the top heads; the role emergence steps."""
+        token (0: the same checkpoint); `detected` (see the property); the top heads; the role
+        emergence steps."""
         out: dict[str, Any] = {}
         for k, e in self.jumps.items():
             v = e.values.dropna()
@@ -70,6 +80,7 @@ class PhaseChange:
             }
         core = [self.jumps[k].step for k in ("icl", "induction", "previous_token") if k in self.jumps]
         out["spread"] = (max(core) - min(core)) if core and None not in core else None  # type: ignore[type-var,operator]
+        out["detected"] = self.detected
         out["heads"] = {k: list(v) for k, v in self.heads.items()}
         out["role_emergence"] = {k: e.to_dict() for k, e in self.role_emergence.items()}
         return out

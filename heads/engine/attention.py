@@ -30,7 +30,7 @@ from heads.engine.state import ACTIVE, KERNEL, OFFSETS, LayerEdits
 from heads.errors import HeadsteerValueError
 from heads.model.families import family_of
 
-__all__ = ["BASES", "check_fusable", "fusable", "read_only", "registered_name", "use_fused"]
+__all__ = ["BASES", "check_fusable", "fusable", "read_only", "registered_name", "row_terms", "use_fused"]
 
 BASES = ("sdpa", "eager")
 
@@ -42,17 +42,27 @@ def fusable(edit: Edit) -> bool:
     (recorders, ACT, VAR, attribution's linearised scale) read the whole pattern and run on the
     blocked path."""
     if isinstance(edit, LogitBias):
-        return edit.per_column
+        return edit.per_column or edit.rank_one
     if isinstance(edit, ProbEdit):
         return isinstance(edit, SpanShareEdit)
     return edit.site != "attn_scores"  # a read of the explicit logits
+
+
+def row_terms(edits: list[Edit]) -> int:
+    """How many of `edits` need the fused kernel's one per-row term (`beta[q] * span[k]`): span
+    shares (SpotLight) and rank-one logit biases that are not per column (knockout)."""
+    return sum(
+        isinstance(e, SpanShareEdit) or (isinstance(e, LogitBias) and e.rank_one and not e.per_column)
+        for e in edits
+    )
 
 
 def _layer_fusable(edits: LayerEdits) -> bool:
     probs = edits.get("probs")
     if edits.get("attn_scores"):  # a scores read needs the explicit logits
         return False
-    return all(fusable(e) for e in (*edits.get("logits"), *probs)) and len(probs) <= 1
+    pattern = [*edits.get("logits"), *probs]
+    return all(fusable(e) for e in pattern) and len(probs) <= 1 and row_terms(pattern) <= 1
 
 
 def check_fusable(table: dict[int, LayerEdits]) -> None:
@@ -61,9 +71,12 @@ def check_fusable(table: dict[int, LayerEdits]) -> None:
     for slot in table.values():
         pattern = [*slot.get("logits"), *slot.get("probs")]
         bad = [e for e in pattern if not fusable(e)] + slot.get("attn_scores")
-        shares = sum(isinstance(e, SpanShareEdit) for e in pattern)
+        shares = row_terms(pattern)
         if bad or shares > 1:
-            what: list = bad or [f"{shares} span-share edits in layer {slot.layer}"]
+            what: list = bad or [
+                f"{shares} span-share edits in layer {slot.layer} (span shares and row-by-column biases "
+                "such as knockout share one per-row term)"
+            ]
             raise HeadsteerValueError(
                 f"kernel='fused' cannot run {what}: they read the whole attention pattern; "
                 "use kernel='auto' or 'blocked'"

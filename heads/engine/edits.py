@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
 import torch
@@ -179,8 +179,20 @@ class LogitBias(Edit):
     """True for a bias that is a function of the logits themselves (`score_bias`, e.g. AdaptVis's
     temperature on the image columns): it runs on the blocked path, after the logits are formed."""
 
+    rank_one: ClassVar[bool] = False
+    """True when the bias is a row term times a column term, `beta[b, h, q] * cols[b, k]`
+    (`row_column_bias`, e.g. attention knockout from chosen query rows to chosen key columns):
+    such a bias also runs in the fused kernel, in its per-row span term."""
+
     def bias(self, call: AttentionCall) -> torch.Tensor:
         """fp32 tensor broadcastable to `[batch, n_heads, q_len, k_len]`."""
+        raise NotImplementedError
+
+    def row_column_bias(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `rank_one`: `(beta, cols)`, fp32 `beta` broadcastable to `[batch, n_heads, q_len]`
+        and fp32 `cols` `[batch or 1, k_len]`, such that `bias(call)` equals `beta[..., None] *
+        cols[:, None, None, :]` wherever it is finite (`beta` may hold `-inf` where `bias` does:
+        the engine clamps it to the fp32 minimum, which blocks the key exactly as `-inf` would)."""
         raise NotImplementedError
 
     def score_bias(self, scores: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -211,13 +223,44 @@ class Recorder(ProbEdit):
     `fn(probs, call)` gets fp32 probs `[batch, n_heads, q_len, k_len]` after all
     other edits of the layer and returns anything; results are appended to
     `records` in call order (one per attention call and query block).
+
+    `query_range=(start, stop)` keeps only the query rows at absolute positions `start <= p <
+    stop`: `fn` sees those rows of each block (`call.q_offset` / `call.q_len` describe them) and a
+    block without any is skipped. When every edit of a layer only reads the pattern, the engine
+    computes just those rows (QRHead's query rows of a long document: `[H, rows, T]`, never
+    `[H, T, T]`) in blocks of `read_block_rows` rows, so a reduction in `fn` keeps memory linear
+    in the sequence (docs/long-context.md).
+
+    Raises:
+        HeadsteerTypeError / HeadsteerValueError: `query_range` not two ints `0 <= start < stop`.
     """
 
     reads_only: ClassVar[bool] = True
     fn: Callable[[torch.Tensor, AttentionCall], object] | None = None
     records: list = field(default_factory=list, init=False)
+    query_range: tuple[int, int] | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        r = self.query_range
+        if r is None:
+            return
+        if isinstance(r, (str, bytes)) or not isinstance(r, Sequence) or len(r) != 2:
+            raise HeadsteerTypeError(f"query_range must be (start, stop) ints or None, got {short_repr(r)}")
+        start = check_int("query_range start", r[0], lo=0, type_error=True)
+        stop = check_int("query_range stop", r[1], lo=start + 1)
+        self.query_range = (start, stop)
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if self.query_range is not None:
+            start = max(self.query_range[0], call.q_offset)
+            stop = min(self.query_range[1], call.q_offset + call.q_len)
+            if stop <= start:
+                return probs
+            rows = probs[:, :, start - call.q_offset : stop - call.q_offset]
+            sub = replace(call, q_len=stop - start, q_offset=start, split=True)
+            self.records.append(rows.detach().clone() if self.fn is None else self.fn(rows, sub))
+            return probs
         if self.fn is None:
             self.records.append(probs.detach().clone())
         else:

@@ -31,16 +31,39 @@ __all__ = [
     "MIN_LOGIT",
     "OFFSETS",
     "QUERY_BLOCK",
+    "READ_BLOCK_ELEMENTS",
+    "READ_BLOCK_ROW_HEADS",
     "LayerEdits",
     "acquire",
     "active_edit_count",
     "apply_head_edits",
     "cast_result",
+    "read_block_rows",
     "release",
 ]
 
 QUERY_BLOCK = 1024
 """Query rows per block in edited layers (memory is O(QUERY_BLOCK x keys) per head)."""
+
+
+READ_BLOCK_ROW_HEADS = 512
+"""A layer whose pattern edits only read the pattern (recorders, the analyses' reductions) computes
+it in blocks of `read_block_rows` query rows: at least this many (batch row x head x query row)
+triples per block, so a block is `[B, H, rows, K]` with `B * H * rows` about 512 and the reading
+costs memory linear in the keys K (about 12% of a plain SDPA prefill on SmolLM2 at any length)."""
+
+
+READ_BLOCK_ELEMENTS = 2**19
+"""... and at least this many pattern entries per block (2 MiB in fp32), so short prompts are not
+cut into many tiny blocks."""
+
+
+def read_block_rows(batch: int, n_heads: int, k_len: int) -> int:
+    """Query rows per block when a layer's pattern is only read (see `READ_BLOCK_ROW_HEADS`):
+    `max(READ_BLOCK_ROW_HEADS // (B H), READ_BLOCK_ELEMENTS // (B H K))`, within 1..`QUERY_BLOCK`."""
+    bh = max(1, batch * n_heads)
+    rows = max(READ_BLOCK_ROW_HEADS // bh, READ_BLOCK_ELEMENTS // (bh * max(1, k_len)))
+    return max(1, min(QUERY_BLOCK, rows))
 
 
 KERNELS = ("auto", "fused", "blocked")

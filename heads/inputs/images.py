@@ -238,7 +238,7 @@ def as_pil(image: object) -> object:
     if isinstance(image, Image.Image):
         return image if image.mode == "RGB" else image.convert("RGB")
     is_tensor = isinstance(image, torch.Tensor)
-    arr = image.detach().cpu().numpy() if is_tensor else np.asarray(image)
+    arr = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     kind = "tensor" if is_tensor else "array"
     if arr.dtype == np.bool_ or not (
         np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
@@ -252,7 +252,7 @@ def as_pil(image: object) -> object:
             arr = np.moveaxis(arr, 0, -1)
         if arr.shape[-1] not in (1, 3, 4):
             raise HeadsteerValueError(
-                f"an image {kind} of shape {tuple(image.shape)} has no channel dimension of 1, 3 or 4"
+                f"an image {kind} of shape {tuple(arr.shape)} has no channel dimension of 1, 3 or 4"
             )
         if arr.shape[-1] == 1:
             arr = arr[..., 0]
@@ -401,7 +401,9 @@ def processor_of(model: HeadModel) -> ImageTextProcessor:
 def _rope_index(model: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`get_rope_index` of a VLM (of the model or of its `.model`)."""
     for m in (model, getattr(model, "model", None)):
-        fn = getattr(m, "get_rope_index", None) if m is not None else None
+        fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = (
+            getattr(m, "get_rope_index", None) if m is not None else None
+        )
         if callable(fn):
             return fn
     raise HeadsteerValueError(f"{type(model).__name__} uses M-RoPE but has no get_rope_index")
@@ -522,16 +524,16 @@ def encode_image_prompts(
     offsets = batch.pop("offset_mapping").tolist()
     replacements = batch.pop("text_replacement_offsets", None) or [[] for _ in texts]
     special = set(tok.all_special_ids)
-    token_spans = []
+    token_spans: list[list[tuple[int, int]]] = []
     for b in range(len(texts)):
         reps = [r for r in replacements[b] if r.get("type", "image") == "image"]
         skip = [
             bool(m == 0) or t in special for t, m in zip(input_ids[b].tolist(), mask[b].tolist(), strict=True)
         ]
-        row = []
+        row_spans: list[tuple[int, int]] = []
         for c0, c1 in cspans[b]:
-            row.append(char_to_token_range(offsets[b], (_shift(c0, reps), _shift(c1, reps)), skip))
-        token_spans.append(row)
+            row_spans.append(char_to_token_range(offsets[b], (_shift(c0, reps), _shift(c1, reps)), skip))
+        token_spans.append(row_spans)
     inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     spans_img = image_spans(input_ids, cfg)
     for b in range(len(texts)):  # adjacent images (LLaVA "<image><image>") form one run: split per image

@@ -22,6 +22,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Iterable
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -71,9 +72,9 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def _piece(tokenizer, token_id: int) -> str:
+def _piece(tokenizer: Any, token_id: int) -> str:
     """The text of one token (no markers yet)."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    text: str = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     raw = tokenizer.convert_ids_to_tokens(token_id)
     if not isinstance(raw, str):
         return text
@@ -86,7 +87,7 @@ def _piece(tokenizer, token_id: int) -> str:
     return text
 
 
-def readable_token(tokenizer, token_id: int) -> str:
+def readable_token(tokenizer: Any, token_id: int) -> str:
     """One token as readable text: its decoded piece with visible whitespace markers.
 
     Args:
@@ -102,7 +103,7 @@ def readable_token(tokenizer, token_id: int) -> str:
     return visible(_piece(tokenizer, token_id))
 
 
-def readable_tokens(tokenizer, ids: Iterable[int] | torch.Tensor) -> list[str]:
+def readable_tokens(tokenizer: Any, ids: Iterable[int] | torch.Tensor) -> list[str]:
     """Each token of `ids` (a list of ints or a 1-D tensor `[T]`) as readable text
     (`readable_token`), e.g. `["Hello", "␣world", "⏎⏎"]`.
 

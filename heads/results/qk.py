@@ -141,7 +141,13 @@ class QKAttribution:
         return self.q_side[n, :, qi] @ self.k_side[n, :, ki].T * self.scale
 
     def _totals(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_side.sum(1), self.k_side.sum(1)  # [N, Q, d], [N, K, d]
+        """`(q [N, Q, d], k [N, K, d])`: each side's whole vector (kept after the first call;
+        the sides are read-only)."""
+        key = (id(self.q_side), id(self.k_side))
+        got = self.__dict__.get("_totals_cache")
+        if got is None or got[0] != key:
+            got = self.__dict__["_totals_cache"] = (key, self.q_side.sum(1), self.k_side.sum(1))
+        return got[1], got[2]
 
     def _masked(self, t: torch.Tensor) -> torch.Tensor:
         v = self.valid

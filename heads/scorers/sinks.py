@@ -24,7 +24,7 @@ import torch
 
 from heads._util.validation import check_int, check_number, short_repr
 from heads.engine.context import editing
-from heads.engine.edits import Recorder
+from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
@@ -82,6 +82,13 @@ def column_scores(probs: torch.Tensor, key_real: torch.Tensor) -> tuple[torch.Te
     col = (probs.float() * seen[:, None]).sum(-2)  # [B, H, T]
     a = torch.where(n[:, None] > 0, col / n[:, None].clamp(min=1), 0.0)
     return a, n
+
+
+def _column_support(key_real: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` n_j: the real rows i >= j that see column j (0 on pad columns), without a `[T, T]` mask."""
+    real = key_real.long()
+    after = real.flip(-1).cumsum(-1).flip(-1)  # real positions at or after j
+    return after * real
 
 
 def find_sinks(a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: SinkRule) -> torch.Tensor:
@@ -171,31 +178,29 @@ def sink_stats(
     out = {k: torch.zeros(model.n_layers, model.n_heads) for k in ("sink", "first", "n")}
     records = []
 
-    n_rows_all = enc.input_ids.shape[1]
-    blocks: dict[int, list[torch.Tensor]] = {}
+    # Column sums over the real query rows, reduced block by block inside the forward (the engine
+    # hands a read-only layer's pattern over in query blocks, `heads.engine.state.read_block_rows`):
+    # memory stays linear in the prompt, no [B, H, T, T] pattern is ever kept.
+    n = _column_support(real)  # [B, T]
+    colsum: dict[int, torch.Tensor] = {}
 
-    def summarise(probs, call):
-        # the engine hands the prefill over in query blocks (heads.engine.state.QUERY_BLOCK):
-        # gather a layer's blocks and summarise once its last row has arrived
-        parts = blocks.setdefault(call.layer, [])
-        parts.append(probs.detach().float().clone())
-        if call.q_offset + call.q_len < n_rows_all:
-            return None
-        probs = torch.cat(blocks.pop(call.layer), dim=2)
-        a, n = column_scores(probs, real)
-        s = find_sinks(a, n, real, rule)
-        n_rows = real.sum(-1)[:, None].float()
-        sink_share = (probs.float() * s[:, :, None, :]).sum(-1).sum(-1) / n_rows  # [B, H]
-        first_share = probs.float()[rows, :, :, first].sum(-1) / n_rows
-        return sink_share.mean(0), first_share.mean(0), s.sum(-1).float().mean(0), a, s
+    def accumulate(probs: torch.Tensor, call: AttentionCall) -> None:
+        w = real[:, call.q_offset : call.q_offset + call.q_len].to(probs.device, torch.float32)
+        part = torch.einsum("bhqk,bq->bhk", probs.float(), w)[..., : real.shape[1]].cpu()
+        colsum[call.layer] = part if call.layer not in colsum else colsum[call.layer] + part
 
-    recs = [Recorder(layer=la, fn=summarise) for la in range(model.n_layers)]
+    recs = [Recorder(layer=la, fn=accumulate) for la in range(model.n_layers)]
     with editing(model, recs):
-        forward(model, enc)
+        forward(model, enc, logits_to_keep=1)  # no full-vocabulary logits at every position
     tokens = [readable_tokens(model.tokenizer, r) for r in enc.input_ids]
-    for la, rec in enumerate(recs):
-        sink, fm, ns, a, s = next(r for r in rec.records if r is not None)
-        out["sink"][la], out["first"][la], out["n"][la] = sink, fm, ns
+    n_rows = real.sum(-1)[:, None].float()
+    for la in range(model.n_layers):
+        col = colsum[la] * real[:, None]  # [B, H, T]: real columns only
+        a = torch.where(n[:, None] > 0, col / n[:, None].clamp(min=1), 0.0)
+        s = find_sinks(a, n, real, rule)
+        out["sink"][la] = ((col * s).sum(-1) / n_rows).mean(0)
+        out["first"][la] = (col[rows, :, first] / n_rows).mean(0)
+        out["n"][la] = s.sum(-1).float().mean(0)
         for b, h, j in torch.nonzero(s).tolist():
             records.append((b, la, h, j - int(first[b]), tokens[b][j], float(a[b, h, j])))
     params = {"rule": rule.rule, "alpha_s": rule.alpha_s, "theta": rule.theta, "exempt": rule.exempt}

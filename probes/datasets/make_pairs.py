@@ -24,15 +24,25 @@ Sets (see `probes/datasets/pairs.py` for the loader):
   counterfactual = the earlier value O. `template`: the cue's phrasing (`COMP_MECH_PHRASES`).
   The subjects are fictional, so the competing mechanism is the earlier in-context statement,
   not knowledge stored in the weights.
+
+Every record also carries `positions`: the named positions of its clean prompt as `[start, end]`
+character spans (`encode_pairs` maps each to the token that ends it; the corrupted prompt is
+aligned token by token). IOI: `IO` (the indirect object's mention), `S1` and `S2` (the
+subject's first and second mention); Colored Objects: `COLOR` and `OBJECT` (the queried
+object's colour and name in the listing), `QUERY` (the object named in the question);
+comp_mech: `OLD` and `NEW` (the earlier and the current value in the context). `END`, the last
+token, is every pair's without being stored.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -117,16 +127,16 @@ COLORED_TEMPLATE = "On the {surface}, I see {items}. What color is the {query}? 
 # --------------------------------------------------------------------------- helpers
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def _single(tokenizer, words: Sequence[str]) -> tuple[str, ...]:
+def _single(tokenizer: Any, words: Sequence[str]) -> tuple[str, ...]:
     """The words that are one token after a space."""
     return tuple(w for w in words if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1)
 
 
-def _check_pair(tokenizer, row: dict) -> None:
+def _check_pair(tokenizer: Any, row: dict) -> None:
     """Raise unless the two prompts align on token ids and both answers are single tokens."""
     a, b = _ids(tokenizer, row["clean"]), _ids(tokenizer, row["corrupted"])
     if len(a) != len(b):
@@ -139,6 +149,12 @@ def _check_pair(tokenizer, row: dict) -> None:
             raise HeadsteerValueError(f"{row['id']}: {key} {short_repr(row[key])} is not one token")
     if row["answer"] == row["counterfactual"]:
         raise HeadsteerValueError(f"{row['id']}: answer equals counterfactual")
+    for name, (a, b) in row.get("positions", {}).items():
+        word = row["clean"][a:b]
+        if not (0 <= a < b <= len(row["clean"])) or word != word.strip() or not word:
+            raise HeadsteerValueError(
+                f"{row['id']}: position {name} [{a}, {b}] is not a word of the clean prompt"
+            )
 
 
 def _split_by_stratum(strata: Sequence[str], rng: random.Random) -> list[str]:
@@ -155,6 +171,17 @@ def _split_by_stratum(strata: Sequence[str], rng: random.Random) -> list[str]:
     return out
 
 
+def _word_spans(text: str, word: str) -> list[list[int]]:
+    """`[start, end]` character spans of every whole-word occurrence of `word` in `text`."""
+    return [[m.start(), m.end()] for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", text)]
+
+
+def _only(spans: list[list[int]], k: int, what: str, text: str) -> list[list[int]]:
+    if len(spans) != k:
+        raise HeadsteerValueError(f"{what} occurs {len(spans)} times, not {k}, in {short_repr(text)}")
+    return spans
+
+
 def _distinct(rng: random.Random, pool: Sequence[str], k: int, exclude: Sequence[str] = ()) -> list[str]:
     return rng.sample([x for x in pool if x not in exclude], k)
 
@@ -162,7 +189,7 @@ def _distinct(rng: random.Random, pool: Sequence[str], k: int, exclude: Sequence
 # --------------------------------------------------------------------------- IOI
 
 
-def build_ioi(rng: random.Random, tokenizer) -> list[dict]:
+def build_ioi(rng: random.Random, tokenizer: Any) -> list[dict]:
     """IOI pairs: every clean prompt twice, with the `"abc"` and the `"s_flip"` corruption.
 
     The ids are `ioi-<nnn>-abc` / `ioi-<nnn>-s_flip` (nnn = the clean prompt); both rows of a
@@ -190,6 +217,9 @@ def build_ioi(rng: random.Random, tokenizer) -> list[dict]:
     splits = _split_by_stratum(strata, rng)
     rows = []
     for n, ((t, order, io, s, clean, abc, flip, slots), split) in enumerate(zip(cleans, splits, strict=True)):
+        (io_at,) = _only(_word_spans(clean, io), 1, f"IO {io}", clean)
+        s1_at, s2_at = _only(_word_spans(clean, s), 2, f"S {s}", clean)
+        positions = {"IO": io_at, "S1": s1_at, "S2": s2_at}
         for corruption, corrupted in (("abc", abc), ("s_flip", flip)):
             rows.append(
                 {
@@ -205,6 +235,7 @@ def build_ioi(rng: random.Random, tokenizer) -> list[dict]:
                     "io": io,
                     "s": s,
                     **{k.lower(): v for k, v in slots.items()},
+                    "positions": positions,
                 }
             )
     return rows
@@ -217,13 +248,15 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
+def build_colored_objects(rng: random.Random, tokenizer: Any) -> list[dict]:
     """Colored Objects pairs: the corrupted prompt asks about another object of the list.
 
     Half train, half test within each queried slot (first, second, third object).
     """
     colors, things = _single(tokenizer, COLORS), _single(tokenizer, COLORED_THINGS)
-    items, strata, seen = [], [], set()
+    items: list[dict] = []
+    strata: list[str] = []
+    seen: set[tuple] = set()
     while len(items) < N_COLORED:
         k = len(items) % N_OBJECTS_SHOWN
         objs = _distinct(rng, things, N_OBJECTS_SHOWN)
@@ -238,6 +271,13 @@ def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
         seen.add(key)
         clean = COLORED_TEMPLATE.format(surface=surface, items=listing, query=objs[k])
         corrupted = COLORED_TEMPLATE.format(surface=surface, items=listing, query=objs[other])
+        mention = clean.index(f" {cols[k]} {objs[k]}") + 1  # the queried object in the listing
+        question = clean.index(f"What color is the {objs[k]}?") + len("What color is the ")
+        positions = {
+            "COLOR": [mention, mention + len(cols[k])],
+            "OBJECT": [mention + len(cols[k]) + 1, mention + len(cols[k]) + 1 + len(objs[k])],
+            "QUERY": [question, question + len(objs[k])],
+        }
         items.append(
             {
                 "clean": clean,
@@ -249,6 +289,7 @@ def build_colored_objects(rng: random.Random, tokenizer) -> list[dict]:
                 "query_slot": k,
                 "other": objs[other],
                 "surface": surface,
+                "positions": positions,
             }
         )
         strata.append(str(k))
@@ -282,7 +323,7 @@ def _comp_mech_template(cue: str) -> int:
     raise HeadsteerValueError(f"comp_mech: no known phrasing in the cue {short_repr(cue)}")
 
 
-def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
+def build_comp_mech(rng: random.Random, tokenizer: Any) -> list[dict]:
     """Competition-of-mechanisms pairs from the `counterfact` task: the corruption swaps the
     earlier and the current value in the two context sentences (rows whose swap changes the
     token length are skipped). The split is the counterfact row's ("validation" -> "train")."""
@@ -296,6 +337,8 @@ def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
         if not (first.endswith(" " + old) and cur.endswith(" " + new)):
             continue
         corrupted = f"{first[: -len(old)]}{new}. Currently, {cur[: -len(new)]}{old}. {cue}"
+        old_at = len(first) - len(old)
+        new_at = len(first) + len(". Currently, ") + len(cur) - len(new)
         row = {
             "id": f"comp_mech-{r['id'].rsplit('-', 1)[1]}",
             "split": "test" if r["split"] == "test" else "train",
@@ -305,6 +348,7 @@ def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
             "counterfactual": " " + old,
             "template": _comp_mech_template(cue),
             "source_id": r["id"],
+            "positions": {"OLD": [old_at, old_at + len(old)], "NEW": [new_at, new_at + len(new)]},
         }
         if len(_ids(tokenizer, prompt)) != len(_ids(tokenizer, corrupted)):
             continue
@@ -315,7 +359,7 @@ def build_comp_mech(rng: random.Random, tokenizer) -> list[dict]:
 # --------------------------------------------------------------------------- build / write
 
 
-def build_pairs(tokenizer, seed: int = SEED) -> dict[str, list[dict]]:
+def build_pairs(tokenizer: Any, seed: int = SEED) -> dict[str, list[dict]]:
     """Every pair set as rows (dicts in file order); each set has its own seeded stream.
 
     Raises:

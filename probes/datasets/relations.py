@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -66,12 +67,12 @@ def parse_relation_names(names: Sequence[str] | str | None) -> list[str]:
     return wanted
 
 
-def _one_token(tokenizer, word: str) -> int | None:
+def _one_token(tokenizer: Any, word: str) -> int | None:
     ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
     return ids[0] if len(ids) == 1 else None
 
 
-def single_token_pairs(tokenizer, pairs: Sequence[Sequence[str]]) -> list[tuple[str, str, int, int]]:
+def single_token_pairs(tokenizer: Any, pairs: Sequence[Sequence[str]]) -> list[tuple[str, str, int, int]]:
     """Keep the pairs whose source and target are each one token (with a leading space).
 
     Returns `(source, target, source_id, target_id)` tuples; multi-token pairs are dropped.
@@ -111,7 +112,7 @@ class RelationSet:
 
 
 def load_relations(
-    tokenizer,
+    tokenizer: Any,
     names: Sequence[str] | str | None = None,
     *,
     min_pairs: int = MIN_PAIRS,

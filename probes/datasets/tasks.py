@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import cast
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
@@ -69,7 +70,9 @@ class TaskExample:
     def answer(self) -> str:
         """The text whose first token is the right start of the answer: `target` for generate
         tasks, `" " + choices[label]` for choice tasks (used by PASTA profiling)."""
-        return self.target if self.choices is None else " " + self.choices[self.label]
+        if self.choices is None:
+            return cast(str, self.target)  # a generate task always has a target
+        return " " + self.choices[cast(int, self.label)]  # a choice task always has a label
 
     @classmethod
     def from_row(cls, row: dict) -> TaskExample:

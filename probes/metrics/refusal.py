@@ -17,8 +17,9 @@ entries; the reference code fused them by a missing comma).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -89,7 +90,7 @@ class RefusalJudge:
         min_repeats / max_unit: the repetition rule (default 4 repeats of a 2..20-char unit).
     """
 
-    tokenizer: object | None = None
+    tokenizer: Callable[..., Any] | None = None
     min_tokens: int = 32
     phrases: tuple[str, ...] = REFUSAL_PHRASES
     case_sensitive: bool = True

@@ -18,7 +18,8 @@ Colored Objects, and the repair experiment.
    circuits with the largest (IOI - Colored Objects) difference.
 4. **Repair**: PASTA (`steer.Pasta`, alpha 0.01: the heads' attention moved onto the span) on
    those `k` heads, with the two other colours as the span — the heads now attend to the
-   distractors as they do in IOI — on `n_eval` Colored Objects test prompts; accuracy (the
+   distractors as they do in IOI — on `n_eval` Colored Objects test prompts other than the
+   `n_pairs` the circuits and the head choice used; accuracy (the
    answer colour has the highest logit of the three colours) and the mean logit difference
    (answer - queried-other colour), with 95 % Wilson intervals, a paired bootstrap interval of
    the change, and the same intervention on `controls` draws of `k` random heads of the same
@@ -195,7 +196,7 @@ def repair(
     heads: Sequence[tuple[int, int]],
     *,
     alpha: float = 0.01,
-    controls: int = 3,
+    controls: int = 5,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Colored Objects accuracy with no steering, with PASTA on `heads` (span: the two other
@@ -238,7 +239,7 @@ def run_study(
     size: float = 5.0,
     k: int = 3,
     alpha: float = 0.01,
-    controls: int = 3,
+    controls: int = 5,
     seed: int = 0,
     log: Callable[[str], None] = print,
     save_dir: str | None = None,
@@ -287,7 +288,8 @@ def run_study(
     heads, table = differing_heads(model, ioi, co, cand, k)
     res["differing_heads"] = table[: max(10, k)]
     done(f"differing heads {heads}")
-    eval_pairs = load_task_pairs("colored_objects", "test", n=n_eval)
+    # evaluated on test pairs the circuits and the head choice did not see
+    eval_pairs = load_task_pairs("colored_objects", "test")[n_pairs : n_pairs + n_eval]
     res["repair"] = repair(model, eval_pairs, heads, alpha=alpha, controls=controls, seed=seed)
     done(f"repair: {res['repair']['none']['accuracy']:.3f} -> {res['repair']['steered']['accuracy']:.3f}")
     return res

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -170,7 +170,13 @@ def colored_objects_patching(
 
 
 def run_study(
-    model: HeadModel, *, n_patch: int = 8, n_eval: int = 80, k: int = 10, log=print, checkpoint=None
+    model: HeadModel,
+    *,
+    n_patch: int = 8,
+    n_eval: int = 80,
+    k: int = 10,
+    log: Callable[[str], object] = print,
+    checkpoint: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict:
     """Run every part (see the module docstring) and return the results as one dict;
     `checkpoint(res)` (optional) is called with the partial results after every step."""
@@ -266,7 +272,10 @@ def knockout_experiment(model: HeadModel, pairs: PairBatch, layers: Sequence[int
                 .logits[:, -1]
                 .float()
             )
-        return lg.gather(1, pairs.answers[:, :1])[:, 0] - lg.gather(1, pairs.counterfactuals[:, :1])[:, 0]
+        margin: torch.Tensor = (
+            lg.gather(1, pairs.answers[:, :1])[:, 0] - lg.gather(1, pairs.counterfactuals[:, :1])[:, 0]
+        )
+        return margin
 
     def summary(x: torch.Tensor) -> dict[str, Any]:
         se = float(x.std()) / max(1, len(x)) ** 0.5

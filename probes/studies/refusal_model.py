@@ -20,7 +20,9 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -33,6 +35,9 @@ from heads.model.adapter import HeadModel
 from heads.scorers.safety.ships import TEMPLATE
 from probes.datasets.requests import load_requests
 from probes.metrics.refusal import RefusalJudge, attack_success_rate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "EXPLICIT_REFUSALS",
@@ -66,7 +71,12 @@ REFUSAL_MODEL_FILES = (
 tokenizer may write others: `planned_files` lists them before any work)."""
 
 
-def planned_files(tokenizer) -> list[str]:
+def _tokenizer(model: HeadModel) -> PreTrainedTokenizerBase:
+    """`model.tokenizer`: every model this module runs or tunes is loaded with its tokenizer."""
+    return cast("PreTrainedTokenizerBase", model.tokenizer)
+
+
+def planned_files(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Every file `build_refusal_model` will write for a model with `tokenizer`: the model's
     files, the tokenizer's (found by saving it into a temporary folder, which is cheap), and
     the JSON summary."""
@@ -119,13 +129,13 @@ def generate_answers(
         def __init__(self, done: int, start: int) -> None:
             self.done, self.start = done, start
 
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
             if progress is not None:
                 progress(self.done + min(input_ids.shape[1] - self.start, max_new_tokens), total)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     out = []
-    tok = model.tokenizer
+    tok = _tokenizer(model)
     total = math.ceil(len(queries) / batch) * max_new_tokens
     for i, a in enumerate(range(0, len(queries), batch)):
         enc = encode_prompts(
@@ -139,14 +149,16 @@ def generate_answers(
             pad_token_id=tok.pad_token_id,
             stopping_criteria=StoppingCriteriaList([_Steps(i * max_new_tokens, enc.length)]),
         )
-        out += [tok.decode(s[enc.length :], skip_special_tokens=True).strip() for s in seq]
+        out += [cast(str, tok.decode(s[enc.length :], skip_special_tokens=True)).strip() for s in seq]
         if progress is not None:
             progress((i + 1) * max_new_tokens, total)
     return out
 
 
-def _batches(model: HeadModel, pairs: list[tuple[str, str]], batch: int, rng: random.Random):
-    tok = model.tokenizer
+def _batches(
+    model: HeadModel, pairs: list[tuple[str, str]], batch: int, rng: random.Random
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    tok = _tokenizer(model)
     order = list(range(len(pairs)))
     rng.shuffle(order)
     for a in range(0, len(order), batch):
@@ -278,7 +290,7 @@ def _build_refusal_model(
     t0 = time.perf_counter()
     rng = random.Random(seed)
     hm = load_model() if model is None else model
-    planned = planned_files(hm.tokenizer)
+    planned = planned_files(_tokenizer(hm))
     for name in planned:  # every file this run will write, checked before the fine-tune
         check_output(out / name, overwrite)
     harmful = [r["prompt"] for r in load_requests("harmful", "train")]
@@ -317,7 +329,7 @@ def _build_refusal_model(
     tmp = Path(tempfile.mkdtemp(prefix=".refusal-model-", dir=out))
     try:  # save beside, then move each file in (atomic renames on one file system)
         net.save_pretrained(tmp, safe_serialization=True)
-        hm.tokenizer.save_pretrained(tmp)
+        _tokenizer(hm).save_pretrained(tmp)
         made = sorted(f.name for f in tmp.iterdir())
         extra = [n for n in made if n not in planned]
         if extra:  # never write a file that was not declared and checked

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pandas as pd
 
 from heads import HeadModel, HeadScores
-from heads._util.progress import ProgressArg, offset_progress, progress_callback
+from heads._util.progress import Progress, ProgressArg, offset_progress, progress_callback
 from heads._util.validation import check_int, short_repr
 from heads.engine.executors import Executor
 from heads.engine.options import SweepOptions
@@ -143,11 +144,23 @@ class SafetyAnalysis:
         )
 
     def _repr_html_(self) -> str:
+        table: str = self.asr_table.to_html(index=False, float_format="%.3f")
         return (
             f"<b>Safety heads</b> of {html.escape(self.model)}: Sahara heads "
-            f"{html.escape(str(self.sahara.heads))}"
-            + self.asr_table.to_html(index=False, float_format="%.3f")
+            f"{html.escape(str(self.sahara.heads))}" + table
         )
+
+
+def _batch_progress(report: Progress | None, at: int, m: int, total: int) -> Progress | bool:
+    """The `progress=` of one generated batch: its `m` prompts (the first is `at`) count as done
+    in step with its decoding, out of `total` (False when progress is off)."""
+    if report is None:
+        return False
+
+    def step(d: int, t: int) -> None:
+        report(at + m * d // t, total)
+
+    return step
 
 
 def safety_template(system_prompt: str | None = None) -> str:
@@ -246,7 +259,7 @@ def safety_analysis(
         texts = fill_template(template, eval_prompts)
         done = [start[3]]
 
-        def answers(heads) -> list[str]:
+        def answers(heads: Sequence[Sequence[int]]) -> list[str]:
             steer = [Ablate([list(h) for h in heads])] if heads else []
             out: list[str] = []
             for i in range(0, n_eval, batch_size):
@@ -258,7 +271,7 @@ def safety_analysis(
                     max_new_tokens=max_new_tokens,
                     chat=False,
                     markup=False,  # a batch's prompts count as done in step with its decoding
-                    progress=(lambda d, t, at=at, m=m: report(at + m * d // t, total)) if report else False,
+                    progress=_batch_progress(report, at, m, total),
                 ).texts
                 done[0] += len(batch)
                 if report is not None:
@@ -270,7 +283,8 @@ def safety_analysis(
         others = other_heads(model.n_layers, model.n_heads, sa.heads)
         random_heads = random_head_draws(others, 3, random_draws, seed, generator="python")
         rand = [answers(hs) for hs in random_heads]
-    asr, asr_keyword = {}, {}
+    asr: dict[str, float | list[float]] = {}
+    asr_keyword: dict[str, float | list[float]] = {}
     for table, j in ((asr, judge), (asr_keyword, keyword)):
         draws = [attack_success_rate(r, j) for r in rand]
         table.update(

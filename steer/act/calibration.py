@@ -38,7 +38,7 @@ never a reason to keep a head: a no-op edit must select nothing."""
 Head = tuple[int, int]
 
 
-def choice_ids(tokenizer, choices: Sequence[Sequence[str]]) -> torch.Tensor:
+def choice_ids(tokenizer: Any, choices: Sequence[Sequence[str]]) -> torch.Tensor:
     """`[N, C]` first token of `" " + choice` for every example's choices.
 
     Raises:

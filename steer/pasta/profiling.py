@@ -42,7 +42,7 @@ Head = tuple[int, int]
 Selection = Literal["intersection", "union", "task"]
 
 
-def target_ids(tokenizer, targets: Sequence[str]) -> torch.Tensor:
+def target_ids(tokenizer: Any, targets: Sequence[str]) -> torch.Tensor:
     """`[N]` first token id of each target string (encoded without special tokens).
 
     Raises:

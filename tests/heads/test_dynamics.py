@@ -99,6 +99,9 @@ def test_results_equal_the_analysis_run_by_hand_on_each_checkpoint(run_dir):
     params = {"n": 2, "length": 8, "composition": False}  # composition: tests/probes/test_phase_change.py
     s = over_checkpoints(run_dir, "induction_phase", params, progress=False)
     assert s.steps == [0, 1, 2, 4]
+    from heads.dynamics.phase import phase_change
+
+    assert not phase_change(s).detected  # 4 steps: no induction head, whatever the midpoints say
     for folder, step in zip(sorted(run_dir.glob("step-*")), s.steps, strict=True):
         hm = load_model(folder)
         from heads.dynamics import icl_sequences

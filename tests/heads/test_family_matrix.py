@@ -21,12 +21,13 @@ The support table in the docs (`docs/scripts/gen_families.py`) is generated from
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cache
 
 import pytest
 import torch
 
-from heads import HeadModel, ProbEdit, QueryScale, Recorder, editing
+from heads import HeadModel, HeadScale, LogitBias, ProbEdit, QueryScale, Recorder, editing
 from heads.model.families import FAMILIES, FEATURES, REFUSED, family_of
 from heads.model.support import NOT_APPLICABLE, causal_lm_types, status_of, support_rows
 from steer.pasta.method import PastaBias
@@ -192,13 +193,35 @@ def _edits(hm: HeadModel, mask: torch.Tensor) -> list:
     return [pasta, QueryScale(layer=hm.n_layers - 1, heads=[3], factor=0.5)]
 
 
+@dataclass(eq=False, repr=False)
+class _AtPosition(LogitBias):
+    """+2 on key column 0 for the query row at absolute position `position` only: wrong if the
+    engine gets a call's first absolute position (`q_offset`) wrong at a decode step."""
+
+    position: int = 0
+
+    def bias(self, call):
+        b = torch.zeros(1, 1, call.q_len, call.k_len, device=call.device)
+        rows = call.query_positions == self.position
+        b[0, 0, rows, 0] = 2.0
+        return b
+
+
 @pytest.mark.parametrize("kind", EXACT)
 def test_cache_on_equals_cache_off_under_edits(kind):
+    """Also with edits that depend on the absolute position of the query row (an attention-site
+    bias, a head-output scale): GPT-BigCode passes its cache as `layer_past=`, which the engine
+    missed, so at decode every call looked like position 0."""
     hm = _model(kind, long=True)
     ids, mask = _inputs(seq=8, pad=2)
+    first_new = ids.shape[1]  # absolute position of the first generated token
 
     def run(cache: bool):
-        with editing(hm, _edits(hm, mask)):
+        positional = [
+            _AtPosition(layer=0, heads=[2], position=first_new),
+            HeadScale(layer=hm.n_layers - 1, heads=[1], factor=0.25, positions=[first_new]),
+        ]
+        with editing(hm, _edits(hm, mask) + positional):
             out = hm.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

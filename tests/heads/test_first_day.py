@@ -112,3 +112,106 @@ def test_evaluate_pairs_bad_input(tiny_llama):
         evaluate_pairs(tiny_llama, good, steer=["ablate"])
     with pytest.raises(ValueError, match="level"):
         evaluate_pairs(tiny_llama, good, level=1.0)
+
+
+# ---------------------------------------------------------------- named positions
+def _ioi_pair(**positions):
+    from heads.scorers.patching import PromptPair
+
+    clean = "When Mary and John went to the store, John gave a drink to"
+    corrupted = "When Mary and John went to the store, Mary gave a drink to"
+    return PromptPair(clean, corrupted, " Mary", " John", positions=positions)
+
+
+def _short_pair(**positions):
+    from heads.scorers.patching import PromptPair
+
+    clean, corrupted = "Then Anna and Tom left. Tom thanked", "Then Anna and Tom left. Anna thanked"
+    return PromptPair(clean, corrupted, " Anna", " Tom", positions=positions)
+
+
+def test_pairs_carry_named_positions(tokenizer):
+    from heads.scorers.patching import encode_pairs
+    from probes.datasets.pairs import load_task_pairs
+
+    short = _short_pair(IO="Anna", S1=[14, 17], S2=[24, 27])
+    b = encode_pairs(tokenizer, [_ioi_pair(IO="Mary", S1=[14, 18], S2=[38, 42]), short])
+    assert b.position_names == ["END", "IO", "S1", "S2"]
+    for row, (io, s) in enumerate((("Mary", "John"), ("Anna", "Tom"))):
+        ids = b.clean_ids[row]
+        want_io, want_s = (tokenizer(" " + w, add_special_tokens=False)["input_ids"][0] for w in (io, s))
+        assert int(ids[b.position("IO")[row]]) == want_io
+        assert int(ids[b.position("S1")[row]]) == int(ids[b.position("S2")[row]]) == want_s
+        assert b.position("S1")[row] < b.position("S2")[row] < b.position("END")[row] == b.width - 1
+    assert b.tokens[0][-1] == "\u2423to" and not any("\u0120" in t for t in b.tokens[0])  # readable, not Ġto
+    sub = b.select([1])  # re-trimmed: the columns move with the padding
+    assert sub.width < b.width and int(sub.position("IO")[0]) == int(b.position("IO")[1]) - (
+        b.width - sub.width
+    )
+    # the shipped sets carry theirs
+    ioi = load_task_pairs("ioi", n=3)
+    enc = encode_pairs(tokenizer, ioi)
+    for row, p in enumerate(ioi):
+        assert enc.position_labels(row)[int(enc.position("IO")[row])] == "\u2423" + p.meta["io"]
+        assert enc.position_labels(row)[int(enc.position("S2")[row])] == "\u2423" + p.meta["s"]
+    co = encode_pairs(tokenizer, load_task_pairs("colored_objects", n=2))
+    assert co.position_labels(0)[int(co.position("COLOR")[0])].strip("\u2423") == co.pairs[0].answer.strip()
+    assert encode_pairs(tokenizer, load_task_pairs("comp_mech", n=2)).position_names == ["END", "OLD", "NEW"]
+
+
+def test_named_positions_bad_input(tokenizer):
+    from heads.scorers.patching import encode_pairs
+
+    b = encode_pairs(tokenizer, [_ioi_pair(IO="Mary")])
+    with pytest.raises(ValueError, match="unknown position 'S9': these pairs carry END, IO"):
+        b.position("S9")
+    with pytest.raises(ValueError, match="not in the clean prompt"):
+        encode_pairs(tokenizer, [_ioi_pair(IO="Zoe")])
+    with pytest.raises(ValueError, match="character span"):
+        encode_pairs(tokenizer, [_ioi_pair(IO=[5, 500])])
+    with pytest.raises(ValueError, match="END"):
+        encode_pairs(tokenizer, [_ioi_pair(END="to")])
+    mixed = encode_pairs(tokenizer, [_ioi_pair(IO="Mary"), _ioi_pair()])
+    with pytest.raises(ValueError, match="pair 1 has no position 'IO'"):
+        mixed.position("IO")
+
+
+def test_position_attention_equals_an_oracle(tiny_llama):
+    from heads import position_attention
+    from heads.scorers.patching import encode_pairs
+    from tests.support.oracle import llama_forward
+
+    short = _short_pair(IO="Anna")
+    items = [_ioi_pair(IO="Mary"), short]
+    pairs = encode_pairs(tiny_llama, items)
+    got = position_attention(tiny_llama, pairs, "END", "IO", batch_size=1)
+    want = torch.zeros(tiny_llama.n_layers, tiny_llama.n_heads)
+    for row, p in enumerate(items):  # each pair alone, unpadded, through the hand-written forward
+        ids = torch.tensor([tiny_llama.tokenizer(p.clean)["input_ids"]])
+        pats = {}
+
+        def keep(layer, probs, pats=pats):
+            pats[layer] = probs
+            return probs
+
+        llama_forward(tiny_llama.model, ids, torch.ones_like(ids), keep)
+        k = int(pairs.position("IO")[row]) - (pairs.width - ids.shape[1])
+        for la, probs in pats.items():
+            want[la] += probs[0, :, -1, k] / len(items)
+    torch.testing.assert_close(got.scores, want, atol=1e-5, rtol=1e-4)
+    assert got.params["query"] == "END" and got.method == "position_attention"
+    with pytest.raises(ValueError, match="comes after"):
+        position_attention(tiny_llama, pairs, "IO", "END")
+
+
+def test_patch_frame_shows_readable_tokens(tiny_llama):
+    from heads.inputs.tokens import readable_tokens
+    from heads.scorers.patching import encode_pairs
+    from heads.scorers.patching.activation import patch
+    from tests.support.patching import PAIRS
+
+    pairs = encode_pairs(tiny_llama, PAIRS[:1])
+    fr = patch(tiny_llama, pairs, "resid_pre", layers=[0]).to_frame()
+    ids = tiny_llama.tokenizer(PAIRS[0].clean)["input_ids"]
+    assert fr["token"].tolist() == readable_tokens(tiny_llama.tokenizer, ids)  # "␣to", never "Ġto"
+    assert fr["token"].iloc[-1] == "\u2423to"

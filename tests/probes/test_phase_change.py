@@ -55,6 +55,6 @@ def test_phase_change_puts_every_quantity_in_one_window(series):
     p = phase_change(series)
     for key in ("icl", "induction", "previous_token", "loss", "k_composition"):
         assert p.jumps[key].window == (400, 800), (key, p.jumps[key].to_dict())
-    assert p.summary()["spread"] == 0
+    assert p.summary()["spread"] == 0 and p.detected
     (la, _), (pl, _) = p.heads["induction"], p.heads["previous_token"]
     assert la == 1 and pl == 0

@@ -34,8 +34,12 @@ def _hook(layers, heads, qmask, kmask, factor):
     return transform
 
 
-@pytest.mark.parametrize("factor", [0.0, 0.25, 3.0])
-def test_prefill_equals_masked_attention(tiny_llama, tokenizer, factor):
+@pytest.mark.parametrize(
+    ("factor", "kernel"), [(0.0, "auto"), (0.25, "auto"), (3.0, "auto"), (0.0, "fused"), (0.25, "fused")]
+)
+def test_prefill_equals_masked_attention(tiny_llama, tokenizer, factor, kernel):
+    """On the blocked path and on the fused kernel (a query-row x key-column bias: long prompts
+    run it without any [Q, K] tensor)."""
     enc = encode_prompts(tokenizer, PROMPTS, chat=False)
     assert (enc.attention_mask == 0).any()
     P = enc.length
@@ -47,7 +51,7 @@ def test_prefill_equals_masked_attention(tiny_llama, tokenizer, factor):
         tiny_llama.model, enc.input_ids, enc.attention_mask, _hook({1, 2}, [0, 3], qmask, kmask, factor)
     )
     before = {k: v.clone() for k, v in tiny_llama.model.state_dict().items()}
-    with editing(tiny_llama, ko.edits(tiny_llama, enc)):
+    with torch.no_grad(), editing(tiny_llama, ko.edits(tiny_llama, enc), kernel=kernel):
         got = forward(tiny_llama, enc)
     real = enc.attention_mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)

@@ -403,3 +403,30 @@ def test_typing_never_piles_prepares_up(browser, served, monkeypatch):
     page.wait_for_function(f"window.__explorer.preparedPrompt === {prompts[-1]!r}")
     assert recorded == [prompts[-1]]  # the superseded drafts never ran the model
     assert not errors, errors
+
+
+def test_clicking_a_pattern_cell_shows_its_qk_attribution(browser, url, model, shots):
+    from heads import encode_prompts, qk_attribution
+
+    page, errors = open_page(browser, url)
+    page.wait_for_function("window.__explorer.preparedPrompt === document.getElementById('prompt').value")
+    click_cell(page, "grid", 2, 1, model.n_layers, model.n_heads)
+    page.wait_for_selector("#pattern[data-head='2,1']", timeout=90_000)
+    n = len(page.evaluate("document.getElementById('pattern').data[0].x"))
+    query, key = n - 1, 3
+    # cell (query, key) of the pattern: row `query` (y reversed: the first row on top), column `key`
+    box = page.locator("#pattern .nsewdrag").first.bounding_box()
+    page.mouse.click(box["x"] + (key + 0.5) / n * box["width"], box["y"] + (query + 0.5) / n * box["height"])
+    page.wait_for_selector(f"#qk-view[data-cell='{query},{key}']", timeout=90_000)
+    prompt = page.input_value("#prompt")
+    assert not page.is_checked("#raw")
+    enc = encode_prompts(model.tokenizer, prompt)  # the page's default: the chat template
+    r = qk_attribution(model, enc, (2, 1), query=query, keys=[key], by="source_token")
+    want = r.top_pairs(1)[0]
+    bars = page.evaluate("document.getElementById('qk-pairs').data[0]")
+    assert bars["x"][-1] == pytest.approx(want[2], abs=1e-4)  # the largest term drawn on top
+    assert bars["y"][-1] == f"{want[0]} · {want[1]}"
+    assert len(page.evaluate("document.getElementById('qk-table').data[0].z")) >= 2
+    assert "read" in page.locator("#qk-view table").inner_text()
+    page.locator("#head-view").screenshot(path=str(shots / "qk.png"))
+    assert not errors, errors

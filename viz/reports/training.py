@@ -223,7 +223,15 @@ def _section(rep: Report, name: str, series: CheckpointSeries, summary: dict) ->
             {"quantity": k, **e.to_dict(), "first": float(e.values.iloc[0]), "last": float(e.values.iloc[-1])}
             for k, e in phase.jumps.items()
         ]
-        rep.table("Phase change: the jump of each quantity", pd.DataFrame(rows))
+        note = (
+            None
+            if phase.detected
+            else (
+                "No induction head holds its role (score >= 0.5) by the last checkpoint: the run has not "
+                "reached the phase change, and these midpoints mark no jump."
+            )
+        )
+        rep.table("Phase change: the jump of each quantity", pd.DataFrame(rows), note=note)
         summary["phase_change"] = phase.summary()
 
 

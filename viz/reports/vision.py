@@ -21,6 +21,7 @@ from heads._util.files import check_output, write_text
 from heads._util.validation import check_int
 from heads.engine.context import editing
 from heads.engine.forward import forward
+from heads.inputs.tokens import readable_tokens
 from steer import SteeredModel
 from steer.carve import Carve, CarveMaps
 from steer.var import Var, VarEdit
@@ -109,7 +110,7 @@ def vision_analysis(
     spans = var.spans(enc)[0]
     cols = [t for t0_, t1 in spans for t in range(t0_, t1)]
     tok = model.tokenizer
-    span_tokens = tok.convert_ids_to_tokens(enc.input_ids[0, cols].tolist()) if cols else []
+    span_tokens = readable_tokens(tok, enc.input_ids[0, cols].tolist()) if cols else []
     n = len(cols)
     side = math.isqrt(n)
     grid = (side, side) if side * side == n and n else (1, max(n, 1))

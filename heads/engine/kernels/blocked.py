@@ -126,6 +126,24 @@ def _biased_sdpa(
     return out.transpose(1, 2).contiguous()
 
 
+def _block_base(
+    mask: torch.Tensor | None,
+    s: int,
+    e: int,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    causal: bool,
+    offset: int,
+) -> torch.Tensor | None:
+    """The model's mask for query rows `s:e` as an fp32 additive mask `[B or 1, 1, e - s or 1, K]`,
+    or None when every key is visible (one decode row or a non-causal layer, no mask)."""
+    if mask is None:
+        return None if (q_len == 1 or not causal) else causal_additive(e - s, k_len, offset + s, device)
+    m = mask if mask.shape[-2] == 1 else mask[..., s:e, :]
+    return additive_mask(m, e - s, k_len, device, causal, offset + s)
+
+
 def blocked_attention(
     module: nn.Module,
     inputs: AttentionInputs,
@@ -207,22 +225,26 @@ def blocked_attention(
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    # A single decode row with no padding mask sees every key: no base mask needed.
     offset = k_len - q_len if q_offset is None else q_offset
-    base = (
-        None
-        if (mask is None and (q_len == 1 or not causal))
-        else additive_mask(mask, q_len, k_len, device, causal, offset)
-    )
     low = query.dtype != torch.float32
     dtype = query.dtype
     outs, patterns = [], []
     same = not biases and not reading  # every pattern edit returned its input itself (changed nothing)
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
-    for s in range(0, q_len, block):
-        e_ = min(q_len, s + block)
+    first, stop = 0, q_len
+    if pattern_only and not want_probs and not score_reads:  # only read: small blocks, only the rows read
+        block = state.read_block_rows(batch, n_heads, k_len)
+        wanted = [getattr(e, "query_range", None) for e in probs_edits]
+        ranges = [r for r in wanted if r is not None]
+        if ranges and len(ranges) == len(wanted):
+            first = max(0, min(r[0] for r in ranges) - offset)
+            stop = min(q_len, max(r[1] for r in ranges) - offset)
+    for s in range(first, stop, block):
+        e_ = min(stop, s + block)
         call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
-        add = base if base is None or base.shape[-2] == 1 else base[..., s:e_, :]
+        # the model's mask for this block only (never a [B, 1, Q, K] fp32 copy of the whole mask);
+        # a single decode row or a non-causal layer with no mask sees every key: no base mask
+        add = _block_base(mask, s, e_, q_len, k_len, device, causal, offset)
         for ed in biases:
             b = torch.where(head_masks[id(ed)], checked_bias(ed, call), 0.0)
             add = b if add is None else add + b

@@ -47,9 +47,11 @@ def fused_layer_attention(inputs: AttentionInputs, edits: LayerEdits) -> torch.T
     check_window(edits, q_len, k_len)
     offset = k_len - q_len if q_offset is None else q_offset
     call = AttentionCall(edits.layer, batch, n_heads, q_len, k_len, offset, device)
-    biases = cast("list[LogitBias]", edits.get("logits"))
+    every_bias = cast("list[LogitBias]", edits.get("logits"))
+    biases = [e for e in every_bias if e.per_column]
+    rank_one = [e for e in every_bias if not e.per_column]  # `rank_one` (fusable): one per layer
     spans = cast("list[SpanShareEdit]", edits.get("probs"))
-    touched = {h for ed in (*biases, *spans) for h in ed.head_list(n_heads)}
+    touched = {h for ed in (*every_bias, *spans) for h in ed.head_list(n_heads)}
     n_fused = _fused.head_bucket(len(touched), n_heads)
     split = softcap is None and sinks is None and 0 < n_fused < n_heads
     # the edited heads, padded with unedited ones up to the compiled head count
@@ -80,6 +82,13 @@ def fused_layer_attention(inputs: AttentionInputs, edits: LayerEdits) -> torch.T
         q_e, k_e, v_e, bool_mask, bias = _sink_column(q_e, k_e, v_e, bool_mask, bias, sinks, causal)
     kw: dict = dict(scale=scaling, mask=bool_mask, causal=causal, bias=bias, softcap=softcap, q_offset=offset)
     beta = span = None
+    for rb in rank_one:  # beta[b, h, q] * cols[b, k] in the kernel's per-row span term
+        rb.calls += 1
+        row, cols = rb.row_column_bias(call)
+        span = cols.to(device=device, dtype=torch.float32).expand(batch, k_len)
+        row = row.to(device=device, dtype=torch.float32).clamp(min=MIN_LOGIT)  # -inf: blocked exactly
+        heads = rb.head_mask(batch, n_heads, device)[:, :, None]
+        beta = torch.where(heads, row.expand(batch, n_heads, q_len), 0.0)[:, index]
     for se in spans:
         se.calls += 1
         cols = se.span_columns(call).to(device)

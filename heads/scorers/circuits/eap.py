@@ -30,8 +30,8 @@ from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, Edit
 from heads.model.adapter import HeadModel
 from heads.model.parts import norm_stats
-from heads.scorers.circuits.graph import LayerParts, embed_output, layer_parts
 from heads.scorers.circuits.layout import Graph
+from heads.scorers.circuits.nodes import LayerParts, embed_output, layer_parts
 from heads.scorers.layerwise import default_every, inputs_down, record_inputs, run_layer
 
 __all__ = ["HEAD_CHUNK", "eap_chunk"]
@@ -104,11 +104,13 @@ class _Nodes:
         return fn
 
     def mask(self, mask: torch.Tensor) -> None:
-        """Zero the differences at padding positions (`mask [R, T]`)."""
+        """Zero the differences at padding positions (`mask [R, T]`); the heads' differences
+        become `[H, R T, d]` (one matrix per head for the projection through W_O)."""
         m = mask.to(cast(torch.Tensor, self.input).device, torch.float32)
         cast(torch.Tensor, self.input).mul_(m[..., None])
-        for z, o in zip(self.z, self.mlp, strict=True):
-            cast(torch.Tensor, z).mul_(m[..., None, None])
+        for la, (z, o) in enumerate(zip(self.z, self.mlp, strict=True)):
+            zm = cast(torch.Tensor, z).mul_(m[..., None, None])  # [R, T, H, d]
+            self.z[la] = zm.permute(2, 0, 1, 3).reshape(zm.shape[2], -1, zm.shape[3]).contiguous()
             cast(torch.Tensor, o).mul_(m[..., None])
 
 
@@ -129,26 +131,30 @@ def _interpolate(e_corr: torch.Tensor, alpha: float) -> Callable[[torch.Tensor, 
     return fn
 
 
-def _residual_grads(part: LayerParts, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`[n, R, T, D]` the gradient at each of n heads' own copy of the residual entering the
-    attention norm, from the gradients `g [R, T, n, d]` at the heads' projections (weights
-    `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`."""
-    proj = torch.einsum("rtnd,nDd->nrtD", g.to(w.dtype), w)
-    if isinstance(part.norm1, nn.Identity):
-        return proj.float()
+def _residual_grads(
+    part: LayerParts, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Write into `out [n, R, T, D]` the gradient at each of n heads' own copy of the residual
+    entering the attention norm, from the gradients `g [R, T, n, d]` at the heads' projections
+    (weights `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`, `HEAD_CHUNK` heads at a time."""
+    identity = isinstance(part.norm1, nn.Identity)
     with torch.enable_grad():
         xc = x.detach().requires_grad_(True)
-        out = part.norm1.forward(xc)
-        try:
-            (res,) = torch.autograd.grad(out, xc, grad_outputs=proj.to(out.dtype), is_grads_batched=True)
-        except RuntimeError:  # a norm without batching rules: one product per head
-            res = torch.stack(
-                [
-                    torch.autograd.grad(out, xc, grad_outputs=p.to(out.dtype), retain_graph=True)[0]
-                    for p in proj
-                ]
-            )
-    return res.float()
+        normed = xc if identity else part.norm1.forward(xc)
+        for h0 in range(0, w.shape[0], HEAD_CHUNK):
+            h1 = min(w.shape[0], h0 + HEAD_CHUNK)
+            proj = torch.einsum("rtnd,nDd->nrtD", g[:, :, h0:h1].to(w.dtype), w[h0:h1])
+            if identity:
+                out[h0:h1] = proj
+                continue
+            try:
+                (res,) = torch.autograd.grad(
+                    normed, xc, grad_outputs=proj.to(normed.dtype), is_grads_batched=True, retain_graph=True
+                )
+            except RuntimeError:  # a norm without batching rules: one product per head
+                res = torch.stack([torch.autograd.grad(normed, xc, p, retain_graph=True)[0] for p in proj])
+            out[h0:h1] = res
+            del proj, res
 
 
 def _layer_step(
@@ -195,12 +201,18 @@ def _layer_step(
                 out, leaves, grad_outputs=cast(torch.Tensor, g_out), allow_unused=True
             )
     got = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads, strict=True)]
+    del grads, out
     g_in = got[0]
-    blocks = [
-        _residual_grads(parts, x_in, g, parts.w[w]) for w, g in zip(("q", "k", "v"), got[1:4], strict=True)
-    ]
-    blocks += [t.float()[None] for t in got[4:]]
-    return g_in, torch.cat(blocks)
+    g_down = torch.empty(H + 2 * G + len(got) - 4, R, T, D, dtype=torch.float32, device=x.device)
+    lo = 0
+    for which, g in zip(("q", "k", "v"), got[1:4], strict=True):
+        n = g.shape[2]
+        _residual_grads(parts, x_in, g, parts.w[which], g_down[lo : lo + n])
+        lo += n
+    for g in got[4:]:  # the MLP's input, the logits
+        g_down[lo] = g
+        lo += 1
+    return g_in, g_down
 
 
 def _score_layer(
@@ -213,25 +225,30 @@ def _score_layer(
 ) -> None:
     """Add `(a_u(x~) - a_u(x)) . g_v` for the downstream inputs v of layer `la` (`g_down [S', R,
     T, D]`) and every upstream node u up to layer `la` into `scores [R, U, Dn]` (entries that
-    are not edges are zeroed by the caller)."""
+    are not edges are zeroed by the caller): one matrix product per row, `[n, T D] x [T D, S']`;
+    the heads' differences `[H, R T, d]` are projected through W_O `HEAD_CHUNK` heads at a time."""
     H = graph.n_heads
+    S, R = g_down.shape[0], g_down.shape[1]
     lo = graph.q_input(la, 0)
-    hi = lo + g_down.shape[0]
-    g = g_down.to(w_o[0].device)
-    inp = cast(torch.Tensor, diffs.input).to(g.device)
-    scores[:, 0, lo:hi] += torch.einsum("rtD,srtD->rs", inp, g).to(scores.device)
+    hi = lo + S
+    dev = w_o[0].device
+    g = g_down.to(dev).reshape(S, R, -1)  # [S', R, T D]
+    inp = cast(torch.Tensor, diffs.input).to(dev).reshape(R, -1)
+    rows = range(R)
+    for r in rows:
+        scores[r, 0, lo:hi] += (g[:, r] @ inp[r]).to(scores.device)
     for lp in range(la + 1):
-        dz = cast(torch.Tensor, diffs.z[lp]).to(g.device)
+        dz = cast(torch.Tensor, diffs.z[lp]).to(dev)  # [H, R T, d]
         for h0 in range(0, H, HEAD_CHUNK):
-            hs = slice(h0, min(H, h0 + HEAD_CHUNK))
-            proj = torch.einsum("rthd,hdD->hrtD", dz[:, :, hs], w_o[lp][hs])
+            h1 = min(H, h0 + HEAD_CHUNK)
+            proj = torch.bmm(dz[h0:h1], w_o[lp][h0:h1]).reshape(h1 - h0, R, -1)  # [h, R, T D]
             u0 = graph.head_node(lp, h0)
-            scores[:, u0 : u0 + proj.shape[0], lo:hi] += torch.einsum("hrtD,srtD->rhs", proj, g).to(
-                scores.device
-            )
-        dm = cast(torch.Tensor, diffs.mlp[lp]).to(g.device)
-        u = graph.mlp_node(lp)
-        scores[:, u, lo:hi] += torch.einsum("rtD,srtD->rs", dm, g).to(scores.device)
+            for r in rows:
+                scores[r, u0 : u0 + h1 - h0, lo:hi] += (proj[:, r] @ g[:, r].T).to(scores.device)
+            del proj
+        dm = cast(torch.Tensor, diffs.mlp[lp]).to(dev).reshape(R, -1)
+        for r in rows:
+            scores[r, graph.mlp_node(lp), lo:hi] += (g[:, r] @ dm[r]).to(scores.device)
 
 
 def eap_chunk(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -41,15 +40,15 @@ from heads.engine.prefix import starting_at
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
-from heads.model.parts import norm_stats, submodule, unwrap
+from heads.model.parts import norm_stats
 from heads.scorers.circuits.layout import (
     ATTN_NORMS,
     Graph,
-    attn_norm,
     check_family,
     first_patched_layer,
     graph_of,
 )
+from heads.scorers.circuits.nodes import Acts, LayerParts, embed_output, head_shares, layer_parts
 
 __all__ = [
     "ATTN_NORMS",
@@ -68,149 +67,13 @@ _SKIP_LAYERS = True
 """Let `run_graph(skip=)` start the forward at the first patched layer from the clean run's
 residual (tests switch it off to check the full forward gives the same numbers)."""
 
+_COMPLEMENT = True
+"""Let a patched input whose sources are mostly patched take the whole stream difference minus
+the unpatched sources' (tests switch it off to check the direct sum gives the same numbers)."""
+
 _FAST_LINEAR = True
 """Project per-head copies by the head's rows of the projection weight (tests switch it off to
 check that calling the projection module on every copy gives the same numbers)."""
-
-
-# ------------------------------------------------------------------------------ model parts
-@dataclass
-class LayerParts:
-    """What the decomposition needs of one block.
-
-    Attributes:
-        norm1: the attention's input norm (Identity when the family has none, e.g. OLMo 2).
-        w: `{"q": [H, D, d], "k": [G, D, d], "v": [G, D, d]}` head-major projection weights.
-        b: the same keys, `[n, d]` biases or None.
-        proj: `{"q" | "k" | "v": (module, lo, hi)}`: the module computing it and the feature range
-            of its output that holds it (the fused QKV for all three).
-        w_o: `[H, d, D]` output weights.
-        post: the post-attention norm (post-norm families) or None.
-        gain: `[D]` fp32 gain of `post` (Gemma's `1 + weight`), or None.
-    """
-
-    norm1: nn.Module
-    w: dict[str, torch.Tensor]
-    b: dict[str, torch.Tensor | None]
-    proj: dict[str, tuple[nn.Module, int, int]]
-    w_o: torch.Tensor
-    post: nn.Module | None = None
-    gain: torch.Tensor | None = None
-
-
-def _gain(model: HeadModel, norm: nn.Module) -> torch.Tensor:
-    """`[D]` fp32 gain of an RMS / LayerNorm module (Gemma multiplies by `1 + weight`)."""
-    w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor):
-        return torch.ones(model.d_model)
-    gain = w.detach().float()
-    return 1.0 + gain if "gemma" in model.family.model_type else gain
-
-
-def layer_parts(model: HeadModel, la: int) -> LayerParts:
-    """The `LayerParts` of block `la` of `model` (a family `check_family` accepts)."""
-    fam = model.family
-    block = model.layers[la]
-    norm = attn_norm(block)
-    ws = model.layer_weights(la)
-    H, G, d = model.n_heads, model.n_kv_heads, model.d_head
-    widths = {"q": H * d, "k": G * d, "v": G * d}
-    proj: dict[str, tuple[nn.Module, int, int]] = {}
-    b: dict[str, torch.Tensor | None] = {}
-    lo = 0
-    for which in ("q", "k", "v"):
-        mod = unwrap(model.backend.parts.projection(la, which))
-        if fam.fused_qkv:
-            proj[which] = (mod, lo, lo + widths[which])
-        else:
-            proj[which] = (mod, 0, widths[which])
-        bias = getattr(mod, "bias", None)
-        b[which] = (
-            None
-            if not isinstance(bias, torch.Tensor)
-            else bias.detach()[proj[which][1] : proj[which][2]].reshape(-1, d)
-        )
-        lo += widths[which]
-    post = None if fam.attn_out_norm is None else submodule(block, fam.attn_out_norm)
-    return LayerParts(
-        norm1=nn.Identity() if norm is None else unwrap(norm),
-        w={"q": ws["W_Q"], "k": ws["W_K"], "v": ws["W_V"]},
-        b=b,
-        proj=proj,
-        w_o=ws["W_O"],
-        post=post,
-        gain=None if post is None else _gain(model, post),
-    )
-
-
-def head_shares(
-    z: torch.Tensor,
-    w_o: torch.Tensor,
-    heads: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    gain: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`[h, R, T, D]` what heads `heads` (default all) of `z [R, T, H, d]` add to the stream:
-    `z_h W_O[h]` (`w_o [H, d, D]`), times `gain / scale` under a post-norm whose scale
-    `scale [R, T, 1]` is frozen at its value in the run."""
-    if heads is not None:
-        z = z[..., heads.to(z.device), :]
-        w_o = w_o[heads.to(w_o.device)]
-    out = torch.einsum("rthd,hdD->hrtD", z.to(w_o.dtype), w_o)
-    if scale is not None:
-        assert gain is not None
-        out = out * (gain.to(out.device, out.dtype) / scale.to(out.device, out.dtype))
-    return out
-
-
-# ------------------------------------------------------------------------------ activations
-@dataclass
-class Acts:
-    """The upstream nodes' outputs of one run, compactly.
-
-    Attributes:
-        input: `[R, T, D]` the residual entering layer 0.
-        z: per layer `[R, T, H, d]` head outputs (the `o_proj` input).
-        mlp: per layer `[R, T, D]` MLP outputs (what the MLP adds to the stream).
-        resid: per layer `[R, T, D]` the stream leaving the layer, or empty when not recorded.
-        scale: per layer `[R, T, 1]` fp32 scale of the post-attention norm (post-norm families;
-            head h adds `gain * z_h W_O[h] / scale`), or empty.
-        gain: per layer `[D]` the post-attention norm's gain, or empty.
-    """
-
-    input: torch.Tensor
-    z: list[torch.Tensor]
-    mlp: list[torch.Tensor]
-    resid: list[torch.Tensor | None] = field(default_factory=list)
-    scale: list[torch.Tensor] = field(default_factory=list)
-    gain: list[torch.Tensor] = field(default_factory=list)
-
-    def rows(self, index: torch.Tensor) -> Acts:
-        return Acts(
-            self.input[index],
-            [z[index] for z in self.z],
-            [m[index] for m in self.mlp],
-            [None if r is None else r[index] for r in self.resid],
-            [s[index] for s in self.scale],
-            self.gain,
-        )
-
-    def can_skip(self, n_layers: int) -> bool:
-        """Whether every layer's output was recorded (layers can be skipped)."""
-        return len(self.resid) == n_layers and all(r is not None for r in self.resid)
-
-    def head_out(self, la: int, w_o: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
-        """`[h, R, T, D]` what the heads (`heads`, default all) of layer `la` add to the stream."""
-        if self.scale:
-            return head_shares(self.z[la], w_o, heads, self.scale[la], self.gain[la])
-        return head_shares(self.z[la], w_o, heads)
-
-    def upstream(self, w_o: list[torch.Tensor]) -> torch.Tensor:
-        """`[U, R, T, D]` every upstream node's output (`w_o`: per layer `[H, d, D]`)."""
-        out = [self.input[None]]
-        for la, (w, m) in enumerate(zip(w_o, self.mlp, strict=True)):
-            out += [self.head_out(la, w), m[None]]
-        return torch.cat(out)
 
 
 class _Runner:
@@ -218,13 +81,20 @@ class _Runner:
 
     Args:
         patch: `[R, U, Dn]` bool edges to corrupt per row, or None.
-        corr: the corrupted run's `Acts` (R rows), needed with `patch`.
+        corr: the corrupted run's `Acts` (with `resid` and `mid` recorded), needed with `patch`.
+        rows: `[R]` long, the row of `corr` (and of the skip's clean `Acts`) each row of this run
+            reads, or None when they are the same rows (nothing is copied per row).
         grad: inject zero deltas that require grad at every downstream input (EAP).
         record: keep this run's `Acts` (detached).
         embed: `(e_corr [R, T, D], alpha)`: the embedding output becomes
             `e_corr + alpha (e - e_corr)` (EAP-IG over the inputs).
         skip: `(l0, clean)`: layers 0 .. l0-1 are not run; the diffs of their upstream nodes are
             taken from `clean` (the run equals the clean run below the first patched input).
+
+    Each patched input's delta is the sum of the patched sources' differences, or, when most of
+    its sources are patched (a circuit's complement), the whole difference of the stream
+    `x~_v - x_v` (every source: the stream is the sum of the nodes' outputs) minus the unpatched
+    sources' differences, so only the smaller set of upstream differences is ever kept.
     """
 
     def __init__(
@@ -234,6 +104,7 @@ class _Runner:
         *,
         patch: torch.Tensor | None = None,
         corr: Acts | None = None,
+        rows: torch.Tensor | None = None,
         grad: bool = False,
         record: bool = False,
         embed: tuple[torch.Tensor, float] | None = None,
@@ -242,6 +113,7 @@ class _Runner:
         self.m, self.g = model, graph
         self.skip = skip
         self.patch, self.corr, self.grad, self.record, self.embed = patch, corr, grad, record, embed
+        self.index = rows
         L, H, G = graph.n_layers, graph.n_heads, graph.n_kv_heads
         self.H, self.G, self.d = H, G, model.d_head
         self.parts = [layer_parts(model, la) for la in range(L)]
@@ -253,27 +125,39 @@ class _Runner:
         self.zrun: list[Any] = [None] * L  # this run's z, until the post-norm scale is read
         self.mlp: list[Any] = [None] * L
         self.resid: list[torch.Tensor | None] = [None] * L
+        self.mid: list[Any] = [None] * L
         self.scale: list[Any] = [None] * L
         self.mlp_delta: list[torch.Tensor | None] = [None] * L
         self.inp: torch.Tensor | None = None
         self.deltas: dict[str, torch.Tensor] = {}  # grad mode: the injected zero deltas
-        # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes patched in some row only (u of
-        # them, in upstream order), filled as computed
+        # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes some row needs (u of them, in
+        # upstream order), filled as computed
         self.diff: torch.Tensor | None = None
         self.n_before = graph.n_before()
         if patch is not None:
-            # the union of the rows' patches, once: which downstream inputs are active and which
-            # upstream nodes are used, without scanning the [R, U, Dn] patch again per sub-layer
-            self.union = patch.any(dim=0).cpu()  # [U, Dn]
+            p = patch.bool().cpu()
+            valid = graph.valid
+            n_p = p.sum(1)  # [R, Dn] patched sources per input
+            # the complement is smaller: delta = (x~ - x) - sum of the unpatched sources' diffs
+            self.base = ((self.n_before[None] - n_p) < n_p) & _COMPLEMENT  # [R, Dn]
+            self.coef = torch.where(self.base[:, None], (valid & ~p).to(torch.int8).neg(), p.to(torch.int8))
+            self.union = (self.coef != 0).any(dim=0)  # [U, Dn]
             used = self.union.any(dim=1)  # [U]
             self.n_used = int(used.sum())
             self.up_pos = torch.where(used, torch.cumsum(used.long(), 0) - 1, -1)  # [U] -> diff column
 
+    # -------------------------------------------------------------- rows of the recorded runs
+    def _c(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s rows for this run's rows (`rows`), on its device."""
+        return t if self.index is None else t[self.index.to(t.device)]
+
     # -------------------------------------------------------------- deltas
-    def _delta(self, lo: int, hi: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _delta(
+        self, lo: int, hi: int, x: torch.Tensor, x_corr: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(delta [a, R, T, D], active [a] long)`: the deltas of the downstream inputs lo + active
         (those with an edge patched in some row, all of lo..hi-1 in grad mode); None when nothing
-        is patched. Only the upstream nodes patched in some row enter the sum."""
+        is patched. `x` is this run's stream at the inputs, `x_corr()` the corrupted run's."""
         if self.grad:
             key = f"{lo}:{hi}"
             t = torch.zeros(hi - lo, *x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
@@ -283,27 +167,30 @@ class _Runner:
             return None
         n = int(self.n_before[lo])
         pu = self.union[:n, lo:hi]
-        if not bool(pu.any()):
+        pb = self.base[:, lo:hi]  # [R, hi - lo]
+        active = torch.nonzero(pu.any(dim=0) | pb.any(dim=0))[:, 0]
+        if not len(active):
             return None
+        R = x.shape[0]
+        out = torch.zeros(len(active), R, x[0].numel(), dtype=torch.float32, device=x.device)
         used = torch.nonzero(pu.any(dim=1))[:, 0]
-        active = torch.nonzero(pu.any(dim=0))[:, 0]
-        full = cast(torch.Tensor, self.diff)
-        cols = self.up_pos[used]
-        p = self.patch[:, :n, lo:hi]
-        if len(used) == n:  # every upstream node: a view, no copy
-            diff = full[:, :n]
-        else:
-            if int(cols[-1]) == len(cols) - 1:  # the first len(used) columns: a view
-                diff = full[:, : len(cols)]
+        if len(used):
+            full = cast(torch.Tensor, self.diff)
+            cols = self.up_pos[used]
+            if int(cols[-1]) - int(cols[0]) == len(cols) - 1:  # consecutive columns: a view
+                diff = full[:, int(cols[0]) : int(cols[-1]) + 1]
             else:
                 diff = full[:, cols.to(full.device)]
-            p = p[:, used.to(p.device)]
-        p = p[:, :, active.to(p.device)].to(full.device, full.dtype)  # [R, u, a]
-        delta = torch.bmm(p.transpose(1, 2), diff)  # [R, a, T*D]
-        return delta.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype), active
+            c = self.coef[:, used][:, :, lo:hi][:, :, active].to(full.device, full.dtype)  # [R, u, a]
+            out += torch.bmm(c.transpose(1, 2), diff).transpose(0, 1)  # [a, R, T*D]
+        b = pb[:, active]  # [R, a]
+        if bool(b.any()):
+            whole = (self._c(x_corr()).to(x.device).float() - x.float()).flatten(1)  # [R, T*D]
+            out += b.T.to(x.device, torch.float32)[:, :, None] * whole[None]
+        return out.reshape(len(active), *x.shape).to(x.dtype), active
 
     def _used(self, u0: int, k: int) -> torch.Tensor | None:
-        """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row patches (None: none)."""
+        """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row needs (None: none)."""
         if self.patch is None:
             return None
         sel = torch.nonzero(self.up_pos[u0 : u0 + k] >= 0)[:, 0]
@@ -323,23 +210,24 @@ class _Runner:
     def _input_diff(self, x: torch.Tensor) -> None:
         if self._used(0, 1) is not None:
             corr = cast(Acts, self.corr)
-            self._set_diff(0, (corr.input.to(x.device) - x)[None], torch.zeros(1, dtype=torch.long))
+            self._set_diff(0, (self._c(corr.input).to(x.device) - x)[None], torch.zeros(1, dtype=torch.long))
 
     def _head_diff(self, la: int, z: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """Store the diffs of layer la's patched heads (`z [R, T, H, d]`: this run's head outputs,
-        `scale`: this run's post-attention norm scale or None)."""
+        """Store the diffs of layer la's heads some row needs (`z [R, T, H, d]`: this run's head
+        outputs, `scale`: this run's post-attention norm scale or None)."""
         u0 = self.g.head_node(la, 0)
         sel = self._used(u0, self.H)
-        if sel is not None:  # only the heads some row patches
+        if sel is not None:
             corr = cast(Acts, self.corr)
-            w = self.parts[la].w_o
-            mine = head_shares(z, w, sel, scale, self.parts[la].gain)
-            theirs = corr.head_out(la, w, sel)
+            lp = self.parts[la]
+            mine = head_shares(z, lp.w_o, sel, scale, lp.gain)
+            zc = self._c(corr.z[la])
+            theirs = head_shares(zc, lp.w_o, sel, self._c(corr.scale[la]) if corr.scale else None, lp.gain)
             self._set_diff(u0, theirs.to(mine.device) - mine, sel)
 
     def _mlp_diff(self, la: int, o: torch.Tensor) -> None:
         if self._used(self.g.mlp_node(la), 1) is not None:
-            mc = cast(Acts, self.corr).mlp[la].to(o.device)
+            mc = self._c(cast(Acts, self.corr).mlp[la]).to(o.device)
             self._set_diff(self.g.mlp_node(la), (mc - o)[None], torch.zeros(1, dtype=torch.long))
 
     # -------------------------------------------------------------- the edits
@@ -363,7 +251,12 @@ class _Runner:
             out.append(ActivationEdit("head_output", la, self._z(la)))
             if self.post:
                 out.append(ActivationEdit("attn_out_pre_norm", la, self._attn_pre(la)))
-            if self.grad or (self.patch is not None and bool(self.union[:, g.mlp_input(la)].any())):
+            mlp_in = g.mlp_input(la)
+            if (
+                self.grad
+                or self.record
+                or (self.patch is not None and bool(self.union[:, mlp_in].any() | self.base[:, mlp_in].any()))
+            ):
                 out.append(ActivationEdit("resid_mid", la, self._resid_mid(la)))
             out.append(ActivationEdit("mlp_out", la, self._mlp(la)))
             out.append(ActivationEdit("resid_post", la, self._resid_post(la)))
@@ -386,7 +279,8 @@ class _Runner:
         if self.normed[la] is None:
             x = cast(torch.Tensor, self.x[la])
             lo = self.g.q_input(la, 0)
-            got = self._delta(lo, lo + self.H + 2 * self.G, x)
+            corr = self.corr
+            got = self._delta(lo, lo + self.H + 2 * self.G, x, lambda: cast(Acts, corr).stream_in(la))
             if got is None:
                 return None
             delta, active = got
@@ -460,7 +354,9 @@ class _Runner:
         down = self.g.mlp_input(la)
 
         def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
-            got = self._delta(down, down + 1, x)
+            if self.record:
+                self.mid[la] = x.detach()
+            got = self._delta(down, down + 1, x, lambda: cast(Acts, self.corr).mid[la])
             if got is None:
                 return None
             delta = got[0][0]
@@ -486,7 +382,10 @@ class _Runner:
             if delta is not None:  # the MLP's delta leaves the stream with the block
                 new = new - delta
             if last:
-                got = self._delta(self.g.logits_input, self.g.logits_input + 1, x)
+                lo = self.g.logits_input
+                got = self._delta(
+                    lo, lo + 1, new, lambda: cast(torch.Tensor, cast(Acts, self.corr).resid[la])
+                )
                 if got is not None:
                     new = new + got[0][0]
             if self.record:
@@ -502,10 +401,11 @@ class _Runner:
             return
         l0, clean = self.skip
         if self._used(0, 1) is not None:
-            self._input_diff(clean.input.to(self.m.device))
+            self._input_diff(self._c(clean.input).to(self.m.device))
         for la in range(l0):
-            self._head_diff(la, clean.z[la], clean.scale[la] if clean.scale else None)
-            self._mlp_diff(la, clean.mlp[la])
+            scale = self._c(clean.scale[la]) if clean.scale else None
+            self._head_diff(la, self._c(clean.z[la]), scale)
+            self._mlp_diff(la, self._c(clean.mlp[la]))
 
     def acts(self) -> Acts:
         post = self.post
@@ -516,6 +416,7 @@ class _Runner:
             list(self.resid),
             list(self.scale) if post else [],
             [cast(torch.Tensor, p.gain) for p in self.parts] if post else [],
+            list(self.mid) if self.record else [],
         )
 
 
@@ -527,6 +428,7 @@ def run_graph(
     *,
     patch: torch.Tensor | None = None,
     corr: Acts | None = None,
+    rows: torch.Tensor | None = None,
     grad: bool = False,
     record: bool = False,
     embed: tuple[torch.Tensor, float] | None = None,
@@ -536,12 +438,15 @@ def run_graph(
 
     Args:
         patch: `[R, U, Dn]` bool: the edges corrupted in each row (v_in' = v_in + a_u(x~) - a_u(run)).
-        corr: the corrupted run's `Acts` for the R rows (required with `patch`).
+        corr: the corrupted run's `Acts` (required with `patch`; recorded by `run_graph(record=
+            True)`), for the R rows or, with `rows`, for the rows `rows` names.
+        rows: `[R]` long: the row of `corr` and of the skip's `clean` each row of this run reads
+            (None: the same rows); nothing is copied per row.
         grad: inject zero deltas requiring grad at every downstream input; `runner.deltas`
             then holds them (keys `"lo:hi"` in downstream order).
         record: keep the run's `Acts` (`runner.acts()`).
         embed: EAP-IG: `(e_corr [R, T, D], alpha)` interpolates the embedding output.
-        skip: `(l0, clean)` with `clean` the clean run's recorded `Acts` for the R rows: when no
+        skip: `(l0, clean)` with `clean` the clean run's recorded `Acts` (rows as `corr`): when no
             row patches an input below layer l0, layers 0 .. l0-1 are not computed (the engine's
             layer-prefix reuse feeds `clean.resid[l0 - 1]` to layer l0); the logits are those of
             the full forward (up to float rounding). Ignored unless `patch` is given, nothing is
@@ -568,12 +473,14 @@ def run_graph(
             raise HeadsteerValueError(f"skip={l0} layers, but a row patches an input below layer {l0}")
         else:  # only the logits patched: the last layer still runs (the engine starts at a layer)
             skip = (min(l0, graph.n_layers - 1), clean)
-    runner = _Runner(model, graph, patch=patch, corr=corr, grad=grad, record=record, embed=embed, skip=skip)
+    runner = _Runner(
+        model, graph, patch=patch, corr=corr, rows=rows, grad=grad, record=record, embed=embed, skip=skip
+    )
     runner.skipped_diffs()
     dev = model.device
     with ExitStack() as stack:
         if skip is not None:
-            resid = cast(torch.Tensor, skip[1].resid[skip[0] - 1])
+            resid = runner._c(cast(torch.Tensor, skip[1].resid[skip[0] - 1]))
             stack.enter_context(starting_at(model, skip[0], resid.to(dev)))
         stack.enter_context(editing(model, runner.edits(), require_fired=False))
         out = model.run(
@@ -584,10 +491,3 @@ def run_graph(
             logits_to_keep=1,
         )
     return out.logits[:, -1].float(), runner
-
-
-def embed_output(model: HeadModel, ids: torch.Tensor) -> torch.Tensor:
-    """`[R, T, D]` the embedding module's output for `ids` (its own `forward`, no site edits)."""
-    emb = unwrap(model.backend.parts.embed)
-    with torch.no_grad():
-        return cast(torch.Tensor, emb.forward(ids.to(model.device)))

@@ -52,6 +52,10 @@ __all__ = [
     "run_metrics",
 ]
 
+PATCH_MEMORY = 512 * 2**20
+"""Bytes that the upstream differences of one exact patched forward may take (`patched_metrics`):
+rows (patch x pair) are run in forwards small enough to fit, one row per forward at the least."""
+
 METHODS = ("eap", "eap-ig", "exact")
 """`method=` values of `edge_scores`."""
 MAX_STEPS = 100
@@ -323,12 +327,15 @@ def patched_metrics(
         return_runs: also return `[N] M(x)` and `[N] M(x~)` of the unpatched runs (the ones
             recorded here), as `(values, clean, corrupted)`.
 
-    Rows are (patch k, pair n), `batch_rows` per forward; the clean and corrupted runs of a
-    chunk of pairs are recorded once and reused by every block of patches. A forward whose
-    patches touch no input below layer l skips layers 0 .. l-1 (their outputs are the clean
-    run's: `run_graph(skip=)`), so exact patching of edges into late layers costs less. Given as a tensor,
-    identical patches are run once and an empty patch (nothing corrupted: the model's own
-    forward) takes the clean run's M without a forward.
+    Rows are (patch k, pair n), `batch_rows` per forward, fewer when the upstream differences
+    they keep would pass `PATCH_MEMORY` (per patched input the smaller of its patched and its
+    unpatched sources, `run_graph`), so memory grows linearly in the prompt; the clean and
+    corrupted runs of a chunk of pairs are recorded once and reused by every block of patches
+    (read per row, not copied). A forward whose patches touch no input below layer l skips
+    layers 0 .. l-1 (their outputs are the clean run's: `run_graph(skip=)`), so exact patching
+    of edges into late layers costs less. Given as a tensor, identical patches are run once and
+    an empty patch (nothing corrupted: the model's own forward) takes the clean run's M without
+    a forward.
     """
     graph = graph_of(model)
     empty: torch.Tensor | None = None  # [K] bool: the patch corrupts nothing
@@ -368,26 +375,31 @@ def patched_metrics(
             if report:
                 report(done, want)
             n = sub.n
+            width = sub.width * model.d_model * 4  # bytes of one upstream difference of one row
             for k0 in range(0, K, per):
                 ks = torch.arange(k0, min(K, k0 + per))
-                rows_pair = torch.arange(n).repeat(len(ks))
                 block = make(ks)
-                l0 = first_patched_layer(graph, block)  # below it the rows are the clean run
-                patch = block.to(model.device).repeat_interleave(n, dim=0)
-                rows_dev = rows_pair.to(corr.input.device)
-                skip = (l0, clean_acts.rows(rows_dev)) if l0 > 0 else None
-                with torch.no_grad():
-                    logits, _ = run_graph(
-                        model,
-                        graph,
-                        sub.clean_ids[rows_pair],
-                        sub.attention_mask[rows_pair],
-                        patch=patch,
-                        corr=corr.rows(rows_dev),
-                        skip=skip,
-                    )
-                vals = _metric(metric, logits, sub, rows_pair, clean_logits[rows_pair])
-                out[k0 : k0 + len(ks), lo:hi] = vals.reshape(len(ks), n).cpu()
+                # rows (patch, pair) per forward: the upstream differences they keep fit the budget
+                fit = max(1, PATCH_MEMORY // (max(1, needed_nodes(graph, block)) * width))
+                kr = torch.arange(len(ks)).repeat_interleave(n)  # row -> patch of the block
+                pr = torch.arange(n).repeat(len(ks))  # row -> pair of the chunk
+                for r0 in range(0, len(kr), fit):
+                    rk, rp = kr[r0 : r0 + fit], pr[r0 : r0 + fit]
+                    rows_block = block[rk]
+                    l0 = first_patched_layer(graph, rows_block)  # below it the rows are the clean run
+                    with torch.no_grad():
+                        logits, _ = run_graph(
+                            model,
+                            graph,
+                            sub.clean_ids[rp],
+                            sub.attention_mask[rp],
+                            patch=rows_block.to(model.device),
+                            corr=corr,
+                            rows=rp,
+                            skip=(l0, clean_acts) if l0 > 0 else None,
+                        )
+                    vals = _metric(metric, logits, sub, rp, clean_logits[rp]).cpu()
+                    out[k0 + rk, lo + rp] = vals
                 done += 1
                 if report:
                     report(done, want)
@@ -398,6 +410,16 @@ def patched_metrics(
         full[empty] = clean_m
         out = full
     return (out, clean_m, corr_m) if return_runs else out
+
+
+def needed_nodes(graph: Graph, patches: torch.Tensor) -> int:
+    """How many upstream nodes' differences a forward of `patches [K, U, Dn]` keeps: per patched
+    input the smaller of its patched and its unpatched sources (`run_graph`'s complement)."""
+    p = patches.bool().cpu()
+    n_p = p.sum(1)  # [K, Dn]
+    base = (graph.n_before()[None] - n_p) < n_p
+    need = torch.where(base[:, None], graph.valid & ~p, p)
+    return int(need.any(dim=0).any(dim=1).sum())
 
 
 def exact_scores(

@@ -111,12 +111,11 @@ class MapsAnalysis:
         )
 
     def _repr_html_(self) -> str:
-        return f"<b>MAPS analysis</b> of {html.escape(self.model)}" + self.validation.to_html(
-            index=False, float_format="%.3f"
-        )
+        table: str = self.validation.to_html(index=False, float_format="%.3f")
+        return f"<b>MAPS analysis</b> of {html.escape(self.model)}" + table
 
 
-def _pair_filter(relations) -> tuple[pd.DataFrame, dict[str, str]]:
+def _pair_filter(relations: object) -> tuple[pd.DataFrame, dict[str, str]]:
     """The pair-filter counts of a relation set that carries them
     (`probes.datasets.relations.RelationSet`)."""
     survived = getattr(relations, "survived", None) or {}
@@ -139,7 +138,7 @@ def _pair_filter(relations) -> tuple[pd.DataFrame, dict[str, str]]:
 
 
 @torch.no_grad()
-def maps_analysis_steps(model: HeadModel, relations, draws: int = 5) -> int:
+def maps_analysis_steps(model: HeadModel, relations: object, draws: int = 5) -> int:
     """The progress total of `maps_analysis(model, relations, draws=draws)`, before any work:
     one step per layer of the static maps, the `dynamic_scores` steps, `2 + draws` per
     relation's ablation check and one for the salient operations."""
@@ -150,7 +149,7 @@ def maps_analysis_steps(model: HeadModel, relations, draws: int = 5) -> int:
 
 def maps_analysis(
     model: HeadModel,
-    relations,
+    relations: object,
     *,
     top: int = 20,
     draws: int = 5,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from heads.model.adapter import HeadModel, _module
 from heads.model.families import family_of
 from heads.results.scores import HeadScores
 from heads.results.views import html_view, top_heads_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "MapsScores",
@@ -47,10 +51,9 @@ IMPLEMENTS_THRESHOLD = 0.15
 """A head "implements" a relation when its relation score is >= 0.15 (docs/methods/maps.md)."""
 
 
-def positive_int(value, what: str) -> int:
+def positive_int(value: object, what: str) -> int:
     """`value` as an int >= 1, else ValueError naming it."""
-    check_int(what, value, lo=1)
-    return int(value)
+    return check_int(what, value, lo=1)
 
 
 def k_for(k_rule: str, d_vocab: int) -> int:
@@ -120,12 +123,14 @@ def first_mlp(model: HeadModel, x: torch.Tensor) -> torch.Tensor:
     block = model.layers[0]
     h = _module(block, fam.mlp_norm)(x)
     if not fam.moe:
-        return _module(block, fam.mlp)(h)
+        y: torch.Tensor = _module(block, fam.mlp)(h)
+        return y
     # a mixture-of-experts block routes a [batch, seq, d_model] input (each row to its top-k
     # experts) and may return (output, router logits): run the rows as one sequence
     out = _module(block, fam.mlp)(h[None])
     out = out[0] if isinstance(out, tuple) else out
-    return out.reshape(x.shape)
+    routed: torch.Tensor = out.reshape(x.shape)
+    return routed
 
 
 @torch.no_grad()
@@ -300,22 +305,23 @@ class MapsScores:
         return "; ".join(parts)
 
 
-def _as_relations(model: HeadModel, relations) -> list[RelationPairs]:
+def _as_relations(model: HeadModel, relations: object) -> list[RelationPairs]:
     """A checked list of relations (one `RelationPairs`, a list, or a `probes` RelationSet)."""
-    if isinstance(relations, RelationPairs):
-        relations = [relations]
-    relations = getattr(relations, "relations", relations)
-    if isinstance(relations, (str, bytes)) or not isinstance(relations, Iterable):
+    given: object = [relations] if isinstance(relations, RelationPairs) else relations
+    given = getattr(given, "relations", given)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
         raise HeadsteerTypeError(
-            f"relations must be RelationPairs or a list of them, got {type(relations).__name__}"
+            f"relations must be RelationPairs or a list of them, got {type(given).__name__}"
         )
-    relations = list(relations)
-    if not relations:
+    items = list(given)
+    if not items:
         raise HeadsteerValueError("no relations to score")
     names = set()
-    for r in relations:
+    checked: list[RelationPairs] = []
+    for r in items:
         if not isinstance(r, RelationPairs):
             raise HeadsteerTypeError(f"expected RelationPairs, got {short_repr(r)}")
+        checked.append(r)
         if r.name in names:
             raise HeadsteerValueError(f"relation name {short_repr(r.name)} appears twice")
         names.add(r.name)
@@ -328,7 +334,7 @@ def _as_relations(model: HeadModel, relations) -> list[RelationPairs]:
                 raise HeadsteerValueError(
                     f"relation {short_repr(r.name)}: token id pair {(s, t)} outside the vocabulary"
                 )
-    return relations
+    return checked
 
 
 @torch.no_grad()
@@ -425,7 +431,7 @@ def salient_operations(
     apply_first_mlp: bool = True,
     chunk: int = 8192,
     sources: torch.Tensor | None = None,
-):
+) -> pd.DataFrame:
     """The head's most amplified source tokens and their top mapped targets (docs/methods/maps.md).
 
     sigma_t = ||ẽ_t W_V W_O^h|| / ||ẽ_t|| over the whole vocabulary (computed through

@@ -29,6 +29,7 @@ import torch
 
 from heads._util.validation import check_int, check_seed, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.tokens import readable_tokens
 
 __all__ = [
     "PairBatch",
@@ -55,6 +56,11 @@ class PromptPair:
         counterfactual: the counterfactual token(s), same forms; None when the metric
             does not need one (log-prob, prob, KL).
         meta: free JSON-serialisable fields (template, split, ...).
+        positions: named positions of the clean prompt, `{name: [start, end]}` half-open
+            character spans (or a substring: its first occurrence), e.g. IOI's
+            `{"IO": [10, 14], "S1": [..], "S2": [..]}`; `encode_pairs` maps each to the token
+            holding the span's last character (`PairBatch.positions`). `END` (the last token)
+            is implicit. The corrupted prompt shares the token columns.
     """
 
     clean: str
@@ -62,11 +68,12 @@ class PromptPair:
     answer: Answer
     counterfactual: Answer | None = None
     meta: dict = field(default_factory=dict)
+    positions: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "pair") -> PromptPair:
         """A pair from a JSON record with keys `clean`, `corrupted`, `answer`, optional
-        `counterfactual`; other keys go to `meta`.
+        `counterfactual` and `positions`; other keys go to `meta`.
 
         Raises:
             ValueError: a missing key or a non-string prompt.
@@ -76,13 +83,19 @@ class PromptPair:
         missing = [k for k in ("clean", "corrupted", "answer") if k not in d]
         if missing:
             raise HeadsteerValueError(f"{where}: missing key(s) {missing} (need clean, corrupted, answer)")
-        meta = {k: v for k, v in d.items() if k not in ("clean", "corrupted", "answer", "counterfactual")}
-        return cls(d["clean"], d["corrupted"], d["answer"], d.get("counterfactual"), meta)
+        own = ("clean", "corrupted", "answer", "counterfactual", "positions")
+        meta = {k: v for k, v in d.items() if k not in own}
+        positions = d.get("positions") or {}
+        if not isinstance(positions, Mapping):
+            raise HeadsteerValueError(f"{where}: positions must be a mapping, got {short_repr(positions)}")
+        return cls(d["clean"], d["corrupted"], d["answer"], d.get("counterfactual"), meta, dict(positions))
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"clean": self.clean, "corrupted": self.corrupted, "answer": self.answer}
         if self.counterfactual is not None:
             out["counterfactual"] = self.counterfactual
+        if self.positions:
+            out["positions"] = dict(self.positions)
         return {**out, **self.meta}
 
 
@@ -99,7 +112,10 @@ class PairBatch:
         counterfactuals: `[N, C]` long counterfactual ids (C >= 1; all-False mask when absent).
         counterfactual_mask: `[N, C]` bool.
         pairs: the source `PromptPair`s (None entries when built from token ids).
-        tokens: per pair, the token strings of the clean row (unpadded), for labels.
+        tokens: per pair, the clean row's tokens as readable text (unpadded; `␣to`, not the
+            tokenizer's `Ġto`: `heads.inputs.tokens.readable_tokens`), for labels.
+        positions: named positions, `{name: [N] long}` padded columns (-1 where a pair lacks
+            the name); read them with `position(name)`, which also knows `"END"`.
     """
 
     clean_ids: torch.Tensor
@@ -111,6 +127,7 @@ class PairBatch:
     counterfactual_mask: torch.Tensor
     pairs: list[PromptPair | None] = field(default_factory=list)
     tokens: list[list[str]] = field(default_factory=list)
+    positions: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -162,7 +179,34 @@ class PairBatch:
             self.counterfactual_mask[idx],
             [self.pairs[i] for i in idx.tolist()] if self.pairs else [],
             [self.tokens[i] for i in idx.tolist()] if self.tokens else [],
+            {k: torch.where(v[idx] >= 0, v[idx] - trim, -1) for k, v in self.positions.items()},
         )
+
+    @property
+    def position_names(self) -> list[str]:
+        """The named positions every pair has (`"END"` first, then the stored names in order)."""
+        return ["END", *(k for k, v in self.positions.items() if bool((v >= 0).all()))]
+
+    def position(self, name: str) -> torch.Tensor:
+        """`[N]` long: the padded column of named position `name` in every pair; `"END"` is the
+        last column (`T - 1`, the last real token under left padding).
+
+        Raises:
+            ValueError: a name the pairs do not carry (the message lists those they do), or
+                one that some pairs lack (names the first of them).
+        """
+        if name == "END":
+            return torch.full((self.n,), self.width - 1, dtype=torch.long)
+        if not isinstance(name, str) or name not in self.positions:
+            raise HeadsteerValueError(
+                f"unknown position {short_repr(name)}: these pairs carry {', '.join(self.position_names)}"
+            )
+        pos = self.positions[name]
+        if bool((pos < 0).any()):
+            raise HeadsteerValueError(
+                f"pair {int((pos < 0).nonzero()[0])} has no position {short_repr(name)}"
+            )
+        return pos.clone()
 
     def position_labels(self, row: int = 0) -> list[str]:
         """`T` labels of the padded columns for pair `row`: its clean token strings, `""` on
@@ -353,8 +397,12 @@ def pairs_from_tokens(
     pad_id: int = 0,
     tokens: list[list[str]] | None = None,
     pairs: list[PromptPair | None] | None = None,
+    positions: Mapping[str, Sequence[int]] | None = None,
 ) -> PairBatch:
     """A `PairBatch` from token ids (no tokenizer): rows are left-padded with `pad_id`.
+
+    `positions`: named positions, `{name: one token index per pair}` counted in the unpadded
+    prompt (0 = its first token; -1: the pair lacks the name); stored in padded columns.
 
     Raises:
         ValueError: no pairs, lists of different lengths, an empty prompt, a pair whose clean
@@ -417,9 +465,113 @@ def pairs_from_tokens(
     ans, ans_mask = _pad_answers(rows(answers, "answer", True))
     cf_rows = rows(counterfactuals, "counterfactual", False) if counterfactuals is not None else [[]] * n
     cf, cf_mask = _pad_answers(cf_rows)
+    lengths = [len(a) for a in clean]
     return PairBatch(
-        c_ids, x_ids, mask, ans, ans_mask, cf, cf_mask, list(pairs) if pairs else [None] * n, tokens or []
+        c_ids,
+        x_ids,
+        mask,
+        ans,
+        ans_mask,
+        cf,
+        cf_mask,
+        list(pairs) if pairs else [None] * n,
+        tokens or [],
+        _pad_positions(positions or {}, lengths, width),
     )
+
+
+def _pad_positions(
+    positions: Mapping[str, Sequence[int]], lengths: list[int], width: int
+) -> dict[str, torch.Tensor]:
+    """Named positions in unpadded token indices -> `{name: [N] long}` padded columns (-1 kept).
+
+    Raises:
+        ValueError: a name that is not a non-empty string or is `"END"` (always the last
+            column), a list without one entry per pair, an index outside its prompt.
+    """
+    if not isinstance(positions, Mapping):
+        raise HeadsteerTypeError(
+            f"positions must be a mapping of name -> indices, got {short_repr(positions)}"
+        )
+    out = {}
+    for name, idx in positions.items():
+        if not isinstance(name, str) or not name or name == "END":
+            raise HeadsteerValueError(
+                f"position names are non-empty strings other than 'END' (always the last token), got "
+                f"{short_repr(name)}"
+            )
+        if (
+            isinstance(idx, (str, bytes))
+            or not isinstance(idx, (Sequence, torch.Tensor))
+            or len(idx) != len(lengths)
+        ):
+            raise HeadsteerValueError(f"position {name!r} needs one token index per pair ({len(lengths)})")
+        col = []
+        for i, (t, n) in enumerate(zip(idx, lengths, strict=True)):
+            t = check_int(f"pair {i} position {name!r}", t, lo=-1, hi=n - 1)
+            col.append(-1 if t < 0 else width - n + t)
+        out[name] = torch.tensor(col, dtype=torch.long)
+    return out
+
+
+def _locate_positions(
+    tok: Any, pair: PromptPair, ids: list[int], *, chat: bool, shift: int, where: str
+) -> dict[str, int]:
+    """`pair.positions` (character spans or substrings of the clean prompt) as token indices of
+    its unpadded clean row `ids`: the token holding each span's last character.
+
+    Raises:
+        ValueError: a malformed span, a substring not in the prompt, a slow tokenizer (no
+            character offsets), a chat template whose tokens differ from the plain text's.
+    """
+    if not pair.positions:
+        return {}
+    from heads.inputs.prompts import render_prompt
+    from heads.inputs.spans import char_to_token_range
+
+    if not bool(getattr(tok, "is_fast", False)):
+        raise HeadsteerValueError(
+            f"{where}: named positions need a fast tokenizer (character offsets); "
+            f"{type(tok).__name__} is a slow one"
+        )
+    if chat:
+        text, _, regions = render_prompt(tok, pair.clean, True, False)
+        at = regions[0][0]
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    else:
+        at = 0
+        enc = tok(pair.clean, add_special_tokens=True, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids[shift:]:
+        raise HeadsteerValueError(
+            f"{where}: the prompt's tokens differ when read with character offsets, so its named "
+            "positions cannot be located"
+        )
+    special = set(getattr(tok, "all_special_ids", ()))
+    skip = [t in special for t in enc["input_ids"]]
+    out = {}
+    for name, span in pair.positions.items():
+        if isinstance(span, str):
+            c0 = pair.clean.find(span)
+            if not span or c0 < 0:
+                raise HeadsteerValueError(
+                    f"{where}: position {name!r}: {short_repr(span)} is not in the clean prompt"
+                )
+            c1 = c0 + len(span)
+        elif (
+            isinstance(span, (list, tuple))
+            and len(span) == 2
+            and all(is_int(x) for x in span)
+            and 0 <= span[0] < span[1] <= len(pair.clean)
+        ):
+            c0, c1 = int(span[0]), int(span[1])
+        else:
+            raise HeadsteerValueError(
+                f"{where}: position {name!r} must be a substring of the clean prompt or a [start, end] "
+                f"character span inside it (0 <= start < end <= {len(pair.clean)}), got {short_repr(span)}"
+            )
+        _, t1 = char_to_token_range(enc["offset_mapping"], (at + c0, at + c1), skip)
+        out[name] = t1 - 1 + shift
+    return out
 
 
 def _tokenizer_of(model_or_tokenizer: Any) -> Any:
@@ -445,8 +597,9 @@ def encode_pairs(
 
     Args:
         model_or_tokenizer: a `HeadModel` (its tokenizer) or a Hugging Face tokenizer.
-        pairs: `PromptPair`s, dicts with `clean`, `corrupted`, `answer`, `counterfactual`, or a
-            JSONL file of such records (`load_pairs`).
+        pairs: `PromptPair`s, dicts with `clean`, `corrupted`, `answer`, `counterfactual`
+            (optional `positions`: named character spans, see `PromptPair`), or a JSONL file of
+            such records (`load_pairs`). The shipped sets carry theirs (IOI: `IO`, `S1`, `S2`).
         chat: render both prompts with the tokenizer's chat template (default False: plain
             text, as in the IOI and causal-tracing papers). Both rows always share the template,
             BOS and padding rule.
@@ -455,11 +608,14 @@ def encode_pairs(
             itself (default False: the rows are what the tokenizer gives).
 
     Returns:
-        a `PairBatch` (pad id = the tokenizer's pad id, else 0).
+        a `PairBatch` (pad id = the tokenizer's pad id, else 0), its `tokens` readable text, its
+        named positions in `positions` (`PairBatch.position(name)`).
 
     Raises:
         ValueError: no pairs; a pair whose prompts differ in token length (names both lengths);
-            an empty prompt; an answer that is not one token (names it; see `first_token`).
+            an empty prompt; an answer that is not one token (names it; see `first_token`); a
+            named position that is no span of the clean prompt, or a slow tokenizer with named
+            positions.
         TypeError: a pair of the wrong type.
     """
     tok = _tokenizer_of(model_or_tokenizer)
@@ -474,6 +630,7 @@ def encode_pairs(
         raise HeadsteerValueError("no pairs given")
     bos = getattr(tok, "bos_token_id", None)
     clean, corr, answers, cfs, tokens = [], [], [], [], []
+    located: list[dict[str, int]] = []
     for i, p in enumerate(items):
         for name, text in (("clean", p.clean), ("corrupted", p.corrupted)):
             if not isinstance(text, str):
@@ -482,6 +639,7 @@ def encode_pairs(
                 )
             if not text.strip():
                 raise HeadsteerValueError(f"pair {i}: empty {name} prompt")
+        n_plain = 0  # the clean row's length before add_bos (chat=False)
         if chat:
             a = tok.apply_chat_template([{"role": "user", "content": p.clean}], add_generation_prompt=True)
             b = tok.apply_chat_template(
@@ -492,6 +650,7 @@ def encode_pairs(
         else:
             a = list(tok(p.clean, add_special_tokens=True)["input_ids"])
             b = list(tok(p.corrupted, add_special_tokens=True)["input_ids"])
+            n_plain = len(a)
             if add_bos and bos is not None:
                 if not a or a[0] != bos:
                     a = [bos, *a]
@@ -510,10 +669,16 @@ def encode_pairs(
         cfs.append([token_id(tok, x, first_token=first_token, where=f"pair {i} counterfactual") for x in cf])
         clean.append(a)
         corr.append(b)
-        tokens.append([str(t) for t in tok.convert_ids_to_tokens(a)])
+        tokens.append(readable_tokens(tok, a))
+        shift = 0 if chat else len(a) - n_plain
+        located.append(_locate_positions(tok, p, a, chat=chat, shift=shift, where=f"pair {i}"))
     pad = getattr(tok, "pad_token_id", None)
     pad = 0 if pad is None else int(pad)
-    return pairs_from_tokens(clean, corr, answers, cfs, pad_id=pad, tokens=tokens, pairs=list(items))
+    names = list(dict.fromkeys(k for row in located for k in row))
+    positions = {k: [row.get(k, -1) for row in located] for k in names}
+    return pairs_from_tokens(
+        clean, corr, answers, cfs, pad_id=pad, tokens=tokens, pairs=list(items), positions=positions
+    )
 
 
 def load_pairs(path: str | os.PathLike, split: str | None = None) -> list[PromptPair]:

@@ -42,6 +42,7 @@ from heads.engine.edits import AttentionCall
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.images import ImageInput, encode_image_prompts, normalize_images, processor_of
 from heads.inputs.prompts import EncodedPrompts, Prompt, position_ids
+from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.pairs import (
     Answer,
@@ -316,9 +317,7 @@ def encode_image_pairs(
         [(s - (enc_c.length - lengths[i]), e - (enc_c.length - lengths[i])) for s, e in enc_c.image_spans[i]]
         for i in range(n)
     ]
-    tokens = [
-        image_labels([str(t) for t in tok.convert_ids_to_tokens(r)], spans[i]) for i, r in enumerate(rows)
-    ]
+    tokens = [image_labels(readable_tokens(tok, r), spans[i]) for i, r in enumerate(rows)]
     pad = getattr(tok, "pad_token_id", None)
     text = pairs_from_tokens(
         rows,

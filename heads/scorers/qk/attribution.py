@@ -381,12 +381,15 @@ def _attribute(
     valid = (keyp[:, None, :] >= 0) & (keyp[:, None, :] <= queries[:, :, None])
     kidx = kcols[:, None, :].expand(-1, queries.shape[1], -1)
     params = {"by": by, "chat": chat, "frozen_scale": True, "cap": "after the sum"}
+    # each layer's components once, for the deepest layer asked; shallower layers read a prefix
+    all_q = components(model, rec, parts[:top], top, qcols, pos)
+    all_k = components(model, rec, parts[:top], top, kcols, pos)
     for layer in sorted(by_layer):
         hs = by_layer[layer]
         kvs = sorted({model.kv_head(h) for h in hs})
         pl = parts[layer]
-        sq = side(components(model, rec, parts[:layer], layer, qcols, pos), pl, "q", hs, _rows(pos, qcols))
-        sk = side(components(model, rec, parts[:layer], layer, kcols, pos), pl, "k", kvs, _rows(pos, kcols))
+        sq = side(all_q.entering(layer, rec, qcols), pl, "q", hs, _rows(pos, qcols))
+        sk = side(all_k.entering(layer, rec, kcols), pl, "k", kvs, _rows(pos, kcols))
         names = [n for n in sq.names if n.startswith("L") and "H" in n]
         for i, h in enumerate(hs):
             g = model.kv_head(h)

@@ -241,8 +241,9 @@ def data_composition_scores(
         r = _row(rec, n)
         n_pos += length
         p = pos[n : n + 1][:, T - length :]
+        every = components(model, r, parts[: L - 1], L - 1, cols, pos[n : n + 1])
         for la in range(1, L):
-            comps = components(model, r, parts[:la], la, cols, pos[n : n + 1])
+            comps = every.entering(la, r, cols)
             heads = [comps.names.index(f"L{a}H{b}") for a in range(la) for b in range(H)]
             sq = side(comps, parts[la], "q", list(range(H)), p)
             sk = side(comps, parts[la], "k", list(range(G)), p)

@@ -48,6 +48,7 @@ class Components:
             `z[..., h, :] @ W_O'[h] * inv_s` (W_O' folds a post-norm's gain; inv_s its frozen 1/scale).
         head_index: `{name: (layer, head)}` of the head components.
         x: `[N, P, D]` the residual itself at those positions (the sum of the components).
+        ends: `ends[l]` is the number of components entering layer l (`ends[0]`: the embeddings).
     """
 
     names: list[str]
@@ -55,6 +56,20 @@ class Components:
     heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     head_index: dict[str, tuple[int, int]]
     x: torch.Tensor
+    ends: list[int]
+
+    def entering(self, layer: int, rec: Recording, cols: torch.Tensor) -> Components:
+        """The components of the residual entering an earlier `layer` (a prefix of these: each
+        layer's block of components does not depend on the layer that reads them)."""
+        end = self.ends[layer]
+        return Components(
+            self.names[:end],
+            self.resid[:end],
+            self.heads[:layer],
+            {k: v for k, v in self.head_index.items() if v[0] < layer},
+            _rows(rec.resid[layer], cols),
+            self.ends[: layer + 1],
+        )
 
 
 def _attn_out(parts: LayerParts, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -104,6 +119,7 @@ def components(
         resid.append(x0)
     heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     head_index: dict[str, tuple[int, int]] = {}
+    ends = [len(names)]
     for la in range(layer):
         z = _rows(rec.z[la], cols)  # [N, P, H, d]
         w_o, inv, const = _attn_out(parts[la], z)
@@ -121,7 +137,8 @@ def components(
         mlp = _rows(rec.resid[la + 1], cols) - _rows(rec.resid[la], cols) - attn
         names.append(f"{la}_mlp_out")
         resid.append(mlp)
-    return Components(names, resid, heads, head_index, _rows(rec.resid[layer], cols))
+        ends.append(len(names))
+    return Components(names, resid, heads, head_index, _rows(rec.resid[layer], cols), ends)
 
 
 @dataclass
@@ -170,8 +187,10 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
     X, d = len(sel), W.shape[-1]
     w_read = parts.read(W[sel])  # [X, D, d]
     inv = torch.ones(N, P, dtype=torch.float64) if parts.in_norm is None else 1.0 / parts.in_norm.scale(x)
-    per_layer = []
-    for z, w_o, inv_o in comps.heads:  # head h of layer l' reads through W_O' W_read
+    C = len(comps.names)
+    vectors = torch.empty(N, C + 1, X, P, d, dtype=torch.float64)  # filled in place (memory: one copy)
+    first = {la: comps.names.index(f"L{la}H0") for la in range(len(comps.heads))}
+    for la, (z, w_o, inv_o) in enumerate(comps.heads):  # head h of layer l' reads through W_O' W_read
         H, dz, D = w_o.shape
         via_weights = H * dz * D * X * d + N * P * H * X * dz * d  # compose W_O' W_read, then apply
         via_resid = N * P * H * dz * D + N * P * H * D * X * d  # each head's residual vector first
@@ -180,22 +199,15 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
             a = torch.einsum("nphd,hxde->nhxpe", z, m)
         else:  # few positions (one query per head): never form the weight product
             a = torch.einsum("nphD,xDe->nhxpe", torch.einsum("nphd,hdD->nphD", z, w_o), w_read)
-        per_layer.append(a * (inv_o * inv)[:, None, None, :, None])
-    out = []
-    for name, r in zip(comps.names, comps.resid, strict=True):
+        vectors[:, first[la] : first[la] + H] = a * (inv_o * inv)[:, None, None, :, None]
+    for c, r in enumerate(comps.resid):
         if r is not None:
-            out.append(torch.einsum("npD,xDd->nxpd", r, w_read) * inv[:, None, :, None])
-        else:
-            la, h = comps.head_index[name]
-            out.append(per_layer[la][:, h])
-    del per_layer
-    pre = torch.stack(out, 1)  # [N, C, X, P, d] (pre-QK-norm, pre-rotary)
-    del out
+            vectors[:, c] = torch.einsum("npD,xDd->nxpd", r, w_read) * inv[:, None, :, None]
     pre_const = _constant(parts, W[sel], None if b is None else b[sel])[None, :, None, :].expand(N, -1, P, -1)
     # the head's own pre-norm vector from the whole residual (the run's value)
     full = torch.einsum("npD,xDd->nxpd", x, w_read) * inv[:, None, :, None] + pre_const
     factor = None
-    vectors = torch.cat([pre, pre_const[:, None]], 1)  # [N, C + 1, X, P, d]
+    vectors[:, C] = pre_const
     if qk is not None:
         if parts.qk_norm == "per_head":
             s_qk = qk.scale(full)  # [N, X, P]
@@ -210,13 +222,16 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
             gain = qk.gain.reshape(n_all, d)[sel]
             shift = None if qk.bias is None else qk.bias.reshape(n_all, d)[sel]
         factor = gain[None, :, None, :] / s_qk[..., None]  # [N, X, P, d]
-        vectors = vectors * factor[:, None]
+        vectors.mul_(factor[:, None])
         full = full * factor
         if shift is not None:
             vectors[:, -1] = vectors[:, -1] + shift[None, :, None, :]
             full = full + shift[None, :, None, :]
     rot = parts.rotation(positions) if kind != "v" else None
     if rot is not None:
-        vectors = torch.einsum("ncxpi,npij->ncxpj", vectors, rot)
+        step = max(1, (1 << 22) // max(1, N * X * P * d))  # components per chunk: ~32 MB at a time
+        for c0 in range(0, C + 1, step):
+            chunk = vectors[:, c0 : c0 + step]
+            vectors[:, c0 : c0 + step] = torch.einsum("ncxpi,npij->ncxpj", chunk, rot)
         full = torch.einsum("nxpi,npij->nxpj", full, rot)
     return Side(vectors, [*comps.names, "bias"], full, inv, factor, w_read, rot)

@@ -105,11 +105,11 @@ def _query_attention(model: HeadModel, prompt: str, chat: bool | None) -> tuple[
     model.check_length(p_len)
 
     def mean_rows(probs: torch.Tensor, call: AttentionCall) -> tuple[torch.Tensor, int]:
-        pos = call.query_positions
-        sel = (pos >= q0) & (pos < p_len)
-        return probs[0][:, sel, :p_len].sum(1).cpu(), int(sel.sum())
+        return probs[0][:, :, :p_len].sum(1).cpu(), call.q_len  # only the query rows arrive
 
-    recs = [Recorder(layer=la, fn=mean_rows) for la in range(model.n_layers)]
+    # only the query rows' pattern is computed (`[H, rows, P]` per layer, never `[H, P, P]`): memory
+    # and time linear in the documents' length
+    recs = [Recorder(layer=la, fn=mean_rows, query_range=(q0, p_len)) for la in range(model.n_layers)]
     with torch.no_grad(), editing(model, recs):
         model.run(**enc.model_inputs(model.device), use_cache=False, logits_to_keep=1)
     out = []

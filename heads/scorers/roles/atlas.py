@@ -280,7 +280,8 @@ class HeadAtlas:
     def _repr_html_(self) -> str:
         import html
 
-        return f"<b>{html.escape(repr(self))}</b>" + self.frame.head(20).to_html(float_format="%.3f")
+        table: str = self.frame.head(20).to_html(float_format="%.3f")
+        return f"<b>{html.escape(repr(self))}</b>" + table
 
 
 def _check_thresholds(thresholds: object, columns: Iterable[str] | None = None) -> dict[str, float]:

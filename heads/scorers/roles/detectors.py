@@ -128,8 +128,9 @@ MAX_SEQUENCES = 4096
 MAX_COPYING_TOKENS = 8192
 """Most source tokens `copying_scores` reads (`n_tokens`)."""
 
-MAX_FILLER = 512
-"""Most filler sentences of a needle prompt (`n_filler`); the model's context bounds it further."""
+MAX_FILLER = 8192
+"""Most filler sentences of a needle prompt (`n_filler`; about 10 tokens each, so haystacks of 32k
+tokens and more); the model's context bounds it further."""
 
 
 def _positive(value: object, what: str, hi: int | None = None) -> int:
@@ -335,25 +336,33 @@ def _int_dtype(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-def _masks(ids: torch.Tensor, real: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Detection masks `[B, T, T]` (query i, key j) over real tokens."""
-    t = ids.shape[1]
-    pair = real[:, :, None] & real[:, None, :]
-    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
-    strict = torch.tril(torch.ones(t, t, dtype=torch.bool), -1)
-    same = ids[:, :, None] == ids[:, None, :]  # tok_i == tok_j
-    prev = torch.zeros(t, t, dtype=torch.bool)
-    prev[1:, :-1] = torch.eye(t - 1, dtype=torch.bool)
+def _block_masks(
+    ids: torch.Tensor, real: torch.Tensor, a: int, b: int, k_len: int
+) -> dict[str, torch.Tensor]:
+    """Detection masks `[B, b - a, k_len]` of query rows `a..b-1` (key columns `0..k_len-1`) over real
+    tokens, built for one query block at a time so no `[B, T, T]` mask is ever kept."""
+    dev = ids.device
+    qpos = torch.arange(a, b, device=dev)[:, None]  # [q, 1]
+    kpos = torch.arange(k_len, device=dev)[None, :]  # [1, k]
+    rq, rk = real[:, a:b], real[:, :k_len]
+    pair = rq[:, :, None] & rk[:, None, :]
+    causal = (kpos <= qpos)[None]
+    strict = (kpos < qpos)[None]
+    same = ids[:, a:b, None] == ids[:, None, :k_len]  # tok_i == tok_j
     dup = same & strict & pair
+    # induction, key j: tok_{j-1} == tok_i with j - 1 < i, key j real
     ind = torch.zeros_like(dup)
-    ind[:, :, 1:] = dup[:, :, :-1] & real[:, None, 1:]  # key j: tok_{j-1} == tok_i, j - 1 < i
+    if k_len > 1:
+        prev_same = ids[:, a:b, None] == ids[:, None, : k_len - 1]
+        ok = prev_same & (kpos[:, :-1] < qpos)[None] & rq[:, :, None] & rk[:, None, :-1] & rk[:, None, 1:]
+        ind[:, :, 1:] = ok
     ind &= causal
     return {
-        "previous_token": prev[None] & pair,
+        "previous_token": (kpos == qpos - 1)[None] & pair,
         "duplicate_token": dup,
         "induction": ind,
-        "self": torch.eye(t, dtype=torch.bool)[None] & pair,
-        "visible": causal[None] & pair,
+        "self": (kpos == qpos)[None] & pair,
+        "visible": causal & pair,
     }
 
 
@@ -441,34 +450,31 @@ def pattern_scores(
             [""] * len(ids),
             [[]] * len(ids),
         )
-        masks = {k: v.to(dev) for k, v in _masks(ids, real).items()}
-        first = real.float().argmax(-1).to(dev)
-        b_idx = torch.arange(len(ids), device=dev)
-        keep = masks["visible"].clone()  # [B, T, T]: the entries counted in the denominator
-        if exclude_bos:
-            keep[b_idx, :, first] = False
-        if exclude_current_token:
-            keep &= ~torch.eye(ids.shape[1], dtype=torch.bool, device=dev)[None]
+        ids_dev, real_dev = ids.to(dev), real.to(dev)
+        first = real_dev.float().argmax(-1)
 
         def reduce(
-            probs: torch.Tensor, call: AttentionCall, keep=keep, masks=masks
+            probs: torch.Tensor, call: AttentionCall, ids_dev=ids_dev, real_dev=real_dev, first=first
         ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             a, b = call.q_offset, call.q_offset + call.q_len
             p = probs.float()  # [B, H, q, k]
-            kp = keep[:, a:b, : call.k_len]
+            masks = _block_masks(ids_dev, real_dev, a, b, call.k_len)
+            kp = masks["visible"].clone()  # [B, q, k]: the entries counted in the denominator
+            if exclude_bos:
+                kp &= torch.arange(call.k_len, device=kp.device)[None, None, :] != first[:, None, None]
+            if exclude_current_token:
+                cols = torch.arange(call.k_len, device=kp.device)
+                kp &= ~(cols[None, :] == torch.arange(a, b, device=kp.device)[:, None])[None]
             pk = p * kp[:, None]
             row_mass = pk.sum(-1)  # [B, H, q]
             out = {}
             for n in pattern_names:
-                d = masks[n][:, a:b, : call.k_len] & kp
+                d = masks[n] & kp
                 num = (pk * d[:, None]).sum(-1)  # [B, H, q]
-                if rows == "target":
-                    counted = d.any(-1)  # [B, q]
-                else:
-                    counted = masks["visible"][:, a:b, : call.k_len].any(-1)
+                counted = d.any(-1) if rows == "target" else masks["visible"].any(-1)  # [B, q]
                 out[n] = ((num * counted[:, None]).sum(-1), (row_mass * counted[:, None]).sum(-1))
             if "entropy" in names:
-                vis = masks["visible"][:, a:b, : call.k_len]
+                vis = masks["visible"]
                 n_vis = vis.sum(-1)  # [B, q]
                 ent = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)  # [B, H, q]
                 ok = n_vis >= 2
@@ -481,7 +487,7 @@ def pattern_scores(
 
         recs = [Recorder(layer=la, fn=reduce) for la in range(L)]
         with editing(model, recs):
-            forward(model, sub)
+            forward(model, sub, logits_to_keep=1)  # no full-vocabulary logits at every position
         for la, rec in enumerate(recs):
             for n in names:
                 num = sum(r[n][0] for r in rec.records).double().cpu()  # [B, H]
@@ -893,9 +899,11 @@ def retrieval_scores(
             hit = in_needle.gather(1, j.flatten(1)).view_as(j) & (key_tok == target[:, None, a:b])
             return (hit & q_rows[:, None, a:b]).sum(-1)  # [B, H]
 
-        recs = [Recorder(layer=la, fn=copy_hits) for la in range(L)]
+        # only the answer rows' pattern is computed (`[B, H, rows, T]`, never `[B, H, T, T]`)
+        rows_ = (min(a0 for a0, _ in answers[sl]) - 1, max(a1 for _, a1 in answers[sl]) - 1)
+        recs = [Recorder(layer=la, fn=copy_hits, query_range=rows_) for la in range(L)]
         with editing(model, recs):
-            forward(model, sub)
+            forward(model, sub, logits_to_keep=1)
         n_ans = q_rows.sum(-1).double().cpu()  # [B]
         for la, rec in enumerate(recs):
             hits = sum(rec.records).double().cpu()  # [B, H]

@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -62,6 +62,9 @@ from heads.inputs.prompts import encode_prompts
 from heads.inputs.tokens import readable_token, readable_tokens
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "LENS_SCHEMA",
@@ -318,7 +321,7 @@ class AttentionLens:
                 total += _kl(self.logits(model, o, trained=trained), t).sum(-1).double().cpu()
         return (total / max(n, 1)).float()
 
-    def top_tokens(self, model: HeadModel, text: str, layer: int, head: int, *, k: int = 5):
+    def top_tokens(self, model: HeadModel, text: str, layer: int, head: int, *, k: int = 5) -> pd.DataFrame:
         """Top-`k` lens tokens of head (layer, head) at every position of `text` (plain), beside those of
         the untrained lens and the model's own prediction.
 
@@ -666,7 +669,8 @@ def _apply(model: HeadModel, form: str, w: torch.Tensor, b: torch.Tensor, o: tor
     if form == "tuned":
         x = torch.baddbmm(b[:, None, :], o, w)  # [n, N, D]
         x = model.final_norm(x.to(model.dtype)).float()
-        return x @ model.W_U.float().to(x.device)
+        logits: torch.Tensor = x @ model.W_U.float().to(x.device)
+        return logits
     return torch.baddbmm(b[:, None, :], o, w)
 
 

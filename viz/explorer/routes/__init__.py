@@ -5,11 +5,12 @@
 - `scores`: `POST /api/scores` (the overview grid).
 - `generate`: `POST /api/generate`, `POST /api/cancel`.
 - `patching`: `POST /api/patch`.
+- `qk`: `POST /api/qk` (a pattern cell's QK attribution).
 """
 
-from viz.explorer.routes import generate, page, patching, scores, views
+from viz.explorer.routes import generate, page, patching, qk, scores, views
 
-ROUTERS = (page.router, views.router, scores.router, generate.router, patching.router)
+ROUTERS = (page.router, views.router, scores.router, generate.router, patching.router, qk.router)
 """Every router of the explorer, in the order `create_explorer` includes them."""
 
 __all__ = ["ROUTERS"]
