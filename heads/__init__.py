@@ -28,6 +28,8 @@ Q query positions and K key positions of one attention call; H query heads; G KV
 variants (`heads.engine.variants`). A head selection in any accepted form is a `HeadSpec`.
 """
 
+import sys as _sys
+
 from heads._util import aliases as _aliases
 from heads._version import __version__
 from heads.engine.activations import ActivationEdit, ActivationRecorder
@@ -57,18 +59,52 @@ from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.inputs.spans import Span, char_to_token_range, find_span, parse_markup
 from heads.model.adapter import HeadModel
 from heads.model.loading import EMBEDDED_MODEL, cache_dir, load_model, load_tokenizer
+from heads.planning import MemoryPlan, MemoryRequest, plan_memory
 from heads.results.activations import ActivationCache
 from heads.results.composition import CompositionScores
 from heads.results.evaluation import PairEvaluation
+from heads.results.knockout import KnockoutResult
+from heads.results.protocol import Result
 from heads.results.qk import QKAttribution
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.attention_mass import head_pattern, position_attention, span_attention
 from heads.scorers.circuits import Circuit, find_circuit
+from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.circuits.scores import EdgeScores
+from heads.scorers.dispatch import run
+from heads.scorers.gating.chg import GateTask, GatingResult, gate_heads
+from heads.scorers.gating.request import GatingRequest
+from heads.scorers.maps.request import MapsRequest
+from heads.scorers.maps.static import MapsScores, maps_scores
+from heads.scorers.patching.activation import PatchResult, patch
 from heads.scorers.patching.evaluate import evaluate_pairs
+from heads.scorers.patching.knockout import knockout
+from heads.scorers.patching.logit import DLAResult, LensResult, direct_logit_attribution, logit_lens
+from heads.scorers.patching.pairs import PairBatch, PromptPair, encode_pairs, load_pairs
 from heads.scorers.patching.path import path_patch
+from heads.scorers.patching.request import (
+    DLARequest,
+    KnockoutRequest,
+    LensRequest,
+    PatchRequest,
+    PathPatchRequest,
+)
 from heads.scorers.qk import composition_scores, data_composition_scores, qk_attribution
-from heads.scorers.safety.attribution import attribute
-from heads.scorers.sink_dims import find_sink_dims
+from heads.scorers.qk.request import CompositionRequest, QKRequest
+from heads.scorers.request_base import Request
+from heads.scorers.retrieval.qrhead import qrhead_scores
+from heads.scorers.retrieval.request import QRHeadRequest
+from heads.scorers.roles.atlas import HeadAtlas, head_atlas
+from heads.scorers.roles.detectors import detect_roles
+from heads.scorers.roles.lens import AttentionLens, train_lens
+from heads.scorers.roles.request import AtlasRequest, DetectRolesRequest, LensTrainRequest
+from heads.scorers.safety.attribution import attribute as attribution_patching
+from heads.scorers.safety.common import ShipsResult
+from heads.scorers.safety.request import AttributionRequest, DatasetShipsRequest, SaharaRequest, ShipsRequest
+from heads.scorers.safety.ships import SaharaResult, dataset_ships, sahara, ships
+from heads.scorers.sink_dims import SinkDims, find_sink_dims
+from heads.scorers.sink_requests import SinkDimsRequest, SinkStatsRequest
+from heads.scorers.sinks import SinkStats, sink_stats
 
 __all__ = [
     "__version__",
@@ -94,7 +130,6 @@ __all__ = [
     "Recorder",
     "Span",
     "SweepOptions",
-    "attribute",
     "Circuit",
     "find_circuit",
     "cache_dir",
@@ -123,7 +158,86 @@ __all__ = [
     "run_with_hooks",
     "PairEvaluation",
     "evaluate_pairs",
+    "MemoryPlan",
+    "MemoryRequest",
+    "plan_memory",
     "position_attention",
+    # the analyses (the front door: issue 38), their requests and results
+    "patch",
+    "direct_logit_attribution",
+    "logit_lens",
+    "knockout",
+    "detect_roles",
+    "train_lens",
+    "head_atlas",
+    "ships",
+    "dataset_ships",
+    "sahara",
+    "attribution_patching",
+    "maps_scores",
+    "qrhead_scores",
+    "gate_heads",
+    "sink_stats",
+    "run",
+    "PairBatch",
+    "PromptPair",
+    "encode_pairs",
+    "load_pairs",
+    "GateTask",
+    "Request",
+    "PatchRequest",
+    "PathPatchRequest",
+    "DLARequest",
+    "LensRequest",
+    "KnockoutRequest",
+    "CircuitRequest",
+    "DetectRolesRequest",
+    "LensTrainRequest",
+    "AtlasRequest",
+    "ShipsRequest",
+    "DatasetShipsRequest",
+    "SaharaRequest",
+    "AttributionRequest",
+    "MapsRequest",
+    "QRHeadRequest",
+    "GatingRequest",
+    "SinkStatsRequest",
+    "SinkDimsRequest",
+    "QKRequest",
+    "CompositionRequest",
+    "Result",
+    "PatchResult",
+    "DLAResult",
+    "LensResult",
+    "KnockoutResult",
+    "EdgeScores",
+    "HeadAtlas",
+    "AttentionLens",
+    "ShipsResult",
+    "SaharaResult",
+    "MapsScores",
+    "GatingResult",
+    "SinkStats",
+    "SinkDims",
 ]
 
+
+def __getattr__(name: str) -> object:
+    """`heads.attribute`: the old name of `attribution_patching`, kept one release (warns)."""
+    if name == "attribute":
+        import warnings
+
+        warnings.warn(
+            "heads.attribute is deprecated: use heads.attribution_patching (attribution patching, AtP); "
+            "the old name is removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return attribution_patching
+    raise AttributeError(f"module 'heads' has no attribute {name!r}")
+
+
 _aliases.install()  # the moved modules' old paths, one release (heads._util.aliases)
+_aliases.keep_functions(
+    _sys.modules[__name__], ("ships",)
+)  # `import heads.ships` (old path) keeps heads.ships()

@@ -9,8 +9,9 @@ by a factor and renormalise the row, which is the same as adding `log(factor)` t
 `factor=0` is the knockout.
 
 `Knockout(...)` is a steering intervention: `SteeredModel.generate(..., steer=[Knockout(...)])`
-or `heads.editing(model, Knockout(...).edits(model, enc))`. Its edit is a `LogitBias`
-(`KnockoutBias`), so it runs on the engine's blocked path at prefill and at every decode step, and,
+or `heads.editing(model, Knockout(...).edits(model, enc))`. Its edit is the engine's
+`heads.engine.knockout.KnockoutBias` (a `LogitBias`, shared with the `heads.knockout` analysis), so
+it runs on the engine's blocked path at prefill and at every decode step, and,
 being a query-row term times a key-column term (`LogitBias.rank_one`), on the fused kernel too
 (`editing(..., kernel="fused")`, and `"auto"` for long prompts): memory linear in the prompt.
 """
@@ -20,13 +21,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 
 from heads._util.validation import is_number, short_repr
-from heads.engine.edits import AttentionCall, Edit, LogitBias
+from heads.engine.edits import Edit
+from heads.engine.knockout import KnockoutBias, dead_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
@@ -36,63 +37,6 @@ from steer.span_rows import warn_rows_without_span
 __all__ = ["Knockout", "KnockoutBias"]
 
 Positions = Sequence[int] | Sequence[Sequence[int]]
-
-
-@dataclass(eq=False, repr=False)
-class KnockoutBias(LogitBias):
-    """Logit bias `log_factor` on the (query, key) pairs `queries[b] x keys[b]` of each row b.
-
-    Attributes:
-        queries: `[B, P]` bool over absolute query positions (positions `>= P` are never
-            chosen), or None: every query row, generated ones included.
-        keys: `[B, P]` bool over absolute key columns (generated columns never chosen).
-        log_factor: `log(factor)`; `-inf` blocks the pairs (knockout).
-    """
-
-    queries: torch.Tensor | None = None
-    keys: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.bool))
-    log_factor: float = -math.inf
-
-    def is_identity(self) -> bool:
-        return (
-            self.log_factor == 0.0
-            or not bool(self.keys.any())
-            or (self.queries is not None and not bool(self.queries.any()))
-        )
-
-    rank_one: ClassVar[bool] = True  # queries x keys: runs on the fused kernel too (long prompts)
-
-    def _rows_cols(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([B, Q] bool chosen query rows of the call, [B, K] bool chosen key columns)`."""
-        if self.keys.shape[0] != call.batch:
-            raise HeadsteerValueError(
-                f"Knockout was built for a batch of {self.keys.shape[0]} prompts, "
-                f"the model ran {call.batch} rows"
-            )
-        dev = call.device
-        P = self.keys.shape[1]
-        kcol = torch.zeros(call.batch, call.k_len, dtype=torch.bool, device=dev)
-        n = min(P, call.k_len)
-        kcol[:, :n] = self.keys[:, :n].to(dev)
-        if self.queries is None:
-            qrow = torch.ones(call.batch, call.q_len, dtype=torch.bool, device=dev)
-        else:
-            qrow = torch.zeros(call.batch, call.q_len, dtype=torch.bool, device=dev)
-            a, b = call.q_offset, min(call.q_offset + call.q_len, P)
-            if b > a:
-                qrow[:, : b - a] = self.queries[:, a:b].to(dev)
-        return qrow, kcol
-
-    def bias(self, call: AttentionCall) -> torch.Tensor:
-        qrow, kcol = self._rows_cols(call)
-        pair = qrow[:, None, :, None] & kcol[:, None, None, :]  # [B, 1, Q, K]
-        return torch.where(pair, self.log_factor, 0.0)
-
-    def row_column_bias(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(beta [B, 1, Q], cols [B, K])`: `log_factor` on the chosen query rows, 1 on the chosen
-        key columns (the fused kernel adds `beta * cols`; the blocked path uses `bias`)."""
-        qrow, kcol = self._rows_cols(call)
-        return torch.where(qrow, self.log_factor, 0.0)[:, None, :], kcol.float()
 
 
 def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
@@ -200,12 +144,7 @@ class Knockout:
             keys = _resolve("keys", self.keys, enc)
         queries = None if self.queries is None else _resolve("queries", self.queries, enc)
         if self.factor == 0:
-            real = enc.attention_mask.bool()
-            P = enc.length
-            visible = torch.ones(P, P, dtype=torch.bool).tril()[None] & real[:, None, :]  # [B, Q, K]
-            left = visible & ~keys[:, None, :]
-            chosen = real if queries is None else queries & real
-            dead = chosen & ~left.any(-1)
+            dead = dead_rows(queries, keys, enc.attention_mask)
             if bool(dead.any()):
                 b, q = (int(x) for x in torch.nonzero(dead)[0])
                 raise HeadsteerValueError(

@@ -6,8 +6,16 @@ left to right with each layer's MLP at the right end; node size grows with the n
 metric rises when the edge is corrupted, blue: it falls). Edges into a KV input are drawn to
 the first query head of the group (the hover names the KV head).
 
-`curve_figure(circuit.curve)`: faithfulness f over circuit size (% of edges, log axis) for the
-method and for random circuits of the same sizes, with CPR / CMD in the legend.
+`circuit_figure(circuit, heads_only=True)` leaves the input, the MLPs and their edges out (the
+head-to-head and head-to-logits edges remain); `threshold=` draws only edges with |score| >= it.
+
+`curve_figure(circuit.curve)`: faithfulness f over circuit size (% of edges, log axis labelled at
+the measured sizes) for the method and for random circuits of the same sizes, with CPR / CMD in
+the legend.
+
+Colours follow the figures' diverging convention (`viz.figures.DIVERGING`): red for a positive
+score, blue for a negative one. An EAP / EAP-IG / exact score is the change of the metric when
+the edge alone is corrupted, so an edge the behaviour relies on is blue.
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ import math
 import plotly.graph_objects as go
 import torch
 
-from heads._util.validation import short_repr
+from heads._util.validation import check_bool, check_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.circuits import Circuit
+from viz.figures import NEGATIVE, POSITIVE
 
 __all__ = ["circuit_figure", "curve_figure"]
 
-_POS, _NEG = "#d62728", "#1f77b4"
+_POS, _NEG = POSITIVE, NEGATIVE
 
 
 def _positions(circuit: Circuit) -> dict[int, tuple[float, float]]:
@@ -52,25 +61,52 @@ def _target_node(circuit: Circuit, d: int) -> int:
     return g.mlp_node(la)
 
 
-def circuit_figure(circuit: Circuit, *, max_edges: int = 400, title: str | None = None) -> go.Figure:
+def _is_head(circuit: Circuit, node: int) -> bool:
+    g = circuit.graph
+    return 0 < node < g.n_upstream and (node - 1) % (g.n_heads + 1) != g.n_heads
+
+
+def circuit_figure(
+    circuit: Circuit,
+    *,
+    max_edges: int = 400,
+    title: str | None = None,
+    heads_only: bool = False,
+    threshold: float | None = None,
+) -> go.Figure:
     """The circuit as a layered graph (see the module docstring).
 
     Args:
         max_edges: draw at most this many edges (the largest |score|; default 400).
+        title: the figure's title (default: the circuit's edge and head counts).
+        heads_only: leave out the input, the MLPs and every edge from or into them (default
+            False): heads, their edges and the logits only.
+        threshold: draw only edges with |score| >= threshold (default None: all).
 
     Raises:
         TypeError: not a `Circuit`.
-        ValueError: max_edges < 1.
+        ValueError: max_edges < 1; a threshold that is not a finite number >= 0.
     """
     if not isinstance(circuit, Circuit):
         raise HeadsteerTypeError(f"circuit_figure needs a Circuit, got {type(circuit).__name__}")
     if isinstance(max_edges, bool) or not isinstance(max_edges, int) or max_edges < 1:
         raise HeadsteerValueError(f"max_edges must be a positive int, got {short_repr(max_edges)}")
+    check_bool("heads_only", heads_only)
+    if threshold is not None:
+        check_number("threshold", threshold, lo=0)
     g = circuit.graph
     pos = _positions(circuit)
     names = [*g.upstream_names(), "logits"]
     down = g.downstream_names()
-    edges = circuit.edges[:max_edges]
+    edges = circuit.edges
+    if heads_only and len(edges):
+        tgt = torch.tensor([_target_node(circuit, int(d)) for d in edges[:, 1].tolist()])
+        keep = torch.tensor([_is_head(circuit, int(u)) for u in edges[:, 0].tolist()])
+        keep &= torch.tensor([t == g.n_upstream or _is_head(circuit, int(t)) for t in tgt.tolist()])
+        edges = edges[keep]
+    if threshold is not None and len(edges):
+        edges = edges[circuit.scores[edges[:, 0], edges[:, 1]].abs() >= threshold]
+    edges = edges[:max_edges]
     scores = circuit.scores[edges[:, 0], edges[:, 1]] if len(edges) else torch.zeros(0)
     top = float(scores.abs().max()) if len(scores) else 1.0
     fig = go.Figure()
@@ -120,6 +156,8 @@ def circuit_figure(circuit: Circuit, *, max_edges: int = 400, title: str | None 
     mx_imp = float(imp.max()) if float(imp.max()) > 0 else 1.0
     xs2, ys2, sizes, texts, colors = [], [], [], [], []
     for n, (x, y) in pos.items():
+        if heads_only and not (_is_head(circuit, n) or n == g.n_upstream):
+            continue
         active = n in on
         xs2.append(x)
         ys2.append(y)
@@ -135,8 +173,10 @@ def circuit_figure(circuit: Circuit, *, max_edges: int = 400, title: str | None 
     )  # fmt: skip
     ticks = [0.0] + [-(2.0 * la + 1) for la in range(g.n_layers)] + [-(2.0 * g.n_layers + 1)]
     labels = ["input"] + [f"layer {la}" for la in range(g.n_layers)] + ["logits"]
+    view = " (heads only)" if heads_only else ""
+    view += f", |score| >= {threshold:g}" if threshold is not None else ""
     fig.update_layout(
-        title=title or f"circuit: {circuit.n_edges} edges, {len(circuit.heads.heads)} heads",
+        title=title or f"circuit: {circuit.n_edges} edges, {len(circuit.heads.heads)} heads{view}",
         xaxis={"title": "head (MLP at the right)", "zeroline": False},
         yaxis={"tickvals": ticks, "ticktext": labels, "zeroline": False},
         height=max(420, 28 * g.n_layers + 160),
@@ -168,8 +208,15 @@ def curve_figure(curve: dict, *, method: str = "method") -> go.Figure:
             )
         )  # fmt: skip
     fig.add_hline(y=1.0, line={"color": "#999", "dash": "dash"})
+    ticks = [float(x) for x in curve["sizes"]]
     fig.update_layout(
-        xaxis={"title": "circuit size (% of edges)", "type": "log"},
+        # one label per measured size (plotly's own log ticks label the minor ticks "2 5 1 2 5")
+        xaxis={
+            "title": "circuit size (% of edges)",
+            "type": "log",
+            "tickvals": ticks,
+            "ticktext": [f"{x:g}" for x in ticks],
+        },  # fmt: skip
         yaxis={"title": "faithfulness f(C)"},
         height=380,
     )

@@ -1,5 +1,13 @@
 """plotly figures of head scores.
 
+Signed values share one diverging colour convention in every figure, report, widget and the
+explorer page: `DIVERGING`, ColorBrewer's colour-blind-safe RdBu as explicit colour stops, blue
+for negative, white at exactly 0 (`diverging_range`: the colour range is symmetric about 0, so a
+null value is white whatever the data's minimum and maximum) and red for positive. The stops are
+explicit because plotly.py's named `"RdBu"` runs red to blue and plotly.js's blue to red: a name
+would give the same sign opposite colours in a report and in the explorer. `sign_note` says in
+words what the sign of a result means (denoising / noising patching, DLA, edge attribution).
+
 plotly renders a small HTML subset (`<a href>`, `<b>`, `<br>`, ...) in titles, axis
 labels, tick labels and hover text. Every string a figure shows goes through
 `plain_text`, so a model name, a `HeadScores.method`, a relation name or a token
@@ -20,7 +28,16 @@ from heads.results.stability import Stability
 from heads.results.views import scores_title
 
 __all__ = [
+    "DIVERGING",
+    "NEGATIVE",
+    "POSITIVE",
     "attention_pattern",
+    "add_note",
+    "DLA_NOTE",
+    "direction_note",
+    "diverging_range",
+    "is_diverging",
+    "sign_note",
     "head_heatmap",
     "mapped_pairs",
     "plain_text",
@@ -28,6 +45,101 @@ __all__ = [
     "span_share_by_layer",
     "stability_bars",
 ]
+
+
+DIVERGING: list[list[float | str]] = [
+    [0.0, "#053061"],
+    [0.1, "#2166ac"],
+    [0.2, "#4393c3"],
+    [0.3, "#92c5de"],
+    [0.4, "#d1e5f0"],
+    [0.5, "#f7f7f7"],
+    [0.6, "#fddbc7"],
+    [0.7, "#f4a582"],
+    [0.8, "#d6604d"],
+    [0.9, "#b2182b"],
+    [1.0, "#67001f"],
+]
+"""The diverging colour scale of signed values: ColorBrewer RdBu (11 classes, colour-blind safe),
+blue = negative, white (#f7f7f7) = 0, red = positive. Use it with `diverging_range`."""
+POSITIVE = "#b2182b"
+"""Red of `DIVERGING` for a positive value drawn as a line or a bar."""
+NEGATIVE = "#2166ac"
+"""Blue of `DIVERGING` for a negative value."""
+
+_DIVERGING_NAMES = {
+    name.lower()
+    for base in (
+        "RdBu",
+        "RdYlBu",
+        "RdYlGn",
+        "RdGy",
+        "PiYG",
+        "PRGn",
+        "BrBG",
+        "PuOr",
+        "Spectral",
+        "balance",
+        "curl",
+        "delta",
+        "diverging",
+        "bwr",
+        "seismic",
+        "coolwarm",
+    )  # fmt: skip
+    for name in (base, base + "_r")
+}
+
+
+def is_diverging(colorscale: object) -> bool:
+    """Whether `colorscale` names a diverging scale (`"RdBu"`, `"RdBu_r"`, `"PiYG"`, ...) or is
+    `DIVERGING`: signed values, to be drawn centred on 0."""
+    if colorscale is DIVERGING:
+        return True
+    return isinstance(colorscale, str) and colorscale.lower() in _DIVERGING_NAMES
+
+
+def diverging_range(values: object) -> dict[str, float]:
+    """`{"zmin": -m, "zmax": m, "zmid": 0}` with m the largest finite |value| (1 when there is
+    none): the symmetric colour range that puts `DIVERGING`'s white at exactly 0."""
+    t = torch.as_tensor(values, dtype=torch.float64)
+    finite = t[torch.isfinite(t)]
+    m = float(finite.abs().max()) if finite.numel() else 0.0
+    m = m if m > 0 else 1.0
+    return {"zmin": -m, "zmax": m, "zmid": 0.0}
+
+
+def direction_note(direction: str) -> str:
+    """The sign convention of patching scores in `direction` (`"denoising"` or `"noising"`), in words."""
+    if direction == "noising":
+        return (
+            "noising (corrupted values patched into the clean run): 1 = the site alone destroys the "
+            "clean behaviour, 0 = no effect; red > 0 = the site is needed, blue < 0 = removing it helps"
+        )
+    return (
+        "denoising (clean values patched into the corrupted run): 1 = the site alone restores the "
+        "clean behaviour, 0 = no effect; red > 0 = restores, blue < 0 = pushes further away"
+    )
+
+
+DLA_NOTE = (
+    "direct logit attribution: the answer minus counterfactual logit written; red > 0 = toward the "
+    "answer, blue < 0 = toward the counterfactual"
+)
+"""The sign convention of direct logit attribution, in words."""
+
+
+def sign_note(scores: HeadScores) -> str | None:
+    """What the sign of `scores` means, in words, for the tools whose sign needs saying
+    (activation and path patching by direction, DLA, circuits); None for an unsigned method."""
+    method, params = scores.method, scores.params
+    if method == "patching.dla":
+        return DLA_NOTE
+    if method.startswith("patching."):
+        return direction_note(str(params.get("direction", "denoising")))
+    if method.startswith("circuit"):
+        return "summed |edge score| of each head's edges (unsigned: how much the head's edges matter)"
+    return None
 
 
 def plain_text(value: object) -> str:
@@ -43,26 +155,40 @@ def head_heatmap(
     *,
     title: str | None = None,
     top_k: int | HeadSet | None = None,
-    colorscale: str = "Viridis",
+    colorscale: str | list | None = None,
+    note: str | None = None,
 ) -> go.Figure:
     """Layer x head heatmap of `scores` (`[n_layers, n_heads]`, layer on the y axis).
 
     Hover shows layer, head, KV head and score. `top_k` (an int or a `HeadSet`)
-    outlines the selected heads with red boxes. `title` defaults to what the scores hold
+    outlines the selected heads with black boxes. `title` defaults to what the scores hold
     (`heads.results.views.scores_title`: method, relation / task / span, model).
+
+    Colours: signed scores (some below 0 and some above), or any diverging `colorscale` name
+    (`"RdBu"`, `"RdBu_r"`, `"PiYG"`, ...), are drawn with `DIVERGING` on a range symmetric about
+    0 (white = 0, blue < 0, red > 0); otherwise `colorscale` (default `"Viridis"`). The sign
+    convention (`note`, default `sign_note(scores)`) is written under the figure.
     """
     n_layers, n_heads = scores.n_layers, scores.n_heads
     kv = [[scores.kv_head(h) for h in range(n_heads)] for _ in range(n_layers)]
     z = scores.scores.tolist()
+    finite = scores.scores[torch.isfinite(scores.scores)]
+    signed = bool(finite.numel()) and bool((finite < 0).any()) and bool((finite > 0).any())
+    diverging = is_diverging(colorscale) if colorscale is not None else signed
+    scale: dict = (
+        {"colorscale": DIVERGING, **diverging_range(finite)}
+        if diverging
+        else {"colorscale": colorscale or "Viridis"}
+    )
     fig = go.Figure(
         go.Heatmap(
             z=z,
             x=list(range(n_heads)),
             y=list(range(n_layers)),
             customdata=kv,
-            colorscale=colorscale,
             colorbar={"title": "score"},
             hovertemplate="layer %{y}<br>head %{x}<br>KV head %{customdata}<br>score %{z:.4f}<extra></extra>",
+            **scale,
         )
     )
     chosen = scores.top(top_k) if isinstance(top_k, int) else top_k
@@ -73,16 +199,43 @@ def head_heatmap(
             x1=head + 0.5,
             y0=layer - 0.5,
             y1=layer + 0.5,
-            line={"color": "red", "width": 2},
+            line={"color": "black" if diverging else "red", "width": 2},
         )
+    words = note if note is not None else sign_note(scores)
+    if words is None and diverging:
+        words = "red > 0, white = 0, blue < 0"
+    height = max(320, 22 * n_layers + 120)
     fig.update_layout(
         title=plain_text(title or scores_title(scores)),
         xaxis_title="head",
         yaxis_title="layer",
         xaxis={"dtick": 1},
-        height=max(320, 22 * n_layers + 120),
+        height=height + (40 if words else 0),
         width=max(420, 48 * n_heads + 220),
     )
+    if words:
+        add_note(fig, words)
+    return fig
+
+
+def add_note(fig: go.Figure, text: str) -> go.Figure:
+    """Write `text` (plain, escaped) under the plot area of `fig`, e.g. its sign convention."""
+    import textwrap
+
+    lines = textwrap.wrap(text, 110) or [""]
+    fig.add_annotation(
+        text="<br>".join(plain_text(line) for line in lines),
+        xref="paper",
+        yref="paper",
+        x=0,
+        y=-0.12,
+        xanchor="left",
+        yanchor="top",
+        showarrow=False,
+        align="left",
+        font={"size": 11},
+    )
+    fig.update_layout(margin={"b": 90 + 16 * len(lines)})
     return fig
 
 

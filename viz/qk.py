@@ -1,7 +1,8 @@
 """plotly figures of QK attribution and head composition.
 
-Signed terms use one diverging scale centred on 0 (ColorBrewer RdBu, colour-blind safe): red
-raises the head's logit at the cell (the key wins more attention), blue lowers it.
+Signed terms use the figures' diverging convention (`viz.figures.DIVERGING`: ColorBrewer RdBu,
+colour-blind safe, white at exactly 0): red raises the head's logit at the cell (the key wins more
+attention), blue lowers it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from heads.errors import HeadsteerValueError
 from heads.results.composition import CompositionScores
 from heads.results.qk import QKAttribution
-from viz.figures import plain_text
+from viz.figures import DIVERGING, NEGATIVE, POSITIVE, plain_text
 
 __all__ = [
     "SIGN_NOTE",
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 SIGN_NOTE = "red = raises the logit (more attention to the key), blue = lowers it"
-_DIVERGING = "RdBu_r"
+_DIVERGING = DIVERGING
 
 
 def _cell_title(
@@ -51,7 +52,7 @@ def qk_pair_bars(
             x=vals,
             y=labels,
             orientation="h",
-            marker={"color": ["#b2182b" if v > 0 else "#2166ac" for v in vals]},
+            marker={"color": [POSITIVE if v > 0 else NEGATIVE for v in vals]},
             hovertemplate="%{y}<br>%{x:.4f}<extra></extra>",
         )
     )

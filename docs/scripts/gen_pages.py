@@ -127,15 +127,47 @@ def _api_page() -> str:
         names = list(getattr(mod, "__all__", []))
         if not names:
             continue
-        lines += [f"## `{pkg}`", "", "| name | what it is |", "|---|---|"]
+        lines += [f"## `{pkg}`", ""]
+        groups: dict[str, list[str]] = {}
         for name in names:
-            if name.startswith("__"):
+            if not name.startswith("__"):
+                groups.setdefault(_group(pkg, getattr(mod, name)), []).append(name)
+        for title in GROUPS:
+            if title not in groups:
                 continue
-            obj = getattr(mod, name)
-            kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
-            lines.append(f"| `{pkg}.{name}` ({kind}) | {_first_line(obj)} |")
-        lines.append("")
+            if len(groups) > 1:
+                lines += [f"### {title}", ""]
+            lines += ["| name | what it is |", "|---|---|"]
+            for name in groups[title]:
+                obj = getattr(mod, name)
+                kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
+                lines.append(f"| `{pkg}.{name}` ({kind}) | {_first_line(obj)} |")
+            lines.append("")
     return "\n".join(lines)
+
+
+GROUPS = ("Analyses", "Requests", "Results", "Everything else")
+"""The sections of `heads`' public API (the other packages are one section each)."""
+
+
+def _group(pkg: str, obj: object) -> str:
+    """Which section of the API page a name of `pkg` goes in: `heads`' analyses (functions of
+    `heads.scorers`, and `heads.run`), their requests (`Request` classes), their results (classes
+    with a result `SCHEMA`, and the `Result` protocol), everything else."""
+    if pkg != "heads":
+        return "Everything else"
+    from heads.scorers.request_base import Request
+
+    where = getattr(obj, "__module__", "") or ""
+    if inspect.isclass(obj) and issubclass(obj, Request):
+        return "Requests"
+    if inspect.isclass(obj) and (
+        hasattr(obj, "SCHEMA") or obj.__name__ == "Result" or where.startswith("heads.results")
+    ):
+        return "Results"
+    if inspect.isfunction(obj) and where.startswith("heads.scorers."):
+        return "Analyses"
+    return "Everything else"
 
 
 # ------------------------------------------------------------------------- notebooks

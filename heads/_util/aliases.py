@@ -21,7 +21,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["ALIASES", "FINDER", "REMOVED_IN", "install"]
+__all__ = ["ALIASES", "FINDER", "REMOVED_IN", "install", "keep_functions"]
 
 REMOVED_IN = "0.3.0"
 """The release in which the old paths go."""
@@ -88,3 +88,29 @@ def install() -> None:
     import; `viz`, which must import light, asks `FINDER` only when an old path is imported."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, FINDER)
+
+
+class _KeepFunctions(ModuleType):
+    """A package whose function attributes an old module path of the same name must not replace."""
+
+    _kept: frozenset[str] = frozenset()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if (
+            name in self._kept
+            and isinstance(value, ModuleType)
+            and not isinstance(getattr(self, name, None), ModuleType)
+        ):
+            return  # importing `heads.ships` (an old path) leaves the function `heads.ships` in place
+        super().__setattr__(name, value)
+
+
+def keep_functions(package: ModuleType, names: tuple[str, ...]) -> None:
+    """Keep `package.<name>` a function when the old module path `package.<name>` is imported.
+
+    Python sets a package's attribute to every submodule it imports; an old path of `ALIASES`
+    named like a function the package exports (`heads.ships`, the Ships scorer) would otherwise
+    replace the function by the module. `from heads.ships import ships` keeps working.
+    """
+    package.__class__ = _KeepFunctions
+    object.__setattr__(package, "_kept", frozenset(names))

@@ -44,6 +44,10 @@ class SweepOptions:
         progress: True (default: a tqdm bar), False / None (off), or a callable
             `progress(done, total)` called after each batch.
         seed: seeds anything random in the scorer (control heads); default 0.
+        max_memory: a memory budget per device (bytes, or `"24GB"` / `"80GiB"`; default None:
+            none). A sweep then runs at most the batch rows whose planned peak stays within it
+            (`rows_for`, from `heads.plan_memory`), fewer than `max_rows` where needed, and is
+            refused before its first forward, with the minimum named, when one row does not fit.
 
     Raises:
         HeadsteerValueError: `max_rows` not a positive int, a bad `shard`, `shard` together
@@ -56,6 +60,7 @@ class SweepOptions:
     executor: str | Executor | None = None
     progress: ProgressArg = True
     seed: int = 0
+    max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_rows", check_int("max_rows", self.max_rows, lo=1))
@@ -70,10 +75,35 @@ class SweepOptions:
             raise HeadsteerValueError(
                 f"executor must be 'local', 'ray' or an Executor, got {short_repr(self.executor)}"
             )
+        if self.max_memory is not None:
+            from heads.planning.units import parse_bytes
+
+            object.__setattr__(self, "max_memory", parse_bytes(self.max_memory, "max_memory"))
         if self.shard is not None and self.executor is not None:
             raise HeadsteerValueError(
                 "pass either shard= or executor=, not both: an executor makes its own shards"
             )
+
+    def rows_for(self, model: Any, tokens: int, request: object = "forward") -> int:
+        """Batch rows per forward for `request` on rows of `tokens` tokens: `max_rows`, or fewer
+        when the plan of `max_memory` allows fewer (`heads.planning.rows_within`).
+
+        Args:
+            model: the `HeadModel` (its config, dtype and device are planned; no forward runs).
+            tokens: the longest row's length.
+            request: what each forward is (default `"forward"`, a no-grad forward; see
+                `heads.planning.ANALYSES`).
+
+        Raises:
+            HeadsteerValueError: one row already exceeds `max_memory` (the minimum named).
+        """
+        if self.max_memory is None:
+            return self.max_rows
+        from heads.planning.plan import rows_within
+
+        device = str(getattr(model, "device", "cpu"))
+        dtype = getattr(model, "dtype", "float32")
+        return rows_within(model, self.max_memory, request, tokens, dtype, device, most=self.max_rows)
 
     def replace(self, **changes: Any) -> SweepOptions:
         """A copy with `changes` applied (validated again)."""

@@ -101,10 +101,15 @@ def span_attention(
             mass = (probs * span[:, None, None, : call.k_len]).sum(-1)  # [B, H, q]
             return (mass * q[:, None, :]).sum(-1)  # [B, H]
 
-        recorders = [Recorder(layer=layer, fn=read) for layer in range(model.n_layers)]
+        # only the rows read are computed (the last one, or those after the span), and only the
+        # last position's logits: memory linear in the prompt
+        pos = torch.nonzero(rows.any(0)).flatten()
+        first_row = int(pos.min()) if len(pos) else enc.length - 1
+        wanted = (first_row, enc.length)
+        recorders = [Recorder(layer=layer, fn=read, query_range=wanted) for layer in range(model.n_layers)]
         steering = [e for s in ([steer] if hasattr(steer, "edits") else steer) for e in s.edits(model, enc)]
         with editing(model, [*steering, *recorders]):
-            forward(model, enc)
+            forward(model, enc, logits_to_keep=1)
         denom = rows.sum(1).clamp(min=1).double()  # [B]
         for layer, rec in enumerate(recorders):
             mass = torch.stack(rec.records).sum(0).double() / denom[:, None]  # [B, H]

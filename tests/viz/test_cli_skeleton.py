@@ -48,6 +48,9 @@ def test_every_command_takes_the_shared_options():
         "serve",
         "explore",
         "build refusal-model",
+        "plan",
+        "build organism",
+        "report training",
     }
     assert all(not missing for missing in names.values()), names
 
@@ -302,7 +305,7 @@ def test_progress_numbers_and_plain_lines(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-NO_FILE_COMMANDS = {"generate", "vision generate", "serve", "explore"}
+NO_FILE_COMMANDS = {"generate", "vision generate", "serve", "explore", "plan"}
 
 
 def test_shared_options_are_one_set_with_one_help():

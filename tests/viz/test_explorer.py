@@ -677,19 +677,21 @@ def test_score_names_in_info_and_bad_name(client):
 
 
 def test_dla_on_an_unsupported_model_is_400_before_work(tokenizer):
-    """A final norm without `eps` cannot be frozen: one line, HTTP 400, and the server goes on."""
+    """A final norm that is neither an RMSNorm nor a LayerNorm (here an L1 norm without an
+    `eps`) cannot be frozen: one line, HTTP 400, and the server goes on."""
     from tests.support import make_tiny
 
     hm = make_tiny("llama", tokenizer)
 
-    class NoEpsNorm(torch.nn.Module):
+    class L1Norm(torch.nn.Module):
         def forward(self, x):
-            return x
+            return x / x.abs().mean(-1, keepdim=True)
 
-    hm.model.model.norm = NoEpsNorm()
+    hm.model.model.norm = L1Norm()
     client = TestClient(create_explorer(hm))
     r = client.post("/api/scores", json={"prompt": PROMPT, "score": "dla"})
-    assert r.status_code == 400 and "eps" in r.json()["error"] and "\n" not in r.json()["error"]
+    err = r.json()["error"]
+    assert r.status_code == 400 and ("freeze" in err or "frozen" in err) and "\n" not in err
     assert "result" in scored(client, {"prompt": PROMPT, "score": "ships"})[-1]
 
 

@@ -215,6 +215,9 @@ def test_two_tabs_steer_differently_and_cancel(browser, served, model, shots):
     # cancel: a generation that cannot end on its own (the model is busy: the test holds its
     # lock) stops, the page says so, its slot is freed, and the next one works
     jobs, lock = app.state.jobs, app.state.explorer.lock
+    # a tab's prepare (sent when its prompt stopped changing) may still wait for the model on a
+    # loaded machine: let every job end first, so the slot count below is the cancelled job's
+    wait_until(lambda: jobs.running() == 0, "both tabs' jobs end before the cancel case")
     a.fill("#max-new", "250")
     with lock:
         a.click("#btn-generate")

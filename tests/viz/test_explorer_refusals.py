@@ -22,7 +22,9 @@ def events(text: str) -> list[dict]:
     return [json.loads(ln[6:]) for ln in text.split("\n\n") if ln.startswith("data: ")]
 
 
-def test_patch_on_gpt2_skips_the_position_map_with_the_librarys_reason(tokenizer):
+def test_patch_on_gpt2_gives_both_maps_as_the_library_does(tokenizer):
+    """GPT-2 (absolute positions) patches `resid_pre` exactly: the explorer draws the library's
+    head map and layer x position map."""
     from heads.scorers.patching.activation import patch
     from heads.scorers.patching.pairs import PromptPair, encode_pairs
     from tests.support import make_tiny
@@ -30,19 +32,46 @@ def test_patch_on_gpt2_skips_the_position_map_with_the_librarys_reason(tokenizer
     model = make_tiny("gpt2", tokenizer)
     pair = {"clean": "The cat sat on the mat", "corrupted": "The dog sat on the mat", "answer": " and"}
     pairs = encode_pairs(model, [PromptPair(**pair)])
-    with pytest.raises(ValueError) as refused:  # the library refuses this kind on GPT-2, before work
-        patch(model, pairs, "resid_pre", metric="log_prob")
-    client = TestClient(create_explorer(model))
-    r = client.post("/api/patch", json=pair)
+    r = TestClient(create_explorer(model)).post("/api/patch", json=pair)
     assert r.status_code == 200, r.text
     ev = events(r.text)
     assert not any("error" in e for e in ev), ev[-1]
     res = ev[-1]["result"]
-    assert res["positions"] is None and " ".join(str(refused.value).split()) in res["positions_note"]
+    for key, kind in (("scores", "head_out"), ("positions", "resid_pre")):
+        want = patch(model, pairs, kind, metric="log_prob").mean
+        got = [[v if v is not None else float("nan") for v in row] for row in res[key]]
+        torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-4, rtol=0, equal_nan=True)
+    assert res["tokens"] == pairs.position_labels(0)
+
+
+def test_a_refused_position_kind_skips_the_position_map_with_the_librarys_reason(tokenizer, monkeypatch):
+    """Where the library refuses `resid_pre` on a family (its `check_kind`), the explorer leaves
+    the position map out with that reason, before the sweep, and the head map still runs."""
+    from heads.scorers.patching import activation
+    from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.pairs import PromptPair, encode_pairs
+    from tests.support import make_tiny
+
+    model = make_tiny("gpt2", tokenizer)
+    reason = "kind='resid_pre' is not available on this family (test refusal)"
+    real = activation.check_kind
+
+    def refusing(m, kind):
+        if kind == "resid_pre":
+            raise ValueError(reason)
+        real(m, kind)
+
+    monkeypatch.setattr(activation, "check_kind", refusing)
+    pair = {"clean": "The cat sat on the mat", "corrupted": "The dog sat on the mat", "answer": " and"}
+    pairs = encode_pairs(model, [PromptPair(**pair)])
+    r = TestClient(create_explorer(model)).post("/api/patch", json=pair)
+    assert r.status_code == 200, r.text
+    ev = events(r.text)
+    res = ev[-1]["result"]
+    assert res["positions"] is None and reason in res["positions_note"]
     want = patch(model, pairs, "head_out", metric="log_prob").mean
     got = [[v if v is not None else float("nan") for v in row] for row in res["scores"]]
     torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-4, rtol=0, equal_nan=True)
-    assert res["tokens"] == pairs.position_labels(0)
     assert sum("status" in e and "residual" in e["status"] for e in ev) == 0  # the sweep never started
 
 

@@ -34,6 +34,7 @@ from viz.cli.common import (
 )
 from viz.cli.eval import register as register_eval  # noqa: E402
 from viz.cli.explore import explore_command  # noqa: E402
+from viz.cli.plan import register_plan  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.qk import report_qk  # noqa: E402
 from viz.cli.training import register_training  # noqa: E402
@@ -62,6 +63,7 @@ build_app = typer.Typer(
 app.add_typer(report_app, name="report")
 app.add_typer(build_app, name="build")
 register_eval(app)
+register_plan(app)  # `headsteer plan`
 command(app, "serve", writes_files=False, json_help="print the URL and model as one JSON line once serving")(
     serve_command
 )
@@ -314,7 +316,13 @@ def report_maps(
 @command(report_app, "atlas")
 def report_atlas(
     run: Run,
-    out: Annotated[Path, typer.Option(help="HTML file to write (a CSV of the table is written beside it)")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="HTML file to write; beside it a CSV of the table and the atlas JSON "
+            "that `headsteer explore --atlas` reads (same name, .csv and .json)"
+        ),
+    ],
     lens: Annotated[
         Path | None, typer.Option(help="an Attention Lens file of this model (lens KL and tokens)")
     ] = None,
@@ -334,6 +342,7 @@ def report_atlas(
     check_stability(stability, "--stability")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
+    atlas_json = run.output(out.with_suffix(".json"))
     # a bad or untrained lens file fails here, before the model loads
     trained = AttentionLens.load(lens) if lens is not None else None
     if trained is not None:
@@ -341,7 +350,15 @@ def report_atlas(
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
-            hm, out, lens=trained, maps=maps, overwrite=run.force, progress=step, csv=csv, stability=stability
+            hm,
+            out,
+            lens=trained,
+            maps=maps,
+            overwrite=run.force,
+            progress=step,
+            csv=csv,
+            stability=stability,
+            atlas_json=atlas_json,
         )
     table = Table(title="Head roles")
     table.add_column("role")
@@ -349,7 +366,7 @@ def report_atlas(
     for role, n in summary["roles"].items():
         table.add_row(escape(role), str(n))
     run.show(table)
-    return {"html": str(out), "csv": str(csv), **summary}
+    return {"html": str(out), "csv": str(csv), "json": str(atlas_json), **summary}
 
 
 @command(report_app, "patching")
@@ -426,7 +443,22 @@ def report_circuit(
     ] = "ioi",
     method: Annotated[str, typer.Option(help="eap or eap-ig")] = "eap-ig",
     pairs: Annotated[int, typer.Option(help="pairs to score (at most 256)")] = 16,
-    size: Annotated[float, typer.Option(help="circuit size in % of the edges, in (0, 100]")] = 5.0,
+    size: Annotated[
+        float | None,
+        typer.Option(help="circuit size in % of the edges, in (0, 100] (default: from --faithfulness)"),
+    ] = None,
+    faithfulness: Annotated[
+        float,
+        typer.Option(
+            help="the default size is the smallest of --sizes whose exact faithfulness reaches this"
+        ),
+    ] = 0.3,
+    confirm: Annotated[
+        int, typer.Option(help="rerun the top K edges with exact edge patching (0: none)")
+    ] = 0,
+    max_memory: Annotated[
+        float, typer.Option(help="GiB the exact evaluations' activations may take (rows per forward follow)")
+    ] = 2.0,
     steps: Annotated[int, typer.Option(help="EAP-IG interpolation steps")] = 5,
     sizes: Annotated[
         str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
@@ -455,8 +487,13 @@ def report_circuit(
     check_stability(stability, "--stability")
     _at_most("--pairs", pairs, 256)
     _at_most("--steps", steps, MAX_STEPS)
-    if not 0 < size <= 100:
+    if size is not None and not 0 < size <= 100:
         raise HeadsteerValueError(f"--size must be in (0, 100] (% of edges), got {size}")
+    from heads._util.validation import check_int, check_number
+
+    check_number("--faithfulness", faithfulness)
+    check_int("--confirm", confirm, lo=0)
+    check_number("--max-memory", max_memory, lo=0, lo_open=True, what="a number of GiB > 0")
     try:
         curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
@@ -474,6 +511,7 @@ def report_circuit(
         _, summary = circuit_report(
             hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
             overwrite=run.force, circuit_json=js, progress=step, stability=stability,
+            faithfulness=faithfulness, confirm=confirm, max_memory=max_memory,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")
     for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):
@@ -488,6 +526,11 @@ def report_circuit(
         f"{summary['cmd_random']:.3f}",
     )
     run.show(table)
+    if summary["most_heads"]:
+        run.show(
+            f"warning: the circuit holds {summary['heads']} of the model's {summary['model_heads']} heads; "
+            "ablating them is close to ablating the model (a smaller --size names fewer heads)"
+        )
     return {"html": str(out), "circuit": str(js), **summary}
 
 

@@ -1,30 +1,57 @@
 """`headsteer report circuit`: find a circuit on IOI / Colored Objects / a pairs file and show it.
 
-The page: the circuit graph (`viz.circuits.circuit_figure`), the faithfulness curve against
-random circuits of the same sizes (CPR / CMD), the head-level view (summed |edge score| per
-head) and the top edges table. The circuit itself is saved beside the page as JSON
-(`Circuit.save`) when `circuit_json` is given.
+The page: the circuit graph (`viz.circuits.circuit_figure`) and its heads-only view, the
+faithfulness curve against random circuits of the same sizes (CPR / CMD), the head-level view
+(summed |edge score| per head) and the top edges table. The circuit itself is saved beside the
+page as JSON (`Circuit.save`) when `circuit_json` is given.
+
+Its size: by default the smallest size of the curve whose exact faithfulness reaches
+`faithfulness` (`DEFAULT_FAITHFULNESS`, 0.3); `size=` fixes it instead. A circuit holding more
+than half of the model's heads is flagged on the page, in the summary and by a warning.
+
+Memory: the exact evaluations (curve and circuit) run `batch_rows` rows per forward, chosen so
+that their activations stay within `max_memory` GiB (`circuit_rows`); EAP / EAP-IG run
+`batch_size` pairs per chunk and need far less.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from heads import HeadModel
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
+from heads._util.validation import check_int, check_number
 from heads.errors import HeadsteerValueError
 from heads.results.stability import check_stability
-from heads.scorers.circuits import SIZES, Circuit, edge_scores, evaluate, faithfulness_curve, select
-from heads.scorers.circuits.circuit import _check_sizes, _n_of, circuit_stability
-from heads.scorers.circuits.graph import graph_of
+from heads.scorers.circuits import (
+    DEFAULT_FAITHFULNESS,
+    SIZES,
+    Circuit,
+    edge_scores,
+    evaluate,
+    faithfulness_curve,
+    select,
+    size_for_faithfulness,
+    warn_most_heads,
+)
+from heads.scorers.circuits.circuit import MOST_HEADS, _check_sizes, _n_of, circuit_stability
+from heads.scorers.circuits.graph import Graph, graph_of
 from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
 from viz.reports.base import Report
 
-__all__ = ["TASKS", "circuit_report", "circuit_steps", "task_pairs"]
+__all__ = ["MAX_MEMORY_GB", "TASKS", "circuit_report", "circuit_rows", "circuit_steps", "task_pairs"]
+
+MAX_MEMORY_GB = 2.0
+"""Default budget (GiB) of the exact evaluations' activations (`circuit_rows`)."""
+ROW_BYTES_PER_NODE = 16
+"""Measured bytes per row, token, upstream node and model dimension of an exact evaluation: about
+four fp32 `[U, D]` tensors per row and token (41.8 MB per row at 15 tokens on SmolLM2-135M:
+U = 301 upstream nodes, D = 576)."""
 
 TASKS = ("ioi", "colored_objects")
 """Shipped pair sets `--task` accepts by name (any other value is a JSONL pairs file)."""
@@ -33,6 +60,19 @@ TASKS = ("ioi", "colored_objects")
 def circuit_steps() -> int:
     """Progress units of `circuit_report`: scores, selection + evaluation, curve, page."""
     return 4
+
+
+def circuit_rows(graph: Graph, d_model: int, width: int, max_memory_gb: float = MAX_MEMORY_GB) -> int:
+    """Rows per forward of the exact evaluations (`evaluate`, `faithfulness_curve`'s
+    `batch_rows`) that keep their activations within `max_memory_gb` GiB: the budget over
+    `ROW_BYTES_PER_NODE x U x D x T` bytes a row, between 1 and 64.
+
+    Raises:
+        ValueError: a budget that is not a number > 0.
+    """
+    budget = check_number("max_memory", max_memory_gb, lo=0, lo_open=True) * 2**30
+    per_row = ROW_BYTES_PER_NODE * graph.n_upstream * d_model * max(1, width)
+    return int(max(1, min(64, budget // per_row)))
 
 
 def task_pairs(model: HeadModel, task: str | os.PathLike, n: int, split: str = "test") -> PairBatch:
@@ -57,63 +97,120 @@ def circuit_report(
     task: str | os.PathLike = "ioi",
     method: str = "eap-ig",
     n_pairs: int = 16,
-    size: float = 5.0,
+    size: float | None = None,
     steps: int = 5,
     sizes: Sequence[float] = SIZES,
     overwrite: bool = False,
     circuit_json: str | Path | None = None,
     progress: ProgressArg = True,
     stability: int = 0,
+    faithfulness: float = DEFAULT_FAITHFULNESS,
+    confirm: int = 0,
+    max_memory: float = MAX_MEMORY_GB,
 ) -> tuple[Circuit, dict]:
-    """Score every edge on `n_pairs` pairs of `task`, select the top `size` % of the edges,
-    evaluate it and its faithfulness curve exactly, and write the page to `out`.
+    """Score every edge on `n_pairs` pairs of `task`, evaluate the faithfulness curve exactly,
+    cut the circuit, and write the page to `out`.
 
-    `stability`: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
-    frequency in the re-selected circuit and the ranking's stability, on the page and in the
-    summary (`circuit_stability`, no extra forward).
+    Args:
+        size: the circuit's size in % of the edges; default None: the smallest size of `sizes`
+            whose exact faithfulness reaches `faithfulness` (the most faithful size, with a
+            warning, when none does).
+        faithfulness: the target of the default size (default `DEFAULT_FAITHFULNESS`, 0.3).
+        confirm: rerun the top `confirm` edges with exact edge patching (default 0): their
+            exact scores fill the table's `exact` column (left out when 0).
+        stability: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
+            frequency in the re-selected circuit and the ranking's stability, on the page and in
+            the summary (`circuit_stability`, no extra forward).
+        max_memory: GiB the exact evaluations' activations may take (default 2; `circuit_rows`).
 
     Returns:
-        `(circuit, summary)`; summary: edges, heads, faithfulness, CPR / CMD (method and random),
-        and with `stability` its summary (top-k Jaccard, stable edges).
+        `(circuit, summary)`; summary: edges, heads, faithfulness, size, CPR / CMD (method and
+        random), `most_heads` (the circuit holds more than half of the heads), and with
+        `stability` its summary (top-k Jaccard, stable edges).
 
     Raises:
         ValueError: `out` (or `circuit_json`) exists without `overwrite`; a refused family; bad
-            sizes; all before any forward.
+            sizes, faithfulness, confirm or max_memory; all before any forward.
     """
     check_output(out, overwrite)
     if circuit_json is not None:
         check_output(circuit_json, overwrite)
     graph = graph_of(model)
     stability = check_stability(stability)
-    (size,) = _check_sizes([size])
+    if size is not None:
+        (size,) = _check_sizes([size])
     sizes = _check_sizes(sizes)
+    target = check_number("faithfulness", faithfulness)
+    confirm = check_int("confirm", confirm, lo=0, hi=graph.n_edges)
+    check_number("max_memory", max_memory, lo=0, lo_open=True)
     pairs = task_pairs(model, task, n_pairs)
     if stability and pairs.n < 2:
         raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
+    rows = circuit_rows(graph, model.d_model, pairs.width, max_memory)
     with progress_callback(progress, "circuit report", "steps") as report:
         tick = (lambda i: report(i, circuit_steps())) if report is not None else (lambda i: None)
         tick(0)
-        sc = edge_scores(model, pairs, method=method, steps=steps, progress=False)
+        sc = edge_scores(
+            model, pairs, method=method, steps=steps, confirm=confirm, batch_rows=rows, progress=False
+        )
         tick(1)
-        c = select(sc, _n_of(graph, size))
-        if stability:
-            c.stability = circuit_stability(sc, stability, n=_n_of(graph, size), pairs=pairs)
-        c.faithfulness = float(evaluate(model, pairs, c)[0])
+        curve = faithfulness_curve(model, pairs, sc, sizes=sizes, batch_rows=rows)
         tick(2)
-        c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes)
-        c.params.update(task=str(task), n_pairs=pairs.n, size=size)
+        by_target = size is None
+        if size is None:
+            try:
+                n = size_for_faithfulness(curve, target)
+            except HeadsteerValueError as err:
+                warnings.warn(f"{err}; taking the most faithful size", UserWarning, stacklevel=2)
+                n = max(zip(curve["faithfulness"], curve["n_edges"], strict=True))[1]
+            size = 100.0 * n / graph.n_edges
+            chosen = f"the smallest size of the curve reaching faithfulness {target:g}"
+        else:
+            n = _n_of(graph, size)
+            chosen = f"size {size:g} % (--size)"
+        c = select(sc, n)
+        if stability:
+            c.stability = circuit_stability(sc, stability, n=n, pairs=pairs)
+        c.curve = curve
+        if n in curve["n_edges"]:  # the curve evaluated exactly this circuit
+            c.faithfulness = float(curve["faithfulness"][curve["n_edges"].index(n)])
+        else:
+            c.faithfulness = float(evaluate(model, pairs, c, batch_rows=rows)[0])
+        c.params.update(task=str(task), n_pairs=pairs.n, size=size, faithfulness_target=target)
+        most = warn_most_heads(c)
         tick(3)
         frame = c.to_frame()
+        if not confirm:
+            frame = frame.drop(columns="exact")  # no edge was confirmed: the column would be all NaN
         rep = Report(
             f"Circuit ({method}) on {Path(str(task)).name}",
             model.name,
-            {"task": str(task), "method": method, "pairs": pairs.n, "size %": size, "steps": steps},
+            {"task": str(task), "method": method, "pairs": pairs.n, "size %": round(size, 3), "steps": steps},
+        )
+        n_heads, all_heads = len(c.heads), graph.n_layers * graph.n_heads
+        if most:
+            rep.text(
+                "Most heads",
+                f"This circuit holds {n_heads} of the model's {all_heads} heads (more than "
+                f"{MOST_HEADS:.0%}): ablating its heads is close to ablating the model and says little "
+                "about this circuit. Cut a smaller one: --size, or Circuit.select(fraction=...) on the "
+                "saved circuit.",
+            )
+        sign = (
+            f"{method} score = the change of the logit difference when the edge alone is corrupted "
+            "(noising): blue (< 0) = the edge supports the answer, red (> 0) = it works against it"
         )
         rep.figure(
             "Circuit graph",
             circuit_figure(c),
-            note=f"The top {size:g} % of the edges by |{method} score|, pruned; node size = importance, "
-            "edge width = |score|, red = the metric rises when the edge is corrupted, blue = it falls.",
+            note=f"{c.n_edges} edges ({size:.3g} % of {graph.n_edges}, {chosen}, f = {c.faithfulness:.3f}), "
+            f"pruned; {n_heads} of {all_heads} heads. Node size = importance, edge width = |score|; {sign}.",
+        )
+        rep.figure(
+            "Circuit graph, heads only",
+            circuit_figure(c, heads_only=True),
+            note="The same circuit with the MLPs, the input and their edges left out: head-to-head "
+            "edges (into a head's query, key or value) and heads to the logits.",
         )
         rep.figure(
             "Faithfulness curve",
@@ -152,17 +249,26 @@ def circuit_report(
                 )
             )
             frame["inclusion"] = [share[e] for e in frame["edge"]]
-        rep.table("Top edges", frame, max_rows=40, note="Circuit edges by decreasing |score|.")
+        rep.table(
+            "Top edges",
+            frame,
+            max_rows=40,
+            note=f"Circuit edges by decreasing |score|; {sign}."
+            + (f" exact: the top {confirm} edges rerun with exact edge patching." if confirm else ""),
+        )
         rep.save(out, overwrite=overwrite)
         if circuit_json is not None:
             c.save(circuit_json, overwrite=overwrite)
         tick(4)
-    curve = c.curve
     summary = {
         "edges": c.n_edges,
         "graph_edges": graph.n_edges,
-        "heads": len(c.heads.heads),
+        "heads": n_heads,
+        "model_heads": all_heads,
+        "most_heads": most,
+        "size": size,
         "faithfulness": c.faithfulness,
+        "faithfulness_target": target if by_target else None,
         "cpr": curve["cpr"],
         "cmd": curve["cmd"],
         "cpr_random": curve["cpr_random"],

@@ -36,7 +36,15 @@ from heads.scorers.patching.logit import (
 )
 from heads.scorers.patching.metrics import DIRECTIONS
 from heads.scorers.patching.pairs import PairBatch, PromptPair, check_pairs_differ, encode_pairs, load_pairs
-from viz.figures import head_heatmap, stability_bars
+from viz.figures import (
+    DIVERGING,
+    DLA_NOTE,
+    add_note,
+    direction_note,
+    diverging_range,
+    head_heatmap,
+    stability_bars,
+)
 from viz.reports.base import Report
 
 __all__ = [
@@ -93,9 +101,10 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
 
 
 def position_heatmap(
-    values: torch.Tensor, labels: list[str], title: str, *, ylabel: str = "layer"
+    values: torch.Tensor, labels: list[str], title: str, *, ylabel: str = "layer", note: str | None = None
 ) -> go.Figure:
-    """Rows x positions heatmap (`values [R, T]`), token labels on the x axis."""
+    """Rows x positions heatmap (`values [R, T]`), token labels on the x axis, on the diverging
+    scale centred on 0 (`viz.figures.DIVERGING`); `note` (e.g. the sign convention) under it."""
     t = values.shape[-1]
     x = [f"{i}:{labels[i]}" if i < len(labels) else str(i) for i in range(t)]
     fig = go.Figure(
@@ -103,12 +112,14 @@ def position_heatmap(
             z=values.tolist(),
             x=x,
             y=list(range(values.shape[0])),
-            colorscale="RdBu",
-            zmid=0.0,
+            colorscale=DIVERGING,
             hoverongaps=False,
+            **diverging_range(values),
         )
     )
     fig.update_layout(title=title, xaxis_title="position", yaxis_title=ylabel, height=560)
+    if note:
+        add_note(fig, note)
     return fig
 
 
@@ -165,27 +176,35 @@ def render_patching_report(
         rep.figure(
             "patching scores per head",
             head_heatmap(
-                hs, title=f"{result.kind} {result.direction} (mean of {pairs.n} pairs)", colorscale="RdBu"
+                hs, title=f"{result.kind} {result.direction} (mean of {pairs.n} pairs)", colorscale=DIVERGING
             ),
-            note="1: the site restores the clean behaviour (denoising) / destroys it (noising); 0: none.",
+            note=direction_note(result.direction) + ".",
         )
     if "position" in result.grid:
         by_pos = m if m.ndim == 2 else m.nan_to_num(0).abs().amax(1) * m.nan_to_num(0).sum(1).sign()
         rep.figure(
             "patching scores by position",
-            position_heatmap(by_pos, result.labels, f"{result.kind} by layer and position"),
+            position_heatmap(
+                by_pos,
+                result.labels,
+                f"{result.kind} by layer and position",
+                note=direction_note(result.direction),
+            ),
             note="Token labels are pair 0's clean tokens (positions align across pairs of one template).",
         )
     if dla is not None:
         rep.figure(
             "direct logit attribution by layer and position",
             position_heatmap(
-                dla.by_position().sum(1), dla.labels, "DLA of each layer's heads (sum), clean run"
+                dla.by_position().sum(1),
+                dla.labels,
+                "DLA of each layer's heads (sum), clean run",
+                note=DLA_NOTE,
             ),
             note="Each position's heads projected on the answer - counterfactual unembedding, with the "
             "final norm's scale frozen at that position (before any output soft-cap).",
         )
-        rep.figure("DLA of the top heads", dla_bars(dla))
+        rep.figure("DLA of the top heads", dla_bars(dla), note=DLA_NOTE + ".")
     dla_st = dla.stability if dla is not None else None
     for name, st in (("patching", result.stability), ("direct logit attribution", dla_st)):
         if st is not None:
@@ -205,7 +224,12 @@ def render_patching_report(
     if lens is not None:
         rep.figure("logit lens", lens_figure(lens))
     frame = result.to_frame().sort_values("score", ascending=False, key=lambda s: s.abs())
-    rep.table("top sites", frame, max_rows=25, note="Mean normalised score with a 95% interval over pairs.")
+    rep.table(
+        "top sites",
+        frame,
+        max_rows=25,
+        note=f"Mean normalised score with a 95% interval over pairs; {direction_note(result.direction)}.",
+    )
     return rep
 
 

@@ -32,7 +32,7 @@ from probes.studies.probing import (
     direction_cosines,
     probe_study,
 )
-from viz.figures import head_heatmap
+from viz.figures import DIVERGING, head_heatmap
 from viz.reports.base import Report
 
 __all__ = ["FIT_STEPS", "REPORT_TASKS", "direction_cosines", "probes_report", "summary_frame"]
@@ -47,7 +47,7 @@ def _cosine_figure(cos: torch.Tensor, title: str) -> go.Figure:
             y=list(range(cos.shape[0])),
             zmin=-1,
             zmax=1,
-            colorscale="RdBu",
+            colorscale=DIVERGING,
             colorbar={"title": "cosine"},
             hovertemplate="layer %{y}<br>head %{x}<br>cosine %{z:.3f}<extra></extra>",
         )

@@ -46,7 +46,7 @@ from viz.dynamics import (
     scalars_figure,
     steps_heatmap,
 )
-from viz.figures import head_heatmap
+from viz.figures import DIVERGING, head_heatmap
 from viz.reports.base import Report
 
 __all__ = ["PAIR_ANALYSES", "default_params", "results_folder", "training_report"]
@@ -167,8 +167,10 @@ def _section(rep: Report, name: str, series: CheckpointSeries, summary: dict) ->
         if two:
             rep.figure(
                 f"{name}: {metric}, what changed",
-                head_heatmap(_diff(series, metric), colorscale="RdBu"),
-                note="The last checkpoint's score minus the first's, per head.",
+                head_heatmap(
+                    _diff(series, metric), colorscale=DIVERGING, note="last minus first: red rose, blue fell"
+                ),
+                note="The last checkpoint's score minus the first's, per head (white: unchanged).",
             )
     if two and not series.scores.empty:
         changes = _top_changes(series)

@@ -12,6 +12,7 @@ Mueller et al. 2025 (MIB).
 """
 
 from heads.scorers.circuits.circuit import (
+    DEFAULT_FAITHFULNESS,
     SIZES,
     Circuit,
     areas,
@@ -20,11 +21,14 @@ from heads.scorers.circuits.circuit import (
     find_circuit,
     prune,
     select,
+    size_for_faithfulness,
+    warn_most_heads,
 )
 from heads.scorers.circuits.graph import Graph, check_family, graph_of
 from heads.scorers.circuits.scores import MAX_STEPS, METHODS, EdgeScores, edge_scores, exact_scores
 
 __all__ = [
+    "DEFAULT_FAITHFULNESS",
     "MAX_STEPS",
     "METHODS",
     "SIZES",
@@ -41,4 +45,6 @@ __all__ = [
     "graph_of",
     "prune",
     "select",
+    "size_for_faithfulness",
+    "warn_most_heads",
 ]

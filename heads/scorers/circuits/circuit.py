@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,15 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import ProgressArg
-from heads._util.validation import check_bool, check_int, check_number, check_seed, is_number, short_repr
+from heads._util.validation import (
+    check_bool,
+    check_int,
+    check_number,
+    check_seed,
+    is_int,
+    is_number,
+    short_repr,
+)
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
@@ -57,12 +66,21 @@ __all__ = [
     "find_circuit",
     "prune",
     "select",
+    "size_for_faithfulness",
+    "warn_most_heads",
+    "DEFAULT_FAITHFULNESS",
 ]
 
 SCHEMA = "headsteer/circuit"
 SCHEMA_VERSION = 1
 SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 """Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
+
+DEFAULT_FAITHFULNESS = 0.3
+"""The faithfulness the default circuit reaches (`find_circuit`, `headsteer report circuit`): the
+smallest size of the curve with f >= 0.3. On IOI with the embedded model that is about 1 % of the
+edges, whose heads ablated drop accuracy far below as many random heads (docs/methods/circuits.md);
+the old fixed 5 % held most of the model's heads."""
 
 MAX_LAYERS = 1024
 """The most layers a circuit file may name (bounds what `Circuit.load` allocates)."""
@@ -176,6 +194,32 @@ def _top_mask(graph: Graph, ranking: torch.Tensor, n: int) -> torch.Tensor:
     top = ranking[:n]
     m[top[:, 0], top[:, 1]] = True
     return m
+
+
+def size_for_faithfulness(curve: dict | None, target: float) -> int:
+    """The edge count of the smallest circuit of a faithfulness `curve` (`faithfulness_curve`'s
+    dict) whose faithfulness reaches `target` (the first size, in increasing order, with
+    f >= target).
+
+    Raises:
+        ValueError: no curve, or no size of it reaches `target` (names the best f and its size).
+    """
+    if not isinstance(curve, dict) or not curve.get("faithfulness") or not curve.get("n_edges"):
+        raise HeadsteerValueError(
+            "choosing a circuit by faithfulness needs its faithfulness curve (find_circuit(curve=True) "
+            "or faithfulness_curve)"
+        )
+    pts = sorted(
+        zip(curve["n_edges"], curve["faithfulness"], curve.get("sizes", curve["n_edges"]), strict=True)
+    )
+    for n, f, _ in pts:
+        if f is not None and f >= target:
+            return int(n)
+    best = max(pts, key=lambda p: -math.inf if p[1] is None else p[1])
+    raise HeadsteerValueError(
+        f"no circuit of the curve reaches faithfulness {target:g}: the best is {best[1]:.3f} at "
+        f"{best[2]:g} % of the edges ({best[0]} edges)"
+    )
 
 
 # ------------------------------------------------------------------------------ the result
@@ -298,6 +342,69 @@ class Circuit:
             rows,
             columns=["edge", "source", "target", "input", "source_layer", "target_layer", "score", "exact"],
         )
+
+    def select(
+        self,
+        *,
+        edges: int | None = None,
+        fraction: float | None = None,
+        faithfulness: float | None = None,
+        threshold: float | None = None,
+    ) -> Circuit:
+        """This circuit re-cut from its saved edge scores, without rescoring (no forward).
+
+        Give exactly one of:
+
+        * `edges`: the top `edges` edges (by |score|, or by the ranking the circuit was selected
+          with), pruned as `select` prunes;
+        * `fraction`: the top `fraction` of the graph's edges, in (0, 1] (0.01 = 1 %);
+        * `faithfulness`: the smallest circuit of the saved faithfulness curve whose exact
+          faithfulness f reaches it (needs `curve`; f in the curve's units, 1 = the full model);
+        * `threshold`: every edge with |score| >= threshold.
+
+        The new circuit keeps the scores, the curve and the method; its `faithfulness` is the
+        curve's value when its size is one of the curve's sizes (the curve evaluated exactly that
+        circuit), else None (`evaluate(model, pairs, circuit)` computes it). Its `stability` is
+        None (the bootstrap was of the old cut).
+
+        Raises:
+            ValueError: not exactly one option; `edges` outside 1..E; `fraction` outside (0, 1];
+                `faithfulness` without a saved curve, or above every point of it (the message
+                gives the curve's best f and its size).
+        """
+        given = {k: v for k, v in (("edges", edges), ("fraction", fraction), ("faithfulness", faithfulness),
+                                   ("threshold", threshold)) if v is not None}  # fmt: skip
+        if len(given) != 1:
+            raise HeadsteerValueError(
+                "give exactly one of edges=, fraction=, faithfulness= or threshold=, got "
+                + (", ".join(given) or "none")
+            )
+        g = self.graph
+        absolute = self.params.get("absolute", True) is not False
+        n: int | None = None
+        if edges is not None:
+            n = check_int("edges", edges, lo=1, hi=g.n_edges)
+        elif fraction is not None:
+            fr = check_number("fraction", fraction, lo=0, hi=1, lo_open=True)
+            n = _n_of(g, 100.0 * fr)
+        elif faithfulness is not None:
+            target = check_number("faithfulness", faithfulness)
+            n = size_for_faithfulness(self.curve, target)
+        cut = ("n", "threshold", "absolute", "prune_dangling", "size", "recut_from", "faithfulness_target")
+        kept = {k: v for k, v in self.params.items() if k not in cut}
+        n_pairs = self.params.get("n_pairs", 0)
+        sc = EdgeScores(
+            g, self.scores, self.method, self.metric, n_pairs if is_int(n_pairs) else 0, self.exact, kept
+        )
+        out = select(sc, n, threshold=threshold, absolute=absolute,
+                     prune_dangling=self.params.get("prune_dangling", True) is not False)  # fmt: skip
+        out.curve = self.curve
+        curve = self.curve or {}
+        if n is not None and n in curve.get("n_edges", []) and absolute:
+            out.faithfulness = float(curve["faithfulness"][curve["n_edges"].index(n)])
+        out.params.update(recut_from=self.n_edges)
+        warn_most_heads(out)
+        return out
 
     def __repr__(self) -> str:
         f = "" if self.faithfulness is None else f", faithfulness={self.faithfulness:.3f}"
@@ -731,13 +838,17 @@ def find_circuit(
     batch_rows: int = 64,
     progress: ProgressArg = True,
     stability: int = 0,
+    faithfulness: float | None = None,
 ) -> Circuit:
     """Score every edge, select a circuit, evaluate it exactly and (optionally) its curve.
 
     Args:
         method: `"eap"` or `"eap-ig"` (default) or `"exact"`.
-        n / size / threshold: the circuit: top `n` edges, the top `size` % of the edges, or
-            |score| >= threshold (default: size = 5 %).
+        n / size / threshold / faithfulness: the circuit: top `n` edges, the top `size` % of the
+            edges, |score| >= threshold, or the smallest size of `sizes` whose exact
+            faithfulness reaches `faithfulness` (read from the curve). Default: the smallest
+            size reaching `DEFAULT_FAITHFULNESS` (0.3); the method's curve is evaluated for it
+            even with `curve=False` (then without the random baseline, and not kept).
         confirm: rerun the top `confirm` edges exactly (`EdgeScores.exact`).
         curve: also compute the faithfulness curve over `sizes` with a random baseline.
         stability: bootstrap resamples of the pairs (default 0: none; e.g. 100): the circuit is
@@ -747,12 +858,14 @@ def find_circuit(
     Raises:
         ValueError: bad arguments (checked before any forward; see `edge_scores`, `select`).
     """
-    if sum(x is not None for x in (n, size, threshold)) > 1:
-        raise HeadsteerValueError("give at most one of n=, size= or threshold=")
+    if sum(x is not None for x in (n, size, threshold, faithfulness)) > 1:
+        raise HeadsteerValueError("give at most one of n=, size=, threshold= or faithfulness=")
+    by_curve = n is None and size is None and threshold is None
+    target = DEFAULT_FAITHFULNESS if faithfulness is None else check_number("faithfulness", faithfulness)
     graph = graph_of(model)
     if size is not None:
         (size,) = _check_sizes([size])
-    if curve:
+    if curve or by_curve:
         _check_sizes(sizes)
     if method not in METHODS:
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
@@ -768,8 +881,8 @@ def find_circuit(
         check_int("n", n, lo=1, hi=graph.n_edges)
     if threshold is not None:
         check_number("threshold", threshold)
-    if n is None and threshold is None:
-        n = _n_of(graph, 5.0 if size is None else size)
+    if size is not None:
+        n = _n_of(graph, size)
     met = get_metric(metric)
     sc = edge_scores(
         model,
@@ -782,10 +895,56 @@ def find_circuit(
         batch_rows=batch_rows,
         progress=progress,
     )
+    fc = None
+    if curve or by_curve:
+        fc = faithfulness_curve(
+            model, pairs, sc, sizes=sizes, random=curve, metric=met, batch_rows=batch_rows
+        )
+    if by_curve:
+        assert fc is not None
+        n = size_for_faithfulness(fc, target) if faithfulness is not None else _default_size(fc, target)
     c = select(sc, n, threshold=threshold)
+    if by_curve:
+        c.params.update(faithfulness_target=target)
     if stability:
         c.stability = circuit_stability(sc, stability, n=n, threshold=threshold, pairs=pairs)
-    c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
-    if curve:
-        c.curve = faithfulness_curve(model, pairs, sc, sizes=sizes, metric=met, batch_rows=batch_rows)
+    c.curve = fc if curve else None
+    if by_curve and fc is not None and n in fc["n_edges"]:  # the curve evaluated this very circuit
+        c.faithfulness = float(fc["faithfulness"][fc["n_edges"].index(n)])
+    else:
+        c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
+    warn_most_heads(c)
     return c
+
+
+def _default_size(curve: dict, target: float) -> int:
+    """`size_for_faithfulness`, or, when no size of the curve reaches `target`, the most faithful
+    size with a `UserWarning` saying so (the default must give a circuit)."""
+    try:
+        return size_for_faithfulness(curve, target)
+    except HeadsteerValueError as err:
+        warnings.warn(f"{err}; taking the most faithful size", UserWarning, stacklevel=3)
+        best = max(range(len(curve["n_edges"])), key=lambda i: curve["faithfulness"][i])
+        return int(curve["n_edges"][best])
+
+
+MOST_HEADS = 0.5
+"""`warn_most_heads` warns when a circuit holds more than this share of the model's heads."""
+
+
+def warn_most_heads(circuit: Circuit) -> bool:
+    """Warn (`UserWarning`) when `circuit` holds more than `MOST_HEADS` of the model's heads: its
+    heads are then most of the model, and ablating them tells little more than ablating as
+    many random heads. Returns whether it warned."""
+    g = circuit.graph
+    k, total = len(circuit.heads), g.n_layers * g.n_heads
+    if k <= MOST_HEADS * total:
+        return False
+    warnings.warn(
+        f"the circuit holds {k} of the model's {total} heads ({100 * k / total:.0f} %): ablating them is "
+        "close to ablating the model; a smaller cut (circuit.select(fraction=...) or "
+        "select(faithfulness=...)) names fewer heads",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True

@@ -383,7 +383,8 @@ def _attribute(
     params = {"by": by, "chat": chat, "frozen_scale": True, "cap": "after the sum"}
     # each layer's components once, for the deepest layer asked; shallower layers read a prefix
     all_q = components(model, rec, parts[:top], top, qcols, pos)
-    all_k = components(model, rec, parts[:top], top, kcols, pos)
+    same = qcols.shape == kcols.shape and bool(torch.equal(qcols, kcols))  # e.g. every cell of a head
+    all_k = all_q if same else components(model, rec, parts[:top], top, kcols, pos)
     for layer in sorted(by_layer):
         hs = by_layer[layer]
         kvs = sorted({model.kv_head(h) for h in hs})

@@ -227,12 +227,13 @@ def _rotary(model: HeadModel, layer: int) -> Rotary | None:
         with torch.no_grad():
             cos, sin = rot(torch.zeros(1, device=dev, dtype=torch.float32), pos.to(dev), **kw)
         cos, sin = cos.double().cpu(), sin.double().cpu()  # [N, P, d_rot]
+        one = v[..., :1, :, :] if v.dim() == 4 else v  # the function rotates a key too: a small one
         if positions.dim() == 1:
             cos, sin = cos[0], sin[0]  # [P, d_rot], broadcast over the leading dims
-            out, _ = apply(v, v, cos[None], sin[None], unsqueeze_dim=0)
+            out, _ = apply(v, one, cos[None], sin[None], unsqueeze_dim=0)
             return cast(torch.Tensor, out)
         # v [N, X, P, d]: cos [N, P, d] -> [N, 1, P, d]
-        out, _ = apply(v, v, cos, sin, unsqueeze_dim=1)
+        out, _ = apply(v, one, cos, sin, unsqueeze_dim=1)
         return cast(torch.Tensor, out)
 
     return rotary

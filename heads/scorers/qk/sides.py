@@ -228,10 +228,12 @@ def side(comps: Components, parts: LayerParts, kind: str, sel: list[int], positi
             vectors[:, -1] = vectors[:, -1] + shift[None, :, None, :]
             full = full + shift[None, :, None, :]
     rot = parts.rotation(positions) if kind != "v" else None
-    if rot is not None:
+    if rot is not None and parts.rotary is not None:  # the family's own rotary, elementwise, in chunks
         step = max(1, (1 << 22) // max(1, N * X * P * d))  # components per chunk: ~32 MB at a time
         for c0 in range(0, C + 1, step):
             chunk = vectors[:, c0 : c0 + step]
-            vectors[:, c0 : c0 + step] = torch.einsum("ncxpi,npij->ncxpj", chunk, rot)
-        full = torch.einsum("nxpi,npij->nxpj", full, rot)
+            n_c = chunk.shape[1]
+            flat = chunk.reshape(N, n_c * X, P, d)
+            vectors[:, c0 : c0 + step] = parts.rotary(flat, positions).reshape(N, n_c, X, P, d)
+        full = parts.rotary(full, positions)
     return Side(vectors, [*comps.names, "bias"], full, inv, factor, w_read, rot)

@@ -178,7 +178,9 @@ def run_sharded(target: Target, model: HeadModel, options: SweepOptions, kwargs:
     if isinstance(prompts := kwargs["prompts"], str):
         kwargs["prompts"] = [prompts]
     kwargs["prompts"] = list(kwargs["prompts"])
-    base = SweepOptions(max_rows=options.max_rows, progress=False, seed=options.seed)
+    base = SweepOptions(
+        max_rows=options.max_rows, progress=False, seed=options.seed, max_memory=options.max_memory
+    )
     assert options.executor is not None
     return run_shards(
         target,
@@ -283,6 +285,7 @@ def exact_ships(
     each head ablated alone, KL(p_base || p_ablated) at the last position per prompt."""
     heads = shard_heads(heads, options.shard)
     enc = encode_queries(model, prompts, template)
+    rows = options.rows_for(model, enc.length)  # a budget too small is refused before any forward
     with progress_callback(options.progress, "ships", "rows") as report:
         clean = clean_run(model, enc)
         kl = evaluate_variants(
@@ -291,7 +294,7 @@ def exact_ships(
             [[h] for h in heads],
             ablate_rows(model, ablation, eps),
             kl_from(clean.logp),
-            max_rows=options.max_rows,
+            max_rows=rows,
             progress=report,
         )  # [M, N]
     per_prompt = head_table(model, heads, kl.T).permute(2, 0, 1)  # [N, L, H]

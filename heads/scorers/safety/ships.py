@@ -24,7 +24,7 @@ import torch
 from heads._util.progress import offset_progress, progress_callback
 from heads._util.validation import check_bool, check_int, short_repr
 from heads.engine.executors import merge_tables
-from heads.engine.options import SweepOptions, sweep_options
+from heads.engine.options import SWEEP_KEYS, SweepOptions, sweep_options
 from heads.engine.variants import clean_run, evaluate_variants
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
@@ -97,7 +97,9 @@ def ships(
             merge shards with `merge_scores`; `executor` `"local"`, `"ray"` or an `Executor`
             splits the sweep into its shards, runs them (Ray: as tasks, each worker loading the
             model once) and merges them; `progress` a tqdm bar by default, counted in
-            (head, prompt) rows: `total` is `len(heads) * N`; `seed`). Default `SweepOptions()`.
+            (head, prompt) rows: `total` is `len(heads) * N`; `seed`; `max_memory` a budget
+            per device: fewer rows per forward where the plan needs it, refused before any
+            forward when one row does not fit). Default `SweepOptions()`.
         stability: bootstrap resamples of the prompts (default 0: none; e.g. 100) for the
             ranking's stability, `result.scores.stability` (from `per_prompt`, no extra forward).
         **deprecated: `max_rows=`, `shard=`, `progress=`, `seed=`, `executor=` as keywords
@@ -110,7 +112,7 @@ def ships(
     Raises:
         HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm, bad options.
     """
-    opts = sweep_options(options, deprecated, "ships")
+    opts = sweep_options(options, deprecated, "ships", takes=(*SWEEP_KEYS, "max_memory"))
     stability = check_stability(stability)
     if stability:
         check_samples(1 if isinstance(prompts, str) else len(prompts), stability, "prompts")

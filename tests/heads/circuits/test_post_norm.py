@@ -155,3 +155,45 @@ def test_post_norm_on_the_transformer_lens_backend_is_refused_by_name(monkeypatc
     monkeypatch.setattr(m.backend, "kind", "transformer_lens")
     with pytest.raises(HeadsteerValueError, match="model_type 'gemma2'.*transformer_lens"):
         graph_of(m)
+
+
+@pytest.mark.real
+def test_real_gemma3_shares_add_up_and_one_edge_is_exact(gemma3):
+    """On the real Gemma-3-270m (post-norms, QK-norm, sliding windows): the shares add up to the
+    stream, the decomposed forward gives the model's logits, and one edge's exact and EAP scores
+    equal the plain-hook computation."""
+    from tests.support.real_models import GEMMA3_PROMPT
+
+    ids = gemma3.tokenizer(GEMMA3_PROMPT, return_tensors="pt").input_ids[0, :12].tolist()
+    corr = list(ids)
+    corr[3] = gemma3.tokenizer(" banana", add_special_tokens=False).input_ids[0]
+    with torch.no_grad():
+        top = gemma3.model(input_ids=torch.tensor([ids])).logits[0, -1].topk(2).indices.tolist()
+    p = pairs_from_tokens([ids], [corr], [top[0]], [top[1]])
+    g = graph_of(gemma3)
+    mask = p.attention_mask
+    with torch.no_grad():
+        _, rc = run_graph(gemma3, g, p.clean_ids, mask, record=True)
+    acts = rc.acts()
+    w_o = [gemma3.layer_weights(la)["W_O"] for la in range(g.n_layers)]
+    total = acts.input.float() + sum(
+        acts.head_out(la, w_o[la]).sum(0).float() + acts.mlp[la].float() for la in range(g.n_layers)
+    )
+    final = acts.resid[-1].float()
+    assert float((total - final).abs().max()) <= 1e-4 * float(final.abs().max())
+    everything = g.valid[None]
+    with torch.no_grad():
+        same, _ = run_graph(gemma3, g, p.clean_ids, mask, patch=everything, corr=acts)
+    ref = _logits(gemma3, p.clean_ids, mask)
+    assert float((same - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    sc = edge_scores(gemma3, p, method="eap", progress=False).scores
+    v = g.mlp_input(1)
+    head = int(sc[g.head_node(0, 0) : g.head_node(0, g.n_heads), v].abs().argmax())  # the strongest
+    edges = torch.tensor([[g.head_node(0, head), v]])
+    ex = exact_scores(gemma3, p, edges=edges, progress=False).scores[edges[0, 0], edges[0, 1]].item()
+    want_exact, want_eap = _oracle(gemma3, p, head, "mlp1")
+    assert abs(want_eap) > 1e-3
+    assert sc[edges[0, 0], edges[0, 1]].item() == pytest.approx(want_eap, rel=1e-3)
+    # the exact effect is a difference of large logits: within a few of their float32 steps
+    ulp = float(torch.finfo(torch.float32).eps * ref.abs().max())
+    assert ex == pytest.approx(want_exact, abs=4 * ulp)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -167,7 +165,6 @@ def test_model_unchanged(llama):
     before = llama.model(input_ids=ids).logits
     qk_attribution(llama, ids, (2, 3), by="source_token")
     assert torch.equal(llama.model(input_ids=ids).logits, before)
-    assert not math.isnan(float(before.sum()))
 
 
 @pytest.mark.parametrize("by", ["component", "source_token"])

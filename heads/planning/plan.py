@@ -1,0 +1,515 @@
+"""`plan_memory`: the peak memory of an analysis or a steered generation, per device, from a model's
+config alone (docs/long-context.md, "Memory model").
+
+    peak(device) = weights(device) + fixed + sum over its layers of per_layer[kind] + extra
+
+* `weights`: the parameters the device holds, counted on a `meta`-device build of the config
+  (exact for any family; tied weights once), times the dtype's size.
+* `fixed + per_layer`: the live activation bytes of the family's own forward, traced without
+  weights (`heads.planning.trace`): the largest transient of a layer, the residual stream and
+  mask, plus what each layer keeps (its KV cache for a generation, its saved activations for a
+  gradient). Every device of a split holds the fixed part (the residual, mask and transients
+  travel with the layers); the per-layer part only for its own layers.
+* `extra`: what the analysis adds to the model's own forward, a closed form per analysis
+  (`ANALYSES`): the pattern readers' query blocks, the blocked kernel's pattern block, the
+  fused kernel's padded copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heads._util.validation import check_int, short_repr
+from heads.engine import state
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.planning.trace import layer_kinds, n_layers_of, text_config, traced_peak
+from heads.planning.units import format_bytes, parse_bytes
+
+__all__ = [
+    "ANALYSES",
+    "DevicePlan",
+    "MemoryPlan",
+    "MemoryRequest",
+    "geometry",
+    "plan_memory",
+    "rows_within",
+    "weight_bytes",
+]
+
+
+ANALYSES: dict[str, str] = {
+    "forward": "a plain forward, the last position's logits only (the baseline)",
+    "generate": "a steered generation: prefill and KV cache for tokens + new_tokens",
+    "sinks": "sink statistics (column sums of every pattern, read in query blocks)",
+    "detectors": "the pattern detectors (per-row sums of every pattern, read in query blocks)",
+    "retrieval": "the retrieval detector (the answer rows' patterns)",
+    "qrhead": "QRHead scores (the query rows' patterns)",
+    "knockout": "attention knockout (a row-by-column logit bias; fused kernel on long prompts)",
+    "gradient": "a forward and backward (attribution patching, EAP: gradients on activations)",
+}
+"""The analyses `plan_memory` knows, with what is planned for each."""
+
+_PARAMS: dict[str, tuple[str, ...]] = {
+    "generate": ("new_tokens", "kernel"),
+    "qrhead": ("query_rows",),
+    "retrieval": ("query_rows",),
+    "knockout": ("kernel",),
+}
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What to plan: an analysis of `ANALYSES` and its parameters.
+
+    Attributes:
+        analysis: a name of `ANALYSES`.
+        params: `new_tokens` (generate; default 0), `kernel` (`"auto"`, `"fused"`, `"blocked"`;
+            default auto: fused from `FUSED_MIN_ROWS_CPU` tokens on), `query_rows` (qrhead,
+            retrieval: the rows whose pattern is read; default 64).
+
+    An analysis request object (the per-analysis request dataclasses) plans the same way when it
+    has a `memory_request()` method returning one of these.
+
+    Raises:
+        HeadsteerValueError: an unknown analysis or parameter, a bad value.
+    """
+
+    analysis: str = "forward"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.analysis, str) or self.analysis not in ANALYSES:
+            raise HeadsteerValueError(
+                f"unknown analysis {short_repr(self.analysis)} for a memory plan: use one of "
+                f"{sorted(ANALYSES)}"
+            )
+        if not isinstance(self.params, Mapping):
+            raise HeadsteerTypeError(f"params must be a mapping, got {short_repr(self.params)}")
+        allowed = _PARAMS.get(self.analysis, ())
+        for k, v in self.params.items():
+            if k not in allowed:
+                raise HeadsteerValueError(
+                    f"{self.analysis} takes no parameter {short_repr(k)} in a memory plan "
+                    f"(takes {list(allowed)})"
+                )
+            if k == "kernel" and v not in state.KERNELS:
+                raise HeadsteerValueError(f"kernel must be one of {state.KERNELS}, got {short_repr(v)}")
+            if k in ("new_tokens", "query_rows"):
+                check_int(k, v, lo=0 if k == "new_tokens" else 1)
+        object.__setattr__(self, "params", dict(self.params))
+
+    def get(self, name: str, default: Any) -> Any:
+        return self.params.get(name, default)
+
+
+def _request(request: object) -> MemoryRequest:
+    if isinstance(request, MemoryRequest):
+        return request
+    if isinstance(request, str):
+        return MemoryRequest(request)
+    make = getattr(request, "memory_request", None)
+    if callable(make):
+        got = make()
+        if isinstance(got, MemoryRequest):
+            return got
+    raise HeadsteerTypeError(
+        f"request must be an analysis name, a MemoryRequest or a request with memory_request(), "
+        f"got {short_repr(request)}"
+    )
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Planned peak bytes of one device.
+
+    Attributes:
+        device: the device name (`"cpu"`, `"cuda:0"`, ...).
+        weights: bytes of the parameters it holds.
+        activations: bytes of live activations at the peak (the analysis' extra included).
+        layers: decoder layers it holds.
+    """
+
+    device: str
+    weights: int
+    activations: int
+    layers: int
+
+    @property
+    def total(self) -> int:
+        """`weights + activations`, the planned peak in bytes."""
+        return self.weights + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planned peak memory of one run, per device (`plan_memory`).
+
+    Attributes:
+        model: the config's model type.
+        request: what was planned.
+        tokens, batch, dtype: the run's shape and dtype.
+        devices: one `DevicePlan` per device, in order.
+    """
+
+    model: str
+    request: MemoryRequest
+    tokens: int
+    batch: int
+    dtype: str
+    devices: tuple[DevicePlan, ...]
+
+    @property
+    def peak(self) -> int:
+        """The largest planned device total, in bytes."""
+        return max(d.total for d in self.devices)
+
+    def fits(self, budget: object) -> bool:
+        """True when every device's planned peak is within `budget` (bytes or `"24GB"`)."""
+        return self.peak <= parse_bytes(budget, "budget")
+
+    def to_json(self) -> dict:
+        """The plan as plain JSON values (bytes as ints)."""
+        return {
+            "model": self.model,
+            "analysis": self.request.analysis,
+            "params": dict(self.request.params),
+            "tokens": self.tokens,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "peak_bytes": self.peak,
+            "devices": [
+                {
+                    "device": d.device,
+                    "layers": d.layers,
+                    "weights_bytes": d.weights,
+                    "activation_bytes": d.activations,
+                    "total_bytes": d.total,
+                }
+                for d in self.devices
+            ],
+        }
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{d.device}: {format_bytes(d.total)} ({format_bytes(d.weights)} weights + "
+            f"{format_bytes(d.activations)} activations, {d.layers} layers)"
+            for d in self.devices
+        )
+        return (
+            f"MemoryPlan({self.model} {self.request.analysis}, {self.tokens} tokens x {self.batch}, "
+            f"{self.dtype}: peak {format_bytes(self.peak)}; {parts})"
+        )
+
+
+# ---------------------------------------------------------------- geometry and weights
+def geometry(config: Any) -> dict[str, int]:
+    """`n_layers, n_heads, n_kv_heads, d_head, d_model, d_vocab` read from a config (a
+    vision-language config: its language model)."""
+    cfg = text_config(config)
+
+    def first(*names: str, default: int | None = None) -> int:
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        if default is None:
+            raise HeadsteerValueError(f"{type(cfg).__name__} sets none of {names}: cannot plan its memory")
+        return default
+
+    d_model = first("hidden_size", "n_embd", "d_model")
+    n_heads = first("num_attention_heads", "n_head", "num_heads")
+    return {
+        "n_layers": n_layers_of(cfg),
+        "n_heads": n_heads,
+        "n_kv_heads": first("num_key_value_heads", "num_kv_heads", default=n_heads),
+        "d_head": first("head_dim", default=d_model // n_heads),
+        "d_model": d_model,
+        "d_vocab": first("vocab_size"),
+    }
+
+
+_CACHE: dict[tuple, Any] = {}  # (what, config key, ...) -> result; configs are not hashable
+
+
+def _cached(key: tuple, make: Any) -> Any:
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) > 128:
+            _CACHE.clear()
+        hit = _CACHE[key] = make()
+    return hit
+
+
+def _config_key(config: Any) -> str:
+    d = text_config(config).to_dict()
+    for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def _param_sizes(config: Any) -> tuple[tuple[str, int], ...]:
+    """`(name, numel)` of every parameter of a `meta`-device build (tied weights once)."""
+    from transformers import AutoModelForCausalLM
+
+    def make() -> tuple[tuple[str, int], ...]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(text_config(config)))
+        return tuple((n, p.numel()) for n, p in model.named_parameters())
+
+    sizes: tuple[tuple[str, int], ...] = _cached(("params", _config_key(config)), make)
+    return sizes
+
+
+def weight_bytes(config: Any, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of every parameter (by name) of the model of `config` in `dtype`, without weights."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return {n: k * size for n, k in _param_sizes(config)}
+
+
+# ---------------------------------------------------------------- the analyses' extras
+def _fused(request: MemoryRequest, tokens: int, device: str) -> bool:
+    kernel = request.get("kernel", "auto")
+    if kernel != "auto":
+        return bool(kernel == "fused")
+    return device.startswith("cuda") or tokens >= state.FUSED_MIN_ROWS_CPU
+
+
+def _extra(
+    request: MemoryRequest, g: dict[str, int], tokens: int, batch: int, dtype: torch.dtype, device: str
+) -> int:
+    """Bytes an analysis adds to the model's own forward (the closed forms of docs/long-context.md)."""
+    b, h, d, t = batch, g["n_heads"], g["d_head"], tokens
+    item = torch.empty(0, dtype=dtype).element_size()
+    kv_copies = 2 * b * h * t * d * item  # the explicit path repeats K and V per query head (GQA)
+    name = request.analysis
+    if name in ("sinks", "detectors", "retrieval", "qrhead"):
+        rows = state.read_block_rows(b, h, t)
+        if name in ("retrieval", "qrhead"):
+            rows = min(rows, int(request.get("query_rows", 64)))
+        block = b * h * rows * t * 4  # fp32 pattern block
+        return kv_copies + READ_BLOCK_COPIES * block
+    if name in ("generate", "knockout"):
+        if _fused(request, t, device):  # only the edited heads run through flex_attention, padded
+            return FUSED_COPIES * b * h * (t + 128) * d * item
+        rows = min(state.QUERY_BLOCK, t)
+        return kv_copies + BLOCKED_COPIES * b * h * rows * t * 4
+    return 0
+
+
+READ_BLOCK_COPIES = 6
+"""fp32 pattern-block-sized tensors alive at once while a block is read (logits, the mask added,
+the probabilities, the masked probabilities, the analysis' own product and sum)."""
+
+BLOCKED_COPIES = 5
+"""... on the blocked kernel's edited path (logits, biased logits, probabilities, edited pattern,
+its value product input)."""
+
+FUSED_COPIES = 4
+"""`[B, H, T_padded, d]` tensors the fused kernel adds (padded query, key, value, output)."""
+
+
+# ---------------------------------------------------------------- devices
+def _device_split(
+    names: Sequence[str], kinds: list[str], devices: object
+) -> list[tuple[str, set[int], list[str]]]:
+    """`(device, its layer indices, parameter-name prefixes it holds)` per device."""
+    n = len(kinds)
+    if devices is None:
+        return [("cpu", set(range(n)), [""])]
+    if isinstance(devices, bool) or not isinstance(devices, (int, str, Sequence, Mapping)):
+        raise HeadsteerTypeError(
+            "devices must be None, a device count, a list of devices or a device_map, got "
+            f"{short_repr(devices)}"
+        )
+    if isinstance(devices, str):
+        return [(devices, set(range(n)), [""])]
+    if isinstance(devices, int):
+        devices = [f"cuda:{i}" for i in range(check_int("devices", devices, lo=1))]
+    if isinstance(devices, Mapping):  # a device_map {module prefix: device}
+        return _from_map(names, n, devices)
+    devs = [str(x) for x in devices]
+    if not devs:
+        raise HeadsteerValueError("devices is empty")
+    # layers split evenly in order (accelerate's sequential placement); the embedding with the
+    # first layers, the final norm and the unembedding with the last
+    per = -(-n // len(devs))
+    out: list[tuple[str, set[int], list[str]]] = []
+    for i, dev in enumerate(devs):
+        layers = set(range(i * per, min(n, (i + 1) * per)))
+        out.append((dev, layers, []))
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p in ("layers", "h", "layer", "blocks") and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def _from_map(names: Sequence[str], n: int, device_map: Mapping) -> list[tuple[str, set[int], list[str]]]:
+    devs: dict[str, tuple[set[int], list[str]]] = {}
+    for prefix, dev in device_map.items():
+        if not isinstance(prefix, str):
+            raise HeadsteerValueError(f"device_map keys must be module names, got {short_repr(prefix)}")
+        entry = devs.setdefault(str(dev), (set(), []))
+        entry[1].append(prefix)
+        layer = _layer_of(prefix + ".x")
+        if layer is not None:
+            entry[0].add(layer)
+    unplaced = [x for x in names if not any(_owns(p, x) for _, ps in devs.values() for p in ps)]
+    if unplaced:
+        raise HeadsteerValueError(f"device_map places no device for {short_repr(unplaced[0])}")
+    return [(d, layers, prefixes) for d, (layers, prefixes) in devs.items()]
+
+
+def _owns(prefix: str, name: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+# ---------------------------------------------------------------- the plan
+def _config_of(config: object) -> Any:
+    """The transformers config of `config` (see `plan_memory`), never reading a weight."""
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        return config
+    model = getattr(config, "model", None)  # a HeadModel
+    if model is not None and hasattr(model, "config"):
+        return model.config
+    if config is None or isinstance(config, str) or hasattr(config, "__fspath__"):
+        import os
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        from heads.model.loading import PACKAGED_MODELS, _resolve, check_config
+
+        path = None if config is None else Path(os.fspath(config)).expanduser()
+        if path is not None and path.is_dir():
+            check_config(path)
+            return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        if config is None or str(config) in PACKAGED_MODELS:
+            where, _ = _resolve(config)  # the embedded model's cache
+            return AutoConfig.from_pretrained(where, trust_remote_code=False)
+        if path is not None and path.exists():
+            raise HeadsteerValueError(f"{str(config)!r} is not a model folder")
+        return AutoConfig.from_pretrained(str(config), trust_remote_code=False)  # a hub id: config.json only
+    raise HeadsteerTypeError(
+        f"config must be a transformers config, a HeadModel or a model folder, got {short_repr(config)}"
+    )
+
+
+def plan_memory(
+    config: object,
+    request: object = "forward",
+    tokens: int = 1024,
+    batch: int = 1,
+    dtype: torch.dtype | str = torch.float32,
+    devices: object = None,
+) -> MemoryPlan:
+    """The planned peak memory per device of `request` on `batch` rows of `tokens` tokens, from
+    the model's config alone: no weight is read or allocated (docs/long-context.md).
+
+    Args:
+        config: a `transformers` config (a vision-language config: its language model), a
+            `HeadModel` (its config) or a model folder / name as `load_model` takes (its
+            `config.json` only).
+        request: an analysis name of `ANALYSES` (default `"forward"`), a `MemoryRequest` (an
+            analysis and its parameters), or a request object with `memory_request()`.
+        tokens: the sequence length (the prompt; `generate` adds `new_tokens`), >= 1.
+        batch: rows per forward, >= 1.
+        dtype: the model's dtype (`torch.bfloat16` or `"bfloat16"`, ...; default float32).
+        devices: None (one device, `"cpu"`), a device name, a GPU count (layers split evenly
+            over `cuda:0..n-1`), a list of device names (the same), or a `device_map`
+            (`{module name: device}`, as `load_model(device_map=...)` takes).
+
+    Returns:
+        a `MemoryPlan` (per device: weights, activations, total; `peak`, `fits(budget)`).
+
+    Raises:
+        HeadsteerValueError: an unknown analysis, a bad length / batch / dtype, more tokens than
+            the model's positions, a device_map that leaves a parameter unplaced.
+        HeadsteerTypeError: a config, request or devices of a wrong type.
+
+    Measured against RSS peaks on CPU (0.1B-1B random-weight models, fp32 and bf16): the
+    benchmark `benchmarks/long_context_analyses.py` reports the largest error, `plan_error_max`.
+    """
+    from heads.model.loading import check_dtype
+
+    cfg = _config_of(config)
+    req = _request(request)
+    tokens = check_int("tokens", tokens, lo=1)
+    batch = check_int("batch", batch, lo=1)
+    dt = check_dtype(dtype)
+    limit = getattr(text_config(cfg), "max_position_embeddings", None)
+    total_tokens = tokens + int(req.get("new_tokens", 0))
+    if isinstance(limit, int) and total_tokens > limit:
+        raise HeadsteerValueError(f"{total_tokens} tokens exceed the model's limit of {limit} positions")
+    g = geometry(cfg)
+    kinds = layer_kinds(cfg)
+    mode = {"generate": "cache", "gradient": "backward"}.get(req.analysis, "forward")
+    traced = _cached(
+        ("trace", _config_key(cfg), mode, total_tokens, batch, dt),
+        lambda: traced_peak(cfg, mode, total_tokens, batch, dt),
+    )
+    sizes = weight_bytes(cfg, dt)
+    split = _device_split(list(sizes), kinds, devices)
+    plans = []
+    for i, (dev, layers, prefixes) in enumerate(split):
+        if prefixes:
+            w = sum(v for n, v in sizes.items() if any(_owns(p, n) for p in prefixes))
+        else:  # an even split: layer parameters by index, the rest on the first / last device
+            w = 0
+            for n, v in sizes.items():
+                la = _layer_of(n)
+                if la is not None:
+                    w += v if la in layers else 0
+                elif ("embed" in n or ".wte." in n or ".wpe." in n) and i == 0:
+                    w += v
+                elif not ("embed" in n or ".wte." in n or ".wpe." in n) and i == len(split) - 1:
+                    w += v
+        count: dict[str, int] = {}
+        for la in layers:
+            count[kinds[la]] = count.get(kinds[la], 0) + 1
+        act = traced.at(count) + _extra(req, g, total_tokens, batch, dt, dev)
+        plans.append(DevicePlan(dev, int(w), int(act), len(layers)))
+    return MemoryPlan(
+        str(text_config(cfg).model_type), req, tokens, batch, str(dt).replace("torch.", ""), tuple(plans)
+    )
+
+
+def rows_within(
+    config: object,
+    budget: object,
+    request: object = "forward",
+    tokens: int = 1024,
+    dtype: torch.dtype | str = torch.float32,
+    devices: object = None,
+    most: int | None = None,
+) -> int:
+    """The largest batch (at most `most`) whose planned peak stays within `budget`, from the
+    plans at batch 1 and 2 (activations grow linearly in the batch).
+
+    Raises:
+        HeadsteerValueError: even one row does not fit: the message names the minimum (the
+            plan at batch 1) and the budget; a bad budget.
+    """
+    limit = parse_bytes(budget, "max_memory")
+    one = plan_memory(config, request, tokens, 1, dtype, devices)
+    if one.peak > limit:
+        raise HeadsteerValueError(
+            f"{one.request.analysis} on {tokens} tokens needs at least {format_bytes(one.peak)} "
+            f"(one row: {one!r}); max_memory is {format_bytes(limit)}"
+        )
+    two = plan_memory(config, request, tokens, 2, dtype, devices)
+    rows = most if most is not None else 1 << 20
+    for a, b in zip(one.devices, two.devices, strict=True):
+        step = max(1, b.total - a.total)
+        rows = min(rows, 1 + (limit - a.total) // step)
+    return max(1, int(rows))

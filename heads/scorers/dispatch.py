@@ -1,0 +1,411 @@
+"""`run(model, request, inputs)`: the one entry that runs any analysis request.
+
+Every analysis has a request class (`heads.scorers.request_base.Request`) and a runner
+`run_<analysis>(model, inputs, request, options=None)`; this table maps each request type to its
+runner. The CLI, the explorer and the server build a request from their input (`Request.from_json`
+for JSON), check it against the model's config before the weights load (`check_config`), and run
+it here:
+
+    from heads import PatchRequest, run
+    result = run(model, PatchRequest(kind="head_out"), pairs)
+    result = run(model, {"request": "patch", "kind": "q"}, pairs)   # JSON-shaped, e.g. from a server
+
+`inputs` is what the analysis reads: prompt pairs (`encode_pairs`) for the causal analyses,
+prompts / texts for Ships, the sink statistics and the lens, relations for MAPS, a `GateTask`,
+question items for QRHead, the gathered scores for the atlas, nothing for weight-only analyses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from heads.engine.options import SweepOptions
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.gating.request import GatingRequest
+from heads.scorers.maps.request import MapsRequest
+from heads.scorers.patching.request import (
+    DLARequest,
+    KnockoutRequest,
+    LensRequest,
+    PatchRequest,
+    PathPatchRequest,
+)
+from heads.scorers.qk.request import CompositionRequest, QKRequest
+from heads.scorers.request_base import Request
+from heads.scorers.retrieval.request import QRHeadRequest
+from heads.scorers.roles.request import AtlasRequest, DetectRolesRequest, LensTrainRequest
+from heads.scorers.safety.request import AttributionRequest, DatasetShipsRequest, SaharaRequest, ShipsRequest
+from heads.scorers.sink_requests import SinkDimsRequest, SinkStatsRequest
+
+__all__ = ["RUNNERS", "run"]
+
+Runner = Callable[[HeadModel, Any, Any, SweepOptions | None], Any]
+
+
+def _opts(options: SweepOptions | None) -> SweepOptions:
+    if options is None:
+        return SweepOptions()
+    if not isinstance(options, SweepOptions):
+        raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {type(options).__name__}")
+    return options
+
+
+def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.patching.activation import patch
+
+    return patch(
+        model,
+        pairs,
+        r.kind,
+        metric=r.metric,
+        direction=r.direction,
+        layers=r.layers,
+        positions=r.positions,
+        options=options,
+        stability=r.stability,
+    )
+
+
+def _path_patch(model: HeadModel, pairs: Any, r: PathPatchRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.patching.path import path_patch
+
+    return path_patch(
+        model,
+        pairs,
+        r.senders,
+        r.receivers,
+        inputs=r.inputs,
+        mlp=r.mlp,
+        direction=r.direction,
+        metric=r.metric,
+        positions=r.positions,
+        options=options,
+    )
+
+
+def _dla(model: HeadModel, pairs: Any, r: DLARequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.patching.logit import direct_logit_attribution
+
+    return direct_logit_attribution(model, pairs, which=r.which, stability=r.stability)
+
+
+def _lens(model: HeadModel, pairs: Any, r: LensRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.patching.logit import logit_lens
+
+    return logit_lens(model, pairs, which=r.which, k=r.k)
+
+
+def _knockout(model: HeadModel, pairs: Any, r: KnockoutRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.patching.knockout import run_knockout
+
+    return run_knockout(model, pairs, r, options)
+
+
+def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.circuits.circuit import find_circuit
+
+    o = _opts(options)
+    return find_circuit(
+        model,
+        pairs,
+        method=r.method,
+        n=r.n,
+        size=r.size,
+        threshold=r.threshold,
+        steps=r.steps,
+        metric=r.metric,
+        confirm=r.confirm,
+        curve=r.curve,
+        sizes=r.sizes,
+        batch_rows=o.max_rows,
+        progress=o.progress,
+        stability=r.stability,
+        faithfulness=r.faithfulness,
+    )
+
+
+def _detect_roles(
+    model: HeadModel, sequences: Any, r: DetectRolesRequest, options: SweepOptions | None
+) -> Any:
+    from heads.scorers.roles.detectors import detect_roles
+
+    return detect_roles(
+        model,
+        sequences,
+        apply_first_mlp=r.apply_first_mlp,
+        seed=r.seed,
+        retrieval=r.retrieval,
+        successor=r.successor,
+        stability=r.stability,
+    )
+
+
+def _train_lens(model: HeadModel, texts: Any, r: LensTrainRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.roles.lens import train_lens
+
+    return train_lens(
+        model,
+        texts,
+        r.heads,
+        form=r.form,
+        epochs=r.epochs,
+        lr=r.lr,
+        batch_positions=r.batch_positions,
+        held_out=r.held_out,
+        patience=r.patience,
+        max_positions=r.max_positions,
+        seed=r.seed,
+        progress=_opts(options).progress,
+    )
+
+
+def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.roles.atlas import head_atlas
+
+    given = {} if inputs is None else inputs
+    if not isinstance(given, Mapping):
+        raise HeadsteerTypeError(
+            "the atlas' inputs are a mapping of the scores it gathers (detectors, scores, sinks, maps, "
+            "lens), "
+            f"got {type(inputs).__name__}"
+        )
+    known = ("detectors", "scores", "sinks", "maps", "lens")
+    unknown = [k for k in given if k not in known]
+    if unknown:
+        raise HeadsteerValueError(f"unknown atlas input {unknown[0]!r}; known: {', '.join(known)}")
+    return head_atlas(
+        model,
+        **given,
+        thresholds=r.thresholds,
+        thumbnails=r.thumbnails,
+        lens_text=r.lens_text,
+        seed=r.seed,
+        stability=r.stability,
+    )
+
+
+def _ships(model: HeadModel, prompts: Any, r: ShipsRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.safety.ships import ships
+
+    return ships(
+        model,
+        prompts,
+        heads=r.heads,
+        ablation=r.ablation,
+        eps=r.eps,
+        exact=r.exact,
+        template=r.template,
+        method=r.method,
+        confirm=r.confirm,
+        controls=r.controls,
+        options=options,
+        stability=r.stability,
+    )
+
+
+def _dataset_ships(
+    model: HeadModel, prompts: Any, r: DatasetShipsRequest, options: SweepOptions | None
+) -> Any:
+    from heads.scorers.safety.ships import dataset_ships
+
+    return dataset_ships(
+        model,
+        prompts,
+        heads=r.heads,
+        ablation=r.ablation,
+        eps=r.eps,
+        exact=r.exact,
+        r_main=r.r_main,
+        degrees=r.degrees,
+        template=r.template,
+        options=options,
+    )
+
+
+def _sahara(model: HeadModel, prompts: Any, r: SaharaRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.safety.ships import sahara
+
+    return sahara(
+        model,
+        prompts,
+        steps=r.steps,
+        heads=r.heads,
+        ablation=r.ablation,
+        eps=r.eps,
+        exact=r.exact,
+        r_main=r.r_main,
+        template=r.template,
+        options=options,
+    )
+
+
+def _attribution(model: HeadModel, prompts: Any, r: AttributionRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.safety.attribution import attribute
+
+    return attribute(
+        model,
+        prompts,
+        heads=r.heads,
+        ablation=r.ablation,
+        eps=r.eps,
+        exact=r.exact,
+        metric=r.metric,
+        kl_tokens=r.kl_tokens,
+        saturation_fix=r.saturation_fix,
+        graddrop=r.graddrop,
+        template=r.template,
+        options=options,
+        stability=r.stability,
+    )
+
+
+def _maps(model: HeadModel, relations: Any, r: MapsRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.maps.static import maps_scores
+
+    return maps_scores(model, relations, apply_first_mlp=r.apply_first_mlp, progress=_opts(options).progress)
+
+
+def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.retrieval.qrhead import qrhead_scores
+
+    return qrhead_scores(model, items, null_query=r.null_query, chat=r.chat, progress=_opts(options).progress)
+
+
+def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.gating.chg import gate_heads
+
+    return gate_heads(
+        model,
+        task,
+        steps=r.steps,
+        reg_steps=r.reg_steps,
+        lr=r.lr,
+        reg_weight=r.reg_weight,
+        clamp=r.clamp,
+        batch_size=r.batch_size,
+        grad_norm=r.grad_norm,
+        init=r.init,
+        n_masks=r.n_masks,
+        heads=r.heads,
+        threshold=r.threshold,
+        seed=r.seed,
+        progress=_opts(options).progress,
+        stability=r.stability,
+    )
+
+
+def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.sinks import SinkRule, sink_stats
+
+    rule = SinkRule(rule=r.rule, alpha_s=r.alpha_s, theta=r.theta, exempt=r.exempt, min_support=r.min_support)
+    return sink_stats(model, prompts, rule=rule, chat=r.chat, markup=r.markup)
+
+
+def _sink_dims(model: HeadModel, prompts: Any, r: SinkDimsRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.sink_dims import find_sink_dims
+
+    return find_sink_dims(model, prompts, from_layer=r.from_layer, max_dims=r.max_dims, min_ratio=r.min_ratio)
+
+
+def _qk(model: HeadModel, prompts: Any, r: QKRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.qk.attribution import qk_attribution
+
+    return qk_attribution(model, prompts, r.head, query=r.query, keys=r.keys, by=r.by, chat=r.chat)
+
+
+def _composition(model: HeadModel, prompts: Any, r: CompositionRequest, options: SweepOptions | None) -> Any:
+    from heads.scorers.qk.composition import composition_scores, data_composition_scores
+
+    if r.method == "data":
+        if prompts is None:
+            raise HeadsteerValueError("composition_scores(method='data') needs prompts as its input")
+        return data_composition_scores(model, prompts, chat=r.chat)
+    if prompts is not None:
+        raise HeadsteerValueError(
+            "composition_scores(method='weights') reads the weights only; pass no input"
+        )
+    return composition_scores(
+        model,
+        readers=r.readers,
+        subtract_baseline=r.subtract_baseline,
+        n_samples=r.n_samples,
+        seed=r.seed,
+    )
+
+
+RUNNERS: dict[type[Request], Runner] = {
+    PatchRequest: _patch,
+    PathPatchRequest: _path_patch,
+    DLARequest: _dla,
+    LensRequest: _lens,
+    KnockoutRequest: _knockout,
+    CircuitRequest: _circuit,
+    DetectRolesRequest: _detect_roles,
+    LensTrainRequest: _train_lens,
+    AtlasRequest: _atlas,
+    ShipsRequest: _ships,
+    DatasetShipsRequest: _dataset_ships,
+    SaharaRequest: _sahara,
+    AttributionRequest: _attribution,
+    MapsRequest: _maps,
+    QRHeadRequest: _qrhead,
+    GatingRequest: _gating,
+    SinkStatsRequest: _sink_stats,
+    SinkDimsRequest: _sink_dims,
+    QKRequest: _qk,
+    CompositionRequest: _composition,
+}
+"""Request type -> `runner(model, inputs, request, options)`."""
+
+_NO_INPUT = (CompositionRequest, AtlasRequest, DetectRolesRequest)
+"""Requests whose input may be left out (weights only, gathered scores, default sequences)."""
+
+
+def run(
+    model: HeadModel,
+    request: Request | Mapping[str, Any] | str,
+    *inputs: Any,
+    options: SweepOptions | None = None,
+) -> Any:
+    """Run an analysis request on `model`.
+
+    Args:
+        model: the `HeadModel`.
+        request: a request (`PatchRequest(...)`, `CircuitRequest(...)`, ...), or its JSON (text or
+            mapping with a `"request"` name, `Request.from_json`).
+        *inputs: the analysis' input, one value: pairs, prompts, texts, relations, a task, items;
+            none for a weight-only analysis (`CompositionRequest(method="weights")`), optional for
+            the detectors (default sequences) and the atlas (a mapping of gathered scores).
+        options: `SweepOptions` (rows per forward, progress, ...) for the analyses that sweep.
+
+    Returns:
+        the analysis' result (each follows `heads.results.protocol.Result`).
+
+    Raises:
+        HeadsteerTypeError: `request` neither a request nor its JSON, `model` not a `HeadModel`.
+        HeadsteerValueError: a bad request (JSON: unknown name or key, a bad value), more than one
+            input or a missing one, a geometry the model does not have (`Request.check_config`),
+            and whatever the analysis refuses — all before any forward.
+    """
+    if isinstance(request, (Mapping, str, bytes)):
+        request = Request.from_json(request)
+    if not isinstance(request, Request):
+        raise HeadsteerTypeError(
+            f"request must be an analysis request or its JSON, got {type(request).__name__}"
+        )
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    runner = RUNNERS.get(type(request))
+    if runner is None:  # pragma: no cover - every request class has a runner (tested)
+        raise HeadsteerValueError(f"no runner for {type(request).__name__}")
+    if len(inputs) > 1:
+        raise HeadsteerValueError(f"run() takes one input for a {request.NAME} request, got {len(inputs)}")
+    if not inputs and not isinstance(request, _NO_INPUT):
+        raise HeadsteerValueError(
+            f"a {request.NAME} request needs its input (pairs, prompts, ...): run(model, request, inputs)"
+        )
+    request.check_config(model)
+    return runner(model, inputs[0] if inputs else None, request, options)

@@ -1,0 +1,388 @@
+"""The requests of the causal analyses on prompt pairs: activation patching (`PatchRequest`), path
+patching (`PathPatchRequest`), direct logit attribution (`DLARequest`), the logit lens
+(`LensRequest`) and attention knockout (`KnockoutRequest`).
+
+Pure data (see `heads.scorers.request_base`): each checks its values when built and its geometry
+against a model config (`check_config`) before any weight is read; the pairs themselves are the
+analysis' input, checked when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from heads._util.validation import check_number, short_repr
+from heads.errors import HeadsteerValueError
+from heads.results.stability import check_stability
+from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric
+from heads.scorers.request_base import (
+    Geometry,
+    Request,
+    check_choice,
+    check_head_pairs,
+    check_layers,
+    check_positions,
+)
+
+__all__ = [
+    "BY_POSITION",
+    "KINDS",
+    "KNOCKOUT_PER",
+    "MLP_MODES",
+    "RECEIVER_INPUTS",
+    "WHICH",
+    "DLARequest",
+    "KnockoutRequest",
+    "LensRequest",
+    "PatchRequest",
+    "PathPatchRequest",
+    "check_kind_family",
+]
+
+KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
+"""The activation-patching site kinds (`heads.scorers.patching.activation`)."""
+
+BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+"""The kinds scored per position (the ones that take `positions`)."""
+
+RECEIVER_INPUTS = ("q", "k", "v")
+"""The inputs of a receiver head that path patching can patch."""
+
+MLP_MODES = ("recompute", "frozen")
+"""How path patching treats the MLPs between sender and receiver."""
+
+WHICH = ("clean", "corrupted")
+"""Which prompt of each pair DLA, the lens and knockout run."""
+
+KNOCKOUT_PER = ("all", "layer", "head")
+"""How knockout cuts its layers x heads: one cell, each layer alone, each head alone."""
+
+MetricArg = str | Metric | Callable[..., Any]
+
+
+def _metric(value: object) -> Any:
+    """A metric name, `Metric` or function, checked by `get_metric` (an unknown name is named)."""
+    get_metric(value)  # type: ignore[arg-type]
+    return value
+
+
+def check_kind_family(family: Any, kind: str) -> None:
+    """Refuse a patching site kind the model family does not have (from the family entry alone).
+
+    Raises:
+        HeadsteerValueError: `mlp_out` on a family whose MLP is not one module (OPT, BioGPT);
+            `k` / `v` on multi-head latent attention (keys and values come from a shared latent);
+            `k` where the key norm spans all heads (OLMo 2: a head's key-projection columns are
+            not that head's key).
+    """
+    if family is None:
+        return
+    name = short_repr(family.model_type)
+    if kind == "mlp_out" and family.mlp is None:
+        raise HeadsteerValueError(
+            f"kind='mlp_out' is not available on {name}: its MLP is not one module (the layers sit in the "
+            "decoder block); patch 'resid_pre', 'attn_out' or heads instead"
+        )
+    if kind in ("k", "v") and family.latent:
+        raise HeadsteerValueError(
+            f"kind={short_repr(kind)} is not available on {name} (multi-head latent attention: keys and "
+            "values come from a shared latent, there is no per-KV-head projection); patch 'q', "
+            "'head_out' or 'pattern' instead"
+        )
+    if kind == "k" and family.qk_norm == "all_heads":
+        raise HeadsteerValueError(
+            f"kind='k' is not available on {name}: its key norm spans all KV heads, so a head's key "
+            "projection columns are not that head's key; patch 'q', 'v', 'head_out' or 'pattern' instead"
+        )
+
+
+def _check_int_positions(geometry: Geometry, name: str, positions: object) -> None:
+    if isinstance(positions, tuple):
+        for p in positions:
+            if isinstance(p, int):
+                geometry.check_position(name, p)
+
+
+@dataclass(frozen=True)
+class PatchRequest(Request):
+    """Activation patching of every site of `kind` (`heads.patch`).
+
+    Attributes:
+        kind: the site kind, one of `KINDS` (default `"head_out"`).
+        direction: `"denoising"` (default: clean values into the corrupted run) or `"noising"`.
+        metric: `"logit_diff"` (default), `"log_prob"`, `"prob"`, `"kl"`, a `Metric` or a function
+            (a function cannot be written as JSON).
+        layers: layers to score (default None: all), kept sorted without repeats.
+        positions: padded columns for the by-position kinds (`BY_POSITION`; negative counts from
+            the end) or `"image"` (vision pairs' image tokens); default None: all.
+        stability: bootstrap resamples of the pairs for the head ranking (0: none; 2..10000).
+
+    Raises:
+        HeadsteerValueError: an unknown kind / direction / metric, positions for a kind that patches
+            every position, stability on a kind without heads; `check_config`: layers or positions
+            out of range, a kind the family does not have (`check_kind_family`).
+    """
+
+    NAME = "patch"
+
+    kind: str = "head_out"
+    direction: str = "denoising"
+    metric: MetricArg = "logit_diff"
+    layers: Sequence[int] | None = None
+    positions: Sequence[int] | str | None = None
+    stability: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise HeadsteerValueError(f"unknown patching kind {short_repr(self.kind)}; use one of {KINDS}")
+        check_choice("direction", self.direction, DIRECTIONS)
+        _metric(self.metric)
+        object.__setattr__(self, "layers", check_layers("layers", self.layers))
+        positions = check_positions("positions", self.positions, names=("image",))
+        if positions is not None and self.kind not in BY_POSITION:
+            raise HeadsteerValueError(
+                f"positions are only taken by the by-position kinds {BY_POSITION}, not "
+                f"kind={short_repr(self.kind)} (it patches every position)"
+            )
+        object.__setattr__(self, "positions", positions)
+        stability = check_stability(self.stability)
+        if stability and self.kind in ("resid_pre", "attn_out", "mlp_out"):
+            raise HeadsteerValueError(f"stability ranks heads; kind={short_repr(self.kind)} has no head axis")
+        object.__setattr__(self, "stability", stability)
+
+    def check_geometry(self, geometry: Geometry) -> None:
+        check_kind_family(geometry.family, self.kind)
+        for la in self.layers or ():
+            geometry.check_layer("layers", la)
+        _check_int_positions(geometry, "positions", self.positions)
+
+
+@dataclass(frozen=True)
+class PathPatchRequest(Request):
+    """Path patching from sender heads to receivers (`heads.path_patch`).
+
+    Attributes:
+        senders: sender heads (`(layer, head)` pairs or `{layer: [heads]}`); default None: every
+            head, one at a time.
+        receivers: `"logits"` (default: the residual stream read by the unembedding) or receiver
+            heads (KV heads when `inputs` are k / v).
+        inputs: the receiver inputs patched: `"q"` (default), `"k"`, `"v"` or a list of them.
+        mlp: `"recompute"` (default: MLPs see the patched heads) or `"frozen"`.
+        direction: `"noising"` (default) or `"denoising"`.
+        metric: as `PatchRequest.metric`.
+        positions: padded query columns the senders' paths are patched at (default None: all).
+
+    Raises:
+        HeadsteerValueError: an unknown input / mlp mode / direction / metric; inputs other than q
+            with `receivers="logits"`; no receiver heads; `check_config`: heads out of range, q mixed
+            with k / v on a GQA model, k / v the family does not have per KV head.
+    """
+
+    NAME = "path_patch"
+
+    senders: Sequence[tuple[int, int]] | None = None
+    receivers: Sequence[tuple[int, int]] | str = "logits"
+    inputs: Sequence[str] | str = "q"
+    mlp: str = "recompute"
+    direction: str = "noising"
+    metric: MetricArg = "logit_diff"
+    positions: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("direction", self.direction, DIRECTIONS)
+        check_choice("mlp", self.mlp, MLP_MODES)
+        _metric(self.metric)
+        inputs = self.inputs
+        if isinstance(inputs, str):
+            comps: tuple[str, ...] = (inputs,)
+        elif isinstance(inputs, Sequence) and inputs and all(isinstance(c, str) for c in inputs):
+            comps = tuple(dict.fromkeys(inputs))
+        else:
+            raise HeadsteerValueError(
+                f"inputs must be one of {RECEIVER_INPUTS} or a list of them, got {short_repr(inputs)}"
+            )
+        for c in comps:
+            if c not in RECEIVER_INPUTS:
+                raise HeadsteerValueError(
+                    f"unknown receiver input {short_repr(c)}; use one of {RECEIVER_INPUTS}"
+                )
+        object.__setattr__(self, "inputs", comps)
+        if isinstance(self.receivers, str) and self.receivers == "logits":
+            if comps != ("q",):
+                raise HeadsteerValueError(
+                    f"inputs={short_repr(inputs)} needs receiver heads; receivers='logits' patches the "
+                    "residual stream"
+                )
+        else:
+            if isinstance(self.receivers, str) and not self.receivers.endswith(".json"):
+                raise HeadsteerValueError(
+                    f"receivers must be 'logits' or a head selection, got {short_repr(self.receivers)}"
+                )
+            recv = check_head_pairs("receivers", self.receivers)
+            if not recv:
+                raise HeadsteerValueError("no receiver heads selected")
+            object.__setattr__(self, "receivers", recv)
+        object.__setattr__(self, "senders", check_head_pairs("senders", self.senders))
+        pos = check_positions("positions", self.positions)
+        object.__setattr__(self, "positions", pos)
+
+    def check_geometry(self, geometry: Geometry) -> None:
+        kv = any(c in ("k", "v") for c in self.inputs)
+        if self.receivers != "logits":
+            for c in self.inputs:
+                check_kind_family(geometry.family, c)
+            if kv and "q" in self.inputs and geometry.n_kv_heads != geometry.n_heads:
+                raise HeadsteerValueError(
+                    "receiver inputs mix q (query heads) with k/v (KV heads) on a GQA model; patch them "
+                    "in separate calls"
+                )
+            for la, h in cast("tuple[tuple[int, int], ...]", self.receivers):
+                geometry.check_head("receivers", la, h, kv=kv)
+        for la, h in self.senders or ():
+            geometry.check_head("senders", la, h)
+        _check_int_positions(geometry, "positions", self.positions)
+
+
+@dataclass(frozen=True)
+class DLARequest(Request):
+    """Direct logit attribution of every head's output to the logit difference
+    (`heads.direct_logit_attribution`).
+
+    Attributes:
+        which: `"clean"` (default) or `"corrupted"`: the prompts run.
+        stability: bootstrap resamples of the pairs for the head ranking (0: none).
+
+    Raises:
+        HeadsteerValueError: `which` not clean / corrupted, a bad stability.
+    """
+
+    NAME = "direct_logit_attribution"
+
+    which: str = "clean"
+    stability: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("which", self.which, WHICH)
+        object.__setattr__(self, "stability", check_stability(self.stability))
+
+
+@dataclass(frozen=True)
+class LensRequest(Request):
+    """The logit lens at every layer boundary (`heads.logit_lens`).
+
+    Attributes:
+        which: `"clean"` (default) or `"corrupted"`.
+        k: top tokens kept per layer (default 5; at most the vocabulary, checked when it runs).
+
+    Raises:
+        HeadsteerValueError: `which` not clean / corrupted, `k` not a positive int.
+    """
+
+    NAME = "logit_lens"
+
+    which: str = "clean"
+    k: int = 5
+
+    def __post_init__(self) -> None:
+        from heads._util.validation import check_int
+
+        check_choice("which", self.which, WHICH)
+        object.__setattr__(self, "k", check_int("k", self.k, lo=1))
+
+
+@dataclass(frozen=True)
+class KnockoutRequest(Request):
+    """Attention knockout on prompt pairs (`heads.knockout`): block attention from query
+    positions to key positions in chosen layers / heads and measure the logit difference.
+
+    Attributes:
+        keys: the key positions blocked, as position names of the pairs (`"IO"`, `"S1"`) or ints
+            (negative from the end); a list blocks them together. A mapping `{label: positions}`
+            runs one condition per label. Required.
+        queries: the query positions whose attention is cut (default `("END",)`: the last token).
+        layers: layers whose attention is cut (default None: all).
+        heads: query heads in those layers (default None: all).
+        per: `"all"` (default: one cell, every chosen layer and head at once), `"layer"` (each
+            layer alone) or `"head"` (each head alone).
+        factor: 0 (default) blocks (logit -inf); > 0 multiplies those attention probabilities and
+            renormalises (Ortu et al. 2024's modification).
+        which: `"clean"` (default) or `"corrupted"`: the prompts run.
+        level: confidence level of the intervals, in (0, 1) (default 0.95).
+
+    Raises:
+        HeadsteerValueError: no keys, a bad position, `per` unknown, a negative or non-finite
+            factor, `level` outside (0, 1); `check_config`: layers / heads out of range.
+    """
+
+    NAME = "knockout"
+
+    keys: Any = None
+    queries: int | str | Sequence[int | str] = ("END",)
+    layers: Sequence[int] | None = None
+    heads: Sequence[int] | None = None
+    per: str = "all"
+    factor: float = 0.0
+    which: str = "clean"
+    level: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.keys is None:
+            raise HeadsteerValueError("keys is required: the key positions to block (e.g. 'IO' or [3])")
+        if isinstance(self.keys, Mapping):
+            if not self.keys:
+                raise HeadsteerValueError("keys must name at least one condition, got {}")
+            conds: dict[str, Any] = {}
+            for label, spec in self.keys.items():
+                if not isinstance(label, str) or not label:
+                    raise HeadsteerValueError(
+                        f"keys labels must be non-empty strings, got {short_repr(label)}"
+                    )
+                conds[label] = check_positions(
+                    f"keys[{label!r}]", [spec] if isinstance(spec, str) else spec, allow_names=True
+                )
+            object.__setattr__(self, "keys", conds)
+        else:
+            spec = [self.keys] if isinstance(self.keys, (str, int)) else self.keys
+            object.__setattr__(self, "keys", check_positions("keys", spec, allow_names=True))
+        queries = [self.queries] if isinstance(self.queries, (str, int)) else self.queries
+        object.__setattr__(self, "queries", check_positions("queries", queries, allow_names=True))
+        object.__setattr__(self, "layers", check_layers("layers", self.layers))
+        if self.heads is not None:
+            from heads._util.validation import check_int
+
+            if isinstance(self.heads, (str, bytes)) or not isinstance(self.heads, Sequence) or not self.heads:
+                raise HeadsteerValueError(
+                    f"heads must be a non-empty list of head indices, got {short_repr(self.heads)}"
+                )
+            object.__setattr__(
+                self,
+                "heads",
+                tuple(sorted({check_int("heads", h, lo=0, what="head indices >= 0") for h in self.heads})),
+            )
+        check_choice("per", self.per, KNOCKOUT_PER)
+        object.__setattr__(
+            self,
+            "factor",
+            check_number("factor", self.factor, lo=0, what="a finite number >= 0 (0 = knockout)"),
+        )
+        check_choice("which", self.which, WHICH)
+        object.__setattr__(
+            self, "level", check_number("level", self.level, lo=0, hi=1, lo_open=True, hi_open=True)
+        )
+
+    def conditions(self) -> dict[str, tuple[int | str, ...]]:
+        """`{label: key positions}`: one condition per label (a single key list is `"knockout"`)."""
+        if isinstance(self.keys, Mapping):
+            return dict(self.keys)
+        return {"knockout": self.keys}
+
+    def check_geometry(self, geometry: Geometry) -> None:
+        for la in self.layers or ():
+            geometry.check_layer("layers", la)
+        for h in self.heads or ():
+            geometry.check_head("heads", 0, h)
+        for label, spec in self.conditions().items():
+            _check_int_positions(geometry, f"keys[{label!r}]", spec)
+        _check_int_positions(geometry, "queries", self.queries)

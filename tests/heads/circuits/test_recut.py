@@ -1,0 +1,109 @@
+"""`Circuit.select`: re-cutting a saved circuit without rescoring (issue 40, item 3), and the
+default circuit size read from the faithfulness curve (item 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.scorers.circuits import Circuit, evaluate, find_circuit, graph_of, select
+from heads.scorers.circuits.circuit import size_for_faithfulness
+from heads.scorers.circuits.scores import EdgeScores
+from heads.scorers.patching import pairs_from_tokens
+from tests.support.families import tiny_family_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return tiny_family_model("qwen2")
+
+
+def _pairs():
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(3, 300, (2, 5), generator=g).tolist()
+    corr = torch.randint(3, 300, (2, 5), generator=g).tolist()
+    return pairs_from_tokens(clean, corr, [5, 6], [40, 41])
+
+
+@pytest.fixture(scope="module")
+def found(qwen2):
+    return find_circuit(qwen2, _pairs(), method="eap", size=20, sizes=(2, 20, 50, 100), progress=False)
+
+
+def test_select_recuts_like_a_fresh_selection(qwen2, found, tmp_path):
+    g = graph_of(qwen2)
+    sc = EdgeScores(g, found.scores, "eap", found.metric, 2)
+    again = Circuit.load(found.save(tmp_path / "c.json"), qwen2)
+    for kw, n in (({"edges": 30}, 30), ({"fraction": 0.5}, round(0.5 * g.n_edges))):
+        cut = again.select(**kw)
+        assert torch.equal(cut.mask, select(sc, n).mask)  # the oracle: a fresh selection from the scores
+        assert cut.curve == found.curve and cut.method == "eap" and cut.params["n"] == n
+    # at a size of the curve its faithfulness is the curve's point, which an exact evaluation confirms
+    at50 = again.select(fraction=0.5)
+    assert at50.faithfulness == pytest.approx(float(evaluate(qwen2, _pairs(), at50)[0]), abs=1e-4)
+    assert again.select(edges=30).faithfulness is None  # not a curve size: unknown until evaluated
+    thr = float(found.scores.nan_to_num(0).abs().flatten().topk(10).values[-1])
+    assert torch.equal(again.select(threshold=thr).mask, select(sc, threshold=thr).mask)
+
+
+def test_select_by_faithfulness_takes_the_smallest_size_reaching_it(found):
+    curve = found.curve
+    for target in (0.0, 0.5, 0.99, 1.0):
+        want = min(n for n, f in zip(curve["n_edges"], curve["faithfulness"], strict=True) if f >= target)
+        cut = found.select(faithfulness=target)
+        assert cut.params["n"] == want and cut.faithfulness >= target
+    with pytest.raises(ValueError, match="no circuit of the curve reaches faithfulness 1.5: the best is"):
+        found.select(faithfulness=1.5)
+    with pytest.raises(ValueError, match="exactly one of"):
+        found.select(edges=3, fraction=0.1)
+    with pytest.raises(ValueError, match="exactly one of"):
+        found.select()
+    with pytest.raises(ValueError, match="fraction"):
+        found.select(fraction=1.5)
+    bare = Circuit(found.graph, found.mask, found.scores, "eap")
+    with pytest.raises(ValueError, match="faithfulness curve"):
+        bare.select(faithfulness=0.5)
+    assert size_for_faithfulness({"n_edges": [5, 9], "faithfulness": [0.7, 0.4], "sizes": [1, 2]}, 0.5) == 5
+
+
+def test_default_circuit_is_the_smallest_reaching_the_documented_faithfulness(qwen2):
+    from heads.scorers.circuits import DEFAULT_FAITHFULNESS, faithfulness_curve
+    from heads.scorers.circuits.scores import edge_scores
+
+    p = _pairs()
+    sizes = (2, 20, 50, 100)
+    c = find_circuit(qwen2, p, method="eap", sizes=sizes, progress=False)
+    curve = faithfulness_curve(qwen2, p, edge_scores(qwen2, p, method="eap", progress=False), sizes=sizes)
+    want = min(
+        n for n, f in zip(curve["n_edges"], curve["faithfulness"], strict=True) if f >= DEFAULT_FAITHFULNESS
+    )
+    assert c.params["n"] == want and c.faithfulness >= DEFAULT_FAITHFULNESS
+    assert c.faithfulness == pytest.approx(float(evaluate(qwen2, p, c)[0]), abs=1e-4)
+    assert c.params["faithfulness_target"] == DEFAULT_FAITHFULNESS
+    quiet = find_circuit(qwen2, p, method="eap", sizes=sizes, curve=False, faithfulness=0.9, progress=False)
+    assert quiet.curve is None and quiet.faithfulness >= 0.9
+    # the request form carries the same target to find_circuit
+    from heads import CircuitRequest, SweepOptions, run
+
+    req = CircuitRequest.from_json(
+        CircuitRequest(method="eap", sizes=sizes, curve=False, faithfulness=0.9).to_json()
+    )
+    assert torch.equal(run(qwen2, req, p, options=SweepOptions(progress=False)).mask, quiet.mask)
+    with pytest.raises(ValueError, match="at most one of"):
+        CircuitRequest(size=5, faithfulness=0.5)
+    with pytest.raises(ValueError, match="at most one of"):
+        find_circuit(qwen2, p, size=5, faithfulness=0.5, progress=False)
+
+
+def test_a_circuit_holding_most_heads_warns(found):
+    g = found.graph
+    with pytest.warns(UserWarning, match=rf"holds \d+ of the model's {g.n_layers * g.n_heads} heads"):
+        big = found.select(fraction=1.0)
+    assert len(big.heads) > g.n_layers * g.n_heads / 2
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found.select(edges=1)  # one edge: one head at most, no warning

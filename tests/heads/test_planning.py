@@ -1,0 +1,205 @@
+"""`heads.plan_memory` / `headsteer plan`: memory planned from a config alone.
+
+Oracles: the published parameter counts of Llama-3.1-8B / 70B, Qwen2.5-7B and Gemma-2-9B (their
+config values written here, from the models' `config.json`); the KV cache's closed form
+(2 x KV heads x d_head x tokens x bytes per layer); the live bytes of a real forward of a tiny
+model counted by the same tracker (the plan runs the family's code on fake tensors, so both must
+agree); batch linearity; device splits that add up.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+
+from heads import SweepOptions
+from heads.errors import HeadsteerValueError
+from heads.planning import MemoryRequest, parse_bytes, plan_memory, rows_within
+from heads.planning.trace import LiveBytes, traced_peak
+from heads.scorers.safety.ships import ships
+
+LLAMA_31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+LLAMA_31_70B = dict(
+    LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
+)
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=131072,
+    rope_theta=1000000.0,
+    sliding_window=131072,
+    use_sliding_window=False,
+    max_window_layers=28,
+    tie_word_embeddings=False,
+)
+GEMMA2_9B = dict(
+    vocab_size=256000,
+    hidden_size=3584,
+    intermediate_size=14336,
+    num_hidden_layers=42,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    max_position_embeddings=8192,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    query_pre_attn_scalar=256,
+)
+PUBLISHED = [  # (config, parameters as the model cards / safetensors index give them)
+    (LlamaConfig, LLAMA_31_8B, 8_030_261_248),
+    (LlamaConfig, LLAMA_31_70B, 70_553_706_496),
+    (Qwen2Config, QWEN25_7B, 7_615_616_512),
+    (Gemma2Config, GEMMA2_9B, 9_241_705_984),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "values", "n_params"), PUBLISHED, ids=["llama8b", "llama70b", "qwen7b", "gemma9b"]
+)
+def test_published_configs_weights_and_kv_cache(cls, values, n_params):
+    cfg = cls(**values)
+    plan = plan_memory(cfg, "forward", 2048, dtype=torch.bfloat16)
+    assert plan.devices[0].weights == pytest.approx(2 * n_params, rel=1e-3)
+    assert plan.devices[0].layers == values["num_hidden_layers"]
+    # a generation keeps 2 x G x d_head x tokens values per layer: one layer more adds exactly that
+    kv = (
+        2
+        * values["num_key_value_heads"]
+        * values.get("head_dim", values["hidden_size"] // values["num_attention_heads"])
+    )
+    tokens, new = 512, 64
+    gen = MemoryRequest("generate", {"new_tokens": new, "kernel": "fused"})
+    fewer = cls(**dict(values, num_hidden_layers=values["num_hidden_layers"] - 1))
+    a = plan_memory(cfg, gen, tokens, dtype=torch.bfloat16).devices[0].activations
+    b = plan_memory(fewer, gen, tokens, dtype=torch.bfloat16).devices[0].activations
+    assert a - b == kv * (tokens + new) * 2  # bf16
+
+
+def test_device_splits_add_up():
+    cfg = LlamaConfig(**LLAMA_31_70B)
+    one = plan_memory(cfg, "forward", 4096, dtype="bfloat16")
+    four = plan_memory(cfg, "forward", 4096, dtype="bfloat16", devices=4)
+    assert [d.device for d in four.devices] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [d.layers for d in four.devices] == [20, 20, 20, 20]
+    assert sum(d.weights for d in four.devices) == one.devices[0].weights
+    assert four.peak < one.peak / 3  # the weights are split, each device keeps the activations
+    dmap = {"model.embed_tokens": "cuda:0", "model.norm": "cuda:1", "lm_head": "cuda:1"}
+    dmap |= {f"model.layers.{i}": "cuda:0" if i < 30 else "cuda:1" for i in range(80)}
+    mapped = plan_memory(cfg, "forward", 4096, dtype="bfloat16", devices=dmap)
+    assert [d.layers for d in mapped.devices] == [30, 50]
+    assert sum(d.weights for d in mapped.devices) == one.devices[0].weights
+    with pytest.raises(HeadsteerValueError, match="places no device"):
+        plan_memory(cfg, "forward", 64, devices={k: v for k, v in dmap.items() if k != "lm_head"})
+
+
+def test_batch_is_linear_and_gradient_keeps_each_layer():
+    cfg = LlamaConfig(**dict(LLAMA_31_8B, num_hidden_layers=4))
+    a1 = plan_memory(cfg, "forward", 1024, 1, torch.bfloat16).devices[0].activations
+    a2 = plan_memory(cfg, "forward", 1024, 2, torch.bfloat16).devices[0].activations
+    assert a2 == pytest.approx(2 * a1, rel=0.02)
+    g4 = traced_peak(cfg, "backward", 256, 1, torch.float32)
+    assert (
+        g4.per_layer["layer"] > 0
+        and traced_peak(cfg, "forward", 256, 1, torch.float32).per_layer["layer"] == 0
+    )
+
+
+def test_trace_equals_the_live_bytes_of_a_real_forward(tiny_llama):
+    """The plan's activation part is the live-byte peak of the model's own forward on fake tensors:
+    the same tracker on a real forward of the real (random) model gives the same count."""
+    ids = torch.randint(10, 4000, (2, 96), generator=torch.Generator().manual_seed(0))
+    tracker = LiveBytes()
+    tracker.ignore(list(tiny_llama.model.parameters()) + list(tiny_llama.model.buffers()))
+    with torch.no_grad(), tracker:
+        tiny_llama.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    plan = plan_memory(tiny_llama.model.config, "forward", 96, 2, torch.float32)
+    assert plan.devices[0].activations == tracker.peak
+    weights = sum(p.numel() * p.element_size() for p in tiny_llama.model.parameters())
+    assert plan.devices[0].weights == weights
+
+
+def test_pattern_readers_plan_their_blocks(tiny_llama):
+    fwd = plan_memory(tiny_llama, "forward", 256)
+    for name in ("sinks", "detectors", "qrhead"):
+        assert plan_memory(tiny_llama, name, 256).peak > fwd.peak
+    assert plan_memory(tiny_llama, "gradient", 256).peak > fwd.peak
+
+
+def test_budget_refused_with_the_minimum_named(tiny_llama, monkeypatch):
+    need = plan_memory(tiny_llama, "forward", 64).peak
+    with pytest.raises(HeadsteerValueError, match=r"needs at least .* max_memory is 1 KB"):
+        rows_within(tiny_llama, "1KB", "forward", 64)
+    two = plan_memory(tiny_llama, "forward", 64, 2).peak
+    assert rows_within(tiny_llama, two, "forward", 64, most=64) == 2  # the budget of two rows
+    assert plan_memory(tiny_llama, "forward", 64, 3).peak > two
+    assert rows_within(tiny_llama, 10 * two, "forward", 64, most=5) == 5
+    assert SweepOptions(max_memory=need).rows_for(tiny_llama, 64) == 1
+    assert SweepOptions(max_rows=7).rows_for(tiny_llama, 64) == 7  # no budget: max_rows
+    # a sweep given too small a budget is refused before any forward
+    monkeypatch.setattr(tiny_llama, "run", lambda **kw: pytest.fail("a forward ran"))
+    with pytest.raises(HeadsteerValueError, match="needs at least"):
+        ships(tiny_llama, ["Hello there"], options=SweepOptions(max_memory="1KB"))
+
+
+def test_bad_input():
+    cfg = LlamaConfig(**dict(LLAMA_31_8B, num_hidden_layers=2))
+    with pytest.raises(HeadsteerValueError, match="unknown analysis"):
+        plan_memory(cfg, "dance", 64)
+    with pytest.raises(HeadsteerValueError, match="takes no parameter"):
+        plan_memory(cfg, MemoryRequest("sinks", {"new_tokens": 3}), 64)
+    with pytest.raises(HeadsteerValueError, match="exceed the model's limit"):
+        plan_memory(cfg, "forward", 200_000)
+    with pytest.raises(HeadsteerValueError, match="tokens"):
+        plan_memory(cfg, "forward", 0)
+    for bad in ("lots", "-1GB", float("nan"), 0):
+        with pytest.raises(HeadsteerValueError, match="max_memory"):
+            parse_bytes(bad)
+    assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("1.5 GiB") == 3 * 2**29
+    with pytest.raises(TypeError, match="request must be"):
+        plan_memory(cfg, 3, 64)
+
+
+def test_cli_plans_from_the_config_alone(tiny_llama_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli.main import app
+
+    only_config = tmp_path / "config-only"
+    only_config.mkdir()
+    shutil.copy(f"{tiny_llama_dir}/config.json", only_config / "config.json")  # no weights at all
+    model = ["--model", str(only_config), "--tokens", "128"]
+    r = CliRunner().invoke(app, ["plan", *model, "--analysis", "sinks", "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["analysis"] == "sinks" and got["tokens"] == 128 and got["peak_bytes"] > 0
+    one_line_error(
+        CliRunner().invoke(app, ["plan", *model, "--max-memory", "1KB"]),
+        "needs at least",
+        ignore=("planning",),
+    )
+    one_line_error(
+        CliRunner().invoke(app, ["plan", *model, "--analysis", "dance"]),
+        "unknown analysis",
+        ignore=("planning",),
+    )

@@ -1,0 +1,190 @@
+"""Every analysis request (`heads.scorers.request_base.Request`): JSON in and out, an unknown key and
+a bad value refused by name, and the geometry checked against a big model's published config
+before any weight exists (Llama-3.1-8B's numbers, written here; no download, no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from heads.errors import HeadsteerError, HeadsteerValueError
+from heads.scorers.dispatch import RUNNERS, run
+from heads.scorers.request_base import Geometry, Request, request_classes
+
+# meta-llama/Llama-3.1-8B config.json (the fields that set its geometry)
+LLAMA_31_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+}
+
+# name -> (a valid non-default request's fields, (field, bad value, message), fields out of range
+# for Llama-3.1-8B or None where the request holds no geometry)
+CASES: dict[str, tuple[dict, tuple, dict | None]] = {
+    "patch": (
+        {"kind": "resid_pre", "layers": [3, 1], "positions": [-1, 2], "direction": "noising"},
+        ("kind", "bogus", "unknown patching kind 'bogus'"),
+        {"layers": [32]},
+    ),
+    "path_patch": (
+        {"senders": [[0, 1]], "receivers": [[5, 2]], "inputs": ["k", "v"], "mlp": "frozen"},
+        ("mlp", "thawed", "mlp must be one of"),
+        {"senders": [[31, 32]]},
+    ),
+    "direct_logit_attribution": (
+        {"which": "corrupted", "stability": 10},
+        ("which", "dirty", "which must be"),
+        None,
+    ),
+    "logit_lens": ({"k": 3}, ("k", 0, "k must be a positive int"), None),
+    "knockout": (
+        {"keys": {"IO": "IO", "S": ["S1", "S2"]}, "layers": [4, 5], "heads": [1], "per": "head"},
+        ("factor", -1, "factor must be"),
+        {"layers": [40]},
+    ),
+    "find_circuit": ({"method": "eap", "size": 2.0, "curve": False}, ("steps", 0, "steps must be"), None),
+    "detect_roles": ({"retrieval": False, "seed": 3}, ("successor", "yes", "successor must be"), None),
+    "train_lens": (
+        {"heads": {"3": [1, 2]}, "epochs": 2, "lr": 0.01},
+        ("held_out", 1.0, "held_out must be"),
+        {"heads": [[32, 0]]},
+    ),
+    "head_atlas": (
+        {"thresholds": {"induction": 0.4}, "thumbnails": False},
+        ("thresholds", {"layer": 1}, "role 'layer'"),
+        None,
+    ),
+    "ships": (
+        {"heads": [[0, 0], [1, 3]], "ablation": "sc", "method": "attribution", "confirm": 2},
+        ("ablation", "zero", "ablation must be one of"),
+        {"heads": [[0, 32]]},
+    ),
+    "dataset_ships": (
+        {"r_main": 2, "degrees": True},
+        ("template", "no placeholder", "template must be"),
+        {"heads": [[33, 0]]},
+    ),
+    "sahara": ({"steps": 2, "exact": True}, ("eps", 2.0, "eps must be"), {"heads": [[32, 1]], "steps": 1}),
+    "attribution_patching": (
+        {"ablation": "mean", "graddrop": True, "kl_tokens": 8},
+        ("metric", "l2", "metric must be 'kl'"),
+        {"heads": [[0, 99]]},
+    ),
+    "maps_scores": ({"apply_first_mlp": False}, ("apply_first_mlp", 1, "apply_first_mlp must be"), None),
+    "qrhead_scores": ({"null_query": "none", "chat": False}, ("null_query", " ", "null_query must be"), None),
+    "gate_heads": (
+        {"steps": 20, "n_masks": 3, "stability": 10, "init": [0.2, 0.8]},
+        ("init", [0.9, 0.1], "init must have low <= high"),
+        {"heads": [[32, 0]]},
+    ),
+    "sink_stats": ({"rule": "absolute", "theta": 0.2}, ("exempt", "none", "exempt must be one of"), None),
+    "find_sink_dims": (
+        {"from_layer": 1, "max_dims": 2},
+        ("min_ratio", 1, "min_ratio must be"),
+        {"from_layer": 32},
+    ),
+    "qk_attribution": (
+        {"head": "5.1", "query": [-1, -2], "by": "source_token"},
+        ("by", "token", "by must be one of"),
+        {"head": [32, 0]},
+    ),
+    "composition_scores": (
+        {"readers": [[2, 1]], "n_samples": 7},
+        ("n_samples", 0, "n_samples must be"),
+        {"readers": [[1, 40]]},
+    ),
+}
+
+
+def test_every_request_has_a_case_and_a_runner():
+    assert sorted(CASES) == sorted(request_classes())
+    assert set(RUNNERS) == set(request_classes().values())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_request_json_round_trip_and_refusals(name):
+    cls = request_classes()[name]
+    good, (field, bad, message), _ = CASES[name]
+    req = cls(**good)
+    text = req.to_json()
+    assert cls.from_json(text) == req
+    assert Request.from_json(text) == req  # the base picks the class by its "request" name
+    assert Request.from_json(req.to_dict()) == req
+    with pytest.raises(HeadsteerValueError, match="unknown key 'bogus_key'"):
+        cls.from_json({**req.to_dict(), "bogus_key": 1})
+    with pytest.raises(HeadsteerError, match=message):
+        cls(**{**good, field: bad})
+    with pytest.raises(HeadsteerError, match=message):  # the same check when read from JSON
+        cls.from_json({**req.to_dict(), field: bad})
+    with pytest.raises(HeadsteerValueError, match="version"):
+        cls.from_json({**req.to_dict(), "version": cls.VERSION + 1})
+    with pytest.raises(HeadsteerValueError, match="expected a"):
+        cls.from_json({**req.to_dict(), "request": "patch" if name != "patch" else "ships"})
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_geometry_is_checked_on_the_config_before_any_weight(name):
+    cls = request_classes()[name]
+    good, _, out_of_range = CASES[name]
+    req = cls(**good)
+    req.check_config(LLAMA_31_8B)  # in range on Llama-3.1-8B
+    if out_of_range is None:
+        return
+    with pytest.raises(
+        HeadsteerValueError, match=r"unknown (layer|head|KV head)|from_layer must be|position"
+    ):
+        cls(**{**good, **out_of_range}).check_config(LLAMA_31_8B)
+
+
+def test_check_config_reads_the_family():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**LLAMA_31_8B)
+    geo = Geometry.of(cfg)
+    assert (geo.n_layers, geo.n_heads, geo.n_kv_heads, geo.max_positions) == (32, 32, 8, 131072)
+    patch = request_classes()["patch"]
+    patch(kind="k").check_config(cfg)
+    # a family refused as a whole, and one without a site kind
+    with pytest.raises(HeadsteerValueError, match="mamba"):
+        patch().check_config({"model_type": "mamba", "num_hidden_layers": 2})
+    olmo2 = {**LLAMA_31_8B, "model_type": "olmo2"}
+    with pytest.raises(HeadsteerValueError, match="kind='k' is not available on 'olmo2'"):
+        patch(kind="k").check_config(olmo2)
+    patch(kind="v").check_config(olmo2)
+    with pytest.raises(HeadsteerValueError, match="position 200000 is beyond the model's 131072 positions"):
+        patch(kind="resid_pre", positions=[200000]).check_config(cfg)
+    with pytest.raises(HeadsteerValueError, match="does not support model_type 'opt'"):
+        request_classes()["qk_attribution"](head="1.1").check_config({**LLAMA_31_8B, "model_type": "opt"})
+
+
+def test_json_refuses_what_it_cannot_hold_and_bad_text():
+    patch = request_classes()["patch"]
+    with pytest.raises(HeadsteerValueError, match="metric=.*cannot be written as JSON"):
+        patch(metric=lambda logits, pairs, index: logits[:, 0]).to_json()
+    with pytest.raises(HeadsteerValueError, match="not valid JSON"):
+        Request.from_json("{not json")
+    with pytest.raises(HeadsteerValueError, match="unknown request 'nope'"):
+        Request.from_json({"request": "nope"})
+    with pytest.raises(HeadsteerValueError, match="must be a JSON object"):
+        Request.from_json("[1, 2]")
+
+
+def test_run_dispatches_a_json_request(tiny_llama):
+    from heads.scorers.patching import pairs_from_tokens
+
+    pairs = pairs_from_tokens([[40, 41, 42, 43]], [[40, 49, 42, 43]], [[20]], [[21]])
+    got = run(tiny_llama, {"request": "direct_logit_attribution"}, pairs)
+    from heads.scorers.patching.logit import direct_logit_attribution
+
+    want = direct_logit_attribution(tiny_llama, pairs)
+    assert type(got) is type(want) and got.heads.equal(want.heads)
+    with pytest.raises(HeadsteerValueError, match="layers: unknown layer 7"):  # before any forward
+        run(tiny_llama, {"request": "patch", "layers": [7]}, pairs)
+    with pytest.raises(HeadsteerValueError, match="needs its input"):
+        run(tiny_llama, {"request": "patch"})
