@@ -48,7 +48,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
@@ -71,6 +71,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
+from heads.results.storage import check_geometry
 from heads.scorers.maps.static import MapsScores
 from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
 from heads.scorers.roles.lens import AttentionLens
@@ -207,6 +208,46 @@ class HeadAtlas:
     thumbnails: torch.Tensor | None = None
     lens_tokens: dict[tuple[int, int], list[str]] = field(default_factory=dict)
 
+    SCHEMA: ClassVar[str] = ATLAS_SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = ATLAS_SCHEMA_VERSION
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """`(n_layers, n_heads, n_kv_heads)` of the model, read from the rows."""
+        f = self.frame
+        return int(f["layer"].max()) + 1, int(f["head"].max()) + 1, int(f["kv_head"].max()) + 1
+
+    def head_scores(self, score: str | None = None) -> HeadScores:
+        """`[L, H]` one score column of the atlas (default the first of `score_columns`), NaN
+        where a head was not scored.
+
+        Raises:
+            HeadsteerValueError: an unknown column, or an atlas without score columns.
+        """
+        cols = self.score_columns
+        if score is None:
+            if not cols:
+                raise HeadsteerValueError("this atlas holds no score column")
+            score = cols[0]
+        if score not in cols:
+            raise HeadsteerValueError(f"unknown score {short_repr(score)}; this atlas has {cols}")
+        L, H, kv = self.geometry
+        grid = torch.full((L, H), math.nan)
+        vals = torch.tensor(self.frame[score].to_numpy(dtype=float), dtype=torch.float32)
+        grid[torch.tensor(self.frame["layer"].to_numpy()), torch.tensor(self.frame["head"].to_numpy())] = vals
+        src = self.sources.get(score, {})
+        return HeadScores(
+            grid,
+            method=str(src.get("method", score)),
+            params=dict(src.get("params", {})),
+            model=self.model,
+            n_kv_heads=kv,
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """A copy of `frame`: one row per head (`layer, head, kv_head`, the scores, `role`)."""
+        return self.frame.copy()
+
     @property
     def score_columns(self) -> list[str]:
         """The score columns of `frame` (all but `layer, head, kv_head, role, best_relation`)."""
@@ -269,10 +310,10 @@ class HeadAtlas:
         return write_text(path, json.dumps(data) + "\n", overwrite=overwrite)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> HeadAtlas:
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadAtlas:
         """Read a file written by `save`; every field is checked (schema and version, model, rows
         with `layer, head, kv_head, role`, thresholds, sources, lens tokens, thumbnails of the
-        rows' geometry).
+        rows' geometry), and the rows' geometry against `model`'s when given.
 
         Raises:
             FileNotFoundError: no such file.
@@ -290,7 +331,9 @@ class HeadAtlas:
         data = read_json_file(p)  # one line: not JSON (line, column), not UTF-8, a number too large
         if not isinstance(data, dict) or data.get("schema") != ATLAS_SCHEMA:
             raise HeadsteerValueError(f"{shown!r} is not a headsteer head-atlas file")
-        return cls(*_check_atlas_data(data, shown))
+        out = cls(*_check_atlas_data(data, shown))
+        check_geometry(shown, out.geometry, model)
+        return out
 
     def __repr__(self) -> str:
         counts = self.frame["role"].value_counts()
