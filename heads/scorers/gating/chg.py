@@ -291,10 +291,25 @@ class GatingResult:
     labels: list[list[str]]
     history: dict[str, list[float]] = field(default_factory=dict)
 
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
     @property
     def scores(self) -> HeadScores:
         """G- (`remove`): high = the head is needed even under pressure to remove it."""
         return self.remove
+
+    def head_scores(self, fit: str = "remove") -> HeadScores:
+        """`[L, H]` gates of one fit: `"remove"` (default, G-: the facilitation score, as
+        `scores`), `"retain"` (G+) or `"gates"` (G, unregularised).
+
+        Raises:
+            HeadsteerValueError: another fit name.
+        """
+        fits = {"remove": self.remove, "retain": self.retain, "gates": self.gates}
+        if fit not in fits:
+            raise HeadsteerValueError(f"unknown fit {short_repr(fit)}: use one of {', '.join(fits)}")
+        return fits[fit]
 
     def heads(self, label: str) -> HeadSet:
         """The heads with `label` (one of `LABELS`)."""

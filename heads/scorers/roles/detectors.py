@@ -40,6 +40,7 @@ from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.model.adapter import HeadModel
+from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
@@ -927,7 +928,7 @@ def detect_roles(
     retrieval: bool = True,
     successor: bool = True,
     stability: int = 0,
-) -> dict[str, HeadScores]:
+) -> RoleScores:
     """Every detector: the pattern scores (one forward per batch), copying, successor and retrieval.
 
     Args:
@@ -941,8 +942,9 @@ def detect_roles(
             (`pattern_scores(stability=)`; default 0: none).
 
     Returns:
-        `{name: HeadScores [L, H]}`: `PATTERN_DETECTORS`, `"copying"`, then `"successor"` and
-        `"retrieval"` when run.
+        a `RoleScores`: the mapping `{name: HeadScores [L, H]}` (`PATTERN_DETECTORS`, `"copying"`,
+        then `"successor"` and `"retrieval"` when run) with the result protocol's
+        `head_scores(role)`, `to_frame()`, `save()` / `load()`.
 
     Raises:
         HeadsteerTypeError: a flag that is not a bool. HeadsteerValueError: a bad seed or
@@ -958,4 +960,4 @@ def detect_roles(
         out["successor"] = successor_scores(model, apply_first_mlp=apply_first_mlp)
     if retrieval:
         out["retrieval"] = retrieval_scores(model, seed=seed)
-    return out
+    return RoleScores(out)
