@@ -17,7 +17,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import torch
 
-from heads import HeadModel
+from heads import HeadModel, SweepOptions
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_bool, check_path, short_repr
@@ -317,7 +317,7 @@ def atlas_report(
         if maps and model.tokenizer is not None:
             try:
                 rels = load_relations(model.tokenizer, d_vocab=model.d_vocab)
-                relations = maps_scores(model, rels.relations, progress=False)
+                relations = maps_scores(model, rels.relations, options=SweepOptions(progress=False))
             except ValueError:
                 relations = None
         tick(3)

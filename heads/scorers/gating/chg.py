@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from heads._util.files import write_text
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_int, check_number, check_seed, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec, _read_json
@@ -469,8 +470,9 @@ def gate_heads(
     heads: HeadSpec | None = None,
     threshold: float = 0.5,
     seed: int = 0,
-    progress: ProgressArg = True,
     stability: int = 0,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> GatingResult:
     """Fit CHG gates on `task` with the model frozen (module docstring) and label every head.
 
@@ -490,10 +492,12 @@ def gate_heads(
         heads: the heads that get a gate (a `HeadSpec`; default all); the others stay at 1.
         threshold: the taxonomy threshold (default 0.5).
         seed: seeds the initial gates and the batch order (default 0).
-        progress: a tqdm bar (default), False, or a `(done, total)` callable, per update.
         stability: bootstrap resamples of the `n_masks` gate fits (default 0: none; needs
             n_masks >= 2) for each ranking's stability (`result.gates.stability`, `.retain`,
             `.remove`: over the fits' gates, no extra training).
+        options: `heads.SweepOptions`; only `progress` applies: a tqdm bar (default), False, or
+            a `(done, total)` callable, per update.
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
         GatingResult (G, G+, G-, labels, NLL history).
@@ -507,6 +511,7 @@ def gate_heads(
     Source: arXiv:2505.13737 Sec. 3 (Eq. 2, the taxonomy); reference `core/trainer.py`
     (`CHGTrainer`: defaults, the clamped-logit regulariser, the three stages).
     """
+    opts = sweep_options(options, deprecated, "gate_heads", takes=("progress",))
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
     steps = check_int("steps", steps, lo=1)
@@ -580,7 +585,7 @@ def gate_heads(
                 report(done + i + 1, total)
         return a.detach().cpu()
 
-    with progress_callback(progress, "chg", "updates") as report:
+    with progress_callback(opts.progress, "chg", "updates") as report:
         a0 = fit("none", start, 0.0, steps, 0, report)
         a_pos = fit("retain", a0, reg_weight, reg_steps, steps, report)
         a_neg = fit("remove", a0, -reg_weight, reg_steps, steps + reg_steps, report)

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_bool, check_int, is_int, short_repr
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel, _module
@@ -412,7 +413,8 @@ def maps_scores(
     *,
     apply_first_mlp: bool = True,
     pair_chunk: int = 1024,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> MapsScores:
     """Static MAPS relation and suppression scores of every head (docs/methods/maps.md).
 
@@ -421,8 +423,10 @@ def maps_scores(
         relations: relations as token-id pairs with their k.
         apply_first_mlp: Ẽ = MLP_0(Norm_0(E)) for heads in layers >= 1 (default True).
         pair_chunk: pairs ranked at once (memory `pair_chunk x d_vocab` floats).
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each layer (`heads._util.progress`), in layers: `total` is `n_layers`.
+        options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
+            False / None (off) or `progress(done, total)` after each layer, in layers
+            (`total` is `n_layers`).
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
         MapsScores: per relation, `HeadScores` `[n_layers, n_heads]` in [0, 1] with
@@ -433,6 +437,7 @@ def maps_scores(
             token ids outside the vocabulary, or a non-positive `pair_chunk`.
         TypeError: a relation that is not `RelationPairs`.
     """
+    opts = sweep_options(options, deprecated, "maps_scores", takes=("progress",))
     relations = _as_relations(model, relations)
     pair_chunk = positive_int(pair_chunk, "pair_chunk")
     check_bool("apply_first_mlp", apply_first_mlp)
@@ -448,7 +453,7 @@ def maps_scores(
     hits = torch.zeros(model.n_layers, model.n_heads, n_pairs, dtype=torch.bool)
     supp = torch.zeros_like(hits)
     reps = {}
-    with progress_callback(progress, "MAPS static scores", "layers") as report:
+    with progress_callback(opts.progress, "MAPS static scores", "layers") as report:
         for layer in range(model.n_layers):
             key = layer == 0 or not apply_first_mlp
             if key not in reps:

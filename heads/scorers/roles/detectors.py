@@ -37,6 +37,7 @@ from heads._util.validation import check_bool, check_int, check_seed, is_int, sh
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.model.adapter import HeadModel
@@ -578,7 +579,9 @@ def copying_scores(
     seed = _seed(seed)
     ids = random_tokens(model, min(n_tokens, len(_candidates(model))), seed=seed).tolist()
     rel = RelationPairs("copying", [(t, t) for t in ids], k)
-    s = maps_scores(model, [rel], apply_first_mlp=apply_first_mlp, progress=False).relation["copying"]
+    s = maps_scores(
+        model, [rel], apply_first_mlp=apply_first_mlp, options=SweepOptions(progress=False)
+    ).relation["copying"]
     return HeadScores(
         s.scores,
         "role_copying",

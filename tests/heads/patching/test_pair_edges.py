@@ -122,12 +122,6 @@ def test_the_shared_check_names_the_pair_by_its_text():
 
 
 # ------------------------------------------------------------------------------ threads
-@pytest.mark.xfail(
-    reason="patching's own module hooks and forward swaps (record_run, k / v / block-output patches, "
-    "path patching's frozen attention, unembed_only) act for every thread until they move onto engine "
-    "edits (issue 38); the engine's layer-prefix reuse is per thread already",
-    strict=False,
-)
 def test_patch_and_path_patch_from_three_threads_give_their_single_thread_results():
     hm = shared_family_model("llama")
     pairs = _pairs()
