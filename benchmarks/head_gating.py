@@ -167,7 +167,14 @@ def main() -> None:
 
     task = gate_task(hm, [p.clean for p in pairs], [answer(p) for p in pairs])
     t0 = time.perf_counter()
-    r = gate_heads(hm, task, steps=args.steps, batch_size=args.batch, seed=args.seed, progress=False)
+    r = gate_heads(
+        hm,
+        task,
+        steps=args.steps,
+        batch_size=args.batch,
+        seed=args.seed,
+        options=SweepOptions(progress=False),
+    )
     t_chg = time.perf_counter() - t0
     _log(f"chg {t_chg:.0f} s")
 

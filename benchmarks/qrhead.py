@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from heads import load_model  # noqa: E402
+from heads import SweepOptions, load_model  # noqa: E402
 from heads.scorers.retrieval.qrhead import qr_retrieve, qr_tokens, qrhead_scores, recall_at  # noqa: E402
 from probes.datasets.make_retrieval import load_retrieval  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> None:
     tok_train = [qr_tokens(hm, r["question"], r["passages"]) for r in train]
     tok_test = [qr_tokens(hm, r["question"], r["passages"]) for r in test]
     seconds = time.perf_counter() - t0
-    hs = qrhead_scores(hm, train, tokens=tok_train, progress=False)
+    hs = qrhead_scores(hm, train, tokens=tok_train, options=SweepOptions(progress=False))
     top = hs.ranked(args.k)
     golds = [r["gold"] for r in test]
 

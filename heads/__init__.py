@@ -66,6 +66,7 @@ from heads.results.evaluation import PairEvaluation
 from heads.results.knockout import KnockoutResult
 from heads.results.protocol import Result
 from heads.results.qk import QKAttribution
+from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.attention_mass import head_pattern, position_attention, span_attention
 from heads.scorers.circuits import Circuit, find_circuit
@@ -210,6 +211,7 @@ __all__ = [
     "DLAResult",
     "LensResult",
     "KnockoutResult",
+    "RoleScores",
     "EdgeScores",
     "HeadAtlas",
     "AttentionLens",

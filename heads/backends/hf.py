@@ -22,6 +22,8 @@ Where each site goes (module paths from the family table, `heads.model.parts`):
 
 Clean-prefix reuse (`layer_skip`) puts a dispatching `forward` on the skipped blocks while any
 thread uses it: the calling thread's forwards skip them, every other thread runs them as usual.
+`attention_replaced` does the same for attention modules whose output is given (path patching
+freezes every head above the sender: their attention need not run).
 """
 
 from __future__ import annotations
@@ -101,6 +103,43 @@ def _skip_wrapper(block: nn.Module) -> Callable[[], Callable[[], None]]:
                 del block.forward  # the class method shows through again
             else:
                 block.forward = saved
+
+        return remove
+
+    return install
+
+
+# id(attention module) -> the output it returns instead of running (`attention_replaced`)
+_ATTN: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_attention_out", default={})  # noqa: B039
+
+
+def _attention_wrapper(attn: nn.Module) -> Callable[[], Callable[[], None]]:
+    """Install a dispatching `forward` on an attention module: this thread's `attention_replaced`
+    entry (returned as `(output, None)`, as the decoder blocks unpack it, without computing the
+    attention), else the module's own forward."""
+
+    def install() -> Callable[[], None]:
+        saved = attn.__dict__.get("forward")
+        own = saved if saved is not None else type(attn).forward.__get__(attn)
+        me = id(attn)
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            out = _ATTN.get().get(me)
+            if out is None:
+                return own(*args, **kwargs)
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[:-1] != out.shape[:-1]:
+                want, got = tuple(out.shape), tuple(hidden.shape)
+                raise HeadsteerValueError(f"attention output {want} does not match the batch {got}")
+            return out.to(hidden.device, hidden.dtype), None
+
+        attn.forward = dispatch
+
+        def remove() -> None:
+            if saved is None:
+                del attn.forward
+            else:
+                attn.forward = saved
 
         return remove
 
@@ -289,6 +328,28 @@ class HFBackend(Backend):
             for p in self._site_placements(e):
                 out.setdefault(p.key, p)
         return list(out.values())
+
+    # ---------------------------------------------------------------- attention outputs given
+    def attention_placements(self, layers: Sequence[int]) -> list[Placement]:
+        """The dispatching wrappers `attention_replaced` needs on the attention of `layers`."""
+        return [
+            Placement(
+                (id(self.parts.attentions[la]), "attention_out"),
+                _attention_wrapper(self.parts.attentions[la]),
+            )
+            for la in layers
+        ]
+
+    @contextlib.contextmanager
+    def attention_replaced(self, outputs: dict[int, torch.Tensor]) -> Iterator[None]:
+        """This thread's forwards do not compute the attention of the layers in `outputs`: each
+        returns its `[B, T, D]` tensor (the wrappers must be installed: `attention_placements`)."""
+        plan = {**_ATTN.get(), **{id(self.parts.attentions[la]): out for la, out in outputs.items()}}
+        token = _ATTN.set(plan)
+        try:
+            yield
+        finally:
+            _ATTN.reset(token)
 
     # ---------------------------------------------------------------- prefix reuse
     def skip_placements(self, layer: int) -> list[Placement]:

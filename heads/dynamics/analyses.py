@@ -157,7 +157,9 @@ def _maps(model: HeadModel, *, relations: dict[str, list[list[str]]], k: int = 1
             rels.append(RelationPairs(name, ids, k))
     if not rels:
         raise HeadsteerValueError("maps: no relation has a pair of single-token words in this tokenizer")
-    out = maps_scores(model, rels, progress=False)
+    from heads.engine.options import SweepOptions
+
+    out = maps_scores(model, rels, options=SweepOptions(progress=False))
     return {f"maps.{n}": s for n, s in out.relation.items()}
 
 

@@ -118,6 +118,7 @@ def sweep_options(
     where: str,
     *,
     takes: Collection[str] = SWEEP_KEYS,
+    renamed: Mapping[str, str] | None = None,
 ) -> SweepOptions:
     """The `SweepOptions` a scorer runs with: `options` (default `SweepOptions()`), updated by the
     deprecated keyword arguments in `legacy` (`max_rows=`, `shard=`, ...; a `DeprecationWarning`).
@@ -128,13 +129,16 @@ def sweep_options(
         where: the scorer's name, for the messages.
         takes: the options this scorer uses; another one set to a non-default value is an error
             (e.g. `shard` for Sahara, whose greedy steps cannot be split).
+        renamed: the scorer's own old keyword names for an option (`{"batch_rows": "max_rows"}`),
+            accepted the same way (deprecated; the warning names the option).
 
     Raises:
         HeadsteerTypeError: a keyword that is no sweep option (worded as Python words an unknown
             keyword), or `options` not a `SweepOptions`.
         HeadsteerValueError: a bad option value, or an option this scorer does not take.
     """
-    unknown = sorted(set(legacy) - set(SWEEP_KEYS))
+    renamed = dict(renamed or {})
+    unknown = sorted(set(legacy) - set(SWEEP_KEYS) - set(renamed))
     if unknown:
         raise HeadsteerTypeError(f"{where}() got an unexpected keyword argument {short_repr(unknown[0])}")
     if options is None:
@@ -143,14 +147,14 @@ def sweep_options(
         raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {short_repr(options)}")
     if legacy:
         names = ", ".join(f"{k}=" for k in legacy)
-        fill = ", ".join(f"{k}=..." for k in legacy)
+        fill = ", ".join(f"{renamed.get(k, k)}=..." for k in legacy)
         warnings.warn(
             f"{where}({names}) is deprecated: pass options=SweepOptions({fill}) instead "
             "(the keywords are removed in the next release)",
             DeprecationWarning,
             stacklevel=3,
         )
-        options = options.replace(**legacy)
+        options = options.replace(**{renamed.get(k, k): v for k, v in legacy.items()})
     defaults = SweepOptions()
     for f in fields(SweepOptions):
         if f.name not in takes and getattr(options, f.name) != getattr(defaults, f.name):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from heads.engine.state import acquire, release
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 
-__all__ = ["starting_at"]
+__all__ = ["attention_given", "starting_at"]
 
 
 @contextmanager
@@ -66,6 +67,32 @@ def starting_at(model: HeadModel, layer: int, residual: torch.Tensor | None) -> 
     keys = acquire(backend.skip_placements(layer))  # shared, reference-counted dispatch wrappers
     try:
         with backend.layer_skip(layer, residual):
+            yield
+    finally:
+        release(keys)
+
+
+@contextmanager
+def attention_given(model: HeadModel, outputs: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within the block, this thread's forwards do not compute the attention of the layers in
+    `outputs` (`{layer: [batch, seq, d_model]}`): each layer's attention module returns its tensor
+    (as if every head were frozen to the run that produced it). Per thread, placed by the
+    backend like `starting_at` (Hugging Face backend only; other backends: ValueError).
+
+    Raises:
+        ValueError: a backend without it, an unknown layer, or (at the forward) a tensor that
+            does not match the batch.
+    """
+    backend: Any = model.backend
+    if not hasattr(backend, "attention_placements") or backend.kind != "hf":
+        raise HeadsteerValueError(
+            f"attention_given runs on the Hugging Face backend only, not {backend.kind!r}"
+        )
+    for la in outputs:
+        check_int("layer", la, lo=0, hi=model.n_layers - 1)
+    keys = acquire(backend.attention_placements(sorted(outputs)))
+    try:
+        with backend.attention_replaced(outputs):
             yield
     finally:
         release(keys)

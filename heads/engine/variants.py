@@ -32,6 +32,7 @@ from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.engine.prefix import starting_at
+from heads.engine.unembed import column_logits, wanted_columns
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
@@ -104,16 +105,23 @@ def _forward(
         cache = DynamicCache(ddp_cache_data=data)
     elif keep_cache:
         cache = DynamicCache()
+    # under `unembed_columns` the LM head runs on no position; the wanted columns of the last
+    # position's logits come from the final normed state (`heads.engine.unembed`)
+    columns = wanted_columns(model)
+    keep: int | torch.Tensor = 1 if columns is None else torch.empty(0, dtype=torch.long, device=dev)
     with editing(model, list(edits)), starting_at(model, start, residual):
-        return model.run(
+        out = model.run(
             input_ids=ids.to(dev),
             attention_mask=mask.to(dev),
             position_ids=pos.to(dev),
             past_key_values=cache,
             use_cache=cache is not None,
             output_hidden_states=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
+    if columns is not None:
+        out.logits = column_logits(model, out.hidden_states[-1][:, -1:], columns)
+    return out
 
 
 run_rows = _forward
@@ -121,8 +129,10 @@ run_rows = _forward
 residual=None, past=None, keep_cache=False)` runs `ids [R, T']` (the columns after `past`, if
 any) with the full-length `mask [R, T]`, the `edits` applied, starting at layer `start` from
 `residual [R, T', D]` (layer-prefix reuse) and with `past` (per layer `(keys, values)`
-`[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded. Returns the
-model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with `keep_cache`)."""
+`[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded (within
+`heads.engine.unembed.unembed_columns` only its wanted vocabulary columns, the others NaN).
+Returns the model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with
+`keep_cache`)."""
 
 
 def _last(out: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -67,6 +67,9 @@ class CompositionScores:
     model: str = ""
     n_kv_heads: int | None = None
     params: dict = field(default_factory=dict)
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if set(self.raw) != set(KINDS):

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -91,6 +91,9 @@ class QKAttribution:
     source_heads: list[str] = field(default_factory=list)
     tokens: list[list[str]] = field(default_factory=list)
     params: dict = field(default_factory=dict)
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
     # ---------------------------------------------------------------- shape and lookup
     @property

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, Union
 
 import torch
 
@@ -265,6 +265,9 @@ class HeadScores:
     # a `heads.results.stability.Stability` (typed Any: that module builds on this one)
     stability: Any = field(default=None, compare=False, repr=False)
 
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
     def __post_init__(self) -> None:
         self.scores = torch.as_tensor(self.scores, dtype=torch.float32).detach().cpu()
         if self.scores.ndim != 2:
@@ -292,6 +295,10 @@ class HeadScores:
 
     def kv_head(self, head: int) -> int:
         return head // self._n_groups
+
+    def head_scores(self) -> HeadScores:
+        """The scores themselves (the result protocol, `heads.results.protocol.Result`)."""
+        return self
 
     # ---------------------------------------------------------------- tables
     def to_frame(self) -> pd.DataFrame:

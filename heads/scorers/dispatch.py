@@ -53,6 +53,11 @@ def _opts(options: SweepOptions | None) -> SweepOptions:
     return options
 
 
+def _only_progress(options: SweepOptions | None) -> SweepOptions:
+    """The `progress` of `options` alone (for the analyses that take no other sweep option)."""
+    return SweepOptions(progress=_opts(options).progress)
+
+
 def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.patching.activation import patch
 
@@ -265,13 +270,13 @@ def _attribution(model: HeadModel, prompts: Any, r: AttributionRequest, options:
 def _maps(model: HeadModel, relations: Any, r: MapsRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.maps.static import maps_scores
 
-    return maps_scores(model, relations, apply_first_mlp=r.apply_first_mlp, progress=_opts(options).progress)
+    return maps_scores(model, relations, apply_first_mlp=r.apply_first_mlp, options=_only_progress(options))
 
 
 def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.retrieval.qrhead import qrhead_scores
 
-    return qrhead_scores(model, items, null_query=r.null_query, chat=r.chat, progress=_opts(options).progress)
+    return qrhead_scores(model, items, null_query=r.null_query, chat=r.chat, options=_only_progress(options))
 
 
 def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions | None) -> Any:
@@ -292,8 +297,8 @@ def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions
         heads=r.heads,
         threshold=r.threshold,
         seed=r.seed,
-        progress=_opts(options).progress,
         stability=r.stability,
+        options=_only_progress(options),
     )
 
 

@@ -244,3 +244,41 @@ def test_lens_bad_input(lens_setup):
         AttentionLens.init(model, None, form="full")
     with pytest.raises(HeadsteerValueError, match="lacks heads"):
         train_lens(model, data, [(2, 0)])
+
+
+def test_atlas_sink_columns_say_which_is_which(tiny_llama, tmp_path):
+    """Sink statistics give two columns, `first_token_mass` and `sink_mass`; the `sink` role reads
+    the first one (issue 40, item 5). Old atlas files named the first-token column `sink`."""
+    import json
+
+    from heads.results.scores import HeadScores
+    from heads.scorers.roles.atlas import HeadAtlas
+    from heads.scorers.sinks import sink_stats
+
+    stats = sink_stats(tiny_llama, ["the cat sat on the mat today", "one two three four five"], chat=False)
+    first, mass = stats.first_mass.scores, stats.sink_mass.scores
+    t = float(first.flatten().median())
+    zero = HeadScores(torch.zeros_like(first), "x", model=tiny_llama.name)
+    atlas = head_atlas(
+        tiny_llama, detectors={"induction": zero}, sinks=stats, thresholds={"sink": t}, thumbnails=False
+    )
+    f = atlas.frame
+    assert "sink" not in f.columns and {"first_token_mass", "sink_mass", "n_sinks"} <= set(f.columns)
+    assert torch.equal(torch.tensor(f["first_token_mass"].to_numpy()), first.flatten())
+    assert torch.equal(torch.tensor(f["sink_mass"].to_numpy()), mass.flatten())
+    # the oracle: a head is a sink exactly when its first-token mass reaches the threshold
+    assert f["role"].tolist() == ["sink" if v >= t else "none" for v in first.flatten().tolist()]
+    got = atlas.heads_with("sink")
+    assert [float(first[la, h]) for la, h in got] == sorted(
+        (float(v) for v in first.flatten() if v >= t), reverse=True
+    )
+    # an atlas file of an earlier version (first-token column `sink`) loads with the new name
+    data = json.loads(atlas.save(tmp_path / "a.json").read_text())
+    for r in data["rows"]:
+        r["sink"] = r.pop("first_token_mass")
+    data["sources"]["sink"] = data["sources"].pop("first_token_mass")
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = HeadAtlas.load(tmp_path / "old.json")
+    assert "sink" not in old.frame.columns and old.frame["role"].tolist() == f["role"].tolist()
+    assert old.frame["first_token_mass"].tolist() == pytest.approx(f["first_token_mass"].tolist())
+    assert old.relabel({"sink": t}).frame["role"].tolist() == f["role"].tolist()

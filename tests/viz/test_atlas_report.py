@@ -33,6 +33,19 @@ def test_cli_report_atlas(tiny_llama_dir, tmp_path):
     data = json.loads(r.stdout)
     assert sum(data["roles"].values()) == 12  # every head of the 3 x 4 tiny model
     assert out.is_file() and out.with_suffix(".csv").is_file()
+    # the atlas JSON that `explore --atlas` reads, written beside: the same table as the CSV
+    import pandas as pd
+
+    from heads.scorers.roles.atlas import HeadAtlas
+
+    assert data["json"] == str(out.with_suffix(".json"))
+    saved = HeadAtlas.load(out.with_suffix(".json"))
+    table = pd.read_csv(out.with_suffix(".csv"), keep_default_na=False, na_values=[""])
+    assert list(saved.frame.columns) == list(table.columns) and len(saved.frame) == 12
+    assert list(saved.frame["role"]) == list(table["role"])
+    num = [c for c in table.columns if c != "role"]
+    got, want = (torch.tensor(f[num].to_numpy(float)) for f in (saved.frame, table))
+    assert torch.allclose(got, want, equal_nan=True)
     r = CliRunner().invoke(app, ["report", "atlas", "--out", str(out), "--model", tiny_llama_dir])
     assert r.exit_code != 0  # exists, no --force
     r = CliRunner().invoke(app, ["report", "atlas", "--out", str(tmp_path / "b.html"), "--lens", "/no/lens"])
@@ -82,6 +95,7 @@ def test_render_custom_and_nan_roles(role_model, tmp_path):
         ({"lens_text": ""}, HeadsteerValueError, "lens_text"),
         ({"lens": 3}, HeadsteerTypeError, "lens must be a file path"),
         ({"csv": "SAME"}, HeadsteerValueError, "same file"),
+        ({"atlas_json": "SAME"}, HeadsteerValueError, "same file"),
         ({"progress": "bar"}, HeadsteerTypeError, "progress"),
         ({"model": "hand-built-roles"}, HeadsteerTypeError, "model must be a HeadModel"),
     ],
@@ -95,8 +109,9 @@ def test_atlas_report_arguments_first(role_model, tmp_path, monkeypatch, kwargs,
     monkeypatch.setattr(mod, "detect_roles", no_work)
     out = tmp_path / "a.html"
     kw = {"model": role_model, "out": out, **kwargs}
-    if kw.get("csv") == "SAME":
-        kw["csv"] = out
+    for key in ("csv", "atlas_json"):
+        if kw.get(key) == "SAME":
+            kw[key] = out
     with pytest.raises(error) as err:
         atlas_report(kw.pop("model"), kw.pop("out"), **kw)
     assert "\n" not in str(err.value) and word in str(err.value)

@@ -24,35 +24,83 @@ and runs it inside one frame:
   and exit 1. `headsteer --debug` (or `HEADSTEER_DEBUG=1`) prints the traceback first,
   in both cases. Ctrl-C exits 130. Whatever the failure, when some declared files were
   already written, one more line says which were and which were not.
+
+The pieces live in `viz.cli.messages` (consoles, warning and error lines, exit statuses),
+`viz.cli.checks` (option checks made before the model loads) and `viz.cli.usage` (the group's
+one-line usage errors); this module holds the shared options, `Run` and `command`, and
+re-exports the others' names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
-import math
 import os
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from typer._click import exceptions as click_errors  # typer 0.29 vendors click: its exceptions
-from typer.core import TyperGroup
 
 from heads._util.files import check_output
 from heads._util.progress import Progress
 from heads._util.validation import short_repr
-from heads.errors import HeadsteerError, HeadsteerValueError
+from heads.errors import HeadsteerValueError
 from heads.model.loading import DTYPES
-from heads.model.loading import check_dtype as _check_dtype
+
+# The names below `as` themselves are re-exported: their import path `viz.cli.common.<name>` stays.
+from viz.cli.checks import (
+    _at_most as _at_most,
+)
+from viz.cli.checks import (
+    _positive as _positive,
+)
+from viz.cli.checks import (
+    check_device,
+    check_dtype,
+)
+from viz.cli.checks import (
+    check_head_file as check_head_file,
+)
+from viz.cli.checks import (
+    check_prompt as check_prompt,
+)
+from viz.cli.checks import (
+    check_text as check_text,
+)
+from viz.cli.messages import (
+    _STATE,
+    BUG_EXIT,
+    USER_ERROR_EXIT,
+    USER_ERRORS,
+    _json,
+    _quiet_transformers,
+    _warnings_as_lines,
+    console,
+    debug_enabled,
+    err,
+    report_bug,
+    warn_line,
+)
+from viz.cli.messages import (
+    DEBUG_ENV as DEBUG_ENV,
+)
+from viz.cli.messages import (
+    _one_line as _one_line,
+)
+from viz.cli.messages import (
+    set_global as set_global,
+)
+from viz.cli.usage import OneLineUsageErrors
+from viz.cli.usage import _path_options as _path_options
+from viz.cli.usage import _refuse_empty_paths as _refuse_empty_paths
+
+if TYPE_CHECKING:
+    from heads.model.adapter import HeadModel
 
 __all__ = [
     "BUG_EXIT",
@@ -68,20 +116,6 @@ __all__ = [
     "warn_line",
 ]
 
-# Not a terminal (a pipe, a log file): rich would cut tables at 80 columns; use 160 unless COLUMNS says.
-console = Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
-err = Console(stderr=True, soft_wrap=True)
-_STATE = {"debug": False, "quiet": False}
-USER_ERRORS: tuple[type[BaseException], ...] = (HeadsteerError, OSError)
-"""What the CLI reports as the user's error (one line, exit 2): headsteer's own errors (bad
-values, refused models, a missing extra) and an `OSError` about a path (not found, no permission,
-disk full). Every other exception is a bug (`report_bug`, exit 1)."""
-USER_ERROR_EXIT = 2
-"""Exit status for a user error (a bad option or value), as click uses for usage errors."""
-BUG_EXIT = 1
-"""Exit status for an internal error (a bug in headsteer or a library it calls)."""
-DEBUG_ENV = "HEADSTEER_DEBUG"
-"""Environment variable: `HEADSTEER_DEBUG=1` is `headsteer --debug` (tracebacks)."""
 PLAIN_PROGRESS_EVERY_S = 5.0
 """Seconds between plain progress lines when stderr is not a terminal (logs, CI, nohup)."""
 
@@ -125,180 +159,6 @@ _SHARED: dict[str, tuple[Any, Any]] = {
     "force": (ForceOpt, False),
     "allow_weight_mismatch": (AllowMismatchOpt, False),
 }
-
-
-# ------------------------------------------------------------------ checks
-def check_device(device: str) -> str:
-    """The `--device` value if torch knows it and it is available here.
-
-    Raises:
-        ValueError: an unknown device string, or CUDA / MPS not available.
-    """
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise HeadsteerValueError(
-            f"--device {short_repr(device)} is not a torch device (use cpu, cuda, cuda:N or mps)"
-        ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise HeadsteerValueError(f"--device {short_repr(device)}: no CUDA device is available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise HeadsteerValueError(
-                f"--device {short_repr(device)}: only {torch.cuda.device_count()} CUDA devices"
-            )
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise HeadsteerValueError(f"--device {short_repr(device)}: MPS is not available")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise HeadsteerValueError(f"--device {short_repr(device)}: use cpu, cuda, cuda:N or mps")
-    return device
-
-
-def check_dtype(dtype: str):
-    """The torch dtype named by `--dtype` (one of `heads.model.loading.DTYPES`); ValueError for any other."""
-    return _check_dtype(dtype, option="--dtype")
-
-
-def _positive(**options: int) -> None:
-    """ValueError naming the first option (as --flag) that is not a positive int."""
-    for name, value in options.items():
-        if value < 1:
-            raise HeadsteerValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
-
-
-def _at_most(option: str, value: int, cap: int) -> None:
-    """ValueError when `value` is above `cap` (unbounded work from one option)."""
-    if value > cap:
-        raise HeadsteerValueError(f"{option} {value} is above the cap of {cap}")
-
-
-def check_prompt(prompt: str, emphasize: list[str] | None = None, *, option: str = "prompt") -> str:
-    """Refuse, before the model loads, a prompt that cannot be steered.
-
-    Raises:
-        ValueError: `prompt` (or an `--emphasize` value) is empty or white space, has unbalanced
-            `**` markup, or has no emphasized span (no `**markup**` and no `--emphasize`).
-    """
-    from heads.inputs.spans import parse_markup
-
-    if not prompt.strip():
-        raise HeadsteerValueError(f"{option} is empty")
-    check_text(prompt, option)
-    for e in emphasize or ():
-        if not e.strip():
-            raise HeadsteerValueError(f"--emphasize is empty or white space: {short_repr(e)}")
-        check_text(e, "--emphasize")
-    plain, spans = parse_markup(prompt)
-    if not spans and not emphasize:
-        raise HeadsteerValueError(
-            f"{option} has no emphasized span: mark it with **double stars** or pass --emphasize"
-        )
-    for e in emphasize or ():
-        if e not in plain:
-            raise HeadsteerValueError(f"--emphasize {short_repr(e)} is not in the {option.lstrip('-')}")
-    return prompt
-
-
-def check_text(text: str, option: str) -> None:
-    """Refuse text from the command line that is not valid Unicode: bytes that are not UTF-8
-    (Python hands them over as the surrogates U+DC80..U+DCFF) or a lone surrogate, naming the
-    option and the position."""
-    from heads.inputs.prompts import check_encodable
-
-    for i, ch in enumerate(text):
-        if "\udc80" <= ch <= "\udcff":
-            raise HeadsteerValueError(
-                f"{option} is not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}"
-            )
-    check_encodable(text, option)
-
-
-def check_head_file(
-    path: str, heads, *, option: str = "--pasta-heads", geometry: tuple[int, int] | None = None
-) -> None:
-    """Refuse, before the model loads, a parsed `{"layer": [heads]}` file (`heads`, a `HeadSet`)
-    that selects no heads or names a negative layer or head, or (with `geometry`) a layer or
-    head outside the model.
-
-    Args:
-        geometry: `(n_layers, n_heads)` of the model, from its config before any weight is read
-            (`heads.model.loading.read_geometry`; default None: the range is checked once the
-            model is loaded).
-
-    Raises:
-        ValueError: naming `option` and the file (and, out of range, the head and the model's
-            layers / heads).
-    """
-    if not len(heads):
-        raise HeadsteerValueError(f"{option} {path!r} selects no heads")
-    bad = [(la, h) for la, h in heads if la < 0 or h < 0]
-    if bad:
-        la, h = bad[0]
-        raise HeadsteerValueError(
-            f"{option} {path!r} names a negative layer or head: layer {la}, head {h} (both must be >= 0)"
-        )
-    if geometry is not None:
-        n_layers, n_heads = geometry
-        outside = [(la, h) for la, h in heads if la >= n_layers or h >= n_heads]
-        if outside:
-            la, h = outside[0]
-            raise HeadsteerValueError(
-                f"{option} {path!r} names layer {la}, head {h}, outside the model: it has layers "
-                f"0..{n_layers - 1} and heads 0..{n_heads - 1} per layer"
-            )
-
-
-def _json(obj) -> str:
-    """Strict JSON: NaN and infinities become null."""
-
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    return json.dumps(clean(obj), allow_nan=False)
-
-
-def warn_line(message: str) -> None:
-    """Print one `warning: ...` line on stderr (white space collapsed; also with `--quiet`).
-
-    Every warning a command raises (`warnings.warn`: a silent fallback, a no-op parameter)
-    is routed here by `command`, so the user sees one line, not a Python warning with its
-    source line.
-    """
-    msg = " ".join(str(message).split())
-    err.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
-
-
-@contextlib.contextmanager
-def _warnings_as_lines() -> Iterator[None]:
-    """Within: each distinct warning message printed once, as one line through `warn_line`."""
-    seen: set[str] = set()
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
-        text = str(message)
-        if text not in seen:
-            seen.add(text)
-            warn_line(text)
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("always", category=UserWarning)
-        warnings.showwarning = show
-        yield
-
-
-def _quiet_transformers() -> None:
-    """No per-weight progress bars or info logs from transformers in the terminal."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 def _stat(p: Path) -> tuple[int, int] | None:
@@ -401,7 +261,7 @@ class Run:
         return [p for p, before in self.planned.items() if (now := _stat(p)) is not None and now != before]
 
     # -- model and progress
-    def load(self, device_map: str | dict | None = None):
+    def load(self, device_map: str | dict | None = None) -> HeadModel:
         """Load `--model` on `--device` in `--dtype`, with a status line on stderr; a `HeadModel`.
 
         `device_map` (e.g. `"auto"`) places the layers through accelerate instead of `--device`.
@@ -419,7 +279,7 @@ class Run:
                 return load_model(self.model, dtype=dtype, device_map=device_map, allow_weight_mismatch=lax)
             return load_model(self.model, dtype=dtype, device=self.device, allow_weight_mismatch=lax)
 
-    def status(self, msg: str):
+    def status(self, msg: str) -> contextlib.AbstractContextManager[Any]:
         """A spinner on a terminal, one plain line otherwise, nothing with `--quiet`."""
         if self.quiet:
             return contextlib.nullcontext()
@@ -443,7 +303,7 @@ class Run:
         the absolute position and the (possibly grown) total, as the library's
         `progress=` callbacks give them.
         """
-        state = {"done": 0, "total": max(int(total), 1), "label": label}
+        state = {"done": 0, "total": max(int(total), 1)}
         bar = None
         if not self.quiet and err.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -489,7 +349,7 @@ class Run:
                     rate = (last - first[1]) / (state["done"] - first[0])
                     eta = f", ETA {rate * (state['total'] - state['done']):.0f} s"
                 err.print(
-                    escape(f"{state['label']}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
+                    escape(f"{label}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
                     highlight=False,
                 )
 
@@ -542,30 +402,7 @@ class Run:
         raise typer.Exit(BUG_EXIT)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def debug_enabled() -> bool:
-    """Whether tracebacks are shown: `headsteer --debug`, or `HEADSTEER_DEBUG` set to 1 / true / yes."""
-    return _STATE["debug"] or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def report_bug(exc: BaseException) -> None:
-    """Print an unexpected exception as a bug on stderr (its traceback first with --debug).
-
-    The line is `internal error: <Type>: <message> (rerun with --debug for the traceback)`;
-    with --debug the traceback comes first and the hint is left out.
-    """
-    if debug_enabled():
-        err.print_exception()
-    hint = "" if debug_enabled() else " (rerun with --debug for the traceback)"
-    msg = " ".join(str(exc).split())
-    what = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
-    err.print(f"[red]internal error:[/red] {escape(what)}{hint}", highlight=False)
-
-
-def _user_set(names) -> frozenset[str] | None:
+def _user_set(names: Iterable[str]) -> frozenset[str] | None:
     """The names among `names` whose value the user gave (not click's default); None without
     a click context."""
     from typer._click.core import ParameterSource
@@ -644,89 +481,3 @@ def command(
         return fn
 
     return decorate
-
-
-def _path_options(group: Any) -> set[str]:
-    """The option names (`--out`, ...) of every command of `group` whose type is a `Path`."""
-    import typing
-
-    names: set[str] = set()
-    for cmd in group.commands.values():
-        if hasattr(cmd, "commands"):
-            names |= _path_options(cmd)
-        for param in cmd.params:
-            ann = getattr(getattr(param, "type_descriptor", None), "annotation", None)
-            if ann is Path or Path in typing.get_args(ann):
-                names.update(o for o in param.opts if o.startswith("--"))
-    return names
-
-
-def _refuse_empty_paths(group: Any, argv: list[str]) -> None:
-    """A path option given an empty string (`--out ''`) is a usage error: click would read it
-    as the current folder and, for `build refusal-model`, start a fine-tune writing there."""
-    paths = _path_options(group)
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        empty = (eq and value == "") or (not eq and i + 1 < len(argv) and argv[i + 1] == "")
-        if name in paths and empty and not value:
-            raise click_errors.UsageError(f"{name} is empty: give a path")
-
-
-class OneLineUsageErrors(TyperGroup):
-    """The `headsteer` group: a usage error (missing or unknown option, bad value) is one line.
-
-    click prints a usage block, a hint and the error for a usage error; here it is one line
-    on stderr, `error: <what> (see: <command> --help)`, and exit 2, like every other bad
-    input. Help (`--help`, a group called without a command) is printed as click does.
-    """
-
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        try:
-            argv = kwargs.get("args", args[0] if args else None)
-            _refuse_empty_paths(self, sys.argv[1:] if argv is None else list(argv))
-            rv = super().main(*args, standalone_mode=False, **kwargs)
-        except click_errors.NoArgsIsHelpError as exc:
-            if not standalone_mode:
-                raise
-            exc.show()
-            raise SystemExit(exc.exit_code) from None
-        except click_errors.UsageError as exc:
-            if not standalone_mode:
-                raise
-            where = exc.ctx.command_path if exc.ctx is not None else "headsteer"
-            msg = " ".join(exc.format_message().split()).rstrip(".")
-            err.print(f"[red]error:[/red] {escape(msg)} (see: {escape(where)} --help)", highlight=False)
-            raise SystemExit(2) from None
-        except click_errors.ClickException as exc:
-            if not standalone_mode:
-                raise
-            exc.show()
-            raise SystemExit(exc.exit_code) from None
-        except typer.Abort:
-            if not standalone_mode:
-                raise
-            err.print("[red]aborted[/red]", highlight=False)
-            raise SystemExit(1) from None
-        except typer.Exit:
-            raise
-        except USER_ERRORS as exc:  # outside a command (e.g. in an option callback)
-            if not standalone_mode:
-                raise
-            if debug_enabled():
-                err.print_exception()
-            err.print(f"[red]error:[/red] {escape(_one_line(exc))}", highlight=False)
-            raise SystemExit(USER_ERROR_EXIT) from None
-        except Exception as exc:  # a bug outside a command
-            if not standalone_mode:
-                raise
-            report_bug(exc)
-            raise SystemExit(BUG_EXIT) from None
-        if not standalone_mode:
-            return rv
-        raise SystemExit(rv if isinstance(rv, int) else 0)
-
-
-def set_global(debug: bool, quiet: bool) -> None:
-    """`headsteer --debug --quiet ...`: tracebacks on every error; quiet for every command."""
-    _STATE["debug"] = debug
-    _STATE["quiet"] = quiet

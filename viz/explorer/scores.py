@@ -158,10 +158,13 @@ def maps_result(model: "HeadModel", cache: dict, relations: Any, emit: Emit, fla
     """The static MAPS scores on the shipped relations, computed once per server; the grid is
     each head's best relation score (`MapsScores.best_relation`)."""
     if cache["maps"] is None:
+        from heads.engine.options import SweepOptions
         from heads.scorers.maps.static import maps_scores
 
         emit({"status": "MAPS: relation scores of every head (per layer)"})
-        cache["maps"] = maps_scores(model, relations, progress=progress_reporter(emit, flag))
+        cache["maps"] = maps_scores(
+            model, relations, options=SweepOptions(progress=progress_reporter(emit, flag))
+        )
     ms = cache["maps"]
     best, which = ms.best_relation()
     columns = {n: grid(ms.relation[n].scores) for n in ms.names()}

@@ -17,7 +17,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import torch
 
-from heads import HeadModel
+from heads import HeadModel, SweepOptions
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_bool, check_path, short_repr
@@ -231,8 +231,10 @@ def atlas_report(
     progress: ProgressArg = True,
     csv: str | Path | None = None,
     stability: int = 0,
+    atlas_json: str | Path | None = None,
 ) -> tuple[HeadAtlas, dict]:
-    """Compute the atlas of `model` and write the page to `out` (and the table to `csv` if given).
+    """Compute the atlas of `model` and write the page to `out` (the table to `csv` and the atlas
+    itself to `atlas_json` if given).
 
     Gathers the detectors, sink statistics on 16 shipped corpus texts, MAPS relations (with `maps`:
     the shipped relations with enough single-token pairs), PASTA's shipped profile for the embedded
@@ -250,13 +252,16 @@ def atlas_report(
         csv: also write the table as CSV there (default None).
         stability: bootstrap resamples of the detectors' sequences (default 0: none): the
             pattern detectors' stable top-k heads on the page and `<role>_p_top_k` columns.
+        atlas_json: also write the atlas as JSON there (`HeadAtlas.save`: the file
+            `headsteer explore --atlas` and `HeadAtlas.load` read; default None).
 
     Returns:
         `(atlas, summary)`; summary: heads per role and the top heads of each detector.
 
     Raises:
-        HeadsteerValueError: `out` or `csv` exists without `overwrite` (or is a folder or a
-            symlink); a bad lens file or one for another model; an empty `lens_text`.
+        HeadsteerValueError: `out`, `csv` or `atlas_json` exists without `overwrite` (or is a folder
+            or a symlink), two of them the same file; a bad lens file or one for another model; an
+            empty `lens_text`.
         HeadsteerTypeError: an argument of a wrong type. All checked before any forward.
         FileNotFoundError: no `lens` file.
     """
@@ -272,6 +277,8 @@ def atlas_report(
         lens = check_path("lens", lens)
     if csv is not None:
         csv = check_path("csv", csv)
+    if atlas_json is not None:
+        atlas_json = check_path("atlas_json", atlas_json)
     check_bool("maps", maps)
     check_bool("overwrite", overwrite)
     stability = check_stability(stability)
@@ -282,10 +289,15 @@ def atlas_report(
             f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"
         )
     check_output(out, overwrite)
-    if csv is not None:
-        if Path(csv).expanduser().resolve() == Path(out).expanduser().resolve():
-            raise HeadsteerValueError(f"csv and out are the same file: {csv!r}")
-        check_output(csv, overwrite)
+    seen = {Path(out).expanduser().resolve(): "out"}
+    for name, extra_path in (("csv", csv), ("atlas_json", atlas_json)):
+        if extra_path is None:
+            continue
+        where = Path(extra_path).expanduser().resolve()
+        if where in seen:
+            raise HeadsteerValueError(f"{name} and {seen[where]} are the same file: {str(extra_path)!r}")
+        seen[where] = name
+        check_output(extra_path, overwrite)
     if isinstance(lens, AttentionLens):
         lens.check_model(model)
         trained: AttentionLens | None = lens
@@ -305,7 +317,7 @@ def atlas_report(
         if maps and model.tokenizer is not None:
             try:
                 rels = load_relations(model.tokenizer, d_vocab=model.d_vocab)
-                relations = maps_scores(model, rels.relations, progress=False)
+                relations = maps_scores(model, rels.relations, options=SweepOptions(progress=False))
             except ValueError:
                 relations = None
         tick(3)
@@ -328,6 +340,8 @@ def atlas_report(
             from heads._util.files import write_text
 
             write_text(csv, atlas.frame.to_csv(index=False), overwrite=overwrite)
+        if atlas_json is not None:
+            atlas.save(atlas_json, overwrite=overwrite)
         tick(5)
     summary = {
         "roles": {k: int(v) for k, v in atlas.frame["role"].value_counts().items()},

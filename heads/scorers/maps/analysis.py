@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
+from heads.engine.options import SweepOptions
 from heads.model.adapter import HeadModel
 from heads.scorers.maps.inference import (
     DYNAMIC_MAX_PAIRS,
@@ -192,7 +193,7 @@ def maps_analysis(
     n_abl = ablation_steps(draws)
     total = maps_analysis_steps(model, rels, draws)
     with progress_callback(progress, "MAPS analysis", "steps") as report:
-        ms = maps_scores(model, rels, progress=offset_progress(report, 0, total))
+        ms = maps_scores(model, rels, options=SweepOptions(progress=offset_progress(report, 0, total)))
         dyn = dynamic_scores(model, rels, progress=offset_progress(report, model.n_layers, total))
         corr = {n: pearson(ms.relation[n].scores.expand_as(dyn[n]), dyn[n]) for n in ms.names()}
         abl = {}

@@ -17,21 +17,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_bool, check_int, is_int, short_repr
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel, _module
 from heads.model.families import family_of
 from heads.results.scores import HeadScores
+from heads.results.storage import check_geometry, read_result, write_result
 from heads.results.views import html_view, top_heads_text
 
 if TYPE_CHECKING:
+    import os
+    from pathlib import Path
+
     import pandas as pd
+
+SCHEMA = "headsteer/maps-scores"
+SCHEMA_VERSION = 1
 
 __all__ = [
     "MapsScores",
@@ -214,8 +222,69 @@ class MapsScores:
     suppression: dict[str, HeadScores]
     params: dict = field(default_factory=dict)
 
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
     def names(self) -> list[str]:
         return list(self.relation)
+
+    def head_scores(self, relation: str | None = None) -> HeadScores:
+        """`[L, H]` relation scores of `relation`, or by default each head's best relation score
+        (`best_relation()[0]`).
+
+        Raises:
+            HeadsteerValueError: an unknown relation, or no relation at all.
+        """
+        if relation is None:
+            return self.best_relation()[0]
+        if relation not in self.relation:
+            raise HeadsteerValueError(f"unknown relation {short_repr(relation)}; known: {self.names()}")
+        return self.relation[relation]
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the scores as JSON (schema `headsteer/maps-scores`; NaN as null), atomically;
+        returns the path.
+
+        Raises:
+            HeadsteerValueError: `path` exists and `overwrite` is False, is a symlink or a folder;
+                a score is +-inf.
+        """
+        payload = {
+            "params": self.params,
+            "relations": {
+                n: {"relation": self.relation[n].to_json(), "suppression": self.suppression[n].to_json()}
+                for n in self.names()
+            },
+        }
+        return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> MapsScores:
+        """Read a file `save` wrote, checked against `model`'s geometry when given.
+
+        Raises:
+            FileNotFoundError: no such file.
+            HeadsteerValueError: not a MAPS file, another schema version, a malformed field, a
+                model of another geometry.
+        """
+        data = read_result(path, SCHEMA, SCHEMA_VERSION, "MapsScores")
+        rels = data.get("relations")
+        if not isinstance(rels, dict) or not all(
+            isinstance(v, dict) and set(v) == {"relation", "suppression"} for v in rels.values()
+        ):
+            raise HeadsteerValueError(
+                f"{short_repr(str(path))} is not a valid MapsScores file: relations must map each name "
+                "to its relation and suppression scores"
+            )
+        relation: dict[str, HeadScores] = {}
+        suppression: dict[str, HeadScores] = {}
+        for n, v in rels.items():
+            relation[n] = HeadScores._from_json(v["relation"], str(path))
+            suppression[n] = HeadScores._from_json(v["suppression"], str(path))
+            s = relation[n]
+            check_geometry(path, (s.n_layers, s.n_heads, s.n_kv_heads), model)
+        params: Any = data.get("params") or {}
+        return cls(relation, suppression, dict(params))
 
     def __repr__(self) -> str:
         tops = "; ".join(f"{n}: {top_heads_text(self.relation[n], 1)}" for n in self.names())
@@ -344,7 +413,8 @@ def maps_scores(
     *,
     apply_first_mlp: bool = True,
     pair_chunk: int = 1024,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> MapsScores:
     """Static MAPS relation and suppression scores of every head (docs/methods/maps.md).
 
@@ -353,8 +423,10 @@ def maps_scores(
         relations: relations as token-id pairs with their k.
         apply_first_mlp: Ẽ = MLP_0(Norm_0(E)) for heads in layers >= 1 (default True).
         pair_chunk: pairs ranked at once (memory `pair_chunk x d_vocab` floats).
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-            after each layer (`heads._util.progress`), in layers: `total` is `n_layers`.
+        options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
+            False / None (off) or `progress(done, total)` after each layer, in layers
+            (`total` is `n_layers`).
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
         MapsScores: per relation, `HeadScores` `[n_layers, n_heads]` in [0, 1] with
@@ -365,6 +437,7 @@ def maps_scores(
             token ids outside the vocabulary, or a non-positive `pair_chunk`.
         TypeError: a relation that is not `RelationPairs`.
     """
+    opts = sweep_options(options, deprecated, "maps_scores", takes=("progress",))
     relations = _as_relations(model, relations)
     pair_chunk = positive_int(pair_chunk, "pair_chunk")
     check_bool("apply_first_mlp", apply_first_mlp)
@@ -380,7 +453,7 @@ def maps_scores(
     hits = torch.zeros(model.n_layers, model.n_heads, n_pairs, dtype=torch.bool)
     supp = torch.zeros_like(hits)
     reps = {}
-    with progress_callback(progress, "MAPS static scores", "layers") as report:
+    with progress_callback(opts.progress, "MAPS static scores", "layers") as report:
         for layer in range(model.n_layers):
             key = layer == 0 or not apply_first_mlp
             if key not in reps:

@@ -16,7 +16,8 @@ Sites (`KINDS`), each scored on a grid:
   value projection output (before RoPE / QK-norm, which act per position and head), in every
   fused layout, `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV
   head). Refused by name where a family has no such site (`check_kind`): `k` / `v` on latent
-  attention, `k` where the key norm spans all heads, `mlp_out` where the MLP is not one module;
+  attention, `k` where the key norm spans all heads, `mlp_out` where the MLP is not one module or
+  a residual multiplier other than 1 scales it;
 * `"pattern"`: head h's attention pattern (all positions), `[L, H]`.
 
 Speed (all exact): every (site, pair) is one batch row, `options.max_rows` rows per forward;
@@ -30,9 +31,11 @@ and for a metric that reads a few tokens (`logit_diff`) only their columns (`une
 A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
 before the first token where the two prompts differ) patches nothing: it gets the base run's
 metric without a forward.
-The patches are engine edits (`head_output`, `residual`, `query`, `probs` sites) or forward hooks
-on the block outputs and the k / v projections; all are removed on exit, so the model is bitwise
-unchanged afterwards. Each kind equals a one-hook whole-model loop on every family headsteer
+The patches are engine edits (`head_output`, `residual`, `query`, `probs`, `k` / `v`, `mlp_out`
+sites; `attn_out` is written as every head's output z, which o_proj turns into the source
+attention output bitwise), and the recorded runs read engine sites (`record.record_run`), so a
+sweep runs on every backend, acts only on the calling thread's forwards and leaves the model
+bitwise unchanged. Each kind equals a one-hook whole-model loop on every family headsteer
 accepts, prompts longer than a sliding window included (tests/heads/patching/
 test_family_patching.py).
 """
@@ -42,8 +45,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -52,23 +55,25 @@ import torch
 from heads._util.files import write_text
 from heads._util.progress import progress_callback
 from heads._util.validation import is_int, is_number, short_repr
+from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, ProbEdit, QueryEdit, ResidualEdit
 from heads.engine.options import SweepOptions
+from heads.engine.unembed import unembed_columns
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability, check_stability
+from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
 from heads.scorers.patching.record import (
     RunCache,
-    _qkv_modules,
+    _qkv_modules,  # noqa: F401 - importable from here as before
     _qkv_slices,  # noqa: F401 - importable from here as before
     check_kv_kind,
-    first_output,
-    kv_columns,
     record_run,
+    stream_sites,
 )
 from heads.scorers.patching.vision import (
     ImagePairBatch,
@@ -93,16 +98,20 @@ SCHEMA_VERSION = 1
 @dataclass(eq=False, repr=False)
 class _PatchZ(HeadOutputEdit):
     """Write `source [R, T', H, d]` into the heads of `row_heads`, at the columns of `cols
-    [R, T']` (None = all); columns are those of the chunk (after trimming)."""
+    [R, T']` (None = all); columns are those of the chunk (after trimming), from the chunk's
+    column `start` on (a forward that computes only the columns after a cached prefix needs
+    only theirs)."""
 
     source: torch.Tensor | None = None
     cols: torch.Tensor | None = None
+    start: int = 0
 
     def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        src = cast(torch.Tensor, self.source)[:, call.q_offset : call.q_offset + call.q_len].to(z.dtype)
+        a = call.q_offset - self.start
+        src = cast(torch.Tensor, self.source)[:, a : a + call.q_len].to(z.dtype)
         if self.cols is None:
             return src
-        c = self.cols[:, call.q_offset : call.q_offset + call.q_len].to(z.device)[:, :, None, None]
+        c = self.cols[:, a : a + call.q_len].to(z.device)[:, :, None, None]
         return torch.where(c, src, z)
 
 
@@ -146,57 +155,32 @@ class _PatchPattern(ProbEdit):
         return torch.where(mask, src.to(probs.dtype), probs)
 
 
-@contextmanager
-def _output_patch(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """A forward hook replacing `module`'s (first) output by `fn(output)`; removed on exit."""
+class _PatchKV(ActivationEdit):
+    """Write `source [R, T', G, d]` (a KV site, `k` or `v`) into the KV heads of `row_heads`, at
+    every column of the chunk; `source`'s first column is the chunk's column `start`."""
 
-    def hook(mod, args, out):
-        if isinstance(out, tuple):
-            return (fn(out[0]), *out[1:])
-        return fn(out)
+    def __init__(self, site: str, layer: int, row_heads: torch.Tensor, source: torch.Tensor, start: int = 0):
+        super().__init__(site, layer, row_heads=row_heads)
+        self.source, self.start = source, start
 
-    h = module.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        h.remove()
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        a = call.q_offset - self.start
+        return cast(torch.Tensor, self.source)[:, a : a + call.q_len].to(x.dtype)
 
 
 @contextmanager
-def unembed_only(model: HeadModel, columns: torch.Tensor | None):
-    """Within the block the LM head computes only the vocabulary `columns` (`[K]` long) of its
-    output; the other columns are NaN. For metrics that read a few tokens (`Metric.columns`,
-    e.g. `logit_diff`): the unembedding of a chunk's last position costs `K / V` of the full one.
-    Each computed logit is the same dot product as in the full head (fp32: equal within
-    rounding). A no-op for `columns=None`, a backend other than Hugging Face, an LM head that is
-    not a plain `nn.Linear` or whose `forward` is wrapped on the instance (accelerate's
-    `device_map` hooks), or more than half the vocabulary. The head is restored on exit."""
-    head = model.unembed
-    if (
-        columns is None
-        or model.backend.kind != "hf"
-        or type(head) is not torch.nn.Linear
-        or columns.numel() * 2 > head.out_features
-        or "forward" in head.__dict__  # accelerate's device hooks (device_map) or another wrapper
-    ):
+def unembed_only(model: HeadModel, columns: torch.Tensor | None) -> Iterator[None]:
+    """Within the block this thread's row forwards compute only the vocabulary `columns` (`[K]`
+    long) of the last position's logits; the other columns are NaN. For metrics that read a few
+    tokens (`Metric.columns`, e.g. `logit_diff`): the unembedding of a chunk's last position costs
+    `K / V` of the full one. Each computed logit is the same dot product as in the full head,
+    then the model's own logit scale and soft-cap (fp32: equal within rounding). A no-op for
+    `columns=None`, a backend other than Hugging Face, an LM head that is not a plain `nn.Linear`,
+    or more than half the vocabulary. Nothing on the model changes
+    (`heads.engine.unembed.unembed_columns`: the LM head runs on no position and the columns
+    come from the final normed state); other threads are not affected."""
+    with unembed_columns(model, columns):
         yield
-        return
-    cols = columns.to(head.weight.device)
-    weight = head.weight.detach()[cols]
-    bias = None if head.bias is None else head.bias.detach()[cols]
-    width = head.out_features
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = x.new_full((*x.shape[:-1], width), math.nan)
-        b = None if bias is None else bias.to(x.dtype)
-        out[..., cols] = torch.nn.functional.linear(x, weight.to(x.dtype), b)
-        return out
-
-    head.__dict__["forward"] = forward  # an instance attribute shadows the class method
-    try:
-        yield
-    finally:
-        head.__dict__.pop("forward", None)
 
 
 # ------------------------------------------------------------------------------ results
@@ -505,12 +489,20 @@ def check_kind(model: HeadModel, kind: str) -> None:
 
     Raises:
         ValueError: `mlp_out` on a family whose MLP is not one module (OPT, BioGPT: `fc1` /
-            `fc2` sit in the block); `k` / `v` where `record.check_kv_kind` refuses them.
+            `fc2` sit in the block); `mlp_out` where a residual multiplier other than 1 scales
+            it (Granite, HyperCLOVA X, MiniCPM3: the engine's site refuses it); `k` / `v`
+            where `record.check_kv_kind` refuses them.
     """
     if kind == "mlp_out" and model.family.mlp is None:
         raise HeadsteerValueError(
             f"kind='mlp_out' is not available on {short_repr(model.family.model_type)}: its MLP is not one "
             "module (the layers sit in the decoder block); patch 'resid_pre', 'attn_out' or heads instead"
+        )
+    if kind == "mlp_out" and not stream_sites(model):
+        raise HeadsteerValueError(
+            f"kind='mlp_out' is not available on {short_repr(model.family.model_type)} with a residual "
+            "multiplier other than 1: its MLP output is scaled before it joins the stream, which the "
+            "engine's mlp_out site does not reproduce; patch 'resid_pre', 'attn_out' or heads instead"
         )
     check_kv_kind(model, kind)
 
@@ -606,7 +598,9 @@ def patch(
         positions: padded columns to score for the by-position kinds (default all; negative
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
+        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
+            counts work in token-layers (each forward's rows x the columns it recomputes x the
+            layers it runs), not rows: rows patched at an early layer or position cost more.
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
             none; e.g. 100): `result.stability`, from the per-pair scores with no extra forward
             (`PatchResult.bootstrap`; the pairs' template ids give the agreement across templates).
@@ -681,20 +675,29 @@ def patch(
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
+    # each chunk's forward: its first layer, the left padding it trims and the first column it
+    # recomputes (the columns before it come from the base run's cache)
+    plan = []
+    for chunk in chunks:
+        trim = width - max(lengths[i] for _, i in chunk)
+        split = trim
+        if by_pos:
+            split = max(trim, min(sites[chunk[0][0]].pos, width - 1))
+        plan.append((chunk, sites[chunk[0][0]].layer, trim, split))
+    # progress counts work, not rows: a chunk costs its rows x the columns it recomputes x the
+    # layers it runs, so an early layer or position weighs up to L x T times a late one (rows
+    # of equal cost would make the ETA swing from minutes to an hour and back)
+    work = [len(c) * (width - sp) * (model.n_layers - la) for c, la, _, sp in plan]
+    total_work = sum(work)
     columns = met.columns(pairs) if met.columns is not None else None
     with (
-        progress_callback(options.progress, f"patching {kind}", "rows") as report,
+        progress_callback(options.progress, f"patching {kind}", "token-layers") as report,
         unembed_only(model, columns),
     ):
-        done = int(same.sum())
-        for chunk in chunks:
+        done = 0
+        for (chunk, layer, trim, split), cost in zip(plan, work, strict=True):
             si = torch.tensor([s for s, _ in chunk])
             ps = torch.tensor([i for _, i in chunk])
-            layer = sites[chunk[0][0]].layer
-            trim = width - max(lengths[i] for _, i in chunk)
-            split = trim
-            if by_pos:
-                split = max(trim, min(sites[chunk[0][0]].pos, width - 1))
             logits = _run_chunk(
                 model,
                 kind,
@@ -709,9 +712,9 @@ def patch(
                 split,
             )
             raw[si, ps] = met(logits, pairs, ps, clean.logits[ps]).cpu()
-            done += len(chunk)
+            done += cost
             if report is not None:
-                report(done, len(sites) * pairs.n)
+                report(done, total_work)
     result = PatchResult(
         kind,
         direction,
@@ -810,84 +813,72 @@ def _run_chunk(
             cols[r, s.pos - trim] = True
     offset = split - trim
     edits: list[Edit] = []
-    with ExitStack() as stack:
-        if base.embeds is not None:  # vision pairs: the base run's image features
-            stack.enter_context(replaced_embeddings(model, base.embeds[ps.to(base.embeds.device), split:]))
-        if kind in ("head_out", "head_out_by_pos"):
-            rh = torch.zeros(R, H, dtype=torch.bool)
-            for r, s in enumerate(sites):
-                rh[r, s.index] = True
-            edits.append(
-                _PatchZ(
-                    layer=layer,
-                    row_heads=rh,
-                    source=src.z[layer][ps, trim:].to(dev),
-                    cols=cols if kind == "head_out_by_pos" else None,
-                )
+    if base.embeds is not None:  # vision pairs: the base run's image features
+        edits.append(replaced_embeddings(model, base.embeds[ps.to(base.embeds.device), split:]))
+    if kind in ("head_out", "head_out_by_pos"):
+        rh = torch.zeros(R, H, dtype=torch.bool)
+        for r, s in enumerate(sites):
+            rh[r, s.index] = True
+        edits.append(
+            _PatchZ(
+                layer=layer,
+                row_heads=rh,
+                source=src.z[layer][ps, trim:].to(dev),
+                cols=cols if kind == "head_out_by_pos" else None,
             )
-        elif kind == "resid_pre":
-            edits.append(_PatchResid(layer=layer, source=src.residuals[layer][ps, trim:].to(dev), cols=cols))
-        elif kind == "pattern":
-            rh = torch.zeros(R, H, dtype=torch.bool)
-            for r, s in enumerate(sites):
-                rh[r, s.index] = True
-            edits.append(
-                _PatchPattern(
-                    layer=layer, row_heads=rh, source=src.pattern[layer][ps][:, :, trim:, trim:].to(dev)
-                )
-            )  # type: ignore[index]
-        elif kind in ("attn_out", "mlp_out"):
-            source = (src.attn_out if kind == "attn_out" else src.mlp_out)[layer][ps, trim:].to(dev)
-            c = cols.to(dev)[:, offset:, None]
-            s_ = source[:, offset:]
-            module = model.attentions[layer] if kind == "attn_out" else model.mlp(layer)
-
-            def block(o: torch.Tensor, c=c, s_=s_) -> torch.Tensor:
-                # a MoE block may return its rows flattened (Llama 4: [R * T', D])
-                return torch.where(c, s_.to(o.dtype), o.reshape(s_.shape)).reshape(o.shape)
-
-            stack.enter_context(_output_patch(module, block))
-        elif kind == "q":  # the query heads as attention reads them (after QK-norm and RoPE)
-            rh = torch.zeros(R, H, dtype=torch.bool)
-            for r, s in enumerate(sites):
-                rh[r, s.index] = True
-            edits.append(
-                _PatchQuery(layer=layer, row_heads=rh, source=cast(list, src.query)[layer][ps, trim:].to(dev))
+        )
+    elif kind == "resid_pre":
+        edits.append(_PatchResid(layer=layer, source=src.residuals[layer][ps, trim:].to(dev), cols=cols))
+    elif kind == "pattern":
+        rh = torch.zeros(R, H, dtype=torch.bool)
+        for r, s in enumerate(sites):
+            rh[r, s.index] = True
+        edits.append(
+            _PatchPattern(
+                layer=layer, row_heads=rh, source=src.pattern[layer][ps][:, :, trim:, trim:].to(dev)
             )
-        else:  # k / v: one KV head's columns of the projection output, all positions
-            j = "qkv".index(kind)
-            module = _qkv_modules(model, layer)[j]
-            n = model.n_kv_heads
-            source = src.qkv[layer][j][ps, trim:].to(dev)  # [R, T', G * d] head-major
-            every = kv_columns(model, j, range(n)).to(dev)
-            rows = [kv_columns(model, j, [s.index]).to(dev) for s in sites]
-
-            def fn(o: torch.Tensor, source=source, every=every, rows=rows) -> torch.Tensor:
-                new = o.clone()
-                new[..., every] = source[:, offset:].to(o.dtype)  # every head from the source ...
-                keep = torch.ones(R, 1, o.shape[-1], dtype=torch.bool, device=o.device)
-                for r, c in enumerate(rows):
-                    keep[r, 0, c] = False
-                return torch.where(keep, o, new)  # ... kept only in each row's KV head
-
-            stack.enter_context(_output_patch(module, fn))
-        one_column = base.embeds is None  # vision pairs: the embeddings hook covers every column
-        if (
-            one_column
-            and kind == "head_out_by_pos"
-            and layer < model.n_layers - 1
-            and trim <= split < mask.shape[1] - 1
-        ):
-            # the patch changes only column `split` of layer `layer`'s output (the later columns'
-            # keys, values and queries in that layer are the base run's): run that one column
-            # through `layer`, then layers `layer + 1 ..` on columns `split ..` from its output
-            # beside the base run's residual of the later columns
-            entering = _one_column_output(model, ids[:, :1], m[:, : offset + 1], edits, layer, residual, past)
-            later = base.residuals[layer + 1][ps, split + 1 :].to(entering.device, entering.dtype)
-            residual = torch.cat([entering, later], dim=1)
-            out = run_rows(model, ids, m, [], start=layer + 1, residual=residual, past=past)
-        else:
-            out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
+        )  # type: ignore[index]
+    elif kind == "attn_out":
+        # the block's attention output is o_proj of every head's output z, one position at a time:
+        # writing every head's source z at the columns gives the source attention output there,
+        # bitwise, on every family (also where a residual multiplier scales it afterwards)
+        rh = torch.ones(R, H, dtype=torch.bool)
+        edits.append(_PatchZ(layer=layer, row_heads=rh, source=src.z[layer][ps, trim:].to(dev), cols=cols))
+    elif kind == "mlp_out":
+        source = src.mlp_out[layer][ps, trim:].to(dev)
+        edits.append(PatchStream(kind, layer, source, cols.to(dev)))
+    elif kind == "q":  # the query heads as attention reads them (after QK-norm and RoPE)
+        rh = torch.zeros(R, H, dtype=torch.bool)
+        for r, s in enumerate(sites):
+            rh[r, s.index] = True
+        edits.append(
+            _PatchQuery(layer=layer, row_heads=rh, source=cast(list, src.query)[layer][ps, trim:].to(dev))
+        )
+    else:  # k / v: one KV head's key / value (before RoPE / QK-norm), all positions
+        rg = torch.zeros(R, model.n_kv_heads, dtype=torch.bool)
+        for r, s in enumerate(sites):
+            rg[r, s.index] = True
+        j = "qkv".index(kind)
+        source = src.qkv[layer][j][ps, trim:].to(dev)  # [R, T', G * d] head-major
+        source = source.reshape(*source.shape[:2], model.n_kv_heads, -1)
+        edits.append(_PatchKV(kind, layer, row_heads=rg, source=source))
+    one_column = base.embeds is None  # vision pairs: the embeddings hook covers every column
+    if (
+        one_column
+        and kind == "head_out_by_pos"
+        and layer < model.n_layers - 1
+        and trim <= split < mask.shape[1] - 1
+    ):
+        # the patch changes only column `split` of layer `layer`'s output (the later columns'
+        # keys, values and queries in that layer are the base run's): run that one column
+        # through `layer`, then layers `layer + 1 ..` on columns `split ..` from its output
+        # beside the base run's residual of the later columns
+        entering = _one_column_output(model, ids[:, :1], m[:, : offset + 1], edits, layer, residual, past)
+        later = base.residuals[layer + 1][ps, split + 1 :].to(entering.device, entering.dtype)
+        residual = torch.cat([entering, later], dim=1)
+        out = run_rows(model, ids, m, [], start=layer + 1, residual=residual, past=past)
+    else:
+        out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
 
 
@@ -905,10 +896,6 @@ def prefix_cache(
     ]
 
 
-class _Stop(Exception):
-    """Raised by a forward hook to end a forward once the wanted activation is recorded."""
-
-
 def _one_column_output(
     model: HeadModel,
     ids: torch.Tensor,
@@ -920,28 +907,20 @@ def _one_column_output(
 ) -> torch.Tensor:
     """`[R, 1, D]`: the output of decoder layer `layer` at the one column `ids [R, 1]` (after
     `past`, `mask` up to that column) with `edits`, from `residual` (its slice at that column,
-    or None for layer 0); the forward stops there."""
-    seen: list[torch.Tensor] = []
-
-    def stop(mod, args, out):
-        seen.append(first_output(out))
-        raise _Stop
-
-    h = model.layers[layer].register_forward_hook(stop)
+    or None for layer 0); the forward stops there (`StopAt` the block's `resid_post`)."""
+    stop = StopAt("resid_post", layer)
     try:
         run_rows(
             model,
             ids,
             mask,
-            edits,
+            [*edits, stop],
             start=layer,
             residual=None if residual is None else residual[:, :1],
             past=past,
         )
-    except _Stop:
+    except ForwardStopped:
         pass
-    finally:
-        h.remove()
-    if not seen:  # pragma: no cover - the hook always fires on a decoder layer
+    if stop.seen is None:  # pragma: no cover - the edit always fires on a decoder layer
         raise HeadsteerValueError(f"layer {layer} did not run")
-    return seen[0]
+    return stop.seen

@@ -38,11 +38,12 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from heads._util.validation import check_int, short_repr
+from heads.engine.unembed import logit_transform, output_logits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
@@ -123,11 +124,12 @@ def norm_parts(
     elementwise (`x_c` = `x` centred for a LayerNorm, `var` its mean square; no entry of `x_c`
     is 0). `eps` is the norm's `variance_epsilon` / `eps` attribute, or, for a norm that keeps it
     inside its forward (OLMo's 1e-5), solved from `N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m +
-    eps)` at `a = 1e-3`.
+    eps)` at `a = 1e-3` (at most 1e-2). The read form is then checked against the norm on a
+    vector it has not seen.
 
     Raises:
-        ValueError: a norm without an eps attribute whose eps cannot be measured (its scale
-            cannot be frozen).
+        ValueError: a norm without an eps attribute whose eps cannot be measured, or whose
+            function is not the read RMSNorm / LayerNorm form (its scale cannot be frozen).
     """
     x = torch.ones(dim)
     x[1::2] = -1.0
@@ -148,30 +150,34 @@ def norm_parts(
     if eps is None:  # a constant inside forward (OLMo): N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
         a = 1e-3
         r = float(((run(a * x) - zero) / (at_x - zero)).mean())
-        eps = a * a * ms * (1 - r * r) / (r * r - a * a)
-        if not eps > 0:
+        eps = a * a * ms * (1 - r * r) / (r * r - a * a) if r * r != a * a else 0.0
+        if not 0 < eps <= 1e-2:  # a norm's eps is small (1e-5, 1e-6); not a norm otherwise
             raise HeadsteerValueError(
-                f"norm {type(norm).__name__} has no eps attribute and none could be measured; cannot "
-                "freeze its scale"
+                f"norm {type(norm).__name__} has no eps attribute and none could be measured (it does "
+                "not divide by sqrt(mean(x^2) + eps)); cannot freeze its scale"
             )
     gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
     bias = zero if bool(zero.abs().max() > 0) else None
+    # the read form must be the norm's function: check it on a vector it has not seen
+    v = torch.randn(dim, generator=torch.Generator().manual_seed(0)) * 3 + 0.5
+    vc = v - v.mean() if centred else v
+    want = gain * vc / float((vc.pow(2).mean() + float(eps)) ** 0.5) + (0.0 if bias is None else bias)
+    got = run(v)
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        raise HeadsteerValueError(
+            f"norm {type(norm).__name__} is not an RMSNorm or a LayerNorm of its input (gain * x / "
+            "sqrt(mean(x^2) + eps) + bias, x centred for a LayerNorm), so its scale cannot be frozen "
+            f"(eps {'read' if hasattr(norm, 'eps') or hasattr(norm, 'variance_epsilon') else 'measured'}: "
+            f"{float(eps):.3g})"
+        )
     return ("layer" if centred else "rms"), gain, bias, float(eps)
 
 
 def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
-    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU)."""
-    box: list[torch.Tensor] = []
-
-    def pre(mod, args):
-        box.append(args[0].detach().float().cpu())
-
-    h = model.final_norm.register_forward_pre_hook(pre)
-    try:
-        cache = record_run(model, ids, mask)
-    finally:
-        h.remove()
-    return cache, box[-1]
+    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU): the stream leaving the
+    last block (the engine's `resid_post` site, read by the same forward)."""
+    cache = record_run(model, ids, mask, final=True, keys=False)
+    return cache, cast(torch.Tensor, cache.final).float().cpu()
 
 
 def _scale(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -197,42 +203,10 @@ def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch
 
 
 def _logit_scale(model: HeadModel) -> tuple[float, bool]:
-    """`(c, before_unembed)`: the constant the model multiplies its output logits by (Cohere's
-    `logit_scale`; 1 / Granite's `logits_scaling`; 1 if none) and whether it is applied to the
-    normed state before the unembedding (MiniCPM3) rather than to the logits."""
-    spec = model.family.logit_scale
-    if spec is None:
-        return 1.0, False
-    field, op = spec
-    value = float(getattr(_config(model), field))
-    return (value if op == "mul" else 1.0 / value), op == "div_hidden"
-
-
-def _config(model: HeadModel) -> Any:
-    cfg = model.model.config
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _final_softcap(model: HeadModel) -> float | None:
-    """The cap of the model's output-logit soft-cap (`c * tanh(logits / c)`), or None."""
-    field = model.family.final_softcap
-    cap = getattr(_config(model), field, None) if field is not None else None
-    return float(cap) if cap else None
-
-
-def output_logits(model: HeadModel, normed: torch.Tensor) -> torch.Tensor:
-    """The model's own output logits `[..., V]` from final-normed states `normed [..., D]`: the
-    unembedding, then every step the model's head takes after it (a constant logit scale,
-    Cohere / Granite / MiniCPM3; the output soft-cap, Gemma 2 / 3, NanoChat), in the model's
-    dtype. The logit lens reads each layer through it."""
-    scale, before = _logit_scale(model)
-    logits = model.unembed(normed * scale if before else normed)
-    if not before and scale != 1.0:
-        logits = logits * scale
-    cap = _final_softcap(model)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    """`(c, before_unembed)`: the constant the model multiplies its output logits by (1 if none)
+    and whether it scales the normed state before the unembedding (`engine.unembed`)."""
+    scale, before, _ = logit_transform(model)
+    return scale, before
 
 
 def _residual_scale(model: HeadModel, layer: int) -> float:

@@ -34,8 +34,9 @@ on the engine's row forward (`heads.engine.variants.run_rows`):
 * every later head's output is frozen, so positions no longer interact above the sender's
   layer: with receivers = the logits only the last position is computed (the earlier ones' keys
   and values come from the base run's cache) and, on the Hugging Face backend, the attention of
-  the layers above the sender is not run at all (its output is the base run's); with head
-  receivers step 2 stops at the last receiver layer;
+  the layers above the sender is not run at all (it returns o_proj of the base run's head
+  outputs: `heads.engine.prefix.attention_given`, per thread); with head receivers step 2 stops
+  at the last receiver layer's attention (`capture.StopAt`);
 * for a metric that reads a few tokens (`logit_diff`) only their logits are computed
   (`heads.scorers.patching.activation.unembed_only`);
 * step 3 starts at the first receiver layer above the sender;
@@ -46,15 +47,17 @@ on the engine's row forward (`heads.engine.variants.run_rows`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 
 from heads._util.progress import progress_callback
 from heads._util.validation import short_repr
+from heads.engine.activations import ActivationRecorder
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
+from heads.engine.prefix import attention_given
 from heads.engine.variants import check_heads, run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
@@ -62,23 +65,17 @@ from heads.results.scores import HeadSet, HeadSpec
 from heads.scorers.patching.activation import (
     PatchResult,
     _check_positions,
-    _output_patch,
+    _PatchKV,
     _PatchQuery,
     _PatchZ,
     check_sweep_inputs,
     prefix_cache,
     unembed_only,
 )
+from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import (
-    RunCache,
-    _qkv_modules,
-    _QueryRecorder,
-    check_kv_kind,
-    kv_columns,
-    record_run,
-)
+from heads.scorers.patching.record import RunCache, check_kv_kind, record_run, stream_sites
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
 
@@ -87,10 +84,6 @@ RECEIVER_INPUTS = ("q", "k", "v")
 
 MLP_MODES = ("recompute", "frozen")
 """`mlp=` values: MLPs recomputed in step 2 (default, Wang et al.) or frozen to the base run."""
-
-
-class _Stop(Exception):
-    """Raised by a hook once step 2 has recorded every receiver input (nothing later is needed)."""
 
 
 def _check_receivers(
@@ -185,14 +178,19 @@ def path_patch(
     if mlp not in MLP_MODES:
         raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {short_repr(mlp)}")
     met, options = check_sweep_inputs(model, pairs, options, metric, what="path patching")
+    if mlp == "frozen" and (model.family.mlp is None or not stream_sites(model)):
+        raise HeadsteerValueError(
+            f"mlp='frozen' is not available on {short_repr(model.family.model_type)}: its MLP output is "
+            "not one site (no MLP module, or a residual_multiplier other than 1); use mlp='recompute'"
+        )
     sends = check_heads(model, senders)
     recv, comps = _check_receivers(model, receivers, inputs)
     poss = None if positions is None else _check_positions(pairs, positions)
     model.check_length(pairs.width)
 
     mask = pairs.attention_mask
-    clean = record_run(model, pairs.clean_ids, mask)
-    corrupt = record_run(model, pairs.corrupted_ids, mask)
+    clean = record_run(model, pairs.clean_ids, mask, keys=False)
+    corrupt = record_run(model, pairs.corrupted_ids, mask, keys=False)
     idx = torch.arange(pairs.n)
     m_clean = met(clean.logits, pairs, idx, clean.logits)
     m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
@@ -253,52 +251,6 @@ def path_patch(
     )
 
 
-def _receiver_columns(
-    model: HeadModel, layer: int, heads: list[int], comps: tuple[str, ...]
-) -> list[tuple[torch.nn.Module, torch.Tensor]]:
-    """Per projection module of `layer`, the bool `[width]` mask of the receiver KV heads' key /
-    value columns (every fused layout, `record.kv_columns`)."""
-    mods = _qkv_modules(model, layer)
-    out: dict[int, tuple[torch.nn.Module, list[int]]] = {}
-    for c in comps:
-        j = "qkv".index(c)
-        cols = out.setdefault(id(mods[j]), (mods[j], []))[1]
-        cols.extend(kv_columns(model, j, heads).tolist())
-    res = []
-    for module, cols in out.values():
-        w = getattr(module, "out_features", None) or _out_width(model, mods, module)
-        colmask = torch.zeros(w, dtype=torch.bool)
-        colmask[cols] = True
-        res.append((module, colmask))
-    return res
-
-
-def _out_width(model: HeadModel, mods: tuple[torch.nn.Module, ...], module: torch.nn.Module) -> int:
-    """The output width of a projection without `out_features` (GPT-2's `Conv1D`: `nf`)."""
-    nf = getattr(module, "nf", None)
-    if isinstance(nf, int):
-        return nf
-    q_w, kv_w = model.n_heads * model.d_head, model.n_kv_heads * model.d_head
-    return q_w + 2 * kv_w if model.family.fused_qkv else (q_w if module is mods[0] else kv_w)
-
-
-@contextmanager
-def _frozen_attention(module: torch.nn.Module, output: torch.Tensor) -> Iterator[None]:
-    """Within the block `module` (an attention module) is not computed: it returns `(output,
-    None)`, `output [R, T', D]` (the base run's attention output: every head frozen), as the
-    decoder layers of `transformers` unpack it. Only for a module without an instance `forward`
-    (the caller checks). Restored on exit."""
-
-    def forward(*args, **kwargs):
-        return output, None
-
-    module.__dict__["forward"] = forward  # an instance attribute shadows the class method
-    try:
-        yield
-    finally:
-        module.__dict__.pop("forward", None)
-
-
 def _run_chunk(
     model: HeadModel,
     base: RunCache,
@@ -343,79 +295,63 @@ def _run_chunk(
         for p in poss:
             if p >= trim:
                 cols[:, p - trim] = True
+    # the forward computes the columns from `split` on: the sources hold only those (a copy of
+    # every layer's outputs at every column would cost more than the attention it replaces)
+    at = split - trim
     edits: list[Edit] = [
-        _PatchZ(layer=layer, row_heads=rh, source=src.z[layer][ps, trim:].to(dev), cols=cols)
+        _PatchZ(
+            layer=layer,
+            row_heads=rh,
+            source=src.z[layer][ps, split:].to(dev),
+            cols=None if cols is None else cols[:, at:],
+            start=at,
+        )
     ]
     last = L - 1 if recv is None else max(la for la, _ in recv)
     # every head above the sender is frozen; with receivers = the logits (Hugging Face backend)
-    # those layers' attention is not run at all: its output is the base run's (`_frozen_attention`)
-    skip = (
-        recv is None
-        and model.backend.kind == "hf"
-        and not any("forward" in model.attentions[la].__dict__ for la in range(layer + 1, L))
-    )  # not under accelerate's device hooks (device_map), which wrap `forward` on the instance
-    if not skip:
-        for la in range(layer + 1, min(last + 1, L)):
-            edits.append(_PatchZ(layer=la, source=base.z[la][ps, trim:].to(dev)))  # every head frozen
-    recorded: dict[tuple[int, int], torch.Tensor] = {}
-    targets = [] if recv is None else [la for la in sorted({la for la, _ in recv}) if la > layer]
-    residual, past = prefix(layer)
-    with ExitStack() as stack:
-        if skip:
+    # those layers' attention is not run at all: it returns o_proj of the base run's head outputs
+    # (`heads.engine.prefix.attention_given`, per thread), the output it would compute
+    given: dict[int, torch.Tensor] = {}
+    if recv is None and model.backend.kind == "hf":
+        with torch.no_grad():
             for la in range(layer + 1, L):
-                source = base.attn_out[la][ps, split:].to(dev)
-                stack.enter_context(_frozen_attention(model.attentions[la], source))
-        if mlp == "frozen":
-            for la in range(layer, min(last + 1, L)):
-                source = base.mlp_out[la][ps, split:].to(dev)
-                stack.enter_context(_output_patch(model.mlp(la), lambda o, s=source: s.to(o.dtype)))
-        plan: dict[int, list[tuple[torch.nn.Module, torch.Tensor]]] = {}
-        queries: dict[int, _QueryRecorder] = {}
-        kv_comps = tuple(c for c in comps if c != "q")
-        for la in targets:
-            if "q" in comps:  # the receivers' queries as attention reads them (engine query site)
-                queries[la] = _QueryRecorder(layer=la)
-                edits.append(queries[la])
-            plan[la] = _receiver_columns(model, la, [h for lr, h in recv or () if lr == la], kv_comps)
-            for module, _ in plan[la]:
-                mid = id(module)
-
-                def keep(mod, args, out, la=la, key=mid):
-                    o = out[0] if isinstance(out, tuple) else out
-                    recorded[(la, key)] = o.detach().clone()
-
-                stack.callback(module.register_forward_hook(keep).remove)
-        if targets:
-
-            def stop(mod, args, out):
-                raise _Stop
-
-            stack.callback(model.attentions[targets[-1]].register_forward_hook(stop).remove)
-        try:
+                given[la] = model.out_projs[la](base.z[la][ps, split:].to(dev).flatten(-2))
+    else:
+        for la in range(layer + 1, min(last + 1, L)):
+            edits.append(_PatchZ(layer=la, source=base.z[la][ps, split:].to(dev), start=at))
+    if mlp == "frozen":
+        every = torch.ones(R, width - trim, dtype=torch.bool, device=dev)
+        for la in range(layer, min(last + 1, L)):
+            edits.append(PatchStream("mlp_out", la, base.mlp_out[la][ps, trim:].to(dev), every))
+    targets = [] if recv is None else [la for la in sorted({la for la, _ in recv}) if la > layer]
+    seen: dict[tuple[int, str], ActivationRecorder] = {}
+    for la in targets:  # the receivers' inputs in step 2 (q: as attention reads it)
+        for c in comps:
+            seen[(la, c)] = ActivationRecorder("query" if c == "q" else c, la)
+            edits.append(seen[(la, c)])
+    if targets:  # nothing after the last receiver layer's attention is needed
+        edits.append(StopAt("head_output", targets[-1]))
+    residual, past = prefix(layer)
+    try:
+        with attention_given(model, given) if given else nullcontext():
             out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
-        except _Stop:
-            out = None
+    except ForwardStopped:
+        out = None
     if recv is None:
         return out.logits[:, -1].float()
     # step 3: the base run with only the receivers' inputs replaced
     start = targets[0]
     residual, past = prefix(start)
-    put_q: list[Edit] = []
-    for la, rec_q in queries.items():
-        rq = torch.zeros(R, H, dtype=torch.bool)
-        rq[:, [h for lr, h in recv or () if lr == la]] = True
-        put_q.append(_PatchQuery(layer=la, row_heads=rq, source=rec_q.records[0], start=split - trim))
-    with ExitStack() as stack:
-        for la in targets:
-            for module, colmask in plan[la]:
-                rec = recorded[(la, id(module))]
-                cm = colmask.to(dev)
-
-                def put(mod, args, out, rec=rec, cm=cm):
-                    o = out[0] if isinstance(out, tuple) else out
-                    new = torch.where(cm, rec.to(o.dtype), o)
-                    return (new, *out[1:]) if isinstance(out, tuple) else new
-
-                stack.callback(module.register_forward_hook(put).remove)
-        out = run_rows(model, ids, m, put_q, start=start, residual=residual, past=past)
+    put: list[Edit] = []
+    for la in targets:
+        here = [h for lr, h in recv if lr == la]
+        for c in comps:
+            mask_h = torch.zeros(R, H if c == "q" else model.n_kv_heads, dtype=torch.bool)
+            mask_h[:, here] = True
+            rec = seen[(la, c)].records[0]
+            if c == "q":
+                put.append(_PatchQuery(layer=la, row_heads=mask_h, source=rec, start=split - trim))
+            else:
+                put.append(_PatchKV(c, la, row_heads=mask_h, source=rec, start=split - trim))
+    out = run_rows(model, ids, m, put, start=start, residual=residual, past=past)
     return out.logits[:, -1].float()

@@ -8,22 +8,21 @@ Sites, per layer l (all `[N, T, ...]`, left-padded):
   input minus the attention output), each head's output z (the `o_proj` input, `[N, T, H, d]`);
 * with `query=True` every head's query as the attention function receives it (after any QK-norm
   and RoPE, `[N, T, H, d_q]`), read through the engine's query site;
-* with `keys=True` the key and value projection outputs per KV head, head-major
-  (`RunCache.qkv`), whatever the fused layout (`qkv_layout`);
+* with `keys=True` the q / k / v projection outputs per head, head-major (`RunCache.qkv`),
+  whatever the fused layout (the engine's `q` / `k` / `v` sites);
 * with `pattern=True` the attention patterns (engine `Recorder`s).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
 from heads._util.validation import short_repr
-from heads.engine.edits import AttentionCall, Edit, QueryEdit, Recorder
+from heads.engine.activations import ActivationRecorder
+from heads.engine.edits import Edit, Recorder
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel, submodule
@@ -33,10 +32,7 @@ __all__ = [
     "RunCache",
     "check_kv_kind",
     "first_output",
-    "kv_columns",
-    "qkv_layout",
     "record_run",
-    "split_qkv",
 ]
 
 
@@ -58,6 +54,8 @@ class RunCache:
             pairs: `vision.language_model_inputs`), or None (text: the ids are embedded).
         query: per layer `[N, T, H, d_q]` the queries as the attention function receives them
             (after QK-norm and RoPE), or None (not recorded).
+        final: `[N, T, D]` the stream leaving the last block (the final norm's input), or None
+            (not recorded).
     """
 
     logits: torch.Tensor
@@ -70,6 +68,7 @@ class RunCache:
     pattern: list[torch.Tensor] | None = None
     embeds: torch.Tensor | None = None
     query: list[torch.Tensor] | None = field(default=None)
+    final: torch.Tensor | None = None
 
 
 def first_output(out: Any) -> torch.Tensor:
@@ -78,20 +77,6 @@ def first_output(out: Any) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ q / k / v columns
-def qkv_layout(model: HeadModel) -> str:
-    """How `layer`'s q / k / v projection output is laid out: `"separate"` (three modules),
-    `"blocks"` (one module: all Q columns, then K, then V: Phi-3, GPT-2, multi-query
-    GPT-BigCode) or `"per_head"` (head by head, each `[q | k | v]` of `d` columns: GPT-NeoX,
-    Persimmon, GPT-BigCode without multi-query)."""
-    fam = model.family
-    if not fam.fused_qkv:
-        return "separate"
-    layout = fam.qkv_layout
-    if layout == "bigcode":
-        return "blocks" if getattr(model.model.config, "multi_query", False) else "per_head"
-    return layout
-
-
 def _qkv_modules(model: HeadModel, layer: int) -> tuple[torch.nn.Module, ...]:
     """The modules whose outputs are q, k, v of `layer` (one fused module three times)."""
     fam, attn = model.family, model.attentions[layer]
@@ -108,24 +93,6 @@ def _qkv_slices(model: HeadModel) -> tuple[slice, slice, slice]:
     if model.family.fused_qkv:
         return slice(0, q_w), slice(q_w, q_w + kv_w), slice(q_w + kv_w, q_w + 2 * kv_w)
     return slice(0, q_w), slice(0, kv_w), slice(0, kv_w)
-
-
-def kv_columns(model: HeadModel, j: int, heads: Sequence[int]) -> torch.Tensor:
-    """`[len(heads) * d]` long: the columns of the module output `_qkv_modules(model, l)[j]`
-    (j = 0 / 1 / 2: q / k / v) that hold `heads` (query heads for q, KV heads for k / v), in
-    head-major order, for every layout (`qkv_layout`)."""
-    d = model.d_head
-    if qkv_layout(model) == "per_head":  # [H, 3, d]: head h's q | k | v
-        return torch.cat([torch.arange(h * 3 * d + j * d, h * 3 * d + (j + 1) * d) for h in heads])
-    start = _qkv_slices(model)[j].start
-    return torch.cat([torch.arange(start + h * d, start + (h + 1) * d) for h in heads])
-
-
-def split_qkv(model: HeadModel, j: int, out: torch.Tensor) -> torch.Tensor:
-    """The q / k / v part (j = 0 / 1 / 2) of a projection output `out [..., width]`, head-major
-    `[..., n * d]` (n = H for q, G for k / v)."""
-    n = model.n_heads if j == 0 else model.n_kv_heads
-    return out[..., kv_columns(model, j, range(n)).to(out.device)]
 
 
 def check_kv_kind(model: HeadModel, kind: str) -> None:
@@ -153,15 +120,17 @@ def check_kv_kind(model: HeadModel, kind: str) -> None:
 
 
 # ------------------------------------------------------------------------------ recording
-@dataclass(eq=False, repr=False)
-class _QueryRecorder(QueryEdit):
-    """Reads every head's query (after QK-norm and RoPE) without changing it."""
+def stream_sites(model: HeadModel) -> bool:
+    """True when the engine's `attn_out` / `mlp_out` sites give the sub-layer outputs: not on a
+    family that scales them by a factor other than 1 before they join the residual stream
+    (Granite / HyperCLOVA X `residual_multiplier`, MiniCPM3 `scale_depth / sqrt(n_layers)`),
+    where the engine refuses those sites."""
+    return all(_residual_scale(model, la) == 1.0 for la in range(model.n_layers))
 
-    records: list = field(default_factory=list, init=False)
 
-    def apply(self, q: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        self.records.append(q.detach().clone())
-        return q
+def _residual_scale(model: HeadModel, layer: int) -> float:
+    name = model.family.residual_scale
+    return 1.0 if name is None else float(getattr(model.layers[layer], name))
 
 
 @torch.no_grad()
@@ -174,85 +143,68 @@ def record_run(
     embeds: torch.Tensor | None = None,
     query: bool = False,
     keys: bool | None = None,
+    final: bool = False,
 ) -> RunCache:
     """One unedited forward of `ids [N, T]` (left-padded, `mask [N, T]`) keeping every site's
-    activation (`RunCache`). `pattern=True` also records the attention patterns (eager path),
-    `query=True` the queries, `keys` the q / k / v projection outputs (default: unless the
-    family uses latent attention, which has no per-KV-head projection); `embeds [N, T, D]`
-    replaces the token embeddings (vision pairs: image features included). The model is
-    unchanged afterwards."""
+    activation (`RunCache`), read by engine recorders (`ActivationRecorder` at the `head_output`,
+    `attn_out`, `mlp_out`, `q` / `k` / `v`, `query` sites; `Recorder` for the patterns), so it runs
+    on every backend and sees only this thread's forward. `pattern=True` also records the
+    attention patterns (eager path), `query=True` the queries, `keys` the q / k / v projection
+    outputs (default: unless the family uses latent attention, which has no per-KV-head
+    projection), `final=True` the stream leaving the last block; `embeds [N, T, D]` replaces the
+    token embeddings (vision pairs: image features included). The model is unchanged afterwards.
+
+    The attention / MLP outputs are the sub-layer outputs before any residual multiplier (for
+    post-norm families the post-norm's output, what joins the stream). Where the engine has no
+    such site they are computed: the attention output as `o_proj(z)` and the MLP output as the
+    block's output minus its input minus the attention output (OPT / BioGPT, whose MLP is not one
+    module; families with a residual multiplier other than 1, divided by it).
+    """
     L = model.n_layers
-    z: list[Any] = [None] * L
-    attn: list[Any] = [None] * L
-    mlp: list[Any] = [None] * L
-    block_out: list[Any] = [None] * L
-    qkv: list[list[Any]] = [[None, None, None] for _ in range(L)]
-    own_mlp = model.family.mlp is not None
     if keys is None:
         keys = not model.family.latent
-    with ExitStack() as stack:
-        for la in range(L):
-
-            def zh(mod, args, la=la):
-                x = args[0]
-                z[la] = x.reshape(*x.shape[:-1], model.n_heads, model.d_head).detach().clone()
-
-            def ah(mod, args, out, la=la):
-                attn[la] = first_output(out).detach().clone()
-
-            def mh(mod, args, out, la=la):
-                x = args[0] if args else None
-                o = first_output(out).detach()
-                # a MoE block may return its rows flattened (Llama 4: [N * T, D])
-                mlp[la] = (o.reshape(*x.shape[:-1], o.shape[-1]) if x is not None else o).clone()
-
-            def bh(mod, args, out, la=la):
-                block_out[la] = first_output(out).detach().clone()
-
-            handles = [
-                model.out_projs[la].register_forward_pre_hook(zh),
-                model.attentions[la].register_forward_hook(ah),
-                model.mlp(la).register_forward_hook(mh)
-                if own_mlp
-                else model.layers[la].register_forward_hook(bh),
-            ]
-            if keys:
-                mods = _qkv_modules(model, la)
-                for j, m in enumerate(mods):
-                    if j and m is mods[0]:
-                        continue
-
-                    def qh(mod, args, out, la=la, j=j):
-                        o = first_output(out).detach()
-                        if model.family.fused_qkv:  # one module: q, k and v from its output
-                            qkv[la] = [split_qkv(model, i, o).clone() for i in range(3)]
-                        else:
-                            qkv[la][j] = o.clone()
-
-                    handles.append(m.register_forward_hook(qh))
-            for h in handles:
-                stack.callback(h.remove)
-        recs = [Recorder(layer=la) for la in range(L)] if pattern else []
-        queries = [_QueryRecorder(layer=la) for la in range(L)] if query else []
-        edits: list[Edit] = [*recs, *queries]
-        if embeds is not None:
-            stack.enter_context(replaced_embeddings(model, embeds))
-        out = run_rows(model, ids, mask, edits, keep_cache=True)
+    streams = stream_sites(model)
+    own_mlp = model.family.mlp is not None and streams
+    z = [ActivationRecorder("head_output", la) for la in range(L)]
+    attn = [ActivationRecorder("attn_out", la) for la in range(L)] if streams else []
+    mlp = [ActivationRecorder("mlp_out", la) for la in range(L)] if own_mlp else []
+    post = [] if own_mlp else [ActivationRecorder("resid_post", la) for la in range(L)]
+    if final and own_mlp:
+        post = [ActivationRecorder("resid_post", L - 1)]
+    qkv = [[ActivationRecorder(w, la) for w in "qkv"] for la in range(L)] if keys else []
+    recs = [Recorder(layer=la) for la in range(L)] if pattern else []
+    queries = [ActivationRecorder("query", la) for la in range(L)] if query else []
+    edits: list[Edit] = [*z, *attn, *mlp, *post, *[e for row in qkv for e in row], *recs, *queries]
+    if embeds is not None:
+        edits.append(replaced_embeddings(model, embeds))
+    out = run_rows(model, ids, mask, edits, keep_cache=True)
     residuals = tuple(out.hidden_states)
-    if not own_mlp:  # the block's output = input + attention output + MLP output
-        mlp = [block_out[la] - residuals[la] - attn[la] for la in range(L)]
+    zs = [r.records[0] for r in z]
+    if streams:
+        attn_out = [r.records[0] for r in attn]
+    else:  # the attention module's output is o_proj(z)
+        attn_out = [model.out_projs[la](zs[la].flatten(-2)).detach() for la in range(L)]
+    if own_mlp:  # a MoE block may return its rows flattened (Llama 4: [N * T, D])
+        mlp_out = [r.records[0].reshape(attn_out[la].shape) for la, r in enumerate(mlp)]
+    else:  # the block's output = input + r * (attention output + MLP output)
+        mlp_out = [
+            (post[la].records[0] - residuals[la]) / _residual_scale(model, la) - attn_out[la]
+            for la in range(L)
+        ]
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     pat = [torch.cat(r.records, dim=2) for r in recs] if pattern else None
-    qs = [q.records[0] for q in queries] if query else None
+    qs = [r.records[0] for r in queries] if query else None
+    last = post[-1].records[0] if final else None
     return RunCache(
         out.logits[:, -1].float(),
         residuals,
-        z,
-        attn,
-        mlp,
-        [cast(tuple, tuple(x)) for x in qkv] if keys else [],
+        zs,
+        attn_out,
+        mlp_out,
+        [cast(tuple, tuple(r.records[0].flatten(-2) for r in row)) for row in qkv],
         kv,
         pat,
         embeds,
         qs,
+        last,
     )

@@ -14,10 +14,11 @@ a prompt has several spans: an Idefics3 image split into tiles gives one span pe
 for the global view) and `positions="image"` scores the image columns only.
 
 How it runs: the vision tower and the projector run once per side (`language_model_inputs`:
-the embeddings the VLM passes to its language model, image features merged in); every
-patched forward then runs the language model on the token ids with its embedding output
-replaced by those rows (`replaced_embeddings`), so the engine's layer- and position-prefix
-reuse apply unchanged. The tests check this against the VLM's own forward with
+the embeddings the VLM passes to its language model, image features merged in, read by an
+engine edit at the first block's `residual` site); every patched forward then runs the language
+model on the token ids with its embedding output replaced by those rows (`replaced_embeddings`,
+an engine edit at the `embed` site), so the engine's layer- and position-prefix reuse apply
+unchanged. The tests check this against the VLM's own forward with
 `pixel_values` and one plain hook.
 
 Supported: LLaVA-style VLMs whose language model takes 1-D positions and causal attention over
@@ -29,14 +30,15 @@ nnsight backends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
 from heads._util.validation import short_repr
+from heads.engine.activations import ActivationEdit
+from heads.engine.edits import AttentionCall
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.images import ImageInput, encode_image_prompts, normalize_images, processor_of
 from heads.inputs.prompts import EncodedPrompts, Prompt, position_ids
@@ -339,10 +341,6 @@ def encode_image_pairs(
     )
 
 
-class _Stop(Exception):
-    """Raised by the capture hook once the language model's inputs are known."""
-
-
 @torch.no_grad()
 def language_model_inputs(
     model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
@@ -357,29 +355,23 @@ def language_model_inputs(
         ValueError: the VLM does not pass `inputs_embeds` of shape `[N, T, D]` to its
             language model (a layout this capture does not know).
     """
-    box: dict[str, torch.Tensor] = {}
+    from heads.engine.context import editing
+    from heads.scorers.patching.capture import ForwardStopped, StopAt
 
-    def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("inputs_embeds")
-        if isinstance(x, torch.Tensor):
-            box["x"] = x.detach().clone()
-        raise _Stop
-
+    stop = StopAt("residual", 0)  # the stream entering the first block: the inputs_embeds
     dev = model.device
-    handle = model.decoder.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        model.model(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=position_ids(mask).to(dev),
-            use_cache=False,
-            **{k: v.to(dev) for k, v in inputs.items()},
-        )
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    x = box.get("x")
+    with editing(model, [stop], require_fired=False):
+        try:
+            model.model(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=position_ids(mask).to(dev),
+                use_cache=False,
+                **{k: v.to(dev) for k, v in inputs.items()},
+            )
+        except ForwardStopped:
+            pass
+    x = stop.seen
     want = (ids.shape[0], ids.shape[1], model.d_model)
     if x is None or tuple(x.shape) != want:
         got = None if x is None else tuple(x.shape)
@@ -390,26 +382,20 @@ def language_model_inputs(
     return x
 
 
-@contextmanager
-def replaced_embeddings(model: HeadModel, embeds: torch.Tensor) -> Iterator[None]:
-    """Within the block, the language model's token-embedding module returns `embeds [R, T', D]`
-    (the rows and columns of the forward to run, e.g. `language_model_inputs` sliced) instead of
-    embedding the ids; the hook is removed on exit (the model is unchanged).
+def replaced_embeddings(model: HeadModel, embeds: torch.Tensor) -> ActivationEdit:
+    """An engine edit (`embed` site) making the language model's token-embedding output `embeds
+    [R, T', D]` (the rows and columns of the forward to run, e.g. `language_model_inputs` sliced)
+    instead of the embedded ids, for the forward it is applied to (the model is unchanged).
 
     Raises:
         ValueError (at the forward): the forward's ids are not `[R, T']`.
     """
-    module = cast(Any, model.decoder).get_input_embeddings()
 
-    def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if tuple(out.shape) != tuple(embeds.shape):
+    def fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if tuple(x.shape) != tuple(embeds.shape):
             raise HeadsteerValueError(
-                f"image embeddings {tuple(embeds.shape)} do not match the forward {tuple(out.shape)}"
+                f"image embeddings {tuple(embeds.shape)} do not match the forward {tuple(x.shape)}"
             )
-        return embeds.to(out.device, out.dtype)
+        return embeds.to(x.device, x.dtype)
 
-    handle = module.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return ActivationEdit("embed", 0, fn)

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -179,8 +181,9 @@ def qrhead_scores(
     *,
     null_query: str = DEFAULT_NULL_QUERY,
     chat: bool | None = None,
-    progress: ProgressArg = True,
     tokens: Sequence[QrTokens] | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> HeadScores:
     """QR score of every head: the mean over `items` of the gold passage's calibrated score.
 
@@ -190,8 +193,10 @@ def qrhead_scores(
             relevant passage), e.g. `probes/data/retrieval/qrhead.jsonl`.
         null_query: the calibration query (default `"N/A"`).
         chat: apply the chat template (default: when the tokenizer has one).
-        progress: a tqdm bar (default), False, or a `(done, total)` callable, per item.
         tokens: precomputed `qr_tokens` of the items, in order (skips the prefills).
+        options: `heads.SweepOptions`; only `progress` applies: a tqdm bar (default), False, or a
+            `(done, total)` callable, per item.
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
         HeadScores `[L, H]`, method `"qrhead"` (higher = a better query-focused retrieval head).
@@ -202,11 +207,12 @@ def qrhead_scores(
     Source: arXiv:2506.09944 §3 (QR score); reference `exp_scripts/detection/detect_qrhead_lme.py`
     (`lme_eval`, `score_heads`) and `AttnBasedRetriever.score_docs_per_head_for_detection`.
     """
+    opts = sweep_options(options, deprecated, "qrhead_scores", takes=("progress",))
     checked = _items(items)
     if tokens is not None and len(tokens) != len(checked):
         raise HeadsteerValueError(f"tokens has {len(tokens)} entries for {len(checked)} items")
     total = torch.zeros(model.n_layers, model.n_heads)
-    with progress_callback(progress, "qrhead", "items") as report:
+    with progress_callback(opts.progress, "qrhead", "items") as report:
         for k, (q, ps, g) in enumerate(checked):
             tok = qr_tokens(model, q, ps, null_query=null_query, chat=chat) if tokens is None else tokens[k]
             total += passage_scores(tok.scores, tok.spans)[..., g]

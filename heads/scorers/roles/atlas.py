@@ -22,7 +22,13 @@ thresholds (`ROLE_THRESHOLDS`), for scores in [0, 1]:
 | previous_token | attention to position t - 1 | 0.5 |
 | retrieval | needle copy-paste rate | 0.3 |
 | self | attention to the own position | 0.5 |
-| sink | attention mass on the first token (`first_token_mass`) | 0.8 |
+| sink | attention mass on the first token (column `first_token_mass`) | 0.8 |
+
+Every role but `sink` is read from the column of its own name. With sink statistics the atlas has
+two sink columns side by side: `first_token_mass` (the share of attention on the first token,
+which the `sink` role reads, `ROLE_COLUMNS`) and `sink_mass` (the share on every token that
+`sink_stats` flags as a sink, the first token or not). Atlas files of earlier versions named the
+first-token column `sink`; they load with it renamed.
 
 The induction score is checked with the copying score in mind but not gated by it (the
 copying column is there to read). Thresholds may also name any other score column of the atlas
@@ -42,7 +48,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
@@ -65,12 +71,13 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
+from heads.results.storage import check_geometry
 from heads.scorers.maps.static import MapsScores
 from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
 from heads.scorers.roles.lens import AttentionLens
 from heads.scorers.sinks import SinkStats
 
-__all__ = ["ROLE_THRESHOLDS", "HeadAtlas", "head_atlas", "pattern_thumbnails", "role_labels"]
+__all__ = ["ROLE_COLUMNS", "ROLE_THRESHOLDS", "HeadAtlas", "head_atlas", "pattern_thumbnails", "role_labels"]
 
 ROLE_THRESHOLDS: dict[str, float] = {
     "induction": 0.5,
@@ -81,8 +88,13 @@ ROLE_THRESHOLDS: dict[str, float] = {
     "self": 0.5,
     "sink": 0.8,
 }
-"""Default roles in precedence order with their thresholds (see the module docstring); the column
-`sink` is the first-token mass."""
+"""Default roles in precedence order with their thresholds (see the module docstring); the `sink`
+role reads the column `first_token_mass` (`ROLE_COLUMNS`)."""
+
+ROLE_COLUMNS: dict[str, str] = {"sink": "first_token_mass"}
+"""The score column a role reads when it is not the role's own name: the `sink` role is the
+attention mass on the first token (`first_token_mass`), not `sink_mass` (the mass on every flagged
+sink). A frame with a column named after the role itself reads that column."""
 
 ATLAS_SCHEMA = "headsteer/head-atlas"
 ATLAS_SCHEMA_VERSION = 1
@@ -99,10 +111,21 @@ def _is_nan(v: object) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+def _role_column(role: str, columns: Iterable[str]) -> str | None:
+    """The column `role` reads in a frame with `columns`: its own name, else `ROLE_COLUMNS`; None
+    when the frame has neither."""
+    cols = set(columns)
+    if role in cols:
+        return role
+    source = ROLE_COLUMNS.get(role)
+    return source if source in cols else None
+
+
 def role_labels(frame: pd.DataFrame, thresholds: Mapping[str, float] = ROLE_THRESHOLDS) -> pd.Series:
     """One role per row of `frame`: the first role of `thresholds` (in its order) whose column reaches
     its threshold; `"nan"` when a role's score is NaN (or None) before any role is reached; else
-    `"none"`. Roles without a column in `frame` are skipped.
+    `"none"`. A role reads the column of its name, the `sink` role `first_token_mass`
+    (`ROLE_COLUMNS`); roles without a column in `frame` are skipped.
 
     Args:
         frame: an atlas frame (one row per head, numeric score columns).
@@ -120,15 +143,15 @@ def role_labels(frame: pd.DataFrame, thresholds: Mapping[str, float] = ROLE_THRE
     if not isinstance(frame, pd.DataFrame):
         raise HeadsteerTypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
     thresholds = _check_thresholds(thresholds, frame.columns)
-    roles = [r for r in thresholds if r in frame.columns]
-    for r in roles:
-        if not (pd.api.types.is_numeric_dtype(frame[r]) or frame[r].map(_is_nan).all()):
-            raise HeadsteerValueError(f"role column {short_repr(r)} is not numeric ({frame[r].dtype})")
+    roles = [(r, c) for r in thresholds if (c := _role_column(r, frame.columns)) is not None]
+    for _, c in roles:
+        if not (pd.api.types.is_numeric_dtype(frame[c]) or frame[c].map(_is_nan).all()):
+            raise HeadsteerValueError(f"role column {short_repr(c)} is not numeric ({frame[c].dtype})")
     out = []
     for _, row in frame.iterrows():
         best = "none"
-        for r in roles:
-            v, t = row[r], thresholds[r]
+        for r, c in roles:
+            v, t = row[c], thresholds[r]
             if _is_nan(v):
                 best = "nan"
                 break
@@ -185,6 +208,46 @@ class HeadAtlas:
     thumbnails: torch.Tensor | None = None
     lens_tokens: dict[tuple[int, int], list[str]] = field(default_factory=dict)
 
+    SCHEMA: ClassVar[str] = ATLAS_SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = ATLAS_SCHEMA_VERSION
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """`(n_layers, n_heads, n_kv_heads)` of the model, read from the rows."""
+        f = self.frame
+        return int(f["layer"].max()) + 1, int(f["head"].max()) + 1, int(f["kv_head"].max()) + 1
+
+    def head_scores(self, score: str | None = None) -> HeadScores:
+        """`[L, H]` one score column of the atlas (default the first of `score_columns`), NaN
+        where a head was not scored.
+
+        Raises:
+            HeadsteerValueError: an unknown column, or an atlas without score columns.
+        """
+        cols = self.score_columns
+        if score is None:
+            if not cols:
+                raise HeadsteerValueError("this atlas holds no score column")
+            score = cols[0]
+        if score not in cols:
+            raise HeadsteerValueError(f"unknown score {short_repr(score)}; this atlas has {cols}")
+        L, H, kv = self.geometry
+        grid = torch.full((L, H), math.nan)
+        vals = torch.tensor(self.frame[score].to_numpy(dtype=float), dtype=torch.float32)
+        grid[torch.tensor(self.frame["layer"].to_numpy()), torch.tensor(self.frame["head"].to_numpy())] = vals
+        src = self.sources.get(score, {})
+        return HeadScores(
+            grid,
+            method=str(src.get("method", score)),
+            params=dict(src.get("params", {})),
+            model=self.model,
+            n_kv_heads=kv,
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """A copy of `frame`: one row per head (`layer, head, kv_head`, the scores, `role`)."""
+        return self.frame.copy()
+
     @property
     def score_columns(self) -> list[str]:
         """The score columns of `frame` (all but `layer, head, kv_head, role, best_relation`)."""
@@ -200,8 +263,9 @@ class HeadAtlas:
         if not isinstance(role, str):
             raise HeadsteerTypeError(f"role must be a string, got {short_repr(role)}")
         sub = self.frame[self.frame["role"] == role]
-        if role in self.frame.columns:
-            sub = sub.sort_values(role, ascending=False)
+        column = _role_column(role, self.frame.columns)
+        if column is not None:
+            sub = sub.sort_values(column, ascending=False)
         return [(int(a), int(b)) for a, b in zip(sub["layer"], sub["head"], strict=True)]
 
     def roles_by_layer(self) -> pd.DataFrame:
@@ -246,10 +310,10 @@ class HeadAtlas:
         return write_text(path, json.dumps(data) + "\n", overwrite=overwrite)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> HeadAtlas:
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadAtlas:
         """Read a file written by `save`; every field is checked (schema and version, model, rows
         with `layer, head, kv_head, role`, thresholds, sources, lens tokens, thumbnails of the
-        rows' geometry).
+        rows' geometry), and the rows' geometry against `model`'s when given.
 
         Raises:
             FileNotFoundError: no such file.
@@ -267,7 +331,9 @@ class HeadAtlas:
         data = read_json_file(p)  # one line: not JSON (line, column), not UTF-8, a number too large
         if not isinstance(data, dict) or data.get("schema") != ATLAS_SCHEMA:
             raise HeadsteerValueError(f"{shown!r} is not a headsteer head-atlas file")
-        return cls(*_check_atlas_data(data, shown))
+        out = cls(*_check_atlas_data(data, shown))
+        check_geometry(shown, out.geometry, model)
+        return out
 
     def __repr__(self) -> str:
         counts = self.frame["role"].value_counts()
@@ -336,6 +402,12 @@ def _check_atlas_data(data: dict, path: str) -> tuple:
     sources = data.get("sources", {})
     if not isinstance(sources, dict):
         raise bad("sources must be an object")
+    old = sources.get("sink")
+    if "sink" in frame.columns and isinstance(old, dict) and old.get("method") == "first_token_mass":
+        # an atlas of an earlier version: its first-token column was named `sink`
+        if "first_token_mass" not in frame.columns:
+            frame = frame.rename(columns={"sink": "first_token_mass"})
+            sources = {("first_token_mass" if k == "sink" else k): v for k, v in sources.items()}
     tokens = {}
     lens_tokens = data.get("lens_tokens", [])
     if not isinstance(lens_tokens, list):
@@ -403,8 +475,8 @@ def head_atlas(
             seed=seed)`, computed here after every other argument is checked).
         scores: any other `{column: HeadScores}` (span attention, Ships, probe accuracy,
             patching, VHD, ...), each `[L, H]` of this model (default None).
-        sinks: a `heads.scorers.sinks.SinkStats` (columns `sink_mass`, `sink` = first-token mass,
-            `n_sinks`; default None).
+        sinks: a `heads.scorers.sinks.SinkStats` (columns `first_token_mass`, which the `sink`
+            role reads, `sink_mass`, the mass on every flagged sink, and `n_sinks`; default None).
         maps: a `MapsScores` (columns `best_relation`, `best_relation_score`; default None).
         lens: an `AttentionLens` of this model, trained (column `lens_kl_ratio`; with `lens_text`,
             the top lens token at each position of that text per head, for the report's cards).
@@ -459,8 +531,8 @@ def head_atlas(
     cols: dict[str, HeadScores] = {}
     extra = dict(scores or {})
     if sinks is not None:
+        extra.setdefault("first_token_mass", sinks.first_mass)
         extra.setdefault("sink_mass", sinks.sink_mass)
-        extra.setdefault("sink", sinks.first_mass)
         extra.setdefault("n_sinks", sinks.n_sinks)
     if lens is not None:
         lens.check_model(model)

@@ -30,12 +30,11 @@ ANSWERS, COUNTER = (20, 30), (21, 31)
 _MLA = "latent attention: no per-KV-head key / value projection"
 _ALL_HEADS = "the key norm spans all KV heads"
 _NO_MLP = "the MLP is not one module"
+_SCALED = "a residual multiplier other than 1 scales the MLP output (MiniCPM3: scale_depth / sqrt(L))"
 REFUSED: dict[str, dict[str, str]] = {
     # model_type -> {kind: why}; every other (family, kind) must equal the loop
-    **{
-        t: {"k": _MLA, "v": _MLA}
-        for t in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu")
-    },
+    **{t: {"k": _MLA, "v": _MLA} for t in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu")},
+    "minicpm3": {"k": _MLA, "v": _MLA, "mlp_out": _SCALED},
     **{t: {"k": _ALL_HEADS} for t in ("olmo2", "olmoe", "flex_olmo", "minimax_m2", "olmo3")},
     **{t: {"mlp_out": _NO_MLP} for t in ("opt", "biogpt")},
 }
@@ -43,6 +42,7 @@ REFUSAL_TEXT = {
     _MLA: "multi-head latent attention",
     _ALL_HEADS: "spans all KV heads",
     _NO_MLP: "not one module",
+    _SCALED: "residual multiplier other than 1",
 }
 # DLA decomposes the residual stream linearly: families that norm sub-layer outputs before they
 # join it are refused by name (the logit lens still runs there)

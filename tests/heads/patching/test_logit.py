@@ -128,3 +128,34 @@ def test_dla_sums_to_the_logit_difference_on_the_embedded_model(smol):
     res = direct_logit_attribution(smol, pairs)
     logits, _, _ = _plain(smol, pairs)
     torch.testing.assert_close(res.total()[:, -1], _ld(logits, pairs), atol=1e-4, rtol=0)
+
+
+class _L1Norm(torch.nn.Module):
+    """Divides by the mean absolute value: an eps attribute, but not an RMSNorm's function."""
+
+    eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.abs().mean(-1, keepdim=True) + self.eps)
+
+
+class _Tanh(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+def test_norm_parts_reads_real_norms_and_refuses_other_functions(tokenizer):
+    from heads.scorers.patching.logit import norm_parts
+
+    model = make_tiny("llama", tokenizer)
+    ln = torch.nn.LayerNorm(8, eps=1e-5)
+    with torch.no_grad():
+        ln.weight.copy_(torch.linspace(0.5, 2.0, 8))
+        ln.bias.copy_(torch.linspace(-1.0, 1.0, 8))
+    kind, gain, bias, eps = norm_parts(model, ln, 8)
+    assert kind == "layer" and eps == 1e-5 and bias is not None
+    torch.testing.assert_close(gain, ln.weight.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bias, ln.bias.detach(), atol=1e-6, rtol=0)
+    for fake in (_L1Norm(), _Tanh()):  # both were read as an RMSNorm before the check
+        with pytest.raises(HeadsteerValueError, match="cannot freeze its scale|cannot be frozen"):
+            norm_parts(model, fake, 8)

@@ -10,7 +10,13 @@ import torch
 
 from heads import SweepOptions
 from heads.errors import HeadsteerValueError
-from heads.scorers.patching import PromptPair, pairs_from_tokens, path_patch
+from heads.scorers.patching import (
+    PromptPair,
+    direct_logit_attribution,
+    logit_lens,
+    pairs_from_tokens,
+    path_patch,
+)
 from heads.scorers.patching.activation import KINDS, PatchResult, patch
 from heads.scorers.patching.pairs import check_pairs_differ
 from tests.support import patching_oracle as oracle
@@ -122,13 +128,7 @@ def test_the_shared_check_names_the_pair_by_its_text():
 
 
 # ------------------------------------------------------------------------------ threads
-@pytest.mark.xfail(
-    reason="patching's own module hooks and forward swaps (record_run, k / v / block-output patches, "
-    "path patching's frozen attention, unembed_only) act for every thread until they move onto engine "
-    "edits (issue 38); the engine's layer-prefix reuse is per thread already",
-    strict=False,
-)
-def test_patch_and_path_patch_from_three_threads_give_their_single_thread_results():
+def test_patch_path_patch_dla_and_lens_from_threads_give_their_single_thread_results():
     hm = shared_family_model("llama")
     pairs = _pairs()
     before = state_copy(hm)
@@ -136,6 +136,8 @@ def test_patch_and_path_patch_from_three_threads_give_their_single_thread_result
         "head_out": lambda: patch(hm, pairs, "head_out", options=OPTS).raw,
         "resid_pre": lambda: patch(hm, pairs, "resid_pre", options=OPTS).raw,
         "path": lambda: path_patch(hm, pairs, options=OPTS).raw,
+        "dla": lambda: direct_logit_attribution(hm, pairs).heads,
+        "lens": lambda: logit_lens(hm, pairs).logit_diff,
     }
     alone = {name: fn() for name, fn in jobs.items()}
     got: dict[tuple[str, int], torch.Tensor] = {}

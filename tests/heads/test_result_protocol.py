@@ -1,0 +1,125 @@
+"""Every analysis result follows the written protocol (`heads.results.protocol.Result`): it is an
+instance of `Result`, `save(path)` returns the path and refuses to overwrite without
+`overwrite=True`, and `load(path, model)` gives back the same head scores and table, refusing a
+model of another geometry. Each result is made by its analysis on the tiny GQA Llama (fast
+settings), or built from scores where the analysis is slow (MAPS)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pandas as pd
+import pytest
+import torch
+
+import heads
+from heads.errors import HeadsteerValueError
+from heads.results.protocol import Result
+from tests.support import make_tiny
+
+PROMPTS = ["When Mary and John went to the store, John gave a drink to", "The cat sat on the"]
+
+
+def _pairs():
+    from heads.scorers.patching import pairs_from_tokens
+
+    return pairs_from_tokens(
+        [[40, 41, 42, 43], [50, 41, 44, 43]], [[40, 49, 42, 43], [50, 48, 44, 43]], [[20], [22]], [[21], [23]]
+    )
+
+
+def _maps(model):
+    g = torch.Generator().manual_seed(0)
+
+    def grid():
+        return heads.HeadScores(
+            torch.rand(model.n_layers, model.n_heads, generator=g), "maps", n_kv_heads=model.n_kv_heads
+        )
+
+    return heads.MapsScores(
+        {"copying": grid(), "capital": grid()}, {"copying": grid(), "capital": grid()}, {"k": 1}
+    )
+
+
+def _gating(model):
+    task = heads.scorers.gating.gate_task(model, PROMPTS, [" Mary", " mat"])
+    return heads.gate_heads(model, task, steps=1, reg_steps=1, progress=False)
+
+
+BUILDERS = {
+    "HeadScores": lambda m: heads.direct_logit_attribution(m, _pairs()).head_scores(),
+    "KnockoutResult": lambda m: heads.knockout(m, _pairs(), keys=[1], layers=[0, 1], per="layer"),
+    "QKAttribution": lambda m: heads.qk_attribution(m, PROMPTS[1], (1, 1)),
+    "CompositionScores": lambda m: heads.composition_scores(m, n_samples=4),
+    "RoleScores": lambda m: heads.detect_roles(m, retrieval=False, successor=False),
+    "HeadAtlas": lambda m: heads.head_atlas(
+        m, detectors=heads.detect_roles(m, retrieval=False, successor=False), thumbnails=False
+    ),
+    "SinkStats": lambda m: heads.sink_stats(m, PROMPTS, chat=False),
+    "MapsScores": _maps,
+    "GatingResult": _gating,
+}
+"""Result class name -> how the test makes one on the tiny model."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    return make_tiny("llama", tokenizer, attn="eager")  # 3 layers, 4 query heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def other(tokenizer):
+    return make_tiny("gpt2", tokenizer)
+
+
+def _same_frame(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    pd.testing.assert_frame_equal(
+        a.reset_index(drop=True),
+        b.reset_index(drop=True),
+        check_dtype=False,
+        check_exact=False,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_result_follows_the_protocol_and_round_trips(name, tiny, other, tmp_path):
+    res = BUILDERS[name](tiny)
+    cls = type(res)
+    assert cls.__name__ == name and getattr(heads, name) is cls  # the front door exports it
+    assert isinstance(res, Result)
+    assert isinstance(cls.SCHEMA, str) and cls.SCHEMA.startswith("headsteer/") and cls.SCHEMA_VERSION >= 1
+    save = inspect.signature(cls.save).parameters
+    assert save["overwrite"].kind is inspect.Parameter.KEYWORD_ONLY and save["overwrite"].default is False
+    assert "model" in inspect.signature(cls.load).parameters
+    scores = res.head_scores()
+    assert isinstance(scores, heads.HeadScores) and tuple(scores.scores.shape) == (
+        tiny.n_layers,
+        tiny.n_heads,
+    )
+    frame = res.to_frame()
+    assert isinstance(frame, pd.DataFrame) and len(frame) > 0
+
+    path = tmp_path / f"{name}.json"
+    got = res.save(path)
+    assert got == path and path.is_file()
+    with pytest.raises(HeadsteerValueError, match="exists"):
+        res.save(path)
+    assert res.save(path, overwrite=True) == path
+    import json
+
+    head = json.loads(path.read_text())
+    assert (head["schema"], head["schema_version"]) == (cls.SCHEMA, cls.SCHEMA_VERSION)
+
+    back = cls.load(path, tiny)
+    assert type(back) is cls
+    torch.testing.assert_close(back.head_scores().scores, scores.scores, equal_nan=True)
+    _same_frame(back.to_frame(), frame)
+    if (other.n_layers, other.n_heads, other.n_kv_heads) != (tiny.n_layers, tiny.n_heads, tiny.n_kv_heads):
+        with pytest.raises(HeadsteerValueError, match="geometry|this model has"):
+            cls.load(path, other)
+    other_file = tmp_path / "other.json"
+    other_file.write_text(json.dumps({**head, "schema": "headsteer/something-else"}))
+    with pytest.raises(HeadsteerValueError):
+        cls.load(other_file)
