@@ -54,7 +54,9 @@ class Geometry:
     """What a request's geometry is checked against: a model's size and family.
 
     Attributes:
-        n_layers, n_heads, n_kv_heads: the text model's decoder layers, query heads and KV heads.
+        n_layers: the text model's decoder layers.
+        n_heads: its query heads per layer.
+        n_kv_heads: its KV heads per layer.
         model_type: the config's `model_type` (a vision-language model's own).
         family: the `heads.model.families.Family` entry (None only for a `HeadModel` without one).
         max_positions: the longest sequence the position embeddings allow, None if unbounded.
