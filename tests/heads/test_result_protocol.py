@@ -48,6 +48,9 @@ def _gating(model):
 
 BUILDERS = {
     "HeadScores": lambda m: heads.direct_logit_attribution(m, _pairs()).head_scores(),
+    "Circuit": lambda m: heads.find_circuit(
+        m, _pairs(), method="eap", size=50.0, curve=False, progress=False
+    ),
     "KnockoutResult": lambda m: heads.knockout(m, _pairs(), keys=[1], layers=[0, 1], per="layer"),
     "QKAttribution": lambda m: heads.qk_attribution(m, PROMPTS[1], (1, 1)),
     "CompositionScores": lambda m: heads.composition_scores(m, n_samples=4),
@@ -117,7 +120,7 @@ def test_result_follows_the_protocol_and_round_trips(name, tiny, other, tmp_path
     torch.testing.assert_close(back.head_scores().scores, scores.scores, equal_nan=True)
     _same_frame(back.to_frame(), frame)
     if (other.n_layers, other.n_heads, other.n_kv_heads) != (tiny.n_layers, tiny.n_heads, tiny.n_kv_heads):
-        with pytest.raises(HeadsteerValueError, match="geometry|this model has"):
+        with pytest.raises(HeadsteerValueError, match="geometry|model has"):
             cls.load(path, other)
     other_file = tmp_path / "other.json"
     other_file.write_text(json.dumps({**head, "schema": "headsteer/something-else"}))

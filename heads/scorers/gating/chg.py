@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,14 +42,16 @@ import torch
 
 from heads._util.files import write_text
 from heads._util.progress import progress_callback
-from heads._util.validation import check_int, check_number, check_seed, is_number, short_repr
+from heads._util.validation import is_number, short_repr
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet, HeadSpec, _read_json
-from heads.results.stability import check_stability
 from heads.scorers.gating.gates import GateTask, HeadGate, gate_edits, gate_task, gated_nll
-from heads.scorers.stability import attach, check_samples
+from heads.scorers.gating.request import MAX_MASKS as MAX_MASKS
+from heads.scorers.gating.request import MAX_STEPS as MAX_STEPS
+from heads.scorers.gating.request import GatingRequest
+from heads.scorers.stability import attach
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -63,6 +65,7 @@ __all__ = [
     "gate_heads",
     "gate_task",
     "gated_nll",
+    "run_gating",
 ]
 
 LABELS = ("facilitating", "interfering", "irrelevant", "ungated")
@@ -70,11 +73,6 @@ LABELS = ("facilitating", "interfering", "irrelevant", "ungated")
 
 SCHEMA = "headsteer/head-gating"
 SCHEMA_VERSION = 1
-
-MAX_STEPS = 100_000
-"""Upper bound on `steps` / `reg_steps` (the paper trains 500 per stage)."""
-MAX_MASKS = 64
-"""Upper bound on `n_masks` (each gate set copies every batch row once)."""
 
 
 # ------------------------------------------------------------------------------ results
@@ -266,16 +264,6 @@ def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
             yield perm[i : i + size]
 
 
-def _check_init(init: object) -> tuple[float, float]:
-    if isinstance(init, (str, bytes)) or not isinstance(init, Sequence) or len(init) != 2:
-        raise HeadsteerValueError(f"init must be a pair (low, high) in [0, 1], got {short_repr(init)}")
-    lo = check_number("init low", init[0], lo=0.0, hi=1.0)
-    hi = check_number("init high", init[1], lo=0.0, hi=1.0)
-    if lo > hi:
-        raise HeadsteerValueError(f"init must have low <= high, got {short_repr(init)}")
-    return lo, hi
-
-
 def gate_heads(
     model: HeadModel,
     task: GateTask,
@@ -336,36 +324,54 @@ def gate_heads(
     opts = sweep_options(options, deprecated, "gate_heads", takes=("progress",))
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
-    steps = check_int("steps", steps, lo=1)
-    reg_steps = steps if reg_steps is None else check_int("reg_steps", reg_steps, lo=1)
-    if max(steps, reg_steps) > MAX_STEPS:
-        raise HeadsteerValueError(
-            f"steps and reg_steps must be at most {MAX_STEPS}, got {max(steps, reg_steps)}"
-        )
-    lr = check_number("lr", lr, lo=0.0, lo_open=True, hi=1e6)
-    reg_weight = check_number("reg_weight", reg_weight, lo=0.0)
-    clamp = check_number("clamp", clamp, lo=0.0, lo_open=True)
-    batch_size = check_int("batch_size", batch_size, lo=1)
-    if grad_norm is not None:
-        grad_norm = check_number("grad_norm", grad_norm, lo=0.0, lo_open=True)
-    lo, hi = _check_init(init)
-    n_masks = check_int("n_masks", n_masks, lo=1)
-    if n_masks > MAX_MASKS:
-        raise HeadsteerValueError(f"n_masks must be at most {MAX_MASKS}, got {n_masks}")
-    stability = check_stability(stability)
-    check_samples(n_masks, stability, "gate fits (n_masks)")
-    threshold = check_number("threshold", threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
-    seed = check_seed("seed", seed)
+    if heads is not None:  # any HeadSpec (a list of layers needs the model's head count)
+        heads = HeadSet.parse(heads, model.n_layers, model.n_heads).heads
+    request = GatingRequest(
+        steps=steps,
+        reg_steps=reg_steps,
+        lr=lr,
+        reg_weight=reg_weight,
+        clamp=clamp,
+        batch_size=batch_size,
+        grad_norm=grad_norm,
+        init=init,
+        n_masks=n_masks,
+        heads=heads,
+        threshold=threshold,
+        seed=seed,
+        stability=stability,
+    )
+    return run_gating(model, task, request, opts)
+
+
+def run_gating(
+    model: HeadModel, task: GateTask, request: GatingRequest, options: SweepOptions | None = None
+) -> GatingResult:
+    """Run a `GatingRequest` on `task` (see `gate_heads` for the method and the errors).
+
+    Raises:
+        HeadsteerTypeError: not a `HeadModel`, a `GatingRequest` or a `GateTask`.
+        HeadsteerValueError: heads outside the model, a bad task, a model in training mode —
+            before any forward; the model is left exactly as it was.
+    """
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
+    if not isinstance(request, GatingRequest):
+        raise HeadsteerTypeError(f"request must be a GatingRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "gate_heads", takes=("progress",))
+    request.check_config(model)
+    r = request
+    steps, lr, reg_weight, clamp, grad_norm = r.steps, r.lr, r.reg_weight, r.clamp, r.grad_norm
+    reg_steps = steps if r.reg_steps is None else r.reg_steps
+    batch_size, (lo, hi), n_masks, threshold = r.batch_size, r.init, r.n_masks, r.threshold
+    seed, stability = r.seed, r.stability
     if not isinstance(task, GateTask):
         raise HeadsteerTypeError(f"task must be a GateTask (see gate_task), got {type(task).__name__}")
     task.check(model)
     gated = torch.ones(model.n_layers, model.n_heads, dtype=torch.bool)
-    if heads is not None:
-        chosen = HeadSet.parse(heads, model.n_layers, model.n_heads)
-        if not len(chosen):
-            raise HeadsteerValueError("heads selects no head: nothing to gate")
+    if r.heads is not None:
         gated = torch.zeros_like(gated)
-        for la, h in chosen:
+        for la, h in r.heads:
             gated[la, h] = True
     if model.model.training:
         raise HeadsteerValueError(
