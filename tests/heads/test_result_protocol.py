@@ -17,6 +17,7 @@ from heads.errors import HeadsteerValueError
 from heads.results.protocol import Result
 from tests.support import make_tiny
 
+QUIET = heads.SweepOptions(progress=False)
 PROMPTS = ["When Mary and John went to the store, John gave a drink to", "The cat sat on the"]
 
 
@@ -57,6 +58,10 @@ BUILDERS = {
     "RoleScores": lambda m: heads.detect_roles(m, retrieval=False, successor=False),
     "HeadAtlas": lambda m: heads.head_atlas(
         m, detectors=heads.detect_roles(m, retrieval=False, successor=False), thumbnails=False
+    ),
+    "ShipsResult": lambda m: heads.ships(m, PROMPTS, heads=[(0, 1), (2, 3)], options=QUIET),
+    "SaharaResult": lambda m: heads.sahara(
+        m, PROMPTS, steps=2, heads=[(0, 1), (1, 0), (2, 3)], options=QUIET
     ),
     "SinkStats": lambda m: heads.sink_stats(m, PROMPTS, chat=False),
     "MapsScores": _maps,
