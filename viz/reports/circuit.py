@@ -11,7 +11,9 @@ than half of the model's heads is flagged on the page, in the summary and by a w
 
 Memory: the exact evaluations (curve and circuit) run `batch_rows` rows per forward, chosen so
 that their activations stay within `max_memory` GiB (`circuit_rows`); EAP / EAP-IG run
-`batch_size` pairs per chunk and need far less.
+`batch_size` pairs per chunk and need less (about 0.75 GiB above the model for 8 pairs on
+SmolLM2-135M). Measured on SmolLM2-135M, IOI, fp32 CPU: 16 pairs (the default) 200 s and 2.7 GiB
+peak RSS with the default budget of 2 GiB, the model alone 1.0 GiB.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ __all__ = ["MAX_MEMORY_GB", "TASKS", "circuit_report", "circuit_rows", "circuit_
 
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`)."""
-ROW_BYTES_PER_NODE = 16
+ROW_BYTES_PER_NODE = 28
 """Measured bytes per row, token, upstream node and model dimension of an exact evaluation: about
-four fp32 `[U, D]` tensors per row and token (41.8 MB per row at 15 tokens on SmolLM2-135M:
-U = 301 upstream nodes, D = 576)."""
+seven fp32 `[U, D]` tensors per row and token. On SmolLM2-135M (U = 301 upstream nodes, D = 576,
+IOI pairs of 15 tokens) `report circuit` peaked 70 MB per row above the loaded model (51 rows:
++3.4 GiB; 12 rows: +0.8 GiB), 73 MB by this constant: the budget holds."""
 
 TASKS = ("ioi", "colored_objects")
 """Shipped pair sets `--task` accepts by name (any other value is a JSONL pairs file)."""
