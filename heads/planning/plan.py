@@ -1,7 +1,8 @@
 """`plan_memory`: the peak memory of an analysis or a steered generation, per device, from a model's
 config alone (docs/long-context.md, "Memory model").
 
-    peak(device) = weights(device) + fixed + sum over its layers of per_layer[kind] + extra
+    peak(device) = weights(device) + max(fixed + kept, attention + kept + extra)
+    kept = sum over its layers of per_layer[kind]
 
 * `weights`: the parameters the device holds, counted on a `meta`-device build of the config
   (exact for any family; tied weights once), times the dtype's size.
@@ -12,7 +13,8 @@ config alone (docs/long-context.md, "Memory model").
   travel with the layers); the per-layer part only for its own layers.
 * `extra`: what the analysis adds to the model's own forward, a closed form per analysis
   (`ANALYSES`): the pattern readers' query blocks, the blocked kernel's pattern block, the
-  fused kernel's padded copies.
+  fused kernel's padded copies. These live beside a layer's attention, so they add to the live
+  bytes traced at the attention (`attention`), not to the model's own peak (usually the MLP's).
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ class MemoryPlan:
     Attributes:
         model: the config's model type.
         request: what was planned.
-        tokens, batch, dtype: the run's shape and dtype.
+        tokens: the run's sequence length.
+        batch: the run's batch rows.
+        dtype: the run's dtype.
         devices: one `DevicePlan` per device, in order.
     """
 
@@ -289,7 +293,7 @@ def _extra(
     kv_copies = 2 * b * h * t * d * item  # the explicit path repeats K and V per query head (GQA)
     name = request.analysis
     if name in ("sinks", "detectors", "retrieval", "qrhead"):
-        rows = state.read_block_rows(b, h, t)
+        rows = min(t, state.read_block_rows(b, h, t))
         if name in ("retrieval", "qrhead"):
             rows = min(rows, int(request.get("query_rows", 64)))
         block = b * h * rows * t * 4  # fp32 pattern block
@@ -477,7 +481,10 @@ def plan_memory(
         count: dict[str, int] = {}
         for la in layers:
             count[kinds[la]] = count.get(kinds[la], 0) + 1
-        act = traced.at(count) + _extra(req, g, total_tokens, batch, dt, dev)
+        # the analysis' tensors live beside a layer's attention, not at the model's own peak
+        # (the MLP's, usually): the larger of the two
+        extra = _extra(req, g, total_tokens, batch, dt, dev)
+        act = traced.at(count) if not extra else max(traced.at(count), traced.at_attention(count) + extra)
         plans.append(DevicePlan(dev, int(w), int(act), len(layers)))
     return MemoryPlan(
         str(text_config(cfg).model_type), req, tokens, batch, str(dt).replace("torch.", ""), tuple(plans)

@@ -41,9 +41,16 @@ with gradients on the activations and a backward from a scalar of the last posit
 _LOCK = threading.Lock()  # FakeTensorMode and the dispatch mode are process-wide while active
 
 
+_ATTENTION_OPS = ("scaled_dot_product", "_softmax")
+"""Operator names (substrings) that mark a layer's attention: SDPA's kernels, eager softmax."""
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of live storages created by operations; `peak` is the largest count.
 
+    `attention` is the largest count just after an attention operation (SDPA, or the softmax
+    of eager attention) returned: what is alive while a layer's attention output is formed,
+    beside which the engine's pattern readers and the fused kernel add their own tensors.
     Storages that already existed (the weights, registered with `ignore`) are not counted.
     """
 
@@ -51,6 +58,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.attention = 0
         self._sizes: dict[int, int] = {}
         self._ignored: set[int] = set()
 
@@ -73,6 +81,9 @@ class LiveBytes(TorchDispatchMode):
             self.live += n
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key)
+        name = str(func)
+        if any(op in name for op in _ATTENTION_OPS):
+            self.attention = max(self.attention, self.live)
         return out
 
     def _free(self, key: int) -> None:
@@ -90,14 +101,21 @@ class TracedPeak:
             the residual stream, the mask, the logits).
         per_layer: bytes each further decoder layer of a kind keeps (its KV cache, its saved
             activations), by layer kind (`config.layer_types`; `"layer"` when it has none).
+        attention: the part of `fixed` alive when a layer's attention output has just been
+            formed (`LiveBytes.attention`); what an analysis adds at that moment comes on top.
     """
 
     fixed: int
     per_layer: dict[str, int]
+    attention: int = 0
 
     def at(self, kinds: dict[str, int]) -> int:
         """Bytes for a model with `kinds[k]` decoder layers of each kind k."""
         return self.fixed + sum(self.per_layer.get(k, 0) * n for k, n in kinds.items())
+
+    def at_attention(self, kinds: dict[str, int]) -> int:
+        """Bytes alive at a layer's attention output in a model with `kinds[k]` layers of kind k."""
+        return self.attention + sum(self.per_layer.get(k, 0) * n for k, n in kinds.items())
 
 
 def text_config(config: Any) -> Any:
@@ -158,8 +176,8 @@ def _unpacked_in_this_thread() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = original
 
 
-def _run(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dtype) -> int:
-    """Peak live bytes of one traced run of a model built from `config`."""
+def _run(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Peak live bytes, and live bytes at attention, of one traced run of a model of `config`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +203,7 @@ def _run(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dtype) ->
             with torch.no_grad(), tracker:
                 out = model(input_ids=ids, use_cache=mode == "cache", logits_to_keep=1)
                 del out
-    return tracker.peak
+    return tracker.peak, tracker.attention
 
 
 def traced_peak(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dtype) -> TracedPeak:
@@ -206,20 +224,21 @@ def traced_peak(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dt
     """
     if mode not in MODES:
         raise HeadsteerValueError(f"mode must be one of {MODES}, got {short_repr(mode)}")
-    fixed, per_layer = 0, {}
+    fixed, attention, per_layer = 0, 0, {}
     try:
         with _LOCK:
             for kind in dict.fromkeys(layer_kinds(config)):
                 # two and three layers: the first layer's transients can overlap the model's
                 # own set-up (embedding, mask), so the slope is taken after it
-                p2 = _run(_reduced(config, kind, 2), mode, tokens, batch, dtype)
-                p3 = _run(_reduced(config, kind, 3), mode, tokens, batch, dtype)
+                p2, a2 = _run(_reduced(config, kind, 2), mode, tokens, batch, dtype)
+                p3, _ = _run(_reduced(config, kind, 3), mode, tokens, batch, dtype)
                 per_layer[kind] = max(0, p3 - p2)
                 fixed = max(fixed, p2 - 2 * per_layer[kind])
+                attention = max(attention, a2 - 2 * per_layer[kind])
     except HeadsteerValueError:
         raise
     except Exception as exc:  # transformers' own message names what it could not build
         raise HeadsteerValueError(
             f"cannot trace {type(text_config(config)).__name__} for a memory plan: {exc}"
         ) from exc
-    return TracedPeak(fixed=max(0, fixed), per_layer=per_layer)
+    return TracedPeak(fixed=max(0, fixed), per_layer=per_layer, attention=max(0, attention))

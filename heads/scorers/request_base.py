@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -53,7 +54,9 @@ class Geometry:
     """What a request's geometry is checked against: a model's size and family.
 
     Attributes:
-        n_layers, n_heads, n_kv_heads: the text model's decoder layers, query heads and KV heads.
+        n_layers: the text model's decoder layers.
+        n_heads: its query heads per layer.
+        n_kv_heads: its KV heads per layer.
         model_type: the config's `model_type` (a vision-language model's own).
         family: the `heads.model.families.Family` entry (None only for a `HeadModel` without one).
         max_positions: the longest sequence the position embeddings allow, None if unbounded.
@@ -298,6 +301,25 @@ class Request:
                 head or position out of range; an analysis the family does not support), named.
         """
         self.check_geometry(Geometry.of(config))
+
+    def check_model(self, name_or_path: str | os.PathLike | None = None) -> None:
+        """`check_config` on the config of a model `load_model` would load, before its weights.
+
+        Args:
+            name_or_path: as `heads.load_model`: a model folder, a hub id or a packaged model's
+                name (None: the embedded model). Only `config.json` is read.
+
+        Raises:
+            HeadsteerValueError / FileNotFoundError: a missing folder or a config `load_model`
+                refuses; what `check_config` refuses.
+        """
+        from transformers import AutoConfig
+
+        from heads.model.loading import _resolve, check_config
+
+        where, _ = _resolve(name_or_path)
+        check_config(where)
+        self.check_config(AutoConfig.from_pretrained(where, trust_remote_code=False))
 
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:

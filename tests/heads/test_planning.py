@@ -138,11 +138,52 @@ def test_trace_equals_the_live_bytes_of_a_real_forward(tiny_llama):
     assert plan.devices[0].weights == weights
 
 
-def test_pattern_readers_plan_their_blocks(tiny_llama):
-    fwd = plan_memory(tiny_llama, "forward", 256)
-    for name in ("sinks", "detectors", "qrhead"):
-        assert plan_memory(tiny_llama, name, 256).peak > fwd.peak
-    assert plan_memory(tiny_llama, "gradient", 256).peak > fwd.peak
+def test_pattern_readers_plan_within_15_percent_of_their_live_bytes(tokenizer):
+    """The readers' closed form (K/V repeated per head, fp32 pattern blocks beside the layer's
+    attention) against the live bytes of the real analyses on a random-weight model long enough
+    for several query blocks: within the issue's +-15%; QRHead's default 64 query rows bound
+    its real (shorter) query from above."""
+    from transformers import AutoModelForCausalLM
+
+    from heads import HeadModel
+    from heads.scorers.retrieval.qrhead import qr_tokens
+    from heads.scorers.roles.detectors import pattern_scores
+    from heads.scorers.sinks import sink_stats
+    from probes.datasets.needle import needle_task
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    hm = HeadModel(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), tokenizer, "t")
+    task = needle_task(tokenizer, 512, seed=0)
+    ids = torch.tensor([task.input_ids])
+    runs = {
+        "forward": lambda: hm.model(input_ids=ids, use_cache=False, logits_to_keep=1),
+        "sinks": lambda: sink_stats(hm, [task.text(tokenizer)], chat=False, markup=False),
+        "detectors": lambda: pattern_scores(hm, ids),
+        "qrhead": lambda: qr_tokens(hm, task.question, task.passages, chat=False),
+    }
+    planned, measured = {}, {}
+    for name, run in runs.items():
+        tracker = LiveBytes()
+        tracker.ignore(list(hm.model.parameters()) + list(hm.model.buffers()))
+        with torch.no_grad(), tracker:
+            run()
+        measured[name] = tracker.peak
+        planned[name] = plan_memory(cfg, name, 512).devices[0].activations
+    assert planned["forward"] == measured["forward"]
+    for name in ("sinks", "detectors"):
+        assert planned[name] > planned["forward"]  # 4 query blocks: the readers add to the peak
+        assert abs(planned[name] - measured[name]) <= 0.15 * measured[name], (name, planned, measured)
+    assert measured["qrhead"] <= planned["qrhead"] <= 2 * measured["qrhead"]
+    assert plan_memory(cfg, "gradient", 512).peak > plan_memory(cfg, "forward", 512).peak
 
 
 def test_budget_refused_with_the_minimum_named(tiny_llama, monkeypatch):

@@ -196,9 +196,16 @@ def test_detector_arguments_checked_first(model, call, word, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("work started before the arguments were checked")
 
+    import heads.scorers.roles.needle as needle
+    import heads.scorers.roles.sequences as seqs
+
     monkeypatch.setattr(d, "forward", no_work)
     monkeypatch.setattr(d, "maps_scores", no_work)
     monkeypatch.setattr(d, "_pack", no_work)
+    # the retrieval detector and the token rows live in their own modules (re-exported by d)
+    monkeypatch.setattr(needle, "forward", no_work)
+    monkeypatch.setattr(needle, "_pack", no_work)
+    monkeypatch.setattr(seqs, "_pack", no_work)
     with pytest.raises(ERR) as err:
         call(model)
     _one_line(err, word)

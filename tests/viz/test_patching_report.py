@@ -51,12 +51,13 @@ def test_cli_report_patching(tiny_llama_dir, tmp_path):
     f.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in load_task_pairs("colored_objects", n=2)))
     r = CliRunner().invoke(
         app, ["report", "patching", "--out", str(tmp_path / "c.html"), "--model", tiny_llama_dir,
-              "--task", str(f), "--site", "mlp_out", "--json"],
+              "--task", str(f), "--kind", "mlp_out", "--json"],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     # bad options: one line, exit 2, before the model loads (the model path does not exist)
     for args, word in (
-        (["--site", "nope"], "--site"),
+        (["--kind", "nope"], "--kind"),
+        (["--site", "nope"], "--site"),  # the old name, one release
         (["--direction", "up"], "--direction"),
         (["--task", "nope"], "nope"),
         (["--n", "0"], "--n"),

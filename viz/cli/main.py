@@ -376,10 +376,16 @@ def report_patching(
     task: Annotated[
         str, typer.Option(help="ioi, colored_objects, comp_mech (shipped pairs) or a pairs JSONL file")
     ] = "ioi",
-    site: Annotated[
+    kind: Annotated[
         str,
-        typer.Option(help="head_out, head_out_by_pos, resid_pre, attn_out, mlp_out, q, k, v or pattern"),
+        typer.Option(
+            help="the patching site kind: head_out, head_out_by_pos, resid_pre, attn_out, mlp_out, q, k, v "
+            "or pattern"
+        ),
     ] = "head_out",
+    site: Annotated[
+        str | None, typer.Option(hidden=True, help="deprecated: the old name of --kind (one release)")
+    ] = None,
     direction: Annotated[str, typer.Option(help="denoising (default) or noising")] = "denoising",
     n: Annotated[int, typer.Option(help="pairs used (the first n of the test split or file)")] = 8,
     split: Annotated[
@@ -394,32 +400,33 @@ def report_patching(
     ] = 0,
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
-    from heads.scorers.patching.activation import KINDS
-    from heads.scorers.patching.metrics import DIRECTIONS
+    from heads.scorers.patching.request import PatchRequest
+    from viz.cli.requests import build_request
     from viz.reports.patching import patching_report, resolve_pairs
 
-    if site not in KINDS:
-        raise typer.BadParameter(
-            f"unknown site {short_repr(site)}: use one of {', '.join(KINDS)}", param_hint="--site"
-        )
-    if direction not in DIRECTIONS:
-        raise typer.BadParameter(
-            f"unknown direction {short_repr(direction)}: use one of {', '.join(DIRECTIONS)}",
-            param_hint="--direction",
-        )
+    kind_option = "--kind"
+    if site is not None:  # the old name, one release
+        warn_line("--site is deprecated: use --kind (--site is removed in the next release)")
+        if run.gave("kind") and site != kind:
+            raise typer.BadParameter(
+                f"--site {short_repr(site)} and --kind {short_repr(kind)} differ: give --kind only"
+            )
+        kind, kind_option = site, "--site"
     _positive(n=n)
-    from heads.results.stability import check_stability
-
-    check_stability(stability, "--stability")
+    # the request `heads.patch` builds: its values checked there, once; its kind against the
+    # model's config (`check_model`) before the weights load
+    options = {"kind": kind_option, "direction": "--direction", "stability": "--stability"}
+    request = build_request(PatchRequest, options, kind=kind, direction=direction, stability=stability)
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
+    request.check_model(run.model)
     hm = run.load()
-    with run.progress(4, f"patching {site}") as step:
+    with run.progress(4, f"patching {kind}") as step:
         _, summary = patching_report(
-            hm, out, pairs, site=site, direction=direction, overwrite=run.force, progress=step, task=task,
-            stability=stability,
+            hm, out, pairs, site=request.kind, direction=request.direction, overwrite=run.force,
+            progress=step, task=task, stability=request.stability,
         )  # fmt: skip
-    table = Table(title=f"top {site} sites ({summary['pairs']} pairs, {direction})")
+    table = Table(title=f"top {kind} sites ({summary['pairs']} pairs, {direction})")
     keys = [
         k
         for k in ("layer", "head", "kv_head", "position", "token", "score")

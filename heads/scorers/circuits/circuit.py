@@ -296,7 +296,7 @@ def find_circuit(
 
     Args:
         method: `"eap"` or `"eap-ig"` (default) or `"exact"`.
-        n / size / threshold / faithfulness: the circuit: top `n` edges, the top `size` % of the
+        n, size, threshold, faithfulness: the circuit: top `n` edges, the top `size` % of the
             edges, |score| >= threshold, or the smallest size of `sizes` whose exact
             faithfulness reaches `faithfulness` (read from the curve). Default: the smallest
             size reaching `DEFAULT_FAITHFULNESS` (0.3); the method's curve is evaluated for it

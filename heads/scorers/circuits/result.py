@@ -92,7 +92,8 @@ class Circuit:
         graph: the `Graph`.
         mask: `[U, Dn]` bool, the circuit's edges (after pruning).
         scores: `[U, Dn]` the scores of every edge (NaN off the graph), from `EdgeScores`.
-        method, metric: how the scores were made.
+        method: the scoring method of the edges.
+        metric: the metric they were scored on.
         exact: `[U, Dn]` exact scores of confirmed edges (NaN elsewhere), or None.
         faithfulness: f(C) when evaluated, else None.
         curve: the faithfulness curve (`faithfulness_curve`'s dict), or None.

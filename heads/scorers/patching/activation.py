@@ -82,7 +82,10 @@ from heads.scorers.patching.vision import (
     replaced_embeddings,
 )
 
-__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run", "unembed_only"]
+__all__ = ["KINDS", "PatchResult", "patch"]
+# internal helpers, importable by this module path but not its public API (nor the reference):
+# `RunCache`, `record_run` (heads.scorers.patching.record), `unembed_only`, `check_sweep_inputs`,
+# `prefix_cache`
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
@@ -193,7 +196,8 @@ class PatchResult:
         direction: `"denoising"` or `"noising"`.
         metric: the metric's name.
         raw: `[*grid, N]` fp32 metric of the patched run per site and pair.
-        clean / corrupt: `[N]` metric of the unpatched clean / corrupted runs.
+        clean: `[N]` metric of the unpatched clean run.
+        corrupt: `[N]` metric of the unpatched corrupted run.
         grid: names of the grid axes, e.g. `("layer", "head")`, `("layer", "head", "position")`.
         labels: token strings of the position axis (pair 0's clean tokens, `""` on padding).
         model: the model id.
@@ -598,7 +602,9 @@ def patch(
         positions: padded columns to score for the by-position kinds (default all; negative
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
+        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
+            counts work in token-layers (each forward's rows x the columns it recomputes x the
+            layers it runs), not rows: rows patched at an early layer or position cost more.
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
             none; e.g. 100): `result.stability`, from the per-pair scores with no extra forward
             (`PatchResult.bootstrap`; the pairs' template ids give the agreement across templates).
@@ -673,20 +679,29 @@ def patch(
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
+    # each chunk's forward: its first layer, the left padding it trims and the first column it
+    # recomputes (the columns before it come from the base run's cache)
+    plan = []
+    for chunk in chunks:
+        trim = width - max(lengths[i] for _, i in chunk)
+        split = trim
+        if by_pos:
+            split = max(trim, min(sites[chunk[0][0]].pos, width - 1))
+        plan.append((chunk, sites[chunk[0][0]].layer, trim, split))
+    # progress counts work, not rows: a chunk costs its rows x the columns it recomputes x the
+    # layers it runs, so an early layer or position weighs up to L x T times a late one (rows
+    # of equal cost would make the ETA swing from minutes to an hour and back)
+    work = [len(c) * (width - sp) * (model.n_layers - la) for c, la, _, sp in plan]
+    total_work = sum(work)
     columns = met.columns(pairs) if met.columns is not None else None
     with (
-        progress_callback(options.progress, f"patching {kind}", "rows") as report,
+        progress_callback(options.progress, f"patching {kind}", "token-layers") as report,
         unembed_only(model, columns),
     ):
-        done = int(same.sum())
-        for chunk in chunks:
+        done = 0
+        for (chunk, layer, trim, split), cost in zip(plan, work, strict=True):
             si = torch.tensor([s for s, _ in chunk])
             ps = torch.tensor([i for _, i in chunk])
-            layer = sites[chunk[0][0]].layer
-            trim = width - max(lengths[i] for _, i in chunk)
-            split = trim
-            if by_pos:
-                split = max(trim, min(sites[chunk[0][0]].pos, width - 1))
             logits = _run_chunk(
                 model,
                 kind,
@@ -701,9 +716,9 @@ def patch(
                 split,
             )
             raw[si, ps] = met(logits, pairs, ps, clean.logits[ps]).cpu()
-            done += len(chunk)
+            done += cost
             if report is not None:
-                report(done, len(sites) * pairs.n)
+                report(done, total_work)
     result = PatchResult(
         kind,
         direction,

@@ -58,7 +58,6 @@ from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
     "DLAResult",
-    "output_logits",
     "LensResult",
     "check_dla_model",
     "direct_logit_attribution",
@@ -395,15 +394,17 @@ class LensResult:
     model's output itself.
 
     Attributes:
-        answer_logit / counterfactual_logit: `[N, L + 1]` logits of the answer / counterfactual
-            token (mean over a pair's tokens) read from the residual entering layer l (index
-            `L`: the final residual, i.e. the model's output).
-        answer_rank / counterfactual_rank: `[N, L + 1]` ranks (0 = top) of the first answer /
-            counterfactual token.
+        answer_logit: `[N, L + 1]` logits of the answer token (mean over a pair's tokens) read
+            from the residual entering layer l (index `L`: the final residual, i.e. the model's
+            output).
+        counterfactual_logit: `[N, L + 1]` the same for the counterfactual token.
+        answer_rank: `[N, L + 1]` ranks (0 = top) of the first answer token.
+        counterfactual_rank: `[N, L + 1]` ranks of the first counterfactual token.
         logit_diff: `[N, L + 1]` answer minus counterfactual.
         top_tokens: per layer, the `k` most likely tokens of pair 0.
-        head_answer / head_counterfactual: `[N, L, H]` each head's direct logit (frozen final
-            scale, last position) of the answer / counterfactual token (`head_logits`), or None.
+        head_answer: `[N, L, H]` each head's direct logit (frozen final scale, last position)
+            of the answer token (`head_logits`), or None.
+        head_counterfactual: `[N, L, H]` the same for the counterfactual token, or None.
     """
 
     answer_logit: torch.Tensor

@@ -28,12 +28,10 @@ from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel, submodule
 from heads.scorers.patching.vision import replaced_embeddings
 
-__all__ = [
-    "RunCache",
-    "check_kv_kind",
-    "first_output",
-    "record_run",
-]
+# Internal to the patching analyses (importable by this module path, not public API, so not in
+# the reference): `RunCache`, `check_kv_kind`, `first_output`, `record_run`, `stream_sites`. The
+# public activation cache is `heads.record`.
+__all__: list[str] = []
 
 
 @dataclass
@@ -44,7 +42,8 @@ class RunCache:
         logits: `[N, V]` fp32 last-position logits.
         residuals: `L + 1` tensors `[N, T, D]`; `residuals[l]` enters layer l (the last is normed).
         z: per layer `[N, T, H, d]` head outputs (`o_proj` input).
-        attn_out / mlp_out: per layer `[N, T, D]` block outputs.
+        attn_out: per layer `[N, T, D]` attention block outputs.
+        mlp_out: per layer `[N, T, D]` MLP block outputs.
         qkv: per layer `(q [N, T, H*d], k [N, T, G*d], v [N, T, G*d])` projection outputs,
             head-major (head h's columns are `h*d .. (h+1)*d` in every layout), before RoPE /
             QK-norm; empty when not recorded (`keys=False`, latent attention).

@@ -23,28 +23,50 @@ The masks (over real tokens only; padding never counts):
 
 Entropy is the mean over rows with >= 2 visible keys of `H(A_i.) / log(n_i)` (n_i the real
 causal keys of row i; 0 = one key, 1 = uniform).
+
+The token rows (`random_tokens`, `repeated_tokens`) live in `heads.scorers.roles.sequences`, the
+retrieval detector (`needle_prompts`, `retrieval_scores`) in `heads.scorers.roles.needle`; both are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
-from heads._util.validation import check_bool, check_int, check_seed, is_int, short_repr
+from heads._util.validation import check_bool, is_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts, encode_prompts
+from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
+from heads.scorers.roles.needle import MAX_FILLER, needle_prompts, retrieval_scores
+
+# Names imported `as` themselves are re-exported: `heads.scorers.roles.detectors.<name>` stays.
+from heads.scorers.roles.sequences import (
+    MAX_SEQUENCES,
+    SequencesArg,
+    _candidates,
+    _int_dtype,
+    _positive,
+    _seed,
+    _sequences,
+    random_tokens,
+    repeated_tokens,
+)
+from heads.scorers.roles.sequences import _bos_id as _bos_id
+from heads.scorers.roles.sequences import _pack as _pack
+from heads.scorers.roles.sequences import _pad_id as _pad_id
+from heads.scorers.roles.sequences import _special_ids as _special_ids
 from heads.scorers.stability import attach, check_samples
 
 __all__ = [
@@ -123,219 +145,8 @@ ORDINAL_SEQUENCES: dict[str, list[str]] = {
 """Ordinal sequences for the successor detector (Gould et al. 2024's task families, written
 here): each item's successor is the next item of its list."""
 
-
-MAX_SEQUENCES = 4096
-"""Most generated rows a detector builds (`n_seqs` of `repeated_tokens`, `n_prompts` of `needle_prompts`)."""
-
 MAX_COPYING_TOKENS = 8192
 """Most source tokens `copying_scores` reads (`n_tokens`)."""
-
-MAX_FILLER = 8192
-"""Most filler sentences of a needle prompt (`n_filler`; about 10 tokens each, so haystacks of 32k
-tokens and more); the model's context bounds it further."""
-
-
-def _positive(value: object, what: str, hi: int | None = None) -> int:
-    return check_int(what, value, lo=1, hi=hi)
-
-
-def _seed(seed: object) -> int:
-    """Every detector takes the same seeds: an int in 0..2**32 - 1 (`check_seed`)."""
-    return check_seed("seed", seed)
-
-
-def _special_ids(model: HeadModel) -> set[int]:
-    ids: set[int] = set()
-    tok = model.tokenizer
-    if tok is not None:
-        ids |= {int(i) for i in tok.all_special_ids}
-    cfg = model.model.config
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = getattr(cfg, name, None)
-        for x in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(x, int):
-                ids.add(x)
-    return ids
-
-
-def _bos_id(model: HeadModel) -> int | None:
-    tok = model.tokenizer
-    bos = getattr(tok, "bos_token_id", None) if tok is not None else None
-    if bos is None:
-        bos = getattr(model.model.config, "bos_token_id", None)
-    return int(bos) if isinstance(bos, int) else None
-
-
-def _pad_id(model: HeadModel) -> int:
-    tok = model.tokenizer
-    for v in (
-        getattr(tok, "pad_token_id", None) if tok is not None else None,
-        getattr(tok, "eos_token_id", None) if tok is not None else None,
-        getattr(model.model.config, "pad_token_id", None),
-        getattr(model.model.config, "eos_token_id", None),
-    ):
-        if isinstance(v, int):
-            return v
-    return 0
-
-
-def _candidates(model: HeadModel) -> torch.Tensor:
-    """Token ids random sequences are drawn from: the vocabulary without special tokens."""
-    n = model.d_vocab
-    tok = model.tokenizer
-    if tok is not None:
-        n = min(n, len(tok))
-    keep = torch.ones(n, dtype=torch.bool)
-    for i in _special_ids(model):
-        if 0 <= i < n:
-            keep[i] = False
-    return torch.nonzero(keep).flatten()
-
-
-def random_tokens(model: HeadModel, n: int, *, seed: int = 0) -> torch.Tensor:
-    """`[n]` distinct non-special token ids drawn with `seed` (`torch.Generator`, CPU).
-
-    Args:
-        n: how many ids (1 .. the number of non-special tokens).
-        seed: an int in 0..2**32 - 1 (default 0).
-
-    Raises:
-        HeadsteerValueError: `n` not a positive int or more than the non-special tokens; a bad seed.
-    """
-    n = _positive(n, "n")
-    seed = _seed(seed)
-    cand = _candidates(model)
-    if n > len(cand):
-        raise HeadsteerValueError(f"n={n} exceeds the {len(cand)} non-special tokens of the vocabulary")
-    g = torch.Generator().manual_seed(seed)
-    return cand[torch.randperm(len(cand), generator=g)[:n]]
-
-
-def _pack(model: HeadModel, rows: list[list[int]]) -> EncodedPrompts:
-    """Left-pad token rows into an `EncodedPrompts` (no spans)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), _pad_id(model), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[b, width - len(r) :] = 1
-    n = len(rows)
-    return EncodedPrompts(ids, mask, [[] for _ in range(n)], ["" for _ in range(n)], [[] for _ in range(n)])
-
-
-def repeated_tokens(
-    model: HeadModel, *, n_seqs: int = 8, length: tuple[int, int] = (25, 50), seed: int = 0
-) -> EncodedPrompts:
-    """`n_seqs` rows `[BOS] + R + R` (left-padded), R of `length[0]..length[1]` distinct random
-    non-special tokens (a length per row, drawn with `seed`), as in Olsson et al. 2022 and
-    TransformerLens' induction demos. BOS is left out when the model has none.
-
-    Args:
-        n_seqs: rows, 1..`MAX_SEQUENCES` (default 8).
-        length: `(min, max)` length of R (ints, numpy ints too; default (25, 50)).
-        seed: an int in 0..2**32 - 1 (default 0).
-
-    Returns:
-        `EncodedPrompts` `[n_seqs, T]`, T = 2 * (longest R) + 1 with BOS.
-
-    Raises:
-        HeadsteerValueError: `n_seqs` not in 1..`MAX_SEQUENCES`, a bad `length` range, R longer
-            than the non-special vocabulary, rows longer than the model's context (all checked
-            before any row is drawn), a bad seed.
-    """
-    n_seqs = _positive(n_seqs, "n_seqs", MAX_SEQUENCES)
-    if (
-        not isinstance(length, (tuple, list))
-        or len(length) != 2
-        or not all(is_int(x) for x in length)
-        or not 1 <= length[0] <= length[1]
-    ):
-        raise HeadsteerValueError(
-            f"length must be (min, max) ints with 1 <= min <= max, got {short_repr(length)}"
-        )
-    lo, hi = int(length[0]), int(length[1])
-    seed = _seed(seed)
-    cand = _candidates(model)
-    if hi > len(cand):
-        raise HeadsteerValueError(f"length {hi} exceeds the {len(cand)} non-special tokens")
-    bos = _bos_id(model)
-    model.check_length(2 * hi + (bos is not None))
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n_seqs):
-        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-        r = cand[torch.randperm(len(cand), generator=g)[:n]].tolist()
-        rows.append(([bos] if bos is not None else []) + r + r)
-    model.check_length(max(len(r) for r in rows))
-    return _pack(model, rows)
-
-
-SequencesArg = EncodedPrompts | torch.Tensor | str | Sequence[str] | None
-
-
-def _sequences(model: HeadModel, sequences: SequencesArg, seed: int) -> EncodedPrompts:
-    """The batch to score: repeated random tokens (None), texts (plain, no chat template), a
-    `[B, T]` id tensor (no padding), a list of id lists (left-padded here) or an `EncodedPrompts`."""
-    if sequences is None:
-        return repeated_tokens(model, seed=seed)
-    if isinstance(sequences, Sequence) and not isinstance(sequences, str) and len(sequences) == 0:
-        raise HeadsteerValueError("sequences is empty: give at least one text or token row")
-    if isinstance(sequences, EncodedPrompts):
-        ids = sequences.input_ids
-        if sequences.batch == 0 or ids.numel() == 0 or not _int_dtype(ids):
-            raise HeadsteerValueError("the EncodedPrompts holds no token ids (or not integer ones)")
-        if ((ids < 0) | (ids >= model.d_vocab)).any():
-            raise HeadsteerValueError("the EncodedPrompts holds ids outside the vocabulary")
-        return sequences
-    if isinstance(sequences, torch.Tensor):
-        if sequences.ndim != 2 or not _int_dtype(sequences):
-            raise HeadsteerValueError(
-                "token sequences must be a [batch, pos] integer tensor, got shape "
-                f"{tuple(sequences.shape)} {sequences.dtype}"
-            )
-        if sequences.numel() == 0 or ((sequences < 0) | (sequences >= model.d_vocab)).any():
-            raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
-        return _pack(model, sequences.long().tolist())
-    if (
-        isinstance(sequences, Sequence)
-        and not isinstance(sequences, str)
-        and sequences
-        and all(isinstance(r, (list, tuple, torch.Tensor)) for r in sequences)
-    ):
-        rows = []
-        for r in sequences:
-            if isinstance(r, torch.Tensor) and (r.ndim != 1 or not _int_dtype(r)):
-                raise HeadsteerValueError(
-                    f"a token row must be a 1-D integer tensor, got shape {tuple(r.shape)} {r.dtype}"
-                )
-            row = r.tolist() if isinstance(r, torch.Tensor) else list(r)
-            bad = next((x for x in row if not is_int(x)), None)
-            if bad is not None:
-                raise HeadsteerValueError(f"token ids must be ints, got {short_repr(bad)}")
-            rows.append([int(x) for x in row])
-        if any(not r or min(r) < 0 or max(r) >= model.d_vocab for r in rows):
-            raise HeadsteerValueError("token sequences are empty or hold ids outside the vocabulary")
-        return _pack(model, rows)
-    if isinstance(sequences, str) or (
-        isinstance(sequences, Sequence) and sequences and all(isinstance(s, str) for s in sequences)
-    ):
-        if model.tokenizer is None:
-            raise HeadsteerValueError("text sequences need a HeadModel with a tokenizer")
-        return encode_prompts(model.tokenizer, sequences, chat=False, markup=False)
-    if isinstance(sequences, Sequence) and any(isinstance(s, str) for s in sequences):
-        i, odd = next((i, s) for i, s in enumerate(sequences) if not isinstance(s, str))
-        raise HeadsteerTypeError(
-            f"sequences mixes texts with a {type(odd).__name__} at index {i}: "
-            "give only texts or only token rows"
-        )
-    raise HeadsteerTypeError(
-        "sequences must be None, texts, a [batch, pos] token tensor or EncodedPrompts, "
-        f"got {type(sequences).__name__}"
-    )
-
-
-def _int_dtype(t: torch.Tensor) -> bool:
-    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def _block_masks(
@@ -456,7 +267,11 @@ def pattern_scores(
         first = real_dev.float().argmax(-1)
 
         def reduce(
-            probs: torch.Tensor, call: AttentionCall, ids_dev=ids_dev, real_dev=real_dev, first=first
+            probs: torch.Tensor,
+            call: AttentionCall,
+            ids_dev: torch.Tensor = ids_dev,
+            real_dev: torch.Tensor = real_dev,
+            first: torch.Tensor = first,
         ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             a, b = call.q_offset, call.q_offset + call.q_len
             p = probs.float()  # [B, H, q, k]
@@ -526,8 +341,8 @@ def pattern_scores(
     return out
 
 
-def _one(detector: str):
-    def scorer(model: HeadModel, sequences: SequencesArg = None, **kwargs) -> HeadScores:
+def _one(detector: str) -> Callable[..., HeadScores]:
+    def scorer(model: HeadModel, sequences: SequencesArg = None, **kwargs: Any) -> HeadScores:
         return pattern_scores(model, sequences, detectors=(detector,), **kwargs)[detector]
 
     scorer.__name__ = f"{detector}_scores"
@@ -702,223 +517,6 @@ def successor_scores(
         {"sequences": {k: len(v) for k, v in id_seqs.items()}, "apply_first_mlp": apply_first_mlp},
         model=model.name,
         n_kv_heads=model.n_kv_heads,
-    )
-
-
-_FILLER = (
-    "The grass is green and the sky is blue.",
-    "A small boat drifted slowly along the quiet river.",
-    "Farmers in the valley planted wheat in the spring.",
-    "The old library kept maps of every town in the region.",
-    "Children played in the park until the sun went down.",
-    "The baker opened his shop early every morning.",
-    "Rain fell on the roofs of the village all night.",
-    "A train crossed the bridge on its way to the coast.",
-    "The museum showed paintings from many different centuries.",
-    "Birds built their nests in the tall trees by the road.",
-)
-_KEYS = (
-    "blue lantern",
-    "silver key",
-    "hidden garden",
-    "quiet harbor",
-    "golden clock",
-    "paper crane",
-    "red door",
-    "stone bridge",
-)
-_WORDS = (
-    "apple",
-    "river",
-    "mountain",
-    "violin",
-    "tiger",
-    "copper",
-    "window",
-    "orange",
-    "planet",
-    "forest",
-    "candle",
-    "marble",
-    "falcon",
-    "ocean",
-    "pepper",
-    "ladder",
-)
-
-
-def needle_prompts(
-    model: HeadModel, *, n_prompts: int = 8, n_filler: int = 12, needle_words: int = 4, seed: int = 0
-) -> tuple[EncodedPrompts, list[tuple[int, int]], list[tuple[int, int]]]:
-    """Needle-in-a-haystack rows for `retrieval_scores` (Wu et al. 2024, written here).
-
-    Each row: `n_filler` filler sentences with a needle sentence "The secret words of the
-    {key} are {w1 ... wn}." inserted at a random depth, then "Question: what are the secret
-    words of the {key}? Answer: the secret words of the {key} are {w1 ... wn}" (the answer
-    teacher-forced). A model without a tokenizer gets token rows instead: random haystack,
-    needle = key + value tokens, and the key + value repeated at the end.
-
-    Args:
-        n_prompts: rows, 1..`MAX_SEQUENCES` (default 8).
-        n_filler: filler sentences a row (1..`MAX_FILLER`, default 12; without a tokenizer, 4
-            random tokens each).
-        needle_words: words of the needle's value (default 4; at most 16 with a tokenizer, the
-            shipped word list; without one, the non-special tokens less 3).
-        seed: an int in 0..2**32 - 1 (default 0).
-
-    Returns:
-        `(batch, needle token ranges, answer token ranges)` in padded coordinates, half-open.
-
-    Raises:
-        HeadsteerValueError: an argument out of range, or rows that cannot fit the model's
-            context (checked from a lower bound of the row length before any row is built).
-    """
-    n_prompts = _positive(n_prompts, "n_prompts", MAX_SEQUENCES)
-    n_filler = _positive(n_filler, "n_filler", MAX_FILLER)
-    tok = model.tokenizer
-    n_cand = len(_candidates(model)) if tok is None else len(_WORDS) + 3
-    needle_words = _positive(needle_words, "needle_words", n_cand - 3)
-    seed = _seed(seed)
-    bos = _bos_id(model)
-    limit = model.max_positions
-    if limit is not None:
-        if tok is None:  # exact: bos + haystack + key + value + key + value
-            least = (bos is not None) + 4 * n_filler + 4 + 2 * needle_words
-        else:  # every filler sentence is at least its shortest tokenisation
-            least = n_filler * min(len(tok(f, add_special_tokens=False)["input_ids"]) for f in _FILLER)
-        if least > limit:
-            raise HeadsteerValueError(
-                f"n_filler={n_filler}, needle_words={needle_words} make needle prompts of at least "
-                f"{least} tokens, over the model's limit of {limit} positions"
-            )
-    g = torch.Generator().manual_seed(seed)
-    rows: list[list[int]] = []
-    needles, answers = [], []
-    for _ in range(n_prompts):
-        if tok is not None:
-            fill = [_FILLER[int(i)] for i in torch.randint(len(_FILLER), (n_filler,), generator=g)]
-            key = _KEYS[int(torch.randint(len(_KEYS), (1,), generator=g))]
-            words = [_WORDS[int(i)] for i in torch.randperm(len(_WORDS), generator=g)[:needle_words]]
-            value = " " + " ".join(words)
-            depth = int(torch.randint(n_filler + 1, (1,), generator=g))
-
-            def enc(s: str) -> list[int]:
-                return list(tok(s, add_special_tokens=False)["input_ids"])
-
-            before = enc(
-                " ".join(fill[:depth]) + (" " if depth else "") + f"The secret words of the {key} are"
-            )
-            val = enc(value)
-            after = enc(
-                ". " + " ".join(fill[depth:]) + f"\nQuestion: what are the secret words of the {key}? "
-                f"Answer: the secret words of the {key} are"
-            )
-            head = ([bos] if bos is not None else []) + before
-            row = head + val + after + val
-            needles.append((len(head), len(head) + len(val)))
-            answers.append((len(head) + len(val) + len(after), len(row)))
-        else:
-            cand = _candidates(model)
-            perm = cand[torch.randperm(len(cand), generator=g)]
-            key_ids: list[int] = perm[:2].tolist()
-            val_ids: list[int] = perm[2 : 2 + needle_words].tolist()
-            rest = perm[2 + needle_words :]  # the haystack never holds a key or needle token
-            hay = rest[torch.randint(len(rest), (4 * n_filler,), generator=g)].tolist()
-            depth = int(torch.randint(len(hay) + 1, (1,), generator=g))
-            head = ([bos] if bos is not None else []) + hay[:depth] + key_ids
-            row = head + val_ids + hay[depth:] + key_ids + val_ids
-            needles.append((len(head), len(head) + len(val_ids)))
-            answers.append((len(row) - len(val_ids), len(row)))
-        rows.append(row)
-    batch = _pack(model, rows)
-    pads = [batch.length - len(r) for r in rows]
-    needles = [(a + p, b + p) for (a, b), p in zip(needles, pads, strict=True)]
-    answers = [(a + p, b + p) for (a, b), p in zip(answers, pads, strict=True)]
-    model.check_length(batch.length)
-    return batch, needles, answers
-
-
-@torch.no_grad()
-def retrieval_scores(
-    model: HeadModel,
-    *,
-    n_prompts: int = 8,
-    n_filler: int = 12,
-    needle_words: int = 4,
-    batch_size: int = 8,
-    seed: int = 0,
-) -> HeadScores:
-    """Retrieval score (Wu et al. 2024, arXiv:2404.15574, §2): the copy-paste rate of each head on
-    needle-in-a-haystack prompts (`needle_prompts`).
-
-    The answer (the needle's value) is teacher-forced, so one forward replaces Wu et al.'s
-    decoding loop: query row i predicts answer token y = tok[i+1]; head h copies it when its
-    argmax key at row i lies in the needle and holds y. The score is the share of answer tokens
-    copied (|g_h ∩ k| / |k| per prompt), averaged over prompts. Unlike Wu et al., rows count
-    whether or not the model itself predicts y (the pattern is read at the same place either way).
-
-    Args:
-        n_prompts, n_filler, needle_words, seed: as in `needle_prompts` (defaults 8, 12, 4, 0).
-        batch_size: prompts per forward (a positive int, default 8).
-
-    Returns:
-        HeadScores `[L, H]` in [0, 1], method `"role_retrieval"`.
-
-    Raises:
-        HeadsteerValueError: an argument out of range, prompts longer than the model's context
-            (both before any forward).
-    """
-    batch_size = _positive(batch_size, "batch_size")
-    enc, needles, answers = needle_prompts(
-        model, n_prompts=n_prompts, n_filler=n_filler, needle_words=needle_words, seed=seed
-    )
-    L, H = model.n_layers, model.n_heads
-    total = torch.zeros(L, H, dtype=torch.float64)
-    dev = model.device
-    for start in range(0, enc.batch, batch_size):
-        sl = slice(start, start + batch_size)
-        ids = enc.input_ids[sl]
-        B, T = ids.shape
-        sub = EncodedPrompts(ids, enc.attention_mask[sl], [[]] * B, [""] * B, [[]] * B)
-        q_rows = torch.zeros(B, T, dtype=torch.bool)  # rows predicting an answer token
-        target = torch.zeros(B, T, dtype=torch.long)
-        in_needle = torch.zeros(B, T, dtype=torch.bool)
-        for b, ((n0, n1), (a0, a1)) in enumerate(zip(needles[sl], answers[sl], strict=True)):
-            q_rows[b, a0 - 1 : a1 - 1] = True
-            target[b, a0 - 1 : a1 - 1] = ids[b, a0:a1]
-            in_needle[b, n0:n1] = True
-        q_rows, target, in_needle, ids_d = q_rows.to(dev), target.to(dev), in_needle.to(dev), ids.to(dev)
-
-        def copy_hits(
-            probs: torch.Tensor,
-            call: AttentionCall,
-            ids_d=ids_d,
-            in_needle=in_needle,
-            target=target,
-            q_rows=q_rows,
-        ) -> torch.Tensor:
-            a, b = call.q_offset, call.q_offset + call.q_len
-            j = probs.argmax(-1)  # [B, H, q]
-            key_tok = ids_d.gather(1, j.flatten(1).clamp(max=ids_d.shape[1] - 1)).view_as(j)
-            hit = in_needle.gather(1, j.flatten(1)).view_as(j) & (key_tok == target[:, None, a:b])
-            return (hit & q_rows[:, None, a:b]).sum(-1)  # [B, H]
-
-        # only the answer rows' pattern is computed (`[B, H, rows, T]`, never `[B, H, T, T]`)
-        rows_ = (min(a0 for a0, _ in answers[sl]) - 1, max(a1 for _, a1 in answers[sl]) - 1)
-        recs = [Recorder(layer=la, fn=copy_hits, query_range=rows_) for la in range(L)]
-        with editing(model, recs):
-            forward(model, sub, logits_to_keep=1)
-        n_ans = q_rows.sum(-1).double().cpu()  # [B]
-        for la, rec in enumerate(recs):
-            hits = sum(rec.records).double().cpu()  # [B, H]
-            total[la] += (hits / n_ans[:, None]).sum(0)
-    return HeadScores(
-        (total / enc.batch).float(),
-        "role_retrieval",
-        {"n_prompts": enc.batch, "n_filler": n_filler, "needle_words": needle_words},
-        model=model.name,
-        n_kv_heads=model.n_kv_heads,
-        seed=int(seed),
     )
 
 
