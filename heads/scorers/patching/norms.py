@@ -14,7 +14,10 @@ from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.model.parts import submodule
 
-__all__ = ["frozen_scale", "head_terms", "norm_parts", "post_attention_norm"]
+# Internal to the patching analyses (importable by this module path, not public API, so not in
+# the reference): `frozen_scale`, `head_terms`, `post_attention_norm`; `norm_parts` is exported
+# by `heads.scorers.patching.logit`.
+__all__: list[str] = []
 
 NormParts = tuple[str, torch.Tensor, torch.Tensor | None, float]
 
