@@ -280,26 +280,9 @@ def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOption
 
 
 def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.gating.chg import gate_heads
+    from heads.scorers.gating.chg import run_gating
 
-    return gate_heads(
-        model,
-        task,
-        steps=r.steps,
-        reg_steps=r.reg_steps,
-        lr=r.lr,
-        reg_weight=r.reg_weight,
-        clamp=r.clamp,
-        batch_size=r.batch_size,
-        grad_norm=r.grad_norm,
-        init=r.init,
-        n_masks=r.n_masks,
-        heads=r.heads,
-        threshold=r.threshold,
-        seed=r.seed,
-        stability=r.stability,
-        options=_only_progress(options),
-    )
+    return run_gating(model, task, r, _only_progress(options))
 
 
 def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:

@@ -223,6 +223,8 @@ def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | 
         return None
     from heads.results.scores import HeadSet
 
+    if isinstance(value, (list, tuple)) and not value:
+        return ()  # no head: the analysis says what that means
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value:
         if all(is_int(x) for x in value):
             raise HeadsteerValueError(
