@@ -112,14 +112,18 @@ class ProbeResult:
     Attributes:
         accuracy: `HeadScores` of pooled held-out accuracy (method "probe_accuracy").
         auc: `HeadScores` of pooled held-out ROC AUC (method "probe_auc").
-        accuracy_low, accuracy_high: `[L, H]` 95% Wilson interval of the accuracy.
-        auc_low, auc_high: `[L, H]` 95% Hanley-McNeil interval of the AUC.
+        accuracy_low: `[L, H]` lower end of the 95% Wilson interval of the accuracy.
+        accuracy_high: `[L, H]` its upper end.
+        auc_low: `[L, H]` lower end of the 95% Hanley-McNeil interval of the AUC.
+        auc_high: `[L, H]` its upper end.
         probe_directions: `[L, H, d]` unit normal of each head's probe (fit on all rows),
             pointing to label 1; NaN for an estimator without `coef_`.
         mass_mean_directions: `[L, H, d]` unit vector mean(label 1) - mean(label 0).
-        probe_sigma, mass_mean_sigma: `[L, H]` std of the activations projected on each
-            direction (the sigma of ITI's shift alpha * sigma * direction).
-        n, n_positive: rows and rows with label 1.
+        probe_sigma: `[L, H]` std of the activations projected on the probe direction (the sigma
+            of ITI's shift alpha * sigma * direction).
+        mass_mean_sigma: `[L, H]` the same on the mass-mean direction.
+        n: rows.
+        n_positive: rows with label 1.
     """
 
     accuracy: HeadScores

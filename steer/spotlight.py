@@ -94,7 +94,8 @@ class SpotlightEdit(SpanShareEdit):
     Attributes:
         span: `[B, P]` bool, emphasized prompt columns (padded coordinates).
         tau: target share in (0, 1).
-        bias, granularity: see `Spotlight`.
+        bias: see `Spotlight`.
+        granularity: see `Spotlight`.
         steer_decode: also steer decode rows (query positions >= P).
         last_psi: the share(s) measured at the most recent call (fp32), for inspection.
     """

@@ -124,7 +124,10 @@ class VarEdit(ProbEdit):
         region: `[B, P]` bool image / context columns (padded prompt coordinates).
         start: `[B]` long, first prompt query position edited per row (the end of its last
             span; rows without a span never reach it).
-        rho, p, floor, require_visual_sink: see `var_redistribute`.
+        rho: see `var_redistribute`.
+        p: see `var_redistribute`.
+        floor: see `var_redistribute`.
+        require_visual_sink: see `var_redistribute`.
         tracker: the `SinkTracker` that flags this layer's sinks.
         selected: `[H]` long, query rows selected so far per head (for the head map; None
             before the first call).

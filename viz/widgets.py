@@ -14,10 +14,12 @@ prompts, generations) are HTML-escaped in the static views and set with `textCon
 """
 
 import html
+import json
 from typing import Any
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
+from viz.figures import DIVERGING, sign_note
 
 __all__ = ["StaticView", "pattern_widget", "scores_widget", "steering_panel", "widgets_available"]
 
@@ -41,16 +43,44 @@ class StaticView:
         return self.html
 
 
+SIGNED_KEY = "blue < 0, white = 0, red > 0"
+"""The colour key a grid with negative values shows (the figures' `DIVERGING` convention)."""
+
+
+def _diverging(v: float, m: float) -> str:
+    """`DIVERGING`'s colour of `v` on the range [-m, m] (white at exactly 0), as `#rrggbb`."""
+    t = min(1.0, max(0.0, (v / m + 1) / 2)) if m > 0 else 0.5
+    for (a, ca), (b, cb) in zip(DIVERGING, DIVERGING[1:], strict=False):
+        a, b = float(a), float(b)
+        if t <= b:
+            f = 0.0 if b <= a else (t - a) / (b - a)
+            x, y = str(ca), str(cb)
+            rgb = (
+                int(0.5 + int(x[i : i + 2], 16) + f * (int(y[i : i + 2], 16) - int(x[i : i + 2], 16)))
+                for i in (1, 3, 5)
+            )
+            return "#" + "".join(f"{c:02x}" for c in rgb)
+    return str(DIVERGING[-1][1])
+
+
 def _colour(v: float | None, lo: float, hi: float) -> str:
+    """A cell's colour: signed grids (`lo < 0`) on `DIVERGING`, centred on 0; others a light-to-blue
+    ramp from `lo` to `hi`."""
     if v is None:
         return "#eee"
+    if lo < 0:
+        return _diverging(v, max(abs(lo), abs(hi)))
     t = 0.0 if hi <= lo else (v - lo) / (hi - lo)
     r, g, b = int(247 - 200 * t), int(251 - 150 * t), int(255 - 100 * t)
     return f"rgb({r},{g},{b})"
 
 
 def _grid_html(
-    title: str, rows: list[list[float | None]], row_labels: list[str], col_labels: list[str]
+    title: str,
+    rows: list[list[float | None]],
+    row_labels: list[str],
+    col_labels: list[str],
+    note: str | None = None,
 ) -> str:
     vals = [v for row in rows for v in row if v is not None]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
@@ -63,9 +93,11 @@ def _grid_html(
             for c, v in zip(col_labels, row, strict=True)
         )
         body.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
+    key = f"; {html.escape(SIGNED_KEY)}" if lo < 0 else ""
+    said = f"<br><small>{html.escape(note)}</small>" if note else ""
     return (
         f'<div class="headsteer-view"><b>{html.escape(title)}</b> '
-        f"<small>(min {lo:.4f}, max {hi:.4f})</small>"
+        f"<small>(min {lo:.4f}, max {hi:.4f}{key})</small>{said}"
         f'<table style="border-collapse:collapse;font-size:9px"><tr><th></th>{head}</tr>'
         f"{''.join(body)}</table></div>"
     )
@@ -78,8 +110,24 @@ def _clean(rows: list[list[float]]) -> list[list[float | None]]:
 
 
 _GRID_ESM = """
+const DIVERGING = __DIVERGING__;  // viz.figures.DIVERGING: blue < 0, white = 0, red > 0
+function diverging(v, m) {
+  const t = m > 0 ? Math.min(1, Math.max(0, (v / m + 1) / 2)) : 0.5;
+  for (let i = 1; i < DIVERGING.length; i++) {
+    const [a, ca] = DIVERGING[i - 1], [b, cb] = DIVERGING[i];
+    if (t <= b) {
+      const f = b <= a ? 0 : (t - a) / (b - a);
+      return "#" + [1, 3, 5].map((k) => {
+        const x = parseInt(ca.slice(k, k + 2), 16), y = parseInt(cb.slice(k, k + 2), 16);
+        return Math.round(x + f * (y - x)).toString(16).padStart(2, "0");
+      }).join("");
+    }
+  }
+  return DIVERGING[DIVERGING.length - 1][1];
+}
 function colour(v, lo, hi) {
   if (v === null) return "#eee";
+  if (lo < 0) return diverging(v, Math.max(Math.abs(lo), Math.abs(hi)));  // signed: centred on 0
   const t = hi <= lo ? 0 : (v - lo) / (hi - lo);
   return `rgb(${Math.round(247 - 200 * t)},${Math.round(251 - 150 * t)},${Math.round(255 - 100 * t)})`;
 }
@@ -90,6 +138,11 @@ function render({ model, el }) {
     title.textContent = d.title; el.appendChild(title);
     const vals = d.rows.flat().filter((v) => v !== null);
     const lo = Math.min(...vals), hi = Math.max(...vals);
+    if (lo < 0 || d.note) {
+      const key = document.createElement("small");
+      key.textContent = (lo < 0 ? "__KEY__" : "") + (d.note ? (lo < 0 ? "; " : "") + d.note : "");
+      el.appendChild(key);
+    }
     const t = document.createElement("table"); t.style.borderCollapse = "collapse"; t.style.fontSize = "9px";
     const hr = document.createElement("tr"); hr.appendChild(document.createElement("th"));
     for (const c of d.cols) {
@@ -118,7 +171,7 @@ function render({ model, el }) {
   model.on("change:data", draw); model.on("change:selected", draw);
 }
 export default { render };
-"""
+""".replace("__DIVERGING__", json.dumps(DIVERGING)).replace("__KEY__", SIGNED_KEY)
 
 _PANEL_ESM = """
 function render({ model, el }) {
@@ -172,7 +225,7 @@ def _widget_classes():
 
         def static_html(self) -> str:
             d = self.data
-            return _grid_html(d["title"], d["rows"], d["row_labels"], d["cols"])
+            return _grid_html(d["title"], d["rows"], d["row_labels"], d["cols"], d.get("note"))
 
     class SteeringPanel(_Static):
         """Prompt box + Generate: unsteered and steered continuations side by side."""
@@ -221,7 +274,9 @@ def _grid(data: dict):
     if widgets_available():
         grid_cls, _ = _widget_classes()
         return grid_cls(data=data)
-    return StaticView(_grid_html(data["title"], data["rows"], data["row_labels"], data["cols"]))
+    return StaticView(
+        _grid_html(data["title"], data["rows"], data["row_labels"], data["cols"], data.get("note"))
+    )
 
 
 def scores_widget(scores, *, title: str | None = None):
@@ -239,6 +294,9 @@ def scores_widget(scores, *, title: str | None = None):
         "row_labels": [f"L{i}" for i in range(s.shape[0])],
         "cols": [f"H{j}" for j in range(s.shape[1])],
     }
+    note = sign_note(scores)
+    if note:
+        data["note"] = note
     return _grid(data)
 
 

@@ -327,16 +327,38 @@ class Analysis:
     request: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, analysis: Any, params: Mapping[str, Any] | None = None) -> Analysis:
+    def of(cls, analysis: Any, params: Mapping[str, Any] | None = None, inputs: Any = None) -> Analysis:
         """An `Analysis` from a name in `ANALYSES`, a callable `fn(model, **params)`, an
-        `Analysis` (then `params` must be None) or a request (an object with `run(model)` and
-        `to_json()`).
+        `Analysis` (then `params` must be None), an analysis request of `heads`
+        (`PatchRequest(...)`, `CircuitRequest(...)`, ...: run by `heads.run(model, request,
+        inputs)`) or another request object (with `run(model)` and `to_json()`).
+
+        Args:
+            analysis: as above.
+            params: the keyword parameters of a name or a callable (JSON values).
+            inputs: a `heads` request's one input (prompt pairs as `PromptPair`s or their
+                dicts, prompts, texts: JSON values or dataclasses of them, so that a resumed run
+                can compare them); None for a request that takes none. Only with a request.
 
         Raises:
             HeadsteerValueError: an unknown name; parameters that are not JSON values or that the
-                function does not take (checked before any model is loaded).
+                function does not take; `inputs` without a `heads` request, or not JSON values
+                (checked before any model is loaded).
             HeadsteerTypeError: `analysis` of another kind.
         """
+        from heads.scorers.request_base import Request
+
+        if isinstance(analysis, Request):
+            if params is not None:
+                raise HeadsteerValueError("a request carries its own parameters: drop params=")
+            given = _plain_inputs(inputs)
+            data = _check_json({"request": analysis.to_json(), "inputs": given}, "the request and its inputs")
+            return cls(analysis.NAME, data, None, _RequestRun(analysis, inputs))
+        if inputs is not None:
+            raise HeadsteerValueError(
+                "inputs= goes with an analysis request (heads.PatchRequest, ...); a name or a "
+                "callable takes its inputs in params="
+            )
         if isinstance(analysis, Analysis):
             if params is not None:
                 raise HeadsteerValueError("params are given twice: in the Analysis and as params=")
@@ -374,6 +396,35 @@ class Analysis:
             return self.request.run(model)
         assert self.fn is not None
         return self.fn(model, **self.params)
+
+
+@dataclass(frozen=True)
+class _RequestRun:
+    """A `heads` analysis request and its input, run by `heads.run` on each checkpoint."""
+
+    request: Any
+    inputs: Any
+
+    def run(self, model: HeadModel) -> Any:
+        from heads.scorers.dispatch import run
+
+        return run(model, self.request) if self.inputs is None else run(model, self.request, self.inputs)
+
+    def check_config(self, config: object) -> None:
+        self.request.check_config(config)
+
+
+def _plain_inputs(inputs: Any) -> Any:
+    """`inputs` as JSON values (dataclasses such as `PromptPair` as dicts), for the run's identity."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(inputs) and not isinstance(inputs, type):
+        return dataclasses.asdict(inputs)
+    if isinstance(inputs, Mapping):
+        return {k: _plain_inputs(v) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return [_plain_inputs(v) for v in inputs]
+    return inputs
 
 
 def _check_takes(fn: Callable[..., Any], params: dict, name: str) -> None:

@@ -82,6 +82,7 @@ def over_checkpoints(
     analysis: Any,
     params: Mapping[str, Any] | None = None,
     *,
+    inputs: Any = None,
     steps: Sequence[int] | None = None,
     results_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
@@ -104,6 +105,10 @@ def over_checkpoints(
             callable `fn(model, **params)` returning `HeadScores`, a dict of them, a `Circuit`, a
             `HeadAtlas` or numbers, an `Analysis`, or a request (`run(model)`, `to_json()`).
         params: the analysis' keyword parameters, JSON values (e.g. `{"pairs": [...]}`).
+        inputs: with a `heads` analysis request (`PatchRequest(kind="head_out")`, ...), its one
+            input (e.g. a list of `PromptPair`s), run as `heads.run(model, request, inputs)` on
+            each checkpoint; the request is checked against every checkpoint's config before the
+            first load.
         steps: override the steps (one int per checkpoint found).
         results_dir: a folder for per-checkpoint results (`step-NNNNNNNNN.json`, each written
             atomically, and `run.json`). A rerun with the same analysis, parameters and
@@ -123,9 +128,11 @@ def over_checkpoints(
             folder (see `find_checkpoints`, `Analysis.of`), all before any model is loaded; what
             the analysis raises on a checkpoint.
     """
+    from transformers import AutoConfig
+
     from heads.model.loading import check_config, check_weights, load_model
 
-    job = Analysis.of(analysis, params)
+    job = Analysis.of(analysis, params, inputs)
     check_bool("overwrite", overwrite)
     if load_kwargs is not None and not isinstance(load_kwargs, Mapping):
         raise HeadsteerTypeError(f"load_kwargs must be a dict, got {type(load_kwargs).__name__}")
@@ -134,6 +141,8 @@ def over_checkpoints(
         if c.path is not None:
             check_weights(c.path)
             check_config(c.path)
+            if hasattr(job.request, "check_config"):  # a heads request: its geometry, before loading
+                job.request.check_config(AutoConfig.from_pretrained(c.path))
     ident = _identity(job, series)
     folder = None if results_dir is None else Path(os.fspath(results_dir)).expanduser()
     if folder is not None:

@@ -25,7 +25,9 @@ class Family:
             `model.language_model`).
         layers: the `ModuleList` of decoder blocks, `[L]`.
         attention: a block's attention module.
-        q_proj, k_proj, v_proj: separate projections (None with a fused QKV).
+        q_proj: the separate query projection (None with a fused QKV).
+        k_proj: the separate key projection (None with a fused QKV).
+        v_proj: the separate value projection (None with a fused QKV).
         qkv_proj: a fused projection whose output is Q `[H*d]` | K `[G*d]` | V `[G*d]`
             (GQA widths: G KV heads), or None.
         conv1d: projections store their weight as `[in, out]` (GPT-2 `Conv1D`) rather

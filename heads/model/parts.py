@@ -60,9 +60,18 @@ class ModelParts:
     Attributes:
         module: the Hugging Face model (`PreTrainedModel`).
         family: its `heads.model.families.Family` entry.
-        decoder, layers, attentions, out_projs, q_projs, unembed: as on `HeadModel`
-            (`attentions` are the modules that run: a bridge's attention components inside one).
-        n_layers, n_heads, n_kv_heads, d_head, d_model: the geometry, read from the weights.
+        decoder: as on `HeadModel`.
+        layers: as on `HeadModel`.
+        attentions: as on `HeadModel` (the modules that run: a bridge's attention components
+            inside one).
+        out_projs: as on `HeadModel`.
+        q_projs: as on `HeadModel`.
+        unembed: as on `HeadModel`.
+        n_layers: L, read from the weights (as the rest of the geometry).
+        n_heads: H.
+        n_kv_heads: G.
+        d_head: d.
+        d_model: D.
 
     Raises:
         ValueError: the model does not have the modules its family entry names, or an o_proj

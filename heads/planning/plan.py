@@ -155,7 +155,9 @@ class MemoryPlan:
     Attributes:
         model: the config's model type.
         request: what was planned.
-        tokens, batch, dtype: the run's shape and dtype.
+        tokens: the run's sequence length.
+        batch: the run's batch rows.
+        dtype: the run's dtype.
         devices: one `DevicePlan` per device, in order.
     """
 

@@ -52,7 +52,11 @@ class CheckpointSeries:
 
     Attributes:
         analysis: `{"analysis": name, "params": {...}}`: what ran on each checkpoint.
-        checkpoints, scores, scalars, edges, roles: the tables.
+        checkpoints: the checkpoints table.
+        scores: the per-head scores table.
+        scalars: the scalars table.
+        edges: the edges table.
+        roles: the roles table.
     """
 
     SCHEMA: ClassVar[str] = SERIES_SCHEMA

@@ -64,7 +64,10 @@ class KnockoutResult:
         which: the prompts run, `"clean"` or `"corrupted"`.
         factor: 0 (knockout) or the attention multiplier (modification).
         level: the confidence level of the intervals.
-        model, n_layers, n_heads, n_kv_heads: the model's id and geometry.
+        model: the model's id.
+        n_layers: L.
+        n_heads: H.
+        n_kv_heads: G.
         params: free fields (n_pairs, ...).
     """
 

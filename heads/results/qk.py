@@ -47,8 +47,12 @@ class QKAttribution:
 
     Attributes:
         model: the model id.
-        layer, head, kv_head: the head (its KV head under GQA).
-        n_layers, n_heads, n_kv_heads: the model's geometry.
+        layer: the head's layer.
+        head: the query head.
+        kv_head: its KV head (under GQA).
+        n_layers: L.
+        n_heads: H.
+        n_kv_heads: G.
         names: the `C + 1` component names, each side's (`"embed"`, `"pos_embed"`, `"L{l}H{h}"`,
             `"{l}_attn_bias"`, `"{l}_mlp_out"`, `"bias"`).
         queries: `[N, Q]` long, the query positions (token index within each prompt).

@@ -309,7 +309,9 @@ class Stability:
             `kendall_tau` and `jaccard` means, `pairwise` rows `[i, j, tau, jaccard]`), or None.
         inclusion: `[I]` share of resamples whose selection (a circuit: top n edges, pruned)
             holds the item, or None.
-        method, model, params: what was ranked.
+        method: the method whose ranking this is.
+        model: the model's name.
+        params: the method's parameters.
     """
 
     SCHEMA: ClassVar[str] = SCHEMA

@@ -54,10 +54,15 @@ class Geometry:
     """What a request's geometry is checked against: a model's size and family.
 
     Attributes:
-        n_layers, n_heads, n_kv_heads: the text model's decoder layers, query heads and KV heads.
+        n_layers: the text model's decoder layers.
+        n_heads: its query heads per layer.
+        n_kv_heads: its KV heads per layer.
         model_type: the config's `model_type` (a vision-language model's own).
         family: the `heads.model.families.Family` entry (None only for a `HeadModel` without one).
         max_positions: the longest sequence the position embeddings allow, None if unbounded.
+        residual_multiplier: the factor each sub-layer output is scaled by before it joins the
+            residual stream (Granite / HyperCLOVA X `residual_multiplier`, MiniCPM3
+            `scale_depth / sqrt(n_layers)`); None where it is 1.
     """
 
     n_layers: int
@@ -66,6 +71,7 @@ class Geometry:
     model_type: str | None = None
     family: Family | None = field(default=None, repr=False, compare=False)
     max_positions: int | None = None
+    residual_multiplier: float | None = None
 
     @classmethod
     def of(cls, source: object) -> Geometry:
@@ -83,6 +89,7 @@ class Geometry:
             return source
         if hasattr(source, "n_kv_heads") and hasattr(source, "family") and hasattr(source, "n_layers"):
             m: Any = source  # a HeadModel: its sizes were read from the weights
+            config = getattr(getattr(m, "model", None), "config", None)
             return cls(
                 int(m.n_layers),
                 int(m.n_heads),
@@ -90,6 +97,7 @@ class Geometry:
                 m.family.vlm or m.family.model_type,
                 m.family,
                 m.max_positions,
+                _residual_multiplier(getattr(config, "text_config", None) or config),
             )
         config = _as_config(source)
         family = family_of(config)
@@ -113,6 +121,7 @@ class Geometry:
             getattr(config, "model_type", None),
             family,
             int(limit) if limit else None,
+            _residual_multiplier(text),
         )
 
     # ---------------------------------------------------------------- checks
@@ -141,6 +150,16 @@ class Geometry:
             raise HeadsteerValueError(
                 f"{name}: position {short_repr(position)} is beyond the model's {limit} positions"
             )
+
+
+def _residual_multiplier(config: object) -> float | None:
+    """The factor a family scales each sub-layer's output by before the residual stream
+    (`residual_multiplier`, or MiniCPM3's `scale_depth / sqrt(num_hidden_layers)`); None for 1."""
+    value = getattr(config, "residual_multiplier", None)
+    depth = getattr(config, "scale_depth", None)
+    if depth is not None:
+        value = float(depth) / float(getattr(config, "num_hidden_layers", 1)) ** 0.5
+    return None if value in (None, 1, 1.0) else float(value)
 
 
 def _as_config(source: object) -> Any:
@@ -221,6 +240,8 @@ def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | 
         return None
     from heads.results.scores import HeadSet
 
+    if isinstance(value, (list, tuple)) and not value:
+        return ()  # no head: the analysis says what that means
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value:
         if all(is_int(x) for x in value):
             raise HeadsteerValueError(

@@ -75,7 +75,8 @@ class NeedleTask:
         input_ids: exactly `length` token ids: the haystack with the needle, the question and
             the answer prefix (BOS first when the tokenizer has one).
         needle: `(start, end)` token range of the code inside the needle sentence.
-        key, code: the needle's key ("blue door") and code ("4821").
+        key: the needle's key ("blue door").
+        code: the needle's code ("4821").
         answer_ids: the code's tokens as they follow the answer prefix (teacher forcing).
         depth: where the needle sits, as a share of the haystack before it (0 = first).
         passages: the haystack as QRHead passages (about `passage_tokens` each), the needle's

@@ -87,7 +87,7 @@ class RefusalJudge:
         min_tokens: responses with fewer tokens count as refused (default 32).
         phrases: refusal phrases (default `REFUSAL_PHRASES`).
         case_sensitive: exact-case substring match (default True, as the paper).
-        min_repeats / max_unit: the repetition rule (default 4 repeats of a 2..20-char unit).
+        min_repeats, max_unit: the repetition rule (default 4 repeats of a 2..20-char unit).
     """
 
     tokenizer: Callable[..., Any] | None = None

@@ -60,7 +60,9 @@ class OrganismSpec:
 
     Attributes:
         name: folder name of the run (letters, digits, `-`, `_`).
-        n_layers, n_heads, d_model: geometry (`d_model` a multiple of `n_heads`).
+        n_layers: L.
+        n_heads: H.
+        d_model: D (a multiple of `n_heads`).
         n_kv_heads: KV heads (GQA), None: `n_heads`.
         d_mlp: the MLP width; 0: attention-only (no MLP).
         vocab_size: ids of the cut tokenizer (`MIN_VOCAB` .. 49152).

@@ -68,7 +68,8 @@ class TaskProbes:
     """One task's fitted probes and what the report says of them.
 
     Attributes:
-        task, description: the probe task and its one-line description (`probe_data`).
+        task: the probe task (`probe_data`).
+        description: its one-line description.
         result: the fitted `ProbeResult` (accuracy, AUC, intervals, directions per head).
         majority: the majority-class share of its rows (the chance level).
         above_chance: heads whose 95% Wilson lower bound on accuracy is above `majority`.

@@ -83,7 +83,8 @@ class ActCalibration:
     Attributes:
         accuracy: HeadScores, accuracy with ACT on that head alone minus the base accuracy.
         margin: HeadScores, the same for the mean log-prob margin of the right choice (nats).
-        base_accuracy, base_margin: the uncalibrated model's values.
+        base_accuracy: the uncalibrated model's accuracy.
+        base_margin: the uncalibrated model's margin.
         heads: the kept heads (gain above `delta` by more than float noise, `NOISE`).
     """
 

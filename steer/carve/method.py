@@ -100,12 +100,14 @@ class CarveMaps:
     """What CARVE computed for one image of one prompt.
 
     Attributes:
-        task / general: the per-layer image attention under the task prompt and the general
-            instruction (`ImageAttention`: maps `[L, n]`, entropy, convergence, grid).
+        task: the per-layer image attention under the task prompt (`ImageAttention`: maps
+            `[L, n]`, entropy, convergence, grid).
+        general: the same under the general instruction.
         layers: the layers contrasted.
         contrast: `[n]` the contrast map (sums to 1), on `task.grid`.
         mask: `[H, W]` bool pixels kept.
-        image / refined: the input image and the refined one (PIL).
+        image: the input image (PIL).
+        refined: the refined image (PIL).
     """
 
     task: ImageAttention

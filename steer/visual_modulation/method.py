@@ -105,7 +105,9 @@ class TokenSelection:
     Attributes:
         span: `(t0, t1)` token columns; grid: `(rows, cols)`.
         local_score: `[n]` stream-1 scores; attention: `[n]` stream-2 attention (head/layer mean).
-        local / spatial / selected: `[n]` bool, each stream and their union.
+        local: `[n]` bool, the local stream's tokens.
+        spatial: `[n]` bool, the spatial stream's tokens.
+        selected: `[n]` bool, their union.
     """
 
     span: tuple[int, int]

@@ -296,3 +296,29 @@ def test_edge_and_head_overlap_curves():
     assert final["reference_step"].tolist() == [2, 2, 2] and final["jaccard"].iloc[-1] == 1.0
     ho = head_overlap(s, "m", k=1)
     assert ho["jaccard"].tolist() == [0.0, 1.0]  # top head L0.H1, then L0.H0 (a tie goes by name), L0.H0
+
+
+def test_a_heads_request_runs_on_each_checkpoint_as_heads_run_does(run_dir, tmp_path, monkeypatch):
+    """`over_checkpoints(series, request)`: the request's result on each checkpoint equals
+    `heads.run(model, request)` there; the resume identity holds the request's JSON; a layer
+    the checkpoints do not have is refused from their configs before any model loads."""
+    import heads.model.loading as loading
+    from heads import CompositionRequest, PatchRequest, run
+
+    request = CompositionRequest(n_samples=8, seed=3)
+    s = over_checkpoints(run_dir, request, results_dir=tmp_path / "parts", progress=False)
+    ident = json.loads((tmp_path / "parts" / "run.json").read_text())
+    assert ident["analysis"] == "composition_scores" and ident["params"]["request"] == request.to_json()
+    for folder, step in zip(sorted(run_dir.glob("step-*")), s.steps, strict=True):
+        want = run(load_model(folder), request).head_scores()  # K-composition into each reader
+        got = s.head_scores(step, "composition_scores").scores
+        torch.testing.assert_close(got, want.scores, rtol=0, atol=1e-6, equal_nan=True)
+
+    def boom(*a, **k):
+        raise AssertionError("loaded a model")
+
+    monkeypatch.setattr(loading, "load_model", boom)
+    with pytest.raises(HeadsteerValueError, match="layer"):
+        over_checkpoints(run_dir, PatchRequest(kind="head_out", layers=[7]), inputs=[], progress=False)
+    with pytest.raises(HeadsteerValueError, match="inputs= goes with an analysis request"):
+        over_checkpoints(run_dir, "icl", inputs=[1], progress=False)

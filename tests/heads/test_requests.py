@@ -157,6 +157,12 @@ def test_check_config_reads_the_family():
     with pytest.raises(HeadsteerValueError, match="kind='k' is not available on 'olmo2'"):
         patch(kind="k").check_config(olmo2)
     patch(kind="v").check_config(olmo2)
+    granite = {**LLAMA_31_8B, "model_type": "granite", "residual_multiplier": 0.22}
+    with pytest.raises(
+        HeadsteerValueError, match="kind='mlp_out' is not available on 'granite' with a residual"
+    ):
+        patch(kind="mlp_out").check_config(granite)
+    patch(kind="mlp_out").check_config({**granite, "residual_multiplier": 1.0})
     with pytest.raises(HeadsteerValueError, match="position 200000 is beyond the model's 131072 positions"):
         patch(kind="resid_pre", positions=[200000]).check_config(cfg)
     with pytest.raises(HeadsteerValueError, match="does not support model_type 'opt'"):
@@ -188,3 +194,29 @@ def test_run_dispatches_a_json_request(tiny_llama):
         run(tiny_llama, {"request": "patch", "layers": [7]}, pairs)
     with pytest.raises(HeadsteerValueError, match="needs its input"):
         run(tiny_llama, {"request": "patch"})
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "granite", "minicpm3", "deepseek_v2", "olmo2", "gpt2"])
+def test_patch_request_refuses_exactly_what_patching_refuses(family):
+    """The request's kind check, from the config alone and from the loaded model, refuses the same
+    kinds as the patching code's own check on the built model (`activation.check_kind`)."""
+    from heads.scorers.patching import activation
+    from tests.support.families import _tiny_config, shared_family_model
+
+    patch = request_classes()["patch"]
+    hm, config = shared_family_model(family), _tiny_config(family)
+
+    def refusal(fn):
+        try:
+            fn()
+        except HeadsteerValueError as exc:
+            return str(exc)
+        return None
+
+    refused = 0
+    for kind in ("resid_pre", "attn_out", "mlp_out", "head_out", "q", "k", "v", "pattern"):
+        lib = refusal(lambda: activation.check_kind(hm, kind))  # noqa: B023
+        assert refusal(lambda: patch(kind=kind).check_config(config)) == lib, kind  # noqa: B023
+        assert refusal(lambda: patch(kind=kind).check_config(hm)) == lib, kind  # noqa: B023
+        refused += lib is not None
+    assert refused == {"opt": 1, "minicpm3": 3, "deepseek_v2": 2, "olmo2": 1}.get(family, 0)

@@ -17,6 +17,7 @@ from heads.errors import HeadsteerValueError
 from heads.results.protocol import Result
 from tests.support import make_tiny
 
+QUIET = heads.SweepOptions(progress=False)
 PROMPTS = ["When Mary and John went to the store, John gave a drink to", "The cat sat on the"]
 
 
@@ -48,12 +49,19 @@ def _gating(model):
 
 BUILDERS = {
     "HeadScores": lambda m: heads.direct_logit_attribution(m, _pairs()).head_scores(),
+    "Circuit": lambda m: heads.find_circuit(
+        m, _pairs(), method="eap", size=50.0, curve=False, progress=False
+    ),
     "KnockoutResult": lambda m: heads.knockout(m, _pairs(), keys=[1], layers=[0, 1], per="layer"),
     "QKAttribution": lambda m: heads.qk_attribution(m, PROMPTS[1], (1, 1)),
     "CompositionScores": lambda m: heads.composition_scores(m, n_samples=4),
     "RoleScores": lambda m: heads.detect_roles(m, retrieval=False, successor=False),
     "HeadAtlas": lambda m: heads.head_atlas(
         m, detectors=heads.detect_roles(m, retrieval=False, successor=False), thumbnails=False
+    ),
+    "ShipsResult": lambda m: heads.ships(m, PROMPTS, heads=[(0, 1), (2, 3)], options=QUIET),
+    "SaharaResult": lambda m: heads.sahara(
+        m, PROMPTS, steps=2, heads=[(0, 1), (1, 0), (2, 3)], options=QUIET
     ),
     "SinkStats": lambda m: heads.sink_stats(m, PROMPTS, chat=False),
     "MapsScores": _maps,
@@ -117,7 +125,7 @@ def test_result_follows_the_protocol_and_round_trips(name, tiny, other, tmp_path
     torch.testing.assert_close(back.head_scores().scores, scores.scores, equal_nan=True)
     _same_frame(back.to_frame(), frame)
     if (other.n_layers, other.n_heads, other.n_kv_heads) != (tiny.n_layers, tiny.n_heads, tiny.n_kv_heads):
-        with pytest.raises(HeadsteerValueError, match="geometry|this model has"):
+        with pytest.raises(HeadsteerValueError, match="geometry|model has"):
             cls.load(path, other)
     other_file = tmp_path / "other.json"
     other_file.write_text(json.dumps({**head, "schema": "headsteer/something-else"}))

@@ -613,12 +613,18 @@ def stop_after_first_step(monkeypatch, module, name):
     seen: list[tuple[int, int]] = []
 
     def wrapped(*a, progress=None, **k):
+        options = k.pop("options", None)  # an analysis taking SweepOptions gets its progress there
+        if options is not None:
+            progress = options.progress
+
         def step(done, total):
             seen.append((done, total))
             progress(done, total)  # the explorer's callback: raises once the job is cancelled
             if done > 0 and not posted.is_set():
                 assert posted.wait(30)
 
+        if options is not None:
+            return real(*a, options=options.replace(progress=step), **k)
         return real(*a, progress=step, **k)
 
     monkeypatch.setattr(module, name, wrapped)

@@ -76,3 +76,30 @@ def test_steering_panel_takes_any_interventions(model):
     for kwargs in ({}, {"heads": {0: [0]}, "steer": [boost]}, {"steer": []}):
         with pytest.raises(ValueError, match="steer"):
             widgets.steering_panel(model, PROMPT, **kwargs)
+
+
+def test_signed_grid_uses_the_centred_diverging_convention(monkeypatch):
+    """Signed scores: the figures' DIVERGING scale on [-m, m] (white at exactly 0, blue < 0, red > 0)
+    with the key and the sign convention in words, in the static view and the live widget alike."""
+    import re
+
+    from plotly.colors import sample_colorscale
+
+    from viz.figures import DIVERGING, direction_note
+
+    t = torch.tensor([[-2.0, 0.0, 1.0], [0.5, -0.25, 2.0]])
+    s = HeadScores(t, "patching.head_out", model="m", params={"direction": "noising"})
+    monkeypatch.setattr(widgets, "widgets_available", lambda: False)
+    page = widgets.scores_widget(s).html
+    drawn = re.findall(r"background:(#[0-9a-f]{6})", page)
+    m = float(t.abs().max())
+    for got, v in zip(drawn, t.flatten().tolist(), strict=True):
+        # the oracle: plotly's own sampling of the same stops at (v / m + 1) / 2
+        want = tuple(
+            round(float(x)) for x in re.findall(r"[\d.]+", sample_colorscale(DIVERGING, [(v / m + 1) / 2])[0])
+        )
+        assert tuple(int(got[i : i + 2], 16) for i in (1, 3, 5)) == pytest.approx(want, abs=1)
+    assert drawn[1] == "#f7f7f7"  # 0 is white, whatever the minimum and maximum
+    assert "blue &lt; 0, white = 0, red &gt; 0" in page and html.escape(direction_note("noising")) in page
+    live = widgets._GRID_ESM
+    assert '"#053061"' in live and "blue < 0, white = 0, red > 0" in live

@@ -124,7 +124,7 @@ def test_report_circuit_default_size_from_the_curve(tiny_llama_dir, tmp_path):
 
 def test_circuit_rows_bound_the_evaluation_memory(tiny_llama):
     from heads.scorers.circuits import graph_of
-    from viz.reports.circuit import ROW_BYTES_PER_NODE, circuit_rows
+    from heads.scorers.circuits.circuit import ROW_BYTES_PER_NODE, circuit_rows
 
     g = graph_of(tiny_llama)
     per_row = ROW_BYTES_PER_NODE * g.n_upstream * tiny_llama.d_model * 20

@@ -176,7 +176,8 @@ class Run:
 
     Attributes:
         model: `--model` (None: the embedded model).
-        device, dtype: `--device`, `--dtype` (checked before any work).
+        device: `--device` (checked before any work).
+        dtype: `--dtype` (checked before any work).
         quiet: `--quiet` here or on `headsteer` itself.
         as_json: `--json`.
         force: `--force`: declared outputs may replace existing files.

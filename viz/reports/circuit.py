@@ -11,7 +11,9 @@ than half of the model's heads is flagged on the page, in the summary and by a w
 
 Memory: the exact evaluations (curve and circuit) run `batch_rows` rows per forward, chosen so
 that their activations stay within `max_memory` GiB (`circuit_rows`); EAP / EAP-IG run
-`batch_size` pairs per chunk and need far less.
+`batch_size` pairs per chunk and need less (about 0.75 GiB above the model for 8 pairs on
+SmolLM2-135M). Measured on SmolLM2-135M, IOI, fp32 CPU: 16 pairs (the default) 200 s and 2.7 GiB
+peak RSS with the default budget of 2 GiB, the model alone 1.0 GiB.
 """
 
 from __future__ import annotations
@@ -38,20 +40,20 @@ from heads.scorers.circuits import (
     size_for_faithfulness,
     warn_most_heads,
 )
-from heads.scorers.circuits.circuit import MOST_HEADS, _check_sizes, _n_of, circuit_stability
-from heads.scorers.circuits.graph import Graph, graph_of
+from heads.scorers.circuits.circuit import (
+    MAX_MEMORY_GB,
+    MOST_HEADS,
+    _check_sizes,
+    _n_of,
+    circuit_rows,
+    circuit_stability,
+)
+from heads.scorers.circuits.graph import graph_of
 from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
 from viz.reports.base import Report
 
 __all__ = ["MAX_MEMORY_GB", "TASKS", "circuit_report", "circuit_rows", "circuit_steps", "task_pairs"]
-
-MAX_MEMORY_GB = 2.0
-"""Default budget (GiB) of the exact evaluations' activations (`circuit_rows`)."""
-ROW_BYTES_PER_NODE = 16
-"""Measured bytes per row, token, upstream node and model dimension of an exact evaluation: about
-four fp32 `[U, D]` tensors per row and token (41.8 MB per row at 15 tokens on SmolLM2-135M:
-U = 301 upstream nodes, D = 576)."""
 
 TASKS = ("ioi", "colored_objects")
 """Shipped pair sets `--task` accepts by name (any other value is a JSONL pairs file)."""
@@ -60,19 +62,6 @@ TASKS = ("ioi", "colored_objects")
 def circuit_steps() -> int:
     """Progress units of `circuit_report`: scores, selection + evaluation, curve, page."""
     return 4
-
-
-def circuit_rows(graph: Graph, d_model: int, width: int, max_memory_gb: float = MAX_MEMORY_GB) -> int:
-    """Rows per forward of the exact evaluations (`evaluate`, `faithfulness_curve`'s
-    `batch_rows`) that keep their activations within `max_memory_gb` GiB: the budget over
-    `ROW_BYTES_PER_NODE x U x D x T` bytes a row, between 1 and 64.
-
-    Raises:
-        ValueError: a budget that is not a number > 0.
-    """
-    budget = check_number("max_memory", max_memory_gb, lo=0, lo_open=True) * 2**30
-    per_row = ROW_BYTES_PER_NODE * graph.n_upstream * d_model * max(1, width)
-    return int(max(1, min(64, budget // per_row)))
 
 
 def task_pairs(model: HeadModel, task: str | os.PathLike, n: int, split: str = "test") -> PairBatch:

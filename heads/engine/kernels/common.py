@@ -33,7 +33,8 @@ class AttentionInputs:
 
     Attributes:
         query: `[B, H, Q, d]` (after QK-norm, RoPE and any query edit).
-        key, value: `[B, G, K, d]` (H a multiple of G).
+        key: `[B, G, K, d]` keys (H a multiple of G).
+        value: `[B, G, K, d]` values.
         mask: the model's mask (bool or additive, `[B or 1, 1, Q, K]`) or None.
         scaling: the module's logit scale.
         softcap: `c` of `c * tanh(s / c)` (Gemma 2) or None (default).

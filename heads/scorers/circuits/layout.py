@@ -115,7 +115,9 @@ class Graph:
     """The node / edge layout of a model with L layers, H query heads and G KV heads.
 
     Attributes:
-        n_layers, n_heads, n_kv_heads: L, H, G.
+        n_layers: L.
+        n_heads: H.
+        n_kv_heads: G.
         model: the model name (recorded in saved circuits).
     """
 

@@ -59,10 +59,12 @@ class CircuitRequest(Request):
 
     Attributes:
         method: `"eap"`, `"eap-ig"` (default) or `"exact"`.
-        n / size / threshold / faithfulness: the circuit: the top `n` edges, the top `size` % of
-            the edges, |score| >= threshold, or the smallest size of `sizes` whose faithfulness
-            reaches `faithfulness`; at most one (default: the smallest size reaching
+        n: the circuit is the top `n` edges. At most one of `n`, `size`, `threshold`,
+            `faithfulness` (default: the smallest size of `sizes` reaching
             `heads.scorers.circuits.DEFAULT_FAITHFULNESS`, 0.3).
+        size: the circuit is the top `size` % of the edges.
+        threshold: the circuit is every edge with |score| >= threshold.
+        faithfulness: the circuit is the smallest size of `sizes` whose faithfulness reaches it.
         steps: EAP-IG interpolation steps (default 5; 1..100; only `"eap-ig"` takes another value).
         metric: `"logit_diff"` (default), another `heads.scorers.patching.metrics` name, a `Metric`
             or a function (not JSON).

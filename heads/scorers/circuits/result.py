@@ -13,7 +13,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -92,7 +92,8 @@ class Circuit:
         graph: the `Graph`.
         mask: `[U, Dn]` bool, the circuit's edges (after pruning).
         scores: `[U, Dn]` the scores of every edge (NaN off the graph), from `EdgeScores`.
-        method, metric: how the scores were made.
+        method: the scoring method of the edges.
+        metric: the metric they were scored on.
         exact: `[U, Dn]` exact scores of confirmed edges (NaN elsewhere), or None.
         faithfulness: f(C) when evaluated, else None.
         curve: the faithfulness curve (`faithfulness_curve`'s dict), or None.
@@ -112,6 +113,9 @@ class Circuit:
     curve: dict | None = None
     params: dict = field(default_factory=dict)
     stability: Stability | None = None
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
     # ---------------------------------------------------------------- views
     @property
@@ -324,6 +328,7 @@ class Circuit:
         return {
             "schema": SCHEMA,
             "version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION,  # the result protocol's name for "version"
             "model": g.model,
             "geometry": {"n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads},
             "method": self.method,
@@ -344,14 +349,15 @@ class Circuit:
             "params": self.params,
         }
 
-    def save(self, path: str | os.PathLike, overwrite: bool = False) -> str:
-        """Write the circuit as JSON (schema `headsteer/circuit`, version 1); returns the path.
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the circuit as JSON (schema `headsteer/circuit`, version 1); returns the path
+        (a `Path`; `overwrite` is keyword-only, as every result's `save`).
 
         Raises:
             ValueError: `path` exists and `overwrite` is False, or is a symlink / folder.
         """
         text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
-        return str(write_text(path, text, overwrite=overwrite))
+        return write_text(path, text, overwrite=overwrite)
 
     @classmethod
     def from_dict(cls, d: Any, model: HeadModel | None = None, where: str = "circuit") -> Circuit:

@@ -30,29 +30,29 @@ in `heads.scorers.gating.gates` and are re-exported here.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from heads._util.files import write_text
 from heads._util.progress import progress_callback
-from heads._util.validation import check_int, check_number, check_seed, is_number, short_repr
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadScores, HeadSet, HeadSpec, _read_json
-from heads.results.stability import check_stability
+from heads.results.gating import LABELS as LABELS
+from heads.results.gating import SCHEMA as SCHEMA
+from heads.results.gating import SCHEMA_VERSION as SCHEMA_VERSION
+from heads.results.gating import GatingResult as GatingResult  # defined there; imported here as before
+from heads.results.scores import HeadScores, HeadSet, HeadSpec
 from heads.scorers.gating.gates import GateTask, HeadGate, gate_edits, gate_task, gated_nll
-from heads.scorers.stability import attach, check_samples
+from heads.scorers.gating.request import MAX_MASKS as MAX_MASKS
+from heads.scorers.gating.request import MAX_STEPS as MAX_STEPS
+from heads.scorers.gating.request import GatingRequest
+from heads.scorers.stability import attach
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pandas as pd
+    pass
 
 __all__ = [
     "LABELS",
@@ -63,18 +63,8 @@ __all__ = [
     "gate_heads",
     "gate_task",
     "gated_nll",
+    "run_gating",
 ]
-
-LABELS = ("facilitating", "interfering", "irrelevant", "ungated")
-"""The head labels: the paper's three, and `"ungated"` for a head left out by `heads=`."""
-
-SCHEMA = "headsteer/head-gating"
-SCHEMA_VERSION = 1
-
-MAX_STEPS = 100_000
-"""Upper bound on `steps` / `reg_steps` (the paper trains 500 per stage)."""
-MAX_MASKS = 64
-"""Upper bound on `n_masks` (each gate set copies every batch row once)."""
 
 
 # ------------------------------------------------------------------------------ results
@@ -95,168 +85,6 @@ def _labels(retain: torch.Tensor, remove: torch.Tensor, gated: torch.Tensor, t: 
     return out
 
 
-@dataclass
-class GatingResult:
-    """The three CHG fits and the taxonomy. Gates are means over the M gate sets; NaN for heads
-    left out by `heads=`.
-
-    Attributes:
-        gates: HeadScores `[L, H]` of the unregularised gates G (method `"chg"`).
-        retain: HeadScores of G+ (`lam > 0`, method `"chg_retain"`).
-        remove: HeadScores of G- (`lam < 0`, method `"chg_remove"`): the facilitation score.
-        labels: `[L][H]` strings from `LABELS`.
-        history: per stage (`"none"`, `"retain"`, `"remove"`), the training loss's NLL per update.
-    """
-
-    gates: HeadScores
-    retain: HeadScores
-    remove: HeadScores
-    labels: list[list[str]]
-    history: dict[str, list[float]] = field(default_factory=dict)
-
-    SCHEMA: ClassVar[str] = SCHEMA
-    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
-
-    @property
-    def scores(self) -> HeadScores:
-        """G- (`remove`): high = the head is needed even under pressure to remove it."""
-        return self.remove
-
-    def head_scores(self, fit: str = "remove") -> HeadScores:
-        """`[L, H]` gates of one fit: `"remove"` (default, G-: the facilitation score, as
-        `scores`), `"retain"` (G+) or `"gates"` (G, unregularised).
-
-        Raises:
-            HeadsteerValueError: another fit name.
-        """
-        fits = {"remove": self.remove, "retain": self.retain, "gates": self.gates}
-        if fit not in fits:
-            raise HeadsteerValueError(f"unknown fit {short_repr(fit)}: use one of {', '.join(fits)}")
-        return fits[fit]
-
-    def heads(self, label: str) -> HeadSet:
-        """The heads with `label` (one of `LABELS`)."""
-        if label not in LABELS:
-            raise HeadsteerValueError(f"unknown label {short_repr(label)}: use one of {', '.join(LABELS)}")
-        return HeadSet((la, h) for la, row in enumerate(self.labels) for h, x in enumerate(row) if x == label)
-
-    def counts(self) -> dict[str, int]:
-        """How many heads carry each label."""
-        flat = [x for row in self.labels for x in row]
-        return {k: flat.count(k) for k in LABELS if k in flat}
-
-    def to_frame(self) -> pd.DataFrame:
-        """One row per head: `layer, head, kv_head, gate, retain, remove, label`."""
-        df = self.gates.to_frame().rename(columns={"score": "gate"})
-        df["retain"] = self.retain.scores.flatten().numpy()
-        df["remove"] = self.remove.scores.flatten().numpy()
-        df["label"] = [x for row in self.labels for x in row]
-        return df
-
-    def to_json(self) -> dict:
-        def grid(s: HeadScores) -> list:
-            return [[None if math.isnan(v) else v for v in row] for row in s.scores.tolist()]
-
-        g = self.gates
-        return {
-            "schema": SCHEMA,
-            "schema_version": SCHEMA_VERSION,
-            "model": g.model,
-            "params": g.params,
-            "seed": g.seed,
-            "n_kv_heads": g.n_kv_heads,
-            "gates": grid(g),
-            "retain": grid(self.retain),
-            "remove": grid(self.remove),
-            "labels": self.labels,
-            "history": self.history,
-        }
-
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write JSON (schema `headsteer/head-gating`, version 1) atomically; returns the path.
-
-        Raises:
-            ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
-        """
-        return write_text(
-            path, json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n", overwrite=overwrite
-        )
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> GatingResult:
-        """Read a file written by `save` (checked against `model`'s geometry when given).
-
-        Raises:
-            ValueError: not a head-gating file, another version, malformed grids or labels, or a
-                geometry other than `model`'s. FileNotFoundError: no such file.
-        """
-        data = _read_json(path)
-        name = str(path)
-        try:
-            return cls._from_data(data, name, model)
-        except HeadsteerValueError:
-            raise
-        except (TypeError, ValueError, AttributeError, OverflowError) as e:  # a malformed field
-            raise HeadsteerValueError(f"{short_repr(name)} is not a valid head-gating file: {e}") from None
-
-    @classmethod
-    def _from_data(cls, data: object, name: str, model: HeadModel | None) -> GatingResult:
-        """`load`'s checks and construction on the parsed JSON `data` of file `name`."""
-        if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
-            raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer head-gating file")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}"
-            )
-
-        def grid(key: str, method: str) -> HeadScores:
-            rows = data.get(key)
-            if not isinstance(rows, list) or not rows or any(not isinstance(r, list) for r in rows):
-                raise HeadsteerValueError(
-                    f"{short_repr(name)}: {short_repr(key)} must be a list of equal rows"
-                )
-            if len({len(r) for r in rows}) != 1:
-                raise HeadsteerValueError(
-                    f"{short_repr(name)}: {short_repr(key)} must be a list of equal rows"
-                )
-            vals = [[math.nan if v is None else v for v in r] for r in rows]
-            if any(not is_number(v) for r in vals for v in r):
-                raise HeadsteerValueError(
-                    f"{short_repr(name)}: {short_repr(key)} holds a value that is not a number"
-                )
-            return HeadScores(
-                torch.tensor(vals, dtype=torch.float32),
-                method=method,
-                params=dict(data.get("params") or {}),
-                model=str(data.get("model", "")),
-                n_kv_heads=data.get("n_kv_heads"),
-                seed=data.get("seed"),
-            )
-
-        g, r, m = grid("gates", "chg"), grid("retain", "chg_retain"), grid("remove", "chg_remove")
-        labels = data.get("labels")
-        shape = (g.n_layers, g.n_heads)
-        if r.scores.shape != g.scores.shape or m.scores.shape != g.scores.shape:
-            raise HeadsteerValueError(f"{short_repr(name)}: the three gate grids differ in shape")
-        if (
-            not isinstance(labels, list)
-            or len(labels) != shape[0]
-            or any(not isinstance(row, list) or len(row) != shape[1] for row in labels)
-            or any(x not in LABELS for row in labels for x in row)
-        ):
-            raise HeadsteerValueError(f"{short_repr(name)}: labels must be an [L][H] grid of {LABELS}")
-        if model is not None and (model.n_layers, model.n_heads, model.n_kv_heads) != (*shape, g.n_kv_heads):
-            raise HeadsteerValueError(f"{short_repr(name)} was fitted on a model of another geometry")
-        hist = data.get("history") or {}
-        if not isinstance(hist, Mapping) or any(not isinstance(v, list) for v in hist.values()):
-            raise HeadsteerValueError(f"{short_repr(name)}: history must be an object of lists")
-        return cls(g, r, m, [list(row) for row in labels], {str(k): list(v) for k, v in hist.items()})
-
-    def __repr__(self) -> str:
-        g = self.gates
-        return f"GatingResult({g.model!r}, [{g.n_layers}, {g.n_heads}], {self.counts()})"
-
-
 # ------------------------------------------------------------------------------ training
 def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
     """An endless stream of shuffled batches (a new permutation per pass; the last may be short)."""
@@ -264,16 +92,6 @@ def _batches(n: int, size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
         perm = torch.randperm(n, generator=gen)
         for i in range(0, n, size):
             yield perm[i : i + size]
-
-
-def _check_init(init: object) -> tuple[float, float]:
-    if isinstance(init, (str, bytes)) or not isinstance(init, Sequence) or len(init) != 2:
-        raise HeadsteerValueError(f"init must be a pair (low, high) in [0, 1], got {short_repr(init)}")
-    lo = check_number("init low", init[0], lo=0.0, hi=1.0)
-    hi = check_number("init high", init[1], lo=0.0, hi=1.0)
-    if lo > hi:
-        raise HeadsteerValueError(f"init must have low <= high, got {short_repr(init)}")
-    return lo, hi
 
 
 def gate_heads(
@@ -336,36 +154,54 @@ def gate_heads(
     opts = sweep_options(options, deprecated, "gate_heads", takes=("progress",))
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
-    steps = check_int("steps", steps, lo=1)
-    reg_steps = steps if reg_steps is None else check_int("reg_steps", reg_steps, lo=1)
-    if max(steps, reg_steps) > MAX_STEPS:
-        raise HeadsteerValueError(
-            f"steps and reg_steps must be at most {MAX_STEPS}, got {max(steps, reg_steps)}"
-        )
-    lr = check_number("lr", lr, lo=0.0, lo_open=True, hi=1e6)
-    reg_weight = check_number("reg_weight", reg_weight, lo=0.0)
-    clamp = check_number("clamp", clamp, lo=0.0, lo_open=True)
-    batch_size = check_int("batch_size", batch_size, lo=1)
-    if grad_norm is not None:
-        grad_norm = check_number("grad_norm", grad_norm, lo=0.0, lo_open=True)
-    lo, hi = _check_init(init)
-    n_masks = check_int("n_masks", n_masks, lo=1)
-    if n_masks > MAX_MASKS:
-        raise HeadsteerValueError(f"n_masks must be at most {MAX_MASKS}, got {n_masks}")
-    stability = check_stability(stability)
-    check_samples(n_masks, stability, "gate fits (n_masks)")
-    threshold = check_number("threshold", threshold, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
-    seed = check_seed("seed", seed)
+    if heads is not None:  # any HeadSpec (a list of layers needs the model's head count)
+        heads = HeadSet.parse(heads, model.n_layers, model.n_heads).heads
+    request = GatingRequest(
+        steps=steps,
+        reg_steps=reg_steps,
+        lr=lr,
+        reg_weight=reg_weight,
+        clamp=clamp,
+        batch_size=batch_size,
+        grad_norm=grad_norm,
+        init=init,
+        n_masks=n_masks,
+        heads=heads,
+        threshold=threshold,
+        seed=seed,
+        stability=stability,
+    )
+    return run_gating(model, task, request, opts)
+
+
+def run_gating(
+    model: HeadModel, task: GateTask, request: GatingRequest, options: SweepOptions | None = None
+) -> GatingResult:
+    """Run a `GatingRequest` on `task` (see `gate_heads` for the method and the errors).
+
+    Raises:
+        HeadsteerTypeError: not a `HeadModel`, a `GatingRequest` or a `GateTask`.
+        HeadsteerValueError: heads outside the model, a bad task, a model in training mode —
+            before any forward; the model is left exactly as it was.
+    """
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
+    if not isinstance(request, GatingRequest):
+        raise HeadsteerTypeError(f"request must be a GatingRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "gate_heads", takes=("progress",))
+    request.check_config(model)
+    r = request
+    steps, lr, reg_weight, clamp, grad_norm = r.steps, r.lr, r.reg_weight, r.clamp, r.grad_norm
+    reg_steps = steps if r.reg_steps is None else r.reg_steps
+    batch_size, (lo, hi), n_masks, threshold = r.batch_size, r.init, r.n_masks, r.threshold
+    seed, stability = r.seed, r.stability
     if not isinstance(task, GateTask):
         raise HeadsteerTypeError(f"task must be a GateTask (see gate_task), got {type(task).__name__}")
     task.check(model)
     gated = torch.ones(model.n_layers, model.n_heads, dtype=torch.bool)
-    if heads is not None:
-        chosen = HeadSet.parse(heads, model.n_layers, model.n_heads)
-        if not len(chosen):
-            raise HeadsteerValueError("heads selects no head: nothing to gate")
+    if r.heads is not None:
         gated = torch.zeros_like(gated)
-        for la, h in chosen:
+        for la, h in r.heads:
             gated[la, h] = True
     if model.model.training:
         raise HeadsteerValueError(

@@ -10,14 +10,15 @@ from heads._util.validation import check_int, check_number, check_seed, short_re
 from heads.errors import HeadsteerValueError
 from heads.results.stability import check_stability
 from heads.scorers.request_base import Geometry, Request, check_head_pairs
+from heads.scorers.stability import check_samples
 
 __all__ = ["MAX_MASKS", "MAX_STEPS", "GatingRequest", "check_init"]
 
 MAX_STEPS = 100_000
-"""The most optimisation steps (and regularised steps) accepted."""
+"""Upper bound on `steps` / `reg_steps` (the paper trains 500 per stage)."""
 
 MAX_MASKS = 64
-"""The most gate masks fitted from different random starts."""
+"""Upper bound on `n_masks` (each gate set copies every batch row once)."""
 
 
 def check_init(init: object) -> tuple[float, float]:
@@ -76,9 +77,12 @@ class GatingRequest(Request):
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "steps", check_int("steps", self.steps, lo=1, hi=MAX_STEPS))
+        set_(self, "steps", check_int("steps", self.steps, lo=1))
         if self.reg_steps is not None:
-            set_(self, "reg_steps", check_int("reg_steps", self.reg_steps, lo=1, hi=MAX_STEPS))
+            set_(self, "reg_steps", check_int("reg_steps", self.reg_steps, lo=1))
+        most = max(self.steps, self.reg_steps or 0)
+        if most > MAX_STEPS:
+            raise HeadsteerValueError(f"steps and reg_steps must be at most {MAX_STEPS}, got {most}")
         set_(self, "lr", check_number("lr", self.lr, lo=0.0, lo_open=True, hi=1e6))
         set_(self, "reg_weight", check_number("reg_weight", self.reg_weight, lo=0.0))
         set_(self, "clamp", check_number("clamp", self.clamp, lo=0.0, lo_open=True))
@@ -86,8 +90,13 @@ class GatingRequest(Request):
         if self.grad_norm is not None:
             set_(self, "grad_norm", check_number("grad_norm", self.grad_norm, lo=0.0, lo_open=True))
         set_(self, "init", check_init(self.init))
-        set_(self, "n_masks", check_int("n_masks", self.n_masks, lo=1, hi=MAX_MASKS))
-        set_(self, "heads", check_head_pairs("heads", self.heads))
+        set_(self, "n_masks", check_int("n_masks", self.n_masks, lo=1))
+        if self.n_masks > MAX_MASKS:
+            raise HeadsteerValueError(f"n_masks must be at most {MAX_MASKS}, got {self.n_masks}")
+        heads = check_head_pairs("heads", self.heads)
+        if heads is not None and not heads:
+            raise HeadsteerValueError("heads selects no head: nothing to gate")
+        set_(self, "heads", heads)
         set_(
             self,
             "threshold",
@@ -95,10 +104,7 @@ class GatingRequest(Request):
         )
         set_(self, "seed", check_seed("seed", self.seed))
         stability = check_stability(self.stability)
-        if stability and self.n_masks < 2:
-            raise HeadsteerValueError(
-                f"stability={stability} needs at least 2 gate fits (n_masks), got {self.n_masks}"
-            )
+        check_samples(self.n_masks, stability, "gate fits (n_masks)")
         set_(self, "stability", stability)
 
     def check_geometry(self, geometry: Geometry) -> None:

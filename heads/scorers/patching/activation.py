@@ -82,7 +82,10 @@ from heads.scorers.patching.vision import (
     replaced_embeddings,
 )
 
-__all__ = ["KINDS", "PatchResult", "RunCache", "patch", "record_run", "unembed_only"]
+__all__ = ["KINDS", "PatchResult", "patch"]
+# internal helpers, importable by this module path but not its public API (nor the reference):
+# `RunCache`, `record_run` (heads.scorers.patching.record), `unembed_only`, `check_sweep_inputs`,
+# `prefix_cache`
 
 KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 """The activation-patching site kinds (see the module docstring)."""
@@ -193,7 +196,8 @@ class PatchResult:
         direction: `"denoising"` or `"noising"`.
         metric: the metric's name.
         raw: `[*grid, N]` fp32 metric of the patched run per site and pair.
-        clean / corrupt: `[N]` metric of the unpatched clean / corrupted runs.
+        clean: `[N]` metric of the unpatched clean run.
+        corrupt: `[N]` metric of the unpatched corrupted run.
         grid: names of the grid axes, e.g. `("layer", "head")`, `("layer", "head", "position")`.
         labels: token strings of the position axis (pair 0's clean tokens, `""` on padding).
         model: the model id.

@@ -68,11 +68,14 @@ def _metric(value: object) -> Any:
     return value
 
 
-def check_kind_family(family: Any, kind: str) -> None:
-    """Refuse a patching site kind the model family does not have (from the family entry alone).
+def check_kind_family(family: Any, kind: str, residual_multiplier: float | None = None) -> None:
+    """Refuse a patching site kind the model family does not have (from the family entry and
+    the config's residual multiplier alone: `Geometry`).
 
     Raises:
         HeadsteerValueError: `mlp_out` on a family whose MLP is not one module (OPT, BioGPT);
+            `mlp_out` where a residual multiplier other than 1 scales it (Granite, HyperCLOVA X,
+            MiniCPM3: the engine's site refuses it);
             `k` / `v` on multi-head latent attention (keys and values come from a shared latent);
             `k` where the key norm spans all heads (OLMo 2: a head's key-projection columns are
             not that head's key).
@@ -84,6 +87,12 @@ def check_kind_family(family: Any, kind: str) -> None:
         raise HeadsteerValueError(
             f"kind='mlp_out' is not available on {name}: its MLP is not one module (the layers sit in the "
             "decoder block); patch 'resid_pre', 'attn_out' or heads instead"
+        )
+    if kind == "mlp_out" and residual_multiplier is not None:
+        raise HeadsteerValueError(
+            f"kind='mlp_out' is not available on {name} with a residual multiplier other than 1: its MLP "
+            "output is scaled before it joins the stream, which the engine's mlp_out site does not "
+            "reproduce; patch 'resid_pre', 'attn_out' or heads instead"
         )
     if kind in ("k", "v") and family.latent:
         raise HeadsteerValueError(
@@ -153,7 +162,7 @@ class PatchRequest(Request):
         object.__setattr__(self, "stability", stability)
 
     def check_geometry(self, geometry: Geometry) -> None:
-        check_kind_family(geometry.family, self.kind)
+        check_kind_family(geometry.family, self.kind, geometry.residual_multiplier)
         for la in self.layers or ():
             geometry.check_layer("layers", la)
         _check_int_positions(geometry, "positions", self.positions)

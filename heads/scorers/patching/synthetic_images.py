@@ -70,7 +70,7 @@ def minimal_image_pair(
 
     Args:
         size: side in pixels (default 16: the tiny test VLMs' input size); a multiple of `grid`.
-        colour / counterfactual: names in `COLOURS` or RGB triples; must differ.
+        colour, counterfactual: names in `COLOURS` or RGB triples; must differ.
         grid: cells per side (default 4).
         cell: the target cell, or None for a seeded one.
         distractors: brown squares besides the target (default 2), `0 .. grid**2 - 1`.

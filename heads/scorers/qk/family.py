@@ -138,7 +138,9 @@ class LayerParts:
         out_norm: the norm on the attention output before the residual add (post-norm families), or None.
         W_Q: `[H, D, d]`; W_K, W_V: `[G, D, d]`; W_O: `[H, d, D]`.
         b_Q: `[H, d]` or None; b_K, b_V: `[G, d]` or None; b_O: `[D]` or None.
-        q_norm, k_norm: QK-norms, or None; `qk_norm` `"per_head"` (over d) or `"all_heads"` (over H*d / G*d).
+        q_norm: the query QK-norm, or None; `qk_norm` `"per_head"` (over d) or `"all_heads"`
+            (over H*d / G*d).
+        k_norm: the key QK-norm, or None (as `q_norm`).
         scaling: the logit scale the module passes.
         softcap: `c` of `c tanh(s / c)` on the logits, or None.
         sinks: `[H]` learned sink logits, or None.

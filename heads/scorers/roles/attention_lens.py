@@ -60,11 +60,12 @@ class AttentionLens:
     Attributes:
         heads: the `(layer, head)` pairs, in order.
         form: `"tuned"` (A `[n, D, D]`, b `[n, D]`) or `"full"` (W `[n, D, V]`, c `[n, V]`).
-        weight, bias: the parameters, one slice per head.
+        weight: the weights, one slice per head.
+        bias: the biases, one slice per head.
         model: the model's name; geometry: `(n_layers, n_heads, d_model, d_vocab)`.
         params: training parameters; history: per epoch `{"epoch", "train_kl", "held_out_kl"}`.
-        held_out_kl / untrained_kl: `[n]` final held-out KL (nats) of the lens and of the
-            untrained lens (NaN before training).
+        held_out_kl: `[n]` final held-out KL (nats) of the lens (NaN before training).
+        untrained_kl: `[n]` held-out KL (nats) of the untrained lens (NaN before training).
     """
 
     heads: list[tuple[int, int]]

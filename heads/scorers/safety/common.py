@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,8 +31,8 @@ from heads.engine.variants import (
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
+from heads.results.safety import ShipsResult as ShipsResult  # defined there; imported here as before
 from heads.results.scores import HeadScores, HeadSpec
-from heads.results.views import html_view, top_heads_text
 
 __all__ = [
     "TEMPLATE",
@@ -240,36 +239,6 @@ def check_scoring(
     eps = check_number("eps", eps, lo=0, hi=1, what="a number in [0, 1]")
     check_bool("exact", exact, what="a bool")
     return (0.0 if exact else eps), check_heads(model, heads)
-
-
-@dataclass
-class ShipsResult:
-    """Per-prompt Ships `[N, L, H]` (nats; NaN = head not scored) and their mean.
-
-    `estimate` is set by `method="attribution"`: the attribution estimate of every head
-    (`heads.scorers.safety.attribution`), kept apart from the exact `scores`.
-    """
-
-    per_prompt: torch.Tensor
-    scores: HeadScores
-    estimate: HeadScores | None = None
-
-    def top(self, prompt: int, k: int = 10) -> list[Head]:
-        """The `k` heads with the largest Ships on prompt `prompt` (the paper keeps 10)."""
-        s = HeadScores(self.per_prompt[prompt], "ships")
-        return s.ranked(k)
-
-    def __repr__(self) -> str:
-        n, n_layers, n_heads = self.per_prompt.shape
-        scored = int((~torch.isnan(self.scores.scores)).sum())
-        return (
-            f"ShipsResult({self.scores.model}: {n} prompts x {scored} of {n_layers * n_heads} heads; "
-            f"mean KL (nats) top {top_heads_text(self.scores)})"
-        )
-
-    def _repr_html_(self) -> str:
-        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10)]
-        return html_view(repr(self), rows, ("head", "mean KL (nats)")) + self.scores._repr_html_()
 
 
 def exact_ships(

@@ -124,7 +124,11 @@ class DatasetShipsRequest(Request):
     without each head (`heads.dataset_ships`).
 
     Attributes:
-        heads, ablation, eps, exact, template: as `ShipsRequest`.
+        heads: as `ShipsRequest`.
+        ablation: as `ShipsRequest`.
+        eps: as `ShipsRequest`.
+        exact: as `ShipsRequest`.
+        template: as `ShipsRequest`.
         r_main: dimensions of the main subspace (default 1; at most the number of prompts).
         degrees: report angles in degrees (default False: radians).
     """
@@ -154,7 +158,12 @@ class SaharaRequest(Request):
 
     Attributes:
         steps: greedy steps, the group's final size (default 3; at most the number of heads).
-        heads, ablation, eps, exact, r_main, template: as `DatasetShipsRequest`.
+        heads: as `DatasetShipsRequest`.
+        ablation: as `DatasetShipsRequest`.
+        eps: as `DatasetShipsRequest`.
+        exact: as `DatasetShipsRequest`.
+        r_main: as `DatasetShipsRequest`.
+        template: as `DatasetShipsRequest`.
     """
 
     NAME = "sahara"
@@ -190,7 +199,9 @@ class AttributionRequest(Request):
     Attributes:
         heads: heads estimated (pairs; default None: all).
         ablation: `"ua"` (default), `"sc"`, `"zero"`, `"mean"` or a callable `layer -> Edit` (not JSON).
-        eps, exact, template: as `ShipsRequest`.
+        eps: as `ShipsRequest`.
+        exact: as `ShipsRequest`.
+        template: as `ShipsRequest`.
         metric: `"kl"` (default) or a callable `(logp, prompt_index) -> [R]` (not JSON).
         kl_tokens: tokens of the truncated KL (default 4; at most the vocabulary - 1, checked when
             it runs).

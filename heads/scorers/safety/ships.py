@@ -16,7 +16,6 @@ carrying its own per-layer head mask (`row_heads`). Ablations:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -28,9 +27,9 @@ from heads.engine.options import SWEEP_KEYS, SweepOptions, sweep_options
 from heads.engine.variants import clean_run, evaluate_variants
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.safety import SaharaResult as SaharaResult  # defined there; imported here as before
 from heads.results.scores import HeadScores, HeadSpec
 from heads.results.stability import check_stability
-from heads.results.views import html_view
 from heads.scorers.safety.common import (
     TEMPLATE,
     Ablation,
@@ -237,28 +236,6 @@ def dataset_ships(
         "n_prompts": enc.batch,
     }
     return HeadScores(out, "dataset_ships", params, model.name, model.n_kv_heads)
-
-
-@dataclass
-class SaharaResult:
-    """Sahara's chosen heads in order, and every step's full score table."""
-
-    heads: list[Head]
-    steps: list[HeadScores] = field(default_factory=list)
-
-    def _rows(self) -> list[tuple[int, str, float]]:
-        """(step, head added, its score at that step) per step."""
-        return [
-            (i + 1, f"L{la}.H{h}", table.scores[la, h].item())
-            for i, ((la, h), table) in enumerate(zip(self.heads, self.steps, strict=False))
-        ]
-
-    def __repr__(self) -> str:
-        chosen = ", ".join(f"{head} ({score:.3g})" for _, head, score in self._rows())
-        return f"SaharaResult({len(self.heads)} steps; heads added (angle): {chosen or 'none'})"
-
-    def _repr_html_(self) -> str:
-        return html_view(repr(self), self._rows(), ("step", "head added", "angle at that step"))
 
 
 def sahara(

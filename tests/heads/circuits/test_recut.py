@@ -107,3 +107,39 @@ def test_a_circuit_holding_most_heads_warns(found):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         found.select(edges=1)  # one edge: one head at most, no warning
+
+
+def test_find_circuit_rows_per_forward_follow_the_memory_budget(qwen2, monkeypatch):
+    """Without `batch_rows`, the exact runs take as many rows as `MAX_MEMORY_GB` allows
+    (`circuit_rows`; issue 40, item 6), and the rows per forward never change the circuit."""
+    import heads.scorers.circuits.circuit as mod
+
+    seen = []
+    curve, ev = mod.faithfulness_curve, mod.evaluate
+    monkeypatch.setattr(
+        mod, "faithfulness_curve", lambda *a, **k: seen.append(k["batch_rows"]) or curve(*a, **k)
+    )
+    monkeypatch.setattr(mod, "evaluate", lambda *a, **k: seen.append(k["batch_rows"]) or ev(*a, **k))
+    p = _pairs()
+    g = graph_of(qwen2)
+    # a row as large as a quarter of the budget: 4 rows per forward on the tiny model
+    monkeypatch.setattr(
+        mod, "ROW_BYTES_PER_NODE", mod.MAX_MEMORY_GB * 2**30 / (4 * g.n_upstream * qwen2.d_model * p.width)
+    )
+    assert mod.circuit_rows(g, qwen2.d_model, p.width) == 4
+    c = find_circuit(qwen2, p, method="eap", size=20, sizes=(2, 20, 50, 100), progress=False)
+    assert seen and set(seen) == {4}
+    same = find_circuit(
+        qwen2, p, method="eap", size=20, sizes=(2, 20, 50, 100), progress=False, batch_rows=64
+    )
+    assert torch.equal(c.mask, same.mask) and c.faithfulness == pytest.approx(same.faithfulness, abs=1e-5)
+    # the request form: no options -> the same budget; SweepOptions(max_memory=...) -> rows within it
+    from heads import CircuitRequest, SweepOptions, run
+
+    req = CircuitRequest(method="eap", size=20, sizes=(2, 20, 50, 100))
+    seen.clear()
+    run(qwen2, req, p)
+    assert set(seen) == {4}
+    seen.clear()
+    run(qwen2, req, p, options=SweepOptions(progress=False, max_memory=int(mod.MAX_MEMORY_GB * 2**30) // 2))
+    assert set(seen) == {2}

@@ -1,5 +1,8 @@
 """`POST /api/patch`: activation patching of one clean / corrupted pair, as a job (event stream).
 
+The route builds the analysis requests `heads.patch` builds (`heads.PatchRequest`, the page's
+body being the pair) and runs them through `heads.run`.
+
 Two sweeps, one job: `head_out` (the `[L, H]` map, sent as soon as it is done), then
 `resid_pre` (the `[L, T]` layer x position map). A family on which the library refuses
 `resid_pre` (it names why) is known before the job: the position sweep is then skipped with
@@ -25,12 +28,12 @@ router = APIRouter()
 
 
 def kind_refusal(st: ExplorerState, kind: str) -> str | None:
-    """Why `heads.scorers.patching.activation.patch` refuses patching `kind` on this model's
-    family (the refusal `patch` raises from its site table before any forward), or None."""
-    from heads.scorers.patching import activation
+    """Why patching `kind` is refused on this model's family (the `PatchRequest`'s own check
+    against the model, `check_config`, the one `heads.patch` runs before any forward), or None."""
+    from heads.scorers.patching.request import PatchRequest
 
     try:
-        activation.check_kind(st.model, kind)  # the library's own per-family refusal
+        PatchRequest(kind=kind).check_config(st.model)
     except ValueError as exc:
         return one_line(exc)
     return None
@@ -38,8 +41,9 @@ def kind_refusal(st: ExplorerState, kind: str) -> str | None:
 
 @router.post("/api/patch")
 async def patching(req: Annotated[PatchRequest, body(PatchRequest)], st: State) -> Any:
+    from heads import PatchRequest as Patch
+    from heads import run
     from heads.engine.options import SweepOptions
-    from heads.scorers.patching.activation import patch
     from heads.scorers.patching.pairs import PromptPair, check_pairs_differ, encode_pairs
 
     model = st.model
@@ -53,7 +57,7 @@ async def patching(req: Annotated[PatchRequest, body(PatchRequest)], st: State) 
     def work(emit: Callable[[dict], None], flag: threading.Event) -> dict:
         options = SweepOptions(progress=progress_reporter(emit, flag))
         emit({"status": "patching head outputs (layer x head)"})
-        res = patch(model, pairs, "head_out", metric=metric, options=options)
+        res = run(model, Patch(kind="head_out", metric=metric), pairs, options=options)
         heads = {
             "scores": grid(res.mean),
             "metric": metric,
@@ -72,7 +76,7 @@ async def patching(req: Annotated[PatchRequest, body(PatchRequest)], st: State) 
                 }
             }
         emit({"status": "patching the residual stream (layer x position)"})
-        pos = patch(model, pairs, "resid_pre", metric=metric, options=options)
+        pos = run(model, Patch(kind="resid_pre", metric=metric), pairs, options=options)
         return {"result": {**heads, "positions": grid(pos.mean), "tokens": pos.labels}}
 
     return job_stream(st.jobs, st.lock, req.job, work)
