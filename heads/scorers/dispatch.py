@@ -125,7 +125,7 @@ def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOpti
         confirm=r.confirm,
         curve=r.curve,
         sizes=r.sizes,
-        batch_rows=o.max_rows,
+        batch_rows=None if options is None else o.max_rows,  # None: rows from the memory budget
         progress=o.progress,
         stability=r.stability,
         faithfulness=r.faithfulness,
