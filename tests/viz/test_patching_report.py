@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from heads import HeadModel
+from heads.errors import HeadsteerValueError
 from heads.scorers.patching.logit import direct_logit_attribution, logit_lens
 from heads.scorers.patching.pairs import encode_pairs
 from probes.datasets.pairs import load_task_pairs
@@ -115,16 +116,18 @@ def _post_norm_model(tokenizer) -> HeadModel:
     return HeadModel(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), tokenizer)
 
 
-def test_report_on_a_post_norm_family_draws_every_section_that_applies(tmp_path, tokenizer):
-    """DLA refuses post-norm families; the report used to end there and write nothing (issue 39
-    item 12). It now draws the patching map and the lens and says what it left out and why."""
+def test_report_on_a_post_norm_family_draws_every_section_that_applies(tmp_path, tokenizer, monkeypatch):
+    """The report used to end at DLA's refusal of post-norm families and write nothing (issue 39
+    item 12). DLA now decomposes them (frozen post-norm scale, issue 40 item 2), so the page has
+    every section; a section that does not apply is left out with its reason, the rest drawn."""
+    import viz.reports.patching as report_module
+
     hm = _post_norm_model(tokenizer)
     out = tmp_path / "p.html"
     _, summary = patching_report(hm, out, load_task_pairs("ioi", n=2), progress=False)
     page = out.read_text(encoding="utf-8")
     assert "patching scores per head" in page and "logit lens" in page
-    assert "sections left out" in page and "direct logit attribution by layer" not in page
-    assert "normalises its sub-layer outputs" in summary["left_out"]["direct logit attribution"]
+    assert "direct logit attribution by layer" in page and not summary.get("left_out")
     d = tmp_path / "olmo2"
     hm.model.save_pretrained(d)
     tokenizer.save_pretrained(d)
@@ -132,7 +135,18 @@ def test_report_on_a_post_norm_family_draws_every_section_that_applies(tmp_path,
         app, ["report", "patching", "--out", str(tmp_path / "c.html"), "--model", str(d), "--n", "2"]
     )
     assert r.exit_code == 0, r.output
-    assert "left out direct logit attribution" in r.stdout and (tmp_path / "c.html").is_file()
+    assert "left out" not in r.stdout and (tmp_path / "c.html").is_file()
+
+    def refuse(model):
+        raise HeadsteerValueError("norm Odd is not an RMSNorm or a LayerNorm of its input")
+
+    monkeypatch.setattr(report_module, "check_dla_model", refuse)
+    out2 = tmp_path / "q.html"
+    _, summary = patching_report(hm, out2, load_task_pairs("ioi", n=2), progress=False)
+    page = out2.read_text(encoding="utf-8")
+    assert "patching scores per head" in page and "logit lens" in page
+    assert "sections left out" in page and "direct logit attribution by layer" not in page
+    assert "not an RMSNorm" in summary["left_out"]["direct logit attribution"]
 
 
 def test_cli_refuses_a_pair_that_cannot_show_an_effect_before_the_model_loads(tmp_path):

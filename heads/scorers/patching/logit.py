@@ -29,8 +29,11 @@ rank of the answer and counterfactual token, and the top tokens per layer. `head
 per-head lens) gives each head's direct logit for the answer and for the counterfactual token at
 the last position (frozen scale): comp-mech's per-head inspection. `logit_inspection` bundles both.
 
-Families whose sub-layer outputs pass through a norm before joining the residual (Gemma 2/3,
-OLMo 2: `post_norm`) are refused: head outputs do not add up linearly there. DLA is a linear
+Families whose attention output passes through a norm before joining the residual (Gemma 2 / 3,
+OLMo 2: the family's `attn_out_norm`) are decomposed with that norm's scale frozen at its value
+in the run as well (`heads.scorers.patching.norms.head_terms`): head h adds
+`g * c(z_h W_O^h) / sigma(y)` (`y` the whole attention output), the norm's bias and `b_O`'s
+share go to `attn_bias`, and the terms still add up exactly. DLA is a linear
 decomposition of the logit difference before any output soft-cap (Gemma 2 / 3, NanoChat): the
 cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logit_diff`).
 """
@@ -50,6 +53,7 @@ from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability, check_stability
 from heads.scorers.patching.activation import RunCache, record_run
+from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
 __all__ = [
@@ -65,25 +69,28 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ helpers
-def _check_family(model: HeadModel) -> None:
-    fam = model.family
-    if "post_norm" in fam.features or fam.mlp_out_norm is not None:
-        raise HeadsteerValueError(
-            f"model_type {short_repr(fam.model_type)} normalises its sub-layer outputs before they join the "
-            "residual stream; direct logit attribution is not linear in the head outputs there"
-        )
+def _post_norms(model: HeadModel) -> list[NormParts | None]:
+    """Per layer the post-attention norm's `norm_parts` (frozen-scale convention), or None where
+    the attention output joins the stream as it is."""
+    return [post_attention_norm(model, la) for la in range(model.n_layers)]
+
+
+def _tol(model: HeadModel) -> float:
+    """How closely the frozen-scale sum of a post-norm's input must give its recorded output."""
+    return 1e-3 if model.dtype == torch.float32 else 3e-2
 
 
 def check_dla_model(model: HeadModel) -> None:
     """Refuse, before any forward, a model that `direct_logit_attribution`, `head_logits` and
-    `logit_inspection` cannot decompose: a `post_norm` family (sub-layer outputs normalised
-    before they join the residual) or a final norm without an `eps` to freeze its scale.
+    `logit_inspection` cannot decompose: a final norm, or a post-attention norm (Gemma 2 / 3,
+    OLMo 2: the attention output normed before it joins the residual), that is not an RMSNorm /
+    LayerNorm whose scale can be frozen (`norm_parts`).
 
     Raises:
         ValueError: either case, one line naming it.
     """
-    _check_family(model)
     _norm_parts(model)
+    _post_norms(model)
 
 
 def _which(pairs: PairBatch, which: str) -> torch.Tensor:
@@ -107,83 +114,11 @@ def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | Non
     return norm_parts(model, model.final_norm, model.W_U.shape[0])
 
 
-def norm_parts(
-    model: HeadModel, norm: torch.nn.Module, dim: int
-) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
-    """What the frozen-scale convention needs of one norm module of `model` (the final norm, a
-    block's input or output norm, a QK-norm): `(kind, gain, bias, eps)`, with `kind` `"rms"`
-    (RMSNorm: `gain * x / sqrt(mean(x^2) + eps)`) or `"layer"` (LayerNorm: centred, `var`),
-    `gain` `[dim]` fp32, `bias` `[dim]` or None.
-
-    The kind, gain and bias are read from the norm's own function, not from its class or its
-    parameter names (Gemma's and Nemotron's norms multiply by `1 + weight`, OLMo's has no
-    weight, Cohere's is a LayerNorm with an RMSNorm's attribute names): the norm is applied to
-    `0` (which gives its bias), to a vector `x` of alternating +-1 and to `x + 3` (equal to `x`'s
-    output iff the norm centres), and the gain is `(N(x) - N(0)) * sqrt(var + eps) / x_c`
-    elementwise (`x_c` = `x` centred for a LayerNorm, `var` its mean square; no entry of `x_c`
-    is 0). `eps` is the norm's `variance_epsilon` / `eps` attribute, or, for a norm that keeps it
-    inside its forward (OLMo's 1e-5), solved from `N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m +
-    eps)` at `a = 1e-3` (at most 1e-2). The read form is then checked against the norm on a
-    vector it has not seen.
-
-    Raises:
-        ValueError: a norm without an eps attribute whose eps cannot be measured, or whose
-            function is not the read RMSNorm / LayerNorm form (its scale cannot be frozen).
-    """
-    x = torch.ones(dim)
-    x[1::2] = -1.0
-    param = next(norm.parameters(), None)
-    device, dtype = (param.device, param.dtype) if param is not None else (model.device, model.dtype)
-
-    def run(v: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return norm(v[None].to(device, dtype)).float().cpu()[0]
-
-    zero, at_x, shifted = run(torch.zeros(dim)), run(x), run(x + 3.0)
-    centred = bool(torch.allclose(at_x, shifted, rtol=1e-2, atol=1e-3 * float(at_x.abs().max())))
-    xc = x - x.mean() if centred else x
-    ms = float(xc.pow(2).mean())
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(norm, "eps", None)
-    if eps is None:  # a constant inside forward (OLMo): N(a x) / N(x) = a sqrt(m + eps) / sqrt(a^2 m + eps)
-        a = 1e-3
-        r = float(((run(a * x) - zero) / (at_x - zero)).mean())
-        eps = a * a * ms * (1 - r * r) / (r * r - a * a) if r * r != a * a else 0.0
-        if not 0 < eps <= 1e-2:  # a norm's eps is small (1e-5, 1e-6); not a norm otherwise
-            raise HeadsteerValueError(
-                f"norm {type(norm).__name__} has no eps attribute and none could be measured (it does "
-                "not divide by sqrt(mean(x^2) + eps)); cannot freeze its scale"
-            )
-    gain = (at_x - zero) * float((ms + float(eps)) ** 0.5) / xc
-    bias = zero if bool(zero.abs().max() > 0) else None
-    # the read form must be the norm's function: check it on a vector it has not seen
-    v = torch.randn(dim, generator=torch.Generator().manual_seed(0)) * 3 + 0.5
-    vc = v - v.mean() if centred else v
-    want = gain * vc / float((vc.pow(2).mean() + float(eps)) ** 0.5) + (0.0 if bias is None else bias)
-    got = run(v)
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-        raise HeadsteerValueError(
-            f"norm {type(norm).__name__} is not an RMSNorm or a LayerNorm of its input (gain * x / "
-            "sqrt(mean(x^2) + eps) + bias, x centred for a LayerNorm), so its scale cannot be frozen "
-            f"(eps {'read' if hasattr(norm, 'eps') or hasattr(norm, 'variance_epsilon') else 'measured'}: "
-            f"{float(eps):.3g})"
-        )
-    return ("layer" if centred else "rms"), gain, bias, float(eps)
-
-
 def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
     """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU): the stream leaving the
     last block (the engine's `resid_post` site, read by the same forward)."""
     cache = record_run(model, ids, mask, final=True, keys=False)
     return cache, cast(torch.Tensor, cache.final).float().cpu()
-
-
-def _scale(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`[N, T]` frozen scale of the final norm at each position."""
-    if kind == "layer":
-        return (x.var(-1, unbiased=False) + eps).rsqrt()
-    return (x.pow(2).mean(-1) + eps).rsqrt()
 
 
 def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,7 +279,8 @@ def direct_logit_attribution(
     """DLA of every head, MLP and the embeddings on the logit difference, at every position.
 
     Args:
-        model: the model (any backend that `record_run` supports; pre-norm families).
+        model: the model (any backend that `record_run` supports; post-norm families under the
+            frozen-scale convention, see the module docstring).
         pairs: encoded pairs (answer and counterfactual tokens are required).
         which: `"clean"` (default) or `"corrupted"`: the rows to run.
         stability: bootstrap resamples of the pairs (default 0: none; e.g. 100) for the
@@ -357,16 +293,17 @@ def direct_logit_attribution(
         switched on; 1e-4 on the embedded model).
 
     Raises:
-        ValueError: pairs without counterfactual tokens, a `post_norm` family, a final norm
-            without `eps`, `which` not clean/corrupted, ids outside the vocabulary, prompts
-            longer than the model's context (all before the forward).
+        ValueError: pairs without counterfactual tokens, a final or post-attention norm whose
+            scale cannot be frozen (`norm_parts`), `which` not clean/corrupted, ids outside the
+            vocabulary, prompts longer than the model's context (all before the forward); a
+            recorded post-norm output that is not the norm of the heads' projection.
         TypeError: pairs not a `PairBatch`.
     """
     _check_input(model, pairs, which)
-    _check_family(model)
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    post, tol = _post_norms(model), _tol(model)
     stability = check_stability(stability)
     if stability:
         from heads.scorers.stability import check_samples
@@ -381,7 +318,7 @@ def direct_logit_attribution(
         u = u - u.mean(-1, keepdim=True)
     mask = pairs.attention_mask
     cache, x_final = _record(model, ids, mask)
-    s = _scale(kind, x_final, eps)  # [N, T]
+    s = frozen_scale(kind, x_final, eps)  # [N, T]
     real = mask.float()
     L, H = model.n_layers, model.n_heads
 
@@ -397,14 +334,15 @@ def direct_logit_attribution(
         wo, bo = _o_matrices(model, la)  # [H, d, D]
         r = _residual_scale(model, la)  # what the block's outputs are scaled by on joining the stream
         z = cache.z[la].float().cpu()  # [N, T, H, d]
-        wu_h = torch.einsum("hdk,nk->nhd", wo, u)  # [N, H, d]
-        heads[:, la] = torch.einsum("nthd,nhd->nht", z, wu_h) * (s * real)[:, None, :] * r
-        attn = cache.attn_out[la].float().cpu() * r
+        raw = cache.attn_out[la].float().cpu()
+        terms, head_sum = head_terms(z, wo, bo, u, post[la], raw, tol)  # post-norm: frozen scale
+        heads[:, la] = terms * (s * real)[:, None, :] * r
+        attn = raw * r
         mlp_out = cache.mlp_out[la].float().cpu() * r
         parts += attn + mlp_out
-        # what the block's attention output holds beyond the heads (the o_proj bias)
-        head_sum = torch.einsum("nthd,hdk->ntk", z, wo) * r
-        attn_bias[:, la] = proj(attn - head_sum)
+        # what the block's attention output holds beyond the heads (the o_proj bias, a post-norm's bias)
+        beyond = attn - cast(torch.Tensor, head_sum) * r
+        attn_bias[:, la] = proj(beyond)
         mlp[:, la] = proj(mlp_out)
     rest = proj(x_final - parts)
     bias = torch.zeros(pairs.n, pairs.width)
@@ -573,13 +511,13 @@ def head_logits(
         ValueError: as `direct_logit_attribution`.
     """
     _check_input(model, pairs, which)
-    _check_family(model)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("head_logits needs a counterfactual token for every pair")
+    post = _post_norms(model)
     kind, gain, _, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
     cache, x_final = _record(model, _which(pairs, which), pairs.attention_mask)
-    s = _scale(kind, x_final[:, -1], eps)  # [N]
+    s = frozen_scale(kind, x_final[:, -1], eps)  # [N]
     scale, _ = _logit_scale(model)
     out = []
     for u in (ua, uw):
@@ -588,9 +526,10 @@ def head_logits(
             v = v - v.mean(-1, keepdim=True)
         per = torch.zeros(pairs.n, model.n_layers, model.n_heads)
         for la in range(model.n_layers):
-            wo, _ = _o_matrices(model, la)
-            z = cache.z[la][:, -1].float().cpu()  # [N, H, d]
-            per[:, la] = torch.einsum("nhd,hdk,nk->nh", z, wo, v) * s[:, None] * _residual_scale(model, la)
+            wo, bo = _o_matrices(model, la)
+            z = cache.z[la][:, -1:].float().cpu()  # [N, 1, H, d]
+            terms, _ = head_terms(z, wo, bo, v, post[la])  # [N, H, 1]
+            per[:, la] = terms[..., 0] * s[:, None] * _residual_scale(model, la)
         out.append(per)
     return out[0], out[1]
 
@@ -600,7 +539,7 @@ def logit_inspection(model: HeadModel, pairs: PairBatch, *, which: str = "clean"
     head (frozen-scale direct logits) the logit of the answer ("factual" in the paper's words)
     and of the counterfactual token. Two forwards; see `logit_lens` and `head_logits`."""
     _check_input(model, pairs, which)
-    _check_family(model)  # before logit_lens' forward: head_logits refuses these families
+    check_dla_model(model)  # before logit_lens' forward: what head_logits refuses
     lens = logit_lens(model, pairs, which=which, k=k)
     lens.head_answer, lens.head_counterfactual = head_logits(model, pairs, which=which)
     return lens

@@ -243,7 +243,7 @@ def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, wh
     if not ids:
         raise HeadsteerValueError(f"{where} {short_repr(answer)} tokenizes to nothing")
     if len(ids) != 1 and not first_token:
-        pieces = tokenizer.convert_ids_to_tokens(ids)
+        pieces = readable_tokens(tokenizer, ids)  # "␣Mary", not the byte-level "ĠMary"
         raise HeadsteerValueError(
             f"{where} {short_repr(answer)} is {len(ids)} tokens {pieces}, not one; pass first_token=True to "
             f"use the first token {short_repr(pieces[0])}"

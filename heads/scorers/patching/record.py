@@ -132,6 +132,17 @@ def _residual_scale(model: HeadModel, layer: int) -> float:
     return 1.0 if name is None else float(getattr(model.layers[layer], name))
 
 
+def _attention_output(model: HeadModel, layer: int, z: torch.Tensor) -> torch.Tensor:
+    """`[N, T, D]` block `layer`'s attention output as it joins the stream (before any residual
+    multiplier) from its head outputs `z [N, T, H, d]`: `o_proj(z)`, through the post-attention
+    norm on post-norm families (HyperCLOVA X with a residual multiplier)."""
+    out = model.out_projs[layer](z.flatten(-2))
+    name = model.family.attn_out_norm
+    if name is not None:
+        out = submodule(model.layers[layer], name)(out)
+    return cast(torch.Tensor, out).detach()
+
+
 @torch.no_grad()
 def record_run(
     model: HeadModel,
@@ -155,7 +166,8 @@ def record_run(
 
     The attention / MLP outputs are the sub-layer outputs before any residual multiplier (for
     post-norm families the post-norm's output, what joins the stream). Where the engine has no
-    such site they are computed: the attention output as `o_proj(z)` and the MLP output as the
+    such site they are computed: the attention output as `o_proj(z)` (then the post-attention
+    norm, if the family has one) and the MLP output as the
     block's output minus its input minus the attention output (OPT / BioGPT, whose MLP is not one
     module; families with a residual multiplier other than 1, divided by it).
     """
@@ -181,8 +193,8 @@ def record_run(
     zs = [r.records[0] for r in z]
     if streams:
         attn_out = [r.records[0] for r in attn]
-    else:  # the attention module's output is o_proj(z)
-        attn_out = [model.out_projs[la](zs[la].flatten(-2)).detach() for la in range(L)]
+    else:  # the attention module's output is o_proj(z), then the post-attention norm if any
+        attn_out = [_attention_output(model, la, zs[la]) for la in range(L)]
     if own_mlp:  # a MoE block may return its rows flattened (Llama 4: [N * T, D])
         mlp_out = [r.records[0].reshape(attn_out[la].shape) for la, r in enumerate(mlp)]
     else:  # the block's output = input + r * (attention output + MLP output)

@@ -159,3 +159,88 @@ def test_norm_parts_reads_real_norms_and_refuses_other_functions(tokenizer):
     for fake in (_L1Norm(), _Tanh()):  # both were read as an RMSNorm before the check
         with pytest.raises(HeadsteerValueError, match="cannot freeze its scale|cannot be frozen"):
             norm_parts(model, fake, 8)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2"])
+def test_post_norm_dla_and_head_logits_equal_a_frozen_scale_oracle(family):
+    """Post-norm families (issue 40 item 2): with the post-attention norm's and the final norm's
+    scales frozen at their values in the run, head h's term is
+    `g_f * (g_p * z_h W_O^h / sqrt(mean(y^2) + eps)) / sqrt(mean(x_L^2) + eps) . (W_U[a] - W_U[c])`
+    (`y` the attention output, Gemma's gains `1 + weight`, OLMo 2's `weight`): computed here from
+    plain hooks and the weights, not through the product."""
+    from heads.scorers.patching import pairs_from_tokens
+    from tests.support.families import tiny_family_model
+
+    hm = tiny_family_model(family)
+    m = hm.model
+    cfg = m.config
+    pairs = pairs_from_tokens(
+        [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53]],
+        [[40, 47, 42, 43, 44, 45], [50, 58, 52, 53]],
+        [20, 30],
+        [21, 31],
+    )
+
+    def gain(norm):
+        return norm.weight.detach() + (1.0 if "gemma" in family else 0.0)
+
+    zs, box, hs = {}, {}, []
+    blocks = m.model.layers
+    for la, blk in enumerate(blocks):
+        hs.append(
+            blk.self_attn.o_proj.register_forward_pre_hook(lambda mod, a, la=la: zs.__setitem__(la, a[0]))
+        )
+    hs.append(m.model.norm.register_forward_pre_hook(lambda mod, a: box.__setitem__("x", a[0])))
+    try:
+        with torch.no_grad():
+            m(input_ids=pairs.clean_ids, attention_mask=pairs.attention_mask,
+              position_ids=position_ids(pairs.attention_mask))  # fmt: skip
+    finally:
+        for h in hs:
+            h.remove()
+    eps = cfg.rms_norm_eps
+    x = box["x"][:, -1]  # [N, D]
+    wu = m.lm_head.weight.detach()  # [V, D]
+    direction = (wu[pairs.answers[:, 0]] - wu[pairs.counterfactuals[:, 0]]) * gain(m.model.norm)
+    s_f = (x.pow(2).mean(-1) + eps).rsqrt()  # [N]
+    H, d = hm.n_heads, hm.d_head
+    want = torch.zeros(pairs.n, len(blocks), H)
+    for la, blk in enumerate(blocks):
+        w_o = blk.self_attn.o_proj.weight.detach()  # [D, H*d]
+        z = zs[la][:, -1]  # [N, H*d]
+        y = z @ w_o.T
+        s_p = (y.pow(2).mean(-1) + eps).rsqrt()  # [N]
+        for h in range(H):
+            share = (z[:, h * d : (h + 1) * d] @ w_o[:, h * d : (h + 1) * d].T) * gain(
+                blk.post_attention_layernorm
+            )
+            want[:, la, h] = (share * direction).sum(-1) * s_p * s_f
+    dla = direct_logit_attribution(hm, pairs)
+    torch.testing.assert_close(dla.heads[..., -1], want, atol=1e-5, rtol=0)
+    a, w = head_logits(hm, pairs)
+    torch.testing.assert_close(a - w, want, atol=1e-5, rtol=0)
+    assert float(dla.attn_bias[..., -1].abs().max()) <= 1e-5  # no o_proj bias: the shares are all
+    insp = logit_inspection(hm, pairs)  # no longer refused on post-norm families
+    assert insp.head_answer is not None
+
+
+@pytest.mark.real
+def test_post_norm_dla_sums_to_the_logit_difference_on_gemma3(gemma3):
+    """The second real model (Gemma 3 normalises its sub-layer outputs): DLA under the frozen
+    post-norm scale adds up to the model's own logit difference; the heads' shares are the whole
+    attention output (no o_proj bias)."""
+    from probes.datasets.pairs import load_task_pairs
+
+    pairs = encode_pairs(gemma3, load_task_pairs("ioi", n=2))
+    assert bool(pairs.answer_mask.sum(-1).eq(1).all()) and bool(pairs.counterfactual_mask.sum(-1).eq(1).all())
+    res = direct_logit_attribution(gemma3, pairs)
+    with torch.no_grad():
+        out = gemma3.model(
+            input_ids=pairs.clean_ids,
+            attention_mask=pairs.attention_mask,
+            position_ids=position_ids(pairs.attention_mask),
+        )
+    want = _ld(out.logits[:, -1].float(), pairs)
+    tol = 1e-3 * max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(res.total()[:, -1], want, atol=tol, rtol=0)
+    assert float(res.attn_bias[..., -1].abs().max()) <= tol

@@ -53,8 +53,11 @@ def test_unequal_lengths_name_both(tokenizer):
 
 def test_single_token_check(tokenizer):
     multi = " Maryanne-Louise"
-    with pytest.raises(ValueError, match="not one; pass first_token=True"):
+    with pytest.raises(ValueError, match="not one; pass first_token=True") as err:
         encode_pairs(tokenizer, [PromptPair(IOI.clean, IOI.corrupted, multi, " John")])
+    # the pieces are shown readable (leading space as ␣), never byte-level (Ġ)
+    first = tokenizer.decode(tokenizer(multi, add_special_tokens=False)["input_ids"][:1])
+    assert "Ġ" not in str(err.value) and repr(first.replace(" ", "␣")) in str(err.value)
     b = encode_pairs(tokenizer, [PromptPair(IOI.clean, IOI.corrupted, multi, " John")], first_token=True)
     assert b.answers[0, 0] == tokenizer(multi, add_special_tokens=False)["input_ids"][0]
     assert token_id(tokenizer, 7) == 7
