@@ -133,3 +133,13 @@ def test_find_circuit_rows_per_forward_follow_the_memory_budget(qwen2, monkeypat
         qwen2, p, method="eap", size=20, sizes=(2, 20, 50, 100), progress=False, batch_rows=64
     )
     assert torch.equal(c.mask, same.mask) and c.faithfulness == pytest.approx(same.faithfulness, abs=1e-5)
+    # the request form: no options -> the same budget; SweepOptions(max_memory=...) -> rows within it
+    from heads import CircuitRequest, SweepOptions, run
+
+    req = CircuitRequest(method="eap", size=20, sizes=(2, 20, 50, 100))
+    seen.clear()
+    run(qwen2, req, p)
+    assert set(seen) == {4}
+    seen.clear()
+    run(qwen2, req, p, options=SweepOptions(progress=False, max_memory=int(mod.MAX_MEMORY_GB * 2**30) // 2))
+    assert set(seen) == {2}
