@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from heads import load_model, span_attention
+from heads import SweepOptions, load_model, span_attention
 from steer import Caa, InstaBoost, Pasta, SteeredModel
 from steer.pasta.method import pasta_column_bias
 
@@ -78,7 +78,7 @@ def main() -> None:
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     boost = InstaBoost()
     pairs = [("I love it, wonderful", "I hate it, terrible"), ("Yes, gladly", "No, never")]
-    caa = Caa.from_pairs(hm, pairs, layer=15, coefficient=4.0, progress=False)
+    caa = Caa.from_pairs(hm, pairs, layer=15, coefficient=4.0, options=SweepOptions(progress=False))
 
     def unsteered():
         return sm.generate(prompt, **gen)

@@ -24,17 +24,20 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_int, is_int, is_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import MAX_FACTOR, AttentionCall, ResidualEdit, ResidualRecorder
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts
 from heads.model.adapter import HeadModel
@@ -131,8 +134,8 @@ def caa_vector(
     layer: int,
     *,
     chat: bool = False,
-    batch_size: int = 8,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> torch.Tensor:
     """The CAA steering vector: mean over pairs of the last-token residual difference.
 
@@ -141,9 +144,12 @@ def caa_vector(
         pairs: `(positive, negative)` prompt strings (used as given; `chat=True` renders each as
             one user message with the model's chat template).
         layer: the decoder block whose output is read (0 .. n_layers - 2).
-        batch_size: prompts per forward (default 8; rows are left-padded, so the last position
-            is every row's last token).
-        progress: True (a bar over pairs), False / None, or `progress(done, total)`.
+        options: `heads.SweepOptions`: `max_rows` rows per forward (each pair is two rows, so
+            `max_rows // 2` pairs; without options 8 pairs; rows are left-padded, so the last
+            position is every row's last token) and `progress` (True: a bar over pairs, False /
+            None, or `progress(done, total)`).
+        **deprecated: `batch_size=` (pairs per forward) and `progress=` as keywords (one
+            release; a `DeprecationWarning`).
 
     Returns:
         `[d_model]` fp32 vector on the CPU.
@@ -151,11 +157,24 @@ def caa_vector(
     Raises:
         ValueError: empty or malformed pairs, a layer outside 0 .. n_layers - 2, bad batch_size.
     """
+    batch_size = deprecated.pop("batch_size", None)
+    opts = sweep_options(options, deprecated, "caa_vector", takes=("max_rows", "progress"))
+    if batch_size is not None:
+        warnings.warn(
+            "caa_vector(batch_size=) is deprecated: pass options=SweepOptions(max_rows=2 * batch_size) "
+            "(two rows per pair; the keyword is removed in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        batch_size = check_int("batch_size", batch_size, lo=1)
+    elif options is None:
+        batch_size = 8
+    else:
+        batch_size = max(1, opts.max_rows // 2)
     layer = _check_layer(model, layer)
     items = _check_pairs(pairs)
-    check_int("batch_size", batch_size, lo=1)
     total = torch.zeros(model.d_model, dtype=torch.float64)
-    with progress_callback(progress, "CAA vector", "pairs") as report:
+    with progress_callback(opts.progress, "CAA vector", "pairs") as report:
         for a in range(0, len(items), batch_size):
             chunk = items[a : a + batch_size]
             texts = [p for p, _ in chunk] + [n for _, n in chunk]
@@ -234,11 +253,12 @@ class Caa:
         *,
         from_position: int | None = -1,
         chat: bool = False,
-        batch_size: int = 8,
-        progress: ProgressArg = True,
+        options: SweepOptions | None = None,
+        **deprecated: Any,
     ) -> Caa:
-        """`Caa(caa_vector(model, pairs, layer, ...), layer, coefficient)` (see `caa_vector`)."""
-        v = caa_vector(model, pairs, layer, chat=chat, batch_size=batch_size, progress=progress)
+        """`Caa(caa_vector(model, pairs, layer, ...), layer, coefficient)` (see `caa_vector`;
+        `batch_size=` / `progress=` are deprecated keywords for `options=SweepOptions(...)`)."""
+        v = caa_vector(model, pairs, layer, chat=chat, options=options, **deprecated)
         return cls(v, layer, coefficient, from_position)
 
     def check(self, model: HeadModel) -> int:

@@ -210,9 +210,10 @@ def fit_caa(
 
     pairs = caa_pairs(task, "train", limit)
     layer = model.n_layers // 2 if layer is None else layer
-    return Caa.from_pairs(
-        model, pairs, layer, coefficient, chat=False, batch_size=batch_size, progress=progress
-    )
+    from heads.engine.options import SweepOptions
+
+    options = SweepOptions(max_rows=2 * batch_size, progress=progress)  # two rows per pair
+    return Caa.from_pairs(model, pairs, layer, coefficient, chat=False, options=options)
 
 
 def _choice_rows(model: HeadModel, examples: list[TaskExample], steer: list, batch_size: int, step):

@@ -50,3 +50,23 @@ def test_qrhead_scores_takes_options(tiny_llama):
         pytest.raises(HeadsteerValueError),
     ):
         qrhead_scores(tiny_llama, [{"question": 1}], progress=False)
+
+
+def test_caa_vector_takes_options(tiny_llama):
+    import torch
+
+    from steer.caa import caa_vector
+
+    pairs = [("I love it", "I hate it"), ("Great day", "Awful day"), ("Yes, sure", "No, never")]
+    seen = []
+    new = caa_vector(
+        tiny_llama, pairs, 1, options=SweepOptions(max_rows=4, progress=lambda d, t: seen.append(d))
+    )
+    assert seen == [2, 3]  # two pairs (four rows) per forward
+    with pytest.warns(
+        DeprecationWarning, match=r"caa_vector\(batch_size=\) is deprecated.*max_rows=2 \* batch_size"
+    ):
+        old = caa_vector(tiny_llama, pairs, 1, batch_size=2)
+    torch.testing.assert_close(old, new)
+    with pytest.raises(HeadsteerValueError, match="caa_vector does not take seed="):
+        caa_vector(tiny_llama, pairs, 1, options=SweepOptions(seed=1))

@@ -106,3 +106,28 @@ def test_knockout_same_on_three_backends(trio, pairs):
     assert (out["hf"] - plain).abs().max() > 1e-4  # it acts
     for name in OTHERS:
         _same(out[name], out["hf"], name)
+
+
+def test_post_norm_dla_same_on_nnsight_and_refused_by_name_on_transformer_lens(tokenizer):
+    """Post-norm DLA (frozen post-attention scale) on tiny Gemma 2: nnsight gives the HF numbers;
+    the TransformerLens backend does not place the post-norm's `attn_out` and says so."""
+    from nnsight.modeling.transformers import TransformersModel
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from heads.errors import HeadsteerValueError
+    from heads.scorers.patching import pairs_from_tokens
+    from tests.support.families import tiny_family_model
+
+    p = pairs_from_tokens(
+        [[40, 41, 42, 43, 44], [50, 51, 52, 53]], [[40, 47, 42, 43, 44], [50, 58, 52, 53]], [20, 30], [21, 31]
+    )
+    want = direct_logit_attribution(tiny_family_model("gemma2"), p)
+    ns = HeadModel.wrap(TransformersModel(tiny_family_model("gemma2").model, tokenizer=tokenizer), tokenizer)
+    got = direct_logit_attribution(ns, p)
+    for field in ("heads", "mlp", "attn_bias", "embed", "rest", "logit_diff"):
+        _same(getattr(got, field), getattr(want, field), f"nnsight post-norm DLA {field}")
+    bridge = TransformerBridge.boot_transformers(
+        "tiny", hf_model=tiny_family_model("gemma2").model, tokenizer=tokenizer
+    )
+    with pytest.raises(HeadsteerValueError, match="post-norm family .*transformer_lens"):
+        direct_logit_attribution(HeadModel.wrap(bridge, tokenizer), p)
