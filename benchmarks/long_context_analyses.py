@@ -20,7 +20,34 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
   saturation_fix=True, graddrop=True)`; GradDrop adds L / 2 walks down the layers, so its
   default lengths are the short ones: `--atp-star-max`).
 
+* forward-only readers: `sinks` (`sink_stats`), `detectors` (`pattern_scores`, every detector),
+  `qrhead` (`qr_tokens`: query and null-query prefills, the haystack cut into passages),
+  `span_attention` (the needle marked as the span), `knockout` (the needle's columns blocked from
+  every row in every layer; the fused kernel from 2k tokens on, compiled by an untimed run at
+  the same length first), all on a needle-in-a-haystack task of that length
+  (`probes.datasets.needle`);
+* forward-only, measured as they are: `dla` (`direct_logit_attribution`), `lens` (`logit_lens`)
+  and `patch` (`patch(kind="resid_pre")` of one layer at one position), on one pair.
+
+Every run has a memory cap (`--cap-gb` above the loaded model, `RLIMIT_AS`): an analysis that
+would exceed it fails with an allocation error in its own process and is reported as failed at
+that length (its longer lengths are skipped), so nothing takes the machine down.
+
+`--peers` runs TransformerLens (`run_with_cache` on a `TransformerBridge` of the same model) and
+nnsight (a trace saving every layer's attention pattern, eager attention) on the same token ids
+and lengths under the same cap: their peak memory, or the first length at which they fail
+(`peer_fail_length_transformer_lens`, `peer_fail_length_nnsight`; null: none failed).
+
+`--plan-check` compares `heads.plan_memory` with the measured peak (weights + activations, RSS) of
+random-weight models built from published configs with about 0.1B (SmolLM2-135M), 0.5B
+(Qwen2.5-0.5B) and 1B (Llama-3.2-1B) parameters, fp32 and bf16: `plan_error_max` is the largest
+|plan - measured| / measured (`plan_error_max_activations` the same for the activations alone).
+
+`--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) and reports their
+time and peak memory beside a plain forward (slow: minutes per length).
+
     python benchmarks/long_context_analyses.py [--lengths 1024 2048 4096] [--analyses eap atp ...]
+    python benchmarks/long_context_analyses.py --lengths 1024 2048 4096 8192 --peers --plan-check
 """
 
 from __future__ import annotations
@@ -122,13 +149,118 @@ def _atp_star(hm, length: int, args) -> Callable[[], object]:
     return lambda: attribute(hm, [prompt], ablation="ua", saturation_fix=True, graddrop=True, template=None)
 
 
+def _task(hm, length: int):
+    from probes.datasets.needle import needle_task
+
+    return needle_task(hm.tokenizer, length, depth=0.5, seed=0)
+
+
+def _sinks(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.sinks import sink_stats
+
+    text = _task(hm, length).text(hm.tokenizer)
+    return lambda: sink_stats(hm, [text], chat=False, markup=False)
+
+
+def _detectors(hm, length: int, args) -> Callable[[], object]:
+    import torch
+
+    from heads.scorers.roles.detectors import pattern_scores
+
+    ids = torch.tensor([_task(hm, length).input_ids])
+    return lambda: pattern_scores(hm, ids)
+
+
+def _qrhead(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.retrieval.qrhead import qr_tokens
+
+    task = _task(hm, length)
+    return lambda: qr_tokens(hm, task.question, task.passages, chat=False)
+
+
+def _span_attention(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.attention_mass import span_attention
+
+    task = _task(hm, length)
+    text = task.text(hm.tokenizer)
+    needle = f"The secret code of the {task.key} is {task.code}."
+    marked = text.replace(needle, f"**{needle}**", 1)
+    return lambda: span_attention(hm, marked, chat=False)
+
+
+def _knockout(hm, length: int, args) -> Callable[[], object]:
+    import torch
+
+    from heads import editing
+    from heads.inputs.prompts import EncodedPrompts
+    from steer import Knockout
+
+    task = _task(hm, length)
+    ids = torch.tensor([task.input_ids])
+    enc = EncodedPrompts(ids, torch.ones_like(ids), [[]], [""], [[]])
+    keys = list(range(*task.needle))
+
+    def run() -> None:
+        with torch.no_grad(), editing(hm, Knockout(keys=keys).edits(hm, enc)):
+            hm.model(input_ids=ids.to(hm.device), use_cache=False, logits_to_keep=1)
+
+    return run
+
+
+def _dla(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.patching.logit import direct_logit_attribution
+
+    pairs = _pair(hm, length)
+    return lambda: direct_logit_attribution(hm, pairs)
+
+
+def _lens(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.patching.logit import logit_lens
+
+    pairs = _pair(hm, length)
+    return lambda: logit_lens(hm, pairs)
+
+
+def _patch(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.patching.activation import patch
+
+    pairs = _pair(hm, length)
+    return lambda: patch(hm, pairs, "resid_pre", layers=[hm.n_layers // 2], positions=[length // 3])
+
+
 ANALYSES: dict[str, tuple[str, Callable]] = {
     "eap": ("gradient", _eap),
     "eap-ig": ("gradient", _eap_ig),
     "atp": ("gradient", _atp),
     "atp_star": ("gradient", _atp_star),
+    "sinks": ("forward", _sinks),
+    "detectors": ("forward", _detectors),
+    "qrhead": ("forward", _qrhead),
+    "span_attention": ("forward", _span_attention),
+    "knockout": ("forward", _knockout),
+    "dla": ("forward", _dla),
+    "lens": ("forward", _lens),
+    "patch": ("forward", _patch),
 }
 """name -> (kind: "gradient" or "forward", builder `(model, length, args) -> run`)."""
+
+
+def _cap(gb: float) -> None:
+    """Cap this process's address space at its current size + `gb` GB (allocations beyond fail)."""
+    import resource
+
+    if gb <= 0:
+        return
+    limit = _status("VmSize") + int(gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _guarded(fn: Callable[[], object], device: str) -> dict:
+    """`_measure(fn)`, or `{"failed": reason}` when it runs out of memory under the cap."""
+    try:
+        return _measure(fn, device)
+    except (MemoryError, RuntimeError) as exc:  # the cap: "can't allocate memory" / "DefaultCPUAllocator"
+        return {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
 
 
 def _one(name: str, length: int, args) -> dict:
@@ -141,14 +273,243 @@ def _one(name: str, length: int, args) -> dict:
     run = ANALYSES[name][1](hm, length, args)
     ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(2)).to(hm.device)
 
-    def plain() -> None:
+    def plain(n: int = length) -> None:
         with torch.no_grad():
-            hm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            hm.model(input_ids=ids[:, :n], use_cache=False, logits_to_keep=1)
 
-    plain()  # warm-up at this length
-    forward = _measure(plain, args.device)
-    analysis = _measure(run, args.device)
+    plain(128)  # warm-up (lazy buffers, kernels) at a short length
+    if name == "knockout" and length >= 2048:
+        run()  # the fused kernel compiles for this length's bucket: not timed
+    _cap(args.cap_gb)
+    forward = _guarded(plain, args.device)
+    analysis = _guarded(run, args.device)
     return {"forward": forward, "analysis": analysis}
+
+
+# ------------------------------------------------------------------------------ the peers
+def _peer(name: str, length: int, args) -> dict:
+    """TransformerLens `run_with_cache` or an nnsight pattern-saving trace on `length` token ids."""
+    import torch
+
+    from heads import load_model
+    from heads.model.loading import wrap_backend
+
+    hm = load_model(device=args.device, attn_implementation="eager" if name == "nnsight" else None)
+    ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(2))
+    if name == "transformer_lens":
+        bridge = wrap_backend(
+            hm.model, hm.tokenizer, "HuggingFaceTB/SmolLM2-135M-Instruct", "transformer_lens"
+        )
+
+        def run() -> None:
+            with torch.no_grad():
+                _, cache = bridge.run_with_cache(ids)
+                del cache
+
+        warm = ids[:, :128]
+        with torch.no_grad():
+            bridge.run_with_cache(warm)
+    else:
+        nn_model = wrap_backend(hm.model, hm.tokenizer, hm.name, "nnsight")
+        layers = hm.model.model.layers
+
+        def run() -> None:
+            with torch.no_grad(), nn_model.trace(ids, output_attentions=True):
+                saved = [layer.self_attn.output[1].save() for layer in nn_model.model.layers]
+            del saved
+
+        assert len(layers) == hm.n_layers
+    _cap(args.cap_gb)
+    return _guarded(run, args.device)
+
+
+def _peers(args, line: dict) -> None:
+    for name in ("transformer_lens", "nnsight"):
+        line[f"peer_{name}_memory_mb"] = []
+        line[f"peer_fail_length_{name}"] = None
+        for length in args.lengths:
+            got = _child(["--peer", name, str(length)], args)
+            print(f"peer {name} {length}: {got}", file=sys.stderr, flush=True)
+            if "failed" in got:
+                line[f"peer_fail_length_{name}"] = length
+                line[f"peer_{name}_failure"] = got["failed"]
+                break
+            line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))
+
+
+# ------------------------------------------------------------------------------ the plan check
+PLAN_MODELS = {  # published configs (fewer layers nowhere: the whole model), random weights
+    "0.1B": (
+        "llama",
+        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+             tie_word_embeddings=True, rope_theta=100000.0),
+    ),
+    "0.5B": (
+        "qwen2",
+        dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+             tie_word_embeddings=True, rope_theta=1000000.0),
+    ),
+    "1B": (
+        "llama",
+        dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+             tie_word_embeddings=True, rope_theta=500000.0),
+    ),
+}  # fmt: skip
+PLAN_CASES = [  # (model, dtype, request, tokens)
+    ("0.1B", "float32", "forward", 2048),
+    ("0.1B", "bfloat16", "forward", 2048),
+    ("0.1B", "float32", "sinks", 2048),
+    ("0.1B", "float32", "gradient", 1024),
+    ("0.5B", "float32", "forward", 2048),
+    ("0.5B", "bfloat16", "forward", 2048),
+    ("1B", "bfloat16", "forward", 2048),
+    ("1B", "bfloat16", "sinks", 1024),
+]
+
+
+def _plan_one(model: str, dtype: str, request: str, tokens: int, args) -> dict:
+    """Measured (weights + activation peak, RSS) against `plan_memory` for one case."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from heads import HeadModel, load_tokenizer, plan_memory
+    from heads.scorers.sinks import sink_stats
+
+    kind, values = PLAN_MODELS[model]
+    cfg = AutoConfig.for_model(kind, **values)
+    dt = getattr(torch, dtype)
+    tok = load_tokenizer() if request == "sinks" else None
+    text = _task_text(tok, tokens) if tok is not None else None
+    plan = plan_memory(cfg, request, tokens, 1, dt)
+    gc.collect()
+    before = _status("VmRSS")
+    torch.manual_seed(0)
+    model_ = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+    gc.collect()
+    weights = _status("VmRSS") - before
+    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model_(input_ids=ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up
+    if request == "forward":
+
+        def run() -> None:
+            with torch.no_grad():
+                model_(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    elif request == "gradient":
+        model_.requires_grad_(False)
+
+        def run() -> None:
+            x = model_.get_input_embeddings()(ids).detach().requires_grad_(True)
+            out = model_(inputs_embeds=x, use_cache=False, logits_to_keep=1)
+            out.logits.float().logsumexp(-1).sum().backward()
+
+    else:
+        hm = HeadModel(model_, tok, name=model)
+
+        def run() -> None:
+            sink_stats(hm, [text], chat=False, markup=False)
+
+    _cap(args.cap_gb)
+    got = _guarded(run, args.device)
+    if "failed" in got:
+        return got
+    act = got["memory_mb"] * 2**20
+    planned = plan.devices[0]
+    return {
+        "measured_mb": round((weights + act) / 2**20, 1),
+        "planned_mb": round(planned.total / 2**20, 1),
+        "measured_activation_mb": round(act / 2**20, 1),
+        "planned_activation_mb": round(planned.activations / 2**20, 1),
+        "error": round(abs(planned.total - (weights + act)) / (weights + act), 4),
+        "activation_error": round(abs(planned.activations - act) / max(act, 1), 4),
+    }
+
+
+def _task_text(tok, tokens: int) -> str:
+    from probes.datasets.needle import needle_task
+
+    return needle_task(tok, tokens, seed=0).text(tok)
+
+
+def _plan_check(args, line: dict) -> None:
+    cases = {}
+    for model, dtype, request, tokens in PLAN_CASES:
+        got = _child(["--plan-one", model, dtype, request, str(tokens)], args)
+        key = f"{model}_{dtype}_{request}_{tokens}"
+        print(f"plan {key}: {got}", file=sys.stderr, flush=True)
+        cases[key] = got
+    line["plan_cases"] = cases
+    ok = [c for c in cases.values() if "error" in c]
+    if ok:
+        line["plan_error_max"] = max(c["error"] for c in ok)
+        line["plan_error_max_activations"] = max(c["activation_error"] for c in ok)
+
+
+# ------------------------------------------------------------------------------ Gemma-3-270m, long
+def _gemma_one(name: str, length: int, args) -> dict:
+    import torch
+
+    from heads import load_model
+
+    hm = load_model("gemma-3-270m", device=args.device)
+    ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(2))
+    if name == "forward":
+
+        def run() -> None:
+            with torch.no_grad():
+                hm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    elif name == "dla":
+        from heads.scorers.patching.logit import direct_logit_attribution
+
+        pairs = _pair(hm, length)
+
+        def run() -> None:
+            direct_logit_attribution(hm, pairs)
+
+    else:
+        from heads.scorers.safety.attribution import attribute
+
+        prompt = hm.tokenizer.decode(ids[0].tolist())
+
+        def run() -> None:
+            attribute(hm, [prompt], ablation="sc", template=None)
+
+    with torch.no_grad():
+        hm.model(input_ids=ids[:, :128], use_cache=False, logits_to_keep=1)
+    _cap(args.cap_gb)
+    return _guarded(run, args.device)
+
+
+def _gemma(args, line: dict) -> None:
+    line["gemma_lengths"] = args.gemma
+    for name in ("forward", "atp", "dla"):
+        for length in args.gemma:
+            got = _child(["--gemma-one", name, str(length)], args)
+            print(f"gemma {name} {length}: {got}", file=sys.stderr, flush=True)
+            key = f"gemma_{name}_{length // 1024}k"
+            if "failed" in got:
+                line[f"{key}_failed"] = got["failed"]
+                continue
+            line[f"{key}_memory_mb"] = round(got["memory_mb"], 1)
+            line[f"{key}_seconds"] = round(got["seconds"], 1)
+
+
+def _child(extra: list[str], args) -> dict:
+    cmd = [sys.executable, __file__, *extra, "--device", args.device, "--cap-gb", str(args.cap_gb)]
+    cmd += ["--ig-steps", str(args.ig_steps)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # big blocks go back to the OS when freed: RSS = live
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return {"failed": f"exit {done.returncode}: {tail}"}
+    return dict(json.loads(lines[-1]))
 
 
 def _fit(xs: list[float], ys: list[float]) -> float:
@@ -160,14 +521,32 @@ def _fit(xs: list[float], ys: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--analyses", nargs="+", default=list(ANALYSES), choices=list(ANALYSES))
+    ap.add_argument("--analyses", nargs="*", default=list(ANALYSES), choices=list(ANALYSES))
     ap.add_argument("--ig-steps", type=int, default=5, help="EAP-IG interpolation points (default 5)")
     ap.add_argument("--atp-star-max", type=int, default=2048, help="longest length for atp_star")
+    ap.add_argument("--gradient-max", type=int, default=None, help="longest length for eap/eap-ig/atp")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cap-gb", type=float, default=6.0, help="memory cap per run above the loaded model")
+    ap.add_argument("--peers", action="store_true", help="TransformerLens and nnsight on the same lengths")
+    ap.add_argument("--plan-check", action="store_true", help="plan_memory against measured peaks")
+    ap.add_argument("--gemma", type=int, nargs="*", default=[], help="Gemma-3-270m lengths for atp and dla")
     ap.add_argument("--one", nargs=2, metavar=("ANALYSIS", "LENGTH"), help=argparse.SUPPRESS)
+    ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--plan-one", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--gemma-one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(_one(args.one[0], int(args.one[1]), args)))
+        return
+    if args.peer:
+        print(json.dumps(_peer(args.peer[0], int(args.peer[1]), args)))
+        return
+    if args.plan_one:
+        m, dt, req, n = args.plan_one
+        print(json.dumps(_plan_one(m, dt, req, int(n), args)))
+        return
+    if args.gemma_one:
+        print(json.dumps(_gemma_one(args.gemma_one[0], int(args.gemma_one[1]), args)))
         return
     load_start = round(os.getloadavg()[0], 2)
     line: dict = {"model": "SmolLM2-135M-Instruct (embedded)", "device": args.device, "lengths": args.lengths}
@@ -177,18 +556,30 @@ def main() -> None:
     line["ig_steps"] = args.ig_steps
     ratios: dict[str, list[float]] = {"gradient": [], "forward": []}
     exponents: list[float] = []
+    line["cap_gb"] = args.cap_gb
+    if args.plan_check:
+        _plan_check(args, line)
     for name in args.analyses:
         kind = ANALYSES[name][0]
-        lengths = [n for n in args.lengths if name != "atp_star" or n <= args.atp_star_max]
+        most = args.atp_star_max if name == "atp_star" else args.gradient_max if kind == "gradient" else None
+        wanted = [n for n in args.lengths if most is None or n <= most]
         got: dict[int, dict] = {}
-        for length in lengths:
-            cmd = [sys.executable, __file__, "--one", name, str(length), "--device", args.device]
-            cmd += ["--ig-steps", str(args.ig_steps)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-            env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # big blocks go back to the OS when freed: RSS = live
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-            got[length] = json.loads(out.strip().splitlines()[-1])
-            print(f"{name} {length}: {got[length]}", file=sys.stderr, flush=True)
+        for length in wanted:
+            res = _child(["--one", name, str(length)], args)
+            print(f"{name} {length}: {res}", file=sys.stderr, flush=True)
+            failed = (
+                res.get("failed")
+                or res.get("analysis", {}).get("failed")
+                or res.get("forward", {}).get("failed")
+            )
+            if failed:  # out of memory under the cap (or an error): longer lengths are skipped
+                line[f"{name}_failed_at"] = length
+                line[f"{name}_failure"] = failed
+                break
+            got[length] = res
+        lengths = sorted(got)
+        if not lengths:
+            continue
         fwd = {n: got[n]["forward"] for n in lengths}
         ana = {n: got[n]["analysis"] for n in lengths}
         mem = [ana[n]["memory_mb"] / max(fwd[n]["memory_mb"], 1e-6) for n in lengths]
@@ -212,6 +603,10 @@ def main() -> None:
         line["max_memory_ratio_forward_only"] = round(max(ratios["forward"]), 3)
     if exponents:
         line["max_memory_exponent"] = round(max(exponents), 3)
+    if args.peers:
+        _peers(args, line)
+    if args.gemma:
+        _gemma(args, line)
     line["load_average_1m"] = [load_start, round(os.getloadavg()[0], 2)]
     print(json.dumps(line))
 
