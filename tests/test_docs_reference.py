@@ -73,3 +73,17 @@ def test_internal_helpers_stay_out_of_the_reference(module, helpers):
     mod = importlib.import_module(module)
     assert not set(helpers) & set(mod.__all__)
     assert all(hasattr(mod, h) for h in helpers)  # still importable by the module path
+
+
+def test_an_internal_module_shows_its_docstring_only():
+    """A module whose `__all__` is empty (`heads.scorers.patching.record`) gets its docstring and no
+    members on its reference page: mkdocstrings would read an empty `__all__` as none and list all."""
+    import ast
+
+    tree = ast.parse((ROOT / "docs" / "scripts" / "gen_pages.py").read_text(encoding="utf-8"))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_exports_nothing")
+    ns: dict = {"ast": ast, "Path": Path}
+    exec(compile(ast.Module([fn], []), "gen_pages.py", "exec"), ns)  # the generator's own check
+    assert ns["_exports_nothing"](ROOT / "heads" / "scorers" / "patching" / "record.py")
+    assert not ns["_exports_nothing"](ROOT / "heads" / "scorers" / "patching" / "activation.py")
+    assert not ns["_exports_nothing"](ROOT / "heads" / "scorers" / "patching" / "__init__.py")

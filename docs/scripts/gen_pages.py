@@ -76,6 +76,19 @@ def _public(path: Path) -> bool:
     return not any(part.startswith("_") and part != "__init__.py" for part in path.parts)
 
 
+def _exports_nothing(path: Path) -> bool:
+    """Whether the module at `path` sets `__all__` to an empty list: an internal module, whose
+    page shows its docstring only (mkdocstrings reads an empty `__all__` as no `__all__`)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            return isinstance(value, (ast.List, ast.Tuple)) and not value.elts
+    return False
+
+
 def _reference() -> None:
     nav = mkdocs_gen_files.Nav()
     for pkg in PACKAGES:
@@ -101,7 +114,10 @@ def _reference() -> None:
                     f"::: {dotted}\n    options:\n      show_root_heading: false\n      members: false\n\n"
                 )
                 for mod in modules:
-                    fh.write(f"::: {dotted}.{mod.stem}\n\n")
+                    if _exports_nothing(mod):  # internal: the docstring, no members
+                        fh.write(f"::: {dotted}.{mod.stem}\n    options:\n      members: false\n\n")
+                    else:
+                        fh.write(f"::: {dotted}.{mod.stem}\n\n")
     with mkdocs_gen_files.open("reference/SUMMARY.md", "w") as fh:
         fh.writelines(nav.build_literate_nav())
 

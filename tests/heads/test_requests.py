@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerError, HeadsteerValueError
 from heads.scorers.dispatch import RUNNERS, run
 from heads.scorers.request_base import Geometry, Request, request_classes
@@ -29,7 +30,7 @@ LLAMA_31_8B = {
 CASES: dict[str, tuple[dict, tuple, dict | None]] = {
     "patch": (
         {"kind": "resid_pre", "layers": [3, 1], "positions": [-1, 2], "direction": "noising"},
-        ("kind", "bogus", "unknown patching kind 'bogus'"),
+        ("kind", "bogus", "unknown patching site 'bogus'"),
         {"layers": [32]},
     ),
     "path_patch": (
@@ -196,27 +197,37 @@ def test_run_dispatches_a_json_request(tiny_llama):
         run(tiny_llama, {"request": "patch"})
 
 
+# the patching kinds each tiny family lacks: OPT's MLP is not one module; multi-head latent
+# attention (MiniCPM3, DeepSeek-V2) has no per-KV-head k / v, and MiniCPM3 scales its sub-layer
+# outputs (scale_depth / sqrt(n_layers)); OLMo 2's key norm spans every head
+REFUSED_KINDS = {
+    "opt": {"mlp_out"},
+    "minicpm3": {"mlp_out", "k", "v"},
+    "deepseek_v2": {"k", "v"},
+    "olmo2": {"k"},
+}
+
+
 @pytest.mark.parametrize("family", ["llama", "opt", "granite", "minicpm3", "deepseek_v2", "olmo2", "gpt2"])
-def test_patch_request_refuses_exactly_what_patching_refuses(family):
-    """The request's kind check, from the config alone and from the loaded model, refuses the same
-    kinds as the patching code's own check on the built model (`activation.check_kind`)."""
-    from heads.scorers.patching import activation
+def test_patch_request_refuses_the_kinds_a_family_lacks(family, tokenizer):
+    """The request's kind check refuses exactly the kinds the family lacks, from the config
+    alone and from the loaded model alike, and `patch` refuses them before any forward."""
+    from heads.scorers.patching import pairs_from_tokens
+    from heads.scorers.patching.activation import patch as run_patch
     from tests.support.families import _tiny_config, shared_family_model
 
     patch = request_classes()["patch"]
     hm, config = shared_family_model(family), _tiny_config(family)
-
-    def refusal(fn):
-        try:
-            fn()
-        except HeadsteerValueError as exc:
-            return str(exc)
-        return None
-
-    refused = 0
+    pairs = pairs_from_tokens([[5, 6, 7, 8]], [[5, 9, 7, 8]], [[10]], [[11]])
     for kind in ("resid_pre", "attn_out", "mlp_out", "head_out", "q", "k", "v", "pattern"):
-        lib = refusal(lambda: activation.check_kind(hm, kind))  # noqa: B023
-        assert refusal(lambda: patch(kind=kind).check_config(config)) == lib, kind  # noqa: B023
-        assert refusal(lambda: patch(kind=kind).check_config(hm)) == lib, kind  # noqa: B023
-        refused += lib is not None
-    assert refused == {"opt": 1, "minicpm3": 3, "deepseek_v2": 2, "olmo2": 1}.get(family, 0)
+        if kind in REFUSED_KINDS.get(family, ()):
+            with pytest.raises(HeadsteerValueError, match=f"kind='{kind}' is not available") as a:
+                patch(kind=kind).check_config(config)
+            with pytest.raises(HeadsteerValueError) as b:
+                patch(kind=kind).check_config(hm)
+            with pytest.raises(HeadsteerValueError) as c:
+                run_patch(hm, pairs, kind, options=SweepOptions(progress=lambda d, t: pytest.fail("ran")))
+            assert str(a.value) == str(b.value) == str(c.value)
+        else:
+            patch(kind=kind).check_config(config)
+            patch(kind=kind).check_config(hm)

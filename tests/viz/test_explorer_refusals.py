@@ -45,23 +45,24 @@ def test_patch_on_gpt2_gives_both_maps_as_the_library_does(tokenizer):
 
 
 def test_a_refused_position_kind_skips_the_position_map_with_the_librarys_reason(tokenizer, monkeypatch):
-    """Where the library refuses `resid_pre` on a family (its `check_kind`), the explorer leaves
-    the position map out with that reason, before the sweep, and the head map still runs."""
-    from heads.scorers.patching import activation
+    """Where the library refuses `resid_pre` on a family (the `PatchRequest`'s kind check,
+    `check_kind_family`), the explorer leaves the position map out with that reason, before the
+    sweep, and the head map still runs."""
+    from heads.scorers.patching import request
     from heads.scorers.patching.activation import patch
     from heads.scorers.patching.pairs import PromptPair, encode_pairs
     from tests.support import make_tiny
 
     model = make_tiny("gpt2", tokenizer)
     reason = "kind='resid_pre' is not available on this family (test refusal)"
-    real = activation.check_kind
+    real = request.check_kind_family
 
-    def refusing(m, kind):
+    def refusing(family, kind, *rest):
         if kind == "resid_pre":
             raise ValueError(reason)
-        real(m, kind)
+        real(family, kind, *rest)
 
-    monkeypatch.setattr(activation, "check_kind", refusing)
+    monkeypatch.setattr(request, "check_kind_family", refusing)
     pair = {"clean": "The cat sat on the mat", "corrupted": "The dog sat on the mat", "answer": " and"}
     pairs = encode_pairs(model, [PromptPair(**pair)])
     r = TestClient(create_explorer(model)).post("/api/patch", json=pair)

@@ -81,9 +81,14 @@ def test_heads_only_view_and_threshold(tiny_llama):
         circuit_figure(c, threshold=-1.0)
 
 
-def test_report_circuit_default_size_from_the_curve(tiny_llama_dir, tmp_path):
+def test_report_circuit_default_size_from_the_curve(tiny_llama_dir, tmp_path, monkeypatch):
+    import viz.reports.circuit as report
     from heads.scorers.circuits import DEFAULT_FAITHFULNESS, Circuit
     from viz.cli.main import app
+
+    drawn = []
+    figure = report.circuit_figure
+    monkeypatch.setattr(report, "circuit_figure", lambda c, **k: drawn.append(k) or figure(c, **k))
 
     out = tmp_path / "c.html"
     args = [
@@ -120,6 +125,16 @@ def test_report_circuit_default_size_from_the_curve(tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     back = Circuit.load(json.loads(r.stdout)["circuit"])
     assert int(torch.isfinite(back.exact).sum()) == 3 and "<th>exact</th>" in out.read_text()
+    # --graph-threshold: both graphs draw only the edges with |score| >= t, and say so
+    drawn.clear()
+    r = CliRunner().invoke(
+        app, [*args, "--sizes", "10,100", "--size", "10", "--graph-threshold", "0.25", "--force"]
+    )
+    assert r.exit_code == 0, r.output
+    assert [k.get("threshold") for k in drawn] == [0.25, 0.25] and drawn[1]["heads_only"] is True
+    assert out.read_text().count("Drawn: the edges with |score| &gt;= 0.25") == 2
+    r = CliRunner().invoke(app, [*args, "--graph-threshold", "-1", "--force"])
+    assert r.exit_code == 2 and "--graph-threshold" in r.output
 
 
 def test_circuit_rows_bound_the_evaluation_memory(tiny_llama):

@@ -466,6 +466,9 @@ def report_circuit(
     max_memory: Annotated[
         float, typer.Option(help="GiB the exact evaluations' activations may take (rows per forward follow)")
     ] = 2.0,
+    graph_threshold: Annotated[
+        float | None, typer.Option(help="draw only the circuit's edges with |score| >= this (the graphs)")
+    ] = None,
     steps: Annotated[int, typer.Option(help="EAP-IG interpolation steps")] = 5,
     sizes: Annotated[
         str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
@@ -501,6 +504,8 @@ def report_circuit(
     check_number("--faithfulness", faithfulness)
     check_int("--confirm", confirm, lo=0)
     check_number("--max-memory", max_memory, lo=0, lo_open=True, what="a number of GiB > 0")
+    if graph_threshold is not None:
+        check_number("--graph-threshold", graph_threshold, lo=0)
     try:
         curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
     except ValueError:
@@ -519,6 +524,7 @@ def report_circuit(
             hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
             overwrite=run.force, circuit_json=js, progress=step, stability=stability,
             faithfulness=faithfulness, confirm=confirm, max_memory=max_memory,
+            graph_threshold=graph_threshold,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")
     for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):

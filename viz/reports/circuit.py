@@ -96,6 +96,7 @@ def circuit_report(
     faithfulness: float = DEFAULT_FAITHFULNESS,
     confirm: int = 0,
     max_memory: float = MAX_MEMORY_GB,
+    graph_threshold: float | None = None,
 ) -> tuple[Circuit, dict]:
     """Score every edge on `n_pairs` pairs of `task`, evaluate the faithfulness curve exactly,
     cut the circuit, and write the page to `out`.
@@ -111,6 +112,9 @@ def circuit_report(
             frequency in the re-selected circuit and the ranking's stability, on the page and in
             the summary (`circuit_stability`, no extra forward).
         max_memory: GiB the exact evaluations' activations may take (default 2; `circuit_rows`).
+        graph_threshold: draw only the circuit's edges with |score| >= this in both graphs
+            (default None: every edge, up to `circuit_figure`'s 400 largest); the circuit, its
+            table and its faithfulness are unchanged.
 
     Returns:
         `(circuit, summary)`; summary: edges, heads, faithfulness, size, CPR / CMD (method and
@@ -119,7 +123,8 @@ def circuit_report(
 
     Raises:
         ValueError: `out` (or `circuit_json`) exists without `overwrite`; a refused family; bad
-            sizes, faithfulness, confirm or max_memory; all before any forward.
+            sizes, faithfulness, confirm, max_memory or graph_threshold (a number >= 0); all
+            before any forward.
     """
     check_output(out, overwrite)
     if circuit_json is not None:
@@ -132,6 +137,8 @@ def circuit_report(
     target = check_number("faithfulness", faithfulness)
     confirm = check_int("confirm", confirm, lo=0, hi=graph.n_edges)
     check_number("max_memory", max_memory, lo=0, lo_open=True)
+    if graph_threshold is not None:
+        graph_threshold = check_number("graph_threshold", graph_threshold, lo=0)
     pairs = task_pairs(model, task, n_pairs)
     if stability and pairs.n < 2:
         raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
@@ -189,17 +196,19 @@ def circuit_report(
             f"{method} score = the change of the logit difference when the edge alone is corrupted "
             "(noising): blue (< 0) = the edge supports the answer, red (> 0) = it works against it"
         )
+        shown = "" if graph_threshold is None else f" Drawn: the edges with |score| >= {graph_threshold:g}."
         rep.figure(
             "Circuit graph",
-            circuit_figure(c),
+            circuit_figure(c, threshold=graph_threshold),
             note=f"{c.n_edges} edges ({size:.3g} % of {graph.n_edges}, {chosen}, f = {c.faithfulness:.3f}), "
-            f"pruned; {n_heads} of {all_heads} heads. Node size = importance, edge width = |score|; {sign}.",
+            f"pruned; {n_heads} of {all_heads} heads. Node size = importance, edge width = |score|; "
+            f"{sign}.{shown}",
         )
         rep.figure(
             "Circuit graph, heads only",
-            circuit_figure(c, heads_only=True),
+            circuit_figure(c, heads_only=True, threshold=graph_threshold),
             note="The same circuit with the MLPs, the input and their edges left out: head-to-head "
-            "edges (into a head's query, key or value) and heads to the logits.",
+            f"edges (into a head's query, key or value) and heads to the logits.{shown}",
         )
         rep.figure(
             "Faithfulness curve",

@@ -15,7 +15,7 @@ Sites (`KINDS`), each scored on a grid:
   and RoPE (the engine's query site), `[L, H]`; `"k"` / `"v"`: KV head g's columns of the key /
   value projection output (before RoPE / QK-norm, which act per position and head), in every
   fused layout, `[L, G]` (under GQA a KV head feeds a group of query heads; results are per KV
-  head). Refused by name where a family has no such site (`check_kind`): `k` / `v` on latent
+  head). Refused by name where a family has no such site (`PatchRequest.check_config`): `k` / `v` on latent
   attention, `k` where the key norm spans all heads, `mlp_out` where the MLP is not one module or
   a residual multiplier other than 1 scales it;
 * `"pattern"`: head h's attention pattern (all positions), `[L, H]`.
@@ -63,7 +63,7 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
-from heads.results.stability import Stability, check_stability
+from heads.results.stability import Stability
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
@@ -71,10 +71,9 @@ from heads.scorers.patching.record import (
     RunCache,
     _qkv_modules,  # noqa: F401 - importable from here as before
     _qkv_slices,  # noqa: F401 - importable from here as before
-    check_kv_kind,
     record_run,
-    stream_sites,
 )
+from heads.scorers.patching.request import BY_POSITION, KINDS, PatchRequest
 from heads.scorers.patching.vision import (
     ImagePairBatch,
     check_image_model,
@@ -82,16 +81,13 @@ from heads.scorers.patching.vision import (
     replaced_embeddings,
 )
 
-__all__ = ["KINDS", "PatchResult", "patch"]
+__all__ = ["KINDS", "PatchResult", "patch", "run_patch"]
 # internal helpers, importable by this module path but not its public API (nor the reference):
 # `RunCache`, `record_run` (heads.scorers.patching.record), `unembed_only`, `check_sweep_inputs`,
 # `prefix_cache`
 
-KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
-"""The activation-patching site kinds (see the module docstring)."""
-
-BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
-"""The kinds scored per position (the ones that take `positions`)."""
+# KINDS (the activation-patching site kinds, see the module docstring) and BY_POSITION (the kinds
+# scored per position) are defined beside the request (heads.scorers.patching.request)
 
 SCHEMA = "headsteer/patching"
 SCHEMA_VERSION = 1
@@ -451,18 +447,6 @@ class _Site:
     pos: int  # padded column (-1 = all positions)
 
 
-def _check_layers(model: HeadModel, layers: Sequence[int] | None) -> list[int]:
-    if layers is None:
-        return list(range(model.n_layers))
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
-        raise HeadsteerValueError(
-            f"layers must be a non-empty list of layer indices, got {short_repr(layers)}"
-        )
-    for la in layers:
-        model.check_head(la)
-    return sorted(set(int(la) for la in layers))
-
-
 def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) -> list[int]:
     T = pairs.width
     if positions is None:
@@ -486,29 +470,6 @@ def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) ->
             )
         out.append(q)
     return sorted(set(out))
-
-
-def check_kind(model: HeadModel, kind: str) -> None:
-    """Refuse, before any forward, a site kind the model's family does not have.
-
-    Raises:
-        ValueError: `mlp_out` on a family whose MLP is not one module (OPT, BioGPT: `fc1` /
-            `fc2` sit in the block); `mlp_out` where a residual multiplier other than 1 scales
-            it (Granite, HyperCLOVA X, MiniCPM3: the engine's site refuses it); `k` / `v`
-            where `record.check_kv_kind` refuses them.
-    """
-    if kind == "mlp_out" and model.family.mlp is None:
-        raise HeadsteerValueError(
-            f"kind='mlp_out' is not available on {short_repr(model.family.model_type)}: its MLP is not one "
-            "module (the layers sit in the decoder block); patch 'resid_pre', 'attn_out' or heads instead"
-        )
-    if kind == "mlp_out" and not stream_sites(model):
-        raise HeadsteerValueError(
-            f"kind='mlp_out' is not available on {short_repr(model.family.model_type)} with a residual "
-            "multiplier other than 1: its MLP output is scaled before it joins the stream, which the "
-            "engine's mlp_out site does not reproduce; patch 'resid_pre', 'attn_out' or heads instead"
-        )
-    check_kv_kind(model, kind)
 
 
 def _sites(model: HeadModel, kind: str, layers: list[int], positions: list[int]) -> tuple[list[_Site], tuple]:
@@ -616,30 +577,33 @@ def patch(
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: an unknown kind / direction / metric, a kind the family does not have
-            (`check_kind`), layers or positions out of range, positions for a kind that patches
+            (`PatchRequest.check_config`), layers or positions out of range, positions for a kind that patches
             every position, ids outside the vocabulary, a metric that needs counterfactuals the
             pairs lack, a pair that cannot show an effect (`pairs.check_pairs_differ`: names
             it), nnsight with `remote=True`, vision
             pairs on a text-only or unsupported model (`vision.check_image_model`),
             `positions="image"` without vision pairs — all before any forward.
     """
-    if kind not in KINDS:
-        raise HeadsteerValueError(f"unknown patching site {short_repr(kind)}; use one of {KINDS}")
-    stability = check_stability(stability)
-    if stability and kind in ("resid_pre", "attn_out", "mlp_out"):
-        raise HeadsteerValueError(f"stability ranks heads; kind={short_repr(kind)} has no head axis")
-    if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
-    met, options = check_sweep_inputs(model, pairs, options, metric, what="patching", images=True)
-    check_kind(model, kind)
-    lays = _check_layers(model, layers)
-    by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
-    if positions is not None and not by_pos:
-        raise HeadsteerValueError(
-            f"positions are only taken by the by-position kinds {BY_POSITION}, not kind={short_repr(kind)} "
-            "(it patches every position)"
-        )
-    poss = _check_positions(pairs, positions if by_pos else None)
+    request = PatchRequest(
+        kind=kind, direction=direction, metric=metric, layers=layers, positions=positions, stability=stability
+    )
+    return run_patch(model, pairs, request, options)
+
+
+def run_patch(
+    model: HeadModel, pairs: PairBatch, request: PatchRequest, options: SweepOptions | None = None
+) -> PatchResult:
+    """Run a `PatchRequest` on `pairs` (what `patch` does once it has built the request: the
+    request's values are checked there, its geometry here against `model`; see `patch` for the
+    arguments, the result and the errors)."""
+    if not isinstance(request, PatchRequest):
+        raise HeadsteerTypeError(f"request must be a PatchRequest, got {type(request).__name__}")
+    kind, direction, stability = request.kind, request.direction, request.stability
+    met, options = check_sweep_inputs(model, pairs, options, request.metric, what="patching", images=True)
+    request.check_config(model)  # layers in range, the kind on this family (check_kind's refusals)
+    lays = list(range(model.n_layers)) if request.layers is None else list(request.layers)
+    by_pos = kind in BY_POSITION
+    poss = _check_positions(pairs, request.positions if by_pos else None)
     model.check_length(pairs.width)
     if stability:
         from heads.scorers.stability import check_samples
