@@ -43,11 +43,8 @@ random-weight models built from published configs with about 0.1B (SmolLM2-135M)
 (Qwen2.5-0.5B) and 1B (Llama-3.2-1B) parameters, fp32 and bf16: `plan_error_max` is the largest
 |plan - measured| / measured (`plan_error_max_activations` the same for the activations alone).
 
-`--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) and reports their
-time and peak memory beside a plain forward (slow: minutes per length).
-
-    python benchmarks/long_context_analyses.py [--lengths 1024 2048 4096] [--analyses eap atp ...]
-    python benchmarks/long_context_analyses.py --lengths 1024 2048 4096 8192 --peers --plan-check
+`--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) beside a plain
+forward (slow: minutes per length). E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
 """
 
 from __future__ import annotations
@@ -121,18 +118,14 @@ def _prompt(hm, length: int) -> str:
     return hm.tokenizer.decode(ids)
 
 
-def _eap(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.circuits import edge_scores
+def _edges(method: str) -> Callable:
+    def build(hm, length: int, args) -> Callable[[], object]:
+        from heads.scorers.circuits import edge_scores
 
-    pairs = _pair(hm, length)
-    return lambda: edge_scores(hm, pairs, method="eap", progress=False)
+        pairs, steps = _pair(hm, length), {"steps": args.ig_steps} if method == "eap-ig" else {}
+        return lambda: edge_scores(hm, pairs, method=method, progress=False, **steps)
 
-
-def _eap_ig(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.circuits import edge_scores
-
-    pairs = _pair(hm, length)
-    return lambda: edge_scores(hm, pairs, method="eap-ig", steps=args.ig_steps, progress=False)
+    return build
 
 
 def _atp(hm, length: int, args) -> Callable[[], object]:
@@ -208,29 +201,20 @@ def _knockout(hm, length: int, args) -> Callable[[], object]:
 
 
 def _dla(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.patching.logit import direct_logit_attribution
-
-    pairs = _pair(hm, length)
-    return lambda: direct_logit_attribution(hm, pairs)
-
-
-def _lens(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.patching.logit import logit_lens
-
-    pairs = _pair(hm, length)
-    return lambda: logit_lens(hm, pairs)
-
-
-def _patch(hm, length: int, args) -> Callable[[], object]:
     from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.logit import direct_logit_attribution, logit_lens
 
     pairs = _pair(hm, length)
-    return lambda: patch(hm, pairs, "resid_pre", layers=[hm.n_layers // 2], positions=[length // 3])
+    return {
+        "dla": lambda: direct_logit_attribution(hm, pairs),
+        "lens": lambda: logit_lens(hm, pairs),
+        "patch": lambda: patch(hm, pairs, "resid_pre", layers=[hm.n_layers // 2], positions=[length // 3]),
+    }[args.section]
 
 
 ANALYSES: dict[str, tuple[str, Callable]] = {
-    "eap": ("gradient", _eap),
-    "eap-ig": ("gradient", _eap_ig),
+    "eap": ("gradient", _edges("eap")),
+    "eap-ig": ("gradient", _edges("eap-ig")),
     "atp": ("gradient", _atp),
     "atp_star": ("gradient", _atp_star),
     "sinks": ("forward", _sinks),
@@ -239,8 +223,8 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "span_attention": ("forward", _span_attention),
     "knockout": ("forward", _knockout),
     "dla": ("forward", _dla),
-    "lens": ("forward", _lens),
-    "patch": ("forward", _patch),
+    "lens": ("forward", _dla),
+    "patch": ("forward", _dla),
 }
 """name -> (kind: "gradient" or "forward", builder `(model, length, args) -> run`)."""
 
@@ -270,6 +254,7 @@ def _one(name: str, length: int, args) -> dict:
 
     torch.manual_seed(0)
     hm = load_model(device=args.device)
+    args.section = name
     run = ANALYSES[name][1](hm, length, args)
     ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(2)).to(hm.device)
 

@@ -157,7 +157,8 @@ def path_patch(
         metric: as `heads.scorers.patching.activation.patch` (default logit difference).
         positions: padded columns where the sender's output is replaced (default all;
             negative counts from the end).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`.
+        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
+            counts work in token-layers (rows x recomputed columns x layers run), not rows.
 
     Returns:
         a `PatchResult` of kind `"path"`, grid `("layer", "head")` over every head: raw metric
@@ -214,18 +215,29 @@ def path_patch(
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
         chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
-    total = sum(len(c) for c in chunks)
+    # progress counts work, not rows (as `patch`): a chunk costs its rows x the columns it
+    # recomputes x the layers from its sender's to the last one it runs
+    last = L if recv is None else max(la for la, _ in recv) + 1
+    work = []
+    for chunk in chunks:
+        trim = width - max(lengths[i] for _, i in chunk)
+        split = width - 1 if recv is None else trim if poss is None else max(trim, min(poss[0], width - 1))
+        work.append(len(chunk) * (width - split) * max(1, last - sends[chunk[0][0]][0]))
+    total = sum(work)
     columns = met.columns(pairs) if met.columns is not None else None
-    with progress_callback(options.progress, "path patching", "rows") as report, unembed_only(model, columns):
+    with (
+        progress_callback(options.progress, "path patching", "token-layers") as report,
+        unembed_only(model, columns),
+    ):
         done = 0
-        for chunk in chunks:
+        for chunk, cost in zip(chunks, work, strict=True):
             ps = torch.tensor([i for _, i in chunk])
             heads = [sends[s] for s, _ in chunk]
             logits = _run_chunk(model, base, src, base_ids, mask, heads, ps, recv, comps, mlp, poss, width)
             m = met(logits, pairs, ps, clean.logits[ps]).cpu()
             for r, (la, h) in enumerate(heads):
                 raw[la, h, int(ps[r])] = m[r]
-            done += len(chunk)
+            done += cost
             if report is not None:
                 report(done, total)
     params = {

@@ -47,3 +47,35 @@ def test_progress_follows_the_work_each_forward_does(tiny_llama, monkeypatch, ki
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
     for dp, dw in zip(steps, per_chunk, strict=True):
         assert 0.5 <= (dp / total) / (dw / sum(per_chunk)) <= 2.0, (steps, per_chunk)
+
+
+def test_path_patching_progress_follows_the_work(tiny_llama, monkeypatch):
+    """The same for path patching to the logits: a sender in layer 0 runs every layer above it."""
+    import heads.scorers.patching.path as path
+
+    L = tiny_llama.n_layers
+    work = [0]
+    per_chunk: list[int] = []
+    rows, run_chunk = path.run_rows, path._run_chunk
+
+    def counted(model, ids, *a, **k):
+        work[0] += ids.shape[0] * ids.shape[1] * (L - k["start"])
+        return rows(model, ids, *a, **k)
+
+    def chunk(*a, **k):
+        before = work[0]
+        out = run_chunk(*a, **k)
+        per_chunk.append(work[0] - before)
+        return out
+
+    monkeypatch.setattr(path, "run_rows", counted)
+    monkeypatch.setattr(path, "_run_chunk", chunk)
+    seen: list[tuple[int, int]] = []
+    opts = SweepOptions(max_rows=3, progress=lambda d, t: seen.append((d, t)))
+    path.path_patch(tiny_llama, encode_pairs(tiny_llama, PAIRS), options=opts)
+    assert len(seen) == len(per_chunk) > 2 and len(set(per_chunk)) > 1
+    done, total = [d for d, _ in seen], seen[-1][1]
+    assert done == sorted(done) and done[-1] == total
+    # to the logits every forward recomputes one column from the sender's layer up: exactly its work
+    steps = [b - a for a, b in zip([0, *done], done, strict=False)]
+    assert steps == per_chunk and total == sum(per_chunk)
