@@ -53,6 +53,7 @@ BUILDERS = {
         m, _pairs(), method="eap", size=50.0, curve=False, progress=False
     ),
     "KnockoutResult": lambda m: heads.knockout(m, _pairs(), keys=[1], layers=[0, 1], per="layer"),
+    "PatchResult": lambda m: heads.patch(m, _pairs(), "head_out", options=QUIET),
     "QKAttribution": lambda m: heads.qk_attribution(m, PROMPTS[1], (1, 1)),
     "CompositionScores": lambda m: heads.composition_scores(m, n_samples=4),
     "RoleScores": lambda m: heads.detect_roles(m, retrieval=False, successor=False),

@@ -48,7 +48,8 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -215,6 +216,9 @@ class PatchResult:
     params: dict = field(default_factory=dict)
     stability: Stability | None = None
 
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
     @property
     def scores(self) -> torch.Tensor:
         """`[*grid, N]` normalised per pair (NaN for zero-gap pairs; `metrics.normalise`)."""
@@ -332,19 +336,45 @@ class PatchResult:
             **({} if self.stability is None else {"stability": self.stability.to_json()}),
         }
 
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False):
-        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded)."""
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded);
+        returns the path."""
         return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> PatchResult:
-        """Read a file written by `save`.
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> PatchResult:
+        """Read a file written by `save`, checked against `model` when given (its layers and
+        heads must fit the model's `(n_layers, n_heads, n_kv_heads)`).
 
         Raises:
             ValueError: a missing file, not UTF-8 JSON (line and column), an integer of more
                 than 4300 digits ("a number in '<file>' is too large ..."), not a patching
-                result, or any field malformed (see `from_json`).
+                result, any field malformed (see `from_json`), or a model the result does not
+                fit.
         """
+        out = cls._load(path)
+        if model is not None:
+            out._check_model(os.fspath(path), model)
+        return out
+
+    def _check_model(self, where: str, model: HeadModel) -> None:
+        """Refuse a model whose geometry the result's layers / heads do not fit."""
+        want = (model.n_layers, model.n_heads, model.n_kv_heads)
+        layers = [int(la) for la in self.params.get("layers", []) if is_int(la)]
+        heads = self.raw.shape[1] if self.grid[1:2] in (("head",), ("kv_head",)) else None
+        n = model.n_kv_heads if self.grid[1:2] == ("kv_head",) else model.n_heads
+        if (
+            (layers and max(layers) >= model.n_layers)
+            or (heads is not None and heads != n)
+            or (self.n_kv_heads is not None and self.n_kv_heads != model.n_kv_heads)
+        ):
+            raise HeadsteerValueError(
+                f"{where!r}: this patching result does not fit the model's geometry: the model has "
+                f"(n_layers, n_heads, n_kv_heads)={want}"
+            )
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike) -> PatchResult:
         if not os.path.isfile(path):
             raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
         from heads._util.validation import read_json_file
