@@ -53,7 +53,10 @@ ANALYSES: dict[str, str] = {
     "retrieval": "the retrieval detector (the answer rows' patterns)",
     "qrhead": "QRHead scores (the query rows' patterns)",
     "knockout": "attention knockout (a row-by-column logit bias; fused kernel on long prompts)",
-    "gradient": "a forward and backward (attribution patching, EAP: gradients on activations)",
+    "gradient": (
+        "one forward and backward through the whole model, every layer's saved activations alive "
+        "at once (an upper bound for AtP / EAP, which run their gradients layer by layer)"
+    ),
 }
 """The analyses `plan_memory` knows, with what is planned for each."""
 
