@@ -48,7 +48,7 @@ def _gating(model):
 
 
 BUILDERS = {
-    "HeadScores": lambda m: heads.direct_logit_attribution(m, _pairs()).head_scores(),
+    "HeadScores": lambda m: heads.composition_scores(m, n_samples=4).head_scores(),
     "Circuit": lambda m: heads.find_circuit(
         m, _pairs(), method="eap", size=50.0, curve=False, progress=False
     ),
@@ -67,6 +67,7 @@ BUILDERS = {
     "SinkStats": lambda m: heads.sink_stats(m, PROMPTS, chat=False),
     "MapsScores": _maps,
     "GatingResult": _gating,
+    "DLAResult": lambda m: heads.direct_logit_attribution(m, _pairs()),
 }
 """Result class name -> how the test makes one on the tiny model."""
 

@@ -41,7 +41,7 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -50,8 +50,8 @@ from heads.engine.unembed import logit_transform, output_logits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadScores
-from heads.results.stability import Stability, check_stability
+from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
+from heads.results.stability import check_stability
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
@@ -173,105 +173,6 @@ def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ DLA
-@dataclass
-class DLAResult:
-    """Direct logit attribution of one clean run (logit difference answer - counterfactual).
-
-    A linear decomposition of the logit difference *before any output soft-cap* (Gemma 2 / 3,
-    NanoChat cap the logits after the unembedding; no sum of terms reproduces the cap). Every
-    term is in logit units, with the model's constant logit scale (Cohere, Granite, MiniCPM3)
-    folded in and each block's residual multiplier (Granite, MiniCPM3) applied to its terms.
-
-    Attributes:
-        heads: `[N, L, H, T]` fp32 term of head (l, h)'s output at position t on the logit
-            difference read at t (frozen final-norm scale of position t; padding columns 0).
-        mlp: `[N, L, T]` the MLP terms; `attn_bias`: `[N, L, T]` the output-projection bias terms.
-        embed: `[N, T]` the embedding term (token + absolute position embeddings).
-        bias: `[N, T]` the final norm's and the LM head's bias terms.
-        rest: `[N, T]` what the recorded parts leave unexplained (`x_L` minus their sum).
-        logit_diff: `[N, T]` the model's own logit difference at every position, before any
-            output soft-cap (equal to the output's where the family has none).
-        labels: `T` token strings of pair 0's clean row (`""` on padding).
-        model: the model id.
-        params: how it was computed.
-        stability: the bootstrap over pairs of the last position's head ranking
-            (`direct_logit_attribution(stability=B)`, `.bootstrap()`), or None.
-    """
-
-    heads: torch.Tensor
-    mlp: torch.Tensor
-    attn_bias: torch.Tensor
-    embed: torch.Tensor
-    bias: torch.Tensor
-    rest: torch.Tensor
-    logit_diff: torch.Tensor
-    labels: list[str] = field(default_factory=list)
-    model: str = ""
-    n_kv_heads: int | None = None
-    params: dict = field(default_factory=dict)
-    stability: Stability | None = None
-
-    def total(self) -> torch.Tensor:
-        """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
-        return (
-            self.heads.sum((1, 2))
-            + self.mlp.sum(1)
-            + self.attn_bias.sum(1)
-            + self.embed
-            + self.bias
-            + self.rest
-        )
-
-    def head_scores(self, position: int = -1) -> HeadScores:
-        """Mean over pairs of the head terms at `position` (default the last) as `HeadScores`."""
-        t = self.heads.shape[-1]
-        if not -t <= position < t:
-            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
-        st = self.stability
-        if st is not None and st.params.get("position") not in (position, position - t):
-            st = None
-        return HeadScores(
-            self.heads[..., position].mean(0),
-            method="patching.dla",
-            params={"position": position, **self.params},
-            model=self.model,
-            n_kv_heads=self.n_kv_heads,
-            stability=st,
-        )
-
-    def bootstrap(
-        self, n_resamples: int = 100, *, position: int = -1, absolute: bool = False, **kwargs: Any
-    ) -> Stability:
-        """The bootstrap `Stability` of the head ranking at `position` over the pairs, from the
-        per-pair head terms (no forward pass; `heads.scorers.stability.grid_stability`, keywords
-        `k`, `seed`, `templates`, `by`). `absolute`: rank by |term| (default: by term, as `top`)."""
-        from heads.scorers.stability import grid_stability
-
-        t = self.heads.shape[-1]
-        if not -t <= position < t:
-            raise HeadsteerValueError(f"position {short_repr(position)} is outside 0..{t - 1}")
-        return grid_stability(
-            self.heads[..., position],
-            n_resamples,
-            absolute=absolute,
-            method="patching.dla",
-            model=self.model,
-            params={"position": position},
-            **kwargs,
-        )
-
-    def by_position(self) -> torch.Tensor:
-        """`[L, H, T]` mean over pairs of the head terms at every position."""
-        return self.heads.mean(0)
-
-    def layer_terms(self) -> dict[str, torch.Tensor]:
-        """Per layer `[L]` mean terms at the last position: `"attn"` (heads + bias), `"mlp"`."""
-        return {
-            "attn": (self.heads[..., -1].sum(2) + self.attn_bias[..., -1]).mean(0),
-            "mlp": self.mlp[..., -1].mean(0),
-        }
-
-
 @torch.no_grad()
 def direct_logit_attribution(
     model: HeadModel, pairs: PairBatch, *, which: str = "clean", stability: int = 0
