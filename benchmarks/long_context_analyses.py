@@ -299,9 +299,10 @@ def _peer(name: str, length: int, args) -> dict:
         layers = hm.model.model.layers
 
         def run() -> None:
+            kept: list = []  # the saved patterns, alive until the trace returns them
             with torch.no_grad(), nn_model.trace(ids, output_attentions=True):
-                saved = [layer.self_attn.output[1].save() for layer in nn_model.model.layers]
-            del saved
+                kept.extend(layer.self_attn.output[1].save() for layer in nn_model.model.layers)
+            assert len(kept) == hm.n_layers
 
         assert len(layers) == hm.n_layers
     _cap(args.cap_gb)
