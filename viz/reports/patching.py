@@ -101,17 +101,25 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
 
 
 def position_heatmap(
-    values: torch.Tensor, labels: list[str], title: str, *, ylabel: str = "layer", note: str | None = None
+    values: torch.Tensor,
+    labels: list[str],
+    title: str,
+    *,
+    ylabel: str = "layer",
+    note: str | None = None,
+    rows: list[int] | None = None,
 ) -> go.Figure:
     """Rows x positions heatmap (`values [R, T]`), token labels on the x axis, on the diverging
-    scale centred on 0 (`viz.figures.DIVERGING`); `note` (e.g. the sign convention) under it."""
+    scale centred on 0 (`viz.figures.DIVERGING`); `note` (e.g. the sign convention) under it;
+    `rows`: the y label of each row (default `0 .. R-1`; a patching sweep of some layers passes
+    `PatchResult.layer_ids`, the real layer numbers)."""
     t = values.shape[-1]
     x = [f"{i}:{labels[i]}" if i < len(labels) else str(i) for i in range(t)]
     fig = go.Figure(
         go.Heatmap(
             z=values.tolist(),
             x=x,
-            y=list(range(values.shape[0])),
+            y=list(range(values.shape[0])) if rows is None else [str(r) for r in rows],
             colorscale=DIVERGING,
             hoverongaps=False,
             **diverging_range(values),
@@ -189,6 +197,7 @@ def render_patching_report(
                 result.labels,
                 f"{result.kind} by layer and position",
                 note=direction_note(result.direction),
+                rows=result.layer_ids,
             ),
             note="Token labels are pair 0's clean tokens (positions align across pairs of one template).",
         )

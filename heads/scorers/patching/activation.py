@@ -251,10 +251,21 @@ class PatchResult:
         se = (var / n).sqrt()
         return m - z * se, m + z * se
 
+    @property
+    def layer_ids(self) -> list[int]:
+        """The model layer of each index along the grid's layer axis (`params["layers"]`: a sweep
+        of some layers keeps their real numbers; default `0 .. L-1`)."""
+        layers = self.params.get("layers")
+        n = int(self.raw.shape[0])
+        if isinstance(layers, list) and len(layers) == n and all(is_int(la) and la >= 0 for la in layers):
+            return [int(la) for la in layers]
+        return list(range(n))
+
     def head_scores(self, reduce: str = "max") -> HeadScores:
-        """The mean scores as `HeadScores` `[L, H]` (head kinds; k/v give `[L, G]`). For
-        `head_out_by_pos` the positions are reduced: `"max"` (default: largest |score|, signed)
-        or `"sum"`.
+        """The mean scores as `HeadScores` `[L, H]` (head kinds; k/v give `[L, G]`) on the model's
+        full layer grid: a sweep of some layers (`layers=[...]`) fills its layers at their real
+        numbers and NaN elsewhere (never selected by `top` / `ranked`). For `head_out_by_pos` the
+        positions are reduced: `"max"` (default: largest |score|, signed) or `"sum"`.
 
         Raises:
             ValueError: a kind without a head axis (resid_pre, attn_out, mlp_out).
@@ -272,6 +283,13 @@ class PatchResult:
                 m = m.gather(-1, idx)[..., 0]
             else:
                 raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
+        ids = self.layer_ids
+        n_layers = self.params.get("n_layers")
+        n_layers = int(n_layers) if is_int(n_layers) and n_layers > max(ids) else max(ids) + 1
+        if ids != list(range(n_layers)):  # a sweep of some layers: their real numbers, NaN elsewhere
+            full = torch.full((n_layers, *m.shape[1:]), math.nan, dtype=m.dtype)
+            full[torch.tensor(ids)] = m
+            m = full
         n_kv = m.shape[1] if self.grid[1] == "kv_head" else self.n_kv_heads
         params = {"kind": self.kind, "direction": self.direction, "metric": self.metric, **self.params}
         st = self.stability
@@ -297,6 +315,7 @@ class PatchResult:
         m, (lo, hi) = self.mean, self.interval()
         idx = torch.cartesian_prod(*[torch.arange(n) for n in m.shape]).reshape(-1, m.ndim)
         cols: dict[str, Any] = {name: idx[:, j].numpy() for j, name in enumerate(self.grid)}
+        cols["layer"] = torch.tensor(self.layer_ids)[idx[:, 0]].numpy()  # the model's layer numbers
         cols.update(
             score=m.flatten().numpy(),
             ci_low=lo.flatten().numpy(),
@@ -589,7 +608,8 @@ def patch(
         metric: `"logit_diff"` (default), `"log_prob"`, `"prob"`, `"kl"`, a `Metric` or a user
             function (`heads.scorers.patching.metrics`), read at the last position.
         direction: `"denoising"` (default: clean values into the corrupted run) or `"noising"`.
-        layers: layers to score (default all); the grid's layer axis follows this list.
+        layers: layers to score (default all); the grid's layer axis follows this list
+            (`PatchResult.layer_ids`), and `head_scores` / `to_frame` report the real layer numbers.
         positions: padded columns to score for the by-position kinds (default all; negative
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
@@ -724,7 +744,7 @@ def run_patch(
         [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
         model.name,
         model.n_kv_heads,
-        _params(pairs, lays, poss if by_pos else None),
+        _params(pairs, lays, poss if by_pos else None, model.n_layers),
     )
     if stability:
         from heads.scorers.stability import pair_templates
@@ -733,10 +753,10 @@ def run_patch(
     return result
 
 
-def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None) -> dict:
+def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None, n_layers: int) -> dict:
     """The result's `params`; for vision pairs also `image_positions`: the indices along the
     position axis whose columns are image tokens in pair 0."""
-    out: dict[str, Any] = {"layers": layers, "positions": positions, "n_pairs": pairs.n}
+    out: dict[str, Any] = {"layers": layers, "n_layers": n_layers, "positions": positions, "n_pairs": pairs.n}
     if isinstance(pairs, ImagePairBatch):
         cols = set(pairs.image_mask[0].nonzero().flatten().tolist())
         out["image_positions"] = [j for j, p in enumerate(positions or []) if p in cols]
