@@ -63,6 +63,7 @@ class Geometry:
         residual_multiplier: the factor each sub-layer output is scaled by before it joins the
             residual stream (Granite / HyperCLOVA X `residual_multiplier`, MiniCPM3
             `scale_depth / sqrt(n_layers)`); None where it is 1.
+        d_vocab: the vocabulary size (None when the config does not say).
     """
 
     n_layers: int
@@ -72,6 +73,7 @@ class Geometry:
     family: Family | None = field(default=None, repr=False, compare=False)
     max_positions: int | None = None
     residual_multiplier: float | None = None
+    d_vocab: int | None = None
 
     @classmethod
     def of(cls, source: object) -> Geometry:
@@ -98,6 +100,7 @@ class Geometry:
                 m.family,
                 m.max_positions,
                 _residual_multiplier(getattr(config, "text_config", None) or config),
+                int(m.d_vocab),
             )
         config = _as_config(source)
         family = family_of(config)
@@ -122,6 +125,7 @@ class Geometry:
             family,
             int(limit) if limit else None,
             _residual_multiplier(text),
+            int(text.vocab_size) if is_int(getattr(text, "vocab_size", None)) else None,
         )
 
     # ---------------------------------------------------------------- checks
