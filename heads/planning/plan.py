@@ -253,24 +253,34 @@ def _cached(key: tuple, make: Any) -> Any:
     return hit
 
 
-def _config_key(config: Any) -> str:
-    d = text_config(config).to_dict()
+def _config_key(config: Any, whole: bool = False) -> str:
+    d = (config if whole else text_config(config)).to_dict()
     for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
         d.pop(k, None)
     return json.dumps(d, sort_keys=True, default=str)
 
 
 def _param_sizes(config: Any) -> tuple[tuple[str, int], ...]:
-    """`(name, numel)` of every parameter of a `meta`-device build (tied weights once)."""
-    from transformers import AutoModelForCausalLM
+    """`(name, numel)` of every parameter of a `meta`-device build (tied weights once); a
+    vision-language config builds the whole model (vision tower and projector included), as
+    `load_model` loads it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     def make() -> tuple[tuple[str, int], ...]:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(text_config(config)))
+            if text_config(config) is not config:
+                model = AutoModelForImageTextToText.from_config(copy.deepcopy(config))
+            else:
+                model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
         return tuple((n, p.numel()) for n, p in model.named_parameters())
 
-    sizes: tuple[tuple[str, int], ...] = _cached(("params", _config_key(config)), make)
+    sizes: tuple[tuple[str, int], ...] = _cached(("params", _config_key(config, whole=True)), make)
     return sizes
+
+
+_FIRST_DEVICE = ("embed", ".wte.", ".wpe.", "vision", "visual", "multi_modal", "connector", "image")
+"""Parameter-name parts an even split puts on the first device (the inputs' side: embeddings,
+a vision tower and its projector, whose layers are not decoder layers)."""
 
 
 def weight_bytes(config: Any, dtype: torch.dtype) -> dict[str, int]:
@@ -474,12 +484,13 @@ def plan_memory(
         else:  # an even split: layer parameters by index, the rest on the first / last device
             w = 0
             for n, v in sizes.items():
-                la = _layer_of(n)
+                first = any(part in n for part in _FIRST_DEVICE)
+                la = None if first else _layer_of(n)
                 if la is not None:
                     w += v if la in layers else 0
-                elif ("embed" in n or ".wte." in n or ".wpe." in n) and i == 0:
+                elif first and i == 0:
                     w += v
-                elif not ("embed" in n or ".wte." in n or ".wpe." in n) and i == len(split) - 1:
+                elif not first and i == len(split) - 1:
                     w += v
         count: dict[str, int] = {}
         for la in layers:

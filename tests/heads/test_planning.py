@@ -112,6 +112,19 @@ def test_device_splits_add_up():
         plan_memory(cfg, "forward", 64, devices={k: v for k, v in dmap.items() if k != "lm_head"})
 
 
+@pytest.mark.parametrize("kind", ["llava", "gemma3"])
+def test_vision_language_weights_include_the_vision_tower(kind):
+    from tests.support.families import tiny_family_model
+
+    hm = tiny_family_model(kind)
+    real = sum(p.numel() * p.element_size() for p in hm.model.parameters())
+    plan = plan_memory(hm.model.config, "forward", 32)
+    assert plan.devices[0].weights == real
+    two = plan_memory(hm.model.config, "forward", 32, devices=2)
+    assert sum(d.weights for d in two.devices) == real
+    assert sum(d.layers for d in two.devices) == plan.devices[0].layers
+
+
 def test_batch_is_linear_and_gradient_keeps_each_layer():
     cfg = LlamaConfig(**dict(LLAMA_31_8B, num_hidden_layers=4))
     a1 = plan_memory(cfg, "forward", 1024, 1, torch.bfloat16).devices[0].activations
