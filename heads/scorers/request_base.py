@@ -421,7 +421,7 @@ def _refuse_bare_name(data: str | bytes) -> None:
     known = _REGISTRY.get(word) or short.get(word.lower()) or short["dla"]
     raise HeadsteerValueError(
         f"unknown request {short_repr(word)}; pass a request object such as heads.{known.__name__}() "
-        f"or JSON with one of: {', '.join(sorted(_REGISTRY))} (e.g. '{{\"request\": \"{known.NAME}\"}}')"
+        f'or JSON with one of: {", ".join(sorted(_REGISTRY))} (e.g. \'{{"request": "{known.NAME}"}}\')'
     )
 
 
