@@ -317,6 +317,14 @@ class LensResult:
     model: str = ""
     params: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """One line: `[N, L + 1]`, the model, whether per-head logits are held (not the tensors)."""
+        n, points = self.logit_diff.shape[:2]
+        return (
+            f"LensResult(model={self.model!r}, n_pairs={n}, points={points}, "
+            f"head_logits={self.head_answer is not None})"
+        )
+
     def winner_share(self) -> torch.Tensor:
         """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
         return (self.logit_diff > 0).float().mean(0)
