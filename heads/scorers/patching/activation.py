@@ -42,9 +42,9 @@ test_family_patching.py).
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,6 +65,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability
+from heads.results.storage import json_text
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
@@ -196,7 +197,9 @@ class PatchResult:
         clean: `[N]` metric of the unpatched clean run.
         corrupt: `[N]` metric of the unpatched corrupted run.
         grid: names of the grid axes, e.g. `("layer", "head")`, `("layer", "head", "position")`.
-        labels: token strings of the position axis (pair 0's clean tokens, `""` on padding).
+        labels: token strings of the position axis (pair 0's clean tokens, `""` on padding;
+            `params["labels_from"]` says so, and notes pairs of different lengths, whose columns
+            hold different tokens).
         model: the model id.
         params: other parameters (layers scored, ...).
         stability: the bootstrap over pairs of the head ranking (`patch(stability=B)`,
@@ -218,6 +221,16 @@ class PatchResult:
 
     SCHEMA: ClassVar[str] = SCHEMA
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
+    def __repr__(self) -> str:
+        """One line: kind, direction, metric, grid and shape, pairs, layers (not the tensors)."""
+        ids = self.layer_ids
+        lays = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 3 else ids
+        return (
+            f"PatchResult(kind={self.kind!r}, direction={self.direction!r}, metric={self.metric!r}, "
+            f"grid={list(self.grid)} {list(self.raw.shape[:-1])}, n_pairs={self.raw.shape[-1]}, "
+            f"layers={lays}, model={self.model!r})"
+        )
 
     @property
     def scores(self) -> torch.Tensor:
@@ -358,7 +371,7 @@ class PatchResult:
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded);
         returns the path."""
-        return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> PatchResult:
@@ -624,6 +637,11 @@ def patch(
         a `PatchResult` (raw metric per site and pair, the clean/corrupt metrics, normalised
         scores, intervals, `.head_scores()`, `.to_frame()`, `.save()`).
 
+    Warns:
+        UserWarning: a by-position kind (`resid_pre`, `attn_out`, `mlp_out`, `head_out_by_pos`)
+            on pairs whose clean prompts differ in length (`mixed_lengths_note`): a padded
+            column then holds different tokens in different pairs, and the labels are pair 0's.
+
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
         ValueError: an unknown kind / direction / metric, a kind the family does not have
@@ -655,6 +673,9 @@ def run_patch(
     by_pos = kind in BY_POSITION
     poss = _check_positions(pairs, request.positions if by_pos else None)
     model.check_length(pairs.width)
+    mixed = mixed_lengths_note(pairs) if by_pos else None
+    if mixed is not None:
+        warnings.warn(f"{kind} patching by position: {mixed}", UserWarning, stacklevel=3)
     if stability:
         from heads.scorers.stability import check_samples
 
@@ -746,11 +767,27 @@ def run_patch(
         model.n_kv_heads,
         _params(pairs, lays, poss if by_pos else None, model.n_layers),
     )
+    if by_pos:
+        result.params["labels_from"] = "pair 0's clean tokens" + ("" if mixed is None else f" ({mixed})")
     if stability:
         from heads.scorers.stability import pair_templates
 
         result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
     return result
+
+
+def mixed_lengths_note(pairs: PairBatch) -> str | None:
+    """None when every pair's clean prompt has one length (one template: a padded column holds
+    the same role in every pair); else why a by-position score mixes tokens: the count of pairs
+    and lengths, and the advice (one template per call, `pairs.select(...)`)."""
+    n_lengths = len(set(pairs.lengths.tolist()))
+    if n_lengths <= 1:
+        return None
+    return (
+        f"the {pairs.n} pairs' clean prompts have {n_lengths} different lengths, so a column holds "
+        "different tokens in different pairs and its mean mixes them; the position labels are pair "
+        "0's tokens. Patch one template per call (e.g. pairs.select([...]) of the pairs of one length)"
+    )
 
 
 def _params(pairs: PairBatch, layers: list[int], positions: list[int] | None, n_layers: int) -> dict:

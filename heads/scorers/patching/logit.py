@@ -45,16 +45,15 @@ from typing import cast
 
 import torch
 
-from heads._util.validation import check_int, short_repr
 from heads.engine.unembed import logit_transform, output_logits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
-from heads.results.stability import check_stability
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
+from heads.scorers.patching.request import DLARequest, LensRequest
 
 __all__ = [
     "DLAResult",
@@ -97,13 +96,11 @@ def _which(pairs: PairBatch, which: str) -> torch.Tensor:
     return pairs.ids(which)
 
 
-def _check_input(model: HeadModel, pairs: object, which: object) -> PairBatch:
+def _check_input(model: HeadModel, pairs: object) -> PairBatch:
     """Refuse, before any forward, pairs that are not a `PairBatch`, ids outside the model's
-    vocabulary, a padded width over the model's context, `which` not clean / corrupted."""
+    vocabulary, a padded width over the model's context (`which` is the request's)."""
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
-    if which not in ("clean", "corrupted"):
-        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
     check_vocab(pairs, model.d_vocab)
     model.check_length(pairs.width)
     return pairs
@@ -200,12 +197,13 @@ def direct_logit_attribution(
             recorded post-norm output that is not the norm of the heads' projection.
         TypeError: pairs not a `PairBatch`.
     """
-    _check_input(model, pairs, which)
+    request = DLARequest(which=which, stability=stability)  # its checks, once
+    which, stability = request.which, request.stability
+    _check_input(model, pairs)
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
     post, tol = _post_norms(model), _tol(model)
-    stability = check_stability(stability)
     if stability:
         from heads.scorers.stability import check_samples
 
@@ -319,6 +317,14 @@ class LensResult:
     model: str = ""
     params: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """One line: `[N, L + 1]`, the model, whether per-head logits are held (not the tensors)."""
+        n, points = self.logit_diff.shape[:2]
+        return (
+            f"LensResult(model={self.model!r}, n_pairs={n}, points={points}, "
+            f"head_logits={self.head_answer is not None})"
+        )
+
     def winner_share(self) -> torch.Tensor:
         """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
         return (self.logit_diff > 0).float().mean(0)
@@ -357,8 +363,10 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
             1..d_vocab, ids outside the vocabulary, prompts longer than the model's context.
         TypeError: pairs not a `PairBatch`.
     """
-    _check_input(model, pairs, which)
-    check_int("k", k, lo=1, hi=model.d_vocab)
+    request = LensRequest(which=which, k=k)  # its checks, once; k within the vocabulary below
+    _check_input(model, pairs)
+    request.check_config(model)
+    which, k = request.which, request.k
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
@@ -411,7 +419,8 @@ def head_logits(
     Raises:
         ValueError: as `direct_logit_attribution`.
     """
-    _check_input(model, pairs, which)
+    which = DLARequest(which=which).which  # the request's check of which
+    _check_input(model, pairs)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("head_logits needs a counterfactual token for every pair")
     post = _post_norms(model)
@@ -439,7 +448,8 @@ def logit_inspection(model: HeadModel, pairs: PairBatch, *, which: str = "clean"
     """Comp-mech's logit inspection (Ortu et al. 2024, Sec. 4): per layer (logit lens) and per
     head (frozen-scale direct logits) the logit of the answer ("factual" in the paper's words)
     and of the counterfactual token. Two forwards; see `logit_lens` and `head_logits`."""
-    _check_input(model, pairs, which)
+    LensRequest(which=which, k=k).check_config(model)  # the lens' checks, once, before any forward
+    _check_input(model, pairs)
     check_dla_model(model)  # before logit_lens' forward: what head_logits refuses
     lens = logit_lens(model, pairs, which=which, k=k)
     lens.head_answer, lens.head_counterfactual = head_logits(model, pairs, which=which)

@@ -300,6 +300,12 @@ class LensRequest(Request):
         check_choice("which", self.which, WHICH)
         object.__setattr__(self, "k", check_int("k", self.k, lo=1))
 
+    def check_geometry(self, geometry: Geometry) -> None:
+        from heads._util.validation import check_int
+
+        if geometry.d_vocab is not None:
+            check_int("k", self.k, lo=1, hi=geometry.d_vocab)
+
 
 @dataclass(frozen=True)
 class KnockoutRequest(Request):

@@ -66,3 +66,18 @@ def test_by_position_subset_keeps_layer_numbers(setup):
 
     fig = position_heatmap(res.mean, res.labels, "t", rows=res.layer_ids)
     assert list(fig.data[0].y) == ["2"]
+
+
+def test_by_position_warns_on_mixed_lengths(tokenizer, setup):
+    model, one = setup
+    mixed = encode_pairs(tokenizer, PAIRS)  # two templates of different lengths
+    assert len(set(mixed.lengths.tolist())) == 2
+    with pytest.warns(UserWarning, match="2 pairs' clean prompts have 2 different lengths") as rec:
+        res = patch(model, mixed, "resid_pre", layers=[2], positions=[-1], options=OPTS)
+    assert sum("different lengths" in str(w.message) for w in rec) == 1  # once per call
+    assert "different lengths" in res.params["labels_from"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one template: no warning
+        same = patch(model, one, "resid_pre", layers=[2], positions=[-1], options=OPTS)
+        patch(model, mixed, "head_out", layers=[2], options=OPTS)  # not by position: no warning
+    assert same.params["labels_from"] == "pair 0's clean tokens"
