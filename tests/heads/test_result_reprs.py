@@ -32,3 +32,19 @@ def test_result_reprs_are_short(tokenizer):
         r = repr(out)
         assert len(r) < LIMIT and "tensor(" not in r, r
         assert r.startswith(type(out).__name__ + "(")
+
+
+def test_lens_head_logits_only_when_asked(tokenizer):
+    """`logit_lens` leaves the per-head logits None (as documented); `logit_inspection` fills them
+    with `head_logits`' values."""
+    from heads.scorers.patching.logit import head_logits, logit_inspection
+
+    model = make_tiny("llama", tokenizer)
+    pairs = encode_pairs(tokenizer, PAIRS[:1])
+    assert logit_lens(model, pairs).head_answer is None
+    insp = logit_inspection(model, pairs)
+    ans, cf = head_logits(model, pairs)
+    assert insp.head_answer is not None and insp.head_counterfactual is not None
+    torch.testing.assert_close(insp.head_answer, ans)
+    torch.testing.assert_close(insp.head_counterfactual, cf)
+    assert "head_logits=True" in repr(insp) and "head_logits=False" in repr(logit_lens(model, pairs))

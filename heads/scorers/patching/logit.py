@@ -302,8 +302,10 @@ class LensResult:
         logit_diff: `[N, L + 1]` answer minus counterfactual.
         top_tokens: per layer, the `k` most likely tokens of pair 0.
         head_answer: `[N, L, H]` each head's direct logit (frozen final scale, last position)
-            of the answer token (`head_logits`), or None.
-        head_counterfactual: `[N, L, H]` the same for the counterfactual token, or None.
+            of the answer token (`head_logits`); None unless asked for: `logit_lens` leaves it
+            None, `logit_inspection` fills it (or call `head_logits(model, pairs)` directly).
+        head_counterfactual: `[N, L, H]` the same for the counterfactual token; None unless
+            asked for, as `head_answer`.
     """
 
     answer_logit: torch.Tensor
@@ -357,6 +359,10 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
     Args:
         which: `"clean"` (default) or `"corrupted"`.
         k: top tokens kept per layer for pair 0 (default 5).
+
+    Returns:
+        a `LensResult` whose per-head `head_answer` / `head_counterfactual` are None: use
+        `logit_inspection` (the lens and `head_logits` together) for them.
 
     Raises:
         ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` not in
