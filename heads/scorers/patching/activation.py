@@ -222,6 +222,16 @@ class PatchResult:
     SCHEMA: ClassVar[str] = SCHEMA
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
+    def __repr__(self) -> str:
+        """One line: kind, direction, metric, grid and shape, pairs, layers (not the tensors)."""
+        ids = self.layer_ids
+        lays = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 3 else ids
+        return (
+            f"PatchResult(kind={self.kind!r}, direction={self.direction!r}, metric={self.metric!r}, "
+            f"grid={list(self.grid)} {list(self.raw.shape[:-1])}, n_pairs={self.raw.shape[-1]}, "
+            f"layers={lays}, model={self.model!r})"
+        )
+
     @property
     def scores(self) -> torch.Tensor:
         """`[*grid, N]` normalised per pair (NaN for zero-gap pairs; `metrics.normalise`)."""
