@@ -78,8 +78,10 @@ class MemoryRequest:
             default auto: fused from `FUSED_MIN_ROWS_CPU` tokens on), `query_rows` (qrhead,
             retrieval: the rows whose pattern is read; default 64).
 
-    An analysis request object (the per-analysis request dataclasses) plans the same way when it
-    has a `memory_request()` method returning one of these.
+    An analysis request of `heads` plans as its analysis where the plan has one
+    (`REQUEST_PLANS`: knockout, sink statistics, the detectors, QRHead, AtP and gradient
+    circuits); other requests are refused by name. Any object with a `memory_request()`
+    method returning one of these plans the same way.
 
     Raises:
         HeadsteerValueError: an unknown analysis or parameter, a bad value.
@@ -113,11 +115,35 @@ class MemoryRequest:
         return self.params.get(name, default)
 
 
+REQUEST_PLANS: dict[str, str] = {
+    "knockout": "knockout",
+    "sink_stats": "sinks",
+    "detect_roles": "detectors",
+    "qrhead_scores": "qrhead",
+    "attribution_patching": "gradient",
+    "find_circuit": "gradient",
+}
+"""Which plan an analysis request of `heads` (by its `NAME`) gets."""
+
+
 def _request(request: object) -> MemoryRequest:
     if isinstance(request, MemoryRequest):
         return request
     if isinstance(request, str):
         return MemoryRequest(request)
+    name = getattr(type(request), "NAME", None)
+    if isinstance(name, str) and hasattr(request, "to_json") and hasattr(request, "check_config"):
+        if name == "find_circuit" and getattr(request, "method", None) not in ("eap", "eap-ig"):
+            raise HeadsteerValueError(
+                f"find_circuit(method={getattr(request, 'method', None)!r}) has no memory plan; planned: "
+                "the gradient methods eap and eap-ig"
+            )
+        if name not in REQUEST_PLANS:
+            raise HeadsteerValueError(
+                f"a {name} request has no memory plan; planned requests: {sorted(REQUEST_PLANS)} "
+                f"(or an analysis name: {sorted(ANALYSES)})"
+            )
+        return MemoryRequest(REQUEST_PLANS[name])
     make = getattr(request, "memory_request", None)
     if callable(make):
         got = make()
@@ -345,14 +371,30 @@ def _device_split(
             f"{short_repr(devices)}"
         )
     if isinstance(devices, str):
-        return [(devices, set(range(n)), [""])]
+        return [(_check_device(devices), set(range(n)), [""])]
     if isinstance(devices, int):
-        devices = [f"cuda:{i}" for i in range(check_int("devices", devices, lo=1))]
+        devices = [f"cuda:{i}" for i in range(check_int("devices", devices, lo=1, hi=max(n, 1)))]
     if isinstance(devices, Mapping):  # a device_map {module prefix: device}
+        for dev in devices.values():
+            if isinstance(dev, bool) or not isinstance(dev, (str, int)):
+                raise HeadsteerValueError(
+                    f"device_map values must be device names or GPU indices, got {short_repr(dev)}"
+                )
+            _check_device(f"cuda:{dev}" if isinstance(dev, int) else dev)
         return _from_map(names, n, devices)
-    devs = [str(x) for x in devices]
+    for x in devices:
+        if isinstance(x, bool) or not isinstance(x, (str, int)):
+            raise HeadsteerValueError(f"devices must be device names or GPU indices, got {short_repr(x)}")
+    devs = [_check_device(f"cuda:{x}" if isinstance(x, int) else x) for x in devices]
     if not devs:
         raise HeadsteerValueError("devices is empty")
+    if len(devs) > n:
+        raise HeadsteerValueError(
+            f"{len(devs)} devices for a model of {n} layers: at most one device per layer"
+        )
+    dup = next((d for i, d in enumerate(devs) if d in devs[:i]), None)
+    if dup is not None:
+        raise HeadsteerValueError(f"device {dup!r} is listed twice")
     # layers split evenly in order (accelerate's sequential placement); the embedding with the
     # first layers, the final norm and the unembedding with the last
     per = -(-n // len(devs))
@@ -410,16 +452,68 @@ def _config_of(config: object) -> Any:
         path = None if config is None else Path(os.fspath(config)).expanduser()
         if path is not None and path.is_dir():
             check_config(path)
+            _check_sizes_given(path)
             return AutoConfig.from_pretrained(path, trust_remote_code=False)
         if config is None or str(config) in PACKAGED_MODELS:
             where, _ = _resolve(config)  # the embedded model's cache
             return AutoConfig.from_pretrained(where, trust_remote_code=False)
         if path is not None and path.exists():
             raise HeadsteerValueError(f"{str(config)!r} is not a model folder")
-        return AutoConfig.from_pretrained(str(config), trust_remote_code=False)  # a hub id: config.json only
+        if path is not None and (
+            path.is_absolute() or str(config).startswith((".", "~")) or str(config).count("/") > 1
+        ):
+            raise HeadsteerValueError(f"no model folder at {str(config)!r}")
+        try:
+            return AutoConfig.from_pretrained(
+                str(config), trust_remote_code=False
+            )  # a hub id: config.json only
+        except OSError as err:
+            raise HeadsteerValueError(
+                f"no model folder at {str(config)!r} and no hub config cached for it "
+                f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+            ) from None
     raise HeadsteerTypeError(
         f"config must be a transformers config, a HeadModel or a model folder, got {short_repr(config)}"
     )
+
+
+_SIZE_FIELDS = (
+    ("num_hidden_layers", "n_layer", "num_layers"),
+    ("hidden_size", "n_embd", "d_model"),
+    ("num_attention_heads", "n_head", "num_heads"),
+)
+
+
+def _check_sizes_given(folder: Any) -> None:
+    """Refuse a folder's config.json that leaves a size to transformers' defaults (a bare
+    `{"model_type": "llama"}` would be planned as a 7B model)."""
+    import json
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # check_config named it already
+    if not isinstance(raw, dict):
+        return
+    sub = raw.get("text_config")
+    text: dict = sub if isinstance(sub, dict) else raw
+    for names in _SIZE_FIELDS:
+        if not any(n in text or n in raw for n in names):
+            raise HeadsteerValueError(
+                f"config.json in {str(folder)!r} does not give {names[0]}: a plan needs the model's own "
+                "sizes, not transformers' defaults"
+            )
+
+
+def _check_device(name: str) -> str:
+    """A device name torch parses, not disk (offloaded weights are not planned)."""
+    if name == "disk":
+        raise HeadsteerValueError("device 'disk' is not planned: offloaded weights are outside the plan")
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise HeadsteerValueError(f"device {short_repr(name)} is not a torch device") from None
+    return name
 
 
 def plan_memory(
@@ -460,6 +554,9 @@ def plan_memory(
     from heads.model.loading import check_dtype
 
     cfg = _config_of(config)
+    from heads.model.families import family_of
+
+    family_of(cfg)  # a family load_model refuses is not planned either (the reason named)
     req = _request(request)
     tokens = check_int("tokens", tokens, lo=1)
     batch = check_int("batch", batch, lo=1)

@@ -8,7 +8,6 @@ order `[writer layer, writer head, reader layer, reader head]`, as TransformerLe
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.arrays import decode, encode
 from heads.results.scores import HeadScores, _read_json
+from heads.results.storage import json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -216,7 +216,7 @@ class CompositionScores:
         Raises:
             ValueError: `path` exists (without `overwrite`), is a symlink or a folder.
         """
-        return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> CompositionScores:

@@ -74,6 +74,14 @@ class DLAResult:
 
     TERMS: ClassVar[tuple[str, ...]] = ("heads", "mlp", "attn_bias", "embed", "bias", "rest", "logit_diff")
 
+    def __repr__(self) -> str:
+        """One line: `[N, L, H, T]`, the model (not the tensors)."""
+        n, n_layers, n_heads, t = self.heads.shape
+        return (
+            f"DLAResult(model={self.model!r}, n_pairs={n}, [n_layers={n_layers}, n_heads={n_heads}], "
+            f"positions={t}, stability={self.stability is not None})"
+        )
+
     def total(self) -> torch.Tensor:
         """`[N, T]` the sum of every term (equals `logit_diff` up to float error)."""
         return (

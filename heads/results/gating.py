@@ -7,7 +7,6 @@ home, `heads.scorers.gating.chg`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from heads._util.files import write_text
 from heads._util.validation import is_number, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores, HeadSet, _read_json
+from heads.results.storage import json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -119,9 +119,7 @@ class GatingResult:
         Raises:
             ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
         """
-        return write_text(
-            path, json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n", overwrite=overwrite
-        )
+        return write_text(path, json_text(self.to_json(), indent=1), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> GatingResult:

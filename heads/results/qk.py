@@ -7,7 +7,6 @@ every table, marginal and total is arithmetic on them, not a new forward.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.arrays import decode, encode
 from heads.results.scores import HeadScores, _read_json
+from heads.results.storage import json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -360,7 +360,7 @@ class QKAttribution:
         Raises:
             ValueError: `path` exists (without `overwrite`), is a symlink or a folder.
         """
-        text = json.dumps(self.to_json(), allow_nan=False) + "\n"
+        text = json_text(self.to_json())
         return write_text(path, text, overwrite=overwrite)
 
     @classmethod

@@ -6,7 +6,6 @@ A `HeadSet` serialises to the JSON shape PASTA users already have,
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 from heads._util.files import write_text
 from heads._util.validation import check_int, check_number, is_int, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.results.storage import check_geometry, read_json, read_result, write_result
+from heads.results.storage import check_geometry, json_text, read_json, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -221,7 +220,7 @@ class HeadSet:
         Raises:
             ValueError: `path` exists and `overwrite` is False, or is a symlink or a folder.
         """
-        return write_text(path, json.dumps(self.to_dict(), indent=1) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(self.to_dict(), indent=1), overwrite=overwrite)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter(self.heads)

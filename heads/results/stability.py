@@ -25,7 +25,6 @@ edges, DLA); NaN items rank last and never enter a top k.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ import torch
 from heads._util.files import write_text
 from heads._util.validation import check_bool, check_int, check_seed, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.storage import json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -474,7 +474,7 @@ class Stability:
         Raises:
             ValueError: `path` exists and `overwrite` is False, or is a symlink / folder.
         """
-        return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Stability:

@@ -8,6 +8,7 @@ A leaf of `heads.results`: the result classes import it, and the protocol (which
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,15 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 if TYPE_CHECKING:  # pragma: no cover
     from heads.model.adapter import HeadModel
 
-__all__ = ["check_geometry", "read_json", "read_result", "write_result"]
+__all__ = [
+    "check_geometry",
+    "finite_or_none",
+    "json_text",
+    "nan_for_none",
+    "read_json",
+    "read_result",
+    "write_result",
+]
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -31,6 +40,36 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
             raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
         out[key] = value
     return out
+
+
+def finite_or_none(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, +-inf) replaced by None, recursively through dicts,
+    lists and tuples (tuples become lists): what a JSON file can hold. Other values unchanged."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def nan_for_none(obj: Any) -> Any:
+    """The inverse of `finite_or_none` for numeric containers: every None inside a list becomes
+    NaN, recursively through dicts and lists; a None value of a dict key stays None (it may mean
+    "absent"), unless the whole value is a list."""
+    if isinstance(obj, Mapping):
+        return {k: nan_for_none(v) if isinstance(v, (Mapping, list)) else v for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [float("nan") if v is None else nan_for_none(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """The JSON text every result file is written with (one writer for all of them): non-finite
+    floats (NaN, +-inf) written as null (`finite_or_none`; JSON has no NaN), ending with a newline.
+    Loaders read such a null back as NaN where the field holds numbers."""
+    return json.dumps(finite_or_none(obj), indent=indent, allow_nan=False) + "\n"
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -52,21 +91,14 @@ def write_result(
 ) -> Path:
     """Write `{"schema", "schema_version", **payload}` as JSON to `path`; returns the path.
 
-    Atomic (temporary file, then rename), missing parent folders created; NaN must already be
-    None in `payload` (JSON has no NaN).
+    Atomic (temporary file, then rename), missing parent folders created; NaN and +-inf are
+    written as null (`json_text`).
 
     Raises:
-        ValueError: `path` exists and `overwrite` is False; `path` is a symlink or a folder; a
-            value JSON cannot hold (NaN, inf) is in `payload`.
+        ValueError: `path` exists and `overwrite` is False; `path` is a symlink or a folder.
     """
     body = {"schema": schema, "schema_version": version, **payload}
-    try:
-        text = json.dumps(body, indent=1, allow_nan=False) + "\n"
-    except ValueError:
-        raise HeadsteerValueError(
-            f"a {schema} result holds NaN or +-inf, which a JSON file cannot store"
-        ) from None
-    return write_text(path, text, overwrite=overwrite)
+    return write_text(path, json_text(body, indent=1), overwrite=overwrite)
 
 
 def read_result(path: str | os.PathLike, schema: str, version: int, what: str) -> Mapping[str, Any]:

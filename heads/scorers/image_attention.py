@@ -81,6 +81,13 @@ class ImageAttention:
     grid: tuple[int, int]
     query: int
 
+    def __repr__(self) -> str:
+        """One line: maps shape, image span and grid, query position (not the tensors)."""
+        return (
+            f"ImageAttention(maps={list(self.maps.shape)}, span={self.span}, grid={self.grid}, "
+            f"query={self.query})"
+        )
+
     @property
     def entropy(self) -> torch.Tensor:
         """`[L]` normalised entropy per layer."""

@@ -369,11 +369,13 @@ class Request:
         that class. `"version"` may be left out (the current one).
 
         Raises:
-            HeadsteerValueError: not JSON, not an object, an unknown or wrong `"request"` name,
+            HeadsteerValueError: not JSON (a plain word such as `"dla"`: the request names
+                accepted), not an object, an unknown or wrong `"request"` name,
                 another version, an unknown field (named, with the known ones), or a bad value
                 (the request's own checks, naming the field).
         """
         if isinstance(data, (str, bytes)):
+            _refuse_bare_name(data)
             data = parse_json(data, "the request")
         if not isinstance(data, Mapping):
             raise HeadsteerValueError(f"a request must be a JSON object, got {short_repr(data)}")
@@ -405,6 +407,22 @@ class Request:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+def _refuse_bare_name(data: str | bytes) -> None:
+    """Refuse a plain word such as `"dla"` (not JSON) with the request names accepted, rather
+    than a JSON syntax error."""
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    word = text.strip()
+    if not word or not (word[0].isalpha() or word[0] == "_") or word in ("true", "false", "null"):
+        return
+    # the request's name or its class's short name ("dla" for DLARequest)
+    short = {c.__name__.removesuffix("Request").lower(): c for c in _REGISTRY.values()}
+    known = _REGISTRY.get(word) or short.get(word.lower()) or short["dla"]
+    raise HeadsteerValueError(
+        f"unknown request {short_repr(word)}; pass a request object such as heads.{known.__name__}() "
+        f'or JSON with one of: {", ".join(sorted(_REGISTRY))} (e.g. \'{{"request": "{known.NAME}"}}\')'
+    )
 
 
 def request_class(name: str) -> type[Request]:

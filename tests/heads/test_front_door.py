@@ -69,3 +69,14 @@ def test_old_module_path_keeps_the_function():
         old = importlib.import_module("heads.ships")
     assert callable(heads.ships) and not isinstance(heads.ships, type(old))
     assert old.ships is heads.ships
+
+
+def test_attribution_metric_is_named_apart_from_the_patching_metric():
+    from heads.scorers.patching.metrics import Metric
+    from heads.scorers.safety import attribution
+
+    assert attribution.AttributionMetric is not Metric
+    with pytest.warns(DeprecationWarning, match="use AttributionMetric"):
+        old = attribution.Metric
+    assert old is attribution.AttributionMetric
+    assert "Metric" not in attribution.__all__

@@ -257,3 +257,54 @@ def test_cli_plans_from_the_config_alone(tiny_llama_dir, tmp_path):
         "unknown analysis",
         ignore=("planning",),
     )
+
+
+def test_devices_configs_and_folders_are_checked_before_planning(tmp_path):
+    """Device names torch parses, no more devices than layers, none twice, no disk; a config
+    folder that leaves a size to transformers' defaults, a refused family and a missing folder
+    are refused by name (none of them is planned)."""
+    cfg = LlamaConfig(**dict(LLAMA_31_8B, num_hidden_layers=2))
+    for bad, match in (
+        ("tpu", "'tpu' is not a torch device"),
+        (["cuda:0", "cuda:0"], "listed twice"),
+        (3, "devices"),  # 3 GPUs for 2 layers
+        (["cuda:0", "cuda:1", "cuda:2"], "3 devices for a model of 2 layers"),
+        ([None, 3], "device names or GPU indices"),
+        ({"model.layers.0": "disk"}, "'disk' is not planned"),
+    ):
+        with pytest.raises(HeadsteerValueError, match=match):
+            plan_memory(cfg, "forward", 64, devices=bad)
+    two = plan_memory(cfg, "forward", 64, devices=[0, 1])
+    assert [d.device for d in two.devices] == ["cuda:0", "cuda:1"]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(HeadsteerValueError, match="does not give num_hidden_layers"):
+        plan_memory(bare, "forward", 64)
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(
+        json.dumps(
+            {"model_type": "bert", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+        )
+    )
+    with pytest.raises(HeadsteerValueError, match="'bert' is not supported"):
+        plan_memory(bert, "forward", 64)
+    with pytest.raises(HeadsteerValueError, match="no model folder at '/nonexistent/x'"):
+        plan_memory("/nonexistent/x", "forward", 64)
+
+
+def test_analysis_requests_plan_as_their_analysis_or_are_refused_by_name():
+    from heads import CircuitRequest, KnockoutRequest, PatchRequest, SinkStatsRequest
+
+    cfg = LlamaConfig(**dict(LLAMA_31_8B, num_hidden_layers=2))
+    for request, analysis in (
+        (KnockoutRequest(keys=[1]), "knockout"),
+        (SinkStatsRequest(), "sinks"),
+        (CircuitRequest(method="eap"), "gradient"),
+    ):
+        assert plan_memory(cfg, request, 64).peak == plan_memory(cfg, analysis, 64).peak
+    with pytest.raises(HeadsteerValueError, match="a patch request has no memory plan"):
+        plan_memory(cfg, PatchRequest(kind="head_out"), 64)
+    with pytest.raises(HeadsteerValueError, match="method='exact'"):
+        plan_memory(cfg, CircuitRequest(method="exact"), 64)

@@ -182,6 +182,16 @@ def test_json_refuses_what_it_cannot_hold_and_bad_text():
         Request.from_json("[1, 2]")
 
 
+def test_a_plain_word_names_the_requests_accepted(tiny_llama):
+    """`run(model, "dla", ...)`: not a JSON syntax error but the request names accepted."""
+    for word, cls in (("dla", "DLARequest"), ("patch", "PatchRequest"), ("nope", "DLARequest")):
+        with pytest.raises(HeadsteerValueError, match=f"unknown request '{word}'; pass a request") as e:
+            run(tiny_llama, word, [])
+        assert f"heads.{cls}()" in str(e.value) and all(n in str(e.value) for n in request_classes())
+    with pytest.raises(HeadsteerValueError, match="unknown request 'dla'"):
+        Request.from_json(b" dla ")
+
+
 def test_run_dispatches_a_json_request(tiny_llama):
     from heads.scorers.patching import pairs_from_tokens
 

@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from heads import HeadModel
-from heads._util.files import check_output
+from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, check_number
 from heads.errors import HeadsteerValueError
 from heads.results.stability import check_stability
+from heads.results.storage import json_text
 from heads.scorers.circuits import (
     DEFAULT_FAITHFULNESS,
     SIZES,
@@ -254,9 +255,11 @@ def circuit_report(
             note=f"Circuit edges by decreasing |score|; {sign}."
             + (f" exact: the top {confirm} edges rerun with exact edge patching." if confirm else ""),
         )
+        # every output rendered before any is written: a report writes all its files or none
+        body = None if circuit_json is None else json_text(c.to_dict(), indent=1)
         rep.save(out, overwrite=overwrite)
-        if circuit_json is not None:
-            c.save(circuit_json, overwrite=overwrite)
+        if circuit_json is not None and body is not None:
+            write_text(circuit_json, body, overwrite=overwrite)
         tick(4)
     summary = {
         "edges": c.n_edges,

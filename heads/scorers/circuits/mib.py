@@ -34,7 +34,6 @@ trapezoid areas of f and of |1 - f| over p. Ties in the ranking are broken by gr
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -46,6 +45,7 @@ from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg
 from heads._util.validation import check_bool, check_int, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.storage import json_text
 from heads.scorers.circuits.graph import Graph, graph_of
 from heads.scorers.circuits.scores import EdgeScores, _check_pairs, patched_metrics
 from heads.scorers.patching.metrics import get_metric
@@ -157,7 +157,7 @@ def write_mib(
     width = check_int("d_model", d_model, lo=1, what="a positive int (MIB's cfg needs the model width)")
     if not binary:
         out = check_output(path, overwrite)
-        text = json.dumps(_mib_dict(graph, scores, mask, width), allow_nan=False)
+        text = json_text(_mib_dict(graph, scores, mask, width))
         return [write_text(out, text, overwrite=overwrite)]
     folder = Path(path).expanduser()
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
@@ -170,7 +170,7 @@ def write_mib(
     written = []
     for size, t in zip(SUBMISSION_SIZES, targets, strict=True):
         top = mib_top(graph, scores, int(size / 100 * n_items), absolute=True)
-        written.append(write_text(t, json.dumps(_mib_dict(graph, scores, top, width)), overwrite=overwrite))
+        written.append(write_text(t, json_text(_mib_dict(graph, scores, top, width)), overwrite=overwrite))
     return written
 
 

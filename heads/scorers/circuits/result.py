@@ -7,7 +7,6 @@ Re-exported by `heads.scorers.circuits.circuit` (see its docstring for the metho
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -23,6 +22,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
 from heads.results.stability import Stability
+from heads.results.storage import json_text, nan_for_none
 from heads.scorers.circuits.graph import Graph
 from heads.scorers.circuits.pruning import _n_of, _top_mask, prune, size_for_faithfulness
 from heads.scorers.circuits.scores import EdgeScores
@@ -234,6 +234,8 @@ class Circuit:
 
         Raises:
             ValueError: not exactly one option; `edges` outside 1..E; `fraction` outside (0, 1];
+                a cut that keeps no edge (a `threshold` above every score, or a `faithfulness`
+                reached only by an empty circuit), naming the value;
                 `faithfulness` without a saved curve, or above every point of it (the message
                 gives the curve's best f and its size).
         """
@@ -263,6 +265,11 @@ class Circuit:
         )
         out = select(sc, n, threshold=threshold, absolute=absolute,
                      prune_dangling=self.params.get("prune_dangling", True) is not False)  # fmt: skip
+        if out.n_edges == 0:
+            ((key, value),) = given.items()
+            raise HeadsteerValueError(
+                f"select({key}={value!r}) keeps no edge (after pruning); give a cut that keeps at least one"
+            )
         out.curve = self.curve
         curve = self.curve or {}
         if n is not None and n in curve.get("n_edges", []) and absolute:
@@ -356,7 +363,7 @@ class Circuit:
         Raises:
             ValueError: `path` exists and `overwrite` is False, or is a symlink / folder.
         """
-        text = json.dumps(self.to_dict(), indent=1, allow_nan=False)
+        text = json_text(self.to_dict(), indent=1)
         return write_text(path, text, overwrite=overwrite)
 
     @classmethod
@@ -402,6 +409,11 @@ class Circuit:
         curve = d.get("curve")
         if curve is not None and not isinstance(curve, dict):
             raise HeadsteerValueError(f"{where}: curve must be a mapping or null, got {short_repr(curve)}")
+        if curve is not None:  # NaN is saved as null (`json_text`): read it back as NaN
+            curve = nan_for_none(curve)
+            for key in ("cpr", "cmd", "cpr_random", "cmd_random"):
+                if key in curve and curve[key] is None:
+                    curve[key] = float("nan")
         params = d.get("params")
         if params is not None and not isinstance(params, dict):
             raise HeadsteerValueError(f"{where}: params must be a mapping or null, got {short_repr(params)}")

@@ -90,6 +90,13 @@ class EdgeScores:
     params: dict = field(default_factory=dict)
     per_pair: torch.Tensor | None = None
 
+    def __repr__(self) -> str:
+        """One line: method, metric, number of edges, pairs (not the tensors)."""
+        return (
+            f"EdgeScores(method={self.method!r}, metric={self.metric!r}, n_edges={self.scores.numel()}, "
+            f"n_pairs={self.n_pairs}, exact={self.exact is not None})"
+        )
+
     def edges(self) -> torch.Tensor:
         """`[E, 2]` long (upstream, downstream) of every edge, in graph order."""
         return torch.nonzero(self.graph.valid)

@@ -42,7 +42,6 @@ test_family_patching.py).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -66,6 +65,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability
+from heads.results.storage import json_text
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
@@ -222,6 +222,16 @@ class PatchResult:
     SCHEMA: ClassVar[str] = SCHEMA
     SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
 
+    def __repr__(self) -> str:
+        """One line: kind, direction, metric, grid and shape, pairs, layers (not the tensors)."""
+        ids = self.layer_ids
+        lays = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 3 else ids
+        return (
+            f"PatchResult(kind={self.kind!r}, direction={self.direction!r}, metric={self.metric!r}, "
+            f"grid={list(self.grid)} {list(self.raw.shape[:-1])}, n_pairs={self.raw.shape[-1]}, "
+            f"layers={lays}, model={self.model!r})"
+        )
+
     @property
     def scores(self) -> torch.Tensor:
         """`[*grid, N]` normalised per pair (NaN for zero-gap pairs; `metrics.normalise`)."""
@@ -361,7 +371,7 @@ class PatchResult:
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded);
         returns the path."""
-        return write_text(path, json.dumps(self.to_json(), allow_nan=False) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> PatchResult:

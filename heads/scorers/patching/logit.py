@@ -302,8 +302,10 @@ class LensResult:
         logit_diff: `[N, L + 1]` answer minus counterfactual.
         top_tokens: per layer, the `k` most likely tokens of pair 0.
         head_answer: `[N, L, H]` each head's direct logit (frozen final scale, last position)
-            of the answer token (`head_logits`), or None.
-        head_counterfactual: `[N, L, H]` the same for the counterfactual token, or None.
+            of the answer token (`head_logits`); None unless asked for: `logit_lens` leaves it
+            None, `logit_inspection` fills it (or call `head_logits(model, pairs)` directly).
+        head_counterfactual: `[N, L, H]` the same for the counterfactual token; None unless
+            asked for, as `head_answer`.
     """
 
     answer_logit: torch.Tensor
@@ -316,6 +318,14 @@ class LensResult:
     head_counterfactual: torch.Tensor | None = None
     model: str = ""
     params: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """One line: `[N, L + 1]`, the model, whether per-head logits are held (not the tensors)."""
+        n, points = self.logit_diff.shape[:2]
+        return (
+            f"LensResult(model={self.model!r}, n_pairs={n}, points={points}, "
+            f"head_logits={self.head_answer is not None})"
+        )
 
     def winner_share(self) -> torch.Tensor:
         """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
@@ -349,6 +359,10 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
     Args:
         which: `"clean"` (default) or `"corrupted"`.
         k: top tokens kept per layer for pair 0 (default 5).
+
+    Returns:
+        a `LensResult` whose per-head `head_answer` / `head_counterfactual` are None: use
+        `logit_inspection` (the lens and `head_logits` together) for them.
 
     Raises:
         ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` not in

@@ -71,7 +71,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
-from heads.results.storage import check_geometry
+from heads.results.storage import check_geometry, json_text
 from heads.scorers.maps.static import MapsScores
 from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
 from heads.scorers.roles.lens import AttentionLens
@@ -307,7 +307,7 @@ class HeadAtlas:
             if self.thumbnails is None
             else self.thumbnails.float().round(decimals=4).tolist(),
         }
-        return write_text(path, json.dumps(data) + "\n", overwrite=overwrite)
+        return write_text(path, json_text(data), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadAtlas:

@@ -77,8 +77,8 @@ from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, en
 from heads.scorers.stability import attach, check_samples
 
 __all__ = [
+    "AttributionMetric",
     "HeadReplace",
-    "Metric",
     "attribute",
     "confirm_ships",
     "logit_diff",
@@ -87,8 +87,26 @@ __all__ = [
 ]
 
 Head = tuple[int, int]
-Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""`(last_logp [R, V] fp32, prompt_index [R] long) -> [R]`: a differentiable per-prompt metric."""
+AttributionMetric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""`(last_logp [R, V] fp32, prompt_index [R] long) -> [R]`: a differentiable per-prompt metric
+(named apart from the patching `heads.scorers.patching.metrics.Metric`; `Metric` here is its old
+name, kept one release with a DeprecationWarning)."""
+
+
+def __getattr__(name: str) -> Any:
+    """`Metric`: the old name of `AttributionMetric` (one release; warns)."""
+    if name == "Metric":
+        import warnings
+
+        warnings.warn(
+            "heads.scorers.safety.attribution.Metric is deprecated: use AttributionMetric (the patching "
+            "Metric is another thing); the old name is removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return AttributionMetric
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _ABLATIONS = ("ua", "sc", "zero", "mean")
 
@@ -125,8 +143,8 @@ class HeadReplace(HeadOutputEdit):
         return self.values.to(z.device, z.dtype).expand_as(z)
 
 
-def target_logprob(targets: Sequence[int]) -> Metric:
-    """Metric: log p(target token of prompt i) at the last position (nats).
+def target_logprob(targets: Sequence[int]) -> AttributionMetric:
+    """AttributionMetric: log p(target token of prompt i) at the last position (nats).
 
     Args:
         targets: one token id per prompt (`[N]`).
@@ -144,8 +162,8 @@ def target_logprob(targets: Sequence[int]) -> Metric:
     return metric
 
 
-def logit_diff(targets: Sequence[int], foils: Sequence[int]) -> Metric:
-    """Metric: logit(target_i) - logit(foil_i) at the last position (= the log-prob difference).
+def logit_diff(targets: Sequence[int], foils: Sequence[int]) -> AttributionMetric:
+    """AttributionMetric: logit(target_i) - logit(foil_i) at the last position (= the log-prob difference).
 
     Raises:
         ValueError: empty or unequal lists, or a non-int id.
@@ -215,7 +233,7 @@ def attribute(
     ablation: str | Callable[[int], Edit] = "ua",
     eps: float = 1e-5,
     exact: bool = False,
-    metric: str | Metric = "kl",
+    metric: str | AttributionMetric = "kl",
     kl_tokens: int = 4,
     saturation_fix: bool = True,
     graddrop: bool = False,
@@ -240,7 +258,7 @@ def attribute(
             is computed by the delta pass).
         eps: the ablation scale for `"ua"`/`"sc"` (default 1e-5); `exact=True` uses 0.
         metric: `"kl"` (Ships: KL(p_clean || p_ablated), nats, via the coarse-grained
-            second-order estimate, see the module doc) or a `Metric` callable
+            second-order estimate, see the module doc) or an `AttributionMetric` callable
             `(last_logp [R, V], prompt_index [R]) -> [R]` (e.g. `target_logprob`,
             `logit_diff`), estimated to first order as metric(ablated) - metric(clean).
         kl_tokens: for `"kl"`, how many top clean tokens to follow (one backward each; default 4: on the

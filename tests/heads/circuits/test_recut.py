@@ -143,3 +143,24 @@ def test_find_circuit_rows_per_forward_follow_the_memory_budget(qwen2, monkeypat
     seen.clear()
     run(qwen2, req, p, options=SweepOptions(progress=False, max_memory=int(mod.MAX_MEMORY_GB * 2**30) // 2))
     assert set(seen) == {2}
+
+
+def test_select_refuses_a_cut_that_keeps_no_edge(found):
+    with pytest.raises(ValueError, match=r"select\(threshold=1e\+30\) keeps no edge"):
+        found.select(threshold=1e30)
+    smallest = found.curve["n_edges"][0]
+    cut = found.select(faithfulness=-1e30)  # the smallest circuit of the curve, which has edges
+    assert cut.params["n"] == smallest and cut.n_edges > 0
+
+
+def test_a_one_point_curve_saves_nan_as_null_and_loads_it_back(qwen2, tmp_path):
+    import json
+    import math
+
+    c = find_circuit(qwen2, _pairs(), method="eap", sizes=[5.0], progress=False)
+    assert math.isnan(c.curve["cpr"])  # one point: no area under the curve
+    path = c.save(tmp_path / "c.json")
+    assert json.loads(path.read_text())["curve"]["cpr"] is None  # JSON has no NaN
+    back = Circuit.load(path, qwen2)
+    assert math.isnan(back.curve["cpr"]) and back.curve["n_edges"] == c.curve["n_edges"]
+    assert torch.equal(back.mask, c.mask)
