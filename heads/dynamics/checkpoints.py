@@ -17,8 +17,10 @@ compare, base and tuned) the given order is kept and the step is the position (0
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from heads._util.validation import check_int, is_int, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 
-__all__ = ["CHECKPOINT_META", "Checkpoint", "find_checkpoints", "read_step"]
+__all__ = ["CHECKPOINT_META", "Checkpoint", "find_checkpoints", "fingerprint", "read_step"]
 
 CHECKPOINT_META = "headsteer_checkpoint.json"
 """The metadata file of a checkpoint folder written by headsteer (step, tokens, train_loss)."""
@@ -68,6 +70,66 @@ class Checkpoint:
             "tokens": self.tokens,
             "path": None if self.path is None else str(self.path),
         }
+
+
+_HEADER_CAP = 1 << 28  # a safetensors header is a few kB to MB; more is a damaged file
+
+
+def _header_digest(path: Path) -> str:
+    """sha256 of a safetensors file's header (its 8-byte length and the JSON after it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        h.update(head)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            h.update(f.read(min(n, _HEADER_CAP)))
+    return h.hexdigest()
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    h = hashlib.sha256()
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        h.update(b"config.json\0" + cfg.read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0{_header_digest(f)}\0".encode())
+    return "files:" + h.hexdigest()[:32]
+
+
+def _model_fingerprint(model: HeadModel) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.model.named_parameters():
+            x = p.detach()
+            if x.device.type == "meta":
+                sums = "meta"
+            else:
+                x = x.to(torch.float64)
+                sums = f"{float(x.sum())!r},{float((x * x).sum())!r}"
+            h.update(f"{name}\0{tuple(p.shape)}\0{p.dtype}\0{sums}\0".encode())
+    return "params:" + h.hexdigest()[:32]
+
+
+def fingerprint(c: Checkpoint) -> str:
+    """A fingerprint of a checkpoint's weights, cheap to take: for a folder, `config.json`'s bytes
+    and each `*.safetensors` file's name, size, modification time (ns) and header hash (the
+    weights themselves are not read); for a loaded model, each parameter's name, shape, dtype and
+    float64 sum and sum of squares. Retraining a checkpoint in place (or passing another model at
+    the same step) changes it; it is part of a results folder's identity
+    (`heads.dynamics.over_checkpoints`).
+
+    Returns:
+        `"files:<hex>"` or `"params:<hex>"` (32 hex digits of sha256).
+    """
+    if c.model is not None:
+        return _model_fingerprint(c.model)
+    if c.path is None:
+        raise HeadsteerValueError(f"checkpoint {c.name!r} has neither a folder nor a model")
+    return _folder_fingerprint(c.path)
 
 
 def _is_model_folder(p: Path) -> bool:

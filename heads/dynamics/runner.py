@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,7 @@ from heads._util.files import check_writable, short_path, write_text
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_bool, read_json_file
 from heads.dynamics.analyses import Analysis, tidy
-from heads.dynamics.checkpoints import Checkpoint, find_checkpoints
+from heads.dynamics.checkpoints import Checkpoint, find_checkpoints, fingerprint
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.dynamics import CheckpointSeries
 
@@ -31,8 +32,29 @@ def part_name(c: Checkpoint) -> str:
     return f"step-{c.step:09d}.json"
 
 
-def _identity(analysis: Analysis, series: list[Checkpoint]) -> dict:
-    return {"schema": _PART_SCHEMA, **analysis.identity(), "checkpoints": [c.describe() for c in series]}
+def _identity(analysis: Analysis, series: list[Checkpoint], prints: list[str]) -> dict:
+    return {
+        "schema": _PART_SCHEMA,
+        **analysis.identity(),
+        "checkpoints": [{**c.describe(), "fingerprint": f} for c, f in zip(series, prints, strict=True)],
+    }
+
+
+def _changed_weights(old: dict, ident: dict) -> str | None:
+    """The name of the first checkpoint whose weights alone differ between two run identities."""
+    ident = json.loads(json.dumps(ident))
+    a, b = old.get("checkpoints"), ident["checkpoints"]
+    if not isinstance(a, list) or len(a) != len(b):
+        return None
+    if {**old, "checkpoints": None} != {**ident, "checkpoints": None}:
+        return None
+    for x, y in zip(a, b, strict=True):
+        if not isinstance(x, dict):
+            return None
+        if {**x, "fingerprint": None} != {**y, "fingerprint": None}:
+            return None
+    changed = (str(y["name"]) for x, y in zip(a, b, strict=True) if x.get("fingerprint") != y["fingerprint"])
+    return next(changed, None)
 
 
 def _prepare(folder: Path, ident: dict, overwrite: bool) -> None:
@@ -42,8 +64,22 @@ def _prepare(folder: Path, ident: dict, overwrite: bool) -> None:
     if folder.exists() and not folder.is_dir():
         raise HeadsteerValueError(f"results folder {short_path(folder)} exists and is not a folder")
     check_writable(folder)
+    if not folder.exists():
+        return
+    files = [*sorted(folder.glob("step-*.json")), folder / RUN_FILE]
+    linked = next((p for p in files if p.is_symlink()), None)
+    if linked is not None:
+        raise HeadsteerValueError(
+            f"{short_path(linked)} is a symlink; results are never read or written through one: remove it"
+        )
     run = folder / RUN_FILE
     if not run.is_file():
+        if any(folder.iterdir()) and not overwrite:
+            raise HeadsteerValueError(
+                f"results folder {short_path(folder)} is not empty and holds no {RUN_FILE} (it is not "
+                "a results folder of over_checkpoints); use another folder, or overwrite=True (--force) "
+                "to write there anyway"
+            )
         return
     try:
         old = read_json_file(run)
@@ -53,26 +89,76 @@ def _prepare(folder: Path, ident: dict, overwrite: bool) -> None:
     if same:
         return
     if not overwrite:
+        changed = _changed_weights(old, ident) if isinstance(old, dict) else None
+        why = (
+            f"checkpoint {changed!r} has other weights than when its results were written (retrained "
+            "or replaced)"
+            if changed is not None
+            else "other analysis, parameters or checkpoints"
+        )
         raise HeadsteerValueError(
-            f"{short_path(folder)} holds the results of another run (other analysis, parameters or "
-            "checkpoints); use another folder, or overwrite=True (--force) to discard them"
+            f"{short_path(folder)} holds the results of another run ({why}); use another folder, or "
+            "overwrite=True (--force) to discard them"
         )
     for p in folder.glob("step-*.json"):
         p.unlink()
     run.unlink()
 
 
-def _read_part(path: Path, c: Checkpoint, ident: dict) -> dict | None:
+_ROW_FIELDS = {
+    "scores": {"metric": str, "layer": int, "head": int, "score": float},
+    "scalars": {"metric": str, "value": float},
+    "edges": {"metric": str, "source": str, "target": str, "score": float},
+    "roles": {"layer": int, "head": int, "role": str},
+}
+
+
+def _good_value(v: Any, kind: type) -> bool:
+    if kind is str:
+        return isinstance(v, str)
+    if isinstance(v, bool):
+        return False
+    if kind is int:
+        return isinstance(v, int) and v >= 0
+    return v is None or (isinstance(v, (int, float)) and math.isfinite(v))
+
+
+def _good_rows(rows: Any) -> bool:
+    """Whether a part's `rows` are what `Tidy.to_json` writes (NaN is written as null, so a NaN or
+    inf found there was not written by us)."""
+    if not isinstance(rows, dict) or not set(rows) <= set(_ROW_FIELDS):
+        return False
+    for name, table in rows.items():
+        if not isinstance(table, list):
+            return False
+        fields = _ROW_FIELDS[name]
+        for r in table:
+            if not isinstance(r, dict) or not all(k in r and _good_value(r[k], t) for k, t in fields.items()):
+                return False
+            if any(isinstance(v, float) and not math.isfinite(v) for v in r.values()):
+                return False
+    return True
+
+
+def _read_part(path: Path, c: dict, ident: dict) -> dict | None:
+    """A stored part if it is this run's result for checkpoint `c` (its identity with the weights'
+    fingerprint) and well formed; None (compute it again) otherwise."""
+    if path.is_symlink():
+        return None
     try:
         part = read_json_file(path)
     except (OSError, HeadsteerValueError):
         return None  # unreadable: computed again
     if (
         not isinstance(part, dict)
-        or part.get("checkpoint") != c.describe()
+        or part.get("checkpoint") != c
         or part.get("analysis") != ident["analysis"]
         or part.get("params") != ident["params"]
+        or not _good_rows(part.get("rows"))
     ):
+        return None
+    seconds = part.get("seconds")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not math.isfinite(seconds):
         return None
     return part
 
@@ -113,9 +199,12 @@ def over_checkpoints(
         results_dir: a folder for per-checkpoint results (`step-NNNNNNNNN.json`, each written
             atomically, and `run.json`). A rerun with the same analysis, parameters and
             checkpoints reuses the results there and computes only the missing ones (resume);
-            None (default): nothing is written.
-        overwrite: discard the results of another run found in `results_dir` (default False: a
-            `HeadsteerValueError`).
+            a part that is truncated or malformed is computed again. A checkpoint's identity
+            includes a fingerprint of its weights (`heads.dynamics.checkpoints.fingerprint`): a
+            checkpoint retrained in place, or another loaded model at the same step, makes it
+            another run. A symlink in the folder is refused. None (default): nothing is written.
+        overwrite: discard the results of another run found in `results_dir`, or write into a
+            non-empty folder that holds no `run.json` (default False: a `HeadsteerValueError`).
         load_kwargs: keyword arguments of `load_model` (e.g. `{"dtype": "float32"}`).
         progress: True (a tqdm bar), False / None, or `progress(done, total)` in checkpoints.
 
@@ -126,7 +215,9 @@ def over_checkpoints(
     Raises:
         HeadsteerValueError / HeadsteerTypeError: bad checkpoints, analysis, parameters, results
             folder (see `find_checkpoints`, `Analysis.of`), all before any model is loaded; what
-            the analysis raises on a checkpoint.
+            the analysis raises on a checkpoint; a results folder of another run (other
+            analysis, parameters, checkpoints or weights), a non-empty folder without `run.json`,
+            or a symlinked file in it, without `overwrite`.
     """
     from transformers import AutoConfig
 
@@ -143,7 +234,7 @@ def over_checkpoints(
             check_config(c.path)
             if hasattr(job.request, "check_config"):  # a heads request: its geometry, before loading
                 job.request.check_config(AutoConfig.from_pretrained(c.path))
-    ident = _identity(job, series)
+    ident = _identity(job, series, [fingerprint(c) for c in series])
     folder = None if results_dir is None else Path(os.fspath(results_dir)).expanduser()
     if folder is not None:
         _prepare(folder, ident, overwrite)
@@ -156,7 +247,8 @@ def over_checkpoints(
             folder.mkdir(parents=True, exist_ok=True)
             write_text(folder / RUN_FILE, json.dumps(ident, indent=1) + "\n", overwrite=True)
         for i, c in enumerate(series):
-            part = None if folder is None else _read_part(folder / part_name(c), c, ident)
+            c_ident = ident["checkpoints"][i]
+            part = None if folder is None else _read_part(folder / part_name(c), c_ident, ident)
             if part is None:
                 t0 = time.perf_counter()
                 model = c.model if c.model is not None else load_model(c.path, **dict(load_kwargs or {}))
@@ -168,7 +260,7 @@ def over_checkpoints(
                 part = {
                     "schema": _PART_SCHEMA,
                     **job.identity(),
-                    "checkpoint": c.describe(),
+                    "checkpoint": c_ident,
                     "seconds": time.perf_counter() - t0,
                     "rows": rows.to_json(),
                 }

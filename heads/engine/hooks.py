@@ -18,6 +18,7 @@ only by the calling thread, and are removed when the call returns (also on an ex
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -175,6 +176,49 @@ def record(
     return out
 
 
+_ACTIVE = threading.local()
+"""Per thread: the hook name whose function is running (a model call inside it is re-entrant)."""
+
+
+def _version(x: torch.Tensor) -> int | None:
+    try:
+        return int(x._version)
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
+
+
+def _call_hook(fn: Callable, x: torch.Tensor, name: str, call: AttentionCall) -> torch.Tensor | None:
+    """`fn(x, hook)` with TransformerLens' rules: an in-place edit of `x` (fn returning None)
+    applies, as a replacement does; a replacement must be a tensor of `x`'s shape and dtype; a
+    model call inside `fn` (re-entrant) is refused."""
+    running = getattr(_ACTIVE, "name", None)
+    if running is not None:
+        raise HeadsteerValueError(
+            f"a hook called the model again ({running}): re-entrant calls are not supported "
+            "(record what the hook needs in a separate call first)"
+        )
+    before = _version(x)
+    _ACTIVE.name = name
+    try:
+        out = fn(x, HookInfo(name, call))
+    finally:
+        _ACTIVE.name = None
+    if out is None:
+        after = _version(x)
+        # edited in place: the edited tensor replaces the activation at every site alike
+        return x.clone() if before is not None and after != before else None
+    if not isinstance(out, torch.Tensor):
+        raise HeadsteerTypeError(
+            f"the hook at {name} returned {short_repr(out)}: return None or a tensor of its shape"
+        )
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise HeadsteerValueError(
+            f"the hook at {name} returned a {out.dtype} tensor of shape {tuple(out.shape)}; the "
+            f"activation is {x.dtype} of shape {tuple(x.shape)} (a replacement keeps both; cast it)"
+        )
+    return out
+
+
 class _PatternHook(ProbEdit):
     """A user's function at `hook_pattern` (fp32 `[B, H, Q, K]`; None leaves it)."""
 
@@ -183,14 +227,17 @@ class _PatternHook(ProbEdit):
         self.name, self.fn = name, fn
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-        new = self.fn(probs, HookInfo(self.name, call))
+        new = _call_hook(self.fn, probs, self.name, call)
         return probs if new is None else new
 
 
 def _bound(fn: Callable, name: str) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor | None]:
+    # a norm's scale is used again after its edits (the output is rescaled by old / new): the
+    # function edits a copy, so an in-place edit reaches the output once, as a replacement does
+    copy = name.endswith("hook_scale")
+
     def call_fn(x: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
-        out: torch.Tensor | None = fn(x, HookInfo(name, call))
-        return out
+        return _call_hook(fn, x.clone() if copy else x, name, call)
 
     return call_fn
 
@@ -207,7 +254,10 @@ def run_with_hooks(
         prompts: as `record`.
         fwd_hooks: `(name or predicate, fn)` pairs as TransformerLens': `fn(tensor, hook)` gets the
             activation (batch first) and a `HookInfo` (`hook.name`, `hook.layer()`, `hook.call`)
-            and returns None (a read) or a tensor of the same shape that replaces it. A predicate
+            and returns None or a tensor of the same shape and dtype that replaces it. As in
+            TransformerLens, an in-place edit of the tensor (`x.mul_(0)`, `x[:, :, 3] = 0`) by a
+            function returning None applies, exactly as returning the edited tensor, at every
+            site alike; a function that only reads leaves the forward unchanged. A predicate
             selects every name of `hook_names(model)` it accepts.
 
     Gradients flow (no `no_grad`): a loss from the logits backpropagates through the hooks'
@@ -216,7 +266,10 @@ def run_with_hooks(
     rows at a time on long sequences (`call.q_offset`).
 
     Raises:
-        ValueError / TypeError: as `record` for the names; a replacement of another shape.
+        ValueError / TypeError: as `record` for the names; a replacement of another shape or
+            dtype, or not a tensor (naming the hook); an edit at a read-only site; a hook that
+            runs the model again ("a hook called the model again (<name>): re-entrant calls are
+            not supported", per thread).
     """
     edits: list[Edit] = []
     for entry in fwd_hooks:

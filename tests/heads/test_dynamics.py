@@ -322,3 +322,88 @@ def test_a_heads_request_runs_on_each_checkpoint_as_heads_run_does(run_dir, tmp_
         over_checkpoints(run_dir, PatchRequest(kind="head_out", layers=[7]), inputs=[], progress=False)
     with pytest.raises(HeadsteerValueError, match="inputs= goes with an analysis request"):
         over_checkpoints(run_dir, "icl", inputs=[1], progress=False)
+
+
+# ---------------------------------------------------------------------------- results folder
+def _value(model):
+    return {"value": float(model.model.lm_head.weight.double().sum())}
+
+
+def test_a_checkpoint_retrained_in_place_is_not_resumed_from_its_old_result(run_dir, tmp_path):
+    """The identity of a checkpoint holds a fingerprint of its weights: results written for the
+    old weights are refused (naming the checkpoint), and overwrite=True recomputes them."""
+    import shutil
+
+    ckpts = tmp_path / "run"
+    shutil.copytree(run_dir, ckpts)
+    out = tmp_path / "parts"
+    over_checkpoints(ckpts, _value, results_dir=out, progress=False)
+    other = tiny_run(tmp_path / "other", seed=5)
+    shutil.copy(other / "step-000002" / "model.safetensors", ckpts / "step-000002" / "model.safetensors")
+    with pytest.raises(HeadsteerValueError, match="'step-000002' has other weights"):
+        over_checkpoints(ckpts, _value, results_dir=out, progress=False)
+    resumed = over_checkpoints(ckpts, _value, results_dir=out, overwrite=True, progress=False)
+    fresh = over_checkpoints(ckpts, _value, progress=False)
+    pd.testing.assert_frame_equal(resumed.scalars, fresh.scalars)
+    assert resumed.scalar("value")[2] == pytest.approx(_value(load_model(other / "step-000002"))["value"])
+
+
+def test_other_loaded_models_at_the_same_steps_do_not_share_results(run_dir, tmp_path):
+    folders = sorted(run_dir.glob("step-*"))
+    first = {"base": load_model(folders[0]), "tuned": load_model(folders[1])}
+    second = {"base": load_model(folders[2]), "tuned": load_model(folders[3])}  # same labels and steps
+    out = tmp_path / "parts"
+    over_checkpoints(first, _value, results_dir=out, progress=False)
+    again = over_checkpoints(first, _value, results_dir=out, progress=False)  # same models: resumed
+    assert again.scalar("value").tolist() == [_value(m)["value"] for m in first.values()]
+    with pytest.raises(HeadsteerValueError, match="'base' has other weights"):
+        over_checkpoints(second, _value, results_dir=out, progress=False)
+    s = over_checkpoints(second, _value, results_dir=out, overwrite=True, progress=False)
+    assert s.scalar("value").tolist() == [_value(m)["value"] for m in second.values()]
+
+
+def test_a_folder_of_other_files_is_not_written_without_overwrite(run_dir, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    mine = out / "step-000000001.json"
+    mine.write_text('{"my": "data"}\n')
+    with pytest.raises(HeadsteerValueError, match="not empty and holds no run.json"):
+        over_checkpoints(run_dir, _value, results_dir=out, progress=False)
+    assert mine.read_text() == '{"my": "data"}\n'
+    s = over_checkpoints(run_dir, _value, results_dir=out, overwrite=True, progress=False)
+    assert s.steps == [0, 1, 2, 4] and (out / "run.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda p: {**p, "rows": "junk"},
+        lambda p: {**p, "rows": {"scalars": ["junk"]}},
+        lambda p: {**p, "rows": {"scalars": [{"metric": "value", "value": "x"}]}},
+        lambda p: {**p, "rows": {"scalars": [{"metric": "value", "value": float("nan")}]}},
+        lambda p: {**p, "seconds": "soon"},
+        lambda p: [p],
+    ],
+)
+def test_a_malformed_part_is_computed_again(run_dir, tmp_path, forge):
+    out = tmp_path / "parts"
+    first = over_checkpoints(run_dir, _value, results_dir=out, progress=False)
+    path = out / "step-000000002.json"
+    path.write_text(json.dumps(forge(json.loads(path.read_text()))))  # NaN written as JSON NaN
+    again = over_checkpoints(run_dir, _value, results_dir=out, progress=False)
+    pd.testing.assert_frame_equal(again.scalars, first.scalars)
+    rewritten = json.loads(path.read_text())
+    assert rewritten["rows"]["scalars"][0]["value"] == first.scalar("value")[2]
+
+
+def test_a_symlinked_part_is_refused_before_any_analysis(run_dir, tmp_path):
+    out = tmp_path / "parts"
+    over_checkpoints(run_dir, _value, results_dir=out, progress=False)
+    target = tmp_path / "elsewhere.json"
+    target.write_text("keep\n")
+    (out / "step-000000002.json").unlink()
+    (out / "step-000000002.json").symlink_to(target)
+    calls = []
+    with pytest.raises(HeadsteerValueError, match="symlink"):
+        over_checkpoints(run_dir, lambda m: calls.append(1) or _value(m), results_dir=out, progress=False)
+    assert calls == [] and target.read_text() == "keep\n"

@@ -198,3 +198,57 @@ def test_every_site_is_the_same_on_the_three_backends(tokenizer, kind):
         assert torch.equal(out["hf"][0], base[0]), site  # rows= keeps row 0
         for n in ("transformer_lens", "nnsight"):
             _close(out[n][real], out["hf"][real], f"{n} replacement at {site}")
+
+
+# ------------------------------------------------------------------ in-place edits, dtypes, re-entrance
+def _one_per_site(hm: HeadModel) -> list[str]:
+    """One name per hook template (layer 1 for the per-layer ones)."""
+    out: dict[str, str] = {}
+    for n in hook_names(hm):
+        parts = n.split(".")
+        template = ".".join("{l}" if p.isdigit() else p for p in parts)
+        if template not in out or ".1." in n:
+            out[template] = n
+    return list(out.values())
+
+
+def test_an_in_place_edit_applies_at_every_site_as_a_replacement(tokenizer):
+    """TransformerLens' rule: a hook returning None after editing its tensor in place changes the
+    forward exactly as returning the edited tensor does, at every site kind (the oracle: the
+    replacement path, checked against TransformerLens above); a read-only site refuses both."""
+    hm = make_tiny("llama", tokenizer)
+    ref = forward(hm, _enc(IDS))
+    names = _one_per_site(hm)
+    assert any(n.endswith("hook_pattern") for n in names) and any(n.endswith("hook_z") for n in names)
+    for name in names:
+
+        def in_place(x, hook):
+            x.mul_(0.5)
+
+        if name.endswith(("hook_attn_scores", "hook_normalized")):
+            for fn in (in_place, lambda x, hook: x * 0.5):
+                with pytest.raises(ValueError, match="read only"):
+                    run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, fn)])
+            continue
+        got = run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, in_place)])
+        want = run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, lambda x, hook: x * 0.5)])
+        assert torch.equal(got, want), name
+        if not name.endswith("hook_scale"):
+            assert float((got - ref).abs().max()) > 1e-4, name  # the edit did something
+
+
+def test_a_replacement_of_another_dtype_or_a_reentrant_call_is_refused(tokenizer):
+    hm = make_tiny("llama", tokenizer)
+    ref = forward(hm, _enc(IDS))
+    for name in ("blocks.1.attn.hook_z", "blocks.1.attn.hook_pattern"):
+        for bad in (lambda x, hook: x > 0, lambda x, hook: x.long()):
+            with pytest.raises(ValueError, match=rf"hook at {name} returned a torch\.(bool|int64) tensor"):
+                run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, bad)])
+
+    def again(x, hook):
+        run_with_hooks(hm, "a b")
+
+    with pytest.raises(ValueError, match=r"a hook called the model again \(blocks\.1\.attn\.hook_z\)"):
+        run_with_hooks(hm, _enc(IDS), fwd_hooks=[("blocks.1.attn.hook_z", again)])
+    assert torch.equal(forward(hm, _enc(IDS)), ref)  # the model is left as it was
+    assert torch.equal(run_with_hooks(hm, _enc(IDS)), ref)
