@@ -26,6 +26,7 @@ attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the froz
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -41,23 +42,48 @@ from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
 from heads.scorers.qk.sides import Side, components, side
 
-__all__ = ["BY", "encode_input", "parse_head", "qk_attribution", "qk_attributions", "resolve_positions"]
+__all__ = [
+    "BY",
+    "encode_input",
+    "parse_head",
+    "parse_head_text",
+    "qk_attribution",
+    "qk_attributions",
+    "resolve_positions",
+]
 
 BY = ("component", "source_token")
 
 
+_HEAD_TEXT = re.compile(r"\s*(?:L([0-9]{1,6})\.H([0-9]{1,6})|([0-9]{1,6})\.([0-9]{1,6}))\s*", re.ASCII)
+"""`"5.1"` or `"L5.H1"` (the form `HeadScores` prints): ASCII digits, at most 6 each."""
+
+
+def parse_head_text(text: str) -> tuple[int, int]:
+    """`(layer, head)` of `"5.1"` or `"L5.H1"` (not checked against a model).
+
+    Raises:
+        ValueError: any other text (other digits, more than 6 of them, other separators).
+    """
+    m = _HEAD_TEXT.fullmatch(text)
+    if m is None:
+        raise HeadsteerValueError(
+            f"head must look like 'L.H' (e.g. '5.1') or 'L5.H1', got {short_repr(text)}"
+        )
+    la, h = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+    return int(la), int(h)
+
+
 def parse_head(model: HeadModel, head: object) -> tuple[int, int]:
-    """`(layer, head)` from a pair or a `"L.H"` string, checked against `model`.
+    """`(layer, head)` from a pair or a `"L.H"` / `"LL.HH"`-style string (`"5.1"` or
+    `"L5.H1"`, `parse_head_text`), checked against `model`.
 
     Raises:
         ValueError: a malformed string or an unknown layer / head.
         TypeError: anything else.
     """
     if isinstance(head, str):
-        parts = head.strip().split(".")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise HeadsteerValueError(f"head must look like 'L.H' (e.g. '5.1'), got {short_repr(head)}")
-        pair = (int(parts[0]), int(parts[1]))
+        pair = parse_head_text(head)
     elif isinstance(head, (tuple, list)) and len(head) == 2 and all(is_int(x) for x in head):
         pair = (int(head[0]), int(head[1]))
     else:
