@@ -122,10 +122,14 @@ def _select(model: HeadModel, names: Names) -> list[str]:
 def _encode(model: HeadModel, inputs: str | Sequence[str] | EncodedPrompts) -> EncodedPrompts:
     if isinstance(inputs, EncodedPrompts):
         return inputs
+    clean = getattr(inputs, "clean", None)  # a PairBatch (heads.scorers.patching): its clean side
+    if isinstance(clean, EncodedPrompts):
+        return clean
     if isinstance(inputs, str) or (isinstance(inputs, Sequence) and all(isinstance(p, str) for p in inputs)):
         return encode_prompts(model.tokenizer, inputs, chat=False, markup=False)
     raise HeadsteerTypeError(
-        f"prompts must be a string, a list of strings or EncodedPrompts, got {type(inputs).__name__}"
+        "prompts must be a string, a list of strings, EncodedPrompts or a PairBatch, got "
+        f"{type(inputs).__name__}"
     )
 
 
@@ -143,7 +147,8 @@ def record(
     Args:
         model: the `HeadModel` (any backend).
         prompts: a string or a list (encoded as raw text: no chat template, no `**markup**`,
-            left-padded) or `EncodedPrompts`.
+            left-padded), `EncodedPrompts`, or a `PairBatch` (`heads.scorers.patching`): its clean
+            prompts, as they are padded there (`pairs.corrupted` for the corrupted side).
         names: which activations to keep: None (default) every one `hook_names(model)` lists, a
             name, a list of names, or a predicate `name -> bool` (TransformerLens' `names_filter`).
             Only what is kept is computed: a pattern or score matrix `[B, H, T, T]` is built

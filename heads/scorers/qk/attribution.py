@@ -37,6 +37,7 @@ from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, positio
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.qk import QKAttribution
+from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
 from heads.scorers.qk.sides import Side, components, side
@@ -95,7 +96,8 @@ def encode_input(
     model: HeadModel, prompts: object, chat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
     """`(ids [N, T], mask [N, T], tokens)` from text prompts (with the model's tokenizer), an
-    `EncodedPrompts`, or token ids (`[T]` or `[N, T]` long, no padding).
+    `EncodedPrompts`, a `PairBatch` (its clean prompts; pass `pairs.corrupted` for the other
+    side), or token ids (`[T]` or `[N, T]` long, no padding).
 
     Raises:
         ValueError: empty prompts, ids outside the vocabulary, a prompt longer than the model's
@@ -103,6 +105,8 @@ def encode_input(
         TypeError: another kind of input.
     """
     tok = model.tokenizer
+    if isinstance(prompts, PairBatch):  # its clean prompts (`pairs.corrupted` for the other side)
+        prompts = prompts.clean
     if isinstance(prompts, EncodedPrompts):
         ids, mask = prompts.input_ids, prompts.attention_mask
     elif isinstance(prompts, torch.Tensor):
@@ -275,7 +279,7 @@ def _source_side(
 @torch.no_grad()
 def qk_attribution(
     model: HeadModel,
-    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | PairBatch | torch.Tensor,
     head: tuple[int, int] | str,
     *,
     query: int | Sequence[int] = -1,
@@ -291,7 +295,8 @@ def qk_attribution(
             Mistral, Qwen 2 / 3, Gemma 1 / 2 / 3, OLMo 2, GPT-2, Phi-3, gpt-oss), transformers or
             nnsight backend.
         prompts: a string, a chat, a list of them (encoded with the model's tokenizer, `chat`
-            template only if asked), an `EncodedPrompts`, or token ids `[T]` / `[N, T]`.
+            template only if asked), an `EncodedPrompts`, a `PairBatch` (its clean prompts;
+            `pairs.corrupted` for the corrupted side), or token ids `[T]` / `[N, T]`.
         head: `(layer, head)` or `"L.H"`.
         query: query position(s), token indices within each prompt (negative: from its end;
             default -1, the last token).
