@@ -386,3 +386,11 @@ def test_parse_gib_reads_gib_and_units():
     assert parse_gib("24GB") == 24e9 / 2**30 and parse_gib("512MiB") == 0.5
     with pytest.raises(HeadsteerValueError, match="at least"):
         parse_gib(1e-30)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "12345"])
+def test_plan_devices_odd_digits_are_named(value):
+    from viz.cli.plan import _devices
+
+    with pytest.raises(HeadsteerValueError, match="--devices"):
+        _devices(value)
