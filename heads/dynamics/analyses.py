@@ -87,7 +87,18 @@ def _atlas(model: HeadModel, *, seed: int = 0, retrieval: bool | None = None, su
 def _pairs(model: HeadModel, pairs: list, chat: bool = False) -> Any:
     from heads.scorers.patching.pairs import encode_pairs
 
-    return encode_pairs(model, pairs, chat=chat)
+    try:
+        return encode_pairs(model, pairs, chat=chat)
+    except HeadsteerValueError as e:
+        if "positions must align" not in str(e):
+            raise
+        raise HeadsteerValueError(
+            f"{model.name or 'this checkpoint'}: its tokenizer splits the clean and corrupted prompts of "
+            f"the pairs into different lengths ({e}); the pairs were written for another tokenizer "
+            "(a cut vocabulary such as the model organism's breaks the shipped ioi / colored_objects "
+            "pairs): pass pairs written for this checkpoint's tokenizer, or drop the pair analyses "
+            "(dla, patching, circuit)"
+        ) from None
 
 
 def _dla(model: HeadModel, *, pairs: list, which: str = "clean", chat: bool = False) -> HeadScores:

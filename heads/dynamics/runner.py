@@ -32,7 +32,7 @@ def part_name(c: Checkpoint) -> str:
     return f"step-{c.step:09d}.json"
 
 
-def _identity(analysis: Analysis, series: list[Checkpoint], prints: list[str]) -> dict:
+def _identity(analysis: Analysis, series: list[Checkpoint], prints: list[str | None]) -> dict:
     return {
         "schema": _PART_SCHEMA,
         **analysis.identity(),
@@ -91,8 +91,8 @@ def _prepare(folder: Path, ident: dict, overwrite: bool) -> None:
     if not overwrite:
         changed = _changed_weights(old, ident) if isinstance(old, dict) else None
         why = (
-            f"checkpoint {changed!r} has other weights than when its results were written (retrained "
-            "or replaced)"
+            f"checkpoint {changed!r} has other weights than when its results were written: retrained "
+            "or replaced"
             if changed is not None
             else "other analysis, parameters or checkpoints"
         )
@@ -234,8 +234,9 @@ def over_checkpoints(
             check_config(c.path)
             if hasattr(job.request, "check_config"):  # a heads request: its geometry, before loading
                 job.request.check_config(AutoConfig.from_pretrained(c.path))
-    ident = _identity(job, series, [fingerprint(c) for c in series])
     folder = None if results_dir is None else Path(os.fspath(results_dir)).expanduser()
+    # the weights' fingerprints matter only to a results folder (a loaded model's costs a pass)
+    ident = _identity(job, series, [None if folder is None else fingerprint(c) for c in series])
     if folder is not None:
         _prepare(folder, ident, overwrite)
     short = job.name if ":" not in job.name else job.name.rsplit(".", 1)[-1].rsplit(":", 1)[-1]

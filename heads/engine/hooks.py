@@ -18,6 +18,7 @@ only by the calling thread, and are removed when the call returns (also on an ex
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,19 +56,23 @@ class HookInfo:
         return self.call.layer
 
 
+_LAYER_NAME = re.compile(r"blocks\.([0-9]{1,6})\.(.+)", re.ASCII | re.DOTALL)
+"""`blocks.<layer>.<rest>`: an ASCII layer number of at most 6 digits (no `¹`, no 5000 digits)."""
+
+
 def _split(name: str) -> tuple[str, int]:
     """`(engine site, layer)` of a TransformerLens hook name (ValueError for an unknown one)."""
     layer = 0
     template = name
-    if name.startswith("blocks."):
-        head, _, rest = name[len("blocks.") :].partition(".")
-        if head.isdigit():
-            layer, template = int(head), "blocks.{l}." + rest
+    m = _LAYER_NAME.fullmatch(name) if isinstance(name, str) else None
+    if m is not None:
+        layer, template = int(m.group(1)), "blocks.{l}." + m.group(2)
     site = _BY_HOOK.get(template)
     if site is None:
         raise HeadsteerValueError(
-            f"unknown hook name {short_repr(name)}: names as TransformerLens', e.g. "
-            "'blocks.0.hook_resid_pre' (hook_names(model) lists them)"
+            f"unknown hook name {short_repr(name)}: names as TransformerLens', one of "
+            f"{', '.join(sorted(_BY_HOOK))} ({{l}} a layer number, e.g. 'blocks.0.hook_resid_pre'; "
+            "hook_names(model) lists a model's)"
         )
     return site, layer
 
@@ -117,10 +122,14 @@ def _select(model: HeadModel, names: Names) -> list[str]:
 def _encode(model: HeadModel, inputs: str | Sequence[str] | EncodedPrompts) -> EncodedPrompts:
     if isinstance(inputs, EncodedPrompts):
         return inputs
+    clean = getattr(inputs, "clean", None)  # a PairBatch (heads.scorers.patching): its clean side
+    if isinstance(clean, EncodedPrompts):
+        return clean
     if isinstance(inputs, str) or (isinstance(inputs, Sequence) and all(isinstance(p, str) for p in inputs)):
         return encode_prompts(model.tokenizer, inputs, chat=False, markup=False)
     raise HeadsteerTypeError(
-        f"prompts must be a string, a list of strings or EncodedPrompts, got {type(inputs).__name__}"
+        "prompts must be a string, a list of strings, EncodedPrompts or a PairBatch, got "
+        f"{type(inputs).__name__}"
     )
 
 
@@ -138,7 +147,8 @@ def record(
     Args:
         model: the `HeadModel` (any backend).
         prompts: a string or a list (encoded as raw text: no chat template, no `**markup**`,
-            left-padded) or `EncodedPrompts`.
+            left-padded), `EncodedPrompts`, or a `PairBatch` (`heads.scorers.patching`): its clean
+            prompts, as they are padded there (`pairs.corrupted` for the corrupted side).
         names: which activations to keep: None (default) every one `hook_names(model)` lists, a
             name, a list of names, or a predicate `name -> bool` (TransformerLens' `names_filter`).
             Only what is kept is computed: a pattern or score matrix `[B, H, T, T]` is built

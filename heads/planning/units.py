@@ -8,7 +8,7 @@ import re
 from heads._util.validation import is_number, short_repr
 from heads.errors import HeadsteerValueError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "parse_bytes", "parse_gib"]
 
 _UNITS = {
     "": 1,
@@ -48,6 +48,29 @@ def parse_bytes(value: object, name: str = "max_memory") -> int:
     if not math.isfinite(number) or number < 1:
         raise HeadsteerValueError(f"{name} must be a positive size, got {short_repr(value)}")
     return int(number)
+
+
+def parse_gib(value: object, name: str = "max_memory", minimum: float = 2**-10) -> float:
+    """GiB from a bare number of GiB (`2`, `"0.5"`) or a size with a unit as `parse_bytes` reads
+    it (`"24GB"` = 24e9 bytes = 22.4 GiB, `"512MiB"` = 0.5 GiB).
+
+    Raises:
+        HeadsteerValueError: not a finite size, an unknown unit, or below `minimum` GiB (default
+            1 MiB), naming `name` and the minimum.
+    """
+    gib: float
+    if is_number(value) and not isinstance(value, bool):
+        gib = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*", value):
+        gib = float(value)
+    else:
+        gib = parse_bytes(value, name) / 2**30
+    if not math.isfinite(gib) or gib < minimum:
+        raise HeadsteerValueError(
+            f"{name} must be at least {format_bytes(minimum * 2**30)} ({minimum:g} GiB), "
+            f"got {short_repr(value)}"
+        )
+    return gib
 
 
 def format_bytes(n: float) -> str:

@@ -468,8 +468,7 @@ class HeadScores:
             if isinstance(k, str)
             and k.startswith("blocks.")
             and k.endswith(".attn.hook_pattern")
-            and k.split(".")[1].isdigit()
-            and str(int(k.split(".")[1])) == k.split(".")[1]
+            and re.fullmatch(r"0|[1-9][0-9]{0,5}", k.split(".")[1], re.ASCII) is not None
         )
         if not found:
             raise HeadsteerValueError(

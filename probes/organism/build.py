@@ -6,10 +6,14 @@ Layout of the folder:
     OUT/<spec name>/training_log.json
     OUT/<spec name>/step-NNNNNN/ a Hugging Face folder per checkpoint (`heads.load_model(path)`)
 
-Everything is written into a temporary folder beside OUT and renamed to OUT at the end, so an
-interrupted build leaves no partial OUT. An existing OUT is replaced only with `overwrite=True`
-(the CLI's `--force`), and only when it is a previous organism build (it holds
-`organism.json`) or an empty folder: a folder of other files is never removed.
+Everything is trained into a temporary folder beside OUT first, so an interrupted training
+leaves OUT as it was. A new OUT is then renamed into place whole. An existing OUT is written only
+with `overwrite=True` (the CLI's `--force`), and only when it is a previous organism build (it
+holds `organism.json`) or an empty folder: a folder of other files is refused. Even then only the
+build's own outputs are replaced, each atomically (a rename): `organism.json`, each run's
+`training_log.json` and checkpoint folders, and the checkpoint folders the previous build's
+`organism.json` lists for a run trained again (so a run never mixes two trainings). Any other file
+in OUT or in a run's folder is left alone. `organism_outputs` names every path written.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from heads._util.files import check_writable, short_path
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
 from heads._util.validation import check_bool, check_path
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from probes.organism.recipe import ORGANISMS, OrganismSpec, train_organism
+from probes.organism.recipe import ORGANISMS, OrganismSpec, checkpoint_name, train_organism
 
-__all__ = ["MANIFEST", "build_organism", "check_organism_out"]
+__all__ = ["MANIFEST", "build_organism", "check_organism_out", "organism_outputs"]
 
 MANIFEST = "organism.json"
 """The file naming a folder as an organism build."""
@@ -62,6 +66,67 @@ def check_organism_out(out: str | os.PathLike, overwrite: bool) -> Path:
     return path
 
 
+def organism_outputs(out: str | os.PathLike, manifest: dict) -> list[Path]:
+    """Every path a build wrote (from its manifest): each run's checkpoint folders and
+    `training_log.json`, then `organism.json`."""
+    root = Path(out).expanduser()
+    paths = []
+    for name, r in manifest["runs"].items():
+        paths += [root / name / checkpoint_name(int(step)) for step in r["checkpoints"]]
+        paths.append(root / name / "training_log.json")
+    return [*paths, root / MANIFEST]
+
+
+def _previous_checkpoints(target: Path) -> dict[str, list[str]]:
+    """The checkpoint folder names per run listed by the previous build's manifest (none when
+    unreadable)."""
+    from heads._util.validation import read_json_file
+
+    try:
+        old = read_json_file(target / MANIFEST)
+        return {
+            str(name): [checkpoint_name(int(s)) for s in r["checkpoints"]]
+            for name, r in old["runs"].items()
+            if "/" not in str(name) and str(name) not in ("", ".", "..")
+        }
+    except (OSError, HeadsteerValueError, KeyError, TypeError, ValueError, AttributeError):
+        return {}
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Move `src` to `dst` by a rename; an old folder at `dst` is renamed aside first and then
+    removed (a symlink at `dst` is refused)."""
+    if dst.is_symlink():
+        raise HeadsteerValueError(f"refusing to write through a symlink: {dst}")
+    if dst.is_dir():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def _install(tmp: Path, target: Path, names: list[str]) -> None:
+    """Move the build's outputs from `tmp` into the existing `target`, one rename each."""
+    previous = _previous_checkpoints(target)
+    for name in names:
+        run = target / name
+        if run.is_symlink() or (run.exists() and not run.is_dir()):
+            raise HeadsteerValueError(f"{short_path(run)} is a symlink or a file, not a run folder")
+    for name in names:
+        src, run = tmp / name, target / name
+        run.mkdir(exist_ok=True)
+        new = {p.name for p in src.iterdir()}
+        for item in sorted(src.iterdir()):
+            _replace(item, run / item.name)
+        for stale in previous.get(name, []):
+            p = run / stale
+            if stale not in new and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+    _replace(tmp / MANIFEST, target / MANIFEST)
+
+
 def build_organism(
     out: str | os.PathLike,
     *,
@@ -72,10 +137,11 @@ def build_organism(
     """Train every spec from scratch and write the organism folder `out` (see the module docstring).
 
     Args:
-        out: the folder to write (replaced only with `overwrite`, see `check_organism_out`).
+        out: the folder to write (its build outputs replaced only with `overwrite`, see the module
+            docstring and `check_organism_out`).
         specs: the recipes (default `ORGANISMS`: the attention-only and the Llama-shaped model);
             names must differ.
-        overwrite: replace a previous build at `out`.
+        overwrite: replace a previous build's outputs at `out` (other files there are kept).
         progress: True (a bar), False / None, or `progress(done, total)` in optimiser steps over
             all specs.
 
@@ -120,10 +186,8 @@ def build_organism(
         os.chmod(tmp, 0o777 & ~_umask())
         if target.exists():
             check_organism_out(target, overwrite)  # re-check: it may have changed meanwhile
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            _install(tmp, target, names)
+            shutil.rmtree(tmp, ignore_errors=True)
         else:
             os.replace(tmp, target)
     except BaseException:

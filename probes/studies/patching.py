@@ -72,7 +72,7 @@ def top_heads(result: PatchResult, k: int = 10) -> list[dict[str, Any]]:
     h = m.shape[1]
     return [
         {
-            "head": f"L{i // h}H{i % h}",
+            "head": f"L{result.layer_ids[i // h]}H{i % h}",  # the model's layer, also for a subset
             "score": round(float(m.flatten()[i]), 4),
             "ci": [round(float(lo.flatten()[i]), 4), round(float(hi.flatten()[i]), 4)],
         }

@@ -407,3 +407,18 @@ def test_a_symlinked_part_is_refused_before_any_analysis(run_dir, tmp_path):
     with pytest.raises(HeadsteerValueError, match="symlink"):
         over_checkpoints(run_dir, lambda m: calls.append(1) or _value(m), results_dir=out, progress=False)
     assert calls == [] and target.read_text() == "keep\n"
+
+
+def test_pairs_the_checkpoint_tokenizer_splits_differently_are_refused_with_the_reason(run_dir):
+    """The organism's cut vocabulary splits a clean name and its corrupted name into different
+    numbers of tokens: the error says the pairs were written for another tokenizer."""
+    tok = load_model(run_dir / "step-000000").tokenizer
+    clean, corrupted = (
+        "When Mary and John went out, John gave it to",
+        "When Mary and John went out, Zed gave it to",
+    )
+    assert len(tok(clean)["input_ids"]) != len(tok(corrupted)["input_ids"])  # the premise
+    pairs = [{"clean": clean, "corrupted": corrupted, "answer": " Mary", "counterfactual": " John"}]
+    with pytest.raises(HeadsteerValueError, match="tokenizer splits the clean and corrupted prompts") as e:
+        over_checkpoints(run_dir, "dla", {"pairs": pairs}, progress=False)
+    assert "written for another tokenizer" in str(e.value) and "pair 0" in str(e.value)

@@ -252,3 +252,12 @@ def test_a_replacement_of_another_dtype_or_a_reentrant_call_is_refused(tokenizer
         run_with_hooks(hm, _enc(IDS), fwd_hooks=[("blocks.1.attn.hook_z", again)])
     assert torch.equal(forward(hm, _enc(IDS)), ref)  # the model is left as it was
     assert torch.equal(run_with_hooks(hm, _enc(IDS)), ref)
+
+
+@pytest.mark.parametrize(
+    "name", ["blocks.\u00b9.attn.hook_z", "blocks." + "9" * 5000 + ".attn.hook_z", "blocks.-1.hook_resid_pre"]
+)
+def test_odd_layer_digits_are_an_unknown_hook_name(tokenizer, name):
+    hm = make_tiny("llama", tokenizer)
+    with pytest.raises(ValueError, match=r"unknown hook name .*one of .*blocks\.\{l\}\.attn\.hook_z"):
+        record(hm, "hi there", names=name)

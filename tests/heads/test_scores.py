@@ -219,3 +219,15 @@ def test_from_cache_refuses_partial_caches_and_bad_positions():
     for bad_layer in (torch.rand(2, 3, 5, 7), torch.rand(2, 2, 5, 5), torch.rand(3, 5, 5), [[0.0]]):
         with pytest.raises(ValueError, match="blocks.1.attn.hook_pattern must be"):
             HeadScores.from_cache({**cache, "blocks.1.attn.hook_pattern": bad_layer}, (1, 3))
+
+
+def test_from_cache_skips_keys_with_odd_layer_digits():
+    """A key whose layer is not ASCII digits (`¹`) or absurdly long is not a layer: no raw
+    int() error, the layers found are the well-formed ones."""
+    pattern = torch.softmax(torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0)), -1)
+    cache = {
+        "blocks.0.attn.hook_pattern": pattern,
+        "blocks.\u00b9.attn.hook_pattern": pattern,
+        "blocks." + "9" * 5000 + ".attn.hook_pattern": pattern,
+    }
+    assert HeadScores.from_cache(cache, (0, 2)).scores.shape == (1, 2)

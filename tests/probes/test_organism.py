@@ -4,6 +4,7 @@ attention-only Llama that `load_model` accepts, and `build_organism`'s folder ru
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from heads import HeadsteerValueError, load_model
 from heads.model.loading import no_empty_init_warning
 from probes.datasets.corpus import load_corpus
-from probes.organism.build import MANIFEST, build_organism
+from probes.organism.build import MANIFEST, build_organism, organism_outputs
 from probes.organism.data import CorpusStream, batch_rows, icl_rows
 from probes.organism.recipe import OrganismSpec
 from probes.organism.tokenizer import truncated_tokenizer
@@ -136,3 +137,31 @@ def test_build_is_atomic_and_needs_force_to_replace(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         build_organism(tmp_path / "new", specs=[spec], progress=interrupt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "org"]
+
+
+def test_force_replaces_only_the_builds_own_outputs(tmp_path):
+    spec = TINY_SPEC.__class__(**{**TINY_SPEC.to_dict(), "steps": 2})
+    out = tmp_path / "org"
+    build_organism(out, specs=[spec], progress=False)
+    (out / "NOTES.txt").write_text("mine")
+    (out / "tiny" / "NOTES.txt").write_text("mine too")
+    manifest = build_organism(out, specs=[replace(spec, steps=1, seed=9)], overwrite=True, progress=False)
+    assert (out / "NOTES.txt").read_text() == "mine"
+    assert (out / "tiny" / "NOTES.txt").read_text() == "mine too"
+    assert not (out / "tiny" / "step-000002").exists()  # the previous build's checkpoint, not rebuilt
+    assert sorted(p.name for p in (out / "tiny").iterdir()) == [
+        "NOTES.txt",
+        "step-000000",
+        "step-000001",
+        "training_log.json",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["org"]  # no temporary folder left
+    assert organism_outputs(out, manifest) == [
+        out / "tiny" / "step-000000",
+        out / "tiny" / "step-000001",
+        out / "tiny" / "training_log.json",
+        out / MANIFEST,
+    ]
+    assert json.loads((out / MANIFEST).read_text())["specs"][0]["seed"] == 9
+    meta = json.loads((out / "tiny" / "step-000001" / "headsteer_checkpoint.json").read_text())
+    assert meta["spec"]["seed"] == 9  # the new training's checkpoint

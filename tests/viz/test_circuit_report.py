@@ -42,3 +42,18 @@ def test_cli_report_circuit(tiny_llama_dir, tmp_path):
     assert r.exit_code != 0 and "--method" in r.output
     r = CliRunner().invoke(app, [*args, "--size", "0", "--force"])
     assert r.exit_code != 0 and "--size" in r.output
+
+
+def test_cli_report_circuit_one_size_writes_both_files(tiny_llama_dir, tmp_path):
+    """One curve size: no area under the curve (cpr / cmd NaN). The report still writes its page
+    and its circuit JSON (NaN as null, read back as NaN), and exits 0."""
+    import math
+
+    out = tmp_path / "a.html"
+    args = ["report", "circuit", "--out", str(out), "--model", tiny_llama_dir, "--pairs", "2"]
+    r = CliRunner().invoke(app, [*args, "--sizes", "5", "--method", "eap", "--quiet"])
+    assert r.exit_code == 0, r.output
+    js = out.with_suffix(".json")
+    assert out.is_file() and js.is_file()
+    assert json.loads(js.read_text())["curve"]["cpr"] is None
+    assert math.isnan(Circuit.load(js).curve["cpr"])

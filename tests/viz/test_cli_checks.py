@@ -358,3 +358,39 @@ def test_an_empty_path_option_is_refused(no_load, args):
     fine-tune writing into the working folder (found by a breaker)."""
     r = runner.invoke(app, args)
     _one_line_error(r, "--out is empty: give a path")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1e-30", "--max-memory must be at least 1.05 MB"),
+        ("0", "at least"),
+        ("24XB", "--max-memory must be a size"),
+    ],
+)
+def test_circuit_max_memory_refusals(no_load, tmp_path, value, message):
+    r = runner.invoke(app, ["report", "circuit", "--max-memory", value, "--out", str(tmp_path / "c.html")])
+    _one_line_error(r, message)
+
+
+def test_circuit_max_memory_takes_plan_forms(no_load, tmp_path):
+    """`24GB` (plan's form) is accepted: the command goes on to load the model."""
+    r = runner.invoke(app, ["report", "circuit", "--max-memory", "24GB", "--out", str(tmp_path / "c.html")])
+    assert "the model was loaded" in r.output and "max-memory" not in r.output
+
+
+def test_parse_gib_reads_gib_and_units():
+    from heads.planning.units import parse_gib
+
+    assert parse_gib(2) == 2.0 and parse_gib("0.5") == 0.5
+    assert parse_gib("24GB") == 24e9 / 2**30 and parse_gib("512MiB") == 0.5
+    with pytest.raises(HeadsteerValueError, match="at least"):
+        parse_gib(1e-30)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "12345"])
+def test_plan_devices_odd_digits_are_named(value):
+    from viz.cli.plan import _devices
+
+    with pytest.raises(HeadsteerValueError, match="--devices"):
+        _devices(value)

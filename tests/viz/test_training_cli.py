@@ -29,6 +29,21 @@ def test_build_organism_writes_loadable_checkpoints_and_needs_force(tmp_path):
     one_line_error(runner.invoke(app, [*args[:-3], "--only", "gpt", "--quiet"]), "--only must be one of")
 
 
+def test_build_organism_force_keeps_other_files_and_prints_every_path(tmp_path):
+    out = tmp_path / "org"
+    args = ["build", "organism", "--out", str(out), "--only", "attn-only", "--steps", "1", "--quiet"]
+    assert runner.invoke(app, args).exit_code == 0
+    (out / "NOTES.txt").write_text("mine")
+    (out / "attn-only" / "NOTES.txt").write_text("mine")
+    r = runner.invoke(app, [*args, "--force", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    assert (out / "NOTES.txt").read_text() == "mine"
+    assert (out / "attn-only" / "NOTES.txt").read_text() == "mine"
+    run = out / "attn-only"
+    want = [run / "step-000000", run / "step-000001", run / "training_log.json", out / "organism.json"]
+    assert [ln for ln in r.output.splitlines() if ln.startswith("wrote ")] == [f"wrote {p}" for p in want]
+
+
 def test_report_training_writes_the_page_and_resumes(tmp_path):
     run = tiny_run(tmp_path / "run")
     out = tmp_path / "rep" / "training.html"

@@ -464,8 +464,12 @@ def report_circuit(
         int, typer.Option(help="rerun the top K edges with exact edge patching (0: none)")
     ] = 0,
     max_memory: Annotated[
-        float, typer.Option(help="GiB the exact evaluations' activations may take (rows per forward follow)")
-    ] = 2.0,
+        str,
+        typer.Option(
+            help="what the exact evaluations' activations may take: GiB (2) or a size as plan's "
+            "--max-memory (24GB, 512MiB); at least 1 MiB"
+        ),
+    ] = "2",
     graph_threshold: Annotated[
         float | None, typer.Option(help="draw only the circuit's edges with |score| >= this (the graphs)")
     ] = None,
@@ -503,7 +507,9 @@ def report_circuit(
 
     check_number("--faithfulness", faithfulness)
     check_int("--confirm", confirm, lo=0)
-    check_number("--max-memory", max_memory, lo=0, lo_open=True, what="a number of GiB > 0")
+    from heads.planning.units import parse_gib
+
+    max_gib = parse_gib(max_memory, "--max-memory")
     if graph_threshold is not None:
         check_number("--graph-threshold", graph_threshold, lo=0)
     try:
@@ -523,7 +529,7 @@ def report_circuit(
         _, summary = circuit_report(
             hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
             overwrite=run.force, circuit_json=js, progress=step, stability=stability,
-            faithfulness=faithfulness, confirm=confirm, max_memory=max_memory,
+            faithfulness=faithfulness, confirm=confirm, max_memory=max_gib,
             graph_threshold=graph_threshold,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")

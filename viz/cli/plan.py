@@ -20,7 +20,11 @@ def _devices(value: str | None) -> object:
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not `¹`, not a 5000-digit count
+        if len(value) > 4:
+            raise HeadsteerValueError(
+                f"--devices must be a GPU count of at most 4 digits, got {value[:20]!r}"
+            )
         return int(value)
     names = [v.strip() for v in value.split(",") if v.strip()]
     if not names:

@@ -34,11 +34,12 @@ def build_organism_command(
 ) -> dict:
     """Train the model organism from scratch on this CPU: a 2-layer attention-only model and a
     small Llama-shaped model (seeded, bitwise reproducible), saving Hugging Face checkpoint folders
-    that every analysis loads (`--model OUT/attn-only/step-001200`)."""
+    that every analysis loads (`--model OUT/attn-only/step-001200`). With --force over a previous
+    build, only the build's own outputs are replaced (each by a rename); other files in OUT stay."""
     from dataclasses import replace
 
     from heads._util.validation import check_seed
-    from probes.organism.build import MANIFEST, build_organism, check_organism_out
+    from probes.organism.build import build_organism, check_organism_out, organism_outputs
     from probes.organism.recipe import ORGANISMS
 
     _no_model(run, "build organism")
@@ -61,8 +62,10 @@ def build_organism_command(
     for name, r in manifest["runs"].items():
         n, loss, secs = len(r["checkpoints"]), r["final_loss"], r["seconds"]
         run.show(f"{name}: {n} checkpoints, final loss {loss:.3f}, {secs:.0f} s")
-    run.show(f"wrote {Path(out) / MANIFEST} and the checkpoint folders under {out}")
-    return manifest
+    written = organism_outputs(out, manifest)
+    for p in written:
+        run.show(f"wrote {p}")
+    return {**manifest, "written": [str(p) for p in written]}
 
 
 def report_training(

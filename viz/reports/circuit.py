@@ -28,6 +28,7 @@ from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, check_number
 from heads.errors import HeadsteerValueError
+from heads.planning.units import parse_gib
 from heads.results.stability import check_stability
 from heads.results.storage import json_text
 from heads.scorers.circuits import (
@@ -96,7 +97,7 @@ def circuit_report(
     stability: int = 0,
     faithfulness: float = DEFAULT_FAITHFULNESS,
     confirm: int = 0,
-    max_memory: float = MAX_MEMORY_GB,
+    max_memory: float | str = MAX_MEMORY_GB,
     graph_threshold: float | None = None,
 ) -> tuple[Circuit, dict]:
     """Score every edge on `n_pairs` pairs of `task`, evaluate the faithfulness curve exactly,
@@ -112,7 +113,8 @@ def circuit_report(
         stability: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
             frequency in the re-selected circuit and the ranking's stability, on the page and in
             the summary (`circuit_stability`, no extra forward).
-        max_memory: GiB the exact evaluations' activations may take (default 2; `circuit_rows`).
+        max_memory: GiB the exact evaluations' activations may take (default 2; `circuit_rows`),
+            or a size with a unit (`"24GB"`, `"512MiB"`; `heads.planning.parse_gib`); >= 1 MiB.
         graph_threshold: draw only the circuit's edges with |score| >= this in both graphs
             (default None: every edge, up to `circuit_figure`'s 400 largest); the circuit, its
             table and its faithfulness are unchanged.
@@ -137,7 +139,7 @@ def circuit_report(
     sizes = _check_sizes(sizes)
     target = check_number("faithfulness", faithfulness)
     confirm = check_int("confirm", confirm, lo=0, hi=graph.n_edges)
-    check_number("max_memory", max_memory, lo=0, lo_open=True)
+    max_memory = parse_gib(max_memory, "max_memory")
     if graph_threshold is not None:
         graph_threshold = check_number("graph_threshold", graph_threshold, lo=0)
     pairs = task_pairs(model, task, n_pairs)

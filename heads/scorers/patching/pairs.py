@@ -29,6 +29,7 @@ import torch
 
 from heads._util.validation import check_int, check_seed, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import EncodedPrompts
 from heads.inputs.tokens import readable_tokens
 
 __all__ = [
@@ -163,6 +164,31 @@ class PairBatch:
         if which == "corrupted":
             return self.corrupted_ids
         raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
+
+    def prompts(self, which: str = "clean") -> EncodedPrompts:
+        """One side of the pairs as `EncodedPrompts` (the same left-padded ids and mask, no
+        emphasized spans; texts from the source `PromptPair`s, `""` where built from ids), for
+        the functions that take prompts: `heads.record`, `run_with_hooks`, `qk_attribution`
+        (which take a `PairBatch` itself as its clean side).
+
+        Raises:
+            HeadsteerValueError: `which` not `"clean"` / `"corrupted"`.
+        """
+        ids = self.ids(which)
+        texts = [("" if p is None else getattr(p, which)) for p in self.pairs] or [""] * self.n
+        empty: list[list[tuple[int, int]]] = [[] for _ in range(self.n)]
+        return EncodedPrompts(ids, self.attention_mask, empty, texts, [[] for _ in range(self.n)])
+
+    @property
+    def clean(self) -> EncodedPrompts:
+        """The clean prompts as `EncodedPrompts` (`prompts("clean")`)."""
+        return self.prompts("clean")
+
+    @property
+    def corrupted(self) -> EncodedPrompts:
+        """The corrupted prompts as `EncodedPrompts` (`prompts("corrupted")`): pass
+        `record(model, pairs.corrupted)` to record the corrupted side."""
+        return self.prompts("corrupted")
 
     def select(self, index: Sequence[int] | torch.Tensor) -> PairBatch:
         """The pairs at `index`, re-trimmed to their own longest row."""

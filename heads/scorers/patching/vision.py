@@ -142,6 +142,17 @@ class ImagePairBatch(PairBatch):
             )
         return m[0].nonzero().flatten().tolist()
 
+    def prompts(self, which: str = "clean") -> EncodedPrompts:
+        """Refused: a vision pair's prompts need its images and the VLM's positions.
+
+        Raises:
+            HeadsteerValueError: always (name the images: `heads.inputs.images.encode_image_prompts`).
+        """
+        raise HeadsteerValueError(
+            "vision pairs (ImagePairBatch) cannot be passed as prompts: encode the prompts with their "
+            "images (heads.inputs.images.encode_image_prompts) and pass those"
+        )
+
     def image_inputs(self, which: str) -> dict[str, torch.Tensor]:
         """`clean_inputs` for `"clean"`, `corrupted_inputs` for `"corrupted"`."""
         if which == "clean":

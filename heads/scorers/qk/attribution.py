@@ -26,6 +26,7 @@ attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the froz
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -36,27 +37,53 @@ from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, positio
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.qk import QKAttribution
+from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
 from heads.scorers.qk.sides import Side, components, side
 
-__all__ = ["BY", "encode_input", "parse_head", "qk_attribution", "qk_attributions", "resolve_positions"]
+__all__ = [
+    "BY",
+    "encode_input",
+    "parse_head",
+    "parse_head_text",
+    "qk_attribution",
+    "qk_attributions",
+    "resolve_positions",
+]
 
 BY = ("component", "source_token")
 
 
+_HEAD_TEXT = re.compile(r"\s*(?:L([0-9]{1,6})\.H([0-9]{1,6})|([0-9]{1,6})\.([0-9]{1,6}))\s*", re.ASCII)
+"""`"5.1"` or `"L5.H1"` (the form `HeadScores` prints): ASCII digits, at most 6 each."""
+
+
+def parse_head_text(text: str) -> tuple[int, int]:
+    """`(layer, head)` of `"5.1"` or `"L5.H1"` (not checked against a model).
+
+    Raises:
+        ValueError: any other text (other digits, more than 6 of them, other separators).
+    """
+    m = _HEAD_TEXT.fullmatch(text)
+    if m is None:
+        raise HeadsteerValueError(
+            f"head must look like 'L.H' (e.g. '5.1') or 'L5.H1', got {short_repr(text)}"
+        )
+    la, h = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+    return int(la), int(h)
+
+
 def parse_head(model: HeadModel, head: object) -> tuple[int, int]:
-    """`(layer, head)` from a pair or a `"L.H"` string, checked against `model`.
+    """`(layer, head)` from a pair or a `"L.H"` / `"LL.HH"`-style string (`"5.1"` or
+    `"L5.H1"`, `parse_head_text`), checked against `model`.
 
     Raises:
         ValueError: a malformed string or an unknown layer / head.
         TypeError: anything else.
     """
     if isinstance(head, str):
-        parts = head.strip().split(".")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise HeadsteerValueError(f"head must look like 'L.H' (e.g. '5.1'), got {short_repr(head)}")
-        pair = (int(parts[0]), int(parts[1]))
+        pair = parse_head_text(head)
     elif isinstance(head, (tuple, list)) and len(head) == 2 and all(is_int(x) for x in head):
         pair = (int(head[0]), int(head[1]))
     else:
@@ -69,7 +96,8 @@ def encode_input(
     model: HeadModel, prompts: object, chat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
     """`(ids [N, T], mask [N, T], tokens)` from text prompts (with the model's tokenizer), an
-    `EncodedPrompts`, or token ids (`[T]` or `[N, T]` long, no padding).
+    `EncodedPrompts`, a `PairBatch` (its clean prompts; pass `pairs.corrupted` for the other
+    side), or token ids (`[T]` or `[N, T]` long, no padding).
 
     Raises:
         ValueError: empty prompts, ids outside the vocabulary, a prompt longer than the model's
@@ -77,6 +105,8 @@ def encode_input(
         TypeError: another kind of input.
     """
     tok = model.tokenizer
+    if isinstance(prompts, PairBatch):  # its clean prompts (`pairs.corrupted` for the other side)
+        prompts = prompts.clean
     if isinstance(prompts, EncodedPrompts):
         ids, mask = prompts.input_ids, prompts.attention_mask
     elif isinstance(prompts, torch.Tensor):
@@ -249,7 +279,7 @@ def _source_side(
 @torch.no_grad()
 def qk_attribution(
     model: HeadModel,
-    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | PairBatch | torch.Tensor,
     head: tuple[int, int] | str,
     *,
     query: int | Sequence[int] = -1,
@@ -265,7 +295,8 @@ def qk_attribution(
             Mistral, Qwen 2 / 3, Gemma 1 / 2 / 3, OLMo 2, GPT-2, Phi-3, gpt-oss), transformers or
             nnsight backend.
         prompts: a string, a chat, a list of them (encoded with the model's tokenizer, `chat`
-            template only if asked), an `EncodedPrompts`, or token ids `[T]` / `[N, T]`.
+            template only if asked), an `EncodedPrompts`, a `PairBatch` (its clean prompts;
+            `pairs.corrupted` for the corrupted side), or token ids `[T]` / `[N, T]`.
         head: `(layer, head)` or `"L.H"`.
         query: query position(s), token indices within each prompt (negative: from its end;
             default -1, the last token).

@@ -25,7 +25,7 @@ Norms are computed without forming any `d_model x d_model` matrix: with `R_V` a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
@@ -35,6 +35,7 @@ from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.composition import CompositionScores
+from heads.results.scores import HeadSet
 from heads.scorers.qk.attribution import encode_input
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
@@ -57,25 +58,38 @@ def _r(w: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, root.to(w.dtype))
 
 
+MAX_SAMPLES = 100_000
+"""The most random factor pairs `baseline` / `composition_scores` average (`n_samples`)."""
+_CHUNK = 128
+"""Factor pairs drawn and scored at once: memory stays that of 128 pairs at any `n_samples`."""
+
+
 def baseline(d_model: int, d_head: int, *, n_samples: int = 100, seed: int = 0) -> float:
     """Mean composition score of random Gaussian factors: writer `X1 Y1`, reader `X2 Y2` with
     `X [d_model, d_head]`, `Y [d_head, d_model]` (Elhage et al.'s baseline; the same shapes serve
     Q-, K- and V-composition).
 
+    Drawn in chunks of 128 pairs (fp64; memory of 128 pairs at any `n_samples`, time linear in
+    it); up to 128 pairs are one draw of the seeded generator.
+
     Raises:
-        ValueError: sizes or `n_samples` not positive, a bad seed.
+        ValueError: sizes not positive, `n_samples` outside 1..100000 (`MAX_SAMPLES`), a bad seed.
     """
     check_int("d_model", d_model, lo=1)
     check_int("d_head", d_head, lo=1)
-    check_int("n_samples", n_samples, lo=1)
+    check_int("n_samples", n_samples, lo=1, hi=MAX_SAMPLES)
     g = torch.Generator().manual_seed(check_seed("seed", seed))
-    x1, x2 = (torch.randn(n_samples, d_model, d_head, generator=g, dtype=torch.float64) for _ in range(2))
-    y1, y2 = (torch.randn(n_samples, d_head, d_model, generator=g, dtype=torch.float64) for _ in range(2))
-    p = _r(x1) @ y1  # [n, d, D]: ||X1 Y1 M|| = ||P M||
-    s = x2 @ _r(y2.transpose(1, 2)).transpose(1, 2)  # [n, D, d]: ||M X2 Y2|| = ||M S||
-    num = torch.linalg.matrix_norm(p @ s)
-    den = torch.linalg.matrix_norm(p) * torch.linalg.matrix_norm(s)
-    return float((num / den).mean())
+    total = 0.0
+    for start in range(0, n_samples, _CHUNK):
+        n = min(_CHUNK, n_samples - start)
+        x1, x2 = (torch.randn(n, d_model, d_head, generator=g, dtype=torch.float64) for _ in range(2))
+        y1, y2 = (torch.randn(n, d_head, d_model, generator=g, dtype=torch.float64) for _ in range(2))
+        p = _r(x1) @ y1  # [n, d, D]: ||X1 Y1 M|| = ||P M||
+        s = x2 @ _r(y2.transpose(1, 2)).transpose(1, 2)  # [n, D, d]: ||M X2 Y2|| = ||M S||
+        num = torch.linalg.matrix_norm(p @ s)
+        den = torch.linalg.matrix_norm(p) * torch.linalg.matrix_norm(s)
+        total += float((num / den).sum())
+    return total / n_samples
 
 
 def _folded(model: HeadModel, parts: LayerParts) -> dict[str, torch.Tensor]:
@@ -94,7 +108,7 @@ def _folded(model: HeadModel, parts: LayerParts) -> dict[str, torch.Tensor]:
 def composition_scores(
     model: HeadModel,
     *,
-    readers: Sequence[tuple[int, int]] | None = None,
+    readers: Sequence[tuple[int, int]] | Mapping[int, Sequence[int]] | HeadSet | None = None,
     subtract_baseline: bool = True,
     n_samples: int = 100,
     seed: int = 0,
@@ -104,11 +118,13 @@ def composition_scores(
 
     Args:
         model: a `HeadModel` of a family QK attribution accepts (`heads.scorers.qk.ACCEPTED`).
-        readers: score only these reader heads `[(layer, head), ...]` (the other readers' entries
+        readers: score only these reader heads `[(layer, head), ...]`, a `{layer: [heads]}`
+            mapping or a `HeadSet` (the other readers' entries
             stay NaN; a few readers cost a few seconds instead of a minute on SmolLM2); default
             None: every head.
         subtract_baseline: compute the random baseline (default True); False leaves it 0.
-        n_samples: random factor pairs averaged for the baseline (default 100).
+        n_samples: random factor pairs averaged for the baseline (default 100; at most 100000,
+            `MAX_SAMPLES`, drawn 128 at a time).
         seed: the baseline's seed (default 0).
 
     Returns:
@@ -125,14 +141,17 @@ def composition_scores(
     """
     check_qk_model(model)
     check_bool("subtract_baseline", subtract_baseline)
-    check_int("n_samples", n_samples, lo=1)
+    check_int("n_samples", n_samples, lo=1, hi=MAX_SAMPLES)
     check_seed("seed", seed)
     L, H, d = model.n_layers, model.n_heads, model.d_head
     wanted: dict[int, list[int]] = {la: list(range(H)) for la in range(L)}
     if readers is not None:
+        if isinstance(readers, (Mapping, HeadSet)):  # the head-selection forms requests accept
+            readers = HeadSet.parse(readers).heads
         if isinstance(readers, (str, bytes)) or not isinstance(readers, Sequence) or not readers:
             raise HeadsteerValueError(
-                f"readers must be a non-empty list of (layer, head), got {short_repr(readers)}"
+                f"readers must be a non-empty list of (layer, head) or a {{layer: [heads]}} mapping, "
+                f"got {short_repr(readers)}"
             )
         wanted = {}
         for pair in readers:

@@ -45,6 +45,9 @@ def test_head_out_subset_keeps_layer_numbers(setup):
     top = hs.top(3, by="abs")
     assert list(top) == sorted(want[:3])
     assert set(sub.to_frame()["layer"]) == {1, 2}
+    from probes.studies.patching import top_heads
+
+    assert [r["head"] for r in top_heads(sub, 3)] == [f"L{la}H{h}" for la, h in hs.ranked(3)]
     # the same through the request API
     again = heads.run(model, heads.PatchRequest(kind="head_out", layers=[1, 2]), pairs, options=OPTS)
     torch.testing.assert_close(again.head_scores().scores, hs.scores, equal_nan=True)

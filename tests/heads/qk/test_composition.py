@@ -284,3 +284,30 @@ def test_chosen_readers_give_the_same_columns(tokenizer):
         composition_scores(hm, readers=[(5, 0)])
     with pytest.raises(ValueError, match="readers must be"):
         composition_scores(hm, readers=[])
+    by_layer = composition_scores(hm, readers={2: [3], 1: [0]})  # the requests' mapping form
+    for kind in "qkv":
+        assert torch.equal(by_layer.raw[kind].isnan(), part.raw[kind].isnan())
+        assert torch.equal(by_layer.raw[kind].nan_to_num(), part.raw[kind].nan_to_num())
+
+
+@pytest.mark.parametrize("n", [0, 100_001, 10**9, 10**30])
+def test_n_samples_is_capped_before_any_work(tokenizer, n):
+    hm = make_tiny("llama", tokenizer)
+    with pytest.raises(ValueError, match=r"n_samples"):
+        composition_scores(hm, n_samples=n)
+    with pytest.raises(ValueError, match=r"n_samples"):
+        baseline(64, 8, n_samples=n)
+
+
+def test_baseline_in_chunks_is_the_mean_over_its_draws():
+    """Past 128 pairs the draws come 128 at a time: the mean over 300 pairs is the weighted mean
+    of the chunks', each the baseline of its own draws (an independent re-computation)."""
+    g = torch.Generator().manual_seed(1)
+    vals = []
+    for n in (128, 128, 44):
+        x1, x2 = (torch.randn(n, 32, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        y1, y2 = (torch.randn(n, 4, 32, generator=g, dtype=torch.float64) for _ in range(2))
+        w1, w2 = x1 @ y1, x2 @ y2  # the full [D, D] factors: ||W1 W2|| / (||W1|| ||W2||)
+        mn = torch.linalg.matrix_norm
+        vals.append(mn(w1 @ w2) / (mn(w1) * mn(w2)))
+    assert baseline(32, 4, n_samples=300, seed=1) == pytest.approx(float(torch.cat(vals).mean()), rel=1e-9)

@@ -110,6 +110,12 @@ def test_padding_does_not_change_a_prompt(llama):
     assert torch.allclose(alone.k_side[0], batched.k_side[1, :, :n], atol=1e-6)
 
 
+def test_head_as_headscores_prints_it(llama):
+    ids = torch.randint(10, 1000, (6,), generator=torch.Generator().manual_seed(0))
+    a, b = qk_attribution(llama, ids, "L1.H2"), qk_attribution(llama, ids, (1, 2))
+    assert torch.equal(a.score(), b.score()) and a.head == b.head
+
+
 def test_explicit_keys_and_ids(llama):
     ids = torch.randint(10, 1000, (12,), generator=torch.Generator().manual_seed(0))
     r = qk_attribution(llama, ids, "1.2", query=11, keys=[0, 5, -2])
@@ -122,6 +128,9 @@ BAD = [
     (dict(head=(3, 0)), "unknown layer 3"),
     (dict(head=(0, 4)), "unknown head 4"),
     (dict(head="1:2"), "L.H"),
+    (dict(head="9" * 5000 + ".1"), "L.H"),  # no int-string-limit error
+    (dict(head="\u00b9.2"), "L.H"),  # a superscript digit is not a layer number
+    (dict(head="L1.2"), "L.H"),
     (dict(query=12), "query position 12 is outside prompt 0"),
     (dict(query=-13), "outside prompt 0"),
     (dict(query=5, keys=[6]), "is after query 5"),
