@@ -84,14 +84,13 @@ def test_edge_scores_takes_options(tiny_llama):
 
     pairs = _circuit_pairs()
     seen = []
-    new = edge_scores(
-        tiny_llama, pairs, method="eap", options=SweepOptions(max_rows=8, progress=lambda d, t: seen.append((d, t)))
-    )
+    opts = SweepOptions(max_rows=8, progress=lambda d, t: seen.append((d, t)))
+    new = edge_scores(tiny_llama, pairs, method="eap", options=opts)
     assert seen == [(1, 2), (2, 2)]  # max_rows // 8 = 1 pair per gradient chunk
-    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_size=\) is deprecated.*max_rows=8 \* batch"):
+    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_size=\) is deprecated.*=8 \* batch"):
         old = edge_scores(tiny_llama, pairs, method="eap", batch_size=1, progress=False)
     torch.testing.assert_close(old.scores, new.scores, equal_nan=True)
-    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_rows=, progress=\).*SweepOptions\(max_rows="):
+    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_rows=, progress=\).*\(max_rows="):
         edge_scores(tiny_llama, pairs, method="eap", batch_rows=8, progress=False)
     with pytest.raises(HeadsteerValueError, match=r"both batch_size= and options.max_rows"):
         edge_scores(tiny_llama, pairs, method="eap", batch_size=1, options=SweepOptions(max_rows=8))
@@ -117,5 +116,5 @@ def test_find_circuit_takes_options(tiny_llama, monkeypatch):
     budget = circuit.circuit_rows(circuit.graph_of(tiny_llama), tiny_llama.d_model, pairs.width)
     assert rows == [(2, 16), (2, 16), (8, budget)]  # the default max_rows keeps the 2 GiB budget rows
     assert default.mask.equal(new.mask)
-    with pytest.raises(HeadsteerValueError, match=r"find_circuit\(\) got both batch_rows= and options.max_rows"):
+    with pytest.raises(HeadsteerValueError, match=r"circuit\(\) got both batch_rows= and options.max_rows"):
         circuit.find_circuit(tiny_llama, pairs, **kw, batch_rows=4, options=SweepOptions(max_rows=8))
