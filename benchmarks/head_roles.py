@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from heads import load_model
+from heads import SweepOptions, load_model
 from heads.scorers.roles import detect_roles, pattern_scores, train_lens
 from probes.datasets.corpus import load_corpus
 
@@ -75,7 +75,9 @@ def main() -> None:
 
     step = max(1, hm.n_layers // args.lens_heads)
     heads = [(la, (la * 4) % hm.n_heads) for la in range(0, hm.n_layers, step)][: args.lens_heads]
-    lens = train_lens(hm, corpus, heads, epochs=args.lens_epochs, progress=False, max_positions=2048)
+    lens = train_lens(
+        hm, corpus, heads, epochs=args.lens_epochs, max_positions=2048, options=SweepOptions(progress=False)
+    )
     ratio = lens.held_out_kl / lens.untrained_kl
 
     def top(name: str, k: int = 5) -> list:

@@ -162,7 +162,7 @@ def _train_lens(model: HeadModel, texts: Any, r: LensTrainRequest, options: Swee
         patience=r.patience,
         max_positions=r.max_positions,
         seed=r.seed,
-        progress=_opts(options).progress,
+        options=SweepOptions(progress=_opts(options).progress),
     )
 
 

@@ -103,8 +103,8 @@ def test_pattern_scores_numpy_ids_accepted(model):
         ({"rows": ["target"]}, "rows"),
         ({"exclude_bos": 1}, "exclude_bos"),
         ({"exclude_current_token": "yes"}, "exclude_current_token"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"batch_size": 2.0}, "batch_size"),
+        ({"batch_size": 0}, "max_rows"),
+        ({"batch_size": 2.0}, "max_rows"),
     ],
 )
 def test_pattern_scores_options(model, kwargs, word):

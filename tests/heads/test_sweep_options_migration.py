@@ -118,3 +118,41 @@ def test_find_circuit_takes_options(tiny_llama, monkeypatch):
     assert default.mask.equal(new.mask)
     with pytest.raises(HeadsteerValueError, match=r"circuit\(\) got both batch_rows= and options.max_rows"):
         circuit.find_circuit(tiny_llama, pairs, **kw, batch_rows=4, options=SweepOptions(max_rows=8))
+
+
+def test_pattern_scores_takes_options(tiny_llama):
+    from heads.scorers.roles import pattern_scores
+
+    seqs = [[1, 5, 6, 7, 5, 6, 7], [1, 8, 9, 10, 8, 9, 10], [1, 4, 3, 2, 4, 3, 2]]
+    kw = {"detectors": ("induction", "previous_token")}
+    new = pattern_scores(tiny_llama, seqs, **kw, options=SweepOptions(max_rows=2))
+    with pytest.warns(DeprecationWarning, match=r"pattern_scores\(batch_size=\).*SweepOptions\(max_rows="):
+        old = pattern_scores(tiny_llama, seqs, **kw, batch_size=2)
+    default = pattern_scores(tiny_llama, seqs, **kw)
+    for name in kw["detectors"]:
+        torch.testing.assert_close(old[name].scores, new[name].scores, equal_nan=True)
+        torch.testing.assert_close(default[name].scores, new[name].scores, equal_nan=True)
+    with pytest.raises(HeadsteerValueError, match=r"got both batch_size= and options.max_rows"):
+        pattern_scores(tiny_llama, seqs, batch_size=2, options=SweepOptions(max_rows=3))
+    with pytest.raises(HeadsteerValueError, match="pattern_scores does not take progress="):
+        pattern_scores(tiny_llama, seqs, options=SweepOptions(progress=False))
+
+
+def test_train_lens_takes_options(tiny_llama):
+    from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.lens_data import collect_lens_data
+    from probes.datasets.corpus import load_corpus
+
+    data = collect_lens_data(tiny_llama, load_corpus(6), [(0, 0)], max_positions=40)
+    seen = []
+    new = train_lens(
+        tiny_llama, data, [(0, 0)], epochs=2, options=SweepOptions(progress=lambda d, t: seen.append((d, t)))
+    )
+    assert seen[-1] == (2, 2)  # epochs done, of 2
+    with pytest.warns(DeprecationWarning, match=r"train_lens\(progress=\) is deprecated"):
+        old = train_lens(tiny_llama, data, [(0, 0)], epochs=2, progress=False)
+    torch.testing.assert_close(old.held_out_kl, new.held_out_kl)
+    with pytest.raises(HeadsteerValueError, match=r"train_lens\(\) got both progress= and options.progress"):
+        train_lens(tiny_llama, data, [(0, 0)], progress=True, options=SweepOptions(progress=False))
+    with pytest.raises(HeadsteerValueError, match="train_lens does not take max_rows="):
+        train_lens(tiny_llama, data, [(0, 0)], options=SweepOptions(max_rows=2))

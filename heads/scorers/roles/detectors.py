@@ -41,7 +41,7 @@ from heads._util.validation import check_bool, is_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
-from heads.engine.options import SweepOptions
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
@@ -204,9 +204,10 @@ def pattern_scores(
     rows: Rows = "target",
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
-    batch_size: int = 8,
     seed: int = 0,
     stability: int = 0,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> dict[str, HeadScores]:
     """Pattern-based role scores of every head, all from the same forward passes.
 
@@ -221,10 +222,13 @@ def pattern_scores(
         exclude_bos: drop the first real token's column from numerator and denominator
             (TransformerLens' `exclude_bos`).
         exclude_current_token: drop the diagonal likewise (`exclude_current_token`).
-        batch_size: sequences per forward (a positive int, default 8).
         seed: the seed of the default sequences (an int in 0..2**32 - 1, default 0).
         stability: bootstrap resamples of the sequences (default 0: none; e.g. 100) for each
             ranking's stability, `scores.stability` (from the per-sequence scores, no extra forward).
+        options: `heads.SweepOptions`; only `max_rows` applies: sequences per forward (without
+            `options`, 8).
+        **deprecated: `batch_size=` (sequences per forward, now `max_rows`) as a keyword (one
+            release; a `DeprecationWarning`; refused together with `options.max_rows` set).
 
     Returns:
         `{detector: HeadScores [L, H]}` in [0, 1] (NaN for a head with no counted row), method
@@ -233,7 +237,8 @@ def pattern_scores(
     Raises:
         HeadsteerValueError: unknown detector or `rows`; bad sequences (non-integer, bool or
             float ids, ids outside the vocabulary, empty rows, longer than the model's context);
-            bad `batch_size` or `seed`. All checked before the first forward.
+            bad `max_rows` / `batch_size` or `seed`; another option than `max_rows`. All checked
+            before the first forward.
         HeadsteerTypeError: a flag that is not a bool; `sequences` or `detectors` of a wrong type.
     """
     names = _check_detectors(detectors)
@@ -241,7 +246,11 @@ def pattern_scores(
         raise HeadsteerValueError(f"rows must be 'target' or 'all', got {short_repr(rows)}")
     check_bool("exclude_bos", exclude_bos)
     check_bool("exclude_current_token", exclude_current_token)
-    batch_size = _positive(batch_size, "batch_size")
+    legacy_rows = deprecated.get("batch_size")
+    opts = sweep_options(
+        options, deprecated, "pattern_scores", takes=("max_rows",), renamed={"batch_size": "max_rows"}
+    )
+    batch_size = opts.max_rows if options is not None or legacy_rows is not None else 8
     seed = _seed(seed)
     stability = check_stability(stability)
     enc = _sequences(model, sequences, seed)

@@ -39,10 +39,11 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import (
     check_int,
     check_number,
@@ -50,6 +51,7 @@ from heads._util.validation import (
     check_seed,
     short_repr,
 )
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadSpec
@@ -152,7 +154,8 @@ def train_lens(
     max_positions: int = 4096,
     seed: int = 0,
     checkpoint: str | os.PathLike | None = None,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> AttentionLens:
     """Train Attention Lenses for `heads` (default every head) on `texts` (see the module docstring).
 
@@ -169,7 +172,10 @@ def train_lens(
         seed: seeds the split and every epoch's shuffle (an int in 0..2**32 - 1, default 0).
         checkpoint: a file to write after each epoch and to resume from when it exists (the
             resumed call must use the same lr, batch_positions, held_out, max_positions, seed).
-        progress: True (a tqdm bar), False / None, or `progress(done, total)` in epochs.
+        options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
+            False / None, or `progress(done, total)` in epochs.
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`; refused
+            together with `options.progress` set).
 
     Every argument is checked before any forward: `epochs` in 1..`MAX_EPOCHS`, `lr` in
     (0, `MAX_LR`], `held_out` in (0, 1), `batch_positions` and `patience` positive ints.
@@ -183,6 +189,7 @@ def train_lens(
             heads, or a checkpoint of another model, heads, form or training parameters.
         HeadsteerTypeError: `progress` or `checkpoint` of a wrong type.
     """
+    progress = sweep_options(options, deprecated, "train_lens", takes=("progress",)).progress
     _check_form(form)
     epochs = check_int("epochs", epochs, lo=1, hi=MAX_EPOCHS)
     batch_positions = check_int("batch_positions", batch_positions, lo=1)
