@@ -30,7 +30,7 @@ LLAMA_31_8B = {
 CASES: dict[str, tuple[dict, tuple, dict | None]] = {
     "patch": (
         {"kind": "resid_pre", "layers": [3, 1], "positions": [-1, 2], "direction": "noising"},
-        ("kind", "bogus", "unknown patching site 'bogus'"),
+        ("kind", "bogus", "unknown patching kind 'bogus'"),
         {"layers": [32]},
     ),
     "path_patch": (

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, check_seed, is_int, short_repr
+from heads._util.validation import check_int, is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts
 from heads.inputs.tokens import readable_tokens
+from heads.scorers.patching.pair_batch import Answer, PairBatch, PromptPair, _answer_list  # noqa: F401 - Answer importable here as before
 
 __all__ = [
     "PairBatch",
@@ -41,212 +40,6 @@ __all__ = [
     "pairs_from_tokens",
     "token_id",
 ]
-
-Answer = str | int | Sequence[str | int]
-
-
-@dataclass(frozen=True)
-class PromptPair:
-    """One clean / corrupted pair.
-
-    Attributes:
-        clean: the clean prompt (plain text; rendered without a chat template by default).
-        corrupted: the corrupted prompt; must tokenize to the same length as `clean`.
-        answer: the correct token(s): a string (single token, usually with its leading
-            space, e.g. `" Mary"`), a token id, or a list of them.
-        counterfactual: the counterfactual token(s), same forms; None when the metric
-            does not need one (log-prob, prob, KL).
-        meta: free JSON-serialisable fields (template, split, ...).
-        positions: named positions of the clean prompt, `{name: [start, end]}` half-open
-            character spans (or a substring: its first occurrence), e.g. IOI's
-            `{"IO": [10, 14], "S1": [..], "S2": [..]}`; `encode_pairs` maps each to the token
-            holding the span's last character (`PairBatch.positions`). `END` (the last token)
-            is implicit. The corrupted prompt shares the token columns.
-    """
-
-    clean: str
-    corrupted: str
-    answer: Answer
-    counterfactual: Answer | None = None
-    meta: dict = field(default_factory=dict)
-    positions: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "pair") -> PromptPair:
-        """A pair from a JSON record with keys `clean`, `corrupted`, `answer`, optional
-        `counterfactual` and `positions`; other keys go to `meta`.
-
-        Raises:
-            ValueError: a missing key or a non-string prompt.
-        """
-        if not isinstance(d, Mapping):
-            raise HeadsteerTypeError(f"{where}: a pair is a JSON object, got {type(d).__name__}")
-        missing = [k for k in ("clean", "corrupted", "answer") if k not in d]
-        if missing:
-            raise HeadsteerValueError(f"{where}: missing key(s) {missing} (need clean, corrupted, answer)")
-        own = ("clean", "corrupted", "answer", "counterfactual", "positions")
-        meta = {k: v for k, v in d.items() if k not in own}
-        positions = d.get("positions") or {}
-        if not isinstance(positions, Mapping):
-            raise HeadsteerValueError(f"{where}: positions must be a mapping, got {short_repr(positions)}")
-        return cls(d["clean"], d["corrupted"], d["answer"], d.get("counterfactual"), meta, dict(positions))
-
-    def to_dict(self) -> dict:
-        out: dict[str, Any] = {"clean": self.clean, "corrupted": self.corrupted, "answer": self.answer}
-        if self.counterfactual is not None:
-            out["counterfactual"] = self.counterfactual
-        if self.positions:
-            out["positions"] = dict(self.positions)
-        return {**out, **self.meta}
-
-
-@dataclass
-class PairBatch:
-    """Encoded pairs: N clean rows and N corrupted rows, left-padded to one width T.
-
-    Attributes:
-        clean_ids: `[N, T]` long, left-padded clean prompts.
-        corrupted_ids: `[N, T]` long, the corrupted prompts (same padding as the clean row).
-        attention_mask: `[N, T]` long, 0 on padding (shared: each pair has one length).
-        answers: `[N, A]` long answer ids (A = most answers of any pair; padding slots 0).
-        answer_mask: `[N, A]` bool, True on real answer slots (at least one per pair).
-        counterfactuals: `[N, C]` long counterfactual ids (C >= 1; all-False mask when absent).
-        counterfactual_mask: `[N, C]` bool.
-        pairs: the source `PromptPair`s (None entries when built from token ids).
-        tokens: per pair, the clean row's tokens as readable text (unpadded; `␣to`, not the
-            tokenizer's `Ġto`: `heads.inputs.tokens.readable_tokens`), for labels.
-        positions: named positions, `{name: [N] long}` padded columns (-1 where a pair lacks
-            the name); read them with `position(name)`, which also knows `"END"`.
-    """
-
-    clean_ids: torch.Tensor
-    corrupted_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    answers: torch.Tensor
-    answer_mask: torch.Tensor
-    counterfactuals: torch.Tensor
-    counterfactual_mask: torch.Tensor
-    pairs: list[PromptPair | None] = field(default_factory=list)
-    tokens: list[list[str]] = field(default_factory=list)
-    positions: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        """N, the number of pairs."""
-        return int(self.clean_ids.shape[0])
-
-    def __len__(self) -> int:
-        return self.n
-
-    @property
-    def width(self) -> int:
-        """T, the padded length."""
-        return int(self.clean_ids.shape[1])
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """`[N]` real token counts."""
-        return self.attention_mask.sum(-1)
-
-    @property
-    def has_images(self) -> bool:
-        """True for vision pairs (`heads.scorers.patching.vision.ImagePairBatch`)."""
-        return False
-
-    @property
-    def has_counterfactual(self) -> bool:
-        return bool(self.counterfactual_mask.any(-1).all())
-
-    def ids(self, which: str) -> torch.Tensor:
-        """`clean_ids` for `"clean"`, `corrupted_ids` for `"corrupted"`."""
-        if which == "clean":
-            return self.clean_ids
-        if which == "corrupted":
-            return self.corrupted_ids
-        raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
-
-    def prompts(self, which: str = "clean") -> EncodedPrompts:
-        """One side of the pairs as `EncodedPrompts` (the same left-padded ids and mask, no
-        emphasized spans; texts from the source `PromptPair`s, `""` where built from ids), for
-        the functions that take prompts: `heads.record`, `run_with_hooks`, `qk_attribution`
-        (which take a `PairBatch` itself as its clean side).
-
-        Raises:
-            HeadsteerValueError: `which` not `"clean"` / `"corrupted"`.
-        """
-        ids = self.ids(which)
-        texts = [("" if p is None else getattr(p, which)) for p in self.pairs] or [""] * self.n
-        empty: list[list[tuple[int, int]]] = [[] for _ in range(self.n)]
-        return EncodedPrompts(ids, self.attention_mask, empty, texts, [[] for _ in range(self.n)])
-
-    @property
-    def clean(self) -> EncodedPrompts:
-        """The clean prompts as `EncodedPrompts` (`prompts("clean")`)."""
-        return self.prompts("clean")
-
-    @property
-    def corrupted(self) -> EncodedPrompts:
-        """The corrupted prompts as `EncodedPrompts` (`prompts("corrupted")`): pass
-        `record(model, pairs.corrupted)` to record the corrupted side."""
-        return self.prompts("corrupted")
-
-    def select(self, index: Sequence[int] | torch.Tensor) -> PairBatch:
-        """The pairs at `index`, re-trimmed to their own longest row."""
-        idx = torch.as_tensor(index, dtype=torch.long)
-        mask = self.attention_mask[idx]
-        trim = int(self.width - mask.sum(-1).max()) if len(idx) else 0
-        return PairBatch(
-            self.clean_ids[idx, trim:],
-            self.corrupted_ids[idx, trim:],
-            mask[:, trim:],
-            self.answers[idx],
-            self.answer_mask[idx],
-            self.counterfactuals[idx],
-            self.counterfactual_mask[idx],
-            [self.pairs[i] for i in idx.tolist()] if self.pairs else [],
-            [self.tokens[i] for i in idx.tolist()] if self.tokens else [],
-            {k: torch.where(v[idx] >= 0, v[idx] - trim, -1) for k, v in self.positions.items()},
-        )
-
-    @property
-    def position_names(self) -> list[str]:
-        """The named positions every pair has (`"END"` first, then the stored names in order)."""
-        return ["END", *(k for k, v in self.positions.items() if bool((v >= 0).all()))]
-
-    def position(self, name: str) -> torch.Tensor:
-        """`[N]` long: the padded column of named position `name` in every pair; `"END"` is the
-        last column (`T - 1`, the last real token under left padding).
-
-        Raises:
-            ValueError: a name the pairs do not carry (the message lists those they do), or
-                one that some pairs lack (names the first of them).
-        """
-        if name == "END":
-            return torch.full((self.n,), self.width - 1, dtype=torch.long)
-        if not isinstance(name, str) or name not in self.positions:
-            raise HeadsteerValueError(
-                f"unknown position {short_repr(name)}: these pairs carry {', '.join(self.position_names)}"
-            )
-        pos = self.positions[name]
-        if bool((pos < 0).any()):
-            raise HeadsteerValueError(
-                f"pair {int((pos < 0).nonzero()[0])} has no position {short_repr(name)}"
-            )
-        return pos.clone()
-
-    def position_labels(self, row: int = 0) -> list[str]:
-        """`T` labels of the padded columns for pair `row`: its clean token strings, `""` on
-        padding (positions are aligned only across pairs of one template)."""
-        n_pad = self.width - int(self.lengths[row])
-        toks = self.tokens[row] if self.tokens else [str(t) for t in self.clean_ids[row, n_pad:].tolist()]
-        return [""] * n_pad + list(toks)
-
-    def split(self, frac: float = 0.5, seed: int = 0) -> tuple[PairBatch, PairBatch]:
-        """A seeded random split of the pairs into two batches (`frac` of them first)."""
-        g = torch.Generator().manual_seed(check_seed("seed", seed))
-        perm = torch.randperm(self.n, generator=g)
-        k = max(1, min(self.n - 1, round(self.n * frac)))
-        return self.select(perm[:k].sort().values), self.select(perm[k:].sort().values)
 
 
 def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, where: str = "answer") -> int:
@@ -275,21 +68,6 @@ def token_id(tokenizer: Any, answer: str | int, *, first_token: bool = False, wh
             f"use the first token {short_repr(pieces[0])}"
         )
     return int(ids[0])
-
-
-def _answer_list(value: Answer | None, where: str) -> list[str | int]:
-    if value is None:
-        return []
-    if isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        out = list(value)
-        if not out:
-            raise HeadsteerValueError(f"{where} is an empty list")
-        return out
-    raise HeadsteerTypeError(
-        f"{where} must be a string, a token id or a list of them, got {short_repr(value)}"
-    )
 
 
 def _pad_answers(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

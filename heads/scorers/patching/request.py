@@ -145,7 +145,7 @@ class PatchRequest(Request):
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise HeadsteerValueError(f"unknown patching site {short_repr(self.kind)}; use one of {KINDS}")
+            raise HeadsteerValueError(f"unknown patching kind {short_repr(self.kind)}; use one of {KINDS}")
         check_choice("direction", self.direction, DIRECTIONS)
         _metric(self.metric)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))

@@ -218,7 +218,7 @@ def test_bad_input_before_forward(tokenizer):
     calls = []
     h = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
-        with pytest.raises(ValueError, match="unknown patching site 'z'"):
+        with pytest.raises(ValueError, match="unknown patching kind 'z'"):
             patch(model, pairs, "z")
         with pytest.raises(ValueError, match="position 99 is out of range"):
             patch(model, pairs, "resid_pre", positions=[99])

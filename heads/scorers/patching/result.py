@@ -1,0 +1,352 @@
+"""`PatchResult`: the scores of one activation-patching sweep (`heads.patch`), its table, its
+`HeadScores` on the model's full layer axis, and its file."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from heads._util.files import write_text
+from heads._util.validation import is_int, is_number, short_repr
+from heads.errors import HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.results.scores import HeadScores
+from heads.results.stability import Stability
+from heads.results.storage import json_text
+from heads.scorers.patching.metrics import DIRECTIONS, normalise, zero_gap
+from heads.scorers.patching.request import KINDS
+
+__all__ = ["PatchResult"]
+
+SCHEMA = "headsteer/patching"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class PatchResult:
+    """Scores of one activation-patching sweep.
+
+    Attributes:
+        kind: the site kind (`KINDS`).
+        direction: `"denoising"` or `"noising"`.
+        metric: the metric's name.
+        raw: `[*grid, N]` fp32 metric of the patched run per site and pair.
+        clean: `[N]` metric of the unpatched clean run.
+        corrupt: `[N]` metric of the unpatched corrupted run.
+        grid: names of the grid axes, e.g. `("layer", "head")`, `("layer", "head", "position")`.
+        labels: token strings of the position axis (pair 0's clean tokens, `""` on padding;
+            `params["labels_from"]` says so, and notes pairs of different lengths, whose columns
+            hold different tokens).
+        model: the model id.
+        params: other parameters (layers scored, ...).
+        stability: the bootstrap over pairs of the head ranking (`patch(stability=B)`,
+            `.bootstrap()`), or None.
+    """
+
+    kind: str
+    direction: str
+    metric: str
+    raw: torch.Tensor
+    clean: torch.Tensor
+    corrupt: torch.Tensor
+    grid: tuple[str, ...]
+    labels: list[str] = field(default_factory=list)
+    model: str = ""
+    n_kv_heads: int | None = None
+    params: dict = field(default_factory=dict)
+    stability: Stability | None = None
+
+    SCHEMA: ClassVar[str] = SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = SCHEMA_VERSION
+
+    def __repr__(self) -> str:
+        """One line: kind, direction, metric, grid and shape, pairs, layers (not the tensors)."""
+        ids = self.layer_ids
+        lays = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 3 else ids
+        return (
+            f"PatchResult(kind={self.kind!r}, direction={self.direction!r}, metric={self.metric!r}, "
+            f"grid={list(self.grid)} {list(self.raw.shape[:-1])}, n_pairs={self.raw.shape[-1]}, "
+            f"layers={lays}, model={self.model!r})"
+        )
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """`[*grid, N]` normalised per pair (NaN for zero-gap pairs; `metrics.normalise`)."""
+        return normalise(self.raw, self.clean, self.corrupt, self.direction, warn=False)
+
+    @property
+    def gap_pairs(self) -> torch.Tensor:
+        """`[N]` bool: the pairs whose clean and corrupted metrics differ (`metrics.zero_gap`);
+        the others have no scale and are left out of every mean."""
+        return ~zero_gap(self.clean, self.corrupt)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """`[*grid]` mean normalised score over the pairs with a gap, the same pairs in every cell
+        (NaN where no pair has a gap, and in a cell where a kept pair's score is NaN: a cell
+        never averages a different set of pairs)."""
+        ok = self.gap_pairs
+        if not bool(ok.any()):
+            return torch.full(self.raw.shape[:-1], math.nan)
+        return self.scores[..., ok].mean(-1)
+
+    def interval(self, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(low, high)` `[*grid]`: mean +- z standard errors over the pairs with a gap (normal
+        approximation; the same pairs as `mean`)."""
+        ok = self.gap_pairs
+        s = self.scores[..., ok]
+        n = max(int(ok.sum()), 1)
+        m = self.mean
+        var = ((s - m[..., None]) ** 2).sum(-1) / max(n - 1, 1)
+        se = (var / n).sqrt()
+        return m - z * se, m + z * se
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The model layer of each index along the grid's layer axis (`params["layers"]`: a sweep
+        of some layers keeps their real numbers; default `0 .. L-1`)."""
+        layers = self.params.get("layers")
+        n = int(self.raw.shape[0])
+        if isinstance(layers, list) and len(layers) == n and all(is_int(la) and la >= 0 for la in layers):
+            return [int(la) for la in layers]
+        return list(range(n))
+
+    def head_scores(self, reduce: str = "max") -> HeadScores:
+        """The mean scores as `HeadScores` `[L, H]` (head kinds; k/v give `[L, G]`) on the model's
+        full layer grid: a sweep of some layers (`layers=[...]`) fills its layers at their real
+        numbers and NaN elsewhere (never selected by `top` / `ranked`). For `head_out_by_pos` the
+        positions are reduced: `"max"` (default: largest |score|, signed) or `"sum"`.
+
+        Raises:
+            ValueError: a kind without a head axis (resid_pre, attn_out, mlp_out).
+        """
+        if reduce not in ("max", "sum"):
+            raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
+        m = self.mean
+        if self.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
+            raise HeadsteerValueError(f"{short_repr(self.kind)} has no head axis; use .mean ([L, T]) instead")
+        if m.ndim == 3:
+            if reduce == "sum":
+                m = m.nansum(-1)
+            elif reduce == "max":
+                idx = m.nan_to_num(0).abs().argmax(-1, keepdim=True)
+                m = m.gather(-1, idx)[..., 0]
+            else:
+                raise HeadsteerValueError(f"reduce must be 'max' or 'sum', got {short_repr(reduce)}")
+        ids = self.layer_ids
+        n_layers = self.params.get("n_layers")
+        n_layers = int(n_layers) if is_int(n_layers) and n_layers > max(ids) else max(ids) + 1
+        if ids != list(range(n_layers)):  # a sweep of some layers: their real numbers, NaN elsewhere
+            full = torch.full((n_layers, *m.shape[1:]), math.nan, dtype=m.dtype)
+            full[torch.tensor(ids)] = m
+            m = full
+        n_kv = m.shape[1] if self.grid[1] == "kv_head" else self.n_kv_heads
+        params = {"kind": self.kind, "direction": self.direction, "metric": self.metric, **self.params}
+        st = self.stability
+        if st is not None and st.params.get("reduce", "max") != reduce:
+            st = None
+        return HeadScores(
+            m, method=f"patching.{self.kind}", params=params, model=self.model, n_kv_heads=n_kv, stability=st
+        )
+
+    def bootstrap(self, n_resamples: int = 100, **kwargs: Any) -> Stability:
+        """The bootstrap `Stability` of the head ranking over the pairs, from the per-pair scores
+        (no forward pass): `heads.scorers.stability.patch_stability` (its keywords: `k`, `seed`,
+        `templates`, `by`, `reduce`)."""
+        from heads.scorers.stability import patch_stability
+
+        return patch_stability(self, n_resamples, **kwargs)
+
+    def to_frame(self):
+        """Tidy table: one row per site, its grid coordinates, `score` (mean normalised),
+        `ci_low`, `ci_high`, `raw` (mean raw metric) and `token` for a position axis."""
+        import pandas as pd
+
+        m, (lo, hi) = self.mean, self.interval()
+        idx = torch.cartesian_prod(*[torch.arange(n) for n in m.shape]).reshape(-1, m.ndim)
+        cols: dict[str, Any] = {name: idx[:, j].numpy() for j, name in enumerate(self.grid)}
+        cols["layer"] = torch.tensor(self.layer_ids)[idx[:, 0]].numpy()  # the model's layer numbers
+        cols.update(
+            score=m.flatten().numpy(),
+            ci_low=lo.flatten().numpy(),
+            ci_high=hi.flatten().numpy(),
+            raw=self.raw.mean(-1).flatten().numpy(),
+        )
+        if "position" in self.grid and self.labels:
+            cols["token"] = [self.labels[int(p)] for p in idx[:, self.grid.index("position")]]
+        return pd.DataFrame(cols)
+
+    def to_json(self) -> dict:
+        def lst(t: torch.Tensor) -> list:
+            return [
+                None if (isinstance(v, float) and not math.isfinite(v)) else v for v in t.flatten().tolist()
+            ]
+
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "direction": self.direction,
+            "metric": self.metric,
+            "normalisation": (
+                "(patched - corrupt) / (clean - corrupt)"
+                if self.direction == "denoising"
+                else "(patched - clean) / (corrupt - clean)"
+            ),
+            "grid": list(self.grid),
+            "shape": list(self.raw.shape),
+            "raw": lst(self.raw),
+            "clean": lst(self.clean),
+            "corrupt": lst(self.corrupt),
+            "labels": self.labels,
+            "model": self.model,
+            "n_kv_heads": self.n_kv_heads,
+            "params": self.params,
+            **({} if self.stability is None else {"stability": self.stability.to_json()}),
+        }
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded);
+        returns the path."""
+        return write_text(path, json_text(self.to_json()), overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> PatchResult:
+        """Read a file written by `save`, checked against `model` when given (its layers and
+        heads must fit the model's `(n_layers, n_heads, n_kv_heads)`).
+
+        Raises:
+            ValueError: a missing file, not UTF-8 JSON (line and column), an integer of more
+                than 4300 digits ("a number in '<file>' is too large ..."), not a patching
+                result, any field malformed (see `from_json`), or a model the result does not
+                fit.
+        """
+        out = cls._load(path)
+        if model is not None:
+            out._check_model(os.fspath(path), model)
+        return out
+
+    def _check_model(self, where: str, model: HeadModel) -> None:
+        """Refuse a model whose geometry the result's layers / heads do not fit."""
+        want = (model.n_layers, model.n_heads, model.n_kv_heads)
+        layers = [int(la) for la in self.params.get("layers", []) if is_int(la)]
+        heads = self.raw.shape[1] if self.grid[1:2] in (("head",), ("kv_head",)) else None
+        n = model.n_kv_heads if self.grid[1:2] == ("kv_head",) else model.n_heads
+        if (
+            (layers and max(layers) >= model.n_layers)
+            or (heads is not None and heads != n)
+            or (self.n_kv_heads is not None and self.n_kv_heads != model.n_kv_heads)
+        ):
+            raise HeadsteerValueError(
+                f"{where!r}: this patching result does not fit the model's geometry: the model has "
+                f"(n_layers, n_heads, n_kv_heads)={want}"
+            )
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike) -> PatchResult:
+        if not os.path.isfile(path):
+            raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
+        from heads._util.validation import read_json_file
+
+        where = os.fspath(path)
+        d = read_json_file(path)  # one line: not JSON (line, column), not UTF-8, a number too large
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise HeadsteerValueError(f"{where!r} is not a {SCHEMA} file")
+        return cls.from_json(d, where)
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "patching result") -> PatchResult:
+        """The `PatchResult` of a `to_json` dict, every field checked.
+
+        Raises:
+            ValueError: `"<where>: <field> ..."` for another schema version, a missing or
+                malformed field, an unknown kind / direction, a grid or shape that does not fit
+                the kind, raw / clean / corrupt of the wrong length or not numbers.
+        """
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION or isinstance(version, bool):
+            raise HeadsteerValueError(
+                f"{where}: schema_version {short_repr(version)}, this headsteer reads {SCHEMA_VERSION}"
+            )
+        kind = d.get("kind")
+        if kind not in (*KINDS, "path"):
+            raise HeadsteerValueError(
+                f"{where}: kind must be one of {(*KINDS, 'path')}, got {short_repr(kind)}"
+            )
+        direction = d.get("direction")
+        if direction not in DIRECTIONS:
+            raise HeadsteerValueError(
+                f"{where}: direction must be one of {DIRECTIONS}, got {short_repr(direction)}"
+            )
+        for key in ("metric", "model"):
+            if not isinstance(d.get(key, ""), str):
+                raise HeadsteerValueError(f"{where}: {key} must be a string, got {short_repr(d.get(key))}")
+        grid = d.get("grid")
+        want_grid = ("layer", "head") if kind == "path" else _grid_names(kind)
+        if not isinstance(grid, list) or tuple(grid) != want_grid:
+            raise HeadsteerValueError(
+                f"{where}: grid must be {list(want_grid)} for kind {short_repr(kind)}, got {short_repr(grid)}"
+            )
+        shape = d.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != len(want_grid) + 1
+            or not all(is_int(x) and x >= 1 for x in shape)
+        ):
+            raise HeadsteerValueError(
+                f"{where}: shape must be {len(want_grid) + 1} positive ints ({', '.join(want_grid)}, pair), "
+                f"got {short_repr(shape)}"
+            )
+        n_pairs = int(shape[-1])
+
+        def numbers(key: str, n: int) -> torch.Tensor:
+            v = d.get(key)
+            if not isinstance(v, list) or any(a is not None and not is_number(a) for a in v):
+                text = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+                raise HeadsteerValueError(f"{where}: {key} must be a list of numbers (or null), got {text}")
+            if len(v) != n:
+                raise HeadsteerValueError(f"{where}: {key} has {len(v)} values, the shape {shape} needs {n}")
+            return torch.tensor([math.nan if a is None else float(a) for a in v], dtype=torch.float32)
+
+        raw = numbers("raw", math.prod(int(x) for x in shape)).reshape([int(x) for x in shape])
+        labels = d.get("labels", [])
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            raise HeadsteerValueError(f"{where}: labels must be a list of strings, got {short_repr(labels)}")
+        n_kv = d.get("n_kv_heads")
+        if n_kv is not None and not (is_int(n_kv) and n_kv >= 1):
+            raise HeadsteerValueError(
+                f"{where}: n_kv_heads must be a positive int or null, got {short_repr(n_kv)}"
+            )
+        params = d.get("params", {})
+        if not isinstance(params, dict):
+            raise HeadsteerValueError(f"{where}: params must be a mapping, got {short_repr(params)}")
+        return cls(
+            kind,
+            direction,
+            d.get("metric", ""),
+            raw,
+            numbers("clean", n_pairs),
+            numbers("corrupt", n_pairs),
+            tuple(grid),
+            labels,
+            d.get("model", ""),
+            None if n_kv is None else int(n_kv),
+            params,
+            None
+            if d.get("stability") is None
+            else Stability.from_json(d["stability"], f"{where}: stability"),
+        )
+
+
+# ------------------------------------------------------------------------------ the sweep
+def _grid_names(kind: str) -> tuple[str, ...]:
+    if kind in ("resid_pre", "attn_out", "mlp_out"):
+        return ("layer", "position")
+    if kind == "head_out_by_pos":
+        return ("layer", "head", "position")
+    return ("layer", "kv_head") if kind in ("k", "v") else ("layer", "head")
