@@ -47,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from heads import load_model
+from heads.engine.options import SweepOptions
 from heads.scorers.circuits import edge_scores, exact_scores, faithfulness_curve, graph_of
 from heads.scorers.patching import encode_pairs
 from probes.datasets.pairs import load_task_pairs
@@ -93,7 +94,7 @@ def study(args: argparse.Namespace) -> dict:
     graph = graph_of(model)
     train = encode_pairs(model, load_task_pairs("ioi", split="train", n=args.pairs))
     test = encode_pairs(model, load_task_pairs("ioi", split="test", n=args.test))
-    sc = edge_scores(model, train, method="eap-ig", steps=args.steps, progress=False)
+    sc = edge_scores(model, train, method="eap-ig", steps=args.steps, options=SweepOptions(progress=False))
     circuit = select(sc, n=max(1, round(args.size / 100 * graph.n_edges)))
     heads = circuit.heads
     k = len(heads.heads)
@@ -186,10 +187,10 @@ def main() -> None:
                 f.write(line + "\n")
 
     t = time.perf_counter()
-    ig = edge_scores(model, pairs, method="eap-ig", steps=args.steps, progress=False)
+    ig = edge_scores(model, pairs, method="eap-ig", steps=args.steps, options=SweepOptions(progress=False))
     res["eap_ig_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
-    eap = edge_scores(model, pairs, method="eap", progress=False)
+    eap = edge_scores(model, pairs, method="eap", options=SweepOptions(progress=False))
     res["eap_s"] = round(time.perf_counter() - t, 2)
     dump()
 

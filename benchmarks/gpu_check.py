@@ -345,6 +345,7 @@ def step_patching(ctx: dict) -> dict:
 
 
 def step_eap_ig(ctx: dict) -> dict:
+    from heads import SweepOptions
     from heads.scorers.circuits.graph import graph_of
     from heads.scorers.circuits.scores import edge_scores
     from heads.scorers.patching import encode_pairs
@@ -361,7 +362,11 @@ def step_eap_ig(ctx: dict) -> dict:
         model.model.zero_grad(set_to_none=True)
 
     t_fb, _ = timed(forward_backward, device, sizes.repeats)
-    t, peak = timed(lambda: edge_scores(model, pairs, method="eap-ig", steps=5, progress=False), device, 1)
+    t, peak = timed(
+        lambda: edge_scores(model, pairs, method="eap-ig", steps=5, options=SweepOptions(progress=False)),
+        device,
+        1,
+    )
     n_edges = graph_of(model).n_edges
     return {
         "edges": n_edges,

@@ -120,10 +120,11 @@ def _prompt(hm, length: int) -> str:
 
 def _edges(method: str) -> Callable:
     def build(hm, length: int, args) -> Callable[[], object]:
+        from heads.engine.options import SweepOptions
         from heads.scorers.circuits import edge_scores
 
         pairs, steps = _pair(hm, length), {"steps": args.ig_steps} if method == "eap-ig" else {}
-        return lambda: edge_scores(hm, pairs, method=method, progress=False, **steps)
+        return lambda: edge_scores(hm, pairs, method=method, options=SweepOptions(progress=False), **steps)
 
     return build
 

@@ -352,6 +352,7 @@ def recovery(kc: KnownCircuit, methods: tuple[str, ...] = ("eap", "eap-ig", "exa
     Raises:
         ValueError: an unknown method.
     """
+    from heads.engine.options import SweepOptions
     from heads.scorers.circuits import edge_scores
 
     bad = [x for x in methods if x not in ("eap", "eap-ig", "exact", "activation")]
@@ -365,6 +366,6 @@ def recovery(kc: KnownCircuit, methods: tuple[str, ...] = ("eap", "eap-ig", "exa
         if name == "activation":
             s = activation_patching_edge_scores(kc)
         else:
-            s = edge_scores(kc.model, kc.pairs, method=name, progress=False).values()
+            s = edge_scores(kc.model, kc.pairs, method=name, options=SweepOptions(progress=False)).values()
         out[name] = recovery_auc(labels, s)
     return out

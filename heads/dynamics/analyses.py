@@ -128,6 +128,7 @@ def _circuit(
     metric: str = "logit_diff",
     chat: bool = False,
 ) -> Any:
+    from heads.engine.options import SweepOptions
     from heads.scorers.circuits import find_circuit
 
     return find_circuit(
@@ -139,7 +140,7 @@ def _circuit(
         steps=steps,
         metric=metric,
         curve=False,
-        progress=False,
+        options=SweepOptions(progress=False),
     )
 
 

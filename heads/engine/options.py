@@ -135,7 +135,8 @@ def sweep_options(
     Raises:
         HeadsteerTypeError: a keyword that is no sweep option (worded as Python words an unknown
             keyword), or `options` not a `SweepOptions`.
-        HeadsteerValueError: a bad option value, or an option this scorer does not take.
+        HeadsteerValueError: a bad option value, an option this scorer does not take, or a
+            keyword in `legacy` whose option `options` also sets (to a non-default value).
     """
     renamed = dict(renamed or {})
     unknown = sorted(set(legacy) - set(SWEEP_KEYS) - set(renamed))
@@ -146,6 +147,14 @@ def sweep_options(
     elif not isinstance(options, SweepOptions):
         raise HeadsteerTypeError(f"options must be a heads.SweepOptions, got {short_repr(options)}")
     if legacy:
+        given = SweepOptions()
+        for k in legacy:
+            field = renamed.get(k, k)
+            if getattr(options, field) != getattr(given, field):
+                raise HeadsteerValueError(
+                    f"{where}() got both {k}= and options.{field}: pass only "
+                    f"options=SweepOptions({field}=...)"
+                )
         names = ", ".join(f"{k}=" for k in legacy)
         fill = ", ".join(f"{renamed.get(k, k)}=..." for k in legacy)
         warnings.warn(

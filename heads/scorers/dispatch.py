@@ -110,15 +110,9 @@ def _knockout(model: HeadModel, pairs: Any, r: KnockoutRequest, options: SweepOp
 
 
 def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.circuits.circuit import circuit_rows, find_circuit
-    from heads.scorers.circuits.graph import graph_of
-    from heads.scorers.patching.pairs import PairBatch
+    from heads.scorers.circuits.circuit import find_circuit
 
     o = _opts(options)
-    rows: int | None = None if options is None else o.max_rows  # None: find_circuit's 2 GiB budget
-    if o.max_memory is not None and isinstance(pairs, PairBatch):  # the exact runs' rows within it
-        budget = int(o.max_memory) / 2**30
-        rows = min(o.max_rows, circuit_rows(graph_of(model), model.d_model, pairs.width, budget))
     return find_circuit(
         model,
         pairs,
@@ -131,8 +125,7 @@ def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOpti
         confirm=r.confirm,
         curve=r.curve,
         sizes=r.sizes,
-        batch_rows=rows,
-        progress=o.progress,
+        options=SweepOptions(max_rows=o.max_rows, progress=o.progress, max_memory=o.max_memory),
         stability=r.stability,
         faithfulness=r.faithfulness,
     )

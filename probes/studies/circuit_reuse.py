@@ -42,6 +42,7 @@ import torch
 from heads.dynamics import overlap
 from heads.engine.context import editing
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -268,7 +269,12 @@ def run_study(
     circuits = {}
     for name, pairs in (("ioi", ioi), ("colored_objects", co)):
         c = find_circuit(
-            model, encode_pairs(model, pairs), method="eap-ig", size=size, curve=False, progress=False
+            model,
+            encode_pairs(model, pairs),
+            method="eap-ig",
+            size=size,
+            curve=False,
+            options=SweepOptions(progress=False),
         )
         circuits[name] = c
         res[name] = {"edges": c.n_edges, "heads": len(c.heads), "faithfulness": c.faithfulness}

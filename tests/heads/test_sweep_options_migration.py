@@ -5,6 +5,7 @@ not use is refused by name, and the options' progress callback is the one called
 from __future__ import annotations
 
 import pytest
+import torch
 
 from heads import SweepOptions, gate_heads, maps_scores, qrhead_scores
 from heads.errors import HeadsteerValueError
@@ -70,3 +71,50 @@ def test_caa_vector_takes_options(tiny_llama):
     torch.testing.assert_close(old, new)
     with pytest.raises(HeadsteerValueError, match="caa_vector does not take seed="):
         caa_vector(tiny_llama, pairs, 1, options=SweepOptions(seed=1))
+
+
+def _circuit_pairs():
+    from heads.scorers.patching import pairs_from_tokens
+
+    return pairs_from_tokens([[5, 6, 7], [8, 9, 10]], [[11, 12, 13], [14, 15, 16]], [5, 6], [40, 41])
+
+
+def test_edge_scores_takes_options(tiny_llama):
+    from heads.scorers.circuits import edge_scores
+
+    pairs = _circuit_pairs()
+    seen = []
+    opts = SweepOptions(max_rows=8, progress=lambda d, t: seen.append((d, t)))
+    new = edge_scores(tiny_llama, pairs, method="eap", options=opts)
+    assert seen == [(1, 2), (2, 2)]  # max_rows // 8 = 1 pair per gradient chunk
+    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_size=\) is deprecated.*=8 \* batch"):
+        old = edge_scores(tiny_llama, pairs, method="eap", batch_size=1, progress=False)
+    torch.testing.assert_close(old.scores, new.scores, equal_nan=True)
+    with pytest.warns(DeprecationWarning, match=r"edge_scores\(batch_rows=, progress=\).*\(max_rows="):
+        edge_scores(tiny_llama, pairs, method="eap", batch_rows=8, progress=False)
+    with pytest.raises(HeadsteerValueError, match=r"both batch_size= and options.max_rows"):
+        edge_scores(tiny_llama, pairs, method="eap", batch_size=1, options=SweepOptions(max_rows=8))
+    with pytest.raises(HeadsteerValueError, match=r"both progress= and options.progress"):
+        edge_scores(tiny_llama, pairs, method="eap", progress=True, options=SweepOptions(progress=False))
+    with pytest.raises(HeadsteerValueError, match="edge_scores does not take seed="):
+        edge_scores(tiny_llama, pairs, method="eap", options=SweepOptions(seed=2))
+
+
+def test_find_circuit_takes_options(tiny_llama, monkeypatch):
+    import heads.scorers.circuits.circuit as circuit
+
+    pairs = _circuit_pairs()
+    rows = []
+    real = circuit.chunked_edge_scores
+    monkeypatch.setattr(circuit, "chunked_edge_scores", lambda *a: rows.append(a[6:8]) or real(*a))
+    kw = {"method": "eap", "n": 3, "curve": False}
+    new = circuit.find_circuit(tiny_llama, pairs, **kw, options=SweepOptions(max_rows=16, progress=False))
+    with pytest.warns(DeprecationWarning, match=r"find_circuit\(batch_rows=, progress=\) is deprecated"):
+        old = circuit.find_circuit(tiny_llama, pairs, **kw, batch_rows=16, progress=False)
+    assert old.mask.equal(new.mask) and old.faithfulness == new.faithfulness
+    default = circuit.find_circuit(tiny_llama, pairs, **kw, options=SweepOptions(progress=False))
+    budget = circuit.circuit_rows(circuit.graph_of(tiny_llama), tiny_llama.d_model, pairs.width)
+    assert rows == [(2, 16), (2, 16), (8, budget)]  # the default max_rows keeps the 2 GiB budget rows
+    assert default.mask.equal(new.mask)
+    with pytest.raises(HeadsteerValueError, match=r"circuit\(\) got both batch_rows= and options.max_rows"):
+        circuit.find_circuit(tiny_llama, pairs, **kw, batch_rows=4, options=SweepOptions(max_rows=8))

@@ -35,7 +35,6 @@ from heads.scorers.circuits import (
     DEFAULT_FAITHFULNESS,
     SIZES,
     Circuit,
-    edge_scores,
     evaluate,
     faithfulness_curve,
     select,
@@ -51,6 +50,7 @@ from heads.scorers.circuits.circuit import (
     circuit_stability,
 )
 from heads.scorers.circuits.graph import graph_of
+from heads.scorers.circuits.scores import chunked_edge_scores
 from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
 from viz.reports.base import Report
@@ -149,9 +149,7 @@ def circuit_report(
     with progress_callback(progress, "circuit report", "steps") as report:
         tick = (lambda i: report(i, circuit_steps())) if report is not None else (lambda i: None)
         tick(0)
-        sc = edge_scores(
-            model, pairs, method=method, steps=steps, confirm=confirm, batch_rows=rows, progress=False
-        )
+        sc = chunked_edge_scores(model, pairs, method, steps, "logit_diff", confirm, 8, rows, False)
         tick(1)
         curve = faithfulness_curve(model, pairs, sc, sizes=sizes, batch_rows=rows)
         tick(2)

@@ -30,6 +30,7 @@ import torch
 
 from heads._util.progress import ProgressArg
 from heads._util.validation import check_bool, check_int, check_number, check_seed, short_repr
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.stability import Stability, check_stability
@@ -52,9 +53,10 @@ from heads.scorers.circuits.result import (  # isort: skip
 from heads.scorers.circuits.scores import (
     METHODS,
     EdgeScores,
+    _batch_size,
     _check_pairs,
     check_steps,
-    edge_scores,
+    chunked_edge_scores,
     patched_metrics,
 )
 from heads.scorers.patching.metrics import Metric, get_metric
@@ -311,11 +313,10 @@ def find_circuit(
     confirm: int = 0,
     curve: bool = True,
     sizes: Any = SIZES,
-    batch_size: int = 8,
-    batch_rows: int | None = None,
-    progress: ProgressArg = True,
     stability: int = 0,
     faithfulness: float | None = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> Circuit:
     """Score every edge, select a circuit, evaluate it exactly and (optionally) its curve.
 
@@ -328,10 +329,15 @@ def find_circuit(
             even with `curve=False` (then without the random baseline, and not kept).
         confirm: rerun the top `confirm` edges exactly (`EdgeScores.exact`).
         curve: also compute the faithfulness curve over `sizes` with a random baseline.
-        batch_size: pairs per EAP / EAP-IG chunk (default 8).
-        batch_rows: rows per forward of the exact runs (the curve, the circuit, `confirm`); default
-            None: as many as keep their activations within `MAX_MEMORY_GB` (2 GiB, `circuit_rows`;
-            on SmolLM2-135M and IOI about 70 MB a row, where 64 rows peaked at 4.4 GiB).
+        options: `heads.SweepOptions`: `max_rows` is the rows per forward of the exact runs (the
+            curve, the circuit, `confirm`), and `max_rows // 8` the pairs per EAP / EAP-IG chunk;
+            at its default (64, or no `options`) the exact runs take as many rows as keep their
+            activations within `MAX_MEMORY_GB` (2 GiB, `circuit_rows`; on SmolLM2-135M and IOI
+            about 70 MB a row, where 64 rows peaked at 4.4 GiB) and the chunks 8 pairs;
+            `max_memory` (bytes) replaces that budget (at most `max_rows` rows).
+            `progress`: True (default: a bar), False / None, or a `(done, total)` callable.
+        **deprecated: `batch_size=`, `batch_rows=` and `progress=` as keywords (one release; a
+            `DeprecationWarning`; see `edge_scores`; `batch_rows=None` is the default).
         stability: bootstrap resamples of the pairs (default 0: none; e.g. 100): the circuit is
             re-selected (same rule, pruned) on each resample's mean per-pair edge scores, giving
             every edge's inclusion frequency (`circuit.stability`; no extra forward).
@@ -352,11 +358,20 @@ def find_circuit(
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
     check_steps(method, steps)
     check_int("confirm", confirm, lo=0, hi=graph.n_edges)
-    check_int("batch_size", batch_size, lo=1)
-    if batch_rows is None:
-        width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
+    if deprecated.get("batch_rows", 0) is None:
+        del deprecated["batch_rows"]  # the old default: the memory-budget rows
+    loose_rows = "batch_rows" in deprecated
+    batch_size, opts = _batch_size(
+        options, deprecated, "find_circuit", takes=("max_rows", "progress", "max_memory")
+    )
+    batch_rows, progress = opts.max_rows, opts.progress
+    width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
+    if opts.max_memory is not None:  # the exact runs' rows within that budget
+        batch_rows = min(
+            opts.max_rows, circuit_rows(graph, model.d_model, width, int(opts.max_memory) / 2**30)
+        )
+    elif not loose_rows and opts.max_rows == SweepOptions().max_rows:
         batch_rows = circuit_rows(graph, model.d_model, width)
-    check_int("batch_rows", batch_rows, lo=1)
     check_bool("curve", curve)
     stability = check_stability(stability)
     if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
@@ -368,17 +383,7 @@ def find_circuit(
     if size is not None:
         n = _n_of(graph, size)
     met = get_metric(metric)
-    sc = edge_scores(
-        model,
-        pairs,
-        method=method,
-        steps=steps,
-        metric=met,
-        confirm=confirm,
-        batch_size=batch_size,
-        batch_rows=batch_rows,
-        progress=progress,
-    )
+    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(

@@ -26,6 +26,7 @@ in chunks and the scores summed, never by dropping positions.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, short_repr
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.stability import Stability, stability_of
@@ -202,6 +204,32 @@ def _record(
     return logits, runner.acts()
 
 
+def _batch_size(
+    options: SweepOptions | None,
+    deprecated: dict[str, Any],
+    where: str,
+    takes: tuple[str, ...] = ("max_rows", "progress"),
+) -> tuple[int, SweepOptions]:
+    """The pairs per gradient chunk and the `SweepOptions` of `edge_scores` / `find_circuit`:
+    the deprecated `batch_size=` (warned, refused with `options.max_rows`) or `max_rows // 8`."""
+    batch_size = deprecated.pop("batch_size", None)
+    opts = sweep_options(options, deprecated, where, takes=takes, renamed={"batch_rows": "max_rows"})
+    if batch_size is None:
+        return max(1, opts.max_rows // 8), opts
+    if options is not None and options.max_rows != SweepOptions().max_rows:
+        raise HeadsteerValueError(
+            f"{where}() got both batch_size= and options.max_rows: pass only "
+            "options=SweepOptions(max_rows=...)"
+        )
+    warnings.warn(
+        f"{where}(batch_size=) is deprecated: pass options=SweepOptions(max_rows=8 * batch_size) "
+        "instead (the keyword is removed in the next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return check_int("batch_size", batch_size, lo=1), opts
+
+
 def edge_scores(
     model: HeadModel,
     pairs: PairBatch,
@@ -210,9 +238,8 @@ def edge_scores(
     steps: int = 5,
     metric: str | Metric | Any = "logit_diff",
     confirm: int = 0,
-    batch_size: int = 8,
-    batch_rows: int = 64,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> EdgeScores:
     """Score every edge of `model`'s graph on clean / corrupted `pairs`.
 
@@ -226,10 +253,13 @@ def edge_scores(
             differentiable function `(logits [R, V], pairs, index [R]) -> [R]`.
         confirm: rerun the top `confirm` edges (by |score|) with exact edge patching; their
             exact scores land in `.exact` (default 0: none).
-        batch_size: pairs per chunk of the gradient runs (bounds memory).
-        batch_rows: rows per forward of the exact runs (edge x pair).
-        progress: True (a bar), False, or a `(done, total)` callable; unit: chunks of pairs
-            (EAP / EAP-IG) or forwards (exact).
+        options: `heads.SweepOptions`; `max_rows` (default 64) is the rows per forward of the
+            exact runs (edge x pair), and `max_rows // 8` (default 8) the pairs per chunk of the
+            gradient runs (bounds memory); `progress`: True (default: a bar), False / None, or a
+            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact).
+        **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
+            `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
+            `DeprecationWarning`; refused together with the same field set in `options`).
 
     Returns:
         an `EdgeScores` (`[U, Dn]`, NaN off the graph).
@@ -239,12 +269,29 @@ def edge_scores(
             confirm < 0, a refused family (named), pairs
             whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
+    batch_size, opts = _batch_size(options, deprecated, "edge_scores")
+    return chunked_edge_scores(
+        model, pairs, method, steps, metric, confirm, batch_size, opts.max_rows, opts.progress
+    )
+
+
+def chunked_edge_scores(
+    model: HeadModel,
+    pairs: PairBatch,
+    method: str,
+    steps: int,
+    metric: str | Metric | Any,
+    confirm: int,
+    batch_size: int,
+    batch_rows: int,
+    progress: ProgressArg,
+) -> EdgeScores:
+    """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
+    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows). Same errors."""
     if method not in METHODS:
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
     check_steps(method, steps)
     check_int("confirm", confirm, lo=0)
-    check_int("batch_size", batch_size, lo=1)
-    check_int("batch_rows", batch_rows, lo=1)
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)

@@ -120,7 +120,7 @@ def test_edge_scores_bounds_and_refuses_unused_steps(qwen2, no_forward, kw, matc
         ({"steps": 10**9}, "steps"),
         ({"method": "acdc"}, "method"),
         ({"confirm": -1}, "confirm"),
-        ({"batch_rows": 0}, "batch_rows"),
+        ({"batch_rows": 0}, "max_rows"),
         ({"curve": "yes"}, "curve"),
     ],
 )
