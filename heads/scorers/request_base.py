@@ -19,6 +19,7 @@ A request holds *what* to compute; *how* (rows per forward, progress, shards) is
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from heads._util.validation import check_int, is_int, parse_json, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.storage import _no_duplicate_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from heads.model.families import Family
@@ -236,6 +238,10 @@ def check_positions(
     return tuple(out)
 
 
+_FROM_JSON: contextvars.ContextVar[bool] = contextvars.ContextVar("headsteer_from_json", default=False)
+"""True while `Request.from_json` builds a request: a head selection may not be a file path."""
+
+
 def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | None:
     """None, or a head selection (`{"layer": [heads]}`, `(layer, head)` pairs, a `HeadSet`, a
     JSON file of the mapping shape) as sorted `(layer, head)` pairs. A list of layers (every head
@@ -243,6 +249,12 @@ def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | 
     if value is None:
         return None
     from heads.results.scores import HeadSet
+
+    if isinstance(value, (str, os.PathLike)) and _FROM_JSON.get():
+        raise HeadsteerValueError(
+            f"{name}: a request from JSON cannot name a head file ({short_repr(str(value))}, a path on "
+            'the machine that runs it): give the heads as {"layer": [heads]} or [[layer, head], ...]'
+        )
 
     if isinstance(value, (list, tuple)) and not value:
         return ()  # no head: the analysis says what that means
@@ -256,6 +268,8 @@ def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | 
         sel = HeadSet.parse(value)  # type: ignore[arg-type]
     except (HeadsteerValueError, HeadsteerTypeError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
+    except FileNotFoundError as exc:  # a Python caller's head file: a bad value, named
+        raise HeadsteerValueError(f"{name}: {exc}") from None
     return tuple(sel.heads)
 
 
@@ -371,12 +385,14 @@ class Request:
         Raises:
             HeadsteerValueError: not JSON (a plain word such as `"dla"`: the request names
                 accepted), not an object, an unknown or wrong `"request"` name,
-                another version, an unknown field (named, with the known ones), or a bad value
+                another version (an int: `1.0` is refused), a key given twice (named), an unknown
+                field (named, with the known ones), a head selection given as a string (a file
+                path: a request from JSON opens no file), or a bad value
                 (the request's own checks, naming the field).
         """
         if isinstance(data, (str, bytes)):
             _refuse_bare_name(data)
-            data = parse_json(data, "the request")
+            data = parse_json(data, "the request", object_pairs_hook=_no_duplicate_keys)
         if not isinstance(data, Mapping):
             raise HeadsteerValueError(f"a request must be a JSON object, got {short_repr(data)}")
         name = data.get("request", cls.NAME or None)
@@ -388,7 +404,7 @@ class Request:
         if cls.NAME and target is not cls:
             raise HeadsteerValueError(f"expected a {cls.NAME!r} request, got {short_repr(name)}")
         version = data.get("version", target.VERSION)
-        if version != target.VERSION or isinstance(version, bool):
+        if not is_int(version) or version != target.VERSION:  # 1.0 and True are not versions
             raise HeadsteerValueError(
                 f"{target.NAME} request version {short_repr(version)}: this headsteer reads version "
                 f"{target.VERSION}"
@@ -400,7 +416,11 @@ class Request:
             raise HeadsteerValueError(
                 f"unknown key {short_repr(unknown[0])} in a {target.NAME} request; known: {', '.join(known)}"
             )
-        return target(**values)  # type: ignore[return-value]
+        token = _FROM_JSON.set(True)  # no head file is opened for a request from JSON
+        try:
+            return target(**values)  # type: ignore[return-value]
+        finally:
+            _FROM_JSON.reset(token)
 
     def replace(self: R, **changes: Any) -> R:
         """A copy with `changes` applied (checked again)."""

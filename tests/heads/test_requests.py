@@ -241,3 +241,26 @@ def test_patch_request_refuses_the_kinds_a_family_lacks(family, tokenizer):
         else:
             patch(kind=kind).check_config(config)
             patch(kind=kind).check_config(hm)
+
+
+def test_from_json_is_strict_and_opens_no_file(tmp_path, monkeypatch):
+    """A request from JSON: `version` an int, a key given twice refused (named), and a head
+    selection given as a string (a file path on the machine that runs it) refused, naming the
+    field; a Python caller may still name a head file, and a missing one is a HeadsteerValueError."""
+    import json
+
+    from heads.scorers.safety.request import ShipsRequest
+
+    with pytest.raises(HeadsteerValueError, match="version 1.0"):
+        Request.from_json('{"request": "patch", "version": 1.0}')
+    with pytest.raises(HeadsteerValueError, match="duplicate key 'kind'"):
+        Request.from_json('{"request": "patch", "kind": "q", "kind": "k"}')
+    heads_file = tmp_path / "h.json"
+    heads_file.write_text(json.dumps({"1": [0]}))
+    for text in ("", str(heads_file)):
+        with pytest.raises(HeadsteerValueError, match="heads: a request from JSON .* head file"):
+            Request.from_json({"request": "ships", "heads": text})
+    assert ShipsRequest(heads=str(heads_file)).heads == ((1, 0),)  # Python: a file path is fine
+    with pytest.raises(HeadsteerValueError, match="head file not found: ''"):
+        ShipsRequest(heads="")
+    assert Request.from_json({"request": "ships", "heads": {"1": [0]}}).heads == ((1, 0),)

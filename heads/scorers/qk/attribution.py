@@ -26,7 +26,6 @@ attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the froz
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from heads.results.qk import QKAttribution
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
+from heads.scorers.qk.request import parse_head_text
 from heads.scorers.qk.sides import Side, components, side
 
 __all__ = [
@@ -53,25 +53,6 @@ __all__ = [
 ]
 
 BY = ("component", "source_token")
-
-
-_HEAD_TEXT = re.compile(r"\s*(?:L([0-9]{1,6})\.H([0-9]{1,6})|([0-9]{1,6})\.([0-9]{1,6}))\s*", re.ASCII)
-"""`"5.1"` or `"L5.H1"` (the form `HeadScores` prints): ASCII digits, at most 6 each."""
-
-
-def parse_head_text(text: str) -> tuple[int, int]:
-    """`(layer, head)` of `"5.1"` or `"L5.H1"` (not checked against a model).
-
-    Raises:
-        ValueError: any other text (other digits, more than 6 of them, other separators).
-    """
-    m = _HEAD_TEXT.fullmatch(text)
-    if m is None:
-        raise HeadsteerValueError(
-            f"head must look like 'L.H' (e.g. '5.1') or 'L5.H1', got {short_repr(text)}"
-        )
-    la, h = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
-    return int(la), int(h)
 
 
 def parse_head(model: HeadModel, head: object) -> tuple[int, int]:

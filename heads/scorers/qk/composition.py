@@ -39,6 +39,7 @@ from heads.results.scores import HeadSet
 from heads.scorers.qk.attribution import encode_input
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
+from heads.scorers.qk.request import MAX_SAMPLES
 from heads.scorers.qk.sides import components, side
 
 __all__ = ["baseline", "composition_scores", "data_composition_scores"]
@@ -58,8 +59,6 @@ def _r(w: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, root.to(w.dtype))
 
 
-MAX_SAMPLES = 100_000
-"""The most random factor pairs `baseline` / `composition_scores` average (`n_samples`)."""
 _CHUNK = 128
 """Factor pairs drawn and scored at once: memory stays that of 128 pairs at any `n_samples`."""
 

@@ -3,6 +3,7 @@ between heads (`CompositionRequest`), as checked values (see `heads.scorers.requ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -18,7 +19,9 @@ __all__ = [
     "CompositionRequest",
     "QKRequest",
     "check_qk_family",
+    "MAX_SAMPLES",
     "parse_head",
+    "parse_head_text",
 ]
 
 BY = ("component", "source_token")
@@ -43,6 +46,28 @@ QK_FAMILIES = (
 """`model_type`s whose QK decomposition is checked exact against an independent forward."""
 
 
+MAX_SAMPLES = 100_000
+"""The most random factor pairs the composition baseline averages (`n_samples`)."""
+
+_HEAD_TEXT = re.compile(r"\s*(?:L([0-9]{1,6})\.H([0-9]{1,6})|([0-9]{1,6})\.([0-9]{1,6}))\s*", re.ASCII)
+"""`"5.1"` or `"L5.H1"` (the form `HeadScores` prints): ASCII digits, at most 6 each."""
+
+
+def parse_head_text(text: str) -> tuple[int, int]:
+    """`(layer, head)` of `"5.1"` or `"L5.H1"` (not checked against a model).
+
+    Raises:
+        HeadsteerValueError: any other text (other digits, more than 6 of them, other separators).
+    """
+    m = _HEAD_TEXT.fullmatch(text)
+    if m is None:
+        raise HeadsteerValueError(
+            f"head must look like 'L.H' (e.g. '5.1') or 'L5.H1', got {short_repr(text)}"
+        )
+    la, h = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+    return int(la), int(h)
+
+
 def parse_head(head: object) -> tuple[int, int]:
     """`(layer, head)` from a pair or a `"L.H"` string (range checked against a model later).
 
@@ -51,10 +76,7 @@ def parse_head(head: object) -> tuple[int, int]:
         HeadsteerTypeError: anything else.
     """
     if isinstance(head, str):
-        parts = head.strip().split(".")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise HeadsteerValueError(f"head must look like 'L.H' (e.g. '5.1'), got {short_repr(head)}")
-        return int(parts[0]), int(parts[1])
+        return parse_head_text(head)
     if isinstance(head, (tuple, list)) and len(head) == 2 and all(is_int(x) for x in head):
         if min(int(x) for x in head) < 0:
             raise HeadsteerValueError(f"head must be (layer >= 0, head >= 0), got {short_repr(head)}")
@@ -155,7 +177,8 @@ class CompositionRequest(Request):
         method: `"weights"` (default: from the weights) or `"data"` (from activations on prompts).
         readers: reader heads scored (`"weights"` only; default None: every head).
         subtract_baseline: subtract the random-matrix baseline (`"weights"`; default True).
-        n_samples: random factor pairs of the baseline (`"weights"`; default 100).
+        n_samples: random factor pairs of the baseline (`"weights"`; default 100; at most
+            100000, `MAX_SAMPLES`).
         seed: the baseline's seed (default 0).
         chat: apply the chat template to text prompts (`"data"`; default False).
 
@@ -180,7 +203,7 @@ class CompositionRequest(Request):
             raise HeadsteerValueError("readers must be a non-empty list of (layer, head), got []")
         object.__setattr__(self, "readers", readers)
         check_bool("subtract_baseline", self.subtract_baseline)
-        object.__setattr__(self, "n_samples", check_int("n_samples", self.n_samples, lo=1))
+        object.__setattr__(self, "n_samples", check_int("n_samples", self.n_samples, lo=1, hi=MAX_SAMPLES))
         object.__setattr__(self, "seed", check_seed("seed", self.seed))
         check_bool("chat", self.chat)
         if self.method == "data":

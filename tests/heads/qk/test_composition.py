@@ -311,3 +311,23 @@ def test_baseline_in_chunks_is_the_mean_over_its_draws():
         mn = torch.linalg.matrix_norm
         vals.append(mn(w1 @ w2) / (mn(w1) * mn(w2)))
     assert baseline(32, 4, n_samples=300, seed=1) == pytest.approx(float(torch.cat(vals).mean()), rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [100_001, 10**30])
+def test_composition_request_caps_n_samples(tokenizer, n):
+    from heads import run
+    from heads.scorers.qk.request import CompositionRequest
+
+    with pytest.raises(ValueError, match="n_samples"):
+        CompositionRequest(n_samples=n)
+    with pytest.raises(ValueError, match="n_samples"):
+        run(make_tiny("llama", tokenizer), {"request": "composition_scores", "n_samples": n})
+
+
+def test_qk_request_reads_the_head_forms():
+    from heads.scorers.qk.request import QKRequest
+
+    assert QKRequest(head="L1.H2").head == QKRequest(head="1.2").head == (1, 2)
+    for bad in ("9" * 5000 + ".1", "\u00b9.2"):
+        with pytest.raises(ValueError, match="L.H"):
+            QKRequest(head=bad)
