@@ -208,7 +208,7 @@ def _call_hook(fn: Callable, x: torch.Tensor, name: str, call: AttentionCall) ->
         out = fn(x, HookInfo(name, call))
     finally:
         _ACTIVE.name = None
-    if out is None:
+    if out is None or out is x:  # `x.mul_(0)` returns `x` itself: an in-place edit too
         after = _version(x)
         # edited in place: the edited tensor replaces the activation at every site alike
         return x.clone() if before is not None and after != before else None

@@ -233,6 +233,9 @@ def test_an_in_place_edit_applies_at_every_site_as_a_replacement(tokenizer):
         got = run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, in_place)])
         want = run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, lambda x, hook: x * 0.5)])
         assert torch.equal(got, want), name
+        # `x.mul_(...)` returns `x` itself: the same tensor returned is the same in-place edit
+        same = run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, lambda x, hook: x.mul_(0.5))])
+        assert torch.equal(same, want), name
         if not name.endswith("hook_scale"):
             assert float((got - ref).abs().max()) > 1e-4, name  # the edit did something
 
