@@ -156,3 +156,40 @@ def test_train_lens_takes_options(tiny_llama):
         train_lens(tiny_llama, data, [(0, 0)], progress=True, options=SweepOptions(progress=False))
     with pytest.raises(HeadsteerValueError, match="train_lens does not take max_rows="):
         train_lens(tiny_llama, data, [(0, 0)], options=SweepOptions(max_rows=2))
+
+
+def test_dynamic_scores_takes_options(tiny_llama):
+    from heads.scorers.maps.inference import dynamic_scores
+
+    rel = [RelationPairs("copying", [(40, 40), (41, 41)], 1, texts=[("a", "a"), ("b", "b")])]
+    seen = []
+    kw = {"templates": ["{x}"], "max_pairs": 2}
+    new = dynamic_scores(
+        tiny_llama, rel, **kw, options=SweepOptions(progress=lambda d, t: seen.append((d, t)))
+    )
+    assert seen and seen[-1][0] == seen[-1][1]
+    with pytest.warns(DeprecationWarning, match=r"dynamic_scores\(progress=\) is deprecated"):
+        old = dynamic_scores(tiny_llama, rel, **kw, progress=False)
+    assert old["copying"].equal(new["copying"])
+    with pytest.raises(
+        HeadsteerValueError, match=r"dynamic_scores\(\) got both progress= and options.progress"
+    ):
+        dynamic_scores(tiny_llama, rel, progress=True, options=SweepOptions(progress=False))
+    with pytest.raises(HeadsteerValueError, match="dynamic_scores does not take max_rows="):
+        dynamic_scores(tiny_llama, rel, options=SweepOptions(max_rows=2))
+
+
+def test_maps_analysis_takes_options(tiny_llama):
+    from heads.scorers.maps.analysis import maps_analysis
+
+    with pytest.raises(
+        HeadsteerValueError, match=r"maps_analysis\(\) got both progress= and options.progress"
+    ):
+        maps_analysis(tiny_llama, _rel(), progress=True, options=SweepOptions(progress=False))
+    with pytest.raises(HeadsteerValueError, match="maps_analysis does not take seed="):
+        maps_analysis(tiny_llama, _rel(), options=SweepOptions(seed=1))
+    with (
+        pytest.warns(DeprecationWarning, match=r"maps_analysis\(progress=\) is deprecated"),
+        pytest.raises(HeadsteerValueError, match="draws"),
+    ):
+        maps_analysis(tiny_llama, _rel(), draws=0, progress=False)

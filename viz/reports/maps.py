@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from heads import HeadModel
+from heads import HeadModel, SweepOptions
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg
 from heads.scorers.maps.analysis import MapsAnalysis, maps_analysis
@@ -113,6 +113,8 @@ def maps_report(
     """
     check_output(out, overwrite)
     rs = load_relations(model.tokenizer, relations, d_vocab=model.d_vocab)
-    result = maps_analysis(model, rs, top=top, draws=draws, n_prompts=n_prompts, progress=progress)
+    result = maps_analysis(
+        model, rs, top=top, draws=draws, n_prompts=n_prompts, options=SweepOptions(progress=progress)
+    )
     path = render_maps_report(result).save(out, overwrite=overwrite)
     return path, result.summary()

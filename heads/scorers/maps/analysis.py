@@ -13,12 +13,13 @@ from __future__ import annotations
 import html
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 import torch
 
-from heads._util.progress import ProgressArg, offset_progress, progress_callback
-from heads.engine.options import SweepOptions
+from heads._util.progress import offset_progress, progress_callback
+from heads.engine.options import SweepOptions, sweep_options
 from heads.model.adapter import HeadModel
 from heads.scorers.maps.inference import (
     DYNAMIC_MAX_PAIRS,
@@ -155,7 +156,8 @@ def maps_analysis(
     top: int = 20,
     draws: int = 5,
     n_prompts: int = 30,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> MapsAnalysis:
     """Run the MAPS study (Elhelo & Geva, ACL 2025; docs/methods/maps.md) on every head.
 
@@ -167,12 +169,15 @@ def maps_analysis(
         top: heads listed per relation in `top_heads` (default 20).
         draws: random-head draws in each relation's ablation check (default 5).
         n_prompts: few-shot prompts per relation in the ablation check (default 30).
-        progress: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
+        options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
+            False / None (off) or `progress(done, total)`
             (`heads._util.progress`) in steps: one per layer of the static maps, then the
             steps of `dynamic_scores` (one per forward and one per layer scored), then
             those of each relation's `ablation_check` (one per accuracy pass: `2 + draws`),
             then one for the salient operations of the strongest head; the total is known
             before any work.
+        **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`; refused
+            together with `options.progress` set).
 
     Returns:
         MapsAnalysis.
@@ -181,6 +186,7 @@ def maps_analysis(
         ValueError: as `maps_scores`, `dynamic_scores` and `ablation_check`; `top`, `draws` or
             `n_prompts` not a positive int (checked before any work).
     """
+    progress = sweep_options(options, deprecated, "maps_analysis", takes=("progress",)).progress
     t0 = time.perf_counter()
     top, draws, n_prompts = (
         positive_int(top, "top"),
@@ -194,7 +200,9 @@ def maps_analysis(
     total = maps_analysis_steps(model, rels, draws)
     with progress_callback(progress, "MAPS analysis", "steps") as report:
         ms = maps_scores(model, rels, options=SweepOptions(progress=offset_progress(report, 0, total)))
-        dyn = dynamic_scores(model, rels, progress=offset_progress(report, model.n_layers, total))
+        dyn = dynamic_scores(
+            model, rels, options=SweepOptions(progress=offset_progress(report, model.n_layers, total))
+        )
         corr = {n: pearson(ms.relation[n].scores.expand_as(dyn[n]), dyn[n]) for n in ms.names()}
         abl = {}
         start = model.n_layers + n_dyn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from heads._util.validation import check_int, check_seed, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -80,7 +82,8 @@ def dynamic_scores(
     templates: Sequence[str] = TEMPLATES,
     max_pairs: int = DYNAMIC_MAX_PAIRS,
     batch_size: int = 48,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """Dynamic relation score per (template, layer, head), `[n_templates, n_layers, n_heads]` each.
 
@@ -89,13 +92,16 @@ def dynamic_scores(
     1 when the target is in its top-k (ties: lowest id). Averaged over the first
     `max_pairs` pairs of each relation (the "with context" variant of docs/methods/maps.md).
 
-    `progress`: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-    (`heads._util.progress`) in steps: one per forward (template x batch of `batch_size`
-    prompts), then one per layer scored (`dynamic_steps`).
+    `options`: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
+    False / None (off) or `progress(done, total)` (`heads._util.progress`) in steps: one per
+    forward (template x batch of `batch_size` prompts), then one per layer scored
+    (`dynamic_steps`). The loose `progress=` keyword still works one release (a
+    `DeprecationWarning`; refused together with `options.progress` set).
 
     Returns:
         relation name -> tensor in [0, 1].
     """
+    progress = sweep_options(options, deprecated, "dynamic_scores", takes=("progress",)).progress
     rels = [relations] if isinstance(relations, RelationPairs) else list(relations)
     if not rels or not all(isinstance(r, RelationPairs) for r in rels):
         raise HeadsteerValueError("dynamic_scores needs one or more RelationPairs")
