@@ -230,7 +230,7 @@ class TransformerLensBackend(HFBackend):
         for part in name.split("."):
             obj = (
                 obj[int(part)]
-                if part.isdigit() and isinstance(obj, nn.ModuleList)
+                if part.isascii() and part.isdigit() and len(part) <= 6 and isinstance(obj, nn.ModuleList)
                 else getattr(obj, part, None)
             )
             if obj is None:

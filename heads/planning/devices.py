@@ -60,10 +60,15 @@ def _device_split(
     return out
 
 
+def _is_index(text: str) -> bool:
+    """ASCII digits, at most 6 (a layer index; `int()` of other digits fails or is unbounded)."""
+    return text.isascii() and text.isdigit() and len(text) <= 6
+
+
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p in ("layers", "h", "layer", "blocks") and parts[i + 1].isdigit():
+        if p in ("layers", "h", "layer", "blocks") and _is_index(parts[i + 1]):
             return int(parts[i + 1])
     return None
 

@@ -308,3 +308,11 @@ def test_analysis_requests_plan_as_their_analysis_or_are_refused_by_name():
         plan_memory(cfg, PatchRequest(kind="head_out"), 64)
     with pytest.raises(HeadsteerValueError, match="method='exact'"):
         plan_memory(cfg, CircuitRequest(method="exact"), 64)
+
+
+def test_a_device_map_key_with_odd_digits_is_no_layer_index():
+    from heads.planning.devices import _layer_of
+
+    assert _layer_of("model.layers.3.mlp") == 3
+    assert _layer_of("model.layers.\u00b9.mlp") is None  # superscript one: str.isdigit() but not int()
+    assert _layer_of("model.layers." + "9" * 5000 + ".mlp") is None

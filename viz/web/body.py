@@ -40,8 +40,10 @@ async def read_body(request: Any, limit: int, *, what: str = "request body") -> 
         starlette.requests.ClientDisconnect: the client left before the body arrived.
     """
     declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"{what} of {int(declared)} bytes is larger than the limit of {limit} bytes")
+    d = "" if declared is None else declared.strip()
+    if d.isascii() and d.isdigit() and (len(d) > 18 or int(d) > limit):  # 18 digits: no int() limit
+        shown = d if len(d) <= 18 else f"{d[:12]}... ({len(d)} digits)"
+        raise BodyTooLarge(f"{what} of {shown} bytes is larger than the limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
