@@ -224,10 +224,17 @@ def test_two_tabs_steer_differently_and_cancel(browser, served, model, shots):
         a.wait_for_function(
             "document.getElementById('status').textContent.startsWith('waiting for the model')"
         )
+        ids = a.evaluate("Array.from(state.jobs.keys())")  # the page's id of the waiting job
+        assert len(ids) == 1, ids
         a.click("#btn-cancel")
         a.wait_for_function("document.getElementById('error').textContent === 'cancelled'", timeout=90_000)
         a.wait_for_function("state.jobs.size === 0")
-        wait_until(lambda: jobs.running() == 0, "the cancelled job frees its slot while the model is busy")
+        # `cancel` answers False once no job of that id runs: its slot is free (other jobs, such
+        # as a tab's prepare sent meanwhile, may still wait for the model)
+        wait_until(
+            lambda: not jobs.cancel(ids[0]), "the cancelled job frees its slot while the model is busy"
+        )
+    wait_until(lambda: jobs.running() == 0, "every job ends once the model is free")
     done = [a.locator(f"#{o}").get_attribute("data-done") for o in ("out-plain", "out-steered")]
     assert done == [None, None] and a.locator("#out-plain").inner_text() == ""  # it never ran
     a.fill("#max-new", "2")
