@@ -29,23 +29,13 @@ from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel, _module, _unwrap
 from heads.scorers.patching.logit import norm_parts
+from heads.scorers.qk.request import QK_FAMILIES
 
 __all__ = ["ACCEPTED", "Norm", "Rotary", "check_qk_model", "layer_parts", "LayerParts"]
 
-ACCEPTED = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "olmo2",
-    "gpt2",
-    "phi3",
-    "gpt_oss",
-)
-"""`model_type`s whose decomposition is checked exact against an independent forward."""
+ACCEPTED = QK_FAMILIES
+"""`model_type`s whose decomposition is checked exact against an independent forward (one list
+with the requests' config check, `heads.scorers.qk.request.QK_FAMILIES`)."""
 
 _ATTN_NORMS = ("input_layernorm", "ln_1")
 
