@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import cast
 
 import torch
 
@@ -90,7 +91,7 @@ def _expand_layers(model: HeadModel, spec: object, n_heads: int) -> object:
         and spec
         and all(not isinstance(x, (list, tuple)) for x in spec)
     ):
-        return list(HeadSet.parse(spec, model.n_layers, n_heads).heads)  # type: ignore[arg-type]
+        return list(HeadSet.parse(spec, model.n_layers, n_heads).heads)
     return spec
 
 
@@ -177,7 +178,9 @@ def run_path_patch(
         )
     every = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
     sends = every if request.senders is None else list(request.senders)
-    recv = None if request.receivers == "logits" else sorted(request.receivers)  # type: ignore[arg-type]
+    recv: list[tuple[int, int]] | None = None
+    if request.receivers != "logits":
+        recv = sorted(cast("Sequence[tuple[int, int]]", request.receivers))
     poss = None if request.positions is None else _check_positions(pairs, request.positions)
     model.check_length(pairs.width)
 
