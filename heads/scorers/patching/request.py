@@ -233,7 +233,10 @@ class PathPatchRequest(Request):
             if not recv:
                 raise HeadsteerValueError("no receiver heads selected")
             object.__setattr__(self, "receivers", recv)
-        object.__setattr__(self, "senders", check_head_pairs("senders", self.senders))
+        senders = check_head_pairs("senders", self.senders)
+        if senders is not None and not senders:
+            raise HeadsteerValueError("no sender heads selected (senders=None is every head)")
+        object.__setattr__(self, "senders", senders)
         pos = check_positions("positions", self.positions)
         object.__setattr__(self, "positions", pos)
 
