@@ -346,7 +346,8 @@ def atlas_report(
     summary = {
         "roles": {k: int(v) for k, v in atlas.frame["role"].value_counts().items()},
         "top": {
-            n: [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(5)] for n, s in det.items()
+            n: [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(5)]
+            for n, s in det.as_dict().items()
         },
     }
     return atlas, summary
