@@ -125,8 +125,8 @@ def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, reque
 
 
 def test_run_saves_what_heads_run_gives(tiny_llama, tiny_llama_dir, tmp_path):
+    from heads.results.patching import PatchResult
     from heads.scorers.patching.pairs import encode_pairs
-    from heads.scorers.patching.result import PatchResult
     from probes.datasets.pairs import load_task_pairs
 
     req = PatchRequest(kind="head_out", direction="noising", layers=[1, 2])
