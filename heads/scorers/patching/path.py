@@ -75,7 +75,7 @@ from heads.scorers.patching.activation import (
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import DIRECTIONS, Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import RunCache, check_kv_kind, record_run, stream_sites
+from heads.scorers.patching.record import RunCache, cache_bytes, check_kv_kind, record_run, stream_sites
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
 
@@ -157,8 +157,9 @@ def path_patch(
         metric: as `heads.scorers.patching.activation.patch` (default logit difference).
         positions: padded columns where the sender's output is replaced (default all;
             negative counts from the end).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
-            counts work in token-layers (rows x recomputed columns x layers run), not rows.
+        options: `SweepOptions` (rows per forward, progress, `max_memory` as in `patch`);
+            default `SweepOptions()`. Progress counts work in token-layers (rows x recomputed
+            columns x layers run), not rows.
 
     Returns:
         a `PatchResult` of kind `"path"`, grid `("layer", "head")` over every head: raw metric
@@ -188,6 +189,8 @@ def path_patch(
     recv, comps = _check_receivers(model, receivers, inputs)
     poss = None if positions is None else _check_positions(pairs, positions)
     model.check_length(pairs.width)
+    kept = 2 * cache_bytes(model, pairs.n, pairs.width, keys=False)
+    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
 
     mask = pairs.attention_mask
     clean = record_run(model, pairs.clean_ids, mask, keys=False)
