@@ -189,6 +189,7 @@ def sweep_options(
     *,
     takes: Collection[str] = SWEEP_KEYS,
     renamed: Mapping[str, str] | None = None,
+    stacklevel: int = 3,
 ) -> SweepOptions:
     """The `SweepOptions` a scorer runs with: `options` (default `SweepOptions()`), updated by the
     deprecated keyword arguments in `legacy` (`max_rows=`, `shard=`, ...; a `DeprecationWarning`).
@@ -201,6 +202,8 @@ def sweep_options(
             (e.g. `shard` for Sahara, whose greedy steps cannot be split).
         renamed: the scorer's own old keyword names for an option (`{"batch_rows": "max_rows"}`),
             accepted the same way (deprecated; the warning names the option).
+        stacklevel: the `DeprecationWarning`'s stack level (default 3: the caller of the scorer
+            that calls this; one more for each helper in between).
 
     Raises:
         HeadsteerTypeError: a keyword that is no sweep option (worded as Python words an unknown
@@ -231,7 +234,7 @@ def sweep_options(
             f"{where}({names}) is deprecated: pass options=SweepOptions({fill}) instead "
             "(the keywords are removed in the next release)",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         options = options.replace(**{renamed.get(k, k): v for k, v in legacy.items()})
     defaults = SweepOptions()
