@@ -75,20 +75,9 @@ def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions 
 
 
 def _path_patch(model: HeadModel, pairs: Any, r: PathPatchRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.patching.path import path_patch
+    from heads.scorers.patching.path import run_path_patch
 
-    return path_patch(
-        model,
-        pairs,
-        r.senders,
-        r.receivers,
-        inputs=r.inputs,
-        mlp=r.mlp,
-        direction=r.direction,
-        metric=r.metric,
-        positions=r.positions,
-        options=options,
-    )
+    return run_path_patch(model, pairs, r, options)
 
 
 def _dla(model: HeadModel, pairs: Any, r: DLARequest, options: SweepOptions | None) -> Any:

@@ -213,7 +213,9 @@ def _batch_size(
     """The pairs per gradient chunk and the `SweepOptions` of `edge_scores` / `find_circuit`:
     the deprecated `batch_size=` (warned, refused with `options.max_rows`) or `max_rows // 8`."""
     batch_size = deprecated.pop("batch_size", None)
-    opts = sweep_options(options, deprecated, where, takes=takes, renamed={"batch_rows": "max_rows"})
+    opts = sweep_options(  # stacklevel 4: the warning names the caller of edge_scores / find_circuit
+        options, deprecated, where, takes=takes, renamed={"batch_rows": "max_rows"}, stacklevel=4
+    )
     if batch_size is None:
         return max(1, opts.max_rows // 8), opts
     if options is not None and options.max_rows != SweepOptions().max_rows:

@@ -69,6 +69,7 @@ from heads.engine.edits import Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.results.storage import check_geometry, json_text
@@ -524,6 +525,8 @@ def head_atlas(
             raise HeadsteerValueError("lens_text needs a lens")
         if not isinstance(lens_text, str) or not lens_text.strip():
             raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
+    if isinstance(detectors, RoleScores):  # its plain mapping (its dict-style reads warn)
+        detectors = detectors.as_dict()
     check_bool("thumbnails", thumbnails)
     seed = check_seed("seed", seed)
     stability = check_stability(stability)
@@ -551,7 +554,7 @@ def head_atlas(
     t = _check_thresholds(thresholds, known)
     if detectors is None:
         det = detect_roles(model, seed=seed, stability=stability)
-        cols = {**det, **cols}
+        cols = {**det.as_dict(), **cols}
     base = HeadScores(torch.zeros(L, H), "atlas", model=model.name, n_kv_heads=model.n_kv_heads).to_frame()
     frame = base.drop(columns=["score"])
     for name, s in cols.items():
