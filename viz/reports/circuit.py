@@ -27,6 +27,7 @@ from heads import HeadModel
 from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import check_int, check_number
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from heads.planning.units import parse_gib
 from heads.results.stability import check_stability
@@ -151,7 +152,8 @@ def circuit_report(
         tick(0)
         sc = chunked_edge_scores(model, pairs, method, steps, "logit_diff", confirm, 8, rows, False)
         tick(1)
-        curve = faithfulness_curve(model, pairs, sc, sizes=sizes, batch_rows=rows)
+        exact = SweepOptions(max_rows=rows, progress=False)  # the exact runs' rows within the budget
+        curve = faithfulness_curve(model, pairs, sc, sizes=sizes, options=exact)
         tick(2)
         by_target = size is None
         if size is None:
@@ -172,7 +174,7 @@ def circuit_report(
         if n in curve["n_edges"]:  # the curve evaluated exactly this circuit
             c.faithfulness = float(curve["faithfulness"][curve["n_edges"].index(n)])
         else:
-            c.faithfulness = float(evaluate(model, pairs, c, batch_rows=rows)[0])
+            c.faithfulness = float(evaluate(model, pairs, c, options=exact)[0])
         c.params.update(task=str(task), n_pairs=pairs.n, size=size, faithfulness_target=target)
         most = warn_most_heads(c)
         tick(3)
