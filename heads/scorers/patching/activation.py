@@ -83,6 +83,7 @@ __all__ = ["KINDS", "PatchResult", "patch", "run_patch"]
 # scored per position) are defined beside the request (heads.scorers.patching.request)
 
 # the patch edits and the result live beside this module; imported here as before
+from heads.results.patching import SCHEMA, SCHEMA_VERSION, PatchResult, _grid_names  # noqa: E402, F401
 from heads.scorers.patching.edits import (  # noqa: E402, F401
     _PatchKV,
     _PatchPattern,
@@ -91,7 +92,6 @@ from heads.scorers.patching.edits import (  # noqa: E402, F401
     _PatchZ,
     unembed_only,
 )
-from heads.scorers.patching.result import SCHEMA, SCHEMA_VERSION, PatchResult, _grid_names  # noqa: E402, F401
 
 
 @dataclass(frozen=True)

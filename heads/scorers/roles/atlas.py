@@ -69,6 +69,7 @@ from heads.engine.edits import Recorder
 from heads.engine.forward import forward
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores
 from heads.results.storage import check_geometry, json_text
 from heads.scorers.maps.static import MapsScores
@@ -504,9 +505,8 @@ def head_atlas(
         HeadsteerValueError: a score of another geometry or model (by `HeadScores.model`), a
             column given twice or reserved, bad thresholds, `lens_text` without `lens`, an
             untrained lens or one of another model, a bad seed.
-        HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; `sinks`,
-            `maps`, `lens`, `detectors`, `scores` or `thumbnails` of a wrong type (all checked
-            before any forward).
+        HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; any
+            other argument of a wrong type (all checked before any forward).
     """
     request = AtlasRequest(
         thresholds=thresholds, thumbnails=thumbnails, lens_text=lens_text, seed=seed, stability=stability
@@ -518,9 +518,8 @@ def head_atlas(
 def run_head_atlas(
     model: HeadModel, inputs: Mapping[str, Any] | None, request: AtlasRequest, options: object = None
 ) -> HeadAtlas:
-    """Run an `AtlasRequest` (built and checked by `head_atlas`) on `inputs`, the scores it gathers:
-    a mapping of any of `_INPUTS` (None: none; an unknown key is a HeadsteerValueError; see
-    `head_atlas` for each, the result and the errors). `options` is not used."""
+    """Run an `AtlasRequest` (built and checked by `head_atlas`) on `inputs`, the scores it gathers: a
+    mapping of any of `_INPUTS` (None: none; see `head_atlas` for each and the errors); no `options`."""
     if not isinstance(request, AtlasRequest):
         raise HeadsteerTypeError(f"request must be an AtlasRequest, got {type(request).__name__}")
     if not isinstance(model, HeadModel):
@@ -535,7 +534,6 @@ def run_head_atlas(
         if k not in _INPUTS:
             raise HeadsteerValueError(f"unknown atlas input {k!r}; known: {', '.join(_INPUTS)}")
     detectors, scores, sinks, maps, lens = (given.get(k) for k in _INPUTS)
-    seed, stability, lens_text = request.seed, request.stability, request.lens_text
     for arg, value in (("detectors", detectors), ("scores", scores)):
         if value is not None and not isinstance(value, Mapping):
             raise HeadsteerTypeError(
@@ -548,8 +546,10 @@ def run_head_atlas(
             raise HeadsteerTypeError(
                 f"{arg} must be {article} {kind.__name__} or None, got {type(obj).__name__}"
             )
-    if lens_text is not None and lens is None:
+    if request.lens_text is not None and lens is None:
         raise HeadsteerValueError("lens_text needs a lens")
+    if isinstance(detectors, RoleScores):  # its plain mapping (its dict-style reads warn)
+        detectors = detectors.as_dict()
     L, H = model.n_layers, model.n_heads
     cols: dict[str, HeadScores] = {}
     extra = dict(scores or {})
@@ -575,8 +575,8 @@ def run_head_atlas(
     for role in t:
         _check_role(role, known)
     if detectors is None:
-        det = detect_roles(model, seed=seed, stability=stability)
-        cols = {**det, **cols}
+        det = detect_roles(model, seed=request.seed, stability=request.stability)
+        cols = {**det.as_dict(), **cols}
     base = HeadScores(torch.zeros(L, H), "atlas", model=model.name, n_kv_heads=model.n_kv_heads).to_frame()
     frame = base.drop(columns=["score"])
     for name, s in cols.items():
@@ -592,9 +592,9 @@ def run_head_atlas(
             frame[f"{n}_p_top_k"] = s.stability.p_top_k.numpy()
             sources[n]["stability"] = s.stability.summary()
     tokens: dict[tuple[int, int], list[str]] = {}
-    if lens is not None and lens_text is not None:
+    if lens is not None and request.lens_text is not None:
         for la, h in lens.heads:
-            df = lens.top_tokens(model, lens_text, la, h, k=1)
+            df = lens.top_tokens(model, request.lens_text, la, h, k=1)
             tokens[(la, h)] = [r[0] for r in df["lens_tokens"]]
-    thumbs = pattern_thumbnails(model, seed=seed) if request.thumbnails else None
+    thumbs = pattern_thumbnails(model, seed=request.seed) if request.thumbnails else None
     return HeadAtlas(frame, model.name, t, sources, thumbs, tokens)
