@@ -76,7 +76,7 @@ from heads.scorers.patching.activation import (
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import RunCache, record_run, stream_sites
+from heads.scorers.patching.record import RunCache, cache_bytes, record_run, stream_sites
 from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
 from heads.scorers.request_base import expand_layers
 
@@ -113,8 +113,9 @@ def path_patch(
         metric: as `heads.scorers.patching.activation.patch` (default logit difference).
         positions: padded columns where the sender's output is replaced (default all;
             negative counts from the end).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
-            counts work in token-layers (rows x recomputed columns x layers run), not rows.
+        options: `SweepOptions` (rows per forward, progress, `max_memory` as in `patch`);
+            default `SweepOptions()`. Progress counts work in token-layers (rows x recomputed
+            columns x layers run), not rows.
 
     Returns:
         a `PatchResult` of kind `"path"`, grid `("layer", "head")` over every head: raw metric
@@ -171,6 +172,8 @@ def run_path_patch(
         recv = sorted(cast("Sequence[tuple[int, int]]", request.receivers))
     poss = None if request.positions is None else _check_positions(pairs, request.positions)
     model.check_length(pairs.width)
+    kept = 2 * cache_bytes(model, pairs.n, pairs.width, keys=False)
+    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
 
     mask = pairs.attention_mask
     clean = record_run(model, pairs.clean_ids, mask, keys=False)

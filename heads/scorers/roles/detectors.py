@@ -227,8 +227,9 @@ def pattern_scores(
         seed: the seed of the default sequences (an int in 0..2**32 - 1, default 0).
         stability: bootstrap resamples of the sequences (default 0: none; e.g. 100) for each
             ranking's stability, `scores.stability` (from the per-sequence scores, no extra forward).
-        options: `heads.SweepOptions`; only `max_rows` applies: sequences per forward (without
-            `options`, 8).
+        options: `heads.SweepOptions`; `max_rows`: sequences per forward (without `options`,
+            8), fewer where `max_memory` needs it (the `"detectors"` plan; refused before any
+            forward when one sequence does not fit).
         **deprecated: `batch_size=` (sequences per forward, now `max_rows`) as a keyword (one
             release; a `DeprecationWarning`; refused together with `options.max_rows` set).
 
@@ -250,13 +251,18 @@ def pattern_scores(
     check_bool("exclude_current_token", exclude_current_token)
     legacy_rows = deprecated.get("batch_size")
     opts = sweep_options(
-        options, deprecated, "pattern_scores", takes=("max_rows",), renamed={"batch_size": "max_rows"}
+        options,
+        deprecated,
+        "pattern_scores",
+        takes=("max_rows", "max_memory"),
+        renamed={"batch_size": "max_rows"},
     )
     batch_size = opts.max_rows if options is not None or legacy_rows is not None else 8
     seed = _seed(seed)
     stability = check_stability(stability)
     enc = _sequences(model, sequences, seed)
     model.check_length(enc.length)
+    batch_size = opts.replace(max_rows=batch_size).within(model, enc.length, "detectors").max_rows
     check_samples(enc.batch, stability, "sequences")
     dev = model.device
     pattern_names = [n for n in names if n != "entropy"]
