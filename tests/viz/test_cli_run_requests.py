@@ -100,3 +100,48 @@ def test_report_qk_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
     r = _cli(tmp_path, "qk", "--model", tiny_llama_dir, "--head", "L1.H0", "--task", str(prompts))
     assert r.exit_code == 1, r.output
     assert seen == [QKRequest(head=(1, 0), by="source_token"), CompositionRequest(readers=[(1, 0)])]
+
+
+# ------------------------------------------------------------------ headsteer run REQUEST.json
+@pytest.mark.parametrize(
+    ("request_json", "extra", "message"),
+    [
+        ('{"request": "patch", "knd": "q"}', ["--inputs", "ioi"], "unknown key 'knd'"),
+        ('{"request": "patch", "layers": [9]}', ["--inputs", "ioi"], "unknown layer 9"),
+        ('{"request": "qk_attribution", "head": [1, 7]}', ["--inputs", "ioi"], "prompt file"),
+        ('{"request": "patch"}', [], "needs its inputs"),
+        ('{"request": "composition_scores"}', ["--inputs", "ioi"], "takes no inputs"),
+        ('{"request": "head_atlas"}', [], "report atlas"),
+    ],
+)
+def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, request_json, extra, message):
+    req = tmp_path / "r.json"
+    req.write_text(request_json)
+    r = CliRunner().invoke(
+        app, ["run", str(req), "--out", str(tmp_path / "out.json"), "--model", tiny_llama_dir, *extra]
+    )
+    one_line_error(r, message)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_run_saves_what_heads_run_gives(tiny_llama, tiny_llama_dir, tmp_path):
+    from heads.results.patching import PatchResult
+    from heads.scorers.patching.pairs import encode_pairs
+    from probes.datasets.pairs import load_task_pairs
+
+    req = PatchRequest(kind="head_out", direction="noising", layers=[1, 2])
+    path = tmp_path / "r.json"
+    path.write_text(req.to_json())
+    out = tmp_path / "patch.json"
+    args = ["run", str(path), "--inputs", "ioi", "--n", "2", "--out", str(out), "--model", tiny_llama_dir]
+    r = CliRunner().invoke(app, [*args, "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.output
+    got = PatchResult.load(out)
+    want = heads.run(tiny_llama, req, encode_pairs(tiny_llama, load_task_pairs("ioi", "test", n=2)))
+    assert got.scores.shape == want.scores.shape
+    assert (got.scores - want.scores).abs().max() < 1e-5
+    before = out.read_bytes()
+    r = CliRunner().invoke(app, args)  # the result exists: refused without --force, untouched
+    one_line_error(r, "exists")
+    assert out.read_bytes() == before

@@ -38,6 +38,7 @@ from viz.cli.head_reports import HTML, MAX_DRAWS, MAX_FEW_SHOT, report_atlas, re
 from viz.cli.plan import register_plan  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.qk import report_qk  # noqa: E402
+from viz.cli.run_request import run_request  # noqa: E402
 from viz.cli.training import register_training  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
@@ -73,6 +74,7 @@ command(
 )(explore_command)
 command(report_app, "probes")(report_probes)
 command(report_app, "qk")(report_qk)
+command(app, "run")(run_request)  # `headsteer run REQUEST.json`: any analysis request
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
 command(report_app, "attention")(report_attention)

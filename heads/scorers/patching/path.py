@@ -62,7 +62,7 @@ from heads.engine.prefix import attention_given
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadSet, HeadSpec
+from heads.results.scores import HeadSpec
 from heads.scorers.patching.activation import (
     PatchResult,
     _check_positions,
@@ -76,23 +76,11 @@ from heads.scorers.patching.activation import (
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import RunCache, record_run, stream_sites
+from heads.scorers.patching.record import RunCache, cache_bytes, record_run, stream_sites
 from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
+from heads.scorers.request_base import expand_layers
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch", "run_path_patch"]
-
-
-def _expand_layers(model: HeadModel, spec: object, n_heads: int) -> object:
-    """A list of layers (every head of each) as `(layer, head)` pairs: the request holds heads,
-    and only the model knows how many a layer has. Any other form is left to the request."""
-    if (
-        isinstance(spec, Sequence)
-        and not isinstance(spec, (str, bytes))
-        and spec
-        and all(not isinstance(x, (list, tuple)) for x in spec)
-    ):
-        return list(HeadSet.parse(spec, model.n_layers, n_heads).heads)
-    return spec
 
 
 def path_patch(
@@ -125,8 +113,9 @@ def path_patch(
         metric: as `heads.scorers.patching.activation.patch` (default logit difference).
         positions: padded columns where the sender's output is replaced (default all;
             negative counts from the end).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
-            counts work in token-layers (rows x recomputed columns x layers run), not rows.
+        options: `SweepOptions` (rows per forward, progress, `max_memory` as in `patch`);
+            default `SweepOptions()`. Progress counts work in token-layers (rows x recomputed
+            columns x layers run), not rows.
 
     Returns:
         a `PatchResult` of kind `"path"`, grid `("layer", "head")` over every head: raw metric
@@ -147,9 +136,9 @@ def path_patch(
     else:
         kv = isinstance(inputs, Sequence) and any(c in ("k", "v") for c in inputs)
     if not (isinstance(receivers, str) and receivers == "logits"):
-        receivers = _expand_layers(model, receivers, model.n_kv_heads if kv else model.n_heads)  # type: ignore[assignment]
+        receivers = expand_layers(receivers, model.n_layers, model.n_kv_heads if kv else model.n_heads)  # type: ignore[assignment]
     request = PathPatchRequest(
-        senders=_expand_layers(model, senders, model.n_heads),  # type: ignore[arg-type]
+        senders=expand_layers(senders, model.n_layers, model.n_heads),  # type: ignore[arg-type]
         receivers=receivers,  # type: ignore[arg-type]
         inputs=inputs,
         mlp=mlp,
@@ -183,6 +172,8 @@ def run_path_patch(
         recv = sorted(cast("Sequence[tuple[int, int]]", request.receivers))
     poss = None if request.positions is None else _check_positions(pairs, request.positions)
     model.check_length(pairs.width)
+    kept = 2 * cache_bytes(model, pairs.n, pairs.width, keys=False)
+    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
 
     mask = pairs.attention_mask
     clean = record_run(model, pairs.clean_ids, mask, keys=False)
