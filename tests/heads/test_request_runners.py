@@ -44,7 +44,11 @@ ITEMS = [
         "passages": ["Mira was born in Kestra.", "Orlan was born in Delmar."],
         "gold": 1,
     },
-    {"question": "What pet does Ilse own?", "passages": ["Ilse has a parrot.", "Tobin owns a ferret."], "gold": 0},
+    {
+        "question": "What pet does Ilse own?",
+        "passages": ["Ilse has a parrot.", "Tobin owns a ferret."],
+        "gold": 0,
+    },
 ]
 RELATIONS = [
     RelationPairs("r0", [(5, 9), (17, 3), (40, 41), (77, 12)], 2),
