@@ -88,7 +88,6 @@ __all__ = [
     "HeadReplace",
     "attribute",
     "confirm_ships",
-    "confirmed_ships",
     "logit_diff",
     "run_attribution",
     "sahara_candidates",
