@@ -141,7 +141,11 @@ def composition_scores(
         TypeError: `subtract_baseline` not a bool.
     """
     request = CompositionRequest(
-        method="weights", readers=readers, subtract_baseline=subtract_baseline, n_samples=n_samples, seed=seed
+        method="weights",
+        readers=cast("Sequence[tuple[int, int]] | None", readers),  # any head selection: normalised there
+        subtract_baseline=subtract_baseline,
+        n_samples=n_samples,
+        seed=seed,
     )
     return run_composition(model, None, request)
 
