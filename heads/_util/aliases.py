@@ -35,6 +35,7 @@ ALIASES: dict[str, str] = {
     "heads.maps_inference": "heads.scorers.maps.inference",
     "heads.prompts": "heads.inputs.prompts",
     "heads.scores": "heads.results.scores",
+    "heads.scorers.patching.result": "heads.results.patching",
     "heads.ships": "heads.scorers.safety.ships",
     "heads.sinks": "heads.scorers.sinks",
     "heads.spans": "heads.inputs.spans",

@@ -38,6 +38,7 @@ from viz.cli.head_reports import HTML, MAX_DRAWS, MAX_FEW_SHOT, report_atlas, re
 from viz.cli.plan import register_plan  # noqa: E402
 from viz.cli.probes import report_probes  # noqa: E402
 from viz.cli.qk import report_qk  # noqa: E402
+from viz.cli.run_request import run_request  # noqa: E402
 from viz.cli.training import register_training  # noqa: E402
 from viz.cli.vision import (  # noqa: E402
     VISION_METHODS,
@@ -73,6 +74,7 @@ command(
 )(explore_command)
 command(report_app, "probes")(report_probes)
 command(report_app, "qk")(report_qk)
+command(app, "run")(run_request)  # `headsteer run REQUEST.json`: any analysis request
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
 command(report_app, "attention")(report_attention)
@@ -271,7 +273,7 @@ def report_patching(
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.request import PatchRequest
-    from viz.cli.requests import build_request
+    from viz.cli.requests import build_request, check_request
     from viz.reports.patching import patching_report, resolve_pairs
 
     kind_option = "--kind"
@@ -289,13 +291,12 @@ def report_patching(
     request = build_request(PatchRequest, options, kind=kind, direction=direction, stability=stability)
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
-    request.check_model(run.model)
+    check_request(run, options, request)
     hm = run.load()
     with run.progress(4, f"patching {kind}") as step:
         _, summary = patching_report(
-            hm, out, pairs, site=request.kind, direction=request.direction, overwrite=run.force,
-            progress=step, task=task, stability=request.stability,
-        )  # fmt: skip
+            hm, out, pairs, request=request, overwrite=run.force, progress=step, task=task
+        )
     table = Table(title=f"top {kind} sites ({summary['pairs']} pairs, {direction})")
     keys = [
         k
@@ -352,35 +353,28 @@ def report_circuit(
     ] = 0,
 ) -> dict:
     """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
+    from heads.scorers.circuits.request import CircuitRequest
+    from viz.cli.requests import build_request, check_request
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
 
-    if method not in ("eap", "eap-ig"):
+    if method not in ("eap", "eap-ig"):  # the report's choice: the request also has "exact"
         raise HeadsteerValueError(f"--method must be eap or eap-ig, got {short_repr(method)}")
     if task not in TASKS and not Path(task).is_file():
         raise typer.BadParameter(
             f"{short_repr(task)} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
         )
-    from heads.scorers.circuits.scores import MAX_STEPS
     from heads.scorers.patching import load_pairs
 
     if method == "eap":
         refuse_unused(method, {"--steps": run.gave("steps", steps, 5)}, option="--method")
-    _positive(pairs=pairs, steps=steps)
-    from heads.results.stability import check_stability
-
-    check_stability(stability, "--stability")
+    _positive(pairs=pairs)
     _at_most("--pairs", pairs, 256)
-    _at_most("--steps", steps, MAX_STEPS)
-    if size is not None and not 0 < size <= 100:
-        raise HeadsteerValueError(f"--size must be in (0, 100] (% of edges), got {size}")
-    from heads._util.validation import check_int, check_number
-
-    check_number("--faithfulness", faithfulness)
-    check_int("--confirm", confirm, lo=0)
     from heads.planning.units import parse_gib
 
     max_gib = parse_gib(max_memory, "--max-memory")
     if graph_threshold is not None:
+        from heads._util.validation import check_number
+
         check_number("--graph-threshold", graph_threshold, lo=0)
     try:
         curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
@@ -388,19 +382,27 @@ def report_circuit(
         raise HeadsteerValueError(
             f"--sizes must be comma-separated numbers, got {short_repr(sizes)}"
         ) from None
-    if not curve_sizes or any(not 0 < x <= 100 for x in curve_sizes):
-        raise HeadsteerValueError(f"--sizes must be in (0, 100] (% of edges), got {short_repr(sizes)}")
+    # the request `heads.find_circuit` builds: its values checked there, once (--faithfulness
+    # left out: find_circuit's default target, the most faithful size when none reaches it)
+    target = faithfulness if run.gave("faithfulness", faithfulness, 0.3) else None
+    options = {
+        "method": "--method", "size": "--size", "steps": "--steps", "sizes": "--sizes",
+        "faithfulness": "--faithfulness", "confirm": "--confirm", "stability": "--stability",
+    }  # fmt: skip
+    request = build_request(
+        CircuitRequest, options, method=method, size=size, steps=steps, sizes=curve_sizes,
+        faithfulness=target, confirm=confirm, stability=stability,
+    )  # fmt: skip
     if task not in TASKS:
         load_pairs(task)  # a bad pairs file fails here, before the model loads
     out = run.output(out, suffixes=HTML)
     js = run.output(out.with_suffix(".json"))
+    check_request(run, options, request)
     hm = run.load()
     with run.progress(circuit_steps(), "circuit") as step:
         _, summary = circuit_report(
-            hm, out, task=task, method=method, n_pairs=pairs, size=size, steps=steps, sizes=curve_sizes,
-            overwrite=run.force, circuit_json=js, progress=step, stability=stability,
-            faithfulness=faithfulness, confirm=confirm, max_memory=max_gib,
-            graph_threshold=graph_threshold,
+            hm, out, task=task, n_pairs=pairs, request=request, overwrite=run.force, circuit_json=js,
+            progress=step, max_memory=max_gib, graph_threshold=graph_threshold,
         )  # fmt: skip
     table = Table(title=f"Circuit ({method})")
     for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):

@@ -263,9 +263,10 @@ def attribute(
         saturation_fix: AtP* §3.1.1 for `"ua"`/custom edits: exact pattern change (default);
             False linearises the softmax as plain AtP does.
         graddrop: AtP* §3.1.2 GradDrop (L extra backward passes; a score then is a magnitude).
-        options: `heads.SweepOptions`; only `max_rows` is used: prompts per forward (the
-            memory bound: the graph of one batch is kept). The 0.1 keyword `max_rows=` still
-            works, with a `DeprecationWarning`.
+        options: `heads.SweepOptions`; `max_rows`: prompts per forward (the memory bound: the
+            graph of one batch is kept), fewer where `max_memory` needs it (the `"gradient"`
+            plan; refused before any forward when one prompt does not fit). The 0.1 keyword
+            `max_rows=` still works, with a `DeprecationWarning`.
         stability: bootstrap resamples of the prompts (default 0: none; e.g. 100) for the
             ranking's stability, `result.scores.stability` (from the per-prompt estimates, no
             extra forward; `heads.results.stability`).
@@ -281,7 +282,7 @@ def attribute(
             nnsight model with `remote=True` (gradients and hooks are local).
         TypeError: non-bool exact / saturation_fix / graddrop.
     """
-    opts = sweep_options(options, deprecated, "attribute", takes=("max_rows",))
+    opts = sweep_options(options, deprecated, "attribute", takes=_ATTRIBUTE_TAKES)
     request = AttributionRequest(
         heads=head_pairs(model, heads),
         ablation=ablation,
@@ -297,6 +298,9 @@ def attribute(
     return run_attribution(model, prompts, request, opts)
 
 
+_ATTRIBUTE_TAKES = ("max_rows", "max_memory")
+
+
 def run_attribution(
     model: HeadModel,
     prompts: str | Sequence[str],
@@ -305,10 +309,11 @@ def run_attribution(
 ) -> ShipsResult:
     """Run an `AttributionRequest` on `prompts` (what `attribute` / `heads.attribution_patching`
     does once it has built the request: its values are checked there, its heads, `kl_tokens` and
-    `graddrop` here against `model`; `options` takes `max_rows`; see `attribute` for the rest)."""
+    `graddrop` here against `model`; `options` takes `max_rows` and `max_memory`; see `attribute`
+    for the rest)."""
     if not isinstance(request, AttributionRequest):
         raise HeadsteerTypeError(f"request must be an AttributionRequest, got {type(request).__name__}")
-    max_rows = sweep_options(options, {}, "attribute", takes=("max_rows",)).max_rows
+    opts = sweep_options(options, {}, "attribute", takes=_ATTRIBUTE_TAKES)
     if model.tokenizer is None:
         raise HeadsteerValueError("attribution needs a HeadModel with a tokenizer")
     if getattr(model.backend, "remote", False):
@@ -331,6 +336,7 @@ def run_attribution(
     if callable(metric) and max_token is not None and max_token >= model.d_vocab:
         raise HeadsteerValueError(f"token id {max_token} is outside the vocabulary (size {model.d_vocab})")
     model.check_length(enc.length)
+    max_rows = opts.within(model, enc.length, "gradient").max_rows  # max_memory: rows whose graph fits
     eps = 0.0 if (exact or ablation == "zero") else float(eps)
     means = _head_means(model, enc, max_rows) if ablation == "mean" else None
 
