@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -34,6 +33,7 @@ from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
+from heads.results.sinks import SinkDims as SinkDims  # defined there; imported here as before
 from heads.scorers.sink_requests import SinkDimsRequest
 
 __all__ = [
@@ -140,22 +140,6 @@ def sink_value(x: torch.Tensor, dims: Sequence[int] | torch.Tensor) -> torch.Ten
     return xf[..., idx].abs().amax(-1) / rms
 
 
-@dataclass
-class SinkDims:
-    """Result of `find_sink_dims`: the chosen dims and the evidence.
-
-    Attributes:
-        dims: the massive dimensions, strongest first.
-        evidence: DataFrame, one row per dim ranked by score: `dim, score` (median over
-            prompts and layers >= `from_layer` of |x_d| / RMS(x) at the first token),
-            `ratio_to_median_dim` (score / the median score of all dims), `punct_score`
-            (the same median at "." and "\\n" tokens, NaN without such tokens), `selected`.
-    """
-
-    dims: tuple[int, ...]
-    evidence: pd.DataFrame
-
-
 @torch.no_grad()
 def find_sink_dims(
     model: HeadModel,
@@ -232,7 +216,13 @@ def run_sink_dims(
     if not chosen:
         top = ev.head(5)[["dim", "score", "ratio_to_median_dim"]].to_dict("records")
         raise HeadsteerValueError(f"no residual dim is >= {min_ratio}x the median dim score; top dims: {top}")
-    return SinkDims(tuple(chosen), ev)
+    return SinkDims(
+        tuple(chosen),
+        ev,
+        getattr(model, "name", ""),
+        (model.n_layers, model.n_heads, model.n_kv_heads, model.d_model),
+        {"from_layer": from_layer, "max_dims": max_dims, "min_ratio": float(min_ratio)},
+    )
 
 
 class SinkTracker:
