@@ -81,7 +81,7 @@ def main() -> None:
     ratio = lens.held_out_kl / lens.untrained_kl
 
     def top(name: str, k: int = 5) -> list:
-        s = roles[name]
+        s = roles.head_scores(name)
         return [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(k)]
 
     print(
@@ -105,7 +105,7 @@ def main() -> None:
                 "top_successor": top("successor"),
                 "top_retrieval": top("retrieval"),
                 "top_copying": top("copying"),
-                "n_induction_gt_0.5": int((roles["induction"].scores > 0.5).sum()),
+                "n_induction_gt_0.5": int((roles.head_scores("induction").scores > 0.5).sum()),
             }
         )
     )

@@ -296,16 +296,28 @@ def module_cycles(modules: dict[str, tuple[str, bool]]) -> list[list[str]]:
     return sorted(out)
 
 
-def engine_violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
-    """`"<module> imports <scorer module>"` for each import of `heads.scorers` under `heads.engine`."""
+def below_violations(modules: dict[str, tuple[str, bool]], lower: str) -> list[str]:
+    """`"<module> imports <scorer module>"` for each import of `heads.scorers` under package
+    `lower` (`"heads.engine"`, `"heads.results"`)."""
     graph = import_graph(modules)
     return [
         f"{m} imports {t}"
         for m in sorted(graph)
-        if m == "heads.engine" or m.startswith("heads.engine.")
+        if m == lower or m.startswith(lower + ".")
         for t in sorted(graph[m])
         if t == "heads.scorers" or t.startswith("heads.scorers.")
     ]
+
+
+def engine_violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
+    """`"<module> imports <scorer module>"` for each import of `heads.scorers` under `heads.engine`."""
+    return below_violations(modules, "heads.engine")
+
+
+def results_violations(modules: dict[str, tuple[str, bool]]) -> list[str]:
+    """The same for `heads.results`: the results sit below the analyses that make them (a result
+    needing scorer code gets that piece moved down, as `PatchResult`'s normalisation was)."""
+    return below_violations(modules, "heads.results")
 
 
 def _tree_sources(root: Path) -> dict[str, tuple[str, bool]]:
@@ -320,6 +332,12 @@ def test_no_import_cycle_inside_a_package():
 
 def test_the_engine_never_imports_the_scorers():
     assert engine_violations(_tree_sources(ROOT)) == []
+
+
+def test_the_results_never_import_the_scorers():
+    modules = _tree_sources(ROOT)
+    assert {"heads.results.patching", "heads.results.dla"} <= set(modules)
+    assert results_violations(modules) == []
 
 
 def _planted(**sources: str) -> dict[str, tuple[str, bool]]:
@@ -352,6 +370,13 @@ def test_engine_checker_on_planted_sources():
         heads__results__scores="",
     )
     assert engine_violations(mods) == ["heads.engine.x imports heads.scorers.sinks"]
+    mods = _planted(
+        heads__results__a="def f():\n    from heads.scorers.stability import grid_stability\n",
+        heads__results__b="from heads.results.a import f\n",
+        heads__scorers__stability="from heads.results.b import f\n",
+    )
+    assert results_violations(mods) == ["heads.results.a imports heads.scorers.stability"]
+    assert engine_violations(mods) == []
 
 
 def test_planted_cycle_and_upward_import_in_a_copy_of_the_tree_fail(tmp_path):

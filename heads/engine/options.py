@@ -105,6 +105,76 @@ class SweepOptions:
         dtype = getattr(model, "dtype", "float32")
         return rows_within(model, self.max_memory, request, tokens, dtype, device, most=self.max_rows)
 
+    def within(
+        self, model: Any, tokens: int, request: object = "forward", *, reserve: int = 0, whole: int = 0
+    ) -> SweepOptions:
+        """These options with `max_rows` lowered to the rows per forward that `max_memory`
+        allows (`rows_for`; unchanged without a budget): the one line a sweep runs before its
+        first forward, so every later `max_rows` it reads is within the budget.
+
+        Args:
+            model: the `HeadModel` (config, dtype and device planned; no forward runs).
+            tokens: the longest row's length (a batch's width).
+            request: what each forward is: `"forward"` (default), `"gradient"`, `"detectors"`,
+                `"sinks"`, `"qrhead"`, `"knockout"`, ... (`heads.planning.ANALYSES`) or a
+                `heads.planning.MemoryRequest`.
+            reserve: bytes the sweep keeps alive beside its forwards (recorded clean / corrupted
+                activations, accumulated scores; default 0): the rows fit `max_memory - reserve`.
+            whole: rows the sweep also runs in one forward, unsplit (e.g. the recorded clean
+                run of every pair; default 0: none): that forward's plan must fit as well.
+
+        Raises:
+            HeadsteerValueError: one row (or the `whole` run) already exceeds `max_memory`: the
+                message names the planned minimum and the budget.
+        """
+        if self.max_memory is None:
+            return self
+        from heads.planning.plan import rows_within
+
+        budget = int(self.max_memory)
+        if whole:
+            self.check_run(model, tokens, request, batch=whole, reserve=reserve)
+        one = self._plan(model, tokens, request, 1)
+        if one.peak + reserve > budget:
+            self._refuse(one, reserve)
+        device = str(getattr(model, "device", "cpu"))
+        dtype = getattr(model, "dtype", "float32")
+        rows = rows_within(model, budget - reserve, request, tokens, dtype, device, most=self.max_rows)
+        return self.replace(max_rows=rows)
+
+    def check_run(
+        self, model: Any, tokens: int, request: object = "forward", batch: int = 1, *, reserve: int = 0
+    ) -> None:
+        """Refuse, before any forward, a run with no batch axis to shrink (`batch` rows of
+        `tokens` tokens in one forward, `reserve` bytes kept beside it) whose planned peak
+        exceeds `max_memory`; nothing without a budget.
+
+        Raises:
+            HeadsteerValueError: the plan exceeds `max_memory` (the planned minimum named).
+        """
+        if self.max_memory is None:
+            return
+        plan = self._plan(model, tokens, request, batch)
+        if plan.peak + reserve > int(self.max_memory):
+            self._refuse(plan, reserve)
+
+    @staticmethod
+    def _plan(model: Any, tokens: int, request: object, batch: int) -> Any:
+        from heads.planning.plan import plan_memory
+
+        device = str(getattr(model, "device", "cpu"))
+        return plan_memory(model, request, tokens, batch, getattr(model, "dtype", "float32"), device)
+
+    def _refuse(self, plan: Any, reserve: int) -> None:
+        from heads.planning.units import format_bytes
+
+        kept = f" + {format_bytes(reserve)} kept beside it" if reserve else ""
+        raise HeadsteerValueError(
+            f"{plan.request.analysis} on {plan.batch} x {plan.tokens} tokens needs at least "
+            f"{format_bytes(plan.peak + reserve)} ({plan!r}{kept}); max_memory is "
+            f"{format_bytes(int(self.max_memory or 0))}"
+        )
+
     def replace(self, **changes: Any) -> SweepOptions:
         """A copy with `changes` applied (validated again)."""
         from dataclasses import replace
@@ -119,6 +189,7 @@ def sweep_options(
     *,
     takes: Collection[str] = SWEEP_KEYS,
     renamed: Mapping[str, str] | None = None,
+    stacklevel: int = 3,
 ) -> SweepOptions:
     """The `SweepOptions` a scorer runs with: `options` (default `SweepOptions()`), updated by the
     deprecated keyword arguments in `legacy` (`max_rows=`, `shard=`, ...; a `DeprecationWarning`).
@@ -131,6 +202,8 @@ def sweep_options(
             (e.g. `shard` for Sahara, whose greedy steps cannot be split).
         renamed: the scorer's own old keyword names for an option (`{"batch_rows": "max_rows"}`),
             accepted the same way (deprecated; the warning names the option).
+        stacklevel: the `DeprecationWarning`'s stack level (default 3: the caller of the scorer
+            that calls this; one more for each helper in between).
 
     Raises:
         HeadsteerTypeError: a keyword that is no sweep option (worded as Python words an unknown
@@ -161,7 +234,7 @@ def sweep_options(
             f"{where}({names}) is deprecated: pass options=SweepOptions({fill}) instead "
             "(the keywords are removed in the next release)",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         options = options.replace(**{renamed.get(k, k): v for k, v in legacy.items()})
     defaults = SweepOptions()

@@ -116,7 +116,7 @@ class DLAResult:
         """The bootstrap `Stability` of the head ranking at `position` over the pairs, from the
         per-pair head terms (no forward pass; `heads.scorers.stability.grid_stability`, keywords
         `k`, `seed`, `templates`, `by`). `absolute`: rank by |term| (default: by term, as `top`)."""
-        from heads.scorers.stability import grid_stability
+        from heads.results.resampling import grid_stability
 
         t = self.heads.shape[-1]
         if not -t <= position < t:

@@ -1,17 +1,24 @@
 """`RoleScores`: every role detector's `[L, H]` scores, by detector name (`heads.detect_roles`).
 
-A mapping `{name: HeadScores}` (so `scores["induction"]` and iteration keep working) that also
-follows the result protocol (`heads.results.protocol.Result`): `head_scores(role)`, a wide
-`to_frame()`, `save()` / `load()`.
+It follows the result protocol (`heads.results.protocol.Result`): `head_scores(role)`, a wide
+`to_frame()`, `save()` / `load()`; `roles` names the detectors and `as_dict()` gives the plain
+`{name: HeadScores}` dict.
+
+It is still a `dict` subclass for one release: the dict-style reads (`scores["induction"]`,
+`.get`, `.items()`, `.keys()`, `.values()`, iteration, `in`) work as before but warn
+(`DeprecationWarning`, naming the new spelling: `scores.head_scores("induction")`,
+`scores.roles`, `scores.as_dict()`); they go in headsteer `REMOVED_IN`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from heads._util.aliases import REMOVED_IN
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
@@ -24,12 +31,30 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "RoleScores"]
 
+_get = dict.__getitem__
+_items = dict.items
+
+
+def _deprecated(old: str, new: str) -> None:
+    """Warn that the dict-style `old` of `RoleScores` goes, naming `new` (stacklevel: the caller
+    of the dict method)."""
+    warnings.warn(
+        f"RoleScores{old} (dict-style access) is deprecated and goes in headsteer {REMOVED_IN}; use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 SCHEMA = "headsteer/role-scores"
 SCHEMA_VERSION = 1
 
 
 class RoleScores(dict[str, HeadScores]):
-    """`{detector name: HeadScores [L, H]}` of one model, in the detectors' order.
+    """Every detector's `HeadScores [L, H]` of one model, by detector name, in the detectors' order.
+
+    Read a detector's scores with `head_scores(name)`, the names with `roles`, the whole mapping
+    with `as_dict()`. The dict-style reads (`scores[name]`, `.get`, `.items()`, `.keys()`,
+    `.values()`, iteration, `in`) still work for one release and warn (`DeprecationWarning`).
 
     Raises:
         HeadsteerValueError: (when built) a value that is not a `HeadScores`, or scores of
@@ -42,7 +67,7 @@ class RoleScores(dict[str, HeadScores]):
     def __init__(self, scores: Mapping[str, HeadScores] | None = None) -> None:
         super().__init__(scores or {})
         shapes = set()
-        for name, s in self.items():
+        for name, s in _items(self):
             if not isinstance(s, HeadScores):
                 raise HeadsteerValueError(f"role {short_repr(name)} holds {type(s).__name__}, not HeadScores")
             shapes.add((s.n_layers, s.n_heads, s.n_kv_heads))
@@ -55,19 +80,63 @@ class RoleScores(dict[str, HeadScores]):
         Raises:
             HeadsteerValueError: an unknown role, or no role at all.
         """
-        if not self:
+        names = self.roles
+        if not names:
             raise HeadsteerValueError("RoleScores holds no role")
         if role is None:
-            role = next(iter(self))
-        if role not in self:
-            raise HeadsteerValueError(f"unknown role {short_repr(role)}; known: {', '.join(self)}")
-        return self[role]
+            role = names[0]
+        if not isinstance(role, str) or role not in names:
+            raise HeadsteerValueError(f"unknown role {short_repr(role)}; known: {', '.join(names)}")
+        out: HeadScores = _get(self, role)
+        return out
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The detector names, in the detectors' order (`"induction"` first from `detect_roles`)."""
+        return tuple(dict.keys(self))
+
+    def as_dict(self) -> dict[str, HeadScores]:
+        """`{detector name: HeadScores [L, H]}`, a plain dict (a new one; the scores are shared)."""
+        return dict(_items(self))
+
+    # ---- the dict-style reads: kept one release, each warns (DeprecationWarning)
+    def __getitem__(self, role: str) -> HeadScores:
+        _deprecated(f"[{role!r}]", f"scores.head_scores({role!r})")
+        return self.head_scores(role) if role in self.roles else _get(self, role)
+
+    def get(self, role: str, default: Any = None) -> Any:
+        _deprecated(f".get({role!r})", f"scores.head_scores({role!r})")
+        return _get(self, role) if role in self.roles else default
+
+    def __iter__(self) -> Iterator[str]:
+        _deprecated(" iteration", "scores.roles")
+        return iter(self.roles)
+
+    def __contains__(self, role: object) -> bool:
+        _deprecated(" 'in'", "name in scores.roles")
+        return role in self.roles
+
+    def keys(self) -> KeysView[str]:  # type: ignore[override]
+        _deprecated(".keys()", "scores.roles")
+        return dict.keys(self)
+
+    def values(self) -> ValuesView[HeadScores]:  # type: ignore[override]
+        _deprecated(".values()", "scores.head_scores(name) for name in scores.roles")
+        return dict.values(self)
+
+    def items(self) -> ItemsView[str, HeadScores]:  # type: ignore[override]
+        _deprecated(".items()", "scores.as_dict().items()")
+        return dict.items(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy through `as_dict()` (not the deprecated `items()`)."""
+        return (type(self), (self.as_dict(),))
 
     def to_frame(self) -> pd.DataFrame:
         """One row per head: `layer, head, kv_head` and one score column per role."""
         first = self.head_scores()
         df = first.to_frame().drop(columns=["score"])
-        for name, s in self.items():
+        for name, s in _items(self):
             df[name] = s.scores.flatten().numpy()
         return df
 
@@ -79,7 +148,7 @@ class RoleScores(dict[str, HeadScores]):
             HeadsteerValueError: `path` exists and `overwrite` is False, is a symlink or a folder;
                 a score is +-inf.
         """
-        payload = {"roles": {name: s.to_json() for name, s in self.items()}}
+        payload = {"roles": {name: s.to_json() for name, s in _items(self)}}
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
@@ -105,4 +174,4 @@ class RoleScores(dict[str, HeadScores]):
             return "RoleScores(no roles)"
         s = self.head_scores()
         shape = f"[{s.n_layers}, {s.n_heads}]"
-        return f"RoleScores({s.model or 'model'}: {len(self)} roles {list(self)}, {shape})"
+        return f"RoleScores({s.model or 'model'}: {len(self)} roles {list(self.roles)}, {shape})"

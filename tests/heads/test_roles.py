@@ -51,10 +51,10 @@ def test_hand_built_heads_found(role_scores):
         "retrieval": (1, 0),
     }
     for name, (la, h) in want.items():
-        s = role_scores[name].scores
+        s = role_scores.head_scores(name).scores
         assert s[la, h] > 0.99, (name, s)
         _others_low(s, la, h)
-    ent = role_scores["entropy"].scores
+    ent = role_scores.head_scores("entropy").scores
     assert ent[0, 2] > 0.99 and ent[0, 3] > 0.99  # the uniform heads
     assert ent[0, 0] < 0.01 and ent[0, 1] < 0.01
 
@@ -80,14 +80,14 @@ def test_atlas_roles(role_model, role_scores):
         head_atlas(
             role_model,
             detectors=role_scores,
-            scores={"induction": role_scores["induction"]},
+            scores={"induction": role_scores.head_scores("induction")},
             thumbnails=False,
         )
 
 
 def test_atlas_save_load(role_model, role_scores, tmp_path):
     atlas = head_atlas(
-        role_model, detectors=role_scores, scores={"extra": role_scores["self"]}, thumbnails=False
+        role_model, detectors=role_scores, scores={"extra": role_scores.head_scores("self")}, thumbnails=False
     )
     path = atlas.save(tmp_path / "atlas.json")
     back = type(atlas).load(path)

@@ -51,6 +51,7 @@ def test_every_command_takes_the_shared_options():
         "plan",
         "build organism",
         "report training",
+        "run",
     }
     assert all(not missing for missing in names.values()), names
 

@@ -33,7 +33,7 @@ def test_report_page(tmp_path, tiny_llama):
     assert summary["pairs"] == 3 and summary["site"] == "resid_pre" and len(summary["top"]) == 5
     with pytest.raises(ValueError, match="exists"):
         patching_report(tiny_llama, out, pairs, progress=False)
-    with pytest.raises(ValueError, match="unknown site"):
+    with pytest.raises(ValueError, match="unknown patching kind"):
         patching_report(tiny_llama, tmp_path / "q.html", pairs, site="nope", progress=False)
 
 

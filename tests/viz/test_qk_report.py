@@ -66,7 +66,7 @@ def test_cli_report_qk(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--head", "2:1"], "--head must look like L.H"),
+        (["--head", "2:1"], "head must look like 'L.H'"),
         (["--head", "2.1", "--task", "nope"], "nope"),
         (["--head", "2.1", "--prompts", "0"], "--prompts"),
         (["--head", "2.1", "--prompts", "65"], "--prompts"),

@@ -117,13 +117,15 @@ def report_atlas(
 ) -> dict:
     """Head atlas: every head's role (detectors, sinks, MAPS, PASTA profile) on one page."""
     from heads.scorers.roles import AttentionLens
+    from heads.scorers.roles.request import DetectRolesRequest
+    from viz.cli.requests import build_request, check_request
     from viz.reports.atlas import atlas_report, atlas_steps
 
     if lens is not None and not lens.is_file():
         raise typer.BadParameter(f"lens file not found: {str(lens)!r}", param_hint="--lens")
-    from heads.results.stability import check_stability
-
-    check_stability(stability, "--stability")
+    # the detectors' request (`heads.detect_roles`), checked there and against the config
+    options = {"stability": "--stability"}
+    request = build_request(DetectRolesRequest, options, stability=stability)
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
     atlas_json = run.output(out.with_suffix(".json"))
@@ -131,6 +133,7 @@ def report_atlas(
     trained = AttentionLens.load(lens) if lens is not None else None
     if trained is not None:
         trained.kl_scores("ratio")
+    check_request(run, options, request)
     hm = run.load()
     with run.progress(atlas_steps(), "head atlas") as step:
         _, summary = atlas_report(
@@ -141,7 +144,7 @@ def report_atlas(
             overwrite=run.force,
             progress=step,
             csv=csv,
-            stability=stability,
+            request=request,
             atlas_json=atlas_json,
         )
     table = Table(title="Head roles")

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from heads._util.validation import short_repr
-from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _at_most, _positive
-
-_HEAD = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
 
 
 def report_qk(
     run: Run,
     out: Annotated[Path, typer.Option(help="HTML file to write (the attribution JSON is written beside it)")],
-    head: Annotated[str, typer.Option(help="the head as L.H (layer.head, e.g. 18.6)")],
+    head: Annotated[str, typer.Option(help="the head as L.H (layer.head, e.g. 18.6) or L18.H6")],
     task: Annotated[
         str, typer.Option(help="induction, ioi, or a prompt file (one per line, or JSONL with 'prompt')")
     ] = "induction",
@@ -26,11 +22,14 @@ def report_qk(
 ) -> dict:
     """Why a head attends where it does: its logits as query x key component terms, through
     source tokens, with the Q / K composition into it."""
+    from heads.scorers.qk.request import QKRequest
+    from viz.cli.requests import build_request, check_request
     from viz.reports.qk import MAX_PROMPTS, TASKS, qk_report, qk_steps, read_prompt_file
 
-    m = _HEAD.match(head)
-    if m is None:
-        raise HeadsteerValueError(f"--head must look like L.H (e.g. 18.6), got {short_repr(head)}")
+    # the request `heads.qk_attribution` builds: the head checked there, and against the model's
+    # config (its family, its range) before the weights load
+    options = {"head": "--head"}
+    request = build_request(QKRequest, options, head=head, by="source_token")
     _positive(prompts=prompts)
     _at_most("--prompts", prompts, MAX_PROMPTS)
     if task not in TASKS:
@@ -41,13 +40,12 @@ def report_qk(
         read_prompt_file(task)  # a bad file fails here, before the model loads
     out = run.output(out, suffixes=(".html", ".htm"))
     js = run.output(out.with_suffix(".json"))
+    check_request(run, options, request)
     hm = run.load()
-    pair = (int(m.group(1)), int(m.group(2)))
-    hm.check_head(*pair)
     with run.progress(qk_steps(), "qk") as step:
         _, summary = qk_report(
-            hm, out, head=pair, task=task, n_prompts=prompts, overwrite=run.force, attribution_json=js,
-            progress=step,
+            hm, out, head=request.head, request=request, task=task, n_prompts=prompts,
+            overwrite=run.force, attribution_json=js, progress=step,
         )  # fmt: skip
     run.show(
         f"{summary['head']} on {summary['task']}: logit {summary['focus_logit']:.3f}, attention "

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.request_base import Request
 
-__all__ = ["build_request"]
+if TYPE_CHECKING:
+    from viz.cli.common import Run
+
+__all__ = ["build_request", "check_request"]
 
 R = TypeVar("R", bound=Request)
 
@@ -47,3 +50,28 @@ def build_request(cls: type[R], options: Mapping[str, str], **values: Any) -> R:
         return cls(**values)
     except (HeadsteerValueError, HeadsteerTypeError) as exc:
         raise typer.BadParameter(str(exc), param_hint=_option_named(str(exc), options)) from None
+
+
+def check_request(run: Run, options: Mapping[str, str], *requests: Request) -> None:
+    """Check `requests` against `--model`'s config (`Request.check_model`: `config.json` only),
+    before any weight is read.
+
+    Args:
+        run: the command's run (its `--model`; None: the embedded model).
+        options: field name -> command-line option, as for `build_request`.
+        *requests: the requests the command will run.
+
+    Raises:
+        typer.BadParameter: a request the model cannot run (a layer or head out of range, a
+            family without the analysis), naming the option of the field the message names.
+        HeadsteerValueError / FileNotFoundError: a missing model folder or a refused config, as
+            `load_model` would raise them (one line, exit 2 in the command skeleton).
+    """
+    for request in requests:
+        try:
+            request.check_model(run.model)
+        except (HeadsteerValueError, HeadsteerTypeError) as exc:
+            hint = _option_named(str(exc), options)
+            if hint is None:
+                raise
+            raise typer.BadParameter(str(exc), param_hint=hint) from None

@@ -15,6 +15,7 @@ from heads.inputs.prompts import encode_prompts
 
 if TYPE_CHECKING:
     from heads.model.adapter import HeadModel
+    from heads.scorers.request_base import Request
 
 __all__ = [
     "PROBE_LIMIT",
@@ -27,6 +28,7 @@ __all__ = [
     "maps_result",
     "probes_result",
     "progress_reporter",
+    "score_request",
     "ships_result",
 ]
 
@@ -143,28 +145,61 @@ def dla_result(model: "HeadModel", prompt: str, chat: bool, emit: Emit, flag: th
     }
 
 
-def ships_result(model: "HeadModel", prompt: str, emit: Emit, flag: threading.Event) -> dict:
-    """Ships (`heads.scorers.safety.ships.ships`, its defaults) on the prompt's plain text."""
+def score_request(kind: str, chat: bool) -> "Request | None":
+    """The analysis request of score `kind` where it is one analysis run by `heads.run`:
+    `SinkStatsRequest(chat=chat)` for `"sinks"`, `ShipsRequest()` (its defaults) for `"ships"`,
+    `MapsRequest()` for `"maps"`; None for the others (span attention, the DLA of the top token,
+    the atlas' detectors step by step, the probes)."""
+    if kind == "sinks":
+        from heads.scorers.sink_requests import SinkStatsRequest
+
+        return SinkStatsRequest(chat=chat)
+    if kind == "ships":
+        from heads.scorers.safety.request import ShipsRequest
+
+        return ShipsRequest()
+    if kind == "maps":
+        from heads.scorers.maps.request import MapsRequest
+
+        return MapsRequest()
+    return None
+
+
+def ships_result(
+    model: "HeadModel", prompt: str, emit: Emit, flag: threading.Event, request: "Request | None" = None
+) -> dict:
+    """Ships (`request`, default `heads.ShipsRequest()`: its defaults, run by `heads.run`) on the
+    prompt's plain text."""
+    from heads import run
     from heads.engine.options import SweepOptions
-    from heads.scorers.safety.ships import ships
+    from heads.scorers.safety.request import ShipsRequest
 
     text = encode_prompts(model.tokenizer, prompt, chat=False).texts[0]  # markup removed
     emit({"status": "Ships: ablating each head alone"})
-    res = ships(model, text, options=SweepOptions(progress=progress_reporter(emit, flag)))
+    options = SweepOptions(progress=progress_reporter(emit, flag))
+    res = run(model, request or ShipsRequest(), text, options=options)
     return {"score": "ships", "scores": grid(res.scores.scores)}
 
 
-def maps_result(model: "HeadModel", cache: dict, relations: Any, emit: Emit, flag: threading.Event) -> dict:
-    """The static MAPS scores on the shipped relations, computed once per server; the grid is
-    each head's best relation score (`MapsScores.best_relation`)."""
+def maps_result(
+    model: "HeadModel",
+    cache: dict,
+    relations: Any,
+    emit: Emit,
+    flag: threading.Event,
+    request: "Request | None" = None,
+) -> dict:
+    """The static MAPS scores on the shipped relations (`request`, default `heads.MapsRequest()`,
+    run by `heads.run`), computed once per server; the grid is each head's best relation score
+    (`MapsScores.best_relation`)."""
     if cache["maps"] is None:
+        from heads import run
         from heads.engine.options import SweepOptions
-        from heads.scorers.maps.static import maps_scores
+        from heads.scorers.maps.request import MapsRequest
 
         emit({"status": "MAPS: relation scores of every head (per layer)"})
-        cache["maps"] = maps_scores(
-            model, relations, options=SweepOptions(progress=progress_reporter(emit, flag))
-        )
+        options = SweepOptions(progress=progress_reporter(emit, flag))
+        cache["maps"] = run(model, request or MapsRequest(), relations, options=options)
     ms = cache["maps"]
     best, which = ms.best_relation()
     columns = {n: grid(ms.relation[n].scores) for n in ms.names()}

@@ -20,11 +20,13 @@ import torch
 from heads import HeadModel, SweepOptions
 from heads._util.files import check_output
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_bool, check_path, short_repr
+from heads._util.validation import check_bool, check_path
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.stability import check_stability
-from heads.scorers.roles import AttentionLens, HeadAtlas, detect_roles, head_atlas
+from heads.scorers.maps.request import MapsRequest
+from heads.scorers.roles import AttentionLens, HeadAtlas
+from heads.scorers.roles.request import AtlasRequest, DetectRolesRequest
+from heads.scorers.sink_requests import SinkStatsRequest
 from viz.reports.base import Report
 
 __all__ = ["atlas_report", "atlas_steps", "render_atlas_report"]
@@ -232,6 +234,7 @@ def atlas_report(
     csv: str | Path | None = None,
     stability: int = 0,
     atlas_json: str | Path | None = None,
+    request: DetectRolesRequest | None = None,
 ) -> tuple[HeadAtlas, dict]:
     """Compute the atlas of `model` and write the page to `out` (the table to `csv` and the atlas
     itself to `atlas_json` if given).
@@ -254,6 +257,12 @@ def atlas_report(
             pattern detectors' stable top-k heads on the page and `<role>_p_top_k` columns.
         atlas_json: also write the atlas as JSON there (`HeadAtlas.save`: the file
             `headsteer explore --atlas` and `HeadAtlas.load` read; default None).
+        request: the detectors' request (default: `DetectRolesRequest(stability=stability)`;
+            the CLI's, checked before the model loaded); `stability` may then not be given too.
+
+    The analyses run as requests through `heads.run`: the detectors, `SinkStatsRequest(chat=False)`
+    on the corpus texts, `MapsRequest()` on the relations, and `AtlasRequest(lens_text=...)` on
+    the gathered scores.
 
     Returns:
         `(atlas, summary)`; summary: heads per role and the top heads of each detector.
@@ -265,8 +274,7 @@ def atlas_report(
         HeadsteerTypeError: an argument of a wrong type. All checked before any forward.
         FileNotFoundError: no `lens` file.
     """
-    from heads.scorers.maps.static import maps_scores
-    from heads.scorers.sinks import sink_stats
+    from heads import run
     from probes.datasets.corpus import load_corpus
     from probes.datasets.relations import load_relations
 
@@ -281,9 +289,11 @@ def atlas_report(
         atlas_json = check_path("atlas_json", atlas_json)
     check_bool("maps", maps)
     check_bool("overwrite", overwrite)
-    stability = check_stability(stability)
-    if not isinstance(lens_text, str) or not lens_text.strip():
-        raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
+    if request is None:
+        request = DetectRolesRequest(stability=stability)
+    elif stability != 0:
+        raise HeadsteerValueError("give the request or stability=, not both")
+    atlas_request = AtlasRequest(lens_text=lens_text)  # lens_text: a non-empty string
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise HeadsteerTypeError(
             f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"
@@ -309,30 +319,27 @@ def atlas_report(
     with progress_callback(progress, "head atlas", "steps") as report:
         tick = (lambda i: report(i, atlas_steps())) if report is not None else (lambda i: None)
         tick(0)
-        det = detect_roles(model, stability=stability)
+        det = run(model, request)
         tick(1)
-        sinks = sink_stats(model, load_corpus(16), chat=False) if model.tokenizer is not None else None
+        sinks = None
+        if model.tokenizer is not None:
+            sinks = run(model, SinkStatsRequest(chat=False), load_corpus(16))
         tick(2)
         relations = None
         if maps and model.tokenizer is not None:
             try:
                 rels = load_relations(model.tokenizer, d_vocab=model.d_vocab)
-                relations = maps_scores(model, rels.relations, options=SweepOptions(progress=False))
+                relations = run(model, MapsRequest(), rels.relations, options=SweepOptions(progress=False))
             except ValueError:
                 relations = None
         tick(3)
         profile = _pasta_profile(model)
         if profile is not None:
             extra["pasta_profile"] = profile
-        atlas = head_atlas(
-            model,
-            detectors=det,
-            scores=extra,
-            sinks=sinks,
-            maps=relations,
-            lens=trained,
-            lens_text=lens_text if trained is not None else None,
-        )
+        gathered = {"detectors": det, "scores": extra, "sinks": sinks, "maps": relations, "lens": trained}
+        if trained is None:
+            atlas_request = atlas_request.replace(lens_text=None)  # the text is for a lens only
+        atlas = run(model, atlas_request, gathered)
         tick(4)
         shown_lens = None if lens is None else repr(lens) if isinstance(lens, AttentionLens) else str(lens)
         render_atlas_report(atlas, {"lens": shown_lens}).save(out, overwrite=overwrite)
@@ -346,7 +353,8 @@ def atlas_report(
     summary = {
         "roles": {k: int(v) for k, v in atlas.frame["role"].value_counts().items()},
         "top": {
-            n: [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(5)] for n, s in det.items()
+            n: [[la, h, round(float(s.scores[la, h]), 3)] for la, h in s.ranked(5)]
+            for n, s in det.as_dict().items()
         },
     }
     return atlas, summary

@@ -19,38 +19,30 @@ peak RSS with the default budget of 2 GiB, the model alone 1.0 GiB.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from heads import HeadModel
 from heads._util.files import check_output, write_text
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, check_number
+from heads._util.validation import check_number
+from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from heads.planning.units import parse_gib
-from heads.results.stability import check_stability
 from heads.results.storage import json_text
 from heads.scorers.circuits import (
     DEFAULT_FAITHFULNESS,
     SIZES,
     Circuit,
-    evaluate,
-    faithfulness_curve,
-    select,
     size_for_faithfulness,
-    warn_most_heads,
 )
 from heads.scorers.circuits.circuit import (
     MAX_MEMORY_GB,
     MOST_HEADS,
-    _check_sizes,
-    _n_of,
     circuit_rows,
-    circuit_stability,
 )
 from heads.scorers.circuits.graph import graph_of
-from heads.scorers.circuits.scores import chunked_edge_scores
+from heads.scorers.circuits.request import CircuitRequest
 from heads.scorers.patching import PairBatch, encode_pairs, load_pairs
 from viz.circuits import circuit_figure, curve_figure
 from viz.reports.base import Report
@@ -95,19 +87,25 @@ def circuit_report(
     circuit_json: str | Path | None = None,
     progress: ProgressArg = True,
     stability: int = 0,
-    faithfulness: float = DEFAULT_FAITHFULNESS,
+    faithfulness: float | None = None,
     confirm: int = 0,
     max_memory: float | str = MAX_MEMORY_GB,
     graph_threshold: float | None = None,
+    request: CircuitRequest | None = None,
 ) -> tuple[Circuit, dict]:
     """Score every edge on `n_pairs` pairs of `task`, evaluate the faithfulness curve exactly,
     cut the circuit, and write the page to `out`.
 
+    The circuit is found by `heads.run` on a `CircuitRequest` (`heads.find_circuit`'s request):
+    `request`, or the one built from `method`, `size`, `steps`, `sizes`, `stability`,
+    `faithfulness` and `confirm` (which may then not be given too).
+
     Args:
         size: the circuit's size in % of the edges; default None: the smallest size of `sizes`
             whose exact faithfulness reaches `faithfulness` (the most faithful size, with a
-            warning, when none does).
-        faithfulness: the target of the default size (default `DEFAULT_FAITHFULNESS`, 0.3).
+            warning, when none does and `faithfulness` is left at None).
+        faithfulness: the target of the default size (default None: `DEFAULT_FAITHFULNESS`,
+            0.3); not with `size`.
         confirm: rerun the top `confirm` edges with exact edge patching (default 0): their
             exact scores fill the table's `exact` column (left out when 0).
         stability: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
@@ -118,6 +116,8 @@ def circuit_report(
         graph_threshold: draw only the circuit's edges with |score| >= this in both graphs
             (default None: every edge, up to `circuit_figure`'s 400 largest); the circuit, its
             table and its faithfulness are unchanged.
+        request: the circuit request itself (the CLI's, checked before the model loaded); its
+            `n` / `threshold` are refused (the page cuts by size) and `curve` must be True.
 
     Returns:
         `(circuit, summary)`; summary: edges, heads, faithfulness, size, CPR / CMD (method and
@@ -125,56 +125,54 @@ def circuit_report(
         `stability` its summary (top-k Jaccard, stable edges).
 
     Raises:
-        ValueError: `out` (or `circuit_json`) exists without `overwrite`; a refused family; bad
-            sizes, faithfulness, confirm, max_memory or graph_threshold (a number >= 0); all
-            before any forward.
+        ValueError: `out` (or `circuit_json`) exists without `overwrite`; a refused family; what
+            `CircuitRequest` refuses (sizes, faithfulness, confirm, steps); a bad max_memory or
+            graph_threshold (a number >= 0); all before any forward.
     """
+    if request is None:
+        request = CircuitRequest(
+            method=method, size=size, steps=steps, sizes=sizes, stability=stability,
+            faithfulness=faithfulness, confirm=confirm,
+        )  # fmt: skip
+    elif (method, size, steps, tuple(sizes), stability, faithfulness, confirm) != (
+        "eap-ig", None, 5, SIZES, 0, None, 0,
+    ):  # fmt: skip
+        raise HeadsteerValueError("give the request, or its values as keywords, not both")
+    if request.n is not None or request.threshold is not None or not request.curve:
+        raise HeadsteerValueError(
+            "the circuit report cuts by size or faithfulness and draws the curve: give a request "
+            "without n / threshold and with curve=True"
+        )
     check_output(out, overwrite)
     if circuit_json is not None:
         check_output(circuit_json, overwrite)
     graph = graph_of(model)
-    stability = check_stability(stability)
-    if size is not None:
-        (size,) = _check_sizes([size])
-    sizes = _check_sizes(sizes)
-    target = check_number("faithfulness", faithfulness)
-    confirm = check_int("confirm", confirm, lo=0, hi=graph.n_edges)
     max_memory = parse_gib(max_memory, "max_memory")
     if graph_threshold is not None:
         graph_threshold = check_number("graph_threshold", graph_threshold, lo=0)
-    pairs = task_pairs(model, task, n_pairs)
-    if stability and pairs.n < 2:
-        raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
-    rows = circuit_rows(graph, model.d_model, pairs.width, max_memory)
+    method, size, steps = request.method, request.size, request.steps
+    confirm, target = request.confirm, request.faithfulness
+    pairs = task_pairs(model, task, n_pairs)  # find_circuit refuses stability on one pair
+    options = SweepOptions(progress=False, max_memory=int(max_memory * 2**30))
     with progress_callback(progress, "circuit report", "steps") as report:
         tick = (lambda i: report(i, circuit_steps())) if report is not None else (lambda i: None)
         tick(0)
-        sc = chunked_edge_scores(model, pairs, method, steps, "logit_diff", confirm, 8, rows, False)
-        tick(1)
-        curve = faithfulness_curve(model, pairs, sc, sizes=sizes, batch_rows=rows)
+        from heads import run
+
+        c = run(model, request, pairs, options=options)
+        curve = c.curve
         tick(2)
         by_target = size is None
         if size is None:
-            try:
-                n = size_for_faithfulness(curve, target)
-            except HeadsteerValueError as err:
-                warnings.warn(f"{err}; taking the most faithful size", UserWarning, stacklevel=2)
-                n = max(zip(curve["faithfulness"], curve["n_edges"], strict=True))[1]
+            target = DEFAULT_FAITHFULNESS if target is None else target
+            n = _curve_size(curve, target)
             size = 100.0 * n / graph.n_edges
             chosen = f"the smallest size of the curve reaching faithfulness {target:g}"
         else:
-            n = _n_of(graph, size)
             chosen = f"size {size:g} % (--size)"
-        c = select(sc, n)
-        if stability:
-            c.stability = circuit_stability(sc, stability, n=n, pairs=pairs)
-        c.curve = curve
-        if n in curve["n_edges"]:  # the curve evaluated exactly this circuit
-            c.faithfulness = float(curve["faithfulness"][curve["n_edges"].index(n)])
-        else:
-            c.faithfulness = float(evaluate(model, pairs, c, batch_rows=rows)[0])
         c.params.update(task=str(task), n_pairs=pairs.n, size=size, faithfulness_target=target)
-        most = warn_most_heads(c)
+        n_heads, all_heads = len(c.heads), graph.n_layers * graph.n_heads
+        most = n_heads > MOST_HEADS * all_heads  # find_circuit warned (warn_most_heads)
         tick(3)
         frame = c.to_frame()
         if not confirm:
@@ -184,7 +182,6 @@ def circuit_report(
             model.name,
             {"task": str(task), "method": method, "pairs": pairs.n, "size %": round(size, 3), "steps": steps},
         )
-        n_heads, all_heads = len(c.heads), graph.n_layers * graph.n_heads
         if most:
             rep.text(
                 "Most heads",
@@ -280,3 +277,12 @@ def circuit_report(
         s = c.stability.summary()
         summary["stability"] = {k: v for k, v in s.items() if k != "stable"} | {"stable": s["stable"][:20]}
     return c, summary
+
+
+def _curve_size(curve: dict, target: float) -> int:
+    """The edges of the smallest curve size reaching `target` (`size_for_faithfulness`), else the
+    most faithful size's (as `find_circuit` chose, having warned)."""
+    try:
+        return size_for_faithfulness(curve, target)
+    except HeadsteerValueError:
+        return int(max(zip(curve["faithfulness"], curve["n_edges"], strict=True))[1])

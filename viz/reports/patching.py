@@ -25,17 +25,10 @@ from heads._util.progress import ProgressArg, progress_callback
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.stability import check_stability
-from heads.scorers.patching.activation import KINDS, PatchResult, patch
-from heads.scorers.patching.logit import (
-    DLAResult,
-    LensResult,
-    check_dla_model,
-    direct_logit_attribution,
-    logit_lens,
-)
-from heads.scorers.patching.metrics import DIRECTIONS
+from heads.scorers.patching.activation import PatchResult
+from heads.scorers.patching.logit import DLAResult, LensResult, check_dla_model
 from heads.scorers.patching.pairs import PairBatch, PromptPair, check_pairs_differ, encode_pairs, load_pairs
+from heads.scorers.patching.request import DLARequest, LensRequest, PatchRequest
 from viz.figures import (
     DIVERGING,
     DLA_NOTE,
@@ -253,12 +246,19 @@ def patching_report(
     progress: ProgressArg = True,
     task: str = "",
     stability: int = 0,
+    request: PatchRequest | None = None,
 ) -> tuple[Report, dict]:
     """Patch `site` on `pairs`, run DLA and the logit lens, and write the page to `out`.
+
+    The analyses run as requests through `heads.run`: `request` (default: the `PatchRequest`
+    `heads.patch` builds from `site`, `direction` and `stability`), then `DLARequest` with its
+    stability and `LensRequest()`.
 
     `stability`: bootstrap resamples of the pairs for the head rankings of patching and DLA
     (default 0: none; no extra forward): error bars and stable top-k markers on the page, the
     summaries in the returned summary.
+    `request`: the patching request itself (the CLI's, checked against the config before the
+    model loaded); `site`, `direction` and `stability` may then not be given too.
 
     Returns:
         `(report, summary)`; summary: pairs, site, the clean / corrupted mean metric, the top 5
@@ -271,34 +271,29 @@ def patching_report(
             cannot show an effect (`check_pairs_differ`), a site kind the family does not have
             (before any work).
     """
-    if site not in KINDS:
-        raise HeadsteerValueError(f"unknown site {short_repr(site)}: use one of {', '.join(KINDS)}")
-    if direction not in DIRECTIONS:
-        raise HeadsteerValueError(
-            f"unknown direction {short_repr(direction)}: use one of {', '.join(DIRECTIONS)}"
-        )
+    if request is None:
+        request = PatchRequest(kind=site, direction=direction, stability=stability)
+    elif (site, direction, stability) != ("head_out", "denoising", 0):
+        raise HeadsteerValueError("give the request, or site= / direction= / stability=, not both")
     check_output(out, overwrite)
-    stability = check_stability(stability)
-    if stability and site in ("resid_pre", "attn_out", "mlp_out"):
-        raise HeadsteerValueError(f"--stability ranks heads; site {short_repr(site)} has no head axis")
+    request.check_config(model)  # the kind on this family, layers and positions: before any forward
+    site, direction, stability = request.kind, request.direction, request.stability
     check_pairs_differ(pairs)  # the pairs' text, before any model work
     left_out = sections_left_out(model)
     with progress_callback(progress, "patching report", "steps") as report:
         tick = (lambda i: report(i, PATCHING_STEPS)) if report is not None else (lambda i: None)
         tick(0)
         batch = encode_pairs(model, pairs)
+        from heads import run
         from heads.engine.options import SweepOptions
 
         opts = SweepOptions(progress=False)
-        result = patch(model, batch, site, direction=direction, options=opts, stability=stability)
+        result = run(model, request, batch, options=opts)
         tick(1)
-        dla = (
-            None
-            if "direct logit attribution" in left_out
-            else direct_logit_attribution(model, batch, stability=stability)
-        )
+        no_dla = "direct logit attribution" in left_out
+        dla = None if no_dla else run(model, DLARequest(stability=stability), batch)
         tick(2)
-        lens = logit_lens(model, batch)
+        lens = run(model, LensRequest(), batch)
         tick(3)
         params = {"task": task, "site": site, "direction": direction, "pairs": batch.n}
         rep = render_patching_report(result, dla, lens, batch, params, left_out)

@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 import torch
@@ -31,8 +32,7 @@ from heads._util.validation import check_int
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.results.qk import QKAttribution
-from heads.scorers.qk import check_qk_model, composition_scores, qk_attribution
-from heads.scorers.qk.attribution import parse_head
+from heads.scorers.qk.request import CompositionRequest, QKRequest
 from viz.qk import (
     SIGN_NOTE,
     composition_heatmap,
@@ -205,8 +205,13 @@ def qk_report(
     overwrite: bool = False,
     attribution_json: str | Path | None = None,
     progress: ProgressArg = True,
+    request: QKRequest | None = None,
 ) -> tuple[QKAttribution, dict]:
     """QK attribution of `head` on `task` (module docstring), written to `out`.
+
+    The analyses run as requests through `heads.run`: `request` (default: `QKRequest(head=head,
+    by="source_token")`; the CLI's, checked against the config before the model loaded) with the
+    task's query position, then `CompositionRequest(readers=[head])` for the composition into it.
 
     Returns:
         `(attribution, summary)`; summary: head, task, max_error, mean logit and attention at the
@@ -219,16 +224,20 @@ def qk_report(
     check_output(out, overwrite)
     if attribution_json is not None:
         check_output(attribution_json, overwrite)
-    check_qk_model(model)
-    layer, h = parse_head(model, head)
+    if request is None:
+        request = QKRequest(head=head, by="source_token")
+    request.check_config(model)  # the family and the head, before any forward
+    layer, h = cast("tuple[int, int]", request.head)
     t = qk_task(model, task, n_prompts)
+    from heads import run
+
     with progress_callback(progress, "qk report", "steps") as report:
         tick = (lambda i: report(i, qk_steps())) if report is not None else (lambda i: None)
         tick(0)
         query = t.query[0] if t.name == "induction" else -1  # else each prompt's last token
-        r = qk_attribution(model, t.prompts, (layer, h), query=query, by="source_token")
+        r = run(model, request.replace(query=query), t.prompts)
         tick(1)
-        cs = composition_scores(model, readers=[(layer, h)]) if layer > 0 else None
+        cs = run(model, CompositionRequest(readers=[(layer, h)])) if layer > 0 else None
         tick(2)
         cells = _focus(r, t)
         qi0, ki0 = cells[0]

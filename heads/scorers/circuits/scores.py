@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from heads._util.validation import check_int, short_repr
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.stability import Stability, stability_of
+from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
 from heads.scorers.patching.metrics import Metric, get_metric
@@ -65,90 +64,6 @@ MAX_STEPS = 100
 over every pair)."""
 DEFAULT_STEPS = 5
 """EAP-IG's default interpolation steps m (Hanna et al. 2024)."""
-
-
-@dataclass
-class EdgeScores:
-    """Scores of every edge of a graph.
-
-    Attributes:
-        graph: the `Graph`.
-        scores: `[U, Dn]` fp32; NaN where there is no edge (`graph.valid` False).
-        method: `"eap"`, `"eap-ig"` or `"exact"`.
-        metric: the metric's name.
-        n_pairs: pairs averaged over.
-        exact: `[U, Dn]` exact scores of the confirmed edges (NaN elsewhere), or None.
-        params: the call's parameters (steps, confirm, ...).
-        per_pair: `[N, E]` each pair's score of every edge (`edges()` order; `scores` is their
-            mean), kept for the bootstrap (`bootstrap`), or None.
-    """
-
-    graph: Graph
-    scores: torch.Tensor
-    method: str
-    metric: str = "logit_diff"
-    n_pairs: int = 0
-    exact: torch.Tensor | None = None
-    params: dict = field(default_factory=dict)
-    per_pair: torch.Tensor | None = None
-
-    def __repr__(self) -> str:
-        """One line: method, metric, number of edges, pairs (not the tensors)."""
-        return (
-            f"EdgeScores(method={self.method!r}, metric={self.metric!r}, n_edges={self.scores.numel()}, "
-            f"n_pairs={self.n_pairs}, exact={self.exact is not None})"
-        )
-
-    def edges(self) -> torch.Tensor:
-        """`[E, 2]` long (upstream, downstream) of every edge, in graph order."""
-        return torch.nonzero(self.graph.valid)
-
-    def values(self) -> torch.Tensor:
-        """`[E]` the scores of `edges()`."""
-        e = self.edges()
-        return self.scores[e[:, 0], e[:, 1]]
-
-    def ranking(self, absolute: bool = True) -> torch.Tensor:
-        """`[E, 2]` edges from the most to the least important (by |score| or by -score)."""
-        e, v = self.edges(), self.values()
-        key = v.abs() if absolute else -v
-        order = torch.argsort(torch.nan_to_num(key, nan=-float("inf")), descending=True, stable=True)
-        return e[order]
-
-    def bootstrap(
-        self,
-        n_resamples: int = 100,
-        *,
-        k: int = 100,
-        seed: int = 0,
-        templates: list | None = None,
-        by: str = "pairs",
-        absolute: bool = True,
-        select: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> Stability:
-        """The bootstrap `Stability` of the edge ranking (by |score| unless `absolute=False`)
-        over the pairs, from `per_pair` (no forward pass; `heads.results.stability.stability_of`).
-        `select`: `[E]` scores -> `[E]` bool, a circuit's edges (`Stability.inclusion`).
-
-        Raises:
-            ValueError: no per-pair values, fewer than 2 pairs, bad arguments.
-        """
-        if self.per_pair is None:
-            raise HeadsteerValueError("these edge scores keep no per-pair values (loaded or built by hand)")
-        return stability_of(
-            self.per_pair,
-            n_resamples=n_resamples,
-            k=k,
-            seed=seed,
-            absolute=absolute,
-            names=self.graph.edge_names(self.edges()),
-            templates=templates,
-            by=by,
-            select=select,
-            method=f"circuit.{self.method}",
-            model=self.graph.model,
-            params={"metric": self.metric},
-        )
 
 
 def check_steps(method: str, steps: object) -> int:
@@ -213,7 +128,9 @@ def _batch_size(
     """The pairs per gradient chunk and the `SweepOptions` of `edge_scores` / `find_circuit`:
     the deprecated `batch_size=` (warned, refused with `options.max_rows`) or `max_rows // 8`."""
     batch_size = deprecated.pop("batch_size", None)
-    opts = sweep_options(options, deprecated, where, takes=takes, renamed={"batch_rows": "max_rows"})
+    opts = sweep_options(  # stacklevel 4: the warning names the caller of edge_scores / find_circuit
+        options, deprecated, where, takes=takes, renamed={"batch_rows": "max_rows"}, stacklevel=4
+    )
     if batch_size is None:
         return max(1, opts.max_rows // 8), opts
     if options is not None and options.max_rows != SweepOptions().max_rows:
@@ -228,6 +145,26 @@ def _batch_size(
         stacklevel=3,
     )
     return check_int("batch_size", batch_size, lo=1), opts
+
+
+def _rows_progress(
+    options: SweepOptions | None, deprecated: dict[str, Any], where: str, progress: ProgressArg
+) -> tuple[int, ProgressArg]:
+    """`(max_rows, progress)` of `evaluate` / `faithfulness_curve` / `exact_scores`: `options`,
+    or the deprecated `batch_rows=` / `progress=` keywords (warned at the caller's line);
+    `progress` is the scorer's own default when neither sets it."""
+    given = options is not None or "progress" in deprecated
+    if "batch_rows" in deprecated:  # named as given, before the warning
+        check_int("batch_rows", deprecated["batch_rows"], lo=1)
+    opts = sweep_options(
+        options,
+        deprecated,
+        where,
+        takes=("max_rows", "progress"),
+        renamed={"batch_rows": "max_rows"},
+        stacklevel=4,
+    )
+    return opts.max_rows, opts.progress if given else progress
 
 
 def edge_scores(
@@ -298,7 +235,9 @@ def chunked_edge_scores(
     if confirm > graph.n_edges:
         raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
     if method == "exact":
-        return exact_scores(model, pairs, metric=met, batch_rows=batch_rows, progress=progress)
+        return exact_scores(
+            model, pairs, metric=met, options=SweepOptions(max_rows=batch_rows, progress=progress)
+        )
     U, Dn = graph.n_upstream, graph.n_downstream
     total = torch.zeros(U, Dn, dtype=torch.float64)
     per_pair: list[torch.Tensor] = []  # [R, E] per chunk
@@ -340,7 +279,8 @@ def chunked_edge_scores(
     out = EdgeScores(graph, scores, method, met.name, pairs.n, params=params, per_pair=torch.cat(per_pair))
     if confirm:
         top = out.ranking()[:confirm]
-        ex = exact_scores(model, pairs, edges=top, metric=met, batch_rows=batch_rows, progress=progress)
+        opts = SweepOptions(max_rows=batch_rows, progress=progress)
+        ex = exact_scores(model, pairs, edges=top, metric=met, options=opts)
         out.exact = ex.scores
     return out
 
@@ -482,14 +422,18 @@ def exact_scores(
     *,
     edges: torch.Tensor | None = None,
     metric: str | Metric | Any = "logit_diff",
-    batch_rows: int = 64,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> EdgeScores:
     """Exact edge patching: `M(x with u -> v corrupted) - M(x)`, averaged over pairs.
 
     Args:
         edges: `[E, 2]` (upstream, downstream) edges to score (default: every edge: E forwards
             rows per pair, slow beyond small models).
+        options: `heads.SweepOptions`: `max_rows` rows (edge x pair) per forward (default 64),
+            `progress` (default True: a bar) in forwards.
+        **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
+            `DeprecationWarning`; refused together with the same field set in `options`).
 
     Returns:
         an `EdgeScores` with NaN on edges not scored.
@@ -497,6 +441,7 @@ def exact_scores(
     Raises:
         ValueError: an edge that is not in the graph.
     """
+    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True)
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
@@ -511,7 +456,6 @@ def exact_scores(
         or not bool(valid[edges[:, 0], edges[:, 1]].all())
     ):
         raise HeadsteerValueError("edges must be (upstream, downstream) pairs of the graph (see Graph.valid)")
-    check_int("batch_rows", batch_rows, lo=1)
     E = len(edges)
     U, Dn = graph.n_upstream, graph.n_downstream
 

@@ -64,6 +64,7 @@ from heads.scorers.patching.record import (
     RunCache,
     _qkv_modules,  # noqa: F401 - importable from here as before
     _qkv_slices,  # noqa: F401 - importable from here as before
+    cache_bytes,
     record_run,
 )
 from heads.scorers.patching.request import BY_POSITION, KINDS, PatchRequest
@@ -83,6 +84,7 @@ __all__ = ["KINDS", "PatchResult", "patch", "run_patch"]
 # scored per position) are defined beside the request (heads.scorers.patching.request)
 
 # the patch edits and the result live beside this module; imported here as before
+from heads.results.patching import SCHEMA, SCHEMA_VERSION, PatchResult, _grid_names  # noqa: E402, F401
 from heads.scorers.patching.edits import (  # noqa: E402, F401
     _PatchKV,
     _PatchPattern,
@@ -91,7 +93,6 @@ from heads.scorers.patching.edits import (  # noqa: E402, F401
     _PatchZ,
     unembed_only,
 )
-from heads.scorers.patching.result import SCHEMA, SCHEMA_VERSION, PatchResult, _grid_names  # noqa: E402, F401
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,9 @@ def patch(
         positions: padded columns to score for the by-position kinds (default all; negative
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
+        options: `SweepOptions` (rows per forward, progress, `max_memory`: rows per forward
+            within the budget beside the recorded clean and corrupted runs, refused before any
+            forward when one row does not fit); default `SweepOptions()`. Progress
             counts work in token-layers (each forward's rows x the columns it recomputes x the
             layers it runs), not rows: rows patched at an early layer or position cost more.
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
@@ -265,6 +268,8 @@ def run_patch(
 
         check_samples(pairs.n, stability)
     sites, shape = _sites(model, kind, lays, poss)
+    kept = 2 * cache_bytes(model, pairs.n, pairs.width, pattern=kind == "pattern", query=kind == "q")
+    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
 
     mask = pairs.attention_mask
     emb: dict[str, torch.Tensor | None] = {"clean": None, "corrupted": None}

@@ -17,12 +17,13 @@ Normalised scores (`normalise`): denoising (patch clean values into the corrupte
 behaviour restored. Noising (patch corrupted values into the clean run)
 `(M(patched) - M(clean)) / (M(corrupt) - M(clean))`: 1 = the whole effect destroyed. A pair
 whose clean and corrupted metrics are equal (|gap| <= `tol`) has no scale: its normalised
-scores are NaN and a warning names it; nothing is divided by zero.
+scores are NaN and a warning names it; nothing is divided by zero. `normalise`, `zero_gap`,
+`DIRECTIONS` and `ZeroGapWarning` live with the result (`heads.results.patching`) and are imported
+here under the same names.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.patching import DIRECTIONS, ZeroGapWarning, normalise, zero_gap
 from heads.scorers.patching.pairs import PairBatch
 
 __all__ = [
@@ -46,14 +48,8 @@ __all__ = [
     "zero_gap",
 ]
 
-DIRECTIONS = ("denoising", "noising")
-"""`direction=` values: denoising patches clean values into the corrupted run (default)."""
 
 UserMetric = Callable[[torch.Tensor, PairBatch, torch.Tensor], torch.Tensor]
-
-
-class ZeroGapWarning(UserWarning):
-    """Some pairs have M(clean) == M(corrupt): their normalised scores are NaN."""
 
 
 def _gather_mean(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -193,55 +189,3 @@ def get_metric(metric: str | Metric | UserMetric = "logit_diff") -> Metric:
     if callable(metric):
         return Metric(getattr(metric, "__name__", "user"), metric)
     raise HeadsteerTypeError(f"metric must be a name, a Metric or a function, got {type(metric).__name__}")
-
-
-def zero_gap(clean: torch.Tensor, corrupt: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
-    """`[N]` bool: pairs whose clean and corrupted metrics differ by at most `tol`."""
-    return (clean.float() - corrupt.float()).abs() <= tol
-
-
-def normalise(
-    patched: torch.Tensor,
-    clean: torch.Tensor,
-    corrupt: torch.Tensor,
-    direction: str = "denoising",
-    *,
-    tol: float = 1e-6,
-    warn: bool = True,
-) -> torch.Tensor:
-    """Normalised scores `[..., N]` of raw patched metrics `patched [..., N]`.
-
-    Args:
-        clean, corrupt: `[N]` metric of the unpatched clean / corrupted runs.
-        direction: `"denoising"`: `(patched - corrupt) / (clean - corrupt)`; `"noising"`:
-            `(patched - clean) / (corrupt - clean)`.
-        tol: a pair with `|clean - corrupt| <= tol` is flagged: NaN scores, never a division
-            by zero (`zero_gap`).
-        warn: warn (`ZeroGapWarning`) naming the flagged pairs.
-
-    Raises:
-        ValueError: an unknown direction, or shapes that do not end in N.
-    """
-    if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
-    clean, corrupt, patched = clean.float(), corrupt.float(), patched.float()
-    if clean.shape != corrupt.shape or clean.ndim != 1 or patched.shape[-1:] != clean.shape:
-        raise HeadsteerValueError(
-            f"patched {tuple(patched.shape)} must end in N and clean/corrupt be [N]: got "
-            f"{tuple(clean.shape)}, {tuple(corrupt.shape)}"
-        )
-    flagged = zero_gap(clean, corrupt, tol)
-    if flagged.any() and warn:
-        bad = torch.nonzero(flagged).flatten().tolist()
-        warnings.warn(
-            f"pairs {bad[:20]}{' ...' if len(bad) > 20 else ''} have M(clean) == M(corrupt) (no gap): "
-            "their normalised scores are NaN",
-            ZeroGapWarning,
-            stacklevel=2,
-        )
-    if direction == "denoising":
-        num, den = patched - corrupt, clean - corrupt
-    else:
-        num, den = patched - clean, corrupt - clean
-    safe = torch.where(flagged, torch.ones_like(den), den)
-    return torch.where(flagged, torch.full_like(num, float("nan")), num / safe)

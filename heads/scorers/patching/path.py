@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import cast
 
 import torch
 
@@ -58,10 +59,10 @@ from heads.engine.activations import ActivationRecorder
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
 from heads.engine.prefix import attention_given
-from heads.engine.variants import check_heads, run_rows
-from heads.errors import HeadsteerValueError
+from heads.engine.variants import run_rows
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadSet, HeadSpec
+from heads.results.scores import HeadSpec
 from heads.scorers.patching.activation import (
     PatchResult,
     _check_positions,
@@ -73,58 +74,13 @@ from heads.scorers.patching.activation import (
     unembed_only,
 )
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
-from heads.scorers.patching.metrics import DIRECTIONS, Metric
+from heads.scorers.patching.metrics import Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import RunCache, check_kv_kind, record_run, stream_sites
+from heads.scorers.patching.record import RunCache, cache_bytes, record_run, stream_sites
+from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
+from heads.scorers.request_base import expand_layers
 
-__all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch"]
-
-RECEIVER_INPUTS = ("q", "k", "v")
-"""Receiver head inputs that `path_patch(receivers=heads, inputs=...)` patches."""
-
-MLP_MODES = ("recompute", "frozen")
-"""`mlp=` values: MLPs recomputed in step 2 (default, Wang et al.) or frozen to the base run."""
-
-
-def _check_receivers(
-    model: HeadModel, receivers: object, inputs: object
-) -> tuple[list[tuple[int, int]] | None, tuple[str, ...]]:
-    """(`None` for the logits or the sorted receiver heads, the receiver inputs)."""
-    if isinstance(inputs, str):
-        comps: tuple[str, ...] = (inputs,)
-    elif isinstance(inputs, Sequence) and inputs and all(isinstance(c, str) for c in inputs):
-        comps = tuple(dict.fromkeys(inputs))
-    else:
-        raise HeadsteerValueError(
-            f"inputs must be one of {RECEIVER_INPUTS} or a list of them, got {short_repr(inputs)}"
-        )
-    for c in comps:
-        if c not in RECEIVER_INPUTS:
-            raise HeadsteerValueError(f"unknown receiver input {short_repr(c)}; use one of {RECEIVER_INPUTS}")
-    if isinstance(receivers, str) and receivers == "logits":
-        if comps != ("q",):
-            raise HeadsteerValueError(
-                f"inputs={short_repr(inputs)} needs receiver heads; receivers='logits' patches the "
-                "residual stream"
-            )
-        return None, comps
-    if isinstance(receivers, str) and not receivers.endswith(".json"):
-        raise HeadsteerValueError(
-            f"receivers must be 'logits' or a head selection, got {short_repr(receivers)}"
-        )
-    for c in comps:
-        check_kv_kind(model, c)
-    kv = any(c in ("k", "v") for c in comps)
-    if kv and "q" in comps and model.n_kv_heads != model.n_heads:
-        raise HeadsteerValueError(
-            "receiver inputs mix q (query heads) with k/v (KV heads) on a GQA model; patch them in "
-            "separate calls"
-        )
-    n = model.n_kv_heads if kv else model.n_heads
-    sel = HeadSet.parse(receivers, model.n_layers, n)  # type: ignore[arg-type]
-    if not len(sel):
-        raise HeadsteerValueError("no receiver heads selected")
-    return sorted(sel.heads), comps
+__all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch", "run_path_patch"]
 
 
 def path_patch(
@@ -157,8 +113,9 @@ def path_patch(
         metric: as `heads.scorers.patching.activation.patch` (default logit difference).
         positions: padded columns where the sender's output is replaced (default all;
             negative counts from the end).
-        options: `SweepOptions` (rows per forward, progress); default `SweepOptions()`. Progress
-            counts work in token-layers (rows x recomputed columns x layers run), not rows.
+        options: `SweepOptions` (rows per forward, progress, `max_memory` as in `patch`);
+            default `SweepOptions()`. Progress counts work in token-layers (rows x recomputed
+            columns x layers run), not rows.
 
     Returns:
         a `PatchResult` of kind `"path"`, grid `("layer", "head")` over every head: raw metric
@@ -174,20 +131,49 @@ def path_patch(
             effect (`pairs.check_pairs_differ`), nnsight with `remote=True` — before any
             forward.
     """
-    if direction not in DIRECTIONS:
-        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
-    if mlp not in MLP_MODES:
-        raise HeadsteerValueError(f"mlp must be one of {MLP_MODES}, got {short_repr(mlp)}")
-    met, options = check_sweep_inputs(model, pairs, options, metric, what="path patching")
+    if isinstance(inputs, str):
+        kv = inputs in ("k", "v")
+    else:
+        kv = isinstance(inputs, Sequence) and any(c in ("k", "v") for c in inputs)
+    if not (isinstance(receivers, str) and receivers == "logits"):
+        receivers = expand_layers(receivers, model.n_layers, model.n_kv_heads if kv else model.n_heads)  # type: ignore[assignment]
+    request = PathPatchRequest(
+        senders=expand_layers(senders, model.n_layers, model.n_heads),  # type: ignore[arg-type]
+        receivers=receivers,  # type: ignore[arg-type]
+        inputs=inputs,
+        mlp=mlp,
+        direction=direction,
+        metric=metric,
+        positions=positions,
+    )
+    return run_path_patch(model, pairs, request, options)
+
+
+def run_path_patch(
+    model: HeadModel, pairs: PairBatch, request: PathPatchRequest, options: SweepOptions | None = None
+) -> PatchResult:
+    """Run a `PathPatchRequest` on `pairs` (what `path_patch` does once it has built the request:
+    the request's values are checked there, its geometry here against `model`, with the pairs
+    and the options; see `path_patch` for the result and the errors)."""
+    if not isinstance(request, PathPatchRequest):
+        raise HeadsteerTypeError(f"request must be a PathPatchRequest, got {type(request).__name__}")
+    mlp, direction, comps = request.mlp, request.direction, tuple(request.inputs)
+    met, options = check_sweep_inputs(model, pairs, options, request.metric, what="path patching")
+    request.check_config(model)  # heads in range, k / v on this family, q with k / v under GQA
     if mlp == "frozen" and (model.family.mlp is None or not stream_sites(model)):
         raise HeadsteerValueError(
             f"mlp='frozen' is not available on {short_repr(model.family.model_type)}: its MLP output is "
             "not one site (no MLP module, or a residual_multiplier other than 1); use mlp='recompute'"
         )
-    sends = check_heads(model, senders)
-    recv, comps = _check_receivers(model, receivers, inputs)
-    poss = None if positions is None else _check_positions(pairs, positions)
+    every = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
+    sends = every if request.senders is None else list(request.senders)
+    recv: list[tuple[int, int]] | None = None
+    if request.receivers != "logits":
+        recv = sorted(cast("Sequence[tuple[int, int]]", request.receivers))
+    poss = None if request.positions is None else _check_positions(pairs, request.positions)
     model.check_length(pairs.width)
+    kept = 2 * cache_bytes(model, pairs.n, pairs.width, keys=False)
+    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
 
     mask = pairs.attention_mask
     clean = record_run(model, pairs.clean_ids, mask, keys=False)

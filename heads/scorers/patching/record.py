@@ -144,6 +144,23 @@ def _attention_output(model: HeadModel, layer: int, z: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
+def cache_bytes(
+    model: HeadModel, n: int, width: int, *, pattern: bool = False, query: bool = False, keys: bool = True
+) -> int:
+    """Bytes the `RunCache` of one `record_run` of `n` rows of `width` tokens keeps (what a
+    patching sweep holds beside its forwards, twice: the clean and the corrupted run): per token
+    and layer the residual, the head outputs, the attention and MLP outputs, the KV cache, and
+    with `keys` the q / k / v projections, with `query` the queries, with `pattern` the fp32
+    pattern rows `[H, width]`."""
+    H, KV, d, D, L = model.n_heads, model.n_kv_heads, model.d_head, model.d_model, model.n_layers
+    item = torch.empty(0, dtype=model.dtype).element_size()
+    per = 3 * D + H * d + 2 * KV * d + ((H + 2 * KV) * d if keys else 0) + (H * d if query else 0)
+    total = n * width * (L * per + D) * item
+    if pattern:
+        total += n * width * L * H * width * 4
+    return int(total)
+
+
 def record_run(
     model: HeadModel,
     ids: torch.Tensor,

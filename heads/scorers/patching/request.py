@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from heads._util.validation import check_number, short_repr
 from heads.errors import HeadsteerValueError
+from heads.results.patching import KINDS
 from heads.results.stability import check_stability
 from heads.scorers.patching.metrics import DIRECTIONS, Metric, get_metric
 from heads.scorers.request_base import (
@@ -41,8 +42,6 @@ __all__ = [
     "check_kind_family",
 ]
 
-KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
-"""The activation-patching site kinds (`heads.scorers.patching.activation`)."""
 
 BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
 """The kinds scored per position (the ones that take `positions`)."""
@@ -233,7 +232,10 @@ class PathPatchRequest(Request):
             if not recv:
                 raise HeadsteerValueError("no receiver heads selected")
             object.__setattr__(self, "receivers", recv)
-        object.__setattr__(self, "senders", check_head_pairs("senders", self.senders))
+        senders = check_head_pairs("senders", self.senders)
+        if senders is not None and not senders:
+            raise HeadsteerValueError("no sender heads selected (senders=None is every head)")
+        object.__setattr__(self, "senders", senders)
         pos = check_positions("positions", self.positions)
         object.__setattr__(self, "positions", pos)
 

@@ -50,6 +50,7 @@ from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
 from heads.scorers.roles.needle import MAX_FILLER, needle_prompts, retrieval_scores
+from heads.scorers.roles.request import DetectRolesRequest
 
 # Names imported `as` themselves are re-exported: `heads.scorers.roles.detectors.<name>` stays.
 from heads.scorers.roles.sequences import (
@@ -86,6 +87,7 @@ __all__ = [
     "random_tokens",
     "repeated_tokens",
     "retrieval_scores",
+    "run_detect_roles",
     "self_scores",
     "successor_scores",
 ]
@@ -225,8 +227,9 @@ def pattern_scores(
         seed: the seed of the default sequences (an int in 0..2**32 - 1, default 0).
         stability: bootstrap resamples of the sequences (default 0: none; e.g. 100) for each
             ranking's stability, `scores.stability` (from the per-sequence scores, no extra forward).
-        options: `heads.SweepOptions`; only `max_rows` applies: sequences per forward (without
-            `options`, 8).
+        options: `heads.SweepOptions`; `max_rows`: sequences per forward (without `options`,
+            8), fewer where `max_memory` needs it (the `"detectors"` plan; refused before any
+            forward when one sequence does not fit).
         **deprecated: `batch_size=` (sequences per forward, now `max_rows`) as a keyword (one
             release; a `DeprecationWarning`; refused together with `options.max_rows` set).
 
@@ -248,13 +251,18 @@ def pattern_scores(
     check_bool("exclude_current_token", exclude_current_token)
     legacy_rows = deprecated.get("batch_size")
     opts = sweep_options(
-        options, deprecated, "pattern_scores", takes=("max_rows",), renamed={"batch_size": "max_rows"}
+        options,
+        deprecated,
+        "pattern_scores",
+        takes=("max_rows", "max_memory"),
+        renamed={"batch_size": "max_rows"},
     )
     batch_size = opts.max_rows if options is not None or legacy_rows is not None else 8
     seed = _seed(seed)
     stability = check_stability(stability)
     enc = _sequences(model, sequences, seed)
     model.check_length(enc.length)
+    batch_size = opts.replace(max_rows=batch_size).within(model, enc.length, "detectors").max_rows
     check_samples(enc.batch, stability, "sequences")
     dev = model.device
     pattern_names = [n for n in names if n != "entropy"]
@@ -560,14 +568,32 @@ def detect_roles(
         HeadsteerTypeError: a flag that is not a bool. HeadsteerValueError: a bad seed or
             sequences (see the detectors). Checked before the first forward.
     """
-    check_bool("apply_first_mlp", apply_first_mlp)
-    check_bool("retrieval", retrieval)
-    check_bool("successor", successor)
-    seed = _seed(seed)
-    out = pattern_scores(model, sequences, seed=seed, stability=stability)
-    out["copying"] = copying_scores(model, apply_first_mlp=apply_first_mlp, seed=seed)
-    if successor and model.tokenizer is not None:
-        out["successor"] = successor_scores(model, apply_first_mlp=apply_first_mlp)
-    if retrieval:
-        out["retrieval"] = retrieval_scores(model, seed=seed)
+    request = DetectRolesRequest(
+        apply_first_mlp=apply_first_mlp,
+        seed=seed,
+        retrieval=retrieval,
+        successor=successor,
+        stability=stability,
+    )
+    return run_detect_roles(model, sequences, request)
+
+
+def run_detect_roles(
+    model: HeadModel,
+    sequences: SequencesArg,
+    request: DetectRolesRequest,
+    options: SweepOptions | None = None,
+) -> RoleScores:
+    """Run a `DetectRolesRequest` (built and checked by `detect_roles`: see there for the result and
+    the errors); `options`' `max_rows` / `max_memory` bound `pattern_scores`' sequences per forward."""
+    if not isinstance(request, DetectRolesRequest):
+        raise HeadsteerTypeError(f"request must be a DetectRolesRequest, got {type(request).__name__}")
+    r = request
+    rows = None if options is None else SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory)
+    out = pattern_scores(model, sequences, seed=r.seed, stability=r.stability, options=rows)
+    out["copying"] = copying_scores(model, apply_first_mlp=r.apply_first_mlp, seed=r.seed)
+    if r.successor and model.tokenizer is not None:
+        out["successor"] = successor_scores(model, apply_first_mlp=r.apply_first_mlp)
+    if r.retrieval:
+        out["retrieval"] = retrieval_scores(model, seed=r.seed)
     return RoleScores(out)

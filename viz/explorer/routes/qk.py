@@ -2,7 +2,8 @@
 
 Clicking cell (query, key) of a head's pattern asks why the head attends there: the cell's logit
 as query-component x key-component terms (`heads.scorers.qk.qk_attribution`, one forward, the
-prompt encoded as the pattern's), answered as the top terms (a ranked list), a component x
+prompt encoded as the pattern's; the body builds the `heads.QKRequest` the Python API builds, run
+by `heads.run`), answered as the top terms (a ranked list), a component x
 component table of the largest components of each side, and the upstream heads and source
 tokens behind the key and the query (`by="source_token"`). It runs as a job (the model lock,
 cancelled when the client leaves, a tab's new click superseding its previous one).
@@ -46,6 +47,13 @@ class QKRequest(_Request):
     def _position(cls, v: object, info: Any) -> int:
         return check_int(str(info.field_name), v, lo=0)
 
+    def analysis(self) -> Any:
+        """The analysis request `heads.qk_attribution` builds for this cell (`heads.QKRequest`,
+        through the upstream heads' source tokens)."""
+        from heads.scorers.qk.request import QKRequest as Analysis
+
+        return Analysis(head=(self.layer, self.head), query=self.query, keys=[self.key], by="source_token")
+
 
 def _answer(r: Any) -> dict:
     """The JSON of one cell's attribution (plain floats, 4 decimals)."""
@@ -82,10 +90,11 @@ def _answer(r: Any) -> dict:
 
 @router.post("/api/qk")
 async def qk(req: Annotated[QKRequest, body(QKRequest)], request: Request, st: State) -> Any:
+    from heads import run
     from heads.errors import HeadsteerValueError
-    from heads.scorers.qk import check_qk_model, qk_attribution
 
-    check_qk_model(st.model)  # a refused family: 400 naming it, before any job
+    analysis = req.analysis()
+    analysis.check_config(st.model)  # a refused family or head: 400 naming it, before any job
     enc = st.encoded(req.prompt, st.chat(req.raw))
     n = int(enc.attention_mask[0].sum())
     if req.query >= n or req.key > req.query:
@@ -95,9 +104,7 @@ async def qk(req: Annotated[QKRequest, body(QKRequest)], request: Request, st: S
         )
 
     def work(emit: Any, flag: threading.Event) -> dict:
-        r = qk_attribution(
-            st.model, enc, (req.layer, req.head), query=req.query, keys=[req.key], by="source_token"
-        )
+        r = run(st.model, analysis, enc)
         return {"qk": _answer(r)}
 
     key = ("qk", req.tab) if req.tab else None

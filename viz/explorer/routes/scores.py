@@ -25,6 +25,11 @@ async def scores(req: Annotated[ScoresRequest, body(ScoresRequest)], st: State) 
     model, kind, prompt = st.model, req.score, req.prompt
     chat = st.chat(req.raw)
     enc = st.encoded(prompt, chat)  # bad markup, too many tokens: 400 for every kind
+    # the analysis request the Python API builds for the scores that are one (`heads.run` runs
+    # it), checked against the model before the job: a refusal is a 400 naming it
+    analysis = jobs_of.score_request(kind, chat)
+    if analysis is not None:
+        analysis.check_config(model)
     relations = None
     if kind == "span":
         if not enc.spans[0]:
@@ -57,11 +62,11 @@ async def scores(req: Annotated[ScoresRequest, body(ScoresRequest)], st: State) 
                 if kind == "dla":
                     got = jobs_of.dla_result(model, prompt, chat, emit, flag)
                 else:
-                    got = jobs_of.ships_result(model, prompt, emit, flag)
+                    got = jobs_of.ships_result(model, prompt, emit, flag, analysis)
                 st.prompt_scores.put((kind, prompt, chat), got)
             return {"result": got}
         if kind == "maps":
-            return {"result": jobs_of.maps_result(model, st.cache, relations, emit, flag)}
+            return {"result": jobs_of.maps_result(model, st.cache, relations, emit, flag, analysis)}
         if kind == "probes":
             return {"result": jobs_of.probes_result(model, st.cache, emit, flag)}
         if kind == "span":
@@ -69,9 +74,10 @@ async def scores(req: Annotated[ScoresRequest, body(ScoresRequest)], st: State) 
 
             s = span_attention(model, prompt, chat=chat).scores
         else:
-            from heads.scorers.sinks import sink_stats
+            from heads import run
 
-            s = sink_stats(model, [prompt], chat=chat).sink_mass.scores
+            assert analysis is not None  # sinks: a SinkStatsRequest
+            s = run(model, analysis, [prompt]).sink_mass.scores
         return {"result": {"score": kind, "scores": grid(s)}}
 
     return job_stream(st.jobs, st.lock, req.job, work)

@@ -1,32 +1,132 @@
-"""`PatchResult`: the scores of one activation-patching sweep (`heads.patch`), its table, its
-`HeadScores` on the model's full layer axis, and its file."""
+"""`PatchResult`: the scores of one activation-patching sweep (`heads.patch`, `heads.path_patch`),
+its table, its `HeadScores` on the model's full layer axis, its bootstrap and its file.
+
+Also the arithmetic the result stands on, which the patching scorers import from here: the site
+kinds (`KINDS`) and their grids (`grid_names`), the directions and the normalisation of a
+patched metric (`normalise`, `zero_gap`; docs/methods/activation_patching.md), and the
+bootstrap of the head ranking over the pairs (`patch_stability`). It imports nothing from
+`heads.scorers` (the results sit below the analyses; `tests/test_layering.py`).
+
+Moved from `heads.scorers.patching.result` (that path still imports, with a
+`DeprecationWarning`, until 0.3.0).
+"""
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import is_int, is_number, short_repr
+from heads._util.validation import is_int, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerValueError
-from heads.model.adapter import HeadModel
+from heads.results.resampling import grid_stability, position_reduce
 from heads.results.scores import HeadScores
-from heads.results.stability import Stability
+from heads.results.stability import DEFAULT_RESAMPLES, Stability
 from heads.results.storage import json_text
-from heads.scorers.patching.metrics import DIRECTIONS, normalise, zero_gap
-from heads.scorers.patching.request import KINDS
 
-__all__ = ["PatchResult"]
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from heads.model.adapter import HeadModel
+
+__all__ = [
+    "DIRECTIONS",
+    "KINDS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "PatchResult",
+    "ZeroGapWarning",
+    "grid_names",
+    "normalise",
+    "patch_stability",
+    "zero_gap",
+]
 
 SCHEMA = "headsteer/patching"
 SCHEMA_VERSION = 1
 
+KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
+"""The activation-patching site kinds (`heads.scorers.patching.activation`)."""
 
+DIRECTIONS = ("denoising", "noising")
+"""`direction=` values: denoising patches clean values into the corrupted run (default)."""
+
+
+def grid_names(kind: str) -> tuple[str, ...]:
+    """The grid axes of a sweep of site kind `kind` (`"path"`: path patching's `layer, head`)."""
+    if kind in ("resid_pre", "attn_out", "mlp_out"):
+        return ("layer", "position")
+    if kind == "head_out_by_pos":
+        return ("layer", "head", "position")
+    return ("layer", "kv_head") if kind in ("k", "v") else ("layer", "head")
+
+
+_grid_names = grid_names  # the old private name (heads.scorers.patching.activation imports it)
+
+
+class ZeroGapWarning(UserWarning):
+    """Some pairs have M(clean) == M(corrupt): their normalised scores are NaN."""
+
+
+def zero_gap(clean: torch.Tensor, corrupt: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
+    """`[N]` bool: pairs whose clean and corrupted metrics differ by at most `tol`."""
+    return (clean.float() - corrupt.float()).abs() <= tol
+
+
+def normalise(
+    patched: torch.Tensor,
+    clean: torch.Tensor,
+    corrupt: torch.Tensor,
+    direction: str = "denoising",
+    *,
+    tol: float = 1e-6,
+    warn: bool = True,
+) -> torch.Tensor:
+    """Normalised scores `[..., N]` of raw patched metrics `patched [..., N]`.
+
+    Args:
+        clean, corrupt: `[N]` metric of the unpatched clean / corrupted runs.
+        direction: `"denoising"`: `(patched - corrupt) / (clean - corrupt)`; `"noising"`:
+            `(patched - clean) / (corrupt - clean)`.
+        tol: a pair with `|clean - corrupt| <= tol` is flagged: NaN scores, never a division
+            by zero (`zero_gap`).
+        warn: warn (`ZeroGapWarning`) naming the flagged pairs.
+
+    Raises:
+        ValueError: an unknown direction, or shapes that do not end in N.
+    """
+    if direction not in DIRECTIONS:
+        raise HeadsteerValueError(f"direction must be one of {DIRECTIONS}, got {short_repr(direction)}")
+    clean, corrupt, patched = clean.float(), corrupt.float(), patched.float()
+    if clean.shape != corrupt.shape or clean.ndim != 1 or patched.shape[-1:] != clean.shape:
+        raise HeadsteerValueError(
+            f"patched {tuple(patched.shape)} must end in N and clean/corrupt be [N]: got "
+            f"{tuple(clean.shape)}, {tuple(corrupt.shape)}"
+        )
+    flagged = zero_gap(clean, corrupt, tol)
+    if flagged.any() and warn:
+        bad = torch.nonzero(flagged).flatten().tolist()
+        warnings.warn(
+            f"pairs {bad[:20]}{' ...' if len(bad) > 20 else ''} have M(clean) == M(corrupt) (no gap): "
+            "their normalised scores are NaN",
+            ZeroGapWarning,
+            stacklevel=2,
+        )
+    if direction == "denoising":
+        num, den = patched - corrupt, clean - corrupt
+    else:
+        num, den = patched - clean, corrupt - clean
+    safe = torch.where(flagged, torch.ones_like(den), den)
+    return torch.where(flagged, torch.full_like(num, float("nan")), num / safe)
+
+
+# ------------------------------------------------------------------------------ the result
 @dataclass
 class PatchResult:
     """Scores of one activation-patching sweep.
@@ -156,13 +256,11 @@ class PatchResult:
 
     def bootstrap(self, n_resamples: int = 100, **kwargs: Any) -> Stability:
         """The bootstrap `Stability` of the head ranking over the pairs, from the per-pair scores
-        (no forward pass): `heads.scorers.stability.patch_stability` (its keywords: `k`, `seed`,
+        (no forward pass): `patch_stability` (its keywords: `k`, `seed`,
         `templates`, `by`, `reduce`)."""
-        from heads.scorers.stability import patch_stability
-
         return patch_stability(self, n_resamples, **kwargs)
 
-    def to_frame(self):
+    def to_frame(self) -> pd.DataFrame:
         """Tidy table: one row per site, its grid coordinates, `score` (mean normalised),
         `ci_low`, `ci_high`, `raw` (mean raw metric) and `token` for a position axis."""
         import pandas as pd
@@ -211,8 +309,12 @@ class PatchResult:
         }
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded);
-        returns the path."""
+        """Write JSON (schema `headsteer/patching` v1, direction and normalisation recorded; NaN
+        as null), atomically; returns the path.
+
+        Raises:
+            HeadsteerValueError: `path` exists and `overwrite` is False, is a symlink or a folder.
+        """
         return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
@@ -251,8 +353,6 @@ class PatchResult:
     def _load(cls, path: str | os.PathLike) -> PatchResult:
         if not os.path.isfile(path):
             raise HeadsteerValueError(f"no patching result at {os.fspath(path)!r}")
-        from heads._util.validation import read_json_file
-
         where = os.fspath(path)
         d = read_json_file(path)  # one line: not JSON (line, column), not UTF-8, a number too large
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
@@ -287,7 +387,7 @@ class PatchResult:
             if not isinstance(d.get(key, ""), str):
                 raise HeadsteerValueError(f"{where}: {key} must be a string, got {short_repr(d.get(key))}")
         grid = d.get("grid")
-        want_grid = ("layer", "head") if kind == "path" else _grid_names(kind)
+        want_grid = ("layer", "head") if kind == "path" else grid_names(kind)
         if not isinstance(grid, list) or tuple(grid) != want_grid:
             raise HeadsteerValueError(
                 f"{where}: grid must be {list(want_grid)} for kind {short_repr(kind)}, got {short_repr(grid)}"
@@ -343,10 +443,43 @@ class PatchResult:
         )
 
 
-# ------------------------------------------------------------------------------ the sweep
-def _grid_names(kind: str) -> tuple[str, ...]:
-    if kind in ("resid_pre", "attn_out", "mlp_out"):
-        return ("layer", "position")
-    if kind == "head_out_by_pos":
-        return ("layer", "head", "position")
-    return ("layer", "kv_head") if kind in ("k", "v") else ("layer", "head")
+def patch_stability(
+    result: PatchResult,
+    n_resamples: int = DEFAULT_RESAMPLES,
+    *,
+    k: int = 10,
+    seed: int = 0,
+    templates: list | None = None,
+    by: str = "pairs",
+    reduce: str = "max",
+) -> Stability:
+    """The bootstrap `Stability` of an activation-patching head ranking over its N pairs, from
+    the per-pair normalised scores `result.scores` `[*grid, N]` (NaN for zero-gap pairs).
+
+    Args:
+        templates: one id per pair (`pair_templates(pairs)`), for the agreement across templates.
+        reduce: over positions for `head_out_by_pos` (`"max"` or `"sum"`, as `head_scores`).
+
+    Raises:
+        ValueError: a kind without a head axis, fewer than 2 pairs, bad arguments.
+    """
+    if result.grid[:2] not in (("layer", "head"), ("layer", "kv_head")):
+        raise HeadsteerValueError(f"patching kind {result.kind!r} has no head axis to rank")
+    per = result.scores.movedim(-1, 0)  # [N, L, H(, T)]
+    st = grid_stability(
+        per,
+        n_resamples,
+        k=k,
+        seed=seed,
+        templates=templates,
+        by=by,
+        reduce=position_reduce(reduce) if per.ndim == 4 else None,
+        method=f"patching.{result.kind}",
+        model=result.model,
+        params={"direction": result.direction, "metric": result.metric, "reduce": reduce},
+    )
+    layers = result.params.get("layers")
+    if isinstance(layers, list) and len(layers) == per.shape[1]:  # a sweep of some layers: their names
+        h = per.shape[2]
+        st.names = [f"L{layers[i // h]}.H{i % h}" for i in range(len(st.names))]
+    return st

@@ -1,0 +1,179 @@
+"""`SweepOptions(max_memory=...)` honoured by every sweeping analysis (issue 41 item 4).
+
+Per family of sweep — a forward sweep (activation and path patching), a gradient sweep (the
+attribution estimate), a pattern reader (the detectors) — a budget lowers the rows per forward,
+seen on the forwards themselves (a counter on the backend's entry point), to the rows the
+memory plan fits in the budget; a budget below one row is refused before any forward, the
+planned minimum named; the scores do not change. One real run checks the measured peak RSS
+stays under the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from heads import SweepOptions, encode_prompts
+from heads.errors import HeadsteerValueError
+from heads.planning import plan_memory, rows_within
+from heads.scorers.patching.activation import patch
+from heads.scorers.patching.pairs import encode_pairs
+from heads.scorers.patching.path import path_patch
+from heads.scorers.patching.record import cache_bytes
+from heads.scorers.roles.detectors import pattern_scores
+from heads.scorers.safety.attribution import TEMPLATE, attribute
+from heads.scorers.safety.common import encode_queries
+from tests.support.patching import PAIRS
+
+
+def _count_rows(model, monkeypatch) -> list[int]:
+    """Batch rows of every forward `model` runs from now on (the backend's one entry point)."""
+    seen: list[int] = []
+    inner = model.backend.run
+
+    def counted(**kw):
+        x = kw.get("input_ids")
+        seen.append(int((x if x is not None else kw["inputs_embeds"]).shape[0]))
+        return inner(**kw)
+
+    monkeypatch.setattr(model.backend, "run", counted)
+    return seen
+
+
+def _no_forward(model, monkeypatch) -> None:
+    monkeypatch.setattr(model.backend, "run", lambda **kw: pytest.fail("a forward ran"))
+
+
+def _opts(budget: int | None = None) -> SweepOptions:
+    return SweepOptions(progress=False, max_memory=budget)
+
+
+@pytest.mark.parametrize("which", ["patch", "path_patch"])
+def test_forward_sweeps_fit_their_rows_to_the_budget(tiny_llama, tokenizer, monkeypatch, which):
+    pairs = encode_pairs(tokenizer, PAIRS)
+    T, N = pairs.width, pairs.n
+    keys = which == "patch"
+
+    def run(options):
+        if which == "patch":
+            return patch(tiny_llama, pairs, "head_out", options=options).raw
+        return path_patch(tiny_llama, pairs, options=options).raw
+
+    seen = _count_rows(tiny_llama, monkeypatch)
+    free = run(_opts())
+    assert max(seen[2:]) > 3  # without a budget the sweep's forwards take more than 3 rows
+    # the recorded clean and corrupted runs stay alive beside the sweep's forwards
+    kept = 2 * cache_bytes(tiny_llama, N, T, keys=keys)
+    budget = plan_memory(tiny_llama, "forward", T, 3).peak + kept
+    assert rows_within(tiny_llama, budget - kept, "forward", T) == 3
+    seen.clear()
+    got = run(_opts(budget))
+    assert seen[:2] == [N, N]  # the two recorded runs, every pair
+    assert max(seen[2:]) == 3 and len(seen) > 3
+    torch.testing.assert_close(got, free, rtol=0, atol=1e-5, equal_nan=True)
+    # below one row (the recorded runs kept beside it): refused before any forward, minimum named
+    _no_forward(tiny_llama, monkeypatch)
+    one = plan_memory(tiny_llama, "forward", T, N).peak + kept
+    with pytest.raises(HeadsteerValueError, match=r"needs at least .* max_memory is"):
+        run(_opts(one - 1))
+
+
+def test_gradient_sweep_fits_its_rows_to_the_budget(tiny_llama, monkeypatch):
+    prompts = ["Hello there", "How do I bake bread?", "Tell me a joke", "What is two plus two?"]
+    seen = _count_rows(tiny_llama, monkeypatch)
+    free = attribute(tiny_llama, prompts)
+    assert max(seen) == len(prompts)
+    T = encode_queries(tiny_llama, prompts, TEMPLATE).length
+    budget = plan_memory(tiny_llama, "gradient", T, 2).peak
+    assert plan_memory(tiny_llama, "gradient", T, 3).peak > budget
+    seen.clear()
+    got = attribute(tiny_llama, prompts, options=SweepOptions(max_memory=budget))
+    assert max(seen) == 2 and sum(seen) >= len(prompts)
+    torch.testing.assert_close(got.per_prompt, free.per_prompt, rtol=1e-4, atol=1e-6)
+    _no_forward(tiny_llama, monkeypatch)
+    need = plan_memory(tiny_llama, "gradient", T, 1).peak
+    with pytest.raises(HeadsteerValueError, match=r"gradient on 1 x \d+ tokens needs at least"):
+        attribute(tiny_llama, prompts, options=SweepOptions(max_memory=need - 1))
+
+
+def test_pattern_reader_fits_its_rows_to_the_budget(tiny_llama, monkeypatch):
+    texts = ["one two three one two three", "a b c d a b c d", "red green blue red", "x y z x y z x"]
+    enc = encode_prompts(tiny_llama.tokenizer, texts, chat=False)
+    seen = _count_rows(tiny_llama, monkeypatch)
+    free = pattern_scores(tiny_llama, enc, options=SweepOptions())
+    assert seen == [len(texts)]
+    budget = plan_memory(tiny_llama, "detectors", enc.length, 2).peak
+    seen.clear()
+    got = pattern_scores(tiny_llama, enc, options=SweepOptions(max_memory=budget))
+    assert seen == [2, 2]
+    for name in free:
+        torch.testing.assert_close(got[name].scores, free[name].scores, rtol=1e-5, atol=1e-6)
+    _no_forward(tiny_llama, monkeypatch)
+    need = plan_memory(tiny_llama, "detectors", enc.length, 1).peak
+    with pytest.raises(HeadsteerValueError, match=r"detectors on 1 x \d+ tokens needs at least"):
+        pattern_scores(tiny_llama, enc, options=SweepOptions(max_memory=need - 1))
+
+
+_RSS_RUN = textwrap.dedent(
+    """
+    import json
+    import torch
+    from heads import SweepOptions, load_tokenizer
+    from heads.inputs.prompts import EncodedPrompts
+    from heads.planning import plan_memory
+    from heads.scorers.roles.detectors import pattern_scores
+    from tests.support import make_tiny
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    def peak_above_now(fn):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM restarts from the current RSS
+        base = status("VmRSS")
+        fn()
+        return status("VmHWM") - base
+
+    torch.set_num_threads(1)
+    T, N = 512, 6
+    hm = make_tiny("llama", load_tokenizer(), num_attention_heads=16, num_key_value_heads=4,
+                   hidden_size=256, max_position_embeddings=1024)
+    half = torch.randint(100, 40000, (N, T // 2), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([half, half], 1)
+    enc = EncodedPrompts(ids, torch.ones_like(ids), [[]] * N, [""] * N, [[]] * N)
+    two, three = (plan_memory(hm, "detectors", T, b).peak for b in (2, 3))
+    budget = (two + three) // 2  # two rows fit, three do not
+    weights = plan_memory(hm, "detectors", T, 1).devices[0].weights  # resident already
+    small = EncodedPrompts(ids[:1, :32], torch.ones_like(ids[:1, :32]), [[]], [""], [[]])
+    pattern_scores(hm, small, options=SweepOptions(max_memory=budget))  # lazy imports, one-time state
+    capped = peak_above_now(lambda: pattern_scores(hm, enc, options=SweepOptions(max_memory=budget)))
+    free = peak_above_now(lambda: pattern_scores(hm, enc, options=SweepOptions(max_rows=N)))
+    print(json.dumps({"budget": budget, "weights": weights, "capped": capped, "free": free}))
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak RSS")
+def test_measured_peak_rss_stays_under_the_budget():
+    """A real run in a fresh process: its peak RSS above the loaded model (`VmHWM`, with big
+    blocks returned to the OS when freed so RSS follows live memory) stays within the budget
+    less the resident weights, where the same run without a budget goes over it."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_RUN], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    room = got["budget"] - got["weights"]
+    assert got["capped"] <= room, got
+    assert got["free"] > room, got  # the budget is what kept the run under it

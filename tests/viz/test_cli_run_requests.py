@@ -1,0 +1,150 @@
+"""Every `headsteer report` command that runs an analysis builds the request the Python API builds,
+checks it against the model's config before any weight loads (a bad value: one line, exit 2,
+the loader never called), and runs it through `heads.run` (the request it passes there is
+captured and compared with the one built in Python from the same values)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import heads
+from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.patching.request import DLARequest, LensRequest, PatchRequest
+from heads.scorers.qk.request import CompositionRequest, QKRequest
+from tests.support.cli import one_line_error
+from viz.cli import app
+
+
+class _Stop(Exception):
+    """Raised by the captured `heads.run` once it has seen the requests it needs."""
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The requests passed to `heads.run`, in order; the run stops (exit 1) after `stop_after`."""
+    seen: list = []
+    real = heads.run
+
+    def fake(model, request, *inputs, **kw):
+        seen.append(request)
+        if len(seen) >= fake.stop_after:  # type: ignore[attr-defined]
+            raise _Stop
+        return real(model, request, *inputs, **kw)
+
+    fake.stop_after = 1  # type: ignore[attr-defined]
+    monkeypatch.setattr(heads, "run", fake)
+    return fake, seen
+
+
+def _cli(tmp_path, *args):
+    return CliRunner().invoke(app, ["report", *args, "--out", str(tmp_path / "r.html")])
+
+
+# ------------------------------------------------------------------ bad values: before the weights
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["circuit", "--size", "0"], "--size"),
+        (["circuit", "--steps", "1000"], "steps must be"),
+        (["circuit", "--size", "5", "--faithfulness", "0.5"], "give at most one"),
+        (["circuit", "--sizes", "5,200"], "--sizes"),
+        (["circuit", "--confirm", "-1"], "--confirm"),
+        (["circuit", "--stability", "1"], "--stability"),
+        (["qk", "--head", "2:1"], "head must look like"),
+        (["qk", "--head", "9.0"], "unknown layer 9"),
+        (["qk", "--head", "1.7"], "unknown head 7"),
+        (["patching", "--kind", "nope"], "--kind"),
+        (["safety", "--steps", "1000"], "steps must be an int in 1.."),
+        (["safety", "--steps", "0"], "--steps"),
+        (["atlas", "--stability", "1"], "--stability"),
+    ],
+)
+def test_a_bad_value_exits_2_before_the_weights(no_load, tiny_llama_dir, tmp_path, args, message):
+    r = CliRunner().invoke(
+        app, ["report", *args, "--out", str(tmp_path / "r.html"), "--model", tiny_llama_dir]
+    )
+    one_line_error(r, message)
+    assert not (tmp_path / "r.html").exists()
+
+
+# ------------------------------------------------------------------ the request the API builds
+def test_report_patching_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
+    fake, seen = captured
+    fake.stop_after = 3
+    r = _cli(tmp_path, "patching", "--model", tiny_llama_dir, "--n", "2", "--kind", "q", "--direction",
+             "noising", "--stability", "2")  # fmt: skip
+    assert r.exit_code == 1, r.output  # the captured run stopped it
+    assert seen == [
+        PatchRequest(kind="q", direction="noising", stability=2),
+        DLARequest(stability=2),
+        LensRequest(),
+    ]
+
+
+def test_report_circuit_runs_the_api_request(captured, tiny_llama_dir, tmp_path):
+    _, seen = captured
+    r = _cli(tmp_path, "circuit", "--model", tiny_llama_dir, "--pairs", "2", "--method", "eap",
+             "--size", "10", "--sizes", "100,10", "--confirm", "3")  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert seen == [CircuitRequest(method="eap", size=10, sizes=[10, 100], confirm=3)]
+    # --faithfulness given: the request's target (find_circuit's faithfulness=)
+    seen.clear()
+    r = _cli(tmp_path, "circuit", "--model", tiny_llama_dir, "--pairs", "2", "--faithfulness", "0.5",
+             "--steps", "3")  # fmt: skip
+    assert seen == [CircuitRequest(method="eap-ig", faithfulness=0.5, steps=3)], r.output
+
+
+def test_report_qk_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
+    fake, seen = captured
+    fake.stop_after = 2
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The cat sat on the mat\n")
+    r = _cli(tmp_path, "qk", "--model", tiny_llama_dir, "--head", "L1.H0", "--task", str(prompts))
+    assert r.exit_code == 1, r.output
+    assert seen == [QKRequest(head=(1, 0), by="source_token"), CompositionRequest(readers=[(1, 0)])]
+
+
+# ------------------------------------------------------------------ headsteer run REQUEST.json
+@pytest.mark.parametrize(
+    ("request_json", "extra", "message"),
+    [
+        ('{"request": "patch", "knd": "q"}', ["--inputs", "ioi"], "unknown key 'knd'"),
+        ('{"request": "patch", "layers": [9]}', ["--inputs", "ioi"], "unknown layer 9"),
+        ('{"request": "qk_attribution", "head": [1, 7]}', ["--inputs", "ioi"], "prompt file"),
+        ('{"request": "patch"}', [], "needs its inputs"),
+        ('{"request": "composition_scores"}', ["--inputs", "ioi"], "takes no inputs"),
+        ('{"request": "head_atlas"}', [], "report atlas"),
+    ],
+)
+def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, request_json, extra, message):
+    req = tmp_path / "r.json"
+    req.write_text(request_json)
+    r = CliRunner().invoke(
+        app, ["run", str(req), "--out", str(tmp_path / "out.json"), "--model", tiny_llama_dir, *extra]
+    )
+    one_line_error(r, message)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_run_saves_what_heads_run_gives(tiny_llama, tiny_llama_dir, tmp_path):
+    from heads.results.patching import PatchResult
+    from heads.scorers.patching.pairs import encode_pairs
+    from probes.datasets.pairs import load_task_pairs
+
+    req = PatchRequest(kind="head_out", direction="noising", layers=[1, 2])
+    path = tmp_path / "r.json"
+    path.write_text(req.to_json())
+    out = tmp_path / "patch.json"
+    args = ["run", str(path), "--inputs", "ioi", "--n", "2", "--out", str(out), "--model", tiny_llama_dir]
+    r = CliRunner().invoke(app, [*args, "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.output
+    got = PatchResult.load(out)
+    want = heads.run(tiny_llama, req, encode_pairs(tiny_llama, load_task_pairs("ioi", "test", n=2)))
+    assert got.scores.shape == want.scores.shape
+    assert (got.scores - want.scores).abs().max() < 1e-5
+    before = out.read_bytes()
+    r = CliRunner().invoke(app, args)  # the result exists: refused without --force, untouched
+    one_line_error(r, "exists")
+    assert out.read_bytes() == before

@@ -1,0 +1,115 @@
+"""`headsteer run REQUEST.json`: run any analysis request written as JSON (`Request.to_json`).
+
+The request is read and checked (`Request.from_json`: its name, its version, every field) and
+then checked against `--model`'s config (`Request.check_config`), the inputs file is read and
+the output path checked: all before any weight loads. The model then runs it through
+`heads.run` and the result is saved (`Result.save`) to `--out`, never over an existing file
+without `--force`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from heads.errors import HeadsteerValueError
+from viz.cli.common import Run, _positive
+
+__all__ = ["NO_INPUT", "PAIRS", "PROMPTS", "run_request"]
+
+PAIRS = ("patch", "path_patch", "direct_logit_attribution", "logit_lens", "knockout", "find_circuit")
+"""Requests whose input is prompt pairs: `--inputs` is a shipped pair set or a pairs JSONL file."""
+PROMPTS = (
+    "ships",
+    "dataset_ships",
+    "sahara",
+    "attribution_patching",
+    "sink_stats",
+    "find_sink_dims",
+    "qk_attribution",
+    "train_lens",
+    "composition_scores",
+)
+"""Requests whose input is text prompts: `--inputs` is a prompt file (one per line, or JSONL with
+`"prompt"` / `"text"`); `composition_scores` only with `method="data"`."""
+NO_INPUT = ("detect_roles", "maps_scores", "composition_scores")
+"""Requests run without `--inputs`: the detectors' own sequences, MAPS on the shipped relations,
+composition scores from the weights."""
+
+
+def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
+    """The inputs of request `name` read from `inputs` (no model needed), or None."""
+    if not needs:
+        if inputs is not None:
+            raise typer.BadParameter(f"a {name} request takes no inputs here", param_hint="--inputs")
+        return None
+    if inputs is None:
+        raise typer.BadParameter(f"a {name} request needs its inputs", param_hint="--inputs")
+    if name in PAIRS:
+        from viz.reports.patching import resolve_pairs
+
+        return resolve_pairs(inputs, n=n)
+    from viz.reports.qk import read_prompt_file
+
+    return read_prompt_file(inputs)[:n]
+
+
+def run_request(
+    run: Run,
+    request: Annotated[Path, typer.Argument(help="the request as JSON (Request.to_json), a file")],
+    out: Annotated[Path, typer.Option(help="file the result is saved to (the result's save format)")],
+    inputs: Annotated[
+        str | None,
+        typer.Option(
+            help="the analysis' input: for pair analyses (patch, path_patch, DLA, lens, knockout, "
+            "find_circuit) a shipped pair set (ioi, colored_objects, comp_mech) or a pairs JSONL "
+            "file; for prompt analyses (ships, sahara, sinks, qk_attribution, train_lens, "
+            "composition_scores method=data, ...) a prompt file; none for detect_roles, "
+            "maps_scores (the shipped relations) and composition_scores from the weights"
+        ),
+    ] = None,
+    n: Annotated[int, typer.Option(help="the first N pairs or prompts of --inputs")] = 16,
+) -> dict:
+    """Run an analysis request written as JSON and save its result."""
+    from heads.scorers.request_base import Request
+    from viz.cli.requests import check_request
+
+    _positive(n=n)
+    if not request.is_file():
+        raise typer.BadParameter(f"no request file {str(request)!r}", param_hint="REQUEST")
+    req = Request.from_json(request.read_text(encoding="utf-8"))  # a bad request: one line, exit 2
+    name = req.NAME
+    if name not in (*PAIRS, *PROMPTS, *NO_INPUT):
+        raise HeadsteerValueError(
+            f"a {name} request is not run by `headsteer run` (its inputs are Python objects): run it "
+            f"with heads.run(model, request, inputs)"
+            + ("; or `headsteer report atlas`" if name == "head_atlas" else "")
+        )
+    weights_only = name == "composition_scores" and getattr(req, "method", None) == "weights"
+    needs = name in PAIRS or (name in PROMPTS and not weights_only)
+    given = _read_inputs(name, inputs, n, needs)
+    out = run.output(out)
+    check_request(run, {}, req)  # against the model's config, before the weights
+    hm = run.load()
+    from heads import run as run_analysis
+    from heads.engine.options import SweepOptions
+
+    options = SweepOptions(progress=not run.quiet)
+    if name in PAIRS:
+        from heads.scorers.patching.pairs import encode_pairs
+
+        given = encode_pairs(hm, given)
+    elif name == "maps_scores":
+        from probes.datasets.relations import load_relations
+
+        given = load_relations(hm.tokenizer, d_vocab=hm.d_vocab).relations
+    with run.status(f"running {name}…"):
+        args = () if given is None else (given,)
+        result = run_analysis(hm, req, *args, options=options)
+    save = getattr(result, "save", None)
+    if save is None:  # pragma: no cover - every result follows heads.results.protocol.Result
+        raise HeadsteerValueError(f"the {name} result ({type(result).__name__}) cannot be saved")
+    path = save(out, overwrite=run.force)
+    return {"request": name, "result": str(path), "model": hm.name}
