@@ -383,7 +383,9 @@ def find_circuit(
     if size is not None:
         n = _n_of(graph, size)
     met = get_metric(metric)
-    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
+    sc = chunked_edge_scores(
+        model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
+    )
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(
