@@ -205,7 +205,9 @@ def main() -> None:
         # below its first patched input)
         edges = edges[torch.argsort(edges[:, 1] * graph.n_upstream + edges[:, 0])]
         t = time.perf_counter()
-        ex = exact_scores(model, pairs, edges=edges, batch_rows=args.batch_rows, progress=False)
+        ex = exact_scores(
+            model, pairs, edges=edges, options=SweepOptions(max_rows=args.batch_rows, progress=False)
+        )
         ex_scores[edges[:, 0], edges[:, 1]] = ex.scores[edges[:, 0], edges[:, 1]]
         return time.perf_counter() - t
 
@@ -236,8 +238,7 @@ def main() -> None:
             sc,
             random=rnd,
             n_random=args.random_draws,
-            batch_rows=args.batch_rows,
-            progress=False,
+            options=SweepOptions(max_rows=args.batch_rows, progress=False),
         )
         res[f"cpr_{name}"], res[f"cmd_{name}"] = round(cur["cpr"], 3), round(cur["cmd"], 3)
         res[f"faithfulness_{name}"] = [round(v, 3) for v in cur["faithfulness"]]

@@ -101,85 +101,29 @@ def _knockout(model: HeadModel, pairs: Any, r: KnockoutRequest, options: SweepOp
 
 
 def _circuit(model: HeadModel, pairs: Any, r: CircuitRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.circuits.circuit import find_circuit
+    from heads.scorers.circuits.circuit import run_find_circuit
 
-    o = _opts(options)
-    return find_circuit(
-        model,
-        pairs,
-        method=r.method,
-        n=r.n,
-        size=r.size,
-        threshold=r.threshold,
-        steps=r.steps,
-        metric=r.metric,
-        confirm=r.confirm,
-        curve=r.curve,
-        sizes=r.sizes,
-        options=SweepOptions(max_rows=o.max_rows, progress=o.progress, max_memory=o.max_memory),
-        stability=r.stability,
-        faithfulness=r.faithfulness,
-    )
+    return run_find_circuit(model, pairs, r, options)
 
 
 def _detect_roles(
     model: HeadModel, sequences: Any, r: DetectRolesRequest, options: SweepOptions | None
 ) -> Any:
-    from heads.scorers.roles.detectors import detect_roles
+    from heads.scorers.roles.detectors import run_detect_roles
 
-    return detect_roles(
-        model,
-        sequences,
-        apply_first_mlp=r.apply_first_mlp,
-        seed=r.seed,
-        retrieval=r.retrieval,
-        successor=r.successor,
-        stability=r.stability,
-    )
+    return run_detect_roles(model, sequences, r, options)
 
 
 def _train_lens(model: HeadModel, texts: Any, r: LensTrainRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.lens import run_train_lens
 
-    return train_lens(
-        model,
-        texts,
-        r.heads,
-        form=r.form,
-        epochs=r.epochs,
-        lr=r.lr,
-        batch_positions=r.batch_positions,
-        held_out=r.held_out,
-        patience=r.patience,
-        max_positions=r.max_positions,
-        seed=r.seed,
-        options=_only_progress(options),
-    )
+    return run_train_lens(model, texts, r, _only_progress(options))
 
 
 def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.roles.atlas import head_atlas
+    from heads.scorers.roles.atlas import run_head_atlas
 
-    given = {} if inputs is None else inputs
-    if not isinstance(given, Mapping):
-        raise HeadsteerTypeError(
-            "the atlas' inputs are a mapping of the scores it gathers (detectors, scores, sinks, maps, "
-            "lens), "
-            f"got {type(inputs).__name__}"
-        )
-    known = ("detectors", "scores", "sinks", "maps", "lens")
-    unknown = [k for k in given if k not in known]
-    if unknown:
-        raise HeadsteerValueError(f"unknown atlas input {unknown[0]!r}; known: {', '.join(known)}")
-    return head_atlas(
-        model,
-        **given,
-        thresholds=r.thresholds,
-        thumbnails=r.thumbnails,
-        lens_text=r.lens_text,
-        seed=r.seed,
-        stability=r.stability,
-    )
+    return run_head_atlas(model, inputs, r, options)
 
 
 def _ships(model: HeadModel, prompts: Any, r: ShipsRequest, options: SweepOptions | None) -> Any:
@@ -341,7 +285,6 @@ RUNNERS: dict[type[Request], Runner] = {
 _NO_OPTIONS: tuple[type[Request], ...] = (
     DLARequest,
     LensRequest,
-    DetectRolesRequest,
     AtlasRequest,
     SinkStatsRequest,
     SinkDimsRequest,

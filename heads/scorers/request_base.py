@@ -273,6 +273,28 @@ def check_head_pairs(name: str, value: object) -> tuple[tuple[int, int], ...] | 
     return tuple(sel.heads)
 
 
+def expand_layers(spec: object, n_layers: int, n_heads: int) -> object:
+    """A head selection given as a list of layers (every head of each) or `"L.H"` texts, as
+    `(layer, head)` pairs of a model with `n_layers` x `n_heads` heads (what a function of the
+    functional API does before it builds its request, which holds heads only); any other form is
+    returned as given, for the request to check.
+
+    Raises:
+        HeadsteerValueError / HeadsteerTypeError: a layer or head out of range or malformed
+            (`HeadSet.parse`).
+    """
+    if (
+        isinstance(spec, Sequence)
+        and not isinstance(spec, (str, bytes))
+        and len(spec)
+        and all(not isinstance(x, (list, tuple)) for x in spec)
+    ):
+        from heads.results.scores import HeadSet
+
+        return list(HeadSet.parse(spec, n_layers, n_heads).heads)
+    return spec
+
+
 def _jsonable(where: str, value: object) -> Any:
     """`value` as plain JSON data (tuples become lists), or an error naming `where`."""
     if value is None or isinstance(value, (bool, str)):

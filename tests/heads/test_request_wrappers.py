@@ -9,10 +9,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from heads import run
 from heads.engine.options import SweepOptions
+from heads.errors import HeadsteerError
 from heads.scorers.patching import pairs_from_tokens
 
 QUIET = SweepOptions(progress=False)
@@ -35,6 +37,24 @@ def test_path_patch_equals_its_request_run(tiny_llama):
     assert got.params == want.params and not torch.isnan(got.raw[0]).any()  # every layer-0 head sent
 
 
+def test_find_circuit_equals_its_request_run(tiny_llama):
+    from heads.scorers.circuits import find_circuit
+    from heads.scorers.circuits.request import CircuitRequest
+
+    pairs, kw = _pairs(), {"method": "eap", "n": 40, "curve": False, "confirm": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = find_circuit(tiny_llama, pairs, **kw, options=QUIET)
+    want = run(tiny_llama, CircuitRequest(**kw), pairs, options=QUIET)
+    most = [w for w in caught if "of the model's" in str(w.message)]  # a circuit of most heads
+    assert len(most) == 1 and Path(most[0].filename).name == Path(__file__).name  # the caller's line
+    assert torch.equal(got.mask, want.mask) and 0 < int(got.mask.sum()) <= 40
+    assert got.faithfulness == want.faithfulness
+    torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=0, equal_nan=True)
+    assert got.exact is not None and int((~got.exact.isnan()).sum()) == 2  # the confirmed edges
+    torch.testing.assert_close(got.exact, want.exact, rtol=0, atol=0, equal_nan=True)
+
+
 def test_loose_keyword_warnings_name_the_callers_file(tiny_llama):
     """The DeprecationWarnings of edge_scores / find_circuit's loose keywords point at the line
     that called them (they pointed one frame too deep, into the scorer's own module)."""
@@ -49,3 +69,141 @@ def test_loose_keyword_warnings_name_the_callers_file(tiny_llama):
     deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     assert len(deprecations) == 3
     assert {Path(w.filename).name for w in deprecations} == {Path(__file__).name}
+
+
+def test_detect_roles_equals_its_request_run(tiny_llama):
+    from heads.scorers.roles.detectors import detect_roles
+    from heads.scorers.roles.request import DetectRolesRequest
+
+    seqs = [[1, 5, 6, 7, 5, 6, 7], [1, 8, 9, 10, 8, 9, 10]]
+    kw = {"seed": 3, "retrieval": False, "successor": False, "apply_first_mlp": False}
+    got = detect_roles(tiny_llama, seqs, **kw)
+    want = run(tiny_llama, DetectRolesRequest(**kw), seqs)
+    assert sorted(got) == sorted(want) and "copying" in got and "induction" in got
+    for name in got:
+        torch.testing.assert_close(got[name].scores, want[name].scores, rtol=0, atol=0, equal_nan=True)
+
+
+def test_train_lens_equals_its_request_run(tiny_llama):
+    from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.lens_data import collect_lens_data
+    from heads.scorers.roles.request import LensTrainRequest
+
+    texts = ["the cat sat on the mat", "a dog ran in the park", "one two three four five"]
+    data = collect_lens_data(tiny_llama, texts, [(0, 0), (1, 1)], max_positions=30)
+    kw = {"epochs": 2, "lr": 1e-2, "batch_positions": 8, "seed": 1}
+    got = train_lens(tiny_llama, data, [(1, 1), (0, 0)], **kw, options=QUIET)
+    want = run(tiny_llama, LensTrainRequest(heads={0: [0], 1: [1]}, **kw), data, options=QUIET)
+    assert got.heads == want.heads == [(0, 0), (1, 1)]
+    torch.testing.assert_close(got.weight, want.weight, rtol=0, atol=0)
+    torch.testing.assert_close(got.held_out_kl, want.held_out_kl, rtol=0, atol=0)
+    assert not torch.equal(got.weight[0], torch.eye(tiny_llama.d_model))  # it trained
+
+
+def test_head_atlas_equals_its_request_run(tiny_llama):
+    from heads.results.scores import HeadScores
+    from heads.scorers.roles.atlas import head_atlas
+    from heads.scorers.roles.request import AtlasRequest
+
+    ind = HeadScores(torch.zeros(tiny_llama.n_layers, tiny_llama.n_heads), "x", model=tiny_llama.name)
+    ind.scores[1, 0] = 0.9
+    extra = HeadScores(torch.rand(tiny_llama.n_layers, tiny_llama.n_heads), "y", model=tiny_llama.name)
+    kw = {"thresholds": {"induction": 0.5, "extra": 0.5}, "thumbnails": False}
+    got = head_atlas(tiny_llama, detectors={"induction": ind}, scores={"extra": extra}, **kw)
+    inputs = {"detectors": {"induction": ind}, "scores": {"extra": extra}}
+    want = run(tiny_llama, AtlasRequest(**kw), inputs)
+    assert got.frame.equals(want.frame) and got.thresholds == want.thresholds
+    assert got.frame.set_index(["layer", "head"]).loc[(1, 0), "role"] == "induction"
+
+
+def _refusals():
+    """(request class, request fields, the function's call of the same bad value)."""
+    from heads.scorers.circuits import find_circuit
+    from heads.scorers.circuits.request import CircuitRequest
+    from heads.scorers.patching.path import path_patch
+    from heads.scorers.patching.request import PathPatchRequest
+    from heads.scorers.roles.atlas import head_atlas
+    from heads.scorers.roles.detectors import detect_roles
+    from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.request import AtlasRequest, DetectRolesRequest, LensTrainRequest
+
+    pairs, texts = _pairs(), ["a b", "c d"]
+    return {
+        "path_patch mlp": (PathPatchRequest, {"mlp": "thawed"}, lambda m: path_patch(m, pairs, mlp="thawed")),
+        "path_patch inputs": (
+            PathPatchRequest,
+            {"inputs": "k"},
+            lambda m: path_patch(m, pairs, inputs="k"),
+        ),
+        "path_patch direction": (
+            PathPatchRequest,
+            {"direction": "sideways"},
+            lambda m: path_patch(m, pairs, direction="sideways"),
+        ),
+        "find_circuit method": (
+            CircuitRequest,
+            {"method": "acdc"},
+            lambda m: find_circuit(m, pairs, method="acdc"),
+        ),
+        "find_circuit steps": (
+            CircuitRequest,
+            {"method": "eap", "steps": 7},
+            lambda m: find_circuit(m, pairs, method="eap", steps=7),
+        ),
+        "find_circuit two sizes": (
+            CircuitRequest,
+            {"n": 3, "size": 2.0},
+            lambda m: find_circuit(m, pairs, n=3, size=2.0),
+        ),
+        "find_circuit sizes": (
+            CircuitRequest,
+            {"sizes": [0, 5]},
+            lambda m: find_circuit(m, pairs, sizes=[0, 5]),
+        ),
+        "detect_roles seed": (
+            DetectRolesRequest,
+            {"seed": -1},
+            lambda m: detect_roles(m, seed=-1),
+        ),
+        "detect_roles flag": (
+            DetectRolesRequest,
+            {"retrieval": "yes"},
+            lambda m: detect_roles(m, retrieval="yes"),
+        ),
+        "train_lens held_out": (
+            LensTrainRequest,
+            {"held_out": 1.0},
+            lambda m: train_lens(m, texts, [(0, 0)], held_out=1.0, options=QUIET),
+        ),
+        "train_lens lr": (
+            LensTrainRequest,
+            {"lr": 2.0},
+            lambda m: train_lens(m, texts, [(0, 0)], lr=2.0, options=QUIET),
+        ),
+        "train_lens form": (
+            LensTrainRequest,
+            {"form": "wide"},
+            lambda m: train_lens(m, texts, [(0, 0)], form="wide", options=QUIET),
+        ),
+        "head_atlas threshold": (
+            AtlasRequest,
+            {"thresholds": {"induction": -1}},
+            lambda m: head_atlas(m, thresholds={"induction": -1}),
+        ),
+        "head_atlas lens_text": (
+            AtlasRequest,
+            {"lens_text": " "},
+            lambda m: head_atlas(m, lens_text=" "),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_refusals()))
+def test_a_bad_value_is_refused_by_the_request_with_the_functions_message(case, tiny_llama):
+    cls, fields, call = _refusals()[case]
+    with pytest.raises(HeadsteerError) as by_request:
+        cls(**fields)
+    with pytest.raises(HeadsteerError) as by_function:
+        call(tiny_llama)
+    assert type(by_function.value) is type(by_request.value)
+    assert str(by_function.value) == str(by_request.value)

@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 
-from heads._util.progress import ProgressArg
-from heads._util.validation import check_bool, check_int, check_number, check_seed, short_repr
-from heads.engine.options import SweepOptions
+from heads._util.validation import check_bool, check_int, check_number, check_seed
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.stability import Stability, check_stability
+from heads.results.stability import Stability
 from heads.scorers.circuits.graph import Graph, graph_of
 from heads.scorers.circuits.pruning import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
 from heads.scorers.circuits.result import Circuit, select, warn_most_heads
@@ -50,12 +49,12 @@ from heads.scorers.circuits.result import (  # isort: skip
     _n_edges as _n_edges,
     _parse as _parse,
 )
+from heads.scorers.circuits.request import CircuitRequest
 from heads.scorers.circuits.scores import (
-    METHODS,
     EdgeScores,
     _batch_size,
     _check_pairs,
-    check_steps,
+    _rows_progress,
     chunked_edge_scores,
     patched_metrics,
 )
@@ -73,6 +72,7 @@ __all__ = [
     "faithfulness_curve",
     "find_circuit",
     "prune",
+    "run_find_circuit",
     "select",
     "size_for_faithfulness",
     "warn_most_heads",
@@ -119,18 +119,22 @@ def evaluate(
     circuits: Circuit | torch.Tensor | list[Circuit],
     *,
     metric: str | Metric | Any = "logit_diff",
-    batch_rows: int = 64,
-    progress: ProgressArg = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> torch.Tensor:
     """`[K]` exact faithfulness f(C) of K circuits (every non-circuit edge corrupted).
 
     Args:
         circuits: a `Circuit`, a list of them, or `[K, U, Dn]` bool edge masks.
+        options: `heads.SweepOptions`: `max_rows` rows (circuit x pair) per forward (default 64),
+            `progress` (without `options`: none) in forwards.
+        **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
+            `DeprecationWarning`; refused together with the same field set in `options`).
 
     Raises:
         ValueError: masks of another graph's shape; a model other than the circuit's geometry.
     """
-    check_int("batch_rows", batch_rows, lo=1)
+    batch_rows, progress = _rows_progress(options, deprecated, "evaluate", None)
     graph = graph_of(model)
     if isinstance(circuits, Circuit):
         circuits = [circuits]
@@ -191,8 +195,8 @@ def faithfulness_curve(
     seed: int = 0,
     n_random: int = 1,
     metric: str | Metric | Any | None = None,
-    batch_rows: int = 64,
-    progress: ProgressArg = None,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> dict:
     """The faithfulness curve of `scores`' ranking (and of random circuits of the same sizes).
 
@@ -203,6 +207,9 @@ def faithfulness_curve(
         n_random: random draws, 1..1000 (default 1); the random curve is the mean over draws,
             `cpr_random` / `cmd_random` the means of the draws' CPR / CMD.
         metric: default the metric the scores were made with.
+        options: `heads.SweepOptions` of the exact runs (`evaluate`'s: `max_rows` rows per
+            forward, default 64; `progress`, without `options` none).
+        **deprecated: `batch_rows=` / `progress=` as keywords (one release; a `DeprecationWarning`).
 
     Returns:
         `{"sizes": [%], "n_edges": [requested], "n_kept": [after pruning], "faithfulness": [f],
@@ -222,7 +229,7 @@ def faithfulness_curve(
     check_bool("random", random)
     seed = check_seed("seed", seed)
     n_random = check_int("n_random", n_random, lo=1, hi=1000)
-    check_int("batch_rows", batch_rows, lo=1)
+    batch_rows, progress = _rows_progress(options, deprecated, "faithfulness_curve", None)
     graph = graph_of(model)
     if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
         raise HeadsteerValueError("the scores are for another model geometry")
@@ -236,7 +243,13 @@ def faithfulness_curve(
         for _ in range(n_random):
             perm = edges[torch.randperm(len(edges), generator=gen)]
             masks += [prune(graph, _top_mask(graph, perm, n)) for n in ns]
-    f = evaluate(model, pairs, torch.stack(masks), metric=met, batch_rows=batch_rows, progress=progress)
+    f = evaluate(
+        model,
+        pairs,
+        torch.stack(masks),
+        metric=met,
+        options=SweepOptions(max_rows=batch_rows, progress=progress),
+    )
     x = [s / 100.0 for s in sz]
     k = len(sz)
     cpr, cmd = areas(x, f[:k])
@@ -345,55 +358,87 @@ def find_circuit(
     Raises:
         ValueError: bad arguments (checked before any forward; see `edge_scores`, `select`).
     """
-    if sum(x is not None for x in (n, size, threshold, faithfulness)) > 1:
-        raise HeadsteerValueError("give at most one of n=, size=, threshold= or faithfulness=")
-    by_curve = n is None and size is None and threshold is None
-    target = DEFAULT_FAITHFULNESS if faithfulness is None else check_number("faithfulness", faithfulness)
-    graph = graph_of(model)
-    if size is not None:
-        (size,) = _check_sizes([size])
-    if curve or by_curve:
-        _check_sizes(sizes)
-    if method not in METHODS:
-        raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
-    check_steps(method, steps)
-    check_int("confirm", confirm, lo=0, hi=graph.n_edges)
     if deprecated.get("batch_rows", 0) is None:
         del deprecated["batch_rows"]  # the old default: the memory-budget rows
-    loose_rows = "batch_rows" in deprecated
+    loose_rows = deprecated.get("batch_rows")
     batch_size, opts = _batch_size(
         options, deprecated, "find_circuit", takes=("max_rows", "progress", "max_memory")
     )
+    request = CircuitRequest(
+        method=method,
+        n=n,
+        size=size,
+        threshold=threshold,
+        steps=steps,
+        metric=metric,
+        confirm=confirm,
+        curve=curve,
+        sizes=sizes,
+        stability=stability,
+        faithfulness=faithfulness,
+    )
+    c = _run(model, pairs, request, opts, batch_size, budget=loose_rows is None)
+    warn_most_heads(c)  # here, not in _run: the warning names the caller's line
+    return c
+
+
+def run_find_circuit(
+    model: HeadModel, pairs: PairBatch, request: CircuitRequest, options: SweepOptions | None = None
+) -> Circuit:
+    """Run a `CircuitRequest` on `pairs` (what `find_circuit` does once it has built the request,
+    whose values are checked there; its edge counts are checked here against `model`'s graph).
+    `options` as `find_circuit`'s. See `find_circuit` for the result and the errors."""
+    if not isinstance(request, CircuitRequest):
+        raise HeadsteerTypeError(f"request must be a CircuitRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "find_circuit", takes=("max_rows", "progress", "max_memory"))
+    c = _run(model, pairs, request, opts, max(1, opts.max_rows // 8), budget=True)
+    warn_most_heads(c)
+    return c
+
+
+def _run(
+    model: HeadModel,
+    pairs: PairBatch,
+    request: CircuitRequest,
+    opts: SweepOptions,
+    batch_size: int,
+    *,
+    budget: bool,
+) -> Circuit:
+    """`run_find_circuit` with the pairs per gradient chunk given (`batch_size`); `budget`: at the
+    default `max_rows` the exact runs take the rows of the `MAX_MEMORY_GB` budget (False: a loose
+    `batch_rows=` keyword set them). The circuit is not checked for holding most heads (the caller
+    warns, so that the warning names its caller's line)."""
+    r = request
+    method, steps, confirm, sizes, threshold = r.method, r.steps, r.confirm, r.sizes, r.threshold
+    stability, curve, n = r.stability, r.curve, r.n
+    by_curve = r.n is None and r.size is None and r.threshold is None
+    target = DEFAULT_FAITHFULNESS if r.faithfulness is None else r.faithfulness
+    graph = graph_of(model)
+    request.check_config(model)  # n and confirm within the graph's edges
     batch_rows, progress = opts.max_rows, opts.progress
     width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
     if opts.max_memory is not None:  # the exact runs' rows within that budget
         batch_rows = min(
             opts.max_rows, circuit_rows(graph, model.d_model, width, int(opts.max_memory) / 2**30)
         )
-    elif not loose_rows and opts.max_rows == SweepOptions().max_rows:
+    elif budget and opts.max_rows == SweepOptions().max_rows:
         batch_rows = circuit_rows(graph, model.d_model, width)
-    check_bool("curve", curve)
-    stability = check_stability(stability)
     if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
         raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
-    if n is not None:
-        check_int("n", n, lo=1, hi=graph.n_edges)
-    if threshold is not None:
-        check_number("threshold", threshold)
-    if size is not None:
-        n = _n_of(graph, size)
-    met = get_metric(metric)
+    if r.size is not None:
+        n = _n_of(graph, r.size)
+    met = get_metric(r.metric)
+    quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
     sc = chunked_edge_scores(
         model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
     )
     fc = None
     if curve or by_curve:
-        fc = faithfulness_curve(
-            model, pairs, sc, sizes=sizes, random=curve, metric=met, batch_rows=batch_rows
-        )
+        fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)
     if by_curve:
         assert fc is not None
-        n = size_for_faithfulness(fc, target) if faithfulness is not None else _default_size(fc, target)
+        n = size_for_faithfulness(fc, target) if r.faithfulness is not None else _default_size(fc, target)
     c = select(sc, n, threshold=threshold)
     if by_curve:
         c.params.update(faithfulness_target=target)
@@ -403,8 +448,7 @@ def find_circuit(
     if by_curve and fc is not None and n in fc["n_edges"]:  # the curve evaluated this very circuit
         c.faithfulness = float(fc["faithfulness"][fc["n_edges"].index(n)])
     else:
-        c.faithfulness = float(evaluate(model, pairs, c, metric=met, batch_rows=batch_rows)[0])
-    warn_most_heads(c)
+        c.faithfulness = float(evaluate(model, pairs, c, metric=met, options=quiet)[0])
     return c
 
 
@@ -414,6 +458,8 @@ def _default_size(curve: dict, target: float) -> int:
     try:
         return size_for_faithfulness(curve, target)
     except HeadsteerValueError as err:
-        warnings.warn(f"{err}; taking the most faithful size", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{err}; taking the most faithful size", UserWarning, stacklevel=4
+        )  # find_circuit's caller
         best = max(range(len(curve["n_edges"])), key=lambda i: curve["faithfulness"][i])
         return int(curve["n_edges"][best])

@@ -1,6 +1,6 @@
 """`CircuitRequest`: the parameters of circuit discovery (`heads.find_circuit`), as one checked
 value (see `heads.scorers.request_base`). The edge counts `n` and `confirm` are bounded by the
-model's graph, checked when it runs."""
+model's graph (`check_config`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from heads._util.validation import check_bool, check_int, check_number, short_re
 from heads.errors import HeadsteerValueError
 from heads.results.stability import check_stability
 from heads.scorers.patching.metrics import Metric, get_metric
-from heads.scorers.request_base import Request, check_choice
+from heads.scorers.request_base import Geometry, Request, check_choice
 
 __all__ = ["DEFAULT_STEPS", "MAX_STEPS", "METHODS", "SIZES", "CircuitRequest", "check_sizes"]
 
@@ -76,7 +76,7 @@ class CircuitRequest(Request):
     Raises:
         HeadsteerValueError: two of n / size / threshold / faithfulness, an unknown method or
             metric, steps out of range or given to a method without steps, a size outside (0, 100],
-            a negative confirm.
+            a negative confirm; `check_config`: `n` or `confirm` beyond the model graph's edges.
     """
 
     NAME = "find_circuit"
@@ -116,3 +116,11 @@ class CircuitRequest(Request):
         check_bool("curve", self.curve)
         object.__setattr__(self, "sizes", check_sizes(self.sizes))
         object.__setattr__(self, "stability", check_stability(self.stability))
+
+    def check_geometry(self, geometry: Geometry) -> None:
+        from heads.scorers.circuits.layout import Graph
+
+        edges = Graph(geometry.n_layers, geometry.n_heads, geometry.n_kv_heads).n_edges
+        if self.n is not None:
+            check_int("n", self.n, lo=1, hi=edges)
+        check_int("confirm", self.confirm, lo=0, hi=edges)

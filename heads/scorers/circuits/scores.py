@@ -232,6 +232,26 @@ def _batch_size(
     return check_int("batch_size", batch_size, lo=1), opts
 
 
+def _rows_progress(
+    options: SweepOptions | None, deprecated: dict[str, Any], where: str, progress: ProgressArg
+) -> tuple[int, ProgressArg]:
+    """`(max_rows, progress)` of `evaluate` / `faithfulness_curve` / `exact_scores`: `options`,
+    or the deprecated `batch_rows=` / `progress=` keywords (warned at the caller's line);
+    `progress` is the scorer's own default when neither sets it."""
+    given = options is not None or "progress" in deprecated
+    if "batch_rows" in deprecated:  # named as given, before the warning
+        check_int("batch_rows", deprecated["batch_rows"], lo=1)
+    opts = sweep_options(
+        options,
+        deprecated,
+        where,
+        takes=("max_rows", "progress"),
+        renamed={"batch_rows": "max_rows"},
+        stacklevel=4,
+    )
+    return opts.max_rows, opts.progress if given else progress
+
+
 def edge_scores(
     model: HeadModel,
     pairs: PairBatch,
@@ -317,7 +337,9 @@ def chunked_edge_scores(
     if confirm > graph.n_edges:
         raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
     if method == "exact":
-        return exact_scores(model, pairs, metric=met, batch_rows=batch_rows, progress=progress)
+        return exact_scores(
+            model, pairs, metric=met, options=SweepOptions(max_rows=batch_rows, progress=progress)
+        )
     U, Dn = graph.n_upstream, graph.n_downstream
     total = torch.zeros(U, Dn, dtype=torch.float64)
     per_pair: list[torch.Tensor] = []  # [R, E] per chunk
@@ -359,7 +381,8 @@ def chunked_edge_scores(
     out = EdgeScores(graph, scores, method, met.name, pairs.n, params=params, per_pair=torch.cat(per_pair))
     if confirm:
         top = out.ranking()[:confirm]
-        ex = exact_scores(model, pairs, edges=top, metric=met, batch_rows=batch_rows, progress=progress)
+        opts = SweepOptions(max_rows=batch_rows, progress=progress)
+        ex = exact_scores(model, pairs, edges=top, metric=met, options=opts)
         out.exact = ex.scores
     return out
 
@@ -501,14 +524,18 @@ def exact_scores(
     *,
     edges: torch.Tensor | None = None,
     metric: str | Metric | Any = "logit_diff",
-    batch_rows: int = 64,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> EdgeScores:
     """Exact edge patching: `M(x with u -> v corrupted) - M(x)`, averaged over pairs.
 
     Args:
         edges: `[E, 2]` (upstream, downstream) edges to score (default: every edge: E forwards
             rows per pair, slow beyond small models).
+        options: `heads.SweepOptions`: `max_rows` rows (edge x pair) per forward (default 64),
+            `progress` (default True: a bar) in forwards.
+        **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
+            `DeprecationWarning`; refused together with the same field set in `options`).
 
     Returns:
         an `EdgeScores` with NaN on edges not scored.
@@ -516,6 +543,7 @@ def exact_scores(
     Raises:
         ValueError: an edge that is not in the graph.
     """
+    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True)
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
@@ -530,7 +558,6 @@ def exact_scores(
         or not bool(valid[edges[:, 0], edges[:, 1]].all())
     ):
         raise HeadsteerValueError("edges must be (upstream, downstream) pairs of the graph (see Graph.valid)")
-    check_int("batch_rows", batch_rows, lo=1)
     E = len(edges)
     U, Dn = graph.n_upstream, graph.n_downstream
 

@@ -62,7 +62,7 @@ from heads.engine.prefix import attention_given
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadSet, HeadSpec
+from heads.results.scores import HeadSpec
 from heads.scorers.patching.activation import (
     PatchResult,
     _check_positions,
@@ -78,21 +78,9 @@ from heads.scorers.patching.metrics import Metric
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.patching.record import RunCache, cache_bytes, record_run, stream_sites
 from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
+from heads.scorers.request_base import expand_layers
 
 __all__ = ["MLP_MODES", "RECEIVER_INPUTS", "path_patch", "run_path_patch"]
-
-
-def _expand_layers(model: HeadModel, spec: object, n_heads: int) -> object:
-    """A list of layers (every head of each) as `(layer, head)` pairs: the request holds heads,
-    and only the model knows how many a layer has. Any other form is left to the request."""
-    if (
-        isinstance(spec, Sequence)
-        and not isinstance(spec, (str, bytes))
-        and spec
-        and all(not isinstance(x, (list, tuple)) for x in spec)
-    ):
-        return list(HeadSet.parse(spec, model.n_layers, n_heads).heads)
-    return spec
 
 
 def path_patch(
@@ -148,9 +136,9 @@ def path_patch(
     else:
         kv = isinstance(inputs, Sequence) and any(c in ("k", "v") for c in inputs)
     if not (isinstance(receivers, str) and receivers == "logits"):
-        receivers = _expand_layers(model, receivers, model.n_kv_heads if kv else model.n_heads)  # type: ignore[assignment]
+        receivers = expand_layers(receivers, model.n_layers, model.n_kv_heads if kv else model.n_heads)  # type: ignore[assignment]
     request = PathPatchRequest(
-        senders=_expand_layers(model, senders, model.n_heads),  # type: ignore[arg-type]
+        senders=expand_layers(senders, model.n_layers, model.n_heads),  # type: ignore[arg-type]
         receivers=receivers,  # type: ignore[arg-type]
         inputs=inputs,
         mlp=mlp,

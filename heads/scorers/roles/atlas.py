@@ -71,26 +71,23 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores
-from heads.results.stability import check_stability
 from heads.results.storage import check_geometry, json_text
 from heads.scorers.maps.static import MapsScores
 from heads.scorers.roles.detectors import PATTERN_DETECTORS, detect_roles, repeated_tokens
 from heads.scorers.roles.lens import AttentionLens
+from heads.scorers.roles.request import ROLE_THRESHOLDS, AtlasRequest
 from heads.scorers.sinks import SinkStats
 
-__all__ = ["ROLE_COLUMNS", "ROLE_THRESHOLDS", "HeadAtlas", "head_atlas", "pattern_thumbnails", "role_labels"]
+__all__ = [
+    "ROLE_COLUMNS",
+    "ROLE_THRESHOLDS",
+    "HeadAtlas",
+    "head_atlas",
+    "pattern_thumbnails",
+    "role_labels",
+    "run_head_atlas",
+]
 
-ROLE_THRESHOLDS: dict[str, float] = {
-    "induction": 0.5,
-    "successor": 0.5,
-    "duplicate_token": 0.5,
-    "previous_token": 0.5,
-    "retrieval": 0.3,
-    "self": 0.5,
-    "sink": 0.8,
-}
-"""Default roles in precedence order with their thresholds (see the module docstring); the `sink`
-role reads the column `first_token_mass` (`ROLE_COLUMNS`)."""
 
 ROLE_COLUMNS: dict[str, str] = {"sink": "first_token_mass"}
 """The score column a role reads when it is not the role's own name: the `sink` role is the
@@ -363,13 +360,19 @@ def _check_thresholds(thresholds: object, columns: Iterable[str] | None = None) 
     for k, v in thresholds.items():
         if not isinstance(k, str) or not k or k in _RESERVED or k in _LABELS:
             raise HeadsteerValueError(f"role {short_repr(k)} in thresholds is not a role name")
-        if cols is not None and k not in ROLE_THRESHOLDS and k not in cols:
-            raise HeadsteerValueError(
-                f"unknown role {short_repr(k)} in thresholds: use one of {list(ROLE_THRESHOLDS)} or a "
-                "score column"
-            )
+        if cols is not None:
+            _check_role(k, cols)
         out[k] = check_number(f"threshold of {k!r}", v, lo=0.0, lo_open=True)
     return out
+
+
+def _check_role(role: str, columns: Iterable[str]) -> None:
+    """Refuse a role that is neither known (`ROLE_THRESHOLDS`) nor one of `columns`."""
+    if role not in ROLE_THRESHOLDS and role not in columns:
+        raise HeadsteerValueError(
+            f"unknown role {short_repr(role)} in thresholds: use one of {list(ROLE_THRESHOLDS)} or a "
+            "score column"
+        )
 
 
 def _check_atlas_data(data: dict, path: str) -> tuple:
@@ -454,6 +457,10 @@ def _check_scores(name: object, s: object, model: HeadModel) -> HeadScores:
     return s
 
 
+_INPUTS = ("detectors", "scores", "sinks", "maps", "lens")
+"""The scores the atlas gathers (the keys of `run_head_atlas`'s inputs)."""
+
+
 def head_atlas(
     model: HeadModel,
     *,
@@ -498,38 +505,51 @@ def head_atlas(
         HeadsteerValueError: a score of another geometry or model (by `HeadScores.model`), a
             column given twice or reserved, bad thresholds, `lens_text` without `lens`, an
             untrained lens or one of another model, a bad seed.
-        HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; `sinks`,
-            `maps`, `lens`, `detectors`, `scores` or `thumbnails` of a wrong type (all checked
-            before any forward).
+        HeadsteerTypeError: `model` not a `HeadModel`; a score that is not `HeadScores`; any
+            other argument of a wrong type (all checked before any forward).
     """
+    request = AtlasRequest(
+        thresholds=thresholds, thumbnails=thumbnails, lens_text=lens_text, seed=seed, stability=stability
+    )
+    given = dict(zip(_INPUTS, (detectors, scores, sinks, maps, lens), strict=True))
+    return run_head_atlas(model, given, request)
+
+
+def run_head_atlas(
+    model: HeadModel, inputs: Mapping[str, Any] | None, request: AtlasRequest, options: object = None
+) -> HeadAtlas:
+    """Run an `AtlasRequest` (built and checked by `head_atlas`) on `inputs`, the scores it gathers: a
+    mapping of any of `_INPUTS` (None: none; see `head_atlas` for each and the errors); no `options`."""
+    if not isinstance(request, AtlasRequest):
+        raise HeadsteerTypeError(f"request must be an AtlasRequest, got {type(request).__name__}")
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    given = {} if inputs is None else inputs
+    if not isinstance(given, Mapping):
+        raise HeadsteerTypeError(
+            f"the atlas' inputs are a mapping of the scores it gathers ({', '.join(_INPUTS)}), got "
+            f"{type(inputs).__name__}"
+        )
+    for k in given:
+        if k not in _INPUTS:
+            raise HeadsteerValueError(f"unknown atlas input {k!r}; known: {', '.join(_INPUTS)}")
+    detectors, scores, sinks, maps, lens = (given.get(k) for k in _INPUTS)
     for arg, value in (("detectors", detectors), ("scores", scores)):
         if value is not None and not isinstance(value, Mapping):
             raise HeadsteerTypeError(
                 f"{arg} must be a {{name: HeadScores}} mapping, got {type(value).__name__}"
             )
-    optional: tuple[tuple[str, object, type], ...] = (
-        ("sinks", sinks, SinkStats),
-        ("maps", maps, MapsScores),
-        ("lens", lens, AttentionLens),
-    )
-    for arg, obj, kind in optional:
+    optional: tuple[tuple[str, object, type], ...] = (("sinks", sinks, SinkStats), ("maps", maps, MapsScores))
+    for arg, obj, kind in (*optional, ("lens", lens, AttentionLens)):
         if obj is not None and not isinstance(obj, kind):
             article = "an" if kind.__name__[0] in "AEIOU" else "a"
             raise HeadsteerTypeError(
                 f"{arg} must be {article} {kind.__name__} or None, got {type(obj).__name__}"
             )
-    if lens_text is not None:
-        if lens is None:
-            raise HeadsteerValueError("lens_text needs a lens")
-        if not isinstance(lens_text, str) or not lens_text.strip():
-            raise HeadsteerValueError(f"lens_text must be a non-empty string, got {short_repr(lens_text)}")
+    if request.lens_text is not None and lens is None:
+        raise HeadsteerValueError("lens_text needs a lens")
     if isinstance(detectors, RoleScores):  # its plain mapping (its dict-style reads warn)
         detectors = detectors.as_dict()
-    check_bool("thumbnails", thumbnails)
-    seed = check_seed("seed", seed)
-    stability = check_stability(stability)
     L, H = model.n_layers, model.n_heads
     cols: dict[str, HeadScores] = {}
     extra = dict(scores or {})
@@ -551,9 +571,11 @@ def head_atlas(
             raise HeadsteerValueError(f"score column {short_repr(name)} given twice or reserved")
         cols[name] = _check_scores(name, s, model)
     known = set(cols) | set(will) | ({"best_relation_score"} if maps is not None else set())
-    t = _check_thresholds(thresholds, known)
+    t = dict(request.thresholds)
+    for role in t:
+        _check_role(role, known)
     if detectors is None:
-        det = detect_roles(model, seed=seed, stability=stability)
+        det = detect_roles(model, seed=request.seed, stability=request.stability)
         cols = {**det.as_dict(), **cols}
     base = HeadScores(torch.zeros(L, H), "atlas", model=model.name, n_kv_heads=model.n_kv_heads).to_frame()
     frame = base.drop(columns=["score"])
@@ -570,9 +592,9 @@ def head_atlas(
             frame[f"{n}_p_top_k"] = s.stability.p_top_k.numpy()
             sources[n]["stability"] = s.stability.summary()
     tokens: dict[tuple[int, int], list[str]] = {}
-    if lens is not None and lens_text is not None:
+    if lens is not None and request.lens_text is not None:
         for la, h in lens.heads:
-            df = lens.top_tokens(model, lens_text, la, h, k=1)
+            df = lens.top_tokens(model, request.lens_text, la, h, k=1)
             tokens[(la, h)] = [r[0] for r in df["lens_tokens"]]
-    thumbs = pattern_thumbnails(model, seed=seed) if thumbnails else None
+    thumbs = pattern_thumbnails(model, seed=request.seed) if request.thumbnails else None
     return HeadAtlas(frame, model.name, t, sources, thumbs, tokens)

@@ -50,6 +50,7 @@ from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
 from heads.scorers.roles.needle import MAX_FILLER, needle_prompts, retrieval_scores
+from heads.scorers.roles.request import DetectRolesRequest
 
 # Names imported `as` themselves are re-exported: `heads.scorers.roles.detectors.<name>` stays.
 from heads.scorers.roles.sequences import (
@@ -86,6 +87,7 @@ __all__ = [
     "random_tokens",
     "repeated_tokens",
     "retrieval_scores",
+    "run_detect_roles",
     "self_scores",
     "successor_scores",
 ]
@@ -566,14 +568,34 @@ def detect_roles(
         HeadsteerTypeError: a flag that is not a bool. HeadsteerValueError: a bad seed or
             sequences (see the detectors). Checked before the first forward.
     """
-    check_bool("apply_first_mlp", apply_first_mlp)
-    check_bool("retrieval", retrieval)
-    check_bool("successor", successor)
-    seed = _seed(seed)
-    out = pattern_scores(model, sequences, seed=seed, stability=stability)
-    out["copying"] = copying_scores(model, apply_first_mlp=apply_first_mlp, seed=seed)
-    if successor and model.tokenizer is not None:
-        out["successor"] = successor_scores(model, apply_first_mlp=apply_first_mlp)
-    if retrieval:
-        out["retrieval"] = retrieval_scores(model, seed=seed)
+    request = DetectRolesRequest(
+        apply_first_mlp=apply_first_mlp,
+        seed=seed,
+        retrieval=retrieval,
+        successor=successor,
+        stability=stability,
+    )
+    return run_detect_roles(model, sequences, request)
+
+
+def run_detect_roles(
+    model: HeadModel,
+    sequences: SequencesArg,
+    request: DetectRolesRequest,
+    options: SweepOptions | None = None,
+) -> RoleScores:
+    """Run a `DetectRolesRequest` (what `detect_roles` does once it has built the request, whose
+    values are checked there; see `detect_roles` for the result and the errors). `options`:
+    `max_rows` is the pattern detectors' sequences per forward (`pattern_scores`; without
+    `options`, 8), fewer where `max_memory` needs it."""
+    if not isinstance(request, DetectRolesRequest):
+        raise HeadsteerTypeError(f"request must be a DetectRolesRequest, got {type(request).__name__}")
+    r = request
+    rows = None if options is None else SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory)
+    out = pattern_scores(model, sequences, seed=r.seed, stability=r.stability, options=rows)
+    out["copying"] = copying_scores(model, apply_first_mlp=r.apply_first_mlp, seed=r.seed)
+    if r.successor and model.tokenizer is not None:
+        out["successor"] = successor_scores(model, apply_first_mlp=r.apply_first_mlp)
+    if r.retrieval:
+        out["retrieval"] = retrieval_scores(model, seed=r.seed)
     return RoleScores(out)

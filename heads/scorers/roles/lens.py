@@ -44,24 +44,18 @@ from typing import Any
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import (
-    check_int,
-    check_number,
-    check_path,
-    check_seed,
-    short_repr,
-)
+from heads._util.validation import check_path, short_repr
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadSpec
+from heads.scorers.request_base import expand_layers
 from heads.scorers.roles.attention_lens import (
     LENS_SCHEMA,
     MAX_FULL_HEADS,
     AttentionLens,
     Form,
     _apply,
-    _check_form,
     _kl,
     _read,
 )
@@ -69,6 +63,7 @@ from heads.scorers.roles.attention_lens import (
     LENS_SCHEMA_VERSION as LENS_SCHEMA_VERSION,  # re-exported: the old import path
 )
 from heads.scorers.roles.lens_data import LensData, _check_data, _texts, collect_lens_data
+from heads.scorers.roles.request import MAX_EPOCHS, MAX_LR, LensTrainRequest
 
 __all__ = [
     "LENS_SCHEMA",
@@ -78,14 +73,9 @@ __all__ = [
     "AttentionLens",
     "LensData",
     "collect_lens_data",
+    "run_train_lens",
     "train_lens",
 ]
-
-
-MAX_LR = 1.0
-"""Largest Adam learning rate `train_lens` accepts (a larger step only diverges)."""
-MAX_EPOCHS = 100_000
-"""Most epochs `train_lens` accepts."""
 
 
 _CHECKPOINT_TENSORS = ("current_weight", "current_bias", "best_kl", "adam_step", "m_w", "v_w", "m_b", "v_b")
@@ -189,23 +179,42 @@ def train_lens(
             heads, or a checkpoint of another model, heads, form or training parameters.
         HeadsteerTypeError: `progress` or `checkpoint` of a wrong type.
     """
-    progress = sweep_options(options, deprecated, "train_lens", takes=("progress",)).progress
-    _check_form(form)
-    epochs = check_int("epochs", epochs, lo=1, hi=MAX_EPOCHS)
-    batch_positions = check_int("batch_positions", batch_positions, lo=1)
-    patience = check_int("patience", patience, lo=1)
-    max_positions = check_int("max_positions", max_positions, lo=2)
-    seed = check_seed("seed", seed)
-    lr = check_number("lr", lr, lo=0.0, hi=MAX_LR, lo_open=True)
-    held_out = check_number("held_out", held_out, lo=0.0, hi=1.0, lo_open=True, what="a number in (0, 1)")
-    if held_out == 1.0:
-        raise HeadsteerValueError(f"held_out must be a number in (0, 1), got {short_repr(held_out)}")
+    opts = sweep_options(options, deprecated, "train_lens", takes=("progress",))
+    request = LensTrainRequest(
+        heads=expand_layers(heads, model.n_layers, model.n_heads),  # type: ignore[arg-type]
+        form=form,
+        epochs=epochs,
+        lr=lr,
+        batch_positions=batch_positions,
+        held_out=held_out,
+        patience=patience,
+        max_positions=max_positions,
+        seed=seed,
+    )
+    return run_train_lens(model, texts, request, opts, checkpoint=checkpoint)
+
+
+def run_train_lens(
+    model: HeadModel,
+    texts: Sequence[str] | LensData,
+    request: LensTrainRequest,
+    options: SweepOptions | None = None,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+) -> AttentionLens:
+    """Run a `LensTrainRequest` on `texts` (what `train_lens` does once it has built the request,
+    whose values are checked there; its geometry is checked here against `model`). `options`:
+    only `progress` applies. See `train_lens` for `checkpoint`, the result and the errors."""
+    if not isinstance(request, LensTrainRequest):
+        raise HeadsteerTypeError(f"request must be a LensTrainRequest, got {type(request).__name__}")
+    progress = sweep_options(options, {}, "train_lens", takes=("progress",)).progress
+    request.check_config(model)  # heads in range, a full lens of at most MAX_FULL_HEADS heads
+    form, epochs, lr, seed = request.form, request.epochs, request.lr, request.seed
+    batch_positions, held_out, patience = request.batch_positions, request.held_out, request.patience
+    max_positions = request.max_positions
     if checkpoint is not None:
         checkpoint = check_path("checkpoint", checkpoint)
-    if not (progress is None or isinstance(progress, bool) or callable(progress)):
-        raise HeadsteerTypeError(
-            f"progress must be True, False, None or a callable (done, total), got {type(progress).__name__}"
-        )
+    heads = None if request.heads is None else list(request.heads)
     lens = AttentionLens.init(model, heads, form=form)
     resume_params = {
         "lr": float(lr),

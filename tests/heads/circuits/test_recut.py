@@ -117,9 +117,9 @@ def test_find_circuit_rows_per_forward_follow_the_memory_budget(qwen2, monkeypat
     seen = []
     curve, ev = mod.faithfulness_curve, mod.evaluate
     monkeypatch.setattr(
-        mod, "faithfulness_curve", lambda *a, **k: seen.append(k["batch_rows"]) or curve(*a, **k)
+        mod, "faithfulness_curve", lambda *a, **k: seen.append(k["options"].max_rows) or curve(*a, **k)
     )
-    monkeypatch.setattr(mod, "evaluate", lambda *a, **k: seen.append(k["batch_rows"]) or ev(*a, **k))
+    monkeypatch.setattr(mod, "evaluate", lambda *a, **k: seen.append(k["options"].max_rows) or ev(*a, **k))
     p = _pairs()
     g = graph_of(qwen2)
     # a row as large as a quarter of the budget: 4 rows per forward on the tiny model
