@@ -202,7 +202,7 @@ def dataset_ships(
         HeadsteerValueError: as `ships`, and `r_main` outside 1..N.
         HeadsteerTypeError: a non-bool `degrees`.
     """
-    takes = ("max_rows", "shard", "executor", "progress")
+    takes = ("max_rows", "shard", "executor", "progress", "max_memory")
     opts = sweep_options(options, deprecated, "dataset_ships", takes=takes)
     eps, heads = check_scoring(model, eps, exact, heads)
     if opts.executor is not None:
@@ -211,6 +211,7 @@ def dataset_ships(
         return merge_scores(run_sharded(dataset_ships, model, opts, kw))
     heads = shard_heads(heads, opts.shard)
     enc = encode_dataset(model, prompts, template, r_main)
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     check_bool("degrees", degrees, what="a bool")
     with progress_callback(opts.progress, "dataset ships", "rows") as report:
         clean = clean_run(model, enc)
@@ -267,10 +268,11 @@ def sahara(
         HeadsteerValueError: `steps` < 1 or more steps than candidate heads, a shard or
             executor, and as `dataset_ships`.
     """
-    opts = sweep_options(options, deprecated, "sahara", takes=("max_rows", "progress"))
+    opts = sweep_options(options, deprecated, "sahara", takes=("max_rows", "progress", "max_memory"))
     eps, heads = check_scoring(model, eps, exact, heads)
     check_int("steps", steps, lo=1, hi=len(heads))
     enc = encode_dataset(model, prompts, template, r_main)
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     with progress_callback(opts.progress, "sahara", "rows") as report:
         clean = clean_run(model, enc)
         chosen: list[Head] = []
