@@ -204,7 +204,6 @@ def _make_attention(base: str) -> Callable[..., tuple[torch.Tensor | None, torch
         )
         if not only_read and use_fused(edits, want, query):
             return fused_layer_attention(inputs, edits), None
-        own_output = own_out() if only_read else None
         out, pattern = blocked_attention(
             module,
             inputs,
@@ -214,7 +213,9 @@ def _make_attention(base: str) -> Callable[..., tuple[torch.Tensor | None, torch
             pattern_only=only_read,
             own=None if only_read else own_out,
         )
-        return (own_output, pattern) if only_read else (out, pattern)
+        # the readers first, then the model's own output: a reader that stops the forward once
+        # it has its rows (the explorer's pattern window) saves the layer's whole attention
+        return (own_out(), pattern) if only_read else (out, pattern)
 
     return headsteer_attention
 

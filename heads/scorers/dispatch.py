@@ -127,90 +127,41 @@ def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions
 
 
 def _ships(model: HeadModel, prompts: Any, r: ShipsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.ships import ships
+    from heads.scorers.safety.ships import run_ships
 
-    return ships(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        template=r.template,
-        method=r.method,
-        confirm=r.confirm,
-        controls=r.controls,
-        options=options,
-        stability=r.stability,
-    )
+    return run_ships(model, prompts, r, options)
 
 
 def _dataset_ships(
     model: HeadModel, prompts: Any, r: DatasetShipsRequest, options: SweepOptions | None
 ) -> Any:
-    from heads.scorers.safety.ships import dataset_ships
+    from heads.scorers.safety.ships import run_dataset_ships
 
-    return dataset_ships(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        r_main=r.r_main,
-        degrees=r.degrees,
-        template=r.template,
-        options=options,
-    )
+    return run_dataset_ships(model, prompts, r, options)
 
 
 def _sahara(model: HeadModel, prompts: Any, r: SaharaRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.ships import sahara
+    from heads.scorers.safety.ships import run_sahara
 
-    return sahara(
-        model,
-        prompts,
-        steps=r.steps,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        r_main=r.r_main,
-        template=r.template,
-        options=options,
-    )
+    return run_sahara(model, prompts, r, options)
 
 
 def _attribution(model: HeadModel, prompts: Any, r: AttributionRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.attribution import attribute
+    from heads.scorers.safety.attribution import run_attribution
 
-    return attribute(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        metric=r.metric,
-        kl_tokens=r.kl_tokens,
-        saturation_fix=r.saturation_fix,
-        graddrop=r.graddrop,
-        template=r.template,
-        options=options,
-        stability=r.stability,
-    )
+    return run_attribution(model, prompts, r, options)
 
 
 def _maps(model: HeadModel, relations: Any, r: MapsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.maps.static import maps_scores
+    from heads.scorers.maps.static import run_maps
 
-    return maps_scores(model, relations, apply_first_mlp=r.apply_first_mlp, options=_only_progress(options))
+    return run_maps(model, relations, r, _only_progress(options))
 
 
 def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.retrieval.qrhead import qrhead_scores
+    from heads.scorers.retrieval.qrhead import run_qrhead
 
-    return qrhead_scores(model, items, null_query=r.null_query, chat=r.chat, options=_only_progress(options))
+    return run_qrhead(model, items, r, _only_progress(options))
 
 
 def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions | None) -> Any:
@@ -220,42 +171,27 @@ def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions
 
 
 def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.sinks import SinkRule, sink_stats
+    from heads.scorers.sinks import run_sink_stats
 
-    rule = SinkRule(rule=r.rule, alpha_s=r.alpha_s, theta=r.theta, exempt=r.exempt, min_support=r.min_support)
-    return sink_stats(model, prompts, rule=rule, chat=r.chat, markup=r.markup)
+    return run_sink_stats(model, prompts, r)  # one forward: no sweep option applies
 
 
 def _sink_dims(model: HeadModel, prompts: Any, r: SinkDimsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.sink_dims import find_sink_dims
+    from heads.scorers.sink_dims import run_sink_dims
 
-    return find_sink_dims(model, prompts, from_layer=r.from_layer, max_dims=r.max_dims, min_ratio=r.min_ratio)
+    return run_sink_dims(model, prompts, r)  # one forward: no sweep option applies
 
 
 def _qk(model: HeadModel, prompts: Any, r: QKRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.qk.attribution import qk_attribution
+    from heads.scorers.qk.attribution import run_qk_attribution
 
-    return qk_attribution(model, prompts, r.head, query=r.query, keys=r.keys, by=r.by, chat=r.chat)
+    return run_qk_attribution(model, prompts, r)  # one recording forward: no sweep option applies
 
 
 def _composition(model: HeadModel, prompts: Any, r: CompositionRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.qk.composition import composition_scores, data_composition_scores
+    from heads.scorers.qk.composition import run_composition
 
-    if r.method == "data":
-        if prompts is None:
-            raise HeadsteerValueError("composition_scores(method='data') needs prompts as its input")
-        return data_composition_scores(model, prompts, chat=r.chat)
-    if prompts is not None:
-        raise HeadsteerValueError(
-            "composition_scores(method='weights') reads the weights only; pass no input"
-        )
-    return composition_scores(
-        model,
-        readers=r.readers,
-        subtract_baseline=r.subtract_baseline,
-        n_samples=r.n_samples,
-        seed=r.seed,
-    )
+    return run_composition(model, prompts, r)  # no sweep option applies
 
 
 RUNNERS: dict[type[Request], Runner] = {

@@ -26,6 +26,7 @@ from heads._util.validation import check_int, check_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.inputs.tokens import readable_tokens
@@ -35,11 +36,20 @@ from heads.results.sinks import SCHEMA as SCHEMA
 from heads.results.sinks import SCHEMA_VERSION as SCHEMA_VERSION
 from heads.results.sinks import STATS as STATS
 from heads.results.sinks import SinkStats as SinkStats  # defined there; imported here as before
+from heads.scorers.sink_requests import SinkStatsRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-__all__ = ["SinkRule", "SinkStats", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
+__all__ = [
+    "SinkRule",
+    "SinkStats",
+    "column_scores",
+    "find_sinks",
+    "massive_activations",
+    "run_sink_stats",
+    "sink_stats",
+]
 
 
 Rule = Literal["relative", "absolute"]
@@ -115,7 +125,6 @@ def find_sinks(a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: S
     return flagged
 
 
-@torch.no_grad()
 def _check_rule(rule: object) -> SinkRule:
     if rule is None:
         return SinkRule()
@@ -137,6 +146,9 @@ def sink_stats(
 ) -> SinkStats:
     """Per (layer, head) sink statistics of the prompts' prefill patterns (docs/methods/act.md).
 
+    Builds the `SinkStatsRequest` (the rule's fields, `chat`, `markup`: its checks) and runs it
+    (`run_sink_stats`, as `heads.run` does).
+
     Args:
         prompts: a prompt or a list (strings or chats), encoded as `SteeredModel.generate`
             encodes them, so the statistics are of the token sequence that is steered.
@@ -148,6 +160,30 @@ def sink_stats(
         ValueError: empty prompts, bad rule.
     """
     rule = _check_rule(rule)
+    request = SinkStatsRequest(
+        rule=rule.rule,
+        alpha_s=rule.alpha_s,
+        theta=rule.theta,
+        exempt=rule.exempt,
+        min_support=rule.min_support,
+        chat=chat,
+        markup=markup,
+    )
+    return run_sink_stats(model, prompts, request)
+
+
+@torch.no_grad()
+def run_sink_stats(
+    model: HeadModel, prompts: Sequence, request: SinkStatsRequest, options: SweepOptions | None = None
+) -> SinkStats:
+    """Run a `SinkStatsRequest` on `prompts` (what `sink_stats` does once it has built the
+    request, whose values are checked there; `options` takes no sweep option: one forward of
+    every prompt; see `sink_stats` for the rest)."""
+    if not isinstance(request, SinkStatsRequest):
+        raise HeadsteerTypeError(f"request must be a SinkStatsRequest, got {type(request).__name__}")
+    sweep_options(options, {}, "sink_stats", takes=())
+    rule = SinkRule(request.rule, request.alpha_s, request.theta, request.exempt, request.min_support)
+    chat, markup = request.chat, request.markup
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
     real = enc.attention_mask.bool()
     first = real.float().argmax(-1)

@@ -55,6 +55,9 @@ def _cli(tmp_path, *args):
         (["qk", "--head", "9.0"], "unknown layer 9"),
         (["qk", "--head", "1.7"], "unknown head 7"),
         (["patching", "--kind", "nope"], "--kind"),
+        (["safety", "--steps", "1000"], "steps must be an int in 1.."),
+        (["safety", "--steps", "0"], "--steps"),
+        (["atlas", "--stability", "1"], "--stability"),
     ],
 )
 def test_a_bad_value_exits_2_before_the_weights(no_load, tiny_llama_dir, tmp_path, args, message):

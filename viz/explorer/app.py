@@ -26,7 +26,11 @@ random id and the prompt):
   previous one.
 - `POST /api/pattern {prompt, layer, head, tab}` one head's `[T, T]` pattern with token labels
   (4 decimals), read from the tab's cache (filled first when missing; a prompt too large for the
-  cache budget runs one forward for that head).
+  cache budget runs one forward for that head). A prompt longer than `full_pattern_tokens`
+  (default `MAX_PATTERN_TOKENS`) gets its overview instead (`viz.explorer.overview`: the pattern
+  pooled into at most `OVERVIEW_GRID` x `OVERVIEW_GRID` blocks, key column mass, query row
+  entropy and max), and `{..., q0, q1, k0, k1}` the exact window `[q1 - q0, k1 - k0]` (at most
+  `MAX_WINDOW` each way) of any prompt's pattern.
 - `POST /api/head {prompt, layer, head, tab}` the head's card (a tab's new card cancels its
   previous one): top logit-lens tokens of its output
   at the last position (its direct logit attribution through the final norm,
@@ -81,6 +85,8 @@ from viz.explorer.limits import (
     MAX_NEW_TOKENS,
     MAX_PATTERN_TOKENS,
     MAX_PROMPT_CHARS,
+    MAX_WINDOW,
+    OVERVIEW_CACHE_BYTES,
     PATTERN_CACHE_BYTES,
     SCORES,
 )
@@ -96,6 +102,8 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "MAX_PATTERN_TOKENS",
     "MAX_PROMPT_CHARS",
+    "MAX_WINDOW",
+    "OVERVIEW_CACHE_BYTES",
     "PATTERN_CACHE_BYTES",
     "PROBE_LIMIT",
     "PROBE_TASK",
@@ -119,6 +127,8 @@ def create_explorer(
     atlas: Any = None,
     pattern_cache_bytes: int = PATTERN_CACHE_BYTES,
     hosts: Collection[str] | None = None,
+    full_pattern_tokens: int = MAX_PATTERN_TOKENS,
+    overview_cache_bytes: int = OVERVIEW_CACHE_BYTES,
 ) -> Any:
     """Build the explorer app for a loaded `HeadModel` (with a tokenizer).
 
@@ -132,6 +142,11 @@ def create_explorer(
             without a trailing dot; a loopback IP literal is always accepted (`headsteer explore`
             on a loopback address passes `viz.web.guard.loopback_hosts(...)`, so a
             DNS-rebinding page cannot read the API); default None: any.
+        full_pattern_tokens: longest prompt whose whole `[T, T]` pattern `/api/pattern` sends
+            (default `MAX_PATTERN_TOKENS`, 512); a longer prompt (up to the model's positions)
+            gets an overview per head and exact windows (`viz.explorer.overview`).
+        overview_cache_bytes: byte budget of the per-tab overview cache (default
+            `OVERVIEW_CACHE_BYTES`, 1.5 GiB; 0 turns it off: each long-prompt click records again).
 
     Returns:
         a FastAPI app; `app.state.explorer` is its `viz.explorer.state.ExplorerState`,
@@ -148,7 +163,13 @@ def create_explorer(
     from viz.explorer.routes import ROUTERS
     from viz.explorer.state import ExplorerState
 
-    state = ExplorerState(model, atlas, pattern_cache_bytes)
+    state = ExplorerState(
+        model,
+        atlas,
+        pattern_cache_bytes,
+        full_pattern_tokens=full_pattern_tokens,
+        overview_cache_bytes=overview_cache_bytes,
+    )
     app = FastAPI(title="headsteer explorer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.explorer = state
     app.state.jobs = state.jobs

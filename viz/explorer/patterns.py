@@ -9,6 +9,7 @@ byte budget (least recently used dropped first), so later clicks on that prompt 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -80,19 +81,28 @@ def all_patterns(
     return Patterns(probs, tokens, list(enc.spans[0]))
 
 
-class PatternCache:
-    """`Patterns` per (tab, prompt), least recently used dropped once over `budget` bytes
-    (the explorer's default: `viz.explorer.app.PATTERN_CACHE_BYTES`).
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+P = TypeVar("P", bound=_Sized)
+
+
+class PatternCache(Generic[P]):
+    """`Patterns` (or a long prompt's `viz.explorer.overview.Overview`) per (tab, prompt), least
+    recently used dropped once over `budget` bytes (the explorer's defaults:
+    `viz.explorer.app.PATTERN_CACHE_BYTES`, `viz.explorer.limits.OVERVIEW_CACHE_BYTES`).
 
     Thread-safe. A prompt whose patterns alone exceed the budget is not cached (`fits` is
     False for it: the caller computes the one head it needs instead)."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._items: OrderedDict[tuple[str, str, bool], Patterns] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str, bool], P] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, tab: str, prompt: str, *, chat: bool = True) -> Patterns | None:
+    def get(self, tab: str, prompt: str, *, chat: bool = True) -> P | None:
         """The patterns of `prompt` (rendered with the chat template or not) for `tab`, or None."""
         key = (tab, prompt, chat)
         with self._lock:
@@ -104,7 +114,7 @@ class PatternCache:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
 
-    def put(self, tab: str, prompt: str, patterns: Patterns, *, chat: bool = True) -> None:
+    def put(self, tab: str, prompt: str, patterns: P, *, chat: bool = True) -> None:
         if not self.fits(patterns.nbytes):
             return
         key = (tab, prompt, chat)

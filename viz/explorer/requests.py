@@ -10,7 +10,7 @@ by the endpoint before its job starts (`viz.explorer.state.ExplorerState.encoded
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerValueError
@@ -117,7 +117,9 @@ class PrepareRequest(_Request):
 
 
 class PatternRequest(_Request):
-    """`POST /api/pattern`: one head's `[T, T]` pattern."""
+    """`POST /api/pattern`: one head's `[T, T]` pattern, a long prompt's overview of it (`pool`:
+    its blocks' `"max"` or `"mean"`), or the exact window `q0:q1, k0:k1` of it (all four given;
+    checked against the prompt's tokens by the endpoint)."""
 
     prompt: str = None  # type: ignore[assignment]
     layer: int = None  # type: ignore[assignment]
@@ -125,6 +127,42 @@ class PatternRequest(_Request):
     tab: str = ""
     raw: bool | None = None
     job: str = None  # type: ignore[assignment]
+    pool: str = "max"
+    q0: int | None = None
+    q1: int | None = None
+    k0: int | None = None
+    k1: int | None = None
+
+    @field_validator("pool", mode="before")
+    @classmethod
+    def _pool(cls, v: object) -> str:
+        if v is None:
+            return "max"
+        if v not in ("max", "mean"):
+            raise HeadsteerValueError(f"pool must be 'max' or 'mean', got {short_repr(v)}")
+        return str(v)
+
+    @field_validator("q0", "q1", "k0", "k1", mode="before")
+    @classmethod
+    def _bound(cls, v: object, info: ValidationInfo) -> int | None:
+        return None if v is None else check_int(str(info.field_name), v, lo=0)
+
+    @model_validator(mode="after")
+    def _window_whole(self) -> "PatternRequest":
+        given = [k for k in ("q0", "q1", "k0", "k1") if getattr(self, k) is not None]
+        if given and len(given) != 4:
+            missing = [k for k in ("q0", "q1", "k0", "k1") if k not in given]
+            raise HeadsteerValueError(
+                f"a pattern window needs q0, q1, k0 and k1; missing {', '.join(missing)}"
+            )
+        return self
+
+    @property
+    def window(self) -> tuple[int, int, int, int] | None:
+        """`(q0, q1, k0, k1)` when a window is asked for, else None."""
+        if self.q0 is None or self.q1 is None or self.k0 is None or self.k1 is None:
+            return None
+        return (self.q0, self.q1, self.k0, self.k1)
 
 
 class HeadRequest(_Request):

@@ -20,6 +20,8 @@ from viz.explorer.limits import (
     CARD_CACHE,
     MAX_PATTERN_TOKENS,
     MAX_SOURCES_BYTES,
+    MAX_WINDOW,
+    OVERVIEW_CACHE_BYTES,
     SCORE_CACHE_PROMPTS,
 )
 from viz.explorer.patterns import PatternCache, Patterns, pattern_bytes
@@ -28,6 +30,7 @@ from viz.explorer.scores import Cancelled, grid
 if TYPE_CHECKING:
     from heads.inputs.prompts import EncodedPrompts
     from heads.model.adapter import HeadModel
+    from viz.explorer.overview import Overview
 
 __all__ = ["ExplorerState", "Lru", "shipped_heads"]
 
@@ -73,6 +76,9 @@ class ExplorerState:
         model: the `HeadModel` (with a tokenizer).
         atlas: a `HeadAtlas` of this model, or None (computed on demand).
         pattern_cache_bytes: byte budget of the per-tab pattern cache (0: off).
+        full_pattern_tokens: longest prompt whose whole `[T, T]` patterns are sent (default
+            `MAX_PATTERN_TOKENS`); a longer one gets the overview and windows.
+        overview_cache_bytes: byte budget of the per-tab overview cache (0: off).
 
     Attributes:
         lock: the model lock: one job runs the model at a time (the engine's edits are per
@@ -81,7 +87,15 @@ class ExplorerState:
         cache: `atlas`, `maps`, `probes`, `sources` (MAPS' vocabulary sources) once computed.
     """
 
-    def __init__(self, model: "HeadModel", atlas: Any, pattern_cache_bytes: int):
+    def __init__(
+        self,
+        model: "HeadModel",
+        atlas: Any,
+        pattern_cache_bytes: int,
+        *,
+        full_pattern_tokens: int = MAX_PATTERN_TOKENS,
+        overview_cache_bytes: int = OVERVIEW_CACHE_BYTES,
+    ):
         from steer.steered_model import SteeredModel
 
         if model.tokenizer is None:
@@ -99,7 +113,9 @@ class ExplorerState:
         self.cache: dict[str, Any] = {"atlas": atlas, "maps": None, "probes": None, "sources": None}
         self.prompt_scores = Lru(SCORE_CACHE_PROMPTS * 2)  # (kind, prompt, chat) -> "dla" / "ships" result
         self.cards = Lru(CARD_CACHE)  # ("lens", text, layer, head) / ("maps", layer, head) -> card parts
-        self.patterns = PatternCache(pattern_cache_bytes)
+        self.patterns: PatternCache[Patterns] = PatternCache(pattern_cache_bytes)
+        self.full_pattern_tokens = full_pattern_tokens
+        self.overviews: PatternCache[Overview] = PatternCache(overview_cache_bytes)
         self.plotly_gz: bytes | None = None
 
     @property
@@ -113,19 +129,52 @@ class ExplorerState:
 
     def encoded(self, prompt: str, chat: bool, new_tokens: int = 0) -> "EncodedPrompts":
         """The prompt encoded as every endpoint runs it, refused (400) before any job when it does
-        not fit the model's positions with `new_tokens` more, or when a `[T, T]` pattern of it
-        would pass `MAX_PATTERN_TOKENS`."""
+        not fit the model's positions (`HeadModel.max_positions`), or not with `new_tokens` more."""
         from heads.inputs.prompts import encode_prompts
         from steer.steered_model import check_new_tokens
 
         enc = encode_prompts(self.model.tokenizer, prompt, chat=chat)
-        check_new_tokens(self.model, enc.length, new_tokens, "max_new_tokens")
-        if enc.length > MAX_PATTERN_TOKENS:
+        limit = self.model.max_positions
+        if limit is not None and enc.length > limit:
             raise HeadsteerValueError(
-                f"the prompt has {enc.length} tokens, more than the explorer's limit of "
-                f"{MAX_PATTERN_TOKENS} (a [T, T] pattern of it would be {enc.length**2:,} numbers)"
+                f"the prompt has {enc.length} tokens, more than the model's limit of {limit} positions"
             )
+        check_new_tokens(self.model, enc.length, new_tokens, "max_new_tokens")
         return enc
+
+    def is_long(self, n_tokens: int) -> bool:
+        """Whether a prompt of `n_tokens` tokens gets the overview (more than `full_pattern_tokens`)."""
+        return n_tokens > self.full_pattern_tokens
+
+    def record_overview(self, prompt: str, tab: str, chat: bool, flag: threading.Event) -> "Overview":
+        """The prompt's overview (one forward, stopped at the next query block once `flag` is set),
+        kept for the tab; call under the model lock, inside a job."""
+        from viz.explorer import overview
+
+        got = self.overviews.get(tab, prompt, chat=chat)  # another job may have recorded it meanwhile
+        if got is None:
+            enc = self.encoded(prompt, chat)
+            got = overview.record_overview(self.model, enc, stop=flag)
+            self.overviews.put(tab, prompt, got, chat=chat)
+        return got
+
+    @staticmethod
+    def check_window(window: tuple[int, int, int, int], n_tokens: int) -> None:
+        """HTTP 400 naming the value when a window `(q0, q1, k0, k1)` is not inside the prompt's
+        `n_tokens` positions or passes `MAX_WINDOW` rows or columns."""
+        q0, q1, k0, k1 = window
+        for lo, hi, a, b in ((q0, q1, "q0", "q1"), (k0, k1, "k0", "k1")):
+            if hi > n_tokens:
+                raise HeadsteerValueError(
+                    f"{b}={hi} is past the prompt's {n_tokens} tokens (at most {n_tokens})"
+                )
+            if lo >= hi:
+                raise HeadsteerValueError(f"{a}={lo} must be below {b}={hi}")
+            if hi - lo > MAX_WINDOW:
+                what = "rows" if a == "q0" else "columns"
+                raise HeadsteerValueError(
+                    f"{b}-{a}={hi - lo} is more than the window limit of {MAX_WINDOW} {what}"
+                )
 
     def patterns_fit(self, enc: "EncodedPrompts") -> bool:
         """Whether the prompt's `[L, H, T, T]` patterns fit the pattern cache."""

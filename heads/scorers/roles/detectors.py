@@ -584,10 +584,8 @@ def run_detect_roles(
     request: DetectRolesRequest,
     options: SweepOptions | None = None,
 ) -> RoleScores:
-    """Run a `DetectRolesRequest` (what `detect_roles` does once it has built the request, whose
-    values are checked there; see `detect_roles` for the result and the errors). `options`:
-    `max_rows` is the pattern detectors' sequences per forward (`pattern_scores`; without
-    `options`, 8), fewer where `max_memory` needs it."""
+    """Run a `DetectRolesRequest` (built and checked by `detect_roles`: see there for the result and
+    the errors); `options`' `max_rows` / `max_memory` bound `pattern_scores`' sequences per forward."""
     if not isinstance(request, DetectRolesRequest):
         raise HeadsteerTypeError(f"request must be a DetectRolesRequest, got {type(request).__name__}")
     r = request
