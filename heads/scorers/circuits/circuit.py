@@ -17,8 +17,8 @@ MIB's summaries are areas over the edge fraction k in [0, 1] (trapezoid rule):
 CPR = area under f(k) (higher is better), CMD = area under |1 - f(k)| (lower is better).
 
 This module holds the evaluation (`evaluate`, `faithfulness_curve`, `circuit_stability`) and
-`find_circuit`; the `Circuit` result and `select` live in `heads.scorers.circuits.result`, the
-pruning in `heads.scorers.circuits.pruning` (both re-exported here).
+`find_circuit`; the `Circuit` result and `select` live in `heads.results.circuits`, the
+pruning in `heads.results.graph` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.circuits import Circuit, select, warn_most_heads
+from heads.results.graph import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
 from heads.results.stability import Stability
 from heads.scorers.circuits.graph import Graph, graph_of
-from heads.scorers.circuits.pruning import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
-from heads.scorers.circuits.result import Circuit, select, warn_most_heads
 
 # Re-exported (`as` themselves): their import path `heads.scorers.circuits.circuit.<name>` stays.
-from heads.scorers.circuits.result import (  # isort: skip
+from heads.results.circuits import (  # isort: skip
     MAX_HEADS as MAX_HEADS,
     MAX_LAYERS as MAX_LAYERS,
     MOST_HEADS as MOST_HEADS,
@@ -430,7 +430,9 @@ def _run(
         n = _n_of(graph, r.size)
     met = get_metric(r.metric)
     quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
-    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
+    sc = chunked_edge_scores(
+        model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
+    )
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)
