@@ -115,6 +115,8 @@ def test_report_qk_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
         ('{"request": "patch"}', [], "needs its inputs"),
         ('{"request": "composition_scores"}', ["--inputs", "ioi"], "takes no inputs"),
         ('{"request": "head_atlas"}', [], "report atlas"),
+        ('{"request": "patch"}', ["--inputs", "ioi", "--max-memory", "lots"], "--max-memory"),
+        ('{"request": "patch"}', ["--inputs", "ioi", "--max-rows", "0"], "--max-rows"),
     ],
 )
 def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, request_json, extra, message):

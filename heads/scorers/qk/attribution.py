@@ -41,7 +41,7 @@ from heads.results.qk import QKAttribution
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
-from heads.scorers.qk.request import BY, QKRequest, parse_head_text
+from heads.scorers.qk.request import BY, QKRequest, parse_head_text, qk_positions
 from heads.scorers.qk.sides import Side, components, side
 from heads.scorers.request_base import check_choice
 
@@ -121,18 +121,6 @@ def encode_input(
     return ids, mask, tokens
 
 
-def _positions(value: object, name: str) -> list[int]:
-    if is_int(value):
-        return [int(value)]
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-        raise HeadsteerValueError(
-            f"{name} must be a position or a non-empty list of positions, got {short_repr(value)}"
-        )
-    if not all(is_int(x) for x in value):
-        raise HeadsteerValueError(f"{name} must be ints, got {short_repr(value)}")
-    return [int(x) for x in value]
-
-
 def resolve_positions(lengths: list[int], query: object, keys: object) -> tuple[torch.Tensor, torch.Tensor]:
     """`(queries [N, Q], keys [N, K])` token positions per prompt (negatives count from each
     prompt's end; `keys=None`: every position up to the last query, -1 past a prompt's end).
@@ -140,8 +128,8 @@ def resolve_positions(lengths: list[int], query: object, keys: object) -> tuple[
     Raises:
         ValueError: a position outside a prompt, a key after a query, a repeated position.
     """
-    qs = _positions(query, "query")
-    ks = None if keys is None else _positions(keys, "keys")
+    qs = qk_positions("query", query)  # the request's check
+    ks = None if keys is None else qk_positions("keys", keys)
     out_q, out_k = [], []
     for n, length in enumerate(lengths):
         row = []
