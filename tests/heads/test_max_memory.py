@@ -177,3 +177,83 @@ def test_measured_peak_rss_stays_under_the_budget():
     room = got["budget"] - got["weights"]
     assert got["capped"] <= room, got
     assert got["free"] > room, got  # the budget is what kept the run under it
+
+
+def _knockout_pairs():
+    from heads.scorers.patching import pairs_from_tokens
+
+    clean, corrupted = [[40, 41, 42, 43, 44, 45]], [[40, 41, 49, 43, 44, 45]]
+    return pairs_from_tokens(clean, corrupted, [[20]], [[21]], positions={"IO": [2]})
+
+
+_PROMPTS = ["Hello there", "How do I bake bread?", "Tell me a joke"]
+_ITEMS = [
+    {"question": "Where was Orlan born?", "passages": ["Orlan was born in Delmar.", "Mira sings."], "gold": 0}
+]
+
+
+def _sweeps(tokenizer):
+    """Every other sweep taking `options`, called with `max_memory` (a `SweepOptions` -> call)."""
+    from heads.scorers.circuits.circuit import find_circuit
+    from heads.scorers.circuits.scores import edge_scores
+    from heads.scorers.gating import gate_heads, gate_task
+    from heads.scorers.patching.knockout import knockout
+    from heads.scorers.retrieval.qrhead import qrhead_scores
+    from heads.scorers.safety.attribution import sahara_candidates
+    from heads.scorers.safety.ships import dataset_ships, sahara, ships
+
+    pairs = encode_pairs(tokenizer, PAIRS)
+    return {
+        "knockout": lambda m, o: knockout(m, _knockout_pairs(), "IO", options=o),
+        "edge_scores": lambda m, o: edge_scores(m, pairs, method="eap", options=o),
+        "find_circuit": lambda m, o: find_circuit(m, pairs, method="eap", n=3, options=o),
+        "qrhead_scores": lambda m, o: qrhead_scores(m, _ITEMS, chat=False, options=o),
+        "gate_heads": lambda m, o: gate_heads(
+            m, gate_task(m, _PROMPTS, [" a", " b", " c"]), steps=1, options=o
+        ),
+        "dataset_ships": lambda m, o: dataset_ships(m, _PROMPTS, options=o),
+        "sahara": lambda m, o: sahara(m, _PROMPTS, steps=1, options=o),
+        "ships_attribution": lambda m, o: ships(m, _PROMPTS, method="attribution", confirm=1, options=o),
+        "sahara_candidates": lambda m, o: sahara_candidates(
+            m, _PROMPTS, k=2, options=o.replace(progress=True)
+        ),
+    }
+
+
+SWEEPS = (
+    "knockout",
+    "edge_scores",
+    "find_circuit",
+    "qrhead_scores",
+    "gate_heads",
+    "dataset_ships",
+    "sahara",
+    "ships_attribution",
+    "sahara_candidates",
+)
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_every_sweep_refuses_a_budget_below_its_minimum_before_any_forward(
+    tiny_llama, tokenizer, monkeypatch, name
+):
+    call = _sweeps(tokenizer)[name]
+    _no_forward(tiny_llama, monkeypatch)
+    with pytest.raises(HeadsteerValueError, match=r"needs at least \S+ \wB .* max_memory is 1 KB"):
+        call(tiny_llama, SweepOptions(progress=False, max_memory="1KB"))
+
+
+def test_run_never_drops_a_budget(tiny_llama, monkeypatch):
+    """`run(..., options=SweepOptions(max_memory=...))`: an analysis without sweep options refuses
+    the budget by name; one that takes only `progress` gets the budget too (honoured or refused),
+    never silently dropped."""
+    from heads import run
+    from heads.scorers.maps.request import MapsRequest
+    from heads.scorers.sink_requests import SinkStatsRequest
+
+    _no_forward(tiny_llama, monkeypatch)
+    opts = SweepOptions(progress=False, max_memory="100GB")
+    with pytest.raises(HeadsteerValueError, match=r"sink_stats request takes no SweepOptions\(max_memory=\)"):
+        run(tiny_llama, SinkStatsRequest(), ["Hello"], options=opts)
+    with pytest.raises(HeadsteerValueError, match="maps_scores does not take max_memory"):
+        run(tiny_llama, MapsRequest(), [("France", "Paris")], options=opts)

@@ -430,7 +430,9 @@ def _run(
         n = _n_of(graph, r.size)
     met = get_metric(r.metric)
     quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
-    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
+    sc = chunked_edge_scores(
+        model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
+    )
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)

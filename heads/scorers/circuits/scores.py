@@ -193,7 +193,9 @@ def edge_scores(
         options: `heads.SweepOptions`; `max_rows` (default 64) is the rows per forward of the
             exact runs (edge x pair), and `max_rows // 8` (default 8) the pairs per chunk of the
             gradient runs (bounds memory); `progress`: True (default: a bar), False / None, or a
-            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact).
+            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact);
+            `max_memory`: both lowered to the rows the `"gradient"` / `"forward"` plans fit in
+            it, refused before any forward when one row does not fit.
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
@@ -206,9 +208,18 @@ def edge_scores(
             confirm < 0, a refused family (named), pairs
             whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
-    batch_size, opts = _batch_size(options, deprecated, "edge_scores")
+    batch_size, opts = _batch_size(options, deprecated, "edge_scores", ("max_rows", "progress", "max_memory"))
     return chunked_edge_scores(
-        model, pairs, method, steps, metric, confirm, batch_size, opts.max_rows, opts.progress
+        model,
+        pairs,
+        method,
+        steps,
+        metric,
+        confirm,
+        batch_size,
+        opts.max_rows,
+        opts.progress,
+        opts.max_memory,
     )
 
 
@@ -222,9 +233,12 @@ def chunked_edge_scores(
     batch_size: int,
     batch_rows: int,
     progress: ProgressArg,
+    max_memory: int | str | None = None,
 ) -> EdgeScores:
     """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
-    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows). Same errors."""
+    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows); `max_memory`
+    (bytes) lowers both to the `"gradient"` / `"forward"` plans' rows within it (refused before
+    any forward when one row does not fit). Same errors."""
     if method not in METHODS:
         raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
     check_steps(method, steps)
@@ -232,6 +246,9 @@ def chunked_edge_scores(
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
+    budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
+    batch_size = budget.replace(max_rows=batch_size).within(model, pairs.width, "gradient").max_rows
+    batch_rows = budget.replace(max_rows=batch_rows).within(model, pairs.width).max_rows
     if confirm > graph.n_edges:
         raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
     if method == "exact":
