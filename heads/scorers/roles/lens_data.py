@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from heads._util.validation import (
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -83,7 +85,8 @@ def collect_lens_data(
     heads: HeadSpec | None = None,
     *,
     max_positions: int = 4096,
-    batch_size: int = 8,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> LensData:
     """Head outputs and model logits on `texts` (plain, no chat template), real positions only,
     at most `max_positions` (the first ones, in text order).
@@ -92,7 +95,10 @@ def collect_lens_data(
         texts: a text or a non-empty list of non-empty texts.
         heads: a head selection (`HeadSet.parse`; default every head).
         max_positions: positions kept (a positive int, default 4096).
-        batch_size: texts per forward (a positive int, default 8).
+        options: `heads.SweepOptions`; only `max_rows` applies: texts per forward (default 8
+            where `max_rows` is left at its default).
+        **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
+            `DeprecationWarning`; refused together with `options.max_rows` set).
 
     Returns:
         `LensData`: outputs `[n, N, D]` fp32, target logits `[N, V]` fp16, N <= `max_positions`.
@@ -105,7 +111,7 @@ def collect_lens_data(
         raise HeadsteerValueError("collect_lens_data needs a HeadModel with a tokenizer")
     texts = _texts(texts)
     max_positions = check_int("max_positions", max_positions, lo=1)
-    batch_size = check_int("batch_size", batch_size, lo=1)
+    batch_size = sweep_rows(options, deprecated, "collect_lens_data", default=8).max_rows
     hs = _heads(model, heads)
     by_layer: dict[int, list[int]] = {}
     for la, h in hs:
