@@ -173,7 +173,7 @@ def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions
 def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.sinks import run_sink_stats
 
-    return run_sink_stats(model, prompts, r)  # one forward: no sweep option applies
+    return run_sink_stats(model, prompts, r, options)  # one forward: max_memory checked, no split
 
 
 def _sink_dims(model: HeadModel, prompts: Any, r: SinkDimsRequest, options: SweepOptions | None) -> Any:
@@ -222,7 +222,6 @@ _NO_OPTIONS: tuple[type[Request], ...] = (
     DLARequest,
     LensRequest,
     AtlasRequest,
-    SinkStatsRequest,
     SinkDimsRequest,
     QKRequest,
     CompositionRequest,

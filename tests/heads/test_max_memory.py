@@ -245,15 +245,24 @@ def test_every_sweep_refuses_a_budget_below_its_minimum_before_any_forward(
 
 def test_run_never_drops_a_budget(tiny_llama, monkeypatch):
     """`run(..., options=SweepOptions(max_memory=...))`: an analysis without sweep options refuses
-    the budget by name; one that takes only `progress` gets the budget too (honoured or refused),
-    never silently dropped."""
+    the budget by name; one that takes only `progress` gets the budget too (honoured or refused);
+    the sink statistics (one forward, not split) check it before their forward. Never dropped."""
     from heads import run
     from heads.scorers.maps.request import MapsRequest
-    from heads.scorers.sink_requests import SinkStatsRequest
+    from heads.scorers.sink_requests import SinkDimsRequest, SinkStatsRequest
 
     _no_forward(tiny_llama, monkeypatch)
     opts = SweepOptions(progress=False, max_memory="100GB")
-    with pytest.raises(HeadsteerValueError, match=r"sink_stats request takes no SweepOptions\(max_memory=\)"):
-        run(tiny_llama, SinkStatsRequest(), ["Hello"], options=opts)
+    with pytest.raises(HeadsteerValueError, match=r"sink_dims request takes no SweepOptions\(max_memory=\)"):
+        run(tiny_llama, SinkDimsRequest(), ["Hello"], options=opts)
     with pytest.raises(HeadsteerValueError, match="maps_scores does not take max_memory"):
         run(tiny_llama, MapsRequest(), [("France", "Paris")], options=opts)
+    with pytest.raises(
+        HeadsteerValueError, match=r"sinks on 2 x \d+ tokens needs at least .* max_memory is 1 KB"
+    ):
+        run(
+            tiny_llama,
+            SinkStatsRequest(chat=False),
+            ["Hello", "Hi there"],
+            options=SweepOptions(max_memory="1KB"),
+        )
