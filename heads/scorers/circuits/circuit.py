@@ -49,7 +49,7 @@ from heads.results.circuits import (  # isort: skip
     _n_edges as _n_edges,
     _parse as _parse,
 )
-from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.circuits.request import SIZES, CircuitRequest
 from heads.scorers.circuits.scores import (
     EdgeScores,
     _batch_size,
@@ -79,8 +79,6 @@ __all__ = [
     "DEFAULT_FAITHFULNESS",
 ]
 
-SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-"""Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
 
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`): `find_circuit`
