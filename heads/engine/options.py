@@ -8,6 +8,13 @@ reported (the seed draws random control heads where a scorer has them).
 
     from heads import SweepOptions
     ships(model, prompts, options=SweepOptions(max_rows=32, progress=False))
+
+A memory budget (`max_memory`) is honoured by one line in each sweep, before its first forward:
+`opts = opts.within(model, tokens, plan)` lowers `max_rows` to the rows the memory plan of that
+kind of forward fits (`"forward"`, `"gradient"`, `"detectors"`, ...; `heads.planning.ANALYSES`),
+and `opts.check_run(model, tokens, plan, batch)` refuses a run that has no batch to shrink; a
+sweep that cannot honour it leaves `"max_memory"` out of its `takes`, so it is refused by name
+(docs/long-context.md lists which analysis runs under which plan).
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ class SweepOptions:
         max_memory: a memory budget per device (bytes, or `"24GB"` / `"80GiB"`; default None:
             none). A sweep then runs at most the batch rows whose planned peak stays within it
             (`rows_for`, from `heads.plan_memory`), fewer than `max_rows` where needed, and is
-            refused before its first forward, with the minimum named, when one row does not fit.
+            refused before its first forward, with the minimum named, when one row does not fit
+            (`within`); an analysis without a batch to shrink is refused when its one run does
+            not fit (`check_run`); one that takes no budget refuses it by name.
 
     Raises:
         HeadsteerValueError: `max_rows` not a positive int, a bad `shard`, `shard` together
