@@ -219,9 +219,11 @@ def _sweeps(tokenizer):
     from heads.scorers.circuits.circuit import find_circuit
     from heads.scorers.circuits.scores import edge_scores
     from heads.scorers.gating import gate_heads, gate_task
+    from heads.scorers.patching.evaluate import evaluate_pairs
     from heads.scorers.patching.knockout import knockout
     from heads.scorers.retrieval.qrhead import qrhead_scores
     from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.needle import retrieval_scores
     from heads.scorers.safety.attribution import sahara_candidates
     from heads.scorers.safety.ships import dataset_ships, sahara, ships
 
@@ -237,6 +239,8 @@ def _sweeps(tokenizer):
         "dataset_ships": lambda m, o: dataset_ships(m, _PROMPTS, options=o),
         "sahara": lambda m, o: sahara(m, _PROMPTS, steps=1, options=o),
         "ships_attribution": lambda m, o: ships(m, _PROMPTS, method="attribution", confirm=1, options=o),
+        "evaluate_pairs": lambda m, o: evaluate_pairs(m, pairs, options=o.replace(progress=True)),
+        "retrieval_scores": lambda m, o: retrieval_scores(m, n_prompts=2, options=o.replace(progress=True)),
         "train_lens": lambda m, o: train_lens(m, ["one two three", "four five six"], options=o),
         "sahara_candidates": lambda m, o: sahara_candidates(
             m, _PROMPTS, k=2, options=o.replace(progress=True)
@@ -255,6 +259,8 @@ SWEEPS = (
     "ships_attribution",
     "sahara_candidates",
     "train_lens",
+    "evaluate_pairs",
+    "retrieval_scores",
 )
 
 
