@@ -54,8 +54,10 @@ def _opts(options: SweepOptions | None) -> SweepOptions:
 
 
 def _only_progress(options: SweepOptions | None) -> SweepOptions:
-    """The `progress` of `options` alone (for the analyses that take no other sweep option)."""
-    return SweepOptions(progress=_opts(options).progress)
+    """The `progress` and `max_memory` of `options` alone (for the analyses that take no other
+    sweep option; each honours a budget or refuses it, never drops it)."""
+    o = _opts(options)
+    return SweepOptions(progress=o.progress, max_memory=o.max_memory)
 
 
 def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions | None) -> Any:
@@ -115,7 +117,7 @@ def _detect_roles(
 def _train_lens(model: HeadModel, texts: Any, r: LensTrainRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.roles.lens import run_train_lens
 
-    return run_train_lens(model, texts, r, SweepOptions(progress=_opts(options).progress))
+    return run_train_lens(model, texts, r, _only_progress(options))
 
 
 def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions | None) -> Any:
@@ -171,7 +173,7 @@ def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions
 def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.sinks import run_sink_stats
 
-    return run_sink_stats(model, prompts, r)  # one forward: no sweep option applies
+    return run_sink_stats(model, prompts, r, options)  # one forward: max_memory checked, no split
 
 
 def _sink_dims(model: HeadModel, prompts: Any, r: SinkDimsRequest, options: SweepOptions | None) -> Any:
@@ -215,6 +217,17 @@ RUNNERS: dict[type[Request], Runner] = {
     CompositionRequest: _composition,
 }
 """Request type -> `runner(model, inputs, request, options)`."""
+
+_NO_OPTIONS: tuple[type[Request], ...] = (
+    DLARequest,
+    LensRequest,
+    AtlasRequest,
+    SinkDimsRequest,
+    QKRequest,
+    CompositionRequest,
+)
+"""Requests whose analysis takes no `SweepOptions`: a `max_memory` given with them is refused
+(never dropped)."""
 
 _NO_INPUT = (CompositionRequest, AtlasRequest, DetectRolesRequest)
 """Requests whose input may be left out (weights only, gathered scores, default sequences)."""
@@ -264,4 +277,9 @@ def run(
             f"a {request.NAME} request needs its input (pairs, prompts, ...): run(model, request, inputs)"
         )
     request.check_config(model)
+    if options is not None and options.max_memory is not None and isinstance(request, _NO_OPTIONS):
+        raise HeadsteerValueError(
+            f"a {request.NAME} request takes no SweepOptions(max_memory=): its analysis runs without "
+            "sweep options, so a budget would not bound it; run it without max_memory"
+        )
     return runner(model, inputs[0] if inputs else None, request, options)

@@ -170,14 +170,16 @@ def run_sink_stats(
     model: HeadModel, prompts: Sequence, request: SinkStatsRequest, options: SweepOptions | None = None
 ) -> SinkStats:
     """Run a `SinkStatsRequest` on `prompts` (what `sink_stats` does once it has built the
-    request, whose values are checked there; `options` takes no sweep option: one forward of
-    every prompt; see `sink_stats` for the rest)."""
+    request, whose values are checked there; `options` takes `max_memory` only: one forward of
+    every prompt, refused before it when its `"sinks"` plan exceeds the budget; see `sink_stats`
+    for the rest)."""
     if not isinstance(request, SinkStatsRequest):
         raise HeadsteerTypeError(f"request must be a SinkStatsRequest, got {type(request).__name__}")
-    sweep_options(options, {}, "sink_stats", takes=())
+    opts = sweep_options(options, {}, "sink_stats", takes=("max_memory",))
     rule = request  # its rule fields are a SinkRule's, checked by the same function
     chat, markup = request.chat, request.markup
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
+    opts.check_run(model, enc.length, "sinks", enc.batch)  # max_memory: one forward, not split
     real = enc.attention_mask.bool()
     first = real.float().argmax(-1)
     rows = torch.arange(enc.batch)

@@ -150,3 +150,13 @@ def test_run_saves_what_heads_run_gives(tiny_llama, tiny_llama_dir, tmp_path):
     r = CliRunner().invoke(app, args)  # the result exists: refused without --force, untouched
     one_line_error(r, "exists")
     assert out.read_bytes() == before
+
+
+def test_run_knows_the_inputs_of_every_request():
+    """Every request class `heads` defines is either run by `headsteer run` (its inputs known) or
+    refused by name: a new request is not silently given the wrong inputs."""
+    from heads.scorers.request_base import request_classes
+    from viz.cli.run_request import NO_INPUT, PAIRS, PROMPTS
+
+    python_only = {"head_atlas", "gate_heads", "qrhead_scores"}  # their inputs are Python objects
+    assert set(request_classes()) == {*PAIRS, *PROMPTS, *NO_INPUT} | python_only

@@ -49,7 +49,7 @@ from heads.results.circuits import (  # isort: skip
     _n_edges as _n_edges,
     _parse as _parse,
 )
-from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.circuits.request import SIZES, CircuitRequest
 from heads.scorers.circuits.scores import (
     EdgeScores,
     _batch_size,
@@ -79,8 +79,6 @@ __all__ = [
     "DEFAULT_FAITHFULNESS",
 ]
 
-SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-"""Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
 
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`): `find_circuit`
@@ -430,7 +428,9 @@ def _run(
         n = _n_of(graph, r.size)
     met = get_metric(r.metric)
     quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
-    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
+    sc = chunked_edge_scores(
+        model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
+    )
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)

@@ -33,13 +33,15 @@ from typing import Any
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_int
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
+from heads.scorers.circuits.request import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported
+from heads.scorers.circuits.request import MAX_STEPS, METHODS, CircuitRequest
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -56,29 +58,6 @@ __all__ = [
 PATCH_MEMORY = 512 * 2**20
 """Bytes that the upstream differences of one exact patched forward may take (`patched_metrics`):
 rows (patch x pair) are run in forwards small enough to fit, one row per forward at the least."""
-
-METHODS = ("eap", "eap-ig", "exact")
-"""`method=` values of `edge_scores`."""
-MAX_STEPS = 100
-"""The most EAP-IG interpolation steps `edge_scores` accepts (each step is a forward and backward
-over every pair)."""
-DEFAULT_STEPS = 5
-"""EAP-IG's default interpolation steps m (Hanna et al. 2024)."""
-
-
-def check_steps(method: str, steps: object) -> int:
-    """`steps` as an int in 1..MAX_STEPS; only `"eap-ig"` takes steps, so another method with a
-    non-default `steps` is refused rather than silently recorded.
-
-    Raises:
-        HeadsteerValueError: steps not an int in 1..MAX_STEPS, or steps != 5 with method eap / exact.
-    """
-    n = check_int("steps", steps, lo=1, hi=MAX_STEPS)
-    if method != "eap-ig" and n != DEFAULT_STEPS:
-        raise HeadsteerValueError(
-            f"steps={n} is only used by method='eap-ig', not method={short_repr(method)}"
-        )
-    return n
 
 
 def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
@@ -193,7 +172,9 @@ def edge_scores(
         options: `heads.SweepOptions`; `max_rows` (default 64) is the rows per forward of the
             exact runs (edge x pair), and `max_rows // 8` (default 8) the pairs per chunk of the
             gradient runs (bounds memory); `progress`: True (default: a bar), False / None, or a
-            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact).
+            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact);
+            `max_memory`: both lowered to the rows the `"gradient"` / `"forward"` plans fit in
+            it, refused before any forward when one row does not fit.
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
@@ -206,9 +187,22 @@ def edge_scores(
             confirm < 0, a refused family (named), pairs
             whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
-    batch_size, opts = _batch_size(options, deprecated, "edge_scores")
+    batch_size, opts = _batch_size(options, deprecated, "edge_scores", ("max_rows", "progress", "max_memory"))
+    # the values are checked once, by the request find_circuit runs (its edge-score fields)
+    request = CircuitRequest(method=method, steps=steps, metric=metric, confirm=confirm, curve=False)
+    graph_of(model)  # a refused family is named before the geometry check
+    request.check_config(model)  # confirm within the graph's edges
     return chunked_edge_scores(
-        model, pairs, method, steps, metric, confirm, batch_size, opts.max_rows, opts.progress
+        model,
+        pairs,
+        request.method,
+        request.steps,
+        metric,
+        request.confirm,
+        batch_size,
+        opts.max_rows,
+        opts.progress,
+        opts.max_memory,
     )
 
 
@@ -222,18 +216,19 @@ def chunked_edge_scores(
     batch_size: int,
     batch_rows: int,
     progress: ProgressArg,
+    max_memory: int | str | None = None,
 ) -> EdgeScores:
     """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
-    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows). Same errors."""
-    if method not in METHODS:
-        raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
-    check_steps(method, steps)
-    check_int("confirm", confirm, lo=0)
+    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows); `max_memory`
+    (bytes) lowers both to the `"gradient"` / `"forward"` plans' rows within it (refused before
+    any forward when one row does not fit). The method, steps and confirm are a checked
+    `CircuitRequest`'s (`edge_scores` / `find_circuit` build it); the pairs are checked here."""
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
-    if confirm > graph.n_edges:
-        raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
+    budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
+    batch_size = budget.replace(max_rows=batch_size).within(model, pairs.width, "gradient").max_rows
+    batch_rows = budget.replace(max_rows=batch_rows).within(model, pairs.width).max_rows
     if method == "exact":
         return exact_scores(
             model, pairs, metric=met, options=SweepOptions(max_rows=batch_rows, progress=progress)

@@ -121,6 +121,25 @@ def _query_attention(model: HeadModel, prompt: str, chat: bool | None) -> tuple[
     return torch.stack(out).float(), spans
 
 
+def _check_budget(
+    model: HeadModel,
+    items: list[tuple[str, list[str], int]],
+    null_query: str,
+    chat: bool | None,
+    opts: SweepOptions,
+) -> None:
+    """Refuse, before any prefill, a `max_memory` below the `"qrhead"` plan of the longest
+    prompt with the most query rows (one prompt per forward: no batch to shrink)."""
+    from heads.planning import MemoryRequest
+
+    length = rows = 1
+    for q, ps, _ in items:
+        for question in (q, null_query):
+            enc = encode_prompts(model.tokenizer, [qr_prompt(question, ps)], chat=chat)
+            length, rows = max(length, enc.length), max(rows, enc.length - enc.spans[0][-1][0])
+    opts.check_run(model, length, MemoryRequest("qrhead", {"query_rows": rows}))
+
+
 def qr_tokens(
     model: HeadModel,
     question: str,
@@ -202,8 +221,9 @@ def qrhead_scores(
         null_query: the calibration query (default `"N/A"`).
         chat: apply the chat template (default: when the tokenizer has one).
         tokens: precomputed `qr_tokens` of the items, in order (skips the prefills).
-        options: `heads.SweepOptions`; only `progress` applies: a tqdm bar (default), False, or a
-            `(done, total)` callable, per item.
+        options: `heads.SweepOptions`; `progress`: a tqdm bar (default), False, or a
+            `(done, total)` callable, per item; `max_memory`: refused before any prefill when the
+            longest prompt's `"qrhead"` plan exceeds it (one prompt per forward).
         **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
@@ -215,7 +235,7 @@ def qrhead_scores(
     Source: arXiv:2506.09944 §3 (QR score); reference `exp_scripts/detection/detect_qrhead_lme.py`
     (`lme_eval`, `score_heads`) and `AttnBasedRetriever.score_docs_per_head_for_detection`.
     """
-    opts = sweep_options(options, deprecated, "qrhead_scores", takes=("progress",))
+    opts = sweep_options(options, deprecated, "qrhead_scores", takes=("progress", "max_memory"))
     request = QRHeadRequest(null_query=null_query, chat=chat)
     return run_qrhead(model, items, request, opts, tokens=tokens)
 
@@ -229,15 +249,17 @@ def run_qrhead(
     tokens: Sequence[QrTokens] | None = None,
 ) -> HeadScores:
     """Run a `QRHeadRequest` on `items` (what `qrhead_scores` does once it has built the request,
-    whose values are checked there; `options` takes `progress` only; see `qrhead_scores` for the
+    whose values are checked there; `options` takes `progress` and `max_memory`; see `qrhead_scores` for the
     arguments, the result and the errors)."""
     if not isinstance(request, QRHeadRequest):
         raise HeadsteerTypeError(f"request must be a QRHeadRequest, got {type(request).__name__}")
-    opts = sweep_options(options, {}, "qrhead_scores", takes=("progress",))
+    opts = sweep_options(options, {}, "qrhead_scores", takes=("progress", "max_memory"))
     null_query, chat = request.null_query, request.chat
     checked = _items(items)
     if tokens is not None and len(tokens) != len(checked):
         raise HeadsteerValueError(f"tokens has {len(tokens)} entries for {len(checked)} items")
+    if tokens is None and opts.max_memory is not None:
+        _check_budget(model, checked, null_query, chat, opts)
     total = torch.zeros(model.n_layers, model.n_heads)
     with progress_callback(opts.progress, "qrhead", "items") as report:
         for k, (q, ps, g) in enumerate(checked):

@@ -375,7 +375,7 @@ def _ships_estimate(
     exact: bool,
     kl_tokens: int,
     template: str | None,
-    max_rows: int,
+    options: SweepOptions,
 ) -> ShipsResult:
     """The attribution estimate of Ships (KL metric) for the ablations Ships has (UA, SC)."""
     if ablation not in ("ua", "sc"):
@@ -389,7 +389,7 @@ def _ships_estimate(
         exact=exact,
         kl_tokens=kl_tokens,
         template=template,
-        options=SweepOptions(max_rows=max_rows),
+        options=SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory),
     )
 
 
@@ -435,7 +435,8 @@ def confirm_ships(
         ValueError: `confirm` or `controls` not an int in 0..number of heads, a non-int seed,
             and as `ships` / `attribute`.
     """
-    opts = sweep_options(options, deprecated, "confirm_ships", takes=("max_rows", "progress", "seed"))
+    takes = ("max_rows", "progress", "seed", "max_memory")
+    opts = sweep_options(options, deprecated, "confirm_ships", takes=takes)
     chosen = check_heads(model, heads)
     for name, k in (("confirm", confirm), ("controls", controls)):
         check_int(name, k, lo=0, hi=len(chosen))
@@ -459,7 +460,7 @@ def confirmed_ships(
 ) -> ShipsResult:
     """`confirm_ships` of checked values (a `ShipsRequest`'s: `run_ships` with `method="attribution"`)."""
     seed = opts.seed
-    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts.max_rows)
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts)
     est.estimate = est.scores
     if confirm == 0:
         return est
@@ -506,8 +507,8 @@ def sahara_candidates(
     Raises:
         ValueError: `k` not an int in 1..number of heads, and as `attribute`.
     """
-    max_rows = sweep_options(options, deprecated, "sahara_candidates", takes=("max_rows",)).max_rows
+    opts = sweep_options(options, deprecated, "sahara_candidates", takes=("max_rows", "max_memory"))
     chosen = check_heads(model, heads)
     check_int("k", k, lo=1, hi=len(chosen))
-    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts)
     return est.scores.ranked(k)

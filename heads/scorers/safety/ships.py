@@ -238,7 +238,7 @@ def dataset_ships(
     return run_dataset_ships(model, prompts, request, opts)
 
 
-_DATASET_TAKES = ("max_rows", "shard", "executor", "progress")
+_DATASET_TAKES = ("max_rows", "shard", "executor", "progress", "max_memory")
 
 
 def run_dataset_ships(
@@ -262,6 +262,7 @@ def run_dataset_ships(
         return merge_scores(run_sharded(dataset_ships, model, opts, kw))
     heads = shard_heads(heads, opts.shard)
     enc = encode_dataset(model, prompts, template, r_main)
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     with progress_callback(opts.progress, "dataset ships", "rows") as report:
         clean = clean_run(model, enc)
         states = evaluate_variants(
@@ -331,7 +332,7 @@ def sahara(
     return run_sahara(model, prompts, request, opts)
 
 
-_SAHARA_TAKES = ("max_rows", "progress")
+_SAHARA_TAKES = ("max_rows", "progress", "max_memory")
 
 
 def run_sahara(
@@ -350,6 +351,7 @@ def run_sahara(
     eps, heads = check_scoring(model, request.eps, request.exact, request.heads)
     steps, ablation, r_main = request.steps, request.ablation, request.r_main
     enc = encode_dataset(model, prompts, request.template, r_main)
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     with progress_callback(opts.progress, "sahara", "rows") as report:
         clean = clean_run(model, enc)
         chosen: list[Head] = []
