@@ -217,7 +217,7 @@ _ITEMS = [
 def _sweeps(tokenizer):
     """Every other sweep taking `options`, called with `max_memory` (a `SweepOptions` -> call)."""
     from heads.scorers.circuits.circuit import find_circuit
-    from heads.scorers.circuits.scores import edge_scores
+    from heads.scorers.circuits.scores import edge_scores, exact_scores
     from heads.scorers.gating import gate_heads, gate_task
     from heads.scorers.patching.evaluate import evaluate_pairs
     from heads.scorers.patching.knockout import knockout
@@ -231,6 +231,7 @@ def _sweeps(tokenizer):
     return {
         "knockout": lambda m, o: knockout(m, _knockout_pairs(), "IO", options=o),
         "edge_scores": lambda m, o: edge_scores(m, pairs, method="eap", options=o),
+        "exact_scores": lambda m, o: exact_scores(m, pairs, options=o),
         "find_circuit": lambda m, o: find_circuit(m, pairs, method="eap", n=3, options=o),
         "qrhead_scores": lambda m, o: qrhead_scores(m, _ITEMS, chat=False, options=o),
         "gate_heads": lambda m, o: gate_heads(
@@ -252,6 +253,7 @@ SWEEPS = (
     "knockout",
     "edge_scores",
     "find_circuit",
+    "exact_scores",
     "qrhead_scores",
     "gate_heads",
     "dataset_ships",
