@@ -136,11 +136,16 @@ def residual_stride(n_layers: int, n_tokens: int, d_model: int, itemsize: int) -
 
 
 class _Reducer:
-    """The per-layer accumulators one `Recorder` fills block by block (`[H, ...]`, fp32)."""
+    """The per-layer accumulators one `Recorder` fills block by block (`[H, ...]`, fp32).
+
+    Block sums are one matrix product with the key-block indicator (`[T, G]`), block maxima a
+    view of the whole blocks plus the cut last one (no padded copy of the rows)."""
 
     def __init__(self, n_heads: int, t: int, block: int):
         g = math.ceil(t / block)
         self.t, self.block, self.g = t, block, g
+        self.whole = t // block  # key blocks of `block` tokens; a last cut one when g > whole
+        self.indicator = (torch.arange(t)[:, None] // block == torch.arange(g)[None, :]).float()  # [T, G]
         self.sums = torch.zeros(n_heads, g, g)
         self.tops = torch.zeros(n_heads, g, g)
         self.col = torch.zeros(n_heads, t)
@@ -151,20 +156,20 @@ class _Reducer:
         p = probs[0].detach().float().cpu()  # [H, q, T]
         h, q, t = p.shape
         r0 = call.q_offset
-        rows = torch.arange(r0, r0 + q)
+        b, g, whole = self.block, self.g, self.whole
         self.col += p.sum(1)
         self.ent[:, r0 : r0 + q] = -torch.special.xlogy(p, p).sum(-1)
         self.rmax[:, r0 : r0 + q] = p.amax(-1)
-        b, g = self.block, self.g
-        pad = g * b - t
-        x = torch.nn.functional.pad(p, (0, pad)).reshape(h, q, g, b)  # keys into blocks
-        bins = (rows // b).expand(h, g, q).transpose(1, 2)  # [H, q, G]: each row's query block
-        self.sums.scatter_add_(1, bins, x.sum(-1))
-        self.tops.scatter_reduce_(1, bins, x.amax(-1), reduce="amax")
+        sums = (p.reshape(h * q, t) @ self.indicator).reshape(h, q, g)  # [H, q, G]
+        tops = p[..., : whole * b].reshape(h, q, whole, b).amax(-1)
+        if g > whole:
+            tops = torch.cat([tops, p[..., whole * b :].amax(-1, keepdim=True)], dim=-1)
+        bins = (torch.arange(r0, r0 + q) // b).expand(h, g, q).transpose(1, 2)  # [H, q, G]: row -> block
+        self.sums.scatter_add_(1, bins, sums)
+        self.tops.scatter_reduce_(1, bins, tops, reduce="amax")
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sizes = torch.full((self.g,), self.block, dtype=torch.float32)
-        sizes[-1] = self.t - (self.g - 1) * self.block
+        sizes = self.indicator.sum(0)  # tokens per block
         return self.sums / (sizes[:, None] * sizes[None, :]), self.tops
 
 
@@ -208,8 +213,9 @@ def record_overview(
     stride = residual_stride(n_layers, t, model.d_model, itemsize) if model.backend.kind == "hf" else 0
     kept = list(range(1, n_layers, stride)) if stride else []
     residuals = [ActivationRecorder("residual", layer=la) for la in kept]
+    last_only = {"logits_to_keep": 1} if model.backend.kind == "hf" else {}  # no [T, V] logits
     with editing(model, recorders + residuals):
-        forward(model, enc)
+        forward(model, enc, **last_only)
     pooled = [red.finish() for red in reducers]
     return Overview(
         grid_mean=torch.stack([m for m, _ in pooled]),
