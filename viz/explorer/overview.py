@@ -141,11 +141,11 @@ class _Reducer:
     Block sums are one matrix product with the key-block indicator (`[T, G]`), block maxima a
     view of the whole blocks plus the cut last one (no padded copy of the rows)."""
 
-    def __init__(self, n_heads: int, t: int, block: int):
+    def __init__(self, n_heads: int, t: int, block: int, indicator: torch.Tensor):
         g = math.ceil(t / block)
         self.t, self.block, self.g = t, block, g
         self.whole = t // block  # key blocks of `block` tokens; a last cut one when g > whole
-        self.indicator = (torch.arange(t)[:, None] // block == torch.arange(g)[None, :]).float()  # [T, G]
+        self.indicator = indicator  # [T, G], shared by the layers
         self.sums = torch.zeros(n_heads, g, g)
         self.tops = torch.zeros(n_heads, g, g)
         self.col = torch.zeros(n_heads, t)
@@ -197,7 +197,9 @@ def record_overview(
         raise ValueError(f"record_overview takes one prompt, got {enc.batch}")
     t, n_layers = enc.length, model.n_layers
     block = block_size(t, grid)
-    reducers = [_Reducer(model.n_heads, t, block) for _ in range(n_layers)]
+    g = math.ceil(t / block)
+    indicator = (torch.arange(t)[:, None] // block == torch.arange(g)[None, :]).float()  # [T, G]
+    reducers = [_Reducer(model.n_heads, t, block, indicator) for _ in range(n_layers)]
 
     def reader(red: _Reducer):  # type: ignore[no-untyped-def]
         def read(probs: torch.Tensor, call: AttentionCall) -> None:
