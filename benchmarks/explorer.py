@@ -140,6 +140,8 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
                 enc = encode_prompts(model.tokenizer, prompt, chat=False)
                 page.fill("#prompt", prompt)
                 page.evaluate("clearTimeout(prepareTimer)")  # uncached: the click records the overview
+                page.evaluate("(() => { const e = document.getElementById('pattern'); "
+                              "delete e.dataset.head; delete e.dataset.view; })()")  # fmt: skip
 
                 def head_click(layer: int, head: int) -> float:
                     click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
