@@ -269,7 +269,10 @@ def _one(name: str, length: int, args) -> dict:
     _cap(args.cap_gb)
     forward = _guarded(plain, args.device)
     analysis = _guarded(run, args.device)
-    return {"forward": forward, "analysis": analysis}
+    got = {"forward": forward, "analysis": analysis, "load_average_1m": [round(os.getloadavg()[0], 2)]}
+    if name == "eap-ig":
+        got["ig_steps"] = args.ig_steps
+    return got
 
 
 # ------------------------------------------------------------------------------ the peers
@@ -469,7 +472,9 @@ def _gemma_one(name: str, length: int, args) -> dict:
     with torch.no_grad():
         hm.model(input_ids=ids[:, :128], use_cache=False, logits_to_keep=1)
     _cap(args.cap_gb)
-    return _guarded(run, args.device)
+    got = _guarded(run, args.device)
+    got["load_average_1m"] = [round(os.getloadavg()[0], 2)]
+    return got
 
 
 def _gemma(args, line: dict) -> None:
@@ -478,12 +483,18 @@ def _gemma(args, line: dict) -> None:
         for length in args.gemma:
             got = _child(["--gemma-one", name, str(length)], args)
             print(f"gemma {name} {length}: {got}", file=sys.stderr, flush=True)
-            key = f"gemma_{name}_{length // 1024}k"
-            if "failed" in got:
-                line[f"{key}_failed"] = got["failed"]
-                continue
-            line[f"{key}_memory_mb"] = round(got["memory_mb"], 1)
-            line[f"{key}_seconds"] = round(got["seconds"], 1)
+            _gemma_entry(line, name, length, got)
+
+
+def _gemma_entry(line: dict, name: str, length: int, got: dict) -> None:
+    key = f"gemma_{name}_{length // 1024}k"
+    if "failed" in got:
+        line[f"{key}_failed"] = got["failed"]
+        return
+    line[f"{key}_memory_mb"] = round(got["memory_mb"], 1)
+    line[f"{key}_seconds"] = round(got["seconds"], 1)
+    if "cpu_seconds" in got:
+        line[f"{key}_cpu_seconds"] = round(got["cpu_seconds"], 1)
 
 
 def _child(extra: list[str], args) -> dict:
@@ -505,65 +516,36 @@ def _fit(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--analyses", nargs="*", default=list(ANALYSES), choices=list(ANALYSES))
-    ap.add_argument("--ig-steps", type=int, default=5, help="EAP-IG interpolation points (default 5)")
-    ap.add_argument("--atp-star-max", type=int, default=2048, help="longest length for atp_star")
-    ap.add_argument("--gradient-max", type=int, default=None, help="longest length for eap/eap-ig/atp")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--cap-gb", type=float, default=6.0, help="memory cap per run above the loaded model")
-    ap.add_argument("--peers", action="store_true", help="TransformerLens and nnsight on the same lengths")
-    ap.add_argument("--plan-check", action="store_true", help="plan_memory against measured peaks")
-    ap.add_argument("--gemma", type=int, nargs="*", default=[], help="Gemma-3-270m lengths for atp and dla")
-    ap.add_argument("--one", nargs=2, metavar=("ANALYSIS", "LENGTH"), help=argparse.SUPPRESS)
-    ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--plan-one", nargs=4, help=argparse.SUPPRESS)
-    ap.add_argument("--gemma-one", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.one:
-        print(json.dumps(_one(args.one[0], int(args.one[1]), args)))
-        return
-    if args.peer:
-        print(json.dumps(_peer(args.peer[0], int(args.peer[1]), args)))
-        return
-    if args.plan_one:
-        m, dt, req, n = args.plan_one
-        print(json.dumps(_plan_one(m, dt, req, int(n), args)))
-        return
-    if args.gemma_one:
-        print(json.dumps(_gemma_one(args.gemma_one[0], int(args.gemma_one[1]), args)))
-        return
-    load_start = round(os.getloadavg()[0], 2)
-    line: dict = {"model": "SmolLM2-135M-Instruct (embedded)", "device": args.device, "lengths": args.lengths}
-    line["memory_measure"] = (
-        "cuda max_memory_allocated" if args.device.startswith("cuda") else "peak RSS (VmHWM)"
+def _header(device: str, lengths: list[int], ig_steps: int, cap_gb: float) -> dict:
+    line: dict = {"model": "SmolLM2-135M-Instruct (embedded)", "device": device, "lengths": lengths}
+    line["memory_measure"] = "cuda max_memory_allocated" if device.startswith("cuda") else "peak RSS (VmHWM)"
+    line["ig_steps"] = ig_steps
+    line["cap_gb"] = cap_gb
+    return line
+
+
+def _failure(res: dict) -> str | None:
+    failed = (
+        res.get("failed") or res.get("analysis", {}).get("failed") or res.get("forward", {}).get("failed")
     )
-    line["ig_steps"] = args.ig_steps
+    return str(failed) if failed else None
+
+
+def _summarise(line: dict, results: dict[str, dict[int, dict]]) -> None:
+    """Per analysis (`results[name][length]`: a child's measurement): the ratios over the plain
+    forward, the seconds, the memory exponent; then the maxima over the analyses."""
     ratios: dict[str, list[float]] = {"gradient": [], "forward": []}
     exponents: list[float] = []
-    line["cap_gb"] = args.cap_gb
-    if args.plan_check:
-        _plan_check(args, line)
-    for name in args.analyses:
+    for name, runs in results.items():
         kind = ANALYSES[name][0]
-        most = args.atp_star_max if name == "atp_star" else args.gradient_max if kind == "gradient" else None
-        wanted = [n for n in args.lengths if most is None or n <= most]
         got: dict[int, dict] = {}
-        for length in wanted:
-            res = _child(["--one", name, str(length)], args)
-            print(f"{name} {length}: {res}", file=sys.stderr, flush=True)
-            failed = (
-                res.get("failed")
-                or res.get("analysis", {}).get("failed")
-                or res.get("forward", {}).get("failed")
-            )
-            if failed:  # out of memory under the cap (or an error): longer lengths are skipped
+        for length in sorted(runs):
+            failed = _failure(runs[length])
+            if failed:  # the first failure ends the analysis (longer lengths were skipped)
                 line[f"{name}_failed_at"] = length
                 line[f"{name}_failure"] = failed
                 break
-            got[length] = res
+            got[length] = runs[length]
         lengths = sorted(got)
         if not lengths:
             continue
@@ -590,6 +572,103 @@ def main() -> None:
         line["max_memory_ratio_forward_only"] = round(max(ratios["forward"]), 3)
     if exponents:
         line["max_memory_exponent"] = round(max(exponents), 3)
+
+
+def _from_logs(paths: list[str]) -> dict:
+    """The JSON line rebuilt from the stderr logs of earlier runs (`<analysis> <length>: {...}` and
+    `gemma <run> <length>: {...}` per child, a later entry replacing an earlier one): the printing
+    step of several invocations, merged. The load averages are those the children recorded."""
+    import ast
+    import re
+
+    results: dict[str, dict[int, dict]] = {}
+    gemma: dict[tuple[str, int], dict] = {}
+    loads: list[float] = []
+    steps: set[int] = set()
+    pattern = re.compile(r"^(gemma )?([\w-]+) (\d+): (\{.*\})$")
+    for path in paths:
+        with open(path) as f:
+            for raw in f:
+                m = pattern.match(raw.strip())
+                if m is None or (m.group(1) is None and m.group(2) not in ANALYSES):
+                    continue
+                res = ast.literal_eval(m.group(4))
+                loads += [float(x) for x in res.pop("load_average_1m", [])]
+                if "ig_steps" in res:
+                    steps.add(int(res.pop("ig_steps")))
+                if m.group(1):
+                    gemma[(m.group(2), int(m.group(3)))] = res
+                else:
+                    results.setdefault(m.group(2), {})[int(m.group(3))] = res
+    lengths = sorted({n for runs in results.values() for n in runs})
+    line = _header("cpu", lengths, -1, -1.0)
+    del line["cap_gb"]
+    line["ig_steps"] = sorted(steps)[0] if len(steps) == 1 else sorted(steps) or None
+    line["merged_from_logs"] = len(paths)
+    order = [name for name in ANALYSES if name in results]
+    _summarise(line, {name: results[name] for name in order})
+    if gemma:
+        line["gemma_lengths"] = sorted({n for _, n in gemma})
+        for (name, length), got in sorted(gemma.items()):
+            _gemma_entry(line, name, length, got)
+    if loads:
+        line["load_average_1m_range"] = [min(loads), max(loads)]
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--analyses", nargs="*", default=list(ANALYSES), choices=list(ANALYSES))
+    ap.add_argument("--ig-steps", type=int, default=5, help="EAP-IG interpolation points (default 5)")
+    ap.add_argument("--atp-star-max", type=int, default=2048, help="longest length for atp_star")
+    ap.add_argument("--gradient-max", type=int, default=None, help="longest length for eap/eap-ig/atp")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cap-gb", type=float, default=6.0, help="memory cap per run above the loaded model")
+    ap.add_argument("--peers", action="store_true", help="TransformerLens and nnsight on the same lengths")
+    ap.add_argument("--plan-check", action="store_true", help="plan_memory against measured peaks")
+    ap.add_argument("--gemma", type=int, nargs="*", default=[], help="Gemma-3-270m lengths for atp and dla")
+    ap.add_argument(
+        "--from-log", nargs="+", metavar="LOG", help="print the line from earlier runs' stderr logs (merged)"
+    )
+    ap.add_argument("--one", nargs=2, metavar=("ANALYSIS", "LENGTH"), help=argparse.SUPPRESS)
+    ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--plan-one", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--gemma-one", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.one[0], int(args.one[1]), args)))
+        return
+    if args.peer:
+        print(json.dumps(_peer(args.peer[0], int(args.peer[1]), args)))
+        return
+    if args.plan_one:
+        m, dt, req, n = args.plan_one
+        print(json.dumps(_plan_one(m, dt, req, int(n), args)))
+        return
+    if args.gemma_one:
+        print(json.dumps(_gemma_one(args.gemma_one[0], int(args.gemma_one[1]), args)))
+        return
+    if args.from_log:
+        print(json.dumps(_from_logs(args.from_log)))
+        return
+    load_start = round(os.getloadavg()[0], 2)
+    line = _header(args.device, args.lengths, args.ig_steps, args.cap_gb)
+    if args.plan_check:
+        _plan_check(args, line)
+    results: dict[str, dict[int, dict]] = {}
+    for name in args.analyses:
+        kind = ANALYSES[name][0]
+        most = args.atp_star_max if name == "atp_star" else args.gradient_max if kind == "gradient" else None
+        wanted = [n for n in args.lengths if most is None or n <= most]
+        results[name] = {}
+        for length in wanted:
+            res = _child(["--one", name, str(length)], args)
+            print(f"{name} {length}: {res}", file=sys.stderr, flush=True)
+            results[name][length] = res
+            if _failure(res):  # out of memory under the cap (or an error): longer lengths are skipped
+                break
+    _summarise(line, results)
     if args.peers:
         _peers(args, line)
     if args.gemma:

@@ -146,8 +146,9 @@ def caa_vector(
         layer: the decoder block whose output is read (0 .. n_layers - 2).
         options: `heads.SweepOptions`: `max_rows` rows per forward (each pair is two rows, so
             `max_rows // 2` pairs; without options 8 pairs; rows are left-padded, so the last
-            position is every row's last token) and `progress` (True: a bar over pairs, False /
-            None, or `progress(done, total)`).
+            position is every row's last token), `progress` (True: a bar over pairs, False /
+            None, or `progress(done, total)`) and `max_memory` (fewer pairs per forward where the
+            plan needs it; refused before any forward when one pair does not fit).
         **deprecated: `batch_size=` (pairs per forward) and `progress=` as keywords (one
             release; a `DeprecationWarning`).
 
@@ -158,7 +159,7 @@ def caa_vector(
         ValueError: empty or malformed pairs, a layer outside 0 .. n_layers - 2, bad batch_size.
     """
     batch_size = deprecated.pop("batch_size", None)
-    opts = sweep_options(options, deprecated, "caa_vector", takes=("max_rows", "progress"))
+    opts = sweep_options(options, deprecated, "caa_vector", takes=("max_rows", "progress", "max_memory"))
     if batch_size is not None:
         warnings.warn(
             "caa_vector(batch_size=) is deprecated: pass options=SweepOptions(max_rows=2 * batch_size) "
@@ -173,6 +174,12 @@ def caa_vector(
         batch_size = max(1, opts.max_rows // 2)
     layer = _check_layer(model, layer)
     items = _check_pairs(pairs)
+    if opts.max_memory is not None:  # two rows per pair, at most the longest text's length
+        longest = encode_prompts(
+            model.tokenizer, [t for p in items for t in p], chat=chat, markup=False
+        ).length
+        opts.check_run(model, longest, batch=2)
+        batch_size = max(1, opts.replace(max_rows=2 * batch_size).within(model, longest).max_rows // 2)
     total = torch.zeros(model.d_model, dtype=torch.float64)
     with progress_callback(opts.progress, "CAA vector", "pairs") as report:
         for a in range(0, len(items), batch_size):

@@ -35,6 +35,8 @@ ALIASES: dict[str, str] = {
     "heads.maps_inference": "heads.scorers.maps.inference",
     "heads.prompts": "heads.inputs.prompts",
     "heads.scores": "heads.results.scores",
+    "heads.scorers.circuits.pruning": "heads.results.graph",
+    "heads.scorers.circuits.result": "heads.results.circuits",
     "heads.scorers.patching.result": "heads.results.patching",
     "heads.ships": "heads.scorers.safety.ships",
     "heads.sinks": "heads.scorers.sinks",

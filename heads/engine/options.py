@@ -8,10 +8,18 @@ reported (the seed draws random control heads where a scorer has them).
 
     from heads import SweepOptions
     ships(model, prompts, options=SweepOptions(max_rows=32, progress=False))
+
+A memory budget (`max_memory`) is honoured by one line in each sweep, before its first forward:
+`opts = opts.within(model, tokens, plan)` lowers `max_rows` to the rows the memory plan of that
+kind of forward fits (`"forward"`, `"gradient"`, `"detectors"`, ...; `heads.planning.ANALYSES`),
+and `opts.check_run(model, tokens, plan, batch)` refuses a run that has no batch to shrink; a
+sweep that cannot honour it leaves `"max_memory"` out of its `takes`, so it is refused by name
+(docs/long-context.md lists which analysis runs under which plan).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
@@ -24,7 +32,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 if TYPE_CHECKING:
     from heads.engine.executors import Executor
 
-__all__ = ["SWEEP_KEYS", "SweepOptions", "sweep_options"]
+__all__ = ["SWEEP_KEYS", "SweepOptions", "sweep_options", "sweep_rows"]
 
 SWEEP_KEYS = ("max_rows", "shard", "executor", "progress", "seed")
 """The keyword arguments `SweepOptions` replaces (accepted, deprecated, for one release)."""
@@ -47,7 +55,9 @@ class SweepOptions:
         max_memory: a memory budget per device (bytes, or `"24GB"` / `"80GiB"`; default None:
             none). A sweep then runs at most the batch rows whose planned peak stays within it
             (`rows_for`, from `heads.plan_memory`), fewer than `max_rows` where needed, and is
-            refused before its first forward, with the minimum named, when one row does not fit.
+            refused before its first forward, with the minimum named, when one row does not fit
+            (`within`); an analysis without a batch to shrink is refused when its one run does
+            not fit (`check_run`); one that takes no budget refuses it by name.
 
     Raises:
         HeadsteerValueError: `max_rows` not a positive int, a bad `shard`, `shard` together
@@ -234,7 +244,7 @@ def sweep_options(
             f"{where}({names}) is deprecated: pass options=SweepOptions({fill}) instead "
             "(the keywords are removed in the next release)",
             DeprecationWarning,
-            stacklevel=stacklevel,
+            stacklevel=_past_decorators(stacklevel),
         )
         options = options.replace(**{renamed.get(k, k): v for k, v in legacy.items()})
     defaults = SweepOptions()
@@ -244,3 +254,52 @@ def sweep_options(
                 f"{where} does not take {f.name}= (got {short_repr(getattr(options, f.name))})"
             )
     return options
+
+
+_DECORATORS = ("torch.utils._contextlib",)
+"""Modules whose wrapper frames sit between a decorated scorer and its caller
+(`@torch.no_grad()`'s `decorate_context`)."""
+
+
+def _past_decorators(stacklevel: int) -> int:
+    """`stacklevel` as `sweep_options` passes it to `warnings.warn`, plus one for each decorator
+    frame (`_DECORATORS`) on the way to the caller: a `@torch.no_grad()` scorer's warning names
+    its caller's line, not torch's wrapper."""
+    frame = sys._getframe(2)  # sweep_options' caller: level 2 of its warning
+    level = 2
+    while frame is not None and level <= stacklevel:
+        if frame.f_globals.get("__name__") in _DECORATORS:
+            stacklevel += 1
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return stacklevel
+
+
+def sweep_rows(
+    options: SweepOptions | None,
+    legacy: dict[str, Any],
+    where: str,
+    *,
+    default: int,
+    name: str = "batch_size",
+    takes: Collection[str] = ("max_rows",),
+    stacklevel: int = 4,
+) -> SweepOptions:
+    """`sweep_options` for a scorer whose rows per forward were its own keyword `name=` with its
+    own default: the returned options' `max_rows` is the loose keyword's value (checked and named
+    before the `DeprecationWarning`), else `options.max_rows` where it is not the `SweepOptions`
+    default, else `default`. Call it from the scorer itself (the warning names its caller's line).
+
+    Raises:
+        HeadsteerValueError: the loose value not a positive int (named), and what `sweep_options`
+            refuses.
+    """
+    if name in legacy:
+        check_int(name, legacy[name], lo=1)
+    loose = name in legacy
+    opts = sweep_options(
+        options, legacy, where, takes=takes, renamed={name: "max_rows"}, stacklevel=stacklevel
+    )
+    if not loose and opts.max_rows == SweepOptions().max_rows:
+        opts = opts.replace(max_rows=default)
+    return opts

@@ -23,6 +23,8 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = [
     "ACTIVE",
+    "BIAS_BLOCK_ELEMENTS",
+    "BIAS_BLOCK_MIN_ROWS",
     "FUSED_MIN_ROWS_CPU",
     "INSTALLED",
     "KERNEL",
@@ -37,6 +39,7 @@ __all__ = [
     "acquire",
     "active_edit_count",
     "apply_head_edits",
+    "bias_block_rows",
     "cast_result",
     "read_block_rows",
     "release",
@@ -64,6 +67,25 @@ def read_block_rows(batch: int, n_heads: int, k_len: int) -> int:
     bh = max(1, batch * n_heads)
     rows = max(READ_BLOCK_ROW_HEADS // bh, READ_BLOCK_ELEMENTS // (bh * max(1, k_len)))
     return max(1, min(QUERY_BLOCK, rows))
+
+
+BIAS_BLOCK_ELEMENTS = 2**18
+"""The blocked kernel's SDPA path for logit biases (PASTA, attention knockout below
+`FUSED_MIN_ROWS_CPU` rows) hands SDPA one fp32 additive mask per block of `bias_block_rows`
+query rows, `[B, 1, rows, K]` for a bias shared by its heads: about this many entries (1 MiB),
+so its few mask-sized tensors stay small beside a forward's own peak at any length (at 1,024
+tokens a `[1, 1, 1024, 1024]` block per tensor was 1.4x a plain forward's peak on SmolLM2)."""
+
+
+BIAS_BLOCK_MIN_ROWS = 64
+"""... and at least this many rows per block (fewer SDPA calls on very long prompts)."""
+
+
+def bias_block_rows(batch: int, k_len: int) -> int:
+    """Query rows per block on the blocked kernel's biased-SDPA path: `BIAS_BLOCK_ELEMENTS // (B K)`,
+    at least `BIAS_BLOCK_MIN_ROWS`, at most `QUERY_BLOCK`."""
+    rows = BIAS_BLOCK_ELEMENTS // max(1, batch * k_len)
+    return max(1, min(QUERY_BLOCK, max(BIAS_BLOCK_MIN_ROWS, rows)))
 
 
 KERNELS = ("auto", "fused", "blocked")

@@ -3,7 +3,7 @@ its table, its `HeadScores` on the model's full layer axis, its bootstrap and it
 
 Also the arithmetic the result stands on, which the patching scorers import from here: the site
 kinds (`KINDS`) and their grids (`grid_names`), the directions and the normalisation of a
-patched metric (`normalise`, `zero_gap`; docs/methods/activation_patching.md), and the
+patched metric (`normalise`, `zero_gap`; docs/methods/patching.md), and the
 bootstrap of the head ranking over the pairs (`patch_stability`). It imports nothing from
 `heads.scorers` (the results sit below the analyses; `tests/test_layering.py`).
 

@@ -1,21 +1,22 @@
 """`SinkStats`: per-head attention-sink statistics of a prompt set (`heads.sink_stats`;
-docs/methods/act.md).
+docs/methods/act.md); `SinkDims`: the residual dimensions that carry a backbone's sinks
+(`heads.find_sink_dims`; docs/methods/var.md).
 
-It follows the result protocol (`heads.results.protocol.Result`) and is re-exported from its old
-home, `heads.scorers.sinks`.
+Both follow the result protocol (`heads.results.protocol.Result`) and are re-exported from their
+old homes, `heads.scorers.sinks` and `heads.scorers.sink_dims`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 
-from heads._util.validation import short_repr
-from heads.errors import HeadsteerValueError
+from heads._util.validation import is_int, short_repr
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
 from heads.results.storage import check_geometry, read_result, write_result
 from heads.results.views import html_view, top_heads_text
@@ -23,12 +24,16 @@ from heads.results.views import html_view, top_heads_text
 if TYPE_CHECKING:  # pragma: no cover
     from heads.model.adapter import HeadModel
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "STATS", "SinkStats"]
+__all__ = ["DIMS_SCHEMA", "DIMS_SCHEMA_VERSION", "SCHEMA", "SCHEMA_VERSION", "STATS", "SinkDims", "SinkStats"]
 
 SCHEMA = "headsteer/sink-stats"
 SCHEMA_VERSION = 1
 STATS = ("sink_mass", "first_mass", "n_sinks")
 """The per-head statistics of a `SinkStats`."""
+DIMS_SCHEMA = "headsteer/sink-dims"
+DIMS_SCHEMA_VERSION = 1
+_EVIDENCE = ("dim", "score", "ratio_to_median_dim", "punct_score", "selected")
+"""The columns of `SinkDims.evidence`."""
 
 
 @dataclass
@@ -114,3 +119,119 @@ class SinkStats:
     def _repr_html_(self) -> str:
         rows = self.flagged.sort_values("score", ascending=False).head(10)
         return html_view(repr(self), rows.itertuples(index=False), list(self.flagged.columns))
+
+
+@dataclass
+class SinkDims:
+    """Result of `find_sink_dims`: the chosen dims and the evidence.
+
+    Attributes:
+        dims: the massive dimensions, strongest first.
+        evidence: DataFrame, one row per dim ranked by score: `dim, score` (median over
+            prompts and layers >= `from_layer` of |x_d| / RMS(x) at the first token),
+            `ratio_to_median_dim` (score / the median score of all dims), `punct_score`
+            (the same median at "." and "\\n" tokens, NaN without such tokens), `selected`.
+        model: the model id.
+        geometry: `(n_layers, n_heads, n_kv_heads, d_model)` of the model, or None (built by
+            hand): `load(path, model)` checks it.
+        params: how the dims were found (`from_layer`, `max_dims`, `min_ratio`).
+    """
+
+    dims: tuple[int, ...]
+    evidence: pd.DataFrame
+    model: str = ""
+    geometry: tuple[int, int, int, int] | None = None
+    params: dict = field(default_factory=dict)
+
+    SCHEMA: ClassVar[str] = DIMS_SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = DIMS_SCHEMA_VERSION
+
+    def head_scores(self) -> HeadScores:
+        """Not available: sink dimensions are a property of the residual stream, not of a head,
+        and `SinkDims` holds no per-head number (the per-head summary of the sinks these dims
+        flag is `heads.sink_stats(model, prompts)`'s `SinkStats.head_scores()`).
+
+        Raises:
+            HeadsteerValueError: always, naming `sink_stats`.
+        """
+        raise HeadsteerValueError(
+            "SinkDims ranks residual-stream dimensions and has no per-head score: the per-head sink "
+            "statistics are heads.sink_stats(model, prompts).head_scores()"
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """The evidence: one row per residual dimension, `dim, score, ratio_to_median_dim,
+        punct_score, selected`, by decreasing score (a copy)."""
+        return self.evidence.copy()
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the dims and the evidence as JSON (schema `headsteer/sink-dims`; NaN as null),
+        atomically; returns the path.
+
+        Raises:
+            HeadsteerValueError: `path` exists and `overwrite` is False, is a symlink or a folder.
+        """
+        ev = self.evidence
+        payload = {
+            "dims": [int(d) for d in self.dims],
+            "evidence": {c: ev[c].tolist() for c in _EVIDENCE if c in ev.columns},
+            "model": self.model,
+            "geometry": None if self.geometry is None else list(self.geometry),
+            "params": self.params,
+        }
+        return write_result(path, DIMS_SCHEMA, DIMS_SCHEMA_VERSION, payload, overwrite=overwrite)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> SinkDims:
+        """Read a file `save` wrote; with `model`, check its `(n_layers, n_heads, n_kv_heads)`
+        and that every dim is below its `d_model`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            HeadsteerValueError: not a sink-dims file, another schema version, a malformed field
+                (named), a model of another geometry or width.
+        """
+        where = short_repr(str(path))
+        data = read_result(path, DIMS_SCHEMA, DIMS_SCHEMA_VERSION, "SinkDims")
+        dims: Any = data.get("dims")
+        if not isinstance(dims, list) or not dims or not all(is_int(d) and d >= 0 for d in dims):
+            raise HeadsteerValueError(f"{where}: dims must be a non-empty list of dimension indices")
+        ev: Any = data.get("evidence")
+        if (
+            not isinstance(ev, dict)
+            or set(ev) != set(_EVIDENCE)
+            or not all(isinstance(v, list) for v in ev.values())
+        ):
+            raise HeadsteerValueError(f"{where}: evidence must map {', '.join(_EVIDENCE)} to lists")
+        if len({len(v) for v in ev.values()}) != 1:
+            raise HeadsteerValueError(f"{where}: the evidence columns have different lengths")
+        frame = pd.DataFrame({c: ev[c] for c in _EVIDENCE})
+        for c in ("score", "ratio_to_median_dim", "punct_score"):
+            frame[c] = frame[c].astype(float)  # null (NaN) back to NaN
+        geo: Any = data.get("geometry")
+        if geo is not None and (
+            not isinstance(geo, list) or len(geo) != 4 or not all(is_int(g) and g >= 1 for g in geo)
+        ):
+            raise HeadsteerValueError(
+                f"{where}: geometry must be [n_layers, n_heads, n_kv_heads, d_model] or null, "
+                f"got {short_repr(geo)}"
+            )
+        name, params = data.get("model", ""), data.get("params", {})
+        if not isinstance(name, str) or not isinstance(params, dict):
+            raise HeadsteerValueError(f"{where}: model must be a string and params a mapping")
+        out = cls(tuple(int(d) for d in dims), frame, name, None if geo is None else tuple(geo), dict(params))
+        if model is not None:
+            if not hasattr(model, "d_model"):
+                raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+            if out.geometry is not None:
+                g = out.geometry
+                check_geometry(path, (g[0], g[1], g[2]), model)
+            if max(out.dims) >= model.d_model:
+                raise HeadsteerValueError(
+                    f"{where}: dim {max(out.dims)} is outside this model's d_model {model.d_model} "
+                    "(the dims were found on another model)"
+                )
+        return out
+
+    def __repr__(self) -> str:
+        return f"SinkDims({self.model or 'model'}: dims {list(self.dims)}, {len(self.evidence)} dims ranked)"

@@ -54,8 +54,10 @@ def _opts(options: SweepOptions | None) -> SweepOptions:
 
 
 def _only_progress(options: SweepOptions | None) -> SweepOptions:
-    """The `progress` of `options` alone (for the analyses that take no other sweep option)."""
-    return SweepOptions(progress=_opts(options).progress)
+    """The `progress` and `max_memory` of `options` alone (for the analyses that take no other
+    sweep option; each honours a budget or refuses it, never drops it)."""
+    o = _opts(options)
+    return SweepOptions(progress=o.progress, max_memory=o.max_memory)
 
 
 def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions | None) -> Any:
@@ -115,7 +117,7 @@ def _detect_roles(
 def _train_lens(model: HeadModel, texts: Any, r: LensTrainRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.roles.lens import run_train_lens
 
-    return run_train_lens(model, texts, r, SweepOptions(progress=_opts(options).progress))
+    return run_train_lens(model, texts, r, _only_progress(options))
 
 
 def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions | None) -> Any:
@@ -125,90 +127,41 @@ def _atlas(model: HeadModel, inputs: Any, r: AtlasRequest, options: SweepOptions
 
 
 def _ships(model: HeadModel, prompts: Any, r: ShipsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.ships import ships
+    from heads.scorers.safety.ships import run_ships
 
-    return ships(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        template=r.template,
-        method=r.method,
-        confirm=r.confirm,
-        controls=r.controls,
-        options=options,
-        stability=r.stability,
-    )
+    return run_ships(model, prompts, r, options)
 
 
 def _dataset_ships(
     model: HeadModel, prompts: Any, r: DatasetShipsRequest, options: SweepOptions | None
 ) -> Any:
-    from heads.scorers.safety.ships import dataset_ships
+    from heads.scorers.safety.ships import run_dataset_ships
 
-    return dataset_ships(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        r_main=r.r_main,
-        degrees=r.degrees,
-        template=r.template,
-        options=options,
-    )
+    return run_dataset_ships(model, prompts, r, options)
 
 
 def _sahara(model: HeadModel, prompts: Any, r: SaharaRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.ships import sahara
+    from heads.scorers.safety.ships import run_sahara
 
-    return sahara(
-        model,
-        prompts,
-        steps=r.steps,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        r_main=r.r_main,
-        template=r.template,
-        options=options,
-    )
+    return run_sahara(model, prompts, r, options)
 
 
 def _attribution(model: HeadModel, prompts: Any, r: AttributionRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.safety.attribution import attribute
+    from heads.scorers.safety.attribution import run_attribution
 
-    return attribute(
-        model,
-        prompts,
-        heads=r.heads,
-        ablation=r.ablation,
-        eps=r.eps,
-        exact=r.exact,
-        metric=r.metric,
-        kl_tokens=r.kl_tokens,
-        saturation_fix=r.saturation_fix,
-        graddrop=r.graddrop,
-        template=r.template,
-        options=options,
-        stability=r.stability,
-    )
+    return run_attribution(model, prompts, r, options)
 
 
 def _maps(model: HeadModel, relations: Any, r: MapsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.maps.static import maps_scores
+    from heads.scorers.maps.static import run_maps
 
-    return maps_scores(model, relations, apply_first_mlp=r.apply_first_mlp, options=_only_progress(options))
+    return run_maps(model, relations, r, _only_progress(options))
 
 
 def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.retrieval.qrhead import qrhead_scores
+    from heads.scorers.retrieval.qrhead import run_qrhead
 
-    return qrhead_scores(model, items, null_query=r.null_query, chat=r.chat, options=_only_progress(options))
+    return run_qrhead(model, items, r, _only_progress(options))
 
 
 def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions | None) -> Any:
@@ -218,42 +171,27 @@ def _gating(model: HeadModel, task: Any, r: GatingRequest, options: SweepOptions
 
 
 def _sink_stats(model: HeadModel, prompts: Any, r: SinkStatsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.sinks import SinkRule, sink_stats
+    from heads.scorers.sinks import run_sink_stats
 
-    rule = SinkRule(rule=r.rule, alpha_s=r.alpha_s, theta=r.theta, exempt=r.exempt, min_support=r.min_support)
-    return sink_stats(model, prompts, rule=rule, chat=r.chat, markup=r.markup)
+    return run_sink_stats(model, prompts, r, options)  # one forward: max_memory checked, no split
 
 
 def _sink_dims(model: HeadModel, prompts: Any, r: SinkDimsRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.sink_dims import find_sink_dims
+    from heads.scorers.sink_dims import run_sink_dims
 
-    return find_sink_dims(model, prompts, from_layer=r.from_layer, max_dims=r.max_dims, min_ratio=r.min_ratio)
+    return run_sink_dims(model, prompts, r)  # one forward: no sweep option applies
 
 
 def _qk(model: HeadModel, prompts: Any, r: QKRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.qk.attribution import qk_attribution
+    from heads.scorers.qk.attribution import run_qk_attribution
 
-    return qk_attribution(model, prompts, r.head, query=r.query, keys=r.keys, by=r.by, chat=r.chat)
+    return run_qk_attribution(model, prompts, r)  # one recording forward: no sweep option applies
 
 
 def _composition(model: HeadModel, prompts: Any, r: CompositionRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.qk.composition import composition_scores, data_composition_scores
+    from heads.scorers.qk.composition import run_composition
 
-    if r.method == "data":
-        if prompts is None:
-            raise HeadsteerValueError("composition_scores(method='data') needs prompts as its input")
-        return data_composition_scores(model, prompts, chat=r.chat)
-    if prompts is not None:
-        raise HeadsteerValueError(
-            "composition_scores(method='weights') reads the weights only; pass no input"
-        )
-    return composition_scores(
-        model,
-        readers=r.readers,
-        subtract_baseline=r.subtract_baseline,
-        n_samples=r.n_samples,
-        seed=r.seed,
-    )
+    return run_composition(model, prompts, r)  # no sweep option applies
 
 
 RUNNERS: dict[type[Request], Runner] = {
@@ -279,6 +217,17 @@ RUNNERS: dict[type[Request], Runner] = {
     CompositionRequest: _composition,
 }
 """Request type -> `runner(model, inputs, request, options)`."""
+
+_NO_OPTIONS: tuple[type[Request], ...] = (
+    DLARequest,
+    LensRequest,
+    AtlasRequest,
+    SinkDimsRequest,
+    QKRequest,
+    CompositionRequest,
+)
+"""Requests whose analysis takes no `SweepOptions`: a `max_memory` given with them is refused
+(never dropped)."""
 
 _NO_INPUT = (CompositionRequest, AtlasRequest, DetectRolesRequest)
 """Requests whose input may be left out (weights only, gathered scores, default sequences)."""
@@ -328,4 +277,9 @@ def run(
             f"a {request.NAME} request needs its input (pairs, prompts, ...): run(model, request, inputs)"
         )
     request.check_config(model)
+    if options is not None and options.max_memory is not None and isinstance(request, _NO_OPTIONS):
+        raise HeadsteerValueError(
+            f"a {request.NAME} request takes no SweepOptions(max_memory=): its analysis runs without "
+            "sweep options, so a budget would not bound it; run it without max_memory"
+        )
     return runner(model, inputs[0] if inputs else None, request, options)

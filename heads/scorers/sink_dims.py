@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
-from heads._util.validation import check_int, is_int, is_number, short_repr
+from heads._util.validation import is_int, short_repr
 from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall
 from heads.engine.forward import forward
-from heads.errors import HeadsteerValueError
+from heads.engine.options import SweepOptions, sweep_options
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
+from heads.results.sinks import SinkDims as SinkDims  # defined there; imported here as before
+from heads.scorers.sink_requests import SinkDimsRequest
 
 __all__ = [
     "CALIBRATED_TAU",
@@ -41,6 +43,7 @@ __all__ = [
     "SinkTracker",
     "default_tau",
     "find_sink_dims",
+    "run_sink_dims",
     "sink_dims_for",
     "sink_tau_for",
     "sink_value",
@@ -137,22 +140,6 @@ def sink_value(x: torch.Tensor, dims: Sequence[int] | torch.Tensor) -> torch.Ten
     return xf[..., idx].abs().amax(-1) / rms
 
 
-@dataclass
-class SinkDims:
-    """Result of `find_sink_dims`: the chosen dims and the evidence.
-
-    Attributes:
-        dims: the massive dimensions, strongest first.
-        evidence: DataFrame, one row per dim ranked by score: `dim, score` (median over
-            prompts and layers >= `from_layer` of |x_d| / RMS(x) at the first token),
-            `ratio_to_median_dim` (score / the median score of all dims), `punct_score`
-            (the same median at "." and "\\n" tokens, NaN without such tokens), `selected`.
-    """
-
-    dims: tuple[int, ...]
-    evidence: pd.DataFrame
-
-
 @torch.no_grad()
 def find_sink_dims(
     model: HeadModel,
@@ -167,7 +154,8 @@ def find_sink_dims(
     Runs `prompts` (20-50 generic texts; no chat template), takes the residual state entering
     each layer >= `from_layer` at the first token of each prompt, ranks dims by the median of
     |x_d| / RMS(x), and keeps the dims whose score is at least `min_ratio` (default 100) times
-    the median score of all dims, at most `max_dims` (default 3), strongest first.
+    the median score of all dims, at most `max_dims` (default 3), strongest first. Builds the
+    `SinkDimsRequest` (its checks) and runs it (`run_sink_dims`, as `heads.run` does).
 
     Returns:
         `SinkDims` (dims and evidence DataFrame).
@@ -176,14 +164,24 @@ def find_sink_dims(
         ValueError: no prompts, `from_layer` outside 0..L-1, bad `max_dims` / `min_ratio`,
             or no dim far enough above the rest (the evidence is in the message).
     """
+    request = SinkDimsRequest(from_layer=from_layer, max_dims=max_dims, min_ratio=min_ratio)
+    return run_sink_dims(model, prompts, request)
+
+
+def run_sink_dims(
+    model: HeadModel, prompts: Sequence, request: SinkDimsRequest, options: SweepOptions | None = None
+) -> SinkDims:
+    """Run a `SinkDimsRequest` on `prompts` (what `find_sink_dims` does once it has built the
+    request: its values are checked there, its `from_layer` here against `model`; `options` takes
+    no sweep option, one forward of every prompt; see `find_sink_dims` for the rest)."""
+    if not isinstance(request, SinkDimsRequest):
+        raise HeadsteerTypeError(f"request must be a SinkDimsRequest, got {type(request).__name__}")
+    sweep_options(options, {}, "find_sink_dims", takes=())
     items = normalize_prompts(prompts)[0]
     if not items:
         raise HeadsteerValueError("find_sink_dims needs prompts")
-    n_l = model.n_layers
-    check_int("from_layer", from_layer, lo=0, hi=n_l - 1, what=f"an int in 0..{model.n_layers - 1}")
-    check_int("max_dims", max_dims, lo=1)
-    if not is_number(min_ratio) or not min_ratio > 1 or not math.isfinite(min_ratio):
-        raise HeadsteerValueError(f"min_ratio must be a number > 1, got {short_repr(min_ratio)}")
+    request.check_config(model)  # from_layer in 0..L-1
+    from_layer, max_dims, min_ratio = request.from_layer, request.max_dims, request.min_ratio
     enc = encode_prompts(model.tokenizer, items, chat=False, markup=False)
     out = forward(model, enc, output_hidden_states=True)
     real = enc.attention_mask.bool()
@@ -218,7 +216,13 @@ def find_sink_dims(
     if not chosen:
         top = ev.head(5)[["dim", "score", "ratio_to_median_dim"]].to_dict("records")
         raise HeadsteerValueError(f"no residual dim is >= {min_ratio}x the median dim score; top dims: {top}")
-    return SinkDims(tuple(chosen), ev)
+    return SinkDims(
+        tuple(chosen),
+        ev,
+        getattr(model, "name", ""),
+        (model.n_layers, model.n_heads, model.n_kv_heads, model.d_model),
+        {"from_layer": from_layer, "max_dims": max_dims, "min_ratio": float(min_ratio)},
+    )
 
 
 class SinkTracker:

@@ -12,13 +12,32 @@ from heads._util.validation import check_bool, check_int, check_number, is_numbe
 from heads.errors import HeadsteerValueError
 from heads.scorers.request_base import Geometry, Request, check_choice
 
-__all__ = ["EXEMPTIONS", "SINK_RULES", "SinkDimsRequest", "SinkStatsRequest"]
+__all__ = ["EXEMPTIONS", "SINK_RULES", "SinkDimsRequest", "SinkStatsRequest", "check_sink_rule"]
 
 SINK_RULES = ("relative", "absolute")
 """How a column is flagged as a sink: against the row's mean share (`"relative"`) or a fixed share."""
 
 EXEMPTIONS = ("position", "first_flagged")
 """Which sink is exempt from ACT's redistribution: the first position, or the first flagged column."""
+
+
+def check_sink_rule(
+    rule: object, alpha_s: object, theta: object, exempt: object, min_support: object
+) -> tuple[float, float, int]:
+    """The checks of a sink rule's fields, shared by `SinkStatsRequest` and
+    `heads.scorers.sinks.SinkRule`: `(alpha_s, theta, min_support)` as numbers.
+
+    Raises:
+        HeadsteerValueError: an unknown rule or exemption, alpha_s / theta not > 0, min_support < 1.
+    """
+    if not isinstance(rule, str) or rule not in SINK_RULES:
+        raise HeadsteerValueError(
+            f"rule must be one of {', '.join(SINK_RULES)} (the sink rule), got {short_repr(rule)}"
+        )
+    check_choice("exempt", exempt, EXEMPTIONS)
+    a = check_number("alpha_s", alpha_s, lo=0, lo_open=True)
+    t = check_number("theta", theta, lo=0, lo_open=True)
+    return a, t, check_int("min_support", min_support, lo=1)
 
 
 @dataclass(frozen=True)
@@ -50,11 +69,12 @@ class SinkStatsRequest(Request):
     markup: bool = True
 
     def __post_init__(self) -> None:
-        check_choice("rule", self.rule, SINK_RULES)
-        check_choice("exempt", self.exempt, EXEMPTIONS)
-        for name in ("alpha_s", "theta"):
-            object.__setattr__(self, name, check_number(name, getattr(self, name), lo=0, lo_open=True))
-        object.__setattr__(self, "min_support", check_int("min_support", self.min_support, lo=1))
+        alpha_s, theta, support = check_sink_rule(
+            self.rule, self.alpha_s, self.theta, self.exempt, self.min_support
+        )
+        object.__setattr__(self, "alpha_s", alpha_s)
+        object.__setattr__(self, "theta", theta)
+        object.__setattr__(self, "min_support", support)
         if self.chat is not None:
             check_bool("chat", self.chat, what="None, True or False")
         check_bool("markup", self.markup)

@@ -22,24 +22,34 @@ from typing import TYPE_CHECKING, Literal
 import pandas as pd
 import torch
 
-from heads._util.validation import check_int, check_number, short_repr
+from heads._util.validation import check_int, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.engine.options import SweepOptions, sweep_options
+from heads.errors import HeadsteerTypeError
 from heads.inputs.prompts import encode_prompts, normalize_prompts
 from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
-from heads.results.scores import HeadScores, _positive_int
+from heads.results.scores import HeadScores
 from heads.results.sinks import SCHEMA as SCHEMA
 from heads.results.sinks import SCHEMA_VERSION as SCHEMA_VERSION
 from heads.results.sinks import STATS as STATS
 from heads.results.sinks import SinkStats as SinkStats  # defined there; imported here as before
+from heads.scorers.sink_requests import SinkStatsRequest, check_sink_rule
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-__all__ = ["SinkRule", "SinkStats", "column_scores", "find_sinks", "massive_activations", "sink_stats"]
+__all__ = [
+    "SinkRule",
+    "SinkStats",
+    "column_scores",
+    "find_sinks",
+    "massive_activations",
+    "run_sink_stats",
+    "sink_stats",
+]
 
 
 Rule = Literal["relative", "absolute"]
@@ -57,18 +67,9 @@ class SinkRule:
     min_support: int = 1
 
     def __post_init__(self) -> None:
-        if self.rule not in ("relative", "absolute"):
-            raise HeadsteerValueError(
-                f"unknown sink rule {short_repr(self.rule)}: use 'relative' or 'absolute'"
-            )
-        if self.exempt not in ("position", "first_flagged"):
-            raise HeadsteerValueError(
-                f"unknown exemption {short_repr(self.exempt)}: use 'position' or 'first_flagged'"
-            )
-        for name in ("alpha_s", "theta"):
-            v = getattr(self, name)
-            check_number(name, v, lo=0, lo_open=True)
-        _positive_int(self.min_support, "min_support")
+        check_sink_rule(
+            self.rule, self.alpha_s, self.theta, self.exempt, self.min_support
+        )  # the request's checks
 
 
 def column_scores(probs: torch.Tensor, key_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +99,9 @@ def _column_support(key_real: torch.Tensor) -> torch.Tensor:
     return after * real
 
 
-def find_sinks(a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: SinkRule) -> torch.Tensor:
+def find_sinks(
+    a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: SinkRule | SinkStatsRequest
+) -> torch.Tensor:
     """`[B, H, T]` bool sink set S from column scores (`column_scores`), after the exemption."""
     real = key_real.to(a.device)
     n_tokens = real.sum(-1).float()[:, None, None]  # N per prompt
@@ -115,7 +118,6 @@ def find_sinks(a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: S
     return flagged
 
 
-@torch.no_grad()
 def _check_rule(rule: object) -> SinkRule:
     if rule is None:
         return SinkRule()
@@ -137,6 +139,9 @@ def sink_stats(
 ) -> SinkStats:
     """Per (layer, head) sink statistics of the prompts' prefill patterns (docs/methods/act.md).
 
+    Builds the `SinkStatsRequest` (the rule's fields, `chat`, `markup`: its checks) and runs it
+    (`run_sink_stats`, as `heads.run` does).
+
     Args:
         prompts: a prompt or a list (strings or chats), encoded as `SteeredModel.generate`
             encodes them, so the statistics are of the token sequence that is steered.
@@ -148,7 +153,33 @@ def sink_stats(
         ValueError: empty prompts, bad rule.
     """
     rule = _check_rule(rule)
+    request = SinkStatsRequest(
+        rule=rule.rule,
+        alpha_s=rule.alpha_s,
+        theta=rule.theta,
+        exempt=rule.exempt,
+        min_support=rule.min_support,
+        chat=chat,
+        markup=markup,
+    )
+    return run_sink_stats(model, prompts, request)
+
+
+@torch.no_grad()
+def run_sink_stats(
+    model: HeadModel, prompts: Sequence, request: SinkStatsRequest, options: SweepOptions | None = None
+) -> SinkStats:
+    """Run a `SinkStatsRequest` on `prompts` (what `sink_stats` does once it has built the
+    request, whose values are checked there; `options` takes `max_memory` only: one forward of
+    every prompt, refused before it when its `"sinks"` plan exceeds the budget; see `sink_stats`
+    for the rest)."""
+    if not isinstance(request, SinkStatsRequest):
+        raise HeadsteerTypeError(f"request must be a SinkStatsRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "sink_stats", takes=("max_memory",))
+    rule = request  # its rule fields are a SinkRule's, checked by the same function
+    chat, markup = request.chat, request.markup
     enc = encode_prompts(model.tokenizer, normalize_prompts(prompts)[0], chat=chat, markup=markup)
+    opts.check_run(model, enc.length, "sinks", enc.batch)  # max_memory: one forward, not split
     real = enc.attention_mask.bool()
     first = real.float().argmax(-1)
     rows = torch.arange(enc.batch)

@@ -51,8 +51,8 @@ __all__ = [
 def clean_accuracy(model: HeadModel, pairs: PairBatch, chunk: int = 16) -> dict[str, float]:
     """Share of pairs with a positive clean / corrupted logit difference, their mean logit
     differences and top-1 accuracy (`heads.evaluate_pairs` on the clean and corrupted prompts)."""
-    clean = evaluate_pairs(model, pairs, batch_size=chunk)
-    corr = evaluate_pairs(model, pairs, which="corrupted", batch_size=chunk)
+    clean = evaluate_pairs(model, pairs, options=SweepOptions(max_rows=chunk))
+    corr = evaluate_pairs(model, pairs, which="corrupted", options=SweepOptions(max_rows=chunk))
     return {
         "n": int(pairs.n),
         "clean_ld_positive": clean.accuracy,

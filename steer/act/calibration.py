@@ -133,7 +133,8 @@ def calibrate_act_heads(
         keep: `"accuracy"` (paper: acc_h > acc_0 + delta) or `"margin"` (mean log-prob margin
             above the base by more than delta; finer-grained on small calibration sets). A gain
             must also exceed `delta` by `NOISE` (1e-4), so rounding never selects a head.
-        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward;
+        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward
+            (fewer where `max_memory` needs it; refused before any forward below one row);
             `progress` a tqdm bar by default, in (head, prompt) rows (`total` is
             `len(heads) * N`); `executor` (`"local"`, `"ray"` or a
             `heads.engine.executors.Executor`) splits the candidates into the executor's shards,
@@ -147,7 +148,7 @@ def calibrate_act_heads(
     """
     from steer.act.method import Act
 
-    takes = ("max_rows", "progress", "executor")
+    takes = ("max_rows", "progress", "executor", "max_memory")
     opts = sweep_options(options, deprecated, "calibrate_act_heads", takes=takes)
     rule = rule or SinkRule()
     Act(beta=beta, rule=rule)  # validates beta and rule
@@ -168,6 +169,7 @@ def calibrate_act_heads(
     if ((lab < 0) | (lab >= ids.shape[1])).any():
         raise HeadsteerValueError(f"labels must be in 0..{ids.shape[1] - 1}")
     heads = check_heads(model, heads, default_act_layers(model.n_layers))
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory: rows within it
     if opts.executor is not None:
         kw: dict[str, object] = dict(
             prompts=list(prompts), choices=[list(c) for c in choices], labels=[int(x) for x in labels]

@@ -100,7 +100,8 @@ def profile_heads(
         task: task name recorded in the scores' params.
         reuse_positions: take positions before the span from the clean KV cache (exact up to
             float rounding; turn off to recompute everything).
-        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward;
+        options: how the sweep runs (`heads.SweepOptions`): `max_rows` batch rows per forward
+            (fewer where `max_memory` needs it; refused before any forward below one row);
             `progress` a tqdm bar by default, in (head, prompt) rows (`total` is
             `len(heads) * N`); `executor` (`"local"`, `"ray"` or a
             `heads.engine.executors.Executor`) splits the heads into the executor's shards,
@@ -117,7 +118,8 @@ def profile_heads(
     Raises:
         ValueError: prompt/target count mismatch, a prompt without a span, bad alpha or heads.
     """
-    opts = sweep_options(options, deprecated, "profile_heads", takes=("max_rows", "progress", "executor"))
+    takes = ("max_rows", "progress", "executor", "max_memory")
+    opts = sweep_options(options, deprecated, "profile_heads", takes=takes)
     if model.tokenizer is None:
         raise HeadsteerValueError("PASTA profiling needs a HeadModel with a tokenizer")
     check_alpha(alpha)  # validates alpha; warns on a no-op (alpha = 1) or de-emphasizing value
@@ -142,6 +144,8 @@ def profile_heads(
     tgt = target_ids(model.tokenizer, targets)
     starts = _first_span_start(enc)
     heads = check_heads(model, heads)
+    kv = 2 * model.n_layers * model.n_kv_heads * model.d_head * enc.batch * enc.length * model.dtype.itemsize
+    opts = opts.within(model, enc.length, reserve=kv if reuse_positions else 0, whole=enc.batch)  # max_memory
     if opts.executor is not None:
         from heads.engine.executors import run_head_shards
         from heads.scorers.safety.common import merge_scores

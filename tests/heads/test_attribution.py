@@ -249,7 +249,7 @@ def test_bad_flags_and_metric_builders(tiny_llama):
     "kwargs, match",
     [
         (dict(method="fast"), "method must be"),
-        (dict(confirm=3), "needs 'attribution'"),
+        (dict(confirm=3), "confirm=3 needs method='attribution'"),
         (dict(method="attribution", confirm=-1), "confirm must be"),
         (dict(method="attribution", confirm=13), "confirm must be"),
         (dict(method="attribution", confirm=2, controls=1.5), "controls must be"),

@@ -121,3 +121,39 @@ def test_biased_sdpa_mask_is_never_per_head_for_shared_biases(monkeypatch):
     assert out is not None
     assert {s[1] for s in seen if s} == {1, 2}  # rest heads: the model's mask; heads 0, 3: 2 wide
     assert torch.allclose(out.double(), _oracle(_inputs(), [dense]), atol=1e-5)
+
+
+def test_biased_sdpa_bounds_the_mask_block_and_never_copies_every_heads_qkv(monkeypatch):
+    """Knockout on every head below `FUSED_MIN_ROWS_CPU` rows: SDPA gets masks of at most
+    `BIAS_BLOCK_ELEMENTS` entries (not `[1, 1, QUERY_BLOCK, K]`: 1.47x a plain forward's peak at
+    1k tokens on SmolLM2) and the layer's own key and value (SDPA's GQA, no indexed copy), and
+    the output equals a dense float64 oracle."""
+    from heads.engine.knockout import KnockoutBias
+
+    b, h, g, t, d = 1, 6, 2, 600, 8  # 600 x 600 = 360,000 mask entries > BIAS_BLOCK_ELEMENTS
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(b, h, t, d, generator=gen)
+    k, v = torch.randn(b, g, t, d, generator=gen), torch.randn(b, g, t, d, generator=gen)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    inputs = AttentionInputs(q, k, v, mask, d**-0.5, q_offset=0)
+    keys = torch.zeros(b, t, dtype=torch.bool)
+    keys[0, 100:140] = True
+    knockout = KnockoutBias(layer=0, keys=keys)
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q_, k_, v_, attn_mask=None, **kw):
+        seen.append((tuple(attn_mask.shape), k_.data_ptr() == k.data_ptr() and v_.data_ptr() == v.data_ptr()))
+        return real(q_, k_, v_, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    out, _ = blocked_attention(None, inputs, LayerEdits(0, h, sites={"logits": [knockout]}))  # type: ignore[arg-type]
+    assert out is not None and len(seen) > 1
+    assert all(shape[0] * shape[1] * shape[2] * shape[3] <= state.BIAS_BLOCK_ELEMENTS for shape, _ in seen)
+    assert all(own for _, own in seen), seen  # the layer's key and value themselves
+    assert sum(shape[2] for shape, _ in seen) == t  # every query row once
+    kk, vv = k.double().repeat_interleave(h // g, 1), v.double().repeat_interleave(h // g, 1)
+    scores = q.double() @ kk.transpose(-1, -2) * d**-0.5
+    blocked = mask & ~keys[:, None, None, :]
+    want = (torch.softmax(scores.masked_fill(~blocked, float("-inf")), -1) @ vv).transpose(1, 2)
+    assert torch.allclose(out.double(), want, atol=1e-5), float((out.double() - want).abs().max())

@@ -79,9 +79,11 @@ def test_detect_roles_equals_its_request_run(tiny_llama):
     kw = {"seed": 3, "retrieval": False, "successor": False, "apply_first_mlp": False}
     got = detect_roles(tiny_llama, seqs, **kw)
     want = run(tiny_llama, DetectRolesRequest(**kw), seqs)
-    assert sorted(got) == sorted(want) and "copying" in got and "induction" in got
-    for name in got:
-        torch.testing.assert_close(got[name].scores, want[name].scores, rtol=0, atol=0, equal_nan=True)
+    assert got.roles == want.roles and "copying" in got.roles and "induction" in got.roles
+    for name in got.roles:
+        torch.testing.assert_close(
+            got.head_scores(name).scores, want.head_scores(name).scores, rtol=0, atol=0, equal_nan=True
+        )
 
 
 def test_train_lens_equals_its_request_run(tiny_llama):
@@ -207,3 +209,113 @@ def test_a_bad_value_is_refused_by_the_request_with_the_functions_message(case, 
         call(tiny_llama)
     assert type(by_function.value) is type(by_request.value)
     assert str(by_function.value) == str(by_request.value)
+
+
+def _loose_cases(m):
+    """name -> (the call with loose keywords, the same with options=, the keyword, results equal)."""
+    from heads.results.scores import HeadScores
+    from heads.scorers.circuits import EdgeScores, evaluate, exact_scores, faithfulness_curve, graph_of
+    from heads.scorers.maps.inference import ablation_check, dynamic_scores
+    from heads.scorers.maps.static import RelationPairs, maps_scores
+    from heads.scorers.patching.evaluate import evaluate_pairs
+    from heads.scorers.roles.detectors import pattern_scores
+    from heads.scorers.roles.lens_data import collect_lens_data
+    from heads.scorers.roles.needle import retrieval_scores
+
+    pairs, graph = _pairs(), graph_of(m)
+    sc = EdgeScores(graph, torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(0)), "eap")
+    edges = sc.ranking()[:3]
+    masks = graph.valid.clone()[None]
+    masks[0, edges[:, 0], edges[:, 1]] = False  # a circuit of all but three edges: three patched
+    rel = RelationPairs("copying", [(40, 40), (41, 41)], 1, texts=[("a", "a"), ("b", "b")])
+    scores = HeadScores(torch.zeros(m.n_layers, m.n_heads), "x")
+
+    def same(a, b):
+        return torch.equal(a, b)
+
+    one, rows = SweepOptions(max_rows=1, progress=False), SweepOptions(max_rows=1)
+    return {
+        "evaluate": (
+            lambda: evaluate(m, pairs, masks, batch_rows=1, progress=False),
+            lambda: evaluate(m, pairs, masks, options=one),
+            "batch_rows",
+            same,
+        ),
+        "faithfulness_curve": (
+            lambda: faithfulness_curve(m, pairs, sc, sizes=[99], random=False, batch_rows=1),
+            lambda: faithfulness_curve(m, pairs, sc, sizes=[99], random=False, options=one),
+            "batch_rows",
+            lambda a, b: (a["faithfulness"], a["n_kept"]) == (b["faithfulness"], b["n_kept"]),  # cpr: NaN
+        ),
+        "exact_scores": (
+            lambda: exact_scores(m, pairs, edges=edges, batch_rows=1, progress=False),
+            lambda: exact_scores(m, pairs, edges=edges, options=one),
+            "batch_rows",
+            lambda a, b: torch.equal(a.scores.nan_to_num(), b.scores.nan_to_num()),
+        ),
+        "evaluate_pairs": (
+            lambda: evaluate_pairs(m, pairs, batch_size=1),
+            lambda: evaluate_pairs(m, pairs, options=rows),
+            "batch_size",
+            lambda a, b: torch.equal(a.logit_diff, b.logit_diff),
+        ),
+        "collect_lens_data": (
+            lambda: collect_lens_data(m, ["a b c", "d e"], [(0, 0)], batch_size=1),
+            lambda: collect_lens_data(m, ["a b c", "d e"], [(0, 0)], options=rows),
+            "batch_size",
+            lambda a, b: torch.equal(a.outputs, b.outputs),
+        ),
+        "retrieval_scores": (
+            lambda: retrieval_scores(m, n_prompts=2, n_filler=1, batch_size=1),
+            lambda: retrieval_scores(m, n_prompts=2, n_filler=1, options=rows),
+            "batch_size",
+            lambda a, b: torch.equal(a.scores, b.scores),
+        ),
+        "dynamic_scores": (
+            lambda: dynamic_scores(m, [rel], templates=["{x}"], batch_size=1, progress=False),
+            lambda: dynamic_scores(m, [rel], templates=["{x}"], options=one),
+            "batch_size",
+            lambda a, b: torch.equal(a["copying"], b["copying"]),
+        ),
+        # two @torch.no_grad() scorers migrated earlier: the warning skips torch's wrapper frame
+        "pattern_scores": (
+            lambda: pattern_scores(m, [[1, 5, 6, 5, 6]], detectors=("induction",), batch_size=1),
+            lambda: pattern_scores(m, [[1, 5, 6, 5, 6]], detectors=("induction",), options=rows),
+            "batch_size",
+            lambda a, b: torch.equal(a["induction"].scores.nan_to_num(), b["induction"].scores.nan_to_num()),
+        ),
+        "maps_scores": (
+            lambda: maps_scores(m, [rel], progress=False),
+            lambda: maps_scores(m, [rel], options=QUIET),
+            "progress",
+            lambda a, b: torch.equal(a.relation["copying"].scores, b.relation["copying"].scores),
+        ),
+        "ablation_check": (
+            lambda: ablation_check(m, rel, scores, draws=1, n_prompts=2, min_base=1.1, progress=False),
+            lambda: ablation_check(m, rel, scores, draws=1, n_prompts=2, min_base=1.1, options=QUIET),
+            "progress",
+            lambda a, b: a.base == b.base and a.skipped == b.skipped,
+        ),
+    }
+
+
+def test_loose_sweep_keywords_warn_at_the_callers_line_and_match_options(tiny_llama):
+    """The loose rows / progress keywords still work one release: a DeprecationWarning naming
+    `options=SweepOptions(...)` at the caller's line, the result of the options form, and both
+    given together refused; a bad loose value is named as given."""
+    from heads.errors import HeadsteerValueError
+    from heads.scorers.patching.evaluate import evaluate_pairs
+
+    for name, (old, new, keyword, equal) in _loose_cases(tiny_llama).items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = old()
+        dep = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert len(dep) == 1, (name, [str(w.message) for w in caught])
+        assert f"{name}({keyword}=" in str(dep[0].message) and "options=SweepOptions(" in str(dep[0].message)
+        assert Path(dep[0].filename).name == Path(__file__).name, (name, dep[0].filename)
+        assert equal(got, new()), name
+    with pytest.raises(HeadsteerValueError, match=r"evaluate_pairs\(\) got both batch_size= and options"):
+        evaluate_pairs(tiny_llama, _pairs(), batch_size=2, options=SweepOptions(max_rows=4))
+    with pytest.raises(HeadsteerValueError, match="batch_size must be a positive int"):
+        evaluate_pairs(tiny_llama, _pairs(), batch_size=0)

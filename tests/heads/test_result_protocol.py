@@ -2,11 +2,14 @@
 instance of `Result`, `save(path)` returns the path and refuses to overwrite without
 `overwrite=True`, and `load(path, model)` gives back the same head scores and table, refusing a
 model of another geometry. Each result is made by its analysis on the tiny GQA Llama (fast
-settings), or built from scores where the analysis is slow (MAPS)."""
+settings), or built from scores where the analysis is slow (MAPS). A result with no per-head
+number (`SinkDims`: residual-stream dimensions) says so: its `head_scores()` raises, naming the
+analysis that gives one. Every `save` refuses to write through a symlink."""
 
 from __future__ import annotations
 
 import inspect
+import json
 
 import pandas as pd
 import pytest
@@ -47,6 +50,15 @@ def _gating(model):
     return heads.gate_heads(model, task, steps=1, reg_steps=1, progress=False)
 
 
+def _lens(model):
+    from heads.scorers.patching.logit import logit_inspection
+
+    return logit_inspection(model, _pairs())  # the lens and the per-head direct logits
+
+
+NO_HEAD_SCORES = {"SinkDims": "sink_stats"}
+"""Results without a per-head number -> the analysis their `head_scores()` error names."""
+
 BUILDERS = {
     "HeadScores": lambda m: heads.composition_scores(m, n_samples=4).head_scores(),
     "Circuit": lambda m: heads.find_circuit(
@@ -68,6 +80,12 @@ BUILDERS = {
     "MapsScores": _maps,
     "GatingResult": _gating,
     "DLAResult": lambda m: heads.direct_logit_attribution(m, _pairs()),
+    "EdgeScores": lambda m: heads.scorers.circuits.edge_scores(m, _pairs(), method="eap", options=QUIET),
+    "LensResult": _lens,
+    "SinkDims": lambda m: heads.find_sink_dims(m, PROMPTS, from_layer=1, min_ratio=1.001),
+    "AttentionLens": lambda m: heads.train_lens(
+        m, PROMPTS * 4, [(0, 1), (2, 3)], epochs=1, max_positions=64, options=QUIET
+    ),
 }
 """Result class name -> how the test makes one on the tiny model."""
 
@@ -80,6 +98,16 @@ def tiny(tokenizer):
 @pytest.fixture(scope="module")
 def other(tokenizer):
     return make_tiny("gpt2", tokenizer)
+
+
+def _header(path):
+    """The JSON header of a result file (a safetensors file keeps it in its metadata)."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads(f.metadata()["headsteer"])
+    return json.loads(path.read_text())
 
 
 def _same_frame(a: pd.DataFrame, b: pd.DataFrame) -> None:
@@ -103,28 +131,37 @@ def test_result_follows_the_protocol_and_round_trips(name, tiny, other, tmp_path
     save = inspect.signature(cls.save).parameters
     assert save["overwrite"].kind is inspect.Parameter.KEYWORD_ONLY and save["overwrite"].default is False
     assert "model" in inspect.signature(cls.load).parameters
-    scores = res.head_scores()
-    assert isinstance(scores, heads.HeadScores) and tuple(scores.scores.shape) == (
-        tiny.n_layers,
-        tiny.n_heads,
-    )
+    scores = None
+    if name in NO_HEAD_SCORES:
+        with pytest.raises(HeadsteerValueError, match=NO_HEAD_SCORES[name]):
+            res.head_scores()
+    else:
+        scores = res.head_scores()
+        assert isinstance(scores, heads.HeadScores) and tuple(scores.scores.shape) == (
+            tiny.n_layers,
+            tiny.n_heads,
+        )
     frame = res.to_frame()
     assert isinstance(frame, pd.DataFrame) and len(frame) > 0
 
-    path = tmp_path / f"{name}.json"
+    path = tmp_path / f"{name}.{'safetensors' if name == 'AttentionLens' else 'json'}"
+    link = tmp_path / f"link-{path.name}"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(HeadsteerValueError, match="symlink"):
+        res.save(link, overwrite=True)
+    assert not (tmp_path / "elsewhere").exists()
     got = res.save(path)
     assert got == path and path.is_file()
     with pytest.raises(HeadsteerValueError, match="exists"):
         res.save(path)
     assert res.save(path, overwrite=True) == path
-    import json
-
-    head = json.loads(path.read_text())
+    head = _header(path)
     assert (head["schema"], head["schema_version"]) == (cls.SCHEMA, cls.SCHEMA_VERSION)
 
     back = cls.load(path, tiny)
     assert type(back) is cls
-    torch.testing.assert_close(back.head_scores().scores, scores.scores, equal_nan=True)
+    if scores is not None:
+        torch.testing.assert_close(back.head_scores().scores, scores.scores, equal_nan=True)
     _same_frame(back.to_frame(), frame)
     if (other.n_layers, other.n_heads, other.n_kv_heads) != (tiny.n_layers, tiny.n_heads, tiny.n_kv_heads):
         with pytest.raises(HeadsteerValueError, match="geometry|model has"):

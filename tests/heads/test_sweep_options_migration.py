@@ -175,8 +175,8 @@ def test_dynamic_scores_takes_options(tiny_llama):
         HeadsteerValueError, match=r"dynamic_scores\(\) got both progress= and options.progress"
     ):
         dynamic_scores(tiny_llama, rel, progress=True, options=SweepOptions(progress=False))
-    with pytest.raises(HeadsteerValueError, match="dynamic_scores does not take max_rows="):
-        dynamic_scores(tiny_llama, rel, options=SweepOptions(max_rows=2))
+    with pytest.raises(HeadsteerValueError, match="dynamic_scores does not take seed="):
+        dynamic_scores(tiny_llama, rel, options=SweepOptions(seed=2))
 
 
 def test_maps_analysis_takes_options(tiny_llama):

@@ -55,6 +55,9 @@ def _cli(tmp_path, *args):
         (["qk", "--head", "9.0"], "unknown layer 9"),
         (["qk", "--head", "1.7"], "unknown head 7"),
         (["patching", "--kind", "nope"], "--kind"),
+        (["safety", "--steps", "1000"], "steps must be an int in 1.."),
+        (["safety", "--steps", "0"], "--steps"),
+        (["atlas", "--stability", "1"], "--stability"),
     ],
 )
 def test_a_bad_value_exits_2_before_the_weights(no_load, tiny_llama_dir, tmp_path, args, message):
@@ -112,6 +115,8 @@ def test_report_qk_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
         ('{"request": "patch"}', [], "needs its inputs"),
         ('{"request": "composition_scores"}', ["--inputs", "ioi"], "takes no inputs"),
         ('{"request": "head_atlas"}', [], "report atlas"),
+        ('{"request": "patch"}', ["--inputs", "ioi", "--max-memory", "lots"], "--max-memory"),
+        ('{"request": "patch"}', ["--inputs", "ioi", "--max-rows", "0"], "--max-rows"),
     ],
 )
 def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, request_json, extra, message):
@@ -145,3 +150,13 @@ def test_run_saves_what_heads_run_gives(tiny_llama, tiny_llama_dir, tmp_path):
     r = CliRunner().invoke(app, args)  # the result exists: refused without --force, untouched
     one_line_error(r, "exists")
     assert out.read_bytes() == before
+
+
+def test_run_knows_the_inputs_of_every_request():
+    """Every request class `heads` defines is either run by `headsteer run` (its inputs known) or
+    refused by name: a new request is not silently given the wrong inputs."""
+    from heads.scorers.request_base import request_classes
+    from viz.cli.run_request import NO_INPUT, PAIRS, PROMPTS
+
+    python_only = {"head_atlas", "gate_heads", "qrhead_scores"}  # their inputs are Python objects
+    assert set(request_classes()) == {*PAIRS, *PROMPTS, *NO_INPUT} | python_only

@@ -43,7 +43,8 @@ def test_cell_equals_the_library(client, model):
     [
         ({"key": 9, "query": 3}, "not in the pattern"),
         ({"query": 500}, "not in the pattern"),
-        ({"layer": 7}, "layer must be an int in 0..2"),
+        ({"layer": 7}, "head: unknown layer 7: this model has 3 (layers 0..2)"),
+        ({"head": 9}, "head: unknown head 9 in layer 1"),
         ({"query": -1}, "query must be an int >= 0"),
         ({"key": "a"}, "key must be"),
         ({"prompt": ""}, "prompt"),

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from heads._util.validation import check_seed, short_repr
 from heads.errors import HeadsteerValueError
+from viz.cli.causal import report_circuit, report_patching  # noqa: E402
 from viz.cli.common import (
     EmphasizeOpt,
     OneLineUsageErrors,
@@ -74,6 +75,8 @@ command(
 )(explore_command)
 command(report_app, "probes")(report_probes)
 command(report_app, "qk")(report_qk)
+command(report_app, "patching")(report_patching)
+command(report_app, "circuit")(report_circuit)
 command(app, "run")(run_request)  # `headsteer run REQUEST.json`: any analysis request
 register_vision(app, report_app)  # `headsteer vision generate`, `headsteer report vision`
 register_training(build_app, report_app)  # `headsteer build organism`, `headsteer report training`
@@ -241,190 +244,6 @@ def _instaboost_pair(run: Run, prompt: str, multiplier: float, max_new_tokens: i
     return {"baseline": base.text, "steered": steered.text, "steer": "instaboost", "multiplier": multiplier}
 
 
-@command(report_app, "patching")
-def report_patching(
-    run: Run,
-    out: Annotated[Path, typer.Option(help="HTML file to write")],
-    task: Annotated[
-        str, typer.Option(help="ioi, colored_objects, comp_mech (shipped pairs) or a pairs JSONL file")
-    ] = "ioi",
-    kind: Annotated[
-        str,
-        typer.Option(
-            help="the patching site kind: head_out, head_out_by_pos, resid_pre, attn_out, mlp_out, q, k, v "
-            "or pattern"
-        ),
-    ] = "head_out",
-    site: Annotated[
-        str | None, typer.Option(hidden=True, help="deprecated: the old name of --kind (one release)")
-    ] = None,
-    direction: Annotated[str, typer.Option(help="denoising (default) or noising")] = "denoising",
-    n: Annotated[int, typer.Option(help="pairs used (the first n of the test split or file)")] = 8,
-    split: Annotated[
-        str | None,
-        typer.Option(
-            help="split: of a shipped set, test (default) or train; of a file, the records whose "
-            '"split" field equals it [default: every record]'
-        ),
-    ] = None,
-    stability: Annotated[
-        int, typer.Option(help="bootstrap resamples of the pairs for the rankings' stability (0: none)")
-    ] = 0,
-) -> dict:
-    """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
-    from heads.scorers.patching.request import PatchRequest
-    from viz.cli.requests import build_request, check_request
-    from viz.reports.patching import patching_report, resolve_pairs
-
-    kind_option = "--kind"
-    if site is not None:  # the old name, one release
-        warn_line("--site is deprecated: use --kind (--site is removed in the next release)")
-        if run.gave("kind") and site != kind:
-            raise typer.BadParameter(
-                f"--site {short_repr(site)} and --kind {short_repr(kind)} differ: give --kind only"
-            )
-        kind, kind_option = site, "--site"
-    _positive(n=n)
-    # the request `heads.patch` builds: its values checked there, once; its kind against the
-    # model's config (`check_model`) before the weights load
-    options = {"kind": kind_option, "direction": "--direction", "stability": "--stability"}
-    request = build_request(PatchRequest, options, kind=kind, direction=direction, stability=stability)
-    pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
-    out = run.output(out, suffixes=HTML)
-    check_request(run, options, request)
-    hm = run.load()
-    with run.progress(4, f"patching {kind}") as step:
-        _, summary = patching_report(
-            hm, out, pairs, request=request, overwrite=run.force, progress=step, task=task
-        )
-    table = Table(title=f"top {kind} sites ({summary['pairs']} pairs, {direction})")
-    keys = [
-        k
-        for k in ("layer", "head", "kv_head", "position", "token", "score")
-        if summary["top"] and k in summary["top"][0]
-    ]
-    for k in keys:
-        table.add_column(k)
-    for row in summary["top"]:
-        table.add_row(*(f"{row[k]:.3f}" if k == "score" else escape(str(row[k])) for k in keys))
-    run.show(table, f"clean logit difference > 0 on {summary['clean_ld_positive']:.0%} of the pairs")
-    run.show(*(f"left out {name}: {why}" for name, why in summary["left_out"].items()))
-    return {"html": str(out), **summary}
-
-
-@command(report_app, "circuit")
-def report_circuit(
-    run: Run,
-    out: Annotated[Path, typer.Option(help="HTML file to write (the circuit JSON is written beside it)")],
-    task: Annotated[
-        str, typer.Option(help="ioi, colored_objects, or a JSONL pairs file (clean, corrupted, answer, ...)")
-    ] = "ioi",
-    method: Annotated[str, typer.Option(help="eap or eap-ig")] = "eap-ig",
-    pairs: Annotated[int, typer.Option(help="pairs to score (at most 256)")] = 16,
-    size: Annotated[
-        float | None,
-        typer.Option(help="circuit size in % of the edges, in (0, 100] (default: from --faithfulness)"),
-    ] = None,
-    faithfulness: Annotated[
-        float,
-        typer.Option(
-            help="the default size is the smallest of --sizes whose exact faithfulness reaches this"
-        ),
-    ] = 0.3,
-    confirm: Annotated[
-        int, typer.Option(help="rerun the top K edges with exact edge patching (0: none)")
-    ] = 0,
-    max_memory: Annotated[
-        str,
-        typer.Option(
-            help="what the exact evaluations' activations may take: GiB (2) or a size as plan's "
-            "--max-memory (24GB, 512MiB); at least 1 MiB"
-        ),
-    ] = "2",
-    graph_threshold: Annotated[
-        float | None, typer.Option(help="draw only the circuit's edges with |score| >= this (the graphs)")
-    ] = None,
-    steps: Annotated[int, typer.Option(help="EAP-IG interpolation steps")] = 5,
-    sizes: Annotated[
-        str, typer.Option(help="faithfulness-curve sizes, % of edges, comma-separated")
-    ] = "0.1,0.2,0.5,1,2,5,10,20,50,100",
-    stability: Annotated[
-        int, typer.Option(help="bootstrap resamples of the pairs: each edge's inclusion frequency (0: none)")
-    ] = 0,
-) -> dict:
-    """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
-    from heads.scorers.circuits.request import CircuitRequest
-    from viz.cli.requests import build_request, check_request
-    from viz.reports.circuit import TASKS, circuit_report, circuit_steps
-
-    if method not in ("eap", "eap-ig"):  # the report's choice: the request also has "exact"
-        raise HeadsteerValueError(f"--method must be eap or eap-ig, got {short_repr(method)}")
-    if task not in TASKS and not Path(task).is_file():
-        raise typer.BadParameter(
-            f"{short_repr(task)} is neither {' / '.join(TASKS)} nor a pairs file", param_hint="--task"
-        )
-    from heads.scorers.patching import load_pairs
-
-    if method == "eap":
-        refuse_unused(method, {"--steps": run.gave("steps", steps, 5)}, option="--method")
-    _positive(pairs=pairs)
-    _at_most("--pairs", pairs, 256)
-    from heads.planning.units import parse_gib
-
-    max_gib = parse_gib(max_memory, "--max-memory")
-    if graph_threshold is not None:
-        from heads._util.validation import check_number
-
-        check_number("--graph-threshold", graph_threshold, lo=0)
-    try:
-        curve_sizes = [float(x) for x in sizes.split(",") if x.strip()]
-    except ValueError:
-        raise HeadsteerValueError(
-            f"--sizes must be comma-separated numbers, got {short_repr(sizes)}"
-        ) from None
-    # the request `heads.find_circuit` builds: its values checked there, once (--faithfulness
-    # left out: find_circuit's default target, the most faithful size when none reaches it)
-    target = faithfulness if run.gave("faithfulness", faithfulness, 0.3) else None
-    options = {
-        "method": "--method", "size": "--size", "steps": "--steps", "sizes": "--sizes",
-        "faithfulness": "--faithfulness", "confirm": "--confirm", "stability": "--stability",
-    }  # fmt: skip
-    request = build_request(
-        CircuitRequest, options, method=method, size=size, steps=steps, sizes=curve_sizes,
-        faithfulness=target, confirm=confirm, stability=stability,
-    )  # fmt: skip
-    if task not in TASKS:
-        load_pairs(task)  # a bad pairs file fails here, before the model loads
-    out = run.output(out, suffixes=HTML)
-    js = run.output(out.with_suffix(".json"))
-    check_request(run, options, request)
-    hm = run.load()
-    with run.progress(circuit_steps(), "circuit") as step:
-        _, summary = circuit_report(
-            hm, out, task=task, n_pairs=pairs, request=request, overwrite=run.force, circuit_json=js,
-            progress=step, max_memory=max_gib, graph_threshold=graph_threshold,
-        )  # fmt: skip
-    table = Table(title=f"Circuit ({method})")
-    for col in ("edges", "heads", "faithfulness", "CPR", "CPR random", "CMD", "CMD random"):
-        table.add_column(col)
-    table.add_row(
-        f"{summary['edges']}/{summary['graph_edges']}",
-        str(summary["heads"]),
-        f"{summary['faithfulness']:.3f}",
-        f"{summary['cpr']:.3f}",
-        f"{summary['cpr_random']:.3f}",
-        f"{summary['cmd']:.3f}",
-        f"{summary['cmd_random']:.3f}",
-    )
-    run.show(table)
-    if summary["most_heads"]:
-        run.show(
-            f"warning: the circuit holds {summary['heads']} of the model's {summary['model_heads']} heads; "
-            "ablating them is close to ablating the model (a smaller --size names fewer heads)"
-        )
-    return {"html": str(out), "circuit": str(js), **summary}
-
-
 @command(report_app, "safety")
 def report_safety(
     run: Run,
@@ -449,21 +268,28 @@ def report_safety(
 ) -> dict:
     """Safety heads: Ships and dataset-level Ships heatmaps, Sahara, and ASR with heads ablated."""
     from heads.engine.executors import RayExecutor
+    from heads.scorers.safety.request import SaharaRequest
     from heads.scorers.safety.ships import fill_template
+    from viz.cli.requests import build_request, check_request
     from viz.reports.safety import read_prompts, safety_report, safety_template
 
-    _positive(steps=steps, score_prompts=score_prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    _positive(score_prompts=score_prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     run.check_new_tokens(max_new_tokens)  # from the config, before the weights
-    fill_template(safety_template(system_prompt), ["check"])  # the template, before any work
+    template = safety_template(system_prompt)
+    fill_template(template, ["check"])  # the template, before any work
+    # Sahara's request (`heads.sahara`): --steps checked there, and against the model's heads
+    options = {"steps": "--steps", "template": "--system-prompt"}
+    sahara_request = build_request(SaharaRequest, options, steps=steps, template=template)
     texts = read_prompts(prompts) if prompts is not None else None
     out = run.output(out, suffixes=HTML)
+    check_request(run, options, sahara_request)
     hm = run.load()
     with run.progress(5, "safety heads") as step:
         _, summary = safety_report(
             hm,
             out,
             prompts=texts,
-            steps=steps,
+            steps=sahara_request.steps,
             system_prompt=system_prompt,
             n_score=score_prompts,
             max_new_tokens=max_new_tokens,

@@ -17,9 +17,10 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.request_base import Request
 
 if TYPE_CHECKING:
+    from heads.engine.options import SweepOptions
     from viz.cli.common import Run
 
-__all__ = ["build_request", "check_request"]
+__all__ = ["build_request", "check_request", "sweep_options"]
 
 R = TypeVar("R", bound=Request)
 
@@ -48,6 +49,16 @@ def build_request(cls: type[R], options: Mapping[str, str], **values: Any) -> R:
     """
     try:
         return cls(**values)
+    except (HeadsteerValueError, HeadsteerTypeError) as exc:
+        raise typer.BadParameter(str(exc), param_hint=_option_named(str(exc), options)) from None
+
+
+def sweep_options(options: Mapping[str, str], **values: Any) -> SweepOptions:
+    """`SweepOptions(**values)`, or a `typer.BadParameter` naming the option (as `build_request`)."""
+    from heads.engine.options import SweepOptions
+
+    try:
+        return SweepOptions(**values)
     except (HeadsteerValueError, HeadsteerTypeError) as exc:
         raise typer.BadParameter(str(exc), param_hint=_option_named(str(exc), options)) from None
 

@@ -71,12 +71,23 @@ def run_request(
         ),
     ] = None,
     n: Annotated[int, typer.Option(help="the first N pairs or prompts of --inputs")] = 16,
+    max_rows: Annotated[
+        int, typer.Option(help="rows per forward of the analyses that sweep (SweepOptions.max_rows)")
+    ] = 64,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(help="memory budget of a sweep: 24GB, 512MiB or bytes (SweepOptions.max_memory)"),
+    ] = None,
 ) -> dict:
     """Run an analysis request written as JSON and save its result."""
     from heads.scorers.request_base import Request
-    from viz.cli.requests import check_request
+    from viz.cli.requests import check_request, sweep_options
 
     _positive(n=n)
+    options = sweep_options(
+        {"max_rows": "--max-rows", "max_memory": "--max-memory"},
+        max_rows=max_rows, max_memory=max_memory, progress=not run.quiet,
+    )  # fmt: skip
     if not request.is_file():
         raise typer.BadParameter(f"no request file {str(request)!r}", param_hint="REQUEST")
     req = Request.from_json(request.read_text(encoding="utf-8"))  # a bad request: one line, exit 2
@@ -94,9 +105,7 @@ def run_request(
     check_request(run, {}, req)  # against the model's config, before the weights
     hm = run.load()
     from heads import run as run_analysis
-    from heads.engine.options import SweepOptions
 
-    options = SweepOptions(progress=not run.quiet)
     if name in PAIRS:
         from heads.scorers.patching.pairs import encode_pairs
 

@@ -67,20 +67,22 @@ def progress_reporter(emit: Emit, flag: threading.Event) -> Callable[[int, int],
 def atlas_result(
     model: "HeadModel", cache: dict, emit: Emit, flag: threading.Event, no_first_mlp: str | None = None
 ) -> dict:
-    """The head atlas's roles and score columns (`heads.scorers.roles.atlas.head_atlas`), the
-    detectors run once per server (kept in `cache["atlas"]`), with progress per detector.
+    """The head atlas's roles and score columns (`heads.AtlasRequest(thumbnails=False)` run by
+    `heads.run` on the detectors' scores), the detectors run once per server (kept in
+    `cache["atlas"]`), with progress per detector.
 
     `no_first_mlp`: why MAPS' first-MLP source representation is not defined for this model
     (`ExplorerState.maps_refusal`); the copying and successor detectors, which read it, are
     then left out, named in the result's `skipped` (`{detector: reason}`)."""
     if cache["atlas"] is None:
-        from heads.scorers.roles.atlas import head_atlas
+        from heads import run
         from heads.scorers.roles.detectors import (
             copying_scores,
             pattern_scores,
             retrieval_scores,
             successor_scores,
         )
+        from heads.scorers.roles.request import AtlasRequest
 
         report = progress_reporter(emit, flag)
         steps = [
@@ -98,7 +100,7 @@ def atlas_result(
             emit({"status": f"head atlas: {what}"})
             det.update(step())
             report(i + 1, len(steps))
-        cache["atlas"] = head_atlas(model, detectors=det, thumbnails=False)
+        cache["atlas"] = run(model, AtlasRequest(thumbnails=False), {"detectors": det})
     frame = cache["atlas"].frame
     L, H = model.n_layers, model.n_heads
     roles = [[""] * H for _ in range(L)]

@@ -152,9 +152,7 @@ def circuit_report(
         graph_threshold = check_number("graph_threshold", graph_threshold, lo=0)
     method, size, steps = request.method, request.size, request.steps
     confirm, target = request.confirm, request.faithfulness
-    pairs = task_pairs(model, task, n_pairs)
-    if request.stability and pairs.n < 2:
-        raise HeadsteerValueError(f"stability={request.stability} needs at least 2 pairs, got {pairs.n}")
+    pairs = task_pairs(model, task, n_pairs)  # find_circuit refuses stability on one pair
     options = SweepOptions(progress=False, max_memory=int(max_memory * 2**30))
     with progress_callback(progress, "circuit report", "steps") as report:
         tick = (lambda i: report(i, circuit_steps())) if report is not None else (lambda i: None)

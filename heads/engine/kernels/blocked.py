@@ -67,11 +67,14 @@ def _biased_sdpa(
 
     The heads no bias touches in any row run once through the model's own SDPA (`own_sdpa`,
     the model's mask as given). The touched heads are grouped by which biases edit them in which
-    batch rows; each group runs `QUERY_BLOCK` query rows at a time with one additive mask, the
+    batch rows; each group runs `bias_block_rows(B, K)` query rows at a time (about
+    `BIAS_BLOCK_ELEMENTS` mask entries, at most `QUERY_BLOCK` rows) with one additive mask, the
     model's mask plus the group's biases, each zero on the rows it does not edit. A bias shared
-    by its heads (PASTA's `[B|1, 1, 1, K]`, a server batch's per-row `[B, 1, 1, K]`) thus gives
-    a `[B, 1, Q_blk, K]` mask, whatever the head count and however many rows are steered; a
-    per-head bias `[B|1, H, ., K]` gives `[B, H_group, Q_blk, K]`.
+    by its heads (PASTA's `[B|1, 1, 1, K]`, a server batch's per-row `[B, 1, 1, K]`, knockout's
+    `[B, 1, Q_blk, K]`) thus gives a `[B, 1, Q_blk, K]` mask, whatever the head count and however
+    many rows are steered; a per-head bias `[B|1, H, ., K]` gives `[B, H_group, Q_blk, K]`. A
+    group of every head (knockout in every head) reads the query, key and value as they are
+    (SDPA's own GQA), never an indexed copy.
     """
     query, key, value, mask = inputs.query, inputs.key, inputs.value, inputs.mask
     scaling, causal = inputs.scaling, inputs.causal
@@ -94,7 +97,8 @@ def _biased_sdpa(
     if rest:
         r = torch.tensor(rest, device=device)
         out[:, r] = own_sdpa(query[:, r], key[:, r // groups], value[:, r // groups], mask, scaling, causal)
-    block = state.QUERY_BLOCK  # read at call time (tests shrink it)
+    block = state.bias_block_rows(batch, k_len)  # read at call time (tests shrink it)
+    every = list(range(n_heads))
     for s in range(0, q_len, block):
         e_ = min(q_len, s + block)
         call = AttentionCall(layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
@@ -116,6 +120,16 @@ def _biased_sdpa(
                 add = b if add is None else add + b
             assert add is not None and add is not base  # every group has a bias on some row
             add = add.clamp_(min=MIN_LOGIT)  # a fresh tensor: stacked biases on a masked key stay finite
+            if hs == every:  # every head: no indexed copy of the query, key and value
+                out[:, :, s:e_] = F.scaled_dot_product_attention(
+                    query[:, :, s:e_],
+                    key,
+                    value,
+                    attn_mask=mask_in_dtype(add, query.dtype),
+                    scale=scaling,
+                    enable_gqa=groups > 1,
+                )
+                continue
             out[:, idx, s:e_] = F.scaled_dot_product_attention(
                 query[:, idx, s:e_],
                 key[:, idx // groups],

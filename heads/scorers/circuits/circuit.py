@@ -17,8 +17,8 @@ MIB's summaries are areas over the edge fraction k in [0, 1] (trapezoid rule):
 CPR = area under f(k) (higher is better), CMD = area under |1 - f(k)| (lower is better).
 
 This module holds the evaluation (`evaluate`, `faithfulness_curve`, `circuit_stability`) and
-`find_circuit`; the `Circuit` result and `select` live in `heads.scorers.circuits.result`, the
-pruning in `heads.scorers.circuits.pruning` (both re-exported here).
+`find_circuit`; the `Circuit` result and `select` live in `heads.results.circuits`, the
+pruning in `heads.results.graph` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.results.circuits import Circuit, select, warn_most_heads
+from heads.results.graph import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
 from heads.results.stability import Stability
 from heads.scorers.circuits.graph import Graph, graph_of
-from heads.scorers.circuits.pruning import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
-from heads.scorers.circuits.result import Circuit, select, warn_most_heads
 
 # Re-exported (`as` themselves): their import path `heads.scorers.circuits.circuit.<name>` stays.
-from heads.scorers.circuits.result import (  # isort: skip
+from heads.results.circuits import (  # isort: skip
     MAX_HEADS as MAX_HEADS,
     MAX_LAYERS as MAX_LAYERS,
     MOST_HEADS as MOST_HEADS,
@@ -49,7 +49,7 @@ from heads.scorers.circuits.result import (  # isort: skip
     _n_edges as _n_edges,
     _parse as _parse,
 )
-from heads.scorers.circuits.request import CircuitRequest
+from heads.scorers.circuits.request import SIZES, CircuitRequest
 from heads.scorers.circuits.scores import (
     EdgeScores,
     _batch_size,
@@ -79,8 +79,6 @@ __all__ = [
     "DEFAULT_FAITHFULNESS",
 ]
 
-SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-"""Default circuit sizes of the faithfulness curve, in % of the graph's edges (MIB)."""
 
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`): `find_circuit`
@@ -127,14 +125,15 @@ def evaluate(
     Args:
         circuits: a `Circuit`, a list of them, or `[K, U, Dn]` bool edge masks.
         options: `heads.SweepOptions`: `max_rows` rows (circuit x pair) per forward (default 64),
-            `progress` (without `options`: none) in forwards.
+            `progress` (without `options`: none) in forwards; `max_memory`: fewer rows where the
+            `"forward"` plan beside the recorded clean / corrupted runs needs it.
         **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
 
     Raises:
         ValueError: masks of another graph's shape; a model other than the circuit's geometry.
     """
-    batch_rows, progress = _rows_progress(options, deprecated, "evaluate", None)
+    batch_rows, progress = _rows_progress(options, deprecated, "evaluate", None, model, pairs)
     graph = graph_of(model)
     if isinstance(circuits, Circuit):
         circuits = [circuits]
@@ -208,7 +207,8 @@ def faithfulness_curve(
             `cpr_random` / `cmd_random` the means of the draws' CPR / CMD.
         metric: default the metric the scores were made with.
         options: `heads.SweepOptions` of the exact runs (`evaluate`'s: `max_rows` rows per
-            forward, default 64; `progress`, without `options` none).
+            forward, default 64, fewer where `max_memory` needs it; `progress`, without
+            `options` none).
         **deprecated: `batch_rows=` / `progress=` as keywords (one release; a `DeprecationWarning`).
 
     Returns:
@@ -229,7 +229,7 @@ def faithfulness_curve(
     check_bool("random", random)
     seed = check_seed("seed", seed)
     n_random = check_int("n_random", n_random, lo=1, hi=1000)
-    batch_rows, progress = _rows_progress(options, deprecated, "faithfulness_curve", None)
+    batch_rows, progress = _rows_progress(options, deprecated, "faithfulness_curve", None, model, pairs)
     graph = graph_of(model)
     if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
         raise HeadsteerValueError("the scores are for another model geometry")
@@ -430,7 +430,9 @@ def _run(
         n = _n_of(graph, r.size)
     met = get_metric(r.metric)
     quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
-    sc = chunked_edge_scores(model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress)
+    sc = chunked_edge_scores(
+        model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
+    )
     fc = None
     if curve or by_curve:
         fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)

@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from heads._util.progress import ProgressArg, progress_callback
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_int
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.results.stability import Stability, stability_of
+from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
+from heads.scorers.circuits.request import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported
+from heads.scorers.circuits.request import MAX_STEPS, METHODS, CircuitRequest
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 
@@ -57,113 +58,6 @@ __all__ = [
 PATCH_MEMORY = 512 * 2**20
 """Bytes that the upstream differences of one exact patched forward may take (`patched_metrics`):
 rows (patch x pair) are run in forwards small enough to fit, one row per forward at the least."""
-
-METHODS = ("eap", "eap-ig", "exact")
-"""`method=` values of `edge_scores`."""
-MAX_STEPS = 100
-"""The most EAP-IG interpolation steps `edge_scores` accepts (each step is a forward and backward
-over every pair)."""
-DEFAULT_STEPS = 5
-"""EAP-IG's default interpolation steps m (Hanna et al. 2024)."""
-
-
-@dataclass
-class EdgeScores:
-    """Scores of every edge of a graph.
-
-    Attributes:
-        graph: the `Graph`.
-        scores: `[U, Dn]` fp32; NaN where there is no edge (`graph.valid` False).
-        method: `"eap"`, `"eap-ig"` or `"exact"`.
-        metric: the metric's name.
-        n_pairs: pairs averaged over.
-        exact: `[U, Dn]` exact scores of the confirmed edges (NaN elsewhere), or None.
-        params: the call's parameters (steps, confirm, ...).
-        per_pair: `[N, E]` each pair's score of every edge (`edges()` order; `scores` is their
-            mean), kept for the bootstrap (`bootstrap`), or None.
-    """
-
-    graph: Graph
-    scores: torch.Tensor
-    method: str
-    metric: str = "logit_diff"
-    n_pairs: int = 0
-    exact: torch.Tensor | None = None
-    params: dict = field(default_factory=dict)
-    per_pair: torch.Tensor | None = None
-
-    def __repr__(self) -> str:
-        """One line: method, metric, number of edges, pairs (not the tensors)."""
-        return (
-            f"EdgeScores(method={self.method!r}, metric={self.metric!r}, n_edges={self.scores.numel()}, "
-            f"n_pairs={self.n_pairs}, exact={self.exact is not None})"
-        )
-
-    def edges(self) -> torch.Tensor:
-        """`[E, 2]` long (upstream, downstream) of every edge, in graph order."""
-        return torch.nonzero(self.graph.valid)
-
-    def values(self) -> torch.Tensor:
-        """`[E]` the scores of `edges()`."""
-        e = self.edges()
-        return self.scores[e[:, 0], e[:, 1]]
-
-    def ranking(self, absolute: bool = True) -> torch.Tensor:
-        """`[E, 2]` edges from the most to the least important (by |score| or by -score)."""
-        e, v = self.edges(), self.values()
-        key = v.abs() if absolute else -v
-        order = torch.argsort(torch.nan_to_num(key, nan=-float("inf")), descending=True, stable=True)
-        return e[order]
-
-    def bootstrap(
-        self,
-        n_resamples: int = 100,
-        *,
-        k: int = 100,
-        seed: int = 0,
-        templates: list | None = None,
-        by: str = "pairs",
-        absolute: bool = True,
-        select: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> Stability:
-        """The bootstrap `Stability` of the edge ranking (by |score| unless `absolute=False`)
-        over the pairs, from `per_pair` (no forward pass; `heads.results.stability.stability_of`).
-        `select`: `[E]` scores -> `[E]` bool, a circuit's edges (`Stability.inclusion`).
-
-        Raises:
-            ValueError: no per-pair values, fewer than 2 pairs, bad arguments.
-        """
-        if self.per_pair is None:
-            raise HeadsteerValueError("these edge scores keep no per-pair values (loaded or built by hand)")
-        return stability_of(
-            self.per_pair,
-            n_resamples=n_resamples,
-            k=k,
-            seed=seed,
-            absolute=absolute,
-            names=self.graph.edge_names(self.edges()),
-            templates=templates,
-            by=by,
-            select=select,
-            method=f"circuit.{self.method}",
-            model=self.graph.model,
-            params={"metric": self.metric},
-        )
-
-
-def check_steps(method: str, steps: object) -> int:
-    """`steps` as an int in 1..MAX_STEPS; only `"eap-ig"` takes steps, so another method with a
-    non-default `steps` is refused rather than silently recorded.
-
-    Raises:
-        HeadsteerValueError: steps not an int in 1..MAX_STEPS, or steps != 5 with method eap / exact.
-    """
-    n = check_int("steps", steps, lo=1, hi=MAX_STEPS)
-    if method != "eap-ig" and n != DEFAULT_STEPS:
-        raise HeadsteerValueError(
-            f"steps={n} is only used by method='eap-ig', not method={short_repr(method)}"
-        )
-    return n
 
 
 def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
@@ -233,11 +127,18 @@ def _batch_size(
 
 
 def _rows_progress(
-    options: SweepOptions | None, deprecated: dict[str, Any], where: str, progress: ProgressArg
+    options: SweepOptions | None,
+    deprecated: dict[str, Any],
+    where: str,
+    progress: ProgressArg,
+    model: HeadModel | None = None,
+    pairs: object = None,
 ) -> tuple[int, ProgressArg]:
     """`(max_rows, progress)` of `evaluate` / `faithfulness_curve` / `exact_scores`: `options`,
     or the deprecated `batch_rows=` / `progress=` keywords (warned at the caller's line);
-    `progress` is the scorer's own default when neither sets it."""
+    `progress` is the scorer's own default when neither sets it. With `options.max_memory`,
+    `max_rows` is lowered to the rows the `"forward"` plan fits beside the recorded clean and
+    corrupted runs of `pairs` (refused before any forward when one row does not fit)."""
     given = options is not None or "progress" in deprecated
     if "batch_rows" in deprecated:  # named as given, before the warning
         check_int("batch_rows", deprecated["batch_rows"], lo=1)
@@ -245,10 +146,15 @@ def _rows_progress(
         options,
         deprecated,
         where,
-        takes=("max_rows", "progress"),
+        takes=("max_rows", "progress", "max_memory"),
         renamed={"batch_rows": "max_rows"},
         stacklevel=4,
     )
+    if opts.max_memory is not None and model is not None and isinstance(pairs, PairBatch):
+        from heads.scorers.patching.record import cache_bytes
+
+        kept = 2 * cache_bytes(model, pairs.n, pairs.width)
+        opts = opts.within(model, pairs.width, reserve=kept, whole=pairs.n)
     return opts.max_rows, opts.progress if given else progress
 
 
@@ -278,7 +184,9 @@ def edge_scores(
         options: `heads.SweepOptions`; `max_rows` (default 64) is the rows per forward of the
             exact runs (edge x pair), and `max_rows // 8` (default 8) the pairs per chunk of the
             gradient runs (bounds memory); `progress`: True (default: a bar), False / None, or a
-            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact).
+            `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact);
+            `max_memory`: both lowered to the rows the `"gradient"` / `"forward"` plans fit in
+            it, refused before any forward when one row does not fit.
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
@@ -291,9 +199,22 @@ def edge_scores(
             confirm < 0, a refused family (named), pairs
             whose rows differ in length, a metric the pairs cannot feed; all before any forward.
     """
-    batch_size, opts = _batch_size(options, deprecated, "edge_scores")
+    batch_size, opts = _batch_size(options, deprecated, "edge_scores", ("max_rows", "progress", "max_memory"))
+    # the values are checked once, by the request find_circuit runs (its edge-score fields)
+    request = CircuitRequest(method=method, steps=steps, metric=metric, confirm=confirm, curve=False)
+    graph_of(model)  # a refused family is named before the geometry check
+    request.check_config(model)  # confirm within the graph's edges
     return chunked_edge_scores(
-        model, pairs, method, steps, metric, confirm, batch_size, opts.max_rows, opts.progress
+        model,
+        pairs,
+        request.method,
+        request.steps,
+        metric,
+        request.confirm,
+        batch_size,
+        opts.max_rows,
+        opts.progress,
+        opts.max_memory,
     )
 
 
@@ -307,18 +228,23 @@ def chunked_edge_scores(
     batch_size: int,
     batch_rows: int,
     progress: ProgressArg,
+    max_memory: int | str | None = None,
 ) -> EdgeScores:
     """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
-    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows). Same errors."""
-    if method not in METHODS:
-        raise HeadsteerValueError(f"method must be one of {METHODS}, got {short_repr(method)}")
-    check_steps(method, steps)
-    check_int("confirm", confirm, lo=0)
+    `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows); `max_memory`
+    (bytes) lowers both to the `"gradient"` / `"forward"` plans' rows within it (refused before
+    any forward when one row does not fit). The method, steps and confirm are a checked
+    `CircuitRequest`'s (`edge_scores` / `find_circuit` build it); the pairs are checked here."""
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
-    if confirm > graph.n_edges:
-        raise HeadsteerValueError(f"confirm={confirm} exceeds the graph's {graph.n_edges} edges")
+    budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
+    batch_size = budget.replace(max_rows=batch_size).within(model, pairs.width, "gradient").max_rows
+    if max_memory is not None:  # the exact runs keep the recorded clean and corrupted runs beside them
+        from heads.scorers.patching.record import cache_bytes
+
+        kept = 2 * cache_bytes(model, pairs.n, pairs.width)
+        batch_rows = budget.replace(max_rows=batch_rows).within(model, pairs.width, reserve=kept).max_rows
     if method == "exact":
         return exact_scores(
             model, pairs, metric=met, options=SweepOptions(max_rows=batch_rows, progress=progress)
@@ -516,7 +442,8 @@ def exact_scores(
         edges: `[E, 2]` (upstream, downstream) edges to score (default: every edge: E forwards
             rows per pair, slow beyond small models).
         options: `heads.SweepOptions`: `max_rows` rows (edge x pair) per forward (default 64),
-            `progress` (default True: a bar) in forwards.
+            `progress` (default True: a bar) in forwards; `max_memory`: fewer rows where the
+            `"forward"` plan beside the recorded clean / corrupted runs needs it.
         **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
 
@@ -526,7 +453,7 @@ def exact_scores(
     Raises:
         ValueError: an edge that is not in the graph.
     """
-    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True)
+    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True, model, pairs)
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)

@@ -135,8 +135,10 @@ def gate_heads(
         stability: bootstrap resamples of the `n_masks` gate fits (default 0: none; needs
             n_masks >= 2) for each ranking's stability (`result.gates.stability`, `.retain`,
             `.remove`: over the fits' gates, no extra training).
-        options: `heads.SweepOptions`; only `progress` applies: a tqdm bar (default), False, or
-            a `(done, total)` callable, per update.
+        options: `heads.SweepOptions`; `progress`: a tqdm bar (default), False, or a
+            `(done, total)` callable, per update; `max_memory`: refused before any forward when
+            one step's gradient forward (`batch_size` x `n_masks` rows, not split: the method's
+            minibatch) plans above it.
         **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
@@ -151,7 +153,7 @@ def gate_heads(
     Source: arXiv:2505.13737 Sec. 3 (Eq. 2, the taxonomy); reference `core/trainer.py`
     (`CHGTrainer`: defaults, the clamped-logit regulariser, the three stages).
     """
-    opts = sweep_options(options, deprecated, "gate_heads", takes=("progress",))
+    opts = sweep_options(options, deprecated, "gate_heads", takes=("progress", "max_memory"))
     if not isinstance(model, HeadModel):
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
     if heads is not None:  # any HeadSpec (a list of layers needs the model's head count)
@@ -188,7 +190,7 @@ def run_gating(
         raise HeadsteerTypeError(f"gate_heads needs a HeadModel, got {type(model).__name__}")
     if not isinstance(request, GatingRequest):
         raise HeadsteerTypeError(f"request must be a GatingRequest, got {type(request).__name__}")
-    opts = sweep_options(options, {}, "gate_heads", takes=("progress",))
+    opts = sweep_options(options, {}, "gate_heads", takes=("progress", "max_memory"))
     request.check_config(model)
     r = request
     steps, lr, reg_weight, clamp, grad_norm = r.steps, r.lr, r.reg_weight, r.clamp, r.grad_norm
@@ -198,6 +200,9 @@ def run_gating(
     if not isinstance(task, GateTask):
         raise HeadsteerTypeError(f"task must be a GateTask (see gate_task), got {type(task).__name__}")
     task.check(model)
+    # max_memory: a step's batch (rows x gate sets, one gradient forward) is the method's own
+    # minibatch, not split; a budget below its plan is refused before any forward
+    opts.check_run(model, task.input_ids.shape[1], "gradient", min(batch_size, len(task)) * n_masks)
     gated = torch.ones(model.n_layers, model.n_heads, dtype=torch.bool)
     if r.heads is not None:
         gated = torch.zeros_like(gated)

@@ -213,7 +213,7 @@ def maps_analysis(
                 ms.relation[r.name],
                 draws=draws,
                 n_prompts=n_prompts,
-                progress=offset_progress(report, start + i * n_abl, total),
+                options=SweepOptions(progress=offset_progress(report, start + i * n_abl, total)),
             )
         best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
         lh = ms.relation[best].ranked(1)[0]

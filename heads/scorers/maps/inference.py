@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from heads._util.progress import ProgressArg, progress_callback
+from heads._util.progress import progress_callback
 from heads._util.validation import check_int, check_seed, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit, HeadScale
 from heads.engine.forward import forward
-from heads.engine.options import SweepOptions, sweep_options
+from heads.engine.options import SweepOptions, sweep_options, sweep_rows
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -81,7 +81,6 @@ def dynamic_scores(
     *,
     templates: Sequence[str] = TEMPLATES,
     max_pairs: int = DYNAMIC_MAX_PAIRS,
-    batch_size: int = 48,
     options: SweepOptions | None = None,
     **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
@@ -92,20 +91,22 @@ def dynamic_scores(
     1 when the target is in its top-k (ties: lowest id). Averaged over the first
     `max_pairs` pairs of each relation (the "with context" variant of docs/methods/maps.md).
 
-    `options`: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
-    False / None (off) or `progress(done, total)` (`heads._util.progress`) in steps: one per
-    forward (template x batch of `batch_size` prompts), then one per layer scored
-    (`dynamic_steps`). The loose `progress=` keyword still works one release (a
-    `DeprecationWarning`; refused together with `options.progress` set).
+    `options`: `heads.SweepOptions`: `max_rows` prompts per forward (48 where it is left at its
+    default); `progress`: True (default: a tqdm bar), False / None (off) or
+    `progress(done, total)` (`heads._util.progress`) in steps: one per forward (template x batch
+    of `max_rows` prompts), then one per layer scored (`dynamic_steps`). The loose `progress=` and
+    `batch_size=` (now `max_rows`) keywords still work one release (a `DeprecationWarning`;
+    refused together with the same options field set).
 
     Returns:
         relation name -> tensor in [0, 1].
     """
-    progress = sweep_options(options, deprecated, "dynamic_scores", takes=("progress",)).progress
+    opts = sweep_rows(options, deprecated, "dynamic_scores", default=48, takes=("max_rows", "progress"))
+    progress, batch_size = opts.progress, opts.max_rows
     rels = [relations] if isinstance(relations, RelationPairs) else list(relations)
     if not rels or not all(isinstance(r, RelationPairs) for r in rels):
         raise HeadsteerValueError("dynamic_scores needs one or more RelationPairs")
-    max_pairs, batch_size = positive_int(max_pairs, "max_pairs"), positive_int(batch_size, "batch_size")
+    max_pairs = positive_int(max_pairs, "max_pairs")
     templates = list(templates)
     if not templates or any(not isinstance(t, str) or "{x}" not in t for t in templates):
         raise HeadsteerValueError(f"templates must be strings containing {{x}}, got {short_repr(templates)}")
@@ -246,7 +247,8 @@ def ablation_check(
     seed: int = 0,
     n_prompts: int = 40,
     min_base: float = 0.1,
-    progress: ProgressArg = True,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> AblationResult:
     """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
 
@@ -254,14 +256,16 @@ def ablation_check(
     at most half of all heads, so that as many other heads remain for the random draws.
     Relations whose base accuracy is below `min_base` are skipped.
 
-    `progress`: True (default: a tqdm bar), False / None (off) or `progress(done, total)`
-    (`heads._util.progress`) in accuracy passes over the `n_prompts` few-shot prompts:
-    `total = ablation_steps(draws)`; a skipped relation jumps to the end.
+    `options`: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar), False /
+    None (off) or `progress(done, total)` (`heads._util.progress`) in accuracy passes over the
+    `n_prompts` few-shot prompts: `total = ablation_steps(draws)`; a skipped relation jumps to
+    the end. The loose `progress=` keyword still works one release (a `DeprecationWarning`).
 
     Raises:
         ValueError: scores of another shape than the model's heads, or non-positive
             `n_heads` / `draws`.
     """
+    progress = sweep_options(options, deprecated, "ablation_check", takes=("progress",)).progress
     if (scores.n_layers, scores.n_heads) != (model.n_layers, model.n_heads):
         raise HeadsteerValueError(
             f"scores are [{scores.n_layers}, {scores.n_heads}], "

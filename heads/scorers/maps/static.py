@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import check_bool, check_int, is_int, short_repr
+from heads._util.validation import check_int, is_int, short_repr
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
@@ -33,6 +33,7 @@ from heads.results.maps import SCHEMA as SCHEMA
 from heads.results.maps import SCHEMA_VERSION as SCHEMA_VERSION
 from heads.results.maps import MapsScores as MapsScores  # defined there; imported here as before
 from heads.results.scores import HeadScores
+from heads.scorers.maps.request import MapsRequest
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -45,6 +46,7 @@ __all__ = [
     "k_for",
     "positive_int",
     "maps_scores",
+    "run_maps",
     "salient_operations",
     "source_representations",
     "target_ranks",
@@ -252,6 +254,8 @@ def maps_scores(
 ) -> MapsScores:
     """Static MAPS relation and suppression scores of every head (docs/methods/maps.md).
 
+    Builds the `MapsRequest` (its checks) and runs it (`run_maps`, as `heads.run` does).
+
     Args:
         model: the model (weights only; no forward pass over prompts).
         relations: relations as token-id pairs with their k.
@@ -272,9 +276,28 @@ def maps_scores(
         TypeError: a relation that is not `RelationPairs`.
     """
     opts = sweep_options(options, deprecated, "maps_scores", takes=("progress",))
+    request = MapsRequest(apply_first_mlp=apply_first_mlp)
+    return run_maps(model, relations, request, opts, pair_chunk=pair_chunk)
+
+
+@torch.no_grad()
+def run_maps(
+    model: HeadModel,
+    relations: Sequence[RelationPairs],
+    request: MapsRequest,
+    options: SweepOptions | None = None,
+    *,
+    pair_chunk: int = 1024,
+) -> MapsScores:
+    """Run a `MapsRequest` on `relations` (what `maps_scores` does once it has built the request,
+    whose values are checked there; `options` takes `progress` only; see `maps_scores` for the
+    arguments, the result and the errors)."""
+    if not isinstance(request, MapsRequest):
+        raise HeadsteerTypeError(f"request must be a MapsRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "maps_scores", takes=("progress",))
     relations = _as_relations(model, relations)
     pair_chunk = positive_int(pair_chunk, "pair_chunk")
-    check_bool("apply_first_mlp", apply_first_mlp)
+    apply_first_mlp = request.apply_first_mlp
     sources = sorted({s for r in relations for s, _ in r.pairs})
     row = {s: i for i, s in enumerate(sources)}
     src_ids = torch.tensor(sources)

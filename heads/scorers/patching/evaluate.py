@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, check_number, short_repr
+from heads._util.validation import check_number, short_repr
 from heads.engine.context import editing
 from heads.engine.edits import Edit
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
@@ -55,8 +56,9 @@ def evaluate_pairs(
     *,
     steer: Any = (),
     which: str = "clean",
-    batch_size: int = 16,
     level: float = 0.95,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> PairEvaluation:
     """Accuracy and mean logit difference of `model` on `pairs`, optionally steered.
 
@@ -67,8 +69,12 @@ def evaluate_pairs(
             (`steer.Ablate(circuit.heads)`, `steer.Pasta`, ...) or engine `Edit`s; one or a list
             (default none). Their edits act on every row of each batch, at every position.
         which: `"clean"` (default) or `"corrupted"`: the prompts run.
-        batch_size: pairs per forward (default 16).
         level: confidence level of the intervals, in (0, 1) (default 0.95).
+        options: `heads.SweepOptions`; `max_rows`: pairs per forward (default 16 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (refused
+            before any forward when one pair does not fit).
+        **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
+            `DeprecationWarning`; refused together with `options.max_rows` set).
 
     Returns:
         a `PairEvaluation`: per pair `logit_diff [N]` (logits) and `top1 [N]`; `accuracy` (LD > 0)
@@ -88,7 +94,7 @@ def evaluate_pairs(
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if which not in ("clean", "corrupted"):
         raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
-    check_int("batch_size", batch_size, lo=1)
+    opts = sweep_rows(options, deprecated, "evaluate_pairs", default=16, takes=("max_rows", "max_memory"))
     level = check_number("level", level, lo=0, hi=1, lo_open=True, hi_open=True)
     check_vocab(pairs, model.d_vocab)
     if not pairs.has_counterfactual:
@@ -97,6 +103,7 @@ def evaluate_pairs(
             "answer - counterfactual)"
         )
     model.check_length(pairs.width)
+    batch_size = opts.within(model, pairs.width).max_rows  # max_memory: rows per forward within it
     steerers = _steerers(steer)
     lds, top1 = [], []
     for start in range(0, pairs.n, batch_size):

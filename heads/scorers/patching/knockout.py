@@ -112,7 +112,7 @@ def run_knockout(
         raise HeadsteerTypeError(f"request must be a KnockoutRequest, got {type(request).__name__}")
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
-    opts = sweep_options(options, {}, "knockout", takes=("max_rows", "progress"))
+    opts = sweep_options(options, {}, "knockout", takes=("max_rows", "progress", "max_memory"))
     request.check_config(model)
     if pairs.has_images:
         raise HeadsteerValueError("knockout takes text pairs; vision pairs are not supported")
@@ -122,6 +122,7 @@ def run_knockout(
             "knockout measures the logit difference: every pair needs counterfactual tokens"
         )
     model.check_length(pairs.width)
+    opts = opts.within(model, pairs.width, "knockout")  # max_memory: rows per forward within it
     conds = request.conditions()
     queries = _columns(pairs, cast("tuple[int | str, ...]", request.queries), "queries")
     keys = {label: _columns(pairs, spec, f"keys[{label!r}]") for label, spec in conds.items()}
@@ -224,7 +225,9 @@ def knockout(
             renormalises (modification).
         which: `"clean"` (default) or `"corrupted"`: the prompts run.
         level: confidence level of the intervals (default 0.95).
-        options: `SweepOptions` (`max_rows` batch rows per forward, `progress`).
+        options: `SweepOptions` (`max_rows` batch rows per forward, `progress`, `max_memory`:
+            fewer rows where the `"knockout"` plan needs it, refused before any forward when
+            one row does not fit).
 
     Returns:
         a `KnockoutResult`: the unedited `baseline [N]` and `knocked [C, S, N]` logit differences

@@ -40,7 +40,6 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -50,6 +49,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
+from heads.results.lens import LensResult as LensResult  # the same
 from heads.scorers.patching.activation import RunCache, record_run
 from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
@@ -284,71 +284,6 @@ def direct_logit_attribution(
 
 
 # ------------------------------------------------------------------------------ lenses
-@dataclass
-class LensResult:
-    """The logit lens at the last position, per layer.
-
-    Entry l (< L) is the model's own output function (final norm, unembedding, logit scale,
-    output soft-cap: `output_logits`) applied to the residual entering layer l; entry L is the
-    model's output itself.
-
-    Attributes:
-        answer_logit: `[N, L + 1]` logits of the answer token (mean over a pair's tokens) read
-            from the residual entering layer l (index `L`: the final residual, i.e. the model's
-            output).
-        counterfactual_logit: `[N, L + 1]` the same for the counterfactual token.
-        answer_rank: `[N, L + 1]` ranks (0 = top) of the first answer token.
-        counterfactual_rank: `[N, L + 1]` ranks of the first counterfactual token.
-        logit_diff: `[N, L + 1]` answer minus counterfactual.
-        top_tokens: per layer, the `k` most likely tokens of pair 0.
-        head_answer: `[N, L, H]` each head's direct logit (frozen final scale, last position)
-            of the answer token (`head_logits`); None unless asked for: `logit_lens` leaves it
-            None, `logit_inspection` fills it (or call `head_logits(model, pairs)` directly).
-        head_counterfactual: `[N, L, H]` the same for the counterfactual token; None unless
-            asked for, as `head_answer`.
-    """
-
-    answer_logit: torch.Tensor
-    counterfactual_logit: torch.Tensor
-    answer_rank: torch.Tensor
-    counterfactual_rank: torch.Tensor
-    logit_diff: torch.Tensor
-    top_tokens: list[list[str]] = field(default_factory=list)
-    head_answer: torch.Tensor | None = None
-    head_counterfactual: torch.Tensor | None = None
-    model: str = ""
-    params: dict = field(default_factory=dict)
-
-    def __repr__(self) -> str:
-        """One line: `[N, L + 1]`, the model, whether per-head logits are held (not the tensors)."""
-        n, points = self.logit_diff.shape[:2]
-        return (
-            f"LensResult(model={self.model!r}, n_pairs={n}, points={points}, "
-            f"head_logits={self.head_answer is not None})"
-        )
-
-    def winner_share(self) -> torch.Tensor:
-        """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
-        return (self.logit_diff > 0).float().mean(0)
-
-    def to_frame(self):
-        """One row per layer: mean logits, logit difference, share where the answer wins."""
-        import pandas as pd
-
-        n = self.logit_diff.shape[1]
-        return pd.DataFrame(
-            {
-                "layer": list(range(n)),
-                "answer_logit": self.answer_logit.mean(0).numpy(),
-                "counterfactual_logit": self.counterfactual_logit.mean(0).numpy(),
-                "logit_diff": self.logit_diff.mean(0).numpy(),
-                "answer_wins": self.winner_share().numpy(),
-                "answer_rank": self.answer_rank.float().median(0).values.numpy(),
-                "counterfactual_rank": self.counterfactual_rank.float().median(0).values.numpy(),
-            }
-        )
-
-
 @torch.no_grad()
 def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
     """The logit lens (nostalgebraist 2020): the model's output function (final norm,
@@ -407,6 +342,8 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
         top,
         model=getattr(model, "name", ""),
         params={"which": which, "k": k},
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
     )
 
 

@@ -27,10 +27,12 @@ attribution); TransformerLens' `decompose_resid` / `apply_ln_to_stack` (the froz
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
 from heads._util.validation import check_bool, is_int, short_repr
+from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, encode_prompts, position_ids
 from heads.inputs.tokens import readable_token
@@ -39,8 +41,9 @@ from heads.results.qk import QKAttribution
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
-from heads.scorers.qk.request import parse_head_text
+from heads.scorers.qk.request import BY, QKRequest, parse_head_text, qk_positions
 from heads.scorers.qk.sides import Side, components, side
+from heads.scorers.request_base import check_choice
 
 __all__ = [
     "BY",
@@ -50,9 +53,8 @@ __all__ = [
     "qk_attribution",
     "qk_attributions",
     "resolve_positions",
+    "run_qk_attribution",
 ]
-
-BY = ("component", "source_token")
 
 
 def parse_head(model: HeadModel, head: object) -> tuple[int, int]:
@@ -119,18 +121,6 @@ def encode_input(
     return ids, mask, tokens
 
 
-def _positions(value: object, name: str) -> list[int]:
-    if is_int(value):
-        return [int(value)]
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
-        raise HeadsteerValueError(
-            f"{name} must be a position or a non-empty list of positions, got {short_repr(value)}"
-        )
-    if not all(is_int(x) for x in value):
-        raise HeadsteerValueError(f"{name} must be ints, got {short_repr(value)}")
-    return [int(x) for x in value]
-
-
 def resolve_positions(lengths: list[int], query: object, keys: object) -> tuple[torch.Tensor, torch.Tensor]:
     """`(queries [N, Q], keys [N, K])` token positions per prompt (negatives count from each
     prompt's end; `keys=None`: every position up to the last query, -1 past a prompt's end).
@@ -138,8 +128,8 @@ def resolve_positions(lengths: list[int], query: object, keys: object) -> tuple[
     Raises:
         ValueError: a position outside a prompt, a key after a query, a repeated position.
     """
-    qs = _positions(query, "query")
-    ks = None if keys is None else _positions(keys, "keys")
+    qs = qk_positions("query", query)  # the request's check
+    ks = None if keys is None else qk_positions("keys", keys)
     out_q, out_k = [], []
     for n, length in enumerate(lengths):
         row = []
@@ -269,7 +259,8 @@ def qk_attribution(
     chat: bool = False,
 ) -> QKAttribution:
     """Decompose head `head`'s attention logits at (query, key) cells into query-side x key-side
-    component terms (module docstring: the math and the frozen-scale convention).
+    component terms (module docstring: the math and the frozen-scale convention). Builds the
+    `QKRequest` (its checks) and runs it (`run_qk_attribution`, as `heads.run` does).
 
     Args:
         model: a `HeadModel` of an accepted family (`heads.scorers.qk.family.ACCEPTED`: Llama,
@@ -301,17 +292,32 @@ def qk_attribution(
             all before the forward.
         TypeError: a head or prompts of the wrong type.
     """
+    request = QKRequest(head=head, query=query, keys=keys, by=by, chat=chat)
+    return run_qk_attribution(model, prompts, request)
+
+
+def run_qk_attribution(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | PairBatch | torch.Tensor,
+    request: QKRequest,
+    options: SweepOptions | None = None,
+) -> QKAttribution:
+    """Run a `QKRequest` on `prompts` (what `qk_attribution` does once it has built the request:
+    its values are checked there, its head and the family here against `model`; `options` takes
+    no sweep option: one recording forward; see `qk_attribution` for the rest)."""
+    if not isinstance(request, QKRequest):
+        raise HeadsteerTypeError(f"request must be a QKRequest, got {type(request).__name__}")
+    sweep_options(options, {}, "qk_attribution", takes=())
     check_qk_model(model)
-    pair = parse_head(model, head)
-    _check_by(by)
-    ids, mask, tokens = encode_input(model, prompts, chat)
-    queries, keyp = resolve_positions(mask.sum(1).tolist(), query, keys)
-    return next(_attribute(model, ids, mask, tokens, [pair], queries, keyp, by, chat))
+    request.check_config(model)  # the head in range
+    pair = cast("tuple[int, int]", request.head)
+    ids, mask, tokens = encode_input(model, prompts, request.chat)
+    queries, keyp = resolve_positions(mask.sum(1).tolist(), request.query, request.keys)
+    return next(_attribute(model, ids, mask, tokens, [pair], queries, keyp, request.by, request.chat))
 
 
 def _check_by(by: object) -> None:
-    if by not in BY:
-        raise HeadsteerValueError(f"by must be one of {BY}, got {short_repr(by)}")
+    check_choice("by", by, BY)
 
 
 def qk_attributions(

@@ -30,8 +30,9 @@ from typing import cast
 
 import torch
 
-from heads._util.validation import check_bool, check_int, check_seed, short_repr
-from heads.errors import HeadsteerValueError
+from heads._util.validation import check_int, check_seed
+from heads.engine.options import SweepOptions, sweep_options
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, Prompt, position_ids
 from heads.model.adapter import HeadModel
 from heads.results.composition import CompositionScores
@@ -39,10 +40,10 @@ from heads.results.scores import HeadSet
 from heads.scorers.qk.attribution import encode_input
 from heads.scorers.qk.family import LayerParts, check_qk_model, layer_parts
 from heads.scorers.qk.record import Recording, record
-from heads.scorers.qk.request import MAX_SAMPLES
+from heads.scorers.qk.request import MAX_SAMPLES, CompositionRequest
 from heads.scorers.qk.sides import components, side
 
-__all__ = ["baseline", "composition_scores", "data_composition_scores"]
+__all__ = ["baseline", "composition_scores", "data_composition_scores", "run_composition"]
 
 
 def _r(w: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,8 @@ def composition_scores(
     seed: int = 0,
 ) -> CompositionScores:
     """Q-, K- and V-composition between every pair of heads in different layers, from the
-    weights (module docstring: the formulas, the folded norms, GQA, the RoPE caveat).
+    weights (module docstring: the formulas, the folded norms, GQA, the RoPE caveat). Builds the
+    `CompositionRequest` (its checks) and runs it (`run_composition`, as `heads.run` does).
 
     Args:
         model: a `HeadModel` of a family QK attribution accepts (`heads.scorers.qk.ACCEPTED`).
@@ -138,26 +140,52 @@ def composition_scores(
             reader head, bad `n_samples` / `seed`.
         TypeError: `subtract_baseline` not a bool.
     """
+    request = CompositionRequest(
+        method="weights",
+        readers=cast("Sequence[tuple[int, int]] | None", readers),  # any head selection: normalised there
+        subtract_baseline=subtract_baseline,
+        n_samples=n_samples,
+        seed=seed,
+    )
+    return run_composition(model, None, request)
+
+
+def run_composition(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor | None,
+    request: CompositionRequest,
+    options: SweepOptions | None = None,
+) -> CompositionScores:
+    """Run a `CompositionRequest`: from the weights (`method="weights"`, no prompts:
+    `composition_scores`) or on `prompts` (`method="data"`: `data_composition_scores`). What both
+    functions do once they have built the request, whose values are checked there; its readers
+    and the family are checked here against `model`; `options` takes no sweep option.
+
+    Raises:
+        HeadsteerValueError: prompts with `method="weights"`, none with `"data"`, and as the two
+            functions.
+        HeadsteerTypeError: `request` not a `CompositionRequest`, `model` not a `HeadModel`.
+    """
+    if not isinstance(request, CompositionRequest):
+        raise HeadsteerTypeError(f"request must be a CompositionRequest, got {type(request).__name__}")
+    sweep_options(options, {}, "composition_scores", takes=())
+    if request.method == "data":
+        if prompts is None:
+            raise HeadsteerValueError("composition_scores(method='data') needs prompts as its input")
+        return _data_scores(model, prompts, request)
+    if prompts is not None:
+        raise HeadsteerValueError(
+            "composition_scores(method='weights') reads the weights only; pass no input"
+        )
     check_qk_model(model)
-    check_bool("subtract_baseline", subtract_baseline)
-    check_int("n_samples", n_samples, lo=1, hi=MAX_SAMPLES)
-    check_seed("seed", seed)
+    request.check_config(model)  # readers in range
+    subtract_baseline, n_samples, seed = request.subtract_baseline, request.n_samples, request.seed
     L, H, d = model.n_layers, model.n_heads, model.d_head
     wanted: dict[int, list[int]] = {la: list(range(H)) for la in range(L)}
-    if readers is not None:
-        if isinstance(readers, (Mapping, HeadSet)):  # the head-selection forms requests accept
-            readers = HeadSet.parse(readers).heads
-        if isinstance(readers, (str, bytes)) or not isinstance(readers, Sequence) or not readers:
-            raise HeadsteerValueError(
-                f"readers must be a non-empty list of (layer, head) or a {{layer: [heads]}} mapping, "
-                f"got {short_repr(readers)}"
-            )
+    if request.readers is not None:
         wanted = {}
-        for pair in readers:
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise HeadsteerValueError(f"readers must be (layer, head) pairs, got {short_repr(pair)}")
-            model.check_head(*pair)
-            wanted.setdefault(int(pair[0]), []).append(int(pair[1]))
+        for la, h in request.readers:
+            wanted.setdefault(la, []).append(h)
     grp = H // model.n_kv_heads
     kv = torch.arange(H) // grp
     mats = [_folded(model, layer_parts(model, la)) for la in range(L)]
@@ -196,7 +224,7 @@ def composition_scores(
             "rope": "ignored",
             "n_samples": n_samples,
             "seed": seed,
-            "readers": None if readers is None else [[int(a), int(b)] for a, b in readers],
+            "readers": None if request.readers is None else [[a, b] for a, b in request.readers],
         },
     )
 
@@ -242,7 +270,18 @@ def data_composition_scores(
         ValueError: a refused family, empty prompts, ids outside the vocabulary, prompts longer
             than the model's context (before the forward).
     """
+    return run_composition(model, prompts, CompositionRequest(method="data", chat=chat))
+
+
+def _data_scores(
+    model: HeadModel,
+    prompts: Prompt | Sequence[Prompt] | EncodedPrompts | torch.Tensor,
+    request: CompositionRequest,
+) -> CompositionScores:
+    """`data_composition_scores` of a checked `method="data"` request."""
     check_qk_model(model)
+    request.check_config(model)
+    chat = request.chat
     ids, mask, _ = encode_input(model, prompts, chat)
     L, H, G = model.n_layers, model.n_heads, model.n_kv_heads
     kv = torch.arange(H) // (H // G)

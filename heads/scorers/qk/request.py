@@ -22,6 +22,7 @@ __all__ = [
     "MAX_SAMPLES",
     "parse_head",
     "parse_head_text",
+    "qk_positions",
 ]
 
 BY = ("component", "source_token")
@@ -113,7 +114,9 @@ def check_qk_family(geometry: Geometry) -> None:
         )
 
 
-def _positions(name: str, value: object) -> tuple[int, ...]:
+def qk_positions(name: str, value: object) -> tuple[int, ...]:
+    """A position or a non-empty list of positions (ints, negative from a prompt's end) as a tuple;
+    the check of `QKRequest.query` / `keys` and of `qk_attributions`' (not against a prompt)."""
     if is_int(value):
         return (int(value),)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
@@ -154,9 +157,9 @@ class QKRequest(Request):
         if self.head in (None, ""):
             raise HeadsteerValueError("head is required: (layer, head) or 'L.H'")
         object.__setattr__(self, "head", parse_head(self.head))
-        object.__setattr__(self, "query", _positions("query", self.query))
+        object.__setattr__(self, "query", qk_positions("query", self.query))
         if self.keys is not None:
-            object.__setattr__(self, "keys", _positions("keys", self.keys))
+            object.__setattr__(self, "keys", qk_positions("keys", self.keys))
         check_choice("by", self.by, BY)
         check_bool("chat", self.chat)
 

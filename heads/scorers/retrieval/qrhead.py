@@ -43,6 +43,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSet
+from heads.scorers.retrieval.request import DEFAULT_NULL_QUERY, QRHeadRequest
 
 __all__ = [
     "DEFAULT_NULL_QUERY",
@@ -53,10 +54,9 @@ __all__ = [
     "qr_tokens",
     "qrhead_scores",
     "recall_at",
+    "run_qrhead",
 ]
 
-DEFAULT_NULL_QUERY = "N/A"
-"""The calibration query (the reference's `null_query` default)."""
 INSTRUCTION = "Here are some paragraphs:"
 LATE_INSTRUCTION = "Please find information that are relevant to the following query in the paragraphs above."
 """The reference's `retrieval_instruction` / `retrieval_instruction_late` wording."""
@@ -121,6 +121,25 @@ def _query_attention(model: HeadModel, prompt: str, chat: bool | None) -> tuple[
     return torch.stack(out).float(), spans
 
 
+def _check_budget(
+    model: HeadModel,
+    items: list[tuple[str, list[str], int]],
+    null_query: str,
+    chat: bool | None,
+    opts: SweepOptions,
+) -> None:
+    """Refuse, before any prefill, a `max_memory` below the `"qrhead"` plan of the longest
+    prompt with the most query rows (one prompt per forward: no batch to shrink)."""
+    from heads.planning import MemoryRequest
+
+    length = rows = 1
+    for q, ps, _ in items:
+        for question in (q, null_query):
+            enc = encode_prompts(model.tokenizer, [qr_prompt(question, ps)], chat=chat)
+            length, rows = max(length, enc.length), max(rows, enc.length - enc.spans[0][-1][0])
+    opts.check_run(model, length, MemoryRequest("qrhead", {"query_rows": rows}))
+
+
 def qr_tokens(
     model: HeadModel,
     question: str,
@@ -135,8 +154,14 @@ def qr_tokens(
         ValueError: an empty question / null query, fewer than 2 passages, an empty passage, or
             `**` in a text; the prompt longer than the model's position limit.
     """
-    if not isinstance(null_query, str) or not null_query.strip():
-        raise HeadsteerValueError(f"null_query must be a non-empty string, got {short_repr(null_query)}")
+    request = QRHeadRequest(null_query=null_query, chat=chat)  # its checks of null_query and chat
+    return _qr_tokens(model, question, passages, request.null_query, request.chat)
+
+
+def _qr_tokens(
+    model: HeadModel, question: str, passages: Sequence[str], null_query: str, chat: bool | None
+) -> QrTokens:
+    """`qr_tokens` with `null_query` and `chat` already checked (by a `QRHeadRequest`)."""
     prompt, null = qr_prompt(question, passages), qr_prompt(null_query, passages)
     if model.tokenizer is None:
         raise HeadsteerTypeError("QRHead needs a model with a tokenizer")
@@ -187,6 +212,8 @@ def qrhead_scores(
 ) -> HeadScores:
     """QR score of every head: the mean over `items` of the gold passage's calibrated score.
 
+    Builds the `QRHeadRequest` (its checks) and runs it (`run_qrhead`, as `heads.run` does).
+
     Args:
         model: the model.
         items: dicts `{"question": str, "passages": [str, ...], "gold": int}` (gold = index of the
@@ -194,8 +221,9 @@ def qrhead_scores(
         null_query: the calibration query (default `"N/A"`).
         chat: apply the chat template (default: when the tokenizer has one).
         tokens: precomputed `qr_tokens` of the items, in order (skips the prefills).
-        options: `heads.SweepOptions`; only `progress` applies: a tqdm bar (default), False, or a
-            `(done, total)` callable, per item.
+        options: `heads.SweepOptions`; `progress`: a tqdm bar (default), False, or a
+            `(done, total)` callable, per item; `max_memory`: refused before any prefill when the
+            longest prompt's `"qrhead"` plan exceeds it (one prompt per forward).
         **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`).
 
     Returns:
@@ -207,14 +235,35 @@ def qrhead_scores(
     Source: arXiv:2506.09944 §3 (QR score); reference `exp_scripts/detection/detect_qrhead_lme.py`
     (`lme_eval`, `score_heads`) and `AttnBasedRetriever.score_docs_per_head_for_detection`.
     """
-    opts = sweep_options(options, deprecated, "qrhead_scores", takes=("progress",))
+    opts = sweep_options(options, deprecated, "qrhead_scores", takes=("progress", "max_memory"))
+    request = QRHeadRequest(null_query=null_query, chat=chat)
+    return run_qrhead(model, items, request, opts, tokens=tokens)
+
+
+def run_qrhead(
+    model: HeadModel,
+    items: Sequence[Mapping],
+    request: QRHeadRequest,
+    options: SweepOptions | None = None,
+    *,
+    tokens: Sequence[QrTokens] | None = None,
+) -> HeadScores:
+    """Run a `QRHeadRequest` on `items` (what `qrhead_scores` does once it has built the request,
+    whose values are checked there; `options` takes `progress` and `max_memory`; see `qrhead_scores` for the
+    arguments, the result and the errors)."""
+    if not isinstance(request, QRHeadRequest):
+        raise HeadsteerTypeError(f"request must be a QRHeadRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "qrhead_scores", takes=("progress", "max_memory"))
+    null_query, chat = request.null_query, request.chat
     checked = _items(items)
     if tokens is not None and len(tokens) != len(checked):
         raise HeadsteerValueError(f"tokens has {len(tokens)} entries for {len(checked)} items")
+    if tokens is None and opts.max_memory is not None:
+        _check_budget(model, checked, null_query, chat, opts)
     total = torch.zeros(model.n_layers, model.n_heads)
     with progress_callback(opts.progress, "qrhead", "items") as report:
         for k, (q, ps, g) in enumerate(checked):
-            tok = qr_tokens(model, q, ps, null_query=null_query, chat=chat) if tokens is None else tokens[k]
+            tok = _qr_tokens(model, q, ps, null_query, chat) if tokens is None else tokens[k]
             total += passage_scores(tok.scores, tok.spans)[..., g]
             if report is not None:
                 report(k + 1, len(checked))

@@ -6,6 +6,10 @@ geometry, heads, form, training parameters, held-out KL) written atomically thro
 `heads._util.files`; `AttentionLens.load(path, model)` refuses a file made for another model, and
 any file whose header or tensors do not hold together (heads outside the geometry, shapes of
 another form or head count, NaN / inf weights).
+
+It follows the result protocol (`heads.results.protocol.Result`): `head_scores()` is the held-out
+KL ratio per head, `to_frame()` one row per lens head, `save` / `load` as above (`SCHEMA` /
+`SCHEMA_VERSION` are `LENS_SCHEMA` / `LENS_SCHEMA_VERSION`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -79,6 +83,9 @@ class AttentionLens:
     held_out_kl: torch.Tensor | None = None
     untrained_kl: torch.Tensor | None = None
 
+    SCHEMA: ClassVar[str] = LENS_SCHEMA
+    SCHEMA_VERSION: ClassVar[int] = LENS_SCHEMA_VERSION
+
     # ----------------------------------------------------------------- building
     @classmethod
     def init(cls, model: HeadModel, heads: HeadSpec | None = None, *, form: Form = "tuned") -> AttentionLens:
@@ -117,7 +124,7 @@ class AttentionLens:
         if model.name != self.model or _geometry(model) != self.geometry:
             raise HeadsteerValueError(
                 f"this lens was made for {short_repr(self.model)} {self.geometry} (n_layers, n_heads, "
-                f"d_model, d_vocab); the model is {short_repr(model.name)} {_geometry(model)}"
+                f"d_model, d_vocab); the model has {short_repr(model.name)} {_geometry(model)}"
             )
 
     # ----------------------------------------------------------------- applying
@@ -250,6 +257,35 @@ class AttentionLens:
         for (la, h), v in zip(self.heads, vals[which].tolist(), strict=True):
             s[la, h] = v
         return HeadScores(s, f"lens_kl_{which}", {"form": self.form}, model=self.model)
+
+    def head_scores(self) -> HeadScores:
+        """`[L, H]` the held-out KL ratio per head, trained lens / untrained lens (< 1: the lens
+        reads the head's output better than the model's own unembedding; NaN for heads without a
+        lens): `kl_scores("ratio")`, the atlas' `lens_kl_ratio` column.
+
+        Raises:
+            HeadsteerValueError: a lens without held-out KL (not trained).
+        """
+        return self.kl_scores("ratio")
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per lens head: `layer, head, held_out_kl, untrained_kl, kl_ratio` (nats; NaN
+        before training)."""
+        import pandas as pd
+
+        n = len(self.heads)
+        nan = torch.full((n,), math.nan)
+        held = nan if self.held_out_kl is None else self.held_out_kl.float()
+        raw = nan if self.untrained_kl is None else self.untrained_kl.float()
+        return pd.DataFrame(
+            {
+                "layer": [la for la, _ in self.heads],
+                "head": [h for _, h in self.heads],
+                "held_out_kl": held.tolist(),
+                "untrained_kl": raw.tolist(),
+                "kl_ratio": (held / raw.clamp(min=1e-12)).tolist(),
+            }
+        )
 
     # ----------------------------------------------------------------- files
     def _header(self) -> dict:

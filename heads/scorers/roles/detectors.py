@@ -584,18 +584,17 @@ def run_detect_roles(
     request: DetectRolesRequest,
     options: SweepOptions | None = None,
 ) -> RoleScores:
-    """Run a `DetectRolesRequest` (what `detect_roles` does once it has built the request, whose
-    values are checked there; see `detect_roles` for the result and the errors). `options`:
-    `max_rows` is the pattern detectors' sequences per forward (`pattern_scores`; without
-    `options`, 8)."""
+    """Run a `DetectRolesRequest` (built and checked by `detect_roles`: see there for the result and
+    the errors); `options`' `max_rows` / `max_memory` bound `pattern_scores`' sequences per forward."""
     if not isinstance(request, DetectRolesRequest):
         raise HeadsteerTypeError(f"request must be a DetectRolesRequest, got {type(request).__name__}")
     r = request
-    rows = None if options is None else SweepOptions(max_rows=options.max_rows)
+    rows = None if options is None else SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory)
     out = pattern_scores(model, sequences, seed=r.seed, stability=r.stability, options=rows)
     out["copying"] = copying_scores(model, apply_first_mlp=r.apply_first_mlp, seed=r.seed)
     if r.successor and model.tokenizer is not None:
         out["successor"] = successor_scores(model, apply_first_mlp=r.apply_first_mlp)
     if r.retrieval:
-        out["retrieval"] = retrieval_scores(model, seed=r.seed)
+        budget = None if options is None else SweepOptions(max_memory=options.max_memory)
+        out["retrieval"] = retrieval_scores(model, seed=r.seed, options=budget)
     return RoleScores(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from heads._util.validation import (
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
@@ -83,7 +85,8 @@ def collect_lens_data(
     heads: HeadSpec | None = None,
     *,
     max_positions: int = 4096,
-    batch_size: int = 8,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> LensData:
     """Head outputs and model logits on `texts` (plain, no chat template), real positions only,
     at most `max_positions` (the first ones, in text order).
@@ -92,7 +95,12 @@ def collect_lens_data(
         texts: a text or a non-empty list of non-empty texts.
         heads: a head selection (`HeadSet.parse`; default every head).
         max_positions: positions kept (a positive int, default 4096).
-        batch_size: texts per forward (a positive int, default 8).
+        options: `heads.SweepOptions`; `max_rows`: texts per forward (default 8 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (the
+            `"logits"` plan, the kept outputs and fp16 logits of `max_positions` positions
+            beside it; refused before any forward when one text does not fit).
+        **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
+            `DeprecationWarning`; refused together with `options.max_rows` set).
 
     Returns:
         `LensData`: outputs `[n, N, D]` fp32, target logits `[N, V]` fp16, N <= `max_positions`.
@@ -105,8 +113,13 @@ def collect_lens_data(
         raise HeadsteerValueError("collect_lens_data needs a HeadModel with a tokenizer")
     texts = _texts(texts)
     max_positions = check_int("max_positions", max_positions, lo=1)
-    batch_size = check_int("batch_size", batch_size, lo=1)
+    opts = sweep_rows(options, deprecated, "collect_lens_data", default=8, takes=("max_rows", "max_memory"))
     hs = _heads(model, heads)
+    batch_size = opts.max_rows
+    if opts.max_memory is not None:  # texts per forward within the budget, the kept data beside them
+        longest = encode_prompts(model.tokenizer, texts, chat=False, markup=False).length
+        kept = max_positions * (len(hs) * model.d_model * 4 + model.d_vocab * 2 + 16)
+        batch_size = opts.within(model, longest, "logits", reserve=kept).max_rows
     by_layer: dict[int, list[int]] = {}
     for la, h in hs:
         by_layer.setdefault(la, []).append(h)

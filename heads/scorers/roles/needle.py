@@ -6,11 +6,14 @@ Re-exported by `heads.scorers.roles.detectors`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
+from heads.engine.options import SweepOptions, sweep_rows
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
@@ -164,8 +167,9 @@ def retrieval_scores(
     n_prompts: int = 8,
     n_filler: int = 12,
     needle_words: int = 4,
-    batch_size: int = 8,
     seed: int = 0,
+    options: SweepOptions | None = None,
+    **deprecated: Any,
 ) -> HeadScores:
     """Retrieval score (Wu et al. 2024, arXiv:2404.15574, §2): the copy-paste rate of each head on
     needle-in-a-haystack prompts (`needle_prompts`).
@@ -178,7 +182,11 @@ def retrieval_scores(
 
     Args:
         n_prompts, n_filler, needle_words, seed: as in `needle_prompts` (defaults 8, 12, 4, 0).
-        batch_size: prompts per forward (a positive int, default 8).
+        options: `heads.SweepOptions`; `max_rows`: prompts per forward (default 8 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (the
+            `"retrieval"` plan; refused before any forward when one prompt does not fit).
+        **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
+            `DeprecationWarning`; refused together with `options.max_rows` set).
 
     Returns:
         HeadScores `[L, H]` in [0, 1], method `"role_retrieval"`.
@@ -187,10 +195,11 @@ def retrieval_scores(
         HeadsteerValueError: an argument out of range, prompts longer than the model's context
             (both before any forward).
     """
-    batch_size = _positive(batch_size, "batch_size")
+    opts = sweep_rows(options, deprecated, "retrieval_scores", default=8, takes=("max_rows", "max_memory"))
     enc, needles, answers = needle_prompts(
         model, n_prompts=n_prompts, n_filler=n_filler, needle_words=needle_words, seed=seed
     )
+    batch_size = opts.within(model, enc.length, "retrieval").max_rows  # max_memory: rows within it
     L, H = model.n_layers, model.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     dev = model.device

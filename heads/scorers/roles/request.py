@@ -10,6 +10,7 @@ from typing import Literal
 
 from heads._util.validation import check_bool, check_int, check_number, check_seed, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.results.atlas import ROLE_THRESHOLDS
 from heads.results.stability import check_stability
 from heads.scorers.request_base import Geometry, Request, check_choice, check_head_pairs
 
@@ -38,16 +39,6 @@ MAX_LR = 1.0
 MAX_EPOCHS = 100_000
 """The most lens training epochs accepted."""
 
-ROLE_THRESHOLDS: dict[str, float] = {
-    "induction": 0.5,
-    "successor": 0.5,
-    "duplicate_token": 0.5,
-    "previous_token": 0.5,
-    "retrieval": 0.3,
-    "self": 0.5,
-    "sink": 0.8,
-}
-"""Default roles in precedence order with their thresholds (`heads.scorers.roles.atlas`)."""
 
 _RESERVED = ("layer", "head", "kv_head", "role", "best_relation", "none", "nan")
 

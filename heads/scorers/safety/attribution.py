@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import torch
 
-from heads._util.validation import check_bool, check_int, check_number, is_int, short_repr
+from heads._util.validation import check_int, is_int, short_repr
 from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit
 from heads.engine.options import SweepOptions, sweep_options
@@ -70,10 +70,17 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
-from heads.results.stability import check_stability
 from heads.scorers.controls import random_head_draws
 from heads.scorers.safety.atp import BatchSetup, attribute_batch
-from heads.scorers.safety.common import TEMPLATE, ShipsResult, check_scoring, encode_queries, exact_ships
+from heads.scorers.safety.common import (
+    TEMPLATE,
+    ShipsResult,
+    check_scoring,
+    encode_queries,
+    exact_ships,
+    head_pairs,
+)
+from heads.scorers.safety.request import AttributionRequest
 from heads.scorers.stability import attach, check_samples
 
 __all__ = [
@@ -82,6 +89,7 @@ __all__ = [
     "attribute",
     "confirm_ships",
     "logit_diff",
+    "run_attribution",
     "sahara_candidates",
     "target_logprob",
 ]
@@ -106,9 +114,6 @@ def __getattr__(name: str) -> Any:
         )
         return AttributionMetric
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_ABLATIONS = ("ua", "sc", "zero", "mean")
 
 
 @dataclass(eq=False, repr=False)
@@ -193,15 +198,6 @@ def _token_ids(ids: Sequence[int], what: str) -> torch.Tensor:
     return torch.tensor([int(t) for t in ids], dtype=torch.long)
 
 
-def _check_ablation(ablation) -> None:
-    if callable(ablation):
-        return
-    if ablation not in _ABLATIONS:
-        raise HeadsteerValueError(
-            f"unknown ablation {short_repr(ablation)}: use one of {_ABLATIONS} or a callable layer -> Edit"
-        )
-
-
 def _head_means(model: HeadModel, enc: EncodedPrompts, max_rows: int) -> list[torch.Tensor]:
     """Per layer, `[n_heads, d_head]` mean head output over every real position of every prompt
     (read at the engine's `head_output` site)."""
@@ -243,6 +239,7 @@ def attribute(
     **deprecated: Any,
 ) -> ShipsResult:
     """First-order (AtP / AtP*) estimate of every head's ablation effect, one forward + backward per batch.
+    Builds the `AttributionRequest` (its checks) and runs it (`run_attribution`, as `heads.run` does).
 
     The estimate is a ranking to confirm, not a result: rerun its top heads exactly
     (`confirm_ships`, `ships(method="attribution", confirm=k)`) before reading a head as
@@ -285,7 +282,38 @@ def attribute(
             nnsight model with `remote=True` (gradients and hooks are local).
         TypeError: non-bool exact / saturation_fix / graddrop.
     """
-    opts = sweep_options(options, deprecated, "attribute", takes=("max_rows", "max_memory"))
+    opts = sweep_options(options, deprecated, "attribute", takes=_ATTRIBUTE_TAKES)
+    request = AttributionRequest(
+        heads=head_pairs(model, heads),
+        ablation=ablation,
+        eps=eps,
+        exact=exact,
+        metric=metric,
+        kl_tokens=kl_tokens,
+        saturation_fix=saturation_fix,
+        graddrop=graddrop,
+        template=template,
+        stability=stability,
+    )
+    return run_attribution(model, prompts, request, opts)
+
+
+_ATTRIBUTE_TAKES = ("max_rows", "max_memory")
+
+
+def run_attribution(
+    model: HeadModel,
+    prompts: str | Sequence[str],
+    request: AttributionRequest,
+    options: SweepOptions | None = None,
+) -> ShipsResult:
+    """Run an `AttributionRequest` on `prompts` (what `attribute` / `heads.attribution_patching`
+    does once it has built the request: its values are checked there, its heads, `kl_tokens` and
+    `graddrop` here against `model`; `options` takes `max_rows` and `max_memory`; see `attribute`
+    for the rest)."""
+    if not isinstance(request, AttributionRequest):
+        raise HeadsteerTypeError(f"request must be an AttributionRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "attribute", takes=_ATTRIBUTE_TAKES)
     if model.tokenizer is None:
         raise HeadsteerValueError("attribution needs a HeadModel with a tokenizer")
     if getattr(model.backend, "remote", False):
@@ -294,25 +322,10 @@ def attribute(
             "head outputs "
             "and their gradients through local torch hooks, which do not run on NDIF (use remote=False)"
         )
-    _check_ablation(ablation)
-    check_number("eps", eps, lo=0, hi=1)
-    for name, flag in (("exact", exact), ("saturation_fix", saturation_fix), ("graddrop", graddrop)):
-        check_bool(name, flag, what="a bool")
-    if not (metric == "kl" or callable(metric)):
-        raise HeadsteerValueError(
-            f"metric must be 'kl' or a callable (logp, prompt_index) -> [R], got {short_repr(metric)}"
-        )
-    if (
-        isinstance(kl_tokens, bool)
-        or not isinstance(kl_tokens, int)
-        or not 1 <= kl_tokens <= model.d_vocab - 1
-    ):
-        raise HeadsteerValueError(
-            f"kl_tokens must be an int in 1..{model.d_vocab - 1}, got {short_repr(kl_tokens)}"
-        )
-    if graddrop and model.n_layers < 2:
-        raise HeadsteerValueError("graddrop needs at least 2 layers")
-    stability = check_stability(stability)
+    request.check_config(model)  # heads in range, kl_tokens below the vocabulary, graddrop's layers
+    ablation, eps, exact, metric = request.ablation, request.eps, request.exact, request.metric
+    kl_tokens, saturation_fix, graddrop = request.kl_tokens, request.saturation_fix, request.graddrop
+    template, stability, heads = request.template, request.stability, request.heads
     chosen = check_heads(model, heads)
     enc = encode_queries(model, prompts, template)
     check_samples(enc.batch, stability, "prompts")
@@ -362,7 +375,7 @@ def _ships_estimate(
     exact: bool,
     kl_tokens: int,
     template: str | None,
-    max_rows: int,
+    options: SweepOptions,
 ) -> ShipsResult:
     """The attribution estimate of Ships (KL metric) for the ablations Ships has (UA, SC)."""
     if ablation not in ("ua", "sc"):
@@ -376,7 +389,7 @@ def _ships_estimate(
         exact=exact,
         kl_tokens=kl_tokens,
         template=template,
-        options=SweepOptions(max_rows=max_rows),
+        options=SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory),
     )
 
 
@@ -422,12 +435,32 @@ def confirm_ships(
         ValueError: `confirm` or `controls` not an int in 0..number of heads, a non-int seed,
             and as `ships` / `attribute`.
     """
-    opts = sweep_options(options, deprecated, "confirm_ships", takes=("max_rows", "progress", "seed"))
+    takes = ("max_rows", "progress", "seed", "max_memory")
+    opts = sweep_options(options, deprecated, "confirm_ships", takes=takes)
     chosen = check_heads(model, heads)
     for name, k in (("confirm", confirm), ("controls", controls)):
         check_int(name, k, lo=0, hi=len(chosen))
+    return confirmed_ships(
+        model, prompts, chosen, confirm, controls, ablation, eps, exact, template, kl_tokens, opts
+    )
+
+
+def confirmed_ships(
+    model: HeadModel,
+    prompts: str | Sequence[str],
+    chosen: list[Head],
+    confirm: int,
+    controls: int,
+    ablation: Literal["ua", "sc"],
+    eps: float,
+    exact: bool,
+    template: str | None,
+    kl_tokens: int,
+    opts: SweepOptions,
+) -> ShipsResult:
+    """`confirm_ships` of checked values (a `ShipsRequest`'s: `run_ships` with `method="attribution"`)."""
     seed = opts.seed
-    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts.max_rows)
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts)
     est.estimate = est.scores
     if confirm == 0:
         return est
@@ -474,8 +507,8 @@ def sahara_candidates(
     Raises:
         ValueError: `k` not an int in 1..number of heads, and as `attribute`.
     """
-    max_rows = sweep_options(options, deprecated, "sahara_candidates", takes=("max_rows",)).max_rows
+    opts = sweep_options(options, deprecated, "sahara_candidates", takes=("max_rows", "max_memory"))
     chosen = check_heads(model, heads)
     check_int("k", k, lo=1, hi=len(chosen))
-    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, max_rows)
+    est = _ships_estimate(model, prompts, chosen, ablation, eps, exact, kl_tokens, template, opts)
     return est.scores.ranked(k)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import check_bool, check_int, check_number, short_repr
+from heads._util.validation import check_int, short_repr
 from heads.engine.edits import Edit, HeadScale, QueryScale
 from heads.engine.executors import Target, run_shards
 from heads.engine.options import SweepOptions
@@ -32,7 +32,8 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
 from heads.results.safety import ShipsResult as ShipsResult  # defined there; imported here as before
-from heads.results.scores import HeadScores, HeadSpec
+from heads.results.scores import HeadScores, HeadSet, HeadSpec
+from heads.scorers.safety.request import DEFAULT_TEMPLATE, check_template
 
 __all__ = [
     "TEMPLATE",
@@ -46,6 +47,7 @@ __all__ = [
     "exact_ships",
     "fill_template",
     "final_state",
+    "head_pairs",
     "head_table",
     "kl_from",
     "merge_scores",
@@ -54,7 +56,7 @@ __all__ = [
     "shard_heads",
 ]
 
-TEMPLATE = "Query: {query}\nAnswer:"
+TEMPLATE = DEFAULT_TEMPLATE
 """The one prompt template (no chat template, no system prompt: docs/methods/safety.md)."""
 
 Ablation = Literal["ua", "sc"]
@@ -106,13 +108,9 @@ def fill_template(template: str | None, queries: list[str]) -> list[str]:
     Raises:
         ValueError: `template` is not None and not a string containing `{query}`.
     """
-    if template is None:
+    if check_template(template) is None:  # the requests' check of a template
         return list(queries)
-    if not isinstance(template, str) or "{query}" not in template:
-        raise HeadsteerValueError(
-            f"template must be None or a string containing '{{query}}', got {short_repr(template)}"
-        )
-    return [template.replace("{query}", q) for q in queries]
+    return [template.replace("{query}", q) for q in queries]  # type: ignore[union-attr]
 
 
 def encode_queries(model: HeadModel, prompts: str | Sequence[str], template: str | None) -> EncodedPrompts:
@@ -228,17 +226,15 @@ def head_table(model: HeadModel, heads: Sequence[Head], values: torch.Tensor) ->
 def check_scoring(
     model: HeadModel, eps: float, exact: bool, heads: HeadSpec | None
 ) -> tuple[float, list[Head]]:
-    """The ablation scale (0 with `exact`) and the checked heads of a Ships-family scorer.
+    """The ablation scale (0 with `exact`) and the heads of a Ships-family scorer as a list (None:
+    every head). `eps` and `exact` are a request's, checked there (`heads.scorers.safety.request`).
 
     Raises:
-        HeadsteerValueError: no tokenizer, eps outside [0, 1], unknown heads.
-        HeadsteerTypeError: a non-bool `exact`.
+        HeadsteerValueError: no tokenizer, no head or an unknown one.
     """
     if model.tokenizer is None:
         raise HeadsteerValueError("safety-head scoring needs a HeadModel with a tokenizer")
-    eps = check_number("eps", eps, lo=0, hi=1, what="a number in [0, 1]")
-    check_bool("exact", exact, what="a bool")
-    return (0.0 if exact else eps), check_heads(model, heads)
+    return (0.0 if exact else float(eps)), check_heads(model, heads)
 
 
 def exact_ships(
@@ -270,3 +266,13 @@ def exact_ships(
     params = {"ablation": ablation, "eps": eps, "template": template, "n_prompts": enc.batch}
     mean = HeadScores(per_prompt.mean(0), "ships", params, model.name, model.n_kv_heads)
     return ShipsResult(per_prompt, mean)
+
+
+def head_pairs(model: HeadModel, heads: HeadSpec | None) -> tuple[Head, ...] | None:
+    """A head selection as `(layer, head)` pairs for a request: a list of layers (every head of
+    each) needs the model's head count, so it is read here (`HeadSet.parse`, its messages)."""
+    if heads is None or isinstance(heads, (list, tuple)) and not heads:
+        return None if heads is None else ()
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"model must be a HeadModel, got {type(model).__name__}")
+    return tuple(HeadSet.parse(heads, model.n_layers, model.n_heads).heads)

@@ -85,12 +85,14 @@ class ShipsRequest(Request):
             the prompts as given).
         method: `"exact"` (default) or `"attribution"` (estimate, then confirm the top heads).
         confirm: heads rerun exactly after the estimate (method `"attribution"`; default 0).
-        controls: random heads rerun exactly beside them (default 10).
+        controls: random heads rerun exactly beside them (default 10; at most the heads not
+            confirmed are drawn).
         stability: bootstrap resamples of the prompts (0: none).
 
     Raises:
         HeadsteerValueError: a bad value, named; `confirm` without `method="attribution"`;
-            `check_config`: heads out of range.
+            `check_config`: heads out of range, more `confirm` heads than heads scored (method
+            `"attribution"`; `controls` takes at most the heads left).
     """
 
     NAME = "ships"
@@ -116,6 +118,9 @@ class ShipsRequest(Request):
 
     def check_geometry(self, geometry: Geometry) -> None:
         _heads(geometry, self.heads)
+        if self.method == "attribution":  # the confirmed heads come from the heads scored
+            n = len(self.heads) if self.heads is not None else geometry.n_layers * geometry.n_heads
+            check_int("confirm", self.confirm, lo=0, hi=n)
 
 
 @dataclass(frozen=True)
@@ -203,15 +208,15 @@ class AttributionRequest(Request):
         exact: as `ShipsRequest`.
         template: as `ShipsRequest`.
         metric: `"kl"` (default) or a callable `(logp, prompt_index) -> [R]` (not JSON).
-        kl_tokens: tokens of the truncated KL (default 4; at most the vocabulary - 1, checked when
-            it runs).
+        kl_tokens: tokens of the truncated KL (default 4; at most the vocabulary - 1, checked by
+            `check_config`).
         saturation_fix: AtP*'s query-key fix for saturated softmax (default True).
         graddrop: AtP*'s GradDrop, one backward per layer dropped (default False).
         stability: bootstrap resamples of the prompts (0: none).
 
     Raises:
         HeadsteerValueError: a bad value, named; `check_config`: heads out of range, graddrop on a
-            one-layer model.
+            one-layer model, `kl_tokens` not below the vocabulary.
     """
 
     NAME = "attribution_patching"
@@ -251,3 +256,7 @@ class AttributionRequest(Request):
         _heads(geometry, self.heads)
         if self.graddrop and geometry.n_layers < 2:
             raise HeadsteerValueError("graddrop needs at least 2 layers")
+        if geometry.d_vocab is not None and self.kl_tokens > geometry.d_vocab - 1:
+            raise HeadsteerValueError(
+                f"kl_tokens must be an int in 1..{geometry.d_vocab - 1}, got {short_repr(self.kl_tokens)}"
+            )

@@ -15,21 +15,20 @@ carrying its own per-layer head mask (`row_heads`). Ablations:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from heads._util.progress import offset_progress, progress_callback
-from heads._util.validation import check_bool, check_int, short_repr
 from heads.engine.executors import merge_tables
 from heads.engine.options import SWEEP_KEYS, SweepOptions, sweep_options
-from heads.engine.variants import clean_run, evaluate_variants
-from heads.errors import HeadsteerValueError
+from heads.engine.variants import check_heads, clean_run, evaluate_variants
+from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.safety import SaharaResult as SaharaResult  # defined there; imported here as before
 from heads.results.scores import HeadScores, HeadSpec
-from heads.results.stability import check_stability
 from heads.scorers.safety.common import (
     TEMPLATE,
     Ablation,
@@ -42,11 +41,13 @@ from heads.scorers.safety.common import (
     exact_ships,
     fill_template,
     final_state,
+    head_pairs,
     head_table,
     merge_scores,
     run_sharded,
     shard_heads,
 )
+from heads.scorers.safety.request import DatasetShipsRequest, SaharaRequest, ShipsRequest
 from heads.scorers.stability import attach, check_samples
 
 __all__ = [
@@ -58,6 +59,9 @@ __all__ = [
     "dataset_ships",
     "merge_scores",
     "principal_angles",
+    "run_dataset_ships",
+    "run_sahara",
+    "run_ships",
     "sahara",
     "ships",
 ]
@@ -80,6 +84,9 @@ def ships(
     **deprecated: Any,
 ) -> ShipsResult:
     """Ships: KL(p_base || p_ablated) of the next-token distribution at the last prompt position.
+
+    Builds the `ShipsRequest` (its checks; a list of layers in `heads` is read with the model's
+    head count first) and runs it (`run_ships`, as `heads.run` does).
 
     Args:
         model: the model; prompts are plain strings put into `template` (no chat template).
@@ -111,48 +118,63 @@ def ships(
     Raises:
         HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm, bad options.
     """
-    opts = sweep_options(options, deprecated, "ships", takes=(*SWEEP_KEYS, "max_memory"))
-    stability = check_stability(stability)
-    if stability:
-        check_samples(1 if isinstance(prompts, str) else len(prompts), stability, "prompts")
-        res = ships(
-            model,
-            prompts,
-            heads=heads,
-            ablation=ablation,
-            eps=eps,
-            exact=exact,
-            template=template,
-            method=method,
-            confirm=confirm,
-            controls=controls,
-            options=opts,
-        )
-        attach(res.scores, res.per_prompt, stability)
+    opts = sweep_options(options, deprecated, "ships", takes=_SHIPS_TAKES)
+    request = ShipsRequest(
+        heads=head_pairs(model, heads),
+        ablation=ablation,
+        eps=eps,
+        exact=exact,
+        template=template,
+        method=method,
+        confirm=confirm,
+        controls=controls,
+        stability=stability,
+    )
+    return run_ships(model, prompts, request, opts)
+
+
+_SHIPS_TAKES = (*SWEEP_KEYS, "max_memory")
+
+
+def run_ships(
+    model: HeadModel,
+    prompts: str | Sequence[str],
+    request: ShipsRequest,
+    options: SweepOptions | None = None,
+) -> ShipsResult:
+    """Run a `ShipsRequest` on `prompts` (what `ships` does once it has built the request: its
+    values are checked there, its heads here against `model`; see `ships` for the arguments, the
+    options, the result and the errors)."""
+    if not isinstance(request, ShipsRequest):
+        raise HeadsteerTypeError(f"request must be a ShipsRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "ships", takes=_SHIPS_TAKES)
+    request.check_config(model)
+    if request.stability:
+        check_samples(1 if isinstance(prompts, str) else len(prompts), request.stability, "prompts")
+        res = run_ships(model, prompts, dataclasses.replace(request, stability=0), opts)
+        attach(res.scores, res.per_prompt, request.stability)
         return res
-    if method == "attribution":  # one-pass estimate + exact confirmation (attribution.py)
-        from heads.scorers.safety.attribution import confirm_ships
+    if request.method == "attribution":  # one-pass estimate + exact confirmation (attribution.py)
+        from heads.scorers.safety.attribution import confirmed_ships
 
         if opts.shard is not None:
             raise HeadsteerValueError("method='attribution' does not take a shard")
-        return confirm_ships(
+        chosen = check_heads(model, request.heads)
+        return confirmed_ships(
             model,
             prompts,
-            confirm=confirm,
-            controls=controls,
-            heads=heads,
-            ablation=ablation,
-            eps=eps,
-            exact=exact,
-            template=template,
-            options=opts.replace(executor=None),
+            chosen,
+            request.confirm,
+            request.controls,
+            request.ablation,
+            request.eps,
+            request.exact,
+            request.template,
+            4,  # kl_tokens: attribute's default
+            opts.replace(executor=None),
         )
-    if method != "exact" or confirm != 0:
-        why = f"confirm={confirm!r} needs 'attribution'"
-        raise HeadsteerValueError(
-            f"method must be 'exact' or 'attribution' ({why}), got {short_repr(method)}"
-        )
-    eps, chosen = check_scoring(model, eps, exact, heads)
+    eps, chosen = check_scoring(model, request.eps, request.exact, request.heads)
+    ablation, template = request.ablation, request.template
     if opts.executor is not None:
         kw = dict(prompts=prompts, heads=chosen, ablation=ablation, eps=eps, template=template)
         parts = run_sharded(ships, model, opts, kw)
@@ -190,6 +212,7 @@ def dataset_ships(
     **deprecated: Any,
 ) -> HeadScores:
     """Dataset-level Ships: principal angle between base and ablated final-state matrices.
+    Builds the `DatasetShipsRequest` (its checks) and runs it (`run_dataset_ships`).
 
     M is the `[N, D]` matrix of last-token states after the final norm (fp32, not centred);
     the score of a head is the sum of the first `r_main` principal angles between the top
@@ -202,16 +225,44 @@ def dataset_ships(
         HeadsteerValueError: as `ships`, and `r_main` outside 1..N.
         HeadsteerTypeError: a non-bool `degrees`.
     """
-    takes = ("max_rows", "shard", "executor", "progress")
-    opts = sweep_options(options, deprecated, "dataset_ships", takes=takes)
-    eps, heads = check_scoring(model, eps, exact, heads)
+    opts = sweep_options(options, deprecated, "dataset_ships", takes=_DATASET_TAKES)
+    request = DatasetShipsRequest(
+        heads=head_pairs(model, heads),
+        ablation=ablation,
+        eps=eps,
+        exact=exact,
+        r_main=r_main,
+        degrees=degrees,
+        template=template,
+    )
+    return run_dataset_ships(model, prompts, request, opts)
+
+
+_DATASET_TAKES = ("max_rows", "shard", "executor", "progress", "max_memory")
+
+
+def run_dataset_ships(
+    model: HeadModel,
+    prompts: Sequence[str],
+    request: DatasetShipsRequest,
+    options: SweepOptions | None = None,
+) -> HeadScores:
+    """Run a `DatasetShipsRequest` on `prompts` (what `dataset_ships` does once it has built the
+    request: its values are checked there, its heads here against `model` and `r_main` against
+    the prompts; see `dataset_ships` for the rest)."""
+    if not isinstance(request, DatasetShipsRequest):
+        raise HeadsteerTypeError(f"request must be a DatasetShipsRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "dataset_ships", takes=_DATASET_TAKES)
+    request.check_config(model)
+    eps, heads = check_scoring(model, request.eps, request.exact, request.heads)
+    ablation, r_main, degrees, template = request.ablation, request.r_main, request.degrees, request.template
     if opts.executor is not None:
         kw = dict(prompts=prompts, heads=heads, ablation=ablation, eps=eps, r_main=r_main, degrees=degrees)
         kw.update(template=template)
         return merge_scores(run_sharded(dataset_ships, model, opts, kw))
     heads = shard_heads(heads, opts.shard)
     enc = encode_dataset(model, prompts, template, r_main)
-    check_bool("degrees", degrees, what="a bool")
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     with progress_callback(opts.progress, "dataset ships", "rows") as report:
         clean = clean_run(model, enc)
         states = evaluate_variants(
@@ -253,6 +304,7 @@ def sahara(
     **deprecated: Any,
 ) -> SaharaResult:
     """Sahara: greedy head-group search by dataset-level Ships (docs/methods/safety.md).
+    Builds the `SaharaRequest` (its checks) and runs it (`run_sahara`, as `heads.run` does).
 
     At each of `steps` steps, every head not yet chosen is scored by the angle between the
     base model and the model with the chosen group plus that head ablated (always against
@@ -267,10 +319,39 @@ def sahara(
         HeadsteerValueError: `steps` < 1 or more steps than candidate heads, a shard or
             executor, and as `dataset_ships`.
     """
-    opts = sweep_options(options, deprecated, "sahara", takes=("max_rows", "progress"))
-    eps, heads = check_scoring(model, eps, exact, heads)
-    check_int("steps", steps, lo=1, hi=len(heads))
-    enc = encode_dataset(model, prompts, template, r_main)
+    opts = sweep_options(options, deprecated, "sahara", takes=_SAHARA_TAKES)
+    request = SaharaRequest(
+        steps=steps,
+        heads=head_pairs(model, heads),
+        ablation=ablation,
+        eps=eps,
+        exact=exact,
+        r_main=r_main,
+        template=template,
+    )
+    return run_sahara(model, prompts, request, opts)
+
+
+_SAHARA_TAKES = ("max_rows", "progress", "max_memory")
+
+
+def run_sahara(
+    model: HeadModel,
+    prompts: Sequence[str],
+    request: SaharaRequest,
+    options: SweepOptions | None = None,
+) -> SaharaResult:
+    """Run a `SaharaRequest` on `prompts` (what `sahara` does once it has built the request: its
+    values are checked there, its heads and steps here against `model`, `r_main` against the
+    prompts; see `sahara` for the rest)."""
+    if not isinstance(request, SaharaRequest):
+        raise HeadsteerTypeError(f"request must be a SaharaRequest, got {type(request).__name__}")
+    opts = sweep_options(options, {}, "sahara", takes=_SAHARA_TAKES)
+    request.check_config(model)  # steps at most the heads
+    eps, heads = check_scoring(model, request.eps, request.exact, request.heads)
+    steps, ablation, r_main = request.steps, request.ablation, request.r_main
+    enc = encode_dataset(model, prompts, request.template, r_main)
+    opts = opts.within(model, enc.length, whole=enc.batch)  # max_memory (the clean run: every prompt)
     with progress_callback(opts.progress, "sahara", "rows") as report:
         clean = clean_run(model, enc)
         chosen: list[Head] = []

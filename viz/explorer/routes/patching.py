@@ -52,12 +52,14 @@ async def patching(req: Annotated[PatchRequest, body(PatchRequest)], st: State) 
     pairs = encode_pairs(model, [pair], chat=st.chat(req.raw))  # checks before work
     check_pairs_differ(pairs, counterfactual=req.counterfactual is not None)  # the same on tokens
     metric = "logit_diff" if req.counterfactual is not None else "log_prob"
+    head_map = Patch(kind="head_out", metric=metric)
+    head_map.check_config(model)  # the requests heads.run runs, against the model: 400 before the job
     no_positions = kind_refusal(st, "resid_pre")
 
     def work(emit: Callable[[dict], None], flag: threading.Event) -> dict:
         options = SweepOptions(progress=progress_reporter(emit, flag))
         emit({"status": "patching head outputs (layer x head)"})
-        res = run(model, Patch(kind="head_out", metric=metric), pairs, options=options)
+        res = run(model, head_map, pairs, options=options)
         heads = {
             "scores": grid(res.mean),
             "metric": metric,

@@ -47,6 +47,12 @@ class QKRequest(_Request):
     def _position(cls, v: object, info: Any) -> int:
         return check_int(str(info.field_name), v, lo=0)
 
+    @field_validator("layer", "head", mode="before")
+    @classmethod
+    def _index(cls, v: object, info: Any) -> int:
+        """An int >= 0; its range is the analysis request's check (`check_config`, in the route)."""
+        return check_int(str(info.field_name), v, lo=0)
+
     def analysis(self) -> Any:
         """The analysis request `heads.qk_attribution` builds for this cell (`heads.QKRequest`,
         through the upstream heads' source tokens)."""

@@ -2,7 +2,9 @@
 its views, re-cutting without rescoring, its JSON and MIB files; and `select`, which cuts a
 circuit from edge scores (top n or above a threshold, pruned).
 
-Re-exported by `heads.scorers.circuits.circuit` (see its docstring for the method).
+It follows the result protocol (`heads.results.protocol.Result`). Moved from
+`heads.scorers.circuits.result` (that path still imports, with a `DeprecationWarning`, until
+0.3.0); re-exported by `heads.scorers.circuits.circuit` (see its docstring for the method).
 """
 
 from __future__ import annotations
@@ -12,75 +14,58 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from heads._util.files import write_text
 from heads._util.validation import check_int, check_number, is_int, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.model.adapter import HeadModel
+from heads.results.edges import (
+    MAX_HEADS,
+    MAX_LAYERS,
+    EdgeScores,
+    count_edges,
+    edge_index,
+    graph_of_dict,
+    parse_edge,
+)
+from heads.results.graph import (
+    Graph,
+    _n_of,
+    _top_mask,
+    edge_frame,
+    head_importance,
+    node_importance,
+    prune,
+    size_for_faithfulness,
+)
+from heads.results.mib import read_mib, write_mib
 from heads.results.scores import HeadScores, HeadSet
 from heads.results.stability import Stability
 from heads.results.storage import json_text, nan_for_none
-from heads.scorers.circuits.graph import Graph
-from heads.scorers.circuits.pruning import _n_of, _top_mask, prune, size_for_faithfulness
-from heads.scorers.circuits.scores import EdgeScores
 
-__all__ = ["MOST_HEADS", "Circuit", "select", "warn_most_heads"]
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from heads.model.adapter import HeadModel
+
+__all__ = [
+    "MAX_HEADS",
+    "MAX_LAYERS",
+    "MOST_HEADS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "Circuit",
+    "select",
+    "warn_most_heads",
+]
 
 SCHEMA = "headsteer/circuit"
 SCHEMA_VERSION = 1
-MAX_LAYERS = 1024
-"""The most layers a circuit file may name (bounds what `Circuit.load` allocates)."""
-MAX_HEADS = 1024
-"""The most query heads per layer a circuit file may name."""
 
-
-def _graph_of_dict(d: dict, where: str) -> Graph:
-    """The `Graph` a circuit dict names, its geometry checked (positive ints, bounded, G | H)
-    before anything is allocated."""
-    geo = d.get("geometry")
-    if not isinstance(geo, dict):
-        raise HeadsteerValueError(f"{where}: geometry must be a mapping, got {short_repr(geo)}")
-    L = check_int(f"{where}: geometry.n_layers", geo.get("n_layers"), lo=1, hi=MAX_LAYERS)
-    H = check_int(f"{where}: geometry.n_heads", geo.get("n_heads"), lo=1, hi=MAX_HEADS)
-    G = check_int(f"{where}: geometry.n_kv_heads", geo.get("n_kv_heads"), lo=1, hi=H)
-    if H % G:
-        raise HeadsteerValueError(f"{where}: geometry.n_kv_heads {G} does not divide n_heads {H}")
-    name = d.get("model", "")
-    if not isinstance(name, str):
-        raise HeadsteerValueError(f"{where}: model must be a string, got {short_repr(name)}")
-    return Graph(L, H, G, name)
-
-
-def _n_edges(graph: Graph) -> int:
-    """The graph's edge count, computed without allocating its `[U, Dn]` mask."""
-    H, S = graph.n_heads, graph.per_layer
-    total = graph.n_upstream  # into the logits
-    for la in range(graph.n_layers):
-        before = 1 + la * (H + 1)
-        total += (S - 1) * before + before + H
-    return total
-
-
-def _edge_index(graph: Graph) -> dict[str, tuple[int, int]]:
-    e = torch.nonzero(graph.valid)
-    return dict(zip(graph.edge_names(e), (tuple(x) for x in e.tolist()), strict=True))
-
-
-def _parse(
-    graph: Graph, index: dict[str, tuple[int, int]], name: str, field_name: str, where: str
-) -> tuple[int, int]:
-    """`(u, v)` of edge `name` (a lookup in `index`); a name not there gets `Graph.parse_edge`'s
-    message, prefixed with the file and field."""
-    if name in index:
-        return index[name]
-    try:
-        graph.parse_edge(name)
-    except HeadsteerValueError as err:
-        raise HeadsteerValueError(f"{where}: {field_name}: {err}") from None
-    raise HeadsteerValueError(f"{where}: {field_name}: {short_repr(name)} is not an edge")  # pragma: no cover
+# the helpers' old private names (heads.scorers.circuits.circuit re-exports them)
+_graph_of_dict, _n_edges, _edge_index, _parse = graph_of_dict, count_edges, edge_index, parse_edge
 
 
 # ------------------------------------------------------------------------------ the result
@@ -142,14 +127,7 @@ class Circuit:
     def node_importance(self) -> torch.Tensor:
         """`[U + 1]` summed |score| of the circuit edges touching each node (logits last);
         a KV input's edges are shared evenly by its group's query heads."""
-        g = self.graph
-        s = torch.nan_to_num(self.scores.abs() * self.mask, nan=0.0)
-        out = torch.zeros(g.n_upstream + 1)
-        out[: g.n_upstream] += s.sum(1)
-        d2n = g.down_to_node().float()
-        share = d2n / d2n.sum(1, keepdim=True).clamp(min=1)
-        out += s.sum(0) @ share
-        return out
+        return node_importance(self.graph, self.scores, self.mask)
 
     @property
     def heads(self) -> HeadSet:
@@ -167,46 +145,19 @@ class Circuit:
         q / k / v in-edges, KV edges shared by the group); every edge of the graph unless
         `in_circuit`."""
         g = self.graph
-        c = Circuit(g, self.mask if in_circuit else g.valid, self.scores)
-        imp = c.node_importance()
-        idx = torch.tensor([[g.head_node(la, h) for h in range(g.n_heads)] for la in range(g.n_layers)])
         return HeadScores(
-            imp[idx].float(),
+            head_importance(g, self.scores, self.mask if in_circuit else g.valid),
             f"circuit_{self.method}" if self.method else "circuit",
             params={"metric": self.metric, "in_circuit": in_circuit},
             model=g.model,
             n_kv_heads=g.n_kv_heads,
         )
 
-    def to_frame(self):
-        """A pandas DataFrame, one row per circuit edge: edge, source, target, input (q/k/v/mlp/
-        logits), source / target layer, score, exact (NaN unless confirmed)."""
-        import pandas as pd
-
-        e = self.edges
-        names = self.graph.edge_names(e)
-        rows = []
-        up_layer = self.graph.upstream_layer()
-        S = self.graph.per_layer
-        for (u, d), name in zip(e.tolist(), names, strict=True):
-            src, dst = name.split("->")
-            kind = dst[dst.index("<") + 1 : -1] if "<" in dst else ("logits" if dst == "logits" else "mlp")
-            rows.append(
-                {
-                    "edge": name,
-                    "source": src,
-                    "target": dst,
-                    "input": kind,
-                    "source_layer": int(up_layer[u]),
-                    "target_layer": d // S if dst != "logits" else self.graph.n_layers,
-                    "score": float(self.scores[u, d]),
-                    "exact": float(self.exact[u, d]) if self.exact is not None else float("nan"),
-                }
-            )
-        return pd.DataFrame(
-            rows,
-            columns=["edge", "source", "target", "input", "source_layer", "target_layer", "score", "exact"],
-        )
+    def to_frame(self) -> pd.DataFrame:
+        """A pandas DataFrame, one row per circuit edge (by decreasing |score|): edge, source,
+        target, input (q/k/v/mlp/logits), source / target layer, score, exact (NaN unless
+        confirmed)."""
+        return edge_frame(self.graph, self.edges, self.scores, self.exact)
 
     def select(
         self,
@@ -298,14 +249,12 @@ class Circuit:
         """Write the circuit in MIB's circuit-track format: one JSON of importance scores for every
         edge (`in_graph` = this circuit), or with `binary=True` a folder of the nine binary
         circuits at 0.1 .. 50 % of the edges; returns the paths. MIB's importance is -score
-        (module `heads.scorers.circuits.mib`: naming, sign, GQA).
+        (`heads.results.mib`; the conventions: `heads.scorers.circuits.mib`).
 
         Raises:
             ValueError: no `d_model` (given, or recorded by `edge_scores`), an existing file
                 without `overwrite`, a symlink, a folder for a file or the reverse.
         """
-        from heads.scorers.circuits.mib import write_mib
-
         width = d_model if d_model is not None else self.params.get("d_model")
         if width is None:
             raise HeadsteerValueError("MIB's cfg needs the model width: pass d_model=")
@@ -318,8 +267,6 @@ class Circuit:
         """Read a circuit in MIB's format (importance scores or a binary circuit): `scores` =
         -importance, the `in_graph` edges pruned; `model` checks the geometry and gives the KV
         heads. Raises ValueError for a missing or malformed file (`mib.read_mib`)."""
-        from heads.scorers.circuits.mib import read_mib
-
         graph, scores, mask, d_model = read_mib(path, model)
         params = {"d_model": d_model, "source": os.fspath(path)}
         return cls(graph, prune(graph, mask), scores, "mib", params=params)
@@ -377,7 +324,7 @@ class Circuit:
                 f"{where}: circuit schema version {short_repr(d.get('version'))}, this headsteer reads "
                 f"{SCHEMA_VERSION}"
             )
-        graph = _graph_of_dict(d, where)
+        graph = graph_of_dict(d, where)
         if model is not None:
             graph.check_model(model)
         scores = d.get("scores")
@@ -385,7 +332,7 @@ class Circuit:
             raise HeadsteerValueError(
                 f"{where}: scores must be a list of numbers (or null), got {short_repr(scores)}"
             )
-        n_edges = _n_edges(graph)
+        n_edges = count_edges(graph)
         if len(scores) != n_edges:
             raise HeadsteerValueError(
                 f"{where}: {len(scores)} scores for a graph of {n_edges} edges (another model geometry)"
@@ -425,11 +372,11 @@ class Circuit:
         full[e[:, 0], e[:, 1]] = torch.tensor(
             [float("nan") if s is None else float(s) for s in scores], dtype=full.dtype
         )
-        index = _edge_index(graph)
+        index = edge_index(graph)
 
         mask = torch.zeros_like(full, dtype=torch.bool)
         for name in edges:
-            u, v = _parse(graph, index, name, "edges", where)
+            u, v = parse_edge(graph, index, name, "edges", where)
             mask[u, v] = True
         pruned = (params or {}).get("prune_dangling", True) is not False  # select(prune_dangling=False)
         if pruned and bool((prune(graph, mask) != mask).any()):
@@ -440,7 +387,7 @@ class Circuit:
         if raw_exact is not None:
             exact = torch.full_like(full, float("nan"))
             for name, val in raw_exact.items():
-                u, v = _parse(graph, index, name, "exact", where)
+                u, v = parse_edge(graph, index, name, "exact", where)
                 exact[u, v] = float(val)
         return cls(
             graph,
