@@ -214,11 +214,18 @@ _ITEMS = [
 ]
 
 
+def _relation(model):
+    from heads.scorers.maps.static import RelationPairs
+
+    return RelationPairs("r", [(4000, 4001), (5000, 5001)], 1, [("France", "Paris"), ("Japan", "Tokyo")])
+
+
 def _sweeps(tokenizer):
     """Every other sweep taking `options`, called with `max_memory` (a `SweepOptions` -> call)."""
     from heads.scorers.circuits.circuit import find_circuit
     from heads.scorers.circuits.scores import edge_scores, exact_scores
     from heads.scorers.gating import gate_heads, gate_task
+    from heads.scorers.maps.inference import dynamic_scores
     from heads.scorers.patching.evaluate import evaluate_pairs
     from heads.scorers.patching.knockout import knockout
     from heads.scorers.retrieval.qrhead import qrhead_scores
@@ -242,6 +249,7 @@ def _sweeps(tokenizer):
         "ships_attribution": lambda m, o: ships(m, _PROMPTS, method="attribution", confirm=1, options=o),
         "evaluate_pairs": lambda m, o: evaluate_pairs(m, pairs, options=o.replace(progress=True)),
         "retrieval_scores": lambda m, o: retrieval_scores(m, n_prompts=2, options=o.replace(progress=True)),
+        "dynamic_scores": lambda m, o: dynamic_scores(m, _relation(m), options=o),
         "train_lens": lambda m, o: train_lens(m, ["one two three", "four five six"], options=o),
         "sahara_candidates": lambda m, o: sahara_candidates(
             m, _PROMPTS, k=2, options=o.replace(progress=True)
@@ -261,6 +269,7 @@ SWEEPS = (
     "ships_attribution",
     "sahara_candidates",
     "train_lens",
+    "dynamic_scores",
     "evaluate_pairs",
     "retrieval_scores",
 )
