@@ -498,8 +498,12 @@ def tidy(result: Any, name: str = "value") -> Tidy:
 
 
 def _add(out: Tidy, result: Any, name: str) -> None:
-    from heads.scorers.circuits import Circuit
-    from heads.scorers.roles.atlas import HeadAtlas
+    from heads.results.atlas import HeadAtlas
+    from heads.results.circuits import Circuit
+    from heads.results.roles import RoleScores
+
+    if isinstance(result, RoleScores):  # its plain mapping (its dict-style reads warn)
+        result = result.as_dict()
 
     if isinstance(result, Tidy):
         out.scores += result.scores

@@ -58,6 +58,10 @@ ANALYSES: dict[str, str] = {
         "one forward and backward through the whole model, every layer's saved activations alive "
         "at once (an upper bound for AtP / EAP, which run their gradients layer by layer)"
     ),
+    "logits": (
+        "a forward keeping every position's logits, a copy of the real positions' and an fp16 copy "
+        "(the lens data)"
+    ),
 }
 """The analyses `plan_memory` knows, with what is planned for each."""
 
@@ -510,6 +514,8 @@ def plan_memory(
         # (the MLP's, usually): the larger of the two
         extra = _extra(req, g, total_tokens, batch, dt, dev)
         act = traced.at(count) if not extra else max(traced.at(count), traced.at_attention(count) + extra)
+        if req.analysis == "logits" and i == len(split) - 1:  # [B, T, V]: logits, copy, fp16 copy
+            act += batch * total_tokens * g["d_vocab"] * (2 * torch.empty(0, dtype=dt).element_size() + 2)
         plans.append(DevicePlan(dev, int(w), int(act), len(layers)))
     return MemoryPlan(
         str(text_config(cfg).model_type), req, tokens, batch, str(dt).replace("torch.", ""), tuple(plans)

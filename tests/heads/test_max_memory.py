@@ -120,6 +120,28 @@ def test_pattern_reader_fits_its_rows_to_the_budget(tiny_llama, monkeypatch):
         pattern_scores(tiny_llama, enc, options=SweepOptions(max_memory=need - 1))
 
 
+def test_lens_collection_fits_its_texts_to_the_budget(tiny_llama, monkeypatch):
+    """The lens data (every position's logits kept: the `"logits"` plan) with the kept outputs
+    and fp16 logits of `max_positions` positions beside the forwards."""
+    from heads.scorers.roles.lens_data import collect_lens_data
+
+    texts = ["one two three four", "five six seven", "eight nine ten eleven twelve", "red green blue"]
+    T = encode_prompts(tiny_llama.tokenizer, texts, chat=False, markup=False).length
+    seen = _count_rows(tiny_llama, monkeypatch)
+    free = collect_lens_data(tiny_llama, texts, max_positions=64)
+    assert seen == [len(texts)]
+    kept = 64 * (
+        tiny_llama.n_layers * tiny_llama.n_heads * tiny_llama.d_model * 4 + tiny_llama.d_vocab * 2 + 16
+    )
+    budget = plan_memory(tiny_llama, "logits", T, 2).peak + kept
+    assert plan_memory(tiny_llama, "logits", T, 3).peak + kept > budget
+    seen.clear()
+    got = collect_lens_data(tiny_llama, texts, max_positions=64, options=SweepOptions(max_memory=budget))
+    assert seen == [2, 2]
+    torch.testing.assert_close(got.outputs, free.outputs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.token_ids, free.token_ids)
+
+
 _RSS_RUN = textwrap.dedent(
     """
     import json
@@ -199,6 +221,7 @@ def _sweeps(tokenizer):
     from heads.scorers.gating import gate_heads, gate_task
     from heads.scorers.patching.knockout import knockout
     from heads.scorers.retrieval.qrhead import qrhead_scores
+    from heads.scorers.roles.lens import train_lens
     from heads.scorers.safety.attribution import sahara_candidates
     from heads.scorers.safety.ships import dataset_ships, sahara, ships
 
@@ -214,6 +237,7 @@ def _sweeps(tokenizer):
         "dataset_ships": lambda m, o: dataset_ships(m, _PROMPTS, options=o),
         "sahara": lambda m, o: sahara(m, _PROMPTS, steps=1, options=o),
         "ships_attribution": lambda m, o: ships(m, _PROMPTS, method="attribution", confirm=1, options=o),
+        "train_lens": lambda m, o: train_lens(m, ["one two three", "four five six"], options=o),
         "sahara_candidates": lambda m, o: sahara_candidates(
             m, _PROMPTS, k=2, options=o.replace(progress=True)
         ),
@@ -230,6 +254,7 @@ SWEEPS = (
     "sahara",
     "ships_attribution",
     "sahara_candidates",
+    "train_lens",
 )
 
 

@@ -214,7 +214,7 @@ def test_a_bad_value_is_refused_by_the_request_with_the_functions_message(case, 
 def _loose_cases(m):
     """name -> (the call with loose keywords, the same with options=, the keyword, results equal)."""
     from heads.results.scores import HeadScores
-    from heads.scorers.circuits import edge_scores, evaluate, exact_scores, faithfulness_curve
+    from heads.scorers.circuits import EdgeScores, evaluate, exact_scores, faithfulness_curve, graph_of
     from heads.scorers.maps.inference import ablation_check, dynamic_scores
     from heads.scorers.maps.static import RelationPairs, maps_scores
     from heads.scorers.patching.evaluate import evaluate_pairs
@@ -222,10 +222,11 @@ def _loose_cases(m):
     from heads.scorers.roles.lens_data import collect_lens_data
     from heads.scorers.roles.needle import retrieval_scores
 
-    pairs = _pairs()
-    sc = edge_scores(m, pairs, method="eap", options=QUIET)
+    pairs, graph = _pairs(), graph_of(m)
+    sc = EdgeScores(graph, torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(0)), "eap")
     edges = sc.ranking()[:3]
-    masks = torch.stack([sc.graph.valid, torch.zeros_like(sc.graph.valid)])
+    masks = graph.valid.clone()[None]
+    masks[0, edges[:, 0], edges[:, 1]] = False  # a circuit of all but three edges: three patched
     rel = RelationPairs("copying", [(40, 40), (41, 41)], 1, texts=[("a", "a"), ("b", "b")])
     scores = HeadScores(torch.zeros(m.n_layers, m.n_heads), "x")
 
@@ -241,8 +242,8 @@ def _loose_cases(m):
             same,
         ),
         "faithfulness_curve": (
-            lambda: faithfulness_curve(m, pairs, sc, sizes=[50], random=False, batch_rows=1),
-            lambda: faithfulness_curve(m, pairs, sc, sizes=[50], random=False, options=one),
+            lambda: faithfulness_curve(m, pairs, sc, sizes=[99], random=False, batch_rows=1),
+            lambda: faithfulness_curve(m, pairs, sc, sizes=[99], random=False, options=one),
             "batch_rows",
             lambda a, b: (a["faithfulness"], a["n_kept"]) == (b["faithfulness"], b["n_kept"]),  # cpr: NaN
         ),

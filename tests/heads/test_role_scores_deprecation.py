@@ -102,3 +102,27 @@ def test_head_atlas_takes_role_scores_without_the_warning(tokenizer):
         warnings.simplefilter("error", DeprecationWarning)
         atlas = head_atlas(model, detectors=roles, thumbnails=False)
     assert atlas.frame["induction"].tolist() == roles.head_scores("induction").scores.flatten().tolist()
+
+
+def test_the_checkpoint_tidy_rows_and_the_atlas_scores_take_role_scores_without_the_warning(tokenizer):
+    from heads.dynamics.analyses import tidy
+    from heads.scorers.roles import head_atlas
+    from tests.support import make_tiny
+
+    roles = _roles()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        rows = tidy(roles).scores
+    assert {r["metric"] for r in rows} == {"induction", "previous_token"} and len(rows) == 2 * 12
+    got = {(r["metric"], r["layer"], r["head"]): r["score"] for r in rows}
+    assert got[("previous_token", 2, 3)] == float(roles.head_scores("previous_token").scores[2, 3])
+    model = make_tiny("llama", tokenizer, attn="eager")
+    g = torch.Generator().manual_seed(2)
+    extra = RoleScores(
+        {"extra": HeadScores(torch.rand(model.n_layers, model.n_heads, generator=g), "x", n_kv_heads=2)}
+    )
+    det = {"induction": extra.head_scores("extra")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        atlas = head_atlas(model, detectors=det, scores=extra, thumbnails=False)
+    assert atlas.frame["extra"].tolist() == extra.head_scores().scores.flatten().tolist()

@@ -219,6 +219,8 @@ def run_head_atlas(
         raise HeadsteerValueError("lens_text needs a lens")
     if isinstance(detectors, RoleScores):  # its plain mapping (its dict-style reads warn)
         detectors = detectors.as_dict()
+    if isinstance(scores, RoleScores):
+        scores = scores.as_dict()
     L, H = model.n_layers, model.n_heads
     cols: dict[str, HeadScores] = {}
     extra = dict(scores or {})

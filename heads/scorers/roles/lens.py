@@ -162,8 +162,9 @@ def train_lens(
         seed: seeds the split and every epoch's shuffle (an int in 0..2**32 - 1, default 0).
         checkpoint: a file to write after each epoch and to resume from when it exists (the
             resumed call must use the same lr, batch_positions, held_out, max_positions, seed).
-        options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
-            False / None, or `progress(done, total)` in epochs.
+        options: `heads.SweepOptions`; `progress`: True (default: a tqdm bar), False / None,
+            or `progress(done, total)` in epochs; `max_memory`: the data collection's texts per
+            forward within it (`collect_lens_data`; refused before any forward below one text).
         **deprecated: `progress=` as a keyword (one release; a `DeprecationWarning`; refused
             together with `options.progress` set).
 
@@ -179,7 +180,7 @@ def train_lens(
             heads, or a checkpoint of another model, heads, form or training parameters.
         HeadsteerTypeError: `progress` or `checkpoint` of a wrong type.
     """
-    opts = sweep_options(options, deprecated, "train_lens", takes=("progress",))
+    opts = sweep_options(options, deprecated, "train_lens", takes=("progress", "max_memory"))
     request = LensTrainRequest(
         heads=expand_layers(heads, model.n_layers, model.n_heads),  # type: ignore[arg-type]
         form=form,
@@ -204,10 +205,12 @@ def run_train_lens(
 ) -> AttentionLens:
     """Run a `LensTrainRequest` on `texts` (what `train_lens` does once it has built the request,
     whose values are checked there; its geometry is checked here against `model`). `options`:
-    only `progress` applies. See `train_lens` for `checkpoint`, the result and the errors."""
+    `progress`, and `max_memory` for the collection's texts per forward (`collect_lens_data`).
+    See `train_lens` for `checkpoint`, the result and the errors."""
     if not isinstance(request, LensTrainRequest):
         raise HeadsteerTypeError(f"request must be a LensTrainRequest, got {type(request).__name__}")
-    progress = sweep_options(options, {}, "train_lens", takes=("progress",)).progress
+    opts = sweep_options(options, {}, "train_lens", takes=("progress", "max_memory"))
+    progress = opts.progress
     request.check_config(model)  # heads in range, a full lens of at most MAX_FULL_HEADS heads
     form, epochs, lr, seed = request.form, request.epochs, request.lr, request.seed
     batch_positions, held_out, patience = request.batch_positions, request.held_out, request.patience
@@ -239,7 +242,8 @@ def run_train_lens(
         n_texts = len(corpus)
         if n_texts < 2:
             raise HeadsteerValueError("a lens needs at least 2 texts (train and held-out)")
-        data = collect_lens_data(model, corpus, lens.heads, max_positions=max_positions)
+        budget = SweepOptions(max_memory=opts.max_memory)  # the collection's texts per forward
+        data = collect_lens_data(model, corpus, lens.heads, max_positions=max_positions, options=budget)
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(n_texts, generator=g)

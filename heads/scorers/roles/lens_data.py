@@ -95,8 +95,10 @@ def collect_lens_data(
         texts: a text or a non-empty list of non-empty texts.
         heads: a head selection (`HeadSet.parse`; default every head).
         max_positions: positions kept (a positive int, default 4096).
-        options: `heads.SweepOptions`; only `max_rows` applies: texts per forward (default 8
-            where `max_rows` is left at its default).
+        options: `heads.SweepOptions`; `max_rows`: texts per forward (default 8 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (the
+            `"logits"` plan, the kept outputs and fp16 logits of `max_positions` positions
+            beside it; refused before any forward when one text does not fit).
         **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
             `DeprecationWarning`; refused together with `options.max_rows` set).
 
@@ -111,8 +113,13 @@ def collect_lens_data(
         raise HeadsteerValueError("collect_lens_data needs a HeadModel with a tokenizer")
     texts = _texts(texts)
     max_positions = check_int("max_positions", max_positions, lo=1)
-    batch_size = sweep_rows(options, deprecated, "collect_lens_data", default=8).max_rows
+    opts = sweep_rows(options, deprecated, "collect_lens_data", default=8, takes=("max_rows", "max_memory"))
     hs = _heads(model, heads)
+    batch_size = opts.max_rows
+    if opts.max_memory is not None:  # texts per forward within the budget, the kept data beside them
+        longest = encode_prompts(model.tokenizer, texts, chat=False, markup=False).length
+        kept = max_positions * (len(hs) * model.d_model * 4 + model.d_vocab * 2 + 16)
+        batch_size = opts.within(model, longest, "logits", reserve=kept).max_rows
     by_layer: dict[int, list[int]] = {}
     for la, h in hs:
         by_layer.setdefault(la, []).append(h)
