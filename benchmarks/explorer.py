@@ -25,7 +25,29 @@ Figures (one JSON line):
 * `page_kb`: bytes the page loads (HTML + plotly.min.js, decoded) / 1024; `page_kb_transferred`
   the bytes on the wire (browser resource timing `transferSize`: plotly is sent gzipped).
 
-Usage: `nice python benchmarks/explorer.py [--screenshot docs/img/explorer.png]` (about a minute).
+Long prompts (`--long 2048,8192`: only this case, its own JSON line, `"benchmark":
+"explorer_long"`), per length `T` (a plain-text prompt of exactly `T` tokens, `raw` on), in the
+page as a user clicks:
+* `click_uncached_ms`: a click on a head of a prompt the server has not prepared (the page's
+  delayed prepare cancelled): the click's request records the overview of every head and the
+  residuals (one forward reducing every pattern block by block) and answers; click to the
+  overview drawn.
+* `click_cached_ms`: clicks on other heads of that prompt (the overview is kept): click to the
+  overview drawn (`Plotly.react` of the `[G, G]` grid and the `[T]` statistics resolved),
+  median of `--clicks`.
+* `window_cached_ms`: clicks on the overview, each opening the exact 64 x 64 window around the
+  block clicked (one layer run from its kept residual, stopped once the rows are read): click
+  to the window drawn, median of `--clicks`.
+* the baseline in the same run, `forward_ms`: one plain forward of the model on the same prompt
+  (the last position's logits only, as the overview's forward; timed in Python while the server
+  is idle, median of 2), and each figure's ratio to it
+  (`*_vs_forward`); `goal_ms` (300) and whether the cached clicks meet it at the longest length.
+The head card is answered by a stub in this case (its logit-lens forward is not part of the
+pattern view, and it would hold the model while the next click waits).
+
+Usage: `nice python benchmarks/explorer.py [--screenshot docs/img/explorer.png]` (about a minute);
+`nice python benchmarks/explorer.py --long 2048,8192` (minutes: the uncached click at 8k tokens
+records every head's overview).
 """
 
 import argparse
@@ -76,12 +98,112 @@ def heads_by_layer(pairs: list[list[int]]) -> dict[int, list[int]]:
     return out
 
 
+def exact_prompt(tokenizer, n: int) -> str:
+    """A plain-text prompt of exactly `n` tokens (corpus-like filler, no chat template)."""
+    from heads.inputs.prompts import encode_prompts
+
+    filler = "The quick brown fox jumps over the lazy dog near the river bank, then rests. "
+    ids = tokenizer(filler * (n // 8 + 10))["input_ids"]
+    for k in range(n, n - 20, -1):  # decoding may merge a token at the cut
+        text = tokenizer.decode(ids[:k])
+        if encode_prompts(tokenizer, text, chat=False).length == n:
+            return text
+    raise RuntimeError(f"no prompt of exactly {n} tokens")
+
+
+CARD_STUB = '{"layer": 0, "head": 0, "lens_tokens": [], "model_tokens": [], "maps": [], "scores": {}}'
+
+
+def long_case(model, lengths: list[int], clicks: int) -> dict:
+    """The long-prompt figures (module docstring) at each length, in Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    from heads.engine.forward import forward
+    from heads.inputs.prompts import encode_prompts
+    from viz.explorer import create_explorer
+
+    url, stop = serve(create_explorer(model))
+    out: dict = {"benchmark": "explorer_long", "model": model.name, "goal_ms": 300, "lengths": {}}
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(3_600_000)
+            page.route(
+                "**/api/head", lambda route: route.fulfill(content_type="application/json", body=CARD_STUB)
+            )
+            page.goto(url)
+            page.wait_for_selector("body[data-ready='1']")
+            page.check("#raw")
+            for n in lengths:
+                prompt = exact_prompt(model.tokenizer, n)
+                enc = encode_prompts(model.tokenizer, prompt, chat=False)
+                page.fill("#prompt", prompt)
+                page.evaluate("clearTimeout(prepareTimer)")  # uncached: the click records the overview
+                page.evaluate("(() => { const e = document.getElementById('pattern'); "
+                              "delete e.dataset.head; delete e.dataset.view; })()")  # fmt: skip
+
+                def head_click(layer: int, head: int) -> float:
+                    click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
+                    page.wait_for_selector(f"#pattern[data-head='{layer},{head}'][data-view='overview']")
+                    return float(page.evaluate("window.__explorer.lastPatternMs"))
+
+                cold = head_click(1, 1)
+                cached = [
+                    head_click((3 + 5 * i) % model.n_layers, (2 + 2 * i) % model.n_heads)
+                    for i in range(clicks)
+                ]
+                windows = []
+                for i in range(clicks):
+                    page.evaluate("delete document.getElementById('pattern-window').dataset.window")
+                    box = page.locator("#pattern .nsewdrag").first.bounding_box()
+                    fx, fy = 0.15 + 0.1 * i, 0.9 - 0.05 * i  # below the diagonal: attended cells
+                    page.mouse.click(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
+                    page.wait_for_selector("#pattern-window[data-window]")
+                    windows.append(float(page.evaluate("window.__explorer.lastWindowMs")))
+                forward_ms = []
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    forward(model, enc, logits_to_keep=1)  # as the overview's forward: no [T, V] logits
+                    forward_ms.append((time.perf_counter() - t0) * 1000)
+                base = statistics.median(forward_ms)
+                fig = {
+                    "forward_ms": round(base, 1),
+                    "click_uncached_ms": round(cold, 1),
+                    "click_cached_ms": round(statistics.median(cached), 1),
+                    "click_cached_all_ms": [round(t, 1) for t in cached],
+                    "window_cached_ms": round(statistics.median(windows), 1),
+                    "window_cached_all_ms": [round(t, 1) for t in windows],
+                    "click_uncached_vs_forward": round(cold / base, 3),
+                    "click_cached_vs_forward": round(statistics.median(cached) / base, 4),
+                    "window_cached_vs_forward": round(statistics.median(windows) / base, 4),
+                    "load_average_1m": round(os.getloadavg()[0], 2),
+                }
+                out["lengths"][str(n)] = fig
+                print(json.dumps({"length": n, **fig}), file=sys.stderr, flush=True)
+            browser.close()
+    finally:
+        stop()
+    last = out["lengths"][str(max(lengths))]
+    out["goal_met_at_longest"] = max(last["click_cached_ms"], last["window_cached_ms"]) <= 300
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clicks", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--screenshot", default=None, help="write a screenshot of the page here")
+    ap.add_argument(
+        "--long", default=None, help="prompt lengths of the long-prompt case only, e.g. 2048,8192"
+    )
     args = ap.parse_args()
+    if args.long:
+        from heads import load_model
+
+        lengths = [int(x) for x in args.long.split(",")]
+        print(json.dumps(long_case(load_model(), lengths, min(args.clicks, 3))))
+        return
 
     from playwright.sync_api import sync_playwright
 

@@ -4,7 +4,9 @@ A result is what an analysis returns: `HeadScores`, `PatchResult`, `Circuit`, `Q
 Each one, whatever it holds, offers the same five things, so a report, the explorer, the server
 or a user's script can treat any of them alike:
 
-* `head_scores()`: a `HeadScores` `[L, H]` summary (the analysis' documented reduction);
+* `head_scores()`: a `HeadScores` `[L, H]` summary (the analysis' documented reduction); a
+  result with no per-head number (`SinkDims`: residual-stream dimensions) raises
+  `HeadsteerValueError` naming the analysis that gives one;
 * `to_frame()`: a tidy pandas DataFrame (one row per head, edge, cell, ...);
 * `save(path, *, overwrite=False) -> Path`: a JSON file, written atomically, refusing to
   overwrite unless asked and never through a symlink (`heads._util.files`);

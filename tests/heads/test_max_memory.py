@@ -214,14 +214,23 @@ _ITEMS = [
 ]
 
 
+def _relation(model):
+    from heads.scorers.maps.static import RelationPairs
+
+    return RelationPairs("r", [(4000, 4001), (5000, 5001)], 1, [("France", "Paris"), ("Japan", "Tokyo")])
+
+
 def _sweeps(tokenizer):
     """Every other sweep taking `options`, called with `max_memory` (a `SweepOptions` -> call)."""
     from heads.scorers.circuits.circuit import find_circuit
-    from heads.scorers.circuits.scores import edge_scores
+    from heads.scorers.circuits.scores import edge_scores, exact_scores
     from heads.scorers.gating import gate_heads, gate_task
+    from heads.scorers.maps.inference import dynamic_scores
+    from heads.scorers.patching.evaluate import evaluate_pairs
     from heads.scorers.patching.knockout import knockout
     from heads.scorers.retrieval.qrhead import qrhead_scores
     from heads.scorers.roles.lens import train_lens
+    from heads.scorers.roles.needle import retrieval_scores
     from heads.scorers.safety.attribution import sahara_candidates
     from heads.scorers.safety.ships import dataset_ships, sahara, ships
 
@@ -229,6 +238,7 @@ def _sweeps(tokenizer):
     return {
         "knockout": lambda m, o: knockout(m, _knockout_pairs(), "IO", options=o),
         "edge_scores": lambda m, o: edge_scores(m, pairs, method="eap", options=o),
+        "exact_scores": lambda m, o: exact_scores(m, pairs, options=o),
         "find_circuit": lambda m, o: find_circuit(m, pairs, method="eap", n=3, options=o),
         "qrhead_scores": lambda m, o: qrhead_scores(m, _ITEMS, chat=False, options=o),
         "gate_heads": lambda m, o: gate_heads(
@@ -237,6 +247,9 @@ def _sweeps(tokenizer):
         "dataset_ships": lambda m, o: dataset_ships(m, _PROMPTS, options=o),
         "sahara": lambda m, o: sahara(m, _PROMPTS, steps=1, options=o),
         "ships_attribution": lambda m, o: ships(m, _PROMPTS, method="attribution", confirm=1, options=o),
+        "evaluate_pairs": lambda m, o: evaluate_pairs(m, pairs, options=o.replace(progress=True)),
+        "retrieval_scores": lambda m, o: retrieval_scores(m, n_prompts=2, options=o.replace(progress=True)),
+        "dynamic_scores": lambda m, o: dynamic_scores(m, _relation(m), options=o),
         "train_lens": lambda m, o: train_lens(m, ["one two three", "four five six"], options=o),
         "sahara_candidates": lambda m, o: sahara_candidates(
             m, _PROMPTS, k=2, options=o.replace(progress=True)
@@ -248,6 +261,7 @@ SWEEPS = (
     "knockout",
     "edge_scores",
     "find_circuit",
+    "exact_scores",
     "qrhead_scores",
     "gate_heads",
     "dataset_ships",
@@ -255,6 +269,9 @@ SWEEPS = (
     "ships_attribution",
     "sahara_candidates",
     "train_lens",
+    "dynamic_scores",
+    "evaluate_pairs",
+    "retrieval_scores",
 )
 
 

@@ -162,3 +162,40 @@ def test_a_prompt_longer_than_the_context_is_400_naming_both(client, model, toke
         )
         assert r.status_code == 400, r.text
         assert f"{n} tokens" in r.json()["error"] and f"limit of {model.max_positions}" in r.json()["error"]
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("mistral", {"sliding_window": 64}), ("gpt2", {})])
+def test_overview_and_window_on_a_sliding_window_and_an_absolute_position_family(
+    tokenizer, prompt, kind, overrides
+):
+    """A window shorter than the prompt (Mistral) and learned absolute positions (GPT-2): the
+    overview and a window started from a kept residual equal the plain forward's pattern."""
+    from tests.support import make_tiny
+    from viz.explorer.overview import pattern_window
+
+    hm = make_tiny(kind, tokenizer, **overrides)
+    enc = encode_prompts(tokenizer, prompt, chat=False)
+    full = torch.stack([a[0] for a in forward(hm, enc, output_attentions=True).attentions]).float()
+    if kind == "mistral":
+        assert full[1, 0, 300, :200].abs().max() == 0  # the window really cuts the prompt
+    ov = record_overview(hm, enc, grid=64)
+    assert 1 in ov.residuals
+    layer = hm.n_layers - 1
+    torch.testing.assert_close(ov.grid_max[layer, 1], pooled(full[layer, 1], 5)[1], atol=1e-6, rtol=0)
+    got = pattern_window(hm, enc, layer, 1, (100, 301, 30, 286), ov)
+    torch.testing.assert_close(got, full[layer, 1, 100:301, 30:286], atol=1e-6, rtol=0)
+
+
+def test_a_window_from_a_lower_kept_layer_and_past_its_rows(model, prompt, full, monkeypatch):
+    """Residuals of every other layer only (a small budget): a window of layer 2 runs layers 1 and
+    2 on its rows alone, the earlier positions' keys as a cache; keys after its last row too."""
+    from viz.explorer import overview
+
+    enc = encode_prompts(model.tokenizer, prompt, chat=False)
+    monkeypatch.setattr(overview, "OVERVIEW_RESIDUAL_BYTES", 301 * model.d_model * 4)  # one layer's
+    ov = record_overview(model, enc, grid=64)
+    assert list(ov.residuals) == [1] and ov.start_layer(2) == 1 and ov.kv is not None
+    for window in ((120, 301, 0, 256), (10, 20, 5, 200)):
+        q0, q1, k0, k1 = window
+        got = overview.pattern_window(model, enc, 2, 3, window, ov)
+        torch.testing.assert_close(got, full[2, 3, q0:q1, k0:k1], atol=1e-6, rtol=0)

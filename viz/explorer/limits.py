@@ -46,8 +46,8 @@ OVERVIEW_GRID = 256
 MAX_WINDOW = 256
 """Most query rows and most key columns of one pattern window (`/api/pattern` with `q0..k1`)."""
 OVERVIEW_CACHE_BYTES = 1536 * 2**20
-"""Default byte budget of the per-tab overview cache (overviews and the residuals windows
-start from; one 8k-token prompt of SmolLM2-135M in fp32 takes about 0.75 GiB)."""
+"""Default byte budget of the per-tab overview cache (overviews, and the residuals, keys and
+values windows start from; one 8k-token prompt of SmolLM2-135M in fp32 takes about 1.1 GB)."""
 OVERVIEW_RESIDUAL_BYTES = 768 * 2**20
 """Most bytes of residual stream one overview keeps for its windows (every layer's when they
 fit, else every k-th layer's: a window then runs from the nearest kept layer below)."""

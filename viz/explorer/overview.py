@@ -15,27 +15,26 @@ block reduced as it comes: no `[H, T, T]` is kept, memory stays linear in `T`):
 - `row_entropy` `[L, H, T]`: each query row's entropy in nats (`-sum p log p`, `0 log 0 = 0`).
 - `row_max` `[L, H, T]`: each query row's largest probability.
 
-The same forward keeps the residual stream entering the layers (`ActivationRecorder` at
-`residual`, every `stride`-th layer within `OVERVIEW_RESIDUAL_BYTES`), so that `pattern_window`
-computes an exact window `[q1 - q0, k1 - k0]` of one head's pattern by running the model from
-the nearest kept layer (`heads.engine.prefix.starting_at`) with one `Recorder(query_range=(q0,
-q1))` and stopping the forward once those rows are read: one layer's work, not a forward.
+The same forward (the engine's `run_rows`) keeps the residual stream entering the layers
+(every `stride`-th layer's within `OVERVIEW_RESIDUAL_BYTES`) and every layer's keys and values,
+so that `pattern_window` computes an exact window `[q1 - q0, k1 - k0]` of one head's pattern by
+running only the window's positions from the nearest kept layer, the earlier positions' keys
+and values as a cache, with one `Recorder(query_range=(q0, q1))`, and stopping the forward once
+those rows are read: a few hundred rows of one layer, not a forward.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 
-from heads.engine.activations import ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Recorder
 from heads.engine.forward import forward
-from heads.engine.prefix import starting_at
+from heads.engine.variants import run_rows
 from heads.inputs.prompts import EncodedPrompts
 from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
@@ -100,6 +99,8 @@ class Overview:
         residuals: `{layer: [1, T, D]}` the residual stream entering each kept layer (the
             model's dtype; layer 0 needs none: the embeddings are recomputed).
         enc: the encoded prompt (a window runs on it without encoding it again).
+        kv: per layer the keys and values `[1, G, T, d]` of the prompt (Hugging Face backend),
+            so a window runs only its query rows, the earlier positions' keys passed as a cache.
     """
 
     grid_mean: torch.Tensor
@@ -112,11 +113,12 @@ class Overview:
     spans: list[tuple[int, int]]
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     enc: EncodedPrompts | None = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
         parts = [self.grid_mean, self.grid_max, self.col_mass, self.row_entropy, self.row_max]
-        parts += list(self.residuals.values())
+        parts += list(self.residuals.values()) + [t for pair in self.kv or [] for t in pair]
         return sum(p.numel() * p.element_size() for p in parts)
 
     def start_layer(self, layer: int) -> int:
@@ -136,11 +138,16 @@ def residual_stride(n_layers: int, n_tokens: int, d_model: int, itemsize: int) -
 
 
 class _Reducer:
-    """The per-layer accumulators one `Recorder` fills block by block (`[H, ...]`, fp32)."""
+    """The per-layer accumulators one `Recorder` fills block by block (`[H, ...]`, fp32).
 
-    def __init__(self, n_heads: int, t: int, block: int):
+    Block sums are one matrix product with the key-block indicator (`[T, G]`), block maxima a
+    view of the whole blocks plus the cut last one (no padded copy of the rows)."""
+
+    def __init__(self, n_heads: int, t: int, block: int, indicator: torch.Tensor):
         g = math.ceil(t / block)
         self.t, self.block, self.g = t, block, g
+        self.whole = t // block  # key blocks of `block` tokens; a last cut one when g > whole
+        self.indicator = indicator  # [T, G], shared by the layers
         self.sums = torch.zeros(n_heads, g, g)
         self.tops = torch.zeros(n_heads, g, g)
         self.col = torch.zeros(n_heads, t)
@@ -151,20 +158,20 @@ class _Reducer:
         p = probs[0].detach().float().cpu()  # [H, q, T]
         h, q, t = p.shape
         r0 = call.q_offset
-        rows = torch.arange(r0, r0 + q)
+        b, g, whole = self.block, self.g, self.whole
         self.col += p.sum(1)
         self.ent[:, r0 : r0 + q] = -torch.special.xlogy(p, p).sum(-1)
         self.rmax[:, r0 : r0 + q] = p.amax(-1)
-        b, g = self.block, self.g
-        pad = g * b - t
-        x = torch.nn.functional.pad(p, (0, pad)).reshape(h, q, g, b)  # keys into blocks
-        bins = (rows // b).expand(h, g, q).transpose(1, 2)  # [H, q, G]: each row's query block
-        self.sums.scatter_add_(1, bins, x.sum(-1))
-        self.tops.scatter_reduce_(1, bins, x.amax(-1), reduce="amax")
+        sums = (p.reshape(h * q, t) @ self.indicator).reshape(h, q, g)  # [H, q, G]
+        tops = p[..., : whole * b].reshape(h, q, whole, b).amax(-1)
+        if g > whole:
+            tops = torch.cat([tops, p[..., whole * b :].amax(-1, keepdim=True)], dim=-1)
+        bins = (torch.arange(r0, r0 + q) // b).expand(h, g, q).transpose(1, 2)  # [H, q, G]: row -> block
+        self.sums.scatter_add_(1, bins, sums)
+        self.tops.scatter_reduce_(1, bins, tops, reduce="amax")
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        sizes = torch.full((self.g,), self.block, dtype=torch.float32)
-        sizes[-1] = self.t - (self.g - 1) * self.block
+        sizes = self.indicator.sum(0)  # tokens per block
         return self.sums / (sizes[:, None] * sizes[None, :]), self.tops
 
 
@@ -192,7 +199,9 @@ def record_overview(
         raise ValueError(f"record_overview takes one prompt, got {enc.batch}")
     t, n_layers = enc.length, model.n_layers
     block = block_size(t, grid)
-    reducers = [_Reducer(model.n_heads, t, block) for _ in range(n_layers)]
+    g = math.ceil(t / block)
+    indicator = (torch.arange(t)[:, None] // block == torch.arange(g)[None, :]).float()  # [T, G]
+    reducers = [_Reducer(model.n_heads, t, block, indicator) for _ in range(n_layers)]
 
     def reader(red: _Reducer):  # type: ignore[no-untyped-def]
         def read(probs: torch.Tensor, call: AttentionCall) -> None:
@@ -203,13 +212,19 @@ def record_overview(
         return read
 
     recorders: list = [Recorder(layer=la, fn=reader(red)) for la, red in enumerate(reducers)]
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    # starting a forward at a layer needs the Hugging Face backend (`starting_at`)
-    stride = residual_stride(n_layers, t, model.d_model, itemsize) if model.backend.kind == "hf" else 0
-    kept = list(range(1, n_layers, stride)) if stride else []
-    residuals = [ActivationRecorder("residual", layer=la) for la in kept]
-    with editing(model, recorders + residuals):
-        forward(model, enc)
+    residuals: dict[int, torch.Tensor] = {}
+    kv = None
+    if model.backend.kind == "hf":  # the engine's row forward: residuals and keys / values kept
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        stride = residual_stride(n_layers, t, model.d_model, itemsize)
+        out = run_rows(model, enc.input_ids, enc.attention_mask, recorders, keep_cache=True)
+        kept = range(1, n_layers, stride) if stride else range(0)
+        residuals = {la: out.hidden_states[la].detach() for la in kept}  # enters layer la
+        kv = [(layer.keys.detach(), layer.values.detach()) for layer in out.past_key_values.layers]
+        del out
+    else:  # other backends: windows run from layer 0 over the prompt
+        with editing(model, recorders):
+            forward(model, enc)
     pooled = [red.finish() for red in reducers]
     return Overview(
         grid_mean=torch.stack([m for m, _ in pooled]),
@@ -220,8 +235,9 @@ def record_overview(
         block=block,
         tokens=readable_tokens(model.tokenizer, enc.input_ids[0]),
         spans=list(enc.spans[0]),
-        residuals={la: rec.records[0] for la, rec in zip(kept, residuals, strict=True)},
+        residuals=residuals,
         enc=enc,
+        kv=kv,
     )
 
 
@@ -236,10 +252,12 @@ def pattern_window(
     """The exact window `probs[q0:q1, k0:k1]` of one head's pattern on the prompt of `enc`, fp32
     `[q1 - q0, k1 - k0]` (the model's own attention: the recorder only reads).
 
-    Only the query rows `q0 .. q1 - 1` of `layer` are computed (`Recorder(query_range=(q0,
-    q1))`) and the forward stops once they are read; with the `overview` of this prompt it starts
-    at the nearest layer whose residual it kept (`starting_at`), so a window costs about one
-    layer's keys and those rows, not a forward.
+    With the `overview` of this prompt (Hugging Face backend) only the positions `q0 ..
+    max(q1, k1) - 1` run, from the nearest layer at or below `layer` whose residual it kept
+    (`heads.engine.variants.run_rows`: layer-prefix reuse), the keys and values of the earlier
+    positions passed as a cache (position-prefix reuse), and the forward stops once the rows of
+    `layer` are read (`Recorder(query_range=(q0, q1))`): a few hundred rows of a layer or two,
+    not a forward. Without it, a forward over the prompt that stops at `layer`.
 
     Args:
         window: `(q0, q1, k0, k1)`, `0 <= q0 < q1 <= T`, `0 <= k0 < k1 <= T` (checked by the caller).
@@ -252,15 +270,22 @@ def pattern_window(
         if call.q_offset + call.q_len >= q1:
             raise _Read
 
-    start = overview.start_layer(layer) if overview is not None else 0
     rec = Recorder(layer=layer, fn=read, query_range=(q0, q1))
-    with ExitStack() as stack:
-        stack.enter_context(editing(model, [rec]))
-        if start:
-            assert overview is not None
-            stack.enter_context(starting_at(model, start, overview.residuals[start].to(model.device)))
-        try:
-            forward(model, enc)
-        except _Read:
-            pass
+    try:
+        if overview is not None and overview.kv is not None:  # only rows q0..q1-1, from `start`
+            # the rows run: q0 .. the last row or key asked (a key after the last row is still a
+            # column of the run, whatever the model's mask makes of it)
+            start, end = overview.start_layer(layer), max(q1, k1)
+            # the engine places no pattern reader on a sliding-window layer fed a key cache: there
+            # the window's rows run with every earlier position (still from the kept residual)
+            first = q0 if model.sliding_window(layer) is None else 0
+            residual = overview.residuals[start][:, first:end] if start else None
+            past = [(k[:, :, :first], v[:, :, :first]) for k, v in overview.kv] if first else None
+            ids, mask = enc.input_ids[:, first:end], enc.attention_mask[:, :end]
+            run_rows(model, ids, mask, [rec], start=start, residual=residual, past=past)
+        else:
+            with editing(model, [rec]):
+                forward(model, enc)
+    except _Read:
+        pass
     return torch.cat(got, dim=0)

@@ -125,14 +125,15 @@ def evaluate(
     Args:
         circuits: a `Circuit`, a list of them, or `[K, U, Dn]` bool edge masks.
         options: `heads.SweepOptions`: `max_rows` rows (circuit x pair) per forward (default 64),
-            `progress` (without `options`: none) in forwards.
+            `progress` (without `options`: none) in forwards; `max_memory`: fewer rows where the
+            `"forward"` plan beside the recorded clean / corrupted runs needs it.
         **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
 
     Raises:
         ValueError: masks of another graph's shape; a model other than the circuit's geometry.
     """
-    batch_rows, progress = _rows_progress(options, deprecated, "evaluate", None)
+    batch_rows, progress = _rows_progress(options, deprecated, "evaluate", None, model, pairs)
     graph = graph_of(model)
     if isinstance(circuits, Circuit):
         circuits = [circuits]
@@ -206,7 +207,8 @@ def faithfulness_curve(
             `cpr_random` / `cmd_random` the means of the draws' CPR / CMD.
         metric: default the metric the scores were made with.
         options: `heads.SweepOptions` of the exact runs (`evaluate`'s: `max_rows` rows per
-            forward, default 64; `progress`, without `options` none).
+            forward, default 64, fewer where `max_memory` needs it; `progress`, without
+            `options` none).
         **deprecated: `batch_rows=` / `progress=` as keywords (one release; a `DeprecationWarning`).
 
     Returns:
@@ -227,7 +229,7 @@ def faithfulness_curve(
     check_bool("random", random)
     seed = check_seed("seed", seed)
     n_random = check_int("n_random", n_random, lo=1, hi=1000)
-    batch_rows, progress = _rows_progress(options, deprecated, "faithfulness_curve", None)
+    batch_rows, progress = _rows_progress(options, deprecated, "faithfulness_curve", None, model, pairs)
     graph = graph_of(model)
     if scores.graph.n_upstream != graph.n_upstream or scores.graph.n_downstream != graph.n_downstream:
         raise HeadsteerValueError("the scores are for another model geometry")

@@ -127,11 +127,18 @@ def _batch_size(
 
 
 def _rows_progress(
-    options: SweepOptions | None, deprecated: dict[str, Any], where: str, progress: ProgressArg
+    options: SweepOptions | None,
+    deprecated: dict[str, Any],
+    where: str,
+    progress: ProgressArg,
+    model: HeadModel | None = None,
+    pairs: object = None,
 ) -> tuple[int, ProgressArg]:
     """`(max_rows, progress)` of `evaluate` / `faithfulness_curve` / `exact_scores`: `options`,
     or the deprecated `batch_rows=` / `progress=` keywords (warned at the caller's line);
-    `progress` is the scorer's own default when neither sets it."""
+    `progress` is the scorer's own default when neither sets it. With `options.max_memory`,
+    `max_rows` is lowered to the rows the `"forward"` plan fits beside the recorded clean and
+    corrupted runs of `pairs` (refused before any forward when one row does not fit)."""
     given = options is not None or "progress" in deprecated
     if "batch_rows" in deprecated:  # named as given, before the warning
         check_int("batch_rows", deprecated["batch_rows"], lo=1)
@@ -139,10 +146,15 @@ def _rows_progress(
         options,
         deprecated,
         where,
-        takes=("max_rows", "progress"),
+        takes=("max_rows", "progress", "max_memory"),
         renamed={"batch_rows": "max_rows"},
         stacklevel=4,
     )
+    if opts.max_memory is not None and model is not None and isinstance(pairs, PairBatch):
+        from heads.scorers.patching.record import cache_bytes
+
+        kept = 2 * cache_bytes(model, pairs.n, pairs.width)
+        opts = opts.within(model, pairs.width, reserve=kept, whole=pairs.n)
     return opts.max_rows, opts.progress if given else progress
 
 
@@ -228,7 +240,11 @@ def chunked_edge_scores(
     pairs = _check_pairs(model, pairs, met)
     budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
     batch_size = budget.replace(max_rows=batch_size).within(model, pairs.width, "gradient").max_rows
-    batch_rows = budget.replace(max_rows=batch_rows).within(model, pairs.width).max_rows
+    if max_memory is not None:  # the exact runs keep the recorded clean and corrupted runs beside them
+        from heads.scorers.patching.record import cache_bytes
+
+        kept = 2 * cache_bytes(model, pairs.n, pairs.width)
+        batch_rows = budget.replace(max_rows=batch_rows).within(model, pairs.width, reserve=kept).max_rows
     if method == "exact":
         return exact_scores(
             model, pairs, metric=met, options=SweepOptions(max_rows=batch_rows, progress=progress)
@@ -426,7 +442,8 @@ def exact_scores(
         edges: `[E, 2]` (upstream, downstream) edges to score (default: every edge: E forwards
             rows per pair, slow beyond small models).
         options: `heads.SweepOptions`: `max_rows` rows (edge x pair) per forward (default 64),
-            `progress` (default True: a bar) in forwards.
+            `progress` (default True: a bar) in forwards; `max_memory`: fewer rows where the
+            `"forward"` plan beside the recorded clean / corrupted runs needs it.
         **deprecated: `batch_rows=` (now `max_rows`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
 
@@ -436,7 +453,7 @@ def exact_scores(
     Raises:
         ValueError: an edge that is not in the graph.
     """
-    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True)
+    batch_rows, progress = _rows_progress(options, deprecated, "exact_scores", True, model, pairs)
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)

@@ -92,7 +92,9 @@ def dynamic_scores(
     `max_pairs` pairs of each relation (the "with context" variant of docs/methods/maps.md).
 
     `options`: `heads.SweepOptions`: `max_rows` prompts per forward (48 where it is left at its
-    default); `progress`: True (default: a tqdm bar), False / None (off) or
+    default; fewer where `max_memory` needs it, planned as `"logits"`: every position's logits
+    come back; refused before any forward when one prompt does not fit); `progress`: True
+    (default: a tqdm bar), False / None (off) or
     `progress(done, total)` (`heads._util.progress`) in steps: one per forward (template x batch
     of `max_rows` prompts), then one per layer scored (`dynamic_steps`). The loose `progress=` and
     `batch_size=` (now `max_rows`) keywords still work one release (a `DeprecationWarning`;
@@ -101,7 +103,8 @@ def dynamic_scores(
     Returns:
         relation name -> tensor in [0, 1].
     """
-    opts = sweep_rows(options, deprecated, "dynamic_scores", default=48, takes=("max_rows", "progress"))
+    takes = ("max_rows", "progress", "max_memory")
+    opts = sweep_rows(options, deprecated, "dynamic_scores", default=48, takes=takes)
     progress, batch_size = opts.progress, opts.max_rows
     rels = [relations] if isinstance(relations, RelationPairs) else list(relations)
     if not rels or not all(isinstance(r, RelationPairs) for r in rels):
@@ -111,6 +114,10 @@ def dynamic_scores(
     if not templates or any(not isinstance(t, str) or "{x}" not in t for t in templates):
         raise HeadsteerValueError(f"templates must be strings containing {{x}}, got {short_repr(templates)}")
     rows = [(r, i, src) for r in rels for i, (src, _) in enumerate(_texts(r)[:max_pairs])]
+    if opts.max_memory is not None:  # every position's logits come back: the "logits" plan bounds it
+        texts = [t.format(x=src) for t in templates for _, _, src in rows]
+        longest = encode_prompts(model.tokenizer, texts, chat=False, markup=False).length
+        batch_size = opts.within(model, longest, "logits").max_rows
     U = model.W_U.float()
     tgts = torch.tensor([r.pairs[i][1] for r, i, _ in rows], device=U.device)
     ks = torch.tensor([r.k for r, _, _ in rows], device=U.device)

@@ -70,8 +70,9 @@ def evaluate_pairs(
             (default none). Their edits act on every row of each batch, at every position.
         which: `"clean"` (default) or `"corrupted"`: the prompts run.
         level: confidence level of the intervals, in (0, 1) (default 0.95).
-        options: `heads.SweepOptions`; only `max_rows` applies: pairs per forward (default 16
-            where `max_rows` is left at its default).
+        options: `heads.SweepOptions`; `max_rows`: pairs per forward (default 16 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (refused
+            before any forward when one pair does not fit).
         **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
             `DeprecationWarning`; refused together with `options.max_rows` set).
 
@@ -93,7 +94,7 @@ def evaluate_pairs(
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if which not in ("clean", "corrupted"):
         raise HeadsteerValueError(f"which must be 'clean' or 'corrupted', got {short_repr(which)}")
-    batch_size = sweep_rows(options, deprecated, "evaluate_pairs", default=16).max_rows
+    opts = sweep_rows(options, deprecated, "evaluate_pairs", default=16, takes=("max_rows", "max_memory"))
     level = check_number("level", level, lo=0, hi=1, lo_open=True, hi_open=True)
     check_vocab(pairs, model.d_vocab)
     if not pairs.has_counterfactual:
@@ -102,6 +103,7 @@ def evaluate_pairs(
             "answer - counterfactual)"
         )
     model.check_length(pairs.width)
+    batch_size = opts.within(model, pairs.width).max_rows  # max_memory: rows per forward within it
     steerers = _steerers(steer)
     lds, top1 = [], []
     for start in range(0, pairs.n, batch_size):

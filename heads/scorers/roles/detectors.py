@@ -595,5 +595,6 @@ def run_detect_roles(
     if r.successor and model.tokenizer is not None:
         out["successor"] = successor_scores(model, apply_first_mlp=r.apply_first_mlp)
     if r.retrieval:
-        out["retrieval"] = retrieval_scores(model, seed=r.seed)
+        budget = None if options is None else SweepOptions(max_memory=options.max_memory)
+        out["retrieval"] = retrieval_scores(model, seed=r.seed, options=budget)
     return RoleScores(out)

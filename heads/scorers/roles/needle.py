@@ -182,8 +182,9 @@ def retrieval_scores(
 
     Args:
         n_prompts, n_filler, needle_words, seed: as in `needle_prompts` (defaults 8, 12, 4, 0).
-        options: `heads.SweepOptions`; only `max_rows` applies: prompts per forward (default 8
-            where `max_rows` is left at its default).
+        options: `heads.SweepOptions`; `max_rows`: prompts per forward (default 8 where
+            `max_rows` is left at its default), fewer where `max_memory` needs it (the
+            `"retrieval"` plan; refused before any forward when one prompt does not fit).
         **deprecated: `batch_size=` (now `max_rows`) as a keyword (one release; a
             `DeprecationWarning`; refused together with `options.max_rows` set).
 
@@ -194,10 +195,11 @@ def retrieval_scores(
         HeadsteerValueError: an argument out of range, prompts longer than the model's context
             (both before any forward).
     """
-    batch_size = sweep_rows(options, deprecated, "retrieval_scores", default=8).max_rows
+    opts = sweep_rows(options, deprecated, "retrieval_scores", default=8, takes=("max_rows", "max_memory"))
     enc, needles, answers = needle_prompts(
         model, n_prompts=n_prompts, n_filler=n_filler, needle_words=needle_words, seed=seed
     )
+    batch_size = opts.within(model, enc.length, "retrieval").max_rows  # max_memory: rows within it
     L, H = model.n_layers, model.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     dev = model.device

@@ -201,6 +201,7 @@ class _Walk:
                         )
                         grads[(None, j)] = (_z(gx, x), _z(gz, zeta[0]))
                         g_next[(None, j)] = _z(gpost, post)  # the gradient leaving the top layer
+                    del values, s  # they hold the top layer's graph: freed with `out`, not kept all walk
                 keys = [k for k in g_next if not (top and k[0] is None)]
                 for i, key in enumerate(keys):
                     drop = key[0]
