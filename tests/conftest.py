@@ -92,9 +92,12 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 def _state(hm: HeadModel, exact: bool) -> tuple[list[torch.Tensor], list[int]]:
     """The model's parameters and buffers (exact copies, or per-tensor float64 sums for the real
-    models) and the hook count of every module."""
-    tensors = [*hm.model.parameters(), *hm.model.buffers()]
+    models), each parameter's `requires_grad` and whether it holds a `.grad`, and the hook count
+    of every module."""
+    params = list(hm.model.parameters())
+    tensors = [*params, *hm.model.buffers()]
     values = [t.detach().clone() if exact else t.detach().double().sum().reshape(1) for t in tensors]
+    values.append(torch.tensor([[p.requires_grad, p.grad is not None] for p in params]))
     hooks = [  # transformers installs its own output-capturing hooks on first use: not ours
         sum(
             not getattr(fn, "__module__", "").startswith("transformers.")
