@@ -280,7 +280,13 @@ def pattern_window(
             # the window's rows run with every earlier position (still from the kept residual)
             first = q0 if model.sliding_window(layer) is None else 0
             residual = overview.residuals[start][:, first:end] if start else None
-            past = [(k[:, :, :first], v[:, :, :first]) for k, v in overview.kv] if first else None
+            # the cache takes a copy of what it is given: the real keys only for the layers that
+            # run (and layer 0, whose length the model reads as the cache's), none above `layer`
+            past = [
+                (k[:, :, :first], v[:, :, :first]) if la == 0 or la >= start else (k[:, :, :0], v[:, :, :0])
+                for la, (k, v) in enumerate(overview.kv[: layer + 1])
+            ]
+            past = past if first else None
             ids, mask = enc.input_ids[:, first:end], enc.attention_mask[:, :end]
             run_rows(model, ids, mask, [rec], start=start, residual=residual, past=past)
         else:
