@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
 
 from heads import HeadModel, load_model, load_tokenizer
 from tests.support import make_tiny
@@ -87,3 +88,37 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     allowed = os.environ.get("HEADSTEER_ALLOW_SKIPS") == "1"
     if _UNLISTED_SKIPS and exitstatus == pytest.ExitCode.OK and not allowed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _state(hm: HeadModel, exact: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """The model's parameters and buffers (exact copies, or per-tensor float64 sums for the real
+    models), each parameter's `requires_grad` and whether it holds a `.grad`, and the hook count
+    of every module."""
+    params = list(hm.model.parameters())
+    tensors = [*params, *hm.model.buffers()]
+    values = [t.detach().clone() if exact else t.detach().double().sum().reshape(1) for t in tensors]
+    values.append(torch.tensor([[p.requires_grad, p.grad is not None] for p in params]))
+    hooks = [  # transformers installs its own output-capturing hooks on first use: not ours
+        sum(
+            not getattr(fn, "__module__", "").startswith("transformers.")
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks)
+            for fn in d.values()
+        )
+        for m in hm.model.modules()
+    ]
+    return values, hooks
+
+
+@pytest.fixture(autouse=True)
+def _session_models_untouched(request):
+    """Every test leaves the shared session models exactly as it found them: the same parameters and
+    buffers (bit for bit on the tiny model) and no hook left behind. (A test that scaled a weight by
+    50 and back left it an ulp off and moved a later oracle test's numbers.)"""
+    names = [n for n in ("tiny_llama", "smol", "gemma3") if n in request.fixturenames]
+    before = {n: _state(request.getfixturevalue(n), n == "tiny_llama") for n in names}
+    yield
+    for n, (values, hooks) in before.items():
+        now_values, now_hooks = _state(request.getfixturevalue(n), n == "tiny_llama")
+        assert now_hooks == hooks, f"{request.node.nodeid} left a hook on the shared {n} model"
+        changed = [i for i, (a, b) in enumerate(zip(values, now_values, strict=True)) if not a.equal(b)]
+        assert not changed, f"{request.node.nodeid} changed {len(changed)} tensors of the shared {n} model"

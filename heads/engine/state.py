@@ -69,16 +69,18 @@ def read_block_rows(batch: int, n_heads: int, k_len: int) -> int:
     return max(1, min(QUERY_BLOCK, rows))
 
 
-BIAS_BLOCK_ELEMENTS = 2**18
+BIAS_BLOCK_ELEMENTS = 2**19
 """The blocked kernel's SDPA path for logit biases (PASTA, attention knockout below
 `FUSED_MIN_ROWS_CPU` rows) hands SDPA one fp32 additive mask per block of `bias_block_rows`
-query rows, `[B, 1, rows, K]` for a bias shared by its heads: about this many entries (1 MiB),
-so its few mask-sized tensors stay small beside a forward's own peak at any length (at 1,024
-tokens a `[1, 1, 1024, 1024]` block per tensor was 1.4x a plain forward's peak on SmolLM2)."""
+query rows, `[B, 1, rows, K]` for a bias shared by its heads: about this many entries (2 MiB),
+so its few mask-sized tensors stay small beside a forward's own peak (at 1,024 tokens a
+`[1, 1, 1024, 1024]` block per tensor, with indexed copies of the query, key and value, was
+1.47x a plain forward's peak on SmolLM2; 512-row blocks give 0.99x)."""
 
 
-BIAS_BLOCK_MIN_ROWS = 64
-"""... and at least this many rows per block (fewer SDPA calls on very long prompts)."""
+BIAS_BLOCK_MIN_ROWS = 512
+"""... and at least this many rows per block: CPU SDPA with a mask is about 2.3x slower per layer
+in blocks of 256 rows than of 512 or 1,024 (SmolLM2's 9 heads at 1,024 tokens)."""
 
 
 def bias_block_rows(batch: int, k_len: int) -> int:

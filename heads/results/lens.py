@@ -60,8 +60,10 @@ class LensResult:
             asked for, as `head_answer`.
         model: the model id.
         params: how it was computed (`which`, `k`).
-        n_heads, n_kv_heads: the model's query and KV heads per layer (for `load(path, model)`'s
-            geometry check; None on a result built by hand).
+        n_heads: the model's query heads per layer (for `load(path, model)`'s geometry check;
+            None on a result built by hand).
+        n_kv_heads: the model's KV heads per layer (the same check; None on a result built by
+            hand).
     """
 
     answer_logit: torch.Tensor

@@ -155,7 +155,7 @@ def _attribution(model: HeadModel, prompts: Any, r: AttributionRequest, options:
 def _maps(model: HeadModel, relations: Any, r: MapsRequest, options: SweepOptions | None) -> Any:
     from heads.scorers.maps.static import run_maps
 
-    return run_maps(model, relations, r, _only_progress(options))
+    return run_maps(model, relations, r, options=_only_progress(options))
 
 
 def _qrhead(model: HeadModel, items: Any, r: QRHeadRequest, options: SweepOptions | None) -> Any:

@@ -33,6 +33,7 @@ from heads.engine.variants import check_heads, clean_run, evaluate_variants, row
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts, encode_prompts, normalize_prompts
 from heads.model.adapter import HeadModel
+from heads.results.roles import RoleScores
 from heads.results.scores import HeadScores, HeadSet, HeadSpec, _positive_int
 from steer.pasta.method import PastaBias, check_alpha, pasta_column_bias
 
@@ -190,6 +191,8 @@ def profile_heads(
 
 def _rankings(profiles: Mapping[str, HeadScores]) -> dict[str, list[Head]]:
     """Each task's full head ranking (descending score, ties by (layer, head), NaN dropped)."""
+    if isinstance(profiles, RoleScores):  # the detectors' scores: read without the dict warning
+        profiles = profiles.as_dict()
     if not isinstance(profiles, Mapping) or not profiles:
         raise HeadsteerValueError(
             f"profiles must be a non-empty {{task: HeadScores}} mapping, got {short_repr(profiles)}"

@@ -1,12 +1,18 @@
-"""The layer-by-layer backward of AtP keeps one layer's graph alive at a time (issue 41, item 2):
-when layer l runs, nothing autograd saved for the layers above it is still alive."""
+"""Memory of the analyses on long prompts (issue 41, item 2): the layer-by-layer backward of AtP
+keeps one layer's graph alive at a time (when layer l runs, nothing autograd saved for the layers
+above it is still alive); the logit lens and `head_logits`, which read the last position, keep
+that position only, not the run's full cache."""
 
 from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 
+from heads.scorers.patching import logit
+from heads.scorers.patching.activation import record_run
+from heads.scorers.patching.pairs import PromptPair, encode_pairs
 from heads.scorers.safety import atp
 from heads.scorers.safety.attribution import attribute
 
@@ -41,3 +47,40 @@ def test_atp_walk_frees_each_layers_graph_before_the_next(tiny_llama, monkeypatc
     assert [la for la, _ in seen] == list(range(L - 1, -1, -1))  # one walk, top down (KL: 4 flows)
     assert all(n == 0 for _, n in seen), seen  # the top layer's graph (KL's scalars) is not kept
     assert torch.isfinite(got.per_prompt).all()
+
+
+PAIRS = [
+    PromptPair(
+        "When Mary and John went out, John gave a drink to",
+        "When Mary and John went out, Anna gave a drink to",
+        " Mary",
+        " John",
+    ),
+    PromptPair(
+        "The capital of France is the city of", "The capital of Spain is the city of", " Paris", " Madrid"
+    ),
+]
+
+
+def test_lens_keeps_the_last_position_only(tiny_any, monkeypatch):
+    """`_record_last` equals the last column of the full cache bitwise (every family, padded
+    rows); the lens and `head_logits` run without `record_run` (its every-position cache)."""
+    pairs = encode_pairs(tiny_any, PAIRS)
+    mask = pairs.attention_mask
+    cache = record_run(tiny_any, pairs.clean_ids, mask, final=True, keys=False)
+    resid, zs, final = logit._record_last(tiny_any, pairs.clean_ids, mask, heads=True)
+    for la in range(tiny_any.n_layers):
+        assert torch.equal(resid[la], cache.residuals[la][:, -1])
+        assert torch.equal(zs[la], cache.z[la][:, -1:])
+    assert cache.final is not None and torch.equal(final, cache.final[:, -1].float().cpu())
+
+    def refused(*args: object, **kw: object) -> None:
+        raise AssertionError("the lens recorded the full cache")
+
+    monkeypatch.setattr(logit, "record_run", refused)
+    lens = logit.logit_lens(tiny_any, pairs)
+    assert lens.logit_diff.shape == (pairs.n, tiny_any.n_layers + 1)
+    a, w = logit.head_logits(tiny_any, pairs)
+    assert a.shape == w.shape == (pairs.n, tiny_any.n_layers, tiny_any.n_heads)
+    with pytest.raises(AssertionError, match="full cache"):
+        logit.direct_logit_attribution(tiny_any, pairs)  # every position: DLA keeps the cache

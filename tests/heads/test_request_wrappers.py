@@ -319,3 +319,21 @@ def test_loose_sweep_keywords_warn_at_the_callers_line_and_match_options(tiny_ll
         evaluate_pairs(tiny_llama, _pairs(), batch_size=2, options=SweepOptions(max_rows=4))
     with pytest.raises(HeadsteerValueError, match="batch_size must be a positive int"):
         evaluate_pairs(tiny_llama, _pairs(), batch_size=0)
+
+
+@pytest.mark.parametrize("family", ["opt", "minicpm3"])
+def test_path_patch_frozen_mlps_refused_from_the_config(family):
+    """`mlp="frozen"` where the MLP output is not one site (OPT: no MLP module; MiniCPM3: a residual
+    multiplier) is refused by the request from the config alone, as `path_patch` refuses it."""
+    from heads.errors import HeadsteerValueError
+    from heads.scorers.patching.path import path_patch
+    from heads.scorers.patching.request import PathPatchRequest
+    from tests.support.families import _tiny_config, shared_family_model
+
+    with pytest.raises(HeadsteerValueError, match="mlp='frozen' is not available") as by_config:
+        PathPatchRequest(mlp="frozen").check_config(_tiny_config(family))
+    ran = SweepOptions(progress=lambda d, t: pytest.fail("ran"))
+    with pytest.raises(HeadsteerValueError) as by_function:
+        path_patch(shared_family_model(family), _pairs(), mlp="frozen", options=ran)
+    assert str(by_function.value) == str(by_config.value)
+    PathPatchRequest(mlp="frozen").check_config(_tiny_config("llama"))  # one MLP site: accepted

@@ -122,6 +122,9 @@ def test_dataset_ships_and_sahara(tiny_llama):
     ds = dataset_ships(hm, PROMPTS, heads=heads, degrees=True)
     assert ds.method == "dataset_ships" and (ds.scores[2, 2] >= 0)
     # plant a dominant head: a huge output weight in layer 2, head 3
+    # (the session model is shared: restore the exact bits — x * 50 / 50 is not x in fp32, and a
+    # weight left off by an ulp moved a later oracle test's KL by 2%)
+    saved = hm.out_projs[2].weight.detach().clone()
     with torch.no_grad():
         hm.out_projs[2].weight[:, 48:64] *= 50
     try:
@@ -129,7 +132,8 @@ def test_dataset_ships_and_sahara(tiny_llama):
         again = sahara(hm, PROMPTS, steps=3, heads=heads)
     finally:
         with torch.no_grad():
-            hm.out_projs[2].weight[:, 48:64] /= 50
+            hm.out_projs[2].weight.copy_(saved)
+    assert torch.equal(hm.out_projs[2].weight, saved)
     assert res.heads[0] == (2, 3)
     assert res.heads == again.heads and len(set(res.heads)) == 3
     for step, table in enumerate(res.steps):

@@ -144,3 +144,21 @@ def test_profile_progress_is_rows_done_of_total(tiny_llama):
     done = [d for d, _ in seen]
     steps = [b - a for a, b in zip([0, *done], done, strict=False)]
     assert done[-1] == len(HEADS) * len(PROMPTS) and all(0 < s <= 5 for s in steps)  # max_rows=5 per batch
+
+
+def test_select_heads_reads_role_scores_without_the_dict_warning():
+    """The detectors' `RoleScores` is a valid `profiles` mapping: selecting from it gives what the
+    plain dict gives and raises no deprecation warning from inside the library."""
+    import warnings
+
+    from heads.results.roles import RoleScores
+
+    t = torch.arange(12.0).view(3, 4)
+    plain = {
+        "induction": HeadScores(t, "induction", {}, "m", 4),
+        "prev": HeadScores(t.flip(1), "prev", {}, "m", 4),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        got = select_heads(RoleScores(plain), 2, mode="union")
+    assert got == select_heads(plain, 2, mode="union") and len(got) == 4  # two disjoint top-2s

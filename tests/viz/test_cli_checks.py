@@ -182,7 +182,7 @@ def test_circuit_steps_checks(no_load, tmp_path):
     r = runner.invoke(app, ["report", "circuit", "--method", "eap", "--steps", "7", "--out", out])
     _one_line_error(r, "--steps is not used by --method eap")
     r = runner.invoke(app, ["report", "circuit", "--steps", "1000", "--out", out])
-    _one_line_error(r, "--steps 1000 is above the cap of 100")
+    _one_line_error(r, "--steps: steps must be an int in 1..100, got 1000")
 
 
 def test_edge_scores_bounds_steps():

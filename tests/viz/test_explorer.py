@@ -634,7 +634,7 @@ def stop_after_first_step(monkeypatch, module, name):
 @pytest.mark.parametrize(
     ("kind", "module", "name"),
     [
-        ("maps", "heads.scorers.maps.static", "maps_scores"),
+        ("maps", "heads.scorers.maps.static", "run_maps"),  # the explorer runs a MapsRequest
         ("probes", "probes.head_probes", "collect_head_outputs"),
     ],
 )

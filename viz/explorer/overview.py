@@ -90,7 +90,8 @@ class Overview:
     """One prompt's pattern overview (module docstring), all heads, fp32 on the CPU.
 
     Attributes:
-        grid_mean, grid_max: `[L, H, G, G]` block mean / block max of each pattern.
+        grid_mean: `[L, H, G, G]` block mean of each pattern.
+        grid_max: `[L, H, G, G]` block max of each pattern.
         col_mass: `[L, H, T]` attention received per key, summed over query rows.
         row_entropy: `[L, H, T]` entropy of each query row (nats).
         row_max: `[L, H, T]` largest probability of each query row.

@@ -40,11 +40,15 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
 
+from heads.engine.activations import ActivationEdit
+from heads.engine.edits import AttentionCall, Edit
 from heads.engine.unembed import logit_transform, output_logits
+from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
@@ -116,6 +120,35 @@ def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[Ru
     last block (the engine's `resid_post` site, read by the same forward)."""
     cache = record_run(model, ids, mask, final=True, keys=False)
     return cache, cast(torch.Tensor, cache.final).float().cpu()
+
+
+def _record_last(
+    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, heads: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """One forward keeping the last position only, all the lens and `head_logits` read: `(the
+    residual entering every layer [N, D] each (the model's dtype), the heads' outputs
+    [N, 1, H, d] each with `heads` (else []), the stream leaving the last block [N, D] fp32 CPU)`.
+
+    `L + 1` vectors per row (plus `L H d` values with `heads`), where the run's full cache
+    (`record_run`: every layer's activations at every position and the KV cache) held about 13x
+    a plain forward's peak at 1k-2k tokens on SmolLM2 (benchmarks/long_context_analyses.py)."""
+    L = model.n_layers
+    kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(key: tuple[str, int]) -> Callable[[torch.Tensor, AttentionCall], None]:
+        def fn(x: torch.Tensor, call: AttentionCall) -> None:
+            kept[key] = x[:, -1:].detach().clone()
+
+        return fn
+
+    edits: list[Edit] = [ActivationEdit("residual", la, keep(("residual", la))) for la in range(L)]
+    edits.append(ActivationEdit("resid_post", L - 1, keep(("final", L - 1))))
+    if heads:
+        edits += [ActivationEdit("head_output", la, keep(("z", la))) for la in range(L)]
+    run_rows(model, ids, mask, edits)
+    resid = [kept[("residual", la)][:, 0] for la in range(L)]
+    zs = [kept[("z", la)] for la in range(L)] if heads else []
+    return resid, zs, kept[("final", L - 1)][:, 0].float().cpu()
 
 
 def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,8 +344,8 @@ def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: i
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
-    cache, x_final = _record(model, ids, pairs.attention_mask)
-    resid = [r[:, -1] for r in cache.residuals[:-1]] + [x_final[:, -1]]
+    resid, _, x_final = _record_last(model, ids, pairs.attention_mask)
+    resid = [*resid, x_final]
     stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, D]
     logits = output_logits(model, model.final_norm(stack)).float().cpu()  # [N, L+1, V]
 
@@ -369,8 +402,8 @@ def head_logits(
     post = _post_norms(model)
     kind, gain, _, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
-    cache, x_final = _record(model, _which(pairs, which), pairs.attention_mask)
-    s = frozen_scale(kind, x_final[:, -1], eps)  # [N]
+    _, zs, x_final = _record_last(model, _which(pairs, which), pairs.attention_mask, heads=True)
+    s = frozen_scale(kind, x_final, eps)  # [N]
     scale, _ = _logit_scale(model)
     out = []
     for u in (ua, uw):
@@ -380,7 +413,7 @@ def head_logits(
         per = torch.zeros(pairs.n, model.n_layers, model.n_heads)
         for la in range(model.n_layers):
             wo, bo = _o_matrices(model, la)
-            z = cache.z[la][:, -1:].float().cpu()  # [N, 1, H, d]
+            z = zs[la].float().cpu()  # [N, 1, H, d]
             terms, _ = head_terms(z, wo, bo, v, post[la])  # [N, H, 1]
             per[:, la] = terms[..., 0] * s[:, None] * _residual_scale(model, la)
         out.append(per)

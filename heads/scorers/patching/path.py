@@ -54,13 +54,12 @@ from typing import cast
 import torch
 
 from heads._util.progress import progress_callback
-from heads._util.validation import short_repr
 from heads.engine.activations import ActivationRecorder
 from heads.engine.edits import Edit
 from heads.engine.options import SweepOptions
 from heads.engine.prefix import attention_given
 from heads.engine.variants import run_rows
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.errors import HeadsteerTypeError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadSpec
 from heads.scorers.patching.activation import (
@@ -76,7 +75,7 @@ from heads.scorers.patching.activation import (
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.metrics import Metric
 from heads.scorers.patching.pairs import PairBatch
-from heads.scorers.patching.record import RunCache, cache_bytes, record_run, stream_sites
+from heads.scorers.patching.record import RunCache, cache_bytes, record_run
 from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
 from heads.scorers.request_base import expand_layers
 
@@ -159,12 +158,7 @@ def run_path_patch(
         raise HeadsteerTypeError(f"request must be a PathPatchRequest, got {type(request).__name__}")
     mlp, direction, comps = request.mlp, request.direction, tuple(request.inputs)
     met, options = check_sweep_inputs(model, pairs, options, request.metric, what="path patching")
-    request.check_config(model)  # heads in range, k / v on this family, q with k / v under GQA
-    if mlp == "frozen" and (model.family.mlp is None or not stream_sites(model)):
-        raise HeadsteerValueError(
-            f"mlp='frozen' is not available on {short_repr(model.family.model_type)}: its MLP output is "
-            "not one site (no MLP module, or a residual_multiplier other than 1); use mlp='recompute'"
-        )
+    request.check_config(model)  # heads in range, k / v and mlp='frozen' on this family, GQA mixing
     every = [(la, h) for la in range(model.n_layers) for h in range(model.n_heads)]
     sends = every if request.senders is None else list(request.senders)
     recv: list[tuple[int, int]] | None = None

@@ -184,8 +184,9 @@ class PathPatchRequest(Request):
 
     Raises:
         HeadsteerValueError: an unknown input / mlp mode / direction / metric; inputs other than q
-            with `receivers="logits"`; no receiver heads; `check_config`: heads out of range, q mixed
-            with k / v on a GQA model, k / v the family does not have per KV head.
+            with `receivers="logits"`; no sender or receiver heads; `check_config`: heads out of
+            range, q mixed with k / v on a GQA model, k / v the family does not have per KV head,
+            `mlp="frozen"` where the MLP output is not one site (no MLP module, a residual multiplier).
     """
 
     NAME = "path_patch"
@@ -240,6 +241,16 @@ class PathPatchRequest(Request):
         object.__setattr__(self, "positions", pos)
 
     def check_geometry(self, geometry: Geometry) -> None:
+        family = geometry.family
+        if (
+            self.mlp == "frozen"
+            and family is not None
+            and (family.mlp is None or geometry.residual_multiplier is not None)
+        ):
+            raise HeadsteerValueError(
+                f"mlp='frozen' is not available on {short_repr(family.model_type)}: its MLP output is "
+                "not one site (no MLP module, or a residual_multiplier other than 1); use mlp='recompute'"
+            )
         kv = any(c in ("k", "v") for c in self.inputs)
         if self.receivers != "logits":
             for c in self.inputs:

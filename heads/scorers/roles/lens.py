@@ -333,7 +333,7 @@ def run_train_lens(
                     _kl(_apply(model, form, w, b, o), t).mean(-1).sum()
                 )  # sum over heads: independent lenses
                 opt.zero_grad()
-                loss.backward()
+                loss.backward(inputs=[w, b])  # the lens only: the model's norm gets no .grad
                 opt.step()
                 total += loss.item() * len(sel)
             cur = AttentionLens(
