@@ -43,7 +43,9 @@ page as a user clicks:
   is idle, median of 2), and each figure's ratio to it
   (`*_vs_forward`); `goal_ms` (300) and whether the cached clicks meet it at the longest length.
 The head card is answered by a stub in this case (its logit-lens forward is not part of the
-pattern view, and it would hold the model while the next click waits).
+pattern view, and it would hold the model while the next click waits). `--long-api 8192` times
+the same requests through the HTTP API in process, without a browser (request to JSON parsed:
+no drawing), names ending in `_api_ms`.
 
 Usage: `nice python benchmarks/explorer.py [--screenshot docs/img/explorer.png]` (about a minute);
 `nice python benchmarks/explorer.py --long 2048,8192` (minutes: the uncached click at 8k tokens
@@ -189,6 +191,67 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
     return out
 
 
+def long_api_case(model, n: int, clicks: int) -> dict:
+    """The long-prompt figures at `n` tokens through the HTTP API in process (FastAPI's
+    `TestClient`: routing, the job, JSON encoding; no browser, so no drawing): request sent to
+    JSON parsed. Same figures and baseline as `long_case`, names ending in `_api_ms`."""
+    from fastapi.testclient import TestClient
+
+    from heads.engine.forward import forward
+    from heads.inputs.prompts import encode_prompts
+    from viz.explorer import create_explorer
+
+    client = TestClient(create_explorer(model))
+    prompt = exact_prompt(model.tokenizer, n)
+    body = {"prompt": prompt, "raw": True, "tab": "bench-long-api"}
+
+    def timed(extra: dict) -> float:
+        t0 = time.perf_counter()
+        r = client.post("/api/pattern", json={**body, **extra})
+        r.json()
+        assert r.status_code == 200, r.text[:300]
+        return (time.perf_counter() - t0) * 1000
+
+    cold = timed({"layer": 1, "head": 1})
+    cached = [
+        timed({"layer": (3 + 5 * i) % model.n_layers, "head": (2 + 2 * i) % model.n_heads})
+        for i in range(clicks)
+    ]
+    windows = []
+    for i in range(clicks):
+        q0 = int((0.9 - 0.05 * i) * n) - 32
+        k0 = int((0.15 + 0.1 * i) * n) - 32
+        windows.append(
+            timed(
+                {
+                    "layer": (7 * i + 4) % model.n_layers,
+                    "head": i,
+                    "q0": q0,
+                    "q1": q0 + 64,
+                    "k0": k0,
+                    "k1": k0 + 64,
+                }
+            )
+        )
+    enc = encode_prompts(model.tokenizer, prompt, chat=False)
+    t0 = time.perf_counter()
+    forward(model, enc, logits_to_keep=1)
+    base = (time.perf_counter() - t0) * 1000
+    return {
+        "length": n,
+        "forward_ms": round(base, 1),
+        "click_uncached_api_ms": round(cold, 1),
+        "click_cached_api_ms": round(statistics.median(cached), 1),
+        "click_cached_api_all_ms": [round(t, 1) for t in cached],
+        "window_cached_api_ms": round(statistics.median(windows), 1),
+        "window_cached_api_all_ms": [round(t, 1) for t in windows],
+        "click_uncached_vs_forward": round(cold / base, 3),
+        "click_cached_vs_forward": round(statistics.median(cached) / base, 4),
+        "window_cached_vs_forward": round(statistics.median(windows) / base, 4),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clicks", type=int, default=5)
@@ -197,7 +260,19 @@ def main() -> None:
     ap.add_argument(
         "--long", default=None, help="prompt lengths of the long-prompt case only, e.g. 2048,8192"
     )
+    ap.add_argument(
+        "--long-api", default=None, help="the long case through the API only (no browser), e.g. 8192"
+    )
     args = ap.parse_args()
+    if args.long_api:
+        from heads import load_model
+
+        m = load_model()
+        figs = [long_api_case(m, int(x), min(args.clicks, 3)) for x in args.long_api.split(",")]
+        print(
+            json.dumps({"benchmark": "explorer_long_api", "model": m.name, "goal_ms": 300, "lengths": figs})
+        )
+        return
     if args.long:
         from heads import load_model
 

@@ -96,7 +96,8 @@ class Overview:
         row_entropy: `[L, H, T]` entropy of each query row (nats).
         row_max: `[L, H, T]` largest probability of each query row.
         block: tokens per block side.
-        tokens: the `T` tokens as readable text; spans: the `**…**` token ranges.
+        tokens: the `T` tokens as readable text.
+        spans: the `**…**` token ranges.
         residuals: `{layer: [1, T, D]}` the residual stream entering each kept layer (the
             model's dtype; layer 0 needs none: the embeddings are recomputed).
         enc: the encoded prompt (a window runs on it without encoding it again).
@@ -281,7 +282,16 @@ def pattern_window(
             # the window's rows run with every earlier position (still from the kept residual)
             first = q0 if model.sliding_window(layer) is None else 0
             residual = overview.residuals[start][:, first:end] if start else None
-            past = [(k[:, :, :first], v[:, :, :first]) for k, v in overview.kv] if first else None
+            # the cache takes a copy of what it is given: the real keys only for the layers that
+            # run (and layer 0, whose length the model reads as the cache's), none above `layer`
+            past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+            if first:
+                past = [
+                    (k[:, :, :first], v[:, :, :first])
+                    if la == 0 or la >= start
+                    else (k[:, :, :0], v[:, :, :0])
+                    for la, (k, v) in enumerate(overview.kv[: layer + 1])
+                ]
             ids, mask = enc.input_ids[:, first:end], enc.attention_mask[:, :end]
             run_rows(model, ids, mask, [rec], start=start, residual=residual, past=past)
         else:
