@@ -46,10 +46,11 @@ from typing import cast
 import torch
 
 from heads.engine.activations import ActivationEdit
+from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.unembed import logit_transform, output_logits
-from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.inputs.prompts import position_ids
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
@@ -145,7 +146,15 @@ def _record_last(
     edits.append(ActivationEdit("resid_post", L - 1, keep(("final", L - 1))))
     if heads:
         edits += [ActivationEdit("head_output", la, keep(("z", la))) for la in range(L)]
-    run_rows(model, ids, mask, edits)
+    dev = model.device
+    with editing(model, edits):  # no hidden states kept (`run_rows` keeps every layer's): the reads above
+        model.run(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=position_ids(mask).to(dev),
+            use_cache=False,
+            logits_to_keep=1,
+        )
     resid = [kept[("residual", la)][:, 0] for la in range(L)]
     zs = [kept[("z", la)] for la in range(L)] if heads else []
     return resid, zs, kept[("final", L - 1)][:, 0].float().cpu()
