@@ -17,11 +17,20 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 from heads.errors import HeadsteerValueError
 
-__all__ = ["check_output", "check_writable", "is_file", "short_path", "write_bytes", "write_text"]
+__all__ = [
+    "check_output",
+    "check_writable",
+    "current_umask",
+    "is_file",
+    "short_path",
+    "write_bytes",
+    "write_text",
+]
 
 
 def is_file(path: str | os.PathLike) -> bool:
@@ -97,7 +106,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, overwrite: bool = False) -
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         check_output(p, overwrite)  # re-check: a symlink may have appeared meanwhile
         os.replace(tmp, p)
     except BaseException:
@@ -111,7 +120,32 @@ def write_text(path: str | os.PathLike, text: str, overwrite: bool = False) -> P
     return write_bytes(path, text.encode("utf-8"), overwrite)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+def current_umask() -> int:
+    """The process's file-mode creation mask, read without changing it.
+
+    On Linux the `Umask:` line of `/proc/self/status`. Elsewhere (or if that line cannot be
+    read) the mask read once at import time (`os.umask` set and restored there, under a lock,
+    before any write of ours), so no write ever changes the process umask: another thread's
+    `mkdir` never sees a zero mask.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _import_umask() -> int:
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
     return mask
+
+
+_IMPORT_UMASK = _import_umask()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from heads._util.files import check_writable, short_path
+from heads._util.files import check_writable, current_umask, short_path
 from heads._util.progress import ProgressArg, offset_progress, progress_callback
 from heads._util.validation import check_bool, check_path
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
@@ -183,7 +183,7 @@ def build_organism(
             "torch": torch.__version__,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~current_umask())
         if target.exists():
             check_organism_out(target, overwrite)  # re-check: it may have changed meanwhile
             _install(tmp, target, names)
@@ -194,9 +194,3 @@ def build_organism(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
