@@ -209,7 +209,9 @@ def sweep_options(
         legacy: the scorer's `**kwargs`: only names in `SWEEP_KEYS` are allowed.
         where: the scorer's name, for the messages.
         takes: the options this scorer uses; another one set to a non-default value is an error
-            (e.g. `shard` for Sahara, whose greedy steps cannot be split).
+            (e.g. `shard` for Sahara, whose greedy steps cannot be split). `progress` is never
+            refused: turning the progress display on or off is valid for every scorer (used where
+            it reports progress, harmless elsewhere).
         renamed: the scorer's own old keyword names for an option (`{"batch_rows": "max_rows"}`),
             accepted the same way (deprecated; the warning names the option).
         stacklevel: the `DeprecationWarning`'s stack level (default 3: the caller of the scorer
@@ -249,6 +251,8 @@ def sweep_options(
         options = options.replace(**{renamed.get(k, k): v for k, v in legacy.items()})
     defaults = SweepOptions()
     for f in fields(SweepOptions):
+        if f.name == "progress":  # a display preference: used where the scorer reports, never refused
+            continue
         if f.name not in takes and getattr(options, f.name) != getattr(defaults, f.name):
             raise HeadsteerValueError(
                 f"{where} does not take {f.name}= (got {short_repr(getattr(options, f.name))})"

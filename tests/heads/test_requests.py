@@ -264,3 +264,66 @@ def test_from_json_is_strict_and_opens_no_file(tmp_path, monkeypatch):
     with pytest.raises(HeadsteerValueError, match="head file not found: ''"):
         ShipsRequest(heads="")
     assert Request.from_json({"request": "ships", "heads": {"1": [0]}}).heads == ((1, 0),)
+
+
+class _OptionsAccepted(Exception):
+    """Raised right after a runner's `sweep_options` accepted its options (the test stops there)."""
+
+
+def _inputs_for(name: str, model):
+    """A small input of the right kind for request `name` (the run stops once its options pass)."""
+    from heads.scorers.patching import pairs_from_tokens
+
+    if name in ("patch", "path_patch", "direct_logit_attribution", "logit_lens", "knockout", "find_circuit"):
+        return pairs_from_tokens([[40, 41, 42, 43]], [[40, 49, 42, 43]], [[20]], [[21]])
+    if name in ("detect_roles", "composition_scores", "head_atlas"):
+        return None
+    if name == "maps_scores":
+        return {"rel": [(5, 6), (7, 8)]}
+    if name == "qrhead_scores":
+        return [("q?", ["a b", "c d"], 0)]
+    if name == "gate_heads":
+        import torch
+
+        from heads.scorers.gating import GateTask
+
+        ids = torch.tensor([[40, 41, 42, 43]])
+        return GateTask(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
+    return ["a b c d", "e f g h"]
+
+
+_REQUIRED = {"knockout": {"keys": [1]}, "qk_attribution": {"head": [0, 0]}}
+"""The fields a request has no default for."""
+
+
+@pytest.mark.parametrize("cls", sorted(RUNNERS, key=lambda c: c.NAME), ids=lambda c: c.NAME)
+@pytest.mark.parametrize("progress", [False, True])
+def test_every_request_runs_with_progress_on_or_off(cls, progress, tiny_llama, monkeypatch):
+    """`SweepOptions(progress=...)` is never a bad value: every request accepts it through `run`
+    (`headsteer run --quiet` passes progress=False to all of them)."""
+    import sys
+
+    from heads.engine import options as options_module
+
+    real = options_module.sweep_options
+
+    def checked(*args, **kwargs):
+        real(*args, **kwargs)
+        raise _OptionsAccepted
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "sweep_options", None) is real and module is not options_module:
+            monkeypatch.setattr(module, "sweep_options", checked)
+    given = _inputs_for(cls.NAME, tiny_llama)
+    args = () if given is None else (given,)
+    try:
+        request = cls(**_REQUIRED.get(cls.NAME, {}))
+        run(tiny_llama, request, *args, options=SweepOptions(progress=progress))
+    except _OptionsAccepted:
+        pass
+
+
+def test_an_option_refused_names_the_request(tiny_llama):
+    """The message names the analysis the user called (the request's NAME), not an inner function."""
+    with pytest.raises(HeadsteerValueError, match=r"^attribution_patching does not take shard="):
+        run(tiny_llama, {"request": "attribution_patching"}, ["a b c"], options=SweepOptions(shard=(0, 2)))

@@ -134,8 +134,10 @@ def test_pattern_scores_takes_options(tiny_llama):
         torch.testing.assert_close(default[name].scores, new[name].scores, equal_nan=True)
     with pytest.raises(HeadsteerValueError, match=r"got both batch_size= and options.max_rows"):
         pattern_scores(tiny_llama, seqs, batch_size=2, options=SweepOptions(max_rows=3))
-    with pytest.raises(HeadsteerValueError, match="pattern_scores does not take progress="):
-        pattern_scores(tiny_llama, seqs, options=SweepOptions(progress=False))
+    quiet = pattern_scores(tiny_llama, seqs, **kw, options=SweepOptions(progress=False))  # never refused
+    torch.testing.assert_close(quiet["induction"].scores, default["induction"].scores, equal_nan=True)
+    with pytest.raises(HeadsteerValueError, match=r"pattern_scores does not take shard="):
+        pattern_scores(tiny_llama, seqs, options=SweepOptions(shard=(0, 2)))
 
 
 def test_train_lens_takes_options(tiny_llama):

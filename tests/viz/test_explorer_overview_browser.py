@@ -46,6 +46,19 @@ def test_a_long_prompt_shows_the_overview_and_a_click_opens_a_window(browser, mo
         assert shown[1].startswith(f"{q0}:") and shown[2].startswith(f"{k0}:")  # tokens labelled
         want = full[1][0, 2, q0:q1, k0:k1].float()
         torch.testing.assert_close(torch.tensor(shown[0]), want, atol=5e-5 + 1e-7, rtol=0)
+        # another head, then a window of it: drawn again (the overview once left the old window's
+        # Plotly state on an emptied div, and the next window was an empty, zero-height plot)
+        click_cell(page, "grid", 0, 3, model.n_layers, model.n_heads)
+        page.wait_for_selector("#pattern[data-head='0,3'][data-view='overview']")
+        assert page.get_attribute("#pattern-window", "data-window") is None  # the old window is gone
+        page.mouse.click(box["x"] + 0.2 * box["width"], box["y"] + 0.9 * box["height"])
+        page.wait_for_selector("#pattern-window[data-window]", state="attached")
+        q0, q1, k0, k1 = map(int, page.get_attribute("#pattern-window", "data-window").split(","))
+        assert page.locator("#pattern-window .main-svg").count() > 0, "the window plot was not drawn"
+        assert page.is_visible("#pattern-window")  # not an empty, zero-height div
+        shown = page.evaluate("document.getElementById('pattern-window').data[0].z")
+        want = full[0][0, 3, q0:q1, k0:k1].float()
+        torch.testing.assert_close(torch.tensor(shown), want, atol=5e-5 + 1e-7, rtol=0)
         assert not errors, errors
     finally:
         stop()

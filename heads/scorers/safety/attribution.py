@@ -313,7 +313,7 @@ def run_attribution(
     for the rest)."""
     if not isinstance(request, AttributionRequest):
         raise HeadsteerTypeError(f"request must be an AttributionRequest, got {type(request).__name__}")
-    opts = sweep_options(options, {}, "attribute", takes=_ATTRIBUTE_TAKES)
+    opts = sweep_options(options, {}, AttributionRequest.NAME, takes=_ATTRIBUTE_TAKES)
     if model.tokenizer is None:
         raise HeadsteerValueError("attribution needs a HeadModel with a tokenizer")
     if getattr(model.backend, "remote", False):
