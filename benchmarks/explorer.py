@@ -130,7 +130,10 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(3_600_000)
+            page.set_default_timeout(3_600_000)  # the uncached click at 8k: minutes on a loaded machine
+            errors: list[str] = []  # a page fault fails the run instead of leaving it waiting
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.route(
                 "**/api/head", lambda route: route.fulfill(content_type="application/json", body=CARD_STUB)
             )
@@ -145,14 +148,16 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
                 page.evaluate("(() => { const e = document.getElementById('pattern'); "
                               "delete e.dataset.head; delete e.dataset.view; })()")  # fmt: skip
 
-                def head_click(layer: int, head: int) -> float:
+                def head_click(layer: int, head: int, timeout: float = 3_600_000) -> float:
                     click_cell(page, "grid", layer, head, model.n_layers, model.n_heads)
-                    page.wait_for_selector(f"#pattern[data-head='{layer},{head}'][data-view='overview']")
+                    page.wait_for_selector(
+                        f"#pattern[data-head='{layer},{head}'][data-view='overview']", timeout=timeout
+                    )
                     return float(page.evaluate("window.__explorer.lastPatternMs"))
 
                 cold = head_click(1, 1)
                 cached = [
-                    head_click((3 + 5 * i) % model.n_layers, (2 + 2 * i) % model.n_heads)
+                    head_click((3 + 5 * i) % model.n_layers, (2 + 2 * i) % model.n_heads, timeout=300_000)
                     for i in range(clicks)
                 ]
                 windows = []
@@ -161,7 +166,7 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
                     box = page.locator("#pattern .nsewdrag").first.bounding_box()
                     fx, fy = 0.15 + 0.1 * i, 0.9 - 0.05 * i  # below the diagonal: attended cells
                     page.mouse.click(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
-                    page.wait_for_selector("#pattern-window[data-window]")
+                    page.wait_for_selector("#pattern-window[data-window]", timeout=300_000)  # drawn: visible
                     windows.append(float(page.evaluate("window.__explorer.lastWindowMs")))
                 forward_ms = []
                 for _ in range(2):
@@ -181,6 +186,7 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
                     "window_cached_vs_forward": round(statistics.median(windows) / base, 4),
                     "load_average_1m": round(os.getloadavg()[0], 2),
                 }
+                assert not errors, errors
                 out["lengths"][str(n)] = fig
                 print(json.dumps({"length": n, **fig}), file=sys.stderr, flush=True)
             browser.close()

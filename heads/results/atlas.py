@@ -61,7 +61,7 @@ from heads._util.files import write_text
 from heads._util.validation import check_bool, check_number, check_path, is_int, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, json_text
+from heads.results.storage import check_geometry, check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     from heads.model.adapter import HeadModel
@@ -279,6 +279,7 @@ class HeadAtlas:
         return write_text(path, json_text(data), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadAtlas:
         """Read a file written by `save`; every field is checked (schema and version, model, rows
         with `layer, head, kv_head, role`, thresholds, sources, lens tokens, thumbnails of the
@@ -352,12 +353,7 @@ def _check_atlas_data(data: dict, path: str) -> tuple:
     def bad(what: str) -> HeadsteerValueError:
         return HeadsteerValueError(f"{path!r} is not a valid head-atlas file: {what}")
 
-    version = data.get("schema_version")
-    if not is_int(version) or version != ATLAS_SCHEMA_VERSION:
-        raise HeadsteerValueError(
-            f"{path!r} has head-atlas schema_version {short_repr(version)}; this headsteer reads "
-            f"{ATLAS_SCHEMA_VERSION}"
-        )
+    check_schema_version(path, data.get("schema_version"), ATLAS_SCHEMA_VERSION, "head-atlas")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad(f"model must be a non-empty name, got {short_repr(model)}")

@@ -43,7 +43,7 @@ from heads.results.graph import (
 from heads.results.mib import read_mib, write_mib
 from heads.results.scores import HeadScores, HeadSet
 from heads.results.stability import Stability
-from heads.results.storage import json_text, nan_for_none
+from heads.results.storage import check_schema_version, guarded_load, json_text, nan_for_none
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -319,11 +319,9 @@ class Circuit:
             raise HeadsteerValueError(
                 f"{where}: not a headsteer circuit (schema must be {short_repr(SCHEMA)})"
             )
-        if d.get("version") != SCHEMA_VERSION or isinstance(d.get("version"), bool):
-            raise HeadsteerValueError(
-                f"{where}: circuit schema version {short_repr(d.get('version'))}, this headsteer reads "
-                f"{SCHEMA_VERSION}"
-            )
+        check_schema_version(where, d.get("schema_version"), SCHEMA_VERSION, "circuit")
+        if "version" in d:  # the older name, still written: it must agree
+            check_schema_version(where, d["version"], SCHEMA_VERSION, "circuit (key 'version')")
         graph = graph_of_dict(d, where)
         if model is not None:
             graph.check_model(model)
@@ -402,6 +400,7 @@ class Circuit:
         )
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Circuit:
         """Read a circuit saved by `save`; with `model`, check it has the circuit's geometry.
 

@@ -22,7 +22,7 @@ from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.arrays import decode, encode
 from heads.results.scores import HeadScores, _read_json
-from heads.results.storage import json_text
+from heads.results.storage import check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -219,6 +219,7 @@ class CompositionScores:
         return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> CompositionScores:
         """Read a file written by `save`, checked against `model`'s geometry when given.
 
@@ -233,11 +234,7 @@ class CompositionScores:
         name = str(path)
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer CompositionScores file")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}; "
-                f"this headsteer reads version {SCHEMA_VERSION}"
-            )
+        check_schema_version(name, data.get("schema_version"), SCHEMA_VERSION)
 
         def bad(msg: str) -> HeadsteerValueError:
             return HeadsteerValueError(f"{name!r}: malformed CompositionScores file: {msg}")

@@ -18,7 +18,7 @@ from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -162,6 +162,7 @@ class DLAResult:
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> DLAResult:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

@@ -27,7 +27,7 @@ import torch
 from heads._util.validation import check_path, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import read_result, write_result
+from heads.results.storage import guarded_load, read_result, write_result
 
 __all__ = ["SERIES_SCHEMA", "SERIES_SCHEMA_VERSION", "CheckpointSeries"]
 
@@ -194,6 +194,7 @@ class CheckpointSeries:
         )
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: Any = None) -> CheckpointSeries:  # noqa: ARG003
         """Read a series written by `save` (`model` is accepted for the result protocol and unused:
         a series spans several models).

@@ -23,7 +23,7 @@ from heads.errors import HeadsteerValueError
 from heads.results.graph import Graph, edge_frame, head_importance
 from heads.results.scores import HeadScores
 from heads.results.stability import Stability, stability_of
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -234,6 +234,7 @@ class EdgeScores:
         return write_result(path, SCHEMA, SCHEMA_VERSION, self.to_dict(), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> EdgeScores:
         """Read a file `save` wrote; with `model`, check it has the graph's geometry.
 

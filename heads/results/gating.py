@@ -20,7 +20,7 @@ from heads._util.files import write_text
 from heads._util.validation import is_number, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores, HeadSet, _read_json
-from heads.results.storage import json_text
+from heads.results.storage import check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -122,6 +122,7 @@ class GatingResult:
         return write_text(path, json_text(self.to_json(), indent=1), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> GatingResult:
         """Read a file written by `save` (checked against `model`'s geometry when given).
 
@@ -143,10 +144,7 @@ class GatingResult:
         """`load`'s checks and construction on the parsed JSON `data` of file `name`."""
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer head-gating file")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}"
-            )
+        check_schema_version(name, data.get("schema_version"), SCHEMA_VERSION)
 
         def grid(key: str, method: str) -> HeadScores:
             rows = data.get(key)

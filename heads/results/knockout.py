@@ -21,7 +21,7 @@ from heads._util.validation import check_path, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.evaluation import mean_interval
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -204,6 +204,7 @@ class KnockoutResult:
         return write_result(check_path("path", path), SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> KnockoutResult:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

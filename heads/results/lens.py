@@ -18,7 +18,7 @@ from heads._util.validation import is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.arrays import decode, encode
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -164,6 +164,7 @@ class LensResult:
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> LensResult:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

@@ -17,7 +17,7 @@ import torch
 from heads._util.validation import check_int, is_int, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 from heads.results.views import html_view, top_heads_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +77,7 @@ class MapsScores:
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> MapsScores:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

@@ -28,7 +28,7 @@ from heads.errors import HeadsteerValueError
 from heads.results.resampling import grid_stability, position_reduce
 from heads.results.scores import HeadScores
 from heads.results.stability import DEFAULT_RESAMPLES, Stability
-from heads.results.storage import json_text
+from heads.results.storage import check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -318,6 +318,7 @@ class PatchResult:
         return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> PatchResult:
         """Read a file written by `save`, checked against `model` when given (its layers and
         heads must fit the model's `(n_layers, n_heads, n_kv_heads)`).
@@ -368,11 +369,7 @@ class PatchResult:
                 malformed field, an unknown kind / direction, a grid or shape that does not fit
                 the kind, raw / clean / corrupt of the wrong length or not numbers.
         """
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION or isinstance(version, bool):
-            raise HeadsteerValueError(
-                f"{where}: schema_version {short_repr(version)}, this headsteer reads {SCHEMA_VERSION}"
-            )
+        check_schema_version(where, d.get("schema_version"), SCHEMA_VERSION)
         kind = d.get("kind")
         if kind not in (*KINDS, "path"):
             raise HeadsteerValueError(

@@ -21,7 +21,7 @@ from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.arrays import decode, encode
 from heads.results.scores import HeadScores, _read_json
-from heads.results.storage import json_text
+from heads.results.storage import check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -364,6 +364,7 @@ class QKAttribution:
         return write_text(path, text, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> QKAttribution:
         """Read a file written by `save` (tensors come back as float32), checked against `model`
         (its geometry) when given.
@@ -379,11 +380,7 @@ class QKAttribution:
         name = str(path)
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{short_repr(name)} is not a headsteer QKAttribution file")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise HeadsteerValueError(
-                f"{short_repr(name)} has schema_version {short_repr(data.get('schema_version'))}; "
-                f"this headsteer reads version {SCHEMA_VERSION}"
-            )
+        check_schema_version(name, data.get("schema_version"), SCHEMA_VERSION)
         out = cls._from_json(data, name)
         if model is not None:
             want = (model.n_layers, model.n_heads, model.n_kv_heads)

@@ -22,7 +22,7 @@ from heads._util.aliases import REMOVED_IN
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -152,6 +152,7 @@ class RoleScores(dict[str, HeadScores]):
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> RoleScores:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

@@ -18,7 +18,7 @@ import torch
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 from heads.results.views import html_view, top_heads_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +108,7 @@ class ShipsResult:
         return write_result(path, SHIPS_SCHEMA, self.SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> ShipsResult:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 
@@ -190,6 +191,7 @@ class SaharaResult:
         return write_result(path, SAHARA_SCHEMA, self.SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> SaharaResult:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 

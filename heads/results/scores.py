@@ -26,7 +26,7 @@ from heads.results.head_set import (  # noqa: F401 - importable here as before
     _as_int,
     _positive_int,
 )
-from heads.results.storage import check_geometry, read_json, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_json, read_result, write_result
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -356,6 +356,7 @@ class HeadScores:
         )
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> HeadScores:
         """Read a file written by `save`, checked against `model` when given.
 

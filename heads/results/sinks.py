@@ -18,7 +18,7 @@ import pandas as pd
 from heads._util.validation import is_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.results.scores import HeadScores
-from heads.results.storage import check_geometry, read_result, write_result
+from heads.results.storage import check_geometry, guarded_load, read_result, write_result
 from heads.results.views import html_view, top_heads_text
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,6 +89,7 @@ class SinkStats:
         return write_result(path, SCHEMA, SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> SinkStats:
         """Read a file `save` wrote, checked against `model`'s geometry when given.
 
@@ -182,6 +183,7 @@ class SinkDims:
         return write_result(path, DIMS_SCHEMA, DIMS_SCHEMA_VERSION, payload, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> SinkDims:
         """Read a file `save` wrote; with `model`, check its `(n_layers, n_heads, n_kv_heads)`
         and that every dim is below its `d_model`.

@@ -37,7 +37,7 @@ import torch
 from heads._util.files import write_text
 from heads._util.validation import check_bool, check_int, check_seed, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.results.storage import json_text
+from heads.results.storage import check_schema_version, guarded_load, json_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -477,6 +477,7 @@ class Stability:
         return write_text(path, json_text(self.to_json()), overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> Stability:
         """Read a file written by `save`; with `model`, check a head grid against its geometry.
 
@@ -504,11 +505,7 @@ class Stability:
         """
         if not isinstance(d, dict) or d.get("schema") != SCHEMA:
             raise HeadsteerValueError(f"{where} is not a {SCHEMA} object")
-        if d.get("schema_version") != SCHEMA_VERSION or isinstance(d.get("schema_version"), bool):
-            raise HeadsteerValueError(
-                f"{where}: schema_version {short_repr(d.get('schema_version'))}, this headsteer reads "
-                f"{SCHEMA_VERSION}"
-            )
+        check_schema_version(where, d.get("schema_version"), SCHEMA_VERSION)
         names = d.get("names")
         if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names):
             raise HeadsteerValueError(f"{where}: names must be a non-empty list of strings")

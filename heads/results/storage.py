@@ -7,12 +7,13 @@ A leaf of `heads.results`: the result classes import it, and the protocol (which
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from heads._util.files import write_text
 from heads._util.validation import read_json_file, short_repr
@@ -23,6 +24,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "check_geometry",
+    "check_load_model",
+    "check_schema_version",
+    "guarded_load",
     "finite_or_none",
     "json_text",
     "nan_for_none",
@@ -118,12 +122,67 @@ def read_result(path: str | os.PathLike, schema: str, version: int, what: str) -
     name = short_repr(str(path))
     if not isinstance(data, Mapping) or data.get("schema") != schema:
         raise HeadsteerValueError(f"{name} is not a headsteer {what} file")
-    got = data.get("schema_version")
-    if got != version or isinstance(got, bool):
-        raise HeadsteerValueError(
-            f"{name} has schema_version {short_repr(got)}; this headsteer reads version {version}"
-        )
+    check_schema_version(path, data.get("schema_version"), version)
     return data
+
+
+def check_schema_version(path: str | os.PathLike, got: Any, version: int, what: str = "") -> None:
+    """The one schema-version check of every result file: `got` must be an int (not a bool, not
+    a float such as 1.0, not missing) equal to `version`.
+
+    Raises:
+        ValueError: naming the file and the value found.
+    """
+    if type(got) is not int or got != version:
+        raise HeadsteerValueError(
+            f"{short_repr(str(path))} has {what + ' ' if what else ''}schema_version {short_repr(got)}; "
+            f"this headsteer reads version {version} (an integer)"
+        )
+
+
+def check_load_model(model: Any) -> None:
+    """The model argument of every `load`: None or a `HeadModel`.
+
+    Raises:
+        TypeError: anything else, naming its type.
+    """
+    if model is not None and not all(hasattr(model, a) for a in ("n_layers", "n_heads", "n_kv_heads")):
+        raise HeadsteerTypeError(f"model must be a HeadModel or None, got {type(model).__name__}")
+
+
+_Load = TypeVar("_Load", bound=Callable[..., Any])
+
+
+def guarded_load(load: _Load) -> _Load:
+    """Wrap a result's `load(cls, path, model=None)` (under `@classmethod`) so that every result
+    reads files alike: the model argument is checked first (`check_load_model`), and any
+    TypeError / ValueError / KeyError / AttributeError / IndexError raised while decoding the
+    file's fields (a tampered file: a string where a number belongs, null in a list, ...) becomes
+    one `HeadsteerValueError` naming the file and the fault; a headsteer error that does not
+    name the file gets it prefixed."""
+
+    @functools.wraps(load)
+    def wrapper(cls: Any, path: Any, model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        check_load_model(model)
+        try:
+            return load(cls, path, model, *args, **kwargs)
+        except (HeadsteerTypeError, HeadsteerValueError) as exc:
+            if not isinstance(path, (str, os.PathLike)):
+                raise  # the path argument itself is bad
+            where = os.fspath(path)
+            named = where in str(exc)
+            if named and isinstance(exc, HeadsteerValueError):
+                raise
+            raise HeadsteerValueError(str(exc) if named else f"{where!r}: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
+            detail = f"missing or bad field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise HeadsteerValueError(
+                f"{where!r} is not a valid {getattr(cls, '__name__', 'result')} file: a field has "
+                f"the wrong type or value ({type(exc).__name__}: {short_repr(detail)})"
+            ) from exc
+
+    return cast(_Load, wrapper)
 
 
 def check_geometry(

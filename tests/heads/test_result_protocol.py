@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -170,3 +171,102 @@ def test_result_follows_the_protocol_and_round_trips(name, tiny, other, tmp_path
     other_file.write_text(json.dumps({**head, "schema": "headsteer/something-else"}))
     with pytest.raises(HeadsteerValueError):
         cls.load(other_file)
+
+
+# ------------------------------------------------------------------ tampered files, versions, model
+_SAVED: dict[str, object] = {}
+"""Result class name -> a saved file of it, made once for the tests below."""
+
+_JUNK = ["x", -1, None, [], {"a": None}, 1.5]
+
+
+def _saved(name, tiny, tmp_path_factory):
+    if name not in _SAVED:
+        res = BUILDERS[name](tiny)
+        ext = "safetensors" if name == "AttentionLens" else "json"
+        _SAVED[name] = res.save(tmp_path_factory.mktemp("saved") / f"{name}.{ext}")
+    return _SAVED[name]
+
+
+def _rewrite(src, header, out):
+    """A copy of result file `src` at `out` whose JSON header is `header`."""
+    if src.suffix == ".safetensors":
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(src), framework="pt") as f:
+            meta = dict(f.metadata())
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, str(out), metadata={**meta, "headsteer": json.dumps(header)})
+    else:
+        out.write_text(json.dumps(header))
+    return out
+
+
+def _field_paths(obj, prefix=(), depth=0):
+    """Paths (key / index tuples) into the header: every dict key to depth 3, the first list item."""
+    if depth >= 3:
+        return
+    items = obj.items() if isinstance(obj, dict) else [(0, obj[0])] if isinstance(obj, list) and obj else []
+    for key, value in items:
+        if prefix == () and key in ("schema", "schema_version"):
+            continue
+        yield (*prefix, key)
+        yield from _field_paths(value, (*prefix, key), depth + 1)
+
+
+def _set(obj, path, value):
+    import copy
+
+    out = copy.deepcopy(obj)
+    target = out
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_tampered_result_file_is_one_clear_error_naming_the_file(
+    name, tiny, tmp_path, tmp_path_factory, monkeypatch
+):
+    src = _saved(name, tiny, tmp_path_factory)
+    monkeypatch.chdir(tmp_path)  # a short relative path: every message can show it whole
+    head = _header(src)
+    paths = list(_field_paths(head))
+    paths = paths[:: max(1, len(paths) // 30)]  # at most ~30 fields, spread over the file
+    out = Path(f"tampered{src.suffix}")
+    refused = 0
+    for path in paths:
+        for junk in _JUNK:
+            _rewrite(src, _set(head, path, junk), out)
+            try:
+                getattr(heads, name).load(out, tiny)
+            except HeadsteerValueError as exc:
+                assert str(out) in str(exc), (path, junk, str(exc))
+                refused += 1
+            except Exception as exc:  # noqa: BLE001 - the assertion names what escaped
+                raise AssertionError(f"{name} field {path} = {junk!r}: {type(exc).__name__}: {exc}") from exc
+    assert refused > 0
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_schema_version_is_checked_strictly_and_model_must_be_a_model(name, tiny, tmp_path, tmp_path_factory):
+    from heads.errors import HeadsteerTypeError
+
+    src = _saved(name, tiny, tmp_path_factory)
+    cls = getattr(heads, name)
+    head = _header(src)
+    good = head["schema_version"]
+    assert type(good) is int
+    for bad in [float(good), True if good == 1 else good + 0.0, good + 98, None, "x", str(good)]:
+        out = _rewrite(src, {**head, "schema_version": bad}, tmp_path / f"v{src.suffix}")
+        with pytest.raises(HeadsteerValueError, match="schema_version"):
+            cls.load(out)
+    missing = {k: v for k, v in head.items() if k != "schema_version"}
+    out = _rewrite(src, missing, tmp_path / f"m{src.suffix}")
+    with pytest.raises(HeadsteerValueError, match="schema_version"):
+        cls.load(out)
+    for model in ("notamodel", 3, object()):
+        with pytest.raises(HeadsteerTypeError, match="model"):
+            cls.load(src, model)

@@ -37,6 +37,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.tokens import readable_token, readable_tokens
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
+from heads.results.storage import check_schema_version, guarded_load
 from heads.scorers.roles.lens_data import LensData, _check_data, _heads, collect_lens_data
 
 if TYPE_CHECKING:
@@ -341,6 +342,7 @@ class AttentionLens:
         return write_bytes(path, data, overwrite=overwrite)
 
     @classmethod
+    @guarded_load
     def load(cls, path: str | os.PathLike, model: HeadModel | None = None) -> AttentionLens:
         """Read a lens file; with `model`, refuse one made for another model.
 
@@ -486,12 +488,7 @@ def _read(path: str | os.PathLike) -> tuple[AttentionLens, dict[str, torch.Tenso
             header = parse_json(meta.get("headsteer", "null"), f"the header of {shown!r}")
             if not isinstance(header, dict) or header.get("schema") != LENS_SCHEMA:
                 raise HeadsteerValueError(f"{shown!r} is not a headsteer lens file")
-            version = header.get("schema_version")
-            if not is_int(version) or version != LENS_SCHEMA_VERSION:
-                raise HeadsteerValueError(
-                    f"{shown!r} has lens schema_version {short_repr(version)}; "
-                    f"this headsteer reads {LENS_SCHEMA_VERSION}"
-                )
+            check_schema_version(shown, header.get("schema_version"), LENS_SCHEMA_VERSION, "lens")
             heads, form, geometry = _check_header(header, shown)
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except HeadsteerValueError:
