@@ -36,6 +36,7 @@ __all__ = [
     "parse_json",
     "read_json_file",
     "read_jsonl_file",
+    "read_text_file",
     "short_repr",
 ]
 
@@ -484,6 +485,27 @@ def read_json_file(
     with open(path, "rb") as f:
         raw = f.read()
     return parse_json(raw, short_path(os.fspath(path), 200), object_pairs_hook=object_pairs_hook)
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    """The text of the UTF-8 file at `path` (read whole).
+
+    Raises:
+        HeadsteerValueError: the file is not UTF-8 text, one line naming it and the first bad
+            byte (`"'p.txt' is not valid UTF-8 text: byte 0xff at offset 0"`).
+        OSError: the file cannot be read (FileNotFoundError for a missing one).
+    """
+    from heads._util.files import short_path
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeadsteerValueError(
+            f"{short_path(os.fspath(path), 200)} is not valid UTF-8 text: "
+            f"byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        ) from None
 
 
 def read_jsonl_file(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:

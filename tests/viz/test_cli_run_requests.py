@@ -117,6 +117,7 @@ def test_report_qk_runs_the_api_requests(captured, tiny_llama_dir, tmp_path):
         ('{"request": "head_atlas"}', [], "report atlas"),
         ('{"request": "patch"}', ["--inputs", "ioi", "--max-memory", "lots"], "--max-memory"),
         ('{"request": "patch"}', ["--inputs", "ioi", "--max-rows", "0"], "--max-rows"),
+        ('{"request": "patch"}', ["--inputs", "nofile.jsonl"], "--inputs 'nofile.jsonl' is neither"),
     ],
 )
 def test_run_refuses_before_the_weights(no_load, tiny_llama_dir, tmp_path, request_json, extra, message):
@@ -160,3 +161,41 @@ def test_run_knows_the_inputs_of_every_request():
 
     python_only = {"head_atlas", "gate_heads", "qrhead_scores"}  # their inputs are Python objects
     assert set(request_classes()) == {*PAIRS, *PROMPTS, *NO_INPUT} | python_only
+
+
+@pytest.mark.parametrize("which", ["request", "prompts"])
+def test_run_refuses_a_file_that_is_not_utf8(no_load, tiny_llama_dir, tmp_path, which):
+    """A request or prompt file that is not UTF-8: one line naming the file, exit 2 (was exit 1,
+    `internal error: UnicodeDecodeError`)."""
+    req, prompts = tmp_path / "r.json", tmp_path / "p.txt"
+    body = b'{"request":"sink_stats"}'
+    req.write_bytes(b"\xff\xfe" + body if which == "request" else body)
+    prompts.write_bytes(b"a b c\n" + (b"\xff\xfe d e\n" if which == "prompts" else b"d e\n"))
+    args = ["run", str(req), "--inputs", str(prompts), "--out", str(tmp_path / "o.json")]
+    r = CliRunner().invoke(app, [*args, "--model", tiny_llama_dir])
+    one_line_error(r, "not valid UTF-8 text")
+    assert str(req if which == "request" else prompts) in r.output
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_safety_prompts_not_utf8_name_the_file(tmp_path):
+    from heads.errors import HeadsteerValueError
+    from viz.reports.safety import read_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"fine\n\xff bad\n")
+    with pytest.raises(HeadsteerValueError, match=r"p.txt' line 2 is not valid UTF-8 text"):
+        read_prompts(path)
+
+
+@pytest.mark.parametrize("request_json", ['{"request": "sink_stats"}', '{"request": "attribution_patching"}'])
+def test_run_quiet_is_a_valid_request(tiny_llama_dir, tmp_path, request_json):
+    """`--quiet` (SweepOptions(progress=False)) is accepted by every analysis (it was refused:
+    "sink_stats does not take progress=")."""
+    req, prompts = tmp_path / "r.json", tmp_path / "p.txt"
+    req.write_text(request_json)
+    prompts.write_text("a b c d\ne f g h\n")
+    args = ["run", str(req), "--inputs", str(prompts), "--n", "2", "--out", str(tmp_path / "o.json")]
+    r = CliRunner().invoke(app, [*args, "--model", tiny_llama_dir, "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o.json").exists()

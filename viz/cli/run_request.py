@@ -50,7 +50,7 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     if name in PAIRS:
         from viz.reports.patching import resolve_pairs
 
-        return resolve_pairs(inputs, n=n)
+        return resolve_pairs(inputs, n=n, option="--inputs")
     from viz.reports.qk import read_prompt_file
 
     return read_prompt_file(inputs)[:n]
@@ -90,7 +90,9 @@ def run_request(
     )  # fmt: skip
     if not request.is_file():
         raise typer.BadParameter(f"no request file {str(request)!r}", param_hint="REQUEST")
-    req = Request.from_json(request.read_text(encoding="utf-8"))  # a bad request: one line, exit 2
+    from heads._util.validation import read_text_file
+
+    req = Request.from_json(read_text_file(request))  # a bad request (or not UTF-8): one line, exit 2
     name = req.NAME
     if name not in (*PAIRS, *PROMPTS, *NO_INPUT):
         raise HeadsteerValueError(

@@ -67,11 +67,14 @@ def sections_left_out(model: HeadModel) -> dict[str, str]:
     return out
 
 
-def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int = 8) -> list[PromptPair]:
+def resolve_pairs(
+    task: str | os.PathLike, *, split: str | None = None, n: int = 8, option: str = "--task"
+) -> list[PromptPair]:
     """The pairs of a shipped set (`TASKS`) or of a JSONL file, the first `n` (checked, no model).
 
     `split`: of a shipped set, default `"test"`; of a file, keep only the records whose `split`
-    field equals it (default None: every record).
+    field equals it (default None: every record). `option`: the CLI option that gave `task`,
+    named in the messages (default `"--task"`; `headsteer run` passes `"--inputs"`).
 
     Raises:
         ValueError: an unknown set that is not an existing file, a bad split, `n` < 1, a pair with
@@ -86,7 +89,7 @@ def resolve_pairs(task: str | os.PathLike, *, split: str | None = None, n: int =
         return load_task_pairs(str(task), split or "test", n=n)
     if not Path(task).is_file():
         raise HeadsteerValueError(
-            f"--task {short_repr(str(task))} is neither one of {', '.join(TASKS)} nor a JSONL file"
+            f"{option} {short_repr(str(task))} is neither one of {', '.join(TASKS)} nor a JSONL file"
         )
     pairs = load_pairs(task, split)[:n]
     check_pairs_differ(pairs)  # a pair that cannot show an effect, before the model loads

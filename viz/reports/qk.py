@@ -72,7 +72,9 @@ def read_prompt_file(path: str | os.PathLike) -> list[str]:
     """
     if not is_file(path):
         raise HeadsteerValueError(f"prompt file {str(path)!r} does not exist")
-    lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    from heads._util.validation import read_text_file
+
+    lines = [ln for ln in read_text_file(path).splitlines() if ln.strip()]  # not UTF-8: one line
     if not lines:
         raise HeadsteerValueError(f"prompt file {str(path)!r} holds no prompt")
     out = []

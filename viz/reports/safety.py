@@ -32,7 +32,8 @@ def read_prompts(path: str | Path, limit: int | None = MAX_PROMPTS) -> list[str]
     Raises:
         ValueError: no prompts, a JSONL line that is not JSON or holds an integer of more than
             4300 digits (one line naming the file and line), a JSONL line without a string
-            "prompt", or more than `limit` prompts (default `MAX_PROMPTS`; None: no cap).
+            "prompt", a line that is not UTF-8 text, or more than `limit` prompts (default
+            `MAX_PROMPTS`; None: no cap).
         FileNotFoundError: no such file.
     """
     out = []
@@ -44,8 +45,12 @@ def read_prompts(path: str | Path, limit: int | None = MAX_PROMPTS) -> list[str]
             if limit is not None and len(out) > limit:
                 raise HeadsteerValueError(f"{str(path)!r} holds more than the cap of {limit} prompts")
     else:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
+        with open(path, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise HeadsteerValueError(f"{str(path)!r} line {n} is not valid UTF-8 text") from None
                 if not line.strip():
                     continue
                 out.append(line.strip())
