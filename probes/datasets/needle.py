@@ -100,7 +100,13 @@ class NeedleTask:
         return len(self.input_ids)
 
     def text(self, tokenizer: object) -> str:
-        """The task decoded to text (special tokens dropped)."""
+        """The task decoded to text (special tokens dropped): a method, as it needs the tokenizer
+        (`task.text(model.tokenizer)`).
+
+        Tokenizing this text again gives `input_ids` without the leading BOS (`length - 1` ids
+        with SmolLM2's tokenizer, which adds no BOS itself), so positions such as `needle` shift
+        by one; to see the very same tokens in another tool, pass `input_ids` rather than the text.
+        """
         return str(tokenizer.decode(self.input_ids, skip_special_tokens=True))  # type: ignore[attr-defined]
 
 
