@@ -134,19 +134,20 @@ class SweepOptions:
                 run of every pair; default 0: none): that forward's plan must fit as well.
 
         Raises:
-            HeadsteerValueError: one row (or the `whole` run) already exceeds `max_memory`: the
-                message names the planned minimum and the budget.
+            HeadsteerValueError: one row already exceeds `max_memory` (the message names that
+                minimum, weights included, and the budget), or one row fits but the `whole` run
+                does not (the message names its rows and that they run in one forward).
         """
         if self.max_memory is None:
             return self
         from heads.planning.plan import rows_within
 
         budget = int(self.max_memory)
+        one = self._plan(model, tokens, request, 1)
+        if one.peak + reserve > budget:  # the minimum: one row (checked before the whole run)
+            self._refuse(one, reserve)
         if whole:
             self.check_run(model, tokens, request, batch=whole, reserve=reserve)
-        one = self._plan(model, tokens, request, 1)
-        if one.peak + reserve > budget:
-            self._refuse(one, reserve)
         device = str(getattr(model, "device", "cpu"))
         dtype = getattr(model, "dtype", "float32")
         rows = rows_within(model, budget - reserve, request, tokens, dtype, device, most=self.max_rows)
@@ -179,6 +180,8 @@ class SweepOptions:
         from heads.planning.units import format_bytes
 
         kept = f" + {format_bytes(reserve)} kept beside it" if reserve else ""
+        if plan.batch > 1:  # only a run with no batch axis to shrink is refused at > 1 row
+            kept += f"; the {plan.batch} rows run in one forward"
         raise HeadsteerValueError(
             f"{plan.request.analysis} on {plan.batch} x {plan.tokens} tokens needs at least "
             f"{format_bytes(plan.peak + reserve)} ({plan!r}{kept}); max_memory is "

@@ -308,3 +308,18 @@ def test_run_never_drops_a_budget(tiny_llama, monkeypatch):
             ["Hello", "Hi there"],
             options=SweepOptions(max_memory="1KB"),
         )
+
+
+def test_refusal_names_one_row_unless_only_the_whole_run_misses(tiny_llama):
+    """The minimum named is one row's plan (weights included), not the `whole` run's; a budget
+    that fits one row but not the unsplit run names that run's rows and says they run at once."""
+    T, N = 15, 8
+    one = plan_memory(tiny_llama, "forward", T, 1).peak
+    whole = plan_memory(tiny_llama, "forward", T, N).peak
+    assert one < whole
+    with pytest.raises(HeadsteerValueError, match=rf"on 1 x {T} tokens needs at least") as err:
+        SweepOptions(max_memory=one - 1).within(tiny_llama, T, whole=N)
+    assert "in one forward" not in str(err.value)
+    with pytest.raises(HeadsteerValueError, match=rf"on {N} x {T} tokens .* the {N} rows run in one forward"):
+        SweepOptions(max_memory=whole - 1).within(tiny_llama, T, whole=N)
+    assert SweepOptions(max_memory=whole).within(tiny_llama, T, whole=N).max_rows >= 1
