@@ -32,6 +32,7 @@ __all__ = [
     "is_number",
     "is_real",
     "load_json_body",
+    "no_duplicate_keys",
     "parse_json",
     "read_json_file",
     "read_jsonl_file",
@@ -526,6 +527,21 @@ def read_jsonl_file(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 yield n, parse_json(raw, f"{shown} line {n}", line=n)
 
 
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """`json` `object_pairs_hook`: a key given twice in one object is an error, not "the last
+    one wins" (request files, result files, HTTP request bodies).
+
+    Raises:
+        ValueError: `"duplicate key 'k'"`.
+    """
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
+        out[key] = value
+    return out
+
+
 def load_json_body(raw: bytes | str) -> object:
     """The JSON value of an HTTP request body (`headsteer serve`, `headsteer explore`).
 
@@ -540,8 +556,8 @@ def load_json_body(raw: bytes | str) -> object:
             than `MAX_JSON_INT_DIGITS` digits ("a number in the request body is too large ...";
             Python's `int` refuses to convert it), a nesting too deep to parse, or any other
             invalid JSON / UTF-8 ("the request body is not valid JSON: <reason> (line L,
-            column C)").
+            column C)"), or a key given twice in one object ("... duplicate key 'layer'").
     """
     if not raw:
         return None
-    return parse_json(raw, "the request body")
+    return parse_json(raw, "the request body", object_pairs_hook=no_duplicate_keys)

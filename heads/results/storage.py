@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from heads._util.files import write_text
-from heads._util.validation import read_json_file, short_repr
+from heads._util.validation import no_duplicate_keys, read_json_file, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,14 +36,7 @@ __all__ = [
 ]
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """`json` object hook: a key given twice is an error, not "the last one wins"."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise HeadsteerValueError(f"duplicate key {short_repr(key)}")
-        out[key] = value
-    return out
+_no_duplicate_keys = no_duplicate_keys  # the name request_base imports
 
 
 def finite_or_none(obj: Any) -> Any:
