@@ -199,3 +199,39 @@ def test_run_quiet_is_a_valid_request(tiny_llama_dir, tmp_path, request_json):
     r = CliRunner().invoke(app, [*args, "--model", tiny_llama_dir, "--quiet"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("request_json", "inputs", "message"),
+    [
+        (
+            '{"request": "patch"}',
+            '{"clean": "a b c", "corrupted": "a b d", "answer": " hello world foo", "counterfactual": " x"}',
+            "pair 0 answer",
+        ),
+        (
+            '{"request": "patch"}',
+            '{"clean": "a b c", "corrupted": "a b c d e", "answer": " x", "counterfactual": " y"}',
+            "positions must align",
+        ),
+        ('{"request": "sink_stats"}', None, "exceeds the model's limit of"),
+    ],
+)
+def test_run_checks_its_inputs_with_the_tokenizer_before_the_weights(
+    no_load, tiny_llama, tiny_llama_dir, tmp_path, request_json, inputs, message
+):
+    """An input decidable from the tokenizer and config alone is refused with no weight read (the
+    loader fails the test if called): the weights were loaded first, then the error came."""
+    req = tmp_path / "r.json"
+    req.write_text(request_json)
+    if inputs is None:  # one prompt longer than the model's positions
+        path = tmp_path / "long.txt"
+        path.write_text(" ".join(["word"] * (tiny_llama.max_positions + 8)) + "\n")
+    else:
+        path = tmp_path / "pairs.jsonl"
+        path.write_text(inputs + "\n")
+    args = ["run", str(req), "--inputs", str(path), "--out", str(tmp_path / "o.json")]
+    r = CliRunner().invoke(app, [*args, "--model", tiny_llama_dir])
+    one_line_error(r, message)
+    assert "loading" not in r.output
+    assert not (tmp_path / "o.json").exists()

@@ -2,7 +2,9 @@
 
 The request is read and checked (`Request.from_json`: its name, its version, every field) and
 then checked against `--model`'s config (`Request.check_config`), the inputs file is read and
-the output path checked: all before any weight loads. The model then runs it through
+encoded with the tokenizer (an answer of several tokens, pair prompts of different token
+lengths, a prompt longer than the model's positions are refused) and the output path checked:
+all before any weight loads. The model then runs it through
 `heads.run` and the result is saved (`Result.save`) to `--out`, never over an existing file
 without `--force`.
 """
@@ -56,6 +58,31 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     return read_prompt_file(inputs)[:n]
 
 
+def _check_inputs(model: str | None, name: str, given: Any) -> None:
+    """Check `given` (the inputs of request `name`) with `model`'s tokenizer and config alone,
+    before any weight is read: a pair's answer that is not one token, clean and corrupted prompts
+    of different token lengths (`encode_pairs`), a prompt longer than the model's positions.
+
+    Raises:
+        HeadsteerValueError: the first of these, as the analysis would raise it after loading.
+    """
+    from heads.model.loading import load_tokenizer, read_max_positions
+
+    tok = load_tokenizer(model)
+    limit = read_max_positions(model)
+    if name in PAIRS:
+        from heads.scorers.patching.pairs import encode_pairs
+
+        lengths = [int(encode_pairs(tok, given).clean_ids.shape[1])]
+    else:  # plain text: a chat template only adds tokens, so a refusal here is one there too
+        lengths = [len(tok(p, add_special_tokens=True)["input_ids"]) for p in given]
+    longest = max(lengths, default=0)
+    if limit is not None and longest > limit:
+        raise HeadsteerValueError(
+            f"--inputs: a sequence of {longest} tokens exceeds the model's limit of {limit} positions"
+        )
+
+
 def run_request(
     run: Run,
     request: Annotated[Path, typer.Argument(help="the request as JSON (Request.to_json), a file")],
@@ -105,6 +132,8 @@ def run_request(
     given = _read_inputs(name, inputs, n, needs)
     out = run.output(out)
     check_request(run, {}, req)  # against the model's config, before the weights
+    if given is not None:
+        _check_inputs(run.model, name, given)  # tokenizer + config only, before the weights
     hm = run.load()
     from heads import run as run_analysis
 
