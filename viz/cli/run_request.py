@@ -92,7 +92,8 @@ def run_request(
         typer.Option(
             help="the analysis' input: for pair analyses (patch, path_patch, DLA, lens, knockout, "
             "find_circuit) a shipped pair set (ioi, colored_objects, comp_mech; its test split, "
-            "the first --n pairs) or a pairs JSONL file (every record, whatever its split); for prompt analyses (ships, sahara, sinks, qk_attribution, train_lens, "
+            "the first --n pairs) or a pairs JSONL file (every record, whatever its split); "
+            "for prompt analyses (ships, sahara, sinks, qk_attribution, train_lens, "
             "composition_scores method=data, ...) a prompt file; none for detect_roles, "
             "maps_scores (the shipped relations) and composition_scores from the weights"
         ),
