@@ -235,3 +235,28 @@ def test_run_checks_its_inputs_with_the_tokenizer_before_the_weights(
     one_line_error(r, message)
     assert "loading" not in r.output
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("command", ["patching", "circuit"])
+def test_report_checks_its_pairs_with_the_tokenizer_before_the_weights(
+    no_load, tiny_llama_dir, tmp_path, command
+):
+    """`headsteer report patching|circuit --task FILE`: a pair whose prompts differ in token length
+    is refused with no weight read (it was refused after loading)."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"clean": "a b c", "corrupted": "a b c d e", "answer": " x", "counterfactual": " y"}\n')
+    r = CliRunner().invoke(
+        app,
+        [
+            "report",
+            command,
+            "--task",
+            str(path),
+            "--out",
+            str(tmp_path / "r.html"),
+            "--model",
+            tiny_llama_dir,
+        ],
+    )
+    one_line_error(r, "positions must align")
+    assert not (tmp_path / "r.html").exists()

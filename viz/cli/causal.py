@@ -53,6 +53,7 @@ def report_patching(
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.request import PatchRequest
     from viz.cli.requests import build_request, check_request
+    from viz.cli.run_request import check_inputs
     from viz.reports.patching import patching_report, resolve_pairs
 
     kind_option = "--kind"
@@ -71,6 +72,7 @@ def report_patching(
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
     check_request(run, options, request)
+    check_inputs(run.model, pairs, pairs=True)  # tokenizer + config only, before the weights
     hm = run.load()
     with run.progress(4, f"patching {kind}") as step:
         _, summary = patching_report(
@@ -133,6 +135,7 @@ def report_circuit(
     """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
     from heads.scorers.circuits.request import CircuitRequest
     from viz.cli.requests import build_request, check_request
+    from viz.cli.run_request import check_inputs
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
 
     if method not in ("eap", "eap-ig"):  # the report's choice: the request also has "exact"
@@ -171,11 +174,12 @@ def report_circuit(
         CircuitRequest, options, method=method, size=size, steps=steps, sizes=curve_sizes,
         faithfulness=target, confirm=confirm, stability=stability,
     )  # fmt: skip
-    if task not in TASKS:
-        load_pairs(task)  # a bad pairs file fails here, before the model loads
+    given = None if task in TASKS else load_pairs(task)[:pairs]  # a bad file fails before the model
     out = run.output(out, suffixes=HTML)
     js = run.output(out.with_suffix(".json"))
     check_request(run, options, request)
+    if given is not None:  # its pairs encoded with the tokenizer + config only, before the weights
+        check_inputs(run.model, given, pairs=True)
     hm = run.load()
     with run.progress(circuit_steps(), "circuit") as step:
         _, summary = circuit_report(

@@ -19,7 +19,7 @@ import typer
 from heads.errors import HeadsteerValueError
 from viz.cli.common import Run, _positive
 
-__all__ = ["NO_INPUT", "PAIRS", "PROMPTS", "run_request"]
+__all__ = ["NO_INPUT", "PAIRS", "PROMPTS", "check_inputs", "run_request"]
 
 PAIRS = ("patch", "path_patch", "direct_logit_attribution", "logit_lens", "knockout", "find_circuit")
 """Requests whose input is prompt pairs: `--inputs` is a shipped pair set or a pairs JSONL file."""
@@ -58,10 +58,11 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     return read_prompt_file(inputs)[:n]
 
 
-def _check_inputs(model: str | None, name: str, given: Any) -> None:
-    """Check `given` (the inputs of request `name`) with `model`'s tokenizer and config alone,
-    before any weight is read: a pair's answer that is not one token, clean and corrupted prompts
-    of different token lengths (`encode_pairs`), a prompt longer than the model's positions.
+def check_inputs(model: str | None, given: Any, *, pairs: bool) -> None:
+    """Check `given` (prompt pairs when `pairs`, else text prompts) with `model`'s tokenizer and
+    config alone, before any weight is read: a pair's answer that is not one token, clean and
+    corrupted prompts of different token lengths (`encode_pairs`, plain text), a prompt longer
+    than the model's positions.
 
     Raises:
         HeadsteerValueError: the first of these, as the analysis would raise it after loading.
@@ -70,7 +71,7 @@ def _check_inputs(model: str | None, name: str, given: Any) -> None:
 
     tok = load_tokenizer(model)
     limit = read_max_positions(model)
-    if name in PAIRS:
+    if pairs:
         from heads.scorers.patching.pairs import encode_pairs
 
         lengths = [int(encode_pairs(tok, given).clean_ids.shape[1])]
@@ -134,7 +135,7 @@ def run_request(
     out = run.output(out)
     check_request(run, {}, req)  # against the model's config, before the weights
     if given is not None:
-        _check_inputs(run.model, name, given)  # tokenizer + config only, before the weights
+        check_inputs(run.model, given, pairs=name in PAIRS)  # tokenizer + config only, before the weights
     hm = run.load()
     from heads import run as run_analysis
 
