@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -162,3 +163,29 @@ def test_cli_refuses_a_pair_that_cannot_show_an_effect_before_the_model_loads(tm
     )
     assert r.exit_code == 2 and "pair 1 (clean 'A b c', corrupted 'A b c')" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x.html").exists()
+
+
+def test_cli_progress_counts_the_sweeps_token_layers(tiny_llama, tiny_llama_dir, tmp_path, monkeypatch):
+    """`headsteer report patching`'s progress moves through the patch sweep in `patch`'s own units
+    (token-layers), then one step each for DLA, the lens and the page; it once showed 0/4 until
+    the whole sweep ended."""
+    import viz.cli.common as cc
+    from heads import SweepOptions
+    from heads.scorers.patching.activation import patch
+
+    seen: list[tuple[int, int]] = []
+    batch = encode_pairs(tiny_llama, load_task_pairs("ioi", n=2))
+    patch(tiny_llama, batch, options=SweepOptions(progress=lambda d, t: seen.append((d, t))))
+    sweep = seen[-1][1]
+    assert sweep > 1
+    monkeypatch.setattr(cc, "PLAIN_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(type(cc.err), "is_terminal", property(lambda self: False))
+    r = CliRunner().invoke(
+        app, ["report", "patching", "--out", str(tmp_path / "p.html"), "--model", tiny_llama_dir, "--n", "2"]
+    )
+    assert r.exit_code == 0, r.output
+    steps = re.findall(r"patching head_out: (\d+)/(\d+)", r.stderr)
+    done = [int(d) for d, _ in steps]
+    assert int(steps[-1][1]) == sweep + 3 and done[-1] == sweep + 3
+    assert len({d for d in done if 0 < d < sweep + 3}) >= 2  # steps between the start and the end
+    assert done == sorted(done)

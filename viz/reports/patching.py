@@ -260,6 +260,9 @@ def patching_report(
     `stability`: bootstrap resamples of the pairs for the head rankings of patching and DLA
     (default 0: none; no extra forward): error bars and stable top-k markers on the page, the
     summaries in the returned summary.
+    `progress`: True (a bar), False, or a `(done, total)` callable: the patch sweep's
+    token-layers as `patch(options=SweepOptions(progress=...))` counts them, as they are done,
+    then one step each for DLA, the lens and the page (total: the sweep's + 3).
     `request`: the patching request itself (the CLI's, checked against the config before the
     model loaded); `site`, `direction` and `stability` may then not be given too.
 
@@ -283,14 +286,26 @@ def patching_report(
     site, direction, stability = request.kind, request.direction, request.stability
     check_pairs_differ(pairs)  # the pairs' text, before any model work
     left_out = sections_left_out(model)
-    with progress_callback(progress, "patching report", "steps") as report:
-        tick = (lambda i: report(i, PATCHING_STEPS)) if report is not None else (lambda i: None)
+    with progress_callback(progress, "patching report", "token-layers") as report:
+        # the patch sweep's own units (token-layers, as `patch(progress=)` counts them), then
+        # one step each for DLA, the lens and the page: `base` is the sweep's total once known
+        base = [1]
+
+        def swept(done: int, total: int) -> None:
+            base[0] = max(int(total), 1)
+            if report is not None:
+                report(done, base[0] + PATCHING_STEPS - 1)
+
+        def tick(i: int) -> None:
+            if report is not None:
+                report(base[0] + i - 1 if i else 0, base[0] + PATCHING_STEPS - 1)
+
         tick(0)
         batch = encode_pairs(model, pairs)
         from heads import run
         from heads.engine.options import SweepOptions
 
-        opts = SweepOptions(progress=False)
+        opts = SweepOptions(progress=swept if report is not None else False)
         result = run(model, request, batch, options=opts)
         tick(1)
         no_dla = "direct logit attribution" in left_out
