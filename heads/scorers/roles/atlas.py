@@ -1,43 +1,11 @@
-"""`HeadAtlas`: one tidy table of every per-head score, and a role label per head.
+"""`head_atlas`: gather every per-head score of a model into one `HeadAtlas` and label each head's
+role.
 
-The atlas gathers the role detectors (`heads.scorers.roles.detectors`) and any other
-`HeadScores` a user has (span attention, sink statistics, the best MAPS relation, Ships,
-probe accuracy, patching scores of a task, VHD, lens KL), one column each, over
-`layer, head, kv_head`. It computes nothing that needs `steer` or `probes` (layering): scores
-from there are passed in as `HeadScores` (e.g. `scores={"patching": patch_scores}`).
-
-Role label (Dodrio's head-role overview, Wang et al. 2021): the roles in `thresholds` are
-checked in order and the first whose score reaches its threshold is the head's role; `"none"`
-when none does. The order puts the more specific mechanism first, because the scores come from
-different data and are not comparable: an induction head also copies needles (high retrieval
-score) and may park most of its attention on the first token of plain text (high sink mass),
-so induction wins over retrieval and sink; sink is the last resort. Default order and
-thresholds (`ROLE_THRESHOLDS`), for scores in [0, 1]:
-
-| role | score | threshold |
-|---|---|---|
-| induction | attention to the token after an earlier occurrence (target rows) | 0.5 |
-| successor | succession score (OV, top-1 among the sequence's tokens) | 0.5 |
-| duplicate_token | attention to earlier copies of the token | 0.5 |
-| previous_token | attention to position t - 1 | 0.5 |
-| retrieval | needle copy-paste rate | 0.3 |
-| self | attention to the own position | 0.5 |
-| sink | attention mass on the first token (column `first_token_mass`) | 0.8 |
-
-Every role but `sink` is read from the column of its own name. With sink statistics the atlas has
-two sink columns side by side: `first_token_mass` (the share of attention on the first token,
-which the `sink` role reads, `ROLE_COLUMNS`) and `sink_mass` (the share on every token that
-`sink_stats` flags as a sink, the first token or not). Atlas files of earlier versions named the
-first-token column `sink`; they load with it renamed.
-
-The induction score is checked with the copying score in mind but not gated by it (the
-copying column is there to read). Thresholds may also name any other score column of the atlas
-(e.g. `{"patching": 0.2}`), which then becomes a role; a threshold must be a finite number > 0.
-
-NaN scores (a head a detector could not score, e.g. no row of its sequences had a target) are
-never silently read as "below the threshold": walking the roles in order, a NaN score on a role
-before any role is reached labels the head `"nan"` (its role cannot be decided in that order).
-`"none"` therefore always means every role score was a number below its threshold.
+The atlas runs the role detectors (`heads.scorers.roles.detectors`) when none are given and
+takes any other `HeadScores` a user has (span attention, sink statistics, MAPS, Ships, probes,
+patching, ...) as columns. The result class, the role order, the default thresholds
+(`ROLE_THRESHOLDS`), the sink columns and the NaN rule are written once, in
+`heads.results.atlas`.
 """
 
 from __future__ import annotations
