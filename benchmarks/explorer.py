@@ -174,18 +174,7 @@ def long_case(model, lengths: list[int], clicks: int) -> dict:
                     forward(model, enc, logits_to_keep=1)  # as the overview's forward: no [T, V] logits
                     forward_ms.append((time.perf_counter() - t0) * 1000)
                 base = statistics.median(forward_ms)
-                fig = {
-                    "forward_ms": round(base, 1),
-                    "click_uncached_ms": round(cold, 1),
-                    "click_cached_ms": round(statistics.median(cached), 1),
-                    "click_cached_all_ms": [round(t, 1) for t in cached],
-                    "window_cached_ms": round(statistics.median(windows), 1),
-                    "window_cached_all_ms": [round(t, 1) for t in windows],
-                    "click_uncached_vs_forward": round(cold / base, 3),
-                    "click_cached_vs_forward": round(statistics.median(cached) / base, 4),
-                    "window_cached_vs_forward": round(statistics.median(windows) / base, 4),
-                    "load_average_1m": round(os.getloadavg()[0], 2),
-                }
+                fig = _long_figures(base, cold, cached, windows, "")
                 assert not errors, errors
                 out["lengths"][str(n)] = fig
                 print(json.dumps({"length": n, **fig}), file=sys.stderr, flush=True)
@@ -243,14 +232,21 @@ def long_api_case(model, n: int, clicks: int) -> dict:
     t0 = time.perf_counter()
     forward(model, enc, logits_to_keep=1)
     base = (time.perf_counter() - t0) * 1000
+    return {"length": n, **_long_figures(base, cold, cached, windows, "_api")}
+
+
+def _long_figures(
+    base: float, cold: float, cached: list[float], windows: list[float], via: str
+) -> dict[str, object]:
+    """One long-prompt line's figures (ms, and ratios over the forward `base`); `via` is `""` for
+    the page, `"_api"` for the HTTP API (the timed keys carry it)."""
     return {
-        "length": n,
         "forward_ms": round(base, 1),
-        "click_uncached_api_ms": round(cold, 1),
-        "click_cached_api_ms": round(statistics.median(cached), 1),
-        "click_cached_api_all_ms": [round(t, 1) for t in cached],
-        "window_cached_api_ms": round(statistics.median(windows), 1),
-        "window_cached_api_all_ms": [round(t, 1) for t in windows],
+        f"click_uncached{via}_ms": round(cold, 1),
+        f"click_cached{via}_ms": round(statistics.median(cached), 1),
+        f"click_cached{via}_all_ms": [round(t, 1) for t in cached],
+        f"window_cached{via}_ms": round(statistics.median(windows), 1),
+        f"window_cached{via}_all_ms": [round(t, 1) for t in windows],
         "click_uncached_vs_forward": round(cold / base, 3),
         "click_cached_vs_forward": round(statistics.median(cached) / base, 4),
         "window_cached_vs_forward": round(statistics.median(windows) / base, 4),
