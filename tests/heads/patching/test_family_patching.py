@@ -17,7 +17,7 @@ import torch
 
 from heads import SweepOptions
 from heads.errors import HeadsteerValueError
-from heads.scorers.patching import direct_logit_attribution, logit_lens, pairs_from_tokens, path_patch
+from heads.scorers.patching import direct_logit_attribution, lean, logit_lens, pairs_from_tokens, path_patch
 from heads.scorers.patching.activation import KINDS, patch
 from tests.heads.test_family_matrix import EXACT
 from tests.support import patching_oracle as oracle
@@ -79,8 +79,12 @@ def _sites(kind: str, n_index: int, positions: list[int]) -> list[tuple[int, int
     return [(h, -1) for h in range(n_index)]
 
 
+@pytest.mark.parametrize("path", ["auto", "lean"])
 @pytest.mark.parametrize("family", EXACT)
-def test_every_kind_equals_the_one_hook_loop_or_is_refused(family):
+def test_every_kind_equals_the_one_hook_loop_or_is_refused(family, path, monkeypatch):
+    """`path="lean"` forces the lean path (only the patched sites recorded, no position-prefix
+    reuse: `heads.scorers.patching.lean`); `"auto"` takes the fast path on these short prompts."""
+    monkeypatch.setattr(lean, "MODE", path)
     hm = shared_family_model(family)
     pairs = _pairs()
     mask = pairs.attention_mask
