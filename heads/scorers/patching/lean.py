@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
@@ -73,7 +73,10 @@ _SITE = {
 }
 
 
-class _Site(Protocol):
+@dataclass(frozen=True)
+class _Site:
+    """One patched site: its layer, head / KV head (-1 for block sites), padded column (-1 = all)."""
+
     layer: int
     index: int
     pos: int

@@ -35,12 +35,12 @@ def test_default_choice_follows_the_caches_size_and_the_work(setup, monkeypatch)
     last = pairs.width - 1
     # short prompts: the full caches are small, today's fast path whatever the sites
     assert 2 * cache_bytes(model, pairs.n, pairs.width) < lean.LEAN_MIN_BYTES
-    assert not _choose(model, pairs, "resid_pre", [1], [last])[0]
+    assert not _choose(model, pairs, "resid_pre", [2], [last])[0]
     # caches counted as large (a long prompt): the lean path for few sites, whose forwards cost
     # about what the fast path's do, but not for every position of every layer (the lean path
     # recomputes the columns before each patched one: about twice the work)
     monkeypatch.setattr(lean, "LEAN_MIN_BYTES", 0)
-    assert _choose(model, pairs, "resid_pre", [1], [last])[0]
+    assert _choose(model, pairs, "resid_pre", [2], [last])[0]
     assert _choose(model, pairs, "head_out", [0, 1, 2], [])[0]  # every position: the same work
     assert not _choose(model, pairs, "resid_pre", [0, 1, 2], list(range(pairs.width)))[0]
 
@@ -53,9 +53,9 @@ def test_budget_without_room_for_the_full_caches_takes_the_lean_path(setup, monk
     assert kept < full / 2
     forward = plan_memory(model, "forward", pairs.width, pairs.n).peak
     budget = forward + (kept + full) // 2  # the lean path fits, the fast one does not
-    with pytest.raises(HeadsteerValueError):
-        OPTS.within(model, pairs.width, reserve=full, whole=pairs.n)
     opts = SweepOptions(max_rows=16, progress=False, max_memory=budget)
+    with pytest.raises(HeadsteerValueError):
+        opts.within(model, pairs.width, reserve=full, whole=pairs.n)
     assert not _choose(model, pairs, kind, layers, positions)[0]  # no budget: the fast path
     assert _choose(model, pairs, kind, layers, positions, opts)[0]
     want = patch(model, pairs, kind, options=OPTS).raw
