@@ -319,16 +319,29 @@ def _peer(name: str, length: int, args) -> dict:
 
 def _peers(args, line: dict) -> None:
     for name in ("transformer_lens", "nnsight"):
-        line[f"peer_{name}_memory_mb"] = []
-        line[f"peer_fail_length_{name}"] = None
+        runs: list[tuple[int, dict]] = []
         for length in args.lengths:
             got = _child(["--peer", name, str(length)], args)
             print(f"peer {name} {length}: {got}", file=sys.stderr, flush=True)
+            runs.append((length, got))
             if "failed" in got:
-                line[f"peer_fail_length_{name}"] = length
-                line[f"peer_{name}_failure"] = got["failed"]
                 break
-            line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))
+        _peer_entries(line, name, runs)
+
+
+def _peer_entries(line: dict, name: str, runs: list[tuple[int, dict]]) -> None:
+    """A peer's keys from its runs `(length, measurement)` in length order: the peak memory per
+    length until the first failure, whose length is `peer_fail_length_<name>` (None: none failed)."""
+    line[f"peer_{name}_lengths"] = []
+    line[f"peer_{name}_memory_mb"] = []
+    line[f"peer_fail_length_{name}"] = None
+    for length, got in runs:
+        if "failed" in got:
+            line[f"peer_fail_length_{name}"] = length
+            line[f"peer_{name}_failure"] = got["failed"]
+            break
+        line[f"peer_{name}_lengths"].append(length)
+        line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))
 
 
 # ------------------------------------------------------------------------------ the plan check
@@ -436,6 +449,11 @@ def _plan_check(args, line: dict) -> None:
         key = f"{model}_{dtype}_{request}_{tokens}"
         print(f"plan {key}: {got}", file=sys.stderr, flush=True)
         cases[key] = got
+    _plan_entries(line, cases)
+
+
+def _plan_entries(line: dict, cases: dict[str, dict]) -> None:
+    """`plan_cases` and the largest relative errors of the plan over the cases that ran."""
     line["plan_cases"] = cases
     ok = [c for c in cases.values() if "error" in c]
     if ok:
@@ -587,12 +605,23 @@ def _from_logs(paths: list[str]) -> dict:
 
     results: dict[str, dict[int, dict]] = {}
     gemma: dict[tuple[str, int], dict] = {}
+    peers: dict[str, dict[int, dict]] = {}
+    plans: dict[str, dict] = {}
     loads: list[float] = []
     steps: set[int] = set()
     pattern = re.compile(r"^(gemma )?([\w-]+) (\d+): (\{.*\})$")
+    peer_or_plan = re.compile(r"^(?:peer (\w+) (\d+)|plan ([\w.]+)): (\{.*\})$")
     for path in paths:
         with open(path) as f:
             for raw in f:
+                other = peer_or_plan.match(raw.strip())
+                if other is not None:
+                    got = ast.literal_eval(other.group(4))
+                    if other.group(1):
+                        peers.setdefault(other.group(1), {})[int(other.group(2))] = got
+                    else:
+                        plans[other.group(3)] = got
+                    continue
                 m = pattern.match(raw.strip())
                 if m is None or (m.group(1) is None and m.group(2) not in ANALYSES):
                     continue
@@ -615,6 +644,10 @@ def _from_logs(paths: list[str]) -> dict:
         line["gemma_lengths"] = sorted({n for _, n in gemma})
         for (name, length), got in sorted(gemma.items()):
             _gemma_entry(line, name, length, got)
+    for name, runs in sorted(peers.items()):
+        _peer_entries(line, name, [(n, runs[n]) for n in sorted(runs)])
+    if plans:
+        _plan_entries(line, plans)
     if loads:
         line["load_average_1m_range"] = [min(loads), max(loads)]
     return line
