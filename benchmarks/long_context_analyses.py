@@ -4,7 +4,9 @@ Embedded SmolLM2-135M (30 layers, 9 query heads over 3 KV heads), one prompt of 
 tokens (random token ids, seeded). Each (analysis, length) runs in a fresh subprocess with glibc
 returning every block of 64 KiB or more to the OS when freed (`MALLOC_MMAP_THRESHOLD_=65536`, so
 RSS follows live memory): load the model, one untimed plain forward at that length (warm-up),
-then the plain forward (`logits_to_keep=1`, no gradients) and the analysis, each measured as the
+then the plain forward (`logits_to_keep=1`, no gradients), the analysis and `model(ids)` as a
+user calls it (the logits at every position: `<analysis>_memory_ratio_all_logits`, a second,
+looser baseline; the ratios and maxima use the first), each measured as the
 peak RSS above the RSS just before it (`/proc/self/clear_refs` 5 resets the peak, `VmHWM` reads
 it; on CUDA `torch.cuda.max_memory_allocated` above the allocation before) with its wall and CPU
 time. Ratios are analysis over plain forward in the same process; `memory_exponent_<analysis>`
@@ -273,7 +275,13 @@ def _one(name: str, length: int, args) -> dict:
     _cap(args.cap_gb)
     forward = _guarded(plain, args.device)
     analysis = _guarded(run, args.device)
-    got = {"forward": forward, "analysis": analysis, "load_average_1m": [round(os.getloadavg()[0], 2)]}
+
+    def all_logits() -> None:  # `model(ids)` as a user calls it: the logits at every position
+        with torch.no_grad():
+            hm.model(input_ids=ids, use_cache=False)
+
+    got = {"forward": forward, "analysis": analysis, "forward_all_logits": _guarded(all_logits, args.device)}
+    got["load_average_1m"] = [round(os.getloadavg()[0], 2)]
     if name == "eap-ig":
         got["ig_steps"] = args.ig_steps
     return got
@@ -578,6 +586,11 @@ def _summarise(line: dict, results: dict[str, dict[int, dict]]) -> None:
         line[f"{name}_memory_mb"] = [round(ana[n]["memory_mb"], 1) for n in lengths]
         line[f"{name}_forward_memory_mb"] = [round(fwd[n]["memory_mb"], 1) for n in lengths]
         line[f"{name}_memory_ratio"] = [round(r, 3) for r in mem]
+        full = [got[n].get("forward_all_logits", {}).get("memory_mb") for n in lengths]
+        if all(isinstance(m, float) for m in full):  # against `model(ids)` (every position's logits)
+            line[f"{name}_memory_ratio_all_logits"] = [
+                round(ana[n]["memory_mb"] / max(m, 1e-6), 3) for n, m in zip(lengths, full, strict=True)
+            ]
         line[f"{name}_time_ratio"] = [round(ana[n]["seconds"] / fwd[n]["seconds"], 2) for n in lengths]
         line[f"{name}_cpu_time_ratio"] = [
             round(ana[n]["cpu_seconds"] / fwd[n]["cpu_seconds"], 2) for n in lengths

@@ -34,13 +34,14 @@ def _child(forward: dict, analysis: dict, **extra: object) -> dict:
 LOG_A = [
     f"eap 1024: {_child(_run(20.0, 1.0), _run(50.0, 10.0), ig_steps=5, load_average_1m=[1.5])}",
     f"eap 2048: {_child(_run(40.0, 2.0), _run(110.0, 30.0), ig_steps=5, load_average_1m=[2.5])}",
+    f"eap-ig 1024: {_child(_run(20.0, 1.0), _run(50.0, 9.0), forward_all_logits=_run(200.0, 2.0))}",
     f"knockout 1024: {_child(_run(20.0, 1.0), _run(21.0, 1.5))}",
     "some other line the parser skips",
 ]
 LOG_B = [
     # a later entry replaces an earlier one (a rerun after a fix)
     f"knockout 1024: {_child(_run(20.0, 1.0), _run(19.0, 1.2))}",
-    f"knockout 2048: {_child(_run(40.0, 2.0), _run(44.0, 2.2))}",
+    f"knockout 2048: {_child(_run(40.0, 2.0), _run(44.0, 2.2), forward_all_logits=_run(88.0, 3.0))}",
     f"peer transformer_lens 1024: {_run(3000.0, 5.0)}",
     "peer transformer_lens 2048: {'failed': 'exit 1: MemoryError'}",
     f"peer nnsight 1024: {_run(1300.0, 4.0)}",
@@ -60,7 +61,9 @@ def test_from_log_merges_analyses_peers_plan_and_gemma(tmp_path: Path) -> None:
     assert line["eap_cpu_time_ratio"] == [10.0, 15.0]
     assert line["memory_exponent_eap"] == round(math.log(110 / 50) / math.log(2), 3)
     assert line["knockout_memory_ratio"] == [0.95, 1.1]  # the later 1k entry won
+    assert "knockout_memory_ratio_all_logits" not in line  # the 1k entry has no such baseline
     assert line["max_memory_ratio_gradient"] == 2.75
+    assert line["eap-ig_memory_ratio_all_logits"] == [0.25]  # 50 MB over model(ids)'s 200 MB
     assert line["max_memory_ratio_forward_only"] == 1.1
     assert line["max_memory_exponent"] == max(line["memory_exponent_eap"], line["memory_exponent_knockout"])
     assert line["peer_fail_length_transformer_lens"] == 2048
