@@ -172,9 +172,19 @@ def _detectors(hm, length: int, args) -> Callable[[], object]:
 
 
 def _qrhead(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.retrieval.qrhead import qr_tokens
+    from heads.scorers.retrieval.qrhead import qr_prompt, qr_tokens
+    from probes.datasets.needle import needle_task
 
-    task = _task(hm, length)
+    # the QRHead prompt adds its instructions and passage numbers to the haystack: a shorter
+    # haystack, so that the prompt is at most `length` tokens (at 8192, the model's context)
+    size = length
+    while True:
+        task = needle_task(hm.tokenizer, size, depth=0.5, seed=0)
+        text = qr_prompt(task.question, task.passages).replace("**", "")
+        n = len(hm.tokenizer(text)["input_ids"])
+        if n <= length:
+            break
+        size -= n - length + 8
     return lambda: qr_tokens(hm, task.question, task.passages, chat=False)
 
 
