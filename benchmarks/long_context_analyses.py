@@ -46,7 +46,8 @@ random-weight models built from published configs with about 0.1B (SmolLM2-135M)
 |plan - measured| / measured (`plan_error_max_activations` the same for the activations alone).
 
 `--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) beside a plain
-forward (slow: minutes per length); `--gemma-analyses dla` runs DLA alone beside the forward. E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
+forward (slow: minutes per length); `--gemma-analyses dla` runs DLA alone beside the forward.
+E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
 
 Each child's measurement goes to stderr as `<analysis> <length>: {...}` (`gemma <run> <length>:
 {...}` for Gemma) with the load average at its end; `--from-log LOG...` prints the JSON line from
