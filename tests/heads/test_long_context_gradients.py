@@ -10,10 +10,10 @@ import weakref
 import pytest
 import torch
 
+from heads.scorers import layerwise
 from heads.scorers.patching import logit
 from heads.scorers.patching.activation import record_run
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
-from heads.scorers import layerwise
 from heads.scorers.safety import atp
 from heads.scorers.safety.attribution import attribute
 
