@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import weakref
 
-import pytest
 import torch
 
 from heads.scorers import layerwise
@@ -100,23 +99,27 @@ PAIRS = [
 
 def test_lens_keeps_the_last_position_only(tiny_any, monkeypatch):
     """`_record_last` equals the last column of the full cache bitwise (every family, padded
-    rows); the lens and `head_logits` run without `record_run` (its every-position cache)."""
+    rows); the lens, `head_logits` and DLA (streamed, issue 41 item 2) run without `record_run`
+    (its every-position cache)."""
     pairs = encode_pairs(tiny_any, PAIRS)
     mask = pairs.attention_mask
     cache = record_run(tiny_any, pairs.clean_ids, mask, final=True, keys=False)
     resid, zs, final = logit._record_last(tiny_any, pairs.clean_ids, mask, heads=True)
     for la in range(tiny_any.n_layers):
-        assert torch.equal(resid[la], cache.residuals[la][:, -1])
+        assert torch.equal(resid[la][:, 0], cache.residuals[la][:, -1])
         assert torch.equal(zs[la], cache.z[la][:, -1:])
-    assert cache.final is not None and torch.equal(final, cache.final[:, -1].float().cpu())
+    assert cache.final is not None and torch.equal(final[:, 0], cache.final[:, -1].float().cpu())
 
     def refused(*args: object, **kw: object) -> None:
         raise AssertionError("the lens recorded the full cache")
 
-    monkeypatch.setattr(logit, "record_run", refused)
+    from heads.scorers.patching import activation, record
+
+    monkeypatch.setattr(record, "record_run", refused)
+    monkeypatch.setattr(activation, "record_run", refused)
     lens = logit.logit_lens(tiny_any, pairs)
     assert lens.logit_diff.shape == (pairs.n, tiny_any.n_layers + 1)
     a, w = logit.head_logits(tiny_any, pairs)
     assert a.shape == w.shape == (pairs.n, tiny_any.n_layers, tiny_any.n_heads)
-    with pytest.raises(AssertionError, match="full cache"):
-        logit.direct_logit_attribution(tiny_any, pairs)  # every position: DLA keeps the cache
+    dla = logit.direct_logit_attribution(tiny_any, pairs)  # every position, streamed
+    assert dla.heads.shape == (pairs.n, tiny_any.n_layers, tiny_any.n_heads, pairs.width)
