@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 
 from heads.scorers import layerwise
