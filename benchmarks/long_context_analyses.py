@@ -46,7 +46,8 @@ random-weight models built from published configs with about 0.1B (SmolLM2-135M)
 |plan - measured| / measured (`plan_error_max_activations` the same for the activations alone).
 
 `--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) beside a plain
-forward (slow: minutes per length). E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
+forward (slow: minutes per length); `--gemma-analyses dla` runs DLA alone beside the forward.
+E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
 
 Each child's measurement goes to stderr as `<analysis> <length>: {...}` (`gemma <run> <length>:
 {...}` for Gemma) with the load average at its end; `--from-log LOG...` prints the JSON line from
@@ -519,7 +520,7 @@ def _gemma_one(name: str, length: int, args) -> dict:
 
 def _gemma(args, line: dict) -> None:
     line["gemma_lengths"] = args.gemma
-    for name in ("forward", "atp", "dla"):
+    for name in ("forward", *args.gemma_analyses):
         for length in args.gemma:
             got = _child(["--gemma-one", name, str(length)], args)
             print(f"gemma {name} {length}: {got}", file=sys.stderr, flush=True)
@@ -688,6 +689,9 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="TransformerLens and nnsight on the same lengths")
     ap.add_argument("--plan-check", action="store_true", help="plan_memory against measured peaks")
     ap.add_argument("--gemma", type=int, nargs="*", default=[], help="Gemma-3-270m lengths for atp and dla")
+    ap.add_argument(
+        "--gemma-analyses", nargs="+", default=["atp", "dla"], choices=["atp", "dla"], help="--gemma's runs"
+    )
     ap.add_argument(
         "--from-log", nargs="+", metavar="LOG", help="print the line from earlier runs' stderr logs (merged)"
     )

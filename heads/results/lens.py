@@ -97,7 +97,8 @@ class LensResult:
         return int(self.logit_diff.shape[1]) - 1
 
     def winner_share(self) -> torch.Tensor:
-        """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
+        """`[L + 1]` (`[L + 1, P]` at chosen positions) share of pairs whose answer token
+        out-scores the counterfactual per layer."""
         return (self.logit_diff > 0).float().mean(0)
 
     def head_scores(self) -> HeadScores:
