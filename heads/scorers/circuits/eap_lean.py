@@ -46,7 +46,12 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def _forward_layer(
-    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, la: int, x: torch.Tensor | None, reads: list[Edit]
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x: torch.Tensor | None,
+    reads: list[Edit],
 ) -> torch.Tensor:
     """Layer `la` alone without gradients from `x` (`[R, T, D]` the residual entering it; None for
     layer 0: the model's own embedding), with `reads` (of that layer): the stream leaving it."""

@@ -51,3 +51,28 @@ def test_lean_post_norm_and_sliding_window(kind):
     assert float((got - want).abs().max()) <= 1e-5 * scale
     today = eap_chunk(m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), every=2)
     assert float((got - today).abs().max()) <= 1e-6 * scale
+
+
+def test_memory_budget_takes_the_lean_path(monkeypatch):
+    """`max_memory` given: edge_scores runs `eap_chunk_lean` (and scores as without a budget)."""
+    from heads import SweepOptions
+    from heads.scorers.circuits import edge_scores
+    from heads.scorers.circuits import scores as scores_module
+
+    m = tiny_family_model("llama", num_hidden_layers=2)
+    p = _pairs(7)
+    calls: list[int] = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return eap_chunk_lean(*args, **kwargs)
+
+    monkeypatch.setattr(scores_module, "eap_chunk_lean", spy)
+    plain = edge_scores(m, p, method="eap", options=SweepOptions(progress=False))
+    assert not calls
+    lean = edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory="4GB"))
+    assert calls
+    ok = ~torch.isnan(plain.scores)
+    scale = float(plain.scores[ok].abs().max())
+    assert scale > 1e-3
+    assert float((lean.scores[ok] - plain.scores[ok]).abs().max()) <= 1e-6 * scale
