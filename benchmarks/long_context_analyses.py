@@ -4,7 +4,9 @@ Embedded SmolLM2-135M (30 layers, 9 query heads over 3 KV heads), one prompt of 
 tokens (random token ids, seeded). Each (analysis, length) runs in a fresh subprocess with glibc
 returning every block of 64 KiB or more to the OS when freed (`MALLOC_MMAP_THRESHOLD_=65536`, so
 RSS follows live memory): load the model, one untimed plain forward at that length (warm-up),
-then the plain forward (`logits_to_keep=1`, no gradients) and the analysis, each measured as the
+then the plain forward (`logits_to_keep=1`, no gradients), the analysis and `model(ids)` as a
+user calls it (the logits at every position: `<analysis>_memory_ratio_all_logits`, a second,
+looser baseline; the ratios and maxima use the first), each measured as the
 peak RSS above the RSS just before it (`/proc/self/clear_refs` 5 resets the peak, `VmHWM` reads
 it; on CUDA `torch.cuda.max_memory_allocated` above the allocation before) with its wall and CPU
 time. Ratios are analysis over plain forward in the same process; `memory_exponent_<analysis>`
@@ -44,7 +46,8 @@ random-weight models built from published configs with about 0.1B (SmolLM2-135M)
 |plan - measured| / measured (`plan_error_max_activations` the same for the activations alone).
 
 `--gemma 16384 32768` runs `atp` and `dla` on Gemma-3-270m (its context is 32k) beside a plain
-forward (slow: minutes per length). E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
+forward (slow: minutes per length); `--gemma-analyses dla` runs DLA alone beside the forward.
+E.g. `--lengths 1024 2048 4096 8192 --peers --plan-check`.
 
 Each child's measurement goes to stderr as `<analysis> <length>: {...}` (`gemma <run> <length>:
 {...}` for Gemma) with the load average at its end; `--from-log LOG...` prints the JSON line from
@@ -170,9 +173,19 @@ def _detectors(hm, length: int, args) -> Callable[[], object]:
 
 
 def _qrhead(hm, length: int, args) -> Callable[[], object]:
-    from heads.scorers.retrieval.qrhead import qr_tokens
+    from heads.scorers.retrieval.qrhead import qr_prompt, qr_tokens
+    from probes.datasets.needle import needle_task
 
-    task = _task(hm, length)
+    # the QRHead prompt adds its instructions and passage numbers to the haystack: a shorter
+    # haystack, so that the prompt is at most `length` tokens (at 8192, the model's context)
+    size = length
+    while True:
+        task = needle_task(hm.tokenizer, size, depth=0.5, seed=0)
+        text = qr_prompt(task.question, task.passages).replace("**", "")
+        n = len(hm.tokenizer(text)["input_ids"])
+        if n <= length:
+            break
+        size -= n - length + 8
     return lambda: qr_tokens(hm, task.question, task.passages, chat=False)
 
 
@@ -273,7 +286,13 @@ def _one(name: str, length: int, args) -> dict:
     _cap(args.cap_gb)
     forward = _guarded(plain, args.device)
     analysis = _guarded(run, args.device)
-    got = {"forward": forward, "analysis": analysis, "load_average_1m": [round(os.getloadavg()[0], 2)]}
+
+    def all_logits() -> None:  # `model(ids)` as a user calls it: the logits at every position
+        with torch.no_grad():
+            hm.model(input_ids=ids, use_cache=False)
+
+    got = {"forward": forward, "analysis": analysis, "forward_all_logits": _guarded(all_logits, args.device)}
+    got["load_average_1m"] = [round(os.getloadavg()[0], 2)]
     if name == "eap-ig":
         got["ig_steps"] = args.ig_steps
     return got
@@ -319,16 +338,29 @@ def _peer(name: str, length: int, args) -> dict:
 
 def _peers(args, line: dict) -> None:
     for name in ("transformer_lens", "nnsight"):
-        line[f"peer_{name}_memory_mb"] = []
-        line[f"peer_fail_length_{name}"] = None
+        runs: list[tuple[int, dict]] = []
         for length in args.lengths:
             got = _child(["--peer", name, str(length)], args)
             print(f"peer {name} {length}: {got}", file=sys.stderr, flush=True)
+            runs.append((length, got))
             if "failed" in got:
-                line[f"peer_fail_length_{name}"] = length
-                line[f"peer_{name}_failure"] = got["failed"]
                 break
-            line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))
+        _peer_entries(line, name, runs)
+
+
+def _peer_entries(line: dict, name: str, runs: list[tuple[int, dict]]) -> None:
+    """A peer's keys from its runs `(length, measurement)` in length order: the peak memory per
+    length until the first failure, whose length is `peer_fail_length_<name>` (None: none failed)."""
+    line[f"peer_{name}_lengths"] = []
+    line[f"peer_{name}_memory_mb"] = []
+    line[f"peer_fail_length_{name}"] = None
+    for length, got in runs:
+        if "failed" in got:
+            line[f"peer_fail_length_{name}"] = length
+            line[f"peer_{name}_failure"] = got["failed"]
+            break
+        line[f"peer_{name}_lengths"].append(length)
+        line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))
 
 
 # ------------------------------------------------------------------------------ the plan check
@@ -436,6 +468,11 @@ def _plan_check(args, line: dict) -> None:
         key = f"{model}_{dtype}_{request}_{tokens}"
         print(f"plan {key}: {got}", file=sys.stderr, flush=True)
         cases[key] = got
+    _plan_entries(line, cases)
+
+
+def _plan_entries(line: dict, cases: dict[str, dict]) -> None:
+    """`plan_cases` and the largest relative errors of the plan over the cases that ran."""
     line["plan_cases"] = cases
     ok = [c for c in cases.values() if "error" in c]
     if ok:
@@ -483,7 +520,7 @@ def _gemma_one(name: str, length: int, args) -> dict:
 
 def _gemma(args, line: dict) -> None:
     line["gemma_lengths"] = args.gemma
-    for name in ("forward", "atp", "dla"):
+    for name in ("forward", *args.gemma_analyses):
         for length in args.gemma:
             got = _child(["--gemma-one", name, str(length)], args)
             print(f"gemma {name} {length}: {got}", file=sys.stderr, flush=True)
@@ -560,6 +597,11 @@ def _summarise(line: dict, results: dict[str, dict[int, dict]]) -> None:
         line[f"{name}_memory_mb"] = [round(ana[n]["memory_mb"], 1) for n in lengths]
         line[f"{name}_forward_memory_mb"] = [round(fwd[n]["memory_mb"], 1) for n in lengths]
         line[f"{name}_memory_ratio"] = [round(r, 3) for r in mem]
+        full = [got[n].get("forward_all_logits", {}).get("memory_mb") for n in lengths]
+        if all(isinstance(m, float) for m in full):  # against `model(ids)` (every position's logits)
+            line[f"{name}_memory_ratio_all_logits"] = [
+                round(ana[n]["memory_mb"] / max(m, 1e-6), 3) for n, m in zip(lengths, full, strict=True)
+            ]
         line[f"{name}_time_ratio"] = [round(ana[n]["seconds"] / fwd[n]["seconds"], 2) for n in lengths]
         line[f"{name}_cpu_time_ratio"] = [
             round(ana[n]["cpu_seconds"] / fwd[n]["cpu_seconds"], 2) for n in lengths
@@ -587,12 +629,23 @@ def _from_logs(paths: list[str]) -> dict:
 
     results: dict[str, dict[int, dict]] = {}
     gemma: dict[tuple[str, int], dict] = {}
+    peers: dict[str, dict[int, dict]] = {}
+    plans: dict[str, dict] = {}
     loads: list[float] = []
     steps: set[int] = set()
     pattern = re.compile(r"^(gemma )?([\w-]+) (\d+): (\{.*\})$")
+    peer_or_plan = re.compile(r"^(?:peer (\w+) (\d+)|plan ([\w.]+)): (\{.*\})$")
     for path in paths:
         with open(path) as f:
             for raw in f:
+                other = peer_or_plan.match(raw.strip())
+                if other is not None:
+                    got = ast.literal_eval(other.group(4))
+                    if other.group(1):
+                        peers.setdefault(other.group(1), {})[int(other.group(2))] = got
+                    else:
+                        plans[other.group(3)] = got
+                    continue
                 m = pattern.match(raw.strip())
                 if m is None or (m.group(1) is None and m.group(2) not in ANALYSES):
                     continue
@@ -615,6 +668,10 @@ def _from_logs(paths: list[str]) -> dict:
         line["gemma_lengths"] = sorted({n for _, n in gemma})
         for (name, length), got in sorted(gemma.items()):
             _gemma_entry(line, name, length, got)
+    for name, runs in sorted(peers.items()):
+        _peer_entries(line, name, [(n, runs[n]) for n in sorted(runs)])
+    if plans:
+        _plan_entries(line, plans)
     if loads:
         line["load_average_1m_range"] = [min(loads), max(loads)]
     return line
@@ -632,6 +689,9 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="TransformerLens and nnsight on the same lengths")
     ap.add_argument("--plan-check", action="store_true", help="plan_memory against measured peaks")
     ap.add_argument("--gemma", type=int, nargs="*", default=[], help="Gemma-3-270m lengths for atp and dla")
+    ap.add_argument(
+        "--gemma-analyses", nargs="+", default=["atp", "dla"], choices=["atp", "dla"], help="--gemma's runs"
+    )
     ap.add_argument(
         "--from-log", nargs="+", metavar="LOG", help="print the line from earlier runs' stderr logs (merged)"
     )

@@ -345,6 +345,8 @@ def _extra(
     if name in ("generate", "knockout"):
         if _fused(request, t, device):  # only the edited heads run through flex_attention, padded
             return FUSED_COPIES * b * h * (t + 128) * d * item
+        if name == "knockout":  # a logit bias shared by the heads: SDPA with `[B, 1, rows, K]` masks
+            return BIAS_COPIES * b * min(state.bias_block_rows(b, t), t) * t * 4
         rows = min(state.QUERY_BLOCK, t)
         return kv_copies + BLOCKED_COPIES * b * h * rows * t * 4
     return 0
@@ -357,6 +359,11 @@ the probabilities, the masked probabilities, the analysis' own product and sum).
 BLOCKED_COPIES = 5
 """... on the blocked kernel's edited path (logits, biased logits, probabilities, edited pattern,
 its value product input)."""
+
+BIAS_COPIES = 4
+"""fp32 `[B, 1, rows, K]` masks alive at once on the blocked kernel's biased-SDPA path (knockout):
+the model's mask for the block, the bias block, the bias on its rows, their sum (clamped in place);
+SDPA reads query, key and value as they are."""
 
 FUSED_COPIES = 4
 """`[B, H, T_padded, d]` tensors the fused kernel adds (padded query, key, value, output)."""

@@ -43,13 +43,16 @@ class DLAResult:
     Attributes:
         heads: `[N, L, H, T]` fp32 term of head (l, h)'s output at position t on the logit
             difference read at t (frozen final-norm scale of position t; padding columns 0).
+            With chosen positions (`direct_logit_attribution(positions=...)`, listed in
+            `params["positions"]`) the last axis of every term is those `P` columns, in order,
+            and `position` below indexes them.
         mlp: `[N, L, T]` the MLP terms; `attn_bias`: `[N, L, T]` the output-projection bias terms.
         embed: `[N, T]` the embedding term (token + absolute position embeddings).
         bias: `[N, T]` the final norm's and the LM head's bias terms.
         rest: `[N, T]` what the recorded parts leave unexplained (`x_L` minus their sum).
         logit_diff: `[N, T]` the model's own logit difference at every position, before any
             output soft-cap (equal to the output's where the family has none).
-        labels: `T` token strings of pair 0's clean row (`""` on padding).
+        labels: `T` (or `P`) token strings of pair 0's clean row (`""` on padding).
         model: the model id.
         params: how it was computed.
         stability: the bootstrap over pairs of the last position's head ranking

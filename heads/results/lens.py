@@ -38,7 +38,7 @@ _PER_HEAD = ("head_answer", "head_counterfactual")
 
 @dataclass
 class LensResult:
-    """The logit lens at the last position, per layer.
+    """The logit lens at the last position (or at chosen positions), per layer.
 
     Entry l (< L) is the model's own output function (final norm, unembedding, logit scale,
     output soft-cap: `output_logits`) applied to the residual entering layer l; entry L is the
@@ -47,12 +47,13 @@ class LensResult:
     Attributes:
         answer_logit: `[N, L + 1]` logits of the answer token (mean over a pair's tokens) read
             from the residual entering layer l (index `L`: the final residual, i.e. the model's
-            output).
+            output). With chosen positions (`logit_lens(positions=...)`, listed in
+            `params["positions"]`) every per-layer field is `[N, L + 1, P]`.
         counterfactual_logit: `[N, L + 1]` the same for the counterfactual token.
         answer_rank: `[N, L + 1]` ranks (0 = top) of the first answer token.
         counterfactual_rank: `[N, L + 1]` ranks of the first counterfactual token.
         logit_diff: `[N, L + 1]` answer minus counterfactual.
-        top_tokens: per layer, the `k` most likely tokens of pair 0.
+        top_tokens: per layer, the `k` most likely tokens of pair 0 (at the last position read).
         head_answer: `[N, L, H]` each head's direct logit (frozen final scale, last position)
             of the answer token (`head_logits`); None unless asked for: `logit_lens` leaves it
             None, `logit_inspection` fills it (or call `head_logits(model, pairs)` directly).
@@ -96,7 +97,8 @@ class LensResult:
         return int(self.logit_diff.shape[1]) - 1
 
     def winner_share(self) -> torch.Tensor:
-        """`[L + 1]` share of pairs whose answer token out-scores the counterfactual per layer."""
+        """`[L + 1]` (`[L + 1, P]` at chosen positions) share of pairs whose answer token
+        out-scores the counterfactual per layer."""
         return (self.logit_diff > 0).float().mean(0)
 
     def head_scores(self) -> HeadScores:
@@ -125,20 +127,29 @@ class LensResult:
         )
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per lens point (layer `0 .. L`, `L` = the model's output): mean logits, logit
+        """One row per lens point (layer `0 .. L`, `L` = the model's output; with chosen
+        positions one row per point and position, a `position` column added): mean logits, logit
         difference, share where the answer wins, median ranks."""
         import pandas as pd
 
         n = self.logit_diff.shape[1]
+        columns = {
+            "answer_logit": self.answer_logit.mean(0),
+            "counterfactual_logit": self.counterfactual_logit.mean(0),
+            "logit_diff": self.logit_diff.mean(0),
+            "answer_wins": self.winner_share(),
+            "answer_rank": self.answer_rank.float().median(0).values,
+            "counterfactual_rank": self.counterfactual_rank.float().median(0).values,
+        }
+        if self.logit_diff.ndim == 2:
+            return pd.DataFrame({"layer": list(range(n)), **{k: v.numpy() for k, v in columns.items()}})
+        # chosen positions ([N, L + 1, P]): one row per lens point and position
+        positions = list(self.params.get("positions") or range(self.logit_diff.shape[2]))
         return pd.DataFrame(
             {
-                "layer": list(range(n)),
-                "answer_logit": self.answer_logit.mean(0).numpy(),
-                "counterfactual_logit": self.counterfactual_logit.mean(0).numpy(),
-                "logit_diff": self.logit_diff.mean(0).numpy(),
-                "answer_wins": self.winner_share().numpy(),
-                "answer_rank": self.answer_rank.float().median(0).values.numpy(),
-                "counterfactual_rank": self.counterfactual_rank.float().median(0).values.numpy(),
+                "layer": [la for la in range(n) for _ in positions],
+                "position": positions * n,
+                **{k: v.reshape(-1).numpy() for k, v in columns.items()},
             }
         )
 
@@ -175,11 +186,13 @@ class LensResult:
         """
         where = short_repr(str(path))
         data = read_result(path, SCHEMA, SCHEMA_VERSION, "LensResult")
-        first = decode(data.get("logit_diff"), f"{where}: logit_diff", (None, None))
-        n, points = first.shape
+        first = decode(data.get("logit_diff"), f"{where}: logit_diff")
+        if first.ndim not in (2, 3):
+            raise HeadsteerValueError(f"{where}: logit_diff must be [N, L + 1] or [N, L + 1, P]")
+        n, points = first.shape[:2]
         if points < 1:
             raise HeadsteerValueError(f"{where}: logit_diff must have at least one lens point")
-        per_layer = {f: decode(data.get(f), f"{where}: {f}", (n, points)) for f in _PER_LAYER}
+        per_layer = {f: decode(data.get(f), f"{where}: {f}", tuple(first.shape)) for f in _PER_LAYER}
         for f in ("answer_rank", "counterfactual_rank"):
             per_layer[f] = per_layer[f].long()
         heads_ = {

@@ -83,15 +83,15 @@ def _path_patch(model: HeadModel, pairs: Any, r: PathPatchRequest, options: Swee
 
 
 def _dla(model: HeadModel, pairs: Any, r: DLARequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.patching.logit import direct_logit_attribution
+    from heads.scorers.patching.logit import run_dla
 
-    return direct_logit_attribution(model, pairs, which=r.which, stability=r.stability)
+    return run_dla(model, pairs, r)
 
 
 def _lens(model: HeadModel, pairs: Any, r: LensRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.patching.logit import logit_lens
+    from heads.scorers.patching.logit import run_lens
 
-    return logit_lens(model, pairs, which=r.which, k=r.k)
+    return run_lens(model, pairs, r)
 
 
 def _knockout(model: HeadModel, pairs: Any, r: KnockoutRequest, options: SweepOptions | None) -> Any:

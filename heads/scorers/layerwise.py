@@ -29,10 +29,20 @@ from heads.engine.activations import ActivationEdit, ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.prefix import starting_at
+from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
 
-__all__ = ["default_every", "inputs_down", "record_inputs", "run_layer"]
+__all__ = [
+    "attention_half",
+    "checkpoint_layers",
+    "default_every",
+    "has_mid",
+    "inputs_down",
+    "mlp_half",
+    "record_inputs",
+    "run_layer",
+]
 
 
 class _Stop(Exception):
@@ -42,6 +52,25 @@ class _Stop(Exception):
 def default_every(n_layers: int) -> int:
     """Layers per recomputed segment: about sqrt(L) (then L / every + every is smallest)."""
     return max(1, round(math.sqrt(n_layers)))
+
+
+def checkpoint_layers(n_layers: int) -> list[int]:
+    """Layers whose input `record_inputs` keeps for `inputs_down`, segments shrinking to the top.
+
+    While the walk is in the segment starting at checkpoint i (counted from the bottom), the
+    checkpoints below it and that segment's inputs are alive: `i + size_i` residual copies. With
+    sizes m, m - 1, m - 2, ... from the bottom (m the smallest with m (m + 1) / 2 >= L) that is at
+    most m ~ sqrt(2 L) copies everywhere (8 for 30 layers, against L / every + every = 11 for
+    evenly spaced ones), and each layer is still recomputed once.
+    """
+    m = 1
+    while m * (m + 1) // 2 < n_layers:
+        m += 1
+    starts, at = [], 0
+    while at < n_layers:
+        starts.append(at)
+        at += m - len(starts) + 1
+    return starts
 
 
 def _run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -113,15 +142,19 @@ def inputs_down(
     ids: torch.Tensor,
     mask: torch.Tensor,
     sparse: dict[int, torch.Tensor],
-    every: int,
+    every: int | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """`(l, [R, T, D] the residual entering layer l)` for l = L-1 .. 0, from the residuals `sparse`
-    recorded at layers 0, every, 2 every, ... (`record_inputs`); each segment is recomputed
-    without gradients when the walk reaches it, and its entries are dropped once yielded (`sparse`
-    is emptied as the walk goes down)."""
+    recorded at layers 0 < l1 < l2 ... (`record_inputs`: every `every`-th layer, or
+    `checkpoint_layers`); the segment from one recorded layer to the next (`every` is not read:
+    the next recorded layer ends a segment, the top one ends at L) is recomputed without
+    gradients when the walk reaches it, and its entries are dropped once yielded (`sparse` is
+    emptied as the walk goes down)."""
     L = model.n_layers
-    for start in sorted(sparse, reverse=True):
-        stop = min(start + every, L)
+    starts = sorted(sparse)
+    ends = dict(zip(starts, [*starts[1:], L], strict=True))
+    for start in reversed(starts):
+        stop = ends[start]
         x = sparse.pop(start)
         seg = _segment(model, ids, mask, start, stop, x)
         seg[start] = x
@@ -152,6 +185,85 @@ def run_layer(
         stack.enter_context(editing(model, site_edits, require_fired=False))
         try:
             out = _run(model, ids, mask)
+        except _Stop:
+            return box[-1]
+    logits: torch.Tensor = out.logits[:, -1]
+    return logits
+
+
+def has_mid(model: HeadModel) -> bool:
+    """Whether the model's blocks have a `resid_mid` site (attention, then the MLP on its output:
+    `attention_half` / `mlp_half` apply); False for parallel blocks (GPT-J, Falcon, Phi)."""
+    try:
+        with editing(model, [ActivationEdit("resid_mid", 0, _read)], require_fired=False):
+            return True
+    except HeadsteerValueError:
+        return False
+
+
+def _read(x: torch.Tensor, call: AttentionCall) -> None:
+    return None
+
+
+def attention_half(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    edits: Sequence[Edit] = (),
+) -> torch.Tensor:
+    """The attention half of layer `layer` with gradients from `x` (`[R, T, D]`, the residual
+    entering it, a leaf that requires grad), with `edits` (of that layer's attention half): the
+    stream between its attention and its MLP, `resid_mid` `[R, T, D]` (the forward stops at the
+    MLP). Needs `has_mid(model)`."""
+    box: list[torch.Tensor] = []
+    site_edits: list[Edit] = [ActivationEdit("residual", layer, _replace(x)), *edits]
+    site_edits.append(ActivationEdit("resid_mid", layer, _stop(box)))
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(starting_at(model, layer, x.detach() if layer else None))
+        stack.enter_context(editing(model, site_edits, require_fired=False))
+        try:
+            _run(model, ids, mask)
+        except _Stop:
+            return box[-1]
+    raise RuntimeError(f"the forward never reached the MLP of layer {layer}")
+
+
+def mlp_half(
+    model: HeadModel,
+    ids: torch.Tensor,
+    layer: int,
+    mid: torch.Tensor,
+    start: int,
+    edits: Sequence[Edit] = (),
+) -> torch.Tensor:
+    """The MLP half of layer `layer` with gradients on the positions `start .. start + c - 1`
+    only, from `mid` (`[R, c, D]`, their `resid_mid`, a leaf that requires grad): their stream
+    leaving the layer `[R, c, D]`, or for the last layer the logits `[R, V]` at position
+    `start + c - 1` (the model's dtype). Exact: the MLP half is position-wise (norms, MLP, MoE
+    routing are per token), so its output at a position depends on that position's `resid_mid`
+    only. The forward runs the layer on those positions (`ids[:, start : start + c]`) from
+    `mid`; the attention it computes on them is replaced by `mid` (`resid_mid`), so only the
+    MLP half's graph is kept, `c / T` of the whole layer's MLP graph. Needs `has_mid(model)`."""
+    stop = start + mid.shape[1]
+    piece = ids[:, start:stop]
+    site_edits: list[Edit] = [
+        ActivationEdit("residual", layer, _replace(mid.detach())),
+        ActivationEdit("resid_mid", layer, _replace(mid)),
+        *edits,
+    ]
+    box: list[torch.Tensor] = []
+    last = layer == model.n_layers - 1
+    if not last:
+        site_edits.append(ActivationEdit("resid_post", layer, _stop(box)))
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(starting_at(model, layer, mid.detach() if layer else None))
+        stack.enter_context(editing(model, site_edits, require_fired=False))
+        try:
+            out = _run(model, piece, torch.ones_like(piece))
         except _Stop:
             return box[-1]
     logits: torch.Tensor = out.logits[:, -1]

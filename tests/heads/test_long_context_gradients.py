@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from heads.scorers import layerwise
 from heads.scorers.patching import logit
 from heads.scorers.patching.activation import record_run
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
@@ -34,19 +35,54 @@ class _Saved:
 
 def test_atp_walk_frees_each_layers_graph_before_the_next(tiny_llama, monkeypatch):
     seen: list[tuple[int, int]] = []
-    real = atp.run_layer
+    real = atp.attention_half  # each layer's graph starts with its attention half
 
-    def run_layer(model, ids, mask, layer, x, edits=()):
+    def attention_half(model, ids, mask, layer, x, edits=()):
         seen.append((layer, _Saved.alive))  # saved tensors alive as this layer starts
         return real(model, ids, mask, layer, x, edits)
 
-    monkeypatch.setattr(atp, "run_layer", run_layer)
+    monkeypatch.setattr(atp, "attention_half", attention_half)
     with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda box: box.t):
         got = attribute(tiny_llama, ["The quick brown fox jumps over the lazy dog"], template=None)
     L = tiny_llama.n_layers
     assert [la for la, _ in seen] == list(range(L - 1, -1, -1))  # one walk, top down (KL: 4 flows)
     assert all(n == 0 for _, n in seen), seen  # the top layer's graph (KL's scalars) is not kept
     assert torch.isfinite(got.per_prompt).all()
+
+
+def test_checkpoint_layers_keep_few_residuals_and_cover_every_layer():
+    for L in (1, 2, 3, 7, 18, 30, 80):
+        starts = layerwise.checkpoint_layers(L)
+        sizes = [b - a for a, b in zip(starts, [*starts[1:], L], strict=True)]
+        assert starts[0] == 0 and all(s >= 1 for s in sizes) and sum(sizes) == L
+        alive = max(i + s for i, s in enumerate(sizes))  # checkpoints below + the segment's inputs
+        assert alive * (alive + 1) // 2 < L + alive  # about sqrt(2 L): m with m (m + 1) / 2 >= L
+    assert max(i + s for i, s in enumerate([8, 7, 6, 5, 4])) == 8  # 30 layers: 8 copies, not 11
+    assert layerwise.checkpoint_layers(30) == [0, 8, 15, 21, 26]
+
+
+@pytest.mark.parametrize("kw", [{"ablation": "sc"}, {"ablation": "ua", "graddrop": True}])
+def test_atp_mlp_in_chunks_equals_the_whole_layer(tiny_llama, monkeypatch, kw):
+    """The MLP half run in position chunks (2 positions each; the top layer at the last position)
+    gives the estimate of the layer run whole (the path of blocks without a `resid_mid`)."""
+    prompts = ["The quick brown fox jumps over the lazy dog", "A tale of two cities"]
+    monkeypatch.setattr(atp, "has_mid", lambda model: False)
+    whole = attribute(tiny_llama, prompts, template=None, **kw).per_prompt
+    monkeypatch.undo()
+    pieces: list[int] = []
+    real = atp.mlp_half
+
+    def mlp_half(model, ids, layer, mid, start, edits=()):
+        pieces.append(mid.shape[1])
+        return real(model, ids, layer, mid, start, edits)
+
+    monkeypatch.setattr(atp, "mlp_half", mlp_half)
+    monkeypatch.setattr(atp, "MLP_MIN_ROWS", 2)
+    monkeypatch.setattr(atp, "MLP_CHUNKS", 64)
+    chunked = attribute(tiny_llama, prompts, template=None, **kw).per_prompt
+    assert max(pieces) == 2 and 1 in pieces  # several chunks per layer, the top at one position
+    assert float(whole.abs().max()) > 0
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
 
 
 PAIRS = [
@@ -64,23 +100,27 @@ PAIRS = [
 
 def test_lens_keeps_the_last_position_only(tiny_any, monkeypatch):
     """`_record_last` equals the last column of the full cache bitwise (every family, padded
-    rows); the lens and `head_logits` run without `record_run` (its every-position cache)."""
+    rows); the lens, `head_logits` and DLA (streamed, issue 41 item 2) run without `record_run`
+    (its every-position cache)."""
     pairs = encode_pairs(tiny_any, PAIRS)
     mask = pairs.attention_mask
     cache = record_run(tiny_any, pairs.clean_ids, mask, final=True, keys=False)
     resid, zs, final = logit._record_last(tiny_any, pairs.clean_ids, mask, heads=True)
     for la in range(tiny_any.n_layers):
-        assert torch.equal(resid[la], cache.residuals[la][:, -1])
+        assert torch.equal(resid[la][:, 0], cache.residuals[la][:, -1])
         assert torch.equal(zs[la], cache.z[la][:, -1:])
-    assert cache.final is not None and torch.equal(final, cache.final[:, -1].float().cpu())
+    assert cache.final is not None and torch.equal(final[:, 0], cache.final[:, -1].float().cpu())
 
     def refused(*args: object, **kw: object) -> None:
         raise AssertionError("the lens recorded the full cache")
 
-    monkeypatch.setattr(logit, "record_run", refused)
+    from heads.scorers.patching import activation, record
+
+    monkeypatch.setattr(record, "record_run", refused)
+    monkeypatch.setattr(activation, "record_run", refused)
     lens = logit.logit_lens(tiny_any, pairs)
     assert lens.logit_diff.shape == (pairs.n, tiny_any.n_layers + 1)
     a, w = logit.head_logits(tiny_any, pairs)
     assert a.shape == w.shape == (pairs.n, tiny_any.n_layers, tiny_any.n_heads)
-    with pytest.raises(AssertionError, match="full cache"):
-        logit.direct_logit_attribution(tiny_any, pairs)  # every position: DLA keeps the cache
+    dla = logit.direct_logit_attribution(tiny_any, pairs)  # every position, streamed
+    assert dla.heads.shape == (pairs.n, tiny_any.n_layers, tiny_any.n_heads, pairs.width)

@@ -177,8 +177,19 @@ def test_pattern_readers_plan_within_15_percent_of_their_live_bytes(tokenizer):
     hm = HeadModel(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), tokenizer, "t")
     task = needle_task(tokenizer, 512, seed=0)
     ids = torch.tensor([task.input_ids])
+    from heads.engine.context import editing
+    from heads.engine.knockout import KnockoutBias
+
+    needle = torch.zeros(1, ids.shape[1], dtype=torch.bool)
+    needle[0, slice(*task.needle)] = True
+
+    def knockout() -> None:  # the needle's columns blocked from every row, every layer and head
+        with editing(hm, [KnockoutBias(layer=la, keys=needle) for la in range(cfg.num_hidden_layers)]):
+            hm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
     runs = {
         "forward": lambda: hm.model(input_ids=ids, use_cache=False, logits_to_keep=1),
+        "knockout": knockout,
         "sinks": lambda: sink_stats(hm, [task.text(tokenizer)], chat=False, markup=False),
         "detectors": lambda: pattern_scores(hm, ids),
         "qrhead": lambda: qr_tokens(hm, task.question, task.passages, chat=False),
@@ -196,6 +207,9 @@ def test_pattern_readers_plan_within_15_percent_of_their_live_bytes(tokenizer):
         assert planned[name] > planned["forward"]  # 4 query blocks: the readers add to the peak
         assert abs(planned[name] - measured[name]) <= 0.15 * measured[name], (name, planned, measured)
     assert measured["qrhead"] <= planned["qrhead"] <= 2 * measured["qrhead"]
+    # knockout's masks live beside the attention, below the MLP's peak here: within 15% of it
+    # (the plan assumed 1,024-row pattern blocks per head: 4x the forward's activations)
+    assert abs(planned["knockout"] - measured["knockout"]) <= 0.15 * measured["knockout"], (planned, measured)
     assert plan_memory(cfg, "gradient", 512).peak > plan_memory(cfg, "forward", 512).peak
 
 

@@ -1,8 +1,9 @@
 """The functional API over the requests (issue 38 item 3): `path_patch`, `find_circuit`,
-`detect_roles`, `train_lens` and `head_atlas` build their request and run it through
-`run_<analysis>`, so the function and `heads.run(model, request, inputs)` give the same result,
-a bad value is refused by the request class itself with the message the function gives, and the
-deprecated loose keywords warn at the caller's line."""
+`detect_roles`, `train_lens`, `head_atlas`, `direct_logit_attribution` and `logit_lens` build
+their request and run it through `run_<analysis>`, so the function and
+`heads.run(model, request, inputs)` give the same result, a bad value is refused by the request
+class itself with the message the function gives, and the deprecated loose keywords warn at the
+caller's line."""
 
 from __future__ import annotations
 
@@ -337,3 +338,22 @@ def test_path_patch_frozen_mlps_refused_from_the_config(family):
         path_patch(shared_family_model(family), _pairs(), mlp="frozen", options=ran)
     assert str(by_function.value) == str(by_config.value)
     PathPatchRequest(mlp="frozen").check_config(_tiny_config("llama"))  # one MLP site: accepted
+
+
+def test_dla_and_lens_at_positions_equal_their_request_runs(tiny_llama):
+    """`positions` (issue 41 item 2) goes through the request: the function and `heads.run` of the
+    request's JSON give the same result at the same columns."""
+    from heads.scorers.patching.logit import direct_logit_attribution, logit_lens
+    from heads.scorers.patching.request import DLARequest, LensRequest
+
+    pairs = _pairs()
+    got = direct_logit_attribution(tiny_llama, pairs, positions=[-1, 0])
+    want = run(tiny_llama, DLARequest(positions=[-1, 0]).to_json(), pairs)
+    assert got.heads.shape[-1] == 2 and got.params == want.params
+    for term in got.TERMS:
+        torch.testing.assert_close(getattr(got, term), getattr(want, term), rtol=0, atol=0)
+    lens = logit_lens(tiny_llama, pairs, positions=[1, -1], k=2)
+    other = run(tiny_llama, LensRequest(positions=[1, -1], k=2).to_json(), pairs)
+    assert lens.logit_diff.shape == (2, tiny_llama.n_layers + 1, 2) and lens.params == other.params
+    torch.testing.assert_close(lens.logit_diff, other.logit_diff, rtol=0, atol=0)
+    assert lens.top_tokens == other.top_tokens

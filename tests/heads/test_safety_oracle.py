@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from heads import encode_prompts
+from heads.scorers.safety import atp
 from heads.scorers.safety.attribution import attribute, logit_diff
 from heads.scorers.safety.ships import ships
 
@@ -107,7 +108,17 @@ def _per_head(hm, grad, delta) -> torch.Tensor:
     return (grad * delta).view(grad.shape[0], hm.n_heads, hm.d_head).sum((0, 2))
 
 
-def test_attribution_estimate_equals_the_first_order_formula(tiny_llama):
+@pytest.fixture(params=["whole", "chunked"])
+def mlp_rows(request, monkeypatch):
+    """The MLP half in one chunk (short prompts) or in chunks of 2 positions
+    (`heads.scorers.safety.atp.MLP_MIN_ROWS`): the same estimate either way."""
+    if request.param == "chunked":
+        monkeypatch.setattr(atp, "MLP_MIN_ROWS", 2)
+        monkeypatch.setattr(atp, "MLP_CHUNKS", 64)
+    return request.param
+
+
+def test_attribution_estimate_equals_the_first_order_formula(tiny_llama, mlp_rows):
     hm = tiny_llama
     got = attribute(hm, PROMPTS, eps=EPS, metric=logit_diff(TARGETS, FOILS), template=None).per_prompt
     want = torch.zeros_like(got)
@@ -119,7 +130,7 @@ def test_attribution_estimate_equals_the_first_order_formula(tiny_llama):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_ships_estimate_equals_the_coarse_kl_formula(tiny_llama):
+def test_ships_estimate_equals_the_coarse_kl_formula(tiny_llama, mlp_rows):
     """Ships' KL estimate: d_j = first-order change of log p_j for the top-4 clean tokens;
     p'_j = p_j exp(d_j), the rest class 1 - sum p'_j (at least 1e-4 of the clean rest), all
     renormalised; KL(coarse p || coarse p')."""

@@ -260,3 +260,25 @@ def test_report_checks_its_pairs_with_the_tokenizer_before_the_weights(
     )
     one_line_error(r, "positions must align")
     assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("command", ["qk", "attention"])
+def test_report_checks_prompt_length_before_the_weights(
+    no_load, tiny_llama, tiny_llama_dir, tmp_path, command
+):
+    """`report qk --task FILE` and `report attention --prompt TEXT`: a prompt over the model's
+    positions is refused from the tokenizer and config alone, naming the flag (it was refused
+    after the weights loaded)."""
+    words = " ".join(["word"] * (tiny_llama.max_positions + 8))
+    if command == "qk":
+        path = tmp_path / "long.txt"
+        path.write_text(words + "\n")
+        extra = ["--task", str(path), "--head", "0.0"]
+    else:
+        extra = ["--prompt", f"**{words}**"]
+    out = tmp_path / "r.html"
+    r = CliRunner().invoke(app, ["report", command, *extra, "--out", str(out), "--model", tiny_llama_dir])
+    flag = "--task" if command == "qk" else "--prompt"
+    one_line_error(r, f"{flag}: a sequence of")
+    assert "exceeds the model's limit of" in r.output
+    assert not out.exists()

@@ -41,6 +41,10 @@ def report_attention(
     check_prompt(prompt, emphasize, option="--prompt")
     out = run.output(out, suffixes=HTML)
     csv = run.output(out.with_suffix(".csv"))
+    from viz.cli.run_request import check_inputs
+
+    # a prompt over the model's positions is refused from the tokenizer and config, before the weights
+    check_inputs(run.model, [prompt.replace("**", "")], pairs=False, option="--prompt")
     hm = run.load()
     with run.status("scoring heads…"):
         attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize, overwrite=run.force)

@@ -37,10 +37,14 @@ def report_qk(
             raise typer.BadParameter(
                 f"{short_repr(task)} is neither {' / '.join(TASKS)} nor a prompt file", param_hint="--task"
             )
-        read_prompt_file(task)  # a bad file fails here, before the model loads
+        given = read_prompt_file(task)[:prompts]  # a bad file fails here, before the model loads
     out = run.output(out, suffixes=(".html", ".htm"))
     js = run.output(out.with_suffix(".json"))
     check_request(run, options, request)
+    if task not in TASKS:  # a prompt over the model's positions: tokenizer and config alone
+        from viz.cli.run_request import check_inputs
+
+        check_inputs(run.model, given, pairs=False, option="--task")
     hm = run.load()
     with run.progress(qk_steps(), "qk") as step:
         _, summary = qk_report(

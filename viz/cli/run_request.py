@@ -58,11 +58,11 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     return read_prompt_file(inputs)[:n]
 
 
-def check_inputs(model: str | None, given: Any, *, pairs: bool) -> None:
+def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "--inputs") -> None:
     """Check `given` (prompt pairs when `pairs`, else text prompts) with `model`'s tokenizer and
     config alone, before any weight is read: a pair's answer that is not one token, clean and
     corrupted prompts of different token lengths (`encode_pairs`, plain text), a prompt longer
-    than the model's positions.
+    than the model's positions (the message names `option`, the flag the inputs came from).
 
     Raises:
         HeadsteerValueError: the first of these, as the analysis would raise it after loading.
@@ -80,7 +80,7 @@ def check_inputs(model: str | None, given: Any, *, pairs: bool) -> None:
     longest = max(lengths, default=0)
     if limit is not None and longest > limit:
         raise HeadsteerValueError(
-            f"--inputs: a sequence of {longest} tokens exceeds the model's limit of {limit} positions"
+            f"{option}: a sequence of {longest} tokens exceeds the model's limit of {limit} positions"
         )
 
 

@@ -1,7 +1,8 @@
 """Direct logit attribution (DLA), the logit lens and comp-mech's logit inspection (no patching).
 
-One unedited forward of the clean prompts is recorded (`activation.record_run`, plus a hook on
-the final norm's input). The last residual stream before the final norm is a sum of parts:
+One unedited forward of the clean prompts, read at the engine's sites and projected on the answer
+direction as it runs (`heads.scorers.patching.dla_stream`: no cache of the run is kept). The last
+residual stream before the final norm is a sum of parts:
 
     x_L(t) = e(t) + sum_l [ sum_h z_{l,h}(t) W_O^{l,h} + b_O^l + m_l(t) ]
 
@@ -15,7 +16,8 @@ the parts:
 
 (`g` the final norm's gain; LayerNorm also centres `u`; the bias terms are the norm's bias and
 the LM head's bias, projected on the same direction). `direct_logit_attribution` returns
-every head's term at every position (`[N, L, H, T]`; at `t = T - 1` these sum with the
+every head's term at every position (`[N, L, H, T]`) or at chosen ones (`positions=`,
+`[N, L, H, P]`; at `t = T - 1` these sum with the
 embedding, bias, MLP and rest terms to the model's logit difference: the `rest` term is what
 the recorded parts do not explain, ~1e-6 on pre-norm families). Sources: Elhage et al. 2021
 (residual-stream decomposition), nostalgebraist 2020 (the logit lens), TransformerLens'
@@ -40,11 +42,12 @@ cap is not linear, and the terms sum to the uncapped difference (`DLAResult.logi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 
+from heads._util.validation import short_repr
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
@@ -55,7 +58,7 @@ from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
 from heads.results.lens import LensResult as LensResult  # the same
-from heads.scorers.patching.activation import RunCache, record_run
+from heads.scorers.patching.dla_stream import _o_matrices, _residual_scale, stream_dla
 from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
 from heads.scorers.patching.request import DLARequest, LensRequest
@@ -69,6 +72,8 @@ __all__ = [
     "logit_inspection",
     "logit_lens",
     "norm_parts",
+    "run_dla",
+    "run_lens",
 ]
 
 
@@ -116,21 +121,20 @@ def _norm_parts(model: HeadModel) -> tuple[str, torch.Tensor, torch.Tensor | Non
     return norm_parts(model, model.final_norm, model.W_U.shape[0])
 
 
-def _record(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[RunCache, torch.Tensor]:
-    """The run's cache and the final norm's input `[N, T, D]` (fp32, CPU): the stream leaving the
-    last block (the engine's `resid_post` site, read by the same forward)."""
-    cache = record_run(model, ids, mask, final=True, keys=False)
-    return cache, cast(torch.Tensor, cache.final).float().cpu()
-
-
 def _record_last(
-    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, *, heads: bool = False
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    heads: bool = False,
+    cols: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """One forward keeping the last position only, all the lens and `head_logits` read: `(the
-    residual entering every layer [N, D] each (the model's dtype), the heads' outputs
-    [N, 1, H, d] each with `heads` (else []), the stream leaving the last block [N, D] fp32 CPU)`.
+    """One forward keeping the last position only (or the padded columns `cols [P]`), all the
+    lens and `head_logits` read: `(the residual entering every layer [N, P, D] each (the model's
+    dtype), the heads' outputs [N, P, H, d] each with `heads` (else []), the stream leaving the
+    last block [N, P, D] fp32 CPU)`, `P = 1` by default.
 
-    `L + 1` vectors per row (plus `L H d` values with `heads`), where the run's full cache
+    `(L + 1) P` vectors per row (plus `L H d P` values with `heads`), where the run's full cache
     (`record_run`: every layer's activations at every position and the KV cache) held about 13x
     a plain forward's peak at 1k-2k tokens on SmolLM2 (benchmarks/long_context_analyses.py)."""
     L = model.n_layers
@@ -138,7 +142,8 @@ def _record_last(
 
     def keep(key: tuple[str, int]) -> Callable[[torch.Tensor, AttentionCall], None]:
         def fn(x: torch.Tensor, call: AttentionCall) -> None:
-            kept[key] = x[:, -1:].detach().clone()
+            x = x.detach()
+            kept[key] = x[:, -1:].clone() if cols is None else x[:, cols.to(x.device)]
 
         return fn
 
@@ -155,18 +160,19 @@ def _record_last(
             use_cache=False,
             logits_to_keep=1,
         )
-    resid = [kept[("residual", la)][:, 0] for la in range(L)]
+    resid = [kept[("residual", la)] for la in range(L)]
     zs = [kept[("z", la)] for la in range(L)] if heads else []
-    return resid, zs, kept[("final", L - 1)][:, 0].float().cpu()
+    return resid, zs, kept[("final", L - 1)].float().cpu()
 
 
 def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """`(u_answer [N, D], u_counterfactual [N, D])`: mean unembedding columns of each pair's
     answer / counterfactual tokens (fp32)."""
-    wu = model.W_U.float().cpu()  # [D, V]
+    wu = model.W_U  # [D, V], the model's dtype and device: only the columns read are copied
 
     def mean_cols(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        cols = wu[:, ids.reshape(-1)].T.reshape(*ids.shape, -1)  # [N, A, D]
+        picked = wu[:, ids.reshape(-1).to(wu.device)].float().cpu()
+        cols = picked.T.reshape(*ids.shape, -1)  # [N, A, D]
         m = mask.float()[..., None]
         return (cols * m).sum(1) / m.sum(1).clamp(min=1)
 
@@ -182,23 +188,9 @@ def _logit_scale(model: HeadModel) -> tuple[float, bool]:
     return scale, before
 
 
-def _residual_scale(model: HeadModel, layer: int) -> float:
-    """The factor block `layer` applies to its attention and MLP outputs before they join the
-    residual stream (Granite's `residual_multiplier`; 1 for most families)."""
-    name = model.family.residual_scale
-    return 1.0 if name is None else float(getattr(model.layers[layer], name))
-
-
 def _lm_bias(model: HeadModel) -> torch.Tensor | None:
     b = getattr(model.unembed, "bias", None)
     return None if b is None else b.detach().float().cpu()
-
-
-def _o_matrices(model: HeadModel, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`W_O [H, d, D]` and the output bias `[D]` (or None) of `layer`, fp32 CPU."""
-    w = model._o_weight(layer).detach().float().cpu()  # [H*d, D]
-    b = getattr(model.out_projs[layer], "bias", None)
-    return w.reshape(model.n_heads, model.d_head, -1), (None if b is None else b.detach().float().cpu())
 
 
 def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
@@ -212,39 +204,80 @@ def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ DLA
+def _columns(positions: tuple[int, ...] | None, width: int) -> torch.Tensor | None:
+    """`[P]` the padded columns of `positions` (negative counted from the end), or None for every
+    column.
+
+    Raises:
+        ValueError: a position outside the pairs' padded width, named."""
+    if positions is None:
+        return None
+    for p in positions:
+        if not -width <= p < width:
+            raise HeadsteerValueError(
+                f"positions: {short_repr(p)} is outside the pairs' {width} positions (-{width}..{width - 1})"
+            )
+    return torch.tensor([p % width for p in positions], dtype=torch.long)
+
+
 @torch.no_grad()
 def direct_logit_attribution(
-    model: HeadModel, pairs: PairBatch, *, which: str = "clean", stability: int = 0
+    model: HeadModel,
+    pairs: PairBatch,
+    *,
+    which: str = "clean",
+    stability: int = 0,
+    positions: Sequence[int] | None = None,
 ) -> DLAResult:
-    """DLA of every head, MLP and the embeddings on the logit difference, at every position.
+    """DLA of every head, MLP and the embeddings on the logit difference, at every position or
+    at chosen ones.
+
+    One forward, streamed: each layer's parts are projected on the answer direction as the
+    forward reaches them (`heads.scorers.patching.dla_stream`); kept are the `[N, L, H, P]`
+    terms, one running sum of the parts and the last residual at the `P` positions read (about
+    1.1x a plain forward's peak memory at every position on SmolLM2, ~1x at a few positions).
 
     Args:
-        model: the model (any backend that `record_run` supports; post-norm families under the
-            frozen-scale convention, see the module docstring).
+        model: the model (any backend; post-norm families under the frozen-scale convention,
+            see the module docstring).
         pairs: encoded pairs (answer and counterfactual tokens are required).
         which: `"clean"` (default) or `"corrupted"`: the rows to run.
         stability: bootstrap resamples of the pairs (default 0: none; e.g. 100) for the
-            stability of the last position's head ranking (`result.stability`, no extra forward).
+            stability of the head ranking at the last position read (`result.stability`, no
+            extra forward).
+        positions: padded columns to attribute at (ints, negative from the end; default None:
+            every position). The result's last axis is then these columns in the given order
+            (`P` of them; `result.labels` their tokens), each equal to the every-position
+            result's column.
 
     Returns:
-        a `DLAResult` (fp32, CPU). Exactness: at the last position `total()` equals the model's
-        logit difference before any output soft-cap within float error (tested: 1e-5 on a tiny
-        fp32 model of every family DLA accepts, with logit scales and residual multipliers
-        switched on; 1e-4 on the embedded model).
+        a `DLAResult` (fp32, CPU, logit units): `heads [N, L, H, P]`, `mlp` / `attn_bias`
+        `[N, L, P]`, `embed` / `bias` / `rest` / `logit_diff` `[N, P]` (`P = T` by default).
+        Exactness: at the last position `total()` equals the model's logit difference before any
+        output soft-cap within float error (tested: 1e-5 on a tiny fp32 model of every family
+        DLA accepts, with logit scales and residual multipliers switched on; 1e-4 on the
+        embedded model).
 
     Raises:
         ValueError: pairs without counterfactual tokens, a final or post-attention norm whose
-            scale cannot be frozen (`norm_parts`), `which` not clean/corrupted, ids outside the
-            vocabulary, prompts longer than the model's context (all before the forward); a
-            recorded post-norm output that is not the norm of the heads' projection.
-        TypeError: pairs not a `PairBatch`.
+            scale cannot be frozen (`norm_parts`), `which` not clean/corrupted, positions not a
+            non-empty list or outside the pairs' width (named), ids outside the vocabulary,
+            prompts longer than the model's context (all before the forward); a recorded
+            post-norm output that is not the norm of the heads' projection.
+        TypeError: pairs not a `PairBatch`; a position not an int.
     """
-    request = DLARequest(which=which, stability=stability)  # its checks, once
+    return run_dla(model, pairs, DLARequest(which=which, stability=stability, positions=positions))
+
+
+@torch.no_grad()
+def run_dla(model: HeadModel, pairs: PairBatch, request: DLARequest) -> DLAResult:
+    """`direct_logit_attribution` of a `DLARequest` (what `heads.run` calls); see there."""
     which, stability = request.which, request.stability
     _check_input(model, pairs)
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
+    cols = _columns(cast("tuple[int, ...] | None", request.positions), pairs.width)
     post, tol = _post_norms(model), _tol(model)
     if stability:
         from heads.scorers.stability import check_samples
@@ -258,35 +291,22 @@ def direct_logit_attribution(
     if kind == "layer":
         u = u - u.mean(-1, keepdim=True)
     mask = pairs.attention_mask
-    cache, x_final = _record(model, ids, mask)
-    s = frozen_scale(kind, x_final, eps)  # [N, T]
-    real = mask.float()
-    L, H = model.n_layers, model.n_heads
-
-    def proj(v: torch.Tensor) -> torch.Tensor:  # [N, T, D] -> [N, T]
-        return torch.einsum("ntd,nd->nt", v.float().cpu(), u) * s * real
-
-    heads = torch.zeros(pairs.n, L, H, pairs.width)
-    mlp = torch.zeros(pairs.n, L, pairs.width)
-    attn_bias = torch.zeros(pairs.n, L, pairs.width)
-    parts = cache.residuals[0].float().cpu().clone()
-    embed = proj(cache.residuals[0])
+    got = stream_dla(model, ids, mask, u, post, tol, cols)
+    x_final = cast(torch.Tensor, got.final)  # [N, P, D]
+    s = frozen_scale(kind, x_final, eps)  # [N, P]
+    real = mask.float() if cols is None else mask.float()[:, cols]
+    L, H, P = model.n_layers, model.n_heads, x_final.shape[1]
+    heads = torch.zeros(pairs.n, L, H, P)
+    mlp = torch.zeros(pairs.n, L, P)
+    attn_bias = torch.zeros(pairs.n, L, P)
     for la in range(L):
-        wo, bo = _o_matrices(model, la)  # [H, d, D]
         r = _residual_scale(model, la)  # what the block's outputs are scaled by on joining the stream
-        z = cache.z[la].float().cpu()  # [N, T, H, d]
-        raw = cache.attn_out[la].float().cpu()
-        terms, head_sum = head_terms(z, wo, bo, u, post[la], raw, tol)  # post-norm: frozen scale
-        heads[:, la] = terms * (s * real)[:, None, :] * r
-        attn = raw * r
-        mlp_out = cache.mlp_out[la].float().cpu() * r
-        parts += attn + mlp_out
-        # what the block's attention output holds beyond the heads (the o_proj bias, a post-norm's bias)
-        beyond = attn - cast(torch.Tensor, head_sum) * r
-        attn_bias[:, la] = proj(beyond)
-        mlp[:, la] = proj(mlp_out)
-    rest = proj(x_final - parts)
-    bias = torch.zeros(pairs.n, pairs.width)
+        heads[:, la] = got.heads[la] * (s * real)[:, None, :] * r
+        attn_bias[:, la] = got.attn_u[la] * s * real
+        mlp[:, la] = got.mlp_u[la] * s * real
+    embed = cast(torch.Tensor, got.embed_u) * s * real
+    rest = cast(torch.Tensor, got.rest_u) * s * real
+    bias = torch.zeros(pairs.n, P)
     if nbias is not None:
         bias = bias + (du @ nbias)[:, None]
     lb = _lm_bias(model)
@@ -298,13 +318,18 @@ def direct_logit_attribution(
         )
         bias += diff[:, None] * (1.0 if _logit_scale(model)[1] else scale)
     bias = bias * real
-    # the model's own logit difference at every position (from the normed final residual),
+    # the model's own logit difference at every position read (from the normed final residual),
     # before any output soft-cap
     normed = model.final_norm(x_final.to(model.device, model.dtype)).float().cpu()
     ld = torch.einsum("ntd,nd->nt", normed, du)
     if lb is not None:
         ld = ld + bias
     ld = ld * real
+    labels = _labels(model, pairs)
+    params: dict[str, object] = {"which": which, "norm": kind, "frozen_scale": True}
+    if cols is not None:
+        labels = [labels[int(c)] for c in cols]
+        params["positions"] = list(cast("tuple[int, ...]", request.positions))
     result = DLAResult(
         heads,
         mlp,
@@ -313,10 +338,10 @@ def direct_logit_attribution(
         bias,
         rest,
         ld,
-        _labels(model, pairs),
+        labels,
         getattr(model, "name", ""),
         model.n_kv_heads,
-        {"which": which, "norm": kind, "frozen_scale": True},
+        params,
     )
     if stability:
         from heads.scorers.stability import pair_templates
@@ -327,63 +352,91 @@ def direct_logit_attribution(
 
 # ------------------------------------------------------------------------------ lenses
 @torch.no_grad()
-def logit_lens(model: HeadModel, pairs: PairBatch, *, which: str = "clean", k: int = 5) -> LensResult:
+def logit_lens(
+    model: HeadModel,
+    pairs: PairBatch,
+    *,
+    which: str = "clean",
+    k: int = 5,
+    positions: Sequence[int] | None = None,
+) -> LensResult:
     """The logit lens (nostalgebraist 2020): the model's output function (final norm,
     unembedding and every step after it: a logit scale, the output soft-cap; `output_logits`) of
-    the residual entering every layer, at the last position. The last entry is the model's
-    output (tested on every family).
+    the residual entering every layer, at the last position or at chosen ones. The last entry is
+    the model's output (tested on every family).
+
+    One forward keeping the residual entering each layer at the positions read only (`(L + 1) P`
+    vectors per row), then `(L + 1) P` rows of logits (`V` floats each).
 
     Args:
         which: `"clean"` (default) or `"corrupted"`.
-        k: top tokens kept per layer for pair 0 (default 5).
+        k: top tokens kept per layer for pair 0 (default 5; at the last position read).
+        positions: padded columns to read (ints, negative from the end; default None: the last
+            position only).
 
     Returns:
-        a `LensResult` whose per-head `head_answer` / `head_counterfactual` are None: use
-        `logit_inspection` (the lens and `head_logits` together) for them.
+        a `LensResult` (logits in the model's logit units): `[N, L + 1]` fields by default,
+        `[N, L + 1, P]` with `positions` (in the given order); its per-head `head_answer` /
+        `head_counterfactual` are None: use `logit_inspection` (the lens and `head_logits`
+        together) for them.
 
     Raises:
         ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` not in
-            1..d_vocab, ids outside the vocabulary, prompts longer than the model's context.
-        TypeError: pairs not a `PairBatch`.
+            1..d_vocab, positions not a non-empty list or outside the pairs' width (named), ids
+            outside the vocabulary, prompts longer than the model's context.
+        TypeError: pairs not a `PairBatch`; a position not an int.
     """
-    request = LensRequest(which=which, k=k)  # its checks, once; k within the vocabulary below
+    return run_lens(model, pairs, LensRequest(which=which, k=k, positions=positions))
+
+
+@torch.no_grad()
+def run_lens(model: HeadModel, pairs: PairBatch, request: LensRequest) -> LensResult:
+    """`logit_lens` of a `LensRequest` (what `heads.run` calls); see there."""
     _check_input(model, pairs)
     request.check_config(model)
     which, k = request.which, request.k
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
-    resid, _, x_final = _record_last(model, ids, pairs.attention_mask)
+    cols = _columns(cast("tuple[int, ...] | None", request.positions), pairs.width)
+    resid, _, x_final = _record_last(model, ids, pairs.attention_mask, cols=cols)
     resid = [*resid, x_final]
-    stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, D]
-    logits = output_logits(model, model.final_norm(stack)).float().cpu()  # [N, L+1, V]
+    stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, P, D]
+    logits = output_logits(model, model.final_norm(stack)).float().cpu()  # [N, L+1, P, V]
 
     def gather(ids_: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        vals = logits.gather(-1, ids_[:, None, :].expand(-1, logits.shape[1], -1))
-        mm = m.float()[:, None, :]
+        n, points, p = logits.shape[:3]
+        vals = logits.gather(-1, ids_[:, None, None, :].expand(n, points, p, -1))
+        mm = m.float()[:, None, None, :]
         return (vals * mm).sum(-1) / mm.sum(-1).clamp(min=1)
 
     a = gather(pairs.answers, pairs.answer_mask)
     w = gather(pairs.counterfactuals, pairs.counterfactual_mask)
 
     def rank(first: torch.Tensor) -> torch.Tensor:
-        v = logits.gather(-1, first[:, None, None].expand(-1, logits.shape[1], 1))
+        v = logits.gather(-1, first[:, None, None, None].expand(*logits.shape[:3], 1))
         return (logits > v).sum(-1)
 
     tok = getattr(model, "tokenizer", None)
     top = []
     for la in range(logits.shape[1]):
-        idx = logits[0, la].topk(k).indices.tolist()
+        idx = logits[0, la, -1].topk(k).indices.tolist()
         top.append([readable_token(tok, i) if tok is not None else str(i) for i in idx])
+    ra, rw = rank(pairs.answers[:, 0]), rank(pairs.counterfactuals[:, 0])
+    params: dict[str, object] = {"which": which, "k": k}
+    if cols is None:  # the last position: [N, L + 1] as before
+        a, w, ra, rw = a[..., 0], w[..., 0], ra[..., 0], rw[..., 0]
+    else:
+        params["positions"] = list(cast("tuple[int, ...]", request.positions))
     return LensResult(
         a,
         w,
-        rank(pairs.answers[:, 0]),
-        rank(pairs.counterfactuals[:, 0]),
+        ra,
+        rw,
         a - w,
         top,
         model=getattr(model, "name", ""),
-        params={"which": which, "k": k},
+        params=params,
         n_heads=model.n_heads,
         n_kv_heads=model.n_kv_heads,
     )
@@ -412,7 +465,7 @@ def head_logits(
     kind, gain, _, eps = _norm_parts(model)
     ua, uw = _directions(model, pairs)
     _, zs, x_final = _record_last(model, _which(pairs, which), pairs.attention_mask, heads=True)
-    s = frozen_scale(kind, x_final, eps)  # [N]
+    s = frozen_scale(kind, x_final[:, 0], eps)  # [N]
     scale, _ = _logit_scale(model)
     out = []
     for u in (ua, uw):

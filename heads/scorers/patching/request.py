@@ -274,20 +274,31 @@ class DLARequest(Request):
 
     Attributes:
         which: `"clean"` (default) or `"corrupted"`: the prompts run.
-        stability: bootstrap resamples of the pairs for the head ranking (0: none).
+        stability: bootstrap resamples of the pairs for the head ranking at the last position
+            read (0: none).
+        positions: padded columns to attribute at (ints, negative counting from the end, kept
+            in the given order without repeats); default None: every position. Within the
+            pairs' width, checked when it runs (before the forward).
 
     Raises:
-        HeadsteerValueError: `which` not clean / corrupted, a bad stability.
+        HeadsteerValueError: `which` not clean / corrupted, a bad stability, positions that are
+            not a non-empty list; `check_config`: a position beyond the model's context.
+        HeadsteerTypeError: a position that is not an int.
     """
 
     NAME = "direct_logit_attribution"
 
     which: str = "clean"
     stability: int = 0
+    positions: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         check_choice("which", self.which, WHICH)
         object.__setattr__(self, "stability", check_stability(self.stability))
+        object.__setattr__(self, "positions", check_positions("positions", self.positions))
+
+    def check_geometry(self, geometry: Geometry) -> None:
+        _check_int_positions(geometry, "positions", self.positions)
 
 
 @dataclass(frozen=True)
@@ -297,27 +308,35 @@ class LensRequest(Request):
     Attributes:
         which: `"clean"` (default) or `"corrupted"`.
         k: top tokens kept per layer (default 5; at most the vocabulary, checked when it runs).
+        positions: padded columns to read the lens at (ints, negative counting from the end,
+            kept in the given order without repeats); default None: the last position only
+            (the result's fields are then `[N, L + 1]`, else `[N, L + 1, P]`).
 
     Raises:
-        HeadsteerValueError: `which` not clean / corrupted, `k` not a positive int.
+        HeadsteerValueError: `which` not clean / corrupted, `k` not a positive int, positions
+            that are not a non-empty list; `check_config`: a position beyond the model's context.
+        HeadsteerTypeError: a position that is not an int.
     """
 
     NAME = "logit_lens"
 
     which: str = "clean"
     k: int = 5
+    positions: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         from heads._util.validation import check_int
 
         check_choice("which", self.which, WHICH)
         object.__setattr__(self, "k", check_int("k", self.k, lo=1))
+        object.__setattr__(self, "positions", check_positions("positions", self.positions))
 
     def check_geometry(self, geometry: Geometry) -> None:
         from heads._util.validation import check_int
 
         if geometry.d_vocab is not None:
             check_int("k", self.k, lo=1, hi=geometry.d_vocab)
+        _check_int_positions(geometry, "positions", self.positions)
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,25 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
-from heads.scorers.layerwise import default_every, inputs_down, record_inputs, run_layer
+from heads.scorers.layerwise import (
+    attention_half,
+    checkpoint_layers,
+    has_mid,
+    inputs_down,
+    mlp_half,
+    record_inputs,
+    run_layer,
+)
 
 __all__ = ["BatchSetup", "attribute_batch", "coarse_kl", "layer_edit"]
 
 REST_FLOOR = 1e-4  # smallest predicted "rest" mass, relative to the clean one
 MAX_FLOWS = 8
 """GradDrop flows (dropped layer x metric scalar) carried down the layers at once."""
+MLP_CHUNKS = 8
+"""Position chunks of a layer's MLP half (its forward and backward, one chunk at a time)."""
+MLP_MIN_ROWS = 64
+"""Fewest positions in an MLP chunk (shorter prompts: fewer chunks)."""
 
 Flow = tuple[int | None, int]
 """`(dropped layer or None, metric scalar index)`."""
@@ -75,38 +87,38 @@ class _Stop(Exception):
     """Raised from a `head_output` read to end a delta pass once the layer's z is read."""
 
 
-def delta_pass(
+def edited_z(
     model: HeadModel,
     ids: torch.Tensor,
     mask: torch.Tensor,
     layer: int,
     edit: Edit,
     residual: torch.Tensor,
-    clean_z: torch.Tensor,
 ) -> torch.Tensor:
-    """`z_edited - z_clean` of `layer` (`[B, T, H, d]`) from a forward of that layer alone: the
-    engine starts at `layer` from the clean `residual`, applies `edit`, and a `head_output` read
-    listed after it stops the forward once z is known."""
+    """`z_edited` of `layer` (`[B, T, H, d]`) from a forward of that layer alone (no gradients):
+    the engine starts at `layer` from the clean `residual`, applies `edit`, and a `head_output`
+    read listed after it stops the forward once z is known."""
     got: list[torch.Tensor] = []
 
     def read(z: torch.Tensor, call: AttentionCall) -> None:
         got.append(z.detach())
         raise _Stop
 
-    try:
-        run_rows(
-            model,
-            ids,
-            mask,
-            [edit, ActivationEdit("head_output", layer, read)],
-            start=layer,
-            residual=residual if layer else None,
-        )
-    except _Stop:
-        pass
+    with torch.no_grad():
+        try:
+            run_rows(
+                model,
+                ids,
+                mask,
+                [edit, ActivationEdit("head_output", layer, read)],
+                start=layer,
+                residual=residual if layer else None,
+            )
+        except _Stop:
+            pass
     if not got:
         raise RuntimeError(f"the delta pass never reached the head outputs of layer {layer}")
-    return got[0] - clean_z
+    return got[0]
 
 
 def coarse_kl(p_top: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -161,71 +173,161 @@ class _Walk:
         self.n_scalars = 0
         self.effects: dict[Flow, torch.Tensor] = {}
         self.shape = (R, L, H)
+        self.split = has_mid(model)  # attention, then the MLP on its output: the MLP in chunks
 
-    def _dz(self, la: int, z: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
+    def _edited(self, la: int, x_in: torch.Tensor) -> torch.Tensor | None:
+        """The heads' outputs of layer `la` under the pattern edit (delta pass, no gradients), run
+        before the layer's graph is built; None for the ablations whose change needs only z."""
+        s = self.setup
+        if s.ablation in ("sc", "zero", "mean"):
+            return None
+        edit = layer_edit(s.ablation, la, s.eps, s.saturation_fix)
+        return edited_z(self.m, self.ids, self.mask, la, edit, x_in)
+
+    def _dz(self, la: int, z: torch.Tensor, edited: torch.Tensor | None) -> torch.Tensor:
         s = self.setup
         if s.ablation in ("sc", "zero"):
             dz = (s.eps - 1.0) * z
         elif s.ablation == "mean":
             dz = cast(list[torch.Tensor], s.means)[la].to(z) - z
         else:
-            edit = layer_edit(s.ablation, la, s.eps, s.saturation_fix)
-            dz = delta_pass(self.m, self.ids, self.mask, la, edit, x_in, z)
+            dz = cast(torch.Tensor, edited) - z
         return torch.where(self.real.to(dz.device), dz, 0.0)
 
-    def run(self, sparse: dict[int, torch.Tensor], every: int) -> dict[Flow, torch.Tensor]:
-        m = self.m
-        L = m.n_layers
-        g_next: dict[Flow, torch.Tensor] = {}
-        for la, x_in in inputs_down(m, self.ids, self.mask, sparse, every):
-            x = x_in.detach().requires_grad_(True)
-            box: list[torch.Tensor] = []
-            zeta: list[torch.Tensor] = []
+    def _effect(self, key: Flow, la: int, gz: torch.Tensor | None, dz: torch.Tensor) -> None:
+        eff = self.effects.setdefault(key, torch.zeros(self.shape))
+        if gz is not None:
+            eff[:, la] = (gz * dz).sum((1, 3)).float().cpu()
 
-            edits: list[Edit] = [ActivationEdit("head_output", la, _tap(box, zeta))]
-            top = la == L - 1
-            if top:
-                post = torch.zeros_like(x, requires_grad=True)
-                edits.append(ActivationEdit("resid_post", la, _plus(post)))
-            out = run_layer(m, self.ids, self.mask, la, x, edits)
-            dz = self._dz(la, box[0], x_in)
-            leaves = [x, zeta[0]]
-            grads: dict[Flow, tuple[torch.Tensor, torch.Tensor]] = {}
-            with torch.enable_grad():
-                if top:
-                    values = self.scalars(out)
-                    self.n_scalars = len(values)
-                    for j, s in enumerate(values):
-                        gx, gz, gpost = torch.autograd.grad(
-                            s, [*leaves, post], retain_graph=True, allow_unused=True
-                        )
-                        grads[(None, j)] = (_z(gx, x), _z(gz, zeta[0]))
-                        g_next[(None, j)] = _z(gpost, post)  # the gradient leaving the top layer
-                    del values, s  # they hold the top layer's graph: freed with `out`, not kept all walk
-                keys = [k for k in g_next if not (top and k[0] is None)]
-                for i, key in enumerate(keys):
-                    drop = key[0]
-                    if drop is not None and drop == la:
-                        continue  # handled below: the stream passes the dropped layer untouched
-                    last = i == len(keys) - 1
-                    gx, gz = torch.autograd.grad(
-                        out, leaves, grad_outputs=g_next[key], retain_graph=not last, allow_unused=True
-                    )
-                    grads[key] = (_z(gx, x), _z(gz, zeta[0]))
-            for d in self.drops:  # new flows: the plain flow's gradient leaving layer d, passed by
-                if d == la:  # the residual stream only; d's heads get 0
-                    for j in range(self.n_scalars):
-                        grads[(d, j)] = (g_next[(None, j)], torch.zeros_like(zeta[0]))
-            g_next = {}
-            for key, (gx, gz) in grads.items():
-                eff = self.effects.setdefault(key, torch.zeros(self.shape))
-                eff[:, la] = (gz * dz).sum((1, 3)).float().cpu()
-                g_next[key] = gx
-            del out
+    def run(self, sparse: dict[int, torch.Tensor]) -> dict[Flow, torch.Tensor]:
+        g_next: dict[Flow, torch.Tensor] = {}
+        for la, x_in in inputs_down(self.m, self.ids, self.mask, sparse):
+            edited = self._edited(la, x_in)
+            x = x_in.detach().requires_grad_(True)
+            if self.split:
+                g_next = self._split_layer(la, x, edited, g_next)
+            else:
+                g_next = self._whole_layer(la, x, edited, g_next)
         for d in self.drops:  # above the dropped layer a drop's flow is the plain one
             for j in range(self.n_scalars):
                 self.effects[(d, j)][:, d + 1 :] = self.effects[(None, j)][:, d + 1 :]
         return self.effects
+
+    def _split_layer(
+        self, la: int, x: torch.Tensor, edited: torch.Tensor | None, g_next: dict[Flow, torch.Tensor]
+    ) -> dict[Flow, torch.Tensor]:
+        """Layer `la` as its attention half (one graph over every position) and its MLP half in
+        position chunks (`MLP_CHUNKS`; the top layer's at the last position only, the one the
+        logits read): each flow's gradient leaving the layer becomes, chunk by chunk and in place,
+        its gradient at `resid_mid`, then goes through the attention half to `x` and the heads."""
+        m, ids, mask = self.m, self.ids, self.mask
+        box: list[torch.Tensor] = []
+        zeta: list[torch.Tensor] = []
+        mid = attention_half(m, ids, mask, la, x, [ActivationEdit("head_output", la, _tap(box, zeta))])
+        dz = self._dz(la, box.pop(), edited)
+        del edited
+        T = mid.shape[1]
+        leaving: dict[Flow, torch.Tensor] = {}  # the plain flows' gradient leaving `la`, for its drops
+        if la == m.n_layers - 1:
+            piece = mid[:, T - 1 :].detach().requires_grad_(True)
+            post = torch.zeros_like(piece, requires_grad=True)
+            out = mlp_half(m, ids, la, piece, T - 1, [ActivationEdit("resid_post", la, _plus(post))])
+            with torch.enable_grad():
+                values = self.scalars(out)
+            self.n_scalars = len(values)
+            for j, value in enumerate(values):
+                gp, gpost = torch.autograd.grad(
+                    value, [piece, post], retain_graph=j < len(values) - 1, allow_unused=True
+                )
+                g_next[(None, j)] = _last(_z(gp, piece), mid)
+                if la in self.drops:
+                    leaving[(None, j)] = _last(_z(gpost, post), mid)
+            del values, out
+        else:
+            if la in self.drops:
+                leaving = {(None, j): g_next[(None, j)].clone() for j in range(self.n_scalars)}
+            chunk = max(MLP_MIN_ROWS, -(-T // MLP_CHUNKS))
+            for a in range(0, T, chunk):
+                piece = mid[:, a : a + chunk].detach().requires_grad_(True)
+                out = mlp_half(m, ids, la, piece, a)
+                keys = [k for k in g_next if k[0] != la]
+                for i, key in enumerate(keys):
+                    rows = g_next[key][:, a : a + chunk]
+                    (gp,) = torch.autograd.grad(out, [piece], rows, retain_graph=i < len(keys) - 1)
+                    g_next[key][:, a : a + chunk] = gp  # now the flow's gradient at resid_mid
+                del out, piece
+        new: dict[Flow, torch.Tensor] = {}
+        keys = [k for k in g_next if k[0] != la]
+        for i, key in enumerate(keys):
+            g_mid = g_next.pop(key)
+            gx, gz = torch.autograd.grad(
+                mid, [x, zeta[0]], grad_outputs=g_mid, retain_graph=i < len(keys) - 1, allow_unused=True
+            )
+            del g_mid
+            self._effect(key, la, gz, dz)
+            new[key] = _z(gx, x)
+            del gx, gz
+        for (_, j), g in leaving.items():  # new flows: passed by the residual stream only, heads get 0
+            self._effect((la, j), la, None, dz)
+            new[(la, j)] = g
+        return new
+
+    def _whole_layer(
+        self, la: int, x: torch.Tensor, edited: torch.Tensor | None, g_next: dict[Flow, torch.Tensor]
+    ) -> dict[Flow, torch.Tensor]:
+        """Layer `la` as one graph (blocks without a `resid_mid`: attention and MLP in parallel)."""
+        m = self.m
+        L = m.n_layers
+        box: list[torch.Tensor] = []
+        zeta: list[torch.Tensor] = []
+        edits: list[Edit] = [ActivationEdit("head_output", la, _tap(box, zeta))]
+        top = la == L - 1
+        if top:
+            post = torch.zeros_like(x, requires_grad=True)
+            edits.append(ActivationEdit("resid_post", la, _plus(post)))
+        out = run_layer(m, self.ids, self.mask, la, x, edits)
+        dz = self._dz(la, box.pop(), edited)
+        del edited
+        leaves = [x, zeta[0]]
+        grads: dict[Flow, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.enable_grad():
+            if top:
+                values = self.scalars(out)
+                self.n_scalars = len(values)
+                for j, s in enumerate(values):
+                    gx, gz, gpost = torch.autograd.grad(
+                        s, [*leaves, post], retain_graph=True, allow_unused=True
+                    )
+                    grads[(None, j)] = (_z(gx, x), _z(gz, zeta[0]))
+                    g_next[(None, j)] = _z(gpost, post)  # the gradient leaving the top layer
+                del values, s  # they hold the top layer's graph: freed with `out`, not kept all walk
+            keys = [k for k in g_next if not (top and k[0] is None)]
+            for i, key in enumerate(keys):
+                drop = key[0]
+                if drop is not None and drop == la:
+                    continue  # handled below: the stream passes the dropped layer untouched
+                last = i == len(keys) - 1
+                gx, gz = torch.autograd.grad(
+                    out, leaves, grad_outputs=g_next[key], retain_graph=not last, allow_unused=True
+                )
+                grads[key] = (_z(gx, x), _z(gz, zeta[0]))
+        del out
+        for d in self.drops:  # new flows: the plain flow's gradient leaving layer d, passed by
+            if d == la:  # the residual stream only; d's heads get 0
+                for j in range(self.n_scalars):
+                    grads[(d, j)] = (g_next[(None, j)], torch.zeros_like(zeta[0]))
+        new: dict[Flow, torch.Tensor] = {}
+        for key, (gx, gz) in grads.items():
+            self._effect(key, la, gz, dz)
+            new[key] = gx
+        return new
+
+
+def _last(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`g` (`[R, 1, D]`, at the last position) as `[R, T, D]` with zeros elsewhere."""
+    full = torch.zeros_like(like)
+    full[:, -1:] = g
+    return full
 
 
 def _tap(
@@ -262,9 +364,7 @@ def attribute_batch(
     trim = enc.length - int(lengths.max())
     ids, mask = enc.input_ids[rows, trim:], enc.attention_mask[rows, trim:]
     L = model.n_layers
-    every = default_every(L)
-    layers = list(range(0, L, every))
-    logits, sparse = record_inputs(model, ids, mask, layers)
+    logits, sparse = record_inputs(model, ids, mask, checkpoint_layers(L))
     logp0 = _logp(logits)
     real = mask.to(torch.bool)[:, :, None, None]
     p_top: torch.Tensor | None = None
@@ -290,14 +390,14 @@ def attribute_batch(
         return effects[0]
 
     if not setup.graddrop:
-        eff = _Walk(model, ids, mask, rows, setup, real, scalars, []).run(sparse, every)
+        eff = _Walk(model, ids, mask, rows, setup, real, scalars, []).run(sparse)
         return estimate([eff[(None, j)] for j in range(len(eff))])
     n_scalars = 1 if metric != "kl" else kl_tokens
     per_group = max(1, MAX_FLOWS // n_scalars)
     total = torch.zeros(len(rows), L, model.n_heads)
     for g0 in range(0, L, per_group):
         drops = list(range(g0, min(L, g0 + per_group)))
-        eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(dict(sparse), every)
+        eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(dict(sparse))
         for d in drops:
             est = estimate([eff[(d, j)] for j in range(n_scalars)])
             total += est if metric == "kl" else est.abs()
