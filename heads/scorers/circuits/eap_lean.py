@@ -32,10 +32,17 @@ from heads.engine.edits import AttentionCall, Edit
 from heads.engine.prefix import starting_at
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
-from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _layer_grads, _Nodes, _residual_grads
+from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _add, _layer_grads, _Nodes, _residual_grads
 from heads.scorers.circuits.layout import Graph
 from heads.scorers.circuits.nodes import LayerParts, embed_output, layer_parts
-from heads.scorers.layerwise import checkpoint_layers, inputs_down, record_inputs
+from heads.scorers.layerwise import (
+    attention_half,
+    checkpoint_layers,
+    has_mid,
+    inputs_down,
+    mlp_half,
+    record_inputs,
+)
 
 __all__ = ["eap_chunk_lean"]
 
@@ -205,6 +212,70 @@ def _score_block(
             del diff
 
 
+MLP_CHUNKS = 8
+"""Position chunks of a layer's MLP half with gradients (its graph for one chunk at a time)."""
+
+
+def _split_grads(
+    model: HeadModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x_in: torch.Tensor,
+    g_out: torch.Tensor | None,
+    loss: Loss,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`eap._layer_grads` with the layer's MLP half run and differentiated `MLP_CHUNKS` chunks
+    of positions at a time (it is position-wise: `heads.scorers.layerwise.mlp_half`; in the last
+    layer only the last position reaches the logits), then the attention half's backward."""
+    H, G, d = graph.n_heads, graph.n_kv_heads, model.d_head
+    R, T, D = x_in.shape
+    last = la == graph.n_layers - 1
+    dt, dev = x_in.dtype, x_in.device
+    x = x_in.detach().requires_grad_(True)
+    sites = {
+        "q": torch.zeros(R, T, H, d, dtype=dt, device=dev, requires_grad=True),
+        "k": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+        "v": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+    }
+    mid = attention_half(model, ids, mask, la, x, [ActivationEdit(w, la, _add(z)) for w, z in sites.items()])
+    g_mid = torch.zeros_like(mid)
+    g_mlp = torch.zeros(R, T, D, dtype=dt, device=dev)
+    g_logits = torch.zeros(R, T, D, dtype=dt, device=dev) if last else None
+    chunk = T if last else -(-T // MLP_CHUNKS)
+    for a in range(T - 1 if last else 0, T, chunk):
+        piece = mid[:, a : a + chunk].detach().requires_grad_(True)
+        d_mlp = torch.zeros_like(piece, requires_grad=True)
+        leaves = [piece, d_mlp]
+        edits: list[Edit] = [ActivationEdit("resid_mid", la, _add(d_mlp))]
+        if last:
+            d_logits = torch.zeros_like(piece, requires_grad=True)
+            leaves.append(d_logits)
+            edits.append(ActivationEdit("resid_post", la, _add(d_logits - d_mlp)))
+        else:
+            edits.append(ActivationEdit("resid_post", la, _add(-d_mlp)))
+        out = mlp_half(model, ids, la, piece, a, edits)
+        with torch.enable_grad():
+            if last:
+                got = torch.autograd.grad(loss(out.float()), leaves, allow_unused=True)
+            else:
+                rows = cast(torch.Tensor, g_out)[:, a : a + chunk]
+                got = torch.autograd.grad(out, leaves, grad_outputs=rows, allow_unused=True)
+        for dst, g in zip((g_mid, g_mlp, g_logits), got, strict=False):
+            if g is not None and dst is not None:
+                dst[:, a : a + chunk] = g
+        del out, got, piece, leaves
+    with torch.enable_grad():
+        grads = torch.autograd.grad(mid, [x, *sites.values()], grad_outputs=g_mid, allow_unused=True)
+    g_in, gq, gk, gv = (
+        torch.zeros_like(v) if g is None else g.detach()
+        for v, g in zip([x, *sites.values()], grads, strict=True)
+    )
+    del grads, mid, g_mid
+    return g_in, [gq, gk, gv, g_mlp, *([g_logits] if g_logits is not None else [])]
+
+
 def eap_chunk_lean(
     model: HeadModel,
     graph: Graph,
@@ -237,6 +308,7 @@ def eap_chunk_lean(
         p.w_o.float() if p.gain is None else p.w_o.float() * p.gain.to(p.w_o.device)[None, None]
         for p in parts
     ]
+    split = has_mid(model)  # attention, then the MLP on its output: the MLP half in chunks
     R = clean_ids.shape[0]
     scores = torch.zeros(R, graph.n_upstream, graph.n_downstream)
     n_runs = 1 if steps is None else steps
@@ -258,7 +330,8 @@ def eap_chunk_lean(
         g_out: torch.Tensor | None = None
         held: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
         for la, x_in in inputs_down(model, clean_ids, mask, sparse, every):
-            g_out, compact = _layer_grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
+            grads = _split_grads if split else _layer_grads
+            g_out, compact = grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
             held.append((la, x_in, compact))
             if len(held) == block or la == 0:
                 _score_block(step, model, graph, clean_ids, corrupted_ids, mask, parts, w_o, held)
