@@ -32,10 +32,17 @@ from heads.engine.edits import AttentionCall, Edit
 from heads.engine.prefix import starting_at
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
-from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _layer_grads, _Nodes, _residual_grads
+from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _add, _layer_grads, _Nodes, _residual_grads
 from heads.scorers.circuits.layout import Graph
 from heads.scorers.circuits.nodes import LayerParts, embed_output, layer_parts
-from heads.scorers.layerwise import default_every, inputs_down, record_inputs
+from heads.scorers.layerwise import (
+    attention_half,
+    checkpoint_layers,
+    has_mid,
+    inputs_down,
+    mlp_half,
+    record_inputs,
+)
 
 __all__ = ["eap_chunk_lean"]
 
@@ -83,19 +90,26 @@ def _forward_layer(
     return box[-1].detach()
 
 
+BLOCK = 2
+"""Downstream layers whose compact gradients are held per recomputation of the differences."""
+
+POSITION_CHUNKS = 4
+"""The positions are scored in this many chunks (the projected differences and the expanded
+gradients exist for one chunk of positions at a time: every term is a sum over positions)."""
+
+
 def _differences(
     model: HeadModel,
-    graph: Graph,
     clean_ids: torch.Tensor,
     corrupted_ids: torch.Tensor,
     mask: torch.Tensor,
     parts: list[LayerParts],
-    w_o: list[torch.Tensor],
     top: int,
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """`(l, [n, R, T D] fp32)` for l = 0 .. top: layer l's upstream nodes' differences `a(x~) -
-    a(x)` in the residual stream (graph rows `first .. first + n`: the input in layer 0, the
-    heads projected through W_O, the MLP), zero at padding; one layer of both runs at a time."""
+) -> Iterator[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """`(l, [the input's [R, T, D] in layer 0], the heads' [H, R, T, d], the MLP's [R, T, D])`
+    for l = 0 .. top: layer l's upstream nodes' differences `a(x~) - a(x)` (the heads' before
+    W_O; post-norm: over the frozen scale), fp32, zero at padding; one layer of both runs at a
+    time, from the embedding up."""
     nodes = _Nodes(model, parts)
     m = mask.to(model.device, torch.float32)
     xc: torch.Tensor | None = None
@@ -110,30 +124,41 @@ def _differences(
         z = cast(torch.Tensor, nodes.z[la]).mul_(m[..., None, None])  # [R, T, H, d]
         o = cast(torch.Tensor, nodes.mlp[la]).mul_(m[..., None])
         nodes.z[la] = nodes.mlp[la] = None
-        R, T, H, d = z.shape
-        rows = [cast(torch.Tensor, nodes.input).mul_(m[..., None])] if la == 0 else []
+        inp = [cast(torch.Tensor, nodes.input).mul_(m[..., None])] if la == 0 else []
         nodes.input = None
-        n = len(rows) + H + 1
-        out = torch.empty(n, R, T, o.shape[-1], dtype=torch.float32, device=o.device)
-        for i, r in enumerate(rows):
-            out[i] = r
-        zh = z.permute(2, 0, 1, 3).reshape(H, R * T, d)
-        w = w_o[la].to(z.device)
-        for h0 in range(0, H, HEAD_CHUNK):
-            h1 = min(H, h0 + HEAD_CHUNK)
-            out[len(rows) + h0 : len(rows) + h1] = torch.bmm(zh[h0:h1], w[h0:h1]).reshape(h1 - h0, R, T, -1)
-        out[-1] = o
-        del z, zh, o, rows
-        yield la, out.reshape(n, R, -1)
-        del out
+        zh = z.permute(2, 0, 1, 3).contiguous()  # [H, R, T, d]
+        del z
+        yield la, inp, zh, o
+        del inp, zh, o
+
+
+def _projected(
+    inp: list[torch.Tensor], zh: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, t0: int, t1: int
+) -> torch.Tensor:
+    """`[n, R, c D]` fp32: one layer's differences at positions t0 .. t1 - 1 in the residual
+    stream, in graph order (the input in layer 0, the heads through W_O, the MLP)."""
+    H, R, _, d = zh.shape
+    c = t1 - t0
+    n = len(inp) + H + 1
+    out = torch.empty(n, R, c, o.shape[-1], dtype=torch.float32, device=o.device)
+    for i, r in enumerate(inp):
+        out[i] = r[:, t0:t1]
+    w = w_o.to(zh.device)
+    for h0 in range(0, H, HEAD_CHUNK):
+        h1 = min(H, h0 + HEAD_CHUNK)
+        part = zh[h0:h1, :, t0:t1].reshape(h1 - h0, R * c, d)
+        out[len(inp) + h0 : len(inp) + h1] = torch.bmm(part, w[h0:h1]).reshape(h1 - h0, R, c, -1)
+    out[-1] = o[:, t0:t1]
+    return out.reshape(n, R, -1)
 
 
 def _expanded(
     part: LayerParts, x: torch.Tensor, compact: list[torch.Tensor]
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """`(offset, [n, R, T D] fp32)`: a layer's downstream gradients in the residual stream, in
-    graph order from the layer's first input (q heads, k, v, the MLP, the logits in the last
-    layer), `HEAD_CHUNK` heads at a time (`compact`: `eap._layer_grads`)."""
+    """`(offset, [n, R, c D] fp32)`: a layer's downstream gradients in the residual stream at the
+    c positions of `x` (`[R, c, D]`, the layer's input there), in graph order from the layer's
+    first input (q heads, k, v, the MLP, the logits in the last layer), `HEAD_CHUNK` heads at a
+    time (`compact`: `eap._layer_grads` at those positions)."""
     lo = 0
     R = x.shape[0]
     for which, g in zip(("q", "k", "v"), compact[:3], strict=True):
@@ -162,24 +187,93 @@ def _score_block(
 ) -> None:
     """Add `(a_u(x~) - a_u(x)) . g_v` into `scores [R, U, Dn]` for the downstream inputs v of the
     layers in `held` (`(layer, its input [R, T, D], its compact gradients)`) and every upstream
-    node u up to each such layer."""
-    R = scores.shape[0]
+    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time."""
+    R, T = clean_ids.shape
     top = max(m for m, _, _ in held)
-    for la, diff in _differences(model, graph, clean_ids, corrupted_ids, mask, parts, w_o, top):
+    step = -(-T // POSITION_CHUNKS)
+    for la, inp, zh, o in _differences(model, clean_ids, corrupted_ids, mask, parts, top):
         u0 = 0 if la == 0 else graph.head_node(la, 0)
-        u1 = u0 + diff.shape[0]
-        dev = diff.device
-        for m, x, compact in held:
-            if m < la:
-                continue
-            v0 = graph.q_input(m, 0)
-            for off, g in _expanded(parts[m], x, compact):
-                g = g.to(dev)
-                for r in range(R):
-                    scores[r, u0:u1, v0 + off : v0 + off + g.shape[0]] += (diff[:, r] @ g[:, r].T).to(
-                        scores.device
-                    )
-                del g
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            diff = _projected(inp, zh, o, w_o[la], t0, t1)
+            u1 = u0 + diff.shape[0]
+            for m, x, compact in held:
+                if m < la:
+                    continue
+                v0 = graph.q_input(m, 0)
+                pieces = [c[:, t0:t1] for c in compact]
+                for off, g in _expanded(parts[m], x[:, t0:t1], pieces):
+                    g = g.to(diff.device)
+                    for r in range(R):
+                        scores[r, u0:u1, v0 + off : v0 + off + g.shape[0]] += (diff[:, r] @ g[:, r].T).to(
+                            scores.device
+                        )
+                    del g
+            del diff
+
+
+MLP_CHUNKS = 8
+"""Position chunks of a layer's MLP half with gradients (its graph for one chunk at a time)."""
+
+
+def _split_grads(
+    model: HeadModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x_in: torch.Tensor,
+    g_out: torch.Tensor | None,
+    loss: Loss,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`eap._layer_grads` with the layer's MLP half run and differentiated `MLP_CHUNKS` chunks
+    of positions at a time (it is position-wise: `heads.scorers.layerwise.mlp_half`; in the last
+    layer only the last position reaches the logits), then the attention half's backward."""
+    H, G, d = graph.n_heads, graph.n_kv_heads, model.d_head
+    R, T, D = x_in.shape
+    last = la == graph.n_layers - 1
+    dt, dev = x_in.dtype, x_in.device
+    x = x_in.detach().requires_grad_(True)
+    sites = {
+        "q": torch.zeros(R, T, H, d, dtype=dt, device=dev, requires_grad=True),
+        "k": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+        "v": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+    }
+    mid = attention_half(model, ids, mask, la, x, [ActivationEdit(w, la, _add(z)) for w, z in sites.items()])
+    g_mid = torch.zeros_like(mid)
+    g_mlp = torch.zeros(R, T, D, dtype=dt, device=dev)
+    g_logits = torch.zeros(R, T, D, dtype=dt, device=dev) if last else None
+    chunk = T if last else -(-T // MLP_CHUNKS)
+    for a in range(T - 1 if last else 0, T, chunk):
+        piece = mid[:, a : a + chunk].detach().requires_grad_(True)
+        d_mlp = torch.zeros_like(piece, requires_grad=True)
+        leaves = [piece, d_mlp]
+        edits: list[Edit] = [ActivationEdit("resid_mid", la, _add(d_mlp))]
+        if last:
+            d_logits = torch.zeros_like(piece, requires_grad=True)
+            leaves.append(d_logits)
+            edits.append(ActivationEdit("resid_post", la, _add(d_logits - d_mlp)))
+        else:
+            edits.append(ActivationEdit("resid_post", la, _add(-d_mlp)))
+        out = mlp_half(model, ids, la, piece, a, edits)
+        with torch.enable_grad():
+            if last:
+                got = torch.autograd.grad(loss(out.float()), leaves, allow_unused=True)
+            else:
+                rows = cast(torch.Tensor, g_out)[:, a : a + chunk]
+                got = torch.autograd.grad(out, leaves, grad_outputs=rows, allow_unused=True)
+        for dst, g in zip((g_mid, g_mlp, g_logits), got, strict=False):
+            if g is not None and dst is not None:
+                dst[:, a : a + chunk] = g
+        del out, got, piece, leaves
+    with torch.enable_grad():
+        grads = torch.autograd.grad(mid, [x, *sites.values()], grad_outputs=g_mid, allow_unused=True)
+    g_in, gq, gk, gv = (
+        torch.zeros_like(v) if g is None else g.detach()
+        for v, g in zip([x, *sites.values()], grads, strict=True)
+    )
+    del grads, mid, g_mid
+    return g_in, [gq, gk, gv, g_mlp, *([g_logits] if g_logits is not None else [])]
 
 
 def eap_chunk_lean(
@@ -201,19 +295,20 @@ def eap_chunk_lean(
         clean_ids, corrupted_ids, mask: `[R, T]` (left-padded, equal lengths).
         loss: the metric summed over the rows, from the logits `[R, V]` at the last position.
         steps: None for EAP, m for EAP-IG.
-        every: layers per recomputed segment of the layer-by-layer backward (default ~sqrt(L)).
+        every: layers per recomputed segment of the layer-by-layer backward (default: the
+            shrinking segments of `heads.scorers.layerwise.checkpoint_layers`).
         block: downstream layers whose gradients are held before their differences are
-            recomputed (default `every`); more: fewer recomputations, more memory.
+            recomputed (default `BLOCK`); more: fewer recomputations, more memory.
     """
     L = graph.n_layers
-    every = default_every(L) if every is None else every
-    block = every if block is None else max(1, block)
-    sparse_layers = list(range(0, L, every))
+    sparse_layers = checkpoint_layers(L) if every is None else list(range(0, L, every))
+    block = BLOCK if block is None else max(1, block)
     parts = [layer_parts(model, la) for la in range(L)]
     w_o = [
         p.w_o.float() if p.gain is None else p.w_o.float() * p.gain.to(p.w_o.device)[None, None]
         for p in parts
     ]
+    split = has_mid(model)  # attention, then the MLP on its output: the MLP half in chunks
     R = clean_ids.shape[0]
     scores = torch.zeros(R, graph.n_upstream, graph.n_downstream)
     n_runs = 1 if steps is None else steps
@@ -235,7 +330,8 @@ def eap_chunk_lean(
         g_out: torch.Tensor | None = None
         held: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
         for la, x_in in inputs_down(model, clean_ids, mask, sparse, every):
-            g_out, compact = _layer_grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
+            grads = _split_grads if split else _layer_grads
+            g_out, compact = grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
             held.append((la, x_in, compact))
             if len(held) == block or la == 0:
                 _score_block(step, model, graph, clean_ids, corrupted_ids, mask, parts, w_o, held)
