@@ -210,8 +210,9 @@ def patch(
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
         options: `SweepOptions` (rows per forward, progress, `max_memory`: rows per forward
-            within the budget beside the recorded clean and corrupted runs, refused before any
-            forward when one row does not fit); default `SweepOptions()`. Progress
+            within the budget beside the recorded clean and corrupted runs, the lean path's
+            sites alone where their full caches do not fit (module docstring), refused before
+            any forward when one row does not fit); default `SweepOptions()`. Progress
             counts work in token-layers (each forward's rows x the columns it recomputes x the
             layers it runs), not rows: rows patched at an early layer or position cost more.
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
