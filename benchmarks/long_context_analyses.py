@@ -17,6 +17,7 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
 
 * gradient-based: `eap` (edge attribution patching, `edge_scores(method="eap")`, one pair whose
   prompts differ in two tokens), `eap-ig` (EAP-IG over the inputs, `--ig-steps` points),
+  `eap-lean` / `eap-ig-lean` (the same with `max_memory`: the differences recomputed, not held),
   `atp` (AtP of head outputs, Ships' KL with 4 tokens, `attribute(ablation="sc")`), `atp_star`
   (AtP*: UA with the exact pattern change and GradDrop, `attribute(ablation="ua",
   saturation_fix=True, graddrop=True)`; GradDrop adds L / 2 walks down the layers, so its
@@ -125,13 +126,16 @@ def _prompt(hm, length: int) -> str:
     return hm.tokenizer.decode(ids)
 
 
-def _edges(method: str) -> Callable:
+def _edges(method: str, budget: str | None = None) -> Callable:
+    """`edge_scores`; with a `budget` (`max_memory`), the lean path (`eap_chunk_lean`)."""
+
     def build(hm, length: int, args) -> Callable[[], object]:
         from heads.engine.options import SweepOptions
         from heads.scorers.circuits import edge_scores
 
         pairs, steps = _pair(hm, length), {"steps": args.ig_steps} if method == "eap-ig" else {}
-        return lambda: edge_scores(hm, pairs, method=method, options=SweepOptions(progress=False), **steps)
+        opts = SweepOptions(progress=False, max_memory=budget)
+        return lambda: edge_scores(hm, pairs, method=method, options=opts, **steps)
 
     return build
 
@@ -233,6 +237,8 @@ def _dla(hm, length: int, args) -> Callable[[], object]:
 ANALYSES: dict[str, tuple[str, Callable]] = {
     "eap": ("gradient", _edges("eap")),
     "eap-ig": ("gradient", _edges("eap-ig")),
+    "eap-lean": ("gradient", _edges("eap", "200GB")),
+    "eap-ig-lean": ("gradient", _edges("eap-ig", "200GB")),
     "atp": ("gradient", _atp),
     "atp_star": ("gradient", _atp_star),
     "sinks": ("forward", _sinks),
@@ -293,7 +299,7 @@ def _one(name: str, length: int, args) -> dict:
 
     got = {"forward": forward, "analysis": analysis, "forward_all_logits": _guarded(all_logits, args.device)}
     got["load_average_1m"] = [round(os.getloadavg()[0], 2)]
-    if name == "eap-ig":
+    if name in ("eap-ig", "eap-ig-lean"):
         got["ig_steps"] = args.ig_steps
     return got
 

@@ -89,6 +89,7 @@ def _forward(
     residual: torch.Tensor | None = None,
     past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     keep_cache: bool = False,
+    hidden_states: bool = True,
 ) -> Any:
     """One forward of `ids` (the positions after `past`, if any) with the full-length `mask`."""
     from transformers import DynamicCache
@@ -108,6 +109,7 @@ def _forward(
     # under `unembed_columns` the LM head runs on no position; the wanted columns of the last
     # position's logits come from the final normed state (`heads.engine.unembed`)
     columns = wanted_columns(model)
+    hidden_states = hidden_states or columns is not None  # the wanted columns read the final state
     keep: int | torch.Tensor = 1 if columns is None else torch.empty(0, dtype=torch.long, device=dev)
     with editing(model, list(edits)), starting_at(model, start, residual):
         out = model.run(
@@ -116,7 +118,7 @@ def _forward(
             position_ids=pos.to(dev),
             past_key_values=cache,
             use_cache=cache is not None,
-            output_hidden_states=True,
+            output_hidden_states=hidden_states,
             logits_to_keep=keep,
         )
     if columns is not None:
@@ -132,7 +134,8 @@ any) with the full-length `mask [R, T]`, the `edits` applied, starting at layer 
 `[R, G, T - T', d]`: position-prefix reuse); only the last position is unembedded (within
 `heads.engine.unembed.unembed_columns` only its wanted vocabulary columns, the others NaN).
 Returns the model output (`logits [R, 1, V]`, `hidden_states`, `past_key_values` with
-`keep_cache`)."""
+`keep_cache`); `hidden_states=False` keeps no per-layer hidden states (unless the column-only
+unembedding needs the last: a forward's peak then holds no `L + 1` stream copies)."""
 
 
 def _last(out: Any) -> tuple[torch.Tensor, torch.Tensor]:

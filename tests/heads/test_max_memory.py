@@ -22,6 +22,7 @@ import torch
 from heads import SweepOptions, encode_prompts
 from heads.errors import HeadsteerValueError
 from heads.planning import plan_memory, rows_within
+from heads.scorers.patching import lean
 from heads.scorers.patching.activation import patch
 from heads.scorers.patching.pairs import encode_pairs
 from heads.scorers.patching.path import path_patch
@@ -77,8 +78,11 @@ def test_forward_sweeps_fit_their_rows_to_the_budget(tiny_llama, tokenizer, monk
     assert seen[:2] == [N, N]  # the two recorded runs, every pair
     assert max(seen[2:]) == 3 and len(seen) > 3
     torch.testing.assert_close(got, free, rtol=0, atol=1e-5, equal_nan=True)
-    # below one row (the recorded runs kept beside it): refused before any forward, minimum named
+    # below one row (the recorded runs kept beside it; for patch the lean path's sites, its
+    # minimum, heads.scorers.patching.lean): refused before any forward, minimum named
     _no_forward(tiny_llama, monkeypatch)
+    if which == "patch":
+        kept = lean.lean_bytes(tiny_llama, "head_out", N, T, range(tiny_llama.n_layers), 0)
     one = plan_memory(tiny_llama, "forward", T, N).peak + kept
     with pytest.raises(HeadsteerValueError, match=r"needs at least .* max_memory is"):
         run(_opts(one - 1))

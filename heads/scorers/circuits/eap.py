@@ -65,12 +65,15 @@ class _Nodes:
             cast(torch.Tensor, store[la]).sub_(v)
 
     def edits(self) -> list[Edit]:
-        out: list[Edit] = [ActivationEdit("residual", 0, self._input)]
-        for la in range(len(self.z)):
-            out.append(ActivationEdit("head_output", la, self._head(la)))
-            if self.post:
-                out.append(ActivationEdit("attn_out_pre_norm", la, self._scale(la)))
-            out.append(ActivationEdit("mlp_out", la, self._mlp(la)))
+        return [e for la in range(len(self.z)) for e in self.layer_edits(la)]
+
+    def layer_edits(self, la: int) -> list[Edit]:
+        """The reads of layer `la`'s nodes (and, in layer 0, of the input's)."""
+        out: list[Edit] = [ActivationEdit("residual", 0, self._input)] if la == 0 else []
+        out.append(ActivationEdit("head_output", la, self._head(la)))
+        if self.post:
+            out.append(ActivationEdit("attn_out_pre_norm", la, self._scale(la)))
+        out.append(ActivationEdit("mlp_out", la, self._mlp(la)))
         return out
 
     def _input(self, x: torch.Tensor, call: AttentionCall) -> None:
@@ -157,7 +160,7 @@ def _residual_grads(
             del proj, res
 
 
-def _layer_step(
+def _layer_grads(
     model: HeadModel,
     graph: Graph,
     ids: torch.Tensor,
@@ -166,11 +169,10 @@ def _layer_step(
     x_in: torch.Tensor,
     g_out: torch.Tensor | None,
     loss: Loss | None,
-    parts: LayerParts,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer `la` with gradients: `(dM / d(stream entering la) [R, T, D], the gradients at its
-    downstream inputs [S', R, T, D] in graph order: q heads, k, v, MLP, and logits in the last
-    layer)`."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Layer `la` with gradients: `(dM / d(stream entering la) [R, T, D], [the gradients at its
+    q / k / v sites [R, T, H | G, d], at the MLP's input [R, T, D] and, in the last layer, at the
+    final norm's input [R, T, D]])` (compact: the q / k / v ones not yet in the residual stream)."""
     H, G, d = graph.n_heads, graph.n_kv_heads, model.d_head
     R, T, D = x_in.shape
     last = la == graph.n_layers - 1
@@ -202,8 +204,28 @@ def _layer_step(
             )
     got = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads, strict=True)]
     del grads, out
-    g_in = got[0]
-    g_down = torch.empty(H + 2 * G + len(got) - 4, R, T, D, dtype=torch.float32, device=x.device)
+    return got[0], got[1:]
+
+
+def _layer_step(
+    model: HeadModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x_in: torch.Tensor,
+    g_out: torch.Tensor | None,
+    loss: Loss | None,
+    parts: LayerParts,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `la` with gradients: `(dM / d(stream entering la) [R, T, D], the gradients at its
+    downstream inputs [S', R, T, D] in graph order: q heads, k, v, MLP, and logits in the last
+    layer)`."""
+    H, G = graph.n_heads, graph.n_kv_heads
+    R, T, D = x_in.shape
+    g_in, compact = _layer_grads(model, graph, ids, mask, la, x_in, g_out, loss)
+    got = [g_in, *compact]
+    g_down = torch.empty(H + 2 * G + len(got) - 4, R, T, D, dtype=torch.float32, device=x_in.device)
     lo = 0
     for which, g in zip(("q", "k", "v"), got[1:4], strict=True):
         n = g.shape[2]

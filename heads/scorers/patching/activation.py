@@ -30,7 +30,12 @@ beside the base run's residual of the columns after p; only the last position is
 and for a metric that reads a few tokens (`logit_diff`) only their columns (`unembed_only`).
 A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
 before the first token where the two prompts differ) patches nothing: it gets the base run's
-metric without a forward.
+metric without a forward. These reuses read both runs' full caches (`record.cache_bytes`, about
+141 residual-stream copies per run on a 30-layer model). Few sites on a long prompt, or a
+`max_memory` that does not hold those caches, take the lean path instead
+(`heads.scorers.patching.lean`: only the patched sites and the residual entering each patched
+layer are kept, each patched forward runs from its layer over every column; 1.08-1.17x a plain
+forward's peak for one site at 1k-8k tokens, docs/long-context.md), equal within fp32 rounding.
 The patches are engine edits (`head_output`, `residual`, `query`, `probs`, `k` / `v`, `mlp_out`
 sites; `attn_out` is written as every head's output z, which o_proj turns into the source
 attention output bitwise), and the recorded runs read engine sites (`record.record_run`), so a
@@ -45,7 +50,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -58,13 +62,14 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
+from heads.scorers.patching.lean import _Site, choose_lean, run_lean
 from heads.scorers.patching.metrics import Metric, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
 from heads.scorers.patching.record import (
     RunCache,
     _qkv_modules,  # noqa: F401 - importable from here as before
     _qkv_slices,  # noqa: F401 - importable from here as before
-    cache_bytes,
+    cache_bytes,  # noqa: F401 - importable from here as before
     record_run,
 )
 from heads.scorers.patching.request import BY_POSITION, KINDS, PatchRequest
@@ -93,13 +98,6 @@ from heads.scorers.patching.edits import (  # noqa: E402, F401
     _PatchZ,
     unembed_only,
 )
-
-
-@dataclass(frozen=True)
-class _Site:
-    layer: int
-    index: int  # head / KV head (-1 for block sites)
-    pos: int  # padded column (-1 = all positions)
 
 
 def _check_positions(pairs: PairBatch, positions: Sequence[int] | str | None) -> list[int]:
@@ -212,8 +210,9 @@ def patch(
             counts from the end), or `"image"` (vision pairs: the image-token columns,
             `ImagePairBatch.image_columns`).
         options: `SweepOptions` (rows per forward, progress, `max_memory`: rows per forward
-            within the budget beside the recorded clean and corrupted runs, refused before any
-            forward when one row does not fit); default `SweepOptions()`. Progress
+            within the budget beside the recorded clean and corrupted runs, the lean path's
+            sites alone where their full caches do not fit (module docstring), refused before
+            any forward when one row does not fit); default `SweepOptions()`. Progress
             counts work in token-layers (each forward's rows x the columns it recomputes x the
             layers it runs), not rows: rows patched at an early layer or position cost more.
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
@@ -268,14 +267,57 @@ def run_patch(
 
         check_samples(pairs.n, stability)
     sites, shape = _sites(model, kind, lays, poss)
-    kept = 2 * cache_bytes(model, pairs.n, pairs.width, pattern=kind == "pattern", query=kind == "q")
-    options = options.within(model, pairs.width, reserve=kept, whole=pairs.n)  # max_memory
-
+    # the fast path (both runs' full caches) or the lean one (only the patched sites), within
+    # max_memory beside what each keeps (heads.scorers.patching.lean)
+    lean, options = choose_lean(model, pairs, kind, sites, lays, len(poss), options)
     mask = pairs.attention_mask
     emb: dict[str, torch.Tensor | None] = {"clean": None, "corrupted": None}
     if isinstance(pairs, ImagePairBatch):  # the vision tower runs once per side
         for side in emb:
             emb[side] = language_model_inputs(model, pairs.ids(side), mask, pairs.image_inputs(side))
+    if lean:
+        with progress_callback(options.progress, f"patching {kind}", "token-layers") as report:
+            raw, m_clean, m_corrupt = run_lean(
+                model, pairs, kind, direction, met, sites, lays, poss, options, emb, report
+            )
+    else:
+        raw, m_clean, m_corrupt = _run_full(model, pairs, kind, direction, met, sites, by_pos, options, emb)
+    result = PatchResult(
+        kind,
+        direction,
+        met.name,
+        raw.reshape(*shape, pairs.n),
+        m_clean.cpu(),
+        m_corrupt.cpu(),
+        _grid_names(kind),
+        [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
+        model.name,
+        model.n_kv_heads,
+        _params(pairs, lays, poss if by_pos else None, model.n_layers),
+    )
+    if by_pos:
+        result.params["labels_from"] = "pair 0's clean tokens" + ("" if mixed is None else f" ({mixed})")
+    if stability:
+        from heads.scorers.stability import pair_templates
+
+        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+    return result
+
+
+def _run_full(
+    model: HeadModel,
+    pairs: PairBatch,
+    kind: str,
+    direction: str,
+    met: Metric,
+    sites: list[_Site],
+    by_pos: bool,
+    options: SweepOptions,
+    emb: dict[str, torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fast path: both runs' full caches, layer- and position-prefix reuse, one-column
+    outputs; `(raw [S, N], clean metric [N], corrupted metric [N])`."""
+    mask = pairs.attention_mask
     rec = {"pattern": kind == "pattern", "query": kind == "q", "keys": kind in ("k", "v")}
     clean = record_run(model, pairs.clean_ids, mask, embeds=emb["clean"], **rec)
     corrupt = record_run(model, pairs.corrupted_ids, mask, embeds=emb["corrupted"], **rec)
@@ -343,26 +385,7 @@ def run_patch(
             done += cost
             if report is not None:
                 report(done, total_work)
-    result = PatchResult(
-        kind,
-        direction,
-        met.name,
-        raw.reshape(*shape, pairs.n),
-        m_clean.cpu(),
-        m_corrupt.cpu(),
-        _grid_names(kind),
-        [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
-        model.name,
-        model.n_kv_heads,
-        _params(pairs, lays, poss if by_pos else None, model.n_layers),
-    )
-    if by_pos:
-        result.params["labels_from"] = "pair 0's clean tokens" + ("" if mixed is None else f" ({mixed})")
-    if stability:
-        from heads.scorers.stability import pair_templates
-
-        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
-    return result
+    return raw, m_clean, m_corrupt
 
 
 def mixed_lengths_note(pairs: PairBatch) -> str | None:

@@ -168,10 +168,11 @@ def _record_last(
 def _directions(model: HeadModel, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """`(u_answer [N, D], u_counterfactual [N, D])`: mean unembedding columns of each pair's
     answer / counterfactual tokens (fp32)."""
-    wu = model.W_U.float().cpu()  # [D, V]
+    wu = model.W_U  # [D, V], the model's dtype and device: only the columns read are copied
 
     def mean_cols(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        cols = wu[:, ids.reshape(-1)].T.reshape(*ids.shape, -1)  # [N, A, D]
+        picked = wu[:, ids.reshape(-1).to(wu.device)].float().cpu()
+        cols = picked.T.reshape(*ids.shape, -1)  # [N, A, D]
         m = mask.float()[..., None]
         return (cols * m).sum(1) / m.sum(1).clamp(min=1)
 

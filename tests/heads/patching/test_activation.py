@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from heads import SweepOptions
+from heads.scorers.patching import lean
 from heads.scorers.patching.activation import (
     PatchResult,
     _qkv_modules,
@@ -155,7 +156,9 @@ def _check(model, pairs, kind, direction="denoising", layers=None, positions=Non
 @pytest.mark.parametrize(
     "kind", ["head_out", "head_out_by_pos", "resid_pre", "attn_out", "q", "k", "pattern"]
 )
-def test_llama_gqa_padded_equals_oracle(tokenizer, kind):
+@pytest.mark.parametrize("path", ["full", "lean"])
+def test_llama_gqa_padded_equals_oracle(tokenizer, path, monkeypatch, kind):
+    monkeypatch.setattr(lean, "MODE", path)
     model = make_tiny("llama", tokenizer)  # GQA 4:2, 3 layers
     pairs = encode_pairs(tokenizer, PAIRS)  # unequal lengths: left padding
     assert (pairs.attention_mask == 0).any()
@@ -169,7 +172,9 @@ def test_llama_gqa_padded_equals_oracle(tokenizer, kind):
 
 
 @pytest.mark.parametrize("kind", ["head_out_by_pos", "mlp_out", "v"])
-def test_gpt2_noising_equals_oracle(tokenizer, kind):
+@pytest.mark.parametrize("path", ["full", "lean"])
+def test_gpt2_noising_equals_oracle(tokenizer, path, monkeypatch, kind):
+    monkeypatch.setattr(lean, "MODE", path)
     model = make_tiny("gpt2", tokenizer)
     pairs = encode_pairs(tokenizer, PAIRS)
     _check(
@@ -178,9 +183,11 @@ def test_gpt2_noising_equals_oracle(tokenizer, kind):
 
 
 @pytest.mark.parametrize("direction", ["denoising", "noising"])
-def test_gpt2_resid_pre_equals_oracle(tokenizer, direction):
+@pytest.mark.parametrize("path", ["full", "lean"])
+def test_gpt2_resid_pre_equals_oracle(tokenizer, path, monkeypatch, direction):
     """Was refused on GPT-2: its blocks get the KV cache positionally, so the residual edit read no
     cache, took the patched column as column 0 and wrote the wrong position after a reused prefix."""
+    monkeypatch.setattr(lean, "MODE", path)
     model = make_tiny("gpt2", tokenizer)
     pairs = encode_pairs(tokenizer, PAIRS)
     _check(model, pairs, "resid_pre", direction=direction, positions=[1, 5, -2, -1])
@@ -256,7 +263,9 @@ def test_unembed_only_computes_the_metric_columns_and_restores_the_head(tokenize
         assert "forward" not in model.unembed.__dict__
 
 
-def test_sites_equal_in_both_runs_get_the_base_metric_without_a_forward(tokenizer):
+@pytest.mark.parametrize("path", ["full", "lean"])
+def test_sites_equal_in_both_runs_get_the_base_metric_without_a_forward(tokenizer, path, monkeypatch):
+    monkeypatch.setattr(lean, "MODE", path)
     model = make_tiny("llama", tokenizer)
     pairs = encode_pairs(tokenizer, PAIRS)
     calls = []

@@ -17,7 +17,7 @@ import torch
 
 from heads import SweepOptions
 from heads.errors import HeadsteerValueError
-from heads.scorers.patching import direct_logit_attribution, logit_lens, pairs_from_tokens, path_patch
+from heads.scorers.patching import direct_logit_attribution, lean, logit_lens, pairs_from_tokens, path_patch
 from heads.scorers.patching.activation import KINDS, patch
 from tests.heads.test_family_matrix import EXACT
 from tests.support import patching_oracle as oracle
@@ -79,8 +79,21 @@ def _sites(kind: str, n_index: int, positions: list[int]) -> list[tuple[int, int
     return [(h, -1) for h in range(n_index)]
 
 
-@pytest.mark.parametrize("family", EXACT)
-def test_every_kind_equals_the_one_hook_loop_or_is_refused(family):
+# the lean path (only the patched sites recorded, no position-prefix reuse:
+# `heads.scorers.patching.lean`) forced on the sliding-window / chunked / sink families and one of
+# each family feature the sites depend on (latent attention, all-heads key norm, no one-module MLP,
+# residual multiplier, Conv1D / fused / parallel blocks); `"auto"` takes the fast path on these prompts
+LEAN_FAMILIES = [
+    *("mistral", "qwen2", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "llama4_text"),
+    *("deepseek_v3", "olmo2", "opt", "granite", "gpt2", "gpt_bigcode", "phi"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "path"), [(f, "auto") for f in EXACT] + [(f, "lean") for f in LEAN_FAMILIES]
+)
+def test_every_kind_equals_the_one_hook_loop_or_is_refused(family, path, monkeypatch):
+    monkeypatch.setattr(lean, "MODE", path)
     hm = shared_family_model(family)
     pairs = _pairs()
     mask = pairs.attention_mask

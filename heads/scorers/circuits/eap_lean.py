@@ -1,0 +1,342 @@
+"""EAP and EAP-IG without holding every node's activation difference (`eap_chunk_lean`).
+
+The same scores as `heads.scorers.circuits.eap.eap_chunk` (up to float rounding in the order of
+the sums), with less kept. `eap_chunk` holds every upstream node's `a(x~) - a(x)` for the whole
+walk down the layers (about 2 L residual-stream copies). Here nothing of them is held: the walk
+down keeps, for a block of `block` downstream layers, only their compact gradients (the q / k / v
+site gradients `[R, T, H | G, d]`, the MLP's input gradient `[R, T, D]`, about 2.7 copies per
+layer, beside the layer's input that the walk holds anyway); then a forward without gradients of
+the clean and the corrupted runs, one layer at a time from the embedding up to the block's top
+layer, recomputes each layer's differences, meets them with the block's gradients (expanded to
+the residual stream a few heads at a time: `J_norm(x)^T W[h]^T g_h`) and drops them.
+
+Cost: the walks of `eap_chunk` plus one no-grad forward of both runs up to each block's top
+layer per walk: about `L (L / block + 1)` layer forwards more per walk (`block = L`: one more
+forward of both runs). Peak memory: about `L / every + every + 2.7 block + 2 + (H + 2)` residual
+copies per pair chunk (the walk's recorded inputs, the block's gradients, both runs' residual
+stream and one layer's projected differences) plus one layer's graph, against `eap_chunk`'s
+`2 L + L / every + every + S`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import cast
+
+import torch
+
+from heads.engine.activations import ActivationEdit
+from heads.engine.context import editing
+from heads.engine.edits import AttentionCall, Edit
+from heads.engine.prefix import starting_at
+from heads.inputs.prompts import position_ids
+from heads.model.adapter import HeadModel
+from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _add, _layer_grads, _Nodes, _residual_grads
+from heads.scorers.circuits.layout import Graph
+from heads.scorers.circuits.nodes import LayerParts, embed_output, layer_parts
+from heads.scorers.layerwise import (
+    attention_half,
+    checkpoint_layers,
+    has_mid,
+    inputs_down,
+    mlp_half,
+    record_inputs,
+)
+
+__all__ = ["eap_chunk_lean"]
+
+
+class _Stop(Exception):
+    """Ends a forward once the layer that was asked for has run."""
+
+
+@torch.no_grad()
+def _forward_layer(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x: torch.Tensor | None,
+    reads: list[Edit],
+) -> torch.Tensor:
+    """Layer `la` alone without gradients from `x` (`[R, T, D]` the residual entering it; None for
+    layer 0: the model's own embedding), with `reads` (of that layer): the stream leaving it."""
+    box: list[torch.Tensor] = []
+
+    def replace(old: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return cast(torch.Tensor, x)
+
+    def stop(y: torch.Tensor, call: AttentionCall) -> None:
+        box.append(y)
+        raise _Stop
+
+    edits: list[Edit] = [] if x is None else [ActivationEdit("residual", la, replace)]
+    edits += [*reads, ActivationEdit("resid_post", la, stop)]
+    dev = model.device
+    with ExitStack() as stack:
+        stack.enter_context(starting_at(model, la, x))
+        stack.enter_context(editing(model, edits, require_fired=False))
+        try:
+            model.run(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=position_ids(mask).to(dev),
+                use_cache=False,
+                logits_to_keep=1,
+            )
+        except _Stop:
+            pass
+    return box[-1].detach()
+
+
+BLOCK = 2
+"""Downstream layers whose compact gradients are held per recomputation of the differences."""
+
+POSITION_CHUNKS = 4
+"""The positions are scored in this many chunks (the projected differences and the expanded
+gradients exist for one chunk of positions at a time: every term is a sum over positions)."""
+
+
+def _differences(
+    model: HeadModel,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    mask: torch.Tensor,
+    parts: list[LayerParts],
+    top: int,
+) -> Iterator[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """`(l, [the input's [R, T, D] in layer 0], the heads' [H, R, T, d], the MLP's [R, T, D])`
+    for l = 0 .. top: layer l's upstream nodes' differences `a(x~) - a(x)` (the heads' before
+    W_O; post-norm: over the frozen scale), fp32, zero at padding; one layer of both runs at a
+    time, from the embedding up."""
+    nodes = _Nodes(model, parts)
+    m = mask.to(model.device, torch.float32)
+    xc: torch.Tensor | None = None
+    xx: torch.Tensor | None = None
+    for la in range(top + 1):
+        nodes.sign = 1.0
+        xx_next = _forward_layer(model, corrupted_ids, mask, la, xx, nodes.layer_edits(la))
+        nodes.sign = -1.0
+        xc_next = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la))
+        xc, xx = (xc_next, xx_next) if la < top else (None, None)
+        del xc_next, xx_next
+        z = cast(torch.Tensor, nodes.z[la]).mul_(m[..., None, None])  # [R, T, H, d]
+        o = cast(torch.Tensor, nodes.mlp[la]).mul_(m[..., None])
+        nodes.z[la] = nodes.mlp[la] = None
+        inp = [cast(torch.Tensor, nodes.input).mul_(m[..., None])] if la == 0 else []
+        nodes.input = None
+        zh = z.permute(2, 0, 1, 3).contiguous()  # [H, R, T, d]
+        del z
+        yield la, inp, zh, o
+        del inp, zh, o
+
+
+def _projected(
+    inp: list[torch.Tensor], zh: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, t0: int, t1: int
+) -> torch.Tensor:
+    """`[n, R, c D]` fp32: one layer's differences at positions t0 .. t1 - 1 in the residual
+    stream, in graph order (the input in layer 0, the heads through W_O, the MLP)."""
+    H, R, _, d = zh.shape
+    c = t1 - t0
+    n = len(inp) + H + 1
+    out = torch.empty(n, R, c, o.shape[-1], dtype=torch.float32, device=o.device)
+    for i, r in enumerate(inp):
+        out[i] = r[:, t0:t1]
+    w = w_o.to(zh.device)
+    for h0 in range(0, H, HEAD_CHUNK):
+        h1 = min(H, h0 + HEAD_CHUNK)
+        part = zh[h0:h1, :, t0:t1].reshape(h1 - h0, R * c, d)
+        out[len(inp) + h0 : len(inp) + h1] = torch.bmm(part, w[h0:h1]).reshape(h1 - h0, R, c, -1)
+    out[-1] = o[:, t0:t1]
+    return out.reshape(n, R, -1)
+
+
+def _expanded(
+    part: LayerParts, x: torch.Tensor, compact: list[torch.Tensor]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`(offset, [n, R, c D] fp32)`: a layer's downstream gradients in the residual stream at the
+    c positions of `x` (`[R, c, D]`, the layer's input there), in graph order from the layer's
+    first input (q heads, k, v, the MLP, the logits in the last layer), `HEAD_CHUNK` heads at a
+    time (`compact`: `eap._layer_grads` at those positions)."""
+    lo = 0
+    R = x.shape[0]
+    for which, g in zip(("q", "k", "v"), compact[:3], strict=True):
+        n = g.shape[2]
+        for h0 in range(0, n, HEAD_CHUNK):
+            h1 = min(n, h0 + HEAD_CHUNK)
+            buf = torch.empty(h1 - h0, *x.shape, dtype=torch.float32, device=x.device)
+            _residual_grads(part, x, g[:, :, h0:h1], part.w[which][h0:h1], buf)
+            yield lo + h0, buf.reshape(h1 - h0, R, -1)
+            del buf
+        lo += n
+    for i, g in enumerate(compact[3:]):  # the MLP's input, the logits
+        yield lo + i, g.float().reshape(1, R, -1)
+
+
+def _score_block(
+    scores: torch.Tensor,
+    model: HeadModel,
+    graph: Graph,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    mask: torch.Tensor,
+    parts: list[LayerParts],
+    w_o: list[torch.Tensor],
+    held: list[tuple[int, torch.Tensor, list[torch.Tensor]]],
+) -> None:
+    """Add `(a_u(x~) - a_u(x)) . g_v` into `scores [R, U, Dn]` for the downstream inputs v of the
+    layers in `held` (`(layer, its input [R, T, D], its compact gradients)`) and every upstream
+    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time."""
+    R, T = clean_ids.shape
+    top = max(m for m, _, _ in held)
+    step = -(-T // POSITION_CHUNKS)
+    for la, inp, zh, o in _differences(model, clean_ids, corrupted_ids, mask, parts, top):
+        u0 = 0 if la == 0 else graph.head_node(la, 0)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            diff = _projected(inp, zh, o, w_o[la], t0, t1)
+            u1 = u0 + diff.shape[0]
+            for m, x, compact in held:
+                if m < la:
+                    continue
+                v0 = graph.q_input(m, 0)
+                pieces = [c[:, t0:t1] for c in compact]
+                for off, g in _expanded(parts[m], x[:, t0:t1], pieces):
+                    g = g.to(diff.device)
+                    for r in range(R):
+                        scores[r, u0:u1, v0 + off : v0 + off + g.shape[0]] += (diff[:, r] @ g[:, r].T).to(
+                            scores.device
+                        )
+                    del g
+            del diff
+
+
+MLP_CHUNKS = 8
+"""Position chunks of a layer's MLP half with gradients (its graph for one chunk at a time)."""
+
+
+def _split_grads(
+    model: HeadModel,
+    graph: Graph,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x_in: torch.Tensor,
+    g_out: torch.Tensor | None,
+    loss: Loss,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`eap._layer_grads` with the layer's MLP half run and differentiated `MLP_CHUNKS` chunks
+    of positions at a time (it is position-wise: `heads.scorers.layerwise.mlp_half`; in the last
+    layer only the last position reaches the logits), then the attention half's backward."""
+    H, G, d = graph.n_heads, graph.n_kv_heads, model.d_head
+    R, T, D = x_in.shape
+    last = la == graph.n_layers - 1
+    dt, dev = x_in.dtype, x_in.device
+    x = x_in.detach().requires_grad_(True)
+    sites = {
+        "q": torch.zeros(R, T, H, d, dtype=dt, device=dev, requires_grad=True),
+        "k": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+        "v": torch.zeros(R, T, G, d, dtype=dt, device=dev, requires_grad=True),
+    }
+    mid = attention_half(model, ids, mask, la, x, [ActivationEdit(w, la, _add(z)) for w, z in sites.items()])
+    g_mid = torch.zeros_like(mid)
+    g_mlp = torch.zeros(R, T, D, dtype=dt, device=dev)
+    g_logits = torch.zeros(R, T, D, dtype=dt, device=dev) if last else None
+    chunk = T if last else -(-T // MLP_CHUNKS)
+    for a in range(T - 1 if last else 0, T, chunk):
+        piece = mid[:, a : a + chunk].detach().requires_grad_(True)
+        d_mlp = torch.zeros_like(piece, requires_grad=True)
+        leaves = [piece, d_mlp]
+        edits: list[Edit] = [ActivationEdit("resid_mid", la, _add(d_mlp))]
+        if last:
+            d_logits = torch.zeros_like(piece, requires_grad=True)
+            leaves.append(d_logits)
+            edits.append(ActivationEdit("resid_post", la, _add(d_logits - d_mlp)))
+        else:
+            edits.append(ActivationEdit("resid_post", la, _add(-d_mlp)))
+        out = mlp_half(model, ids, la, piece, a, edits)
+        with torch.enable_grad():
+            if last:
+                got = torch.autograd.grad(loss(out.float()), leaves, allow_unused=True)
+            else:
+                rows = cast(torch.Tensor, g_out)[:, a : a + chunk]
+                got = torch.autograd.grad(out, leaves, grad_outputs=rows, allow_unused=True)
+        for dst, g in zip((g_mid, g_mlp, g_logits), got, strict=False):
+            if g is not None and dst is not None:
+                dst[:, a : a + chunk] = g
+        del out, got, piece, leaves
+    with torch.enable_grad():
+        grads = torch.autograd.grad(mid, [x, *sites.values()], grad_outputs=g_mid, allow_unused=True)
+    g_in, gq, gk, gv = (
+        torch.zeros_like(v) if g is None else g.detach()
+        for v, g in zip([x, *sites.values()], grads, strict=True)
+    )
+    del grads, mid, g_mid
+    return g_in, [gq, gk, gv, g_mlp, *([g_logits] if g_logits is not None else [])]
+
+
+def eap_chunk_lean(
+    model: HeadModel,
+    graph: Graph,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    mask: torch.Tensor,
+    loss: Loss,
+    *,
+    steps: int | None = None,
+    every: int | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """`eap_chunk`'s `[R, U, Dn]` fp32 scores (EAP, or EAP-IG with `steps` points) without
+    holding the activation differences (module docstring).
+
+    Args:
+        clean_ids, corrupted_ids, mask: `[R, T]` (left-padded, equal lengths).
+        loss: the metric summed over the rows, from the logits `[R, V]` at the last position.
+        steps: None for EAP, m for EAP-IG.
+        every: layers per recomputed segment of the layer-by-layer backward (default: the
+            shrinking segments of `heads.scorers.layerwise.checkpoint_layers`).
+        block: downstream layers whose gradients are held before their differences are
+            recomputed (default `BLOCK`); more: fewer recomputations, more memory.
+    """
+    L = graph.n_layers
+    sparse_layers = checkpoint_layers(L) if every is None else list(range(0, L, every))
+    block = BLOCK if block is None else max(1, block)
+    parts = [layer_parts(model, la) for la in range(L)]
+    w_o = [
+        p.w_o.float() if p.gain is None else p.w_o.float() * p.gain.to(p.w_o.device)[None, None]
+        for p in parts
+    ]
+    split = has_mid(model)  # attention, then the MLP on its output: the MLP half in chunks
+    R = clean_ids.shape[0]
+    scores = torch.zeros(R, graph.n_upstream, graph.n_downstream)
+    n_runs = 1 if steps is None else steps
+    e_corr = embed_output(model, corrupted_ids) if steps is not None else None
+    for k in range(n_runs, 0, -1):
+        edits: list[Edit] = []
+        if k < n_runs:
+            ec, alpha = cast(torch.Tensor, e_corr), k / n_runs
+
+            def interpolate(
+                e: torch.Tensor, call: AttentionCall, ec: torch.Tensor = ec, a: float = alpha
+            ) -> torch.Tensor:
+                c = ec.to(e.device, e.dtype)
+                return c + a * (e - c)
+
+            edits = [ActivationEdit("embed", 0, interpolate)]
+        _, sparse = record_inputs(model, clean_ids, mask, sparse_layers, edits)
+        step = torch.zeros_like(scores)
+        g_out: torch.Tensor | None = None
+        held: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
+        for la, x_in in inputs_down(model, clean_ids, mask, sparse, every):
+            grads = _split_grads if split else _layer_grads
+            g_out, compact = grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
+            held.append((la, x_in, compact))
+            if len(held) == block or la == 0:
+                _score_block(step, model, graph, clean_ids, corrupted_ids, mask, parts, w_o, held)
+                held = []
+        scores += step
+    scores /= n_runs
+    scores[:, ~graph.valid] = 0.0
+    return scores

@@ -1,0 +1,417 @@
+"""The lean path of activation patching: record only what the result needs (`run_lean`).
+
+The fast path of `activation.run_patch` records both runs' full caches (`record.record_run`: the
+residual, head outputs, attention / MLP outputs and KV cache of every layer and position, about
+`2 * cache_bytes` bytes: some 35 residual-stream copies per side on a 30-layer model, where a
+plain forward peaks near 12) to start each patched forward at its layer *and* position. The
+lean path keeps, per patched layer l:
+
+* from the source run only the kind's activation at the patched sites: `[N, P, D]` (the
+  residual, MLP output) or `[N, P, H, d]` (head outputs, also for `attn_out`, which is written
+  as every head's z) at the P patched positions of the by-position kinds; the whole layer's
+  head outputs / queries / keys / values `[N, T, ...]`, or its pattern `[N, H, T, T]`, for the
+  kinds that patch every position;
+* from the base run the same site (the bitwise "source equals base, nothing to patch" test
+  compares the site alone) and the residual entering l `[N, T, D]` (layer-prefix reuse; none
+  for layer 0);
+* from both the last position's logits `[N, V]`.
+
+Each patched forward starts at its layer from the base run's residual over every column (no
+position-prefix reuse: that needs every later layer's KV cache of the base run) and keeps no
+hidden states, so a sweep's peak is one forward's plus the kept sites: for one layer and a few
+positions about one residual copy above a plain forward. Results equal the fast path's within
+fp32 rounding (tests/heads/patching: every kind, both directions, sliding-window families).
+
+`choose_lean` decides per sweep, from byte and work estimates made before any forward: the
+lean path where the full caches exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` times
+the fast path's work (token-layers, the two recorded runs included: few sites, long prompts),
+or where a `SweepOptions(max_memory=)` budget does not hold the full caches; else the fast path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from heads.engine.activations import ActivationEdit, ActivationRecorder
+from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit, Recorder, ResidualEdit
+from heads.engine.options import SweepOptions
+from heads.engine.variants import run_rows
+from heads.errors import HeadsteerValueError
+from heads.model.adapter import HeadModel
+from heads.scorers.patching.edits import _PatchKV, _PatchPattern, _PatchQuery, _PatchZ
+from heads.scorers.patching.pairs import PairBatch
+from heads.scorers.patching.record import cache_bytes
+from heads.scorers.patching.request import BY_POSITION
+from heads.scorers.patching.vision import replaced_embeddings
+
+__all__: list[str] = []  # internal: the lean path of `activation.run_patch`
+
+MODE = "auto"
+"""`"auto"` (`choose_lean` decides), `"lean"` or `"full"` (forced; the tests run every kind both ways)."""
+
+LEAN_MIN_BYTES = 256 * 2**20
+"""Full caches (both runs) below this size keep the fast path whatever its work ratio: the lean
+path unembeds the whole vocabulary at the last position (the column-only unembedding reads the
+final hidden state, which a forward keeping no hidden states does not return), a few percent of
+a short prompt's forward (a sweep of every head on 8 IOI pairs on SmolLM2: 5% more CPU time)."""
+
+LEAN_TIME = 1.25
+"""The most work (token-layers) the lean path may cost over the fast path to be chosen by default."""
+
+# the engine site each kind's activation is read at (pattern: a `Recorder`)
+_SITE = {
+    "resid_pre": "residual",
+    "attn_out": "head_output",
+    "head_out": "head_output",
+    "head_out_by_pos": "head_output",
+    "mlp_out": "mlp_out",
+    "q": "query",
+    "k": "k",
+    "v": "v",
+}
+
+
+@dataclass(frozen=True)
+class _Site:
+    """One patched site: its layer, head / KV head (-1 for block sites), padded column (-1 = all)."""
+
+    layer: int
+    index: int
+    pos: int
+
+
+@dataclass
+class LeanRun:
+    """What the lean path keeps of one run.
+
+    Attributes:
+        logits: `[N, V]` fp32 last-position logits.
+        sites: per patched layer the kind's activation at its patched sites (module docstring).
+        residuals: per patched layer > 0 the residual entering it `[N, T, D]` (base run only).
+        embeds: `[N, T, D]` input embeddings with image features (vision pairs), or None.
+    """
+
+    logits: torch.Tensor
+    sites: dict[int, torch.Tensor]
+    residuals: dict[int, torch.Tensor]
+    embeds: torch.Tensor | None = None
+
+
+def lean_bytes(model: HeadModel, kind: str, n: int, width: int, layers: Sequence[int], n_pos: int) -> int:
+    """Bytes the lean path keeps beside its forwards: both runs' sites at `layers` (`n_pos`
+    positions for the by-position kinds) and the base run's residual entering each layer > 0."""
+    H, G, d, D = model.n_heads, model.n_kv_heads, model.d_head, model.d_model
+    item = torch.empty(0, dtype=model.dtype).element_size()
+    if kind in ("resid_pre", "mlp_out"):
+        site = n_pos * D * item
+    elif kind in ("attn_out", "head_out_by_pos"):
+        site = n_pos * H * d * item
+    elif kind == "pattern":
+        site = H * width * width * 4
+    elif kind in ("k", "v"):
+        site = width * G * d * item
+    else:  # head_out, q
+        site = width * H * d * item
+    resid = sum(1 for la in layers if la) * width * D * item
+    return int(n * (2 * len(layers) * site + resid))
+
+
+def _work(model: HeadModel, width: int, n: int, sites: Sequence[_Site], by_pos: bool, lean: bool) -> int:
+    """Token-layers of a sweep: the two recorded runs and one forward per (site, pair) from its
+    layer (the fast path from its position on for the by-position kinds)."""
+    L = model.n_layers
+    rows = sum((width if lean or not by_pos else width - s.pos) * (L - s.layer) for s in sites)
+    return 2 * n * width * L + n * rows
+
+
+def choose_lean(
+    model: HeadModel,
+    pairs: PairBatch,
+    kind: str,
+    sites: Sequence[_Site],
+    layers: Sequence[int],
+    n_pos: int,
+    options: SweepOptions,
+) -> tuple[bool, SweepOptions]:
+    """(lean?, the options within `options.max_memory`): see the module docstring. With a budget
+    the fast path is kept where its full caches fit, else the lean path is planned (and refused,
+    naming its minimum, when one row of it does not fit either)."""
+    by_pos = kind in BY_POSITION
+    n, width = pairs.n, pairs.width
+    full = 2 * cache_bytes(model, n, width, pattern=kind == "pattern", query=kind == "q")
+    lean = lean_bytes(model, kind, n, width, layers, n_pos)
+    if MODE in ("lean", "full"):
+        use = MODE == "lean"
+    else:
+        ratio = _work(model, width, n, sites, by_pos, True) / max(
+            1, _work(model, width, n, sites, by_pos, False)
+        )
+        use = full > LEAN_MIN_BYTES and ratio <= LEAN_TIME
+    if not use and MODE != "full" and options.max_memory is not None:
+        try:
+            return False, options.within(model, width, reserve=full, whole=n)
+        except HeadsteerValueError:
+            use = True  # the full caches do not fit the budget: the lean path, if it does
+    return use, options.within(model, width, reserve=lean if use else full, whole=n)
+
+
+# ------------------------------------------------------------------------------ recording
+def _columns(positions: Sequence[int]) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    cols = torch.tensor(list(positions))
+
+    def keep(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return x[:, cols.to(x.device)].clone()
+
+    return keep
+
+
+def _stream_columns(
+    n: int, positions: Sequence[int]
+) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    cols = torch.tensor(list(positions))
+
+    def keep(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:  # a MoE block may flatten its rows
+        return x.reshape(n, -1, x.shape[-1])[:, cols.to(x.device)].clone()
+
+    return keep
+
+
+def record_lean(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str,
+    layers: Sequence[int],
+    positions: Sequence[int],
+    *,
+    base: bool,
+    embeds: torch.Tensor | None = None,
+) -> LeanRun:
+    """One unedited forward of `ids [N, T]` keeping the kind's activation at `layers` (at
+    `positions` for the by-position kinds), with `base=True` also the residual entering each
+    layer > 0, read by engine recorders; no hidden states or KV cache are kept."""
+    n = ids.shape[0]
+    recs: dict[int, Edit] = {}
+    for la in layers:
+        if kind == "pattern":
+            recs[la] = Recorder(layer=la)
+        elif kind not in BY_POSITION:
+            recs[la] = ActivationRecorder(_SITE[kind], la)
+        elif kind in ("resid_pre", "mlp_out"):
+            recs[la] = ActivationRecorder(_SITE[kind], la, _stream_columns(n, positions))
+        else:
+            recs[la] = ActivationRecorder(_SITE[kind], la, _columns(positions))
+    resid = {la: ActivationRecorder("residual", la) for la in layers if la and base}
+    edits: list[Edit] = [*recs.values(), *resid.values()]
+    if embeds is not None:
+        edits.append(replaced_embeddings(model, embeds))
+    out = run_rows(model, ids, mask, edits, hidden_states=False)
+    sites = {}
+    for la, r in recs.items():
+        got = cast(Any, r).records
+        sites[la] = torch.cat(got, dim=2) if kind == "pattern" else got[0]
+    return LeanRun(out.logits[:, -1].float(), sites, {la: r.records[0] for la, r in resid.items()}, embeds)
+
+
+def unchanged_lean(
+    kind: str, base: LeanRun, src: LeanRun, sites: Sequence[_Site], n: int, positions: Sequence[int]
+) -> torch.Tensor:
+    """`[S, N]` bool: site s of pair i reads a source activation bitwise equal to the base run's
+    at that site, so patching it is the identity (`attn_out`: every head's z at the column,
+    which o_proj turns into the attention output)."""
+    col = {p: j for j, p in enumerate(positions)}
+    maps: dict[int, torch.Tensor] = {}
+    out = torch.zeros(len(sites), n, dtype=torch.bool)
+    for s_i, s in enumerate(sites):
+        if s.layer not in maps:
+            eq = (src.sites[s.layer] == base.sites[s.layer]).cpu()
+            if kind in ("resid_pre", "mlp_out", "head_out_by_pos"):
+                maps[s.layer] = eq.all(-1)  # [N, P] / [N, P, H]
+            elif kind == "attn_out":
+                maps[s.layer] = eq.all(-1).all(-1)  # [N, P]
+            elif kind == "pattern":
+                maps[s.layer] = eq.all(-1).all(-1)  # [N, H]
+            else:  # head_out, q, k, v: [N, T, heads, d]
+                maps[s.layer] = eq.all(-1).all(1)
+        m = maps[s.layer]
+        if kind == "head_out_by_pos":
+            out[s_i] = m[:, col[s.pos], s.index]
+        elif kind in BY_POSITION:
+            out[s_i] = m[:, col[s.pos]]
+        else:
+            out[s_i] = m[:, s.index]
+    return out
+
+
+# ------------------------------------------------------------------------------ patched forwards
+def _write_at(x: torch.Tensor, call: AttentionCall, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """`x` with row r's column `cols[r]` (absolute; -1 none) replaced by `values[r]`."""
+    rows = x.reshape(values.shape[0], -1, *values.shape[1:])
+    idx = cols.to(x.device) - call.q_offset
+    r = ((idx >= 0) & (idx < rows.shape[1])).nonzero().flatten()
+    out = rows.clone()
+    out[r, idx[r]] = values[r.to(values.device)].to(device=x.device, dtype=x.dtype)
+    return out.reshape(x.shape)
+
+
+@dataclass(eq=False, repr=False)
+class _ZAt(HeadOutputEdit):
+    """Write `values [R, H, d]` into the heads of `row_heads` at column `cols [R]` of each row."""
+
+    values: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+
+    def apply(self, z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return _write_at(z, call, cast(torch.Tensor, self.values), cast(torch.Tensor, self.cols))
+
+
+@dataclass(eq=False, repr=False)
+class _ResidAt(ResidualEdit):
+    """Write `values [R, D]` into the residual entering `layer` at column `cols [R]` of each row."""
+
+    values: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return _write_at(x, call, cast(torch.Tensor, self.values), cast(torch.Tensor, self.cols))
+
+
+class _StreamAt(ActivationEdit):
+    """Write `values [R, D]` into a stream site (`mlp_out`) at column `cols [R]` of each row."""
+
+    def __init__(self, site: str, layer: int, values: torch.Tensor, cols: torch.Tensor):
+        super().__init__(site, layer)
+        self.values, self.cols = values, cols
+
+    def apply(self, x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return _write_at(x, call, self.values, self.cols)
+
+
+def _row_heads(sites: Sequence[_Site], n: int) -> torch.Tensor:
+    rh = torch.zeros(len(sites), n, dtype=torch.bool)
+    for r, s in enumerate(sites):
+        rh[r, s.index] = True
+    return rh
+
+
+def run_lean_chunk(
+    model: HeadModel,
+    kind: str,
+    base: LeanRun,
+    src: LeanRun,
+    base_ids: torch.Tensor,
+    mask: torch.Tensor,
+    sites: Sequence[_Site],
+    ps: torch.Tensor,
+    layer: int,
+    trim: int,
+    positions: Sequence[int],
+) -> torch.Tensor:
+    """One forward of a chunk of rows (site, pair) from `layer` over the columns from `trim` on
+    (the left padding they all share is cut); `[R, V]` last-position logits."""
+    H, dev = model.n_heads, model.device
+    ids, m = base_ids[ps, trim:], mask[ps, trim:]
+    residual = None
+    if layer:  # every pair in order (one pair, or a chunk of all of them): a view, not a copy
+        kept = base.residuals[layer]
+        whole = len(ps) == kept.shape[0] and torch.equal(ps, torch.arange(len(ps)))
+        residual = kept[:, trim:] if whole else kept[ps, trim:]
+    edits: list[Edit] = []
+    if base.embeds is not None:  # vision pairs: the base run's image features
+        edits.append(replaced_embeddings(model, base.embeds[ps.to(base.embeds.device), trim:]))
+    source = src.sites[layer]
+    if kind in BY_POSITION:
+        col = {p: j for j, p in enumerate(positions)}
+        j = torch.tensor([col[s.pos] for s in sites])
+        values = source[ps.to(source.device), j.to(source.device)].to(dev)
+        cols = torch.tensor([s.pos - trim if s.pos >= trim else -1 for s in sites])
+        if kind == "resid_pre":
+            edits.append(_ResidAt(layer=layer, values=values, cols=cols))
+        elif kind == "mlp_out":
+            edits.append(_StreamAt("mlp_out", layer, values, cols))
+        else:  # attn_out: every head's z (o_proj turns it into the source attention output bitwise)
+            rh = torch.ones(len(sites), H, dtype=torch.bool) if kind == "attn_out" else _row_heads(sites, H)
+            edits.append(_ZAt(layer=layer, row_heads=rh, values=values, cols=cols))
+    elif kind == "head_out":
+        edits.append(_PatchZ(layer=layer, row_heads=_row_heads(sites, H), source=source[ps, trim:].to(dev)))
+    elif kind == "pattern":
+        edits.append(
+            _PatchPattern(
+                layer=layer, row_heads=_row_heads(sites, H), source=source[ps][:, :, trim:, trim:].to(dev)
+            )
+        )
+    elif kind == "q":
+        edits.append(
+            _PatchQuery(layer=layer, row_heads=_row_heads(sites, H), source=source[ps, trim:].to(dev))
+        )
+    else:  # k / v: one KV head's key / value columns (before RoPE / QK-norm), all positions
+        edits.append(
+            _PatchKV(
+                kind, layer, row_heads=_row_heads(sites, model.n_kv_heads), source=source[ps, trim:].to(dev)
+            )
+        )
+    out = run_rows(model, ids, m, edits, start=layer, residual=residual, hidden_states=False)
+    return cast(torch.Tensor, out.logits[:, -1].float())
+
+
+def run_lean(
+    model: HeadModel,
+    pairs: PairBatch,
+    kind: str,
+    direction: str,
+    met: Any,
+    sites: Sequence[_Site],
+    layers: Sequence[int],
+    positions: Sequence[int],
+    options: SweepOptions,
+    embeds: dict[str, torch.Tensor | None],
+    report: Callable[[int, int], None] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lean sweep: `(raw [S, N], clean metric [N], corrupted metric [N])`, as the fast path's."""
+    mask = pairs.attention_mask
+    runs = {}
+    for side in ("clean", "corrupted"):
+        is_base = side == ("corrupted" if direction == "denoising" else "clean")
+        runs[side] = record_lean(
+            model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side]
+        )
+    clean, corrupt = runs["clean"], runs["corrupted"]
+    idx = torch.arange(pairs.n)
+    m_clean = met(clean.logits, pairs, idx, clean.logits)
+    m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
+    base, src = (corrupt, clean) if direction == "denoising" else (clean, corrupt)
+    base_ids = pairs.ids("corrupted" if direction == "denoising" else "clean")
+    m_base = m_corrupt if direction == "denoising" else m_clean
+    raw = torch.full((len(sites), pairs.n), math.nan)
+    same = unchanged_lean(kind, base, src, sites, pairs.n, positions)
+    raw[same] = m_base.cpu().expand(len(sites), -1)[same]
+    lengths, width, L = pairs.lengths.tolist(), pairs.width, model.n_layers
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for s_i, s in enumerate(sites):
+        for i in range(pairs.n):
+            if not same[s_i, i]:
+                groups.setdefault(s.layer, []).append((s_i, i))
+    chunks = []
+    for _, rows in sorted(groups.items()):
+        rows.sort(key=lambda r: (lengths[r[1]], r[0]))
+        chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
+    plan = [(c, sites[c[0][0]].layer, width - max(lengths[i] for _, i in c)) for c in chunks]
+    work = [len(c) * (width - trim) * (L - la) for c, la, trim in plan]
+    done, total = 0, sum(work)
+    for (chunk, layer, trim), cost in zip(plan, work, strict=True):
+        si = torch.tensor([s for s, _ in chunk])
+        ps = torch.tensor([i for _, i in chunk])
+        chunk_sites = [sites[s] for s in si.tolist()]
+        logits = run_lean_chunk(
+            model, kind, base, src, base_ids, mask, chunk_sites, ps, layer, trim, positions
+        )
+        raw[si, ps] = met(logits, pairs, ps, clean.logits[ps]).cpu()
+        done += cost
+        if report is not None:
+            report(done, total)
+    return raw, m_clean, m_corrupt

@@ -1,0 +1,87 @@
+"""The lean path of activation patching (`heads.scorers.patching.lean`): when `run_patch` takes it,
+and that it keeps no full cache. Its exactness against the one-hook loop, every kind and both
+directions, is in test_activation.py and test_family_patching.py (parametrized `path="lean"`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from heads import SweepOptions
+from heads.errors import HeadsteerValueError
+from heads.planning import plan_memory
+from heads.scorers.patching import activation, lean
+from heads.scorers.patching.activation import _sites, patch
+from heads.scorers.patching.pairs import encode_pairs
+from heads.scorers.patching.record import cache_bytes
+from tests.support import make_tiny
+from tests.support.patching import PAIRS
+
+OPTS = SweepOptions(max_rows=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    model = make_tiny("llama", tokenizer)  # 3 layers
+    return model, encode_pairs(tokenizer, PAIRS)
+
+
+def _choose(model, pairs, kind, layers, positions, options=OPTS):
+    sites, _ = _sites(model, kind, layers, positions)
+    return lean.choose_lean(model, pairs, kind, sites, layers, len(positions), options)
+
+
+def test_default_choice_follows_the_caches_size_and_the_work(setup, monkeypatch):
+    model, pairs = setup
+    last = pairs.width - 1
+    # short prompts: the full caches are small, today's fast path whatever the sites
+    assert 2 * cache_bytes(model, pairs.n, pairs.width) < lean.LEAN_MIN_BYTES
+    assert not _choose(model, pairs, "resid_pre", [2], [last])[0]
+    # caches counted as large (a long prompt): the lean path for few sites, whose forwards cost
+    # about what the fast path's do, but not for every position of every layer (the lean path
+    # recomputes the columns before each patched one: about twice the work)
+    monkeypatch.setattr(lean, "LEAN_MIN_BYTES", 0)
+    assert _choose(model, pairs, "resid_pre", [2], [last])[0]
+    assert _choose(model, pairs, "head_out", [0, 1, 2], [])[0]  # every position: the same work
+    assert not _choose(model, pairs, "resid_pre", [0, 1, 2], list(range(pairs.width)))[0]
+
+
+def test_budget_without_room_for_the_full_caches_takes_the_lean_path(setup, monkeypatch):
+    model, pairs = setup
+    kind, layers, positions = "resid_pre", [0, 1, 2], list(range(pairs.width))
+    full = 2 * cache_bytes(model, pairs.n, pairs.width)
+    kept = lean.lean_bytes(model, kind, pairs.n, pairs.width, layers, len(positions))
+    assert kept < full / 2
+    forward = plan_memory(model, "forward", pairs.width, pairs.n).peak
+    budget = forward + (kept + full) // 2  # the lean path fits, the fast one does not
+    opts = SweepOptions(max_rows=16, progress=False, max_memory=budget)
+    with pytest.raises(HeadsteerValueError):
+        opts.within(model, pairs.width, reserve=full, whole=pairs.n)
+    assert not _choose(model, pairs, kind, layers, positions)[0]  # no budget: the fast path
+    assert _choose(model, pairs, kind, layers, positions, opts)[0]
+    want = patch(model, pairs, kind, options=OPTS).raw
+
+    def no_full_cache(*a, **k):
+        raise AssertionError("the lean path recorded a full cache")
+
+    monkeypatch.setattr(activation, "record_run", no_full_cache)
+    got = patch(model, pairs, kind, options=opts).raw
+    assert float((got - want).abs().max()) <= 1e-6
+    # a budget below the lean path's own minimum is refused before any forward, naming it
+    with pytest.raises(HeadsteerValueError, match="needs at least"):
+        patch(model, pairs, kind, options=SweepOptions(progress=False, max_memory=forward // 2))
+
+
+def test_lean_forwards_keep_no_hidden_states(setup, monkeypatch):
+    model, pairs = setup
+    monkeypatch.setattr(lean, "MODE", "lean")
+    seen = []
+    run = lean.run_rows
+
+    def spy(*a, **k):
+        out = run(*a, **k)
+        seen.append(out.hidden_states)
+        return out
+
+    monkeypatch.setattr(lean, "run_rows", spy)
+    patch(model, pairs, "resid_pre", layers=[1], positions=[-1], options=OPTS)
+    assert len(seen) == 3 and all(h is None for h in seen)  # two recorded runs, one patched chunk
