@@ -2,14 +2,21 @@
 the prompt, on the engine's sites (every backend, per thread).
 
 A backward through the whole model keeps every layer's activations (tens of residual-stream
-copies per layer). Here a no-grad forward records the residual stream entering every `every`-th
-layer (`record_inputs`); the backward then walks the layers from the top: a segment of `every`
-layers is recomputed without gradients to get each layer's input (`inputs_down`), and each layer
-runs alone with gradients (`run_layer`: the engine's layer-prefix reuse starts the forward at the
-layer, a `resid_post` read stops it after the layer), so one layer's graph is alive at a time.
-The gradient reaching the stream entering layer l is passed to layer l - 1 as the gradient of its
-output. Peak memory: about `L / every + every` residual copies, one layer's graph, and what the
-analysis keeps.
+copies per layer). Here a no-grad forward records the residual stream entering a few layers
+(`record_inputs`: every `every`-th, or `checkpoint_layers`' segments that shrink towards the
+top); the backward then walks the layers from the top: a segment is recomputed without
+gradients to get each layer's input (`inputs_down`), and each layer runs alone with gradients
+(`run_layer`: the engine's layer-prefix reuse starts the forward at the layer, a `resid_post`
+read stops it after the layer), so one layer's graph is alive at a time. The gradient reaching
+the stream entering layer l is passed to layer l - 1 as the gradient of its output. Peak memory:
+about `L / every + every` residual copies (`sqrt(2 L)` with `checkpoint_layers`), one layer's
+graph, and what the analysis keeps.
+
+A layer whose MLP reads the stream its attention wrote (`has_mid`: every family but the
+parallel blocks) can also run as two halves: `attention_half` (all positions, stopped at
+`resid_mid`) and `mlp_half` on a chunk of positions from their `resid_mid` (the MLP half is
+position-wise), so only a chunk of the MLP's graph (four `[T, d_mlp]` tensors on a gated MLP,
+its largest part) is alive at a time.
 
 This is exact: a layer's forward alone from its recorded input computes what it computes inside
 the whole forward (the same modules, masks, positions and kernels), so the gradients are those of

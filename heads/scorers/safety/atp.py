@@ -3,9 +3,13 @@
 `heads.scorers.safety.attribution.attribute` (the public API and the method) runs this per
 batch. For every head (l, h) and prompt the estimate is `sum_t dm/dz . (z_ablated - z)`; the
 gradients come one layer at a time (`heads.scorers.layerwise`): a no-grad forward records the
-residual entering every ~sqrt(L)-th layer, then each layer runs alone from its recomputed input
-with a zero added to its heads' outputs (`head_output` site, whose gradient is dm/dz), and the
-gradient at its input goes down to the layer below. The change `z_ablated - z` of layer l is made
+residual entering a few layers (`checkpoint_layers`), then each layer runs alone from its
+recomputed input with a zero added to its heads' outputs (`head_output` site, whose gradient is
+dm/dz), and the gradient at its input goes down to the layer below. Where the block has a
+`resid_mid` the layer runs as its attention half (every position) and its MLP half in
+`MLP_CHUNKS` position chunks (the top layer's at the last position only: the logits read
+nothing else), each flow's gradient turned into its gradient at `resid_mid` chunk by chunk, in
+place. The change `z_ablated - z` of layer l is made
 while layer l is processed (from its clean z; the delta pass of an attention edit starts at l
 from the same input), so no `[L, T, H, d]` store is needed either.
 
@@ -167,6 +171,7 @@ class _Walk:
     ):
         self.m, self.ids, self.mask, self.rows, self.setup = model, ids, mask, rows, setup
         self.real = real  # [R, T, 1, 1] bool
+        self.all_real = bool(real.all())  # no padding: nothing to mask
         self.scalars = scalars
         self.drops = drops
         R, L, H = len(rows), model.n_layers, model.n_heads
@@ -184,20 +189,25 @@ class _Walk:
         edit = layer_edit(s.ablation, la, s.eps, s.saturation_fix)
         return edited_z(self.m, self.ids, self.mask, la, edit, x_in)
 
-    def _dz(self, la: int, z: torch.Tensor, edited: torch.Tensor | None) -> torch.Tensor:
+    def _dz(self, la: int, z: torch.Tensor, edited: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        """`(d, c)` with `z_ablated - z = c d` on the real positions (0 on padding): for `"sc"` /
+        `"zero"` d is z itself (the layer's graph keeps it anyway: no copy) and c = eps - 1."""
         s = self.setup
+        scale = 1.0
         if s.ablation in ("sc", "zero"):
-            dz = (s.eps - 1.0) * z
+            dz, scale = z, s.eps - 1.0
         elif s.ablation == "mean":
             dz = cast(list[torch.Tensor], s.means)[la].to(z) - z
         else:
             dz = cast(torch.Tensor, edited) - z
-        return torch.where(self.real.to(dz.device), dz, 0.0)
+        if not self.all_real:
+            dz = torch.where(self.real.to(dz.device), dz, 0.0)
+        return dz, scale
 
-    def _effect(self, key: Flow, la: int, gz: torch.Tensor | None, dz: torch.Tensor) -> None:
+    def _effect(self, key: Flow, la: int, gz: torch.Tensor | None, dz: tuple[torch.Tensor, float]) -> None:
         eff = self.effects.setdefault(key, torch.zeros(self.shape))
         if gz is not None:
-            eff[:, la] = (gz * dz).sum((1, 3)).float().cpu()
+            eff[:, la] = ((gz * dz[0]).sum((1, 3)) * dz[1]).float().cpu()
 
     def run(self, sparse: dict[int, torch.Tensor]) -> dict[Flow, torch.Tensor]:
         g_next: dict[Flow, torch.Tensor] = {}
@@ -333,13 +343,15 @@ def _last(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _tap(
     box: list[torch.Tensor], zeta: list[torch.Tensor]
 ) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
-    """A `head_output` edit keeping z (`box`) and adding a zero leaf (`zeta`) whose gradient is dm/dz."""
+    """A `head_output` edit keeping z (`box`) and passing on a view of it (`zeta`) whose gradient
+    is dm/dz: a graph node of its own that copies nothing (a zero leaf added to z would cost two
+    copies of z while the layer's graph is alive)."""
 
     def fn(z: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         box.append(z.detach())
-        leaf = torch.zeros_like(z, requires_grad=True)
-        zeta.append(leaf)
-        return z + leaf
+        node = z.view_as(z)
+        zeta.append(node)
+        return node
 
     return fn
 
