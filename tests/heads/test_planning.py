@@ -213,6 +213,45 @@ def test_pattern_readers_plan_within_15_percent_of_their_live_bytes(tokenizer):
     assert plan_memory(cfg, "gradient", 512).peak > plan_memory(cfg, "forward", 512).peak
 
 
+def test_eap_plans_within_15_percent_of_their_live_bytes():
+    """The `"eap"` / `"eap_lean"` closed forms (residual-stream copies kept beside a forward)
+    against the live bytes of `eap_chunk` / `eap_chunk_lean` on a random-weight model."""
+    from transformers import AutoModelForCausalLM
+
+    from heads import HeadModel
+    from heads.scorers.circuits import graph_of
+    from heads.scorers.circuits.eap import eap_chunk
+    from heads.scorers.circuits.eap_lean import eap_chunk_lean
+
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    hm = HeadModel(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(), None, "t")
+    T = 256
+    clean = torch.randint(5, 1000, (1, T), generator=torch.Generator().manual_seed(1))
+    corrupted = clean.clone()
+    corrupted[0, T // 2] = 7
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, 3].sum() - logits[:, 4].sum()
+
+    for name, run in (("eap", eap_chunk), ("eap_lean", eap_chunk_lean)):
+        tracker = LiveBytes()
+        tracker.ignore(list(hm.model.parameters()) + list(hm.model.buffers()))
+        with tracker:
+            run(hm, graph_of(hm), clean, corrupted, torch.ones_like(clean), loss)
+        planned = plan_memory(cfg, name, T).devices[0].activations
+        assert abs(planned - tracker.peak) <= 0.15 * tracker.peak, (name, planned, tracker.peak)
+    assert plan_memory(cfg, "eap_lean", T).peak < plan_memory(cfg, "eap", T).peak
+
+
 def test_budget_refused_with_the_minimum_named(tiny_llama, monkeypatch):
     need = plan_memory(tiny_llama, "forward", 64).peak
     with pytest.raises(HeadsteerValueError, match=r"needs at least .* max_memory is 1 KB"):
@@ -315,7 +354,7 @@ def test_analysis_requests_plan_as_their_analysis_or_are_refused_by_name():
     for request, analysis in (
         (KnockoutRequest(keys=[1]), "knockout"),
         (SinkStatsRequest(), "sinks"),
-        (CircuitRequest(method="eap"), "gradient"),
+        (CircuitRequest(method="eap"), "eap"),
     ):
         assert plan_memory(cfg, request, 64).peak == plan_memory(cfg, analysis, 64).peak
     with pytest.raises(HeadsteerValueError, match="a patch request has no memory plan"):

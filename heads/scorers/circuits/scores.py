@@ -159,6 +159,19 @@ def _rows_progress(
     return opts.max_rows, opts.progress if given else progress
 
 
+def _gradient_rows(model: HeadModel, budget: SweepOptions, tokens: int, method: str) -> tuple[int, bool]:
+    """`(pairs per gradient chunk, lean)`: the default EAP path with its rows within the budget's
+    `"eap"` plan when one pair fits it; else the memory-lean path (`eap_chunk_lean`, several times
+    slower) within the `"eap_lean"` plan, refused before any forward (naming the lean path's
+    minimum) when one pair does not fit that either. No budget: the default path, `max_rows`."""
+    if budget.max_memory is None or method == "exact":
+        return budget.max_rows, False
+    try:
+        return budget.within(model, tokens, "eap").max_rows, False
+    except HeadsteerValueError:
+        return budget.within(model, tokens, "eap_lean").max_rows, True
+
+
 def edge_scores(
     model: HeadModel,
     pairs: PairBatch,
@@ -186,11 +199,13 @@ def edge_scores(
             exact runs (edge x pair), and `max_rows // 8` (default 8) the pairs per chunk of the
             gradient runs (bounds memory); `progress`: True (default: a bar), False / None, or a
             `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact);
-            `max_memory`: both lowered to the rows the `"gradient"` / `"forward"` plans fit in
-            it, refused before any forward when one row does not fit; with a budget, EAP /
-            EAP-IG also take the memory-lean path (`heads.scorers.circuits.eap_lean`: the
-            activation differences recomputed instead of held; the same scores, about 3-5x
-            the time).
+            `max_memory`: the pairs per chunk lowered to what the `"eap"` plan fits in it and
+            the exact runs' rows to the `"forward"` plan's; when not even one pair fits the
+            `"eap"` plan, EAP / EAP-IG take the memory-lean path
+            (`heads.scorers.circuits.eap_lean`: the activation differences recomputed instead
+            of held, about a third of the memory; the same scores, about 7x the CPU time)
+            within the `"eap_lean"` plan; refused before any forward when one pair does not
+            fit that either (the lean path's minimum named).
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
@@ -236,15 +251,16 @@ def chunked_edge_scores(
 ) -> EdgeScores:
     """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
     `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows); `max_memory`
-    (bytes) lowers both to the `"gradient"` / `"forward"` plans' rows within it (refused before
-    any forward when one row does not fit). The method, steps and confirm are a checked
-    `CircuitRequest`'s (`edge_scores` / `find_circuit` build it); the pairs are checked here."""
+    (bytes) lowers both to the `"eap"` (or `"eap_lean"`, `_gradient_rows`) / `"forward"` plans'
+    rows within it (refused before any forward when one row does not fit). The method, steps
+    and confirm are a checked `CircuitRequest`'s (`edge_scores` / `find_circuit` build it); the
+    pairs are checked here."""
     graph = graph_of(model)
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
     budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
-    batch_size = budget.replace(max_rows=batch_size).within(model, pairs.width, "gradient").max_rows
-    if max_memory is not None:  # the exact runs keep the recorded clean and corrupted runs beside them
+    batch_size, lean = _gradient_rows(model, budget.replace(max_rows=batch_size), pairs.width, method)
+    if max_memory is not None and (method == "exact" or confirm):  # exact runs keep both recorded runs
         from heads.scorers.patching.record import cache_bytes
 
         kept = 2 * cache_bytes(model, pairs.n, pairs.width)
@@ -275,7 +291,7 @@ def chunked_edge_scores(
             ) -> torch.Tensor:
                 return _metric(met, logits, sub, rows, ref).sum()
 
-            per = (eap_chunk_lean if max_memory is not None else eap_chunk)(
+            per = (eap_chunk_lean if lean else eap_chunk)(
                 model,
                 graph,
                 sub.clean_ids,

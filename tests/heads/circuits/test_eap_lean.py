@@ -53,26 +53,50 @@ def test_lean_post_norm_and_sliding_window(kind):
     assert float((got - today).abs().max()) <= 1e-6 * scale
 
 
-def test_memory_budget_takes_the_lean_path(monkeypatch):
-    """`max_memory` given: edge_scores runs `eap_chunk_lean` (and scores as without a budget)."""
+def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(monkeypatch):
+    """`max_memory` the default path's plan fits: `eap_chunk`; one pair over it but within the
+    lean plan: `eap_chunk_lean` (the same scores); below the lean plan's one pair: refused before
+    any forward, naming that minimum. (A budget used to send every run down the slower path.)"""
+    import pytest
+
     from heads import SweepOptions
+    from heads.errors import HeadsteerValueError
+    from heads.planning import plan_memory
     from heads.scorers.circuits import edge_scores
     from heads.scorers.circuits import scores as scores_module
 
     m = tiny_family_model("llama", num_hidden_layers=2)
     p = _pairs(7)
-    calls: list[int] = []
+    T = p.clean_ids.shape[1]
+    calls: list[str] = []
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return eap_chunk_lean(*args, **kwargs)
+    def spy(name, fn):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
 
-    monkeypatch.setattr(scores_module, "eap_chunk_lean", spy)
+        return run
+
+    monkeypatch.setattr(scores_module, "eap_chunk_lean", spy("lean", eap_chunk_lean))
+    monkeypatch.setattr(scores_module, "eap_chunk", spy("default", eap_chunk))
+    default_one = plan_memory(m, "eap", T, 1).peak
+    lean_one = plan_memory(m, "eap_lean", T, 1).peak
+    assert lean_one < default_one
     plain = edge_scores(m, p, method="eap", options=SweepOptions(progress=False))
-    assert not calls
-    lean = edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory="4GB"))
-    assert calls
+    assert set(calls) == {"default"}
+    calls.clear()
+    roomy = edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory="4GB"))
+    assert set(calls) == {"default"}
+    assert torch.equal(roomy.scores.nan_to_num(), plain.scores.nan_to_num())
+    calls.clear()
+    tight = SweepOptions(progress=False, max_memory=(lean_one + default_one) // 2)
+    lean = edge_scores(m, p, method="eap", options=tight)
+    assert set(calls) == {"lean"} and len(calls) == p.n  # one pair per chunk within the budget
     ok = ~torch.isnan(plain.scores)
     scale = float(plain.scores[ok].abs().max())
     assert scale > 1e-3
     assert float((lean.scores[ok] - plain.scores[ok]).abs().max()) <= 1e-6 * scale
+    calls.clear()
+    with pytest.raises(HeadsteerValueError, match="max_memory"):
+        edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory=lean_one - 1))
+    assert not calls
