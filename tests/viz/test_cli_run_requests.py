@@ -215,6 +215,16 @@ def test_run_quiet_is_a_valid_request(tiny_llama_dir, tmp_path, request_json):
             "positions must align",
         ),
         ('{"request": "sink_stats"}', None, "exceeds the model's limit of"),
+        (
+            '{"request": "direct_logit_attribution", "positions": [20]}',
+            '{"clean": "a b c", "corrupted": "a b d", "answer": " x", "counterfactual": " y"}',
+            "positions: 20 is outside the pairs'",
+        ),
+        (
+            '{"request": "logit_lens", "positions": [-1, -30]}',
+            '{"clean": "a b c", "corrupted": "a b d", "answer": " x", "counterfactual": " y"}',
+            "positions: -30 is outside the pairs'",
+        ),
     ],
 )
 def test_run_checks_its_inputs_with_the_tokenizer_before_the_weights(

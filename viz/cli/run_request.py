@@ -58,11 +58,12 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     return read_prompt_file(inputs)[:n]
 
 
-def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "--inputs") -> None:
+def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "--inputs") -> Any:
     """Check `given` (prompt pairs when `pairs`, else text prompts) with `model`'s tokenizer and
     config alone, before any weight is read: a pair's answer that is not one token, clean and
     corrupted prompts of different token lengths (`encode_pairs`, plain text), a prompt longer
     than the model's positions (the message names `option`, the flag the inputs came from).
+    Returns the pairs as the tokenizer encodes them (a `PairBatch`), or None for text prompts.
 
     Raises:
         HeadsteerValueError: the first of these, as the analysis would raise it after loading.
@@ -74,7 +75,8 @@ def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "-
     if pairs:
         from heads.scorers.patching.pairs import encode_pairs
 
-        lengths = [int(encode_pairs(tok, given).clean_ids.shape[1])]
+        encoded = encode_pairs(tok, given)
+        lengths = [int(encoded.clean_ids.shape[1])]
     else:  # plain text: a chat template only adds tokens, so a refusal here is one there too
         lengths = [len(tok(p, add_special_tokens=True)["input_ids"]) for p in given]
     longest = max(lengths, default=0)
@@ -82,6 +84,7 @@ def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "-
         raise HeadsteerValueError(
             f"{option}: a sequence of {longest} tokens exceeds the model's limit of {limit} positions"
         )
+    return encoded if pairs else None
 
 
 def run_request(
@@ -135,7 +138,10 @@ def run_request(
     out = run.output(out)
     check_request(run, {}, req)  # against the model's config, before the weights
     if given is not None:
-        check_inputs(run.model, given, pairs=name in PAIRS)  # tokenizer + config only, before the weights
+        encoded = check_inputs(run.model, given, pairs=name in PAIRS)  # tokenizer + config only
+        check_pairs = getattr(req, "check_pairs", None)
+        if encoded is not None and check_pairs is not None:
+            check_pairs(encoded)  # e.g. DLA / lens positions against the pairs' width, before the weights
     hm = run.load()
     from heads import run as run_analysis
 

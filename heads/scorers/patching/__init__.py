@@ -1,6 +1,7 @@
 """Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
-logit attribution and lenses (see the patching docstrings; a method page is not written yet)."""
+logit attribution and lenses (docs/methods/patching.md)."""
 
+from heads.scorers.patching.activation import patch
 from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.logit import (
     DLAResult,
@@ -37,5 +38,6 @@ __all__ = [
     "load_pairs",
     "normalise",
     "pairs_from_tokens",
+    "patch",
     "path_patch",
 ]

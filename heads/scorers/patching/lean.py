@@ -23,7 +23,7 @@ positions about one residual copy above a plain forward. Results equal the fast 
 fp32 rounding (tests/heads/patching: every kind, both directions, sliding-window families).
 
 `choose_lean` decides per sweep, from byte and work estimates made before any forward: the
-lean path where the full caches exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` times
+lean path where the full caches exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` (1.6) times
 the fast path's work (token-layers, the two recorded runs included: few sites, long prompts),
 or where a `SweepOptions(max_memory=)` budget does not hold the full caches; else the fast path.
 """
@@ -60,8 +60,12 @@ path unembeds the whole vocabulary at the last position (the column-only unembed
 final hidden state, which a forward keeping no hidden states does not return), a few percent of
 a short prompt's forward (a sweep of every head on 8 IOI pairs on SmolLM2: 5% more CPU time)."""
 
-LEAN_TIME = 1.25
-"""The most work (token-layers) the lean path may cost over the fast path to be chosen by default."""
+LEAN_TIME = 1.6
+"""The most work (token-layers) the lean path may cost over the fast path to be chosen by default.
+Token-layers undercount the fast path (it records both runs' full caches and copies the KV prefix
+per row): on SmolLM2 at 1,025 tokens, `resid_pre` at one layer and 3 positions (ratio 1.55) took
+34 s on the fast path and 15 s on the lean one; every position of every layer (ratio ~1.9) is
+2.4x slower lean. 1.25 kept the first on the fast path (and 0.8 GB more memory)."""
 
 # the engine site each kind's activation is read at (pattern: a `Recorder`)
 _SITE = {

@@ -47,7 +47,6 @@ from typing import cast
 
 import torch
 
-from heads._util.validation import short_repr
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
@@ -61,6 +60,7 @@ from heads.results.lens import LensResult as LensResult  # the same
 from heads.scorers.patching.dla_stream import _o_matrices, _residual_scale, stream_dla
 from heads.scorers.patching.norms import NormParts, frozen_scale, head_terms, norm_parts, post_attention_norm
 from heads.scorers.patching.pairs import PairBatch, check_vocab
+from heads.scorers.patching.record import RunCache, record_run  # noqa: F401 - importable from here as before
 from heads.scorers.patching.request import DLARequest, LensRequest
 
 __all__ = [
@@ -204,22 +204,6 @@ def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ DLA
-def _columns(positions: tuple[int, ...] | None, width: int) -> torch.Tensor | None:
-    """`[P]` the padded columns of `positions` (negative counted from the end), or None for every
-    column.
-
-    Raises:
-        ValueError: a position outside the pairs' padded width, named."""
-    if positions is None:
-        return None
-    for p in positions:
-        if not -width <= p < width:
-            raise HeadsteerValueError(
-                f"positions: {short_repr(p)} is outside the pairs' {width} positions (-{width}..{width - 1})"
-            )
-    return torch.tensor([p % width for p in positions], dtype=torch.long)
-
-
 @torch.no_grad()
 def direct_logit_attribution(
     model: HeadModel,
@@ -261,7 +245,8 @@ def direct_logit_attribution(
     Raises:
         ValueError: pairs without counterfactual tokens, a final or post-attention norm whose
             scale cannot be frozen (`norm_parts`), `which` not clean/corrupted, positions not a
-            non-empty list or outside the pairs' width (named), ids outside the vocabulary,
+            non-empty list or outside the pairs' width (named), two positions naming one column
+            (e.g. 3 and -8 of 11), ids outside the vocabulary,
             prompts longer than the model's context (all before the forward); a recorded
             post-norm output that is not the norm of the heads' projection.
         TypeError: pairs not a `PairBatch`; a position not an int.
@@ -277,7 +262,7 @@ def run_dla(model: HeadModel, pairs: PairBatch, request: DLARequest) -> DLAResul
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("direct logit attribution needs a counterfactual token for every pair")
-    cols = _columns(cast("tuple[int, ...] | None", request.positions), pairs.width)
+    cols = request.check_pairs(pairs)  # in the width, one column each
     post, tol = _post_norms(model), _tol(model)
     if stability:
         from heads.scorers.stability import check_samples
@@ -382,8 +367,10 @@ def logit_lens(
 
     Raises:
         ValueError: pairs without counterfactual tokens, `which` not clean/corrupted, `k` not in
-            1..d_vocab, positions not a non-empty list or outside the pairs' width (named), ids
-            outside the vocabulary, prompts longer than the model's context.
+            1..d_vocab, positions not a non-empty list or outside the pairs' width (named), two
+            positions naming one column, a position that is padding in some pair (the lens reads a
+            token's residual; DLA gives such a column zeros), ids outside the vocabulary, prompts
+            longer than the model's context.
         TypeError: pairs not a `PairBatch`; a position not an int.
     """
     return run_lens(model, pairs, LensRequest(which=which, k=k, positions=positions))
@@ -398,7 +385,7 @@ def run_lens(model: HeadModel, pairs: PairBatch, request: LensRequest) -> LensRe
     ids = _which(pairs, which)
     if not pairs.has_counterfactual:
         raise HeadsteerValueError("the logit lens metric needs a counterfactual token for every pair")
-    cols = _columns(cast("tuple[int, ...] | None", request.positions), pairs.width)
+    cols = request.check_pairs(pairs)  # in the width, one column each, none padding in a pair
     resid, _, x_final = _record_last(model, ids, pairs.attention_mask, cols=cols)
     resid = [*resid, x_final]
     stack = torch.stack([r.to(model.device, model.dtype) for r in resid], 1)  # [N, L+1, P, D]

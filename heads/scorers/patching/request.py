@@ -267,6 +267,31 @@ class PathPatchRequest(Request):
         _check_int_positions(geometry, "positions", self.positions)
 
 
+def position_columns(positions: Sequence[int] | None, width: int) -> Any:
+    """`[P]` long tensor: the padded columns of `positions` (negative counted from the end) in a
+    batch `width` columns wide, or None for every column.
+
+    Raises:
+        HeadsteerValueError: a position outside the width, or two positions naming the same
+            column (e.g. 3 and -8 of 11), named."""
+    import torch
+
+    if positions is None:
+        return None
+    seen: dict[int, int] = {}
+    for p in positions:
+        if not -width <= p < width:
+            raise HeadsteerValueError(
+                f"positions: {short_repr(p)} is outside the pairs' {width} positions (-{width}..{width - 1})"
+            )
+        if p % width in seen:
+            raise HeadsteerValueError(
+                f"positions: {seen[p % width]} and {p} name the same column {p % width} of {width}"
+            )
+        seen[p % width] = p
+    return torch.tensor([p % width for p in positions], dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class DLARequest(Request):
     """Direct logit attribution of every head's output to the logit difference
@@ -299,6 +324,12 @@ class DLARequest(Request):
 
     def check_geometry(self, geometry: Geometry) -> None:
         _check_int_positions(geometry, "positions", self.positions)
+
+    def check_pairs(self, pairs: Any) -> Any:
+        """The columns `positions` name in `pairs` (a `PairBatch`; None: every column), checked
+        against their width (`position_columns`) with the tokenizer's encoding alone, before any
+        weight or forward."""
+        return position_columns(self.positions, int(pairs.width))
 
 
 @dataclass(frozen=True)
@@ -337,6 +368,26 @@ class LensRequest(Request):
         if geometry.d_vocab is not None:
             check_int("k", self.k, lo=1, hi=geometry.d_vocab)
         _check_int_positions(geometry, "positions", self.positions)
+
+    def check_pairs(self, pairs: Any) -> Any:
+        """As `DLARequest.check_pairs`, and no column may be padding in a pair: the lens reads a
+        token's residual (DLA gives such a column zeros).
+
+        Raises:
+            HeadsteerValueError: the first padding (position, pair) named, with the column where
+                that pair's prompt starts."""
+        cols = position_columns(self.positions, int(pairs.width))
+        if cols is not None:
+            mask = pairs.attention_mask.bool()
+            pad = ~mask[:, cols]
+            if bool(pad.any()):
+                row, j = (int(v) for v in pad.nonzero()[0])
+                raise HeadsteerValueError(
+                    f"positions: {cast('tuple[int, ...]', self.positions)[j]} (column {int(cols[j])}) is "
+                    f"padding in pair {row}, whose prompt starts at column {int((~mask[row]).sum())}: "
+                    "choose positions every pair has (negative positions count from the shared end)"
+                )
+        return cols
 
 
 @dataclass(frozen=True)

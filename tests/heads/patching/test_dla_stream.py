@@ -174,4 +174,18 @@ def test_positions_are_checked_before_any_forward(request_cls, monkeypatch):
     for bad in (11, -12):  # the pairs are 11 columns wide
         with pytest.raises(HeadsteerValueError, match=f"positions: {bad} is outside"):
             fn(hm, _pairs(), positions=[0, bad])
+    with pytest.raises(HeadsteerValueError, match="positions: 3 and -8 name the same column 3 of 11"):
+        fn(hm, _pairs(), positions=[3, -8])  # it gave two identical columns
+    if fn is logit_lens:  # column 0 is padding in pair 1: the lens read a pad token's residual
+        with pytest.raises(HeadsteerValueError, match=r"positions: 0 \(column 0\) is padding in pair 1"):
+            fn(hm, _pairs(), positions=[5, 0])
     assert not calls
+
+
+def test_dla_gives_padding_columns_zeros():
+    """DLA at a column that is padding in a pair: zeros there (as at every position), the real
+    pair's column unchanged."""
+    hm = tiny_family_model("llama")
+    got = direct_logit_attribution(hm, _pairs(), positions=[0, -1])
+    assert float(got.heads[1, ..., 0].abs().max()) == 0.0 and float(got.logit_diff[1, 0]) == 0.0
+    assert float(got.heads[0, ..., 0].abs().max()) > 0.0
