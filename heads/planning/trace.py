@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -90,6 +91,19 @@ class LiveBytes(TorchDispatchMode):
         n = self._sizes.pop(key, None)
         if n is not None:
             self.live -= n
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor() -> Iterator[None]:
+    """torch logs a traceback at ERROR level when a fake kernel refuses an input (e.g. fp32 MoE
+    experts through `_grouped_mm`); the plan reports the failure or works around it itself."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -226,7 +240,7 @@ def traced_peak(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dt
         raise HeadsteerValueError(f"mode must be one of {MODES}, got {short_repr(mode)}")
     fixed, attention, per_layer = 0, 0, {}
     try:
-        with _LOCK:
+        with _LOCK, _quiet_fake_tensor():
             for kind in dict.fromkeys(layer_kinds(config)):
                 # two and three layers: the first layer's transients can overlap the model's
                 # own set-up (embedding, mask), so the slope is taken after it
@@ -238,6 +252,15 @@ def traced_peak(config: Any, mode: str, tokens: int, batch: int, dtype: torch.dt
     except HeadsteerValueError:
         raise
     except Exception as exc:  # transformers' own message names what it could not build
+        if dtype == torch.float32 and "BF16" in str(exc):
+            # MoE experts through `_grouped_mm`, whose fake kernel takes bf16 only: the bf16 trace
+            # with every byte doubled (index tensors counted twice: an upper bound)
+            half = traced_peak(config, mode, tokens, batch, torch.bfloat16)
+            return TracedPeak(
+                fixed=2 * half.fixed,
+                per_layer={k: 2 * v for k, v in half.per_layer.items()},
+                attention=2 * half.attention,
+            )
         raise HeadsteerValueError(
             f"cannot trace {type(text_config(config)).__name__} for a memory plan: {exc}"
         ) from exc
