@@ -292,3 +292,25 @@ def test_report_checks_prompt_length_before_the_weights(
     one_line_error(r, f"{flag}: a sequence of")
     assert "exceeds the model's limit of" in r.output
     assert not out.exists()
+
+
+def test_run_counts_prompts_as_the_analysis_encodes_them(no_load, tiny_llama, tiny_llama_dir, tmp_path):
+    """A prompt that fits the model's positions as written but not inside the analysis' `{query}`
+    template is refused before the weights (it was refused after loading them)."""
+    from heads.scorers.safety.common import DEFAULT_TEMPLATE
+
+    tok = tiny_llama.tokenizer
+    words = ["word"] * (tiny_llama.max_positions - 4)
+    raw = len(tok(" ".join(words))["input_ids"])
+    assert raw <= tiny_llama.max_positions  # fits as written
+    assert (
+        len(tok(DEFAULT_TEMPLATE.replace("{query}", " ".join(words)))["input_ids"]) > tiny_llama.max_positions
+    )
+    path = tmp_path / "p.txt"
+    path.write_text(" ".join(words) + "\n")
+    req = tmp_path / "r.json"
+    req.write_text('{"request": "attribution_patching"}')
+    args = ["run", str(req), "--inputs", str(path), "--out", str(tmp_path / "o.json")]
+    r = CliRunner().invoke(app, [*args, "--model", tiny_llama_dir])
+    one_line_error(r, "--inputs: a sequence of")
+    assert not (tmp_path / "o.json").exists()

@@ -44,7 +44,7 @@ def report_attention(
     from viz.cli.run_request import check_inputs
 
     # a prompt over the model's positions is refused from the tokenizer and config, before the weights
-    check_inputs(run.model, [prompt.replace("**", "")], pairs=False, option="--prompt")
+    check_inputs(run.model, [prompt], pairs=False, option="--prompt", chat=None, markup=True)
     hm = run.load()
     with run.status("scoring heads…"):
         attention_report(hm, prompt, out, top_k=top_k, emphasize=emphasize, overwrite=run.force)

@@ -58,11 +58,23 @@ def _read_inputs(name: str, inputs: str | None, n: int, needs: bool) -> Any:
     return read_prompt_file(inputs)[:n]
 
 
-def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "--inputs") -> Any:
+def check_inputs(
+    model: str | None,
+    given: Any,
+    *,
+    pairs: bool,
+    option: str = "--inputs",
+    template: str | None = None,
+    chat: bool | None = False,
+    markup: bool = False,
+) -> Any:
     """Check `given` (prompt pairs when `pairs`, else text prompts) with `model`'s tokenizer and
     config alone, before any weight is read: a pair's answer that is not one token, clean and
     corrupted prompts of different token lengths (`encode_pairs`, plain text), a prompt longer
     than the model's positions (the message names `option`, the flag the inputs came from).
+    Text prompts are counted as the analysis encodes them: put into `template` (a `{query}`
+    template, as the safety analyses do), rendered with the chat template when `chat` (None:
+    when the tokenizer has one), `**markup**` read when `markup` (`encode_prompts`).
     Returns the pairs as the tokenizer encodes them (a `PairBatch`), or None for text prompts.
 
     Raises:
@@ -77,8 +89,12 @@ def check_inputs(model: str | None, given: Any, *, pairs: bool, option: str = "-
 
         encoded = encode_pairs(tok, given)
         lengths = [int(encoded.clean_ids.shape[1])]
-    else:  # plain text: a chat template only adds tokens, so a refusal here is one there too
-        lengths = [len(tok(p, add_special_tokens=True)["input_ids"]) for p in given]
+    else:  # as the analysis encodes them: its template, its chat template, its markup
+        from heads.inputs.prompts import encode_prompts
+        from heads.scorers.safety.common import fill_template
+
+        texts = fill_template(template, [str(p) for p in given])
+        lengths = [int(encode_prompts(tok, [t], chat=chat, markup=markup).input_ids.shape[1]) for t in texts]
     longest = max(lengths, default=0)
     if limit is not None and longest > limit:
         raise HeadsteerValueError(
@@ -138,7 +154,15 @@ def run_request(
     out = run.output(out)
     check_request(run, {}, req)  # against the model's config, before the weights
     if given is not None:
-        encoded = check_inputs(run.model, given, pairs=name in PAIRS)  # tokenizer + config only
+        template = getattr(req, "template", None)  # the safety analyses' `{query}` template
+        encoded = check_inputs(  # tokenizer + config only, the prompts as the analysis encodes them
+            run.model,
+            given,
+            pairs=name in PAIRS,
+            template=template if isinstance(template, str) else None,
+            chat=getattr(req, "chat", False),
+            markup=bool(getattr(req, "markup", False)),
+        )
         check_pairs = getattr(req, "check_pairs", None)
         if encoded is not None and check_pairs is not None:
             check_pairs(encoded)  # e.g. DLA / lens positions against the pairs' width, before the weights
