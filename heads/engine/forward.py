@@ -10,10 +10,10 @@ from heads.engine.context import editing
 from heads.engine.edits import Recorder
 from heads.engine.state import KERNEL
 from heads.errors import HeadsteerValueError
-from heads.inputs.prompts import EncodedPrompts
+from heads.inputs.prompts import EncodedPrompts, position_ids
 from heads.model.adapter import HeadModel
 
-__all__ = ["forward"]
+__all__ = ["forward", "run_last"]
 
 
 @torch.no_grad()
@@ -57,3 +57,17 @@ def forward(model: HeadModel, enc: EncodedPrompts, **kwargs: Any) -> Any:
         return out
     out = model.run(**enc.model_inputs(device), use_cache=False, **kwargs)
     return out if kwargs else out.logits
+
+
+def run_last(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """`model.run` on left-padded `ids` / `mask` `[B, T]` with positions counted over real tokens,
+    no KV cache and the last position's logits only (`logits_to_keep=1`): the forward the
+    analyses run to read or edit engine sites (the model's output object)."""
+    dev = model.device
+    return model.run(
+        input_ids=ids.to(dev),
+        attention_mask=mask.to(dev),
+        position_ids=position_ids(mask).to(dev),
+        use_cache=False,
+        logits_to_keep=1,
+    )

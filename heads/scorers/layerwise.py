@@ -28,16 +28,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from typing import Any
 
 import torch
 
 from heads.engine.activations import ActivationEdit, ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
+from heads.engine.forward import run_last
 from heads.engine.prefix import starting_at
 from heads.errors import HeadsteerValueError
-from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
 
 __all__ = [
@@ -80,15 +79,7 @@ def checkpoint_layers(n_layers: int) -> list[int]:
     return starts
 
 
-def _run(model: HeadModel, ids: torch.Tensor, mask: torch.Tensor) -> Any:
-    dev = model.device
-    return model.run(
-        input_ids=ids.to(dev),
-        attention_mask=mask.to(dev),
-        position_ids=position_ids(mask).to(dev),
-        use_cache=False,
-        logits_to_keep=1,
-    )
+_run = run_last  # the forward every pass of the walk runs (`heads.engine.forward.run_last`)
 
 
 def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:

@@ -29,8 +29,8 @@ import torch
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
+from heads.engine.forward import run_last
 from heads.engine.prefix import starting_at
-from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
 from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _add, _layer_grads, _Nodes, _residual_grads
 from heads.scorers.circuits.layout import Graph
@@ -73,18 +73,11 @@ def _forward_layer(
 
     edits: list[Edit] = [] if x is None else [ActivationEdit("residual", la, replace)]
     edits += [*reads, ActivationEdit("resid_post", la, stop)]
-    dev = model.device
     with ExitStack() as stack:
         stack.enter_context(starting_at(model, la, x))
         stack.enter_context(editing(model, edits, require_fired=False))
         try:
-            model.run(
-                input_ids=ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=position_ids(mask).to(dev),
-                use_cache=False,
-                logits_to_keep=1,
-            )
+            run_last(model, ids, mask)
         except _Stop:
             pass
     return box[-1].detach()

@@ -37,7 +37,7 @@ import torch
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
-from heads.inputs.prompts import position_ids
+from heads.engine.forward import run_last
 from heads.model.adapter import HeadModel
 from heads.model.parts import submodule
 from heads.scorers.patching.norms import NormParts, head_terms
@@ -213,15 +213,8 @@ def stream_dla(
             edits.append(ActivationEdit("mlp_out", la, on_mlp(la)))
         if la == L - 1 or not own_mlp:
             edits.append(ActivationEdit("resid_post", la, on_post(la)))
-    dev = model.device
     with editing(model, edits):  # reads only: the forward is the model's own
-        model.run(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=position_ids(mask).to(dev),
-            use_cache=False,
-            logits_to_keep=1,
-        )
+        run_last(model, ids, mask)
     final = cast(torch.Tensor, out.final)
     out.rest_u = proj(final - state.pop("parts"))
     out.heads = [cast(torch.Tensor, h) for h in heads]

@@ -50,9 +50,9 @@ import torch
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
+from heads.engine.forward import run_last
 from heads.engine.unembed import logit_transform, output_logits
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
-from heads.inputs.prompts import position_ids
 from heads.inputs.tokens import readable_token
 from heads.model.adapter import HeadModel
 from heads.results.dla import DLAResult as DLAResult  # defined there; imported here as before
@@ -151,15 +151,8 @@ def _record_last(
     edits.append(ActivationEdit("resid_post", L - 1, keep(("final", L - 1))))
     if heads:
         edits += [ActivationEdit("head_output", la, keep(("z", la))) for la in range(L)]
-    dev = model.device
     with editing(model, edits):  # no hidden states kept (`run_rows` keeps every layer's): the reads above
-        model.run(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=position_ids(mask).to(dev),
-            use_cache=False,
-            logits_to_keep=1,
-        )
+        run_last(model, ids, mask)
     resid = [kept[("residual", la)] for la in range(L)]
     zs = [kept[("z", la)] for la in range(L)] if heads else []
     return resid, zs, kept[("final", L - 1)].float().cpu()
