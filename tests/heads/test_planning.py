@@ -387,3 +387,16 @@ def test_fp32_moe_plans_within_15_percent_and_quietly(capfd):
         m.model(input_ids=ids, use_cache=False, logits_to_keep=1)
     assert abs(planned - tracker.peak) <= 0.15 * tracker.peak, (planned, tracker.peak)
     assert SweepOptions(max_memory="10GB").within(m, 12).max_rows >= 1
+
+
+def test_cli_plan_help_lists_every_analysis():
+    """`headsteer plan --analysis`'s help names every analysis `plan_memory` knows (it had no
+    `logits`; a new plan must be added there too)."""
+    import typing
+
+    from heads.planning import ANALYSES
+    from viz.cli.plan import plan_command
+
+    option = typing.get_type_hints(plan_command, include_extras=True)["analysis"].__metadata__[0]
+    listed = {w.strip() for w in option.help.replace(" or ", ", ").split(",")}
+    assert listed == set(ANALYSES)

@@ -36,7 +36,10 @@ def plan_command(
     run: Run,
     analysis: Annotated[
         str,
-        typer.Option(help="forward, generate, sinks, detectors, retrieval, qrhead, knockout or gradient"),
+        typer.Option(
+            help="forward, generate, sinks, detectors, retrieval, qrhead, knockout, gradient, logits, "
+            "eap or eap_lean"
+        ),
     ] = "forward",
     tokens: Annotated[int, typer.Option(help="prompt length in tokens")] = 1024,
     batch: Annotated[int, typer.Option(help="rows per forward")] = 1,
