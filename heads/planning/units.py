@@ -29,7 +29,8 @@ def parse_bytes(value: object, name: str = "max_memory") -> int:
     `max_memory`, `"80GiB"` = 80 * 2**30; `KB MB GB TB`, `KiB MiB GiB TiB`, case-insensitive).
 
     Raises:
-        HeadsteerValueError: not a positive finite size, or an unknown unit (naming `name`).
+        HeadsteerValueError: not a positive finite size, a bare number with a fraction (bytes are
+            whole: `1.5` is refused, `"1.5GB"` is read), or an unknown unit (naming `name`).
     """
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
@@ -41,6 +42,11 @@ def parse_bytes(value: object, name: str = "max_memory") -> int:
         number = float(m.group(1)) * _UNITS[unit]
     elif is_number(value):
         number = float(value)
+        if math.isfinite(number) and number != int(number):  # a bare number counts bytes
+            raise HeadsteerValueError(
+                f"{name} {short_repr(value)} is a fractional number of bytes: give whole bytes or a "
+                f"size with a unit (e.g. '{short_repr(value)}GB')"
+            )
     else:
         raise HeadsteerValueError(
             f"{name} must be a size such as '24GB' or a number of bytes, got {short_repr(value)}"

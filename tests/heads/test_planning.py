@@ -400,3 +400,12 @@ def test_cli_plan_help_lists_every_analysis():
     option = typing.get_type_hints(plan_command, include_extras=True)["analysis"].__metadata__[0]
     listed = {w.strip() for w in option.help.replace(" or ", ", ").split(",")}
     assert listed == set(ANALYSES)
+
+
+def test_a_fractional_number_of_bytes_is_refused():
+    """`max_memory=1.5` meant 1.5 of something, not 1 byte (it was truncated to 1 byte and the
+    refusal named "1 B"); whole bytes and sizes with units are read as before."""
+    with pytest.raises(HeadsteerValueError, match=r"max_memory 1.5 is a fractional number of bytes"):
+        SweepOptions(max_memory=1.5)
+    assert SweepOptions(max_memory=2.0e9).max_memory == 2_000_000_000
+    assert parse_bytes("1.5GB") == 1_500_000_000
