@@ -79,9 +79,6 @@ def checkpoint_layers(n_layers: int) -> list[int]:
     return starts
 
 
-_run = run_last  # the forward every pass of the walk runs (`heads.engine.forward.run_last`)
-
-
 def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
     def fn(old: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         return x
@@ -109,7 +106,7 @@ def record_inputs(
     residual entering layer l for l in layers})`, with `edits` applied too."""
     recs = {la: ActivationRecorder("residual", la) for la in sorted(set(layers))}
     with editing(model, [*edits, *recs.values()], require_fired=False):
-        out = _run(model, ids, mask)
+        out = run_last(model, ids, mask)
     return out.logits[:, -1].float(), {la: r.records[-1] for la, r in recs.items()}
 
 
@@ -129,7 +126,7 @@ def _segment(
         stack.enter_context(starting_at(model, start, x if start else None))
         stack.enter_context(editing(model, edits, require_fired=False))
         try:
-            _run(model, ids, mask)
+            run_last(model, ids, mask)
         except _Stop:
             pass
     return {la: r.records[-1] for la, r in recs.items()}
@@ -177,12 +174,27 @@ def run_layer(
     site_edits: list[Edit] = [ActivationEdit("residual", layer, _replace(x)), *edits]
     if not last:
         site_edits.append(ActivationEdit("resid_post", layer, _stop(box)))
+    return _from_layer(model, ids, mask, layer, x, site_edits, box)
+
+
+def _from_layer(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    start: torch.Tensor,
+    site_edits: list[Edit],
+    box: list[torch.Tensor],
+) -> torch.Tensor:
+    """A forward with gradients starting at `layer` from the residual `start` (layer-prefix
+    reuse), with `site_edits`: what a `_stop(box)` edit caught, or else the last position's
+    logits `[R, V]` (the forward reached the end)."""
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
-        stack.enter_context(starting_at(model, layer, x.detach() if layer else None))
+        stack.enter_context(starting_at(model, layer, start.detach() if layer else None))
         stack.enter_context(editing(model, site_edits, require_fired=False))
         try:
-            out = _run(model, ids, mask)
+            out = run_last(model, ids, mask)
         except _Stop:
             return box[-1]
     logits: torch.Tensor = out.logits[:, -1]
@@ -218,15 +230,10 @@ def attention_half(
     box: list[torch.Tensor] = []
     site_edits: list[Edit] = [ActivationEdit("residual", layer, _replace(x)), *edits]
     site_edits.append(ActivationEdit("resid_mid", layer, _stop(box)))
-    with ExitStack() as stack:
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(starting_at(model, layer, x.detach() if layer else None))
-        stack.enter_context(editing(model, site_edits, require_fired=False))
-        try:
-            _run(model, ids, mask)
-        except _Stop:
-            return box[-1]
-    raise RuntimeError(f"the forward never reached the MLP of layer {layer}")
+    got = _from_layer(model, ids, mask, layer, x, site_edits, box)
+    if not box:
+        raise RuntimeError(f"the forward never reached the MLP of layer {layer}")
+    return got
 
 
 def mlp_half(
@@ -256,13 +263,4 @@ def mlp_half(
     last = layer == model.n_layers - 1
     if not last:
         site_edits.append(ActivationEdit("resid_post", layer, _stop(box)))
-    with ExitStack() as stack:
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(starting_at(model, layer, mid.detach() if layer else None))
-        stack.enter_context(editing(model, site_edits, require_fired=False))
-        try:
-            out = _run(model, piece, torch.ones_like(piece))
-        except _Stop:
-            return box[-1]
-    logits: torch.Tensor = out.logits[:, -1]
-    return logits
+    return _from_layer(model, piece, torch.ones_like(piece), layer, mid, site_edits, box)
