@@ -63,7 +63,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
 from heads.scorers.patching.lean import _Site, choose_lean, run_lean
-from heads.scorers.patching.metrics import Metric, get_metric
+from heads.scorers.patching.metrics import Metric, base_and_source, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
 from heads.scorers.patching.record import (
     RunCache,
@@ -321,11 +321,7 @@ def _run_full(
     rec = {"pattern": kind == "pattern", "query": kind == "q", "keys": kind in ("k", "v")}
     clean = record_run(model, pairs.clean_ids, mask, embeds=emb["clean"], **rec)
     corrupt = record_run(model, pairs.corrupted_ids, mask, embeds=emb["corrupted"], **rec)
-    idx = torch.arange(pairs.n)
-    m_clean = met(clean.logits, pairs, idx, clean.logits)
-    m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
-    base, src = (corrupt, clean) if direction == "denoising" else (clean, corrupt)
-    base_ids = pairs.ids("corrupted" if direction == "denoising" else "clean")
+    base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(clean, corrupt, pairs, met, direction)
 
     raw = torch.full((len(sites), pairs.n), math.nan)
     lengths = pairs.lengths.tolist()
@@ -333,7 +329,6 @@ def _run_full(
     # rows (site, pair), grouped by (layer, first recomputed column), chunks of max_rows
     # a row whose source activation equals the base run's bitwise patches nothing: its metric is
     # the base run's (e.g. every position before the first token where the prompts differ)
-    m_base = m_corrupt if direction == "denoising" else m_clean
     same = _unchanged(model, kind, base, src, sites, pairs.n)
     raw[same] = m_base.cpu().expand(len(sites), -1)[same]
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}

@@ -44,6 +44,7 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.scorers.patching.edits import _PatchKV, _PatchPattern, _PatchQuery, _PatchZ
+from heads.scorers.patching.metrics import base_and_source
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.patching.record import cache_bytes
 from heads.scorers.patching.request import BY_POSITION
@@ -384,13 +385,10 @@ def run_lean(
         runs[side] = record_lean(
             model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side]
         )
-    clean, corrupt = runs["clean"], runs["corrupted"]
-    idx = torch.arange(pairs.n)
-    m_clean = met(clean.logits, pairs, idx, clean.logits)
-    m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
-    base, src = (corrupt, clean) if direction == "denoising" else (clean, corrupt)
-    base_ids = pairs.ids("corrupted" if direction == "denoising" else "clean")
-    m_base = m_corrupt if direction == "denoising" else m_clean
+    clean = runs["clean"]
+    base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(
+        clean, runs["corrupted"], pairs, met, direction
+    )
     raw = torch.full((len(sites), pairs.n), math.nan)
     same = unchanged_lean(kind, base, src, sites, pairs.n, positions)
     raw[same] = m_base.cpu().expand(len(sites), -1)[same]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -189,3 +190,23 @@ def get_metric(metric: str | Metric | UserMetric = "logit_diff") -> Metric:
     if callable(metric):
         return Metric(getattr(metric, "__name__", "user"), metric)
     raise HeadsteerTypeError(f"metric must be a name, a Metric or a function, got {type(metric).__name__}")
+
+
+Run = TypeVar("Run")
+"""A recorded run with `logits` (a full `RunCache`, the lean path's `LeanRun`)."""
+
+
+def base_and_source(
+    clean: Run, corrupt: Run, pairs: PairBatch, met: Any, direction: str
+) -> tuple[Run, Run, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A patching sweep's two recorded runs in the roles `direction` gives them: `(base run (the
+    one patched: corrupted when denoising, clean when noising), source run, the base run's ids
+    [N, T], clean metric [N], corrupted metric [N], the base run's metric [N])`, the metrics
+    `met(logits, pairs, index, clean logits)` of each run's `logits`."""
+    idx = torch.arange(pairs.n)
+    clean_logits = clean.logits  # type: ignore[attr-defined]
+    m_clean = met(clean_logits, pairs, idx, clean_logits)
+    m_corrupt = met(corrupt.logits, pairs, idx, clean_logits)  # type: ignore[attr-defined]
+    if direction == "denoising":
+        return corrupt, clean, pairs.ids("corrupted"), m_clean, m_corrupt, m_corrupt
+    return clean, corrupt, pairs.ids("clean"), m_clean, m_corrupt, m_clean

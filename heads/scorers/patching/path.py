@@ -73,7 +73,7 @@ from heads.scorers.patching.activation import (
     unembed_only,
 )
 from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
-from heads.scorers.patching.metrics import Metric
+from heads.scorers.patching.metrics import Metric, base_and_source
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.patching.record import RunCache, cache_bytes, record_run
 from heads.scorers.patching.request import MLP_MODES, RECEIVER_INPUTS, PathPatchRequest
@@ -172,12 +172,7 @@ def run_path_patch(
     mask = pairs.attention_mask
     clean = record_run(model, pairs.clean_ids, mask, keys=False)
     corrupt = record_run(model, pairs.corrupted_ids, mask, keys=False)
-    idx = torch.arange(pairs.n)
-    m_clean = met(clean.logits, pairs, idx, clean.logits)
-    m_corrupt = met(corrupt.logits, pairs, idx, clean.logits)
-    base, src = (clean, corrupt) if direction == "noising" else (corrupt, clean)
-    base_ids = pairs.ids("clean" if direction == "noising" else "corrupted")
-    m_base = m_clean if direction == "noising" else m_corrupt
+    base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(clean, corrupt, pairs, met, direction)
 
     L, H, N = model.n_layers, model.n_heads, pairs.n
     raw = torch.full((L, H, N), math.nan)
