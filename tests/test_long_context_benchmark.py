@@ -56,7 +56,8 @@ def test_from_log_merges_analyses_peers_plan_and_gemma(tmp_path: Path) -> None:
     a, b = tmp_path / "a.log", tmp_path / "b.log"
     a.write_text("\n".join(LOG_A) + "\n")
     b.write_text("\n".join(LOG_B) + "\n")
-    line = _module()._from_logs([str(a), str(b)])
+    mod = _module()
+    line = mod.from_logs([str(a), str(b)], mod.KINDS)
     assert line["eap_memory_ratio"] == [2.5, 2.75]
     assert line["eap_cpu_time_ratio"] == [10.0, 15.0]
     assert line["memory_exponent_eap"] == round(math.log(110 / 50) / math.log(2), 3)

@@ -60,7 +60,7 @@ KNOWN_SINK_DIMS: dict[tuple[str, int, int], tuple[int, ...]] = {
     ("internlm2", 4096, 32): (3584,),  # InternVL2-8B (paper; no code)
     # SmolLM2-135M(-Instruct), the embedded model: found by `find_sink_dims` on 24 generic
     # prompts: median |x_d|/RMS at the first token 23.8 (dim 507, 483x the median dim); the
-    # runner-up, dim 247, is 37x and does not single out the first token (tests/test_var.py).
+    # runner-up, dim 247, is 37x and does not single out the first token (tests/steer/test_var_sink_dims.py).
     ("llama", 576, 30): (507,),
 }
 

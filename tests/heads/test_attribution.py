@@ -262,6 +262,31 @@ def test_ships_attribution_bad_input(tiny_llama, kwargs, match):
         ships(tiny_llama, PROMPTS, **kwargs)
 
 
+def test_controls_beyond_the_heads_left_are_refused_not_cut(tiny_llama):
+    """`controls` larger than the heads left after the confirmed ones was cut to them silently
+    (`controls=2**63` ran with 10); now refused by value before any forward, by `ships`, the
+    request and `confirm_ships`. The default (None: 10, fewer when fewer are left) still runs
+    on a small head set, where `confirm_ships` used to refuse its own default."""
+    from heads import run
+    from heads.scorers.safety.attribution import confirm_ships
+    from heads.scorers.safety.request import ShipsRequest
+
+    n = tiny_llama.n_layers * tiny_llama.n_heads
+    for bad in (2**63, n - 1):
+        want = f"controls must be an int in 0..{n - 2} .*got {bad}"
+        with pytest.raises(ValueError, match=want):
+            ships(tiny_llama, PROMPTS, method="attribution", confirm=2, controls=bad)
+        with pytest.raises(ValueError, match=want):
+            run(tiny_llama, ShipsRequest(method="attribution", confirm=2, controls=bad), PROMPTS)
+        with pytest.raises(ValueError, match=want):
+            confirm_ships(tiny_llama, PROMPTS, confirm=2, controls=bad)
+    few = [(0, 0), (0, 1), (1, 2), (2, 3), (2, 0)]
+    res = confirm_ships(tiny_llama, PROMPTS, confirm=2, heads=few)
+    assert len(res.scores.params["confirmed"]) == 2 and len(res.scores.params["controls"]) == 3
+    res = ships(tiny_llama, PROMPTS, method="attribution", confirm=2, controls=n - 2, seed=1)
+    assert len(res.scores.params["controls"]) == n - 2  # the most there are: every head left
+
+
 def test_sahara_candidates_restrict_the_search(tiny_llama):
     cands = sahara_candidates(tiny_llama, PROMPTS, 4)
     assert cands == attribute(tiny_llama, PROMPTS).scores.ranked(4)

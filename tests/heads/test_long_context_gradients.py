@@ -15,7 +15,7 @@ from heads.scorers.patching import logit
 from heads.scorers.patching.activation import record_run
 from heads.scorers.patching.pairs import PromptPair, encode_pairs
 from heads.scorers.safety import atp
-from heads.scorers.safety.attribution import attribute
+from heads.scorers.safety.attribution import attribute, logit_diff
 
 
 class _Saved:
@@ -83,6 +83,31 @@ def test_atp_mlp_in_chunks_equals_the_whole_layer(tiny_llama, monkeypatch, kw):
     assert max(pieces) == 2 and 1 in pieces  # several chunks per layer, the top at one position
     assert float(whole.abs().max()) > 0
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{"kl_tokens": 4}, {"kl_tokens": 2}, {"metric": logit_diff([11], [12])}])
+def test_graddrop_walks_carry_at_most_max_flows(tiny_llama, monkeypatch, kw):
+    """AtP*'s GradDrop walks keep at most `MAX_FLOWS` gradient flows (one residual-stream copy
+    each) alive, or the metric's scalars when there are more; the plain flows end at a walk's
+    lowest dropped layer. The estimate is the same with every drop in one walk."""
+    prompt = ["The quick brown fox jumps over the lazy dog"]
+    monkeypatch.setattr(atp, "MAX_FLOWS", 100)
+    one_walk = attribute(tiny_llama, prompt, graddrop=True, template=None, **kw).per_prompt
+    monkeypatch.undo()
+    carried: list[int] = []
+    real = atp._Walk._split_layer
+
+    def split_layer(self, la, x, edited, g_next):
+        new = real(self, la, x, edited, g_next)
+        carried.append(len(new))
+        return new
+
+    monkeypatch.setattr(atp._Walk, "_split_layer", split_layer)
+    got = attribute(tiny_llama, prompt, graddrop=True, template=None, **kw).per_prompt
+    n = kw.get("kl_tokens", 1)
+    assert carried and max(carried) <= max(atp.MAX_FLOWS, n)
+    assert float(one_walk.abs().max()) > 0
+    torch.testing.assert_close(got, one_walk, atol=1e-7, rtol=1e-6)
 
 
 PAIRS = [

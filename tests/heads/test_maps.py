@@ -333,6 +333,9 @@ def test_ablation_uses_the_highest_scoring_heads(tiny_llama, tokenizer):
     )
     assert res.heads == [(2, 3), (2, 1)] and res.n_heads == 2 and len(res.random) == 2
     assert HeadScores(s, "x").ranked(3) == [(2, 3), (2, 1), (0, 0)]
+    for bad in (7, 2**63):  # more than half the 12 heads was cut to 6 silently: refused, by value
+        with pytest.raises(ValueError, match=f"n_heads must be an int in 1..6 .*got {bad}"):
+            ablation_check(tiny_llama, rel, HeadScores(s, "x", n_kv_heads=2), n_heads=bad)
 
 
 def test_more_bad_input(tokenizer, tiny_llama):

@@ -154,3 +154,49 @@ def test_ships_estimate_equals_the_coarse_kl_formula(tiny_llama, mlp_rows):
             want[b, la] = kl.float()
     assert float(want.max()) > 1e-6  # small: the top 4 tokens of a random model hold little mass
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-3)
+
+
+def _dropped(hm, layer: int) -> list:
+    """Plain hooks passing layer `layer`'s attention and MLP outputs on detached: the forward is
+    unchanged, the gradient crosses the layer by the residual stream only (AtP* §3.1.2)."""
+
+    def attn(m, a, out):
+        return (out[0].detach(), *out[1:])
+
+    block = hm.layers[layer]
+    return [
+        block.self_attn.register_forward_hook(attn),
+        block.mlp.register_forward_hook(lambda m, a, out: out.detach()),
+    ]
+
+
+@pytest.mark.parametrize("max_flows", [1, 4, 100])
+def test_graddrop_equals_the_dropped_gradient_formula(tiny_llama, monkeypatch, max_flows):
+    """AtP* GradDrop with a one-scalar metric: (1 / (L - 1)) sum over dropped layers l' of
+    |sum_t dm/dz . (z_ablated - z)| with the gradient dropped at l' (plain hooks, one backward per
+    l'), whatever the number of dropped layers per walk (`MAX_FLOWS`: 1, 4, all)."""
+    hm = tiny_llama
+    monkeypatch.setattr(atp, "MAX_FLOWS", max_flows)
+    got = attribute(hm, PROMPTS, eps=EPS, metric=logit_diff(TARGETS, FOILS), graddrop=True, template=None)
+    L = hm.n_layers
+    want = torch.zeros_like(got.per_prompt)
+    for b, ids in enumerate(_rows(hm)):
+        _, deltas = _grads_and_deltas(hm, ids, lambda logp: [logp.sum()])
+        for drop in range(L):
+            zs: dict[int, torch.Tensor] = {}
+            keep = [
+                hm.layers[la].self_attn.o_proj.register_forward_pre_hook(
+                    lambda m, a, la=la, zs=zs: zs.update({la: a[0]})
+                )
+                for la in range(L)
+            ]
+            logp = _last_logp(hm, ids, [*keep, *_dropped(hm, drop)])
+            value = logp[TARGETS[b]] - logp[FOILS[b]]
+            grads = torch.autograd.grad(value, [zs[la] for la in range(L)], allow_unused=True)
+            assert grads[drop] is None  # its heads get no gradient
+            for la in range(L):
+                if grads[la] is not None:
+                    est = _per_head(hm, grads[la][0].double(), deltas[la])
+                    want[b, la] += est.abs().float() / (L - 1)
+    assert float(want.abs().max()) > 1e-3
+    torch.testing.assert_close(got.per_prompt, want, atol=1e-5, rtol=1e-4)

@@ -1,8 +1,10 @@
-"""VAR and sink dims (the rules of docs/methods/var.md) on tiny random models."""
+"""VAR (the rules of docs/methods/var.md) on tiny random models: the update against the reference
+formula, layers, samples and decoding, VLM batches, the engine reads and the fast paths.
+
+Sink dims are tested in test_var_sink_dims.py, the reference code's pitfalls in
+test_var_reference.py; the shared helpers are in tests/support/var.py."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -10,96 +12,18 @@ import torch
 from heads import encode_prompts, forward
 from heads.engine.context import editing
 from heads.engine.edits import Recorder
-from heads.scorers.sink_dims import KNOWN_SINK_DIMS, SinkTracker, default_tau, sink_dims_for, sink_value
+from heads.scorers.sink_dims import SinkTracker
 from steer import SteeredModel
 from steer.var import Var, VarEdit, var_redistribute
 from tests.support import make_tiny
+from tests.support.var import DIM, PROMPTS, TAU, _enc, _sink_positions, planted
 from tests.support.vlm_models import image as tiny_image
 from tests.support.vlm_models import make_tiny_vlm
-
-PROMPTS = [
-    "Context: **Alice lives in Rome and she teaches music to children there.** Where does Alice live?",
-    "Doc: **The river is long, wide and very cold in the winter months.** The river is",
-]
-DIM = 5
-TAU = 6.0
 
 
 @pytest.fixture(scope="module")
 def llama(tokenizer):
     return make_tiny("llama", tokenizer, num_hidden_layers=4)
-
-
-def _enc(model, prompts=PROMPTS):
-    return encode_prompts(model.tokenizer, prompts, chat=False)
-
-
-@contextlib.contextmanager
-def planted(model, positions: list[list[int]], value: float = 1000.0, dim: int = DIM):
-    """Pre-hook on layer 0 that writes a massive value into `dim` at absolute `positions` per row
-    (prompt positions: only when the call starts at 0, i.e. prefill or an uncached re-run)."""
-
-    def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        if cache is not None and cache.get_seq_length(0) > 0:
-            return None
-        x = (args[0] if args else kwargs["hidden_states"]).clone()
-        for b, ps in enumerate(positions):
-            for p in ps:
-                if p < x.shape[1]:
-                    x[b, p, dim] = value
-        if args:
-            return (x, *args[1:]), kwargs
-        kwargs["hidden_states"] = x
-        return args, kwargs
-
-    h = model.layers[0].register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-    try:
-        yield
-    finally:
-        h.remove()
-
-
-def _sink_positions(enc):
-    """Per row: the first real token and the first token of the span (a visual/context sink)."""
-    first = enc.attention_mask.float().argmax(-1).tolist()
-    return [[first[b], enc.spans[b][0][0]] for b in range(enc.batch)]
-
-
-# --------------------------------------------------------------------------- sink dims
-def test_sink_value_bound_and_planted_flags(llama):
-    x = torch.randn(3, 7, 64)
-    x[..., 3] = 1e6
-    phi = sink_value(x, [3])
-    assert float(phi.max()) <= 8.0 + 1e-4  # <= sqrt(D)
-    assert float(phi.min()) > 7.99
-    enc = _enc(llama)
-    pos = _sink_positions(enc)
-    tr = SinkTracker([DIM], TAU, range(llama.n_layers))
-    with planted(llama, pos), editing(llama, tr.edits()):
-        forward(llama, enc)
-    want = torch.zeros(enc.batch, enc.length, dtype=torch.bool)
-    for b, ps in enumerate(pos):
-        want[b, ps] = True
-    assert torch.equal(tr.flags[0], want)  # exactly the planted positions
-    # tau = 20 at D = 64 never fires, even with a planted massive value
-    tr20 = SinkTracker([DIM], 20.0, range(llama.n_layers))
-    with planted(llama, pos), editing(llama, tr20.edits()):
-        forward(llama, enc)
-    assert not any(bool(f.any()) for f in tr20.flags.values())
-    assert tr20.observed == llama.n_layers  # one read per layer
-
-
-def test_known_dims_and_unknown_backbone(llama):
-    with pytest.raises(ValueError, match="no known sink dims"):
-        sink_dims_for(llama)
-    with pytest.raises(ValueError, match="no known sink dims"):
-        Var().edits(llama, _enc(llama))
-    assert sink_dims_for(llama, [1, 2]) == (1, 2)
-    with pytest.raises(ValueError, match="sink dim"):
-        sink_dims_for(llama, [64])
-    assert KNOWN_SINK_DIMS[("llama", 4096, 32)] == (1415, 2533)
-    assert default_tau(4096) == 20.0 and default_tau(576) == pytest.approx(7.5)
 
 
 def test_config_validation():
@@ -348,30 +272,6 @@ def test_other_vlm_families_move_attention_by_the_rule(kind):
 
 
 @pytest.mark.real
-def test_embedded_sink_dims_match_massive_activations(smol):
-    from heads.scorers.sink_dims import find_sink_dims
-    from heads.scorers.sinks import massive_activations
-
-    prompts = [
-        "The weather today is sunny and warm.",
-        "Paris is the capital of France.",
-        "Write a short poem about the sea.",
-        "How do I bake bread at home?",
-        "The quick brown fox jumps over the lazy dog.",
-        "Explain photosynthesis in simple terms.",
-        "Numbers: one, two, three.\nDone.",
-        "Mountains are high. Rivers are long.",
-    ]
-    found = find_sink_dims(smol, prompts)
-    assert found.dims == KNOWN_SINK_DIMS[("llama", 576, 30)] == sink_dims_for(smol)
-    assert found.evidence["selected"].sum() == len(found.dims)
-    ma = massive_activations(smol, prompts[:4], top=20)
-    top_dims = ma[ma.layer >= 2]["dim"].value_counts().index[:4].tolist()
-    assert set(found.dims) <= set(top_dims)
-    assert found.evidence.iloc[0]["ratio_to_median_dim"] > 100
-
-
-@pytest.mark.real
 def test_embedded_var_text_flags_first_token(smol):
     """On SmolLM2 the calibrated tau flags the first token in layers 2-9 and 12-28 (its massive
     value dips in layers 10-11) and few other tokens."""
@@ -417,148 +317,6 @@ def test_eval_harness_runs_var_and_vhr(smol):
         res = evaluate(smol, "context_qa", method, limit=3, batch_size=3)
         row = res.table.iloc[0]
         assert row["metric"] == "context_accuracy" and row["n"] == 3 and 0 <= row["value"] <= 1
-
-
-# ------------------------------------------------------- the reference code's pitfalls (docs/methods/var.md)
-def test_skip_last_leaves_the_last_layer_pattern_untouched(llama):
-    """§6.6: with skip_last the last layer's pattern is exactly the unedited softmax of its own
-    inputs, while the layer before it is edited; without skip_last the last layer changes too."""
-    enc = _enc(llama)
-    pos = _sink_positions(enc)
-    last = llama.n_layers - 1
-
-    def pre_post(var, layer):
-        pre, post = Recorder(layer=layer), Recorder(layer=layer)
-        with planted(llama, pos), editing(llama, [pre, *var.edits(llama, enc), post]):
-            forward(llama, enc)
-        return pre.records[0], post.records[0]
-
-    skip = Var(sink_dims=(DIM,), tau=TAU, layers=(last - 1, last))
-    a, b = pre_post(skip, last)
-    assert torch.equal(a, b)  # nothing touches layer L-1
-    a, b = pre_post(skip, last - 1)
-    assert not torch.equal(a, b)  # ... while layer L-2 is edited
-    a, b = pre_post(Var(sink_dims=(DIM,), tau=TAU, layers=(last,), skip_last=False), last)
-    assert not torch.equal(a, b)
-
-
-def test_sink_dims_keyed_by_backbone_config(tokenizer):
-    """§6.5: the dims follow the backbone's config (type, width, depth), never the model's name;
-    an unknown backbone raises unless dims are given. Shapes only: built on the meta device."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    from heads import HeadModel
-
-    def llava(hidden: int, layers: int, name: str) -> HeadModel:
-        text = LlamaConfig(
-            hidden_size=hidden,
-            intermediate_size=64,
-            num_hidden_layers=layers,
-            num_attention_heads=hidden // 128,
-            vocab_size=32,
-        )
-        vision = CLIPVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
-        )
-        with torch.device("meta"):
-            model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text))
-        return HeadModel(model, tokenizer, name=name)
-
-    assert sink_dims_for(llava(4096, 32, "llava-1.5-13b")) == (1415, 2533)  # 7B config, misleading name
-    assert sink_dims_for(llava(5120, 40, "llava-1.5-7b")) == (2100, 4743)  # 13B config
-    with pytest.raises(ValueError, match="no known sink dims"):
-        sink_dims_for(llava(4096, 31, "llava-1.5-7b"))
-    assert sink_dims_for(llava(4096, 31, "x"), [7]) == (7,)
-
-
-def test_vlm_prompt_is_the_processors_own_input_and_loading_is_by_keyword(tmp_path):
-    """§6.2: the encoded row is exactly the processor's output for the rendered prompt (no
-    segment-wise re-tokenisation that drops BOS / special tokens). §6.3: loading options are
-    keyword-only and the dtype asked for is the dtype loaded."""
-    from heads import load_model
-    from tests.support.vlm_models import save_tiny_vlm
-
-    vlm = make_tiny_vlm("llava")
-    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
-    own = vlm.processor(text=enc.texts, images=[tiny_image(1)], return_tensors="pt")
-    assert enc.input_ids[0][enc.attention_mask[0].bool()].tolist() == own["input_ids"][0].tolist()
-    folder = save_tiny_vlm(vlm, tmp_path / "llava")
-    with pytest.raises(TypeError):
-        load_model(folder, torch.bfloat16)  # type: ignore[misc]
-    for dtype in (torch.float32, torch.bfloat16):
-        hm = load_model(folder, dtype=dtype)
-        assert {p.dtype for la in hm.layers for p in la.parameters()} == {dtype}
-
-
-def test_gqa_weights_per_query_head_values_repeated(llama):
-    """§6.12: on a GQA model (4 query heads, 2 KV heads) the edited weights are per query head and
-    each head's output is its edited row times its own KV head's values."""
-    assert llama.n_kv_heads < llama.n_heads
-    enc = _enc(llama)
-    pos = _sink_positions(enc)
-    layer = 1
-    var = Var(sink_dims=(DIM,), tau=TAU, layers=(layer,))
-    post = Recorder(layer=layer)
-    got: dict[str, torch.Tensor] = {}
-    attn = llama.attentions[layer]
-    h1 = attn.v_proj.register_forward_hook(lambda m, a, out: got.__setitem__("v", out))
-    h2 = llama.out_projs[layer].register_forward_pre_hook(lambda m, a: got.__setitem__("z", a[0]))
-    try:
-        edits = var.edits(llama, enc)
-        with planted(llama, pos), editing(llama, [*edits, post]):
-            forward(llama, enc)
-    finally:
-        h1.remove()
-        h2.remove()
-    probs = post.records[0]  # [B, H, T, T]: one (edited) pattern per query head
-    assert probs.shape[1] == llama.n_heads
-    b, t = enc.input_ids.shape
-    v = got["v"].view(b, t, llama.n_kv_heads, llama.d_head).transpose(1, 2)  # [B, G, T, d]
-    v = v.repeat_interleave(llama.n_heads // llama.n_kv_heads, dim=1)  # query head h reads KV head h // 2
-    oracle = (probs @ v).transpose(1, 2).reshape(b, t, -1)
-    torch.testing.assert_close(got["z"], oracle, atol=1e-5, rtol=1e-5)
-    assert int(edits[0].selected.sum()) > 0  # VAR did edit rows of this layer
-
-
-def test_both_llava_checkpoint_layouts_load_the_same_heads(tmp_path):
-    """Module paths: a LLaVA folder in the older module layout (`language_model.model.
-    layers...`, `language_model.lm_head`; what `save_pretrained` still writes) and one in the
-    current layout (`model.language_model.layers...`) load to the same model, with the heads
-    found at `model.model.language_model`, so VAR and VHR edit the same layers."""
-    from safetensors.torch import load_file, save_file
-
-    from heads import load_model
-    from tests.support.vlm_models import save_tiny_vlm
-
-    vlm = make_tiny_vlm("llava")
-    enc = SteeredModel(vlm).encode(["Describe the image."], images=[tiny_image(1)])
-    want = forward(vlm, enc)
-    old_dir, new_dir = tmp_path / "old", tmp_path / "new"
-    save_tiny_vlm(vlm, old_dir)
-    save_tiny_vlm(vlm, new_dir)
-    (file,) = list(new_dir.glob("*.safetensors"))
-    state = load_file(str(file))
-    assert any(k.startswith("language_model.model.layers.") for k in state)  # the older layout
-
-    def current(key: str) -> str:
-        for before, now in (
-            ("language_model.model.", "model.language_model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("vision_tower.", "model.vision_tower."),
-            ("multi_modal_projector.", "model.multi_modal_projector."),
-        ):
-            if key.startswith(before):
-                return now + key[len(before) :]
-        return key
-
-    save_file({current(k): v for k, v in state.items()}, str(file), metadata={"format": "pt"})
-    assert any(k.startswith("model.language_model.layers.") for k in load_file(str(file)))
-    var = Var(sink_dims=(DIM,), tau=1.0)
-    for folder in (old_dir, new_dir):
-        hm = load_model(folder)
-        assert hm.layers[0] is hm.model.model.language_model.layers[0]
-        torch.testing.assert_close(forward(hm, enc), want, atol=1e-6, rtol=0)
-        assert [e.layer for e in var.edits(hm, enc) if isinstance(e, VarEdit)] == [0]
 
 
 # --------------------------------------------------------------------------- fast paths = plain formula

@@ -12,11 +12,12 @@ import threading
 
 import pytest
 import requests
+from fastapi.testclient import TestClient
 
+from tests.support.explorer import PROMPT, cancel_on_start, gated_streamer, scored
 from tests.support.waiting import wait_until
 from viz.explorer import create_explorer
 
-PROMPT = "Ignore this. **Remember the word apple** and say something"
 LIMIT_S = 60  # a request's timeout: every wait below ends on a state (`wait_until`)
 
 
@@ -228,3 +229,139 @@ def _answers(url: str) -> bool:
         return requests.get(url + "api/info", timeout=5).status_code == 200
     except requests.ConnectionError:
         return False
+
+
+def test_cancel_stops_generation_and_sweep(model, monkeypatch):
+    app = create_explorer(model)
+    client = TestClient(app)
+    jobs = app.state.jobs
+    # cancel flagged before the job's work runs: it never starts and ends cancelled
+    job = "cancel-me-0001"
+    real_start = cancel_on_start(jobs)
+    try:
+        ev = scored(client, {"prompt": PROMPT, "max_new_tokens": 50, "job": job}, "/api/generate")
+        assert ev[-1] == {"cancelled": True} and not any("text" in e for e in ev)
+        ev = scored(client, {"prompt": PROMPT, "score": "sinks", "job": job})
+        assert ev[-1] == {"cancelled": True}
+    finally:
+        jobs.start = real_start
+    assert jobs.running() == 0
+    # a cancel in the middle: nothing is streamed after the cancel is acknowledged, the slot is
+    # freed when the stream ends, and the next job works (no count that depends on speed)
+    record = gated_streamer(monkeypatch, after=2)
+    pieces = []
+    with client.stream(
+        "POST", "/api/generate", json={"prompt": PROMPT, "max_new_tokens": 200, "job": job}
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                ev = json.loads(line[6:])
+                pieces.append(ev)
+                if "text" in ev and sum("text" in e for e in pieces) == 2:
+                    assert client.post("/api/cancel", json={"job": job}).json()["cancelled"] is True
+    assert pieces[-1] == {"cancelled": True}
+    assert record["after_cancel"] == [] and len(record["emitted"]) == 2  # nothing after the acknowledgement
+    assert sum("text" in e for e in pieces) == 2
+    assert jobs.running() == 0  # the slot is free once the stream has ended
+    assert client.post("/api/cancel", json={"job": job}).json()["cancelled"] is False  # it is over
+    monkeypatch.undo()
+    assert scored(client, {"prompt": PROMPT, "max_new_tokens": 3}, "/api/generate")[-1] == {"done": True}
+
+
+def test_jobs_are_bounded():
+    from viz.explorer.app import Jobs
+
+    jobs = Jobs(limit=2)
+    jobs.start("aaaaaaaa")
+    with pytest.raises(ValueError, match="already running"):
+        jobs.start("aaaaaaaa")
+    jobs.start("bbbbbbbb")
+    with pytest.raises(ValueError, match="2 jobs"):
+        jobs.start("cccccccc")
+    jobs.end("aaaaaaaa")
+    jobs.start("cccccccc")
+
+
+def test_a_client_that_leaves_cancels_its_jobs(model, monkeypatch):
+    """Closing the page (or a script dropping its stream) stops its jobs: a running generation
+    at its next token, a job still waiting for the model before it starts; the job slots are
+    freed (found by a breaker: orphaned jobs ran to the end and held the slots). The running
+    generation cannot end on its own here (it waits for its cancel flag after one piece), so
+    every assertion is on what cancelling guarantees, not on time."""
+    import requests
+
+    from tests.support.waiting import wait_until
+    from tests.viz.test_explorer_browser import serve
+
+    record = gated_streamer(monkeypatch, after=1)
+    app = create_explorer(model)
+    url, stop = serve(app)
+    try:
+        body = {"prompt": PROMPT, "max_new_tokens": 200}
+        first = requests.post(
+            url + "api/generate", json={**body, "job": "leaver-run-1"}, stream=True, timeout=60
+        )
+        lines = first.iter_lines()
+        assert b"job" in next(lines)
+        while b'"text"' not in next(lines):
+            pass
+        waiting = [  # queued behind the first: they wait for the model
+            requests.post(
+                url + "api/generate", json={**body, "job": f"leaver-wait-{i}"}, stream=True, timeout=60
+            )
+            for i in range(3)
+        ]
+        for r in waiting:
+            assert b"job" in next(r.iter_lines())
+        assert app.state.jobs.running() == 4
+        for r in (first, *waiting):
+            r.close()
+        wait_until(
+            lambda: app.state.jobs.running() == 0, "the jobs of a gone client end and free their slots"
+        )
+        assert len(record["emitted"]) == 1 and record["after_cancel"] == []  # the waiting ones never ran
+        monkeypatch.undo()
+        done = requests.post(url + "api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}, timeout=60)
+        assert done.status_code == 200 and '"done": true' in done.text
+    finally:
+        stop()
+
+
+def test_a_client_gone_before_its_stream_starts_frees_the_slot(model):
+    """A client that closes its socket right after sending the request (before the first event)
+    left its job registered for ever; 16 of them locked every job endpoint (found by a breaker)."""
+    import socket
+
+    from tests.support.waiting import wait_until
+    from tests.viz.test_explorer_browser import serve
+
+    app = create_explorer(model)
+    seen = []  # every request that reached the job registry (a refused one included)
+    real_start = app.state.jobs.start
+
+    def counting_start(job):
+        seen.append(job)
+        return real_start(job)
+
+    app.state.jobs.start = counting_start
+    url, stop = serve(app)
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    try:
+        for i in range(20):
+            body = json.dumps({"prompt": "hi", "max_new_tokens": 1, "job": f"leakjob{i:04d}"}).encode()
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(
+                    b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+        # the server may take the 20 requests after the sockets closed: wait for that state
+        wait_until(
+            lambda: len(seen) == 20 and app.state.jobs.running() == 0, "20 requests seen, no slot held"
+        )
+        import requests
+
+        r = requests.post(url + "api/generate", json={"prompt": PROMPT, "max_new_tokens": 1}, timeout=30)
+        assert r.status_code == 200 and '"done": true' in r.text, r.text
+    finally:
+        stop()

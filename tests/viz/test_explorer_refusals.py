@@ -112,7 +112,7 @@ def test_steered_generation_on_a_sliding_window_is_refused_exactly_when_it_would
     assert (
         windowed.sliding_window(0) == 24 and encode_prompts(windowed.tokenizer, RAW, chat=False).length == 7
     )
-    from tests.viz.test_explorer import cancel_on_start
+    from tests.support.explorer import cancel_on_start
 
     app = create_explorer(windowed)
     cancel_on_start(app.state.jobs)  # an accepted request's job is cancelled before it runs: no generation
@@ -161,7 +161,7 @@ def test_first_mlp_work_on_olmo2_is_refused_or_left_out_up_front(olmo2, monkeypa
     reason); the head card keeps its logit-lens part and says why MAPS is left out."""
     from heads.scorers.maps.static import first_mlp
     from heads.scorers.roles import detectors
-    from tests.viz.test_explorer import fake_detectors
+    from tests.support.explorer import fake_detectors
 
     with pytest.raises(ValueError) as refused:
         first_mlp(olmo2, torch.zeros(1, olmo2.d_model))

@@ -259,8 +259,9 @@ def ablation_check(
 ) -> AblationResult:
     """Zero the relation's top-n heads (score > 0) vs n random other heads, several draws.
 
-    n is at most `n_heads` (default by model size, docs/methods/maps.md: 30 below 300 heads) and
-    at most half of all heads, so that as many other heads remain for the random draws.
+    n is at most `n_heads` (1..half of all heads, so that as many other heads remain for the
+    random draws; default None: by model size, docs/methods/maps.md: 30 below 300 heads, at
+    most half of all heads), and only heads scored above 0 are taken.
     Relations whose base accuracy is below `min_base` are skipped.
 
     `options`: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar), False /
@@ -269,8 +270,8 @@ def ablation_check(
     the end. The loose `progress=` keyword still works one release (a `DeprecationWarning`).
 
     Raises:
-        ValueError: scores of another shape than the model's heads, or non-positive
-            `n_heads` / `draws`.
+        ValueError: scores of another shape than the model's heads, `n_heads` not an int in
+            1..half the heads (HeadsteerValueError, the value named), non-positive `draws`.
     """
     progress = sweep_options(options, deprecated, "ablation_check", takes=("progress",)).progress
     if (scores.n_layers, scores.n_heads) != (model.n_layers, model.n_heads):
@@ -279,14 +280,13 @@ def ablation_check(
             f"the model has [{model.n_layers}, {model.n_heads}]"
         )
     draws = positive_int(draws, "draws")
-    cap = (
-        max_ablated_heads(model.n_layers * model.n_heads)
-        if n_heads is None
-        else positive_int(n_heads, "n_heads")
-    )
-    positive = [h for h in scores.ranked() if scores.scores[h].item() > 0]  # by descending score
     # keep as many other heads as ablated ones, so the random baseline has the same size
-    cap = min(cap, model.n_layers * model.n_heads // 2)
+    half = model.n_layers * model.n_heads // 2
+    if n_heads is None:
+        cap = min(max_ablated_heads(model.n_layers * model.n_heads), half)
+    else:  # a larger count was cut to half the heads silently
+        cap = check_int("n_heads", n_heads, lo=1, hi=half, what=f"an int in 1..{half} (half the heads)")
+    positive = [h for h in scores.ranked() if scores.scores[h].item() > 0]  # by descending score
     ranked = positive[:cap]
     total = ablation_steps(draws)
     with progress_callback(progress, f"ablation check ({relation.name})", "passes") as report:

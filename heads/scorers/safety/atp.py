@@ -18,7 +18,10 @@ gradient through the layers, all taken from one forward of each layer. GradDrop 
 adds a flow per scalar and dropped layer l': above l' it is the plain flow, at l' the gradient
 passes the layer by the residual stream only (its attention and MLP outputs get none, so its
 heads get 0), below it goes on as usual. Drops are taken a few at a time (each group one walk
-down the layers) to bound the number of flows kept at once.
+down the layers): the plain flows go down to the group's lowest dropped layer only (below it
+only the drops' flows are read) and there become that layer's drop flows, so a walk with k
+dropped layers carries at most `k n` flows (n scalars) at once, and `k` is the largest with
+`k n <= MAX_FLOWS` (at least 1).
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ from heads.scorers.layerwise import (
 __all__ = ["BatchSetup", "attribute_batch", "coarse_kl", "layer_edit"]
 
 REST_FLOOR = 1e-4  # smallest predicted "rest" mass, relative to the clean one
-MAX_FLOWS = 8
-"""GradDrop flows (dropped layer x metric scalar) carried down the layers at once."""
+MAX_FLOWS = 4
+"""GradDrop: the most flows (dropped layer x metric scalar) a walk carries at once, where a drop
+group of k layers needs `k n` (n metric scalars; at least one layer per walk): KL over 4 tokens
+one dropped layer per walk, a one-scalar metric 4. Each flow keeps a residual-stream copy (its
+gradient) beside the walk's ~20 (docs/long-context.md): 4 flows is plain AtP's walk with KL
+(2.24x a forward's peak on SmolLM2 at 1k tokens)."""
 MLP_CHUNKS = 8
 """Position chunks of a layer's MLP half (its forward and backward, one chunk at a time)."""
 MLP_MIN_ROWS = 64
@@ -174,6 +181,7 @@ class _Walk:
         self.all_real = bool(real.all())  # no padding: nothing to mask
         self.scalars = scalars
         self.drops = drops
+        self.bottom = min(drops) if drops else None  # the plain flows end here (become its drops')
         R, L, H = len(rows), model.n_layers, model.n_heads
         self.n_scalars = 0
         self.effects: dict[Flow, torch.Tensor] = {}
@@ -212,6 +220,9 @@ class _Walk:
     def run(self, sparse: dict[int, torch.Tensor]) -> dict[Flow, torch.Tensor]:
         g_next: dict[Flow, torch.Tensor] = {}
         for la, x_in in inputs_down(self.m, self.ids, self.mask, sparse):
+            if la == self.bottom and g_next and all(k[0] is None for k in g_next):
+                g_next = self._passed(la, g_next)  # no flow goes through the layer: not run
+                continue
             edited = self._edited(la, x_in)
             x = x_in.detach().requires_grad_(True)
             if self.split:
@@ -219,9 +230,18 @@ class _Walk:
             else:
                 g_next = self._whole_layer(la, x, edited, g_next)
         for d in self.drops:  # above the dropped layer a drop's flow is the plain one
-            for j in range(self.n_scalars):
+            for j in range(self.n_scalars if d + 1 < self.m.n_layers else 0):
                 self.effects[(d, j)][:, d + 1 :] = self.effects[(None, j)][:, d + 1 :]
         return self.effects
+
+    def _passed(self, la: int, g_next: dict[Flow, torch.Tensor]) -> dict[Flow, torch.Tensor]:
+        """At the lowest dropped layer `la` when only the plain flows reach it: they become its
+        drops' flows (the gradient leaving `la` passed by the residual stream, its heads 0)."""
+        new: dict[Flow, torch.Tensor] = {}
+        for (_, j), g in g_next.items():
+            self._effect((la, j), la, None, (g, 0.0))
+            new[(la, j)] = g
+        return new
 
     def _split_layer(
         self, la: int, x: torch.Tensor, edited: torch.Tensor | None, g_next: dict[Flow, torch.Tensor]
@@ -249,12 +269,15 @@ class _Walk:
                 gp, gpost = torch.autograd.grad(
                     value, [piece, post], retain_graph=j < len(values) - 1, allow_unused=True
                 )
-                g_next[(None, j)] = _last(_z(gp, piece), mid)
+                if la != self.bottom:
+                    g_next[(None, j)] = _last(_z(gp, piece), mid)
                 if la in self.drops:
                     leaving[(None, j)] = _last(_z(gpost, post), mid)
             del values, out
         else:
-            if la in self.drops:
+            if la == self.bottom:  # the plain flows end here: they are this layer's drops' now
+                leaving = {(None, j): g_next.pop((None, j)) for j in range(self.n_scalars)}
+            elif la in self.drops:
                 leaving = {(None, j): g_next[(None, j)].clone() for j in range(self.n_scalars)}
             chunk = max(MLP_MIN_ROWS, -(-T // MLP_CHUNKS))
             for a in range(0, T, chunk):
@@ -311,7 +334,7 @@ class _Walk:
                     grads[(None, j)] = (_z(gx, x), _z(gz, zeta[0]))
                     g_next[(None, j)] = _z(gpost, post)  # the gradient leaving the top layer
                 del values, s  # they hold the top layer's graph: freed with `out`, not kept all walk
-            keys = [k for k in g_next if not (top and k[0] is None)]
+            keys = [k for k in g_next if not ((top or la == self.bottom) and k[0] is None)]
             for i, key in enumerate(keys):
                 drop = key[0]
                 if drop is not None and drop == la:
@@ -328,6 +351,8 @@ class _Walk:
                     grads[(d, j)] = (g_next[(None, j)], torch.zeros_like(zeta[0]))
         new: dict[Flow, torch.Tensor] = {}
         for key, (gx, gz) in grads.items():
+            if la == self.bottom and key[0] is None:
+                continue  # the plain flows end at the lowest dropped layer
             self._effect(key, la, gz, dz)
             new[key] = gx
         return new

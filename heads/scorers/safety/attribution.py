@@ -80,7 +80,7 @@ from heads.scorers.safety.common import (
     exact_ships,
     head_pairs,
 )
-from heads.scorers.safety.request import AttributionRequest
+from heads.scorers.safety.request import AttributionRequest, control_count
 from heads.scorers.stability import attach, check_samples
 
 __all__ = [
@@ -398,7 +398,7 @@ def confirm_ships(
     prompts: str | Sequence[str],
     *,
     confirm: int,
-    controls: int = 10,
+    controls: int | None = None,
     heads: HeadSpec | None = None,
     ablation: Literal["ua", "sc"] = "ua",
     eps: float = 1e-5,
@@ -415,8 +415,8 @@ def confirm_ships(
     prompts) were 14th and 19th in the estimate, so `estimate.top(10)` misses them.
 
     Ranks `heads` (default all) by `attribute(..., metric="kl", kl_tokens=kl_tokens)`, then
-    scores the top `confirm` heads plus `controls` heads drawn at random
-    (`random.Random(options.seed)`) from the rest with the exact batched sweep
+    scores the top `confirm` heads plus `controls` heads (default None: 10, or every head left
+    when fewer) drawn at random (`random.Random(options.seed)`) from the rest with the exact batched sweep
     `heads.scorers.safety.ships.ships`. `options` (`heads.SweepOptions`) gives `max_rows`,
     `progress` (of the exact sweep) and `seed`; no shard or executor. The 0.1 keywords
     (`max_rows=`, `progress=`, `seed=`) still work, with a `DeprecationWarning`.
@@ -432,14 +432,15 @@ def confirm_ships(
         nothing is rerun and `scores` is the estimate itself.
 
     Raises:
-        ValueError: `confirm` or `controls` not an int in 0..number of heads, a non-int seed,
-            and as `ships` / `attribute`.
+        HeadsteerValueError: `confirm` not an int in 0..number of heads, `controls` not an int
+            in 0..the heads left after the confirmed ones, a non-int seed, and as `ships` /
+            `attribute`.
     """
     takes = ("max_rows", "progress", "seed", "max_memory")
     opts = sweep_options(options, deprecated, "confirm_ships", takes=takes)
     chosen = check_heads(model, heads)
-    for name, k in (("confirm", confirm), ("controls", controls)):
-        check_int(name, k, lo=0, hi=len(chosen))
+    check_int("confirm", confirm, lo=0, hi=len(chosen))
+    control_count(controls, len(chosen) - confirm)
     return confirmed_ships(
         model, prompts, chosen, confirm, controls, ablation, eps, exact, template, kl_tokens, opts
     )
@@ -450,7 +451,7 @@ def confirmed_ships(
     prompts: str | Sequence[str],
     chosen: list[Head],
     confirm: int,
-    controls: int,
+    controls: int | None,
     ablation: Literal["ua", "sc"],
     eps: float,
     exact: bool,
@@ -466,7 +467,8 @@ def confirmed_ships(
         return est
     ranked = est.scores.ranked()
     top, rest = ranked[:confirm], ranked[confirm:]
-    (control,) = random_head_draws(rest, min(controls, len(rest)), 1, seed, generator="python")
+    k = control_count(controls, len(chosen) - confirm)
+    (control,) = random_head_draws(rest, min(k, len(rest)), 1, seed, generator="python")  # NaN dropped
     control = sorted(control)
     eps, exact_heads = check_scoring(model, eps, exact, top + control)
     res = exact_ships(model, prompts, exact_heads, ablation, eps, template, opts)

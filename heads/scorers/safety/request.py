@@ -58,6 +58,26 @@ def check_template(template: object) -> str | None:
     return template
 
 
+CONTROLS = 10  # the default number of random control heads (`controls=None`)
+
+
+def control_count(controls: int | None, left: int) -> int:
+    """How many random control heads to rerun beside the confirmed ones.
+
+    Args:
+        controls: the number asked for (None: `CONTROLS`, or every head left when fewer).
+        left: the heads scored and not confirmed (those the controls are drawn from).
+
+    Raises:
+        HeadsteerValueError: `controls` not an int in `0..left`, the value named (a larger
+            count used to be cut to `left` silently).
+    """
+    if controls is None:
+        return min(CONTROLS, left)
+    what = f"an int in 0..{left} (the heads scored and not confirmed)"
+    return check_int("controls", controls, lo=0, hi=left, what=what)
+
+
 def _heads(geometry: Geometry, heads: Sequence[tuple[int, int]] | None) -> None:
     for la, h in heads or ():
         geometry.check_head("heads", la, h)
@@ -85,14 +105,14 @@ class ShipsRequest(Request):
             the prompts as given).
         method: `"exact"` (default) or `"attribution"` (estimate, then confirm the top heads).
         confirm: heads rerun exactly after the estimate (method `"attribution"`; default 0).
-        controls: random heads rerun exactly beside them (default 10; at most the heads not
-            confirmed are drawn).
+        controls: random heads rerun exactly beside them (default None: 10, or every head not
+            confirmed when fewer are left; a number asked for is at most the heads left).
         stability: bootstrap resamples of the prompts (0: none).
 
     Raises:
         HeadsteerValueError: a bad value, named; `confirm` without `method="attribution"`;
-            `check_config`: heads out of range, more `confirm` heads than heads scored (method
-            `"attribution"`; `controls` takes at most the heads left).
+            `check_config`: heads out of range, more `confirm` heads than heads scored, or
+            more `controls` than the heads left after them (method `"attribution"`).
     """
 
     NAME = "ships"
@@ -104,14 +124,15 @@ class ShipsRequest(Request):
     template: str | None = DEFAULT_TEMPLATE
     method: ShipsMethod = "exact"
     confirm: int = 0
-    controls: int = 10
+    controls: int | None = None
     stability: int = 0
 
     def __post_init__(self) -> None:
         _common(self)
         check_choice("method", self.method, SHIPS_METHODS)
         object.__setattr__(self, "confirm", check_int("confirm", self.confirm, lo=0))
-        object.__setattr__(self, "controls", check_int("controls", self.controls, lo=0))
+        if self.controls is not None:
+            object.__setattr__(self, "controls", check_int("controls", self.controls, lo=0))
         if self.method == "exact" and self.confirm:
             raise HeadsteerValueError(f"confirm={self.confirm} needs method='attribution'")
         object.__setattr__(self, "stability", check_stability(self.stability))
@@ -121,6 +142,7 @@ class ShipsRequest(Request):
         if self.method == "attribution":  # the confirmed heads come from the heads scored
             n = len(self.heads) if self.heads is not None else geometry.n_layers * geometry.n_heads
             check_int("confirm", self.confirm, lo=0, hi=n)
+            control_count(self.controls, n - self.confirm)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def ships(
     template: str | None = TEMPLATE,
     method: Literal["exact", "attribution"] = "exact",
     confirm: int = 0,
-    controls: int = 10,
+    controls: int | None = None,
     options: SweepOptions | None = None,
     stability: int = 0,
     **deprecated: Any,
@@ -94,9 +94,10 @@ def ships(
         ablation: `"ua"` (query x eps, default) or `"sc"` (output x eps).
         eps: the ablation scale (default 1e-5); `exact=True` uses 0.
         method: `"exact"` (default) or `"attribution"`: estimate every head in one pass and
-            rerun only the top `confirm` plus `controls` random heads (seeded by
-            `options.seed`) exactly; see `heads.scorers.safety.attribution.confirm_ships`
-            (not with a shard; an executor is not used). Read the result's `scores` (the
+            rerun only the top `confirm` plus `controls` random heads (default None: 10, or
+            every head left when fewer; seeded by `options.seed`) exactly; see
+            `heads.scorers.safety.attribution.confirm_ships` (not with a shard; an executor is
+            not used). Read the result's `scores` (the
             confirmed ranking) first: its `estimate` is a ranking to confirm, not a result.
         options: how the sweep runs (`heads.SweepOptions`: `max_rows` batch rows per forward,
             variants x prompts chunked; `shard=(i, n)` scores only every n-th head from i,
@@ -116,7 +117,8 @@ def ships(
         HeadScores of the mean over prompts (method `"ships"`).
 
     Raises:
-        HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm, bad options.
+        HeadsteerValueError: empty prompts, unknown heads, bad eps/ablation/method/confirm,
+            `controls` beyond the heads left after the confirmed ones, bad options.
     """
     opts = sweep_options(options, deprecated, "ships", takes=_SHIPS_TAKES)
     request = ShipsRequest(
