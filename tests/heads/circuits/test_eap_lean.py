@@ -68,6 +68,27 @@ def test_lean_other_norms_and_ig_sweep(kind, steps):
     assert float((got - today).abs().max()) <= 1e-6 * scale
 
 
+def test_lean_sweep_mlp_in_position_chunks(monkeypatch):
+    """The sweeps run each layer's MLP half in position chunks (forced here from one position
+    on; by default from `SWEEP_MIN_ROWS`): the same scores, on a GQA model and a post-norm one."""
+    from heads.scorers.circuits import eap_lean
+
+    monkeypatch.setattr(eap_lean, "SWEEP_MIN_ROWS", 1)
+    for m, steps in (
+        (tiny_family_model("llama", num_hidden_layers=3), 2),
+        (tiny_family_model("qwen3"), None),
+    ):
+        p = _pairs(11)
+        want = _oracle(m, p, steps)
+        scale = float(want.abs().max())
+        got = _both(m, p, steps=steps)
+        assert float((got - want).abs().max()) <= 1e-5 * scale
+        today = eap_chunk(
+            m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), steps=steps
+        )
+        assert float((got - today).abs().max()) <= 1e-6 * scale
+
+
 def test_lean_whole_layer_gradients(monkeypatch):
     """Blocks without a `resid_mid` site (parallel attention and MLP) take each layer's gradients
     whole (`eap._layer_grads`) instead of in attention / MLP halves: forced here on a GQA model."""
