@@ -151,3 +151,29 @@ def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(mo
     with pytest.raises(HeadsteerValueError, match="max_memory"):
         edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory=lean_one - 1))
     assert not calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "gpt2", "cohere"])
+def test_norm_vjp_closed_form_equals_autograd(kind):
+    """The gradients' expansion through the attention norm in closed form (RMSNorm with gain w or
+    1 + w, LayerNorm with and without bias) equals autograd's vector-Jacobian product; a
+    module computing neither form gets None (autograd)."""
+    from torch import nn
+
+    from heads.scorers.circuits.eap import _norm_vjp
+    from heads.scorers.circuits.nodes import layer_parts
+
+    m = tiny_family_model(kind)
+    norm = layer_parts(m, 0).norm1
+    with torch.no_grad():
+        if getattr(norm, "weight", None) is not None:
+            norm.weight.normal_()  # a gain far from 1 (and from 0)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 5, m.d_model, generator=g) + 0.5).requires_grad_(True)
+    normed = norm(x)
+    a = torch.randn(3, 2, 5, m.d_model, generator=g)
+    vjp = _norm_vjp(norm, x.detach(), normed.detach())
+    assert vjp is not None, type(norm)
+    (want,) = torch.autograd.grad(normed, x, a, is_grads_batched=True)
+    assert torch.allclose(vjp(a), want, atol=1e-5 * float(want.abs().max()))
+    assert _norm_vjp(nn.Tanh(), x.detach(), torch.tanh(x).detach()) is None
