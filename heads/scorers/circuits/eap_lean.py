@@ -177,7 +177,7 @@ def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.T
     return fn
 
 
-BLOCK = 1
+BLOCK = 2
 """Downstream layers whose compact gradients are held per sweep recomputing the differences."""
 
 POSITION_CHUNKS = 8
