@@ -185,10 +185,13 @@ def _residual_grads(
     (weights `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`, `HEAD_CHUNK` heads at a time (in closed
     form for RMS / LayerNorms, `_norm_vjp`; else one batched vector-Jacobian product)."""
     identity = isinstance(part.norm1, nn.Identity)
+    vjp = None
+    if not identity:
+        with torch.no_grad():
+            vjp = _norm_vjp(part.norm1, x, part.norm1.forward(x))
     with torch.enable_grad():
-        xc = x.detach().requires_grad_(not identity)
-        normed = xc if identity else part.norm1.forward(xc)
-        vjp = None if identity else _norm_vjp(part.norm1, xc.detach(), normed.detach())
+        xc = x.detach().requires_grad_(vjp is None and not identity)
+        normed = xc if identity or vjp is not None else part.norm1.forward(xc)
         for h0 in range(0, w.shape[0], HEAD_CHUNK):
             h1 = min(w.shape[0], h0 + HEAD_CHUNK)
             proj = torch.einsum("rtnd,nDd->nrtD", g[:, :, h0:h1].to(w.dtype), w[h0:h1])

@@ -127,7 +127,7 @@ def _forward_halves(
     keep: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`_forward_layer` for blocks with a `resid_mid` site: the attention half on every position
-    (with `reads`, which must not read the MLP's output), then the MLP half `MLP_CHUNKS` chunks
+    (with `reads`, which must not read the MLP's output), then the MLP half `SWEEP_CHUNKS` chunks
     of positions at a time from their `resid_mid` (position-wise: `layerwise.mlp_half`), so the
     MLP's intermediates exist for one chunk at a time; `mlp_read(start, [R, c, D])` gets the
     MLP's output of each chunk. The stream leaving the layer `[R, T, D]`."""
@@ -147,7 +147,7 @@ def _forward_halves(
     mid = box.pop()
     out = torch.empty_like(mid)
     T = mid.shape[1]
-    step = max(SWEEP_MIN_ROWS, -(-T // MLP_CHUNKS))
+    step = max(SWEEP_MIN_ROWS, -(-T // SWEEP_CHUNKS))
     for a in range(0, T, step):
         piece = mid[:, a : a + step]
         chunk: list[Edit] = [
@@ -290,18 +290,16 @@ def _expanded(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """`(offset, [n, R, c D] fp32)`: a layer's downstream gradients in the residual stream at the
     c positions of `x` (`[R, c, D]`, the layer's input there), in graph order from the layer's
-    first input (q heads, k, v, the MLP, the logits in the last layer), `HEAD_CHUNK` heads at a
+    first input (q heads, k, v, the MLP, the logits in the last layer), the q, k or v heads at a
     time (`compact`: `eap._layer_grads` at those positions)."""
     lo = 0
     R = x.shape[0]
     for which, g in zip(("q", "k", "v"), compact[:3], strict=True):
         n = g.shape[2]
-        for h0 in range(0, n, HEAD_CHUNK):
-            h1 = min(n, h0 + HEAD_CHUNK)
-            buf = torch.empty(h1 - h0, *x.shape, dtype=torch.float32, device=x.device)
-            _residual_grads(part, x, g[:, :, h0:h1], part.w[which][h0:h1], buf)
-            yield lo + h0, buf.reshape(h1 - h0, R, -1)
-            del buf
+        buf = torch.empty(n, *x.shape, dtype=torch.float32, device=x.device)
+        _residual_grads(part, x, g, part.w[which], buf)
+        yield lo, buf.reshape(n, R, -1)
+        del buf
         lo += n
     for i, g in enumerate(compact[3:]):  # the MLP's input, the logits
         yield lo + i, g.float().reshape(1, R, -1)
@@ -353,10 +351,13 @@ def _score_block(
 
 
 MLP_CHUNKS = 8
-"""Position chunks of a layer's MLP half, with gradients (its graph for one chunk at a time) and
-in the sweeps (its intermediates for one chunk at a time)."""
+"""Position chunks of a layer's MLP half with gradients (its graph for one chunk at a time)."""
 
-SWEEP_MIN_ROWS = 64
+SWEEP_CHUNKS = 4
+"""Position chunks of a layer's MLP half in the sweeps (its intermediates for one chunk at a time:
+below the attention half's peak; each chunk also runs the layer's attention on its positions)."""
+
+SWEEP_MIN_ROWS = 256
 """Positions of the sweeps' smallest MLP chunk: shorter prompts run the MLP whole (a chunk's
 matrix products round differently from the whole's, which the differences' cancellation can
 magnify to a few 1e-6 of the score scale; with no memory to win on short prompts)."""
