@@ -357,7 +357,7 @@ SWEEP_CHUNKS = 4
 """Position chunks of a layer's MLP half in the sweeps (its intermediates for one chunk at a time:
 below the attention half's peak; each chunk also runs the layer's attention on its positions)."""
 
-SWEEP_MIN_ROWS = 256
+SWEEP_MIN_ROWS = 64
 """Positions of the sweeps' smallest MLP chunk: shorter prompts run the MLP whole (a chunk's
 matrix products round differently from the whole's, which the differences' cancellation can
 magnify to a few 1e-6 of the score scale; with no memory to win on short prompts)."""
