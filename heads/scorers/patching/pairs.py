@@ -207,8 +207,9 @@ def pairs_from_tokens(
 
     `tokens`: per pair, the clean row's tokens as text, for position labels (default None: the
     analyses label positions with the ids decoded by the model's tokenizer,
-    `PairBatch.position_labels`). `positions`: named positions, `{name: one token index per pair}` counted in the unpadded
-    prompt (0 = its first token; -1: the pair lacks the name); stored in padded columns.
+    `PairBatch.position_labels`). `positions`: named positions, `{name: one token index per
+    pair}` counted in the unpadded prompt (0 = its first token; -1: the pair lacks the name);
+    stored in padded columns.
 
     Raises:
         ValueError: no pairs, lists of different lengths, an empty prompt, a pair whose clean
