@@ -99,6 +99,13 @@ def _column_support(key_real: torch.Tensor) -> torch.Tensor:
     return after * real
 
 
+def _column_sums(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`[B, H, K]` column sums of a pattern block `probs` `[B, H, q, K]` over the rows weighted by
+    `rows` `[B, q]` (1 on real rows, 0 on padding): one `[1, q] x [q, K]` product per (batch
+    row, head), the block read once and never copied."""
+    return torch.matmul(rows[:, None, None, :], probs.float())[:, :, 0]
+
+
 def find_sinks(
     a: torch.Tensor, n: torch.Tensor, key_real: torch.Tensor, rule: SinkRule | SinkStatsRequest
 ) -> torch.Tensor:
@@ -194,7 +201,7 @@ def run_sink_stats(
 
     def accumulate(probs: torch.Tensor, call: AttentionCall) -> None:
         w = real[:, call.q_offset : call.q_offset + call.q_len].to(probs.device, torch.float32)
-        part = torch.einsum("bhqk,bq->bhk", probs.float(), w)[..., : real.shape[1]].cpu()
+        part = _column_sums(probs, w)[..., : real.shape[1]].cpu()
         colsum[call.layer] = part if call.layer not in colsum else colsum[call.layer] + part
 
     recs = [Recorder(layer=la, fn=accumulate) for la in range(model.n_layers)]

@@ -13,7 +13,10 @@ holds `organism.json`) or an empty folder: a folder of other files is refused. E
 build's own outputs are replaced, each atomically (a rename): `organism.json`, each run's
 `training_log.json` and checkpoint folders, and the checkpoint folders the previous build's
 `organism.json` lists for a run trained again (so a run never mixes two trainings). Any other file
-in OUT or in a run's folder is left alone. `organism_outputs` names every path written.
+in OUT or in a run's folder is left alone. A build of some runs only (the CLI's `--only`) keeps
+the previous build's other runs, folders and entries in `organism.json` alike, so `organism.json`
+always lists every run in OUT (a later build then knows their checkpoints too); the manifest's
+`"trained"` names the runs this build trained. `organism_outputs` names every path written.
 """
 
 from __future__ import annotations
@@ -67,14 +70,49 @@ def check_organism_out(out: str | os.PathLike, overwrite: bool) -> Path:
 
 
 def organism_outputs(out: str | os.PathLike, manifest: dict) -> list[Path]:
-    """Every path a build wrote (from its manifest): each run's checkpoint folders and
-    `training_log.json`, then `organism.json`."""
+    """Every path a build wrote (from its manifest): each trained run's checkpoint folders and
+    `training_log.json`, then `organism.json` (runs kept from a previous build are not listed)."""
     root = Path(out).expanduser()
     paths = []
-    for name, r in manifest["runs"].items():
+    for name in manifest.get("trained", manifest["runs"]):
+        r = manifest["runs"][name]
         paths += [root / name / checkpoint_name(int(step)) for step in r["checkpoints"]]
         paths.append(root / name / "training_log.json")
     return [*paths, root / MANIFEST]
+
+
+def _run_name(name: object) -> bool:
+    return isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
+
+
+def _with_previous_runs(target: Path, manifest: dict) -> dict:
+    """`manifest` written over the previous build at `target`: the previous build's runs that
+    this build does not train, and whose folders are still there, are kept (their specs and run
+    entries, in the previous order; the new runs replace theirs or follow). An unreadable
+    previous manifest keeps nothing."""
+    from heads._util.validation import read_json_file
+
+    try:
+        old = read_json_file(target / MANIFEST)
+        old_specs = {str(sp["name"]): sp for sp in old["specs"]}
+        old_runs = dict(old["runs"])
+    except (OSError, HeadsteerValueError, KeyError, TypeError, ValueError, AttributeError):
+        return manifest
+    new_specs = {sp["name"]: sp for sp in manifest["specs"]}
+    kept = [
+        n
+        for n in old_runs
+        if n not in new_specs
+        and n in old_specs
+        and _run_name(n)
+        and (target / n).is_dir()
+        and not (target / n).is_symlink()
+    ]
+    order = [n for n in old_runs if n in kept or n in new_specs]
+    order += [n for n in new_specs if n not in order]
+    specs = [new_specs[n] if n in new_specs else old_specs[n] for n in order]
+    runs = {n: manifest["runs"][n] if n in new_specs else old_runs[n] for n in order}
+    return {**manifest, "specs": specs, "runs": runs}
 
 
 def _previous_checkpoints(target: Path) -> dict[str, list[str]]:
@@ -87,7 +125,7 @@ def _previous_checkpoints(target: Path) -> dict[str, list[str]]:
         return {
             str(name): [checkpoint_name(int(s)) for s in r["checkpoints"]]
             for name, r in old["runs"].items()
-            if "/" not in str(name) and str(name) not in ("", ".", "..")
+            if _run_name(name)
         }
     except (OSError, HeadsteerValueError, KeyError, TypeError, ValueError, AttributeError):
         return {}
@@ -146,8 +184,10 @@ def build_organism(
             all specs.
 
     Returns:
-        the manifest: `{"specs": [...], "runs": {name: {"seconds", "checkpoints", "final_loss"}},
-        "seconds", "torch"}`.
+        the manifest written to `organism.json`: `{"specs": [...], "runs": {name: {"seconds",
+        "checkpoints", "final_loss"}}, "trained": [names], "seconds", "torch"}`; over a previous
+        build, its runs not trained again are kept in `specs` and `runs` (`trained` names the
+        runs this call trained).
 
     Raises:
         HeadsteerValueError / HeadsteerTypeError: a bad folder, spec list or flag (before training).
@@ -179,9 +219,12 @@ def build_organism(
         manifest = {
             "specs": [s.to_dict() for s in specs],
             "runs": runs,
+            "trained": names,
             "seconds": time.perf_counter() - t0,
             "torch": torch.__version__,
         }
+        if target.exists():  # the previous build's other runs stay listed (`--only`)
+            manifest = _with_previous_runs(target, manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         os.chmod(tmp, 0o777 & ~current_umask())
         if target.exists():

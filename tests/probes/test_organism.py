@@ -165,3 +165,39 @@ def test_force_replaces_only_the_builds_own_outputs(tmp_path):
     assert json.loads((out / MANIFEST).read_text())["specs"][0]["seed"] == 9
     meta = json.loads((out / "tiny" / "step-000001" / "headsteer_checkpoint.json").read_text())
     assert meta["spec"]["seed"] == 9  # the new training's checkpoint
+
+
+def test_a_build_of_one_run_keeps_the_others_listed_and_never_mixes_trainings(tmp_path):
+    """`--only b --force` over a build of a and b: a's folder stays and `organism.json` still
+    lists it (it listed b only, so a later `--only a --force` with fewer steps did not know a's
+    old checkpoints and left step-000002 and step-000004 of the first training beside the new
+    ones: one run folder mixing two trainings)."""
+    a, b = replace(TINY_SPEC, name="a", steps=4), replace(TINY_SPEC, name="b", steps=2)
+    out = tmp_path / "org"
+    build_organism(out, specs=[a, b], progress=False)
+    (out / "a" / "NOTES.txt").write_text("mine")
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "a").iterdir()}
+    manifest = build_organism(out, specs=[replace(b, seed=3)], overwrite=True, progress=False)
+    on_disk = json.loads((out / MANIFEST).read_text())
+    assert [s["name"] for s in on_disk["specs"]] == ["a", "b"] and on_disk["specs"][1]["seed"] == 3
+    assert manifest["trained"] == ["b"] and list(manifest["runs"]) == ["a", "b"]
+    assert on_disk["runs"]["a"]["checkpoints"] == [0, 1, 2, 4]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "a").iterdir()} == before  # a untouched
+    assert organism_outputs(out, manifest) == [
+        out / "b" / "step-000000",
+        out / "b" / "step-000001",
+        out / "b" / "step-000002",
+        out / "b" / "training_log.json",
+        out / MANIFEST,
+    ]  # only what this build wrote
+    manifest = build_organism(out, specs=[replace(a, steps=1, seed=5)], overwrite=True, progress=False)
+    assert sorted(p.name for p in (out / "a").iterdir()) == [
+        "NOTES.txt",
+        "step-000000",
+        "step-000001",
+        "training_log.json",
+    ]
+    for step in ("step-000000", "step-000001"):
+        assert json.loads((out / "a" / step / "headsteer_checkpoint.json").read_text())["spec"]["seed"] == 5
+    assert list(manifest["runs"]) == ["a", "b"] and manifest["runs"]["a"]["checkpoints"] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["org"]  # no temporary folder left

@@ -27,7 +27,11 @@ def build_organism_command(
     run: Run,
     out: Annotated[Path, typer.Option(help="folder for the organism runs (checkpoints per run)")],
     only: Annotated[
-        str | None, typer.Option(help="train one recipe only: attn-only or llama (default both)")
+        str | None,
+        typer.Option(
+            help="train one recipe only: attn-only or llama (default both); over a previous build "
+            "(--force) the other run stays, in OUT and in organism.json"
+        ),
     ] = None,
     steps: Annotated[int | None, typer.Option(help="override the optimiser steps of each recipe")] = None,
     seed: Annotated[int | None, typer.Option(help="override the seed of each recipe")] = None,
@@ -35,7 +39,8 @@ def build_organism_command(
     """Train the model organism from scratch on this CPU: a 2-layer attention-only model and a
     small Llama-shaped model (seeded, bitwise reproducible), saving Hugging Face checkpoint folders
     that every analysis loads (`--model OUT/attn-only/step-001200`). With --force over a previous
-    build, only the build's own outputs are replaced (each by a rename); other files in OUT stay."""
+    build, only the build's own outputs are replaced (each by a rename); other files in OUT stay,
+    and so does the other run with --only (organism.json keeps listing it)."""
     from dataclasses import replace
 
     from heads._util.validation import check_seed
@@ -59,7 +64,8 @@ def build_organism_command(
     total = sum(s.steps for s in specs)
     with run.progress(total, "training the organism (steps)") as step:
         manifest = build_organism(out, specs=specs, overwrite=run.force, progress=step)
-    for name, r in manifest["runs"].items():
+    for name in manifest["trained"]:
+        r = manifest["runs"][name]
         n, loss, secs = len(r["checkpoints"]), r["final_loss"], r["seconds"]
         run.show(f"{name}: {n} checkpoints, final loss {loss:.3f}, {secs:.0f} s")
     written = organism_outputs(out, manifest)

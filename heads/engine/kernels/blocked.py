@@ -310,7 +310,9 @@ def blocked_attention(
             probs = torch.where(visible, probs, 0.0)  # fully masked rows: 0
         for pe in probs_edits:
             new = pe.apply(probs, call)
-            same = same and new is probs
+            if new is probs:  # a reader (a recorder, a reduction) changed nothing: no pass over it
+                continue
+            same = False
             probs = torch.where(head_masks[id(pe)], checked_probs(pe, new, probs), probs)
             if visible is not None:
                 probs = torch.where(visible, probs, 0.0)  # masked / future keys stay exactly 0

@@ -3,7 +3,8 @@ sequences), copying and successor (the OV circuit), retrieval (needle-in-a-hayst
 
 Every detector returns `HeadScores` `[L, H]` and is deterministic for a `seed`. The pattern
 detectors share one forward per batch (`pattern_scores`): a `Recorder` on every layer reduces
-the pattern to per-(row, head) sums inside the forward, so no `[B, H, T, T]` tensor is kept.
+the pattern to per-(row, head) sums inside the forward, every detector from one pass over each
+query block (`heads.scorers.roles.pattern_sums`), so no `[B, H, T, T]` tensor is kept.
 
 Pattern scores (TransformerLens `head_detector`'s "mul" measure, Olsson et al. 2022): for a
 detection mask D (which query row i should look at which key j) and pattern A of one head on
@@ -50,6 +51,7 @@ from heads.results.scores import HeadScores
 from heads.results.stability import check_stability
 from heads.scorers.maps.static import RelationPairs, k_for, maps_scores, source_representations
 from heads.scorers.roles.needle import MAX_FILLER, needle_prompts, retrieval_scores
+from heads.scorers.roles.pattern_sums import block_sums
 from heads.scorers.roles.request import DetectRolesRequest
 
 # Names imported `as` themselves are re-exported: `heads.scorers.roles.detectors.<name>` stays.
@@ -151,36 +153,6 @@ MAX_COPYING_TOKENS = 8192
 """Most source tokens `copying_scores` reads (`n_tokens`)."""
 
 
-def _block_masks(
-    ids: torch.Tensor, real: torch.Tensor, a: int, b: int, k_len: int
-) -> dict[str, torch.Tensor]:
-    """Detection masks `[B, b - a, k_len]` of query rows `a..b-1` (key columns `0..k_len-1`) over real
-    tokens, built for one query block at a time so no `[B, T, T]` mask is ever kept."""
-    dev = ids.device
-    qpos = torch.arange(a, b, device=dev)[:, None]  # [q, 1]
-    kpos = torch.arange(k_len, device=dev)[None, :]  # [1, k]
-    rq, rk = real[:, a:b], real[:, :k_len]
-    pair = rq[:, :, None] & rk[:, None, :]
-    causal = (kpos <= qpos)[None]
-    strict = (kpos < qpos)[None]
-    same = ids[:, a:b, None] == ids[:, None, :k_len]  # tok_i == tok_j
-    dup = same & strict & pair
-    # induction, key j: tok_{j-1} == tok_i with j - 1 < i, key j real
-    ind = torch.zeros_like(dup)
-    if k_len > 1:
-        prev_same = ids[:, a:b, None] == ids[:, None, : k_len - 1]
-        ok = prev_same & (kpos[:, :-1] < qpos)[None] & rq[:, :, None] & rk[:, None, :-1] & rk[:, None, 1:]
-        ind[:, :, 1:] = ok
-    ind &= causal
-    return {
-        "previous_token": (kpos == qpos - 1)[None] & pair,
-        "duplicate_token": dup,
-        "induction": ind,
-        "self": (kpos == qpos)[None] & pair,
-        "visible": causal & pair,
-    }
-
-
 def _check_detectors(detectors: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(detectors, str):
         detectors = (detectors,)
@@ -265,7 +237,6 @@ def pattern_scores(
     batch_size = opts.replace(max_rows=batch_size).within(model, enc.length, "detectors").max_rows
     check_samples(enc.batch, stability, "sequences")
     dev = model.device
-    pattern_names = [n for n in names if n != "entropy"]
     L, H = model.n_layers, model.n_heads
     total = {n: torch.zeros(L, H, dtype=torch.float64) for n in names}
     count = {n: torch.zeros(L, H, dtype=torch.float64) for n in names}
@@ -290,34 +261,8 @@ def pattern_scores(
             real_dev: torch.Tensor = real_dev,
             first: torch.Tensor = first,
         ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-            a, b = call.q_offset, call.q_offset + call.q_len
-            p = probs.float()  # [B, H, q, k]
-            masks = _block_masks(ids_dev, real_dev, a, b, call.k_len)
-            kp = masks["visible"].clone()  # [B, q, k]: the entries counted in the denominator
-            if exclude_bos:
-                kp &= torch.arange(call.k_len, device=kp.device)[None, None, :] != first[:, None, None]
-            if exclude_current_token:
-                cols = torch.arange(call.k_len, device=kp.device)
-                kp &= ~(cols[None, :] == torch.arange(a, b, device=kp.device)[:, None])[None]
-            pk = p * kp[:, None]
-            row_mass = pk.sum(-1)  # [B, H, q]
-            out = {}
-            for n in pattern_names:
-                d = masks[n] & kp
-                num = (pk * d[:, None]).sum(-1)  # [B, H, q]
-                counted = d.any(-1) if rows == "target" else masks["visible"].any(-1)  # [B, q]
-                out[n] = ((num * counted[:, None]).sum(-1), (row_mass * counted[:, None]).sum(-1))
-            if "entropy" in names:
-                vis = masks["visible"]
-                n_vis = vis.sum(-1)  # [B, q]
-                ent = -(p * torch.log(p.clamp(min=1e-30))).sum(-1)  # [B, H, q]
-                ok = n_vis >= 2
-                norm = torch.log(n_vis.clamp(min=2).float())
-                out["entropy"] = (
-                    (ent / norm[:, None] * ok[:, None]).sum(-1),
-                    ok.sum(-1)[:, None].float().expand_as(ent[..., 0]),
-                )
-            return out
+            flags = (exclude_bos, exclude_current_token)
+            return block_sums(probs, call.q_offset, ids_dev, real_dev, first, names, rows, *flags)
 
         recs = [Recorder(layer=la, fn=reduce) for la in range(L)]
         with editing(model, recs):
