@@ -134,28 +134,26 @@ EAP_GRAPH_COPIES = 10
 forward's own peak (EAP's default path; SmolLM2 at 1,024 tokens: planned 255 MB, measured 243 MB
 of RSS; random 4-12-layer models: within 7% of the live bytes, tests/heads/test_planning.py)."""
 
-EAP_LEAN_WORK_COPIES = 10.5
-"""... the lean path's working set beside its kept gradients and residuals: both runs' residual
-(2), one layer's differences (2), a quarter of their projection (2.5), the graph's excess (4)
-(SmolLM2 at 1,024 tokens: planned 82 MB, measured 81 MB of RSS; random models: within 4%)."""
+EAP_LEAN_WORK_COPIES = 5
+"""... the lean path's working set beside the block it keeps: the swept runs' streams (2; 3 for an
+EAP-IG point), one layer's differences (2), a chunk of their projection, beside the sweep's
+layer forward (random 6-12-layer models: within 10% of the live bytes, tests/heads/test_planning.py)."""
 
-EAP_LEAN_BLOCK = 2
-"""Downstream layers per recomputation block of the lean path (`eap_lean.BLOCK`)."""
+EAP_LEAN_BLOCK = 1
+"""Downstream layers per sweep of the lean path (`eap_lean.BLOCK`)."""
 
 
 def _eap_copies(analysis: str, g: dict[str, int], n_layers: int) -> float:
     """Residual-stream copies (`[B, T, D]` fp32) EAP keeps beside a forward (docs/long-context.md):
     default, `2 n + L / every + every + (H + 2 G + 1) + EAP_GRAPH_COPIES` (`n` the device's
-    layers, `every ~ sqrt(L)`); lean, `m + block ((H + 2 G) d / D + 1) + EAP_LEAN_WORK_COPIES`
-    (`m ~ sqrt(2 L)`, the largest number of recorded residuals alive at once)."""
+    layers, `every ~ sqrt(L)`); lean, `block ((H + 2 G) d / D + 3) + 1 + EAP_LEAN_WORK_COPIES`
+    (per layer of the block its input, its compact gradients and the next block's input; the
+    gradient reaching the block)."""
     L, h, kv, d, D = g["n_layers"], g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
     if analysis == "eap":
         every = max(1, round(math.sqrt(L)))
         return 2 * n_layers + math.ceil(L / every) + every + (h + 2 * kv + 1) + EAP_GRAPH_COPIES
-    m = 1
-    while m * (m + 1) // 2 < L:
-        m += 1
-    return m + EAP_LEAN_BLOCK * ((h + 2 * kv) * d / D + 1) + EAP_LEAN_WORK_COPIES
+    return EAP_LEAN_BLOCK * ((h + 2 * kv) * d / D + 3) + 1 + EAP_LEAN_WORK_COPIES
 
 
 REQUEST_PLANS: dict[str, str] = {

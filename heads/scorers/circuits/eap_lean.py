@@ -2,19 +2,24 @@
 
 The same scores as `heads.scorers.circuits.eap.eap_chunk` (up to float rounding in the order of
 the sums), with less kept. `eap_chunk` holds every upstream node's `a(x~) - a(x)` for the whole
-walk down the layers (about 2 L residual-stream copies). Here nothing of them is held: the walk
-down keeps, for a block of `block` downstream layers, only their compact gradients (the q / k / v
-site gradients `[R, T, H | G, d]`, the MLP's input gradient `[R, T, D]`, about 2.7 copies per
-layer, beside the layer's input that the walk holds anyway); then a forward without gradients of
-the clean and the corrupted runs, one layer at a time from the embedding up to the block's top
-layer, recomputes each layer's differences, meets them with the block's gradients (expanded to
-the residual stream a few heads at a time: `J_norm(x)^T W[h]^T g_h`) and drops them.
+walk down the layers (about 2 L residual-stream copies) and the walk's recorded residuals. Here
+neither is held. The walk down goes a block of `block` downstream layers at a time (default 1):
+each layer of the block runs alone with gradients from its input and the gradient reaching its
+output, and only its compact gradients are kept (the q / k / v site gradients `[R, T, H | G, d]`,
+the MLP's input gradient `[R, T, D]`: about 2.7 copies) with its input. Then a sweep without
+gradients runs the corrupted and the clean run (and, for an EAP-IG point other than the clean
+input, the interpolated run the gradients were taken on) one layer at a time from the embedding
+up to the block's top layer: each layer's differences (2 copies) meet the block's gradients,
+expanded to the residual stream a few heads and `1 / POSITION_CHUNKS` of the positions at a time
+(`J_norm(x)^T W[h]^T g_h`), and are dropped; on its way up the sweep keeps the inputs of the
+next block's layers (the gradient run's stream), so no residual is recorded for the walk (one
+forward without gradients records the top block's inputs).
 
-Cost: the walks of `eap_chunk` plus one no-grad forward of both runs up to each block's top
-layer per walk: about `L (L / block + 1)` layer forwards more per walk (`block = L`: one more
-forward of both runs). Peak memory: about `L / every + every + 2.7 block + 2 + (H + 2)` residual
-copies per pair chunk (the walk's recorded inputs, the block's gradients, both runs' residual
-stream and one layer's projected differences) plus one layer's graph, against `eap_chunk`'s
+Cost: about `L (L / block + 1) / 2` layer forwards of each swept run per walk (the sweeps), one
+forward and the walk's layer backwards. Peak memory: about `block (2 + 2.7) + 1` residual
+copies kept (the block's inputs and gradients, the next block's inputs, the gradient at the
+block's bottom) beside the sweep's working set (the swept runs' streams, one layer's
+differences and forward, a chunk of their projection) or one layer's graph; `eap_chunk` keeps
 `2 L + L / every + every + S`.
 """
 
@@ -32,17 +37,18 @@ from heads.engine.edits import AttentionCall, Edit
 from heads.engine.forward import run_last
 from heads.engine.prefix import starting_at
 from heads.model.adapter import HeadModel
-from heads.scorers.circuits.eap import HEAD_CHUNK, Loss, _add, _layer_grads, _Nodes, _residual_grads
+from heads.scorers.circuits.eap import (
+    HEAD_CHUNK,
+    Loss,
+    _add,
+    _interpolate,
+    _layer_grads,
+    _Nodes,
+    _residual_grads,
+)
 from heads.scorers.circuits.layout import Graph
 from heads.scorers.circuits.nodes import LayerParts, embed_output, layer_parts
-from heads.scorers.layerwise import (
-    attention_half,
-    checkpoint_layers,
-    has_mid,
-    inputs_down,
-    mlp_half,
-    record_inputs,
-)
+from heads.scorers.layerwise import attention_half, has_mid, mlp_half, record_inputs
 
 __all__ = ["eap_chunk_lean"]
 
@@ -59,9 +65,11 @@ def _forward_layer(
     la: int,
     x: torch.Tensor | None,
     reads: list[Edit],
+    keep: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Layer `la` alone without gradients from `x` (`[R, T, D]` the residual entering it; None for
-    layer 0: the model's own embedding), with `reads` (of that layer): the stream leaving it."""
+    layer 0: the model's own embedding, with the embedding edits of `reads`), with `reads` (of
+    that layer): the stream leaving it. `keep`: the residual entering layer 0 is appended."""
     box: list[torch.Tensor] = []
 
     def replace(old: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -71,7 +79,12 @@ def _forward_layer(
         box.append(y)
         raise _Stop
 
+    def read(y: torch.Tensor, call: AttentionCall) -> None:
+        cast(list[torch.Tensor], keep).append(y.detach())
+
     edits: list[Edit] = [] if x is None else [ActivationEdit("residual", la, replace)]
+    if x is None and keep is not None:
+        edits.append(ActivationEdit("residual", 0, read))
     edits += [*reads, ActivationEdit("resid_post", la, stop)]
     with ExitStack() as stack:
         stack.enter_context(starting_at(model, la, x))
@@ -83,10 +96,10 @@ def _forward_layer(
     return box[-1].detach()
 
 
-BLOCK = 2
-"""Downstream layers whose compact gradients are held per recomputation of the differences."""
+BLOCK = 1
+"""Downstream layers whose compact gradients are held per sweep recomputing the differences."""
 
-POSITION_CHUNKS = 4
+POSITION_CHUNKS = 8
 """The positions are scored in this many chunks (the projected differences and the expanded
 gradients exist for one chunk of positions at a time: every term is a sum over positions)."""
 
@@ -98,22 +111,41 @@ def _differences(
     mask: torch.Tensor,
     parts: list[LayerParts],
     top: int,
+    grad_edits: list[Edit] | None,
+    keep: set[int],
+    kept: dict[int, torch.Tensor],
 ) -> Iterator[tuple[int, list[torch.Tensor], torch.Tensor, torch.Tensor]]:
     """`(l, [the input's [R, T, D] in layer 0], the heads' [H, R, T, d], the MLP's [R, T, D])`
     for l = 0 .. top: layer l's upstream nodes' differences `a(x~) - a(x)` (the heads' before
     W_O; post-norm: over the frozen scale), fp32, zero at padding; one layer of both runs at a
-    time, from the embedding up."""
+    time, from the embedding up. The gradient run's residual entering each layer of `keep` is
+    stored in `kept` (the clean run's when `grad_edits` is None, else a third run's, with those
+    edits, run up to the highest layer of `keep`)."""
     nodes = _Nodes(model, parts)
     m = mask.to(model.device, torch.float32)
     xc: torch.Tensor | None = None
     xx: torch.Tensor | None = None
+    xg: torch.Tensor | None = None
+    last_kept = max(keep, default=-1)
     for la in range(top + 1):
+        box: list[torch.Tensor] | None = [] if la == 0 and 0 in keep else None  # layer 0's input
         nodes.sign = 1.0
-        xx_next = _forward_layer(model, corrupted_ids, mask, la, xx, nodes.layer_edits(la))
+        xx = _forward_layer(model, corrupted_ids, mask, la, xx, nodes.layer_edits(la))
         nodes.sign = -1.0
-        xc_next = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la))
-        xc, xx = (xc_next, xx_next) if la < top else (None, None)
-        del xc_next, xx_next
+        if grad_edits is None:
+            if la and la in keep:
+                kept[la] = cast(torch.Tensor, xc)
+            xc = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la), box)
+        else:
+            xc = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la))
+            if la and la in keep:
+                kept[la] = cast(torch.Tensor, xg)
+            if la < last_kept or box is not None:
+                xg = _forward_layer(model, clean_ids, mask, la, xg, grad_edits, box)
+        if box:
+            kept[0] = box[0]
+        if la == top:
+            xc = xx = xg = None
         z = cast(torch.Tensor, nodes.z[la]).mul_(m[..., None, None])  # [R, T, H, d]
         o = cast(torch.Tensor, nodes.mlp[la]).mul_(m[..., None])
         nodes.z[la] = nodes.mlp[la] = None
@@ -177,14 +209,19 @@ def _score_block(
     parts: list[LayerParts],
     w_o: list[torch.Tensor],
     held: list[tuple[int, torch.Tensor, list[torch.Tensor]]],
-) -> None:
+    grad_edits: list[Edit] | None,
+    keep: set[int],
+) -> dict[int, torch.Tensor]:
     """Add `(a_u(x~) - a_u(x)) . g_v` into `scores [R, U, Dn]` for the downstream inputs v of the
     layers in `held` (`(layer, its input [R, T, D], its compact gradients)`) and every upstream
-    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time."""
+    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time; returns the
+    gradient run's residual entering the layers of `keep` (`_differences`)."""
     R, T = clean_ids.shape
     top = max(m for m, _, _ in held)
     step = -(-T // POSITION_CHUNKS)
-    for la, inp, zh, o in _differences(model, clean_ids, corrupted_ids, mask, parts, top):
+    kept: dict[int, torch.Tensor] = {}
+    sweep = _differences(model, clean_ids, corrupted_ids, mask, parts, top, grad_edits, keep, kept)
+    for la, inp, zh, o in sweep:
         u0 = 0 if la == 0 else graph.head_node(la, 0)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
@@ -203,6 +240,8 @@ def _score_block(
                         )
                     del g
             del diff
+        del inp, zh, o
+    return kept
 
 
 MLP_CHUNKS = 8
@@ -278,23 +317,19 @@ def eap_chunk_lean(
     loss: Loss,
     *,
     steps: int | None = None,
-    every: int | None = None,
     block: int | None = None,
 ) -> torch.Tensor:
     """`eap_chunk`'s `[R, U, Dn]` fp32 scores (EAP, or EAP-IG with `steps` points) without
-    holding the activation differences (module docstring).
+    holding the activation differences or the walk's recorded residuals (module docstring).
 
     Args:
         clean_ids, corrupted_ids, mask: `[R, T]` (left-padded, equal lengths).
         loss: the metric summed over the rows, from the logits `[R, V]` at the last position.
         steps: None for EAP, m for EAP-IG.
-        every: layers per recomputed segment of the layer-by-layer backward (default: the
-            shrinking segments of `heads.scorers.layerwise.checkpoint_layers`).
-        block: downstream layers whose gradients are held before their differences are
-            recomputed (default `BLOCK`); more: fewer recomputations, more memory.
+        block: downstream layers whose gradients are held per sweep recomputing the differences
+            (default `BLOCK`); more: fewer sweeps, about 4.7 residual copies more per layer.
     """
     L = graph.n_layers
-    sparse_layers = checkpoint_layers(L) if every is None else list(range(0, L, every))
     block = BLOCK if block is None else max(1, block)
     parts = [layer_parts(model, la) for la in range(L)]
     w_o = [
@@ -302,33 +337,34 @@ def eap_chunk_lean(
         for p in parts
     ]
     split = has_mid(model)  # attention, then the MLP on its output: the MLP half in chunks
+    grads = _split_grads if split else _layer_grads
     R = clean_ids.shape[0]
     scores = torch.zeros(R, graph.n_upstream, graph.n_downstream)
     n_runs = 1 if steps is None else steps
     e_corr = embed_output(model, corrupted_ids) if steps is not None else None
     for k in range(n_runs, 0, -1):
-        edits: list[Edit] = []
+        grad_edits: list[Edit] | None = None  # the gradients' run: the clean one
         if k < n_runs:
-            ec, alpha = cast(torch.Tensor, e_corr), k / n_runs
-
-            def interpolate(
-                e: torch.Tensor, call: AttentionCall, ec: torch.Tensor = ec, a: float = alpha
-            ) -> torch.Tensor:
-                c = ec.to(e.device, e.dtype)
-                return c + a * (e - c)
-
-            edits = [ActivationEdit("embed", 0, interpolate)]
-        _, sparse = record_inputs(model, clean_ids, mask, sparse_layers, edits)
+            grad_edits = [ActivationEdit("embed", 0, _interpolate(cast(torch.Tensor, e_corr), k / n_runs))]
+        top_block = set(range(max(0, L - block), L))
+        _, inputs = record_inputs(model, clean_ids, mask, sorted(top_block), grad_edits or [])
         step = torch.zeros_like(scores)
         g_out: torch.Tensor | None = None
-        held: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
-        for la, x_in in inputs_down(model, clean_ids, mask, sparse, every):
-            grads = _split_grads if split else _layer_grads
-            g_out, compact = grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
-            held.append((la, x_in, compact))
-            if len(held) == block or la == 0:
-                _score_block(step, model, graph, clean_ids, corrupted_ids, mask, parts, w_o, held)
-                held = []
+        hi = L
+        while hi > 0:
+            lo = max(0, hi - block)
+            held: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
+            for la in range(hi - 1, lo - 1, -1):
+                x_in = inputs.pop(la)
+                g_out, compact = grads(model, graph, clean_ids, mask, la, x_in, g_out, loss)
+                held.append((la, x_in, compact))
+                del x_in, compact
+            keep = set(range(max(0, lo - block), lo))
+            inputs = _score_block(
+                step, model, graph, clean_ids, corrupted_ids, mask, parts, w_o, held, grad_edits, keep
+            )
+            held = []
+            hi = lo
         scores += step
     scores /= n_runs
     scores[:, ~graph.valid] = 0.0

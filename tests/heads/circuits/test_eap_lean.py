@@ -1,7 +1,7 @@
 """EAP / EAP-IG without held activation differences (`eap_chunk_lean`) equal `eap_chunk` and one
 backward through the whole model: the oracle and the pairs are test_eap_layerwise's (the dense
 product of every upstream difference with every input gradient of one `torch.autograd.grad`).
-Checked with several segment / block sizes on a 4-layer GQA model (EAP and EAP-IG), on a
+Checked with several block sizes on a 4-layer GQA model (EAP and EAP-IG), on a
 post-norm family (Gemma-2) and on sliding-window families with prompts longer than the window."""
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def test_lean_equals_one_backward_and_eap_chunk(steps):
     scale = float(want.abs().max())
     assert scale > 1e-3
     today = eap_chunk(m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), steps=steps)
-    for every, block in ((1, 1), (2, 1), (2, 3), (4, 4)):
-        got = _both(m, p, steps=steps, every=every, block=block)
-        assert float((got - want).abs().max()) <= 1e-5 * scale, (every, block)
-        assert float((got - today).abs().max()) <= 1e-6 * scale, (every, block)
+    for block in (1, 3, 4):
+        got = _both(m, p, steps=steps, block=block)
+        assert float((got - want).abs().max()) <= 1e-5 * scale, block
+        assert float((got - today).abs().max()) <= 1e-6 * scale, block
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "mistral", "gemma3_text"])
@@ -47,10 +47,40 @@ def test_lean_post_norm_and_sliding_window(kind):
     want = _oracle(m, p, None)
     scale = float(want.abs().max())
     assert scale > 1e-3
-    got = _both(m, p, every=2, block=1)
+    got = _both(m, p, block=1)
     assert float((got - want).abs().max()) <= 1e-5 * scale
     today = eap_chunk(m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), every=2)
     assert float((got - today).abs().max()) <= 1e-6 * scale
+
+
+@pytest.mark.parametrize(("kind", "steps"), [("gpt2", None), ("olmo2", 2), ("qwen3", None), ("gemma2", 2)])
+def test_lean_other_norms_and_ig_sweep(kind, steps):
+    """LayerNorm and absolute positions (GPT-2), no attention norm (OLMo 2), q / k norms (Qwen 3),
+    post-norm EAP-IG (Gemma-2: the interpolated run swept beside the clean and corrupted ones)."""
+    m = tiny_family_model(kind)
+    p = _pairs(9)
+    want = _oracle(m, p, steps)
+    scale = float(want.abs().max())
+    assert scale > 1e-3
+    got = _both(m, p, steps=steps, block=2)
+    assert float((got - want).abs().max()) <= 1e-5 * scale
+    today = eap_chunk(m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), steps=steps)
+    assert float((got - today).abs().max()) <= 1e-6 * scale
+
+
+def test_lean_whole_layer_gradients(monkeypatch):
+    """Blocks without a `resid_mid` site (parallel attention and MLP) take each layer's gradients
+    whole (`eap._layer_grads`) instead of in attention / MLP halves: forced here on a GQA model."""
+    from heads.scorers.circuits import eap_lean
+
+    m = tiny_family_model("llama", num_hidden_layers=3)
+    p = _pairs(7)
+    want = _oracle(m, p, 2)
+    scale = float(want.abs().max())
+    monkeypatch.setattr(eap_lean, "has_mid", lambda model: False)
+    monkeypatch.setattr(eap_lean, "_split_grads", None)  # must not be called
+    got = _both(m, p, steps=2)
+    assert float((got - want).abs().max()) <= 1e-5 * scale
 
 
 def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(monkeypatch):
