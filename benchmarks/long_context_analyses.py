@@ -23,7 +23,8 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
   flow, the metric of AtP as Kramar et al. and attribution patching use it), `atp_star`
   (AtP*: UA with the exact pattern change and GradDrop, `attribute(ablation="ua",
   saturation_fix=True, graddrop=True)`; GradDrop adds L / 2 walks down the layers, so its
-  default lengths are the short ones: `--atp-star-max`).
+  default lengths are the short ones: `--atp-star-max`), `atp_star-ld` (AtP* to the logit
+  difference of `atp-ld`: 1 + 3 flows per walk, 8 walks on SmolLM2, against KL's 30 of 4).
 
 * forward-only readers: `sinks` (`sink_stats`), `detectors` (`pattern_scores`, every detector),
   `qrhead` (`qr_tokens`: query and null-query prefills, the haystack cut into passages),
@@ -107,6 +108,16 @@ def _atp_star(hm, length: int, args) -> Callable[[], object]:
 
     text = prompt(hm, length)
     return lambda: attribute(hm, [text], ablation="ua", saturation_fix=True, graddrop=True, template=None)
+
+
+def _atp_star_ld(hm, length: int, args) -> Callable[[], object]:
+    from heads.scorers.safety.attribution import attribute, logit_diff
+
+    text = prompt(hm, length)
+    metric = logit_diff([ANSWERS[0]], [ANSWERS[1]])
+    return lambda: attribute(
+        hm, [text], ablation="ua", saturation_fix=True, graddrop=True, metric=metric, template=None
+    )
 
 
 def _task(hm, length: int):
@@ -197,6 +208,7 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "atp": ("gradient", _atp),
     "atp-ld": ("gradient", _atp_ld),
     "atp_star": ("gradient", _atp_star),
+    "atp_star-ld": ("gradient", _atp_star_ld),
     "sinks": ("forward", _sinks),
     "detectors": ("forward", _detectors),
     "qrhead": ("forward", _qrhead),
@@ -293,7 +305,9 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {}
     for name in args.analyses:
         kind = ANALYSES[name][0]
-        most = args.atp_star_max if name == "atp_star" else args.gradient_max if kind == "gradient" else None
+        most = args.gradient_max if kind == "gradient" else None
+        if name.startswith("atp_star"):
+            most = args.atp_star_max
         wanted = [n for n in args.lengths if most is None or n <= most]
         results[name] = {}
         for length in wanted:

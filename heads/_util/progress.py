@@ -23,13 +23,14 @@ calls, so nested work draws one bar:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from heads._util.validation import short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["Progress", "ProgressArg", "offset_progress", "progress_callback"]
+__all__ = ["Progress", "ProgressArg", "hf_progress_bars_off", "offset_progress", "progress_callback"]
 
 Progress = Callable[[int, int], None]
 """`progress(done, total)`: `done` units of `total` finished (ints, `0 <= done <= total`)."""
@@ -108,3 +109,40 @@ def offset_progress(progress: Progress | None, offset: int, total: int) -> Progr
         progress(min(offset + done, total), total)
 
     return stage
+
+
+_HF_BARS_LOCK = threading.Lock()
+_HF_BARS: dict[str, int | bool] = {"depth": 0, "transformers": False, "hub": False}
+
+
+@contextmanager
+def hf_progress_bars_off() -> Iterator[None]:
+    """transformers' and huggingface_hub's own tqdm bars (e.g. "Writing model shards" in
+    `save_pretrained`, "Loading weights") off inside the block, restored on exit (also on error).
+
+    The switch is process-wide in both libraries; blocks may nest and run in several threads
+    at once: the first block to enter records the previous state and turns the bars off, the
+    last to leave restores it (a lock guards the count). Code outside every block that runs
+    meanwhile in another thread sees the bars off as well.
+    """
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    with _HF_BARS_LOCK:
+        if _HF_BARS["depth"] == 0:
+            _HF_BARS["transformers"] = hf_logging.is_progress_bar_enabled()
+            _HF_BARS["hub"] = not hub_utils.are_progress_bars_disabled()
+            hf_logging.disable_progress_bar()  # both libraries' switches
+        _HF_BARS["depth"] = int(_HF_BARS["depth"]) + 1
+    try:
+        yield
+    finally:
+        with _HF_BARS_LOCK:
+            _HF_BARS["depth"] = int(_HF_BARS["depth"]) - 1
+            if _HF_BARS["depth"] == 0:
+                if _HF_BARS["transformers"]:
+                    hf_logging.enable_progress_bar()  # also turns huggingface_hub's on
+                    if not _HF_BARS["hub"]:
+                        hub_utils.disable_progress_bars()
+                elif _HF_BARS["hub"]:
+                    hub_utils.enable_progress_bars()

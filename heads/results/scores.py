@@ -141,8 +141,11 @@ class HeadScores:
         return [divmod(i, self.n_heads) for i in order]
 
     def ranked(self, k: int | None = None, *, by: str = "score") -> list[tuple[int, int]]:
-        """Heads `(layer, head)` by descending score (ties by (layer, head)); NaN dropped.
+        """The first `k` heads `(layer, head)` by descending score (ties by (layer, head)); NaN
+        dropped.
 
+        `k` is at most: a `k` above the heads with a score (every head less the NaN ones)
+        returns them all, as `pandas.Series.nlargest` does (default None: every such head).
         Unlike `top(k)`, which returns a `HeadSet` (ordered by layer and head), this
         keeps the score order. `by` as in `top`.
 
@@ -156,7 +159,8 @@ class HeadScores:
         """The `k` highest-ranked heads (ties broken by (layer, head) order).
 
         Args:
-            k: how many heads.
+            k: how many heads, at most: a `k` above the heads with a score (every head less the
+                NaN ones) selects them all, as `pandas.Series.nlargest` does.
             by: the ranking: `"score"` (default: the largest scores), `"abs"` (the largest
                 |score|: for signed scores such as patching effects, DLA or edge attributions,
                 where a strongly negative head matters as much as a positive one) or
@@ -180,7 +184,8 @@ class HeadScores:
         return HeadSet(order[:k])
 
     def per_layer(self, k: int, *, by: str = "score") -> HeadSet:
-        """The `k` highest-ranked heads of every layer (`by` as in `top`).
+        """The `k` highest-ranked heads of every layer (`by` as in `top`): at most `k`, every
+        head of a layer with fewer than `k` heads with a score (NaN dropped).
 
         Raises:
             ValueError: `k` < 1, an unknown `by`.

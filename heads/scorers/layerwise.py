@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 
@@ -35,7 +35,7 @@ from heads.engine.activations import ActivationEdit, ActivationRecorder
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.forward import run_last
-from heads.engine.prefix import starting_at
+from heads.engine.prefix import attention_given, starting_at
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 
@@ -245,13 +245,16 @@ def mlp_half(
     edits: Sequence[Edit] = (),
 ) -> torch.Tensor:
     """The MLP half of layer `layer` with gradients on the positions `start .. start + c - 1`
-    only, from `mid` (`[R, c, D]`, their `resid_mid`, a leaf that requires grad): their stream
-    leaving the layer `[R, c, D]`, or for the last layer the logits `[R, V]` at position
-    `start + c - 1` (the model's dtype). Exact: the MLP half is position-wise (norms, MLP, MoE
-    routing are per token), so its output at a position depends on that position's `resid_mid`
-    only. The forward runs the layer on those positions (`ids[:, start : start + c]`) from
-    `mid`; the attention it computes on them is replaced by `mid` (`resid_mid`), so only the
-    MLP half's graph is kept, `c / T` of the whole layer's MLP graph. Needs `has_mid(model)`."""
+    only, from `mid` (`[R, c, D]`, their `resid_mid`, a leaf that requires grad), with `edits`
+    of its MLP half (`resid_mid`, `mlp_out`, `resid_post`, ...; edits of the attention's sites
+    change nothing here): their stream leaving the layer `[R, c, D]`, or for the last layer the
+    logits `[R, V]` at position `start + c - 1` (the model's dtype). Exact: the MLP half is
+    position-wise (norms, MLP, MoE routing are per token), so its output at a position depends
+    on that position's `resid_mid` only. The forward runs the layer on those positions
+    (`ids[:, start : start + c]`) from `mid`, `resid_mid` replaced by `mid`, so only the MLP
+    half's graph is kept, `c / T` of the whole layer's MLP graph; on the Hugging Face backend
+    the attention is not computed at all (`heads.engine.prefix.attention_given`: zeros, which
+    nothing reads), elsewhere it is computed on the chunk and dropped. Needs `has_mid(model)`."""
     stop = start + mid.shape[1]
     piece = ids[:, start:stop]
     site_edits: list[Edit] = [
@@ -263,4 +266,8 @@ def mlp_half(
     last = layer == model.n_layers - 1
     if not last:
         site_edits.append(ActivationEdit("resid_post", layer, _stop(box)))
-    return _from_layer(model, piece, torch.ones_like(piece), layer, mid, site_edits, box)
+    skip: AbstractContextManager[None] = nullcontext()
+    if model.backend.kind == "hf":  # the attention's output is replaced anyway: not computed
+        skip = attention_given(model, {layer: mid.new_zeros(1, 1, mid.shape[-1]).expand(mid.shape)})
+    with skip:
+        return _from_layer(model, piece, torch.ones_like(piece), layer, mid, site_edits, box)

@@ -14,10 +14,20 @@ needle's and the answer's token ranges are exact. The same haystack cut into pas
 (`passages`, the needle's passage at index `gold`) is a QRHead item
 (`heads.scorers.retrieval.qrhead`).
 
-    from probes.datasets.needle import needle_task
-    task = needle_task(tokenizer, 8192, depth=0.5, seed=0)
-    task.input_ids        # 8192 ids
-    task.needle           # (start, end) of the code's tokens
+With the embedded model's tokenizer (SmolLM2; `needle` and `gold` depend on the tokenizer,
+`key` and `code` only on the seed):
+
+    >>> from heads import load_tokenizer
+    >>> from probes.datasets.needle import needle_task
+    >>> task = needle_task(load_tokenizer(), 8192, depth=0.5, seed=0)
+    >>> len(task.input_ids), task.key, task.code
+    (8192, 'river mill', '7311')
+    >>> task.needle  # (start, end) of the code's tokens in input_ids
+    (4011, 4016)
+    >>> task.question
+    'What is the secret code of the river mill?'
+    >>> task.gold, len(task.passages)  # the needle's passage among the QRHead passages
+    (19, 40)
 """
 
 from __future__ import annotations
@@ -75,8 +85,8 @@ class NeedleTask:
         input_ids: exactly `length` token ids: the haystack with the needle, the question and
             the answer prefix (BOS first when the tokenizer has one).
         needle: `(start, end)` token range of the code inside the needle sentence.
-        key: the needle's key ("blue door").
-        code: the needle's code ("4821").
+        key: the needle's key, one of seven places ("river mill" for seed 0).
+        code: the needle's code, four digits as text ("7311" for seed 0).
         answer_ids: the code's tokens as they follow the answer prefix (teacher forcing).
         depth: where the needle sits, as a share of the haystack before it (0 = first).
         passages: the haystack as QRHead passages (about `passage_tokens` each), the needle's
@@ -84,7 +94,7 @@ class NeedleTask:
         seed: the seed it was drawn with.
     """
 
-    input_ids: list[int]
+    input_ids: list[int] = field(repr=False)  # thousands of ids: left out of the repr
     needle: tuple[int, int]
     key: str
     code: str

@@ -181,7 +181,8 @@ def build_organism(
             names must differ.
         overwrite: replace a previous build's outputs at `out` (other files there are kept).
         progress: True (a bar), False / None, or `progress(done, total)` in optimiser steps over
-            all specs.
+            all specs. transformers' own "Writing model shards" bars never show (also with
+            False / None: nothing is printed), and its progress-bar switch is restored after.
 
     Returns:
         the manifest written to `organism.json`: `{"specs": [...], "runs": {name: {"seconds",

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from heads._util.progress import Progress
+from heads._util.progress import Progress, hf_progress_bars_off
 from heads._util.validation import check_int, check_seed, is_number, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.loading import no_empty_init_warning
@@ -227,8 +227,9 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def _save(model: Any, tokenizer: Any, folder: Path, meta: dict) -> None:
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    with hf_progress_bars_off():  # no "Writing model shards" bar per checkpoint: progress is ours
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
     (folder / CHECKPOINT_META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -246,7 +247,8 @@ def train_organism(spec: OrganismSpec, folder: str | Path, *, progress: Progress
     Args:
         spec: the recipe.
         folder: where to write; it is created.
-        progress: `(done, total)` in optimiser steps.
+        progress: `(done, total)` in optimiser steps. transformers' own bars ("Writing model
+            shards" per checkpoint) never show (`heads._util.progress.hf_progress_bars_off`).
 
     Returns:
         the training log (`losses` per step, `seconds`, `checkpoints`: the steps saved).

@@ -23,6 +23,7 @@ from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, HeadOutputEdit
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.inputs.prompts import Emphasis, Prompt
+from heads.inputs.tokens import readable_tokens
 from heads.model.adapter import HeadModel
 from steer.steered_model import SteeredModel
 from steer.vhr.method import Target, WithoutImage, _check_without, probe_inputs, t_vhd
@@ -52,8 +53,9 @@ class VhdTrace:
     """Result of `vhd_trace`.
 
     Attributes:
-        frame: one row per generated token: `step` (t, from 0), `token_id`, `token` (its text),
-            `t_vhd` (T-VHD_t at the position that generated it).
+        frame: one row per generated token: `step` (t, from 0), `token_id`, `token` (its text
+            as readable text, `heads.inputs.tokens.readable_tokens`: `␣the`, `⏎`), `t_vhd`
+            (T-VHD_t at the position that generated it).
         vhd: `[T, L, H]` VHD of every head at every step (fp32).
         ta: `[T, L, H]` squared norm of every head's output without the image.
         text: the generated continuation.
@@ -179,7 +181,8 @@ def vhd_trace(
     ta = torch.stack([torch.stack(r.ta) for r in recs], dim=1)
     tvhd = t_vhd(vhd, int(k), reduce=reduce)
     tok = model.tokenizer
-    texts = [tok.decode([t]) if tok is not None else str(t) for t in tokens]
+    # readable text as in every other table (`␣the`, `⏎`), not the raw decode
+    texts = readable_tokens(tok, tokens) if tok is not None else [str(t) for t in tokens]
     frame = pd.DataFrame(
         {"step": range(len(tokens)), "token_id": tokens, "token": texts, "t_vhd": tvhd.tolist()}
     )

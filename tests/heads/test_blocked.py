@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from heads.engine import state
-from heads.engine.edits import AttentionCall, LogitBias
+from heads.engine.edits import AttentionCall, LogitBias, ProbEdit, Recorder
 from heads.engine.kernels.blocked import blocked_attention
 from heads.engine.kernels.common import AttentionInputs, own_sdpa
 from heads.engine.state import MIN_LOGIT, LayerEdits
@@ -160,3 +160,39 @@ def test_biased_sdpa_bounds_the_mask_block_and_never_copies_every_heads_qkv(monk
     blocked = mask & ~keys[:, None, None, :]
     want = (torch.softmax(scores.masked_fill(~blocked, float("-inf")), -1) @ vv).transpose(1, 2)
     assert torch.allclose(out.double(), want, atol=1e-5), float((out.double() - want).abs().max())
+
+
+@dataclass(eq=False, repr=False)
+class _Halve(ProbEdit):
+    """A pattern edit that changes the pattern: head 1's probabilities halved."""
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        out = probs.clone()
+        out[:, 1] *= 0.5
+        return out
+
+
+def test_in_place_blocks_without_autograd_equal_the_autograd_path(monkeypatch):
+    """Without autograd the explicit path scales, soft-caps, masks and zeroes each block's logits and
+    pattern in place: bitwise the out-of-place operations it runs with autograd on (soft-cap,
+    learned sinks, padding, a logit bias, a reader and a pattern edit; several query blocks)."""
+    monkeypatch.setattr(state, "QUERY_BLOCK", 4)
+    base = _inputs(seed=3)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(4))
+    for softcap, sink in ((None, None), (5.0, None), (None, sinks), (5.0, sinks)):
+        inputs = AttentionInputs(
+            base.query, base.key, base.value, base.mask, base.scaling, softcap, sinks=sink, q_offset=PAST
+        )
+        runs = []
+        for grad in (False, True):
+            seen: list[torch.Tensor] = []
+            rec = Recorder(layer=0, fn=lambda p, call, seen=seen: seen.append(p.clone()))
+            edits = LayerEdits(0, H, sites={"logits": _biases(), "probs": [rec, _Halve(layer=0)]})
+            with torch.set_grad_enabled(grad):
+                out, pattern = blocked_attention(None, inputs, edits, want_probs=True)  # type: ignore[arg-type]
+            runs.append((out, pattern, seen))
+        (out0, pat0, seen0), (out1, pat1, seen1) = runs
+        assert out0 is not None and out1 is not None and pat0 is not None and pat1 is not None
+        assert torch.equal(out0, out1) and torch.equal(pat0, pat1), softcap
+        assert len(seen0) == 3 and all(torch.equal(a, b) for a, b in zip(seen0, seen1, strict=True))
+        assert (pat0[1, :, :, :3] == 0).all()  # row 1's padded keys: exactly 0

@@ -10,6 +10,8 @@ import weakref
 import pytest
 import torch
 
+from heads.engine.activations import ActivationRecorder
+from heads.engine.context import editing
 from heads.scorers import layerwise
 from heads.scorers.patching import logit
 from heads.scorers.patching.activation import record_run
@@ -83,6 +85,24 @@ def test_atp_mlp_in_chunks_equals_the_whole_layer(tiny_llama, monkeypatch, kw):
     assert max(pieces) == 2 and 1 in pieces  # several chunks per layer, the top at one position
     assert float(whole.abs().max()) > 0
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_mlp_half_equals_the_layer_without_computing_its_attention(tiny_llama):
+    """`mlp_half` on a chunk gives the whole layer's output there, and on the Hugging Face backend
+    the chunk's attention is not computed (its heads' outputs are never seen)."""
+    hm, la = tiny_llama, 1
+    ids = torch.tensor([[5, 17, 300, 41, 8, 99, 23, 7, 64, 120]])
+    mask = torch.ones_like(ids)
+    _, sparse = layerwise.record_inputs(hm, ids, mask, [la])
+    x = sparse[la].requires_grad_(True)
+    whole = layerwise.run_layer(hm, ids, mask, la, x).detach()
+    mid = layerwise.attention_half(hm, ids, mask, la, x)
+    seen = ActivationRecorder("head_output", la)
+    with editing(hm, [seen], require_fired=False):
+        out = layerwise.mlp_half(hm, ids, la, mid[:, 3:7].detach().requires_grad_(True), 3)
+    assert not seen.records
+    assert out.requires_grad
+    torch.testing.assert_close(out.detach(), whole[:, 3:7], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kw", [{"kl_tokens": 4}, {"kl_tokens": 2}, {"metric": logit_diff([11], [12])}])

@@ -98,3 +98,29 @@ def test_evaluate_progress_moves_while_a_batch_decodes(tiny_llama):
     evaluate(tiny_llama, "json_format", "none", limit=4, batch_size=4, max_new_tokens=4, progress=cb)
     _check(seen, 4)
     assert sorted({d for d, _ in seen}) == [1, 2, 3, 4]  # 4 * step // 4 after each decoding step
+
+
+def test_hf_progress_bars_off_nests_and_restores_both_switches():
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    from heads._util.progress import hf_progress_bars_off
+
+    was = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    try:
+        for transformers_on, hub_on in ((True, True), (True, False), (False, True), (False, False)):
+            hf_logging.enable_progress_bar() if transformers_on else hf_logging.disable_progress_bar()
+            hub_utils.enable_progress_bars() if hub_on else hub_utils.disable_progress_bars()
+            with hf_progress_bars_off():
+                with hf_progress_bars_off():
+                    assert not hf_logging.is_progress_bar_enabled()
+                assert not hf_logging.is_progress_bar_enabled()  # the outer block still holds it
+                assert hub_utils.are_progress_bars_disabled()
+            assert hf_logging.is_progress_bar_enabled() == transformers_on
+            assert (not hub_utils.are_progress_bars_disabled()) == hub_on
+            with pytest.raises(KeyError), hf_progress_bars_off():
+                raise KeyError("x")
+            assert hf_logging.is_progress_bar_enabled() == transformers_on
+    finally:
+        hf_logging.enable_progress_bar() if was[0] else hf_logging.disable_progress_bar()
+        hub_utils.enable_progress_bars() if was[1] else hub_utils.disable_progress_bars()

@@ -201,3 +201,20 @@ def test_a_build_of_one_run_keeps_the_others_listed_and_never_mixes_trainings(tm
         assert json.loads((out / "a" / step / "headsteer_checkpoint.json").read_text())["spec"]["seed"] == 5
     assert list(manifest["runs"]) == ["a", "b"] and manifest["runs"]["a"]["checkpoints"] == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["org"]  # no temporary folder left
+
+
+def test_build_without_progress_prints_no_transformers_bar(tmp_path, capfd):
+    """progress=False prints nothing: transformers' "Writing model shards" bar of every checkpoint
+    was shown from the API (the CLI turned it off process-wide); its switch is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        build_organism(tmp_path / "org", specs=[replace(TINY_SPEC, steps=1)], progress=False)
+        err = capfd.readouterr().err
+        assert "Writing model shards" not in err and "%|" not in err
+        assert hf_logging.is_progress_bar_enabled()  # restored
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

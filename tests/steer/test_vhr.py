@@ -10,6 +10,7 @@ import torch
 from heads import encode_prompts, forward
 from heads.engine.context import editing
 from heads.engine.edits import HeadScale, Recorder
+from heads.inputs.tokens import readable_tokens
 from steer import SteeredModel
 from steer.vhr.method import VhdProbe, Vhr, default_vhr_layers, probe_inputs, select_heads_vhd, t_vhd
 from tests.support import make_tiny
@@ -492,7 +493,8 @@ def test_vhd_trace_step0_cache_and_oracle(llama):
         input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=5, do_sample=False
     )
     assert tr.frame.token_id.tolist() == plain[0, enc.length :].tolist()
-    assert tr.frame.token.tolist() == [llama.tokenizer.decode([t]) for t in tr.frame.token_id]
+    # labels are readable text as in every other table: `␣the`, not the raw decode ` the`
+    assert tr.frame.token.tolist() == readable_tokens(llama.tokenizer, tr.frame.token_id.tolist())
     # cached = uncached (full re-run of both rows every step)
     slow = vhd_trace(llama, prompt, chat=False, max_new_tokens=5, k=2, use_cache=False)
     assert slow.frame.token_id.tolist() == tr.frame.token_id.tolist()

@@ -192,7 +192,7 @@ def render_vision_report(result: VisionAnalysis) -> Report:
                     x=tr["step"].tolist(),
                     y=tr["t_vhd"].tolist(),
                     mode="lines+markers+text",
-                    text=[repr(t) for t in tr["token"]],
+                    text=list(tr["token"]),  # readable text: `␣the`, `⏎`
                     textposition="top center",
                 ),
                 layout={"xaxis_title": "generated token t", "yaxis_title": "T-VHD_t", "height": 400},

@@ -290,13 +290,13 @@ def run_patch(
         m_clean.cpu(),
         m_corrupt.cpu(),
         _grid_names(kind),
-        [pairs.position_labels(0)[p] for p in poss] if by_pos else [],
+        [pairs.position_labels(0, getattr(model, "tokenizer", None))[p] for p in poss] if by_pos else [],
         model.name,
         model.n_kv_heads,
         _params(pairs, lays, poss if by_pos else None, model.n_layers),
     )
     if by_pos:
-        result.params["labels_from"] = "pair 0's clean tokens" + ("" if mixed is None else f" ({mixed})")
+        result.params["labels_from"] = pairs.labels_from + ("" if mixed is None else f" ({mixed})")
     if stability:
         from heads.scorers.stability import pair_templates
 

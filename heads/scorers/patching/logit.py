@@ -187,13 +187,9 @@ def _lm_bias(model: HeadModel) -> torch.Tensor | None:
 
 
 def _labels(model: HeadModel, pairs: PairBatch, row: int = 0) -> list[str]:
-    tok = getattr(model, "tokenizer", None)
-    labels = pairs.position_labels(row)
-    if tok is None or not pairs.tokens:
-        return labels
-    n_pad = pairs.width - int(pairs.lengths[row])
-    ids = pairs.clean_ids[row, n_pad:].tolist()
-    return [""] * n_pad + [readable_token(tok, i) for i in ids]
+    """Pair `row`'s position labels; pairs of token ids without text are decoded with the
+    model's tokenizer (this decoded only pairs that had text already)."""
+    return pairs.position_labels(row, getattr(model, "tokenizer", None))
 
 
 # ------------------------------------------------------------------------------ DLA

@@ -209,12 +209,27 @@ class PairBatch:
             )
         return pos.clone()
 
-    def position_labels(self, row: int = 0) -> list[str]:
-        """`T` labels of the padded columns for pair `row`: its clean token strings, `""` on
-        padding (positions are aligned only across pairs of one template)."""
+    def position_labels(self, row: int = 0, tokenizer: Any = None) -> list[str]:
+        """`T` labels of the padded columns for pair `row`: its clean tokens as readable text,
+        `""` on padding (positions are aligned only across pairs of one template).
+
+        Pairs built from token ids (`pairs_from_tokens` without `tokens=`) carry no text: their
+        ids are decoded with `tokenizer` (the model's; `heads.inputs.tokens.readable_token`),
+        and an id it does not know, or every id without a tokenizer, is labelled `"id 504"`
+        (a bare `"504"` read as a number token).
+        """
         n_pad = self.width - int(self.lengths[row])
-        toks = self.tokens[row] if self.tokens else [str(t) for t in self.clean_ids[row, n_pad:].tolist()]
-        return [""] * n_pad + list(toks)
+        if self.tokens:
+            toks = list(self.tokens[row])
+        else:
+            ids = self.clean_ids[row, n_pad:].tolist()
+            toks = [token_label(tokenizer, i) for i in ids]
+        return [""] * n_pad + toks
+
+    @property
+    def labels_from(self) -> str:
+        """Where `position_labels` comes from, for a result's `params["labels_from"]`."""
+        return "pair 0's clean tokens" if self.tokens else "pair 0's clean token ids"
 
     def split(self, frac: float = 0.5, seed: int = 0) -> tuple[PairBatch, PairBatch]:
         """A seeded random split of the pairs into two batches (`frac` of them first)."""
@@ -222,6 +237,16 @@ class PairBatch:
         perm = torch.randperm(self.n, generator=g)
         k = max(1, min(self.n - 1, round(self.n * frac)))
         return self.select(perm[:k].sort().values), self.select(perm[k:].sort().values)
+
+
+def token_label(tokenizer: Any, token_id: int) -> str:
+    """A position label for `token_id` when no text came with it: the token as readable text
+    (`readable_token`) when `tokenizer` knows the id, else `"id <token_id>"`."""
+    from heads.inputs.tokens import readable_token
+
+    if tokenizer is not None and 0 <= token_id < len(tokenizer):
+        return readable_token(tokenizer, token_id)
+    return f"id {token_id}"
 
 
 def _answer_list(value: Answer | None, where: str) -> list[str | int]:

@@ -205,8 +205,11 @@ def pairs_from_tokens(
 ) -> PairBatch:
     """A `PairBatch` from token ids (no tokenizer): rows are left-padded with `pad_id`.
 
-    `positions`: named positions, `{name: one token index per pair}` counted in the unpadded
-    prompt (0 = its first token; -1: the pair lacks the name); stored in padded columns.
+    `tokens`: per pair, the clean row's tokens as text, for position labels (default None: the
+    analyses label positions with the ids decoded by the model's tokenizer,
+    `PairBatch.position_labels`). `positions`: named positions, `{name: one token index per
+    pair}` counted in the unpadded prompt (0 = its first token; -1: the pair lacks the name);
+    stored in padded columns.
 
     Raises:
         ValueError: no pairs, lists of different lengths, an empty prompt, a pair whose clean

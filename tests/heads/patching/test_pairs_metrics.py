@@ -124,3 +124,26 @@ def test_normalise_and_zero_gap():
     assert zero_gap(clean, corrupt).tolist() == [False, True, False]
     with pytest.raises(ValueError, match="direction"):
         normalise(patched, clean, corrupt, "both")
+
+
+def test_pairs_of_token_ids_are_labelled_with_the_models_tokens(tokenizer, tiny_llama):
+    """`pairs_from_tokens` without `tokens=` labelled positions by bare ids (`"504"`) in patching
+    results and DLA (whose decoding ran only for pairs that had text): now the model's tokenizer
+    decodes them; an id it does not know, or no tokenizer at all, reads `"id 504"`."""
+    from heads.inputs.tokens import readable_tokens
+    from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.logit import direct_logit_attribution
+
+    clean = tokenizer("The cat sat on the", add_special_tokens=False)["input_ids"]
+    corrupt = tokenizer("The dog sat on the", add_special_tokens=False)["input_ids"]
+    pairs = pairs_from_tokens([clean, clean[1:]], [corrupt, corrupt[1:]], [262, 262], [263, 263])
+    want = readable_tokens(tokenizer, clean)
+    assert want[1] == "\u2423cat"  # readable text, not an id
+    res = patch(tiny_llama, pairs, "resid_pre", metric="logit_diff", layers=[0])
+    assert res.labels == want and res.params["labels_from"].startswith("pair 0's clean token ids (")
+    assert direct_logit_attribution(tiny_llama, pairs).labels == want
+    assert pairs.position_labels(1, tokenizer) == ["", *want[1:]]
+    assert pairs.position_labels(0) == [f"id {i}" for i in clean]  # no tokenizer at hand
+    big = len(tokenizer)
+    odd = pairs_from_tokens([[clean[0], big]], [[corrupt[0], big]], [262])
+    assert odd.position_labels(0, tokenizer) == [want[0], f"id {big}"]
