@@ -188,7 +188,7 @@ def _induction_phase(
     length: int | None = None,
     seed: int = 0,
     composition: bool = True,
-    composition_rows: int = 2,
+    composition_rows: int | None = None,
 ) -> dict[str, Any]:
     """ICL score, the previous-token and induction detectors (on the same repeated tokens), and
     the K-composition of the top previous-token head into the top induction head.
@@ -201,15 +201,19 @@ def _induction_phase(
     K-composition into the induction head; NaN for heads not earlier).
 
     Raises:
-        HeadsteerValueError: as `icl_sequences`; `composition_rows` not an int in 1..n (0, a
-            negative or a larger count was cut to 1 or n silently), before any forward.
+        HeadsteerValueError: as `icl_sequences`; `composition_rows` not an int in 1..n or None
+            (default: 2, or the one row when n = 1; 0 or a negative was raised to 1 and a larger
+            count cut to n silently), before any forward.
     """
     from heads.dynamics.icl import icl_score, icl_sequences
     from heads.scorers.roles.detectors import pattern_scores
 
     enc = icl_sequences(model, n=n, length=length, seed=seed)
     rows = enc.input_ids.shape[0]
-    composition_rows = check_int("composition_rows", composition_rows, lo=1, hi=rows)
+    if composition_rows is None:
+        composition_rows = min(2, rows)
+    else:
+        composition_rows = check_int("composition_rows", composition_rows, lo=1, hi=rows)
     out: dict[str, Any] = dict(icl_score(model, enc))
     det = pattern_scores(model, enc, detectors=("previous_token", "induction"))
     out.update(det)

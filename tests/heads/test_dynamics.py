@@ -208,6 +208,9 @@ def test_induction_phase_refuses_composition_rows_outside_the_rows_before_any_fo
             HeadsteerValueError, match=rf"composition_rows must be an int in 1\.\.2, got {bad}"
         ):
             ANALYSES["induction_phase"](hm, n=2, length=6, composition_rows=bad)
+    monkeypatch.undo()
+    one = ANALYSES["induction_phase"](hm, n=1, length=6)  # the default: 2 rows, or the one there is
+    assert one["k_composition_into_induction"].scores.shape == (hm.n_layers, hm.n_heads)
 
 
 # ---------------------------------------------------------------------------- icl
