@@ -74,14 +74,17 @@ from long_context_others import gemma, gemma_one, peer, peers, plan_check, plan_
 from long_context_summary import failure, from_logs, header, summarise  # noqa: E402
 
 
-def _edges(method: str, budget: str | None = None) -> Callable:
-    """`edge_scores`; with a `budget` (`max_memory`), the lean path (`eap_chunk_lean`)."""
+def _edges(method: str, lean: bool = False) -> Callable:
+    """`edge_scores`; `lean`: with `max_memory` the lean path's own one-pair plan, below the default
+    path's, so that `edge_scores` takes the lean path (`eap_chunk_lean`)."""
 
     def build(hm, length: int, args) -> Callable[[], object]:
         from heads.engine.options import SweepOptions
+        from heads.planning import plan_memory
         from heads.scorers.circuits import edge_scores
 
         pairs, steps = pair(hm, length), {"steps": args.ig_steps} if method == "eap-ig" else {}
+        budget = plan_memory(hm, "eap_lean", pairs.width).peak if lean else None
         opts = SweepOptions(progress=False, max_memory=budget)
         return lambda: edge_scores(hm, pairs, method=method, options=opts, **steps)
 
@@ -203,8 +206,8 @@ def _dla(hm, length: int, args) -> Callable[[], object]:
 ANALYSES: dict[str, tuple[str, Callable]] = {
     "eap": ("gradient", _edges("eap")),
     "eap-ig": ("gradient", _edges("eap-ig")),
-    "eap-lean": ("gradient", _edges("eap", "200GB")),
-    "eap-ig-lean": ("gradient", _edges("eap-ig", "200GB")),
+    "eap-lean": ("gradient", _edges("eap", lean=True)),
+    "eap-ig-lean": ("gradient", _edges("eap-ig", lean=True)),
     "atp": ("gradient", _atp),
     "atp-ld": ("gradient", _atp_ld),
     "atp_star": ("gradient", _atp_star),

@@ -134,12 +134,13 @@ EAP_GRAPH_COPIES = 10
 forward's own peak (EAP's default path; SmolLM2 at 1,024 tokens: planned 255 MB, measured 243 MB
 of RSS; random 4-12-layer models: within 7% of the live bytes, tests/heads/test_planning.py)."""
 
-EAP_LEAN_WORK_COPIES = 5
-"""... the lean path's working set beside the block it keeps: the swept runs' streams (2; 3 for an
-EAP-IG point), one layer's differences (2), a chunk of their projection, beside the sweep's
-layer forward (random 6-12-layer models: within 10% of the live bytes, tests/heads/test_planning.py)."""
+EAP_LEAN_WORK_COPIES = 1
+"""... the lean path's working set beside the block it keeps and the forward's own peak: its
+sweeps run a layer's MLP in position chunks, so their peak is at the attention half, below a
+forward's (random 4-6-layer models: within 10% of the live bytes, EAP and EAP-IG; SmolLM2 at 512
+tokens: 11.3 copies planned, 11.2 counted; tests/heads/test_planning.py)."""
 
-EAP_LEAN_BLOCK = 1
+EAP_LEAN_BLOCK = 2
 """Downstream layers per sweep of the lean path (`eap_lean.BLOCK`)."""
 
 

@@ -155,7 +155,9 @@ class CompositionScores:
         )
 
     def top(self, kind: str = "k", k: int = 10) -> list[tuple[tuple[int, int], tuple[int, int], float]]:
-        """The `k` largest writer -> reader pairs of `kind`: `((l1, h1), (l2, h2), score)`."""
+        """The `k` largest writer -> reader pairs of `kind`: `((l1, h1), (l2, h2), score)`; at
+        most `k` (default 10): every scored pair when fewer (NaN pairs dropped), as
+        `pandas.Series.nlargest`."""
         check_int("k", k, lo=1)
         t = self.get(kind)
         flat = torch.where(torch.isnan(t), -math.inf, t).flatten()

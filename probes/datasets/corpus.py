@@ -141,7 +141,7 @@ def build_corpus(path: str | Path | None = None) -> Path:
 
 
 def load_corpus(n: int | None = None) -> list[str]:
-    """The shipped corpus texts (the first `n`, or all).
+    """The shipped corpus texts (the first `n`, at most, or all).
 
     Raises:
         ValueError: `n` < 1.

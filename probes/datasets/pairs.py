@@ -58,7 +58,8 @@ def load_task_pairs(
         corruption: for `ioi`, "abc" (default: the three names replaced by others) or "s_flip"
             (the second subject mention replaced by the indirect object), or "all"; the other
             sets have one corruption each (None or its name, or "all").
-        n: keep the first `n` pairs (None: all).
+        n: keep the first `n` pairs, at most (None: all; a larger `n` than the set holds
+            keeps every pair, as a list slice does).
 
     Raises:
         ValueError: unknown set, split or corruption, or `n` < 1.

@@ -184,7 +184,8 @@ class VisualModulation:
             selected token doubles before renormalisation); 0 is a bitwise no-op (warns).
         layers: edited layers (default the deeper half).
         local_ratio: share of the span's tokens stream 1 selects, in (0, 1] (default 0.1).
-        regions: blocks per grid side for stream 2 (default 2: four blocks on a square grid).
+        regions: blocks per grid side for stream 2, 1..64 (default 2: four blocks on a square
+            grid); at most: a grid side of fewer tokens gets one block per token.
         attention_layers: layers whose attention stream 2 averages (default all).
         target: `"image"`, `"text"` (the marked passage) or `"auto"` (default).
         without_image: how the probe's second row drops the span: `"delete"` (default) or `"mask"`

@@ -365,6 +365,11 @@ def test_more_bad_input(tokenizer, tiny_llama):
     with pytest.raises(ValueError, match="n_prompts"):
         relation_accuracy(tiny_llama, rel, n_prompts=0)
     assert [r.name for r in load_relations(tokenizer, "plural, plural,").relations] == ["plural"]
+    for bad in (0, -3, 2.5):  # 0 and -3 acted as 1 silently
+        with pytest.raises(ValueError, match=f"min_pairs must be a positive int, got {bad}"):
+            load_relations(tokenizer, "plural", min_pairs=bad)
+        with pytest.raises(ValueError, match=f"d_vocab must be a positive int, got {bad}"):
+            load_relations(tokenizer, "plural", d_vocab=bad)
 
 
 def test_first_mlp_refuses_unknown_architectures(tokenizer):
@@ -373,3 +378,38 @@ def test_first_mlp_refuses_unknown_architectures(tokenizer):
     with pytest.raises(ValueError, match="apply_first_mlp=False"):
         maps_scores(hm, random_relations())
     assert maps_scores(hm, random_relations(), apply_first_mlp=False).names() == ["r0", "r1", "r2"]
+
+
+def test_prompt_counts_beyond_a_relations_pairs_are_refused_before_any_forward(
+    tiny_llama, tokenizer, monkeypatch
+):
+    """`n_prompts` / `n_shots` beyond the relation's pairs were cut silently (2**63 prompts ran
+    its M pairs): refused, naming the value, before any forward. Default None: 40 prompts, or
+    one per pair of a smaller relation (`AblationResult.n_prompts` says how many)."""
+    import heads.scorers.maps.inference as inference
+    from heads import HeadScores
+    from heads.scorers.maps.analysis import maps_analysis
+
+    rel = load_relations(tokenizer, "plural")["plural"]
+    m = len(rel.pairs)
+    assert rel.texts is not None and m > 5
+    few = RelationPairs("few", rel.pairs[:5], rel.k, rel.texts[:5])
+    assert relation_accuracy(tiny_llama, few) == relation_accuracy(tiny_llama, few, n_prompts=5)
+    scores = HeadScores(torch.rand(3, 4), "x", n_kv_heads=2)
+    res = inference.ablation_check(tiny_llama, few, scores, n_heads=1, draws=1, min_base=0.0)
+    assert res.n_prompts == 5 and inference.ACCURACY_PROMPTS == 40
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the check")
+
+    monkeypatch.setattr(inference, "forward", no_forward)
+    for bad in (m + 1, 2**63):
+        with pytest.raises(ValueError, match=rf"n_prompts must be an int in 1\.\.{m} .*got {bad}"):
+            relation_accuracy(tiny_llama, rel, n_prompts=bad)
+        with pytest.raises(ValueError, match=rf"n_prompts must be an int in 1\.\.{m} .*got {bad}"):
+            inference.ablation_check(tiny_llama, rel, scores, n_prompts=bad)
+    with pytest.raises(ValueError, match=r"n_shots must be an int in 0\.\.4 .*got 5"):
+        relation_accuracy(tiny_llama, few, n_shots=5)  # 3-shot prompts need 4 other pairs
+    three = RelationPairs("three", rel.pairs[:3], rel.k, rel.texts[:3])
+    with pytest.raises(ValueError, match=r"n_shots must be an int in 0\.\.2 .*got 3"):
+        maps_analysis(tiny_llama, [three], draws=1)

@@ -92,9 +92,10 @@ def test_ships_default_bar_and_silent_modes(tiny_llama, capsys):
 
 def test_nested_work_draws_one_bar(tiny_llama, capsys):
     rs = load_relations(tiny_llama.tokenizer, ["copying"], d_vocab=tiny_llama.d_vocab)
-    maps_analysis(tiny_llama, rs, top=2, draws=1, n_prompts=3)
+    res = maps_analysis(tiny_llama, rs, top=2, draws=1, n_prompts=3)
     err = capsys.readouterr().err
     n_rows = min(12, len(rs.relations[0].pairs))
+    assert res.validation.n_prompts.tolist() == [3] and res.validation.dynamic_pairs.tolist() == [n_rows]
     total = tiny_llama.n_layers + (4 * -(-n_rows // 48) + tiny_llama.n_layers) + (2 + 1) + 1
     assert "MAPS analysis" in err and f"{total}/{total}" in err
     assert "MAPS static scores" not in err  # maps_scores got the outer callable, not a bar

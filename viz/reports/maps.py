@@ -68,7 +68,7 @@ def render_maps_report(result: MapsAnalysis) -> Report:
                 title=f"MAPS relation score: {n} (top-{k}) — {result.model}",
             ),
             note=f"Share of the {n} pairs whose target is among the top-{k} tokens each head's OV "
-            "circuit maps the source to (0 to 1); red boxes mark the 10 highest heads.",
+            f"circuit maps the source to (0 to 1); red boxes mark the {min(top, 10)} highest heads.",
         )
     rep.table(
         f"Top {top} heads per relation",

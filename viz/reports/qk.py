@@ -116,6 +116,9 @@ def _pack(rows: list[list[int]]) -> EncodedPrompts:
 def qk_task(model: HeadModel, task: str | os.PathLike, n_prompts: int = 4, *, seed: int = 0) -> QKTask:
     """The prompts and focus cells of `task` (`"induction"`, `"ioi"` or a prompt file).
 
+    `n_prompts` rows (1..64, default 4); from a prompt file, at most: its first `n_prompts`
+    prompts (every prompt of a shorter file; the task's note and `len(task.query)` give the count).
+
     Raises:
         ValueError: an unknown task that is not a file, a bad file, `n_prompts` not in 1..64, IOI
             on a model without a tokenizer.

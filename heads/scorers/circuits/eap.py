@@ -134,21 +134,72 @@ def _interpolate(e_corr: torch.Tensor, alpha: float) -> Callable[[torch.Tensor, 
     return fn
 
 
+def _norm_vjp(
+    norm: nn.Module, x: torch.Tensor, normed: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`a [n, ..., D] -> J_norm(x)^T a` in closed form when `norm` is an RMSNorm (`g x / rms(x)`,
+    gain `weight`, `1 + weight` or none) or a LayerNorm (`g (x - mean) / std + b`): the form is
+    chosen by recomputing `normed = norm(x)` ([..., D] fp32, as the module gave it) with each
+    candidate (within 1e-5 of its scale); None (autograd then) unless exactly one matches. Both are the
+    Jacobians of their formulas: RMS `r (g a) - r^3 x (x . g a) / D`; LayerNorm
+    `s (b - mean(b) - xh mean(b xh))`, b = g a, xh = (x - mean) s."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    w = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or x.dtype != torch.float32 or normed.dtype != torch.float32:
+        return None
+    gains = [torch.ones(x.shape[-1], device=x.device)]
+    if isinstance(w, torch.Tensor) and w.shape == x.shape[-1:]:
+        gains = [w.detach().float(), 1.0 + w.detach().float()]
+    bias = getattr(norm, "bias", None)
+    b = bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0
+    tol = 1e-5 * float(normed.abs().max()) + 1e-30
+    D = x.shape[-1]
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    mu = x.mean(-1, keepdim=True)
+    s = torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    xh = (x - mu) * s
+    found: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    for g in gains:
+        if not isinstance(bias, torch.Tensor) and float((g * x * r - normed).abs().max()) <= tol:
+
+            def rms(a: torch.Tensor, g: torch.Tensor = g) -> torch.Tensor:
+                ga = a * g
+                return r * ga - (r.pow(3) / D) * x * (x * ga).sum(-1, keepdim=True)
+
+            found.append(rms)
+        if float((g * xh + b - normed).abs().max()) <= tol:
+
+            def layer(a: torch.Tensor, g: torch.Tensor = g) -> torch.Tensor:
+                ga = a * g
+                return s * (ga - ga.mean(-1, keepdim=True) - xh * (ga * xh).mean(-1, keepdim=True))
+
+            found.append(layer)
+    return found[0] if len(found) == 1 else None  # none, or ambiguous (x of mean ~0): autograd
+
+
 def _residual_grads(
     part: LayerParts, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, out: torch.Tensor
 ) -> None:
     """Write into `out [n, R, T, D]` the gradient at each of n heads' own copy of the residual
     entering the attention norm, from the gradients `g [R, T, n, d]` at the heads' projections
-    (weights `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`, `HEAD_CHUNK` heads at a time."""
+    (weights `w [n, D, d]`): `J_norm(x)^T (W[h] g_h)`, `HEAD_CHUNK` heads at a time (in closed
+    form for RMS / LayerNorms, `_norm_vjp`; else one batched vector-Jacobian product)."""
     identity = isinstance(part.norm1, nn.Identity)
+    vjp = None
+    if not identity:
+        with torch.no_grad():
+            vjp = _norm_vjp(part.norm1, x, part.norm1.forward(x))
     with torch.enable_grad():
-        xc = x.detach().requires_grad_(True)
-        normed = xc if identity else part.norm1.forward(xc)
+        xc = x.detach().requires_grad_(vjp is None and not identity)
+        normed = xc if identity or vjp is not None else part.norm1.forward(xc)
         for h0 in range(0, w.shape[0], HEAD_CHUNK):
             h1 = min(w.shape[0], h0 + HEAD_CHUNK)
             proj = torch.einsum("rtnd,nDd->nrtD", g[:, :, h0:h1].to(w.dtype), w[h0:h1])
             if identity:
                 out[h0:h1] = proj
+                continue
+            if vjp is not None:
+                out[h0:h1] = vjp(proj)
                 continue
             try:
                 (res,) = torch.autograd.grad(

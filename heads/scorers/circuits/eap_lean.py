@@ -25,7 +25,7 @@ differences and forward, a chunk of their projection) or one layer's graph; `eap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import cast
 
@@ -96,7 +96,88 @@ def _forward_layer(
     return box[-1].detach()
 
 
-BLOCK = 1
+def _run_to(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x: torch.Tensor | None,
+    edits: list[Edit],
+) -> None:
+    """A forward without gradients from layer `la` (from `x`; None: from the embedding) with
+    `edits`, one of which ends it by raising `_Stop`."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(starting_at(model, la, x))
+        stack.enter_context(editing(model, edits, require_fired=False))
+        try:
+            run_last(model, ids, mask)
+        except _Stop:
+            pass
+
+
+def _forward_halves(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    la: int,
+    x: torch.Tensor | None,
+    reads: list[Edit],
+    mlp_read: Callable[[int, torch.Tensor], None] | None,
+    keep: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`_forward_layer` for blocks with a `resid_mid` site: the attention half on every position
+    (with `reads`, which must not read the MLP's output), then the MLP half `SWEEP_CHUNKS` chunks
+    of positions at a time from their `resid_mid` (position-wise: `layerwise.mlp_half`), so the
+    MLP's intermediates exist for one chunk at a time; `mlp_read(start, [R, c, D])` gets the
+    MLP's output of each chunk. The stream leaving the layer `[R, T, D]`."""
+    box: list[torch.Tensor] = []
+
+    def stop(y: torch.Tensor, call: AttentionCall) -> None:
+        box.append(y.detach())
+        raise _Stop
+
+    def read(y: torch.Tensor, call: AttentionCall) -> None:
+        cast(list[torch.Tensor], keep).append(y.detach())
+
+    edits: list[Edit] = [] if x is None else [ActivationEdit("residual", la, _replace(x))]
+    if x is None and keep is not None:
+        edits.append(ActivationEdit("residual", 0, read))
+    _run_to(model, ids, mask, la, x, [*edits, *reads, ActivationEdit("resid_mid", la, stop)])
+    mid = box.pop()
+    out = torch.empty_like(mid)
+    T = mid.shape[1]
+    step = max(SWEEP_MIN_ROWS, -(-T // SWEEP_CHUNKS))
+    for a in range(0, T, step):
+        piece = mid[:, a : a + step]
+        chunk: list[Edit] = [
+            ActivationEdit("residual", la, _replace(piece)),
+            ActivationEdit("resid_mid", la, _replace(piece)),
+        ]
+        if mlp_read is not None:
+            chunk.append(ActivationEdit("mlp_out", la, _at(mlp_read, a)))
+        chunk.append(ActivationEdit("resid_post", la, stop))
+        p_ids = ids[:, a : a + step]
+        _run_to(model, p_ids, torch.ones_like(p_ids), la, piece if la else None, chunk)
+        out[:, a : a + step] = box.pop()
+    return out
+
+
+def _at(read: Callable[[int, torch.Tensor], None], a: int) -> Callable[[torch.Tensor, AttentionCall], None]:
+    def fn(o: torch.Tensor, call: AttentionCall) -> None:
+        read(a, o.detach())
+
+    return fn
+
+
+def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    def fn(old: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        return x
+
+    return fn
+
+
+BLOCK = 2
 """Downstream layers whose compact gradients are held per sweep recomputing the differences."""
 
 POSITION_CHUNKS = 8
@@ -127,21 +208,48 @@ def _differences(
     xx: torch.Tensor | None = None
     xg: torch.Tensor | None = None
     last_kept = max(keep, default=-1)
+    split = has_mid(model)
+    R, T = clean_ids.shape
+
+    def mlp_store(la: int, sign: float) -> Callable[[int, torch.Tensor], None]:
+        if sign > 0:
+            nodes.mlp[la] = torch.empty(R, T, model.d_model, dtype=torch.float32, device=model.device)
+
+        def fn(a: int, o: torch.Tensor) -> None:
+            dst = cast(torch.Tensor, nodes.mlp[la])[:, a : a + o.shape[1]]
+            dst.copy_(o) if sign > 0 else dst.sub_(o.float())
+
+        return fn
+
+    def run(
+        ids: torch.Tensor,
+        la: int,
+        x: torch.Tensor | None,
+        reads: list[Edit],
+        sign: float | None,
+        box: list | None,
+    ) -> torch.Tensor:
+        if not split:
+            return _forward_layer(model, ids, mask, la, x, reads, box)
+        heads_only = [e for e in reads if getattr(e, "site", None) != "mlp_out"]
+        store = None if sign is None else mlp_store(la, sign)
+        return _forward_halves(model, ids, mask, la, x, heads_only, store, box)
+
     for la in range(top + 1):
         box: list[torch.Tensor] | None = [] if la == 0 and 0 in keep else None  # layer 0's input
         nodes.sign = 1.0
-        xx = _forward_layer(model, corrupted_ids, mask, la, xx, nodes.layer_edits(la))
+        xx = run(corrupted_ids, la, xx, nodes.layer_edits(la), 1.0, None)
         nodes.sign = -1.0
         if grad_edits is None:
             if la and la in keep:
                 kept[la] = cast(torch.Tensor, xc)
-            xc = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la), box)
+            xc = run(clean_ids, la, xc, nodes.layer_edits(la), -1.0, box)
         else:
-            xc = _forward_layer(model, clean_ids, mask, la, xc, nodes.layer_edits(la))
+            xc = run(clean_ids, la, xc, nodes.layer_edits(la), -1.0, None)
             if la and la in keep:
                 kept[la] = cast(torch.Tensor, xg)
             if la < last_kept or box is not None:
-                xg = _forward_layer(model, clean_ids, mask, la, xg, grad_edits, box)
+                xg = run(clean_ids, la, xg, grad_edits, None, box)
         if box:
             kept[0] = box[0]
         if la == top:
@@ -182,18 +290,16 @@ def _expanded(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """`(offset, [n, R, c D] fp32)`: a layer's downstream gradients in the residual stream at the
     c positions of `x` (`[R, c, D]`, the layer's input there), in graph order from the layer's
-    first input (q heads, k, v, the MLP, the logits in the last layer), `HEAD_CHUNK` heads at a
+    first input (q heads, k, v, the MLP, the logits in the last layer), the q, k or v heads at a
     time (`compact`: `eap._layer_grads` at those positions)."""
     lo = 0
     R = x.shape[0]
     for which, g in zip(("q", "k", "v"), compact[:3], strict=True):
         n = g.shape[2]
-        for h0 in range(0, n, HEAD_CHUNK):
-            h1 = min(n, h0 + HEAD_CHUNK)
-            buf = torch.empty(h1 - h0, *x.shape, dtype=torch.float32, device=x.device)
-            _residual_grads(part, x, g[:, :, h0:h1], part.w[which][h0:h1], buf)
-            yield lo + h0, buf.reshape(h1 - h0, R, -1)
-            del buf
+        buf = torch.empty(n, *x.shape, dtype=torch.float32, device=x.device)
+        _residual_grads(part, x, g, part.w[which], buf)
+        yield lo, buf.reshape(n, R, -1)
+        del buf
         lo += n
     for i, g in enumerate(compact[3:]):  # the MLP's input, the logits
         yield lo + i, g.float().reshape(1, R, -1)
@@ -246,6 +352,15 @@ def _score_block(
 
 MLP_CHUNKS = 8
 """Position chunks of a layer's MLP half with gradients (its graph for one chunk at a time)."""
+
+SWEEP_CHUNKS = 4
+"""Position chunks of a layer's MLP half in the sweeps (its intermediates for one chunk at a time:
+below the attention half's peak; each chunk also runs the layer's attention on its positions)."""
+
+SWEEP_MIN_ROWS = 64
+"""Positions of the sweeps' smallest MLP chunk: shorter prompts run the MLP whole (a chunk's
+matrix products round differently from the whole's, which the differences' cancellation can
+magnify to a few 1e-6 of the score scale; with no memory to win on short prompts)."""
 
 
 def _split_grads(

@@ -24,6 +24,7 @@ from heads.model.adapter import HeadModel
 from heads.scorers.maps.inference import (
     DYNAMIC_MAX_PAIRS,
     AblationResult,
+    _prompt_counts,
     ablation_check,
     ablation_steps,
     dynamic_scores,
@@ -57,12 +58,16 @@ class MapsAnalysis:
         dropped: relation -> why it was dropped by the pair filter.
         top_heads: per relation, its top `top` heads with score > 0: `relation, layer, head,
             kv_head, relation_score, describe`.
-        validation: one row per relation: Pearson r and the ablation accuracies.
+        validation: one row per relation: Pearson r, the ablation accuracies and the counts
+            they come from: `dynamic_pairs` (pairs in the dynamic scores, at most
+            `DYNAMIC_MAX_PAIRS`), `n_prompts` (few-shot prompts of each accuracy pass, at most
+            the `n_prompts` asked).
         salient_head: `(layer, head)` with the highest relation score over all relations.
         salient_relation: the relation it scores highest on.
         salient: its salient operations (`heads.scorers.maps.static.salient_operations`),
             targets joined by " | ".
-        params: the static maps' parameters plus `top`, `draws`, `n_prompts`, `threshold`.
+        params: the static maps' parameters plus `top`, `draws`, `n_prompts` (as asked: at
+            most, per relation), `dynamic_max_pairs`, `threshold`.
         seconds: wall time of the analysis.
     """
 
@@ -168,7 +173,9 @@ def maps_analysis(
             table and the dropped relations).
         top: heads listed per relation in `top_heads` (default 20).
         draws: random-head draws in each relation's ablation check (default 5).
-        n_prompts: few-shot prompts per relation in the ablation check (default 30).
+        n_prompts: few-shot prompts per relation in the ablation check, at most (default 30:
+            a relation with fewer pairs uses every pair; the validation table's `n_prompts`
+            gives the count).
         options: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar),
             False / None (off) or `progress(done, total)`
             (`heads._util.progress`) in steps: one per layer of the static maps, then the
@@ -184,7 +191,8 @@ def maps_analysis(
 
     Raises:
         ValueError: as `maps_scores`, `dynamic_scores` and `ablation_check`; `top`, `draws` or
-            `n_prompts` not a positive int (checked before any work).
+            `n_prompts` not a positive int, a relation of fewer than 4 pairs (3 shots per
+            prompt; checked before any work).
     """
     progress = sweep_options(options, deprecated, "maps_analysis", takes=("progress",)).progress
     t0 = time.perf_counter()
@@ -195,7 +203,10 @@ def maps_analysis(
     )
     pair_filter, dropped = _pair_filter(relations)
     rels = _as_relations(model, relations)
-    n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
+    # n_prompts is at most per relation (relations differ in size); each count checked now
+    prompts = {r.name: _prompt_counts(r, min(n_prompts, len(r.pairs)), 3)[0] for r in rels}
+    dyn_pairs = {r.name: min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels}
+    n_dyn = dynamic_steps(model.n_layers, sum(dyn_pairs.values()))
     n_abl = ablation_steps(draws)
     total = maps_analysis_steps(model, rels, draws)
     with progress_callback(progress, "MAPS analysis", "steps") as report:
@@ -212,7 +223,7 @@ def maps_analysis(
                 r,
                 ms.relation[r.name],
                 draws=draws,
-                n_prompts=n_prompts,
+                n_prompts=prompts[r.name],
                 options=SweepOptions(progress=offset_progress(report, start + i * n_abl, total)),
             )
         best = max((ms.relation[n].scores.max().item(), n) for n in ms.names())[1]
@@ -245,6 +256,8 @@ def maps_analysis(
                 "acc_random_min": min(abl[n].random) if abl[n].random else float("nan"),
                 "acc_random_max": max(abl[n].random) if abl[n].random else float("nan"),
                 "skipped": abl[n].skipped or "",
+                "dynamic_pairs": dyn_pairs[n],
+                "n_prompts": abl[n].n_prompts,
             }
             for n in ms.names()
         ]
@@ -255,6 +268,7 @@ def maps_analysis(
         "top": top,
         "draws": draws,
         "n_prompts": n_prompts,
+        "dynamic_max_pairs": DYNAMIC_MAX_PAIRS,
         "threshold": IMPLEMENTS_THRESHOLD,
     }
     return MapsAnalysis(

@@ -23,6 +23,7 @@ from heads.scorers.controls import other_heads, random_head_draws
 from heads.scorers.maps.static import RelationPairs, positive_int, top_k_hits
 
 __all__ = [
+    "ACCURACY_PROMPTS",
     "DYNAMIC_MAX_PAIRS",
     "TEMPLATES",
     "AblationResult",
@@ -44,7 +45,11 @@ TEMPLATES = (
 """Neutral templates carrying the source <X> (docs/methods/maps.md, Experiment 1)."""
 
 DYNAMIC_MAX_PAIRS = 12
-"""Pairs per relation that `dynamic_scores` fills into the templates by default."""
+"""Pairs per relation that `dynamic_scores` fills into the templates by default (at most)."""
+
+ACCURACY_PROMPTS = 40
+"""Few-shot prompts per relation in `relation_accuracy` / `ablation_check` by default (or one
+per pair of a relation with fewer pairs)."""
 
 
 class _LastZ(HeadOutputEdit):
@@ -90,6 +95,8 @@ def dynamic_scores(
     the last position, `z_h W_O^h` (no bias), is projected with U (no final norm) and scores
     1 when the target is in its top-k (ties: lowest id). Averaged over the first
     `max_pairs` pairs of each relation (the "with context" variant of docs/methods/maps.md).
+    `max_pairs` is at most (default `DYNAMIC_MAX_PAIRS` = 12): a relation with fewer pairs uses
+    every pair, `min(max_pairs, len(relation.pairs))` of them.
 
     `options`: `heads.SweepOptions`: `max_rows` prompts per forward (48 where it is left at its
     default; fewer where `max_memory` needs it, planned as `"logits"`: every position's logits
@@ -176,13 +183,31 @@ def max_ablated_heads(n_heads_total: int) -> int:
     return 250
 
 
+def _prompt_counts(relation: RelationPairs, n_prompts: int | None, n_shots: int) -> tuple[int, int]:
+    """`(n_prompts, n_shots)` checked against the relation's pairs (one prompt per pair, each
+    with `n_shots` other pairs as its shots): a count beyond them is refused, naming it; None
+    prompts: `ACCURACY_PROMPTS`, or every pair of a smaller relation."""
+    n = len(_texts(relation))
+    name = short_repr(relation.name)
+    if n_prompts is None:
+        n_prompts = min(ACCURACY_PROMPTS, n)
+    else:  # a larger count was cut to the relation's pairs silently
+        n_prompts = check_int(
+            "n_prompts", n_prompts, lo=1, hi=n, what=f"an int in 1..{n} (relation {name}'s pairs) or None"
+        )
+    n_shots = check_int(  # shots beyond the other pairs were cut silently
+        "n_shots", n_shots, lo=0, hi=n - 1, what=f"an int in 0..{n - 1} (relation {name}'s other pairs)"
+    )
+    return n_prompts, n_shots
+
+
 def _few_shot_prompts(
     relation: RelationPairs, n_prompts: int, n_shots: int, seed: int
 ) -> list[tuple[str, int]]:
     texts = _texts(relation)
     g = torch.Generator().manual_seed(check_seed("seed", seed))
     out = []
-    for i in range(min(n_prompts, len(texts))):
+    for i in range(n_prompts):
         others = [j for j in range(len(texts)) if j != i]
         shots = [others[j] for j in torch.randperm(len(others), generator=g)[:n_shots].tolist()]
         lines = [f"{texts[j][0]} -> {texts[j][1]}" for j in shots]
@@ -196,7 +221,7 @@ def relation_accuracy(
     relation: RelationPairs,
     heads: Sequence[tuple[int, int]] = (),
     *,
-    n_prompts: int = 40,
+    n_prompts: int | None = None,
     n_shots: int = 3,
     seed: int = 0,
     batch_size: int = 40,
@@ -204,9 +229,17 @@ def relation_accuracy(
     """Few-shot accuracy on the relation (`src -> tgt` lines; argmax next token == target).
 
     `heads` are zero-ablated at the last position only (docs/methods/maps.md, Experiment 2).
+    Prompt i asks for pair i's target after `n_shots` other pairs (drawn with `seed`), for the
+    first `n_prompts` pairs (default None: `ACCURACY_PROMPTS` = 40, or every pair of a relation
+    with fewer).
+
+    Raises:
+        ValueError: `n_prompts` beyond the relation's pairs or below 1, `n_shots` beyond its
+            other pairs (`len(pairs) - 1`) or negative, `batch_size` below 1 (the value named,
+            before any forward); a relation without texts.
     """
-    n_prompts, batch_size = positive_int(n_prompts, "n_prompts"), positive_int(batch_size, "batch_size")
-    check_int("n_shots", n_shots, lo=0)
+    batch_size = positive_int(batch_size, "batch_size")
+    n_prompts, n_shots = _prompt_counts(relation, n_prompts, n_shots)
     prompts = _few_shot_prompts(relation, n_prompts, n_shots, seed)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
@@ -233,6 +266,8 @@ class AblationResult:
     random: list[float] = field(default_factory=list)
     skipped: str | None = None
     heads: list[tuple[int, int]] = field(default_factory=list)
+    n_prompts: int = 0
+    """Few-shot prompts each accuracy pass ran (one per pair: `n_prompts` or the default)."""
 
     @property
     def random_mean(self) -> float:
@@ -252,7 +287,7 @@ def ablation_check(
     n_heads: int | None = None,
     draws: int = 5,
     seed: int = 0,
-    n_prompts: int = 40,
+    n_prompts: int | None = None,
     min_base: float = 0.1,
     options: SweepOptions | None = None,
     **deprecated: Any,
@@ -262,7 +297,9 @@ def ablation_check(
     n is at most `n_heads` (1..half of all heads, so that as many other heads remain for the
     random draws; default None: by model size, docs/methods/maps.md: 30 below 300 heads, at
     most half of all heads), and only heads scored above 0 are taken.
-    Relations whose base accuracy is below `min_base` are skipped.
+    Relations whose base accuracy is below `min_base` are skipped. Each accuracy pass runs
+    `relation_accuracy` on the first `n_prompts` pairs (default None: 40, or every pair of a
+    smaller relation; `AblationResult.n_prompts` says how many).
 
     `options`: `heads.SweepOptions`; only `progress` applies: True (default: a tqdm bar), False /
     None (off) or `progress(done, total)` (`heads._util.progress`) in accuracy passes over the
@@ -271,7 +308,9 @@ def ablation_check(
 
     Raises:
         ValueError: scores of another shape than the model's heads, `n_heads` not an int in
-            1..half the heads (HeadsteerValueError, the value named), non-positive `draws`.
+            1..half the heads (HeadsteerValueError, the value named), non-positive `draws`,
+            `n_prompts` beyond the relation's pairs, a relation of fewer than 4 pairs (3 shots
+            each; all before any forward).
     """
     progress = sweep_options(options, deprecated, "ablation_check", takes=("progress",)).progress
     if (scores.n_layers, scores.n_heads) != (model.n_layers, model.n_heads):
@@ -286,6 +325,7 @@ def ablation_check(
         cap = min(max_ablated_heads(model.n_layers * model.n_heads), half)
     else:  # a larger count was cut to half the heads silently
         cap = check_int("n_heads", n_heads, lo=1, hi=half, what=f"an int in 1..{half} (half the heads)")
+    n_prompts = _prompt_counts(relation, n_prompts, 3)[0]
     positive = [h for h in scores.ranked() if scores.scores[h].item() > 0]  # by descending score
     ranked = positive[:cap]
     total = ablation_steps(draws)
@@ -293,7 +333,9 @@ def ablation_check(
         say = report or (lambda done, total: None)
         base = relation_accuracy(model, relation, n_prompts=n_prompts, seed=seed)
         say(1, total)
-        res = AblationResult(relation.name, len(ranked), base, float("nan"), heads=ranked)
+        res = AblationResult(
+            relation.name, len(ranked), base, float("nan"), heads=ranked, n_prompts=n_prompts
+        )
         if base < min_base:
             res.skipped = f"base accuracy {base:.2f} < {min_base}"
         elif not ranked:

@@ -68,6 +68,27 @@ def test_lean_other_norms_and_ig_sweep(kind, steps):
     assert float((got - today).abs().max()) <= 1e-6 * scale
 
 
+def test_lean_sweep_mlp_in_position_chunks(monkeypatch):
+    """The sweeps run each layer's MLP half in position chunks (forced here from one position
+    on; by default from `SWEEP_MIN_ROWS`): the same scores, on a GQA model and a post-norm one."""
+    from heads.scorers.circuits import eap_lean
+
+    monkeypatch.setattr(eap_lean, "SWEEP_MIN_ROWS", 1)
+    for m, steps in (
+        (tiny_family_model("llama", num_hidden_layers=3), 2),
+        (tiny_family_model("qwen3"), None),
+    ):
+        p = _pairs(11)
+        want = _oracle(m, p, steps)
+        scale = float(want.abs().max())
+        got = _both(m, p, steps=steps)
+        assert float((got - want).abs().max()) <= 1e-5 * scale
+        today = eap_chunk(
+            m, graph_of(m), p.clean_ids, p.corrupted_ids, p.attention_mask, _loss(p), steps=steps
+        )
+        assert float((got - today).abs().max()) <= 1e-6 * scale
+
+
 def test_lean_whole_layer_gradients(monkeypatch):
     """Blocks without a `resid_mid` site (parallel attention and MLP) take each layer's gradients
     whole (`eap._layer_grads`) instead of in attention / MLP halves: forced here on a GQA model."""
@@ -130,3 +151,29 @@ def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(mo
     with pytest.raises(HeadsteerValueError, match="max_memory"):
         edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory=lean_one - 1))
     assert not calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma", "gpt2", "cohere"])
+def test_norm_vjp_closed_form_equals_autograd(kind):
+    """The gradients' expansion through the attention norm in closed form (RMSNorm with gain w or
+    1 + w, LayerNorm with and without bias) equals autograd's vector-Jacobian product; a
+    module computing neither form gets None (autograd)."""
+    from torch import nn
+
+    from heads.scorers.circuits.eap import _norm_vjp
+    from heads.scorers.circuits.nodes import layer_parts
+
+    m = tiny_family_model(kind)
+    norm = layer_parts(m, 0).norm1
+    with torch.no_grad():
+        if getattr(norm, "weight", None) is not None:
+            norm.weight.normal_()  # a gain far from 1 (and from 0)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 5, m.d_model, generator=g) + 0.5).requires_grad_(True)
+    normed = norm(x)
+    a = torch.randn(3, 2, 5, m.d_model, generator=g)
+    vjp = _norm_vjp(norm, x.detach(), normed.detach())
+    assert vjp is not None, type(norm)
+    (want,) = torch.autograd.grad(normed, x, a, is_grads_batched=True)
+    assert torch.allclose(vjp(a), want, atol=1e-5 * float(want.abs().max()))
+    assert _norm_vjp(nn.Tanh(), x.detach(), torch.tanh(x).detach()) is None
