@@ -95,12 +95,18 @@ def pair(hm, length: int):
 
 
 def prompt(hm, length: int) -> str:
-    """A text of about `length` tokens (random words decoded from seeded ids)."""
+    """A text of at most `length` tokens, a few fewer (random words decoded from seeded ids)."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(100, 40000, (length,), generator=g).tolist()
-    return hm.tokenizer.decode(ids)
+    text = hm.tokenizer.decode(ids)
+    extra = len(hm.tokenizer(text).input_ids) - length  # decoded words tokenize again differently
+    while extra > 0:  # at most `length` tokens: the forward it is compared with has `length`
+        ids = ids[: len(ids) - extra]
+        text = hm.tokenizer.decode(ids)
+        extra = len(hm.tokenizer(text).input_ids) - length
+    return text
 
 
 def task_text(tok, tokens: int) -> str:

@@ -7,7 +7,7 @@ import gc
 import os
 import sys
 
-from long_context_common import ANSWERS, cap, child, guarded, pair, status, task_text
+from long_context_common import ANSWERS, cap, child, guarded, pair, prompt, status, task_text
 from long_context_summary import gemma_entry, peer_entries, plan_entries
 
 
@@ -188,11 +188,11 @@ def gemma_one(name: str, length: int, args) -> dict:
     else:  # "atp": Ships' KL over 4 tokens (4 gradient flows); "atp-ld": one logit difference
         from heads.scorers.safety.attribution import attribute, logit_diff
 
-        prompt = hm.tokenizer.decode(ids[0].tolist())
+        text = prompt(hm, length)  # at most `length` tokens as the prompt is encoded
         metric = logit_diff([ANSWERS[0]], [ANSWERS[1]]) if name == "atp-ld" else "kl"
 
         def run() -> None:
-            attribute(hm, [prompt], ablation="sc", metric=metric, template=None)
+            attribute(hm, [text], ablation="sc", metric=metric, template=None)
 
     with torch.no_grad():
         hm.model(input_ids=ids[:, :128], use_cache=False, logits_to_keep=1)

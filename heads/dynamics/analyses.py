@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from heads._util.validation import short_repr
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
@@ -188,7 +188,7 @@ def _induction_phase(
     length: int | None = None,
     seed: int = 0,
     composition: bool = True,
-    composition_rows: int = 2,
+    composition_rows: int | None = None,
 ) -> dict[str, Any]:
     """ICL score, the previous-token and induction detectors (on the same repeated tokens), and
     the K-composition of the top previous-token head into the top induction head.
@@ -199,11 +199,21 @@ def _induction_phase(
     `k_composition_weights` (`composition_scores`, from the weights without RoPE, minus the random
     baseline); per-head `k_composition_into_induction` (every earlier head's measured
     K-composition into the induction head; NaN for heads not earlier).
+
+    Raises:
+        HeadsteerValueError: as `icl_sequences`; `composition_rows` not an int in 1..n or None
+            (default: 2, or the one row when n = 1; 0 or a negative was raised to 1 and a larger
+            count cut to n silently), before any forward.
     """
     from heads.dynamics.icl import icl_score, icl_sequences
     from heads.scorers.roles.detectors import pattern_scores
 
     enc = icl_sequences(model, n=n, length=length, seed=seed)
+    rows = enc.input_ids.shape[0]
+    if composition_rows is None:
+        composition_rows = min(2, rows)
+    else:
+        composition_rows = check_int("composition_rows", composition_rows, lo=1, hi=rows)
     out: dict[str, Any] = dict(icl_score(model, enc))
     det = pattern_scores(model, enc, detectors=("previous_token", "induction"))
     out.update(det)
@@ -215,7 +225,7 @@ def _induction_phase(
         rl, rh = divmod(int(ind.argmax()), model.n_heads)
         prev = det["previous_token"].scores[:rl].nan_to_num(-1.0)
         wl, wh = divmod(int(prev.argmax()), model.n_heads)
-        data = data_composition_scores(model, enc.input_ids[: max(1, composition_rows)])
+        data = data_composition_scores(model, enc.input_ids[:composition_rows])
         into = data.raw["k"][:, :, rl, rh].clone()
         out["k_composition_into_induction"] = HeadScores(into, "k_composition", model=model.name)
         out["k_composition"] = float(into[wl, wh])

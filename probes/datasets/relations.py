@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from heads._util.validation import short_repr
+from heads._util.validation import check_int, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.maps.static import RelationPairs, k_for
 
@@ -123,15 +123,19 @@ def load_relations(
     Args:
         tokenizer: the model's tokenizer.
         names: relation names, a comma-separated string, `"all"` or None (all).
-        min_pairs: relations with fewer surviving pairs are dropped (default 30).
+        min_pairs: relations with fewer surviving pairs are dropped (a positive int, default 30).
         d_vocab: vocabulary size for the k rule (default: the tokenizer's length).
 
     Raises:
-        ValueError: an unknown relation name (named, with the known ones), or no
-            relation left after filtering.
+        ValueError: an unknown relation name (named, with the known ones), no relation left
+            after filtering, `min_pairs` / `d_vocab` not a positive int (a `min_pairs` of 0 or
+            below acted as 1).
     """
     if tokenizer is None or not callable(tokenizer):
         raise HeadsteerTypeError("load_relations needs the model's tokenizer")
+    min_pairs = check_int("min_pairs", min_pairs, lo=1)
+    if d_vocab is not None:  # 0 fell back to the tokenizer's length silently
+        d_vocab = check_int("d_vocab", d_vocab, lo=1)
     records = {r["relation"]: r for r in _records()}
     wanted = parse_relation_names(names)
     vocab = d_vocab or len(tokenizer)
@@ -141,7 +145,7 @@ def load_relations(
         kept = single_token_pairs(tokenizer, rec["pairs"])
         out.kinds[name] = rec["kind"]
         out.survived[name] = (len(rec["pairs"]), len(kept))
-        if len(kept) < max(min_pairs, 1):
+        if len(kept) < min_pairs:
             out.dropped[name] = (
                 f"{name}: only {len(kept)} of {len(rec['pairs'])} pairs are single tokens for this "
                 f"tokenizer (need {min_pairs}); relation dropped"

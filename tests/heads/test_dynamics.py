@@ -192,6 +192,27 @@ def test_composition_and_qk_analyses_match_their_functions(run_dir):
     torch.testing.assert_close(q.head_scores(None, "qk_attribution.key").scores, ref.scores, equal_nan=True)
 
 
+def test_induction_phase_refuses_composition_rows_outside_the_rows_before_any_forward(run_dir, monkeypatch):
+    """composition_rows 0 / -1 were raised to 1 and 3 / 2**63 cut to the n rows, silently."""
+    import heads.dynamics.icl as icl
+    from heads.dynamics.analyses import ANALYSES
+
+    hm = load_model(run_dir / "step-000004")
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the check")
+
+    monkeypatch.setattr(icl, "icl_score", no_forward)
+    for bad in (0, -1, 3, 2**63):
+        with pytest.raises(
+            HeadsteerValueError, match=rf"composition_rows must be an int in 1\.\.2, got {bad}"
+        ):
+            ANALYSES["induction_phase"](hm, n=2, length=6, composition_rows=bad)
+    monkeypatch.undo()
+    one = ANALYSES["induction_phase"](hm, n=1, length=6)  # the default: 2 rows, or the one there is
+    assert one["k_composition_into_induction"].scores.shape == (hm.n_layers, hm.n_heads)
+
+
 # ---------------------------------------------------------------------------- icl
 def test_icl_score_against_a_hand_computed_loss(run_dir):
     hm = load_model(run_dir / "step-000004")

@@ -365,6 +365,11 @@ def test_more_bad_input(tokenizer, tiny_llama):
     with pytest.raises(ValueError, match="n_prompts"):
         relation_accuracy(tiny_llama, rel, n_prompts=0)
     assert [r.name for r in load_relations(tokenizer, "plural, plural,").relations] == ["plural"]
+    for bad in (0, -3, 2.5):  # 0 and -3 acted as 1 silently
+        with pytest.raises(ValueError, match=f"min_pairs must be a positive int, got {bad}"):
+            load_relations(tokenizer, "plural", min_pairs=bad)
+        with pytest.raises(ValueError, match=f"d_vocab must be a positive int, got {bad}"):
+            load_relations(tokenizer, "plural", d_vocab=bad)
 
 
 def test_first_mlp_refuses_unknown_architectures(tokenizer):

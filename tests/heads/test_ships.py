@@ -114,6 +114,12 @@ def test_principal_angles():
     assert principal_angles(a, -a).item() == pytest.approx(0.0, abs=1e-6)  # sign-invariant
     b = torch.randn(8, 5)
     assert 0 < principal_angles(a, b).item() <= math.pi / 2 + 1e-9
+    assert principal_angles(a, b, 5).item() <= 5 * math.pi / 2 + 1e-9
+    for bad in (0, -1, 6, 2**63, 1.0, True):  # -1 dropped the last vector, 6 / 2**63 were cut to 5
+        with pytest.raises(ValueError, match=rf"r_main must be an int in 1\.\.5, got {bad}"):
+            principal_angles(a, b, bad)
+    with pytest.raises(ValueError, match="one shape"):
+        principal_angles(a, b[:, :4])
 
 
 def test_dataset_ships_and_sahara(tiny_llama):

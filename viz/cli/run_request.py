@@ -118,7 +118,9 @@ def run_request(
             "maps_scores (the shipped relations) and composition_scores from the weights"
         ),
     ] = None,
-    n: Annotated[int, typer.Option(help="the first N pairs or prompts of --inputs")] = 16,
+    n: Annotated[
+        int, typer.Option(help="the first N pairs or prompts of --inputs, at most (all of a shorter file)")
+    ] = 16,
     max_rows: Annotated[
         int, typer.Option(help="rows per forward of the analyses that sweep (SweepOptions.max_rows)")
     ] = 64,

@@ -238,7 +238,8 @@ def blocked_attention(
         return _biased_sdpa(inputs, biases, head_masks, edits.layer), None
     if explicit and groups > 1:  # GQA: each query head reads its KV head; K/V are never edited
         key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+        if not pattern_only:  # a pattern that is only read never multiplies the values
+            value = value.repeat_interleave(groups, dim=1)
     offset = k_len - q_len if q_offset is None else q_offset
     low = query.dtype != torch.float32
     dtype = query.dtype

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from heads._util.progress import offset_progress, progress_callback
+from heads._util.validation import check_int
 from heads.engine.executors import merge_tables
 from heads.engine.options import SWEEP_KEYS, SweepOptions, sweep_options
 from heads.engine.variants import check_heads, clean_run, evaluate_variants
@@ -188,7 +189,18 @@ def run_ships(
 def principal_angles(a: torch.Tensor, b: torch.Tensor, r_main: int = 1) -> torch.Tensor:
     """Sum of the first `r_main` principal angles (radians) between the spans of the top-`r_main`
     left singular vectors of `a` and `b` (`[N, D]` each, not centred). Sign-invariant.
+
+    Raises:
+        HeadsteerValueError: `a` and `b` not 2-D of one shape, `r_main` not an int in
+            1..min(N, D) (the singular vectors there are; a larger one was cut silently, a
+            negative one dropped the last vectors).
     """
+    if a.ndim != 2 or a.shape != b.shape:
+        raise HeadsteerValueError(
+            "principal_angles takes two [N, D] tensors of one shape, "
+            f"got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    check_int("r_main", r_main, lo=1, hi=min(a.shape))
     ua = torch.linalg.svd(a.double(), full_matrices=False).U[:, :r_main]
     ub = torch.linalg.svd(b.double(), full_matrices=False).U[:, :r_main]
     cos = torch.linalg.svdvals(ua.T @ ub).clamp(-1.0, 1.0)
