@@ -87,6 +87,36 @@ def test_atp_mlp_in_chunks_equals_the_whole_layer(tiny_llama, monkeypatch, kw):
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
 
 
+def test_graddrop_walks_keep_only_the_recorded_residuals_below(tiny_llama, monkeypatch):
+    """Each GradDrop walk holds, at layer l, only the recorded residuals of segments at or below l
+    (those above were used and dropped), as plain AtP's one walk does: the walks do not keep
+    every recorded residual alive for the next walk."""
+    alive: dict[int, int] = dict.fromkeys(range(tiny_llama.n_layers), 0)
+    real_record, real_half = atp.record_inputs, atp.attention_half
+
+    def gone(layer: int) -> None:
+        alive[layer] -= 1
+
+    def record_inputs(model, ids, mask, layers, edits=()):
+        logits, sparse = real_record(model, ids, mask, layers, edits)
+        for la, t in sparse.items():
+            alive[la] += 1
+            weakref.finalize(t, gone, la)
+        return logits, sparse
+
+    seen: list[tuple[int, list[int]]] = []
+
+    def attention_half(model, ids, mask, layer, x, edits=()):
+        seen.append((layer, [la for la, n in alive.items() if n]))
+        return real_half(model, ids, mask, layer, x, edits)
+
+    monkeypatch.setattr(atp, "record_inputs", record_inputs)
+    monkeypatch.setattr(atp, "attention_half", attention_half)
+    attribute(tiny_llama, ["The quick brown fox jumps over the lazy dog"], graddrop=True, template=None)
+    assert len(seen) > tiny_llama.n_layers  # several walks
+    assert all(max(live, default=0) <= la for la, live in seen), seen
+
+
 def test_mlp_half_equals_the_layer_without_computing_its_attention(tiny_llama):
     """`mlp_half` on a chunk gives the whole layer's output there, and on the Hugging Face backend
     the chunk's attention is not computed (its heads' outputs are never seen)."""

@@ -223,12 +223,10 @@ class _Walk:
             if la == self.bottom and g_next and all(k[0] is None for k in g_next):
                 g_next = self._passed(la, g_next)  # no flow goes through the layer: not run
                 continue
-            edited = self._edited(la, x_in)
             x = x_in.detach().requires_grad_(True)
-            if self.split:
-                g_next = self._split_layer(la, x, edited, g_next)
-            else:
-                g_next = self._whole_layer(la, x, edited, g_next)
+            layer = self._split_layer if self.split else self._whole_layer
+            # z_ablated is not named here: the layer drops it once z_ablated - z is made
+            g_next = layer(la, x, self._edited(la, x_in), g_next)
         for d in self.drops:  # above the dropped layer a drop's flow is the plain one
             for j in range(self.n_scalars if d + 1 < self.m.n_layers else 0):
                 self.effects[(d, j)][:, d + 1 :] = self.effects[(None, j)][:, d + 1 :]
@@ -434,7 +432,9 @@ def attribute_batch(
     total = torch.zeros(len(rows), L, model.n_heads)
     for g0 in range(0, L, per_group):
         drops = list(range(g0, min(L, g0 + per_group)))
-        eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(dict(sparse))
+        if g0:  # recorded again: kept for every walk they would add their copies to each walk's peak
+            _, sparse = record_inputs(model, ids, mask, checkpoint_layers(L))
+        eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(sparse)
         for d in drops:
             est = estimate([eff[(d, j)] for j in range(n_scalars)])
             total += est if metric == "kl" else est.abs()
