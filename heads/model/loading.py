@@ -221,8 +221,7 @@ def load_model(
             `transformers` refuses (soft-capping, learned sinks: Gemma 2, VaultGemma, gpt-oss;
             `Family.attn_implementation`, or the model class's own `_supports_sdpa = False`).
             `"sdpa"` named for such a family is a `ValueError` before anything loads. Formerly
-            the default was always `"sdpa"`.
-            `"sdpa"`). headsteer switches edited layers to its own attention function
+            the default was always `"sdpa"`. headsteer switches edited layers to its own attention function
             only inside an edit context. On a vision-language model it is set on the
             language model only (`text_config`); the vision tower keeps its default.
         device_map: place the layers through `accelerate` instead of on `device`: `"auto"`
@@ -248,7 +247,11 @@ def load_model(
     same way from its assembled GGUF (about 1-4 min the first time, 1.1 GB of cache).
 
     Returns:
-        HeadModel in eval mode.
+        HeadModel in eval mode with its parameters frozen (`requires_grad=False`): the
+        gradient-based analyses differentiate activations only, and a parameter that requires
+        a gradient makes autograd keep every linear layer's input for a weight gradient nobody
+        reads (on a gated MLP about 3 residual-stream copies more per layer graph). To
+        fine-tune, call `hm.model.requires_grad_(True)` first.
 
     Only safetensors weights are read (`use_safetensors=True`); a folder holding
     only pickled weights (`pytorch_model.bin`) is refused before anything loads.
@@ -329,6 +332,7 @@ def load_model(
     if device_map is None:
         cast(torch.nn.Module, model).to(device)  # nn.Module.to's signature (transformers' @wraps hides it)
     model.eval()
+    model.requires_grad_(False)
     from heads.backends.core import make_backend
 
     native = wrap_backend(model, tok, name, backend)

@@ -309,6 +309,8 @@ def _build_refusal_model(
             zip(harmless, helpful, strict=True)
         )
         net = hm.model
+        frozen = [p for p in net.parameters() if not p.requires_grad]  # load_model freezes them
+        net.requires_grad_(True)
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
         losses = []
@@ -323,6 +325,8 @@ def _build_refusal_model(
                 if report is not None:
                     report(n_answer + len(losses), total)
         net.eval()
+        for p in frozen:  # as the model came in
+            p.requires_grad_(False)
         evaluation = evaluate_refusals(hm, progress=offset_progress(report, n_answer + n_train, total))
     net.config._name_or_path = f"{Path(str(hm.name)).name}-refusal"
     out.mkdir(parents=True, exist_ok=True)

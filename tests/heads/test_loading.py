@@ -170,3 +170,37 @@ def test_cache_build_cleans_dead_builds_and_is_group_readable(tmp_path):
     finally:
         done.set()
         p.join(30)
+
+
+def test_loaded_parameters_are_frozen_so_a_layer_keeps_no_weight_inputs(tmp_path, tiny_llama, tokenizer):
+    """`load_model` freezes the parameters: a gradient through a layer (the analyses' layer walk)
+    then keeps fewer saved tensors (no linear layer's input for a weight gradient) and gives the
+    same input gradient."""
+    from heads.scorers.layerwise import record_inputs, run_layer
+
+    tiny_llama.model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    hm = load_model(tmp_path)
+    assert not any(p.requires_grad for p in hm.model.parameters())
+    enc = encode_prompts(tokenizer, "a prompt for one layer's gradient", chat=False)
+    ids, mask = enc.input_ids, enc.attention_mask
+    _, rec = record_inputs(hm, ids, mask, [1])
+
+    def saved_and_grad() -> tuple[int, torch.Tensor]:
+        nbytes = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nbytes[0] += t.numel() * t.element_size()
+            return t
+
+        x = rec[1].clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_layer(hm, ids, mask, 1, x)
+        (g,) = torch.autograd.grad(out.square().sum(), [x])
+        return nbytes[0], g
+
+    frozen, g_frozen = saved_and_grad()
+    hm.model.requires_grad_(True)
+    trainable, g_trainable = saved_and_grad()
+    assert frozen < trainable
+    torch.testing.assert_close(g_frozen, g_trainable, rtol=0, atol=0)
