@@ -4,8 +4,7 @@ config alone (docs/long-context.md, "Memory model").
     peak(device) = weights(device) + max(fixed + kept, attention + kept + extra)
     kept = sum over its layers of per_layer[kind]
 
-* `weights`: the parameters the device holds, counted on a `meta`-device build of the config
-  (exact for any family; tied weights once), times the dtype's size.
+* `weights`: the parameters the device holds (a `meta`-device build; tied once) x dtype size.
 * `fixed + per_layer`: the live activation bytes of the family's own forward, traced without
   weights (`heads.planning.trace`): the largest transient of a layer, the residual stream and
   mask, plus what each layer keeps (its KV cache for a generation, its saved activations for a
@@ -378,7 +377,7 @@ def _extra(
         if name in ("retrieval", "qrhead"):
             rows = min(rows, int(request.get("query_rows", 64)))
         block = b * h * rows * t * 4  # fp32 pattern block
-        return kv_copies + READ_BLOCK_COPIES * block
+        return kv_copies + READ_COPIES.get(name, READ_BLOCK_COPIES) * block
     if name in ("generate", "knockout"):
         if _fused(request, t, device):  # only the edited heads run through flex_attention, padded
             return FUSED_COPIES * b * h * (t + 128) * d * item
@@ -390,8 +389,10 @@ def _extra(
 
 
 READ_BLOCK_COPIES = 6
-"""fp32 pattern-block-sized tensors alive at once while a block is read (logits, the mask added,
-the probabilities, the masked probabilities, the analysis' own product and sum)."""
+"""fp32 pattern-block-sized tensors alive while a block is read (logits, mask, pattern, product)."""
+
+READ_COPIES = {"sinks": 3, "detectors": 5}
+"""... for the one-pass readers (logits, pattern; sinks' column sums, detectors' entr + masks)."""
 
 BLOCKED_COPIES = 5
 """... on the blocked kernel's edited path (logits, biased logits, probabilities, edited pattern,
