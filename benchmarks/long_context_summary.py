@@ -41,7 +41,7 @@ def summarise(line: dict, results: dict[str, dict[int, dict]], kinds: dict[str, 
             failed = failure(runs[length])
             if failed:  # the first failure ends the analysis (longer lengths were skipped)
                 line[f"{name}_failed_at"] = length
-                line[f"{name}failure"] = failed
+                line[f"{name}_failure"] = failed
                 break
             got[length] = runs[length]
         lengths = sorted(got)
@@ -143,7 +143,7 @@ def peer_entries(line: dict, name: str, runs: list[tuple[int, dict]]) -> None:
     for length, got in runs:
         if "failed" in got:
             line[f"peer_fail_length_{name}"] = length
-            line[f"peer_{name}failure"] = got["failed"]
+            line[f"peer_{name}_failure"] = got["failed"]
             break
         line[f"peer_{name}_lengths"].append(length)
         line[f"peer_{name}_memory_mb"].append(round(got["memory_mb"], 1))

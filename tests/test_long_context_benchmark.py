@@ -44,6 +44,7 @@ LOG_B = [
     f"knockout 2048: {_child(_run(40.0, 2.0), _run(44.0, 2.2), forward_all_logits=_run(88.0, 3.0))}",
     f"peer transformer_lens 1024: {_run(3000.0, 5.0)}",
     "peer transformer_lens 2048: {'failed': 'exit 1: MemoryError'}",
+    "sinks 1024: {'failed': 'exit 1: MemoryError'}",
     f"peer nnsight 1024: {_run(1300.0, 4.0)}",
     f"peer nnsight 2048: {_run(4800.0, 9.0)}",
     "plan 0.1B_float32_forward_2048: {'error': 0.01, 'activation_error': 0.05}",
@@ -68,6 +69,8 @@ def test_from_log_merges_analyses_peers_plan_and_gemma(tmp_path: Path) -> None:
     assert line["max_memory_ratio_forward_only"] == 1.1
     assert line["max_memory_exponent"] == max(line["memory_exponent_eap"], line["memory_exponent_knockout"])
     assert line["peer_fail_length_transformer_lens"] == 2048
+    assert line["peer_transformer_lens_failure"] == "exit 1: MemoryError"
+    assert (line["sinks_failed_at"], line["sinks_failure"]) == (1024, "exit 1: MemoryError")
     assert line["peer_transformer_lens_memory_mb"] == [3000.0]
     assert line["peer_fail_length_nnsight"] is None
     assert line["peer_nnsight_lengths"] == [1024, 2048]
