@@ -20,9 +20,18 @@ import torch
 from heads._util.validation import check_int, check_seed, short_repr
 from heads.errors import HeadsteerValueError
 
-__all__ = ["Head", "other_heads", "random_head_draws"]
+__all__ = ["MAX_DRAWS", "Head", "check_draws", "other_heads", "random_head_draws"]
 
 Head = tuple[int, int]
+
+MAX_DRAWS = 10_000
+"""The most random-head draws a control takes: each draw is at least one forward pass (more is
+never a sensible baseline, and `2**40` draws were built as a list until memory ran out)."""
+
+
+def check_draws(draws: object, lo: int = 1) -> int:
+    """`draws` as an int in `lo..MAX_DRAWS`, or a `HeadsteerValueError` naming the value."""
+    return check_int("draws", draws, lo=lo, hi=MAX_DRAWS, what=f"an int in {lo}..{MAX_DRAWS}")
 
 
 def other_heads(n_layers: int, n_heads: int, exclude: Collection[Head]) -> list[Head]:
@@ -48,10 +57,11 @@ def random_head_draws(
         `draws` lists of `size` heads, each in the order drawn.
 
     Raises:
-        HeadsteerValueError: `size` not in 0..len(pool), `draws` < 0, or an unknown generator.
+        HeadsteerValueError: `size` not in 0..len(pool), `draws` not in 0..`MAX_DRAWS`, or an
+            unknown generator.
     """
     size = check_int("size", size, lo=0, hi=len(pool))
-    draws = check_int("draws", draws, lo=0)
+    draws = check_draws(draws, lo=0)
     seed = check_seed("seed", seed)
     if generator == "torch":
         g = torch.Generator().manual_seed(seed)

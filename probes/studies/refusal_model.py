@@ -310,23 +310,27 @@ def _build_refusal_model(
         )
         net = hm.model
         frozen = [p for p in net.parameters() if not p.requires_grad]  # load_model freezes them
+        training = net.training
         net.requires_grad_(True)
         net.train()
-        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
-        losses = []
-        for _ in range(epochs):
-            for ids, mask, labels in _batches(hm, pairs, batch, rng):
-                dev = hm.device
-                loss = net(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-                if report is not None:
-                    report(n_answer + len(losses), total)
+        try:  # the flags and the mode restored however the fine-tune ends (its weights stay tuned)
+            opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+            losses = []
+            for _ in range(epochs):
+                for ids, mask, labels in _batches(hm, pairs, batch, rng):
+                    dev = hm.device
+                    loss = net(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                    if report is not None:
+                        report(n_answer + len(losses), total)
+        finally:
+            net.train(training)
+            for p in frozen:  # as the model came in
+                p.requires_grad_(False)
         net.eval()
-        for p in frozen:  # as the model came in
-            p.requires_grad_(False)
         evaluation = evaluate_refusals(hm, progress=offset_progress(report, n_answer + n_train, total))
     net.config._name_or_path = f"{Path(str(hm.name)).name}-refusal"
     out.mkdir(parents=True, exist_ok=True)

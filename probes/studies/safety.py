@@ -25,7 +25,7 @@ from heads._util.validation import check_int, short_repr
 from heads.engine.executors import Executor
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
-from heads.scorers.controls import other_heads, random_head_draws
+from heads.scorers.controls import MAX_DRAWS, other_heads, random_head_draws
 from heads.scorers.safety.ships import (
     TEMPLATE,
     SaharaResult,
@@ -214,8 +214,9 @@ def safety_analysis(
     """
     t0 = time.perf_counter()
     n_heads = model.n_layers * model.n_heads
-    for name, v in (("n_score", n_score), ("max_new_tokens", max_new_tokens), ("random_draws", random_draws)):
+    for name, v in (("n_score", n_score), ("max_new_tokens", max_new_tokens)):
         check_int(name, v, lo=1)
+    check_int("random_draws", random_draws, lo=1, hi=MAX_DRAWS, what=f"an int in 1..{MAX_DRAWS}")
     check_int("steps", steps, lo=1, hi=n_heads)
     if isinstance(prompts, str):
         raise HeadsteerValueError(f"prompts must be a list of requests, got the string {short_repr(prompts)}")

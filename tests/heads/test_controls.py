@@ -28,7 +28,8 @@ def test_draws_match_the_generators_they_name():
     "kw, message",
     [
         ({"size": 99}, "size must be an int in 0..18"),
-        ({"draws": -1}, "draws must be an int >= 0"),
+        ({"draws": -1}, r"draws must be an int in 0\.\.10000"),
+        ({"draws": 2**40}, r"draws must be an int in 0\.\.10000.*got 1099511627776"),
         ({"generator": "numpy"}, "generator must be 'torch' or 'python'"),
     ],
 )

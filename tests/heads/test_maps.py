@@ -413,3 +413,29 @@ def test_prompt_counts_beyond_a_relations_pairs_are_refused_before_any_forward(
     three = RelationPairs("three", rel.pairs[:3], rel.k, rel.texts[:3])
     with pytest.raises(ValueError, match=r"n_shots must be an int in 0\.\.2 .*got 3"):
         maps_analysis(tiny_llama, [three], draws=1)
+
+
+def test_draws_beyond_max_draws_are_refused_before_any_forward(tiny_llama, tokenizer, monkeypatch):
+    """`ablation_check(draws=2**40)` ran the base and top-head passes, then built 2**40 random
+    draws as a list until memory ran out: refused by value (`MAX_DRAWS`) before any forward, as
+    are `maps_analysis`, `random_head_draws` and the safety study's `random_draws`."""
+    import heads.scorers.maps.inference as inference
+    from heads import HeadScores
+    from heads.scorers.controls import MAX_DRAWS, random_head_draws
+    from heads.scorers.maps.analysis import maps_analysis
+
+    rel = load_relations(tokenizer, "plural")["plural"]
+    scores = HeadScores(torch.rand(3, 4), "x", n_kv_heads=2)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran before the check")
+
+    monkeypatch.setattr(inference, "forward", no_forward)
+    for bad in (MAX_DRAWS + 1, 2**40, 2**63):
+        with pytest.raises(ValueError, match=rf"draws must be an int in 1\.\.{MAX_DRAWS}.*got {bad}"):
+            inference.ablation_check(tiny_llama, rel, scores, n_heads=1, draws=bad, min_base=0.0)
+        with pytest.raises(ValueError, match=rf"draws must be an int in 1\.\.{MAX_DRAWS}.*got {bad}"):
+            maps_analysis(tiny_llama, [rel], draws=bad)
+        with pytest.raises(ValueError, match=rf"draws must be an int in 0\.\.{MAX_DRAWS}.*got {bad}"):
+            random_head_draws([(0, 0), (0, 1)], 1, bad, 0)
+    assert len(random_head_draws([(0, 0), (0, 1)], 1, MAX_DRAWS, 0)) == MAX_DRAWS

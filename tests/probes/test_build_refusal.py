@@ -88,3 +88,25 @@ def test_answers_report_each_decoding_step(tiny_llama):
     done = [d for d, _ in seen]
     assert done == sorted(done) and done[-1] == 6 and {1, 2, 3, 4, 5} <= set(done)  # every step shows
     assert answers == generate_answers(tiny_llama, qs, max_new_tokens=3, batch=2)  # progress changes nothing
+
+
+def test_a_failed_fine_tune_leaves_the_model_frozen_and_in_eval_mode(tiny_llama_dir, tmp_path, monkeypatch):
+    """`load_model` freezes the parameters; the fine-tune unfreezes them and switches to train
+    mode. Its failure (an error, an interrupt, out of memory in the backward) left the caller's
+    model unfrozen and in train mode: both restored however the fine-tune ends."""
+    import probes.studies.refusal_model as rm
+
+    every = rm.load_requests
+    monkeypatch.setattr(rm, "load_requests", lambda kind, split: every(kind, split)[:2])
+    monkeypatch.setattr(rm, "generate_answers", lambda model, prompts, progress=None: ["ok"] * len(prompts))
+
+    def broken(*args, **kwargs):
+        yield from ()
+        raise RuntimeError("the fine-tune failed")
+
+    monkeypatch.setattr(rm, "_batches", broken)
+    hm = load_model(tiny_llama_dir)
+    with pytest.raises(RuntimeError, match="the fine-tune failed"):
+        rm.build_refusal_model(tmp_path / "out", model=hm, epochs=1, progress=False)
+    assert not any(p.requires_grad for p in hm.model.parameters())
+    assert not hm.model.training

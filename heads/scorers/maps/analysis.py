@@ -21,6 +21,7 @@ import torch
 from heads._util.progress import offset_progress, progress_callback
 from heads.engine.options import SweepOptions, sweep_options
 from heads.model.adapter import HeadModel
+from heads.scorers.controls import check_draws
 from heads.scorers.maps.inference import (
     DYNAMIC_MAX_PAIRS,
     AblationResult,
@@ -151,7 +152,7 @@ def maps_analysis_steps(model: HeadModel, relations: object, draws: int = 5) -> 
     relation's ablation check and one for the salient operations."""
     rels = _as_relations(model, relations)
     n_dyn = dynamic_steps(model.n_layers, sum(min(DYNAMIC_MAX_PAIRS, len(r.pairs)) for r in rels))
-    return model.n_layers + n_dyn + len(rels) * ablation_steps(positive_int(draws, "draws")) + 1
+    return model.n_layers + n_dyn + len(rels) * ablation_steps(check_draws(draws)) + 1
 
 
 def maps_analysis(
@@ -198,7 +199,7 @@ def maps_analysis(
     t0 = time.perf_counter()
     top, draws, n_prompts = (
         positive_int(top, "top"),
-        positive_int(draws, "draws"),
+        check_draws(draws),
         positive_int(n_prompts, "n_prompts"),
     )
     pair_filter, dropped = _pair_filter(relations)

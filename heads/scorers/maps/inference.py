@@ -19,7 +19,7 @@ from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import encode_prompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores
-from heads.scorers.controls import other_heads, random_head_draws
+from heads.scorers.controls import check_draws, other_heads, random_head_draws
 from heads.scorers.maps.static import RelationPairs, positive_int, top_k_hits
 
 __all__ = [
@@ -308,7 +308,7 @@ def ablation_check(
 
     Raises:
         ValueError: scores of another shape than the model's heads, `n_heads` not an int in
-            1..half the heads (HeadsteerValueError, the value named), non-positive `draws`,
+            1..half the heads (HeadsteerValueError, the value named), `draws` not in 1..10,000,
             `n_prompts` beyond the relation's pairs, a relation of fewer than 4 pairs (3 shots
             each; all before any forward).
     """
@@ -318,7 +318,7 @@ def ablation_check(
             f"scores are [{scores.n_layers}, {scores.n_heads}], "
             f"the model has [{model.n_layers}, {model.n_heads}]"
         )
-    draws = positive_int(draws, "draws")
+    draws = check_draws(draws)
     # keep as many other heads as ablated ones, so the random baseline has the same size
     half = model.n_layers * model.n_heads // 2
     if n_heads is None:
