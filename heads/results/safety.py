@@ -129,17 +129,28 @@ class ShipsResult:
         check_geometry(path, (scores.n_layers, scores.n_heads, scores.n_kv_heads), model)
         return cls(per, scores, None if est is None else _scores(est, where, "estimate"))
 
+    def _view(self) -> tuple[str, str]:
+        """(what the scores are, how they are ranked): Ships' KL (>= 0, the largest first) or, for
+        an attribution to a metric (`method="attribution"`), its signed estimated change, the
+        largest |change| first (a head that helps the metric matters as much as one that hurts)."""
+        if self.scores.method == "attribution":
+            return "mean estimated metric change", "abs"
+        return "mean KL (nats)", "score"
+
     def __repr__(self) -> str:
         n, n_layers, n_heads = self.per_prompt.shape
         scored = int((~torch.isnan(self.scores.scores)).sum())
+        label, by = self._view()
+        order = " by |change|" if by == "abs" else ""
         return (
             f"ShipsResult({self.scores.model}: {n} prompts x {scored} of {n_layers * n_heads} heads; "
-            f"mean KL (nats) top {top_heads_text(self.scores)})"
+            f"{label} top{order} {top_heads_text(self.scores, by=by)})"
         )
 
     def _repr_html_(self) -> str:
-        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10)]
-        return html_view(repr(self), rows, ("head", "mean KL (nats)")) + self.scores._repr_html_()
+        label, by = self._view()
+        rows = [(f"L{la}.H{h}", self.scores.scores[la, h].item()) for la, h in self.scores.ranked(10, by=by)]
+        return html_view(repr(self), rows, ("head", label)) + self.scores._repr_html_()
 
 
 @dataclass

@@ -15,14 +15,15 @@ from heads.results.scores import HeadScores
 __all__ = ["html_view", "scores_title", "top_heads_text"]
 
 
-def top_heads_text(scores: HeadScores, k: int = 3, fmt: str = ".3g") -> str:
-    """`"L3.H1 0.512, L2.H0 0.3"`: the `k` highest-scoring heads with their scores (NaN
-    dropped; `"none scored"` when every score is NaN).
+def top_heads_text(scores: HeadScores, k: int = 3, fmt: str = ".3g", by: str = "score") -> str:
+    """`"L3.H1 0.512, L2.H0 0.3"`: the `k` highest-ranked heads with their scores (`by` as in
+    `HeadScores.ranked`: `"abs"` for signed scores; NaN dropped; `"none scored"` when every
+    score is NaN).
 
     Raises:
-        ValueError: `k` < 1.
+        ValueError: `k` < 1, an unknown `by`.
     """
-    heads = scores.ranked(k)
+    heads = scores.ranked(k, by=by)
     if not heads:
         return "none scored"
     return ", ".join(f"L{la}.H{h} {_num(scores.scores[la, h].item(), fmt)}" for la, h in heads)

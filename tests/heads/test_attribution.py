@@ -297,3 +297,19 @@ def test_sahara_candidates_restrict_the_search(tiny_llama):
         sahara_candidates(tiny_llama, PROMPTS, 0)
     with pytest.raises(ValueError, match="unknown ablation"):
         sahara_candidates(tiny_llama, PROMPTS, 2, ablation="mean")
+
+
+def test_ships_result_view_of_a_metric_attribution_is_signed_and_ranked_by_magnitude():
+    """A custom-metric attribution (`method="attribution"`) was shown as "mean KL (nats)" and
+    ranked by signed value, hiding the heads estimated to help the metric most (the largest
+    negative changes): labelled as a metric change and ranked by |change|; Ships' KL unchanged."""
+    from heads import HeadScores
+    from heads.results.safety import ShipsResult
+
+    table = torch.tensor([[0.1, -0.9], [0.5, -0.2]])
+    result = ShipsResult(table[None], HeadScores(table, "attribution"), None)
+    text = repr(result)
+    assert "mean estimated metric change top by |change| L0.H1 -0.9, L1.H0 0.5, L1.H1 -0.2" in text
+    assert "KL" not in text and "mean estimated metric change" in result._repr_html_()
+    kl = ShipsResult(table.abs()[None], HeadScores(table.abs(), "ships_attribution"), None)
+    assert "mean KL (nats) top L0.H1 0.9, L1.H0 0.5, L1.H1 0.2" in repr(kl)

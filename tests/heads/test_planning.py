@@ -315,6 +315,11 @@ def test_cli_plans_from_the_config_alone(tiny_llama_dir, tmp_path):
         "unknown analysis",
         ignore=("planning",),
     )
+    # planning runs nothing on --device: a GPU named on a machine without one was refused
+    r = CliRunner().invoke(app, ["plan", *model, "--device", "cuda", "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert [d["device"] for d in json.loads(r.stdout.strip().splitlines()[-1])["devices"]] == ["cuda"]
+    one_line_error(CliRunner().invoke(app, ["plan", *model, "--device", "tpu"]), "use cpu, cuda")
 
 
 def test_devices_configs_and_folders_are_checked_before_planning(tmp_path):

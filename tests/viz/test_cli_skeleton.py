@@ -400,7 +400,7 @@ def test_eval_refuses_unused_options_and_checks_values_before_loading(no_load, a
 def _boom_in_check_device(monkeypatch, exc):
     import viz.cli.common as cc
 
-    def boom(device):
+    def boom(device, present=True):
         raise exc
 
     monkeypatch.setattr(cc, "check_device", boom)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["check_device", "check_dtype", "check_head_file", "check_prompt", "check_text"]
 
 
-def check_device(device: str) -> str:
-    """The `--device` value if torch knows it and it is available here.
+def check_device(device: str, present: bool = True) -> str:
+    """The `--device` value if torch knows it and (`present`, default) it is available here.
 
     Raises:
         ValueError: an unknown device string, or CUDA / MPS not available.
@@ -34,6 +34,10 @@ def check_device(device: str) -> str:
         raise HeadsteerValueError(
             f"--device {short_repr(device)} is not a torch device (use cpu, cuda, cuda:N or mps)"
         ) from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise HeadsteerValueError(f"--device {short_repr(device)}: use cpu, cuda, cuda:N or mps")
+    if not present:  # a name only (`plan`: nothing runs on it)
+        return device
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise HeadsteerValueError(f"--device {short_repr(device)}: no CUDA device is available")
@@ -43,8 +47,6 @@ def check_device(device: str) -> str:
             )
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise HeadsteerValueError(f"--device {short_repr(device)}: MPS is not available")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise HeadsteerValueError(f"--device {short_repr(device)}: use cpu, cuda, cuda:N or mps")
     return device
 
 

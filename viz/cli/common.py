@@ -417,7 +417,12 @@ def _user_set(names: Iterable[str]) -> frozenset[str] | None:
 
 
 def command(
-    app: typer.Typer, name: str | None = None, *, writes_files: bool = True, json_help: str | None = None
+    app: typer.Typer,
+    name: str | None = None,
+    *,
+    writes_files: bool = True,
+    json_help: str | None = None,
+    uses_device: bool = True,
 ) -> Callable[[Callable], Callable]:
     """Register `fn(run: Run, **options) -> dict | None` as command `name` of `app`.
 
@@ -427,7 +432,8 @@ def command(
     `serve`) still takes `--force`, so that every command has the same options; its help
     says it has no effect there and passing it prints one warning line. `json_help` replaces
     the help of `--json` where it means something else than "JSON instead of tables" (`serve`).
-    Returns `fn` unchanged.
+    A command that runs nothing on `--device` (`uses_device=False`: `plan`, from the config
+    alone) checks only that it names a device, not that one is present. Returns `fn` unchanged.
     """
 
     def decorate(fn: Callable) -> Callable:
@@ -455,7 +461,7 @@ def command(
                 with _warnings_as_lines():
                     if run.force and not writes_files:
                         warn_line(f"--force has no effect: {label} writes no file")
-                    check_device(run.device)
+                    check_device(run.device, present=uses_device)
                     check_dtype(run.dtype)
                     result = fn(run, **kwargs)
             except USER_ERRORS as exc:

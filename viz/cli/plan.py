@@ -91,4 +91,4 @@ def plan_command(
 
 def register_plan(app: typer.Typer) -> None:
     """`headsteer plan` (writes no file)."""
-    command(app, "plan", writes_files=False)(plan_command)
+    command(app, "plan", writes_files=False, uses_device=False)(plan_command)
