@@ -228,7 +228,12 @@ def _loose_cases(m):
     edges = sc.ranking()[:3]
     masks = graph.valid.clone()[None]
     masks[0, edges[:, 0], edges[:, 1]] = False  # a circuit of all but three edges: three patched
-    rel = RelationPairs("copying", [(40, 40), (41, 41)], 1, texts=[("a", "a"), ("b", "b")])
+    rel = RelationPairs(
+        "copying",
+        [(40, 40), (41, 41), (42, 42), (43, 43)],
+        1,
+        texts=[("a", "a"), ("b", "b"), ("c", "c"), ("d", "d")],
+    )  # ablation_check needs 4 pairs (3 shots per prompt)
     scores = HeadScores(torch.zeros(m.n_layers, m.n_heads), "x")
 
     def same(a, b):
