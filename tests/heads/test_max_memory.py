@@ -169,7 +169,7 @@ _RSS_RUN = textwrap.dedent(
         return status("VmHWM") - base
 
     torch.set_num_threads(1)
-    T, N = 512, 6
+    T, N = 512, 12
     hm = make_tiny("llama", load_tokenizer(), num_attention_heads=16, num_key_value_heads=4,
                    hidden_size=256, max_position_embeddings=1024)
     half = torch.randint(100, 40000, (N, T // 2), generator=torch.Generator().manual_seed(0))
