@@ -86,13 +86,7 @@ def _forward_layer(
     if x is None and keep is not None:
         edits.append(ActivationEdit("residual", 0, read))
     edits += [*reads, ActivationEdit("resid_post", la, stop)]
-    with ExitStack() as stack:
-        stack.enter_context(starting_at(model, la, x))
-        stack.enter_context(editing(model, edits, require_fired=False))
-        try:
-            run_last(model, ids, mask)
-        except _Stop:
-            pass
+    _run_to(model, ids, mask, la, x, edits)
     return box[-1].detach()
 
 
