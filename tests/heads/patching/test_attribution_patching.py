@@ -219,3 +219,13 @@ def test_family_refusals_apply_and_request_round_trips():
         patch(hm, _pairs(), "mlp_out", positions=[-1], method="attribution", options=OPTS)
     req = PatchRequest(kind="head_out", method="attribution")
     assert PatchRequest.from_json(req.to_json()) == req
+
+
+def test_memory_plan_refuses_the_estimate_by_name():
+    """The planner's activation-patching plan is not the estimate's: refused, not misplanned."""
+    from heads.planning import plan_memory
+
+    cfg = shared_family_model("llama").model.config
+    assert plan_memory(cfg, PatchRequest(kind="head_out"), 32).peak > 0
+    with pytest.raises(HeadsteerValueError, match=r"patch\(method='attribution'\) has no memory plan"):
+        plan_memory(cfg, PatchRequest(kind="head_out", method="attribution"), 32)
