@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from heads._util.validation import check_int, short_repr
+from heads._util.validation import check_int
 from heads.engine import state
-from heads.errors import HeadsteerTypeError, HeadsteerValueError
+from heads.errors import HeadsteerValueError
+from heads.planning.configs import _config_of
 from heads.planning.devices import _device_split, _layer_of, _owns
 from heads.planning.eap import EAP_LEAN_BLOCK, eap_copies
+from heads.planning.patching import full_cache_bytes, patch_kept
+from heads.planning.requests import ANALYSES, REQUEST_PLANS, MemoryRequest, as_memory_request
 from heads.planning.trace import layer_kinds, n_layers_of, text_config, traced_peak
 from heads.planning.units import format_bytes, parse_bytes
 
@@ -39,135 +41,12 @@ __all__ = [
     "DevicePlan",
     "MemoryPlan",
     "MemoryRequest",
+    "REQUEST_PLANS",
     "geometry",
     "plan_memory",
     "rows_within",
     "weight_bytes",
 ]
-
-
-ANALYSES: dict[str, str] = {
-    "forward": "a plain forward, the last position's logits only (the baseline)",
-    "generate": "a steered generation: prefill and KV cache for tokens + new_tokens",
-    "sinks": "sink statistics (column sums of every pattern, read in query blocks)",
-    "detectors": "the pattern detectors (per-row sums of every pattern, read in query blocks)",
-    "retrieval": "the retrieval detector (the answer rows' patterns)",
-    "qrhead": "QRHead scores (the query rows' patterns)",
-    "knockout": "attention knockout (a row-by-column logit bias; fused kernel on long prompts)",
-    "gradient": (
-        "one forward and backward through the whole model, every layer's saved activations alive "
-        "at once (an upper bound for AtP / EAP, which run their gradients layer by layer)"
-    ),
-    "logits": (
-        "a forward keeping every position's logits, a copy of the real positions' and an fp16 copy "
-        "(the lens data)"
-    ),
-    "eap": (
-        "EAP / EAP-IG, layer by layer (`edge_scores`): every layer's activation differences, the "
-        "recorded residuals and one layer's downstream gradients kept beside a forward"
-    ),
-    "eap_lean": (
-        "EAP / EAP-IG on the memory-lean path (`edge_scores` under a budget the default path "
-        "exceeds): differences recomputed, only the recorded residuals and a block's gradients kept"
-    ),
-}
-"""The analyses `plan_memory` knows, with what is planned for each."""
-
-_PARAMS: dict[str, tuple[str, ...]] = {
-    "generate": ("new_tokens", "kernel"),
-    "qrhead": ("query_rows",),
-    "retrieval": ("query_rows",),
-    "knockout": ("kernel",),
-    "eap_lean": ("block",),
-}
-
-
-@dataclass(frozen=True)
-class MemoryRequest:
-    """What to plan: an analysis of `ANALYSES` and its parameters.
-
-    Attributes:
-        analysis: a name of `ANALYSES`.
-        params: `new_tokens` (generate; default 0), `kernel` (`"auto"`, `"fused"`, `"blocked"`;
-            default auto: fused from `FUSED_MIN_ROWS_CPU` tokens on), `query_rows` (qrhead,
-            retrieval: the rows whose pattern is read; default 64), `block` (eap_lean: the
-            downstream layers held per sweep; default `EAP_LEAN_BLOCK`, 2).
-
-    An analysis request of `heads` plans as its analysis where the plan has one
-    (`REQUEST_PLANS`: knockout, sink statistics, the detectors, QRHead, AtP and gradient
-    circuits); other requests are refused by name. Any object with a `memory_request()`
-    method returning one of these plans the same way.
-
-    Raises:
-        HeadsteerValueError: an unknown analysis or parameter, a bad value.
-    """
-
-    analysis: str = "forward"
-    params: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.analysis, str) or self.analysis not in ANALYSES:
-            raise HeadsteerValueError(
-                f"unknown analysis {short_repr(self.analysis)} for a memory plan: use one of "
-                f"{sorted(ANALYSES)}"
-            )
-        if not isinstance(self.params, Mapping):
-            raise HeadsteerTypeError(f"params must be a mapping, got {short_repr(self.params)}")
-        allowed = _PARAMS.get(self.analysis, ())
-        for k, v in self.params.items():
-            if k not in allowed:
-                raise HeadsteerValueError(
-                    f"{self.analysis} takes no parameter {short_repr(k)} in a memory plan "
-                    f"(takes {list(allowed)})"
-                )
-            if k == "kernel" and v not in state.KERNELS:
-                raise HeadsteerValueError(f"kernel must be one of {state.KERNELS}, got {short_repr(v)}")
-            if k in ("new_tokens", "query_rows", "block"):
-                check_int(k, v, lo=0 if k == "new_tokens" else 1)
-        object.__setattr__(self, "params", dict(self.params))
-
-    def get(self, name: str, default: Any) -> Any:
-        return self.params.get(name, default)
-
-
-REQUEST_PLANS: dict[str, str] = {
-    "knockout": "knockout",
-    "sink_stats": "sinks",
-    "detect_roles": "detectors",
-    "qrhead_scores": "qrhead",
-    "attribution_patching": "gradient",
-    "find_circuit": "eap",
-}
-"""Which plan an analysis request of `heads` (by its `NAME`) gets."""
-
-
-def _request(request: object) -> MemoryRequest:
-    if isinstance(request, MemoryRequest):
-        return request
-    if isinstance(request, str):
-        return MemoryRequest(request)
-    name = getattr(type(request), "NAME", None)
-    if isinstance(name, str) and hasattr(request, "to_json") and hasattr(request, "check_config"):
-        if name == "find_circuit" and getattr(request, "method", None) not in ("eap", "eap-ig"):
-            raise HeadsteerValueError(
-                f"find_circuit(method={getattr(request, 'method', None)!r}) has no memory plan; planned: "
-                "the gradient methods eap and eap-ig"
-            )
-        if name not in REQUEST_PLANS:
-            raise HeadsteerValueError(
-                f"a {name} request has no memory plan; planned requests: {sorted(REQUEST_PLANS)} "
-                f"(or an analysis name: {sorted(ANALYSES)})"
-            )
-        return MemoryRequest(REQUEST_PLANS[name])
-    make = getattr(request, "memory_request", None)
-    if callable(make):
-        got = make()
-        if isinstance(got, MemoryRequest):
-            return got
-    raise HeadsteerTypeError(
-        f"request must be an analysis name, a MemoryRequest or a request with memory_request(), "
-        f"got {short_repr(request)}"
-    )
 
 
 @dataclass(frozen=True)
@@ -362,6 +241,18 @@ def _extra(
     return 0
 
 
+def _patch_kept(req: MemoryRequest, g: dict[str, int], tokens: int, pairs: int, dtype: torch.dtype) -> int:
+    """Bytes activation / path patching keep beside their forwards (`heads.planning.patching`): the
+    default path's of `patch` (the lean path's sites, or both runs' full caches), both runs' full
+    caches (no q / k / v projections) for `path_patch`."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    if req.analysis == "path_patch":
+        return 2 * full_cache_bytes(g, item, pairs, tokens, keys=False)
+    layers, positions = req.get("layers", None), req.get("positions", None)
+    kind = req.get("kind", "head_out")
+    return patch_kept(g, item, kind, pairs, tokens, layers, positions)[1]
+
+
 READ_BLOCK_COPIES = 6
 """fp32 pattern-block-sized tensors alive while a block is read (logits, mask, pattern, product)."""
 
@@ -379,78 +270,6 @@ SDPA reads query, key and value as they are."""
 
 FUSED_COPIES = 4
 """`[B, H, T_padded, d]` tensors the fused kernel adds (padded query, key, value, output)."""
-
-
-# ---------------------------------------------------------------- devices
-def _config_of(config: object) -> Any:
-    """The transformers config of `config` (see `plan_memory`), never reading a weight."""
-    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
-        return config
-    model = getattr(config, "model", None)  # a HeadModel
-    if model is not None and hasattr(model, "config"):
-        return model.config
-    if config is None or isinstance(config, str) or hasattr(config, "__fspath__"):
-        import os
-        from pathlib import Path
-
-        from transformers import AutoConfig
-
-        from heads.model.loading import PACKAGED_MODELS, _resolve, check_config
-
-        path = None if config is None else Path(os.fspath(config)).expanduser()
-        if path is not None and path.is_dir():
-            check_config(path)
-            _check_sizes_given(path)
-            return AutoConfig.from_pretrained(path, trust_remote_code=False)
-        if config is None or str(config) in PACKAGED_MODELS:
-            where, _ = _resolve(config)  # the embedded model's cache
-            return AutoConfig.from_pretrained(where, trust_remote_code=False)
-        if path is not None and path.exists():
-            raise HeadsteerValueError(f"{str(config)!r} is not a model folder")
-        if path is not None and (
-            path.is_absolute() or str(config).startswith((".", "~")) or str(config).count("/") > 1
-        ):
-            raise HeadsteerValueError(f"no model folder at {str(config)!r}")
-        try:
-            return AutoConfig.from_pretrained(
-                str(config), trust_remote_code=False
-            )  # a hub id: config.json only
-        except OSError as err:
-            raise HeadsteerValueError(
-                f"no model folder at {str(config)!r} and no hub config cached for it "
-                f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-            ) from None
-    raise HeadsteerTypeError(
-        f"config must be a transformers config, a HeadModel or a model folder, got {short_repr(config)}"
-    )
-
-
-_SIZE_FIELDS = (
-    ("num_hidden_layers", "n_layer", "num_layers"),
-    ("hidden_size", "n_embd", "d_model"),
-    ("num_attention_heads", "n_head", "num_heads"),
-)
-
-
-def _check_sizes_given(folder: Any) -> None:
-    """Refuse a folder's config.json that leaves a size to transformers' defaults (a bare
-    `{"model_type": "llama"}` would be planned as a 7B model)."""
-    import json
-
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # check_config named it already
-    if not isinstance(raw, dict):
-        return
-    sub = raw.get("text_config")
-    text: dict = sub if isinstance(sub, dict) else raw
-    for names in _SIZE_FIELDS:
-        if not any(n in text or n in raw for n in names):
-            raise HeadsteerValueError(
-                f"config.json in {str(folder)!r} does not give {names[0]}: a plan needs the model's own "
-                "sizes, not transformers' defaults"
-            )
 
 
 def plan_memory(
@@ -494,7 +313,7 @@ def plan_memory(
     from heads.model.families import family_of
 
     family_of(cfg)  # a family load_model refuses is not planned either (the reason named)
-    req = _request(request)
+    req = as_memory_request(request)
     tokens = check_int("tokens", tokens, lo=1)
     batch = check_int("batch", batch, lo=1)
     dt = check_dtype(dtype)
@@ -536,6 +355,8 @@ def plan_memory(
         if req.analysis in ("eap", "eap_lean"):  # kept for the whole walk: on top of the forward's peak
             copies = eap_copies(req.analysis, g, len(layers), int(req.get("block", EAP_LEAN_BLOCK)))
             act += int(copies * batch * total_tokens * g["d_model"] * 4)
+        if req.analysis in ("patch", "path_patch"):  # kept beside every forward of the sweep
+            act += _patch_kept(req, g, total_tokens, batch, dt)
         if req.analysis == "logits" and i == len(split) - 1:  # [B, T, V]: logits, copy, fp16 copy
             act += batch * total_tokens * g["d_vocab"] * (2 * torch.empty(0, dtype=dt).element_size() + 2)
         plans.append(DevicePlan(dev, int(w), int(act), len(layers)))

@@ -58,7 +58,26 @@ Exempt = Literal["position", "first_flagged"]
 
 @dataclass(frozen=True)
 class SinkRule:
-    """How sinks are flagged (see the module docstring). Defaults follow docs/methods/act.md"""
+    """How sinks are flagged from the column scores a_j (module docstring; defaults as in
+    docs/methods/act.md, Yu et al. 2024).
+
+    Attributes:
+        rule: `"relative"` (default: a_j > alpha_s / N, N the prompt's real tokens) or
+            `"absolute"` (the reference code's: a_j > theta).
+        alpha_s: the relative rule's factor (default 5.0, > 0).
+        theta: the absolute rule's threshold (default 0.1, > 0).
+        exempt: `"position"` (default: the first real position is never a sink) or
+            `"first_flagged"` (the first flagged column per head, for reference parity).
+        min_support: a column seen by fewer real query rows is not flagged (default 1: every
+            column). a_j of the last columns averages very few rows (the last one: its own
+            row), so on long prompts the absolute rule flags the prompt's last tokens whenever
+            they attend to themselves (the relative rule too: alpha_s / N is small);
+            `min_support=32` reads only columns averaged over at least that many rows.
+
+    Raises:
+        HeadsteerValueError: an unknown rule / exempt, alpha_s or theta not > 0,
+            min_support < 1.
+    """
 
     rule: Rule = "relative"
     alpha_s: float = 5.0

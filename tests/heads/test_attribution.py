@@ -313,3 +313,28 @@ def test_ships_result_view_of_a_metric_attribution_is_signed_and_ranked_by_magni
     assert "KL" not in text and "mean estimated metric change" in result._repr_html_()
     kl = ShipsResult(table.abs()[None], HeadScores(table.abs(), "ships_attribution"), None)
     assert "mean KL (nats) top L0.H1 0.9, L1.H0 0.5, L1.H1 0.2" in repr(kl)
+
+
+@pytest.mark.parametrize(
+    ("graddrop", "metric", "max_rows"), [(False, "kl", 1), (True, "kl", 2), (True, "ld", 3)]
+)
+def test_progress_counts_the_walks(tiny_llama, graddrop, metric, max_rows):
+    """`options.progress` gets `(done, total)` once per walk down the layers: one per batch, with
+    GradDrop one per group of MAX_FLOWS // scalars dropped layers (KL: kl_tokens scalars)."""
+    from heads import SweepOptions
+    from heads.scorers.safety.atp import MAX_FLOWS
+
+    calls: list[tuple[int, int]] = []
+    m = "kl" if metric == "kl" else logit_diff(TARGETS, FOILS)
+    attribute(
+        tiny_llama,
+        PROMPTS,
+        metric=m,
+        kl_tokens=2,
+        graddrop=graddrop,
+        options=SweepOptions(max_rows=max_rows, progress=lambda d, t: calls.append((d, t))),
+    )
+    batches = math.ceil(len(PROMPTS) / max_rows)
+    per_group = MAX_FLOWS // (2 if metric == "kl" else 1)
+    walks = math.ceil(tiny_llama.n_layers / per_group) if graddrop else 1
+    assert calls == [(d, batches * walks) for d in range(1, batches * walks + 1)]

@@ -367,8 +367,7 @@ def test_analysis_requests_plan_as_their_analysis_or_are_refused_by_name():
         (CircuitRequest(method="eap"), "eap"),
     ):
         assert plan_memory(cfg, request, 64).peak == plan_memory(cfg, analysis, 64).peak
-    with pytest.raises(HeadsteerValueError, match="a patch request has no memory plan"):
-        plan_memory(cfg, PatchRequest(kind="head_out"), 64)
+    assert plan_memory(cfg, PatchRequest(kind="head_out"), 64).request.analysis == "patch"
     with pytest.raises(HeadsteerValueError, match="method='exact'"):
         plan_memory(cfg, CircuitRequest(method="exact"), 64)
 

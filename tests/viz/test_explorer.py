@@ -14,18 +14,6 @@ from tests.support.explorer import PROMPT, events, fake_detectors, scored
 from viz.explorer import create_explorer
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
-
-
 def test_page_and_plotly_are_local(client):
     page = client.get("/")
     assert page.status_code == 200

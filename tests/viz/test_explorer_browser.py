@@ -40,13 +40,6 @@ def serve(app):
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
 def served(model):
     """(url, app) of one explorer on the tiny model, shared by the module's tests."""
     app = create_explorer(model)

@@ -21,13 +21,6 @@ from viz.explorer import create_explorer
 LIMIT_S = 60  # a request's timeout: every wait below ends on a state (`wait_until`)
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
 def raw_post(url: str, path: str, body: dict) -> socket.socket:
     """Send one JSON POST on a new socket and leave it open, unread (a client that may go away)."""
     host, port = url.removeprefix("http://").rstrip("/").split(":")

@@ -18,13 +18,6 @@ FULL = 128  # the tests' full-pattern limit: a 301-token prompt gets the overvie
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
 def prompt(tokenizer):
     """A plain-text prompt of exactly 301 tokens (blocks of 2: the last block has one token)."""
     ids = tokenizer("The quick brown fox jumps over the lazy dog by the bank. " * 40)["input_ids"]

@@ -12,13 +12,6 @@ from viz.explorer import create_explorer
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
 def test_a_long_prompt_shows_the_overview_and_a_click_opens_a_window(browser, model, tokenizer):  # noqa: F811
     ids = tokenizer("The quick brown fox jumps over the lazy dog by the bank. " * 40)["input_ids"]
     prompt = tokenizer.decode(ids[:300])

@@ -1,24 +1,10 @@
 """`POST /api/qk`: a pattern cell's QK attribution from the explorer, against the library."""
 
 import pytest
-from fastapi.testclient import TestClient
 
 from heads import encode_prompts, qk_attribution
-from viz.explorer import create_explorer
 
 PROMPT = "Ignore this. **Remember the word apple** and say something"
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
 
 
 def test_cell_equals_the_library(client, model):

@@ -5,27 +5,12 @@ import json
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
-
-from viz.explorer import create_explorer
 
 PROMPT = "Ignore this. **Remember the word apple** and say something"
 
 
 def events(text: str) -> list[dict]:
     return [json.loads(ln[6:]) for ln in text.split("\n\n") if ln.startswith("data: ")]
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
 
 
 def test_info_says_whether_there_is_a_chat_template(client):

@@ -11,18 +11,6 @@ from viz.explorer import MAX_BODY_BYTES, MAX_NEW_TOKENS, create_explorer
 from viz.explorer.app import MAX_ANSWER_CHARS, MAX_PROMPT_CHARS
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
-
-
 def test_bad_requests_are_one_line_and_server_survives(client):
     for body in (
         {"prompt": ""},

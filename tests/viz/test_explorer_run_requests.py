@@ -4,28 +4,14 @@ called), and run it through `heads.run` (the request passed there is captured an
 the one built in Python from the same values)."""
 
 import pytest
-from fastapi.testclient import TestClient
 
 import heads
 from heads.scorers.patching.request import PatchRequest
 from heads.scorers.qk.request import QKRequest
 from heads.scorers.safety.request import ShipsRequest
 from heads.scorers.sink_requests import SinkStatsRequest
-from viz.explorer import create_explorer
 
 PROMPT = "The cat sat on the mat and the dog sat on the rug"
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
 
 
 @pytest.fixture

@@ -10,19 +10,6 @@ from fastapi.testclient import TestClient
 from tests.support.explorer import PROMPT, cancel_on_start, scored
 from viz.explorer import create_explorer
 
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
-
-
 # ----------------------------------------------------------------------- dla, ships, maps, probes
 NEW_SCORES = ("dla", "ships", "maps", "probes")
 

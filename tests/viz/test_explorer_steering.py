@@ -3,23 +3,9 @@ gives, and its parameters are checked."""
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from heads.scorers.attention_mass import span_attention
 from tests.support.explorer import PROMPT, scored
-from viz.explorer import create_explorer
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    return TestClient(create_explorer(model))
 
 
 def test_steered_stream_differs(client, model):

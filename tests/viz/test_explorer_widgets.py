@@ -11,13 +11,6 @@ from viz import widgets
 PROMPT = "Ignore this. **Remember the <b>word</b> apple** and say"
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    from tests.support import make_tiny
-
-    return make_tiny("llama", tokenizer)
-
-
 def bundle_html(view) -> str:
     if isinstance(view, widgets.StaticView):
         return view._repr_html_()

@@ -38,7 +38,7 @@ def plan_command(
         str,
         typer.Option(
             help="forward, generate, sinks, detectors, retrieval, qrhead, knockout, gradient, logits, "
-            "eap or eap_lean"
+            "eap, eap_lean, patch or path_patch"
         ),
     ] = "forward",
     tokens: Annotated[int, typer.Option(help="prompt length in tokens")] = 1024,

@@ -75,7 +75,8 @@ def check_inputs(
     Text prompts are counted as the analysis encodes them: put into `template` (a `{query}`
     template, as the safety analyses do), rendered with the chat template when `chat` (None:
     when the tokenizer has one), `**markup**` read when `markup` (`encode_prompts`).
-    Returns the pairs as the tokenizer encodes them (a `PairBatch`), or None for text prompts.
+    Returns the pairs as the tokenizer encodes them (a `PairBatch`), or the text prompts' token
+    lengths (a list).
 
     Raises:
         HeadsteerValueError: the first of these, as the analysis would raise it after loading.
@@ -100,7 +101,30 @@ def check_inputs(
         raise HeadsteerValueError(
             f"{option}: a sequence of {longest} tokens exceeds the model's limit of {limit} positions"
         )
-    return encoded if pairs else None
+    return encoded if pairs else lengths
+
+
+def check_budget(run: Run, req: Any, checked: Any, options: Any) -> None:
+    """Refuse `--max-memory` below the request's minimum from the config alone, before the weights
+    load (`heads.planning.budget.check_budget`): the inputs' longest row (`checked`: the encoded
+    pairs or the prompts' lengths; None: inputs of no known length, one token) and their count."""
+    if options.max_memory is None:
+        return
+    from heads.model.loading import check_dtype
+    from heads.planning.budget import check_budget as check
+    from heads.planning.requests import NO_PLAN
+
+    if req.NAME in NO_PLAN:  # refused by name before the weights (heads.run refuses it after)
+        raise HeadsteerValueError(f"a {req.NAME} request takes no --max-memory: {NO_PLAN[req.NAME]}")
+
+    if checked is None:
+        tokens, rows = 1, 1
+    elif isinstance(checked, list):
+        tokens, rows = max(checked, default=1), max(1, len(checked))
+    else:
+        tokens, rows = int(checked.width), int(checked.n)
+    dtype = check_dtype(run.dtype)
+    check(run.model, req, tokens, options.max_memory, rows, dtype, run.device, "--max-memory")
 
 
 def run_request(
@@ -155,6 +179,7 @@ def run_request(
     given = _read_inputs(name, inputs, n, needs)
     out = run.output(out)
     check_request(run, {}, req)  # against the model's config, before the weights
+    encoded: Any = None
     if given is not None:
         template = getattr(req, "template", None)  # the safety analyses' `{query}` template
         encoded = check_inputs(  # tokenizer + config only, the prompts as the analysis encodes them
@@ -166,8 +191,9 @@ def run_request(
             markup=bool(getattr(req, "markup", False)),
         )
         check_pairs = getattr(req, "check_pairs", None)
-        if encoded is not None and check_pairs is not None:
+        if name in PAIRS and check_pairs is not None:
             check_pairs(encoded)  # e.g. DLA / lens positions against the pairs' width, before the weights
+    check_budget(run, req, encoded, options)  # --max-memory: the config only, before the weights
     hm = run.load()
     from heads import run as run_analysis
 

@@ -22,10 +22,12 @@ hidden states, so a sweep's peak is one forward's plus the kept sites: for one l
 positions about one residual copy above a plain forward. Results equal the fast path's within
 fp32 rounding (tests/heads/patching: every kind, both directions, sliding-window families).
 
-`choose_lean` decides per sweep, from byte and work estimates made before any forward: the
-lean path where the full caches exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` (1.6) times
-the fast path's work (token-layers, the two recorded runs included: few sites, long prompts),
-or where a `SweepOptions(max_memory=)` budget does not hold the full caches; else the fast path.
+`choose_lean` decides per sweep, from byte and work estimates made before any forward
+(`heads.planning.patching.lean_default`, the rule the memory plan of a `PatchRequest` follows):
+the lean path where the full caches exceed `LEAN_ALWAYS_BYTES` (long prompts: every kind and
+position spec), or exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` (1.6) times the fast
+path's work (token-layers, the two recorded runs included: few sites), or where a
+`SweepOptions(max_memory=)` budget does not hold the full caches; else the fast path.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from heads.engine.options import SweepOptions
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.planning import patching as patch_plan
 from heads.scorers.patching.edits import _PatchKV, _PatchPattern, _PatchQuery, _PatchZ
 from heads.scorers.patching.metrics import base_and_source
 from heads.scorers.patching.pairs import PairBatch
@@ -55,18 +58,11 @@ __all__: list[str] = []  # internal: the lean path of `activation.run_patch`
 MODE = "auto"
 """`"auto"` (`choose_lean` decides), `"lean"` or `"full"` (forced; the tests run every kind both ways)."""
 
-LEAN_MIN_BYTES = 256 * 2**20
-"""Full caches (both runs) below this size keep the fast path whatever its work ratio: the lean
-path unembeds the whole vocabulary at the last position (the column-only unembedding reads the
-final hidden state, which a forward keeping no hidden states does not return), a few percent of
-a short prompt's forward (a sweep of every head on 8 IOI pairs on SmolLM2: 5% more CPU time)."""
-
-LEAN_TIME = 1.6
-"""The most work (token-layers) the lean path may cost over the fast path to be chosen by default.
-Token-layers undercount the fast path (it records both runs' full caches and copies the KV prefix
-per row): on SmolLM2 at 1,025 tokens, `resid_pre` at one layer and 3 positions (ratio 1.55) took
-34 s on the fast path and 15 s on the lean one; every position of every layer (ratio ~1.9) is
-2.4x slower lean. 1.25 kept the first on the fast path (and 0.8 GB more memory)."""
+# the thresholds of the default choice (heads.planning.patching; rebound here so that a test can
+# move them for one module)
+LEAN_MIN_BYTES = patch_plan.LEAN_MIN_BYTES
+LEAN_ALWAYS_BYTES = patch_plan.LEAN_ALWAYS_BYTES
+LEAN_TIME = patch_plan.LEAN_TIME
 
 # the engine site each kind's activation is read at (pattern: a `Recorder`)
 _SITE = {
@@ -107,31 +103,28 @@ class LeanRun:
     embeds: torch.Tensor | None = None
 
 
+def _geometry(model: HeadModel) -> tuple[dict[str, int], int]:
+    g = {
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.n_kv_heads,
+        "d_head": model.d_head,
+        "d_model": model.d_model,
+    }
+    return g, torch.empty(0, dtype=model.dtype).element_size()
+
+
 def lean_bytes(model: HeadModel, kind: str, n: int, width: int, layers: Sequence[int], n_pos: int) -> int:
     """Bytes the lean path keeps beside its forwards: both runs' sites at `layers` (`n_pos`
-    positions for the by-position kinds) and the base run's residual entering each layer > 0."""
-    H, G, d, D = model.n_heads, model.n_kv_heads, model.d_head, model.d_model
-    item = torch.empty(0, dtype=model.dtype).element_size()
-    if kind in ("resid_pre", "mlp_out"):
-        site = n_pos * D * item
-    elif kind in ("attn_out", "head_out_by_pos"):
-        site = n_pos * H * d * item
-    elif kind == "pattern":
-        site = H * width * width * 4
-    elif kind in ("k", "v"):
-        site = width * G * d * item
-    else:  # head_out, q
-        site = width * H * d * item
-    resid = sum(1 for la in layers if la) * width * D * item
-    return int(n * (2 * len(layers) * site + resid))
+    positions for the by-position kinds) and the base run's residual entering each layer > 0
+    (`heads.planning.patching.lean_kept_bytes`)."""
+    g, item = _geometry(model)
+    return patch_plan.lean_kept_bytes(g, item, kind, n, width, layers, n_pos)
 
 
 def _work(model: HeadModel, width: int, n: int, sites: Sequence[_Site], by_pos: bool, lean: bool) -> int:
-    """Token-layers of a sweep: the two recorded runs and one forward per (site, pair) from its
-    layer (the fast path from its position on for the by-position kinds)."""
-    L = model.n_layers
-    rows = sum((width if lean or not by_pos else width - s.pos) * (L - s.layer) for s in sites)
-    return 2 * n * width * L + n * rows
+    """Token-layers of a sweep (`heads.planning.patching.patch_work`)."""
+    return patch_plan.patch_work(model.n_layers, width, n, [(s.layer, s.pos) for s in sites], by_pos, lean)
 
 
 def choose_lean(
@@ -148,15 +141,20 @@ def choose_lean(
     naming its minimum, when one row of it does not fit either)."""
     by_pos = kind in BY_POSITION
     n, width = pairs.n, pairs.width
-    full = 2 * cache_bytes(model, n, width, pattern=kind == "pattern", query=kind == "q")
+    keys = kind in ("k", "v")  # what `_run_full` records
+    full = 2 * cache_bytes(model, n, width, pattern=kind == "pattern", query=kind == "q", keys=keys)
     lean = lean_bytes(model, kind, n, width, layers, n_pos)
     if MODE in ("lean", "full"):
         use = MODE == "lean"
     else:
-        ratio = _work(model, width, n, sites, by_pos, True) / max(
-            1, _work(model, width, n, sites, by_pos, False)
+        use = patch_plan.lean_default(
+            full,
+            _work(model, width, n, sites, by_pos, True),
+            _work(model, width, n, sites, by_pos, False),
+            least=LEAN_MIN_BYTES,
+            always=LEAN_ALWAYS_BYTES,
+            time=LEAN_TIME,
         )
-        use = full > LEAN_MIN_BYTES and ratio <= LEAN_TIME
     if not use and MODE != "full" and options.max_memory is not None:
         try:
             return False, options.within(model, width, reserve=full, whole=n)

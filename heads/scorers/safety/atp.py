@@ -390,10 +390,24 @@ def _z(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g.detach()
 
 
+def walks_per_batch(n_layers: int, setup: BatchSetup) -> int:
+    """The walks down the layers `attribute_batch` makes per batch: 1, or with GradDrop one per
+    group of `MAX_FLOWS // scalars` dropped layers (scalars: `kl_tokens` for KL, else 1)."""
+    if not setup.graddrop:
+        return 1
+    per_group = max(1, MAX_FLOWS // (setup.kl_tokens if setup.metric == "kl" else 1))
+    return -(-n_layers // per_group)
+
+
 def attribute_batch(
-    model: HeadModel, enc: EncodedPrompts, rows: torch.Tensor, setup: BatchSetup
+    model: HeadModel,
+    enc: EncodedPrompts,
+    rows: torch.Tensor,
+    setup: BatchSetup,
+    walked: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch)."""
+    """`[R, L, H]` estimates for the prompts `rows` of `enc` (one batch); `walked()` is called after
+    each walk down the layers (`walks_per_batch` of them)."""
     metric, kl_tokens = setup.metric, setup.kl_tokens
     lengths = enc.attention_mask[rows].sum(-1)
     trim = enc.length - int(lengths.max())
@@ -426,6 +440,8 @@ def attribute_batch(
 
     if not setup.graddrop:
         eff = _Walk(model, ids, mask, rows, setup, real, scalars, []).run(sparse)
+        if walked is not None:
+            walked()
         return estimate([eff[(None, j)] for j in range(len(eff))])
     n_scalars = 1 if metric != "kl" else kl_tokens
     per_group = max(1, MAX_FLOWS // n_scalars)
@@ -435,6 +451,8 @@ def attribute_batch(
         if g0:  # recorded again: kept for every walk they would add their copies to each walk's peak
             _, sparse = record_inputs(model, ids, mask, checkpoint_layers(L))
         eff = _Walk(model, ids, mask, rows, setup, real, scalars, drops).run(sparse)
+        if walked is not None:
+            walked()
         for d in drops:
             est = estimate([eff[(d, j)] for j in range(n_scalars)])
             total += est if metric == "kl" else est.abs()

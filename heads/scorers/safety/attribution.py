@@ -61,6 +61,7 @@ from typing import Any, Literal
 
 import torch
 
+from heads._util.progress import progress_callback
 from heads._util.validation import check_int, is_int, short_repr
 from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, Edit, HeadOutputEdit
@@ -71,7 +72,7 @@ from heads.inputs.prompts import EncodedPrompts
 from heads.model.adapter import HeadModel
 from heads.results.scores import HeadScores, HeadSpec
 from heads.scorers.controls import random_head_draws
-from heads.scorers.safety.atp import BatchSetup, attribute_batch
+from heads.scorers.safety.atp import BatchSetup, attribute_batch, walks_per_batch
 from heads.scorers.safety.common import (
     TEMPLATE,
     ShipsResult,
@@ -265,8 +266,10 @@ def attribute(
         graddrop: AtP* §3.1.2 GradDrop (L extra backward passes; a score then is a magnitude).
         options: `heads.SweepOptions`; `max_rows`: prompts per forward (the memory bound: the
             graph of one batch is kept), fewer where `max_memory` needs it (the `"gradient"`
-            plan; refused before any forward when one prompt does not fit). The 0.1 keyword
-            `max_rows=` still works, with a `DeprecationWarning`.
+            plan; refused before any forward when one prompt does not fit); `progress`: a
+            tqdm bar (default; drawn after 1 s) or a `(done, total)` callable, counted in walks
+            down the layers (one per batch, with GradDrop one per group of dropped layers). The
+            0.1 keyword `max_rows=` still works, with a `DeprecationWarning`.
         stability: bootstrap resamples of the prompts (default 0: none; e.g. 100) for the
             ranking's stability, `result.scores.stability` (from the per-prompt estimates, no
             extra forward; `heads.results.stability`).
@@ -341,11 +344,20 @@ def run_attribution(
     means = _head_means(model, enc, max_rows) if ablation == "mean" else None
 
     per_prompt = torch.zeros(enc.batch, model.n_layers, model.n_heads)
-    for a in range(0, enc.batch, max_rows):
-        rows = torch.arange(a, min(a + max_rows, enc.batch))
-        per_prompt[rows] = attribute_batch(
-            model, enc, rows, BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
-        )
+    setup = BatchSetup(ablation, eps, metric, kl_tokens, saturation_fix, graddrop, means)
+    total = -(-enc.batch // max_rows) * walks_per_batch(model.n_layers, setup)
+    with progress_callback(opts.progress, "attribution", "walks", delay=1.0) as report:
+        done = 0
+
+        def walked() -> None:
+            nonlocal done
+            done += 1
+            if report is not None:
+                report(done, total)
+
+        for a in range(0, enc.batch, max_rows):
+            rows = torch.arange(a, min(a + max_rows, enc.batch))
+            per_prompt[rows] = attribute_batch(model, enc, rows, setup, walked=walked)
     keep = torch.zeros(model.n_layers, model.n_heads, dtype=torch.bool)
     for layer, head in chosen:
         keep[layer, head] = True
@@ -389,7 +401,9 @@ def _ships_estimate(
         exact=exact,
         kl_tokens=kl_tokens,
         template=template,
-        options=SweepOptions(max_rows=options.max_rows, max_memory=options.max_memory),
+        options=SweepOptions(
+            max_rows=options.max_rows, max_memory=options.max_memory, progress=options.progress
+        ),
     )
 
 

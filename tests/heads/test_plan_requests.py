@@ -1,0 +1,232 @@
+"""Memory plans of the analysis requests (issue 41 item 4): every request `headsteer run` accepts
+plans as its analysis or is refused by name; activation / path patching plans against the live
+bytes of the real sweeps; a budget below a run's minimum refused from the config alone, before any
+weight loads (`headsteer run --max-memory`); the default patching path lean at long prompts for
+every kind and position spec (`heads.planning.patching`, shared by `choose_lean` and the plan)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from heads import HeadModel, SweepOptions
+from heads.errors import HeadsteerValueError
+from heads.planning import plan_memory
+from heads.planning.patching import LEAN_ALWAYS_BYTES, PATCH_KINDS, patch_kept
+from heads.planning.requests import NO_PLAN, REQUEST_PLANS
+from heads.planning.trace import LiveBytes
+from heads.scorers.patching import lean
+from heads.scorers.patching.activation import _sites, patch
+from heads.scorers.patching.path import path_patch
+from heads.scorers.patching.record import cache_bytes
+from heads.scorers.request_base import _REGISTRY
+
+CFG = LlamaConfig(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+SMOL = dict(n_layers=30, n_heads=9, n_kv_heads=3, d_head=64, d_model=576)  # SmolLM2-135M's geometry
+
+
+def _instance(cls):
+    required = {"knockout": {"keys": [1]}, "qk_attribution": {"head": (0, 0)}}
+    return cls(**required.get(cls.NAME, {}))
+
+
+def test_every_request_plans_as_its_analysis_or_is_refused_by_name():
+    """The registry walked: each request has a plan (a `MemoryPlan` whose analysis is the one its
+    sweep plans with) or a refusal naming it and why; the requests that take no budget
+    (`dispatch._NO_OPTIONS`) are the refused ones, with MAPS (which refuses `max_memory`)."""
+    from heads.scorers import dispatch
+
+    assert set(REQUEST_PLANS) | set(NO_PLAN) == set(_REGISTRY)
+    assert not set(REQUEST_PLANS) & set(NO_PLAN)
+    assert {c.NAME for c in dispatch._NO_OPTIONS} | {"maps_scores"} == set(NO_PLAN)
+    for name, cls in _REGISTRY.items():
+        request = _instance(cls)
+        if name in NO_PLAN:
+            with pytest.raises(HeadsteerValueError, match=rf"a {name} request has no memory plan \("):
+                plan_memory(CFG, request, 32)
+            continue
+        plan = plan_memory(CFG, request, 32)
+        assert plan.peak > plan_memory(CFG, "forward", 1).peak, name
+    assert plan_memory(CFG, _REGISTRY["patch"](kind="q"), 32).request.params["kind"] == "q"
+    ships = _REGISTRY["ships"]
+    assert plan_memory(CFG, ships(method="attribution"), 32).request.analysis == "gradient"
+    assert plan_memory(CFG, ships(), 32).request.analysis == "forward"
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LlamaConfig(**dict(CFG.to_dict(), hidden_size=128, intermediate_size=256))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    return HeadModel(hf, None, "t")
+
+
+def _pairs(T: int = 192):
+    """Two random pairs of `T` tokens whose prompts differ at two columns (the vocabulary: 1,000)."""
+    from heads.scorers.patching import pairs_from_tokens
+
+    clean = torch.randint(10, 1000, (2, T), generator=torch.Generator().manual_seed(0))
+    corrupted = clean.clone()
+    corrupted[:, T // 3] = 7
+    corrupted[:, T - 5] = 8
+    return pairs_from_tokens(clean.tolist(), corrupted.tolist(), [3, 3], [4, 4])
+
+
+def _live(hm, run) -> int:
+    run()  # one-time state (lazy buffers) outside the count
+    tracker = LiveBytes()
+    tracker.ignore(list(hm.model.parameters()) + list(hm.model.buffers()))
+    with torch.no_grad(), tracker:
+        run()
+    return tracker.peak
+
+
+@pytest.mark.parametrize(
+    ("kind", "layers", "positions", "mode"),
+    [
+        ("resid_pre", [1], [-1], "lean"),
+        ("head_out", [1], None, "lean"),
+        ("resid_pre", [1], [-1], "full"),
+        ("q", None, None, "full"),
+    ],
+)
+def test_patch_plans_within_15_percent_of_the_live_bytes(model, monkeypatch, kind, layers, positions, mode):
+    """`plan_memory(config, PatchRequest)`: the recorded run of every pair beside what the path
+    keeps (its sites, or both runs' full caches), against the live bytes the sweep counts."""
+    from heads.planning.patching import full_cache_bytes, lean_kept_bytes
+    from heads.planning.plan import geometry
+
+    pairs = _pairs()
+    T, N = pairs.width, pairs.n
+    monkeypatch.setattr(lean, "MODE", mode)
+    opts = SweepOptions(progress=False, max_rows=N)  # the patched forwards' rows: the recorded runs' N
+    measured = _live(
+        model, lambda: patch(model, pairs, kind, layers=layers, positions=positions, options=opts)
+    )
+    g, item = geometry(model.model.config), 4
+    lays = list(range(3)) if layers is None else layers
+    n_pos = 0 if positions is None else len(positions)
+    kept = lean_kept_bytes(g, item, kind, N, T, lays, n_pos)
+    if mode == "full":
+        kept = 2 * full_cache_bytes(g, item, N, T, query=kind == "q", keys=False)
+    assert kept == (
+        lean.lean_bytes(model, kind, N, T, lays, n_pos)
+        if mode == "lean"
+        else 2 * cache_bytes(model, N, T, query=kind == "q", keys=False)
+    )
+    planned = plan_memory(model, "forward", T, N).devices[0].activations + kept
+    assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
+    # the request's own plan: the default path's (short prompts: the full caches)
+    request = _REGISTRY["patch"](kind=kind, layers=layers, positions=positions)
+    full = 2 * full_cache_bytes(g, item, N, T, query=kind == "q", keys=False)
+    assert (
+        plan_memory(model, request, T, N).devices[0].activations
+        == plan_memory(model, "forward", T, N).devices[0].activations + full
+    )
+
+
+def test_path_patch_plans_within_15_percent_of_the_live_bytes(model):
+    pairs = _pairs()
+    measured = _live(
+        model, lambda: path_patch(model, pairs, senders=[(0, 1)], options=SweepOptions(progress=False))
+    )
+    planned = plan_memory(model, "path_patch", pairs.width, pairs.n).devices[0].activations
+    assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
+
+
+def _stand_in(width: int, n: int = 1):
+    model = SimpleNamespace(**SMOL, dtype=torch.float32)
+    model.n_layers = SMOL["n_layers"]
+    return model, SimpleNamespace(n=n, width=width)
+
+
+@pytest.mark.parametrize("width", [1024, 2048, 8192])
+def test_the_default_is_lean_for_every_kind_and_position_spec_at_long_prompts(width):
+    """At 1k-8k tokens on SmolLM2's geometry every kind, with positions at the end, at a third
+    and everywhere, one layer or all, takes the lean path (`resid_pre` at the last position of every
+    layer kept both runs' full caches: 2.2 GB of RSS at 1,024 tokens); `choose_lean` and the plan
+    make the same choice (one rule)."""
+    g = {**SMOL}
+    hm, pairs = _stand_in(width)
+    for kind in PATCH_KINDS:
+        by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+        for layers in ([15], list(range(30))):
+            for positions in ([-1], [width // 3], None) if by_pos else (None,):
+                if by_pos and positions is None and len(layers) > 1 and width > 1024:
+                    continue  # T x L sites: too many to list quickly; the one-layer case shows it
+                poss = list(range(width)) if positions is None else [p % width for p in positions]
+                sites, _ = _sites(hm, kind, layers, poss if by_pos else [])
+                chosen, _ = lean.choose_lean(
+                    hm, pairs, kind, sites, layers, len(poss) if by_pos else 0, SweepOptions()
+                )
+                planned, kept = patch_kept(g, 4, kind, 1, width, layers, positions)
+                assert chosen and planned, (kind, layers, positions)
+                full = 2 * cache_bytes(hm, 1, width, pattern=kind == "pattern", query=kind == "q")
+                # every layer's patterns are what that sweep reads: kept by either path
+                assert kept < full / 2 or (kind == "pattern" and len(layers) > 1), (kind, layers)
+
+
+def test_choose_lean_and_the_plan_agree_at_every_size():
+    """Around the thresholds (short, middle, long prompts) the sweep's choice is the plan's."""
+    g = {**SMOL}
+    for width in (16, 200, 400, 700, 1024):
+        hm, pairs = _stand_in(width)
+        for kind, layers, positions in (
+            ("resid_pre", [15], [-1]),
+            ("resid_pre", list(range(30)), [-1]),
+            ("resid_pre", [3], [width // 3]),
+            ("head_out", [15], None),
+        ):
+            poss = [p % width for p in positions] if positions else []
+            sites, _ = _sites(hm, kind, layers, poss)
+            chosen, _ = lean.choose_lean(hm, pairs, kind, sites, layers, len(poss), SweepOptions())
+            assert chosen == patch_kept(g, 4, kind, 1, width, layers, positions)[0], (width, kind, layers)
+    assert 2 * cache_bytes(_stand_in(700)[0], 1, 700) > LEAN_ALWAYS_BYTES  # lean from ~610 tokens on
+
+
+def test_run_refuses_a_budget_below_its_minimum_before_loading(tiny_llama_dir, tmp_path, monkeypatch):
+    """`headsteer run --max-memory`: planned from the config alone, refused before any weight loads
+    (it was refused by the sweep after loading), naming the minimum; the loader and transformers'
+    `from_pretrained` fail the test if called."""
+    from transformers import AutoModelForCausalLM as Auto
+    from typer.testing import CliRunner
+
+    import heads
+    from tests.support.cli import one_line_error
+    from viz.cli import app
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(heads, "load_model", boom)
+    monkeypatch.setattr(Auto, "from_pretrained", boom)
+    req = tmp_path / "req.json"
+    for body, inputs in (
+        ({"request": "patch", "kind": "resid_pre"}, ["--inputs", "ioi", "--n", "2"]),
+        ({"request": "sink_stats", "chat": False}, ["--inputs", str(tmp_path / "p.txt")]),
+    ):
+        (tmp_path / "p.txt").write_text("Hello there\nHow are you\n")
+        req.write_text(json.dumps(body))
+        args = ["run", str(req), "--model", tiny_llama_dir, "--out", str(tmp_path / "o.json"), *inputs]
+        r = CliRunner().invoke(app, [*args, "--max-memory", "1KB"])
+        one_line_error(r, "needs at least")
+        assert "--max-memory is 1 KB" in r.output and "the model was loaded" not in r.output
+        # a budget that fits gets as far as loading the weights
+        r = CliRunner().invoke(app, [*args, "--max-memory", "100GB"])
+        assert "the model was loaded" in str(r.exception) or "the model was loaded" in r.output, r.output
+    req.write_text(json.dumps({"request": "direct_logit_attribution"}))
+    args = ["run", str(req), "--model", tiny_llama_dir, "--out", str(tmp_path / "o.json")]
+    r = CliRunner().invoke(app, [*args, "--inputs", "ioi", "--n", "2", "--max-memory", "100GB"])
+    one_line_error(r, "a direct_logit_attribution request takes no --max-memory")
