@@ -24,7 +24,9 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
   (AtP*: UA with the exact pattern change and GradDrop, `attribute(ablation="ua",
   saturation_fix=True, graddrop=True)`; GradDrop adds L / 2 walks down the layers, so its
   default lengths are the short ones: `--atp-star-max`), `atp_star-ld` (AtP* to the logit
-  difference of `atp-ld`: 1 + 3 flows per walk, 8 walks on SmolLM2, against KL's 30 of 4).
+  difference of `atp-ld`: 1 + 3 flows per walk, 8 walks on SmolLM2, against KL's 30 of 4),
+  `atp-pairs` (attribution patching on the pair: `patch(kind="head_out", method="attribution")`,
+  every head over all positions, the logit difference, denoising).
 
 * forward-only readers: `sinks` (`sink_stats`), `detectors` (`pattern_scores`, every detector),
   `qrhead` (`qr_tokens`: query and null-query prefills, the haystack cut into passages),
@@ -122,6 +124,14 @@ def _atp_star_ld(hm, length: int, args) -> Callable[[], object]:
     return lambda: attribute(
         hm, [text], ablation="ua", saturation_fix=True, graddrop=True, metric=metric, template=None
     )
+
+
+def _atp_pairs(hm, length: int, args) -> Callable[[], object]:
+    from heads.engine.options import SweepOptions
+    from heads.scorers.patching.activation import patch
+
+    pairs, opts = pair(hm, length), SweepOptions(progress=False)
+    return lambda: patch(hm, pairs, "head_out", method="attribution", options=opts)
 
 
 def _task(hm, length: int):
@@ -230,6 +240,7 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "atp-ld": ("gradient", _atp_ld),
     "atp_star": ("gradient", _atp_star),
     "atp_star-ld": ("gradient", _atp_star_ld),
+    "atp-pairs": ("gradient", _atp_pairs),
     "sinks": ("forward", _sinks),
     "detectors": ("forward", _detectors),
     "qrhead": ("forward", _qrhead),

@@ -123,6 +123,11 @@ class MemoryRequest:
 
 
 def _patch(r: Any) -> MemoryRequest:
+    if getattr(r, "method", "activation") != "activation":
+        raise HeadsteerValueError(
+            f"patch(method={r.method!r}) has no memory plan; planned: activation patching "
+            "(method='activation')"
+        )
     layers = None if r.layers is None else list(r.layers)
     positions = r.positions if isinstance(r.positions, (list, tuple)) else None
     return MemoryRequest("patch", {"kind": r.kind, "layers": layers, "positions": positions})

@@ -51,6 +51,8 @@ def test_request_refusals_name_the_option(tmp_path):
         (["--direction", "up"], "--direction", "direction must be one of denoising, noising"),
         (["--kind", "resid_pre", "--stability", "5"], "--stability", "has no head axis"),
         (["--stability", "1"], "--stability", "stability must be 0 (off)"),
+        (["--method", "gradient"], "--method", "method must be one of activation, attribution"),
+        (["--kind", "q", "--method", "attribution"], "--method", "does not estimate kind='q'"),
     ):
         r = _invoke(tmp_path, "/no/model", *args)
         assert r.exit_code == 2 and option in r.output and message in r.output, (args, r.output)

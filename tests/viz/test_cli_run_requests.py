@@ -80,6 +80,14 @@ def test_report_patching_runs_the_api_requests(captured, tiny_llama_dir, tmp_pat
         DLARequest(stability=2),
         LensRequest(),
     ]
+    seen.clear()
+    r = _cli(tmp_path, "patching", "--model", tiny_llama_dir, "--n", "2", "--method", "attribution")
+    assert r.exit_code == 1, r.output
+    assert seen == [
+        PatchRequest(kind="head_out", method="attribution"),
+        DLARequest(),
+        LensRequest(),
+    ]
 
 
 def test_report_circuit_runs_the_api_request(captured, tiny_llama_dir, tmp_path):

@@ -38,6 +38,9 @@ def report_patching(
         str | None, typer.Option(hidden=True, help="deprecated: the old name of --kind (one release)")
     ] = None,
     direction: Annotated[str, typer.Option(help="denoising (default) or noising")] = "denoising",
+    method: Annotated[
+        str, typer.Option(help="activation (default) or attribution (AtP: the first-order estimate)")
+    ] = "activation",
     n: Annotated[int, typer.Option(help="pairs used (the first n of the test split or file)")] = 8,
     split: Annotated[
         str | None,
@@ -67,8 +70,15 @@ def report_patching(
     _positive(n=n)
     # the request `heads.patch` builds: its values checked there, once; its kind against the
     # model's config (`check_model`) before the weights load
-    options = {"kind": kind_option, "direction": "--direction", "stability": "--stability"}
-    request = build_request(PatchRequest, options, kind=kind, direction=direction, stability=stability)
+    options = {
+        "kind": kind_option,
+        "direction": "--direction",
+        "stability": "--stability",
+        "method": "--method",
+    }
+    request = build_request(
+        PatchRequest, options, kind=kind, direction=direction, stability=stability, method=method
+    )
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
     check_request(run, options, request)

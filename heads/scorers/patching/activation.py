@@ -62,7 +62,7 @@ from heads.engine.options import SweepOptions
 from heads.engine.variants import run_rows
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.scorers.patching.capture import ForwardStopped, PatchStream, StopAt
+from heads.scorers.patching.capture import PatchStream, _one_column_output
 from heads.scorers.patching.lean import _Site, choose_lean, run_lean
 from heads.scorers.patching.metrics import Metric, base_and_source, get_metric
 from heads.scorers.patching.pairs import PairBatch, check_pairs_differ, check_vocab
@@ -71,6 +71,7 @@ from heads.scorers.patching.record import (
     _qkv_modules,  # noqa: F401 - importable from here as before
     _qkv_slices,  # noqa: F401 - importable from here as before
     cache_bytes,  # noqa: F401 - importable from here as before
+    prefix_cache,  # importable from here as before
     record_run,
 )
 from heads.scorers.patching.request import BY_POSITION, KINDS, PatchRequest
@@ -192,8 +193,10 @@ def patch(
     positions: Sequence[int] | str | None = None,
     options: SweepOptions | None = None,
     stability: int = 0,
+    method: str = "activation",
 ) -> PatchResult:
-    """Activation patching of every site of `kind` (see `KINDS`) on the pairs.
+    """Activation patching of every site of `kind` (see `KINDS`) on the pairs, or its
+    first-order estimate, attribution patching (`method="attribution"`).
 
     Args:
         model: the `HeadModel` on any local backend (Hugging Face, TransformerLens, nnsight;
@@ -219,6 +222,16 @@ def patch(
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
             none; e.g. 100): `result.stability`, from the per-pair scores with no extra forward
             (`PatchResult.bootstrap`; the pairs' template ids give the agreement across templates).
+        method: `"activation"` (default: one patched forward per site and pair) or
+            `"attribution"`: attribution patching (AtP; Nanda 2023, Syed et al. 2023, Kramar et
+            al. 2024 Sec. 3.1), `raw` = base metric + `(a_source - a_base) . dM/da` with the
+            gradient taken on the base run (the corrupted one when denoising, the clean one
+            when noising), for every site at once from one backward of each run, in memory
+            linear in the prompt (`heads.scorers.patching.attribution`; kinds `resid_pre`,
+            `attn_out`, `mlp_out`, `head_out`, `head_out_by_pos`; text pairs). A choice of
+            `patch`, not a function of its own: the same question on the same pairs, sites and
+            metric, the same `PatchResult` (compare the two cell by cell).
+            `heads.attribution_patching` is AtP of head *ablations* on single prompts.
 
     Returns:
         a `PatchResult` (raw metric per site and pair, the clean/corrupt metrics, normalised
@@ -240,7 +253,13 @@ def patch(
             `positions="image"` without vision pairs — all before any forward.
     """
     request = PatchRequest(
-        kind=kind, direction=direction, metric=metric, layers=layers, positions=positions, stability=stability
+        kind=kind,
+        direction=direction,
+        metric=metric,
+        layers=layers,
+        positions=positions,
+        stability=stability,
+        method=method,
     )
     return run_patch(model, pairs, request, options)
 
@@ -268,6 +287,13 @@ def run_patch(
 
         check_samples(pairs.n, stability)
     sites, shape = _sites(model, kind, lays, poss)
+    if request.method == "attribution":  # AtP: the first-order estimate (heads.scorers.patching.attribution)
+        from heads.scorers.patching.attribution import attribution_sweep
+
+        raw, m_clean, m_corrupt = attribution_sweep(model, pairs, request, met, lays, poss, options)
+        return _result(
+            model, pairs, request, met, raw.reshape(*shape, pairs.n), m_clean, m_corrupt, lays, poss, mixed
+        )
     # the fast path (both runs' full caches) or the lean one (only the patched sites), within
     # max_memory beside what each keeps (heads.scorers.patching.lean)
     lean, options = choose_lean(model, pairs, kind, sites, lays, len(poss), options)
@@ -283,11 +309,30 @@ def run_patch(
             )
     else:
         raw, m_clean, m_corrupt = _run_full(model, pairs, kind, direction, met, sites, by_pos, options, emb)
+    return _result(
+        model, pairs, request, met, raw.reshape(*shape, pairs.n), m_clean, m_corrupt, lays, poss, mixed
+    )
+
+
+def _result(
+    model: HeadModel,
+    pairs: PairBatch,
+    request: PatchRequest,
+    met: Metric,
+    raw: torch.Tensor,
+    m_clean: torch.Tensor,
+    m_corrupt: torch.Tensor,
+    lays: list[int],
+    poss: list[int],
+    mixed: str | None,
+) -> PatchResult:
+    """The `PatchResult` of a sweep's `raw [*grid, N]` and metrics (both methods)."""
+    kind, by_pos = request.kind, request.kind in BY_POSITION
     result = PatchResult(
         kind,
-        direction,
+        request.direction,
         met.name,
-        raw.reshape(*shape, pairs.n),
+        raw,
         m_clean.cpu(),
         m_corrupt.cpu(),
         _grid_names(kind),
@@ -298,10 +343,12 @@ def run_patch(
     )
     if by_pos:
         result.params["labels_from"] = pairs.labels_from + ("" if mixed is None else f" ({mixed})")
-    if stability:
+    if request.method != "activation":
+        result.params["method"] = request.method
+    if request.stability:
         from heads.scorers.stability import pair_templates
 
-        result.stability = result.bootstrap(stability, templates=pair_templates(pairs))
+        result.stability = result.bootstrap(request.stability, templates=pair_templates(pairs))
     return result
 
 
@@ -543,47 +590,3 @@ def _run_chunk(
     else:
         out = run_rows(model, ids, m, edits, start=layer, residual=residual, past=past)
     return out.logits[:, -1].float()
-
-
-def prefix_cache(
-    base: RunCache, ps: torch.Tensor, trim: int, split: int, start: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer `(keys, values)` of the base run at columns `trim:split` for the rows of pairs
-    `ps` (`[R, G, split - trim, d]`), for a forward that starts at layer `start`. The layers
-    below `start` are never computed, so they get pair `ps[0]`'s slice alone (`[1, G, ...]`):
-    the cache reads only their length, and the rows are not copied for nothing."""
-    rows = ps[:1]
-    return [
-        (k[ps if la >= start else rows, :, trim:split], v[ps if la >= start else rows, :, trim:split])
-        for la, (k, v) in enumerate(base.kv)
-    ]
-
-
-def _one_column_output(
-    model: HeadModel,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    edits: list[Edit],
-    layer: int,
-    residual: torch.Tensor | None,
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None,
-) -> torch.Tensor:
-    """`[R, 1, D]`: the output of decoder layer `layer` at the one column `ids [R, 1]` (after
-    `past`, `mask` up to that column) with `edits`, from `residual` (its slice at that column,
-    or None for layer 0); the forward stops there (`StopAt` the block's `resid_post`)."""
-    stop = StopAt("resid_post", layer)
-    try:
-        run_rows(
-            model,
-            ids,
-            mask,
-            [*edits, stop],
-            start=layer,
-            residual=None if residual is None else residual[:, :1],
-            past=past,
-        )
-    except ForwardStopped:
-        pass
-    if stop.seen is None:  # pragma: no cover - the edit always fires on a decoder layer
-        raise HeadsteerValueError(f"layer {layer} did not run")
-    return stop.seen

@@ -12,7 +12,10 @@ from typing import cast
 import torch
 
 from heads.engine.activations import ActivationEdit
-from heads.engine.edits import AttentionCall
+from heads.engine.edits import AttentionCall, Edit
+from heads.engine.variants import run_rows
+from heads.errors import HeadsteerValueError
+from heads.model.adapter import HeadModel
 
 __all__ = ["ForwardStopped", "PatchStream", "StopAt"]
 
@@ -52,3 +55,33 @@ class PatchStream(ActivationEdit):
         rows = x.reshape(src.shape[0], t, x.shape[-1])
         c = self.cols[:, a : a + t].to(x.device)[:, :, None]
         return torch.where(c, src[:, a : a + t].to(x.dtype), rows).reshape(x.shape)
+
+
+def _one_column_output(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    edits: list[Edit],
+    layer: int,
+    residual: torch.Tensor | None,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """`[R, 1, D]`: the output of decoder layer `layer` at the one column `ids [R, 1]` (after
+    `past`, `mask` up to that column) with `edits`, from `residual` (its slice at that column,
+    or None for layer 0); the forward stops there (`StopAt` the block's `resid_post`)."""
+    stop = StopAt("resid_post", layer)
+    try:
+        run_rows(
+            model,
+            ids,
+            mask,
+            [*edits, stop],
+            start=layer,
+            residual=None if residual is None else residual[:, :1],
+            past=past,
+        )
+    except ForwardStopped:
+        pass
+    if stop.seen is None:  # pragma: no cover - the edit always fires on a decoder layer
+        raise HeadsteerValueError(f"layer {layer} did not run")
+    return stop.seen

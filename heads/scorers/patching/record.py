@@ -236,3 +236,17 @@ def record_run(
         qs,
         last,
     )
+
+
+def prefix_cache(
+    base: RunCache, ps: torch.Tensor, trim: int, split: int, start: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer `(keys, values)` of the base run at columns `trim:split` for the rows of pairs
+    `ps` (`[R, G, split - trim, d]`), for a forward that starts at layer `start`. The layers
+    below `start` are never computed, so they get pair `ps[0]`'s slice alone (`[1, G, ...]`):
+    the cache reads only their length, and the rows are not copied for nothing."""
+    rows = ps[:1]
+    return [
+        (k[ps if la >= start else rows, :, trim:split], v[ps if la >= start else rows, :, trim:split])
+        for la, (k, v) in enumerate(base.kv)
+    ]

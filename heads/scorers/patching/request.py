@@ -28,9 +28,11 @@ from heads.scorers.request_base import (
 )
 
 __all__ = [
+    "ATTRIBUTION_KINDS",
     "BY_POSITION",
     "KINDS",
     "KNOCKOUT_PER",
+    "METHODS",
     "MLP_MODES",
     "RECEIVER_INPUTS",
     "WHICH",
@@ -45,6 +47,13 @@ __all__ = [
 
 BY_POSITION = ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
 """The kinds scored per position (the ones that take `positions`)."""
+
+METHODS = ("activation", "attribution")
+"""`PatchRequest.method`: activation patching (one forward per site) or its first-order
+estimate, attribution patching (`heads.scorers.patching.attribution`)."""
+
+ATTRIBUTION_KINDS = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos")
+"""The kinds `method="attribution"` estimates (q / k / v / pattern: refused by name)."""
 
 RECEIVER_INPUTS = ("q", "k", "v")
 """The inputs of a receiver head that path patching can patch."""
@@ -126,11 +135,16 @@ class PatchRequest(Request):
         positions: padded columns for the by-position kinds (`BY_POSITION`; negative counts from
             the end) or `"image"` (vision pairs' image tokens); default None: all.
         stability: bootstrap resamples of the pairs for the head ranking (0: none; 2..10000).
+        method: `"activation"` (default: one patched forward per site and pair) or
+            `"attribution"` (attribution patching, AtP: the first-order estimate of every site
+            from one backward per run, `heads.scorers.patching.attribution`; kinds
+            `ATTRIBUTION_KINDS`).
 
     Raises:
-        HeadsteerValueError: an unknown kind / direction / metric, positions for a kind that patches
-            every position, stability on a kind without heads; `check_config`: layers or positions
-            out of range, a kind the family does not have (`check_kind_family`).
+        HeadsteerValueError: an unknown kind / direction / metric / method, positions for a kind
+            that patches every position, stability on a kind without heads, a kind
+            `method="attribution"` does not estimate (q, k, v, pattern); `check_config`: layers or
+            positions out of range, a kind the family does not have (`check_kind_family`).
     """
 
     NAME = "patch"
@@ -141,10 +155,17 @@ class PatchRequest(Request):
     layers: Sequence[int] | None = None
     positions: Sequence[int] | str | None = None
     stability: int = 0
+    method: str = "activation"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise HeadsteerValueError(f"unknown patching kind {short_repr(self.kind)}; use one of {KINDS}")
+        check_choice("method", self.method, METHODS)
+        if self.method == "attribution" and self.kind not in ATTRIBUTION_KINDS:
+            raise HeadsteerValueError(
+                f"method='attribution' does not estimate kind={short_repr(self.kind)} (attribution "
+                f"patching covers {ATTRIBUTION_KINDS}); use method='activation' for it"
+            )
         check_choice("direction", self.direction, DIRECTIONS)
         _metric(self.metric)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
