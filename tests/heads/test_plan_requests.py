@@ -305,3 +305,19 @@ def test_cli_plan_reads_a_run_request(tiny_llama_dir, tmp_path):
     one_line_error(r, "a logit_lens request has no memory plan", ignore=("planning",))
     r = CliRunner().invoke(app, [*base, "--request", str(req), "--analysis", "sinks"])
     one_line_error(r, "not both", ignore=("planning",))
+
+
+def test_patch_frame_names_the_token_column_and_its_token(model):
+    """`PatchResult.to_frame()`: `position` is the padded column patched (it was the index along
+    the position axis: 0, 1 for `positions=[5, -1]`), `token` pair 0's token there."""
+    pairs = _pairs(32)
+    res = patch(
+        model, pairs, "resid_pre", layers=[1, 2], positions=[5, -1], options=SweepOptions(progress=False)
+    )
+    frame = res.to_frame()
+    labels = pairs.position_labels(0)
+    assert sorted(set(frame["position"])) == [5, 31]
+    assert all(row.token == labels[row.position] for row in frame.itertuples())
+    assert list(frame["layer"].unique()) == [1, 2] and len(frame) == 4
+    want = res.mean[:, 1].tolist()  # the last column's scores, by layer
+    assert frame[frame["position"] == 31]["score"].tolist() == pytest.approx(want, abs=0, nan_ok=True)
