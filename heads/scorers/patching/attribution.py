@@ -21,21 +21,26 @@ stream, `hook_attn_out` / `hook_mlp_out`, after a post-norm where the family has
 `resid_pre` (`[L, P]`). `q`, `k`, `v` and `pattern` are refused by name (`PatchRequest`).
 
 Memory (linear in the prompt, no `[H, T, T]` pattern kept, no cache of every site): the gradients
-come one layer at a time (`heads.scorers.layerwise`): a no-grad forward of each run records the
+come one layer at a time (`heads.scorers.layerwise`): a no-grad pass of each run records the
 residual entering a few layers (`checkpoint_layers`); the walk goes down from the top layer,
-recomputing a segment's inputs without gradients when it reaches it, and runs each layer alone
-with gradients (as its attention half over every position and its MLP half in position chunks
-where the block has a `resid_mid`, as the AtP walk of `heads.scorers.safety.atp` does). The
-source run is walked down beside it: at each scored layer its activation at the site comes from
-that layer run alone without gradients, is contracted with the gradient at once and dropped.
-Where the source's sites at the scored layers and positions take fewer bytes than its
-checkpoints (few layers or positions), they are recorded in its one forward instead. Kept: the
-two runs' checkpoints (about `2 sqrt(2 L)` residual copies at most), the gradient reaching the
-layer, one layer's graph (a chunk of its MLP's), the source's site of that layer.
+recomputing a segment's inputs without gradients when it reaches it (in `PARTS` passes, so half a
+segment's inputs are alive), and runs each layer alone with gradients (its attention half over
+every position, its MLP half in position chunks where the block has a `resid_mid`, as the AtP walk
+of `heads.scorers.safety.atp`). The no-grad passes also run one layer at a time with the MLP in
+position chunks (`layerwise.layer_output`): a whole forward's MLP intermediates (about 10 residual
+copies on SmolLM2) never coexist with the checkpoints. The source run is walked down beside the
+base run: at each scored layer its site comes from that layer alone without gradients, after the
+base layer's backward, is contracted with the gradient at once and dropped. Where the source's
+sites at the scored layers and positions take fewer bytes than its checkpoints (few layers or
+positions), they are recorded in its one forward instead (`SOURCE`). Kept at the peak on SmolLM2
+(30 layers, residual copies `[T, D]`): the two runs' checkpoints and half a segment each (about
+14), one layer's attention graph (about 5) and the gradients (2-3): 2.3-2.5x a plain forward's
+peak at 1k tokens (docs/long-context.md).
 
-Cost: per chunk of pairs (`SweepOptions.max_rows` pairs a walk) two recording forwards, one
-recomputing forward of each run, and one forward and backward of each layer: about 4-5 forwards'
-work, whatever the number of sites (activation patching: one forward per site and pair).
+Cost: per chunk of pairs (`SweepOptions.max_rows` pairs a walk) a recording pass of each run,
+about 1.5 recomputing passes of each, and one forward and backward of each layer: about 7-8
+forwards' CPU time, whatever the number of sites (activation patching: one forward per site
+and pair).
 """
 
 from __future__ import annotations
