@@ -35,7 +35,8 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
   the same length first), all on a needle-in-a-haystack task of that length
   (`probes.datasets.needle`);
 * forward-only, measured as they are: `dla` (`direct_logit_attribution`), `lens` (`logit_lens`)
-  and `patch` (`patch(kind="resid_pre")` of one layer at one position), on one pair.
+  and `patch` (`patch(kind="resid_pre")` of one layer at one position), on one pair;
+  `patch-<kind>` (every site kind at the middle layer, the by-position kinds at the last position).
 
 Every run has a memory cap (`--cap-gb` above the loaded model, `RLIMIT_AS`): an analysis that
 would exceed it fails with an allocation error in its own process and is reported as failed at
@@ -213,6 +214,23 @@ def _dla(hm, length: int, args) -> Callable[[], object]:
     }[args.section]
 
 
+def _patch_site(kind: str) -> Callable:
+    """`patch(kind)` at the middle layer (the by-position kinds at the last position: the spec the
+    fast path's full caches took by default before the lean path became the long-prompt default)."""
+
+    def build(hm, length: int, args) -> Callable[[], object]:
+        from heads.scorers.patching.activation import patch
+
+        pairs = pair(hm, length)
+        by_pos = kind in ("resid_pre", "attn_out", "mlp_out", "head_out_by_pos")
+        where = {"layers": [hm.n_layers // 2], "positions": [-1] if by_pos else None}
+        return lambda: patch(hm, pairs, kind, **where)
+
+    return build
+
+
+PATCH_SITES = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
+
 ANALYSES: dict[str, tuple[str, Callable]] = {
     "eap": ("gradient", _edges("eap")),
     "eap-ig": ("gradient", _edges("eap-ig")),
@@ -231,6 +249,7 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "dla": ("forward", _dla),
     "lens": ("forward", _dla),
     "patch": ("forward", _dla),
+    **{f"patch-{kind}": ("forward", _patch_site(kind)) for kind in PATCH_SITES},
 }
 """name -> (kind: "gradient" or "forward", builder `(model, length, args) -> run`)."""
 KINDS = {name: kind for name, (kind, _) in ANALYSES.items()}

@@ -67,7 +67,39 @@ def _resolve(name: str, spec: object, enc: EncodedPrompts) -> torch.Tensor:
     return out
 
 
-@dataclass(frozen=True)
+def _runs(values: Sequence[object]) -> str:
+    """`[0, 1, 2, 5]` as `0..2, 5`; at most 4 runs shown, then the count left."""
+    ints = [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) != len(values):
+        return short_repr(list(values))
+    runs: list[tuple[int, int]] = []
+    for v in ints:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    parts = [str(a) if a == b else f"{a}..{b}" for a, b in runs[:4]]
+    more = f", ... {len(runs) - 4} more runs" if len(runs) > 4 else ""
+    return "[" + ", ".join(parts) + more + f"] ({len(ints)})"
+
+
+def _short_positions(value: object) -> str:
+    """A position / layer / head list for a repr: None as `all`, a string as given, runs
+    otherwise (one list per row: the rows' count and the first row's runs)."""
+    if value is None:
+        return "all"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, range):
+        value = list(value)
+    if isinstance(value, Sequence) and value and all(isinstance(v, Sequence) for v in value):
+        return f"{len(value)} rows, row 0 {_runs(list(value[0]))}"
+    if isinstance(value, Sequence):
+        return _runs(list(value))
+    return short_repr(value)
+
+
+@dataclass(frozen=True, repr=False)
 class Knockout:
     """Block (or scale) attention from query positions to key positions in chosen layers/heads.
 
@@ -106,6 +138,16 @@ class Knockout:
             )
         if f == 1:
             warn_noop("Knockout factor=1 is a no-op: output equals the unsteered model", stacklevel=4)
+
+    def __repr__(self) -> str:
+        """Short: each position list as runs (`500..899 (400)`), what it leaves at its default
+        (`queries=all`), the factor ("blocked" at 0)."""
+        what = "blocked" if self.factor == 0 else f"x{self.factor:g}"
+        return (
+            f"Knockout(keys={_short_positions(self.keys)}, queries={_short_positions(self.queries)}, "
+            f"layers={_short_positions(self.layers)}, heads={_short_positions(self.heads)}, "
+            f"factor={self.factor:g} ({what}))"
+        )
 
     def _layers_heads(self, model: HeadModel) -> tuple[list[int], list[int] | None]:
         layers = list(range(model.n_layers)) if self.layers is None else self.layers

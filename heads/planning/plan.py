@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from heads.engine import state
 from heads.errors import HeadsteerValueError
 from heads.planning.configs import _config_of
 from heads.planning.devices import _device_split, _layer_of, _owns
+from heads.planning.eap import EAP_LEAN_BLOCK, eap_copies
 from heads.planning.patching import full_cache_bytes, patch_kept
 from heads.planning.requests import ANALYSES, REQUEST_PLANS, MemoryRequest, as_memory_request
 from heads.planning.trace import layer_kinds, n_layers_of, text_config, traced_peak
@@ -47,34 +47,6 @@ __all__ = [
     "rows_within",
     "weight_bytes",
 ]
-
-
-EAP_GRAPH_COPIES = 10
-"""Residual-stream copies (`[B, T, D]` fp32) one layer's graph with gradients holds beyond a plain
-forward's own peak (EAP's default path; SmolLM2 at 1,024 tokens: planned 255 MB, measured 243 MB
-of RSS; random 4-12-layer models: within 7% of the live bytes, tests/heads/test_planning.py)."""
-
-EAP_LEAN_WORK_COPIES = 1
-"""... the lean path's working set beside the block it keeps and the forward's own peak: its
-sweeps run a layer's MLP in position chunks, so their peak is at the attention half, below a
-forward's (random 4-6-layer models: within 10% of the live bytes, EAP and EAP-IG; SmolLM2 at 512
-tokens: 11.3 copies planned, 11.2 counted; tests/heads/test_planning.py)."""
-
-EAP_LEAN_BLOCK = 2
-"""Downstream layers per sweep of the lean path (`eap_lean.BLOCK`)."""
-
-
-def _eap_copies(analysis: str, g: dict[str, int], n_layers: int) -> float:
-    """Residual-stream copies (`[B, T, D]` fp32) EAP keeps beside a forward (docs/long-context.md):
-    default, `2 n + L / every + every + (H + 2 G + 1) + EAP_GRAPH_COPIES` (`n` the device's
-    layers, `every ~ sqrt(L)`); lean, `block ((H + 2 G) d / D + 3) + 1 + EAP_LEAN_WORK_COPIES`
-    (per layer of the block its input, its compact gradients and the next block's input; the
-    gradient reaching the block)."""
-    L, h, kv, d, D = g["n_layers"], g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
-    if analysis == "eap":
-        every = max(1, round(math.sqrt(L)))
-        return 2 * n_layers + math.ceil(L / every) + every + (h + 2 * kv + 1) + EAP_GRAPH_COPIES
-    return EAP_LEAN_BLOCK * ((h + 2 * kv) * d / D + 3) + 1 + EAP_LEAN_WORK_COPIES
 
 
 @dataclass(frozen=True)
@@ -381,7 +353,8 @@ def plan_memory(
         extra = _extra(req, g, total_tokens, batch, dt, dev)
         act = traced.at(count) if not extra else max(traced.at(count), traced.at_attention(count) + extra)
         if req.analysis in ("eap", "eap_lean"):  # kept for the whole walk: on top of the forward's peak
-            act += int(_eap_copies(req.analysis, g, len(layers)) * batch * total_tokens * g["d_model"] * 4)
+            copies = eap_copies(req.analysis, g, len(layers), int(req.get("block", EAP_LEAN_BLOCK)))
+            act += int(copies * batch * total_tokens * g["d_model"] * 4)
         if req.analysis in ("patch", "path_patch"):  # kept beside every forward of the sweep
             act += _patch_kept(req, g, total_tokens, batch, dt)
         if req.analysis == "logits" and i == len(split) - 1:  # [B, T, V]: logits, copy, fp16 copy

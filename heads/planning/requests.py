@@ -53,6 +53,7 @@ ANALYSES: dict[str, str] = {
 
 _PARAMS: dict[str, tuple[str, ...]] = {
     "generate": ("new_tokens", "kernel"),
+    "eap_lean": ("block",),
     "qrhead": ("query_rows",),
     "retrieval": ("query_rows",),
     "knockout": ("kernel",),
@@ -80,7 +81,8 @@ class MemoryRequest:
             default auto: fused from `FUSED_MIN_ROWS_CPU` tokens on), `query_rows` (qrhead,
             retrieval: the rows whose pattern is read; default 64), `kind` / `layers` /
             `positions` (patch: the site kind, default `"head_out"`; the patched layers and the
-            by-position kinds' columns, default None: all, negative from the end).
+            by-position kinds' columns, default None: all, negative from the end), `block`
+            (eap_lean: the downstream layers held per sweep; default `EAP_LEAN_BLOCK`, 2).
 
     An analysis request of `heads` plans as its analysis where the plan has one
     (`REQUEST_PLANS`); the others are refused by name (`NO_PLAN`). Any object with a
@@ -110,7 +112,7 @@ class MemoryRequest:
                 )
             if k == "kernel" and v not in state.KERNELS:
                 raise HeadsteerValueError(f"kernel must be one of {state.KERNELS}, got {short_repr(v)}")
-            if k in ("new_tokens", "query_rows"):
+            if k in ("new_tokens", "query_rows", "block"):
                 check_int(k, v, lo=0 if k == "new_tokens" else 1)
             if k == "kind" and v not in PATCH_KINDS:
                 raise HeadsteerValueError(f"kind must be one of {PATCH_KINDS}, got {short_repr(v)}")

@@ -261,14 +261,25 @@ class PatchResult:
         return patch_stability(self, n_resamples, **kwargs)
 
     def to_frame(self) -> pd.DataFrame:
-        """Tidy table: one row per site, its grid coordinates, `score` (mean normalised),
-        `ci_low`, `ci_high`, `raw` (mean raw metric) and `token` for a position axis."""
+        """Tidy table: one row per site, its grid coordinates (`layer`: the model's layer number;
+        `position`: the padded token column patched, as `positions=` takes it, not an index into
+        the position axis), `score` (mean normalised), `ci_low`, `ci_high`, `raw` (mean raw metric)
+        and `token` (pair 0's token at that column) for a position axis."""
         import pandas as pd
 
         m, (lo, hi) = self.mean, self.interval()
         idx = torch.cartesian_prod(*[torch.arange(n) for n in m.shape]).reshape(-1, m.ndim)
         cols: dict[str, Any] = {name: idx[:, j].numpy() for j, name in enumerate(self.grid)}
         cols["layer"] = torch.tensor(self.layer_ids)[idx[:, 0]].numpy()  # the model's layer numbers
+        given = self.params.get("positions")
+        if (
+            "position" in self.grid
+            and isinstance(given, list)
+            and len(given) == m.shape[self.grid.index("position")]
+        ):
+            cols["position"] = torch.tensor(given)[
+                idx[:, self.grid.index("position")]
+            ].numpy()  # token columns
         cols.update(
             score=m.flatten().numpy(),
             ci_low=lo.flatten().numpy(),

@@ -230,3 +230,94 @@ def test_run_refuses_a_budget_below_its_minimum_before_loading(tiny_llama_dir, t
     args = ["run", str(req), "--model", tiny_llama_dir, "--out", str(tmp_path / "o.json")]
     r = CliRunner().invoke(app, [*args, "--inputs", "ioi", "--n", "2", "--max-memory", "100GB"])
     one_line_error(r, "a direct_logit_attribution request takes no --max-memory")
+
+
+@pytest.mark.parametrize("kind", ["head_out", "resid_pre", "k"])
+def test_lean_patched_forwards_take_one_row_on_long_rows_with_the_same_scores(model, monkeypatch, kind):
+    """`lean.LEAN_ROW_TOKENS`: rows of a long prompt run one per patched forward (9 rows of
+    `head_out` at 1,024 tokens peaked at 9 forwards' memory); the scores equal the fast path's."""
+    pairs = _pairs(64)
+    opts = SweepOptions(progress=False)
+    monkeypatch.setattr(lean, "MODE", "full")
+    want = patch(model, pairs, kind, layers=[1], options=opts).raw
+    monkeypatch.setattr(lean, "MODE", "lean")
+    monkeypatch.setattr(lean, "LEAN_ROW_TOKENS", 64)  # rows of 64 tokens count as long here
+    seen = []
+    run = lean.run_rows
+
+    def spy(model, ids, *a, **k):
+        seen.append(ids.shape[0])
+        return run(model, ids, *a, **k)
+
+    monkeypatch.setattr(lean, "run_rows", spy)
+    got = patch(model, pairs, kind, layers=[1], options=opts).raw
+    assert seen[:2] == [2, 2] and len(seen) > 3 and set(seen[2:]) == {1}  # two recorded runs, then rows
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6, equal_nan=True)
+
+
+def test_circuit_report_refuses_a_budget_below_its_minimum_before_loading(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """`headsteer report circuit --max-memory`: the lean EAP path's plan of one pair of the task,
+    from the config and tokenizer alone, before the weights (it was refused after loading)."""
+    from transformers import AutoModelForCausalLM as Auto
+    from typer.testing import CliRunner
+
+    import heads
+    from tests.support.cli import one_line_error
+    from viz.cli import app
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(heads, "load_model", boom)
+    monkeypatch.setattr(Auto, "from_pretrained", boom)
+    args = ["report", "circuit", "--model", tiny_llama_dir, "--pairs", "2", "--out", str(tmp_path / "c.html")]
+    r = CliRunner().invoke(app, [*args, "--max-memory", "2MB"])
+    one_line_error(r, "find_circuit on 1 x ")
+    assert "needs at least" in r.output and "--max-memory is 2 MB" in r.output
+    r = CliRunner().invoke(app, [*args, "--max-memory", "24GB"])
+    assert "the model was loaded" in r.output, r.output
+
+
+def test_cli_plan_reads_a_run_request(tiny_llama_dir, tmp_path):
+    """`headsteer plan --request FILE`: the request `headsteer run` takes, planned as its analysis
+    from the config alone (no weights in the folder), or refused by name."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from tests.support.cli import one_line_error
+    from viz.cli import app
+
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(f"{tiny_llama_dir}/config.json", folder / "config.json")
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"request": "patch", "kind": "resid_pre", "positions": [-1]}))
+    base = ["plan", "--model", str(folder), "--tokens", "64", "--batch", "2"]
+    r = CliRunner().invoke(app, [*base, "--request", str(req), "--json", "--quiet"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["analysis"] == "patch" and got["params"]["positions"] == [-1] and got["batch"] == 2
+    req.write_text(json.dumps({"request": "logit_lens"}))
+    r = CliRunner().invoke(app, [*base, "--request", str(req)])
+    one_line_error(r, "a logit_lens request has no memory plan", ignore=("planning",))
+    r = CliRunner().invoke(app, [*base, "--request", str(req), "--analysis", "sinks"])
+    one_line_error(r, "not both", ignore=("planning",))
+
+
+def test_patch_frame_names_the_token_column_and_its_token(model):
+    """`PatchResult.to_frame()`: `position` is the padded column patched (it was the index along
+    the position axis: 0, 1 for `positions=[5, -1]`), `token` pair 0's token there."""
+    pairs = _pairs(32)
+    res = patch(
+        model, pairs, "resid_pre", layers=[1, 2], positions=[5, -1], options=SweepOptions(progress=False)
+    )
+    frame = res.to_frame()
+    labels = pairs.position_labels(0)
+    assert sorted(set(frame["position"])) == [5, 31]
+    assert all(row.token == labels[row.position] for row in frame.itertuples())
+    assert list(frame["layer"].unique()) == [1, 2] and len(frame) == 4
+    want = res.mean[:, 1].tolist()  # the last column's scores, by layer
+    assert frame[frame["position"] == 31]["score"].tolist() == pytest.approx(want, abs=0, nan_ok=True)

@@ -143,9 +143,10 @@ def report_circuit(
     ] = 0,
 ) -> dict:
     """Circuit discovery: EAP / EAP-IG edge scores, the circuit graph, exact faithfulness curve."""
+    from heads.engine.options import SweepOptions
     from heads.scorers.circuits.request import CircuitRequest
     from viz.cli.requests import build_request, check_request
-    from viz.cli.run_request import check_inputs
+    from viz.cli.run_request import check_budget, check_inputs
     from viz.reports.circuit import TASKS, circuit_report, circuit_steps
 
     if method not in ("eap", "eap-ig"):  # the report's choice: the request also has "exact"
@@ -188,8 +189,14 @@ def report_circuit(
     out = run.output(out, suffixes=HTML)
     js = run.output(out.with_suffix(".json"))
     check_request(run, options, request)
-    if given is not None:  # its pairs encoded with the tokenizer + config only, before the weights
-        check_inputs(run.model, given, pairs=True)
+    if given is None:  # a shipped task: its first --pairs pairs, as the report reads them
+        from probes.datasets.pairs import load_task_pairs
+
+        given = load_task_pairs(task, split="test", n=pairs)
+    # the pairs encoded with the tokenizer + config only, and --max-memory against the plan of
+    # one pair (the lean EAP path's), before the weights
+    encoded = check_inputs(run.model, given, pairs=True)
+    check_budget(run, request, encoded, SweepOptions(max_memory=int(max_gib * 2**30)))
     hm = run.load()
     with run.progress(circuit_steps(), "circuit") as step:
         _, summary = circuit_report(

@@ -3,6 +3,7 @@ the model's config alone (`heads.plan_memory`; no weight is read)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -54,6 +55,13 @@ def plan_command(
         str | None,
         typer.Option(help="budget per device (e.g. 24GB): exit 2 naming the minimum if it does not fit"),
     ] = None,
+    request: Annotated[
+        Path | None,
+        typer.Option(
+            help="a request JSON file as `headsteer run` takes: plan the analysis it runs (instead of "
+            "--analysis; --batch: its pairs / prompts)"
+        ),
+    ] = None,
 ) -> dict:
     """Planned peak memory per device of an analysis or a steered generation (config only, no weights)."""
     from heads.model.loading import check_dtype
@@ -63,12 +71,22 @@ def plan_command(
     params = {"new_tokens": new_tokens} if analysis == "generate" and new_tokens else {}
     if new_tokens and analysis != "generate":
         raise HeadsteerValueError("--new-tokens applies to --analysis generate only")
-    request = MemoryRequest(analysis, params)
+    planned: object = MemoryRequest(analysis, params)
+    if request is not None:
+        from heads._util.validation import read_text_file
+        from heads.scorers.request_base import Request
+
+        if run.gave("analysis", analysis, "forward") or new_tokens:
+            raise HeadsteerValueError("give --request or --analysis (--new-tokens), not both")
+        if not request.is_file():
+            raise typer.BadParameter(f"no request file {str(request)!r}", param_hint="--request")
+        planned = Request.from_json(read_text_file(request))
     where = _devices(devices)
     with run.status("planning from the config…"):
         plan = plan_memory(
-            run.model, request, tokens, batch, check_dtype(run.dtype), run.device if where is None else where
+            run.model, planned, tokens, batch, check_dtype(run.dtype), run.device if where is None else where
         )
+    analysis = plan.request.analysis
     if budget is not None and plan.peak > budget:
         raise HeadsteerValueError(
             f"{analysis} on {tokens} tokens x {batch} needs at least {format_bytes(plan.peak)} on one "

@@ -134,15 +134,13 @@ def _interpolate(e_corr: torch.Tensor, alpha: float) -> Callable[[torch.Tensor, 
     return fn
 
 
-def _norm_vjp(
+def _norm_form(
     norm: nn.Module, x: torch.Tensor, normed: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`a [n, ..., D] -> J_norm(x)^T a` in closed form when `norm` is an RMSNorm (`g x / rms(x)`,
-    gain `weight`, `1 + weight` or none) or a LayerNorm (`g (x - mean) / std + b`): the form is
-    chosen by recomputing `normed = norm(x)` ([..., D] fp32, as the module gave it) with each
-    candidate (within 1e-5 of its scale); None (autograd then) unless exactly one matches. Both are the
-    Jacobians of their formulas: RMS `r (g a) - r^3 x (x . g a) / D`; LayerNorm
-    `s (b - mean(b) - xh mean(b xh))`, b = g a, xh = (x - mean) s."""
+) -> tuple[str, torch.Tensor, float] | None:
+    """`("rms" | "layer", gain [D] fp32, eps)` when `norm` computes an RMSNorm (`g x / rms(x)`,
+    gain `weight`, `1 + weight` or none) or a LayerNorm (`g (x - mean) / std + b`) of `x`: the
+    form is chosen by recomputing `normed = norm(x)` ([..., D] fp32, as the module gave it) with
+    each candidate (within 1e-5 of its scale); None unless exactly one matches."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     w = getattr(norm, "weight", None)
     if not isinstance(eps, float) or x.dtype != torch.float32 or normed.dtype != torch.float32:
@@ -153,28 +151,47 @@ def _norm_vjp(
     bias = getattr(norm, "bias", None)
     b = bias.detach().float() if isinstance(bias, torch.Tensor) else 0.0
     tol = 1e-5 * float(normed.abs().max()) + 1e-30
-    D = x.shape[-1]
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    mu = x.mean(-1, keepdim=True)
+    xh = (x - mu) * torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    found: list[tuple[str, torch.Tensor, float]] = []
+    for g in gains:
+        if not isinstance(bias, torch.Tensor) and float((g * x * r - normed).abs().max()) <= tol:
+            found.append(("rms", g, eps))
+        if float((g * xh + b - normed).abs().max()) <= tol:
+            found.append(("layer", g, eps))
+    return found[0] if len(found) == 1 else None  # none, or ambiguous (x of mean ~0): autograd
+
+
+def _norm_vjp(
+    norm: nn.Module, x: torch.Tensor, normed: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`a [n, ..., D] -> J_norm(x)^T a` in closed form when `norm` is an RMSNorm or a LayerNorm
+    (`_norm_form`); None (autograd then) otherwise. Both are the Jacobians of their formulas:
+    RMS `r (g a) - r^3 x (x . g a) / D`; LayerNorm `s (b - mean(b) - xh mean(b xh))`, b = g a,
+    xh = (x - mean) s."""
+    form = _norm_form(norm, x, normed)
+    if form is None:
+        return None
+    kind, g, eps = form
+    D = x.shape[-1]
+    if kind == "rms":
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+        def rms(a: torch.Tensor) -> torch.Tensor:
+            ga = a * g
+            return r * ga - (r.pow(3) / D) * x * (x * ga).sum(-1, keepdim=True)
+
+        return rms
     mu = x.mean(-1, keepdim=True)
     s = torch.rsqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
     xh = (x - mu) * s
-    found: list[Callable[[torch.Tensor], torch.Tensor]] = []
-    for g in gains:
-        if not isinstance(bias, torch.Tensor) and float((g * x * r - normed).abs().max()) <= tol:
 
-            def rms(a: torch.Tensor, g: torch.Tensor = g) -> torch.Tensor:
-                ga = a * g
-                return r * ga - (r.pow(3) / D) * x * (x * ga).sum(-1, keepdim=True)
+    def layer(a: torch.Tensor) -> torch.Tensor:
+        ga = a * g
+        return s * (ga - ga.mean(-1, keepdim=True) - xh * (ga * xh).mean(-1, keepdim=True))
 
-            found.append(rms)
-        if float((g * xh + b - normed).abs().max()) <= tol:
-
-            def layer(a: torch.Tensor, g: torch.Tensor = g) -> torch.Tensor:
-                ga = a * g
-                return s * (ga - ga.mean(-1, keepdim=True) - xh * (ga * xh).mean(-1, keepdim=True))
-
-            found.append(layer)
-    return found[0] if len(found) == 1 else None  # none, or ambiguous (x of mean ~0): autograd
+    return layer
 
 
 def _residual_grads(

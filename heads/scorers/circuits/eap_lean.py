@@ -26,24 +26,25 @@ differences and forward, a chunk of their projection) or one layer's graph; `eap
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import cast
 
 import torch
+from torch import nn
 
 from heads.engine.activations import ActivationEdit
 from heads.engine.context import editing
 from heads.engine.edits import AttentionCall, Edit
 from heads.engine.forward import run_last
-from heads.engine.prefix import starting_at
+from heads.engine.prefix import attention_given, starting_at
 from heads.model.adapter import HeadModel
 from heads.scorers.circuits.eap import (
-    HEAD_CHUNK,
     Loss,
     _add,
     _interpolate,
     _layer_grads,
     _Nodes,
+    _norm_form,
     _residual_grads,
 )
 from heads.scorers.circuits.layout import Graph
@@ -123,8 +124,10 @@ def _forward_halves(
     """`_forward_layer` for blocks with a `resid_mid` site: the attention half on every position
     (with `reads`, which must not read the MLP's output), then the MLP half `SWEEP_CHUNKS` chunks
     of positions at a time from their `resid_mid` (position-wise: `layerwise.mlp_half`), so the
-    MLP's intermediates exist for one chunk at a time; `mlp_read(start, [R, c, D])` gets the
-    MLP's output of each chunk. The stream leaving the layer `[R, T, D]`."""
+    MLP's intermediates exist for one chunk at a time (on the Hugging Face backend the chunks do
+    not compute the attention again: `attention_given`, its output replaced at `resid_mid`
+    anyway); `mlp_read(start, [R, c, D])` gets the MLP's output of each chunk. The stream leaving
+    the layer `[R, T, D]`."""
     box: list[torch.Tensor] = []
 
     def stop(y: torch.Tensor, call: AttentionCall) -> None:
@@ -152,7 +155,11 @@ def _forward_halves(
             chunk.append(ActivationEdit("mlp_out", la, _at(mlp_read, a)))
         chunk.append(ActivationEdit("resid_post", la, stop))
         p_ids = ids[:, a : a + step]
-        _run_to(model, p_ids, torch.ones_like(p_ids), la, piece if la else None, chunk)
+        skip: AbstractContextManager[None] = nullcontext()
+        if model.backend.kind == "hf":  # its output is replaced at resid_mid: not computed
+            skip = attention_given(model, {la: piece.new_zeros(1, 1, piece.shape[-1]).expand(piece.shape)})
+        with skip:
+            _run_to(model, p_ids, torch.ones_like(p_ids), la, piece if la else None, chunk)
         out[:, a : a + step] = box.pop()
     return out
 
@@ -174,7 +181,7 @@ def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.T
 BLOCK = 2
 """Downstream layers whose compact gradients are held per sweep recomputing the differences."""
 
-POSITION_CHUNKS = 8
+POSITION_CHUNKS = 16
 """The positions are scored in this many chunks (the projected differences and the expanded
 gradients exist for one chunk of positions at a time: every term is a sum over positions)."""
 
@@ -260,43 +267,95 @@ def _differences(
 
 
 def _projected(
-    inp: list[torch.Tensor], zh: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor, t0: int, t1: int
+    inp: list[torch.Tensor],
+    zh: torch.Tensor,
+    o: torch.Tensor,
+    w_o: torch.Tensor,
+    t0: int,
+    t1: int,
+    buf: torch.Tensor,
 ) -> torch.Tensor:
-    """`[n, R, c D]` fp32: one layer's differences at positions t0 .. t1 - 1 in the residual
-    stream, in graph order (the input in layer 0, the heads through W_O, the MLP)."""
+    """`[n, R, c D]` fp32 (a view of the flat buffer `buf`): one layer's differences at positions
+    t0 .. t1 - 1 in the residual stream, in graph order (the input in layer 0, the heads through
+    W_O, the MLP)."""
     H, R, _, d = zh.shape
-    c = t1 - t0
+    c, D = t1 - t0, o.shape[-1]
     n = len(inp) + H + 1
-    out = torch.empty(n, R, c, o.shape[-1], dtype=torch.float32, device=o.device)
+    out = buf[: n * R * c * D].view(n, R, c, D)
     for i, r in enumerate(inp):
         out[i] = r[:, t0:t1]
-    w = w_o.to(zh.device)
-    for h0 in range(0, H, HEAD_CHUNK):
-        h1 = min(H, h0 + HEAD_CHUNK)
-        part = zh[h0:h1, :, t0:t1].reshape(h1 - h0, R * c, d)
-        out[len(inp) + h0 : len(inp) + h1] = torch.bmm(part, w[h0:h1]).reshape(h1 - h0, R, c, -1)
+    part = zh[:, :, t0:t1].reshape(H, R * c, d)
+    torch.bmm(part, w_o.to(zh.device), out=out[len(inp) : len(inp) + H].view(H, R * c, D))
     out[-1] = o[:, t0:t1]
-    return out.reshape(n, R, -1)
+    return out.view(n, R, c * D)
 
 
-def _expanded(
-    part: LayerParts, x: torch.Tensor, compact: list[torch.Tensor]
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """`(offset, [n, R, c D] fp32)`: a layer's downstream gradients in the residual stream at the
-    c positions of `x` (`[R, c, D]`, the layer's input there), in graph order from the layer's
-    first input (q heads, k, v, the MLP, the logits in the last layer), the q, k or v heads at a
-    time (`compact`: `eap._layer_grads` at those positions)."""
-    lo = 0
-    R = x.shape[0]
-    for which, g in zip(("q", "k", "v"), compact[:3], strict=True):
-        n = g.shape[2]
-        buf = torch.empty(n, *x.shape, dtype=torch.float32, device=x.device)
-        _residual_grads(part, x, g, part.w[which], buf)
-        yield lo, buf.reshape(n, R, -1)
-        del buf
-        lo += n
-    for i, g in enumerate(compact[3:]):  # the MLP's input, the logits
-        yield lo + i, g.float().reshape(1, R, -1)
+FORM_ROWS = 64
+"""Positions the attention norm's form is recognised on (`eap._norm_form`), once per held layer."""
+
+
+class _Expander:
+    """A held layer's downstream gradients in the residual stream, a chunk of positions at a time
+    (`fill`): the q, k, v heads' `J_norm(x)^T W[h]^T g_h` (`eap._residual_grads`) into one buffer;
+    the MLP's input (and the logits') gradients are `rest` as they are.
+
+    The attention norm's form (`eap._norm_form`) is found once for the layer (on its input's last
+    `FORM_ROWS` positions) and the norm's per-position scale computed once; then a chunk costs one
+    batched matrix product per q / k / v and two in-place passes. A norm of no closed form (or a
+    model not in fp32): `eap._residual_grads` per chunk, as before."""
+
+    def __init__(self, part: LayerParts, x: torch.Tensor, compact: list[torch.Tensor]) -> None:
+        self.part, self.x = part, x
+        self.qkv = compact[:3]  # [R, T, n, d]
+        self.rest = compact[3:]  # [R, T, D]: the MLP's input, the logits in the last layer
+        self.n = sum(g.shape[2] for g in self.qkv)
+        self.identity = isinstance(part.norm1, nn.Identity)
+        self.form = None
+        if not self.identity:  # the module's form, found on the last positions (real in every row)
+            tail = x[:, -min(x.shape[1], FORM_ROWS) :]
+            with torch.no_grad():
+                self.form = _norm_form(part.norm1, tail, part.norm1.forward(tail))
+        self.gain = None if self.form is None else self.form[1].to(x.device)  # [D]
+        self.scale: torch.Tensor | None = None  # [R, T, 1]: rms: 1 / rms(x); layer: 1 / std(x)
+        self.mean: torch.Tensor | None = None
+        if self.form is not None:
+            kind, _, eps = self.form
+            if kind == "rms":  # (no [R, T, D] temporary)
+                ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow_(2).div_(x.shape[-1])
+                self.scale = torch.rsqrt(ms + eps)
+            else:
+                var, self.mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+                self.scale = torch.rsqrt(var + eps)
+
+    def fill(self, t0: int, t1: int, out: torch.Tensor) -> None:
+        """Write the q, k, v heads' gradients at positions t0 .. t1 - 1 into `out [n, R, c, D]`
+        fp32 (graph order: q heads, k, v)."""
+        R, _, D = self.x.shape
+        c = t1 - t0
+        closed = self.form is not None or (self.identity and self.x.dtype == torch.float32)
+        lo = 0
+        for which, g in zip(("q", "k", "v"), self.qkv, strict=True):
+            n, w = g.shape[2], self.part.w[which]  # [n, D, d]
+            if not closed:  # autograd's vector-Jacobian product of the norm
+                _residual_grads(self.part, self.x[:, t0:t1], g[:, t0:t1], w, out[lo : lo + n])
+            else:
+                gp = g[:, t0:t1].permute(2, 0, 1, 3).reshape(n, R * c, -1).to(w.dtype)
+                torch.bmm(gp, w.transpose(1, 2), out=out[lo : lo + n].view(n, R * c, D))
+            lo += n
+        if self.form is None:
+            return
+        a = out.view(self.n, R * c, D)  # W^T g_h; b = gain a below
+        scale = cast(torch.Tensor, self.scale)[:, t0:t1].reshape(R * c, 1)
+        gain = cast(torch.Tensor, self.gain)
+        xc = self.x[:, t0:t1].reshape(R * c, D)
+        if self.form[0] == "rms":  # r b - r^3 x (x . b) / D
+            coef = torch.einsum("nrD,rD->nr", a, xc * gain).unsqueeze(-1).mul_(scale.pow(3) / D)
+            a.mul_(scale * gain).addcmul_(xc, coef, value=-1.0)
+        else:  # s (b - mean(b) - xh mean(b xh)), xh = (x - mean) s
+            xh = (xc - cast(torch.Tensor, self.mean)[:, t0:t1].reshape(R * c, 1)) * scale
+            m1 = torch.einsum("nrD,D->nr", a, gain).unsqueeze(-1).mul_(scale / D)
+            m2 = torch.einsum("nrD,rD->nr", a, xh * gain).unsqueeze(-1).mul_(scale / D)
+            a.mul_(scale * gain).sub_(m1).addcmul_(xh, m2, value=-1.0)
 
 
 def _score_block(
@@ -314,33 +373,43 @@ def _score_block(
 ) -> dict[int, torch.Tensor]:
     """Add `(a_u(x~) - a_u(x)) . g_v` into `scores [R, U, Dn]` for the downstream inputs v of the
     layers in `held` (`(layer, its input [R, T, D], its compact gradients)`) and every upstream
-    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time; returns the
+    node u up to each such layer, `POSITION_CHUNKS` chunks of positions at a time (the projected
+    differences and the expanded gradients of a chunk in two buffers, one pair per sweep layer,
+    freed before the next layer's forward); returns the
     gradient run's residual entering the layers of `keep` (`_differences`)."""
     R, T = clean_ids.shape
+    D = model.d_model
     top = max(m for m, _, _ in held)
     step = -(-T // POSITION_CHUNKS)
     kept: dict[int, torch.Tensor] = {}
+    expanders = [(m, _Expander(parts[m], x, compact)) for m, x, compact in held]
+    dev = held[0][1].device
+    n_d, n_g = (graph.n_heads + 2) * R * step * D, max(e.n for _, e in expanders) * R * step * D
     sweep = _differences(model, clean_ids, corrupted_ids, mask, parts, top, grad_edits, keep, kept)
     for la, inp, zh, o in sweep:
         u0 = 0 if la == 0 else graph.head_node(la, 0)
+        d_buf = torch.empty(n_d, dtype=torch.float32, device=dev)  # freed before the next layer runs
+        g_buf = torch.empty(n_g, dtype=torch.float32, device=dev)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            diff = _projected(inp, zh, o, w_o[la], t0, t1)
+            c = t1 - t0
+            diff = _projected(inp, zh, o, w_o[la], t0, t1, d_buf)
             u1 = u0 + diff.shape[0]
-            for m, x, compact in held:
+            for m, e in expanders:
                 if m < la:
                     continue
                 v0 = graph.q_input(m, 0)
-                pieces = [c[:, t0:t1] for c in compact]
-                for off, g in _expanded(parts[m], x[:, t0:t1], pieces):
-                    g = g.to(diff.device)
-                    for r in range(R):
-                        scores[r, u0:u1, v0 + off : v0 + off + g.shape[0]] += (diff[:, r] @ g[:, r].T).to(
-                            scores.device
-                        )
-                    del g
+                g = g_buf[: e.n * R * c * D].view(e.n, R, c, D)
+                e.fill(t0, t1, g)
+                gv = g.view(e.n, R, c * D)
+                rest = [extra[:, t0:t1].float().reshape(R, c * D) for extra in e.rest]
+                for r in range(R):
+                    dr = diff[:, r]
+                    scores[r, u0:u1, v0 : v0 + e.n] += (dr @ gv[:, r].T).to(scores.device)
+                    for i, extra in enumerate(rest):
+                        scores[r, u0:u1, v0 + e.n + i] += (dr @ extra[r]).to(scores.device)
             del diff
-        del inp, zh, o
+        del inp, zh, o, d_buf, g_buf
     return kept
 
 

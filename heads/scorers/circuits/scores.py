@@ -40,6 +40,7 @@ from heads.model.adapter import HeadModel
 from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.eap_lean import eap_chunk_lean
+from heads.scorers.circuits.eap_path import choose_path
 from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
 from heads.scorers.circuits.request import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported
 from heads.scorers.circuits.request import MAX_STEPS, METHODS, CircuitRequest
@@ -159,19 +160,6 @@ def _rows_progress(
     return opts.max_rows, opts.progress if given else progress
 
 
-def _gradient_rows(model: HeadModel, budget: SweepOptions, tokens: int, method: str) -> tuple[int, bool]:
-    """`(pairs per gradient chunk, lean)`: the default EAP path with its rows within the budget's
-    `"eap"` plan when one pair fits it; else the memory-lean path (`eap_chunk_lean`, several times
-    slower) within the `"eap_lean"` plan, refused before any forward (naming the lean path's
-    minimum) when one pair does not fit that either. No budget: the default path, `max_rows`."""
-    if budget.max_memory is None or method == "exact":
-        return budget.max_rows, False
-    try:
-        return budget.within(model, tokens, "eap").max_rows, False
-    except HeadsteerValueError:
-        return budget.within(model, tokens, "eap_lean").max_rows, True
-
-
 def edge_scores(
     model: HeadModel,
     pairs: PairBatch,
@@ -201,12 +189,16 @@ def edge_scores(
             `(done, total)` callable; unit: chunks of pairs (EAP / EAP-IG) or forwards (exact);
             `max_memory`: the pairs per chunk lowered to what the `"eap"` plan fits in it and
             the exact runs' rows to the `"forward"` plan's; when not even one pair fits the
-            `"eap"` plan, EAP / EAP-IG take the memory-lean path
-            (`heads.scorers.circuits.eap_lean`: the activation differences recomputed instead
-            of held, about a fifth of the memory: 1.9x a plain forward's on SmolLM2; the same
-            scores, about 6x the CPU time at 256 tokens, growing with the layers squared)
-            within the `"eap_lean"` plan; refused before any forward when one pair does not
-            fit that either (the lean path's minimum named).
+            `"eap"` plan, EAP / EAP-IG take the memory-lean path within the `"eap_lean"` plan
+            (refused before any forward, its minimum named, when one pair does not fit that).
+            Which path (`heads.scorers.circuits.eap_path.choose_path`): the lean path
+            (`heads.scorers.circuits.eap_lean`: the activation differences recomputed block by
+            block instead of held; the same scores within float rounding) also without a budget
+            on long prompts, where the default path's planned activations for one pair exceed
+            2.5x a plain forward's and 128 MiB over it (SmolLM2-135M: from 601 tokens on), and
+            its estimated work is within 4x the default's; it keeps 2.0-2.4x a plain forward's
+            memory (the default path 9-10x on SmolLM2) at about 2-3x the default path's CPU
+            time. `eap_path.PATH = "lean"` / `"default"` forces either.
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).
@@ -252,7 +244,7 @@ def chunked_edge_scores(
 ) -> EdgeScores:
     """`edge_scores` with its batching given apart: `batch_size` pairs per gradient chunk and
     `batch_rows` rows per exact forward (`find_circuit`'s memory-budget rows); `max_memory`
-    (bytes) lowers both to the `"eap"` (or `"eap_lean"`, `_gradient_rows`) / `"forward"` plans'
+    (bytes) lowers both to the `"eap"` (or `"eap_lean"`, `eap_path.choose_path`) / `"forward"` plans'
     rows within it (refused before any forward when one row does not fit). The method, steps
     and confirm are a checked `CircuitRequest`'s (`edge_scores` / `find_circuit` build it); the
     pairs are checked here."""
@@ -260,7 +252,11 @@ def chunked_edge_scores(
     met = get_metric(metric)
     pairs = _check_pairs(model, pairs, met)
     budget = SweepOptions(max_memory=max_memory)  # max_memory: both batchings within it
-    batch_size, lean = _gradient_rows(model, budget.replace(max_rows=batch_size), pairs.width, method)
+    n_runs = 1 if method == "eap" else steps
+    gradient = budget.replace(max_rows=batch_size)
+    batch_size, lean, block = choose_path(
+        model, gradient, pairs.width, method, None if method == "eap" else n_runs
+    )
     if max_memory is not None and (method == "exact" or confirm):  # exact runs keep both recorded runs
         from heads.scorers.patching.record import cache_bytes
 
@@ -274,7 +270,6 @@ def chunked_edge_scores(
     total = torch.zeros(U, Dn, dtype=torch.float64)
     per_pair: list[torch.Tensor] = []  # [R, E] per chunk
     valid = graph.valid
-    n_runs = 1 if method == "eap" else steps
     chunks = _chunks(pairs.n, batch_size)
     with progress_callback(progress, method, "pair chunks") as report:
         for done, idx in enumerate(chunks, 1):
@@ -292,15 +287,12 @@ def chunked_edge_scores(
             ) -> torch.Tensor:
                 return _metric(met, logits, sub, rows, ref).sum()
 
-            per = (eap_chunk_lean if lean else eap_chunk)(
-                model,
-                graph,
-                sub.clean_ids,
-                sub.corrupted_ids,
-                sub.attention_mask,
-                loss,
-                steps=None if method == "eap" else n_runs,
-            )  # [R, U, Dn]: each pair's score of every (u, v)
+            args = (model, graph, sub.clean_ids, sub.corrupted_ids, sub.attention_mask, loss)
+            ig = None if method == "eap" else n_runs
+            if lean:  # [R, U, Dn]: each pair's score of every (u, v)
+                per = eap_chunk_lean(*args, steps=ig, block=block)
+            else:
+                per = eap_chunk(*args, steps=ig)
             per_pair.append(per[:, valid])
             total += per.double().sum(0)
             if report:

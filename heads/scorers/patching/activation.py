@@ -31,8 +31,9 @@ and for a metric that reads a few tokens (`logit_diff`) only their columns (`une
 A (site, pair) whose source activation equals the base run's bitwise (e.g. at every position
 before the first token where the two prompts differ) patches nothing: it gets the base run's
 metric without a forward. These reuses read both runs' full caches (`record.cache_bytes`, about
-141 residual-stream copies per run on a 30-layer model). Few sites on a long prompt, or a
-`max_memory` that does not hold those caches, take the lean path instead
+141 residual-stream copies per run on a 30-layer model). A long prompt (both caches over 512 MiB:
+every kind and position spec), few sites on a shorter one, or a `max_memory` that does not hold
+those caches take the lean path instead
 (`heads.scorers.patching.lean`: only the patched sites and the residual entering each patched
 layer are kept, each patched forward runs from its layer over every column; 1.08-1.17x a plain
 forward's peak for one site at 1k-8k tokens, docs/long-context.md), equal within fp32 rounding.

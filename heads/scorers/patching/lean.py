@@ -64,6 +64,18 @@ LEAN_MIN_BYTES = patch_plan.LEAN_MIN_BYTES
 LEAN_ALWAYS_BYTES = patch_plan.LEAN_ALWAYS_BYTES
 LEAN_TIME = patch_plan.LEAN_TIME
 
+LEAN_ROW_TOKENS = 1024
+"""The lean path's patched forwards take at most `max(1, LEAN_ROW_TOKENS // width)` rows (and at
+most `max_rows`): on a long prompt each row is a forward's worth of activations (9 rows of
+`head_out` at 1,024 tokens peaked at 9 forwards' memory), and one row of 1,024 tokens already
+fills the matrix products, so fewer rows cost no time."""
+
+
+def lean_rows(max_rows: int, width: int) -> int:
+    """Rows per patched forward of the lean path on rows of `width` tokens (`LEAN_ROW_TOKENS`)."""
+    return max(1, min(max_rows, LEAN_ROW_TOKENS // max(1, width)))
+
+
 # the engine site each kind's activation is read at (pattern: a `Recorder`)
 _SITE = {
     "resid_pre": "residual",
@@ -397,9 +409,10 @@ def run_lean(
             if not same[s_i, i]:
                 groups.setdefault(s.layer, []).append((s_i, i))
     chunks = []
+    step = lean_rows(options.max_rows, width)
     for _, rows in sorted(groups.items()):
         rows.sort(key=lambda r: (lengths[r[1]], r[0]))
-        chunks += [rows[a : a + options.max_rows] for a in range(0, len(rows), options.max_rows)]
+        chunks += [rows[a : a + step] for a in range(0, len(rows), step)]
     plan = [(c, sites[c[0][0]].layer, width - max(lengths[i] for _, i in c)) for c in chunks]
     work = [len(c) * (width - trim) * (L - la) for c, la, trim in plan]
     done, total = 0, sum(work)

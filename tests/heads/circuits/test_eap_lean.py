@@ -107,7 +107,8 @@ def test_lean_whole_layer_gradients(monkeypatch):
 def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(monkeypatch):
     """`max_memory` the default path's plan fits: `eap_chunk`; one pair over it but within the
     lean plan: `eap_chunk_lean` (the same scores); below the lean plan's one pair: refused before
-    any forward, naming that minimum. (A budget used to send every run down the slower path.)"""
+    any forward, naming that minimum (the lean plan at block 1). (A budget used to send every run
+    down the slower path.)"""
     import pytest
 
     from heads import SweepOptions
@@ -148,8 +149,12 @@ def test_memory_budget_takes_the_lean_path_only_when_the_default_does_not_fit(mo
     assert scale > 1e-3
     assert float((lean.scores[ok] - plain.scores[ok]).abs().max()) <= 1e-6 * scale
     calls.clear()
+    from heads.planning import MemoryRequest
+
+    least = plan_memory(m, MemoryRequest("eap_lean", {"block": 1}), T, 1).peak  # the smallest block
+    assert least < lean_one
     with pytest.raises(HeadsteerValueError, match="max_memory"):
-        edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory=lean_one - 1))
+        edge_scores(m, p, method="eap", options=SweepOptions(progress=False, max_memory=least - 1))
     assert not calls
 
 
