@@ -458,12 +458,19 @@ def attribution_sweep(
     `run_attribution` with a progress bar over the pairs (text pairs only).
 
     Raises:
-        HeadsteerValueError: vision pairs (`ImagePairBatch`: not estimated), as `run_attribution`.
+        HeadsteerValueError: vision pairs (`ImagePairBatch`: not estimated), a `max_memory` budget
+            (not planned for this method), as `run_attribution`.
     """
     if isinstance(pairs, ImagePairBatch):
         raise HeadsteerValueError(
             "method='attribution' takes text pairs; vision pairs (ImagePairBatch) are not estimated: "
             "use method='activation'"
+        )
+    if options.max_memory is not None:
+        raise HeadsteerValueError(
+            "method='attribution' has no memory plan, so SweepOptions(max_memory=...) cannot be held "
+            "to; leave max_memory None (its peak is about 2.1-2.3x a plain forward's on SmolLM2 at "
+            "1k-2k tokens, docs/long-context.md) or use method='activation'"
         )
     with progress_callback(options.progress, f"attribution patching {request.kind}", "pairs") as report:
         return run_attribution(
