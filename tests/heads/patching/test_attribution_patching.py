@@ -266,3 +266,17 @@ def test_max_memory_is_refused_not_ignored():
     hm = shared_family_model("llama")
     with pytest.raises(HeadsteerValueError, match="max_memory"):
         patch(hm, _pairs(), "head_out", method="attribution", options=SweepOptions(max_memory="1GB"))
+
+
+def test_run_dispatches_the_method():
+    """`heads.run(model, PatchRequest(method="attribution"), pairs)` (the CLI's and the server's
+    path) runs the estimate, not activation patching (the dispatch copied the request's fields
+    by hand and dropped `method`)."""
+    from heads import run
+
+    hm = shared_family_model("llama")
+    pairs = _pairs()
+    got = run(hm, PatchRequest(kind="head_out", method="attribution"), pairs, options=OPTS)
+    want = patch(hm, pairs, "head_out", method="attribution", options=OPTS)
+    assert got.params.get("method") == "attribution"
+    assert torch.equal(got.raw, want.raw)
