@@ -17,7 +17,9 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
 
 * gradient-based: `eap` (edge attribution patching, `edge_scores(method="eap")`, one pair whose
   prompts differ in two tokens), `eap-ig` (EAP-IG over the inputs, `--ig-steps` points),
-  `eap-lean` / `eap-ig-lean` (the same with `max_memory`: the differences recomputed, not held),
+  `eap-lean` / `eap-ig-lean` (the same with `max_memory`: the differences recomputed, not held;
+  `eap` / `eap-ig` take that lean path by default on long prompts), `eap-default` (`eap` on the
+  default path, forced: every difference held),
   `atp` (AtP of head outputs, Ships' KL with 4 tokens, `attribute(ablation="sc")`), `atp-ld`
   (the same AtP to one scalar, the logit difference of the pair's two answer tokens: one gradient
   flow, the metric of AtP as Kramar et al. and attribution patching use it), `atp_star`
@@ -77,19 +79,27 @@ from long_context_others import gemma, gemma_one, peer, peers, plan_check, plan_
 from long_context_summary import failure, from_logs, header, summarise  # noqa: E402
 
 
-def _edges(method: str, lean: bool = False) -> Callable:
-    """`edge_scores`; `lean`: with `max_memory` the lean path's own one-pair plan, below the default
-    path's, so that `edge_scores` takes the lean path (`eap_chunk_lean`)."""
+def _edges(method: str, lean: bool = False, path: str = "auto") -> Callable:
+    """`edge_scores` as a user calls it (the path `eap_path.choose_path` takes: lean on long
+    prompts); `lean`: with `max_memory` the lean path's own one-pair plan, below the default
+    path's, so that `edge_scores` takes the lean path (`eap_chunk_lean`); `path`: forced
+    (`eap_path.forced`, e.g. `"default"`: every difference held)."""
 
     def build(hm, length: int, args) -> Callable[[], object]:
         from heads.engine.options import SweepOptions
         from heads.planning import plan_memory
         from heads.scorers.circuits import edge_scores
+        from heads.scorers.circuits.eap_path import forced
 
         pairs, steps = pair(hm, length), {"steps": args.ig_steps} if method == "eap-ig" else {}
         budget = plan_memory(hm, "eap_lean", pairs.width).peak if lean else None
         opts = SweepOptions(progress=False, max_memory=budget)
-        return lambda: edge_scores(hm, pairs, method=method, options=opts, **steps)
+
+        def run() -> object:
+            with forced(path):
+                return edge_scores(hm, pairs, method=method, options=opts, **steps)
+
+        return run
 
     return build
 
@@ -236,6 +246,7 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "eap-ig": ("gradient", _edges("eap-ig")),
     "eap-lean": ("gradient", _edges("eap", lean=True)),
     "eap-ig-lean": ("gradient", _edges("eap-ig", lean=True)),
+    "eap-default": ("reference", _edges("eap", path="default")),  # not in the maxima
     "atp": ("gradient", _atp),
     "atp-ld": ("gradient", _atp_ld),
     "atp_star": ("gradient", _atp_star),
@@ -251,7 +262,8 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "patch": ("forward", _dla),
     **{f"patch-{kind}": ("forward", _patch_site(kind)) for kind in PATCH_SITES},
 }
-"""name -> (kind: "gradient" or "forward", builder `(model, length, args) -> run`)."""
+"""name -> (kind: "gradient" or "forward", or "reference": a forced path a user does not get by
+default, out of the maxima; builder `(model, length, args) -> run`)."""
 KINDS = {name: kind for name, (kind, _) in ANALYSES.items()}
 
 
@@ -338,7 +350,7 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {}
     for name in args.analyses:
         kind = ANALYSES[name][0]
-        most = args.gradient_max if kind == "gradient" else None
+        most = args.gradient_max if kind in ("gradient", "reference") else None
         if name.startswith("atp_star"):
             most = args.atp_star_max
         wanted = [n for n in args.lengths if most is None or n <= most]

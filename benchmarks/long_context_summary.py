@@ -64,7 +64,7 @@ def summarise(line: dict, results: dict[str, dict[int, dict]], kinds: dict[str, 
             round(ana[n]["cpu_seconds"] / fwd[n]["cpu_seconds"], 2) for n in lengths
         ]
         line[f"{name}_seconds"] = [round(ana[n]["seconds"], 1) for n in lengths]
-        ratios[kind] += mem
+        ratios.setdefault(kind, []).extend(mem)  # "reference" sections: out of the maxima
         if len(lengths) > 1:
             e = fit([float(n) for n in lengths], [ana[n]["memory_mb"] for n in lengths])
             line[f"memory_exponent_{name}"] = round(e, 3)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import cast
 
 import torch
 
@@ -41,12 +42,15 @@ from heads.model.adapter import HeadModel
 
 __all__ = [
     "attention_half",
+    "inputs_down_chunked",
+    "layer_output",
     "checkpoint_layers",
     "default_every",
     "has_mid",
     "inputs_down",
     "mlp_half",
     "record_inputs",
+    "record_inputs_chunked",
     "run_layer",
 ]
 
@@ -271,3 +275,140 @@ def mlp_half(
         skip = attention_given(model, {layer: mid.new_zeros(1, 1, mid.shape[-1]).expand(mid.shape)})
     with skip:
         return _from_layer(model, piece, torch.ones_like(piece), layer, mid, site_edits, box)
+
+
+# ------------------------------------------------------------------ no-grad passes, MLP in chunks
+CHUNKS = 8
+"""Position chunks of a layer's MLP half in the no-grad passes below (`layer_output`)."""
+CHUNK_MIN_ROWS = 64
+"""Fewest positions in such a chunk (shorter prompts: fewer chunks)."""
+
+
+def _run_stopped(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    x: torch.Tensor | None,
+    edits: list[Edit],
+) -> torch.Tensor | None:
+    """A forward without gradients from `layer` (from `x`; None: the embedding) with `edits`; the
+    last position's logits `[R, V]`, or None when a `_stop` edit ended it."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(starting_at(model, layer, x if layer else None))
+        stack.enter_context(editing(model, edits, require_fired=False))
+        try:
+            out = run_last(model, ids, mask)
+        except _Stop:
+            return None
+    logits: torch.Tensor = out.logits[:, -1]
+    return logits
+
+
+def layer_output(
+    model: HeadModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    mlp_read: Callable[[int, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Layer `layer` alone without gradients from `x` (`[R, T, D]`, the residual entering it): the
+    stream leaving it `[R, T, D]`, or for the last layer the logits `[R, V]` at the last position.
+    Where the block has a `resid_mid` (`has_mid`) the attention half runs on every position and
+    the MLP half `CHUNKS` position chunks at a time from their `resid_mid` (position-wise, as
+    `mlp_half`), so a forward's largest transient, the MLP's `[T, d_mlp]` intermediates, exists
+    for one chunk at a time; the last layer's MLP runs on the last position only. `mlp_read(start,
+    [R, c, D])` gets each chunk's MLP output (`mlp_out`; parallel blocks: once, every position)."""
+    box: list[torch.Tensor] = []
+    last = layer == model.n_layers - 1
+    enter: list[Edit] = [ActivationEdit("residual", layer, _replace(x))]
+    reads: list[Edit] = []
+    if mlp_read is not None:
+        reads.append(ActivationEdit("mlp_out", layer, lambda y, call: mlp_read(0, y)))
+    if not has_mid(model):  # parallel blocks: the layer whole
+        stop = [] if last else [ActivationEdit("resid_post", layer, _stop(box))]
+        logits = _run_stopped(model, ids, mask, layer, x, [*enter, *reads, *stop])
+        return box[-1] if box else cast(torch.Tensor, logits)
+    _run_stopped(model, ids, mask, layer, x, [*enter, ActivationEdit("resid_mid", layer, _stop(box))])
+    mid = box.pop()
+    T = mid.shape[1]
+    step = max(CHUNK_MIN_ROWS, -(-T // CHUNKS))
+    starts = [T - 1] if last else list(range(0, T, step))
+    out = mid if last else torch.empty_like(mid)
+    skip: AbstractContextManager[None] = nullcontext()
+    for a in starts:
+        piece = mid[:, a : a + (1 if last else step)]
+        edits: list[Edit] = [
+            ActivationEdit("residual", layer, _replace(piece)),
+            ActivationEdit("resid_mid", layer, _replace(piece)),
+        ]
+        if mlp_read is not None:
+            edits.append(ActivationEdit("mlp_out", layer, _read_at(mlp_read, a)))
+        if not last:
+            edits.append(ActivationEdit("resid_post", layer, _stop(box)))
+        if model.backend.kind == "hf":  # the attention's output is replaced anyway: not computed
+            skip = attention_given(model, {layer: piece.new_zeros(1, 1, piece.shape[-1]).expand(piece.shape)})
+        p_ids = ids[:, a : a + piece.shape[1]]
+        with skip:
+            logits = _run_stopped(model, p_ids, torch.ones_like(p_ids), layer, piece, edits)
+        if last:
+            return cast(torch.Tensor, logits)
+        out[:, a : a + piece.shape[1]] = box.pop()
+    return out
+
+
+def _read_at(
+    read: Callable[[int, torch.Tensor], None], a: int
+) -> Callable[[torch.Tensor, AttentionCall], None]:
+    def fn(y: torch.Tensor, call: AttentionCall) -> None:
+        read(a, y.detach())
+
+    return fn
+
+
+@torch.no_grad()
+def record_inputs_chunked(
+    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, layers: Sequence[int]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """`record_inputs` one layer at a time (`layer_output`: the MLP in position chunks), so its
+    peak is the kept residuals and one layer's attention, not a whole forward's MLP
+    intermediates: `(logits [R, V] fp32 at the last position, {l: [R, T, D] entering l})`."""
+    box: list[torch.Tensor] = []
+    _run_stopped(model, ids, mask, 0, None, [ActivationEdit("residual", 0, _stop(box))])
+    x = box.pop()
+    keep = set(layers)
+    sparse: dict[int, torch.Tensor] = {}
+    for la in range(model.n_layers):
+        if la in keep:
+            sparse[la] = x
+        x = layer_output(model, ids, mask, la, x)
+    return x.float(), sparse
+
+
+def inputs_down_chunked(
+    model: HeadModel, ids: torch.Tensor, mask: torch.Tensor, sparse: dict[int, torch.Tensor], parts: int = 1
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """`inputs_down` whose segments are recomputed one layer at a time (`layer_output`: the MLP in
+    position chunks), keeping at most `ceil(size / parts)` of a segment's inputs: each segment is
+    recomputed from its checkpoint once per part, top part first (a segment of n layers costs
+    about `n (parts + 1) / 2` layer forwards instead of n)."""
+    starts = sorted(sparse)
+    ends = dict(zip(starts, [*starts[1:], model.n_layers], strict=True))
+    for start in reversed(starts):
+        x0 = sparse.pop(start)
+        stop = ends[start]
+        size = -(-(stop - start) // max(1, parts))
+        top = stop
+        while top > start:
+            low = max(start, top - size)
+            seg, x = {start: x0} if low == start else {}, x0
+            for la in range(start, top - 1):
+                x = layer_output(model, ids, mask, la, x)
+                if la + 1 >= low:
+                    seg[la + 1] = x
+            del x
+            for la in range(top - 1, low - 1, -1):
+                yield la, seg.pop(la)
+            top = low

@@ -3,20 +3,24 @@
 The same scores as `heads.scorers.circuits.eap.eap_chunk` (up to float rounding in the order of
 the sums), with less kept. `eap_chunk` holds every upstream node's `a(x~) - a(x)` for the whole
 walk down the layers (about 2 L residual-stream copies) and the walk's recorded residuals. Here
-neither is held. The walk down goes a block of `block` downstream layers at a time (default 1):
+neither is held. The walk down goes a block of `block` downstream layers at a time (default
+`BLOCK`; `edge_scores` picks it from the memory plan, `eap_path.choose_path`):
 each layer of the block runs alone with gradients from its input and the gradient reaching its
 output, and only its compact gradients are kept (the q / k / v site gradients `[R, T, H | G, d]`,
 the MLP's input gradient `[R, T, D]`: about 2.7 copies) with its input. Then a sweep without
 gradients runs the corrupted and the clean run (and, for an EAP-IG point other than the clean
 input, the interpolated run the gradients were taken on) one layer at a time from the embedding
 up to the block's top layer: each layer's differences (2 copies) meet the block's gradients,
-expanded to the residual stream a few heads and `1 / POSITION_CHUNKS` of the positions at a time
-(`J_norm(x)^T W[h]^T g_h`), and are dropped; on its way up the sweep keeps the inputs of the
+expanded to the residual stream `1 / POSITION_CHUNKS` of the positions at a time
+(`J_norm(x)^T W[h]^T g_h`, `_Expander`), and are dropped; on its way up the sweep keeps the inputs of the
 next block's layers (the gradient run's stream), so no residual is recorded for the walk (one
 forward without gradients records the top block's inputs).
 
-Cost: about `L (L / block + 1) / 2` layer forwards of each swept run per walk (the sweeps), one
-forward and the walk's layer backwards. Peak memory: about `block (2 + 2.7) + 1` residual
+Cost: about `L (L / block + 1) / 2` layer forwards of each swept run per walk (the sweeps; a
+sweep layer costs about 1.1 layer forwards: its MLP chunks skip the attention), one forward, the
+walk's layer backwards (about 3 layer forwards each) and one gradient expansion per (upstream
+layer, downstream layer) pair (about 0.3-0.4 layer forwards each): on SmolLM2 (30 layers, block
+2) about 30 forwards, 2-3x the default path. Peak memory: about `block (2 + 2.7) + 1` residual
 copies kept (the block's inputs and gradients, the next block's inputs, the gradient at the
 block's bottom) beside the sweep's working set (the swept runs' streams, one layer's
 differences and forward, a chunk of their projection) or one layer's graph; `eap_chunk` keeps
@@ -181,9 +185,14 @@ def _replace(x: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.T
 BLOCK = 2
 """Downstream layers whose compact gradients are held per sweep recomputing the differences."""
 
-POSITION_CHUNKS = 16
+POSITION_CHUNKS = 32
 """The positions are scored in this many chunks (the projected differences and the expanded
-gradients exist for one chunk of positions at a time: every term is a sum over positions)."""
+gradients exist for one chunk of positions at a time, in two buffers of `H + 2` and `H + 2 G`
+rows: 0.8 residual copies at 32 chunks on SmolLM2; every term is a sum over positions)."""
+
+POSITION_MIN_ROWS = 32
+"""... of at least this many positions (shorter chunks cost more per position: at 1k tokens,
+chunks of 16 positions took 1.4x the time of chunks of 128 per scored pair, 32: 1.07x)."""
 
 
 def _differences(
@@ -380,7 +389,7 @@ def _score_block(
     R, T = clean_ids.shape
     D = model.d_model
     top = max(m for m, _, _ in held)
-    step = -(-T // POSITION_CHUNKS)
+    step = max(POSITION_MIN_ROWS, -(-T // POSITION_CHUNKS))
     kept: dict[int, torch.Tensor] = {}
     expanders = [(m, _Expander(parts[m], x, compact)) for m, x, compact in held]
     dev = held[0][1].device

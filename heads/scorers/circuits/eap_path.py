@@ -20,20 +20,59 @@ layers over the block).
 The lean path's block (downstream layers held per sweep: each costs about `(H + 2 G) d / D + 4`
 residual copies and saves sweeps) is the largest, up to `MAX_BLOCK`, whose plan fits the budget,
 or without one stays within `LEAN_BLOCK_RATIO` (2) times a plain forward's planned activations
-(block 2 on SmolLM2), at least 1. `PATH = "lean"` / `"default"` force a path (a budget the
-forced default path exceeds is refused).
+(block 2 on SmolLM2), at least 1. `with forced("lean")` / `forced("default")` (this thread)
+or `PATH = "lean"` / `"default"` (every thread) force a path (a budget the forced default path
+exceeds is refused).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from heads._util.validation import short_repr
 from heads.engine.options import SweepOptions
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 
-__all__ = ["LEAN_MIN_BYTES", "LEAN_RATIO", "LEAN_TIME", "PATH", "choose_path", "work_ratio"]
+__all__ = [
+    "LEAN_MIN_BYTES",
+    "LEAN_RATIO",
+    "LEAN_TIME",
+    "PATH",
+    "PATHS",
+    "choose_path",
+    "forced",
+    "work_ratio",
+]
+
+PATHS = ("auto", "lean", "default")
 
 PATH = "auto"
-"""`"auto"` (`choose_path` decides), `"lean"` or `"default"` (forced)."""
+"""`"auto"` (`choose_path` decides), `"lean"` or `"default"` (forced), for every thread; `forced`
+sets it for the calls inside a block of one thread."""
+
+_FORCED: ContextVar[str | None] = ContextVar("heads_eap_path", default=None)
+
+
+@contextmanager
+def forced(path: str) -> Iterator[None]:
+    """Within the block, this thread's `edge_scores` / `find_circuit` runs take `path`:
+    `"lean"` (`eap_lean.eap_chunk_lean`), `"default"` (`eap.eap_chunk`) or `"auto"`
+    (`choose_path`). E.g. `with forced("lean"): find_circuit(model, pairs)`.
+
+    Raises:
+        HeadsteerValueError: `path` not one of `PATHS` (before the block runs).
+    """
+    if path not in PATHS:
+        raise HeadsteerValueError(f"path must be one of {PATHS}, got {short_repr(path)}")
+    token = _FORCED.set(path)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
 
 LEAN_RATIO = 2.5
 """The default path is kept while its planned activations for one pair are within this many
@@ -101,15 +140,16 @@ def choose_path(
     path). Refused before any forward when one pair does not fit the path taken."""
     if method == "exact":
         return budget.max_rows, False, None
-    if PATH not in ("auto", "lean", "default"):
-        raise HeadsteerValueError(f"eap_path.PATH must be 'auto', 'lean' or 'default', got {PATH!r}")
+    path = _FORCED.get() or PATH
+    if path not in PATHS:
+        raise HeadsteerValueError(f"eap_path.PATH must be one of {PATHS}, got {short_repr(path)}")
     L = model.n_layers
     if budget.max_memory is not None:
-        if PATH != "lean":
+        if path != "lean":
             try:
                 return budget.within(model, tokens, "eap").max_rows, False, None
             except HeadsteerValueError:
-                if PATH == "default":
+                if path == "default":
                     raise
         block = 1
         for b in range(2, min(MAX_BLOCK, L) + 1):
@@ -119,7 +159,7 @@ def choose_path(
                 break
             block = b
         return budget.within(model, tokens, _lean_plan(block)).max_rows, True, block
-    if PATH == "default":
+    if path == "default":
         return budget.max_rows, False, None
     forward = _activations(model, "forward", tokens)
     block = 1
@@ -127,7 +167,7 @@ def choose_path(
         if _activations(model, _lean_plan(b), tokens) > LEAN_BLOCK_RATIO * forward:
             break
         block = b
-    if PATH == "lean":
+    if path == "lean":
         return budget.max_rows, True, block
     default = _activations(model, "eap", tokens)
     lean = (

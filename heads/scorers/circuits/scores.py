@@ -198,7 +198,7 @@ def edge_scores(
             2.5x a plain forward's and 128 MiB over it (SmolLM2-135M: from 601 tokens on), and
             its estimated work is within 4x the default's; it keeps 2.0-2.4x a plain forward's
             memory (the default path 9-10x on SmolLM2) at about 2-3x the default path's CPU
-            time. `eap_path.PATH = "lean"` / `"default"` forces either.
+            time. `with eap_path.forced("lean")` / `forced("default")` forces either.
         **deprecated: `batch_rows=` (now `max_rows`), `batch_size=` (pairs per gradient chunk:
             `max_rows=8 * batch_size`) and `progress=` as keywords (one release; a
             `DeprecationWarning`; refused together with the same field set in `options`).

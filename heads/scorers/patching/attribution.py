@@ -21,21 +21,26 @@ stream, `hook_attn_out` / `hook_mlp_out`, after a post-norm where the family has
 `resid_pre` (`[L, P]`). `q`, `k`, `v` and `pattern` are refused by name (`PatchRequest`).
 
 Memory (linear in the prompt, no `[H, T, T]` pattern kept, no cache of every site): the gradients
-come one layer at a time (`heads.scorers.layerwise`): a no-grad forward of each run records the
+come one layer at a time (`heads.scorers.layerwise`): a no-grad pass of each run records the
 residual entering a few layers (`checkpoint_layers`); the walk goes down from the top layer,
-recomputing a segment's inputs without gradients when it reaches it, and runs each layer alone
-with gradients (as its attention half over every position and its MLP half in position chunks
-where the block has a `resid_mid`, as the AtP walk of `heads.scorers.safety.atp` does). The
-source run is walked down beside it: at each scored layer its activation at the site comes from
-that layer run alone without gradients, is contracted with the gradient at once and dropped.
-Where the source's sites at the scored layers and positions take fewer bytes than its
-checkpoints (few layers or positions), they are recorded in its one forward instead. Kept: the
-two runs' checkpoints (about `2 sqrt(2 L)` residual copies at most), the gradient reaching the
-layer, one layer's graph (a chunk of its MLP's), the source's site of that layer.
+recomputing a segment's inputs without gradients when it reaches it (in `PARTS` passes, so half a
+segment's inputs are alive), and runs each layer alone with gradients (its attention half over
+every position, its MLP half in position chunks where the block has a `resid_mid`, as the AtP walk
+of `heads.scorers.safety.atp`). The no-grad passes also run one layer at a time with the MLP in
+position chunks (`layerwise.layer_output`): a whole forward's MLP intermediates (about 10 residual
+copies on SmolLM2) never coexist with the checkpoints. The source run is walked down beside the
+base run: at each scored layer its site comes from that layer alone without gradients, after the
+base layer's backward, is contracted with the gradient at once and dropped. Where the source's
+sites at the scored layers and positions take fewer bytes than its checkpoints (few layers or
+positions), they are recorded in its one forward instead (`SOURCE`). Kept at the peak on SmolLM2
+(30 layers, residual copies `[T, D]`): the two runs' checkpoints and half a segment each (about
+14), one layer's attention graph (about 5) and the gradients (2-3): 2.3-2.5x a plain forward's
+peak at 1k tokens (docs/long-context.md).
 
-Cost: per chunk of pairs (`SweepOptions.max_rows` pairs a walk) two recording forwards, one
-recomputing forward of each run, and one forward and backward of each layer: about 4-5 forwards'
-work, whatever the number of sites (activation patching: one forward per site and pair).
+Cost: per chunk of pairs (`SweepOptions.max_rows` pairs a walk) a recording pass of each run,
+about 1.5 recomputing passes of each, and one forward and backward of each layer: about 7-8
+forwards' CPU time, whatever the number of sites (activation patching: one forward per site
+and pair).
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ from heads.scorers.layerwise import (
     attention_half,
     checkpoint_layers,
     has_mid,
-    inputs_down,
+    inputs_down_chunked,
+    layer_output,
     mlp_half,
-    record_inputs,
+    record_inputs_chunked,
     run_layer,
 )
 from heads.scorers.patching.metrics import Metric
@@ -69,6 +75,11 @@ from heads.scorers.safety.atp import MLP_CHUNKS, MLP_MIN_ROWS
 
 __all__ = ["ATTRIBUTION_KINDS", "attribution_sweep", "run_attribution"]
 
+
+PARTS = 2
+"""Parts a checkpoint segment of either run's walk is recomputed in
+(`layerwise.inputs_down_chunked`): 2 keeps half a segment's inputs (on SmolLM2 four residual
+copies fewer at the peak, both runs together) for about two thirds of a forward more."""
 
 SOURCE = "auto"
 """How the source run's sites reach the walk: `"auto"` (the cheaper in bytes), `"record"` (kept
@@ -160,6 +171,16 @@ def _source_site(
     `la` alone without gradients from `x`, the residual entering it (the forward stops there)."""
     if kind == "resid_pre":
         return x
+    if kind == "mlp_out":  # the MLP in position chunks (`layer_output`); the top layer: its last position
+        R, T = ids.shape
+        full = x.new_zeros(R, T, x.shape[-1])
+
+        def keep(a: int, y: torch.Tensor) -> None:
+            y = _as_rows(y, R)
+            full[:, a : a + y.shape[1]] = y
+
+        layer_output(model, ids, mask, la, x, mlp_read=keep)
+        return full
     got: list[torch.Tensor] = []
 
     def read(a: torch.Tensor, call: AttentionCall) -> None:
@@ -232,8 +253,8 @@ class _Source:
         if SOURCE == "record" or (SOURCE == "auto" and stored * item <= walked * item):
             self.logits, self.sites = _record_sites(model, ids, mask, kind, layers, cols)
         else:
-            self.logits, sparse = record_inputs(model, ids, mask, checkpoint_layers(L))
-            self.walk = inputs_down(model, ids, mask, sparse)
+            self.logits, sparse = record_inputs_chunked(model, ids, mask, checkpoint_layers(L))
+            self.walk = inputs_down_chunked(model, ids, mask, sparse, PARTS)
 
     def at(self, la: int, wanted: bool) -> torch.Tensor | None:
         """The source's site of layer `la` (layers are asked for from the top down, each once)."""
@@ -261,35 +282,42 @@ def _walk(
     wanted, bottom = set(layers), min(layers)
     split = has_mid(model)
     g_next: torch.Tensor | None = None  # the gradient reaching the stream leaving the layer
-    for la, x_in in inputs_down(model, base_ids, mask, base_sparse):
-        src = source.at(la, la in wanted)
+    for la, x_in in inputs_down_chunked(model, base_ids, mask, base_sparse, PARTS):
+        # the source's site of the layer: for mlp_out before the layer (its MLP chunks contract it),
+        # else after the layer's backward (not alive beside its graph)
+        src = source.at(la, la in wanted) if kind == "mlp_out" else None
         x = x_in.detach().requires_grad_(True)
         box: list[torch.Tensor] = []
         node: list[torch.Tensor] = []
-        tapped = src is not None and kind != "resid_pre"
+        tapped = la in wanted and kind != "resid_pre"
         edits: list[Edit] = []
         if tapped and kind != "mlp_out":
             edits.append(ActivationEdit(_SITE[kind], la, _tap(box, node)))
         top = la == L - 1
+        outs: list[torch.Tensor] = []
+        g_outs: list[torch.Tensor | None] = []
         if split:
-            mid = attention_half(model, base_ids, mask, la, x, edits)
-            g_mid = _mlp_backward(
-                model, base_ids, la, mid, g_next, scalar, src if kind == "mlp_out" else None, contract
-            )
-            outs: list[torch.Tensor] = [mid]
-            g_outs: list[torch.Tensor | None] = [g_mid]
+            outs.append(attention_half(model, base_ids, mask, la, x, edits))
+            mlp_src = src if kind == "mlp_out" else None
+            g_outs.append(_mlp_backward(model, base_ids, la, outs[0], g_next, scalar, mlp_src, contract))
         else:
             if kind == "mlp_out" and tapped:
                 edits.append(ActivationEdit("mlp_out", la, _tap(box, node)))
-            out = run_layer(model, base_ids, mask, la, x, edits)
+            outs.append(run_layer(model, base_ids, mask, la, x, edits))
             if top:
                 with torch.enable_grad():
-                    outs, g_outs = [scalar(out)], [None]
+                    outs[0] = scalar(outs[0])
+                g_outs.append(None)
             else:
-                outs, g_outs = [out], [g_next]
+                g_outs.append(g_next)
+        g_next = None
         leaves = [x, *node]
         grads = torch.autograd.grad(outs, leaves, grad_outputs=g_outs, allow_unused=True)
         gx = _zeros_if_none(grads[0], x)
+        outs.clear()
+        g_outs.clear()
+        if kind != "mlp_out":
+            src = source.at(la, la in wanted)
         if src is not None:
             if kind == "resid_pre":
                 contract.add(la, src, x_in, gx)
@@ -299,7 +327,7 @@ def _walk(
                 if kind in ("attn_out", "mlp_out"):
                     base, g_site = _as_rows(base, R), _as_rows(g_site, R)
                 contract.add(la, src, base, g_site)
-        del outs, box, node, grads, src
+        del box, node, grads, src
         if la == bottom:
             break
         g_next = gx
@@ -386,7 +414,7 @@ def run_attribution(
         base_ids, src_ids = pairs.ids(base_side)[rows, trim:], pairs.ids(src_side)[rows, trim:]
         cols = torch.tensor([p - trim if p >= trim else -1 for p in positions] if _columns(kind) else [])
         source = _Source(model, src_ids, mask, kind, layers, cols)
-        base_logits, sparse = record_inputs(model, base_ids, mask, checkpoint_layers(model.n_layers))
+        base_logits, sparse = record_inputs_chunked(model, base_ids, mask, checkpoint_layers(model.n_layers))
         clean_logits = source.logits if direction == "denoising" else base_logits
         for side, lg in (("base", base_logits), ("source", source.logits)):
             val = met(lg, pairs, rows, clean_logits).cpu()

@@ -70,10 +70,12 @@ def test_lean_other_norms_and_ig_sweep(kind, steps):
 
 def test_lean_sweep_mlp_in_position_chunks(monkeypatch):
     """The sweeps run each layer's MLP half in position chunks (forced here from one position
-    on; by default from `SWEEP_MIN_ROWS`): the same scores, on a GQA model and a post-norm one."""
+    on; by default from `SWEEP_MIN_ROWS`) and score the positions in chunks (`POSITION_MIN_ROWS`):
+    the same scores, on a GQA model and a post-norm one."""
     from heads.scorers.circuits import eap_lean
 
     monkeypatch.setattr(eap_lean, "SWEEP_MIN_ROWS", 1)
+    monkeypatch.setattr(eap_lean, "POSITION_MIN_ROWS", 1)  # the scoring too (3-row chunks here)
     for m, steps in (
         (tiny_family_model("llama", num_hidden_layers=3), 2),
         (tiny_family_model("qwen3"), None),

@@ -1,6 +1,6 @@
 """Which EAP path `edge_scores` takes (`eap_path.choose_path`): the lean path from the length at
 which the default path's planned activations pass `LEAN_MIN_BYTES` over a plain forward's (and
-`LEAN_RATIO` times it), the default one below; `PATH` forces either; the scores agree. Also the
+`LEAN_RATIO` times it), the default one below; `forced` / `PATH` force either; the scores agree. Also the
 lean path's gradient expansion with a norm of no closed form (autograd per chunk) against the
 oracle."""
 
@@ -56,18 +56,24 @@ def test_choice_flips_at_the_stated_length(monkeypatch):
     block = calls[0][1]
     assert block is not None and 1 <= block <= m.n_layers  # chosen from the plan
     for path, want in (("default", "default"), ("lean", "lean")):  # forced, at the other length
-        monkeypatch.setattr(eap_path, "PATH", path)
         calls.clear()
         t = flip if path == "default" else flip - 1
-        forced = edge_scores(m, _pairs(t), method="eap", options=opts)
+        with eap_path.forced(path):
+            forced = edge_scores(m, _pairs(t), method="eap", options=opts)
         assert [c[0] for c in calls] == [want]
         ok = ~torch.isnan(got[t].scores)
         scale = float(got[t].scores[ok].abs().max())
         assert scale > 1e-3
         assert float((forced.scores[ok] - got[t].scores[ok]).abs().max()) <= 1e-6 * scale
+    calls.clear()  # the module setting, every thread
+    monkeypatch.setattr(eap_path, "PATH", "lean")
+    edge_scores(m, _pairs(flip - 1), method="eap", options=opts)
+    assert [c[0] for c in calls] == ["lean"]
     monkeypatch.setattr(eap_path, "PATH", "sideways")
     with pytest.raises(ValueError, match="PATH"):
         edge_scores(m, _pairs(5), method="eap", options=opts)
+    with pytest.raises(ValueError, match="path must be one of"), eap_path.forced("sideways"):
+        pass
 
 
 def test_block_from_the_plan_and_work_ratio(monkeypatch):

@@ -229,3 +229,16 @@ def test_memory_plan_refuses_the_estimate_by_name():
     assert plan_memory(cfg, PatchRequest(kind="head_out"), 32).peak > 0
     with pytest.raises(HeadsteerValueError, match=r"patch\(method='attribution'\) has no memory plan"):
         plan_memory(cfg, PatchRequest(kind="head_out", method="attribution"), 32)
+
+
+@pytest.mark.filterwarnings("ignore:.*patching by position")
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_deeper_model_walks_segments_in_parts(parts, monkeypatch):
+    """Six layers: three checkpoint segments (0, 3, 5), each segment of both runs recomputed in
+    `parts` passes; every layer equals the oracle."""
+    monkeypatch.setattr(atp, "SOURCE", "walk")
+    monkeypatch.setattr(atp, "PARTS", parts)
+    hm = tiny_family_model("llama", num_hidden_layers=6)
+    pairs = _pairs()
+    for kind in ("head_out", "mlp_out", "resid_pre"):
+        _check(hm, "llama", pairs, kind)
