@@ -91,7 +91,9 @@ PLAN_CASES = [  # (model, dtype, request, tokens)
     ("0.5B", "bfloat16", "forward", 2048),
     ("1B", "bfloat16", "forward", 2048),
     ("1B", "bfloat16", "sinks", 1024),
+    ("0.1B", "float32", "patch", 1024),  # PATCH_PLAN: the default (lean) path at a long prompt
 ]
+PATCH_PLAN = {"kind": "resid_pre", "layers": [15], "positions": [-1]}
 
 
 def plan_one(model: str, dtype: str, request: str, tokens: int, args) -> dict:
@@ -107,7 +109,11 @@ def plan_one(model: str, dtype: str, request: str, tokens: int, args) -> dict:
     dt = getattr(torch, dtype)
     tok = load_tokenizer() if request == "sinks" else None
     text = task_text(tok, tokens) if tok is not None else None
-    plan = plan_memory(cfg, request, tokens, 1, dt)
+    from heads.planning import MemoryRequest
+
+    plan = plan_memory(
+        cfg, MemoryRequest("patch", PATCH_PLAN) if request == "patch" else request, tokens, 1, dt
+    )
     gc.collect()
     before = status("VmRSS")
     torch.manual_seed(0)
@@ -130,6 +136,14 @@ def plan_one(model: str, dtype: str, request: str, tokens: int, args) -> dict:
             x = model_.get_input_embeddings()(ids).detach().requires_grad_(True)
             out = model_(inputs_embeds=x, use_cache=False, logits_to_keep=1)
             out.logits.float().logsumexp(-1).sum().backward()
+
+    elif request == "patch":
+        from heads.scorers.patching.activation import patch
+
+        hm, pairs = HeadModel(model_, None, name=model), pair(None, tokens)
+
+        def run() -> None:
+            patch(hm, pairs, **PATCH_PLAN)
 
     else:
         hm = HeadModel(model_, tok, name=model)

@@ -25,11 +25,13 @@ __all__ = [
     "BY_POSITION",
     "LEAN_ALWAYS_BYTES",
     "LEAN_MIN_BYTES",
+    "LEAN_ROW_TOKENS",
     "LEAN_TIME",
     "PATCH_KINDS",
     "full_cache_bytes",
     "lean_default",
     "lean_kept_bytes",
+    "lean_rows",
     "patch_kept",
     "patch_work",
 ]
@@ -58,6 +60,18 @@ cost over the fast path to be chosen. Token-layers undercount the fast path (it 
 runs' full caches and copies the KV prefix per row): on SmolLM2 at 1,025 tokens, `resid_pre` at
 one layer and 3 positions (ratio 1.55) took 34 s on the fast path and 15 s on the lean one; every
 position of every layer (ratio ~1.9) is 2.4x slower lean."""
+
+
+LEAN_ROW_TOKENS = 1024
+"""The lean path runs at most `max(1, LEAN_ROW_TOKENS // width)` rows per forward (and at most
+`max_rows`), its two recorded runs included: on a long prompt each row is a forward's worth of
+activations (9 rows of `head_out` at 1,024 tokens peaked at 9 forwards' memory), and one row of
+1,024 tokens already fills the matrix products, so fewer rows cost no time."""
+
+
+def lean_rows(max_rows: int, width: int, least: int = LEAN_ROW_TOKENS) -> int:
+    """Rows per forward of the lean path on rows of `width` tokens (`LEAN_ROW_TOKENS`)."""
+    return max(1, min(max_rows, least // max(1, width)))
 
 
 def full_cache_bytes(

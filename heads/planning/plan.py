@@ -31,7 +31,7 @@ from heads.errors import HeadsteerValueError
 from heads.planning.configs import _config_of
 from heads.planning.devices import _device_split, _layer_of, _owns
 from heads.planning.eap import EAP_LEAN_BLOCK, eap_copies
-from heads.planning.patching import full_cache_bytes, patch_kept
+from heads.planning.patching import full_cache_bytes, lean_rows, patch_kept
 from heads.planning.requests import ANALYSES, REQUEST_PLANS, MemoryRequest, as_memory_request
 from heads.planning.trace import layer_kinds, n_layers_of, text_config, traced_peak
 from heads.planning.units import format_bytes, parse_bytes
@@ -241,16 +241,19 @@ def _extra(
     return 0
 
 
-def _patch_kept(req: MemoryRequest, g: dict[str, int], tokens: int, pairs: int, dtype: torch.dtype) -> int:
-    """Bytes activation / path patching keep beside their forwards (`heads.planning.patching`): the
-    default path's of `patch` (the lean path's sites, or both runs' full caches), both runs' full
-    caches (no q / k / v projections) for `path_patch`."""
+def _patch_kept(
+    req: MemoryRequest, g: dict[str, int], tokens: int, pairs: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """`(rows per forward, bytes kept beside the forwards)` of activation / path patching on
+    `pairs` pairs (`heads.planning.patching`): `patch`'s default path (the lean path's sites, its
+    forwards at most `lean_rows` rows; or both runs' full caches, the recorded runs of every
+    pair), `path_patch`'s full caches (no q / k / v projections)."""
     item = torch.empty(0, dtype=dtype).element_size()
     if req.analysis == "path_patch":
-        return 2 * full_cache_bytes(g, item, pairs, tokens, keys=False)
+        return pairs, 2 * full_cache_bytes(g, item, pairs, tokens, keys=False)
     layers, positions = req.get("layers", None), req.get("positions", None)
-    kind = req.get("kind", "head_out")
-    return patch_kept(g, item, kind, pairs, tokens, layers, positions)[1]
+    lean, kept = patch_kept(g, item, req.get("kind", "head_out"), pairs, tokens, layers, positions)
+    return (min(pairs, lean_rows(64, tokens)) if lean else pairs), kept
 
 
 READ_BLOCK_COPIES = 6
@@ -324,9 +327,12 @@ def plan_memory(
     g = geometry(cfg)
     kinds = layer_kinds(cfg)
     mode = {"generate": "cache", "gradient": "backward"}.get(req.analysis, "forward")
+    rows, kept = batch, 0  # patching: batch = pairs, its forwards' rows and what it keeps
+    if req.analysis in ("patch", "path_patch"):
+        rows, kept = _patch_kept(req, g, total_tokens, batch, dt)
     traced = _cached(
-        ("trace", _config_key(cfg), mode, total_tokens, batch, dt),
-        lambda: traced_peak(cfg, mode, total_tokens, batch, dt),
+        ("trace", _config_key(cfg), mode, total_tokens, rows, dt),
+        lambda: traced_peak(cfg, mode, total_tokens, rows, dt),
     )
     sizes = weight_bytes(cfg, dt)
     split = _device_split(list(sizes), kinds, devices)
@@ -356,7 +362,7 @@ def plan_memory(
             copies = eap_copies(req.analysis, g, len(layers), int(req.get("block", EAP_LEAN_BLOCK)))
             act += int(copies * batch * total_tokens * g["d_model"] * 4)
         if req.analysis in ("patch", "path_patch"):  # kept beside every forward of the sweep
-            act += _patch_kept(req, g, total_tokens, batch, dt)
+            act += kept
         if req.analysis == "logits" and i == len(split) - 1:  # [B, T, V]: logits, copy, fp16 copy
             act += batch * total_tokens * g["d_vocab"] * (2 * torch.empty(0, dtype=dt).element_size() + 2)
         plans.append(DevicePlan(dev, int(w), int(act), len(layers)))

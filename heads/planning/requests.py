@@ -41,7 +41,8 @@ ANALYSES: dict[str, str] = {
         "exceeds): differences recomputed, only the recorded residuals and a block's gradients kept"
     ),
     "patch": (
-        "activation patching (`patch`, batch = pairs): the recorded run of every pair beside what "
+        "activation patching (`patch`, batch = pairs): its forwards (the lean path's at most "
+        "LEAN_ROW_TOKENS // tokens rows, the fast path's recorded run of every pair) beside what "
         "the default path keeps (the lean path's sites or both runs' full caches)"
     ),
     "path_patch": (

@@ -233,9 +233,10 @@ def test_run_refuses_a_budget_below_its_minimum_before_loading(tiny_llama_dir, t
 
 
 @pytest.mark.parametrize("kind", ["head_out", "resid_pre", "k"])
-def test_lean_patched_forwards_take_one_row_on_long_rows_with_the_same_scores(model, monkeypatch, kind):
-    """`lean.LEAN_ROW_TOKENS`: rows of a long prompt run one per patched forward (9 rows of
-    `head_out` at 1,024 tokens peaked at 9 forwards' memory); the scores equal the fast path's."""
+def test_lean_forwards_take_one_row_on_long_rows_with_the_same_scores(model, monkeypatch, kind):
+    """`lean.LEAN_ROW_TOKENS`: rows of a long prompt run one per forward, the recorded runs' pairs
+    too (9 rows of `head_out` at 1,024 tokens peaked at 9 forwards' memory); the scores equal the
+    fast path's; the plan of `patch` then counts one row's forward beside what it keeps."""
     pairs = _pairs(64)
     opts = SweepOptions(progress=False)
     monkeypatch.setattr(lean, "MODE", "full")
@@ -251,8 +252,20 @@ def test_lean_patched_forwards_take_one_row_on_long_rows_with_the_same_scores(mo
 
     monkeypatch.setattr(lean, "run_rows", spy)
     got = patch(model, pairs, kind, layers=[1], options=opts).raw
-    assert seen[:2] == [2, 2] and len(seen) > 3 and set(seen[2:]) == {1}  # two recorded runs, then rows
+    assert len(seen) > 5 and set(seen) == {1}  # the recorded runs pair by pair too, then each row
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6, equal_nan=True)
+    from heads.planning.patching import LEAN_ROW_TOKENS
+
+    T = 2 * LEAN_ROW_TOKENS  # long: the lean path, one row per forward, the 8 pairs' runs included
+    smol = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    )  # fmt: skip
+    request = _REGISTRY["patch"](kind="resid_pre", layers=[15], positions=[-1])
+    lean_path, kept = patch_kept(SMOL, 4, "resid_pre", 8, T, [15], [-1])
+    assert lean_path and kept < T * 576 * 4 * 8 * 1.01  # the residual entering layer 15, per pair
+    plan = plan_memory(smol, request, T, 8).devices[0].activations
+    assert plan == plan_memory(smol, "forward", T, 1).devices[0].activations + kept
 
 
 def test_circuit_report_refuses_a_budget_below_its_minimum_before_loading(

@@ -64,16 +64,12 @@ LEAN_MIN_BYTES = patch_plan.LEAN_MIN_BYTES
 LEAN_ALWAYS_BYTES = patch_plan.LEAN_ALWAYS_BYTES
 LEAN_TIME = patch_plan.LEAN_TIME
 
-LEAN_ROW_TOKENS = 1024
-"""The lean path's patched forwards take at most `max(1, LEAN_ROW_TOKENS // width)` rows (and at
-most `max_rows`): on a long prompt each row is a forward's worth of activations (9 rows of
-`head_out` at 1,024 tokens peaked at 9 forwards' memory), and one row of 1,024 tokens already
-fills the matrix products, so fewer rows cost no time."""
+LEAN_ROW_TOKENS = patch_plan.LEAN_ROW_TOKENS
 
 
 def lean_rows(max_rows: int, width: int) -> int:
-    """Rows per patched forward of the lean path on rows of `width` tokens (`LEAN_ROW_TOKENS`)."""
-    return max(1, min(max_rows, LEAN_ROW_TOKENS // max(1, width)))
+    """Rows per forward of the lean path, its recorded runs included (`heads.planning.patching`)."""
+    return patch_plan.lean_rows(max_rows, width, LEAN_ROW_TOKENS)
 
 
 # the engine site each kind's activation is read at (pattern: a `Recorder`)
@@ -172,7 +168,8 @@ def choose_lean(
             return False, options.within(model, width, reserve=full, whole=n)
         except HeadsteerValueError:
             use = True  # the full caches do not fit the budget: the lean path, if it does
-    return use, options.within(model, width, reserve=lean if use else full, whole=n)
+    whole = min(n, lean_rows(options.max_rows, width)) if use else n  # the recorded runs' rows
+    return use, options.within(model, width, reserve=lean if use else full, whole=whole)
 
 
 # ------------------------------------------------------------------------------ recording
@@ -206,11 +203,27 @@ def record_lean(
     *,
     base: bool,
     embeds: torch.Tensor | None = None,
+    rows: int | None = None,
 ) -> LeanRun:
     """One unedited forward of `ids [N, T]` keeping the kind's activation at `layers` (at
     `positions` for the by-position kinds), with `base=True` also the residual entering each
-    layer > 0, read by engine recorders; no hidden states or KV cache are kept."""
+    layer > 0, read by engine recorders; no hidden states or KV cache are kept. `rows`: at most
+    that many rows per forward (default None: all), the kept tensors joined along the rows."""
     n = ids.shape[0]
+    if rows is not None and rows < n:
+        parts = [
+            record_lean(
+                model, ids[a : a + rows], mask[a : a + rows], kind, layers, positions, base=base,
+                embeds=None if embeds is None else embeds[a : a + rows],
+            )
+            for a in range(0, n, rows)
+        ]  # fmt: skip
+        return LeanRun(
+            torch.cat([p.logits for p in parts]),
+            {la: torch.cat([p.sites[la] for p in parts]) for la in parts[0].sites},
+            {la: torch.cat([p.residuals[la] for p in parts]) for la in parts[0].residuals},
+            embeds,
+        )
     recs: dict[int, Edit] = {}
     for la in layers:
         if kind == "pattern":
@@ -393,8 +406,9 @@ def run_lean(
     for side in ("clean", "corrupted"):
         is_base = side == ("corrupted" if direction == "denoising" else "clean")
         runs[side] = record_lean(
-            model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side]
-        )
+            model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side],
+            rows=lean_rows(options.max_rows, pairs.width),
+        )  # fmt: skip
     clean = runs["clean"]
     base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(
         clean, runs["corrupted"], pairs, met, direction
