@@ -61,19 +61,9 @@ def _only_progress(options: SweepOptions | None) -> SweepOptions:
 
 
 def _patch(model: HeadModel, pairs: Any, r: PatchRequest, options: SweepOptions | None) -> Any:
-    from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.activation import run_patch
 
-    return patch(
-        model,
-        pairs,
-        r.kind,
-        metric=r.metric,
-        direction=r.direction,
-        layers=r.layers,
-        positions=r.positions,
-        options=options,
-        stability=r.stability,
-    )
+    return run_patch(model, pairs, r, options)  # the request itself: no field copied by hand
 
 
 def _path_patch(model: HeadModel, pairs: Any, r: PathPatchRequest, options: SweepOptions | None) -> Any:

@@ -38,6 +38,15 @@ def test_report_page(tmp_path, tiny_llama):
         patching_report(tiny_llama, tmp_path / "q.html", pairs, site="nope", progress=False)
 
 
+def test_report_page_of_the_attribution_estimate(tmp_path, tiny_llama):
+    from heads.scorers.patching.request import PatchRequest
+
+    out = tmp_path / "a.html"
+    request = PatchRequest(kind="head_out", method="attribution")
+    patching_report(tiny_llama, out, load_task_pairs("ioi", n=2), request=request, progress=False)
+    assert "Attribution patching (first-order estimate): head_out" in out.read_text(encoding="utf-8")
+
+
 def test_cli_report_patching(tiny_llama_dir, tmp_path):
     out = tmp_path / "p.html"
     r = CliRunner().invoke(

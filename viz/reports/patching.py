@@ -168,7 +168,12 @@ def render_patching_report(
 ) -> Report:
     """The report page from computed results (no model work). A section whose result is None is
     not drawn; `left_out` maps each such section to the reason, listed on the page."""
-    rep = Report(f"Activation patching: {result.kind}", result.model, params or {})
+    what = (
+        "Attribution patching (first-order estimate)"
+        if result.params.get("method") == "attribution"
+        else None
+    )
+    rep = Report(f"{what or 'Activation patching'}: {result.kind}", result.model, params or {})
     if left_out:
         rep.text(
             "sections left out",

@@ -34,8 +34,8 @@ base layer's backward, is contracted with the gradient at once and dropped. Wher
 sites at the scored layers and positions take fewer bytes than its checkpoints (few layers or
 positions), they are recorded in its one forward instead (`SOURCE`). Kept at the peak on SmolLM2
 (30 layers, residual copies `[T, D]`): the two runs' checkpoints and half a segment each (about
-14), one layer's attention graph (about 5) and the gradients (2-3): 2.3-2.5x a plain forward's
-peak at 1k tokens (docs/long-context.md).
+14), one layer's attention graph (about 5) and the gradients (2-3): 2.1-2.3x a plain forward's
+peak at 1k-4k tokens (docs/long-context.md).
 
 Cost: per chunk of pairs (`SweepOptions.max_rows` pairs a walk) a recording pass of each run,
 about 1.5 recomputing passes of each, and one forward and backward of each layer: about 7-8
@@ -458,12 +458,19 @@ def attribution_sweep(
     `run_attribution` with a progress bar over the pairs (text pairs only).
 
     Raises:
-        HeadsteerValueError: vision pairs (`ImagePairBatch`: not estimated), as `run_attribution`.
+        HeadsteerValueError: vision pairs (`ImagePairBatch`: not estimated), a `max_memory` budget
+            (not planned for this method), as `run_attribution`.
     """
     if isinstance(pairs, ImagePairBatch):
         raise HeadsteerValueError(
             "method='attribution' takes text pairs; vision pairs (ImagePairBatch) are not estimated: "
             "use method='activation'"
+        )
+    if options.max_memory is not None:
+        raise HeadsteerValueError(
+            "method='attribution' has no memory plan, so SweepOptions(max_memory=...) cannot be held "
+            "to; leave max_memory None (its peak is about 2.1-2.3x a plain forward's on SmolLM2 at "
+            "1k-4k tokens, docs/long-context.md) or use method='activation'"
         )
     with progress_callback(options.progress, f"attribution patching {request.kind}", "pairs") as report:
         return run_attribution(

@@ -242,3 +242,41 @@ def test_deeper_model_walks_segments_in_parts(parts, monkeypatch):
     pairs = _pairs()
     for kind in ("head_out", "mlp_out", "resid_pre"):
         _check(hm, "llama", pairs, kind)
+
+
+@pytest.mark.filterwarnings("ignore:.*patching by position")
+def test_one_pair_a_walk_trims_its_padding():
+    """`max_rows=1`: each pair walks alone, the shorter one without its two padding columns (the
+    scored columns shift by them); equal to the oracle and to one walk of both pairs."""
+    hm = shared_family_model("qwen2")
+    pairs = _pairs()
+    one = SweepOptions(max_rows=1, progress=False)
+    for kind in ("head_out", "head_out_by_pos", "attn_out", "resid_pre"):
+        pos = None if kind == "head_out" else [1, 3, 9, -1]  # column 1: padding in pair 1
+        res = patch(hm, pairs, kind, positions=pos, options=one, method="attribution")
+        both = patch(hm, pairs, kind, positions=pos, options=OPTS, method="attribution")
+        scale = max(1.0, float(res.raw.abs().max()))
+        assert float((res.raw - both.raw).abs().max()) <= TOL * scale, kind
+        for li, layer in enumerate(res.layer_ids):
+            want = oracle_estimate(hm, "qwen2", pairs, kind, layer, res.params["positions"])
+            assert float((res.raw[li] - want).abs().max()) <= TOL * scale, (kind, layer)
+
+
+def test_max_memory_is_refused_not_ignored():
+    hm = shared_family_model("llama")
+    with pytest.raises(HeadsteerValueError, match="max_memory"):
+        patch(hm, _pairs(), "head_out", method="attribution", options=SweepOptions(max_memory="1GB"))
+
+
+def test_run_dispatches_the_method():
+    """`heads.run(model, PatchRequest(method="attribution"), pairs)` (the CLI's and the server's
+    path) runs the estimate, not activation patching (the dispatch copied the request's fields
+    by hand and dropped `method`)."""
+    from heads import run
+
+    hm = shared_family_model("llama")
+    pairs = _pairs()
+    got = run(hm, PatchRequest(kind="head_out", method="attribution"), pairs, options=OPTS)
+    want = patch(hm, pairs, "head_out", method="attribution", options=OPTS)
+    assert got.params.get("method") == "attribution"
+    assert torch.equal(got.raw, want.raw)
