@@ -164,17 +164,14 @@ def choose_path(
     if path == "default":
         return budget.max_rows, False, None
     forward = _activations(model, "forward", tokens)
+    if path == "auto":  # short prompts keep the default path: no block to plan
+        default = _activations(model, "eap", tokens)
+        if default <= LEAN_RATIO * forward or default - forward < LEAN_MIN_BYTES:
+            return budget.max_rows, False, None
     block = 1
     for b in range(2, min(MAX_BLOCK, L) + 1):
         if _activations(model, _lean_plan(b), tokens) > LEAN_BLOCK_RATIO * forward:
             break
         block = b
-    if path == "lean":
-        return budget.max_rows, True, block
-    default = _activations(model, "eap", tokens)
-    lean = (
-        default > LEAN_RATIO * forward
-        and default - forward >= LEAN_MIN_BYTES
-        and work_ratio(L, block, steps) <= LEAN_TIME
-    )
+    lean = path == "lean" or work_ratio(L, block, steps) <= LEAN_TIME
     return budget.max_rows, lean, block if lean else None
