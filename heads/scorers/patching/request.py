@@ -144,7 +144,8 @@ class PatchRequest(Request):
         HeadsteerValueError: an unknown kind / direction / metric / method, positions for a kind
             that patches every position, stability on a kind without heads, a kind
             `method="attribution"` does not estimate (q, k, v, pattern); `check_config`: layers or
-            positions out of range, a kind the family does not have (`check_kind_family`).
+            positions out of range, a kind the family does not have (`check_kind_family`),
+            `attn_out` with `method="attribution"` where a residual multiplier scales it.
     """
 
     NAME = "patch"
@@ -183,6 +184,16 @@ class PatchRequest(Request):
 
     def check_geometry(self, geometry: Geometry) -> None:
         check_kind_family(geometry.family, self.kind, geometry.residual_multiplier)
+        if (
+            self.method == "attribution"
+            and self.kind == "attn_out"
+            and geometry.residual_multiplier is not None
+        ):
+            raise HeadsteerValueError(
+                "method='attribution' does not estimate kind='attn_out' with a residual multiplier other "
+                "than 1: the engine's attn_out site (the gradient's site) does not reproduce the scaling; "
+                "estimate 'head_out' or 'resid_pre', or use method='activation'"
+            )
         for la in self.layers or ():
             geometry.check_layer("layers", la)
         _check_int_positions(geometry, "positions", self.positions)

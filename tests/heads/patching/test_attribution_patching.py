@@ -280,3 +280,13 @@ def test_run_dispatches_the_method():
     want = patch(hm, pairs, "head_out", method="attribution", options=OPTS)
     assert got.params.get("method") == "attribution"
     assert torch.equal(got.raw, want.raw)
+
+
+def test_attn_out_with_a_residual_multiplier_is_refused_before_any_forward():
+    """MiniCPM3 scales each sub-layer's output before the stream: the engine's attn_out site,
+    where the gradient is read, refuses it; the request refuses it first, from the config."""
+    hm = shared_family_model("minicpm3")
+    with pytest.raises(HeadsteerValueError, match="residual multiplier other than 1"):
+        PatchRequest(kind="attn_out", method="attribution").check_config(hm)
+    with pytest.raises(HeadsteerValueError, match="does not estimate kind='attn_out' with a residual"):
+        patch(hm, _pairs(), "attn_out", positions=[-1], method="attribution", options=OPTS)
