@@ -349,7 +349,7 @@ def find_circuit(
             about 70 MB a row, where 64 rows peaked at 4.4 GiB) and the chunks 8 pairs;
             `max_memory` (bytes) replaces that budget (at most `max_rows` rows).
             `progress`: True (default: a bar), False / None, or a `(done, total)` callable.
-            EAP (and EAP-IG with up to 3 points on SmolLM2) take the memory-lean path on long
+            EAP (and EAP-IG with up to 8 points on SmolLM2) take the memory-lean path on long
             prompts, any method under a budget the default path exceeds (`edge_scores`: SmolLM2
             from 601 tokens on, about 2.2x a plain forward's memory instead of 9x, at 2.5-3.6x
             the default path's CPU time; the same scores);

@@ -196,8 +196,8 @@ def edge_scores(
             block instead of held; the same scores within float rounding) also without a budget
             on long prompts, where the default path's planned activations for one pair exceed
             2.5x a plain forward's and 128 MiB over it (SmolLM2-135M: from 601 tokens on), and
-            its estimated work is within 4x the default's (EAP; EAP-IG with up to 3 points on
-            SmolLM2; more points keep the default path: each point sweeps again); it keeps
+            its estimated work is within 5x the default's (EAP; EAP-IG with up to 8 points on
+            SmolLM2; a much deeper model keeps the default path: each point sweeps again); it keeps
             2.1-2.4x a plain forward's memory (the default path 9-10x on SmolLM2) at 2.5x the
             default path's CPU time for EAP at 1k tokens (EAP-IG with 2 points: about 3.6x).
             `with eap_path.forced("lean")` / `forced("default")` forces either.

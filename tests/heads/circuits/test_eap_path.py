@@ -94,10 +94,13 @@ def test_block_from_the_plan_and_work_ratio(monkeypatch):
     assert block == min(eap_path.MAX_BLOCK, m.n_layers) or act(block + 1) > eap_path.LEAN_BLOCK_RATIO * fwd
     ratios = [eap_path.work_ratio(30, b, None) for b in (1, 2, 3, 4)]
     assert ratios == sorted(ratios, reverse=True) and ratios[-1] > 1.0
-    # 30 layers, block 2 (SmolLM2): EAP and EAP-IG with 2 points lean by default; 5 points (each
-    # point sweeps two or three runs again, the default path records the differences once) not
-    ig = [eap_path.work_ratio(30, 2, s) for s in (2, 3, 4, 5)]
-    assert ig == sorted(ig) and ratios[1] < ig[0] <= eap_path.LEAN_TIME < ig[-1]
+    # 30 layers, block 2 (SmolLM2): EAP and EAP-IG with up to 8 points lean by default (each point
+    # sweeps two or three runs again, the default path records the differences once); 48 layers at
+    # block 2 with 5 points (deeper: more sweeps per walk) keep the default path
+    ig = [eap_path.work_ratio(30, 2, s) for s in (2, 3, 4, 5, 8)]
+    assert ig == sorted(ig) and ratios[1] < ig[0] and ig[-1] <= eap_path.LEAN_TIME
+    assert eap_path.work_ratio(30, 2, 20) > eap_path.work_ratio(30, 2, 8)
+    assert eap_path.work_ratio(48, 2, 5) > eap_path.LEAN_TIME
 
 
 @pytest.mark.parametrize("steps", [None, 2])
