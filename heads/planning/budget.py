@@ -52,7 +52,7 @@ def minimum_plan(
     whole = name in WHOLE and req.analysis in ("forward", "patch", "path_patch", "sinks")
     batch = rows if whole else 1
     if req.analysis == "eap":
-        req = MemoryRequest("eap_lean")
+        req = MemoryRequest("eap_lean", {"circuit": bool(req.get("circuit", False))})
     return plan_memory(config, req, tokens, batch, dtype, devices)
 
 

@@ -30,7 +30,7 @@ from heads.engine import state
 from heads.errors import HeadsteerValueError
 from heads.planning.configs import _config_of
 from heads.planning.devices import _device_split, _layer_of, _owns
-from heads.planning.eap import EAP_LEAN_BLOCK, eap_copies
+from heads.planning.eap import EAP_LEAN_BLOCK, circuit_eval_bytes, eap_copies
 from heads.planning.patching import full_cache_bytes, lean_rows, patch_kept
 from heads.planning.requests import ANALYSES, REQUEST_PLANS, MemoryRequest, as_memory_request
 from heads.planning.trace import layer_kinds, n_layers_of, text_config, traced_peak
@@ -361,6 +361,10 @@ def plan_memory(
         if req.analysis in ("eap", "eap_lean"):  # kept for the whole walk: on top of the forward's peak
             copies = eap_copies(req.analysis, g, len(layers), int(req.get("block", EAP_LEAN_BLOCK)))
             act += int(copies * batch * total_tokens * g["d_model"] * 4)
+            if req.get("circuit", False):  # find_circuit: its exact evaluations, after the scores
+                share = len(layers) / max(1, g["n_layers"])
+                evals = traced.at(count) + int(share * circuit_eval_bytes(g, total_tokens, batch))
+                act = max(act, evals)
         if req.analysis in ("patch", "path_patch"):  # kept beside every forward of the sweep
             act += kept
         if req.analysis == "logits" and i == len(split) - 1:  # [B, T, V]: logits, copy, fp16 copy

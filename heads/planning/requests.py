@@ -54,7 +54,8 @@ ANALYSES: dict[str, str] = {
 
 _PARAMS: dict[str, tuple[str, ...]] = {
     "generate": ("new_tokens", "kernel"),
-    "eap_lean": ("block",),
+    "eap": ("circuit",),
+    "eap_lean": ("block", "circuit"),
     "qrhead": ("query_rows",),
     "retrieval": ("query_rows",),
     "knockout": ("kernel",),
@@ -83,7 +84,9 @@ class MemoryRequest:
             retrieval: the rows whose pattern is read; default 64), `kind` / `layers` /
             `positions` (patch: the site kind, default `"head_out"`; the patched layers and the
             by-position kinds' columns, default None: all, negative from the end), `block`
-            (eap_lean: the downstream layers held per sweep; default `EAP_LEAN_BLOCK`, 2).
+            (eap_lean: the downstream layers held per sweep; default `EAP_LEAN_BLOCK`, 2),
+            `circuit` (eap, eap_lean: True for `find_circuit`, whose exact evaluations of the
+            circuit keep `circuit_eval_bytes` beside a forward; default False: edge scores only).
 
     An analysis request of `heads` plans as its analysis where the plan has one
     (`REQUEST_PLANS`); the others are refused by name (`NO_PLAN`). Any object with a
@@ -119,6 +122,8 @@ class MemoryRequest:
                 raise HeadsteerValueError(f"kind must be one of {PATCH_KINDS}, got {short_repr(v)}")
             if k in ("layers", "positions"):
                 _check_ints(k, v)
+            if k == "circuit" and not isinstance(v, bool):
+                raise HeadsteerValueError(f"circuit must be a bool, got {short_repr(v)}")
         object.__setattr__(self, "params", dict(self.params))
 
     def get(self, name: str, default: Any) -> Any:
@@ -142,7 +147,7 @@ def _circuit(r: Any) -> MemoryRequest:
             f"find_circuit(method={r.method!r}) has no memory plan; planned: the gradient methods eap "
             "and eap-ig"
         )
-    return MemoryRequest("eap")
+    return MemoryRequest("eap", {"circuit": True})
 
 
 REQUEST_PLANS: dict[str, Callable[[Any], MemoryRequest]] = {

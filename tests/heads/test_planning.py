@@ -364,9 +364,12 @@ def test_analysis_requests_plan_as_their_analysis_or_are_refused_by_name():
     for request, analysis in (
         (KnockoutRequest(keys=[1]), "knockout"),
         (SinkStatsRequest(), "sinks"),
-        (CircuitRequest(method="eap"), "eap"),
     ):
         assert plan_memory(cfg, request, 64).peak == plan_memory(cfg, analysis, 64).peak
+    # find_circuit: the EAP scores and, after them, its exact evaluations of the circuit
+    circuit = plan_memory(cfg, CircuitRequest(method="eap"), 64)
+    assert circuit.request == MemoryRequest("eap", {"circuit": True})
+    assert circuit.peak >= plan_memory(cfg, "eap", 64).peak
     assert plan_memory(cfg, PatchRequest(kind="head_out"), 64).request.analysis == "patch"
     with pytest.raises(HeadsteerValueError, match="method='exact'"):
         plan_memory(cfg, CircuitRequest(method="exact"), 64)

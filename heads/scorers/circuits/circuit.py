@@ -32,6 +32,8 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.planning.eap import CIRCUIT_ROW_BYTES_PER_NODE
+from heads.planning.units import format_bytes
 from heads.results.circuits import Circuit, select, warn_most_heads
 from heads.results.graph import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
 from heads.results.stability import Stability
@@ -83,23 +85,33 @@ __all__ = [
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`): `find_circuit`
 without `batch_rows`, `headsteer report circuit --max-memory`."""
-ROW_BYTES_PER_NODE = 28
-"""Measured bytes per row, token, upstream node and model dimension of an exact evaluation: about
-seven fp32 `[U, D]` tensors per row and token. On SmolLM2-135M (U = 301 upstream nodes, D = 576,
-IOI pairs of 15 tokens) `report circuit` peaked 70 MB per row above the loaded model (51 rows:
-+3.4 GiB; 12 rows: +0.8 GiB), 73 MB by this constant: the budget holds."""
+ROW_BYTES_PER_NODE = CIRCUIT_ROW_BYTES_PER_NODE
+"""Measured bytes per row, token, upstream node and model dimension of an exact evaluation
+(`heads.planning.eap.CIRCUIT_ROW_BYTES_PER_NODE`, 28: about seven fp32 `[U, D]` tensors per row
+and token; the plan of `find_circuit` counts the same)."""
 
 
-def circuit_rows(graph: Graph, d_model: int, width: int, max_memory_gb: float = MAX_MEMORY_GB) -> int:
+def circuit_rows(
+    graph: Graph, d_model: int, width: int, max_memory_gb: float = MAX_MEMORY_GB, *, strict: bool = False
+) -> int:
     """Rows per forward of the exact evaluations (`evaluate`, `faithfulness_curve`'s
     `batch_rows`) that keep their activations within `max_memory_gb` GiB: the budget over
-    `ROW_BYTES_PER_NODE x U x D x T` bytes a row, between 1 and 64.
+    `ROW_BYTES_PER_NODE x U x D x T` bytes a row, between 1 and 64. One row over the budget:
+    1 row, or with `strict` (a budget the user gave) refused, naming what one row needs.
 
     Raises:
-        ValueError: a budget that is not a number > 0.
+        ValueError: a budget that is not a number > 0; with `strict`, one row over it.
     """
     budget = check_number("max_memory", max_memory_gb, lo=0, lo_open=True) * 2**30
     per_row = ROW_BYTES_PER_NODE * graph.n_upstream * d_model * max(1, width)
+    if strict and per_row > budget:
+        raise HeadsteerValueError(
+            f"find_circuit's exact evaluations of the circuit (the faithfulness curve and the "
+            f"circuit's faithfulness) need {format_bytes(per_row)} for one pair of {width} tokens "
+            f"({ROW_BYTES_PER_NODE} B x {graph.n_upstream} upstream nodes x d_model {d_model} x "
+            f"tokens); max_memory is {format_bytes(int(budget))}: raise it or use shorter pairs "
+            "(edge_scores alone keeps within the budget)"
+        )
     return int(max(1, min(64, budget // per_row)))
 
 
@@ -423,9 +435,10 @@ def _run(
     request.check_config(model)  # n and confirm within the graph's edges
     batch_rows, progress = opts.max_rows, opts.progress
     width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
-    if opts.max_memory is not None:  # the exact runs' rows within that budget
+    if opts.max_memory is not None:  # the exact runs' rows within that budget (refused before any forward)
         batch_rows = min(
-            opts.max_rows, circuit_rows(graph, model.d_model, width, int(opts.max_memory) / 2**30)
+            opts.max_rows,
+            circuit_rows(graph, model.d_model, width, int(opts.max_memory) / 2**30, strict=True),
         )
     elif budget and opts.max_rows == SweepOptions().max_rows:
         batch_rows = circuit_rows(graph, model.d_model, width)

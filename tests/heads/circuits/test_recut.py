@@ -164,3 +164,56 @@ def test_a_one_point_curve_saves_nan_as_null_and_loads_it_back(qwen2, tmp_path):
     back = Circuit.load(path, qwen2)
     assert math.isnan(back.curve["cpr"]) and back.curve["n_edges"] == c.curve["n_edges"]
     assert torch.equal(back.mask, c.mask)
+
+
+def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwen2, monkeypatch):
+    """`find_circuit(options=SweepOptions(max_memory=...))`: the exact evaluations (the curve, the
+    circuit's faithfulness) need `ROW_BYTES_PER_NODE x U x D x T` for one pair; a budget below it is
+    refused naming that figure before the edge scores run (it took 1 row and went over the budget:
+    6.8 GB against 1.5 GiB at 977 tokens on SmolLM2)."""
+    import heads.scorers.circuits.circuit as mod
+    from heads import SweepOptions
+    from heads.errors import HeadsteerValueError
+
+    p = _pairs()
+    g = graph_of(qwen2)
+    per_row = mod.ROW_BYTES_PER_NODE * g.n_upstream * qwen2.d_model * p.width
+    assert mod.circuit_rows(g, qwen2.d_model, p.width, (per_row - 1) / 2**30) == 1  # no budget given: 1 row
+
+    def no_scores(*a, **k):
+        raise AssertionError("the edge scores ran")
+
+    monkeypatch.setattr(mod, "chunked_edge_scores", no_scores)
+    with pytest.raises(HeadsteerValueError, match=r"exact evaluations.*one pair of 5 tokens.*max_memory"):
+        find_circuit(qwen2, p, method="eap", options=SweepOptions(progress=False, max_memory=per_row - 1))
+    assert mod.circuit_rows(g, qwen2.d_model, p.width, per_row / 2**30, strict=True) == 1
+
+
+def test_the_circuit_plan_counts_the_exact_evaluations():
+    """`plan_memory` / `minimum_plan` of a `CircuitRequest`: at least a forward plus one row of the
+    exact evaluations (`circuit_eval_bytes`), which on SmolLM2's geometry at 1k tokens is far above
+    the EAP scores' own plan; the scores alone (`"eap"`) stay below it."""
+    from transformers import LlamaConfig
+
+    from heads import CircuitRequest
+    from heads.planning import plan_memory
+    from heads.planning.budget import check_budget, minimum_plan
+    from heads.planning.eap import circuit_eval_bytes
+    from heads.planning.plan import geometry
+
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    )  # fmt: skip
+    req = CircuitRequest(method="eap")
+    evals = circuit_eval_bytes(geometry(cfg), 1024)
+    assert evals == 28 * 301 * 576 * 1024
+    circuit = plan_memory(cfg, req, 1024).devices[0].activations
+    scores = plan_memory(cfg, "eap", 1024).devices[0].activations
+    forward = plan_memory(cfg, "forward", 1024).devices[0].activations
+    assert scores < evals < circuit <= forward + evals + scores
+    least = minimum_plan(cfg, req, 1024)
+    assert least.devices[0].activations >= evals
+    with pytest.raises(Exception, match="needs at least"):
+        check_budget(cfg, req, 1024, least.peak - 1)
+    check_budget(cfg, req, 1024, least.peak)
