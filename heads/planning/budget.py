@@ -46,8 +46,8 @@ def minimum_plan(
     try:
         req = as_memory_request(request)
     except HeadsteerValueError:
-        if getattr(type(request), "NAME", None) is None:
-            raise
+        if getattr(type(request), "NAME", None) is None or getattr(request, "method", None) == "attribution":
+            raise  # patch(method="attribution") refuses a budget when it runs: refused here, before loading
         req = MemoryRequest("forward")  # no plan of its own: at least the weights and a forward
     whole = name in WHOLE and req.analysis in ("forward", "patch", "path_patch", "sinks")
     batch = rows if whole else 1

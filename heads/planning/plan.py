@@ -318,7 +318,7 @@ def plan_memory(
     family_of(cfg)  # a family load_model refuses is not planned either (the reason named)
     req = as_memory_request(request)
     tokens = check_int("tokens", tokens, lo=1)
-    batch = check_int("batch", batch, lo=1)
+    batch = check_int("batch", batch, lo=1, hi=1 << 24)
     dt = check_dtype(dtype)
     limit = getattr(text_config(cfg), "max_position_embeddings", None)
     total_tokens = tokens + int(req.get("new_tokens", 0))

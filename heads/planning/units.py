@@ -40,6 +40,11 @@ def parse_bytes(value: object, name: str = "max_memory") -> int:
                 f"{name} must be a size such as '24GB', '80GiB' or a number of bytes, got {short_repr(value)}"
             )
         number = float(m.group(1)) * _UNITS[unit]
+        if not unit and math.isfinite(number) and number != int(number):  # '1.5': bytes are whole
+            raise HeadsteerValueError(
+                f"{name} {short_repr(value)} is a fractional number of bytes: give whole bytes or a "
+                f"size with a unit (e.g. '{value.strip()}GB')"
+            )
     elif is_number(value):
         number = float(value)
         if math.isfinite(number) and number != int(number):  # a bare number counts bytes

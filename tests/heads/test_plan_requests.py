@@ -230,6 +230,50 @@ def test_run_refuses_a_budget_below_its_minimum_before_loading(tiny_llama_dir, t
     args = ["run", str(req), "--model", tiny_llama_dir, "--out", str(tmp_path / "o.json")]
     r = CliRunner().invoke(app, [*args, "--inputs", "ioi", "--n", "2", "--max-memory", "100GB"])
     one_line_error(r, "a direct_logit_attribution request takes no --max-memory")
+    # patch(method="attribution") refuses a budget when it runs: refused here, before loading, for
+    # any budget (it loaded and refused, or named a plain forward's minimum: breaker)
+    req.write_text(json.dumps({"request": "patch", "kind": "head_out", "method": "attribution"}))
+    for budget in ("1KB", "100GB"):
+        r = CliRunner().invoke(app, [*args, "--inputs", "ioi", "--n", "2", "--max-memory", budget])
+        one_line_error(r, "patch(method='attribution') has no memory plan")
+        assert "the model was loaded" not in r.output
+
+
+def test_plan_with_a_budget_plans_what_the_run_takes_under_it(tiny_llama_dir, tmp_path):
+    """`headsteer plan --request FILE --batch N --max-memory B`: where the request's plan does not
+    fit B but what its run takes under B does (a sweep shrinks its batch; EAP takes its lean path),
+    that plan is shown, not refused (breaker: find_circuit under 600 MB "needs at least 796 MB"
+    while its run fit; its plan now counts the exact evaluations, which both paths share)."""
+    from typer.testing import CliRunner
+
+    from heads import AttributionRequest
+    from heads.planning.budget import minimum_plan
+    from viz.cli import app
+
+    req = tmp_path / "atp.json"
+    req.write_text(json.dumps({"request": "attribution_patching"}))
+    least = minimum_plan(tiny_llama_dir, AttributionRequest(), 256, 4).peak
+    full = plan_memory(tiny_llama_dir, AttributionRequest(), 256, 4).peak
+    assert least < full
+    base = ["plan", "--model", tiny_llama_dir, "--tokens", "256", "--batch", "4", "--request", str(req)]
+    r = CliRunner().invoke(app, [*base, "--json", "--quiet", "--max-memory", str((least + full) // 2)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["batch"] == 1
+    r = CliRunner().invoke(app, [*base, "--max-memory", str(least - 1)])
+    assert r.exit_code == 2 and "needs at least" in r.output
+
+
+def test_fractional_bare_bytes_and_huge_batches_are_refused_by_value():
+    """`parse_bytes("1.5")` was read as 1 byte (the number 1.5 was refused); a batch of 10**14 rows
+    failed inside the tracer with an overflow (breaker)."""
+    from heads.errors import HeadsteerValueError
+    from heads.planning import parse_bytes
+
+    with pytest.raises(HeadsteerValueError, match="fractional number of bytes"):
+        parse_bytes("1.5")
+    assert parse_bytes("1.5KB") == 1500 and parse_bytes("2") == 2
+    with pytest.raises(HeadsteerValueError, match="batch"):
+        plan_memory(CFG, "forward", 10, 10**14)
 
 
 @pytest.mark.parametrize("kind", ["head_out", "resid_pre", "k"])

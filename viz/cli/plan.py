@@ -86,6 +86,14 @@ def plan_command(
         plan = plan_memory(
             run.model, planned, tokens, batch, check_dtype(run.dtype), run.device if where is None else where
         )
+    if budget is not None and plan.peak > budget and request is not None:
+        from heads.planning.budget import minimum_plan
+
+        least = minimum_plan(
+            run.model, planned, tokens, batch, check_dtype(run.dtype), run.device if where is None else where
+        )
+        if least.peak <= budget:  # the run takes its leaner path under this budget (EAP: eap_lean)
+            plan = least
     analysis = plan.request.analysis
     if budget is not None and plan.peak > budget:
         raise HeadsteerValueError(

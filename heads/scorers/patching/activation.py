@@ -218,7 +218,8 @@ def patch(
             sites alone where their full caches do not fit (module docstring), refused before
             any forward when one row does not fit); default `SweepOptions()`. Progress
             counts work in token-layers (each forward's rows x the columns it recomputes x the
-            layers it runs), not rows: rows patched at an early layer or position cost more.
+            layers it runs), not rows: rows patched at an early layer or position cost more;
+            `method="attribution"`: in pairs (a walk per chunk of pairs).
         stability: bootstrap resamples of the pairs for the head ranking's stability (default 0:
             none; e.g. 100): `result.stability`, from the per-pair scores with no extra forward
             (`PatchResult.bootstrap`; the pairs' template ids give the agreement across templates).

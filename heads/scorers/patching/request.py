@@ -169,6 +169,12 @@ class PatchRequest(Request):
             )
         check_choice("direction", self.direction, DIRECTIONS)
         _metric(self.metric)
+        if self.method == "attribution" and self.direction == "noising" and self.metric == "kl":
+            raise HeadsteerValueError(
+                "method='attribution' with metric='kl' and direction='noising': KL(clean || run) is "
+                "minimal at the clean run, so its gradient there is 0 and every estimate is 0; use "
+                "direction='denoising', another metric, or method='activation'"
+            )
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
         positions = check_positions("positions", self.positions, names=("image",))
         if positions is not None and self.kind not in BY_POSITION:

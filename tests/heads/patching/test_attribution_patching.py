@@ -213,6 +213,18 @@ def test_kinds_not_estimated_are_refused_by_name(kind):
         PatchRequest(method="gradient")
 
 
+def test_kl_noising_estimate_is_refused_by_name():
+    """KL(clean || run) has gradient 0 at the clean run: noising with KL estimated 0 everywhere and
+    still returned a ranking (noise; breaker). Denoising with KL is kept."""
+    with pytest.raises(HeadsteerValueError, match="gradient there is 0"):
+        PatchRequest(kind="head_out", metric="kl", direction="noising", method="attribution")
+    hm = shared_family_model("llama")
+    with pytest.raises(HeadsteerValueError, match="gradient there is 0"):
+        patch(hm, _pairs(), "head_out", metric="kl", direction="noising", method="attribution", options=OPTS)
+    PatchRequest(kind="head_out", metric="kl", direction="denoising", method="attribution")
+    PatchRequest(kind="head_out", metric="kl", direction="noising")
+
+
 def test_family_refusals_apply_and_request_round_trips():
     hm = shared_family_model("opt")  # its MLP is not one module: mlp_out refused as by patch
     with pytest.raises(HeadsteerValueError, match="not one module"):
