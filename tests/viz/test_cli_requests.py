@@ -56,3 +56,20 @@ def test_request_refusals_name_the_option(tmp_path):
     ):
         r = _invoke(tmp_path, "/no/model", *args)
         assert r.exit_code == 2 and option in r.output and message in r.output, (args, r.output)
+
+
+def test_report_patching_attribution_says_estimate_in_the_terminal(tiny_llama_dir, tmp_path):
+    """`headsteer report patching --method attribution`: the terminal's table says its sites are
+    estimated by attribution patching (only the HTML title said so: newcomer); activation
+    patching's title is unchanged."""
+    from typer.testing import CliRunner
+
+    from viz.cli import app
+
+    base = ["report", "patching", "--model", tiny_llama_dir, "--n", "2", "--kind", "head_out"]
+    r = CliRunner().invoke(app, [*base, "--method", "attribution", "--out", str(tmp_path / "a.html")])
+    assert r.exit_code == 0, r.output
+    assert "estimated by attribution patching" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b.html")])
+    assert r.exit_code == 0, r.output
+    assert "estimated" not in r.output and "top head_out sites" in " ".join(r.output.split())

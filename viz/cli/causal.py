@@ -88,7 +88,10 @@ def report_patching(
         _, summary = patching_report(
             hm, out, pairs, request=request, overwrite=run.force, progress=step, task=task
         )
-    table = Table(title=f"top {kind} sites ({summary['pairs']} pairs, {direction})")
+    title = f"top {kind} sites ({summary['pairs']} pairs, {direction})"
+    if method == "attribution":  # an estimate, said where it is read (newcomer)
+        title = f"top {kind} sites estimated by attribution patching ({summary['pairs']} pairs, {direction})"
+    table = Table(title=title)
     keys = [
         k
         for k in ("layer", "head", "kv_head", "position", "token", "score")
