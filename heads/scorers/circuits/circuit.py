@@ -106,10 +106,10 @@ def circuit_rows(
     per_row = ROW_BYTES_PER_NODE * graph.n_upstream * d_model * max(1, width)
     if strict and per_row > budget:
         raise HeadsteerValueError(
-            f"find_circuit's exact evaluations of the circuit (the faithfulness curve and the "
-            f"circuit's faithfulness) need {format_bytes(per_row)} for one pair of {width} tokens "
-            f"({ROW_BYTES_PER_NODE} B x {graph.n_upstream} upstream nodes x d_model {d_model} x "
-            f"tokens); max_memory is {format_bytes(int(budget))}: raise it or use shorter pairs "
+            f"find_circuit needs at least {format_bytes(per_row)} for one pair of {width} tokens "
+            "in its exact evaluations of the circuit (the faithfulness curve and the circuit's "
+            f"faithfulness: {ROW_BYTES_PER_NODE} B x {graph.n_upstream} upstream nodes x d_model "
+            f"{d_model} x tokens); max_memory is {format_bytes(int(budget))}: raise it or use shorter pairs "
             "(edge_scores alone keeps within the budget)"
         )
     return int(max(1, min(64, budget // per_row)))

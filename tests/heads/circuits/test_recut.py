@@ -184,7 +184,10 @@ def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwe
         raise AssertionError("the edge scores ran")
 
     monkeypatch.setattr(mod, "chunked_edge_scores", no_scores)
-    with pytest.raises(HeadsteerValueError, match=r"exact evaluations.*one pair of 5 tokens.*max_memory"):
+    with pytest.raises(
+        HeadsteerValueError,
+        match=r"needs at least \S+ \wB for one pair of 5 tokens in its exact evaluations.*max_memory",
+    ):
         find_circuit(qwen2, p, method="eap", options=SweepOptions(progress=False, max_memory=per_row - 1))
     assert mod.circuit_rows(g, qwen2.d_model, p.width, per_row / 2**30, strict=True) == 1
 
