@@ -12,6 +12,7 @@ each site is a hook on the hook point of its TransformerLens name (`HookPoint.ad
 | `residual` | `blocks.{l}.hook_resid_pre` |
 | `q`, `k`, `v` | `blocks.{l}.attn.hook_q`, `hook_k`, `hook_v` (KV heads at k / v) |
 | `query` | `blocks.{l}.attn.hook_rot_q` (`hook_q` without rotary embeddings) |
+| `rot_k` | `blocks.{l}.attn.hook_rot_k` (`hook_k` without rotary embeddings) |
 | `logits`, `attn_scores` | `blocks.{l}.attn.hook_attn_scores` |
 | `probs` | `blocks.{l}.attn.hook_pattern` |
 | `head_output` | `blocks.{l}.attn.hook_z` |
@@ -56,7 +57,7 @@ _VISIBLE: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_tl_visible
 _MID: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_tl_mid", default={})  # noqa: B039
 _ADDED: ContextVar[dict[int, torch.Tensor]] = ContextVar("headsteer_tl_added", default={})  # noqa: B039
 
-_HEAD_SITES = {"q", "k", "v", "query", "head_output"}
+_HEAD_SITES = {"q", "k", "v", "query", "rot_k", "head_output"}
 _POST_NORM_SITES = {"attn_out", "mlp_out", "resid_mid", "attn_out_pre_norm", "mlp_out_pre_norm"}
 _POST_NORM_SITES |= {"ln1_post.scale", "ln2_post.scale"}
 
@@ -265,18 +266,19 @@ class TransformerLensBackend(HFBackend):
             dec = parts.decoder
             fn = _tensor_hook(key, 0, n_heads, name, id(dec))
             return [self._model_in(), self._tl(tl_hook_name(name, 0), fn)]
-        if name == "query":
+        if name in ("query", "rot_k"):
+            what = "queries" if name == "query" else "keys"
             if fam.qk_norm != "none":
                 raise HeadsteerValueError(
-                    f"{short_repr(fam.model_type)} normalises queries per head (QK-norm): the bridge has no "
-                    "hook point after it, so query edits (UA ablation) cannot run on the transformer_lens "
-                    "backend"
+                    f"{short_repr(fam.model_type)} normalises {what} per head (QK-norm): the bridge has no "
+                    f"hook point after it, so {name!r} edits cannot run on the transformer_lens backend"
                 )
             fn = _tensor_hook(key, layer, n_heads, name, key)
+            rot, plain = ("hook_rot_q", "hook_q") if name == "query" else ("hook_rot_k", "hook_k")
             try:
-                return [positions, self._tl(f"blocks.{layer}.attn.hook_rot_q", fn)]
+                return [positions, self._tl(f"blocks.{layer}.attn.{rot}", fn)]
             except HeadsteerValueError:  # no rotary embeddings
-                return [positions, self._tl(f"blocks.{layer}.attn.hook_q", fn)]
+                return [positions, self._tl(f"blocks.{layer}.attn.{plain}", fn)]
         if name in ("logits", "attn_scores"):
             return [self._tl(f"blocks.{layer}.attn.hook_attn_scores", _scores_hook(key, layer))]
         if name == "probs":

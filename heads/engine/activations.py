@@ -45,7 +45,9 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
 __all__ = ["ACTIVATION_SITES", "ActivationEdit", "ActivationRecorder", "apply_activation_edits"]
 
-ACTIVATION_SITES = tuple(n for n, s in SITES.items() if not s.attention or n in ("query", "attn_scores"))
+ACTIVATION_SITES = tuple(
+    n for n, s in SITES.items() if not s.attention or n in ("query", "rot_k", "attn_scores")
+)
 """The sites an `ActivationEdit` may name (every site but the attention pattern and the logit
 biases, which have `ProbEdit` / `Recorder` and `LogitBias`), plus the aliases `resid_pre` and `z`."""
 

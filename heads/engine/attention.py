@@ -171,6 +171,12 @@ def _make_attention(base: str) -> Callable[..., tuple[torch.Tensor | None, torch
             b, h = query.shape[:2]
             call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, query.device)
             query = apply_activation_edits(queries, query.transpose(1, 2), call, head_axis=2).transpose(1, 2)
+        keys = edits.get("rot_k") if edits is not None else []
+        if keys and edits is not None:  # read only: this call's new keys (not the cache's)
+            b, h = query.shape[:2]
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, key.device)
+            new_keys = key[:, :, q_offset : q_offset + q_len].transpose(1, 2)
+            apply_activation_edits(keys, new_keys, call, head_axis=2)
         want = bool(
             kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
         )

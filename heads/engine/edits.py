@@ -69,6 +69,13 @@ class AttentionCall:
     q_offset: int  # absolute position of the block's first query row
     device: torch.device
     split: bool = False  # the call's query rows were split into blocks; this is one of them
+    pattern_of: Callable[..., torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    """In the blocked kernel's pattern edits: `pattern_of(query [B, h, q_len, d], key [B, h or
+    h / groups, K, d], heads=None)`, the fp32 pattern `[B, h, q_len, K]` the layer itself computes
+    (its scale, soft-cap, this block's mask, and the sinks of `heads`, the `[h]` query heads given,
+    default all; no edit, no bias) for other queries and keys after QK-norm and RoPE (e.g.
+    another run's, read at the `query` and `rot_k` sites) in the pattern edits that ask for it
+    (`ProbEdit.uses_pattern_of`); None elsewhere."""
 
     @property
     def query_positions(self) -> torch.Tensor:
@@ -210,6 +217,12 @@ class ProbEdit(Edit):
     """True for an edit whose `apply` returns the pattern unchanged (it only reads it, e.g.
     `Recorder`): a layer whose pattern edits all read only computes its output with the model's
     own attention (bitwise the unedited model, in every dtype) and the pattern beside it."""
+    uses_pattern_of: ClassVar[bool] = False
+    """True for an edit that calls `call.pattern_of` (the blocked kernel builds it only then)."""
+    block_elements: ClassVar[int | None] = None
+    """At most this many entries per `[B, H, rows, K]` block of the blocked kernel (None: its
+    `QUERY_BLOCK` rows): an edit that computes more block-sized tensors keeps the layer's memory
+    linear in the prompt."""
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""

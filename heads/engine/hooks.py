@@ -91,7 +91,7 @@ def hook_names(model: HeadModel) -> list[str]:
     names = []
     rotary = not _has(model, "pos_embed")  # learned absolute positions: no rotary queries
     for template, site in _BY_HOOK.items():
-        if (site == "query" and not rotary) or not _has(model, site):
+        if (site in ("query", "rot_k") and not rotary) or not _has(model, site):
             continue
         if SITES[site].scope == "model":
             names.append(template)

@@ -15,6 +15,7 @@ heads, d head width, D d_model; `{l}` the layer):
 | `residual` (`resid_pre`) | `blocks.{l}.hook_resid_pre` | `[B, T, D]` | the stream entering block l |
 | `q` / `k` / `v` | `blocks.{l}.attn.hook_q/k/v` | `[B, T, H, d]` / `[B, T, G, d]` | before QK-norm, RoPE |
 | `query` | `blocks.{l}.attn.hook_rot_q` | `[B, T, H, d]` | queries after QK-norm and RoPE |
+| `rot_k` | `blocks.{l}.attn.hook_rot_k` | `[B, T, G, d]` | read only: the call's new keys, after RoPE |
 | `logits` | `blocks.{l}.attn.hook_attn_scores` | `[B, H, Q, K]` | additive biases (`LogitBias`) |
 | `attn_scores` | `blocks.{l}.attn.hook_attn_scores` | `[B, H, Q, K]` | read only, masked |
 | `probs` (`pattern`) | `blocks.{l}.attn.hook_pattern` | `[B, H, Q, K]` | pattern edits and recorders |
@@ -77,6 +78,9 @@ SITES: dict[str, Site] = {
     s.name: s
     for s in (
         Site("query", "blocks.{l}.attn.hook_rot_q", "[B, T, H, d]", attention=True, heads="q"),
+        Site(
+            "rot_k", "blocks.{l}.attn.hook_rot_k", "[B, T, G, d]", attention=True, heads="kv", replace=False
+        ),
         Site("logits", "blocks.{l}.attn.hook_attn_scores", "[B, H, Q, K]", attention=True, pattern_site=True),
         Site("probs", "blocks.{l}.attn.hook_pattern", "[B, H, Q, K]", attention=True, pattern_site=True),
         Site("head_output", "blocks.{l}.attn.hook_z", "[B, T, H, d]", heads="q"),

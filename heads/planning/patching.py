@@ -28,6 +28,8 @@ __all__ = [
     "LEAN_ROW_TOKENS",
     "LEAN_TIME",
     "PATCH_KINDS",
+    "PATTERN_BLOCK_COPIES",
+    "PATTERN_BLOCK_ELEMENTS",
     "full_cache_bytes",
     "lean_default",
     "lean_kept_bytes",
@@ -95,24 +97,36 @@ def full_cache_bytes(
     return int(total)
 
 
+PATTERN_BLOCK_ELEMENTS = 2**21
+"""Pattern entries per block (8 MiB in fp32) of a forward that patches a head's pattern on the
+lean path (`ProbEdit.block_elements` of its edit): the blocked kernel then computes that layer in
+blocks of `PATTERN_BLOCK_ELEMENTS // (H x K)` query rows, linear in the prompt."""
+
+PATTERN_BLOCK_COPIES = 5
+"""fp32 block-sized tensors alive in such a block (logits, pattern, the source pattern, the mix)."""
+
+
 def lean_kept_bytes(
     g: dict[str, int], item: int, kind: str, n: int, width: int, layers: Sequence[int], n_pos: int
 ) -> int:
     """Bytes the lean path keeps: both runs' sites at `layers` (`n_pos` positions for the
-    by-position kinds) and the base run's residual entering each patched layer > 0."""
+    by-position kinds) and the base run's residual entering each patched layer > 0; for
+    `pattern` also the patched forward's pattern blocks (`PATTERN_BLOCK_ELEMENTS`)."""
     H, G, d, D = g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
+    extra = 0
     if kind in ("resid_pre", "mlp_out"):
         site = n_pos * D * item
     elif kind in ("attn_out", "head_out_by_pos"):
         site = n_pos * H * d * item
-    elif kind == "pattern":
-        site = H * width * width * 4
+    elif kind == "pattern":  # the rotated queries and keys; the patched forward's pattern blocks
+        site = width * (H + G) * d * item
+        extra = PATTERN_BLOCK_COPIES * 4 * min(H * width * width, max(H * width, PATTERN_BLOCK_ELEMENTS))
     elif kind in ("k", "v"):
         site = width * G * d * item
     else:  # head_out, q
         site = width * H * d * item
     resid = sum(1 for la in layers if la) * width * D * item
-    return int(n * (2 * len(layers) * site + resid))
+    return int(n * (2 * len(layers) * site + resid)) + extra
 
 
 def patch_work(

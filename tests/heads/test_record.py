@@ -225,7 +225,7 @@ def test_an_in_place_edit_applies_at_every_site_as_a_replacement(tokenizer):
         def in_place(x, hook):
             x.mul_(0.5)
 
-        if name.endswith(("hook_attn_scores", "hook_normalized")):
+        if name.endswith(("hook_attn_scores", "hook_normalized", "hook_rot_k")):
             for fn in (in_place, lambda x, hook: x * 0.5):
                 with pytest.raises(ValueError, match="read only"):
                     run_with_hooks(hm, _enc(IDS), fwd_hooks=[(name, fn)])

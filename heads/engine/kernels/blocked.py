@@ -59,6 +59,96 @@ def _as_4d(b: torch.Tensor) -> torch.Tensor:
     return b.reshape((1,) * (4 - b.dim()) + tuple(b.shape)) if b.dim() < 4 else b
 
 
+def _logits_and_pattern(
+    q_blk: torch.Tensor,
+    key: torch.Tensor,
+    add: torch.Tensor | None,
+    inputs: AttentionInputs,
+    *,
+    sinks: torch.Tensor | None,
+    eager_low: bool,
+    inplace: bool,
+    biased: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logits, fp32 pattern)` of query rows `q_blk [B, H, q, d]` over `key [B, H, K, d]` with the
+    additive mask `add` (or None: every key visible), the family's scale and soft-cap, `sinks`
+    (`[H]` of the heads in `q_blk`, or None) and `biased(logits)` (the logit-reading biases) before
+    the mask; masked keys are not zeroed here.
+    `eager_low`: the model's own dtype up to the softmax (eager attention in bf16 / fp16), else
+    fp32; `inplace`: the same operations on one buffer (no autograd)."""
+    scaling, softcap = inputs.scaling, inputs.softcap
+    if eager_low:  # the model's dtype, as eager_attention_forward
+        scores = torch.matmul(q_blk, key.transpose(-1, -2)) * scaling
+        if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores if biased is None else biased(scores)
+        if add is not None:
+            scores = scores + mask_in_dtype(add, q_blk.dtype)
+        return scores, _softmax(scores.float(), sinks)
+    if inplace:  # the same operations on the block's own logits, without a new tensor each
+        scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)).mul_(scaling)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores = scores if biased is None else biased(scores)
+        if add is not None:
+            scores = scores.add_(add)
+        return scores, _softmax(scores, sinks)
+    scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores if biased is None else biased(scores)
+    if add is not None:
+        scores = scores + add
+    return scores, _softmax(scores, sinks)
+
+
+def _full_mask(
+    add: torch.Tensor | None,
+    open_row: bool,
+    causal: bool,
+    rows: int,
+    k_len: int,
+    start: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The block's additive mask as the explicit path uses it: None for open rows with no mask and
+    no bias (every key visible: one decode row or a non-causal layer), a causal / zero mask where
+    the model passed none, else `add` clamped at `MIN_LOGIT` (stacked biases on a masked key stay
+    finite)."""
+    if add is None:
+        if open_row:
+            return None
+        if causal:
+            return causal_additive(rows, k_len, start, device)
+        return torch.zeros(1, 1, rows, k_len, device=device)
+    return add.clamp(min=MIN_LOGIT)
+
+
+def _pattern_fn(
+    inputs: AttentionInputs, mask: Callable[[], torch.Tensor | None], eager_low: bool, inplace: bool
+) -> Callable[..., torch.Tensor]:
+    """`AttentionCall.pattern_of` of one block: the layer's own pattern (no edit, no bias) for
+    other queries / keys over the block's mask (`mask()`: the explicit path's, or None; built
+    only when an edit asks, so the readers' blocks keep one mask)."""
+
+    def pattern_of(query: torch.Tensor, key: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        base = mask()
+        if key.shape[1] != query.shape[1]:  # KV heads: each query head reads its group's
+            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        sinks = inputs.sinks
+        if sinks is not None and heads is not None:
+            sinks = sinks[heads.to(sinks.device)]
+        _, probs = _logits_and_pattern(
+            query, key, base, inputs, sinks=sinks, eager_low=eager_low, inplace=inplace
+        )
+        if base is None:
+            return probs
+        hidden = ~(base > MIN_LOGIT / 2)
+        return probs.masked_fill_(hidden, 0.0) if inplace else probs.masked_fill(hidden, 0.0)
+
+    return pattern_of
+
+
 def _biased_sdpa(
     inputs: AttentionInputs, biases: list[LogitBias], head_masks: dict, layer: int
 ) -> torch.Tensor:
@@ -242,7 +332,6 @@ def blocked_attention(
             value = value.repeat_interleave(groups, dim=1)
     offset = k_len - q_len if q_offset is None else q_offset
     low = query.dtype != torch.float32
-    dtype = query.dtype
     outs, patterns = [], []
     same = not biases and not reading  # every pattern edit returned its input itself (changed nothing)
     block = state.QUERY_BLOCK  # read at call time (tests shrink it)
@@ -257,25 +346,37 @@ def blocked_attention(
     # without autograd (the readers, steering under no_grad) each block's logits and pattern are
     # changed in place: bitwise the same values, 3 fewer block-sized tensors per block
     inplace = not torch.is_grad_enabled()
+    eager_low = eager and low
+    # an edit may cap the block (`ProbEdit.block_elements`: entries of one [B, H, rows, K] block)
+    caps = [e.block_elements for e in probs_edits if e.block_elements]
+    if caps:
+        block = max(1, min(block, min(caps) // max(1, batch * n_heads * k_len)))
+    open_rows = explicit and (q_len == 1 or not causal)
+    asks = any(e.uses_pattern_of for e in probs_edits)
     for s in range(first, stop, block):
         e_ = min(stop, s + block)
-        call = AttentionCall(edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block)
         # the model's mask for this block only (never a [B, 1, Q, K] fp32 copy of the whole mask);
         # a single decode row or a non-causal layer with no mask sees every key: no base mask
         add = _block_base(mask, s, e_, q_len, k_len, device, causal, offset)
+        pattern_of = None
+        if asks:  # the layer's own pattern of other queries / keys, for the edits that ask
+            rows, start = e_ - s, offset + s
+
+            def own_mask(
+                base: torch.Tensor | None = add, rows: int = rows, start: int = start
+            ) -> torch.Tensor | None:
+                return _full_mask(base, open_rows, causal, rows, k_len, start, device)
+
+            pattern_of = _pattern_fn(inputs, own_mask, eager_low, inplace)
+        call = AttentionCall(
+            edits.layer, batch, n_heads, e_ - s, k_len, offset + s, device, q_len > block, pattern_of
+        )
         for ed in biases:
             b = torch.where(head_masks[id(ed)], checked_bias(ed, call), 0.0)
             add = b if add is None else add + b
         # every key visible (one decode row or a non-causal layer, no mask, no bias): the explicit
         # path needs no mask (adding zeros and masking nothing would change no bit)
-        open_row = add is None and explicit and (q_len == 1 or not causal)
-        if add is None and not open_row:
-            if causal:
-                add = causal_additive(e_ - s, k_len, offset + s, device)
-            else:
-                add = torch.zeros(1, 1, e_ - s, k_len, device=device)
-        elif add is not None:
-            add = add.clamp(min=MIN_LOGIT)  # stacked biases on a masked key must not overflow to -inf
+        add = _full_mask(add, open_rows, causal, e_ - s, k_len, offset + s, device)
         q_blk = query[:, :, s:e_]
         if not explicit:
             assert add is not None  # open rows are only skipped on the explicit path
@@ -290,30 +391,13 @@ def blocked_attention(
                 )
             )
             continue
-        if eager and low:  # the model's dtype, as eager_attention_forward
-            scores = torch.matmul(q_blk, key.transpose(-1, -2)) * scaling
-            if softcap is not None:  # Gemma 2: c * tanh(s / c) on the scaled logits, before the mask
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = _with_score_biases(scores, reading, head_masks, call)
-            if add is not None:
-                scores = scores + mask_in_dtype(add, dtype)
-            probs = _softmax(scores.float(), sinks)
-        elif inplace:  # the same operations on the block's own logits, without a new tensor each
-            scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)).mul_(scaling)
-            if softcap is not None:
-                scores = scores.div_(softcap).tanh_().mul_(softcap)
-            scores = _with_score_biases(scores, reading, head_masks, call)
-            if add is not None:
-                scores = scores.add_(add)
-            probs = _softmax(scores, sinks)
-        else:
-            scores = torch.matmul(q_blk.float(), key.float().transpose(-1, -2)) * scaling
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            scores = _with_score_biases(scores, reading, head_masks, call)
-            if add is not None:
-                scores = scores + add
-            probs = _softmax(scores, sinks)
+
+        def biased(x: torch.Tensor, call: AttentionCall = call) -> torch.Tensor:
+            return _with_score_biases(x, reading, head_masks, call)
+
+        scores, probs = _logits_and_pattern(
+            q_blk, key, add, inputs, sinks=sinks, eager_low=eager_low, inplace=inplace, biased=biased
+        )
         if score_reads:  # fp32, masked keys at the fp32 minimum (as TransformerLens' hook_attn_scores)
             apply_activation_edits(score_reads, scores.float().clamp(min=MIN_LOGIT), call)
         visible: torch.Tensor | None = None

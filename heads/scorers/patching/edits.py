@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 
@@ -15,6 +15,7 @@ from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, HeadOutputEdit, ProbEdit, QueryEdit, ResidualEdit
 from heads.engine.unembed import unembed_columns
 from heads.model.adapter import HeadModel
+from heads.planning.patching import PATTERN_BLOCK_ELEMENTS
 
 __all__: list[str] = []  # internal: the patching sweeps' edits
 
@@ -77,6 +78,36 @@ class _PatchPattern(ProbEdit):
         src = cast(torch.Tensor, self.source)[:, :, call.q_offset : call.q_offset + call.q_len, : call.k_len]
         mask = self.head_mask(call.batch, call.n_heads, probs.device)[:, :, None, None]
         return torch.where(mask, src.to(probs.dtype), probs)
+
+
+@dataclass(eq=False, repr=False)
+class _PatchPatternQK(ProbEdit):
+    """Replace the pattern of the heads in `row_heads` by the one the layer computes from another
+    run's rotated queries and keys, `source [R, T', H + G, d]` (the `query` and `rot_k` sites of
+    that run, joined on the head axis), a block of query rows at a time (`call.pattern_of`: the
+    layer's own scale, soft-cap, mask and sinks), so no `[R, H, T', T']` pattern is ever kept."""
+
+    source: torch.Tensor | None = None
+    block_elements: ClassVar[int | None] = PATTERN_BLOCK_ELEMENTS
+    uses_pattern_of: ClassVar[bool] = True
+
+    def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        if call.pattern_of is None:  # the blocked kernel always gives it to its pattern edits
+            raise RuntimeError("pattern patching ran outside the blocked kernel")
+        src, H = cast(torch.Tensor, self.source), call.n_heads
+        mask = self.head_mask(call.batch, H, probs.device)  # [R, H]
+        heads = mask.any(0).nonzero().flatten()
+        if heads.numel() == 0:
+            return probs
+        groups = H // (src.shape[2] - H)
+        query = src[:, call.q_offset : call.q_offset + call.q_len, heads]
+        key = src[:, : call.k_len, H + torch.div(heads, groups, rounding_mode="floor")]
+        new = call.pattern_of(
+            query.transpose(1, 2).to(probs.device), key.transpose(1, 2).to(probs.device), heads
+        )
+        out = probs.clone()  # a new tensor: the kernel reads the input returned as "unchanged"
+        out[:, heads] = torch.where(mask[:, heads, None, None], new, probs[:, heads])
+        return out
 
 
 class _PatchKV(ActivationEdit):

@@ -9,8 +9,11 @@ lean path keeps, per patched layer l:
 * from the source run only the kind's activation at the patched sites: `[N, P, D]` (the
   residual, MLP output) or `[N, P, H, d]` (head outputs, also for `attn_out`, which is written
   as every head's z) at the P patched positions of the by-position kinds; the whole layer's
-  head outputs / queries / keys / values `[N, T, ...]`, or its pattern `[N, H, T, T]`, for the
-  kinds that patch every position;
+  head outputs / queries / keys / values `[N, T, ...]` for the kinds that patch every position;
+  for `pattern` the layer's queries and keys after QK-norm and RoPE (`query` and `rot_k` sites,
+  `[N, T, H + G, d]`), never the `[N, H, T, T]` pattern: the patched forward computes the source
+  pattern from them a block of query rows at a time, with the layer's own scale, soft-cap, mask
+  and sinks (`AttentionCall.pattern_of`), so its memory is linear in the prompt;
 * from the base run the same site (the bitwise "source equals base, nothing to patch" test
   compares the site alone) and the residual entering l `[N, T, D]` (layer-prefix reuse; none
   for layer 0);
@@ -46,7 +49,7 @@ from heads.engine.variants import run_rows
 from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.planning import patching as patch_plan
-from heads.scorers.patching.edits import _PatchKV, _PatchPattern, _PatchQuery, _PatchZ
+from heads.scorers.patching.edits import _PatchKV, _PatchPattern, _PatchPatternQK, _PatchQuery, _PatchZ
 from heads.scorers.patching.metrics import base_and_source
 from heads.scorers.patching.pairs import PairBatch
 from heads.scorers.patching.record import cache_bytes
@@ -65,6 +68,14 @@ LEAN_ALWAYS_BYTES = patch_plan.LEAN_ALWAYS_BYTES
 LEAN_TIME = patch_plan.LEAN_TIME
 
 LEAN_ROW_TOKENS = patch_plan.LEAN_ROW_TOKENS
+
+
+def qk_pattern(model: HeadModel) -> bool:
+    """`pattern` on the lean path keeps the rotated queries and keys (linear in the prompt) where
+    headsteer's attention function runs the layer (`hf`, `nnsight`); a backend that computes
+    attention itself (`transformer_lens`) hands its own `[B, H, T, T]` pattern to the edit, so
+    there the source pattern is recorded."""
+    return not model.backend.attention_via_hooks
 
 
 def lean_rows(max_rows: int, width: int) -> int:
@@ -225,8 +236,12 @@ def record_lean(
             embeds,
         )
     recs: dict[int, Edit] = {}
+    keys: dict[int, ActivationRecorder] = {}
     for la in layers:
-        if kind == "pattern":
+        if kind == "pattern" and qk_pattern(model):  # the rotated queries here, the rotated keys below
+            recs[la] = ActivationRecorder("query", la)
+            keys[la] = ActivationRecorder("rot_k", la)
+        elif kind == "pattern":
             recs[la] = Recorder(layer=la)
         elif kind not in BY_POSITION:
             recs[la] = ActivationRecorder(_SITE[kind], la)
@@ -235,23 +250,34 @@ def record_lean(
         else:
             recs[la] = ActivationRecorder(_SITE[kind], la, _columns(positions))
     resid = {la: ActivationRecorder("residual", la) for la in layers if la and base}
-    edits: list[Edit] = [*recs.values(), *resid.values()]
+    edits: list[Edit] = [*recs.values(), *keys.values(), *resid.values()]
     if embeds is not None:
         edits.append(replaced_embeddings(model, embeds))
     out = run_rows(model, ids, mask, edits, hidden_states=False)
     sites = {}
     for la, r in recs.items():
         got = cast(Any, r).records
-        sites[la] = torch.cat(got, dim=2) if kind == "pattern" else got[0]
+        if la in keys:
+            sites[la] = torch.cat([got[0], keys[la].records[0]], dim=2)
+        else:
+            sites[la] = torch.cat(got, dim=2) if kind == "pattern" else got[0]
     return LeanRun(out.logits[:, -1].float(), sites, {la: r.records[0] for la, r in resid.items()}, embeds)
 
 
 def unchanged_lean(
-    kind: str, base: LeanRun, src: LeanRun, sites: Sequence[_Site], n: int, positions: Sequence[int]
+    kind: str,
+    base: LeanRun,
+    src: LeanRun,
+    sites: Sequence[_Site],
+    n: int,
+    positions: Sequence[int],
+    qk_heads: int = 0,
 ) -> torch.Tensor:
     """`[S, N]` bool: site s of pair i reads a source activation bitwise equal to the base run's
     at that site, so patching it is the identity (`attn_out`: every head's z at the column,
-    which o_proj turns into the attention output)."""
+    which o_proj turns into the attention output; `pattern`: the pattern itself, or with
+    `qk_heads` = H the head's rotated query and its KV head's rotated key at every position, of
+    which the pattern is a function)."""
     col = {p: j for j, p in enumerate(positions)}
     maps: dict[int, torch.Tensor] = {}
     out = torch.zeros(len(sites), n, dtype=torch.bool)
@@ -262,6 +288,10 @@ def unchanged_lean(
                 maps[s.layer] = eq.all(-1)  # [N, P] / [N, P, H]
             elif kind == "attn_out":
                 maps[s.layer] = eq.all(-1).all(-1)  # [N, P]
+            elif kind == "pattern" and qk_heads:  # head h: its query and its KV head's key everywhere
+                H = qk_heads
+                per = eq.all(-1).all(1)  # [N, H + G]
+                maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
             elif kind == "pattern":
                 maps[s.layer] = eq.all(-1).all(-1)  # [N, H]
             else:  # head_out, q, k, v: [N, T, heads, d]
@@ -369,12 +399,12 @@ def run_lean_chunk(
             edits.append(_ZAt(layer=layer, row_heads=rh, values=values, cols=cols))
     elif kind == "head_out":
         edits.append(_PatchZ(layer=layer, row_heads=_row_heads(sites, H), source=source[:, trim:].to(dev)))
-    elif kind == "pattern":
-        edits.append(
-            _PatchPattern(
-                layer=layer, row_heads=_row_heads(sites, H), source=source[:, :, trim:, trim:].to(dev)
-            )
-        )
+    elif kind == "pattern" and qk_pattern(model):
+        rh = _row_heads(sites, H)
+        edits.append(_PatchPatternQK(layer=layer, row_heads=rh, source=source[:, trim:].to(dev)))
+    elif kind == "pattern":  # a backend that computes attention itself: the recorded pattern
+        rh = _row_heads(sites, H)
+        edits.append(_PatchPattern(layer=layer, row_heads=rh, source=source[:, :, trim:, trim:].to(dev)))
     elif kind == "q":
         edits.append(
             _PatchQuery(layer=layer, row_heads=_row_heads(sites, H), source=source[:, trim:].to(dev))
@@ -416,7 +446,8 @@ def run_lean(
         clean, runs["corrupted"], pairs, met, direction
     )
     raw = torch.full((len(sites), pairs.n), math.nan)
-    same = unchanged_lean(kind, base, src, sites, pairs.n, positions)
+    qk = model.n_heads if kind == "pattern" and qk_pattern(model) else 0
+    same = unchanged_lean(kind, base, src, sites, pairs.n, positions, qk)
     base.sites.clear()  # read by the bitwise test only: freed before the patched forwards
     raw[same] = m_base.cpu().expand(len(sites), -1)[same]
     lengths, width, L = pairs.lengths.tolist(), pairs.width, model.n_layers
