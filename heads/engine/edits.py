@@ -219,10 +219,12 @@ class ProbEdit(Edit):
     own attention (bitwise the unedited model, in every dtype) and the pattern beside it."""
     uses_pattern_of: ClassVar[bool] = False
     """True for an edit that calls `call.pattern_of` (the blocked kernel builds it only then)."""
-    block_elements: ClassVar[int | None] = None
-    """At most this many entries per `[B, H, rows, K]` block of the blocked kernel (None: its
-    `QUERY_BLOCK` rows): an edit that computes more block-sized tensors keeps the layer's memory
-    linear in the prompt."""
+
+    def block_rows(self, batch: int, n_heads: int, k_len: int) -> int | None:
+        """At most this many query rows per block of the blocked kernel (default None: its
+        `QUERY_BLOCK`): an edit that computes more block-sized `[B, H, rows, K]` tensors caps
+        them to keep the layer's memory a small part of a forward's."""
+        return None
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         """Map fp32 probs `[batch, n_heads, q_len, k_len]` to new probs of the same shape."""

@@ -29,7 +29,7 @@ __all__ = [
     "LEAN_TIME",
     "PATCH_KINDS",
     "PATTERN_BLOCK_COPIES",
-    "PATTERN_BLOCK_ELEMENTS",
+    "PATTERN_BLOCK_RESIDUALS",
     "full_cache_bytes",
     "lean_default",
     "lean_kept_bytes",
@@ -97,13 +97,14 @@ def full_cache_bytes(
     return int(total)
 
 
-PATTERN_BLOCK_ELEMENTS = 2**21
-"""Pattern entries per block (8 MiB in fp32) of a forward that patches a head's pattern on the
-lean path (`ProbEdit.block_elements` of its edit): the blocked kernel then computes that layer in
-blocks of `PATTERN_BLOCK_ELEMENTS // (H x K)` query rows, linear in the prompt."""
+PATTERN_BLOCK_RESIDUALS = 0.25
+"""A forward that patches a head's pattern on the lean path computes that layer in blocks of
+`PATTERN_BLOCK_RESIDUALS x d_model / H` query rows (its edit's `block_rows`), so each fp32
+`[rows, H, q, K]` block tensor holds a quarter of a residual-stream copy, whatever the prompt."""
 
-PATTERN_BLOCK_COPIES = 5
-"""fp32 block-sized tensors alive in such a block (logits, pattern, the source pattern, the mix)."""
+PATTERN_BLOCK_COPIES = 4
+"""fp32 block-sized tensors alive in such a block (the pattern, its edited copy, the mix, the
+masked result)."""
 
 
 def lean_kept_bytes(
@@ -111,16 +112,18 @@ def lean_kept_bytes(
 ) -> int:
     """Bytes the lean path keeps: both runs' sites at `layers` (`n_pos` positions for the
     by-position kinds) and the base run's residual entering each patched layer > 0; for
-    `pattern` also the patched forward's pattern blocks (`PATTERN_BLOCK_ELEMENTS`)."""
+    `pattern` the source run's rotated queries and keys and the patched forward's pattern blocks
+    (`PATTERN_BLOCK_RESIDUALS`)."""
     H, G, d, D = g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
     extra = 0
     if kind in ("resid_pre", "mlp_out"):
         site = n_pos * D * item
     elif kind in ("attn_out", "head_out_by_pos"):
         site = n_pos * H * d * item
-    elif kind == "pattern":  # the rotated queries and keys; the patched forward's pattern blocks
-        site = width * (H + G) * d * item
-        extra = PATTERN_BLOCK_COPIES * 4 * min(H * width * width, max(H * width, PATTERN_BLOCK_ELEMENTS))
+    elif kind == "pattern":  # the source's rotated queries and keys, the patched forward's blocks
+        site = width * (H + G) * d * item / 2  # the base run keeps one bool per head
+        q_rows = min(width, max(1, int(PATTERN_BLOCK_RESIDUALS * D) // H))
+        extra = PATTERN_BLOCK_COPIES * 4 * min(n, lean_rows(64, width)) * H * q_rows * width
     elif kind in ("k", "v"):
         site = width * G * d * item
     else:  # head_out, q

@@ -347,10 +347,10 @@ def blocked_attention(
     # changed in place: bitwise the same values, 3 fewer block-sized tensors per block
     inplace = not torch.is_grad_enabled()
     eager_low = eager and low
-    # an edit may cap the block (`ProbEdit.block_elements`: entries of one [B, H, rows, K] block)
-    caps = [e.block_elements for e in probs_edits if e.block_elements]
+    # an edit may cap the block's query rows (`ProbEdit.block_rows`)
+    caps = [c for e in probs_edits if (c := e.block_rows(batch, n_heads, k_len)) is not None]
     if caps:
-        block = max(1, min(block, min(caps) // max(1, batch * n_heads * k_len)))
+        block = max(1, min(block, *caps))
     open_rows = explicit and (q_len == 1 or not causal)
     asks = any(e.uses_pattern_of for e in probs_edits)
     for s in range(first, stop, block):

@@ -15,7 +15,7 @@ from heads.engine.activations import ActivationEdit
 from heads.engine.edits import AttentionCall, HeadOutputEdit, ProbEdit, QueryEdit, ResidualEdit
 from heads.engine.unembed import unembed_columns
 from heads.model.adapter import HeadModel
-from heads.planning.patching import PATTERN_BLOCK_ELEMENTS
+from heads.planning.patching import PATTERN_BLOCK_RESIDUALS
 
 __all__: list[str] = []  # internal: the patching sweeps' edits
 
@@ -85,11 +85,17 @@ class _PatchPatternQK(ProbEdit):
     """Replace the pattern of the heads in `row_heads` by the one the layer computes from another
     run's rotated queries and keys, `source [R, T', H + G, d]` (the `query` and `rot_k` sites of
     that run, joined on the head axis), a block of query rows at a time (`call.pattern_of`: the
-    layer's own scale, soft-cap, mask and sinks), so no `[R, H, T', T']` pattern is ever kept."""
+    layer's own scale, soft-cap, mask and sinks), so no `[R, H, T', T']` pattern is ever kept;
+    `d_model` sizes the blocks (`block_rows`)."""
 
     source: torch.Tensor | None = None
-    block_elements: ClassVar[int | None] = PATTERN_BLOCK_ELEMENTS
+    d_model: int = 0
     uses_pattern_of: ClassVar[bool] = True
+
+    def block_rows(self, batch: int, n_heads: int, k_len: int) -> int | None:
+        """`PATTERN_BLOCK_RESIDUALS x d_model / H` query rows: each `[B, H, rows, K]` block tensor
+        holds at most that fraction of a residual-stream copy `[B, K, d_model]`."""
+        return max(1, int(PATTERN_BLOCK_RESIDUALS * self.d_model) // max(1, n_heads))
 
     def apply(self, probs: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if call.pattern_of is None:  # the blocked kernel always gives it to its pattern edits

@@ -215,17 +215,21 @@ def record_lean(
     base: bool,
     embeds: torch.Tensor | None = None,
     rows: int | None = None,
+    against: dict[int, torch.Tensor] | None = None,
 ) -> LeanRun:
     """One unedited forward of `ids [N, T]` keeping the kind's activation at `layers` (at
     `positions` for the by-position kinds), with `base=True` also the residual entering each
     layer > 0, read by engine recorders; no hidden states or KV cache are kept. `rows`: at most
-    that many rows per forward (default None: all), the kept tensors joined along the rows."""
+    that many rows per forward (default None: all), the kept tensors joined along the rows.
+    `against` (`pattern`, rotated queries and keys: the source run's sites): keep only
+    `[N, H + G]` bools, each head's query / key bitwise equal to `against`'s at every position."""
     n = ids.shape[0]
     if rows is not None and rows < n:
         parts = [
             record_lean(
                 model, ids[a : a + rows], mask[a : a + rows], kind, layers, positions, base=base,
-                embeds=None if embeds is None else embeds[a : a + rows],
+                embeds=None if embeds is None else embeds[a : a + rows], rows=None,
+                against=None if against is None else {la: t[a : a + rows] for la, t in against.items()},
             )
             for a in range(0, n, rows)
         ]  # fmt: skip
@@ -239,8 +243,11 @@ def record_lean(
     keys: dict[int, ActivationRecorder] = {}
     for la in layers:
         if kind == "pattern" and qk_pattern(model):  # the rotated queries here, the rotated keys below
-            recs[la] = ActivationRecorder("query", la)
-            keys[la] = ActivationRecorder("rot_k", la)
+            H = model.n_heads
+            ref_q = None if against is None else _equal_to(against[la][:, :, :H])
+            ref_k = None if against is None else _equal_to(against[la][:, :, H:])
+            recs[la] = ActivationRecorder("query", la, ref_q)
+            keys[la] = ActivationRecorder("rot_k", la, ref_k)
         elif kind == "pattern":
             recs[la] = Recorder(layer=la)
         elif kind not in BY_POSITION:
@@ -258,10 +265,21 @@ def record_lean(
     for la, r in recs.items():
         got = cast(Any, r).records
         if la in keys:
-            sites[la] = torch.cat([got[0], keys[la].records[0]], dim=2)
+            sites[la] = torch.cat([got[0], keys[la].records[0]], dim=-2 if against is None else -1)
         else:
             sites[la] = torch.cat(got, dim=2) if kind == "pattern" else got[0]
     return LeanRun(out.logits[:, -1].float(), sites, {la: r.records[0] for la, r in resid.items()}, embeds)
+
+
+def _equal_to(ref: torch.Tensor) -> Callable[[torch.Tensor, AttentionCall], torch.Tensor]:
+    """A recorder's `fn`: `[N, heads]` bool, each head's `x [N, T, heads, d]` bitwise equal to
+    `ref`'s at every position (the call's rows; a prefill has one call)."""
+
+    def keep(x: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+        part = ref[:, call.q_offset : call.q_offset + x.shape[1]].to(x.device)
+        return (x == part).all(-1).all(1).cpu()
+
+    return keep
 
 
 def unchanged_lean(
@@ -282,18 +300,18 @@ def unchanged_lean(
     maps: dict[int, torch.Tensor] = {}
     out = torch.zeros(len(sites), n, dtype=torch.bool)
     for s_i, s in enumerate(sites):
-        if s.layer not in maps:
+        if s.layer in maps:
+            pass
+        elif kind == "pattern" and qk_heads:  # head h: its query and its KV head's key everywhere
+            H = qk_heads
+            per = base.sites[s.layer]  # [N, H + G] bool, recorded against the source (`_equal_to`)
+            maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
+        else:
             eq = (src.sites[s.layer] == base.sites[s.layer]).cpu()
             if kind in ("resid_pre", "mlp_out", "head_out_by_pos"):
                 maps[s.layer] = eq.all(-1)  # [N, P] / [N, P, H]
-            elif kind == "attn_out":
-                maps[s.layer] = eq.all(-1).all(-1)  # [N, P]
-            elif kind == "pattern" and qk_heads:  # head h: its query and its KV head's key everywhere
-                H = qk_heads
-                per = eq.all(-1).all(1)  # [N, H + G]
-                maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
-            elif kind == "pattern":
-                maps[s.layer] = eq.all(-1).all(-1)  # [N, H]
+            elif kind in ("attn_out", "pattern"):
+                maps[s.layer] = eq.all(-1).all(-1)  # [N, P] / [N, H]
             else:  # head_out, q, k, v: [N, T, heads, d]
                 maps[s.layer] = eq.all(-1).all(1)
         m = maps[s.layer]
@@ -401,7 +419,8 @@ def run_lean_chunk(
         edits.append(_PatchZ(layer=layer, row_heads=_row_heads(sites, H), source=source[:, trim:].to(dev)))
     elif kind == "pattern" and qk_pattern(model):
         rh = _row_heads(sites, H)
-        edits.append(_PatchPatternQK(layer=layer, row_heads=rh, source=source[:, trim:].to(dev)))
+        source = source[:, trim:].to(dev)
+        edits.append(_PatchPatternQK(layer=layer, row_heads=rh, source=source, d_model=model.d_model))
     elif kind == "pattern":  # a backend that computes attention itself: the recorded pattern
         rh = _row_heads(sites, H)
         edits.append(_PatchPattern(layer=layer, row_heads=rh, source=source[:, :, trim:, trim:].to(dev)))
@@ -434,20 +453,23 @@ def run_lean(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The lean sweep: `(raw [S, N], clean metric [N], corrupted metric [N])`, as the fast path's."""
     mask = pairs.attention_mask
-    runs = {}
-    for side in ("clean", "corrupted"):
-        is_base = side == ("corrupted" if direction == "denoising" else "clean")
+    runs: dict[str, LeanRun] = {}
+    base_side = "corrupted" if direction == "denoising" else "clean"
+    qk = kind == "pattern" and qk_pattern(model)
+    # the source first: the base run of `pattern` then keeps one bool per head, not its q / k
+    for side in ("clean", "corrupted") if not qk or base_side == "corrupted" else ("corrupted", "clean"):
+        is_base = side == base_side
         runs[side] = record_lean(
             model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side],
             rows=lean_rows(options.max_rows, pairs.width),
+            against=runs[next(iter(runs))].sites if qk and is_base else None,
         )  # fmt: skip
     clean = runs["clean"]
     base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(
         clean, runs["corrupted"], pairs, met, direction
     )
     raw = torch.full((len(sites), pairs.n), math.nan)
-    qk = model.n_heads if kind == "pattern" and qk_pattern(model) else 0
-    same = unchanged_lean(kind, base, src, sites, pairs.n, positions, qk)
+    same = unchanged_lean(kind, base, src, sites, pairs.n, positions, model.n_heads if qk else 0)
     base.sites.clear()  # read by the bitwise test only: freed before the patched forwards
     raw[same] = m_base.cpu().expand(len(sites), -1)[same]
     lengths, width, L = pairs.lengths.tolist(), pairs.width, model.n_layers

@@ -88,40 +88,45 @@ def test_lean_forwards_keep_no_hidden_states(setup, monkeypatch):
 
 
 def test_lean_pattern_keeps_rotated_queries_and_keys_and_blocks_the_pattern(setup, monkeypatch):
-    """`pattern` on the lean path keeps each run's rotated queries and keys (`[N, T, H + G, d]`,
-    linear in the prompt), never a `[N, H, T, T]` pattern, and computes the source pattern in the
-    patched forward a block of at most `PATTERN_BLOCK_ELEMENTS` entries at a time; the result
-    equals the fast path's (which records the patterns) within fp32 rounding."""
+    """`pattern` on the lean path keeps the source run's rotated queries and keys (`[N, T, H + G,
+    d]`, linear in the prompt) and of the base run one bool per head and pair (its q / k equal to
+    the source's), never a `[N, H, T, T]` pattern; the patched forward computes the source pattern
+    a block of `block_rows` query rows at a time. Results equal the fast path's (which records the
+    patterns) within fp32 rounding, in both directions."""
+    from heads.planning.patching import PATTERN_BLOCK_RESIDUALS
     from heads.scorers.patching import edits as patch_edits
 
     model, pairs = setup
-    monkeypatch.setattr(lean, "MODE", "full")
-    full = patch(model, pairs, "pattern", layers=[0, 2], options=OPTS)
-    monkeypatch.setattr(lean, "MODE", "lean")
-    kept = []
-    record = lean.record_lean
+    H, G = model.n_heads, model.n_kv_heads
+    rows = max(1, int(PATTERN_BLOCK_RESIDUALS * model.d_model) // H)
+    assert rows < pairs.width  # the tiny model's blocks split its prompts
+    for direction in ("denoising", "noising"):
+        monkeypatch.setattr(lean, "MODE", "full")
+        full = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
+        monkeypatch.setattr(lean, "MODE", "lean")
+        kept: list[tuple[bool, tuple]] = []
+        record = lean.record_lean
 
-    def spy_record(*a, **k):
-        run = record(*a, **k)
-        kept.extend(run.sites.values())
-        return run
+        def spy_record(*a, **k):
+            run = record(*a, **k)
+            kept.extend((k["base"], tuple(t.shape)) for t in run.sites.values())
+            return run
 
-    cap = 2 * model.n_heads * pairs.width  # two query rows per block
-    monkeypatch.setattr(patch_edits._PatchPatternQK, "block_elements", cap)
-    blocks = []
-    apply = patch_edits._PatchPatternQK.apply
+        blocks = []
+        apply = patch_edits._PatchPatternQK.apply
 
-    def spy_apply(self, probs, call):
-        blocks.append(tuple(probs.shape))
-        return apply(self, probs, call)
+        def spy_apply(self, probs, call):
+            blocks.append(tuple(probs.shape))
+            return apply(self, probs, call)
 
-    monkeypatch.setattr(lean, "record_lean", spy_record)
-    monkeypatch.setattr(patch_edits._PatchPatternQK, "apply", spy_apply)
-    got = patch(model, pairs, "pattern", layers=[0, 2], options=OPTS)
-    geometry = (pairs.width, model.n_heads + model.n_kv_heads, model.d_head)
-    assert kept and all(tuple(t.shape[1:]) == geometry for t in kept)
-    # [rows, H, query rows, K]: query rows within the cap (at least one), so many blocks per layer
-    assert blocks and all(b[2] <= max(1, cap // (b[0] * b[1] * b[3])) for b in blocks)
-    assert len(blocks) >= 2 * pairs.width // 2
-    assert float((got.raw - full.raw).abs().max()) < 1e-5
-    assert int((got.raw != got.raw).sum()) == 0
+        monkeypatch.setattr(lean, "record_lean", spy_record)
+        monkeypatch.setattr(patch_edits._PatchPatternQK, "apply", spy_apply)
+        got = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
+        monkeypatch.undo()
+        assert sorted(kept) == sorted(
+            [(False, (pairs.n, pairs.width, H + G, model.d_head))] * 2 + [(True, (pairs.n, H + G))] * 2
+        )
+        # [rows, H, query rows, K]: at most `rows` query rows per block, so several per layer
+        assert blocks and max(b[2] for b in blocks) == rows and len(blocks) > 2 * (pairs.width // rows)
+        assert float((got.raw - full.raw).abs().max()) < 1e-5, direction
+        assert not got.raw.isnan().any()
