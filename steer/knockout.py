@@ -92,6 +92,8 @@ def _short_positions(value: object) -> str:
         return repr(value)
     if isinstance(value, range):
         value = list(value)
+    if isinstance(value, Sequence) and any(isinstance(v, (str, bytes)) for v in value):
+        return short_repr(value)  # names (refused at `edits`): as given, not split into characters
     if isinstance(value, Sequence) and value and all(isinstance(v, Sequence) for v in value):
         return f"{len(value)} rows, row 0 {_runs(list(value[0]))}"
     if isinstance(value, Sequence):

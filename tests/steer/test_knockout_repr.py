@@ -19,3 +19,10 @@ def test_repr_names_the_knocked_out_positions_in_runs():
     assert repr(rows).startswith("Knockout(keys=2 rows, row 0 [1..3] (3),")
     sparse = repr(Knockout(keys=list(range(0, 2000, 2))))
     assert len(sparse) < 120 and "996 more runs] (1000)" in sparse
+
+
+def test_repr_keeps_names_whole():
+    """A list of names (refused when the edits are built) prints as given: it was taken for one
+    position list per row and split into characters (`2 rows, row 0 ['I', 'O']`: breaker)."""
+    r = repr(Knockout(keys=["IO", "S"]))
+    assert r.startswith("Knockout(keys=['IO', 'S'], ") and "rows" not in r
