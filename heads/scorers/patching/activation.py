@@ -241,7 +241,9 @@ def patch(
     Warns:
         UserWarning: a by-position kind (`resid_pre`, `attn_out`, `mlp_out`, `head_out_by_pos`)
             on pairs whose clean prompts differ in length (`mixed_lengths_note`): a padded
-            column then holds different tokens in different pairs, and the labels are pair 0's.
+            column then holds different tokens in different pairs, and the labels are pair 0's;
+            or on pairs of one length whose named positions differ at a patched column
+            (`PairBatch.misaligned_names`: IOI's ABBA / BABA templates put IO and S1 there).
 
     Raises:
         TypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
@@ -280,7 +282,7 @@ def run_patch(
     by_pos = kind in BY_POSITION
     poss = _check_positions(pairs, request.positions if by_pos else None)
     model.check_length(pairs.width)
-    mixed = mixed_lengths_note(pairs) if by_pos else None
+    mixed = (mixed_lengths_note(pairs) or pairs.misaligned_names(poss)) if by_pos else None
     if mixed is not None:
         warnings.warn(f"{kind} patching by position: {mixed}", UserWarning, stacklevel=3)
     if stability:

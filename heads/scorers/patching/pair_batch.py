@@ -209,6 +209,25 @@ class PairBatch:
             )
         return pos.clone()
 
+    def misaligned_names(self, columns: Sequence[int]) -> str | None:
+        """None when each of `columns` (padded) holds the same named positions in every pair; else
+        a note naming the first column that does not, e.g. `IO` in 4 pairs and `S1` in 4 (pairs of
+        interleaved templates, such as IOI's ABBA / BABA, share their lengths but not their roles:
+        a by-position mean then mixes the roles)."""
+        for c in columns:
+            names = [
+                "+".join(k for k, v in self.positions.items() if int(v[i]) == c) or "no name"
+                for i in range(self.n)
+            ]
+            if len(set(names)) > 1 and any(n != "no name" for n in names):
+                counts = ", ".join(f"{n!r} in {names.count(n)}" for n in dict.fromkeys(names))
+                return (
+                    f"column {c} holds different named positions in different pairs ({counts} pairs), "
+                    "so its mean mixes their roles; patch the pairs of one template per call "
+                    "(pairs.select([...]))"
+                )
+        return None
+
     def position_labels(self, row: int = 0, tokenizer: Any = None) -> list[str]:
         """`T` labels of the padded columns for pair `row`: its clean tokens as readable text,
         `""` on padding (positions are aligned only across pairs of one template).

@@ -242,3 +242,31 @@ def test_from_cache_refuses_mismatched_hook_in_and_bad_model():
         HeadScores.from_cache(cache, (1, 3), model=5)  # type: ignore[arg-type]
     with pytest.raises(HeadsteerTypeError, match="n_kv_heads"):
         HeadScores.from_cache(cache, (1, 3), n_kv_heads="2")  # type: ignore[arg-type]
+
+
+def test_by_position_patching_warns_when_a_column_holds_different_names(tiny_llama):
+    """Pairs of one length whose templates interleave (IOI's ABBA / BABA: IO first in one pair,
+    S1 first in the other) share their columns but not their roles; a by-position mean then mixes
+    IO and S1 silently (newcomer). `patch` warns, naming the column and the names' counts, and the
+    note goes to `params["labels_from"]`; aligned pairs get no warning."""
+    import warnings
+
+    from heads import SweepOptions
+    from heads.scorers.patching import pairs_from_tokens
+    from heads.scorers.patching.activation import patch
+
+    clean = [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55]]
+    corrupted = [[40, 41, 49, 43, 44, 45], [50, 51, 58, 53, 54, 55]]
+    opts = SweepOptions(progress=False)
+    swapped = pairs_from_tokens(
+        clean, corrupted, [[20], [30]], [[21], [31]], positions={"IO": [2, 3], "S1": [3, 2]}
+    )
+    with pytest.warns(UserWarning, match=r"column 2 holds different named positions .*'IO' in 1, 'S1' in 1"):
+        res = patch(tiny_llama, swapped, "resid_pre", layers=[0], positions=[2, 3], options=opts)
+    assert "'IO' in 1" in res.params["labels_from"]
+    aligned = pairs_from_tokens(
+        clean, corrupted, [[20], [30]], [[21], [31]], positions={"IO": [2, 2], "S1": [3, 3]}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch(tiny_llama, aligned, "resid_pre", layers=[0], positions=[2, 3], options=opts)
