@@ -87,7 +87,8 @@ def test_lean_forwards_keep_no_hidden_states(setup, monkeypatch):
     assert len(seen) == 3 and all(h is None for h in seen)  # two recorded runs, one patched chunk
 
 
-def test_lean_pattern_keeps_rotated_queries_and_keys_and_blocks_the_pattern(setup, monkeypatch):
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_lean_pattern_keeps_rotated_queries_and_keys_and_blocks_the_pattern(setup, monkeypatch, direction):
     """`pattern` on the lean path keeps the source run's rotated queries and keys (`[N, T, H + G,
     d]`, linear in the prompt) and of the base run one bool per head and pair (its q / k equal to
     the source's), never a `[N, H, T, T]` pattern; the patched forward computes the source pattern
@@ -100,33 +101,31 @@ def test_lean_pattern_keeps_rotated_queries_and_keys_and_blocks_the_pattern(setu
     H, G = model.n_heads, model.n_kv_heads
     rows = max(1, int(PATTERN_BLOCK_RESIDUALS * model.d_model) // H)
     assert rows < pairs.width  # the tiny model's blocks split its prompts
-    for direction in ("denoising", "noising"):
-        monkeypatch.setattr(lean, "MODE", "full")
-        full = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
-        monkeypatch.setattr(lean, "MODE", "lean")
-        kept: list[tuple[bool, tuple]] = []
-        record = lean.record_lean
+    monkeypatch.setattr(lean, "MODE", "full")
+    full = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
+    monkeypatch.setattr(lean, "MODE", "lean")
+    kept: list[tuple[bool, tuple]] = []
+    record = lean.record_lean
 
-        def spy_record(*a, **k):
-            run = record(*a, **k)
-            kept.extend((k["base"], tuple(t.shape)) for t in run.sites.values())
-            return run
+    def spy_record(*a, **k):
+        run = record(*a, **k)
+        kept.extend((k["base"], tuple(t.shape)) for t in run.sites.values())
+        return run
 
-        blocks = []
-        apply = patch_edits._PatchPatternQK.apply
+    blocks = []
+    apply = patch_edits._PatchPatternQK.apply
 
-        def spy_apply(self, probs, call):
-            blocks.append(tuple(probs.shape))
-            return apply(self, probs, call)
+    def spy_apply(self, probs, call):
+        blocks.append(tuple(probs.shape))
+        return apply(self, probs, call)
 
-        monkeypatch.setattr(lean, "record_lean", spy_record)
-        monkeypatch.setattr(patch_edits._PatchPatternQK, "apply", spy_apply)
-        got = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
-        monkeypatch.undo()
-        assert sorted(kept) == sorted(
-            [(False, (pairs.n, pairs.width, H + G, model.d_head))] * 2 + [(True, (pairs.n, H + G))] * 2
-        )
-        # [rows, H, query rows, K]: at most `rows` query rows per block, so several per layer
-        assert blocks and max(b[2] for b in blocks) == rows and len(blocks) > 2 * (pairs.width // rows)
-        assert float((got.raw - full.raw).abs().max()) < 1e-5, direction
-        assert not got.raw.isnan().any()
+    monkeypatch.setattr(lean, "record_lean", spy_record)
+    monkeypatch.setattr(patch_edits._PatchPatternQK, "apply", spy_apply)
+    got = patch(model, pairs, "pattern", layers=[0, 2], direction=direction, options=OPTS)
+    assert sorted(kept) == sorted(
+        [(False, (pairs.n, pairs.width, H + G, model.d_head))] * 2 + [(True, (pairs.n, H + G))] * 2
+    )
+    # [rows, H, query rows, K]: at most `rows` query rows per block, so several per layer
+    assert blocks and max(b[2] for b in blocks) == rows and len(blocks) > 2 * (pairs.width // rows)
+    assert float((got.raw - full.raw).abs().max()) < 1e-5
+    assert not got.raw.isnan().any()
