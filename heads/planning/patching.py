@@ -121,7 +121,7 @@ def lean_kept_bytes(
     elif kind in ("attn_out", "head_out_by_pos"):
         site = n_pos * H * d * item
     elif kind == "pattern":  # the source's rotated queries and keys, the patched forward's blocks
-        site = width * (H + G) * d * item / 2  # the base run keeps one bool per head
+        site = width * (H + G) * d * item // 2  # the base run keeps one bool per head
         q_rows = min(width, max(1, int(PATTERN_BLOCK_RESIDUALS * D) // H))
         extra = PATTERN_BLOCK_COPIES * 4 * min(n, lean_rows(64, width)) * H * q_rows * width
     elif kind in ("k", "v"):
