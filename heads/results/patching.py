@@ -197,11 +197,15 @@ class PatchResult:
 
     def interval(self, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
         """`(low, high)` `[*grid]`: mean +- z standard errors over the pairs with a gap (normal
-        approximation; the same pairs as `mean`)."""
+        approximation; the same pairs as `mean`). NaN with fewer than two such pairs: one pair
+        has no standard error (the interval collapsed onto the point, as if it were certain)."""
         ok = self.gap_pairs
         s = self.scores[..., ok]
         n = max(int(ok.sum()), 1)
         m = self.mean
+        if int(ok.sum()) < 2:
+            nan = torch.full_like(m, math.nan)
+            return nan, nan.clone()
         var = ((s - m[..., None]) ** 2).sum(-1) / max(n - 1, 1)
         se = (var / n).sqrt()
         return m - z * se, m + z * se

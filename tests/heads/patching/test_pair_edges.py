@@ -161,3 +161,16 @@ def test_patch_path_patch_dla_and_lens_from_threads_give_their_single_thread_res
     assert all(torch.equal(v, before[k]) for k, v in hm.model.state_dict().items())
     assert all("forward" not in layer.__dict__ for layer in hm.layers)  # no swapped forward left
     torch.testing.assert_close(patch(hm, pairs, "head_out", options=OPTS).raw, alone["head_out"])
+
+
+def test_one_pair_has_no_interval():
+    """With one pair (with a gap) the standard error is undefined: the interval is NaN, not the
+    point itself (it collapsed onto the mean, as if the score were certain: newcomer)."""
+    raw = torch.tensor([[1.0, 3.0], [0.5, 7.0]])  # 2 sites x 2 pairs; pair 1 has no gap
+    clean, corrupt = torch.tensor([2.0, 7.0]), torch.tensor([0.0, 7.0])
+    res = PatchResult("head_out", "denoising", "logit_diff", raw, clean, corrupt, ("site",))
+    assert res.mean.tolist() == pytest.approx([0.5, 0.25])
+    lo, hi = res.interval()
+    assert torch.isnan(lo).all() and torch.isnan(hi).all()
+    frame = res.to_frame()
+    assert frame["ci_low"].isna().all() and not frame["score"].isna().any()
