@@ -163,20 +163,21 @@ def _make_attention(base: str) -> Callable[..., tuple[torch.Tensor | None, torch
         k_len, q_len = key.shape[2], query.shape[2]
         # the call's first absolute position: the cached positions before it (recorded by the
         # attention module's pre-hook); a static cache holds more key slots than positions
-        q_offset = OFFSETS.get().get(id(module), k_len - q_len) if edits is not None else k_len - q_len
-        if q_offset + q_len > k_len:  # a stale record (no hook ran for this call)
+        position = OFFSETS.get().get(id(module), k_len - q_len) if edits is not None else k_len - q_len
+        q_offset = position
+        if q_offset + q_len > k_len:  # a sliding cache shorter than the positions, or a stale record
             q_offset = k_len - q_len
         queries = edits.get("query") if edits is not None else []
-        if queries and edits is not None:
-            b, h = query.shape[:2]
-            call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, query.device)
-            query = apply_activation_edits(queries, query.transpose(1, 2), call, head_axis=2).transpose(1, 2)
         keys = edits.get("rot_k") if edits is not None else []
-        if keys and edits is not None:  # read only: this call's new keys (not the cache's)
+        if (queries or keys) and edits is not None:  # row t is absolute position `position + t`
             b, h = query.shape[:2]
-            call = AttentionCall(edits.layer, b, h, q_len, k_len, q_offset, key.device)
-            new_keys = key[:, :, q_offset : q_offset + q_len].transpose(1, 2)
-            apply_activation_edits(keys, new_keys, call, head_axis=2)
+            call = AttentionCall(edits.layer, b, h, q_len, k_len, position, query.device)
+            if queries:
+                query = apply_activation_edits(queries, query.transpose(1, 2), call, head_axis=2)
+                query = query.transpose(1, 2)
+            if keys:  # read only: a copy of this call's new keys (not the cache's)
+                new_keys = key[:, :, q_offset : q_offset + q_len].transpose(1, 2).clone()
+                apply_activation_edits(keys, new_keys, call, head_axis=2)
         want = bool(
             kw.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
         )

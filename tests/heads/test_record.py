@@ -264,3 +264,32 @@ def test_odd_layer_digits_are_an_unknown_hook_name(tokenizer, name):
     hm = make_tiny("llama", tokenizer)
     with pytest.raises(ValueError, match=r"unknown hook name .*one of .*blocks\.\{l\}\.attn\.hook_z"):
         record(hm, "hi there", names=name)
+
+
+def test_rot_k_is_read_only_even_in_place_and_reads_absolute_positions(tokenizer):
+    """`rot_k` hands its functions a copy: an `ActivationEdit` / `ActivationRecorder` that edits it
+    in place changed the attention (0.38 in the logits: breaker). During generation past a
+    sliding window the `query` and `rot_k` calls give each step's absolute position
+    (`call.q_offset`, as the residual and `k` sites do); they gave the window's length."""
+    from heads.engine.activations import ActivationEdit, ActivationRecorder
+    from tests.support.families import tiny_family_model
+
+    hm = make_tiny("llama", tokenizer)
+    enc = _enc(IDS)
+    ref = forward(hm, enc)
+
+    def in_place(x, call):
+        x.mul_(0)
+
+    zeroing = ActivationRecorder("rot_k", 1, lambda x, c: x.zero_())
+    for edit in (ActivationEdit("rot_k", 1, in_place), zeroing):
+        with editing(hm, [edit]):
+            got = forward(hm, enc)
+        assert edit.calls == 1 and torch.equal(got, ref)
+    win = tiny_family_model("mistral")  # sliding window of 6 keys
+    ids = torch.randint(10, 290, (1, 5), generator=torch.Generator().manual_seed(1))
+    recs = {s: ActivationRecorder(s, 1, lambda x, c: c.q_offset) for s in ("rot_k", "query", "residual", "k")}
+    with editing(win, list(recs.values())):
+        win.model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got_offsets = {s: r.records for s, r in recs.items()}
+    assert all(r == [0, 5, 6, 7, 8, 9] for r in got_offsets.values()), got_offsets

@@ -157,13 +157,16 @@ def check_sweep_inputs(
     model `vision.check_image_model` accepts.
 
     Raises:
-        HeadsteerTypeError: pairs not a `PairBatch`, options not a `SweepOptions`.
-        HeadsteerValueError: ids outside the vocabulary, nnsight with `remote=True` (named with
+        HeadsteerTypeError: model not a `HeadModel`, pairs not a `PairBatch`, options not a
+            `SweepOptions`.
+        HeadsteerValueError: no pairs, ids outside the vocabulary, nnsight with `remote=True` (named with
             `what`), a metric the pairs cannot feed, a pair that cannot show an effect (same
             prompts, or a counterfactual equal to the answer for a metric that reads it:
             `pairs.check_pairs_differ`), vision pairs without `images=True` or on a text-only /
             unsupported model.
     """
+    if not isinstance(model, HeadModel):
+        raise HeadsteerTypeError(f"model must be a HeadModel (load_model), got {type(model).__name__}")
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"pairs must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
     if options is not None and not isinstance(options, SweepOptions):

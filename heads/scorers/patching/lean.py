@@ -25,7 +25,8 @@ hidden states, so a sweep's peak is one forward's plus the kept sites: for one l
 positions about one residual copy above a plain forward. Results equal the fast path's within
 fp32 rounding (tests/heads/patching: every kind, both directions, sliding-window families).
 
-`choose_lean` decides per sweep, from byte and work estimates made before any forward
+`choose_lean` decides per sweep (the lean path always where the fast path cannot record:
+`full_path_runs`), from byte and work estimates made before any forward
 (`heads.planning.patching.lean_default`, the rule the memory plan of a `PatchRequest` follows):
 the lean path where the full caches exceed `LEAN_ALWAYS_BYTES` (long prompts: every kind and
 position spec), or exceed `LEAN_MIN_BYTES` and it costs at most `LEAN_TIME` (1.6) times the fast
@@ -76,6 +77,13 @@ def qk_pattern(model: HeadModel) -> bool:
     attention itself (`transformer_lens`) hands its own `[B, H, T, T]` pattern to the edit, so
     there the source pattern is recorded."""
     return not model.backend.attention_via_hooks
+
+
+def full_path_runs(model: HeadModel) -> bool:
+    """The fast path records every site of both runs, `attn_out` included, which the
+    `transformer_lens` backend does not place on a post-norm family (Gemma 2 / 3, OLMo 2): there
+    the lean path, which records only the patched sites, is taken whatever the prompt."""
+    return not (model.backend.attention_via_hooks and model.family.attn_out_norm is not None)
 
 
 def lean_rows(max_rows: int, width: int) -> int:
@@ -165,6 +173,8 @@ def choose_lean(
     lean = lean_bytes(model, kind, n, width, layers, n_pos)
     if MODE in ("lean", "full"):
         use = MODE == "lean"
+    elif not full_path_runs(model):
+        use = True
     else:
         use = patch_plan.lean_default(
             full,

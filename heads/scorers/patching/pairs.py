@@ -113,11 +113,14 @@ def check_vocab(pairs: PairBatch, d_vocab: int, where: str = "pairs", *, images:
 
     Raises:
         HeadsteerTypeError: `pairs` not a `PairBatch`.
-        HeadsteerValueError: `"<where>: <field> token id <id> is outside the vocabulary 0..V-1"`;
+        HeadsteerValueError: no pairs (`n = 0`);
+            `"<where>: <field> token id <id> is outside the vocabulary 0..V-1"`;
             vision pairs where `images` is False.
     """
     if not isinstance(pairs, PairBatch):
         raise HeadsteerTypeError(f"{where} must be a PairBatch (encode_pairs), got {type(pairs).__name__}")
+    if pairs.n == 0:
+        raise HeadsteerValueError(f"{where} holds no pairs (n = 0, e.g. pairs.select([])): nothing to run")
     if pairs.has_images and not images:
         raise HeadsteerValueError(
             f"{where}: vision pairs (encode_image_pairs) are taken by activation patching (patch) "

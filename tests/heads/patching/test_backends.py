@@ -86,3 +86,34 @@ def test_nnsight_remote_refused_before_any_forward(tokenizer, pairs):
     m.backend.remote = True  # type: ignore[attr-defined]
     with pytest.raises(HeadsteerValueError, match="remote=True"):
         patch(m, pairs, "head_out")
+
+
+def test_post_norm_family_on_the_bridge_takes_the_lean_path(tokenizer):
+    """The fast path records `attn_out`, which the bridge does not place on a post-norm family
+    (Gemma 2): every kind failed on short prompts naming a site the user never asked for
+    (breaker). The lean path, which records only the patched sites, is taken there and equals
+    the HF backend; the model is unchanged afterwards."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from heads import SweepOptions
+    from heads.scorers.patching import lean
+    from heads.scorers.patching.pairs import pairs_from_tokens
+    from tests.support.families import tiny_family_model
+
+    hf = tiny_family_model("gemma2")
+    bridge = TransformerBridge.boot_transformers(
+        "tiny", hf_model=tiny_family_model("gemma2").model, tokenizer=tokenizer
+    )
+    tl = HeadModel.wrap(bridge, tokenizer)
+    assert not lean.full_path_runs(tl) and lean.full_path_runs(hf)
+    clean = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20]] * 2
+    corrupt = [[11, 12, 99, 14, 15, 16, 17, 18, 19, 20], [11, 98, 13, 14, 15, 16, 17, 18, 19, 20]]
+    p = pairs_from_tokens(clean, corrupt, [[3]] * 2, [[4]] * 2)
+    opts = SweepOptions(progress=False)
+    for kind in ("head_out", "pattern", "resid_pre"):
+        before = state_copy(tl)
+        got = patch(tl, p, kind, layers=[0, 1], options=opts).raw
+        want = patch(hf, p, kind, layers=[0, 1], options=opts).raw
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        after = state_copy(tl)
+        assert all(torch.equal(before[k], after[k]) for k in before), kind

@@ -270,3 +270,19 @@ def test_by_position_patching_warns_when_a_column_holds_different_names(tiny_lla
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch(tiny_llama, aligned, "resid_pre", layers=[0], positions=[2, 3], options=opts)
+
+
+def test_no_pairs_and_no_model_are_refused_by_name(tiny_llama, tokenizer):
+    """An empty `PairBatch` (`pairs.select([])`) crashed inside the model's forward, and a model
+    of None raised a bare AttributeError (breaker): both are refused by name before any forward."""
+    from heads.errors import HeadsteerTypeError
+    from heads.scorers.patching.activation import patch
+    from heads.scorers.patching.pairs import encode_pairs
+    from tests.support.patching import PAIRS
+
+    pairs = encode_pairs(tokenizer, PAIRS)
+    for kind in ("head_out", "resid_pre", "pattern"):
+        with pytest.raises(HeadsteerValueError, match=r"holds no pairs \(n = 0"):
+            patch(tiny_llama, pairs.select([]), kind)
+    with pytest.raises(HeadsteerTypeError, match="model must be a HeadModel .*NoneType"):
+        patch(None, pairs, "head_out")
