@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from heads._util.files import write_text
-from heads._util.validation import is_int, is_number, read_json_file, short_repr
+from heads._util.validation import check_number, is_int, is_number, read_json_file, short_repr
 from heads.errors import HeadsteerValueError
 from heads.results.resampling import grid_stability, position_reduce
 from heads.results.scores import HeadScores
@@ -195,19 +195,31 @@ class PatchResult:
             return torch.full(self.raw.shape[:-1], math.nan)
         return self.scores[..., ok].mean(-1)
 
-    def interval(self, z: float = 1.96) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(low, high)` `[*grid]`: mean +- z standard errors over the pairs with a gap (normal
-        approximation; the same pairs as `mean`). NaN with fewer than two such pairs: one pair
-        has no standard error (the interval collapsed onto the point, as if it were certain)."""
+    def interval(self, z: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(low, high)` `[*grid]`: a 95 % interval of the mean over the pairs with a gap (the same
+        pairs as `mean`): mean +- q standard errors, q Student's t quantile with n - 1 degrees of
+        freedom (default; 12.7 for 2 pairs, 2.26 for 10, 1.98 for 100: few pairs give wide
+        intervals) or `z` if given (e.g. 1.96, the normal approximation). NaN with fewer than two
+        such pairs: one pair has no standard error.
+
+        Raises:
+            ValueError: `z` not a number > 0.
+        """
+        if z is not None:
+            z = check_number("z", z, lo=0, lo_open=True)
         ok = self.gap_pairs
         s = self.scores[..., ok]
-        n = max(int(ok.sum()), 1)
+        n = int(ok.sum())
         m = self.mean
-        if int(ok.sum()) < 2:
+        if n < 2:
             nan = torch.full_like(m, math.nan)
             return nan, nan.clone()
-        var = ((s - m[..., None]) ** 2).sum(-1) / max(n - 1, 1)
+        var = ((s - m[..., None]) ** 2).sum(-1) / (n - 1)
         se = (var / n).sqrt()
+        if z is None:
+            from heads.results.evaluation import t_quantile
+
+            z = t_quantile(n)
         return m - z * se, m + z * se
 
     @property

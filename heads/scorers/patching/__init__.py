@@ -1,7 +1,7 @@
 """Causal analysis of heads: prompt pairs, metrics, activation patching, path patching, direct
 logit attribution and lenses (docs/methods/patching.md)."""
 
-from heads.scorers.patching.activation import patch
+from heads.scorers.patching.activation import PatchResult, patch
 from heads.scorers.patching.evaluate import evaluate_pairs
 from heads.scorers.patching.logit import (
     DLAResult,
@@ -31,6 +31,7 @@ __all__ = [
     "minimal_image_pair",
     "Metric",
     "PairBatch",
+    "PatchResult",
     "PromptPair",
     "encode_pairs",
     "evaluate_pairs",

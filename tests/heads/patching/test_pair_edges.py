@@ -174,3 +174,21 @@ def test_one_pair_has_no_interval():
     assert torch.isnan(lo).all() and torch.isnan(hi).all()
     frame = res.to_frame()
     assert frame["ci_low"].isna().all() and not frame["score"].isna().any()
+
+
+def test_the_interval_uses_students_t_for_few_pairs():
+    """Two pairs: mean +- t(0.975, 1) = 12.71 standard errors (it was 1.96, the normal
+    approximation, far too narrow for the few pairs patching studies run: newcomer); `z=` keeps
+    the normal interval; a bad `z` is refused by name."""
+    raw = torch.tensor([[1.0, 3.0]])  # 1 site x 2 pairs
+    clean, corrupt = torch.tensor([4.0, 4.0]), torch.tensor([0.0, 0.0])
+    res = PatchResult("head_out", "denoising", "logit_diff", raw, clean, corrupt, ("site",))
+    m, se = 0.5, 0.25  # normalised scores 0.25 and 0.75: sd 0.3536, standard error 0.25
+    lo, hi = res.interval()
+    assert float(res.mean[0]) == pytest.approx(m)
+    assert float(hi[0] - m) == pytest.approx(12.7062 * se, rel=1e-4)
+    assert float(m - lo[0]) == pytest.approx(12.7062 * se, rel=1e-4)
+    lo, hi = res.interval(z=1.96)
+    assert float(hi[0] - m) == pytest.approx(1.96 * se)
+    with pytest.raises(HeadsteerValueError, match="z"):
+        res.interval(z=-1)
