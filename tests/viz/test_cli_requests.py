@@ -73,3 +73,24 @@ def test_report_patching_attribution_says_estimate_in_the_terminal(tiny_llama_di
     r = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b.html")])
     assert r.exit_code == 0, r.output
     assert "estimated" not in r.output and "top head_out sites" in " ".join(r.output.split())
+
+
+def test_report_patching_layers(tiny_llama_dir, tmp_path, olmo2_config_only):
+    """`--layers` patches only those layers (a long prompt's sweep of every layer took 15x one
+    layer's time: newcomer); a bad spec or a layer the model lacks is refused with exit 2 naming
+    `--layers`, the latter from the config before any weight loads."""
+    from typer.testing import CliRunner
+
+    from viz.cli import app
+
+    base = ["report", "patching", "--model", tiny_llama_dir, "--n", "2", "--kind", "head_out"]
+    r = CliRunner().invoke(app, [*base, "--layers", "2,0-1", "--out", str(tmp_path / "a.html")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, [*base, "--layers", "1", "--out", str(tmp_path / "b.html")])
+    assert r.exit_code == 0, r.output
+    rows = [ln for ln in r.output.splitlines() if ln.strip().startswith("│") and "score" not in ln]
+    assert rows and all(ln.split("│")[1].strip() == "1" for ln in rows if ln.split("│")[1].strip())
+    for bad, message in (("x", "expected layers"), ("5-2", "is empty"), ("99", "layer")):
+        r = _invoke(tmp_path, olmo2_config_only, "--layers", bad)
+        assert r.exit_code == 2 and "--layers" in r.output and message in r.output, (bad, r.output)
+        assert "loading" not in r.output

@@ -52,6 +52,10 @@ def report_patching(
     stability: Annotated[
         int, typer.Option(help="bootstrap resamples of the pairs for the rankings' stability (0: none)")
     ] = 0,
+    layers: Annotated[
+        str | None,
+        typer.Option(help="layers to patch: '18', '3,7,18' or '16-20' [default: every layer]"),
+    ] = None,
 ) -> dict:
     """Causal analysis: activation patching of one site kind, DLA and the logit lens on prompt pairs."""
     from heads.scorers.patching.request import PatchRequest
@@ -75,10 +79,12 @@ def report_patching(
         "direction": "--direction",
         "stability": "--stability",
         "method": "--method",
+        "layers": "--layers",
     }
     request = build_request(
-        PatchRequest, options, kind=kind, direction=direction, stability=stability, method=method
-    )
+        PatchRequest, options, kind=kind, direction=direction, stability=stability, method=method,
+        layers=None if layers is None else _layer_list(layers),
+    )  # fmt: skip
     pairs = resolve_pairs(task, split=split, n=n)  # checked before the model loads
     out = run.output(out, suffixes=HTML)
     check_request(run, options, request)
@@ -104,6 +110,22 @@ def report_patching(
     run.show(table, f"clean logit difference > 0 on {summary['clean_ld_positive']:.0%} of the pairs")
     run.show(*(f"left out {name}: {why}" for name, why in summary["left_out"].items()))
     return {"html": str(out), **summary}
+
+
+def _layer_list(text: str) -> list[int]:
+    """`--layers`: comma-separated layers and inclusive ranges (`16-20`), in the order given."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
+        except ValueError:
+            raise typer.BadParameter(
+                f"--layers {short_repr(text)}: expected layers and ranges such as 18, 3,7,18 or 16-20"
+            ) from None
+        if sep and int(hi) < int(lo):
+            raise typer.BadParameter(f"--layers {short_repr(text)}: the range {part} is empty")
+    return out
 
 
 def report_circuit(
