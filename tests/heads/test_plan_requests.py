@@ -147,7 +147,9 @@ def test_path_patch_plans_within_15_percent_of_the_live_bytes(model):
 
 
 def _stand_in(width: int, n: int = 1):
-    model = SimpleNamespace(**SMOL, dtype=torch.float32)
+    """SmolLM2's geometry on the `hf` backend (the plan's assumption: the fast path can record)."""
+    hf, family = SimpleNamespace(attention_via_hooks=False), SimpleNamespace(attn_out_norm=None)
+    model = SimpleNamespace(**SMOL, dtype=torch.float32, backend=hf, family=family)
     model.n_layers = SMOL["n_layers"]
     return model, SimpleNamespace(n=n, width=width)
 
