@@ -94,10 +94,8 @@ def report_patching(
         _, summary = patching_report(
             hm, out, pairs, request=request, overwrite=run.force, progress=step, task=task
         )
-    title = f"top {kind} sites ({summary['pairs']} pairs, {direction})"
-    if method == "attribution":  # an estimate, said where it is read (newcomer)
-        title = f"top {kind} sites estimated by attribution patching ({summary['pairs']} pairs, {direction})"
-    table = Table(title=title)
+    estimate = " estimated by attribution patching" if method == "attribution" else ""  # said where read
+    table = Table(title=f"top {kind} sites{estimate} ({summary['pairs']} pairs, {direction})")
     keys = [
         k
         for k in ("layer", "head", "kv_head", "position", "token", "score")

@@ -310,13 +310,11 @@ def unchanged_lean(
     maps: dict[int, torch.Tensor] = {}
     out = torch.zeros(len(sites), n, dtype=torch.bool)
     for s_i, s in enumerate(sites):
-        if s.layer in maps:
-            pass
-        elif kind == "pattern" and qk_heads:  # head h: its query and its KV head's key everywhere
+        if s.layer not in maps and kind == "pattern" and qk_heads:  # head h: its q and its KV head's k
             H = qk_heads
             per = base.sites[s.layer]  # [N, H + G] bool, recorded against the source (`_equal_to`)
             maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
-        else:
+        elif s.layer not in maps:
             eq = (src.sites[s.layer] == base.sites[s.layer]).cpu()
             if kind in ("resid_pre", "mlp_out", "head_out_by_pos"):
                 maps[s.layer] = eq.all(-1)  # [N, P] / [N, P, H]
