@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "CIRCUIT_PATCH_MEMORY",
     "CIRCUIT_ROW_BYTES_PER_NODE",
     "EAP_GRAPH_COPIES",
     "EAP_LEAN_BLOCK",
     "EAP_LEAN_WORK_COPIES",
+    "circuit_compact",
+    "circuit_compact_streams",
     "circuit_eval_bytes",
     "eap_copies",
 ]
@@ -43,18 +46,46 @@ def eap_copies(analysis: str, g: dict[str, int], n_layers: int, block: int = EAP
     return block * ((h + 2 * kv) * d / D + 3) + 1 + EAP_LEAN_WORK_COPIES
 
 
-CIRCUIT_ROW_BYTES_PER_NODE = 28
+CIRCUIT_ROW_BYTES_PER_NODE = 8
 """Measured bytes per row, token, upstream node and model dimension of `find_circuit`'s exact
-evaluations (the faithfulness curve, the circuit's faithfulness): about seven fp32 `[U, D]`
-tensors per row and token. On SmolLM2-135M (U = 301 upstream nodes, D = 576, IOI pairs of 15
-tokens) `report circuit` peaked 70 MB per row above the loaded model (51 rows: +3.4 GiB; 12
-rows: +0.8 GiB), 73 MB by this constant."""
+evaluations (the faithfulness curve, the circuit's faithfulness) while each row keeps every
+upstream node's `[T, D]` fp32 difference: on SmolLM2-135M (U = 301 upstream nodes, D = 576), 51
+random circuits on one pair of 15 tokens peaked 990 MB above the loaded model, 7.8 by this count
+(the recorded clean and corrupted runs included)."""
+
+CIRCUIT_PATCH_MEMORY = 512 * 2**20
+"""Bytes one exact patched forward's upstream differences may take (`patched_metrics`): rows are
+run in forwards that fit; when one row's full differences (`4 U D T`) pass it, the heads' are kept
+as head outputs (`[T, H, d]` a layer) and projected by `W_O` when read (compact rows)."""
 
 
-def circuit_eval_bytes(g: dict[str, int], tokens: int, rows: int = 1) -> int:
-    """Bytes of `rows` rows of `find_circuit`'s exact evaluations at `tokens` tokens:
-    `CIRCUIT_ROW_BYTES_PER_NODE x U x D x T` a row, U = 1 + L (H + 1) upstream nodes (the input,
-    every head, every MLP). Quadratic in nothing, but U times a residual stream: 4.7 GB for one
-    pair of 977 tokens on SmolLM2. `g`: `plan.geometry`'s dict."""
+def circuit_compact(g: dict[str, int], tokens: int) -> bool:
+    """Whether one row at `tokens` tokens takes the compact differences (`CIRCUIT_PATCH_MEMORY`)."""
     upstream = 1 + g["n_layers"] * (g["n_heads"] + 1)
-    return int(CIRCUIT_ROW_BYTES_PER_NODE * upstream * g["d_model"] * tokens * rows)
+    return 4 * upstream * g["d_model"] * tokens > CIRCUIT_PATCH_MEMORY
+
+
+def circuit_compact_streams(g: dict[str, int]) -> float:
+    """fp32 residual streams (`[T, D]`) one compact row keeps: the input's and every MLP's
+    differences, every layer's head outputs (`H d / D` of a stream), and the working set of one
+    layer's H + 2 G q / k / v inputs (a stream each for their deltas, `norm(x + delta)` and two
+    of the norm's temporaries: 4 (H + 2 G))."""
+    L, h, kv, d, D = g["n_layers"], g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
+    return 1 + L * (1 + h * d / D) + 4 * (h + 2 * kv)
+
+
+def circuit_eval_bytes(g: dict[str, int], tokens: int, rows: int = 1, itemsize: int = 4) -> int:
+    """Bytes of `rows` rows of `find_circuit`'s exact evaluations at `tokens` tokens: the clean and
+    corrupted runs' recorded activations (`2 (4 L + 1)` streams in the model's dtype, `itemsize`
+    bytes) plus, per row, `CIRCUIT_ROW_BYTES_PER_NODE x U x D x T` (U = 1 + L (H + 1) upstream
+    nodes) or, where a row's full differences pass `CIRCUIT_PATCH_MEMORY` (long prompts), the
+    compact row's `4 x circuit_compact_streams x D x T`. Linear in the prompt either way: on
+    SmolLM2 one pair of 1,024 tokens plans 857 MB (measured 824 MB). `g`: `plan.geometry`'s dict."""
+    L, D = g["n_layers"], g["d_model"]
+    upstream = 1 + L * (g["n_heads"] + 1)
+    recorded = 2 * (4 * L + 1) * D * tokens * itemsize
+    if circuit_compact(g, tokens):
+        row = 4 * circuit_compact_streams(g) * D * tokens
+    else:
+        row = CIRCUIT_ROW_BYTES_PER_NODE * upstream * D * tokens
+    return int(recorded + row * rows)

@@ -363,7 +363,8 @@ def plan_memory(
             act += int(copies * batch * total_tokens * g["d_model"] * 4)
             if req.get("circuit", False):  # find_circuit: its exact evaluations, after the scores
                 share = len(layers) / max(1, g["n_layers"])
-                evals = traced.at(count) + int(share * circuit_eval_bytes(g, total_tokens, batch))
+                item = torch.empty(0, dtype=dt).element_size()
+                evals = traced.at(count) + int(share * batch * circuit_eval_bytes(g, total_tokens, 1, item))
                 act = max(act, evals)
         if req.analysis in ("patch", "path_patch"):  # kept beside every forward of the sweep
             act += kept

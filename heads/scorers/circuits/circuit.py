@@ -32,7 +32,7 @@ from heads._util.validation import check_bool, check_int, check_number, check_se
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.planning.eap import CIRCUIT_ROW_BYTES_PER_NODE
+from heads.planning.eap import circuit_eval_bytes
 from heads.planning.units import format_bytes
 from heads.results.circuits import Circuit, select, warn_most_heads
 from heads.results.graph import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
@@ -85,34 +85,50 @@ __all__ = [
 MAX_MEMORY_GB = 2.0
 """Default budget (GiB) of the exact evaluations' activations (`circuit_rows`): `find_circuit`
 without `batch_rows`, `headsteer report circuit --max-memory`."""
-ROW_BYTES_PER_NODE = CIRCUIT_ROW_BYTES_PER_NODE
-"""Measured bytes per row, token, upstream node and model dimension of an exact evaluation
-(`heads.planning.eap.CIRCUIT_ROW_BYTES_PER_NODE`, 28: about seven fp32 `[U, D]` tensors per row
-and token; the plan of `find_circuit` counts the same)."""
 
 
 def circuit_rows(
-    graph: Graph, d_model: int, width: int, max_memory_gb: float = MAX_MEMORY_GB, *, strict: bool = False
+    graph: Graph,
+    d_model: int,
+    width: int,
+    max_memory_gb: float = MAX_MEMORY_GB,
+    *,
+    strict: bool = False,
+    d_head: int | None = None,
+    itemsize: int = 4,
 ) -> int:
     """Rows per forward of the exact evaluations (`evaluate`, `faithfulness_curve`'s
-    `batch_rows`) that keep their activations within `max_memory_gb` GiB: the budget over
-    `ROW_BYTES_PER_NODE x U x D x T` bytes a row, between 1 and 64. One row over the budget:
-    1 row, or with `strict` (a budget the user gave) refused, naming what one row needs.
+    `batch_rows`) that keep their activations within `max_memory_gb` GiB, between 1 and 64, by
+    `heads.planning.eap.circuit_eval_bytes` (the recorded clean / corrupted runs of one pair of
+    `width` tokens, in the model's dtype of `itemsize` bytes, plus per row the upstream
+    differences: every node's on short prompts, the heads' as head outputs on long ones; `d_head`
+    default `d_model / H`). One row over the budget: 1 row, or with `strict` (a budget the user
+    gave) refused, naming what one row needs.
 
     Raises:
         ValueError: a budget that is not a number > 0; with `strict`, one row over it.
     """
     budget = check_number("max_memory", max_memory_gb, lo=0, lo_open=True) * 2**30
-    per_row = ROW_BYTES_PER_NODE * graph.n_upstream * d_model * max(1, width)
-    if strict and per_row > budget:
+    g = {
+        "n_layers": graph.n_layers,
+        "n_heads": graph.n_heads,
+        "n_kv_heads": graph.n_kv_heads,
+        "d_head": d_head or d_model // graph.n_heads,
+        "d_model": d_model,
+    }
+    tokens = max(1, width)
+    one = circuit_eval_bytes(g, tokens, 1, itemsize)
+    per_row = one - circuit_eval_bytes(g, tokens, 0, itemsize)
+    if strict and one > budget:
         raise HeadsteerValueError(
-            f"find_circuit needs at least {format_bytes(per_row)} for one pair of {width} tokens "
+            f"find_circuit needs at least {format_bytes(one)} for one pair of {width} tokens "
             "in its exact evaluations of the circuit (the faithfulness curve and the circuit's "
-            f"faithfulness: {ROW_BYTES_PER_NODE} B x {graph.n_upstream} upstream nodes x d_model "
-            f"{d_model} x tokens); max_memory is {format_bytes(int(budget))}: raise it or use shorter pairs "
-            "(edge_scores alone keeps within the budget)"
+            f"faithfulness: the clean and corrupted runs' activations plus one row's upstream "
+            f"differences, {graph.n_upstream} upstream nodes x d_model {d_model} x tokens); max_memory "
+            f"is {format_bytes(int(budget))}: raise it or use shorter pairs (edge_scores alone keeps "
+            "within the budget)"
         )
-    return int(max(1, min(64, budget // per_row)))
+    return int(max(1, min(64, (budget - (one - per_row)) // per_row)))
 
 
 DEFAULT_FAITHFULNESS = 0.3
@@ -358,7 +374,8 @@ def find_circuit(
             curve, the circuit, `confirm`), and `max_rows // 8` the pairs per EAP / EAP-IG chunk;
             at its default (64, or no `options`) the exact runs take as many rows as keep their
             activations within `MAX_MEMORY_GB` (2 GiB, `circuit_rows`; on SmolLM2-135M and IOI
-            about 70 MB a row, where 64 rows peaked at 4.4 GiB) and the chunks 8 pairs;
+            about 20 MB a row, where 51 rows peaked at 1 GB; one pair of 1,024 tokens about
+            0.8 GB, one row with the heads' differences kept compactly) and the chunks 8 pairs;
             `max_memory` (bytes) replaces that budget (at most `max_rows` rows).
             `progress`: True (default: a bar), False / None, or a `(done, total)` callable.
             EAP (and EAP-IG with up to 8 points on SmolLM2) take the memory-lean path on long
@@ -435,13 +452,13 @@ def _run(
     request.check_config(model)  # n and confirm within the graph's edges
     batch_rows, progress = opts.max_rows, opts.progress
     width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
+    d_head, item = model.d_head, torch.empty(0, dtype=model.dtype).element_size()
     if opts.max_memory is not None:  # the exact runs' rows within that budget (refused before any forward)
-        batch_rows = min(
-            opts.max_rows,
-            circuit_rows(graph, model.d_model, width, int(opts.max_memory) / 2**30, strict=True),
-        )
+        gb = int(opts.max_memory) / 2**30
+        rows = circuit_rows(graph, model.d_model, width, gb, strict=True, d_head=d_head, itemsize=item)
+        batch_rows = min(opts.max_rows, rows)
     elif budget and opts.max_rows == SweepOptions().max_rows:
-        batch_rows = circuit_rows(graph, model.d_model, width)
+        batch_rows = circuit_rows(graph, model.d_model, width, d_head=d_head, itemsize=item)
     if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
         raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
     if r.size is not None:

@@ -76,6 +76,12 @@ _FAST_LINEAR = True
 check that calling the projection module on every copy gives the same numbers)."""
 
 
+def _is_head(graph: Graph) -> torch.Tensor:
+    """`[U]` bool: which upstream nodes are heads (not the input, not an MLP)."""
+    idx = torch.arange(graph.n_upstream)
+    return (idx >= 1) & ((idx - 1) % (graph.n_heads + 1) != graph.n_heads)
+
+
 class _Runner:
     """The edits of one decomposed forward of R rows (see the module docstring).
 
@@ -90,6 +96,11 @@ class _Runner:
             `e_corr + alpha (e - e_corr)` (EAP-IG over the inputs).
         skip: `(l0, clean)`: layers 0 .. l0-1 are not run; the diffs of their upstream nodes are
             taken from `clean` (the run equals the clean run below the first patched input).
+        compact: keep the heads' differences as `[R, T, h, d]` head outputs (`z~_h - z_h`, over
+            the post-norm scale where there is one) and project them by `W_O[h]` each time an
+            input reads them, instead of keeping every head's `[R, T, D]` share: the upstream
+            differences then take about 2 L + 1 residual streams a row instead of U = 1 + L (H + 1)
+            (long prompts), at the cost of one `W_O` projection per reading layer.
 
     Each patched input's delta is the sum of the patched sources' differences, or, when most of
     its sources are patched (a circuit's complement), the whole difference of the stream
@@ -109,6 +120,7 @@ class _Runner:
         record: bool = False,
         embed: tuple[torch.Tensor, float] | None = None,
         skip: tuple[int, Acts] | None = None,
+        compact: bool = False,
     ):
         self.m, self.g = model, graph
         self.skip = skip
@@ -133,6 +145,9 @@ class _Runner:
         # [R, u, T*D] a_u(x~) - a_u(run) of the upstream nodes some row needs (u of them, in
         # upstream order), filled as computed
         self.diff: torch.Tensor | None = None
+        self.compact = compact
+        # compact: per layer (heads [j] long, [R, T, j, d] fp32 z~ - z) of the heads some row needs
+        self.hdiff: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_before = graph.n_before()
         if patch is not None:
             p = patch.bool().cpu()
@@ -143,6 +158,9 @@ class _Runner:
             self.coef = torch.where(self.base[:, None], (valid & ~p).to(torch.int8).neg(), p.to(torch.int8))
             self.union = (self.coef != 0).any(dim=0)  # [U, Dn]
             used = self.union.any(dim=1)  # [U]
+            self.used = used
+            if compact:  # the heads' differences are kept per layer (`hdiff`), not as columns
+                used = used & ~_is_head(graph)
             self.n_used = int(used.sum())
             self.up_pos = torch.where(used, torch.cumsum(used.long(), 0) - 1, -1)  # [U] -> diff column
 
@@ -172,6 +190,8 @@ class _Runner:
         if not len(active):
             return None
         R = x.shape[0]
+        if self.compact:
+            return self._delta_compact(lo, hi, x, x_corr, n, active), active
         out = torch.zeros(len(active), R, x[0].numel(), dtype=torch.float32, device=x.device)
         used = torch.nonzero(pu.any(dim=1))[:, 0]
         if len(used):
@@ -189,11 +209,54 @@ class _Runner:
             out += b.T.to(x.device, torch.float32)[:, :, None] * whole[None]
         return out.reshape(len(active), *x.shape).to(x.dtype), active
 
+    def _delta_compact(
+        self,
+        lo: int,
+        hi: int,
+        x: torch.Tensor,
+        x_corr: Callable[[], torch.Tensor],
+        n: int,
+        active: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_delta`'s `[a, R, T, D]` with the heads' differences kept compactly (`compact`): one
+        `[R, a, T*D]` buffer, each source layer's heads projected by `W_O` when read and added in
+        place, so no `[U, T, D]` and no `[a, T, D]` temporary is made."""
+        R = x.shape[0]
+        out = torch.zeros(R, len(active), x[0].numel(), dtype=torch.float32, device=x.device)
+        pick = self.union[:n, lo:hi].any(dim=1)  # [n] sources some row needs at these inputs
+        coef = self.coef[:, :n, lo:hi][:, :, active]  # [R, n, a]
+        cols = torch.nonzero(pick & (self.up_pos[:n] >= 0))[:, 0]  # the input and MLP nodes
+        if len(cols):
+            full = cast(torch.Tensor, self.diff)
+            c = coef[:, cols].to(full.device, full.dtype)  # [R, u, a]
+            out.baddbmm_(c.transpose(1, 2), full[:, self.up_pos[cols].to(full.device)])
+        for la, (heads, dz) in self.hdiff.items():
+            u0 = self.g.head_node(la, 0)
+            if u0 >= n:
+                break
+            rows = pick[u0 + heads]
+            if not bool(rows.any()):
+                continue
+            hs = heads[rows]
+            lp = self.parts[la]
+            w_o = lp.w_o[hs.to(lp.w_o.device)].to(dz.device, torch.float32)  # [j, d, D]
+            share = torch.einsum("rtjd,jdD->rjtD", dz[:, :, rows.to(dz.device)], w_o)
+            if lp.gain is not None:
+                share = share * lp.gain.to(share.device)
+            c = coef[:, u0 + hs].to(share.device, torch.float32)  # [R, j, a]
+            out.baddbmm_(c.transpose(1, 2), share.flatten(2))
+            del share
+        b = self.base[:, lo:hi][:, active]  # [R, a]
+        if bool(b.any()):
+            whole = (self._c(x_corr()).to(x.device).float() - x.float()).flatten(1)  # [R, T*D]
+            out.addcmul_(b.to(x.device, torch.float32)[:, :, None], whole[:, None])
+        return out.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype)
+
     def _used(self, u0: int, k: int) -> torch.Tensor | None:
         """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row needs (None: none)."""
         if self.patch is None:
             return None
-        sel = torch.nonzero(self.up_pos[u0 : u0 + k] >= 0)[:, 0]
+        sel = torch.nonzero(self.used[u0 : u0 + k])[:, 0]
         return sel if len(sel) else None
 
     def _set_diff(self, u0: int, value: torch.Tensor, sel: torch.Tensor) -> None:
@@ -217,7 +280,16 @@ class _Runner:
         outputs, `scale`: this run's post-attention norm scale or None)."""
         u0 = self.g.head_node(la, 0)
         sel = self._used(u0, self.H)
-        if sel is not None:
+        if sel is not None and self.compact:  # z~_h / s~ - z_h / s, projected when read
+            corr = cast(Acts, self.corr)
+            sd = sel.to(z.device)
+            mine = z[..., sd, :].float()
+            theirs = self._c(corr.z[la])[..., sel.to(corr.z[la].device), :].to(z.device).float()
+            if scale is not None:
+                mine = mine / scale.to(z.device).float()[..., None]
+                theirs = theirs / self._c(corr.scale[la]).to(z.device).float()[..., None]
+            self.hdiff[la] = (sel, theirs - mine)
+        elif sel is not None:
             corr = cast(Acts, self.corr)
             lp = self.parts[la]
             mine = head_shares(z, lp.w_o, sel, scale, lp.gain)
@@ -331,6 +403,8 @@ class _Runner:
 
     def _z(self, la: int) -> Callable[[torch.Tensor, AttentionCall], None]:
         def fn(z: torch.Tensor, call: AttentionCall) -> None:
+            self.normed[la] = None  # the layer's q / k / v are computed: its copies are done
+            self.x[la] = None
             if self.record:
                 self.z[la] = z.detach()
             if self.post:  # the diffs need the post-norm's scale: at attn_out_pre_norm
@@ -433,6 +507,7 @@ def run_graph(
     record: bool = False,
     embed: tuple[torch.Tensor, float] | None = None,
     skip: tuple[int, Acts] | None = None,
+    compact: bool = False,
 ) -> tuple[torch.Tensor, _Runner]:
     """One decomposed forward of `ids [R, T]` (`mask [R, T]`, left-padded).
 
@@ -452,6 +527,9 @@ def run_graph(
             the full forward (up to float rounding). Ignored unless `patch` is given, nothing is
             recorded or differentiated and every layer output was recorded; raises ValueError
             when a row patches an input below l0.
+        compact: keep the heads' upstream differences as head outputs and project them when read
+            (`_Runner`): about 2 L + 1 residual streams a row instead of 1 + L (H + 1); the same
+            logits up to float rounding.
 
     Returns:
         `(logits [R, V] fp32 at the last position, runner)`.
@@ -474,7 +552,16 @@ def run_graph(
         else:  # only the logits patched: the last layer still runs (the engine starts at a layer)
             skip = (min(l0, graph.n_layers - 1), clean)
     runner = _Runner(
-        model, graph, patch=patch, corr=corr, rows=rows, grad=grad, record=record, embed=embed, skip=skip
+        model,
+        graph,
+        patch=patch,
+        corr=corr,
+        rows=rows,
+        grad=grad,
+        record=record,
+        embed=embed,
+        skip=skip,
+        compact=compact,
     )
     runner.skipped_diffs()
     dev = model.device

@@ -37,6 +37,7 @@ from heads._util.validation import check_int
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
+from heads.planning.eap import CIRCUIT_PATCH_MEMORY
 from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.eap_lean import eap_chunk_lean
@@ -57,9 +58,22 @@ __all__ = [
     "run_metrics",
 ]
 
-PATCH_MEMORY = 512 * 2**20
-"""Bytes that the upstream differences of one exact patched forward may take (`patched_metrics`):
-rows (patch x pair) are run in forwards small enough to fit, one row per forward at the least."""
+PATCH_MEMORY = CIRCUIT_PATCH_MEMORY
+"""Bytes that the upstream differences of one exact patched forward may take (`patched_metrics`;
+`heads.planning.eap.CIRCUIT_PATCH_MEMORY`, 512 MiB): rows (patch x pair) are run in forwards small
+enough to fit, one row per forward at the least. When one row's differences alone pass it (long
+prompts: U = 1 + L (H + 1) residual streams), the heads' differences are kept as head outputs and
+projected when read (`run_graph(compact=True)`), about 2 L + 1 residual streams a row."""
+
+COMPACT: bool | None = None
+"""Force (True) or forbid (False) the compact upstream differences of `patched_metrics`; None
+(default): compact exactly when one row's full differences pass `PATCH_MEMORY`."""
+
+
+def compact_nodes(graph: Graph, d_head: int, d_model: int) -> float:
+    """Residual streams' worth of upstream differences one compact row keeps at the most: the
+    input, every MLP, and every layer's `[T, H, d]` head outputs (H d / D of a stream)."""
+    return 1 + graph.n_layers * (1 + graph.n_heads * d_head / d_model)
 
 
 def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
@@ -399,8 +413,13 @@ def patched_metrics(
             for k0 in range(0, K, per):
                 ks = torch.arange(k0, min(K, k0 + per))
                 block = make(ks)
-                # rows (patch, pair) per forward: the upstream differences they keep fit the budget
-                fit = max(1, PATCH_MEMORY // (max(1, needed_nodes(graph, block)) * width))
+                # rows (patch, pair) per forward: the upstream differences they keep fit the budget;
+                # compact (the heads' as head outputs) when one row's alone would not
+                need = max(1, needed_nodes(graph, block)) * width
+                compact = need > PATCH_MEMORY if COMPACT is None else COMPACT
+                if compact:
+                    need = int(compact_nodes(graph, model.d_head, model.d_model) * width)
+                fit = max(1, PATCH_MEMORY // need)
                 kr = torch.arange(len(ks)).repeat_interleave(n)  # row -> patch of the block
                 pr = torch.arange(n).repeat(len(ks))  # row -> pair of the chunk
                 for r0 in range(0, len(kr), fit):
@@ -417,6 +436,7 @@ def patched_metrics(
                             corr=corr,
                             rows=rp,
                             skip=(l0, clean_acts) if l0 > 0 else None,
+                            compact=compact,
                         )
                     vals = _metric(metric, logits, sub, rp, clean_logits[rp]).cpu()
                     out[k0 + rk, lo + rp] = vals

@@ -123,10 +123,11 @@ def test_find_circuit_rows_per_forward_follow_the_memory_budget(qwen2, monkeypat
     p = _pairs()
     g = graph_of(qwen2)
     # a row as large as a quarter of the budget: 4 rows per forward on the tiny model
-    monkeypatch.setattr(
-        mod, "ROW_BYTES_PER_NODE", mod.MAX_MEMORY_GB * 2**30 / (4 * g.n_upstream * qwen2.d_model * p.width)
-    )
-    assert mod.circuit_rows(g, qwen2.d_model, p.width) == 4
+    import heads.planning.eap as eap_plan
+
+    per_node = mod.MAX_MEMORY_GB * 2**30 / (4 * g.n_upstream * qwen2.d_model * p.width)
+    monkeypatch.setattr(eap_plan, "CIRCUIT_ROW_BYTES_PER_NODE", per_node * 0.999)
+    assert mod.circuit_rows(g, qwen2.d_model, p.width, d_head=qwen2.d_head) == 4
     c = find_circuit(qwen2, p, method="eap", size=20, sizes=(2, 20, 50, 100), progress=False)
     assert seen and set(seen) == {4}
     same = find_circuit(
@@ -168,17 +169,20 @@ def test_a_one_point_curve_saves_nan_as_null_and_loads_it_back(qwen2, tmp_path):
 
 def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwen2, monkeypatch):
     """`find_circuit(options=SweepOptions(max_memory=...))`: the exact evaluations (the curve, the
-    circuit's faithfulness) need `ROW_BYTES_PER_NODE x U x D x T` for one pair; a budget below it is
-    refused naming that figure before the edge scores run (it took 1 row and went over the budget:
-    6.8 GB against 1.5 GiB at 977 tokens on SmolLM2)."""
+    circuit's faithfulness) need `circuit_eval_bytes` for one pair (its recorded runs and one row);
+    a budget below it is refused naming that figure before the edge scores run (it took 1 row and
+    went over the budget: 6.8 GB against 1.5 GiB at 977 tokens on SmolLM2)."""
     import heads.scorers.circuits.circuit as mod
     from heads import SweepOptions
     from heads.errors import HeadsteerValueError
 
     p = _pairs()
     g = graph_of(qwen2)
-    per_row = mod.ROW_BYTES_PER_NODE * g.n_upstream * qwen2.d_model * p.width
-    assert mod.circuit_rows(g, qwen2.d_model, p.width, (per_row - 1) / 2**30) == 1  # no budget given: 1 row
+    from heads.planning.eap import circuit_eval_bytes
+    from heads.planning.plan import geometry
+
+    per_row = circuit_eval_bytes(geometry(qwen2.model.config), p.width)  # one pair's runs + one row
+    assert mod.circuit_rows(g, qwen2.d_model, p.width, (per_row - 1) / 2**30, d_head=qwen2.d_head) == 1
 
     def no_scores(*a, **k):
         raise AssertionError("the edge scores ran")
@@ -189,7 +193,7 @@ def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwe
         match=r"needs at least \S+ \wB for one pair of 5 tokens in its exact evaluations.*max_memory",
     ):
         find_circuit(qwen2, p, method="eap", options=SweepOptions(progress=False, max_memory=per_row - 1))
-    assert mod.circuit_rows(g, qwen2.d_model, p.width, per_row / 2**30, strict=True) == 1
+    assert mod.circuit_rows(g, qwen2.d_model, p.width, per_row / 2**30, strict=True, d_head=qwen2.d_head) == 1
 
 
 def test_the_circuit_plan_counts_the_exact_evaluations():
@@ -210,7 +214,10 @@ def test_the_circuit_plan_counts_the_exact_evaluations():
     )  # fmt: skip
     req = CircuitRequest(method="eap")
     evals = circuit_eval_bytes(geometry(cfg), 1024)
-    assert evals == 28 * 301 * 576 * 1024
+    # 1,024 tokens: a row's 301 full differences (710 MB) pass 512 MiB, so the row is compact:
+    # the recorded runs (2 x 121 streams) plus input + MLPs + head outputs (61) and 4 x 15 working
+    assert evals == int(2 * 121 * 576 * 1024 * 4 + 4 * (1 + 30 * 2 + 4 * 15) * 576 * 1024)
+    assert circuit_eval_bytes(geometry(cfg), 256) == 2 * 121 * 576 * 256 * 4 + 8 * 301 * 576 * 256
     circuit = plan_memory(cfg, req, 1024).devices[0].activations
     scores = plan_memory(cfg, "eap", 1024).devices[0].activations
     forward = plan_memory(cfg, "forward", 1024).devices[0].activations
