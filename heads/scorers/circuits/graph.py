@@ -41,6 +41,7 @@ from heads.errors import HeadsteerValueError
 from heads.inputs.prompts import position_ids
 from heads.model.adapter import HeadModel
 from heads.model.parts import norm_stats
+from heads.planning.eap import CIRCUIT_NORM_CHUNK
 from heads.scorers.circuits.layout import (
     ATTN_NORMS,
     Graph,
@@ -70,6 +71,10 @@ residual (tests switch it off to check the full forward gives the same numbers).
 _COMPLEMENT = True
 """Let a patched input whose sources are mostly patched take the whole stream difference minus
 the unpatched sources' (tests switch it off to check the direct sum gives the same numbers)."""
+
+_NORM_CHUNK = CIRCUIT_NORM_CHUNK
+"""Patched q / k / v inputs normalised and projected at a time (`_Runner._normed`; 4, the memory
+plan's `heads.planning.eap.CIRCUIT_NORM_CHUNK`)."""
 
 _FAST_LINEAR = True
 """Project per-head copies by the head's rows of the projection weight (tests switch it off to
@@ -131,8 +136,8 @@ class _Runner:
         self.parts = [layer_parts(model, la) for la in range(L)]
         self.post = model.family.attn_out_norm is not None
         self.x: list[torch.Tensor | None] = [None] * L  # residual entering each layer
-        # per layer (norm(x + delta) [a, R, T, D], active [a]) of its active q / k / v inputs
-        self.normed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
+        # per layer {"q" | "k" | "v": (head blocks [R, T, a, d], heads [a])} of its patched inputs
+        self.normed: list[dict[str, tuple[torch.Tensor, torch.Tensor]] | None] = [None] * L
         self.z: list[Any] = [None] * L
         self.zrun: list[Any] = [None] * L  # this run's z, until the post-norm scale is read
         self.mlp: list[Any] = [None] * L
@@ -345,9 +350,11 @@ class _Runner:
 
         return fn
 
-    def _normed(self, la: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(norm(x_l + delta) [a, R, T, D], active [a])` for the active q / k / v inputs of layer
-        la (indices 0..H+2G-1 as in the layer's downstream order; None: nothing patched)."""
+    def _normed(self, la: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """`{"q" | "k" | "v": (blocks [R, T, a, d], heads [a])}`: each active input's head block of
+        its projection of `norm(x_l + delta)` (None: nothing patched at layer la). The normalised
+        copies are made `_NORM_CHUNK` inputs at a time and dropped once projected, so only the
+        deltas and a few `[R, T, D]` copies are alive at once."""
         if self.normed[la] is None:
             x = cast(torch.Tensor, self.x[la])
             lo = self.g.q_input(la, 0)
@@ -356,7 +363,23 @@ class _Runner:
             if got is None:
                 return None
             delta, active = got
-            self.normed[la] = (self.parts[la].norm1.forward(x[None] + delta), active)
+            H, G = self.H, self.G
+            out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for which, (a, b) in (("q", (0, H)), ("k", (H, H + G)), ("v", (H + G, H + 2 * G))):
+                idx = torch.nonzero((active >= a) & (active < b))[:, 0]
+                if not len(idx):
+                    continue
+                heads = active[idx] - a
+                blocks = []
+                for c0 in range(0, len(idx), _NORM_CHUNK):
+                    i = idx[c0 : c0 + _NORM_CHUNK]
+                    part = delta[int(i[0]) : int(i[-1]) + 1]  # consecutive: a view
+                    normed = self.parts[la].norm1.forward(x[None] + part)
+                    blocks.append(self._project(la, which, normed, heads[c0 : c0 + _NORM_CHUNK]))
+                    del normed
+                out[which] = (torch.cat(blocks, dim=2), heads)
+            del delta
+            self.normed[la] = out
         return self.normed[la]
 
     def _project(self, la: int, which: str, part: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -385,14 +408,9 @@ class _Runner:
 
         def fn(o: torch.Tensor, call: AttentionCall) -> torch.Tensor | None:
             got = self._normed(la)
-            if got is None:
+            if got is None or which not in got:
                 return None
-            normed, active = got
-            sel = (active >= lo) & (active < hi)
-            if not bool(sel.any()):
-                return None
-            heads = active[sel] - lo
-            blocks = self._project(la, which, normed[sel.to(normed.device)], heads)  # [R, T, a, d]
+            blocks, heads = got[which]  # [R, T, a, d], [a]
             if len(heads) == hi - lo and bool((heads == torch.arange(hi - lo)).all()):
                 return blocks.to(o.dtype)
             new = o.clone()

@@ -367,9 +367,12 @@ def patched_metrics(
     corrupted runs of a chunk of pairs are recorded once and reused by every block of patches
     (read per row, not copied). A forward whose patches touch no input below layer l skips
     layers 0 .. l-1 (their outputs are the clean run's: `run_graph(skip=)`), so exact patching
-    of edges into late layers costs less. Given as a tensor, identical patches are run once and
-    an empty patch (nothing corrupted: the model's own forward) takes the clean run's M without
-    a forward.
+    of edges into late layers costs less. On long prompts, where one row's full differences
+    could pass `PATCH_MEMORY`, the clean run keeps only its logits (no layer is skipped) and a row
+    whose differences do pass it keeps the heads' as head outputs (`run_graph(compact=True)`):
+    about 4 L + 1 streams recorded plus 2 L + 1 a row, instead of 8 L + 2 plus U. Given as a
+    tensor, identical patches are run once and an empty patch (nothing corrupted: the model's own
+    forward) takes the clean run's M without a forward.
     """
     graph = graph_of(model)
     empty: torch.Tensor | None = None  # [K] bool: the patch corrupts nothing
@@ -399,7 +402,16 @@ def patched_metrics(
         done, want = 0, len(pchunks) * (2 + -(-K // per))
         for pidx in pchunks:
             sub = pairs.select(pidx)
-            clean_logits, clean_acts = _record(model, graph, sub.clean_ids, sub.attention_mask)
+            width = sub.width * model.d_model * 4  # bytes of one upstream difference of one row
+            # long prompts (a row's differences could pass the budget): the clean run's logits
+            # only, no recorded activations and no skipped layers (its 4 L + 1 streams saved)
+            long = graph.n_upstream * width > PATCH_MEMORY if COMPACT is None else COMPACT
+            clean_acts: Acts | None = None
+            if long:
+                with torch.no_grad():
+                    clean_logits = run_graph(model, graph, sub.clean_ids, sub.attention_mask)[0]
+            else:
+                clean_logits, clean_acts = _record(model, graph, sub.clean_ids, sub.attention_mask)
             corr_logits, corr = _record(model, graph, sub.corrupted_ids, sub.attention_mask)
             i = torch.arange(sub.n)
             lo, hi = int(pidx[0]), int(pidx[-1]) + 1
@@ -409,7 +421,6 @@ def patched_metrics(
             if report:
                 report(done, want)
             n = sub.n
-            width = sub.width * model.d_model * 4  # bytes of one upstream difference of one row
             for k0 in range(0, K, per):
                 ks = torch.arange(k0, min(K, k0 + per))
                 block = make(ks)
@@ -425,7 +436,8 @@ def patched_metrics(
                 for r0 in range(0, len(kr), fit):
                     rk, rp = kr[r0 : r0 + fit], pr[r0 : r0 + fit]
                     rows_block = block[rk]
-                    l0 = first_patched_layer(graph, rows_block)  # below it the rows are the clean run
+                    # below l0 the rows are the clean run's
+                    l0 = first_patched_layer(graph, rows_block) if clean_acts is not None else 0
                     with torch.no_grad():
                         logits, _ = run_graph(
                             model,
@@ -435,7 +447,7 @@ def patched_metrics(
                             patch=rows_block.to(model.device),
                             corr=corr,
                             rows=rp,
-                            skip=(l0, clean_acts) if l0 > 0 else None,
+                            skip=(l0, clean_acts) if l0 > 0 and clean_acts is not None else None,
                             compact=compact,
                         )
                     vals = _metric(metric, logits, sub, rp, clean_logits[rp]).cpu()

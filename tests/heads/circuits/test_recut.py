@@ -215,8 +215,9 @@ def test_the_circuit_plan_counts_the_exact_evaluations():
     req = CircuitRequest(method="eap")
     evals = circuit_eval_bytes(geometry(cfg), 1024)
     # 1,024 tokens: a row's 301 full differences (710 MB) pass 512 MiB, so the row is compact:
-    # the recorded runs (2 x 121 streams) plus input + MLPs + head outputs (61) and 4 x 15 working
-    assert evals == int(2 * 121 * 576 * 1024 * 4 + 4 * (1 + 30 * 2 + 4 * 15) * 576 * 1024)
+    # the corrupted run's recorded activations (121 streams; the clean run keeps its logits only)
+    # plus input + MLPs + head outputs (61) and the working set: 15 deltas, 9 heads, 4 x 3 norms
+    assert evals == int(121 * 576 * 1024 * 4 + 4 * (1 + 30 * 2 + 15 + 9 + 12) * 576 * 1024)
     assert circuit_eval_bytes(geometry(cfg), 256) == 2 * 121 * 576 * 256 * 4 + 8 * 301 * 576 * 256
     circuit = plan_memory(cfg, req, 1024).devices[0].activations
     scores = plan_memory(cfg, "eap", 1024).devices[0].activations
