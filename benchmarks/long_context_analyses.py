@@ -38,7 +38,10 @@ Sections (`--analyses`; another section is one function in `ANALYSES` and its ki
   (`probes.datasets.needle`);
 * forward-only, measured as they are: `dla` (`direct_logit_attribution`), `lens` (`logit_lens`)
   and `patch` (`patch(kind="resid_pre")` of one layer at one position), on one pair;
-  `patch-<kind>` (every site kind at the middle layer, the by-position kinds at the last position).
+  `patch-<kind>` (every site kind at the middle layer, the by-position kinds at the last position);
+* exact edge patching: `circuit` (`evaluate`: one circuit's exact faithfulness on the pair, every
+  non-circuit edge corrupted; its maximum is `max_memory_ratio_circuit`, apart from the
+  forward-only goal, since it keeps the corrupted run's activations at every layer).
 
 Every run has a memory cap (`--cap-gb` above the loaded model, `RLIMIT_AS`): an analysis that
 would exceed it fails with an allocation error in its own process and is reported as failed at
@@ -239,6 +242,24 @@ def _patch_site(kind: str) -> Callable:
     return build
 
 
+def _circuit(hm, length: int, args) -> Callable[[], object]:
+    """`evaluate`: the exact faithfulness of one circuit (2,000 random edges, pruned: about 1.4k
+    edges over most upstream nodes, the worst case for what a row keeps) on the pair."""
+    import torch
+
+    from heads import SweepOptions
+    from heads.scorers.circuits import evaluate, graph_of, prune
+
+    pairs = pair(hm, length)
+    g = graph_of(hm)
+    edges = torch.nonzero(g.valid)
+    pick = edges[torch.randperm(len(edges), generator=torch.Generator().manual_seed(0))[:2000]]
+    mask = torch.zeros_like(g.valid)
+    mask[pick[:, 0], pick[:, 1]] = True
+    circuit = prune(g, mask)
+    return lambda: evaluate(hm, pairs, circuit[None], options=SweepOptions(progress=False))
+
+
 PATCH_SITES = ("resid_pre", "attn_out", "mlp_out", "head_out", "head_out_by_pos", "q", "k", "v", "pattern")
 
 ANALYSES: dict[str, tuple[str, Callable]] = {
@@ -261,9 +282,11 @@ ANALYSES: dict[str, tuple[str, Callable]] = {
     "lens": ("forward", _dla),
     "patch": ("forward", _dla),
     **{f"patch-{kind}": ("forward", _patch_site(kind)) for kind in PATCH_SITES},
+    "circuit": ("circuit", _circuit),
 }
-"""name -> (kind: "gradient" or "forward", or "reference": a forced path a user does not get by
-default, out of the maxima; builder `(model, length, args) -> run`)."""
+"""name -> (kind: "gradient" or "forward"; "circuit", exact edge patching, which keeps the corrupted
+run's activations at every layer: its own maximum; or "reference": a forced path a user does not
+get by default, out of the maxima; builder `(model, length, args) -> run`)."""
 KINDS = {name: kind for name, (kind, _) in ANALYSES.items()}
 
 

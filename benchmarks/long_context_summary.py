@@ -73,6 +73,8 @@ def summarise(line: dict, results: dict[str, dict[int, dict]], kinds: dict[str, 
         line["max_memory_ratio_gradient"] = round(max(ratios["gradient"]), 3)
     if ratios["forward"]:
         line["max_memory_ratio_forward_only"] = round(max(ratios["forward"]), 3)
+    if ratios.get("circuit"):
+        line["max_memory_ratio_circuit"] = round(max(ratios["circuit"]), 3)
     if exponents:
         line["max_memory_exponent"] = round(max(exponents), 3)
 

@@ -50,6 +50,7 @@ LOG_B = [
     "plan 0.1B_float32_forward_2048: {'error': 0.01, 'activation_error': 0.05}",
     "plan 1B_bfloat16_forward_2048: {'error': 0.003, 'activation_error': 0.12}",
     "gemma dla 16384: {'memory_mb': 2000.0, 'seconds': 300.0, 'cpu_seconds': 250.0}",
+    f"circuit 1024: {_child(_run(20.0, 1.0), _run(400.0, 20.0))}",
 ]
 
 
@@ -66,7 +67,8 @@ def test_from_log_merges_analyses_peers_plan_and_gemma(tmp_path: Path) -> None:
     assert "knockout_memory_ratio_all_logits" not in line  # the 1k entry has no such baseline
     assert line["max_memory_ratio_gradient"] == 2.75
     assert line["eap-ig_memory_ratio_all_logits"] == [0.25]  # 50 MB over model(ids)'s 200 MB
-    assert line["max_memory_ratio_forward_only"] == 1.1
+    assert line["max_memory_ratio_forward_only"] == 1.1  # exact edge patching has its own maximum
+    assert line["max_memory_ratio_circuit"] == 20.0
     assert line["max_memory_exponent"] == max(line["memory_exponent_eap"], line["memory_exponent_knockout"])
     assert line["peer_fail_length_transformer_lens"] == 2048
     assert line["peer_transformer_lens_failure"] == "exit 1: MemoryError"
