@@ -111,8 +111,9 @@ def lean_kept_bytes(
     g: dict[str, int], item: int, kind: str, n: int, width: int, layers: Sequence[int], n_pos: int
 ) -> int:
     """Bytes the lean path keeps: both runs' sites at `layers` (`n_pos` positions for the
-    by-position kinds) and the base run's residual entering each patched layer > 0; for
-    `pattern` the source run's rotated queries and keys and the patched forward's pattern blocks
+    by-position kinds; the kinds over every position, the source run's only: the base run keeps
+    one bool per head) and the base run's residual entering each patched layer > 0; for `pattern`
+    the source run's rotated queries and keys and the patched forward's pattern blocks
     (`PATTERN_BLOCK_RESIDUALS`)."""
     H, G, d, D = g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
     extra = 0
@@ -124,10 +125,10 @@ def lean_kept_bytes(
         site = width * (H + G) * d * item // 2  # the base run keeps one bool per head
         q_rows = min(width, max(1, int(PATTERN_BLOCK_RESIDUALS * D) // H))
         extra = PATTERN_BLOCK_COPIES * 4 * min(n, lean_rows(64, width)) * H * q_rows * width
-    elif kind in ("k", "v"):
-        site = width * G * d * item
-    else:  # head_out, q
-        site = width * H * d * item
+    elif kind in ("k", "v"):  # the source's; the base run keeps one bool per KV head
+        site = width * G * d * item // 2
+    else:  # head_out, q: the source's; the base run keeps one bool per head
+        site = width * H * d * item // 2
     resid = sum(1 for la in layers if la) * width * D * item
     return int(n * (2 * len(layers) * site + resid)) + extra
 

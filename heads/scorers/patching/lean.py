@@ -103,6 +103,10 @@ _SITE = {
     "v": "v",
 }
 
+WHOLE_SEQUENCE = ("head_out", "q", "k", "v")
+"""Kinds patched over every position, `[N, T, heads, d]` at a site: the base run, recorded after
+the source, keeps one bool per head and pair (its activation bitwise equal to the source's)."""
+
 
 @dataclass(frozen=True)
 class _Site:
@@ -231,8 +235,9 @@ def record_lean(
     `positions` for the by-position kinds), with `base=True` also the residual entering each
     layer > 0, read by engine recorders; no hidden states or KV cache are kept. `rows`: at most
     that many rows per forward (default None: all), the kept tensors joined along the rows.
-    `against` (`pattern`, rotated queries and keys: the source run's sites): keep only
-    `[N, H + G]` bools, each head's query / key bitwise equal to `against`'s at every position."""
+    `against` (the source run's sites; `pattern`'s rotated queries and keys, or a
+    `WHOLE_SEQUENCE` kind's activation): keep only `[N, heads]` bools, each head's activation
+    bitwise equal to `against`'s at every position (`pattern`: `[N, H + G]`, queries then keys)."""
     n = ids.shape[0]
     if rows is not None and rows < n:
         parts = [
@@ -261,7 +266,7 @@ def record_lean(
         elif kind == "pattern":
             recs[la] = Recorder(layer=la)
         elif kind not in BY_POSITION:
-            recs[la] = ActivationRecorder(_SITE[kind], la)
+            recs[la] = ActivationRecorder(_SITE[kind], la, None if against is None else _equal_to(against[la]))
         elif kind in ("resid_pre", "mlp_out"):
             recs[la] = ActivationRecorder(_SITE[kind], la, _stream_columns(n, positions))
         else:
@@ -314,6 +319,8 @@ def unchanged_lean(
             H = qk_heads
             per = base.sites[s.layer]  # [N, H + G] bool, recorded against the source (`_equal_to`)
             maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
+        elif s.layer not in maps and base.sites[s.layer].dtype == torch.bool and kind in WHOLE_SEQUENCE:
+            maps[s.layer] = base.sites[s.layer]  # [N, heads], recorded against the source
         elif s.layer not in maps:
             eq = (src.sites[s.layer] == base.sites[s.layer]).cpu()
             if kind in ("resid_pre", "mlp_out", "head_out_by_pos"):
@@ -464,13 +471,15 @@ def run_lean(
     runs: dict[str, LeanRun] = {}
     base_side = "corrupted" if direction == "denoising" else "clean"
     qk = kind == "pattern" and qk_pattern(model)
-    # the source first: the base run of `pattern` then keeps one bool per head, not its q / k
-    for side in ("clean", "corrupted") if not qk or base_side == "corrupted" else ("corrupted", "clean"):
+    # the source first: the base run of `pattern` (its rotated q / k) and of the whole-sequence
+    # kinds then keeps one bool per head and pair, not the activation
+    first = qk or kind in WHOLE_SEQUENCE
+    for side in ("clean", "corrupted") if not first or base_side == "corrupted" else ("corrupted", "clean"):
         is_base = side == base_side
         runs[side] = record_lean(
             model, pairs.ids(side), mask, kind, layers, positions, base=is_base, embeds=embeds[side],
             rows=lean_rows(options.max_rows, pairs.width),
-            against=runs[next(iter(runs))].sites if qk and is_base else None,
+            against=runs[next(iter(runs))].sites if first and is_base else None,
         )  # fmt: skip
     clean = runs["clean"]
     base, src, base_ids, m_clean, m_corrupt, m_base = base_and_source(

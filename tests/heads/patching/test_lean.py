@@ -129,3 +129,34 @@ def test_lean_pattern_keeps_rotated_queries_and_keys_and_blocks_the_pattern(setu
     assert blocks and max(b[2] for b in blocks) == rows and len(blocks) > 2 * (pairs.width // rows)
     assert float((got.raw - full.raw).abs().max()) < 1e-5
     assert not got.raw.isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["head_out", "q", "k", "v"])
+def test_lean_whole_sequence_kinds_keep_one_bool_per_head_of_the_base_run(setup, monkeypatch, kind):
+    """The kinds patched over every position keep the source run's `[N, T, heads, d]` and, of the
+    base run (recorded after it), one bool per head and pair: its activation bitwise equal to the
+    source's, the "nothing to patch" test. Results equal the fast path's in both directions."""
+    model, pairs = setup
+    heads = model.n_kv_heads if kind in ("k", "v") else model.n_heads
+    kept: list[tuple[bool, tuple, str]] = []
+    record = lean.record_lean
+
+    def spy_record(*a, **k):
+        run = record(*a, **k)
+        kept.extend((k["base"], tuple(t.shape), str(t.dtype)) for t in run.sites.values())
+        return run
+
+    for direction in ("denoising", "noising"):
+        monkeypatch.setattr(lean, "MODE", "full")
+        full = patch(model, pairs, kind, layers=[0, 2], direction=direction, options=OPTS)
+        monkeypatch.setattr(lean, "MODE", "lean")
+        monkeypatch.setattr(lean, "record_lean", spy_record)
+        kept.clear()
+        got = patch(model, pairs, kind, layers=[0, 2], direction=direction, options=OPTS)
+        monkeypatch.setattr(lean, "record_lean", record)
+        assert sorted(kept) == sorted(
+            [(False, (pairs.n, pairs.width, heads, model.d_head), "torch.float32")] * 2
+            + [(True, (pairs.n, heads), "torch.bool")] * 2
+        )
+        assert float((got.raw - full.raw).abs().max()) < 1e-5
+        assert not got.raw.isnan().any()
