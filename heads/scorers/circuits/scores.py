@@ -369,8 +369,8 @@ def patched_metrics(
     layers 0 .. l-1 (their outputs are the clean run's: `run_graph(skip=)`), so exact patching
     of edges into late layers costs less. On long prompts, where one row's full differences
     could pass `PATCH_MEMORY`, the clean run keeps only its logits (no layer is skipped) and a row
-    whose differences do pass it keeps the heads' as head outputs (`run_graph(compact=True)`):
-    about 4 L + 1 streams recorded plus 2 L + 1 a row, instead of 8 L + 2 plus U. Given as a
+    keeps the heads' differences as head outputs (`run_graph(compact=True)`) wherever that is
+    less: about 4 L + 1 streams recorded plus 2 L + 1 a row, instead of 8 L + 2 plus U. Given as a
     tensor, identical patches are run once and an empty patch (nothing corrupted: the model's own
     forward) takes the clean run's M without a forward.
     """
@@ -396,6 +396,7 @@ def patched_metrics(
     out = torch.empty(K, pairs.n)
     clean_m, corr_m = torch.empty(pairs.n), torch.empty(pairs.n)
     n_pc = max(1, min(pairs.n, batch_rows))
+    small = compact_nodes(graph, model.d_head, model.d_model)  # streams a compact row keeps
     per = max(1, batch_rows // n_pc)
     pchunks = _chunks(pairs.n, n_pc)
     with progress_callback(progress, desc, "forwards") as report:
@@ -425,11 +426,13 @@ def patched_metrics(
                 ks = torch.arange(k0, min(K, k0 + per))
                 block = make(ks)
                 # rows (patch, pair) per forward: the upstream differences they keep fit the budget;
-                # compact (the heads' as head outputs) when one row's alone would not
-                need = max(1, needed_nodes(graph, block)) * width
-                compact = need > PATCH_MEMORY if COMPACT is None else COMPACT
+                # compact (the heads' as head outputs) when one row's alone would not, and on long
+                # prompts whenever that keeps less
+                nodes = max(1, needed_nodes(graph, block))
+                need = nodes * width
+                compact = need > PATCH_MEMORY or (long and nodes > small) if COMPACT is None else COMPACT
                 if compact:
-                    need = int(compact_nodes(graph, model.d_head, model.d_model) * width)
+                    need = int(small * width)
                 fit = max(1, PATCH_MEMORY // need)
                 kr = torch.arange(len(ks)).repeat_interleave(n)  # row -> patch of the block
                 pr = torch.arange(n).repeat(len(ks))  # row -> pair of the chunk

@@ -266,7 +266,8 @@ def record_lean(
         elif kind == "pattern":
             recs[la] = Recorder(layer=la)
         elif kind not in BY_POSITION:
-            recs[la] = ActivationRecorder(_SITE[kind], la, None if against is None else _equal_to(against[la]))
+            same = None if against is None else _equal_to(against[la])
+            recs[la] = ActivationRecorder(_SITE[kind], la, same)
         elif kind in ("resid_pre", "mlp_out"):
             recs[la] = ActivationRecorder(_SITE[kind], la, _stream_columns(n, positions))
         else:
