@@ -359,6 +359,8 @@ def test_cli_plan_reads_a_run_request(tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["analysis"] == "patch" and got["params"]["positions"] == [-1] and got["batch"] == 2
+    r = CliRunner().invoke(app, [*base, "--request", str(req)])
+    assert r.exit_code == 0 and "patch (resid_pre): 64 tokens x 2" in r.output  # the title names the kind
     req.write_text(json.dumps({"request": "logit_lens"}))
     r = CliRunner().invoke(app, [*base, "--request", str(req)])
     one_line_error(r, "a logit_lens request has no memory plan", ignore=("planning",))

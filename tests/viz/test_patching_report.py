@@ -176,8 +176,8 @@ def test_cli_refuses_a_pair_that_cannot_show_an_effect_before_the_model_loads(tm
 
 def test_cli_progress_counts_the_sweeps_token_layers(tiny_llama, tiny_llama_dir, tmp_path, monkeypatch):
     """`headsteer report patching`'s progress moves through the patch sweep in `patch`'s own units
-    (token-layers), then one step each for DLA, the lens and the page; it once showed 0/4 until
-    the whole sweep ended."""
+    (token-layers), then one step each for DLA, the lens and the page, each named while it runs;
+    it once showed 0/4 until the whole sweep ended, then "patching" during DLA and the lens."""
     import viz.cli.common as cc
     from heads import SweepOptions
     from heads.scorers.patching.activation import patch
@@ -193,8 +193,14 @@ def test_cli_progress_counts_the_sweeps_token_layers(tiny_llama, tiny_llama_dir,
         app, ["report", "patching", "--out", str(tmp_path / "p.html"), "--model", tiny_llama_dir, "--n", "2"]
     )
     assert r.exit_code == 0, r.output
-    steps = re.findall(r"patching head_out: (\d+)/(\d+)", r.stderr)
+    found = re.findall(r"^(patching head_out|direct logit attribution|logit lens|writing the report): "
+                       r"(\d+)/(\d+)", r.stderr, flags=re.M)  # fmt: skip
+    steps = [(d, t) for _, d, t in found]
     done = [int(d) for d, _ in steps]
     assert int(steps[-1][1]) == sweep + 3 and done[-1] == sweep + 3
     assert len({d for d in done if 0 < d < sweep + 3}) >= 2  # steps between the start and the end
     assert done == sorted(done)
+    # the label names the stage running: the sweep, then DLA, the lens and the page (not "patching")
+    labels = [name for name, _, _ in found]
+    assert labels[0] == "patching head_out" and labels[-1] == "writing the report"
+    assert "direct logit attribution" in labels and "logit lens" in labels

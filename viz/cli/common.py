@@ -302,9 +302,11 @@ class Run:
         terminal, a plain line at most every `PLAIN_PROGRESS_EVERY_S` seconds and when done; with
         `--quiet`, nothing. `step(done, total)` is a `heads._util.progress.Progress`: it sets
         the absolute position and the (possibly grown) total, as the library's
-        `progress=` callbacks give them.
+        `progress=` callbacks give them. `step.stage(name)` replaces the label while a later stage
+        of the same work runs (the patching report's DLA and logit lens after its sweep).
         """
         state = {"done": 0, "total": max(int(total), 1)}
+        shown_label = [label]  # `step.stage(name)` replaces it while a later stage runs
         bar = None
         if not self.quiet and err.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -350,10 +352,17 @@ class Run:
                     rate = (last - first[1]) / (state["done"] - first[0])
                     eta = f", ETA {rate * (state['total'] - state['done']):.0f} s"
                 err.print(
-                    escape(f"{label}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
+                    escape(f"{shown_label[0]}: {state['done']}/{state['total']} ({elapsed:.0f} s{eta})"),
                     highlight=False,
                 )
 
+        def stage(name: str) -> None:
+            """Name the stage now running (e.g. `"direct logit attribution"` after a patch sweep)."""
+            shown_label[0] = name
+            if bar is not None:
+                bar.update(task, description=escape(name))
+
+        step.stage = stage  # type: ignore[attr-defined]  # read by reports with several stages
         if bar is None:
             yield step
             return

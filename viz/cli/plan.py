@@ -100,7 +100,11 @@ def plan_command(
             f"{analysis} on {tokens} tokens x {batch} needs at least {format_bytes(plan.peak)} on one "
             f"device; --max-memory is {format_bytes(budget)}"
         )
-    table = Table(title=f"{analysis}: {tokens} tokens x {batch}, {run.dtype}")
+    kind = plan.request.params.get("kind")  # patching: which activation (head_out, pattern, ...)
+    label = analysis if kind is None else f"{analysis} ({kind})"
+    if plan.request.params.get("circuit"):
+        label += " with the circuit's exact evaluations"
+    table = Table(title=f"{escape(label)}: {tokens} tokens x {batch}, {run.dtype}")
     for col in ("device", "layers", "weights", "activations", "peak"):
         table.add_column(col)
     for d in plan.devices:

@@ -301,9 +301,14 @@ def patching_report(
             if report is not None:
                 report(done, base[0] + PATCHING_STEPS - 1)
 
+        stage = getattr(progress, "stage", None)  # a front end's stage label (the CLI's bar)
+
         def tick(i: int) -> None:
             if report is not None:
                 report(base[0] + i - 1 if i else 0, base[0] + PATCHING_STEPS - 1)
+            names = {1: "direct logit attribution", 2: "logit lens", 3: "writing the report"}
+            if callable(stage) and i in names:
+                stage(names[i])
 
         tick(0)
         batch = encode_pairs(model, pairs)
