@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 
 from long_context_common import ANSWERS, cap, child, guarded, pair, prompt  # noqa: E402
 from long_context_others import gemma, gemma_one, peer, peers, plan_check, plan_one  # noqa: E402
-from long_context_summary import failure, from_logs, header, summarise  # noqa: E402
+from long_context_summary import failure, from_logs, header, merge_with_line, summarise  # noqa: E402
 
 
 def _edges(method: str, lean: bool = False, path: str = "auto") -> Callable:
@@ -345,6 +345,11 @@ def main() -> None:
     ap.add_argument(
         "--from-log", nargs="+", metavar="LOG", help="print the line from earlier runs' stderr logs (merged)"
     )
+    ap.add_argument(
+        "--base-line",
+        metavar="JSON",
+        help="with --from-log: merge the logs into this printed line (its own logs not kept)",
+    )
     ap.add_argument("--one", nargs=2, metavar=("ANALYSIS", "LENGTH"), help=argparse.SUPPRESS)
     ap.add_argument("--peer", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--plan-one", nargs=4, help=argparse.SUPPRESS)
@@ -362,6 +367,10 @@ def main() -> None:
         return
     if args.gemma_one:
         print(json.dumps(gemma_one(args.gemma_one[0], int(args.gemma_one[1]), args)))
+        return
+    if args.from_log and args.base_line:
+        with open(args.base_line) as f:
+            print(json.dumps(merge_with_line(json.loads(f.read()), args.from_log, KINDS)))
         return
     if args.from_log:
         print(json.dumps(from_logs(args.from_log, KINDS)))

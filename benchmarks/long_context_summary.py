@@ -136,6 +136,62 @@ def from_logs(paths: list[str], kinds: dict[str, str]) -> dict:
     return line
 
 
+def records_of_line(line: dict, kinds: dict[str, str]) -> dict[str, dict[int, dict]]:
+    """The children's measurements a printed line was summarised from, per analysis and length,
+    rebuilt so that `summarise` gives the line's ratios back: the analysis' memory and seconds as
+    printed, the forward's memory and time the printed ratios imply (a line's own
+    `<analysis>_forward_memory_mb` is rounded to 0.1 MB, its ratios to 0.001)."""
+    out: dict[str, dict[int, dict]] = {}
+    for name in kinds:
+        lengths = line.get(f"{name}_lengths")
+        if not lengths:
+            continue
+        mem, ratio = line[f"{name}_memory_mb"], line[f"{name}_memory_ratio"]
+        sec, t_ratio = line[f"{name}_seconds"], line[f"{name}_time_ratio"]
+        c_ratio = line[f"{name}_cpu_time_ratio"]
+        full = line.get(f"{name}_memory_ratio_all_logits")
+        for i, n in enumerate(lengths):
+            fwd_s = sec[i] / max(t_ratio[i], 1e-9)
+            fwd_mb = mem[i] / max(ratio[i], 1e-9)
+            rec = {
+                "forward": {"memory_mb": fwd_mb, "seconds": fwd_s, "cpu_seconds": fwd_s},
+                "analysis": {"memory_mb": mem[i], "seconds": sec[i], "cpu_seconds": c_ratio[i] * fwd_s},
+            }
+            if full:
+                rec["forward_all_logits"] = {"memory_mb": mem[i] / max(full[i], 1e-9)}
+            out.setdefault(name, {})[int(n)] = rec
+    return out
+
+
+def merge_with_line(base: dict, paths: list[str], kinds: dict[str, str]) -> dict:
+    """A printed line (`base`) with the measurements of later runs' stderr logs (`paths`) merged
+    in: a logged (analysis, length) replaces the line's, the ratios, exponents and maxima are
+    recomputed over both, and the line's Gemma, peer and plan entries are kept unless a log has
+    its own. For a line whose logs were not kept."""
+    import tempfile
+
+    rebuilt = []
+    for name, runs in records_of_line(base, kinds).items():
+        rebuilt += [f"{name} {n}: {rec!r}" for n, rec in sorted(runs.items())]
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
+        f.write("\n".join(rebuilt) + "\n")
+    try:
+        line = from_logs([f.name, *paths], kinds)
+    finally:
+        import os
+
+        os.unlink(f.name)
+    for key, value in base.items():
+        if key.startswith(("gemma_", "peer_", "plan_")) and key not in line:
+            line[key] = value
+    loads = base.get("load_average_1m_range", []) + line.get("load_average_1m_range", [])
+    if loads:
+        line["load_average_1m_range"] = [min(loads), max(loads)]
+    line["ig_steps"] = base.get("ig_steps", line.get("ig_steps"))
+    line["merged_from_logs"] = int(base.get("merged_from_logs", 1)) + len(paths)
+    return line
+
+
 def peer_entries(line: dict, name: str, runs: list[tuple[int, dict]]) -> None:
     """A peer's keys from its runs `(length, measurement)` in length order: the peak memory per
     length until the first failure, whose length is `peer_fail_length_<name>` (None: none failed)."""

@@ -92,3 +92,38 @@ def test_from_log_cli_prints_one_json_line(tmp_path: Path) -> None:
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1
     assert json.loads(lines[0])["eap_memory_ratio"] == [2.5, 2.75]
+
+
+def test_a_printed_line_merges_with_later_logs(tmp_path: Path) -> None:
+    """`--from-log NEW --base-line OLD.json`: a printed line whose logs were not kept is merged with
+    later runs: its ratios come back unchanged, a logged length is added (the exponent and the
+    maxima recomputed over both), a logged (analysis, length) replaces the line's, and its peer,
+    plan and Gemma entries are kept."""
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("\n".join(LOG_A + LOG_B) + "\n")
+    mod = _module()
+    base = mod.from_logs([str(a)], mod.KINDS)
+    base_path = tmp_path / "line.json"
+    base_path.write_text(json.dumps(base))
+    b.write_text(
+        f"eap 4096: {_child(_run(80.0, 4.0), _run(200.0, 40.0))}\n"
+        f"knockout 2048: {_child(_run(40.0, 2.0), _run(60.0, 2.0))}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-log", str(b), "--base-line", str(base_path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["eap_memory_ratio"] == [2.5, 2.75, 2.5]  # the line's two lengths, then the log's
+    assert line["eap_lengths"] == [1024, 2048, 4096]
+    xs, ys = [math.log(n) for n in (1024, 2048, 4096)], [math.log(m) for m in (50.0, 110.0, 200.0)]
+    slope = sum((x - sum(xs) / 3) * (y - sum(ys) / 3) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - sum(xs) / 3) ** 2 for x in xs
+    )
+    assert line["memory_exponent_eap"] == round(slope, 3)
+    assert line["eap_cpu_time_ratio"] == base["eap_cpu_time_ratio"] + [10.0]
+    assert line["knockout_memory_ratio"] == [0.95, 1.5]  # the logged 2k replaced the line's 1.1
+    assert line["max_memory_ratio_forward_only"] == 1.5 and line["max_memory_ratio_circuit"] == 20.0
+    for key in ("peer_fail_length_transformer_lens", "plan_error_max", "gemma_dla_16k_memory_mb"):
+        assert line[key] == base[key]
+    assert line["merged_from_logs"] == base["merged_from_logs"] + 1
