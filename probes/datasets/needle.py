@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from heads._util.validation import check_int, check_number, check_seed, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 
-__all__ = ["MAX_LENGTH", "MIN_LENGTH", "NeedleTask", "needle_task", "needle_tasks"]
+__all__ = ["MAX_LENGTH", "MIN_LENGTH", "NeedleTask", "build_task", "needle_task", "needle_tasks"]
 
 MIN_LENGTH = 64
 """Shortest task (tokens): room for a haystack sentence, the needle and the question."""
@@ -158,6 +158,18 @@ def needle_task(
     passage_tokens = check_int("passage_tokens", passage_tokens, lo=16)
     if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
         raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
+    task = build_task(tokenizer, length, depth, seed, passage_tokens)
+    if isinstance(task, int):
+        raise HeadsteerValueError(f"length {length} leaves no room for a haystack: give at least {task}")
+    return task
+
+
+def build_task(
+    tokenizer: object, length: int, depth: float, seed: int, passage_tokens: int
+) -> NeedleTask | int:
+    """`needle_task` on checked arguments (any `length`), or the least length that leaves room for
+    a haystack when `length` does not (for `needle_pairs`, which builds a task a few tokens
+    shorter than the length it was given)."""
     rng = random.Random(seed)
     key = rng.choice(_KEYS)
     code = str(rng.randrange(1000, 10000))
@@ -170,9 +182,7 @@ def needle_task(
     tail = _encode(tokenizer, f"\nQuestion: {question.lower()}\nAnswer: the secret code of the {key} is")
     room = length - len(head) - len(needle_pre) - len(code_ids) - len(needle_post) - len(tail)
     if room < 8:
-        raise HeadsteerValueError(
-            f"length {length} leaves no room for a haystack: give at least {length - room + 8}"
-        )
+        return length - room + 8
     # haystack sentences until `room` tokens, the last one cut at a token
     sentences: list[tuple[str, list[int]]] = []
     used = 0

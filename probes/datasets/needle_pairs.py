@@ -25,12 +25,15 @@ import random
 from heads._util.validation import check_int, check_number, check_seed, short_repr
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.patching.pairs import PairBatch, pairs_from_tokens
-from probes.datasets.needle import MAX_LENGTH, MIN_LENGTH, NeedleTask, needle_task
+from probes.datasets.needle import MAX_LENGTH, MIN_LENGTH, NeedleTask, build_task
 
 __all__ = ["needle_pairs"]
 
 MAX_PAIRS = 1024
 """The most pairs one call builds (`n`)."""
+
+MAX_TOKENS = 1 << 24
+"""The most tokens one call builds, `n x length` (two prompts of each; 16,777,216)."""
 
 
 def _code_ids(tokenizer: object, code: str) -> list[int]:
@@ -85,23 +88,34 @@ def needle_pairs(
         `"needle"` (that token in the haystack) and `"end"`.
 
     Raises:
-        HeadsteerValueError: a bad length, n, depth or seed (before any tokenizing), or no other
-            code of the same token count.
+        HeadsteerValueError: a bad length, n, depth or seed, or more than `MAX_TOKENS` tokens
+            in all (before any tokenizing); no other code of the same token count.
         HeadsteerTypeError: a tokenizer that is not callable.
     """
     length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
     n = check_int("n", n, lo=1, hi=MAX_PAIRS)
     depth = check_number("depth", depth, lo=0, hi=1)
     seed = check_seed("seed", seed)
+    if n * length > MAX_TOKENS:
+        raise HeadsteerValueError(
+            f"n x length is {n} x {length} = {n * length:,} tokens; at most {MAX_TOKENS:,} per call"
+        )
     if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
         raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
     clean, corrupted, answers, foils, needles = [], [], [], [], []
     for i in range(n):
         s = (seed + i) % 2**32
-        task = needle_task(tokenizer, length, depth=depth, seed=s)
+        task = build_task(tokenizer, length, depth, s, 200)
+        if isinstance(task, int):
+            raise HeadsteerValueError(f"length {length} leaves no room for a haystack: give at least {task}")
         other, k = _other_code(tokenizer, task, s)
         if k:  # the codes' shared start joins the prompt: the task is rebuilt k tokens shorter
-            task = needle_task(tokenizer, length - k, depth=depth, seed=s)
+            task = build_task(tokenizer, length - k, depth, s, 200)
+            if isinstance(task, int):
+                raise HeadsteerValueError(
+                    f"length {length} leaves no room for a haystack once the codes' shared start "
+                    f"({k} token{'s' if k > 1 else ''}) joins the prompt: give at least {task + k}"
+                )
         code = list(task.answer_ids)
         lo, hi = task.needle
         prompt = list(task.input_ids) + code[:k]

@@ -39,6 +39,8 @@ def test_same_seed_same_pairs_and_bad_input(tokenizer):
     for bad in ({"length": 10}, {"length": 256, "n": 0}, {"length": 256, "depth": 1.5}, {"seed": -1}):
         with pytest.raises(HeadsteerValueError):
             needle_pairs(tokenizer, **{"length": 256, **bad})
+    with pytest.raises(HeadsteerValueError, match="1024 x 1048576"):
+        needle_pairs(tokenizer, 1 << 20, n=1024)  # refused at once, not hours of tokenizing
     with pytest.raises(HeadsteerTypeError, match="tokenizer"):
         needle_pairs("gpt2", 256)
 

@@ -100,7 +100,8 @@ def plan_command(
             f"{analysis} on {tokens} tokens x {batch} needs at least {format_bytes(plan.peak)} on one "
             f"device; --max-memory is {format_bytes(budget)}"
         )
-    kind = plan.request.params.get("kind")  # patching: which activation (head_out, pattern, ...)
+    # patching: which activation (head_out, the plan's default, pattern, ...)
+    kind = plan.request.params.get("kind", "head_out" if analysis == "patch" else None)
     label = analysis if kind is None else f"{analysis} ({kind})"
     if plan.request.params.get("circuit"):
         label += " with the circuit's exact evaluations"

@@ -96,14 +96,19 @@ def circuit_rows(
     strict: bool = False,
     d_head: int | None = None,
     itemsize: int = 4,
+    pairs: int | None = None,
+    reserve: int = 0,
+    floor: int = 0,
 ) -> int:
     """Rows per forward of the exact evaluations (`evaluate`, `faithfulness_curve`'s
     `batch_rows`) that keep their activations within `max_memory_gb` GiB, between 1 and 64, by
-    `heads.planning.eap.circuit_eval_bytes` (the recorded clean / corrupted runs of one pair of
-    `width` tokens, in the model's dtype of `itemsize` bytes, plus per row the upstream
-    differences: every node's on short prompts, the heads' as head outputs on long ones; `d_head`
-    default `d_model / H`). One row over the budget: 1 row, or with `strict` (a budget the user
-    gave) refused, naming what one row needs.
+    `heads.planning.eap.circuit_eval_bytes`: r rows keep the recorded clean / corrupted runs of
+    `min(pairs, r)` pairs of `width` tokens (a chunk of pairs is recorded at once; `pairs` None:
+    as many as rows) in the model's dtype of `itemsize` bytes, plus each row's upstream
+    differences (every node's on short prompts, the heads' as head outputs on long ones; `d_head`
+    default `d_model / H`), beside `reserve` bytes (a budget the user gave: the weights and one
+    row's forward). One row over the budget: 1 row, or with `strict` refused naming the least
+    the run needs, the larger of one row and `floor` (the edge scores' own minimum plan).
 
     Raises:
         ValueError: a budget that is not a number > 0; with `strict`, one row over it.
@@ -117,18 +122,25 @@ def circuit_rows(
         "d_model": d_model,
     }
     tokens = max(1, width)
-    one = circuit_eval_bytes(g, tokens, 1, itemsize)
-    per_row = one - circuit_eval_bytes(g, tokens, 0, itemsize)
-    if strict and one > budget:
+    recorded = circuit_eval_bytes(g, tokens, 0, itemsize)  # one pair's recorded runs
+    per_row = circuit_eval_bytes(g, tokens, 1, itemsize) - recorded
+
+    def need(r: int) -> int:
+        return reserve + min(r if pairs is None else max(1, pairs), r) * recorded + r * per_row
+
+    least = max(need(1), floor)
+    if strict and least > budget:
         raise HeadsteerValueError(
-            f"find_circuit needs at least {format_bytes(one)} for one pair of {width} tokens "
-            "in its exact evaluations of the circuit (the faithfulness curve and the circuit's "
-            f"faithfulness: the clean and corrupted runs' activations plus one row's upstream "
-            f"differences, {graph.n_upstream} upstream nodes x d_model {d_model} x tokens); max_memory "
-            f"is {format_bytes(int(budget))}: raise it or use shorter pairs (edge_scores alone keeps "
-            "within the budget)"
+            f"find_circuit needs at least {format_bytes(least)} for one pair of {width} tokens "
+            "(the weights and a forward, the edge scores, and the exact evaluations of the circuit: "
+            f"the clean and corrupted runs' activations plus one row's upstream differences, "
+            f"{graph.n_upstream} upstream nodes x d_model {d_model} x tokens); max_memory is "
+            f"{format_bytes(int(budget))}: raise it or use shorter pairs"
         )
-    return int(max(1, min(64, (budget - (one - per_row)) // per_row)))
+    rows = 1
+    while rows < 64 and need(rows + 1) <= budget:
+        rows += 1
+    return rows
 
 
 DEFAULT_FAITHFULNESS = 0.3
@@ -453,12 +465,21 @@ def _run(
     batch_rows, progress = opts.max_rows, opts.progress
     width = pairs.width if isinstance(pairs, PairBatch) else 1  # edge_scores refuses a non-batch
     d_head, item = model.d_head, torch.empty(0, dtype=model.dtype).element_size()
+    n_pairs = pairs.n if isinstance(pairs, PairBatch) else 1
     if opts.max_memory is not None:  # the exact runs' rows within that budget (refused before any forward)
-        gb = int(opts.max_memory) / 2**30
-        rows = circuit_rows(graph, model.d_model, width, gb, strict=True, d_head=d_head, itemsize=item)
+        from heads.planning.budget import minimum_plan
+        from heads.planning.plan import plan_memory
+
+        gb, dev = int(opts.max_memory) / 2**30, str(model.device)
+        forward = plan_memory(model, "forward", width, 1, model.dtype, dev).peak  # weights + one row
+        floor = minimum_plan(model, request, width, 1, model.dtype, dev).peak  # with the edge scores
+        rows = circuit_rows(
+            graph, model.d_model, width, gb, strict=True, d_head=d_head, itemsize=item, pairs=n_pairs,
+            reserve=forward, floor=floor,
+        )  # fmt: skip
         batch_rows = min(opts.max_rows, rows)
     elif budget and opts.max_rows == SweepOptions().max_rows:
-        batch_rows = circuit_rows(graph, model.d_model, width, d_head=d_head, itemsize=item)
+        batch_rows = circuit_rows(graph, model.d_model, width, d_head=d_head, itemsize=item, pairs=n_pairs)
     if stability and isinstance(pairs, PairBatch) and pairs.n < 2:
         raise HeadsteerValueError(f"stability={stability} needs at least 2 pairs, got {pairs.n}")
     if r.size is not None:

@@ -169,9 +169,11 @@ def test_a_one_point_curve_saves_nan_as_null_and_loads_it_back(qwen2, tmp_path):
 
 def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwen2, monkeypatch):
     """`find_circuit(options=SweepOptions(max_memory=...))`: the exact evaluations (the curve, the
-    circuit's faithfulness) need `circuit_eval_bytes` for one pair (its recorded runs and one row);
-    a budget below it is refused naming that figure before the edge scores run (it took 1 row and
-    went over the budget: 6.8 GB against 1.5 GiB at 977 tokens on SmolLM2)."""
+    circuit's faithfulness) need `circuit_eval_bytes` for one pair (its recorded runs and one row)
+    beside the weights and a forward; a budget below that, or below the edge scores' own minimum
+    plan, is refused naming the larger before the edge scores run (it took 1 row and went over the
+    budget: 6.8 GB against 1.5 GiB at 977 tokens on SmolLM2; then it named a minimum the edge
+    scores refused again)."""
     import heads.scorers.circuits.circuit as mod
     from heads import SweepOptions
     from heads.errors import HeadsteerValueError
@@ -190,7 +192,8 @@ def test_a_budget_below_one_exact_evaluation_row_is_refused_before_any_score(qwe
     monkeypatch.setattr(mod, "chunked_edge_scores", no_scores)
     with pytest.raises(
         HeadsteerValueError,
-        match=r"needs at least \S+ \wB for one pair of 5 tokens in its exact evaluations.*max_memory",
+        match=r"needs at least \S+ \wB for one pair of 5 tokens \(the weights and a forward, the edge "
+        r"scores, and the exact evaluations.*max_memory",
     ):
         find_circuit(qwen2, p, method="eap", options=SweepOptions(progress=False, max_memory=per_row - 1))
     assert mod.circuit_rows(g, qwen2.d_model, p.width, per_row / 2**30, strict=True, d_head=qwen2.d_head) == 1

@@ -1,6 +1,6 @@
-"""breaker7: needle_pairs rebuilds the task `k` tokens shorter when the codes share a start
-(SmolLM2: one bare space), and the rebuilt task's validation error leaks: it names a length the
-caller never gave and refuses lengths its own message / docstring call valid."""
+"""`needle_pairs` rebuilds the task `k` tokens shorter when the codes share a start (SmolLM2: one
+bare space); its refusals name the length the caller gave and a minimum that works (the rebuilt
+task's own error once leaked: a length never given, a minimum equal to the length just given)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""breaker7: the circuit's exact-evaluation memory plan (`circuit_rows` / `circuit_eval_bytes`)
-counts the recorded clean / corrupted runs of ONE pair, but `patched_metrics` records them for a
-whole chunk of `min(pairs.n, batch_rows)` pairs and keeps them alive while every row runs. With
-several pairs the recorded runs alone grow with the rows the plan grants, so the budget is passed.
+"""The circuit's exact-evaluation memory plan (`circuit_rows` / `circuit_eval_bytes`) counts the
+recorded clean / corrupted runs of every pair `patched_metrics` records at once (a chunk of
+`min(pairs.n, batch_rows)` pairs, alive while every row runs), not of one pair: it once granted
+rows whose pairs' recorded runs alone passed the budget.
 
 Real-scale numbers (SmolLM2-135M geometry, 1,024 tokens, default 2 GiB): circuit_rows grants 8
 rows (planned 2.12 GB) but 8 pairs' recorded corrupted runs alone take 2.28 GB (~4.1 GB in all).
@@ -9,16 +9,15 @@ rows (planned 2.12 GB) but 8 pairs' recorded corrupted runs alone take 2.28 GB (
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import heads.planning.eap as eap_plan
 import heads.scorers.circuits.scores as scores_mod
+from heads import SweepOptions
 from heads.planning.eap import circuit_eval_bytes
 from heads.scorers.circuits import evaluate, graph_of
 from heads.scorers.circuits.circuit import circuit_rows
 from heads.scorers.patching import pairs_from_tokens
-from heads import SweepOptions
 from tests.support.families import tiny_family_model
 
 torch.set_num_threads(1)
@@ -41,7 +40,11 @@ def test_smollm2_geometry_plan_below_the_recorded_runs_alone():
     T, budget = 1024, 2 * 2**30
     recorded_one = circuit_eval_bytes(g, T, 0)  # 1 pair's corrupted run (compact: clean keeps logits)
     per_row = circuit_eval_bytes(g, T, 1) - recorded_one
-    rows = int(max(1, min(64, (budget - recorded_one) // per_row)))
+
+    class _Geom:  # circuit_rows reads the graph's geometry only
+        n_layers, n_heads, n_kv_heads, n_upstream = 30, 9, 3, 301
+
+    rows = circuit_rows(_Geom(), 576, T, budget / 2**30, d_head=64, pairs=8)  # type: ignore[arg-type]
     assert rows > 1
     actual_lower_bound = rows * recorded_one + rows * per_row  # rows pairs recorded + rows rows
     assert actual_lower_bound <= budget, (rows, actual_lower_bound / 1e9, budget / 1e9)
@@ -61,11 +64,13 @@ def test_recorded_runs_of_a_pair_chunk_fit_the_budget_circuit_rows_plans(monkeyp
     pairs = pairs_from_tokens(clean, corr, [5] * n, [40] * n)
     monkeypatch.setattr(eap_plan, "CIRCUIT_PATCH_MEMORY", 1)  # the plan takes the compact row
     monkeypatch.setattr(scores_mod, "COMPACT", True)  # and so does patched_metrics
-    gb = (circuit_eval_bytes(
-        dict(n_layers=12, n_heads=2, n_kv_heads=1, d_head=m.d_head, d_model=m.d_model), T, 8
-    )) / 2**30  # a budget of 8 planned rows
-    rows = circuit_rows(g, m.d_model, T, gb, d_head=m.d_head)
-    assert rows == 8
+    gb = (
+        circuit_eval_bytes(
+            dict(n_layers=12, n_heads=2, n_kv_heads=1, d_head=m.d_head, d_model=m.d_model), T, 8
+        )
+    ) / 2**30  # a budget of 8 planned rows
+    rows = circuit_rows(g, m.d_model, T, gb, d_head=m.d_head, pairs=n)
+    assert 1 < rows < 8  # 8 rows would record 8 pairs' runs
     held = {"rec": 0, "peak": 0}
     rec = scores_mod._record
     run = scores_mod.run_graph

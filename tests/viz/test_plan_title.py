@@ -1,5 +1,5 @@
-"""breaker7: `headsteer plan`'s title names the patched kind only when a --request gives one;
-`--analysis patch` plans the default kind (head_out) but the title says just 'patch'."""
+"""`headsteer plan --analysis patch`'s title names the kind it plans (head_out, the default; it
+named a kind only when a --request gave one)."""
 
 from __future__ import annotations
 

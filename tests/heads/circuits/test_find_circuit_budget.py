@@ -1,6 +1,7 @@
-"""breaker7: find_circuit(options=SweepOptions(max_memory=...)) refuses a too-small budget naming
-'needs at least X', but X counts only the exact evaluations' activations; giving X is refused
-again by the edge-scoring plan (weights + activations), naming another, larger minimum."""
+"""`find_circuit(options=SweepOptions(max_memory=...))` refuses a too-small budget naming
+'needs at least X', and X is enough: it counts the weights, a forward, the edge scores' plan and
+the exact evaluations (X once counted the evaluations' activations only, and giving X was refused
+again by the edge-scoring plan, naming a larger minimum)."""
 
 from __future__ import annotations
 
