@@ -27,7 +27,7 @@ from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.scorers.patching.pairs import PairBatch, pairs_from_tokens
 from probes.datasets.needle import MAX_LENGTH, MIN_LENGTH, NeedleTask, build_task
 
-__all__ = ["needle_pairs"]
+__all__ = ["needle_pair_tasks", "needle_pairs"]
 
 MAX_PAIRS = 1024
 """The most pairs one call builds (`n`)."""
@@ -104,18 +104,7 @@ def needle_pairs(
         raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
     clean, corrupted, answers, foils, needles = [], [], [], [], []
     for i in range(n):
-        s = (seed + i) % 2**32
-        task = build_task(tokenizer, length, depth, s, 200)
-        if isinstance(task, int):
-            raise HeadsteerValueError(f"length {length} leaves no room for a haystack: give at least {task}")
-        other, k = _other_code(tokenizer, task, s)
-        if k:  # the codes' shared start joins the prompt: the task is rebuilt k tokens shorter
-            task = build_task(tokenizer, length - k, depth, s, 200)
-            if isinstance(task, int):
-                raise HeadsteerValueError(
-                    f"length {length} leaves no room for a haystack once the codes' shared start "
-                    f"({k} token{'s' if k > 1 else ''}) joins the prompt: give at least {task + k}"
-                )
+        task, other, k = _pair_task(tokenizer, length, depth, (seed + i) % 2**32)
         code = list(task.answer_ids)
         lo, hi = task.needle
         prompt = list(task.input_ids) + code[:k]
@@ -128,3 +117,41 @@ def needle_pairs(
     return pairs_from_tokens(
         clean, corrupted, answers, foils, positions={"needle": needles, "end": [length - 1] * n}
     )
+
+
+def _pair_task(tokenizer: object, length: int, depth: float, seed: int) -> tuple[NeedleTask, list[int], int]:
+    """`(task, other code's ids, k)` of one pair: the task, `k` tokens shorter when the codes share
+    a start of k tokens (appended to the prompt), and the corrupted code's tokens."""
+    task = build_task(tokenizer, length, depth, seed, 200)
+    if isinstance(task, int):
+        raise HeadsteerValueError(f"length {length} leaves no room for a haystack: give at least {task}")
+    other, k = _other_code(tokenizer, task, seed)
+    if k:  # the codes' shared start joins the prompt: the task is rebuilt k tokens shorter
+        task = build_task(tokenizer, length - k, depth, seed, 200)
+        if isinstance(task, int):
+            raise HeadsteerValueError(
+                f"length {length} leaves no room for a haystack once the codes' shared start "
+                f"({k} token{'s' if k > 1 else ''}) joins the prompt: give at least {task + k}"
+            )
+    return task, other, k
+
+
+def needle_pair_tasks(
+    tokenizer: object, length: int, *, n: int = 1, depth: float = 0.5, seed: int = 0
+) -> list[NeedleTask]:
+    """The `NeedleTask` behind each pair of `needle_pairs` with the same arguments: pair i's clean
+    prompt is task i's `input_ids` followed by the codes' shared start (SmolLM2: one space
+    token), so its `question`, `passages` and `gold` are a QRHead item of the same document
+    (`qrhead_scores(model, [{"question": t.question, "passages": t.passages, "gold": t.gold}
+    for t in tasks])`). Task i has seed `seed + i` and `length - k` tokens.
+
+    Raises:
+        As `needle_pairs`.
+    """
+    length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
+    n = check_int("n", n, lo=1, hi=MAX_PAIRS)
+    depth = check_number("depth", depth, lo=0, hi=1)
+    seed = check_seed("seed", seed)
+    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+        raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
+    return [_pair_task(tokenizer, length, depth, (seed + i) % 2**32)[0] for i in range(n)]

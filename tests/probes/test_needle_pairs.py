@@ -9,7 +9,7 @@ import torch
 
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from probes.datasets.needle import needle_task
-from probes.datasets.needle_pairs import needle_pairs
+from probes.datasets.needle_pairs import needle_pair_tasks, needle_pairs
 
 
 @pytest.mark.parametrize("length", [128, 2048])
@@ -56,3 +56,18 @@ def test_embedded_model_reads_the_code_from_the_haystack(smol):
         corr = smol.model(pairs.corrupted_ids, attention_mask=pairs.attention_mask).logits[:, -1]
     assert bool(((clean[r, a] - clean[r, f]) > 1).all())
     assert bool(((corr[r, a] - corr[r, f]) < -1).all())
+
+
+def test_pair_tasks_are_the_documents_behind_the_pairs(tokenizer):
+    """`needle_pair_tasks` gives each pair's `NeedleTask` (its QRHead item): the clean prompt is
+    the task's ids plus the codes' shared start, the needle and the code are the task's; and the
+    batch prints its shapes, not its tensors."""
+    pairs = needle_pairs(tokenizer, 512, n=3, depth=0.2, seed=4)
+    tasks = needle_pair_tasks(tokenizer, 512, n=3, depth=0.2, seed=4)
+    for i, task in enumerate(tasks):
+        k = pairs.width - task.length
+        assert k >= 0 and pairs.clean_ids[i, : task.length].tolist() == task.input_ids
+        assert int(pairs.positions["needle"][i]) == task.needle[0] + k
+        assert tokenizer.decode(pairs.clean_ids[i, task.needle[0] : task.needle[1]]).strip() == task.code
+        assert sum(f"is {task.code}." in p for p in task.passages) == 1 and task.gold < len(task.passages)
+    assert repr(pairs) == "PairBatch(n=3, width=512, answers=1, positions=['needle', 'end'])"

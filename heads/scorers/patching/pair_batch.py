@@ -75,7 +75,7 @@ class PromptPair:
         return {**out, **self.meta}
 
 
-@dataclass
+@dataclass(repr=False)
 class PairBatch:
     """Encoded pairs: N clean rows and N corrupted rows, left-padded to one width T.
 
@@ -109,6 +109,15 @@ class PairBatch:
     def n(self) -> int:
         """N, the number of pairs."""
         return int(self.clean_ids.shape[0])
+
+    def __repr__(self) -> str:
+        """`PairBatch(n=3, width=1024, answers=1, positions=['needle', 'end'])`: the shapes, not the
+        tensors (a long prompt's ids printed whole filled a notebook cell)."""
+        names = list(self.positions)
+        return (
+            f"PairBatch(n={self.n}, width={self.width}, answers={int(self.answers.shape[1])}, "
+            f"positions={names})"
+        )
 
     def __len__(self) -> int:
         return self.n
