@@ -485,7 +485,9 @@ def _run(
     if r.size is not None:
         n = _n_of(graph, r.size)
     met = get_metric(r.metric)
-    quiet = SweepOptions(max_rows=batch_rows, progress=None)  # the exact runs, as before: no bar
+    # the exact runs: a bar of their own ("faithfulness", in forwards) when the caller asked for
+    # bars (a long prompt's curve takes minutes); a callable keeps the edge scores' counts only
+    quiet = SweepOptions(max_rows=batch_rows, progress=True if progress is True else None)
     sc = chunked_edge_scores(
         model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
     )
