@@ -37,7 +37,7 @@ from heads._util.validation import check_int
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.planning.eap import CIRCUIT_PATCH_MEMORY
+from heads.planning.eap import CIRCUIT_NORM_CHUNK, CIRCUIT_PATCH_MEMORY
 from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.eap_lean import eap_chunk_lean
@@ -68,6 +68,14 @@ projected when read (`run_graph(compact=True)`), about 2 L + 1 residual streams 
 COMPACT: bool | None = None
 """Force (True) or forbid (False) the compact upstream differences of `patched_metrics`; None
 (default): compact exactly when one row's full differences pass `PATCH_MEMORY`."""
+
+
+def row_work_streams(graph: Graph) -> int:
+    """Residual streams' worth of one exact patched row's working set beside its upstream
+    differences: one layer's H + 2 G patched inputs' deltas and their product with the
+    differences (two each), one source layer's H projected heads, `CIRCUIT_NORM_CHUNK` normalised
+    inputs with the norm's temporaries (three each) and the row's own forward (about 12)."""
+    return 2 * (graph.n_heads + 2 * graph.n_kv_heads) + graph.n_heads + 3 * CIRCUIT_NORM_CHUNK + 12
 
 
 def compact_nodes(graph: Graph, d_head: int, d_model: int) -> float:
@@ -397,6 +405,7 @@ def patched_metrics(
     clean_m, corr_m = torch.empty(pairs.n), torch.empty(pairs.n)
     n_pc = max(1, min(pairs.n, batch_rows))
     small = compact_nodes(graph, model.d_head, model.d_model)  # streams a compact row keeps
+    work = row_work_streams(graph)  # and a row's working set, in residual streams
     per = max(1, batch_rows // n_pc)
     pchunks = _chunks(pairs.n, n_pc)
     with progress_callback(progress, desc, "forwards") as report:
@@ -429,10 +438,11 @@ def patched_metrics(
                 # compact (the heads' as head outputs) when one row's alone would not, and on long
                 # prompts whenever that keeps less
                 nodes = max(1, needed_nodes(graph, block))
-                need = nodes * width
-                compact = need > PATCH_MEMORY or (long and nodes > small) if COMPACT is None else COMPACT
-                if compact:
-                    need = int(small * width)
+                compact = nodes * width > PATCH_MEMORY or (long and nodes > small)
+                compact = compact if COMPACT is None else COMPACT
+                # a row's differences and its working set (one layer's deltas and their products,
+                # normalised copies, the row's own forward): the rows of a forward fit the budget
+                need = int(((small if compact else nodes) + work) * width)
                 fit = max(1, PATCH_MEMORY // need)
                 kr = torch.arange(len(ks)).repeat_interleave(n)  # row -> patch of the block
                 pr = torch.arange(n).repeat(len(ks))  # row -> pair of the chunk

@@ -93,3 +93,38 @@ def test_recorded_runs_of_a_pair_chunk_fit_the_budget_circuit_rows_plans(monkeyp
     mask = torch.rand(g.n_upstream, g.n_downstream, generator=gen) < 0.3
     evaluate(m, pairs, (mask & g.valid)[None], options=SweepOptions(max_rows=rows, progress=False))
     assert held["peak"] <= gb * 2**30, (held["peak"], int(gb * 2**30))
+
+
+def test_rows_per_forward_count_each_rows_working_set(monkeypatch):
+    """`patched_metrics` sizes a forward's rows by each row's differences and its working set
+    (`row_work_streams`: deltas, products, normalised copies, its own forward), not by the
+    differences alone: with room for two such rows, every patched forward holds at most two
+    (by the differences alone it took five times as many at 1k tokens, 1.4 GB against 0.8)."""
+    from heads.scorers.circuits.scores import needed_nodes, row_work_streams
+
+    m = tiny_family_model("llama")
+    g = graph_of(m)
+    T, n = 12, 6
+    gen = torch.Generator().manual_seed(3)
+    clean = torch.randint(3, 300, (n, T), generator=gen).tolist()
+    corr = [list(r) for r in clean]
+    for r in corr:
+        r[2] = (r[2] + 7) % 300 + 3
+    pairs = pairs_from_tokens(clean, corr, [5] * n, [40] * n)
+    mask = (torch.rand(g.n_upstream, g.n_downstream, generator=gen) < 0.05) & g.valid
+    patch = (g.valid & ~mask)[None]
+    width = T * m.d_model * 4
+    row = (needed_nodes(g, patch) + row_work_streams(g)) * width
+    monkeypatch.setattr(scores_mod, "COMPACT", False)
+    monkeypatch.setattr(scores_mod, "PATCH_MEMORY", 2 * row + 1)
+    seen: list[int] = []
+    run = scores_mod.run_graph
+
+    def spy(*a, **k):
+        if k.get("patch") is not None:
+            seen.append(int(k["patch"].shape[0]))
+        return run(*a, **k)
+
+    monkeypatch.setattr(scores_mod, "run_graph", spy)
+    evaluate(m, pairs, mask[None], options=SweepOptions(max_rows=64, progress=False))
+    assert seen and max(seen) == 2 and sum(seen) == n
