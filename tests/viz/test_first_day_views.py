@@ -138,12 +138,18 @@ def test_report_circuit_default_size_from_the_curve(tiny_llama_dir, tmp_path, mo
 
 
 def test_circuit_rows_bound_the_evaluation_memory(tiny_llama):
+    from heads.planning.eap import circuit_eval_bytes
+    from heads.planning.plan import geometry
     from heads.scorers.circuits import graph_of
-    from heads.scorers.circuits.circuit import ROW_BYTES_PER_NODE, circuit_rows
+    from heads.scorers.circuits.circuit import circuit_rows
 
     g = graph_of(tiny_llama)
-    per_row = ROW_BYTES_PER_NODE * g.n_upstream * tiny_llama.d_model * 20
-    assert circuit_rows(g, tiny_llama.d_model, 20, 10 * per_row / 2**30) == 10
+    geo = geometry(tiny_llama.model.config)
+    # a row as many pairs' recorded runs keep (pairs=None: one pair a row) plus its differences
+    per_row = circuit_eval_bytes(geo, 20, 1)
+    d = tiny_llama.d_model
+    assert circuit_rows(g, d, 20, 10 * per_row / 2**30, d_head=tiny_llama.d_head) == 10
+    assert circuit_rows(g, d, 20, 10 * per_row / 2**30, d_head=tiny_llama.d_head, pairs=1) > 10
     assert (
         circuit_rows(g, tiny_llama.d_model, 20, 1e-9) == 1
         and circuit_rows(g, tiny_llama.d_model, 20, 1e3) == 64

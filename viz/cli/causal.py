@@ -150,8 +150,8 @@ def report_circuit(
     max_memory: Annotated[
         str,
         typer.Option(
-            help="what the exact evaluations' activations may take: GiB (2) or a size as plan's "
-            "--max-memory (24GB, 512MiB); at least 1 MiB"
+            help="the planned peak the run may take, weights included: GiB (2) or a size as "
+            "plan's --max-memory (24GB, 512MiB); at least 1 MiB"
         ),
     ] = "2",
     graph_threshold: Annotated[

@@ -111,8 +111,9 @@ def circuit_report(
         stability: bootstrap resamples of the pairs (default 0: none): each edge's inclusion
             frequency in the re-selected circuit and the ranking's stability, on the page and in
             the summary (`circuit_stability`, no extra forward).
-        max_memory: GiB the exact evaluations' activations may take (default 2; `circuit_rows`),
-            or a size with a unit (`"24GB"`, `"512MiB"`; `heads.planning.parse_gib`); >= 1 MiB.
+        max_memory: GiB the run's planned peak may take, weights included (default 2; the
+            exact evaluations' rows by `circuit_rows`), or a size with a unit (`"24GB"`,
+            `"512MiB"`; `heads.planning.parse_gib`); >= 1 MiB.
         graph_threshold: draw only the circuit's edges with |score| >= this in both graphs
             (default None: every edge, up to `circuit_figure`'s 400 largest); the circuit, its
             table and its faithfulness are unchanged.
