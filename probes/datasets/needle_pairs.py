@@ -146,7 +146,8 @@ def needle_pair_tasks(
     for t in tasks])`). Task i has seed `seed + i` and `length - k` tokens.
 
     Raises:
-        As `needle_pairs`.
+        HeadsteerValueError: as `needle_pairs` (a bad length, n, depth or seed; no room).
+        HeadsteerTypeError: a tokenizer that is not callable.
     """
     length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
     n = check_int("n", n, lo=1, hi=MAX_PAIRS)
