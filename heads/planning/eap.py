@@ -14,7 +14,9 @@ __all__ = [
     "EAP_LEAN_WORK_COPIES",
     "circuit_compact",
     "circuit_compact_streams",
+    "circuit_diff_streams",
     "circuit_eval_bytes",
+    "circuit_row_work_streams",
     "eap_copies",
 ]
 
@@ -70,14 +72,31 @@ def circuit_compact(g: dict[str, int], tokens: int) -> bool:
     return 4 * upstream * g["d_model"] * tokens > CIRCUIT_PATCH_MEMORY
 
 
+def circuit_diff_streams(g: dict[str, int]) -> float:
+    """fp32 residual streams (`[T, D]`) of upstream differences one compact row keeps at the most:
+    the input's and every MLP's, and every layer's `[T, H, d]` head outputs (`H d / D` of a
+    stream)."""
+    return 1 + g["n_layers"] * (1 + g["n_heads"] * g["d_head"] / g["d_model"])
+
+
+def circuit_row_work_streams(g: dict[str, int]) -> int:
+    """fp32 residual streams of one exact patched row's working set beside its differences, as
+    `patched_metrics` sizes a forward's rows (an upper bound of the measured set): one layer's
+    H + 2 G patched inputs' deltas and their product with the differences (two each), one source
+    layer's H projected heads, `CIRCUIT_NORM_CHUNK` normalised inputs with the norm's temporaries
+    (three each) and the row's own forward (about 12)."""
+    h, kv = g["n_heads"], g["n_kv_heads"]
+    return 2 * (h + 2 * kv) + h + 3 * CIRCUIT_NORM_CHUNK + 12
+
+
 def circuit_compact_streams(g: dict[str, int]) -> float:
     """fp32 residual streams (`[T, D]`) one compact row keeps: the input's and every MLP's
     differences, every layer's head outputs (`H d / D` of a stream), and the working set of one
     layer: its H + 2 G q / k / v inputs' deltas, one source layer's H projected heads, and the
     normalised copies of `CIRCUIT_NORM_CHUNK` inputs with the norm's temporaries (3 each). On
     SmolLM2 at 1,024 tokens: 97 streams planned, 97 measured."""
-    L, h, kv, d, D = g["n_layers"], g["n_heads"], g["n_kv_heads"], g["d_head"], g["d_model"]
-    return 1 + L * (1 + h * d / D) + (h + 2 * kv) + h + 3 * CIRCUIT_NORM_CHUNK
+    h, kv = g["n_heads"], g["n_kv_heads"]
+    return circuit_diff_streams(g) + (h + 2 * kv) + h + 3 * CIRCUIT_NORM_CHUNK
 
 
 def circuit_eval_bytes(g: dict[str, int], tokens: int, rows: int = 1, itemsize: int = 4) -> int:

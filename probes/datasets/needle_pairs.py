@@ -92,16 +92,7 @@ def needle_pairs(
             in all (before any tokenizing); no other code of the same token count.
         HeadsteerTypeError: a tokenizer that is not callable.
     """
-    length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
-    n = check_int("n", n, lo=1, hi=MAX_PAIRS)
-    depth = check_number("depth", depth, lo=0, hi=1)
-    seed = check_seed("seed", seed)
-    if n * length > MAX_TOKENS:
-        raise HeadsteerValueError(
-            f"n x length is {n} x {length} = {n * length:,} tokens; at most {MAX_TOKENS:,} per call"
-        )
-    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
-        raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
+    length, n, depth, seed = _checked(tokenizer, length, n, depth, seed, cap=True)
     clean, corrupted, answers, foils, needles = [], [], [], [], []
     for i in range(n):
         task, other, k = _pair_task(tokenizer, length, depth, (seed + i) % 2**32)
@@ -117,6 +108,24 @@ def needle_pairs(
     return pairs_from_tokens(
         clean, corrupted, answers, foils, positions={"needle": needles, "end": [length - 1] * n}
     )
+
+
+def _checked(
+    tokenizer: object, length: int, n: int, depth: float, seed: int, *, cap: bool
+) -> tuple[int, int, float, int]:
+    """`(length, n, depth, seed)` checked (with `cap`, n x length against `MAX_TOKENS` too), and
+    the tokenizer; before any tokenizing."""
+    length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
+    n = check_int("n", n, lo=1, hi=MAX_PAIRS)
+    depth = check_number("depth", depth, lo=0, hi=1)
+    seed = check_seed("seed", seed)
+    if cap and n * length > MAX_TOKENS:
+        raise HeadsteerValueError(
+            f"n x length is {n} x {length} = {n * length:,} tokens; at most {MAX_TOKENS:,} per call"
+        )
+    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+        raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
+    return length, n, depth, seed
 
 
 def _pair_task(tokenizer: object, length: int, depth: float, seed: int) -> tuple[NeedleTask, list[int], int]:
@@ -149,10 +158,5 @@ def needle_pair_tasks(
         HeadsteerValueError: as `needle_pairs` (a bad length, n, depth or seed; no room).
         HeadsteerTypeError: a tokenizer that is not callable.
     """
-    length = check_int("length", length, lo=MIN_LENGTH, hi=MAX_LENGTH)
-    n = check_int("n", n, lo=1, hi=MAX_PAIRS)
-    depth = check_number("depth", depth, lo=0, hi=1)
-    seed = check_seed("seed", seed)
-    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
-        raise HeadsteerTypeError(f"tokenizer must be a Hugging Face tokenizer, got {short_repr(tokenizer)}")
+    length, n, depth, seed = _checked(tokenizer, length, n, depth, seed, cap=False)
     return [_pair_task(tokenizer, length, depth, (seed + i) % 2**32)[0] for i in range(n)]

@@ -38,6 +38,7 @@ from heads.results.circuits import Circuit, select, warn_most_heads
 from heads.results.graph import _check_sizes, _n_of, _top_mask, prune, size_for_faithfulness
 from heads.results.stability import Stability
 from heads.scorers.circuits.graph import Graph, graph_of
+from heads.scorers.circuits.layout import plan_geometry
 
 # Re-exported (`as` themselves): their import path `heads.scorers.circuits.circuit.<name>` stays.
 from heads.results.circuits import (  # isort: skip
@@ -114,13 +115,7 @@ def circuit_rows(
         ValueError: a budget that is not a number > 0; with `strict`, one row over it.
     """
     budget = check_number("max_memory", max_memory_gb, lo=0, lo_open=True) * 2**30
-    g = {
-        "n_layers": graph.n_layers,
-        "n_heads": graph.n_heads,
-        "n_kv_heads": graph.n_kv_heads,
-        "d_head": d_head or d_model // graph.n_heads,
-        "d_model": d_model,
-    }
+    g = plan_geometry(graph, d_model, d_head)
     tokens = max(1, width)
     recorded = circuit_eval_bytes(g, tokens, 0, itemsize)  # one pair's recorded runs
     per_row = circuit_eval_bytes(g, tokens, 1, itemsize) - recorded
@@ -487,13 +482,13 @@ def _run(
     met = get_metric(r.metric)
     # the exact runs: a bar of their own ("faithfulness", in forwards) when the caller asked for
     # bars (a long prompt's curve takes minutes); a callable keeps the edge scores' counts only
-    quiet = SweepOptions(max_rows=batch_rows, progress=True if progress is True else None)
+    exact_opts = SweepOptions(max_rows=batch_rows, progress=True if progress is True else None)
     sc = chunked_edge_scores(
         model, pairs, method, steps, met, confirm, batch_size, batch_rows, progress, opts.max_memory
     )
     fc = None
     if curve or by_curve:
-        fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=quiet)
+        fc = faithfulness_curve(model, pairs, sc, sizes=sizes, random=curve, metric=met, options=exact_opts)
     if by_curve:
         assert fc is not None
         n = size_for_faithfulness(fc, target) if r.faithfulness is not None else _default_size(fc, target)
@@ -506,7 +501,7 @@ def _run(
     if by_curve and fc is not None and n in fc["n_edges"]:  # the curve evaluated this very circuit
         c.faithfulness = float(fc["faithfulness"][fc["n_edges"].index(n)])
     else:
-        c.faithfulness = float(evaluate(model, pairs, c, metric=met, options=quiet)[0])
+        c.faithfulness = float(evaluate(model, pairs, c, metric=met, options=exact_opts)[0])
     return c
 
 

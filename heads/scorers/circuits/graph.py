@@ -210,7 +210,7 @@ class _Runner:
             out += torch.bmm(c.transpose(1, 2), diff).transpose(0, 1)  # [a, R, T*D]
         b = pb[:, active]  # [R, a]
         if bool(b.any()):
-            whole = (self._c(x_corr()).to(x.device).float() - x.float()).flatten(1)  # [R, T*D]
+            whole = self._stream_diff(x, x_corr)
             out += b.T.to(x.device, torch.float32)[:, :, None] * whole[None]
         return out.reshape(len(active), *x.shape).to(x.dtype), active
 
@@ -253,9 +253,14 @@ class _Runner:
             del share
         b = self.base[:, lo:hi][:, active]  # [R, a]
         if bool(b.any()):
-            whole = (self._c(x_corr()).to(x.device).float() - x.float()).flatten(1)  # [R, T*D]
+            whole = self._stream_diff(x, x_corr)
             out.addcmul_(b.to(x.device, torch.float32)[:, :, None], whole[:, None])
         return out.transpose(0, 1).reshape(len(active), *x.shape).to(x.dtype)
+
+    def _stream_diff(self, x: torch.Tensor, x_corr: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`[R, T*D]` fp32 `x~ - x`: the corrupted run's stream minus this run's (every source's
+        difference at once, the complement's base)."""
+        return (self._c(x_corr()).to(x.device).float() - x.float()).flatten(1)
 
     def _used(self, u0: int, k: int) -> torch.Tensor | None:
         """`[j]` long: which of the upstream nodes u0 .. u0+k-1 some row needs (None: none)."""

@@ -37,7 +37,15 @@ from heads.errors import HeadsteerValueError
 from heads.model.adapter import HeadModel
 from heads.results.graph import Graph
 
-__all__ = ["ATTN_NORMS", "Graph", "attn_norm", "check_family", "first_patched_layer", "graph_of"]
+__all__ = [
+    "ATTN_NORMS",
+    "Graph",
+    "attn_norm",
+    "check_family",
+    "first_patched_layer",
+    "graph_of",
+    "plan_geometry",
+]
 
 ATTN_NORMS = ("input_layernorm", "ln_1")
 """Attribute names of the norm applied to the residual before the attention (Llama-like, GPT-2)."""
@@ -114,6 +122,18 @@ def graph_of(model: HeadModel) -> Graph:
     """The `Graph` of `model` (refuses families it cannot decompose, see `check_family`)."""
     check_family(model)
     return Graph(model.n_layers, model.n_heads, model.n_kv_heads, model.name)
+
+
+def plan_geometry(graph: Graph, d_model: int, d_head: int | None = None) -> dict[str, int]:
+    """`graph`'s geometry as the memory plans read it (`heads.planning.plan.geometry`'s keys):
+    layers, heads, KV heads, `d_head` (default `d_model / H`) and `d_model`."""
+    return {
+        "n_layers": graph.n_layers,
+        "n_heads": graph.n_heads,
+        "n_kv_heads": graph.n_kv_heads,
+        "d_head": d_head or d_model // graph.n_heads,
+        "d_model": d_model,
+    }
 
 
 def first_patched_layer(graph: Graph, patch: torch.Tensor) -> int:

@@ -37,12 +37,13 @@ from heads._util.validation import check_int
 from heads.engine.options import SweepOptions, sweep_options
 from heads.errors import HeadsteerTypeError, HeadsteerValueError
 from heads.model.adapter import HeadModel
-from heads.planning.eap import CIRCUIT_NORM_CHUNK, CIRCUIT_PATCH_MEMORY
+from heads.planning.eap import CIRCUIT_PATCH_MEMORY, circuit_diff_streams, circuit_row_work_streams
 from heads.results.edges import EdgeScores as EdgeScores  # defined there; imported here as before
 from heads.scorers.circuits.eap import eap_chunk
 from heads.scorers.circuits.eap_lean import eap_chunk_lean
 from heads.scorers.circuits.eap_path import choose_path
 from heads.scorers.circuits.graph import Acts, Graph, first_patched_layer, graph_of, run_graph
+from heads.scorers.circuits.layout import plan_geometry
 from heads.scorers.circuits.request import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported
 from heads.scorers.circuits.request import MAX_STEPS, METHODS, CircuitRequest
 from heads.scorers.patching.metrics import Metric, get_metric
@@ -68,20 +69,6 @@ projected when read (`run_graph(compact=True)`), about 2 L + 1 residual streams 
 COMPACT: bool | None = None
 """Force (True) or forbid (False) the compact upstream differences of `patched_metrics`; None
 (default): compact exactly when one row's full differences pass `PATCH_MEMORY`."""
-
-
-def row_work_streams(graph: Graph) -> int:
-    """Residual streams' worth of one exact patched row's working set beside its upstream
-    differences: one layer's H + 2 G patched inputs' deltas and their product with the
-    differences (two each), one source layer's H projected heads, `CIRCUIT_NORM_CHUNK` normalised
-    inputs with the norm's temporaries (three each) and the row's own forward (about 12)."""
-    return 2 * (graph.n_heads + 2 * graph.n_kv_heads) + graph.n_heads + 3 * CIRCUIT_NORM_CHUNK + 12
-
-
-def compact_nodes(graph: Graph, d_head: int, d_model: int) -> float:
-    """Residual streams' worth of upstream differences one compact row keeps at the most: the
-    input, every MLP, and every layer's `[T, H, d]` head outputs (H d / D of a stream)."""
-    return 1 + graph.n_layers * (1 + graph.n_heads * d_head / d_model)
 
 
 def _check_pairs(model: HeadModel, pairs: Any, metric: Metric) -> PairBatch:
@@ -404,8 +391,9 @@ def patched_metrics(
     out = torch.empty(K, pairs.n)
     clean_m, corr_m = torch.empty(pairs.n), torch.empty(pairs.n)
     n_pc = max(1, min(pairs.n, batch_rows))
-    small = compact_nodes(graph, model.d_head, model.d_model)  # streams a compact row keeps
-    work = row_work_streams(graph)  # and a row's working set, in residual streams
+    geometry = plan_geometry(graph, model.d_model, model.d_head)
+    small = circuit_diff_streams(geometry)  # streams of differences a compact row keeps
+    work = circuit_row_work_streams(geometry)  # and a row's working set
     per = max(1, batch_rows // n_pc)
     pchunks = _chunks(pairs.n, n_pc)
     with progress_callback(progress, desc, "forwards") as report:

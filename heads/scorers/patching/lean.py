@@ -320,16 +320,14 @@ def unchanged_lean(
             H = qk_heads
             per = base.sites[s.layer]  # [N, H + G] bool, recorded against the source (`_equal_to`)
             maps[s.layer] = per[:, :H] & per[:, H:].repeat_interleave(H // (per.shape[1] - H), dim=1)
-        elif s.layer not in maps and base.sites[s.layer].dtype == torch.bool and kind in WHOLE_SEQUENCE:
-            maps[s.layer] = base.sites[s.layer]  # [N, heads], recorded against the source
+        elif s.layer not in maps and kind in WHOLE_SEQUENCE:
+            maps[s.layer] = base.sites[s.layer]  # [N, heads] bool, recorded against the source
         elif s.layer not in maps:
             eq = (src.sites[s.layer] == base.sites[s.layer]).cpu()
             if kind in ("resid_pre", "mlp_out", "head_out_by_pos"):
                 maps[s.layer] = eq.all(-1)  # [N, P] / [N, P, H]
-            elif kind in ("attn_out", "pattern"):
-                maps[s.layer] = eq.all(-1).all(-1)  # [N, P] / [N, H]
-            else:  # head_out, q, k, v: [N, T, heads, d]
-                maps[s.layer] = eq.all(-1).all(1)
+            else:  # attn_out, pattern (recorded): [N, P] / [N, H]
+                maps[s.layer] = eq.all(-1).all(-1)
         m = maps[s.layer]
         if kind == "head_out_by_pos":
             out[s_i] = m[:, col[s.pos], s.index]

@@ -23,6 +23,15 @@ from tests.support.families import tiny_family_model
 torch.set_num_threads(1)
 
 
+def _pairs(gen: torch.Generator, n: int, t: int):
+    """`n` random pairs of `t` tokens whose corrupted prompt differs at position 2 (drawn from `gen`)."""
+    clean = torch.randint(3, 300, (n, t), generator=gen).tolist()
+    corr = [list(r) for r in clean]
+    for r in corr:
+        r[2] = (r[2] + 7) % 300 + 3
+    return pairs_from_tokens(clean, corr, [5] * n, [40] * n)
+
+
 def _bytes(acts) -> int:
     total = 0
     for f in ("input", "z", "mlp", "resid", "scale", "mid"):
@@ -57,11 +66,7 @@ def test_recorded_runs_of_a_pair_chunk_fit_the_budget_circuit_rows_plans(monkeyp
     g = graph_of(m)
     T, n = 24, 12
     gen = torch.Generator().manual_seed(0)
-    clean = torch.randint(3, 300, (n, T), generator=gen).tolist()
-    corr = [list(r) for r in clean]
-    for r in corr:
-        r[2] = (r[2] + 7) % 300 + 3
-    pairs = pairs_from_tokens(clean, corr, [5] * n, [40] * n)
+    pairs = _pairs(gen, n, T)
     monkeypatch.setattr(eap_plan, "CIRCUIT_PATCH_MEMORY", 1)  # the plan takes the compact row
     monkeypatch.setattr(scores_mod, "COMPACT", True)  # and so does patched_metrics
     gb = (
@@ -97,24 +102,22 @@ def test_recorded_runs_of_a_pair_chunk_fit_the_budget_circuit_rows_plans(monkeyp
 
 def test_rows_per_forward_count_each_rows_working_set(monkeypatch):
     """`patched_metrics` sizes a forward's rows by each row's differences and its working set
-    (`row_work_streams`: deltas, products, normalised copies, its own forward), not by the
+    (`circuit_row_work_streams`: deltas, products, normalised copies, its own forward), not by the
     differences alone: with room for two such rows, every patched forward holds at most two
     (by the differences alone it took five times as many at 1k tokens, 1.4 GB against 0.8)."""
-    from heads.scorers.circuits.scores import needed_nodes, row_work_streams
+    from heads.planning.eap import circuit_row_work_streams
+    from heads.scorers.circuits.layout import plan_geometry
+    from heads.scorers.circuits.scores import needed_nodes
 
     m = tiny_family_model("llama")
     g = graph_of(m)
     T, n = 12, 6
     gen = torch.Generator().manual_seed(3)
-    clean = torch.randint(3, 300, (n, T), generator=gen).tolist()
-    corr = [list(r) for r in clean]
-    for r in corr:
-        r[2] = (r[2] + 7) % 300 + 3
-    pairs = pairs_from_tokens(clean, corr, [5] * n, [40] * n)
+    pairs = _pairs(gen, n, T)
     mask = (torch.rand(g.n_upstream, g.n_downstream, generator=gen) < 0.05) & g.valid
     patch = (g.valid & ~mask)[None]
     width = T * m.d_model * 4
-    row = (needed_nodes(g, patch) + row_work_streams(g)) * width
+    row = (needed_nodes(g, patch) + circuit_row_work_streams(plan_geometry(g, m.d_model))) * width
     monkeypatch.setattr(scores_mod, "COMPACT", False)
     monkeypatch.setattr(scores_mod, "PATCH_MEMORY", 2 * row + 1)
     seen: list[int] = []
